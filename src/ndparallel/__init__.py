@@ -1,0 +1,16 @@
+"""ndparallel: N-dimensional parallel training (DP, FSDP2, TP, CP) for Hugging Face causal LMs."""
+
+from ndparallel.parallelism_config import ParallelismConfig, ParallelismConfigError
+
+__version__ = "0.1.0"
+
+__all__ = ["ParallelismConfig", "ParallelismConfigError", "__version__"]
+
+
+def __getattr__(name: str):
+    # The Accelerator pulls in torch.distributed and transformers: import it only when asked for.
+    if name == "Accelerator":
+        from ndparallel.accelerator import Accelerator
+
+        return Accelerator
+    raise AttributeError(name)

@@ -1,0 +1,3 @@
+from ndparallel.cli import main
+
+raise SystemExit(main())

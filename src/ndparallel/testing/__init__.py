@@ -1,0 +1,5 @@
+"""Helpers for testing distributed code on CPU: run a function on N gloo ranks from pytest."""
+
+from ndparallel.testing.multirank import RankFailure, run_on_ranks
+
+__all__ = ["RankFailure", "run_on_ranks"]

@@ -1,0 +1,89 @@
+"""The multi-rank test harness and the launcher."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ndparallel.launch import threads_per_rank
+from ndparallel.testing import RankFailure, run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _allreduce_rank():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return t.item(), torch.get_num_threads()
+
+
+def test_results_by_rank():
+    out = run_on_ranks(_allreduce_rank, 4)
+    assert [o[0] for o in out] == [6.0] * 4
+    assert all(o[1] == 1 for o in out)
+
+
+def _raise_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # the others wait for rank 1 forever: the harness must not hang
+    return "unreachable"
+
+
+def test_raising_rank_fails_fast_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 of 3 raised[\s\S]*boom on purpose"):
+        run_on_ranks(_raise_on_rank_one, 3, timeout_s=60)
+    assert time.monotonic() - start < 30
+
+
+def _hang():
+    time.sleep(600)
+
+
+def test_hanging_ranks_are_killed_at_the_deadline():
+    with pytest.raises(RankFailure, match=r"ranks \[0, 1\] of 2 did not finish within 3 s"):
+        run_on_ranks(_hang, 2, timeout_s=3)
+
+
+def test_threads_per_rank():
+    assert threads_per_rank(8, cpu_count=2) == 1
+    assert threads_per_rank(2, cpu_count=16) == 8
+
+
+def _run_cli(*args, timeout=180):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "ndparallel", *args], capture_output=True, text=True,
+        timeout=timeout, cwd=ROOT, env=env,
+    )
+
+
+def test_launch_prints_every_rank_coordinates():
+    out = _run_cli("launch", "--nproc-per-node", "4", "examples/show_mesh.py", "--cp", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in range(4):
+        assert f"rank {r}: " in out.stdout
+    assert "rank 3: dp_replicate=0 dp_shard=1 cp=1 tp=0" in out.stdout
+    assert "[FSDP 2 + CP 2]" in out.stdout
+
+
+def test_launch_reports_failure(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    out = _run_cli("launch", "--nproc-per-node", "2", str(script))
+    assert out.returncode == 1
+    assert "rank 1 (exit 3)" in out.stderr
+
+
+def test_cli_unknown_command():
+    out = _run_cli("frobnicate")
+    assert out.returncode == 2 and "unknown command" in out.stderr
