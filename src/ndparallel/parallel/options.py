@@ -1,0 +1,43 @@
+"""Options of each parallel strategy, as small dataclasses (documented fields, no logic)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    reshard_after_forward: bool = True
+    """Free the gathered parameters after forward (re-gather in backward): less memory, more comm."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer states in host memory."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them."""
+    layer_classes: tuple[str, ...] | None = None
+    """Class names of the blocks to shard one by one; default: the model's ``_no_split_modules``."""
+
+
+@dataclass(frozen=True)
+class TPOptions:
+    plan: dict[str, str] | None = None
+    """Module-name pattern -> style ('colwise', 'rowwise', ...); default: the model's own HF plan."""
+    sequence_parallel: bool = False
+    """Shard norms/dropout activations on the sequence dim (all-gather + reduce-scatter)."""
+    loss_parallel: bool = False
+    """Cross-entropy on vocab-sharded logits, never gathering the full vocabulary."""
+
+
+@dataclass(frozen=True)
+class CPOptions:
+    comm_strategy: Literal["ring", "allgather"] = "ring"
+    """'ring': K/V rotate rank to rank; 'allgather': K/V gathered once per layer."""
+    load_balance: bool = True
+    """Causal load balancing: rank i holds chunks i and 2·cp−1−i of 2·cp chunks."""
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    tp: TPOptions = field(default_factory=TPOptions)
+    cp: CPOptions = field(default_factory=CPOptions)
