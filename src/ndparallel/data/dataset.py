@@ -1,0 +1,182 @@
+"""Dataset specs -> one ``{"text"}`` dataset -> tokenized ``{"input_ids"}`` (cached on disk).
+
+A spec is a dict (Axolotl-style YAML ``datasets:`` entry) or a :class:`DatasetSpec`:
+``{path, type, split, text_field}``. ``path`` is a local file or directory, ``"builtin:stdlib"``
+(the stdlib corpus), or a Hugging Face Hub dataset name (needs network). ``type`` is the file
+format (``text``, ``json`` for .json/.jsonl, ``parquet``, ``csv``) or ``completion`` (a text
+column in a file of any of those formats); when missing it is inferred from the extension.
+Plain-text files give one document per file (``sample_by="document"``; ``"line"`` and
+``"paragraph"`` are the other choices).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import datasets
+from filelock import FileLock
+from transformers import PreTrainedTokenizerBase
+
+from .corpus import BUILTIN_STDLIB, stdlib_dataset
+
+FORMATS: dict[str, tuple[str, ...]] = {
+    "text": (".txt", ".text", ".md"),
+    "json": (".json", ".jsonl", ".ndjson"),
+    "parquet": (".parquet",),
+    "csv": (".csv",),
+}
+TYPES = (*FORMATS, "completion")
+_COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One entry of the ``datasets:`` list."""
+
+    path: str
+    type: str | None = None  # text | json | parquet | csv | completion; None = from extension
+    split: str = "train"
+    text_field: str = "text"
+    name: str | None = None  # Hub dataset config name
+    sample_by: str = "document"  # plain-text files: document | paragraph | line
+    max_files: int | None = None  # builtin:stdlib caps
+    max_bytes: int | None = None
+
+    @classmethod
+    def from_any(cls, spec: DatasetSpec | Mapping[str, Any] | str, where: str = "dataset") -> DatasetSpec:
+        """Build from a spec, a dict (``field`` accepted as alias of ``text_field``) or a path."""
+        if isinstance(spec, DatasetSpec):
+            return spec
+        if isinstance(spec, (str, os.PathLike)):
+            return cls(path=str(spec))
+        d = dict(spec)
+        if "field" in d:
+            d.setdefault("text_field", d.pop("field"))
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(known)} ('field' = text_field)")
+        if "path" not in d:
+            raise ValueError(f"{where}: 'path' is required (a file, a directory, {BUILTIN_STDLIB!r} or a Hub name)")
+        d["path"] = str(d["path"])
+        return cls(**d)
+
+
+def load_text_dataset(spec: DatasetSpec | Mapping[str, Any] | str, cache_dir: str | os.PathLike | None = None,
+                      where: str = "dataset") -> datasets.Dataset:
+    """Load one spec as a dataset with the single column ``text``."""
+    spec = DatasetSpec.from_any(spec, where)
+    if spec.type is not None and spec.type not in TYPES:
+        raise ValueError(f"{where}.type: unknown type {spec.type!r}; use one of {list(TYPES)} or leave it out "
+                         "to infer it from the file extension")
+    if spec.path == BUILTIN_STDLIB:
+        ds = stdlib_dataset(spec.max_files, spec.max_bytes)
+    elif os.path.exists(spec.path):
+        ds = _load_local(spec, cache_dir, where)
+    elif _looks_local(spec.path):
+        raise ValueError(f"{where}.path: {spec.path!r} does not exist (cwd: {os.getcwd()}); fix the path, or use "
+                         f"{BUILTIN_STDLIB!r} for the built-in corpus")
+    else:
+        ds = _load_hub(spec, cache_dir, where)
+    if spec.text_field not in ds.column_names:
+        raise ValueError(f"{where}.text_field: column {spec.text_field!r} not in {spec.path!r}; available columns: "
+                         f"{ds.column_names}. Set text_field to one of them")
+    ds = ds.select_columns([spec.text_field])
+    return ds.rename_column(spec.text_field, "text") if spec.text_field != "text" else ds
+
+
+def load_text_datasets(specs: Iterable[DatasetSpec | Mapping[str, Any] | str],
+                       cache_dir: str | os.PathLike | None = None) -> datasets.Dataset:
+    """Load every spec and concatenate them, in order, into one ``text`` dataset."""
+    parts = [load_text_dataset(s, cache_dir, where=f"datasets[{i}]") for i, s in enumerate(specs)]
+    if not parts:
+        raise ValueError("datasets: the list is empty; add at least one entry, e.g. {path: builtin:stdlib}")
+    string = datasets.Features({"text": datasets.Value("string")})
+    parts = [p if p.features == string else p.cast(string) for p in parts]
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def tokenize_dataset(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
+                     cache_dir: str | os.PathLike | None = None, num_proc: int | None = None) -> datasets.Dataset:
+    """Tokenize ``text`` into ``input_ids``, each document ending with eos; empty documents dropped.
+
+    With ``cache_dir`` the result is cached in ``cache_dir/tokenized/`` keyed by the dataset's
+    fingerprint and a hash of the tokenizer; concurrent ranks wait on a file lock for one writer.
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("tokenizer has no eos token; it is needed to separate packed documents")
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        texts = [t for t in batch["text"] if t]
+        ids = tokenizer(texts)["input_ids"] if texts else []
+        return {"input_ids": [x if x and x[-1] == eos else [*x, eos] for x in ids]}
+
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
+    kwargs: dict[str, Any] = dict(batched=True, remove_columns=ds.column_names, features=features,
+                                  num_proc=num_proc, desc="tokenize")
+    if cache_dir is None:
+        return ds.map(encode, **kwargs)
+    out_dir = Path(cache_dir) / "tokenized"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{ds._fingerprint}-{tokenizer_hash(tokenizer)}.arrow"
+    with FileLock(str(path) + ".lock"):
+        return ds.map(encode, cache_file_name=str(path), load_from_cache_file=True, **kwargs)
+
+
+def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Stable short hash of a fast tokenizer's full definition and special tokens."""
+    h = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(json.dumps([tokenizer.eos_token_id, tokenizer.bos_token_id, type(tokenizer).__name__]).encode())
+    return h.hexdigest()[:16]
+
+
+def _looks_local(path: str) -> bool:
+    """A path that cannot be a Hub name ("org/name"): relative/absolute, nested, or with a data extension."""
+    return path.startswith((".", "/", "~")) or path.count("/") > 1 or _format_of(path) is not None
+
+
+def _format_of(path: str) -> str | None:
+    p = path.lower()
+    for c in _COMPRESSION:
+        p = p.removesuffix(c)
+    return next((fmt for fmt, exts in FORMATS.items() if p.endswith(exts)), None)
+
+
+def _load_local(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: str) -> datasets.Dataset:
+    path = Path(spec.path)
+    wanted = spec.type if spec.type in FORMATS else None
+    if path.is_dir():
+        files = sorted(str(p) for p in path.rglob("*")
+                       if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+                       and _format_of(p.name) is not None and (wanted is None or _format_of(p.name) == wanted))
+        kinds = sorted({_format_of(f) for f in files})
+        if not files:
+            raise ValueError(f"{where}.path: directory {spec.path!r} holds no "
+                             f"{wanted or '/'.join(FORMATS)} files ({', '.join(sum(FORMATS.values(), ()))})")
+        if len(kinds) > 1:
+            raise ValueError(f"{where}.path: directory {spec.path!r} mixes formats {kinds}; set type to one of them")
+        fmt = kinds[0]
+    else:
+        files = [str(path)]
+        fmt = wanted or _format_of(path.name)
+        if fmt is None:
+            raise ValueError(f"{where}.type: cannot infer the format of {spec.path!r} from its extension; set type "
+                             f"to one of {list(FORMATS)}")
+    kwargs: dict[str, Any] = {"sample_by": spec.sample_by} if fmt == "text" else {}
+    return datasets.load_dataset(fmt, data_files={spec.split: files}, split=spec.split,
+                                 cache_dir=None if cache_dir is None else str(Path(cache_dir) / "datasets"), **kwargs)
+
+
+def _load_hub(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: str) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(spec.path, spec.name, split=spec.split,
+                                     cache_dir=None if cache_dir is None else str(Path(cache_dir) / "datasets"))
+    except Exception as e:
+        raise ValueError(f"{where}.path: {spec.path!r} is not a local file and could not be loaded from the Hugging "
+                         f"Face Hub ({type(e).__name__}: {e}); check the path, or the name/split when online") from e
