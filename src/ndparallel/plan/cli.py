@@ -1,0 +1,160 @@
+"""``ndparallel plan`` arguments and entry point (wired into the main CLI by ``cli.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+
+from ndparallel.plan import hardware as hwmod
+from ndparallel.plan.layout import parse_layout
+from ndparallel.plan.models import PRESETS as MODEL_PRESETS
+from ndparallel.plan.models import load_model_spec
+from ndparallel.plan.report import (explain_json, print_explain, print_table, to_json,
+                                    write_config)
+from ndparallel.plan.search import PlanRequest, evaluate_layout, plan
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the planner's options to ``parser``."""
+    g = parser.add_argument_group("model and cluster")
+    g.add_argument("--model", help=f"preset ({', '.join(MODEL_PRESETS)}) or HF config.json / dir")
+    g.add_argument("--gpus", type=int, help="total number of GPUs (world size)")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    g.add_argument("--gpu", default="h100-80gb",
+                   help=f"hardware preset: {', '.join(hwmod.PRESETS)} (default h100-80gb)")
+    g.add_argument("--hardware-file", help="hardware profile JSON (e.g. from --calibrate)")
+    g.add_argument("--gpu-mem", help="override GPU memory, e.g. 80GB (GB = GiB here)")
+    g.add_argument("--peak-tflops", type=float, help="override dense bf16 peak, TFLOP/s")
+    g.add_argument("--intra-node-bw", type=float, help="override NVLink bandwidth, GB/s per GPU")
+    g.add_argument("--inter-node-bw", type=float, help="override network bandwidth, GB/s per GPU")
+    g.add_argument("--matmul-efficiency", type=float, help="achievable fraction of peak (0-1)")
+    t = parser.add_argument_group("training")
+    t.add_argument("--seq-len", type=int, default=4096, help="sequence length (default 4096)")
+    gb = t.add_mutually_exclusive_group()
+    gb.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
+    gb.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
+    t.add_argument("--micro-batch", default="auto", help="micro-batch per GPU, or auto (1,2,4,8)")
+    t.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto")
+    t.add_argument("--mixed-precision", choices=("bf16", "fp32"), default="bf16")
+    t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    t.add_argument("--no-sequence-parallel", action="store_true",
+                   help="TP with all-reduce instead of sequence parallel")
+    t.add_argument("--no-reshard-after-forward", action="store_true",
+                   help="FSDP keeps params unsharded between forward and backward")
+    o = parser.add_argument_group("output")
+    o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
+    o.add_argument("--show-rejected", action="store_true", help="list every rejected layout")
+    o.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    o.add_argument("--explain", metavar="LAYOUT",
+                   help="explain one layout: dp_replicate=2,dp_shard=4,cp=1,tp=8 or 2x4x1x8 "
+                        "(optionally mb=2,ac=on)")
+    o.add_argument("--write-config", metavar="OUT.yaml",
+                   help="write the best (or the --explain) layout as a train config")
+    c = parser.add_argument_group("calibration")
+    c.add_argument("--calibrate", action="store_true",
+                   help="measure this machine and print a hardware profile")
+    c.add_argument("--calibrate-ranks", type=int, help="ranks for collective measurements")
+    c.add_argument("--calibrate-out", help="save the profile JSON here")
+    c.add_argument("--quick", action="store_true", help="fewer/smaller calibration measurements")
+
+
+def _hardware(args) -> hwmod.Hardware:
+    hw = (hwmod.load_hardware_file(args.hardware_file) if args.hardware_file
+          else hwmod.get_preset(args.gpu))
+    return hwmod.with_overrides(
+        hw,
+        mem_bytes=hwmod.parse_size(args.gpu_mem, gb_is_gib=True) if args.gpu_mem else None,
+        peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+        intra_node_bw=args.intra_node_bw * 1e9 if args.intra_node_bw else None,
+        inter_node_bw=args.inter_node_bw * 1e9 if args.inter_node_bw else None,
+        matmul_efficiency=args.matmul_efficiency,
+    )
+
+
+def build_request(args) -> PlanRequest:
+    if not args.model:
+        raise ValueError("--model is required")
+    if not args.gpus:
+        raise ValueError("--gpus is required")
+    global_batch = args.global_batch_size
+    if args.global_batch_tokens:
+        if args.global_batch_tokens % args.seq_len:
+            raise ValueError(f"--global-batch-tokens {args.global_batch_tokens} is not a multiple "
+                             f"of --seq-len {args.seq_len}")
+        global_batch = args.global_batch_tokens // args.seq_len
+    mb = None if str(args.micro_batch).lower() == "auto" else int(args.micro_batch)
+    return PlanRequest(
+        model=load_model_spec(args.model), hardware=_hardware(args), gpus=args.gpus,
+        gpus_per_node=min(args.gpus_per_node, args.gpus) if args.gpus_per_node else args.gpus,
+        seq_len=args.seq_len, global_batch=global_batch, micro_batch=mb,
+        checkpointing=args.activation_checkpointing, mixed_precision=args.mixed_precision,
+        optimizer=args.optimizer, sequence_parallel=not args.no_sequence_parallel,
+        reshard_after_forward=not args.no_reshard_after_forward,
+    )
+
+
+def run_plan(args) -> int:
+    """Run the planner for parsed ``args``; returns a process exit code."""
+    console = Console(soft_wrap=False, width=max(Console().width, 140))
+    try:
+        if args.calibrate:
+            return _run_calibrate(args, console)
+        req = build_request(args)
+        result = plan(req)
+        chosen = result.ranked[0] if result.ranked else None
+        if args.explain:
+            layout, extras = parse_layout(args.explain)
+            if extras:
+                chosen = evaluate_layout(req, layout, extras.get("micro_batch"),
+                                         extras.get("checkpointing"))
+            else:
+                chosen = result.find(layout) or evaluate_layout(req, layout)
+            if args.json:
+                print(json.dumps(explain_json(chosen, result), indent=2, default=str))
+            else:
+                print_explain(chosen, result, console)
+        elif args.json:
+            print(json.dumps(to_json(result), indent=2, default=str))
+        else:
+            print_table(result, console, top=args.top, show_rejected=args.show_rejected)
+        if args.write_config:
+            if chosen is None or not chosen.ok:
+                console.print("[red]nothing to write: the layout does not fit[/]", style=None)
+                return 1
+            write_config(chosen.best, result, args.write_config)
+            if not args.json:
+                console.print(f"wrote {args.write_config}")
+        return 0 if result.ranked or args.explain else 1
+    except ValueError as exc:
+        print(f"ndparallel plan: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_calibrate(args, console: Console) -> int:
+    from ndparallel.plan.calibrate import calibrate
+
+    profile = calibrate(ranks=args.calibrate_ranks, quick=args.quick)
+    text = json.dumps(profile, indent=2)
+    if args.calibrate_out:
+        with open(args.calibrate_out, "w") as fh:
+            fh.write(text)
+        console.print(f"wrote {args.calibrate_out} (use it with --hardware-file)")
+    if args.json or not args.calibrate_out:
+        print(text)
+    else:
+        hw = profile["hardware"]
+        console.print(f"matmul bf16 {hw['peak_flops'] / 1e12:.3f} TFLOP/s, fp32 "
+                      f"{hw['peak_flops_fp32'] / 1e12:.3f} TFLOP/s, copy {hw['hbm_bw'] / 1e9:.1f} "
+                      f"GB/s, all-reduce bus {hw['intra_node_bw'] / 1e9:.2f} GB/s, alpha "
+                      f"{hw['intra_node_latency'] * 1e6:.1f} µs")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ndparallel plan",
+                                     description="Rank parallel layouts for a model and cluster.")
+    add_plan_arguments(parser)
+    return run_plan(parser.parse_args(argv))

@@ -1,0 +1,229 @@
+"""Communication model: every collective of one training step, and its alpha-beta ring cost.
+
+Convention: ``Collective.bytes`` is the size of the tensor one rank passes *into* one call (the
+local shard for all-gather, the full tensor for reduce-scatter and all-reduce, the buffer sent
+for send/recv); ``count`` is calls per rank per optimizer step (all micro-batches).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ndparallel.plan.hardware import Hardware
+from ndparallel.plan.layout import Layout, Settings
+from ndparallel.plan.models import ModelSpec, ParamSpec, fsdp_units
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of call: ``count`` calls per step, each with ``bytes`` in per rank."""
+
+    kind: str
+    mesh_dim: str
+    bytes: int
+    count: int
+    what: str
+    overlap: str = "none"
+    """What it can hide behind: 'compute' (FSDP/DP, prefetched), 'attention' (CP ring), 'none'."""
+
+
+# ----------------------------------------------------------------- shapes
+def tp_local_shape(p: ParamSpec, tp: int) -> tuple[int, ...]:
+    """Local shape on one tp rank (uneven splits take the larger piece)."""
+    if p.tp_dim is None or tp == 1:
+        return p.shape
+    s = list(p.shape)
+    s[p.tp_dim] = math.ceil(s[p.tp_dim] / tp)
+    return tuple(s)
+
+
+def fsdp_shard_numel(p: ParamSpec, tp: int, fsdp: int) -> int:
+    """Elements of one FSDP2 shard: dim 0 of the tp-local tensor split into ``fsdp`` chunks,
+    padded to equal size (FSDP2's all-gather input per rank)."""
+    shape = tp_local_shape(p, tp)
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    return math.ceil(shape[0] / fsdp) * rest
+
+
+def unit_numels(model: ModelSpec, tp: int, fsdp: int) -> dict[str, tuple[int, int]]:
+    """FSDP unit -> (tp-local unsharded elements, padded shard elements) of ONE such unit."""
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for p in model.param_specs():
+        local = 1
+        for d in tp_local_shape(p, tp):
+            local *= d
+        out[p.unit][0] += local
+        out[p.unit][1] += fsdp_shard_numel(p, tp, fsdp)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+# ----------------------------------------------------------- prediction
+def predict_collectives(
+    model: ModelSpec,
+    layout: Layout,
+    seq_len: int,
+    micro_batch: int = 1,
+    grad_accum: int = 1,
+    checkpointing: bool = False,
+    mixed_precision: str = "bf16",
+    sequence_parallel: bool = True,
+    reshard_after_forward: bool = True,
+) -> list[Collective]:
+    """Every collective one rank issues in one optimizer step (see docs/planner.md)."""
+    s = Settings(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
+                 checkpointing=checkpointing, mixed_precision=mixed_precision,
+                 sequence_parallel=sequence_parallel, reshard_after_forward=reshard_after_forward)
+    return collectives_for(model, layout, s)
+
+
+def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Collective]:
+    out: list[Collective] = []
+    ga = s.grad_accum
+    out += _data_parallel(model, layout, s, ga)
+    tokens = s.micro_batch * s.seq_len // layout.cp  # tokens per rank per micro-batch
+    if layout.tp > 1:
+        out += _tensor_parallel(model, layout, s, tokens, ga)
+    if layout.cp > 1:
+        out += _context_parallel(model, layout, s, tokens, ga)
+    return [c for c in out if c.count > 0]
+
+
+def _data_parallel(model: ModelSpec, layout: Layout, s: Settings, ga: int) -> list[Collective]:
+    """FSDP2 per unit and micro-batch: all-gather in forward (+ again in backward if resharded),
+    reduce-scatter of gradients in fp32; HSDP/DDP all-reduce over dp_replicate after it."""
+    out = []
+    n = layout.fsdp
+    numels = unit_numels(model, layout.tp, n)
+    for unit, (count, reshards) in fsdp_units(model).items():
+        local, shard = numels[unit]
+        if n > 1:
+            gathers = 1 + (1 if reshards and s.reshard_after_forward else 0)
+            out.append(Collective("all_gather", "dp_shard_cp", shard * s.param_compute_bytes,
+                                  gathers * count * ga, f"FSDP all-gather params ({unit})",
+                                  "compute"))
+            out.append(Collective("reduce_scatter", "dp_shard_cp", shard * n * s.reduce_bytes,
+                                  count * ga, f"FSDP reduce-scatter grads ({unit})", "compute"))
+        if layout.dp_replicate > 1:
+            size = shard if n > 1 else local
+            out.append(Collective("all_reduce", "dp_replicate", size * s.reduce_bytes, count * ga,
+                                  f"{'HSDP' if n > 1 else 'DDP'} all-reduce grads ({unit})",
+                                  "compute"))
+    return out
+
+
+def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int):
+    """Per decoder layer two colwise→rowwise pairs (attention, MLP). With sequence parallel each
+    pair is all-gather (in) + reduce-scatter (out) in forward and the mirror in backward; without,
+    one all-reduce in forward (rowwise output) and one in backward (colwise input grad). Recompute
+    under checkpointing repeats the forward ones. Embedding (vocab-parallel) and LM head
+    (colwise, loss parallel) add one each way; loss parallel adds 3 fp32 all-reduces per token
+    (max, sum-exp, target logit). Norm weights replicated over tp get their grads all-reduced."""
+    t, h, L, ab = layout.tp, model.hidden, model.layers, s.act_bytes
+    full = tokens * h * ab
+    shard = full // t
+    fwd = 2 * L * (2 if s.checkpointing else 1)  # forward passes of the pairs, incl. recompute
+    bwd = 2 * L
+    out = []
+    if s.sequence_parallel:
+        out += [
+            Collective("all_gather", "tp", shard, (fwd + bwd) * ga, "TP/SP all-gather (layers)"),
+            Collective("reduce_scatter", "tp", full, (fwd + bwd) * ga,
+                       "TP/SP reduce-scatter (layers)"),
+            Collective("reduce_scatter", "tp", full, ga, "TP embedding output (fwd)"),
+            Collective("all_gather", "tp", shard, ga, "TP embedding grad (bwd)"),
+            Collective("all_gather", "tp", shard, ga, "TP LM-head input (fwd)"),
+            Collective("reduce_scatter", "tp", full, ga, "TP LM-head input grad (bwd)"),
+        ]
+    else:
+        out += [
+            Collective("all_reduce", "tp", full, (fwd + bwd) * ga, "TP all-reduce (layers)"),
+            Collective("all_reduce", "tp", full, ga, "TP embedding output (fwd)"),
+            Collective("all_reduce", "tp", full, ga, "TP LM-head input grad (bwd)"),
+        ]
+    out.append(Collective("all_reduce", "tp", tokens * 4, 3 * ga, "TP loss-parallel statistics"))
+    for p in model.param_specs():
+        partial = p.tp_dim is None and (s.sequence_parallel or "q_norm" in p.name
+                                        or "k_norm" in p.name)
+        if partial:
+            out.append(Collective("all_reduce", "tp", p.numel * s.param_compute_bytes,
+                                  p.count * ga, f"TP replicated-grad all-reduce ({p.name})"))
+    return out
+
+
+def _context_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int):
+    """Ring attention per layer: local K and V go around the ring, cp−1 hops in forward (and in
+    the recomputed forward), cp−1 hops in backward, plus cp hops of dK/dV returning home."""
+    c, L = layout.cp, model.layers
+    kv = 2 * tokens * model.kv_heads * model.head_dim // layout.tp * s.act_bytes
+    fwd = (c - 1) * (2 if s.checkpointing else 1)
+    return [
+        Collective("send_recv", "cp", kv, (fwd + (c - 1)) * L * ga, "CP ring K/V", "attention"),
+        Collective("send_recv", "cp", kv, c * L * ga, "CP ring dK/dV", "attention"),
+    ]
+
+
+def aggregate(collectives: list[Collective]) -> dict[tuple[str, str, int], int]:
+    """(kind, mesh_dim, bytes) -> total calls per step: the form to compare with runtime counts."""
+    out: dict[tuple[str, str, int], int] = defaultdict(int)
+    for c in collectives:
+        out[(c.kind, c.mesh_dim, c.bytes)] += c.count
+    return dict(out)
+
+
+# ------------------------------------------------------------------ links
+def group_is_intra_node(layout: Layout, dim: str, gpus_per_node: int) -> bool:
+    """Do all groups along ``dim`` stay inside one node? Ranks are laid out mesh order
+    (dp_replicate, dp_shard, cp, tp), node k holding ranks [k·G, (k+1)·G): a group of size n with
+    stride I occupies aligned blocks of n·I consecutive ranks, inside a node iff n·I divides G."""
+    n = layout.size(dim)
+    if n == 1 or layout.world <= gpus_per_node:
+        return True
+    return gpus_per_node % (n * layout.inner_size(dim)) == 0
+
+
+def _measured(hw: Hardware, kind: str, n: int) -> dict | None:
+    table = hw.collectives.get(kind) or hw.collectives.get("all_reduce")
+    if not table:
+        return None
+    sizes = sorted(int(k) for k in table)
+    best = min(sizes, key=lambda k: (abs(k - n), -k))
+    return table[str(best)]
+
+
+def collective_time(kind: str, nbytes: float, n: int, hw: Hardware, intra: bool) -> float:
+    """Alpha-beta ring time of one call (NCCL ring algorithm):
+    all-gather (n−1)(α + b/B) with b the input shard; reduce-scatter (n−1)(α + b/(nB));
+    all-reduce 2(n−1)(α + b/(nB)); send/recv α + b/B."""
+    if n <= 1:
+        return 0.0
+    m = _measured(hw, kind, n) if intra else None
+    if m is not None:
+        alpha, bw = m["alpha_s"], m["bus_bw"]
+    elif intra:
+        alpha, bw = hw.intra_node_latency, hw.intra_node_bw * hw.link_efficiency
+    else:
+        alpha, bw = hw.inter_node_latency, hw.inter_node_bw * hw.link_efficiency
+    if kind == "all_gather":
+        return (n - 1) * (alpha + nbytes / bw)
+    if kind == "reduce_scatter":
+        return (n - 1) * (alpha + nbytes / (n * bw))
+    if kind == "all_reduce":
+        return 2 * (n - 1) * (alpha + nbytes / (n * bw))
+    if kind == "send_recv":
+        return alpha + nbytes / bw
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def cost(c: Collective, layout: Layout, hw: Hardware, gpus_per_node: int) -> tuple[float, bool]:
+    """(seconds per step for all ``c.count`` calls, intra-node link?)."""
+    intra = group_is_intra_node(layout, c.mesh_dim, gpus_per_node)
+    n = layout.size(c.mesh_dim)
+    if c.kind == "send_recv":
+        n = max(n, 2)
+    return c.count * collective_time(c.kind, c.bytes, n, hw, intra), intra

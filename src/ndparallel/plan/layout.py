@@ -1,0 +1,190 @@
+"""Layouts (the four degrees), per-run settings, parsing, structural checks and enumeration."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ndparallel.parallelism_config import ParallelismConfig, ParallelismConfigError
+from ndparallel.plan.models import ModelSpec
+
+DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees in mesh order (dp_replicate, dp_shard, cp, tp), tp innermost."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks FSDP shards over (dp_shard × cp)."""
+        return self.dp_shard * self.cp
+
+    def size(self, dim: str) -> int:
+        """Degree of a base or flattened mesh dim."""
+        flat = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+                "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+        n = 1
+        for d in flat.get(dim, (dim,)):
+            n *= getattr(self, d)
+        return n
+
+    def inner_size(self, dim: str) -> int:
+        """Product of the degrees inside ``dim`` (the rank stride of its groups)."""
+        last = {"dp": "dp_shard", "dp_shard_cp": "cp", "dp_cp": "cp"}
+        i = DIMS.index(last.get(dim, dim))
+        n = 1
+        for d in DIMS[i + 1:]:
+            n *= getattr(self, d)
+        return n
+
+    def short(self) -> str:
+        return f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},cp={self.cp},tp={self.tp}"
+
+    def compact(self) -> str:
+        return f"{self.dp_replicate}x{self.dp_shard}x{self.cp}x{self.tp}"
+
+    def to_parallelism_config(self) -> ParallelismConfig:
+        return ParallelismConfig(dp_replicate_size=self.dp_replicate, dp_shard_size=self.dp_shard,
+                                 cp_size=self.cp, tp_size=self.tp)
+
+    def describe(self) -> str:
+        return self.to_parallelism_config().resolve(self.world).describe()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything besides the layout that changes memory or time of one training step."""
+
+    seq_len: int
+    micro_batch: int = 1
+    grad_accum: int = 1
+    checkpointing: bool = False
+    """Full activation checkpointing of every decoder layer."""
+    mixed_precision: str = "bf16"
+    """'bf16': fp32 master params, bf16 compute/all-gather, fp32 gradient reduction; 'fp32'."""
+    optimizer: str = "adamw"
+    sequence_parallel: bool = True
+    """TP with sequence parallel (all-gather + reduce-scatter) instead of all-reduce."""
+    reshard_after_forward: bool = True
+    prefetch: int = 1
+    """FSDP units all-gathered ahead of the one computing."""
+
+    @property
+    def act_bytes(self) -> int:
+        return 2 if self.mixed_precision == "bf16" else 4
+
+    @property
+    def param_compute_bytes(self) -> int:
+        return self.act_bytes
+
+    @property
+    def reduce_bytes(self) -> int:
+        return 4
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state per parameter: AdamW exp_avg + exp_avg_sq in fp32; SGD with
+        torch's default momentum=0 keeps none."""
+        return {"adamw": 8, "sgd": 0}[self.optimizer]
+
+
+_ALIASES = {
+    "dp_replicate": "dp_replicate", "dp_replicate_size": "dp_replicate", "dr": "dp_replicate",
+    "r": "dp_replicate", "replicate": "dp_replicate", "ddp": "dp_replicate",
+    "dp_shard": "dp_shard", "dp_shard_size": "dp_shard", "ds": "dp_shard", "s": "dp_shard",
+    "fsdp": "dp_shard", "shard": "dp_shard",
+    "cp": "cp", "cp_size": "cp", "c": "cp", "context_parallel_size": "cp",
+    "tp": "tp", "tp_size": "tp", "t": "tp", "tensor_parallel_size": "tp",
+    "mb": "micro_batch", "micro_batch": "micro_batch", "micro_batch_size": "micro_batch",
+    "ac": "checkpointing", "checkpointing": "checkpointing",
+    "activation_checkpointing": "checkpointing",
+}
+
+
+def parse_layout(text: str) -> tuple[Layout, dict]:
+    """Parse 'dp_replicate=2,dp_shard=4,cp=1,tp=8' (aliases dr/ds/r/s/c/t; missing dims are 1)
+    or the compact '2x4x1x8' (mesh order). Extra keys mb=N and ac=on|off pin the micro-batch
+    and checkpointing; they are returned in the second value."""
+    text = text.strip()
+    if re.fullmatch(r"\d+x\d+x\d+x\d+", text):
+        return Layout(*(int(v) for v in text.split("x"))), {}
+    values: dict = {}
+    extras: dict = {}
+    for part in filter(None, re.split(r"[,\s]+", text)):
+        if "=" not in part:
+            raise ValueError(f"cannot read {part!r} in layout {text!r}: use key=value or AxBxCxD")
+        key, val = (s.strip() for s in part.split("=", 1))
+        name = _ALIASES.get(key.lower())
+        if name is None:
+            raise ValueError(f"unknown layout key {key!r} (use dp_replicate, dp_shard, cp, tp, mb, ac)")
+        if name == "checkpointing":
+            if val.lower() not in ("on", "off", "true", "false", "1", "0"):
+                raise ValueError(f"ac={val!r}: use on or off")
+            extras[name] = val.lower() in ("on", "true", "1")
+        elif name == "micro_batch":
+            extras[name] = int(val)
+        else:
+            values[name] = int(val)
+    if not values:
+        raise ValueError(f"layout {text!r} names no degree")
+    return Layout(**values), extras
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(world: int) -> list[Layout]:
+    """Every (dp_replicate, dp_shard, cp, tp) with product ``world``."""
+    out = []
+    for tp in divisors(world):
+        for cp in divisors(world // tp):
+            for ds in divisors(world // (tp * cp)):
+                out.append(Layout(world // (tp * cp * ds), ds, cp, tp))
+    return out
+
+
+def structural_rejections(
+    layout: Layout, model: ModelSpec, world: int, gpus_per_node: int, settings: Settings
+) -> list[tuple[str, str]]:
+    """Why ``layout`` cannot run at all (before memory): a list of (code, message); empty if ok."""
+    out: list[tuple[str, str]] = []
+    try:
+        layout.to_parallelism_config().resolve(world)
+    except ParallelismConfigError as exc:
+        out.append(("world_size", str(exc)))
+    tp, cp = layout.tp, layout.cp
+    if tp > gpus_per_node:
+        out.append(("tp_beyond_node", f"tp={tp} is larger than a node ({gpus_per_node} GPUs): "
+                    "TP collectives would cross the inter-node network every layer"))
+    elif tp > 1 and gpus_per_node % tp:
+        out.append(("tp_beyond_node", f"tp={tp} does not divide the {gpus_per_node} GPUs of a "
+                    "node: some TP groups would straddle two nodes"))
+    if model.heads % tp:
+        out.append(("heads", f"{model.heads} attention heads are not divisible by tp={tp}"))
+    if model.kv_heads % tp:
+        out.append(("kv_heads", f"{model.kv_heads} key/value heads are not divisible by tp={tp}"))
+    if model.intermediate % tp:
+        out.append(("ffn", f"intermediate size {model.intermediate} is not divisible by tp={tp}"))
+    if cp > 1 and settings.seq_len % (2 * cp):
+        out.append(("seq_cp", f"seq_len {settings.seq_len} is not divisible by 2·cp = {2 * cp} "
+                    "(load-balanced CP cuts each sequence into 2·cp chunks)"))
+    elif tp > 1 and settings.sequence_parallel and (settings.seq_len // cp) % tp:
+        out.append(("seq_tp", f"the {settings.seq_len // cp} tokens per cp rank are not divisible "
+                    f"by tp={tp} (sequence parallel splits them over tp)"))
+    return out

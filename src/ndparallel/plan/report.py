@@ -1,0 +1,195 @@
+"""Output of a plan: ranked rich table, JSON, one layout explained, the winner as a train config."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from ndparallel.plan import comms
+from ndparallel.plan.hardware import GiB
+from ndparallel.plan.search import Estimate, LayoutResult, PlanResult
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.1f}"
+
+
+def _human_bytes(x: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= size:
+            return f"{x / size:.1f} {unit}"
+    return f"{int(x)} B"
+
+
+def _ac(e: Estimate) -> str:
+    return "on" if e.settings.checkpointing else "off"
+
+
+def header(result: PlanResult) -> str:
+    r = result.request
+    hw = r.hardware
+    gb = f"{r.global_batch} seqs" if r.global_batch else "~4M tokens (auto)"
+    return (f"{r.model.name} ({r.model.num_params / 1e9:.2f}B params) on {r.gpus} × {hw.name} "
+            f"({r.gpus_per_node}/node, {_gib(hw.mem_bytes)} GiB, {hw.peak_flops / 1e12:.0f} "
+            f"TFLOP/s bf16); seq {r.seq_len}, global batch {gb}, {r.optimizer}, "
+            f"{r.mixed_precision}, activation checkpointing {r.checkpointing}")
+
+
+def print_table(result: PlanResult, console: Console, top: int = 10,
+                show_rejected: bool = False) -> None:
+    console.print(header(result))
+    table = Table(title=f"Ranked layouts ({len(result.ranked)} fit, best {min(top, len(result.ranked))} shown)")
+    for col in ("#", "dp_rep×dp_shard×cp×tp", "strategy", "mb", "ga", "AC", "mem GiB",
+                "step s", "tok/s/GPU", "MFU", "bottleneck"):
+        table.add_column(col, justify="right" if col not in ("strategy", "bottleneck") else "left")
+    for i, r in enumerate(result.ranked[:top], 1):
+        e = r.best
+        table.add_row(str(i), r.layout.compact(), r.layout.describe(), str(e.settings.micro_batch),
+                      str(e.settings.grad_accum), _ac(e), _gib(e.memory.total),
+                      f"{e.time.step:.2f}", f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.mfu:.1%}",
+                      e.bottleneck)
+    console.print(table)
+    if not result.ranked:
+        console.print("[bold red]No layout fits.[/] Try more GPUs, activation checkpointing on, "
+                      "a shorter sequence or a smaller micro-batch.")
+    by_code = Counter(r.rejections[0][0] for r in result.rejected)
+    if by_code:
+        console.print(f"Rejected {len(result.rejected)} layouts: "
+                      + ", ".join(f"{c} ×{n}" for c, n in by_code.most_common()))
+    if show_rejected:
+        rej = Table(title="Rejected layouts")
+        rej.add_column("dp_rep×dp_shard×cp×tp")
+        rej.add_column("why")
+        for r in result.rejected:
+            rej.add_row(r.layout.compact(), "; ".join(m for _, m in r.rejections))
+        console.print(rej)
+    if result.ranked:
+        best = result.ranked[0]
+        console.print(f"Explain one: --explain {best.layout.short()}")
+
+
+def to_json(result: PlanResult) -> dict:
+    req = result.request
+    return {
+        "model": req.model.to_dict(),
+        "hardware": req.hardware.to_dict(),
+        "request": {k: v for k, v in asdict(req).items() if k not in ("model", "hardware")},
+        "ranked": [r.to_dict() for r in result.ranked],
+        "rejected": [r.to_dict() for r in result.rejected],
+    }
+
+
+def explain_json(res: LayoutResult, result: PlanResult) -> dict:
+    out = res.to_dict()
+    out["options"] = [o.to_dict() for o in res.options]
+    if res.best:
+        out["collectives"] = _collective_rows(res.best, result)
+    return out
+
+
+def _collective_rows(e: Estimate, result: PlanResult) -> list[dict]:
+    rows = []
+    for c in e.collectives:
+        sec, intra = comms.cost(c, e.layout, result.request.hardware, result.request.gpus_per_node)
+        rows.append({"kind": c.kind, "mesh_dim": c.mesh_dim, "group_size": e.layout.size(c.mesh_dim),
+                     "bytes": c.bytes, "count": c.count, "what": c.what,
+                     "link": "intra-node" if intra else "inter-node", "seconds": sec,
+                     "overlap": c.overlap})
+    return rows
+
+
+def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> None:
+    console.print(header(result))
+    lay = res.layout
+    console.print(f"[bold]Layout {lay.short()}[/] ({lay.world} ranks)")
+    if not res.ok:
+        console.print("[bold red]Rejected:[/]")
+        for code, msg in res.rejections:
+            console.print(f"  [{code}] {msg}")
+        if not res.options:
+            return
+        e = min(res.options, key=lambda o: o.memory.total)
+        console.print("Smallest-memory option, for reference:")
+    else:
+        e = res.best
+        rank = next(i for i, r in enumerate(result.ranked, 1) if r.layout == lay) \
+            if any(r.layout == lay for r in result.ranked) else None
+        where = f"rank {rank} of {len(result.ranked)}" if rank else "evaluated alone"
+        console.print(f"{lay.describe()} — {where}; best option micro_batch="
+                      f"{e.settings.micro_batch}, grad_accum={e.settings.grad_accum}, "
+                      f"checkpointing {_ac(e)}")
+    hw = result.request.hardware
+    m = e.memory
+    mem = Table(title=f"Memory per GPU at the peak ({m.peak_phase})")
+    mem.add_column("part")
+    mem.add_column("GiB", justify="right")
+    for name in ("params", "grads", "optimizer", "activations", "logits", "fsdp_buffers",
+                 "overhead", "total"):
+        mem.add_row(name, _gib(getattr(m, name)))
+    mem.add_row("capacity", _gib(hw.mem_bytes))
+    console.print(mem)
+    t = e.time
+    tim = Table(title="Step time (s)")
+    tim.add_column("part")
+    tim.add_column("seconds", justify="right")
+    for name in ("compute", "tp_exposed", "cp_exposed", "dp_exposed", "optimizer", "step"):
+        tim.add_row(name, f"{getattr(t, name):.3f}")
+    for dim, v in t.comm_total.items():
+        link = "intra" if v["intra_node"] else "inter"
+        tim.add_row(f"  {dim} traffic before overlap ({link}-node)", f"{v['seconds']:.3f}")
+    console.print(tim)
+    console.print(f"tokens/s per GPU {e.tokens_per_s_per_gpu:,.0f}, MFU {e.mfu:.1%}, "
+                  f"bottleneck: {e.bottleneck}")
+    col = Table(title="Collectives per rank per step")
+    for c in ("kind", "dim", "n", "link", "bytes/call", "calls", "seconds", "what"):
+        col.add_column(c)
+    for row in _collective_rows(e, result):
+        col.add_row(row["kind"], row["mesh_dim"], str(row["group_size"]), row["link"],
+                    _human_bytes(row["bytes"]), str(row["count"]), f"{row['seconds']:.3f}",
+                    row["what"])
+    console.print(col)
+    if len(res.options) > 1:
+        opt = Table(title="Options of this layout")
+        for c in ("mb", "ga", "AC", "mem GiB", "fits", "step s", "tok/s/GPU"):
+            opt.add_column(c, justify="right")
+        for o in res.options:
+            opt.add_row(str(o.settings.micro_batch), str(o.settings.grad_accum), _ac(o),
+                        _gib(o.memory.total), "yes" if o.fits else "no", f"{o.time.step:.2f}",
+                        f"{o.tokens_per_s_per_gpu:,.0f}")
+        console.print(opt)
+
+
+def train_config(e: Estimate, result: PlanResult) -> dict:
+    """The estimate as a train config with Axolotl field names."""
+    model = result.request.model
+    s = e.settings
+    cfg = {
+        "base_model": model.hf_id or model.name,
+        "dp_replicate_size": e.layout.dp_replicate,
+        "dp_shard_size": e.layout.dp_shard,
+        "tensor_parallel_size": e.layout.tp,
+        "context_parallel_size": e.layout.cp,
+        "sequence_len": s.seq_len,
+        "micro_batch_size": s.micro_batch,
+        "gradient_accumulation_steps": s.grad_accum,
+        "fsdp_config": {"reshard_after_forward": s.reshard_after_forward,
+                        "activation_checkpointing": s.checkpointing},
+        "optimizer": "adamw_torch" if s.optimizer == "adamw" else "sgd",
+    }
+    if s.mixed_precision == "bf16":
+        cfg["bf16"] = True
+    return cfg
+
+
+def write_config(e: Estimate, result: PlanResult, path: str) -> None:
+    cfg = train_config(e, result)
+    note = (f"# Written by `ndparallel plan`: {e.layout.describe()}, predicted "
+            f"{e.memory.total / GiB:.1f} GiB/GPU, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+            f"MFU {e.mfu:.1%}, on {result.request.gpus} × {result.request.hardware.name}\n")
+    with open(path, "w") as fh:
+        fh.write(note)
+        yaml.safe_dump(cfg, fh, sort_keys=False)

@@ -1,0 +1,220 @@
+"""Evaluate one layout (memory, step time, throughput) and search all of them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ndparallel.plan import comms
+from ndparallel.plan.compute import compute_time, model_flops_per_token, peak
+from ndparallel.plan.hardware import GiB, Hardware
+from ndparallel.plan.layout import Layout, Settings, enumerate_layouts, structural_rejections
+from ndparallel.plan.memory import MemoryBreakdown, estimate_memory
+from ndparallel.plan.models import ModelSpec
+
+DEFAULT_GLOBAL_BATCH_TOKENS = 2**22
+"""Used when no global batch is given: ~4M tokens, rounded per layout (not enforced exactly)."""
+AUTO_MICRO_BATCHES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asks: model, cluster, hardware and training settings."""
+
+    model: ModelSpec
+    hardware: Hardware
+    gpus: int
+    gpus_per_node: int = 8
+    seq_len: int = 4096
+    global_batch: int | None = None
+    """Sequences per optimizer step; None: about DEFAULT_GLOBAL_BATCH_TOKENS (not enforced)."""
+    micro_batch: int | None = None
+    """None: try AUTO_MICRO_BATCHES."""
+    checkpointing: str = "auto"
+    mixed_precision: str = "bf16"
+    optimizer: str = "adamw"
+    sequence_parallel: bool = True
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class TimeBreakdown:
+    """Seconds per optimizer step; ``step`` = ga·(compute + tp + cp) + dp + optimizer."""
+
+    compute: float
+    tp_exposed: float
+    cp_exposed: float
+    dp_exposed: float
+    optimizer: float
+    step: float
+    comm_total: dict = field(default_factory=dict)
+    """Unhidden time per mesh dim before overlap, and whether its link is intra-node."""
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    settings: Settings
+    memory: MemoryBreakdown
+    time: TimeBreakdown
+    global_batch: int
+    tokens_per_s_per_gpu: float
+    mfu: float
+    bottleneck: str
+    fits: bool
+    collectives: list = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": asdict(self.layout), "settings": asdict(self.settings),
+            "global_batch_sequences": self.global_batch, "fits": self.fits,
+            "memory_gib": {k: (v / GiB if isinstance(v, float | int) else v)
+                           for k, v in self.memory.to_dict().items()},
+            "time_s": asdict(self.time), "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu, "bottleneck": self.bottleneck,
+        }
+
+
+@dataclass
+class LayoutResult:
+    """One layout: its best (micro-batch, checkpointing) option, all options, or why rejected."""
+
+    layout: Layout
+    best: Estimate | None = None
+    options: list[Estimate] = field(default_factory=list)
+    rejections: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.best is not None
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": asdict(self.layout), "ok": self.ok,
+            "best": self.best.to_dict() if self.best else None,
+            "rejections": [{"code": c, "reason": r} for c, r in self.rejections],
+        }
+
+
+@dataclass
+class PlanResult:
+    request: PlanRequest
+    ranked: list[LayoutResult]
+    rejected: list[LayoutResult]
+
+    def find(self, layout: Layout) -> LayoutResult | None:
+        return next((r for r in self.ranked + self.rejected if r.layout == layout), None)
+
+
+# --------------------------------------------------------------- evaluation
+def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_per_node: int,
+             global_batch: int | None = None) -> Estimate:
+    """Memory and step time of one fully specified configuration (no validity checks)."""
+    mem = estimate_memory(model, layout, s, hw)
+    colls = comms.collectives_for(model, layout, s)
+    ga = s.grad_accum
+    t_mb, t_attn = compute_time(model, layout, s, hw)
+    per_dim: dict[str, float] = {}
+    intra: dict[str, bool] = {}
+    hidden_by_compute = tp = cp = 0.0
+    for c in colls:
+        sec, is_intra = comms.cost(c, layout, hw, gpus_per_node)
+        per_dim[c.mesh_dim] = per_dim.get(c.mesh_dim, 0.0) + sec
+        intra[c.mesh_dim] = is_intra
+        if c.overlap == "compute":
+            hidden_by_compute += sec
+        elif c.overlap == "attention":
+            cp += sec
+        else:
+            tp += sec
+    # CP ring hides behind the attention of each step; TP is on the critical path.
+    cp_exposed = max(0.0, cp / ga - t_attn) if ga else 0.0
+    # FSDP/DP overlap with compute (prefetch), except the first unit's all-gather and the last
+    # unit's reduction of every micro-batch: approximated as one layer's share of that traffic.
+    n_units = model.layers + (1 if model.tied_embeddings else 2)
+    edge = 2 * hidden_by_compute / n_units
+    dp_exposed = edge + max(0.0, hidden_by_compute - edge - ga * t_mb)
+    local_params = mem.params / 4
+    touched = 28 if s.optimizer == "adamw" else 12  # bytes read+written per parameter
+    t_opt = local_params * touched / hw.hbm_bw
+    step = ga * (t_mb + cp_exposed) + tp + dp_exposed + t_opt
+    gb = s.micro_batch * ga * layout.dp
+    tokens = gb * s.seq_len
+    world = layout.world
+    tps = tokens / step / world
+    mfu = tokens * model_flops_per_token(model, s.seq_len) / (step * world * peak(hw, s))
+    parts = {"compute": ga * t_mb, "tp comm": tp, "cp comm": ga * cp_exposed,
+             "fsdp/dp comm": dp_exposed, "optimizer step": t_opt}
+    name = max(parts, key=parts.get)
+    if name.endswith("comm"):
+        dims = {"tp comm": ["tp"], "cp comm": ["cp"],
+                "fsdp/dp comm": ["dp_shard_cp", "dp_replicate"]}[name]
+        links = {("intra" if intra[d] else "inter") for d in dims if d in intra}
+        name += f" ({'/'.join(sorted(links))}-node)"
+    bottleneck = f"{name} {parts[max(parts, key=parts.get)] / step:.0%}"
+    timeb = TimeBreakdown(ga * t_mb, tp, ga * cp_exposed, dp_exposed, t_opt, step,
+                          {d: {"seconds": v, "intra_node": intra[d]} for d, v in per_dim.items()})
+    return Estimate(layout, s, mem, timeb, global_batch or gb, tps, mfu, bottleneck,
+                    mem.total <= hw.mem_bytes, colls)
+
+
+def _grad_accum(req: PlanRequest, layout: Layout, mb: int) -> tuple[int | None, str | None]:
+    per_step = layout.dp * mb
+    if req.global_batch is None:
+        target = max(1, round(DEFAULT_GLOBAL_BATCH_TOKENS / req.seq_len))
+        return max(1, round(target / per_step)), None
+    if req.global_batch % per_step:
+        return None, (f"global batch {req.global_batch} is not divisible by dp × micro_batch = "
+                      f"{layout.dp} × {mb} = {per_step}")
+    return req.global_batch // per_step, None
+
+
+def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = None,
+                    checkpointing: bool | None = None) -> LayoutResult:
+    """All (micro-batch, checkpointing) options of one layout; the best that fits is ``best``."""
+    res = LayoutResult(layout)
+    base = Settings(seq_len=req.seq_len, mixed_precision=req.mixed_precision,
+                    optimizer=req.optimizer, sequence_parallel=req.sequence_parallel,
+                    reshard_after_forward=req.reshard_after_forward)
+    res.rejections = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
+    if res.rejections:
+        return res
+    mbs = [micro_batch] if micro_batch else [req.micro_batch] if req.micro_batch else list(
+        AUTO_MICRO_BATCHES)
+    if checkpointing is not None:
+        acs = [checkpointing]
+    else:
+        acs = {"auto": [False, True], "on": [True], "off": [False]}[req.checkpointing]
+    batch_reasons = []
+    for mb in mbs:
+        ga, why = _grad_accum(req, layout, mb)
+        if ga is None:
+            batch_reasons.append(why)
+            continue
+        for ac in acs:
+            s = Settings(**{**asdict(base), "micro_batch": mb, "grad_accum": ga,
+                            "checkpointing": ac})
+            res.options.append(estimate(req.model, layout, s, req.hardware, req.gpus_per_node))
+    fitting = [o for o in res.options if o.fits]
+    if fitting:
+        res.best = max(fitting, key=lambda o: (o.tokens_per_s_per_gpu, -o.memory.total))
+    elif res.options:
+        least = min(res.options, key=lambda o: o.memory.total)
+        s = least.settings
+        res.rejections = [("oom", (
+            f"out of memory: needs {least.memory.total / GiB:.1f} GiB > "
+            f"{req.hardware.mem_bytes / GiB:.1f} GiB even with micro_batch={s.micro_batch}, "
+            f"checkpointing {'on' if s.checkpointing else 'off'}"))]
+    else:
+        res.rejections = [("global_batch", batch_reasons[0])]
+    return res
+
+
+def plan(req: PlanRequest) -> PlanResult:
+    """Evaluate every layout of ``req.gpus`` ranks; rank those that fit by tokens/s per GPU."""
+    if req.gpus < 1:
+        raise ValueError("--gpus must be >= 1")
+    results = [evaluate_layout(req, lay) for lay in enumerate_layouts(req.gpus)]
+    ranked = sorted((r for r in results if r.ok),
+                    key=lambda r: (-r.best.tokens_per_s_per_gpu, r.best.memory.total))
+    rejected = [r for r in results if not r.ok]
+    return PlanResult(req, ranked, rejected)
