@@ -1,0 +1,57 @@
+"""Shard a user's plain ``DataLoader`` over the dp ranks and move its batches to the device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+
+class DeviceLoader:
+    """Iterate ``loader`` and move every tensor in each batch to ``device``."""
+
+    def __init__(self, loader: DataLoader, device: torch.device):
+        self.loader, self.device = loader, device
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield _to(batch, self.device)
+
+    def set_epoch(self, epoch: int) -> None:
+        sampler = getattr(self.loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
+def _to(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj
+
+
+def shard_dataloader(loader: DataLoader, dp_rank: int, dp_size: int, device: torch.device):
+    """A loader giving dp rank ``dp_rank`` its own 1/``dp_size`` of the samples (tp/cp peers share a
+    dp rank and so see the same samples). Loaders that already shard, or use a custom batch sampler,
+    are only moved to the device."""
+    if dp_size > 1 and not isinstance(loader.sampler, DistributedSampler) and loader.batch_size is not None:
+        sampler = DistributedSampler(
+            loader.dataset, num_replicas=dp_size, rank=dp_rank,
+            shuffle=isinstance(loader.sampler, RandomSampler), drop_last=loader.drop_last,
+        )
+        loader = DataLoader(
+            loader.dataset, batch_size=loader.batch_size, sampler=sampler,
+            collate_fn=loader.collate_fn, num_workers=loader.num_workers,
+            pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+        )
+    return DeviceLoader(loader, device)

@@ -1,0 +1,49 @@
+"""Find the blocks of a Hugging Face causal LM that parallel strategies wrap one by one."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+def decoder_layer_classes(model: nn.Module, override: tuple[str, ...] | None = None) -> set[str]:
+    """Class names of the repeated blocks: ``override``, else the model's ``_no_split_modules``."""
+    names = override or tuple(getattr(model, "_no_split_modules", None) or ())
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} declares no _no_split_modules: name its decoder-layer class in "
+            "fsdp_config.layer_classes (YAML) / FSDPOptions(layer_classes=('MyDecoderLayer',))"
+        )
+    return set(names)
+
+
+def decoder_layers(model: nn.Module, override: tuple[str, ...] | None = None) -> list[nn.Module]:
+    """The decoder-layer modules, in model order."""
+    classes = decoder_layer_classes(model, override)
+    layers = [m for m in model.modules() if type(m).__name__ in classes]
+    if not layers:
+        raise ValueError(
+            f"no module of class {sorted(classes)} found in {type(model).__name__}: set "
+            "fsdp_config.layer_classes to the decoder-layer class name"
+        )
+    return layers
+
+
+def embedding_modules(model: nn.Module) -> list[nn.Module]:
+    """The input embedding module(s)."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if get else None
+    return [emb] if emb is not None else []
+
+
+def output_modules(model: nn.Module) -> list[nn.Module]:
+    """The final norm (if found) and the output projection (lm_head)."""
+    out = []
+    base = getattr(model, "model", None) or getattr(model, getattr(model, "base_model_prefix", ""), None)
+    norm = getattr(base, "norm", None) if base is not None else None
+    if isinstance(norm, nn.Module):
+        out.append(norm)
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get else None
+    if head is not None:
+        out.append(head)
+    return out

@@ -1,0 +1,62 @@
+"""FSDP2 (``fully_shard``) over ``dp_shard_cp``, HSDP over (``dp_replicate``, ``dp_shard_cp``).
+
+One strategy covers pure replication, FSDP and HSDP: ``fully_shard`` on the 2-D mesh
+(dp_replicate, dp_shard_cp) shards over the second dim and all-reduces over the first, so DP
+(shard size 1), FSDP (replicate size 1) and HSDP use the same, tested, code path.
+Gradients are *summed* across ranks (divide factor 1): the training loss is already normalised
+by the global number of loss tokens, so averaging again would make gradients depend on the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from ndparallel.models.layers import decoder_layers, embedding_modules, output_modules
+from ndparallel.parallel.options import FSDPOptions
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    options: FSDPOptions,
+    param_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2: each decoder layer, the embeddings, the final norm + lm_head, then
+    the root. ``dp_mesh`` is 1-D (shard) or 2-D (replicate, shard). ``param_dtype`` (e.g. bf16) is
+    the compute dtype; gradients are reduced in fp32 and the sharded fp32 master weights are kept."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kwargs = dict(mesh=dp_mesh, mp_policy=mp)
+    if options.cpu_offload:
+        # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op copy.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    layers = decoder_layers(model, options.layer_classes)
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=options.reshard_after_forward, **kwargs)
+    embeddings = embedding_modules(model)
+    if embeddings and not _shares_params(embeddings, output_modules(model)):
+        for module in embeddings:
+            fully_shard(module, reshard_after_forward=options.reshard_after_forward, **kwargs)
+        # The output group is used last in forward and first in backward: keep it gathered.
+        fully_shard(output_modules(model), reshard_after_forward=False, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # Plain SUM collectives: gloo has no PREMUL_SUM, and NCCL's zero-copy path wants SUM.
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip (or restore) the gradient reduce-scatter/all-reduce, for accumulation micro-batches."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+def _shares_params(a: list[nn.Module], b: list[nn.Module]) -> bool:
+    """True when the two module groups share a parameter (tied embeddings): they must be one group."""
+    ids = {id(p) for m in a for p in m.parameters()}
+    return any(id(p) in ids for m in b for p in m.parameters())

@@ -1,0 +1,148 @@
+"""Train the same model on the same global batches on one process and under a layout; compare.
+
+This is the project's central check (tests and ``ndparallel verify`` use it): with the loss
+normalised by the global token count, every layout must reproduce one device's losses, gradient
+norms and parameters up to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ndparallel.parallel.loss import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """What both runs share: model config, data shape, optimizer, steps."""
+
+    model_config: Any  # a transformers PretrainedConfig
+    steps: int = 3
+    global_micro_batch: int = 4  # rows of one micro-batch summed over all dp ranks
+    grad_accum: int = 1
+    seq_len: int = 32
+    optimizer: str = "adamw"  # or "sgd"
+    lr: float = 1e-2
+    max_grad_norm: float | None = None
+    seed: int = 0
+    ignore_fraction: float = 0.1  # share of label positions set to IGNORE_INDEX
+    mixed_precision: str = "no"
+    parallel_kwargs: dict = field(default_factory=dict)  # fsdp_options / tp_options / cp_options
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]
+    grad_norms: list[float]
+    params: dict[str, torch.Tensor] | None  # full (unsharded) parameters after training, rank 0
+
+
+def make_global_batches(setup: TrainSetup) -> list[list[dict[str, torch.Tensor]]]:
+    """``steps`` × ``grad_accum`` micro-batches of [global_micro_batch, seq_len] random tokens."""
+    g = torch.Generator().manual_seed(setup.seed + 1)
+    vocab = setup.model_config.vocab_size
+    steps = []
+    for _ in range(setup.steps):
+        micro = []
+        for _ in range(setup.grad_accum):
+            tokens = torch.randint(0, vocab, (setup.global_micro_batch, setup.seq_len + 1), generator=g)
+            labels = tokens[:, 1:].clone()
+            labels[torch.rand(labels.shape, generator=g) < setup.ignore_fraction] = IGNORE_INDEX
+            micro.append({
+                "input_ids": tokens[:, :-1].contiguous(),
+                "shift_labels": labels,
+                "position_ids": torch.arange(setup.seq_len).expand(setup.global_micro_batch, -1).clone(),
+            })
+        steps.append(micro)
+    return steps
+
+
+def build_model(setup: TrainSetup):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(setup.seed)
+    model = AutoModelForCausalLM.from_config(setup.model_config)
+    return model.float()
+
+
+def build_optimizer(setup: TrainSetup, params):
+    if setup.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=setup.lr)
+    return torch.optim.AdamW(params, lr=setup.lr, weight_decay=0.01)
+
+
+def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) -> TrainResult:
+    """Run inside a rank (process group up): train with ``layout`` (ParallelismConfig kwargs; None =
+    one process) through the public Accelerator API and return losses, grad norms, final params."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from ndparallel import Accelerator, ParallelismConfig
+
+    acc = Accelerator(
+        ParallelismConfig(**(layout or {})), mixed_precision=setup.mixed_precision,
+        gradient_accumulation_steps=setup.grad_accum, **setup.parallel_kwargs,
+    )
+    model = build_model(setup)
+    optimizer = build_optimizer(setup, model.parameters())
+    model, optimizer = acc.prepare(model, optimizer)
+    model.train()
+    dp_rank, dp_size = acc.dp_rank, acc.dp_size
+    rows = setup.global_micro_batch // dp_size
+    if rows * dp_size != setup.global_micro_batch:
+        raise ValueError(f"global_micro_batch={setup.global_micro_batch} not divisible by dp={dp_size}")
+    losses, norms = [], []
+    for micro_batches in make_global_batches(setup):
+        local = [{k: v[dp_rank * rows:(dp_rank + 1) * rows].to(acc.device) for k, v in mb.items()}
+                 for mb in micro_batches]
+        n_items = acc.global_num_items(local)
+        step_loss = torch.zeros((), device=acc.device)
+        for mb in local:
+            with acc.accumulate(model):
+                with acc.maybe_context_parallel(
+                    buffers=[mb["input_ids"], mb["shift_labels"], mb["position_ids"]],
+                    buffer_seq_dims=[1, 1, 1],
+                ):
+                    logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
+                    loss = acc.causal_lm_loss(logits, mb["shift_labels"], n_items)
+                    acc.backward(loss, num_items_in_batch=n_items)
+                step_loss += loss.detach().float()
+        if setup.max_grad_norm is not None:
+            norm = acc.clip_grad_norm_(model.parameters(), setup.max_grad_norm)
+        else:
+            norm = acc.grad_norm(model.parameters())
+        optimizer.step()
+        optimizer.zero_grad()
+        # Each dp×cp rank holds a share of the loss; tp peers hold the same share.
+        dist.all_reduce(step_loss, group=acc.mesh("dp_cp").get_group())
+        losses.append(float(step_loss))
+        norms.append(float(norm))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu().clone()
+              for k, v in state.items()}
+    return TrainResult(losses, norms, params if acc.is_main_process else None)
+
+
+def compare(reference: TrainResult, other: TrainResult) -> dict[str, float]:
+    """Largest relative loss / grad-norm difference and largest absolute parameter difference."""
+    def rel(a, b):
+        return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+
+    out = {"loss_rel": rel(reference.losses, other.losses),
+           "grad_norm_rel": rel(reference.grad_norms, other.grad_norms)}
+    if reference.params is not None and other.params is not None:
+        missing = set(reference.params) ^ set(other.params)
+        if missing:
+            raise AssertionError(f"parameter names differ: {sorted(missing)[:5]}")
+        out["param_abs"] = max(
+            (reference.params[k] - other.params[k]).abs().max().item() for k in reference.params
+        )
+    return out
+
+
+def with_overrides(setup: TrainSetup, **kwargs) -> TrainSetup:
+    return dataclasses.replace(setup, **kwargs)
