@@ -1,0 +1,121 @@
+"""The CP attention op alone vs full causal attention (outputs, dQ, dK, dV), plus sharding helpers."""
+
+import pytest
+import torch
+
+from ndparallel.parallel.cp_sharding import (
+    cp_chunk_ids, cp_positions, pad_for_cp, reorder_cp_chunks, shard_for_cp,
+)
+from ndparallel.testing import run_on_ranks
+
+TOL = 1e-5  # relative to the largest reference value; measured ~1e-7 .. 7e-7
+
+
+def _reference(q, k, v, scale):
+    groups = q.shape[1] // k.shape[1]
+    q, k, v = (t.double().detach().requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True, scale=scale
+    )
+    return q, k, v, out
+
+
+def _op_errors(strategy, cases):
+    """On each rank: run every (kernel, load_balance, heads, kv_heads, seq, padded_to) case."""
+    import torch.distributed as dist
+
+    from ndparallel.parallel.cp_attention import context_parallel_attention
+    from ndparallel.parallel.cp_sharding import unshard_from_cp
+
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    results = []
+    for kernel, lb, heads, kv_heads, seq, padded in cases:
+        g = torch.Generator().manual_seed(seq * 10 + heads)
+        B, D, scale = 2, 8, 0.3
+        q = torch.randn(B, heads, seq, D, generator=g)
+        k, v = (torch.randn(B, kv_heads, seq, D, generator=g) for _ in range(2))
+        dout = torch.randn(B, heads, seq, D, generator=g)
+        rq, rk, rv, ref = _reference(q, k, v, scale)
+        ref.backward(dout.double())
+        # Pad the sequence at the end (random K/V/Q there, zero output gradient: ignored tokens).
+        pad = padded - seq
+        padt = lambda t, h: torch.cat([t, torch.randn(B, h, pad, D, generator=g)], dim=2)  # noqa: E731
+        qp, kp, vp = padt(q, heads), padt(k, kv_heads), padt(v, kv_heads)
+        dp = torch.cat([dout, torch.zeros(B, heads, pad, D)], dim=2)
+        ql, kl, vl = (shard_for_cp(t, 2, rank, cp, lb).requires_grad_() for t in (qp, kp, vp))
+        out = context_parallel_attention(ql, kl, vl, dist.group.WORLD, strategy=strategy,
+                                         load_balance=lb, scale=scale, kernel=kernel)
+        out.backward(shard_for_cp(dp, 2, rank, cp, lb))
+        errs = {}
+        for name, local, full in (("out", out.detach(), ref.detach()), ("dq", ql.grad, rq.grad),
+                                  ("dk", kl.grad, rk.grad), ("dv", vl.grad, rv.grad)):
+            got = unshard_from_cp(local.contiguous(), 2, dist.group.WORLD, lb)[:, :, :seq].double()
+            errs[name] = ((got - full).abs().max() / full.abs().max()).item()
+        results.append(((kernel, lb, heads, kv_heads, seq), errs))
+    return results
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_cp_attention_matches_full_causal_attention(cp, strategy):
+    cases = [  # kernel, load_balance, heads, kv_heads (GQA when < heads), seq, padded seq
+        ("math", True, 4, 2, 32, 32),
+        ("sdpa", True, 4, 2, 32, 32),
+        ("math", True, 4, 4, 16, 16),
+        ("sdpa", True, 4, 1, 29, 32),   # odd length, padded to a multiple of 2·cp
+        ("math", True, 4, 2, 27, 32),
+        ("math", False, 4, 2, 24, 24),  # contiguous (not load-balanced) shards
+    ]
+    for case, errs in run_on_ranks(_op_errors, cp, strategy, cases, timeout_s=120)[0]:
+        assert max(errs.values()) <= TOL, (case, errs)
+
+
+def _never_skips_collectives():
+    """cp=2, seq of 4 chunks: rank 0's first chunk attends to nothing remote; must not hang."""
+    import torch.distributed as dist
+
+    from ndparallel.parallel.cp_attention import context_parallel_attention
+
+    q = torch.randn(1, 2, 4, 4, requires_grad=True)
+    k = torch.randn(1, 2, 4, 4, requires_grad=True)
+    v = torch.randn(1, 2, 4, 4, requires_grad=True)
+    for strategy in ("ring", "allgather"):
+        for _ in range(2):
+            out = context_parallel_attention(q, k, v, dist.group.WORLD, strategy=strategy)
+            out.sum().backward()
+    return True
+
+
+def test_cp_attention_backward_does_not_deadlock():
+    assert run_on_ranks(_never_skips_collectives, 2, timeout_s=60) == [True, True]
+
+
+def test_shard_layout_and_inverse():
+    x = torch.arange(2 * 16).view(2, 16)
+    assert shard_for_cp(x, 1, 0, 2)[0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert shard_for_cp(x, 1, 1, 2)[0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert cp_chunk_ids(1, 4) == (1, 6)
+    assert cp_positions(16, 3, 4).tolist() == [6, 7, 8, 9]
+    for cp in (1, 2, 4):
+        for lb in (True, False):
+            shards = torch.cat([shard_for_cp(x, 1, r, cp, lb) for r in range(cp)], dim=1)
+            assert torch.equal(reorder_cp_chunks(shards, 1, cp, lb), x)
+    with pytest.raises(ValueError, match="pad_for_cp"):
+        shard_for_cp(torch.zeros(1, 10), 1, 0, 4)
+
+
+def test_pad_for_cp():
+    batch = {
+        "input_ids": torch.arange(10).view(2, 5),
+        "shift_labels": torch.arange(10).view(2, 5),
+        "position_ids": torch.arange(5).expand(2, 5),
+        "meta": "kept",
+    }
+    out = pad_for_cp(batch, cp_size=2, pad_token_id=0)
+    assert out["input_ids"].shape == (2, 8) and out["input_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+    assert out["shift_labels"][1].tolist() == [5, 6, 7, 8, 9, -100, -100, -100]
+    assert out["position_ids"][0].tolist() == list(range(8))
+    assert out["meta"] == "kept"
+    assert pad_for_cp(batch, cp_size=1, pad_token_id=0, load_balance=False)["input_ids"] is batch["input_ids"]
+    with pytest.raises(ValueError, match="extra_pad_values"):
+        pad_for_cp({**batch, "token_type_ids": torch.zeros(2, 5)}, cp_size=2, pad_token_id=0)
