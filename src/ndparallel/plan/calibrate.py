@@ -112,10 +112,10 @@ def collective_bench(device: str, sizes: list[int], iters: int) -> dict:
 def _one(kind, x, big, g, n, rank):
     import torch.distributed as dist
 
-    if kind == "all_gather":
-        dist.all_gather_into_tensor(big, x, group=g)
+    if kind == "all_gather":  # *_single are the torch >= 2.13 names of *_into_tensor / *_tensor
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(big, x, group=g)
     elif kind == "reduce_scatter":
-        dist.reduce_scatter_tensor(x, big, group=g)
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(x, big, group=g)
     elif kind == "all_reduce":
         dist.all_reduce(x, group=g)
     else:

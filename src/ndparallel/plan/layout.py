@@ -118,14 +118,15 @@ _ALIASES = {
 
 def parse_layout(text: str) -> tuple[Layout, dict]:
     """Parse 'dp_replicate=2,dp_shard=4,cp=1,tp=8' (aliases dr/ds/r/s/c/t; missing dims are 1)
-    or the compact '2x4x1x8' (mesh order). Extra keys mb=N and ac=on|off pin the micro-batch
+    or the compact '2x4x1x8' (mesh order, optionally followed by ',mb=2,ac=on'). Extra keys mb=N and ac=on|off pin the micro-batch
     and checkpointing; they are returned in the second value."""
     text = text.strip()
-    if re.fullmatch(r"\d+x\d+x\d+x\d+", text):
-        return Layout(*(int(v) for v in text.split("x"))), {}
     values: dict = {}
     extras: dict = {}
     for part in filter(None, re.split(r"[,\s]+", text)):
+        if re.fullmatch(r"\d+x\d+x\d+x\d+", part) and not values:
+            values = dict(zip(DIMS, (int(v) for v in part.split("x"))))
+            continue
         if "=" not in part:
             raise ValueError(f"cannot read {part!r} in layout {text!r}: use key=value or AxBxCxD")
         key, val = (s.strip() for s in part.split("=", 1))

@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ndparallel.plan import comms
@@ -65,7 +66,7 @@ def print_table(result: PlanResult, console: Console, top: int = 10,
         rej.add_column("dp_rep×dp_shard×cp×tp")
         rej.add_column("why")
         for r in result.rejected:
-            rej.add_row(r.layout.compact(), "; ".join(m for _, m in r.rejections))
+            rej.add_row(r.layout.compact(), escape("; ".join(m for _, m in r.rejections)))
         console.print(rej)
     if result.ranked:
         best = result.ranked[0]
@@ -109,7 +110,7 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
     if not res.ok:
         console.print("[bold red]Rejected:[/]")
         for code, msg in res.rejections:
-            console.print(f"  [{code}] {msg}")
+            console.print(escape(f"  [{code}] {msg}"))
         if not res.options:
             return
         e = min(res.options, key=lambda o: o.memory.total)

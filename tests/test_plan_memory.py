@@ -1,0 +1,92 @@
+"""Planner memory model on hand-checked cases (the tiny preset: h=64, L=2, a=4, kv=2, d=16,
+f=128, V=256, untied: 106,816 parameters, 36,992 per layer)."""
+
+import pytest
+
+from ndparallel.plan.comms import fsdp_shard_numel, unit_numels
+from ndparallel.plan.hardware import PRESETS as HW
+from ndparallel.plan.layout import Layout, Settings
+from ndparallel.plan.memory import (FRAGMENTATION, estimate_memory,
+                                    layer_activation_bytes_per_token)
+from ndparallel.plan.models import PRESETS, ParamSpec
+
+TINY = PRESETS["tiny"]
+H100 = HW["h100-80gb"]
+
+
+def test_tiny_counts():
+    assert TINY.num_params == 106_816
+    assert TINY.layer_params == 36_992
+
+
+def test_fsdp_shard_padding():
+    # dim 0 split in ceil(d0/n) rows, padded: q [64,64] over 3 -> 22 rows of 64.
+    assert fsdp_shard_numel(ParamSpec("q", (64, 64), 0, "layer"), tp=1, fsdp=3) == 22 * 64
+    # rowwise o_proj [64, 64] under tp=2 is [64, 32] locally, then 22 rows of 32 over fsdp=3.
+    assert fsdp_shard_numel(ParamSpec("o", (64, 64), 1, "layer"), tp=2, fsdp=3) == 22 * 32
+    # norms replicated over tp: [64] -> 22.
+    assert fsdp_shard_numel(ParamSpec("n", (64,), None, "layer"), tp=2, fsdp=3) == 22
+    local, shard = unit_numels(TINY, tp=1, fsdp=3)["layer"]
+    # norms 22+22, q 1408, k 704, v 704, o 1408, gate/up 43*64 each, down 22*128
+    assert (local, shard) == (36_992, 22 + 22 + 1408 + 704 + 704 + 1408 + 2 * 2752 + 2816)
+
+
+def test_activation_bytes_per_token_hand_checked():
+    s = Settings(seq_len=32)
+    # tp=1, bf16: norms 2*(4+2)*64=768, inputs 2*2*64=256, q/k/v 2*(4+2*2)*16=256,
+    # attn out 2*4*16=128, lse 4*4=16, MLP 4*2*128=1024  -> 2448
+    assert layer_activation_bytes_per_token(TINY, Layout(), s) == 2448
+    # tp=2 with SP: 384 + 256 + 128 + 64 + 8 + 512
+    assert layer_activation_bytes_per_token(TINY, Layout(tp=2), s) == 1352
+    # tp=2 without SP: norms not split -> 768 + 256 + 128 + 64 + 8 + 512
+    s_nosp = Settings(seq_len=32, sequence_parallel=False)
+    assert layer_activation_bytes_per_token(TINY, Layout(tp=2), s_nosp) == 1736
+
+
+def test_states_sharded_by_fsdp_and_tp():
+    s = Settings(seq_len=32)
+    one = estimate_memory(TINY, Layout(), s, H100)
+    assert one.params == 106_816 * 4 and one.grads == 106_816 * 4
+    assert one.optimizer == 106_816 * 8
+    fsdp2 = estimate_memory(TINY, Layout(dp_shard=2), s, H100)
+    assert fsdp2.params == 106_816 * 4 / 2  # every dim 0 is even: no padding
+    # dp_replicate does not shard; cp shards like dp_shard (FSDP over dp_shard x cp).
+    assert estimate_memory(TINY, Layout(dp_replicate=2), s, H100).params == one.params
+    assert estimate_memory(TINY, Layout(cp=2), s, H100).params == fsdp2.params
+    sgd = estimate_memory(TINY, Layout(), Settings(seq_len=32, optimizer="sgd"), H100)
+    assert sgd.optimizer == 0
+
+
+def test_activations_checkpointing_and_cp():
+    s = Settings(seq_len=32, micro_batch=2)
+    tokens = 64
+    m = estimate_memory(TINY, Layout(), s, H100)
+    assert m.activation_bytes_per_layer == 2448 * tokens
+    saved = 2 * 2448 * tokens
+    logits = tokens * 256 * 14 + tokens * (6 * 64 + 2 * 64)
+    if m.peak_phase == "loss backward":
+        assert m.activations == saved and m.logits == logits
+    else:
+        assert m.activations == saved + 2448 * tokens and m.logits == 0
+    ck = estimate_memory(TINY, Layout(), Settings(seq_len=32, micro_batch=2, checkpointing=True),
+                         H100)
+    # checkpointing keeps only each layer's bf16 input: L * tokens * 2 * h
+    assert ck.activations in (2 * tokens * 2 * 64, 2 * tokens * 2 * 64 + 2448 * tokens)
+    cp2 = estimate_memory(TINY, Layout(cp=2), s, H100)
+    assert cp2.activation_bytes_per_layer == m.activation_bytes_per_layer / 2
+
+
+def test_parts_sum_to_total_and_overhead():
+    for lay in (Layout(), Layout(dp_shard=2, tp=2), Layout(dp_replicate=2, cp=2)):
+        m = estimate_memory(PRESETS["llama-3.1-8b"], lay, Settings(seq_len=4096), H100)
+        parts = m.params + m.grads + m.optimizer + m.activations + m.logits + m.fsdp_buffers
+        assert m.total == pytest.approx(parts + m.overhead)
+        transient = m.activations + m.logits + m.fsdp_buffers
+        assert m.overhead == pytest.approx(H100.runtime_overhead_bytes + FRAGMENTATION * transient)
+
+
+def test_llama8b_single_gpu_states():
+    # 8.03B params x (4 param + 4 grad + 8 AdamW) = 128.5 GB: does not fit one GPU.
+    m = estimate_memory(PRESETS["llama-3.1-8b"], Layout(), Settings(seq_len=4096), H100)
+    assert m.params + m.grads + m.optimizer == 8_030_261_248 * 16
+    assert m.total > H100.mem_bytes

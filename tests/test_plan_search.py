@@ -1,0 +1,164 @@
+"""Planner search and CLI: rejection reasons, agreement with ParallelismConfig, outputs."""
+
+import json
+
+import pytest
+import yaml
+
+from ndparallel.parallelism_config import ParallelismConfig
+from ndparallel.plan.cli import add_plan_arguments, main, run_plan
+from ndparallel.plan.hardware import PRESETS as HW
+from ndparallel.plan.hardware import parse_size
+from ndparallel.plan.layout import Layout, Settings, enumerate_layouts, parse_layout
+from ndparallel.plan.models import PRESETS
+from ndparallel.plan.search import PlanRequest, evaluate_layout, plan
+
+H100 = HW["h100-80gb"]
+
+
+def _req(model="llama-3.1-8b", gpus=8, **kw):
+    kw.setdefault("gpus_per_node", min(8, gpus))
+    return PlanRequest(PRESETS[model], kw.pop("hardware", H100), gpus, **kw)
+
+
+def _codes(req, layout):
+    return [c for c, _ in evaluate_layout(req, layout).rejections]
+
+
+def test_rejection_reasons():
+    assert _codes(_req(gpus=16, gpus_per_node=8), Layout(1, 1, 1, 16)) == [
+        "tp_beyond_node", "kv_heads"]
+    assert "world_size" in _codes(_req(gpus=8), Layout(1, 2, 1, 1))
+    r3b = _req("llama-3.2-3b", gpus=16, gpus_per_node=16)
+    assert {"heads", "kv_heads"} <= set(_codes(r3b, Layout(1, 1, 1, 16)))  # 24 and 8 heads
+    r6 = _req("llama-3.2-3b", gpus=6, gpus_per_node=6)
+    assert {"kv_heads", "ffn"} <= set(_codes(r6, Layout(1, 2, 1, 3)))  # 8 kv, 8192 ffn vs 3
+    seq = _req(gpus=8, seq_len=4100)
+    assert _codes(seq, Layout(1, 2, 4, 1)) == ["seq_cp"]  # 4100 % 8 != 0
+    assert _codes(_req(gpus=8, seq_len=4098), Layout(1, 2, 1, 4)) == ["seq_tp"]
+    assert _codes(_req("llama-3.1-405b", gpus=8), Layout(1, 8, 1, 1)) == ["oom"]
+    gb = _req(gpus=8, global_batch=6, micro_batch=1)
+    assert _codes(gb, Layout(1, 4, 1, 2)) == ["global_batch"]
+    msg = evaluate_layout(_req("llama-3.1-405b", gpus=8), Layout(1, 8, 1, 1)).rejections[0][1]
+    assert "out of memory" in msg and "GiB" in msg
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8, 12, 16, 24, 64])
+def test_enumerator_agrees_with_parallelism_config(world):
+    layouts = enumerate_layouts(world)
+    assert len(set(layouts)) == len(layouts)
+    assert all(lay.world == world for lay in layouts)
+    result = plan(_req("llama-3.2-1b", gpus=world, seq_len=2048,
+                       gpus_per_node=min(8, world)))
+    proposed = [r.layout for r in result.ranked]
+    assert proposed, "some layout must fit a 1B model"
+    for lay in proposed:
+        pc = ParallelismConfig(dp_replicate_size=lay.dp_replicate, dp_shard_size=lay.dp_shard,
+                               cp_size=lay.cp, tp_size=lay.tp).resolve(world)
+        assert pc.total_size == world
+    # every rejection has a reason
+    assert all(r.rejections for r in result.rejected)
+
+
+def test_ranked_fit_and_are_sorted():
+    result = plan(_req("llama-3.1-70b", gpus=64, seq_len=8192))
+    tps = [r.best.tokens_per_s_per_gpu for r in result.ranked]
+    assert tps == sorted(tps, reverse=True)
+    assert all(r.best.memory.total <= H100.mem_bytes for r in result.ranked)
+    assert all(0 < r.best.mfu < H100.matmul_efficiency for r in result.ranked)
+    assert not any(r.layout.tp > 8 for r in result.ranked)
+
+
+def test_settings_checkpointing_choice():
+    res = evaluate_layout(_req(gpus=8, checkpointing="off"), Layout(1, 8, 1, 1))
+    assert all(not o.settings.checkpointing for o in res.options)
+    res = evaluate_layout(_req(gpus=8), Layout(1, 8, 1, 1), micro_batch=2, checkpointing=True)
+    assert [(o.settings.micro_batch, o.settings.checkpointing) for o in res.options] == [(2, True)]
+
+
+def test_parse_layout_forms():
+    lay = Layout(2, 4, 1, 8)
+    assert parse_layout("dp_replicate=2,dp_shard=4,cp=1,tp=8") == (lay, {})
+    assert parse_layout("2x4x1x8") == (lay, {})
+    assert parse_layout("dr=2 ds=4 tp=8") == (lay, {})
+    assert parse_layout("ds=4,tp=8,dr=2,mb=2,ac=on") == (lay, {"micro_batch": 2,
+                                                                "checkpointing": True})
+    with pytest.raises(ValueError):
+        parse_layout("pp=2")
+
+
+def test_parse_size():
+    assert parse_size("80GB", gb_is_gib=True) == 80 * 2**30
+    assert parse_size("1.5TB") == 1.5e12
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+ISSUE_CMD = ["--model", "llama-3.1-70b", "--gpus", "64", "--gpus-per-node", "8",
+             "--gpu", "h100-80gb", "--seq-len", "8192"]
+
+
+def test_issue_command_table(capsys):
+    assert main(ISSUE_CMD) == 0
+    out = capsys.readouterr().out
+    assert "Ranked layouts" in out and "tok/s/GPU" in out and "Rejected" in out
+
+
+def test_json_output(capsys):
+    assert main(ISSUE_CMD + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"]["name"] == "llama-3.1-70b"
+    assert data["ranked"] and all(r["ok"] for r in data["ranked"])
+    assert {r["rejections"][0]["code"] for r in data["rejected"]} >= {"oom", "tp_beyond_node"}
+
+
+def test_explain(capsys):
+    assert main(ISSUE_CMD + ["--explain", "dp_replicate=2,dp_shard=4,cp=1,tp=8"]) == 0
+    out = capsys.readouterr().out
+    assert "Memory per GPU" in out and "Collectives per rank per step" in out
+    assert main(ISSUE_CMD + ["--explain", "1x1x1x64"]) == 0
+    assert "tp_beyond_node" in capsys.readouterr().out
+    assert main(ISSUE_CMD + ["--explain", "2x4x1x8,mb=1,ac=on", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and data["collectives"]
+    assert {c["mesh_dim"] for c in data["collectives"]} >= {"tp", "dp_shard_cp", "dp_replicate"}
+
+
+def test_write_config(tmp_path, capsys):
+    out = tmp_path / "train.yaml"
+    assert main(ISSUE_CMD + ["--write-config", str(out)]) == 0
+    cfg = yaml.safe_load(out.read_text())
+    keys = {"base_model", "dp_replicate_size", "dp_shard_size", "tensor_parallel_size",
+            "context_parallel_size", "sequence_len", "micro_batch_size",
+            "gradient_accumulation_steps", "fsdp_config", "bf16"}
+    assert keys <= set(cfg)
+    assert cfg["base_model"] == "meta-llama/Llama-3.1-70B" and cfg["sequence_len"] == 8192
+    assert isinstance(cfg["fsdp_config"]["activation_checkpointing"], bool)
+    world = (cfg["dp_replicate_size"] * cfg["dp_shard_size"] * cfg["tensor_parallel_size"]
+             * cfg["context_parallel_size"])
+    assert world == 64
+
+
+def test_run_plan_with_own_parser_and_overrides(tmp_path, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    hw_file = tmp_path / "hw.json"
+    hw_file.write_text(json.dumps({"hardware": HW["a100-40gb"].to_dict()}))
+    args = parser.parse_args(["--model", "llama-3.2-1b", "--gpus", "4", "--hardware-file",
+                              str(hw_file), "--gpu-mem", "24GB", "--global-batch-tokens",
+                              "65536", "--seq-len", "2048", "--micro-batch", "1", "--json"])
+    assert run_plan(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["hardware"]["mem_bytes"] == 24 * 2**30
+    assert data["hardware"]["name"] == "a100-40gb+custom"
+    for r in data["ranked"]:
+        b = r["best"]
+        assert b["global_batch_sequences"] == 32
+        assert b["settings"]["micro_batch"] == 1
+
+
+def test_bad_input_exit_code(capsys):
+    assert main(["--model", "nope", "--gpus", "8"]) == 2
+    assert "unknown model" in capsys.readouterr().err
