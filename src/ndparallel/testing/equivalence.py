@@ -7,6 +7,7 @@ norms and parameters up to fp32 rounding.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ class TrainSetup:
     ignore_fraction: float = 0.1  # share of label positions set to IGNORE_INDEX
     mixed_precision: str = "no"
     parallel_kwargs: dict = field(default_factory=dict)  # fsdp_options / tp_options / cp_options
+    fault: str | None = None  # "skip-grad-sync": a deliberately broken run (proves checks can fail)
 
 
 @dataclass
@@ -102,7 +104,8 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
         n_items = acc.global_num_items(local)
         step_loss = torch.zeros((), device=acc.device)
         for mb in local:
-            with acc.accumulate(model):
+            sync = contextlib.nullcontext() if setup.fault is None else acc.no_sync(model)
+            with acc.accumulate(model), sync:
                 with acc.maybe_context_parallel(
                     buffers=[mb["input_ids"], mb["shift_labels"], mb["position_ids"]],
                     buffer_seq_dims=[1, 1, 1],

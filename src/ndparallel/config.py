@@ -1,0 +1,211 @@
+"""The training config: a YAML file with Axolotl's field names, validated by pydantic.
+
+Errors come out as one line naming the field and the fix (unknown keys get a did-you-mean).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+from ndparallel.parallelism_config import ParallelismConfig
+
+
+class ConfigError(ValueError):
+    """A bad training config; the message is meant to be shown as is."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
+
+
+class FSDPConfig(_Strict):
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    layer_classes: list[str] | None = None
+
+
+class DatasetConfig(_Strict):
+    path: str
+    type: str | None = None
+    split: str = "train"
+    text_field: str = Field("text", validation_alias=AliasChoices("text_field", "field"))
+    name: str | None = None
+    sample_by: Literal["document", "paragraph", "line"] = "document"
+    max_files: int | None = None
+    max_bytes: int | None = None
+
+
+class TrainConfig(_Strict):
+    """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one)."""
+
+    # model
+    base_model: str = "quickstart-llama"
+    """An HF model directory (or hub id when online), or a built-in preset name."""
+    tokenizer: str | None = None
+    """Tokenizer dir; default: base_model's, or a BPE trained on the built-in corpus for presets."""
+    tokenizer_vocab_size: int = 1024
+    """Vocabulary of the built-in BPE tokenizer (presets only)."""
+    trust_remote_code: bool = False
+    # layout
+    dp_replicate_size: int = 1
+    dp_shard_size: int = 1
+    tensor_parallel_size: int = Field(1, validation_alias=AliasChoices("tensor_parallel_size", "tp_size"))
+    context_parallel_size: int = Field(1, validation_alias=AliasChoices("context_parallel_size", "cp_size"))
+    fsdp_config: FSDPConfig = Field(default_factory=FSDPConfig)
+    tp_plan: dict[str, str] | None = None
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    cp_comm_strategy: Literal["ring", "allgather"] = "ring"
+    # data
+    datasets: list[DatasetConfig] = Field(
+        default_factory=lambda: [DatasetConfig(path="builtin:stdlib")]
+    )
+    val_set_size: float = 0.0
+    sequence_len: int = 256
+    dataset_cache_dir: str | None = None
+    # optimisation
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    num_epochs: float = 1.0
+    max_steps: int | None = None
+    learning_rate: float = 3e-4
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 0
+    optimizer: Literal["adamw", "adamw_torch", "sgd"] = "adamw"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float | None = 1.0
+    bf16: bool = False
+    seed: int = 42
+    # output, logging, checkpoints
+    output_dir: str = "outputs/run"
+    logging_steps: int = 1
+    eval_steps: int | None = None
+    save_steps: int | None = None
+    save_total_limit: int | None = None
+    resume_from_checkpoint: str | None = None
+    save_final_model: bool = True
+    # runtime
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    collective_timeout_s: float = 600.0
+    max_restarts: int = 0
+
+    @field_validator(
+        "dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size",
+    )
+    @classmethod
+    def _degree(cls, v: int, info) -> int:
+        if v == -1 and info.field_name in ("dp_replicate_size", "dp_shard_size"):
+            return v
+        if v < 1:
+            raise ValueError(f"must be >= 1 (1 disables the dimension), got {v}")
+        return v
+
+    @field_validator("micro_batch_size", "gradient_accumulation_steps", "sequence_len", "logging_steps")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    # ------------------------------------------------------------ derived
+    def parallelism_config(self) -> ParallelismConfig:
+        return ParallelismConfig(
+            dp_replicate_size=self.dp_replicate_size, dp_shard_size=self.dp_shard_size,
+            tp_size=self.tensor_parallel_size, cp_size=self.context_parallel_size,
+        )
+
+    def fsdp_options(self) -> FSDPOptions:
+        f = self.fsdp_config
+        return FSDPOptions(
+            reshard_after_forward=f.reshard_after_forward, cpu_offload=f.cpu_offload,
+            activation_checkpointing=f.activation_checkpointing,
+            layer_classes=tuple(f.layer_classes) if f.layer_classes else None,
+        )
+
+    def tp_options(self) -> TPOptions:
+        return TPOptions(plan=self.tp_plan, sequence_parallel=self.sequence_parallel,
+                         loss_parallel=self.loss_parallel)
+
+    def cp_options(self) -> CPOptions:
+        return CPOptions(comm_strategy=self.cp_comm_strategy)
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _known_keys(model: type[BaseModel]) -> list[str]:
+    keys = []
+    for name, f in model.model_fields.items():
+        keys.append(name)
+        alias = f.validation_alias
+        if isinstance(alias, AliasChoices):
+            keys.extend(str(c) for c in alias.choices)
+    return keys
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            model: type[BaseModel] = TrainConfig
+            parent = e["loc"][:-1]
+            if parent and parent[0] == "fsdp_config":
+                model = FSDPConfig
+            elif parent and parent[0] == "datasets":
+                model = DatasetConfig
+            key = str(e["loc"][-1])
+            lines.append(f"unknown key '{loc}'{_suggest(key, _known_keys(model))}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            got = "" if "got" in msg else f" (got {e.get('input')!r})"
+            lines.append(f"'{loc}': {msg}{got}")
+    return f"{source}: " + "; ".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` → (['a', 'b'], YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set max_steps=20")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read, override (``--set key=value``, dotted keys for nested fields) and validate."""
+    data: dict[str, Any] = {}
+    source = str(path) if path else "config"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of keys to values")
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item}: '{k}' is not a mapping")
+        node[keys[-1]] = value
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, source)) from None

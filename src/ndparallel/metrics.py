@@ -1,0 +1,53 @@
+"""Training metrics: throughput, FLOPs, MFU, peak memory, and the JSONL metrics file."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+
+def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N for the matmuls (forward + backward) plus 12·L·h·s for the
+    attention scores and values (PaLM paper, appendix B)."""
+    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
+
+
+def device_peak_flops(device: torch.device, bf16: bool) -> float | None:
+    """Dense peak FLOP/s of a known GPU (from the planner's hardware presets); None if unknown."""
+    if device.type != "cuda":
+        return None
+    from ndparallel.plan.hardware import PRESETS
+
+    name = torch.cuda.get_device_name(device).lower()
+    mem_gb = torch.cuda.get_device_properties(device).total_memory / 2**30
+    for key in ("h200", "h100", "a100"):
+        if key in name:
+            candidates = [h for n, h in PRESETS.items() if n.startswith(key)]
+            best = min(candidates, key=lambda h: abs(h.mem_bytes / 2**30 - mem_gb))
+            return best.peak_flops if bf16 else best.peak_flops_fp32
+    return None
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak accelerator memory allocated, or this process's peak RSS on CPU, in GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``path`` (main rank only)."""
+
+    def __init__(self, path: str | Path, enabled: bool):
+        self.path, self.enabled = Path(path), enabled
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"time": time.time(), **record}) + "\n")

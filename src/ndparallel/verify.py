@@ -1,0 +1,79 @@
+"""``ndparallel verify``: the config's layout, on a shrunk model of the same architecture, must train
+the same model as one process. A user's proof that their layout is right, on CPU, in seconds."""
+
+from __future__ import annotations
+
+import copy
+
+from rich.console import Console
+from rich.table import Table
+
+from ndparallel.config import TrainConfig
+
+
+def shrink_config(hf_config, tp_size: int, cp_size: int):
+    """Same architecture and attention layout, tiny dims: 2 layers, head_dim 8, at most 4 KV heads
+    and 4 query heads per KV head, widths and vocab kept divisible by ``tp_size``."""
+    c = copy.deepcopy(hf_config)
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    group = max(1, heads // kv)
+    new_kv = min(kv, max(4, tp_size))
+    if kv % tp_size == 0:  # keep the divisibility the layout relies on
+        new_kv = max(tp_size, new_kv - new_kv % tp_size)
+    new_heads = new_kv * min(group, 4)
+    head_dim = 8
+    c.num_attention_heads, c.num_key_value_heads = new_heads, new_kv
+    c.head_dim = head_dim
+    c.hidden_size = new_heads * head_dim
+    c.intermediate_size = 2 * c.hidden_size
+    c.num_hidden_layers = 2
+    c.vocab_size = 128 * tp_size
+    c.max_position_embeddings = max(256, 32 * cp_size)
+    if getattr(c, "layer_types", None):
+        c.layer_types = c.layer_types[:2]
+    c.use_cache = False
+    c._attn_implementation = "sdpa"
+    return c
+
+
+def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: float = 1e-5,
+                  fault: str | None = None) -> bool:
+    """Run the layout and one process on CPU ranks; print the differences and a verdict."""
+    from ndparallel.testing import run_on_ranks
+    from ndparallel.testing.equivalence import TrainSetup, compare, train_under_layout
+
+    console = Console()
+    small = shrink_config(hf_config, pc.tp_size, pc.cp_size)
+    setup = TrainSetup(
+        small, steps=steps, global_micro_batch=2 * pc.dp_size,
+        grad_accum=min(cfg.gradient_accumulation_steps, 2), seq_len=16 * pc.cp_size,
+        optimizer="adamw", lr=1e-2, max_grad_norm=cfg.max_grad_norm,
+        parallel_kwargs=dict(fsdp_options=cfg.fsdp_options(), tp_options=cfg.tp_options(),
+                             cp_options=cfg.cp_options()),
+    )
+    console.print(
+        f"verify: {pc.describe()} on {pc.total_size} CPU ranks vs 1 process; shrunk "
+        f"{small.model_type}: hidden {small.hidden_size}, heads {small.num_attention_heads}/"
+        f"{small.num_key_value_heads}, 2 layers, seq {setup.seq_len}, {steps} AdamW steps"
+    )
+    import dataclasses
+
+    ref = run_on_ranks(train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}), None)[0]
+    got = run_on_ranks(train_under_layout, pc.total_size, dataclasses.replace(setup, fault=fault),
+                       pc.to_dict(), timeout_s=600)[0]
+    diff = compare(ref, got)
+    table = Table(title="one process vs layout")
+    for col in ("step", "loss (1 proc)", "loss (layout)", "rel. diff", "grad norm (1 proc)",
+                "grad norm (layout)", "rel. diff"):
+        table.add_column(col, justify="right")
+    for i, (a, b, ga, gb) in enumerate(zip(ref.losses, got.losses, ref.grad_norms, got.grad_norms)):
+        table.add_row(str(i + 1), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b) / abs(a):.1e}",
+                      f"{ga:.6f}", f"{gb:.6f}", f"{abs(ga - gb) / abs(ga):.1e}")
+    console.print(table)
+    ok = diff["loss_rel"] <= tolerance and diff["grad_norm_rel"] <= tolerance
+    console.print(f"max parameter difference after {steps} steps: {diff.get('param_abs', float('nan')):.2e}")
+    verdict = "[bold green]PASS[/]" if ok else "[bold red]FAIL[/]"
+    console.print(f"{verdict}: max relative loss error {diff['loss_rel']:.1e}, grad norm "
+                  f"{diff['grad_norm_rel']:.1e} (tolerance {tolerance:.0e})")
+    return ok
