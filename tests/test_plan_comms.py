@@ -26,10 +26,17 @@ def test_fsdp_only():
 
 
 def test_grad_accum_and_no_reshard_scale_counts():
+    # Gathers happen every micro-batch; gradients are reduced on the last one only (ndparallel's
+    # accumulate), or on every one with reduce_every_microbatch.
     got = aggregate(predict_collectives(TINY, Layout(dp_shard=2), seq_len=32, grad_accum=3,
                                         reshard_after_forward=False))
     assert got[("all_gather", "dp_shard_cp", 18_496 * 2)] == 2 * 3
-    assert got[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2 * 3
+    assert got[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2
+    every = aggregate(predict_collectives(TINY, Layout(dp_replicate=2, dp_shard=2), seq_len=32,
+                                          grad_accum=3, reduce_every_microbatch=True))
+    assert every[("all_gather", "dp_shard_cp", 18_496 * 2)] == 4 * 3
+    assert every[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2 * 3
+    assert every[("all_reduce", "dp_replicate", 18_496 * 4)] == 2 * 3
 
 
 def test_ddp_and_hsdp():
@@ -55,20 +62,29 @@ def test_tensor_parallel_sequence_parallel():
     assert ck[("all_gather", "tp", 2048)] == 10 + 4  # recomputed forward repeats the layers' own
 
 
+def test_tensor_parallel_without_loss_parallel_gathers_logits():
+    got = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, loss_parallel=False))
+    # 32 tokens x 128 local vocab x bf16; no loss-parallel statistics (only 5 norm grads remain)
+    assert got[("all_gather", "tp", 32 * 128 * 2)] == 1
+    assert got[("all_reduce", "tp", 128)] == 5
+
+
 def test_tensor_parallel_all_reduce():
     got = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, sequence_parallel=False))
     assert got == {("all_reduce", "tp", 4096): 2 * 2 * 2 + 2, ("all_reduce", "tp", 128): 3}
 
 
 def test_context_parallel_ring():
-    # 16 tokens per rank; K+V: 2 x 16 x kv 2 x d 16 x bf16 = 2048 B per hop.
+    # 16 tokens per rank; K+V: 2 x 16 x kv 2 x d 16 = 1024 elements: 2048 B bf16, 4096 B fp32.
     got = aggregate(predict_collectives(TINY, Layout(cp=2), seq_len=32))
-    # per layer: fwd 1 hop, bwd 1 hop of K/V + 2 hops of dK/dV -> 4 x 2 layers; FSDP over cp too.
-    assert got[("send_recv", "cp", 2048)] == 8
+    # per layer: K/V fwd 1 hop + bwd 1 hop; dK/dV (fp32) 2 hops -> x 2 layers; FSDP over cp too.
+    assert got[("send_recv", "cp", 2048)] == 4
+    assert got[("send_recv", "cp", 4096)] == 4
     assert got[("all_gather", "dp_shard_cp", 18_496 * 2)] == 4
     cp4 = aggregate(predict_collectives(TINY, Layout(cp=4), seq_len=32, checkpointing=True))
-    # 8 tokens: 1024 B; per layer fwd 3 + recompute 3 + bwd 3 + dKV 4 = 13
-    assert cp4[("send_recv", "cp", 1024)] == 26
+    # 8 tokens: 1024 B; per layer K/V fwd 3 + recompute 3 + bwd 3 = 9, dK/dV 4 (2048 B)
+    assert cp4[("send_recv", "cp", 1024)] == 18
+    assert cp4[("send_recv", "cp", 2048)] == 8
 
 
 def test_micro_batch_scales_activation_bytes():

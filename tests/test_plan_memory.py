@@ -76,6 +76,27 @@ def test_activations_checkpointing_and_cp():
     assert cp2.activation_bytes_per_layer == m.activation_bytes_per_layer / 2
 
 
+def test_accumulation_keeps_unsharded_fp32_grads():
+    s1 = Settings(seq_len=32, grad_accum=1)
+    s4 = Settings(seq_len=32, grad_accum=4)
+    every = Settings(seq_len=32, grad_accum=4, reduce_every_microbatch=True)
+    lay = Layout(dp_shard=2, tp=2)
+    base = estimate_memory(TINY, lay, s1, H100).grads
+    local = sum(unit_numels(TINY, 2, 2)[u][0] * c for u, c in (("layer", 2), ("embed", 1),
+                                                                ("final", 1)))
+    assert estimate_memory(TINY, lay, s4, H100).grads == base + local * 4
+    assert estimate_memory(TINY, lay, every, H100).grads == base
+
+
+def test_loss_parallel_shards_logits():
+    lay = Layout(tp=2)
+    kw = dict(seq_len=32, checkpointing=True)
+    lp = estimate_memory(TINY, lay, Settings(**kw), H100)
+    full = estimate_memory(TINY, lay, Settings(**kw, loss_parallel=False), H100)
+    if lp.peak_phase == full.peak_phase == "loss backward":
+        assert full.logits - lp.logits == 32 * 128 * 14
+
+
 def test_parts_sum_to_total_and_overhead():
     for lay in (Layout(), Layout(dp_shard=2, tp=2), Layout(dp_replicate=2, cp=2)):
         m = estimate_memory(PRESETS["llama-3.1-8b"], lay, Settings(seq_len=4096), H100)

@@ -42,6 +42,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     t.add_argument("--no-sequence-parallel", action="store_true",
                    help="TP with all-reduce instead of sequence parallel")
+    t.add_argument("--no-loss-parallel", action="store_true",
+                   help="TP gathers full logits instead of a vocab-parallel loss")
+    t.add_argument("--reduce-every-microbatch", action="store_true",
+                   help="reduce gradients after every micro-batch (default: after the last)")
     t.add_argument("--no-reshard-after-forward", action="store_true",
                    help="FSDP keeps params unsharded between forward and backward")
     o = parser.add_argument_group("output")
@@ -93,6 +97,8 @@ def build_request(args) -> PlanRequest:
         checkpointing=args.activation_checkpointing, mixed_precision=args.mixed_precision,
         optimizer=args.optimizer, sequence_parallel=not args.no_sequence_parallel,
         reshard_after_forward=not args.no_reshard_after_forward,
+        loss_parallel=not args.no_loss_parallel,
+        reduce_every_microbatch=args.reduce_every_microbatch,
     )
 
 

@@ -74,11 +74,14 @@ def predict_collectives(
     mixed_precision: str = "bf16",
     sequence_parallel: bool = True,
     reshard_after_forward: bool = True,
+    loss_parallel: bool = True,
+    reduce_every_microbatch: bool = False,
 ) -> list[Collective]:
     """Every collective one rank issues in one optimizer step (see docs/planner.md)."""
     s = Settings(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                  checkpointing=checkpointing, mixed_precision=mixed_precision,
-                 sequence_parallel=sequence_parallel, reshard_after_forward=reshard_after_forward)
+                 sequence_parallel=sequence_parallel, reshard_after_forward=reshard_after_forward,
+                 loss_parallel=loss_parallel, reduce_every_microbatch=reduce_every_microbatch)
     return collectives_for(model, layout, s)
 
 
@@ -95,9 +98,11 @@ def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Colle
 
 
 def _data_parallel(model: ModelSpec, layout: Layout, s: Settings, ga: int) -> list[Collective]:
-    """FSDP2 per unit and micro-batch: all-gather in forward (+ again in backward if resharded),
-    reduce-scatter of gradients in fp32; HSDP/DDP all-reduce over dp_replicate after it."""
+    """FSDP2 per unit and micro-batch: all-gather in forward (+ again in backward if resharded);
+    per reducing micro-batch (the last one, or every one) reduce-scatter of gradients in fp32 and
+    the HSDP/DDP all-reduce over dp_replicate after it."""
     out = []
+    red = s.reducing_microbatches
     n = layout.fsdp
     numels = unit_numels(model, layout.tp, n)
     for unit, (count, reshards) in fsdp_units(model).items():
@@ -108,10 +113,10 @@ def _data_parallel(model: ModelSpec, layout: Layout, s: Settings, ga: int) -> li
                                   gathers * count * ga, f"FSDP all-gather params ({unit})",
                                   "compute"))
             out.append(Collective("reduce_scatter", "dp_shard_cp", shard * n * s.reduce_bytes,
-                                  count * ga, f"FSDP reduce-scatter grads ({unit})", "compute"))
+                                  count * red, f"FSDP reduce-scatter grads ({unit})", "compute"))
         if layout.dp_replicate > 1:
             size = shard if n > 1 else local
-            out.append(Collective("all_reduce", "dp_replicate", size * s.reduce_bytes, count * ga,
+            out.append(Collective("all_reduce", "dp_replicate", size * s.reduce_bytes, count * red,
                                   f"{'HSDP' if n > 1 else 'DDP'} all-reduce grads ({unit})",
                                   "compute"))
     return out
@@ -122,8 +127,9 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
     pair is all-gather (in) + reduce-scatter (out) in forward and the mirror in backward; without,
     one all-reduce in forward (rowwise output) and one in backward (colwise input grad). Recompute
     under checkpointing repeats the forward ones. Embedding (vocab-parallel) and LM head
-    (colwise, loss parallel) add one each way; loss parallel adds 3 fp32 all-reduces per token
-    (max, sum-exp, target logit). Norm weights replicated over tp get their grads all-reduced."""
+    (colwise) add one each way; loss parallel adds 3 fp32 all-reduces per token (max, sum-exp,
+    target logit), without it the logits are all-gathered. Norm weights replicated over tp on
+    sharded inputs (sequence or heads) get their grads all-reduced."""
     t, h, L, ab = layout.tp, model.hidden, model.layers, s.act_bytes
     full = tokens * h * ab
     shard = full // t
@@ -146,7 +152,12 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
             Collective("all_reduce", "tp", full, ga, "TP embedding output (fwd)"),
             Collective("all_reduce", "tp", full, ga, "TP LM-head input grad (bwd)"),
         ]
-    out.append(Collective("all_reduce", "tp", tokens * 4, 3 * ga, "TP loss-parallel statistics"))
+    if s.loss_parallel:
+        out.append(Collective("all_reduce", "tp", tokens * 4, 3 * ga, "TP loss-parallel statistics"))
+    else:
+        vocab_local = -(-model.vocab // t)
+        out.append(Collective("all_gather", "tp", tokens * vocab_local * ab, ga,
+                              "TP LM-head logits gathered (fwd)"))
     for p in model.param_specs():
         partial = p.tp_dim is None and (s.sequence_parallel or "q_norm" in p.name
                                         or "k_norm" in p.name)
@@ -157,14 +168,17 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
 
 
 def _context_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int):
-    """Ring attention per layer: local K and V go around the ring, cp−1 hops in forward (and in
-    the recomputed forward), cp−1 hops in backward, plus cp hops of dK/dV returning home."""
+    """Ring attention per layer (``parallel/cp_attention.py``): K and V stacked in one buffer go
+    around the ring, cp−1 hops in forward (and in the recomputed forward), cp−1 hops in backward,
+    plus cp hops of the fp32 dK/dV accumulators (the last one returning them home)."""
     c, L = layout.cp, model.layers
-    kv = 2 * tokens * model.kv_heads * model.head_dim // layout.tp * s.act_bytes
+    kv_elems = 2 * tokens * model.kv_heads * model.head_dim // layout.tp
     fwd = (c - 1) * (2 if s.checkpointing else 1)
     return [
-        Collective("send_recv", "cp", kv, (fwd + (c - 1)) * L * ga, "CP ring K/V", "attention"),
-        Collective("send_recv", "cp", kv, c * L * ga, "CP ring dK/dV", "attention"),
+        Collective("send_recv", "cp", kv_elems * s.act_bytes, (fwd + (c - 1)) * L * ga,
+                   "CP ring K/V", "attention"),
+        Collective("send_recv", "cp", kv_elems * 4, c * L * ga, "CP ring dK/dV (fp32)",
+                   "attention"),
     ]
 
 

@@ -80,6 +80,11 @@ class Settings:
     optimizer: str = "adamw"
     sequence_parallel: bool = True
     """TP with sequence parallel (all-gather + reduce-scatter) instead of all-reduce."""
+    loss_parallel: bool = True
+    """Cross-entropy on vocab-sharded logits (else the LM head gathers full logits on every rank)."""
+    reduce_every_microbatch: bool = False
+    """Reduce gradients after every micro-batch; default (ndparallel's ``accumulate``): only after
+    the last one, keeping fp32 unsharded gradients in between."""
     reshard_after_forward: bool = True
     prefetch: int = 1
     """FSDP units all-gathered ahead of the one computing."""
@@ -87,6 +92,16 @@ class Settings:
     @property
     def act_bytes(self) -> int:
         return 2 if self.mixed_precision == "bf16" else 4
+
+    @property
+    def reducing_microbatches(self) -> int:
+        """Micro-batches per step whose backward reduces gradients."""
+        return self.grad_accum if self.reduce_every_microbatch else 1
+
+    @property
+    def accumulates_unsharded(self) -> bool:
+        """Unsharded fp32 gradients are kept between micro-batches (no sync until the last)."""
+        return self.grad_accum > 1 and not self.reduce_every_microbatch
 
     @property
     def param_compute_bytes(self) -> int:

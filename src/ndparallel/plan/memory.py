@@ -74,6 +74,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     # Persistent: fp32 sharded params (master weights), fp32 sharded grads, optimizer states.
     params = shard_numel * 4
     grads = shard_numel * 4
+    if s.accumulates_unsharded:  # FSDP2 keeps unsharded grads in the reduce dtype between syncs
+        grads += sum(numels[u][0] * c for u, (c, _) in fsdp_units(model).items()) * rb
     optimizer = shard_numel * s.optimizer_state_bytes
 
     # Activations.
@@ -87,7 +89,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     working = per_layer  # one layer's recomputed / gradient working set during its backward
 
     # Logits and loss (vocab sharded over tp by loss parallel), final norm + LM-head input.
-    vocab_local = -(-model.vocab // t)
+    vocab_local = -(-model.vocab // t) if s.loss_parallel else model.vocab
     logits = tokens * vocab_local * (e + 12)
     logits += tokens * ((4 + e) * model.hidden / t_sp + e * model.hidden)
 

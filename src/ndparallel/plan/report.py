@@ -181,6 +181,9 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
                         "activation_checkpointing": s.checkpointing},
         "optimizer": "adamw_torch" if s.optimizer == "adamw" else "sgd",
     }
+    if e.layout.tp > 1:
+        cfg["sequence_parallel"] = s.sequence_parallel
+        cfg["loss_parallel"] = s.loss_parallel
     if s.mixed_precision == "bf16":
         cfg["bf16"] = True
     return cfg

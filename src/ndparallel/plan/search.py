@@ -34,6 +34,8 @@ class PlanRequest:
     optimizer: str = "adamw"
     sequence_parallel: bool = True
     reshard_after_forward: bool = True
+    loss_parallel: bool = True
+    reduce_every_microbatch: bool = False
 
 
 @dataclass
@@ -115,24 +117,28 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     t_mb, t_attn = compute_time(model, layout, s, hw)
     per_dim: dict[str, float] = {}
     intra: dict[str, bool] = {}
-    hidden_by_compute = tp = cp = 0.0
+    gather = reduce = tp = cp = 0.0
     for c in colls:
         sec, is_intra = comms.cost(c, layout, hw, gpus_per_node)
         per_dim[c.mesh_dim] = per_dim.get(c.mesh_dim, 0.0) + sec
         intra[c.mesh_dim] = is_intra
-        if c.overlap == "compute":
-            hidden_by_compute += sec
+        if c.overlap == "compute" and c.kind == "all_gather":
+            gather += sec
+        elif c.overlap == "compute":
+            reduce += sec
         elif c.overlap == "attention":
             cp += sec
         else:
             tp += sec
     # CP ring hides behind the attention of each step; TP is on the critical path.
     cp_exposed = max(0.0, cp / ga - t_attn) if ga else 0.0
-    # FSDP/DP overlap with compute (prefetch), except the first unit's all-gather and the last
-    # unit's reduction of every micro-batch: approximated as one layer's share of that traffic.
+    # FSDP/DP: all-gathers (prefetched) hide behind all forward+backward compute, gradient
+    # reductions behind the backward (2/3 of compute) of the micro-batches that reduce. The first
+    # unit's gather and the last unit's reduction cannot hide: 2/n_units of the traffic.
     n_units = model.layers + (1 if model.tied_embeddings else 2)
-    edge = 2 * hidden_by_compute / n_units
-    dp_exposed = edge + max(0.0, hidden_by_compute - edge - ga * t_mb)
+    edge = 2 * (gather + reduce) / n_units
+    dp_exposed = (edge + max(0.0, gather * (1 - 2 / n_units) - ga * t_mb)
+                  + max(0.0, reduce * (1 - 2 / n_units) - s.reducing_microbatches * t_mb * 2 / 3))
     local_params = mem.params / 4
     touched = 28 if s.optimizer == "adamw" else 12  # bytes read+written per parameter
     t_opt = local_params * touched / hw.hbm_bw
@@ -174,7 +180,9 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
     res = LayoutResult(layout)
     base = Settings(seq_len=req.seq_len, mixed_precision=req.mixed_precision,
                     optimizer=req.optimizer, sequence_parallel=req.sequence_parallel,
-                    reshard_after_forward=req.reshard_after_forward)
+                    reshard_after_forward=req.reshard_after_forward,
+                    loss_parallel=req.loss_parallel,
+                    reduce_every_microbatch=req.reduce_every_microbatch)
     res.rejections = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
     if res.rejections:
         return res
