@@ -9,7 +9,7 @@ from ndparallel.parallelism_config import ParallelismConfig
 from ndparallel.plan.cli import add_plan_arguments, main, run_plan
 from ndparallel.plan.hardware import PRESETS as HW
 from ndparallel.plan.hardware import parse_size
-from ndparallel.plan.layout import Layout, Settings, enumerate_layouts, parse_layout
+from ndparallel.plan.layout import Layout, enumerate_layouts, parse_layout
 from ndparallel.plan.models import PRESETS
 from ndparallel.plan.search import PlanRequest, evaluate_layout, plan
 
