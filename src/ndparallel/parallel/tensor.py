@@ -1,0 +1,411 @@
+"""Tensor parallelism (+ sequence parallel, loss parallel) on a 1-D ``tp`` mesh.
+
+``apply_tensor_parallel`` turns the model's plan (see ``ndparallel.models.tp_plans``) into DTensor
+styles and applies them with ``parallelize_module``:
+
+* attention / MLP: q,k,v,gate,up column-wise, o,down row-wise (one all-reduce per pair; under
+  sequence parallel an all-gather before and a reduce-scatter after each block instead);
+* embedding and ``lm_head`` sharded on the vocabulary (``Shard(0)`` of both weights), so tied
+  embeddings stay one Parameter; under loss parallel the logits stay a ``Shard(-1)`` DTensor;
+* every other parameter (norms) becomes a ``Replicate`` DTensor whose module takes DTensor inputs,
+  so optimizers and grad clipping see DTensors only, all on the tp mesh.
+
+Sequence parallel shards the residual stream on dim 1: the sequence length must be divisible by
+tp_size, and ``position_ids`` are filled in (HF would derive them from the local length).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from ndparallel.models.tp_plans import STYLES, TPPlanError, match_plan, model_tp_plan, resolve_tp_plan
+from ndparallel.parallel.options import TPOptions
+
+_TP_MESH_ATTR = "_ndparallel_tp_mesh"
+
+
+# ---------------------------------------------------------------------------------- validation
+def validate_tensor_parallel(config: Any, tp_size: int, options: TPOptions | None = None) -> None:
+    """Check the model dims that TP shards against ``tp_size``; raise ``ValueError`` naming the field
+    and the fix. Fields a user plan does not shard (e.g. no ``lm_head`` entry: vocab) are skipped."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
+    if tp_size == 1:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    fields = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "intermediate_size": getattr(text, "intermediate_size", None),
+        "vocab_size": getattr(text, "vocab_size", None),
+    }
+    plan = options.plan if options is not None else None
+    if plan:
+        names = " ".join(plan)
+        wanted = {
+            "num_attention_heads": any(k in names for k in ("q_proj", "qkv", "attn", "o_proj")),
+            "num_key_value_heads": any(k in names for k in ("k_proj", "v_proj", "qkv", "attn")),
+            "intermediate_size": any(k in names for k in ("mlp", "gate", "up_proj", "down_proj", "fc")),
+            "vocab_size": any(k in names for k in ("lm_head", "embed")),
+        }
+        fields = {k: v for k, v in fields.items() if wanted[k]}
+    fields = {k: v for k, v in fields.items() if isinstance(v, int) and not isinstance(v, bool)}
+    if not fields:
+        return
+    g = math.gcd(*fields.values())
+    allowed = "{" + ",".join(str(d) for d in range(1, g + 1) if g % d == 0) + "}"
+    errors = []
+    for name, value in fields.items():
+        if value % tp_size:
+            msg = f"{name}={value} is not divisible by tp_size={tp_size}: use tp_size in {allowed}"
+            if name == "vocab_size":
+                msg += (
+                    f", or pad the vocabulary to a multiple of {tp_size} "
+                    f"(model.resize_token_embeddings(n, pad_to_multiple_of={tp_size}))"
+                )
+            errors.append(msg)
+    if errors:
+        raise ValueError("; ".join(errors))
+
+
+# ------------------------------------------------------------------------------ custom styles
+def _replicate(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
+    if param.is_meta:
+        data = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
+    else:  # broadcast from rank 0: replicas are identical even if initialised differently
+        data = distribute_tensor(param.data, mesh, [Replicate()], src_data_rank=0)
+    return nn.Parameter(data, requires_grad=param.requires_grad)
+
+
+def _grad_to_param_placements(param: nn.Parameter) -> None:
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def _align_grad_placements(model: nn.Module) -> None:
+    """Give every DTensor gradient its parameter's placements as soon as it is accumulated.
+
+    DTensor autograd leaves a replicated norm weight applied to sharded activations with a
+    ``Partial`` gradient (summed here: one small all-reduce) and the vocab-sharded embedding with a
+    full ``Replicate`` one (sliced here: no communication, less memory). Clipping, DDP and
+    checkpoints then see gradients laid out like their parameters.
+    """
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.requires_grad and not getattr(p, "_ndp_grad_aligned", False):
+            p.register_post_accumulate_grad_hook(_grad_to_param_placements)
+            p._ndp_grad_aligned = True
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters → ``Replicate`` DTensors; plain tensor inputs → DTensors with ``input_layout``
+    (``Replicate()`` for a replicated activation, ``Shard(1)`` for a sequence-parallel one,
+    ``Shard(-2)`` for head-sharded q/k of a per-head norm); DTensor outputs back to local tensors.
+
+    DTensor autograd then sums the parameter gradients over tp exactly when the input is sharded.
+    """
+
+    def __init__(self, input_layout: Placement = Replicate()):
+        super().__init__()
+        self.input_layout = input_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                module.register_parameter(name, _replicate(param, device_mesh))
+        layout = self.input_layout
+
+        def to_dtensor(x):
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.is_floating_point():
+                return DTensor.from_local(x, device_mesh, [layout], run_check=False)
+            return x
+
+        def pre_hook(_mod, args, kwargs):
+            return tuple(to_dtensor(a) for a in args), {k: to_dtensor(v) for k, v in kwargs.items()}
+
+        def post_hook(_mod, _args, output):
+            if isinstance(output, DTensor):
+                return output.to_local()
+            if isinstance(output, tuple):
+                return tuple(o.to_local() if isinstance(o, DTensor) else o for o in output)
+            return output
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        module.register_forward_hook(post_hook)
+        return module
+
+
+class GatherSequenceInput(ParallelStyle):
+    """Sequence parallel: all-gather a block's sequence-sharded input (first positional argument, or
+    the ``hidden_states`` keyword HF attention uses) into a ``Replicate`` DTensor; its backward is
+    the reduce-scatter of the partial input gradients."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(x):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            return x.redistribute(device_mesh, [Replicate()])
+
+        def pre_hook(_mod, args, kwargs):
+            if args and isinstance(args[0], torch.Tensor):
+                return (gather(args[0]), *args[1:]), kwargs
+            if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+            raise ValueError(
+                f"sequence parallel: {type(_mod).__name__} got no tensor input to gather "
+                "(expected a positional tensor or hidden_states=...)"
+            )
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        return module
+
+
+def parallel_style(
+    style: object, *, on_residual: bool, sequence_parallel: bool, output_sharded: bool = False
+) -> ParallelStyle:
+    """DTensor style for a HF style name (``ParallelStyle`` objects pass through unchanged).
+
+    ``on_residual``: the module reads/writes the residual stream (embedding, lm_head, a layer's
+    direct children), which sequence parallel shards on dim 1. ``output_sharded``: keep a colwise
+    output as a ``Shard(-1)`` DTensor (loss parallel on lm_head).
+    """
+    if isinstance(style, ParallelStyle):
+        return style
+    seq = sequence_parallel and on_residual
+    resid = Shard(1) if seq else Replicate()
+    if style == "colwise" and not output_sharded:
+        return ColwiseParallel(input_layouts=resid)
+    if style in ("colwise", "colwise_gather_output", "colwise_rep"):
+        if output_sharded:
+            return ColwiseParallel(input_layouts=resid, output_layouts=Shard(-1), use_local_output=False)
+        return ColwiseParallel(input_layouts=resid, output_layouts=Replicate())
+    if style == "rowwise":
+        return RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
+    if style in ("rowwise_split_input", "rowwise_rep"):
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=resid)
+    if style == "embedding_rowwise":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=resid)
+    if style == "embedding_colwise":
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=resid)
+    if style == "replicated_with_grad_allreduce":
+        return ReplicateParallel(Shard(-2))
+    if style in ("replicate", "sequence_parallel"):
+        return ReplicateParallel(resid)
+    raise TPPlanError(
+        f"tp style {style!r} is not supported by ndparallel; supported: {', '.join(STYLES)} "
+        "(or a torch ParallelStyle object in TPOptions.plan)"
+    )
+
+
+# --------------------------------------------------------------------------------------- apply
+def _layer_position(name: str) -> tuple[bool, str | None]:
+    """(on the residual stream?, enclosing block) for a module name: a module inside a numbered
+    layer's child (``model.layers.0.self_attn.q_proj``) is in block ``model.layers.0.self_attn``."""
+    parts = name.split(".")
+    idx = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    if idx is None or len(parts) <= idx + 2:
+        return True, None
+    return False, ".".join(parts[: idx + 2])
+
+
+def _output_embedding_name(model: nn.Module) -> str | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+
+
+def _sp_position_hook(tp_size: int):
+    def hook(_mod, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None:
+            return args, kwargs
+        seq = ids.shape[1]
+        if seq % tp_size:
+            raise ValueError(
+                f"sequence parallel: sequence length {seq} is not divisible by tp_size={tp_size}; "
+                f"pad the batch to a multiple of {tp_size} (or disable sequence_parallel)"
+            )
+        if kwargs.get("position_ids") is None:
+            pos = torch.arange(seq, device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
+            kwargs = {**kwargs, "position_ids": pos}
+        return args, kwargs
+
+    return hook
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions | None = None
+) -> nn.Module:
+    """Shard ``model`` over the 1-D ``tp_mesh`` in place (and return it).
+
+    Every parameter ends up a DTensor on ``tp_mesh``; tied parameters stay one Parameter. A model
+    already made tensor-parallel (by transformers' ``from_pretrained(tp_plan=..., device_mesh=...)``)
+    is not sharded again: only its leftover plain parameters are replicated.
+    """
+    options = options or TPOptions()
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tensor_parallel needs the 1-D tp mesh (mesh['tp']), got {tp_mesh}")
+    tp_size = tp_mesh.size()
+    if is_tensor_parallel(model):
+        if options.sequence_parallel or options.loss_parallel:
+            raise ValueError(
+                "the model is already tensor-parallel (loaded by transformers with tp_plan/device_mesh); "
+                "sequence_parallel and loss_parallel need ndparallel's own TP: load the model "
+                "without tp_plan/device_mesh, or turn those options off"
+            )
+        return distribute_leftover_params(model, tp_mesh)
+    validate_tensor_parallel(model.config, tp_size, options)
+    plan = resolve_tp_plan(model, options.plan)
+    assigned = match_plan(model, plan, strict=bool(options.plan))
+    head = _output_embedding_name(model)
+    if options.loss_parallel and (head not in assigned or not str(assigned[head]).startswith("colwise")):
+        raise ValueError(
+            f"loss_parallel needs the output embedding ({head}) sharded column-wise in the tp plan "
+            f"(e.g. {head!r}: 'colwise_gather_output'); it has {assigned.get(head)!r}"
+        )
+    sp = options.sequence_parallel
+    styles: dict[str, ParallelStyle] = {}
+    blocks: set[str] = set()
+    for name, style in assigned.items():
+        on_residual, block = _layer_position(name)
+        if block:
+            blocks.add(block)
+        styles[name] = parallel_style(
+            style, on_residual=on_residual, sequence_parallel=sp,
+            output_sharded=options.loss_parallel and name == head,
+        )
+    for name, module in model.named_modules():
+        if name in styles or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if any(n.startswith(name + ".") for n in styles) or (sp and name in blocks):
+            raise TPPlanError(
+                f"module {name!r} owns parameters and contains tensor-parallel submodules; give it "
+                "a style in the tp plan"
+            )
+        on_residual, _ = _layer_position(name)
+        styles[name] = ReplicateParallel(Shard(1) if sp and on_residual else Replicate())
+    if sp:
+        for block in blocks:
+            styles[block] = GatherSequenceInput()
+        model.register_forward_pre_hook(_sp_position_hook(tp_size), with_kwargs=True)
+
+    tied = _tied_groups(model)
+    for name, style in styles.items():
+        parallelize_module(model.get_submodule(name), tp_mesh, style)
+    _retie(model, tied)
+    setattr(model, _TP_MESH_ATTR, tp_mesh)
+    _check_all_dtensor(model)
+    _align_grad_placements(model)
+    return model
+
+
+def _tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Parameters shared by several modules, as lists of (module name, parameter name)."""
+    where: dict[int, list[tuple[str, str]]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for p_name, p in module.named_parameters(recurse=False):
+            where.setdefault(id(p), []).append((mod_name, p_name))
+    return [sorted(set(v)) for v in where.values() if len(set(v)) > 1]
+
+
+def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+    """Point every location of a tied group at one DTensor Parameter (the first location's)."""
+    for group in groups:
+        mod0, p0 = group[0]
+        first = getattr(model.get_submodule(mod0), p0)
+        for mod_name, p_name in group[1:]:
+            other = getattr(model.get_submodule(mod_name), p_name)
+            if other is first:
+                continue
+            if isinstance(first, DTensor) != isinstance(other, DTensor) or (
+                isinstance(first, DTensor) and first.placements != other.placements
+            ):
+                raise TPPlanError(
+                    f"tied parameters {mod0}.{p0} and {mod_name}.{p_name} get different tp "
+                    f"shardings ({getattr(first, 'placements', 'plain')} vs "
+                    f"{getattr(other, 'placements', 'plain')}): shard both on the vocabulary "
+                    "('embedding_rowwise' + 'colwise'/'colwise_gather_output') or replicate both"
+                )
+            model.get_submodule(mod_name).register_parameter(p_name, first)
+
+
+def _check_all_dtensor(model: nn.Module) -> None:
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        raise RuntimeError(f"tensor parallel left plain (non-DTensor) parameters: {plain[:5]}")
+
+
+# -------------------------------------------------------------------- transformers' own TP path
+def is_tensor_parallel(model: nn.Module) -> bool:
+    """True if the model is already tensor-parallel: by ``apply_tensor_parallel`` or by
+    transformers (``from_pretrained(..., tp_plan="auto", device_mesh=...)``)."""
+    if getattr(model, _TP_MESH_ATTR, None) is not None:
+        return True
+    if (getattr(model, "_tp_size", None) or 1) > 1:
+        return True
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            names = p.device_mesh.mesh_dim_names or ()
+            if "tp" in names:
+                i = names.index("tp")
+                if p.device_mesh.size(i) > 1 and not p.placements[i].is_replicate():
+                    return True
+    return False
+
+
+def distribute_leftover_params(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Make every plain parameter of a TP model a ``Replicate`` DTensor on the tp mesh, with its
+    module taking DTensor inputs, so no optimizer / clipping sees a Tensor-DTensor mix.
+
+    For a model made TP by transformers: norms get ``Replicate`` inputs; modules its plan marks
+    ``replicated_with_grad_allreduce`` (Qwen3 q_norm/k_norm) get head-sharded inputs instead, and
+    transformers' forward wrapper on them (a gradient all-reduce hook that cannot take DTensors)
+    is removed, DTensor autograd doing that all-reduce.
+    """
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), tp_mesh)
+    if mesh.ndim != 1 or mesh.size() != tp_mesh.size():
+        raise ValueError(f"the model's DTensors live on {mesh}, not on a 1-D tp mesh like {tp_mesh}")
+    grad_allreduce = {
+        n for n, s in match_plan(model, model_tp_plan(model), strict=False).items()
+        if s == "replicated_with_grad_allreduce"
+    }
+    for name, module in model.named_modules():
+        if not any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            continue
+        if name in grad_allreduce:
+            module.__dict__.pop("forward", None)  # transformers' per-instance TP forward wrapper
+            style = ReplicateParallel(Shard(-2))
+        else:
+            style = ReplicateParallel(Replicate())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            parallelize_module(module, mesh, style)
+    _check_all_dtensor(model)
+    _align_grad_placements(model)
+    return model
+
+
+def loss_parallel_context(options: TPOptions | None) -> contextlib.AbstractContextManager:
+    """``torch.distributed.tensor.parallel.loss_parallel()`` when ``options.loss_parallel``, else a
+    no-op: wrap the cross-entropy (forward and backward) on ``Shard(-1)`` logits in it."""
+    if options is not None and options.loss_parallel:
+        return loss_parallel()
+    return contextlib.nullcontext()

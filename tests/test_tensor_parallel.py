@@ -1,0 +1,243 @@
+"""Tensor parallel (TP 2, sequence parallel, loss parallel, transformers' own TP path) equals one
+process: fp32, 3 AdamW steps, per-step loss (relative) and global grad norm compared."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from ndparallel.models.presets import preset_config
+from ndparallel.models.tp_plans import TPPlanError, resolve_tp_plan
+from ndparallel.parallel.options import TPOptions
+from ndparallel.parallel.tensor import validate_tensor_parallel
+from ndparallel.testing import RankFailure, run_on_ranks
+
+STEPS = 3
+LOSS_RTOL = 1e-5
+NORM_RTOL = 1e-5
+
+
+def _model(preset: str):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(preset_config(preset), dtype=torch.float32)
+
+
+def _batches(vocab: int, batch: int = 2, seq: int = 16):
+    """Pre-shifted labels with some ignored tokens; explicit position_ids."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        labels = torch.full_like(ids, -100)
+        labels[:, :-1] = ids[:, 1:]
+        labels[0, :3] = -100
+        pos = torch.arange(seq).unsqueeze(0).expand(batch, -1).contiguous()
+        out.append((ids, labels, pos))
+    return out
+
+
+def _train(model, batches, options: TPOptions | None = None):
+    """STEPS of AdamW; returns (losses, grad norms). Loss = token CE sum / non-ignored tokens.
+    Also asserts every DTensor gradient has its parameter's placements (no Partial left over)."""
+    from torch.distributed.tensor import DTensor
+
+    from ndparallel.parallel.tensor import loss_parallel_context
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for ids, labels, pos in batches:
+        logits = model(input_ids=ids, position_ids=pos).logits
+        n_tokens = (labels != -100).sum()
+        with loss_parallel_context(options):
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                reduction="sum",
+            ) / n_tokens
+            loss.backward()
+        for name, p in model.named_parameters():
+            if isinstance(p, DTensor):
+                assert p.grad.placements == p.placements, (name, p.grad.placements, p.placements)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+        losses.append(full(loss).item())
+        norms.append(full(norm).item())
+        opt.step()
+        opt.zero_grad()
+    return losses, norms
+
+
+def _tp_rank(model, batches, options: TPOptions):
+    """On each rank: TP over all ranks, train, report losses/norms and structural facts."""
+    from torch.distributed.tensor import DTensor
+
+    from ndparallel.parallelism_config import ParallelismConfig
+    from ndparallel.parallel.tensor import apply_tensor_parallel, is_tensor_parallel
+
+    import torch.distributed as dist
+
+    model = copy.deepcopy(model)
+    tp_mesh = ParallelismConfig(tp_size=dist.get_world_size()).build_device_mesh("cpu")["tp"]
+    assert not is_tensor_parallel(model)
+    apply_tensor_parallel(model, tp_mesh, options)
+    assert is_tensor_parallel(model)
+    facts = {
+        "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+        "meshes": {id(p.device_mesh) for p in model.parameters()} == {id(tp_mesh)},
+        "tied": model.lm_head.weight is model.get_input_embeddings().weight,
+        "placement_embed": str(model.get_input_embeddings().weight.placements),
+    }
+    losses, norms = _train(model, batches, options)
+    return losses, norms, facts
+
+
+def _assert_close(ref, got):
+    ref_losses, ref_norms = ref
+    losses, norms = got
+    for step, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert abs(a - b) <= LOSS_RTOL * abs(a), f"step {step}: loss {b} vs one process {a}"
+    for step, (a, b) in enumerate(zip(ref_norms, norms)):
+        assert abs(a - b) <= NORM_RTOL * abs(a), f"step {step}: grad norm {b} vs one process {a}"
+
+
+def _check_tp(preset, options, world=2):
+    model = _model(preset)
+    batches = _batches(model.config.vocab_size)
+    ref = _train(copy.deepcopy(model), batches)
+    results = run_on_ranks(_tp_rank, world, model, batches, options)
+    for losses, norms, facts in results:
+        _assert_close(ref, (losses, norms))
+        assert facts["all_dtensor"] and facts["meshes"], facts
+        assert facts["tied"] == model.config.tie_word_embeddings, facts
+    return results
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-llama-tied", "tiny-qwen3"])
+def test_tp2_equals_one_process(preset):
+    _check_tp(preset, TPOptions())
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama-tied", "tiny-qwen3", "tiny-mistral"])
+@pytest.mark.parametrize("sp,lp", [(True, False), (False, True), (True, True)], ids=["sp", "lp", "sp+lp"])
+def test_sequence_and_loss_parallel_equal_one_process(preset, sp, lp):
+    _check_tp(preset, TPOptions(sequence_parallel=sp, loss_parallel=lp))
+
+
+def test_tp4_with_four_kv_heads():
+    # the presets have 2 KV heads; TP 4 needs 4
+    model_preset = "tiny-llama"
+    torch.manual_seed(0)
+    cfg = preset_config(model_preset, num_key_value_heads=4)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    batches = _batches(cfg.vocab_size)
+    ref = _train(copy.deepcopy(model), batches)
+    for losses, norms, _ in run_on_ranks(_tp_rank, 4, model, batches, TPOptions(sequence_parallel=True)):
+        _assert_close(ref, (losses, norms))
+
+
+def test_user_plan_override_and_tied_embeddings_on_vocab():
+    # A user plan (keys relative to the base model are accepted); embedding and lm_head both on vocab
+    plan = {
+        "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+        "embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output",
+    }
+    results = _check_tp("tiny-llama-tied", TPOptions(plan=plan))
+    assert results[0][2]["placement_embed"] == "(Shard(dim=0),)"
+
+
+def _incompatible_tie_rank(model):
+    from ndparallel.parallelism_config import ParallelismConfig
+    from ndparallel.parallel.tensor import apply_tensor_parallel
+
+    mesh = ParallelismConfig(tp_size=2).build_device_mesh("cpu")["tp"]
+    plan = {"model.embed_tokens": "embedding_colwise", "lm_head": "colwise_gather_output"}
+    apply_tensor_parallel(model, mesh, TPOptions(plan=plan))
+
+
+def test_tied_embeddings_with_incompatible_plan_is_a_clear_error():
+    with pytest.raises(RankFailure, match="tied parameters .* different tp shardings"):
+        run_on_ranks(_incompatible_tie_rank, 2, _model("tiny-llama-tied"))
+
+
+# ------------------------------------------------------------------ transformers' own TP path
+def _hf_tp_rank(path, batches):
+    from torch.distributed.tensor import DTensor
+
+    from ndparallel.parallelism_config import ParallelismConfig
+    from ndparallel.parallel.tensor import apply_tensor_parallel, distribute_leftover_params, is_tensor_parallel
+
+    tp_mesh = ParallelismConfig(tp_size=2).build_device_mesh("cpu")["tp"]
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", device_mesh=tp_mesh, dtype=torch.float32)
+    assert is_tensor_parallel(model)
+    plain_before = sum(not isinstance(p, DTensor) for p in model.parameters())
+    distribute_leftover_params(model, tp_mesh)
+    assert apply_tensor_parallel(model, tp_mesh) is model  # detected: not sharded twice
+    facts = {
+        "plain_before": plain_before,
+        "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+        "tied": model.lm_head.weight is model.get_input_embeddings().weight,
+    }
+    losses, norms = _train(model, batches)
+    return losses, norms, facts
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama"])
+def test_transformers_tp_path_equals_one_process(preset, tmp_path):
+    import warnings
+
+    model = _model(preset)
+    model.save_pretrained(tmp_path)
+    batches = _batches(model.config.vocab_size)
+    ref = _train(copy.deepcopy(model), batches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = run_on_ranks(_hf_tp_rank, 2, str(tmp_path), batches)
+    for losses, norms, facts in results:
+        _assert_close(ref, (losses, norms))
+        assert facts["plain_before"] > 0 and facts["all_dtensor"], facts
+        assert facts["tied"] == model.config.tie_word_embeddings
+
+
+# -------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    "overrides,tp,message",
+    [
+        ({}, 4, r"^num_key_value_heads=2 is not divisible by tp_size=4: use tp_size in \{1,2\}$"),
+        ({}, 3, r"num_attention_heads=4 is not divisible by tp_size=3: use tp_size in \{1,2\}"),
+        ({"intermediate_size": 100, "num_attention_heads": 8, "num_key_value_heads": 8}, 8,
+         r"^intermediate_size=100 is not divisible by tp_size=8: use tp_size in \{1,2,4\}$"),
+        ({"vocab_size": 250}, 4, r"vocab_size=250 is not divisible by tp_size=4: .*pad_to_multiple_of=4"),
+    ],
+)
+def test_invalid_tp_sizes_name_field_and_fix(overrides, tp, message):
+    with pytest.raises(ValueError, match=message):
+        validate_tensor_parallel(preset_config("tiny-llama", **overrides), tp, TPOptions())
+
+
+def test_valid_tp_sizes_pass():
+    for tp in (1, 2):
+        validate_tensor_parallel(preset_config("tiny-qwen3"), tp, TPOptions())
+    # a user plan that does not shard the vocabulary does not need a divisible vocab
+    plan = {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+    validate_tensor_parallel(preset_config("tiny-llama", vocab_size=255), 2, TPOptions(plan=plan))
+    with pytest.raises(ValueError, match="tp_size must be an integer >= 1"):
+        validate_tensor_parallel(preset_config("tiny-llama"), 0)
+
+
+def test_model_without_plan_names_what_to_supply():
+    cfg = preset_config("tiny-llama")
+    cfg.base_model_tp_plan = None
+    model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(TPPlanError, match=r"TPOptions\(plan=.*`tp_plan` key of the YAML.*colwise"):
+        resolve_tp_plan(model)
+    assert resolve_tp_plan(model, {"lm_head": "colwise"}) == {"lm_head": "colwise"}
+
+
+def test_model_plan_is_read_from_hf_config():
+    plan = resolve_tp_plan(_model("tiny-qwen3"))
+    assert plan["lm_head"] == "colwise_gather_output"
+    assert plan["model.embed_tokens"] == "embedding_rowwise"
+    assert plan["model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    assert plan["model.layers.*.mlp.down_proj"] == "rowwise"
