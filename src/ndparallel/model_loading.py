@@ -1,0 +1,212 @@
+"""Load a Hugging Face causal LM straight into its parallel layout.
+
+A model directory is built on the meta device, parallelised there (TP → CP → FSDP, no memory),
+given empty storage on the device, and then filled with only this rank's shards, read from the
+safetensors files by torch.distributed.checkpoint's ``HuggingFaceStorageReader``: it plans one read
+per DTensor shard and reads each with ``safe_open(...).get_slice``, so a rank touches about
+``model / N`` bytes of host memory instead of the whole model. Non-persistent buffers (rotary
+``inv_freq``), which are in no checkpoint, are recomputed by the model's own ``_init_weights``.
+
+A config or preset name gives a random initialisation that equals
+``torch.manual_seed(seed); AutoModelForCausalLM.from_config(config)`` on one process. It is built
+in full on every rank and then sharded: simple and exactly reproducible, fine for the tiny presets,
+but it costs the whole model per rank (meant for demos and tests, not for random-initialising a
+large model).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from ndparallel.models.presets import PRESETS, is_preset, preset_config
+
+_SAFETENSORS = ".safetensors"
+
+
+def load_model(
+    acc: Any,
+    path_or_config: str | os.PathLike | PretrainedConfig,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+) -> nn.Module:
+    """Build, parallelise (``acc.prepare_model``) and fill a causal LM; returns the prepared model.
+
+    Args:
+        acc: the ``Accelerator`` (its layout, mesh and device are used).
+        path_or_config: an HF model directory with ``*.safetensors`` (one file or sharded), an HF
+            ``PretrainedConfig``, or a built-in preset name (``ndparallel.models.presets``).
+        dtype: parameter dtype (checkpoint tensors are converted while being copied in).
+        trust_remote_code: passed to ``AutoConfig`` / ``AutoModelForCausalLM``.
+        attn_implementation: the attention kernel name given to transformers.
+        seed: RNG seed of the random init of a config/preset (the global RNG is left untouched).
+    """
+    if isinstance(path_or_config, PretrainedConfig):
+        config = path_or_config
+    elif isinstance(path_or_config, str) and is_preset(path_or_config):
+        config = preset_config(path_or_config)
+    else:
+        return _load_pretrained(acc, Path(path_or_config), dtype, trust_remote_code, attn_implementation)
+    _check_causal_lm(config, trust_remote_code)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+    return acc.prepare_model(model)
+
+
+def _load_pretrained(
+    acc: Any, path: Path, dtype: torch.dtype, trust_remote_code: bool, attn_implementation: str
+) -> nn.Module:
+    files = checkpoint_files(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    _check_causal_lm(config, trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+    model = acc.prepare_model(model)  # TP/CP/FSDP on meta: no memory yet
+    _to_empty_keeping_ties(model, acc.device)
+    init_non_persistent_buffers(model)
+    load_sharded_safetensors(model, path, files)
+    if (path / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
+
+
+def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device)`` without breaking tied parameters: meta → real storage is no
+    shallow copy, so plain ``to_empty`` gives each alias of a tied weight its own new Parameter.
+    Swapping tensors in place (``swap_tensors``) keeps every Parameter object, hence the ties
+    (and FSDP2's references to its sharded parameters)."""
+    old = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(old)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The ``*.safetensors`` files of model directory ``path``; clear errors when there are none."""
+    if not path.exists():
+        presets = ", ".join(PRESETS)
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist (and is not a built-in preset: {presets}). "
+            "Give a local Hugging Face model directory (download hub models first, e.g. "
+            "`huggingface-cli download <repo> --local-dir <dir>`)."
+        )
+    if not path.is_dir():
+        raise NotADirectoryError(f"model path {str(path)!r} is not a directory: give the model directory")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face model directory")
+    files = sorted(p for p in path.iterdir() if p.name.endswith(_SAFETENSORS))
+    if not files:
+        pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        hint = (
+            f" It holds {', '.join(pickled)}: pickled weights are never loaded (unpickling runs "
+            "code). Convert once with transformers: `AutoModelForCausalLM.from_pretrained(dir)"
+            ".save_pretrained(out_dir)` (writes safetensors)."
+            if pickled else ""
+        )
+        raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}.{hint}")
+    return files
+
+
+def _check_causal_lm(config: PretrainedConfig, trust_remote_code: bool) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return
+    if trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        return
+    raise ValueError(
+        f"config of model_type {config.model_type!r} (architectures "
+        f"{getattr(config, 'architectures', None)}) has no causal-LM class in transformers' "
+        "AutoModelForCausalLM; ndparallel trains causal language models only"
+        + ("" if trust_remote_code else " (for custom code models pass trust_remote_code=True)")
+    )
+
+
+@torch.no_grad()
+def init_non_persistent_buffers(model: nn.Module) -> None:
+    """Recompute buffers that are in no checkpoint (e.g. rotary ``inv_freq``) after ``to_empty``,
+    with the model's own ``_init_weights``, called only on modules that own such buffers (so no
+    parameter is re-initialised)."""
+    init = getattr(model, "_init_weights", None)
+    for name, module in model.named_modules():
+        if not getattr(module, "_non_persistent_buffers_set", None):
+            continue
+        if init is None:
+            raise RuntimeError(f"cannot recompute the non-persistent buffers of {name!r}: no _init_weights")
+        init(module)
+
+
+def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path]) -> None:
+    """Fill every parameter and persistent buffer of ``model`` (plain tensors or DTensor shards)
+    from the safetensors files in ``path``, reading only this rank's slices (DCP resharding).
+
+    Collective: every rank of the default group must call it. Tied parameters are read once,
+    under the key the checkpoint holds (``save_pretrained`` omits ``lm_head.weight`` when tied)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    ckpt_keys = _checkpoint_keys(files)
+    state_dict = get_model_state_dict(model)
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    to_read, missing = {}, []
+    for key, tensor in state_dict.items():
+        if key in ckpt_keys:
+            to_read[key] = tensor
+        elif not any(k in ckpt_keys and k != key for k in aliases.get(id(_param_of(model, key)), [])):
+            missing.append(key)
+    if missing:
+        raise KeyError(
+            f"{len(missing)} model tensor(s) are not in the checkpoint {str(path)!r}, e.g. "
+            f"{missing[:5]}; its keys look like {sorted(ckpt_keys)[:3]} (a checkpoint of another "
+            "architecture or with renamed keys?)"
+        )
+    dcp.load(to_read, storage_reader=HuggingFaceStorageReader(str(path)))
+    # DCP wrote into the state-dict tensors, which are the parameters' own storage for FSDP2/TP
+    # DTensors and plain tensors; setting them back is a no-op copy that also covers wrappers
+    # whose state dict is a copy.
+    set_model_state_dict(model, to_read, options=_partial())
+
+
+def _param_of(model: nn.Module, key: str):
+    try:
+        return model.get_parameter(key)
+    except AttributeError:
+        return None
+
+
+def _partial():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(strict=False)
+
+
+def _checkpoint_keys(files: list[Path]) -> set[str]:
+    """Tensor names in the safetensors headers (the data is not read)."""
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            keys.update(handle.keys())
+    return keys
