@@ -1,0 +1,428 @@
+"""Sharded training checkpoints: save on any layout, resume on any other, never half-written.
+
+A checkpoint directory (``output_dir/checkpoint-{step}/``) holds:
+
+* DCP files (``__<rank>_0.distcp`` + ``.metadata``): every tensor — model and optimizer state from
+  ``get_model_state_dict`` / ``get_optimizer_state_dict`` (sharded DTensors, canonical FQNs, so a
+  later load on another mesh or world size reshards them), and any tensor inside the scheduler,
+  loader or ``extra`` states;
+* ``state.json`` (rank 0): the JSON skeletons of those states (param groups, scheduler, data-loader
+  position, step, resolved config, ``extra``) with the tensors named by their DCP key;
+* ``rng/rank-XXXXX.json``: each rank's python / numpy / torch / CUDA RNG states;
+* ``hf/config.json``: the model's HF config, so ``ndparallel export`` needs nothing else;
+* ``COMPLETE``: written last, by rank 0, after a barrier that every rank reaches only once its own
+  files are written — tmp file + ``os.replace``, listing every file with its size (and a sha256
+  of the small ones). A directory without a valid marker is never taken for a checkpoint.
+
+Nothing is unpickled on load: JSON, DCP tensor data via ``torch.load(weights_only=True)``, and
+DCP's ``.metadata`` through an allow-list unpickler (``checkpoint_io``). All ranks must see the
+same filesystem (multi-node: a shared one).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import os
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from ndparallel.checkpoint_io import (
+    SafeFileSystemReader,
+    join_tensors,
+    read_dcp_metadata,
+    read_json,
+    rng_state,
+    set_rng_state,
+    split_tensors,
+    tensor_keys,
+    write_json_atomic,
+)
+
+FORMAT = "ndparallel-checkpoint/1"
+MARKER = "COMPLETE"
+STATE_FILE = "state.json"
+HF_CONFIG_DIR = "hf"
+CHECKPOINT_PREFIX = "checkpoint-"
+_HASH_LIMIT = 16 << 20  # sha256 for files up to this size
+_STEP_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+
+
+# ------------------------------------------------------------------------------ save / load
+def save_checkpoint(
+    acc, directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    scheduler=None, extra: dict | None = None, *, loader=None, step: int | None = None, config: Any = None,
+) -> Path:
+    """Save ``model``, ``optimizer``, ``scheduler``, ``loader`` position, RNG states, ``step``,
+    ``config`` and ``extra`` (JSON-able; tensors allowed) into ``directory``. Call on every rank."""
+    return save_state(
+        acc, directory, [model], [optimizer] if optimizer is not None else [],
+        [scheduler] if scheduler is not None else [], extra=extra,
+        loaders=[loader] if loader is not None else [], step=step, config=config,
+    )
+
+
+def load_checkpoint(
+    acc, directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    scheduler=None, *, loader=None, restore_rng: bool = True,
+) -> dict:
+    """Load what ``save_checkpoint`` wrote into the (already prepared) objects, on any layout.
+    Returns the saved ``extra`` plus ``step``, ``config`` and ``loader`` (its state) when absent."""
+    return load_state(
+        acc, directory, [model], [optimizer] if optimizer is not None else [],
+        [scheduler] if scheduler is not None else [], loaders=[loader] if loader is not None else [],
+        restore_rng=restore_rng,
+    )
+
+
+def save_state(
+    acc, directory: str | os.PathLike, models: Sequence[nn.Module] | None = None,
+    optimizers: Sequence[torch.optim.Optimizer] | None = None, schedulers: Sequence[Any] | None = None,
+    extra: dict | None = None, *, loaders: Sequence[Any] = (), step: int | None = None, config: Any = None,
+) -> Path:
+    """``Accelerator.save_state``: several models / optimizers / schedulers / loaders (default:
+    those the Accelerator tracks). Every rank must call it; returns the directory."""
+    models, optimizers, schedulers = _tracked(acc, models, optimizers, schedulers)
+    directory = Path(directory)
+    rank, world = _rank(), _world()
+    extra = dict(extra or {})
+    if step is None and isinstance(extra.get("step"), int):
+        step = extra["step"]
+    tensors: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {"format": FORMAT, "step": step, "world_size": world, "layout": _layout(acc)}
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state["models"] = [split_tensors(get_model_state_dict(m), _key("model", i), tensors)
+                       for i, m in enumerate(models)]
+    state["optimizers"] = [
+        split_tensors(get_optimizer_state_dict(_owner(models, o), o), _key("optimizer", i), tensors)
+        for i, o in enumerate(optimizers)
+    ]
+    state["schedulers"] = [split_tensors(s.state_dict(), _key("scheduler", i), tensors)
+                           for i, s in enumerate(schedulers)]
+    state["loaders"] = [split_tensors(ld.state_dict(), _key("loader", i), tensors) for i, ld in enumerate(loaders)]
+    state["config"] = split_tensors(_jsonable_config(config), "config", tensors)
+    state["extra"] = split_tensors(extra, "extra", tensors)
+
+    if rank == 0:
+        _prepare_dir(directory)
+    _barrier()
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, single_file_per_rank=True))
+    (directory / "rng").mkdir(exist_ok=True)
+    write_json_atomic(directory / "rng" / f"rank-{rank:05d}.json", rng_state())
+    if rank == 0:
+        write_json_atomic(directory / STATE_FILE, state)
+        _save_hf_config(models[0] if models else None, directory / HF_CONFIG_DIR)
+    _barrier()  # every rank's files are on disk
+    if rank == 0:
+        _write_marker(directory, state)
+    _barrier()  # nobody moves on (to rotate, or to read) before the marker exists
+    return directory
+
+
+def load_state(
+    acc, directory: str | os.PathLike, models: Sequence[nn.Module] | None = None,
+    optimizers: Sequence[torch.optim.Optimizer] | None = None, schedulers: Sequence[Any] | None = None,
+    *, loaders: Sequence[Any] = (), restore_rng: bool = True,
+) -> dict:
+    """``Accelerator.load_state``: restore what ``save_state`` wrote, resharding DTensors to this
+    run's layout. Raises ``ValueError`` for an incomplete or corrupted directory."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    models, optimizers, schedulers = _tracked(acc, models, optimizers, schedulers)
+    directory = Path(directory)
+    problems = validate_checkpoint(directory)
+    if problems:
+        raise ValueError(f"cannot load checkpoint {directory}: " + "; ".join(problems))
+    state = read_json(directory / STATE_FILE)
+    for what, have, saved in (("models", models, state["models"]), ("optimizers", optimizers, state["optimizers"]),
+                              ("schedulers", schedulers, state["schedulers"])):
+        if len(have) != len(saved):
+            raise ValueError(f"checkpoint {directory} holds {len(saved)} {what}, but {len(have)} were given")
+
+    # Targets: this run's (sharded) state dicts; DCP reads each rank's part of each tensor into them.
+    current: dict[str, torch.Tensor] = {}
+    for i, m in enumerate(models):
+        split_tensors(get_model_state_dict(m), _key("model", i), current)
+    for i, o in enumerate(optimizers):
+        split_tensors(get_optimizer_state_dict(_owner(models, o), o), _key("optimizer", i), current)
+    wanted = tensor_keys([state[k] for k in ("models", "optimizers", "schedulers", "loaders", "config", "extra")])
+    metadata = read_dcp_metadata(directory).state_dict_metadata
+    targets: dict[str, torch.Tensor] = {}
+    for key in wanted:
+        if key in current:
+            targets[key] = current[key]
+        elif key in metadata:
+            md = metadata[key]
+            targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            raise ValueError(f"checkpoint {directory} is missing tensor {key!r}")
+    dcp.load(targets, storage_reader=SafeFileSystemReader(directory))
+
+    for i, m in enumerate(models):
+        set_model_state_dict(m, join_tensors(state["models"][i], targets))
+    for i, o in enumerate(optimizers):
+        set_optimizer_state_dict(_owner(models, o), o, join_tensors(state["optimizers"][i], targets))
+    for i, s in enumerate(schedulers):
+        s.load_state_dict(join_tensors(state["schedulers"][i], targets))
+    loader_states = [join_tensors(s, targets) for s in state["loaders"]]
+    for ld, ls in zip(loaders, loader_states):
+        ld.load_state_dict(ls)
+    if restore_rng:
+        _restore_rng(directory, state)
+    out = dict(join_tensors(state["extra"], targets))
+    out.setdefault("step", state.get("step"))
+    out.setdefault("config", join_tensors(state["config"], targets))
+    out.setdefault("loader", loader_states[0] if loader_states else None)
+    _barrier()
+    return out
+
+
+# ---------------------------------------------------------- step directories and rotation
+def checkpoint_dir(output_dir: str | os.PathLike, step: int) -> Path:
+    return Path(output_dir) / f"{CHECKPOINT_PREFIX}{int(step)}"
+
+
+def save_step_checkpoint(
+    acc, output_dir: str | os.PathLike, step: int, model: nn.Module, optimizer, scheduler=None, *,
+    loader=None, config: Any = None, extra: dict | None = None, save_total_limit: int | None = None,
+) -> Path:
+    """Save ``output_dir/checkpoint-{step}`` and then, if ``save_total_limit`` is set, delete all
+    but the newest ``save_total_limit`` complete checkpoints (only once the new one is complete)."""
+    path = save_checkpoint(acc, checkpoint_dir(output_dir, step), model, optimizer, scheduler, extra,
+                           loader=loader, step=step, config=config)
+    if save_total_limit is not None and _rank() == 0:
+        rotate_checkpoints(output_dir, save_total_limit)
+    _barrier()
+    return path
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``checkpoint-N`` directory, complete or not, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(found)
+
+
+def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int) -> list[Path]:
+    """Keep the newest ``save_total_limit`` complete checkpoints; delete older complete ones and
+    incomplete leftovers older than the newest complete one. Returns what was deleted."""
+    if save_total_limit < 1:
+        raise ValueError(f"save_total_limit must be >= 1, got {save_total_limit}")
+    entries = list_checkpoints(output_dir)
+    complete = [(s, p) for s, p in entries if not validate_checkpoint(p, deep=False)]
+    if not complete:
+        return []
+    keep = {p for _, p in complete[-save_total_limit:]}
+    newest = complete[-1][0]
+    doomed = [p for s, p in entries if p not in keep and (p in dict(complete).values() or s < newest)]
+    for p in doomed:
+        _delete_checkpoint(p)
+    return doomed
+
+
+# ------------------------------------------------------------------- validation and resume
+def validate_checkpoint(path: str | os.PathLike, deep: bool = True) -> list[str]:
+    """What is wrong with checkpoint ``path`` (empty list: complete and intact). ``deep`` also
+    re-hashes the small files and parses the DCP metadata."""
+    path = Path(path)
+    if not path.is_dir():
+        return [f"{path} is not a directory"]
+    marker = path / MARKER
+    if not marker.is_file():
+        return [f"no {MARKER} marker (the save did not finish)"]
+    try:
+        info = read_json(marker)
+        files = info["files"]
+        if info.get("format") != FORMAT:
+            return [f"{MARKER} has format {info.get('format')!r}, expected {FORMAT!r}"]
+    except Exception as exc:  # noqa: BLE001 - any unreadable marker is corruption
+        return [f"unreadable {MARKER} marker ({type(exc).__name__}: {exc})"]
+    problems = []
+    for name in (".metadata", STATE_FILE):
+        if name not in files:
+            problems.append(f"{MARKER} does not list {name}")
+    for name, meta in files.items():
+        f = path / name
+        if not f.is_file():
+            problems.append(f"missing file {name}")
+        elif f.stat().st_size != meta["size"]:
+            problems.append(f"file {name} has {f.stat().st_size} bytes, expected {meta['size']}")
+        elif deep and "sha256" in meta and _sha256(f) != meta["sha256"]:
+            problems.append(f"file {name} is corrupted (sha256 mismatch)")
+    if deep and not problems:
+        try:
+            read_dcp_metadata(path)
+            read_json(path / STATE_FILE)
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"unreadable metadata ({type(exc).__name__}: {exc})")
+    return problems
+
+
+def find_resume_checkpoint(output_dir: str | os.PathLike | None, resume_from_checkpoint: Any) -> Path | None:
+    """The checkpoint to resume from: ``None``/``False``/``""`` → none; ``"auto"``/``True`` → the
+    newest complete ``checkpoint-N`` in ``output_dir`` (incomplete or corrupted ones are skipped
+    with a warning naming them; none → ``None``); a path → that checkpoint, or ``ValueError``
+    naming the path and what is wrong with it."""
+    if resume_from_checkpoint in (None, False, ""):
+        return None
+    if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
+        if output_dir is None:
+            raise ValueError("resume_from_checkpoint='auto' needs an output_dir to search")
+        for step, path in reversed(list_checkpoints(output_dir)):
+            problems = validate_checkpoint(path)
+            if not problems:
+                return path
+            warnings.warn(f"skipping checkpoint {path}: " + "; ".join(problems), stacklevel=2)
+        return None
+    path = Path(resume_from_checkpoint)
+    problems = validate_checkpoint(path)
+    if problems:
+        hint = ""
+        if list_checkpoints(path):
+            hint = " (it holds checkpoint-N directories: pass one of them, or resume_from_checkpoint: auto)"
+        raise ValueError(f"resume_from_checkpoint={str(path)!r} is not a usable checkpoint: "
+                         + "; ".join(problems) + hint)
+    return path
+
+
+def checkpoint_info(path: str | os.PathLike) -> dict:
+    """The ``COMPLETE`` marker's content: step, world_size, layout, time, files."""
+    return read_json(Path(path) / MARKER)
+
+
+# ----------------------------------------------------------------------------- internals
+def _key(kind: str, i: int) -> str:
+    return kind if i == 0 else f"{kind}_{i}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _layout(acc) -> dict | None:
+    pc = getattr(acc, "parallelism_config", None)
+    return pc.to_dict() if pc is not None and hasattr(pc, "to_dict") else None
+
+
+def _tracked(acc, models, optimizers, schedulers):
+    def uniq(xs):
+        seen, out = set(), []
+        for x in xs or ():
+            if id(x) not in seen:
+                seen.add(id(x))
+                out.append(x)
+        return out
+
+    models = uniq(models if models is not None else getattr(acc, "_models", []))
+    optimizers = uniq(optimizers if optimizers is not None else getattr(acc, "_optimizers", []))
+    schedulers = uniq(schedulers if schedulers is not None else getattr(acc, "_schedulers", []))
+    return models, optimizers, schedulers
+
+
+def _owner(models: Sequence[nn.Module], optimizer) -> nn.Module:
+    """The model whose parameters ``optimizer`` updates."""
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for m in models:
+        if any(id(p) in ids for p in m.parameters()):
+            return m
+    raise ValueError("an optimizer updates parameters of none of the models given; pass its model")
+
+
+def _jsonable_config(config: Any) -> Any:
+    if config is None or isinstance(config, (dict, list, str, int, float, bool)):
+        return copy.deepcopy(config)
+    if hasattr(config, "model_dump"):  # pydantic
+        return config.model_dump(mode="json")
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    raise TypeError(f"cannot store a config of type {type(config).__name__}: pass a dict")
+
+
+def _prepare_dir(directory: Path) -> None:
+    """Empty a leftover directory (an old or half-written save) and create it; marker first."""
+    if directory.exists():
+        (directory / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+
+
+def _save_hf_config(model: nn.Module | None, target: Path) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return
+    from ndparallel.export import model_class_name
+
+    config = copy.deepcopy(config)
+    config.architectures = [model_class_name(model)]
+    config.save_pretrained(target)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and hasattr(gen, "save_pretrained"):
+        try:
+            gen.save_pretrained(target)
+        except Exception:  # noqa: BLE001 - an invalid generation config is not worth a failed save
+            pass
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_marker(directory: Path, state: dict) -> None:
+    files = {}
+    for f in sorted(directory.rglob("*")):
+        if f.is_file() and f.name != MARKER and not f.name.startswith(f".{MARKER}"):
+            size = f.stat().st_size
+            entry = {"size": size}
+            if size <= _HASH_LIMIT:
+                entry["sha256"] = _sha256(f)
+            files[f.relative_to(directory).as_posix()] = entry
+    write_json_atomic(directory / MARKER, {
+        "format": FORMAT, "step": state["step"], "world_size": state["world_size"],
+        "layout": state["layout"], "time": time.time(), "files": files,
+    })
+
+
+def _delete_checkpoint(path: Path) -> None:
+    (path / MARKER).unlink(missing_ok=True)  # first: a half-deleted dir is never "complete"
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _restore_rng(directory: Path, state: dict) -> None:
+    rank = _rank()
+    f = directory / "rng" / f"rank-{rank:05d}.json"
+    if not f.is_file():  # a larger world than the one that saved: take rank 0's states
+        f = directory / "rng" / "rank-00000.json"
+    set_rng_state(read_json(f))

@@ -1,0 +1,121 @@
+"""A small training run that saves and resumes checkpoints, for the checkpoint and fault tests.
+
+Imported by the tests (``train`` runs inside a rank of ``run_on_ranks``) and launched as a script:
+``ndparallel launch --nproc-per-node 2 [--max-restarts 1] ckpt_train.py OUT --steps 4 [--kill-at 2
+--kill-rank 1 --marker FILE] [--hang-at 2]``: it resumes from OUT's newest complete checkpoint,
+saves one every step, and rank 0 writes ``OUT/losses.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+TOTAL_STEPS = 4
+NUM_BLOCKS, SEQ, GLOBAL_MB = 64, 32, 4
+
+
+def make_setup():
+    from ndparallel.models.presets import preset_config
+    from ndparallel.testing.equivalence import TrainSetup
+
+    return TrainSetup(model_config=preset_config("tiny-llama"), steps=TOTAL_STEPS, seq_len=SEQ,
+                      global_micro_batch=GLOBAL_MB, lr=1e-2)
+
+
+def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume: bool = False,
+          save_every: int | None = None, stop_after: int | None = None, save_total_limit: int | None = None,
+          kill_at: int | None = None, kill_rank: int = 1, marker: str | None = None,
+          reseed_before_load: bool = False, model_preset: str = "tiny-llama") -> dict:
+    """Train ``steps`` optimizer steps (resuming first if asked); returns losses by step, the first
+    random numbers drawn after the last save / the load, and the loader position."""
+    from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.checkpoint import find_resume_checkpoint, load_checkpoint, save_step_checkpoint
+    from ndparallel.data.loader import PackedLoader
+    from ndparallel.models.presets import preset_config
+    from ndparallel.testing.equivalence import build_model, build_optimizer, with_overrides
+
+    setup = with_overrides(make_setup(), model_config=preset_config(model_preset))
+    acc = Accelerator(ParallelismConfig(**(layout or {})))
+    model = build_model(setup)
+    optimizer = build_optimizer(setup, model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + s))
+    model, optimizer = acc.prepare(model, optimizer)
+    model.train()
+    blocks = torch.randint(0, setup.model_config.vocab_size, (NUM_BLOCKS, SEQ + 1),
+                           generator=torch.Generator().manual_seed(7))
+    loader = PackedLoader(blocks, GLOBAL_MB // acc.dp_size, dp_rank=acc.dp_rank, dp_size=acc.dp_size, seed=3)
+    start, rng_probe = 0, None
+    if resume:
+        ckpt = find_resume_checkpoint(out_dir, "auto")
+        if ckpt is not None:
+            if reseed_before_load:
+                torch.manual_seed(12345)
+            extra = load_checkpoint(acc, ckpt, model, optimizer, scheduler, loader=loader)
+            start = extra["step"]
+            rng_probe = torch.rand(4).tolist()
+            assert extra["config"]["name"] == "ckpt-test" and extra["note"] == [1, 2]
+    losses: dict[int, float] = {}
+    batches = iter(loader)
+    for step in range(start + 1, steps + 1):
+        mb = {k: v.to(acc.device) for k, v in next(batches).items()}
+        n_items = acc.global_num_items([mb])
+        with acc.maybe_context_parallel(buffers=[mb["input_ids"], mb["shift_labels"], mb["position_ids"]],
+                                        buffer_seq_dims=[1, 1, 1]):
+            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
+            loss = acc.causal_lm_loss(logits, mb["shift_labels"], n_items)
+            acc.backward(loss, num_items_in_batch=n_items)
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total, group=acc.mesh("dp_cp").get_group())
+        losses[step] = float(total)
+        if save_every and step % save_every == 0:
+            save_step_checkpoint(acc, out_dir, step, model, optimizer, scheduler, loader=loader,
+                                 config={"name": "ckpt-test", "layout": layout}, extra={"note": [1, 2]},
+                                 save_total_limit=save_total_limit)
+            rng_probe = torch.rand(4).tolist()
+        if kill_at == step and acc.process_index == kill_rank and (marker is None or not os.path.exists(marker)):
+            if marker is not None:
+                open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if stop_after == step:
+            break
+    return {"losses": losses, "rng_probe": rng_probe, "loader": loader.state_dict(),
+            "lr": scheduler.get_last_lr()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out_dir")
+    p.add_argument("--steps", type=int, default=TOTAL_STEPS)
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--marker", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    from ndparallel.distributed import init_distributed, shutdown
+
+    init_distributed("cpu")
+    result = train({"dp_shard_size": dist.get_world_size()}, args.out_dir, steps=args.steps, resume=True,
+                   save_every=1, save_total_limit=2, kill_at=args.kill_at, kill_rank=args.kill_rank,
+                   marker=args.marker)
+    if dist.get_rank() == 0:
+        path = os.path.join(args.out_dir, "losses.json")
+        old = json.load(open(path)) if os.path.exists(path) else {}
+        old.update({str(k): v for k, v in result["losses"].items()})
+        json.dump(old, open(path, "w"))
+    shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
