@@ -35,10 +35,14 @@ def validate_layout(cfg: TrainConfig, world_size: int):
         pc = cfg.parallelism_config().resolve(world_size)
     except ParallelismConfigError as e:
         raise ConfigError(str(e)) from None
-    try:
-        hf = model_config(cfg, vocab_size=cfg.tokenizer_vocab_size)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"base_model={cfg.base_model!r} cannot be read: {e}") from None
+    # A well-known hub id that is not on disk is validated with its published numbers: no network
+    # round trip (or long retries on an offline machine) before the ranks start.
+    hf = None if Path(cfg.base_model).exists() else known_config_offline(cfg.base_model)
+    if hf is None:
+        try:
+            hf = model_config(cfg, vocab_size=cfg.tokenizer_vocab_size)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"base_model={cfg.base_model!r} cannot be read: {e}") from None
     try:
         if pc.tp_enabled:
             from ndparallel.parallel.tensor import validate_tensor_parallel
@@ -51,6 +55,25 @@ def validate_layout(cfg: TrainConfig, world_size: int):
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return pc, hf
+
+
+def known_config_offline(hub_id: str):
+    """The HF config of a well-known hub model from the planner's published numbers, so a layout
+    can be validated (``--dry-run``) on a machine that cannot reach the hub."""
+    from transformers import AutoConfig
+
+    from ndparallel.plan.models import PRESETS
+
+    spec = next((m for m in PRESETS.values() if m.hf_id == hub_id), None)
+    if spec is None:
+        return None
+    model_type = "qwen3" if spec.qk_norm else ("mistral" if "mistral" in hub_id.lower() else "llama")
+    return AutoConfig.for_model(
+        model_type, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        intermediate_size=spec.intermediate, vocab_size=spec.vocab, head_dim=spec.head_dim,
+        tie_word_embeddings=spec.tied_embeddings,
+    )
 
 
 def _world_size(cfg: TrainConfig, nproc: int | None) -> int:

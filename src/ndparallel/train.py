@@ -128,8 +128,10 @@ def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.resolved.yaml").write_text(_dump_yaml(cfg))
+        if state.step == 0 and metrics.path.exists():
+            metrics.path.unlink()  # a fresh run starts a fresh metrics file
     acc.print(
-        f"ndparallel train: {acc.parallelism_config.describe()} on {acc.num_processes} ranks "
+        f"ndparallel train: {acc.parallelism_config.describe()} on {acc.num_processes} rank(s) "
         f"({acc.device.type}); model {_global_numel(model) / 1e6:.2f}M params "
         f"({num_params / 1e6:.2f}M on this rank); {total_steps} steps × "
         f"{global_micro * cfg.gradient_accumulation_steps} sequences × {cfg.sequence_len} tokens"
@@ -289,15 +291,18 @@ class _Progress:
         self.enabled = enabled
         if not enabled:
             return
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+        self.interactive = Console().is_terminal
+        if not self.interactive:  # logs / CI: plain lines only
+            return
         self.bar = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
             TextColumn("{task.fields[info]}"),
         )
         self.bar.start()
         self.task = self.bar.add_task("train", total=total, completed=start, info="")
-        self.interactive = self.bar.console.is_terminal
 
     def update(self, step: int, m: dict) -> None:
         if not self.enabled:
@@ -306,10 +311,11 @@ class _Progress:
                 f"{m['tokens_per_s']:.0f} tok/s | {m['tflops_per_device']:.3f} TFLOP/s/dev"
                 + (f" | MFU {m['mfu']:.1%}" if "mfu" in m else "")
                 + f" | mem {m['peak_memory_gb']:.2f} GB")
-        self.bar.update(self.task, completed=step, info=info)
-        if not self.interactive:  # logs / CI: one plain line per logging step
+        if self.interactive:
+            self.bar.update(self.task, completed=step, info=info)
+        else:
             print(f"step {step}: {info}", flush=True)
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self.interactive:
             self.bar.stop()
