@@ -1,0 +1,292 @@
+"""Consolidated Hugging Face export (safetensors), streamed one tensor at a time.
+
+* ``save_hf_model`` (``Accelerator.save_model``, end of training): every rank walks the model's
+  sharded state dict in the same order and ``full_tensor()``s one parameter at a time (an
+  all-gather); rank 0 appends it to the current safetensors shard and writes the shard once it
+  reaches ``max_shard_size``. Beyond its own shard a rank holds one full tensor; rank 0 at most
+  ``max_shard_size`` + one tensor. Tied weights are written once (under the name HF keeps).
+* ``export_checkpoint`` (``ndparallel export CKPT OUT``): one process, no GPU, no process group:
+  reads the model tensors of a DCP checkpoint shard-group by shard-group straight into full
+  tensors and writes the same HF layout, with the config saved in the checkpoint.
+
+Layout written: ``config.json`` (+ ``generation_config.json``), ``model.safetensors`` or
+``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, tokenizer files if given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_size(size: int | str) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or an int (bytes)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
+    if not m:
+        raise ValueError(f"cannot read size {size!r}: use e.g. 5GB, 500MB or a number of bytes")
+    unit = m.group(2).rstrip("B")
+    base = 1024 if unit.endswith("I") else 1000
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
+    return int(float(m.group(1)) * base**power)
+
+
+def model_class_name(model: nn.Module) -> str:
+    """The HF class name of a (possibly FSDP-wrapped) model, e.g. ``LlamaForCausalLM``."""
+    for cls in type(model).__mro__:
+        if not cls.__name__.startswith("FSDP"):
+            return cls.__name__
+    return type(model).__name__
+
+
+class ShardWriter:
+    """Collects tensors into safetensors files of at most ``max_shard_size`` bytes (a tensor larger
+    than that gets a file of its own) and writes HF's index when there is more than one."""
+
+    def __init__(self, directory: str | os.PathLike, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for old in self.dir.glob("model*.safetensors*"):  # a previous export's shards
+            old.unlink()
+        self.max = parse_size(max_shard_size)
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + nbytes > self.max:
+            self.flush()
+        self.current[name] = tensor.detach().contiguous()
+        self.current_bytes += nbytes
+        self.total += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.current:
+            return
+        tmp = f".shard-{len(self.files):05d}.safetensors.tmp"
+        save_file(self.current, str(self.dir / tmp), metadata={"format": "pt"})
+        self.files.append((tmp, list(self.current)))
+        self.current, self.current_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Write the last shard, give the files their final names; returns them."""
+        self.flush()
+        n = len(self.files)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        weight_map = {}
+        for (tmp, keys), name in zip(self.files, names):
+            os.replace(self.dir / tmp, self.dir / name)
+            weight_map.update({k: name for k in keys})
+        if n > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return names
+
+
+def _tied_aliases(model: nn.Module) -> set[str]:
+    """Names of parameters that are the same object as an earlier one (e.g. ``lm_head.weight``)."""
+    seen: dict[int, str] = {}
+    aliases = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases.add(name)
+        else:
+            seen[id(p)] = name
+    return aliases
+
+
+def _write_config(model_or_config: Any, directory: Path, dtype: torch.dtype | None, class_name: str | None) -> None:
+    import copy
+
+    config = copy.deepcopy(getattr(model_or_config, "config", model_or_config))
+    if class_name:
+        config.architectures = [class_name]
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(directory)
+
+
+def save_hf_model(
+    model: nn.Module, save_directory: str | os.PathLike, is_main: bool, tokenizer=None, *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, dtype: torch.dtype | None = None,
+) -> None:
+    """Write a consolidated HF directory from a parallelised (FSDP2 / TP / DP / plain) model.
+    Collective: every rank must call it; only ``is_main`` writes. ``dtype`` casts (default: as is)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    state = get_model_state_dict(model)  # sharded: nothing is gathered here
+    aliases = _tied_aliases(model)
+    writer = ShardWriter(save_directory, max_shard_size) if is_main else None
+    seen: set[int] = set()
+    saved_dtype = None
+    for name, value in state.items():
+        if name in aliases or id(value) in seen:
+            continue
+        seen.add(id(value))
+        full = value.full_tensor() if isinstance(value, DTensor) else value  # one tensor at a time
+        if writer is not None:
+            full = full.detach().to("cpu", dtype=dtype or full.dtype)
+            saved_dtype = saved_dtype or (full.dtype if full.is_floating_point() else None)
+            writer.add(name, full)
+        del full
+    if writer is None:
+        return
+    writer.finish()
+    out = Path(save_directory)
+    if getattr(model, "config", None) is not None:
+        _write_config(model, out, saved_dtype, model_class_name(model))
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and getattr(model, "can_generate", lambda: False)():
+        gen.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+# ------------------------------------------------------------------- checkpoint -> HF offline
+def _load_config(model_config: Any, checkpoint_dir: Path):
+    from transformers import AutoConfig, PretrainedConfig
+
+    from ndparallel.checkpoint import HF_CONFIG_DIR
+
+    if isinstance(model_config, PretrainedConfig):
+        return model_config
+    if model_config is None:
+        hf = checkpoint_dir / HF_CONFIG_DIR
+        if not (hf / "config.json").is_file():
+            raise ValueError(f"checkpoint {checkpoint_dir} has no {HF_CONFIG_DIR}/config.json: pass the model "
+                             "config (--config: an HF model dir, a config.json or a preset name)")
+        return AutoConfig.from_pretrained(hf)
+    from ndparallel.models.presets import is_preset, preset_config
+
+    if is_preset(str(model_config)):
+        return preset_config(str(model_config))
+    path = Path(model_config)
+    return AutoConfig.from_pretrained(path.parent if path.name.endswith(".json") else path)
+
+
+def export_checkpoint(
+    checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, model_config: Any = None, *,
+    tokenizer: Any = None, dtype: torch.dtype | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """Convert checkpoint ``checkpoint_dir`` (any layout, any world size) to an HF directory on one
+    process. ``model_config``: an HF config, dir, config.json or preset name (default: the config
+    stored in the checkpoint). ``tokenizer``: an object with ``save_pretrained`` or a path."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel.checkpoint import validate_checkpoint
+    from ndparallel.checkpoint_io import SafeFileSystemReader, read_dcp_metadata
+
+    ckpt, out = Path(checkpoint_dir), Path(out_dir)
+    problems = validate_checkpoint(ckpt)
+    if problems:
+        raise ValueError(f"cannot export {ckpt}: " + "; ".join(problems))
+    config = _load_config(model_config, ckpt)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    expected = [n for n in skeleton.state_dict() if n not in _tied_aliases(skeleton)]
+    metadata = read_dcp_metadata(ckpt).state_dict_metadata
+    prefix = "model/"
+    missing = [n for n in expected if prefix + n not in metadata]
+    if missing:
+        raise ValueError(f"checkpoint {ckpt} does not match the model config: missing {missing[:5]}"
+                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    writer = ShardWriter(out, max_shard_size)
+    limit = writer.max
+    group: list[str] = []
+    group_bytes = 0
+
+    def load_group(names: list[str]) -> None:
+        targets = {}
+        for n in names:
+            md = metadata[prefix + n]
+            targets[prefix + n] = torch.empty(md.size, dtype=md.properties.dtype)
+        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(targets, storage_reader=SafeFileSystemReader(ckpt), no_dist=True)
+        for n in names:
+            t = targets.pop(prefix + n)
+            writer.add(n, t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+
+    for name in expected:
+        md = metadata[prefix + name]
+        nbytes = md.size.numel() * torch.empty((), dtype=md.properties.dtype).element_size()
+        if group and group_bytes + nbytes > limit:
+            load_group(group)
+            group, group_bytes = [], 0
+        group.append(name)
+        group_bytes += nbytes
+    if group:
+        load_group(group)
+    writer.finish()
+    floating = [metadata[prefix + n].properties.dtype for n in expected
+                if metadata[prefix + n].properties.dtype.is_floating_point]
+    _write_config(config, out, dtype or (floating[0] if floating else None), model_class_name(skeleton))
+    gen_file = ckpt / "hf" / "generation_config.json"
+    if gen_file.is_file():
+        (out / "generation_config.json").write_text(gen_file.read_text())
+    if tokenizer is not None:
+        if isinstance(tokenizer, (str, os.PathLike)):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def export_main(argv: Sequence[str] | None = None) -> int:
+    """``ndparallel export CKPT OUT [--config C] [--dtype bf16] [--max-shard-size 5GB] [--tokenizer T]``."""
+    from ndparallel.checkpoint import find_resume_checkpoint, list_checkpoints
+
+    parser = argparse.ArgumentParser(
+        prog="ndparallel export",
+        description="Turn a sharded checkpoint (any layout) into a Hugging Face safetensors directory, "
+                    "on one process without GPUs. CKPT: a checkpoint-N dir, or an output_dir (its "
+                    "newest complete checkpoint is used).")
+    parser.add_argument("checkpoint")
+    parser.add_argument("out_dir")
+    parser.add_argument("--config", default=None, help="HF model dir / config.json / preset (default: "
+                        "the config stored in the checkpoint)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast floating tensors")
+    parser.add_argument("--max-shard-size", default="5GB")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer dir or hub id to save alongside")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    ckpt = Path(args.checkpoint)
+    try:
+        if not (ckpt / "COMPLETE").exists() and list_checkpoints(ckpt):
+            found = find_resume_checkpoint(ckpt, "auto")
+            if found is None:
+                raise ValueError(f"{ckpt} holds no complete checkpoint")
+            print(f"ndparallel export: using {found}")
+            ckpt = found
+        out = export_checkpoint(ckpt, args.out_dir, args.config, tokenizer=args.tokenizer,
+                                dtype=_DTYPES.get(args.dtype) if args.dtype else None,
+                                max_shard_size=args.max_shard_size)
+    except (ValueError, OSError) as exc:
+        print(f"ndparallel export: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"ndparallel export: wrote {out}")
+    return 0
+
+
+run_export = export_main
