@@ -1,0 +1,81 @@
+"""Shared helpers of the benchmark scripts: the ndparallel training step, tables, JSON results."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(), "cpu_cores": os.cpu_count(), "platform": platform.platform(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def write_json(name: str, payload: dict) -> Path:
+    """Write ``bench/results/<name>.json`` with the machine description added."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2, default=str))
+    return path
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for i, c in enumerate(columns):
+        table.add_column(c, justify="left" if i == 0 else "right")
+    for r in rows:
+        table.add_row(*(_fmt(v) for v in r))
+    Console(width=140).print(table)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def local_micro_batch(acc, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's dp slice of a global micro-batch."""
+    rows = next(iter(micro.values())).shape[0] // acc.dp_size
+    lo = acc.dp_rank * rows
+    return {k: v[lo:lo + rows].contiguous().to(acc.device) for k, v in micro.items()}
+
+
+def nd_step(acc, model, optimizer, mb: dict[str, torch.Tensor], max_norm: float | None = 1.0):
+    """One optimizer step through the public Accelerator API (one micro-batch): global token
+    count, CP sharding, token-sum loss, backward, clipping, AdamW."""
+    n_items = acc.global_num_items([mb])
+    with acc.maybe_context_parallel(buffers=[mb["input_ids"], mb["shift_labels"], mb["position_ids"]],
+                                    buffer_seq_dims=[1, 1, 1]):
+        logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
+        loss = acc.causal_lm_loss(logits, mb["shift_labels"], n_items)
+        acc.backward(loss, num_items_in_batch=n_items)
+    if max_norm is not None:
+        acc.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def layout_world(layout: dict[str, int]) -> int:
+    n = 1
+    for v in layout.values():
+        n *= v
+    return n
