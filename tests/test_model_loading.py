@@ -174,3 +174,24 @@ def test_checkpoint_of_another_model_names_missing_keys(tmp_path):
     save_file({"transformer.wte.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(RankFailure, match="not in the checkpoint"):
         run_on_ranks(_load_wrong, 1, str(tmp_path))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_slice_matches_slicing(tmp_path, monkeypatch, dtype):
+    """Contiguous, strided and dtype-converting slice reads, with tiny blocks for strided ones."""
+    from safetensors.torch import save_file
+
+    import ndparallel.model_loading as ml
+
+    monkeypatch.setattr(ml, "_TEMP_BYTES", 40)
+    full = torch.randn(7, 5, 3).to(dtype)
+    save_file({"w": full}, str(tmp_path / "w.safetensors"))
+    header, start = ml._header(str(tmp_path / "w.safetensors"))
+    cases = [([2, 0, 0], [3, 5, 3]), ([0, 1, 0], [7, 3, 3]), ([1, 2, 1], [5, 2, 2])]
+    for out_dtype in (dtype, torch.float32):
+        for offsets, lengths in cases:
+            target = torch.empty(lengths, dtype=out_dtype)
+            with open(tmp_path / "w.safetensors", "rb", buffering=0) as f:
+                ml.read_slice(f, start, header["w"], offsets, lengths, target)
+            want = full[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))].to(out_dtype)
+            assert torch.equal(target, want), (offsets, lengths, out_dtype)
