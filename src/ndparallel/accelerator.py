@@ -63,6 +63,8 @@ class Accelerator:
         self.torch_device_mesh = self.parallelism_config.build_device_mesh(self.info.device_type)
         self._param_remap: dict[int, nn.Parameter] = {}
         self._models: list[nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._schedulers: list[Any] = []  # tracked for save_state / load_state
         self.step = 0  # micro-batches seen by ``accumulate``
 
     # ------------------------------------------------------------------ ranks
@@ -125,6 +127,9 @@ class Accelerator:
         for i, obj in enumerate(out):
             if isinstance(obj, Optimizer):
                 self._remap_optimizer(obj)
+                self._optimizers.append(obj)
+            elif hasattr(obj, "step") and hasattr(obj, "get_last_lr"):  # an LR scheduler
+                self._schedulers.append(obj)
             elif isinstance(obj, DataLoader):
                 from ndparallel.data_loader_prepare import shard_dataloader
 
@@ -307,6 +312,19 @@ class Accelerator:
 
         save_hf_model(model, save_directory, is_main=self.is_main_process, tokenizer=tokenizer)
         self.wait_for_everyone()
+
+    def save_state(self, output_dir: str, **kwargs):
+        """Sharded checkpoint (DCP) of the prepared models, optimizers (+ schedulers, loaders, RNG)
+        into ``output_dir``, marked complete only once every rank has written. Any layout can load it."""
+        from ndparallel.checkpoint import save_state
+
+        return save_state(self, output_dir, **kwargs)
+
+    def load_state(self, input_dir: str, **kwargs) -> dict:
+        """Load a ``save_state`` checkpoint into the prepared objects, resharding to this layout."""
+        from ndparallel.checkpoint import load_state
+
+        return load_state(self, input_dir, **kwargs)
 
     def end_training(self) -> None:
         """Destroy the process group."""

@@ -294,7 +294,8 @@ def format_rows(rows: Iterable[CommRow], title: str = "collectives",
     if rows:
         table.add_row("total", "", str(sum(r.count for r in rows)), str(sum(r.bytes for r in rows)),
                       human_bytes(sum(r.bytes for r in rows)), style="bold")
-    console = Console(record=True, width=110, force_terminal=False)
-    with console.capture():
-        console.print(table)
+    import io
+
+    console = Console(record=True, width=110, force_terminal=False, file=io.StringIO())
+    console.print(table)
     return console.export_text()

@@ -110,17 +110,20 @@ def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     state = TrainState()
 
-    # ---- resume
+    # ---- resume (any layout: DCP reshards model and optimizer; data resumes by samples seen)
     if cfg.resume_from_checkpoint:
         from ndparallel.checkpoint import find_resume_checkpoint, load_checkpoint
 
-        ckpt = find_resume_checkpoint(out, cfg.resume_from_checkpoint)
+        try:
+            ckpt = find_resume_checkpoint(out, cfg.resume_from_checkpoint)
+        except ValueError as e:
+            raise SystemExit(f"ndparallel train: error: resume_from_checkpoint: {e}") from None
         if ckpt is not None:
             extra = load_checkpoint(acc, ckpt, model, optimizer, scheduler)
             state = TrainState(step=int(extra["step"]), samples_seen=int(extra["samples_seen"]))
             acc.print(f"resumed from {ckpt} at step {state.step}")
 
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = _local_numel(model)
     flops_per_token = model_flops_per_token(
         _global_numel(model), hf_config.num_hidden_layers, hf_config.hidden_size, cfg.sequence_len)
     peak = device_peak_flops(acc.device, cfg.bf16)
@@ -138,10 +141,11 @@ def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:
     )
 
     profiler = None
-    if profile_comm:
+    if profile_comm:  # the first two steps (lazy init, then a steady step) are recorded
         from ndparallel.comm_profile import CommProfiler
 
         profiler = CommProfiler(acc.torch_device_mesh)
+        profiler.__enter__()
 
     model.train()
     progress = _Progress(total_steps, state.step, enabled=acc.is_main_process)
@@ -154,14 +158,15 @@ def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:
             micro_batches = [loader.micro_batch(first_micro + m)
                              for m in range(cfg.gradient_accumulation_steps)]
             micro_batches = [{k: v.to(acc.device) for k, v in mb.items()} for mb in micro_batches]
-            with (profiler.step() if profiler else _null()):
-                loss_sum = _train_step(acc, model, micro_batches)
-                grad_norm = (acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                             if cfg.max_grad_norm else acc.grad_norm(model.parameters()))
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                dist.all_reduce(loss_sum, group=dp_cp_group)
+            loss_sum = _train_step(acc, model, micro_batches)
+            grad_norm = (acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                         if cfg.max_grad_norm else acc.grad_norm(model.parameters()))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            dist.all_reduce(loss_sum, group=dp_cp_group)
+            if profiler is not None:
+                profiler = _profile_step(acc, profiler, out)
             state.step += 1
             state.samples_seen += global_micro * cfg.gradient_accumulation_steps
             dt = time.perf_counter() - t0
@@ -187,8 +192,6 @@ def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:
                           f"perplexity {ev['eval_perplexity']:.2f}")
             if cfg.save_steps and state.step % cfg.save_steps == 0:
                 _save(acc, cfg, model, optimizer, scheduler, state)
-            if profiler and state.step == 1:
-                acc.print(profiler.format_table())
     finally:
         progress.close()
     if cfg.save_final_model:
@@ -241,16 +244,26 @@ def evaluate(acc, model, val_blocks: torch.Tensor, cfg: TrainConfig) -> dict:
 
 
 def _save(acc, cfg, model, optimizer, scheduler, state: TrainState) -> None:
-    from ndparallel.checkpoint import save_checkpoint
+    from ndparallel.checkpoint import save_step_checkpoint
 
-    path = Path(cfg.output_dir) / f"checkpoint-{state.step}"
-    save_checkpoint(
-        acc, path, model, optimizer, scheduler,
-        extra={"step": state.step, "samples_seen": state.samples_seen,
-               "config": cfg.model_dump(mode="json")},
+    path = save_step_checkpoint(
+        acc, cfg.output_dir, state.step, model, optimizer, scheduler,
+        config=cfg.model_dump(mode="json"), extra={"samples_seen": state.samples_seen},
         save_total_limit=cfg.save_total_limit,
     )
     acc.print(f"step {state.step}: checkpoint saved to {path}")
+
+
+def _profile_step(acc, profiler, out: Path):
+    """Close a profiled step; after the second, print rank 0's table, write every rank's JSON, stop."""
+    profiler.step()
+    if profiler.num_steps < 2:
+        return profiler
+    profiler.__exit__(None, None, None)
+    (out / "comm_profile").mkdir(parents=True, exist_ok=True)
+    (out / "comm_profile" / f"rank-{acc.process_index:05d}.json").write_text(profiler.to_json(step=1))
+    acc.print(profiler.format_table(step=1, title="collectives per rank, steady step (rank 0)"))
+    return None
 
 
 def _is_preset(cfg: TrainConfig) -> bool:
@@ -270,18 +283,17 @@ def _global_numel(model) -> int:
     return n
 
 
+def _local_numel(model) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+               for p in {id(p): p for p in model.parameters()}.values())
+
+
 def _dump_yaml(cfg: TrainConfig) -> str:
     import yaml
 
     return yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True), sort_keys=False)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 class _Progress:
