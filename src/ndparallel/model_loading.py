@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.futures import Future
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ndparallel.models.presets import PRESETS, is_preset, preset_config
@@ -168,19 +170,16 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path]) ->
     Collective: every rank of the default group must call it. Tied parameters are read once,
     under the key the checkpoint holds (``save_pretrained`` omits ``lm_head.weight`` when tied)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, set_model_state_dict,
+    )
 
     ckpt_keys = _checkpoint_keys(files)
     state_dict = get_model_state_dict(model)
-    aliases: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(name)
-    to_read, missing = {}, []
-    for key, tensor in state_dict.items():
-        if key in ckpt_keys:
-            to_read[key] = tensor
-        elif not any(k in ckpt_keys and k != key for k in aliases.get(id(_param_of(model, key)), [])):
-            missing.append(key)
+    param_id = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    in_ckpt = {param_id[k] for k in ckpt_keys if k in param_id}  # tied aliases count as present
+    to_read = {k: t for k, t in state_dict.items() if k in ckpt_keys}
+    missing = [k for k in state_dict if k not in ckpt_keys and param_id.get(k) not in in_ckpt]
     if missing:
         raise KeyError(
             f"{len(missing)} model tensor(s) are not in the checkpoint {str(path)!r}, e.g. "
@@ -191,20 +190,7 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path]) ->
     # DCP wrote into the state-dict tensors, which are the parameters' own storage for FSDP2/TP
     # DTensors and plain tensors; setting them back is a no-op copy that also covers wrappers
     # whose state dict is a copy.
-    set_model_state_dict(model, to_read, options=_partial())
-
-
-def _param_of(model: nn.Module, key: str):
-    try:
-        return model.get_parameter(key)
-    except AttributeError:
-        return None
-
-
-def _partial():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(strict=False)
+    set_model_state_dict(model, to_read, options=StateDictOptions(strict=False))
 
 
 def _checkpoint_keys(files: list[Path]) -> set[str]:
@@ -272,33 +258,22 @@ def read_slice(f, data_start: int, info: dict, offsets, lengths, target: torch.T
         target[start:start + rows].copy_(tmp[(slice(None), *inner)])
 
 
-def _slice_reader_class():
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+class SliceReader(HuggingFaceStorageReader):
+    """``HuggingFaceStorageReader`` (same metadata, same DCP planning) whose reads ``pread`` each
+    requested slice into its destination instead of slicing an mmap (see the module doc)."""
 
-    class SliceReader(HuggingFaceStorageReader):
-        """``HuggingFaceStorageReader`` (same metadata, same DCP planning) whose reads ``pread``
-        each requested slice into its destination instead of slicing an mmap (see module doc)."""
-
-        def read_data(self, plan, planner):
-            from torch.futures import Future
-
-            per_file: dict[str, list] = {}
-            for item in plan.items:
-                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-            for file, items in per_file.items():
-                header, data_start = _header(file)
-                with open(file, "rb", buffering=0) as f:
-                    for item in items:
-                        target = planner.resolve_tensor(item).detach()
-                        read_slice(f, data_start, header[item.storage_index.fqn],
-                                   list(item.storage_offsets), list(item.lengths), target)
-                        planner.commit_tensor(item, target)
-            fut: Future = Future()
-            fut.set_result(None)
-            return fut
-
-    return SliceReader
-
-
-def SliceReader(path: str):  # noqa: N802 - a class, built lazily to keep DCP imports out of import time
-    return _slice_reader_class()(path)
+    def read_data(self, plan, planner):
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for file, items in per_file.items():
+            header, data_start = _header(file)
+            with open(file, "rb", buffering=0) as f:
+                for item in items:
+                    target = planner.resolve_tensor(item).detach()
+                    read_slice(f, data_start, header[item.storage_index.fqn],
+                               list(item.storage_offsets), list(item.lengths), target)
+                    planner.commit_tensor(item, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
