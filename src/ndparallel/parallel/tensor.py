@@ -11,7 +11,8 @@ styles and applies them with ``parallelize_module``:
   so optimizers and grad clipping see DTensors only, all on the tp mesh.
 
 Sequence parallel shards the residual stream on dim 1: the sequence length must be divisible by
-tp_size, and ``position_ids`` are filled in (HF would derive them from the local length).
+tp_size, ``position_ids`` are filled in when missing (HF would derive them from the local length),
+and a 2-D attention mask may only be all ones (padding masks raise: pack with position_ids).
 """
 
 from __future__ import annotations
@@ -195,10 +196,11 @@ def parallel_style(
         if output_sharded:
             return ColwiseParallel(input_layouts=resid, output_layouts=Shard(-1), use_local_output=False)
         return ColwiseParallel(input_layouts=resid, output_layouts=Replicate())
+    block_out = Shard(1) if sequence_parallel else Replicate()  # a row-wise layer ends a block
     if style == "rowwise":
-        return RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
+        return RowwiseParallel(output_layouts=block_out)
     if style in ("rowwise_split_input", "rowwise_rep"):
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=resid)
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=block_out)
     if style == "embedding_rowwise":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=resid)
     if style == "embedding_colwise":
@@ -243,6 +245,15 @@ def _sp_position_hook(tp_size: int):
                 f"sequence parallel: sequence length {seq} is not divisible by tp_size={tp_size}; "
                 f"pad the batch to a multiple of {tp_size} (or disable sequence_parallel)"
             )
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            if not bool(mask.all()):
+                raise ValueError(
+                    "sequence parallel does not support padding attention masks (HF builds the mask "
+                    "from the local sequence length): pack sequences with position_ids instead, or "
+                    "disable sequence_parallel"
+                )
+            kwargs = {**kwargs, "attention_mask": None}  # all ones: plain causal attention
         if kwargs.get("position_ids") is None:
             pos = torch.arange(seq, device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
             kwargs = {**kwargs, "position_ids": pos}
@@ -382,7 +393,12 @@ def distribute_leftover_params(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Modu
     """
     mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), tp_mesh)
     if mesh.ndim != 1 or mesh.size() != tp_mesh.size():
-        raise ValueError(f"the model's DTensors live on {mesh}, not on a 1-D tp mesh like {tp_mesh}")
+        raise ValueError(
+            f"the model is tensor-parallel over {mesh.size()} ranks ({mesh}) but the layout's tp mesh "
+            f"has {tp_mesh.size()}: transformers 5 ignores device_mesh when given tp_plan and shards "
+            "over the whole world. Load the model without tp_plan (ndparallel then shards it), or "
+            "use tp_size = world size"
+        )
     grad_allreduce = {
         n for n, s in match_plan(model, model_tp_plan(model), strict=False).items()
         if s == "replicated_with_grad_allreduce"
