@@ -1,0 +1,97 @@
+"""`ndparallel train` config errors, dry runs of every example, and `plot`."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ndparallel.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))
+
+
+def _cli(*args, timeout=120):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "ndparallel", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def _run(capsys, *args):
+    """The CLI in-process (fast): returns (exit code, stdout, stderr)."""
+    from ndparallel.cli import main
+
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _yaml(tmp_path, text):
+    p = tmp_path / "cfg.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("dp_shard_sise: 2\n", "unknown key 'dp_shard_sise'; did you mean 'dp_shard_size'?"),
+        ("tensor_parallel_size: two\n", "'tensor_parallel_size': Input should be a valid integer"),
+        ("fsdp_config: {reshard_after_forwad: true}\n", "did you mean 'reshard_after_forward'"),
+        ("tensor_parallel_size: 3\n", "num_attention_heads"),  # 4 heads, tp 3
+        ("context_parallel_size: 2\nsequence_len: 30\n", "sequence_len"),
+        ("dp_shard_size: 0\n", "'dp_shard_size': must be >= 1"),
+        ("lr_scheduler: wavy\n", "'lr_scheduler'"),
+    ],
+)
+def test_bad_config_one_clear_line(tmp_path, capsys, text, fragment):
+    code, _, err = _run(capsys, "train", _yaml(tmp_path, "base_model: tiny-llama\n" + text), "--dry-run")
+    assert code == 2, err
+    assert fragment in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_bad_config_from_the_shell_exits_2_without_traceback(tmp_path):
+    out = _cli("train", _yaml(tmp_path, "dp_shard_sise: 2\n"))
+    assert out.returncode == 2
+    assert "did you mean 'dp_shard_size'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_world_size_mismatch_is_reported(capsys):
+    code, _, err = _run(capsys, "train", "examples/cpu/fsdp.yaml", "--dry-run", "--nproc-per-node", "2")
+    assert code == 2 and "needs 4 ranks" in err
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
+def test_every_example_passes_dry_run(path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    code, out, err = _run(capsys, "train", str(path), "--dry-run")
+    assert code == 0, err
+    assert "layout" in out and "global batch" in out
+
+
+def test_set_overrides_nested_and_aliases(tmp_path):
+    cfg = load_config(_yaml(tmp_path, "tp_size: 2\ncp_size: 2\n"),
+                      ["fsdp_config.activation_checkpointing=true", "max_steps=7"])
+    assert cfg.tensor_parallel_size == 2 and cfg.context_parallel_size == 2
+    assert cfg.fsdp_config.activation_checkpointing and cfg.max_steps == 7
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(None, ["max_steps"])
+
+
+def test_plot_writes_png(tmp_path, capsys):
+    rows = [{"step": i, "loss": 5.0 - i * 0.1, "tokens_per_s": 100.0 + i} for i in range(1, 6)]
+    rows.append({"step": 5, "eval_loss": 4.6, "eval_perplexity": 99.5})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    code, _, err = _run(capsys, "plot", str(tmp_path))
+    assert code == 0, err
+    png = tmp_path / "metrics.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_missing_run_dir(tmp_path, capsys):
+    code, _, err = _run(capsys, "plot", str(tmp_path / "nope"))
+    assert code == 2 and "metrics.jsonl" in err
