@@ -184,3 +184,28 @@ def test_split_join_roundtrip():
     assert back["a"] is state["a"] and set(tensors) == {"p/a", "p/b/2/c"}
     with pytest.raises(TypeError, match="cannot store a object"):
         split_tensors({"x": object()}, "p", {})
+
+
+def _save_into(path: str) -> None:
+    from ndparallel import Accelerator
+    from ndparallel.checkpoint import save_checkpoint
+    from ndparallel.testing.equivalence import build_model, build_optimizer
+
+    setup = ckpt_train.make_setup()
+    acc = Accelerator()
+    model = build_model(setup)
+    optimizer = build_optimizer(setup, model.parameters())
+    model, optimizer = acc.prepare(model, optimizer)
+    save_checkpoint(acc, path, model, optimizer, step=0)
+
+
+def test_save_refuses_a_directory_with_other_files(tmp_path):
+    from ndparallel.testing.multirank import RankFailure
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(RankFailure, match="holds other files"):
+        run_on_ranks(_save_into, 1, str(tmp_path))
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    run_on_ranks(_save_into, 1, str(tmp_path / "new"))
+    run_on_ranks(_save_into, 1, str(tmp_path / "new"))  # overwriting a checkpoint is fine
+    assert validate_checkpoint(tmp_path / "new") == []

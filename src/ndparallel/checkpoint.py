@@ -114,6 +114,7 @@ def save_state(
     state["config"] = split_tensors(_jsonable_config(config), "config", tensors)
     state["extra"] = split_tensors(extra, "extra", tensors)
 
+    _check_target_dir(directory)  # on every rank (same filesystem), so all raise together
     if rank == 0:
         _prepare_dir(directory)
     _barrier()
@@ -365,6 +366,22 @@ def _jsonable_config(config: Any) -> Any:
     if hasattr(config, "to_dict"):
         return config.to_dict()
     raise TypeError(f"cannot store a config of type {type(config).__name__}: pass a dict")
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    return (name in (".metadata", STATE_FILE, MARKER, "rng", HF_CONFIG_DIR) or name.endswith(".distcp")
+            or name.startswith((f".{MARKER}.tmp", f".{STATE_FILE}.tmp")))
+
+
+def _check_target_dir(directory: Path) -> None:
+    """Refuse to overwrite a directory that holds anything but an (old or partial) checkpoint."""
+    if directory.exists():
+        if not directory.is_dir():
+            raise ValueError(f"cannot save a checkpoint to {directory}: it is a file")
+        foreign = sorted(p.name for p in directory.iterdir() if not _is_checkpoint_file(p.name))
+        if foreign:
+            raise ValueError(f"cannot save a checkpoint to {directory}: it holds other files ({foreign[:3]}); "
+                             "use an empty or new directory")
 
 
 def _prepare_dir(directory: Path) -> None:
