@@ -114,13 +114,18 @@ def _check_tp(preset, options, world=2):
     return results
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-llama-tied", "tiny-qwen3"])
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-llama-tied", "tiny-qwen3"]
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
 def test_tp2_equals_one_process(preset):
     _check_tp(preset, TPOptions())
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama-tied", "tiny-qwen3", "tiny-mistral"])
-@pytest.mark.parametrize("sp,lp", [(True, False), (False, True), (True, True)], ids=["sp", "lp", "sp+lp"])
+@pytest.mark.parametrize("preset,sp,lp", [
+    ("tiny-llama-tied", True, False), ("tiny-llama-tied", False, True), ("tiny-llama-tied", True, True),
+    ("tiny-qwen3", True, True), ("tiny-mistral", True, True), ("tiny-qwen2", True, False),
+], ids=["llama-tied-sp", "llama-tied-lp", "llama-tied-sp+lp", "qwen3-sp+lp", "mistral-sp+lp", "qwen2-sp"])
 def test_sequence_and_loss_parallel_equal_one_process(preset, sp, lp):
     _check_tp(preset, TPOptions(sequence_parallel=sp, loss_parallel=lp))
 
@@ -167,10 +172,13 @@ def _hf_tp_rank(path, batches):
     from torch.distributed.tensor import DTensor
 
     from ndparallel.parallelism_config import ParallelismConfig
-    from ndparallel.parallel.tensor import apply_tensor_parallel, distribute_leftover_params, is_tensor_parallel
+    from ndparallel.parallel.tensor import (
+        apply_tensor_parallel, distribute_leftover_params, is_tensor_parallel,
+    )
 
     tp_mesh = ParallelismConfig(tp_size=2).build_device_mesh("cpu")["tp"]
-    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", device_mesh=tp_mesh, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, tp_plan="auto", device_mesh=tp_mesh, dtype=torch.float32)
     assert is_tensor_parallel(model)
     plain_before = sum(not isinstance(p, DTensor) for p in model.parameters())
     distribute_leftover_params(model, tp_mesh)
