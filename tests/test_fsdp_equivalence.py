@@ -90,3 +90,33 @@ def test_the_check_can_fail():
         train_under_layout, 2, dataclasses.replace(BASE, seed=1), {"dp_shard_size": 2}
     )[0]
     assert compare(ref, other)["loss_rel"] > 1e-4
+
+
+def _params_after_no_grad_forward():
+    import torch
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel import Accelerator, ParallelismConfig
+
+    acc = Accelerator(ParallelismConfig(dp_shard_size=2))
+    torch.manual_seed(0)
+    model = acc.prepare(AutoModelForCausalLM.from_config(BASE.model_config))
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        model(input_ids=x)
+    params = dict(model.named_parameters())
+    opt = torch.optim.SGD(params.values(), lr=0.5)  # built after an evaluation pass
+    before = {n: p.detach().full_tensor().clone() for n, p in params.items()}
+    acc.backward(model(input_ids=x, labels=x).loss)
+    opt.step()
+    return ({n: isinstance(p, DTensor) for n, p in params.items()},
+            {n: float((p.detach().full_tensor() - before[n]).abs().max()) for n, p in params.items()})
+
+
+def test_no_grad_forward_leaves_parameters_sharded():
+    """Regression: after an eval forward the root/output groups stayed gathered and an optimizer
+    built then held temporary tensors, so lm_head and the final norm never trained."""
+    is_dtensor, moved = run_on_ranks(_params_after_no_grad_forward, 2)[0]
+    assert all(is_dtensor.values()), is_dtensor
+    assert all(v > 0 for v in moved.values()), moved

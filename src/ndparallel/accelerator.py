@@ -137,8 +137,12 @@ class Accelerator:
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Apply TP → CP attention → activation checkpointing → FSDP/HSDP/DP, in that order."""
+        """Apply TP → CP attention → activation checkpointing → FSDP/HSDP/DP, in that order.
+        A model this Accelerator already prepared (e.g. from ``load_model``) is returned as is."""
         from ndparallel.parallel.parallelize import parallelize_model
+
+        if any(model is m for m in self._models):
+            return model
 
         old = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         model = parallelize_model(
@@ -302,9 +306,7 @@ class Accelerator:
         config, or a built-in preset name (random init, same on every rank)."""
         from ndparallel.model_loading import load_model
 
-        model = load_model(self, path_or_config, **kwargs)
-        self._models.append(model)
-        return model
+        return load_model(self, path_or_config, **kwargs)
 
     def save_model(self, model: nn.Module, save_directory: str, tokenizer=None) -> None:
         """Write a consolidated Hugging Face directory (safetensors + config [+ tokenizer])."""

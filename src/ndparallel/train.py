@@ -26,7 +26,12 @@ class TrainState:
 
 
 def quiet_non_main_ranks(rank: int) -> None:
-    """Warnings and library logs from ranks other than 0 are not repeated N times."""
+    """Warnings and library logs from ranks other than 0 are not repeated N times; two torch notices
+    that do not apply here are silenced on every rank: FSDP2's "returned a view tensor" (transformers'
+    decoder applies no in-place op to those outputs; the equivalence tests prove the gradients) and
+    DTensor's "sequential all_gather" note when export gathers FSDP × TP parameters."""
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if rank != 0:
         warnings.filterwarnings("ignore")
         logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -105,7 +110,8 @@ def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:
     # ---- model, optimizer, schedule
     hf_config = model_config(cfg, vocab_size=len(tokenizer))
     hf_config.use_cache = False
-    model = acc.load_model(cfg.base_model if not _is_preset(cfg) else hf_config)
+    model = acc.load_model(cfg.base_model if not _is_preset(cfg) else hf_config, seed=cfg.seed,
+                           trust_remote_code=cfg.trust_remote_code)
     optimizer = build_optimizer(cfg, model.parameters())
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     state = TrainState()

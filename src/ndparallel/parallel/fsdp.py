@@ -42,12 +42,24 @@ def apply_fsdp(
         # The output group is used last in forward and first in backward: keep it gathered.
         fully_shard(output_modules(model), reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    model.register_forward_hook(_reshard_after_no_grad_forward)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             # Plain SUM collectives: gloo has no PREMUL_SUM, and NCCL's zero-copy path wants SUM.
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _reshard_after_no_grad_forward(model: nn.Module, args, output) -> None:
+    """Groups kept gathered after forward (the root, the output group) are normally resharded by
+    backward. A no-grad forward (evaluation) has no backward: without this they would stay gathered,
+    costing memory, and ``model.parameters()`` would hand out the temporary unsharded tensors (an
+    optimizer built from them would silently never update those weights)."""
+    if not torch.is_grad_enabled():
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
