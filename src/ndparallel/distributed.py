@@ -64,7 +64,9 @@ def init_distributed(
     backend = backend_for(device_type)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if _restarted_under_elastic_agent():
+            _init_restarted_attempt(backend, timeout)
+        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend=backend, timeout=timeout)
         else:
             dist.init_process_group(
@@ -76,6 +78,24 @@ def init_distributed(
         local_rank=local_rank,
         device=device,
         backend=backend,
+    )
+
+
+def _restarted_under_elastic_agent() -> bool:
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+
+
+def _init_restarted_attempt(backend: str, timeout: datetime.timedelta) -> None:
+    """After ``--max-restarts`` restarts a job, the elastic agent's store still holds the previous
+    attempt's gloo/NCCL addresses; a rank that starts before its peers would read the dead ones
+    ("Connection refused"). Keys of each attempt get their own prefix."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    dist.init_process_group(
+        backend=backend, store=dist.PrefixStore(f"ndparallel/attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
     )
 
 

@@ -44,10 +44,11 @@ def launch(argv: Sequence[str]) -> int:
     try:
         run(args)
     except ChildFailedError as exc:
-        failures = ", ".join(
-            f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(exc.failures.items())
-        )
-        print(f"ndparallel launch: job failed: {failures}", file=sys.stderr)
+        first_rank, first = exc.get_first_failure()
+        others = ", ".join(f"rank {rank} (exit {f.exitcode})"
+                           for rank, f in sorted(exc.failures.items()) if rank != first_rank)
+        print(f"ndparallel launch: job failed: rank {first_rank} (exit {first.exitcode}) failed first"
+              + (f"; then {others}" if others else ""), file=sys.stderr)
         return 1
     return 0
 

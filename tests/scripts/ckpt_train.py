@@ -93,23 +93,6 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
             "lr": scheduler.get_last_lr()}
 
 
-def _init_elastic_attempt() -> None:
-    """Workaround (until ``ndparallel.distributed.init_distributed`` does it): after a restart the
-    elastic agent's store still holds the previous attempt's gloo addresses, and a rank that starts
-    before its peers reads their stale ones ("Connection refused"). A per-attempt key prefix avoids it."""
-    import datetime
-
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
-        return
-    timeout = datetime.timedelta(seconds=float(os.environ.get("NDPARALLEL_TIMEOUT", 600)))
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"ndparallel/attempt_{restart}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                            timeout=timeout)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out_dir")
@@ -121,7 +104,6 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from ndparallel.distributed import init_distributed, shutdown
 
-    _init_elastic_attempt()
     init_distributed("cpu")
     result = train({"dp_shard_size": dist.get_world_size()}, args.out_dir, steps=args.steps, resume=True,
                    save_every=1, save_total_limit=2, kill_at=args.kill_at, kill_rank=args.kill_rank,
