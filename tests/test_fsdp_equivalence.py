@@ -21,6 +21,8 @@ LAYOUTS = {
 VARIANTS = {
     "plain": {},
     "accum2": {"grad_accum": 2, "global_micro_batch": 4},
+    "accum2_unsharded": {"grad_accum": 2, "parallel_kwargs": {
+        "fsdp_options": FSDPOptions(unsharded_grad_accumulation=True)}},
     "ckpt": {"parallel_kwargs": {"fsdp_options": FSDPOptions(activation_checkpointing=True)}},
     "no_reshard": {"parallel_kwargs": {"fsdp_options": FSDPOptions(reshard_after_forward=False)}},
     "clip": {"max_grad_norm": 0.5},

@@ -214,14 +214,16 @@ class Accelerator:
 
     @contextlib.contextmanager
     def accumulate(self, *models: nn.Module):
-        """Gradient accumulation: gradient sync is skipped except on every
-        ``gradient_accumulation_steps``-th micro-batch."""
+        """Gradient accumulation: on all but every ``gradient_accumulation_steps``-th micro-batch the
+        replica all-reduce is skipped; gradients are still reduce-scattered so they stay sharded,
+        unless ``FSDPOptions.unsharded_grad_accumulation`` (then nothing is reduced until the last)."""
         from ndparallel.parallel.fsdp import set_gradient_sync
 
         self.step += 1
         sync = self.sync_gradients
+        keep_rs = not self.fsdp_options.unsharded_grad_accumulation
         for m in models or self._models:
-            set_gradient_sync(m, sync)
+            set_gradient_sync(m, sync, keep_reduce_scatter=keep_rs)
         try:
             yield
         finally:
@@ -235,7 +237,8 @@ class Accelerator:
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module):
-        """Skip gradient reduction for the backward passes inside the block."""
+        """Skip all gradient reduction for the backward passes inside the block (gradients
+        accumulate unsharded until a backward outside it)."""
         from ndparallel.parallel.fsdp import set_gradient_sync
 
         set_gradient_sync(model, False)

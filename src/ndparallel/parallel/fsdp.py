@@ -62,10 +62,16 @@ def _reshard_after_no_grad_forward(model: nn.Module, args, output) -> None:
                 module.reshard()
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Skip (or restore) the gradient reduce-scatter/all-reduce, for accumulation micro-batches."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
+def set_gradient_sync(model: nn.Module, enabled: bool, keep_reduce_scatter: bool = False) -> None:
+    """Restore (``enabled``) or skip gradient reduction for the next backward passes.
+
+    Skipping drops the replica all-reduce and, unless ``keep_reduce_scatter``, the reduce-scatter
+    too (gradients then accumulate unsharded: a full-size gradient per rank)."""
+    if not isinstance(model, FSDPModule):
+        return
+    model.set_requires_gradient_sync(enabled or keep_reduce_scatter)
+    if not enabled:
+        model.set_requires_all_reduce(False)
 
 
 def _shares_params(a: list[nn.Module], b: list[nn.Module]) -> bool:

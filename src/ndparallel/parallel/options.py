@@ -16,6 +16,11 @@ class FSDPOptions:
     """Recompute each decoder layer's activations in backward instead of storing them."""
     layer_classes: tuple[str, ...] | None = None
     """Class names of the blocks to shard one by one; default: the model's ``_no_split_modules``."""
+    unsharded_grad_accumulation: bool = False
+    """During gradient accumulation, skip the reduce-scatter too and keep *unsharded* gradients
+    until the last micro-batch (less communication, but a full-size gradient per rank). Default:
+    reduce-scatter every micro-batch so gradients stay sharded; only the replica all-reduce (DP /
+    HSDP) waits for the last micro-batch."""
 
 
 @dataclass(frozen=True)
