@@ -71,7 +71,40 @@ def test_tensor_parallel_without_loss_parallel_gathers_logits():
 
 def test_tensor_parallel_all_reduce():
     got = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, sequence_parallel=False))
-    assert got == {("all_reduce", "tp", 4096): 2 * 2 * 2 + 2, ("all_reduce", "tp", 128): 3}
+    # fwd: 2 rowwise outputs per layer; bwd: one per colwise linear (q, k, v, gate, up), as the
+    # runtime does it (tests/test_plan_vs_runtime.py); + embedding fwd, LM-head input grad bwd.
+    assert got == {("all_reduce", "tp", 4096): 2 * 2 + 5 * 2 + 2, ("all_reduce", "tp", 128): 3}
+    ck = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, sequence_parallel=False,
+                                       checkpointing=True))
+    assert ck[("all_reduce", "tp", 4096)] == 16 + 2  # recompute: attention output only
+
+
+def test_checkpointing_recompute_skips_mlp_output_reduction():
+    ck = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, checkpointing=True))
+    assert ck[("reduce_scatter", "tp", 4096)] == 10 + 2
+
+
+def test_context_parallel_allgather():
+    got = aggregate(predict_collectives(TINY, Layout(cp=2), seq_len=32, cp_strategy="allgather"))
+    # per layer: local K/V (2048 B bf16) gathered once, fp32 dK/dV of both ranks reduce-scattered
+    assert got[("all_gather", "cp", 2048)] == 2
+    assert got[("reduce_scatter", "cp", 2 * 4096)] == 2
+    assert not any(k[0] == "send_recv" for k in got)
+    with pytest.raises(ValueError):
+        predict_collectives(TINY, Layout(cp=2), seq_len=32, cp_strategy="ulysses")
+
+
+def test_scalar_collectives():
+    # 21 parameter tensors (9 per layer x 2, embedding, norm, LM head), 16 of them tp-sharded.
+    fsdp = aggregate(predict_collectives(TINY, Layout(dp_shard=2), seq_len=32, scalars=True))
+    assert fsdp[("all_reduce", "dp", 8)] == 1 and fsdp[("all_reduce", "dp_shard_cp", 84)] == 1
+    tp32 = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, scalars=True,
+                                         mixed_precision="fp32"))
+    assert tp32[("all_reduce", "tp", 84)] == 1 and ("all_reduce", "dp", 8) not in tp32
+    both = aggregate(predict_collectives(TINY, Layout(dp_shard=2, tp=2), seq_len=32, scalars=True))
+    assert both[("all_reduce", "tp", 64)] == 1 and both[("all_reduce", "dp_shard_cp", 84)] == 1
+    assert not any(k[2] in (8, 64, 84) and k[0] == "all_reduce" for k in
+                   aggregate(predict_collectives(TINY, Layout(dp_replicate=2), seq_len=32)))
 
 
 def test_context_parallel_ring():

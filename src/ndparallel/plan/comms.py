@@ -16,6 +16,9 @@ from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.models import ModelSpec, ParamSpec, fsdp_units
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
+COLWISE_PER_BLOCK = {"attention": 3, "mlp": 2}
+"""Column-wise linears reading a block's input (q, k, v; gate, up): without sequence parallel the
+runtime all-reduces each one's input gradient separately (see ``_tensor_parallel``)."""
 
 
 @dataclass(frozen=True)
@@ -76,13 +79,23 @@ def predict_collectives(
     reshard_after_forward: bool = True,
     loss_parallel: bool = True,
     reduce_every_microbatch: bool = False,
+    cp_strategy: str = "ring",
+    scalars: bool = False,
 ) -> list[Collective]:
-    """Every collective one rank issues in one optimizer step (see docs/planner.md)."""
+    """Every collective one rank issues in one optimizer step (see docs/planner.md).
+
+    ``scalars``: also list the small ones of the training loop (``train_under_layout`` /
+    ``ndparallel.train``): the global token count and the gradient norm (see ``scalar_collectives``).
+    """
     s = Settings(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                  checkpointing=checkpointing, mixed_precision=mixed_precision,
                  sequence_parallel=sequence_parallel, reshard_after_forward=reshard_after_forward,
-                 loss_parallel=loss_parallel, reduce_every_microbatch=reduce_every_microbatch)
-    return collectives_for(model, layout, s)
+                 loss_parallel=loss_parallel, reduce_every_microbatch=reduce_every_microbatch,
+                 cp_strategy=cp_strategy)
+    out = collectives_for(model, layout, s)
+    if scalars:
+        out += scalar_collectives(model, layout, mixed_precision)
+    return out
 
 
 def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Collective]:
@@ -125,20 +138,34 @@ def _data_parallel(model: ModelSpec, layout: Layout, s: Settings, ga: int) -> li
 def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int):
     """Per decoder layer two colwise→rowwise pairs (attention, MLP). With sequence parallel each
     pair is all-gather (in) + reduce-scatter (out) in forward and the mirror in backward; without,
-    one all-reduce in forward (rowwise output) and one in backward (colwise input grad). Recompute
-    under checkpointing repeats the forward ones. Embedding (vocab-parallel) and LM head
+    one all-reduce in forward (rowwise output) and, as the runtime does it, one per colwise linear
+    in backward (see below). Recompute under checkpointing repeats the forward ones except the
+    MLP output's reduction. Embedding (vocab-parallel) and LM head
     (colwise) add one each way; loss parallel adds 3 fp32 all-reduces per token (max, sum-exp,
     target logit), without it the logits are all-gathered. Norm weights replicated over tp on
     sharded inputs (sequence or heads) get their grads all-reduced."""
     t, h, L, ab = layout.tp, model.hidden, model.layers, s.act_bytes
     full = tokens * h * ab
     shard = full // t
-    fwd = 2 * L * (2 if s.checkpointing else 1)  # forward passes of the pairs, incl. recompute
+    # Forward passes of the pairs. The recomputed forward under checkpointing (torch's
+    # non-reentrant checkpoint, which stops recomputing once the last tensor saved for backward
+    # is rebuilt) repeats both block inputs (all-gather under SP) but only the attention
+    # output's reduction: the MLP's down_proj output feeds nothing that is saved.
+    ck = 1 if s.checkpointing else 0
+    fwd_in = 2 * L * (1 + ck)
+    fwd = 2 * L + L * ck
     bwd = 2 * L
+    # Without sequence parallel ndparallel applies torch's ColwiseParallel(input_layouts=
+    # Replicate()) to each colwise linear separately: each wraps the block input in its own
+    # DTensor, so the backward all-reduces each one's input gradient (q, k, v: 3; gate, up: 2)
+    # instead of summing them first (Megatron's single "f" all-reduce per block). Measured by
+    # tests/test_plan_vs_runtime.py; 5 all-reduces per layer where 2 would do.
+    bwd_no_sp = L * (COLWISE_PER_BLOCK["attention"] + COLWISE_PER_BLOCK["mlp"])
     out = []
     if s.sequence_parallel:
         out += [
-            Collective("all_gather", "tp", shard, (fwd + bwd) * ga, "TP/SP all-gather (layers)"),
+            Collective("all_gather", "tp", shard, (fwd_in + bwd) * ga,
+                       "TP/SP all-gather (layers)"),
             Collective("reduce_scatter", "tp", full, (fwd + bwd) * ga,
                        "TP/SP reduce-scatter (layers)"),
             Collective("reduce_scatter", "tp", full, ga, "TP embedding output (fwd)"),
@@ -148,7 +175,9 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
         ]
     else:
         out += [
-            Collective("all_reduce", "tp", full, (fwd + bwd) * ga, "TP all-reduce (layers)"),
+            Collective("all_reduce", "tp", full, fwd * ga, "TP all-reduce rowwise outputs (fwd)"),
+            Collective("all_reduce", "tp", full, bwd_no_sp * ga,
+                       "TP all-reduce colwise input grads (bwd, one per colwise linear)"),
             Collective("all_reduce", "tp", full, ga, "TP embedding output (fwd)"),
             Collective("all_reduce", "tp", full, ga, "TP LM-head input grad (bwd)"),
         ]
@@ -170,16 +199,60 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
 def _context_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int):
     """Ring attention per layer (``parallel/cp_attention.py``): K and V stacked in one buffer go
     around the ring, cp−1 hops in forward (and in the recomputed forward), cp−1 hops in backward,
-    plus cp hops of the fp32 dK/dV accumulators (the last one returning them home)."""
+    plus cp hops of the fp32 dK/dV accumulators (the last one returning them home).
+    All-gather strategy: the stacked local K/V all-gathered once per forward (kept for backward),
+    the fp32 dK/dV of the whole sequence reduce-scattered once in backward."""
     c, L = layout.cp, model.layers
     kv_elems = 2 * tokens * model.kv_heads * model.head_dim // layout.tp
     fwd = (c - 1) * (2 if s.checkpointing else 1)
+    if s.cp_strategy == "allgather":
+        passes = 2 if s.checkpointing else 1
+        return [
+            Collective("all_gather", "cp", kv_elems * s.act_bytes, passes * L * ga,
+                       "CP all-gather K/V"),
+            Collective("reduce_scatter", "cp", c * kv_elems * 4, L * ga,
+                       "CP reduce-scatter dK/dV (fp32)"),
+        ]
+    if s.cp_strategy != "ring":
+        raise ValueError(f"cp_strategy={s.cp_strategy!r}: use 'ring' or 'allgather'")
     return [
         Collective("send_recv", "cp", kv_elems * s.act_bytes, (fwd + (c - 1)) * L * ga,
                    "CP ring K/V", "attention"),
         Collective("send_recv", "cp", kv_elems * 4, c * L * ga, "CP ring dK/dV (fp32)",
                    "attention"),
     ]
+
+
+def scalar_collectives(model: ModelSpec, layout: Layout,
+                       mixed_precision: str = "bf16") -> list[Collective]:
+    """The training loop's scalar collectives per optimizer step (``train_under_layout``):
+
+    * the global count of loss tokens: one int64 all-reduce over ``dp`` (if dp > 1);
+    * the gradient norm (``parallel/grad_norm.py``): torch's ``get_total_norm`` takes one norm
+      per gradient tensor and DTensor sums their squares, 4 bytes per tensor, over the mesh dims
+      the tensors are sharded on. With a 1-D parameter mesh (FSDP or CP only: ``dp_shard_cp``;
+      TP only in fp32: ``tp``) that is one all-reduce of 4·(parameter tensors) bytes, the
+      tp-replicated norms stacked in. With a 2-D one (FSDP applied — any dp degree > 1, or bf16,
+      whose cast FSDP does even on one rank — together with TP) DTensor reduces each placement
+      group separately: all tensors over ``dp_shard_cp`` (if > 1), the tp-sharded ones over
+      ``tp``, in several calls whose number the planner does not model: the entry gives the
+      *total* bytes per dim as one call.
+    The logging all-reduce of the loss (``train_under_layout``) is the caller's choice: not listed.
+    """
+    out = []
+    if layout.dp > 1:
+        out.append(Collective("all_reduce", "dp", 8, 1, "global token count (int64)"))
+    tensors = sum(p.count for p in model.param_specs())
+    tp_sharded = sum(p.count for p in model.param_specs() if p.tp_dim is not None)
+    fsdp_wrapped = layout.dp_replicate * layout.fsdp > 1 or mixed_precision == "bf16"
+    dims = []
+    if layout.fsdp > 1:
+        dims.append(("dp_shard_cp", tensors))
+    if layout.tp > 1:
+        dims.append(("tp", tp_sharded if fsdp_wrapped else tensors))
+    for dim, n in dims:
+        out.append(Collective("all_reduce", dim, 4 * n, 1, "gradient norm (fp32 per tensor)"))
+    return out
 
 
 def aggregate(collectives: list[Collective]) -> dict[tuple[str, str, int], int]:

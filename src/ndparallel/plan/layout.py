@@ -86,6 +86,8 @@ class Settings:
     """Reduce gradients after every micro-batch; default (ndparallel's ``accumulate``): only after
     the last one, keeping fp32 unsharded gradients in between."""
     reshard_after_forward: bool = True
+    cp_strategy: str = "ring"
+    """CP attention: 'ring' (K/V hop rank to rank) or 'allgather' (K/V gathered once per layer)."""
     prefetch: int = 1
     """FSDP units all-gathered ahead of the one computing."""
 

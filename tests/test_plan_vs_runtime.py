@@ -1,0 +1,153 @@
+"""The planner's predicted collectives equal, call for call and byte for byte, what steady-state
+training steps of the tiny model issue at run time (counted by ``CommProfiler`` around the
+Accelerator path of ``train_under_layout``), under TP (with and without sequence parallel and loss
+parallel), CP (ring and all-gather, with and without activation checkpointing) and FSDP×TP,
+FSDP×CP, in fp32 and bf16. The scalar collectives (global token count, gradient norm) are
+predicted too (``predict_collectives(..., scalars=True)``); the gradient norm on a 2-D parameter
+mesh (FSDP×TP) is compared by total bytes per dim, since DTensor splits it into calls grouped by
+placement (see ``ndparallel.plan.comms.scalar_collectives``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from ndparallel.testing import run_on_ranks
+
+SEQ, ROWS = 32, 2  # tokens per sequence, sequences per dp rank per micro-batch
+STEPS = 2  # the last one is compared (the first also includes lazy initialisation)
+
+
+def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
+    """``STEPS`` training steps as ``train_under_layout`` runs them (global token count, CP-sharded
+    buffers, loss through ``causal_lm_loss``, backward, gradient norm, AdamW). Per step two
+    profiler records: everything but the gradient norm, then the gradient norm alone."""
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.comm_profile import CommProfiler
+    from ndparallel.models.presets import preset_config
+    from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+
+    acc = Accelerator(ParallelismConfig(**layout), mixed_precision=mp,
+                      fsdp_options=FSDPOptions(activation_checkpointing=ckpt),
+                      tp_options=TPOptions(**tp), cp_options=CPOptions(**cp))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    model.train()
+    g = torch.Generator().manual_seed(acc.dp_rank)
+    with CommProfiler(acc.torch_device_mesh) as prof:
+        for _ in range(STEPS):
+            tokens = torch.randint(0, 256, (ROWS, SEQ + 1), generator=g)
+            ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+            pos = torch.arange(SEQ).expand(ROWS, -1).clone()
+            n_items = acc.global_num_items([{"shift_labels": labels}])
+            with acc.accumulate(model):
+                with acc.maybe_context_parallel(buffers=[ids, labels, pos],
+                                                buffer_seq_dims=[1, 1, 1]):
+                    logits = model(input_ids=ids, position_ids=pos).logits
+                    loss = acc.causal_lm_loss(logits, labels, n_items)
+                    acc.backward(loss, num_items_in_batch=n_items)
+            prof.step()
+            acc.grad_norm(model.parameters())
+            prof.step()
+            opt.step()
+            opt.zero_grad()
+    labels = {d: prof.label(d) for d in ("dp_replicate", "dp_shard", "dp_shard_cp", "dp", "dp_cp",
+                                          "cp", "tp")}
+    # Optimizer step of step i is recorded in record 2i+2 (with the next step's forward).
+    return [prof.calls(i) for i in range(2 * STEPS)], prof.calls(2 * STEPS), labels
+
+
+def _predict(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool, labels: dict):
+    """(main, gradient norm) predictions keyed like the runtime: (label, op, bytes) -> calls;
+    a planner ``send_recv`` is one ``send`` and one ``recv`` on each rank."""
+    from ndparallel.plan.comms import predict_collectives
+    from ndparallel.plan.layout import Layout
+    from ndparallel.plan.models import PRESETS
+
+    plan_layout = Layout(dp_replicate=layout.get("dp_replicate_size", 1),
+                         dp_shard=layout.get("dp_shard_size", 1), cp=layout.get("cp_size", 1),
+                         tp=layout.get("tp_size", 1))
+    colls = predict_collectives(
+        PRESETS["tiny"], plan_layout, seq_len=SEQ, micro_batch=ROWS, checkpointing=ckpt,
+        mixed_precision="bf16" if mp == "bf16" else "fp32",
+        sequence_parallel=tp.get("sequence_parallel", False),
+        loss_parallel=tp.get("loss_parallel", False),
+        cp_strategy=cp.get("comm_strategy", "ring"), scalars=True)
+    main, norm = Counter(), Counter()
+    for c in colls:
+        target = norm if c.what.startswith("gradient norm") else main
+        ops = ("send", "recv") if c.kind == "send_recv" else (c.kind,)
+        for op in ops:
+            target[(labels.get(c.mesh_dim, c.mesh_dim), op, c.bytes)] += c.count
+    return dict(main), dict(norm)
+
+
+def _bytes_per_dim(calls):
+    out = Counter()
+    for (dim, op, b), n in calls.items():
+        out[(dim, op)] += b * n
+    return dict(out)
+
+
+def _check(case, result):
+    layout, mp, tp, cp, ckpt = case
+    records, tail, labels = result
+    main_pred, norm_pred = _predict(*case, labels)
+    # Last step: its forward/backward record, plus the optimizer step recorded after its norm
+    # (AdamW on local shards communicates nothing), then its gradient norm.
+    main = Counter(records[-2])
+    main.update(tail)
+    assert tail == {}, f"the optimizer step communicated: {tail}"
+    assert records[0] == records[-2] and records[1] == records[-1], "steps differ"
+    assert dict(main) == main_pred, _diff(dict(main), main_pred)
+    norm = records[-1]
+    dp = layout.get("dp_replicate_size", 1) * layout.get("dp_shard_size", 1)
+    fsdp_wrapped = dp * layout.get("cp_size", 1) > 1 or mp == "bf16"
+    two_d = layout.get("tp_size", 1) > 1 and fsdp_wrapped
+    if two_d:  # DTensor splits the norm's all-reduces by placement: same bytes, more calls
+        assert _bytes_per_dim(norm) == _bytes_per_dim(norm_pred), (norm, norm_pred)
+    else:
+        assert norm == norm_pred, (norm, norm_pred)
+
+
+def _diff(run, pred):
+    keys = sorted(set(run) | set(pred))
+    return "\n".join(f"{k}: runtime {run.get(k)} planner {pred.get(k)}" for k in keys
+                     if run.get(k) != pred.get(k))
+
+
+TP = {"tp_size": 2}
+CP = {"cp_size": 2}
+SP = {"sequence_parallel": True}
+LP = {"loss_parallel": True}
+RING, AG = {"comm_strategy": "ring"}, {"comm_strategy": "allgather"}
+# One process group per case: two equal DeviceMeshes in one process share DTensor's sharding
+# propagation cache, so a second run's embedding output can be reduced on the first run's group.
+GROUPS = {
+    # name: (world, [(layout, mixed precision, tp options, cp options, checkpointing)])
+    "tp2": (2, [(TP, "no", {}, {}, False), (TP, "no", SP, {}, False),
+                (TP, "bf16", {**SP, **LP}, {}, True)]),
+    "cp2": (2, [(CP, "no", {}, RING, False), (CP, "bf16", {}, AG, True)]),
+    "fsdp2xtp2": (4, [({"dp_shard_size": 2, **TP}, "bf16", {**SP, **LP}, {}, False)]),
+    "fsdp2xcp2": (4, [({"dp_shard_size": 2, **CP}, "bf16", {}, RING, True)]),
+}
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_planner_equals_runtime(group):
+    world, cases = GROUPS[group]
+    failures = []
+    for case in cases:
+        for rank, result in enumerate(run_on_ranks(_run_case, world, *case)):
+            try:
+                _check(case, result)
+            except AssertionError as exc:
+                failures.append(f"rank {rank} {case}:\n{exc}")
+    assert not failures, "\n\n".join(failures[:4])
