@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.config import TrainConfig
+from ndparallel.step import forward_backward
 from ndparallel.metrics import (
     MetricsWriter, device_peak_flops, model_flops_per_token, peak_memory_gb,
 )
@@ -164,7 +165,7 @@ def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:
             micro_batches = [loader.micro_batch(first_micro + m)
                              for m in range(cfg.gradient_accumulation_steps)]
             micro_batches = [{k: v.to(acc.device) for k, v in mb.items()} for mb in micro_batches]
-            loss_sum = _train_step(acc, model, micro_batches)
+            loss_sum = forward_backward(acc, model, micro_batches)
             grad_norm = (acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                          if cfg.max_grad_norm else acc.grad_norm(model.parameters()))
             optimizer.step()
@@ -206,24 +207,6 @@ def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:
         acc.print(f"saved the trained model to {final} (AutoModelForCausalLM.from_pretrained loads it)")
     acc.end_training()
     return last
-
-
-def _train_step(acc, model, micro_batches) -> torch.Tensor:
-    """Forward/backward over the micro-batches with the layout-invariant loss; returns this rank's
-    share of the step loss (sum over ranks in ``dp_cp`` = the global mean token loss)."""
-    n_items = acc.global_num_items(micro_batches)
-    loss_sum = torch.zeros((), device=acc.device)
-    for mb in micro_batches:
-        with acc.accumulate(model):
-            with acc.maybe_context_parallel(
-                buffers=[mb["input_ids"], mb["shift_labels"], mb["position_ids"]],
-                buffer_seq_dims=[1, 1, 1],
-            ):
-                logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
-                loss = acc.causal_lm_loss(logits, mb["shift_labels"], n_items)
-                acc.backward(loss, num_items_in_batch=n_items)
-        loss_sum += loss.detach().float()
-    return loss_sum
 
 
 @torch.no_grad()

@@ -7,7 +7,6 @@ norms and parameters up to fp32 rounding.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.step import forward_backward
 
 
 @dataclass(frozen=True)
@@ -101,19 +101,7 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
     for micro_batches in make_global_batches(setup):
         local = [{k: v[dp_rank * rows:(dp_rank + 1) * rows].to(acc.device) for k, v in mb.items()}
                  for mb in micro_batches]
-        n_items = acc.global_num_items(local)
-        step_loss = torch.zeros((), device=acc.device)
-        for mb in local:
-            sync = contextlib.nullcontext() if setup.fault is None else acc.no_sync(model)
-            with acc.accumulate(model), sync:
-                with acc.maybe_context_parallel(
-                    buffers=[mb["input_ids"], mb["shift_labels"], mb["position_ids"]],
-                    buffer_seq_dims=[1, 1, 1],
-                ):
-                    logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
-                    loss = acc.causal_lm_loss(logits, mb["shift_labels"], n_items)
-                    acc.backward(loss, num_items_in_batch=n_items)
-                step_loss += loss.detach().float()
+        step_loss = forward_backward(acc, model, local, skip_grad_sync=setup.fault is not None)
         if setup.max_grad_norm is not None:
             norm = acc.clip_grad_norm_(model.parameters(), setup.max_grad_norm)
         else:
