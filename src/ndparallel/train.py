@@ -205,6 +205,8 @@ def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:
         final = out / "final"
         acc.save_model(model, str(final), tokenizer=tokenizer)
         acc.print(f"saved the trained model to {final} (AutoModelForCausalLM.from_pretrained loads it)")
+    if acc.is_main_process:
+        _plot_curves(out)
     acc.end_training()
     return last
 
@@ -270,6 +272,16 @@ def _global_numel(model) -> int:
             seen.add(id(p))
             n += p.numel() if not isinstance(p, DTensor) else p.shape.numel()
     return n
+
+
+def _plot_curves(out: Path) -> None:
+    """The loss / throughput PNG next to metrics.jsonl (skipped without matplotlib)."""
+    try:
+        from ndparallel.plot import plot_run
+
+        print(f"loss curve: {plot_run(out)}")
+    except ImportError:
+        print("loss curve: skipped (pip install matplotlib, then `ndparallel plot` the run)")
 
 
 def _local_numel(model) -> int:
