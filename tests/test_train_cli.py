@@ -60,6 +60,12 @@ def test_bad_config_from_the_shell_exits_2_without_traceback(tmp_path):
     assert "did you mean 'dp_shard_size'" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_missing_dataset_is_reported_before_launch(tmp_path, capsys):
+    cfg = _yaml(tmp_path, "base_model: tiny-llama\ndatasets: [{path: ./no/such/file.jsonl}]\n")
+    code, _, err = _run(capsys, "train", cfg)
+    assert code == 2 and "datasets[0].path='./no/such/file.jsonl' does not exist" in err
+
+
 def test_world_size_mismatch_is_reported(capsys):
     code, _, err = _run(capsys, "train", "examples/cpu/fsdp.yaml", "--dry-run", "--nproc-per-node", "2")
     assert code == 2 and "needs 4 ranks" in err
@@ -95,3 +101,17 @@ def test_plot_writes_png(tmp_path, capsys):
 def test_plot_missing_run_dir(tmp_path, capsys):
     code, _, err = _run(capsys, "plot", str(tmp_path / "nope"))
     assert code == 2 and "metrics.jsonl" in err
+
+
+def test_error_found_on_the_ranks_is_one_line_and_nonzero(tmp_path):
+    """A dataset too small for one block is only found once the ranks tokenize it."""
+    data = tmp_path / "tiny.jsonl"
+    data.write_text(json.dumps({"text": "hello world"}) + "\n")
+    cfg = _yaml(tmp_path, f"base_model: tiny-llama\ntokenizer_vocab_size: 512\n"
+                          f"datasets: [{{path: {data}}}]\nsequence_len: 512\n"
+                          f"output_dir: {tmp_path / 'out'}\ndataset_cache_dir: {tmp_path / 'cache'}\n"
+                          "dp_shard_size: 2\n")
+    out = _cli("train", cfg, timeout=300)
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("ndparallel train: error:")]
+    assert len(errors) == 1 and "block" in errors[0], out.stderr[-3000:]

@@ -25,9 +25,9 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
                         help="override a config field (dotted keys for nested ones); repeatable")
 
 
-def validate_layout(cfg: TrainConfig, world_size: int):
-    """Check the layout against the world size and the model before any rank starts.
-    Returns (resolved ParallelismConfig, HF model config)."""
+def validate_layout(cfg: TrainConfig, world_size: int, check_data: bool = True):
+    """Check the layout against the world size and the model (and that local data exists) before
+    any rank starts. Returns (resolved ParallelismConfig, HF model config)."""
     from ndparallel.parallelism_config import ParallelismConfigError
     from ndparallel.train import model_config
 
@@ -43,6 +43,8 @@ def validate_layout(cfg: TrainConfig, world_size: int):
             hf = model_config(cfg, vocab_size=cfg.tokenizer_vocab_size)
         except (OSError, ValueError) as e:
             raise ConfigError(f"base_model={cfg.base_model!r} cannot be read: {e}") from None
+    if check_data:
+        _check_datasets(cfg)
     try:
         if pc.tp_enabled:
             from ndparallel.parallel.tensor import validate_tensor_parallel
@@ -55,6 +57,18 @@ def validate_layout(cfg: TrainConfig, world_size: int):
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return pc, hf
+
+
+def _check_datasets(cfg: TrainConfig) -> None:
+    """Local dataset files must exist before ranks start (hub names are checked when loaded)."""
+    from ndparallel.data.dataset import _looks_local
+
+    for i, d in enumerate(cfg.datasets):
+        if d.path.startswith("builtin:"):
+            continue
+        if _looks_local(d.path) and not Path(d.path).expanduser().exists():
+            raise ConfigError(f"datasets[{i}].path={d.path!r} does not exist: fix the path "
+                              "(relative paths are taken from the current directory)")
 
 
 def known_config_offline(hub_id: str):
@@ -124,7 +138,8 @@ def run_train(argv: Sequence[str]) -> int:
     try:
         cfg = load_config(args.config, args.set)
         world = _world_size(cfg, args.nproc_per_node)
-        pc, hf = validate_layout(cfg, world)
+        # a dry run checks the layout of a config meant for another machine: data may live there
+        pc, hf = validate_layout(cfg, world, check_data=not args.dry_run)
     except ConfigError as e:
         return _fail("train", str(e))
     in_job = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -141,7 +156,14 @@ def run_train(argv: Sequence[str]) -> int:
         return relaunch_self(world, inner, torchrun_args=[f"--max-restarts={cfg.max_restarts}"])
     from ndparallel.train import run_training
 
-    run_training(cfg, profile_comm=args.profile_comm)
+    try:
+        run_training(cfg, profile_comm=args.profile_comm)
+    except (ValueError, FileNotFoundError) as e:
+        # Bad data / model / checkpoint found on the ranks: one line from rank 0, non-zero exit on
+        # every rank (the elastic agent then stops any rank still waiting in a collective).
+        if os.environ.get("RANK") == "0":
+            print(f"ndparallel train: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -159,7 +181,7 @@ def run_verify(argv: Sequence[str]) -> int:
     try:
         cfg = load_config(args.config, args.set)
         world = _world_size(cfg, None)
-        pc, hf = validate_layout(cfg, world)
+        pc, hf = validate_layout(cfg, world, check_data=False)  # verify uses synthetic data
     except ConfigError as e:
         return _fail("verify", str(e))
     from ndparallel.verify import verify_layout
