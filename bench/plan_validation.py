@@ -1,0 +1,279 @@
+"""Planner validation on CPU: predicted vs measured peak memory per rank and step-time ranking.
+
+    python bench/plan_validation.py [--seq 256] [--mb 2] [--steps 3] [--no-calibrate]
+
+Runs the tiny Llama (the planner's ``tiny`` spec) in fp32 with AdamW under several layouts on
+forked gloo CPU ranks and writes ``bench/results/plan_validation.json``.
+
+*Measured* memory is the quantity ``estimate_memory`` predicts minus its ``overhead`` field:
+the bytes of tensor storage alive on rank 0 at the peak of one steady-state forward+backward,
+= states present before the step (local parameter shards, their gradients kept allocated by
+``zero_grad(set_to_none=False)``, AdamW states; unique storages, FSDP padding included) + the
+peak of storages created during forward and backward, tracked by a ``TorchDispatchMode`` (every
+op output's storage, freed by a weakref callback, ``UntypedStorage.resize_`` followed — FSDP2
+frees and re-allocates unsharded parameters that way). Allocator caching/fragmentation, the
+Python/torch runtime and gloo buffers are not counted (the planner's ``overhead``). The optimizer
+step itself is not in the window (the planner's peak is in backward).
+*Predicted*: ``estimate_memory(...).total - overhead`` with mixed_precision fp32.
+Step time: median of ``--steps`` steps after a warm-up, vs ``search.estimate(...).time.step`` with
+hardware calibrated here (``ndparallel.plan.calibrate``, quick), gpus_per_node = 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import weakref
+from datetime import date
+from pathlib import Path
+
+import torch
+import transformers  # noqa: F401  (imported once before forking ranks)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+LAYOUTS = {  # name: (ParallelismConfig kwargs, world)
+    "1": ({}, 1),
+    "DP2": ({"dp_replicate_size": 2}, 2),
+    "FSDP2": ({"dp_shard_size": 2}, 2),
+    "FSDP4": ({"dp_shard_size": 4}, 4),
+    "TP2": ({"tp_size": 2}, 2),
+    "FSDP2xTP2": ({"dp_shard_size": 2, "tp_size": 2}, 4),
+    "CP2": ({"cp_size": 2}, 2),
+    "FSDP2xCP2": ({"dp_shard_size": 2, "cp_size": 2}, 4),
+}
+GOAL = 0.10
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storage created inside the block and still alive; ``peak`` its maximum."""
+
+    def __init__(self):
+        super().__init__()
+        self.cur = self.peak = 0
+        self._sizes = WeakIdKeyDictionary()
+        self._refs: set = set()
+        self._orig_resize = None
+
+    def _free(self, rec, ref):
+        self.cur -= rec[0]
+        self._refs.discard(ref)
+
+    def _track(self, st, n=None):
+        if st in self._sizes:
+            return
+        rec = [st.nbytes() if n is None else n]
+        self._sizes[st] = rec
+        self._refs.add(weakref.ref(st, lambda r, rec=rec: self._free(rec, r)))
+        self.cur += rec[0]
+        self.peak = max(self.peak, self.cur)
+
+    def __enter__(self):
+        orig = self._orig_resize = torch.UntypedStorage.resize_
+        mode = self
+
+        def resize_(st, size):
+            out = orig(st, size)
+            if st in mode._sizes:
+                rec = mode._sizes[st]
+                mode.cur += size - rec[0]
+                rec[0] = size
+                mode.peak = max(mode.peak, mode.cur)
+            else:
+                mode._track(st, size)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (list, tuple)) else [out]):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.device.type != "meta":
+                try:
+                    self._track(t.untyped_storage())
+                except (RuntimeError, NotImplementedError):
+                    pass
+        return out
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _state_bytes(model, opt) -> dict:
+    seen = set()
+
+    def nb(t):
+        st = _local(t).untyped_storage()
+        if st.data_ptr() in seen:
+            return 0
+        seen.add(st.data_ptr())
+        return st.nbytes()
+
+    params = sum(nb(p) for p in model.parameters())
+    grads = sum(nb(p.grad) for p in model.parameters() if p.grad is not None)
+    optim = sum(nb(v) for s in opt.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.numel() > 1)
+    return {"params": params, "grads": grads, "optimizer": optim}
+
+
+def _rank(layout: dict, seq: int, mb: int, steps: int, tp: dict):
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.models.presets import preset_config
+    from ndparallel.parallel.options import TPOptions
+
+    acc = Accelerator(ParallelismConfig(**layout), mixed_precision="no", tp_options=TPOptions(**tp))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    model.train()
+    g = torch.Generator().manual_seed(acc.dp_rank)
+    times, mem = [], None
+    for i in range(steps + 2):
+        tokens = torch.randint(0, 256, (mb, seq + 1), generator=g)
+        ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        pos = torch.arange(seq).expand(mb, -1).clone()
+        dist.barrier()
+        t0 = time.perf_counter()
+        n_items = acc.global_num_items([{"shift_labels": labels}])
+        tracker = LiveBytes() if i == 1 else None
+        states = _state_bytes(model, opt) if tracker else None
+        with (tracker or _null()):
+            with acc.accumulate(model):
+                with acc.maybe_context_parallel(buffers=[ids, labels, pos],
+                                                buffer_seq_dims=[1, 1, 1]):
+                    logits = model(input_ids=ids, position_ids=pos).logits
+                    loss = acc.causal_lm_loss(logits, labels, n_items)
+                    acc.backward(loss, num_items_in_batch=n_items)
+                    del logits, loss
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        dist.barrier()
+        if tracker:
+            mem = {**states, "transient_peak": tracker.peak,
+                   "total": sum(states.values()) + tracker.peak}
+        elif i >= 2:
+            times.append(time.perf_counter() - t0)
+    return {"memory": mem, "step_s": statistics.median(times)}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--mb", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="cost step times with a fixed CPU profile instead of measuring one")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan_validation.json"))
+    args = ap.parse_args(argv)
+
+    from ndparallel.plan.hardware import Hardware
+    from ndparallel.plan.layout import Layout, Settings
+    from ndparallel.plan.memory import estimate_memory
+    from ndparallel.plan.models import PRESETS
+    from ndparallel.plan.search import estimate
+    from ndparallel.testing import run_on_ranks
+
+    if args.no_calibrate:
+        hw = Hardware("cpu-assumed", 8e9, 2e10, 2e10, 5e9, 1e9, 1e9, 5e-5, 5e-5, 1.0, 1.0, 0.25e9)
+    else:
+        from ndparallel.plan.calibrate import calibrate
+
+        hw = Hardware.from_dict(calibrate(ranks=4, quick=True, device="cpu")["hardware"])
+    model = PRESETS["tiny"]
+    rows = []
+    for name, (kw, world) in LAYOUTS.items():
+        lay = Layout(kw.get("dp_replicate_size", 1), kw.get("dp_shard_size", 1),
+                     kw.get("cp_size", 1), kw.get("tp_size", 1))
+        tp = {"sequence_parallel": True, "loss_parallel": True} if lay.tp > 1 else {}
+        s = Settings(seq_len=args.seq, micro_batch=args.mb, mixed_precision="fp32",
+                     sequence_parallel=lay.tp > 1, loss_parallel=lay.tp > 1)
+        m = estimate_memory(model, lay, s, hw)
+        predicted = m.total - m.overhead
+        est = estimate(model, lay, s, hw, gpus_per_node=4, global_batch=args.mb * lay.dp)
+        res = run_on_ranks(_rank, world, kw, args.seq, args.mb, args.steps, tp, timeout_s=600)
+        meas = res[0]["memory"]
+        step = max(r["step_s"] for r in res)
+        err = (predicted - meas["total"]) / meas["total"]
+        rows.append({
+            "layout": name, "degrees": lay.compact(), "world": world,
+            "predicted_bytes": predicted, "measured_bytes": meas["total"], "error": err,
+            "within_goal": abs(err) <= GOAL, "peak_phase": m.peak_phase,
+            "predicted_parts": {k: getattr(m, k) for k in ("params", "grads", "optimizer",
+                                                          "activations", "logits",
+                                                          "fsdp_buffers")},
+            "measured_parts": meas,
+            "predicted_step_s": est.time.step, "measured_step_s": step,
+        })
+        print(f"  {name}: predicted {predicted / 2**20:.2f} MiB, measured "
+              f"{meas['total'] / 2**20:.2f} MiB ({err:+.1%}); step {step * 1e3:.0f} ms",
+              file=sys.stderr, flush=True)
+    rank_p = _ranks([r["predicted_step_s"] for r in rows])
+    rank_m = _ranks([r["measured_step_s"] for r in rows])
+    n = len(rows)
+    spearman = 1 - 6 * sum((a - b) ** 2 for a, b in zip(rank_p, rank_m)) / (n * (n * n - 1))
+    for r, a, b in zip(rows, rank_p, rank_m):
+        r["predicted_rank"], r["measured_rank"] = a, b
+    _print(rows, spearman)
+    out = {"date": date.today().isoformat(), "machine": platform.node(),
+           "cpu_count": __import__("os").cpu_count(), "torch": torch.__version__,
+           "seq_len": args.seq, "micro_batch": args.mb, "precision": "fp32", "goal": GOAL,
+           "hardware": hw.name, "spearman_step_time": spearman, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _ranks(values):
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0] * len(values)
+    for r, i in enumerate(order, 1):
+        ranks[i] = r
+    return ranks
+
+
+def _print(rows, spearman):
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="planner vs CPU run: peak memory per rank (fp32, AdamW), step time")
+    for c in ("layout", "pred MiB", "meas MiB", "error", "≤10%", "pred step ms", "meas step ms",
+              "rank pred/meas"):
+        t.add_column(c, justify="left" if c == "layout" else "right")
+    for r in rows:
+        t.add_row(r["layout"], f"{r['predicted_bytes'] / 2**20:.2f}",
+                  f"{r['measured_bytes'] / 2**20:.2f}", f"{r['error']:+.1%}",
+                  "yes" if r["within_goal"] else "NO", f"{r['predicted_step_s'] * 1e3:.1f}",
+                  f"{r['measured_step_s'] * 1e3:.1f}", f"{r['predicted_rank']}/{r['measured_rank']}")
+    Console(width=120).print(t)
+    print(f"step-time ranking, Spearman rho = {spearman:.2f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
