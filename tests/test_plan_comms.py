@@ -26,17 +26,22 @@ def test_fsdp_only():
 
 
 def test_grad_accum_and_no_reshard_scale_counts():
-    # Gathers happen every micro-batch; gradients are reduced on the last one only (ndparallel's
-    # accumulate), or on every one with reduce_every_microbatch.
+    # Gathers and (by default) reduce-scatters happen every micro-batch, so gradients stay sharded;
+    # the replica all-reduce runs once per step. With unsharded_grad_accumulation the
+    # reduce-scatter too waits for the last micro-batch.
     got = aggregate(predict_collectives(TINY, Layout(dp_shard=2), seq_len=32, grad_accum=3,
                                         reshard_after_forward=False))
     assert got[("all_gather", "dp_shard_cp", 18_496 * 2)] == 2 * 3
-    assert got[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2
-    every = aggregate(predict_collectives(TINY, Layout(dp_replicate=2, dp_shard=2), seq_len=32,
-                                          grad_accum=3, reduce_every_microbatch=True))
-    assert every[("all_gather", "dp_shard_cp", 18_496 * 2)] == 4 * 3
-    assert every[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2 * 3
-    assert every[("all_reduce", "dp_replicate", 18_496 * 4)] == 2 * 3
+    assert got[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2 * 3
+    hsdp = aggregate(predict_collectives(TINY, Layout(dp_replicate=2, dp_shard=2), seq_len=32,
+                                         grad_accum=3))
+    assert hsdp[("all_gather", "dp_shard_cp", 18_496 * 2)] == 4 * 3
+    assert hsdp[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2 * 3
+    assert hsdp[("all_reduce", "dp_replicate", 18_496 * 4)] == 2
+    unsharded = aggregate(predict_collectives(TINY, Layout(dp_replicate=2, dp_shard=2), seq_len=32,
+                                              grad_accum=3, unsharded_grad_accumulation=True))
+    assert unsharded[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2
+    assert unsharded[("all_reduce", "dp_replicate", 18_496 * 4)] == 2
 
 
 def test_ddp_and_hsdp():

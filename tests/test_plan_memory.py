@@ -78,8 +78,8 @@ def test_activations_checkpointing_and_cp():
 
 def test_accumulation_keeps_unsharded_fp32_grads():
     s1 = Settings(seq_len=32, grad_accum=1)
-    s4 = Settings(seq_len=32, grad_accum=4)
-    every = Settings(seq_len=32, grad_accum=4, reduce_every_microbatch=True)
+    s4 = Settings(seq_len=32, grad_accum=4, unsharded_grad_accumulation=True)
+    every = Settings(seq_len=32, grad_accum=4)  # the default keeps gradients sharded
     lay = Layout(dp_shard=2, tp=2)
     base = estimate_memory(TINY, lay, s1, H100).grads
     local = sum(unit_numels(TINY, 2, 2)[u][0] * c for u, c in (("layer", 2), ("embed", 1),

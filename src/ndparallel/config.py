@@ -28,6 +28,7 @@ class FSDPConfig(_Strict):
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     activation_checkpointing: bool = False
+    unsharded_grad_accumulation: bool = False
     layer_classes: list[str] | None = None
 
 
@@ -129,6 +130,7 @@ class TrainConfig(_Strict):
         return FSDPOptions(
             reshard_after_forward=f.reshard_after_forward, cpu_offload=f.cpu_offload,
             activation_checkpointing=f.activation_checkpointing,
+            unsharded_grad_accumulation=f.unsharded_grad_accumulation,
             layer_classes=tuple(f.layer_classes) if f.layer_classes else None,
         )
 

@@ -44,8 +44,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                    help="TP with all-reduce instead of sequence parallel")
     t.add_argument("--no-loss-parallel", action="store_true",
                    help="TP gathers full logits instead of a vocab-parallel loss")
-    t.add_argument("--reduce-every-microbatch", action="store_true",
-                   help="reduce gradients after every micro-batch (default: after the last)")
+    t.add_argument("--unsharded-grad-accumulation", action="store_true",
+                   help="accumulate unsharded gradients, reduce-scatter only after the last "
+                        "micro-batch (default: reduce-scatter every micro-batch)")
     t.add_argument("--no-reshard-after-forward", action="store_true",
                    help="FSDP keeps params unsharded between forward and backward")
     o = parser.add_argument_group("output")
@@ -98,7 +99,7 @@ def build_request(args) -> PlanRequest:
         optimizer=args.optimizer, sequence_parallel=not args.no_sequence_parallel,
         reshard_after_forward=not args.no_reshard_after_forward,
         loss_parallel=not args.no_loss_parallel,
-        reduce_every_microbatch=args.reduce_every_microbatch,
+        unsharded_grad_accumulation=args.unsharded_grad_accumulation,
     )
 
 

@@ -78,7 +78,7 @@ def predict_collectives(
     sequence_parallel: bool = True,
     reshard_after_forward: bool = True,
     loss_parallel: bool = True,
-    reduce_every_microbatch: bool = False,
+    unsharded_grad_accumulation: bool = False,
     cp_strategy: str = "ring",
     scalars: bool = False,
 ) -> list[Collective]:
@@ -90,7 +90,7 @@ def predict_collectives(
     s = Settings(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                  checkpointing=checkpointing, mixed_precision=mixed_precision,
                  sequence_parallel=sequence_parallel, reshard_after_forward=reshard_after_forward,
-                 loss_parallel=loss_parallel, reduce_every_microbatch=reduce_every_microbatch,
+                 loss_parallel=loss_parallel, unsharded_grad_accumulation=unsharded_grad_accumulation,
                  cp_strategy=cp_strategy)
     out = collectives_for(model, layout, s)
     if scalars:
@@ -112,8 +112,8 @@ def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Colle
 
 def _data_parallel(model: ModelSpec, layout: Layout, s: Settings, ga: int) -> list[Collective]:
     """FSDP2 per unit and micro-batch: all-gather in forward (+ again in backward if resharded);
-    per reducing micro-batch (the last one, or every one) reduce-scatter of gradients in fp32 and
-    the HSDP/DDP all-reduce over dp_replicate after it."""
+    reduce-scatter of gradients in fp32 on every micro-batch (only the last one with
+    ``unsharded_grad_accumulation``) and the HSDP/DDP all-reduce over dp_replicate once per step."""
     out = []
     red = s.reducing_microbatches
     n = layout.fsdp
@@ -129,7 +129,7 @@ def _data_parallel(model: ModelSpec, layout: Layout, s: Settings, ga: int) -> li
                                   count * red, f"FSDP reduce-scatter grads ({unit})", "compute"))
         if layout.dp_replicate > 1:
             size = shard if n > 1 else local
-            out.append(Collective("all_reduce", "dp_replicate", size * s.reduce_bytes, count * red,
+            out.append(Collective("all_reduce", "dp_replicate", size * s.reduce_bytes, count,
                                   f"{'HSDP' if n > 1 else 'DDP'} all-reduce grads ({unit})",
                                   "compute"))
     return out

@@ -82,9 +82,11 @@ class Settings:
     """TP with sequence parallel (all-gather + reduce-scatter) instead of all-reduce."""
     loss_parallel: bool = True
     """Cross-entropy on vocab-sharded logits (else the LM head gathers full logits on every rank)."""
-    reduce_every_microbatch: bool = False
-    """Reduce gradients after every micro-batch; default (ndparallel's ``accumulate``): only after
-    the last one, keeping fp32 unsharded gradients in between."""
+    unsharded_grad_accumulation: bool = False
+    """ndparallel's ``FSDPOptions.unsharded_grad_accumulation``: during gradient accumulation skip the
+    reduce-scatter too, keeping unsharded fp32 gradients until the last micro-batch. Default (the
+    runtime's default): reduce-scatter every micro-batch, gradients stay sharded; the replica
+    all-reduce (DP/HSDP) runs once, after the last micro-batch."""
     reshard_after_forward: bool = True
     cp_strategy: str = "ring"
     """CP attention: 'ring' (K/V hop rank to rank) or 'allgather' (K/V gathered once per layer)."""
@@ -97,13 +99,13 @@ class Settings:
 
     @property
     def reducing_microbatches(self) -> int:
-        """Micro-batches per step whose backward reduces gradients."""
-        return self.grad_accum if self.reduce_every_microbatch else 1
+        """Micro-batches per step whose backward reduce-scatters gradients."""
+        return 1 if self.unsharded_grad_accumulation else self.grad_accum
 
     @property
     def accumulates_unsharded(self) -> bool:
         """Unsharded fp32 gradients are kept between micro-batches (no sync until the last)."""
-        return self.grad_accum > 1 and not self.reduce_every_microbatch
+        return self.grad_accum > 1 and self.unsharded_grad_accumulation
 
     @property
     def param_compute_bytes(self) -> int:

@@ -178,7 +178,8 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
         "micro_batch_size": s.micro_batch,
         "gradient_accumulation_steps": s.grad_accum,
         "fsdp_config": {"reshard_after_forward": s.reshard_after_forward,
-                        "activation_checkpointing": s.checkpointing},
+                        "activation_checkpointing": s.checkpointing,
+                        "unsharded_grad_accumulation": s.unsharded_grad_accumulation},
         "optimizer": "adamw_torch" if s.optimizer == "adamw" else "sgd",
     }
     if e.layout.tp > 1:

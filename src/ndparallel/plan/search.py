@@ -35,7 +35,7 @@ class PlanRequest:
     sequence_parallel: bool = True
     reshard_after_forward: bool = True
     loss_parallel: bool = True
-    reduce_every_microbatch: bool = False
+    unsharded_grad_accumulation: bool = False
 
 
 @dataclass
@@ -182,7 +182,7 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
                     optimizer=req.optimizer, sequence_parallel=req.sequence_parallel,
                     reshard_after_forward=req.reshard_after_forward,
                     loss_parallel=req.loss_parallel,
-                    reduce_every_microbatch=req.reduce_every_microbatch)
+                    unsharded_grad_accumulation=req.unsharded_grad_accumulation)
     res.rejections = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
     if res.rejections:
         return res
