@@ -76,12 +76,12 @@ def test_tensor_parallel_without_loss_parallel_gathers_logits():
 
 def test_tensor_parallel_all_reduce():
     got = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, sequence_parallel=False))
-    # fwd: 2 rowwise outputs per layer; bwd: one per colwise linear (q, k, v, gate, up), as the
-    # runtime does it (tests/test_plan_vs_runtime.py); + embedding fwd, LM-head input grad bwd.
-    assert got == {("all_reduce", "tp", 4096): 2 * 2 + 5 * 2 + 2, ("all_reduce", "tp", 128): 3}
+    # fwd: 2 rowwise outputs per layer; bwd: one per block input (attention, MLP), checked against
+    # the runtime by tests/test_plan_vs_runtime.py; + embedding fwd, LM-head input grad bwd.
+    assert got == {("all_reduce", "tp", 4096): 2 * 2 + 2 * 2 + 2, ("all_reduce", "tp", 128): 3}
     ck = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, sequence_parallel=False,
                                        checkpointing=True))
-    assert ck[("all_reduce", "tp", 4096)] == 16 + 2  # recompute: attention output only
+    assert ck[("all_reduce", "tp", 4096)] == 10 + 2  # recompute: attention output only
 
 
 def test_checkpointing_recompute_skips_mlp_output_reduction():

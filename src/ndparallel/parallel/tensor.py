@@ -152,29 +152,45 @@ class ReplicateParallel(ParallelStyle):
         return module
 
 
-class GatherSequenceInput(ParallelStyle):
-    """Sequence parallel: all-gather a block's sequence-sharded input (first positional argument, or
-    the ``hidden_states`` keyword HF attention uses) into a ``Replicate`` DTensor; its backward is
-    the reduce-scatter of the partial input gradients."""
+class _BlockInput(ParallelStyle):
+    """Turn a block's input (first positional argument, or the ``hidden_states`` keyword HF
+    attention uses) into one ``Replicate`` DTensor that all its column-wise linears share."""
+
+    def _to_replicate(self, x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        raise NotImplementedError
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(x):
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
-            return x.redistribute(device_mesh, [Replicate()])
-
         def pre_hook(_mod, args, kwargs):
             if args and isinstance(args[0], torch.Tensor):
-                return (gather(args[0]), *args[1:]), kwargs
+                return (self._to_replicate(args[0], device_mesh), *args[1:]), kwargs
             if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-                return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+                return args, {**kwargs, "hidden_states": self._to_replicate(kwargs["hidden_states"], device_mesh)}
             raise ValueError(
-                f"sequence parallel: {type(_mod).__name__} got no tensor input to gather "
+                f"tensor parallel: {type(_mod).__name__} got no tensor input "
                 "(expected a positional tensor or hidden_states=...)"
             )
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         return module
+
+
+class ReplicateBlockInput(_BlockInput):
+    """Without sequence parallel: q, k, v (or gate, up) read one shared ``Replicate`` DTensor, so
+    their partial input gradients are summed first and all-reduced once per block (Megatron's "f"),
+    instead of once per column-wise linear."""
+
+    def _to_replicate(self, x, mesh):
+        return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+
+class GatherSequenceInput(_BlockInput):
+    """Sequence parallel: all-gather a block's sequence-sharded input into a ``Replicate`` DTensor;
+    its backward is the reduce-scatter of the summed partial input gradients."""
+
+    def _to_replicate(self, x, mesh):
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        return x.redistribute(mesh, [Replicate()])
 
 
 def parallel_style(
@@ -313,9 +329,9 @@ def apply_tensor_parallel(
             )
         on_residual, _ = _layer_position(name)
         styles[name] = ReplicateParallel(Shard(1) if sp and on_residual else Replicate())
+    for block in blocks:
+        styles[block] = GatherSequenceInput() if sp else ReplicateBlockInput()
     if sp:
-        for block in blocks:
-            styles[block] = GatherSequenceInput()
         model.register_forward_pre_hook(_sp_position_hook(tp_size), with_kwargs=True)
 
     tied = _tied_groups(model)

@@ -16,9 +16,6 @@ from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.models import ModelSpec, ParamSpec, fsdp_units
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
-COLWISE_PER_BLOCK = {"attention": 3, "mlp": 2}
-"""Column-wise linears reading a block's input (q, k, v; gate, up): without sequence parallel the
-runtime all-reduces each one's input gradient separately (see ``_tensor_parallel``)."""
 
 
 @dataclass(frozen=True)
@@ -138,8 +135,7 @@ def _data_parallel(model: ModelSpec, layout: Layout, s: Settings, ga: int) -> li
 def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int):
     """Per decoder layer two colwise→rowwise pairs (attention, MLP). With sequence parallel each
     pair is all-gather (in) + reduce-scatter (out) in forward and the mirror in backward; without,
-    one all-reduce in forward (rowwise output) and, as the runtime does it, one per colwise linear
-    in backward (see below). Recompute under checkpointing repeats the forward ones except the
+    one all-reduce in forward (rowwise output) and one in backward (the block's input gradient). Recompute under checkpointing repeats the forward ones except the
     MLP output's reduction. Embedding (vocab-parallel) and LM head
     (colwise) add one each way; loss parallel adds 3 fp32 all-reduces per token (max, sum-exp,
     target logit), without it the logits are all-gathered. Norm weights replicated over tp on
@@ -155,12 +151,10 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
     fwd_in = 2 * L * (1 + ck)
     fwd = 2 * L + L * ck
     bwd = 2 * L
-    # Without sequence parallel ndparallel applies torch's ColwiseParallel(input_layouts=
-    # Replicate()) to each colwise linear separately: each wraps the block input in its own
-    # DTensor, so the backward all-reduces each one's input gradient (q, k, v: 3; gate, up: 2)
-    # instead of summing them first (Megatron's single "f" all-reduce per block). Measured by
-    # tests/test_plan_vs_runtime.py; 5 all-reduces per layer where 2 would do.
-    bwd_no_sp = L * (COLWISE_PER_BLOCK["attention"] + COLWISE_PER_BLOCK["mlp"])
+    # Without sequence parallel the block input is one Replicate DTensor shared by q, k, v (gate,
+    # up): their partial input gradients are summed, then all-reduced once per block (Megatron's
+    # "f"); measured by tests/test_plan_vs_runtime.py.
+    bwd_no_sp = bwd
     out = []
     if s.sequence_parallel:
         out += [
@@ -177,7 +171,7 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
         out += [
             Collective("all_reduce", "tp", full, fwd * ga, "TP all-reduce rowwise outputs (fwd)"),
             Collective("all_reduce", "tp", full, bwd_no_sp * ga,
-                       "TP all-reduce colwise input grads (bwd, one per colwise linear)"),
+                       "TP all-reduce block input grads (bwd)"),
             Collective("all_reduce", "tp", full, ga, "TP embedding output (fwd)"),
             Collective("all_reduce", "tp", full, ga, "TP LM-head input grad (bwd)"),
         ]
