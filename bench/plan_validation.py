@@ -11,7 +11,8 @@ the bytes of tensor storage alive on rank 0 at the peak of one steady-state forw
 ``zero_grad(set_to_none=False)``, AdamW states; unique storages, FSDP padding included) + the
 peak of storages created during forward and backward, tracked by a ``TorchDispatchMode`` (every
 op output's storage, freed by a weakref callback, ``UntypedStorage.resize_`` followed — FSDP2
-frees and re-allocates unsharded parameters that way). Allocator caching/fragmentation, the
+frees and re-allocates unsharded parameters that way; outputs the op schema declares as aliases
+of an input and wrapper-subclass outputs own no new memory and are skipped). Allocator caching/fragmentation, the
 Python/torch runtime and gloo buffers are not counted (the planner's ``overhead``). The optimizer
 step itself is not in the window (the planner's peak is in backward).
 *Predicted*: ``estimate_memory(...).total - overhead`` with mixed_precision fp32.
@@ -97,16 +98,34 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
 
-        if any(issubclass(t, DTensor) for t in types):
+        if any(issubclass(t, DTensor) for t in types):  # DTensor re-dispatches its local ops
             return NotImplemented
         out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (list, tuple)) else [out]):
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.device.type != "meta":
+        for t in _fresh_outputs(func, out):
+            # Plain tensors only: a wrapper subclass (funcol's AsyncCollectiveTensor) has a storage
+            # without memory; its inner tensor was created, and is tracked, by its own op.
+            if type(t) is torch.Tensor and t.device.type != "meta":
                 try:
                     self._track(t.untyped_storage())
                 except (RuntimeError, NotImplementedError):
                     pass
         return out
+
+
+def _fresh_outputs(func, out) -> list:
+    """The outputs of ``func`` that its schema does not declare as aliases of an input.
+
+    Views and in-place results (``t()`` of a weight, ``add_`` into a kept gradient) share an
+    input's storage: it is either tracked already or existed before the window (parameters,
+    gradients, the batch), where it is counted in the states or not at all.
+    """
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    rets = func._schema.returns
+    if len(rets) == 1:  # one return, possibly a Tensor[] list
+        fresh = [rets[0].alias_info is None] * len(outs)
+    else:
+        fresh = [r.alias_info is None for r in rets]
+    return [t for t, f in zip(outs, fresh) if f]
 
 
 def _local(t):
