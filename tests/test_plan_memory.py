@@ -33,14 +33,14 @@ def test_fsdp_shard_padding():
 
 def test_activation_bytes_per_token_hand_checked():
     s = Settings(seq_len=32)
-    # tp=1, bf16: norms 2*(4+2)*64=768, inputs 2*2*64=256, q/k/v 2*(4+2*2)*16=256,
-    # attn out 2*4*16=128, lse 4*4=16, MLP 4*2*128=1024  -> 2448
-    assert layer_activation_bytes_per_token(TINY, Layout(), s) == 2448
-    # tp=2 with SP: 384 + 256 + 128 + 64 + 8 + 512
-    assert layer_activation_bytes_per_token(TINY, Layout(tp=2), s) == 1352
-    # tp=2 without SP: norms not split -> 768 + 256 + 128 + 64 + 8 + 512
+    # tp=1, bf16: norms 2*((4+2)*64 + 4 rstd)=776, inputs 2*2*64=256, q/k/v 2*(4+2*2)*16=256,
+    # attn out 2*4*16=128, lse 4*4=16, MLP 4*2*128=1024  -> 2456
+    assert layer_activation_bytes_per_token(TINY, Layout(), s) == 2456
+    # tp=2 with SP: 388 + 256 + 128 + 64 + 8 + 512
+    assert layer_activation_bytes_per_token(TINY, Layout(tp=2), s) == 1356
+    # tp=2 without SP: norms not split -> 776 + 256 + 128 + 64 + 8 + 512
     s_nosp = Settings(seq_len=32, sequence_parallel=False)
-    assert layer_activation_bytes_per_token(TINY, Layout(tp=2), s_nosp) == 1736
+    assert layer_activation_bytes_per_token(TINY, Layout(tp=2), s_nosp) == 1744
 
 
 def test_states_sharded_by_fsdp_and_tp():
@@ -61,17 +61,20 @@ def test_activations_checkpointing_and_cp():
     s = Settings(seq_len=32, micro_batch=2)
     tokens = 64
     m = estimate_memory(TINY, Layout(), s, H100)
-    assert m.activation_bytes_per_layer == 2448 * tokens
-    saved = 2 * 2448 * tokens
-    logits = tokens * 256 * 14 + tokens * (6 * 64 + 2 * 64)
+    assert m.activation_bytes_per_layer == 2456 * tokens
+    rope = 2 * tokens * 16 * 2  # cos, sin: (b, s, d) bf16, shared by the layers
+    saved = 2 * 2456 * tokens + rope
+    # logits bf16 + fp32 log-softmax + 2 fp32 grads; final norm (fp32 in, normalized, rstd) and
+    # LM-head input
+    logits = tokens * 256 * 14 + tokens * (6 * 64 + 4 + 2 * 64)
     if m.peak_phase == "loss backward":
         assert m.activations == saved and m.logits == logits
     else:
-        assert m.activations == saved + 2448 * tokens and m.logits == 0
+        assert m.activations == saved + 2456 * tokens and m.logits == 0
     ck = estimate_memory(TINY, Layout(), Settings(seq_len=32, micro_batch=2, checkpointing=True),
                          H100)
-    # checkpointing keeps only each layer's bf16 input: L * tokens * 2 * h
-    assert ck.activations in (2 * tokens * 2 * 64, 2 * tokens * 2 * 64 + 2448 * tokens)
+    # checkpointing keeps only each layer's bf16 input: L * tokens * 2 * h (+ RoPE cos/sin)
+    assert ck.activations in (2 * tokens * 2 * 64 + rope, 2 * tokens * 2 * 64 + rope + 2456 * tokens)
     cp2 = estimate_memory(TINY, Layout(cp=2), s, H100)
     assert cp2.activation_bytes_per_layer == m.activation_bytes_per_layer / 2
 
@@ -89,12 +92,15 @@ def test_accumulation_keeps_unsharded_fp32_grads():
 
 
 def test_loss_parallel_shards_logits():
+    # fp32, 512 tokens per rank: the loss moment is the peak with and without loss parallel.
     lay = Layout(tp=2)
-    kw = dict(seq_len=32, checkpointing=True)
+    kw = dict(seq_len=256, micro_batch=2, mixed_precision="fp32")
     lp = estimate_memory(TINY, lay, Settings(**kw), H100)
     full = estimate_memory(TINY, lay, Settings(**kw, loss_parallel=False), H100)
-    if lp.peak_phase == full.peak_phase == "loss backward":
-        assert full.logits - lp.logits == 32 * 128 * 14
+    assert lp.peak_phase == full.peak_phase == "loss backward"
+    # full vocab 256 at e+12 = 16 B vs the local 128 at e+16 = 20 B (loss parallel's fused
+    # backward holds zeros_like(x), exp(x) and their sum at once)
+    assert full.logits - lp.logits == 512 * (256 * 16 - 128 * 20)
 
 
 def test_parts_sum_to_total_and_overhead():

@@ -45,22 +45,23 @@ def layer_activation_bytes_per_token(model: ModelSpec, layout: Layout, s: Settin
 
     Per token (h hidden, d head dim, a/k q/kv heads, f MLP width, t = tp, t_sp = tp with
     sequence parallel else 1, e = activation bytes):
-      2 RMSNorms, each fp32 input + normalized output:   2·(4+e)·h / t_sp
+      2 RMSNorms, each fp32 input + normalized output
+      + its fp32 reciprocal RMS (one per token):         2·((4+e)·h + 4) / t_sp
       q/k/v input and MLP input (gathered under SP):     2·e·h
       q, k, v after RoPE kept by attention:              e·(a+2k)·d / t
       attention output (also o_proj input):              e·a·d / t
       log-sum-exp:                                       4·a / t
       gate, SiLU(gate), up, product (down_proj input):   4·e·f / t
-      (Qwen3 q/k RMSNorms:                               (4+e)·(a+k)·d / t)
+      (Qwen3 q/k RMSNorms:                               (4+e)·(a+k)·d / t + 4·(a+k) / t)
     """
     h, d, a, k, f = model.hidden, model.head_dim, model.heads, model.kv_heads, model.intermediate
     t = layout.tp
     t_sp = t if s.sequence_parallel else 1
     e = s.act_bytes
-    per = 2 * (4 + e) * h / t_sp + 2 * e * h
+    per = 2 * ((4 + e) * h + 4) / t_sp + 2 * e * h
     per += e * (a + 2 * k) * d / t + e * a * d / t + 4 * a / t + 4 * e * f / t
     if model.qk_norm:
-        per += (4 + e) * (a + k) * d / t
+        per += ((4 + e) * d + 4) * (a + k) / t
     return per
 
 
@@ -86,12 +87,21 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         saved = model.layers * tokens * e * model.hidden / t_sp  # each layer's input only
     else:
         saved = model.layers * per_layer
+    # RoPE cos and sin (b, s/c, d) in activation dtype, shared by all layers (full local
+    # sequence under SP: attention runs on the gathered sequence).
+    saved += 2 * tokens * model.head_dim * e
     working = per_layer  # one layer's recomputed / gradient working set during its backward
 
     # Logits and loss (vocab sharded over tp by loss parallel), final norm + LM-head input.
-    vocab_local = -(-model.vocab // t) if s.loss_parallel else model.vocab
-    logits = tokens * vocab_local * (e + 12)
-    logits += tokens * ((4 + e) * model.hidden / t_sp + e * model.hidden)
+    # Per logit: the logits (e), the fp32 log-softmax kept for backward, and in its backward
+    # two fp32 gradients (nll, log-softmax) = e + 12; loss parallel's fused nll + log-softmax
+    # backward (torch.distributed.tensor.parallel.loss) holds zeros_like(x), exp(x) and their
+    # sum at once = e + 16.
+    if s.loss_parallel and t > 1:
+        logits = tokens * -(-model.vocab // t) * (e + 16)
+    else:
+        logits = tokens * model.vocab * (e + 12)
+    logits += tokens * (((4 + e) * model.hidden + 4) / t_sp + e * model.hidden)
 
     # FSDP buffers: all-gathered (compute-dtype) params of the unit in use and prefetched ones,
     # and its unsharded gradient in compute dtype plus the fp32 copy fed to reduce-scatter.
