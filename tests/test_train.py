@@ -35,7 +35,7 @@ def test_quickstart_cli_writes_metrics_and_a_model_that_generates(tmp_path):
     assert "step 4: loss" in proc.stdout and "eval_loss" in proc.stdout
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in steps] == [2, 4]
+    assert [r["step"] for r in steps] == [1, 2, 4]  # the first step, then every logging_steps
     for key in ("lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
                 "peak_memory_gb"):
         assert steps[-1][key] > 0 or key == "lr"

@@ -187,7 +187,7 @@ def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:
             }
             if peak:
                 last["mfu"] = last["tflops_per_device"] * 1e12 / peak
-            if state.step % cfg.logging_steps == 0 or state.step == total_steps:
+            if state.step % cfg.logging_steps == 0 or state.step in (1, total_steps):
                 metrics.write(last)
                 progress.update(state.step, last)
             if cfg.eval_steps and splits.val is not None and (
