@@ -77,10 +77,15 @@ def test_cpu_offload():
     _check(setup, {"dp_shard_size": 2}, 2)
 
 
-def test_bf16_runs_and_stays_close():
+@pytest.mark.parametrize("layout, world", [
+    ({"dp_shard_size": 2}, 2),
+    ({}, 1),  # no data parallelism: bf16 still comes from FSDP2's policy, on a 1-rank mesh
+    ({"tp_size": 2}, 2),
+], ids=["fsdp2", "one_rank", "tp2"])
+def test_bf16_runs_and_stays_close(layout, world):
     setup = dataclasses.replace(BASE, mixed_precision="bf16")
     ref = reference(BASE)
-    got = run_on_ranks(train_under_layout, 2, setup, {"dp_shard_size": 2})[0]
+    got = run_on_ranks(train_under_layout, world, setup, layout)[0]
     diff = compare(ref, got)
     assert diff["loss_rel"] <= 2e-2, diff
 

@@ -42,18 +42,33 @@ def _child(rank: int, world_size: int, port: int, conn, fn, args, kwargs, pg_tim
 
         init_distributed("cpu", timeout_s=pg_timeout_s)
         result = fn(*args, **kwargs)
-        payload = pickle.dumps(("ok", result))
+        payload, ok = pickle.dumps(("ok", result)), True
     except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit
         payload = pickle.dumps(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        ok = False
     try:
         conn.send_bytes(payload)
         conn.close()
+        if ok:
+            _wait_for_peers()
     finally:
         try:
             shutdown()
         except Exception:
             pass
         os._exit(0)
+
+
+def _wait_for_peers() -> None:
+    """Rank 0 hosts the rendezvous store: nobody leaves (taking it down) while a peer may still be
+    creating process groups. A failed peer makes the parent kill us, so this cannot hang a test."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        except Exception:
+            pass
 
 
 def run_on_ranks(
@@ -105,7 +120,7 @@ def run_on_ranks(
     finally:
         _kill_all(procs, grace_s=0.5 if errors or conns else 5.0)
     if errors:
-        first = min(errors)
+        first = next(iter(errors))  # the first reported: later ones may be its consequences
         others = f" (ranks {sorted(errors)} failed)" if len(errors) > 1 else ""
         raise RankFailure(f"rank {first} of {world_size} raised{others}:\n{errors[first]}")
     if missing:
