@@ -61,12 +61,12 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_data: bool = True):
 
 def _check_datasets(cfg: TrainConfig) -> None:
     """Local dataset files must exist before ranks start (hub names are checked when loaded)."""
-    from ndparallel.data.dataset import _looks_local
+    from ndparallel.data.dataset import looks_local
 
     for i, d in enumerate(cfg.datasets):
         if d.path.startswith("builtin:"):
             continue
-        if _looks_local(d.path) and not Path(d.path).expanduser().exists():
+        if looks_local(d.path) and not Path(d.path).expanduser().exists():
             raise ConfigError(f"datasets[{i}].path={d.path!r} does not exist: fix the path "
                               "(relative paths are taken from the current directory)")
 

@@ -228,14 +228,21 @@ def _readinto(f, pos: int, out: torch.Tensor) -> None:
         got += n
 
 
+# The dtype names of the safetensors format (its spec), mapped to torch dtypes.
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
 def read_slice(f, data_start: int, info: dict, offsets, lengths, target: torch.Tensor) -> None:
     """Copy ``stored[offsets : offsets + lengths]`` of the stored tensor described by ``info`` into
     ``target``. A slice whose trailing dims are whole is one contiguous byte range, read directly
     into ``target`` when dtype, device and layout allow; otherwise whole rows are read in blocks of
     at most ``_TEMP_BYTES`` and the slice copied out of them."""
-    from safetensors.torch import _getdtype
-
-    dtype, shape = _getdtype(info["dtype"]), list(info["shape"])
+    dtype, shape = SAFETENSORS_DTYPES[info["dtype"]], list(info["shape"])
     base = data_start + info["data_offsets"][0]
     if not shape:  # a scalar
         tmp = torch.empty((), dtype=dtype)

@@ -78,7 +78,7 @@ def load_text_dataset(spec: DatasetSpec | Mapping[str, Any] | str, cache_dir: st
         ds = stdlib_dataset(spec.max_files, spec.max_bytes)
     elif os.path.exists(spec.path):
         ds = _load_local(spec, cache_dir, where)
-    elif _looks_local(spec.path):
+    elif looks_local(spec.path):
         raise ValueError(f"{where}.path: {spec.path!r} does not exist (cwd: {os.getcwd()}); fix the path, or use "
                          f"{BUILTIN_STDLIB!r} for the built-in corpus")
     else:
@@ -136,7 +136,7 @@ def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
     return h.hexdigest()[:16]
 
 
-def _looks_local(path: str) -> bool:
+def looks_local(path: str) -> bool:
     """A path that cannot be a Hub name ("org/name"): relative/absolute, nested, or with a data extension."""
     return path.startswith((".", "/", "~")) or path.count("/") > 1 or _format_of(path) is not None
 
