@@ -2,6 +2,7 @@
 collective timeout, the job exits non-zero and names the rank that failed first."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -32,4 +33,7 @@ def test_misbehaving_rank_ends_the_job_within_the_timeout(mode, tmp_path):
     assert "ndparallel launch: job failed:" in proc.stderr and first in proc.stderr, proc.stderr[-3000:]
     if mode == "raise":
         assert "rank 1 fails on purpose" in proc.stderr
+    else:  # the stalled rank is named (a peer whose own timeout had not fired yet may be too)
+        found = re.search(r"ranks \[([0-9, ]+)\] were still running", proc.stderr)
+        assert found and "1" in found.group(1).split(", "), proc.stderr[-3000:]
     assert ended - started < TIMEOUT_S + 30, ended - started  # timeout + teardown, never a hang

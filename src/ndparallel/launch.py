@@ -9,6 +9,7 @@ per-rank thread count that shares this machine's cores instead of oversubscribin
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Sequence
 
@@ -49,6 +50,11 @@ def launch(argv: Sequence[str]) -> int:
                            for rank, f in sorted(exc.failures.items()) if rank != first_rank)
         print(f"ndparallel launch: job failed: rank {first_rank} (exit {first.exitcode}) failed first"
               + (f"; then {others}" if others else ""), file=sys.stderr)
+        stopped = sorted(r for r, f in exc.failures.items() if f.exitcode == -signal.SIGTERM)
+        if stopped and first.exitcode == 1:
+            print(f"ndparallel launch: ranks {stopped} were still running when rank {first_rank} "
+                  "failed (stopped by the launcher): if it timed out in a collective, they are the "
+                  "ranks that stalled", file=sys.stderr)
         return 1
     return 0
 
