@@ -88,3 +88,22 @@ def test_verify_passes_right_layout_and_fails_broken_one(monkeypatch, capsys):
     assert "PASS" in capsys.readouterr().out
     assert _verify([], "skip-grad-sync") == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_train_resumes_from_a_checkpoint_and_continues_identically(tmp_path):
+    """Run 4 steps saving every 2; drop the last checkpoint and resume (auto) from step 2: steps 3
+    and 4 repeat the uninterrupted run's losses exactly (same layout: same data, RNG, optimizer)."""
+    import shutil
+
+    out = tmp_path / "run"
+    common = [*SMALL_DATA, "max_steps=4", "save_steps=2", "save_final_model=false", "logging_steps=1",
+              f"dataset_cache_dir={tmp_path / 'cache'}", "base_model=tiny-llama", "dp_shard_size=2",
+              f"output_dir={out}"]
+    run_on_ranks(_train, 2, None, common)
+    full = _losses(out)
+    shutil.rmtree(out / "checkpoint-4")
+    (out / "metrics.jsonl").unlink()
+    run_on_ranks(_train, 2, None, [*common, "resume_from_checkpoint=auto"])
+    resumed = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed if "loss" in r] == [3, 4]
+    assert [r["loss"] for r in resumed if "loss" in r] == full[2:]

@@ -115,3 +115,12 @@ def test_error_found_on_the_ranks_is_one_line_and_nonzero(tmp_path):
     assert out.returncode != 0
     errors = [line for line in out.stderr.splitlines() if line.startswith("ndparallel train: error:")]
     assert len(errors) == 1 and "block" in errors[0], out.stderr[-3000:]
+
+
+def test_resume_policy_after_an_elastic_restart():
+    from ndparallel.train import resume_policy
+
+    assert resume_policy(None, {}) is None
+    assert resume_policy(None, {"TORCHELASTIC_RESTART_COUNT": "0"}) is None
+    assert resume_policy(None, {"TORCHELASTIC_RESTART_COUNT": "1"}) == "auto"
+    assert resume_policy("ckpt/checkpoint-4", {"TORCHELASTIC_RESTART_COUNT": "1"}) == "ckpt/checkpoint-4"

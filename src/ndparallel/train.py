@@ -65,6 +65,14 @@ def model_config(cfg: TrainConfig, vocab_size: int | None = None):
     return AutoConfig.from_pretrained(cfg.base_model, trust_remote_code=cfg.trust_remote_code)
 
 
+def resume_policy(resume_from_checkpoint: str | None, env) -> str | None:
+    """What to resume from: the config's choice; after an elastic restart (``max_restarts``) the
+    newest complete checkpoint even if the config did not ask, so a restarted job continues."""
+    if resume_from_checkpoint:
+        return resume_from_checkpoint
+    return "auto" if int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 else None
+
+
 def build_optimizer(cfg: TrainConfig, params):
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -118,11 +126,12 @@ def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:
     state = TrainState()
 
     # ---- resume (any layout: DCP reshards model and optimizer; data resumes by samples seen)
-    if cfg.resume_from_checkpoint:
+    resume = resume_policy(cfg.resume_from_checkpoint, os.environ)
+    if resume:
         from ndparallel.checkpoint import find_resume_checkpoint, load_checkpoint
 
         try:
-            ckpt = find_resume_checkpoint(out, cfg.resume_from_checkpoint)
+            ckpt = find_resume_checkpoint(out, resume)
         except ValueError as e:
             raise SystemExit(f"ndparallel train: error: resume_from_checkpoint: {e}") from None
         if ckpt is not None:
