@@ -2,6 +2,7 @@
 every layout (parameters, buffers via forward outputs, ties, one training step); clear errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,3 +196,19 @@ def test_read_slice_matches_slicing(tmp_path, monkeypatch, dtype):
                 ml.read_slice(f, start, header["w"], offsets, lengths, target)
             want = full[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))].to(out_dtype)
             assert torch.equal(target, want), (offsets, lengths, out_dtype)
+
+
+def test_hub_id_that_cannot_be_fetched_is_one_clear_error(monkeypatch):
+    """Offline (this machine reaches no hub): an unknown ``org/name`` ends in one error naming it."""
+    from ndparallel.model_loading import resolve_model_dir
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="'no-such-org/no-such-model' is not a local directory"):
+        resolve_model_dir("no-such-org/no-such-model", is_local_main=True)
+
+
+def test_local_paths_are_not_sent_to_the_hub(tmp_path):
+    from ndparallel.model_loading import resolve_model_dir
+
+    assert resolve_model_dir(str(tmp_path), True) == tmp_path
+    assert resolve_model_dir("./relative/dir", True) == Path("./relative/dir")

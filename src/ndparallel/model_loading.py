@@ -62,7 +62,8 @@ def load_model(
     elif isinstance(path_or_config, str) and is_preset(path_or_config):
         config = preset_config(path_or_config)
     else:
-        return _load_pretrained(acc, Path(path_or_config), dtype, trust_remote_code, attn_implementation)
+        path = resolve_model_dir(str(path_or_config), acc is None or acc.is_local_main_process)
+        return _load_pretrained(acc, path, dtype, trust_remote_code, attn_implementation)
     _check_causal_lm(config, trust_remote_code)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -106,6 +107,44 @@ def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
         model.to_empty(device=device)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(old)
+
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+
+
+def resolve_model_dir(name: str, is_local_main: bool) -> Path:
+    """A local directory as is; a Hugging Face Hub id (``org/name``) downloaded (safetensors,
+    config and tokenizer files only) into the HF cache, by each node's local rank 0 first while
+    the other local ranks wait, then found in the cache by them without network."""
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        return path
+    import torch.distributed as dist
+    from huggingface_hub import snapshot_download
+
+    def download(offline: bool) -> Path:
+        return Path(snapshot_download(name, allow_patterns=_HUB_PATTERNS, local_files_only=offline))
+
+    result: Path | Exception | None = None
+    if is_local_main:
+        try:
+            result = download(offline=False)
+        except Exception as e:  # noqa: BLE001 - reported below, after the other ranks are released
+            result = e
+    if dist.is_initialized():
+        dist.barrier()
+    if not is_local_main:
+        try:
+            result = download(offline=True)
+        except Exception as e:  # noqa: BLE001
+            result = e
+    if isinstance(result, Exception):
+        raise FileNotFoundError(
+            f"base model {name!r} is not a local directory and could not be fetched from the "
+            f"Hugging Face Hub ({type(result).__name__}: {result}). Download it where the Hub is "
+            f"reachable (`huggingface-cli download {name} --local-dir DIR`) and give DIR instead."
+        ) from None
+    return result
 
 
 def checkpoint_files(path: Path) -> list[Path]:
