@@ -296,7 +296,8 @@ class Accelerator:
 
     def gather_for_metrics(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate ``tensor`` (dim 0) from every dp rank, in dp-rank order. tp/cp peers hold the
-        same samples, so gathering over ``dp`` (not the whole world) counts each sample once."""
+        same samples, so gathering over ``dp`` (not the whole world) counts each sample once.
+        Every dp rank must pass the same shape (the loaders here drop uneven remainders)."""
         group = self.mesh("dp").get_group()
         parts = [torch.empty_like(tensor) for _ in range(self.dp_size)]
         dist.all_gather(parts, tensor.contiguous(), group=group)
