@@ -47,6 +47,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--unsharded-grad-accumulation", action="store_true",
                    help="accumulate unsharded gradients, reduce-scatter only after the last "
                         "micro-batch (default: reduce-scatter every micro-batch)")
+    t.add_argument("--cp-strategy", choices=("ring", "allgather"), default="ring",
+                   help="context-parallel attention communication (train's cp_comm_strategy)")
     t.add_argument("--no-reshard-after-forward", action="store_true",
                    help="FSDP keeps params unsharded between forward and backward")
     o = parser.add_argument_group("output")
@@ -100,6 +102,7 @@ def build_request(args) -> PlanRequest:
         reshard_after_forward=not args.no_reshard_after_forward,
         loss_parallel=not args.no_loss_parallel,
         unsharded_grad_accumulation=args.unsharded_grad_accumulation,
+        cp_strategy=args.cp_strategy,
     )
 
 

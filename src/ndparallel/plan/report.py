@@ -182,6 +182,8 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
                         "unsharded_grad_accumulation": s.unsharded_grad_accumulation},
         "optimizer": "adamw_torch" if s.optimizer == "adamw" else "sgd",
     }
+    if e.layout.cp > 1:
+        cfg["cp_comm_strategy"] = s.cp_strategy
     if e.layout.tp > 1:
         cfg["sequence_parallel"] = s.sequence_parallel
         cfg["loss_parallel"] = s.loss_parallel

@@ -36,6 +36,7 @@ class PlanRequest:
     reshard_after_forward: bool = True
     loss_parallel: bool = True
     unsharded_grad_accumulation: bool = False
+    cp_strategy: str = "ring"
 
 
 @dataclass
@@ -182,7 +183,8 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
                     optimizer=req.optimizer, sequence_parallel=req.sequence_parallel,
                     reshard_after_forward=req.reshard_after_forward,
                     loss_parallel=req.loss_parallel,
-                    unsharded_grad_accumulation=req.unsharded_grad_accumulation)
+                    unsharded_grad_accumulation=req.unsharded_grad_accumulation,
+                    cp_strategy=req.cp_strategy)
     res.rejections = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
     if res.rejections:
         return res
