@@ -107,3 +107,23 @@ def test_train_resumes_from_a_checkpoint_and_continues_identically(tmp_path):
     resumed = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed if "loss" in r] == [3, 4]
     assert [r["loss"] for r in resumed if "loss" in r] == full[2:]
+
+
+def _train_profiled(overrides):
+    from ndparallel.train import run_training
+
+    run_training(load_config(None, overrides), profile_comm=True)
+    return True
+
+
+def test_profile_comm_writes_per_rank_tables(tmp_path, capfd):
+    out = tmp_path / "run"
+    run_on_ranks(_train_profiled, 2, [*SMALL_DATA, "max_steps=3", "save_final_model=false",
+                                      f"dataset_cache_dir={tmp_path / 'cache'}",
+                                      "base_model=tiny-llama", "dp_shard_size=2", f"output_dir={out}"])
+    for rank in (0, 1):
+        rows = json.loads((out / "comm_profile" / f"rank-{rank:05d}.json").read_text())["rows"]
+        ops = {(r["dim"], r["op"]) for r in rows}
+        assert {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter")} <= ops, ops
+        assert all(r["bytes"] > 0 and r["count"] > 0 for r in rows)
+    assert "collectives per rank, steady step" in capfd.readouterr().out
