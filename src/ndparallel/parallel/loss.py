@@ -33,11 +33,11 @@ def global_num_items(
 
     Pass the micro-batches *before* context-parallel sharding (cp peers hold the same samples, so
     counting over the ``dp`` group, not ``dp_cp``, is exact)."""
-    local = sum(int(count_loss_tokens(mb[label_key])) for mb in micro_batches)
-    total = torch.tensor([local], dtype=torch.int64, device=device)
+    counts = [count_loss_tokens(mb[label_key]).to(device) for mb in micro_batches]
+    total = torch.stack(counts).sum().reshape(1) if counts else torch.zeros(1, dtype=torch.int64, device=device)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(total, group=dp_group)
-    return int(total.item())
+    return int(total.item())  # the step's only host sync for the count
 
 
 def causal_lm_loss(
