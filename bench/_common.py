@@ -61,17 +61,14 @@ def local_micro_batch(acc, micro: dict[str, torch.Tensor]) -> dict[str, torch.Te
 def nd_step(acc, model, optimizer, mb: dict[str, torch.Tensor], max_norm: float | None = 1.0):
     """One optimizer step through the public Accelerator API (one micro-batch): global token
     count, CP sharding, token-sum loss, backward, clipping, AdamW."""
-    n_items = acc.global_num_items([mb])
-    with acc.maybe_context_parallel(buffers=[mb["input_ids"], mb["shift_labels"], mb["position_ids"]],
-                                    buffer_seq_dims=[1, 1, 1]):
-        logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
-        loss = acc.causal_lm_loss(logits, mb["shift_labels"], n_items)
-        acc.backward(loss, num_items_in_batch=n_items)
+    from ndparallel.step import forward_backward
+
+    loss = forward_backward(acc, model, [mb])  # the very step `ndparallel train` runs
     if max_norm is not None:
         acc.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
     optimizer.zero_grad()
-    return loss.detach()
+    return loss
 
 
 def layout_world(layout: dict[str, int]) -> int:

@@ -40,6 +40,7 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
     from ndparallel.data.loader import PackedLoader
     from ndparallel.models.presets import preset_config
     from ndparallel.testing.equivalence import build_model, build_optimizer, with_overrides
+    from ndparallel.step import forward_backward
 
     setup = with_overrides(make_setup(), model_config=preset_config(model_preset))
     acc = Accelerator(ParallelismConfig(**(layout or {})))
@@ -65,17 +66,12 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
     batches = iter(loader)
     for step in range(start + 1, steps + 1):
         mb = {k: v.to(acc.device) for k, v in next(batches).items()}
-        n_items = acc.global_num_items([mb])
-        with acc.maybe_context_parallel(buffers=[mb["input_ids"], mb["shift_labels"], mb["position_ids"]],
-                                        buffer_seq_dims=[1, 1, 1]):
-            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
-            loss = acc.causal_lm_loss(logits, mb["shift_labels"], n_items)
-            acc.backward(loss, num_items_in_batch=n_items)
+        loss = forward_backward(acc, model, [mb])
         acc.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        total = loss.detach().float().clone()
+        total = loss.clone()
         dist.all_reduce(total, group=acc.mesh("dp_cp").get_group())
         losses[step] = float(total)
         if save_every and step % save_every == 0:
