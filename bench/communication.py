@@ -1,7 +1,7 @@
 """Bytes per training step per rank for each layout, measured with ``CommProfiler``, against the
 analytic floor of that layout.
 
-Convention (``ndparallel.comm_profile``): bytes one rank passes *into* each collective (the shard
+Convention (``ndparallel.runtime.comm_profile``): bytes one rank passes *into* each collective (the shard
 for all-gather, the full tensor for reduce-scatter/all-reduce, the buffer for send). The floor
 uses the same convention and counts only what the layout cannot avoid (fp32, P parameters,
 A = tokens per rank × hidden × 4 B, kv = 2 × tokens per rank × kv_heads × head_dim × 4 B):
@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402,F401  (imported once before forking the ranks)
-
 from _common import layout_world, local_micro_batch, nd_step, print_table, write_json  # noqa: E402
-from ndparallel.comm_profile import CommProfiler  # noqa: E402
+
+from ndparallel.runtime.comm_profile import CommProfiler  # noqa: E402
 from ndparallel.testing import run_on_ranks  # noqa: E402
 
 
@@ -74,13 +74,18 @@ def layouts():
 def _measure(layout, options, seq, rows, steps=2):
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.models.presets import preset_config
-    from ndparallel.testing.equivalence import TrainSetup, build_model, build_optimizer, make_global_batches
+    from ndparallel.tools.equivalence import (
+        TrainSetup,
+        build_model,
+        make_global_batches,
+        setup_optimizer,
+    )
 
     setup = TrainSetup(preset_config("tiny-llama"), steps=steps, global_micro_batch=rows, seq_len=seq)
     acc = Accelerator(ParallelismConfig(**layout), **options)
     model = build_model(setup)
     n_params = sum(p.numel() for p in model.parameters())
-    opt = build_optimizer(setup, model.parameters())
+    opt = setup_optimizer(setup, model.parameters())
     model, opt = acc.prepare(model, opt)
     with CommProfiler(acc.torch_device_mesh) as prof:
         for micro in make_global_batches(setup):

@@ -53,11 +53,11 @@ def main(argv=None):
 
     import torch.distributed as dist
     import torch.nn.functional as F
+    from _common import nd_step
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
-    from _common import nd_step
     from ndparallel import Accelerator, ParallelismConfig
 
     os.environ.setdefault("RANK", "0")

@@ -113,7 +113,7 @@ def _load_rss(path: str, how: str, fsdp: int) -> dict:
     import torch.distributed.fsdp  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
 
-    import ndparallel.model_loading  # noqa: F401
+    import ndparallel.models.loading  # noqa: F401
 
     gc.collect()
     base_kb = _status_kb("VmRSS")

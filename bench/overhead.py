@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402,F401
-
 from _common import local_micro_batch, nd_step, print_table, write_json  # noqa: E402
+
 from ndparallel.testing import run_on_ranks  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def _plain_model(setup, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ndparallel.testing.equivalence import build_model
+    from ndparallel.tools.equivalence import build_model
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("plain_dp",))
     model = build_model(setup)
@@ -72,16 +72,21 @@ def _run(world, steps, seq, rows, warmup):
 
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.models.presets import preset_config
-    from ndparallel.testing.equivalence import TrainSetup, build_model, build_optimizer, make_global_batches
+    from ndparallel.tools.equivalence import (
+        TrainSetup,
+        build_model,
+        make_global_batches,
+        setup_optimizer,
+    )
 
     setup = TrainSetup(preset_config("quickstart-llama"), steps=steps + warmup,
                        global_micro_batch=rows, seq_len=seq)
     acc = Accelerator(ParallelismConfig(dp_shard_size=world))
     nd_model = build_model(setup)
-    nd_opt = build_optimizer(setup, nd_model.parameters())
+    nd_opt = setup_optimizer(setup, nd_model.parameters())
     nd_model, nd_opt = acc.prepare(nd_model, nd_opt)
     plain = _plain_model(setup, world)
-    plain_opt = build_optimizer(setup, plain.parameters())
+    plain_opt = setup_optimizer(setup, plain.parameters())
     times = {"ndparallel": [], "plain": []}
     losses = {"ndparallel": [], "plain": []}
     for i, micro in enumerate(make_global_batches(setup)):

@@ -156,6 +156,7 @@ def _rank(layout: dict, seq: int, mb: int, steps: int, tp: dict):
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.models.presets import preset_config
     from ndparallel.parallel.options import TPOptions
+    from ndparallel.training.step import forward_backward
 
     acc = Accelerator(ParallelismConfig(**layout), mixed_precision="no", tp_options=TPOptions(**tp))
     torch.manual_seed(0)
@@ -171,17 +172,10 @@ def _rank(layout: dict, seq: int, mb: int, steps: int, tp: dict):
         pos = torch.arange(seq).expand(mb, -1).clone()
         dist.barrier()
         t0 = time.perf_counter()
-        n_items = acc.global_num_items([{"shift_labels": labels}])
         tracker = LiveBytes() if i == 1 else None
         states = _state_bytes(model, opt) if tracker else None
         with (tracker or _null()):
-            with acc.accumulate(model):
-                with acc.maybe_context_parallel(buffers=[ids, labels, pos],
-                                                buffer_seq_dims=[1, 1, 1]):
-                    logits = model(input_ids=ids, position_ids=pos).logits
-                    loss = acc.causal_lm_loss(logits, labels, n_items)
-                    acc.backward(loss, num_items_in_batch=n_items)
-                    del logits, loss
+            forward_backward(acc, model, [{"input_ids": ids, "shift_labels": labels, "position_ids": pos}])
         opt.step()
         opt.zero_grad(set_to_none=False)
         dist.barrier()

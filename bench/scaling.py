@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402,F401
-
 from _common import local_micro_batch, nd_step, print_table, write_json  # noqa: E402
+
 from ndparallel.testing import run_on_ranks  # noqa: E402
 
 STRATEGIES = {  # name -> world -> ParallelismConfig kwargs (None: not applicable)
@@ -36,13 +36,18 @@ def _run(layout, seq, rows_per_dp, steps):
 
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.models.presets import preset_config
-    from ndparallel.testing.equivalence import TrainSetup, build_model, build_optimizer, make_global_batches
+    from ndparallel.tools.equivalence import (
+        TrainSetup,
+        build_model,
+        make_global_batches,
+        setup_optimizer,
+    )
 
     acc = Accelerator(ParallelismConfig(**layout))
     setup = TrainSetup(preset_config("tiny-llama"), steps=steps + 1,
                        global_micro_batch=rows_per_dp * acc.dp_size, seq_len=seq)
     model = build_model(setup)
-    opt = build_optimizer(setup, model.parameters())
+    opt = setup_optimizer(setup, model.parameters())
     model, opt = acc.prepare(model, opt)
     times = []
     for i, micro in enumerate(make_global_batches(setup)):

@@ -37,13 +37,18 @@ def worker(out_dir: str) -> None:
 
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.models.presets import preset_config
-    from ndparallel.testing.equivalence import TrainSetup, build_model, build_optimizer, make_global_batches
+    from ndparallel.tools.equivalence import (
+        TrainSetup,
+        build_model,
+        make_global_batches,
+        setup_optimizer,
+    )
 
     t_import = time.time()
     acc = Accelerator(ParallelismConfig(dp_shard_size=-1), device="cpu")
     setup = TrainSetup(preset_config("tiny-llama"), steps=1, global_micro_batch=8, seq_len=256)
     model = build_model(setup)
-    opt = build_optimizer(setup, model.parameters())
+    opt = setup_optimizer(setup, model.parameters())
     model, opt = acc.prepare(model, opt)
     t_prepare = time.time()
     micro = make_global_batches(setup)[0][0]

@@ -8,8 +8,8 @@ import argparse
 import torch.distributed as dist
 
 from ndparallel import ParallelismConfig
-from ndparallel.distributed import init_distributed, shutdown
-from ndparallel.mesh import coordinates, group_ranks
+from ndparallel.layout.mesh import coordinates, group_ranks
+from ndparallel.runtime.distributed import init_distributed, shutdown
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dp-replicate", type=int, default=1)

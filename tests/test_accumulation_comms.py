@@ -14,10 +14,10 @@ def _counted(unsharded: bool):
     from transformers import AutoModelForCausalLM
 
     from ndparallel import Accelerator, ParallelismConfig
-    from ndparallel.comm_profile import CommProfiler
     from ndparallel.models.presets import preset_config
     from ndparallel.parallel.options import FSDPOptions
-    from ndparallel.step import forward_backward
+    from ndparallel.runtime.comm_profile import CommProfiler
+    from ndparallel.training.step import forward_backward
 
     acc = Accelerator(ParallelismConfig(dp_replicate_size=2, dp_shard_size=2),
                       gradient_accumulation_steps=GA,

@@ -19,8 +19,8 @@ from ndparallel.checkpoint import (
     list_checkpoints,
     validate_checkpoint,
 )
-from ndparallel.checkpoint_io import join_tensors, read_dcp_metadata, split_tensors
-from ndparallel.testing.multirank import run_on_ranks
+from ndparallel.checkpoint.io import join_tensors, read_dcp_metadata, split_tensors
+from ndparallel.runtime.multirank import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import ckpt_train  # noqa: E402
@@ -189,18 +189,18 @@ def test_split_join_roundtrip():
 def _save_into(path: str) -> None:
     from ndparallel import Accelerator
     from ndparallel.checkpoint import save_checkpoint
-    from ndparallel.testing.equivalence import build_model, build_optimizer
+    from ndparallel.tools.equivalence import build_model, setup_optimizer
 
     setup = ckpt_train.make_setup()
     acc = Accelerator()
     model = build_model(setup)
-    optimizer = build_optimizer(setup, model.parameters())
+    optimizer = setup_optimizer(setup, model.parameters())
     model, optimizer = acc.prepare(model, optimizer)
     save_checkpoint(acc, path, model, optimizer, step=0)
 
 
 def test_save_refuses_a_directory_with_other_files(tmp_path):
-    from ndparallel.testing.multirank import RankFailure
+    from ndparallel.runtime.multirank import RankFailure
 
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(RankFailure, match="holds other files"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ndparallel.comm_profile import CommProfiler, CommRow
+from ndparallel.runtime.comm_profile import CommProfiler, CommRow
 from ndparallel.testing import run_on_ranks
 
 
@@ -22,7 +22,7 @@ def _primitives():
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from ndparallel.mesh import submesh
+    from ndparallel.layout.mesh import submesh
 
     mesh = _mesh(dp_shard_size=2)
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
@@ -70,7 +70,7 @@ def test_primitive_bytes_and_dims():
 
 
 def _distinct_groups():
-    from ndparallel.mesh import submesh
+    from ndparallel.layout.mesh import submesh
 
     mesh = _mesh(dp_shard_size=2, tp_size=2)
     with CommProfiler(mesh) as prof:

@@ -7,7 +7,7 @@ import pytest
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import CPOptions, TPOptions
 from ndparallel.testing import run_on_ranks
-from ndparallel.testing.equivalence import TrainSetup, compare, train_under_layout
+from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
 LOSS_RTOL = 1e-5
 BASE = TrainSetup(preset_config("tiny-llama"), steps=3, global_micro_batch=4, seq_len=32, max_grad_norm=1.0)

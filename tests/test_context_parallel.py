@@ -65,7 +65,10 @@ def _train_cp(batches, strategy, pad_to_cp):
     import torch.distributed as dist
 
     from ndparallel import ParallelismConfig
-    from ndparallel.parallel.context import apply_context_parallel, context_parallel_buffers
+    from ndparallel.parallel.context import (
+        apply_context_parallel,
+        context_parallel_buffers,
+    )
     from ndparallel.parallel.cp_sharding import pad_for_cp
     from ndparallel.parallel.options import CPOptions
 
@@ -118,7 +121,10 @@ def test_cp_training_with_padding_equals_unpadded_one_process():
 def _buffers_and_errors():
     import torch.distributed as dist
 
-    from ndparallel.parallel.context import apply_context_parallel, context_parallel_buffers
+    from ndparallel.parallel.context import (
+        apply_context_parallel,
+        context_parallel_buffers,
+    )
 
     group = dist.group.WORLD
     ids = torch.arange(16).view(2, 8)

@@ -4,7 +4,11 @@ import pytest
 import torch
 
 from ndparallel.parallel.cp_sharding import (
-    cp_chunk_ids, cp_positions, pad_for_cp, reorder_cp_chunks, shard_for_cp,
+    cp_chunk_ids,
+    cp_positions,
+    pad_for_cp,
+    reorder_cp_chunks,
+    shard_for_cp,
 )
 from ndparallel.testing import run_on_ranks
 

@@ -6,8 +6,16 @@ import datasets
 import pytest
 import torch
 
-from ndparallel.data import (IGNORE_INDEX, build_blocks, load_or_train_tokenizer, load_text_dataset,
-                             load_text_datasets, pack_blocks, split_blocks, tokenize_dataset)
+from ndparallel.data import (
+    IGNORE_INDEX,
+    build_blocks,
+    load_or_train_tokenizer,
+    load_text_dataset,
+    load_text_datasets,
+    pack_blocks,
+    split_blocks,
+    tokenize_dataset,
+)
 
 DOCS = ["first document\nwith two lines", "second one", "third: def f(): pass", "", "fifth"]
 

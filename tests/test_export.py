@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ndparallel.export import export_main, parse_size
-from ndparallel.testing.multirank import run_on_ranks
+from ndparallel.checkpoint.export import parse_size
+from ndparallel.cli.export import export_main
+from ndparallel.runtime.multirank import run_on_ranks
 
 INPUT = torch.arange(24).reshape(2, 12) % 200
 
@@ -24,14 +25,19 @@ def _train_and_export(layout: dict, out: str, preset: str) -> dict | None:
 
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.checkpoint import save_checkpoint
-    from ndparallel.export import save_hf_model
+    from ndparallel.checkpoint.export import save_hf_model
     from ndparallel.models.presets import preset_config
-    from ndparallel.testing.equivalence import TrainSetup, build_model, build_optimizer, make_global_batches
+    from ndparallel.tools.equivalence import (
+        TrainSetup,
+        build_model,
+        make_global_batches,
+        setup_optimizer,
+    )
 
     setup = TrainSetup(model_config=preset_config(preset), steps=2, seq_len=16, global_micro_batch=4)
     acc = Accelerator(ParallelismConfig(**layout))
     model = build_model(setup)
-    optimizer = build_optimizer(setup, model.parameters())
+    optimizer = setup_optimizer(setup, model.parameters())
     model, optimizer = acc.prepare(model, optimizer)
     rows = setup.global_micro_batch // acc.dp_size
     for (mb,) in make_global_batches(setup):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ndparallel.testing.multirank import run_on_ranks
+from ndparallel.runtime.multirank import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import ckpt_train  # noqa: E402

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ndparallel.launch import threads_per_rank
+from ndparallel.runtime.launch import threads_per_rank
 from ndparallel.testing import RankFailure, run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]

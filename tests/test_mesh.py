@@ -37,7 +37,7 @@ def _expected_groups(sizes):
 def _mesh_report():
     import torch.distributed as dist
 
-    from ndparallel.mesh import coordinates, group_ranks
+    from ndparallel.layout.mesh import coordinates, group_ranks
 
     pc = ParallelismConfig(dp_shard_size=-1, **_mesh_report.kwargs)
     mesh = pc.build_device_mesh("cpu")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, ViTConfig
 
-from ndparallel.model_loading import load_model
+from ndparallel.models.loading import load_model
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import RankFailure, run_on_ranks
 
@@ -47,7 +47,10 @@ def ckpts(tmp_path_factory):
 
 def _probe(path, layout):
     """Load under ``layout``; return full params, ties, logits, and params after one SGD step."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     from ndparallel import Accelerator, ParallelismConfig
 
@@ -115,7 +118,10 @@ def test_fsdp_x_tp(ckpts):
 
 
 def _preset_probe(name):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     from ndparallel import Accelerator, ParallelismConfig
 
@@ -182,7 +188,7 @@ def test_read_slice_matches_slicing(tmp_path, monkeypatch, dtype):
     """Contiguous, strided and dtype-converting slice reads, with tiny blocks for strided ones."""
     from safetensors.torch import save_file
 
-    import ndparallel.model_loading as ml
+    import ndparallel.models.loading as ml
 
     monkeypatch.setattr(ml, "_TEMP_BYTES", 40)
     full = torch.randn(7, 5, 3).to(dtype)
@@ -200,7 +206,7 @@ def test_read_slice_matches_slicing(tmp_path, monkeypatch, dtype):
 
 def test_hub_id_that_cannot_be_fetched_is_one_clear_error(monkeypatch):
     """Offline (this machine reaches no hub): an unknown ``org/name`` ends in one error naming it."""
-    from ndparallel.model_loading import resolve_model_dir
+    from ndparallel.models.loading import resolve_model_dir
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="'no-such-org/no-such-model' is not a local directory"):
@@ -208,7 +214,7 @@ def test_hub_id_that_cannot_be_fetched_is_one_clear_error(monkeypatch):
 
 
 def test_local_paths_are_not_sent_to_the_hub(tmp_path):
-    from ndparallel.model_loading import resolve_model_dir
+    from ndparallel.models.loading import resolve_model_dir
 
     assert resolve_model_dir(str(tmp_path), True) == tmp_path
     assert resolve_model_dir("./relative/dir", True) == Path("./relative/dir")

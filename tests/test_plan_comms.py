@@ -3,8 +3,12 @@ placement, alpha-beta costs."""
 
 import pytest
 
-from ndparallel.plan.comms import (aggregate, collective_time, group_is_intra_node,
-                                   predict_collectives)
+from ndparallel.plan.comms import (
+    aggregate,
+    collective_time,
+    group_is_intra_node,
+    predict_collectives,
+)
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout
 from ndparallel.plan.models import PRESETS

@@ -6,8 +6,11 @@ import pytest
 from ndparallel.plan.comms import fsdp_shard_numel, unit_numels
 from ndparallel.plan.hardware import PRESETS as HW
 from ndparallel.plan.layout import Layout, Settings
-from ndparallel.plan.memory import (FRAGMENTATION, estimate_memory,
-                                    layer_activation_bytes_per_token)
+from ndparallel.plan.memory import (
+    FRAGMENTATION,
+    estimate_memory,
+    layer_activation_bytes_per_token,
+)
 from ndparallel.plan.models import PRESETS, ParamSpec
 
 TINY = PRESETS["tiny"]

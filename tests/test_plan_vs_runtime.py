@@ -22,15 +22,16 @@ STEPS = 2  # the last one is compared (the first also includes lazy initialisati
 
 
 def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
-    """``STEPS`` training steps as ``train_under_layout`` runs them (global token count, CP-sharded
-    buffers, loss through ``causal_lm_loss``, backward, gradient norm, AdamW). Per step two
+    """``STEPS`` training steps as ``train_under_layout`` runs them (the shared ``forward_backward``,
+    gradient norm, AdamW). Per step two
     profiler records: everything but the gradient norm, then the gradient norm alone."""
     from transformers import AutoModelForCausalLM
 
     from ndparallel import Accelerator, ParallelismConfig
-    from ndparallel.comm_profile import CommProfiler
     from ndparallel.models.presets import preset_config
     from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+    from ndparallel.runtime.comm_profile import CommProfiler
+    from ndparallel.training.step import forward_backward
 
     acc = Accelerator(ParallelismConfig(**layout), mixed_precision=mp,
                       fsdp_options=FSDPOptions(activation_checkpointing=ckpt),
@@ -46,13 +47,7 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
             tokens = torch.randint(0, 256, (ROWS, SEQ + 1), generator=g)
             ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
             pos = torch.arange(SEQ).expand(ROWS, -1).clone()
-            n_items = acc.global_num_items([{"shift_labels": labels}])
-            with acc.accumulate(model):
-                with acc.maybe_context_parallel(buffers=[ids, labels, pos],
-                                                buffer_seq_dims=[1, 1, 1]):
-                    logits = model(input_ids=ids, position_ids=pos).logits
-                    loss = acc.causal_lm_loss(logits, labels, n_items)
-                    acc.backward(loss, num_items_in_batch=n_items)
+            forward_backward(acc, model, [{"input_ids": ids, "shift_labels": labels, "position_ids": pos}])
             prof.step()
             acc.grad_norm(model.parameters())
             prof.step()

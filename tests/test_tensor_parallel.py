@@ -71,12 +71,11 @@ def _train(model, batches, options: TPOptions | None = None):
 
 def _tp_rank(model, batches, options: TPOptions):
     """On each rank: TP over all ranks, train, report losses/norms and structural facts."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from ndparallel.parallelism_config import ParallelismConfig
+    from ndparallel.layout.config import ParallelismConfig
     from ndparallel.parallel.tensor import apply_tensor_parallel, is_tensor_parallel
-
-    import torch.distributed as dist
 
     model = copy.deepcopy(model)
     tp_mesh = ParallelismConfig(tp_size=dist.get_world_size()).build_device_mesh("cpu")["tp"]
@@ -154,7 +153,7 @@ def test_user_plan_override_and_tied_embeddings_on_vocab():
 
 
 def _incompatible_tie_rank(model):
-    from ndparallel.parallelism_config import ParallelismConfig
+    from ndparallel.layout.config import ParallelismConfig
     from ndparallel.parallel.tensor import apply_tensor_parallel
 
     mesh = ParallelismConfig(tp_size=2).build_device_mesh("cpu")["tp"]
@@ -171,9 +170,11 @@ def test_tied_embeddings_with_incompatible_plan_is_a_clear_error():
 def _hf_tp_rank(path, batches):
     from torch.distributed.tensor import DTensor
 
-    from ndparallel.parallelism_config import ParallelismConfig
+    from ndparallel.layout.config import ParallelismConfig
     from ndparallel.parallel.tensor import (
-        apply_tensor_parallel, distribute_leftover_params, is_tensor_parallel,
+        apply_tensor_parallel,
+        distribute_leftover_params,
+        is_tensor_parallel,
     )
 
     tp_mesh = ParallelismConfig(tp_size=2).build_device_mesh("cpu")["tp"]
@@ -253,7 +254,7 @@ def test_model_plan_is_read_from_hf_config():
 
 
 def _sp_input_errors_rank(model):
-    from ndparallel.parallelism_config import ParallelismConfig
+    from ndparallel.layout.config import ParallelismConfig
     from ndparallel.parallel.tensor import apply_tensor_parallel
 
     apply_tensor_parallel(model, ParallelismConfig(tp_size=2).build_device_mesh("cpu")["tp"],

@@ -12,8 +12,12 @@ import torch
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import TPOptions
 from ndparallel.testing import RankFailure, run_on_ranks
-from ndparallel.testing.equivalence import (
-    TrainSetup, build_model, compare, make_global_batches, train_under_layout,
+from ndparallel.tools.equivalence import (
+    TrainSetup,
+    build_model,
+    compare,
+    make_global_batches,
+    train_under_layout,
 )
 
 RTOL = 1e-5

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ndparallel.config import load_config
 from ndparallel.testing import run_on_ranks
+from ndparallel.training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_DATA = ["datasets=[{path: 'builtin:stdlib', max_bytes: 200000}]", "tokenizer_vocab_size=512",
@@ -51,7 +51,7 @@ def test_quickstart_cli_writes_metrics_and_a_model_that_generates(tmp_path):
 
 
 def _train(cfg_path: str, overrides: list[str]):
-    from ndparallel.train import run_training
+    from ndparallel.training.trainer import run_training
 
     run_training(load_config(cfg_path, overrides))
     return True
@@ -74,7 +74,7 @@ def test_3d_layout_train_equals_one_rank(tmp_path):
 
 
 def _verify(cfg_overrides, fault):
-    from ndparallel.commands import run_verify
+    from ndparallel.cli.commands import run_verify
 
     args = ["examples/cpu/fsdp_tp.yaml", "--steps", "2", *[f"--set={s}" for s in cfg_overrides]]
     if fault:
@@ -110,7 +110,7 @@ def test_train_resumes_from_a_checkpoint_and_continues_identically(tmp_path):
 
 
 def _train_profiled(overrides):
-    from ndparallel.train import run_training
+    from ndparallel.training.trainer import run_training
 
     run_training(load_config(None, overrides), profile_comm=True)
     return True

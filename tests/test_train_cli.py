@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ndparallel.config import ConfigError, load_config
+from ndparallel.training.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))
@@ -118,7 +118,7 @@ def test_error_found_on_the_ranks_is_one_line_and_nonzero(tmp_path):
 
 
 def test_resume_policy_after_an_elastic_restart():
-    from ndparallel.train import resume_policy
+    from ndparallel.training.trainer import resume_policy
 
     assert resume_policy(None, {}) is None
     assert resume_policy(None, {"TORCHELASTIC_RESTART_COUNT": "0"}) is None

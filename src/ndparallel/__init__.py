@@ -1,6 +1,6 @@
 """ndparallel: N-dimensional parallel training (DP, FSDP2, TP, CP) for Hugging Face causal LMs."""
 
-from ndparallel.parallelism_config import ParallelismConfig, ParallelismConfigError
+from ndparallel.layout.config import ParallelismConfig, ParallelismConfigError
 
 __version__ = "0.1.0"
 

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ndparallel.distributed import DistributedInfo, init_distributed
-from ndparallel.mesh import submesh
+from ndparallel.layout.config import ParallelismConfig
+from ndparallel.layout.mesh import submesh
 from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
-from ndparallel.parallelism_config import ParallelismConfig
+from ndparallel.runtime.distributed import DistributedInfo, init_distributed
 
 _MIXED_PRECISION = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -26,7 +26,8 @@ class Accelerator:
 
     Args:
         parallelism_config: the layout; default: data parallel over every rank (like Accelerate).
-        mixed_precision: "no" or "bf16" (bf16 compute, fp32 master weights and gradient reduction).
+        mixed_precision: "no"/"fp32" (fp32 throughout), "bf16" (bf16 compute, fp32 master weights
+            and gradient reduction) or "fp16" (fp16 compute as bf16, but without loss scaling).
         gradient_accumulation_steps: micro-batches per optimizer step (see ``accumulate``).
         fsdp_options / tp_options / cp_options: per-strategy options.
         device: "cpu" or "cuda" (default: cuda when visible).
@@ -131,7 +132,7 @@ class Accelerator:
             elif hasattr(obj, "step") and hasattr(obj, "get_last_lr"):  # an LR scheduler
                 self._schedulers.append(obj)
             elif isinstance(obj, DataLoader):
-                from ndparallel.data_loader_prepare import shard_dataloader
+                from ndparallel.data.dataloader_sharding import shard_dataloader
 
                 out[i] = shard_dataloader(obj, self.dp_rank, self.dp_size, self.device)
         return out[0] if len(out) == 1 else tuple(out)
@@ -308,13 +309,13 @@ class Accelerator:
         """Build the model on the meta device, parallelise it, then read only this rank's shards
         from the safetensors files (DCP resharding). ``path_or_config``: an HF model dir, an HF
         config, or a built-in preset name (random init, same on every rank)."""
-        from ndparallel.model_loading import load_model
+        from ndparallel.models.loading import load_model
 
         return load_model(self, path_or_config, **kwargs)
 
     def save_model(self, model: nn.Module, save_directory: str, tokenizer=None) -> None:
         """Write a consolidated Hugging Face directory (safetensors + config [+ tokenizer])."""
-        from ndparallel.export import save_hf_model
+        from ndparallel.checkpoint.export import save_hf_model
 
         save_hf_model(model, save_directory, is_main=self.is_main_process, tokenizer=tokenizer)
         self.wait_for_everyone()
@@ -334,6 +335,6 @@ class Accelerator:
 
     def end_training(self) -> None:
         """Destroy the process group."""
-        from ndparallel.distributed import shutdown
+        from ndparallel.runtime.distributed import shutdown
 
         shutdown()

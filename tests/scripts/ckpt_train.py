@@ -23,7 +23,7 @@ NUM_BLOCKS, SEQ, GLOBAL_MB = 64, 32, 4
 
 def make_setup():
     from ndparallel.models.presets import preset_config
-    from ndparallel.testing.equivalence import TrainSetup
+    from ndparallel.tools.equivalence import TrainSetup
 
     return TrainSetup(model_config=preset_config("tiny-llama"), steps=TOTAL_STEPS, seq_len=SEQ,
                       global_micro_batch=GLOBAL_MB, lr=1e-2)
@@ -36,16 +36,24 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
     """Train ``steps`` optimizer steps (resuming first if asked); returns losses by step, the first
     random numbers drawn after the last save / the load, and the loader position."""
     from ndparallel import Accelerator, ParallelismConfig
-    from ndparallel.checkpoint import find_resume_checkpoint, load_checkpoint, save_step_checkpoint
+    from ndparallel.checkpoint import (
+        find_resume_checkpoint,
+        load_checkpoint,
+        save_step_checkpoint,
+    )
     from ndparallel.data.loader import PackedLoader
     from ndparallel.models.presets import preset_config
-    from ndparallel.testing.equivalence import build_model, build_optimizer, with_overrides
-    from ndparallel.step import forward_backward
+    from ndparallel.tools.equivalence import (
+        build_model,
+        setup_optimizer,
+        with_overrides,
+    )
+    from ndparallel.training.step import forward_backward
 
     setup = with_overrides(make_setup(), model_config=preset_config(model_preset))
     acc = Accelerator(ParallelismConfig(**(layout or {})))
     model = build_model(setup)
-    optimizer = build_optimizer(setup, model.parameters())
+    optimizer = setup_optimizer(setup, model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + s))
     model, optimizer = acc.prepare(model, optimizer)
     model.train()
@@ -98,7 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--marker", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from ndparallel.distributed import init_distributed, shutdown
+    from ndparallel.runtime.distributed import init_distributed, shutdown
 
     init_distributed("cpu")
     result = train({"dp_shard_size": dist.get_world_size()}, args.out_dir, steps=args.steps, resume=True,

@@ -3,7 +3,6 @@
     python -m ndparallel launch --nproc-per-node 3 fault_collective.py raise|hang MARKER_DIR
 """
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ndparallel.distributed import init_distributed
+from ndparallel.runtime.distributed import init_distributed
 
 mode, marker_dir = sys.argv[1], Path(sys.argv[2])
 torch.set_num_threads(1)

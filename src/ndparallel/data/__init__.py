@@ -1,7 +1,12 @@
 """Data pipeline: built-in corpus, tokenizer, dataset loading, packing, dp-sharded loading."""
 
 from .corpus import BUILTIN_STDLIB, StdlibCorpus, stdlib_corpus, stdlib_dataset
-from .dataset import DatasetSpec, load_text_dataset, load_text_datasets, tokenize_dataset
+from .dataset import (
+    DatasetSpec,
+    load_text_dataset,
+    load_text_datasets,
+    tokenize_dataset,
+)
 from .loader import PackedLoader, epoch_permutation, global_batch, make_batch
 from .packing import IGNORE_INDEX, PackedSplits, build_blocks, pack_blocks, split_blocks
 from .tokenizer import default_cache_dir, load_or_train_tokenizer, train_bpe

@@ -5,7 +5,9 @@ cut into blocks of ``sequence_len + 1`` tokens: a block gives ``input_ids = bloc
 ``shift_labels = block[1:]``. The ragged tail is dropped by default; with ``pad_tail=True`` it
 becomes one more block padded with ``IGNORE_INDEX`` (-100), which the loader turns into ignored
 labels (and token 0 in ``input_ids``, never attended by a real token under causal attention).
-The token stream is held in memory (int32): fine up to a few billion tokens.
+Every rank holds the whole packed stream in memory (int32, 4 bytes a token, plus a transient
+copy while packing): host RAM per rank grows with the dataset, so this suits datasets of up to a
+few hundred million tokens.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import pyarrow.compute as pc
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .dataset import DatasetSpec, load_text_datasets, tokenize_dataset
+from ndparallel.parallel.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100
+from .dataset import DatasetSpec, load_text_datasets, tokenize_dataset
 
 
 def pack_blocks(tokenized: datasets.Dataset, block_size: int, pad_tail: bool = False) -> torch.Tensor:

@@ -1,14 +1,14 @@
-"""Built-in model configs: tiny ones for the quickstart, tests and ``verify``.
+"""The one table of named models: tiny built-in ones (quickstart, tests, ``verify``) and the published
+shapes of well-known Hugging Face models (planner, ``--dry-run`` of a hub id without network).
 
-A preset is a name for an HF config; it is built with ``AutoConfig.for_model`` so the model is a
-plain ``transformers`` model with no ndparallel code in it.
+Each entry is the set of HF ``config.json`` fields that matter (``model_type`` first): a built-in
+preset becomes a plain ``transformers`` config with ``AutoConfig.for_model``, so its model holds no
+ndparallel code; the planner reads the same fields (``ndparallel.plan.models.from_hf_config``).
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from transformers import AutoConfig, PretrainedConfig
 
 _TINY_COMMON: dict[str, Any] = dict(
     hidden_size=64,
@@ -32,22 +32,60 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The quickstart's model: still tiny, large enough for the loss to fall visibly on CPU.
     "quickstart-llama": dict(
         model_type="llama",
-        **{**_TINY_COMMON, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024},
+        **{**_TINY_COMMON, "hidden_size": 128, "intermediate_size": 256, "vocab_size": 1024},
     ),
 }
+"""Built-in models (random init): ``base_model: tiny-llama`` in YAML, ``acc.load_model("tiny-llama")``."""
+
+
+def _published(model_type: str, hidden: int, layers: int, heads: int, kv_heads: int,
+               intermediate: int, vocab: int, head_dim: int, tied: bool = False, **extra: Any) -> dict:
+    return dict(model_type=model_type, hidden_size=hidden, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads,
+                intermediate_size=intermediate, vocab_size=vocab, head_dim=head_dim,
+                tie_word_embeddings=tied, **extra)
+
+
+PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
+    # name: (hub id, the shape fields of its published config.json)
+    "llama-3.2-1b": ("meta-llama/Llama-3.2-1B", _published("llama", 2048, 16, 32, 8, 8192, 128256, 64, True)),
+    "llama-3.2-3b": ("meta-llama/Llama-3.2-3B", _published("llama", 3072, 28, 24, 8, 8192, 128256, 128, True)),
+    "llama-3.1-8b": ("meta-llama/Llama-3.1-8B", _published("llama", 4096, 32, 32, 8, 14336, 128256, 128)),
+    "llama-3.1-70b": ("meta-llama/Llama-3.1-70B", _published("llama", 8192, 80, 64, 8, 28672, 128256, 128)),
+    "llama-3.1-405b": ("meta-llama/Llama-3.1-405B",
+                       _published("llama", 16384, 126, 128, 8, 53248, 128256, 128)),
+    "qwen3-8b": ("Qwen/Qwen3-8B", _published("qwen3", 4096, 36, 32, 8, 12288, 151936, 128)),
+    "qwen3-32b": ("Qwen/Qwen3-32B", _published("qwen3", 5120, 64, 64, 8, 25600, 151936, 128)),
+    "mistral-7b": ("mistralai/Mistral-7B-v0.3",
+                   _published("mistral", 4096, 32, 32, 8, 14336, 32768, 128, sliding_window=None)),
+}
+"""Well-known models by short name: their hub id and published shape (no weights)."""
 
 
 def is_preset(name: str) -> bool:
+    """True for a built-in (randomly initialised) model name."""
     return name in PRESETS
 
 
-def preset_config(name: str, **overrides: Any) -> PretrainedConfig:
-    """The HF config of preset ``name`` with ``overrides`` applied (e.g. ``vocab_size``)."""
+def preset_config(name: str, **overrides: Any):
+    """The HF config of built-in preset ``name`` with ``overrides`` applied (e.g. ``vocab_size``)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; built-in presets: {', '.join(PRESETS)}")
-    kwargs = {**PRESETS[name], **overrides}
-    model_type = kwargs.pop("model_type")
-    config = AutoConfig.for_model(model_type, **kwargs)
+    config = _config_from_fields({**PRESETS[name], **overrides})
     config._attn_implementation = "sdpa"
     return config
+
+
+def published_config(hub_id_or_name: str):
+    """The HF config (shape only) of a well-known model given by hub id or short name, or None."""
+    for name, (hub_id, fields) in PUBLISHED.items():
+        if hub_id_or_name in (name, hub_id):
+            return _config_from_fields(fields)
+    return None
+
+
+def _config_from_fields(fields: dict[str, Any]):
+    from transformers import AutoConfig
+
+    kwargs = dict(fields)
+    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)

@@ -18,13 +18,10 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from ndparallel.layout.mesh import process_group
 from ndparallel.parallel.cp_attention import context_parallel_attention
 from ndparallel.parallel.cp_sharding import cp_num_chunks, shard_for_cp
 from ndparallel.parallel.options import CPOptions
-
-
-def _group_of(cp_mesh):
-    return cp_mesh.get_group() if hasattr(cp_mesh, "get_group") else cp_mesh
 
 
 def validate_context_parallel(
@@ -72,7 +69,7 @@ def _uses_sliding_window(config) -> bool:
 
 def attention_name(cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto") -> str:
     """The ``AttentionInterface`` name ``apply_context_parallel`` uses for this group and options."""
-    group = _group_of(cp_mesh)
+    group = process_group(cp_mesh)
     lb = "lb" if options.load_balance else "contig"
     return f"ndparallel_cp_{options.comm_strategy}_{lb}_{kernel}_pg{group.group_name}"
 
@@ -80,7 +77,7 @@ def attention_name(cp_mesh, options: CPOptions = CPOptions(), kernel: str = "aut
 def make_attention_fn(cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto"):
     """HF attention function ``fn(module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kw)
     -> (out [B, S, H, D], None)`` running CP attention on the group of ``cp_mesh``."""
-    group = _group_of(cp_mesh)
+    group = process_group(cp_mesh)
     strategy, load_balance = options.comm_strategy, options.load_balance
 
     def cp_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -123,7 +120,7 @@ def apply_context_parallel(model, cp_mesh, options: CPOptions = CPOptions(), ker
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    group = _group_of(cp_mesh)
+    group = process_group(cp_mesh)
     if dist.get_world_size(group) == 1:
         return model
     validate_context_parallel(model.config, dist.get_world_size(group), load_balance=options.load_balance)
@@ -156,7 +153,7 @@ def context_parallel_buffers(
     """
     if len(buffers) != len(buffer_seq_dims):
         raise ValueError(f"{len(buffers)} buffers but {len(buffer_seq_dims)} buffer_seq_dims")
-    group = _group_of(cp_mesh)
+    group = process_group(cp_mesh)
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     keep = {id(t) for t in (no_restore_buffers or ())}
     n = cp_num_chunks(cp_size, load_balance)

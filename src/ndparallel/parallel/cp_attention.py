@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ndparallel.layout.mesh import process_group
 from ndparallel.parallel.cp_sharding import cp_chunk_ids
 
 Strategy = Literal["ring", "allgather"]
@@ -332,8 +333,7 @@ def context_parallel_attention(
     a 1-D DeviceMesh. Returns [B, H, S_local, D] in ``query``'s dtype. Every rank of the group must
     call it (it communicates in forward and backward).
     """
-    if hasattr(group, "get_group"):
-        group = group.get_group()
+    group = process_group(group)
     if query.dim() != 4 or key.shape != value.shape or key.shape[:1] != query.shape[:1]:
         raise ValueError(f"expected q [B,H,S,D], k/v [B,Hk,S,D]; got {tuple(query.shape)}, "
                          f"{tuple(key.shape)}, {tuple(value.shape)}")

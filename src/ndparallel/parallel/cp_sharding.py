@@ -13,7 +13,7 @@ from typing import Mapping
 
 import torch
 
-IGNORE_INDEX = -100
+from ndparallel.parallel.loss import IGNORE_INDEX
 
 
 def cp_chunk_ids(cp_rank: int, cp_size: int, load_balance: bool = True) -> tuple[int, ...]:
@@ -75,7 +75,9 @@ def unshard_from_cp(
     DeviceMesh) and restore the natural order. No autograd; for tests, eval and metrics."""
     import torch.distributed as dist
 
-    group = cp_group.get_group() if hasattr(cp_group, "get_group") else cp_group
+    from ndparallel.layout.mesh import process_group
+
+    group = process_group(cp_group)
     cp_size = dist.get_world_size(group)
     local = tensor.contiguous()
     parts = [torch.empty_like(local) for _ in range(cp_size)]

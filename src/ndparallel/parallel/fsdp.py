@@ -12,9 +12,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 
 from ndparallel.models.layers import decoder_layers, embedding_modules, output_modules
+from ndparallel.models.naming import share_parameters
 from ndparallel.parallel.options import FSDPOptions
 
 
@@ -36,7 +42,7 @@ def apply_fsdp(
     for layer in layers:
         fully_shard(layer, reshard_after_forward=options.reshard_after_forward, **kwargs)
     embeddings = embedding_modules(model)
-    if embeddings and not _shares_params(embeddings, output_modules(model)):
+    if embeddings and not share_parameters(embeddings, output_modules(model)):
         for module in embeddings:
             fully_shard(module, reshard_after_forward=options.reshard_after_forward, **kwargs)
         # The output group is used last in forward and first in backward: keep it gathered.
@@ -73,8 +79,3 @@ def set_gradient_sync(model: nn.Module, enabled: bool, keep_reduce_scatter: bool
     if not enabled:
         model.set_requires_all_reduce(False)
 
-
-def _shares_params(a: list[nn.Module], b: list[nn.Module]) -> bool:
-    """True when the two module groups share a parameter (tied embeddings): they must be one group."""
-    ids = {id(p) for m in a for p in m.parameters()}
-    return any(id(p) in ids for m in b for p in m.parameters())

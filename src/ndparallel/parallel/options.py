@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 
@@ -40,9 +40,3 @@ class CPOptions:
     load_balance: bool = True
     """Causal load balancing: rank i holds chunks i and 2·cp−1−i of 2·cp chunks."""
 
-
-@dataclass(frozen=True)
-class ParallelOptions:
-    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
-    tp: TPOptions = field(default_factory=TPOptions)
-    cp: CPOptions = field(default_factory=CPOptions)

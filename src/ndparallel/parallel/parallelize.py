@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ndparallel.mesh import submesh
+from ndparallel.layout.config import ParallelismConfig
+from ndparallel.layout.mesh import submesh
 from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
-from ndparallel.parallelism_config import ParallelismConfig
 
 
 def is_meta(model: nn.Module) -> bool:

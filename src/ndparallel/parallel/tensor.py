@@ -25,7 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -34,7 +40,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ndparallel.models.tp_plans import STYLES, TPPlanError, match_plan, model_tp_plan, resolve_tp_plan
+from ndparallel.models.naming import tied_parameter_groups
+from ndparallel.models.tp_plans import (
+    STYLES,
+    TPPlanError,
+    match_plan,
+    model_tp_plan,
+    resolve_tp_plan,
+)
 from ndparallel.parallel.options import TPOptions
 
 _TP_MESH_ATTR = "_ndparallel_tp_mesh"
@@ -107,6 +120,11 @@ def _align_grad_placements(model: nn.Module) -> None:
     ``Partial`` gradient (summed here: one small all-reduce) and the vocab-sharded embedding with a
     full ``Replicate`` one (sliced here: no communication, less memory). Clipping, DDP and
     checkpoints then see gradients laid out like their parameters.
+
+    Needed for TP without FSDP: without it the vocab-sharded embedding's gradient is the full
+    (vocab × hidden) matrix on every tp rank (``tests/test_tensor_parallel.py`` asserts gradient
+    placements == parameter placements and fails without these hooks). Under FSDP2 they do not
+    fire: FSDP2 owns the sharded parameters and reduces their gradients itself.
     """
     for p in model.parameters():
         if isinstance(p, DTensor) and p.requires_grad and not getattr(p, "_ndp_grad_aligned", False):
@@ -334,7 +352,7 @@ def apply_tensor_parallel(
     if sp:
         model.register_forward_pre_hook(_sp_position_hook(tp_size), with_kwargs=True)
 
-    tied = _tied_groups(model)
+    tied = tied_parameter_groups(model)
     for name, style in styles.items():
         parallelize_module(model.get_submodule(name), tp_mesh, style)
     _retie(model, tied)
@@ -342,15 +360,6 @@ def apply_tensor_parallel(
     _check_all_dtensor(model)
     _align_grad_placements(model)
     return model
-
-
-def _tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
-    """Parameters shared by several modules, as lists of (module name, parameter name)."""
-    where: dict[int, list[tuple[str, str]]] = {}
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        for p_name, p in module.named_parameters(recurse=False):
-            where.setdefault(id(p), []).append((mod_name, p_name))
-    return [sorted(set(v)) for v in where.values() if len(set(v)) > 1]
 
 
 def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:

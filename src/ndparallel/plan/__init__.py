@@ -8,7 +8,13 @@ from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings, parse_layout
 from ndparallel.plan.memory import MemoryBreakdown, estimate_memory
 from ndparallel.plan.models import ModelSpec, load_model_spec
-from ndparallel.plan.search import PlanRequest, PlanResult, estimate, evaluate_layout, plan
+from ndparallel.plan.search import (
+    PlanRequest,
+    PlanResult,
+    estimate,
+    evaluate_layout,
+    plan,
+)
 
 __all__ = [
     "Collective", "Hardware", "Layout", "MemoryBreakdown", "ModelSpec", "PlanRequest",

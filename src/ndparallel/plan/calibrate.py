@@ -187,7 +187,7 @@ def calibrate(ranks: int | None = None, quick: bool = False, device: str | None 
         if device == "cuda":
             raw = _run_gpu(ranks, sizes, iters)
         else:
-            from ndparallel.testing import run_on_ranks
+            from ndparallel.runtime.multirank import run_on_ranks
 
             raw = run_on_ranks(_cpu_rank_fn, ranks, sizes, iters, timeout_s=300)[0]
     table = _fit_all(raw, sizes) if raw else {}

@@ -12,8 +12,13 @@ from ndparallel.plan import hardware as hwmod
 from ndparallel.plan.layout import parse_layout
 from ndparallel.plan.models import PRESETS as MODEL_PRESETS
 from ndparallel.plan.models import load_model_spec
-from ndparallel.plan.report import (explain_json, print_explain, print_table, to_json,
-                                    write_config)
+from ndparallel.plan.report import (
+    explain_json,
+    print_explain,
+    print_table,
+    to_json,
+    write_config,
+)
 from ndparallel.plan.search import PlanRequest, evaluate_layout, plan
 
 

@@ -82,7 +82,7 @@ def predict_collectives(
     """Every collective one rank issues in one optimizer step (see docs/planner.md).
 
     ``scalars``: also list the small ones of the training loop (``train_under_layout`` /
-    ``ndparallel.train``): the global token count and the gradient norm (see ``scalar_collectives``).
+    ``ndparallel.training.trainer``): the global token count and the gradient norm (see ``scalar_collectives``).
     """
     s = Settings(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                  checkpointing=checkpointing, mixed_precision=mixed_precision,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ndparallel.parallelism_config import ParallelismConfig, ParallelismConfigError
+from ndparallel.layout.config import ParallelismConfig, ParallelismConfigError
 from ndparallel.plan.models import ModelSpec
 
 DIMS = ("dp_replicate", "dp_shard", "cp", "tp")

@@ -140,32 +140,6 @@ def fsdp_units(model: ModelSpec) -> dict[str, tuple[int, bool]]:
     return units
 
 
-# Numbers from each model's published config.json (Hugging Face hub).
-PRESETS: dict[str, ModelSpec] = {
-    m.name: m
-    for m in [
-        ModelSpec("llama-3.2-1b", 2048, 16, 32, 8, 8192, 128256, 64, True,
-                  hf_id="meta-llama/Llama-3.2-1B"),
-        ModelSpec("llama-3.2-3b", 3072, 28, 24, 8, 8192, 128256, 128, True,
-                  hf_id="meta-llama/Llama-3.2-3B"),
-        ModelSpec("llama-3.1-8b", 4096, 32, 32, 8, 14336, 128256, 128,
-                  hf_id="meta-llama/Llama-3.1-8B"),
-        ModelSpec("llama-3.1-70b", 8192, 80, 64, 8, 28672, 128256, 128,
-                  hf_id="meta-llama/Llama-3.1-70B"),
-        ModelSpec("llama-3.1-405b", 16384, 126, 128, 8, 53248, 128256, 128,
-                  hf_id="meta-llama/Llama-3.1-405B"),
-        ModelSpec("qwen3-8b", 4096, 36, 32, 8, 12288, 151936, 128, qk_norm=True,
-                  hf_id="Qwen/Qwen3-8B"),
-        ModelSpec("qwen3-32b", 5120, 64, 64, 8, 25600, 151936, 128, qk_norm=True,
-                  hf_id="Qwen/Qwen3-32B"),
-        ModelSpec("mistral-7b", 4096, 32, 32, 8, 14336, 32768, 128,
-                  hf_id="mistralai/Mistral-7B-v0.3"),
-        # A tiny Llama for CPU checks and exact byte comparisons.
-        ModelSpec("tiny", 64, 2, 4, 2, 128, 256, 16, hf_id="tiny"),
-    ]
-}
-
-
 def from_hf_config(cfg: dict, name: str = "custom") -> ModelSpec:
     """ModelSpec from the dict of an HF ``config.json`` (Llama/Qwen/Mistral field names)."""
     if cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"):
@@ -189,6 +163,21 @@ def from_hf_config(cfg: dict, name: str = "custom") -> ModelSpec:
         qk_norm=str(cfg.get("model_type", "")).startswith("qwen3"),
         hf_id=name,
     )
+
+
+def _presets() -> dict[str, ModelSpec]:
+    """The planner's named models: the published shapes of ``ndparallel.models.presets`` and
+    ``tiny`` (the built-in ``tiny-llama``, for CPU checks and exact byte comparisons)."""
+    from ndparallel.models.presets import PRESETS as BUILTIN
+    from ndparallel.models.presets import PUBLISHED
+
+    specs = {name: replace(from_hf_config(fields, name), hf_id=hub_id)
+             for name, (hub_id, fields) in PUBLISHED.items()}
+    specs["tiny"] = replace(from_hf_config(BUILTIN["tiny-llama"], "tiny"), hf_id="tiny-llama")
+    return specs
+
+
+PRESETS: dict[str, ModelSpec] = _presets()
 
 
 def load_model_spec(model: str) -> ModelSpec:

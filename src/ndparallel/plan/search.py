@@ -7,7 +7,12 @@ from dataclasses import asdict, dataclass, field
 from ndparallel.plan import comms
 from ndparallel.plan.compute import compute_time, model_flops_per_token, peak
 from ndparallel.plan.hardware import GiB, Hardware
-from ndparallel.plan.layout import Layout, Settings, enumerate_layouts, structural_rejections
+from ndparallel.plan.layout import (
+    Layout,
+    Settings,
+    enumerate_layouts,
+    structural_rejections,
+)
 from ndparallel.plan.memory import MemoryBreakdown, estimate_memory
 from ndparallel.plan.models import ModelSpec
 

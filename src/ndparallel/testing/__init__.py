@@ -1,5 +1,5 @@
 """Helpers for testing distributed code on CPU: run a function on N gloo ranks from pytest."""
 
-from ndparallel.testing.multirank import RankFailure, run_on_ranks
+from ndparallel.runtime.multirank import RankFailure, run_on_ranks
 
 __all__ = ["RankFailure", "run_on_ranks"]

@@ -10,10 +10,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
+from ndparallel.layout.config import ParallelismConfig
 from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
-from ndparallel.parallelism_config import ParallelismConfig
 
 
 class ConfigError(ValueError):

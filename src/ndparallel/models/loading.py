@@ -210,7 +210,9 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path]) ->
     under the key the checkpoint holds (``save_pretrained`` omits ``lm_head.weight`` when tied)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_model_state_dict, set_model_state_dict,
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
     )
 
     ckpt_keys = _checkpoint_keys(files)

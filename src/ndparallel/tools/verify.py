@@ -8,7 +8,7 @@ import copy
 from rich.console import Console
 from rich.table import Table
 
-from ndparallel.config import TrainConfig
+from ndparallel.training.config import TrainConfig
 
 
 def shrink_config(hf_config, tp_size: int, cp_size: int):
@@ -40,8 +40,8 @@ def shrink_config(hf_config, tp_size: int, cp_size: int):
 def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: float = 1e-5,
                   fault: str | None = None) -> bool:
     """Run the layout and one process on CPU ranks; print the differences and a verdict."""
-    from ndparallel.testing import run_on_ranks
-    from ndparallel.testing.equivalence import TrainSetup, compare, train_under_layout
+    from ndparallel.runtime.multirank import run_on_ranks
+    from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
     console = Console()
     small = shrink_config(hf_config, pc.tp_size, pc.cp_size)

@@ -138,7 +138,7 @@ class CommProfiler(TorchDispatchMode):
         super().__init__()
         self._dims_of_group: dict[str, list[str]] = {}
         if mesh is not None:
-            from ndparallel.mesh import submesh
+            from ndparallel.layout.mesh import submesh
 
             sizes = {}
             for dim in PREFERENCE:

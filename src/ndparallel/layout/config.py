@@ -15,12 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
-MESH_DIM_NAMES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp")
-FLATTENED_DIMS: dict[str, tuple[str, ...]] = {
-    "dp": ("dp_replicate", "dp_shard"),
-    "dp_shard_cp": ("dp_shard", "cp"),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-}
+from ndparallel.layout.dims import MESH_DIM_NAMES
+
 _FIELDS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
 _FIELD_OF_DIM = dict(zip(MESH_DIM_NAMES, _FIELDS))
 # Environment variables: ours first, then Hugging Face Accelerate's, so launch scripts written for
@@ -188,12 +184,12 @@ class ParallelismConfig:
         flattened ``dp``, ``dp_shard_cp``, ``dp_cp`` views. Needs an initialised process group."""
         import torch.distributed as dist
 
-        from ndparallel.mesh import build_mesh
+        from ndparallel.layout.mesh import build_mesh
 
         if not dist.is_initialized():
             raise RuntimeError(
                 "build_device_mesh needs an initialised process group: call "
-                "ndparallel.distributed.init_distributed() (or use Accelerator) first"
+                "ndparallel.runtime.distributed.init_distributed() (or use Accelerator) first"
             )
         resolved = self.resolve(dist.get_world_size())
         return build_mesh(device_type, resolved.sizes)

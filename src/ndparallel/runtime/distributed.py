@@ -48,7 +48,8 @@ def init_distributed(
     """Join (or start) the default process group and return this rank's ``DistributedInfo``.
 
     Under ``torchrun`` / ``ndparallel launch`` the ``RANK``/``WORLD_SIZE`` env vars are used; a plain
-    ``python script.py`` gets a one-rank group so every code path is the same. Idempotent.
+    ``python script.py`` gets a one-rank group so every code path is the same. A default group that
+already exists is reused as it is (its backend is not checked against ``device_type``).
     """
     device_type = device_type or os.environ.get("NDPARALLEL_DEVICE") or default_device_type()
     if timeout_s is None:

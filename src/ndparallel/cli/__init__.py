@@ -28,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "launch":
-        from ndparallel.launch import launch
+        from ndparallel.runtime.launch import launch
 
         return launch(rest)
     if command == "plan":
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         add_plan_arguments(parser)
         return run_plan(parser.parse_args(rest))
     if command in ("train", "verify", "export", "plot"):
-        from ndparallel import commands
+        from ndparallel.cli import commands
 
         return getattr(commands, f"run_{command}")(rest)
     print(f"ndparallel: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)

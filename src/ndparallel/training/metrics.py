@@ -51,3 +51,19 @@ class MetricsWriter:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps({"time": time.time(), **record}) + "\n")
+
+
+def global_numel(model: torch.nn.Module) -> int:
+    """Parameters of the whole (unsharded) model, tied ones once."""
+    from torch.distributed.tensor import DTensor
+
+    unique = {id(p): p for p in model.parameters()}.values()
+    return sum(p.shape.numel() if isinstance(p, DTensor) else p.numel() for p in unique)
+
+
+def local_numel(model: torch.nn.Module) -> int:
+    """Parameter elements this rank holds (its shards), tied ones once."""
+    from torch.distributed.tensor import DTensor
+
+    unique = {id(p): p for p in model.parameters()}.values()
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in unique)

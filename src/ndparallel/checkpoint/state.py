@@ -19,16 +19,12 @@ DCP's ``.metadata`` through an allow-list unpickler (``checkpoint_io``). All ran
 same filesystem (multi-node: a shared one).
 """
 
+
 from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import os
-import re
-import shutil
-import time
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,7 +33,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from ndparallel.checkpoint_io import (
+from ndparallel.checkpoint.directory import (
+    FORMAT,
+    HF_CONFIG_DIR,
+    STATE_FILE,
+    check_target_dir,
+    checkpoint_dir,
+    prepare_dir,
+    rotate_checkpoints,
+    validate_checkpoint,
+    write_marker,
+)
+from ndparallel.checkpoint.io import (
     SafeFileSystemReader,
     join_tensors,
     read_dcp_metadata,
@@ -48,14 +55,7 @@ from ndparallel.checkpoint_io import (
     tensor_keys,
     write_json_atomic,
 )
-
-FORMAT = "ndparallel-checkpoint/1"
-MARKER = "COMPLETE"
-STATE_FILE = "state.json"
-HF_CONFIG_DIR = "hf"
-CHECKPOINT_PREFIX = "checkpoint-"
-_HASH_LIMIT = 16 << 20  # sha256 for files up to this size
-_STEP_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+from ndparallel.models.naming import model_class_name
 
 
 # ------------------------------------------------------------------------------ save / load
@@ -100,7 +100,10 @@ def save_state(
         step = extra["step"]
     tensors: dict[str, torch.Tensor] = {}
     state: dict[str, Any] = {"format": FORMAT, "step": step, "world_size": world, "layout": _layout(acc)}
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     state["models"] = [split_tensors(get_model_state_dict(m), _key("model", i), tensors)
                        for i, m in enumerate(models)]
@@ -114,9 +117,9 @@ def save_state(
     state["config"] = split_tensors(_jsonable_config(config), "config", tensors)
     state["extra"] = split_tensors(extra, "extra", tensors)
 
-    _check_target_dir(directory)  # on every rank (same filesystem), so all raise together
+    check_target_dir(directory)  # on every rank (same filesystem), so all raise together
     if rank == 0:
-        _prepare_dir(directory)
+        prepare_dir(directory)
     _barrier()
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, single_file_per_rank=True))
     (directory / "rng").mkdir(exist_ok=True)
@@ -126,7 +129,7 @@ def save_state(
         _save_hf_config(models[0] if models else None, directory / HF_CONFIG_DIR)
     _barrier()  # every rank's files are on disk
     if rank == 0:
-        _write_marker(directory, state)
+        write_marker(directory, state)
     _barrier()  # nobody moves on (to rotate, or to read) before the marker exists
     return directory
 
@@ -194,11 +197,6 @@ def load_state(
     return out
 
 
-# ---------------------------------------------------------- step directories and rotation
-def checkpoint_dir(output_dir: str | os.PathLike, step: int) -> Path:
-    return Path(output_dir) / f"{CHECKPOINT_PREFIX}{int(step)}"
-
-
 def save_step_checkpoint(
     acc, output_dir: str | os.PathLike, step: int, model: nn.Module, optimizer, scheduler=None, *,
     loader=None, config: Any = None, extra: dict | None = None, save_total_limit: int | None = None,
@@ -211,102 +209,6 @@ def save_step_checkpoint(
         rotate_checkpoints(output_dir, save_total_limit)
     _barrier()
     return path
-
-
-def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every ``checkpoint-N`` directory, complete or not, oldest first."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return sorted(found)
-
-
-def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int) -> list[Path]:
-    """Keep the newest ``save_total_limit`` complete checkpoints; delete older complete ones and
-    incomplete leftovers older than the newest complete one. Returns what was deleted."""
-    if save_total_limit < 1:
-        raise ValueError(f"save_total_limit must be >= 1, got {save_total_limit}")
-    entries = list_checkpoints(output_dir)
-    complete = [(s, p) for s, p in entries if not validate_checkpoint(p, deep=False)]
-    if not complete:
-        return []
-    keep = {p for _, p in complete[-save_total_limit:]}
-    newest = complete[-1][0]
-    doomed = [p for s, p in entries if p not in keep and (p in dict(complete).values() or s < newest)]
-    for p in doomed:
-        _delete_checkpoint(p)
-    return doomed
-
-
-# ------------------------------------------------------------------- validation and resume
-def validate_checkpoint(path: str | os.PathLike, deep: bool = True) -> list[str]:
-    """What is wrong with checkpoint ``path`` (empty list: complete and intact). ``deep`` also
-    re-hashes the small files and parses the DCP metadata."""
-    path = Path(path)
-    if not path.is_dir():
-        return [f"{path} is not a directory"]
-    marker = path / MARKER
-    if not marker.is_file():
-        return [f"no {MARKER} marker (the save did not finish)"]
-    try:
-        info = read_json(marker)
-        files = info["files"]
-        if info.get("format") != FORMAT:
-            return [f"{MARKER} has format {info.get('format')!r}, expected {FORMAT!r}"]
-    except Exception as exc:  # noqa: BLE001 - any unreadable marker is corruption
-        return [f"unreadable {MARKER} marker ({type(exc).__name__}: {exc})"]
-    problems = []
-    for name in (".metadata", STATE_FILE):
-        if name not in files:
-            problems.append(f"{MARKER} does not list {name}")
-    for name, meta in files.items():
-        f = path / name
-        if not f.is_file():
-            problems.append(f"missing file {name}")
-        elif f.stat().st_size != meta["size"]:
-            problems.append(f"file {name} has {f.stat().st_size} bytes, expected {meta['size']}")
-        elif deep and "sha256" in meta and _sha256(f) != meta["sha256"]:
-            problems.append(f"file {name} is corrupted (sha256 mismatch)")
-    if deep and not problems:
-        try:
-            read_dcp_metadata(path)
-            read_json(path / STATE_FILE)
-        except Exception as exc:  # noqa: BLE001
-            problems.append(f"unreadable metadata ({type(exc).__name__}: {exc})")
-    return problems
-
-
-def find_resume_checkpoint(output_dir: str | os.PathLike | None, resume_from_checkpoint: Any) -> Path | None:
-    """The checkpoint to resume from: ``None``/``False``/``""`` → none; ``"auto"``/``True`` → the
-    newest complete ``checkpoint-N`` in ``output_dir`` (incomplete or corrupted ones are skipped
-    with a warning naming them; none → ``None``); a path → that checkpoint, or ``ValueError``
-    naming the path and what is wrong with it."""
-    if resume_from_checkpoint in (None, False, ""):
-        return None
-    if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
-        if output_dir is None:
-            raise ValueError("resume_from_checkpoint='auto' needs an output_dir to search")
-        for step, path in reversed(list_checkpoints(output_dir)):
-            problems = validate_checkpoint(path)
-            if not problems:
-                return path
-            warnings.warn(f"skipping checkpoint {path}: " + "; ".join(problems), stacklevel=2)
-        return None
-    path = Path(resume_from_checkpoint)
-    problems = validate_checkpoint(path)
-    if problems:
-        hint = ""
-        if list_checkpoints(path):
-            hint = " (it holds checkpoint-N directories: pass one of them, or resume_from_checkpoint: auto)"
-        raise ValueError(f"resume_from_checkpoint={str(path)!r} is not a usable checkpoint: "
-                         + "; ".join(problems) + hint)
-    return path
-
-
-def checkpoint_info(path: str | os.PathLike) -> dict:
-    """The ``COMPLETE`` marker's content: step, world_size, layout, time, files."""
-    return read_json(Path(path) / MARKER)
 
 
 # ----------------------------------------------------------------------------- internals
@@ -368,36 +270,10 @@ def _jsonable_config(config: Any) -> Any:
     raise TypeError(f"cannot store a config of type {type(config).__name__}: pass a dict")
 
 
-def _is_checkpoint_file(name: str) -> bool:
-    return (name in (".metadata", STATE_FILE, MARKER, "rng", HF_CONFIG_DIR) or name.endswith(".distcp")
-            or name.startswith((f".{MARKER}.tmp", f".{STATE_FILE}.tmp")))
-
-
-def _check_target_dir(directory: Path) -> None:
-    """Refuse to overwrite a directory that holds anything but an (old or partial) checkpoint."""
-    if directory.exists():
-        if not directory.is_dir():
-            raise ValueError(f"cannot save a checkpoint to {directory}: it is a file")
-        foreign = sorted(p.name for p in directory.iterdir() if not _is_checkpoint_file(p.name))
-        if foreign:
-            raise ValueError(f"cannot save a checkpoint to {directory}: it holds other files ({foreign[:3]}); "
-                             "use an empty or new directory")
-
-
-def _prepare_dir(directory: Path) -> None:
-    """Empty a leftover directory (an old or half-written save) and create it; marker first."""
-    if directory.exists():
-        (directory / MARKER).unlink(missing_ok=True)
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
-
-
 def _save_hf_config(model: nn.Module | None, target: Path) -> None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         return
-    from ndparallel.export import model_class_name
-
     config = copy.deepcopy(config)
     config.architectures = [model_class_name(model)]
     config.save_pretrained(target)
@@ -409,37 +285,10 @@ def _save_hf_config(model: nn.Module | None, target: Path) -> None:
             pass
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _write_marker(directory: Path, state: dict) -> None:
-    files = {}
-    for f in sorted(directory.rglob("*")):
-        if f.is_file() and f.name != MARKER and not f.name.startswith(f".{MARKER}"):
-            size = f.stat().st_size
-            entry = {"size": size}
-            if size <= _HASH_LIMIT:
-                entry["sha256"] = _sha256(f)
-            files[f.relative_to(directory).as_posix()] = entry
-    write_json_atomic(directory / MARKER, {
-        "format": FORMAT, "step": state["step"], "world_size": state["world_size"],
-        "layout": state["layout"], "time": time.time(), "files": files,
-    })
-
-
-def _delete_checkpoint(path: Path) -> None:
-    (path / MARKER).unlink(missing_ok=True)  # first: a half-deleted dir is never "complete"
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _restore_rng(directory: Path, state: dict) -> None:
     rank = _rank()
     f = directory / "rng" / f"rank-{rank:05d}.json"
     if not f.is_file():  # a larger world than the one that saved: take rank 0's states
         f = directory / "rng" / "rank-00000.json"
     set_rng_state(read_json(f))
+

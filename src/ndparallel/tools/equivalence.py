@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ndparallel.parallel.loss import IGNORE_INDEX
-from ndparallel.step import forward_backward
+from ndparallel.training.optim import build_optimizer
+from ndparallel.training.step import forward_backward
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class TrainSetup:
     grad_accum: int = 1
     seq_len: int = 32
     optimizer: str = "adamw"  # or "sgd"
+    weight_decay: float = 0.01
     lr: float = 1e-2
     max_grad_norm: float | None = None
     seed: int = 0
@@ -71,17 +73,19 @@ def build_model(setup: TrainSetup):
     return model.float()
 
 
-def build_optimizer(setup: TrainSetup, params):
-    if setup.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=setup.lr)
-    return torch.optim.AdamW(params, lr=setup.lr, weight_decay=0.01)
+def setup_optimizer(setup: TrainSetup, params):
+    """The optimizer both runs use (the trainer's ``build_optimizer`` with the setup's settings)."""
+    return build_optimizer(params, setup.optimizer, lr=setup.lr, weight_decay=setup.weight_decay)
 
 
 def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) -> TrainResult:
     """Run inside a rank (process group up): train with ``layout`` (ParallelismConfig kwargs; None =
     one process) through the public Accelerator API and return losses, grad norms, final params."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     from ndparallel import Accelerator, ParallelismConfig
 
@@ -90,7 +94,7 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
         gradient_accumulation_steps=setup.grad_accum, **setup.parallel_kwargs,
     )
     model = build_model(setup)
-    optimizer = build_optimizer(setup, model.parameters())
+    optimizer = setup_optimizer(setup, model.parameters())
     model, optimizer = acc.prepare(model, optimizer)
     model.train()
     dp_rank, dp_size = acc.dp_rank, acc.dp_size

@@ -7,7 +7,7 @@ from typing import Mapping
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ndparallel.parallelism_config import FLATTENED_DIMS, MESH_DIM_NAMES
+from ndparallel.layout.dims import FLATTENED_DIMS, MESH_DIM_NAMES
 
 
 def flatten_dims(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
@@ -35,6 +35,11 @@ def submesh(mesh: DeviceMesh, *dims: str) -> DeviceMesh:
         # flattened meshes are only reachable that way until a public flatten API exists.
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         return mesh[dims[0]] if len(dims) == 1 else mesh[dims]
+
+
+def process_group(mesh_or_group):
+    """The ``ProcessGroup`` of a 1-D ``DeviceMesh``; a ``ProcessGroup`` is returned as is."""
+    return mesh_or_group.get_group() if hasattr(mesh_or_group, "get_group") else mesh_or_group
 
 
 def group_ranks(mesh: DeviceMesh, dim: str) -> list[int]:

@@ -15,20 +15,22 @@ Layout written: ``config.json`` (+ ``generation_config.json``), ``model.safetens
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import sys
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from ndparallel.checkpoint.directory import HF_CONFIG_DIR, validate_checkpoint
+from ndparallel.checkpoint.io import SafeFileSystemReader, read_dcp_metadata
+from ndparallel.models.naming import model_class_name, tied_aliases
+
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
@@ -43,14 +45,6 @@ def parse_size(size: int | str) -> int:
     base = 1024 if unit.endswith("I") else 1000
     power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
     return int(float(m.group(1)) * base**power)
-
-
-def model_class_name(model: nn.Module) -> str:
-    """The HF class name of a (possibly FSDP-wrapped) model, e.g. ``LlamaForCausalLM``."""
-    for cls in type(model).__mro__:
-        if not cls.__name__.startswith("FSDP"):
-            return cls.__name__
-    return type(model).__name__
 
 
 class ShardWriter:
@@ -101,18 +95,6 @@ class ShardWriter:
         return names
 
 
-def _tied_aliases(model: nn.Module) -> set[str]:
-    """Names of parameters that are the same object as an earlier one (e.g. ``lm_head.weight``)."""
-    seen: dict[int, str] = {}
-    aliases = set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            aliases.add(name)
-        else:
-            seen[id(p)] = name
-    return aliases
-
-
 def _write_config(model_or_config: Any, directory: Path, dtype: torch.dtype | None, class_name: str | None) -> None:
     import copy
 
@@ -134,7 +116,7 @@ def save_hf_model(
     from torch.distributed.tensor import DTensor
 
     state = get_model_state_dict(model)  # sharded: nothing is gathered here
-    aliases = _tied_aliases(model)
+    aliases = tied_aliases(model)
     writer = ShardWriter(save_directory, max_shard_size) if is_main else None
     seen: set[int] = set()
     saved_dtype = None
@@ -165,8 +147,6 @@ def save_hf_model(
 def _load_config(model_config: Any, checkpoint_dir: Path):
     from transformers import AutoConfig, PretrainedConfig
 
-    from ndparallel.checkpoint import HF_CONFIG_DIR
-
     if isinstance(model_config, PretrainedConfig):
         return model_config
     if model_config is None:
@@ -194,8 +174,6 @@ def export_checkpoint(
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.checkpoint import validate_checkpoint
-    from ndparallel.checkpoint_io import SafeFileSystemReader, read_dcp_metadata
 
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
     problems = validate_checkpoint(ckpt)
@@ -204,7 +182,7 @@ def export_checkpoint(
     config = _load_config(model_config, ckpt)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    expected = [n for n in skeleton.state_dict() if n not in _tied_aliases(skeleton)]
+    expected = [n for n in skeleton.state_dict() if n not in tied_aliases(skeleton)]
     metadata = read_dcp_metadata(ckpt).state_dict_metadata
     prefix = "model/"
     missing = [n for n in expected if prefix + n not in metadata]
@@ -252,41 +230,3 @@ def export_checkpoint(
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         tokenizer.save_pretrained(out)
     return out
-
-
-def export_main(argv: Sequence[str] | None = None) -> int:
-    """``ndparallel export CKPT OUT [--config C] [--dtype bf16] [--max-shard-size 5GB] [--tokenizer T]``."""
-    from ndparallel.checkpoint import find_resume_checkpoint, list_checkpoints
-
-    parser = argparse.ArgumentParser(
-        prog="ndparallel export",
-        description="Turn a sharded checkpoint (any layout) into a Hugging Face safetensors directory, "
-                    "on one process without GPUs. CKPT: a checkpoint-N dir, or an output_dir (its "
-                    "newest complete checkpoint is used).")
-    parser.add_argument("checkpoint")
-    parser.add_argument("out_dir")
-    parser.add_argument("--config", default=None, help="HF model dir / config.json / preset (default: "
-                        "the config stored in the checkpoint)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast floating tensors")
-    parser.add_argument("--max-shard-size", default="5GB")
-    parser.add_argument("--tokenizer", default=None, help="a tokenizer dir or hub id to save alongside")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    ckpt = Path(args.checkpoint)
-    try:
-        if not (ckpt / "COMPLETE").exists() and list_checkpoints(ckpt):
-            found = find_resume_checkpoint(ckpt, "auto")
-            if found is None:
-                raise ValueError(f"{ckpt} holds no complete checkpoint")
-            print(f"ndparallel export: using {found}")
-            ckpt = found
-        out = export_checkpoint(ckpt, args.out_dir, args.config, tokenizer=args.tokenizer,
-                                dtype=_DTYPES.get(args.dtype) if args.dtype else None,
-                                max_shard_size=args.max_shard_size)
-    except (ValueError, OSError) as exc:
-        print(f"ndparallel export: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"ndparallel export: wrote {out}")
-    return 0
-
-
-run_export = export_main

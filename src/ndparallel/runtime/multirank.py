@@ -36,9 +36,10 @@ def _child(rank: int, world_size: int, port: int, conn, fn, args, kwargs, pg_tim
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            NDPARALLEL_DEVICE="cpu",  # the ranks are CPU/gloo ranks even where GPUs are visible
         )
         os.environ.update(env)
-        from ndparallel.distributed import init_distributed, shutdown
+        from ndparallel.runtime.distributed import init_distributed, shutdown
 
         init_distributed("cpu", timeout_s=pg_timeout_s)
         result = fn(*args, **kwargs)
@@ -81,8 +82,9 @@ def run_on_ranks(
 ) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` forked gloo ranks; return results by rank.
 
-    ``fn`` runs after the default process group is initialised (``RANK``/``WORLD_SIZE`` set, CPU
-    device). Raises ``RankFailure`` naming the failing rank(s) with their tracebacks, or the ranks
+    ``fn`` runs after the default gloo process group is initialised, with ``RANK``/``WORLD_SIZE`` set
+    and ``NDPARALLEL_DEVICE=cpu`` (an ``Accelerator`` built inside uses the CPU even where GPUs are
+    visible). Raises ``RankFailure`` naming the failing rank(s) with their tracebacks, or the ranks
     still running at the deadline (which are killed).
     """
     ctx = get_context("fork")

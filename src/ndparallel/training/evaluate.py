@@ -1,0 +1,36 @@
+"""Validation loss and perplexity, token-weighted over the whole validation split (any layout)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+@torch.no_grad()
+def evaluate(acc, model, val_blocks: torch.Tensor, micro_batch_size: int, seed: int) -> dict:
+    """Loss over every validation block (sharded over the dp ranks), as one device computes it:
+    the sum of token losses / the number of label tokens."""
+    from ndparallel.data import PackedLoader
+
+    model.eval()
+    loader = PackedLoader(val_blocks, micro_batch_size, dp_rank=acc.dp_rank, dp_size=acc.dp_size,
+                          seed=seed, shuffle=False)
+    micro_batches = range(len(loader))
+    # label tokens counted on the host batches (one small collective), then one micro-batch at a
+    # time on the device
+    n_items = acc.global_num_items(loader.micro_batch(i) for i in micro_batches)
+    total = torch.zeros((), device=acc.device)
+    for i in micro_batches:
+        mb = loader.micro_batch(i)
+        mb = {k: v.to(acc.device, non_blocking=True) for k, v in mb.items()}
+        with acc.maybe_context_parallel(
+            buffers=[mb["input_ids"], mb["shift_labels"], mb["position_ids"]], buffer_seq_dims=[1, 1, 1]
+        ):
+            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
+            total += acc.causal_lm_loss(logits, mb["shift_labels"], n_items).float()
+    dist.all_reduce(total, group=acc.mesh("dp_cp").get_group())
+    model.train()
+    loss = float(total)
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}

@@ -1,0 +1,47 @@
+"""The optimizer and learning-rate schedule of a run (``ndparallel train`` and the equivalence checks).
+
+Weight decay follows Hugging Face's Trainer: it applies to matrices (linear and embedding weights)
+and not to 1-D parameters (norm weights, biases), whose decay would only pull them towards 0.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+def parameter_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """Two optimizer groups: ≥ 2-D parameters with ``weight_decay``, 1-D ones without."""
+    unique = list({id(p): p for p in params if p.requires_grad}.values())
+    decay = [p for p in unique if p.ndim >= 2]
+    no_decay = [p for p in unique if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], name: str = "adamw", lr: float = 3e-4,
+    weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+) -> torch.optim.Optimizer:
+    """``adamw`` (alias ``adamw_torch``) or ``sgd`` over ``params`` with the weight-decay groups above."""
+    groups = parameter_groups(params, weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr)
+    if name in ("adamw", "adamw_torch"):
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    raise ValueError(f"optimizer {name!r} is not supported: use 'adamw' or 'sgd'")
+
+
+SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+"""Our YAML names -> transformers' ``get_scheduler`` names."""
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int):
+    """transformers' schedule ``name`` (see ``SCHEDULERS``) with linear warm-up."""
+    from transformers import get_scheduler
+
+    return get_scheduler(SCHEDULERS[name], optimizer, num_warmup_steps=warmup_steps,
+                         num_training_steps=total_steps)

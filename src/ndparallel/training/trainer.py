@@ -1,0 +1,265 @@
+"""The loop behind ``ndparallel train``: runs on every rank of an already started job.
+
+``run_training`` = ``Trainer(cfg).run()``; the phases are methods, in the order they run:
+``setup`` (accelerator, data, model, optimizer, schedule) → ``resume`` → per step ``train_step``,
+``log``, ``maybe_evaluate``, ``maybe_save`` → ``finish`` (the final model).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ndparallel.training.build import (
+    build_data,
+    load_tokenizer,
+    model_config,
+    optimizer_for,
+)
+from ndparallel.training.config import TrainConfig
+from ndparallel.training.metrics import (
+    MetricsWriter,
+    device_peak_flops,
+    global_numel,
+    local_numel,
+    model_flops_per_token,
+    peak_memory_gb,
+)
+from ndparallel.training.progress import Progress
+from ndparallel.training.step import forward_backward
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    samples_seen: int = 0  # global samples consumed: resumes on any layout
+
+
+def quiet_non_main_ranks(rank: int) -> None:
+    """Warnings and library logs from ranks other than 0 are not repeated N times; two torch notices
+    that do not apply here are silenced on every rank: FSDP2's "returned a view tensor" (transformers'
+    decoder applies no in-place op to those outputs; the equivalence tests prove the gradients) and
+    DTensor's "sequential all_gather" note when export gathers FSDP × TP parameters."""
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    if rank != 0:
+        warnings.filterwarnings("ignore")
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        logging.getLogger("datasets").setLevel(logging.ERROR)
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+
+
+def resume_policy(resume_from_checkpoint: str | None, env) -> str | None:
+    """What to resume from: the config's choice; after an elastic restart (``max_restarts``) the
+    newest complete checkpoint even if the config did not ask, so a restarted job continues."""
+    if resume_from_checkpoint:
+        return resume_from_checkpoint
+    return "auto" if int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 else None
+
+
+class Trainer:
+    """One training run per ``cfg`` on the current process group."""
+
+    def __init__(self, cfg: TrainConfig, profile_comm: bool = False):
+        self.cfg = cfg
+        self.profile_comm = profile_comm
+        self.out = Path(cfg.output_dir)
+        self.state = TrainState()
+        self.last: dict = {}
+
+    # ----------------------------------------------------------------------------- phases
+    def setup(self) -> None:
+        """Accelerator (process group, mesh), tokenizer, data, model, optimizer and schedule."""
+        from ndparallel.accelerator import Accelerator
+        from ndparallel.data import PackedLoader
+        from ndparallel.models.presets import is_preset
+        from ndparallel.training.optim import build_scheduler
+
+        cfg = self.cfg
+        self.acc = acc = Accelerator(
+            cfg.parallelism_config(), mixed_precision="bf16" if cfg.bf16 else "no",
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            fsdp_options=cfg.fsdp_options(), tp_options=cfg.tp_options(), cp_options=cfg.cp_options(),
+            device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.collective_timeout_s,
+        )
+        quiet_non_main_ranks(acc.process_index)
+        cache_dir = Path(cfg.dataset_cache_dir or self.out.parent / ".cache")
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = load_tokenizer(cfg, cache_dir)
+        self.splits = build_data(cfg, self.tokenizer, cache_dir)
+        self.loader = PackedLoader(self.splits.train, cfg.micro_batch_size, dp_rank=acc.dp_rank,
+                                   dp_size=acc.dp_size, seed=cfg.seed)
+        steps_per_epoch = len(self.loader) // cfg.gradient_accumulation_steps
+        self.total_steps = cfg.max_steps or max(1, math.floor(cfg.num_epochs * steps_per_epoch))
+        self.hf_config = model_config(cfg, vocab_size=len(self.tokenizer))
+        self.hf_config.use_cache = False
+        source = self.hf_config if is_preset(cfg.base_model) else cfg.base_model
+        self.model = acc.load_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
+        self.optimizer = optimizer_for(cfg, self.model.parameters())
+        self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, cfg.warmup_steps, self.total_steps)
+
+    def resume(self) -> None:
+        """Continue from a checkpoint (any layout: DCP reshards; data resumes by samples seen)."""
+        from ndparallel.checkpoint import find_resume_checkpoint, load_checkpoint
+
+        resume = resume_policy(self.cfg.resume_from_checkpoint, os.environ)
+        if not resume:
+            return
+        try:
+            ckpt = find_resume_checkpoint(self.out, resume)
+        except ValueError as e:
+            raise SystemExit(f"ndparallel train: error: resume_from_checkpoint: {e}") from None
+        if ckpt is None:
+            return
+        extra = load_checkpoint(self.acc, ckpt, self.model, self.optimizer, self.scheduler)
+        self.state = TrainState(step=int(extra["step"]), samples_seen=int(extra["samples_seen"]))
+        self.acc.print(f"resumed from {ckpt} at step {self.state.step}")
+
+    def train_step(self) -> dict:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches; its metrics."""
+        cfg, acc = self.cfg, self.acc
+        t0 = time.perf_counter()
+        global_micro = self.loader.global_micro_batch
+        first = self.state.samples_seen // global_micro
+        micro_batches = [{k: v.to(acc.device) for k, v in self.loader.micro_batch(first + m).items()}
+                         for m in range(cfg.gradient_accumulation_steps)]
+        loss_sum = forward_backward(acc, self.model, micro_batches)
+        params = self.model.parameters()
+        grad_norm = acc.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm else acc.grad_norm(params)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum, group=acc.mesh("dp_cp").get_group())
+        if self.profiler is not None:
+            self.profiler = _profile_step(acc, self.profiler, self.out)
+        self.state.step += 1
+        self.state.samples_seen += global_micro * cfg.gradient_accumulation_steps
+        dt = time.perf_counter() - t0
+        tokens = global_micro * cfg.gradient_accumulation_steps * cfg.sequence_len
+        metrics = {
+            "step": self.state.step, "loss": float(loss_sum), "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm), "step_time_s": dt, "tokens_per_s": tokens / dt,
+            "tokens_per_s_per_device": tokens / dt / acc.num_processes,
+            "tflops_per_device": self.flops_per_token * tokens / dt / acc.num_processes / 1e12,
+            "peak_memory_gb": peak_memory_gb(acc.device),
+        }
+        if self.peak_flops:
+            metrics["mfu"] = metrics["tflops_per_device"] * 1e12 / self.peak_flops
+        return metrics
+
+    def log(self, metrics: dict) -> None:
+        step = self.state.step
+        if step % self.cfg.logging_steps == 0 or step in (1, self.total_steps):
+            self.metrics.write(metrics)
+            self.progress.update(step, metrics)
+
+    def maybe_evaluate(self) -> None:
+        from ndparallel.training.evaluate import evaluate
+
+        cfg, step = self.cfg, self.state.step
+        if not cfg.eval_steps or self.splits.val is None:
+            return
+        if step % cfg.eval_steps and step != self.total_steps:
+            return
+        ev = evaluate(self.acc, self.model, self.splits.val, cfg.micro_batch_size, cfg.seed)
+        self.metrics.write({"step": step, **ev})
+        self.acc.print(f"step {step}: eval_loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}")
+
+    def maybe_save(self) -> None:
+        from ndparallel.checkpoint import save_step_checkpoint
+
+        cfg, step = self.cfg, self.state.step
+        if not cfg.save_steps or step % cfg.save_steps:
+            return
+        path = save_step_checkpoint(
+            self.acc, cfg.output_dir, step, self.model, self.optimizer, self.scheduler,
+            config=cfg.model_dump(mode="json"), extra={"samples_seen": self.state.samples_seen},
+            save_total_limit=cfg.save_total_limit,
+        )
+        self.acc.print(f"step {step}: checkpoint saved to {path}")
+
+    def finish(self) -> None:
+        """The final Hugging Face model; then leave the process group."""
+        acc = self.acc
+        if self.cfg.save_final_model:
+            final = self.out / "final"
+            acc.save_model(self.model, str(final), tokenizer=self.tokenizer)
+            acc.print(f"saved the trained model to {final} (AutoModelForCausalLM.from_pretrained loads it)")
+        acc.end_training()
+
+    # ------------------------------------------------------------------------------- run
+    def run(self) -> dict:
+        """All phases; returns the last step's metrics."""
+        self.setup()
+        self.resume()
+        self._start_outputs()
+        self.model.train()
+        self.progress = Progress(self.total_steps, self.state.step, enabled=self.acc.is_main_process)
+        try:
+            while self.state.step < self.total_steps:
+                self.last = self.train_step()
+                self.log(self.last)
+                self.maybe_evaluate()
+                self.maybe_save()
+        finally:
+            self.progress.close()
+        self.finish()
+        return self.last
+
+    def _start_outputs(self) -> None:
+        """Metrics file, resolved config, the run's summary line, the communication profiler."""
+        acc, cfg = self.acc, self.cfg
+        n_global = global_numel(self.model)
+        self.flops_per_token = model_flops_per_token(
+            n_global, self.hf_config.num_hidden_layers, self.hf_config.hidden_size, cfg.sequence_len)
+        self.peak_flops = device_peak_flops(acc.device, cfg.bf16)
+        self.metrics = MetricsWriter(self.out / "metrics.jsonl", acc.is_main_process)
+        if acc.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.resolved.yaml").write_text(_dump_yaml(cfg))
+            if self.state.step == 0 and self.metrics.path.exists():
+                self.metrics.path.unlink()  # a fresh run starts a fresh metrics file
+        acc.print(
+            f"ndparallel train: {acc.parallelism_config.describe()} on {acc.num_processes} rank(s) "
+            f"({acc.device.type}); model {n_global / 1e6:.2f}M params "
+            f"({local_numel(self.model) / 1e6:.2f}M on this rank); {self.total_steps} steps × "
+            f"{self.loader.global_micro_batch * cfg.gradient_accumulation_steps} sequences × "
+            f"{cfg.sequence_len} tokens"
+        )
+        self.profiler = None
+        if self.profile_comm:  # the first two steps (lazy init, then a steady step) are recorded
+            from ndparallel.runtime.comm_profile import CommProfiler
+
+            self.profiler = CommProfiler(acc.torch_device_mesh)
+            self.profiler.__enter__()
+
+
+def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:
+    """Train per ``cfg`` on the current process group; returns the final metrics (main rank)."""
+    return Trainer(cfg, profile_comm=profile_comm).run()
+
+
+def _profile_step(acc, profiler, out: Path):
+    """Close a profiled step; after the second, print rank 0's table, write every rank's JSON, stop."""
+    profiler.step()
+    if profiler.num_steps < 2:
+        return profiler
+    profiler.__exit__(None, None, None)
+    (out / "comm_profile").mkdir(parents=True, exist_ok=True)
+    (out / "comm_profile" / f"rank-{acc.process_index:05d}.json").write_text(profiler.to_json(step=1))
+    acc.print(profiler.format_table(step=1, title="collectives per rank, steady step (rank 0)"))
+    return None
+
+
+def _dump_yaml(cfg: TrainConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True), sort_keys=False)
