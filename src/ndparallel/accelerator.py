@@ -61,7 +61,8 @@ class Accelerator:
         self.fsdp_options = fsdp_options or FSDPOptions()
         self.tp_options = tp_options or TPOptions()
         self.cp_options = cp_options or CPOptions()
-        self.torch_device_mesh = self.parallelism_config.build_device_mesh(self.info.device_type)
+        self.torch_device_mesh = self.parallelism_config.build_device_mesh(
+            self.info.device_type, timeout_s=self.info.timeout_s)
         self._param_remap: dict[int, nn.Parameter] = {}
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
