@@ -146,6 +146,26 @@ def _init_restarted_attempt(backend: str, timeout: datetime.timedelta, **kwargs)
     )
 
 
+def rank0_decides(fn, *args, group=None, **kwargs):
+    """Run ``fn`` on rank 0 only and give its result to every rank (``broadcast_object_list``):
+    for decisions that must agree across ranks and would cost I/O × world if every rank made them
+    (which checkpoint to resume, whether one is intact). A ``ValueError`` raised on rank 0 is raised
+    on every rank with the same message. Collective when a multi-rank group is up."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return fn(*args, **kwargs)
+    box: list = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = ("ok", fn(*args, **kwargs))
+        except ValueError as e:
+            box[0] = ("error", str(e))
+    dist.broadcast_object_list(box, group_src=0, group=group)
+    status, value = box[0]
+    if status == "error":
+        raise ValueError(value)
+    return value
+
+
 def long_wait_group(hours: float = 24.0):
     """A gloo group over all ranks with a long timeout, for waits that are not collectives of the
     training step (a hub download by one rank per node, a slow filesystem): a barrier on it does
