@@ -27,28 +27,30 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
-    Placement,
     Replicate,
     Shard,
-    distribute_tensor,
 )
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     ParallelStyle,
-    RowwiseParallel,
     loss_parallel,
     parallelize_module,
 )
 
 from ndparallel.models.naming import tied_parameter_groups
 from ndparallel.models.tp_plans import (
-    STYLES,
     TPPlanError,
     match_plan,
     model_tp_plan,
     resolve_tp_plan,
 )
 from ndparallel.parallel.options import TPOptions
+from ndparallel.parallel.tp_styles import (
+    GatherSequenceInput,
+    ReplicateBlockInput,
+    ReplicateParallel,
+    align_grad_placements,
+    parallel_style,
+)
 
 _TP_MESH_ATTR = "_ndparallel_tp_mesh"
 
@@ -96,157 +98,6 @@ def validate_tensor_parallel(config: Any, tp_size: int, options: TPOptions | Non
             errors.append(msg)
     if errors:
         raise ValueError("; ".join(errors))
-
-
-# ------------------------------------------------------------------------------ custom styles
-def _replicate(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
-    if param.is_meta:
-        data = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
-    else:  # broadcast from rank 0: replicas are identical even if initialised differently
-        data = distribute_tensor(param.data, mesh, [Replicate()], src_data_rank=0)
-    return nn.Parameter(data, requires_grad=param.requires_grad)
-
-
-def _grad_to_param_placements(param: nn.Parameter) -> None:
-    grad = param.grad
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
-
-
-def _align_grad_placements(model: nn.Module) -> None:
-    """Give every DTensor gradient its parameter's placements as soon as it is accumulated.
-
-    DTensor autograd leaves a replicated norm weight applied to sharded activations with a
-    ``Partial`` gradient (summed here: one small all-reduce) and the vocab-sharded embedding with a
-    full ``Replicate`` one (sliced here: no communication, less memory). Clipping, DDP and
-    checkpoints then see gradients laid out like their parameters.
-
-    Needed for TP without FSDP: without it the vocab-sharded embedding's gradient is the full
-    (vocab × hidden) matrix on every tp rank (``tests/test_tensor_parallel.py`` asserts gradient
-    placements == parameter placements and fails without these hooks). Under FSDP2 they do not
-    fire: FSDP2 owns the sharded parameters and reduces their gradients itself.
-    """
-    for p in model.parameters():
-        if isinstance(p, DTensor) and p.requires_grad and not getattr(p, "_ndp_grad_aligned", False):
-            p.register_post_accumulate_grad_hook(_grad_to_param_placements)
-            p._ndp_grad_aligned = True
-
-
-class ReplicateParallel(ParallelStyle):
-    """Parameters → ``Replicate`` DTensors; plain tensor inputs → DTensors with ``input_layout``
-    (``Replicate()`` for a replicated activation, ``Shard(1)`` for a sequence-parallel one,
-    ``Shard(-2)`` for head-sharded q/k of a per-head norm); DTensor outputs back to local tensors.
-
-    DTensor autograd then sums the parameter gradients over tp exactly when the input is sharded.
-    """
-
-    def __init__(self, input_layout: Placement = Replicate()):
-        super().__init__()
-        self.input_layout = input_layout
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, param in list(module.named_parameters(recurse=False)):
-            if not isinstance(param, DTensor):
-                module.register_parameter(name, _replicate(param, device_mesh))
-        layout = self.input_layout
-
-        def to_dtensor(x):
-            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.is_floating_point():
-                return DTensor.from_local(x, device_mesh, [layout], run_check=False)
-            return x
-
-        def pre_hook(_mod, args, kwargs):
-            return tuple(to_dtensor(a) for a in args), {k: to_dtensor(v) for k, v in kwargs.items()}
-
-        def post_hook(_mod, _args, output):
-            if isinstance(output, DTensor):
-                return output.to_local()
-            if isinstance(output, tuple):
-                return tuple(o.to_local() if isinstance(o, DTensor) else o for o in output)
-            return output
-
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        module.register_forward_hook(post_hook)
-        return module
-
-
-class _BlockInput(ParallelStyle):
-    """Turn a block's input (first positional argument, or the ``hidden_states`` keyword HF
-    attention uses) into one ``Replicate`` DTensor that all its column-wise linears share."""
-
-    def _to_replicate(self, x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-        raise NotImplementedError
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def pre_hook(_mod, args, kwargs):
-            if args and isinstance(args[0], torch.Tensor):
-                return (self._to_replicate(args[0], device_mesh), *args[1:]), kwargs
-            if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-                return args, {**kwargs, "hidden_states": self._to_replicate(kwargs["hidden_states"], device_mesh)}
-            raise ValueError(
-                f"tensor parallel: {type(_mod).__name__} got no tensor input "
-                "(expected a positional tensor or hidden_states=...)"
-            )
-
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        return module
-
-
-class ReplicateBlockInput(_BlockInput):
-    """Without sequence parallel: q, k, v (or gate, up) read one shared ``Replicate`` DTensor, so
-    their partial input gradients are summed first and all-reduced once per block (Megatron's "f"),
-    instead of once per column-wise linear."""
-
-    def _to_replicate(self, x, mesh):
-        return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-
-
-class GatherSequenceInput(_BlockInput):
-    """Sequence parallel: all-gather a block's sequence-sharded input into a ``Replicate`` DTensor;
-    its backward is the reduce-scatter of the summed partial input gradients."""
-
-    def _to_replicate(self, x, mesh):
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
-        return x.redistribute(mesh, [Replicate()])
-
-
-def parallel_style(
-    style: object, *, on_residual: bool, sequence_parallel: bool, output_sharded: bool = False
-) -> ParallelStyle:
-    """DTensor style for a HF style name (``ParallelStyle`` objects pass through unchanged).
-
-    ``on_residual``: the module reads/writes the residual stream (embedding, lm_head, a layer's
-    direct children), which sequence parallel shards on dim 1. ``output_sharded``: keep a colwise
-    output as a ``Shard(-1)`` DTensor (loss parallel on lm_head).
-    """
-    if isinstance(style, ParallelStyle):
-        return style
-    seq = sequence_parallel and on_residual
-    resid = Shard(1) if seq else Replicate()
-    if style == "colwise" and not output_sharded:
-        return ColwiseParallel(input_layouts=resid)
-    if style in ("colwise", "colwise_gather_output", "colwise_rep"):
-        if output_sharded:
-            return ColwiseParallel(input_layouts=resid, output_layouts=Shard(-1), use_local_output=False)
-        return ColwiseParallel(input_layouts=resid, output_layouts=Replicate())
-    block_out = Shard(1) if sequence_parallel else Replicate()  # a row-wise layer ends a block
-    if style == "rowwise":
-        return RowwiseParallel(output_layouts=block_out)
-    if style in ("rowwise_split_input", "rowwise_rep"):
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=block_out)
-    if style == "embedding_rowwise":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=resid)
-    if style == "embedding_colwise":
-        return ColwiseParallel(input_layouts=Replicate(), output_layouts=resid)
-    if style == "replicated_with_grad_allreduce":
-        return ReplicateParallel(Shard(-2))
-    if style in ("replicate", "sequence_parallel"):
-        return ReplicateParallel(resid)
-    raise TPPlanError(
-        f"tp style {style!r} is not supported by ndparallel; supported: {', '.join(STYLES)} "
-        "(or a torch ParallelStyle object in TPOptions.plan)"
-    )
 
 
 # --------------------------------------------------------------------------------------- apply
@@ -358,7 +209,7 @@ def apply_tensor_parallel(
     _retie(model, tied)
     setattr(model, _TP_MESH_ATTR, tp_mesh)
     _check_all_dtensor(model)
-    _align_grad_placements(model)
+    align_grad_placements(model)
     return model
 
 
@@ -440,7 +291,7 @@ def distribute_leftover_params(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Modu
             warnings.simplefilter("ignore")
             parallelize_module(module, mesh, style)
     _check_all_dtensor(model)
-    _align_grad_placements(model)
+    align_grad_placements(model)
     return model
 
 
