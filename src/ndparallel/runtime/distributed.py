@@ -21,7 +21,7 @@ DEFAULT_TIMEOUT_S = 600.0
 
 NCCL_ENV_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a timed-out collective ends the process, not a hang
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # flight recorder: the last 2000 collectives per rank
+    "TORCH_FR_BUFFER_SIZE": "2000",          # flight recorder: the last 2000 collectives per rank
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",       # ...written to TORCH_FR_DUMP_TEMP_FILE<rank> on a timeout
 }
 """Environment torch's NCCL backend reads at group creation; values a user set are kept."""
