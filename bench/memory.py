@@ -9,6 +9,8 @@
     ``from_pretrained`` in one process, and ``acc.load_model`` under FSDP 1, 2, 4.
     mmap'ed safetensors pages a rank reads count in its RSS, as they should.
 
+(c) Host memory against dataset size (the memory-mapped token store): ``bench/data_memory.py``.
+
 Every measurement runs in freshly forked ranks (``run_on_ranks``); the checkpoint is written by a
 child too, so no rank inherits memory the parent freed.
 

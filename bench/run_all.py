@@ -21,6 +21,7 @@ SMALL = {
     "overhead": ["--world", "2", "--steps", "16", "--seq", "256"],
     "startup": ["--worlds", "1,2,4,8"],
     "scaling": ["--worlds", "1,2,4", "--steps", "4", "--seq", "256"],
+    "data_memory": ["--mb", "2"],
     "gpu_single": [],
 }
 

@@ -124,6 +124,8 @@ def test_profile_comm_writes_per_rank_tables(tmp_path, capfd):
     for rank in (0, 1):
         rows = json.loads((out / "comm_profile" / f"rank-{rank:05d}.json").read_text())["rows"]
         ops = {(r["dim"], r["op"]) for r in rows}
-        assert {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter")} <= ops, ops
+        # FSDP shards over dp_shard_cp (= dp_shard here): its own group, now that every mesh group is
+        # created with the job's timeout instead of reusing the default group
+        assert {("dp_shard_cp", "all_gather"), ("dp_shard_cp", "reduce_scatter")} <= ops, ops
         assert all(r["bytes"] > 0 and r["count"] > 0 for r in rows)
     assert "collectives per rank, steady step" in capfd.readouterr().out

@@ -18,7 +18,7 @@ from ndparallel.layout.mesh import submesh
 from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
 from ndparallel.runtime.distributed import DistributedInfo, init_distributed
 
-_MIXED_PRECISION = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_MIXED_PRECISION = {"no": None, "fp32": None, "bf16": torch.bfloat16}
 
 
 class Accelerator:
@@ -26,8 +26,8 @@ class Accelerator:
 
     Args:
         parallelism_config: the layout; default: data parallel over every rank (like Accelerate).
-        mixed_precision: "no"/"fp32" (fp32 throughout), "bf16" (bf16 compute, fp32 master weights
-            and gradient reduction) or "fp16" (fp16 compute as bf16, but without loss scaling).
+        mixed_precision: "no"/"fp32" (fp32 throughout) or "bf16" (bf16 compute, fp32 master weights
+            and gradient reduction). "fp16" is refused: it needs loss scaling, not implemented.
         gradient_accumulation_steps: micro-batches per optimizer step (see ``accumulate``).
         fsdp_options / tp_options / cp_options: per-strategy options.
         device: "cpu" or "cuda" (default: cuda when visible).
@@ -45,6 +45,11 @@ class Accelerator:
         device: str | None = None,
         timeout_s: float | None = None,
     ) -> None:
+        if mixed_precision == "fp16":
+            raise ValueError(
+                "mixed_precision='fp16' needs loss scaling (a gradient scaler), which ndparallel does not "
+                "implement: use 'bf16' (as fast on Ampere and newer GPUs, and no scaling needed)"
+            )
         if mixed_precision not in _MIXED_PRECISION:
             raise ValueError(
                 f"mixed_precision={mixed_precision!r} is not supported: use one of {list(_MIXED_PRECISION)}"
@@ -61,7 +66,8 @@ class Accelerator:
         self.fsdp_options = fsdp_options or FSDPOptions()
         self.tp_options = tp_options or TPOptions()
         self.cp_options = cp_options or CPOptions()
-        self.torch_device_mesh = self.parallelism_config.build_device_mesh(self.info.device_type)
+        self.torch_device_mesh = self.parallelism_config.build_device_mesh(
+            self.info.device_type, timeout_s=self.info.timeout_s)
         self._param_remap: dict[int, nn.Parameter] = {}
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -313,11 +319,13 @@ class Accelerator:
 
         return load_model(self, path_or_config, **kwargs)
 
-    def save_model(self, model: nn.Module, save_directory: str, tokenizer=None) -> None:
-        """Write a consolidated Hugging Face directory (safetensors + config [+ tokenizer])."""
+    def save_model(self, model: nn.Module, save_directory: str, tokenizer=None, *,
+                   dtype: torch.dtype | None = None) -> None:
+        """Write a consolidated Hugging Face directory (safetensors + config [+ tokenizer]), one
+        tensor gathered at a time; ``dtype`` casts floating tensors (default: as trained)."""
         from ndparallel.checkpoint.export import save_hf_model
 
-        save_hf_model(model, save_directory, is_main=self.is_main_process, tokenizer=tokenizer)
+        save_hf_model(model, save_directory, is_main=self.is_main_process, tokenizer=tokenizer, dtype=dtype)
         self.wait_for_everyone()
 
     def save_state(self, output_dir: str, **kwargs):

@@ -11,6 +11,7 @@ import hashlib
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -40,9 +41,15 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int) -> list[Path]:
+def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int,
+                       background: bool = False) -> list[Path]:
     """Keep the newest ``save_total_limit`` complete checkpoints; delete older complete ones and
-    incomplete leftovers older than the newest complete one. Returns what was deleted."""
+    incomplete leftovers older than the newest complete one. Returns what was deleted.
+
+    ``background``: each doomed directory is first renamed out of the way (``.deleting-…``; its
+    marker removed first, so it is never taken for a checkpoint), then removed by a background
+    thread, so the caller is not held for the minutes an ``rmtree`` of terabytes takes while its
+    peers wait in a timed collective. Leftovers of a crash are swept by the next rotation."""
     if save_total_limit < 1:
         raise ValueError(f"save_total_limit must be >= 1, got {save_total_limit}")
     entries = list_checkpoints(output_dir)
@@ -52,8 +59,14 @@ def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int) -> 
     keep = {p for _, p in complete[-save_total_limit:]}
     newest = complete[-1][0]
     doomed = [p for s, p in entries if p not in keep and (p in dict(complete).values() or s < newest)]
-    for p in doomed:
-        _delete_checkpoint(p)
+    if not background:
+        for p in doomed:
+            _delete_checkpoint(p)
+        return doomed
+    trash = [_move_to_trash(p) for p in doomed]
+    trash += [p for p in Path(output_dir).glob(f"{_TRASH_PREFIX}*") if p not in trash]
+    # not a daemon: the interpreter waits for it at exit, so a finished job leaves no half-deleted dir
+    threading.Thread(target=_delete_all, args=(trash,), name="ndparallel-rotate").start()
     return doomed
 
 
@@ -173,5 +186,20 @@ def write_marker(directory: Path, state: dict) -> None:
 def _delete_checkpoint(path: Path) -> None:
     (path / MARKER).unlink(missing_ok=True)  # first: a half-deleted dir is never "complete"
     shutil.rmtree(path, ignore_errors=True)
+
+
+_TRASH_PREFIX = ".deleting-"
+
+
+def _move_to_trash(path: Path) -> Path:
+    (path / MARKER).unlink(missing_ok=True)
+    target = path.with_name(f"{_TRASH_PREFIX}{path.name}-{os.getpid()}-{time.time_ns()}")
+    os.replace(path, target)  # same directory: atomic and instant, whatever the size
+    return target
+
+
+def _delete_all(paths: list[Path]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
 
 

@@ -124,6 +124,8 @@ def save_hf_model(
         if name in aliases or id(value) in seen:
             continue
         seen.add(id(value))
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)  # cast the local shard first: the gather moves dtype's bytes
         full = value.full_tensor() if isinstance(value, DTensor) else value  # one tensor at a time
         if writer is not None:
             full = full.detach().to("cpu", dtype=dtype or full.dtype)

@@ -56,6 +56,7 @@ from ndparallel.checkpoint.io import (
     write_json_atomic,
 )
 from ndparallel.models.naming import model_class_name
+from ndparallel.runtime.distributed import rank0_decides
 
 
 # ------------------------------------------------------------------------------ save / load
@@ -150,7 +151,7 @@ def load_state(
 
     models, optimizers, schedulers = _tracked(acc, models, optimizers, schedulers)
     directory = Path(directory)
-    problems = validate_checkpoint(directory)
+    problems = rank0_decides(validate_checkpoint, directory)  # hashed once, not once per rank
     if problems:
         raise ValueError(f"cannot load checkpoint {directory}: " + "; ".join(problems))
     state = read_json(directory / STATE_FILE)
@@ -206,7 +207,7 @@ def save_step_checkpoint(
     path = save_checkpoint(acc, checkpoint_dir(output_dir, step), model, optimizer, scheduler, extra,
                            loader=loader, step=step, config=config)
     if save_total_limit is not None and _rank() == 0:
-        rotate_checkpoints(output_dir, save_total_limit)
+        rotate_checkpoints(output_dir, save_total_limit, background=True)  # renames, then returns
     _barrier()
     return path
 

@@ -54,10 +54,15 @@ def run_train(argv: Sequence[str]) -> int:
         if args.profile_comm:
             inner.append("--profile-comm")
         return relaunch_self(world, inner, torchrun_args=[f"--max-restarts={cfg.max_restarts}"])
+    from ndparallel.training.nonfinite import NonFiniteError
     from ndparallel.training.trainer import run_training
 
     try:
         run_training(cfg, profile_comm=args.profile_comm)
+    except NonFiniteError as e:  # every rank sees the same global loss / grad norm
+        if os.environ.get("RANK") == "0":
+            print(f"ndparallel train: error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError) as e:
         # Bad data / model / checkpoint found on the ranks: one line from rank 0, non-zero exit on
         # every rank (the elastic agent then stops any rank still waiting in a collective).

@@ -5,9 +5,9 @@ cut into blocks of ``sequence_len + 1`` tokens: a block gives ``input_ids = bloc
 ``shift_labels = block[1:]``. The ragged tail is dropped by default; with ``pad_tail=True`` it
 becomes one more block padded with ``IGNORE_INDEX`` (-100), which the loader turns into ignored
 labels (and token 0 in ``input_ids``, never attended by a real token under causal attention).
-Every rank holds the whole packed stream in memory (int32, 4 bytes a token, plus a transient
-copy while packing): host RAM per rank grows with the dataset, so this suits datasets of up to a
-few hundred million tokens.
+With a cache directory (what ``ndparallel train`` uses) the blocks are packed once into a
+memory-mapped file that every rank of a node shares (``store.BlockStore``): host memory per rank
+does not grow with the dataset. Without one they are an in-memory tensor (tests, small data).
 """
 
 from __future__ import annotations
@@ -15,24 +15,38 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import datasets
 import numpy as np
 import pyarrow.compute as pc
 import torch
+from filelock import FileLock
 from transformers import PreTrainedTokenizerBase
 
 from ndparallel.parallel.loss import IGNORE_INDEX
 
 from .dataset import DatasetSpec, load_text_datasets, tokenize_dataset
+from .store import BlockStore, pack_to_file
 
 
-def pack_blocks(tokenized: datasets.Dataset, block_size: int, pad_tail: bool = False) -> torch.Tensor:
-    """Concatenate ``input_ids`` and reshape to an int32 tensor ``[num_blocks, block_size]``."""
+def pack_blocks(tokenized: datasets.Dataset, block_size: int, pad_tail: bool = False,
+                cache_dir: str | os.PathLike | None = None) -> torch.Tensor | BlockStore:
+    """Concatenate ``input_ids`` into ``[num_blocks, block_size]`` int32 rows. With ``cache_dir``
+    they are written once (file-locked: one rank of a node packs, the others wait) to a
+    memory-mapped file shared by the node's ranks (a ``BlockStore``); without, an in-memory tensor."""
     if block_size < 2:
         raise ValueError(f"block_size (sequence_len + 1) must be >= 2, got {block_size}")
     column = tokenized.with_format("arrow")["input_ids"]
+    if cache_dir is not None:
+        out_dir = Path(cache_dir) / "packed"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{tokenized._fingerprint}-b{block_size}{'-padded' if pad_tail else ''}.npy"
+        with FileLock(str(path) + ".lock"):
+            if not path.is_file():
+                pack_to_file(column, block_size, path, pad_tail, IGNORE_INDEX)
+        return BlockStore.open(path)
     flat = torch.from_numpy(pc.list_flatten(column).to_numpy().astype(np.int32))  # astype copies: writable
     n_full, rest = divmod(flat.numel(), block_size)
     if n_full == 0:
@@ -46,8 +60,8 @@ def pack_blocks(tokenized: datasets.Dataset, block_size: int, pad_tail: bool = F
     return blocks
 
 
-def split_blocks(blocks: torch.Tensor, val_set_size: float | int, seed: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def split_blocks(blocks: torch.Tensor | BlockStore, val_set_size: float | int, seed: int = 0
+                 ) -> tuple[torch.Tensor | BlockStore, torch.Tensor | BlockStore | None]:
     """Split ``(train, val)`` at block level, deterministically by ``seed``.
 
     ``val_set_size``: ``0`` = no validation set, a float in (0, 1) = fraction (rounded up), an
@@ -70,15 +84,18 @@ def split_blocks(blocks: torch.Tensor, val_set_size: float | int, seed: int = 0
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     val_idx, _ = perm[:n_val].sort()
     train_idx, _ = perm[n_val:].sort()
+    if isinstance(blocks, BlockStore):  # views of the one file, no copy
+        return blocks.select(train_idx), blocks.select(val_idx)
     return blocks[train_idx], blocks[val_idx]
 
 
 @dataclass(frozen=True)
 class PackedSplits:
-    """Packed blocks ``[N, sequence_len + 1]`` (int32) for training and, optionally, validation."""
+    """Packed blocks ``[N, sequence_len + 1]`` (int32) for training and, optionally, validation:
+    tensors, or views of one memory-mapped file (``BlockStore``)."""
 
-    train: torch.Tensor
-    val: torch.Tensor | None
+    train: torch.Tensor | BlockStore
+    val: torch.Tensor | BlockStore | None
 
 
 def build_blocks(specs: Iterable[DatasetSpec | Mapping[str, Any] | str], tokenizer: PreTrainedTokenizerBase,
@@ -88,5 +105,6 @@ def build_blocks(specs: Iterable[DatasetSpec | Mapping[str, Any] | str], tokeniz
     """Load, tokenize (cached), pack and split: the whole pipeline from specs to blocks."""
     text = load_text_datasets(specs, cache_dir)
     tokenized = tokenize_dataset(text, tokenizer, cache_dir, num_proc)
-    train, val = split_blocks(pack_blocks(tokenized, sequence_len + 1, pad_tail), val_set_size, seed)
+    packed = pack_blocks(tokenized, sequence_len + 1, pad_tail, cache_dir=cache_dir)
+    train, val = split_blocks(packed, val_set_size, seed)
     return PackedSplits(train, val)

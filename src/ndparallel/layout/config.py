@@ -11,6 +11,7 @@ included, so every lookup works for every layout. Flattened views:
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -179,9 +180,10 @@ class ParallelismConfig:
             )
 
     # ------------------------------------------------------------------- mesh
-    def build_device_mesh(self, device_type: str):
+    def build_device_mesh(self, device_type: str, timeout_s: float | None = None):
         """One ``DeviceMesh`` over all ranks with dims (dp_replicate, dp_shard, cp, tp) and the
-        flattened ``dp``, ``dp_shard_cp``, ``dp_cp`` views. Needs an initialised process group."""
+        flattened ``dp``, ``dp_shard_cp``, ``dp_cp`` views. Needs an initialised process group.
+        ``timeout_s``: the collective timeout of every group of the mesh (default: torch's)."""
         import torch.distributed as dist
 
         from ndparallel.layout.mesh import build_mesh
@@ -192,7 +194,8 @@ class ParallelismConfig:
                 "ndparallel.runtime.distributed.init_distributed() (or use Accelerator) first"
             )
         resolved = self.resolve(dist.get_world_size())
-        return build_mesh(device_type, resolved.sizes)
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        return build_mesh(device_type, resolved.sizes, timeout)
 
 
 def _check_size(name: str, value: object) -> int:

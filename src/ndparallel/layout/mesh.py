@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import inspect
 import warnings
 from typing import Mapping
 
@@ -10,22 +12,52 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ndparallel.layout.dims import FLATTENED_DIMS, MESH_DIM_NAMES
 
 
-def flatten_dims(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
-    """Flatten ``dims`` of ``mesh`` into one dim called ``name``.
+def group_options(device_type: str, timeout: datetime.timedelta):
+    """Backend options that carry ``timeout`` to a new process group of ``device_type``.
+
+    ``init_device_mesh`` and ``_flatten`` create every sub-group with torch's default timeout
+    (30 min, 10 min for NCCL) unless given options holding one: without this a rank stuck in a
+    tp/cp/dp_shard collective would wait that long whatever the job's collective timeout is."""
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()  # on a mixed cpu:gloo,cuda:nccl group, gloo takes
+    else:                                        # the same timeout from these options
+        opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    return opts
+
+
+def flatten_dims(mesh: DeviceMesh, dims: tuple[str, ...], name: str, options=None) -> DeviceMesh:
+    """Flatten ``dims`` of ``mesh`` into one dim called ``name`` (its group created with
+    ``options`` when given, see ``group_options``).
 
     torch 2.13 has no public flatten API; this is the only place that touches the private
     ``DeviceMesh._flatten`` so a future public API replaces one line.
     """
-    return mesh[dims]._flatten(name)
+    if options is None:
+        return mesh[dims]._flatten(name)
+    return mesh[dims]._flatten(name, backend_override=(None, options))
 
 
-def build_mesh(device_type: str, sizes: Mapping[str, int]) -> DeviceMesh:
-    """Mesh (dp_replicate, dp_shard, cp, tp) over the default group, plus flattened views."""
+def build_mesh(
+    device_type: str, sizes: Mapping[str, int], timeout: datetime.timedelta | None = None
+) -> DeviceMesh:
+    """Mesh (dp_replicate, dp_shard, cp, tp) over the default group, plus flattened views. With
+    ``timeout`` every group of the mesh (base dims and flattened views) gets it."""
     shape = tuple(sizes[d] for d in MESH_DIM_NAMES)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
+    options = group_options(device_type, timeout) if timeout is not None else None
+    kwargs = {}
+    if options is not None:
+        kwargs["backend_override"] = {d: (None, options) for d in MESH_DIM_NAMES}
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES, **kwargs)
     for name, dims in FLATTENED_DIMS.items():
-        flatten_dims(mesh, dims, name)
+        flatten_dims(mesh, dims, name, options if _flatten_takes_options() else None)
     return mesh
+
+
+def _flatten_takes_options() -> bool:
+    return "backend_override" in inspect.signature(DeviceMesh._flatten).parameters
 
 
 def submesh(mesh: DeviceMesh, *dims: str) -> DeviceMesh:

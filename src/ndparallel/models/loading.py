@@ -86,7 +86,11 @@ def _load_pretrained(
             trust_remote_code=trust_remote_code,
         )
     model = acc.prepare_model(model)  # TP/CP/FSDP on meta: no memory yet
-    _to_empty_keeping_ties(model, acc.device)
+    offload = getattr(getattr(acc, "fsdp_options", None), "cpu_offload", False)
+    # Shards are materialised where they live: FSDP's CPU offload keeps them in host memory.
+    _to_empty_keeping_ties(model, torch.device("cpu") if offload else acc.device)
+    if offload:
+        _move_buffers(model, acc.device)
     init_non_persistent_buffers(model)
     load_sharded_safetensors(model, path, files)
     if (path / "generation_config.json").is_file():
@@ -107,6 +111,13 @@ def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
         model.to_empty(device=device)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(old)
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.device != device:
+                module._buffers[name] = b.to(device)
 
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
@@ -131,8 +142,10 @@ def resolve_model_dir(name: str, is_local_main: bool) -> Path:
             result = download(offline=False)
         except Exception as e:  # noqa: BLE001 - reported below, after the other ranks are released
             result = e
-    if dist.is_initialized():
-        dist.barrier()
+    if dist.is_initialized():  # a 140 GB download outlasts the collective timeout: wait on a long one
+        from ndparallel.runtime.distributed import long_wait_group
+
+        dist.barrier(group=long_wait_group())
     if not is_local_main:
         try:
             result = download(offline=True)

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import (
 
 from ndparallel.models.layers import decoder_layers, embedding_modules, output_modules
 from ndparallel.models.naming import share_parameters
+from ndparallel.parallel.master_weights import upcast_params
 from ndparallel.parallel.options import FSDPOptions
 
 
@@ -29,25 +30,34 @@ def apply_fsdp(
     dp_mesh: DeviceMesh,
     options: FSDPOptions,
     param_dtype: torch.dtype | None = None,
+    master_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2: each decoder layer, the embeddings, the final norm + lm_head, then
     the root. ``dp_mesh`` is 1-D (shard) or 2-D (replicate, shard). ``param_dtype`` (e.g. bf16) is
-    the compute dtype; gradients are reduced in fp32 and the sharded fp32 master weights are kept."""
+    the compute dtype; gradients are reduced in fp32 and the sharded fp32 master weights are kept.
+    ``master_dtype``: upcast each module's parameters to it just before sharding that module, so
+    only one module at a time exists unsharded in the higher precision."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = dict(mesh=dp_mesh, mp_policy=mp)
     if options.cpu_offload:
         # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op copy.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    layers = decoder_layers(model, options.layer_classes)
-    for layer in layers:
-        fully_shard(layer, reshard_after_forward=options.reshard_after_forward, **kwargs)
+
+    def shard(module, reshard_after_forward: bool) -> None:
+        for m in module if isinstance(module, list) else [module]:
+            if master_dtype is not None:
+                upcast_params(m, master_dtype)
+        fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)
+
+    for layer in decoder_layers(model, options.layer_classes):
+        shard(layer, options.reshard_after_forward)
     embeddings = embedding_modules(model)
     if embeddings and not share_parameters(embeddings, output_modules(model)):
         for module in embeddings:
-            fully_shard(module, reshard_after_forward=options.reshard_after_forward, **kwargs)
+            shard(module, options.reshard_after_forward)
         # The output group is used last in forward and first in backward: keep it gathered.
-        fully_shard(output_modules(model), reshard_after_forward=False, **kwargs)
-    fully_shard(model, reshard_after_forward=False, **kwargs)
+        shard(output_modules(model), reshard_after_forward=False)
+    shard(model, reshard_after_forward=False)
     model.register_forward_hook(_reshard_after_no_grad_forward)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -1,9 +1,19 @@
 """Apply the strategies to a model in one readable order: TP → CP → activation checkpointing → FSDP.
 
 Each step is a call into one strategy module; this function only decides which apply.
+
+Device memory: a model built on the CPU is never moved to the device whole. TP moves each parameter
+as it shards it, FSDP each module as it shards it (one unsharded layer at a time on the device),
+and only what no strategy took (e.g. a one-device run, buffers) is moved at the end. So the peak
+device memory of ``prepare`` is about model/N + one layer. Under FSDP CPU offload the sharded
+parameters stay in host memory.
+Master weights are fp32: a bf16/fp16 model is upcast module by module as it is sharded (a warning
+says so); compute runs in the ``mixed_precision`` dtype.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn as nn
@@ -11,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.layout.mesh import submesh
+from ndparallel.parallel.master_weights import low_precision_params, upcast_params
 from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
 
 
@@ -27,10 +38,16 @@ def parallelize_model(
     cp: CPOptions,
     param_dtype: torch.dtype | None,
     device: torch.device,
+    master_dtype: torch.dtype | None = torch.float32,
 ) -> nn.Module:
-    """Parallelise ``model`` in place for layout ``pc`` on ``mesh`` and return it."""
-    if not is_meta(model):
-        model.to(device)
+    """Parallelise ``model`` in place for layout ``pc`` on ``mesh`` and return it. ``master_dtype``:
+    the dtype parameters (and optimizer states) are kept in; None keeps the model's own."""
+    upcast = master_dtype if master_dtype is not None and low_precision_params(model, master_dtype) else None
+    if upcast is not None:
+        warnings.warn(
+            f"the model's parameters are {next(p.dtype for p in model.parameters() if p.is_floating_point())}: "
+            f"upcasting them to {upcast} master weights (compute uses mixed_precision's dtype); "
+            "load the model in float32 to skip this step", stacklevel=3)
     if pc.tp_enabled:
         from ndparallel.parallel import tensor
 
@@ -52,5 +69,23 @@ def parallelize_model(
         from ndparallel.parallel.fsdp import apply_fsdp
 
         dims = ("dp_replicate", "dp_shard_cp") if pc.dp_replicate_enabled else ("dp_shard_cp",)
-        apply_fsdp(model, submesh(mesh, *dims), fsdp, param_dtype=param_dtype)
+        apply_fsdp(model, submesh(mesh, *dims), fsdp, param_dtype=param_dtype, master_dtype=upcast)
+    elif upcast is not None:
+        upcast_params(model, upcast)
+    move_leftovers(model, device, keep_params_on_cpu=fsdp.cpu_offload)
     return model
+
+
+def move_leftovers(model: nn.Module, device: torch.device, keep_params_on_cpu: bool = False) -> None:
+    """Move what no strategy moved (all of a one-device model, buffers) to ``device``; meta
+    tensors stay (``load_model`` materialises them), offloaded parameters stay on the CPU."""
+    with torch.no_grad():
+        for module in model.modules():
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None and not b.is_meta and b.device != device:
+                    module._buffers[name] = b.to(device)
+            if keep_params_on_cpu:
+                continue
+            for p in module.parameters(recurse=False):
+                if not p.is_meta and p.device != device:
+                    torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad))

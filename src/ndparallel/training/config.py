@@ -92,6 +92,9 @@ class TrainConfig(_Strict):
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float | None = 1.0
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A NaN/inf loss or gradient norm: stop naming the step (at the next log step, before any save),
+    or skip that optimizer step (costs one host sync per step)."""
     bf16: bool = False
     seed: int = 42
     # output, logging, checkpoints
@@ -102,6 +105,8 @@ class TrainConfig(_Strict):
     save_total_limit: int | None = None
     resume_from_checkpoint: str | None = None
     save_final_model: bool = True
+    save_dtype: Literal["auto", "bf16", "fp32", "fp16"] = "auto"
+    """dtype of the final model's weights: auto = bf16 for a bf16 run, else fp32."""
     # runtime
     device: Literal["auto", "cpu", "cuda"] = "auto"
     collective_timeout_s: float = 600.0
@@ -144,6 +149,12 @@ class TrainConfig(_Strict):
     def tp_options(self) -> TPOptions:
         return TPOptions(plan=self.tp_plan, sequence_parallel=self.sequence_parallel,
                          loss_parallel=self.loss_parallel)
+
+    def export_dtype(self):
+        import torch
+
+        name = self.save_dtype if self.save_dtype != "auto" else ("bf16" if self.bf16 else "fp32")
+        return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[name]
 
     def cp_options(self) -> CPOptions:
         return CPOptions(comm_strategy=self.cp_comm_strategy)

@@ -8,15 +8,26 @@ import torch
 import torch.distributed as dist
 
 
-@torch.no_grad()
-def evaluate(acc, model, val_blocks: torch.Tensor, micro_batch_size: int, seed: int) -> dict:
-    """Loss over every validation block (sharded over the dp ranks), as one device computes it:
-    the sum of token losses / the number of label tokens."""
+def validation_loader(acc, val_blocks, micro_batch_size: int, seed: int):
+    """The validation split's loader (built at start, so a split too small for the layout fails
+    before training, not hours later at the first evaluation)."""
     from ndparallel.data import PackedLoader
 
+    try:
+        return PackedLoader(val_blocks, micro_batch_size, dp_rank=acc.dp_rank, dp_size=acc.dp_size,
+                            seed=seed, shuffle=False)
+    except ValueError:
+        raise ValueError(
+            f"val_set_size gives {val_blocks.shape[0]} validation blocks, fewer than one global "
+            f"micro-batch (dp_size {acc.dp_size} × micro_batch_size {micro_batch_size}); raise "
+            "val_set_size (a fraction, or a number of blocks) or set it to 0") from None
+
+
+@torch.no_grad()
+def evaluate(acc, model, loader) -> dict:
+    """Loss over every validation block (sharded over the dp ranks), as one device computes it:
+    the sum of token losses / the number of label tokens."""
     model.eval()
-    loader = PackedLoader(val_blocks, micro_batch_size, dp_rank=acc.dp_rank, dp_size=acc.dp_size,
-                          seed=seed, shuffle=False)
     micro_batches = range(len(loader))
     # label tokens counted on the host batches (one small collective), then one micro-batch at a
     # time on the device

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -25,6 +26,7 @@ from ndparallel.training.build import (
     optimizer_for,
 )
 from ndparallel.training.config import TrainConfig
+from ndparallel.training.evaluate import validation_loader
 from ndparallel.training.metrics import (
     MetricsWriter,
     device_peak_flops,
@@ -33,6 +35,7 @@ from ndparallel.training.metrics import (
     model_flops_per_token,
     peak_memory_gb,
 )
+from ndparallel.training.nonfinite import NonFiniteGuard
 from ndparallel.training.progress import Progress
 from ndparallel.training.step import forward_backward
 
@@ -97,6 +100,9 @@ class Trainer:
         self.splits = build_data(cfg, self.tokenizer, cache_dir)
         self.loader = PackedLoader(self.splits.train, cfg.micro_batch_size, dp_rank=acc.dp_rank,
                                    dp_size=acc.dp_size, seed=cfg.seed)
+        self.val_loader = None
+        if self.splits.val is not None and cfg.eval_steps:
+            self.val_loader = validation_loader(acc, self.splits.val, cfg.micro_batch_size, cfg.seed)
         steps_per_epoch = len(self.loader) // cfg.gradient_accumulation_steps
         self.total_steps = cfg.max_steps or max(1, math.floor(cfg.num_epochs * steps_per_epoch))
         self.hf_config = model_config(cfg, vocab_size=len(self.tokenizer))
@@ -105,16 +111,18 @@ class Trainer:
         self.model = acc.load_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
         self.optimizer = optimizer_for(cfg, self.model.parameters())
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, cfg.warmup_steps, self.total_steps)
+        self.nonfinite = NonFiniteGuard(cfg.on_nonfinite)
 
     def resume(self) -> None:
         """Continue from a checkpoint (any layout: DCP reshards; data resumes by samples seen)."""
         from ndparallel.checkpoint import find_resume_checkpoint, load_checkpoint
+        from ndparallel.runtime.distributed import rank0_decides
 
         resume = resume_policy(self.cfg.resume_from_checkpoint, os.environ)
         if not resume:
             return
-        try:
-            ckpt = find_resume_checkpoint(self.out, resume)
+        try:  # rank 0 chooses (and validates) once; every rank resumes from the same step
+            ckpt = rank0_decides(find_resume_checkpoint, self.out, resume)
         except ValueError as e:
             raise SystemExit(f"ndparallel train: error: resume_from_checkpoint: {e}") from None
         if ckpt is None:
@@ -134,10 +142,11 @@ class Trainer:
         loss_sum = forward_backward(acc, self.model, micro_batches)
         params = self.model.parameters()
         grad_norm = acc.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm else acc.grad_norm(params)
-        self.optimizer.step()
+        dist.all_reduce(loss_sum, group=acc.mesh("dp_cp").get_group())  # the global mean token loss
+        if self.nonfinite.step_is_finite(self.state.step + 1, loss_sum, grad_norm):
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_sum, group=acc.mesh("dp_cp").get_group())
         if self.profiler is not None:
             self.profiler = _profile_step(acc, self.profiler, self.out)
         self.state.step += 1
@@ -160,16 +169,15 @@ class Trainer:
         if step % self.cfg.logging_steps == 0 or step in (1, self.total_steps):
             self.metrics.write(metrics)
             self.progress.update(step, metrics)
+            self.nonfinite.check()
 
     def maybe_evaluate(self) -> None:
         from ndparallel.training.evaluate import evaluate
 
         cfg, step = self.cfg, self.state.step
-        if not cfg.eval_steps or self.splits.val is None:
+        if self.val_loader is None or (step % cfg.eval_steps and step != self.total_steps):
             return
-        if step % cfg.eval_steps and step != self.total_steps:
-            return
-        ev = evaluate(self.acc, self.model, self.splits.val, cfg.micro_batch_size, cfg.seed)
+        ev = evaluate(self.acc, self.model, self.val_loader)
         self.metrics.write({"step": step, **ev})
         self.acc.print(f"step {step}: eval_loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}")
 
@@ -179,6 +187,7 @@ class Trainer:
         cfg, step = self.cfg, self.state.step
         if not cfg.save_steps or step % cfg.save_steps:
             return
+        self.nonfinite.check()  # never a checkpoint of a diverged model
         path = save_step_checkpoint(
             self.acc, cfg.output_dir, step, self.model, self.optimizer, self.scheduler,
             config=cfg.model_dump(mode="json"), extra={"samples_seen": self.state.samples_seen},
@@ -189,9 +198,16 @@ class Trainer:
     def finish(self) -> None:
         """The final Hugging Face model; then leave the process group."""
         acc = self.acc
+        self.nonfinite.check()
         if self.cfg.save_final_model:
+            # the optimizer states (2× the model in fp32 for AdamW) are not needed any more: free
+            # them before gathering the full tensors
+            self.optimizer.state.clear()
+            gc.collect()
+            if acc.device.type == "cuda":
+                torch.cuda.empty_cache()
             final = self.out / "final"
-            acc.save_model(self.model, str(final), tokenizer=self.tokenizer)
+            acc.save_model(self.model, str(final), tokenizer=self.tokenizer, dtype=self.cfg.export_dtype())
             acc.print(f"saved the trained model to {final} (AutoModelForCausalLM.from_pretrained loads it)")
         acc.end_training()
 

@@ -1,0 +1,122 @@
+"""Host memory per rank against dataset size: the packed token store is memory-mapped and shared by
+a node's ranks, so a rank's peak RSS must not grow with the dataset.
+
+For a generated jsonl corpus of S and 10·S bytes: 2 FSDP ranks (forked, fresh) build the data the
+way ``ndparallel train`` does (tokenize → pack into the cache → memory-map; rank 0 builds, rank 1
+waits on the file lock), train a tiny Llama a few steps, and report each rank's peak RSS (VmHWM).
+Goal (issue #13): the 10·S run's peak RSS per rank is < 1.10 × the S run's.
+
+    python bench/data_memory.py             # S = 8 MB of text; table + bench/results/data_memory.json
+    python bench/data_memory.py --mb 2      # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import transformers  # noqa: F401  (imported once before forking the ranks)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import print_table, write_json  # noqa: E402
+
+from ndparallel.testing import run_on_ranks  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(5000)]
+
+
+def write_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:
+    """Lines of random words: ``megabytes`` of jsonl text, deterministic."""
+    rng = random.Random(seed)
+    target, written = int(megabytes * 2**20), 0
+    with open(path, "w") as f:
+        while written < target:
+            line = json.dumps({"text": " ".join(rng.choices(WORDS, k=200))}) + "\n"
+            f.write(line)
+            written += len(line)
+    return path
+
+
+def _vm(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class _AnonPeak:
+    """Samples RssAnon (private, non-file memory) every 20 ms: the kernel keeps no peak of it."""
+
+    def __init__(self):
+        import threading
+
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, _vm("RssAnon:"))
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _vm("RssAnon:"))
+
+
+def _rank(data: str, cache: str, steps: int) -> dict:
+    from ndparallel.training.config import load_config
+    from ndparallel.training.trainer import Trainer
+
+    cfg = load_config(None, [
+        "base_model=tiny-llama", f"datasets=[{{path: '{data}'}}]", "tokenizer_vocab_size=512",
+        "tokenizer=builtin:stdlib", "sequence_len=128", "dp_shard_size=2", f"max_steps={steps}",
+        f"dataset_cache_dir={cache}", f"output_dir={cache}/run", "save_final_model=false",
+    ])
+    anon = _AnonPeak()
+    trainer = Trainer(cfg)
+    trainer.setup()
+    trainer._start_outputs()
+    trainer.progress = type("Quiet", (), {"update": lambda *a: None, "close": lambda *a: None})()
+    for _ in range(steps):
+        trainer.log(trainer.train_step())
+    return {"peak_rss": _vm("VmHWM:"), "peak_anon": anon.stop(), "blocks": len(trainer.splits.train)}
+
+
+def measure(megabytes: float, steps: int, workdir: Path) -> dict:
+    data = write_corpus(workdir / f"corpus-{megabytes}.jsonl", megabytes)
+    ranks = run_on_ranks(_rank, 2, str(data), str(workdir / f"cache-{megabytes}"), steps, timeout_s=1800)
+    return {"megabytes": megabytes, "blocks": ranks[0]["blocks"],
+            "peak_rss_mb": [r["peak_rss"] / 2**20 for r in ranks],
+            "peak_anon_mb": [r["peak_anon"] / 2**20 for r in ranks]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=float, default=8.0, help="size S of the small corpus, MB of text")
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [measure(args.mb * k, args.steps, Path(tmp)) for k in (1, 10)]
+    small, large = rows
+    ratios = {k: [b / a for a, b in zip(small[k], large[k])] for k in ("peak_rss_mb", "peak_anon_mb")}
+    print_table("peak memory per rank (MB) vs dataset size: RSS (incl. mapped file pages) | private",
+                ["dataset", "blocks", "RSS r0", "RSS r1", "private r0", "private r1"],
+                [[f"{r['megabytes']:.0f} MB", r["blocks"], *(f"{m:.0f}" for m in r["peak_rss_mb"]),
+                  *(f"{m:.0f}" for m in r["peak_anon_mb"])] for r in rows]
+                + [["10× / 1×", "", *(f"{x:.3f}" for x in ratios["peak_rss_mb"] + ratios["peak_anon_mb"])]])
+    ok = max(ratios["peak_anon_mb"]) < 1.10
+    print(f"goal: 10× data grows the private (non-file) peak per rank by < 10 %: "
+          f"{'met' if ok else 'NOT met'} (max ratio {max(ratios['peak_anon_mb']):.3f}); mapped file "
+          "pages are shared by the node's ranks and evictable page cache")
+    path = write_json("data_memory", {"rows": rows, "ratios": ratios, "goal_met": ok})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
