@@ -481,6 +481,15 @@ def test_unrelated_files_block_a_new_run_unless_overwrite(tmp_path, capsys, monk
     assert plan_output_dir(cfg, resuming=False).conflicts == []  # allowed: notes.txt is left alone
 
 
+def test_a_dataset_cache_inside_output_dir_is_not_a_foreign_file(tmp_path):
+    from ndparallel.training.config import load_config
+    from ndparallel.training.outputs import plan_output_dir
+
+    (tmp_path / "out" / "cache").mkdir(parents=True)
+    cfg = load_config(_cfg(tmp_path, f"dataset_cache_dir: {tmp_path / 'out' / 'cache'}\n"))
+    assert plan_output_dir(cfg, resuming=False).conflicts == []
+
+
 def test_resume_into_a_previous_run_is_allowed(tmp_path):
     from ndparallel.training.config import load_config
     from ndparallel.training.outputs import plan_output_dir
@@ -632,7 +641,6 @@ def test_error_found_on_the_ranks_is_one_line_exit_2(tmp_path):
     assert "block" in lines[0]
 
 
-@pytest.mark.slow
 def test_second_run_into_the_same_output_dir_end_to_end(tmp_path):
     """A real run, then a new run (other seed, no resume) into its output_dir: refused before
     launch, the first run's files byte for byte intact; ``overwrite_output_dir: true`` then

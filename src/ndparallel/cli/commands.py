@@ -72,7 +72,9 @@ def run_train(argv: Sequence[str]) -> int:
     except INPUT_ERRORS as e:
         # Bad data / model / checkpoint / output_dir found on the ranks: non-zero exit on every
         # failing rank (the elastic agent then stops any rank still waiting in a collective); the
-        # launcher prints the first failing rank's line once.
+        # launcher prints the first failing rank's line once. NDPARALLEL_TRACEBACK=1 shows it.
+        if isinstance(e, (TimeoutError, ConnectionError)) or os.environ.get("NDPARALLEL_TRACEBACK") == "1":
+            raise  # a machine fault, not an input, or asked for
         return _rank_error("train", e)
     if main_rank:
         _plot_curves(Path(cfg.output_dir))

@@ -63,7 +63,8 @@ def plan_output_dir(cfg: TrainConfig, resuming: bool, profile_comm: bool = False
     if not out.is_dir():
         return plan
     run = read_run(out)
-    entries = sorted(p.name for p in out.iterdir() if p.name != RUN_FILE and not p.name.startswith(f".{RUN_FILE}"))
+    entries = sorted(p.name for p in out.iterdir() if p.name != RUN_FILE and not p.name.startswith(f".{RUN_FILE}")
+                     and p.name != _cache_entry(cfg, out))
     owned = set(run["written"]) if run else set()
     if resuming:
         plan.new_run = run is None
@@ -83,6 +84,18 @@ def plan_output_dir(cfg: TrainConfig, resuming: bool, profile_comm: bool = False
             "wrote: this run would overwrite it. Move it away or pick another output_dir (files a run did "
             "not write are never deleted or overwritten, even with overwrite_output_dir)")
     return plan
+
+
+def _cache_entry(cfg: TrainConfig, out: Path) -> str | None:
+    """The top-level entry of ``output_dir`` that holds ``dataset_cache_dir``, if it is inside:
+    a shared cache, neither the run's nor foreign."""
+    if not cfg.dataset_cache_dir:
+        return None
+    try:
+        inside = Path(cfg.dataset_cache_dir).expanduser().resolve().relative_to(out.resolve())
+    except ValueError:
+        return None
+    return inside.parts[0] if inside.parts else None
 
 
 def _occupied(output_dir: str, run: dict | None, entries: list[str]) -> str:
