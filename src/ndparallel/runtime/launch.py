@@ -145,5 +145,12 @@ def launch(argv: Sequence[str]) -> int:
 def relaunch_self(nproc_per_node: int, module_args: Sequence[str], torchrun_args: Sequence[str] = ()) -> int:
     """Run ``python -m ndparallel <module_args>`` on ``nproc_per_node`` local ranks."""
     argv = [*torchrun_args, f"--nproc-per-node={nproc_per_node}", "-m", "ndparallel", *module_args]
+    previous = os.environ.get(LAUNCHED_ENV)
     os.environ[LAUNCHED_ENV] = "1"  # the ranks inherit it: they leave input errors to this launcher
-    return launch(argv)
+    try:
+        return launch(argv)
+    finally:
+        if previous is None:
+            os.environ.pop(LAUNCHED_ENV, None)
+        else:
+            os.environ[LAUNCHED_ENV] = previous
