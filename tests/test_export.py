@@ -113,7 +113,7 @@ def test_export_cli_from_checkpoint(fsdp_export, tmp_path):
     # An incomplete checkpoint is refused with a clear message.
     (out / "ckpt" / "COMPLETE").rename(out / "ckpt" / "COMPLETE.bak")
     try:
-        assert export_main([str(out / "ckpt"), str(tmp_path / "bad")]) == 1
+        assert export_main([str(out / "ckpt"), str(tmp_path / "bad")]) == 2  # input error
     finally:
         (out / "ckpt" / "COMPLETE.bak").rename(out / "ckpt" / "COMPLETE")
 

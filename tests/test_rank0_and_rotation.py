@@ -5,7 +5,11 @@ import threading
 
 import pytest
 
-from ndparallel.checkpoint.directory import list_checkpoints, rotate_checkpoints, write_marker
+from ndparallel.checkpoint.directory import (
+    list_checkpoints,
+    rotate_checkpoints,
+    write_marker,
+)
 from ndparallel.testing import run_on_ranks
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ndparallel.checkpoint.io import read_dcp_metadata, read_json, write_json_atomic
+from ndparallel.checkpoint.ownership import claim, may_replace
 
 FORMAT = "ndparallel-checkpoint/1"
 MARKER = "COMPLETE"
@@ -58,7 +59,8 @@ def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int,
         return []
     keep = {p for _, p in complete[-save_total_limit:]}
     newest = complete[-1][0]
-    doomed = [p for s, p in entries if p not in keep and (p in dict(complete).values() or s < newest)]
+    doomed = [p for s, p in entries if p not in keep and (p in dict(complete).values() or s < newest)
+              and may_replace(p)]  # never a checkpoint this run did not write (ownership.py)
     if not background:
         for p in doomed:
             _delete_checkpoint(p)
@@ -146,6 +148,9 @@ def check_target_dir(directory: Path) -> None:
     if directory.exists():
         if not directory.is_dir():
             raise ValueError(f"cannot save a checkpoint to {directory}: it is a file")
+        if not may_replace(directory):
+            raise ValueError(f"cannot save a checkpoint to {directory}: it exists and this run did not "
+                             "write it; move it away or use another output_dir")
         foreign = sorted(p.name for p in directory.iterdir() if not _is_checkpoint_file(p.name))
         if foreign:
             raise ValueError(f"cannot save a checkpoint to {directory}: it holds other files ({foreign[:3]}); "
@@ -154,6 +159,7 @@ def check_target_dir(directory: Path) -> None:
 
 def prepare_dir(directory: Path) -> None:
     """Empty a leftover directory (an old or half-written save) and create it; marker first."""
+    claim(directory.parent, directory.name)  # the run's own from now on (ownership.py)
     if directory.exists():
         (directory / MARKER).unlink(missing_ok=True)
         shutil.rmtree(directory)

@@ -191,6 +191,13 @@ def export_checkpoint(
     if missing:
         raise ValueError(f"checkpoint {ckpt} does not match the model config: missing {missing[:5]}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    shapes = skeleton.state_dict()
+    wrong = [n for n in expected if list(metadata[prefix + n].size) != list(shapes[n].shape)]
+    if wrong:
+        n = wrong[0]
+        raise ValueError(f"checkpoint {ckpt} does not match the model config: tensor {n!r} has shape "
+                         f"{list(metadata[prefix + n].size)} in the checkpoint, {list(shapes[n].shape)} in "
+                         "the config" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
     writer = ShardWriter(out, max_shard_size)
     limit = writer.max
     group: list[str] = []

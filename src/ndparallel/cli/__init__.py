@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
+import difflib
 import sys
 from typing import Sequence
 
@@ -22,24 +22,39 @@ def _usage() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns its exit code (2: bad input, reported in one line on stderr)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
+    try:
+        return _dispatch(argv[0], argv[1:])
+    except SystemExit as e:  # argparse (-h: 0, a usage error: 2, already printed in one line)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else _fail_text(e.code))
+
+
+def _dispatch(command: str, rest: list[str]) -> int:
     if command == "launch":
         from ndparallel.runtime.launch import launch
 
         return launch(rest)
     if command == "plan":
+        from ndparallel.cli.args import Parser
         from ndparallel.plan.cli import add_plan_arguments, run_plan
 
-        parser = argparse.ArgumentParser(prog="ndparallel plan", description=_SUBCOMMANDS["plan"])
+        parser = Parser(prog="ndparallel plan", description=_SUBCOMMANDS["plan"])
         add_plan_arguments(parser)
         return run_plan(parser.parse_args(rest))
     if command in ("train", "verify", "export", "plot"):
         from ndparallel.cli import commands
 
         return getattr(commands, f"run_{command}")(rest)
-    print(f"ndparallel: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+    close = difflib.get_close_matches(command, list(_SUBCOMMANDS), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; commands: {', '.join(_SUBCOMMANDS)}"
+    print(f"ndparallel: error: unknown command {command!r}{hint} (see ndparallel -h)", file=sys.stderr)
     return 2
+
+
+def _fail_text(text: object) -> int:
+    print(" ".join(str(text).split()), file=sys.stderr)
+    return 1

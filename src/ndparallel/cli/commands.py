@@ -7,27 +7,31 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Sequence
 
+from ndparallel.cli.args import Parser, at_least, fail
 from ndparallel.training.config import ConfigError, load_config
-from ndparallel.training.preflight import describe_plan, validate_layout, world_size_for
+from ndparallel.training.preflight import (
+    describe_plan,
+    run_notes,
+    validate_layout,
+    world_size_for,
+)
+
+INPUT_ERRORS = (ValueError, OSError)
+"""Raised on the ranks for bad data, model, checkpoint or output_dir: reported as one line, exit 2
+(anything else is a bug or a machine fault: its traceback is shown, exit 1)."""
 
 
-def _fail(command: str, message: str) -> int:
-    print(f"ndparallel {command}: error: {message}", file=sys.stderr)
-    return 2
-
-
-def _config_args(parser: argparse.ArgumentParser) -> None:
+def _config_args(parser: Parser) -> None:
     parser.add_argument("config", nargs="?", help="YAML config (Axolotl field names); default: built-in quickstart")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field (dotted keys for nested ones); repeatable")
 
 
 def run_train(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ndparallel train", description="train from a YAML config")
+    parser = Parser(prog="ndparallel train", description="train from a YAML config")
     _config_args(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the resolved plan and exit")
     parser.add_argument("--nproc-per-node", type=int, default=None,
@@ -35,21 +39,28 @@ def run_train(argv: Sequence[str]) -> int:
     parser.add_argument("--profile-comm", action="store_true",
                         help="count collectives and bytes per mesh dim during the first step")
     args = parser.parse_args(list(argv))
+    from ndparallel.runtime.launch import launched_by_ndparallel
+
+    in_job = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         cfg = load_config(args.config, args.set)
         world = world_size_for(cfg, args.nproc_per_node)
-        # a dry run checks the layout of a config meant for another machine: data may live there
-        pc, hf = validate_layout(cfg, world, check_data=not args.dry_run)
+        if not (in_job and launched_by_ndparallel() and not args.dry_run):  # else checked before launch
+            # A dry run checks a config meant for another machine: its data may live there. Under
+            # torchrun every rank checks (output_dir: rank 0 only, before its first write).
+            pc, hf = validate_layout(cfg, world, check_local=not args.dry_run, check_output=not in_job)
     except ConfigError as e:
-        return _fail("train", str(e))
-    in_job = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        return _rank_error("train", e) if in_job else fail("train", e)
+    main_rank = not in_job or os.environ.get("RANK") == "0"
     if args.dry_run:
-        if not in_job or os.environ.get("RANK") == "0":
+        if main_rank:
             print(describe_plan(cfg, pc, hf))
         return 0
     if not in_job:
         from ndparallel.runtime.launch import relaunch_self
 
+        for note in run_notes(cfg):
+            print(f"ndparallel train: note: {note}")
         inner = ["train", *([args.config] if args.config else []), *(f"--set={s}" for s in args.set)]
         if args.profile_comm:
             inner.append("--profile-comm")
@@ -59,19 +70,25 @@ def run_train(argv: Sequence[str]) -> int:
 
     try:
         run_training(cfg, profile_comm=args.profile_comm)
-    except NonFiniteError as e:  # every rank sees the same global loss / grad norm
-        if os.environ.get("RANK") == "0":
-            print(f"ndparallel train: error: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError) as e:
-        # Bad data / model / checkpoint found on the ranks: one line from rank 0, non-zero exit on
-        # every rank (the elastic agent then stops any rank still waiting in a collective).
-        if os.environ.get("RANK") == "0":
-            print(f"ndparallel train: error: {e}", file=sys.stderr)
-        return 2
-    if os.environ.get("RANK") == "0":
+    except NonFiniteError as e:  # every rank sees the same global loss / grad norm: exit 1
+        return _rank_error("train", e, exit_code=1)
+    except INPUT_ERRORS as e:
+        # Bad data / model / checkpoint / output_dir found on the ranks: non-zero exit on every
+        # failing rank (the elastic agent then stops any rank still waiting in a collective); the
+        # launcher prints the first failing rank's line once. NDPARALLEL_TRACEBACK=1 shows it.
+        if isinstance(e, (TimeoutError, ConnectionError)) or os.environ.get("NDPARALLEL_TRACEBACK") == "1":
+            raise  # a machine fault, not an input, or asked for
+        return _rank_error("train", e)
+    if main_rank:
         _plot_curves(Path(cfg.output_dir))
     return 0
+
+
+def _rank_error(command: str, error: BaseException, exit_code: int | None = None) -> int:
+    from ndparallel.runtime.launch import INPUT_ERROR_EXIT, report_rank_error
+
+    report_rank_error(f"ndparallel {command}: error: {' '.join(str(error).split())}")
+    return INPUT_ERROR_EXIT if exit_code is None else exit_code
 
 
 def _plot_curves(out: Path) -> None:
@@ -85,22 +102,23 @@ def _plot_curves(out: Path) -> None:
 
 
 def run_verify(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ndparallel verify",
         description="train a shrunk model of the config's architecture under its layout and on one "
                     "process (CPU), and compare losses and gradient norms")
     _config_args(parser)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--tolerance", type=float, default=1e-5, help="max relative loss/grad-norm error")
+    parser.add_argument("--steps", type=at_least(1), default=3, help="optimizer steps (>= 1)")
+    parser.add_argument("--tolerance", type=at_least(0.0, strict=True), default=1e-5,
+                        help="max relative loss/grad-norm error (> 0)")
     parser.add_argument("--inject-fault", choices=["skip-grad-sync"], default=None,
                         help=argparse.SUPPRESS)  # proves the check can fail (tests)
     args = parser.parse_args(list(argv))
     try:
         cfg = load_config(args.config, args.set)
         world = world_size_for(cfg, None)
-        pc, hf = validate_layout(cfg, world, check_data=False)  # verify uses synthetic data
+        pc, hf = validate_layout(cfg, world, check_local=False)  # verify uses synthetic data
     except ConfigError as e:
-        return _fail("verify", str(e))
+        return fail("verify", e)
     from ndparallel.tools.verify import verify_layout
 
     ok = verify_layout(cfg, pc, hf, steps=args.steps, tolerance=args.tolerance, fault=args.inject_fault)
@@ -114,15 +132,27 @@ def run_export(argv: Sequence[str]) -> int:
 
 
 def run_plot(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ndparallel plot", description="plot a run's metrics.jsonl")
+    parser = Parser(prog="ndparallel plot", description="plot a run's metrics.jsonl")
     parser.add_argument("run_dir")
     parser.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/metrics.png)")
     args = parser.parse_args(list(argv))
     from ndparallel.tools.plot import plot_run
 
+    default = Path(args.run_dir) / "metrics.png"
+    if args.out is None and default.exists() and not _run_wrote(default):
+        return fail("plot", f"{default} exists and no ndparallel run wrote it: pass --out PATH "
+                            "(it is never overwritten)")
     try:
         path = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
     except (FileNotFoundError, ValueError) as e:
-        return _fail("plot", str(e))
+        return fail("plot", e)
     print(f"wrote {path}")
     return 0
+
+
+def _run_wrote(path: Path) -> bool:
+    """``path`` is claimed by the run record of its directory (a directory without one: no)."""
+    from ndparallel.checkpoint.ownership import read_run
+
+    run = read_run(path.parent)
+    return run is not None and path.name in run["written"]

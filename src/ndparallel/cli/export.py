@@ -3,18 +3,18 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from ndparallel.checkpoint.directory import find_resume_checkpoint, list_checkpoints
 from ndparallel.checkpoint.export import DTYPES, export_checkpoint
+from ndparallel.cli.args import Parser, fail
 
 
 def export_main(argv: Sequence[str] | None = None) -> int:
     """``ndparallel export CKPT OUT [--config C] [--dtype bf16] [--max-shard-size 5GB] [--tokenizer T]``."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ndparallel export",
         description="Turn a sharded checkpoint (any layout) into a Hugging Face safetensors directory, "
                     "on one process without GPUs. CKPT: a checkpoint-N dir, or an output_dir (its "
@@ -26,8 +26,16 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors")
     parser.add_argument("--max-shard-size", default="5GB")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer dir or hub id to save alongside")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty OUT_DIR (its model and config files are replaced)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    ckpt = Path(args.checkpoint)
+    ckpt, out_dir = Path(args.checkpoint), Path(args.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        return fail("export", f"OUT_DIR {out_dir} is a file: give a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not args.overwrite:
+        held = ", ".join(sorted(p.name for p in out_dir.iterdir())[:4])
+        return fail("export", f"OUT_DIR {out_dir} is not empty ({held}): pick a new directory, or pass "
+                              "--overwrite to replace its model and config files")
     try:
         if not (ckpt / "COMPLETE").exists() and list_checkpoints(ckpt):
             found = find_resume_checkpoint(ckpt, "auto")
@@ -39,7 +47,6 @@ def export_main(argv: Sequence[str] | None = None) -> int:
                                 dtype=DTYPES.get(args.dtype) if args.dtype else None,
                                 max_shard_size=args.max_shard_size)
     except (ValueError, OSError) as exc:
-        print(f"ndparallel export: error: {exc}", file=sys.stderr)
-        return 1
+        return fail("export", exc)
     print(f"ndparallel export: wrote {out}")
     return 0

@@ -148,8 +148,9 @@ def _format_of(path: str) -> str | None:
     return next((fmt for fmt, exts in FORMATS.items() if p.endswith(exts)), None)
 
 
-def _load_local(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: str) -> datasets.Dataset:
-    path = Path(spec.path)
+def local_files(spec: DatasetSpec, where: str) -> tuple[list[str], str]:
+    """The files a local ``spec.path`` (a file or a directory) stands for, and their format."""
+    path = Path(spec.path).expanduser()
     wanted = spec.type if spec.type in FORMATS else None
     if path.is_dir():
         files = sorted(str(p) for p in path.rglob("*")
@@ -161,16 +162,28 @@ def _load_local(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: s
                              f"{wanted or '/'.join(FORMATS)} files ({', '.join(sum(FORMATS.values(), ()))})")
         if len(kinds) > 1:
             raise ValueError(f"{where}.path: directory {spec.path!r} mixes formats {kinds}; set type to one of them")
-        fmt = kinds[0]
-    else:
-        files = [str(path)]
-        fmt = wanted or _format_of(path.name)
-        if fmt is None:
-            raise ValueError(f"{where}.type: cannot infer the format of {spec.path!r} from its extension; set type "
-                             f"to one of {list(FORMATS)}")
+        return files, kinds[0]
+    fmt = wanted or _format_of(path.name)
+    if fmt is None:
+        raise ValueError(f"{where}.type: cannot infer the format of {spec.path!r} from its extension; set type "
+                         f"to one of {list(FORMATS)}")
+    return [str(path)], fmt
+
+
+def _load_local(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: str) -> datasets.Dataset:
+    files, fmt = local_files(spec, where)
     kwargs: dict[str, Any] = {"sample_by": spec.sample_by} if fmt == "text" else {}
-    return datasets.load_dataset(fmt, data_files={spec.split: files}, split=spec.split,
-                                 cache_dir=None if cache_dir is None else str(Path(cache_dir) / "datasets"), **kwargs)
+    try:
+        return datasets.load_dataset(fmt, data_files={spec.split: files}, split=spec.split,
+                                     cache_dir=None if cache_dir is None else str(Path(cache_dir) / "datasets"),
+                                     **kwargs)
+    except Exception as e:  # noqa: BLE001 - a file datasets cannot parse is bad input: one line
+        cause = e
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        detail = " ".join(f"{type(cause).__name__}: {cause}".split())[:300]
+        raise ValueError(f"{where}.path: {spec.path!r} could not be read as {fmt} ({detail}); check the "
+                         "file (e.g. `head` it) or set type") from None
 
 
 def _load_hub(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: str) -> datasets.Dataset:

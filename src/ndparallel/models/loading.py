@@ -33,7 +33,9 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.futures import Future
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from ndparallel.models.causal import causal_lm_problem, config_problem
 from ndparallel.models.presets import PRESETS, is_preset, preset_config
+from ndparallel.models.weights import weights_problem
 
 _SAFETENSORS = ".safetensors"
 
@@ -71,6 +73,7 @@ def load_model(
             config, dtype=dtype, attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
+    _check_causal_model(model)
     return acc.prepare_model(model)
 
 
@@ -85,6 +88,10 @@ def _load_pretrained(
             config, dtype=dtype, attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
+    _check_causal_model(model)
+    problem = weights_problem(model, files, str(path / "config.json"))  # headers only
+    if problem:
+        raise ValueError(f"base model {str(path)!r}: {problem}")
     model = acc.prepare_model(model)  # TP/CP/FSDP on meta: no memory yet
     offload = getattr(getattr(acc, "fsdp_options", None), "cpu_offload", False)
     # Shards are materialised where they live: FSDP's CPU offload keeps them in host memory.
@@ -187,18 +194,15 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def _check_causal_lm(config: PretrainedConfig, trust_remote_code: bool) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    problem = config_problem(config, trust_remote_code)
+    if problem:
+        raise ValueError(problem)
 
-    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return
-    if trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
-        return
-    raise ValueError(
-        f"config of model_type {config.model_type!r} (architectures "
-        f"{getattr(config, 'architectures', None)}) has no causal-LM class in transformers' "
-        "AutoModelForCausalLM; ndparallel trains causal language models only"
-        + ("" if trust_remote_code else " (for custom code models pass trust_remote_code=True)")
-    )
+
+def _check_causal_model(model: nn.Module) -> None:
+    problem = causal_lm_problem(model)
+    if problem:
+        raise ValueError(problem)
 
 
 @torch.no_grad()
@@ -235,7 +239,7 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path]) ->
     to_read = {k: t for k, t in state_dict.items() if k in ckpt_keys}
     missing = [k for k in state_dict if k not in ckpt_keys and param_id.get(k) not in in_ckpt]
     if missing:
-        raise KeyError(
+        raise ValueError(
             f"{len(missing)} model tensor(s) are not in the checkpoint {str(path)!r}, e.g. "
             f"{missing[:5]}; its keys look like {sorted(ckpt_keys)[:3]} (a checkpoint of another "
             "architecture or with renamed keys?)"

@@ -39,25 +39,34 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _published(model_type: str, hidden: int, layers: int, heads: int, kv_heads: int,
-               intermediate: int, vocab: int, head_dim: int, tied: bool = False, **extra: Any) -> dict:
+               intermediate: int, vocab: int, head_dim: int, tied: bool = False, *, positions: int,
+               **extra: Any) -> dict:
     return dict(model_type=model_type, hidden_size=hidden, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=kv_heads,
                 intermediate_size=intermediate, vocab_size=vocab, head_dim=head_dim,
-                tie_word_embeddings=tied, **extra)
+                tie_word_embeddings=tied, max_position_embeddings=positions, **extra)
+
+
+_LLAMA3_POSITIONS = 131072  # Llama 3.1 / 3.2 config.json (rope_scaling llama3)
 
 
 PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
     # name: (hub id, the shape fields of its published config.json)
-    "llama-3.2-1b": ("meta-llama/Llama-3.2-1B", _published("llama", 2048, 16, 32, 8, 8192, 128256, 64, True)),
-    "llama-3.2-3b": ("meta-llama/Llama-3.2-3B", _published("llama", 3072, 28, 24, 8, 8192, 128256, 128, True)),
-    "llama-3.1-8b": ("meta-llama/Llama-3.1-8B", _published("llama", 4096, 32, 32, 8, 14336, 128256, 128)),
-    "llama-3.1-70b": ("meta-llama/Llama-3.1-70B", _published("llama", 8192, 80, 64, 8, 28672, 128256, 128)),
+    "llama-3.2-1b": ("meta-llama/Llama-3.2-1B",
+                     _published("llama", 2048, 16, 32, 8, 8192, 128256, 64, True, positions=_LLAMA3_POSITIONS)),
+    "llama-3.2-3b": ("meta-llama/Llama-3.2-3B",
+                     _published("llama", 3072, 28, 24, 8, 8192, 128256, 128, True, positions=_LLAMA3_POSITIONS)),
+    "llama-3.1-8b": ("meta-llama/Llama-3.1-8B",
+                     _published("llama", 4096, 32, 32, 8, 14336, 128256, 128, positions=_LLAMA3_POSITIONS)),
+    "llama-3.1-70b": ("meta-llama/Llama-3.1-70B",
+                      _published("llama", 8192, 80, 64, 8, 28672, 128256, 128, positions=_LLAMA3_POSITIONS)),
     "llama-3.1-405b": ("meta-llama/Llama-3.1-405B",
-                       _published("llama", 16384, 126, 128, 8, 53248, 128256, 128)),
-    "qwen3-8b": ("Qwen/Qwen3-8B", _published("qwen3", 4096, 36, 32, 8, 12288, 151936, 128)),
-    "qwen3-32b": ("Qwen/Qwen3-32B", _published("qwen3", 5120, 64, 64, 8, 25600, 151936, 128)),
+                       _published("llama", 16384, 126, 128, 8, 53248, 128256, 128, positions=_LLAMA3_POSITIONS)),
+    "qwen3-8b": ("Qwen/Qwen3-8B", _published("qwen3", 4096, 36, 32, 8, 12288, 151936, 128, positions=40960)),
+    "qwen3-32b": ("Qwen/Qwen3-32B", _published("qwen3", 5120, 64, 64, 8, 25600, 151936, 128, positions=40960)),
     "mistral-7b": ("mistralai/Mistral-7B-v0.3",
-                   _published("mistral", 4096, 32, 32, 8, 14336, 32768, 128, sliding_window=None)),
+                   _published("mistral", 4096, 32, 32, 8, 14336, 32768, 128, positions=32768,
+                             sliding_window=None)),
 }
 """Well-known models by short name: their hub id and published shape (no weights)."""
 

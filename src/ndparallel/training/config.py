@@ -1,13 +1,15 @@
 """The training config: a YAML file with Axolotl's field names, validated by pydantic.
 
-Errors come out as one line naming the field and the fix (unknown keys get a did-you-mean).
+Errors come out as one line naming the field and the fix (unknown keys get a did-you-mean). Every
+numeric field has its allowed range in the schema (``Field(ge=..., gt=..., lt=...)``; floats must
+be finite); the message states the range, the value given and, where one helps, the fix.
 """
 
 from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -25,6 +27,26 @@ from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
 
 class ConfigError(ValueError):
     """A bad training config; the message is meant to be shown as is."""
+
+
+def _int(ge: int):
+    return Annotated[int, Field(ge=ge)]
+
+
+def _float(**bounds):
+    return Annotated[float, Field(allow_inf_nan=False, **bounds)]
+
+
+_HINTS = {
+    "max_steps": "or leave it out to train num_epochs epochs",
+    "save_steps": "or leave it out to save no intermediate checkpoint",
+    "save_total_limit": "the number of checkpoints kept; leave it out to keep all",
+    "eval_steps": "or leave it out to evaluate only at the end",
+    "max_grad_norm": "or null for no clipping",
+    "max_restarts": "0 = no restart",
+    "collective_timeout_s": "seconds a collective may wait",
+    "tokenizer_vocab_size": "256 bytes + 2 special tokens + at least one merge",
+}
 
 
 class _Strict(BaseModel):
@@ -46,8 +68,8 @@ class DatasetConfig(_Strict):
     text_field: str = Field("text", validation_alias=AliasChoices("text_field", "field"))
     name: str | None = None
     sample_by: Literal["document", "paragraph", "line"] = "document"
-    max_files: int | None = None
-    max_bytes: int | None = None
+    max_files: _int(1) | None = None
+    max_bytes: _int(1) | None = None
 
 
 class TrainConfig(_Strict):
@@ -58,7 +80,7 @@ class TrainConfig(_Strict):
     """An HF model directory (or hub id when online), or a built-in preset name."""
     tokenizer: str | None = None
     """Tokenizer dir; default: base_model's, or a BPE trained on the built-in corpus for presets."""
-    tokenizer_vocab_size: int = 1024
+    tokenizer_vocab_size: _int(259) = 1024
     """Vocabulary of the built-in BPE tokenizer (presets only)."""
     trust_remote_code: bool = False
     # layout
@@ -75,42 +97,47 @@ class TrainConfig(_Strict):
     datasets: list[DatasetConfig] = Field(
         default_factory=lambda: [DatasetConfig(path="builtin:stdlib")]
     )
-    val_set_size: float = 0.0
+    val_set_size: _float(ge=0) = 0.0
+    """A fraction in [0, 1) of the packed blocks, or a whole number of blocks."""
     sequence_len: int = 256
     dataset_cache_dir: str | None = None
     # optimisation
-    micro_batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    num_epochs: float = 1.0
-    max_steps: int | None = None
-    learning_rate: float = 3e-4
+    micro_batch_size: _int(1) = 1
+    gradient_accumulation_steps: _int(1) = 1
+    num_epochs: _float(gt=0) = 1.0
+    max_steps: _int(1) | None = None
+    """Optimizer steps; when set, num_epochs is ignored (as in HF Trainer and Axolotl; train says so)."""
+    learning_rate: _float(gt=0) = 3e-4
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = 0
+    warmup_steps: _int(0) = 0
     optimizer: Literal["adamw", "adamw_torch", "sgd"] = "adamw"
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float | None = 1.0
+    weight_decay: _float(ge=0) = 0.0
+    adam_beta1: _float(ge=0, lt=1) = 0.9
+    adam_beta2: _float(ge=0, lt=1) = 0.999
+    adam_epsilon: _float(gt=0) = 1e-8
+    max_grad_norm: _float(gt=0) | None = 1.0
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/inf loss or gradient norm: stop naming the step (at the next log step, before any save),
     or skip that optimizer step (costs one host sync per step)."""
     bf16: bool = False
-    seed: int = 42
+    seed: _int(0) = 42
     # output, logging, checkpoints
     output_dir: str = "outputs/run"
-    logging_steps: int = 1
-    eval_steps: int | None = None
-    save_steps: int | None = None
-    save_total_limit: int | None = None
+    overwrite_output_dir: bool = False
+    """Start a new run in an output_dir that holds a previous run: that run's files are replaced.
+    Files no ndparallel run wrote are never deleted or overwritten."""
+    logging_steps: _int(1) = 1
+    eval_steps: _int(1) | None = None
+    save_steps: _int(1) | None = None
+    save_total_limit: _int(1) | None = None
     resume_from_checkpoint: str | None = None
     save_final_model: bool = True
     save_dtype: Literal["auto", "bf16", "fp32", "fp16"] = "auto"
     """dtype of the final model's weights: auto = bf16 for a bf16 run, else fp32."""
     # runtime
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    collective_timeout_s: float = 600.0
-    max_restarts: int = 0
+    collective_timeout_s: _float(gt=0) = 600.0
+    max_restarts: _int(0) = 0
 
     @field_validator(
         "dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size",
@@ -123,11 +150,18 @@ class TrainConfig(_Strict):
             raise ValueError(f"must be >= 1 (1 disables the dimension), got {v}")
         return v
 
-    @field_validator("micro_batch_size", "gradient_accumulation_steps", "sequence_len", "logging_steps")
+    @field_validator("sequence_len")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v < 1:
             raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    @field_validator("val_set_size")
+    @classmethod
+    def _fraction_or_count(cls, v: float) -> float:
+        if v >= 1 and not float(v).is_integer():
+            raise ValueError(f"must be a fraction in [0, 1) or a whole number of blocks, got {v}")
         return v
 
     # ------------------------------------------------------------ derived
@@ -189,10 +223,25 @@ def _format_error(err: ValidationError, source: str) -> str:
             key = str(e["loc"][-1])
             lines.append(f"unknown key '{loc}'{_suggest(key, _known_keys(model))}")
         else:
-            msg = e["msg"].removeprefix("Value error, ")
-            got = "" if "got" in msg else f" (got {e.get('input')!r})"
-            lines.append(f"'{loc}': {msg}{got}")
+            lines.append(f"'{loc}': {_range_message(e)}")
     return f"{source}: " + "; ".join(lines)
+
+
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}
+
+
+def _range_message(e: dict) -> str:
+    """``must be >= 1, got 0 (hint)`` for a bound error; pydantic's own text for the others."""
+    field = str(e["loc"][-1])
+    hint = f" ({_HINTS[field]})" if field in _HINTS else ""
+    if e["type"] in _BOUNDS:
+        bound = next(iter(e["ctx"].values()))
+        bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
+        return f"must be {_BOUNDS[e['type']]} {bound}, got {e.get('input')!r}{hint}"
+    if e["type"] == "finite_number":
+        return f"must be a finite number, got {e.get('input')!r}{hint}"
+    msg = e["msg"].removeprefix("Value error, ")
+    return msg if "got" in msg else f"{msg} (got {e.get('input')!r})"
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -200,7 +249,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set max_steps=20")
     key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"--set {text!r}: the value is not valid YAML ({problem}); quote a string, "
+                          "e.g. --set 'key=\"[1,\"'") from None
+    return key.strip().split("."), value
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
@@ -223,7 +278,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         for k in keys[:-1]:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {item}: '{k}' is not a mapping")
+                raise ConfigError(f"--set {item}: '{k}' is not a mapping (it holds {node!r})")
         node[keys[-1]] = value
     try:
         return TrainConfig.model_validate(data)

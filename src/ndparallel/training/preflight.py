@@ -9,26 +9,23 @@ from pathlib import Path
 from ndparallel.training.config import ConfigError, TrainConfig
 
 
-def validate_layout(cfg: TrainConfig, world_size: int, check_data: bool = True):
-    """Check the layout against the world size and the model (and that local data exists) before
-    any rank starts. Returns (resolved ParallelismConfig, HF model config)."""
+def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True, check_output: bool = True):
+    """Check the layout against the world size and the model before any rank starts; with
+    ``check_local`` also what lives on this machine (data, tokenizer, device, resume checkpoint,
+    and with ``check_output`` the output_dir; a ``--dry-run`` may check a config meant for another
+    machine). Returns (resolved ParallelismConfig, HF model config); raises ``ConfigError`` (one
+    line) on the first problem."""
     from ndparallel.layout.config import ParallelismConfigError
-    from ndparallel.training.build import model_config
+    from ndparallel.training.model_check import check_model, resolve_model_config
 
     try:
         pc = cfg.parallelism_config().resolve(world_size)
     except ParallelismConfigError as e:
         raise ConfigError(str(e)) from None
-    # A well-known hub id that is not on disk is validated with its published numbers: no network
-    # round trip (or long retries on an offline machine) before the ranks start.
-    hf = None if Path(cfg.base_model).exists() else known_config_offline(cfg.base_model)
-    if hf is None:
-        try:
-            hf = model_config(cfg, vocab_size=cfg.tokenizer_vocab_size)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"base_model={cfg.base_model!r} cannot be read: {e}") from None
-    if check_data:
-        _check_datasets(cfg)
+    hf = resolve_model_config(cfg)
+    check_model(cfg, hf)
+    if check_local:
+        check_local_inputs(cfg, check_output=check_output)
     try:
         if pc.tp_enabled:
             from ndparallel.parallel.tensor import validate_tensor_parallel
@@ -43,27 +40,77 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_data: bool = True):
     return pc, hf
 
 
-def _check_datasets(cfg: TrainConfig) -> None:
-    """Local dataset files must exist before ranks start (hub names are checked when loaded)."""
-    from ndparallel.data.dataset import looks_local
+def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm: bool = False) -> None:
+    """Device, output_dir, resume checkpoint, tokenizer and a first sample of each dataset file."""
+    import torch
 
+    from ndparallel.data.check import check_dataset
+    from ndparallel.training.outputs import plan_output_dir
+    from ndparallel.training.trainer import resume_policy
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device: cuda, but there is no CUDA GPU here (torch {torch.__version__}, "
+                          "torch.cuda.is_available() is False): set device: cpu or auto")
+    resuming = resume_policy(cfg.resume_from_checkpoint, os.environ) is not None
+    conflicts = plan_output_dir(cfg, resuming, profile_comm).conflicts if check_output else []
+    if conflicts:
+        raise ConfigError(conflicts[0])
+    _check_resume_path(cfg)
+    _check_tokenizer(cfg)
     for i, d in enumerate(cfg.datasets):
-        if d.path.startswith("builtin:"):
-            continue
-        if looks_local(d.path) and not Path(d.path).expanduser().exists():
-            raise ConfigError(f"datasets[{i}].path={d.path!r} does not exist: fix the path "
-                              "(relative paths are taken from the current directory)")
+        try:
+            check_dataset(d.model_dump(), f"datasets[{i}]")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
-def known_config_offline(hub_id: str):
-    """The HF config of a well-known hub model from the planner's published numbers, so a layout
-    can be validated (``--dry-run``) on a machine that cannot reach the hub."""
-    from ndparallel.models.presets import published_config
+def _check_resume_path(cfg: TrainConfig) -> None:
+    from ndparallel.checkpoint.directory import list_checkpoints, validate_checkpoint
 
-    return published_config(hub_id)
+    r = cfg.resume_from_checkpoint
+    if r in (None, "", "auto"):
+        return
+    problems = validate_checkpoint(Path(r).expanduser(), deep=False)  # the ranks re-hash it
+    if problems:
+        hint = (" (it holds checkpoint-N directories: pass one of them, or resume_from_checkpoint: auto)"
+                if list_checkpoints(r) else "")
+        raise ConfigError(f"resume_from_checkpoint={r!r} is not a usable checkpoint: "
+                          + "; ".join(problems) + hint)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _check_tokenizer(cfg: TrainConfig) -> None:
+    from ndparallel.data.dataset import looks_local
+    from ndparallel.models.presets import is_preset
+
+    if cfg.tokenizer and cfg.tokenizer != "builtin:stdlib":
+        path = Path(cfg.tokenizer).expanduser()
+        if not path.exists() and (looks_local(cfg.tokenizer) or "/" not in cfg.tokenizer):
+            raise ConfigError(f"tokenizer={cfg.tokenizer!r} does not exist: give a directory holding "
+                              "tokenizer.json (e.g. the base model's), or builtin:stdlib")
+        if path.is_dir() and not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise ConfigError(f"tokenizer={cfg.tokenizer!r} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+        return
+    model_dir = Path(cfg.base_model).expanduser()
+    if not cfg.tokenizer and not is_preset(cfg.base_model) and model_dir.is_dir() and not any(
+            (model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        raise ConfigError(f"base_model={cfg.base_model!r} holds no tokenizer ({', '.join(_TOKENIZER_FILES)}): "
+                          "set tokenizer: to a tokenizer directory (or builtin:stdlib)")
+
+
+def run_notes(cfg: TrainConfig) -> list[str]:
+    """Things the user set that have no effect, said once before launch (and in ``--dry-run``)."""
+    notes = []
+    if cfg.max_steps is not None and "num_epochs" in cfg.model_fields_set:
+        notes.append(f"max_steps {cfg.max_steps} (num_epochs {cfg.num_epochs:g} is ignored: max_steps wins)")
+    return notes
 
 
 def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     sizes = [cfg.dp_replicate_size, cfg.dp_shard_size, cfg.tensor_parallel_size, cfg.context_parallel_size]
@@ -92,8 +139,15 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         + (f" (sequence split over cp={pc.cp_size})" if pc.cp_enabled else ""),
         f"fsdp         : {cfg.fsdp_config.model_dump()}",
         f"precision    : {'bf16 compute, fp32 master weights' if cfg.bf16 else 'fp32'}",
-        f"steps        : {cfg.max_steps or f'{cfg.num_epochs} epochs'}; lr {cfg.learning_rate} "
+        f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
         f"({cfg.lr_scheduler}, warmup {cfg.warmup_steps})",
         f"output       : {cfg.output_dir}",
     ]
     return "\n".join(lines)
+
+
+def _steps(cfg: TrainConfig) -> str:
+    if cfg.max_steps is None:
+        return f"{cfg.num_epochs:g} epochs"
+    notes = run_notes(cfg)
+    return notes[0] if notes else f"max_steps {cfg.max_steps}"

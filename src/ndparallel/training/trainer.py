@@ -104,7 +104,8 @@ class Trainer:
         if self.splits.val is not None and cfg.eval_steps:
             self.val_loader = validation_loader(acc, self.splits.val, cfg.micro_batch_size, cfg.seed)
         steps_per_epoch = len(self.loader) // cfg.gradient_accumulation_steps
-        self.total_steps = cfg.max_steps or max(1, math.floor(cfg.num_epochs * steps_per_epoch))
+        self.total_steps = (cfg.max_steps if cfg.max_steps is not None  # max_steps wins over num_epochs
+                            else max(1, math.floor(cfg.num_epochs * steps_per_epoch)))
         self.hf_config = model_config(cfg, vocab_size=len(self.tokenizer))
         self.hf_config.use_cache = False
         source = self.hf_config if is_preset(cfg.base_model) else cfg.base_model
@@ -124,7 +125,7 @@ class Trainer:
         try:  # rank 0 chooses (and validates) once; every rank resumes from the same step
             ckpt = rank0_decides(find_resume_checkpoint, self.out, resume)
         except ValueError as e:
-            raise SystemExit(f"ndparallel train: error: resume_from_checkpoint: {e}") from None
+            raise ValueError(f"resume_from_checkpoint: {e}") from None
         if ckpt is None:
             return
         extra = load_checkpoint(self.acc, ckpt, self.model, self.optimizer, self.scheduler)
@@ -216,6 +217,10 @@ class Trainer:
         """All phases; returns the last step's metrics."""
         self.setup()
         self.resume()
+        from ndparallel.training.outputs import claim_output_dir
+
+        resuming = resume_policy(self.cfg.resume_from_checkpoint, os.environ) is not None
+        claim_output_dir(self.acc, self.cfg, resuming, self.profile_comm)  # before the first write
         self._start_outputs()
         self.model.train()
         self.progress = Progress(self.total_steps, self.state.step, enabled=self.acc.is_main_process)

@@ -1,0 +1,166 @@
+"""``base_model`` before any rank starts: find its config (a preset, a local directory, a cached or
+reachable Hub id — never minutes of Hub retries), and check that it is a causal decoder, that
+``sequence_len`` fits its positions, and that its safetensors headers fit its config (no tensor
+data read). Every problem is one ``ConfigError`` line naming ``base_model`` and the fix."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+import re
+import socket
+import warnings
+from pathlib import Path
+from urllib.parse import urlparse
+
+from ndparallel.training.config import ConfigError, TrainConfig
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def resolve_model_config(cfg: TrainConfig):
+    """The HF config of ``cfg.base_model``, or ``ConfigError`` saying what the name is not."""
+    from ndparallel.models.presets import (
+        PRESETS,
+        PUBLISHED,
+        is_preset,
+        preset_config,
+        published_config,
+    )
+
+    name = cfg.base_model
+    if is_preset(name):
+        return preset_config(name, vocab_size=cfg.tokenizer_vocab_size)
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"base_model={name!r} is a file: give the model directory (holding config.json)")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"base_model={name!r} has no config.json: not a Hugging Face model directory")
+        return _auto_config(name, path, cfg.trust_remote_code)
+    known = published_config(name)  # a well-known hub id: validated offline from its published shape
+    if known is not None:
+        return known
+    if is_hub_id(name):
+        return _hub_config(name, cfg.trust_remote_code)
+    if "/" not in name and not name.startswith((".", "~")):
+        close = difflib.get_close_matches(name, [*PRESETS, *PUBLISHED], n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"base_model={name!r}: unknown preset{hint} (built-in presets: {', '.join(PRESETS)}; "
+                          "or give a local model directory or a Hub id org/name)")
+    raise ConfigError(f"base_model={name!r}: the local path {path} does not exist (relative paths are taken "
+                      f"from the current directory, {os.getcwd()})")
+
+
+def is_hub_id(name: str) -> bool:
+    """``org/name`` whose first part is not a local directory (then it is a missing local path)."""
+    return bool(_HUB_ID.match(name)) and not Path(name.split("/")[0]).is_dir()
+
+
+def _auto_config(name: str, source, trust_remote_code: bool, **kwargs):
+    from transformers import AutoConfig
+
+    try:
+        with quiet_transformers():
+            return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
+    except Exception as e:  # noqa: BLE001 - unreadable config.json, unknown model_type, ...
+        raise ConfigError(f"base_model={name!r} cannot be read: {one_line(e)[:400]}") from None
+
+
+def _hub_config(name: str, trust_remote_code: bool):
+    with contextlib.suppress(Exception):  # the local HF cache first: no network
+        with quiet_transformers():
+            from transformers import AutoConfig
+
+            return AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code)
+    fix = (f"download it where the Hub is reachable (`huggingface-cli download {name} --local-dir DIR`) "
+           "and give DIR")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ConfigError(f"base_model={name!r} is not a local directory and not in the local Hugging Face "
+                          f"cache, and HF_HUB_OFFLINE is set: {fix}")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if not reachable(endpoint):
+        raise ConfigError(f"base_model={name!r} is not a local directory and not in the local Hugging Face "
+                          f"cache, and {endpoint} cannot be reached: {fix}")
+    return _auto_config(name, name, trust_remote_code)
+
+
+def reachable(url: str, timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to ``url``'s host opens within ``timeout_s`` (one try, no retries)."""
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname or "", port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """No transformers warnings (e.g. BERT's "add is_decoder=True") on the one-line error path."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def check_model(cfg: TrainConfig, hf) -> None:
+    """Causal decoder? ``sequence_len`` within its positions? Local weights fit the config?"""
+    from ndparallel.models.causal import causal_lm_problem, config_problem
+    from ndparallel.models.presets import is_preset, published_config
+
+    problem = config_problem(hf, cfg.trust_remote_code)
+    if problem:
+        raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
+    positions = getattr(hf, "max_position_embeddings", None)
+    if isinstance(positions, int) and cfg.sequence_len > positions:
+        raise ConfigError(f"sequence_len={cfg.sequence_len} is larger than the model's max_position_embeddings="
+                          f"{positions} (base_model={cfg.base_model!r}): lower sequence_len, or extend the "
+                          "model's context (max_position_embeddings with a fitting rope_scaling in config.json)")
+    if is_preset(cfg.base_model) or (published_config(cfg.base_model) is not None
+                                     and not Path(cfg.base_model).exists()):
+        return  # built-in or published shapes: known causal decoders, no local weights to check
+    model = _meta_model(cfg, hf)
+    problem = causal_lm_problem(model)
+    if problem:
+        raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
+    path = Path(cfg.base_model).expanduser()
+    if path.is_dir():
+        _check_weights(cfg, model, path)
+
+
+def _meta_model(cfg: TrainConfig, hf):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with quiet_transformers(), torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf, trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - a config transformers cannot build a model from
+        raise ConfigError(f"base_model={cfg.base_model!r}: no model can be built from its config: "
+                          f"{one_line(e)[:300]}") from None
+
+
+def _check_weights(cfg: TrainConfig, model, path: Path) -> None:
+    from ndparallel.models.loading import checkpoint_files
+    from ndparallel.models.weights import weights_problem
+
+    try:
+        files = checkpoint_files(path)
+        problem = weights_problem(model, files, str(path / "config.json"))
+    except (OSError, ValueError) as e:
+        problem = one_line(e)
+    if problem:
+        raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
