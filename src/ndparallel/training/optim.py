@@ -32,10 +32,14 @@ def build_optimizer(
         return torch.optim.SGD(groups, lr=lr)
     if name in ("adamw", "adamw_torch"):
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    if name == "adamw_torch_fused":  # the fused kernel needs every parameter on CUDA
+        on_cuda = all(p.device.type == "cuda" for g in groups for p in g["params"])
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_cuda or None)
     raise ValueError(f"optimizer {name!r} is not supported: use 'adamw' or 'sgd'")
 
 
-SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",
+              "constant_with_warmup": "constant_with_warmup"}
 """Our YAML names -> transformers' ``get_scheduler`` names."""
 
 
