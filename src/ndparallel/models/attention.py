@@ -14,8 +14,8 @@ def attention_kernel(name: str | None, device_type: str) -> tuple[str, str | Non
         return name or "sdpa", None
     if name in _PACKAGES or name == "flex_attention":
         if device_type != "cuda":
-            return "sdpa", f"{name} needs a CUDA GPU (this run uses {device_type})"
+            return "sdpa", f"it needs a CUDA GPU, this run is on {device_type}"
         package = _PACKAGES.get(name)
         if package and importlib.util.find_spec(package) is None:
-            return "sdpa", f"{name} needs the {package} package (not installed)"
+            return "sdpa", f"the {package} package is not installed"
     return name, None

@@ -130,7 +130,7 @@ class Trainer:
         kernel, why = attention_kernel(cfg.attn_implementation, acc.device.type)
         if why and cfg.context_parallel_size == 1:
             acc.print(f"ndparallel train: warning: attn_implementation {cfg.attn_implementation} is not "
-                      f"available ({why}): using {kernel}")
+                      f"available ({why}): using {kernel}")  # one line, main rank
         self.hf_config = model_config(cfg, vocab_size=len(self.tokenizer))
         self.hf_config.use_cache = False
         source = self.hf_config if is_preset(cfg.base_model) else cfg.base_model
