@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Sequence
 
@@ -32,11 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return launch(rest)
     if command == "plan":
-        from ndparallel.plan.cli import add_plan_arguments, run_plan
+        from ndparallel.plan.cli import main as plan_main
 
-        parser = argparse.ArgumentParser(prog="ndparallel plan", description=_SUBCOMMANDS["plan"])
-        add_plan_arguments(parser)
-        return run_plan(parser.parse_args(rest))
+        return plan_main(rest, description=_SUBCOMMANDS["plan"])
     if command in ("train", "verify", "export", "plot"):
         from ndparallel.cli import commands
 
