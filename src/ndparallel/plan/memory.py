@@ -159,13 +159,11 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     # RoPE cos and sin (b, s/c, d) in activation dtype, shared by all layers.
     saved += 2 * tokens * model.head_dim * e
     logits = _logits_bytes(model, layout, s, tokens)
-    # The step still references the full logits through the layers' backward.
-    held_logits = 0.0 if s.loss_impl == "chunked" else tokens * -(-model.vocab // t) * e
     buf_a, buf_b = _buffers(model, layout, s, numels)
 
     moments = {
         "loss backward": (grads_a, saved, logits, buf_a),
-        "layer backward": (grads_b, saved + per_layer, held_logits, buf_b),
+        "layer backward": (grads_b, saved + per_layer, 0.0, buf_b),
         "end of backward": (all_grads, 0.0, 0.0, 0.0),
     }
     phase = max(moments, key=lambda k: sum(moments[k]))
