@@ -33,8 +33,8 @@ from ndparallel.plan.models import ModelSpec
 
 KERNELS_PER_LAYER = (60, 130)
 """(forward, backward) kernels of one decoder layer: the H200 profile of the Llama-3.2-1B step
-(``bench/reference/h200_plan_gpu_check.json``) ran 3,162 kernels for 16 layers, the loss, FSDP
-and the optimizer included; ~190 per layer, split about 1 : 2."""
+(``bench/reference/h200_plan_gpu_check_profile.json``) ran 3,094 kernels for 16 layers, the
+loss, FSDP and the optimizer included; ~190 per layer, split about 1 : 2."""
 
 
 def attention_flops_per_token(model: ModelSpec, seq_len: int) -> float:
