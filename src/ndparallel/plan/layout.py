@@ -74,7 +74,12 @@ class Settings:
     micro_batch: int = 1
     grad_accum: int = 1
     checkpointing: bool = False
-    """Full activation checkpointing of every decoder layer."""
+    """Activation checkpointing of every decoder layer (policy: ``ac_policy``)."""
+    ac_policy: str = "full"
+    """'full': keep each layer's input, recompute the layer (ndparallel's runtime). 'selective':
+    torchtitan's per-op policy (``selective_ac_option = 'op'``): keep every other matmul output
+    (q, v, gate, down) and the attention output, recompute the rest — modelled for comparisons
+    with torchtitan's published rows; ndparallel's runtime does not run it."""
     mixed_precision: str = "bf16"
     """'bf16': fp32 master params, bf16 compute/all-gather, fp32 gradient reduction; 'fp32'."""
     optimizer: str = "adamw"
@@ -92,6 +97,18 @@ class Settings:
     """CP attention: 'ring' (K/V hop rank to rank) or 'allgather' (K/V gathered once per layer)."""
     prefetch: int = 1
     """FSDP units all-gathered ahead of the one computing."""
+    loss_impl: str = "full"
+    """'full': ``causal_lm_loss`` on the whole micro-batch's logits (today's runtime); 'chunked': a
+    memory-efficient loss keeping the logits of ``loss_chunk_tokens`` tokens at a time (the LM
+    head is recomputed per chunk in backward)."""
+    loss_chunk_tokens: int = 1024
+    optimizer_fused: bool = False
+    """AdamW ``fused=True`` (else torch's default foreach implementation, the trainer's)."""
+    set_to_none: bool = True
+    """``zero_grad(set_to_none=True)`` (torch's default, the trainer's): no gradient exists from
+    the optimizer step until each FSDP unit's backward produces it. False keeps them allocated."""
+    cp_kernel: str = "math"
+    """CP ring block kernel (``CPOptions.kernel``): 'math' (what 'auto' picks on CUDA) or 'sdpa'."""
 
     @property
     def act_bytes(self) -> int:
