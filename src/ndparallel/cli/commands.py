@@ -87,7 +87,7 @@ def run_verify(argv: Sequence[str]) -> int:
     _config_args(parser)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tolerance", type=float, default=1e-5, help="max relative loss/grad-norm error")
-    parser.add_argument("--inject-fault", choices=["skip-grad-sync"], default=None,
+    parser.add_argument("--inject-fault", choices=["skip-grad-sync", "cross-documents"], default=None,
                         help=argparse.SUPPRESS)  # proves the check can fail (tests)
     args = parser.parse_args(list(argv))
     try:
