@@ -52,7 +52,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--unsharded-grad-accumulation", action="store_true",
                    help="accumulate unsharded gradients, reduce-scatter only after the last "
                         "micro-batch (default: reduce-scatter every micro-batch)")
-    t.add_argument("--cp-strategy", choices=("ring", "allgather"), default="ring",
+    t.add_argument("--cp-strategy", choices=("ring", "allgather", "alltoall"), default="ring",
                    help="context-parallel attention communication (train's cp_comm_strategy)")
     t.add_argument("--no-reshard-after-forward", action="store_true",
                    help="FSDP keeps params unsharded between forward and backward")
