@@ -149,6 +149,22 @@ class _RingAttention(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- all-gather
+def _all_gather(t, group):
+    """Functional all-gather on dim 0 (``all_gather_single`` is torch >= 2.12's name)."""
+    import torch.distributed._functional_collectives as funcol
+
+    fn = getattr(funcol, "all_gather_single", None)
+    return fn(t, 0, group) if fn else funcol.all_gather_tensor(t, 0, group)
+
+
+def _reduce_scatter(t, group):
+    """Functional sum reduce-scatter on dim 0 (``reduce_scatter_single`` in torch >= 2.12)."""
+    import torch.distributed._functional_collectives as funcol
+
+    fn = getattr(funcol, "reduce_scatter_single", None)
+    return fn(t, "sum", 0, group) if fn else funcol.reduce_scatter_tensor(t, "sum", 0, group)
+
+
 def _natural_spans(a: int, n: int):
     """(key start, key length) spans of query chunk ``a`` in natural order: its own, then all before."""
     return [(a * n, n)] + ([(0, a * n)] if a > 0 else [])
@@ -162,7 +178,7 @@ class _AllGatherAttention(torch.autograd.Function):
         cp = dist.get_world_size(group)
         n = docs.n
         kv = torch.stack([k, v]).contiguous()  # [2, B, Hk, S_loc, D]
-        g = funcol.all_gather_single(kv, 0, group)
+        g = _all_gather(kv, group)
         g = g.wait() if isinstance(g, funcol.AsyncCollectiveTensor) else g
         kv_nat = _to_natural(g.view(cp, *kv.shape), cp, load_balance, n)  # [2, B, Hk, S, D]
         acc_out, acc_lse = accumulators(q)
@@ -198,7 +214,7 @@ class _AllGatherAttention(torch.autograd.Function):
                                   _chunk(dout, qi, n), _chunk(lse, qi, n), _chunk(dq, qi, n),
                                   dkv[0, :, :, ks:ks + kl], dkv[1, :, :, ks:ks + kl], groups)
         rank_major = _to_rank_major(dkv, cp, load_balance, n)  # [cp, 2, B, Hk, S_loc, D]
-        mine = funcol.reduce_scatter_single(rank_major.flatten(0, 1), "sum", 0, group)
+        mine = _reduce_scatter(rank_major.flatten(0, 1), group)
         mine = mine.wait() if isinstance(mine, funcol.AsyncCollectiveTensor) else mine
         return (dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None, None, None)
 
