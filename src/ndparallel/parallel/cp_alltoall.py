@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ndparallel.parallel.cp_blocks import DocLayout, document_starts, local_attention
+from ndparallel.parallel.cp_collectives import all_gather, wait
 from ndparallel.parallel.cp_kernels import BlockKernel
 from ndparallel.parallel.cp_sharding import cp_chunk_ids
 
@@ -38,10 +39,6 @@ def alltoall_head_error(heads: int, kv_heads: int, cp: int) -> str | None:
     return None
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
-
-
 def _orders(cp: int, load_balance: bool, device):
     """(rank_major, natural): rank_major[p] = chunk at rank-major position p; natural[c] = the
     rank-major position of chunk c."""
@@ -53,7 +50,7 @@ def _orders(cp: int, load_balance: bool, device):
 def _to_heads(x: torch.Tensor, group, natural: torch.Tensor, n: int) -> torch.Tensor:
     """[B, cp, h, S_local, D] (head groups by destination) -> [B, h, S, D], sequence in order."""
     b, cp, h, s_loc, d = x.shape
-    recv = _wait(funcol.all_to_all_single_autograd(x.transpose(0, 1).contiguous(), None, None, group))
+    recv = wait(funcol.all_to_all_single_autograd(x.transpose(0, 1).contiguous(), None, None, group))
     recv = recv.view(cp, b, h, s_loc // n, n, d).permute(1, 2, 0, 3, 4, 5).reshape(b, h, -1, n, d)
     return recv.index_select(2, natural).reshape(b, h, cp * s_loc, d)
 
@@ -63,7 +60,7 @@ def _to_sequence(o: torch.Tensor, group, rank_major: torch.Tensor, cp: int, n: i
     b, h, s, d = o.shape
     send = o.reshape(b, h, s // n, n, d).index_select(2, rank_major)
     send = send.reshape(b, h, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = _wait(funcol.all_to_all_single_autograd(send, None, None, group))
+    recv = wait(funcol.all_to_all_single_autograd(send, None, None, group))
     return recv.permute(1, 0, 2, 3, 4).reshape(b, cp * h, s // cp, d)
 
 
@@ -71,7 +68,7 @@ def _full_positions(position_ids, b: int, group, natural: torch.Tensor, n: int) 
     """All-gather the position ids of the cp group and put them in sequence order: [B, S]."""
     pos = position_ids.expand(b, -1).to(torch.int32).contiguous()
     cp, s_loc = dist.get_world_size(group), pos.shape[1]
-    g = _wait(funcol.all_gather_tensor(pos, 0, group))
+    g = all_gather(pos, group)
     g = g.view(cp, b, s_loc // n, n).permute(1, 0, 2, 3).reshape(b, -1, n)
     return g.index_select(1, natural).reshape(b, cp * s_loc)
 

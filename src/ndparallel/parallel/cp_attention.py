@@ -42,6 +42,13 @@ from ndparallel.parallel.cp_blocks import (
     forward_span,
     local_attention,
 )
+from ndparallel.parallel.cp_collectives import (
+    all_gather,
+    finish,
+    reduce_scatter,
+    ring_ops,
+    start,
+)
 from ndparallel.parallel.cp_kernels import BlockKernel, resolve_kernel
 from ndparallel.parallel.cp_sharding import cp_chunk_ids, cp_positions
 
@@ -56,27 +63,6 @@ def _chunk(t: torch.Tensor, i: int, n: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- ring
-def _p2p(pairs, group, tag):
-    """Ops sending ``send`` to rank+1 and receiving ``recv`` from rank-1 of ``group``."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    nxt = dist.get_global_rank(group, (rank + 1) % size)
-    prv = dist.get_global_rank(group, (rank - 1) % size)
-    ops = []
-    for send, recv in pairs:
-        ops.append(dist.P2POp(dist.isend, send, nxt, group, tag))
-        ops.append(dist.P2POp(dist.irecv, recv, prv, group, tag))
-    return ops
-
-
-def _start(ops):
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
-def _wait(reqs):
-    for r in reqs:
-        r.wait()
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, load_balance, kernel: BlockKernel, docs: DocLayout):
@@ -89,7 +75,7 @@ class _RingAttention(torch.autograd.Function):
         buf = torch.empty_like(kv)
         for step in range(cp):
             src = (rank - step) % cp
-            reqs = _start(_p2p([(kv, buf)], group, _KV_TAG) if step < cp - 1 else [])
+            reqs = start(ring_ops([(kv, buf)], group, _KV_TAG) if step < cp - 1 else [])
             for qi in range(len(ids[rank])):
                 for kj, c in enumerate(ids[src]):
                     groups = docs.groups(qi, c * n, n)
@@ -97,7 +83,7 @@ class _RingAttention(torch.autograd.Function):
                         fresh[qi] = forward_span(
                             kernel, _chunk(q, qi, n), _chunk(kv[0], kj, n), _chunk(kv[1], kj, n),
                             _chunk(acc_out, qi, n), _chunk(acc_lse, qi, n), groups, fresh[qi])
-            _wait(reqs)
+            finish(reqs)
             if step < cp - 1:
                 kv, buf = buf, kv
         out = acc_out.to(q.dtype)
@@ -120,10 +106,10 @@ class _RingAttention(torch.autograd.Function):
         dkv_in = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
         for step in range(cp):
             src = (rank - step) % cp
-            ops = _p2p([(kv, buf)] if step < cp - 1 else [], group, _KV_TAG)
+            ops = ring_ops([(kv, buf)] if step < cp - 1 else [], group, _KV_TAG)
             if step > 0:
-                ops += _p2p([(dkv_done, dkv_in)], group, _DKV_TAG)
-            reqs = _start(ops)
+                ops += ring_ops([(dkv_done, dkv_in)], group, _DKV_TAG)
+            reqs = start(ops)
             contrib = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             for qi in range(len(ids[rank])):
                 for kj, c in enumerate(ids[src]):
@@ -134,7 +120,7 @@ class _RingAttention(torch.autograd.Function):
                             _chunk(out, qi, n), _chunk(dout, qi, n), _chunk(lse, qi, n),
                             _chunk(dq, qi, n), _chunk(contrib[0], kj, n), _chunk(contrib[1], kj, n),
                             groups)
-            _wait(reqs)
+            finish(reqs)
             if step > 0:
                 contrib += dkv_in
                 dkv_in = dkv_done  # its send is complete: reuse as the next receive buffer
@@ -142,29 +128,13 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 kv, buf = buf, kv
         if cp > 1:  # last hop: the gradient of each K/V goes home
-            _wait(_start(_p2p([(dkv_done, dkv_in)], group, _DKV_TAG)))
+            finish(start(ring_ops([(dkv_done, dkv_in)], group, _DKV_TAG)))
             dkv_done = dkv_in
         return (dq.to(q.dtype), dkv_done[0].to(k.dtype), dkv_done[1].to(v.dtype),
                 None, None, None, None)
 
 
 # ----------------------------------------------------------------------------- all-gather
-def _all_gather(t, group):
-    """Functional all-gather on dim 0 (``all_gather_single`` is torch >= 2.12's name)."""
-    import torch.distributed._functional_collectives as funcol
-
-    fn = getattr(funcol, "all_gather_single", None)
-    return fn(t, 0, group) if fn else funcol.all_gather_tensor(t, 0, group)
-
-
-def _reduce_scatter(t, group):
-    """Functional sum reduce-scatter on dim 0 (``reduce_scatter_single`` in torch >= 2.12)."""
-    import torch.distributed._functional_collectives as funcol
-
-    fn = getattr(funcol, "reduce_scatter_single", None)
-    return fn(t, "sum", 0, group) if fn else funcol.reduce_scatter_tensor(t, "sum", 0, group)
-
-
 def _natural_spans(a: int, n: int):
     """(key start, key length) spans of query chunk ``a`` in natural order: its own, then all before."""
     return [(a * n, n)] + ([(0, a * n)] if a > 0 else [])
@@ -173,13 +143,10 @@ def _natural_spans(a: int, n: int):
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, load_balance, kernel: BlockKernel, docs: DocLayout):
-        import torch.distributed._functional_collectives as funcol
-
         cp = dist.get_world_size(group)
         n = docs.n
         kv = torch.stack([k, v]).contiguous()  # [2, B, Hk, S_loc, D]
-        g = _all_gather(kv, group)
-        g = g.wait() if isinstance(g, funcol.AsyncCollectiveTensor) else g
+        g = all_gather(kv, group)
         kv_nat = _to_natural(g.view(cp, *kv.shape), cp, load_balance, n)  # [2, B, Hk, S, D]
         acc_out, acc_lse = accumulators(q)
         for qi, a in enumerate(docs.chunk_ids):
@@ -197,8 +164,6 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        import torch.distributed._functional_collectives as funcol
-
         q, kv_nat, out, lse = ctx.saved_tensors
         group, load_balance, kernel, docs = ctx.args
         cp, n = dist.get_world_size(group), docs.n
@@ -214,8 +179,7 @@ class _AllGatherAttention(torch.autograd.Function):
                                   _chunk(dout, qi, n), _chunk(lse, qi, n), _chunk(dq, qi, n),
                                   dkv[0, :, :, ks:ks + kl], dkv[1, :, :, ks:ks + kl], groups)
         rank_major = _to_rank_major(dkv, cp, load_balance, n)  # [cp, 2, B, Hk, S_loc, D]
-        mine = _reduce_scatter(rank_major.flatten(0, 1), group)
-        mine = mine.wait() if isinstance(mine, funcol.AsyncCollectiveTensor) else mine
+        mine = reduce_scatter(rank_major.flatten(0, 1), group)
         return (dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None, None, None)
 
 
