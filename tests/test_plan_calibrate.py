@@ -30,14 +30,14 @@ def test_quick_cpu_calibration_feeds_the_planner(tmp_path, capsys):
                         micro_batch=2)
     hw = Hardware.from_dict(profile["hardware"])
     assert hw.peak_flops > 0 and hw.peak_flops_fp32 > 0 and hw.hbm_bw > 0
-    assert set(hw.collectives) == {"all_gather", "reduce_scatter", "all_reduce", "send_recv"}
+    assert set(hw.collectives) == {"all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all"}
     assert all(v["2"]["bus_bw"] > 0 for v in hw.collectives.values())
     # every GEMM shape of the tiny model at 2 × 64 tokens (tp 1) was timed
     measured = {(r["m"], r["n"], r["k"]) for r in hw.gemm_table}
     assert measured == set(gemm_shapes(PRESETS["tiny"], Layout(), Settings(64, 2)))
     assert all(r["flops_per_s"] > 0 for r in hw.gemm_table)
     assert "16" in hw.attention_efficiency and all(x > 0 for x in hw.attention_efficiency["16"])
-    assert set(hw.cp_block_efficiency) == {"math", "sdpa"}
+    assert set(hw.cp_block_efficiency) == {"math", "flash"}
     assert 0 < hw.broadcast_efficiency and hw.host_op_s > 0
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps(profile))

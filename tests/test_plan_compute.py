@@ -2,12 +2,14 @@
 the H200 rows it is checked against (hand-checked numbers; tiny: h 64, L 2, a 4, k 2, d 16,
 f 128, V 256)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from ndparallel.plan.attention import (
+    CP_FLASH_SLOWDOWN,
     MATH_BYTES_BWD,
     MATH_BYTES_FWD,
     attention_time,
@@ -78,8 +80,14 @@ def test_attention_flops_and_kernels():
     fwd, bwd = attention_time(TINY, Layout(), s, hw, hw.peak_flops)
     f = causal_fwd_flops(TINY, Layout(), s)
     assert (fwd, bwd) == pytest.approx((f / 25e12, 2 * f / 10e12))
-    # CP 2, math kernel: 2c+1 = 5 blocks per layer of 16-token chunks, fp32 matmuls + scores.
+    # CP 2, flash kernel (the default): the causal work of s/c tokens at the causal kernel's
+    # efficiency, CP_FLASH_SLOWDOWN times slower (the ring's blocks vs one flash call)
     fwd, bwd = attention_time(TINY, Layout(cp=2), s, hw, hw.peak_flops)
+    f_cp = causal_fwd_flops(TINY, Layout(cp=2), s)
+    assert f_cp == f / 2
+    assert (fwd, bwd) == pytest.approx((CP_FLASH_SLOWDOWN * f_cp / 25e12, CP_FLASH_SLOWDOWN * 2 * f_cp / 10e12))
+    # CP 2, math kernel: 2c+1 = 5 blocks per layer of 16-token chunks, fp32 matmuls + scores.
+    fwd, bwd = attention_time(TINY, Layout(cp=2), dataclasses.replace(s, cp_kernel="math"), hw, hw.peak_flops)
     block = 4 * 2 * 4 * 16 * 16**2
     scores = 2 * 4 * 16**2
     bw, rate = 0.5e12, 5e12

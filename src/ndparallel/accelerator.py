@@ -150,6 +150,10 @@ class Accelerator:
 
         if any(model is m for m in self._models):
             return model
+        if getattr(getattr(model, "config", None), "use_cache", False):
+            # Training needs no KV cache; with one, transformers also skips its packed-document
+            # mask (position_ids restarting at 0) and keeps every layer's K/V alive.
+            model.config.use_cache = False
 
         old = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         model = parallelize_model(

@@ -35,8 +35,10 @@ class TPOptions:
 
 @dataclass(frozen=True)
 class CPOptions:
-    comm_strategy: Literal["ring", "allgather"] = "ring"
-    """'ring': K/V rotate rank to rank; 'allgather': K/V gathered once per layer."""
+    comm_strategy: Literal["ring", "allgather", "alltoall"] = "ring"
+    """'ring': K/V rotate rank to rank; 'allgather': K/V gathered once per layer; 'alltoall'
+    (Ulysses): heads <-> sequence all-to-all, local attention on cp-th of the heads (query heads per
+    TP rank divisible by cp; K/V heads per TP rank divisible by cp or dividing it)."""
     load_balance: bool = True
     """Causal load balancing: rank i holds chunks i and 2·cp−1−i of 2·cp chunks."""
 

@@ -5,19 +5,21 @@ flash kernel on CUDA. Causal forward FLOPs per layer (QKᵀ and PV, half the sco
 ``2·b·(a/t)·d·s²``; the backward is counted as twice that (the MFU convention; flash's backward
 really does 2.5× the forward's matmuls, which is inside its measured efficiency).
 
-With CP the ring (``parallel/cp_attention.py``) runs block kernels over chunks of ``s/(2c)``
-tokens; rank ``i`` holds chunks ``i`` and ``2c−1−i`` and computes ``2c−1`` full blocks plus 2
-diagonal blocks per layer. The diagonal blocks are computed whole with a mask, so the work is
-``2c+1`` blocks of ``4·b·(a/t)·d·(s/2c)²`` forward FLOPs each (vs the ``2c`` blocks' worth a
-causal kernel would do). Kernels:
+With CP the ring (``parallel/cp_attention.py``) runs block kernels (``parallel/cp_kernels.py``)
+over chunks of ``s/(2c)`` tokens; rank ``i`` holds chunks ``i`` and ``2c−1−i`` and computes
+``2c−1`` full blocks plus 2 diagonal blocks per layer. Kernels:
 
-* ``math`` (the CUDA default): fp32 matmuls plus the score tensors written and read in fp32:
-  ``MATH_BYTES_FWD`` / ``MATH_BYTES_BWD`` bytes per score element, counted from the code;
-  backward matmuls = 2.5× the forward's (scores recomputed, dV, dP, dQ, dK).
-* ``sdpa`` (memory-efficient kernel on CUDA, flash on CPU): the efficiency measured on the H200
-  for a 512-token block at head dim 64 (``Hardware.cp_block_efficiency``; 5–7 % of peak: the
-  block's fp32 output, log-sum-exp merges and GQA folding dominate at that size).
-A calibrated profile holds the efficiencies measured at the model's own heads for both.
+* ``flash`` (what ``kernel="auto"`` runs on CUDA for bf16/fp16): torch's flash op per block, the
+  diagonal blocks causal (half the work), so the work is the causal work of ``s/c`` tokens; the
+  time is the causal flash kernel's at ``CP_FLASH_SLOWDOWN`` × (``bench/gpu_cp.py`` on an H200,
+  2026-11-30: a 32k row as the ring's blocks at cp 4 took 1.25× torch's flash SDPA on the same work;
+  packed documents 1.36×). ``sdpa`` is its old name.
+* ``math`` (the reference; fp32 inputs): fp32 matmuls plus the score tensors written and read in
+  fp32: ``MATH_BYTES_FWD`` / ``MATH_BYTES_BWD`` bytes per score element, counted from the code;
+  backward matmuls = 2.5× the forward's (scores recomputed, dV, dP, dQ, dK); the diagonal blocks
+  computed whole with a mask: ``2c+1`` blocks of ``4·b·(a/t)·d·(s/2c)²`` forward FLOPs each.
+A calibrated profile (``cp_block_efficiency``) holds the efficiencies measured at the model's own
+heads; a measured ``flash`` entry replaces the slowdown rule.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.models import ModelSpec
 
+CP_FLASH_SLOWDOWN = 1.25
+"""CP flash blocks vs one causal flash call on the same work (measured, see the module doc)."""
 MATH_BYTES_FWD = 40
 """fp32 bytes per score element in the math block forward: scores written (4), scaled (8),
 log-sum-exp read twice (8), ``exp(s - lse)`` (16), read by the PV matmul (4)."""
@@ -62,14 +66,21 @@ def attention_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware,
     if layout.cp == 1:
         fwd = causal_fwd_flops(model, layout, s)
         return fwd / (peak * eff_f), 2 * fwd / (peak * eff_b)
-    blocks = (2 * layout.cp + 1) * model.layers
     flops = cp_block_fwd_flops(model, layout, s)
+    if s.cp_kernel in ("flash", "sdpa"):
+        measured = hw.cp_block_efficiency.get("flash")
+        blocks = 2 * layout.cp * model.layers  # 2c−1 full + 2 causal halves
+        if measured:
+            return (blocks * flops / (peak * measured["fwd"]),
+                    blocks * 2.5 * flops / (peak * measured["bwd"]))
+        fwd = causal_fwd_flops(model, layout, s)
+        return (CP_FLASH_SLOWDOWN * fwd / (peak * eff_f),
+                CP_FLASH_SLOWDOWN * 2 * fwd / (peak * eff_b))
+    blocks = (2 * layout.cp + 1) * model.layers
     measured = hw.cp_block_efficiency.get(s.cp_kernel)
     if measured:
         return (blocks * flops / (peak * measured["fwd"]),
                 blocks * 2.5 * flops / (peak * measured["bwd"]))
-    if s.cp_kernel == "sdpa":  # no measurement: as fast as the causal flash kernel (optimistic)
-        return blocks * flops / (peak * eff_f), blocks * 2 * flops / (peak * eff_b)
     chunk = s.seq_len / (2 * layout.cp)
     scores = s.micro_batch * (model.heads // layout.tp) * chunk ** 2
     rate32 = hw.peak_flops_fp32 * hw.matmul_efficiency

@@ -20,6 +20,7 @@ _COEF = {
     "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
     "all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
     "send_recv": lambda n: (1, 1),
+    "all_to_all": lambda n: (n - 1, (n - 1) / n),
 }
 
 
@@ -80,6 +81,7 @@ def collective_bench(device: str, sizes: list[int], iters: int) -> dict:
 
 
 def _one(kind, x, big, g, n, rank):
+    import torch
     import torch.distributed as dist
 
     if kind == "all_gather":  # *_single are the torch >= 2.13 names of *_into_tensor / *_tensor
@@ -88,6 +90,9 @@ def _one(kind, x, big, g, n, rank):
         (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(x, big, group=g)
     elif kind == "all_reduce":
         dist.all_reduce(x, group=g)
+    elif kind == "all_to_all":
+        part = x[: x.numel() // n * n]
+        dist.all_to_all_single(torch.empty_like(part), part, group=g)
     else:
         peer_next = (rank + 1) % n
         peer_prev = (rank - 1) % n

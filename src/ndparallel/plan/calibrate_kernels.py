@@ -104,24 +104,22 @@ def measure_attention(device: str, batch: int, heads: int, kv_heads: int, seq: i
 
 def measure_cp_block(device: str, kernel: str, batch: int, heads: int, kv_heads: int,
                      chunk: int, head_dim: int, reps: int = 3) -> dict:
-    """One *full* (unmasked) block of the CP ring's kernel (``parallel/cp_attention.py``):
+    """One *full* (unmasked) block of the CP block kernel (``parallel/cp_kernels.py``):
     forward (out, lse) and backward seconds for ``chunk`` queries against ``chunk`` keys."""
     import torch
 
-    from ndparallel.parallel.cp_attention import _block_bwd, _block_fwd
+    from ndparallel.parallel.cp_kernels import BlockKernel, resolve_kernel
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     q = torch.randn(batch, heads, chunk, head_dim, device=device, dtype=dtype)
     k = torch.randn(batch, kv_heads, chunk, head_dim, device=device, dtype=dtype)
     v = torch.randn_like(k)
-    scale = head_dim ** -0.5
-    out, lse = _block_fwd(q, k, v, scale, False, kernel)
+    block = BlockKernel(resolve_kernel(kernel, q), head_dim ** -0.5)
+    out, lse = block.fwd(q, k, v, False)
     out = out.to(dtype)
     dout = torch.randn_like(q)
-    delta = (dout.float() * out.float()).sum(-1)
-    t_fwd = time_fn(lambda: _block_fwd(q, k, v, scale, False, kernel), device, reps)
-    t_bwd = time_fn(lambda: _block_bwd(q, k, v, out, dout, lse, delta, scale, False, kernel),
-                    device, reps)
+    t_fwd = time_fn(lambda: block.fwd(q, k, v, False), device, reps)
+    t_bwd = time_fn(lambda: block.bwd(dout, q, k, v, out, lse, False), device, reps)
     return {"kernel": kernel, "batch": batch, "heads": heads, "kv_heads": kv_heads,
             "chunk": chunk, "head_dim": head_dim, "fwd_s": t_fwd, "bwd_s": t_bwd}
 
@@ -218,7 +216,7 @@ def measure_kernels(device: str, quick: bool, model, seq_len: int, micro_batch: 
     seq = seq_len if cuda else min(seq_len, 256)
     chunk = max(seq // 4, 16)
     cp_blocks = {}
-    for kernel in ("math", "sdpa"):
+    for kernel in ("math", "flash"):
         cp_blocks[kernel] = measure_cp_block(device, kernel, micro_batch, model.heads,
                                              model.kv_heads, chunk, model.head_dim)
     return {

@@ -61,10 +61,11 @@ class Hardware:
         "64": [0.37, 0.23], "128": [0.61, 0.38]}, compare=False)
     """Causal flash attention by head dim: [forward, backward] model FLOPs / (time · peak), the
     backward counted as 2× the forward's FLOPs. The nearest head dim is used."""
-    cp_block_efficiency: dict = field(default_factory=lambda: {
-        "sdpa": {"fwd": 0.074, "bwd": 0.057}}, compare=False)
-    """CP ring block kernels: kernel -> {"fwd", "bwd"} fractions of peak (backward FLOPs = 2.5×
-    the forward's). 'math' without an entry is costed from its FLOPs and score-tensor bytes."""
+    cp_block_efficiency: dict = field(default_factory=dict, compare=False)
+    """CP ring block kernels measured by ``--calibrate``: kernel ('flash', 'math') -> {"fwd", "bwd"}
+    fractions of peak (backward FLOPs = 2.5× the forward's). Without an entry 'flash' is the causal
+    flash kernel × ``plan.attention.CP_FLASH_SLOWDOWN`` and 'math' is costed from its FLOPs and
+    score-tensor bytes."""
     kernel_overhead_s: float = 1e-6
     """GPU idle time per kernel launched back to back (launch gap)."""
     host_op_s: float = 7e-6

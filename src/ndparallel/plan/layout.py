@@ -94,7 +94,8 @@ class Settings:
     all-reduce (DP/HSDP) runs once, after the last micro-batch."""
     reshard_after_forward: bool = True
     cp_strategy: str = "ring"
-    """CP attention: 'ring' (K/V hop rank to rank) or 'allgather' (K/V gathered once per layer)."""
+    """CP attention: 'ring' (K/V hop rank to rank), 'allgather' (K/V gathered once per layer) or
+    'alltoall' (Ulysses: heads <-> sequence all-to-all; cp bounded by the head counts)."""
     prefetch: int = 1
     """FSDP units all-gathered ahead of the one computing."""
     loss_impl: str = "full"
@@ -107,7 +108,7 @@ class Settings:
     set_to_none: bool = True
     """``zero_grad(set_to_none=True)`` (torch's default, the trainer's): no gradient exists from
     the optimizer step until each FSDP unit's backward produces it. False keeps them allocated."""
-    cp_kernel: str = "math"
+    cp_kernel: str = "flash"
     """CP ring block kernel (``CPOptions.kernel``): 'math' (what 'auto' picks on CUDA) or 'sdpa'."""
 
     @property
@@ -218,6 +219,12 @@ def structural_rejections(
         out.append(("kv_heads", f"{model.kv_heads} key/value heads are not divisible by tp={tp}"))
     if model.intermediate % tp:
         out.append(("ffn", f"intermediate size {model.intermediate} is not divisible by tp={tp}"))
+    if cp > 1 and settings.cp_strategy == "alltoall" and model.heads % tp == 0 and model.kv_heads % tp == 0:
+        h, kv = model.heads // tp, model.kv_heads // tp
+        if h % cp or (kv % cp and cp % kv):
+            out.append(("heads_cp", f"cp_strategy alltoall needs the {h} query heads per tp rank "
+                        f"divisible by cp={cp} and the {kv} key/value heads per tp rank dividing "
+                        "or divisible by it"))
     if cp > 1 and settings.seq_len % (2 * cp):
         out.append(("seq_cp", f"seq_len {settings.seq_len} is not divisible by 2·cp = {2 * cp} "
                     "(load-balanced CP cuts each sequence into 2·cp chunks)"))

@@ -49,7 +49,7 @@ class PlanRequest:
     loss_parallel: bool = True
     unsharded_grad_accumulation: bool = False
     cp_strategy: str = "ring"
-    cp_kernel: str = "math"
+    cp_kernel: str = "flash"
     loss_impl: str = "full"
     loss_chunk_tokens: int = 1024
     optimizer_fused: bool = False
@@ -143,7 +143,7 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     extras = step_extras(model, layout, s, hw, local, shard)
     per_dim: dict[str, float] = {}
     intra: dict[str, bool] = {}
-    gather = reduce = tp = cp = 0.0
+    gather = reduce = tp = cp = cp_serial = 0.0
     for c in colls:
         sec, is_intra = comms.cost(c, layout, hw, gpus_per_node)
         per_dim[c.mesh_dim] = per_dim.get(c.mesh_dim, 0.0) + sec
@@ -154,10 +154,13 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
             reduce += sec
         elif c.overlap == "attention":
             cp += sec
+        elif c.mesh_dim == "cp":  # CP all-to-all (Ulysses): before/after attention, not hidden
+            cp_serial += sec
         else:
             tp += sec
-    # CP ring hides behind the attention of each step; TP is on the critical path.
-    cp_exposed = max(0.0, cp / ga - t_attn) if ga else 0.0
+    # CP ring hides behind the attention of each step; TP and the CP all-to-all are on the
+    # critical path.
+    cp_exposed = (max(0.0, cp / ga - t_attn) + cp_serial / ga) if ga else 0.0
     # FSDP/DP: all-gathers (prefetched) hide behind all forward+backward compute, gradient
     # reductions behind the backward (2/3 of compute) of the micro-batches that reduce. The first
     # unit's gather and the last unit's reduction cannot hide: 2/n_units of the traffic.
