@@ -1,0 +1,115 @@
+"""``Accelerator.prepare`` and its per-type steps: parallelise models (and make their
+``save_pretrained`` consolidate), wrap optimizers and schedulers so they follow gradient
+accumulation, shard data loaders over the data-parallel ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader
+
+from ndparallel.accelerator.wrappers import (
+    AcceleratedOptimizer,
+    AcceleratedScheduler,
+    PreparedDataLoader,
+)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return hasattr(obj, "step") and hasattr(obj, "get_last_lr") and not isinstance(obj, torch.optim.Optimizer)
+
+
+def prepare_all(acc, objects: list, device_placement) -> list:
+    out = list(objects)
+    for i, obj in enumerate(out):
+        if isinstance(obj, nn.Module):
+            out[i] = prepare_model(acc, obj)
+    for i, obj in enumerate(out):
+        if isinstance(obj, torch.optim.Optimizer):
+            out[i] = prepare_optimizer(acc, obj)
+    for i, obj in enumerate(out):
+        if isinstance(obj, AcceleratedScheduler):
+            continue
+        if _is_scheduler(obj):
+            out[i] = prepare_scheduler(acc, obj)
+        elif isinstance(obj, DataLoader):
+            out[i] = prepare_data_loader(acc, obj, device_placement)
+    return out
+
+
+def prepare_model(acc, model: nn.Module) -> nn.Module:
+    from ndparallel.checkpoint.save_pretrained import (
+        enable_consolidated_save_pretrained,
+    )
+    from ndparallel.parallel.parallelize import parallelize_model
+
+    if any(model is m for m in acc._models):
+        return model
+    old = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    model = parallelize_model(
+        model, acc.torch_device_mesh, acc.parallelism_config, fsdp=acc.fsdp_options, tp=acc.tp_options,
+        cp=acc.cp_options, param_dtype=acc.param_dtype, device=acc.device,
+    )
+    new = dict(model.named_parameters(remove_duplicate=False))
+    for pid, name in old.items():
+        if name in new:
+            acc._param_remap[pid] = new[name]
+    enable_consolidated_save_pretrained(model)
+    acc._models.append(model)
+    return model
+
+
+def prepare_optimizer(acc, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+    """Point the optimizer at the parallelised parameters and wrap it (Accelerate's
+    ``AcceleratedOptimizer``: ``step``/``zero_grad`` wait for the step's last micro-batch)."""
+    if isinstance(optimizer, AcceleratedOptimizer):
+        return optimizer
+    if any(optimizer.state.values()):
+        raise ValueError("the optimizer already holds state (it has stepped): create it, or call prepare, "
+                         "before the first optimizer.step()")
+    for group in optimizer.param_groups:
+        group["params"] = [acc._param_remap.get(id(p), p) for p in group["params"]]
+    wrapped = AcceleratedOptimizer(optimizer, acc.gradient_state)
+    acc._optimizers.append(optimizer)
+    acc._prepared_optimizers.append(wrapped)
+    return wrapped
+
+
+def prepare_scheduler(acc, scheduler) -> AcceleratedScheduler:
+    opt = getattr(scheduler, "optimizer", None)
+    optimizers = [o for o in acc._prepared_optimizers if o is opt or o.optimizer is opt] or acc._prepared_optimizers
+    wrapped = AcceleratedScheduler(
+        scheduler, optimizers, acc.gradient_state, steps_per_update=acc.dp_size,
+        step_with_optimizer=acc.step_scheduler_with_optimizer, split_batches=acc.split_batches,
+    )
+    acc._schedulers.append(scheduler)
+    return wrapped
+
+
+def prepare_data_loader(acc, loader: DataLoader, device_placement=None) -> PreparedDataLoader:
+    """Shard over the dp ranks (tp/cp peers get the same batches); ``split_batches``: the loader's
+    batch is the global batch, each dp rank taking ``batch_size / dp`` of it."""
+    from ndparallel.data.dataloader_sharding import shard_dataloader
+
+    if isinstance(loader, PreparedDataLoader):
+        return loader
+    cfg, dp = acc.dataloader_config, acc.dp_size
+    per_rank = loader.batch_size
+    if cfg.split_batches and per_rank is not None:
+        if per_rank % dp:
+            raise ValueError(f"split_batches=True needs the batch size ({per_rank}) to be a multiple of the "
+                             f"data-parallel size ({dp})")
+        per_rank //= dp
+    place = acc.device_placement if device_placement is None else device_placement
+    seed = cfg.data_seed if cfg.data_seed is not None else 0
+    sharded = shard_dataloader(loader, acc.dp_rank, dp, acc.device if place else None,
+                               batch_size=per_rank, seed=seed)
+    total = None
+    if per_rank is not None and hasattr(loader.dataset, "__len__") and not loader.drop_last:
+        total = len(loader.dataset)
+    prepared = PreparedDataLoader(sharded, acc.gradient_state, acc.rng_types, total_samples=total,
+                                  global_batch=per_rank * dp if per_rank else None)
+    acc._dataloaders.append(prepared)
+    return prepared

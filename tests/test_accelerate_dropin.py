@@ -1,0 +1,92 @@
+"""Accelerate's own ND-parallel scripts (our copies under tests/accelerate_scripts/, written to the
+same API, only the imports changed) run on CPU ranks and train exactly what our own loop trains
+on one process: Accelerate's ``nd_parallel.py`` loop on FSDP×CP, HSDP, TP and FSDP×CP×TP."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from accelerate_scripts import nd_parallel
+from accelerate_scripts.reference import reference_losses
+
+from ndparallel.models.presets import preset_config
+from ndparallel.testing import run_on_ranks
+
+SEQ, STEPS, LR = 32, 3, 0.5
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(preset_config("tiny-llama")).save_pretrained(path)
+    return str(path)
+
+
+_refs: dict = {}
+
+
+def _reference(model_dir, dp, micro=1):
+    key = (dp, micro)
+    if key not in _refs:
+        _refs[key] = run_on_ranks(reference_losses, 1, model_dir, SEQ, dp, STEPS, LR, micro)[0]
+    return _refs[key]
+
+
+def _close(ref, got):
+    return max(abs(a - b) / abs(a) for a, b in zip(ref, got)) <= RTOL
+
+
+def _nd_parallel(argv):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return nd_parallel.main(argv)
+
+
+def _run_nd(model_dir, out_dir, layout: dict, *extra):
+    world = 1
+    argv = ["--model-name", model_dir, "--sequence-length", str(SEQ), "--num-steps", str(STEPS),
+            "--save-dir", str(out_dir), "--dtype", "float32", "--mixed-precision", "no",
+            "--learning-rate", str(LR), "--checkpoint-frequency", "2", *extra]
+    for name, size in layout.items():
+        argv += [f"--{name.replace('_', '-')}", str(size)]
+        world *= size
+    return run_on_ranks(_nd_parallel, world, argv, timeout_s=400)
+
+
+@pytest.mark.parametrize("layout", [
+    {"dp_shard_size": 2, "cp_size": 2},
+    {"dp_replicate_size": 2, "dp_shard_size": 2},
+    {"tp_size": 2},
+], ids=["fsdp2xcp2", "hsdp2x2", "tp2-transformers"])
+def test_nd_parallel_script_equals_our_loop(model_dir, tmp_path, layout):
+    results = _run_nd(model_dir, tmp_path, layout)
+    dp = layout.get("dp_replicate_size", 1) * layout.get("dp_shard_size", 1)
+    ref = _reference(model_dir, dp)
+    assert all(r == results[0] for r in results), results  # every rank reports the same loss
+    assert _close(ref, results[0]), (ref, results[0])
+    # the script's own outputs: consolidated model, tracker file, (FSDP) checkpoint
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    lines = (tmp_path / "nd_parallel_training" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["loss"] for x in lines] == pytest.approx(results[0])
+    if layout.get("dp_shard_size", 1) > 1:
+        assert (tmp_path / "checkpoint-2" / "COMPLETE").is_file()
+
+
+@pytest.mark.slow
+def test_nd_parallel_script_fsdp_cp_tp_8_ranks(model_dir, tmp_path):
+    layout = {"dp_shard_size": 2, "cp_size": 2, "tp_size": 2}
+    results = _run_nd(model_dir, tmp_path, layout, "--no-transformers-tp")
+    assert _close(_reference(model_dir, 2), results[0]), results[0]
+
+
+def test_nd_parallel_script_reference_check_can_fail(model_dir, tmp_path):
+    """Negative control: a different learning rate (a different training) fails the comparison."""
+    results = _run_nd(model_dir, tmp_path, {"dp_shard_size": 2}, "--learning-rate", str(LR * 1.01))
+    assert not _close(_reference(model_dir, 2), results[0])
