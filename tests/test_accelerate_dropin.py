@@ -90,3 +90,62 @@ def test_nd_parallel_script_reference_check_can_fail(model_dir, tmp_path):
     """Negative control: a different learning rate (a different training) fails the comparison."""
     results = _run_nd(model_dir, tmp_path, {"dp_shard_size": 2}, "--learning-rate", str(LR * 1.01))
     assert not _close(_reference(model_dir, 2), results[0])
+
+
+# ------------------------------------------------------------------ the blog's snippet
+def _blog(model_dir, sizes, save_dir):
+    from accelerate_scripts import blog_snippet
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return blog_snippet.run(model_dir, sizes, save_dir, STEPS, SEQ, LR, grad_accum=2)
+
+
+def _check_blog(model_dir, tmp_path, sizes):
+    from safetensors.torch import load_file
+
+    world = 1
+    for v in sizes.values():
+        world *= v
+    got = run_on_ranks(_blog, world, model_dir, sizes, str(tmp_path), timeout_s=400)[0]
+    dp = sizes.get("dp_replicate_size", 1) * sizes.get("dp_shard_size", 1)
+    key = ("params", dp)
+    if key not in _refs:
+        _refs[key] = run_on_ranks(reference_losses, 1, model_dir, SEQ, dp, STEPS, LR, 2, True)[0]
+    ref_losses, ref_params = _refs[key]
+    assert _close(ref_losses, got), (ref_losses, got)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert set(saved) <= set(ref_params) and len(saved) >= len(ref_params) - 1  # tied lm_head once
+    assert max((saved[k] - ref_params[k]).abs().max().item() for k in saved) <= 1e-6
+
+
+def test_blog_snippet_hsdp_with_accumulation(model_dir, tmp_path):
+    _check_blog(model_dir, tmp_path, {"dp_replicate_size": 2, "dp_shard_size": 2})
+
+
+@pytest.mark.slow
+def test_blog_snippet_fsdp_cp_tp_8_ranks(model_dir, tmp_path):
+    _check_blog(model_dir, tmp_path, {"dp_shard_size": 2, "cp_size": 2, "tp_size": 2})
+
+
+# ---------------------------------------------------------------- the CP guide's loop
+def _cp_guide(model_dir, local_positions=False, strategy="alltoall"):
+    from accelerate_scripts import cp_guide
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cp_guide.run(model_dir, {"dp_shard_size": 2, "cp_size": 2}, STEPS, SEQ, LR, strategy=strategy,
+                            local_positions=local_positions)
+
+
+@pytest.mark.parametrize("strategy", ["alltoall", "allgather"])
+def test_cp_guide_loop_without_position_ids_equals_our_loop(model_dir, strategy):
+    got = run_on_ranks(_cp_guide, 4, model_dir, False, strategy)[0]
+    assert _close(_reference(model_dir, 2), got), got
+
+
+def test_cp_guide_positions_matter(model_dir):
+    """Negative control: each shard's local positions (what the model would compute without the
+    global ones) give a different loss, so the test above can fail."""
+    got = run_on_ranks(_cp_guide, 4, model_dir, True)[0]
+    assert not _close(_reference(model_dir, 2), got)
