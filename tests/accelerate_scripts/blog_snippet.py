@@ -9,7 +9,9 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from ndparallel import Accelerator  # was: from accelerate import Accelerator
-from ndparallel.parallelism_config import ParallelismConfig  # was: accelerate.parallelism_config
+from ndparallel.parallelism_config import (
+    ParallelismConfig,  # was: accelerate.parallelism_config
+)
 from ndparallel.utils import FullyShardedDataParallelPlugin  # was: accelerate.utils
 
 from .nd_utils import create_collate_fn, get_dataset, setup_tokenizer

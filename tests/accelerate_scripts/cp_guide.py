@@ -9,7 +9,10 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from ndparallel import Accelerator  # was: from accelerate import Accelerator
-from ndparallel.utils import ParallelismConfig, TorchContextParallelConfig  # was: accelerate.utils
+from ndparallel.utils import (  # was: accelerate.utils
+    ParallelismConfig,
+    TorchContextParallelConfig,
+)
 
 from .nd_utils import get_dataset, setup_tokenizer
 
