@@ -227,6 +227,12 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         A model this Accelerator already prepared (e.g. from ``load_model``) is returned as is."""
         from ndparallel.accelerator.preparing import prepare_model
 
+        if device_placement is False:
+            raise ValueError("prepare_model(device_placement=False) is not supported: sharded models live "
+                             "on the Accelerator's device (device placement of batches: prepare_data_loader)")
+        if evaluation_mode:
+            raise ValueError("prepare_model(evaluation_mode=True) is not supported: prepare the model as for "
+                             "training (sharded) and call model.eval() / torch.no_grad() for inference")
         return prepare_model(self, model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):

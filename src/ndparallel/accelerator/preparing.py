@@ -22,10 +22,16 @@ def _is_scheduler(obj: Any) -> bool:
 
 
 def prepare_all(acc, objects: list, device_placement) -> list:
+    """``device_placement``: None, one bool, or one per object (Accelerate's forms); it only
+    decides whether loaders move batches to the device (models always live there)."""
     out = list(objects)
+    if not isinstance(device_placement, (list, tuple)):
+        device_placement = [device_placement] * len(out)
+    if len(device_placement) != len(out):
+        raise ValueError(f"device_placement has {len(device_placement)} entries for {len(out)} objects")
     for i, obj in enumerate(out):
         if isinstance(obj, nn.Module):
-            out[i] = prepare_model(acc, obj)
+            out[i] = acc.prepare_model(obj, device_placement=device_placement[i])
     for i, obj in enumerate(out):
         if isinstance(obj, torch.optim.Optimizer):
             out[i] = prepare_optimizer(acc, obj)
@@ -35,7 +41,7 @@ def prepare_all(acc, objects: list, device_placement) -> list:
         if _is_scheduler(obj):
             out[i] = prepare_scheduler(acc, obj)
         elif isinstance(obj, DataLoader):
-            out[i] = prepare_data_loader(acc, obj, device_placement)
+            out[i] = prepare_data_loader(acc, obj, device_placement[i])
     return out
 
 
