@@ -145,6 +145,7 @@ def test_handlers_and_small_configs():
         warnings.simplefilter("ignore")
         s = _resolve(torch_tp_plugin=TorchTensorParallelPlugin(tp_size=2))
     assert s.parallelism_config.tp_size == 2
+    assert _resolve(parallelism_config=ParallelismConfig(cp_size=2)).cp_options.comm_strategy == "ring"
     pc = ParallelismConfig(cp_size=2, cp_handler=TorchContextParallelConfig("allgather"))
     assert _resolve(parallelism_config=pc).cp_options.comm_strategy == "allgather"
     with pytest.warns(UserWarning, match="cp_options.comm_strategy='ring' is used"):

@@ -107,6 +107,8 @@ def _fsdp(fsdp_plugin, fsdp_options: FSDPOptions | None):
 
 def _cp_options(pc: ParallelismConfig | None, cp_options: CPOptions | None) -> CPOptions:
     handler = pc.cp_handler if pc is not None else None
+    if handler is not None and not getattr(handler, "chosen", True):
+        handler = None  # nobody chose a strategy: ndparallel's default
     if cp_options is None:
         return CPOptions(comm_strategy=handler.strategy) if handler is not None else CPOptions()
     if handler is not None and handler.strategy != cp_options.comm_strategy:

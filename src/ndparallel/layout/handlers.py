@@ -17,15 +17,17 @@ CP_STRATEGIES = {"allgather": "allgather", "alltoall": "ring", "ring": "ring"}
 class TorchContextParallelConfig:
     """How context-parallel attention exchanges keys and values.
 
-    ``cp_comm_strategy``: ``"allgather"`` (Accelerate's default: K/V gathered once per layer),
-    ``"alltoall"`` (Accelerate's name for the rotating exchange; runs our ring) or ``"ring"``.
-    ``None`` reads ``PARALLELISM_CONFIG_CP_COMM_STRATEGY`` (set by ``accelerate launch``), else
-    ``"allgather"``, as Accelerate does.
+    ``cp_comm_strategy``: ``"allgather"`` (K/V gathered once per layer), ``"alltoall"``
+    (Accelerate's name for the rotating exchange; runs our ring) or ``"ring"``. ``None`` reads
+    ``PARALLELISM_CONFIG_CP_COMM_STRATEGY`` (set by ``accelerate launch``), else shows Accelerate's
+    default ``"allgather"`` but leaves the choice to ndparallel's ``CPOptions`` default (ring): the
+    two compute the same attention; only their memory and latency differ (docs/context_parallel.md).
     """
 
     cp_comm_strategy: str | None = None
 
     def __post_init__(self) -> None:
+        self.chosen = self.cp_comm_strategy is not None or bool(os.environ.get(CP_STRATEGY_ENV, "").strip())
         if self.cp_comm_strategy is None:
             self.cp_comm_strategy = os.environ.get(CP_STRATEGY_ENV, "").strip() or "allgather"
         if self.cp_comm_strategy not in CP_STRATEGIES:
