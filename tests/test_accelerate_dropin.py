@@ -3,6 +3,7 @@ same API, only the imports changed) run on CPU ranks and train exactly what our 
 on one process: Accelerate's ``nd_parallel.py`` loop on FSDP×CP, HSDP, TP and FSDP×CP×TP."""
 
 import json
+import os
 import warnings
 
 import pytest
@@ -149,3 +150,26 @@ def test_cp_guide_positions_matter(model_dir):
     global ones) give a different loss, so the test above can fail."""
     got = run_on_ranks(_cp_guide, 4, model_dir, True)[0]
     assert not _close(_reference(model_dir, 2), got)
+
+
+# ------------------------------------------- the real Accelerate, where it runs: one process
+def _both_accelerators(logdir):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import gpu_accelerate_compat as compat
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {w: compat.run(w, "no", os.path.join(logdir, w)) for w in ("accelerate", "ndparallel")}
+
+
+def test_same_loop_as_hugging_face_accelerate_on_one_process(tmp_path):
+    """Accelerate's own Accelerator refuses ND layouts on CPU, but runs one process: the same loop
+    (gradient accumulation, prepared optimizer + LR scheduler, trackers, get_state_dict +
+    save_pretrained) gives the same losses, learning rate and saved model with both."""
+    pytest.importorskip("accelerate")
+    out = run_on_ranks(_both_accelerators, 1, str(tmp_path), timeout_s=400)[0]
+    (la, lr_a, na), (ln, lr_n, nn_) = out["accelerate"], out["ndparallel"]
+    assert _close(la, ln) and lr_a == lr_n and na == nn_, out

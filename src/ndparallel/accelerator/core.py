@@ -108,7 +108,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         self.gradient_state = GradientState(num_steps=int(ga.num_steps), adjust_scheduler=ga.adjust_scheduler,
                                             sync_with_dataloader=ga.sync_with_dataloader,
                                             sync_each_batch=ga.sync_each_batch)
-        self.log_with = filter_trackers(s.log_with, self.project_configuration.logging_dir)
+        self.log_with = filter_trackers(s.log_with, self.project_configuration.logging_dir,
+                                        warn=self.info.rank == 0)
         self.trackers: list = []
         self._param_remap: dict[int, nn.Parameter] = {}
         self._models: list[nn.Module] = []

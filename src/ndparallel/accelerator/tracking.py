@@ -225,7 +225,7 @@ def is_installed(name: str) -> bool:
     return not mods or any(importlib.util.find_spec(m) is not None for m in mods)
 
 
-def filter_trackers(log_with, logging_dir=None) -> list:
+def filter_trackers(log_with, logging_dir=None, warn: bool = True) -> list:
     """The trackers to start for ``log_with``: JSON lines always, then each requested one that is
     installed (one warning for each that is not), custom ``GeneralTracker`` instances as given."""
     requested = [] if log_with is None else (list(log_with) if isinstance(log_with, (list, tuple)) else [log_with])
@@ -235,15 +235,17 @@ def filter_trackers(log_with, logging_dir=None) -> list:
             out.append(item)
             continue
         name = str(getattr(item, "value", item)).lower()
-        names = [n for n in _MODULES if n != "jsonl" and is_installed(n)] if name == "all" else [name]
+        # "all": every installed tracker ndparallel implements
+        names = [n for n in TRACKERS if n != "jsonl" and is_installed(n)] if name == "all" else [name]
         if name not in _MODULES and name != "all":
             raise ValueError(f"Unsupported logging capability: {item}. Choose between {LoggerType.list()}")
         for n in names:
             if n in out:
                 continue
             if not is_installed(n):
-                warnings.warn(f"log_with={n!r}: {n} is not installed, so it is skipped (pip install {n}); "
-                              "metrics still go to the jsonl tracker")
+                if warn:
+                    warnings.warn(f"log_with={n!r}: {n} is not installed, so it is skipped (pip install {n}); "
+                                  "metrics still go to the jsonl tracker")
                 continue
             if n not in TRACKERS:
                 raise ValueError(f"log_with={n!r} is installed but not supported by ndparallel: use one of "

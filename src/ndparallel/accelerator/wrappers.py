@@ -147,9 +147,11 @@ class PreparedDataLoader:
         return len(self.loader) - self.skip_batches
 
     def set_epoch(self, epoch: int) -> None:
+        """The sampler's epoch: a shuffling sampler draws a new (seeded) order each epoch."""
         self.iteration = epoch
-        if hasattr(self.loader, "set_epoch"):
-            self.loader.set_epoch(epoch)
+        sampler = getattr(getattr(self.loader, "loader", self.loader), "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
 
     def _remainder(self) -> int:
         if self.total_samples is None or not self.global_batch:
@@ -157,6 +159,7 @@ class PreparedDataLoader:
         return self.total_samples % self.global_batch
 
     def __iter__(self):
+        self.set_epoch(self.iteration)  # as Accelerate: each pass over the data is a new epoch
         synchronize_rng_states(self.rng_types, getattr(getattr(self.loader, "loader", self.loader), "generator", None))
         state = self.gradient_state
         state.end_of_dataloader, state.in_dataloader, state.remainder = False, True, self._remainder()
