@@ -150,3 +150,59 @@ def test_handlers_and_small_configs():
     assert _resolve(parallelism_config=pc).cp_options.comm_strategy == "allgather"
     with pytest.warns(UserWarning, match="cp_options.comm_strategy='ring' is used"):
         assert _resolve(parallelism_config=pc, cp_options=CPOptions("ring")).cp_options.comm_strategy == "ring"
+
+
+_LAUNCH_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_activation_checkpointing: true
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: false
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_version: 2
+machine_rank: 0
+mixed_precision: bf16
+num_machines: 1
+num_processes: 4
+parallelism_config:
+  parallelism_config_cp_size: 2
+  parallelism_config_dp_replicate_size: 1
+  parallelism_config_dp_shard_size: 2
+  parallelism_config_tp_size: 1
+  parallelism_config_cp_comm_strategy: alltoall
+rdzv_backend: static
+use_cpu: true
+"""
+
+
+@pytest.mark.slow
+def test_real_accelerate_launch_config_file(tmp_path):
+    """The real `accelerate launch --config_file` (an ND-parallel FSDP2 config like Accelerate's
+    examples/torch_native_parallelism/configs/nd.yaml): layout, mixed precision, activation
+    checkpointing, wrap class, reshard and CP strategy all reach a bare ``Accelerator()``."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("accelerate") is None:
+        pytest.skip("the accelerate CLI is not installed")
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "cfg.yaml").write_text(_LAUNCH_CONFIG)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        ["accelerate", "launch", "--config_file", str(tmp_path / "cfg.yaml"),
+         str(root / "tests" / "accelerate_scripts" / "launch_probe.py")],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+    )
+    probe = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+    assert proc.returncode == 0 and probe, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert json.loads(probe[0][6:]) == {
+        "layout": {"dp_replicate_size": 1, "dp_shard_size": 2, "cp_size": 2, "tp_size": 1},
+        "mixed_precision": "bf16", "activation_checkpointing": True, "reshard_after_forward": False,
+        "layer_classes": ["LlamaDecoderLayer"], "cp": "ring", "device": "cpu", "world": 4,
+    }
