@@ -57,7 +57,6 @@ def test_fsdp_plugin_maps_onto_fsdp_options():
     ({"fsdp_version": 1}, "fsdp_version=1 is not supported.*fsdp_version=2"),
     ({"auto_wrap_policy": "size_based_wrap"}, "size_based_wrap.*transformer_based_wrap"),
     ({"sharding_strategy": "HYBRID_SHARD"}, "HYBRID_SHARD.*dp_replicate_size"),
-    ({"cpu_ram_efficient_loading": True}, "cpu_ram_efficient_loading.*load_model"),
     ({"ignored_modules": ["x"]}, "ignored_modules"),
     ({"activation_checkpointing": True, "activation_checkpointing_offload": True}, "activation_checkpointing_offload"),
     ({"forward_prefetch": True}, "forward_prefetch"),

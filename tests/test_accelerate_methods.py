@@ -295,3 +295,62 @@ def test_transformers_tp_over_a_larger_world_says_what_to_do(tmp_path):
     _tiny_model().save_pretrained(tmp_path)
     with pytest.raises(Exception, match="Load the model without tp_plan"):
         run_on_ranks(_transformers_tp_whole_world, 4, str(tmp_path))
+
+
+def _autocast_and_profile(tmp):
+    from ndparallel import Accelerator
+    from ndparallel.utils import AutocastKwargs, ProfileKwargs
+
+    acc = Accelerator(mixed_precision="bf16", kwargs_handlers=[ProfileKwargs(output_trace_dir=tmp)])
+    a = torch.randn(4, 4)
+    with acc.autocast():
+        inside = (a @ a).dtype
+    with acc.autocast(AutocastKwargs(enabled=False)):
+        disabled = (a @ a).dtype
+    with acc.profile() as prof:
+        a @ a
+    return inside, disabled, prof is not None, sorted(os.listdir(tmp))
+
+
+def test_autocast_and_profile(tmp_path):
+    inside, disabled, profiled, files = run_on_ranks(_autocast_and_profile, 1, str(tmp_path))[0]
+    assert (inside, disabled, profiled, files) == (torch.bfloat16, torch.float32, True, ["profile_0.json"])
+
+
+def _rank0_only_loading(path):
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.checkpoint.save_pretrained import full_state_dict
+    from ndparallel.parallel.parallelize import is_meta
+    from ndparallel.utils import FullyShardedDataParallelPlugin
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2),
+                      fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True))
+    if acc.is_main_process:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    else:  # what cpu_ram_efficient_loading gives the other ranks (transformers < 5.x; any missing key in 5.x)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
+    loaded_meta = is_meta(model)
+    model = acc.prepare(model)
+    state = full_state_dict(model)
+    x = torch.arange(16)[None] % 200
+    loss = model(input_ids=x, labels=x).loss.item()  # same input on both ranks: rotary buffers too
+    if not acc.is_main_process:
+        return loaded_meta, None, loss
+    want = _tiny_model().state_dict()
+    return loaded_meta, max((state[k] - want[k]).abs().max().item() for k in want), loss
+
+
+def test_cpu_ram_efficient_loading_broadcasts_rank0_weights(tmp_path):
+    """Accelerate's cpu_ram_efficient_loading: the weights exist on rank 0 only (the others hold a
+    meta model); prepare broadcasts them into every rank's shards, non-persistent buffers rebuilt."""
+    _tiny_model().save_pretrained(tmp_path)
+    (meta0, diff, loss0), (meta1, _, loss1) = run_on_ranks(_rank0_only_loading, 2, str(tmp_path))
+    x = torch.arange(16)[None] % 200
+    want = _tiny_model()(input_ids=x, labels=x).loss.item()
+    assert (meta0, meta1, diff) == (False, True, 0.0)
+    assert abs(loss0 - want) < 1e-6 and abs(loss1 - want) < 1e-6, (loss0, loss1, want)

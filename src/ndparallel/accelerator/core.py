@@ -6,6 +6,7 @@ parallelism, saving, tracking)."""
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any
 
@@ -83,6 +84,9 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
                 raise TypeError("parallelism_config given twice (positionally and by name)")
             args["parallelism_config"], args["device_placement"] = device_placement, True
         s = arguments.resolve(args)
+        if s.fsdp_plugin is not None and s.fsdp_plugin.cpu_ram_efficient_loading:
+            # transformers' switch for "load the weights on rank 0 only" (Accelerate sets it too)
+            os.environ["ACCELERATE_USE_FSDP"] = os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
         self.info: DistributedInfo = init_distributed(s.device, s.timeout_s)
         pc = s.parallelism_config or ParallelismConfig()
         if s.parallelism_config is None and pc.active_dims == () and self.info.world_size > 1:

@@ -37,7 +37,9 @@ class FullyShardedDataParallelPlugin:
     Honoured: ``reshard_after_forward`` (or ``sharding_strategy`` FULL_SHARD / SHARD_GRAD_OP),
     ``cpu_offload``, ``activation_checkpointing``, ``mixed_precision_policy`` (param and reduce
     dtypes), ``auto_wrap_policy="transformer_based_wrap"`` with ``transformer_cls_names_to_wrap``,
-    ``state_dict_type``. ``auto_wrap_policy`` None/"no_wrap" still shards each decoder layer
+    ``state_dict_type``, ``cpu_ram_efficient_loading`` (transformers loads the weights on rank 0
+    only, ``prepare`` broadcasts them into each rank's shards; ``accelerator.load_model`` does
+    better: each rank reads only its shards). ``auto_wrap_policy`` None/"no_wrap" still shards each decoder layer
     (same result, lower peak memory than one root unit). Unset fields read Accelerate's
     ``FSDP_*`` environment variables.
     """
@@ -144,9 +146,6 @@ class FullyShardedDataParallelPlugin:
                                "freeze modules with requires_grad_(False) instead")
         if self.cpu_ram_efficient_loading is None:
             self.cpu_ram_efficient_loading = env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
-        if self.cpu_ram_efficient_loading:
-            raise _unsupported("cpu_ram_efficient_loading", True, "load with accelerator.load_model(path): "
-                               "each rank reads only its own shards from the safetensors files")
         for name in ("state_dict_config", "optim_state_dict_config", "param_init_fn"):
             if getattr(self, name) is not None:
                 raise _unsupported(name, getattr(self, name), "FSDP2 state dicts are configured by "

@@ -45,7 +45,49 @@ def prepare_all(acc, objects: list, device_placement) -> list:
     return out
 
 
+def _weights_on_rank0_only(acc, model: nn.Module) -> bool:
+    """True when rank 0 holds the weights and other ranks an empty (meta) model: what transformers
+    loads under Accelerate's ``cpu_ram_efficient_loading`` (``FSDP_CPU_RAM_EFFICIENT_LOADING``)."""
+    import torch.distributed as dist
+
+    from ndparallel.parallel.parallelize import is_meta
+
+    if acc.num_processes == 1:
+        return False
+    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(acc.num_processes)]
+    dist.all_gather(flags, torch.tensor([int(is_meta(model))]))
+    metas = [int(f) for f in flags]
+    if not any(metas) or all(metas):
+        return False
+    if metas[0]:
+        raise ValueError("prepare: rank 0's model is on the meta device but other ranks' are not; load the "
+                         "weights on rank 0 (cpu_ram_efficient_loading) or on every rank")
+    return True
+
+
+def _broadcast_rank0_weights(acc, model: nn.Module, full: dict) -> None:
+    """Fill the parallelised model from rank 0's full state dict (each rank keeps its shards)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+    )
+
+    from ndparallel.models.loading import (
+        _to_empty_keeping_ties,
+        init_non_persistent_buffers,
+    )
+    from ndparallel.parallel.parallelize import is_meta
+
+    if is_meta(model):
+        _to_empty_keeping_ties(model, acc.device)
+        init_non_persistent_buffers(model)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full if acc.is_main_process else {}, options=options)
+
+
 def prepare_model(acc, model: nn.Module) -> nn.Module:
+    """Parallelise ``model``; with weights on rank 0 only (``cpu_ram_efficient_loading``) they are
+    broadcast into every rank's shards afterwards."""
     from ndparallel.checkpoint.save_pretrained import (
         enable_consolidated_save_pretrained,
     )
@@ -53,11 +95,15 @@ def prepare_model(acc, model: nn.Module) -> nn.Module:
 
     if any(model is m for m in acc._models):
         return model
+    rank0_only = _weights_on_rank0_only(acc, model)
+    full = {k: v.to(acc.device) for k, v in model.state_dict().items()} if rank0_only and acc.is_main_process else {}
     old = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     model = parallelize_model(
         model, acc.torch_device_mesh, acc.parallelism_config, fsdp=acc.fsdp_options, tp=acc.tp_options,
         cp=acc.cp_options, param_dtype=acc.param_dtype, device=acc.device,
     )
+    if rank0_only:
+        _broadcast_rank0_weights(acc, model, full)
     new = dict(model.named_parameters(remove_duplicate=False))
     for pid, name in old.items():
         if name in new:
