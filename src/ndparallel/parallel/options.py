@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 
 @dataclass(frozen=True)
 class FSDPOptions:
@@ -21,6 +23,8 @@ class FSDPOptions:
     until the last micro-batch (less communication, but a full-size gradient per rank). Default:
     reduce-scatter every micro-batch so gradients stay sharded; only the replica all-reduce (DP /
     HSDP) waits for the last micro-batch."""
+    reduce_dtype: torch.dtype | None = None
+    """dtype of the gradient reduce-scatter / all-reduce; None = fp32 (exact sums under bf16)."""
 
 
 @dataclass(frozen=True)
