@@ -16,6 +16,8 @@ A = tokens per rank × hidden × 4 B, kv = 2 × tokens per rank × kv_heads × h
               them: 2 (c−1) kv sends
 * CP c allgather: FSDP over cp + per layer one all-gather of K/V (kv in) and one reduce-scatter
               of dK/dV (c·kv in)
+* CP c alltoall: FSDP over cp + per layer Q, K, V (K/V heads raised to c when fewer) and the
+              output all-to-all'd forward and their gradients backward, + int32 positions gathered
 
 Received bytes (recv) are the mirror of sends and are left out of the totals. Everything
 measured above the floor is listed per (dim, op) as excess, to be explained
@@ -66,6 +68,10 @@ def layouts():
 
         out["CP 2 ring"] = ({"cp_size": 2}, {"cp_options": CPOptions(comm_strategy="ring")})
         out["CP 2 allgather"] = ({"cp_size": 2}, {"cp_options": CPOptions(comm_strategy="allgather")})
+        out["CP 2 alltoall"] = ({"cp_size": 2}, {"cp_options": CPOptions(comm_strategy="alltoall")})
+        out["CP 4 ring"] = ({"cp_size": 4}, {"cp_options": CPOptions(comm_strategy="ring")})
+        out["CP 4 allgather"] = ({"cp_size": 4}, {"cp_options": CPOptions(comm_strategy="allgather")})
+        out["CP 4 alltoall"] = ({"cp_size": 4}, {"cp_options": CPOptions(comm_strategy="alltoall")})
     except ImportError:
         pass
     return out
@@ -116,9 +122,14 @@ def floor(name, layout, cfg, seq, rows, n_params):
         out[("tp", "reduce_scatter")] += (4 * L + 2) * A
     elif t > 1:
         out[("tp", "all_reduce")] += (4 * L + 2) * A
-    kv = 2 * tokens * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    d = cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * tokens * cfg.num_key_value_heads * d * 4
     if c > 1 and "ring" in name:
         out[("cp", "send")] += 2 * (c - 1) * kv * L
+    elif c > 1 and "alltoall" in name:  # Q,K,V and output there and back (K/V heads raised to c)
+        qkv = tokens * (cfg.num_attention_heads + 2 * max(cfg.num_key_value_heads, c)) * d * 4
+        out[("cp", "all_to_all")] += 2 * (qkv + tokens * cfg.num_attention_heads * d * 4) * L
+        out[("cp", "all_gather")] += tokens * 4 * L  # int32 position ids (document masks)
     elif c > 1:
         out[("cp", "all_gather")] += kv * L
         out[("cp", "reduce_scatter")] += c * kv * L

@@ -1,6 +1,7 @@
 """Planner validation on CPU: predicted vs measured peak memory per rank and step-time ranking.
 
     python bench/plan_validation.py [--seq 256] [--mb 2] [--steps 3] [--no-calibrate]
+    python bench/plan_validation.py --gpu-results [FILE] [--hardware-file PROFILE]
 
 Runs the tiny Llama (the planner's ``tiny`` spec) in fp32 with AdamW under several layouts on
 forked gloo CPU ranks and writes ``bench/results/plan_validation.json``.
@@ -203,7 +204,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-calibrate", action="store_true",
                     help="cost step times with a fixed CPU profile instead of measuring one")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan_validation.json"))
+    ap.add_argument("--gpu-results", nargs="?", const=str(REFERENCE / "h200_plan_gpu_check.json"),
+                    help="instead of the CPU runs: compare the planner with a bench/plan_gpu_check.py "
+                         "JSON (default: the H200 reference)")
+    ap.add_argument("--hardware-file", help="with --gpu-results: cost with this profile, not the preset")
     args = ap.parse_args(argv)
+    if args.gpu_results:
+        return gpu_table(args.gpu_results, args.hardware_file)
 
     from ndparallel.plan.hardware import Hardware
     from ndparallel.plan.layout import Layout, Settings
@@ -224,8 +231,9 @@ def main(argv=None) -> int:
         lay = Layout(kw.get("dp_replicate_size", 1), kw.get("dp_shard_size", 1),
                      kw.get("cp_size", 1), kw.get("tp_size", 1))
         tp = {"sequence_parallel": True, "loss_parallel": True} if lay.tp > 1 else {}
+        # The runs below keep gradients allocated (zero_grad(set_to_none=False)).
         s = Settings(seq_len=args.seq, micro_batch=args.mb, mixed_precision="fp32",
-                     sequence_parallel=lay.tp > 1, loss_parallel=lay.tp > 1)
+                     sequence_parallel=lay.tp > 1, loss_parallel=lay.tp > 1, set_to_none=False)
         m = estimate_memory(model, lay, s, hw)
         predicted = m.total - m.overhead
         est = estimate(model, lay, s, hw, gpus_per_node=4, global_batch=args.mb * lay.dp)
@@ -261,6 +269,46 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")
     return 0
+
+
+REFERENCE = Path(__file__).parent / "reference"
+
+
+def gpu_table(path: str, hardware_file: str | None) -> int:
+    """Predicted vs measured for every row of a plan_gpu_check.py JSON (one GPU, layout 1x1x1x1)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ndparallel.plan.hardware import PRESETS as HW
+    from ndparallel.plan.hardware import load_hardware_file, preset_for_device
+    from ndparallel.plan.layout import Layout, Settings
+    from ndparallel.plan.models import PRESETS
+    from ndparallel.plan.search import estimate
+
+    data = json.loads(Path(path).read_text())
+    hw = (load_hardware_file(hardware_file) if hardware_file
+          else preset_for_device(data.get("device", "")) or HW["h200"])
+    t = Table(title=f"planner ({hw.name}) vs {data.get('device')}: peak allocated, tokens/s")
+    for c in ("config", "pred GiB", "meas GiB", "err", "pred tok/s", "meas tok/s", "err",
+              "reserved GiB"):
+        t.add_column(c, justify="left" if c == "config" else "right")
+    worst_mem = worst_tps = 0.0
+    for r in data["rows"]:
+        if "error" in r:
+            continue
+        s = Settings(seq_len=r["seq"], micro_batch=r["micro_batch"],
+                     checkpointing=r["checkpointing"], optimizer_fused=r["fused_adamw"])
+        e = estimate(PRESETS[r["planner_model"]], Layout(), s, hw, 8)
+        mem = e.memory.allocated / 2**30
+        tps = r["micro_batch"] * r["seq"] / e.time.step
+        em, et = mem / r["max_allocated_gib"] - 1, tps / r["tokens_per_s"] - 1
+        worst_mem, worst_tps = max(worst_mem, abs(em)), max(worst_tps, abs(et))
+        t.add_row(r["config"], f"{mem:.2f}", f"{r['max_allocated_gib']:.2f}", f"{em:+.1%}",
+                  f"{tps:,.0f}", f"{r['tokens_per_s']:,.0f}", f"{et:+.1%}",
+                  f"{r['max_reserved_gib']:.1f}")
+    Console(width=140).print(t)
+    print(f"worst |error|: memory {worst_mem:.1%} (goal 10 %), tokens/s {worst_tps:.1%} (goal 15 %)")
+    return 0 if worst_mem <= 0.10 and worst_tps <= 0.15 else 1
 
 
 def _ranks(values):

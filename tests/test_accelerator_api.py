@@ -26,7 +26,7 @@ def _utilities():
     loader, sched2 = acc.prepare(loader, sched)
     seen = [int(x) for (batch,) in loader for x in batch]
     return {"sum": reduced_sum, "mean": reduced_mean, "gathered": gathered, "seen": seen,
-            "sched_same": sched2 is sched, "dp_rank": acc.dp_rank, "tp_rank": acc.rank_in("tp"),
+            "sched_same": sched2.scheduler is sched, "dp_rank": acc.dp_rank, "tp_rank": acc.rank_in("tp"),
             "main": acc.is_main_process}
 
 

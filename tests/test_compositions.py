@@ -33,7 +33,7 @@ def _check(layout, world, optimizer="adamw", **parallel_kwargs):
     assert diff["param_abs"] <= (1e-6 if optimizer == "sgd" else 1e-3), diff
 
 
-@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
 def test_fsdp2_cp2(strategy):
     _check({"dp_shard_size": 2, "cp_size": 2}, 4, cp_options=CPOptions(comm_strategy=strategy))
 
@@ -57,8 +57,9 @@ def test_cp_with_gradient_accumulation():
     assert diff["loss_rel"] <= LOSS_RTOL, diff
 
 
-def test_tp2_cp2():
-    _check({"tp_size": 2, "cp_size": 2}, 4)
+@pytest.mark.parametrize("strategy", ["ring", "alltoall"])
+def test_tp2_cp2(strategy):
+    _check({"tp_size": 2, "cp_size": 2}, 4, cp_options=CPOptions(comm_strategy=strategy))
 
 
 def test_fsdp2_tp2():
@@ -76,9 +77,11 @@ def test_hsdp2x2_tp2_8_ranks():
 
 
 @pytest.mark.slow
-def test_fsdp2_cp2_tp2_8_ranks():
+@pytest.mark.parametrize("strategy", ["ring", "alltoall"])
+def test_fsdp2_cp2_tp2_8_ranks(strategy):
     _check({"dp_shard_size": 2, "cp_size": 2, "tp_size": 2}, 8,
-           tp_options=TPOptions(sequence_parallel=True, loss_parallel=True))
+           tp_options=TPOptions(sequence_parallel=True, loss_parallel=True),
+           cp_options=CPOptions(comm_strategy=strategy))
 
 
 @pytest.mark.slow

@@ -12,9 +12,12 @@ MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 80
 
 # Each folder may import only from the folders listed before it (and itself); ``accelerator`` is
-# the facade over the layers below it. (``testing`` only re-exports the runtime's multi-rank runner.)
-LAYERS = ["layout", "runtime", "models", "parallel", "data", "checkpoint", "plan", "accelerator",
-          "training", "tools", "cli"]
+# the facade over the layers below it. ``parallelism_config`` and ``utils`` are the top-level
+# modules that mirror Accelerate's import paths (``accelerate.parallelism_config``,
+# ``accelerate.utils``); they are listed so their imports are checked like any layer's.
+# (``testing`` only re-exports the runtime's multi-rank runner.)
+LAYERS = ["layout", "parallelism_config", "runtime", "models", "parallel", "data", "checkpoint", "plan",
+          "accelerator", "utils", "training", "tools", "cli"]
 
 
 def _modules() -> dict[str, Path]:

@@ -71,6 +71,42 @@ def test_env_var_not_integer(monkeypatch):
         ParallelismConfig()
 
 
-def test_build_mesh_needs_process_group():
-    with pytest.raises(RuntimeError, match="init_distributed"):
-        ParallelismConfig().build_device_mesh("cpu")
+def test_accelerate_names_and_handlers(monkeypatch):
+    from ndparallel.utils import TorchContextParallelConfig
+
+    pc = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, cp_size=2, tp_size=2)
+    assert pc.dp_dim_names == ["dp_replicate", "dp_shard"] and pc.non_dp_dim_names == ["tp", "cp"]
+    assert pc.dp_cp_dim_names == ["dp_replicate", "dp_shard", "cp"] and pc.dp_shard_cp_dim_names == ["dp_shard", "cp"]
+    assert pc.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"] and pc.active_mesh_dims == [
+        "dp_replicate", "dp_shard", "tp", "cp"]
+    assert (pc.data_parallel_size, pc.non_data_parallel_size, pc.sp_size, pc.cp_backend) == (4, 4, 1, "torch")
+    assert pc.cp_handler.cp_comm_strategy == "allgather" and pc.tp_handler is not None
+    assert ParallelismConfig().dp_cp_dim_names == [] and ParallelismConfig().cp_handler is None
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_COMM_STRATEGY", "alltoall")
+    assert ParallelismConfig(cp_size=2).cp_handler.strategy == "ring"
+    assert ParallelismConfig(cp_size=2, cp_handler=TorchContextParallelConfig("allgather")).cp_handler.strategy == "allgather"
+    with pytest.raises(ParallelismConfigError, match="sp_size=2.*cp_size=2"):
+        ParallelismConfig(sp_size=2)
+    with pytest.raises(ValueError, match="pass a device_type"):
+        ParallelismConfig().get_device_mesh()
+
+
+def _one_process_mesh():
+    import os
+
+    import torch.distributed as dist
+
+    from ndparallel.runtime.distributed import shutdown
+
+    shutdown()
+    for var in ("RANK", "WORLD_SIZE"):
+        os.environ.pop(var)
+    pc = ParallelismConfig()
+    mesh = pc.get_device_mesh("cpu")  # no group, no torchrun: a one-rank group, like a plain script
+    return dist.get_world_size(), tuple(mesh.shape), pc.get_device_mesh() is mesh
+
+
+def test_build_mesh_starts_a_one_rank_group_outside_torchrun():
+    from ndparallel.testing import run_on_ranks
+
+    assert run_on_ranks(_one_process_mesh, 1)[0] == (1, (1, 1, 1, 1), True)

@@ -1,4 +1,5 @@
-"""Planner calibration: the alpha-beta fit, and a quick measurement on 2 forked gloo ranks."""
+"""Planner calibration: the alpha-beta fit, the kernel measurements over the model's own shapes
+on CPU, one-rank calibration (collectives not measured), and the profile through --hardware-file."""
 
 import json
 
@@ -7,7 +8,10 @@ import pytest
 from ndparallel.plan.calibrate import calibrate, fit_alpha_beta
 from ndparallel.plan.cli import main
 from ndparallel.plan.comms import collective_time
+from ndparallel.plan.gemm import gemm_shapes
 from ndparallel.plan.hardware import Hardware, load_hardware_file
+from ndparallel.plan.layout import Layout, Settings
+from ndparallel.plan.models import PRESETS
 
 
 @pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce", "send_recv"])
@@ -22,16 +26,54 @@ def test_fit_recovers_ring_model(kind):
 
 
 def test_quick_cpu_calibration_feeds_the_planner(tmp_path, capsys):
-    profile = calibrate(ranks=2, quick=True, device="cpu")
+    profile = calibrate(ranks=2, quick=True, device="cpu", model=PRESETS["tiny"], seq_len=64,
+                        micro_batch=2)
     hw = Hardware.from_dict(profile["hardware"])
     assert hw.peak_flops > 0 and hw.peak_flops_fp32 > 0 and hw.hbm_bw > 0
-    assert set(hw.collectives) == {"all_gather", "reduce_scatter", "all_reduce", "send_recv"}
+    assert set(hw.collectives) == {"all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all"}
     assert all(v["2"]["bus_bw"] > 0 for v in hw.collectives.values())
+    # every GEMM shape of the tiny model at 2 × 64 tokens (tp 1) was timed
+    measured = {(r["m"], r["n"], r["k"]) for r in hw.gemm_table}
+    assert measured == set(gemm_shapes(PRESETS["tiny"], Layout(), Settings(64, 2)))
+    assert all(r["flops_per_s"] > 0 for r in hw.gemm_table)
+    assert "16" in hw.attention_efficiency and all(x > 0 for x in hw.attention_efficiency["16"])
+    assert set(hw.cp_block_efficiency) == {"math", "flash"}
+    assert 0 < hw.broadcast_efficiency and hw.host_op_s > 0
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps(profile))
     assert load_hardware_file(path) == hw
+    assert load_hardware_file(path).gemm_table == hw.gemm_table  # compare=False fields too
     assert main(["--model", "tiny", "--gpus", "2", "--gpus-per-node", "2", "--hardware-file",
                  str(path), "--seq-len", "256", "--global-batch-size", "8",
                  "--mixed-precision", "fp32", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert len(data["ranked"]) == 4  # 2x1x1x1, 1x2x1x1, 1x1x2x1, 1x1x1x2
+    assert data["hardware"]["gemm_table"] == hw.gemm_table
+
+
+def test_one_rank_calibration_keeps_link_figures(tmp_path, capsys):
+    out = tmp_path / "one.json"
+    assert main(["--calibrate", "--calibrate-ranks", "1", "--quick", "--model", "tiny",
+                 "--seq-len", "64", "--micro-batch", "2", "--calibrate-out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "collectives not measured" in text and "--hardware-file" in text
+    profile = json.loads(out.read_text())
+    assert profile["hardware"]["collectives"] == {}
+    assert "collectives not measured" in profile["measurements"]["note"]
+    # the profile plans: an explained layout uses its measured GEMMs
+    assert main(["--model", "tiny", "--gpus", "1", "--hardware-file", str(out), "--seq-len", "64",
+                 "--micro-batch", "2", "--global-batch-size", "2", "--explain", "1x1x1x1",
+                 "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert best["time_s"]["compute_parts"]["gemm"] > 0
+
+
+def test_reference_h200_profile_loads():
+    """The profile --calibrate wrote on the project's H200 (bench/reference) is a valid
+    --hardware-file: 1 GPU, so its collectives are empty and its links are the preset's."""
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "reference" / "h200_profile.json"
+    hw = load_hardware_file(path)
+    assert hw.collectives == {} and hw.intra_node_bw == 450e9
+    assert 0.7 < hw.matmul_efficiency < 0.85 and len(hw.gemm_table) == 39

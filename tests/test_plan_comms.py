@@ -103,6 +103,30 @@ def test_context_parallel_allgather():
         predict_collectives(TINY, Layout(cp=2), seq_len=32, cp_strategy="ulysses")
 
 
+def test_context_parallel_alltoall():
+    """Ulysses: per layer and pass, one all-to-all of Q,K,V (16 tokens per rank × (4 + 2·2) heads
+    × 16 × bf16) and one of the output (16 × 4 × 16 × 2 B), forward and backward; positions
+    (int32) all-gathered per forward. K/V heads are raised to cp when fewer (replicated)."""
+    got = aggregate(predict_collectives(TINY, Layout(cp=2), seq_len=32, cp_strategy="alltoall"))
+    got = {k: v for k, v in got.items() if k[1] == "cp"}  # FSDP over dp_shard_cp aside
+    assert got == {("all_to_all", "cp", 4096): 4, ("all_to_all", "cp", 2048): 4,
+                   ("all_gather", "cp", 64): 2}
+    ck = aggregate(predict_collectives(TINY, Layout(cp=4), seq_len=32, cp_strategy="alltoall",
+                                       checkpointing=True))
+    # 8 tokens per rank, kv heads 2 -> 4 (replicated): 8 × (4 + 8) × 16 × 2; recompute: 3 passes
+    assert ck[("all_to_all", "cp", 8 * 12 * 16 * 2)] == 6 and ck[("all_gather", "cp", 32)] == 4
+
+
+def test_alltoall_head_rule_rejects_layouts():
+    from ndparallel.plan.layout import Settings, structural_rejections
+
+    s = Settings(seq_len=64, cp_strategy="alltoall")
+    assert structural_rejections(Layout(cp=4), TINY, 4, 8, s) == []  # 4 heads, 2 kv heads
+    codes = [c for c, _ in structural_rejections(Layout(cp=8), TINY, 8, 8, s)]
+    assert codes == ["heads_cp"]
+    assert structural_rejections(Layout(cp=8), TINY, 8, 8, Settings(seq_len=64)) == []  # ring
+
+
 def test_scalar_collectives():
     # 21 parameter tensors (9 per layer x 2, embedding, norm, LM head), 16 of them tp-sharded.
     fsdp = aggregate(predict_collectives(TINY, Layout(dp_shard=2), seq_len=32, scalars=True))
@@ -163,6 +187,7 @@ def test_alpha_beta_ring():
     assert collective_time("all_gather", 1e9, 4, hw, False) == pytest.approx(3 * (2e-5 + 0.1))
     assert collective_time("reduce_scatter", 4e9, 4, hw, True) == pytest.approx(3 * (1e-5 + 1e-2))
     assert collective_time("send_recv", 1e6, 2, hw, True) == pytest.approx(1e-5 + 1e-5)
+    assert collective_time("all_to_all", 4e9, 4, hw, True) == pytest.approx(3 * (1e-5 + 1e-2))
     assert collective_time("all_reduce", 1e9, 1, hw, True) == 0.0
 
 

@@ -47,7 +47,7 @@ def test_activation_bytes_per_token_hand_checked():
 
 
 def test_states_sharded_by_fsdp_and_tp():
-    s = Settings(seq_len=32)
+    s = Settings(seq_len=32, set_to_none=False)  # gradients kept allocated between steps
     one = estimate_memory(TINY, Layout(), s, H100)
     assert one.params == 106_816 * 4 and one.grads == 106_816 * 4
     assert one.optimizer == 106_816 * 8
@@ -56,7 +56,8 @@ def test_states_sharded_by_fsdp_and_tp():
     # dp_replicate does not shard; cp shards like dp_shard (FSDP over dp_shard x cp).
     assert estimate_memory(TINY, Layout(dp_replicate=2), s, H100).params == one.params
     assert estimate_memory(TINY, Layout(cp=2), s, H100).params == fsdp2.params
-    sgd = estimate_memory(TINY, Layout(), Settings(seq_len=32, optimizer="sgd"), H100)
+    sgd = estimate_memory(TINY, Layout(), Settings(seq_len=32, optimizer="sgd", set_to_none=False),
+                          H100)
     assert sgd.optimizer == 0
 
 
@@ -83,7 +84,7 @@ def test_activations_checkpointing_and_cp():
 
 
 def test_accumulation_keeps_unsharded_fp32_grads():
-    s1 = Settings(seq_len=32, grad_accum=1)
+    s1 = Settings(seq_len=32, grad_accum=1, set_to_none=False)
     s4 = Settings(seq_len=32, grad_accum=4, unsharded_grad_accumulation=True)
     every = Settings(seq_len=32, grad_accum=4)  # the default keeps gradients sharded
     lay = Layout(dp_shard=2, tp=2)
@@ -117,6 +118,71 @@ def test_parts_sum_to_total_and_overhead():
 
 def test_llama8b_single_gpu_states():
     # 8.03B params x (4 param + 4 grad + 8 AdamW) = 128.5 GB: does not fit one GPU.
-    m = estimate_memory(PRESETS["llama-3.1-8b"], Layout(), Settings(seq_len=4096), H100)
+    m = estimate_memory(PRESETS["llama-3.1-8b"], Layout(), Settings(seq_len=4096, set_to_none=False),
+                        H100)
     assert m.params + m.grads + m.optimizer == 8_030_261_248 * 16
     assert m.total > H100.mem_bytes
+
+
+def test_gradients_follow_set_to_none():
+    """zero_grad(set_to_none=True): one micro-batch has no gradient at the loss moment; with
+    accumulation the earlier micro-batches' (sharded) gradients are there."""
+    lay, model = Layout(dp_shard=2), PRESETS["llama-3.2-1b"]
+    one = estimate_memory(model, lay, Settings(seq_len=2048, micro_batch=4), H100)
+    kept = estimate_memory(model, lay, Settings(seq_len=2048, micro_batch=4, set_to_none=False),
+                           H100)
+    acc = estimate_memory(model, lay, Settings(seq_len=2048, micro_batch=4, grad_accum=2), H100)
+    assert one.peak_phase == "loss backward" and one.grads == 0
+    assert kept.grads == acc.grads == kept.params  # fp32 grads of the shard, like the params
+    assert kept.total - one.total == pytest.approx(kept.params)
+
+
+def test_end_of_backward_moment_for_state_heavy_layouts():
+    # 8B on one GPU with checkpointing and a short sequence: states dominate; the peak is the end
+    # of backward (all gradients present), 16 B per parameter.
+    m = estimate_memory(PRESETS["llama-3.1-8b"], Layout(),
+                        Settings(seq_len=256, checkpointing=True), H100)
+    assert m.peak_phase == "end of backward"
+    assert m.params + m.grads + m.optimizer == 8_030_261_248 * 16
+    assert m.activations == m.logits == m.fsdp_buffers == 0
+
+
+def test_chunked_loss_holds_one_chunk():
+    model, lay = PRESETS["llama-3.2-1b"], Layout()
+    kw = dict(seq_len=2048, micro_batch=4)
+    full = estimate_memory(model, lay, Settings(**kw), H100)
+    chunked = estimate_memory(model, lay, Settings(**kw, loss_impl="chunked",
+                                                   loss_chunk_tokens=1024), H100)
+    side = 8192 * (6 * 2048 + 4 + 2 * 2048)  # final norm + LM-head input, unchanged
+    assert full.logits == 8192 * 128256 * 14 + side
+    if chunked.peak_phase == "loss backward":
+        assert chunked.logits == 1024 * 128256 * 14 + side
+    assert chunked.total < full.total - 10 * 2**30
+
+
+def test_selective_checkpointing_keeps_half_the_matmul_outputs():
+    from ndparallel.plan.memory import selective_saved_per_token
+
+    model = PRESETS["llama-3.1-8b"]  # h 4096, a·d 4096, k·d 1024, f 14336
+    s = Settings(seq_len=8192, checkpointing=True, ac_policy="selective")
+    # input + q + v + attention out + gate + down, bf16, + fp32 lse
+    assert selective_saved_per_token(model, Layout(), s) == 2 * (
+        4096 + 4096 + 1024 + 4096 + 14336 + 4096) + 4 * 32
+
+
+def test_h200_rows_memory():
+    """The measured peaks of the H200 runs (bench/reference/h200_plan_gpu_check.json,
+    torch.cuda.max_memory_allocated) against ``allocated`` — every row within 1 %."""
+    import json
+    from pathlib import Path
+
+    from ndparallel.plan.hardware import PRESETS as HWP
+
+    rows = json.loads((Path(__file__).parents[1] / "bench" / "reference" /
+                       "h200_plan_gpu_check.json").read_text())["rows"]
+    assert len(rows) == 6
+    for r in rows:
+        s = Settings(seq_len=r["seq"], micro_batch=r["micro_batch"],
+                     checkpointing=r["checkpointing"])
+        m = estimate_memory(PRESETS[r["planner_model"]], Layout(), s, HWP["h200"])
+        assert m.allocated / 2**30 == pytest.approx(r["max_allocated_gib"], rel=0.01), r["config"]

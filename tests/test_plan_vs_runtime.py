@@ -1,8 +1,8 @@
 """The planner's predicted collectives equal, call for call and byte for byte, what steady-state
 training steps of the tiny model issue at run time (counted by ``CommProfiler`` around the
 Accelerator path of ``train_under_layout``), under TP (with and without sequence parallel and loss
-parallel), CP (ring and all-gather, with and without activation checkpointing) and FSDP×TP,
-FSDP×CP, in fp32 and bf16. The scalar collectives (global token count, gradient norm) are
+parallel), CP (ring, all-gather and all-to-all, with and without activation checkpointing) and
+FSDP×TP, FSDP×CP, TP×CP, in fp32 and bf16. The scalar collectives (global token count, gradient norm) are
 predicted too (``predict_collectives(..., scalars=True)``); the gradient norm on a 2-D parameter
 mesh (FSDP×TP) is compared by total bytes per dim, since DTensor splits it into calls grouped by
 placement (see ``ndparallel.plan.comms.scalar_collectives``).
@@ -122,16 +122,19 @@ TP = {"tp_size": 2}
 CP = {"cp_size": 2}
 SP = {"sequence_parallel": True}
 LP = {"loss_parallel": True}
-RING, AG = {"comm_strategy": "ring"}, {"comm_strategy": "allgather"}
+RING, AG, A2A = {"comm_strategy": "ring"}, {"comm_strategy": "allgather"}, {"comm_strategy": "alltoall"}
 # One process group per case: two equal DeviceMeshes in one process share DTensor's sharding
 # propagation cache, so a second run's embedding output can be reduced on the first run's group.
 GROUPS = {
     # name: (world, [(layout, mixed precision, tp options, cp options, checkpointing)])
     "tp2": (2, [(TP, "no", {}, {}, False), (TP, "no", SP, {}, False),
                 (TP, "bf16", {**SP, **LP}, {}, True)]),
-    "cp2": (2, [(CP, "no", {}, RING, False), (CP, "bf16", {}, AG, True)]),
+    "cp2": (2, [(CP, "no", {}, RING, False), (CP, "bf16", {}, AG, True), (CP, "no", {}, A2A, False),
+                (CP, "bf16", {}, A2A, True)]),
     "fsdp2xtp2": (4, [({"dp_shard_size": 2, **TP}, "bf16", {**SP, **LP}, {}, False)]),
-    "fsdp2xcp2": (4, [({"dp_shard_size": 2, **CP}, "bf16", {}, RING, True)]),
+    "fsdp2xcp2": (4, [({"dp_shard_size": 2, **CP}, "bf16", {}, RING, True),
+                      ({"dp_shard_size": 2, **CP}, "bf16", {}, A2A, False)]),
+    "tp2xcp2": (4, [({**TP, **CP}, "no", {}, A2A, False)]),
 }
 
 

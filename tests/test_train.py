@@ -73,10 +73,10 @@ def test_3d_layout_train_equals_one_rank(tmp_path):
         assert abs(a - b) / a <= 1e-5, (one, nd)
 
 
-def _verify(cfg_overrides, fault):
+def _verify(cfg_overrides, fault, example="examples/cpu/fsdp_tp.yaml"):
     from ndparallel.cli.commands import run_verify
 
-    args = ["examples/cpu/fsdp_tp.yaml", "--steps", "2", *[f"--set={s}" for s in cfg_overrides]]
+    args = [example, "--steps", "2", *[f"--set={s}" for s in cfg_overrides]]
     if fault:
         args += ["--inject-fault", fault]
     return run_verify(args)
@@ -87,6 +87,15 @@ def test_verify_passes_right_layout_and_fails_broken_one(monkeypatch, capsys):
     assert _verify([], None) == 0
     assert "PASS" in capsys.readouterr().out
     assert _verify([], "skip-grad-sync") == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_verify_cp_alltoall_on_packed_documents_and_catches_a_document_leak(monkeypatch, capsys):
+    """verify packs rows with documents: CP (alltoall) passes; attending across documents fails."""
+    monkeypatch.chdir(ROOT)
+    assert _verify(["cp_comm_strategy=alltoall"], None, "examples/cpu/cp.yaml") == 0
+    assert "PASS" in capsys.readouterr().out
+    assert _verify([], "cross-documents", "examples/cpu/cp.yaml") == 1
     assert "FAIL" in capsys.readouterr().out
 
 

@@ -49,13 +49,18 @@ def parse_size(size: int | str) -> int:
 
 class ShardWriter:
     """Collects tensors into safetensors files of at most ``max_shard_size`` bytes (a tensor larger
-    than that gets a file of its own) and writes HF's index when there is more than one."""
+    than that gets a file of its own) and writes HF's index when there is more than one.
+    ``safe=False`` writes ``pytorch_model*.bin`` files (torch.save) under HF's names instead."""
 
-    def __init__(self, directory: str | os.PathLike, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE):
+    def __init__(self, directory: str | os.PathLike, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                 safe: bool = True):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        for old in self.dir.glob("model*.safetensors*"):  # a previous export's shards
-            old.unlink()
+        self.safe = safe
+        self.stem, self.ext = ("model", "safetensors") if safe else ("pytorch_model", "bin")
+        for pattern in ("model*.safetensors*", "pytorch_model*.bin*"):  # a previous export's shards
+            for old in self.dir.glob(pattern):
+                old.unlink()
         self.max = parse_size(max_shard_size)
         self.current: dict[str, torch.Tensor] = {}
         self.current_bytes = 0
@@ -75,8 +80,11 @@ class ShardWriter:
 
         if not self.current:
             return
-        tmp = f".shard-{len(self.files):05d}.safetensors.tmp"
-        save_file(self.current, str(self.dir / tmp), metadata={"format": "pt"})
+        tmp = f".shard-{len(self.files):05d}.{self.ext}.tmp"
+        if self.safe:
+            save_file(self.current, str(self.dir / tmp), metadata={"format": "pt"})
+        else:
+            torch.save(self.current, self.dir / tmp)
         self.files.append((tmp, list(self.current)))
         self.current, self.current_bytes = {}, 0
 
@@ -84,14 +92,15 @@ class ShardWriter:
         """Write the last shard, give the files their final names; returns them."""
         self.flush()
         n = len(self.files)
-        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        stem, ext = self.stem, self.ext
+        names = [f"{stem}.{ext}"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}.{ext}" for i in range(n)]
         weight_map = {}
         for (tmp, keys), name in zip(self.files, names):
             os.replace(self.dir / tmp, self.dir / name)
             weight_map.update({k: name for k in keys})
         if n > 1:
             index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-            (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            (self.dir / f"{stem}.{ext}.index.json").write_text(json.dumps(index, indent=2))
         return names
 
 
@@ -109,15 +118,17 @@ def _write_config(model_or_config: Any, directory: Path, dtype: torch.dtype | No
 def save_hf_model(
     model: nn.Module, save_directory: str | os.PathLike, is_main: bool, tokenizer=None, *,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, dtype: torch.dtype | None = None,
+    safe_serialization: bool = True,
 ) -> None:
     """Write a consolidated HF directory from a parallelised (FSDP2 / TP / DP / plain) model.
-    Collective: every rank must call it; only ``is_main`` writes. ``dtype`` casts (default: as is)."""
+    Collective: every rank must call it; only ``is_main`` writes. ``dtype`` casts (default: as is);
+    ``safe_serialization=False`` writes ``pytorch_model*.bin`` instead of safetensors."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
 
     state = get_model_state_dict(model)  # sharded: nothing is gathered here
     aliases = tied_aliases(model)
-    writer = ShardWriter(save_directory, max_shard_size) if is_main else None
+    writer = ShardWriter(save_directory, max_shard_size, safe=safe_serialization) if is_main else None
     seen: set[int] = set()
     saved_dtype = None
     for name, value in state.items():

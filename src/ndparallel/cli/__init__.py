@@ -40,12 +40,9 @@ def _dispatch(command: str, rest: list[str]) -> int:
 
         return launch(rest)
     if command == "plan":
-        from ndparallel.cli.args import Parser
-        from ndparallel.plan.cli import add_plan_arguments, run_plan
+        from ndparallel.plan.cli import main as plan_main
 
-        parser = Parser(prog="ndparallel plan", description=_SUBCOMMANDS["plan"])
-        add_plan_arguments(parser)
-        return run_plan(parser.parse_args(rest))
+        return plan_main(rest, description=_SUBCOMMANDS["plan"])
     if command in ("train", "preprocess", "verify", "export", "plot"):
         from ndparallel.cli import commands
 

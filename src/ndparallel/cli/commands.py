@@ -129,7 +129,7 @@ def run_verify(argv: Sequence[str]) -> int:
     parser.add_argument("--steps", type=at_least(1), default=3, help="optimizer steps (>= 1)")
     parser.add_argument("--tolerance", type=at_least(0.0, strict=True), default=1e-5,
                         help="max relative loss/grad-norm error (> 0)")
-    parser.add_argument("--inject-fault", choices=["skip-grad-sync"], default=None,
+    parser.add_argument("--inject-fault", choices=["skip-grad-sync", "cross-documents"], default=None,
                         help=argparse.SUPPRESS)  # proves the check can fail (tests)
     args = parser.parse_args(list(argv))
     try:

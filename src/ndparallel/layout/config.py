@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from ndparallel.layout.dims import MESH_DIM_NAMES
+from ndparallel.layout.handlers import (
+    TorchContextParallelConfig,
+    TorchTensorParallelConfig,
+)
 
 _FIELDS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
 _FIELD_OF_DIM = dict(zip(MESH_DIM_NAMES, _FIELDS))
@@ -50,7 +55,21 @@ class ParallelismConfig:
     """Tensor-parallel degree (innermost: keep it within a node)."""
     cp_size: int | None = None
     """Context-parallel degree (each sequence split over cp ranks)."""
+    cp_backend: str | None = None
+    """Accelerate's CP backend name; only ``"torch"`` (None: ``PARALLELISM_CONFIG_CP_BACKEND``)."""
+    sp_size: int | None = None
+    """Accelerate's DeepSpeed-Ulysses degree: only 1 (use ``cp_size``)."""
+    sp_backend: str | None = None
+    """Accelerate's SP backend name; unused while ``sp_size`` is 1."""
+    tp_handler: TorchTensorParallelConfig | None = None
+    """Tensor-parallel handler (created when ``tp_size > 1``, as Accelerate does)."""
+    cp_handler: TorchContextParallelConfig | None = None
+    """Context-parallel handler: the K/V exchange strategy (created when ``cp_size > 1``)."""
+    sp_handler: Any = None
+    """Accelerate's DeepSpeed SP handler: must stay None."""
     _resolved: bool = field(default=False, repr=False, compare=False)
+
+    device_mesh = None  # set by ``get_device_mesh`` (Accelerate's cache); not a dataclass field
 
     def __post_init__(self) -> None:
         for name in _FIELDS:
@@ -58,6 +77,7 @@ class ParallelismConfig:
             if value is None:
                 value = _from_env(name, os.environ)
             object.__setattr__(self, name, _check_size(name, value))
+        _check_accelerate_fields(self)
         fills = [n for n in _FIELDS if getattr(self, n) == -1]
         if len(fills) > 1:
             raise ParallelismConfigError(
@@ -94,6 +114,17 @@ class ParallelismConfig:
         return self.dp_shard_size * self.cp_size
 
     @property
+    def data_parallel_size(self) -> int:
+        """Accelerate's name for ``dp_size``."""
+        return self.dp_size
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """Ranks that share one sample: tp × cp (Accelerate: × sp, always 1 here)."""
+        self._require_resolved("non_data_parallel_size")
+        return self.tp_size * self.cp_size
+
+    @property
     def dp_replicate_enabled(self) -> bool:
         return self.dp_replicate_size != 1
 
@@ -115,9 +146,42 @@ class ParallelismConfig:
         return self.dp_shard_enabled or self.cp_enabled
 
     @property
+    def sp_enabled(self) -> bool:
+        """Accelerate's DeepSpeed SP: never enabled here (``sp_size`` must be 1)."""
+        return False
+
+    @property
     def active_dims(self) -> tuple[str, ...]:
         """Mesh dims whose degree is not 1, outermost first."""
         return tuple(dim for dim, size in self.sizes.items() if size != 1)
+
+    # Accelerate's lists of *enabled* dim names. Our mesh always has all four dims (size-1 dims
+    # included), so every name these lists can hold is a valid key of ``build_device_mesh()``.
+    @property
+    def dp_dim_names(self) -> list[str]:
+        return [d for d, on in (("dp_replicate", self.dp_replicate_enabled),
+                                ("dp_shard", self.dp_shard_enabled)) if on]
+
+    @property
+    def non_dp_dim_names(self) -> list[str]:
+        return [d for d, on in (("tp", self.tp_enabled), ("cp", self.cp_enabled)) if on]
+
+    @property
+    def dp_shard_cp_dim_names(self) -> list[str]:
+        return [d for d, on in (("dp_shard", self.dp_shard_enabled), ("cp", self.cp_enabled)) if on]
+
+    @property
+    def dp_cp_dim_names(self) -> list[str]:
+        """Enabled dims over which the loss is averaged (data-parallel and context-parallel)."""
+        return self.dp_dim_names + (["cp"] if self.cp_enabled else [])
+
+    @property
+    def fsdp_dim_names(self) -> list[str]:
+        return (["dp_replicate"] if self.dp_replicate_enabled else []) + ["dp_shard_cp"]
+
+    @property
+    def active_mesh_dims(self) -> list[str]:
+        return self.dp_dim_names + self.non_dp_dim_names
 
     def __repr__(self) -> str:
         s = self.sizes
@@ -142,6 +206,14 @@ class ParallelismConfig:
 
     def to_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in _FIELDS}
+
+    def to_json(self) -> str:
+        """The degrees and handler choices as JSON (Accelerate's ``to_json`` returns None)."""
+        out: dict[str, Any] = {**self.to_dict(), "cp_backend": self.cp_backend, "sp_size": self.sp_size}
+        for name in ("tp_handler", "cp_handler"):
+            handler = getattr(self, name)
+            out[name] = dataclasses.asdict(handler) if handler is not None else None
+        return json.dumps(out, sort_keys=True)
 
     # ------------------------------------------------------------- validation
     def resolve(self, world_size: int) -> "ParallelismConfig":
@@ -182,20 +254,65 @@ class ParallelismConfig:
     # ------------------------------------------------------------------- mesh
     def build_device_mesh(self, device_type: str, timeout_s: float | None = None):
         """One ``DeviceMesh`` over all ranks with dims (dp_replicate, dp_shard, cp, tp) and the
-        flattened ``dp``, ``dp_shard_cp``, ``dp_cp`` views. Needs an initialised process group.
-        ``timeout_s``: the collective timeout of every group of the mesh (default: torch's)."""
+        flattened ``dp``, ``dp_shard_cp``, ``dp_cp`` views. Without a process group it starts the
+        default one first, as torch's ``init_device_mesh`` does (``torchrun`` env vars; a one-rank
+        group when there are none). ``timeout_s``: the collective timeout of every group of the mesh
+        (default: torch's)."""
         import torch.distributed as dist
 
-        from ndparallel.layout.mesh import build_mesh
+        from ndparallel.layout.mesh import build_mesh, ensure_default_group
 
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "build_device_mesh needs an initialised process group: call "
-                "ndparallel.runtime.distributed.init_distributed() (or use Accelerator) first"
-            )
+        ensure_default_group(device_type)
         resolved = self.resolve(dist.get_world_size())
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         return build_mesh(device_type, resolved.sizes, timeout)
+
+    def get_device_mesh(self, device_type: str | None = None):
+        """The mesh built for this config (kept on it, as Accelerate does); ``device_type`` builds
+        it on first use and must match afterwards."""
+        if self.device_mesh is None:
+            if device_type is None:
+                raise ValueError("no device mesh built yet: pass a device_type, e.g. get_device_mesh('cuda')")
+            object.__setattr__(self, "device_mesh", self.build_device_mesh(device_type))
+        elif device_type is not None and self.device_mesh.device_type != device_type:
+            raise ValueError(
+                f"the device mesh was built for {self.device_mesh.device_type!r}, not {device_type!r}"
+            )
+        return self.device_mesh
+
+    def _set_device_mesh(self, mesh) -> None:
+        """Attach a mesh built elsewhere (the Accelerator's) so ``get_device_mesh()`` returns it."""
+        object.__setattr__(self, "device_mesh", mesh)
+
+
+def _check_accelerate_fields(pc: ParallelismConfig) -> None:
+    """Fill and check the fields that exist for Accelerate's API (backends, SP, handlers)."""
+    env = os.environ
+    backend = pc.cp_backend or env.get("PARALLELISM_CONFIG_CP_BACKEND", "").strip() or "torch"
+    if backend != "torch":
+        raise ParallelismConfigError(
+            f"cp_backend={backend!r} is not supported: use cp_backend='torch' (ndparallel's own "
+            "ring/all-gather attention; DeepSpeed Ulysses is not available)"
+        )
+    sp = pc.sp_size if pc.sp_size is not None else env.get("PARALLELISM_CONFIG_SP_SIZE", "").strip() or 1
+    sp = _check_size("sp_size", sp)
+    if sp != 1:
+        raise ParallelismConfigError(
+            f"sp_size={sp} (DeepSpeed-Ulysses sequence parallelism) is not supported: split the "
+            f"sequence with cp_size={sp} (context parallelism) instead"
+        )
+    if pc.sp_handler is not None:
+        raise ParallelismConfigError("sp_handler is not supported (no DeepSpeed SP): leave it None, use cp_size")
+    object.__setattr__(pc, "cp_backend", backend)
+    object.__setattr__(pc, "sp_size", 1)
+    object.__setattr__(pc, "sp_backend", pc.sp_backend or env.get("PARALLELISM_CONFIG_SP_BACKEND") or "deepspeed")
+    for name, cls, size in (("tp_handler", TorchTensorParallelConfig, pc.tp_size),
+                            ("cp_handler", TorchContextParallelConfig, pc.cp_size)):
+        handler = getattr(pc, name)
+        if handler is None and size != 1:
+            object.__setattr__(pc, name, cls())
+        elif handler is not None and not isinstance(handler, cls):
+            raise ParallelismConfigError(f"{name} must be a {cls.__name__}, got {type(handler).__name__}")
 
 
 def _check_size(name: str, value: object) -> int:

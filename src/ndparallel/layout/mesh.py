@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import os
 import warnings
 from typing import Mapping
 
@@ -38,6 +39,24 @@ def flatten_dims(mesh: DeviceMesh, dims: tuple[str, ...], name: str, options=Non
     if options is None:
         return mesh[dims]._flatten(name)
     return mesh[dims]._flatten(name, backend_override=(None, options))
+
+
+def ensure_default_group(device_type: str) -> None:
+    """Start the default process group if none exists, as torch's ``init_device_mesh`` (and
+    Accelerate) do: under ``torchrun`` from its env vars, else a one-rank group. The timeout is
+    ``NDPARALLEL_TIMEOUT`` seconds (default 600), so a dead peer fails the job instead of hanging.
+    (``ndparallel.runtime.distributed.init_distributed`` is the full start-up the Accelerator uses:
+    device choice and restarts under the elastic agent.)"""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=float(os.environ.get("NDPARALLEL_TIMEOUT", "600")))
+    backend = "gloo" if device_type == "cpu" else None  # None: torch's cpu:gloo,cuda:nccl
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def build_mesh(

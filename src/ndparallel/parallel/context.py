@@ -6,8 +6,10 @@ How the attention finds its cp group: ``apply_context_parallel`` registers, in t
 (cp group, strategy, load balance, kernel) — e.g. ``ndparallel_cp_ring_lb_auto_pg3`` — whose
 closure holds the group, and sets the model's attention implementation to that name. So there is
 no global state of ours and no attribute on the modules; two models on two meshes get two names.
-The registered mask function returns no mask (the attention is causal by construction) and
-raises on a padding mask, which transformers would otherwise drop silently for custom names.
+The registered mask function returns no mask (the attention derives its causal and document masks
+from ``position_ids``) and raises on a padding mask, which transformers would otherwise drop
+silently for custom names. ``apply_document_attention`` does the same without CP: packed rows on
+one device with O(S) memory (transformers' sdpa would build a B×S×S mask).
 """
 
 from __future__ import annotations
@@ -19,17 +21,26 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.layout.mesh import process_group
-from ndparallel.parallel.cp_attention import context_parallel_attention
+from ndparallel.parallel.cp_alltoall import alltoall_head_error
+from ndparallel.parallel.cp_attention import (
+    STRATEGIES,
+    context_parallel_attention,
+    document_causal_attention,
+)
+from ndparallel.parallel.cp_blocks import DocCache
 from ndparallel.parallel.cp_sharding import cp_num_chunks, shard_for_cp
 from ndparallel.parallel.options import CPOptions
 
 
 def validate_context_parallel(
-    config, cp_size: int, seq_len: int | None = None, tp_size: int = 1, load_balance: bool = True
+    config, cp_size: int, seq_len: int | None = None, tp_size: int = 1, load_balance: bool = True,
+    strategy: str = "ring",
 ) -> None:
     """Raise ValueError (naming the field and the fix) if ``config`` cannot run with this CP layout."""
     if cp_size < 1:
         raise ValueError(f"context_parallel_size={cp_size} must be >= 1")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"cp_comm_strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
     n = cp_num_chunks(cp_size, load_balance)
     if seq_len is not None and seq_len % n:
         up = seq_len + (-seq_len) % n
@@ -48,6 +59,16 @@ def validate_context_parallel(
                     f"each TP rank runs CP attention on {field}/tp heads; choose a "
                     f"tensor_parallel_size that divides {value}"
                 )
+    if strategy == "alltoall" and cp_size > 1 and heads is not None:
+        error = alltoall_head_error(heads // tp_size, kv_heads // tp_size, cp_size)
+        if error:
+            raise ValueError(
+                f"cp_comm_strategy='alltoall' splits heads over cp ranks, but {error} "
+                f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}, "
+                f"tensor_parallel_size={tp_size}): use cp_comm_strategy 'ring' or 'allgather', or a "
+                "context_parallel_size that divides the query heads per TP rank and divides or is "
+                "divided by the key/value heads per TP rank"
+            )
     if cp_size > 1 and getattr(config, "attention_dropout", 0.0):
         raise ValueError(
             f"attention_dropout={config.attention_dropout} is not supported with context parallelism; "
@@ -74,41 +95,79 @@ def attention_name(cp_mesh, options: CPOptions = CPOptions(), kernel: str = "aut
     return f"ndparallel_cp_{options.comm_strategy}_{lb}_{kernel}_pg{group.group_name}"
 
 
+def _check_call(module, attention_mask, dropout, kwargs) -> None:
+    if attention_mask is not None:
+        raise ValueError(
+            "context-parallel / document attention takes no attention_mask (packed causal LM only): "
+            "drop the padding mask and pad with ignored labels instead (pad_for_cp)"
+        )
+    if dropout:
+        raise ValueError("attention dropout is not supported by context-parallel / document attention")
+    for unsupported in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"{unsupported} is not supported by context-parallel / document attention")
+    if not getattr(module, "is_causal", True):
+        raise ValueError("context-parallel / document attention is causal only; this module is not causal")
+
+
 def make_attention_fn(cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto"):
     """HF attention function ``fn(module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kw)
-    -> (out [B, S, H, D], None)`` running CP attention on the group of ``cp_mesh``."""
+    -> (out [B, S, H, D], None)`` running CP attention on the group of ``cp_mesh``; documents
+    (``position_ids`` restarting at 0, passed by the model in ``kw``) are never attended across."""
     group = process_group(cp_mesh)
     strategy, load_balance = options.comm_strategy, options.load_balance
+    cache = DocCache()  # the document layout of the current batch, shared by the layers
 
     def cp_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        if attention_mask is not None:
-            raise ValueError(
-                "context-parallel attention takes no attention_mask (packed causal LM only): drop "
-                "the padding mask and pad with ignored labels instead (pad_for_cp)"
-            )
-        if dropout:
-            raise ValueError("attention dropout is not supported with context parallelism")
-        for unsupported in ("sliding_window", "softcap", "s_aux"):
-            if kwargs.get(unsupported) is not None:
-                raise ValueError(f"{unsupported} is not supported by context-parallel attention")
-        if not getattr(module, "is_causal", True):
-            raise ValueError("context-parallel attention is causal only; this module is not causal")
+        _check_call(module, attention_mask, dropout, kwargs)
         out = context_parallel_attention(
             query, key, value, group, strategy=strategy, load_balance=load_balance,
-            scale=scaling, kernel=kernel,
+            scale=scaling, kernel=kernel, position_ids=kwargs.get("position_ids"), cache=cache,
         )
         return out.transpose(1, 2).contiguous(), None
 
     return cp_attention_forward
 
 
-def _cp_mask(*, attention_mask=None, **_):
+def _no_padding_mask(*, attention_mask=None, **_):
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(
-            "context parallelism does not support padding masks: pack sequences (position_ids carry "
-            "the global positions) and pad with ignored labels (pad_for_cp) instead"
+            "context parallelism / document attention does not support padding masks: pack sequences "
+            "(position_ids carry the global positions) and pad with ignored labels (pad_for_cp) instead"
         )
     return None
+
+
+def _register(model, name: str, fn) -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, _no_padding_mask)
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise RuntimeError(
+            f"{type(model).__name__} did not accept attention implementation {name!r}; it needs a "
+            "model using transformers' AttentionInterface"
+        )
+
+
+def apply_document_attention(model, kernel: str = "auto"):
+    """Without CP: switch ``model`` to ndparallel's document-masked causal attention (packed rows:
+    ``position_ids`` restarting at 0) with O(S) memory and the flash kernel on CUDA bf16/fp16.
+    transformers' own sdpa/eager handle packed rows too, but build a B×S×S mask; its
+    flash_attention_2 (if installed) uses varlen kernels. Works under TP (each rank its heads)."""
+    cache = DocCache()
+
+    def document_attention_forward(module, query, key, value, attention_mask, scaling=None,
+                                   dropout=0.0, **kwargs):
+        _check_call(module, attention_mask, dropout, kwargs)
+        out = document_causal_attention(query, key, value, kwargs.get("position_ids"), scaling,
+                                        kernel, cache)
+        return out.transpose(1, 2).contiguous(), None
+
+    _register(model, f"ndparallel_documents_{kernel}", document_attention_forward)
+    return model
 
 
 def apply_context_parallel(model, cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto"):
@@ -117,23 +176,22 @@ def apply_context_parallel(model, cp_mesh, options: CPOptions = CPOptions(), ker
     The model must then get sharded inputs (``context_parallel_buffers``) with explicit global
     ``position_ids`` and no padding mask. A cp group of size 1 leaves the model unchanged.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     group = process_group(cp_mesh)
     if dist.get_world_size(group) == 1:
         return model
-    validate_context_parallel(model.config, dist.get_world_size(group), load_balance=options.load_balance)
-    name = attention_name(group, options, kernel)
-    AttentionInterface.register(name, make_attention_fn(group, options, kernel))
-    AttentionMaskInterface.register(name, _cp_mask)
-    model.set_attn_implementation(name)
-    if model.config._attn_implementation != name:
-        raise RuntimeError(
-            f"{type(model).__name__} did not accept attention implementation {name!r}; context "
-            "parallelism needs a model using transformers' AttentionInterface"
-        )
+    validate_context_parallel(model.config, dist.get_world_size(group), load_balance=options.load_balance,
+                              tp_size=_tp_degree(model), strategy=options.comm_strategy)
+    _register(model, attention_name(group, options, kernel), make_attention_fn(group, options, kernel))
     return model
+
+
+def _tp_degree(model) -> int:
+    """The tensor-parallel degree of ``model``'s attention projections (1 if not TP)."""
+    for module in model.modules():
+        mesh = getattr(getattr(module, "weight", None), "device_mesh", None)
+        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+            return mesh.size(mesh.mesh_dim_names.index("tp"))
+    return 1
 
 
 @contextlib.contextmanager

@@ -34,10 +34,11 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard ``model`` with FSDP2: each decoder layer, the embeddings, the final norm + lm_head, then
     the root. ``dp_mesh`` is 1-D (shard) or 2-D (replicate, shard). ``param_dtype`` (e.g. bf16) is
-    the compute dtype; gradients are reduced in fp32 and the sharded fp32 master weights are kept.
-    ``master_dtype``: upcast each module's parameters to it just before sharding that module, so
-    only one module at a time exists unsharded in the higher precision."""
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    the compute dtype; gradients are reduced in ``options.reduce_dtype`` (default fp32) and the
+    sharded fp32 master weights are kept. ``master_dtype``: upcast each module's parameters to it
+    just before sharding that module, so only one module at a time exists unsharded in the higher
+    precision."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=options.reduce_dtype or torch.float32)
     kwargs = dict(mesh=dp_mesh, mp_policy=mp)
     if options.cpu_offload:
         # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op copy.

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 
 @dataclass(frozen=True)
 class FSDPOptions:
@@ -21,6 +23,8 @@ class FSDPOptions:
     until the last micro-batch (less communication, but a full-size gradient per rank). Default:
     reduce-scatter every micro-batch so gradients stay sharded; only the replica all-reduce (DP /
     HSDP) waits for the last micro-batch."""
+    reduce_dtype: torch.dtype | None = None
+    """dtype of the gradient reduce-scatter / all-reduce; None = fp32 (exact sums under bf16)."""
 
 
 @dataclass(frozen=True)
@@ -35,8 +39,10 @@ class TPOptions:
 
 @dataclass(frozen=True)
 class CPOptions:
-    comm_strategy: Literal["ring", "allgather"] = "ring"
-    """'ring': K/V rotate rank to rank; 'allgather': K/V gathered once per layer."""
+    comm_strategy: Literal["ring", "allgather", "alltoall"] = "ring"
+    """'ring': K/V rotate rank to rank; 'allgather': K/V gathered once per layer; 'alltoall'
+    (Ulysses): heads <-> sequence all-to-all, local attention on cp-th of the heads (query heads per
+    TP rank divisible by cp; K/V heads per TP rank divisible by cp or dividing it)."""
     load_balance: bool = True
     """Causal load balancing: rank i holds chunks i and 2·cp−1−i of 2·cp chunks."""
 

@@ -265,16 +265,14 @@ def distribute_leftover_params(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Modu
     For a model made TP by transformers: norms get ``Replicate`` inputs; modules its plan marks
     ``replicated_with_grad_allreduce`` (Qwen3 q_norm/k_norm) get head-sharded inputs instead, and
     transformers' forward wrapper on them (a gradient all-reduce hook that cannot take DTensors)
-    is removed, DTensor autograd doing that all-reduce.
-    """
+    is removed, DTensor autograd doing that all-reduce."""
     mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), tp_mesh)
     if mesh.ndim != 1 or mesh.size() != tp_mesh.size():
         raise ValueError(
-            f"the model is tensor-parallel over {mesh.size()} ranks ({mesh}) but the layout's tp mesh "
-            f"has {tp_mesh.size()}: transformers 5 ignores device_mesh when given tp_plan and shards "
-            "over the whole world. Load the model without tp_plan (ndparallel then shards it), or "
-            "use tp_size = world size"
-        )
+            f"the model is tensor-parallel over {mesh.size()} ranks ({mesh}) but the layout's tp mesh has "
+            f"{tp_mesh.size()}: transformers 5 ignores device_mesh when given tp_plan and shards over the "
+            "whole world (given tp_size too, it refuses: 'The parallel mesh requires N processes'). Load "
+            "the model without tp_plan/tp_size (prepare then shards it with TP), or use tp_size = world size")
     grad_allreduce = {
         n for n, s in match_plan(model, model_tp_plan(model), strict=False).items()
         if s == "replicated_with_grad_allreduce"

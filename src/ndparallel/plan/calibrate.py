@@ -1,5 +1,6 @@
-"""Measure this machine: matmul rate, memory bandwidth, collective latency/bandwidth per group
-size (gloo on forked CPU ranks, NCCL on local GPUs), written as a hardware profile JSON."""
+"""Measure this machine for the planner: the model's own GEMMs, attention kernels, element-wise
+bandwidth, op overheads (``calibrate_kernels.py``) and collective latency/bandwidth per group size
+(gloo on forked CPU ranks, NCCL on local GPUs), written as a hardware profile JSON."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import os
 import socket
 import time
 
+from ndparallel.plan.calibrate_kernels import measure_kernels
 from ndparallel.plan.comms import KINDS
-from ndparallel.plan.hardware import GiB, Hardware
+from ndparallel.plan.hardware import GiB, Hardware, preset_for_device
+from ndparallel.plan.models import ModelSpec, load_model_spec
 
 # Ring-model coefficients of t = k_alpha·α + k_beta·b/B for input bytes b on n ranks.
 _COEF = {
@@ -17,6 +20,7 @@ _COEF = {
     "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
     "all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
     "send_recv": lambda n: (1, 1),
+    "all_to_all": lambda n: (n - 1, (n - 1) / n),
 }
 
 
@@ -30,39 +34,6 @@ def fit_alpha_beta(kind: str, n: int, sizes: list[int], seconds: list[float]) ->
     ka, kb = _COEF[kind](n)
     c1 = max(c1, 1e-15)
     return {"alpha_s": max(c0, 0.0) / ka, "bus_bw": kb / c1}
-
-
-def measure_matmul(device: str, dtype_name: str, n: int, reps: int = 5) -> float:
-    """FLOP/s of an n×n×n matmul (best of ``reps``)."""
-    import torch
-
-    dtype = getattr(torch, dtype_name)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(reps + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
-def measure_copy_bw(device: str, nbytes: int) -> float:
-    """Bytes/s read + written by a large tensor copy."""
-    import torch
-
-    src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(4):
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
 
 
 def _sync(device: str) -> None:
@@ -110,6 +81,7 @@ def collective_bench(device: str, sizes: list[int], iters: int) -> dict:
 
 
 def _one(kind, x, big, g, n, rank):
+    import torch
     import torch.distributed as dist
 
     if kind == "all_gather":  # *_single are the torch >= 2.13 names of *_into_tensor / *_tensor
@@ -118,6 +90,9 @@ def _one(kind, x, big, g, n, rank):
         (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(x, big, group=g)
     elif kind == "all_reduce":
         dist.all_reduce(x, group=g)
+    elif kind == "all_to_all":
+        part = x[: x.numel() // n * n]
+        dist.all_to_all_single(torch.empty_like(part), part, group=g)
     else:
         peer_next = (rank + 1) % n
         peer_prev = (rank - 1) % n
@@ -156,62 +131,108 @@ def _gpu_worker(rank: int, world: int, port: int, sizes, iters, path: str) -> No
         dist.destroy_process_group()
 
 
-def calibrate(ranks: int | None = None, quick: bool = False, device: str | None = None) -> dict:
-    """Measure this machine; returns {"hardware": Hardware dict, "measurements": raw numbers}."""
+def calibrate(ranks: int | None = None, quick: bool = False, device: str | None = None,
+              model: ModelSpec | None = None, seq_len: int = 2048, micro_batch: int = 1) -> dict:
+    """Measure this machine; returns {"hardware": Hardware dict, "measurements": raw numbers}.
+
+    Kernels (``calibrate_kernels.py``): the bf16 GEMMs of ``model`` at ``seq_len × micro_batch``
+    tokens (tp = 1; without ``quick`` also tp = 2, 4, 8 where they divide the heads), causal
+    flash attention and the CP ring's block kernels at the model's heads, element-wise bandwidth,
+    the cost of one small op. Collectives with ``ranks`` ≥ 2 (NCCL over local GPUs, gloo over
+    forked CPU ranks); with one GPU they are not measured and the preset's link figures stay."""
     import torch
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    sizes = [2**12, 2**16, 2**20, 2**22] if quick else [2**12, 2**16, 2**20, 2**22, 2**24]
-    iters = 3 if quick else 10
     if device == "cuda":
-        sizes = [s * 16 for s in sizes]
         ranks = ranks or torch.cuda.device_count()
-        n_mm = 8192
         dev_name = torch.cuda.get_device_name(0)
-        mem = torch.cuda.get_device_properties(0).total_memory
-        overhead = 2 * GiB
+        mem = float(torch.cuda.get_device_properties(0).total_memory)
+        base = preset_for_device(dev_name)
     else:
-        ranks = ranks or max(2, min(os.cpu_count() or 2, 8))
-        n_mm = 512 if quick else 1024
+        ranks = ranks if ranks is not None else max(2, min(os.cpu_count() or 2, 8))
         dev_name = "cpu"
         import psutil
 
-        mem = psutil.virtual_memory().total / ranks
-        overhead = 0.25 * GiB
-    flops_bf16 = measure_matmul(device, "bfloat16", n_mm)
-    flops_fp32 = measure_matmul(device, "float32", n_mm)
-    copy_bw = measure_copy_bw(device, 2**26 if quick else 2**28)
-    raw: dict = {}
-    if ranks >= 2:
-        if device == "cuda":
-            raw = _run_gpu(ranks, sizes, iters)
-        else:
-            from ndparallel.runtime.multirank import run_on_ranks
+        mem = psutil.virtual_memory().total / max(ranks, 1)
+        base = None
+    model = model or (load_model_spec("llama-3.2-1b") if device == "cuda"
+                      else load_model_spec("tiny"))
+    kern = measure_kernels(device, quick, model, seq_len, micro_batch)
+    raw = _collectives(device, ranks, quick)
+    table = _fit_all(raw, _sizes(device, quick)) if raw else {}
+    hw = _profile(dev_name, device, mem, base, kern, table, model)
+    note = ("collectives measured on one machine: inter-node numbers copy the intra-node ones"
+            if table else f"collectives not measured ({ranks} rank(s)): link figures kept from "
+            f"{'the ' + base.name + ' preset' if base else 'the memory copy bandwidth'}")
+    return {"hardware": hw.to_dict(),
+            "measurements": {"device": dev_name, "ranks": ranks, "model": model.name,
+                             "seq_len": seq_len, "micro_batch": micro_batch, **kern,
+                             "collective_seconds": {k: {str(n): t for n, t in v.items()}
+                                                    for k, v in raw.items()},
+                             "note": note}}
 
-            raw = run_on_ranks(_cpu_rank_fn, ranks, sizes, iters, timeout_s=300)[0]
-    table = _fit_all(raw, sizes) if raw else {}
-    ar = table.get("all_reduce", {})
-    biggest = ar.get(str(max((int(k) for k in ar), default=0)))
-    bw = biggest["bus_bw"] if biggest else copy_bw
-    alpha = biggest["alpha_s"] if biggest else 5e-6
-    hw = Hardware(
-        name=f"calibrated-{dev_name}".replace(" ", "-").lower(),
-        mem_bytes=float(mem), peak_flops=flops_bf16, peak_flops_fp32=flops_fp32, hbm_bw=copy_bw,
-        intra_node_bw=bw, inter_node_bw=bw, intra_node_latency=alpha, inter_node_latency=alpha,
-        link_efficiency=1.0, matmul_efficiency=1.0, runtime_overhead_bytes=overhead,
-        collectives=table,
+
+def _sizes(device: str, quick: bool) -> list[int]:
+    sizes = [2**12, 2**16, 2**20, 2**22] if quick else [2**12, 2**16, 2**20, 2**22, 2**24]
+    return [x * 16 for x in sizes] if device == "cuda" else sizes
+
+
+def _collectives(device: str, ranks: int, quick: bool) -> dict:
+    """Raw collective timings over ``ranks`` local ranks ({} below 2 ranks)."""
+    if ranks < 2:
+        return {}
+    iters = 3 if quick else 10
+    if device == "cuda":
+        return _run_gpu(ranks, _sizes(device, quick), iters)
+    from ndparallel.runtime.multirank import run_on_ranks
+
+    return run_on_ranks(_cpu_rank_fn, ranks, _sizes(device, quick), iters, timeout_s=300)[0]
+
+
+def _profile(dev_name: str, device: str, mem: float, base: Hardware | None, kern: dict,
+             table: dict, model: ModelSpec) -> Hardware:
+    """The measured numbers as a Hardware profile. A known GPU keeps its preset's spec peaks and
+    bandwidth, the measurements becoming efficiencies (so MFU stays against the spec peak); an
+    unknown device (CPU) gets the measured rates as its peaks, efficiencies 1."""
+    bf16, fp32 = kern["matmul_flops"]["bfloat16"], kern["matmul_flops"]["float32"]
+    peak = base.peak_flops if base else bf16
+    bw = kern["elementwise"]["stream"]
+    a = kern["attention"]
+    fwd_flops = 2.0 * a["batch"] * a["heads"] * a["head_dim"] * a["seq"] ** 2
+    cp = {}
+    for name, blk in kern["cp_blocks"].items():
+        flops = 4.0 * blk["batch"] * blk["heads"] * blk["head_dim"] * blk["chunk"] ** 2
+        cp[name] = {"fwd": flops / (blk["fwd_s"] * peak), "bwd": 2.5 * flops / (blk["bwd_s"] * peak)}
+    small = kern["small_op"]
+    links = {}
+    if table:
+        ar = table.get("all_reduce", {})
+        biggest = ar[str(max(int(k) for k in ar))]
+        links = dict(intra_node_bw=biggest["bus_bw"], inter_node_bw=biggest["bus_bw"],
+                     intra_node_latency=biggest["alpha_s"], inter_node_latency=biggest["alpha_s"],
+                     link_efficiency=1.0)
+    elif base:
+        links = dict(intra_node_bw=base.intra_node_bw, inter_node_bw=base.inter_node_bw,
+                     intra_node_latency=base.intra_node_latency,
+                     inter_node_latency=base.inter_node_latency,
+                     link_efficiency=base.link_efficiency)
+    else:  # one CPU rank: nothing measured; memory copies as a stand-in
+        links = dict(intra_node_bw=bw, inter_node_bw=bw, link_efficiency=1.0)
+    return Hardware(
+        name=f"calibrated-{dev_name}".replace(" ", "-").lower(), mem_bytes=mem,
+        peak_flops=peak, peak_flops_fp32=base.peak_flops_fp32 if base else fp32,
+        hbm_bw=base.hbm_bw if base else bw, **links,
+        matmul_efficiency=bf16 / peak,
+        runtime_overhead_bytes=base.runtime_overhead_bytes if base else 0.25 * GiB,
+        hbm_efficiency=bw / base.hbm_bw if base else 1.0,
+        broadcast_efficiency=kern["elementwise"]["broadcast"] / bw,
+        attention_efficiency={**(base.attention_efficiency if base else {}), str(a["head_dim"]): [
+            fwd_flops / (a["fwd_s"] * peak), 2 * fwd_flops / (a["bwd_s"] * peak)]},
+        cp_block_efficiency=cp,
+        kernel_overhead_s=small.get("gpu_s", 0.0), host_op_s=small["host_s"],
+        gemm_table=kern["gemm_table"], collectives=table,
     )
-    return {
-        "hardware": hw.to_dict(),
-        "measurements": {
-            "device": dev_name, "ranks": ranks, "sizes_bytes": sizes, "iters": iters,
-            "matmul_n": n_mm, "matmul_flops": {"bfloat16": flops_bf16, "float32": flops_fp32},
-            "copy_bytes_per_s": copy_bw,
-            "collective_seconds": {k: {str(n): t for n, t in v.items()} for k, v in raw.items()},
-            "note": "inter-node numbers are copies of the intra-node ones (one machine measured)",
-        },
-    }
 
 
 def _run_gpu(ranks: int, sizes, iters) -> dict:

@@ -9,6 +9,7 @@ import sys
 from rich.console import Console
 
 from ndparallel.plan import hardware as hwmod
+from ndparallel.plan.cli_checks import check_args, gpu_mem_bytes
 from ndparallel.plan.layout import parse_layout
 from ndparallel.plan.models import PRESETS as MODEL_PRESETS
 from ndparallel.plan.models import load_model_spec
@@ -31,11 +32,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", default="h100-80gb",
                    help=f"hardware preset: {', '.join(hwmod.PRESETS)} (default h100-80gb)")
     g.add_argument("--hardware-file", help="hardware profile JSON (e.g. from --calibrate)")
-    g.add_argument("--gpu-mem", help="override GPU memory, e.g. 80GB (GB = GiB here)")
+    g.add_argument("--gpu-mem", help="override GPU memory, e.g. 80GB (GB = GiB here; a bare "
+                   "number is GB)")
     g.add_argument("--peak-tflops", type=float, help="override dense bf16 peak, TFLOP/s")
     g.add_argument("--intra-node-bw", type=float, help="override NVLink bandwidth, GB/s per GPU")
     g.add_argument("--inter-node-bw", type=float, help="override network bandwidth, GB/s per GPU")
-    g.add_argument("--matmul-efficiency", type=float, help="achievable fraction of peak (0-1)")
+    g.add_argument("--matmul-efficiency", type=float,
+                   help="fraction of peak an 8192³ GEMM reaches (0-1)")
+    g.add_argument("--hbm-bw", type=float, help="override HBM bandwidth (spec), GB/s")
     t = parser.add_argument_group("training")
     t.add_argument("--seq-len", type=int, default=4096, help="sequence length (default 4096)")
     gb = t.add_mutually_exclusive_group()
@@ -43,6 +47,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     gb.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
     t.add_argument("--micro-batch", default="auto", help="micro-batch per GPU, or auto (1,2,4,8)")
     t.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto")
+    t.add_argument("--ac-policy", choices=("full", "selective"), default="full",
+                   help="checkpointing policy: full (ndparallel) or torchtitan's per-op "
+                        "selective policy (for comparisons; not run by ndparallel)")
     t.add_argument("--mixed-precision", choices=("bf16", "fp32"), default="bf16")
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     t.add_argument("--no-sequence-parallel", action="store_true",
@@ -52,10 +59,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--unsharded-grad-accumulation", action="store_true",
                    help="accumulate unsharded gradients, reduce-scatter only after the last "
                         "micro-batch (default: reduce-scatter every micro-batch)")
-    t.add_argument("--cp-strategy", choices=("ring", "allgather"), default="ring",
+    t.add_argument("--cp-strategy", choices=("ring", "allgather", "alltoall"), default="ring",
                    help="context-parallel attention communication (train's cp_comm_strategy)")
     t.add_argument("--no-reshard-after-forward", action="store_true",
                    help="FSDP keeps params unsharded between forward and backward")
+    t.add_argument("--cp-kernel", choices=("flash", "math", "sdpa"), default="flash",
+                   help="CP block kernel (flash: what 'auto' runs on CUDA in bf16; sdpa = flash; math: fp32)")
+    t.add_argument("--loss-impl", choices=("full", "chunked"), default="full",
+                   help="full logits (today's causal_lm_loss) or a chunked memory-efficient loss")
+    t.add_argument("--loss-chunk-tokens", type=int, default=1024,
+                   help="tokens per chunk of --loss-impl chunked (default 1024)")
+    t.add_argument("--fused-adamw", action="store_true",
+                   help="AdamW fused=True (default: torch's foreach AdamW, as the trainer)")
     o = parser.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
     o.add_argument("--show-rejected", action="store_true", help="list every rejected layout")
@@ -78,36 +93,36 @@ def _hardware(args) -> hwmod.Hardware:
           else hwmod.get_preset(args.gpu))
     return hwmod.with_overrides(
         hw,
-        mem_bytes=hwmod.parse_size(args.gpu_mem, gb_is_gib=True) if args.gpu_mem else None,
+        mem_bytes=gpu_mem_bytes(args.gpu_mem) if args.gpu_mem else None,
         peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
         intra_node_bw=args.intra_node_bw * 1e9 if args.intra_node_bw else None,
         inter_node_bw=args.inter_node_bw * 1e9 if args.inter_node_bw else None,
         matmul_efficiency=args.matmul_efficiency,
+        hbm_bw=args.hbm_bw * 1e9 if args.hbm_bw else None,
     )
 
 
 def build_request(args) -> PlanRequest:
     if not args.model:
-        raise ValueError("--model is required")
+        raise ValueError("--model is missing: give a preset (e.g. llama-3.1-8b) or a config.json")
     if not args.gpus:
-        raise ValueError("--gpus is required")
+        raise ValueError("--gpus is missing: give the number of GPUs (the world size)")
     global_batch = args.global_batch_size
     if args.global_batch_tokens:
-        if args.global_batch_tokens % args.seq_len:
-            raise ValueError(f"--global-batch-tokens {args.global_batch_tokens} is not a multiple "
-                             f"of --seq-len {args.seq_len}")
         global_batch = args.global_batch_tokens // args.seq_len
     mb = None if str(args.micro_batch).lower() == "auto" else int(args.micro_batch)
     return PlanRequest(
         model=load_model_spec(args.model), hardware=_hardware(args), gpus=args.gpus,
         gpus_per_node=min(args.gpus_per_node, args.gpus) if args.gpus_per_node else args.gpus,
         seq_len=args.seq_len, global_batch=global_batch, micro_batch=mb,
-        checkpointing=args.activation_checkpointing, mixed_precision=args.mixed_precision,
+        checkpointing=args.activation_checkpointing, ac_policy=args.ac_policy,
+        mixed_precision=args.mixed_precision,
         optimizer=args.optimizer, sequence_parallel=not args.no_sequence_parallel,
         reshard_after_forward=not args.no_reshard_after_forward,
         loss_parallel=not args.no_loss_parallel,
         unsharded_grad_accumulation=args.unsharded_grad_accumulation,
-        cp_strategy=args.cp_strategy,
+        cp_strategy=args.cp_strategy, cp_kernel=args.cp_kernel, loss_impl=args.loss_impl,
+        loss_chunk_tokens=args.loss_chunk_tokens, optimizer_fused=args.fused_adamw,
     )
 
 
@@ -115,6 +130,7 @@ def run_plan(args) -> int:
     """Run the planner for parsed ``args``; returns a process exit code."""
     console = Console(soft_wrap=False, width=max(Console().width, 140))
     try:
+        check_args(args)
         if args.calibrate:
             return _run_calibrate(args, console)
         req = build_request(args)
@@ -151,7 +167,10 @@ def run_plan(args) -> int:
 def _run_calibrate(args, console: Console) -> int:
     from ndparallel.plan.calibrate import calibrate
 
-    profile = calibrate(ranks=args.calibrate_ranks, quick=args.quick)
+    model = load_model_spec(args.model) if args.model else None
+    mb = 1 if str(args.micro_batch).lower() == "auto" else int(args.micro_batch)
+    profile = calibrate(ranks=args.calibrate_ranks, quick=args.quick, model=model,
+                        seq_len=args.seq_len, micro_batch=mb)
     text = json.dumps(profile, indent=2)
     if args.calibrate_out:
         with open(args.calibrate_out, "w") as fh:
@@ -160,16 +179,33 @@ def _run_calibrate(args, console: Console) -> int:
     if args.json or not args.calibrate_out:
         print(text)
     else:
-        hw = profile["hardware"]
-        console.print(f"matmul bf16 {hw['peak_flops'] / 1e12:.3f} TFLOP/s, fp32 "
-                      f"{hw['peak_flops_fp32'] / 1e12:.3f} TFLOP/s, copy {hw['hbm_bw'] / 1e9:.1f} "
-                      f"GB/s, all-reduce bus {hw['intra_node_bw'] / 1e9:.2f} GB/s, alpha "
-                      f"{hw['intra_node_latency'] * 1e6:.1f} µs")
+        hw, m = profile["hardware"], profile["measurements"]
+        console.print(
+            f"GEMM {m['anchor_n']}³ bf16 {m['matmul_flops']['bfloat16'] / 1e12:.1f} TFLOP/s, fp32 "
+            f"{m['matmul_flops']['float32'] / 1e12:.1f}; {len(hw['gemm_table'])} model GEMM shapes "
+            f"measured; causal attention fwd/bwd "
+            f"{'/'.join(f'{x:.0%}' for x in hw['attention_efficiency'][str(m['attention']['head_dim'])])}"
+            f" of peak; element-wise "
+            f"{m['elementwise']['stream'] / 1e9:.0f} GB/s (broadcast "
+            f"{m['elementwise']['broadcast'] / 1e9:.0f}); {m['small_op']['host_s'] * 1e6:.1f} µs "
+            f"per eager op")
+        console.print(m["note"])
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ndparallel plan",
-                                     description="Rank parallel layouts for a model and cluster.")
+class PlanArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``ndparallel plan: error: ...``, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"ndparallel plan: error: {message}\n")
+
+
+def make_parser(description: str = "Rank parallel layouts for a model and cluster.") -> argparse.ArgumentParser:
+    parser = PlanArgumentParser(prog="ndparallel plan", description=description)
     add_plan_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None, description: str | None = None) -> int:
+    parser = make_parser(*([description] if description else []))
     return run_plan(parser.parse_args(argv))

@@ -15,7 +15,7 @@ from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.models import ModelSpec, ParamSpec, fsdp_units
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -195,10 +195,13 @@ def _context_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int
     around the ring, cp−1 hops in forward (and in the recomputed forward), cp−1 hops in backward,
     plus cp hops of the fp32 dK/dV accumulators (the last one returning them home).
     All-gather strategy: the stacked local K/V all-gathered once per forward (kept for backward),
-    the fp32 dK/dV of the whole sequence reduce-scattered once in backward."""
+    the fp32 dK/dV of the whole sequence reduce-scattered once in backward.
+    All-to-all (Ulysses, ``parallel/cp_alltoall.py``): see ``_ulysses``."""
     c, L = layout.cp, model.layers
     kv_elems = 2 * tokens * model.kv_heads * model.head_dim // layout.tp
     fwd = (c - 1) * (2 if s.checkpointing else 1)
+    if s.cp_strategy == "alltoall":
+        return _ulysses(model, layout, s, tokens, ga)
     if s.cp_strategy == "allgather":
         passes = 2 if s.checkpointing else 1
         return [
@@ -208,12 +211,30 @@ def _context_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int
                        "CP reduce-scatter dK/dV (fp32)"),
         ]
     if s.cp_strategy != "ring":
-        raise ValueError(f"cp_strategy={s.cp_strategy!r}: use 'ring' or 'allgather'")
+        raise ValueError(f"cp_strategy={s.cp_strategy!r}: use 'ring', 'allgather' or 'alltoall'")
     return [
         Collective("send_recv", "cp", kv_elems * s.act_bytes, (fwd + (c - 1)) * L * ga,
                    "CP ring K/V", "attention"),
         Collective("send_recv", "cp", kv_elems * 4, c * L * ga, "CP ring dK/dV (fp32)",
                    "attention"),
+    ]
+
+
+def _ulysses(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int):
+    """Per layer and forward (repeated by the recompute under checkpointing): one all-to-all of
+    Q, K, V packed together (K/V heads per tp rank raised to cp when fewer: replicated) and one of
+    the attention output, plus an all-gather of the int32 position ids (document masks); per
+    backward the two all-to-alls mirrored (gradients in the activation dtype). Bytes: the input
+    of one rank, ``tokens`` = its sequence shard."""
+    c, L, t, d = layout.cp, model.layers, layout.tp, model.head_dim
+    heads, kv = model.heads // t, max(model.kv_heads // t, c)
+    passes = 2 if s.checkpointing else 1
+    qkv = tokens * (heads + 2 * kv) * d * s.act_bytes
+    out = tokens * heads * d * s.act_bytes
+    return [
+        Collective("all_to_all", "cp", qkv, (passes + 1) * L * ga, "CP all-to-all Q/K/V (dQ/dK/dV)"),
+        Collective("all_to_all", "cp", out, (passes + 1) * L * ga, "CP all-to-all output (its grad)"),
+        Collective("all_gather", "cp", tokens * 4, passes * L * ga, "CP position ids (int32)"),
     ]
 
 
@@ -280,7 +301,7 @@ def _measured(hw: Hardware, kind: str, n: int) -> dict | None:
 def collective_time(kind: str, nbytes: float, n: int, hw: Hardware, intra: bool) -> float:
     """Alpha-beta ring time of one call (NCCL ring algorithm):
     all-gather (n−1)(α + b/B) with b the input shard; reduce-scatter (n−1)(α + b/(nB));
-    all-reduce 2(n−1)(α + b/(nB)); send/recv α + b/B."""
+    all-reduce 2(n−1)(α + b/(nB)); send/recv α + b/B; all-to-all (n−1)(α + b/(nB))."""
     if n <= 1:
         return 0.0
     m = _measured(hw, kind, n) if intra else None
@@ -298,6 +319,8 @@ def collective_time(kind: str, nbytes: float, n: int, hw: Hardware, intra: bool)
         return 2 * (n - 1) * (alpha + nbytes / (n * bw))
     if kind == "send_recv":
         return alpha + nbytes / bw
+    if kind == "all_to_all":  # pairwise exchange: (n−1)/n of the input leaves each rank
+        return (n - 1) * (alpha + nbytes / (n * bw))
     raise ValueError(f"unknown collective kind {kind!r}")
 
 

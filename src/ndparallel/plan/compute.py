@@ -1,13 +1,40 @@
-"""Compute model: FLOPs per token (model and hardware) and matmul time on one GPU."""
+"""Compute model by op class: time of one micro-batch's forward + backward on one GPU, and the
+step's memory-bound extras (optimizer, clipping, FSDP's copies).
+
+* GEMMs by shape (``gemm.py``), the LM head included; checkpointing repeats the layers' forward.
+* Attention with the kernel that runs (``attention.py``): causal flash without CP, the ring's
+  block kernels with CP.
+* Memory-bound ops (``membound.py``): bytes / (``hbm_bw · hbm_efficiency``), broadcast ops at
+  ``broadcast_efficiency`` of that.
+* Launch overhead: ``KERNELS_PER_LAYER`` kernels per layer each leaving the GPU idle for
+  ``kernel_overhead_s``; and the host floor: a micro-batch cannot run faster than its eager ops
+  are dispatched (``host_op_s`` each), which is what bounds tiny models.
+
+MFU keeps the usual convention: model FLOPs ``6·N + 6·L·a·d·s`` per token over the dtype's peak.
+"""
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
+from ndparallel.plan.attention import attention_time
+from ndparallel.plan.gemm import Gemm, gemm_time, micro_batch_gemms
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
+from ndparallel.plan.membound import (
+    CLIP_BYTES,
+    OPTIMIZER_BYTES,
+    Bytes,
+    fsdp_copy_bytes,
+    layer_bytes_per_token,
+    loss_bytes_per_token,
+)
 from ndparallel.plan.models import ModelSpec
 
-SMALL_GEMM_DIM = 128
-"""A GEMM whose smallest dim is m runs at m/(m+128) of the large-GEMM rate (heuristic)."""
+KERNELS_PER_LAYER = (60, 130)
+"""(forward, backward) kernels of one decoder layer: the H200 profile of the Llama-3.2-1B step
+(``bench/reference/h200_plan_gpu_check_profile.json``) ran 3,094 kernels for 16 layers, the
+loss, FSDP and the optimizer included; ~190 per layer, split about 1 : 2."""
 
 
 def attention_flops_per_token(model: ModelSpec, seq_len: int) -> float:
@@ -21,34 +48,75 @@ def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     return 6 * model.matmul_params + attention_flops_per_token(model, seq_len)
 
 
-def hardware_flops_per_token(model: ModelSpec, seq_len: int, checkpointing: bool) -> float:
-    """Model FLOPs plus the recomputed forward (2·N + a third of attention) under checkpointing."""
-    flops = model_flops_per_token(model, seq_len)
-    if checkpointing:
-        flops += 2 * model.matmul_params + attention_flops_per_token(model, seq_len) / 3
-    return flops
-
-
-def gemm_efficiency(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> float:
-    """Achievable fraction of peak: ``hw.matmul_efficiency`` scaled down when a per-GPU GEMM
-    dimension (tokens per rank, q width / tp, MLP width / tp) is small."""
-    tokens = s.micro_batch * s.seq_len // layout.cp
-    m = min(tokens, model.heads * model.head_dim // layout.tp, model.intermediate // layout.tp)
-    return hw.matmul_efficiency * m / (m + SMALL_GEMM_DIM)
-
-
 def peak(hw: Hardware, s: Settings) -> float:
     return hw.peak_flops if s.mixed_precision == "bf16" else hw.peak_flops_fp32
 
 
-def compute_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> tuple[float, float]:
-    """(seconds of one micro-batch's forward+backward on one GPU, of which attention).
+@dataclass(frozen=True)
+class ComputeBreakdown:
+    """Seconds of one micro-batch (forward + backward + recompute) on one GPU, by op class."""
 
-    Each GPU does 1/(cp·tp) of the micro-batch's work (load-balanced CP splits causal attention
-    evenly)."""
-    tokens = s.micro_batch * s.seq_len
-    rate = peak(hw, s) * gemm_efficiency(model, layout, s, hw)
-    share = tokens / (layout.cp * layout.tp)
-    total = share * hardware_flops_per_token(model, s.seq_len, s.checkpointing) / rate
-    attn = attention_flops_per_token(model, s.seq_len) * (4 / 3 if s.checkpointing else 1)
-    return total, share * attn / rate
+    gemm: float
+    attention: float
+    elementwise: float
+    loss: float
+    launch: float
+    host_floor: float
+    """Host dispatch time of the micro-batch's eager ops; the total is at least this."""
+
+    @property
+    def total(self) -> float:
+        gpu = self.gemm + self.attention + self.elementwise + self.loss + self.launch
+        return max(gpu, self.host_floor)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def bytes_time(b: Bytes, hw: Hardware) -> float:
+    bw = hw.hbm_bw * hw.hbm_efficiency
+    return b.stream / bw + b.broadcast / (bw * hw.broadcast_efficiency)
+
+
+def all_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gemm]:
+    """``micro_batch_gemms`` plus the LM head's forward again for a chunked loss (each chunk's
+    logits are recomputed in backward)."""
+    gemms = micro_batch_gemms(model, layout, s)
+    if s.loss_impl == "chunked":
+        gemms += [g for g in gemms if g.what == "lm_head fwd"]
+    return gemms
+
+
+def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings,
+                     hw: Hardware) -> ComputeBreakdown:
+    """Time of one micro-batch on one GPU (each GPU does 1/(c·t) of the work)."""
+    pk = peak(hw, s)
+    tokens = s.micro_batch * s.seq_len / layout.cp
+    gemm = gemm_time(hw, all_gemms(model, layout, s), pk)
+    fwd_a, bwd_a = attention_time(model, layout, s, hw, pk)
+    fwd_b, bwd_b = layer_bytes_per_token(model, layout, s)
+    layer = fwd_b * (2 if s.checkpointing else 1) + bwd_b
+    # The selective policy keeps the attention output: attention is not recomputed.
+    attn = fwd_a * (2 if s.checkpointing and s.ac_policy == "full" else 1) + bwd_a
+    elementwise = bytes_time(layer * (tokens * model.layers), hw)
+    loss = bytes_time(loss_bytes_per_token(model, layout, s) * tokens, hw)
+    kf, kb = KERNELS_PER_LAYER
+    kernels = model.layers * (kf * (2 if s.checkpointing else 1) + kb)
+    return ComputeBreakdown(gemm, attn, elementwise, loss, kernels * hw.kernel_overhead_s,
+                            kernels * hw.host_op_s)
+
+
+def step_extras(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware,
+                local_params: float, shard_params: float) -> dict[str, float]:
+    """Per-step memory-bound seconds outside the micro-batches: optimizer, clipping, FSDP copies."""
+    bw = hw.hbm_bw * hw.hbm_efficiency
+    opt = shard_params * OPTIMIZER_BYTES[(s.optimizer, s.optimizer_fused)] / bw
+    clip = shard_params * CLIP_BYTES / bw
+    fsdp = fsdp_copy_bytes(model, layout, s, local_params, shard_params) / bw
+    return {"optimizer": opt, "clip": clip, "fsdp_copies": fsdp}
+
+
+def compute_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> tuple[float, float]:
+    """(seconds of one micro-batch, of which attention) — the pair the step model overlaps."""
+    c = micro_batch_time(model, layout, s, hw)
+    return c.total, c.attention

@@ -1,5 +1,12 @@
 """Accelerator presets and hardware profiles (a preset, a calibrated JSON file, or explicit numbers).
 
+The efficiency defaults were measured on this project's H200 (``bench/reference/``, see
+docs/planner.md, *Constants*): an 8192³ bf16 GEMM at 786.5 TFLOP/s = 0.795 of the 989 peak; the
+training step's element-wise kernels averaging 3.3 TB/s = 0.69 of 4.8 TB/s (contiguous kernels
+alone reach 4.1–4.2, broadcast ones 0.4 of that); cuDNN causal attention (head dim 64, seq 2048)
+at 0.37 / 0.23 of peak forward / backward; 1.06 µs of GPU idle per back-to-back kernel and 7 µs
+of host time per eager op. Other GPUs use them as assumptions until calibrated.
+
 Bandwidths are per GPU and one direction, in bytes/s; ``link_efficiency`` turns a spec number
 into what NCCL's ring achieves (bus bandwidth). A calibrated profile stores measured numbers and
 ``link_efficiency = 1``.
@@ -39,10 +46,32 @@ class Hardware:
     """Alpha of one ring step across nodes, seconds."""
     link_efficiency: float = 0.8
     """Fraction of the link's spec bandwidth a ring collective achieves."""
-    matmul_efficiency: float = 0.65
-    """Fraction of peak FLOP/s that large training matmuls achieve."""
+    matmul_efficiency: float = 0.795
+    """Fraction of ``peak_flops`` an 8192³ bf16 GEMM reaches (smaller GEMMs: ``gemm.py``)."""
     runtime_overhead_bytes: float = 2 * GiB
-    """CUDA context, NCCL buffers, kernels: memory the training tensors cannot use."""
+    """CUDA context, NCCL buffers, kernels: device memory outside PyTorch's allocator."""
+    hbm_efficiency: float = 0.69
+    """Fraction of ``hbm_bw`` that PyTorch's element-wise kernels move (bytes read + written)."""
+    broadcast_efficiency: float = 0.40
+    """Element-wise ops with a broadcast operand (RoPE's cos/sin, norm weights, the per-token
+    rsqrt) run in PyTorch's strided kernel at this fraction of the contiguous ones' bandwidth."""
+    gemm_half_dim: float = 128.0
+    """``x₀`` of the GEMM shape curve ``x/(x+x₀)`` per dimension (``gemm.py``)."""
+    attention_efficiency: dict = field(default_factory=lambda: {
+        "64": [0.37, 0.23], "128": [0.61, 0.38]}, compare=False)
+    """Causal flash attention by head dim: [forward, backward] model FLOPs / (time · peak), the
+    backward counted as 2× the forward's FLOPs. The nearest head dim is used."""
+    cp_block_efficiency: dict = field(default_factory=dict, compare=False)
+    """CP ring block kernels measured by ``--calibrate``: kernel ('flash', 'math') -> {"fwd", "bwd"}
+    fractions of peak (backward FLOPs = 2.5× the forward's). Without an entry 'flash' is the causal
+    flash kernel × ``plan.attention.CP_FLASH_SLOWDOWN`` and 'math' is costed from its FLOPs and
+    score-tensor bytes."""
+    kernel_overhead_s: float = 1e-6
+    """GPU idle time per kernel launched back to back (launch gap)."""
+    host_op_s: float = 7e-6
+    """Host (Python + dispatcher) time per eager op: the step is host-bound when its ops cost more."""
+    gemm_table: list = field(default_factory=list, compare=False)
+    """Measured bf16 GEMMs: [{"m", "n", "k", "flops_per_s"}] (``--calibrate``)."""
     collectives: dict = field(default_factory=dict, compare=False)
     """Measured costs: kind -> {group size (str) -> {"alpha_s": .., "bus_bw": ..}} (calibration)."""
 
@@ -85,6 +114,18 @@ def get_preset(name: str) -> Hardware:
     return PRESETS[key]
 
 
+def preset_for_device(device_name: str) -> Hardware | None:
+    """The preset of a CUDA device name ('NVIDIA H200', 'NVIDIA H100 80GB HBM3',
+    'NVIDIA A100-SXM4-80GB'), or None."""
+    name = device_name.lower()
+    for key, preset in (("h200", "h200"), ("h100", "h100-80gb"), ("a100", "a100-80gb")):
+        if key in name:
+            if preset == "a100-80gb" and "40gb" in name:
+                preset = "a100-40gb"
+            return PRESETS[preset]
+    return None
+
+
 def load_hardware_file(path: str | Path) -> Hardware:
     """Hardware from a JSON profile (as written by ``--calibrate``)."""
     with open(path) as fh:
@@ -96,15 +137,15 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
           "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_size(text: str | float, *, gb_is_gib: bool = False) -> float:
+def parse_size(text: str | float, *, gb_is_gib: bool = False, bare_unit: str = "b") -> float:
     """'80GB' -> bytes. With ``gb_is_gib`` (memory sizes), GB/MB/TB mean GiB/MiB/TiB, as GPU
-    memory is quoted."""
+    memory is quoted. A number without a unit is read in ``bare_unit`` (bytes by default)."""
     if isinstance(text, (int, float)):
-        return float(text)
+        return float(text) * _UNITS[bare_unit]
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read a size from {text!r} (e.g. '80GB', '141GiB', '4e10')")
-    unit = m.group(2).lower()
+    unit = m.group(2).lower() or bare_unit
     if gb_is_gib and unit in ("k", "kb", "m", "mb", "g", "gb", "t", "tb"):
         unit = unit[0] + "ib"
     return float(m.group(1)) * _UNITS[unit]

@@ -74,7 +74,12 @@ class Settings:
     micro_batch: int = 1
     grad_accum: int = 1
     checkpointing: bool = False
-    """Full activation checkpointing of every decoder layer."""
+    """Activation checkpointing of every decoder layer (policy: ``ac_policy``)."""
+    ac_policy: str = "full"
+    """'full': keep each layer's input, recompute the layer (ndparallel's runtime). 'selective':
+    torchtitan's per-op policy (``selective_ac_option = 'op'``): keep every other matmul output
+    (q, v, gate, down) and the attention output, recompute the rest — modelled for comparisons
+    with torchtitan's published rows; ndparallel's runtime does not run it."""
     mixed_precision: str = "bf16"
     """'bf16': fp32 master params, bf16 compute/all-gather, fp32 gradient reduction; 'fp32'."""
     optimizer: str = "adamw"
@@ -89,9 +94,22 @@ class Settings:
     all-reduce (DP/HSDP) runs once, after the last micro-batch."""
     reshard_after_forward: bool = True
     cp_strategy: str = "ring"
-    """CP attention: 'ring' (K/V hop rank to rank) or 'allgather' (K/V gathered once per layer)."""
+    """CP attention: 'ring' (K/V hop rank to rank), 'allgather' (K/V gathered once per layer) or
+    'alltoall' (Ulysses: heads <-> sequence all-to-all; cp bounded by the head counts)."""
     prefetch: int = 1
     """FSDP units all-gathered ahead of the one computing."""
+    loss_impl: str = "full"
+    """'full': ``causal_lm_loss`` on the whole micro-batch's logits (today's runtime); 'chunked': a
+    memory-efficient loss keeping the logits of ``loss_chunk_tokens`` tokens at a time (the LM
+    head is recomputed per chunk in backward)."""
+    loss_chunk_tokens: int = 1024
+    optimizer_fused: bool = False
+    """AdamW ``fused=True`` (else torch's default foreach implementation, the trainer's)."""
+    set_to_none: bool = True
+    """``zero_grad(set_to_none=True)`` (torch's default, the trainer's): no gradient exists from
+    the optimizer step until each FSDP unit's backward produces it. False keeps them allocated."""
+    cp_kernel: str = "flash"
+    """CP ring block kernel (``CPOptions.kernel``): 'math' (what 'auto' picks on CUDA) or 'sdpa'."""
 
     @property
     def act_bytes(self) -> int:
@@ -201,6 +219,12 @@ def structural_rejections(
         out.append(("kv_heads", f"{model.kv_heads} key/value heads are not divisible by tp={tp}"))
     if model.intermediate % tp:
         out.append(("ffn", f"intermediate size {model.intermediate} is not divisible by tp={tp}"))
+    if cp > 1 and settings.cp_strategy == "alltoall" and model.heads % tp == 0 and model.kv_heads % tp == 0:
+        h, kv = model.heads // tp, model.kv_heads // tp
+        if h % cp or (kv % cp and cp % kv):
+            out.append(("heads_cp", f"cp_strategy alltoall needs the {h} query heads per tp rank "
+                        f"divisible by cp={cp} and the {kv} key/value heads per tp rank dividing "
+                        "or divisible by it"))
     if cp > 1 and settings.seq_len % (2 * cp):
         out.append(("seq_cp", f"seq_len {settings.seq_len} is not divisible by 2·cp = {2 * cp} "
                     "(load-balanced CP cuts each sequence into 2·cp chunks)"))

@@ -1,10 +1,11 @@
 """Peak memory per GPU of one layout: states, activations, FSDP buffers, logits, overhead.
 
-Peak = persistent states + saved activations of all layers + the larger of two moments:
-(A) the loss/LM-head backward (logits and loss tensors, LM-head unit unsharded, next layer
-prefetched) and (B) one decoder layer's backward (its recomputed/working activations and
-gradients, its all-gathered params plus prefetch, its unsharded gradient being reduced).
-Derivations and sources: docs/planner.md.
+Peak = the largest of three moments: (A) the loss backward (saved activations of all layers,
+logits and loss tensors, the head unit gathered), (B) the first layer's backward (its working
+set, its gathered params plus prefetch and its unsharded gradient), (C) the end of backward (all
+gradients, before the optimizer step). fp32 master params and optimizer states are always there;
+gradients only from their unit's backward on (``zero_grad(set_to_none=True)``) unless they are
+kept or accumulated. Checked on the H200 (``bench/reference``): docs/planner.md.
 """
 
 from __future__ import annotations
@@ -36,8 +37,14 @@ class MemoryBreakdown:
     activation_bytes_per_layer: float
     """Saved by one layer without checkpointing (one micro-batch)."""
 
+    @property
+    def allocated(self) -> float:
+        """Predicted peak of ``torch.cuda.max_memory_allocated``: ``total`` less the runtime
+        (CUDA context, NCCL) and fragmentation allowance, which live outside it."""
+        return self.total - self.overhead
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "allocated": self.allocated}
 
 
 def layer_activation_bytes_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
@@ -65,65 +72,102 @@ def layer_activation_bytes_per_token(model: ModelSpec, layout: Layout, s: Settin
     return per
 
 
-def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> MemoryBreakdown:
-    t, n = layout.tp, layout.fsdp
-    e, cb, rb = s.act_bytes, s.param_compute_bytes, s.reduce_bytes
-    numels = unit_numels(model, t, n)
-    # Unsharded (n == 1) a rank holds the whole tp-local tensors.
-    col = 1 if n > 1 else 0
-    shard_numel = sum(numels[u][col] * c for u, (c, _) in fsdp_units(model).items())
-    # Persistent: fp32 sharded params (master weights), fp32 sharded grads, optimizer states.
-    params = shard_numel * 4
-    grads = shard_numel * 4
-    if s.accumulates_unsharded:  # FSDP2 keeps unsharded grads in the reduce dtype between syncs
-        grads += sum(numels[u][0] * c for u, (c, _) in fsdp_units(model).items()) * rb
-    optimizer = shard_numel * s.optimizer_state_bytes
+def selective_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """Bytes per token one layer keeps under the selective per-op policy: its input (``e·h/t_sp``),
+    the outputs of q (``e·a·d/t``), v (``e·k·d/t``), gate (``e·f/t``) and down (``e·h``, before
+    the reduce-scatter under SP: full), the attention output (``e·a·d/t``) and log-sum-exp
+    (``4·a/t``)."""
+    t, e = layout.tp, s.act_bytes
+    t_sp = t if s.sequence_parallel else 1
+    h, d = model.hidden, model.head_dim
+    return (e * h / t_sp + e * (2 * model.heads + model.kv_heads) * d / t
+            + e * model.intermediate / t + e * h + 4 * model.heads / t)
 
-    # Activations.
+
+def _logits_bytes(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:
+    """Logits and loss tensors at the loss backward's peak, plus the final norm and LM-head input.
+
+    Per logit: the logits (e), the fp32 log-softmax kept for backward, and in its backward two
+    fp32 gradients (nll, log-softmax) = e + 12 (measured on the H200: 14 B per logit in bf16);
+    loss parallel's fused nll + log-softmax backward (torch.distributed.tensor.parallel.loss)
+    holds zeros_like(x), exp(x) and their sum at once = e + 16. A chunked loss holds the logits
+    of ``loss_chunk_tokens`` tokens only."""
+    t, e = layout.tp, s.act_bytes
+    t_sp = t if s.sequence_parallel else 1
+    rows = min(tokens, s.loss_chunk_tokens) if s.loss_impl == "chunked" else tokens
+    if s.loss_parallel and t > 1:
+        out = rows * -(-model.vocab // t) * (e + 16)
+    else:
+        out = rows * model.vocab * (e + 12)
+    return out + tokens * (((4 + e) * model.hidden + 4) / t_sp + e * model.hidden)
+
+
+def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tuple[float, float]:
+    """FSDP's unsharded parameters and gradients at (loss moment, layer moment).
+
+    Loss moment: the head unit gathered (its gradient comes after the loss backward's peak).
+    Layer moment: the layer in use and ``prefetch`` more gathered in compute dtype, its unsharded
+    gradient in compute dtype plus the fp32 copy fed to reduce-scatter; tied models keep the root
+    unit gathered, and its unsharded gradient, until the embedding's backward at the end. Without
+    ``reshard_after_forward`` every layer stays gathered from forward to backward."""
+    n, cb, e, rb = layout.fsdp, s.param_compute_bytes, s.act_bytes, s.reduce_bytes
+    if not (n > 1 or s.mixed_precision != "fp32"):
+        return 0.0, 0.0
+    layer_local = numels["layer"][0]
+    head_local = numels["root" if model.tied_embeddings else "final"][0]
+    buf_a = head_local * cb
+    buf_b = (1 + s.prefetch) * layer_local * cb + layer_local * (e + rb)
+    if model.tied_embeddings:
+        buf_b += head_local * (cb + e)
+    if not s.reshard_after_forward:
+        kept = (model.layers - 1 - s.prefetch) * layer_local * cb
+        buf_a += model.layers * layer_local * cb
+        buf_b += max(kept, 0.0)
+    return buf_a, buf_b
+
+
+def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> MemoryBreakdown:
+    """Peak bytes per GPU: the largest of the loss-backward moment, the first layer's backward
+    and the end of backward (all gradients, before the optimizer step)."""
+    t, n, e = layout.tp, layout.fsdp, s.act_bytes
+    numels = unit_numels(model, t, n)
+    col = 1 if n > 1 else 0  # unsharded (n == 1) a rank holds the whole tp-local tensors
+    units = fsdp_units(model)
+    shard_numel = sum(numels[u][col] * c for u, (c, _) in units.items())
+    params = shard_numel * 4  # fp32 master weights
+    optimizer = shard_numel * s.optimizer_state_bytes
+    all_grads = shard_numel * 4
+    if s.accumulates_unsharded:  # FSDP2 keeps unsharded grads in the reduce dtype between syncs
+        all_grads += sum(numels[u][0] * c for u, (c, _) in units.items()) * s.reduce_bytes
+    # With zero_grad(set_to_none=True) and one micro-batch no gradient exists at the loss moment;
+    # at the first layer's backward only the (untied) head unit's has been reduced.
+    grads_kept = not s.set_to_none or s.grad_accum > 1
+    head = "root" if model.tied_embeddings else "final"
+    grads_a = all_grads if grads_kept else 0.0
+    grads_b = all_grads if grads_kept else (
+        0.0 if model.tied_embeddings else numels[head][col] * 4)
+
     tokens = s.micro_batch * s.seq_len / layout.cp
     t_sp = t if s.sequence_parallel else 1
     per_layer = layer_activation_bytes_per_token(model, layout, s) * tokens
-    if s.checkpointing:
+    if s.checkpointing and s.ac_policy == "selective":
+        saved = model.layers * tokens * selective_saved_per_token(model, layout, s)
+    elif s.checkpointing:
         saved = model.layers * tokens * e * model.hidden / t_sp  # each layer's input only
     else:
         saved = model.layers * per_layer
-    # RoPE cos and sin (b, s/c, d) in activation dtype, shared by all layers (full local
-    # sequence under SP: attention runs on the gathered sequence).
+    # RoPE cos and sin (b, s/c, d) in activation dtype, shared by all layers.
     saved += 2 * tokens * model.head_dim * e
-    working = per_layer  # one layer's recomputed / gradient working set during its backward
+    logits = _logits_bytes(model, layout, s, tokens)
+    buf_a, buf_b = _buffers(model, layout, s, numels)
 
-    # Logits and loss (vocab sharded over tp by loss parallel), final norm + LM-head input.
-    # Per logit: the logits (e), the fp32 log-softmax kept for backward, and in its backward
-    # two fp32 gradients (nll, log-softmax) = e + 12; loss parallel's fused nll + log-softmax
-    # backward (torch.distributed.tensor.parallel.loss) holds zeros_like(x), exp(x) and their
-    # sum at once = e + 16.
-    if s.loss_parallel and t > 1:
-        logits = tokens * -(-model.vocab // t) * (e + 16)
-    else:
-        logits = tokens * model.vocab * (e + 12)
-    logits += tokens * (((4 + e) * model.hidden + 4) / t_sp + e * model.hidden)
-
-    # FSDP buffers: all-gathered (compute-dtype) params of the unit in use and prefetched ones,
-    # and its unsharded gradient in compute dtype plus the fp32 copy fed to reduce-scatter.
-    layer_local = numels["layer"][0]
-    head_unit = "root" if model.tied_embeddings else "final"
-    head_local = numels[head_unit][0]
-    cast_needed = n > 1 or s.mixed_precision != "fp32"
-    grad_buf = e + rb
-    if cast_needed:
-        buf_b = (1 + s.prefetch) * layer_local * cb + layer_local * grad_buf
-        buf_a = head_local * cb + head_local * grad_buf + s.prefetch * layer_local * cb
-        if model.tied_embeddings:  # the root unit stays unsharded through all of backward
-            buf_b += head_local * cb
-    else:
-        buf_a = buf_b = 0.0
-
-    extra_a = logits + buf_a
-    extra_b = working + buf_b
-    if extra_a >= extra_b:
-        phase, acts, lg, buf = "loss backward", saved, logits, buf_a
-    else:
-        phase, acts, lg, buf = "layer backward", saved + working, 0.0, buf_b
+    moments = {
+        "loss backward": (grads_a, saved, logits, buf_a),
+        "layer backward": (grads_b, saved + per_layer, 0.0, buf_b),
+        "end of backward": (all_grads, 0.0, 0.0, 0.0),
+    }
+    phase = max(moments, key=lambda k: sum(moments[k]))
+    grads, acts, lg, buf = moments[phase]
     overhead = hw.runtime_overhead_bytes + FRAGMENTATION * (acts + lg + buf)
     total = params + grads + optimizer + acts + lg + buf + overhead
     return MemoryBreakdown(params, grads, optimizer, acts, lg, buf, overhead, total, phase,

@@ -132,7 +132,10 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
                  "overhead", "total"):
         mem.add_row(name, _gib(getattr(m, name)))
     mem.add_row("capacity", _gib(hw.mem_bytes))
+    mem.add_row("peak allocated (torch.cuda.max_memory_allocated)", _gib(m.allocated))
     console.print(mem)
+    console.print("total = peak allocated + CUDA context/NCCL + fragmentation allowance; the "
+                  "caching allocator's reserved memory runs ~20-30 % above peak allocated (H200).")
     t = e.time
     tim = Table(title="Step time (s)")
     tim.add_column("part")
@@ -143,6 +146,12 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
         link = "intra" if v["intra_node"] else "inter"
         tim.add_row(f"  {dim} traffic before overlap ({link}-node)", f"{v['seconds']:.3f}")
     console.print(tim)
+    parts = Table(title="Compute by op class (one micro-batch; step extras per step), ms")
+    parts.add_column("part")
+    parts.add_column("ms", justify="right")
+    for name, sec in t.compute_parts.items():
+        parts.add_row(name, f"{sec * 1e3:.1f}")
+    console.print(parts)
     console.print(f"tokens/s per GPU {e.tokens_per_s_per_gpu:,.0f}, MFU {e.mfu:.1%}, "
                   f"bottleneck: {e.bottleneck}")
     col = Table(title="Collectives per rank per step")

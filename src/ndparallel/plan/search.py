@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ndparallel.plan import comms
-from ndparallel.plan.compute import compute_time, model_flops_per_token, peak
+from ndparallel.plan.compute import (
+    micro_batch_time,
+    model_flops_per_token,
+    peak,
+    step_extras,
+)
 from ndparallel.plan.hardware import GiB, Hardware
 from ndparallel.plan.layout import (
     Layout,
@@ -13,6 +18,7 @@ from ndparallel.plan.layout import (
     enumerate_layouts,
     structural_rejections,
 )
+from ndparallel.plan.membound import unit_param_counts
 from ndparallel.plan.memory import MemoryBreakdown, estimate_memory
 from ndparallel.plan.models import ModelSpec
 
@@ -35,6 +41,7 @@ class PlanRequest:
     micro_batch: int | None = None
     """None: try AUTO_MICRO_BATCHES."""
     checkpointing: str = "auto"
+    ac_policy: str = "full"
     mixed_precision: str = "bf16"
     optimizer: str = "adamw"
     sequence_parallel: bool = True
@@ -42,20 +49,28 @@ class PlanRequest:
     loss_parallel: bool = True
     unsharded_grad_accumulation: bool = False
     cp_strategy: str = "ring"
+    cp_kernel: str = "flash"
+    loss_impl: str = "full"
+    loss_chunk_tokens: int = 1024
+    optimizer_fused: bool = False
 
 
 @dataclass
 class TimeBreakdown:
-    """Seconds per optimizer step; ``step`` = ga·(compute + tp + cp) + dp + optimizer."""
+    """Seconds per optimizer step; ``step`` = compute + cp + tp + dp + optimizer."""
 
     compute: float
+    """ga micro-batches (GEMMs, attention, element-wise, loss, launches) + FSDP's own copies."""
     tp_exposed: float
     cp_exposed: float
     dp_exposed: float
     optimizer: float
+    """Optimizer step + gradient clipping (memory-bound)."""
     step: float
     comm_total: dict = field(default_factory=dict)
     """Unhidden time per mesh dim before overlap, and whether its link is intra-node."""
+    compute_parts: dict = field(default_factory=dict)
+    """One micro-batch by op class (seconds) and the step's memory-bound extras."""
 
 
 @dataclass
@@ -120,10 +135,15 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     mem = estimate_memory(model, layout, s, hw)
     colls = comms.collectives_for(model, layout, s)
     ga = s.grad_accum
-    t_mb, t_attn = compute_time(model, layout, s, hw)
+    mb_time = micro_batch_time(model, layout, s, hw)
+    t_mb, t_attn = mb_time.total, mb_time.attention
+    local, shard = unit_param_counts(model, comms.unit_numels(model, layout.tp, layout.fsdp))
+    if layout.fsdp == 1:
+        shard = local
+    extras = step_extras(model, layout, s, hw, local, shard)
     per_dim: dict[str, float] = {}
     intra: dict[str, bool] = {}
-    gather = reduce = tp = cp = 0.0
+    gather = reduce = tp = cp = cp_serial = 0.0
     for c in colls:
         sec, is_intra = comms.cost(c, layout, hw, gpus_per_node)
         per_dim[c.mesh_dim] = per_dim.get(c.mesh_dim, 0.0) + sec
@@ -134,10 +154,13 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
             reduce += sec
         elif c.overlap == "attention":
             cp += sec
+        elif c.mesh_dim == "cp":  # CP all-to-all (Ulysses): before/after attention, not hidden
+            cp_serial += sec
         else:
             tp += sec
-    # CP ring hides behind the attention of each step; TP is on the critical path.
-    cp_exposed = max(0.0, cp / ga - t_attn) if ga else 0.0
+    # CP ring hides behind the attention of each step; TP and the CP all-to-all are on the
+    # critical path.
+    cp_exposed = (max(0.0, cp / ga - t_attn) + cp_serial / ga) if ga else 0.0
     # FSDP/DP: all-gathers (prefetched) hide behind all forward+backward compute, gradient
     # reductions behind the backward (2/3 of compute) of the micro-batches that reduce. The first
     # unit's gather and the last unit's reduction cannot hide: 2/n_units of the traffic.
@@ -145,16 +168,15 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     edge = 2 * (gather + reduce) / n_units
     dp_exposed = (edge + max(0.0, gather * (1 - 2 / n_units) - ga * t_mb)
                   + max(0.0, reduce * (1 - 2 / n_units) - s.reducing_microbatches * t_mb * 2 / 3))
-    local_params = mem.params / 4
-    touched = 28 if s.optimizer == "adamw" else 12  # bytes read+written per parameter
-    t_opt = local_params * touched / hw.hbm_bw
-    step = ga * (t_mb + cp_exposed) + tp + dp_exposed + t_opt
+    t_opt = extras["optimizer"] + extras["clip"]
+    compute = ga * t_mb + extras["fsdp_copies"]
+    step = compute + ga * cp_exposed + tp + dp_exposed + t_opt
     gb = s.micro_batch * ga * layout.dp
     tokens = gb * s.seq_len
     world = layout.world
     tps = tokens / step / world
     mfu = tokens * model_flops_per_token(model, s.seq_len) / (step * world * peak(hw, s))
-    parts = {"compute": ga * t_mb, "tp comm": tp, "cp comm": ga * cp_exposed,
+    parts = {"compute": compute, "tp comm": tp, "cp comm": ga * cp_exposed,
              "fsdp/dp comm": dp_exposed, "optimizer step": t_opt}
     name = max(parts, key=parts.get)
     if name.endswith("comm"):
@@ -163,8 +185,9 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
         links = {("intra" if intra[d] else "inter") for d in dims if d in intra}
         name += f" ({'/'.join(sorted(links))}-node)"
     bottleneck = f"{name} {parts[max(parts, key=parts.get)] / step:.0%}"
-    timeb = TimeBreakdown(ga * t_mb, tp, ga * cp_exposed, dp_exposed, t_opt, step,
-                          {d: {"seconds": v, "intra_node": intra[d]} for d, v in per_dim.items()})
+    timeb = TimeBreakdown(compute, tp, ga * cp_exposed, dp_exposed, t_opt, step,
+                          {d: {"seconds": v, "intra_node": intra[d]} for d, v in per_dim.items()},
+                          {**mb_time.to_dict(), **extras})
     return Estimate(layout, s, mem, timeb, global_batch or gb, tps, mfu, bottleneck,
                     mem.total <= hw.mem_bytes, colls)
 
@@ -189,7 +212,9 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
                     reshard_after_forward=req.reshard_after_forward,
                     loss_parallel=req.loss_parallel,
                     unsharded_grad_accumulation=req.unsharded_grad_accumulation,
-                    cp_strategy=req.cp_strategy)
+                    cp_strategy=req.cp_strategy, cp_kernel=req.cp_kernel, ac_policy=req.ac_policy,
+                    loss_impl=req.loss_impl, loss_chunk_tokens=req.loss_chunk_tokens,
+                    optimizer_fused=req.optimizer_fused)
     res.rejections = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
     if res.rejections:
         return res

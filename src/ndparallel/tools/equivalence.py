@@ -35,7 +35,13 @@ class TrainSetup:
     ignore_fraction: float = 0.1  # share of label positions set to IGNORE_INDEX
     mixed_precision: str = "no"
     parallel_kwargs: dict = field(default_factory=dict)  # fsdp_options / tp_options / cp_options
-    fault: str | None = None  # "skip-grad-sync": a deliberately broken run (proves checks can fail)
+    packed_documents: bool = False
+    """Rows hold several documents: position_ids restart at 0 at each document start and the
+    label across each boundary is ignored (transformers' packing convention)."""
+    fault: str | None = None
+    """A deliberately broken layout run (proves the checks can fail): "skip-grad-sync" never
+    reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
+    attention crosses document starts."""
 
 
 @dataclass
@@ -56,13 +62,33 @@ def make_global_batches(setup: TrainSetup) -> list[list[dict[str, torch.Tensor]]
             tokens = torch.randint(0, vocab, (setup.global_micro_batch, setup.seq_len + 1), generator=g)
             labels = tokens[:, 1:].clone()
             labels[torch.rand(labels.shape, generator=g) < setup.ignore_fraction] = IGNORE_INDEX
-            micro.append({
-                "input_ids": tokens[:, :-1].contiguous(),
-                "shift_labels": labels,
-                "position_ids": torch.arange(setup.seq_len).expand(setup.global_micro_batch, -1).clone(),
-            })
+            positions = torch.arange(setup.seq_len).expand(setup.global_micro_batch, -1).clone()
+            if setup.packed_documents:
+                positions = packed_positions(setup.global_micro_batch, setup.seq_len, g)
+                last = torch.zeros_like(labels, dtype=torch.bool)
+                last[:, :-1] = positions[:, 1:] == 0  # the label of a document's last token
+                labels[last] = IGNORE_INDEX          # would be the next document's first token
+            micro.append({"input_ids": tokens[:, :-1].contiguous(), "shift_labels": labels,
+                          "position_ids": positions})
         steps.append(micro)
     return steps
+
+
+def packed_positions(rows: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+    """Position ids of rows packed with 1–4 documents of random lengths (restarting at 0)."""
+    out = torch.empty(rows, seq_len, dtype=torch.int64)
+    for r in range(rows):
+        n_cuts = int(torch.randint(0, min(4, seq_len), (1,), generator=generator))
+        cuts = sorted((torch.randperm(seq_len - 1, generator=generator)[:n_cuts] + 1).tolist())
+        for a, b in zip([0, *cuts], [*cuts, seq_len]):
+            out[r, a:b] = torch.arange(b - a)
+    return out
+
+
+def document_spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each document of one row (a document starts where position_ids == 0)."""
+    starts = [0] + [i for i in range(1, len(position_ids)) if int(position_ids[i]) == 0]
+    return list(zip(starts, [*starts[1:], len(position_ids)]))
 
 
 def build_model(setup: TrainSetup):
@@ -82,10 +108,6 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
     """Run inside a rank (process group up): train with ``layout`` (ParallelismConfig kwargs; None =
     one process) through the public Accelerator API and return losses, grad norms, final params."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-    )
 
     from ndparallel import Accelerator, ParallelismConfig
 
@@ -105,7 +127,10 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
     for micro_batches in make_global_batches(setup):
         local = [{k: v[dp_rank * rows:(dp_rank + 1) * rows].to(acc.device) for k, v in mb.items()}
                  for mb in micro_batches]
-        step_loss = forward_backward(acc, model, local, skip_grad_sync=setup.fault is not None)
+        if setup.fault == "cross-documents":
+            for mb in local:
+                mb["position_ids"] = torch.arange(setup.seq_len, device=acc.device).expand(rows, -1).clone()
+        step_loss = forward_backward(acc, model, local, skip_grad_sync=setup.fault == "skip-grad-sync")
         if setup.max_grad_norm is not None:
             norm = acc.clip_grad_norm_(model.parameters(), setup.max_grad_norm)
         else:
@@ -116,10 +141,49 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
         dist.all_reduce(step_loss, group=acc.mesh("dp_cp").get_group())
         losses.append(float(step_loss))
         norms.append(float(norm))
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu().clone()
-              for k, v in state.items()}
+    params = full_parameters(model)  # a collective: every rank gathers
     return TrainResult(losses, norms, params if acc.is_main_process else None)
+
+
+def full_parameters(model) -> dict[str, torch.Tensor]:
+    """Every parameter, unsharded, as fp32 CPU tensors (collective under FSDP/TP: all ranks call)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu().clone()
+            for k, v in state.items()}
+
+
+def train_documents_separately(setup: TrainSetup) -> TrainResult:
+    """One process, no packing: every document of every row runs as its own sequence (positions
+    from 0, nothing to mask), with the same global token count and optimizer. What packed rows
+    must reproduce under every layout."""
+    from ndparallel.parallel.loss import causal_lm_loss
+
+    model = build_model(setup)
+    optimizer = setup_optimizer(setup, model.parameters())
+    model.train()
+    losses, norms = [], []
+    for micro_batches in make_global_batches(setup):
+        n_items = int(sum((mb["shift_labels"] != IGNORE_INDEX).sum() for mb in micro_batches))
+        step_loss = 0.0
+        for mb in micro_batches:
+            for row in range(mb["input_ids"].shape[0]):
+                for a, b in document_spans(mb["position_ids"][row]):
+                    logits = model(input_ids=mb["input_ids"][row:row + 1, a:b],
+                                   position_ids=torch.arange(b - a).unsqueeze(0), use_cache=False).logits
+                    loss = causal_lm_loss(logits, mb["shift_labels"][row:row + 1, a:b], n_items)
+                    loss.backward()
+                    step_loss += float(loss)
+        max_norm = setup.max_grad_norm if setup.max_grad_norm is not None else float("inf")
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+    return TrainResult(losses, norms, full_parameters(model))
 
 
 def compare(reference: TrainResult, other: TrainResult) -> dict[str, float]:

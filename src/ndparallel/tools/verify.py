@@ -1,5 +1,7 @@
 """``ndparallel verify``: the config's layout, on a shrunk model of the same architecture, must train
-the same model as one process. A user's proof that their layout is right, on CPU, in seconds."""
+the same model as one process. A user's proof that their layout is right, on CPU, in seconds.
+Rows are packed with several documents (position_ids restarting at 0), so the check also proves
+that no attention crosses a document start under the layout."""
 
 from __future__ import annotations
 
@@ -48,14 +50,15 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
     setup = TrainSetup(
         small, steps=steps, global_micro_batch=2 * pc.dp_size,
         grad_accum=min(cfg.gradient_accumulation_steps, 2), seq_len=16 * pc.cp_size,
-        optimizer="adamw", lr=1e-2, max_grad_norm=cfg.max_grad_norm,
+        optimizer="adamw", lr=1e-2, max_grad_norm=cfg.max_grad_norm, packed_documents=True,
         parallel_kwargs=dict(fsdp_options=cfg.fsdp_options(), tp_options=cfg.tp_options(),
                              cp_options=cfg.cp_options()),
     )
     console.print(
         f"verify: {pc.describe()} on {pc.total_size} CPU ranks vs 1 process; shrunk "
         f"{small.model_type}: hidden {small.hidden_size}, heads {small.num_attention_heads}/"
-        f"{small.num_key_value_heads}, 2 layers, seq {setup.seq_len}, {steps} AdamW steps"
+        f"{small.num_key_value_heads}, 2 layers, seq {setup.seq_len} (packed documents), {steps} "
+        "AdamW steps"
     )
     import dataclasses
 

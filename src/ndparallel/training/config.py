@@ -157,7 +157,7 @@ class TrainConfig(_Strict):
     tp_plan: dict[str, str] | None = None
     sequence_parallel: bool = False
     loss_parallel: bool = False
-    cp_comm_strategy: Literal["ring", "allgather"] = "ring"
+    cp_comm_strategy: Literal["ring", "allgather", "alltoall"] = "ring"
     # data
     datasets: list[DatasetConfig] = Field(
         default_factory=lambda: [DatasetConfig(path="builtin:stdlib")]

@@ -34,7 +34,8 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
         if pc.cp_enabled:
             from ndparallel.parallel.context import validate_context_parallel
 
-            validate_context_parallel(hf, pc.cp_size, cfg.sequence_len, pc.tp_size)
+            validate_context_parallel(hf, pc.cp_size, cfg.sequence_len, pc.tp_size,
+                                      strategy=cfg.cp_comm_strategy)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return pc, hf

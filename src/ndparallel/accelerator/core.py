@@ -1,0 +1,285 @@
+"""``Accelerator``: the user-facing facade. It resolves its arguments (Hugging Face Accelerate's,
+plus ndparallel's options), holds the mesh, and prepares models, optimizers, schedulers and
+loaders by calling the strategy modules; it contains no parallel algorithm itself. Its methods are
+grouped by concern in the mixins it is assembled from (processes, collectives, stepping, context
+parallelism, saving, tracking)."""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ndparallel.accelerator import arguments
+from ndparallel.accelerator.collectives import CollectivesMixin
+from ndparallel.accelerator.context import ContextParallelMixin
+from ndparallel.accelerator.processes import ProcessesMixin
+from ndparallel.accelerator.saving import SavingMixin
+from ndparallel.accelerator.state import (
+    AcceleratorState,
+    DistributedType,
+    GradientState,
+)
+from ndparallel.accelerator.stepping import SteppingMixin
+from ndparallel.accelerator.tracking import TrackingMixin, filter_trackers
+from ndparallel.accelerator.wrappers import AcceleratedOptimizer, PreparedDataLoader
+from ndparallel.layout.config import ParallelismConfig
+from ndparallel.layout.mesh import submesh
+from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+from ndparallel.runtime.distributed import DistributedInfo, init_distributed
+
+
+class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParallelMixin,
+                  SavingMixin, TrackingMixin):
+    """Set up the process group and mesh for a layout and prepare models, optimizers and loaders.
+
+    The first 21 arguments are Hugging Face Accelerate's, in its order and with its defaults and
+    environment variables (see the README's "Accelerate API" table for what each maps to). The
+    keyword-only rest are ndparallel's: ``fsdp_options`` / ``tp_options`` / ``cp_options`` (the
+    strategies' options; ``fsdp_plugin`` / ``parallelism_config.cp_handler`` map onto them),
+    ``device`` ("cpu"/"cuda"; default cuda when visible) and ``timeout_s`` (collective timeout).
+    ``Accelerator(ParallelismConfig(...))`` (the layout as first positional argument) also works.
+    ``mixed_precision``: "no" (fp32), "bf16" (bf16 compute, fp32 master weights; gradients reduced
+    in fp32 unless ``fsdp_plugin.mixed_precision_policy`` says otherwise). "fp16" is refused: it
+    needs loss scaling, which ndparallel does not implement.
+    """
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: Any = arguments.UNSET,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int = 1,
+        cpu: bool = False,
+        dataloader_config=None,
+        deepspeed_plugin=None,
+        fsdp_plugin=None,
+        torch_tp_plugin=None,
+        megatron_lm_plugin=None,
+        rng_types=None,
+        log_with=None,
+        project_dir=None,
+        project_config=None,
+        gradient_accumulation_plugin=None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers=None,
+        dynamo_backend=None,
+        dynamo_plugin=None,
+        deepspeed_plugins=None,
+        parallelism_config: ParallelismConfig | None = None,
+        *,
+        fsdp_options: FSDPOptions | None = None,
+        tp_options: TPOptions | None = None,
+        cp_options: CPOptions | None = None,
+        device: str | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        args = dict(locals())
+        args.pop("self")
+        if isinstance(device_placement, ParallelismConfig):  # ndparallel's positional form
+            if parallelism_config is not None:
+                raise TypeError("parallelism_config given twice (positionally and by name)")
+            args["parallelism_config"], args["device_placement"] = device_placement, True
+        s = arguments.resolve(args)
+        if s.fsdp_plugin is not None and s.fsdp_plugin.cpu_ram_efficient_loading:
+            # transformers' switch for "load the weights on rank 0 only" (Accelerate sets it too)
+            os.environ["ACCELERATE_USE_FSDP"] = os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
+        self.info: DistributedInfo = init_distributed(s.device, s.timeout_s)
+        pc = s.parallelism_config or ParallelismConfig()
+        if s.parallelism_config is None and pc.active_dims == () and self.info.world_size > 1:
+            pc = ParallelismConfig(dp_replicate_size=-1)
+        self.parallelism_config = pc.resolve(self.info.world_size)
+        self.torch_device_mesh = self.parallelism_config.build_device_mesh(
+            self.info.device_type, timeout_s=self.info.timeout_s)
+        self.parallelism_config._set_device_mesh(self.torch_device_mesh)
+        if s.parallelism_config is not None:
+            s.parallelism_config._set_device_mesh(self.torch_device_mesh)
+        self._settings = s
+        self.fsdp_options, self.tp_options, self.cp_options = s.fsdp_options, s.tp_options, s.cp_options
+        self.fsdp_plugin, self.dynamo_plugin = s.fsdp_plugin, s.dynamo_plugin
+        self.dataloader_config, self.project_configuration = s.dataloader_config, s.project_configuration
+        self.device_placement = s.device_placement
+        self.step_scheduler_with_optimizer = s.step_scheduler_with_optimizer
+        self.rng_types = s.rng_types
+        self.ddp_handler = s.handlers.get("ddp_handler")
+        self.init_handler = s.handlers.get("init_handler")
+        self.autocast_handler = s.handlers.get("autocast_handler")
+        self.profile_handler = s.handlers.get("profile_handler")
+        self.scaler_handler, self.scaler, self.native_amp = None, None, s.param_dtype is not None
+        ga = s.gradient_state_plugin
+        self.gradient_state = GradientState(num_steps=int(ga.num_steps), adjust_scheduler=ga.adjust_scheduler,
+                                            sync_with_dataloader=ga.sync_with_dataloader,
+                                            sync_each_batch=ga.sync_each_batch)
+        self.log_with = filter_trackers(s.log_with, self.project_configuration.logging_dir,
+                                        warn=self.info.rank == 0)
+        self.trackers: list = []
+        self._param_remap: dict[int, nn.Parameter] = {}
+        self._models: list[nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []  # the raw ones (checkpoints)
+        self._prepared_optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[Any] = []
+        self._dataloaders: list[Any] = []
+        self._custom_objects: list[Any] = []
+        self._save_model_state_pre_hook: OrderedDict = OrderedDict()
+        self._load_model_state_pre_hook: OrderedDict = OrderedDict()
+        self.step = 0  # micro-batches seen by ``accumulate``
+
+    # ------------------------------------------------------------ what runs
+    @property
+    def device(self) -> torch.device:
+        return self.info.device
+
+    @property
+    def mixed_precision(self) -> str:
+        return self._settings.mixed_precision
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The compute dtype of prepared models (None: fp32)."""
+        return self._settings.param_dtype
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        if self.info.world_size == 1:
+            return DistributedType.NO
+        if self.parallelism_config.fsdp_enabled:
+            return DistributedType.FSDP
+        return DistributedType.MULTI_CPU if self.info.device_type == "cpu" else DistributedType.MULTI_GPU
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.distributed_type == DistributedType.FSDP
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        return self.is_fsdp2
+
+    @property
+    def state(self) -> AcceleratorState:
+        return AcceleratorState(
+            distributed_type=self.distributed_type, num_processes=self.num_processes,
+            process_index=self.process_index, local_process_index=self.local_process_index,
+            device=self.device, mixed_precision=self.mixed_precision,
+            parallelism_config=self.parallelism_config, device_mesh=self.torch_device_mesh,
+            fsdp_plugin=self.fsdp_plugin, dynamo_plugin=self.dynamo_plugin,
+        )
+
+    @property
+    def deepspeed_plugin(self) -> None:
+        return None
+
+    @property
+    def fp8_backend(self) -> str:
+        return "NO"
+
+    # dataloader configuration, under Accelerate's attribute names
+    split_batches = property(lambda self: self.dataloader_config.split_batches)
+    dispatch_batches = property(lambda self: self.dataloader_config.dispatch_batches)
+    use_seedable_sampler = property(lambda self: self.dataloader_config.use_seedable_sampler)
+    non_blocking = property(lambda self: self.dataloader_config.non_blocking)
+    use_stateful_dataloader = property(lambda self: self.dataloader_config.use_stateful_dataloader)
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        if not value:
+            raise ValueError("even_batches=False is not supported: prepared loaders are always even")
+
+    # ---------------------------------------------------------------- mesh
+    def mesh(self, *dims: str):
+        """Sub-mesh for base or flattened dim names, e.g. ``acc.mesh("dp_shard_cp")``."""
+        return submesh(self.torch_device_mesh, *dims)
+
+    def rank_in(self, dim: str) -> int:
+        """This rank's index along a mesh dim (``dp``, ``tp``, ``cp``, ``dp_shard_cp``...)."""
+        return self.mesh(dim).get_local_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank_in("dp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.parallelism_config.dp_size
+
+    tensor_parallel_rank = property(lambda self: self.rank_in("tp"))
+    context_parallel_rank = property(lambda self: self.rank_in("cp"))
+    data_parallel_rank = property(lambda self: self.rank_in("dp_replicate"))
+    data_parallel_shard_rank = property(lambda self: self.rank_in("dp_shard"))
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        raise NotImplementedError("pipeline parallelism is not supported (as in Accelerate)")
+
+    # -------------------------------------------------------------- prepare
+    def prepare(self, *objects: Any, device_placement=None) -> Any:
+        """Parallelise models, wrap optimizers (remapped onto the new parameters) and schedulers so
+        they follow gradient accumulation, shard ``DataLoader``s over the dp ranks. Returns the
+        objects in the order given (one object: itself)."""
+        from ndparallel.accelerator.preparing import prepare_all
+
+        out = prepare_all(self, list(objects), device_placement)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """Apply TP → CP attention → activation checkpointing → FSDP/HSDP/DP, in that order.
+        A model this Accelerator already prepared (e.g. from ``load_model``) is returned as is."""
+        from ndparallel.accelerator.preparing import prepare_model
+
+        if device_placement is False:
+            raise ValueError("prepare_model(device_placement=False) is not supported: sharded models live "
+                             "on the Accelerator's device (device placement of batches: prepare_data_loader)")
+        if evaluation_mode:
+            raise ValueError("prepare_model(evaluation_mode=True) is not supported: prepare the model as for "
+                             "training (sharded) and call model.eval() / torch.no_grad() for inference")
+        return prepare_model(self, model)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
+        from ndparallel.accelerator.preparing import prepare_optimizer
+
+        return prepare_optimizer(self, optimizer)
+
+    def prepare_scheduler(self, scheduler):
+        from ndparallel.accelerator.preparing import prepare_scheduler
+
+        return prepare_scheduler(self, scheduler)
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        from ndparallel.accelerator.preparing import prepare_data_loader
+
+        if slice_fn_for_dispatch is not None:
+            raise ValueError("slice_fn_for_dispatch belongs to dispatch_batches, which is not supported")
+        return prepare_data_loader(self, data_loader, device_placement)
+
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        """The prepared ``dataloader`` starting ``num_batches`` batches later (resuming mid-epoch)."""
+        if not isinstance(dataloader, PreparedDataLoader):
+            raise ValueError("skip_first_batches takes a loader returned by accelerator.prepare")
+        return PreparedDataLoader(dataloader.loader, self.gradient_state, dataloader.rng_types,
+                                  skip_batches=dataloader.skip_batches + num_batches,
+                                  total_samples=dataloader.total_samples, global_batch=dataloader.global_batch)
+
+    def verify_device_map(self, model: nn.Module) -> bool:
+        """True if the model was loaded with a multi-device ``device_map`` (big-model inference),
+        which cannot be trained in a distributed layout."""
+        return any(len(set(getattr(m, "hf_device_map", {}).values())) > 1 for m in model.modules())
+
+    def deepspeed_ulysses_dl_adapter(self, dl, model):
+        raise NotImplementedError("DeepSpeed Ulysses is not supported: use ParallelismConfig(cp_size=...) "
+                                  "with maybe_context_parallel")
+
+    # ------------------------------------------------------- models on disk
+    def load_model(self, path_or_config, **kwargs) -> nn.Module:
+        """Build the model on the meta device, parallelise it, then read only this rank's shards
+        from the safetensors files (DCP resharding). ``path_or_config``: an HF model dir, an HF
+        config, or a built-in preset name (random init, same on every rank)."""
+        from ndparallel.models.loading import load_model
+
+        return load_model(self, path_or_config, **kwargs)

@@ -1,0 +1,98 @@
+"""What Accelerate keeps in its ``AcceleratorState`` / ``GradientState`` singletons, kept here per
+Accelerator instead (no global mutable state): the distributed type, the precision, and the
+gradient-accumulation state the prepared optimizer, scheduler and loaders consult."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class DistributedType(str, enum.Enum):
+    """Accelerate's names for how a run is distributed (the ones that can occur here)."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    FSDP = "FSDP"
+    DEEPSPEED = "DEEPSPEED"  # never set here: listed so comparisons in user scripts work
+    MEGATRON_LM = "MEGATRON_LM"
+    XLA = "XLA"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PrecisionType(str, enum.Enum):
+    NO = "no"
+    FP8 = "fp8"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def list(cls) -> list[str]:
+        return [m.value for m in cls]
+
+
+class RNGType(str, enum.Enum):
+    TORCH = "torch"
+    CUDA = "cuda"
+    GENERATOR = "generator"
+
+
+@dataclass
+class GradientState:
+    """Gradient-accumulation state (Accelerate's ``GradientState``) of one Accelerator.
+
+    ``sync_gradients`` is True on the micro-batch that completes an optimizer step; prepared
+    optimizers skip ``step``/``zero_grad`` and prepared schedulers skip ``step`` otherwise.
+    """
+
+    num_steps: int = 1
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+    sync_gradients: bool = True
+    end_of_dataloader: bool = False
+    remainder: int = -1  # samples of the last global batch that are real (not padding); -1 unknown
+    in_dataloader: bool = False
+
+
+@dataclass(frozen=True)
+class AcceleratorState:
+    """A read-only view of where this process sits, under Accelerate's attribute names."""
+
+    distributed_type: DistributedType
+    num_processes: int
+    process_index: int
+    local_process_index: int
+    device: object
+    mixed_precision: str
+    parallelism_config: object
+    device_mesh: object
+    fsdp_plugin: object = None
+    deepspeed_plugin: None = None
+    dynamo_plugin: object = None
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.distributed_type == DistributedType.FSDP

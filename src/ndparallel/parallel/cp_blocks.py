@@ -1,0 +1,220 @@
+"""Document-aware block geometry of the CP attention, and the loops that run a block's pieces.
+
+Packed rows follow transformers' convention: ``position_ids`` count 0, 1, 2, … inside each
+document and restart at 0 where the next document starts. So the document of the token at global
+index ``i`` starts at ``i − position_ids[i]`` (clamped to [0, i]) and the attention mask is
+
+    key j is visible to query i  ⇔  i − position_ids[i] <= j <= i,
+
+which needs only the *query's* own position: every rank derives its mask from the positions of
+the tokens it holds, with no communication. A row without restarts is plain causal attention.
+
+Queries of one chunk are cut into *runs* of equal document start. Against a key span, each run
+sees one contiguous range of keys, so a block becomes a few rectangles (``Rect``): dense ones
+(keys entirely before the run) and one causal square (the run's own tokens). A block whose keys
+lie wholly in other documents gets no rectangle and is skipped; no S×S (or Lq×Lk) mask is ever
+built. Rows of a batch with the same rectangles are computed together; rows that differ are
+computed in groups (``Groups``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple, Sequence
+
+import torch
+
+from ndparallel.parallel.cp_kernels import BlockKernel, merge_
+
+
+class Rect(NamedTuple):
+    """Queries [q0, q1) of a chunk against keys [k0, k1) of a key span; ``causal``: a diagonal
+    square (q0 == k0, q1 == k1), else dense."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+
+
+Groups = list  # [(rows: LongTensor | None for all rows, rects: tuple[Rect, ...])]
+
+
+def document_starts(position_ids: torch.Tensor | None, global_index: torch.Tensor, batch: int):
+    """Global index of the start of each token's document, ``[batch, len]`` int64 on the CPU
+    (one host copy), or None when there are no position ids (plain causal)."""
+    if position_ids is None:
+        return None
+    pos = position_ids.expand(batch, -1).to("cpu", torch.int64)
+    idx = global_index.to("cpu", torch.int64).expand_as(pos)
+    return torch.minimum((idx - pos).clamp_(min=0), idx)
+
+
+class DocLayout:
+    """Rectangles of every block of this rank's queries (local chunks ``chunk_ids`` of ``n``
+    tokens) against any key span, computed once per attention call and kept for backward."""
+
+    def __init__(self, starts: torch.Tensor | None, chunk_ids: Sequence[int], n: int, batch: int,
+                 device: torch.device):
+        self.chunk_ids, self.n, self.batch, self.device = tuple(chunk_ids), n, batch, device
+        self._runs = [self._chunk_runs(starts, j, c) for j, c in enumerate(self.chunk_ids)]
+        self._cache: dict = {}
+
+    def _chunk_runs(self, starts, j: int, c: int):
+        """Per row: ((t0, t1, document start), ...) maximal runs of equal start in local chunk j."""
+        n = self.n
+        if starts is None:
+            return [((0, n, 0),)] * self.batch
+        st = starts[:, j * n:(j + 1) * n]
+        change = torch.ones_like(st, dtype=torch.bool)
+        change[:, 1:] = st[:, 1:] != st[:, :-1]
+        out = []
+        for b in range(self.batch):
+            cuts = change[b].nonzero().flatten().tolist() + [n]
+            out.append(tuple((t0, t1, int(st[b, t0])) for t0, t1 in zip(cuts[:-1], cuts[1:])))
+        return out
+
+    def groups(self, qi: int, k_start: int, k_len: int) -> Groups:
+        """Rectangles of local query chunk ``qi`` against global keys [k_start, k_start+k_len),
+        grouped by rows with equal rectangles; [] when no query sees any of these keys."""
+        key = (qi, k_start, k_len)
+        if key not in self._cache:
+            q_start = self.chunk_ids[qi] * self.n
+            by_rects: dict = {}
+            for b, runs in enumerate(self._runs[qi]):
+                rects = tuple(r for run in runs for r in _run_rects(run, q_start, self.n, k_start, k_len))
+                by_rects.setdefault(rects, []).append(b)
+            self._cache[key] = [
+                (None if len(rows) == self.batch else torch.tensor(rows, device=self.device), rects)
+                for rects, rows in by_rects.items() if rects
+            ]
+        return self._cache[key]
+
+
+def _run_rects(run, q_start: int, n: int, k_start: int, k_len: int):
+    """Rectangles of one run (t0, t1, doc start s) of the chunk at ``q_start`` against a key span
+    that lies wholly before the chunk (dense) or is the chunk itself (diagonal)."""
+    t0, t1, s = run
+    if k_start + k_len <= q_start:  # keys before the chunk: those from the document start on
+        lo = max(s, k_start)
+        return [Rect(t0, t1, lo - k_start, k_len, False)] if lo < k_start + k_len else []
+    if k_start >= q_start + n:  # keys after the chunk: causally invisible
+        return []
+    if (k_start, k_len) != (q_start, n):
+        raise ValueError(f"key span [{k_start}, {k_start + k_len}) partly overlaps query chunk "
+                         f"[{q_start}, {q_start + n})")
+    lo = max(s, q_start) - q_start  # <= t0: a run's start is at or before its first token
+    dense = [Rect(t0, t1, lo, t0, False)] if lo < t0 else []
+    return dense + [Rect(t0, t1, t0, t1, True)]
+
+
+# ------------------------------------------------------------------------ the loops
+def _take(t: torch.Tensor, rows, lo: int, hi: int) -> torch.Tensor:
+    t = t[:, :, lo:hi]
+    return t if rows is None else t.index_select(0, rows)
+
+
+def forward_span(kernel: BlockKernel, q, k, v, acc_out, acc_lse, groups: Groups, fresh: bool) -> bool:
+    """Attend the chunk's queries ``q`` [B, H, n, D] to a key span ``k``/``v`` along ``groups``,
+    merging into ``acc_out`` (fp32) / ``acc_lse`` (views of this chunk's running result) in place.
+    ``fresh``: nothing merged into this chunk yet (a single whole-chunk rectangle is then stored,
+    not merged). Returns whether the chunk is still fresh."""
+    for rows, rects in groups:
+        for r in rects:
+            out, lse = kernel.fwd(_take(q, rows, r.q0, r.q1), _take(k, rows, r.k0, r.k1),
+                                  _take(v, rows, r.k0, r.k1), r.causal)
+            ao, al = acc_out[:, :, r.q0:r.q1], acc_lse[:, :, r.q0:r.q1]
+            if rows is None and fresh and (r.q0, r.q1) == (0, q.shape[2]):
+                ao.copy_(out)
+                al.copy_(lse)
+            elif rows is None:
+                merge_(ao, al, out, lse)
+            else:
+                sub_o, sub_l = ao.index_select(0, rows), al.index_select(0, rows)
+                merge_(sub_o, sub_l, out, lse)
+                ao.index_copy_(0, rows, sub_o)
+                al.index_copy_(0, rows, sub_l)
+            fresh = False
+    return fresh
+
+
+def backward_span(kernel: BlockKernel, q, k, v, out, dout, lse, dq, dk, dv, groups: Groups) -> None:
+    """Gradients of the chunk's blocks against one key span, added into the fp32 views ``dq``
+    (this chunk), ``dk``/``dv`` (this key span)."""
+    for rows, rects in groups:
+        for r in rects:
+            g_q, g_k, g_v = kernel.bwd(
+                _take(dout, rows, r.q0, r.q1), _take(q, rows, r.q0, r.q1),
+                _take(k, rows, r.k0, r.k1), _take(v, rows, r.k0, r.k1),
+                _take(out, rows, r.q0, r.q1), _take(lse, rows, r.q0, r.q1),
+                r.causal)
+            if rows is None:
+                dq[:, :, r.q0:r.q1].add_(g_q)
+                dk[:, :, r.k0:r.k1].add_(g_k)
+                dv[:, :, r.k0:r.k1].add_(g_v)
+            else:
+                dq[:, :, r.q0:r.q1].index_add_(0, rows, g_q.to(dq.dtype))
+                dk[:, :, r.k0:r.k1].index_add_(0, rows, g_k.to(dk.dtype))
+                dv[:, :, r.k0:r.k1].index_add_(0, rows, g_v.to(dv.dtype))
+
+
+def accumulators(q: torch.Tensor):
+    """Running (out fp32 zeros, lse -inf) of the queries ``q`` [B, H, S, D]."""
+    return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+            torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device))
+
+
+class _LocalAttention(torch.autograd.Function):
+    """All queries against all keys of one sequence on one rank (no CP, or after Ulysses'
+    all-to-all), document-masked."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel: BlockKernel, docs: DocLayout):
+        groups = docs.groups(0, 0, q.shape[2])
+        if groups == [(None, (Rect(0, q.shape[2], 0, q.shape[2], True),))]:  # one document
+            out, acc_lse = kernel.fwd(q, k, v, True)
+            out = out.to(q.dtype)
+        else:
+            acc_out, acc_lse = accumulators(q)
+            forward_span(kernel, q, k, v, acc_out, acc_lse, groups, True)
+            out = acc_out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc_lse)
+        ctx.args = (kernel, docs)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        kernel, docs = ctx.args
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dk = torch.zeros_like(k, dtype=torch.float32)
+        dv = torch.zeros_like(v, dtype=torch.float32)
+        backward_span(kernel, q, k, v, out, dout.contiguous(), lse, dq, dk, dv,
+                      docs.groups(0, 0, q.shape[2]))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def local_attention(q, k, v, kernel: BlockKernel, docs: DocLayout) -> torch.Tensor:
+    """Document-masked causal attention of one whole sequence on this rank (autograd)."""
+    return _LocalAttention.apply(q, k, v, kernel, docs)
+
+
+class DocCache:
+    """The last ``DocLayout`` built, keyed on the position-ids tensor it came from (identity,
+    version counter, storage, shape) and the call's layout: the layers of one forward (and its
+    recomputation under activation checkpointing) share one host copy of the positions. One
+    entry; a new batch (another tensor, or the same one re-pointed or written in place) misses."""
+
+    def __init__(self):
+        self._ref, self._key, self._value = None, None, None
+
+    def get(self, position_ids: torch.Tensor | None, extra: tuple, build):
+        if position_ids is None:
+            return build()
+        key = (position_ids._version, position_ids.data_ptr(), tuple(position_ids.shape), extra)
+        if self._ref is not None and self._ref() is position_ids and self._key == key:
+            return self._value
+        value = build()
+        self._ref, self._key, self._value = weakref.ref(position_ids), key, value
+        return value

@@ -1,0 +1,115 @@
+"""Range checks of ``ndparallel plan``'s flags: each bad value becomes one ``ValueError`` line that
+names the flag and the fix (the CLI prints ``ndparallel plan: error: <line>`` and exits 2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ndparallel.plan import hardware as hwmod
+
+MIN_GPU_MEM = hwmod.GiB
+"""Below 1 GiB a ``--gpu-mem`` value is taken for a unit slip (``96MB`` for ``96GB``)."""
+
+
+def _positive_int(args, flag: str, attr: str, value=None) -> None:
+    v = getattr(args, attr) if value is None else value
+    if v is not None and v < 1:
+        raise ValueError(f"{flag} {v}: must be a whole number >= 1")
+
+
+def _positive(args, flag: str, attr: str, unit: str) -> None:
+    v = getattr(args, attr)
+    if v is not None and not v > 0:
+        raise ValueError(f"{flag} {v}: must be > 0 ({unit})")
+
+
+def gpu_mem_bytes(text: str) -> float:
+    """``--gpu-mem``: '80GB', '141GiB', or a bare number of GB (GB = GiB, as GPU memory is
+    quoted and as ``mem_bytes`` is reported)."""
+    try:
+        value = hwmod.parse_size(text, gb_is_gib=True, bare_unit="gib")
+    except ValueError:
+        raise ValueError(f"--gpu-mem {text!r}: not a size; write e.g. 80GB or 141GiB "
+                         "(a bare number is read as GB)") from None
+    if value < MIN_GPU_MEM:
+        raise ValueError(f"--gpu-mem {text!r} is {value / hwmod.GiB:.3g} GiB: below 1 GiB, "
+                         "probably a unit slip; write e.g. 80GB")
+    return value
+
+
+def _micro_batch(args) -> None:
+    text = str(args.micro_batch).strip().lower()
+    if text == "auto":
+        return
+    try:
+        mb = int(text)
+    except ValueError:
+        raise ValueError(f"--micro-batch {args.micro_batch!r}: use a whole number >= 1 or "
+                         "'auto'") from None
+    _positive_int(args, "--micro-batch", "micro_batch", mb)
+
+
+def _cluster(args) -> None:
+    _positive_int(args, "--gpus", "gpus")
+    _positive_int(args, "--gpus-per-node", "gpus_per_node")
+    gpus, per_node = args.gpus, args.gpus_per_node
+    if gpus and per_node and gpus > per_node and gpus % per_node:
+        lo, hi = gpus // per_node * per_node, -(-gpus // per_node) * per_node
+        fits = [d for d in range(2, gpus + 1) if gpus % d == 0 and d <= 16]
+        raise ValueError(
+            f"--gpus {gpus} with --gpus-per-node {per_node}: the planner places whole nodes, and "
+            f"{gpus} is not a multiple of {per_node}; use --gpus {lo or per_node} or {hi}, or a "
+            f"--gpus-per-node that divides {gpus} ({', '.join(map(str, fits))})")
+
+
+def _paths(args) -> None:
+    for flag, attr in (("--write-config", "write_config"), ("--calibrate-out", "calibrate_out")):
+        path = getattr(args, attr, None)
+        if not path:
+            continue
+        p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"{flag} {path}: is a directory; give a file name, e.g. "
+                             f"{p / 'plan.yaml' if attr == 'write_config' else p / 'hw.json'}")
+        if not p.parent.is_dir():
+            raise ValueError(f"{flag} {path}: directory {p.parent} does not exist; create it "
+                             "first or pick another path")
+    hw_file = getattr(args, "hardware_file", None)
+    if hw_file:
+        try:
+            hwmod.load_hardware_file(hw_file)
+        except FileNotFoundError:
+            raise ValueError(f"--hardware-file {hw_file}: no such file (write one with "
+                             "--calibrate --calibrate-out FILE)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--hardware-file {hw_file}: not JSON ({exc}); give a profile "
+                             "written by --calibrate") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--hardware-file {hw_file}: {exc}") from None
+
+
+def check_args(args) -> None:
+    """Raise ``ValueError('--flag value: fix')`` for the first bad value of a parsed namespace."""
+    _cluster(args)
+    _positive_int(args, "--seq-len", "seq_len")
+    _positive_int(args, "--global-batch-size", "global_batch_size")
+    _positive_int(args, "--global-batch-tokens", "global_batch_tokens")
+    _positive_int(args, "--top", "top")
+    _positive_int(args, "--calibrate-ranks", "calibrate_ranks")
+    _positive_int(args, "--loss-chunk-tokens", "loss_chunk_tokens")
+    _micro_batch(args)
+    if args.global_batch_tokens and args.seq_len and args.global_batch_tokens % args.seq_len:
+        raise ValueError(f"--global-batch-tokens {args.global_batch_tokens} is not a multiple of "
+                         f"--seq-len {args.seq_len}; use a multiple, or --global-batch-size")
+    eff = args.matmul_efficiency
+    if eff is not None and not 0 < eff <= 1:
+        raise ValueError(f"--matmul-efficiency {eff}: a fraction of peak, 0 < x <= 1 "
+                         "(e.g. 0.8)")
+    _positive(args, "--peak-tflops", "peak_tflops", "TFLOP/s")
+    _positive(args, "--intra-node-bw", "intra_node_bw", "GB/s per GPU")
+    _positive(args, "--inter-node-bw", "inter_node_bw", "GB/s per GPU")
+    _positive(args, "--hbm-bw", "hbm_bw", "GB/s")
+    if args.gpu_mem is not None:
+        gpu_mem_bytes(args.gpu_mem)
+    _paths(args)
