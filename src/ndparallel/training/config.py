@@ -15,7 +15,6 @@ import yaml
 from pydantic import (
     AliasChoices,
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -24,14 +23,11 @@ from pydantic import (
 
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+from ndparallel.training.config_data import DatasetConfig, SpecialTokens, _int, _Strict
 
 
 class ConfigError(ValueError):
     """A bad training config; the message is meant to be shown as is."""
-
-
-def _int(ge: int):
-    return Annotated[int, Field(ge=ge)]
 
 
 def _float(**bounds):
@@ -48,10 +44,6 @@ _HINTS = {
     "collective_timeout_s": "seconds a collective may wait",
     "tokenizer_vocab_size": "256 bytes + 2 special tokens + at least one merge",
 }
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
 
 
 class FSDPConfig(_Strict):
@@ -78,52 +70,6 @@ class FSDPConfig(_Strict):
             raise ValueError(f"{v!r} is not supported: ndparallel wraps each decoder layer "
                              "(TRANSFORMER_BASED_WRAP); remove it or set TRANSFORMER_BASED_WRAP")
         return v
-
-
-class DatasetConfig(_Strict):
-    path: str
-    type: str | None = None
-    """Raw text (text, json, parquet, csv, completion, pretrain) or alpaca, chat_template, input_output."""
-    ds_type: Literal["text", "json", "parquet", "csv"] | None = None
-    """The file format when ``type`` is not one (default: from the extension)."""
-    split: str = "train"
-    text_field: str = Field("text", validation_alias=AliasChoices("text_field", "field"))
-    name: str | None = None
-    sample_by: Literal["document", "paragraph", "line"] = "document"
-    max_files: _int(1) | None = None
-    max_bytes: _int(1) | None = None
-    # chat_template (Axolotl's names and defaults)
-    field_messages: str | None = None
-    message_property_mappings: dict[str, str] | None = None
-    roles_to_train: list[str] = Field(default_factory=lambda: ["assistant"])
-    train_on_eos: Literal["turn", "all", "last", "none"] = "turn"
-    chat_template: str | None = None
-    chat_template_jinja: str | None = None
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _known_type(cls, v):
-        from ndparallel.data.dataset import TYPES
-
-        if isinstance(v, dict):
-            raise ValueError("custom prompt formats (type: {...}) are not supported; use type: input_output with "
-                             "explicit segments, or alpaca / chat_template")
-        if v is not None and v not in TYPES:
-            close = difflib.get_close_matches(str(v), TYPES, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            if v == "sharegpt":  # Axolotl's old name
-                hint = "use chat_template (it reads ShareGPT's from/value messages); "
-            raise ValueError(f"unknown type {v!r}; {hint}use one of {list(TYPES)}")
-        return v
-
-
-class SpecialTokens(_Strict):
-    """Tokens set on the tokenizer (each must already be in its vocabulary)."""
-
-    bos_token: str | None = None
-    eos_token: str | None = None
-    pad_token: str | None = None
-    unk_token: str | None = None
 
 
 class TrainConfig(_Strict):
@@ -389,7 +335,7 @@ _BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "l
 
 def _range_message(e: dict) -> str:
     """``must be >= 1, got 0 (hint)`` for a bound error; pydantic's own text for the others."""
-    field = str(e["loc"][-1])
+    field = str(e["loc"][-1]) if e["loc"] else ""
     hint = f" ({_HINTS[field]})" if field in _HINTS else ""
     if e["type"] in _BOUNDS:
         bound = next(iter(e["ctx"].values()))
@@ -398,7 +344,7 @@ def _range_message(e: dict) -> str:
     if e["type"] == "finite_number":
         return f"must be a finite number, got {e.get('input')!r}{hint}"
     msg = e["msg"].removeprefix("Value error, ")
-    return msg if "got" in msg else f"{msg} (got {e.get('input')!r})"
+    return msg if "got" in msg or not e["loc"] else f"{msg} (got {e.get('input')!r})"
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -413,6 +359,28 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set {text!r}: the value is not valid YAML ({problem}); quote a string, "
                           "e.g. --set 'key=\"[1,\"'") from None
     return key.strip().split("."), value
+
+
+def _child(node, key: str, item: str, kind: type):
+    """``node[key]`` for ``--set a.0.b=...`` (a list index when ``key`` is a number), created empty."""
+    if isinstance(node, list):
+        if not key.isdigit() or int(key) >= len(node):
+            raise ConfigError(f"--set {item}: '{key}' is not an index of a list of {len(node)} entries")
+        return node[int(key)]
+    if not isinstance(node, dict):
+        raise ConfigError(f"--set {item}: '{key}' is not a mapping (it holds {node!r})")
+    return node.setdefault(key, kind())
+
+
+def _assign(node, key: str, value, item: str) -> None:
+    if isinstance(node, list):
+        if not key.isdigit() or int(key) > len(node):
+            raise ConfigError(f"--set {item}: '{key}' is not an index of a list of {len(node)} entries")
+        node[int(key):int(key) + 1] = [value]
+    elif isinstance(node, dict):
+        node[key] = value
+    else:
+        raise ConfigError(f"--set {item}: cannot set '{key}' inside {node!r}")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
@@ -432,11 +400,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     for item in overrides:
         keys, value = parse_override(item)
         node = data
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {item}: '{k}' is not a mapping (it holds {node!r})")
-        node[keys[-1]] = value
+        for k, child in zip(keys[:-1], keys[1:]):
+            node = _child(node, k, item, list if child.isdigit() else dict)
+        _assign(node, keys[-1], value, item)
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as e:

@@ -70,13 +70,19 @@ def prepare_data(cfg: TrainConfig):
     """Tokenize and pack every dataset (cached) before any rank starts, so that each data problem
     (a bad record anywhere, a missing column, nothing left after filtering, too little data) ends
     here in one line, and the ranks find everything cached. Returns (tokenizer, splits)."""
+    import datasets
+
     from ndparallel.training.build import build_data, data_cache_dir, load_tokenizer
 
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error logs: the one line below says it
     try:
         tokenizer = load_tokenizer(cfg, data_cache_dir(cfg))
         return tokenizer, build_data(cfg, tokenizer, data_cache_dir(cfg))
     except (ValueError, OSError) as e:
         raise ConfigError(str(e)) from None
+    finally:
+        datasets.logging.set_verbosity(level)
 
 
 def _check_resume_path(cfg: TrainConfig) -> None:
