@@ -213,6 +213,16 @@ def test_rows_are_cached(tok, tmp_path):
     again = build_rows(specs, tok, opts, tmp_path / "cache")
     assert meta.stat().st_mtime_ns == stamp and torch.equal(first[0]["input_ids"], again[0]["input_ids"])
     assert json.loads(meta.read_text())["samples"] == 10
+    assert all(isinstance(a, np.memmap) for a in again.columns.values())  # mapped, never read whole
+
+
+def test_validation_split_of_rows(tok, tmp_path):
+    data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(30))
+    splits = build_data([{"path": str(data), "type": "alpaca"}], tok,
+                        DataOptions(sequence_len=256, val_set_size=0.2, seed=1), tmp_path / "cache")
+    assert len(splits.val) == 6 and len(splits.train) == 24
+    assert not set(splits.train.rows.tolist()) & set(splits.val.rows.tolist())
+    assert PackedLoader(splits.val, 2, shuffle=False).micro_batch(0)["input_ids"].shape == (2, 256)
 
 
 def test_loader_cuts_padding_to_a_multiple(tok, tmp_path):
