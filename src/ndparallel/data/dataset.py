@@ -16,9 +16,11 @@ import difflib
 import hashlib
 import json
 import os
+import socket
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+from urllib.parse import urlparse
 
 import datasets
 from filelock import FileLock
@@ -196,9 +198,10 @@ def local_files(spec: DatasetSpec, where: str) -> tuple[list[str], str]:
     path = Path(spec.path).expanduser()
     wanted = spec.ds_type or (spec.type if spec.type in FORMATS else None)
     if path.is_dir():
+        usable = {wanted} if wanted else set(FORMATS) - (set() if spec.raw else {"text"})  # records: no .md/.txt
         files = sorted(str(p) for p in path.rglob("*")
                        if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
-                       and _format_of(p.name) is not None and (wanted is None or _format_of(p.name) == wanted))
+                       and _format_of(p.name) in usable)
         kinds = sorted({_format_of(f) for f in files})
         if not files:
             raise ValueError(f"{where}.path: directory {spec.path!r} holds no "
@@ -234,9 +237,26 @@ def _load_local(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: s
 
 
 def _load_hub(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: str) -> datasets.Dataset:
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if not offline and not _reachable(endpoint):  # else datasets retries for ~25 s, then fails
+        raise ValueError(f"{where}.path: {spec.path!r} is not a local file and {endpoint} cannot be reached: download "
+                         f"it where the Hub is reachable (`huggingface-cli download --repo-type dataset {spec.path} "
+                         "--local-dir DIR`) and set path to DIR, or set HF_HUB_OFFLINE=1 to use the local datasets "
+                         "cache")
     try:
         return datasets.load_dataset(spec.path, spec.name, split=spec.split,
                                      cache_dir=None if cache_dir is None else str(Path(cache_dir) / "datasets"))
     except Exception as e:
         raise ValueError(f"{where}.path: {spec.path!r} is not a local file and could not be loaded from the Hugging "
                          f"Face Hub ({type(e).__name__}: {e}); check the path, or the name/split when online") from e
+
+
+def _reachable(url: str, timeout_s: float = 3.0) -> bool:
+    """A TCP connection to ``url``'s host opens within ``timeout_s`` (one try)."""
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "", parsed.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

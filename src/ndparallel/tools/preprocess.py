@@ -16,11 +16,14 @@ TRAINED, MASKED = "bold green", "dim"
 
 def preprocess(cfg: TrainConfig, show: int | None = None, as_json: bool = False, out: TextIO | None = None) -> int:
     """Run the data pipeline of ``cfg`` (cached); returns the number of samples."""
+    from ndparallel.data.check import check_dataset
     from ndparallel.data.dataset import DatasetSpec
     from ndparallel.data.pipeline import concatenates, prepare_samples, tokenize_specs
     from ndparallel.training.build import build_data, data_cache_dir, load_tokenizer
 
     out = out or sys.stdout
+    for i, d in enumerate(cfg.datasets):  # the quick look first: file and line named
+        check_dataset(d.model_dump(), f"datasets[{i}]")
     cache = data_cache_dir(cfg)
     tokenizer = load_tokenizer(cfg, cache)
     splits = build_data(cfg, tokenizer, cache)  # what train uses, cached for it
