@@ -4,6 +4,7 @@ rank starts (``train``, ``--dry-run``, ``verify``), and the resolved plan ``--dr
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from ndparallel.training.config import ConfigError, TrainConfig
@@ -76,6 +77,9 @@ def prepare_data(cfg: TrainConfig):
 
     level = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error logs: the one line below says it
+    bars_were_off = not datasets.is_progress_bar_enabled()
+    if not sys.stderr.isatty():  # progress bars only on a terminal: logs keep one line per problem
+        datasets.disable_progress_bars()
     try:
         tokenizer = load_tokenizer(cfg, data_cache_dir(cfg))
         return tokenizer, build_data(cfg, tokenizer, data_cache_dir(cfg))
@@ -83,6 +87,8 @@ def prepare_data(cfg: TrainConfig):
         raise ConfigError(str(e)) from None
     finally:
         datasets.logging.set_verbosity(level)
+        if not bars_were_off:
+            datasets.enable_progress_bars()
 
 
 def _check_resume_path(cfg: TrainConfig) -> None:
