@@ -15,7 +15,14 @@ import torch.nn as nn
 
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.layout.mesh import submesh
-from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+from ndparallel.parallel.options import (
+    CompileOptions,
+    CPOptions,
+    Float8Options,
+    FSDPOptions,
+    LossOptions,
+    TPOptions,
+)
 from ndparallel.runtime.distributed import DistributedInfo, init_distributed
 
 _MIXED_PRECISION = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -30,6 +37,9 @@ class Accelerator:
             and gradient reduction) or "fp16" (fp16 compute as bf16, but without loss scaling).
         gradient_accumulation_steps: micro-batches per optimizer step (see ``accumulate``).
         fsdp_options / tp_options / cp_options: per-strategy options.
+        loss_options: the chunked (memory-efficient) loss, on by default where exact.
+        compile_options: regional ``torch.compile`` of the decoder layers (off by default).
+        float8_options: float8 training of the decoder linears (off by default; GPU SM >= 8.9).
         device: "cpu" or "cuda" (default: cuda when visible).
         timeout_s: collective timeout; a dead peer fails the job after this long.
     """
@@ -42,6 +52,9 @@ class Accelerator:
         fsdp_options: FSDPOptions | None = None,
         tp_options: TPOptions | None = None,
         cp_options: CPOptions | None = None,
+        loss_options: LossOptions | None = None,
+        compile_options: CompileOptions | None = None,
+        float8_options: Float8Options | None = None,
         device: str | None = None,
         timeout_s: float | None = None,
     ) -> None:
@@ -61,6 +74,9 @@ class Accelerator:
         self.fsdp_options = fsdp_options or FSDPOptions()
         self.tp_options = tp_options or TPOptions()
         self.cp_options = cp_options or CPOptions()
+        self.loss_options = loss_options or LossOptions()
+        self.compile_options = compile_options or CompileOptions()
+        self.float8_options = float8_options or Float8Options()
         self.torch_device_mesh = self.parallelism_config.build_device_mesh(self.info.device_type)
         self._param_remap: dict[int, nn.Parameter] = {}
         self._models: list[nn.Module] = []
@@ -138,12 +154,17 @@ class Accelerator:
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Apply TP → CP attention → activation checkpointing → FSDP/HSDP/DP, in that order.
-        A model this Accelerator already prepared (e.g. from ``load_model``) is returned as is."""
+        """Apply float8 → TP → CP attention → activation checkpointing → compile → FSDP/HSDP/DP,
+        in that order. A model this Accelerator already prepared (e.g. from ``load_model``) is
+        returned as is. Under TP, ``TPOptions.loss_parallel=None`` is resolved for this model."""
         from ndparallel.parallel.parallelize import parallelize_model
 
         if any(model is m for m in self._models):
             return model
+        if self.parallelism_config.tp_enabled:
+            from ndparallel.parallel.tensor import resolve_loss_parallel
+
+            self.tp_options = resolve_loss_parallel(model, self.tp_options)
 
         old = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         model = parallelize_model(
@@ -153,6 +174,8 @@ class Accelerator:
             fsdp=self.fsdp_options,
             tp=self.tp_options,
             cp=self.cp_options,
+            compile=self.compile_options,
+            float8=self.float8_options,
             param_dtype=self.param_dtype,
             device=self.device,
         )
@@ -175,9 +198,10 @@ class Accelerator:
     # ----------------------------------------------------- loss and backward
     def global_num_items(
         self, micro_batches: Iterable[Mapping[str, torch.Tensor]], label_key: str = "shift_labels"
-    ) -> int:
+    ) -> torch.Tensor:
         """Non-ignored label tokens of this optimizer step over all micro-batches and dp ranks
-        (count *before* CP sharding). Divide each micro-batch's token-loss sum by this."""
+        (count *before* CP sharding), an int64 tensor on the device (no host sync). Divide each
+        micro-batch's token-loss sum by this."""
         from ndparallel.parallel.loss import global_num_items
 
         return global_num_items(micro_batches, self.mesh("dp").get_group(), label_key, self.device)
@@ -191,13 +215,31 @@ class Accelerator:
         return contextlib.nullcontext()
 
     def causal_lm_loss(
-        self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch: int
+        self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch: int | torch.Tensor
     ) -> torch.Tensor:
         """Token-loss sum of this rank / the global token count (see ``global_num_items``)."""
         from ndparallel.parallel.loss import causal_lm_loss
 
         with self.loss_context():
             return causal_lm_loss(logits, shift_labels, num_items_in_batch)
+
+    def forward_loss(
+        self, model: nn.Module, batch: Mapping[str, torch.Tensor], num_items_in_batch: int | torch.Tensor
+    ) -> torch.Tensor:
+        """Forward ``batch`` (``input_ids``, ``shift_labels``, ``position_ids``; CP-sharded already
+        inside ``maybe_context_parallel``) and return this rank's token-loss sum / the global token
+        count. Uses the chunked loss (no full logits) where it is exact (``LossOptions``), else
+        the logits and ``causal_lm_loss``."""
+        from ndparallel.parallel import lm_loss
+
+        if lm_loss.use_chunked_loss(model, self.loss_options):
+            from ndparallel.parallel.fsdp import gathered
+
+            sp = self.parallelism_config.tp_enabled and self.tp_options.sequence_parallel
+            return lm_loss.forward_loss(model, batch, num_items_in_batch, self.loss_options.chunk_tokens,
+                                        sequence_parallel=sp, gathered=gathered)
+        logits = model(**lm_loss.model_inputs(batch)).logits
+        return self.causal_lm_loss(logits, batch["shift_labels"], num_items_in_batch)
 
     def backward(self, loss: torch.Tensor, num_items_in_batch: int | None = None, **kwargs) -> None:
         """Back-propagate ``loss``.

@@ -18,9 +18,8 @@ and a 2-D attention mask may only be all ones (padding masks raise: pack with po
 from __future__ import annotations
 
 import contextlib
-import math
+import dataclasses
 import warnings
-from typing import Any
 
 import torch
 from torch import nn
@@ -49,53 +48,9 @@ from ndparallel.models.tp_plans import (
     resolve_tp_plan,
 )
 from ndparallel.parallel.options import TPOptions
+from ndparallel.parallel.tp_validate import validate_tensor_parallel  # noqa: F401  (public here)
 
 _TP_MESH_ATTR = "_ndparallel_tp_mesh"
-
-
-# ---------------------------------------------------------------------------------- validation
-def validate_tensor_parallel(config: Any, tp_size: int, options: TPOptions | None = None) -> None:
-    """Check the model dims that TP shards against ``tp_size``; raise ``ValueError`` naming the field
-    and the fix. Fields a user plan does not shard (e.g. no ``lm_head`` entry: vocab) are skipped."""
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
-    if tp_size == 1:
-        return
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    fields = {
-        "num_attention_heads": heads,
-        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
-        "intermediate_size": getattr(text, "intermediate_size", None),
-        "vocab_size": getattr(text, "vocab_size", None),
-    }
-    plan = options.plan if options is not None else None
-    if plan:
-        names = " ".join(plan)
-        wanted = {
-            "num_attention_heads": any(k in names for k in ("q_proj", "qkv", "attn", "o_proj")),
-            "num_key_value_heads": any(k in names for k in ("k_proj", "v_proj", "qkv", "attn")),
-            "intermediate_size": any(k in names for k in ("mlp", "gate", "up_proj", "down_proj", "fc")),
-            "vocab_size": any(k in names for k in ("lm_head", "embed")),
-        }
-        fields = {k: v for k, v in fields.items() if wanted[k]}
-    fields = {k: v for k, v in fields.items() if isinstance(v, int) and not isinstance(v, bool)}
-    if not fields:
-        return
-    g = math.gcd(*fields.values())
-    allowed = "{" + ",".join(str(d) for d in range(1, g + 1) if g % d == 0) + "}"
-    errors = []
-    for name, value in fields.items():
-        if value % tp_size:
-            msg = f"{name}={value} is not divisible by tp_size={tp_size}: use tp_size in {allowed}"
-            if name == "vocab_size":
-                msg += (
-                    f", or pad the vocabulary to a multiple of {tp_size} "
-                    f"(model.resize_token_embeddings(n, pad_to_multiple_of={tp_size}))"
-                )
-            errors.append(msg)
-    if errors:
-        raise ValueError("; ".join(errors))
 
 
 # ------------------------------------------------------------------------------ custom styles
@@ -121,10 +76,8 @@ def _align_grad_placements(model: nn.Module) -> None:
     full ``Replicate`` one (sliced here: no communication, less memory). Clipping, DDP and
     checkpoints then see gradients laid out like their parameters.
 
-    Needed for TP without FSDP: without it the vocab-sharded embedding's gradient is the full
-    (vocab × hidden) matrix on every tp rank (``tests/test_tensor_parallel.py`` asserts gradient
-    placements == parameter placements and fails without these hooks). Under FSDP2 they do not
-    fire: FSDP2 owns the sharded parameters and reduces their gradients itself.
+    Needed for TP without FSDP (else the vocab-sharded embedding's gradient is the full matrix on
+    every tp rank; ``tests/test_tensor_parallel.py`` checks). Under FSDP2 they do not fire.
     """
     for p in model.parameters():
         if isinstance(p, DTensor) and p.requires_grad and not getattr(p, "_ndp_grad_aligned", False):
@@ -318,14 +271,16 @@ def apply_tensor_parallel(
             )
         return distribute_leftover_params(model, tp_mesh)
     validate_tensor_parallel(model.config, tp_size, options)
-    plan = resolve_tp_plan(model, options.plan)
-    assigned = match_plan(model, plan, strict=bool(options.plan))
+    assigned = match_plan(model, resolve_tp_plan(model, options.plan), strict=bool(options.plan))
     head = _output_embedding_name(model)
-    if options.loss_parallel and (head not in assigned or not str(assigned[head]).startswith("colwise")):
+    head_colwise = head in assigned and str(assigned[head]).startswith("colwise")
+    if options.loss_parallel and not head_colwise:
         raise ValueError(
             f"loss_parallel needs the output embedding ({head}) sharded column-wise in the tp plan "
             f"(e.g. {head!r}: 'colwise_gather_output'); it has {assigned.get(head)!r}"
         )
+    options = dataclasses.replace(options, loss_parallel=head_colwise if options.loss_parallel is None
+                                  else options.loss_parallel)
     sp = options.sequence_parallel
     styles: dict[str, ParallelStyle] = {}
     blocks: set[str] = set()
@@ -356,6 +311,8 @@ def apply_tensor_parallel(
     for name, style in styles.items():
         parallelize_module(model.get_submodule(name), tp_mesh, style)
     _retie(model, tied)
+    if options.loss_parallel and hasattr(type(model), "loss_function"):
+        model.loss_function = _in_loss_parallel(model.loss_function)  # transformers' setter
     setattr(model, _TP_MESH_ATTR, tp_mesh)
     _check_all_dtensor(model)
     _align_grad_placements(model)
@@ -442,6 +399,30 @@ def distribute_leftover_params(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Modu
     _check_all_dtensor(model)
     _align_grad_placements(model)
     return model
+
+
+def _in_loss_parallel(loss_fn):
+    """The model's own loss (``model(..., labels=...).loss``) on vocab-sharded logits: run inside
+    ``loss_parallel()`` (its backward too, through ``Accelerator.backward``); a plain scalar out."""
+    def loss_function(*args, **kwargs):
+        with loss_parallel():
+            loss = loss_fn(*args, **kwargs)
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    return loss_function
+
+
+def resolve_loss_parallel(model: nn.Module, options: TPOptions) -> TPOptions:
+    """``options`` with ``loss_parallel=None`` resolved: on when the plan shards the LM head
+    column-wise (ndparallel's own TP only; a model made TP by transformers keeps it off)."""
+    if options.loss_parallel is not None:
+        return options
+    on = False
+    if not is_tensor_parallel(model):
+        head = _output_embedding_name(model)
+        style = match_plan(model, resolve_tp_plan(model, options.plan), strict=False).get(head)
+        on = str(style).startswith("colwise")
+    return dataclasses.replace(options, loss_parallel=on)
 
 
 def loss_parallel_context(options: TPOptions | None) -> contextlib.AbstractContextManager:

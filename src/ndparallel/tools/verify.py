@@ -50,7 +50,8 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
         grad_accum=min(cfg.gradient_accumulation_steps, 2), seq_len=16 * pc.cp_size,
         optimizer="adamw", lr=1e-2, max_grad_norm=cfg.max_grad_norm,
         parallel_kwargs=dict(fsdp_options=cfg.fsdp_options(), tp_options=cfg.tp_options(),
-                             cp_options=cfg.cp_options()),
+                             cp_options=cfg.cp_options(), loss_options=cfg.loss_options(),
+                             compile_options=cfg.compile_options()),
     )
     console.print(
         f"verify: {pc.describe()} on {pc.total_size} CPU ranks vs 1 process; shrunk "

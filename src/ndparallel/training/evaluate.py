@@ -1,4 +1,5 @@
-"""Validation loss and perplexity, token-weighted over the whole validation split (any layout)."""
+"""Validation loss and perplexity, token-weighted over the whole validation split (any layout),
+with the same loss as training (chunked where exact: no full logits)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ def evaluate(acc, model, val_blocks: torch.Tensor, micro_batch_size: int, seed: 
     """Loss over every validation block (sharded over the dp ranks), as one device computes it:
     the sum of token losses / the number of label tokens."""
     from ndparallel.data import PackedLoader
+    from ndparallel.training.step import batch_to_device
 
     model.eval()
     loader = PackedLoader(val_blocks, micro_batch_size, dp_rank=acc.dp_rank, dp_size=acc.dp_size,
@@ -23,13 +25,11 @@ def evaluate(acc, model, val_blocks: torch.Tensor, micro_batch_size: int, seed: 
     n_items = acc.global_num_items(loader.micro_batch(i) for i in micro_batches)
     total = torch.zeros((), device=acc.device)
     for i in micro_batches:
-        mb = loader.micro_batch(i)
-        mb = {k: v.to(acc.device, non_blocking=True) for k, v in mb.items()}
+        mb = batch_to_device(loader.micro_batch(i), acc.device)
         with acc.maybe_context_parallel(
             buffers=[mb["input_ids"], mb["shift_labels"], mb["position_ids"]], buffer_seq_dims=[1, 1, 1]
         ):
-            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
-            total += acc.causal_lm_loss(logits, mb["shift_labels"], n_items).float()
+            total += acc.forward_loss(model, mb, n_items).float()
     dist.all_reduce(total, group=acc.mesh("dp_cp").get_group())
     model.train()
     loss = float(total)
