@@ -78,6 +78,7 @@ class Accelerator:
         self.compile_options = compile_options or CompileOptions()
         self.float8_options = float8_options or Float8Options()
         self.torch_device_mesh = self.parallelism_config.build_device_mesh(self.info.device_type)
+        self._submeshes: dict[tuple[str, ...], Any] = {}
         self._param_remap: dict[int, nn.Parameter] = {}
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -110,8 +111,11 @@ class Accelerator:
         return self.info.local_rank == 0
 
     def mesh(self, *dims: str):
-        """Sub-mesh for base or flattened dim names, e.g. ``acc.mesh("dp_shard_cp")``."""
-        return submesh(self.torch_device_mesh, *dims)
+        """Sub-mesh for base or flattened dim names, e.g. ``acc.mesh("dp_shard_cp")`` (cached:
+        slicing a DeviceMesh builds a new one each time)."""
+        if dims not in self._submeshes:
+            self._submeshes[dims] = submesh(self.torch_device_mesh, *dims)
+        return self._submeshes[dims]
 
     def rank_in(self, dim: str) -> int:
         """This rank's index along a mesh dim (``dp``, ``tp``, ``cp``, ``dp_shard_cp``...)."""
