@@ -65,7 +65,7 @@ def parallelize_model(
     if compile.enabled:
         from ndparallel.parallel.compile import apply_compile
 
-        apply_compile(model, compile, fsdp.layer_classes)
+        apply_compile(model, compile, fsdp.layer_classes, per_child=pc.tp_enabled)
     if use_fsdp:
         from ndparallel.parallel.fsdp import apply_fsdp
 
