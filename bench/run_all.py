@@ -21,7 +21,8 @@ SMALL = {
     "overhead": ["--world", "2", "--steps", "16", "--seq", "256"],
     "startup": ["--worlds", "1,2,4,8"],
     "scaling": ["--worlds", "1,2,4", "--steps", "4", "--seq", "256"],
-    "gpu_single": [],
+    "loss_memory": ["--skip-logits"],
+    "gpu_single": ["--tiny"],
 }
 
 

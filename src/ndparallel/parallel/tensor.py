@@ -254,7 +254,8 @@ def apply_tensor_parallel(
 ) -> nn.Module:
     """Shard ``model`` over the 1-D ``tp_mesh`` in place (and return it).
 
-    Every parameter ends up a DTensor on ``tp_mesh``; tied parameters stay one Parameter. A model
+    Every parameter ends up a DTensor on ``tp_mesh``; tied parameters stay one Parameter.
+    ``loss_parallel=None`` counts as off here (``resolve_loss_parallel`` picks the default). A model
     already made tensor-parallel (by transformers' ``from_pretrained(tp_plan=..., device_mesh=...)``)
     is not sharded again: only its leftover plain parameters are replicated.
     """
@@ -279,8 +280,6 @@ def apply_tensor_parallel(
             f"loss_parallel needs the output embedding ({head}) sharded column-wise in the tp plan "
             f"(e.g. {head!r}: 'colwise_gather_output'); it has {assigned.get(head)!r}"
         )
-    options = dataclasses.replace(options, loss_parallel=head_colwise if options.loss_parallel is None
-                                  else options.loss_parallel)
     sp = options.sequence_parallel
     styles: dict[str, ParallelStyle] = {}
     blocks: set[str] = set()
