@@ -7,6 +7,8 @@ attention, which runs eagerly by design)."""
 
 import dataclasses
 
+import pytest
+
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import CompileOptions, FSDPOptions, TPOptions
 from ndparallel.testing import run_on_ranks
@@ -82,3 +84,9 @@ def test_tp_compiles_attention_and_mlp_only():
     assert layer._compiled_call_impl is None
     assert layer.self_attn._compiled_call_impl is not None and layer.mlp._compiled_call_impl is not None
     assert layer.input_layernorm._compiled_call_impl is None
+
+
+@pytest.mark.slow
+def test_fsdp2_tp2_sequence_parallel_activation_checkpointing_4_ranks():
+    _check({"dp_shard_size": 2, "tp_size": 2}, 4, "aot_eager", tp_options=TPOptions(sequence_parallel=True),
+           fsdp_options=FSDPOptions(activation_checkpointing=True))
