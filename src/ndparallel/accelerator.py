@@ -245,7 +245,8 @@ class Accelerator:
         logits = model(**lm_loss.model_inputs(batch)).logits
         return self.causal_lm_loss(logits, batch["shift_labels"], num_items_in_batch)
 
-    def backward(self, loss: torch.Tensor, num_items_in_batch: int | None = None, **kwargs) -> None:
+    def backward(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
+                 **kwargs) -> None:
         """Back-propagate ``loss``.
 
         With ``num_items_in_batch`` the loss is taken as already divided by the global token count

@@ -15,8 +15,10 @@ reads the final hidden states from the decoder's output through a forward hook. 
   are all-gathered over tp first, as the LM head itself would.
 * CP: every rank scores its own sequence shard, like the logits path.
 
-``logits_loss`` is the plain path (full logits, ``causal_lm_loss``) for models where the chunked
-one would not be exact (see ``ndparallel.models.heads``) or when it is switched off.
+Where the chunked loss would not be exact (``ndparallel.models.heads``) or is switched off,
+``Accelerator.forward_loss`` takes the plain path instead: full logits and ``causal_lm_loss``.
+The FSDP knowledge comes in as the ``gathered`` context (``fsdp.gathered``), passed by the
+Accelerator, so this module calls into no other strategy.
 """
 
 from __future__ import annotations
