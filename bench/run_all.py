@@ -22,7 +22,8 @@ SMALL = {
     "startup": ["--worlds", "1,2,4,8"],
     "scaling": ["--worlds", "1,2,4", "--steps", "4", "--seq", "256"],
     "data_memory": ["--mb", "2"],
-    "gpu_single": [],
+    "loss_memory": ["--skip-logits"],
+    "gpu_single": ["--tiny"],
 }
 
 

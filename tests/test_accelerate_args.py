@@ -9,7 +9,7 @@ import torch
 
 from ndparallel.accelerator import arguments
 from ndparallel.accelerator.core import Accelerator
-from ndparallel.parallel.options import CPOptions
+from ndparallel.parallel.options import CompileOptions, CPOptions
 from ndparallel.utils import (
     DataLoaderConfiguration,
     FullyShardedDataParallelPlugin,
@@ -17,6 +17,7 @@ from ndparallel.utils import (
     InitProcessGroupKwargs,
     ParallelismConfig,
     TorchContextParallelConfig,
+    TorchDynamoPlugin,
     TorchTensorParallelConfig,
     TorchTensorParallelPlugin,
 )
@@ -28,7 +29,7 @@ def _resolve(**kwargs):
     args = {n: None for n in _NAMES}
     args.update(device_placement=True, split_batches=arguments.UNSET, gradient_accumulation_steps=1, cpu=False,
                 step_scheduler_with_optimizer=True, fsdp_options=None, tp_options=None, cp_options=None,
-                device=None, timeout_s=None)
+                loss_options=None, compile_options=None, float8_options=None, device=None, timeout_s=None)
     args.update(kwargs)
     return arguments.resolve(args)
 
@@ -51,6 +52,15 @@ def test_fsdp_plugin_maps_onto_fsdp_options():
     assert (o.reshard_after_forward, o.cpu_offload, o.activation_checkpointing) == (False, True, True)
     assert o.layer_classes == ("LlamaDecoderLayer",) and o.reduce_dtype == torch.bfloat16
     assert s.param_dtype == torch.bfloat16
+
+
+def test_dynamo_settings_become_regional_compile(monkeypatch):
+    with pytest.raises(ValueError, match="dynamo mode"):
+        TorchDynamoPlugin(backend="inductor", mode="max-autotune")
+    assert _resolve(dynamo_backend="inductor").compile_options == CompileOptions(enabled=True, backend="inductor")
+    assert not _resolve(dynamo_backend="no").compile_options.enabled
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
+    assert _resolve().compile_options.enabled
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -98,7 +108,6 @@ def test_accelerate_launch_environment_is_honoured(monkeypatch):
 
 @pytest.mark.parametrize("env, fragment", [
     ({"ACCELERATE_USE_DEEPSPEED": "true"}, "deepspeed"),
-    ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, "dynamo_backend='inductor'"),
     ({"ACCELERATE_MIXED_PRECISION": "fp8"}, "fp8"),
     ({"PARALLELISM_CONFIG_SP_SIZE": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true"}, "sp_size=2.*cp_size"),
     ({"PARALLELISM_CONFIG_CP_BACKEND": "deepspeed", "ACCELERATE_USE_PARALLELISM_CONFIG": "true"}, "cp_backend"),
@@ -116,7 +125,7 @@ def test_launch_settings_that_cannot_be_honoured_are_refused(monkeypatch, env, f
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"deepspeed_plugin": object()}, "deepspeed_plugin"),
     ({"megatron_lm_plugin": object()}, "megatron_lm_plugin"),
-    ({"dynamo_backend": "inductor"}, "dynamo_backend='inductor'"),
+    ({"dynamo_backend": "inductor", "compile_options": CompileOptions(enabled=True)}, "both ask for torch.compile"),
     ({"mixed_precision": "fp8"}, "fp8"),
     ({"mixed_precision": "int4"}, "mixed_precision='int4'"),
     ({"kwargs_handlers": [object()]}, "kwargs_handlers: object is not supported"),

@@ -29,13 +29,21 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
 
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.models.presets import preset_config
-    from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+    from ndparallel.parallel.options import (
+        CPOptions,
+        FSDPOptions,
+        LossOptions,
+        TPOptions,
+    )
     from ndparallel.runtime.comm_profile import CommProfiler
     from ndparallel.training.step import forward_backward
 
+    # The planner models the logits loss (gathered or loss-parallel); the chunked loss (default)
+    # and loss parallel's default-on are pinned off here so each case runs what it names.
     acc = Accelerator(ParallelismConfig(**layout), mixed_precision=mp,
                       fsdp_options=FSDPOptions(activation_checkpointing=ckpt),
-                      tp_options=TPOptions(**tp), cp_options=CPOptions(**cp))
+                      tp_options=TPOptions(**{"loss_parallel": False, **tp}), cp_options=CPOptions(**cp),
+                      loss_options=LossOptions(chunked=False))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -23,7 +23,14 @@ from ndparallel.accelerator.plugins import (
     env_flag,
 )
 from ndparallel.layout.config import ParallelismConfig
-from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+from ndparallel.parallel.options import (
+    CompileOptions,
+    CPOptions,
+    Float8Options,
+    FSDPOptions,
+    LossOptions,
+    TPOptions,
+)
 
 MIXED_PRECISION = {"no": None, "fp32": None, "bf16": torch.bfloat16}
 RNG_TYPES = ("torch", "cuda", "generator")
@@ -40,6 +47,9 @@ class Settings:
     fsdp_options: FSDPOptions
     tp_options: TPOptions
     cp_options: CPOptions
+    loss_options: LossOptions
+    compile_options: CompileOptions
+    float8_options: Float8Options
     dynamo_plugin: TorchDynamoPlugin
     dataloader_config: DataLoaderConfiguration
     project_configuration: ProjectConfiguration
@@ -164,6 +174,9 @@ def resolve(a: dict[str, Any]) -> Settings:
     if a["dynamo_plugin"] is not None and a["dynamo_backend"] is not None:
         raise ValueError("You cannot pass in both `dynamo_plugin` and `dynamo_backend`, please only pass in one.")
     dynamo = a["dynamo_plugin"] or TorchDynamoPlugin(backend=a["dynamo_backend"])
+    if a["compile_options"] is not None and dynamo.enabled:
+        raise ValueError("compile_options and dynamo_backend/dynamo_plugin both ask for torch.compile: "
+                         "give one of them")
     pc = _parallelism(a["parallelism_config"], a["torch_tp_plugin"])
     fsdp_plugin, fsdp_options = _fsdp(a["fsdp_plugin"], a["fsdp_options"])
     handlers = sort_handlers(a["kwargs_handlers"])
@@ -178,6 +191,9 @@ def resolve(a: dict[str, Any]) -> Settings:
         parallelism_config=pc, mixed_precision=mp, param_dtype=param_dtype, gradient_state_plugin=ga,
         fsdp_plugin=fsdp_plugin, fsdp_options=fsdp_options, tp_options=a["tp_options"] or TPOptions(),
         cp_options=_cp_options(pc, a["cp_options"]), dynamo_plugin=dynamo,
+        loss_options=a["loss_options"] or LossOptions(),
+        compile_options=a["compile_options"] or dynamo.compile_options(),
+        float8_options=a["float8_options"] or Float8Options(),
         dataloader_config=_dataloader_config(a["dataloader_config"], a["split_batches"]),
         project_configuration=_project(a["project_dir"], a["project_config"]), handlers=handlers,
         rng_types=_rng_types(a["rng_types"]), log_with=a["log_with"],

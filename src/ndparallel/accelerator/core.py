@@ -28,7 +28,14 @@ from ndparallel.accelerator.tracking import TrackingMixin, filter_trackers
 from ndparallel.accelerator.wrappers import AcceleratedOptimizer, PreparedDataLoader
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.layout.mesh import submesh
-from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+from ndparallel.parallel.options import (
+    CompileOptions,
+    CPOptions,
+    Float8Options,
+    FSDPOptions,
+    LossOptions,
+    TPOptions,
+)
 from ndparallel.runtime.distributed import DistributedInfo, init_distributed
 
 
@@ -40,6 +47,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
     environment variables (see the README's "Accelerate API" table for what each maps to). The
     keyword-only rest are ndparallel's: ``fsdp_options`` / ``tp_options`` / ``cp_options`` (the
     strategies' options; ``fsdp_plugin`` / ``parallelism_config.cp_handler`` map onto them),
+    ``loss_options`` (the chunked loss, on where exact), ``compile_options`` (regional compile; also
+    from ``dynamo_backend``/``dynamo_plugin``), ``float8_options`` (fp8 linears, SM >= 8.9),
     ``device`` ("cpu"/"cuda"; default cuda when visible) and ``timeout_s`` (collective timeout).
     ``Accelerator(ParallelismConfig(...))`` (the layout as first positional argument) also works.
     ``mixed_precision``: "no" (fp32), "bf16" (bf16 compute, fp32 master weights; gradients reduced
@@ -74,6 +83,9 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         fsdp_options: FSDPOptions | None = None,
         tp_options: TPOptions | None = None,
         cp_options: CPOptions | None = None,
+        loss_options: LossOptions | None = None,
+        compile_options: CompileOptions | None = None,
+        float8_options: Float8Options | None = None,
         device: str | None = None,
         timeout_s: float | None = None,
     ) -> None:
@@ -98,17 +110,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         if s.parallelism_config is not None:
             s.parallelism_config._set_device_mesh(self.torch_device_mesh)
         self._settings = s
-        self.fsdp_options, self.tp_options, self.cp_options = s.fsdp_options, s.tp_options, s.cp_options
-        self.fsdp_plugin, self.dynamo_plugin = s.fsdp_plugin, s.dynamo_plugin
-        self.dataloader_config, self.project_configuration = s.dataloader_config, s.project_configuration
-        self.device_placement = s.device_placement
-        self.step_scheduler_with_optimizer = s.step_scheduler_with_optimizer
-        self.rng_types = s.rng_types
-        self.ddp_handler = s.handlers.get("ddp_handler")
-        self.init_handler = s.handlers.get("init_handler")
-        self.autocast_handler = s.handlers.get("autocast_handler")
-        self.profile_handler = s.handlers.get("profile_handler")
-        self.scaler_handler, self.scaler, self.native_amp = None, None, s.param_dtype is not None
+        self._submeshes: dict[tuple[str, ...], Any] = {}
+        self._take_settings(s)
         ga = s.gradient_state_plugin
         self.gradient_state = GradientState(num_steps=int(ga.num_steps), adjust_scheduler=ga.adjust_scheduler,
                                             sync_with_dataloader=ga.sync_with_dataloader,
@@ -126,6 +129,22 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         self._save_model_state_pre_hook: OrderedDict = OrderedDict()
         self._load_model_state_pre_hook: OrderedDict = OrderedDict()
         self.step = 0  # micro-batches seen by ``accumulate``
+
+    def _take_settings(self, s: arguments.Settings) -> None:
+        """The resolved options, plugins and handlers as attributes (Accelerate's names)."""
+        self.fsdp_options, self.tp_options, self.cp_options = s.fsdp_options, s.tp_options, s.cp_options
+        self.loss_options, self.compile_options = s.loss_options, s.compile_options
+        self.float8_options = s.float8_options
+        self.fsdp_plugin, self.dynamo_plugin = s.fsdp_plugin, s.dynamo_plugin
+        self.dataloader_config, self.project_configuration = s.dataloader_config, s.project_configuration
+        self.device_placement = s.device_placement
+        self.step_scheduler_with_optimizer = s.step_scheduler_with_optimizer
+        self.rng_types = s.rng_types
+        self.ddp_handler = s.handlers.get("ddp_handler")
+        self.init_handler = s.handlers.get("init_handler")
+        self.autocast_handler = s.handlers.get("autocast_handler")
+        self.profile_handler = s.handlers.get("profile_handler")
+        self.scaler_handler, self.scaler, self.native_amp = None, None, s.param_dtype is not None
 
     # ------------------------------------------------------------ what runs
     @property
@@ -193,8 +212,11 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
 
     # ---------------------------------------------------------------- mesh
     def mesh(self, *dims: str):
-        """Sub-mesh for base or flattened dim names, e.g. ``acc.mesh("dp_shard_cp")``."""
-        return submesh(self.torch_device_mesh, *dims)
+        """Sub-mesh for base or flattened dim names, e.g. ``acc.mesh("dp_shard_cp")`` (cached:
+        slicing a DeviceMesh builds a new one each time)."""
+        if dims not in self._submeshes:
+            self._submeshes[dims] = submesh(self.torch_device_mesh, *dims)
+        return self._submeshes[dims]
 
     def rank_in(self, dim: str) -> int:
         """This rank's index along a mesh dim (``dp``, ``tp``, ``cp``, ``dp_shard_cp``...)."""

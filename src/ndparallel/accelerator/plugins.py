@@ -217,8 +217,11 @@ class TorchTensorParallelPlugin:
 
 @dataclass
 class TorchDynamoPlugin:
-    """``torch.compile`` settings. ndparallel does not compile models: only backend "no" is accepted
-    (None reads ``ACCELERATE_DYNAMO_BACKEND``, as Accelerate does)."""
+    """``torch.compile`` settings, honoured as ndparallel's regional compilation (each decoder
+    layer compiled, torchtitan style; ``CompileOptions``) rather than one whole-model graph: the
+    same speed-up, and it composes with FSDP/TP hooks and the CP attention. Backend "no" (or
+    ``disable``) compiles nothing; None reads ``ACCELERATE_DYNAMO_BACKEND``, as Accelerate does.
+    ``mode``/``dynamic``/``options`` other than their defaults are refused."""
 
     backend: Any = None
     mode: str | None = None
@@ -232,9 +235,20 @@ class TorchDynamoPlugin:
         if self.backend is None:
             self.backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
         self.backend = str(getattr(self.backend, "value", self.backend)).lower()
-        if self.backend != "no" and not self.disable:
-            raise _unsupported("dynamo_backend", self.backend, "ndparallel does not wrap models in "
-                               "torch.compile; use dynamo_backend='no'")
+        for name in ("mode", "dynamic", "options"):
+            if getattr(self, name) not in (None, "default") and self.enabled:
+                raise _unsupported(f"dynamo {name}", getattr(self, name),
+                                   "ndparallel compiles each decoder layer with the backend's defaults")
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "no" and not self.disable
+
+    def compile_options(self):
+        from ndparallel.parallel.options import CompileOptions
+
+        return CompileOptions(enabled=self.enabled, backend=self.backend if self.enabled else "inductor",
+                              fullgraph=bool(self.fullgraph))
 
 
 @dataclass

@@ -102,9 +102,14 @@ def prepare_model(acc, model: nn.Module) -> nn.Module:
     rank0_only = _weights_on_rank0_only(acc, model)
     full = {k: v.to(acc.device) for k, v in model.state_dict().items()} if rank0_only and acc.is_main_process else {}
     old = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    if acc.parallelism_config.tp_enabled:  # loss_parallel=None: on where exact, for this model
+        from ndparallel.parallel.tensor import resolve_loss_parallel
+
+        acc.tp_options = resolve_loss_parallel(model, acc.tp_options)
     model = parallelize_model(
         model, acc.torch_device_mesh, acc.parallelism_config, fsdp=acc.fsdp_options, tp=acc.tp_options,
-        cp=acc.cp_options, param_dtype=acc.param_dtype, device=acc.device,
+        cp=acc.cp_options, compile=acc.compile_options, float8=acc.float8_options,
+        param_dtype=acc.param_dtype, device=acc.device,
     )
     if rank0_only:
         _broadcast_rank0_weights(acc, model, full)

@@ -85,9 +85,10 @@ class SteppingMixin:
 
     # -------------------------------------------------------- loss, backward
     def global_num_items(self, micro_batches: Iterable[Mapping[str, torch.Tensor]],
-                         label_key: str = "shift_labels") -> int:
+                         label_key: str = "shift_labels") -> torch.Tensor:
         """Non-ignored label tokens of this optimizer step over all micro-batches and dp ranks
-        (count *before* CP sharding). Divide each micro-batch's token-loss sum by this."""
+        (count *before* CP sharding), an int64 tensor on the device (no host sync). Divide each
+        micro-batch's token-loss sum by this."""
         from ndparallel.parallel.loss import global_num_items
 
         return global_num_items(micro_batches, self.mesh("dp").get_group(), label_key, self.device)
@@ -100,14 +101,33 @@ class SteppingMixin:
             return loss_parallel_context(self.tp_options)
         return contextlib.nullcontext()
 
-    def causal_lm_loss(self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch: int):
+    def causal_lm_loss(self, logits: torch.Tensor, shift_labels: torch.Tensor,
+                       num_items_in_batch: int | torch.Tensor):
         """Token-loss sum of this rank / the global token count (see ``global_num_items``)."""
         from ndparallel.parallel.loss import causal_lm_loss
 
         with self.loss_context():
             return causal_lm_loss(logits, shift_labels, num_items_in_batch)
 
-    def backward(self, loss: torch.Tensor, num_items_in_batch: int | None = None, **kwargs) -> None:
+    def forward_loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor],
+                     num_items_in_batch: int | torch.Tensor) -> torch.Tensor:
+        """Forward ``batch`` (``input_ids``, ``shift_labels``, ``position_ids``; CP-sharded already
+        inside ``maybe_context_parallel``) and return this rank's token-loss sum / the global token
+        count. Uses the chunked loss (no full logits) where it is exact (``LossOptions``), else
+        the logits and ``causal_lm_loss``."""
+        from ndparallel.parallel import lm_loss
+
+        if lm_loss.use_chunked_loss(model, self.loss_options):
+            from ndparallel.parallel.fsdp import gathered
+
+            sp = self.parallelism_config.tp_enabled and self.tp_options.sequence_parallel
+            return lm_loss.forward_loss(model, batch, num_items_in_batch, self.loss_options.chunk_tokens,
+                                        sequence_parallel=sp, gathered=gathered)
+        logits = model(**lm_loss.model_inputs(batch)).logits
+        return self.causal_lm_loss(logits, batch["shift_labels"], num_items_in_batch)
+
+    def backward(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
+                 **kwargs) -> None:
         """Back-propagate ``loss``.
 
         With ``num_items_in_batch`` the loss is taken as already divided by the global token count

@@ -9,6 +9,8 @@ by the global number of loss tokens, so averaging again would make gradients dep
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -90,3 +92,18 @@ def set_gradient_sync(model: nn.Module, enabled: bool, keep_reduce_scatter: bool
     if not enabled:
         model.set_requires_all_reduce(False)
 
+
+
+@contextlib.contextmanager
+def gathered(module: nn.Module):
+    """Keep ``module``'s own FSDP parameter group gathered inside the block when a no-grad forward
+    has resharded it (``_reshard_after_no_grad_forward``); in a training forward the groups that
+    hold the LM head are still gathered (never resharded after forward) and nothing happens."""
+    if torch.is_grad_enabled() or not isinstance(module, FSDPModule):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()

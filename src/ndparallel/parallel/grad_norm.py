@@ -30,17 +30,18 @@ def grouped_grads(parameters: Iterable[torch.Tensor]) -> dict[tuple, list[torch.
 
 
 def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The true global gradient norm (a plain fp32 scalar, the same on every rank)."""
+    """The true global gradient norm: a plain fp32 scalar on the gradients' device, the same on
+    every rank. Never read on the host (no sync)."""
     norm_type = float(norm_type)
     norms = []
     for grads in grouped_grads(parameters).values():
         n = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=None)
         if isinstance(n, DTensor):
             n = n.full_tensor()
-        norms.append(n.float().cpu())
+        norms.append(n.float())
     if not norms:
         return torch.tensor(0.0)
-    stacked = torch.stack(norms)
+    stacked = torch.stack([n.to(norms[0].device) for n in norms])
     if norm_type == float("inf"):
         return stacked.max()
     return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
@@ -49,11 +50,11 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
 ) -> torch.Tensor:
-    """Scale gradients so their global norm is at most ``max_norm``; return the norm before."""
+    """Scale gradients so their global norm is at most ``max_norm``; return the norm before.
+    The scale is computed and applied on the device, as torch's own clipping does (no sync)."""
     parameters = list(parameters)
     total = total_grad_norm(parameters, norm_type)
-    coef = float(max_norm) / (float(total) + 1e-6)
-    if coef < 1.0:
-        for grads in grouped_grads(parameters).values():
-            torch._foreach_mul_(grads, coef)
+    coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+    for grads in grouped_grads(parameters).values():
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
     return total

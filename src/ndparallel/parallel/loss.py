@@ -28,16 +28,17 @@ def global_num_items(
     dp_group: dist.ProcessGroup | None,
     label_key: str = "shift_labels",
     device: torch.device | str = "cpu",
-) -> int:
-    """Non-ignored label tokens over all ``micro_batches`` of this step and all dp ranks.
+) -> torch.Tensor:
+    """Non-ignored label tokens over all ``micro_batches`` of this step and all dp ranks: an int64
+    scalar tensor on ``device``, never read on the host (no sync; divide losses by it as is).
 
     Pass the micro-batches *before* context-parallel sharding (cp peers hold the same samples, so
     counting over the ``dp`` group, not ``dp_cp``, is exact)."""
-    counts = [count_loss_tokens(mb[label_key]).to(device) for mb in micro_batches]
-    total = torch.stack(counts).sum().reshape(1) if counts else torch.zeros(1, dtype=torch.int64, device=device)
+    counts = [count_loss_tokens(mb[label_key]).to(device, non_blocking=True) for mb in micro_batches]
+    total = torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64, device=device)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(total, group=dp_group)
-    return int(total.item())  # the step's only host sync for the count
+    return total
 
 
 def causal_lm_loss(

@@ -33,8 +33,10 @@ class TPOptions:
     """Module-name pattern -> style ('colwise', 'rowwise', ...); default: the model's own HF plan."""
     sequence_parallel: bool = False
     """Shard norms/dropout activations on the sequence dim (all-gather + reduce-scatter)."""
-    loss_parallel: bool = False
-    """Cross-entropy on vocab-sharded logits, never gathering the full vocabulary."""
+    loss_parallel: bool | None = None
+    """Cross-entropy on vocab-sharded logits, never gathering the full vocabulary (the logits of
+    ``model(...)`` are then a ``Shard(-1)`` DTensor). ``None`` (default): on whenever the plan
+    shards the LM head column-wise (the loss is the same either way)."""
 
 
 @dataclass(frozen=True)
@@ -46,3 +48,38 @@ class CPOptions:
     load_balance: bool = True
     """Causal load balancing: rank i holds chunks i and 2·cp−1−i of 2·cp chunks."""
 
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    chunked: bool | None = None
+    """Compute the causal-LM loss from the final hidden states and the LM-head weight in chunks of
+    tokens, never holding the full (tokens × vocab) logits. ``None`` (default): on for model
+    families whose logits are exactly ``lm_head(hidden)`` (no soft-capping or scaling), off
+    otherwise; ``True``: required (an error where it would not be exact); ``False``: off."""
+    chunk_tokens: int | None = None
+    """Tokens per chunk; default: as many as fit 256 MiB of fp32 logits (vocab/tp wide)."""
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    enabled: bool = False
+    """``torch.compile`` each decoder layer (regional compilation, as torchtitan does): one graph
+    reused by every layer, FSDP/TP hooks and the CP attention outside the compiled code."""
+    backend: str = "inductor"
+    """The ``torch.compile`` backend."""
+    fullgraph: bool = False
+    """Fail on graph breaks instead of falling back to eager for the broken part."""
+
+
+@dataclass(frozen=True)
+class Float8Options:
+    enabled: bool = False
+    """Train the decoder layers' linears in float8 (torchao ``Float8Linear``): needs a GPU with
+    compute capability >= 8.9 (H100/H200, L40S, RTX 4090) and ``pip install ndparallel[fp8]``."""
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """torchao scaling recipe: one scale per tensor (fastest, fp8 FSDP all-gather) or per row."""
+    fsdp_float8_all_gather: bool = True
+    """Under FSDP with the tensorwise recipe, all-gather weights in float8 (half the bytes)."""
+    emulate: bool = False
+    """Emulate the float8 matmuls in high precision (any device; for tests, not for speed)."""

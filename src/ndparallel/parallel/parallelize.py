@@ -1,4 +1,5 @@
-"""Apply the strategies to a model in one readable order: TP → CP → activation checkpointing → FSDP.
+"""Apply the strategies to a model in one readable order: float8 → TP → CP → activation
+checkpointing → compile → FSDP (torchtitan's order).
 
 Each step is a call into one strategy module; this function only decides which apply.
 
@@ -22,7 +23,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.layout.mesh import submesh
 from ndparallel.parallel.master_weights import low_precision_params, upcast_params
-from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+from ndparallel.parallel.options import (
+    CompileOptions,
+    CPOptions,
+    Float8Options,
+    FSDPOptions,
+    TPOptions,
+)
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -38,6 +45,8 @@ def parallelize_model(
     cp: CPOptions,
     param_dtype: torch.dtype | None,
     device: torch.device,
+    compile: CompileOptions = CompileOptions(),
+    float8: Float8Options = Float8Options(),
     master_dtype: torch.dtype | None = torch.float32,
 ) -> nn.Module:
     """Parallelise ``model`` in place for layout ``pc`` on ``mesh`` and return it. ``master_dtype``:
@@ -48,6 +57,11 @@ def parallelize_model(
             f"the model's parameters are {next(p.dtype for p in model.parameters() if p.is_floating_point())}: "
             f"upcasting them to {upcast} master weights (compute uses mixed_precision's dtype); "
             "load the model in float32 to skip this step", stacklevel=3)
+    use_fsdp = pc.dp_replicate_size * pc.fsdp_size > 1 or param_dtype is not None
+    if float8.enabled:
+        from ndparallel.parallel.float8 import apply_float8
+
+        apply_float8(model, float8, fsdp.layer_classes, fsdp=use_fsdp)
     if pc.tp_enabled:
         from ndparallel.parallel import tensor
 
@@ -65,7 +79,11 @@ def parallelize_model(
         # transformers' own per-decoder-layer checkpointing (GradientCheckpointingLayer); the
         # non-reentrant variant composes with FSDP2's hooks and DTensor.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if pc.dp_replicate_size * pc.fsdp_size > 1 or param_dtype is not None:
+    if compile.enabled:
+        from ndparallel.parallel.compile import apply_compile
+
+        apply_compile(model, compile, fsdp.layer_classes, per_child=pc.tp_enabled)
+    if use_fsdp:
         from ndparallel.parallel.fsdp import apply_fsdp
 
         dims = ("dp_replicate", "dp_shard_cp") if pc.dp_replicate_enabled else ("dp_shard_cp",)

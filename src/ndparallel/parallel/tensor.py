@@ -18,9 +18,8 @@ and a 2-D attention mask may only be all ones (padding masks raise: pack with po
 from __future__ import annotations
 
 import contextlib
-import math
+import dataclasses
 import warnings
-from typing import Any
 
 import torch
 from torch import nn
@@ -51,53 +50,11 @@ from ndparallel.parallel.tp_styles import (
     align_grad_placements,
     parallel_style,
 )
+from ndparallel.parallel.tp_validate import validate_tensor_parallel  # noqa: F401  (public here)
 
 _TP_MESH_ATTR = "_ndparallel_tp_mesh"
 
 
-# ---------------------------------------------------------------------------------- validation
-def validate_tensor_parallel(config: Any, tp_size: int, options: TPOptions | None = None) -> None:
-    """Check the model dims that TP shards against ``tp_size``; raise ``ValueError`` naming the field
-    and the fix. Fields a user plan does not shard (e.g. no ``lm_head`` entry: vocab) are skipped."""
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
-    if tp_size == 1:
-        return
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    fields = {
-        "num_attention_heads": heads,
-        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
-        "intermediate_size": getattr(text, "intermediate_size", None),
-        "vocab_size": getattr(text, "vocab_size", None),
-    }
-    plan = options.plan if options is not None else None
-    if plan:
-        names = " ".join(plan)
-        wanted = {
-            "num_attention_heads": any(k in names for k in ("q_proj", "qkv", "attn", "o_proj")),
-            "num_key_value_heads": any(k in names for k in ("k_proj", "v_proj", "qkv", "attn")),
-            "intermediate_size": any(k in names for k in ("mlp", "gate", "up_proj", "down_proj", "fc")),
-            "vocab_size": any(k in names for k in ("lm_head", "embed")),
-        }
-        fields = {k: v for k, v in fields.items() if wanted[k]}
-    fields = {k: v for k, v in fields.items() if isinstance(v, int) and not isinstance(v, bool)}
-    if not fields:
-        return
-    g = math.gcd(*fields.values())
-    allowed = "{" + ",".join(str(d) for d in range(1, g + 1) if g % d == 0) + "}"
-    errors = []
-    for name, value in fields.items():
-        if value % tp_size:
-            msg = f"{name}={value} is not divisible by tp_size={tp_size}: use tp_size in {allowed}"
-            if name == "vocab_size":
-                msg += (
-                    f", or pad the vocabulary to a multiple of {tp_size} "
-                    f"(model.resize_token_embeddings(n, pad_to_multiple_of={tp_size}))"
-                )
-            errors.append(msg)
-    if errors:
-        raise ValueError("; ".join(errors))
 
 
 # --------------------------------------------------------------------------------------- apply
@@ -152,7 +109,8 @@ def apply_tensor_parallel(
 ) -> nn.Module:
     """Shard ``model`` over the 1-D ``tp_mesh`` in place (and return it).
 
-    Every parameter ends up a DTensor on ``tp_mesh``; tied parameters stay one Parameter. A model
+    Every parameter ends up a DTensor on ``tp_mesh``; tied parameters stay one Parameter.
+    ``loss_parallel=None`` counts as off here (``resolve_loss_parallel`` picks the default). A model
     already made tensor-parallel (by transformers' ``from_pretrained(tp_plan=..., device_mesh=...)``)
     is not sharded again: only its leftover plain parameters are replicated.
     """
@@ -169,10 +127,10 @@ def apply_tensor_parallel(
             )
         return distribute_leftover_params(model, tp_mesh)
     validate_tensor_parallel(model.config, tp_size, options)
-    plan = resolve_tp_plan(model, options.plan)
-    assigned = match_plan(model, plan, strict=bool(options.plan))
+    assigned = match_plan(model, resolve_tp_plan(model, options.plan), strict=bool(options.plan))
     head = _output_embedding_name(model)
-    if options.loss_parallel and (head not in assigned or not str(assigned[head]).startswith("colwise")):
+    head_colwise = head in assigned and str(assigned[head]).startswith("colwise")
+    if options.loss_parallel and not head_colwise:
         raise ValueError(
             f"loss_parallel needs the output embedding ({head}) sharded column-wise in the tp plan "
             f"(e.g. {head!r}: 'colwise_gather_output'); it has {assigned.get(head)!r}"
@@ -207,6 +165,8 @@ def apply_tensor_parallel(
     for name, style in styles.items():
         parallelize_module(model.get_submodule(name), tp_mesh, style)
     _retie(model, tied)
+    if options.loss_parallel and hasattr(type(model), "loss_function"):
+        model.loss_function = _in_loss_parallel(model.loss_function)  # transformers' setter
     setattr(model, _TP_MESH_ATTR, tp_mesh)
     _check_all_dtensor(model)
     align_grad_placements(model)
@@ -291,6 +251,30 @@ def distribute_leftover_params(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Modu
     _check_all_dtensor(model)
     align_grad_placements(model)
     return model
+
+
+def _in_loss_parallel(loss_fn):
+    """The model's own loss (``model(..., labels=...).loss``) on vocab-sharded logits: run inside
+    ``loss_parallel()`` (its backward too, through ``Accelerator.backward``); a plain scalar out."""
+    def loss_function(*args, **kwargs):
+        with loss_parallel():
+            loss = loss_fn(*args, **kwargs)
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    return loss_function
+
+
+def resolve_loss_parallel(model: nn.Module, options: TPOptions) -> TPOptions:
+    """``options`` with ``loss_parallel=None`` resolved: on when the plan shards the LM head
+    column-wise (ndparallel's own TP only; a model made TP by transformers keeps it off)."""
+    if options.loss_parallel is not None:
+        return options
+    on = False
+    if not is_tensor_parallel(model):
+        head = _output_embedding_name(model)
+        style = match_plan(model, resolve_tp_plan(model, options.plan), strict=False).get(head)
+        on = str(style).startswith("colwise")
+    return dataclasses.replace(options, loss_parallel=on)
 
 
 def loss_parallel_context(options: TPOptions | None) -> contextlib.AbstractContextManager:

@@ -42,6 +42,8 @@ def shrink_config(hf_config, tp_size: int, cp_size: int):
 def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: float = 1e-5,
                   fault: str | None = None) -> bool:
     """Run the layout and one process on CPU ranks; print the differences and a verdict."""
+    import dataclasses
+
     from ndparallel.runtime.multirank import run_on_ranks
     from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
@@ -52,7 +54,10 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
         grad_accum=min(cfg.gradient_accumulation_steps, 2), seq_len=16 * pc.cp_size,
         optimizer="adamw", lr=1e-2, max_grad_norm=cfg.max_grad_norm, packed_documents=True,
         parallel_kwargs=dict(fsdp_options=cfg.fsdp_options(), tp_options=cfg.tp_options(),
-                             cp_options=cfg.cp_options()),
+                             cp_options=cfg.cp_options(), loss_options=cfg.loss_options(),
+                             # compile is checked at the dynamo / AOT-autograd level: inductor's
+                             # C++ build would add minutes on CPU and changes no layout semantics
+                             compile_options=dataclasses.replace(cfg.compile_options(), backend="aot_eager")),
     )
     console.print(
         f"verify: {pc.describe()} on {pc.total_size} CPU ranks vs 1 process; shrunk "
@@ -60,8 +65,6 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
         f"{small.num_key_value_heads}, 2 layers, seq {setup.seq_len} (packed documents), {steps} "
         "AdamW steps"
     )
-    import dataclasses
-
     ref = run_on_ranks(train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}), None)[0]
     got = run_on_ranks(train_under_layout, pc.total_size, dataclasses.replace(setup, fault=fault),
                        pc.to_dict(), timeout_s=600)[0]

@@ -22,7 +22,14 @@ from pydantic import (
 )
 
 from ndparallel.layout.config import ParallelismConfig
-from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+from ndparallel.parallel.options import (
+    CompileOptions,
+    CPOptions,
+    Float8Options,
+    FSDPOptions,
+    LossOptions,
+    TPOptions,
+)
 from ndparallel.training.config_data import DatasetConfig, SpecialTokens, _int, _Strict
 
 
@@ -102,8 +109,23 @@ class TrainConfig(_Strict):
     """Only FSDP2 (per-parameter sharding on the DeviceMesh) exists here."""
     tp_plan: dict[str, str] | None = None
     sequence_parallel: bool = False
-    loss_parallel: bool = False
+    loss_parallel: bool | None = None
+    """Under TP: cross-entropy on vocab-sharded logits; default (null): on when exact."""
     cp_comm_strategy: Literal["ring", "allgather", "alltoall"] = "ring"
+    # speed
+    chunked_loss: bool | None = None
+    """Loss from hidden states + LM-head weight in token chunks, never the full logits; default
+    (null): on for model families where it is exact (see docs/performance.md)."""
+    loss_chunk_tokens: _int(1) | None = None
+    """Tokens per loss chunk; default: 256 MiB of fp32 logits per chunk."""
+    compile: bool = Field(False, validation_alias=AliasChoices("compile", "torch_compile"))
+    """torch.compile each decoder layer (regional compilation)."""
+    compile_backend: str = Field("inductor", validation_alias=AliasChoices("compile_backend", "torch_compile_backend"))
+    fp8: bool = False
+    """Float8 training of the decoder linears (torchao; GPU compute capability >= 8.9)."""
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    fp8_emulate: bool = False
+    """Emulate float8 matmuls in high precision (any device; testing only)."""
     # data
     datasets: list[DatasetConfig] = Field(
         default_factory=lambda: [DatasetConfig(path="builtin:stdlib")]
@@ -220,8 +242,8 @@ class TrainConfig(_Strict):
 
     @field_validator("sequence_len")
     @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
+    def _positive(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
             raise ValueError(f"must be >= 1, got {v}")
         return v
 
@@ -260,6 +282,15 @@ class TrainConfig(_Strict):
 
     def cp_options(self) -> CPOptions:
         return CPOptions(comm_strategy=self.cp_comm_strategy)
+
+    def loss_options(self) -> LossOptions:
+        return LossOptions(chunked=self.chunked_loss, chunk_tokens=self.loss_chunk_tokens)
+
+    def compile_options(self) -> CompileOptions:
+        return CompileOptions(enabled=self.compile, backend=self.compile_backend)
+
+    def float8_options(self) -> Float8Options:
+        return Float8Options(enabled=self.fp8, recipe=self.fp8_recipe, emulate=self.fp8_emulate)
 
     def data_options(self):
         from ndparallel.data.pipeline import DataOptions

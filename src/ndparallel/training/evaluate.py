@@ -1,4 +1,5 @@
-"""Validation loss and perplexity, token-weighted over the whole validation split (any layout)."""
+"""Validation loss and perplexity, token-weighted over the whole validation split (any layout),
+with the same loss as training (chunked where exact: no full logits)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from ndparallel.training.step import batch_to_device
 
 
 def validation_loader(acc, val_blocks, micro_batch_size: int, seed: int, pad_to_multiple: int | None = None):
@@ -34,13 +37,11 @@ def evaluate(acc, model, loader) -> dict:
     n_items = acc.global_num_items(loader.micro_batch(i) for i in micro_batches)
     total = torch.zeros((), device=acc.device)
     for i in micro_batches:
-        mb = loader.micro_batch(i)
-        mb = {k: v.to(acc.device, non_blocking=True) for k, v in mb.items()}
+        mb = batch_to_device(loader.micro_batch(i), acc.device)
         with acc.maybe_context_parallel(
             buffers=[mb["input_ids"], mb["shift_labels"], mb["position_ids"]], buffer_seq_dims=[1, 1, 1]
         ):
-            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
-            total += acc.causal_lm_loss(logits, mb["shift_labels"], n_items).float()
+            total += acc.forward_loss(model, mb, n_items).float()
     dist.all_reduce(total, group=acc.mesh("dp_cp").get_group())
     model.train()
     loss = float(total)

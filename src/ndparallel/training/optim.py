@@ -22,19 +22,27 @@ def parameter_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) 
     return groups
 
 
+def fused_supported(params: list[torch.Tensor]) -> bool:
+    """torch's fused AdamW kernel applies: every parameter a floating-point CUDA tensor (DTensors
+    included: DTensor shards ``_fused_adamw_`` like a pointwise list op; tested under FSDP × TP)."""
+    return bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
+
+
 def build_optimizer(
     params: Iterable[torch.nn.Parameter], name: str = "adamw", lr: float = 3e-4,
     weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+    fused: bool | None = None,
 ) -> torch.optim.Optimizer:
-    """``adamw`` (alias ``adamw_torch``) or ``sgd`` over ``params`` with the weight-decay groups above."""
+    """``adamw`` (alias ``adamw_torch``) or ``sgd`` over ``params`` with the weight-decay groups above.
+    AdamW is ``fused`` (one kernel for all parameters, step count on the device: no host sync)
+    by default when every parameter is on CUDA (``fused_supported``); torch's default otherwise."""
     groups = parameter_groups(params, weight_decay)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr)
-    if name in ("adamw", "adamw_torch"):
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
-    if name == "adamw_torch_fused":  # the fused kernel needs every parameter on CUDA
-        on_cuda = all(p.device.type == "cuda" for g in groups for p in g["params"])
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_cuda or None)
+    if name in ("adamw", "adamw_torch", "adamw_torch_fused"):  # fused wherever it applies
+        all_params = [p for g in groups for p in g["params"]]
+        use_fused = fused_supported(all_params) if fused is None else fused
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=use_fused or None)
     raise ValueError(f"optimizer {name!r} is not supported: use 'adamw' or 'sgd'")
 
 

@@ -39,7 +39,22 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
                                       strategy=cfg.cp_comm_strategy)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_fp8(cfg)
     return pc, hf
+
+
+def _check_fp8(cfg: TrainConfig) -> None:
+    """fp8 needs torchao and a GPU of compute capability >= 8.9 (unless emulated)."""
+    if not cfg.fp8:
+        return
+    import torch
+
+    from ndparallel.parallel.float8 import float8_problem
+
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    problem = float8_problem(cfg.float8_options(), device)
+    if problem:
+        raise ConfigError(f"fp8: {problem}")
 
 
 def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm: bool = False) -> None:
@@ -168,7 +183,10 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         f"per rank     : {cfg.micro_batch_size} × {cfg.sequence_len // pc.cp_size} tokens per micro-batch"
         + (f" (sequence split over cp={pc.cp_size})" if pc.cp_enabled else ""),
         f"fsdp         : {cfg.fsdp_config.model_dump()}",
-        f"precision    : {'bf16 compute, fp32 master weights' if cfg.bf16 else 'fp32'}",
+        f"precision    : {'bf16 compute, fp32 master weights' if cfg.bf16 else 'fp32'}"
+        + (f", fp8 linears ({cfg.fp8_recipe})" if cfg.fp8 else ""),
+        f"speed        : chunked loss {_auto(cfg.chunked_loss)}, compile {'on' if cfg.compile else 'off'}"
+        + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
         f"({cfg.lr_scheduler}, warmup "
         f"{cfg.warmup_steps if cfg.warmup_ratio is None else f'ratio {cfg.warmup_ratio:g}'})",
@@ -202,3 +220,7 @@ def _steps(cfg: TrainConfig) -> str:
     if "num_epochs" in cfg.model_fields_set:
         return f"max_steps {cfg.max_steps} (num_epochs {cfg.num_epochs:g} is ignored: max_steps wins)"
     return f"max_steps {cfg.max_steps}"
+
+
+def _auto(flag: bool | None) -> str:
+    return "auto (on where exact)" if flag is None else ("on" if flag else "off")

@@ -39,7 +39,7 @@ from ndparallel.training.metrics import (
 )
 from ndparallel.training.nonfinite import NonFiniteGuard
 from ndparallel.training.progress import Progress
-from ndparallel.training.step import forward_backward
+from ndparallel.training.step import batch_to_device, forward_backward
 
 
 @dataclass
@@ -92,6 +92,8 @@ class Trainer:
             cfg.parallelism_config(), mixed_precision="bf16" if cfg.bf16 else "no",
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
             fsdp_options=cfg.fsdp_options(), tp_options=cfg.tp_options(), cp_options=cfg.cp_options(),
+            loss_options=cfg.loss_options(), compile_options=cfg.compile_options(),
+            float8_options=cfg.float8_options(),
             device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.collective_timeout_s,
         )
         quiet_non_main_ranks(acc.process_index)
@@ -159,12 +161,11 @@ class Trainer:
         self.acc.print(f"resumed from {ckpt} at step {self.state.step}")
 
     def train_step(self) -> dict:
-        """One optimizer step over ``gradient_accumulation_steps`` micro-batches; its metrics."""
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches. Nothing is read
+        back from the device: the loss and grad norm come back as device tensors for ``log``."""
         cfg, acc = self.cfg, self.acc
-        t0 = time.perf_counter()
-        global_micro = self.loader.global_micro_batch
-        first = self.state.samples_seen // global_micro
-        micro_batches = [{k: v.to(acc.device) for k, v in self.loader.micro_batch(first + m).items()}
+        first = self.state.samples_seen // self.loader.global_micro_batch
+        micro_batches = [batch_to_device(self.loader.micro_batch(first + m), acc.device)
                          for m in range(cfg.gradient_accumulation_steps)]
         loss_sum = forward_backward(acc, self.model, micro_batches)
         params = self.model.parameters()
@@ -174,29 +175,42 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if cfg.fp8:
+            from ndparallel.parallel.float8 import precompute_scales
+
+            precompute_scales(self.model, acc.float8_options)
         if self.profiler is not None:
             self.profiler = _profile_step(acc, self.profiler, self.out)
         self.state.step += 1
-        self.state.samples_seen += global_micro * cfg.gradient_accumulation_steps
-        dt = time.perf_counter() - t0
+        self.state.samples_seen += self.loader.global_micro_batch * cfg.gradient_accumulation_steps
         tokens = acc.dp_size * sum(mb["input_ids"].numel() for mb in micro_batches)  # rows may be cut
-        metrics = {
-            "step": self.state.step, "loss": float(loss_sum), "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": float(grad_norm), "step_time_s": dt, "tokens_per_s": tokens / dt,
-            "tokens_per_s_per_device": tokens / dt / acc.num_processes,
+        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "tokens": tokens}
+
+    def log(self, step_out: dict) -> dict | None:
+        """On logging steps (every ``logging_steps``, the first and the last): read the loss and
+        the grad norm (the only host syncs of training, with the non-finite check), write the
+        metrics; throughput is measured over the steps since the last log."""
+        step, cfg, acc = self.state.step, self.cfg, self.acc
+        if step % cfg.logging_steps and step not in (1, self.total_steps):
+            return None
+        loss = step_out["loss"]  # already the global mean (reduced in train_step)
+        metrics = {"step": step, "loss": float(loss), "lr": step_out["lr"],
+                   "grad_norm": float(step_out["grad_norm"])}
+        now = time.perf_counter()
+        dt = (now - self._log_time) / max(1, step - self._log_step)
+        self._log_time, self._log_step = now, step
+        tokens = step_out["tokens"]  # this step's (rows are cut when pad_to_sequence_len is false)
+        metrics.update({
+            "step_time_s": dt, "tokens_per_s": tokens / dt, "tokens_per_s_per_device": tokens / dt / acc.num_processes,
             "tflops_per_device": self.flops_per_token * tokens / dt / acc.num_processes / 1e12,
             "peak_memory_gb": peak_memory_gb(acc.device),
-        }
+        })
         if self.peak_flops:
             metrics["mfu"] = metrics["tflops_per_device"] * 1e12 / self.peak_flops
+        self.metrics.write(metrics)
+        self.progress.update(step, metrics)
+        self.nonfinite.check()
         return metrics
-
-    def log(self, metrics: dict) -> None:
-        step = self.state.step
-        if step % self.cfg.logging_steps == 0 or step in (1, self.total_steps):
-            self.metrics.write(metrics)
-            self.progress.update(step, metrics)
-            self.nonfinite.check()
 
     def maybe_evaluate(self) -> None:
         from ndparallel.training.evaluate import evaluate
@@ -240,7 +254,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- run
     def run(self) -> dict:
-        """All phases; returns the last step's metrics."""
+        """All phases; returns the last logged metrics (the last step is always logged)."""
         self.setup()
         self.resume()
         from ndparallel.training.outputs import claim_output_dir
@@ -250,10 +264,10 @@ class Trainer:
         self._start_outputs()
         self.model.train()
         self.progress = Progress(self.total_steps, self.state.step, enabled=self.acc.is_main_process)
+        self._log_time, self._log_step = time.perf_counter(), self.state.step
         try:
             while self.state.step < self.total_steps:
-                self.last = self.train_step()
-                self.log(self.last)
+                self.last = self.log(self.train_step()) or self.last
                 self.maybe_evaluate()
                 self.maybe_save()
         finally:

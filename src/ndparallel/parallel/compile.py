@@ -1,0 +1,56 @@
+"""Regional compilation: ``torch.compile`` each decoder layer in place (torchtitan's and torchtune's
+way). Applied after TP, CP and activation checkpointing and before FSDP, so
+
+* every layer shares one compiled graph (same code, parameters are graph inputs), compiled once;
+* ``nn.Module.compile`` keeps the module tree and parameter names (checkpoints, export unchanged);
+* FSDP2's hooks run outside the graph (dynamo skips them: ``skip_fsdp_hooks``), TP's DTensor ops
+  are traced into it, and activation checkpointing (transformers' per-layer wrapper, outside
+  ``_call_impl``) recomputes the compiled layer;
+* the CP attention (an autograd function that sends K/V around the ring over a process group
+  dynamo cannot trace) runs eagerly: a graph break before and after it, the rest compiled.
+
+Under tensor parallelism the unit is each child of a decoder layer (attention, MLP, norms) rather
+than the layer: with the whole layer compiled, the backward of torch 2.13's compiled graph hands
+a plain tensor to a DTensor redistribute (``'Tensor' object has no attribute '_local_tensor'``);
+compiling the attention and the MLP of each layer is exact (``tests/test_compile.py``); the norms
+(replicated DTensor weights) and residual adds stay eager there, as compiled norms lose their
+weight gradients' sum over tp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ndparallel.models.layers import decoder_layers
+from ndparallel.parallel.options import CompileOptions
+
+
+def apply_compile(model: nn.Module, options: CompileOptions, layer_classes=None,
+                  per_child: bool = False) -> nn.Module:
+    """Compile every decoder layer of ``model`` (or, ``per_child``, every child module of each
+    layer that holds parameters, norms excepted) in place with ``options``; return the model."""
+    _attention_eager(model)
+    for layer in decoder_layers(model, layer_classes):
+        units = [c for n, c in layer.named_children()
+                 if "norm" not in n and any(True for _ in c.parameters())] if per_child else [layer]
+        for unit in units:
+            unit.compile(backend=options.backend, fullgraph=options.fullgraph)
+    return model
+
+
+def _attention_eager(model: nn.Module) -> None:
+    """Run the model's CP attention (an ``ndparallel_cp_*`` name in transformers'
+    ``AttentionInterface``) eagerly inside compiled layers: re-register it behind
+    ``torch._dynamo.disable`` (a clean graph break; dynamo cannot trace its process group)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not (isinstance(name, str) and name.startswith("ndparallel_cp_")):
+        return
+    fn = ALL_ATTENTION_FUNCTIONS[name]
+    if not getattr(fn, "_ndparallel_eager", False):
+        eager = torch._dynamo.disable(fn, recursive=True)
+        eager._ndparallel_eager = True
+        AttentionInterface.register(name, eager)
