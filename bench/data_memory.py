@@ -22,6 +22,7 @@ import json
 import random
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import transformers  # noqa: F401  (imported once before forking the ranks)
@@ -88,6 +89,7 @@ def _rank(data: str, cache: str, steps: int, packing: bool = False) -> dict:
     trainer.setup()
     trainer._start_outputs()
     trainer.progress = type("Quiet", (), {"update": lambda *a: None, "close": lambda *a: None})()
+    trainer._log_time, trainer._log_step = time.perf_counter(), 0  # what Trainer.run sets before step 1
     for _ in range(steps):
         trainer.log(trainer.train_step())
     return {"peak_rss": _vm("VmHWM:"), "peak_anon": anon.stop(), "blocks": len(trainer.splits.train)}

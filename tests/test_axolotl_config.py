@@ -117,6 +117,9 @@ def test_layer_class_of_another_model_is_refused(local, capsys):
     ("bad JSON line after the first MiB", {"bad_line_at": 1 << 21}, "could not be read as json"),
     ("a null output in a record", {"records": [*alpaca_records(5), {"instruction": "x", "output": None}]},
      "datasets[0] row 5: column 'output' is missing or null"),
+    ("unknown chat template", {"records": [{"messages": [{"role": "user", "content": "hi"}]}],
+                               "set": ["datasets.0.type=chat_template", "datasets.0.chat_template=zephyr"]},
+     "unknown template 'zephyr'"),
     ("nothing left after filtering", {"records": [{"instruction": "word " * 400, "output": "y"}],
                                       "set": "excess_length_strategy=drop"}, "no sample left to train on"),
 ])
@@ -132,8 +135,8 @@ def test_data_problems_found_before_launch(local, tmp_path, capsys, problem, set
     sets = ["--set", f"datasets.0.path={data}", "--set", f"output_dir={tmp_path / 'out'}",
             "--set", f"dataset_prepared_path={tmp_path / 'cache'}", "--set", "sequence_len=256",
             "--set", "dp_shard_size=2"]
-    if "set" in setup:
-        sets += ["--set", setup["set"]]
+    for item in [setup["set"]] if isinstance(setup.get("set"), str) else setup.get("set", []):
+        sets += ["--set", item]
     code, _, err = _run(capsys, "train", local / "seed.yaml", *sets)
     assert code == 2 and fragment in err, (problem, err)
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -127,13 +127,14 @@ def _prepare(tok, specs, cache=None, **kw):
 def test_ffd_is_first_fit_decreasing_and_deterministic():
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 65, size=300)
-    rows = first_fit_decreasing(lengths, 64)
-    assert rows == first_fit_decreasing(lengths.copy(), 64)
-    assert sorted(k for r in rows for k in r) == list(range(300))  # each sample once
+    row_of = first_fit_decreasing(lengths, 64)
+    assert np.array_equal(row_of, first_fit_decreasing(lengths.copy(), 64))
+    rows = [np.nonzero(row_of == r)[0].tolist() for r in range(int(row_of.max()) + 1)]
+    assert all(rows) and sorted(k for r in rows for k in r) == list(range(300))  # each sample once
     free = [64 - sum(int(lengths[k]) for k in r) for r in rows]
     assert min(free) >= 0
     order = sorted(range(300), key=lambda k: (-lengths[k], k))  # replay first fit on that order
-    placed = {k: i for i, r in enumerate(rows) for k in r}
+    placed = dict(enumerate(row_of.tolist()))
     room = []
     for k in order:
         first = next((i for i, f in enumerate(room) if f >= lengths[k]), len(room))

@@ -130,13 +130,14 @@ def _write(specs, tokenizer, options: DataOptions, tokenized, pad_id: int, direc
     prepared = prepare_samples(specs, tokenizer, options, tokenized=tokenized)
     lengths = prepared.samples[:, 3] - prepared.samples[:, 2]
     if options.sample_packing:
-        rows = first_fit_decreasing(lengths, options.sequence_len)
+        row_of = first_fit_decreasing(lengths, options.sequence_len)
     else:
-        rows = [[k] for k in range(len(lengths))]
-    meta = {"rows": len(rows), "sequence_len": options.sequence_len, "sample_packing": bool(options.sample_packing),
-            "tokens": int(lengths.sum()), "fill": float(lengths.sum() / (len(rows) * options.sequence_len)),
+        row_of = np.arange(len(lengths), dtype=np.int64)
+    n_rows = int(row_of.max()) + 1
+    meta = {"rows": n_rows, "sequence_len": options.sequence_len, "sample_packing": bool(options.sample_packing),
+            "tokens": int(lengths.sum()), "fill": float(lengths.sum() / (n_rows * options.sequence_len)),
             **prepared.stats.as_dict()}
-    return write_rows(prepared.tables, prepared.samples, rows, options.sequence_len, pad_id, directory, meta)
+    return write_rows(prepared.tables, prepared.samples, row_of, options.sequence_len, pad_id, directory, meta)
 
 
 def _pad_id(tokenizer) -> int:

@@ -29,6 +29,7 @@ import torch
 
 from ndparallel.parallel.loss import IGNORE_INDEX
 
+from .bins import rows_of
 from .samples import TokenTable
 
 COLUMNS = ("input_ids", "shift_labels", "position_ids")
@@ -79,10 +80,12 @@ class RowStore:
         return RowStore(self.columns, self.row_lengths, rows if self.rows is None else self.rows[rows])
 
 
-def write_rows(tables: list[TokenTable], samples: np.ndarray, rows: list[list[int]], sequence_len: int,
+def write_rows(tables: list[TokenTable], samples: np.ndarray, row_of: np.ndarray, sequence_len: int,
                pad_id: int, directory: Path | None, meta: dict) -> RowStore:
-    """Write ``rows`` (lists of indices into ``samples``) to ``directory`` (built in a temporary
-    directory, then renamed: it appears complete or not at all); ``None``: in memory."""
+    """Write the rows (``row_of[k]``: the row of ``samples[k]``; rows numbered from 0) to
+    ``directory`` (built in a temporary directory, then renamed: it appears complete or not at
+    all); ``None``: in memory."""
+    order, starts = rows_of(row_of)
     tmp = None
     if directory is not None:
         tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
@@ -94,9 +97,10 @@ def write_rows(tables: list[TokenTable], samples: np.ndarray, rows: list[list[in
             return np.empty(shape, np.int32)
         return np.lib.format.open_memmap(tmp / f"{name}.npy", mode="w+", dtype=np.int32, shape=shape)
 
-    out = {c: alloc(c, (len(rows), sequence_len)) for c in COLUMNS}
-    lengths = alloc("lengths", (len(rows),))
-    _fill(tables, samples, rows, sequence_len, pad_id, out, lengths)
+    n_rows = len(starts) - 1
+    out = {c: alloc(c, (n_rows, sequence_len)) for c in COLUMNS}
+    lengths = alloc("lengths", (n_rows,))
+    _fill(tables, samples, order, starts, sequence_len, pad_id, out, lengths)
     if tmp is None:
         return RowStore(out, lengths)
     for array in (*out.values(), lengths):
@@ -107,10 +111,11 @@ def write_rows(tables: list[TokenTable], samples: np.ndarray, rows: list[list[in
     return RowStore.open(directory)
 
 
-def _fill(tables: list[TokenTable], samples: np.ndarray, rows: list[list[int]], sequence_len: int, pad_id: int,
-          out: dict[str, np.ndarray], lengths: np.ndarray) -> None:
+def _fill(tables: list[TokenTable], samples: np.ndarray, order: np.ndarray, starts: np.ndarray, sequence_len: int,
+          pad_id: int, out: dict[str, np.ndarray], lengths: np.ndarray) -> None:
     ramp = np.arange(sequence_len, dtype=np.int32)
-    for r, members in enumerate(rows):
+    for r in range(len(starts) - 1):
+        members = order[starts[r]:starts[r + 1]]
         ids_row, lab_row, pos_row = out["input_ids"][r], out["shift_labels"][r], out["position_ids"][r]
         offset = 0
         for k in members:
