@@ -233,7 +233,8 @@ def main(argv=None) -> int:
         tp = {"sequence_parallel": True, "loss_parallel": True} if lay.tp > 1 else {}
         # The runs below keep gradients allocated (zero_grad(set_to_none=False)).
         s = Settings(seq_len=args.seq, micro_batch=args.mb, mixed_precision="fp32",
-                     sequence_parallel=lay.tp > 1, loss_parallel=lay.tp > 1, set_to_none=False)
+                     sequence_parallel=lay.tp > 1, loss_parallel=lay.tp > 1, set_to_none=False,
+                     loss_impl="chunked")  # the runtime's default loss (forward_backward)
         m = estimate_memory(model, lay, s, hw)
         predicted = m.total - m.overhead
         est = estimate(model, lay, s, hw, gpus_per_node=4, global_batch=args.mb * lay.dp)

@@ -143,14 +143,14 @@ def test_fsdp2_tp2_cp2_8_ranks():
 def _eval_both(layout):
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.tools.equivalence import build_model
-    from ndparallel.training.evaluate import evaluate
+    from ndparallel.training.evaluate import evaluate, validation_loader
 
     acc = Accelerator(ParallelismConfig(**layout))
     model = acc.prepare(build_model(BASE))
     blocks = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(3))
-    chunked = evaluate(acc, model, blocks, micro_batch_size=2, seed=0)
+    chunked = evaluate(acc, model, validation_loader(acc, blocks, 2, 0))
     acc.loss_options = LossOptions(chunked=False)
-    logits = evaluate(acc, model, blocks, micro_batch_size=2, seed=0)
+    logits = evaluate(acc, model, validation_loader(acc, blocks, 2, 0))
     return chunked["eval_loss"], logits["eval_loss"]
 
 

@@ -50,7 +50,7 @@ def test_train_config_fp8_fails_before_launch(tmp_path):
         pytest.skip("a GPU is visible")
     cfg = load_config(None, ["base_model=tiny-llama", "fp8=true", "device=cpu"])
     with pytest.raises(ConfigError, match="fp8: .*compute capability"):
-        validate_layout(cfg, 1, check_data=False)
+        validate_layout(cfg, 1, check_local=False)
 
 
 @pytest.mark.parametrize("layout, world", [({"dp_shard_size": 2}, 2), ({"tp_size": 2}, 2),

@@ -10,6 +10,9 @@ rank and every layout below. The negative control proves the counter sees a ``fl
 One read is transformers' own and expected: with ``position_ids`` and no attention mask, its mask
 code checks whether a row packs several documents (``find_packed_sequence_indices``: one
 ``.all()`` per forward). It is counted apart, and must be exactly one per micro-batch.
+Under CP the document-masked attention plans its blocks on the host from one host copy of the
+position ids per micro-batch (``cp_blocks.document_starts``; the planning itself then runs on that
+CPU copy and is not a device read). The copies are counted apart too: one per micro-batch.
 """
 
 import sys
@@ -42,12 +45,31 @@ class HostSyncCounter(TorchDispatchMode):
         if name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
                                    for i in (args[1] if len(args) > 1 else ())):
             name = "index(bool mask)"  # the mask's nonzero count sets the output shape
-        if name in SYNC_OPS or name == "index(bool mask)":
+        if _called_from(CP_PLAN):
+            pass  # host-side planning on the host copy made by document_starts (counted apart)
+        elif name in SYNC_OPS or name == "index(bool mask)":
             self.calls.append(HF_PACKED if _called_from(HF_PACKED) else name)
         return func(*args, **(kwargs or {}))
 
 
 HF_PACKED = "find_packed_sequence_indices"
+CP_COPY, CP_PLAN = "document_starts", "_chunk_runs"
+
+
+def _count_host_copies() -> list[str]:
+    """A list that receives one entry per call of the CP attention's ``document_starts`` (its one
+    host copy of the position ids): the name is looked up at call time, so rebinding it works
+    (in a forked rank only)."""
+    import ndparallel.parallel.cp_attention as cpa
+
+    original, calls = cpa.document_starts, []
+
+    def counting(*args, **kwargs):
+        calls.append(CP_COPY)
+        return original(*args, **kwargs)
+
+    cpa.document_starts = counting
+    return calls
 
 
 def _called_from(function_name: str) -> bool:
@@ -72,17 +94,18 @@ def _count_step_syncs(layout, parallel_kwargs, control=False):
     setup = TrainSetup(preset_config("tiny-llama"), steps=2, global_micro_batch=4, seq_len=32, grad_accum=2)
     acc = Accelerator(ParallelismConfig(**layout), gradient_accumulation_steps=2, **parallel_kwargs)
     model = acc.prepare(build_model(setup))
-    counts = []
+    counts, copies = [], _count_host_copies()
     for micro in make_global_batches(setup):  # step 1 warms up (lazy init), step 2 is counted
         rows = setup.global_micro_batch // acc.dp_size
         local = [{k: v[acc.dp_rank * rows:(acc.dp_rank + 1) * rows] for k, v in mb.items()} for mb in micro]
+        copies.clear()
         with HostSyncCounter() as counter:
             loss = forward_backward(acc, model, local)
             acc.clip_grad_norm_(model.parameters(), 1.0)
             if control:
                 float(loss)
         model.zero_grad(set_to_none=True)
-        counts.append(counter.calls)
+        counts.append(counter.calls + copies)
     return counts[-1]
 
 
@@ -98,9 +121,11 @@ CASES = {
 def test_training_step_reads_nothing_back(case):
     layout, world, kwargs = CASES[case]
     for rank, calls in enumerate(run_on_ranks(_count_step_syncs, world, layout, kwargs)):
-        ours = [c for c in calls if c != HF_PACKED]
+        ours = [c for c in calls if c not in (HF_PACKED, CP_COPY)]
         assert ours == [], f"rank {rank}: host syncs in the step: {calls}"
         assert calls.count(HF_PACKED) == 2, calls  # transformers' check: one per micro-batch
+        # CP: one host copy of the positions per micro-batch, shared by every layer and backward
+        assert calls.count(CP_COPY) == (2 if layout.get("cp_size", 1) > 1 else 0), calls
 
 
 def test_negative_control_counts_a_float_of_the_loss():

@@ -259,7 +259,9 @@ def _in_loss_parallel(loss_fn):
     def loss_function(*args, **kwargs):
         with loss_parallel():
             loss = loss_fn(*args, **kwargs)
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+        # a clone: full_tensor() returns a view made by a custom Function, which a caller's
+        # in-place op (e.g. dist.all_reduce(loss) to log it) may not modify
+        return loss.full_tensor().clone() if isinstance(loss, DTensor) else loss
 
     return loss_function
 

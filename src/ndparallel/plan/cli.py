@@ -65,10 +65,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                    help="FSDP keeps params unsharded between forward and backward")
     t.add_argument("--cp-kernel", choices=("flash", "math", "sdpa"), default="flash",
                    help="CP block kernel (flash: what 'auto' runs on CUDA in bf16; sdpa = flash; math: fp32)")
-    t.add_argument("--loss-impl", choices=("full", "chunked"), default="full",
-                   help="full logits (today's causal_lm_loss) or a chunked memory-efficient loss")
-    t.add_argument("--loss-chunk-tokens", type=int, default=1024,
-                   help="tokens per chunk of --loss-impl chunked (default 1024)")
+    t.add_argument("--loss-impl", choices=("full", "chunked"), default="chunked",
+                   help="chunked: the trainer's memory-efficient loss (default); full: whole logits")
+    t.add_argument("--loss-chunk-tokens", type=int, default=None,
+                   help="tokens per chunk of --loss-impl chunked (default: 256 MiB of fp32 logits)")
     t.add_argument("--fused-adamw", action="store_true",
                    help="AdamW fused=True (default: torch's foreach AdamW, as the trainer)")
     o = parser.add_argument_group("output")

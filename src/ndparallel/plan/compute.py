@@ -79,12 +79,9 @@ def bytes_time(b: Bytes, hw: Hardware) -> float:
 
 
 def all_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gemm]:
-    """``micro_batch_gemms`` plus the LM head's forward again for a chunked loss (each chunk's
-    logits are recomputed in backward)."""
-    gemms = micro_batch_gemms(model, layout, s)
-    if s.loss_impl == "chunked":
-        gemms += [g for g in gemms if g.what == "lm_head fwd"]
-    return gemms
+    """``micro_batch_gemms``: the chunked loss does the LM head's three matmuls too (forward,
+    input and weight gradient, computed chunk by chunk in its forward), so nothing is added."""
+    return micro_batch_gemms(model, layout, s)
 
 
 def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings,

@@ -99,10 +99,12 @@ class Settings:
     prefetch: int = 1
     """FSDP units all-gathered ahead of the one computing."""
     loss_impl: str = "full"
-    """'full': ``causal_lm_loss`` on the whole micro-batch's logits (today's runtime); 'chunked': a
-    memory-efficient loss keeping the logits of ``loss_chunk_tokens`` tokens at a time (the LM
-    head is recomputed per chunk in backward)."""
-    loss_chunk_tokens: int = 1024
+    """'full': ``causal_lm_loss`` on the whole micro-batch's logits; 'chunked': the runtime's
+    memory-efficient loss (``parallel/chunked_ce.py``; what ``ndparallel train`` runs for the
+    Llama/Qwen/Mistral families: ``ndparallel plan`` and ``PlanRequest`` default to it), holding one
+    chunk's logits. The dataclass default stays 'full' for the hand-checked formulas in tests."""
+    loss_chunk_tokens: int | None = None
+    """Tokens per chunk of the chunked loss; None: the runtime's rule (256 MiB of fp32 logits)."""
     optimizer_fused: bool = False
     """AdamW ``fused=True`` (else torch's default foreach implementation, the trainer's)."""
     set_to_none: bool = True

@@ -90,16 +90,31 @@ def _logits_bytes(model: ModelSpec, layout: Layout, s: Settings, tokens: float) 
     Per logit: the logits (e), the fp32 log-softmax kept for backward, and in its backward two
     fp32 gradients (nll, log-softmax) = e + 12 (measured on the H200: 14 B per logit in bf16);
     loss parallel's fused nll + log-softmax backward (torch.distributed.tensor.parallel.loss)
-    holds zeros_like(x), exp(x) and their sum at once = e + 16. A chunked loss holds the logits
-    of ``loss_chunk_tokens`` tokens only."""
+    holds zeros_like(x), exp(x) and their sum at once = e + 16.
+    The chunked loss (``parallel/chunked_ce.py``, the runtime's default) computes its gradients
+    during the forward: one chunk's fp32 logits and their compute-dtype copy (4 + e per logit),
+    the hidden-state gradient (e per hidden value) and an fp32 LM-head weight-gradient accumulator
+    (4 per weight of the local vocabulary slice); never the full logits."""
     t, e = layout.tp, s.act_bytes
     t_sp = t if s.sequence_parallel else 1
-    rows = min(tokens, s.loss_chunk_tokens) if s.loss_impl == "chunked" else tokens
-    if s.loss_parallel and t > 1:
-        out = rows * -(-model.vocab // t) * (e + 16)
+    v_local = -(-model.vocab // t)
+    if s.loss_impl == "chunked":
+        out = chunk_tokens(s, v_local, tokens) * v_local * (4 + e)
+        out += tokens * model.hidden * e + v_local * model.hidden * 4
+    elif s.loss_parallel and t > 1:
+        out = tokens * v_local * (e + 16)
     else:
-        out = rows * model.vocab * (e + 12)
+        out = tokens * model.vocab * (e + 12)
     return out + tokens * (((4 + e) * model.hidden + 4) / t_sp + e * model.hidden)
+
+
+def chunk_tokens(s: Settings, vocab_local: int, tokens: float) -> int:
+    """Tokens per chunk of the chunked loss: ``s.loss_chunk_tokens``, else the runtime's rule (the
+    largest power of two whose fp32 logits fit 256 MiB, ``parallel.chunked_ce``)."""
+    if s.loss_chunk_tokens:
+        return int(min(tokens, s.loss_chunk_tokens))
+    fit = max(1, (256 * 2**20) // (4 * max(1, vocab_local)))
+    return int(min(max(1, tokens), 1 << (fit.bit_length() - 1)))
 
 
 def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tuple[float, float]:

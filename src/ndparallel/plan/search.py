@@ -50,8 +50,8 @@ class PlanRequest:
     unsharded_grad_accumulation: bool = False
     cp_strategy: str = "ring"
     cp_kernel: str = "flash"
-    loss_impl: str = "full"
-    loss_chunk_tokens: int = 1024
+    loss_impl: str = "chunked"  # what the trainer runs (docs/performance.md)
+    loss_chunk_tokens: int | None = None
     optimizer_fused: bool = False
 
 
