@@ -127,11 +127,18 @@ class Accelerator:
         from torch.optim import Optimizer
         from torch.utils.data import DataLoader
 
+        from ndparallel.models.adapters import is_adapter_config
+
         out = list(objects)
+        adapter = next((o for o in out if is_adapter_config(o)), None)  # e.g. a peft LoraConfig
         for i, obj in enumerate(out):
             if isinstance(obj, nn.Module):
-                out[i] = self.prepare_model(obj)
+                out[i] = self.prepare_model(obj, adapter=adapter)
         for i, obj in enumerate(out):
+            if isinstance(obj, Optimizer) and adapter is not None:
+                raise ValueError("prepare got an optimizer together with a LoRA config: the optimizer holds "
+                                 "the base weights LoRA freezes; prepare the model first, then build the "
+                                 "optimizer from the returned model's parameters")
             if isinstance(obj, Optimizer):
                 self._remap_optimizer(obj)
                 self._optimizers.append(obj)
@@ -143,13 +150,19 @@ class Accelerator:
                 out[i] = shard_dataloader(obj, self.dp_rank, self.dp_size, self.device)
         return out[0] if len(out) == 1 else tuple(out)
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def prepare_model(self, model: nn.Module, adapter: Any = None) -> nn.Module:
         """Apply TP → CP attention → activation checkpointing → FSDP/HSDP/DP, in that order.
-        A model this Accelerator already prepared (e.g. from ``load_model``) is returned as is."""
+        A model this Accelerator already prepared (e.g. from ``load_model``) is returned as is.
+        ``adapter`` (a peft ``LoraConfig``) wraps the model with LoRA first and returns the
+        ``PeftModel``; a ``PeftModel`` passed in is parallelised as is (see ``docs/lora.md``)."""
         from ndparallel.parallel.parallelize import parallelize_model
 
         if any(model is m for m in self._models):
             return model
+        if adapter is not None:
+            from ndparallel.models.adapters import apply_adapter
+
+            model = apply_adapter(model, adapter)
 
         old = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         model = parallelize_model(
@@ -314,7 +327,8 @@ class Accelerator:
     def load_model(self, path_or_config, **kwargs) -> nn.Module:
         """Build the model on the meta device, parallelise it, then read only this rank's shards
         from the safetensors files (DCP resharding). ``path_or_config``: an HF model dir, an HF
-        config, or a built-in preset name (random init, same on every rank)."""
+        config, or a built-in preset name (random init, same on every rank). ``adapter=LoraConfig``
+        returns a LoRA ``PeftModel`` over the frozen, sharded base."""
         from ndparallel.models.loading import load_model
 
         return load_model(self, path_or_config, **kwargs)

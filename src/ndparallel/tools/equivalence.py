@@ -36,6 +36,7 @@ class TrainSetup:
     mixed_precision: str = "no"
     parallel_kwargs: dict = field(default_factory=dict)  # fsdp_options / tp_options / cp_options
     fault: str | None = None  # "skip-grad-sync": a deliberately broken run (proves checks can fail)
+    adapter: dict | None = None  # LoRA: ``ndparallel.models.adapters.lora_config`` kwargs (r, alpha, ...)
 
 
 @dataclass
@@ -69,8 +70,12 @@ def build_model(setup: TrainSetup):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(setup.seed)
-    model = AutoModelForCausalLM.from_config(setup.model_config)
-    return model.float()
+    model = AutoModelForCausalLM.from_config(setup.model_config).float()
+    if setup.adapter is not None:  # PEFT's init continues the seeded stream: the same everywhere
+        from ndparallel.models.adapters import apply_adapter, lora_config
+
+        model = apply_adapter(model, lora_config(**setup.adapter))
+    return model
 
 
 def setup_optimizer(setup: TrainSetup, params):
