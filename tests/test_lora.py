@@ -10,7 +10,12 @@ import torch
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import TPOptions
 from ndparallel.testing import run_on_ranks
-from ndparallel.tools.equivalence import TrainSetup, build_model, compare, train_under_layout
+from ndparallel.tools.equivalence import (
+    TrainSetup,
+    build_model,
+    compare,
+    train_under_layout,
+)
 
 RTOL = 1e-5
 LORA = dict(r=4, alpha=8, dropout=0.0, target_linear=True)  # dropout 0: its RNG differs per layout

@@ -139,3 +139,21 @@ def initial_adapter_weights(model: nn.Module, seed: int) -> dict[str, torch.Tens
                 nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=g)
         out[name] = full
     return out
+
+
+def merge_specs(model: nn.Module) -> dict[str, tuple[str, str, float]]:
+    """For every LoRA-wrapped linear of the Hugging Face model ``model``: its base weight's name ->
+    (A's name, B's name, scaling), so that ``W + scaling · B @ A`` is the merged weight."""
+    out = {}
+    for prefix, m in model.named_modules():
+        if is_lora_layer(m) and ADAPTER_NAME in m.lora_A:
+            out[f"{prefix}.base_layer.weight"] = (f"{prefix}.lora_A.{ADAPTER_NAME}.weight",
+                                                  f"{prefix}.lora_B.{ADAPTER_NAME}.weight",
+                                                  float(m.scaling[ADAPTER_NAME]))
+    return out
+
+
+def peft_save_key(name: str) -> str:
+    """The key PEFT's ``save_pretrained`` stores an adapter tensor under (the adapter name
+    dropped: ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``)."""
+    return name.replace(f".lora_A.{ADAPTER_NAME}.", ".lora_A.").replace(f".lora_B.{ADAPTER_NAME}.", ".lora_B.")

@@ -34,6 +34,7 @@ from torch.futures import Future
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ndparallel.models.adapters import (
+    adapter_config_of,
     apply_adapter,
     base_model_of,
     checkpoint_key,
@@ -109,6 +110,7 @@ def _load_pretrained(
         raise ValueError(f"base model {str(path)!r}: {problem}")
     if adapter is not None:
         model = apply_adapter(model, adapter)  # on meta too: LoRA layers hold no data yet
+        adapter_config_of(model).base_model_name_or_path = str(path)  # in the saved adapter_config
     model = acc.prepare_model(model)  # TP/CP/FSDP on meta: no memory yet
     offload = getattr(getattr(acc, "fsdp_options", None), "cpu_offload", False)
     # Shards are materialised where they live: FSDP's CPU offload keeps them in host memory.
