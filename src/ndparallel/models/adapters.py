@@ -40,6 +40,7 @@ def lora_config(r: int = 8, alpha: float = 16, dropout: float = 0.0,
     targets: Any = [target_modules] if isinstance(target_modules, str) else list(target_modules or [])
     if target_linear:
         targets = ALL_LINEAR if not targets else [ALL_LINEAR, *targets]
+    alpha = int(alpha) if float(alpha).is_integer() else alpha
     return peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
                            target_modules=targets or None)
 

@@ -16,7 +16,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     machine). Returns (resolved ParallelismConfig, HF model config); raises ``ConfigError`` (one
     line) on the first problem."""
     from ndparallel.layout.config import ParallelismConfigError
-    from ndparallel.training.model_check import check_model, resolve_model_config
+    from ndparallel.training.model_check import check_adapter, check_model, resolve_model_config
 
     try:
         pc = cfg.parallelism_config().resolve(world_size)
@@ -24,6 +24,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
         raise ConfigError(str(e)) from None
     hf = resolve_model_config(cfg)
     check_model(cfg, hf)
+    check_adapter(cfg, hf, pc.tp_size)
     if check_local:
         check_local_inputs(cfg, check_output=check_output)
     try:
@@ -128,6 +129,8 @@ def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
 
 def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     """The resolved run, as printed by ``--dry-run``."""
+    from ndparallel.training.model_check import check_adapter
+
     gbs = cfg.micro_batch_size * cfg.gradient_accumulation_steps * pc.dp_size
     lines = [
         f"layout       : {pc.describe()}  ({pc!r})",
@@ -139,6 +142,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         + (f" (sequence split over cp={pc.cp_size})" if pc.cp_enabled else ""),
         f"fsdp         : {cfg.fsdp_config.model_dump()}",
         f"precision    : {'bf16 compute, fp32 master weights' if cfg.bf16 else 'fp32'}",
+        *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
         f"({cfg.lr_scheduler}, warmup {cfg.warmup_steps})",
         f"output       : {cfg.output_dir}",
