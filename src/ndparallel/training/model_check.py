@@ -190,7 +190,7 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int) -> str | None:
     layers = {n: m for n, m in base_model_of(model).named_modules() if is_lora_layer(m)}
     odd = [n for n, m in layers.items() if not isinstance(m.base_layer, nn.Linear)]
     if odd and tp_size > 1:
-        raise ConfigError(f"lora_target_modules: {odd[0]} is a {type(layers[odd[0]].base_layer).__name__}; "
+        raise ConfigError(f"lora_target_modules: {odd[0]} ({type(layers[odd[0]].base_layer).__name__}): "
                           "with tensor_parallel_size > 1 LoRA adapts linear layers only: leave it out")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())

@@ -16,7 +16,11 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     machine). Returns (resolved ParallelismConfig, HF model config); raises ``ConfigError`` (one
     line) on the first problem."""
     from ndparallel.layout.config import ParallelismConfigError
-    from ndparallel.training.model_check import check_adapter, check_model, resolve_model_config
+    from ndparallel.training.model_check import (
+        check_adapter,
+        check_model,
+        resolve_model_config,
+    )
 
     try:
         pc = cfg.parallelism_config().resolve(world_size)
