@@ -16,14 +16,22 @@ def attention_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     return 6 * model.layers * model.heads * model.head_dim * seq_len
 
 
-def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
-    """6·N (forward 2·N, backward 4·N; N = matmul parameters incl. LM head) + causal attention."""
-    return 6 * model.matmul_params + attention_flops_per_token(model, seq_len)
+def model_flops_per_token(model: ModelSpec, seq_len: int, lora_r: int = 0) -> float:
+    """6·N (forward 2·N, backward 4·N; N = matmul parameters incl. LM head) + causal attention.
+    LoRA of rank ``lora_r``: no weight gradients for the frozen base, 4·N + 2·N_adapter (the
+    adapters' forward and input gradients, 4·N_adapter, are neglected: N_adapter ≈ 0.5 % of N)."""
+    if lora_r:
+        from ndparallel.plan.adapter import trainable_params
+
+        matmul = 4 * model.matmul_params + 2 * trainable_params(model, lora_r)
+    else:
+        matmul = 6 * model.matmul_params
+    return matmul + attention_flops_per_token(model, seq_len)
 
 
-def hardware_flops_per_token(model: ModelSpec, seq_len: int, checkpointing: bool) -> float:
+def hardware_flops_per_token(model: ModelSpec, seq_len: int, checkpointing: bool, lora_r: int = 0) -> float:
     """Model FLOPs plus the recomputed forward (2·N + a third of attention) under checkpointing."""
-    flops = model_flops_per_token(model, seq_len)
+    flops = model_flops_per_token(model, seq_len, lora_r)
     if checkpointing:
         flops += 2 * model.matmul_params + attention_flops_per_token(model, seq_len) / 3
     return flops
@@ -49,6 +57,6 @@ def compute_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) ->
     tokens = s.micro_batch * s.seq_len
     rate = peak(hw, s) * gemm_efficiency(model, layout, s, hw)
     share = tokens / (layout.cp * layout.tp)
-    total = share * hardware_flops_per_token(model, s.seq_len, s.checkpointing) / rate
+    total = share * hardware_flops_per_token(model, s.seq_len, s.checkpointing, s.lora_r) / rate
     attn = attention_flops_per_token(model, s.seq_len) * (4 / 3 if s.checkpointing else 1)
     return total, share * attn / rate

@@ -92,6 +92,9 @@ class Settings:
     """CP attention: 'ring' (K/V hop rank to rank) or 'allgather' (K/V gathered once per layer)."""
     prefetch: int = 1
     """FSDP units all-gathered ahead of the one computing."""
+    lora_r: int = 0
+    """LoRA rank on every linear of the decoder layers (``plan --adapter lora``); 0: full
+    fine-tuning. See ``ndparallel.plan.adapter``."""
 
     @property
     def act_bytes(self) -> int:

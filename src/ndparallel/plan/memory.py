@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ndparallel.plan.adapter import adapter_layer_local, adapter_shard_numel
 from ndparallel.plan.comms import unit_numels
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
@@ -78,6 +79,14 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     if s.accumulates_unsharded:  # FSDP2 keeps unsharded grads in the reduce dtype between syncs
         grads += sum(numels[u][0] * c for u, (c, _) in fsdp_units(model).items()) * rb
     optimizer = shard_numel * s.optimizer_state_bytes
+    layer_grad, head_grad, adapter_local = numels["layer"][0], None, 0
+    if s.lora_r:  # the frozen base stays in the compute dtype; only the adapters train
+        adapter_local = adapter_layer_local(model, s.lora_r, t)
+        adapter = adapter_shard_numel(model, layout, s.lora_r)
+        params = shard_numel * s.param_compute_bytes + adapter * 4
+        grads = adapter * 4 + (model.layers * adapter_local * rb if s.accumulates_unsharded else 0)
+        optimizer = adapter * s.optimizer_state_bytes
+        layer_grad, head_grad = adapter_local, 0
 
     # Activations.
     tokens = s.micro_batch * s.seq_len / layout.cp
@@ -105,14 +114,16 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
 
     # FSDP buffers: all-gathered (compute-dtype) params of the unit in use and prefetched ones,
     # and its unsharded gradient in compute dtype plus the fp32 copy fed to reduce-scatter.
-    layer_local = numels["layer"][0]
+    # LoRA: the adapters are gathered with their layer; only they have gradients.
+    layer_local = numels["layer"][0] + adapter_local
     head_unit = "root" if model.tied_embeddings else "final"
     head_local = numels[head_unit][0]
+    head_grad = head_local if head_grad is None else head_grad
     cast_needed = n > 1 or s.mixed_precision != "fp32"
     grad_buf = e + rb
     if cast_needed:
-        buf_b = (1 + s.prefetch) * layer_local * cb + layer_local * grad_buf
-        buf_a = head_local * cb + head_local * grad_buf + s.prefetch * layer_local * cb
+        buf_b = (1 + s.prefetch) * layer_local * cb + layer_grad * grad_buf
+        buf_a = head_local * cb + head_grad * grad_buf + s.prefetch * layer_local * cb
         if model.tied_embeddings:  # the root unit stays unsharded through all of backward
             buf_b += head_local * cb
     else:

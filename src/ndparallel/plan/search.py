@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ndparallel.plan import comms
+from ndparallel.plan.adapter import adapter_shard_numel
 from ndparallel.plan.compute import compute_time, model_flops_per_token, peak
 from ndparallel.plan.hardware import GiB, Hardware
 from ndparallel.plan.layout import (
@@ -42,6 +43,8 @@ class PlanRequest:
     loss_parallel: bool = True
     unsharded_grad_accumulation: bool = False
     cp_strategy: str = "ring"
+    lora_r: int = 0
+    """LoRA rank (``--adapter lora --lora-r``); 0: full fine-tuning."""
 
 
 @dataclass
@@ -145,7 +148,7 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     edge = 2 * (gather + reduce) / n_units
     dp_exposed = (edge + max(0.0, gather * (1 - 2 / n_units) - ga * t_mb)
                   + max(0.0, reduce * (1 - 2 / n_units) - s.reducing_microbatches * t_mb * 2 / 3))
-    local_params = mem.params / 4
+    local_params = mem.params / 4 if not s.lora_r else adapter_shard_numel(model, layout, s.lora_r)
     touched = 28 if s.optimizer == "adamw" else 12  # bytes read+written per parameter
     t_opt = local_params * touched / hw.hbm_bw
     step = ga * (t_mb + cp_exposed) + tp + dp_exposed + t_opt
@@ -153,7 +156,7 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     tokens = gb * s.seq_len
     world = layout.world
     tps = tokens / step / world
-    mfu = tokens * model_flops_per_token(model, s.seq_len) / (step * world * peak(hw, s))
+    mfu = tokens * model_flops_per_token(model, s.seq_len, s.lora_r) / (step * world * peak(hw, s))
     parts = {"compute": ga * t_mb, "tp comm": tp, "cp comm": ga * cp_exposed,
              "fsdp/dp comm": dp_exposed, "optimizer step": t_opt}
     name = max(parts, key=parts.get)
@@ -189,7 +192,7 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
                     reshard_after_forward=req.reshard_after_forward,
                     loss_parallel=req.loss_parallel,
                     unsharded_grad_accumulation=req.unsharded_grad_accumulation,
-                    cp_strategy=req.cp_strategy)
+                    cp_strategy=req.cp_strategy, lora_r=req.lora_r)
     res.rejections = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
     if res.rejections:
         return res
