@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import TPOptions
+from ndparallel.parallel.options import FSDPOptions, TPOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import (
     TrainSetup,
@@ -72,6 +72,11 @@ def test_fsdp2():
 
 def test_dp2():
     _check({"dp_replicate_size": 2}, 2)
+
+
+def test_hsdp_2x2_with_activation_checkpointing():
+    _check({"dp_replicate_size": 2, "dp_shard_size": 2}, 4,
+           fsdp_options=FSDPOptions(activation_checkpointing=True))
 
 
 def test_tp2():

@@ -66,3 +66,34 @@ def test_bf16_base_stays_bf16_under_fsdp(base_dir):
     # frozen base: bf16 (half the memory); adapters: fp32 master weights
     assert got["dtypes"] == {(False, torch.bfloat16, False), (True, torch.float32, True)}
     assert torch.isfinite(torch.tensor(got["loss"]))
+
+
+def _prepare_paths() -> list[str]:
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel import Accelerator
+    from ndparallel.models.adapters import lora_config
+
+    acc = Accelerator()
+    build = lambda: AutoModelForCausalLM.from_config(preset_config("tiny-llama"))  # noqa: E731
+    out = []
+    model, cfg = acc.prepare(build(), lora_config(r=2, target_modules=["q_proj"]))
+    out.append(type(model).__name__)
+    out.append(str(sum(p.requires_grad for p in model.parameters())))
+    peft_model = get_peft_model(build(), lora_config(r=2, target_modules=["v_proj"]))
+    opt = torch.optim.SGD([p for p in peft_model.parameters() if p.requires_grad], lr=0.1)
+    prepared, opt = acc.prepare(peft_model, opt)
+    out.append(str(prepared is peft_model and all(p.requires_grad for g in opt.param_groups for p in g["params"])))
+    try:
+        m = build()
+        acc.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), lora_config(r=2))
+    except ValueError as e:
+        out.append(str(e))
+    return out
+
+
+def test_prepare_takes_a_lora_config_or_a_peft_model():
+    got = run_on_ranks(_prepare_paths, 1)[0]
+    assert got[:3] == ["PeftModelForCausalLM", "4", "True"]  # A and B of q_proj in 2 layers
+    assert "optimizer together with a LoRA config" in got[3]

@@ -57,6 +57,7 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
         f"verify: {pc.describe()} on {pc.total_size} CPU ranks vs 1 process; shrunk "
         f"{small.model_type}: hidden {small.hidden_size}, heads {small.num_attention_heads}/"
         f"{small.num_key_value_heads}, 2 layers, seq {setup.seq_len}, {steps} AdamW steps"
+        + (f", LoRA r={cfg.lora_r} (dropout 0)" if cfg.adapter else "")
     )
     import dataclasses
 
