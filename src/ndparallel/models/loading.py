@@ -78,7 +78,10 @@ def load_model(
         config = preset_config(path_or_config)
     else:
         path = resolve_model_dir(str(path_or_config), acc is None or acc.is_local_main_process)
-        return _load_pretrained(acc, path, dtype, trust_remote_code, attn_implementation, adapter, seed)
+        model = _load_pretrained(acc, path, dtype, trust_remote_code, attn_implementation, adapter, seed)
+        if adapter is not None:  # as given (a hub id stays a hub id), for the saved adapter_config
+            adapter_config_of(model).base_model_name_or_path = str(path_or_config)
+        return model
     _check_causal_lm(config, trust_remote_code)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -110,7 +113,6 @@ def _load_pretrained(
         raise ValueError(f"base model {str(path)!r}: {problem}")
     if adapter is not None:
         model = apply_adapter(model, adapter)  # on meta too: LoRA layers hold no data yet
-        adapter_config_of(model).base_model_name_or_path = str(path)  # in the saved adapter_config
     model = acc.prepare_model(model)  # TP/CP/FSDP on meta: no memory yet
     offload = getattr(getattr(acc, "fsdp_options", None), "cpu_offload", False)
     # Shards are materialised where they live: FSDP's CPU offload keeps them in host memory.
