@@ -115,6 +115,21 @@ class TrainConfig(_Strict):
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     fp8_emulate: bool = False
     """Emulate float8 matmuls in high precision (any device; testing only)."""
+    # adapter (LoRA through PEFT; Axolotl's names)
+    adapter: Literal["lora"] | None = None
+    """'lora': train LoRA adapters on the frozen base model (needs peft: pip install
+    'ndparallel[lora]'); null: full fine-tuning."""
+    lora_r: _int(1) = 8
+    lora_alpha: _float(gt=0) = 16.0
+    lora_dropout: _float(ge=0, lt=1) = 0.0
+    """Dropout on the adapter input; its random mask differs between layouts (use 0 to compare them)."""
+    lora_target_modules: list[str] | None = Field(None, validation_alias=AliasChoices(
+        "lora_target_modules", "target_modules"))
+    """Module names to adapt (e.g. [q_proj, v_proj]); none and no lora_target_linear: PEFT's default."""
+    lora_target_linear: bool = False
+    """Adapt every linear layer except the output head (added to lora_target_modules)."""
+    merge_lora: bool = False
+    """Also write the base model with the adapter merged in, to output_dir/merged."""
     # data
     datasets: list[DatasetConfig] = Field(
         default_factory=lambda: [DatasetConfig(path="builtin:stdlib")]
@@ -172,6 +187,19 @@ class TrainConfig(_Strict):
             raise ValueError(f"must be >= 1 (1 disables the dimension), got {v}")
         return v
 
+    @field_validator("adapter", mode="before")
+    @classmethod
+    def _adapter(cls, v):
+        if isinstance(v, str) and v.lower() == "qlora":
+            raise ValueError("'qlora' (a 4-bit quantised base) is not supported: use adapter: lora "
+                             "(set bf16: true to keep the frozen base in bf16)")
+        return v
+
+    @field_validator("lora_target_modules", mode="before")
+    @classmethod
+    def _target_list(cls, v):
+        return [v] if isinstance(v, str) else v
+
     @field_validator("sequence_len")
     @classmethod
     def _positive(cls, v: int | None) -> int | None:
@@ -223,6 +251,27 @@ class TrainConfig(_Strict):
 
     def float8_options(self) -> Float8Options:
         return Float8Options(enabled=self.fp8, recipe=self.fp8_recipe, emulate=self.fp8_emulate)
+
+    def lora_kwargs(self, **overrides) -> dict | None:
+        """Arguments of ``ndparallel.models.adapters.lora_config``; None without ``adapter``."""
+        if self.adapter is None:
+            return None
+        return {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
+                "target_modules": self.lora_target_modules, "target_linear": self.lora_target_linear,
+                **overrides}
+
+    def lora_config(self):
+        """The peft ``LoraConfig`` of ``adapter: lora`` (None without it)."""
+        from ndparallel.models.adapters import lora_config
+
+        kwargs = self.lora_kwargs()
+        return lora_config(**kwargs) if kwargs is not None else None
+
+    def lora_fields_without_adapter(self) -> list[str]:
+        """LoRA fields the user set although ``adapter`` is not ``lora``."""
+        if self.adapter is not None:
+            return []
+        return sorted(f for f in self.model_fields_set if f.startswith("lora_") or f == "merge_lora")
 
 
 def _suggest(key: str, known: list[str]) -> str:
