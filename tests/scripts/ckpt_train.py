@@ -32,7 +32,8 @@ def make_setup():
 def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume: bool = False,
           save_every: int | None = None, stop_after: int | None = None, save_total_limit: int | None = None,
           kill_at: int | None = None, kill_rank: int = 1, marker: str | None = None,
-          reseed_before_load: bool = False, model_preset: str = "tiny-llama") -> dict:
+          reseed_before_load: bool = False, model_preset: str = "tiny-llama",
+          adapter: dict | None = None) -> dict:
     """Train ``steps`` optimizer steps (resuming first if asked); returns losses by step, the first
     random numbers drawn after the last save / the load, and the loader position."""
     from ndparallel import Accelerator, ParallelismConfig
@@ -50,7 +51,7 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
     )
     from ndparallel.training.step import forward_backward
 
-    setup = with_overrides(make_setup(), model_config=preset_config(model_preset))
+    setup = with_overrides(make_setup(), model_config=preset_config(model_preset), adapter=adapter)
     acc = Accelerator(ParallelismConfig(**(layout or {})))
     model = build_model(setup)
     optimizer = setup_optimizer(setup, model.parameters())
@@ -93,8 +94,28 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
             os.kill(os.getpid(), signal.SIGKILL)
         if stop_after == step:
             break
-    return {"losses": losses, "rng_probe": rng_probe, "loader": loader.state_dict(),
-            "lr": scheduler.get_last_lr()}
+    out = {"losses": losses, "rng_probe": rng_probe, "loader": loader.state_dict(),
+           "lr": scheduler.get_last_lr()}
+    if adapter is not None:  # the trained model's logits on a fixed batch, and its exports
+        out["logits"] = _logits(acc, model, setup.model_config.vocab_size)
+        acc.save_model(model, os.path.join(out_dir, "adapter"))
+        from ndparallel.checkpoint.export import save_hf_model
+
+        save_hf_model(model, os.path.join(out_dir, "merged"), acc.is_main_process, merge_adapter=True)
+    return out
+
+
+def probe_batch(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(11))
+
+
+def _logits(acc, model, vocab_size: int) -> torch.Tensor:
+    """Full logits of ``probe_batch`` (every rank the same batch; layouts without CP)."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe_batch(vocab_size).to(acc.device)).logits
+    model.train()
+    return (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).float().cpu()
 
 
 def main(argv=None) -> int:

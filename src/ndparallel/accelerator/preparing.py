@@ -24,16 +24,23 @@ def _is_scheduler(obj: Any) -> bool:
 def prepare_all(acc, objects: list, device_placement) -> list:
     """``device_placement``: None, one bool, or one per object (Accelerate's forms); it only
     decides whether loaders move batches to the device (models always live there)."""
-    out = list(objects)
+    from ndparallel.models.adapters import is_adapter_config
+
+    adapter = next((o for o in objects if is_adapter_config(o)), None)  # e.g. a peft LoraConfig
+    out = [o for o in objects if o is not adapter]
     if not isinstance(device_placement, (list, tuple)):
         device_placement = [device_placement] * len(out)
     if len(device_placement) != len(out):
         raise ValueError(f"device_placement has {len(device_placement)} entries for {len(out)} objects")
     for i, obj in enumerate(out):
         if isinstance(obj, nn.Module):
-            out[i] = acc.prepare_model(obj, device_placement=device_placement[i])
+            out[i] = acc.prepare_model(obj, device_placement=device_placement[i], adapter=adapter)
     for i, obj in enumerate(out):
         if isinstance(obj, torch.optim.Optimizer):
+            if adapter is not None:
+                raise ValueError("prepare got an optimizer together with a LoRA config: the optimizer holds "
+                                 "the base weights LoRA freezes; prepare the model first, then build the "
+                                 "optimizer from the returned model's parameters")
             out[i] = prepare_optimizer(acc, obj)
     for i, obj in enumerate(out):
         if isinstance(obj, AcceleratedScheduler):
@@ -85,9 +92,10 @@ def _broadcast_rank0_weights(acc, model: nn.Module, full: dict) -> None:
     set_model_state_dict(model, full if acc.is_main_process else {}, options=options)
 
 
-def prepare_model(acc, model: nn.Module) -> nn.Module:
+def prepare_model(acc, model: nn.Module, adapter: Any = None) -> nn.Module:
     """Parallelise ``model``; with weights on rank 0 only (``cpu_ram_efficient_loading``) they are
-    broadcast into every rank's shards afterwards."""
+    broadcast into every rank's shards afterwards. ``adapter`` (a peft ``LoraConfig``) wraps the
+    model with LoRA first (a ``PeftModel`` comes back); a ``PeftModel`` is parallelised as is."""
     from ndparallel.checkpoint.save_pretrained import (
         enable_consolidated_save_pretrained,
     )
@@ -95,6 +103,10 @@ def prepare_model(acc, model: nn.Module) -> nn.Module:
 
     if any(model is m for m in acc._models):
         return model
+    if adapter is not None:
+        from ndparallel.models.adapters import apply_adapter
+
+        model = apply_adapter(model, adapter)
     if getattr(getattr(model, "config", None), "use_cache", False):
         # Training needs no KV cache; with one, transformers also skips its packed-document
         # mask (position_ids restarting at 0) and keeps every layer's K/V alive.

@@ -25,8 +25,19 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ndparallel.checkpoint.adapter_export import (
+    export_adapter_checkpoint,
+    is_adapter_checkpoint,
+)
 from ndparallel.checkpoint.directory import HF_CONFIG_DIR, validate_checkpoint
 from ndparallel.checkpoint.io import SafeFileSystemReader, read_dcp_metadata
+from ndparallel.models.adapters import (
+    base_model_of,
+    checkpoint_key,
+    is_adapter_param,
+    is_peft_model,
+    merge_specs,
+)
 from ndparallel.models.naming import model_class_name, tied_aliases
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
@@ -115,33 +126,52 @@ def _write_config(model_or_config: Any, directory: Path, dtype: torch.dtype | No
     config.save_pretrained(directory)
 
 
+def _full(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
 def save_hf_model(
     model: nn.Module, save_directory: str | os.PathLike, is_main: bool, tokenizer=None, *,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, dtype: torch.dtype | None = None,
     safe_serialization: bool = True,
+    merge_adapter: bool = False,
 ) -> None:
     """Write a consolidated HF directory from a parallelised (FSDP2 / TP / DP / plain) model.
     Collective: every rank must call it; only ``is_main`` writes. ``dtype`` casts (default: as is);
-    ``safe_serialization=False`` writes ``pytorch_model*.bin`` instead of safetensors."""
+    ``safe_serialization=False`` writes ``pytorch_model*.bin`` instead of safetensors. A LoRA
+    ``PeftModel`` is written as a PEFT adapter directory, or with ``merge_adapter`` as the plain
+    model with every adapter merged into its base weight (``W + scaling · B @ A``)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.tensor import DTensor
 
+    if is_peft_model(model) and not merge_adapter:
+        from ndparallel.checkpoint.adapter_export import save_adapter
+
+        return save_adapter(model, save_directory, is_main, tokenizer)
+    model = base_model_of(model)
     state = get_model_state_dict(model)  # sharded: nothing is gathered here
     aliases = tied_aliases(model)
+    merges = merge_specs(model)
     writer = ShardWriter(save_directory, max_shard_size, safe=safe_serialization) if is_main else None
     seen: set[int] = set()
     saved_dtype = None
     for name, value in state.items():
-        if name in aliases or id(value) in seen:
+        if name in aliases or id(value) in seen or is_adapter_param(name):
             continue
         seen.add(id(value))
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)  # cast the local shard first: the gather moves dtype's bytes
-        full = value.full_tensor() if isinstance(value, DTensor) else value  # one tensor at a time
+        if name in merges:  # in fp32, then cast; A and B are small
+            a, b, scaling = merges[name]
+            full = _full(value).float() + scaling * (_full(state[b]).float() @ _full(state[a]).float())
+            full = full.to(dtype or value.dtype)
+        elif dtype is not None and value.is_floating_point():
+            full = _full(value.to(dtype))  # cast the local shard first: the gather moves dtype's bytes
+        else:
+            full = _full(value)  # one tensor at a time
         if writer is not None:
             full = full.detach().to("cpu", dtype=dtype or full.dtype)
             saved_dtype = saved_dtype or (full.dtype if full.is_floating_point() else None)
-            writer.add(name, full)
+            writer.add(checkpoint_key(name), full)
         del full
     if writer is None:
         return
@@ -189,6 +219,8 @@ def export_checkpoint(
 
 
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
+    if is_adapter_checkpoint(ckpt):  # a LoRA run: its checkpoints hold the adapter only
+        return export_adapter_checkpoint(ckpt, out, tokenizer=tokenizer, dtype=dtype)
     problems = validate_checkpoint(ckpt)
     if problems:
         raise ValueError(f"cannot export {ckpt}: " + "; ".join(problems))

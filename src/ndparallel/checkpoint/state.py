@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from ndparallel.checkpoint.directory import (
     FORMAT,
@@ -55,6 +56,7 @@ from ndparallel.checkpoint.io import (
     tensor_keys,
     write_json_atomic,
 )
+from ndparallel.models.adapters import adapter_config_of, base_model_of, is_peft_model
 from ndparallel.models.naming import model_class_name
 from ndparallel.runtime.distributed import rank0_decides
 
@@ -106,7 +108,7 @@ def save_state(
         get_optimizer_state_dict,
     )
 
-    state["models"] = [split_tensors(get_model_state_dict(m), _key("model", i), tensors)
+    state["models"] = [split_tensors(get_model_state_dict(m, options=_TRAINED), _key("model", i), tensors)
                        for i, m in enumerate(models)]
     state["optimizers"] = [
         split_tensors(get_optimizer_state_dict(_owner(models, o), o), _key("optimizer", i), tensors)
@@ -128,6 +130,8 @@ def save_state(
     if rank == 0:
         write_json_atomic(directory / STATE_FILE, state)
         _save_hf_config(models[0] if models else None, directory / HF_CONFIG_DIR)
+        if models and is_peft_model(models[0]):  # what `ndparallel export` writes with the adapter
+            adapter_config_of(models[0]).save_pretrained(str(directory / HF_CONFIG_DIR))
     _barrier()  # every rank's files are on disk
     if rank == 0:
         write_marker(directory, state)
@@ -163,7 +167,8 @@ def load_state(
     # Targets: this run's (sharded) state dicts; DCP reads each rank's part of each tensor into them.
     current: dict[str, torch.Tensor] = {}
     for i, m in enumerate(models):
-        split_tensors(get_model_state_dict(m), _key("model", i), current)
+        _check_same_params(directory, set(state["models"][i]), split_tensors(
+            get_model_state_dict(m, options=_TRAINED), _key("model", i), current))
     for i, o in enumerate(optimizers):
         split_tensors(get_optimizer_state_dict(_owner(models, o), o), _key("optimizer", i), current)
     wanted = tensor_keys([state[k] for k in ("models", "optimizers", "schedulers", "loaders", "config", "extra")])
@@ -179,8 +184,8 @@ def load_state(
             raise ValueError(f"checkpoint {directory} is missing tensor {key!r}")
     dcp.load(targets, storage_reader=SafeFileSystemReader(directory))
 
-    for i, m in enumerate(models):
-        set_model_state_dict(m, join_tensors(state["models"][i], targets))
+    for i, m in enumerate(models):  # frozen parameters are not in the checkpoint (checked above)
+        set_model_state_dict(m, join_tensors(state["models"][i], targets), options=StateDictOptions(strict=False))
     for i, o in enumerate(optimizers):
         set_optimizer_state_dict(_owner(models, o), o, join_tensors(state["optimizers"][i], targets))
     for i, s in enumerate(schedulers):
@@ -213,6 +218,23 @@ def save_step_checkpoint(
 
 
 # ----------------------------------------------------------------------------- internals
+_TRAINED = StateDictOptions(ignore_frozen_params=True)
+"""Model state saved: trainable parameters and buffers. Frozen parameters (a LoRA base model) are
+left out: they never change, and come back from the base model when a run resumes."""
+
+
+def _check_same_params(directory: Path, saved: set[str], current: dict) -> None:
+    """The checkpoint holds exactly this model's trained tensors (e.g. not a LoRA adapter's for a
+    full model, or the reverse); names the first differences."""
+    if saved == set(current):
+        return
+    missing, unexpected = sorted(set(current) - saved), sorted(saved - set(current))
+    raise ValueError(
+        f"checkpoint {directory} does not fit this model: {len(missing)} trained tensor(s) missing "
+        f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]}); was it "
+        "saved with another adapter setting (adapter: lora or not, other lora_target_modules)?")
+
+
 def _key(kind: str, i: int) -> str:
     return kind if i == 0 else f"{kind}_{i}"
 
@@ -272,6 +294,7 @@ def _jsonable_config(config: Any) -> Any:
 
 
 def _save_hf_config(model: nn.Module | None, target: Path) -> None:
+    model = base_model_of(model) if model is not None else None
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         return

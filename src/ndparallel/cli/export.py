@@ -18,7 +18,8 @@ def export_main(argv: Sequence[str] | None = None) -> int:
         prog="ndparallel export",
         description="Turn a sharded checkpoint (any layout) into a Hugging Face safetensors directory, "
                     "on one process without GPUs. CKPT: a checkpoint-N dir, or an output_dir (its "
-                    "newest complete checkpoint is used).")
+                    "newest complete checkpoint is used). A LoRA run's checkpoint becomes a PEFT adapter "
+                    "directory (adapter_config.json + adapter_model.safetensors).")
     parser.add_argument("checkpoint")
     parser.add_argument("out_dir")
     parser.add_argument("--config", default=None, help="HF model dir / config.json / preset (default: "

@@ -33,6 +33,14 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.futures import Future
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from ndparallel.models.adapters import (
+    adapter_config_of,
+    apply_adapter,
+    base_model_of,
+    checkpoint_key,
+    initial_adapter_weights,
+    is_adapter_param,
+)
 from ndparallel.models.causal import causal_lm_problem, config_problem
 from ndparallel.models.presets import PRESETS, is_preset, preset_config
 from ndparallel.models.weights import weights_problem
@@ -47,6 +55,7 @@ def load_model(
     trust_remote_code: bool = False,
     attn_implementation: str = "sdpa",
     seed: int = 0,
+    adapter: Any = None,
 ) -> nn.Module:
     """Build, parallelise (``acc.prepare_model``) and fill a causal LM; returns the prepared model.
 
@@ -57,7 +66,11 @@ def load_model(
         dtype: parameter dtype (checkpoint tensors are converted while being copied in).
         trust_remote_code: passed to ``AutoConfig`` / ``AutoModelForCausalLM``.
         attn_implementation: the attention kernel name given to transformers.
-        seed: RNG seed of the random init of a config/preset (the global RNG is left untouched).
+        seed: RNG seed of the random init of a config/preset (the global RNG is left untouched)
+            and of the LoRA adapter's A matrices.
+        adapter: a peft ``LoraConfig``: the model is wrapped (``get_peft_model``) before it is
+            parallelised; the base weights are frozen and keep ``dtype``, the adapters are fp32.
+            A model read from disk starts with A drawn from ``seed`` and B = 0 on every layout.
     """
     if isinstance(path_or_config, PretrainedConfig):
         config = path_or_config
@@ -65,7 +78,10 @@ def load_model(
         config = preset_config(path_or_config)
     else:
         path = resolve_model_dir(str(path_or_config), acc is None or acc.is_local_main_process)
-        return _load_pretrained(acc, path, dtype, trust_remote_code, attn_implementation)
+        model = _load_pretrained(acc, path, dtype, trust_remote_code, attn_implementation, adapter, seed)
+        if adapter is not None:  # as given (a hub id stays a hub id), for the saved adapter_config
+            adapter_config_of(model).base_model_name_or_path = str(path_or_config)
+        return model
     _check_causal_lm(config, trust_remote_code)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -73,12 +89,15 @@ def load_model(
             config, dtype=dtype, attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
-    _check_causal_model(model)
+        _check_causal_model(model)
+        if adapter is not None:  # PEFT's own init, drawn from the same seeded stream
+            model = apply_adapter(model, adapter)
     return acc.prepare_model(model)
 
 
 def _load_pretrained(
-    acc: Any, path: Path, dtype: torch.dtype, trust_remote_code: bool, attn_implementation: str
+    acc: Any, path: Path, dtype: torch.dtype, trust_remote_code: bool, attn_implementation: str,
+    adapter: Any = None, seed: int = 0,
 ) -> nn.Module:
     files = checkpoint_files(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -92,19 +111,35 @@ def _load_pretrained(
     problem = weights_problem(model, files, str(path / "config.json"))  # headers only
     if problem:
         raise ValueError(f"base model {str(path)!r}: {problem}")
+    if adapter is not None:
+        model = apply_adapter(model, adapter)  # on meta too: LoRA layers hold no data yet
     model = acc.prepare_model(model)  # TP/CP/FSDP on meta: no memory yet
     offload = getattr(getattr(acc, "fsdp_options", None), "cpu_offload", False)
     # Shards are materialised where they live: FSDP's CPU offload keeps them in host memory.
     _to_empty_keeping_ties(model, torch.device("cpu") if offload else acc.device)
     if offload:
         _move_buffers(model, acc.device)
-    init_non_persistent_buffers(model)
-    load_sharded_safetensors(model, path, files)
+    base = base_model_of(model)
+    init_non_persistent_buffers(base)
+    load_sharded_safetensors(base, path, files)
+    if adapter is not None:
+        _set_full_tensors(model, initial_adapter_weights(model, seed))
     if (path / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
-        model.generation_config = GenerationConfig.from_pretrained(path)
+        base.generation_config = GenerationConfig.from_pretrained(path)
     return model
+
+
+def _set_full_tensors(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors (the same on every rank; small: LoRA adapters) into the matching,
+    possibly sharded, parameters, each rank keeping its slice (DCP distributes rank 0's values)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+    )
+
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
@@ -233,11 +268,14 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path]) ->
     )
 
     ckpt_keys = _checkpoint_keys(files)
-    state_dict = get_model_state_dict(model)
-    param_id = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    # LoRA: the wrapped linears' weights are read under the base model's names (``.base_layer``
+    # dropped); the adapters are in no base checkpoint.
+    state_dict = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter_param(k)}
+    name = {k: checkpoint_key(k) for k in state_dict}
+    param_id = {checkpoint_key(n): id(p) for n, p in model.named_parameters(remove_duplicate=False)}
     in_ckpt = {param_id[k] for k in ckpt_keys if k in param_id}  # tied aliases count as present
-    to_read = {k: t for k, t in state_dict.items() if k in ckpt_keys}
-    missing = [k for k in state_dict if k not in ckpt_keys and param_id.get(k) not in in_ckpt]
+    to_read = {name[k]: t for k, t in state_dict.items() if name[k] in ckpt_keys}
+    missing = [k for k in state_dict if name[k] not in ckpt_keys and param_id.get(name[k]) not in in_ckpt]
     if missing:
         raise ValueError(
             f"{len(missing)} model tensor(s) are not in the checkpoint {str(path)!r}, e.g. "
@@ -248,7 +286,8 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path]) ->
     # DCP wrote into the state-dict tensors, which are the parameters' own storage for FSDP2/TP
     # DTensors and plain tensors; setting them back is a no-op copy that also covers wrappers
     # whose state dict is a copy.
-    set_model_state_dict(model, to_read, options=StateDictOptions(strict=False))
+    loaded = {k: to_read[name[k]] for k in state_dict if name[k] in to_read}
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
 
 
 def _checkpoint_keys(files: list[Path]) -> set[str]:

@@ -86,11 +86,18 @@ def set_gradient_sync(model: nn.Module, enabled: bool, keep_reduce_scatter: bool
 
     Skipping drops the replica all-reduce and, unless ``keep_reduce_scatter``, the reduce-scatter
     too (gradients then accumulate unsharded: a full-size gradient per rank)."""
-    if not isinstance(model, FSDPModule):
+    root = fsdp_root(model)
+    if root is None:
         return
-    model.set_requires_gradient_sync(enabled or keep_reduce_scatter)
+    root.set_requires_gradient_sync(enabled or keep_reduce_scatter)
     if not enabled:
-        model.set_requires_all_reduce(False)
+        root.set_requires_all_reduce(False)
+
+
+def fsdp_root(model: nn.Module) -> FSDPModule | None:
+    """The outermost FSDP module of ``model`` (``model`` itself, or the Hugging Face model inside a
+    wrapper such as a ``PeftModel``); None when nothing is sharded."""
+    return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
 
 
 

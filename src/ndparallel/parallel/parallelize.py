@@ -9,7 +9,8 @@ and only what no strategy took (e.g. a one-device run, buffers) is moved at the 
 device memory of ``prepare`` is about model/N + one layer. Under FSDP CPU offload the sharded
 parameters stay in host memory.
 Master weights are fp32: a bf16/fp16 model is upcast module by module as it is sharded (a warning
-says so); compute runs in the ``mixed_precision`` dtype.
+says so); compute runs in the ``mixed_precision`` dtype. Frozen parameters (a LoRA base model) keep
+their dtype: a base loaded in bf16 stays bf16, sharded like the rest.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.layout.mesh import submesh
+from ndparallel.models.adapters import base_model_of
 from ndparallel.parallel.master_weights import low_precision_params, upcast_params
 from ndparallel.parallel.options import (
     CompileOptions,
@@ -50,11 +52,14 @@ def parallelize_model(
     master_dtype: torch.dtype | None = torch.float32,
 ) -> nn.Module:
     """Parallelise ``model`` in place for layout ``pc`` on ``mesh`` and return it. ``master_dtype``:
-    the dtype parameters (and optimizer states) are kept in; None keeps the model's own."""
+    the dtype trainable parameters (and optimizer states) are kept in; None keeps the model's own.
+    A PEFT model is parallelised through the Hugging Face model inside it (LoRA layers included)."""
+    wrapper, model = model, base_model_of(model)
     upcast = master_dtype if master_dtype is not None and low_precision_params(model, master_dtype) else None
     if upcast is not None:
         warnings.warn(
-            f"the model's parameters are {next(p.dtype for p in model.parameters() if p.is_floating_point())}: "
+            f"the model's trainable parameters are "
+            f"{next(p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point())}: "
             f"upcasting them to {upcast} master weights (compute uses mixed_precision's dtype); "
             "load the model in float32 to skip this step", stacklevel=3)
     use_fsdp = pc.dp_replicate_size * pc.fsdp_size > 1 or param_dtype is not None
@@ -91,7 +96,7 @@ def parallelize_model(
     elif upcast is not None:
         upcast_params(model, upcast)
     move_leftovers(model, device, keep_params_on_cpu=fsdp.cpu_offload)
-    return model
+    return wrapper
 
 
 def move_leftovers(model: nn.Module, device: torch.device, keep_params_on_cpu: bool = False) -> None:

@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ndparallel.models.adapters import is_lora_layer
 from ndparallel.models.naming import tied_parameter_groups
 from ndparallel.models.tp_plans import (
     TPPlanError,
@@ -42,6 +43,7 @@ from ndparallel.models.tp_plans import (
     model_tp_plan,
     resolve_tp_plan,
 )
+from ndparallel.parallel.lora import LoraParallel
 from ndparallel.parallel.options import TPOptions
 from ndparallel.parallel.tp_styles import (
     GatherSequenceInput,
@@ -146,8 +148,13 @@ def apply_tensor_parallel(
             style, on_residual=on_residual, sequence_parallel=sp,
             output_sharded=options.loss_parallel and name == head,
         )
+        if is_lora_layer(model.get_submodule(name)):  # PEFT wrapped it: shard A/B with the base
+            styles[name] = LoraParallel(styles[name], name)
+    wrapped = tuple(f"{n}." for n, s in styles.items() if isinstance(s, LoraParallel))
     for name, module in model.named_modules():
         if name in styles or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if name.startswith(wrapped):  # base_layer / lora_A / lora_B: sharded by LoraParallel
             continue
         if any(n.startswith(name + ".") for n in styles) or (sp and name in blocks):
             raise TPPlanError(

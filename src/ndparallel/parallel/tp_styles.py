@@ -23,7 +23,8 @@ from torch.distributed.tensor.parallel import (
 from ndparallel.models.tp_plans import STYLES, TPPlanError
 
 
-def _replicate(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
+def replicate_param(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
+    """``param`` as a ``Replicate`` DTensor Parameter on ``mesh`` (rank 0's values)."""
     if param.is_meta:
         data = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
     else:  # broadcast from rank 0: replicas are identical even if initialised differently
@@ -71,7 +72,7 @@ class ReplicateParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, param in list(module.named_parameters(recurse=False)):
             if not isinstance(param, DTensor):
-                module.register_parameter(name, _replicate(param, device_mesh))
+                module.register_parameter(name, replicate_param(param, device_mesh))
         layout = self.input_layout
 
         def to_dtensor(x):

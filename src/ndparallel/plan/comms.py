@@ -104,6 +104,10 @@ def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Colle
         out += _tensor_parallel(model, layout, s, tokens, ga)
     if layout.cp > 1:
         out += _context_parallel(model, layout, s, tokens, ga)
+    if s.lora_r:
+        from ndparallel.plan.adapter import adapt_collectives
+
+        out = adapt_collectives(out, model, layout, s, Collective)
     return [c for c in out if c.count > 0]
 
 

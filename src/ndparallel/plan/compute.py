@@ -43,9 +43,17 @@ def attention_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     return 6 * model.layers * model.heads * model.head_dim * seq_len
 
 
-def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
-    """6·N (forward 2·N, backward 4·N; N = matmul parameters incl. LM head) + causal attention."""
-    return 6 * model.matmul_params + attention_flops_per_token(model, seq_len)
+def model_flops_per_token(model: ModelSpec, seq_len: int, lora_r: int = 0) -> float:
+    """6·N (forward 2·N, backward 4·N; N = matmul parameters incl. LM head) + causal attention.
+    LoRA of rank ``lora_r``: no weight gradients for the frozen base, 4·N + 2·N_adapter (the
+    adapters' forward and input gradients, 4·N_adapter, are neglected: N_adapter ≈ 0.5 % of N)."""
+    if lora_r:
+        from ndparallel.plan.adapter import trainable_params
+
+        matmul = 4 * model.matmul_params + 2 * trainable_params(model, lora_r)
+    else:
+        matmul = 6 * model.matmul_params
+    return matmul + attention_flops_per_token(model, seq_len)
 
 
 def peak(hw: Hardware, s: Settings) -> float:
@@ -104,11 +112,14 @@ def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings,
 
 
 def step_extras(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware,
-                local_params: float, shard_params: float) -> dict[str, float]:
-    """Per-step memory-bound seconds outside the micro-batches: optimizer, clipping, FSDP copies."""
+                local_params: float, shard_params: float, trained_params: float | None = None
+                ) -> dict[str, float]:
+    """Per-step memory-bound seconds outside the micro-batches: optimizer, clipping, FSDP copies.
+    ``trained_params``: the shard the optimizer updates (LoRA: the adapters'; default: all)."""
     bw = hw.hbm_bw * hw.hbm_efficiency
-    opt = shard_params * OPTIMIZER_BYTES[(s.optimizer, s.optimizer_fused)] / bw
-    clip = shard_params * CLIP_BYTES / bw
+    trained = shard_params if trained_params is None else trained_params
+    opt = trained * OPTIMIZER_BYTES[(s.optimizer, s.optimizer_fused)] / bw
+    clip = trained * CLIP_BYTES / bw
     fsdp = fsdp_copy_bytes(model, layout, s, local_params, shard_params) / bw
     return {"optimizer": opt, "clip": clip, "fsdp_copies": fsdp}
 

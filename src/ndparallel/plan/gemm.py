@@ -69,12 +69,19 @@ def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gem
         else:
             again = n
         out += [Gemm(f"{name} fwd", tokens, o, i, n + again),
-                Gemm(f"{name} dgrad", tokens, i, o, n),
-                Gemm(f"{name} wgrad", o, i, tokens, n)]
+                Gemm(f"{name} dgrad", tokens, i, o, n)]
+        if not s.lora_r:
+            out.append(Gemm(f"{name} wgrad", o, i, tokens, n))
+            continue
+        r = s.lora_r  # frozen base: no weight gradient; the adapter x·Aᵀ·Bᵀ, its two gradients each
+        out += [Gemm(f"{name} lora A fwd", tokens, r, i, n + again), Gemm(f"{name} lora B fwd", tokens, o, r, n + again),
+                Gemm(f"{name} lora B dgrad", tokens, r, o, n), Gemm(f"{name} lora B wgrad", o, r, tokens, n),
+                Gemm(f"{name} lora A dgrad", tokens, i, r, n), Gemm(f"{name} lora A wgrad", r, i, tokens, n)]
     vocab = -(-model.vocab // layout.tp)
     h = model.hidden
-    out += [Gemm("lm_head fwd", tokens, vocab, h, 1), Gemm("lm_head dgrad", tokens, h, vocab, 1),
-            Gemm("lm_head wgrad", vocab, h, tokens, 1)]
+    out += [Gemm("lm_head fwd", tokens, vocab, h, 1), Gemm("lm_head dgrad", tokens, h, vocab, 1)]
+    if not s.lora_r:  # under LoRA the LM head is frozen
+        out.append(Gemm("lm_head wgrad", vocab, h, tokens, 1))
     return out
 
 

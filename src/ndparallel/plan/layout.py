@@ -112,6 +112,9 @@ class Settings:
     the optimizer step until each FSDP unit's backward produces it. False keeps them allocated."""
     cp_kernel: str = "flash"
     """CP ring block kernel (``CPOptions.kernel``): 'math' (what 'auto' picks on CUDA) or 'sdpa'."""
+    lora_r: int = 0
+    """LoRA rank on every linear of the decoder layers (``plan --adapter lora``); 0: full
+    fine-tuning. See ``ndparallel.plan.adapter``."""
 
     @property
     def act_bytes(self) -> int:

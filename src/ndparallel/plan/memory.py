@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ndparallel.plan.adapter import adapter_layer_local, adapter_shard_numel
 from ndparallel.plan.comms import unit_numels
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
@@ -129,11 +130,17 @@ def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tup
     if not (n > 1 or s.mixed_precision != "fp32"):
         return 0.0, 0.0
     layer_local = numels["layer"][0]
+    layer_grad = layer_local
     head_local = numels["root" if model.tied_embeddings else "final"][0]
+    head_grad = head_local
+    if s.lora_r:  # the adapters are gathered with their layer; only they get gradients
+        layer_grad = adapter_layer_local(model, s.lora_r, layout.tp)
+        layer_local += layer_grad
+        head_grad = 0
     buf_a = head_local * cb
-    buf_b = (1 + s.prefetch) * layer_local * cb + layer_local * (e + rb)
+    buf_b = (1 + s.prefetch) * layer_local * cb + layer_grad * (e + rb)
     if model.tied_embeddings:
-        buf_b += head_local * (cb + e)
+        buf_b += head_local * cb + head_grad * e
     if not s.reshard_after_forward:
         kept = (model.layers - 1 - s.prefetch) * layer_local * cb
         buf_a += model.layers * layer_local * cb
@@ -154,13 +161,21 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     all_grads = shard_numel * 4
     if s.accumulates_unsharded:  # FSDP2 keeps unsharded grads in the reduce dtype between syncs
         all_grads += sum(numels[u][0] * c for u, (c, _) in units.items()) * s.reduce_bytes
+    head = "root" if model.tied_embeddings else "final"
+    head_grads = 0.0 if model.tied_embeddings else numels[head][col] * 4
+    if s.lora_r:  # the frozen base stays in the compute dtype; only the adapters train (adapter.py)
+        adapter_local = adapter_layer_local(model, s.lora_r, t)
+        adapter = adapter_shard_numel(model, layout, s.lora_r)
+        params = shard_numel * s.param_compute_bytes + adapter * 4
+        optimizer = adapter * s.optimizer_state_bytes
+        all_grads = adapter * 4 + (model.layers * adapter_local * s.reduce_bytes
+                                   if s.accumulates_unsharded else 0.0)
+        head_grads = 0.0  # the LM head is frozen
     # With zero_grad(set_to_none=True) and one micro-batch no gradient exists at the loss moment;
     # at the first layer's backward only the (untied) head unit's has been reduced.
     grads_kept = not s.set_to_none or s.grad_accum > 1
-    head = "root" if model.tied_embeddings else "final"
     grads_a = all_grads if grads_kept else 0.0
-    grads_b = all_grads if grads_kept else (
-        0.0 if model.tied_embeddings else numels[head][col] * 4)
+    grads_b = all_grads if grads_kept else head_grads
 
     tokens = s.micro_batch * s.seq_len / layout.cp
     t_sp = t if s.sequence_parallel else 1

@@ -34,10 +34,16 @@ def header(result: PlanResult) -> str:
     r = result.request
     hw = r.hardware
     gb = f"{r.global_batch} seqs" if r.global_batch else "~4M tokens (auto)"
+    lora = ""
+    if r.lora_r:
+        from ndparallel.plan.adapter import trainable_fraction, trainable_params
+
+        lora = (f"; LoRA r={r.lora_r} on every linear: {trainable_params(r.model, r.lora_r) / 1e6:.1f}M "
+                f"trainable ({trainable_fraction(r.model, r.lora_r):.2%}), base frozen")
     return (f"{r.model.name} ({r.model.num_params / 1e9:.2f}B params) on {r.gpus} × {hw.name} "
             f"({r.gpus_per_node}/node, {_gib(hw.mem_bytes)} GiB, {hw.peak_flops / 1e12:.0f} "
             f"TFLOP/s bf16); seq {r.seq_len}, global batch {gb}, {r.optimizer}, "
-            f"{r.mixed_precision}, activation checkpointing {r.checkpointing}")
+            f"{r.mixed_precision}, activation checkpointing {r.checkpointing}{lora}")
 
 
 def print_table(result: PlanResult, console: Console, top: int = 10,
@@ -198,6 +204,8 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
         cfg["loss_parallel"] = s.loss_parallel
     if s.mixed_precision == "bf16":
         cfg["bf16"] = True
+    if s.lora_r:
+        cfg.update(adapter="lora", lora_r=s.lora_r, lora_alpha=2 * s.lora_r, lora_target_linear=True)
     return cfg
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ndparallel.plan import comms
+from ndparallel.plan.adapter import adapter_shard_numel
 from ndparallel.plan.compute import (
     micro_batch_time,
     model_flops_per_token,
@@ -53,6 +54,8 @@ class PlanRequest:
     loss_impl: str = "chunked"  # what the trainer runs (docs/performance.md)
     loss_chunk_tokens: int | None = None
     optimizer_fused: bool = False
+    lora_r: int = 0
+    """LoRA rank (``--adapter lora --lora-r``); 0: full fine-tuning."""
 
 
 @dataclass
@@ -140,7 +143,8 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     local, shard = unit_param_counts(model, comms.unit_numels(model, layout.tp, layout.fsdp))
     if layout.fsdp == 1:
         shard = local
-    extras = step_extras(model, layout, s, hw, local, shard)
+    trained = adapter_shard_numel(model, layout, s.lora_r) if s.lora_r else None
+    extras = step_extras(model, layout, s, hw, local, shard, trained)
     per_dim: dict[str, float] = {}
     intra: dict[str, bool] = {}
     gather = reduce = tp = cp = cp_serial = 0.0
@@ -175,7 +179,7 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     tokens = gb * s.seq_len
     world = layout.world
     tps = tokens / step / world
-    mfu = tokens * model_flops_per_token(model, s.seq_len) / (step * world * peak(hw, s))
+    mfu = tokens * model_flops_per_token(model, s.seq_len, s.lora_r) / (step * world * peak(hw, s))
     parts = {"compute": compute, "tp comm": tp, "cp comm": ga * cp_exposed,
              "fsdp/dp comm": dp_exposed, "optimizer step": t_opt}
     name = max(parts, key=parts.get)
@@ -214,7 +218,7 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
                     unsharded_grad_accumulation=req.unsharded_grad_accumulation,
                     cp_strategy=req.cp_strategy, cp_kernel=req.cp_kernel, ac_policy=req.ac_policy,
                     loss_impl=req.loss_impl, loss_chunk_tokens=req.loss_chunk_tokens,
-                    optimizer_fused=req.optimizer_fused)
+                    optimizer_fused=req.optimizer_fused, lora_r=req.lora_r)
     res.rejections = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
     if res.rejections:
         return res

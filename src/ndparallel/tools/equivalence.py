@@ -45,6 +45,7 @@ class TrainSetup:
     """A deliberately broken layout run (proves the checks can fail): "skip-grad-sync" never
     reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
     attention crosses document starts."""
+    adapter: dict | None = None  # LoRA: ``ndparallel.models.adapters.lora_config`` kwargs (r, alpha, ...)
 
 
 @dataclass
@@ -101,8 +102,12 @@ def build_model(setup: TrainSetup):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(setup.seed)
-    model = AutoModelForCausalLM.from_config(setup.model_config)
-    return model.float()
+    model = AutoModelForCausalLM.from_config(setup.model_config).float()
+    if setup.adapter is not None:  # PEFT's init continues the seeded stream: the same everywhere
+        from ndparallel.models.adapters import apply_adapter, lora_config
+
+        model = apply_adapter(model, lora_config(**setup.adapter))
+    return model
 
 
 def setup_optimizer(setup: TrainSetup, params):

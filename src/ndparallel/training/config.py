@@ -30,11 +30,16 @@ from ndparallel.parallel.options import (
     LossOptions,
     TPOptions,
 )
-from ndparallel.training.config_data import DatasetConfig, SpecialTokens, _int, _Strict
-
-
-class ConfigError(ValueError):
-    """A bad training config; the message is meant to be shown as is."""
+from ndparallel.training.config_data import (  # noqa: F401  (ConfigError: re-exported)
+    KNOWN_PLUGINS,
+    UNSUPPORTED,
+    ConfigError,
+    DatasetConfig,
+    SpecialTokens,
+    _int,
+    _Strict,
+)
+from ndparallel.training.overrides import apply_override
 
 
 def _float(**bounds):
@@ -126,6 +131,21 @@ class TrainConfig(_Strict):
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     fp8_emulate: bool = False
     """Emulate float8 matmuls in high precision (any device; testing only)."""
+    # adapter (LoRA through PEFT; Axolotl's names)
+    adapter: Literal["lora"] | None = None
+    """'lora': train LoRA adapters on the frozen base model (needs peft: pip install
+    'ndparallel[lora]'); null: full fine-tuning."""
+    lora_r: _int(1) = 8
+    lora_alpha: _float(gt=0) = 16.0
+    lora_dropout: _float(ge=0, lt=1) = 0.0
+    """Dropout on the adapter input; its random mask differs between layouts (use 0 to compare them)."""
+    lora_target_modules: list[str] | None = Field(None, validation_alias=AliasChoices(
+        "lora_target_modules", "target_modules"))
+    """Module names to adapt (e.g. [q_proj, v_proj]); none and no lora_target_linear: PEFT's default."""
+    lora_target_linear: bool = False
+    """Adapt every linear layer except the output head (added to lora_target_modules)."""
+    merge_lora: bool = False
+    """Also write the base model with the adapter merged in, to output_dir/merged."""
     # data
     datasets: list[DatasetConfig] = Field(
         default_factory=lambda: [DatasetConfig(path="builtin:stdlib")]
@@ -240,6 +260,19 @@ class TrainConfig(_Strict):
             self.chunked_loss = True  # CutCrossEntropyPlugin = the memory-efficient loss
         return self
 
+    @field_validator("adapter", mode="before")
+    @classmethod
+    def _adapter(cls, v):
+        if isinstance(v, str) and v.lower() == "qlora":
+            raise ValueError("'qlora' (a 4-bit quantised base) is not supported: use adapter: lora "
+                             "(set bf16: true to keep the frozen base in bf16)")
+        return v
+
+    @field_validator("lora_target_modules", mode="before")
+    @classmethod
+    def _target_list(cls, v):
+        return [v] if isinstance(v, str) else v
+
     @field_validator("sequence_len")
     @classmethod
     def _positive(cls, v: int | None) -> int | None:
@@ -292,6 +325,27 @@ class TrainConfig(_Strict):
     def float8_options(self) -> Float8Options:
         return Float8Options(enabled=self.fp8, recipe=self.fp8_recipe, emulate=self.fp8_emulate)
 
+    def lora_kwargs(self, **overrides) -> dict | None:
+        """Arguments of ``ndparallel.models.adapters.lora_config``; None without ``adapter``."""
+        if self.adapter is None:
+            return None
+        return {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
+                "target_modules": self.lora_target_modules, "target_linear": self.lora_target_linear,
+                **overrides}
+
+    def lora_config(self):
+        """The peft ``LoraConfig`` of ``adapter: lora`` (None without it)."""
+        from ndparallel.models.adapters import lora_config
+
+        kwargs = self.lora_kwargs()
+        return lora_config(**kwargs) if kwargs is not None else None
+
+    def lora_fields_without_adapter(self) -> list[str]:
+        """LoRA fields the user set although ``adapter`` is not ``lora``."""
+        if self.adapter is not None:
+            return []
+        return sorted(f for f in self.model_fields_set if f.startswith("lora_") or f == "merge_lora")
+
     def data_options(self):
         from ndparallel.data.pipeline import DataOptions
 
@@ -301,10 +355,6 @@ class TrainConfig(_Strict):
             chat_template=self.chat_template, val_set_size=self.val_set_size, seed=self.seed,
             num_proc=self.dataset_processes,
         )
-
-
-KNOWN_PLUGINS = {"CutCrossEntropyPlugin"}
-"""Axolotl plugins (class names) this config understands."""
 
 
 def _suggest(key: str, known: list[str]) -> str:
@@ -346,21 +396,6 @@ def _format_error(err: ValidationError, source: str) -> str:
     return f"{source}: {len(lines)} problems:\n" + "\n".join(f"  {line}" for line in lines)
 
 
-UNSUPPORTED = {
-    "gradient_checkpointing": "use fsdp_config.activation_checkpointing: true",
-    "fsdp": "the FSDP settings live in fsdp_config (see docs/data.md, Axolotl configs)",
-    "deepspeed": "DeepSpeed is not used here; ndparallel shards with FSDP2 (fsdp_config)",
-    "adapter": "LoRA/QLoRA adapters are not supported; this trains all parameters",
-    "load_in_8bit": "quantized loading is not supported; remove it",
-    "load_in_4bit": "quantized loading is not supported; remove it",
-    "wandb_project": "no W&B logging; metrics go to output_dir/metrics.jsonl (ndparallel plot draws them)",
-    "evals_per_epoch": "use eval_steps",
-    "eval_sample_packing": "evaluation uses the training rows' layout; remove it",
-    "xformers_attention": "xformers is not supported; use attn_implementation: sdpa or flash_attention_2",
-}
-"""Axolotl keys with no meaning here: the fix instead of a did-you-mean."""
-
-
 _BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}
 
 
@@ -378,42 +413,6 @@ def _range_message(e: dict) -> str:
     return msg if "got" in msg or not e["loc"] else f"{msg} (got {e.get('input')!r})"
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``a.b=value`` → (['a', 'b'], YAML-parsed value)."""
-    if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set max_steps=20")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        problem = " ".join(str(getattr(e, "problem", None) or e).split())
-        raise ConfigError(f"--set {text!r}: the value is not valid YAML ({problem}); quote a string, "
-                          "e.g. --set 'key=\"[1,\"'") from None
-    return key.strip().split("."), value
-
-
-def _child(node, key: str, item: str, kind: type):
-    """``node[key]`` for ``--set a.0.b=...`` (a list index when ``key`` is a number), created empty."""
-    if isinstance(node, list):
-        if not key.isdigit() or int(key) >= len(node):
-            raise ConfigError(f"--set {item}: '{key}' is not an index of a list of {len(node)} entries")
-        return node[int(key)]
-    if not isinstance(node, dict):
-        raise ConfigError(f"--set {item}: '{key}' is not a mapping (it holds {node!r})")
-    return node.setdefault(key, kind())
-
-
-def _assign(node, key: str, value, item: str) -> None:
-    if isinstance(node, list):
-        if not key.isdigit() or int(key) > len(node):
-            raise ConfigError(f"--set {item}: '{key}' is not an index of a list of {len(node)} entries")
-        node[int(key):int(key) + 1] = [value]
-    elif isinstance(node, dict):
-        node[key] = value
-    else:
-        raise ConfigError(f"--set {item}: cannot set '{key}' inside {node!r}")
-
-
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
     """Read, override (``--set key=value``, dotted keys for nested fields) and validate."""
     data: dict[str, Any] = {}
@@ -429,11 +428,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of keys to values")
     for item in overrides:
-        keys, value = parse_override(item)
-        node = data
-        for k, child in zip(keys[:-1], keys[1:]):
-            node = _child(node, k, item, list if child.isdigit() else dict)
-        _assign(node, keys[-1], value, item)
+        apply_override(data, item)
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as e:

@@ -1,4 +1,5 @@
-"""The ``datasets:`` entries and ``special_tokens`` of the training config (Axolotl's names)."""
+"""Parts of the training config: its error type, the ``datasets:`` entries, ``special_tokens``, and
+the Axolotl names it understands or refuses with a fix."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import difflib
 from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+
+
+class ConfigError(ValueError):
+    """A bad training config; the message is meant to be shown as is."""
 
 
 class _Strict(BaseModel):
@@ -60,3 +65,20 @@ class SpecialTokens(_Strict):
     eos_token: str | None = None
     pad_token: str | None = None
     unk_token: str | None = None
+
+
+KNOWN_PLUGINS = {"CutCrossEntropyPlugin"}
+"""Axolotl plugins (class names) this config understands."""
+
+UNSUPPORTED = {
+    "gradient_checkpointing": "use fsdp_config.activation_checkpointing: true",
+    "fsdp": "the FSDP settings live in fsdp_config (see docs/data.md, Axolotl configs)",
+    "deepspeed": "DeepSpeed is not used here; ndparallel shards with FSDP2 (fsdp_config)",
+    "load_in_8bit": "quantized loading is not supported; remove it",
+    "load_in_4bit": "quantized loading is not supported; remove it",
+    "wandb_project": "no W&B logging; metrics go to output_dir/metrics.jsonl (ndparallel plot draws them)",
+    "evals_per_epoch": "use eval_steps",
+    "eval_sample_packing": "evaluation uses the training rows' layout; remove it",
+    "xformers_attention": "xformers is not supported; use attn_implementation: sdpa or flash_attention_2",
+}
+"""Axolotl keys with no meaning here: the fix instead of a did-you-mean."""

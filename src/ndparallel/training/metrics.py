@@ -10,10 +10,13 @@ from pathlib import Path
 import torch
 
 
-def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
+def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int,
+                          trainable_params: int | None = None) -> float:
     """Training FLOPs per token: 6·N for the matmuls (forward + backward) plus 12·L·h·s for the
-    attention scores and values (PaLM paper, appendix B)."""
-    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
+    attention scores and values (PaLM paper, appendix B). With frozen parameters (LoRA) the
+    backward computes weight gradients only for the ``trainable_params``: 4·N + 2·N_trainable."""
+    trainable = num_params if trainable_params is None else trainable_params
+    return 4.0 * num_params + 2.0 * trainable + 12.0 * num_layers * hidden * seq_len
 
 
 def device_peak_flops(device: torch.device, bf16: bool) -> float | None:
@@ -53,11 +56,11 @@ class MetricsWriter:
                 f.write(json.dumps({"time": time.time(), **record}) + "\n")
 
 
-def global_numel(model: torch.nn.Module) -> int:
-    """Parameters of the whole (unsharded) model, tied ones once."""
+def global_numel(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    """Parameters of the whole (unsharded) model, tied ones once (only trainable ones if asked)."""
     from torch.distributed.tensor import DTensor
 
-    unique = {id(p): p for p in model.parameters()}.values()
+    unique = {id(p): p for p in model.parameters() if p.requires_grad or not trainable_only}.values()
     return sum(p.shape.numel() if isinstance(p, DTensor) else p.numel() for p in unique)
 
 

@@ -181,3 +181,38 @@ def _check_weights(cfg: TrainConfig, model, path: Path) -> None:
         problem = one_line(e)
     if problem:
         raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
+
+
+def check_adapter(cfg: TrainConfig, hf, tp_size: int) -> str | None:
+    """``adapter: lora`` before launch: peft installed, the targets exist in the model (PEFT applied
+    to a meta-device copy), no embedding adapted under TP, no stray ``lora_*`` field without an
+    adapter. Returns a one-line summary of the adapter (None without one)."""
+    stray = cfg.lora_fields_without_adapter()
+    if stray:
+        raise ConfigError(f"{', '.join(stray)} set but adapter is not 'lora': add `adapter: lora` "
+                          "(or remove them for full fine-tuning)")
+    if cfg.adapter is None:
+        return None
+    import torch.nn as nn
+
+    from ndparallel.models.adapters import apply_adapter, base_model_of, is_lora_layer
+
+    try:
+        with quiet_transformers():
+            model = apply_adapter(_meta_model(cfg, hf), cfg.lora_config())
+    except ImportError as e:
+        raise ConfigError(f"adapter: lora: {e}") from None
+    except (ValueError, TypeError, KeyError) as e:  # PEFT: "Target modules {...} not found ..."
+        raise ConfigError(f"lora_target_modules={cfg.lora_target_modules!r}: {one_line(e)[:300]}") from None
+    layers = {n: m for n, m in base_model_of(model).named_modules() if is_lora_layer(m)}
+    odd = [n for n, m in layers.items() if not isinstance(m.base_layer, nn.Linear)]
+    if odd and tp_size > 1:
+        raise ConfigError(f"lora_target_modules: {odd[0]} ({type(layers[odd[0]].base_layer).__name__}): "
+                          "with tensor_parallel_size > 1 LoRA adapts linear layers only: leave it out")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    names = sorted({n.rsplit(".", 1)[-1] for n in layers})
+    return (f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} dropout={cfg.lora_dropout:g} on "
+            f"{len(layers)} layers ({', '.join(names)}); {trainable / 1e6:.2f}M trainable parameters "
+            f"= {100 * trainable / total:.3f}% of {total / 1e6:,.1f}M; base frozen in "
+            f"{'bf16' if cfg.bf16 else 'fp32'}")

@@ -8,7 +8,7 @@
   In a directory of an older ndparallel without a run record, its ``checkpoint-N``,
   ``metrics.jsonl`` and ``config.resolved.yaml`` are adopted.
 * Whatever the case, an entry this run would write (``metrics.jsonl``, ``metrics.png``,
-  ``config.resolved.yaml``, ``final/``, ``comm_profile/``, ``checkpoint-N/``) that no run recorded
+  ``config.resolved.yaml``, ``final/``, ``merged/``, ``comm_profile/``, ``checkpoint-N/``) that no run recorded
   writing is never replaced: the run is refused, naming it.
 
 ``plan_output_dir`` decides (pure, read-only): the launcher calls it before any rank starts
@@ -46,6 +46,8 @@ def run_writes(cfg: TrainConfig, profile_comm: bool = False) -> list[str]:
     names = ["config.resolved.yaml", "metrics.jsonl", "metrics.png"]
     if cfg.save_final_model:
         names.append("final")
+        if cfg.adapter is not None and cfg.merge_lora:
+            names.append("merged")
     if profile_comm:
         names.append("comm_profile")
     return names

@@ -17,7 +17,11 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     machine). Returns (resolved ParallelismConfig, HF model config); raises ``ConfigError`` (one
     line) on the first problem."""
     from ndparallel.layout.config import ParallelismConfigError
-    from ndparallel.training.model_check import check_model, resolve_model_config
+    from ndparallel.training.model_check import (
+        check_adapter,
+        check_model,
+        resolve_model_config,
+    )
 
     try:
         pc = cfg.parallelism_config().resolve(world_size)
@@ -25,6 +29,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
         raise ConfigError(str(e)) from None
     hf = resolve_model_config(cfg)
     check_model(cfg, hf)
+    check_adapter(cfg, hf, pc.tp_size)
     if check_local:
         check_local_inputs(cfg, check_output=check_output)
     try:
@@ -173,6 +178,8 @@ def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
 
 def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     """The resolved run, as printed by ``--dry-run``."""
+    from ndparallel.training.model_check import check_adapter
+
     gbs = cfg.micro_batch_size * cfg.gradient_accumulation_steps * pc.dp_size
     lines = [
         f"layout       : {pc.describe()}  ({pc!r})",
@@ -187,6 +194,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         + (f", fp8 linears ({cfg.fp8_recipe})" if cfg.fp8 else ""),
         f"speed        : chunked loss {_auto(cfg.chunked_loss)}, compile {'on' if cfg.compile else 'off'}"
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
+        *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
         f"({cfg.lr_scheduler}, warmup "
         f"{cfg.warmup_steps if cfg.warmup_ratio is None else f'ratio {cfg.warmup_ratio:g}'})",

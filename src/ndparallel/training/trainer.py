@@ -54,6 +54,7 @@ def quiet_non_main_ranks(rank: int) -> None:
     decoder applies no in-place op to those outputs; the equivalence tests prove the gradients) and
     DTensor's "sequential all_gather" note when export gathers FSDP × TP parameters."""
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a deprecated name
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if rank != 0:
         warnings.filterwarnings("ignore")
@@ -136,8 +137,10 @@ class Trainer:
         self.hf_config = model_config(cfg, vocab_size=len(self.tokenizer))
         self.hf_config.use_cache = False
         source = self.hf_config if is_preset(cfg.base_model) else cfg.base_model
+        adapter = cfg.lora_config()  # LoRA: the frozen base is kept in bf16 for a bf16 run
+        dtype = torch.bfloat16 if adapter is not None and cfg.bf16 else torch.float32
         model = acc.load_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
-                               attn_implementation=kernel)
+                               adapter=adapter, dtype=dtype, attn_implementation=kernel)
         if getattr(model, "config", None) is not None:
             model.config.use_cache = False
         return model
@@ -249,8 +252,23 @@ class Trainer:
                 torch.cuda.empty_cache()
             final = self.out / "final"
             acc.save_model(self.model, str(final), tokenizer=self.tokenizer, dtype=self.cfg.export_dtype())
-            acc.print(f"saved the trained model to {final} (AutoModelForCausalLM.from_pretrained loads it)")
+            if self.cfg.adapter is None:
+                acc.print(f"saved the trained model to {final} (AutoModelForCausalLM.from_pretrained loads it)")
+            else:
+                acc.print(f"saved the LoRA adapter to {final} (PeftModel.from_pretrained(base_model, "
+                          f"{str(final)!r}) loads it)")
+            if self.cfg.adapter is not None and self.cfg.merge_lora:
+                self._save_merged()
         acc.end_training()
+
+    def _save_merged(self) -> None:
+        from ndparallel.checkpoint.export import save_hf_model
+
+        merged = self.out / "merged"
+        save_hf_model(self.model, merged, self.acc.is_main_process, tokenizer=self.tokenizer,
+                      dtype=self.cfg.export_dtype(), merge_adapter=True)
+        self.acc.wait_for_everyone()
+        self.acc.print(f"saved the merged model to {merged} (AutoModelForCausalLM.from_pretrained loads it)")
 
     # ------------------------------------------------------------------------------- run
     def run(self) -> dict:
@@ -280,7 +298,8 @@ class Trainer:
         acc, cfg = self.acc, self.cfg
         n_global = global_numel(self.model)
         self.flops_per_token = model_flops_per_token(
-            n_global, self.hf_config.num_hidden_layers, self.hf_config.hidden_size, cfg.sequence_len)
+            n_global, self.hf_config.num_hidden_layers, self.hf_config.hidden_size, cfg.sequence_len,
+            trainable_params=global_numel(self.model, trainable_only=True))
         self.peak_flops = device_peak_flops(acc.device, cfg.bf16)
         self.metrics = MetricsWriter(self.out / "metrics.jsonl", acc.is_main_process)
         if acc.is_main_process:
@@ -291,7 +310,7 @@ class Trainer:
         acc.print(
             f"ndparallel train: {acc.parallelism_config.describe()} on {acc.num_processes} rank(s) "
             f"({acc.device.type}); model {n_global / 1e6:.2f}M params "
-            f"({local_numel(self.model) / 1e6:.2f}M on this rank); {self.total_steps} steps × "
+            f"({local_numel(self.model) / 1e6:.2f}M on this rank{self._trainable_note()}); {self.total_steps} steps × "
             f"{self.loader.global_micro_batch * cfg.gradient_accumulation_steps} sequences × "
             f"{cfg.sequence_len} tokens"
         )
@@ -301,6 +320,12 @@ class Trainer:
 
             self.profiler = CommProfiler(acc.torch_device_mesh)
             self.profiler.__enter__()
+
+
+    def _trainable_note(self) -> str:
+        if self.cfg.adapter is None:
+            return ""
+        return f"; LoRA: {global_numel(self.model, trainable_only=True) / 1e6:.3f}M trainable"
 
 
 def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:

@@ -1,0 +1,105 @@
+"""LoRA adapters written in PEFT's own format: ``adapter_config.json`` + ``adapter_model.safetensors``,
+which ``PeftModel.from_pretrained(base_model, directory)`` loads.
+
+* ``save_adapter``: from a parallelised ``PeftModel`` (any layout). Only the adapter tensors are
+  gathered (``full_tensor``, one at a time: r·(in + out) per adapted linear); rank 0 names them
+  with PEFT's ``get_peft_model_state_dict`` and writes the directory.
+* ``export_adapter_checkpoint``: from a DCP checkpoint of a LoRA run, on one process without peft
+  (the checkpoint holds only trained tensors; the adapter config was saved beside it).
+
+The merged model (``W + scaling · B @ A`` in a plain Hugging Face directory) is written by
+``ndparallel.checkpoint.export.save_hf_model(..., merge_adapter=True)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ndparallel.checkpoint.directory import HF_CONFIG_DIR, validate_checkpoint
+from ndparallel.checkpoint.io import SafeFileSystemReader, read_dcp_metadata
+from ndparallel.models.adapters import (
+    ADAPTER_NAME,
+    adapter_config_of,
+    is_adapter_param,
+    peft_save_key,
+)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def save_adapter(model: nn.Module, directory: str | os.PathLike, is_main: bool, tokenizer=None) -> None:
+    """Write the PEFT adapter directory of ``model`` (a parallelised ``PeftModel``). Collective:
+    every rank calls it; only ``is_main`` writes."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    full: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        t = value.full_tensor() if isinstance(value, DTensor) else value  # tiny: r × d
+        if is_main:
+            full[name] = t.detach().to("cpu").contiguous()
+    if not is_main:
+        return
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = get_peft_model_state_dict(model, state_dict=full, adapter_name=ADAPTER_NAME)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    config = copy.deepcopy(adapter_config_of(model))
+    config.inference_mode = True
+    config.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def is_adapter_checkpoint(checkpoint_dir: str | os.PathLike) -> bool:
+    """A checkpoint of a LoRA run (``save_state`` stored the adapter config beside the HF config)."""
+    return (Path(checkpoint_dir) / HF_CONFIG_DIR / ADAPTER_CONFIG).is_file()
+
+
+def export_adapter_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                              tokenizer=None, dtype: torch.dtype | None = None) -> Path:
+    """The PEFT adapter directory of a LoRA checkpoint (any layout), on one process, no peft needed.
+    ``dtype`` casts the adapter tensors (default: as trained, fp32)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    ckpt, out = Path(checkpoint_dir), Path(out_dir)
+    problems = validate_checkpoint(ckpt)
+    if problems:
+        raise ValueError(f"cannot export {ckpt}: " + "; ".join(problems))
+    metadata = read_dcp_metadata(ckpt).state_dict_metadata
+    names = [k for k in metadata if k.startswith("model/") and is_adapter_param(k)]
+    if not names:
+        raise ValueError(f"checkpoint {ckpt} holds no LoRA adapter tensors")
+    targets = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in names}
+    with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(targets, storage_reader=SafeFileSystemReader(ckpt), no_dist=True)
+    tensors = {peft_save_key(k.removeprefix("model/")): (t.to(dtype) if dtype is not None else t)
+               for k, t in targets.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    shutil.copyfile(ckpt / HF_CONFIG_DIR / ADAPTER_CONFIG, out / ADAPTER_CONFIG)
+    if tokenizer is not None:
+        if isinstance(tokenizer, (str, os.PathLike)):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,160 @@
+"""LoRA adapters through PEFT: the adapter config from Axolotl's field names, wrapping a model, and
+the names PEFT gives what it wraps. Model-side knowledge only (no parallel code); ``peft`` is
+imported only when an adapter is used (``pip install 'ndparallel[lora]'``).
+
+PEFT wraps each targeted ``nn.Linear`` in place: ``...q_proj`` becomes a ``lora.Linear`` holding
+``q_proj.base_layer`` (the frozen original), ``q_proj.lora_A.default`` (in → r) and
+``q_proj.lora_B.default`` (r → out), and the model inside a ``PeftModel`` (``base_model.model.``).
+The strategies parallelise the inner Hugging Face model (``base_model_of``), so module names and
+TP plans stay the model's own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+
+ADAPTER_NAME = "default"
+ALL_LINEAR = "all-linear"
+"""PEFT's name for every linear layer but the output head; here also allowed inside a list."""
+
+
+def require_peft():
+    try:
+        import peft
+    except ImportError:
+        raise ImportError("LoRA needs the peft package: pip install 'ndparallel[lora]' "
+                          "(or pip install peft)") from None
+    return peft
+
+
+def lora_config(r: int = 8, alpha: float = 16, dropout: float = 0.0,
+                target_modules: Iterable[str] | str | None = None, target_linear: bool = False):
+    """A PEFT ``LoraConfig`` from Axolotl's fields (``lora_r``, ``lora_alpha``, ``lora_dropout``,
+    ``lora_target_modules``, ``lora_target_linear``). As in Axolotl, ``target_linear`` adds every
+    linear layer except the output head to ``target_modules``; neither: PEFT's default targets."""
+    peft = require_peft()
+    targets: Any = [target_modules] if isinstance(target_modules, str) else list(target_modules or [])
+    if target_linear:
+        targets = ALL_LINEAR if not targets else [ALL_LINEAR, *targets]
+    alpha = int(alpha) if float(alpha).is_integer() else alpha
+    return peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
+                           target_modules=targets or None)
+
+
+def is_adapter_config(obj: Any) -> bool:
+    """A PEFT config object (``LoraConfig`` ...), recognised without importing peft."""
+    return any(c.__name__ == "PeftConfigMixin" and c.__module__.startswith("peft.") for c in type(obj).__mro__)
+
+
+def is_peft_model(model: Any) -> bool:
+    """A ``PeftModel`` (what ``get_peft_model`` returns)."""
+    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
+
+
+def base_model_of(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a ``PeftModel`` (LoRA layers injected in place), else ``model``."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    """A PEFT LoRA layer wrapping a base layer (duck-typed: no peft import)."""
+    return (isinstance(getattr(module, "base_layer", None), nn.Module)
+            and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+            and isinstance(getattr(module, "lora_B", None), nn.ModuleDict))
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a parameter name belongs to a LoRA adapter (not to the base model)."""
+    return ".lora_" in name
+
+
+def checkpoint_key(name: str) -> str:
+    """The base model's own name for a (possibly LoRA-wrapped) parameter: drops ``.base_layer``."""
+    return name.replace(".base_layer.", ".")
+
+
+def linear_module_names(model: nn.Module) -> set[str]:
+    """Leaf names of every ``nn.Linear`` but the output head: what PEFT's ``all-linear`` targets."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m is not head}
+
+
+def check_adapter_config(config: Any) -> None:
+    """Refuse what ndparallel does not train correctly on every layout, naming the field."""
+    if str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1].upper() != "LORA":
+        raise ValueError(f"adapter: only LoRA is supported, got {getattr(config, 'peft_type', config)!r}")
+    for field, ok in (("use_dora", False), ("modules_to_save", None), ("layer_replication", None),
+                      ("target_parameters", None), ("fan_in_fan_out", False),
+                      ("lora_bias", False)):
+        if getattr(config, field, ok) not in (ok, [], {}):
+            raise ValueError(f"LoraConfig.{field}={getattr(config, field)!r} is not supported by "
+                             f"ndparallel: leave it at {ok!r} (plain LoRA on linear layers)")
+
+
+def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
+    """Wrap ``model`` with PEFT (``get_peft_model``): the base weights frozen, LoRA A/B trainable in
+    fp32 (PEFT's ``autocast_adapter_dtype``). ``all-linear`` inside a target list is expanded
+    (Axolotl's ``lora_target_linear`` together with ``lora_target_modules``)."""
+    import copy
+
+    peft = require_peft()
+    check_adapter_config(config)
+    targets = config.target_modules
+    if isinstance(targets, (list, set, tuple)) and ALL_LINEAR in targets:
+        config = copy.deepcopy(config)
+        config.target_modules = sorted((set(targets) - {ALL_LINEAR}) | linear_module_names(model))
+    return peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME, autocast_adapter_dtype=True)
+
+
+def adapter_config_of(model: nn.Module):
+    """The ``LoraConfig`` of a PEFT model's (only) adapter."""
+    return model.peft_config[ADAPTER_NAME]
+
+
+@torch.no_grad()
+def initial_adapter_weights(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Full initial LoRA weights of a PEFT model whose adapters hold no data yet (built on the meta
+    device): A as PEFT initialises it (Kaiming-uniform, or normal(0, 1/r) for ``"gaussian"``), B
+    zero, so the model starts equal to the base. Drawn from ``seed`` in parameter order: the same
+    on every rank and every layout."""
+    init = adapter_config_of(model).init_lora_weights
+    if init not in (True, "gaussian"):
+        raise ValueError(f"LoraConfig.init_lora_weights={init!r}: loading a model from disk supports "
+                         "True (PEFT's default) and 'gaussian'")
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.named_parameters():
+        if not is_adapter_param(name):
+            continue
+        full = torch.zeros(p.shape, dtype=p.dtype)
+        if ".lora_A." in name:
+            if init == "gaussian":
+                full.normal_(0.0, 1.0 / adapter_config_of(model).r, generator=g)
+            else:
+                nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=g)
+        out[name] = full
+    return out
+
+
+def merge_specs(model: nn.Module) -> dict[str, tuple[str, str, float]]:
+    """For every LoRA-wrapped linear of the Hugging Face model ``model``: its base weight's name ->
+    (A's name, B's name, scaling), so that ``W + scaling · B @ A`` is the merged weight."""
+    out = {}
+    for prefix, m in model.named_modules():
+        if is_lora_layer(m) and ADAPTER_NAME in m.lora_A:
+            out[f"{prefix}.base_layer.weight"] = (f"{prefix}.lora_A.{ADAPTER_NAME}.weight",
+                                                  f"{prefix}.lora_B.{ADAPTER_NAME}.weight",
+                                                  float(m.scaling[ADAPTER_NAME]))
+    return out
+
+
+def peft_save_key(name: str) -> str:
+    """The key PEFT's ``save_pretrained`` stores an adapter tensor under (the adapter name
+    dropped: ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``)."""
+    return name.replace(f".lora_A.{ADAPTER_NAME}.", ".lora_A.").replace(f".lora_B.{ADAPTER_NAME}.", ".lora_B.")

@@ -1,0 +1,78 @@
+"""LoRA in the planner (``plan --adapter lora --lora-r R``): adapter sizes and what they change.
+
+LoRA of rank r on every linear of a decoder layer (q, k, v, o, gate, up, down; not the LM head,
+as PEFT's ``all-linear``): a linear ``in → out`` gets A (r × in) and B (out × r). Under TP
+(``ndparallel.parallel.lora``) a column-wise base keeps A whole and splits B on out, a row-wise
+base splits A on in and keeps B whole. Per layer and tp rank (h hidden, q = a·d, kv = k·d, f MLP):
+
+    colwise q, k, v, gate, up:  r·(5h + (q + 2kv + 2f)/tp)
+    rowwise o, down:            r·((q + f)/tp + 2h)
+
+FSDP shards those over dp_shard × cp like any parameter. What LoRA changes (see docs/planner.md):
+the frozen base is kept in the compute dtype (bf16), only adapters hold fp32 master weights,
+gradients and optimizer state; FSDP still all-gathers the whole base but reduce-scatters only
+adapter gradients; matmul FLOPs are 4·N + 2·N_adapter (no weight gradients of the base).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from ndparallel.plan.layout import Layout, Settings
+from ndparallel.plan.models import ModelSpec
+
+ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def adapter_params_per_layer(model: ModelSpec, r: int) -> int:
+    """A and B elements of one decoder layer (all seven linears)."""
+    h, q, kv, f = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim, model.intermediate
+    return r * (7 * h + 2 * q + 2 * kv + 3 * f)
+
+
+def trainable_params(model: ModelSpec, r: int) -> int:
+    """Adapter parameters of the whole model (what PEFT reports as trainable)."""
+    return model.layers * adapter_params_per_layer(model, r)
+
+
+def trainable_fraction(model: ModelSpec, r: int) -> float:
+    return trainable_params(model, r) / model.num_params
+
+
+def adapter_layer_local(model: ModelSpec, r: int, tp: int) -> int:
+    """Adapter elements of one layer on one tp rank (before FSDP sharding)."""
+    h, q, kv, f = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim, model.intermediate
+    colwise = 5 * h + math.ceil((q + 2 * kv + 2 * f) / tp)
+    rowwise = math.ceil((q + f) / tp) + 2 * h
+    return r * (colwise + rowwise)
+
+
+def adapter_shard_numel(model: ModelSpec, layout: Layout, r: int) -> int:
+    """Adapter elements one rank holds (tp-local, then FSDP-sharded over dp_shard × cp)."""
+    return model.layers * math.ceil(adapter_layer_local(model, r, layout.tp) / layout.fsdp)
+
+
+def adapt_collectives(cs: list, model: ModelSpec, layout: Layout, s: Settings, collective: type) -> list:
+    """The full fine-tune's collectives turned into LoRA's: FSDP/HSDP gradient reductions carry
+    only adapter gradients (none for the frozen embedding, norm and LM head), replicated norm
+    weights get no gradient all-reduce, and each adapted linear's replicated factor gets one tp
+    all-reduce of its r·d fp32 elements per micro-batch."""
+    r, n = s.lora_r, layout.fsdp
+    local = adapter_layer_local(model, r, layout.tp)
+    out = []
+    for c in cs:
+        grad = c.what.startswith(("FSDP reduce-scatter", "HSDP all-reduce", "DDP all-reduce"))
+        if grad and "(layer)" not in c.what:
+            continue  # embedding / final / root units: frozen
+        if grad:
+            size = math.ceil(local / n) * (n if c.kind == "reduce_scatter" else 1) if n > 1 else local
+            c = replace(c, bytes=size * s.reduce_bytes, what=c.what + ", LoRA adapters")
+        elif c.what.startswith("TP replicated-grad"):
+            continue  # norm weights are frozen
+        out.append(c)
+    if layout.tp > 1:
+        out.append(collective("all_reduce", "tp", r * model.hidden * 4,
+                              len(ADAPTED) * model.layers * s.grad_accum,
+                              "TP LoRA replicated-factor grads (A of colwise, B of rowwise)"))
+    return out
