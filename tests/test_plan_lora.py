@@ -57,8 +57,9 @@ def test_adapter_shard_equals_the_runtime_shard():
 
 
 def test_lora_states_are_the_adapters():
-    full = estimate_memory(TINY, Layout(dp_shard=2), Settings(seq_len=32), H100)
-    lora = estimate_memory(TINY, Layout(dp_shard=2), Settings(seq_len=32, lora_r=4), H100)
+    # gradients kept allocated between steps (set_to_none=False), so they count at every moment
+    full = estimate_memory(TINY, Layout(dp_shard=2), Settings(seq_len=32, set_to_none=False), H100)
+    lora = estimate_memory(TINY, Layout(dp_shard=2), Settings(seq_len=32, lora_r=4, set_to_none=False), H100)
     adapter = adapter_shard_numel(TINY, Layout(dp_shard=2), 4)
     assert lora.params == full.params / 4 * 2 + adapter * 4  # bf16 frozen base + fp32 adapters
     assert lora.grads == adapter * 4 and lora.optimizer == adapter * 8

@@ -27,7 +27,7 @@ def prepare_all(acc, objects: list, device_placement) -> list:
     from ndparallel.models.adapters import is_adapter_config
 
     adapter = next((o for o in objects if is_adapter_config(o)), None)  # e.g. a peft LoraConfig
-    out = [o for o in objects if o is not adapter]
+    out = list(objects)  # the config comes back as given (Accelerate's order-preserving return)
     if not isinstance(device_placement, (list, tuple)):
         device_placement = [device_placement] * len(out)
     if len(device_placement) != len(out):
@@ -115,9 +115,10 @@ def prepare_model(acc, model: nn.Module, adapter: Any = None) -> nn.Module:
     full = {k: v.to(acc.device) for k, v in model.state_dict().items()} if rank0_only and acc.is_main_process else {}
     old = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     if acc.parallelism_config.tp_enabled:  # loss_parallel=None: on where exact, for this model
+        from ndparallel.models.adapters import base_model_of
         from ndparallel.parallel.tensor import resolve_loss_parallel
 
-        acc.tp_options = resolve_loss_parallel(model, acc.tp_options)
+        acc.tp_options = resolve_loss_parallel(base_model_of(model), acc.tp_options)
     model = parallelize_model(
         model, acc.torch_device_mesh, acc.parallelism_config, fsdp=acc.fsdp_options, tp=acc.tp_options,
         cp=acc.cp_options, compile=acc.compile_options, float8=acc.float8_options,
