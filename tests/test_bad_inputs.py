@@ -629,16 +629,24 @@ def _error_lines(stderr: str) -> list[str]:
 
 
 def test_error_found_on_the_ranks_is_one_line_exit_2(tmp_path):
-    """Found only once the ranks tokenize (a dataset smaller than one block): the first failing
-    rank's message, once, exit 2, no 'job failed' / 'stalled' lines."""
-    data = tmp_path / "tiny.jsonl"
-    data.write_text(json.dumps({"text": "hello world"}) + "\n")
-    cfg = _cfg(tmp_path, f"datasets: [{{path: '{data}'}}]\nsequence_len: 512\ndp_shard_size: 2\n")
+    """Found only on the ranks (the validation split is smaller than one global micro-batch of the
+    layout, known once the ranks build their loaders): the first failing rank's message, once,
+    exit 2, no 'job failed' / 'stalled' lines. (Data problems themselves, e.g. a dataset smaller
+    than one block, are found before launch: next test.)"""
+    cfg = _cfg(tmp_path, "datasets: [{path: 'builtin:stdlib', max_bytes: 50000}]\nval_set_size: 1\n"
+                         "eval_steps: 1\nmax_steps: 1\ndp_shard_size: 2\n")
     proc = _cli("train", cfg)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("ndparallel train: error:"), proc.stderr[-3000:]
-    assert "block" in lines[0]
+    assert "val_set_size" in lines[0]
+
+
+def test_dataset_smaller_than_one_block_is_found_before_launch(tmp_path, capsys):
+    data = tmp_path / "tiny.jsonl"
+    data.write_text(json.dumps({"text": "hello world"}) + "\n")
+    cfg = _cfg(tmp_path, f"datasets: [{{path: '{data}'}}]\nsequence_len: 512\ndp_shard_size: 2\n")
+    _refused(_run(capsys, "train", cfg), "block")
 
 
 def test_second_run_into_the_same_output_dir_end_to_end(tmp_path):

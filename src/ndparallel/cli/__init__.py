@@ -1,4 +1,4 @@
-"""The ``ndparallel`` command line: launch, train, verify, plan, export, plot."""
+"""The ``ndparallel`` command line: launch, train, preprocess, verify, plan, export, plot."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Sequence
 _SUBCOMMANDS = {
     "launch": "run a script on N ranks (all torchrun options accepted)",
     "train": "train a model from a YAML config (starts its own ranks on one machine)",
+    "preprocess": "tokenize and cache a config's datasets; show samples with their trained tokens",
     "verify": "check a layout trains the same model as one device (shrunk, on CPU)",
     "plan": "rank the parallel layouts for a model and cluster by memory and step time",
     "export": "turn a sharded checkpoint into a Hugging Face safetensors directory",
@@ -17,7 +18,7 @@ _SUBCOMMANDS = {
 
 
 def _usage() -> str:
-    rows = "\n".join(f"  {name:<8} {text}" for name, text in _SUBCOMMANDS.items())
+    rows = "\n".join(f"  {name:<10} {text}" for name, text in _SUBCOMMANDS.items())
     return f"usage: ndparallel <command> [options]\n\ncommands:\n{rows}\n\n`ndparallel <command> -h` for help"
 
 
@@ -42,7 +43,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
         from ndparallel.plan.cli import main as plan_main
 
         return plan_main(rest, description=_SUBCOMMANDS["plan"])
-    if command in ("train", "verify", "export", "plot"):
+    if command in ("train", "preprocess", "verify", "export", "plot"):
         from ndparallel.cli import commands
 
         return getattr(commands, f"run_{command}")(rest)

@@ -1,4 +1,4 @@
-"""``ndparallel train | verify | export | plot``: argument parsing and error reporting.
+"""``ndparallel train | preprocess | verify | export | plot``: argument parsing and error reporting.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """
@@ -99,6 +99,25 @@ def _plot_curves(out: Path) -> None:
         print(f"loss curve: {plot_run(out)}")
     except ImportError:
         print("loss curve: skipped (pip install matplotlib, then `ndparallel plot` the run)")
+
+
+def run_preprocess(argv: Sequence[str]) -> int:
+    parser = Parser(prog="ndparallel preprocess",
+                    description="tokenize (and cache) the config's datasets as train would; print a summary")
+    _config_args(parser)
+    parser.add_argument("--show", type=at_least(1), default=None, metavar="N",
+                        help="print N samples with the trained tokens highlighted")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object per sample (input_ids, labels; before packing); with --show N: N")
+    args = parser.parse_args(list(argv))
+    from ndparallel.tools.preprocess import preprocess
+
+    try:
+        cfg = load_config(args.config, args.set)
+        preprocess(cfg, show=args.show, as_json=args.json)
+    except (ConfigError, ValueError, OSError) as e:
+        return fail("preprocess", e)
+    return 0
 
 
 def run_verify(argv: Sequence[str]) -> int:

@@ -6,8 +6,13 @@ line) instead of a traceback on every rank after minutes of start-up:
 * binary data in a text / JSON / CSV file (a NUL byte or invalid UTF-8), a parquet file that is
   not parquet;
 * a JSON-lines line that is not JSON, or not an object (file and line named);
-* the text column (``text_field``) in none of the sampled records / not in the CSV header or the
-  parquet schema; ``text_field`` other than ``text`` on a plain-text file.
+* an unknown ``type``; a column the type needs (``text_field`` for raw text; ``instruction`` and
+  ``output`` for alpaca; ``messages``/``conversations`` for chat_template; ``segments`` for
+  input_output) in none of the sampled records / not in the CSV header or the parquet schema;
+  ``text_field`` other than ``text`` on a plain-text file.
+
+The whole dataset is then tokenized before launch too (``training.preflight.prepare_data``): a bad
+record anywhere, or nothing left after filtering, is also found before any rank starts.
 
 Only the head is read (a 10 GB file costs one MiB), so a bad line further down is found when the
 ranks load the file (``dataset._load_local`` turns it into one line too). Compressed files are
@@ -23,7 +28,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .corpus import BUILTIN_STDLIB
-from .dataset import _COMPRESSION, DatasetSpec, local_files, looks_local
+from .dataset import _COMPRESSION, DatasetSpec, check_type, local_files, looks_local
+from .prompts import required_columns
+
+Columns = list[tuple[str, ...]]  # needed columns, each as its alternatives
 
 SAMPLE_BYTES = 1 << 20
 MAX_FILES = 256
@@ -34,7 +42,10 @@ def check_dataset(spec: DatasetSpec | Mapping[str, Any], where: str) -> None:
     """``ValueError`` (one line naming ``where``, the file and the fix) for a local dataset whose
     files do not look loadable; Hub names and the built-in corpus pass (checked when loaded)."""
     spec = DatasetSpec.from_any(spec, where)
+    check_type(spec, where)
     if spec.path == BUILTIN_STDLIB:
+        if not spec.raw:
+            raise ValueError(f"{where}: {BUILTIN_STDLIB} is raw text; type {spec.type!r} needs records")
         return
     path = Path(spec.path).expanduser()
     if not path.exists():
@@ -44,18 +55,20 @@ def check_dataset(spec: DatasetSpec | Mapping[str, Any], where: str) -> None:
         return  # a Hub dataset name
     files, fmt = local_files(spec, where)
     for f in files[:MAX_FILES]:
-        check_file(Path(f), fmt, spec.text_field, where)
+        check_file(Path(f), fmt, spec.text_field, where, required_columns(spec))
 
 
-def check_file(file: Path, fmt: str, text_field: str, where: str) -> None:
-    """Check the head of one file of format ``fmt`` (text, json, csv, parquet)."""
+def check_file(file: Path, fmt: str, text_field: str, where: str, columns: Columns | None = None) -> None:
+    """Check the head of one file of format ``fmt`` (text, json, csv, parquet); ``columns``: what
+    the dataset type needs (default: ``text_field``)."""
+    columns = columns or [(text_field,)]
     if file.name.lower().endswith(_COMPRESSION):
         return
     size = file.stat().st_size
     if size == 0:
         raise ValueError(f"{where}: {file} is empty; remove it from datasets or fill it")
     if fmt == "parquet":
-        return _check_parquet(file, text_field, where)
+        return _check_parquet(file, columns, where, text_field)
     with open(file, "rb") as f:
         head = f.read(SAMPLE_BYTES)
     whole = len(head) == size
@@ -67,9 +80,9 @@ def check_file(file: Path, fmt: str, text_field: str, where: str) -> None:
         if whole and not text.strip():
             raise ValueError(f"{where}: {file} holds only whitespace; remove it from datasets or fill it")
     elif fmt == "json":
-        _check_json(text, whole, size, file, text_field, where)
+        _check_json(text, whole, size, file, columns, where, text_field)
     elif fmt == "csv":
-        _check_csv(text, file, text_field, where)
+        _check_csv(text, file, columns, where, text_field)
 
 
 def _decode(head: bytes, whole: bool, file: Path, where: str) -> str:
@@ -86,12 +99,21 @@ def _decode(head: bytes, whole: bool, file: Path, where: str) -> str:
                          "give a UTF-8 text file, or set type to its real format") from None
 
 
-def _missing_column(text_field: str, columns: list[str], file: Path, where: str) -> ValueError:
-    return ValueError(f"{where}.text_field: column {text_field!r} is not in {file} (its columns: "
-                      f"{columns[:10]}); set text_field to the column holding the text")
+def _missing_column(columns: Columns, present, file: Path, where: str, text_field: str = "text") -> None:
+    """``ValueError`` for the first needed column absent from ``present``."""
+    present = list(present)
+    for alternatives in columns:
+        if not any(c in present for c in alternatives):
+            names = " or ".join(repr(c) for c in alternatives)
+            field = ".text_field" if alternatives == (text_field,) else ""
+            fix = ("set text_field to the column holding the text" if field else
+                   "give records with it (see docs/data.md for each type's columns)")
+            raise ValueError(f"{where}{field}: column {names} is not in {file} (its columns: {sorted(present)[:10]}); "
+                             f"{fix}")
 
 
-def _check_json(text: str, whole: bool, size: int, file: Path, text_field: str, where: str) -> None:
+def _check_json(text: str, whole: bool, size: int, file: Path, columns: Columns, where: str,
+                text_field: str) -> None:
     stripped = text.lstrip()
     if stripped.startswith("["):  # one JSON document: an array of records
         if size > MAX_JSON_DOCUMENT:
@@ -103,9 +125,7 @@ def _check_json(text: str, whole: bool, size: int, file: Path, text_field: str, 
         if not records:
             raise ValueError(f"{where}: {file} holds an empty JSON array: no records")
         keys = {k for r in records[:1000] if isinstance(r, dict) for k in r}
-        if text_field not in keys:
-            raise _missing_column(text_field, sorted(keys), file, where)
-        return
+        return _missing_column(columns, keys, file, where, text_field)
     lines = text.splitlines()
     if not whole and lines:
         lines = lines[:-1]  # the sample may end mid-line
@@ -126,19 +146,17 @@ def _check_json(text: str, whole: bool, size: int, file: Path, text_field: str, 
         keys.update(record)
     if records == 0:
         raise ValueError(f"{where}: {file} holds no records (only blank lines)")
-    if text_field not in keys:
-        raise _missing_column(text_field, sorted(keys), file, where)
+    _missing_column(columns, keys, file, where, text_field)
 
 
-def _check_csv(text: str, file: Path, text_field: str, where: str) -> None:
+def _check_csv(text: str, file: Path, columns: Columns, where: str, text_field: str) -> None:
     header = next(csv.reader(io.StringIO(text)), [])
     if not header:
         raise ValueError(f"{where}: {file} has no header line")
-    if text_field not in header:
-        raise _missing_column(text_field, header, file, where)
+    _missing_column(columns, header, file, where, text_field)
 
 
-def _check_parquet(file: Path, text_field: str, where: str) -> None:
+def _check_parquet(file: Path, columns: Columns, where: str, text_field: str) -> None:
     import pyarrow.parquet as pq
 
     with open(file, "rb") as f:
@@ -146,8 +164,7 @@ def _check_parquet(file: Path, text_field: str, where: str) -> None:
     try:
         if magic != b"PAR1":
             raise ValueError("no PAR1 magic")
-        columns = pq.read_schema(file).names
+        names = pq.read_schema(file).names
     except Exception as e:  # noqa: BLE001 - any unreadable footer
         raise ValueError(f"{where}: {file} is not a parquet file ({e}); set type to its real format") from None
-    if text_field not in columns:
-        raise _missing_column(text_field, columns, file, where)
+    _missing_column(columns, names, file, where, text_field)

@@ -1,22 +1,26 @@
 """Dataset specs -> one ``{"text"}`` dataset -> tokenized ``{"input_ids"}`` (cached on disk).
 
 A spec is a dict (Axolotl-style YAML ``datasets:`` entry) or a :class:`DatasetSpec`:
-``{path, type, split, text_field}``. ``path`` is a local file or directory, ``"builtin:stdlib"``
-(the stdlib corpus), or a Hugging Face Hub dataset name (needs network). ``type`` is the file
-format (``text``, ``json`` for .json/.jsonl, ``parquet``, ``csv``) or ``completion`` (a text
-column in a file of any of those formats); when missing it is inferred from the extension.
-Plain-text files give one document per file (``sample_by="document"``; ``"line"`` and
-``"paragraph"`` are the other choices).
+``{path, type, split, text_field, ...}``. ``path`` is a local file or directory,
+``"builtin:stdlib"`` (the stdlib corpus), or a Hugging Face Hub dataset name (needs network).
+``type`` is a file format (``text``, ``json`` for .json/.jsonl, ``parquet``, ``csv``: raw text),
+``completion``/``pretrain`` (a raw text column in a file of any format), or a fine-tuning format
+(``alpaca``, ``chat_template``, ``input_output``: see ``prompts.py``); the file format is
+``ds_type`` or inferred from the extension. Plain-text files give one document per file
+(``sample_by="document"``; ``"line"`` and ``"paragraph"`` are the other choices).
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
+import socket
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+from urllib.parse import urlparse
 
 import datasets
 from filelock import FileLock
@@ -30,7 +34,11 @@ FORMATS: dict[str, tuple[str, ...]] = {
     "parquet": (".parquet",),
     "csv": (".csv",),
 }
-TYPES = (*FORMATS, "completion")
+RAW_TYPES = (*FORMATS, "completion", "pretrain")
+"""Types whose samples are raw text, every token trained."""
+PROMPT_TYPES = ("alpaca", "chat_template", "input_output")
+"""Fine-tuning types: records rendered to a prompt and a trained part (``prompts.py``)."""
+TYPES = (*RAW_TYPES, *PROMPT_TYPES)
 _COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 
 
@@ -39,13 +47,26 @@ class DatasetSpec:
     """One entry of the ``datasets:`` list."""
 
     path: str
-    type: str | None = None  # text | json | parquet | csv | completion; None = from extension
+    type: str | None = None  # one of TYPES; None = raw text, format from the extension
     split: str = "train"
     text_field: str = "text"
     name: str | None = None  # Hub dataset config name
     sample_by: str = "document"  # plain-text files: document | paragraph | line
     max_files: int | None = None  # builtin:stdlib caps
     max_bytes: int | None = None
+    ds_type: str | None = None  # file format (Axolotl's name) when type is not one
+    # chat_template (Axolotl's names and defaults)
+    field_messages: str | None = None  # None: "messages", else "conversations"
+    message_property_mappings: dict | None = None  # {"role": ..., "content": ...}
+    roles_to_train: tuple[str, ...] = ("assistant",)
+    train_on_eos: str = "turn"  # turn | all | last | none
+    chat_template: str | None = None  # a built-in name, "tokenizer_default", or None (the run's)
+    chat_template_jinja: str | None = None
+
+    @property
+    def raw(self) -> bool:
+        """Raw text (every token trained), not a fine-tuning format."""
+        return self.type is None or self.type in RAW_TYPES
 
     @classmethod
     def from_any(cls, spec: DatasetSpec | Mapping[str, Any] | str, where: str = "dataset") -> DatasetSpec:
@@ -64,16 +85,29 @@ class DatasetSpec:
         if "path" not in d:
             raise ValueError(f"{where}: 'path' is required (a file, a directory, {BUILTIN_STDLIB!r} or a Hub name)")
         d["path"] = str(d["path"])
+        if isinstance(d.get("roles_to_train"), list):
+            d["roles_to_train"] = tuple(d["roles_to_train"])
         return cls(**d)
 
 
-def load_text_dataset(spec: DatasetSpec | Mapping[str, Any] | str, cache_dir: str | os.PathLike | None = None,
-                      where: str = "dataset") -> datasets.Dataset:
-    """Load one spec as a dataset with the single column ``text``."""
-    spec = DatasetSpec.from_any(spec, where)
+def check_type(spec: DatasetSpec, where: str) -> None:
+    """``ValueError`` for an unknown ``type`` / ``ds_type`` (with a did-you-mean)."""
     if spec.type is not None and spec.type not in TYPES:
-        raise ValueError(f"{where}.type: unknown type {spec.type!r}; use one of {list(TYPES)} or leave it out "
-                         "to infer it from the file extension")
+        close = difflib.get_close_matches(str(spec.type), TYPES, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        if spec.type == "sharegpt":  # Axolotl's old name
+            hint = "use chat_template (it reads ShareGPT's from/value messages); "
+        raise ValueError(f"{where}.type: unknown type {spec.type!r}; {hint}use one of {list(TYPES)} or leave it "
+                         "out for raw text (format from the file extension)")
+    if spec.ds_type is not None and spec.ds_type not in FORMATS:
+        raise ValueError(f"{where}.ds_type: unknown file format {spec.ds_type!r}; use one of {list(FORMATS)}")
+
+
+def load_records(spec: DatasetSpec | Mapping[str, Any] | str, cache_dir: str | os.PathLike | None = None,
+                 where: str = "dataset") -> datasets.Dataset:
+    """Load one spec with all its columns (local files, the built-in corpus or a Hub dataset)."""
+    spec = DatasetSpec.from_any(spec, where)
+    check_type(spec, where)
     if spec.path == BUILTIN_STDLIB:
         ds = stdlib_dataset(spec.max_files, spec.max_bytes)
     elif os.path.exists(spec.path):
@@ -83,6 +117,17 @@ def load_text_dataset(spec: DatasetSpec | Mapping[str, Any] | str, cache_dir: st
                          f"{BUILTIN_STDLIB!r} for the built-in corpus")
     else:
         ds = _load_hub(spec, cache_dir, where)
+    return ds
+
+
+def load_text_dataset(spec: DatasetSpec | Mapping[str, Any] | str, cache_dir: str | os.PathLike | None = None,
+                      where: str = "dataset") -> datasets.Dataset:
+    """Load one raw-text spec as a dataset with the single column ``text``."""
+    spec = DatasetSpec.from_any(spec, where)
+    check_type(spec, where)
+    if not spec.raw:
+        raise ValueError(f"{where}.type: {spec.type!r} is a fine-tuning format, not raw text")
+    ds = load_records(spec, cache_dir, where)
     if spec.text_field not in ds.column_names:
         raise ValueError(f"{where}.text_field: column {spec.text_field!r} not in {spec.path!r}; available columns: "
                          f"{ds.column_names}. Set text_field to one of them")
@@ -151,11 +196,12 @@ def _format_of(path: str) -> str | None:
 def local_files(spec: DatasetSpec, where: str) -> tuple[list[str], str]:
     """The files a local ``spec.path`` (a file or a directory) stands for, and their format."""
     path = Path(spec.path).expanduser()
-    wanted = spec.type if spec.type in FORMATS else None
+    wanted = spec.ds_type or (spec.type if spec.type in FORMATS else None)
     if path.is_dir():
+        usable = {wanted} if wanted else set(FORMATS) - (set() if spec.raw else {"text"})  # records: no .md/.txt
         files = sorted(str(p) for p in path.rglob("*")
                        if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
-                       and _format_of(p.name) is not None and (wanted is None or _format_of(p.name) == wanted))
+                       and _format_of(p.name) in usable)
         kinds = sorted({_format_of(f) for f in files})
         if not files:
             raise ValueError(f"{where}.path: directory {spec.path!r} holds no "
@@ -165,8 +211,12 @@ def local_files(spec: DatasetSpec, where: str) -> tuple[list[str], str]:
         return files, kinds[0]
     fmt = wanted or _format_of(path.name)
     if fmt is None:
-        raise ValueError(f"{where}.type: cannot infer the format of {spec.path!r} from its extension; set type "
-                         f"to one of {list(FORMATS)}")
+        field = "type" if spec.raw else "ds_type"
+        raise ValueError(f"{where}.{field}: cannot infer the format of {spec.path!r} from its extension; set "
+                         f"{field} to one of {list(FORMATS)}")
+    if fmt == "text" and not spec.raw:
+        raise ValueError(f"{where}: type {spec.type!r} needs records (json, parquet or csv), not the plain-text "
+                         f"file {spec.path!r}")
     return [str(path)], fmt
 
 
@@ -187,9 +237,26 @@ def _load_local(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: s
 
 
 def _load_hub(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: str) -> datasets.Dataset:
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if not offline and not _reachable(endpoint):  # else datasets retries for ~25 s, then fails
+        raise ValueError(f"{where}.path: {spec.path!r} is not a local file and {endpoint} cannot be reached: download "
+                         f"it where the Hub is reachable (`huggingface-cli download --repo-type dataset {spec.path} "
+                         "--local-dir DIR`) and set path to DIR, or set HF_HUB_OFFLINE=1 to use the local datasets "
+                         "cache")
     try:
         return datasets.load_dataset(spec.path, spec.name, split=spec.split,
                                      cache_dir=None if cache_dir is None else str(Path(cache_dir) / "datasets"))
     except Exception as e:
         raise ValueError(f"{where}.path: {spec.path!r} is not a local file and could not be loaded from the Hugging "
                          f"Face Hub ({type(e).__name__}: {e}); check the path, or the name/split when online") from e
+
+
+def _reachable(url: str, timeout_s: float = 3.0) -> bool:
+    """A TCP connection to ``url``'s host opens within ``timeout_s`` (one try)."""
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "", parsed.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

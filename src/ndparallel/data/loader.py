@@ -8,6 +8,11 @@ dp rank ``r`` gets rows ``[r*B, (r+1)*B)`` of each. So the dp ranks together see
 rely on it. Optimizer step ``t`` with ``grad_accum`` micro-batches uses global micro-batches
 ``t*grad_accum ... (t+1)*grad_accum - 1`` (which may cross an epoch boundary).
 Ranks in one tp x cp group pass the same ``dp_rank`` and so get the same rows.
+
+The rows are concatenated blocks ``[N, S+1]`` (``make_batch`` turns them into a batch) or a
+``rows.RowStore`` of whole samples (already batch columns). For the latter, ``pad_to_multiple``
+(``pad_to_sequence_len: false``) cuts each micro-batch after its longest row, rounded up to that
+multiple (which the layout needs: 2·cp for CP, tp for sequence parallel): only padding is cut.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ class PackedLoader:
     """
 
     def __init__(self, blocks: torch.Tensor, micro_batch_size: int, *, dp_rank: int = 0, dp_size: int = 1,
-                 seed: int = 0, shuffle: bool = True):
+                 seed: int = 0, shuffle: bool = True, pad_to_multiple: int | None = None):
         if blocks.ndim != 2 or blocks.shape[1] < 2:
             raise ValueError(f"blocks must be a [num_blocks, sequence_len + 1] tensor, got shape {tuple(blocks.shape)}")
         if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
@@ -68,6 +73,7 @@ class PackedLoader:
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle = seed, shuffle
+        self.pad_to_multiple = pad_to_multiple
         self.global_micro_batch = dp_size * micro_batch_size
         self.steps_per_epoch = blocks.shape[0] // self.global_micro_batch
         if self.steps_per_epoch == 0:
@@ -98,7 +104,14 @@ class PackedLoader:
         epoch, pos = divmod(index, self.steps_per_epoch)
         start = pos * self.global_micro_batch + self.dp_rank * self.micro_batch_size
         idx = self._permutation(epoch)[start : start + self.micro_batch_size]
-        return make_batch(self.blocks[idx])
+        rows = self.blocks[idx]
+        if not isinstance(rows, dict):
+            return make_batch(rows)
+        if self.pad_to_multiple:
+            m = self.pad_to_multiple
+            width = min(rows["input_ids"].shape[1], -(-int(self.blocks.lengths(idx).max()) // m) * m)
+            rows = {k: v[:, :width].contiguous() for k, v in rows.items()}
+        return rows
 
     def step_micro_batches(self, step: int, grad_accum: int = 1) -> list[Batch]:
         """This rank's ``grad_accum`` micro-batches of optimizer step ``step``; no state change."""
@@ -109,7 +122,7 @@ class PackedLoader:
     def with_dp(self, dp_rank: int, dp_size: int) -> PackedLoader:
         """A copy for another dp layout, same per-rank micro-batch size, same progress in the epoch."""
         other = PackedLoader(self.blocks, self.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                             seed=self.seed, shuffle=self.shuffle)
+                             seed=self.seed, shuffle=self.shuffle, pad_to_multiple=self.pad_to_multiple)
         other.load_state_dict(self.state_dict())
         return other
 
@@ -138,10 +151,11 @@ class PackedLoader:
 
 
 def global_batch(blocks: torch.Tensor, step: int, *, micro_batch_size: int, dp_size: int, grad_accum: int = 1,
-                 seed: int = 0, shuffle: bool = True) -> list[Batch]:
+                 seed: int = 0, shuffle: bool = True, pad_to_multiple: int | None = None) -> list[Batch]:
     """What a 1-rank run sees at optimizer ``step``: ``grad_accum`` micro-batches of ``dp_size * B`` rows.
 
     Rows ``[r*B, (r+1)*B)`` of micro-batch ``m`` are exactly dp rank ``r``'s micro-batch ``m``.
     """
-    one_rank = PackedLoader(blocks, dp_size * micro_batch_size, seed=seed, shuffle=shuffle)
+    one_rank = PackedLoader(blocks, dp_size * micro_batch_size, seed=seed, shuffle=shuffle,
+                            pad_to_multiple=pad_to_multiple)
     return one_rank.step_micro_batches(step, grad_accum)

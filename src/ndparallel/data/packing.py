@@ -84,15 +84,16 @@ def split_blocks(blocks: torch.Tensor | BlockStore, val_set_size: float | int, s
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     val_idx, _ = perm[:n_val].sort()
     train_idx, _ = perm[n_val:].sort()
-    if isinstance(blocks, BlockStore):  # views of the one file, no copy
+    if not isinstance(blocks, torch.Tensor):  # a BlockStore / RowStore: views of the files, no copy
         return blocks.select(train_idx), blocks.select(val_idx)
     return blocks[train_idx], blocks[val_idx]
 
 
 @dataclass(frozen=True)
 class PackedSplits:
-    """Packed blocks ``[N, sequence_len + 1]`` (int32) for training and, optionally, validation:
-    tensors, or views of one memory-mapped file (``BlockStore``)."""
+    """Rows for training and, optionally, validation: concatenated blocks ``[N, sequence_len + 1]``
+    (int32 tensors, or views of one memory-mapped file: ``BlockStore``), or whole samples
+    (``rows.RowStore``, see ``pipeline.py``)."""
 
     train: torch.Tensor | BlockStore
     val: torch.Tensor | BlockStore | None

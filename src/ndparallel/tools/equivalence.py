@@ -38,6 +38,9 @@ class TrainSetup:
     packed_documents: bool = False
     """Rows hold several documents: position_ids restart at 0 at each document start and the
     label across each boundary is ignored (transformers' packing convention)."""
+    batches: list | None = None
+    """Given global batches (``steps`` lists of ``grad_accum`` micro-batch dicts of
+    ``global_micro_batch`` rows) instead of random tokens, e.g. rows of real packed samples."""
     fault: str | None = None
     """A deliberately broken layout run (proves the checks can fail): "skip-grad-sync" never
     reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
@@ -53,7 +56,10 @@ class TrainResult:
 
 
 def make_global_batches(setup: TrainSetup) -> list[list[dict[str, torch.Tensor]]]:
-    """``steps`` × ``grad_accum`` micro-batches of [global_micro_batch, seq_len] random tokens."""
+    """``steps`` × ``grad_accum`` micro-batches of [global_micro_batch, seq_len] random tokens
+    (``setup.batches`` when given)."""
+    if setup.batches is not None:
+        return [[dict(mb) for mb in step] for step in setup.batches]
     g = torch.Generator().manual_seed(setup.seed + 1)
     vocab = setup.model_config.vocab_size
     steps = []

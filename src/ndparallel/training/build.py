@@ -3,6 +3,7 @@ data. Used on the ranks (``trainer``) and before launch (``preflight``)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ndparallel.training.config import TrainConfig
@@ -19,9 +20,16 @@ def model_config(cfg: TrainConfig, vocab_size: int | None = None):
     return AutoConfig.from_pretrained(cfg.base_model, trust_remote_code=cfg.trust_remote_code)
 
 
+def data_cache_dir(cfg: TrainConfig) -> Path:
+    """Where tokenized data, rows and the built-in tokenizer are cached (``dataset_cache_dir``, alias
+    ``dataset_prepared_path``; default ``output_dir/../.cache``)."""
+    return Path(cfg.dataset_cache_dir or Path(cfg.output_dir).parent / ".cache")
+
+
 def load_tokenizer(cfg: TrainConfig, cache_dir: Path):
     """The run's tokenizer: ``tokenizer``, else base_model's, else (presets) a BPE trained on the
-    built-in corpus slice the data uses (cached)."""
+    built-in corpus slice the data uses (cached); then ``special_tokens`` and a named
+    ``chat_template`` are set on it (it is saved with the model)."""
     from ndparallel.data import load_or_train_tokenizer
     from ndparallel.models.presets import is_preset
 
@@ -32,15 +40,32 @@ def load_tokenizer(cfg: TrainConfig, cache_dir: Path):
         for d in cfg.datasets:  # train on the same slice of the corpus the data uses
             if d.path == "builtin:stdlib":
                 kwargs.update(max_files=d.max_files, max_bytes=d.max_bytes)
-    return load_or_train_tokenizer(source, cache_dir=cache_dir, **kwargs)
+    tokenizer = load_or_train_tokenizer(source, cache_dir=cache_dir, **kwargs)
+    set_special_tokens(tokenizer, cfg)
+    if cfg.chat_template and cfg.chat_template != "tokenizer_default":
+        from ndparallel.data.chat import resolve_template
+
+        tokenizer.chat_template = resolve_template(tokenizer, cfg.chat_template, None, "chat_template")
+    return tokenizer
+
+
+def set_special_tokens(tokenizer, cfg: TrainConfig) -> None:
+    """``special_tokens``: each token must already be in the vocabulary (no embedding is added)."""
+    if not cfg.special_tokens:
+        return
+    vocab = tokenizer.get_vocab()
+    for name, token in cfg.special_tokens.model_dump(exclude_none=True).items():
+        if token not in vocab:
+            raise ValueError(f"special_tokens.{name}: {token!r} is not in the tokenizer's vocabulary; use a token "
+                             "it has (adding tokens, which needs new embedding rows, is not supported)")
+        setattr(tokenizer, name, token)
 
 
 def build_data(cfg: TrainConfig, tokenizer, cache_dir: Path):
-    """Train (and validation) blocks: every rank builds the same (cached, file-locked)."""
-    from ndparallel.data import build_blocks
+    """Train (and validation) rows: every rank builds the same (cached, file-locked)."""
+    from ndparallel.data.pipeline import build_data as build
 
-    return build_blocks([d.model_dump() for d in cfg.datasets], tokenizer, cfg.sequence_len,
-                        val_set_size=cfg.val_set_size, seed=cfg.seed, cache_dir=cache_dir)
+    return build([d.model_dump() for d in cfg.datasets], tokenizer, cfg.data_options(), cache_dir=cache_dir)
 
 
 def optimizer_for(cfg: TrainConfig, params):
@@ -48,3 +73,16 @@ def optimizer_for(cfg: TrainConfig, params):
 
     return build_optimizer(params, cfg.optimizer, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+
+
+def pad_multiple(cfg: TrainConfig) -> int | None:
+    """``pad_to_sequence_len: false``: the multiple a micro-batch's width is rounded up to (what the
+    layout needs: 2·cp for context parallel, tp for sequence parallel; at least 8)."""
+    if cfg.pad_to_sequence_len:
+        return None
+    need = 8
+    if cfg.context_parallel_size > 1:
+        need = math.lcm(need, 2 * cfg.context_parallel_size)
+    if cfg.sequence_parallel and cfg.tensor_parallel_size > 1:
+        need = math.lcm(need, cfg.tensor_parallel_size)
+    return need

@@ -15,10 +15,10 @@ import yaml
 from pydantic import (
     AliasChoices,
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from ndparallel.layout.config import ParallelismConfig
@@ -30,14 +30,16 @@ from ndparallel.parallel.options import (
     LossOptions,
     TPOptions,
 )
-
-
-class ConfigError(ValueError):
-    """A bad training config; the message is meant to be shown as is."""
-
-
-def _int(ge: int):
-    return Annotated[int, Field(ge=ge)]
+from ndparallel.training.config_data import (  # noqa: F401  (ConfigError: re-exported)
+    KNOWN_PLUGINS,
+    UNSUPPORTED,
+    ConfigError,
+    DatasetConfig,
+    SpecialTokens,
+    _int,
+    _Strict,
+)
+from ndparallel.training.overrides import apply_override
 
 
 def _float(**bounds):
@@ -56,27 +58,30 @@ _HINTS = {
 }
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
-
-
 class FSDPConfig(_Strict):
     reshard_after_forward: bool = True
-    cpu_offload: bool = False
+    cpu_offload: bool = Field(False, validation_alias=AliasChoices("cpu_offload", "offload_params"))
     activation_checkpointing: bool = False
     unsharded_grad_accumulation: bool = False
-    layer_classes: list[str] | None = None
+    layer_classes: list[str] | None = Field(
+        None, validation_alias=AliasChoices("layer_classes", "transformer_layer_cls_to_wrap"))
+    """Decoder-layer class names FSDP wraps one by one (default: found in the model)."""
+    # Axolotl / Accelerate names with one meaning here (compat.py explains them in --dry-run)
+    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] | None = None
+    auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP"] | None = None
 
+    @field_validator("layer_classes", mode="before")
+    @classmethod
+    def _one_or_more(cls, v):
+        return [v] if isinstance(v, str) else v
 
-class DatasetConfig(_Strict):
-    path: str
-    type: str | None = None
-    split: str = "train"
-    text_field: str = Field("text", validation_alias=AliasChoices("text_field", "field"))
-    name: str | None = None
-    sample_by: Literal["document", "paragraph", "line"] = "document"
-    max_files: _int(1) | None = None
-    max_bytes: _int(1) | None = None
+    @field_validator("auto_wrap_policy", mode="before")
+    @classmethod
+    def _wrap_policy(cls, v):
+        if v is not None and v != "TRANSFORMER_BASED_WRAP":
+            raise ValueError(f"{v!r} is not supported: ndparallel wraps each decoder layer "
+                             "(TRANSFORMER_BASED_WRAP); remove it or set TRANSFORMER_BASED_WRAP")
+        return v
 
 
 class TrainConfig(_Strict):
@@ -90,12 +95,23 @@ class TrainConfig(_Strict):
     tokenizer_vocab_size: _int(259) = 1024
     """Vocabulary of the built-in BPE tokenizer (presets only)."""
     trust_remote_code: bool = False
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"] | None = None
+    """Attention kernel (default sdpa); one this machine lacks (e.g. flash_attention_2 on CPU) falls back
+    to sdpa with one warning line. Under CP, ndparallel's own attention is used."""
+    flash_attention: bool | None = None
+    """Axolotl's switch: true = attn_implementation: flash_attention_2."""
+    sdp_attention: bool | None = None
+    """Axolotl's switch: true = attn_implementation: sdpa."""
+    plugins: list[str] | None = None
+    """Axolotl plugins: only CutCrossEntropyPlugin (= the memory-efficient loss) is understood."""
     # layout
     dp_replicate_size: int = 1
     dp_shard_size: int = 1
     tensor_parallel_size: int = Field(1, validation_alias=AliasChoices("tensor_parallel_size", "tp_size"))
     context_parallel_size: int = Field(1, validation_alias=AliasChoices("context_parallel_size", "cp_size"))
     fsdp_config: FSDPConfig = Field(default_factory=FSDPConfig)
+    fsdp_version: int = 2
+    """Only FSDP2 (per-parameter sharding on the DeviceMesh) exists here."""
     tp_plan: dict[str, str] | None = None
     sequence_parallel: bool = False
     loss_parallel: bool | None = None
@@ -137,7 +153,24 @@ class TrainConfig(_Strict):
     val_set_size: _float(ge=0) = 0.0
     """A fraction in [0, 1) of the packed blocks, or a whole number of blocks."""
     sequence_len: int = 256
-    dataset_cache_dir: str | None = None
+    sample_packing: bool | None = None
+    """true: whole samples packed into rows (attention per sample); false: one sample per row; unset:
+    raw text is concatenated and cut into blocks, fine-tuning data as false."""
+    pad_to_sequence_len: bool = True
+    """Rows always sequence_len long (fixed shapes); false: each micro-batch cut after its longest row."""
+    train_on_inputs: bool = False
+    """Train on the prompt too (default: its labels are -100, only the answer is learned)."""
+    excess_length_strategy: Literal["truncate", "drop"] = "truncate"
+    """A fine-tuning sample longer than sequence_len (raw text is cut into pieces instead)."""
+    chat_template: str | None = None
+    """Template of chat_template datasets: tokenizer_default (default), chatml, llama3."""
+    special_tokens: SpecialTokens | None = None
+    """Tokens set on the tokenizer, e.g. {pad_token: <|end_of_text|>}; each must be in its vocabulary."""
+    dataset_cache_dir: str | None = Field(None, validation_alias=AliasChoices("dataset_cache_dir",
+                                                                             "dataset_prepared_path"))
+    """Tokenized data, rows and the built-in tokenizer (default: output_dir/../.cache)."""
+    dataset_processes: _int(1) | None = None
+    """Processes that tokenize (datasets.map num_proc); default 1."""
     # optimisation
     micro_batch_size: _int(1) = 1
     gradient_accumulation_steps: _int(1) = 1
@@ -145,9 +178,13 @@ class TrainConfig(_Strict):
     max_steps: _int(1) | None = None
     """Optimizer steps; when set, num_epochs is ignored (as in HF Trainer and Axolotl; train says so)."""
     learning_rate: _float(gt=0) = 3e-4
-    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
+    """constant and constant_with_warmup are the same: constant after the warm-up."""
     warmup_steps: _int(0) = 0
-    optimizer: Literal["adamw", "adamw_torch", "sgd"] = "adamw"
+    warmup_ratio: _float(ge=0, lt=1) | None = None
+    """Warm-up as a fraction of the run's steps (rounded up); instead of warmup_steps."""
+    optimizer: Literal["adamw", "adamw_torch", "adamw_torch_fused", "sgd"] = "adamw"
+    """adamw_torch_fused: AdamW with torch's fused kernel where every parameter is on CUDA."""
     weight_decay: _float(ge=0) = 0.0
     adam_beta1: _float(ge=0, lt=1) = 0.9
     adam_beta2: _float(ge=0, lt=1) = 0.999
@@ -157,6 +194,8 @@ class TrainConfig(_Strict):
     """A NaN/inf loss or gradient norm: stop naming the step (at the next log step, before any save),
     or skip that optimizer step (costs one host sync per step)."""
     bf16: bool = False
+    tf32: bool = False
+    """TF32 matmuls on CUDA (fp32 inputs, 10-bit mantissa products); no effect on CPU."""
     seed: _int(0) = 42
     # output, logging, checkpoints
     output_dir: str = "outputs/run"
@@ -166,6 +205,8 @@ class TrainConfig(_Strict):
     logging_steps: _int(1) = 1
     eval_steps: _int(1) | None = None
     save_steps: _int(1) | None = None
+    saves_per_epoch: _int(1) | None = None
+    """Checkpoints per epoch (every steps_per_epoch // saves_per_epoch steps); instead of save_steps."""
     save_total_limit: _int(1) | None = None
     resume_from_checkpoint: str | None = None
     save_final_model: bool = True
@@ -186,6 +227,38 @@ class TrainConfig(_Strict):
         if v < 1:
             raise ValueError(f"must be >= 1 (1 disables the dimension), got {v}")
         return v
+
+    @field_validator("plugins")
+    @classmethod
+    def _plugins(cls, v: list[str] | None) -> list[str] | None:
+        unknown = [p for p in v or [] if p.rsplit(".", 1)[-1] not in KNOWN_PLUGINS]
+        if unknown:
+            raise ValueError(f"{unknown} not supported; ndparallel understands only {sorted(KNOWN_PLUGINS)} "
+                             "(its memory-efficient loss); remove the others")
+        return v
+
+    @field_validator("fsdp_version")
+    @classmethod
+    def _fsdp2(cls, v: int) -> int:
+        if v != 2:
+            raise ValueError(f"only FSDP2 exists here, got {v}; set fsdp_version: 2 or remove it")
+        return v
+
+    @model_validator(mode="after")
+    def _one_way_each(self):
+        pairs = [("warmup_steps", "warmup_ratio"), ("save_steps", "saves_per_epoch")]
+        for a, b in pairs:
+            if a in self.model_fields_set and getattr(self, b) is not None:
+                raise ValueError(f"'{a}' and '{b}' are both set; keep one")
+        for flag, impl in (("flash_attention", "flash_attention_2"), ("sdp_attention", "sdpa")):
+            if getattr(self, flag):
+                if self.attn_implementation not in (None, impl):
+                    raise ValueError(f"'{flag}: true' and 'attn_implementation: {self.attn_implementation}' "
+                                     "disagree; keep one")
+                self.attn_implementation = impl
+        if self.plugins and "chunked_loss" in type(self).model_fields and getattr(self, "chunked_loss", None) is None:
+            self.chunked_loss = True  # CutCrossEntropyPlugin = the memory-efficient loss
+        return self
 
     @field_validator("adapter", mode="before")
     @classmethod
@@ -273,6 +346,16 @@ class TrainConfig(_Strict):
             return []
         return sorted(f for f in self.model_fields_set if f.startswith("lora_") or f == "merge_lora")
 
+    def data_options(self):
+        from ndparallel.data.pipeline import DataOptions
+
+        return DataOptions(
+            sequence_len=self.sequence_len, sample_packing=self.sample_packing,
+            train_on_inputs=self.train_on_inputs, excess_length_strategy=self.excess_length_strategy,
+            chat_template=self.chat_template, val_set_size=self.val_set_size, seed=self.seed,
+            num_proc=self.dataset_processes,
+        )
+
 
 def _suggest(key: str, known: list[str]) -> str:
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
@@ -290,6 +373,7 @@ def _known_keys(model: type[BaseModel]) -> list[str]:
 
 
 def _format_error(err: ValidationError, source: str) -> str:
+    """One line for one problem; ``N problems:`` and one indented line per problem otherwise."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
@@ -300,11 +384,16 @@ def _format_error(err: ValidationError, source: str) -> str:
                 model = FSDPConfig
             elif parent and parent[0] == "datasets":
                 model = DatasetConfig
+            elif parent and parent[0] == "special_tokens":
+                model = SpecialTokens
             key = str(e["loc"][-1])
-            lines.append(f"unknown key '{loc}'{_suggest(key, _known_keys(model))}")
+            hint = UNSUPPORTED.get(key) if not parent else None
+            lines.append(f"unknown key '{loc}'" + (f": {hint}" if hint else _suggest(key, _known_keys(model))))
         else:
-            lines.append(f"'{loc}': {_range_message(e)}")
-    return f"{source}: " + "; ".join(lines)
+            lines.append(f"'{loc}': {_range_message(e)}" if loc else _range_message(e))
+    if len(lines) == 1:
+        return f"{source}: {lines[0]}"
+    return f"{source}: {len(lines)} problems:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 _BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}
@@ -312,7 +401,7 @@ _BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "l
 
 def _range_message(e: dict) -> str:
     """``must be >= 1, got 0 (hint)`` for a bound error; pydantic's own text for the others."""
-    field = str(e["loc"][-1])
+    field = str(e["loc"][-1]) if e["loc"] else ""
     hint = f" ({_HINTS[field]})" if field in _HINTS else ""
     if e["type"] in _BOUNDS:
         bound = next(iter(e["ctx"].values()))
@@ -321,21 +410,7 @@ def _range_message(e: dict) -> str:
     if e["type"] == "finite_number":
         return f"must be a finite number, got {e.get('input')!r}{hint}"
     msg = e["msg"].removeprefix("Value error, ")
-    return msg if "got" in msg else f"{msg} (got {e.get('input')!r})"
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``a.b=value`` → (['a', 'b'], YAML-parsed value)."""
-    if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set max_steps=20")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        problem = " ".join(str(getattr(e, "problem", None) or e).split())
-        raise ConfigError(f"--set {text!r}: the value is not valid YAML ({problem}); quote a string, "
-                          "e.g. --set 'key=\"[1,\"'") from None
-    return key.strip().split("."), value
+    return msg if "got" in msg or not e["loc"] else f"{msg} (got {e.get('input')!r})"
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
@@ -353,13 +428,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of keys to values")
     for item in overrides:
-        keys, value = parse_override(item)
-        node = data
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {item}: '{k}' is not a mapping (it holds {node!r})")
-        node[keys[-1]] = value
+        apply_override(data, item)
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as e:

@@ -11,14 +11,14 @@ import torch.distributed as dist
 from ndparallel.training.step import batch_to_device
 
 
-def validation_loader(acc, val_blocks, micro_batch_size: int, seed: int):
+def validation_loader(acc, val_blocks, micro_batch_size: int, seed: int, pad_to_multiple: int | None = None):
     """The validation split's loader (built at start, so a split too small for the layout fails
     before training, not hours later at the first evaluation)."""
     from ndparallel.data import PackedLoader
 
     try:
         return PackedLoader(val_blocks, micro_batch_size, dp_rank=acc.dp_rank, dp_size=acc.dp_size,
-                            seed=seed, shuffle=False)
+                            seed=seed, shuffle=False, pad_to_multiple=pad_to_multiple)
     except ValueError:
         raise ValueError(
             f"val_set_size gives {val_blocks.shape[0]} validation blocks, fewer than one global "

@@ -131,14 +131,31 @@ def check_model(cfg: TrainConfig, hf) -> None:
                           "model's context (max_position_embeddings with a fitting rope_scaling in config.json)")
     if is_preset(cfg.base_model) or (published_config(cfg.base_model) is not None
                                      and not Path(cfg.base_model).exists()):
+        if cfg.fsdp_config.layer_classes:
+            _check_layer_classes(cfg, _meta_model(cfg, hf))
         return  # built-in or published shapes: known causal decoders, no local weights to check
     model = _meta_model(cfg, hf)
     problem = causal_lm_problem(model)
     if problem:
         raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
+    _check_layer_classes(cfg, model)
     path = Path(cfg.base_model).expanduser()
     if path.is_dir():
         _check_weights(cfg, model, path)
+
+
+def _check_layer_classes(cfg: TrainConfig, model) -> None:
+    """``fsdp_config.layer_classes`` (Axolotl: ``transformer_layer_cls_to_wrap``) names classes of this model."""
+    names = cfg.fsdp_config.layer_classes
+    if not names:
+        return
+    present = {type(m).__name__ for m in model.modules()}
+    missing = sorted(set(names) - present)
+    if missing:
+        layers = sorted(n for n in present if n.endswith(("DecoderLayer", "Block", "Layer")))
+        raise ConfigError(f"fsdp_config.layer_classes (transformer_layer_cls_to_wrap) {missing} is not a class of "
+                          f"base_model={cfg.base_model!r} (its layers: {layers[:6]}); set it to the decoder-layer "
+                          "class, or remove it")
 
 
 def _meta_model(cfg: TrainConfig, hf):

@@ -39,14 +39,15 @@ def build_optimizer(
     groups = parameter_groups(params, weight_decay)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr)
-    if name in ("adamw", "adamw_torch"):
+    if name in ("adamw", "adamw_torch", "adamw_torch_fused"):  # fused wherever it applies
         all_params = [p for g in groups for p in g["params"]]
         use_fused = fused_supported(all_params) if fused is None else fused
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=use_fused or None)
     raise ValueError(f"optimizer {name!r} is not supported: use 'adamw' or 'sgd'")
 
 
-SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",
+              "constant_with_warmup": "constant_with_warmup"}
 """Our YAML names -> transformers' ``get_scheduler`` names."""
 
 

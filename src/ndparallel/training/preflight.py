@@ -4,6 +4,7 @@ rank starts (``train``, ``--dry-run``, ``verify``), and the resolved plan ``--dr
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from ndparallel.training.config import ConfigError, TrainConfig
@@ -83,6 +84,31 @@ def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm
             check_dataset(d.model_dump(), f"datasets[{i}]")
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    prepare_data(cfg)
+
+
+def prepare_data(cfg: TrainConfig):
+    """Tokenize and pack every dataset (cached) before any rank starts, so that each data problem
+    (a bad record anywhere, a missing column, nothing left after filtering, too little data) ends
+    here in one line, and the ranks find everything cached. Returns (tokenizer, splits)."""
+    import datasets
+
+    from ndparallel.training.build import build_data, data_cache_dir, load_tokenizer
+
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error logs: the one line below says it
+    bars_were_off = not datasets.is_progress_bar_enabled()
+    if not sys.stderr.isatty():  # progress bars only on a terminal: logs keep one line per problem
+        datasets.disable_progress_bars()
+    try:
+        tokenizer = load_tokenizer(cfg, data_cache_dir(cfg))
+        return tokenizer, build_data(cfg, tokenizer, data_cache_dir(cfg))
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
+    finally:
+        datasets.logging.set_verbosity(level)
+        if not bars_were_off:
+            datasets.enable_progress_bars()
 
 
 def _check_resume_path(cfg: TrainConfig) -> None:
@@ -121,12 +147,15 @@ def _check_tokenizer(cfg: TrainConfig) -> None:
                           "set tokenizer: to a tokenizer directory (or builtin:stdlib)")
 
 
-def run_notes(cfg: TrainConfig) -> list[str]:
-    """Things the user set that have no effect, said once before launch (and in ``--dry-run``)."""
+def run_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
+    """Things the user set that have no effect or behave differently from Axolotl, one line each,
+    said once before launch (and in ``--dry-run``)."""
+    from ndparallel.training.compat import compat_notes
+
     notes = []
     if cfg.max_steps is not None and "num_epochs" in cfg.model_fields_set:
         notes.append(f"max_steps {cfg.max_steps} (num_epochs {cfg.num_epochs:g} is ignored: max_steps wins)")
-    return notes
+    return notes + compat_notes(cfg, device_type)
 
 
 def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
@@ -167,17 +196,38 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
-        f"({cfg.lr_scheduler}, warmup {cfg.warmup_steps})",
+        f"({cfg.lr_scheduler}, warmup "
+        f"{cfg.warmup_steps if cfg.warmup_ratio is None else f'ratio {cfg.warmup_ratio:g}'})",
+        f"data         : {_data_mode(cfg)}",
         f"output       : {cfg.output_dir}",
     ]
+    import torch
+
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    lines += [f"note         : {n}" for n in run_notes(cfg, device) if not n.startswith("max_steps")]
     return "\n".join(lines)
+
+
+def _data_mode(cfg: TrainConfig) -> str:
+    from ndparallel.data.dataset import DatasetSpec
+    from ndparallel.data.pipeline import concatenates
+
+    specs = [DatasetSpec.from_any(d.model_dump()) for d in cfg.datasets]
+    types = ", ".join(sorted({s.type or "text" for s in specs}))
+    if concatenates(specs, cfg.sample_packing):
+        return f"{types}: documents concatenated and cut into {cfg.sequence_len}-token blocks"
+    how = "packed several per row (attention per sample)" if cfg.sample_packing else "one per row"
+    masked = "every token trained" if cfg.train_on_inputs else "prompt tokens masked (-100)"
+    pad = "padded to sequence_len" if cfg.pad_to_sequence_len else "each micro-batch cut after its longest row"
+    return f"{types}: whole samples, {how}, {masked}, {pad}"
 
 
 def _steps(cfg: TrainConfig) -> str:
     if cfg.max_steps is None:
         return f"{cfg.num_epochs:g} epochs"
-    notes = run_notes(cfg)
-    return notes[0] if notes else f"max_steps {cfg.max_steps}"
+    if "num_epochs" in cfg.model_fields_set:
+        return f"max_steps {cfg.max_steps} (num_epochs {cfg.num_epochs:g} is ignored: max_steps wins)"
+    return f"max_steps {cfg.max_steps}"
 
 
 def _auto(flag: bool | None) -> str:

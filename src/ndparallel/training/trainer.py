@@ -21,9 +21,11 @@ import torch.distributed as dist
 
 from ndparallel.training.build import (
     build_data,
+    data_cache_dir,
     load_tokenizer,
     model_config,
     optimizer_for,
+    pad_multiple,
 )
 from ndparallel.training.config import TrainConfig
 from ndparallel.training.evaluate import validation_loader
@@ -84,7 +86,6 @@ class Trainer:
         """Accelerator (process group, mesh), tokenizer, data, model, optimizer and schedule."""
         from ndparallel.accelerator import Accelerator
         from ndparallel.data import PackedLoader
-        from ndparallel.models.presets import is_preset
         from ndparallel.training.optim import build_scheduler
 
         cfg = self.cfg
@@ -97,28 +98,52 @@ class Trainer:
             device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.collective_timeout_s,
         )
         quiet_non_main_ranks(acc.process_index)
-        cache_dir = Path(cfg.dataset_cache_dir or self.out.parent / ".cache")
+        if cfg.tf32 and acc.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        cache_dir = data_cache_dir(cfg)
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg, cache_dir)
         self.splits = build_data(cfg, self.tokenizer, cache_dir)
+        multiple = pad_multiple(cfg)
         self.loader = PackedLoader(self.splits.train, cfg.micro_batch_size, dp_rank=acc.dp_rank,
-                                   dp_size=acc.dp_size, seed=cfg.seed)
+                                   dp_size=acc.dp_size, seed=cfg.seed, pad_to_multiple=multiple)
         self.val_loader = None
         if self.splits.val is not None and cfg.eval_steps:
-            self.val_loader = validation_loader(acc, self.splits.val, cfg.micro_batch_size, cfg.seed)
+            self.val_loader = validation_loader(acc, self.splits.val, cfg.micro_batch_size, cfg.seed, multiple)
         steps_per_epoch = len(self.loader) // cfg.gradient_accumulation_steps
         self.total_steps = (cfg.max_steps if cfg.max_steps is not None  # max_steps wins over num_epochs
                             else max(1, math.floor(cfg.num_epochs * steps_per_epoch)))
+        self.save_every = cfg.save_steps or (max(1, steps_per_epoch // cfg.saves_per_epoch)
+                                             if cfg.saves_per_epoch else None)
+        self.model = self._load_model()
+        self.optimizer = optimizer_for(cfg, self.model.parameters())
+        warmup = (cfg.warmup_steps if cfg.warmup_ratio is None
+                  else math.ceil(cfg.warmup_ratio * self.total_steps))
+        self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, warmup, self.total_steps)
+        self.nonfinite = NonFiniteGuard(cfg.on_nonfinite)
+
+    def _load_model(self):
+        """The model, sharded, with the attention kernel this machine has (one warning line if the
+        requested one is missing) and no KV cache (with one, transformers would not mask packed samples)."""
+        from ndparallel.models.attention import attention_kernel
+        from ndparallel.models.presets import is_preset
+
+        cfg, acc = self.cfg, self.acc
+        kernel, why = attention_kernel(cfg.attn_implementation, acc.device.type)
+        if why and cfg.context_parallel_size == 1:
+            acc.print(f"ndparallel train: warning: attn_implementation {cfg.attn_implementation} is not "
+                      f"available ({why}): using {kernel}")  # one line, main rank
         self.hf_config = model_config(cfg, vocab_size=len(self.tokenizer))
         self.hf_config.use_cache = False
         source = self.hf_config if is_preset(cfg.base_model) else cfg.base_model
         adapter = cfg.lora_config()  # LoRA: the frozen base is kept in bf16 for a bf16 run
         dtype = torch.bfloat16 if adapter is not None and cfg.bf16 else torch.float32
-        self.model = acc.load_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
-                                    adapter=adapter, dtype=dtype)
-        self.optimizer = optimizer_for(cfg, self.model.parameters())
-        self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, cfg.warmup_steps, self.total_steps)
-        self.nonfinite = NonFiniteGuard(cfg.on_nonfinite)
+        model = acc.load_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
+                               adapter=adapter, dtype=dtype, attn_implementation=kernel)
+        if getattr(model, "config", None) is not None:
+            model.config.use_cache = False
+        return model
 
     def resume(self) -> None:
         """Continue from a checkpoint (any layout: DCP reshards; data resumes by samples seen)."""
@@ -161,7 +186,8 @@ class Trainer:
             self.profiler = _profile_step(acc, self.profiler, self.out)
         self.state.step += 1
         self.state.samples_seen += self.loader.global_micro_batch * cfg.gradient_accumulation_steps
-        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
+        tokens = acc.dp_size * sum(mb["input_ids"].numel() for mb in micro_batches)  # rows may be cut
+        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "tokens": tokens}
 
     def log(self, step_out: dict) -> dict | None:
         """On logging steps (every ``logging_steps``, the first and the last): read the loss and
@@ -176,7 +202,7 @@ class Trainer:
         now = time.perf_counter()
         dt = (now - self._log_time) / max(1, step - self._log_step)
         self._log_time, self._log_step = now, step
-        tokens = self.loader.global_micro_batch * cfg.gradient_accumulation_steps * cfg.sequence_len
+        tokens = step_out["tokens"]  # this step's (rows are cut when pad_to_sequence_len is false)
         metrics.update({
             "step_time_s": dt, "tokens_per_s": tokens / dt, "tokens_per_s_per_device": tokens / dt / acc.num_processes,
             "tflops_per_device": self.flops_per_token * tokens / dt / acc.num_processes / 1e12,
@@ -203,7 +229,7 @@ class Trainer:
         from ndparallel.checkpoint import save_step_checkpoint
 
         cfg, step = self.cfg, self.state.step
-        if not cfg.save_steps or step % cfg.save_steps:
+        if not self.save_every or step % self.save_every:
             return
         self.nonfinite.check()  # never a checkpoint of a diverged model
         path = save_step_checkpoint(

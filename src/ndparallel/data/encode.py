@@ -1,0 +1,96 @@
+"""Rendered samples -> ``input_ids`` and ``labels`` (the token id where trained, -100 elsewhere).
+
+The sample's text is tokenized once, whole (so the tokens are the ones the model would see at
+inference), with offsets: a token is trained when the character it starts at lies in a trained
+segment. Tokens the tokenizer adds itself (a BOS) are not trained; an appended eos is trained
+when the last segment is. ``train_on_inputs`` trains every token. ``labels`` are per token, not
+shifted (Axolotl's convention); the rows built from them hold the shifted ones.
+
+``tokenize_samples`` maps a dataset of records through this (batched ``datasets.map``), cached in
+``cache_dir/sft/<key>.arrow``, the key hashing the dataset's fingerprint, the tokenizer and every
+setting that changes the result; under a file lock (one rank writes, the others load). The key is
+also the result's fingerprint, so the rows built from it are cached under a stable name.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import datasets
+from filelock import FileLock
+
+from ndparallel.parallel.loss import IGNORE_INDEX
+
+from .dataset import DatasetSpec, tokenizer_hash
+from .prompts import Rendered, render
+
+_VERSION = 1  # bump when the encoding changes, to invalidate cached results
+
+
+def encode(tokenizer, rendered: Rendered, train_on_inputs: bool = False) -> tuple[list[int], list[int]]:
+    """``(input_ids, labels)`` of one rendered sample."""
+    text = "".join(t for t, _ in rendered.segments)
+    enc = tokenizer(text, add_special_tokens=rendered.add_special_tokens, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    starts, flags, pos = [], [], 0
+    for seg_text, trained in rendered.segments:
+        if seg_text:
+            starts.append(pos)
+            flags.append(trained)
+            pos += len(seg_text)
+    labels = []
+    for tok, (a, b) in zip(ids, enc["offset_mapping"]):
+        if train_on_inputs:
+            labels.append(tok)
+            continue
+        k = bisect.bisect_right(starts, a) - 1
+        labels.append(tok if b > a and k >= 0 and flags[k] else IGNORE_INDEX)
+    if rendered.append_eos and tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        last = next((f for t, f in reversed(rendered.segments) if t), True)
+        ids.append(tokenizer.eos_token_id)
+        labels.append(tokenizer.eos_token_id if (last or train_on_inputs) else IGNORE_INDEX)
+    return ids, labels
+
+
+def tokenize_samples(records: datasets.Dataset, spec: DatasetSpec, tokenizer, *, where: str,
+                     train_on_inputs: bool = False, chat_template: str | None = None,
+                     cache_dir: str | os.PathLike | None = None, num_proc: int | None = None) -> datasets.Dataset:
+    """``records`` of ``spec.type`` -> ``{input_ids, labels}`` (one row per record, same order)."""
+    chat = None
+    if spec.type == "chat_template":
+        from .chat import ChatRenderer, resolve_template
+
+        template = resolve_template(tokenizer, spec.chat_template or chat_template, spec.chat_template_jinja, where)
+        chat = ChatRenderer(tokenizer, template, spec)
+
+    def batch_fn(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "labels": []}
+        columns = list(batch)
+        for row, index in enumerate(indices):
+            record = {c: batch[c][row] for c in columns}
+            ids, labels = encode(tokenizer, render(record, spec, f"{where} row {index}", chat), train_on_inputs)
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+        return out
+
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                  "labels": datasets.Sequence(datasets.Value("int32"))})
+    settings = [_VERSION, records._fingerprint, tokenizer_hash(tokenizer), spec.type, spec.text_field,
+                spec.field_messages, spec.message_property_mappings, sorted(spec.roles_to_train), spec.train_on_eos,
+                train_on_inputs, chat.template if chat else None, chat.turn_tokens if chat else None]
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    kwargs: dict[str, Any] = dict(batched=True, with_indices=True, remove_columns=records.column_names,
+                                  features=features, num_proc=num_proc, desc=f"tokenize {where}",
+                                  new_fingerprint=key)  # our own key: hashing the closure is slow and unstable
+    if cache_dir is None:
+        return records.map(batch_fn, **kwargs)
+    out_dir = Path(cache_dir) / "sft"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{key}.arrow"
+    with FileLock(str(path) + ".lock"):
+        return records.map(batch_fn, cache_file_name=str(path), load_from_cache_file=True, **kwargs)

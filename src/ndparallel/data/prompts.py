@@ -1,0 +1,102 @@
+"""Fine-tuning records -> text segments, each trained or not (the prompt is not, the answer is).
+
+A record of a dataset ``type`` becomes a :class:`Rendered`: a list of ``(text, trained)``
+segments whose concatenation is the sample's text, whether the tokenizer adds its own special
+tokens (a BOS) and whether an eos is appended (trained when the last segment is). ``encode.py``
+turns it into ``input_ids`` and ``labels`` (-100 where not trained). Types (Axolotl's names):
+
+* ``alpaca``: columns ``instruction``, ``input`` (optional), ``output``. The prompt is Alpaca's
+  (``### Instruction: ... ### Response:``), the answer is ``output`` + eos.
+* ``completion`` / ``pretrain`` (and the raw-text file types): the ``text_field`` column, all trained.
+* ``input_output``: a ``segments`` column of ``{"text": ..., "label": true|false}``; the text is
+  used as written (no BOS or eos added), ``label`` says whether a segment is trained.
+* ``chat_template``: a ``messages`` / ``conversations`` column rendered with a chat template
+  (``chat.py``).
+
+A record that does not fit its type (a missing or null column, a wrong JSON type) raises
+``ValueError`` naming the dataset, the row and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .dataset import DatasetSpec
+
+Segment = tuple[str, bool]
+
+ALPACA_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
+                     "context. Write a response that appropriately completes the request.\n\n"
+                     "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
+                   "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """One sample before tokenization."""
+
+    segments: list[Segment]
+    add_special_tokens: bool = True  # the tokenizer's own BOS convention
+    append_eos: bool = True  # an eos id after the text, trained when the last segment is
+
+
+def required_columns(spec: DatasetSpec) -> list[tuple[str, ...]]:
+    """Columns a record of ``spec.type`` needs; each entry lists alternatives (any one suffices)."""
+    if spec.raw:
+        return [(spec.text_field,)]
+    if spec.type == "alpaca":
+        return [("instruction",), ("output",)]
+    if spec.type == "input_output":
+        return [("segments",)]
+    return [(spec.field_messages,)] if spec.field_messages else [("messages", "conversations")]
+
+
+def render(record: Mapping[str, Any], spec: DatasetSpec, where: str, chat=None) -> Rendered:
+    """``record`` as segments; ``chat``: a ``chat.ChatRenderer`` (needed for ``chat_template``)."""
+    if spec.raw:
+        return Rendered([(_text(record, spec.text_field, where), True)])
+    if spec.type == "alpaca":
+        return alpaca(record, where)
+    if spec.type == "input_output":
+        return input_output(record, where)
+    if chat is None:
+        raise ValueError(f"{where}: type chat_template needs a chat template")
+    return Rendered(chat.segments(record, where), add_special_tokens=False, append_eos=False)
+
+
+def alpaca(record: Mapping[str, Any], where: str) -> Rendered:
+    instruction = _text(record, "instruction", where)
+    extra = record.get("input")
+    if extra is not None and not isinstance(extra, str):
+        raise ValueError(f"{where}: 'input' is a {type(extra).__name__}, not text")
+    template = ALPACA_WITH_INPUT if extra and extra.strip() else ALPACA_NO_INPUT
+    prompt = template.format(instruction=instruction, input=extra or "")
+    return Rendered([(prompt, False), (_text(record, "output", where), True)])
+
+
+def input_output(record: Mapping[str, Any], where: str) -> Rendered:
+    segments = record.get("segments")
+    if not isinstance(segments, list) or not segments:
+        raise ValueError(f"{where}: 'segments' must be a non-empty list of {{\"text\": ..., \"label\": true|false}}, "
+                         f"got {_short(segments)}")
+    out = []
+    for i, seg in enumerate(segments):
+        if not isinstance(seg, Mapping) or not isinstance(seg.get("text"), str) or not isinstance(seg.get("label"), bool):
+            raise ValueError(f"{where}: segments[{i}] must be {{\"text\": str, \"label\": bool}}, got {_short(seg)}")
+        out.append((seg["text"], seg["label"]))
+    return Rendered(out, add_special_tokens=False, append_eos=False)
+
+
+def _text(record: Mapping[str, Any], column: str, where: str) -> str:
+    value = record.get(column)
+    if not isinstance(value, str):
+        what = "missing or null" if value is None else f"a {type(value).__name__}, not text"
+        raise ValueError(f"{where}: column {column!r} is {what}; every record needs it as a string")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

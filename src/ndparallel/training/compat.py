@@ -1,0 +1,52 @@
+"""What an Axolotl config means here: one line per field that behaves differently, for ``--dry-run``
+and the start of ``train``. Fields with the same meaning (renames such as ``offload_params`` ->
+``cpu_offload``, ``dataset_prepared_path`` -> ``dataset_cache_dir``) say nothing; fields that
+cannot work are refused by the schema (``config.py``), one line each."""
+
+from __future__ import annotations
+
+from ndparallel.training.config import TrainConfig
+
+
+def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
+    """Notes on fields that differ from Axolotl's behaviour; ``device_type`` (the ranks' device,
+    when known) adds the attention-kernel and tf32 notes."""
+    notes = []
+    if cfg.plugins:
+        if "chunked_loss" in TrainConfig.model_fields:
+            notes.append("plugins: CutCrossEntropyPlugin -> chunked_loss: true (ndparallel's memory-efficient loss, "
+                         "the full logits never exist)")
+        else:
+            notes.append("plugins: CutCrossEntropyPlugin accepted, but this version computes the loss from the full "
+                         "logits (no memory-efficient loss yet): plan for the logits' memory")
+    fsdp = cfg.fsdp_config
+    if fsdp.state_dict_type:
+        notes.append(f"fsdp_config.state_dict_type: {fsdp.state_dict_type}: checkpoints are always sharded (DCP, "
+                     "resumable on any layout) and the final model one full safetensors directory")
+    if cfg.special_tokens:
+        notes.append("special_tokens: set on the tokenizer (saved with the model); each must already be in its "
+                     "vocabulary (no new embedding rows)")
+    if cfg.optimizer == "adamw_torch_fused":
+        notes.append("optimizer: adamw_torch_fused: torch AdamW with fused=True when every parameter is on CUDA, "
+                     "else the default kernel (same update)")
+    if cfg.warmup_ratio is not None:
+        notes.append(f"warmup_ratio: {cfg.warmup_ratio:g} -> warmup_steps = ceil({cfg.warmup_ratio:g} x the run's "
+                     "steps), known once the data is prepared")
+    if cfg.saves_per_epoch:
+        notes.append(f"saves_per_epoch: {cfg.saves_per_epoch} -> a checkpoint every steps_per_epoch // "
+                     f"{cfg.saves_per_epoch} steps (sharded DCP)")
+    if cfg.sample_packing and cfg.micro_batch_size > 1:
+        notes.append(f"sample_packing: each micro-batch is {cfg.micro_batch_size} packed rows of sequence_len "
+                     "tokens (Axolotl's multipack: the same)")
+    if cfg.context_parallel_size > 1 and cfg.attn_implementation not in (None, "sdpa"):
+        notes.append(f"attn_implementation: {cfg.attn_implementation} is replaced by ndparallel's context-parallel "
+                     "attention (cp > 1)")
+    elif device_type is not None:
+        from ndparallel.models.attention import attention_kernel
+
+        kernel, why = attention_kernel(cfg.attn_implementation, device_type)
+        if why:
+            notes.append(f"attn_implementation: {cfg.attn_implementation} -> {kernel} on this machine: {why}")
+    if cfg.tf32 and device_type == "cpu":
+        notes.append("tf32: no effect on CPU (it only changes CUDA fp32 matmuls)")
+    return notes

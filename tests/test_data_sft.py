@@ -1,0 +1,264 @@
+"""Fine-tuning data: alpaca / chat-template / input_output samples with exactly the prompt masked,
+sample packing (first-fit-decreasing, position_ids restarting, boundary labels -100), one sample
+per row, padding that cannot reach real tokens, the caches, and the data errors."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from sft_fixtures import alpaca_records, chat_records, llama3_tokenizer, write_jsonl
+
+from ndparallel.data import PackedLoader
+from ndparallel.data.bins import first_fit_decreasing
+from ndparallel.data.chat import ChatRenderer, resolve_template
+from ndparallel.data.dataset import DatasetSpec
+from ndparallel.data.encode import encode
+from ndparallel.data.pipeline import (
+    DataOptions,
+    build_data,
+    build_rows,
+    prepare_samples,
+)
+from ndparallel.data.prompts import ALPACA_NO_INPUT, ALPACA_WITH_INPUT, alpaca, render
+
+IGNORE = -100
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return llama3_tokenizer()
+
+
+def _trained_runs(ids, labels):
+    """Maximal runs of trained positions, as token lists."""
+    runs, cur = [], []
+    for i, lab in zip(ids, labels):
+        if lab == IGNORE:
+            if cur:
+                runs.append(cur)
+            cur = []
+        else:
+            assert lab == i
+            cur.append(i)
+    return runs + ([cur] if cur else [])
+
+
+# ------------------------------------------------------------------------------ masking
+def test_alpaca_masks_exactly_the_prompt(tok):
+    for record in alpaca_records(12):
+        ids, labels = encode(tok, alpaca(record, "t"))
+        template = ALPACA_WITH_INPUT if record["input"] else ALPACA_NO_INPUT
+        prompt = template.format(**record)
+        n_prompt = len(tok(prompt)["input_ids"])  # with the tokenizer's BOS
+        assert labels[:n_prompt] == [IGNORE] * n_prompt  # the whole prompt is masked ...
+        assert labels[n_prompt:] == ids[n_prompt:]  # ... and nothing else
+        assert tok.decode(ids[:n_prompt]) == "<|begin_of_text|>" + prompt
+        assert tok.decode(ids[n_prompt:]) == record["output"] + "<|end_of_text|>"  # the answer + eos, trained
+
+
+def test_train_on_inputs_trains_every_token(tok):
+    ids, labels = encode(tok, alpaca(alpaca_records(1)[0], "t"), train_on_inputs=True)
+    assert labels == ids
+
+
+def _chat(tok, record, **spec_kw):
+    spec = DatasetSpec(path="x", type="chat_template", **spec_kw)
+    template = resolve_template(tok, spec.chat_template, None, "t")
+    return encode(tok, render(record, spec, "t", ChatRenderer(tok, template, spec)))
+
+
+def test_chat_template_trains_exactly_the_assistant_turns(tok):
+    for record in chat_records(8):
+        ids, labels = _chat(tok, record)
+        answers = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+        runs = [tok.decode(r) for r in _trained_runs(ids, labels)]
+        assert runs == [a + "<|eot_id|>" for a in answers]  # content + end-of-turn, headers masked
+        masked = tok.decode([i for i, lab in zip(ids, labels) if lab == IGNORE])
+        for m in record["messages"]:
+            if m["role"] != "assistant":
+                assert m["content"] in masked
+
+
+@pytest.mark.parametrize("train_on_eos, eot_trained", [("none", [False] * 3), ("all", [True] * 6),
+                                                      ("last", [False, False, True])])
+def test_chat_train_on_eos(tok, train_on_eos, eot_trained):
+    record = {"messages": [{"role": r, "content": f"{r} {i}"} for i in range(3) for r in ("user", "assistant")]}
+    ids, labels = _chat(tok, record, train_on_eos=train_on_eos)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    got = [lab == eot for i, lab in zip(ids, labels) if i == eot]
+    expect = eot_trained if train_on_eos == "all" else [x for pair in zip([False] * 3, eot_trained) for x in pair]
+    assert got == expect
+
+
+def test_chat_roles_to_train_and_sharegpt_with_chatml(tok):
+    record = {"conversations": [{"from": "human", "value": "Hi there."}, {"from": "gpt", "value": "Hello."}]}
+    ids, labels = _chat(tok, record, chat_template="chatml", roles_to_train=("user", "assistant"))
+    runs = [tok.decode(r) for r in _trained_runs(ids, labels)]
+    assert runs == ["Hi there.<|im_end|>", "Hello.<|im_end|>"]
+    assert tok.decode(ids).startswith("<|im_start|>user\nHi there.")
+
+
+def test_input_output_segments(tok):
+    record = {"segments": [{"text": "<|begin_of_text|>Q: two plus two?\n", "label": False},
+                           {"text": "A: four.<|end_of_text|>", "label": True}]}
+    ids, labels = encode(tok, render(record, DatasetSpec(path="x", type="input_output"), "t"))
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # used as written
+    assert [tok.decode(r) for r in _trained_runs(ids, labels)] == ["A: four.<|end_of_text|>"]
+
+
+def test_bad_records_name_the_row(tok, tmp_path):
+    data = write_jsonl(tmp_path / "a.jsonl", [*alpaca_records(3), {"instruction": "x", "output": None}])
+    with pytest.raises(ValueError, match=r"datasets\[0\] row 3: column 'output' is missing or null"):
+        _prepare(tok, [{"path": str(data), "type": "alpaca"}])
+    bad_chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user"}]}])
+    with pytest.raises(ValueError, match=r"row 0: messages\[0\] needs a text 'role' and 'content'"):
+        _prepare(tok, [{"path": str(bad_chat), "type": "chat_template"}])
+    with pytest.raises(ValueError, match=r"needs column 'instruction'"):
+        _prepare(tok, [{"path": str(bad_chat), "type": "alpaca"}])
+
+
+# ---------------------------------------------------------------------------- packing
+def _prepare(tok, specs, cache=None, **kw):
+    opts = DataOptions(**{"sequence_len": 64, **kw})
+    return prepare_samples([DatasetSpec.from_any(s) for s in specs], tok, opts, cache)
+
+
+def test_ffd_is_first_fit_decreasing_and_deterministic():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 65, size=300)
+    row_of = first_fit_decreasing(lengths, 64)
+    assert np.array_equal(row_of, first_fit_decreasing(lengths.copy(), 64))
+    rows = [np.nonzero(row_of == r)[0].tolist() for r in range(int(row_of.max()) + 1)]
+    assert all(rows) and sorted(k for r in rows for k in r) == list(range(300))  # each sample once
+    free = [64 - sum(int(lengths[k]) for k in r) for r in rows]
+    assert min(free) >= 0
+    order = sorted(range(300), key=lambda k: (-lengths[k], k))  # replay first fit on that order
+    placed = dict(enumerate(row_of.tolist()))
+    room = []
+    for k in order:
+        first = next((i for i, f in enumerate(room) if f >= lengths[k]), len(room))
+        if first == len(room):
+            room.append(64)
+        room[first] -= lengths[k]
+        assert placed[k] == first
+    assert len(rows) <= -(-int(lengths.sum()) // 64) * 11 // 9 + 1
+
+
+def _samples_of_row(batch, r, length):
+    """(input_ids, shift_labels) of each sample of row r, cut at position_ids restarts."""
+    pos = batch["position_ids"][r, :length]
+    starts = [0] + [i for i in range(1, length) if int(pos[i]) == 0]
+    return [(batch["input_ids"][r, a:b].tolist(), batch["shift_labels"][r, a:b].tolist())
+            for a, b in zip(starts, [*starts[1:], length])]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_rows_hold_each_sample_once_with_restarts_and_boundary_labels(tok, tmp_path, packing):
+    S = 512
+    data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(40))
+    specs = [{"path": str(data), "type": "alpaca"}]
+    prepared = _prepare(tok, specs, sequence_len=S)
+    store = build_rows([DatasetSpec.from_any(s) for s in specs], tok,
+                       DataOptions(sequence_len=S, sample_packing=packing), tmp_path / "cache")
+    batch = store[torch.arange(len(store))]
+    found = []
+    for r in range(len(store)):
+        length = int(store.lengths(r)[0])
+        pieces = _samples_of_row(batch, r, length)
+        assert packing or len(pieces) == 1
+        found += pieces
+        assert (batch["shift_labels"][r, length:] == IGNORE).all()  # padding: never a label
+        assert (batch["position_ids"][r, length:] == torch.arange(length, S)[: S - length]
+                - length + batch["position_ids"][r, length - 1] + 1).all()  # continues, no restart
+    expected = []
+    for k in range(len(prepared)):
+        ids, labels = prepared.sample(k)
+        expected.append((ids.tolist(), [*labels[1:].tolist(), IGNORE]))  # shifted; boundary -100
+    assert sorted(found) == sorted(expected)
+    assert len(store) < len(prepared) / 2 if packing else len(store) == len(prepared)
+
+
+def test_lengths_truncate_drop_split_and_untrained(tok, tmp_path):
+    long = {"instruction": "word " * 300, "input": "", "output": "ok."}
+    data = write_jsonl(tmp_path / "a.jsonl", [*alpaca_records(3), long])
+    spec = {"path": str(data), "type": "alpaca"}
+    truncated = _prepare(tok, [spec], sequence_len=256)  # cut inside the prompt: no trained token left
+    assert truncated.stats.truncated == 1 and truncated.stats.dropped_untrained == 1 and len(truncated) == 3
+    dropped = _prepare(tok, [spec], sequence_len=256, excess_length_strategy="drop")
+    assert dropped.stats.dropped_too_long == 1 and dropped.stats.dropped_untrained == 0 and len(dropped) == 3
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "word " * 150}])
+    split = _prepare(tok, [{"path": str(text), "type": "completion"}])
+    assert len(split) == split.stats.pieces_from_split + 1 > 1  # raw text is cut, not lost
+    assert sum(len(split.sample(k)[0]) for k in range(len(split))) == len(tok("word " * 150)["input_ids"]) + 1
+    with pytest.raises(ValueError, match="no sample left.*1 longer than sequence_len=256 dropped"):
+        _prepare(tok, [{"path": str(write_jsonl(tmp_path / "l.jsonl", [long])), "type": "alpaca"}],
+                 sequence_len=256, excess_length_strategy="drop")
+
+
+def test_unset_packing_concatenates_raw_text_only(tok, tmp_path):
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "word " * 40}] * 20)
+    blocks = build_data([str(text)], tok, DataOptions(sequence_len=32)).train
+    assert isinstance(blocks, torch.Tensor) and blocks.shape[1] == 33  # concatenated blocks, as before
+    rows = build_data([str(text)], tok, DataOptions(sequence_len=32, sample_packing=True)).train
+    assert rows[0]["position_ids"].shape == (1, 32)
+
+
+def test_rows_are_cached(tok, tmp_path):
+    data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(10))
+    specs = [DatasetSpec(path=str(data), type="alpaca")]
+    opts = DataOptions(sequence_len=512, sample_packing=True)
+    first = build_rows(specs, tok, opts, tmp_path / "cache")
+    (meta,) = (tmp_path / "cache" / "rows").glob("*/meta.json")
+    stamp = meta.stat().st_mtime_ns
+    again = build_rows(specs, tok, opts, tmp_path / "cache")
+    assert meta.stat().st_mtime_ns == stamp and torch.equal(first[0]["input_ids"], again[0]["input_ids"])
+    assert json.loads(meta.read_text())["samples"] == 10
+    assert all(isinstance(a, np.memmap) for a in again.columns.values())  # mapped, never read whole
+
+
+def test_validation_split_of_rows(tok, tmp_path):
+    data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(30))
+    splits = build_data([{"path": str(data), "type": "alpaca"}], tok,
+                        DataOptions(sequence_len=256, val_set_size=0.2, seed=1), tmp_path / "cache")
+    assert len(splits.val) == 6 and len(splits.train) == 24
+    assert not set(splits.train.rows.tolist()) & set(splits.val.rows.tolist())
+    assert PackedLoader(splits.val, 2, shuffle=False).micro_batch(0)["input_ids"].shape == (2, 256)
+
+
+def test_loader_cuts_padding_to_a_multiple(tok, tmp_path):
+    data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(16))
+    rows = build_data([{"path": str(data), "type": "alpaca"}], tok, DataOptions(sequence_len=256)).train
+    fixed = PackedLoader(rows, 4, shuffle=False).micro_batch(0)
+    cut = PackedLoader(rows, 4, shuffle=False, pad_to_multiple=8).micro_batch(0)
+    width = cut["input_ids"].shape[1]
+    longest = int(rows.lengths(np.arange(4)).max())
+    assert width % 8 == 0 and longest <= width < longest + 8 and fixed["input_ids"].shape[1] == 256
+    for k in cut:
+        assert torch.equal(cut[k], fixed[k][:, :width])
+    assert (fixed["shift_labels"][:, width:] == IGNORE).all()
+
+
+def test_padding_cannot_reach_real_tokens(tok, tmp_path):
+    """Right padding under causal attention: changing the padding tokens changes no real token's
+    logits (negative control: changing a real token does)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(4))
+    rows = build_data([{"path": str(data), "type": "alpaca"}], tok, DataOptions(sequence_len=256)).train
+    batch = rows[torch.arange(4)]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)).eval()
+
+    def logits(ids):
+        with torch.no_grad():
+            return model(input_ids=ids, position_ids=batch["position_ids"]).logits
+
+    real = torch.arange(256)[None, :] < torch.as_tensor(rows.lengths(np.arange(4)))[:, None]
+    base = logits(batch["input_ids"])
+    noisy = torch.where(real, batch["input_ids"], torch.randint_like(batch["input_ids"], len(tok)))
+    assert torch.equal(logits(noisy)[real], base[real])
+    changed = batch["input_ids"].clone()
+    changed[:, 3] = (changed[:, 3] + 1) % len(tok)
+    assert not torch.allclose(logits(changed)[real], base[real])
