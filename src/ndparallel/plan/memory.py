@@ -73,6 +73,15 @@ def layer_activation_bytes_per_token(model: ModelSpec, layout: Layout, s: Settin
     return per
 
 
+def layer_backward_workspace_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """Gradient tensors alive at once in one layer's backward, per local token: the MLP stage's
+    gradients of gate, up and their product (``3·e·f/t``) with the incoming and outgoing
+    residual-stream gradients (``2·e·h/t_sp``)."""
+    t_sp = layout.tp if s.sequence_parallel else 1
+    e = s.act_bytes
+    return 3 * e * model.intermediate / layout.tp + 2 * e * model.hidden / t_sp
+
+
 def selective_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
     """Bytes per token one layer keeps under the selective per-op policy: its input (``e·h/t_sp``),
     the outputs of q (``e·a·d/t``), v (``e·k·d/t``), gate (``e·f/t``) and down (``e·h``, before
@@ -193,7 +202,10 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
 
     moments = {
         "loss backward": (grads_a, saved, logits, buf_a),
-        "layer backward": (grads_b, saved + per_layer, 0.0, buf_b),
+        # the last layer's backward: every layer's saved activations (under checkpointing, the
+        # layer's own recomputed ones too) and the gradient workspace of one layer
+        "layer backward": (grads_b, saved + (per_layer if s.checkpointing else 0.0)
+                           + tokens * layer_backward_workspace_per_token(model, layout, s), 0.0, buf_b),
         "end of backward": (all_grads, 0.0, 0.0, 0.0),
     }
     phase = max(moments, key=lambda k: sum(moments[k]))
