@@ -3,9 +3,23 @@ of ``ndparallel.testing.run_on_ranks`` start in ~0.1 s instead of re-importing t
 
 import os
 
+import pytest
+
 # The suite runs on CPU/gloo ranks even on a machine with GPUs: an Accelerator built in a test (or
 # a `ndparallel train` it starts) reads this instead of picking the visible GPUs.
 os.environ["NDPARALLEL_DEVICE"] = "cpu"
 
 import torch  # noqa: E402,F401
 import transformers  # noqa: E402,F401
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_in_pytest():
+    """A test that starts a process group in the pytest process itself must destroy it: the forked
+    ranks of later tests would inherit it without its threads (a crash or a hang there)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left a default process group in the pytest process")

@@ -87,6 +87,13 @@ def run_on_ranks(
     visible). Raises ``RankFailure`` naming the failing rank(s) with their tracebacks, or the ranks
     still running at the deadline (which are killed).
     """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # A forked child would inherit this process group without its communication threads
+        # (fork copies only the calling thread): collectives on it crash or hang.
+        raise RuntimeError("run_on_ranks: this process already has a default process group; call "
+                           "it from a process without one (destroy_process_group() first)")
     ctx = get_context("fork")
     port = _free_port()
     # A rank stuck in a collective gives up a little before our own deadline.
