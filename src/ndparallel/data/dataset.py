@@ -165,13 +165,22 @@ def tokenize_dataset(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
     kwargs: dict[str, Any] = dict(batched=True, remove_columns=ds.column_names, features=features,
                                   num_proc=num_proc, desc="tokenize")
+    return cached_map(ds, encode, cache_dir, "tokenized",
+                      f"{ds._fingerprint}-{tokenizer_hash(tokenizer)}", **kwargs)
+
+
+def cached_map(ds: datasets.Dataset, fn, cache_dir: str | Path | None, kind: str, key: str,
+               **kwargs: Any) -> datasets.Dataset:
+    """``ds.map(fn)``, its result kept at ``cache_dir/kind/key.arrow`` when a cache is given. A file
+    lock lets one process (of a node's ranks, or of concurrent runs on a shared filesystem) build
+    it while the others wait and then read it."""
     if cache_dir is None:
-        return ds.map(encode, **kwargs)
-    out_dir = Path(cache_dir) / "tokenized"
+        return ds.map(fn, **kwargs)
+    out_dir = Path(cache_dir) / kind
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{ds._fingerprint}-{tokenizer_hash(tokenizer)}.arrow"
+    path = out_dir / f"{key}.arrow"
     with FileLock(str(path) + ".lock"):
-        return ds.map(encode, cache_file_name=str(path), load_from_cache_file=True, **kwargs)
+        return ds.map(fn, cache_file_name=str(path), load_from_cache_file=True, **kwargs)
 
 
 def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:

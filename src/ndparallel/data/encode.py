@@ -18,15 +18,13 @@ import bisect
 import hashlib
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import datasets
-from filelock import FileLock
 
 from ndparallel.parallel.loss import IGNORE_INDEX
 
-from .dataset import DatasetSpec, tokenizer_hash
+from .dataset import DatasetSpec, cached_map, tokenizer_hash
 from .prompts import Rendered, render
 
 _VERSION = 1  # bump when the encoding changes, to invalidate cached results
@@ -87,10 +85,4 @@ def tokenize_samples(records: datasets.Dataset, spec: DatasetSpec, tokenizer, *,
     kwargs: dict[str, Any] = dict(batched=True, with_indices=True, remove_columns=records.column_names,
                                   features=features, num_proc=num_proc, desc=f"tokenize {where}",
                                   new_fingerprint=key)  # our own key: hashing the closure is slow and unstable
-    if cache_dir is None:
-        return records.map(batch_fn, **kwargs)
-    out_dir = Path(cache_dir) / "sft"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{key}.arrow"
-    with FileLock(str(path) + ".lock"):
-        return records.map(batch_fn, cache_file_name=str(path), load_from_cache_file=True, **kwargs)
+    return cached_map(records, batch_fn, cache_dir, "sft", key, **kwargs)
