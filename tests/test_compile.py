@@ -1,5 +1,5 @@
 """Regional ``torch.compile`` of the decoder layers trains the same model as eager, composed with
-FSDP2 + activation checkpointing (inductor), TP with sequence parallel and CP (``aot_eager``:
+FSDP2 + activation checkpointing (inductor), TP with sequence parallel, CP and FSDP2 x CP (``aot_eager``:
 dynamo and AOT autograd, the parts that meet our hooks and DTensors, without the C++ build that
 makes inductor take ~1 min per graph on 2 cores). fp32, SGD: losses and grad norms ≤ 1e-5 rel.
 Each rank also reports how many graphs dynamo built and where it broke them (CP: around the
@@ -90,3 +90,12 @@ def test_tp_compiles_attention_and_mlp_only():
 def test_fsdp2_tp2_sequence_parallel_activation_checkpointing_4_ranks():
     _check({"dp_shard_size": 2, "tp_size": 2}, 4, "aot_eager", tp_options=TPOptions(sequence_parallel=True),
            fsdp_options=FSDPOptions(activation_checkpointing=True))
+
+
+def test_fsdp2_cp2_activation_checkpointing_4_ranks():
+    """FSDP2 + CP + AC under compile: dynamo cannot break a graph inside a checkpointed layer, so
+    the MLPs are compiled and the CP attention blocks run eagerly (no break; a layer-wide unit
+    would compile nothing: 0 graphs, seen before the fix)."""
+    graphs, breaks = _check({"dp_shard_size": 2, "cp_size": 2}, 4, "aot_eager",
+                            fsdp_options=FSDPOptions(activation_checkpointing=True))
+    assert breaks == 0, breaks

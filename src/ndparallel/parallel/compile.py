@@ -15,6 +15,11 @@ a plain tensor to a DTensor redistribute (``'Tensor' object has no attribute '_l
 compiling the attention and the MLP of each layer is exact (``tests/test_compile.py``); the norms
 (replicated DTensor weights) and residual adds stay eager there, as compiled norms lose their
 weight gradients' sum over tp.
+
+CP with activation checkpointing: the non-reentrant checkpoint runs the layer under saved-tensor
+hooks, and dynamo cannot break a graph there: a layer holding the (eager) CP attention would fall
+back to eager as a whole (nothing compiled, seen on torch 2.13). There the unit is each child but
+the attention: the MLP is compiled, the attention block runs eagerly.
 """
 
 from __future__ import annotations
@@ -27,16 +32,23 @@ from ndparallel.parallel.options import CompileOptions
 
 
 def apply_compile(model: nn.Module, options: CompileOptions, layer_classes=None,
-                  per_child: bool = False) -> nn.Module:
+                  per_child: bool = False, skip_attention: bool = False) -> nn.Module:
     """Compile every decoder layer of ``model`` (or, ``per_child``, every child module of each
-    layer that holds parameters, norms excepted) in place with ``options``; return the model."""
+    layer that holds parameters, norms excepted, and the attention too when ``skip_attention``)
+    in place with ``options``; return the model."""
     _attention_eager(model)
+    per_child = per_child or skip_attention
     for layer in decoder_layers(model, layer_classes):
         units = [c for n, c in layer.named_children()
-                 if "norm" not in n and any(True for _ in c.parameters())] if per_child else [layer]
+                 if "norm" not in n and any(True for _ in c.parameters())
+                 and not (skip_attention and _is_attention(n))] if per_child else [layer]
         for unit in units:
             unit.compile(backend=options.backend, fullgraph=options.fullgraph)
     return model
+
+
+def _is_attention(child_name: str) -> bool:
+    return "attn" in child_name or "attention" in child_name
 
 
 def _attention_eager(model: nn.Module) -> None:

@@ -87,7 +87,8 @@ def parallelize_model(
     if compile.enabled:
         from ndparallel.parallel.compile import apply_compile
 
-        apply_compile(model, compile, fsdp.layer_classes, per_child=pc.tp_enabled)
+        apply_compile(model, compile, fsdp.layer_classes, per_child=pc.tp_enabled,
+                      skip_attention=pc.cp_enabled and fsdp.activation_checkpointing)
     if use_fsdp:
         from ndparallel.parallel.fsdp import apply_fsdp
 
