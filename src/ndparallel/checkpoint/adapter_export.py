@@ -24,15 +24,13 @@ import torch.nn as nn
 
 from ndparallel.checkpoint.directory import HF_CONFIG_DIR, validate_checkpoint
 from ndparallel.checkpoint.io import SafeFileSystemReader, read_dcp_metadata
+from ndparallel.models.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ndparallel.models.adapters import (
     ADAPTER_NAME,
     adapter_config_of,
     is_adapter_param,
     peft_save_key,
 )
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def save_adapter(model: nn.Module, directory: str | os.PathLike, is_main: bool, tokenizer=None) -> None:

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.futures import Future
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from ndparallel.models.adapter_files import read_adapter_weights
 from ndparallel.models.adapters import (
     adapter_config_of,
     apply_adapter,
@@ -56,6 +57,7 @@ def load_model(
     attn_implementation: str = "sdpa",
     seed: int = 0,
     adapter: Any = None,
+    adapter_weights: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Build, parallelise (``acc.prepare_model``) and fill a causal LM; returns the prepared model.
 
@@ -71,14 +73,20 @@ def load_model(
         adapter: a peft ``LoraConfig``: the model is wrapped (``get_peft_model``) before it is
             parallelised; the base weights are frozen and keep ``dtype``, the adapters are fp32.
             A model read from disk starts with A drawn from ``seed`` and B = 0 on every layout.
+        adapter_weights: a saved PEFT adapter directory whose tensors replace that init (continue
+            training an adapter; ``adapter`` must be its config: ``adapter_files.read_adapter_config``).
     """
+    if adapter_weights is not None and adapter is None:
+        raise ValueError("adapter_weights needs adapter= (the LoraConfig it was saved with: "
+                         "ndparallel.models.adapter_files.read_adapter_config(directory))")
     if isinstance(path_or_config, PretrainedConfig):
         config = path_or_config
     elif isinstance(path_or_config, str) and is_preset(path_or_config):
         config = preset_config(path_or_config)
     else:
         path = resolve_model_dir(str(path_or_config), acc is None or acc.is_local_main_process)
-        model = _load_pretrained(acc, path, dtype, trust_remote_code, attn_implementation, adapter, seed)
+        model = _load_pretrained(acc, path, dtype, trust_remote_code, attn_implementation, adapter, seed,
+                                 adapter_weights)
         if adapter is not None:  # as given (a hub id stays a hub id), for the saved adapter_config
             adapter_config_of(model).base_model_name_or_path = str(path_or_config)
         return model
@@ -92,12 +100,15 @@ def load_model(
         _check_causal_model(model)
         if adapter is not None:  # PEFT's own init, drawn from the same seeded stream
             model = apply_adapter(model, adapter)
-    return acc.prepare_model(model)
+    model = acc.prepare_model(model)
+    if adapter_weights is not None:
+        _set_full_tensors(model, read_adapter_weights(model, adapter_weights))
+    return model
 
 
 def _load_pretrained(
     acc: Any, path: Path, dtype: torch.dtype, trust_remote_code: bool, attn_implementation: str,
-    adapter: Any = None, seed: int = 0,
+    adapter: Any = None, seed: int = 0, adapter_weights: str | os.PathLike | None = None,
 ) -> nn.Module:
     files = checkpoint_files(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -122,7 +133,9 @@ def _load_pretrained(
     base = base_model_of(model)
     init_non_persistent_buffers(base)
     load_sharded_safetensors(base, path, files)
-    if adapter is not None:
+    if adapter_weights is not None:
+        _set_full_tensors(model, read_adapter_weights(model, adapter_weights))
+    elif adapter is not None:
         _set_full_tensors(model, initial_adapter_weights(model, seed))
     if (path / "generation_config.json").is_file():
         from transformers import GenerationConfig

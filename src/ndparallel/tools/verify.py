@@ -39,6 +39,18 @@ def shrink_config(hf_config, tp_size: int, cp_size: int):
     return c
 
 
+def _adapter_kwargs(cfg: TrainConfig) -> dict | None:
+    """The run's LoRA shape (a saved ``lora_model_dir`` adapter's r, alpha and targets; its tensors
+    do not fit the shrunk model) at dropout 0: dropout's random mask differs per layout."""
+    if cfg.adapter is None or not cfg.lora_model_dir:
+        return cfg.lora_kwargs(dropout=0.0)
+    saved = cfg.lora_config()
+    targets = saved.target_modules
+    return {"r": saved.r, "alpha": saved.lora_alpha, "dropout": 0.0, "target_linear": False,
+            "target_modules": [targets] if isinstance(targets, str)  # leaf names: the model is shrunk
+            else sorted({t.rsplit(".", 1)[-1] for t in targets or []})}
+
+
 def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: float = 1e-5,
                   fault: str | None = None) -> bool:
     """Run the layout and one process on CPU ranks; print the differences and a verdict."""
@@ -53,7 +65,7 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
         small, steps=steps, global_micro_batch=2 * pc.dp_size,
         grad_accum=min(cfg.gradient_accumulation_steps, 2), seq_len=16 * pc.cp_size,
         optimizer="adamw", lr=1e-2, max_grad_norm=cfg.max_grad_norm, packed_documents=True,
-        adapter=cfg.lora_kwargs(dropout=0.0),  # LoRA dropout's random mask differs per layout
+        adapter=_adapter_kwargs(cfg),
         parallel_kwargs=dict(fsdp_options=cfg.fsdp_options(), tp_options=cfg.tp_options(),
                              cp_options=cfg.cp_options(), loss_options=cfg.loss_options(),
                              # compile is checked at the dynamo / AOT-autograd level: inductor's
@@ -64,7 +76,7 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
         f"verify: {pc.describe()} on {pc.total_size} CPU ranks vs 1 process; shrunk "
         f"{small.model_type}: hidden {small.hidden_size}, heads {small.num_attention_heads}/"
         f"{small.num_key_value_heads}, 2 layers, seq {setup.seq_len} (packed documents), {steps} "
-        "AdamW steps" + (f", LoRA r={cfg.lora_r} (dropout 0)" if cfg.adapter else "")
+        "AdamW steps" + (f", LoRA r={setup.adapter['r']} (dropout 0)" if setup.adapter else "")
     )
     ref = run_on_ranks(train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}), None)[0]
     got = run_on_ranks(train_under_layout, pc.total_size, dataclasses.replace(setup, fault=fault),

@@ -144,6 +144,9 @@ class TrainConfig(_Strict):
     """Module names to adapt (e.g. [q_proj, v_proj]); none and no lora_target_linear: PEFT's default."""
     lora_target_linear: bool = False
     """Adapt every linear layer except the output head (added to lora_target_modules)."""
+    lora_model_dir: str | None = None
+    """A saved PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) to continue
+    training: its r, alpha and targets are used and its weights replace the fresh init."""
     merge_lora: bool = False
     """Also write the base model with the adapter merged in, to output_dir/merged."""
     # data
@@ -334,7 +337,17 @@ class TrainConfig(_Strict):
                 **overrides}
 
     def lora_config(self):
-        """The peft ``LoraConfig`` of ``adapter: lora`` (None without it)."""
+        """The peft ``LoraConfig`` of ``adapter: lora`` (None without it): the one saved in
+        ``lora_model_dir`` if set, else the one the ``lora_*`` fields describe."""
+        if self.adapter is not None and self.lora_model_dir:
+            from ndparallel.models.adapter_files import read_adapter_config
+
+            dropout = self.lora_dropout if "lora_dropout" in self.model_fields_set else None
+            return read_adapter_config(self.lora_model_dir, dropout=dropout)
+        return self.lora_config_from_fields()
+
+    def lora_config_from_fields(self):
+        """The peft ``LoraConfig`` the ``lora_*`` fields describe (None without ``adapter``)."""
         from ndparallel.models.adapters import lora_config
 
         kwargs = self.lora_kwargs()

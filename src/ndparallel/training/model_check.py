@@ -195,15 +195,13 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int) -> str | None:
         return None
     import torch.nn as nn
 
-    from ndparallel.models.adapters import apply_adapter, base_model_of, is_lora_layer
+    from ndparallel.models.adapters import (
+        adapter_config_of,
+        base_model_of,
+        is_lora_layer,
+    )
 
-    try:
-        with quiet_transformers():
-            model = apply_adapter(_meta_model(cfg, hf), cfg.lora_config())
-    except ImportError as e:
-        raise ConfigError(f"adapter: lora: {e}") from None
-    except (ValueError, TypeError, KeyError) as e:  # PEFT: "Target modules {...} not found ..."
-        raise ConfigError(f"lora_target_modules={cfg.lora_target_modules!r}: {one_line(e)[:300]}") from None
+    model = _saved_adapter_model(cfg, hf) if cfg.lora_model_dir else _adapted_meta_model(cfg, hf)
     layers = {n: m for n, m in base_model_of(model).named_modules() if is_lora_layer(m)}
     odd = [n for n, m in layers.items() if not isinstance(m.base_layer, nn.Linear)]
     if odd and tp_size > 1:
@@ -212,7 +210,58 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int) -> str | None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     names = sorted({n.rsplit(".", 1)[-1] for n in layers})
-    return (f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} dropout={cfg.lora_dropout:g} on "
+    lora = adapter_config_of(model)
+    start = f"; starts from {cfg.lora_model_dir}" if cfg.lora_model_dir else ""
+    return (f"LoRA r={lora.r} alpha={lora.lora_alpha:g} dropout={lora.lora_dropout:g} on "
             f"{len(layers)} layers ({', '.join(names)}); {trainable / 1e6:.2f}M trainable parameters "
             f"= {100 * trainable / total:.3f}% of {total / 1e6:,.1f}M; base frozen in "
-            f"{'bf16' if cfg.bf16 else 'fp32'}")
+            f"{'bf16' if cfg.bf16 else 'fp32'}{start}")
+
+
+def _adapted_meta_model(cfg: TrainConfig, hf, lora_config=None):
+    """A meta-device copy of the model wrapped with the run's LoRA config (or ``lora_config``)."""
+    from ndparallel.models.adapters import apply_adapter
+
+    try:
+        with quiet_transformers():
+            return apply_adapter(_meta_model(cfg, hf), lora_config or cfg.lora_config())
+    except ImportError as e:
+        raise ConfigError(f"adapter: lora: {e}") from None
+    except (ValueError, TypeError, KeyError) as e:  # PEFT: "Target modules {...} not found ..."
+        raise ConfigError(f"lora_target_modules={cfg.lora_target_modules!r}: {one_line(e)[:300]}") from None
+
+
+def _adapted_layers(model) -> list[str]:
+    from ndparallel.models.adapters import base_model_of, is_lora_layer
+
+    return sorted(n for n, m in base_model_of(model).named_modules() if is_lora_layer(m))
+
+
+def _saved_adapter_model(cfg: TrainConfig, hf):
+    """``lora_model_dir``: the saved config readable and agreeing with every ``lora_*`` field the
+    YAML sets, its tensors (headers only) fitting the model wrapped with it."""
+    from ndparallel.models.adapter_files import adapter_weights_problem
+
+    where = f"lora_model_dir={cfg.lora_model_dir!r}"
+    try:
+        saved = cfg.lora_config()
+    except ImportError as e:
+        raise ConfigError(f"adapter: lora: {e}") from None
+    except ValueError as e:
+        raise ConfigError(f"{where}: {one_line(e)}") from None
+    for field, value in (("lora_r", saved.r), ("lora_alpha", saved.lora_alpha)):
+        if field in cfg.model_fields_set and float(getattr(cfg, field)) != float(value):
+            raise ConfigError(f"{field}={getattr(cfg, field):g} but the adapter in {cfg.lora_model_dir} has "
+                              f"{value:g}: remove {field} (the saved adapter decides) or set it to {value:g}")
+    model = _adapted_meta_model(cfg, hf, saved)
+    if {"lora_target_modules", "lora_target_linear"} & cfg.model_fields_set:
+        mine = _adapted_layers(_adapted_meta_model(cfg, hf, cfg.lora_config_from_fields()))
+        theirs = _adapted_layers(model)
+        if mine != theirs:
+            raise ConfigError(f"lora_target_modules / lora_target_linear adapt {len(mine)} layers, the adapter "
+                              f"in {cfg.lora_model_dir} adapts {len(theirs)}: remove them (the saved adapter "
+                              "decides) or make them match it")
+    problem = adapter_weights_problem(model, cfg.lora_model_dir)
+    if problem:
+        raise ConfigError(f"{where}: {problem}")
+    return model

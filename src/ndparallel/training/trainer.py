@@ -140,7 +140,8 @@ class Trainer:
         adapter = cfg.lora_config()  # LoRA: the frozen base is kept in bf16 for a bf16 run
         dtype = torch.bfloat16 if adapter is not None and cfg.bf16 else torch.float32
         model = acc.load_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
-                               adapter=adapter, dtype=dtype, attn_implementation=kernel)
+                               adapter=adapter, adapter_weights=cfg.lora_model_dir or None,
+                               dtype=dtype, attn_implementation=kernel)
         if getattr(model, "config", None) is not None:
             model.config.use_cache = False
         return model
