@@ -116,3 +116,63 @@ def test_lora_checkpoint_into_a_full_model_is_refused(runs, tmp_path):
     shutil.copytree(runs["out"], out)
     with pytest.raises(RankFailure, match="does not fit this model"):
         run_on_ranks(ckpt_train.train, 1, {}, str(out), resume=True)
+
+
+# ------------------------------------------------------------------ offline merge (export --merge)
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """The run's (seeded, random) base model on disk: what --merge reads tensor by tensor."""
+    path = tmp_path_factory.mktemp("base")
+    _base_model().save_pretrained(str(path))
+    return path
+
+
+def _export(capsys, *args):
+    from ndparallel.cli import main
+
+    code = main(["export", *map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "adapter_dir"])
+def test_offline_merge_equals_the_online_merge(runs, base_dir, tmp_path, capsys, source):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    src = runs["out"] / ("checkpoint-2" if source == "checkpoint" else "adapter")
+    out = tmp_path / "merged"
+    code, _, err = _export(capsys, src, out, "--merge", "--base", base_dir, "--max-shard-size", "100KB")
+    assert code == 0, err
+    assert (out / "model.safetensors.index.json").is_file()  # streamed into several shards
+    merged = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    assert (_logits(merged) - runs["part"]["logits"]).abs().max() <= ATOL
+    online = load_file(str(runs["out"] / "merged" / "model.safetensors"))
+    offline = {k: v for f in out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert set(online) <= set(offline)
+    assert max((online[k] - offline[k]).abs().max().item() for k in online) <= 1e-6
+
+
+def test_offline_merge_refusals(runs, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel.models.presets import preset_config
+
+    ckpt = runs["out"] / "checkpoint-2"
+    cases = [
+        ((ckpt, tmp_path / "a", "--merge"), "pass --base DIR"),  # the run's base is a preset config
+        ((ckpt, tmp_path / "b", "--base", tmp_path), "--base is the base model of --merge"),
+        ((runs["out"] / "adapter", tmp_path / "c"), "is a PEFT adapter directory: add --merge"),
+    ]
+    other = tmp_path / "other_base"  # another model size: the adapter does not fit it
+    cfg = preset_config("tiny-llama")
+    cfg.hidden_size, cfg.intermediate_size = 32, 64
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(other))
+    capsys.readouterr()  # transformers' progress bar
+    cases.append(((ckpt, tmp_path / "d", "--merge", "--base", other), "has shape"))
+    for args, fragment in cases:
+        code, _, err = _export(capsys, *args)
+        assert code == 2 and fragment in err, (args, err)
+        assert len(err.strip().splitlines()) == 1, err
+        assert not Path(args[1]).exists() or not any(Path(args[1]).iterdir()), args  # nothing written

@@ -115,7 +115,7 @@ class ShardWriter:
         return names
 
 
-def _write_config(model_or_config: Any, directory: Path, dtype: torch.dtype | None, class_name: str | None) -> None:
+def write_hf_config(model_or_config: Any, directory: Path, dtype: torch.dtype | None, class_name: str | None) -> None:
     import copy
 
     config = copy.deepcopy(getattr(model_or_config, "config", model_or_config))
@@ -178,7 +178,7 @@ def save_hf_model(
     writer.finish()
     out = Path(save_directory)
     if getattr(model, "config", None) is not None:
-        _write_config(model, out, saved_dtype, model_class_name(model))
+        write_hf_config(model, out, saved_dtype, model_class_name(model))
     gen = getattr(model, "generation_config", None)
     if gen is not None and getattr(model, "can_generate", lambda: False)():
         gen.save_pretrained(out)
@@ -271,7 +271,7 @@ def export_checkpoint(
     writer.finish()
     floating = [metadata[prefix + n].properties.dtype for n in expected
                 if metadata[prefix + n].properties.dtype.is_floating_point]
-    _write_config(config, out, dtype or (floating[0] if floating else None), model_class_name(skeleton))
+    write_hf_config(config, out, dtype or (floating[0] if floating else None), model_class_name(skeleton))
     gen_file = ckpt / "hf" / "generation_config.json"
     if gen_file.is_file():
         (out / "generation_config.json").write_text(gen_file.read_text())

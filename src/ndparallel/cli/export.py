@@ -10,16 +10,19 @@ from typing import Sequence
 from ndparallel.checkpoint.directory import find_resume_checkpoint, list_checkpoints
 from ndparallel.checkpoint.export import DTYPES, export_checkpoint
 from ndparallel.cli.args import Parser, fail
+from ndparallel.models.adapter_files import ADAPTER_CONFIG
 
 
 def export_main(argv: Sequence[str] | None = None) -> int:
-    """``ndparallel export CKPT OUT [--config C] [--dtype bf16] [--max-shard-size 5GB] [--tokenizer T]``."""
+    """``ndparallel export CKPT OUT [--config C] [--dtype bf16] [--max-shard-size 5GB] [--tokenizer T]
+    [--merge [--base DIR]]``."""
     parser = Parser(
         prog="ndparallel export",
         description="Turn a sharded checkpoint (any layout) into a Hugging Face safetensors directory, "
                     "on one process without GPUs. CKPT: a checkpoint-N dir, or an output_dir (its "
                     "newest complete checkpoint is used). A LoRA run's checkpoint becomes a PEFT adapter "
-                    "directory (adapter_config.json + adapter_model.safetensors).")
+                    "directory (adapter_config.json + adapter_model.safetensors), or with --merge the base "
+                    "model with the adapter merged in.")
     parser.add_argument("checkpoint")
     parser.add_argument("out_dir")
     parser.add_argument("--config", default=None, help="HF model dir / config.json / preset (default: "
@@ -27,6 +30,12 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors")
     parser.add_argument("--max-shard-size", default="5GB")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer dir or hub id to save alongside")
+    parser.add_argument("--merge", action="store_true",
+                        help="LoRA: write the base model with the adapter merged in (streamed tensor by "
+                             "tensor); CKPT may also be a PEFT adapter directory")
+    parser.add_argument("--base", default=None,
+                        help="with --merge: the base model directory (default: the adapter's "
+                             "base_model_name_or_path)")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into a non-empty OUT_DIR (its model and config files are replaced)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -37,6 +46,9 @@ def export_main(argv: Sequence[str] | None = None) -> int:
         held = ", ".join(sorted(p.name for p in out_dir.iterdir())[:4])
         return fail("export", f"OUT_DIR {out_dir} is not empty ({held}): pick a new directory, or pass "
                               "--overwrite to replace its model and config files")
+    if args.base is not None and not args.merge:
+        return fail("export", "--base is the base model of --merge: add --merge (or drop --base)")
+    dtype = DTYPES.get(args.dtype) if args.dtype else None
     try:
         if not (ckpt / "COMPLETE").exists() and list_checkpoints(ckpt):
             found = find_resume_checkpoint(ckpt, "auto")
@@ -44,10 +56,36 @@ def export_main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"{ckpt} holds no complete checkpoint")
             print(f"ndparallel export: using {found}")
             ckpt = found
-        out = export_checkpoint(ckpt, args.out_dir, args.config, tokenizer=args.tokenizer,
-                                dtype=DTYPES.get(args.dtype) if args.dtype else None,
-                                max_shard_size=args.max_shard_size)
+        if args.merge:
+            out = _merge(ckpt, out_dir, args, dtype)
+        else:
+            if (ckpt / ADAPTER_CONFIG).is_file():
+                raise ValueError(f"{ckpt} is a PEFT adapter directory: add --merge [--base DIR] to merge "
+                                 "it into its base model")
+            out = export_checkpoint(ckpt, args.out_dir, args.config, tokenizer=args.tokenizer,
+                                    dtype=dtype, max_shard_size=args.max_shard_size)
     except (ValueError, OSError) as exc:
         return fail("export", exc)
     print(f"ndparallel export: wrote {out}")
     return 0
+
+
+def _merge(ckpt: Path, out_dir: Path, args, dtype) -> Path:
+    """``--merge``: a PEFT adapter directory as is, a LoRA checkpoint through its adapter export."""
+    import tempfile
+
+    from ndparallel.checkpoint.adapter_export import (
+        export_adapter_checkpoint,
+        is_adapter_checkpoint,
+    )
+    from ndparallel.checkpoint.adapter_merge import merge_adapter_files
+
+    kwargs = dict(base=args.base, dtype=dtype, max_shard_size=args.max_shard_size, tokenizer=args.tokenizer)
+    if (ckpt / ADAPTER_CONFIG).is_file():
+        return merge_adapter_files(ckpt, out_dir, **kwargs)
+    if not is_adapter_checkpoint(ckpt):
+        raise ValueError(f"--merge needs a LoRA run's checkpoint or a PEFT adapter directory; {ckpt} is "
+                         "neither (a full fine-tuning checkpoint exports without --merge)")
+    with tempfile.TemporaryDirectory(prefix=".ndparallel-adapter-") as tmp:  # small: r × d tensors
+        adapter = export_adapter_checkpoint(ckpt, tmp)
+        return merge_adapter_files(adapter, out_dir, **kwargs)
