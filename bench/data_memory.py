@@ -28,7 +28,7 @@ from pathlib import Path
 import transformers  # noqa: F401  (imported once before forking the ranks)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_table, write_json  # noqa: E402
+from _common import AnonPeak, print_table, vm_bytes, write_json  # noqa: E402
 
 from ndparallel.testing import run_on_ranks  # noqa: E402
 
@@ -47,33 +47,6 @@ def write_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:
     return path
 
 
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-class _AnonPeak:
-    """Samples RssAnon (private, non-file memory) every 20 ms: the kernel keeps no peak of it."""
-
-    def __init__(self):
-        import threading
-
-        self.peak, self._stop = 0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, _vm("RssAnon:"))
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return max(self.peak, _vm("RssAnon:"))
-
-
 def _config(data: str, cache: str, steps: int, packing: bool):
     from ndparallel.training.config import load_config
 
@@ -89,7 +62,7 @@ def _prepare(data: str, cache: str, steps: int, packing: bool) -> dict:
     """What ``ndparallel train`` does before launching the ranks: the whole data preparation."""
     from ndparallel.training.preflight import prepare_data
 
-    anon = _AnonPeak()
+    anon = AnonPeak()
     prepare_data(_config(data, cache, steps, packing))
     return {"peak_anon": anon.stop()}
 
@@ -98,7 +71,7 @@ def _rank(data: str, cache: str, steps: int, packing: bool = False) -> dict:
     from ndparallel.training.trainer import Trainer
 
     cfg = _config(data, cache, steps, packing)
-    anon = _AnonPeak()
+    anon = AnonPeak()
     trainer = Trainer(cfg)
     trainer.setup()
     trainer._start_outputs()
@@ -106,7 +79,7 @@ def _rank(data: str, cache: str, steps: int, packing: bool = False) -> dict:
     trainer._log_time, trainer._log_step = time.perf_counter(), 0  # what Trainer.run sets before step 1
     for _ in range(steps):
         trainer.log(trainer.train_step())
-    return {"peak_rss": _vm("VmHWM:"), "peak_anon": anon.stop(), "blocks": len(trainer.splits.train)}
+    return {"peak_rss": vm_bytes("VmHWM:"), "peak_anon": anon.stop(), "blocks": len(trainer.splits.train)}
 
 
 def measure(megabytes: float, steps: int, workdir: Path, packing: bool = False) -> dict:

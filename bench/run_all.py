@@ -23,6 +23,7 @@ SMALL = {
     "scaling": ["--worlds", "1,2,4", "--steps", "4", "--seq", "256"],
     "data_memory": ["--mb", "2"],
     "loss_memory": ["--skip-logits"],
+    "merge_memory": ["--layers", "2"],
     "gpu_single": ["--tiny"],
 }
 
