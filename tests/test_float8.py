@@ -81,3 +81,41 @@ def _float8_weight_types():
 
 def test_fsdp_all_gathers_float8_weights():
     assert all(run_on_ranks(_float8_weight_types, 2))
+
+
+def _train_fp8(overrides):
+    from ndparallel.training.config import load_config
+    from ndparallel.training.trainer import run_training
+
+    run_training(load_config(None, [
+        "base_model=tiny-llama", "tokenizer_vocab_size=512", "device=cpu", "sequence_len=32",
+        "micro_batch_size=2", "datasets=[{path: 'builtin:stdlib', max_bytes: 100000}]", "fp8=true",
+        "fp8_emulate=true", "dp_shard_size=2", "logging_steps=1", *overrides]))
+    return True
+
+
+def test_fp8_run_checkpoints_resumes_and_exports_a_plain_hf_model(tmp_path):
+    """Float8 training writes ordinary tensors: the DCP checkpoint resumes (on another layout: FSDP 2
+    -> TP 2), and the final export is a plain fp32 HF model (no torchao types) that transformers
+    loads completely."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out, cache = tmp_path / "run", f"dataset_cache_dir={tmp_path / 'cache'}"
+    run_on_ranks(_train_fp8, 2, [f"output_dir={out}", "max_steps=2", "save_steps=2", cache], timeout_s=400)
+    run_on_ranks(_train_fp8, 2, [f"output_dir={out}", "max_steps=3", "save_steps=2", cache,
+                                 "resume_from_checkpoint=auto", "dp_shard_size=1", "tensor_parallel_size=2"],
+                 timeout_s=400)
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line]
+    assert steps == [1, 2, 3], steps  # the second run continued at step 3
+    saved = load_file(str(out / "final" / "model.safetensors"))
+    assert all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in saved.values())
+    model = AutoModelForCausalLM.from_pretrained(str(out / "final"))
+    names = dict(model.named_parameters())
+    assert "model.layers.0.self_attn.q_proj.weight" in saved
+    assert set(names) - set(saved) <= {"lm_head.weight"}  # tied to the embedding at most
+    for k, t in saved.items():
+        assert torch.equal(names[k].detach(), t), k
