@@ -7,14 +7,12 @@ be finite); the message states the range, the value given and, where one helps, 
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     AliasChoices,
-    BaseModel,
     Field,
     ValidationError,
     field_validator,
@@ -39,6 +37,7 @@ from ndparallel.training.config_data import (  # noqa: F401  (ConfigError: re-ex
     _int,
     _Strict,
 )
+from ndparallel.training.config_errors import format_validation_error
 from ndparallel.training.overrides import apply_override
 
 
@@ -46,16 +45,6 @@ def _float(**bounds):
     return Annotated[float, Field(allow_inf_nan=False, **bounds)]
 
 
-_HINTS = {
-    "max_steps": "or leave it out to train num_epochs epochs",
-    "save_steps": "or leave it out to save no intermediate checkpoint",
-    "save_total_limit": "the number of checkpoints kept; leave it out to keep all",
-    "eval_steps": "or leave it out to evaluate only at the end",
-    "max_grad_norm": "or null for no clipping",
-    "max_restarts": "0 = no restart",
-    "collective_timeout_s": "seconds a collective may wait",
-    "tokenizer_vocab_size": "256 bytes + 2 special tokens + at least one merge",
-}
 
 
 class FSDPConfig(_Strict):
@@ -370,62 +359,6 @@ class TrainConfig(_Strict):
         )
 
 
-def _suggest(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
-
-
-def _known_keys(model: type[BaseModel]) -> list[str]:
-    keys = []
-    for name, f in model.model_fields.items():
-        keys.append(name)
-        alias = f.validation_alias
-        if isinstance(alias, AliasChoices):
-            keys.extend(str(c) for c in alias.choices)
-    return keys
-
-
-def _format_error(err: ValidationError, source: str) -> str:
-    """One line for one problem; ``N problems:`` and one indented line per problem otherwise."""
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
-            model: type[BaseModel] = TrainConfig
-            parent = e["loc"][:-1]
-            if parent and parent[0] == "fsdp_config":
-                model = FSDPConfig
-            elif parent and parent[0] == "datasets":
-                model = DatasetConfig
-            elif parent and parent[0] == "special_tokens":
-                model = SpecialTokens
-            key = str(e["loc"][-1])
-            hint = UNSUPPORTED.get(key) if not parent else None
-            lines.append(f"unknown key '{loc}'" + (f": {hint}" if hint else _suggest(key, _known_keys(model))))
-        else:
-            lines.append(f"'{loc}': {_range_message(e)}" if loc else _range_message(e))
-    if len(lines) == 1:
-        return f"{source}: {lines[0]}"
-    return f"{source}: {len(lines)} problems:\n" + "\n".join(f"  {line}" for line in lines)
-
-
-_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}
-
-
-def _range_message(e: dict) -> str:
-    """``must be >= 1, got 0 (hint)`` for a bound error; pydantic's own text for the others."""
-    field = str(e["loc"][-1]) if e["loc"] else ""
-    hint = f" ({_HINTS[field]})" if field in _HINTS else ""
-    if e["type"] in _BOUNDS:
-        bound = next(iter(e["ctx"].values()))
-        bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
-        return f"must be {_BOUNDS[e['type']]} {bound}, got {e.get('input')!r}{hint}"
-    if e["type"] == "finite_number":
-        return f"must be a finite number, got {e.get('input')!r}{hint}"
-    msg = e["msg"].removeprefix("Value error, ")
-    return msg if "got" in msg or not e["loc"] else f"{msg} (got {e.get('input')!r})"
-
-
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
     """Read, override (``--set key=value``, dotted keys for nested fields) and validate."""
     data: dict[str, Any] = {}
@@ -445,4 +378,5 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_error(e, source)) from None
+        raise ConfigError(format_validation_error(e, source, TrainConfig, {
+            "fsdp_config": FSDPConfig, "datasets": DatasetConfig, "special_tokens": SpecialTokens})) from None
