@@ -111,7 +111,8 @@ def test_layer_class_of_another_model_is_refused(local, capsys):
 
 
 @pytest.mark.parametrize("problem, setup, fragment", [
-    ("special token not in vocab", {"set": "special_tokens.pad_token=<pad>"}, "special_tokens.pad_token: '<pad>'"),
+    ("a new special token with LoRA", {"set": ["special_tokens.pad_token=<pad>", "adapter=lora"]},
+     "add 1 token(s) new to the vocabulary"),
     ("unknown type", {"set": "datasets.0.type=alpacca"}, "did you mean 'alpaca'"),
     ("missing column", {"records": [{"instruction": "x", "answer": "y"}]}, "column 'output' is not in"),
     ("bad JSON line after the first MiB", {"bad_line_at": 1 << 21}, "could not be read as json"),

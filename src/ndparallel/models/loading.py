@@ -44,6 +44,11 @@ from ndparallel.models.adapters import (
 )
 from ndparallel.models.causal import causal_lm_problem, config_problem
 from ndparallel.models.presets import PRESETS, is_preset, preset_config
+from ndparallel.models.vocab import (
+    grow_config_vocab,
+    set_grown_rows,
+    vocab_weight_names,
+)
 from ndparallel.models.weights import weights_problem
 
 _SAFETENSORS = ".safetensors"
@@ -58,6 +63,7 @@ def load_model(
     seed: int = 0,
     adapter: Any = None,
     adapter_weights: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
 ) -> nn.Module:
     """Build, parallelise (``acc.prepare_model``) and fill a causal LM; returns the prepared model.
 
@@ -75,6 +81,9 @@ def load_model(
             A model read from disk starts with A drawn from ``seed`` and B = 0 on every layout.
         adapter_weights: a saved PEFT adapter directory whose tensors replace that init (continue
             training an adapter; ``adapter`` must be its config: ``adapter_files.read_adapter_config``).
+        vocab_size: a model read from disk grows to this many token rows (tokens added to its
+            tokenizer); the new embedding and LM-head rows start at the mean of the old ones
+            (``models.vocab``). A config or preset is built with its own ``vocab_size``.
     """
     if adapter_weights is not None and adapter is None:
         raise ValueError("adapter_weights needs adapter= (the LoraConfig it was saved with: "
@@ -86,7 +95,7 @@ def load_model(
     else:
         path = resolve_model_dir(str(path_or_config), acc is None or acc.is_local_main_process)
         model = _load_pretrained(acc, path, dtype, trust_remote_code, attn_implementation, adapter, seed,
-                                 adapter_weights)
+                                 adapter_weights, vocab_size)
         if adapter is not None:  # as given (a hub id stays a hub id), for the saved adapter_config
             adapter_config_of(model).base_model_name_or_path = str(path_or_config)
         return model
@@ -109,17 +118,20 @@ def load_model(
 def _load_pretrained(
     acc: Any, path: Path, dtype: torch.dtype, trust_remote_code: bool, attn_implementation: str,
     adapter: Any = None, seed: int = 0, adapter_weights: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
 ) -> nn.Module:
     files = checkpoint_files(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     _check_causal_lm(config, trust_remote_code)
+    grow = grow_config_vocab(config, vocab_size, adapter is not None)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
     _check_causal_model(model)
-    problem = weights_problem(model, files, str(path / "config.json"))  # headers only
+    grown = vocab_weight_names(model) if grow else []
+    problem = weights_problem(model, files, str(path / "config.json"), grown=grown)  # headers only
     if problem:
         raise ValueError(f"base model {str(path)!r}: {problem}")
     if adapter is not None:
@@ -132,7 +144,9 @@ def _load_pretrained(
         _move_buffers(model, acc.device)
     base = base_model_of(model)
     init_non_persistent_buffers(base)
-    load_sharded_safetensors(base, path, files)
+    load_sharded_safetensors(base, path, files, skip=set(grown))
+    if grown:
+        set_grown_rows(base, files, grown, config.vocab_size)
     if adapter_weights is not None:
         _set_full_tensors(model, read_adapter_weights(model, adapter_weights))
     elif adapter is not None:
@@ -267,12 +281,13 @@ def init_non_persistent_buffers(model: nn.Module) -> None:
         init(module)
 
 
-def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path]) -> None:
+def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path], skip: set[str] = frozenset()) -> None:
     """Fill every parameter and persistent buffer of ``model`` (plain tensors or DTensor shards)
     from the safetensors files in ``path``, reading only this rank's slices (DCP resharding).
 
     Collective: every rank of the default group must call it. Tied parameters are read once,
-    under the key the checkpoint holds (``save_pretrained`` omits ``lm_head.weight`` when tied)."""
+    under the key the checkpoint holds (``save_pretrained`` omits ``lm_head.weight`` when tied).
+    ``skip``: names left for the caller (grown token rows)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -283,7 +298,8 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path]) ->
     ckpt_keys = _checkpoint_keys(files)
     # LoRA: the wrapped linears' weights are read under the base model's names (``.base_layer``
     # dropped); the adapters are in no base checkpoint.
-    state_dict = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter_param(k)}
+    state_dict = {k: v for k, v in get_model_state_dict(model).items()
+                  if not is_adapter_param(k) and k not in skip}
     name = {k: checkpoint_key(k) for k in state_dict}
     param_id = {checkpoint_key(n): id(p) for n, p in model.named_parameters(remove_duplicate=False)}
     in_ckpt = {param_id[k] for k in ckpt_keys if k in param_id}  # tied aliases count as present

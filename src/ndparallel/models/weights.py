@@ -46,9 +46,11 @@ def read_header(file: str | os.PathLike) -> dict:
     return header
 
 
-def weights_problem(model: torch.nn.Module, files: list[Path], config_name: str = "config.json") -> str | None:
+def weights_problem(model: torch.nn.Module, files: list[Path], config_name: str = "config.json",
+                    grown: list[str] = ()) -> str | None:
     """Why the safetensors ``files`` cannot fill ``model`` (built on any device, meta included,
-    from ``config_name``), or None. Tied aliases may be absent, as ``save_pretrained`` omits them."""
+    from ``config_name``), or None. Tied aliases may be absent, as ``save_pretrained`` omits them;
+    the ``grown`` weights (token rows added) may have fewer rows than the model."""
     from ndparallel.models.naming import tied_aliases
 
     stored: dict[str, tuple[list[int], str]] = {}
@@ -62,7 +64,13 @@ def weights_problem(model: torch.nn.Module, files: list[Path], config_name: str 
         return (f"{len(missing)} model tensor(s) are not in the checkpoint {str(files[0].parent)!r}, e.g. "
                 f"{missing[:3]}; its keys look like {sorted(stored)[:3]} (a checkpoint of another "
                 "architecture or with renamed keys?)")
-    wrong = [(k, stored[k], shape) for k, shape in expected.items() if stored[k][0] != shape]
+    def fits(k: str, shape: list[int]) -> bool:
+        have = stored[k][0]
+        if k in grown:
+            return len(have) == len(shape) and have[1:] == shape[1:] and have[0] <= shape[0]
+        return have == shape
+
+    wrong = [(k, stored[k], shape) for k, shape in expected.items() if not fits(k, shape)]
     if wrong:
         (name, (have, file), want), more = wrong[0], len(wrong) - 1
         return (f"tensor {name!r} in {file} has shape {have}, but {config_name} gives the model "

@@ -50,15 +50,29 @@ def load_tokenizer(cfg: TrainConfig, cache_dir: Path):
 
 
 def set_special_tokens(tokenizer, cfg: TrainConfig) -> None:
-    """``special_tokens``: each token must already be in the vocabulary (no embedding is added)."""
-    if not cfg.special_tokens:
-        return
+    """``special_tokens`` set on the tokenizer, added when not in its vocabulary; then ``tokens``
+    added (Axolotl's order and way: not normalised, no stripping). The same on every process."""
+    from tokenizers import AddedToken
+
     vocab = tokenizer.get_vocab()
-    for name, token in cfg.special_tokens.model_dump(exclude_none=True).items():
-        if token not in vocab:
-            raise ValueError(f"special_tokens.{name}: {token!r} is not in the tokenizer's vocabulary; use a token "
-                             "it has (adding tokens, which needs new embedding rows, is not supported)")
-        setattr(tokenizer, name, token)
+    for name, token in (cfg.special_tokens.model_dump(exclude_none=True) if cfg.special_tokens else {}).items():
+        if token in vocab:
+            setattr(tokenizer, name, token)
+        else:
+            tokenizer.add_special_tokens({name: AddedToken(token, rstrip=False, lstrip=False, normalized=False)})
+    if cfg.tokens:
+        tokenizer.add_tokens([AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in cfg.tokens])
+
+
+def grown_vocab_size(cfg: TrainConfig, tokenizer, model_vocab: int) -> int | None:
+    """The vocabulary the model needs when the tokenizer outgrew its ``model_vocab`` rows (added
+    tokens), else None: rounded up to a multiple of 32 with ``resize_token_embeddings_to_32x`` and
+    of ``tensor_parallel_size`` (TP shards the vocabulary evenly; the extra rows are unused)."""
+    n = len(tokenizer)
+    if n <= model_vocab:
+        return None
+    multiple = math.lcm(32 if cfg.resize_token_embeddings_to_32x else 1, cfg.tensor_parallel_size)
+    return -(-n // multiple) * multiple
 
 
 def build_data(cfg: TrainConfig, tokenizer, cache_dir: Path):

@@ -13,19 +13,15 @@ def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
     when known) adds the attention-kernel and tf32 notes."""
     notes = []
     if cfg.plugins:
-        if "chunked_loss" in TrainConfig.model_fields:
-            notes.append("plugins: CutCrossEntropyPlugin -> chunked_loss: true (ndparallel's memory-efficient loss, "
-                         "the full logits never exist)")
-        else:
-            notes.append("plugins: CutCrossEntropyPlugin accepted, but this version computes the loss from the full "
-                         "logits (no memory-efficient loss yet): plan for the logits' memory")
+        notes.append("plugins: CutCrossEntropyPlugin -> chunked_loss: true (ndparallel's memory-efficient loss, "
+                     "the full logits never exist)")
     fsdp = cfg.fsdp_config
     if fsdp.state_dict_type:
         notes.append(f"fsdp_config.state_dict_type: {fsdp.state_dict_type}: checkpoints are always sharded (DCP, "
                      "resumable on any layout) and the final model one full safetensors directory")
-    if cfg.special_tokens:
-        notes.append("special_tokens: set on the tokenizer (saved with the model); each must already be in its "
-                     "vocabulary (no new embedding rows)")
+    if cfg.special_tokens or cfg.tokens:
+        notes.append("special_tokens / tokens: set on (or added to) the tokenizer, saved with the model; a token "
+                     "new to the vocabulary gets an embedding row initialised to the mean of the existing rows")
     if cfg.optimizer == "adamw_torch_fused":
         notes.append("optimizer: adamw_torch_fused: torch AdamW with fused=True when every parameter is on CUDA, "
                      "else the default kernel (same update)")

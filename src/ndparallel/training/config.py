@@ -157,7 +157,12 @@ class TrainConfig(_Strict):
     chat_template: str | None = None
     """Template of chat_template datasets: tokenizer_default (default), chatml, llama3."""
     special_tokens: SpecialTokens | None = None
-    """Tokens set on the tokenizer, e.g. {pad_token: <|end_of_text|>}; each must be in its vocabulary."""
+    """bos/eos/pad/unk tokens set on the tokenizer; one not in its vocabulary is added (new row)."""
+    tokens: list[str] | None = None
+    """Tokens added to the tokenizer; each new one gets an embedding (and LM-head) row initialised to
+    the mean of the existing rows, trained with the model (full fine-tuning only)."""
+    resize_token_embeddings_to_32x: bool = False
+    """When rows are added, round the vocabulary up to a multiple of 32."""
     dataset_cache_dir: str | None = Field(None, validation_alias=AliasChoices("dataset_cache_dir",
                                                                              "dataset_prepared_path"))
     """Tokenized data, rows and the built-in tokenizer (default: output_dir/../.cache)."""

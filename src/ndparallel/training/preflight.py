@@ -31,7 +31,8 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     check_model(cfg, hf)
     check_adapter(cfg, hf, pc.tp_size)
     if check_local:
-        check_local_inputs(cfg, check_output=check_output)
+        tokenizer = check_local_inputs(cfg, check_output=check_output)
+        _check_added_tokens(cfg, tokenizer, hf)
     try:
         if pc.tp_enabled:
             from ndparallel.parallel.tensor import validate_tensor_parallel
@@ -62,8 +63,28 @@ def _check_fp8(cfg: TrainConfig) -> None:
         raise ConfigError(f"fp8: {problem}")
 
 
-def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm: bool = False) -> None:
-    """Device, output_dir, resume checkpoint, tokenizer and a first sample of each dataset file."""
+def _check_added_tokens(cfg: TrainConfig, tokenizer, hf) -> None:
+    """Tokens new to ``base_model``'s vocabulary (``tokens``, ``special_tokens``) grow its
+    embeddings: refused with LoRA (the new rows would stay frozen); ``hf`` gets the grown size,
+    which the TP / CP checks then see."""
+    from ndparallel.models.presets import is_preset
+    from ndparallel.training.build import grown_vocab_size
+
+    if is_preset(cfg.base_model):
+        return
+    grown = grown_vocab_size(cfg, tokenizer, hf.vocab_size)
+    if grown is None:
+        return
+    if cfg.adapter:
+        raise ConfigError(f"tokens / special_tokens add {len(tokenizer) - hf.vocab_size} token(s) new to the "
+                          f"vocabulary of base_model={cfg.base_model!r}; with adapter: lora their embedding rows "
+                          "would stay frozen: use tokens it has, or full fine-tuning")
+    hf.vocab_size = grown
+
+
+def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm: bool = False):
+    """Device, output_dir, resume checkpoint, tokenizer and a first sample of each dataset file;
+    returns the run's tokenizer."""
     import torch
 
     from ndparallel.data.check import check_dataset
@@ -84,7 +105,7 @@ def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm
             check_dataset(d.model_dump(), f"datasets[{i}]")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    prepare_data(cfg)
+    return prepare_data(cfg)[0]
 
 
 def prepare_data(cfg: TrainConfig):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ndparallel.training.build import (
     build_data,
     data_cache_dir,
+    grown_vocab_size,
     load_tokenizer,
     model_config,
     optimizer_for,
@@ -137,10 +138,15 @@ class Trainer:
         self.hf_config = model_config(cfg, vocab_size=len(self.tokenizer))
         self.hf_config.use_cache = False
         source = self.hf_config if is_preset(cfg.base_model) else cfg.base_model
+        grown = None if is_preset(cfg.base_model) else grown_vocab_size(cfg, self.tokenizer, self.hf_config.vocab_size)
+        if grown:  # tokens added to the tokenizer: new embedding / LM-head rows
+            acc.print(f"ndparallel train: the tokenizer has {len(self.tokenizer)} tokens, the model "
+                      f"{self.hf_config.vocab_size} rows: growing to {grown} (new rows = the mean row)")
+            self.hf_config.vocab_size = grown
         adapter = cfg.lora_config()  # LoRA: the frozen base is kept in bf16 for a bf16 run
         dtype = torch.bfloat16 if adapter is not None and cfg.bf16 else torch.float32
         model = acc.load_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
-                               adapter=adapter, adapter_weights=cfg.lora_model_dir or None,
+                               adapter=adapter, adapter_weights=cfg.lora_model_dir or None, vocab_size=grown,
                                dtype=dtype, attn_implementation=kernel)
         if getattr(model, "config", None) is not None:
             model.config.use_cache = False
