@@ -5,7 +5,7 @@
 #   bash bench/gpu_lora.sh              # on the GPU machine, from the repository root (carry .whl)
 # It checks: the CPU-pinned LoRA equivalence/checkpoint tests with a GPU visible; a one-GPU bf16
 # `ndparallel train` with `adapter: lora` (bf16 frozen base, checkpoint, resume, adapter + merged
-# export that agree); LoRA vs full fine-tuning speed and peak memory on the Llama-3.2-1B shape,
+# export that agree); a run continuing from that adapter (lora_model_dir) on CUDA; LoRA vs full fine-tuning speed and peak memory on the Llama-3.2-1B shape,
 # next to the planner's prediction (bench/gpu_lora.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +47,10 @@ diff, effect = (a - b).abs().max().item(), (a - c).abs().max().item()
 print(f"max |adapter - merged| logits {diff:.4f}; the adapter's own effect {effect:.4f}")
 assert diff < 0.2 * effect, "merged (bf16 weights) and adapter should agree far closer than the adapter moves"
 PY
+check lora_model_dir_1gpu python3 -m ndparallel train examples/cpu/lora_fsdp_tp.yaml "${COMMON[@]}" --set max_steps=4 \
+  --set "output_dir=${RUN}_continue" --set "lora_model_dir=$RUN/final"
+check lora_model_dir_tests python3 -m pytest -q -x tests/test_lora_model_dir.py
+check added_tokens_tests python3 -m pytest -q -x tests/test_added_tokens.py
 check lora_vs_full_perf python3 bench/gpu_lora.py --seq 2048 --batch 4 --steps 8
 grep -h "step 8:\|step 12:" "$OUT"/lora_train_1gpu.log "$OUT"/lora_resume_1gpu.log | tail -2
 tail -12 "$OUT"/lora_vs_full_perf.log
