@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import forbid_launch, run_cli
 from sft_fixtures import alpaca_records, tiny_llama_dir, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,24 +23,8 @@ QWEN = FIXTURES / "qwen3-8b-fsdp-tp-cp.yaml"
 
 @pytest.fixture(autouse=True)
 def _never_launch(monkeypatch):
-    import ndparallel.runtime.launch as launch
-
-    def refuse(*a, **k):
-        raise AssertionError(f"ranks were launched: {a}")
-
-    monkeypatch.setattr(launch, "relaunch_self", refuse)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-
-
-def _run(capsys, *args):
-    from ndparallel.cli import main
-
-    capsys.readouterr()
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    """A case must be refused before any rank starts."""
+    forbid_launch(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +44,7 @@ def local(tmp_path_factory):
 
 @pytest.mark.parametrize("config", [LLAMA, QWEN], ids=["llama-hsdp-tp", "qwen3-fsdp-tp-cp"])
 def test_seed_configs_dry_run_explain_each_difference(capsys, config):
-    code, out, err = _run(capsys, "train", config, "--dry-run")
+    code, out, err = run_cli(capsys, "train", config, "--dry-run")
     assert code == 0, err
     notes = [line for line in out.splitlines() if line.startswith("note")]
     assert len({n.split(":")[1] for n in notes}) == len(notes)  # one line per field
@@ -91,21 +76,21 @@ def test_seed_fields_map_to_ndparallel():
 def test_unsupported_is_refused_in_one_line(tmp_path, capsys, extra, fragment):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(LLAMA.read_text() + "\n" + extra + "\n")
-    code, _, err = _run(capsys, "train", cfg, "--dry-run")
+    code, _, err = run_cli(capsys, "train", cfg, "--dry-run")
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_several_problems_one_per_line(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(LLAMA.read_text() + "\nfsdp_version: 1\nload_in_8bit: true\nlr_schedulr: cosine\n")
-    code, _, err = _run(capsys, "train", cfg, "--dry-run")
+    code, _, err = run_cli(capsys, "train", cfg, "--dry-run")
     lines = err.strip().splitlines()
     assert code == 2 and lines[0].endswith("3 problems:") and len(lines) == 4, err
     assert "fsdp_version" in err and "quantized loading is not supported" in err and "did you mean 'lr_scheduler'" in err
 
 
 def test_layer_class_of_another_model_is_refused(local, capsys):
-    code, _, err = _run(capsys, "train", local / "seed.yaml", "--dry-run",
+    code, _, err = run_cli(capsys, "train", local / "seed.yaml", "--dry-run",
                         "--set", "fsdp_config.transformer_layer_cls_to_wrap=Qwen3DecoderLayer")
     assert code == 2 and "['Qwen3DecoderLayer'] is not a class of" in err and "LlamaDecoderLayer" in err, err
 
@@ -138,7 +123,7 @@ def test_data_problems_found_before_launch(local, tmp_path, capsys, problem, set
             "--set", "dp_shard_size=2"]
     for item in [setup["set"]] if isinstance(setup.get("set"), str) else setup.get("set", []):
         sets += ["--set", item]
-    code, _, err = _run(capsys, "train", local / "seed.yaml", *sets)
+    code, _, err = run_cli(capsys, "train", local / "seed.yaml", *sets)
     assert code == 2 and fragment in err, (problem, err)
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert err.startswith("ndparallel train: error:"), err
@@ -148,7 +133,7 @@ def test_preprocess_json_and_show(local, tmp_path, capsys):
     from ndparallel.training.config import load_config
 
     sets = ["--set", f"dataset_prepared_path={tmp_path / 'cache'}", "--set", "sequence_len=256"]
-    code, out, err = _run(capsys, "preprocess", local / "seed.yaml", "--json", *sets)
+    code, out, err = run_cli(capsys, "preprocess", local / "seed.yaml", "--json", *sets)
     assert code == 0, err
     samples = [json.loads(line) for line in out.splitlines()]
     assert len(samples) == 48 and "48 records -> 48 samples" in err
@@ -158,7 +143,7 @@ def test_preprocess_json_and_show(local, tmp_path, capsys):
     for s, record in zip(samples, alpaca_records(48)):  # dataset order, prompt masked
         trained = [t for t, lab in zip(s["input_ids"], s["labels"]) if lab != -100]
         assert tok.decode(trained) == record["output"] + "<|end_of_text|>"
-    code, out, _ = _run(capsys, "preprocess", local / "seed.yaml", "--show", "2", *sets)
+    code, out, _ = run_cli(capsys, "preprocess", local / "seed.yaml", "--show", "2", *sets)
     assert code == 0 and out.count("--- sample") == 2
     assert f"[[{alpaca_records(1)[0]['output']}<|end_of_text|>]]" in out  # trained run highlighted
     assert list((tmp_path / "cache" / "rows").glob("*/meta.json"))  # cached as train will use it

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import forbid_launch, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_DATA = ["tokenizer_vocab_size=512", "sequence_len=32"]
@@ -26,25 +27,8 @@ SMALL_DATA = ["tokenizer_vocab_size=512", "sequence_len=32"]
 # ----------------------------------------------------------------------------------- helpers
 @pytest.fixture(autouse=True)
 def _never_launch(monkeypatch):
-    """A case must be refused before any rank starts: launching fails the test at once."""
-    import ndparallel.runtime.launch as launch
-
-    def refuse(*a, **k):
-        raise AssertionError(f"ranks were launched: {a}")
-
-    monkeypatch.setattr(launch, "relaunch_self", refuse)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-
-
-def _run(capsys, *args):
-    from ndparallel.cli import main
-
-    capsys.readouterr()  # what the test's own setup printed
-    code = main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    """A case must be refused before any rank starts."""
+    forbid_launch(monkeypatch)
 
 
 def _refused(result, *fragments):
@@ -114,63 +98,63 @@ def test_numeric_field_out_of_range(tmp_path, capsys, field, value, fragment):
         extra = f"datasets: [{{path: 'builtin:stdlib', max_bytes: {value}}}]\n"
     else:
         extra = f"{field}: {value}\n"
-    err = _refused(_run(capsys, "train", _cfg(tmp_path, extra), "--dry-run"), fragment)
+    err = _refused(run_cli(capsys, "train", _cfg(tmp_path, extra), "--dry-run"), fragment)
     assert "got" in err  # the value given is echoed
 
 
 def test_range_message_names_the_fix(tmp_path, capsys):
-    _refused(_run(capsys, "train", _cfg(tmp_path, "max_steps: 0\n"), "--dry-run"),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, "max_steps: 0\n"), "--dry-run"),
              "leave it out to train num_epochs epochs")
 
 
 def test_num_epochs_with_max_steps_is_said_to_be_ignored(tmp_path, capsys):
-    code, out, err = _run(capsys, "train", _cfg(tmp_path, "num_epochs: 3\nmax_steps: 20\n"), "--dry-run")
+    code, out, err = run_cli(capsys, "train", _cfg(tmp_path, "num_epochs: 3\nmax_steps: 20\n"), "--dry-run")
     assert code == 0, err
     assert "max_steps 20 (num_epochs 3 is ignored: max_steps wins)" in out
 
 
 def test_sequence_len_beyond_max_position_embeddings(tmp_path, capsys):
-    _refused(_run(capsys, "train", _cfg(tmp_path, "sequence_len: 8192\n"), "--dry-run"),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, "sequence_len: 8192\n"), "--dry-run"),
              "sequence_len=8192", "max_position_embeddings=4096")
 
 
 # --------------------------------------------------------------------------- the CLI
 def test_set_with_broken_yaml_value(tmp_path, capsys):
-    _refused(_run(capsys, "train", _cfg(tmp_path), "--set", "max_steps=[1,", "--dry-run"),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path), "--set", "max_steps=[1,", "--dry-run"),
              "--set 'max_steps=[1,'")
 
 
 def test_set_into_a_scalar(tmp_path, capsys):
-    _refused(_run(capsys, "train", _cfg(tmp_path), "--set", "max_steps.x=1", "--dry-run"), "max_steps")
+    _refused(run_cli(capsys, "train", _cfg(tmp_path), "--set", "max_steps.x=1", "--dry-run"), "max_steps")
 
 
 def test_bad_flag_value_is_one_line(capsys):
-    _refused(_run(capsys, "verify", "--steps", "abc"), "--steps", "invalid int value")
+    _refused(run_cli(capsys, "verify", "--steps", "abc"), "--steps", "invalid int value")
 
 
 def test_verify_steps_zero(capsys):
-    _refused(_run(capsys, "verify", "--steps", "0"), "--steps", ">= 1")
+    _refused(run_cli(capsys, "verify", "--steps", "0"), "--steps", ">= 1")
 
 
 def test_verify_tolerance_negative(capsys):
-    _refused(_run(capsys, "verify", "--tolerance", "-1"), "--tolerance", "> 0")
+    _refused(run_cli(capsys, "verify", "--tolerance", "-1"), "--tolerance", "> 0")
 
 
 def test_train_nproc_per_node_zero(tmp_path, capsys):
-    _refused(_run(capsys, "train", _cfg(tmp_path), "--nproc-per-node", "0"), "--nproc-per-node", ">= 1")
+    _refused(run_cli(capsys, "train", _cfg(tmp_path), "--nproc-per-node", "0"), "--nproc-per-node", ">= 1")
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "many"])
 def test_launch_nproc_per_node_invalid(capsys, value):
-    _refused(_run(capsys, "launch", "--nproc-per-node", value, "script.py"), "--nproc-per-node")
+    _refused(run_cli(capsys, "launch", "--nproc-per-node", value, "script.py"), "--nproc-per-node")
 
 
 def test_unknown_command_is_one_line(capsys):
-    _refused(_run(capsys, "trian"), "unknown command 'trian'", "did you mean 'train'")
+    _refused(run_cli(capsys, "trian"), "unknown command 'trian'", "did you mean 'train'")
 
 
 def test_missing_config_file(tmp_path, capsys):
-    _refused(_run(capsys, "train", tmp_path / "nope.yaml"), "nope.yaml not found")
+    _refused(run_cli(capsys, "train", tmp_path / "nope.yaml"), "nope.yaml not found")
 
 
 # ------------------------------------------------------------------------------- models
@@ -178,14 +162,14 @@ def test_preset_typo_suggests_the_preset(tmp_path, capsys):
     import time
 
     t0 = time.perf_counter()
-    _refused(_run(capsys, "train", _cfg(tmp_path, base_model="tiny-lama"), "--dry-run"),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model="tiny-lama"), "--dry-run"),
              "unknown preset", "did you mean 'tiny-llama'")
     assert time.perf_counter() - t0 < 10  # no Hub round trip, no retries
 
 
 @pytest.mark.parametrize("path", ["./no/such/model", "no/such/model", "/no/such/model", "~/no-such-model"])
 def test_missing_local_model_path(tmp_path, capsys, path):
-    err = _refused(_run(capsys, "train", _cfg(tmp_path, base_model=path), "--dry-run"), "does not exist")
+    err = _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model=path), "--dry-run"), "does not exist")
     assert "Repo id" not in err
 
 
@@ -193,7 +177,7 @@ def test_hub_id_not_cached_offline_fails_fast(tmp_path, capsys):
     import time
 
     t0 = time.perf_counter()
-    _refused(_run(capsys, "train", _cfg(tmp_path, base_model="someorg/somemodel"), "--dry-run"),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model="someorg/somemodel"), "--dry-run"),
              "someorg/somemodel", "not in the local Hugging Face cache")
     assert time.perf_counter() - t0 < 10
 
@@ -227,7 +211,7 @@ def test_weights_with_wrong_shapes(tmp_path, capsys, tiny_model):
     cfg = json.loads((model / "config.json").read_text())
     cfg["intermediate_size"] = 96  # the weights were saved with 128
     (model / "config.json").write_text(json.dumps(cfg))
-    _refused(_run(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
              "shape", "mlp", "config.json")
 
 
@@ -238,7 +222,7 @@ def test_weights_with_renamed_keys(tmp_path, capsys, tiny_model):
     tensors = load_file(model / "model.safetensors")
     tensors = {k.replace("self_attn.q_proj", "attention.wq"): v for k, v in tensors.items()}
     save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
-    _refused(_run(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
              "not in the checkpoint", "q_proj")
 
 
@@ -247,14 +231,14 @@ def test_truncated_safetensors(tmp_path, capsys, tiny_model):
     f = model / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) - 1000])
-    _refused(_run(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
              "model.safetensors", "truncated")
 
 
 def test_safetensors_with_garbage_header(tmp_path, capsys, tiny_model):
     model = _copy_model(tiny_model, tmp_path / "m")
     (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
-    _refused(_run(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
              "model.safetensors", "not a safetensors file")
 
 
@@ -269,7 +253,7 @@ def _save_bert(directory: Path, is_decoder: bool) -> Path:
 
 def test_bidirectional_model_is_refused(tmp_path, capsys):
     model = _save_bert(tmp_path / "bert", is_decoder=False)
-    _refused(_run(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
              "not a causal decoder", "BertLMHeadModel", "is_decoder")
 
 
@@ -309,7 +293,7 @@ def test_encoder_decoder_is_refused(tmp_path, capsys):
     from transformers import T5Config
 
     T5Config(num_layers=2, d_model=64, d_ff=128, num_heads=4, vocab_size=256).save_pretrained(tmp_path / "t5")
-    _refused(_run(capsys, "train", _cfg(tmp_path, base_model=str(tmp_path / "t5")), "--dry-run"),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model=str(tmp_path / "t5")), "--dry-run"),
              "causal")
 
 
@@ -317,7 +301,7 @@ def test_cuda_without_gpu(tmp_path, capsys, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _refused(_run(capsys, "train", _cfg(tmp_path, "device: cuda\n")),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, "device: cuda\n")),
              "device", "cuda", "no CUDA GPU")
 
 
@@ -329,62 +313,62 @@ def _data_cfg(tmp_path: Path, data: Path, extra: str = "") -> Path:
 def test_empty_jsonl(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text("")
-    _refused(_run(capsys, "train", _data_cfg(tmp_path, data)), "datasets[0]", "d.jsonl", "empty")
+    _refused(run_cli(capsys, "train", _data_cfg(tmp_path, data)), "datasets[0]", "d.jsonl", "empty")
 
 
 def test_blank_lines_only_jsonl(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text("\n\n  \n")
-    _refused(_run(capsys, "train", _data_cfg(tmp_path, data)), "datasets[0]", "no records")
+    _refused(run_cli(capsys, "train", _data_cfg(tmp_path, data)), "datasets[0]", "no records")
 
 
 def test_jsonl_line_that_is_not_json(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "a"}\n{"text": "b"}\n{"text": oops}\n')
-    _refused(_run(capsys, "train", _data_cfg(tmp_path, data)), "d.jsonl line 3", "not valid JSON")
+    _refused(run_cli(capsys, "train", _data_cfg(tmp_path, data)), "d.jsonl line 3", "not valid JSON")
 
 
 def test_jsonl_line_that_is_not_an_object(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "a"}\n[1, 2]\n')
-    _refused(_run(capsys, "train", _data_cfg(tmp_path, data)), "d.jsonl line 2", "object")
+    _refused(run_cli(capsys, "train", _data_cfg(tmp_path, data)), "d.jsonl line 2", "object")
 
 
 @pytest.mark.parametrize("name", ["d.jsonl", "d.txt", "d.csv", "d.json"])
 def test_binary_file_with_a_text_extension(tmp_path, capsys, name):
     data = tmp_path / name
     data.write_bytes(bytes(range(256)) * 40)
-    _refused(_run(capsys, "train", _data_cfg(tmp_path, data)), name, "binary")
+    _refused(run_cli(capsys, "train", _data_cfg(tmp_path, data)), name, "binary")
 
 
 def test_jsonl_missing_text_column(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text('{"content": "a"}\n{"content": "b"}\n')
-    _refused(_run(capsys, "train", _data_cfg(tmp_path, data)), "text_field", "'text'", "content")
+    _refused(run_cli(capsys, "train", _data_cfg(tmp_path, data)), "text_field", "'text'", "content")
 
 
 def test_csv_missing_text_column(tmp_path, capsys):
     data = tmp_path / "d.csv"
     data.write_text("content,label\nhello,1\n")
-    _refused(_run(capsys, "train", _data_cfg(tmp_path, data)), "text_field", "content")
+    _refused(run_cli(capsys, "train", _data_cfg(tmp_path, data)), "text_field", "content")
 
 
 def test_json_array_document_missing_column(tmp_path, capsys):
     data = tmp_path / "d.json"
     data.write_text(json.dumps([{"body": "a"}, {"body": "b"}]))
-    _refused(_run(capsys, "train", _data_cfg(tmp_path, data)), "text_field", "body")
+    _refused(run_cli(capsys, "train", _data_cfg(tmp_path, data)), "text_field", "body")
 
 
 def test_not_a_parquet_file(tmp_path, capsys):
     data = tmp_path / "d.parquet"
     data.write_text("hello")
-    _refused(_run(capsys, "train", _data_cfg(tmp_path, data)), "d.parquet", "not a parquet file")
+    _refused(run_cli(capsys, "train", _data_cfg(tmp_path, data)), "d.parquet", "not a parquet file")
 
 
 def test_text_field_on_a_plain_text_file(tmp_path, capsys):
     data = tmp_path / "d.txt"
     data.write_text("hello world\n")
-    _refused(_run(capsys, "train", _data_cfg(tmp_path, data, ", text_field: body")), "text_field", "'text'")
+    _refused(run_cli(capsys, "train", _data_cfg(tmp_path, data, ", text_field: body")), "text_field", "'text'")
 
 
 def test_directory_with_one_bad_file(tmp_path, capsys):
@@ -392,7 +376,7 @@ def test_directory_with_one_bad_file(tmp_path, capsys):
     d.mkdir()
     (d / "a.jsonl").write_text('{"text": "a"}\n')
     (d / "b.jsonl").write_text("")
-    _refused(_run(capsys, "train", _data_cfg(tmp_path, d)), "b.jsonl", "empty")
+    _refused(run_cli(capsys, "train", _data_cfg(tmp_path, d)), "b.jsonl", "empty")
 
 
 def test_good_data_passes_the_checks(tmp_path):
@@ -410,27 +394,27 @@ def test_good_data_passes_the_checks(tmp_path):
 
 
 def test_missing_tokenizer_dir(tmp_path, capsys):
-    _refused(_run(capsys, "train", _cfg(tmp_path, f"tokenizer: {tmp_path / 'no-tok'}\n")),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, f"tokenizer: {tmp_path / 'no-tok'}\n")),
              "tokenizer", "does not exist")
 
 
 def test_explicit_resume_path_that_is_not_a_checkpoint(tmp_path, capsys):
     (tmp_path / "ckpt").mkdir()
-    _refused(_run(capsys, "train", _cfg(tmp_path, f"resume_from_checkpoint: {tmp_path / 'ckpt'}\n")),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, f"resume_from_checkpoint: {tmp_path / 'ckpt'}\n")),
              "resume_from_checkpoint", "not a usable checkpoint")
 
 
 # ---------------------------------------------------------------------------- output_dir
 def test_output_dir_that_is_a_file(tmp_path, capsys):
     (tmp_path / "out").write_text("mine")
-    _refused(_run(capsys, "train", _cfg(tmp_path)), "output_dir", "is a file")
+    _refused(run_cli(capsys, "train", _cfg(tmp_path)), "output_dir", "is a file")
     assert (tmp_path / "out").read_text() == "mine"
 
 
 def test_output_dir_under_a_file(tmp_path, capsys):
     (tmp_path / "f").write_text("mine")
     cfg = _cfg(tmp_path, f"output_dir: {tmp_path / 'f' / 'run'}\n")
-    _refused(_run(capsys, "train", cfg), "output_dir", "is a file")
+    _refused(run_cli(capsys, "train", cfg), "output_dir", "is a file")
 
 
 def _fake_previous_run(out: Path) -> None:
@@ -452,7 +436,7 @@ def test_new_run_into_a_previous_run_is_refused(tmp_path, capsys):
     out = tmp_path / "out"
     _fake_previous_run(out)
     before = _snapshot(out)
-    _refused(_run(capsys, "train", _cfg(tmp_path, "seed: 7\n")),
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, "seed: 7\n")),
              "output_dir", "another run", "resume_from_checkpoint: auto", "overwrite_output_dir: true")
     assert _snapshot(out) == before
 
@@ -463,9 +447,9 @@ def test_users_own_files_are_never_overwritten(tmp_path, capsys, own):
     (out / own).parent.mkdir(parents=True, exist_ok=True)
     (out / own).write_bytes(b"the user's own")
     before = _snapshot(out)
-    _refused(_run(capsys, "train", _cfg(tmp_path)), "output_dir", own.split("/")[0])
+    _refused(run_cli(capsys, "train", _cfg(tmp_path)), "output_dir", own.split("/")[0])
     # overwrite_output_dir replaces a previous run's files, never files no run wrote
-    _refused(_run(capsys, "train", _cfg(tmp_path, "overwrite_output_dir: true\n")), own.split("/")[0])
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, "overwrite_output_dir: true\n")), own.split("/")[0])
     assert _snapshot(out) == before
 
 
@@ -473,7 +457,7 @@ def test_unrelated_files_block_a_new_run_unless_overwrite(tmp_path, capsys, monk
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    _refused(_run(capsys, "train", _cfg(tmp_path)), "output_dir", "notes.txt", "overwrite_output_dir")
+    _refused(run_cli(capsys, "train", _cfg(tmp_path)), "output_dir", "notes.txt", "overwrite_output_dir")
     from ndparallel.training.config import load_config
     from ndparallel.training.outputs import plan_output_dir
 
@@ -559,7 +543,7 @@ def test_export_into_a_non_empty_dir_is_refused(tmp_path, capsys, checkpoint):
     (target / "model.safetensors").write_bytes(b"another model")
     (target / "config.json").write_text("{}")
     before = _snapshot(target)
-    _refused(_run(capsys, "export", checkpoint, target), "not empty", "--overwrite")
+    _refused(run_cli(capsys, "export", checkpoint, target), "not empty", "--overwrite")
     assert _snapshot(target) == before
 
 
@@ -567,7 +551,7 @@ def test_export_overwrite_replaces(tmp_path, capsys, checkpoint):
     target = tmp_path / "out"
     target.mkdir()
     (target / "model.safetensors").write_bytes(b"old")
-    code, _, err = _run(capsys, "export", checkpoint, target, "--overwrite")
+    code, _, err = run_cli(capsys, "export", checkpoint, target, "--overwrite")
     assert code == 0, err
     assert (target / "model.safetensors").stat().st_size > 1000
 
@@ -577,19 +561,19 @@ def test_export_with_a_mismatched_model_config(tmp_path, capsys, checkpoint, tin
     cfg = json.loads((other / "config.json").read_text())
     cfg["intermediate_size"] = 96
     (other / "config.json").write_text(json.dumps(cfg))
-    _refused(_run(capsys, "export", checkpoint, tmp_path / "out", "--config", other),
+    _refused(run_cli(capsys, "export", checkpoint, tmp_path / "out", "--config", other),
              "does not match", "shape")
     assert not (tmp_path / "out").exists()
 
 
 def test_export_of_a_missing_checkpoint(tmp_path, capsys):
-    _refused(_run(capsys, "export", tmp_path / "nope", tmp_path / "out"), "nope")
+    _refused(run_cli(capsys, "export", tmp_path / "nope", tmp_path / "out"), "nope")
 
 
 def test_plot_never_overwrites_a_users_png(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
     (tmp_path / "metrics.png").write_bytes(b"mine")
-    _refused(_run(capsys, "plot", tmp_path), "metrics.png", "--out")
+    _refused(run_cli(capsys, "plot", tmp_path), "metrics.png", "--out")
     assert (tmp_path / "metrics.png").read_bytes() == b"mine"
 
 
@@ -646,7 +630,7 @@ def test_dataset_smaller_than_one_block_is_found_before_launch(tmp_path, capsys)
     data = tmp_path / "tiny.jsonl"
     data.write_text(json.dumps({"text": "hello world"}) + "\n")
     cfg = _cfg(tmp_path, f"datasets: [{{path: '{data}'}}]\nsequence_len: 512\ndp_shard_size: 2\n")
-    _refused(_run(capsys, "train", cfg), "block")
+    _refused(run_cli(capsys, "train", cfg), "block")
 
 
 def test_second_run_into_the_same_output_dir_end_to_end(tmp_path):

@@ -17,6 +17,7 @@ from ndparallel.runtime.multirank import RankFailure, run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import ckpt_train  # noqa: E402
+from cli_helpers import run_cli
 
 LORA = dict(r=4, alpha=8, dropout=0.0, target_linear=True)
 FSDP2_TP2 = {"dp_shard_size": 2, "tp_size": 2}
@@ -127,14 +128,6 @@ def base_dir(tmp_path_factory):
     return path
 
 
-def _export(capsys, *args):
-    from ndparallel.cli import main
-
-    code = main(["export", *map(str, args)])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 @pytest.mark.parametrize("source", ["checkpoint", "adapter_dir"])
 def test_offline_merge_equals_the_online_merge(runs, base_dir, tmp_path, capsys, source):
     from safetensors.torch import load_file
@@ -142,7 +135,7 @@ def test_offline_merge_equals_the_online_merge(runs, base_dir, tmp_path, capsys,
 
     src = runs["out"] / ("checkpoint-2" if source == "checkpoint" else "adapter")
     out = tmp_path / "merged"
-    code, _, err = _export(capsys, src, out, "--merge", "--base", base_dir, "--max-shard-size", "100KB")
+    code, _, err = run_cli(capsys, "export", src, out, "--merge", "--base", base_dir, "--max-shard-size", "100KB")
     assert code == 0, err
     assert (out / "model.safetensors.index.json").is_file()  # streamed into several shards
     merged = AutoModelForCausalLM.from_pretrained(str(out)).eval()
@@ -172,7 +165,7 @@ def test_offline_merge_refusals(runs, tmp_path, capsys):
     capsys.readouterr()  # transformers' progress bar
     cases.append(((ckpt, tmp_path / "d", "--merge", "--base", other), "has shape"))
     for args, fragment in cases:
-        code, _, err = _export(capsys, *args)
+        code, _, err = run_cli(capsys, "export", *args)
         assert code == 2 and fragment in err, (args, err)
         assert len(err.strip().splitlines()) == 1, err
         assert not Path(args[1]).exists() or not any(Path(args[1]).iterdir()), args  # nothing written

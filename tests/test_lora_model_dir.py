@@ -11,6 +11,7 @@ from pathlib import Path
 import peft  # noqa: F401  (imported once before the ranks fork)
 import pytest
 import torch
+from cli_helpers import run_cli
 
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import run_on_ranks
@@ -107,14 +108,6 @@ def test_a_run_continues_from_another_runs_adapter_on_another_layout(tmp_path):
     assert any(k.endswith("lora_B.weight") and a[k].abs().max() > 1e-6 for k in a)
 
 
-def _cli(capsys, *args):
-    from ndparallel.cli import main
-
-    code = main(list(args))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def _yaml(tmp_path, base: str, text: str) -> str:
     p = tmp_path / "cfg.yaml"
     p.write_text(f"base_model: {base}\nadapter: lora\n" + text)
@@ -160,7 +153,7 @@ def test_a_bad_lora_model_dir_is_one_line_before_launch(saved, tmp_path, capsys,
         "targets_mismatch": lambda: f"lora_model_dir: {adapter}\nlora_target_modules: [q_proj]\n",
         "shapes": lambda: f"lora_model_dir: {_other_r(adapter, tmp_path)}\n",
     }[case]()
-    code, _, err = _cli(capsys, "train", _yaml(tmp_path, base, text), "--dry-run")
+    code, _, err = run_cli(capsys, "train", _yaml(tmp_path, base, text), "--dry-run")
     assert code == 2, err
     assert fragment in err, err
     assert len(err.strip().splitlines()) == 1, err
@@ -168,6 +161,6 @@ def test_a_bad_lora_model_dir_is_one_line_before_launch(saved, tmp_path, capsys,
 
 def test_dry_run_names_the_saved_adapter(saved, tmp_path, capsys):
     base, adapter = saved
-    code, out, err = _cli(capsys, "train", _yaml(tmp_path, base, f"lora_model_dir: {adapter}\n"), "--dry-run")
+    code, out, err = run_cli(capsys, "train", _yaml(tmp_path, base, f"lora_model_dir: {adapter}\n"), "--dry-run")
     assert code == 0, err
     assert "LoRA r=4 alpha=8 dropout=0 on 14 layers" in out and f"starts from {adapter}" in out, out

@@ -8,19 +8,12 @@ from pathlib import Path
 import peft  # noqa: F401  (imported once before the ranks fork)
 import pytest
 import torch
+from cli_helpers import run_cli
 
 from ndparallel.testing import run_on_ranks
 from ndparallel.training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run(capsys, *args):
-    from ndparallel.cli import main
-
-    code = main(list(args))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def _yaml(tmp_path, text):
@@ -40,14 +33,14 @@ def _yaml(tmp_path, text):
     ("adapter: lora\nlora_rank: 8\n", "unknown key 'lora_rank'; did you mean 'lora_r'?"),
 ])
 def test_bad_lora_config_is_one_line(tmp_path, capsys, text, fragment):
-    code, _, err = _run(capsys, "train", _yaml(tmp_path, text), "--dry-run")
+    code, _, err = run_cli(capsys, "train", _yaml(tmp_path, text), "--dry-run")
     assert code == 2, err
     assert fragment in err, err
     assert len(err.strip().splitlines()) == 1, err
 
 
 def test_dry_run_shows_the_adapter(tmp_path, capsys):
-    code, out, err = _run(capsys, "train", _yaml(tmp_path, "adapter: lora\nlora_target_modules: q_proj\n"),
+    code, out, err = run_cli(capsys, "train", _yaml(tmp_path, "adapter: lora\nlora_target_modules: q_proj\n"),
                           "--dry-run")
     assert code == 0, err
     assert "adapter      : LoRA r=8 alpha=16 dropout=0 on 2 layers (q_proj)" in out

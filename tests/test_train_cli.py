@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli
 
 from ndparallel.training.config import ConfigError, load_config
 
@@ -18,15 +19,6 @@ def _cli(*args, timeout=120):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "ndparallel", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=env)
-
-
-def _run(capsys, *args):
-    """The CLI in-process (fast): returns (exit code, stdout, stderr)."""
-    from ndparallel.cli import main
-
-    code = main(list(args))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def _yaml(tmp_path, text):
@@ -50,7 +42,7 @@ def _yaml(tmp_path, text):
     ],
 )
 def test_bad_config_one_clear_line(tmp_path, capsys, text, fragment):
-    code, _, err = _run(capsys, "train", _yaml(tmp_path, "base_model: tiny-llama\n" + text), "--dry-run")
+    code, _, err = run_cli(capsys, "train", _yaml(tmp_path, "base_model: tiny-llama\n" + text), "--dry-run")
     assert code == 2, err
     assert fragment in err
     assert len(err.strip().splitlines()) == 1, err
@@ -64,19 +56,19 @@ def test_bad_config_from_the_shell_exits_2_without_traceback(tmp_path):
 
 def test_missing_dataset_is_reported_before_launch(tmp_path, capsys):
     cfg = _yaml(tmp_path, "base_model: tiny-llama\ndatasets: [{path: ./no/such/file.jsonl}]\n")
-    code, _, err = _run(capsys, "train", cfg)
+    code, _, err = run_cli(capsys, "train", cfg)
     assert code == 2 and "datasets[0].path='./no/such/file.jsonl' does not exist" in err
 
 
 def test_world_size_mismatch_is_reported(capsys):
-    code, _, err = _run(capsys, "train", "examples/cpu/fsdp.yaml", "--dry-run", "--nproc-per-node", "2")
+    code, _, err = run_cli(capsys, "train", "examples/cpu/fsdp.yaml", "--dry-run", "--nproc-per-node", "2")
     assert code == 2 and "needs 4 ranks" in err
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_every_example_passes_dry_run(path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    code, out, err = _run(capsys, "train", str(path), "--dry-run")
+    code, out, err = run_cli(capsys, "train", str(path), "--dry-run")
     assert code == 0, err
     assert "layout" in out and "global batch" in out
 
@@ -94,14 +86,14 @@ def test_plot_writes_png(tmp_path, capsys):
     rows = [{"step": i, "loss": 5.0 - i * 0.1, "tokens_per_s": 100.0 + i} for i in range(1, 6)]
     rows.append({"step": 5, "eval_loss": 4.6, "eval_perplexity": 99.5})
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    code, _, err = _run(capsys, "plot", str(tmp_path))
+    code, _, err = run_cli(capsys, "plot", str(tmp_path))
     assert code == 0, err
     png = tmp_path / "metrics.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_missing_run_dir(tmp_path, capsys):
-    code, _, err = _run(capsys, "plot", str(tmp_path / "nope"))
+    code, _, err = run_cli(capsys, "plot", str(tmp_path / "nope"))
     assert code == 2 and "metrics.jsonl" in err
 
 
