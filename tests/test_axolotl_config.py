@@ -149,6 +149,33 @@ def test_preprocess_json_and_show(local, tmp_path, capsys):
     assert list((tmp_path / "cache" / "rows").glob("*/meta.json"))  # cached as train will use it
 
 
+def test_custom_instruction_format_end_to_end(local, tmp_path, capsys):
+    """Axolotl's `type: {format: ...}` on the seed's alpaca data: preprocess masks the prompt the
+    format builds; a column the format names but the data lacks is refused before launch."""
+    fmt = '{format: "[INST] {instruction} {input} [/INST]\\n", no_input_format: "[INST] {instruction} [/INST]\\n"}'
+    sets = ["--set", f"dataset_prepared_path={tmp_path / 'cache'}", "--set", "sequence_len=256",
+            "--set", f"datasets.0.type={fmt}"]
+    code, out, err = run_cli(capsys, "preprocess", local / "seed.yaml", "--json", *sets)
+    assert code == 0, err
+    from transformers import AutoTokenizer
+
+    from ndparallel.training.config import load_config
+
+    tok = AutoTokenizer.from_pretrained(load_config(local / "seed.yaml").base_model)
+    for line, record in zip(out.splitlines(), alpaca_records(48)):
+        s = json.loads(line)
+        prompt = [t for t, lab in zip(s["input_ids"], s["labels"]) if lab == -100]
+        trained = [t for t, lab in zip(s["input_ids"], s["labels"]) if lab != -100]
+        turn = f"[INST] {record['instruction']} {record['input']} [/INST]\n" if record["input"] else \
+            f"[INST] {record['instruction']} [/INST]\n"
+        assert tok.decode(prompt) == "<|begin_of_text|>" + turn
+        assert tok.decode(trained) == record["output"] + "<|end_of_text|>"
+    bad = "{format: '{instruction}', field_output: answer}"
+    code, _, err = run_cli(capsys, "train", local / "seed.yaml", *sets[:4], "--set", f"datasets.0.type={bad}")
+    assert code == 2 and "column 'answer'" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.slow
 def test_seed_config_trains_to_the_end_on_cpu_ranks(local):
     """The Llama seed config, only base_model / dataset path / output_dir changed; for the CPU:

@@ -262,3 +262,53 @@ def test_padding_cannot_reach_real_tokens(tok, tmp_path):
     changed = batch["input_ids"].clone()
     changed[:, 3] = (changed[:, 3] + 1) % len(tok)
     assert not torch.allclose(logits(changed)[real], base[real])
+
+
+# ------------------------------------------------------------------ custom instruction formats
+MISTRAL_LIKE = {"system_prompt": "Be brief.", "system_format": "<<SYS>>{system}<</SYS>>\n",
+                "field_instruction": "instruction", "field_input": "input", "field_output": "output",
+                "format": "[INST] {instruction}\n{input} [/INST]\n", "no_input_format": "[INST] {instruction} [/INST]\n"}
+
+
+def test_custom_format_masks_exactly_the_prompt(tok):
+    spec = DatasetSpec.from_any({"path": "x", "type": MISTRAL_LIKE})
+    assert spec.type == "user_defined" and spec.format.no_input_format == MISTRAL_LIKE["no_input_format"]
+    for record in alpaca_records(12):
+        ids, labels = encode(tok, render(record, spec, "t"))
+        turn = (MISTRAL_LIKE["format"].format(**record) if record["input"]
+                else MISTRAL_LIKE["no_input_format"].format(instruction=record["instruction"]))
+        prompt = "<<SYS>>Be brief.<</SYS>>\n" + turn
+        n_prompt = len(tok(prompt)["input_ids"])
+        assert labels[:n_prompt] == [IGNORE] * n_prompt and labels[n_prompt:] == ids[n_prompt:]
+        assert tok.decode(ids[:n_prompt]) == "<|begin_of_text|>" + prompt
+        assert tok.decode(ids[n_prompt:]) == record["output"] + "<|end_of_text|>"
+
+
+def test_custom_format_system_column_and_defaults(tok):
+    fmt = {"format": "Q: {instruction} {input}\nA: ", "field_system": "sys", "field_output": "answer"}
+    spec = DatasetSpec.from_any({"path": "x", "type": fmt})
+    with_system = render({"instruction": "hi", "sys": "S. ", "answer": "yo"}, spec, "t")
+    assert with_system.segments == [("S. Q: hi \nA: ", False), ("yo", True)]  # system_format '{system}'
+    no_system = render({"instruction": "hi", "input": "there", "answer": "yo"}, spec, "t")
+    assert no_system.segments == [("Q: hi there\nA: ", False), ("yo", True)]  # no no_input_format: format
+    with pytest.raises(ValueError, match="t: column 'answer' is missing or null"):
+        render({"instruction": "hi"}, spec, "t")
+
+
+@pytest.mark.parametrize("fmt, fragment", [
+    ({"field_instruction": "q"}, "type.format is required"),
+    ({"format": "{instruction} {question}"}, "type.format: placeholder(s) ['question'] are not filled"),
+    ({"format": "{instruction}", "no_input_format": "{instruction} {input}"},
+     "type.no_input_format: placeholder(s) ['input'] are not filled"),
+    ({"format": "{instruction", "field_output": "a"}, "type.format: "),
+    ({"format": "{instruction}", "feld_output": "a"}, "unknown key(s) ['feld_output']"),
+])
+def test_bad_custom_format_is_one_line_before_launch(tmp_path, fmt, fragment):
+    from ndparallel.training.config import ConfigError, load_config
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({"base_model": "tiny-llama", "datasets": [{"path": "d.jsonl", "type": fmt}]}))
+    with pytest.raises(ConfigError) as info:
+        load_config(str(cfg))
+    assert fragment in str(info.value) and "datasets.0.type" in str(info.value), str(info.value)
+    assert len(str(info.value).splitlines()) == 1

@@ -27,6 +27,7 @@ from filelock import FileLock
 from transformers import PreTrainedTokenizerBase
 
 from .corpus import BUILTIN_STDLIB, stdlib_dataset
+from .instruct import USER_DEFINED, InstructFormat
 
 FORMATS: dict[str, tuple[str, ...]] = {
     "text": (".txt", ".text", ".md"),
@@ -62,6 +63,7 @@ class DatasetSpec:
     train_on_eos: str = "turn"  # turn | all | last | none
     chat_template: str | None = None  # a built-in name, "tokenizer_default", or None (the run's)
     chat_template_jinja: str | None = None
+    format: InstructFormat | None = None  # type user_defined (a mapping in the config): instruct.py
 
     @property
     def raw(self) -> bool:
@@ -85,6 +87,9 @@ class DatasetSpec:
         if "path" not in d:
             raise ValueError(f"{where}: 'path' is required (a file, a directory, {BUILTIN_STDLIB!r} or a Hub name)")
         d["path"] = str(d["path"])
+        if isinstance(d.get("type"), Mapping):  # Axolotl's custom instruction format
+            d["format"] = InstructFormat.from_mapping(d.pop("type"), f"{where}.type")
+            d["type"] = USER_DEFINED
         if isinstance(d.get("roles_to_train"), list):
             d["roles_to_train"] = tuple(d["roles_to_train"])
         return cls(**d)
@@ -92,7 +97,10 @@ class DatasetSpec:
 
 def check_type(spec: DatasetSpec, where: str) -> None:
     """``ValueError`` for an unknown ``type`` / ``ds_type`` (with a did-you-mean)."""
-    if spec.type is not None and spec.type not in TYPES:
+    if spec.type == USER_DEFINED and spec.format is None:
+        raise ValueError(f"{where}.type: {USER_DEFINED} is written as a mapping: type: {{format: "
+                         "'... {instruction} ...', field_instruction: ..., field_output: ...}")
+    if spec.type is not None and spec.type not in TYPES and spec.type != USER_DEFINED:
         close = difflib.get_close_matches(str(spec.type), TYPES, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}? " if close else ""
         if spec.type == "sharegpt":  # Axolotl's old name

@@ -80,7 +80,7 @@ def tokenize_samples(records: datasets.Dataset, spec: DatasetSpec, tokenizer, *,
                                   "labels": datasets.Sequence(datasets.Value("int32"))})
     settings = [_VERSION, records._fingerprint, tokenizer_hash(tokenizer), spec.type, spec.text_field,
                 spec.field_messages, spec.message_property_mappings, sorted(spec.roles_to_train), spec.train_on_eos,
-                train_on_inputs, chat.template if chat else None, chat.turn_tokens if chat else None]
+                train_on_inputs, chat.template if chat else None, chat.turn_tokens if chat else None, spec.format]
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:32]
     kwargs: dict[str, Any] = dict(batched=True, with_indices=True, remove_columns=records.column_names,
                                   features=features, num_proc=num_proc, desc=f"tokenize {where}",

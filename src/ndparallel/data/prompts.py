@@ -12,6 +12,8 @@ turns it into ``input_ids`` and ``labels`` (-100 where not trained). Types (Axol
   used as written (no BOS or eos added), ``label`` says whether a segment is trained.
 * ``chat_template``: a ``messages`` / ``conversations`` column rendered with a chat template
   (``chat.py``).
+* a mapping (Axolotl's custom format: ``format``, ``field_instruction`` ...): the prompt from the
+  user's format strings, the output column the answer + eos (``instruct.py``).
 
 A record that does not fit its type (a missing or null column, a wrong JSON type) raises
 ``ValueError`` naming the dataset, the row and the fix.
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .dataset import DatasetSpec
+from .instruct import render_prompt
 
 Segment = tuple[str, bool]
 
@@ -48,6 +51,8 @@ def required_columns(spec: DatasetSpec) -> list[tuple[str, ...]]:
         return [(spec.text_field,)]
     if spec.type == "alpaca":
         return [("instruction",), ("output",)]
+    if spec.format is not None:
+        return spec.format.required_columns()
     if spec.type == "input_output":
         return [("segments",)]
     return [(spec.field_messages,)] if spec.field_messages else [("messages", "conversations")]
@@ -61,6 +66,9 @@ def render(record: Mapping[str, Any], spec: DatasetSpec, where: str, chat=None) 
         return alpaca(record, where)
     if spec.type == "input_output":
         return input_output(record, where)
+    if spec.format is not None:
+        prompt, output = render_prompt(record, spec.format, where)
+        return Rendered([(prompt, False), (output, True)])
     if chat is None:
         raise ValueError(f"{where}: type chat_template needs a chat template")
     return Rendered(chat.segments(record, where), add_special_tokens=False, append_eos=False)

@@ -23,8 +23,9 @@ def _int(ge: int):
 
 class DatasetConfig(_Strict):
     path: str
-    type: str | None = None
-    """Raw text (text, json, parquet, csv, completion, pretrain) or alpaca, chat_template, input_output."""
+    type: str | dict | None = None
+    """Raw text (text, json, parquet, csv, completion, pretrain) or alpaca, chat_template, input_output,
+    or a custom instruction format {format, no_input_format, field_instruction, ...} (docs/data.md)."""
     ds_type: Literal["text", "json", "parquet", "csv"] | None = None
     """The file format when ``type`` is not one (default: from the extension)."""
     split: str = "train"
@@ -47,8 +48,10 @@ class DatasetConfig(_Strict):
         from ndparallel.data.dataset import TYPES
 
         if isinstance(v, dict):
-            raise ValueError("custom prompt formats (type: {...}) are not supported; use type: input_output with "
-                             "explicit segments, or alpaca / chat_template")
+            from ndparallel.data.instruct import InstructFormat
+
+            InstructFormat.from_mapping(v, "type")  # ValueError: named by pydantic's location
+            return v
         if v is not None and v not in TYPES:
             close = difflib.get_close_matches(str(v), TYPES, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}? " if close else ""
