@@ -20,8 +20,8 @@ def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
         notes.append(f"fsdp_config.state_dict_type: {fsdp.state_dict_type}: checkpoints are always sharded (DCP, "
                      "resumable on any layout) and the final model one full safetensors directory")
     if cfg.special_tokens or cfg.tokens:
-        notes.append("special_tokens / tokens: set on (or added to) the tokenizer, saved with the model; a token "
-                     "new to the vocabulary gets an embedding row initialised to the mean of the existing rows")
+        notes.append("special_tokens / tokens: set on (or added to) the tokenizer, saved with the model; tokens "
+                     "new to a pretrained base_model's vocabulary grow its embeddings (new rows start at the mean row)")
     if cfg.optimizer == "adamw_torch_fused":
         notes.append("optimizer: adamw_torch_fused: torch AdamW with fused=True when every parameter is on CUDA, "
                      "else the default kernel (same update)")
