@@ -91,6 +91,28 @@ def test_chat_train_on_eos(tok, train_on_eos, eot_trained):
     assert got == expect
 
 
+@pytest.mark.parametrize("train_on_eos, train_on_eot, eot_trained", [("none", "turn", [False, True] * 3),
+                                                                      ("turn", "none", [False] * 6),
+                                                                      ("none", "last", [False] * 5 + [True])])
+def test_chat_train_on_eot_governs_turn_tokens_that_are_not_the_eos(tok, train_on_eos, train_on_eot, eot_trained):
+    """Llama 3's turns end with <|eot_id|>, its eos is <|end_of_text|>: train_on_eot decides."""
+    record = {"messages": [{"role": r, "content": f"{r} {i}"} for i in range(3) for r in ("user", "assistant")]}
+    ids, labels = _chat(tok, record, train_on_eos=train_on_eos, train_on_eot=train_on_eot)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    assert [lab == eot for i, lab in zip(ids, labels) if i == eot] == eot_trained
+
+
+def test_chat_eot_tokens(tok):
+    record = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Yo."}]}
+    spec = DatasetSpec(path="x", type="chat_template")
+    template = resolve_template(tok, None, None, "t")
+    default = encode(tok, render(record, spec, "t", ChatRenderer(tok, template, spec)))
+    explicit = encode(tok, render(record, spec, "t", ChatRenderer(tok, template, spec, ("<|eot_id|>",))))
+    assert explicit == default
+    with pytest.raises(ValueError, match=r"eot_tokens: '<\|im_end\|>' is not a token of the tokenizer"):
+        ChatRenderer(tok, template, spec, ("<|im_end|>",))
+
+
 def test_chat_roles_to_train_and_sharegpt_with_chatml(tok):
     record = {"conversations": [{"from": "human", "value": "Hi there."}, {"from": "gpt", "value": "Hello."}]}
     ids, labels = _chat(tok, record, chat_template="chatml", roles_to_train=("user", "assistant"))
@@ -312,3 +334,12 @@ def test_bad_custom_format_is_one_line_before_launch(tmp_path, fmt, fragment):
         load_config(str(cfg))
     assert fragment in str(info.value) and "datasets.0.type" in str(info.value), str(info.value)
     assert len(str(info.value).splitlines()) == 1
+
+
+def test_eot_settings_flow_from_the_config():
+    from ndparallel.training.config import load_config
+
+    cfg = load_config(None, ["eot_tokens=['<|eot_id|>']",
+                             "datasets=[{path: x.jsonl, type: chat_template, train_on_eot: all}]"])
+    assert cfg.data_options().eot_tokens == ("<|eot_id|>",)
+    assert DatasetSpec.from_any(cfg.datasets[0].model_dump()).train_on_eot == "all"

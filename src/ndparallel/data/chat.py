@@ -8,7 +8,9 @@ a conversation's prefix as a prefix of its text; one that does not is refused wi
 named). Inside a turn, the message content is trained when its role is in ``roles_to_train``
 (default ``["assistant"]``); the role header never is; the end-of-turn token (the eos, or a
 turn token the template uses such as ``<|eot_id|>``/``<|im_end|>``) per ``train_on_eos``:
-``turn`` (of trained turns, the default), ``all``, ``last`` (the last turn's), ``none``.
+``turn`` (of trained turns, the default), ``all``, ``last`` (the last turn's), ``none`` — and
+``train_on_eot`` for an end-of-turn token that is not the eos (default: as ``train_on_eos``);
+``eot_tokens`` (the run's) replaces the detected turn tokens.
 ``train_on_inputs: true`` trains everything instead (``encode.py``).
 """
 
@@ -59,13 +61,20 @@ def resolve_template(tokenizer, name: str | None, jinja: str | None, where: str)
 class ChatRenderer:
     """Renders one dataset's conversations into trained / untrained segments."""
 
-    def __init__(self, tokenizer, template: str, spec: DatasetSpec):
-        if spec.train_on_eos not in TRAIN_ON_EOS:
-            raise ValueError(f"train_on_eos: {spec.train_on_eos!r}; use one of {list(TRAIN_ON_EOS)}")
+    def __init__(self, tokenizer, template: str, spec: DatasetSpec, eot_tokens: tuple[str, ...] | None = None):
+        for name in ("train_on_eos", "train_on_eot"):
+            value = getattr(spec, name)
+            if value not in TRAIN_ON_EOS and not (name == "train_on_eot" and value is None):
+                raise ValueError(f"{name}: {value!r}; use one of {list(TRAIN_ON_EOS)}")
         self.tokenizer, self.template, self.spec = tokenizer, template, spec
         self.roles_to_train = {ROLE_NAMES.get(r, r) for r in spec.roles_to_train}
-        eos = tokenizer.eos_token
-        self.turn_tokens = [t for t in dict.fromkeys((eos, *TURN_TOKENS))
+        self.eos = eos = tokenizer.eos_token
+        vocab = tokenizer.get_vocab()
+        for t in eot_tokens or ():
+            if t not in vocab:
+                raise ValueError(f"eot_tokens: {t!r} is not a token of the tokenizer (add it with tokens: [{t}])")
+        candidates = (eos, *eot_tokens) if eot_tokens else (eos, *TURN_TOKENS)
+        self.turn_tokens = [t for t in dict.fromkeys(candidates)
                             if t and (t in template or (t == eos and "eos_token" in template))]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -108,14 +117,16 @@ class ChatRenderer:
                                      "chat_template, or type input_output with explicit segments")
                 end = len(prefix)
             trained = message["role"] in self.roles_to_train
-            eos_trained = {"turn": trained, "all": True, "last": i == len(messages) - 1, "none": False}
-            segments += self._turn(full[start:end], message["content"], trained,
-                                   eos_trained[self.spec.train_on_eos], where, i)
+            policy = {"turn": trained, "all": True, "last": i == len(messages) - 1, "none": False}
+            end_trained = (policy[self.spec.train_on_eos], policy[self.spec.train_on_eot or self.spec.train_on_eos])
+            segments += self._turn(full[start:end], message["content"], trained, end_trained, where, i)
             start = end
         return segments
 
-    def _turn(self, turn: str, content: str, trained: bool, eos_trained: bool, where: str, i: int) -> list[Segment]:
-        """Header (never trained), content, text up to the turn token, the turn token, the rest."""
+    def _turn(self, turn: str, content: str, trained: bool, end_trained: tuple[bool, bool], where: str,
+              i: int) -> list[Segment]:
+        """Header (never trained), content, text up to the turn token, the turn token (trained per
+        ``end_trained``: (when it is the eos, when it is another end-of-turn token)), the rest."""
         limit = max((turn.rfind(t) for t in self.turn_tokens), default=-1)
         limit = len(turn) if limit < 0 else limit
         body = content if content in turn[:limit] else content.strip()
@@ -129,4 +140,5 @@ class ChatRenderer:
         if not hits:
             return [*out, (tail, False)]
         at, token = min(hits)
-        return [*out, (tail[:at], False), (token, eos_trained), (tail[at + len(token):], False)]
+        flag = end_trained[0] if token == self.eos else end_trained[1]
+        return [*out, (tail[:at], False), (token, flag), (tail[at + len(token):], False)]

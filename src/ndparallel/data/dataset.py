@@ -61,6 +61,7 @@ class DatasetSpec:
     message_property_mappings: dict | None = None  # {"role": ..., "content": ...}
     roles_to_train: tuple[str, ...] = ("assistant",)
     train_on_eos: str = "turn"  # turn | all | last | none
+    train_on_eot: str | None = None  # the same choices for end-of-turn tokens; None: as train_on_eos
     chat_template: str | None = None  # a built-in name, "tokenizer_default", or None (the run's)
     chat_template_jinja: str | None = None
     format: InstructFormat | None = None  # type user_defined (a mapping in the config): instruct.py

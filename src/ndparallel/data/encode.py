@@ -57,14 +57,14 @@ def encode(tokenizer, rendered: Rendered, train_on_inputs: bool = False) -> tupl
 
 def tokenize_samples(records: datasets.Dataset, spec: DatasetSpec, tokenizer, *, where: str,
                      train_on_inputs: bool = False, chat_template: str | None = None,
-                     cache_dir: str | os.PathLike | None = None, num_proc: int | None = None) -> datasets.Dataset:
+                     eot_tokens: tuple[str, ...] | None = None, cache_dir: str | os.PathLike | None = None, num_proc: int | None = None) -> datasets.Dataset:
     """``records`` of ``spec.type`` -> ``{input_ids, labels}`` (one row per record, same order)."""
     chat = None
     if spec.type == "chat_template":
         from .chat import ChatRenderer, resolve_template
 
         template = resolve_template(tokenizer, spec.chat_template or chat_template, spec.chat_template_jinja, where)
-        chat = ChatRenderer(tokenizer, template, spec)
+        chat = ChatRenderer(tokenizer, template, spec, eot_tokens)
 
     def batch_fn(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "labels": []}
@@ -79,7 +79,7 @@ def tokenize_samples(records: datasets.Dataset, spec: DatasetSpec, tokenizer, *,
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
                                   "labels": datasets.Sequence(datasets.Value("int32"))})
     settings = [_VERSION, records._fingerprint, tokenizer_hash(tokenizer), spec.type, spec.text_field,
-                spec.field_messages, spec.message_property_mappings, sorted(spec.roles_to_train), spec.train_on_eos,
+                spec.field_messages, spec.message_property_mappings, sorted(spec.roles_to_train), spec.train_on_eos, spec.train_on_eot,
                 train_on_inputs, chat.template if chat else None, chat.turn_tokens if chat else None, spec.format]
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:32]
     kwargs: dict[str, Any] = dict(batched=True, with_indices=True, remove_columns=records.column_names,

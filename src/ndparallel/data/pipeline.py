@@ -48,6 +48,7 @@ class DataOptions:
     train_on_inputs: bool = False
     excess_length_strategy: str = "truncate"
     chat_template: str | None = None  # the run's default for chat_template datasets
+    eot_tokens: tuple[str, ...] | None = None  # end-of-turn tokens of chat templates (None: detected)
     val_set_size: float | int = 0
     seed: int = 0
     num_proc: int | None = None
@@ -89,7 +90,8 @@ def tokenize_specs(specs: list[DatasetSpec], tokenizer, options: DataOptions, ca
             raise ValueError(f"{where}: type {spec.type or 'completion'} needs column {names}; {spec.path!r} has "
                              f"{records.column_names[:10]}")
         out.append(tokenize_samples(records, spec, tokenizer, where=where, train_on_inputs=options.train_on_inputs,
-                                    chat_template=options.chat_template, cache_dir=cache_dir,
+                                    chat_template=options.chat_template, eot_tokens=options.eot_tokens,
+                                    cache_dir=cache_dir,
                                     num_proc=options.num_proc))
     return out
 

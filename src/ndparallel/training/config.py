@@ -156,6 +156,9 @@ class TrainConfig(_Strict):
     """A fine-tuning sample longer than sequence_len (raw text is cut into pieces instead)."""
     chat_template: str | None = None
     """Template of chat_template datasets: tokenizer_default (default), chatml, llama3."""
+    eot_tokens: list[str] | None = None
+    """Tokens that end a chat turn (default: the eos and the turn tokens the template uses, such as
+    <|eot_id|>); trained per each dataset's train_on_eot."""
     special_tokens: SpecialTokens | None = None
     """bos/eos/pad/unk tokens set on the tokenizer; one not in its vocabulary is added (new row)."""
     tokens: list[str] | None = None
@@ -359,7 +362,8 @@ class TrainConfig(_Strict):
         return DataOptions(
             sequence_len=self.sequence_len, sample_packing=self.sample_packing,
             train_on_inputs=self.train_on_inputs, excess_length_strategy=self.excess_length_strategy,
-            chat_template=self.chat_template, val_set_size=self.val_set_size, seed=self.seed,
+            chat_template=self.chat_template, eot_tokens=tuple(self.eot_tokens or ()) or None,
+            val_set_size=self.val_set_size, seed=self.seed,
             num_proc=self.dataset_processes,
         )
 

@@ -39,6 +39,7 @@ class DatasetConfig(_Strict):
     message_property_mappings: dict[str, str] | None = None
     roles_to_train: list[str] = Field(default_factory=lambda: ["assistant"])
     train_on_eos: Literal["turn", "all", "last", "none"] = "turn"
+    train_on_eot: Literal["turn", "all", "last", "none"] | None = None
     chat_template: str | None = None
     chat_template_jinja: str | None = None
 
