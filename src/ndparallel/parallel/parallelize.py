@@ -72,6 +72,12 @@ def parallelize_model(
 
         tp_mesh = submesh(mesh, "tp")
         if tensor.is_tensor_parallel(model):  # made TP by transformers (tp_plan / device_mesh)
+            if wrapper is not model:
+                # transformers' TP hooks know nothing of LoRA A/B: its forward would add a full-size
+                # adapter output to a sharded base output (a different model, found by a test).
+                raise ValueError("LoRA on a model made tensor-parallel by transformers (tp_plan) is not supported: "
+                                 "load the model without tp_plan; prepare applies TP and shards each adapter "
+                                 "with its base linear")
             tensor.distribute_leftover_params(model, tp_mesh)
         else:
             tensor.validate_tensor_parallel(model.config, pc.tp_size, tp)
