@@ -34,6 +34,21 @@ def test_decoder_linears_convert_head_and_embeddings_do_not():
     assert not isinstance(model.lm_head, Float8Linear)
 
 
+def test_lora_adapters_stay_out_of_fp8_their_base_converts():
+    from peft import LoraConfig, get_peft_model
+    from torchao.float8.float8_linear import Float8Linear
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel.parallel.float8 import apply_float8
+
+    model = get_peft_model(AutoModelForCausalLM.from_config(preset_config("tiny-llama")),
+                           LoraConfig(r=16, target_modules="all-linear"))  # r 16: fp8-sized adapters
+    apply_float8(model.get_base_model(), F8)
+    converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert converted and all(n.endswith(".base_layer") for n in converted), sorted(converted)[:4]
+    assert len(converted) == 2 * 7
+
+
 def test_refused_without_fp8_hardware():
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
         pytest.skip("this machine has fp8 hardware")

@@ -57,8 +57,10 @@ def apply_float8(model: nn.Module, options: Float8Options, layer_classes=None, f
     )
     inside = {id(m) for layer in decoder_layers(model, layer_classes) for m in layer.modules()}
 
-    def convert(module: nn.Module, _name: str) -> bool:
-        return (id(module) in inside and isinstance(module, nn.Linear)
+    def convert(module: nn.Module, name: str) -> bool:
+        # LoRA's A / B stay in the training dtype: r × d matmuls gain nothing from fp8 and would
+        # lose precision; the frozen base linear they wrap (``base_layer``) is converted.
+        return (id(module) in inside and isinstance(module, nn.Linear) and ".lora_" not in f".{name}"
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
     return convert_to_float8_training(model, module_filter_fn=convert, config=config)
