@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from typing import Sequence
 
@@ -40,9 +41,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
 
         return launch(rest)
     if command == "plan":
-        from ndparallel.plan.cli import main as plan_main
-
-        return plan_main(rest, description=_SUBCOMMANDS["plan"])
+        return _plan(rest)
     if command in ("train", "preprocess", "verify", "export", "plot"):
         from ndparallel.cli import commands
 
@@ -51,6 +50,32 @@ def _dispatch(command: str, rest: list[str]) -> int:
     hint = f"; did you mean {close[0]!r}?" if close else f"; commands: {', '.join(_SUBCOMMANDS)}"
     print(f"ndparallel: error: unknown command {command!r}{hint} (see ndparallel -h)", file=sys.stderr)
     return 2
+
+
+def _plan(argv: list[str]) -> int:
+    """``plan``, with ``--config TRAIN.yaml`` turned into planner flags the user's own override."""
+    from ndparallel.cli.plan_config import (
+        config_flags,
+        merge_written_config,
+        split_config_arg,
+    )
+    from ndparallel.plan.cli import main as plan_main
+    from ndparallel.training.config import ConfigError
+
+    config, rest = split_config_arg(argv)
+    if config is None:
+        return plan_main(rest, description=_SUBCOMMANDS["plan"])
+    try:
+        flags, said = config_flags(config, rest)
+    except (ConfigError, ValueError) as e:
+        print(f"ndparallel plan: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(said, file=sys.stderr)
+    code = plan_main([*flags, *rest], description=_SUBCOMMANDS["plan"])
+    written = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--write-config"), None)
+    if code == 0 and written and os.path.isfile(written):
+        merge_written_config(config, written)
+    return code
 
 
 def _fail_text(text: object) -> int:

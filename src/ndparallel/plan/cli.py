@@ -26,6 +26,10 @@ from ndparallel.plan.search import PlanRequest, evaluate_layout, plan
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the planner's options to ``parser``."""
     g = parser.add_argument_group("model and cluster")
+    g.add_argument("--config", metavar="TRAIN.yaml",
+                   help="plan for a training config: its base_model, sequence_len, batch, precision, "
+                        "optimizer, loss, CP strategy and LoRA become the defaults (flags given here "
+                        "win); with --write-config, OUT is that config with the planned layout")
     g.add_argument("--model", help=f"preset ({', '.join(MODEL_PRESETS)}) or HF config.json / dir")
     g.add_argument("--gpus", type=int, help="total number of GPUs (world size)")
     g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")

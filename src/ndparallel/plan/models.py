@@ -181,17 +181,20 @@ PRESETS: dict[str, ModelSpec] = _presets()
 
 
 def load_model_spec(model: str) -> ModelSpec:
-    """A preset name, or a path to an HF ``config.json`` or to a directory holding one."""
+    """A preset name or its Hub id, or a path to an HF ``config.json`` or to a directory holding one."""
     key = model.lower()
     if key in PRESETS:
         return PRESETS[key]
+    by_hub_id = {(p.hf_id or "").lower(): p for p in PRESETS.values() if p.hf_id}
     path = Path(model)
+    if key in by_hub_id and not path.exists():  # a preset's Hub id (a train config's base_model)
+        return by_hub_id[key]
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
         with open(path) as fh:
             return from_hf_config(json.load(fh), name=model)
     raise ValueError(
-        f"unknown model {model!r}: give a preset ({', '.join(PRESETS)}) or a path to an HF "
-        "config.json or a model directory"
+        f"unknown model {model!r}: give a preset ({', '.join(PRESETS)}), its Hub id, or a path to an HF "
+        "config.json or a model directory (download a Hub model's config.json first)"
     )

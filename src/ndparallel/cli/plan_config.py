@@ -1,0 +1,101 @@
+"""``ndparallel plan --config TRAIN.yaml``: plan for a training config.
+
+The config's model and training settings become planner flags placed *before* the user's own, so
+a flag given on the command line wins (argparse keeps the last value). The global batch is the
+config's: ``micro_batch_size × gradient_accumulation_steps × dp`` of its own layout at ``--gpus``
+(the planner then keeps it fixed while it searches layouts and micro-batches). With
+``--write-config OUT``, OUT is the user's config with only the layout and batch fields replaced by
+the plan's choice (everything else — data, optimizer, LoRA, output_dir — kept).
+
+Lives in ``cli/`` because it reads the training config (``training/``), which ``plan/`` may not
+import.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+PLAN_KEYS = ("dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size",
+             "micro_batch_size", "gradient_accumulation_steps", "cp_comm_strategy", "sequence_parallel",
+             "loss_parallel")
+PLAN_FSDP_KEYS = ("activation_checkpointing", "reshard_after_forward", "unsharded_grad_accumulation")
+
+
+def split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(the ``--config`` value, the other arguments)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config")
+    known, rest = pre.parse_known_args(argv)
+    return known.config, rest
+
+
+def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
+    """Planner flags from training config ``path`` and a one-line description of what was taken.
+    ``argv`` (the user's flags) gives ``--gpus``. Raises ``ValueError`` with the fix."""
+    from ndparallel.training.config import load_config
+
+    cfg = load_config(path)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # bad values: the planner says
+    for name in ("--gpus", "--global-batch-size", "--global-batch-tokens", "--adapter"):
+        pre.add_argument(name)
+    given, _ = pre.parse_known_args(argv)
+    gpus = int(given.gpus) if given.gpus and given.gpus.isdigit() and int(given.gpus) > 0 else None
+    flags = ["--model", cfg.base_model, "--seq-len", str(cfg.sequence_len),
+             "--mixed-precision", "bf16" if cfg.bf16 else "fp32",
+             "--optimizer", "sgd" if cfg.optimizer == "sgd" else "adamw",
+             "--cp-strategy", cfg.cp_comm_strategy,
+             "--loss-impl", "full" if cfg.chunked_loss is False else "chunked"]
+    if cfg.optimizer == "adamw_torch_fused":
+        flags.append("--fused-adamw")
+    if not cfg.tp_options().sequence_parallel:
+        flags.append("--no-sequence-parallel")
+    if cfg.fsdp_config.activation_checkpointing:
+        flags += ["--activation-checkpointing", "on"]
+    if cfg.adapter == "lora" and given.adapter in (None, "lora"):
+        flags += ["--adapter", "lora", "--lora-r", str(cfg.lora_r)]
+    said = f"model {cfg.base_model}, seq {cfg.sequence_len}"
+    if gpus and not (given.global_batch_size or given.global_batch_tokens):
+        dp, where = _config_dp(cfg.parallelism_config(), gpus, path)
+        batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp
+        flags += ["--global-batch-size", str(batch)]
+        said += (f", global batch {batch} sequences (micro {cfg.micro_batch_size} × accumulation "
+                 f"{cfg.gradient_accumulation_steps} × dp {dp}{where})")
+    return flags, f"ndparallel plan: from {path}: {said}"
+
+
+def _config_dp(layout, gpus: int, path: str) -> tuple[int, str]:
+    """The data-parallel degree the config trains with: at ``gpus`` ranks when its layout fits
+    them, else at its own world size (fixed degrees: the run as configured keeps its batch)."""
+    from ndparallel.layout.config import ParallelismConfigError
+
+    try:
+        pc = layout.resolve(gpus)
+        return pc.dp_replicate_size * pc.dp_shard_size, ""
+    except ParallelismConfigError as e:
+        sizes = layout.to_dict().values()
+        if -1 in sizes:
+            raise ValueError(f"--config {path}: its layout does not fit --gpus {gpus} ({e}); give the batch "
+                             "to keep with --global-batch-size N (sequences per step)") from None
+        own = 1
+        for v in sizes:
+            own *= v
+        pc = layout.resolve(own)
+        return pc.dp_replicate_size * pc.dp_shard_size, f" of its own {own}-rank layout"
+
+
+def merge_written_config(source: str, written: str) -> None:
+    """Rewrite ``written`` (the plan's YAML) as ``source`` with the plan's layout and batch fields."""
+    plan_text = Path(written).read_text()
+    header = "".join(line + "\n" for line in plan_text.splitlines() if line.startswith("#"))
+    planned = yaml.safe_load(plan_text) or {}
+    merged = yaml.safe_load(Path(source).read_text()) or {}
+    merged.update({key: planned[key] for key in PLAN_KEYS if key in planned})
+    fsdp = dict(merged.get("fsdp_config") or {})
+    fsdp.update({k: v for k, v in (planned.get("fsdp_config") or {}).items() if k in PLAN_FSDP_KEYS})
+    merged["fsdp_config"] = fsdp
+    with open(written, "w") as fh:
+        fh.write(header + f"# The rest as in {source}.\n")
+        yaml.safe_dump(merged, fh, sort_keys=False)

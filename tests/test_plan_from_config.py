@@ -1,0 +1,61 @@
+"""``ndparallel plan --config TRAIN.yaml``: the training config's settings become the planner's
+defaults (flags on the command line win), the global batch is the config's, and --write-config
+writes the config back with only the layout and batch replaced — a run with the same batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+from cli_helpers import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA_8B = ROOT / "examples/gpu/llama-3.1-8b-lora-fsdp-tp.yaml"  # FSDP 4 × TP 2, micro 1 × accum 4
+
+
+def test_config_settings_become_the_request(capsys):
+    code, out, err = run_cli(capsys, "plan", "--config", LORA_8B, "--gpus", "8", "--json")
+    assert code == 0, err
+    req = json.loads(out)["request"]
+    assert (req["seq_len"], req["global_batch"], req["lora_r"]) == (16384, 16, 16)  # 1 × 4 × dp 4
+    assert (req["mixed_precision"], req["checkpointing"], req["sequence_parallel"]) == ("bf16", "on", True)
+    assert json.loads(out)["model"]["name"] == "llama-3.1-8b"  # base_model's Hub id -> the preset
+    assert "global batch 16 sequences (micro 1 × accumulation 4 × dp 4)" in err
+
+
+def test_flags_on_the_command_line_win(capsys):
+    code, out, err = run_cli(capsys, "plan", "--config", LORA_8B, "--gpus", "8", "--json",
+                             "--seq-len", "4096", "--global-batch-size", "64", "--adapter", "none")
+    assert code == 0, err
+    req = json.loads(out)["request"]
+    assert (req["seq_len"], req["global_batch"], req["lora_r"]) == (4096, 64, 0)
+
+
+def test_write_config_keeps_the_run_and_its_batch(capsys, tmp_path):
+    out = tmp_path / "planned.yaml"
+    code, _, err = run_cli(capsys, "plan", "--config", LORA_8B, "--gpus", "16", "--top", "1",
+                           "--write-config", out)
+    assert code == 0, err
+    assert "dp 4 of its own 8-rank layout" in err  # the config is for 8 ranks: its batch is kept
+    source, planned = yaml.safe_load(LORA_8B.read_text()), yaml.safe_load(out.read_text())
+    layout = [planned.get(k, 1) for k in ("dp_replicate_size", "dp_shard_size", "context_parallel_size",
+                                          "tensor_parallel_size")]
+    assert layout[0] * layout[1] * layout[2] * layout[3] == 16
+    dp = layout[0] * layout[1]
+    assert planned["micro_batch_size"] * planned["gradient_accumulation_steps"] * dp == 16  # same batch
+    for key in ("datasets", "learning_rate", "lora_r", "output_dir", "max_steps", "base_model"):
+        assert planned[key] == source[key], key
+    from ndparallel.training.config import load_config
+
+    load_config(str(out))  # a valid training config
+
+
+def test_bad_config_is_one_line(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "plan", "--config", tmp_path / "nope.yaml", "--gpus", "8")
+    assert code == 2 and "config file" in err and "not found" in err
+    auto = tmp_path / "auto.yaml"
+    auto.write_text("base_model: llama-3.1-8b\ndp_shard_size: -1\ntensor_parallel_size: 3\n")
+    code, _, err = run_cli(capsys, "plan", "--config", auto, "--gpus", "8")
+    assert code == 2 and "--global-batch-size" in err, err
+    assert len(err.strip().splitlines()) == 1, err
