@@ -165,3 +165,25 @@ def test_lora_with_new_tokens_is_refused_before_launch(chat_run, tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 2 and "with adapter: lora their embedding rows would stay frozen" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def _train_overrides(overrides):
+    from ndparallel.training.config import load_config
+    from ndparallel.training.trainer import run_training
+
+    run_training(load_config(None, overrides))
+    return True
+
+
+def test_a_preset_with_an_odd_vocabulary_under_tp_is_rounded(tmp_path):
+    """A built-in model gets a row per token of the run's tokenizer: 512 + 1 added = 513 tokens,
+    rounded to 514 rows for TP 2 (else the ranks would fail TP's divisibility check)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    run_on_ranks(_train_overrides, 2, [
+        "base_model=tiny-llama", "tokenizer_vocab_size=512", "tokens=['<extra>']", "tensor_parallel_size=2",
+        "device=cpu", "sequence_len=32", "max_steps=1", "datasets=[{path: 'builtin:stdlib', max_bytes: 100000}]",
+        f"output_dir={tmp_path / 'out'}", f"dataset_cache_dir={tmp_path / 'cache'}"], timeout_s=300)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out" / "final")
+    assert len(tok) % 2 == 1 and "<extra>" in tok.get_vocab()
+    assert AutoConfig.from_pretrained(tmp_path / "out" / "final").vocab_size == len(tok) + 1

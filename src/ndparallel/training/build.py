@@ -64,15 +64,19 @@ def set_special_tokens(tokenizer, cfg: TrainConfig) -> None:
         tokenizer.add_tokens([AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in cfg.tokens])
 
 
-def grown_vocab_size(cfg: TrainConfig, tokenizer, model_vocab: int) -> int | None:
-    """The vocabulary the model needs when the tokenizer outgrew its ``model_vocab`` rows (added
-    tokens), else None: rounded up to a multiple of 32 with ``resize_token_embeddings_to_32x`` and
-    of ``tensor_parallel_size`` (TP shards the vocabulary evenly; the extra rows are unused)."""
-    n = len(tokenizer)
-    if n <= model_vocab:
-        return None
+def rounded_vocab(cfg: TrainConfig, tokens: int) -> int:
+    """Rows for ``tokens`` tokens: rounded up to a multiple of 32 with
+    ``resize_token_embeddings_to_32x`` and of ``tensor_parallel_size`` (TP shards the vocabulary
+    evenly; the extra rows map to no token)."""
     multiple = math.lcm(32 if cfg.resize_token_embeddings_to_32x else 1, cfg.tensor_parallel_size)
-    return -(-n // multiple) * multiple
+    return -(-tokens // multiple) * multiple
+
+
+def grown_vocab_size(cfg: TrainConfig, tokenizer, model_vocab: int) -> int | None:
+    """The vocabulary a pretrained model needs when the tokenizer outgrew its ``model_vocab`` rows
+    (added tokens; ``rounded_vocab``), else None."""
+    n = len(tokenizer)
+    return None if n <= model_vocab else rounded_vocab(cfg, n)
 
 
 def build_data(cfg: TrainConfig, tokenizer, cache_dir: Path):

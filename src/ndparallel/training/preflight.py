@@ -65,12 +65,13 @@ def _check_fp8(cfg: TrainConfig) -> None:
 
 def _check_added_tokens(cfg: TrainConfig, tokenizer, hf) -> None:
     """Tokens new to ``base_model``'s vocabulary (``tokens``, ``special_tokens``) grow its
-    embeddings: refused with LoRA (the new rows would stay frozen); ``hf`` gets the grown size,
-    which the TP / CP checks then see."""
+    embeddings: refused with LoRA (the new rows would stay frozen). ``hf`` gets the vocabulary the
+    ranks will build (a preset's: the tokenizer's, rounded), which the TP / CP checks then see."""
     from ndparallel.models.presets import is_preset
-    from ndparallel.training.build import grown_vocab_size
+    from ndparallel.training.build import grown_vocab_size, rounded_vocab
 
-    if is_preset(cfg.base_model):
+    if is_preset(cfg.base_model):  # built with a row per token of the run's tokenizer
+        hf.vocab_size = rounded_vocab(cfg, len(tokenizer))
         return
     grown = grown_vocab_size(cfg, tokenizer, hf.vocab_size)
     if grown is None:

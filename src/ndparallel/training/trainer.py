@@ -27,6 +27,7 @@ from ndparallel.training.build import (
     model_config,
     optimizer_for,
     pad_multiple,
+    rounded_vocab,
 )
 from ndparallel.training.config import TrainConfig
 from ndparallel.training.evaluate import validation_loader
@@ -135,7 +136,7 @@ class Trainer:
         if why and cfg.context_parallel_size == 1:
             acc.print(f"ndparallel train: warning: attn_implementation {cfg.attn_implementation} is not "
                       f"available ({why}): using {kernel}")  # one line, main rank
-        self.hf_config = model_config(cfg, vocab_size=len(self.tokenizer))
+        self.hf_config = model_config(cfg, vocab_size=rounded_vocab(cfg, len(self.tokenizer)))
         self.hf_config.use_cache = False
         source = self.hf_config if is_preset(cfg.base_model) else cfg.base_model
         grown = None if is_preset(cfg.base_model) else grown_vocab_size(cfg, self.tokenizer, self.hf_config.vocab_size)
