@@ -5,19 +5,9 @@
 # It checks: the CPU-pinned tests and `verify` pass with GPUs visible; one-GPU `ndparallel train`
 # (bf16, NCCL eager init, checkpoint, resume, export) and CPU offload; mesh groups carry the timeout.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if [ -d .whl ] && ! python3 -c "import datasets, pydantic" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"; RUN=/tmp/gpu_check_run; rm -rf "$RUN" "$RUN-offload"
-results=()
-check() {  # check NAME COMMAND...: runs it, records PASS/FAIL and seconds
-  local name=$1; shift; local t0=$SECONDS
-  if "$@" >"$OUT/$name.log" 2>&1; then results+=("$name|PASS|$((SECONDS - t0))"); else
-    results+=("$name|FAIL (see $OUT/$name.log)|$((SECONDS - t0))"); tail -20 "$OUT/$name.log"; fi
-}
+OUT=${OUT:-/tmp/gpu_check}
+source "$(dirname "$0")/_gpu_common.sh"
+RUN=/tmp/gpu_check_run; rm -rf "$RUN" "$RUN-offload"
 COMMON=(--set base_model=quickstart-llama --set "datasets=[{path: 'builtin:stdlib', max_bytes: 2000000}]"
         --set sequence_len=512 --set micro_batch_size=4 --set device=cuda --set bf16=true
         --set save_steps=8 --set logging_steps=4 --set "output_dir=$RUN" --set "dataset_cache_dir=/tmp/gpu_check_cache")
@@ -44,5 +34,4 @@ for dim in ("dp_shard", "tp", "cp", "dp_cp"):
 print("bound device", torch.distributed.distributed_c10d._get_default_group().bound_device_id)
 PY
 grep -h "step 12:\|step 8:" "$OUT"/resume_1gpu.log "$OUT"/train_1gpu.log | tail -3
-printf '\n%-22s %-34s %s\n' check result seconds
-for r in "${results[@]}"; do IFS='|' read -r a b c <<<"$r"; printf '%-22s %-34s %s\n' "$a" "$b" "$c"; done
+report

@@ -8,19 +8,9 @@
 # export that agree); a run continuing from that adapter (lora_model_dir) on CUDA; LoRA vs full fine-tuning speed and peak memory on the Llama-3.2-1B shape,
 # next to the planner's prediction (bench/gpu_lora.py).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if [ -d .whl ] && ! python3 -c "import datasets, pydantic" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-OUT=${OUT:-/tmp/gpu_lora}; mkdir -p "$OUT"; RUN=/tmp/gpu_lora_run; rm -rf "$RUN"
-results=()
-check() {  # check NAME COMMAND...: runs it, records PASS/FAIL and seconds
-  local name=$1; shift; local t0=$SECONDS
-  if "$@" >"$OUT/$name.log" 2>&1; then results+=("$name|PASS|$((SECONDS - t0))"); else
-    results+=("$name|FAIL (see $OUT/$name.log)|$((SECONDS - t0))"); tail -20 "$OUT/$name.log"; fi
-}
+OUT=${OUT:-/tmp/gpu_lora}
+source "$(dirname "$0")/_gpu_common.sh"
+RUN=/tmp/gpu_lora_run; rm -rf "$RUN"
 COMMON=(--set base_model=quickstart-llama --set "datasets=[{path: 'builtin:stdlib', max_bytes: 2000000}]"
         --set dp_shard_size=1 --set tensor_parallel_size=1 --set sequence_len=512 --set micro_batch_size=4
         --set device=cuda --set bf16=true --set save_steps=8 --set logging_steps=4 --set learning_rate=1e-3
@@ -54,5 +44,4 @@ check added_tokens_tests python3 -m pytest -q -x tests/test_added_tokens.py
 check lora_vs_full_perf python3 bench/gpu_lora.py --seq 2048 --batch 4 --steps 8
 grep -h "step 8:\|step 12:" "$OUT"/lora_train_1gpu.log "$OUT"/lora_resume_1gpu.log | tail -2
 tail -12 "$OUT"/lora_vs_full_perf.log
-printf '\n%-22s %-34s %s\n' check result seconds
-for r in "${results[@]}"; do IFS='|' read -r a b c <<<"$r"; printf '%-22s %-34s %s\n' "$a" "$b" "$c"; done
+report
