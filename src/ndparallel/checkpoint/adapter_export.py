@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from ndparallel.checkpoint.directory import HF_CONFIG_DIR, validate_checkpoint
+from ndparallel.checkpoint.hf_files import save_tokenizer
 from ndparallel.checkpoint.io import SafeFileSystemReader, read_dcp_metadata
 from ndparallel.models.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ndparallel.models.adapters import (
@@ -61,8 +62,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, is_main: bool, 
     config = copy.deepcopy(adapter_config_of(model))
     config.inference_mode = True
     config.save_pretrained(str(out))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
 
 
 def is_adapter_checkpoint(checkpoint_dir: str | os.PathLike) -> bool:
@@ -94,10 +94,5 @@ def export_adapter_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | 
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     shutil.copyfile(ckpt / HF_CONFIG_DIR / ADAPTER_CONFIG, out / ADAPTER_CONFIG)
-    if tokenizer is not None:
-        if isinstance(tokenizer, (str, os.PathLike)):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
     return out

@@ -17,7 +17,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ndparallel.checkpoint.export import ShardWriter, write_hf_config
+from ndparallel.checkpoint.export import ShardWriter
+from ndparallel.checkpoint.hf_files import (
+    copy_generation_config,
+    save_tokenizer,
+    write_hf_config,
+)
 from ndparallel.models.adapter_files import (
     ADAPTER_WEIGHTS,
     adapter_weights_problem,
@@ -94,12 +99,6 @@ def merge_adapter_files(adapter_dir: str | os.PathLike, out_dir: str | os.PathLi
     writer.finish()
     out = Path(out_dir)
     write_hf_config(hf_config, out, saved_dtype, class_name)
-    if (base_dir / "generation_config.json").is_file():
-        (out / "generation_config.json").write_text((base_dir / "generation_config.json").read_text())
-    if tokenizer is not None:
-        if isinstance(tokenizer, (str, os.PathLike)):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        tokenizer.save_pretrained(out)
+    copy_generation_config(base_dir, out)
+    save_tokenizer(tokenizer, out)
     return out

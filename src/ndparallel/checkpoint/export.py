@@ -30,6 +30,11 @@ from ndparallel.checkpoint.adapter_export import (
     is_adapter_checkpoint,
 )
 from ndparallel.checkpoint.directory import HF_CONFIG_DIR, validate_checkpoint
+from ndparallel.checkpoint.hf_files import (
+    copy_generation_config,
+    save_tokenizer,
+    write_hf_config,
+)
 from ndparallel.checkpoint.io import SafeFileSystemReader, read_dcp_metadata
 from ndparallel.models.adapters import (
     base_model_of,
@@ -115,17 +120,6 @@ class ShardWriter:
         return names
 
 
-def write_hf_config(model_or_config: Any, directory: Path, dtype: torch.dtype | None, class_name: str | None) -> None:
-    import copy
-
-    config = copy.deepcopy(getattr(model_or_config, "config", model_or_config))
-    if class_name:
-        config.architectures = [class_name]
-    if dtype is not None:
-        config.dtype = dtype
-    config.save_pretrained(directory)
-
-
 def _full(value: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -182,8 +176,7 @@ def save_hf_model(
     gen = getattr(model, "generation_config", None)
     if gen is not None and getattr(model, "can_generate", lambda: False)():
         gen.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
 
 
 # ------------------------------------------------------------------- checkpoint -> HF offline
@@ -272,13 +265,6 @@ def export_checkpoint(
     floating = [metadata[prefix + n].properties.dtype for n in expected
                 if metadata[prefix + n].properties.dtype.is_floating_point]
     write_hf_config(config, out, dtype or (floating[0] if floating else None), model_class_name(skeleton))
-    gen_file = ckpt / "hf" / "generation_config.json"
-    if gen_file.is_file():
-        (out / "generation_config.json").write_text(gen_file.read_text())
-    if tokenizer is not None:
-        if isinstance(tokenizer, (str, os.PathLike)):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        tokenizer.save_pretrained(out)
+    copy_generation_config(ckpt / HF_CONFIG_DIR, out)
+    save_tokenizer(tokenizer, out)
     return out
