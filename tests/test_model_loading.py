@@ -188,12 +188,13 @@ def test_read_slice_matches_slicing(tmp_path, monkeypatch, dtype):
     """Contiguous, strided and dtype-converting slice reads, with tiny blocks for strided ones."""
     from safetensors.torch import save_file
 
-    import ndparallel.models.loading as ml
+    import ndparallel.models.safetensors_read as ml
+    from ndparallel.models.weights import read_header
 
     monkeypatch.setattr(ml, "_TEMP_BYTES", 40)
     full = torch.randn(7, 5, 3).to(dtype)
     save_file({"w": full}, str(tmp_path / "w.safetensors"))
-    header, start = ml._header(str(tmp_path / "w.safetensors"))
+    header, start = read_header(tmp_path / "w.safetensors", with_data_start=True)
     cases = [([2, 0, 0], [3, 5, 3]), ([0, 1, 0], [7, 3, 3]), ([1, 2, 1], [5, 2, 2])]
     for out_dtype in (dtype, torch.float32):
         for offsets, lengths in cases:

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ndparallel.accelerator import arguments
 from ndparallel.accelerator.collectives import CollectivesMixin
-from ndparallel.accelerator.context import ContextParallelMixin
+from ndparallel.accelerator.context_parallel import ContextParallelMixin
 from ndparallel.accelerator.processes import ProcessesMixin
 from ndparallel.accelerator.saving import SavingMixin
 from ndparallel.accelerator.state import (

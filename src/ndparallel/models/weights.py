@@ -19,10 +19,11 @@ import torch
 _MAX_HEADER = 100 * 2**20  # the safetensors format caps its JSON header at 100 MB
 
 
-def read_header(file: str | os.PathLike) -> dict:
+def read_header(file: str | os.PathLike, with_data_start: bool = False):
     """The JSON header of a safetensors file (``name -> {dtype, shape, data_offsets}``), checked
-    against the file's size. ``ValueError`` naming the file when it is not safetensors or is
-    truncated."""
+    against the file's size (with ``with_data_start``: also the byte offset where tensor data
+    starts). ``ValueError`` naming the file when it is not safetensors or is truncated. The one
+    reader of safetensors headers (the checks, the key listing and the slice reads use it)."""
     file = Path(file)
     size = file.stat().st_size
     with open(file, "rb") as f:
@@ -43,7 +44,7 @@ def read_header(file: str | os.PathLike) -> dict:
     if 8 + n + end > size:
         raise ValueError(f"{file} is truncated: {size} bytes, its tensors need {8 + n + end} "
                          "(an interrupted download or copy?); fetch the file again")
-    return header
+    return (header, 8 + n) if with_data_start else header
 
 
 def weights_problem(model: torch.nn.Module, files: list[Path], config_name: str = "config.json",

@@ -5,38 +5,11 @@ that no attention crosses a document start under the layout."""
 
 from __future__ import annotations
 
-import copy
-
 from rich.console import Console
 from rich.table import Table
 
+from ndparallel.tools.shrink import shrink_config
 from ndparallel.training.config import TrainConfig
-
-
-def shrink_config(hf_config, tp_size: int, cp_size: int):
-    """Same architecture and attention layout, tiny dims: 2 layers, head_dim 8, at most 4 KV heads
-    and 4 query heads per KV head, widths and vocab kept divisible by ``tp_size``."""
-    c = copy.deepcopy(hf_config)
-    heads = c.num_attention_heads
-    kv = getattr(c, "num_key_value_heads", None) or heads
-    group = max(1, heads // kv)
-    new_kv = min(kv, max(4, tp_size))
-    if kv % tp_size == 0:  # keep the divisibility the layout relies on
-        new_kv = max(tp_size, new_kv - new_kv % tp_size)
-    new_heads = new_kv * min(group, 4)
-    head_dim = 8
-    c.num_attention_heads, c.num_key_value_heads = new_heads, new_kv
-    c.head_dim = head_dim
-    c.hidden_size = new_heads * head_dim
-    c.intermediate_size = 2 * c.hidden_size
-    c.num_hidden_layers = 2
-    c.vocab_size = 128 * tp_size
-    c.max_position_embeddings = max(256, 32 * cp_size)
-    if getattr(c, "layer_types", None):
-        c.layer_types = c.layer_types[:2]
-    c.use_cache = False
-    c._attn_implementation = "sdpa"
-    return c
 
 
 def _adapter_kwargs(cfg: TrainConfig) -> dict | None:
