@@ -33,7 +33,7 @@ def _check(layout, world, optimizer="adamw", **parallel_kwargs):
     assert diff["param_abs"] <= (1e-6 if optimizer == "sgd" else 1e-3), diff
 
 
-@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
 def test_fsdp2_cp2(strategy):
     _check({"dp_shard_size": 2, "cp_size": 2}, 4, cp_options=CPOptions(comm_strategy=strategy))
 
@@ -57,7 +57,7 @@ def test_cp_with_gradient_accumulation():
     assert diff["loss_rel"] <= LOSS_RTOL, diff
 
 
-@pytest.mark.parametrize("strategy", ["ring", "alltoall"])
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
 def test_tp2_cp2(strategy):
     _check({"tp_size": 2, "cp_size": 2}, 4, cp_options=CPOptions(comm_strategy=strategy))
 
@@ -77,7 +77,7 @@ def test_hsdp2x2_tp2_8_ranks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ring", "alltoall"])
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
 def test_fsdp2_cp2_tp2_8_ranks(strategy):
     _check({"dp_shard_size": 2, "cp_size": 2, "tp_size": 2}, 8,
            tp_options=TPOptions(sequence_parallel=True, loss_parallel=True),

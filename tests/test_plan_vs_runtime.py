@@ -130,7 +130,7 @@ TP = {"tp_size": 2}
 CP = {"cp_size": 2}
 SP = {"sequence_parallel": True}
 LP = {"loss_parallel": True}
-RING, AG, A2A = {"comm_strategy": "ring"}, {"comm_strategy": "allgather"}, {"comm_strategy": "alltoall"}
+RING, AG, A2A = {"comm_strategy": "ring"}, {"comm_strategy": "allgather"}, {"comm_strategy": "ulysses"}
 # One process group per case: two equal DeviceMeshes in one process share DTensor's sharding
 # propagation cache, so a second run's embedding output can be reduced on the first run's group.
 GROUPS = {

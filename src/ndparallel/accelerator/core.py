@@ -106,9 +106,9 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         self.parallelism_config = pc.resolve(self.info.world_size)
         self.torch_device_mesh = self.parallelism_config.build_device_mesh(
             self.info.device_type, timeout_s=self.info.timeout_s)
-        self.parallelism_config._set_device_mesh(self.torch_device_mesh)
+        self.parallelism_config.device_mesh = self.torch_device_mesh
         if s.parallelism_config is not None:
-            s.parallelism_config._set_device_mesh(self.torch_device_mesh)
+            s.parallelism_config.device_mesh = self.torch_device_mesh
         self._settings = s
         self._submeshes: dict[tuple[str, ...], Any] = {}
         self._take_settings(s)

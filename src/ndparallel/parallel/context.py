@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.layout.mesh import process_group
-from ndparallel.parallel.cp_alltoall import alltoall_head_error
+from ndparallel.parallel.cp_ulysses import ulysses_head_error
 from ndparallel.parallel.cp_attention import (
     STRATEGIES,
     context_parallel_attention,
@@ -59,11 +59,11 @@ def validate_context_parallel(
                     f"each TP rank runs CP attention on {field}/tp heads; choose a "
                     f"tensor_parallel_size that divides {value}"
                 )
-    if strategy == "alltoall" and cp_size > 1 and heads is not None:
-        error = alltoall_head_error(heads // tp_size, kv_heads // tp_size, cp_size)
+    if strategy == "ulysses" and cp_size > 1 and heads is not None:
+        error = ulysses_head_error(heads // tp_size, kv_heads // tp_size, cp_size)
         if error:
             raise ValueError(
-                f"cp_comm_strategy='alltoall' splits heads over cp ranks, but {error} "
+                f"cp_comm_strategy='ulysses' splits heads over cp ranks, but {error} "
                 f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}, "
                 f"tensor_parallel_size={tp_size}): use cp_comm_strategy 'ring' or 'allgather', or a "
                 "context_parallel_size that divides the query heads per TP rank and divides or is "

@@ -41,8 +41,8 @@ class TPOptions:
 
 @dataclass(frozen=True)
 class CPOptions:
-    comm_strategy: Literal["ring", "allgather", "alltoall"] = "ring"
-    """'ring': K/V rotate rank to rank; 'allgather': K/V gathered once per layer; 'alltoall'
+    comm_strategy: Literal["ring", "allgather", "ulysses"] = "ring"
+    """'ring': K/V rotate rank to rank; 'allgather': K/V gathered once per layer; 'ulysses'
     (Ulysses): heads <-> sequence all-to-all, local attention on cp-th of the heads (query heads per
     TP rank divisible by cp; K/V heads per TP rank divisible by cp or dividing it)."""
     load_balance: bool = True

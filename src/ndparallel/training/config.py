@@ -105,7 +105,9 @@ class TrainConfig(_Strict):
     sequence_parallel: bool = False
     loss_parallel: bool | None = None
     """Under TP: cross-entropy on vocab-sharded logits; default (null): on when exact."""
-    cp_comm_strategy: Literal["ring", "allgather", "alltoall"] = "ring"
+    cp_comm_strategy: Literal["ring", "allgather", "ulysses", "alltoall"] = "ring"
+    """ring (K/V rotated), allgather (K/V gathered once per layer), ulysses (heads <-> sequence
+    all-to-all); alltoall is Accelerate's name for the rotating exchange: it runs the ring."""
     # speed
     chunked_loss: bool | None = None
     """Loss from hidden states + LM-head weight in token chunks, never the full logits; default
@@ -314,7 +316,9 @@ class TrainConfig(_Strict):
         return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[name]
 
     def cp_options(self) -> CPOptions:
-        return CPOptions(comm_strategy=self.cp_comm_strategy)
+        from ndparallel.layout.handlers import CP_STRATEGIES
+
+        return CPOptions(comm_strategy=CP_STRATEGIES.get(self.cp_comm_strategy, self.cp_comm_strategy))
 
     def loss_options(self) -> LossOptions:
         return LossOptions(chunked=self.chunked_loss, chunk_tokens=self.loss_chunk_tokens)

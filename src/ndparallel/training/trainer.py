@@ -107,7 +107,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg, cache_dir)
         self.splits = build_data(cfg, self.tokenizer, cache_dir)
-        multiple = pad_multiple(cfg)
+        multiple = pad_multiple(cfg, acc.parallelism_config.dims)
         self.loader = PackedLoader(self.splits.train, cfg.micro_batch_size, dp_rank=acc.dp_rank,
                                    dp_size=acc.dp_size, seed=cfg.seed, pad_to_multiple=multiple)
         self.val_loader = None
