@@ -58,6 +58,11 @@ class ParallelDims:
     def sizes(self) -> dict[str, int]:
         return {d: getattr(self, d) for d in MESH_DIM_NAMES}
 
+    def to_dict(self) -> dict[str, int]:
+        """The degrees under ``ParallelismConfig``'s field names (as checkpoints record them)."""
+        return {"dp_replicate_size": self.dp_replicate, "dp_shard_size": self.dp_shard,
+                "cp_size": self.cp, "tp_size": self.tp}
+
     # ---------------------------------------------------------------- enabled
     dp_replicate_enabled = property(lambda self: self.dp_replicate > 1)
     dp_shard_enabled = property(lambda self: self.dp_shard > 1)

@@ -26,6 +26,7 @@ from ndparallel.parallel.options import (
     Float8Options,
     FSDPOptions,
     LossOptions,
+    StrategyOptions,
     TPOptions,
 )
 from ndparallel.training.config_data import (  # noqa: F401  (ConfigError: re-exported)
@@ -328,6 +329,14 @@ class TrainConfig(_Strict):
 
     def float8_options(self) -> Float8Options:
         return Float8Options(enabled=self.fp8, recipe=self.fp8_recipe, emulate=self.fp8_emulate)
+
+    def strategy_options(self) -> StrategyOptions:
+        """Every strategy option of the run, and its compute dtype: what the engine applies."""
+        import torch
+
+        return StrategyOptions(fsdp=self.fsdp_options(), tp=self.tp_options(), cp=self.cp_options(),
+                               loss=self.loss_options(), compile=self.compile_options(),
+                               float8=self.float8_options(), param_dtype=torch.bfloat16 if self.bf16 else None)
 
     def lora_kwargs(self, **overrides) -> dict | None:
         """Arguments of ``ndparallel.models.adapters.lora_config``; None without ``adapter``."""
