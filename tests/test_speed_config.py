@@ -74,5 +74,5 @@ def _fused_vs_default(layout):
 
 
 def test_fused_adamw_on_dtensors_equals_for_loop_fsdp_x_tp():
-    # AdamW turns fp32 rounding on near-zero gradients into lr-sized steps (CPU-FACTS)
+    # AdamW turns fp32 rounding on near-zero gradients into lr-sized steps (it divides by sqrt(v))
     assert run_on_ranks(_fused_vs_default, 4, {"dp_shard_size": 2, "tp_size": 2})[0] <= 1e-5

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from ndparallel.accelerator.plugins import ProjectConfiguration
+from ndparallel.checkpoint.directory import validate_checkpoint
 
 
 class _Hook:
@@ -175,7 +176,7 @@ class SavingMixin:
         if self.is_main_process:
             root.mkdir(parents=True, exist_ok=True)
         target = root / f"checkpoint_{project.iteration}"
-        if target.exists():
+        if target.exists() and not validate_checkpoint(target, deep=False):  # a failed save may be retried
             raise ValueError(f"Checkpoint directory {target} already exists: set "
                              "accelerator.project_configuration.iteration to the next free number")
         self.wait_for_everyone()

@@ -15,7 +15,7 @@ A checkpoint directory (``output_dir/checkpoint-{step}/``) holds:
   of the small ones). A directory without a valid marker is never taken for a checkpoint.
 
 Nothing is unpickled on load: JSON, DCP tensor data via ``torch.load(weights_only=True)``, and
-DCP's ``.metadata`` through an allow-list unpickler (``checkpoint_io``). All ranks must see the
+DCP's ``.metadata`` through an allow-list unpickler (``checkpoint.io``). All ranks must see the
 same filesystem (multi-node: a shared one).
 """
 

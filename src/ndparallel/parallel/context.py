@@ -8,8 +8,9 @@ closure holds the group, and sets the model's attention implementation to that n
 no global state of ours and no attribute on the modules; two models on two meshes get two names.
 The registered mask function returns no mask (the attention derives its causal and document masks
 from ``position_ids``) and raises on a padding mask, which transformers would otherwise drop
-silently for custom names. ``apply_document_attention`` does the same without CP: packed rows on
-one device with O(S) memory (transformers' sdpa would build a B×S×S mask).
+silently for custom names. ``apply_document_attention`` does the same without CP, for scripts: packed
+rows on one device with O(S) memory (transformers' sdpa would build a B×S×S mask; ``train`` leaves
+attention without CP to transformers).
 """
 
 from __future__ import annotations

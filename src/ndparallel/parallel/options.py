@@ -65,7 +65,8 @@ class LossOptions:
 class CompileOptions:
     enabled: bool = False
     """``torch.compile`` each decoder layer (regional compilation, as torchtitan does): one graph
-    reused by every layer, FSDP/TP hooks and the CP attention outside the compiled code."""
+    reused by every layer; FSDP2's hooks and the CP attention run outside the compiled code, TP's
+    DTensor ops inside it (``parallel/compile.py``)."""
     backend: str = "inductor"
     """The ``torch.compile`` backend."""
     fullgraph: bool = False
