@@ -111,6 +111,18 @@ class ProcessesMixin:
         divide). ``apply_padding`` repeats the last element so every share has the same length."""
         yield _split(inputs, self.process_index, self.num_processes, apply_padding)
 
+    # ---------------------------------------------------------- preemption
+    def preemption(self, timeout_s: float | None = None):
+        """(ndparallel) A ``PreemptionWatch``: ``with acc.preemption() as p:`` around the loop and
+        ``if p.should_stop(): acc.save_state(...); p.exit()`` after every optimizer step, on every
+        process. SIGTERM / SIGUSR1 to any rank or to the launcher then stops every rank after the
+        same step; ``p.exit()`` ends the process with exit code 75 (preempted: requeue and resume).
+        One 8-byte all-reduce per step on gloo, overlapped with the next step. ``timeout_s``
+        (default 100): from the signal until the process exits even without a checkpoint."""
+        from ndparallel.runtime.preemption import DEFAULT_TIMEOUT_S, PreemptionWatch
+
+        return PreemptionWatch(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+
     # ------------------------------------------------------------ triggers
     def set_trigger(self) -> None:
         """Raise this process's flag; ``check_trigger`` on every process then returns True."""

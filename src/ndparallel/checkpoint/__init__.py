@@ -2,6 +2,7 @@
 them, safe I/O, and the consolidated Hugging Face export (which depends on the rest, never the
 reverse)."""
 
+from ndparallel.checkpoint.async_save import AsyncCheckpointer
 from ndparallel.checkpoint.directory import (
     HF_CONFIG_DIR,
     MARKER,
@@ -20,7 +21,7 @@ from ndparallel.checkpoint.state import (
 )
 
 __all__ = [
-    "HF_CONFIG_DIR", "MARKER", "checkpoint_dir", "find_resume_checkpoint", "list_checkpoints",
+    "AsyncCheckpointer", "HF_CONFIG_DIR", "MARKER", "checkpoint_dir", "find_resume_checkpoint", "list_checkpoints",
     "load_checkpoint", "load_state", "rotate_checkpoints", "save_checkpoint", "save_state",
     "save_step_checkpoint", "validate_checkpoint",
 ]

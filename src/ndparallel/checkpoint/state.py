@@ -98,14 +98,26 @@ def save_state(
 ) -> Path:
     """Several models / optimizers / schedulers / loaders into one checkpoint (what
     ``Accelerator.save_state`` saves). Every rank must call it; returns the directory."""
-    models, optimizers, schedulers = _uniq(models), _uniq(optimizers), _uniq(schedulers)
     directory = Path(directory)
-    rank, world = _rank(), _world()
+    tensors, state = collect_state(models, optimizers, schedulers, extra, loaders, step, config, layout)
+    start_save(directory, state, models)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, single_file_per_rank=True))
+    _barrier()  # every rank's files are on disk
+    if _rank() == 0:
+        write_marker(directory, state)
+    _barrier()  # nobody moves on (to rotate, or to read) before the marker exists
+    return directory
+
+
+def collect_state(models, optimizers, schedulers, extra, loaders, step, config, layout):
+    """``(tensors, state)``: every tensor to save by DCP key (this rank's shards, sharing storage
+    with the live objects) and the JSON skeleton ``state.json`` holds."""
+    models, optimizers, schedulers = _uniq(models), _uniq(optimizers), _uniq(schedulers)
     extra = dict(extra or {})
     if step is None and isinstance(extra.get("step"), int):
         step = extra["step"]
     tensors: dict[str, torch.Tensor] = {}
-    state: dict[str, Any] = {"format": FORMAT, "step": step, "world_size": world,
+    state: dict[str, Any] = {"format": FORMAT, "step": step, "world_size": _world(),
                              "layout": layout.to_dict() if layout is not None else None}
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -123,12 +135,19 @@ def save_state(
     state["loaders"] = [split_tensors(ld.state_dict(), _key("loader", i), tensors) for i, ld in enumerate(loaders)]
     state["config"] = split_tensors(_jsonable_config(config), "config", tensors)
     state["extra"] = split_tensors(extra, "extra", tensors)
+    return tensors, state
 
+
+def start_save(directory: Path, state: dict, models: Sequence[nn.Module]) -> None:
+    """Everything of a save but the DCP tensor files and the marker: the target checked on every
+    rank, (re)created by rank 0, then this rank's RNG states and rank 0's ``state.json`` and HF
+    config. Collective (barrier after the directory exists)."""
+    models = _uniq(models)
+    rank = _rank()
     check_target_dir(directory)  # on every rank (same filesystem), so all raise together
     if rank == 0:
         prepare_dir(directory)
     _barrier()
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, single_file_per_rank=True))
     (directory / "rng").mkdir(exist_ok=True)
     write_json_atomic(directory / "rng" / f"rank-{rank:05d}.json", rng_state())
     if rank == 0:
@@ -136,11 +155,6 @@ def save_state(
         _save_hf_config(models[0] if models else None, directory / HF_CONFIG_DIR)
         if models and is_peft_model(models[0]):  # what `ndparallel export` writes with the adapter
             adapter_config_of(models[0]).save_pretrained(str(directory / HF_CONFIG_DIR))
-    _barrier()  # every rank's files are on disk
-    if rank == 0:
-        write_marker(directory, state)
-    _barrier()  # nobody moves on (to rotate, or to read) before the marker exists
-    return directory
 
 
 def load_state(

@@ -33,12 +33,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _dispatch(argv[0], argv[1:])
     except SystemExit as e:  # argparse (-h: 0, a usage error: 2, already printed in one line)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else _fail_text(e.code))
+    except KeyboardInterrupt:  # Ctrl-C outside training (start-up, rendezvous): one line, no traceback
+        from ndparallel.runtime.preemption import INTERRUPTED_EXIT
+
+        if os.environ.get("RANK", "0") == "0":
+            print(f"ndparallel {argv[0]}: interrupted (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED_EXIT
 
 
 def _dispatch(command: str, rest: list[str]) -> int:
     if command == "launch":
+        from ndparallel.cli.launch_check import check_train_launch
         from ndparallel.runtime.launch import launch
 
+        problem = check_train_launch(rest)  # `launch ... -m ndparallel train CFG`: its checks first
+        if problem:
+            print(f"ndparallel launch: error: {problem}", file=sys.stderr)
+            return 2
         return launch(rest)
     if command == "plan":
         return _plan(rest)

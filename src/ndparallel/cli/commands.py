@@ -42,6 +42,10 @@ def run_train(argv: Sequence[str]) -> int:
     from ndparallel.runtime.launch import launched_by_ndparallel
 
     in_job = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if in_job and not args.dry_run:
+        from ndparallel.runtime.lifeline import die_with_launcher
+
+        die_with_launcher()  # a rank never outlives its launcher (kill -9 of torchrun / ndparallel launch)
     try:
         cfg = load_config(args.config, args.set)
         world = world_size_for(cfg, args.nproc_per_node)
@@ -49,6 +53,8 @@ def run_train(argv: Sequence[str]) -> int:
             # A dry run checks a config meant for another machine: its data may live there. Under
             # torchrun every rank checks (output_dir: rank 0 only, before its first write).
             pc, hf = validate_layout(cfg, world, check_local=not args.dry_run, check_output=not in_job)
+        if in_job:
+            check_nodes(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     except ConfigError as e:
         return _rank_error("train", e) if in_job else fail("train", e)
     main_rank = not in_job or os.environ.get("RANK") == "0"
@@ -64,12 +70,32 @@ def run_train(argv: Sequence[str]) -> int:
         inner = ["train", *([args.config] if args.config else []), *(f"--set={s}" for s in args.set)]
         if args.profile_comm:
             inner.append("--profile-comm")
-        return relaunch_self(world, inner, torchrun_args=[f"--max-restarts={cfg.max_restarts}"])
+        return relaunch_self(world, inner, torchrun_args=[f"--max-restarts={cfg.max_restarts}",
+                                                          *shutdown_grace_args(cfg.preemption_timeout_s)])
+    return _train_on_rank(cfg, args.profile_comm, main_rank)
+
+
+def _train_on_rank(cfg, profile_comm: bool, main_rank: bool) -> int:
+    """One rank of ``ndparallel train``: the run, and how it ended as an exit code."""
+    import sys
+
     from ndparallel.engine.nonfinite import NonFiniteError
+    from ndparallel.runtime.distributed import shutdown
+    from ndparallel.runtime.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT, Preempted
+    from ndparallel.training.stopping import Interrupted, interrupted_line
     from ndparallel.training.trainer import run_training
 
     try:
-        run_training(cfg, profile_comm=args.profile_comm)
+        run_training(cfg, profile_comm=profile_comm)
+    except Preempted as e:  # every rank, after the agreed step's checkpoint
+        if main_rank:
+            print(e, file=sys.stderr, flush=True)
+        shutdown()
+        return PREEMPTED_EXIT
+    except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C: one line, no traceback (peers may be gone)
+        if main_rank:
+            print(interrupted_line(getattr(e, "step", None), cfg.output_dir), file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT
     except NonFiniteError as e:  # every rank sees the same global loss / grad norm: exit 1
         return _rank_error("train", e, exit_code=1)
     except INPUT_ERRORS as e:
@@ -82,6 +108,30 @@ def run_train(argv: Sequence[str]) -> int:
     if main_rank:
         _plot_curves(Path(cfg.output_dir))
     return 0
+
+
+def check_nodes(cfg, world: int, ranks_per_node: int) -> None:
+    """Tensor parallelism stays within a node: refused (``ConfigError``) when its groups would
+    span nodes of ``ranks_per_node`` ranks."""
+    from ndparallel.layout.config import ParallelismConfigError
+
+    try:
+        dims = cfg.parallelism_config().resolve(world).dims
+    except ParallelismConfigError as e:
+        raise ConfigError(str(e)) from None
+    problem = dims.tp_across_nodes(ranks_per_node)
+    if problem:
+        raise ConfigError(problem)
+
+
+def shutdown_grace_args(preemption_timeout_s: float) -> list[str]:
+    """torchrun's ``--shutdown-timeout``: the agent waits this long for signalled ranks to save
+    and exit before SIGKILL (the preemption deadline plus room to exit)."""
+    from ndparallel.runtime.launch import torchrun_parser
+
+    if not any("--shutdown-timeout" in a.option_strings for a in torchrun_parser()._actions):
+        return []  # an older torch: TORCH_ELASTIC_SHUTDOWN_TIMEOUT / its 30 s default
+    return [f"--shutdown-timeout={int(preemption_timeout_s) + 20}"]
 
 
 def _rank_error(command: str, error: BaseException, exit_code: int | None = None) -> int:

@@ -54,6 +54,16 @@ class ParallelDims:
         last = FLATTENED_DIMS.get(dim, (dim,))[-1]
         return math.prod(getattr(self, d) for d in MESH_DIM_NAMES[MESH_DIM_NAMES.index(last) + 1:])
 
+    def tp_across_nodes(self, ranks_per_node: int) -> str | None:
+        """Why tp groups would span nodes when each node runs ``ranks_per_node`` consecutive
+        ranks (tp is innermost: a tp group is ``tp`` consecutive ranks), or None."""
+        if self.tp <= 1 or ranks_per_node >= self.world or ranks_per_node % self.tp == 0:
+            return None
+        return (f"tensor_parallel_size={self.tp} spans nodes: a node runs {ranks_per_node} rank(s) and a tp "
+                f"group is {self.tp} consecutive ranks, so every layer's tensor-parallel all-reduces would cross "
+                f"the inter-node network; keep tp within a node (a divisor of {ranks_per_node}) and use "
+                "dp_shard / dp_replicate across nodes")
+
     @property
     def sizes(self) -> dict[str, int]:
         return {d: getattr(self, d) for d in MESH_DIM_NAMES}

@@ -62,11 +62,15 @@ def init_distributed(
 ) -> DistributedInfo:
     """Join (or start) the default process group and return this rank's ``DistributedInfo``.
 
-    Under ``torchrun`` / ``ndparallel launch`` the ``RANK``/``WORLD_SIZE`` env vars are used; a plain
+    Under ``torchrun`` / ``ndparallel launch`` the ``RANK``/``WORLD_SIZE`` env vars are used (and
+    this process is tied to its launcher: it is killed when the launcher dies); a plain
     ``python script.py`` gets a one-rank group so every code path is the same. When a default group
     already exists it is reused and the device follows its backend (a gloo-only group means CPU;
     asking for ``cuda`` on it is an error), so repeated calls agree with the running group.
     """
+    from ndparallel.runtime.lifeline import die_with_launcher
+
+    die_with_launcher()  # under an elastic agent: never outlive it (a kill -9 of the launcher)
     if timeout_s is None:
         timeout_s = float(os.environ.get("NDPARALLEL_TIMEOUT", DEFAULT_TIMEOUT_S))
     if timeout_s <= 0:

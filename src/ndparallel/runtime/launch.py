@@ -3,7 +3,13 @@
 ``ndparallel launch`` accepts every ``torchrun`` option, so the same command scales to several
 nodes (``--nnodes 2 --node-rank 0 --rdzv-endpoint host:29500``). What it adds: ``--standalone`` on a
 single node when no rendezvous is given (a free port, no clashes between jobs) and, on CPU, a
-per-rank thread count that shares this machine's cores instead of oversubscribing them.
+per-rank thread count that shares this machine's cores instead of oversubscribing them; SIGUSR1
+among the signals forwarded to the ranks and a shutdown grace long enough for a preemption
+checkpoint (``configure_signals``); a launcher signalled with SIGTERM/SIGUSR1 exits with
+``PREEMPTED_EXIT`` (75), after Ctrl-C with 130, without tracebacks; ranks that die with it
+(``lifeline.py``); on several nodes, a heartbeat per node that names a node that went away
+(``nodes.py``); and a failure summary naming the rank that failed first and the ranks that hung
+(``failures.py``).
 
 Input errors found on the ranks (bad data, weights, output_dir, ...) exit with code 2 and hand their
 one-line message to this launcher through the elastic agent's per-rank error file
@@ -18,10 +24,17 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Sequence
 
 import torch
+
+from ndparallel.runtime.failures import report_failure
+from ndparallel.runtime.lifeline import LAUNCHER_PID_ENV
+from ndparallel.runtime.nodes import node_watch_for
+from ndparallel.runtime.preemption import DEFAULT_TIMEOUT_S as DEFAULT_PREEMPTION_TIMEOUT_S
+from ndparallel.runtime.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT, PREEMPTION_SIGNALS
 
 INPUT_ERROR_EXIT = 2
 LAUNCHED_ENV = "NDPARALLEL_LAUNCHED"  # set for the ranks this launcher starts
@@ -63,15 +76,6 @@ def report_rank_error(line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def first_reported_error(failures: dict) -> tuple[str, int] | None:
-    """(message, exit code) of the earliest rank that failed with a reported error, or None."""
-    found = [(f.error_file_data.get("ndparallel", {}).get("time", f.timestamp), rank, f.message, f.exitcode)
-             for rank, f in failures.items()
-             if f.exitcode > 0 and isinstance(f.error_file_data, dict)
-             and isinstance(f.error_file_data.get("ndparallel"), dict)]
-    return min(found)[2:] if found else None
-
-
 def _nproc_problem(nproc: str) -> str | None:
     text = str(nproc)
     if text.lstrip("-").isdigit():
@@ -84,12 +88,13 @@ def _nproc_problem(nproc: str) -> str | None:
 
 
 class _DropPerRankNoise(logging.Filter):
-    """The agent's per-rank "failed (exitcode: …)" and "closing signal" lines repeat what the
-    launcher's own summary (or the rank's one-line input error) says."""
+    """The agent's per-rank "failed (exitcode: …)", "closing signal" and "Received … death signal"
+    lines repeat what the launcher's own summary (or the ranks' one line) says."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
-        return not (msg.startswith("failed (exitcode") or "closing signal" in msg)
+        return not (msg.startswith("failed (exitcode") or "closing signal" in msg
+                    or "death signal, shutting down workers" in msg)
 
 
 def threads_per_rank(nproc_per_node: int, cpu_count: int | None = None) -> int:
@@ -100,6 +105,7 @@ def threads_per_rank(nproc_per_node: int, cpu_count: int | None = None) -> int:
 
 def launch(argv: Sequence[str]) -> int:
     """Parse torchrun-style ``argv`` (``[options] script [args]``), run the job, return an exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
@@ -114,33 +120,106 @@ def launch(argv: Sequence[str]) -> int:
     nproc = args.nproc_per_node
     if str(nproc).isdigit() and "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
         os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(int(nproc)))
+    relay = configure_signals(args)
+    watch = node_watch_for(args)
     noise = _DropPerRankNoise()
-    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    agent_log.addFilter(noise)
+    agent_logs = [logging.getLogger(n) for n in _AGENT_LOGGERS]
+    for log in agent_logs:
+        log.addFilter(noise)
+    saved_env = {k: os.environ.get(k) for k in (LAUNCHER_PID_ENV,)}
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks check they still have this parent
     try:
+        if watch is not None:
+            watch.start()
         run(args)
     except ValueError as exc:  # torchrun's own checks of its arguments
         print(f"ndparallel launch: error: {exc}", file=sys.stderr)
         return INPUT_ERROR_EXIT
+    except SignalException as exc:  # this launcher was signalled: the agent stopped the ranks
+        return _signalled(exc.sigval)
     except ChildFailedError as exc:
-        reported = first_reported_error(exc.failures)
-        if reported is not None:
-            print(reported[0], file=sys.stderr)
-            return reported[1]
-        first_rank, first = exc.get_first_failure()
-        others = ", ".join(f"rank {rank} (exit {f.exitcode})"
-                           for rank, f in sorted(exc.failures.items()) if rank != first_rank)
-        print(f"ndparallel launch: job failed: rank {first_rank} (exit {first.exitcode}) failed first"
-              + (f"; then {others}" if others else ""), file=sys.stderr)
-        stopped = sorted(r for r, f in exc.failures.items() if f.exitcode == -signal.SIGTERM)
-        if stopped and first.exitcode == 1:
-            print(f"ndparallel launch: ranks {stopped} were still running when rank {first_rank} "
-                  "failed (stopped by the launcher): if it timed out in a collective, they are the "
-                  "ranks that stalled", file=sys.stderr)
-        return 1
+        return report_failure(exc, shutdown_grace_s(args), watch)
     finally:
-        agent_log.removeFilter(noise)
+        for log in agent_logs:
+            log.removeFilter(noise)
+        for key, value in saved_env.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        if watch is not None:
+            watch.stop()
+        if relay is not None:
+            relay.restore()
     return 0
+
+
+_AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
+
+
+def configure_signals(args) -> "_PreemptionRelay | None":
+    """The elastic agent forwards the signals it handles to every rank and waits ``shutdown
+    timeout`` seconds for them to exit before SIGKILL. With torchrun's default list, SIGUSR1
+    (SLURM's ``--signal=USR1@120``) would kill the launcher outright and a second SIGTERM would cut
+    the ranks' preemption checkpoint short. So, unless the command line or the environment chose
+    the signals: SIGTERM and SIGUSR1 are this launcher's (``_PreemptionRelay``: the first one is
+    handed to the agent, which forwards it to the ranks; later ones are ignored) and the agent
+    keeps SIGINT, SIGHUP, SIGQUIT. The shutdown grace becomes long enough for a preemption
+    checkpoint (``DEFAULT_SHUTDOWN_TIMEOUT_S``) unless given."""
+    relay = None
+    if hasattr(args, "signals_to_handle") and "PET_SIGNALS_TO_HANDLE" not in os.environ:
+        names = [n.strip() for n in str(args.signals_to_handle).split(",") if n.strip()]
+        if names == list(_TORCH_DEFAULT_SIGNALS):
+            if threading.current_thread() is threading.main_thread():
+                relay = _PreemptionRelay()
+                args.signals_to_handle = ",".join(n for n in names if n != "SIGTERM")
+            else:
+                args.signals_to_handle = ",".join([*names, "SIGUSR1"])
+    if hasattr(args, "shutdown_timeout") and args.shutdown_timeout is None:
+        args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT_S))
+    return relay
+
+
+class _PreemptionRelay:
+    """SIGTERM / SIGUSR1 to the launcher: the first is raised as the agent's ``SignalException``
+    (it then sends the same signal to every rank and waits for them); later ones are ignored, so
+    the ranks' checkpoint is never cut short by a repeated signal."""
+
+    def __init__(self):
+        self.first: int | None = None
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in PREEMPTION_SIGNALS}
+
+    def _on_signal(self, signum, frame) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        name = signal.Signals(signum).name
+        if self.first is None:
+            self.first = signum
+            raise SignalException(f"Process {os.getpid()} got signal: {name}", sigval=signal.Signals(signum))
+        os.write(2, f"ndparallel launch: {name} received while the ranks are stopping: ignored\n".encode())
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+_TORCH_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+DEFAULT_SHUTDOWN_TIMEOUT_S = int(DEFAULT_PREEMPTION_TIMEOUT_S) + 20
+"""How long the agent waits for signalled ranks to exit: the preemption deadline plus room to exit."""
+
+
+def shutdown_grace_s(args) -> int:
+    value = getattr(args, "shutdown_timeout", None)
+    return int(value) if value is not None else int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+
+
+def _signalled(sigval) -> int:
+    """This launcher got ``sigval``; the agent forwarded it to the ranks and waited for them."""
+    name = signal.Signals(sigval).name
+    if sigval == signal.SIGINT:
+        return INTERRUPTED_EXIT  # the ranks say "interrupted at step N" (rank 0), nothing more here
+    code = PREEMPTED_EXIT if sigval in PREEMPTION_SIGNALS else 128 + int(sigval)
+    print(f"ndparallel launch: {name} received: the ranks were asked to stop; exit {code}"
+          + (" (preempted: run the same command again to resume)" if code == PREEMPTED_EXIT else ""),
+          file=sys.stderr)
+    return code
 
 
 def relaunch_self(nproc_per_node: int, module_args: Sequence[str], torchrun_args: Sequence[str] = ()) -> int:

@@ -215,6 +215,15 @@ class TrainConfig(_Strict):
     save_final_model: bool = True
     save_dtype: Literal["auto", "bf16", "fp32", "fp16"] = "auto"
     """dtype of the final model's weights: auto = bf16 for a bf16 run, else fp32."""
+    checkpoint_async: bool = False
+    """Write checkpoints in the background (staged to host memory, pinned on CUDA) while training
+    continues; at most one in flight, COMPLETE only once written, the last one awaited at the end."""
+    preemption_checkpoint: bool = True
+    """On SIGTERM / SIGUSR1 (preemption, scancel, SLURM's --signal): finish the step, save a
+    checkpoint there and exit 75; false: exit 75 without saving."""
+    preemption_timeout_s: _float(gt=0) = 100.0
+    """Seconds from the signal until the job exits even without a checkpoint (keep it below the
+    scheduler's grace period: SLURM --signal lead time / KillWait, Kubernetes terminationGracePeriodSeconds)."""
     # runtime
     device: Literal["auto", "cpu", "cuda"] = "auto"
     collective_timeout_s: _float(gt=0) = 600.0

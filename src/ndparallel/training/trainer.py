@@ -126,6 +126,12 @@ class Trainer:
                   else math.ceil(cfg.warmup_ratio * self.total_steps))
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, warmup, self.total_steps)
         self.nonfinite = NonFiniteGuard(cfg.on_nonfinite)
+        self._saved_step: int | None = None
+        self.checkpointer = None
+        if cfg.checkpoint_async:
+            from ndparallel.checkpoint import AsyncCheckpointer
+
+            self.checkpointer = AsyncCheckpointer(timeout_s=cfg.collective_timeout_s)
 
     def _load_model(self):
         """The model, sharded, with the attention kernel this machine has (one warning line if the
@@ -227,18 +233,28 @@ class Trainer:
         self.engine.print(f"step {step}: eval_loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}")
 
     def maybe_save(self) -> None:
-        from ndparallel.checkpoint import save_step_checkpoint
+        if self.save_every and self.state.step % self.save_every == 0:
+            self.save_checkpoint(periodic=True)
+
+    def save_checkpoint(self, periodic: bool = False) -> Path:
+        """``checkpoint-{step}``: in the background with ``checkpoint_async`` (``periodic``), else
+        now. Not twice for one step; a background save in flight is awaited first."""
+        from ndparallel.checkpoint import checkpoint_dir, save_step_checkpoint
 
         cfg, step = self.cfg, self.state.step
-        if not self.save_every or step % self.save_every:
-            return
+        if self.checkpointer is not None and not periodic:
+            self.checkpointer.wait()
+        if self._saved_step == step:
+            return checkpoint_dir(cfg.output_dir, step)
         self.nonfinite.check()  # never a checkpoint of a diverged model
-        path = save_step_checkpoint(
-            cfg.output_dir, step, self.model, self.optimizer, self.scheduler,
-            config=cfg.model_dump(mode="json"), extra={"samples_seen": self.state.samples_seen},
-            save_total_limit=cfg.save_total_limit, layout=self.engine.dims,
-        )
-        self.engine.print(f"step {step}: checkpoint saved to {path}")
+        background = self.checkpointer is not None and periodic
+        save = self.checkpointer.save_step if background else save_step_checkpoint
+        path = save(cfg.output_dir, step, self.model, self.optimizer, self.scheduler,
+                    config=cfg.model_dump(mode="json"), extra={"samples_seen": self.state.samples_seen},
+                    save_total_limit=cfg.save_total_limit, layout=self.engine.dims)
+        self._saved_step = step
+        self.engine.print(f"step {step}: checkpoint {'being written to' if background else 'saved to'} {path}")
+        return path
 
     def finish(self) -> None:
         """The final Hugging Face model; then leave the process group."""
@@ -246,6 +262,8 @@ class Trainer:
         from ndparallel.runtime.distributed import shutdown
 
         engine = self.engine
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # the last checkpoint is complete before the run ends
         self.nonfinite.check()
         if self.cfg.save_final_model:
             # the optimizer states (2× the model in fp32 for AdamW) are not needed any more: free
@@ -278,7 +296,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- run
     def run(self) -> dict:
-        """All phases; returns the last logged metrics (the last step is always logged)."""
+        """All phases; returns the last logged metrics (the last step is always logged). Ends with
+        ``Preempted`` after a preemption signal, ``Interrupted`` after Ctrl-C."""
+        from ndparallel.runtime.preemption import PreemptionWatch
+        from ndparallel.training.stopping import Interrupted, stop_for_preemption
+
         self.setup()
         self.resume()
         from ndparallel.training.outputs import claim_output_dir
@@ -289,14 +311,25 @@ class Trainer:
         self.model.train()
         self.progress = Progress(self.total_steps, self.state.step, enabled=self.engine.is_main_process)
         self._log_time, self._log_step = time.perf_counter(), self.state.step
+        self.preemption = PreemptionWatch(self.cfg.preemption_timeout_s, name="ndparallel train")
         try:
-            while self.state.step < self.total_steps:
-                self.last = self.log(self.train_step()) or self.last
-                self.maybe_evaluate()
-                self.maybe_save()
+            with self.preemption:
+                while self.state.step < self.total_steps:
+                    self.last = self.log(self.train_step()) or self.last
+                    self.maybe_evaluate()
+                    self.maybe_save()
+                    if self.preemption.should_stop():
+                        raise stop_for_preemption(self)
+                self.preemption.settle()  # no agreement collective in flight from here on
+                self.finish()
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) or self.preemption.interrupted:
+                raise Interrupted(self.state.step) from None
+            if self.preemption.requested and not self.preemption.stopping:
+                self.preemption.die_of_signal()  # stopped by the launcher as a peer failed: no traceback
+            raise
         finally:
             self.progress.close()
-        self.finish()
         return self.last
 
     def _start_outputs(self) -> None:

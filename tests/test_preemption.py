@@ -1,0 +1,176 @@
+"""Preemption and multi-node, as a cluster does them: SIGTERM to the launcher of a 4-rank FSDP×TP
+``ndparallel train`` checkpoints the step the ranks agreed on and exits 75; the same command then
+resumes and ends with the uninterrupted run's losses, exactly (constant LR). SIGUSR1 to one rank
+of an Accelerate-style loop stops every rank after the same step. Two "nodes" (a ``torchrun`` and
+an ``ndparallel launch``, c10d rendezvous on 127.0.0.1) × 2 ranks train exactly as one node × 4;
+tensor parallelism across the node boundary is refused before launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ndparallel.checkpoint import list_checkpoints, validate_checkpoint
+from ndparallel.runtime.multirank import run_on_ranks
+from ndparallel.runtime.preemption import PREEMPTED_EXIT
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import ckpt_train  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 16
+CONFIG = f"""\
+base_model: tiny-llama
+tokenizer_vocab_size: 300
+datasets:
+  - path: builtin:stdlib
+    max_bytes: 60000
+sequence_len: 32
+micro_batch_size: 1
+max_steps: {STEPS}
+learning_rate: 1.0e-3
+lr_scheduler: constant
+optimizer: sgd
+logging_steps: 1
+device: cpu
+save_final_model: false
+resume_from_checkpoint: auto
+dp_shard_size: 2
+tensor_parallel_size: 2
+"""
+WAIT_S = 300  # generous: 4 ranks start in ~10 s on 2 idle cores, much slower under load
+
+
+def _env() -> dict:
+    return {**os.environ, "NDPARALLEL_TIMEOUT": "60", "NDPARALLEL_DEVICE": "cpu",
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+def _config(root: Path, out: str) -> Path:
+    path = root / f"{out}.yaml"
+    path.write_text(CONFIG + f"output_dir: {root / out}\ndataset_cache_dir: {root / 'cache'}\n")
+    return path
+
+
+def _losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _train(cfg: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ndparallel", "train", str(cfg), *extra], env=_env(),
+                          capture_output=True, text=True, timeout=WAIT_S)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """One uninterrupted one-node 4-rank run: the reference losses of every test here."""
+    root = tmp_path_factory.mktemp("cluster")
+    proc = _train(_config(root, "ref"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = _losses(root / "ref")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return root, losses
+
+
+def _wait_for_step(proc: subprocess.Popen, out: Path, step: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before the signal could be sent"
+        if (out / "metrics.jsonl").exists() and max(_losses(out), default=0) >= step:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"step {step} was not logged within {WAIT_S} s")
+
+
+def test_sigterm_to_launcher_checkpoints_agreed_step_and_resumes_exactly(work):
+    root, reference = work
+    cfg, out = _config(root, "preempted"), root / "preempted"
+    with open(root / "preempted.err", "w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "ndparallel", "train", str(cfg)], env=_env(),
+                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+        _wait_for_step(proc, out, 4)
+        proc.send_signal(signal.SIGTERM)
+        signalled, again = time.monotonic(), False
+        while proc.poll() is None and time.monotonic() - signalled < 60:
+            if not again and list(out.glob("checkpoint-*")):  # the save has begun: signal again
+                proc.send_signal(signal.SIGTERM)
+                again = True
+            time.sleep(0.01)
+        took = time.monotonic() - signalled
+        rc = proc.wait(timeout=5)  # (still running after 60 s: this fails below, naming it)
+        err.seek(0)
+        stderr = err.read()
+    assert rc == PREEMPTED_EXIT and took < 60, (rc, took, stderr[-3000:])
+    (step, ckpt), = list_checkpoints(out)  # no periodic checkpoint: only the preemption's
+    assert step >= 4 and step == max(_losses(out)) and validate_checkpoint(ckpt) == []
+    assert f"preempted (SIGTERM) after step {step}: checkpoint saved to {ckpt}" in stderr
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+    resumed = _train(cfg)  # the same command again
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {ckpt} at step {step}" in resumed.stdout
+    assert _losses(out) == reference  # exact, every step
+
+
+def test_sigusr1_to_one_rank_of_a_python_loop_stops_all_after_one_step(tmp_path):
+    """``acc.preemption()``: rank 1 gets SIGUSR1 after step 3; every rank stops after step 4 (one
+    step of latency: the agreement all-reduce overlaps a step), checkpoints it, and a resumed run
+    ends with the uninterrupted run's losses."""
+    layout = {"dp_shard_size": 2, "tp_size": 2}
+    ref = run_on_ranks(ckpt_train.train, 4, layout, str(tmp_path / "ref"), steps=6)[0]["losses"]
+    out = tmp_path / "run"
+    results = run_on_ranks(ckpt_train.train, 4, layout, str(out), steps=6, signal_at=(1, 3))
+    assert [r["stopped"] for r in results] == [(4, "a signal to another rank"), (4, "SIGUSR1"),
+                                               (4, "a signal to another rank"), (4, "a signal to another rank")]
+    assert [s for s, _ in list_checkpoints(out)] == [4] and validate_checkpoint(out / "checkpoint-4") == []
+    resumed = run_on_ranks(ckpt_train.train, 4, layout, str(out), steps=6, resume=True)[0]
+    assert resumed["losses"] == {5: ref[5], 6: ref[6]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_of_two_ranks_equal_one_node_of_four(work):
+    """Node 0: ``torchrun``; node 1: ``ndparallel launch`` — both torchrun's flags, one c10d
+    rendezvous on 127.0.0.1. Asynchronous checkpoints on, every 5 steps."""
+    root, reference = work
+    cfg, out = _config(root, "two_nodes"), root / "two_nodes"
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "two-nodes"]
+    train = ["-m", "ndparallel", "train", str(cfg), "--set", "checkpoint_async=true", "--set", "save_steps=5"]
+    launchers = [[sys.executable, "-m", "torch.distributed.run", *rdzv, *train],
+                 [sys.executable, "-m", "ndparallel", "launch", *rdzv, *train]]
+    procs = [subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in launchers]
+    outputs = [p.communicate(timeout=WAIT_S) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outputs]
+    assert _losses(out) == reference
+    assert [s for s, _ in list_checkpoints(out)] == [5, 10, 15]
+    assert all(validate_checkpoint(p) == [] for _, p in list_checkpoints(out))
+
+
+def test_tensor_parallel_across_nodes_refused_before_launch(tmp_path):
+    cfg = _config(tmp_path, "cross")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ndparallel", "launch", "--nnodes", "2", "--nproc-per-node", "1",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "-m", "ndparallel", "train", str(cfg),
+         "--set", "dp_shard_size=1"],
+        env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "ndparallel launch: error: tensor_parallel_size=2 spans nodes: a node runs 1 rank(s) and a tp group is 2 "
+        "consecutive ranks, so every layer's tensor-parallel all-reduces would cross the inter-node network; keep "
+        "tp within a node (a divisor of 1) and use dp_shard / dp_replicate across nodes"]
+    assert not (tmp_path / "cross").exists()  # nothing started
