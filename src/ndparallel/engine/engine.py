@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import os
 import weakref
 from typing import Iterable, Mapping, Sequence
 
@@ -41,6 +42,9 @@ class Engine:
             layout = ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard,
                                        cp_size=layout.cp, tp_size=layout.tp)
         self.dims: ParallelDims = layout.resolve(self.info.world_size).dims
+        across = self.dims.tp_across_nodes(int(os.environ.get("LOCAL_WORLD_SIZE", self.info.world_size)))
+        if across:  # several nodes (torchrun --nnodes, accelerate launch --num_machines)
+            raise ValueError(across)
         self.mesh = build_mesh(self.info.device_type, self.dims.sizes,
                                datetime.timedelta(seconds=self.info.timeout_s))
         self.options = options

@@ -126,7 +126,7 @@ def launch(argv: Sequence[str]) -> int:
     agent_logs = [logging.getLogger(n) for n in _AGENT_LOGGERS]
     for log in agent_logs:
         log.addFilter(noise)
-    saved_env = {k: os.environ.get(k) for k in (LAUNCHER_PID_ENV,)}
+    previous_pid = os.environ.get(LAUNCHER_PID_ENV)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks check they still have this parent
     try:
         if watch is not None:
@@ -142,8 +142,10 @@ def launch(argv: Sequence[str]) -> int:
     finally:
         for log in agent_logs:
             log.removeFilter(noise)
-        for key, value in saved_env.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        if previous_pid is None:
+            os.environ.pop(LAUNCHER_PID_ENV, None)
+        else:
+            os.environ[LAUNCHER_PID_ENV] = previous_pid
         if watch is not None:
             watch.stop()
         if relay is not None:

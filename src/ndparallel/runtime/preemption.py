@@ -105,9 +105,10 @@ class PreemptionWatch:
         if signum == signal.SIGINT:
             self.interrupted = True
             raise KeyboardInterrupt
-        if self.signal_name is not None:  # os.write: print may be mid-write in the main thread
-            _say(f"{self.name}: {name} received while stopping for {self.signal_name}: ignored "
-                 "(the checkpoint in progress completes, or is left without a COMPLETE marker)")
+        if self.signal_name is not None:  # (SLURM signals the launcher and the ranks: expected)
+            if os.environ.get("RANK", "0") == "0":  # os.write: print may be mid-write in the main thread
+                _say(f"{self.name}: {name} received while stopping for {self.signal_name}: ignored "
+                     "(the checkpoint in progress completes, or is left without a COMPLETE marker)")
             return
         self.signal_name = name
         self._start_deadline(time.monotonic() + self.timeout_s)

@@ -313,13 +313,16 @@ class Trainer:
         self._log_time, self._log_step = time.perf_counter(), self.state.step
         self.preemption = PreemptionWatch(self.cfg.preemption_timeout_s, name="ndparallel train")
         try:
-            with self.preemption:
-                while self.state.step < self.total_steps:
-                    self.last = self.log(self.train_step()) or self.last
-                    self.maybe_evaluate()
-                    self.maybe_save()
-                    if self.preemption.should_stop():
-                        raise stop_for_preemption(self)
+            with self.preemption:  # signals handled until the end (a final export completes)
+                try:
+                    while self.state.step < self.total_steps:
+                        self.last = self.log(self.train_step()) or self.last
+                        self.maybe_evaluate()
+                        self.maybe_save()
+                        if self.preemption.should_stop():
+                            raise stop_for_preemption(self)
+                finally:
+                    self.progress.close()
                 self.preemption.settle()  # no agreement collective in flight from here on
                 self.finish()
         except BaseException as exc:
@@ -328,8 +331,6 @@ class Trainer:
             if self.preemption.requested and not self.preemption.stopping:
                 self.preemption.die_of_signal()  # stopped by the launcher as a peer failed: no traceback
             raise
-        finally:
-            self.progress.close()
         return self.last
 
     def _start_outputs(self) -> None:

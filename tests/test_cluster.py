@@ -1,9 +1,11 @@
-"""Preemption and multi-node, as a cluster does them: SIGTERM to the launcher of a 4-rank FSDP×TP
+"""Preemption and multi-node, as a cluster runs them: SIGTERM to the launcher of a 4-rank FSDP×TP
 ``ndparallel train`` checkpoints the step the ranks agreed on and exits 75; the same command then
 resumes and ends with the uninterrupted run's losses, exactly (constant LR). SIGUSR1 to one rank
 of an Accelerate-style loop stops every rank after the same step. Two "nodes" (a ``torchrun`` and
 an ``ndparallel launch``, c10d rendezvous on 127.0.0.1) × 2 ranks train exactly as one node × 4;
-tensor parallelism across the node boundary is refused before launch."""
+tensor parallelism across the node boundary is refused before launch; ``accelerate launch
+--num_machines 2 --machine_rank M --main_process_ip --main_process_port`` places the ranks as
+Accelerate does."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ndparallel.checkpoint import list_checkpoints, validate_checkpoint
-from ndparallel.runtime.multirank import run_on_ranks
+from ndparallel.runtime.multirank import RankFailure, run_on_ranks
 from ndparallel.runtime.preemption import PREEMPTED_EXIT
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -174,3 +176,51 @@ def test_tensor_parallel_across_nodes_refused_before_launch(tmp_path):
         "consecutive ranks, so every layer's tensor-parallel all-reduces would cross the inter-node network; keep "
         "tp within a node (a divisor of 1) and use dp_shard / dp_replicate across nodes"]
     assert not (tmp_path / "cross").exists()  # nothing started
+
+
+def _accelerator_tp2():
+    from ndparallel import Accelerator, ParallelismConfig
+
+    Accelerator(ParallelismConfig(tp_size=2))
+
+
+def test_accelerator_refuses_tp_across_nodes():
+    """Two nodes of one rank each (``LOCAL_WORLD_SIZE=1``): a tp group of 2 would span them."""
+    with pytest.raises(RankFailure, match=r"tensor_parallel_size=2 spans nodes: a node runs 1 rank"):
+        run_on_ranks(_accelerator_tp2, 2, env={"LOCAL_WORLD_SIZE": "1"}, timeout_s=120)
+
+
+_ACCELERATE_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+mixed_precision: 'no'
+num_processes: 4
+rdzv_backend: static
+same_network: true
+use_cpu: true
+"""
+
+
+def test_accelerate_launch_on_two_machines(tmp_path):
+    """The real ``accelerate launch`` with its multi-machine flags, once per "machine": 4 ranks in
+    one group, machine 0 holding ranks 0-1 (its local main process is rank 0), machine 1 ranks
+    2-3; tp groups within a machine."""
+    import shutil
+
+    if shutil.which("accelerate") is None:
+        pytest.skip("the accelerate CLI is not installed")
+    (tmp_path / "cfg.yaml").write_text(_ACCELERATE_CONFIG)
+    port = str(_free_port())
+    procs = [subprocess.Popen(
+        ["accelerate", "launch", "--config_file", str(tmp_path / "cfg.yaml"), "--num_machines", "2",
+         "--machine_rank", str(m), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+         str(ROOT / "tests" / "accelerate_scripts" / "multinode_probe.py"), str(tmp_path)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path) for m in (0, 1)]
+    outputs = [p.communicate(timeout=WAIT_S) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outputs]
+    info = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(4)]
+    assert [(i["process_index"], i["machine"], i["local_process_index"], i["is_local_main_process"])
+            for i in info] == [(0, 0, 0, True), (1, 0, 1, False), (2, 1, 0, True), (3, 1, 1, False)]
+    assert all(i["num_processes"] == 4 and i["sum"] == 6.0 for i in info)
+    assert [i["is_main_process"] for i in info] == [True, False, False, False]
+    assert [i["tp_group"] for i in info] == [[0, 1], [0, 1], [2, 3], [2, 3]]
