@@ -47,3 +47,22 @@ def output_modules(model: nn.Module) -> list[nn.Module]:
     if head is not None:
         out.append(head)
     return out
+
+
+_MOE_CHILDREN = ("experts", "router", "shared_expert", "shared_experts")
+
+
+def dense_mlps(model: nn.Module, override: tuple[str, ...] | None = None) -> list[nn.Module]:
+    """The dense feed-forward block (``mlp``) of every decoder layer, in model order; ValueError
+    naming the layer class when a layer has none or a mixture-of-experts block."""
+    out = []
+    for layer in decoder_layers(model, override):
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            raise ValueError(f"{type(layer).__name__} has no `mlp` feed-forward block: tiled_mlp supports "
+                             "decoder layers with a dense `mlp` (Llama, Qwen, Mistral, ...); turn it off")
+        if any(name in _MOE_CHILDREN for name, _ in mlp.named_children()):
+            raise ValueError(f"{type(mlp).__name__} is a mixture-of-experts block: tiled_mlp supports dense "
+                             "MLPs only; turn it off for this model")
+        out.append(mlp)
+    return out

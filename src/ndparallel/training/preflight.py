@@ -19,6 +19,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     from ndparallel.layout.config import ParallelismConfigError
     from ndparallel.training.model_check import (
         check_adapter,
+        check_memory_options,
         check_model,
         resolve_model_config,
     )
@@ -30,6 +31,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     hf = resolve_model_config(cfg)
     check_model(cfg, hf)
     check_adapter(cfg, hf, pc.tp_size)
+    check_memory_options(cfg, hf)
     if check_local:
         tokenizer = check_local_inputs(cfg, check_output=check_output)
         _check_added_tokens(cfg, tokenizer, hf)
