@@ -79,15 +79,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                    help="lora: LoRA on every linear layer, the base frozen in the compute dtype "
                         "(train's adapter: lora, lora_target_linear: true)")
     t.add_argument("--lora-r", type=int, default=None, help="LoRA rank (default 16; needs --adapter lora)")
-    t.add_argument("--tiled-mlp", action="store_true",
-                   help="sequence-tiled MLP (train's tiled_mlp: true)")
-    t.add_argument("--tiled-mlp-num-shards", type=int, default=None,
-                   help="tiles per MLP call (default: ceil(local tokens / hidden))")
-    t.add_argument("--activation-offloading", action="store_true",
-                   help="checkpointed layer inputs in host memory (train's activation_offloading: "
-                        "true; turns checkpointing on)")
-    t.add_argument("--host-mem", help="host memory per node, e.g. 2TB or 1900GB: with offloading, "
-                   "layouts needing more than 80 %% of it are rejected (default: not checked)")
+    _add_long_context_arguments(t)
     o = parser.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
     o.add_argument("--show-rejected", action="store_true", help="list every rejected layout")
@@ -106,6 +98,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--calibrate-ranks", type=int, help="ranks for collective measurements")
     c.add_argument("--calibrate-out", help="save the profile JSON here")
     c.add_argument("--quick", action="store_true", help="fewer/smaller calibration measurements")
+
+
+def _add_long_context_arguments(t) -> None:
+    t.add_argument("--tiled-mlp", action="store_true",
+                   help="sequence-tiled MLP (train's tiled_mlp: true)")
+    t.add_argument("--tiled-mlp-num-shards", type=int, default=None,
+                   help="tiles per MLP call (default: ceil(local tokens / hidden))")
+    t.add_argument("--activation-offloading", action="store_true",
+                   help="checkpointed layer inputs in host memory (train's activation_offloading: "
+                        "true; turns checkpointing on)")
+    t.add_argument("--host-mem", help="host memory per node, e.g. 2TB or 1900GB: with offloading, "
+                   "layouts needing more than 80 %% of it are rejected (default: not checked)")
 
 
 def _hardware(args) -> hwmod.Hardware:
