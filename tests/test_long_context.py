@@ -194,3 +194,31 @@ def test_a_wrong_restore_is_caught():
     ref, _ = _offloaded_grads(transfers=False, steps=1)
     grads, _ = _offloaded_grads(_SwappedRestores(), steps=1)
     assert max((a - b).abs().max().item() for a, b in zip(ref, grads)) > 1e-3
+
+
+# ------------------------------------------------------------------ refused before launch, one line
+@pytest.mark.parametrize("text, fragment", [
+    ("activation_offloading: true\n", "set fsdp_config.activation_checkpointing: true"),
+    ("activation_offloading: legacy\nfsdp_config: {activation_checkpointing: true}\n", "'legacy' is not supported"),
+    ("tiled_mlp_num_shards: 4\n", "tiled_mlp_num_shards is set but tiled_mlp is not"),
+    ("tiled_mlp: true\ntiled_mlp_num_shards: 0\n", "'tiled_mlp_num_shards': must be >= 1"),
+])
+def test_bad_long_context_config(tmp_path, capsys, text, fragment):
+    from cli_helpers import run_cli
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text("base_model: tiny-llama\n" + text)
+    code, _, err = run_cli(capsys, "train", str(path), "--dry-run")
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_moe_blocks_are_refused():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
+
+    with torch.device("meta"):
+        model = MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    with pytest.raises(ValueError, match="mixture-of-experts|no `mlp`"):
+        apply_tiled_mlp(model)
