@@ -202,6 +202,8 @@ def test_a_wrong_restore_is_caught():
     ("activation_offloading: legacy\nfsdp_config: {activation_checkpointing: true}\n", "'legacy' is not supported"),
     ("tiled_mlp_num_shards: 4\n", "tiled_mlp_num_shards is set but tiled_mlp is not"),
     ("tiled_mlp: true\ntiled_mlp_num_shards: 0\n", "'tiled_mlp_num_shards': must be >= 1"),
+    ("tiled_mlp: true\nfsdp_config: {layer_classes: [LlamaDecoderLayer, LlamaMLP]}\n",
+     "names the MLP (LlamaMLP)"),
 ])
 def test_bad_long_context_config(tmp_path, capsys, text, fragment):
     from cli_helpers import run_cli

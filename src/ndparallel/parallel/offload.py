@@ -227,11 +227,11 @@ def transfers_for(device: torch.device):
 def apply_activation_offloading(model, device, layer_classes=None, **kwargs) -> ActivationOffloader:
     """Offload the checkpointed input of every decoder layer of ``model`` (activation checkpointing
     must be on: transformers' ``GradientCheckpointingLayer`` with its checkpoint function)."""
-    from ndparallel.models.layers import decoder_layers
+    from ndparallel.models.layers import outer_decoder_layers
 
     kwargs.setdefault("max_host_bytes", default_host_budget())
     offloader = ActivationOffloader(transfers_for(device), **kwargs)
-    for layer in decoder_layers(model, layer_classes):
+    for layer in outer_decoder_layers(model, layer_classes):
         fn = getattr(layer, "_gradient_checkpointing_func", None)
         if not getattr(layer, "gradient_checkpointing", False) or fn is None:
             raise ValueError(f"activation_offloading needs activation checkpointing of {type(layer).__name__} "
