@@ -77,7 +77,7 @@ def accelerator(device: str, options: dict):
 def grads_after_one_step(device: str, options: dict, seq: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.training.step import forward_backward
+    from ndparallel.engine import forward_backward
 
     acc = accelerator(device, options)
     torch.manual_seed(0)
@@ -85,7 +85,7 @@ def grads_after_one_step(device: str, options: dict, seq: int) -> dict:
     model = acc.prepare(AutoModelForCausalLM.from_config(llama(TINY, 3, "eager")))
     model.train()
     mb = {k: v.to(acc.device) for k, v in batch(seq, TINY["vocab_size"]).items()}
-    forward_backward(acc, model, [mb])
+    forward_backward(acc.engine, model, [mb])
     return {n: p.grad.full_tensor().float().cpu() if hasattr(p.grad, "full_tensor") else p.grad.float().cpu()
             for n, p in model.named_parameters()}
 
@@ -137,7 +137,7 @@ def memory_row(device: str, shape: dict, layers: int, options: dict, seq: int, s
     from transformers import AutoModelForCausalLM
 
     from ndparallel.parallel.offload import offloader_of
-    from ndparallel.training.step import forward_backward
+    from ndparallel.engine import forward_backward
 
     from peft import LoraConfig
 
@@ -158,7 +158,7 @@ def memory_row(device: str, shape: dict, layers: int, options: dict, seq: int, s
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if device == "cuda" else 0
         t0 = time.perf_counter()
-        forward_backward(acc, model, [mb])
+        forward_backward(acc.engine, model, [mb])
         _sync(device)
         times.append(time.perf_counter() - t0)
         if device == "cuda":

@@ -78,7 +78,7 @@ def _step(options: dict, seq: int) -> dict:
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.parallel.offload import offloader_of
     from ndparallel.parallel.options import FSDPOptions
-    from ndparallel.training.step import forward_backward
+    from ndparallel.engine import forward_backward
 
     acc = Accelerator(ParallelismConfig(), fsdp_options=FSDPOptions(**options))
     torch.manual_seed(0)
@@ -94,7 +94,7 @@ def _step(options: dict, seq: int) -> dict:
              "position_ids": torch.arange(seq).unsqueeze(0)}
     t0 = time.perf_counter()
     with LiveBytes() as tracker:
-        forward_backward(acc, model, [batch])
+        forward_backward(acc.engine, model, [batch])
     return {"peak": tracker.peak, "host": off.stats.peak_host_bytes if off else 0,
             "seconds": time.perf_counter() - t0}
 

@@ -44,7 +44,7 @@ def test_one_process(options):
     _check(None, 1, fsdp_options=FSDPOptions(**options))
 
 
-@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
 def test_fsdp2_cp2(strategy):
     _check({"dp_shard_size": 2, "cp_size": 2}, 4, fsdp_options=FSDPOptions(**BOTH),
            cp_options=CPOptions(comm_strategy=strategy))

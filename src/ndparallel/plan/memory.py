@@ -91,7 +91,7 @@ def _cp_widths(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
 
 def cp_saved_extra_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
     """What a CP attention keeps beyond q, k, v, out, lse of its own tokens, per local token:
-    ``allgather`` the other ranks' K/V (``2·e·k·d/t·(c−1)``); ``alltoall`` its heads-layout
+    ``allgather`` the other ranks' K/V (``2·e·k·d/t·(c−1)``); ``ulysses`` its heads-layout
     output (``e·a·d/t``) and the K/V copies when K/V heads are replicated to cp."""
     c, e = layout.cp, s.act_bytes
     if c == 1:
@@ -99,7 +99,7 @@ def cp_saved_extra_per_token(model: ModelSpec, layout: Layout, s: Settings) -> f
     q, kv, kv_u = _cp_widths(model, layout)
     if s.cp_strategy == "allgather":
         return 2 * e * kv * (c - 1)
-    if s.cp_strategy == "alltoall":
+    if s.cp_strategy == "ulysses":
         return e * q + 2 * e * max(0.0, kv_u - kv)
     return 0.0
 
@@ -109,7 +109,7 @@ def attention_scratch_per_token(model: ModelSpec, layout: Layout, s: Settings) -
     ``ring`` dQ in fp32 (``4·a·d/t``), K/V stacked and its receive buffer (``4·e·k·d/t``), the fp32
     dK/dV contribution, the one received and the one being sent (``24·k·d/t``) and dQ's cast
     (``e·a·d/t``); ``allgather`` dQ in fp32 and its cast, the whole sequence's fp32 dK/dV and its
-    rank-major copy (``16·k·d/t·c``); ``alltoall`` (document path: blocks written in place, no fp32
+    rank-major copy (``16·k·d/t·c``); ``ulysses`` (document path: blocks written in place, no fp32
     accumulator) the heads-layout Q/K/V gradients and the all-to-all buffers (``2·e·(a+2k')·d``).
     Without CP (torch's SDPA) the kernel's own scratch is O(block): 0."""
     c, e = layout.cp, s.act_bytes
@@ -118,7 +118,7 @@ def attention_scratch_per_token(model: ModelSpec, layout: Layout, s: Settings) -
     q, kv, kv_u = _cp_widths(model, layout)
     if s.cp_strategy == "allgather":
         return 4 * q + 16 * kv * c + e * q
-    if s.cp_strategy == "alltoall":
+    if s.cp_strategy == "ulysses":
         return 2 * e * (q + 2 * kv_u)
     return 4 * q + 4 * e * kv + 24 * kv + e * q
 
