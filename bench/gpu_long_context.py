@@ -26,6 +26,7 @@ CP (one GPU cannot host several NCCL ranks) and the 4M-token goal of the issue, 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -237,7 +238,9 @@ def main(argv=None) -> int:
             row = {"config": name, **memory_row(device, shape, args.layers, options, seq, args.steps)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-            torch.cuda.empty_cache() if device == "cuda" else None
+            gc.collect()  # the row's model and its accelerator go before the next one is built
+            if device == "cuda":
+                torch.cuda.empty_cache()
     result["rows"] = rows
     result["planner_8b_h200_longest"] = planner_answer()
     print("planner (prediction, whole 8B, 1 H200, tiled + offload):", result["planner_8b_h200_longest"])
