@@ -129,3 +129,26 @@ def test_cli_max_seq_len_json(capsys):
 def test_cli_bad_flags(capsys, argv, says):
     code, _, err = _plan(capsys, "--model", "llama-3.2-1b", "--gpus", "2", *argv)
     assert code == 2 and says in err and err.count("\n") == 1, err
+
+
+def test_config_options_reach_the_plan_and_come_back(capsys, tmp_path):
+    """``plan --config`` of the long-context example plans with its options; --write-config keeps them."""
+    import yaml
+    from cli_helpers import run_cli
+
+    from ndparallel.training.config import load_config
+
+    from pathlib import Path
+
+    example = str(Path(__file__).resolve().parents[1] / "examples/gpu/llama-3.1-8b-long-context.yaml")
+    code, out, err = run_cli(capsys, "plan", "--config", example, "--gpus", "8", "--json")
+    assert code == 0, err
+    req = json.loads(out)["request"]
+    assert (req["tiled_mlp"], req["activation_offloading"], req["checkpointing"]) == (True, True, "on")
+    written = tmp_path / "planned.yaml"
+    code, _, err = run_cli(capsys, "plan", "--config", example, "--gpus", "8", "--top", "1",
+                           "--write-config", str(written))
+    assert code == 0, err
+    planned = yaml.safe_load(written.read_text())
+    assert planned["tiled_mlp"] is True and planned["activation_offloading"] is True
+    assert load_config(str(written)).fsdp_options().activation_offloading
