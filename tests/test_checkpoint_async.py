@@ -20,8 +20,13 @@ from ndparallel.runtime.multirank import RankFailure, run_on_ranks
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import ckpt_train  # noqa: E402
 
-FSDP_TP = {"dp_shard_size": 2, "tp_size": 2}
 FSDP2 = {"dp_shard_size": 2}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """Losses of an uninterrupted FSDP-2 run of 6 steps without checkpoints."""
+    return run_on_ranks(ckpt_train.train, 2, FSDP2, str(tmp_path_factory.mktemp("ref")), steps=6)[0]["losses"]
 
 
 def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -32,11 +37,11 @@ def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_async_checkpoint_is_the_sync_one_and_resumes_exactly(tmp_path):
-    ref = run_on_ranks(ckpt_train.train, 4, FSDP_TP, str(tmp_path / "ref"), steps=6)[0]["losses"]
+def test_async_checkpoint_is_the_sync_one_and_resumes_exactly(tmp_path, reference):
+    ref = reference
     out = tmp_path / "run"
     # checkpoint-4's writer sleeps 1 s: steps 5 and 6 update the parameters while it is written
-    run = run_on_ranks(ckpt_train.train, 4, FSDP_TP, str(out), steps=6, save_every=2, async_saves=True,
+    run = run_on_ranks(ckpt_train.train, 2, FSDP2, str(out), steps=6, save_every=2, async_saves=True,
                        slow_write={4: 1.0}, sync_copy_at=4)[0]
     assert run["losses"] == ref  # saving in the background changes nothing in training
     assert [s for s, _ in list_checkpoints(out)] == [2, 4, 6]
@@ -49,12 +54,12 @@ def test_async_checkpoint_is_the_sync_one_and_resumes_exactly(tmp_path):
     assert not all(torch.equal(a, b) for a, b in zip(written.values(), _tensors(out / "checkpoint-6").values()))
 
     shutil.rmtree(out / "checkpoint-6")
-    res = run_on_ranks(ckpt_train.train, 4, FSDP_TP, str(out), steps=6, resume=True)[0]
+    res = run_on_ranks(ckpt_train.train, 2, FSDP2, str(out), steps=6, resume=True)[0]
     assert res["losses"] == {5: ref[5], 6: ref[6]}  # bit-identical
 
 
-def test_crash_during_async_write_resumes_from_previous_checkpoint(tmp_path):
-    ref = run_on_ranks(ckpt_train.train, 2, FSDP2, str(tmp_path / "ref"), steps=6)[0]["losses"]
+def test_crash_during_async_write_resumes_from_previous_checkpoint(tmp_path, reference):
+    ref = reference
     out = tmp_path / "run"
     with pytest.raises(RankFailure, match="died"):  # every rank dies while checkpoint-4 is written
         run_on_ranks(ckpt_train.train, 2, FSDP2, str(out), steps=6, save_every=2, async_saves=True,

@@ -1,7 +1,8 @@
 """Preemption and multi-node, as a cluster runs them: SIGTERM to the launcher of a 4-rank FSDP×TP
 ``ndparallel train`` checkpoints the step the ranks agreed on and exits 75; the same command then
-resumes and ends with the uninterrupted run's losses, exactly (constant LR). SIGUSR1 to one rank
-of an Accelerate-style loop stops every rank after the same step. Two "nodes" (a ``torchrun`` and
+resumes and ends with the uninterrupted run's losses, exactly (constant LR). Ctrl-C: one line,
+exit 130, checkpoints intact. SIGUSR1 to one rank of an Accelerate-style loop stops every rank
+after the same step. Two "nodes" (a ``torchrun`` and
 an ``ndparallel launch``, c10d rendezvous on 127.0.0.1) × 2 ranks train exactly as one node × 4;
 tensor parallelism across the node boundary is refused before launch; ``accelerate launch
 --num_machines 2 --machine_rank M --main_process_ip --main_process_port`` places the ranks as
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -72,12 +74,19 @@ def _train(cfg: Path, *extra: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=WAIT_S)
 
 
+def _train_in_ranks(config: str) -> None:
+    from ndparallel.training.config import load_config
+    from ndparallel.training.trainer import run_training
+
+    run_training(load_config(config))
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    """One uninterrupted one-node 4-rank run: the reference losses of every test here."""
+    """The reference losses of every test here: one node × 4 ranks, uninterrupted — the trainer
+    in 4 forked ranks (no start-up cost; the launched runs below must equal it exactly)."""
     root = tmp_path_factory.mktemp("cluster")
-    proc = _train(_config(root, "ref"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_on_ranks(_train_in_ranks, 4, str(_config(root, "ref")), timeout_s=WAIT_S)
     losses = _losses(root / "ref")
     assert sorted(losses) == list(range(1, STEPS + 1))
     return root, losses
@@ -123,18 +132,42 @@ def test_sigterm_to_launcher_checkpoints_agreed_step_and_resumes_exactly(work):
     assert _losses(out) == reference  # exact, every step
 
 
+def test_ctrl_c_prints_one_line_and_keeps_the_checkpoints(work):
+    """SIGINT to the launcher (what Ctrl-C sends) of a 2-rank run saving every 2 steps: exit 130,
+    one "interrupted at step N" line naming the newest complete checkpoint, no traceback."""
+    root, _ = work
+    cfg, out = _config(root, "interrupted"), root / "interrupted"
+    extra = ["--set", "dp_shard_size=1", "--set", "tensor_parallel_size=2", "--set", "save_steps=2"]
+    with open(root / "interrupted.err", "w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "ndparallel", "train", str(cfg), *extra], env=_env(),
+                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+        _wait_for_step(proc, out, 3)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+        err.seek(0)
+        stderr = err.read()
+    assert rc == 130, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if "interrupted" in line]
+    assert len(lines) == 1, stderr[-3000:]
+    found = re.fullmatch(r"ndparallel train: interrupted at step (\d+) \(Ctrl-C\): the newest complete checkpoint "
+                         r"is (\S+)/checkpoint-(\d+) \(resume_from_checkpoint: auto continues from it\)", lines[0])
+    assert found and int(found.group(1)) >= 3 and int(found.group(3)) in (2, 4, 6), lines[0]
+    complete = [s for s, p in list_checkpoints(out) if validate_checkpoint(p) == []]
+    assert complete and complete[-1] == int(found.group(3))
+
+
 def test_sigusr1_to_one_rank_of_a_python_loop_stops_all_after_one_step(tmp_path):
-    """``acc.preemption()``: rank 1 gets SIGUSR1 after step 3; every rank stops after step 4 (one
-    step of latency: the agreement all-reduce overlaps a step), checkpoints it, and a resumed run
-    ends with the uninterrupted run's losses."""
-    layout = {"dp_shard_size": 2, "tp_size": 2}
-    ref = run_on_ranks(ckpt_train.train, 4, layout, str(tmp_path / "ref"), steps=6)[0]["losses"]
+    """``acc.preemption()`` (FSDP 2): rank 1 gets SIGUSR1 after step 3; both ranks stop after step
+    4 (one step of latency: the agreement all-reduce overlaps a step), checkpoint it, and a resumed
+    run ends with the uninterrupted run's losses."""
+    layout = {"dp_shard_size": 2}
+    ref = run_on_ranks(ckpt_train.train, 2, layout, str(tmp_path / "ref"), steps=6)[0]["losses"]
     out = tmp_path / "run"
-    results = run_on_ranks(ckpt_train.train, 4, layout, str(out), steps=6, signal_at=(1, 3))
-    assert [r["stopped"] for r in results] == [(4, "a signal to another rank"), (4, "SIGUSR1"),
-                                               (4, "a signal to another rank"), (4, "a signal to another rank")]
+    results = run_on_ranks(ckpt_train.train, 2, layout, str(out), steps=6, signal_at=(1, 3))
+    assert [r["stopped"] for r in results] == [(4, "a signal to another rank"), (4, "SIGUSR1")]
     assert [s for s, _ in list_checkpoints(out)] == [4] and validate_checkpoint(out / "checkpoint-4") == []
-    resumed = run_on_ranks(ckpt_train.train, 4, layout, str(out), steps=6, resume=True)[0]
+    resumed = run_on_ranks(ckpt_train.train, 2, layout, str(out), steps=6, resume=True)[0]
     assert resumed["losses"] == {5: ref[5], 6: ref[6]}
 
 

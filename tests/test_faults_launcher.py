@@ -1,7 +1,8 @@
 """The launcher under faults and signals, with a cheap torch-only job (``scripts/signal_job.py``):
 a stopped (SIGSTOP) rank is the one named; ranks die with a ``kill -9``-ed launcher; on two
-"nodes" the survivor names the node that died; SIGUSR1 to the launcher stops every rank after the
-same step (exit 75); the preemption deadline ends a stuck stop with exit 75, saying so."""
+"nodes" the survivor names the node that died; SIGUSR1 to the launcher or to one rank stops every
+rank after the same step (exit 75); the preemption deadline ends a stuck stop with exit 75, saying
+so."""
 
 from __future__ import annotations
 
@@ -120,14 +121,20 @@ def test_a_dead_node_ends_the_other_which_names_it(tmp_path):
     second.communicate(timeout=30)
 
 
-def test_sigusr1_to_the_launcher_stops_every_rank_after_the_same_step(tmp_path):
+@pytest.mark.parametrize("target", ["launcher", "rank 1"])
+def test_sigusr1_stops_every_rank_after_the_same_step(tmp_path, target):
+    """SIGUSR1 (SLURM's ``--signal=USR1@120``) to the launcher — forwarded to the ranks — or to one
+    rank (the ranks agree, exit 75, the launcher passes 75 on): exit 75, every rank stopped after
+    the same step, no traceback."""
     proc = _launch("--nproc-per-node", "2", str(SCRIPT), "preempt", str(tmp_path))
     _wait_for([tmp_path / "ready-0", tmp_path / "ready-1"], [proc])
-    proc.send_signal(signal.SIGUSR1)  # what SLURM's --signal=USR1@120 sends
+    pid = proc.pid if target == "launcher" else int((tmp_path / "pid-1").read_text())
+    os.kill(pid, signal.SIGUSR1)
     _, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
-    stopped = {(tmp_path / f"stopped-{r}").read_text() for r in (0, 1)}
-    assert len(stopped) == 1 and stopped.pop().endswith(" SIGUSR1")  # same step, the forwarded signal
+    stopped = [(tmp_path / f"stopped-{r}").read_text().split(" ", 1) for r in (0, 1)]
+    assert stopped[0][0] == stopped[1][0]  # the same step
+    assert "SIGUSR1" in (stopped[0][1] if target == "launcher" else stopped[1][1])
     assert "Traceback" not in err
 
 

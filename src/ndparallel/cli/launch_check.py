@@ -8,15 +8,28 @@ from __future__ import annotations
 from typing import Sequence
 
 
+class _Unparsable(Exception):
+    pass
+
+
 def train_command(argv: Sequence[str]):
     """(config path or None, --set overrides, parsed torchrun args) when ``argv`` launches
     ``-m ndparallel train``; else None."""
     from ndparallel.runtime.launch import torchrun_parser
 
+    argv = list(argv)
+    if "ndparallel" not in argv or "train" not in argv or {"-h", "--help"} & set(argv):
+        return None
+    parser = torchrun_parser()
+
+    def unparsable(*_args, **_kwargs):
+        raise _Unparsable
+
+    parser.error = parser.exit = unparsable  # type: ignore[method-assign]  # silent: launch() reports it
     try:
-        args = torchrun_parser().parse_args(list(argv))
-    except SystemExit:
-        return None  # torchrun's parser reports it when the launch runs
+        args = parser.parse_args(argv)
+    except _Unparsable:
+        return None
     rest = list(args.training_script_args)
     if not (args.module and args.training_script == "ndparallel" and rest[:1] == ["train"]):
         return None
