@@ -2,7 +2,8 @@
 
 When a rank hangs (stopped, deadlocked, stuck outside any collective), its peers' collectives time
 out: one of them is the *first failure* the elastic agent sees. The agent then sends SIGTERM to
-the ranks still running and, after its shutdown grace period, SIGKILL to those that did not exit.
+the ranks still running and, 30 s later (torch's fixed grace on this path), SIGKILL to those that
+did not exit.
 A rank waiting in a collective exits on SIGTERM at once (or, with a preemption handler, when its
 own collective times out); a rank that is stopped (SIGSTOP) or stuck does not — so the ranks
 that had to be SIGKILLed are the ones that hung, not the ones SIGTERM stopped.
@@ -34,7 +35,7 @@ def _exit_text(code: int) -> str:
     return f"exit {code}"
 
 
-def describe_failure(failures: dict, first_rank: int, grace_s: int) -> list[str]:
+def describe_failure(failures: dict, first_rank: int) -> list[str]:
     """The launcher's lines for a failed job (``failures``: rank → ``ProcessFailure``)."""
     first = failures[first_rank]
     others = ", ".join(f"rank {rank} ({_exit_text(f.exitcode)})"
@@ -45,9 +46,9 @@ def describe_failure(failures: dict, first_rank: int, grace_s: int) -> list[str]
     hung = sorted(r for r, f in later.items() if f.exitcode == -signal.SIGKILL)
     stopped = sorted(r for r, f in later.items() if f.exitcode == -signal.SIGTERM)
     if hung and first.exitcode != -signal.SIGKILL:
-        lines.append(f"ndparallel launch: ranks {hung} hung: they did not stop when asked (SIGTERM) "
-                     f"and were killed after the {grace_s} s grace period (stopped, or stuck outside any "
-                     "collective); the others failed waiting for them")
+        lines.append(f"ndparallel launch: ranks {hung} hung: they did not stop when asked (SIGTERM) and "
+                     "had to be killed (SIGKILL): stopped, or stuck outside any collective; the others "
+                     "failed waiting for them")
     elif stopped and first.exitcode == 1:
         lines.append(f"ndparallel launch: ranks {stopped} were still running when rank {first_rank} "
                      "failed (stopped by the launcher): if it timed out in a collective, the rank that "
@@ -55,7 +56,7 @@ def describe_failure(failures: dict, first_rank: int, grace_s: int) -> list[str]
     return lines
 
 
-def report_failure(exc, grace_s: int, node_watch=None) -> int:
+def report_failure(exc, node_watch=None) -> int:
     """Print the summary of a ``ChildFailedError`` once; returns the launcher's exit code: a
     rank's reported input error code, ``PREEMPTED_EXIT`` / ``INTERRUPTED_EXIT`` when the ranks
     stopped for a signal (they printed why), else 1."""
@@ -66,7 +67,7 @@ def report_failure(exc, grace_s: int, node_watch=None) -> int:
     first_rank, first = exc.get_first_failure()
     if first.exitcode in (PREEMPTED_EXIT, INTERRUPTED_EXIT):
         return first.exitcode
-    for line in describe_failure(exc.failures, first_rank, grace_s):
+    for line in describe_failure(exc.failures, first_rank):
         print(line, file=sys.stderr)
     if node_watch is not None:
         for line in node_watch.diagnose(own_ranks=set(exc.failures)):

@@ -138,7 +138,7 @@ def launch(argv: Sequence[str]) -> int:
     except SignalException as exc:  # this launcher was signalled: the agent stopped the ranks
         return _signalled(exc.sigval)
     except ChildFailedError as exc:
-        return report_failure(exc, shutdown_grace_s(args), watch)
+        return report_failure(exc, watch)
     finally:
         for log in agent_logs:
             log.removeFilter(noise)
@@ -205,11 +205,6 @@ class _PreemptionRelay:
 _TORCH_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 DEFAULT_SHUTDOWN_TIMEOUT_S = int(DEFAULT_PREEMPTION_TIMEOUT_S) + 20
 """How long the agent waits for signalled ranks to exit: the preemption deadline plus room to exit."""
-
-
-def shutdown_grace_s(args) -> int:
-    value = getattr(args, "shutdown_timeout", None)
-    return int(value) if value is not None else int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
 
 
 def _signalled(sigval) -> int:

@@ -33,9 +33,9 @@ def die_with_launcher() -> bool:
     if any(t.name == _THREAD for t in threading.enumerate()):
         return True
     parent = os.getppid()
-    expected = os.environ.get(LAUNCHER_PID_ENV)
-    if (expected is not None and expected.isdigit() and int(expected) != parent) or parent == 1:
-        _die("its launcher exited before this rank started")
+    expected = os.environ.get(LAUNCHER_PID_ENV, "")
+    if parent == 1 or (expected.isdigit() and int(expected) != parent and not _exists(int(expected))):
+        _die("its launcher exited before this rank started")  # (a launcher nested in a rank: alive)
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -45,6 +45,16 @@ def die_with_launcher() -> bool:
         if os.getppid() != parent:  # it died between the two reads
             _die("its launcher exited")
     threading.Thread(target=_watch, args=(parent,), name=_THREAD, daemon=True).start()
+    return True
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
     return True
 
 
