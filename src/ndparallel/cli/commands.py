@@ -95,7 +95,8 @@ def _train_on_rank(cfg, profile_comm: bool, main_rank: bool) -> int:
     except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C: one line, no traceback (peers may be gone)
         if main_rank:
             print(interrupted_line(getattr(e, "step", None), cfg.output_dir), file=sys.stderr, flush=True)
-        return INTERRUPTED_EXIT
+        sys.stdout.flush()
+        os._exit(INTERRUPTED_EXIT)  # now: not after a background checkpoint write (left without a marker)
     except NonFiniteError as e:  # every rank sees the same global loss / grad norm: exit 1
         return _rank_error("train", e, exit_code=1)
     except INPUT_ERRORS as e:

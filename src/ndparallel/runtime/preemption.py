@@ -49,13 +49,13 @@ class PreemptionWatch:
     """Turns SIGTERM/SIGUSR1 on any rank into one agreed stop on every rank.
 
     Use as a context manager around the training loop (main thread) and call ``should_stop()``
-    once after every optimizer step on every rank; when it returns True, save and exit with
-    ``PREEMPTED_EXIT`` (``exit_code``). ``group``: a process group with a CPU (gloo) backend
-    (default: the default group when it has one, else a new gloo group — collective, every rank
-    must construct the watch at the same point). This module imports torch only when it needs it
-    (its exit codes are read by a launcher that may be interrupted while importing torch).
-    ``on_deadline(message)`` runs in the watchdog
-    thread just before it ends the process (default: nothing more).
+    once after every optimizer step on every rank; when it returns True, save, call
+    ``finished()`` and exit with ``PREEMPTED_EXIT`` (``exit()`` does both). ``group``: a process
+    group with a CPU (gloo) backend (default: the default group when it has one, else a new gloo
+    group — collective, every rank must construct the watch at the same point).
+    ``on_deadline(message)`` runs in the watchdog thread just before it ends the process. This
+    module imports torch only when it needs it (its exit codes are read by a launcher that may be
+    interrupted while importing torch).
     """
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, *, group=None,
