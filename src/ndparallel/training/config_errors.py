@@ -17,6 +17,7 @@ _HINTS = {
     "max_grad_norm": "or null for no clipping",
     "max_restarts": "0 = no restart",
     "collective_timeout_s": "seconds a collective may wait",
+    "preemption_timeout_s": "seconds from a SIGTERM/SIGUSR1 until the job exits, saved or not",
     "tokenizer_vocab_size": "256 bytes + 2 special tokens + at least one merge",
 }
 
