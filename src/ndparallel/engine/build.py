@@ -78,3 +78,28 @@ def build_model(
     if adapter is not None:  # as given (a hub id stays a hub id), for the saved adapter_config
         adapter_config_of(model).base_model_name_or_path = str(source)
     return model
+
+
+def build_random_shards(engine, config: PretrainedConfig, dtype: torch.dtype = torch.float32,
+                        attn_implementation: str = "sdpa", trust_remote_code: bool = False,
+                        adapter: Any = None) -> nn.Module:
+    """The model of ``config`` built on the meta device, parallelised, and only this rank's shards
+    materialised and filled with random values (normal(0, 0.02) for matrices, ones for vectors;
+    rotary buffers computed): the whole model never exists on any rank, whatever its size. For
+    measuring one rank (``ndparallel simulate``), where the values do not matter."""
+    from ndparallel.models.loading import build_on_meta_from_config, init_non_persistent_buffers
+    from ndparallel.models.adapters import base_model_of
+
+    model = build_on_meta_from_config(config, dtype, attn_implementation, trust_remote_code, adapter)
+    model = engine.parallelize(model)
+    offload = engine.options.fsdp.cpu_offload
+    materialize(model, torch.device("cpu") if offload else engine.device)
+    if offload:
+        move_leftovers(model, engine.device, keep_params_on_cpu=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.is_floating_point():
+                local.normal_(0.0, 0.02) if local.dim() > 1 else local.fill_(1.0)
+    init_non_persistent_buffers(base_model_of(model))
+    return model

@@ -185,7 +185,8 @@ class Engine:
     def reduce_step_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """This rank's share of the step loss summed over the dp×cp ranks (tp peers hold the same
         share): the global mean token loss, in place, on every rank."""
-        dist.all_reduce(loss_sum, group=self.group("dp_cp"))
+        if self.dims.size("dp_cp") > 1:
+            dist.all_reduce(loss_sum, group=self.group("dp_cp"))
         return loss_sum
 
     # -------------------------------------------------------------------- batches

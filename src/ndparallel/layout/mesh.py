@@ -13,6 +13,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ndparallel.layout.dims import FLATTENED_DIMS, MESH_DIM_NAMES
 
 
+def is_fake_world() -> bool:
+    """Is the default process group torch's fake backend (``ndparallel simulate``: one real rank of
+    a larger world, collectives returning at once without data)?"""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and str(dist.get_backend()) == "fake"
+
+
 def group_options(device_type: str, timeout: datetime.timedelta):
     """Backend options that carry ``timeout`` to a new process group of ``device_type``.
 
@@ -65,7 +73,8 @@ def build_mesh(
     """Mesh (dp_replicate, dp_shard, cp, tp) over the default group, plus flattened views. With
     ``timeout`` every group of the mesh (base dims and flattened views) gets it."""
     shape = tuple(sizes[d] for d in MESH_DIM_NAMES)
-    options = group_options(device_type, timeout) if timeout is not None else None
+    # a fake group takes no backend options (and nothing can time out in it)
+    options = group_options(device_type, timeout) if timeout is not None and not is_fake_world() else None
     kwargs = {}
     if options is not None:
         kwargs["backend_override"] = {d: (None, options) for d in MESH_DIM_NAMES}

@@ -62,6 +62,20 @@ def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_impleme
     return model
 
 
+def build_on_meta_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str,
+                              trust_remote_code: bool = False, adapter: Any = None) -> nn.Module:
+    """The model of ``config`` on the meta device (no memory), checked to be a causal LM;
+    ``adapter`` wraps it with LoRA (on meta too)."""
+    _check_causal_lm(config, trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+    _check_causal_model(model)
+    return apply_adapter(model, adapter) if adapter is not None else model
+
+
 def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool,
                   vocab_size: int | None = None, adapter: Any = None) -> tuple[nn.Module, list[Path], list[str]]:
     """The model of directory ``path`` on the meta device (no memory), checked against its

@@ -244,9 +244,11 @@ def _ulysses(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int
 
 def scalar_collectives(model: ModelSpec, layout: Layout,
                        mixed_precision: str = "bf16") -> list[Collective]:
-    """The training loop's scalar collectives per optimizer step (``train_under_layout``):
+    """The training step's scalar collectives per optimizer step (``engine.step.train_step``, which
+    ``train``, ``verify`` and ``train_under_layout`` run):
 
     * the global count of loss tokens: one int64 all-reduce over ``dp`` (if dp > 1);
+    * the step's loss: one fp32 all-reduce over ``dp_cp`` (if dp·cp > 1; ``reduce_step_loss``);
     * the gradient norm (``parallel/grad_norm.py``): torch's ``get_total_norm`` takes one norm
       per gradient tensor and DTensor sums their squares, 4 bytes per tensor, over the mesh dims
       the tensors are sharded on. With a 1-D parameter mesh (FSDP or CP only: ``dp_shard_cp``;
@@ -256,11 +258,12 @@ def scalar_collectives(model: ModelSpec, layout: Layout,
       group separately: all tensors over ``dp_shard_cp`` (if > 1), the tp-sharded ones over
       ``tp``, in several calls whose number the planner does not model: the entry gives the
       *total* bytes per dim as one call.
-    The logging all-reduce of the loss (``train_under_layout``) is the caller's choice: not listed.
     """
     out = []
     if layout.dp > 1:
         out.append(Collective("all_reduce", "dp", 8, 1, "global token count (int64)"))
+    if layout.dp * layout.cp > 1:
+        out.append(Collective("all_reduce", "dp_cp", 4, 1, "step loss (fp32)"))
     tensors = sum(p.count for p in model.param_specs())
     tp_sharded = sum(p.count for p in model.param_specs() if p.tp_dim is not None)
     fsdp_wrapped = layout.dp_replicate * layout.fsdp > 1 or mixed_precision == "bf16"

@@ -116,8 +116,9 @@ def quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
-def check_model(cfg: TrainConfig, hf) -> None:
-    """Causal decoder? ``sequence_len`` within its positions? Local weights fit the config?"""
+def check_model(cfg: TrainConfig, hf, check_weights: bool = True) -> None:
+    """Causal decoder? ``sequence_len`` within its positions? Local weights fit the config (with
+    ``check_weights``)?"""
     from ndparallel.models.causal import causal_lm_problem, config_problem
     from ndparallel.models.presets import is_preset, published_config
 
@@ -140,7 +141,7 @@ def check_model(cfg: TrainConfig, hf) -> None:
         raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
     _check_layer_classes(cfg, model)
     path = Path(cfg.base_model).expanduser()
-    if path.is_dir():
+    if path.is_dir() and check_weights:
         _check_weights(cfg, model, path)
 
 

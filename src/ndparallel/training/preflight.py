@@ -10,12 +10,14 @@ from pathlib import Path
 from ndparallel.training.config import ConfigError, TrainConfig
 
 
-def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True, check_output: bool = True):
+def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True, check_output: bool = True,
+                    check_weights: bool = True):
     """Check the layout against the world size and the model before any rank starts; with
     ``check_local`` also what lives on this machine (data, tokenizer, device, resume checkpoint,
     and with ``check_output`` the output_dir; a ``--dry-run`` may check a config meant for another
-    machine). Returns (resolved ParallelismConfig, HF model config); raises ``ConfigError`` (one
-    line) on the first problem."""
+    machine). ``check_weights=False``: a model directory may hold its config alone (``simulate``
+    reads no weights). Returns (resolved ParallelismConfig, HF model config); raises
+    ``ConfigError`` (one line) on the first problem."""
     from ndparallel.layout.config import ParallelismConfigError
     from ndparallel.training.model_check import (
         check_adapter,
@@ -28,7 +30,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     except ParallelismConfigError as e:
         raise ConfigError(str(e)) from None
     hf = resolve_model_config(cfg)
-    check_model(cfg, hf)
+    check_model(cfg, hf, check_weights=check_weights)
     check_adapter(cfg, hf, pc.tp_size)
     if check_local:
         tokenizer = check_local_inputs(cfg, check_output=check_output)

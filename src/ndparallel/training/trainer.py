@@ -49,22 +49,16 @@ class TrainState:
     samples_seen: int = 0  # global samples consumed: resumes on any layout
 
 
-# Library loggers whose messages no user can act on: torchao (imported by transformers whenever it
-# is installed, fp8 on or not) logs "Failed to load ... .so" for kernels of other GPUs, and torch
-# warns that torchao registers Enum classes as pytree constants.
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "torch.distributed.tensor._redistribute")
-
-
 def quiet_non_main_ranks(rank: int) -> None:
     """Warnings and library logs from ranks other than 0 are not repeated N times; notices that do
     not apply here are silenced on every rank: FSDP2's "returned a view tensor" (transformers'
-    decoder applies no in-place op to those outputs; the equivalence tests prove the gradients),
-    DTensor's "sequential all_gather" note when export gathers FSDP × TP parameters, and the
-    ``QUIET_LOGGERS``."""
+    decoder applies no in-place op to those outputs; the equivalence tests prove the gradients)
+    and the library noise of ``runtime/quiet.py``."""
+    from ndparallel.runtime.quiet import quiet_library_noise
+
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a deprecated name
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_library_noise()
     if rank != 0:
         warnings.filterwarnings("ignore")
         logging.getLogger("transformers").setLevel(logging.ERROR)
