@@ -7,15 +7,14 @@ Runs the tiny Llama (the planner's ``tiny`` spec) in fp32 with AdamW under sever
 forked gloo CPU ranks and writes ``bench/results/plan_validation.json``.
 
 *Measured* memory is the quantity ``estimate_memory`` predicts minus its ``overhead`` field:
-the bytes of tensor storage alive on rank 0 at the peak of one steady-state forward+backward,
+the bytes of tensor storage alive on rank 0 at the peak of one steady-state step (forward, backward
+and the optimizer step),
 = states present before the step (local parameter shards, their gradients kept allocated by
 ``zero_grad(set_to_none=False)``, AdamW states; unique storages, FSDP padding included) + the
-peak of storages created during forward and backward, tracked by a ``TorchDispatchMode`` (every
-op output's storage, freed by a weakref callback, ``UntypedStorage.resize_`` followed — FSDP2
-frees and re-allocates unsharded parameters that way; outputs the op schema declares as aliases
-of an input and wrapper-subclass outputs own no new memory and are skipped). Allocator caching/fragmentation, the
-Python/torch runtime and gloo buffers are not counted (the planner's ``overhead``). The optimizer
-step itself is not in the window (the planner's peak is in backward).
+peak of storages created during the step (``runtime/memory_probe.py``: ``LiveBytes``). Allocator
+caching/fragmentation, the Python/torch runtime and gloo buffers are not counted (the planner's
+``overhead``). The optimizer step is in the window: unfused AdamW's temporaries are the planner's
+optimizer-step moment.
 *Predicted*: ``estimate_memory(...).total - overhead`` with mixed_precision fp32.
 Step time: median of ``--steps`` steps after a warm-up, vs ``search.estimate(...).time.step`` with
 hardware calibrated here (``ndparallel.plan.calibrate``, quick), gpus_per_node = 4.
@@ -75,9 +74,9 @@ def _rank(layout: dict, seq: int, mb: int, steps: int, tp: dict):
         t0 = time.perf_counter()
         tracker = LiveBytes() if i == 1 else None
         states = state_bytes(model, opt) if tracker else None
-        with (tracker or _null()):
+        with (tracker or _null()):  # the whole step: the optimizer's temporaries count too
             forward_backward(acc.engine, model, [{"input_ids": ids, "shift_labels": labels, "position_ids": pos}])
-        opt.step()
+            opt.step()
         opt.zero_grad(set_to_none=False)
         dist.barrier()
         if tracker:

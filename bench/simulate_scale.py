@@ -56,8 +56,19 @@ def simulate(config: Path, world: int, steps: int = 2, extra: tuple = ()) -> tup
     return json.loads(out.stdout), time.perf_counter() - t0
 
 
+FAITHFUL_MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=2048, max_position_embeddings=1024, tie_word_embeddings=False)
+
+
 def faithful(tmp: Path, steps: int = 3) -> dict:
-    """Rank 0 simulated in a world of 8 vs rank 0 of the real 8-rank gloo run: peak RSS."""
+    """Rank 0 simulated in a world of 8 vs rank 0 of the real 8-rank gloo run (``train`` needs
+    weights: a small model is saved with them): peak RSS."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tmp = tmp / "faithful"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**FAITHFUL_MODEL)).save_pretrained(tmp / "model")
     layout = {"dp_shard_size": 2, "context_parallel_size": 2, "tensor_parallel_size": 2}
     config = _config(tmp, layout, seq=256, micro_batch=1)
     sim, _ = simulate(config, 8, steps=steps)

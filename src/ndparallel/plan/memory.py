@@ -207,9 +207,31 @@ def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tup
     return buf_a, buf_b
 
 
+def optimizer_step_temporaries(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """Bytes unfused AdamW allocates during its step: two fp32 temporaries the size of the rank's
+    largest parameter tensor (``sqrt(v)`` and its quotient). Measured: on the H200 the foreach step
+    of Llama-3.2-1B peaked 1.96 GiB above its states (``bench/reference/h200_plan_gpu_check.json``,
+    row 1b-mb4-foreach) = 2 × its 128256 × 2048 embedding; on CPU the per-tensor loop 2 × the
+    largest shard (``ndparallel simulate``). Fused AdamW (the trainer's on CUDA) and SGD: none."""
+    if s.optimizer != "adamw" or s.optimizer_fused:
+        return 0.0
+    largest = max(p.numel / (layout.tp if p.tp_dim is not None else 1) / layout.fsdp
+                  for p in model.param_specs())
+    return 2 * 4.0 * largest
+
+
+def tp_embedding_grad_extra(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """Under TP the vocab-parallel embedding's gradient is computed by DTensor for the whole
+    vocabulary on every tp rank (``Replicate``), then sliced to the rank's rows: (tp−1)/tp of a
+    full fp32 embedding gradient more than its shard (measured by ``ndparallel simulate``)."""
+    if layout.tp == 1 or s.lora_r:
+        return 0.0
+    return 4.0 * model.vocab * model.hidden * (layout.tp - 1) / layout.tp
+
+
 def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> MemoryBreakdown:
-    """Peak bytes per GPU: the largest of the loss-backward moment, the first layer's backward
-    and the end of backward (all gradients, before the optimizer step)."""
+    """Peak bytes per GPU: the largest of the loss-backward moment, the first layer's backward,
+    the end of backward (all gradients) and the optimizer step (its temporaries)."""
     t, n, e = layout.tp, layout.fsdp, s.act_bytes
     numels = unit_numels(model, t, n)
     col = 1 if n > 1 else 0  # unsharded (n == 1) a rank holds the whole tp-local tensors
@@ -230,6 +252,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         all_grads = adapter * 4 + (model.layers * adapter_local * s.reduce_bytes
                                    if s.accumulates_unsharded else 0.0)
         head_grads = 0.0  # the LM head is frozen
+    emb_extra = tp_embedding_grad_extra(model, layout, s)
     # With zero_grad(set_to_none=True) and one micro-batch no gradient exists at the loss moment;
     # at the first layer's backward only the (untied) head unit's has been reduced.
     grads_kept = not s.set_to_none or s.grad_accum > 1
@@ -256,7 +279,11 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         # layer's own recomputed ones too) and the gradient workspace of one layer
         "layer backward": (grads_b, saved + (per_layer if s.checkpointing else 0.0)
                            + _workspace(model, layout, s, tokens), 0.0, buf_b),
-        "end of backward": (all_grads, 0.0, 0.0, 0.0),
+        # the embedding's full-vocabulary gradient (TP) exists once its backward ran; FSDP
+        # reduce-scatters it at once, without FSDP it stays until the next zero_grad
+        "end of backward": (all_grads + emb_extra, 0.0, 0.0, 0.0),
+        "optimizer step": (all_grads + (emb_extra if n == 1 else 0.0)
+                           + optimizer_step_temporaries(model, layout, s), 0.0, 0.0, 0.0),
     }
     phase = max(moments, key=lambda k: sum(moments[k]))
     grads, acts, lg, buf = moments[phase]
