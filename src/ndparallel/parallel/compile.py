@@ -52,14 +52,15 @@ def _is_attention(child_name: str) -> bool:
 
 
 def _attention_eager(model: nn.Module) -> None:
-    """Run the model's CP attention (an ``ndparallel_cp_*`` name in transformers'
+    """Run the model's CP or document attention (an ``ndparallel_*`` name in transformers'
     ``AttentionInterface``) eagerly inside compiled layers: re-register it behind
-    ``torch._dynamo.disable`` (a clean graph break; dynamo cannot trace its process group)."""
+    ``torch._dynamo.disable`` (a clean graph break; dynamo cannot trace its process group, nor
+    the host-side document geometry)."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if not (isinstance(name, str) and name.startswith("ndparallel_cp_")):
+    if not (isinstance(name, str) and name.startswith(("ndparallel_cp_", "ndparallel_documents_"))):
         return
     fn = ALL_ATTENTION_FUNCTIONS[name]
     if not getattr(fn, "_ndparallel_eager", False):
