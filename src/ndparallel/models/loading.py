@@ -32,7 +32,7 @@ from ndparallel.models.adapters import (
 )
 from ndparallel.models.causal import causal_lm_problem, config_problem
 from ndparallel.models.presets import PRESETS, is_preset, preset_config
-from ndparallel.models.safetensors_read import load_sharded_safetensors
+from ndparallel.models.safetensors_read import checkpoint_plan, load_sharded_safetensors
 from ndparallel.models.vocab import (
     grow_config_vocab,
     set_grown_rows,
@@ -123,6 +123,7 @@ def _load_pretrained(
     problem = weights_problem(model, files, str(path / "config.json"), grown=grown)  # headers only
     if problem:
         raise ValueError(f"base model {str(path)!r}: {problem}")
+    plan = checkpoint_plan(model, files)  # transformers' key conversion, found on the plain model
     if adapter is not None:
         model = apply_adapter(model, adapter)  # on meta too: LoRA layers hold no data yet
     model = acc.prepare_model(model)  # TP/CP/FSDP on meta: no memory yet
@@ -133,7 +134,7 @@ def _load_pretrained(
         _move_buffers(model, acc.device)
     base = base_model_of(model)
     init_non_persistent_buffers(base)
-    load_sharded_safetensors(base, path, files, skip=set(grown))
+    load_sharded_safetensors(base, path, files, skip=set(grown), plan=plan)
     if grown:
         set_grown_rows(base, files, grown, config.vocab_size)
     if adapter_weights is not None:
