@@ -24,7 +24,8 @@ def positions(batch: int, seq: int, seed: int) -> torch.Tensor:
 
 def reference(q, k, v, pos, scale, window=None, chunk=None, softcap=None):
     """fp64 attention with the mask written out: key j visible to query i iff lo(i) <= j <= i,
-    lo(i) = max(document start, i - window + 1, chunk start)."""
+    lo(i) = max(document start, i - window + 1, chunk start); chunks are counted in positions
+    within a document (transformers' chunked mask on packed rows)."""
     q, k, v = (t.double().detach().requires_grad_() for t in (q, k, v))
     s, groups = q.shape[2], q.shape[1] // k.shape[1]
     i = torch.arange(s)
@@ -32,7 +33,7 @@ def reference(q, k, v, pos, scale, window=None, chunk=None, softcap=None):
     if window is not None:
         lo = torch.maximum(lo, i - window + 1)
     if chunk is not None:
-        lo = torch.maximum(lo, i - i % chunk)
+        lo = torch.maximum(lo, i - pos % chunk)
     mask = (i.view(1, 1, s) <= i.view(1, s, 1)) & (i.view(1, 1, s) >= lo.view(-1, s, 1))
     scores = q @ k.repeat_interleave(groups, 1).transpose(-1, -2) * scale
     if softcap:

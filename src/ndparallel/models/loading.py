@@ -48,7 +48,7 @@ def load_model(
     path_or_config: str | os.PathLike | PretrainedConfig,
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     seed: int = 0,
     adapter: Any = None,
     adapter_weights: str | os.PathLike | None = None,
@@ -62,7 +62,8 @@ def load_model(
             ``PretrainedConfig``, or a built-in preset name (``ndparallel.models.presets``).
         dtype: parameter dtype (checkpoint tensors are converted while being copied in).
         trust_remote_code: passed to ``AutoConfig`` / ``AutoModelForCausalLM``.
-        attn_implementation: the attention kernel name given to transformers.
+        attn_implementation: the attention kernel name given to transformers (None: the family's
+            default, sdpa where transformers supports it, else eager).
         seed: RNG seed of the random init of a config/preset (the global RNG is left untouched)
             and of the LoRA adapter's A matrices.
         adapter: a peft ``LoraConfig``: the model is wrapped (``get_peft_model``) before it is
@@ -105,7 +106,7 @@ def load_model(
 
 
 def _load_pretrained(
-    acc: Any, path: Path, dtype: torch.dtype, trust_remote_code: bool, attn_implementation: str,
+    acc: Any, path: Path, dtype: torch.dtype, trust_remote_code: bool, attn_implementation: str | None,
     adapter: Any = None, seed: int = 0, adapter_weights: str | os.PathLike | None = None,
     vocab_size: int | None = None,
 ) -> nn.Module:

@@ -191,10 +191,10 @@ def _register(model, name: str, fn) -> None:
     AttentionMaskInterface.register(name, _no_padding_mask)
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:
-        raise RuntimeError(
-            f"{type(model).__name__} did not accept attention implementation {name!r}; it needs a "
-            "model using transformers' AttentionInterface"
-        )
+        raise ValueError(
+            f"{type(model).__name__} does not call attention through transformers' AttentionInterface, "
+            "through which ndparallel's context-parallel / document attention replaces it: train this "
+            "model without context_parallel_size (and without sequence_parallel)")
 
 
 def apply_document_attention(model, kernel: str = "auto"):

@@ -9,7 +9,7 @@ index ``i`` starts at ``i − position_ids[i]`` (clamped to [0, i]) and the atte
 which needs only the *query's* own position: every rank derives its mask from the positions of
 the tokens it holds, with no communication. ``W`` is the layer's sliding window (none: ``lo`` is
 the document start). A chunked-attention layer (Llama 4: ``attention_chunk_size`` C) restarts
-at every multiple of C as if a document started there. A row without restarts is plain causal
+every C positions of a document as if a document started there. A row without restarts is plain causal
 attention.
 
 Queries of one chunk are cut into *runs* of equal document start. Against a key span, each run
@@ -53,14 +53,15 @@ def document_starts(position_ids: torch.Tensor | None, global_index: torch.Tenso
                     chunk: int | None = None):
     """Global index of the start of each token's document, ``[batch, len]`` int64 on the CPU
     (one host copy), or None when there are no position ids and no ``chunk`` (plain causal).
-    ``chunk``: chunked attention restarts every ``chunk`` tokens of the row as well."""
+    ``chunk``: chunked attention also restarts every ``chunk`` positions of a document (as
+    transformers' chunked mask on packed rows: chunks are counted in ``position_ids``)."""
     idx = global_index.to("cpu", torch.int64)
     if position_ids is None:
         return None if chunk is None else (idx - idx % chunk).expand(batch, -1).contiguous()
     pos = position_ids.expand(batch, -1).to("cpu", torch.int64)
     idx = idx.expand_as(pos)
     starts = torch.minimum((idx - pos).clamp_(min=0), idx)
-    return starts if chunk is None else torch.maximum(starts, idx - idx % chunk)
+    return starts if chunk is None else torch.maximum(starts, idx - pos % chunk)
 
 
 class DocLayout:

@@ -63,6 +63,7 @@ def parallelize_model(
             f"upcasting them to {upcast} master weights (compute uses mixed_precision's dtype); "
             "load the model in float32 to skip this step", stacklevel=3)
     use_fsdp = pc.dp_replicate_size * pc.fsdp_size > 1 or param_dtype is not None
+    _check_layout(model, pc, tp)
     if float8.enabled:
         from ndparallel.parallel.float8 import apply_float8
 
@@ -104,6 +105,18 @@ def parallelize_model(
         upcast_params(model, upcast)
     move_leftovers(model, device, keep_params_on_cpu=fsdp.cpu_offload)
     return wrapper
+
+
+def _check_layout(model: nn.Module, pc: ParallelismConfig, tp: TPOptions) -> None:
+    """Refuse (one line, before any sharding) what this model cannot run exactly under ``pc``."""
+    from ndparallel.parallel.support import layout_problem
+    from ndparallel.parallel.tensor import is_tensor_parallel
+
+    made_tp = pc.tp_enabled and is_tensor_parallel(model)  # by transformers: its own plan applied
+    problem = layout_problem(model, tp_size=1 if made_tp else pc.tp_size, cp_size=pc.cp_size,
+                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan, probe_attention=False)
+    if problem:
+        raise ValueError(problem)
 
 
 def move_leftovers(model: nn.Module, device: torch.device, keep_params_on_cpu: bool = False) -> None:

@@ -46,6 +46,9 @@ class TrainSetup:
     reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
     attention crosses document starts."""
     adapter: dict | None = None  # LoRA: ``ndparallel.models.adapters.lora_config`` kwargs (r, alpha, ...)
+    model_dir: str | None = None
+    """A saved model (``save_pretrained``) both runs load with ``Accelerator.load_model`` (sharded,
+    transformers' key conversion) instead of building ``model_config`` from the seed."""
 
 
 @dataclass
@@ -126,7 +129,7 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
         ParallelismConfig(**(layout or {})), mixed_precision=setup.mixed_precision,
         gradient_accumulation_steps=setup.grad_accum, **setup.parallel_kwargs,
     )
-    model = build_model(setup)
+    model = acc.load_model(setup.model_dir) if setup.model_dir else build_model(setup)
     optimizer = setup_optimizer(setup, model.parameters())
     model, optimizer = acc.prepare(model, optimizer)
     model.train()

@@ -45,8 +45,23 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
                                       strategy=cfg.cp_comm_strategy)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_family_layout(cfg, pc, hf)
     _check_fp8(cfg)
     return pc, hf
+
+
+def _check_family_layout(cfg: TrainConfig, pc, hf) -> None:
+    """What the model family cannot run under the layout (``parallel.support``), on a meta model."""
+    if not (pc.tp_enabled or pc.cp_enabled):
+        return
+    from ndparallel.parallel.support import layout_problem
+    from ndparallel.training.model_check import meta_model
+
+    tp = cfg.tp_options()
+    problem = layout_problem(meta_model(cfg, hf), tp_size=pc.tp_size, cp_size=pc.cp_size,
+                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_fp8(cfg: TrainConfig) -> None:
