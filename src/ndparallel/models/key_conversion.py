@@ -143,7 +143,16 @@ def checkpoint_keys(model: nn.Module, stored: dict[str, tuple]) -> CheckpointKey
             group.sources.setdefault(pattern, []).append(key)
     groups = {id(g): g for g in fused.values()}.values()
     for group in groups:
-        meta = group._convert(model, lambda k: torch.empty(stored[k][1], device="meta"))
+        counts = {pattern: len(keys) for pattern, keys in group.sources.items()}
+        if len(set(counts.values())) > 1:
+            raise ValueError(f"{group.target} is built from stored tensors {counts} (pattern: count), which "
+                             "should be as many of each: a tensor is missing from the checkpoint")
+        try:
+            meta = group._convert(model, lambda k: torch.empty(stored[k][1], device="meta"))
+        except RuntimeError as e:  # e.g. experts of different shapes
+            raise ValueError(f"{group.target} cannot be built from its stored tensors as transformers "
+                             f"does ({' '.join(str(e).split())[:200]}): the weights do not match the "
+                             "config") from None
         group.shapes = {name: tuple(t.shape) for name, t in meta.items()}
         fused.update({name: group for name in group.shapes if name in keys})
     return CheckpointKeys(direct, fused, unused, [t for t in transforms if t.was_used()])

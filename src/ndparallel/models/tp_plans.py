@@ -93,12 +93,12 @@ def resolve_tp_plan(model: nn.Module, override: Mapping[str, object] | None = No
         return dict(override)
     plan = model_tp_plan(model)
     if not plan:
-        example = "\n".join(f'  "{k}": {v}' for k, v in EXAMPLE_PLAN.items())
+        example = ", ".join(f'"{k}": {v}' for k, v in EXAMPLE_PLAN.items())
         raise TPPlanError(
             f"{type(model).__name__} has no tensor-parallel plan (its config has no base_model_tp_plan "
             "and the class no _tp_plan): supply one with TPOptions(plan={...}) in Python or the "
             "`tp_plan` key of the YAML config, mapping module-name patterns to styles "
-            f"({', '.join(STYLES)}), e.g.\ntp_plan:\n{example}"
+            f"({', '.join(STYLES)}), e.g. tp_plan: {{{example}}}"
         )
     return plan
 

@@ -63,6 +63,8 @@ def weights_problem(model: torch.nn.Module, files: list[Path], config_name: str 
             stored[name] = (info["dtype"], list(info["shape"]), f.name)
     try:
         plan = checkpoint_keys(model, {k: v[:2] for k, v in stored.items()})
+    except ValueError as e:
+        return f"{e} ({str(files[0].parent)!r})"
     except Exception as e:  # noqa: BLE001 - a transformers converter that cannot combine these tensors
         return (f"the checkpoint's tensors cannot be converted to {type(model).__name__}'s as transformers "
                 f"would ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
