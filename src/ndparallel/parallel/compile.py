@@ -7,7 +7,8 @@ way). Applied after TP, CP and activation checkpointing and before FSDP, so
   are traced into it, and activation checkpointing (transformers' per-layer wrapper, outside
   ``_call_impl``) recomputes the compiled layer;
 * the CP attention (an autograd function that sends K/V around the ring over a process group
-  dynamo cannot trace) runs eagerly: a graph break before and after it, the rest compiled.
+  dynamo cannot trace) and the document attention of TP + sequence parallel (its masks are built
+  on the host from the positions) run eagerly: a graph break before and after, the rest compiled.
 
 Under tensor parallelism the unit is each child of a decoder layer (attention, MLP, norms) rather
 than the layer: with the whole layer compiled, the backward of torch 2.13's compiled graph hands

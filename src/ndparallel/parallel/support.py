@@ -39,10 +39,16 @@ def uses_attention_interface(model: nn.Module) -> bool:
         probe = type(model)._from_config(config) if hasattr(type(model), "_from_config") else None
     if probe is None:
         return False
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "does not support setting its attention implementation": said below
     try:
         probe.set_attn_implementation(_PROBE)
     except (ValueError, TypeError, ImportError):
         return False
+    finally:
+        hf_logging.set_verbosity(level)
     return probe.config._attn_implementation == _PROBE
 
 
