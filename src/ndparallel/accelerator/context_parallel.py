@@ -30,7 +30,6 @@ class ContextParallelMixin:
         if not buffers:
             raise ValueError("context parallelism is on but maybe_context_parallel got no buffers: pass "
                              "the batch tensors to shard (input_ids, shift_labels, ...)")
-        from ndparallel.parallel.context import context_parallel_buffers
         from ndparallel.parallel.cp_sharding import cp_positions
         from ndparallel.parallel.positions import position_hook
 
@@ -40,8 +39,7 @@ class ContextParallelMixin:
             raise ValueError(f"maybe_context_parallel: buffers have different sequence lengths {sorted(lengths)}")
         seq_len = lengths.pop()
         cp, lb = self.parallelism_config.cp_size, self.cp_options.load_balance
-        with context_parallel_buffers(self.mesh("cp"), list(buffers), dims,
-                                      no_restore_buffers=no_restore_buffers, load_balance=lb):
+        with self.engine.cp_shard(list(buffers), dims, no_restore=no_restore_buffers):
             positions = cp_positions(seq_len, self.rank_in("cp"), cp, lb, device=self.device)
             hook = position_hook(cp_positions=positions)
             handles = [m.register_forward_pre_hook(hook, with_kwargs=True, prepend=True) for m in self._models]

@@ -81,20 +81,27 @@ def _output_embedding_name(model: nn.Module) -> str | None:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions | None = None
+    model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions | None = None, adapted: bool = False,
 ) -> nn.Module:
     """Shard ``model`` over the 1-D ``tp_mesh`` in place (and return it).
 
     Every parameter ends up a DTensor on ``tp_mesh``; tied parameters stay one Parameter.
     ``loss_parallel=None`` counts as off here (``resolve_loss_parallel`` picks the default). A model
     already made tensor-parallel (by transformers' ``from_pretrained(tp_plan=..., device_mesh=...)``)
-    is not sharded again: only its leftover plain parameters are replicated.
+    is not sharded again: only its leftover plain parameters are replicated. ``adapted``: the model
+    carries LoRA layers (PEFT), which transformers' own TP would compute wrongly: refused there.
     """
     options = options or TPOptions()
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs the 1-D tp mesh (mesh['tp']), got {tp_mesh}")
     tp_size = tp_mesh.size()
     if is_tensor_parallel(model):
+        if adapted:
+            # transformers' TP hooks know nothing of LoRA A/B: its forward would add a full-size
+            # adapter output to a sharded base output (a different model, found by a test).
+            raise ValueError("LoRA on a model made tensor-parallel by transformers (tp_plan) is not supported: "
+                             "load the model without tp_plan; prepare applies TP and shards each adapter "
+                             "with its base linear")
         if options.sequence_parallel or options.loss_parallel:
             raise ValueError(
                 "the model is already tensor-parallel (loaded by transformers with tp_plan/device_mesh); "
@@ -140,13 +147,7 @@ def apply_tensor_parallel(
     for block in blocks:
         styles[block] = GatherSequenceInput() if sp else ReplicateBlockInput()
     if sp:
-        # transformers builds its masks from the local (sequence-sharded) length, which breaks on
-        # packed rows: ndparallel's document attention derives them from the positions instead.
-        from ndparallel.parallel.context import apply_document_attention
-
-        model.register_forward_pre_hook(position_hook(sp_size=tp_size), with_kwargs=True)
-        apply_document_attention(model)
-
+        _sequence_parallel_inputs(model, tp_size)
     tied = tied_parameter_groups(model)
     for name, style in styles.items():
         parallelize_module(model.get_submodule(name), tp_mesh, style)
@@ -157,6 +158,17 @@ def apply_tensor_parallel(
     _check_all_dtensor(model)
     align_grad_placements(model)
     return model
+
+
+def _sequence_parallel_inputs(model: nn.Module, tp_size: int) -> None:
+    """Positions and attention for a sequence-sharded residual stream: ``position_ids`` filled in
+    from the full length (``positions.position_hook``), and ndparallel's document attention —
+    transformers builds its masks from the local length, which breaks on packed rows; the
+    document attention derives them from the positions."""
+    from ndparallel.parallel.context import apply_document_attention
+
+    model.register_forward_pre_hook(position_hook(sp_size=tp_size), with_kwargs=True)
+    apply_document_attention(model)
 
 
 def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
