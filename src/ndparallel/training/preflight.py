@@ -247,6 +247,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         f"speed        : chunked loss {_auto(cfg.chunked_loss)}, compile {'on' if cfg.compile else 'off'}"
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
+        *([f"tp plan      : {_tp_plan_summary(cfg, hf)}"] if pc.tp_enabled else []),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
         f"({cfg.lr_scheduler}, warmup "
         f"{cfg.warmup_steps if cfg.warmup_ratio is None else f'ratio {cfg.warmup_ratio:g}'})",
@@ -258,6 +259,19 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     lines += [f"note         : {n}" for n in run_notes(cfg, device) if not n.startswith("max_steps")]
     return "\n".join(lines)
+
+
+def _tp_plan_summary(cfg: TrainConfig, hf) -> str:
+    """How many plan entries shard which modules, and the entries that match none (dropped)."""
+    from ndparallel.models.tp_plans import match_plan, resolve_tp_plan, unmatched_keys
+    from ndparallel.training.model_check import meta_model
+
+    model = meta_model(cfg, hf)
+    plan = resolve_tp_plan(model, cfg.tp_plan)
+    dropped = unmatched_keys(model, plan)
+    return (f"{len(plan)} entries ({'tp_plan' if cfg.tp_plan else 'the model' + chr(39) + 's own'}) on "
+            f"{len(match_plan(model, plan, strict=False))} modules"
+            + (f"; matching no module (dropped): {dropped}" if dropped else ""))
 
 
 def _data_mode(cfg: TrainConfig) -> str:
