@@ -79,15 +79,14 @@ class Fused:
 
     def read(self, model, name: str, offsets, lengths, read_stored: Callable[[str], torch.Tensor]) -> torch.Tensor:
         """``model[name][offsets : offsets + lengths]``, reading stored tensors with ``read_stored``."""
-        rows = None
-        if self.stacks_rows() and len(offsets):
+        by_rows = self.stacks_rows() and len(offsets) > 0
+        if by_rows:  # only the stored tensors of rows [lo, hi): the rest read as None (skipped)
             lo, hi = offsets[0], offsets[0] + lengths[0]
             index = {k: i for keys in self.sources.values() for i, k in enumerate(keys)}
-            rows = (lo, hi)
             full = self._convert(model, lambda k: read_stored(k) if lo <= index[k] < hi else None)[name]
         else:
             full = self._convert(model, read_stored)[name]
-        first = 0 if rows is not None else offsets[0]
+        first = 0 if by_rows else offsets[0]
         index = (slice(first, first + lengths[0]),
                  *(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))) if len(offsets) else ()
         return full[index]
@@ -102,7 +101,9 @@ class CheckpointKeys:
     direct: dict[str, str]
     fused: dict[str, Fused]
     unused: list[str]
-    transforms: list = field(default_factory=list)  # the transforms that matched a stored key
+    transforms: list = field(default_factory=list)
+    """The transforms that matched a stored key: what ``from_pretrained`` keeps as
+    ``model._weight_conversions`` so that saving writes the checkpoint's layout back."""
 
     def has(self, key: str) -> bool:
         return key in self.direct or key in self.fused
@@ -156,12 +157,6 @@ def checkpoint_keys(model: nn.Module, stored: dict[str, tuple]) -> CheckpointKey
         group.shapes = {name: tuple(t.shape) for name, t in meta.items()}
         fused.update({name: group for name in group.shapes if name in keys})
     return CheckpointKeys(direct, fused, unused, [t for t in transforms if t.was_used()])
-
-
-def used_transforms(model: nn.Module, plan: CheckpointKeys) -> list:
-    """What ``from_pretrained`` keeps as ``model._weight_conversions``: the transforms the
-    checkpoint needed, so that saving writes its layout back."""
-    return plan.transforms
 
 
 def stored_shape(plan: CheckpointKeys, stored: dict[str, tuple], key: str) -> list[int]:

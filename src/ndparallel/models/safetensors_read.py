@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.futures import Future
 
 from ndparallel.models.adapters import checkpoint_key, is_adapter_param
-from ndparallel.models.key_conversion import CheckpointKeys, checkpoint_keys, used_transforms
+from ndparallel.models.key_conversion import CheckpointKeys, checkpoint_keys
 from ndparallel.models.weights import read_header
 
 
@@ -69,7 +69,7 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path], sk
             "architecture or with renamed keys?)"
         )
     if plan.converted():  # save_pretrained writes the checkpoint's layout back (transformers' way)
-        model._weight_conversions = used_transforms(model, plan)
+        model._weight_conversions = plan.transforms
     dcp.load(to_read, storage_reader=SliceReader(str(path), model, plan, stored))
     # DCP wrote into the state-dict tensors, which are the parameters' own storage for FSDP2/TP
     # DTensors and plain tensors; setting them back is a no-op copy that also covers wrappers
