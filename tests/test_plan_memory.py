@@ -167,15 +167,6 @@ def test_unfused_adamw_step_holds_two_copies_of_the_largest_tensor():
     assert m.grads == 8_030_261_248 * 4 + 2 * 4 * 128256 * 4096
 
 
-def test_tp_embedding_gradient_is_full_vocabulary():
-    from ndparallel.plan.memory import tp_embedding_grad_extra
-
-    model = PRESETS["llama-3.1-8b"]
-    s = Settings(seq_len=256)
-    assert tp_embedding_grad_extra(model, Layout(tp=4), s) == 4 * 128256 * 4096 * 3 / 4
-    assert tp_embedding_grad_extra(model, Layout(dp_shard=4), s) == 0
-
-
 def test_chunked_loss_holds_one_chunk():
     model, lay = PRESETS["llama-3.2-1b"], Layout()
     kw = dict(seq_len=2048, micro_batch=4)

@@ -220,15 +220,6 @@ def optimizer_step_temporaries(model: ModelSpec, layout: Layout, s: Settings) ->
     return 2 * 4.0 * largest
 
 
-def tp_embedding_grad_extra(model: ModelSpec, layout: Layout, s: Settings) -> float:
-    """Under TP the vocab-parallel embedding's gradient is computed by DTensor for the whole
-    vocabulary on every tp rank (``Replicate``), then sliced to the rank's rows: (tp−1)/tp of a
-    full fp32 embedding gradient more than its shard (measured by ``ndparallel simulate``)."""
-    if layout.tp == 1 or s.lora_r:
-        return 0.0
-    return 4.0 * model.vocab * model.hidden * (layout.tp - 1) / layout.tp
-
-
 def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> MemoryBreakdown:
     """Peak bytes per GPU: the largest of the loss-backward moment, the first layer's backward,
     the end of backward (all gradients) and the optimizer step (its temporaries)."""
@@ -252,7 +243,6 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         all_grads = adapter * 4 + (model.layers * adapter_local * s.reduce_bytes
                                    if s.accumulates_unsharded else 0.0)
         head_grads = 0.0  # the LM head is frozen
-    emb_extra = tp_embedding_grad_extra(model, layout, s)
     # With zero_grad(set_to_none=True) and one micro-batch no gradient exists at the loss moment;
     # at the first layer's backward only the (untied) head unit's has been reduced.
     grads_kept = not s.set_to_none or s.grad_accum > 1
@@ -279,11 +269,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         # layer's own recomputed ones too) and the gradient workspace of one layer
         "layer backward": (grads_b, saved + (per_layer if s.checkpointing else 0.0)
                            + _workspace(model, layout, s, tokens), 0.0, buf_b),
-        # the embedding's full-vocabulary gradient (TP) exists once its backward ran; FSDP
-        # reduce-scatters it at once, without FSDP it stays until the next zero_grad
-        "end of backward": (all_grads + emb_extra, 0.0, 0.0, 0.0),
-        "optimizer step": (all_grads + (emb_extra if n == 1 else 0.0)
-                           + optimizer_step_temporaries(model, layout, s), 0.0, 0.0, 0.0),
+        "end of backward": (all_grads, 0.0, 0.0, 0.0),
+        "optimizer step": (all_grads + optimizer_step_temporaries(model, layout, s), 0.0, 0.0, 0.0),
     }
     phase = max(moments, key=lambda k: sum(moments[k]))
     grads, acts, lg, buf = moments[phase]

@@ -123,5 +123,22 @@ def state_bytes(model, opt) -> dict:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports KiB)."""
+    """This process's peak resident set size since it started or since ``reset_peak_rss``
+    (Linux's ``VmHWM``; elsewhere ``getrusage``'s lifetime peak)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> None:
+    """Start the peak RSS over from the current RSS (Linux: ``/proc/self/clear_refs``); a no-op
+    where that is unavailable."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass

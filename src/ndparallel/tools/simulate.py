@@ -70,11 +70,14 @@ def simulate(cfg: TrainConfig, req: SimulationRequest) -> dict:
     (``report.py`` prints it). Runs in this process; leaves no process group behind."""
     from ndparallel.runtime.distributed import shutdown
     from ndparallel.runtime.fake_world import start_fake_world
-    from ndparallel.runtime.memory_probe import peak_rss_bytes
+    from ndparallel.runtime.memory_probe import peak_rss_bytes, reset_peak_rss
     from ndparallel.tools.simulate_predict import compare_collectives, predict
 
     start_fake_world(req.world_size, req.rank)
     try:
+        # A rank's process starts here: the pre-launch checks and data preparation this process
+        # did first happen in the launcher of a real job, not in the ranks.
+        reset_peak_rss()
         baseline_rss = peak_rss_bytes()
         trainer = SimulatedTrainer(cfg)
         trainer.setup()
