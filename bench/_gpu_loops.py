@@ -71,9 +71,9 @@ def make_accelerate(cfg, device: torch.device, lr: float) -> Loop:
         return out.loss.detach()
 
     def close():
-        nonlocal model, opt
+        nonlocal acc, model, opt
         acc.free_memory()
-        model = opt = None
+        acc = model = opt = None
         free(device)
     return Loop(step, close)
 
@@ -145,7 +145,7 @@ def make_nd(cfg, device: torch.device, lr: float, *, chunked: bool, compile_back
         return loss
 
     def close():
-        nonlocal model, opt
-        model = opt = None
+        nonlocal acc, model, opt
+        acc = model = opt = None
         free(device, compiled=compile_backend is not None)
     return Loop(step, close)

@@ -35,6 +35,7 @@ row. Exit 1 if a row failed (raised, drifted, non-finite) or the reference did n
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import statistics
 import sys
@@ -106,8 +107,11 @@ def run_variant(name: str, cfg, device, args, mb) -> dict:
         return {"skipped": reason}
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    gc.collect()  # the previous row's loop is gone now: its memory must not count in this row's peak
     if cuda:
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    start_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None  # the batch, ~nothing else
     t_build = time.perf_counter()
     loop = make_loop(name, cfg, device, args)
     build_s = time.perf_counter() - t_build
@@ -125,7 +129,7 @@ def run_variant(name: str, cfg, device, args, mb) -> dict:
     finally:
         loop.close()
     return {"step_s": statistics.median(times), "times_ms": [t * 1e3 for t in times], "losses": losses,
-            "peak_gib": peak, "build_s": build_s}
+            "peak_gib": peak, "allocated_at_start_gib": start_gib, "build_s": build_s}
 
 
 def check_drift(rows: dict) -> list[str]:
@@ -166,8 +170,8 @@ def row_cells(name: str, r: dict) -> tuple:
     pct = (lambda v: f"{v:.1%}" if v is not None else "n/a")
     ratio = (lambda v: f"{v:.2f}x" if v is not None else "")
     drift = f"{r['drift']:.2%}" + ("" if r.get("drift_ok") else " FAIL") if "drift" in r else ""
-    return (name, r["step_s"] * 1e3, r["tokens_per_s"], pct(r["mfu"]),
-            r["peak_gib"] if r["peak_gib"] is not None else "n/a", ratio(r["vs_accelerate"]),
+    return (name, f"{r['step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}", pct(r["mfu"]),
+            f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "n/a", ratio(r["vs_accelerate"]),
             ratio(r["peak_vs_accelerate"]), f"{r['losses'][0]:.3f} → {r['losses'][-1]:.3f}", drift)
 
 
@@ -246,7 +250,8 @@ def main(argv=None) -> int:
                 add_rates(r, rows_per_step * seq, flops, peak, rows.get("accelerate"))
             check_drift(rows)
             write_json(args.name, payload)  # after every row: a later crash loses nothing measured
-            print(f"ROW seq {seq} {variant}: " + " | ".join(str(c) for c in row_cells(variant, r)), flush=True)
+            print(f"ROW seq {seq}: " + " | ".join(str(c) for c in row_cells(variant, r))
+                  + (f" | {r['error']}" if "error" in r else ""), flush=True)
         seq_fails = [f"{v}: {r['error']}" for v, r in rows.items() if "error" in r] + check_drift(rows)
         fails += [f"seq {seq}: {f}" for f in seq_fails]
         write_json(args.name, payload)

@@ -9,6 +9,7 @@
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_gpu_common.sh"
 : "${GPU_ALL_DEVICE:?run through bench/gpu_all.sh}" "${GPU_ALL_SCRATCH:?}" "${GPU_ALL_SMOKE:?}"
+gpu_env "$([ "$GPU_ALL_DEVICE" = cuda ] && echo 1 || echo 0)" >/dev/null  # this checkout's src/ first
 S=$GPU_ALL_SCRATCH
 
 if [ "$GPU_ALL_SMOKE" = 1 ]; then

@@ -39,3 +39,26 @@ def test_a_reference_that_does_not_learn_makes_the_check_fail():
 
 def test_no_reference_no_pass():
     assert gpu_single.check_drift({"accelerate": {"losses": list(REF)}, "nd eager": {"error": "boom"}})
+
+
+def test_a_row_that_raises_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    """The per-row try/except and the JSON rewritten after every row (no training here: the rows
+    are stubbed, so no process group starts in the pytest process)."""
+    import json
+
+    monkeypatch.setenv("BENCH_RESULTS_DIR", str(tmp_path))
+    falling = {"step_s": 0.1, "times_ms": [100.0], "losses": list(REF), "peak_gib": None}
+
+    def fake_run(name, cfg, device, args, mb):
+        if name == "nd + compile":
+            raise RuntimeError("inductor exploded")
+        return dict(falling)
+
+    monkeypatch.setattr(gpu_single, "run_variant", fake_run)
+    assert gpu_single.main(["--tiny", "--name", "t"]) == 1
+    rows = json.loads((tmp_path / "t.json").read_text())["results"]["32"]
+    assert list(rows) == list(gpu_single.VARIANTS)
+    assert rows["nd + compile"] == {"error": "RuntimeError: inductor exploded"}
+    assert all(rows[v]["drift_ok"] for v in gpu_single.VARIANTS if v != "nd + compile")
+    out = capsys.readouterr().out
+    assert "FAIL seq 32: nd + compile: RuntimeError: inductor exploded" in out and "HEADLINE: " in out
