@@ -17,9 +17,10 @@ same batch every step. Rows (each adds to the one above from ``nd eager`` on):
 
 Per row: median step time, tokens/s, MFU, peak memory allocated, the loss of every step and the step
 times. MFU = model FLOPs per token × tokens/s / the GPU's dense bf16 peak (also for the fp8 row, so
-rows compare), with the planner's one FLOP count (``ndparallel.plan.compute.model_flops_per_token``):
-6·N (N = matmul parameters, the LM head included) + 6·L·a·d·s, i.e. causal attention counted as it
-runs (QKᵀ and PV over half the score matrix, backward twice the forward).
+rows compare), with the project's one FLOP count (``ndparallel.models.flops``, through the planner's
+``plan.compute.model_flops_per_token``): 6·N (N = matmul parameters, the LM head included) +
+6·L·a·d·s, i.e. causal attention counted as it runs (QKᵀ and PV over half the score matrix,
+backward twice the forward).
 
 Correctness: every row's loss at every step must stay within ``DRIFT_TOL`` (relative) of ``nd eager``'s
 (all rows train the same model on the same batch), and ``nd eager``'s loss must fall by at least

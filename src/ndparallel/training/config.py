@@ -26,6 +26,7 @@ from ndparallel.parallel.options import (
     Float8Options,
     FSDPOptions,
     LossOptions,
+    StrategyOptions,
     TPOptions,
 )
 from ndparallel.training.config_data import (  # noqa: F401  (ConfigError: re-exported)
@@ -105,7 +106,9 @@ class TrainConfig(_Strict):
     sequence_parallel: bool = False
     loss_parallel: bool | None = None
     """Under TP: cross-entropy on vocab-sharded logits; default (null): on when exact."""
-    cp_comm_strategy: Literal["ring", "allgather", "alltoall"] = "ring"
+    cp_comm_strategy: Literal["ring", "allgather", "ulysses", "alltoall"] = "ring"
+    """ring (K/V rotated), allgather (K/V gathered once per layer), ulysses (heads <-> sequence
+    all-to-all); alltoall is Accelerate's name for the rotating exchange: it runs the ring."""
     # speed
     chunked_loss: bool | None = None
     """Loss from hidden states + LM-head weight in token chunks, never the full logits; default
@@ -314,7 +317,9 @@ class TrainConfig(_Strict):
         return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[name]
 
     def cp_options(self) -> CPOptions:
-        return CPOptions(comm_strategy=self.cp_comm_strategy)
+        from ndparallel.layout.handlers import CP_STRATEGIES
+
+        return CPOptions(comm_strategy=CP_STRATEGIES.get(self.cp_comm_strategy, self.cp_comm_strategy))
 
     def loss_options(self) -> LossOptions:
         return LossOptions(chunked=self.chunked_loss, chunk_tokens=self.loss_chunk_tokens)
@@ -324,6 +329,14 @@ class TrainConfig(_Strict):
 
     def float8_options(self) -> Float8Options:
         return Float8Options(enabled=self.fp8, recipe=self.fp8_recipe, emulate=self.fp8_emulate)
+
+    def strategy_options(self) -> StrategyOptions:
+        """Every strategy option of the run, and its compute dtype: what the engine applies."""
+        import torch
+
+        return StrategyOptions(fsdp=self.fsdp_options(), tp=self.tp_options(), cp=self.cp_options(),
+                               loss=self.loss_options(), compile=self.compile_options(),
+                               float8=self.float8_options(), param_dtype=torch.bfloat16 if self.bf16 else None)
 
     def lora_kwargs(self, **overrides) -> dict | None:
         """Arguments of ``ndparallel.models.adapters.lora_config``; None without ``adapter``."""
