@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_all.sh"
@@ -25,6 +28,19 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def _run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """gpu_all.sh in a process group of its own: on a timeout its steps' processes die with it."""
+    proc = subprocess.Popen(["bash", str(SCRIPT), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def _planned() -> list[str]:
     listing = subprocess.run(["bash", str(SCRIPT), "--cpu-smoke", "--list"], capture_output=True, text=True,
                              check=True).stdout
@@ -37,10 +53,12 @@ def _summary(path: Path) -> list[list[str]]:
     return [line.split("\t") for line in lines[1:]]
 
 
+@pytest.mark.timeout(1800)
 def test_cpu_smoke_passes_every_step(tmp_path):
+    """~175 s of CPU time (7 one-rank `ndparallel train` runs are most of it); wall time grows with
+    the machine's load, hence the longer timeout."""
     out = tmp_path / "out"
-    run = subprocess.run(["bash", str(SCRIPT), "--cpu-smoke", "--out", str(out)], env=_env(tmp_path),
-                         capture_output=True, text=True, timeout=1750)
+    run = _run(["--cpu-smoke", "--out", str(out)], _env(tmp_path), timeout=1700)
     rows = _summary(out / "summary.tsv")
     assert [r[0] for r in rows] == _planned(), run.stdout[-3000:]  # complete, in plan order
     for name, result, seconds, headline in rows:
@@ -66,9 +84,8 @@ def test_a_failing_step_fails_the_run_and_results_come_back_packed_from_out(tmp_
     """PY=false makes the one selected step fail without running anything heavy."""
     dev_out = tmp_path / "device_out"
     dev_out.mkdir()
-    run = subprocess.run(["bash", str(SCRIPT), "--cpu-smoke", "--only", "group_timeouts"],
-                         env=_env(tmp_path, OUT=str(dev_out), PY="false"), capture_output=True, text=True,
-                         timeout=120)
+    run = _run(["--cpu-smoke", "--only", "group_timeouts"], _env(tmp_path, OUT=str(dev_out), PY="false"),
+               timeout=120)
     assert run.returncode == 1, run.stdout + run.stderr
     assert sorted(p.name for p in dev_out.iterdir()) == ["env.txt", "gpu_all.tar.gz", "summary.tsv"]
     rows = {r[0]: r[1:] for r in _summary(dev_out / "summary.tsv")}
@@ -82,9 +99,8 @@ def test_a_failing_step_fails_the_run_and_results_come_back_packed_from_out(tmp_
 
 def test_a_step_is_skipped_when_less_than_half_its_cap_is_left(tmp_path):
     out = tmp_path / "out"
-    run = subprocess.run(["bash", str(SCRIPT), "--cpu-smoke", "--budget", "10", "--only", "perf_2048",
-                          "--out", str(out)], env=_env(tmp_path, PY="false"), capture_output=True, text=True,
-                         timeout=120)
+    run = _run(["--cpu-smoke", "--budget", "10", "--only", "perf_2048", "--out", str(out)],
+               _env(tmp_path, PY="false"), timeout=120)
     rows = {r[0]: r[1:] for r in _summary(out / "summary.tsv")}
     assert rows["perf_2048"][0] == "SKIP" and "budget" in rows["perf_2048"][2], rows["perf_2048"]
     assert run.returncode == 0, run.stdout + run.stderr
@@ -92,5 +108,5 @@ def test_a_step_is_skipped_when_less_than_half_its_cap_is_left(tmp_path):
 
 def test_bad_arguments_are_refused():
     for args in (["--budget", "soon"], ["--bogus"]):
-        run = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+        run = _run(args, dict(os.environ), timeout=60)
         assert run.returncode == 2 and "gpu_all.sh:" in run.stderr, (args, run.stderr)
