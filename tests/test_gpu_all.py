@@ -55,7 +55,7 @@ def _summary(path: Path) -> list[list[str]]:
 
 @pytest.mark.timeout(1800)
 def test_cpu_smoke_passes_every_step(tmp_path):
-    """~175 s of CPU time (7 one-rank `ndparallel train` runs are most of it); wall time grows with
+    """~195 s of CPU time (7 one-rank `ndparallel train` runs are most of it); wall time grows with
     the machine's load, hence the longer timeout."""
     out = tmp_path / "out"
     run = _run(["--cpu-smoke", "--out", str(out)], _env(tmp_path), timeout=1700)
