@@ -28,12 +28,10 @@
 # GPU_ALL_SCRATCH and BENCH_RESULTS_DIR set; it takes its tiny CPU form when GPU_ALL_SMOKE=1 (a bench
 # script: `$TINY`, i.e. --tiny), prints `HEADLINE: <figure>`, exits 0 PASS / 1 FAIL / 77 SKIP (the
 # headline then says why), and fits CAP seconds on one H200. Shell bodies go in bench/gpu_steps.sh.
-# TODO, rows to fill in when their features land (their steps SKIP, naming the reason, until then):
-#   issue 28 (`ndparallel simulate`): one rank of Llama-3.1-8B HSDP 2x4 x TP 2 (world 16, seq 2048),
-#     Qwen3-8B FSDP 2 x CP 2 x TP 2 (seq 8192), Llama-3.1-70B FSDP 8 x TP 8 (world 64), 405B on 512:
-#     measured peak memory and compute time vs the planner (step `simulate`, bench/gpu_steps.sh);
-#   issue 31: step `long_context` runs bench/gpu_long_context.py (exactness on the device, host link,
-#     memory vs sequence, the planner's longest sequence); it SKIPs only if that script is absent.
+# The scale rows (issue 28, `ndparallel simulate`, bench/gpu_simulate.py): one rank of Llama-3.1-8B
+# HSDP 2x4 x TP 2 (world 16, seq 2048), Qwen3-8B FSDP 2 x CP 2 x TP 2 (seq 8192), Llama-3.1-70B FSDP 8
+# x TP 8 (world 64), 405B on 512: measured peak memory and compute time vs the planner (step
+# `simulate`). The long-context rows (issue 31): step `long_context` (bench/gpu_long_context.py).
 set -uo pipefail
 T0=$SECONDS  # the budget counts from here: wheel installation and env.txt included
 BUDGET="" DIR="" SMOKE=0 ONLY="" LIST=0
@@ -79,7 +77,7 @@ plan_steps() {
   step planner_rows 150 "$PY" bench/plan_gpu_check.py --configs 1b-mb4,1b-mb4-ac,1b-s8k-mb1 $TINY
   step perf_8192 240 "$PY" bench/gpu_single.py --seqs "$([ "$SMOKE" = 1 ] && echo 64 || echo 8192)" \
     --name gpu_single_8192 $TINY
-  step simulate 120 bash bench/gpu_steps.sh simulate
+  step simulate 300 bash bench/gpu_steps.sh simulate
   step long_context 200 bash bench/gpu_steps.sh long_context
   step tests_gpu_visible 300 bash bench/gpu_steps.sh tests_gpu_visible
 }

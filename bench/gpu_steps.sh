@@ -146,18 +146,14 @@ tests_gpu_visible() {
 }
 
 # --- hooks for rows other issues add (see bench/gpu_all.sh, "Adding a step")
-simulate() {  # issue 28: one real rank of a big world over fake collectives, vs the planner
-  if ! "$PY" -m ndparallel --help 2>/dev/null | grep -qE '^ +simulate '; then
-    echo "HEADLINE: ndparallel simulate absent (issue 28 not built yet)"
-    exit 77
-  fi
-  # TODO(issue 28): the interface is issue 28's as filed (CONFIG --world-size N --steps K --set --json);
-  # adjust to what it builds, and add the other GPU rows listed in bench/gpu_all.sh's header.
-  local cfg=examples/cpu/nd_4d.yaml world=16
-  [ "$GPU_ALL_SMOKE" = 1 ] || cfg=examples/gpu/llama-3.1-8b-hsdp-tp.yaml
-  "$PY" -m ndparallel simulate "$cfg" --world-size "$world" --steps 2 --set device="$GPU_ALL_DEVICE" \
-    --set "output_dir=$S/simulate" --json | tee "$S/simulate.json" || fail "ndparallel simulate exited non-zero"
-  echo "HEADLINE: simulate $cfg at world $world: $(tail -c 200 "$S/simulate.json" | tr '\n' ' ')"
+simulate() {  # issue 28: one real rank of big worlds over fake collectives, vs the planner
+  # GPU: the Llama-3.1-8B / Qwen3-8B / 70B / 405B rows of bench/gpu_simulate.py, one JSON each as it
+  # ends; smoke: its tiny CPU row (same code path: `ndparallel simulate --json`)
+  "$PY" bench/gpu_simulate.py --out "${BENCH_RESULTS_DIR:-$S/simulate}" \
+    $([ "$GPU_ALL_SMOKE" = 1 ] && echo --cpu-smoke) | tee "$S/simulate.out"
+  local rc=${PIPESTATUS[0]}
+  echo "HEADLINE: $(grep -cE '^PASS' "$S/simulate.out") rows passed; $(grep -E '^(PASS|FAIL)' "$S/simulate.out" | head -1 | cut -c1-200)"
+  return "$rc"
 }
 long_context() {  # issue 31: the long-context rows
   if [ ! -f bench/gpu_long_context.py ]; then
