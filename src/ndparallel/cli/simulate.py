@@ -43,16 +43,17 @@ def run_simulate(argv: Sequence[str]) -> int:
         validate_layout(cfg, args.world_size, check_local=True, check_output=False, check_weights=False)
     except (ConfigError, ValueError) as e:
         return fail("simulate", e)
-    from ndparallel.tools.simulate import SimulationRequest, simulate
+    from ndparallel.tools.simulate import SimulationRequest, run_in_child
     from ndparallel.tools.simulate_report import format_report
 
     req = SimulationRequest(world_size=args.world_size, rank=args.rank, steps=args.steps,
                             gpus_per_node=args.gpus_per_node, gpu_mem=gpu_mem, gpu=args.gpu,
                             hardware_file=args.hardware_file, save_checkpoint=args.save_checkpoint)
     try:
-        report = simulate(cfg, req)
-    except ValueError as e:
-        return fail("simulate", e)
+        report = run_in_child(args.config, args.set, req)
+    except RuntimeError as e:
+        print(f"ndparallel simulate: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     if report["fits"] is False:
         print(f"ndparallel simulate: the layout does not fit: measured peak "

@@ -181,8 +181,47 @@ def _save_checkpoint(trainer: Trainer, directory: Path) -> dict:
     return {"seconds": seconds, "bytes": written, "gib": written / GiB, "path": str(directory)}
 
 
+def run_in_child(config: str | None, overrides: list[str], req: SimulationRequest) -> dict:
+    """``simulate`` in a fresh Python process, as a rank of a real job starts (the pre-launch
+    checks and data preparation of this process stay out of the rank's memory); its report."""
+    import dataclasses
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        args = [sys.executable, "-m", "ndparallel.tools.simulate", json.dumps(dataclasses.asdict(req)), str(out),
+                config or "", *overrides]
+        run = subprocess.run(args, env=os.environ.copy())
+        if run.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"the simulated rank failed (exit {run.returncode}); its error is above")
+        return json.loads(out.read_text())
+
+
+def _child_main(argv: list[str]) -> None:
+    import json
+
+    from ndparallel.runtime.quiet import quiet_library_noise
+    from ndparallel.training.config import load_config
+
+    quiet_library_noise()
+    req = SimulationRequest(**json.loads(argv[0]))
+    cfg = load_config(argv[2] or None, argv[3:])
+    Path(argv[1]).write_text(json.dumps(simulate(cfg, req)))
+
+
+
 def _fits(report: dict, gpu_mem: float | None) -> bool | None:
     """Does the measured peak fit ``gpu_mem`` (None: no budget given)?"""
     if gpu_mem is None:
         return None
     return report["measured"]["peak_memory_gib"] * GiB <= gpu_mem
+
+
+if __name__ == "__main__":
+    import sys
+
+    _child_main(sys.argv[1:])
