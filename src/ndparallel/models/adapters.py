@@ -100,12 +100,18 @@ def check_adapter_config(config: Any) -> None:
 def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
     """Wrap ``model`` with PEFT (``get_peft_model``): the base weights frozen, LoRA A/B trainable in
     fp32 (PEFT's ``autocast_adapter_dtype``). ``all-linear`` inside a target list is expanded
-    (Axolotl's ``lora_target_linear`` together with ``lora_target_modules``)."""
+    (Axolotl's ``lora_target_linear`` together with ``lora_target_modules``); on a mixture-of-experts
+    model always, so that it means the ``nn.Linear`` layers there too (PEFT's own expansion would
+    also put LoRA on the fused 3-D expert weights and the routers, ``target_parameters``)."""
     import copy
+
+    from ndparallel.models.moe import experts_modules
 
     peft = require_peft()
     check_adapter_config(config)
     targets = config.target_modules
+    if isinstance(targets, str) and targets == ALL_LINEAR and experts_modules(model):
+        targets = [ALL_LINEAR]
     if isinstance(targets, (list, set, tuple)) and ALL_LINEAR in targets:
         config = copy.deepcopy(config)
         config.target_modules = sorted((set(targets) - {ALL_LINEAR}) | linear_module_names(model))

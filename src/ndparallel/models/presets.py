@@ -29,6 +29,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen2": dict(model_type="qwen2", **_TINY_COMMON),
     "tiny-qwen3": dict(model_type="qwen3", head_dim=16, **{**_TINY_COMMON, "tie_word_embeddings": True}),
     "tiny-mistral": dict(model_type="mistral", sliding_window=None, **_TINY_COMMON),
+    # Mixture-of-experts (8 / 4 experts, top-2; the routers' load-balancing loss in the loss).
+    "tiny-qwen3-moe": dict(model_type="qwen3_moe", head_dim=16, moe_intermediate_size=32, num_experts=8,
+                           num_experts_per_tok=2, norm_topk_prob=True, output_router_logits=True,
+                           router_aux_loss_coef=0.01, **_TINY_COMMON),
+    "tiny-mixtral": dict(model_type="mixtral", sliding_window=None, num_local_experts=4, num_experts_per_tok=2,
+                         output_router_logits=True, router_aux_loss_coef=0.01,
+                         **{**_TINY_COMMON, "intermediate_size": 32}),
     # The quickstart's model: still tiny, large enough for the loss to fall visibly on CPU.
     "quickstart-llama": dict(
         model_type="llama",
