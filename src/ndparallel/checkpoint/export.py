@@ -10,7 +10,9 @@
   tensors and writes the same HF layout, with the config saved in the checkpoint.
 
 Layout written: ``config.json`` (+ ``generation_config.json``), ``model.safetensors`` or
-``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, tokenizer files if given.
+``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, tokenizer files if given;
+tensors under the keys transformers' ``save_pretrained`` writes (``hf_files.saved_tensors``: a
+mixture-of-experts model's fused expert weights as its per-expert tensors).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ndparallel.checkpoint.directory import HF_CONFIG_DIR, validate_checkpoint
 from ndparallel.checkpoint.hf_files import (
     copy_generation_config,
     save_tokenizer,
+    saved_tensors,
     write_hf_config,
 )
 from ndparallel.checkpoint.io import SafeFileSystemReader, read_dcp_metadata
@@ -165,7 +168,8 @@ def save_hf_model(
         if writer is not None:
             full = full.detach().to("cpu", dtype=dtype or full.dtype)
             saved_dtype = saved_dtype or (full.dtype if full.is_floating_point() else None)
-            writer.add(checkpoint_key(name), full)
+            for key, piece in saved_tensors(model, checkpoint_key(name), full):
+                writer.add(key, piece)
         del full
     if writer is None:
         return
@@ -249,7 +253,9 @@ def export_checkpoint(
             dcp.load(targets, storage_reader=SafeFileSystemReader(ckpt), no_dist=True)
         for n in names:
             t = targets.pop(prefix + n)
-            writer.add(n, t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+            t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+            for key, piece in saved_tensors(skeleton, n, t):
+                writer.add(key, piece)
 
     for name in expected:
         md = metadata[prefix + name]

@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 PLAN_KEYS = ("dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size",
-             "micro_batch_size", "gradient_accumulation_steps", "cp_comm_strategy", "sequence_parallel",
+             "expert_parallel_size", "micro_batch_size", "gradient_accumulation_steps", "cp_comm_strategy", "sequence_parallel",
              "loss_parallel")
 PLAN_FSDP_KEYS = ("activation_checkpointing", "reshard_after_forward", "unsharded_grad_accumulation")
 

@@ -115,7 +115,16 @@ def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
     if isinstance(targets, (list, set, tuple)) and ALL_LINEAR in targets:
         config = copy.deepcopy(config)
         config.target_modules = sorted((set(targets) - {ALL_LINEAR}) | linear_module_names(model))
-    return peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME, autocast_adapter_dtype=True)
+    asked = sorted(config.target_modules or []) if not isinstance(config.target_modules, str) else [targets]
+    wrapped = peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME, autocast_adapter_dtype=True)
+    fused = getattr(adapter_config_of(wrapped), "target_parameters", None)
+    if fused:  # PEFT maps transformers-4 names (gate_proj, up_proj, w1 ...) onto fused MoE weights
+        raise ValueError(f"LoRA targets {asked} reach the fused expert weights / "
+                         f"routers of this mixture-of-experts model ({sorted(fused)}, PEFT target_parameters): "
+                         "not supported (their merge and export are not handled); target the attention and "
+                         "dense linears (lora_target_modules: [q_proj, k_proj, v_proj, o_proj], or "
+                         "lora_target_linear: true)")
+    return wrapped
 
 
 def adapter_config_of(model: nn.Module):

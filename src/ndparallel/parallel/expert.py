@@ -77,13 +77,6 @@ def check_expert_parallel(model: nn.Module, ep_size: int) -> None:
         raise ValueError(f"expert_parallel_size={ep_size}: {type(model).__name__} has no mixture-of-experts "
                          "layers (no experts module with 3-D expert weights); set expert_parallel_size: 1")
     name, module = experts[0]
-    if name.endswith(".base_layer") or any(".lora_" in n for n, _ in model.named_parameters()
-                                          if n.startswith(name.rsplit(".experts", 1)[0] + ".")):
-        raise ValueError(f"LoRA on the expert weights or the router of {name.split('.experts')[0]} (PEFT "
-                         "target_parameters, or v4 names gate_proj/up_proj/down_proj/gate mapped onto them) is "
-                         "not supported with expert_parallel_size > 1 or tensor parallel: target the attention "
-                         "and dense linears only (lora_target_modules: [q_proj, k_proj, v_proj, o_proj], or "
-                         "lora_target_linear: true, which on MoE models means the nn.Linear layers)")
     if not grouped_gemm_ready(module):
         raise ValueError(f"{name} ({type(module).__name__}) does not use transformers' experts implementations "
                          "(use_experts_implementation), which expert parallel runs its local experts with: "

@@ -99,6 +99,9 @@ class TrainConfig(_Strict):
     dp_shard_size: int = 1
     tensor_parallel_size: int = Field(1, validation_alias=AliasChoices("tensor_parallel_size", "tp_size"))
     context_parallel_size: int = Field(1, validation_alias=AliasChoices("context_parallel_size", "cp_size"))
+    expert_parallel_size: int = Field(1, validation_alias=AliasChoices("expert_parallel_size", "ep_size"))
+    """Mixture-of-experts models: experts split over this many ranks (Axolotl's name); carved out
+    of dp_shard × cp × tp, adds no rank (docs/moe.md)."""
     fsdp_config: FSDPConfig = Field(default_factory=FSDPConfig)
     fsdp_version: int = 2
     """Only FSDP2 (per-parameter sharding on the DeviceMesh) exists here."""
@@ -222,6 +225,7 @@ class TrainConfig(_Strict):
 
     @field_validator(
         "dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size",
+        "expert_parallel_size",
     )
     @classmethod
     def _degree(cls, v: int, info) -> int:
@@ -295,6 +299,7 @@ class TrainConfig(_Strict):
         return ParallelismConfig(
             dp_replicate_size=self.dp_replicate_size, dp_shard_size=self.dp_shard_size,
             tp_size=self.tensor_parallel_size, cp_size=self.context_parallel_size,
+            ep_size=self.expert_parallel_size,
         )
 
     def fsdp_options(self) -> FSDPOptions:
