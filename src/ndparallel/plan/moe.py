@@ -20,13 +20,12 @@ of them. Notation: T local tokens of a micro-batch (b·s/cp), t = tp, e activati
   dispatched rows, the expert intermediates and the weighted outputs, plus 8·E for the router's
   fp32 probabilities and the logits the load-balancing loss keeps (+ the shared MLP's 4·e·s/t).
 Load imbalance is not modelled: real routing sends more rows to some ranks than to others.
+``model`` is a ``plan.models.ModelSpec``, ``layout`` a ``ParallelDims``, ``s`` the ``Settings``.
 """
 
 from __future__ import annotations
 
 import math
-
-from ndparallel.plan.layout import Layout, Settings
 
 
 def expert_params(model) -> int:
@@ -40,7 +39,7 @@ def active_matmul_params_per_layer(model) -> int:
     return model.top_k * 3 * h * model.moe_intermediate + model.num_experts * h + 3 * h * model.shared_intermediate
 
 
-def expert_unit_numels(model, layout: Layout) -> tuple[int, int]:
+def expert_unit_numels(model, layout) -> tuple[int, int]:
     """(this rank's experts unsharded, its FSDP shard) of ONE layer's expert unit, in elements:
     E/ep experts, sharded over efsdp on dim 0 (dim 1 when fewer local experts than efsdp ranks;
     either way the shard is the local count / efsdp, rounded up)."""
@@ -48,24 +47,24 @@ def expert_unit_numels(model, layout: Layout) -> tuple[int, int]:
     return local, math.ceil(local / layout.efsdp)
 
 
-def routed_rows(model, layout: Layout, tokens: float) -> float:
+def routed_rows(model, layout, tokens: float) -> float:
     """(token, expert) rows one rank's experts compute per MoE layer (balanced routing)."""
     return tokens * model.top_k / layout.tp
 
 
-def activation_bytes_per_token(model, layout: Layout, s: Settings) -> float:
+def activation_bytes_per_token(model, layout, s) -> float:
     """What one MoE layer's experts, router and shared MLP keep for backward per local token."""
     e, t, h = s.act_bytes, layout.tp, model.hidden
     return (model.top_k / t) * e * (3 * h + 4 * model.moe_intermediate) + 8 * model.num_experts \
         + 4 * e * model.shared_intermediate / t
 
 
-def workspace_per_token(model, layout: Layout, s: Settings) -> float:
+def workspace_per_token(model, layout, s) -> float:
     """Gradients alive at once in the experts' backward per local token (gate, up, product)."""
     return 3 * s.act_bytes * model.moe_intermediate * model.top_k / layout.tp
 
 
-def gemms(model, layout: Layout, s: Settings, tokens: int, gemm: type, recompute: bool) -> list:
+def gemms(model, layout, s, tokens: int, gemm: type, recompute: bool) -> list:
     """The grouped GEMMs of one micro-batch's MoE layers (router and shared MLP included), as
     ``gemm`` (``plan.gemm.Gemm``) rows: fwd, dgrad, and wgrad unless LoRA freezes the base."""
     h, i, L = model.hidden, model.moe_intermediate, model.layers
@@ -86,7 +85,7 @@ def gemms(model, layout: Layout, s: Settings, tokens: int, gemm: type, recompute
     return out
 
 
-def elementwise_bytes_per_token(model, layout: Layout, s: Settings) -> tuple[float, float]:
+def elementwise_bytes_per_token(model, layout, s) -> tuple[float, float]:
     """(forward, backward) bytes per local token of the dispatch and combine copies (gather by
     expert, the two exchanged buffers, the un-permute, the weighting: ~5 passes over k·h values
     forward, as many backward), SwiGLU over k·I, and the router's softmax/top-k over E."""
@@ -97,7 +96,7 @@ def elementwise_bytes_per_token(model, layout: Layout, s: Settings) -> tuple[flo
     return fwd, bwd
 
 
-def collectives(model, layout: Layout, s: Settings, tokens: int, ga: int, collective: type) -> list:
+def collectives(model, layout, s, tokens: int, ga: int, collective: type) -> list:
     """The expert-parallel exchanges of one optimizer step (see the module doc), as ``collective``
     (``plan.comms.Collective``) rows."""
     L, e = model.layers, s.act_bytes
