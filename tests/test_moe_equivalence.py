@@ -64,6 +64,37 @@ def test_moe_layout_equals_one_process(case):
     _check(setup, world, layout, **kwargs)
 
 
+_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+             max_position_embeddings=512, tie_word_embeddings=False)
+FAMILIES = {  # (model_type, fields, world, layout)
+    # shared experts (a dense MLP + gate in the MoE block, replicated over tp)
+    "qwen2_moe": ("qwen2_moe", dict(intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                    num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                    router_aux_loss_coef=0.5), 2, {"tp_size": 2, "ep_size": 2}),
+    # transposed expert weights with biases and its own gate activation
+    "gpt_oss": ("gpt_oss", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                                sliding_window=16, output_router_logits=True, router_aux_loss_coef=0.5), 2,
+                {"dp_shard_size": 2, "ep_size": 2}),
+    # no load-balancing loss; a dense first layer; MLA attention; a router buffer under TP
+    "deepseek_v3": ("deepseek_v3", dict(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4,
+                                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                                        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                        v_head_dim=16, n_group=1, topk_group=1), 2, {"tp_size": 2, "ep_size": 2}),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_other_moe_families(family):
+    from transformers import AutoConfig
+
+    model_type, fields, world, layout = FAMILIES[family]
+    setup = dataclasses.replace(QWEN, model_config=AutoConfig.for_model(model_type, **_TINY, **fields), steps=2)
+    got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=400)[0]
+    diff = compare(_reference(setup), got)
+    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= PARAM_ATOL, diff
+    assert diff.get("aux_rel", 0.0) <= RTOL and (got.aux_losses is None) == (family == "deepseek_v3")
+
+
 def test_ep_with_accumulation_and_checkpointing():
     setup = dataclasses.replace(QWEN, grad_accum=2)
     _check(setup, 2, {"dp_shard_size": 2, "ep_size": 2}, fsdp_options=FSDPOptions(activation_checkpointing=True))

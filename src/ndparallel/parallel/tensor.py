@@ -200,7 +200,7 @@ def _replicate_the_rest(model: nn.Module, styles: dict[str, ParallelStyle], bloc
         if f"{name}.".startswith(experts):  # split off by parallel/expert.py, sharded by FSDP
             continue
         if name.startswith(moe_blocks):
-            styles[name] = ReplicateParallel(moe_input)
+            styles[name] = ReplicateParallel(moe_input, buffers=True)
             continue
         if any(n.startswith(name + ".") for n in styles) or (sp and name in blocks):
             raise TPPlanError(
