@@ -22,6 +22,9 @@ def shrink_config(hf_config, tp_size: int, cp_size: int):
     c.head_dim = head_dim
     c.hidden_size = new_heads * head_dim
     c.intermediate_size = 2 * c.hidden_size
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE: experts stay as many
+        if getattr(c, key, None):
+            setattr(c, key, c.hidden_size)
     c.num_hidden_layers = 2
     c.vocab_size = 128 * tp_size
     c.max_position_embeddings = max(256, 32 * cp_size)

@@ -85,6 +85,10 @@ class TrainConfig(_Strict):
     tokenizer_vocab_size: _int(259) = 1024
     """Vocabulary of the built-in BPE tokenizer (presets only)."""
     trust_remote_code: bool = False
+    overrides_of_model_config: dict[str, Any] | None = None
+    """Axolotl's field: set on the model's config before it is built, e.g. ``{output_router_logits:
+    true, router_aux_loss_coef: 0.001}`` to train a mixture-of-experts model with its routers'
+    load-balancing loss (docs/moe.md)."""
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"] | None = None
     """Attention kernel (default sdpa); one this machine lacks (e.g. flash_attention_2 on CPU) falls back
     to sdpa with one warning line. Under CP, ndparallel's own attention is used."""

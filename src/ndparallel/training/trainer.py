@@ -150,7 +150,8 @@ class Trainer:
         dtype = torch.bfloat16 if adapter is not None and cfg.bf16 else torch.float32
         model = engine.build_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
                                adapter=adapter, adapter_weights=cfg.lora_model_dir or None, vocab_size=grown,
-                               dtype=dtype, attn_implementation=kernel)
+                               dtype=dtype, attn_implementation=kernel,
+                               config_overrides=cfg.overrides_of_model_config)
         if getattr(model, "config", None) is not None:
             model.config.use_cache = False
         return model
@@ -188,7 +189,7 @@ class Trainer:
         self.state.step += 1
         self.state.samples_seen += self.loader.global_micro_batch * cfg.gradient_accumulation_steps
         return {"loss": out.loss, "grad_norm": out.grad_norm, "lr": self.scheduler.get_last_lr()[0],
-                "tokens": out.tokens}
+                "tokens": out.tokens, "aux_loss": out.aux_loss}
 
     def log(self, step_out: dict) -> dict | None:
         """On logging steps (every ``logging_steps``, the first and the last): read the loss and
@@ -200,6 +201,8 @@ class Trainer:
         loss = step_out["loss"]  # already the global mean (reduced in train_step)
         metrics = {"step": step, "loss": float(loss), "lr": step_out["lr"],
                    "grad_norm": float(step_out["grad_norm"])}
+        if step_out.get("aux_loss") is not None:  # an MoE model's load-balancing loss (in "loss")
+            metrics["aux_loss"] = float(step_out["aux_loss"])
         now = time.perf_counter()
         dt = (now - self._log_time) / max(1, step - self._log_step)
         self._log_time, self._log_step = now, step
