@@ -1,6 +1,5 @@
 """The files of a Hugging Face model directory besides the weights: ``config.json``, a copied
-``generation_config.json``, the tokenizer; and the keys the weights are stored under
-(``saved_tensors``). Shared by every export (full, adapter, merged)."""
+``generation_config.json``, the tokenizer. Shared by every export (full, adapter, merged)."""
 
 from __future__ import annotations
 
@@ -22,24 +21,6 @@ def write_hf_config(model_or_config: Any, directory: Path, dtype: torch.dtype | 
     if dtype is not None:
         config.dtype = dtype
     config.save_pretrained(directory)
-
-
-def saved_tensors(model: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """What transformers' ``save_pretrained`` writes for the model tensor ``name``: the model's key
-    conversion reversed (``transformers.core_model_loading.revert_weight_conversion``). Most tensors
-    keep their name; a mixture-of-experts model's fused expert weights (``experts.gate_up_proj``)
-    become the per-expert tensors of its published checkpoints (``experts.0.gate_proj.weight`` ...;
-    Mixtral's ``block_sparse_moe.experts.0.w1.weight`` ...), which transformers fuses again on load.
-    One tensor at a time: the pieces are copies, so the full tensor can be freed."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # transformers < 5: no key conversion
-        return [(name, tensor)]
-    out = revert_weight_conversion(model, {name: tensor})
-    if len(out) == 1 and name in out:
-        return [(name, tensor)]
-    return [(k, v.clone() if v._base is not None or v.data_ptr() == tensor.data_ptr() else v)
-            for k, v in out.items()]
 
 
 def copy_generation_config(source_dir: Path, directory: Path) -> None:

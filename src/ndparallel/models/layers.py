@@ -28,6 +28,31 @@ def decoder_layers(model: nn.Module, override: tuple[str, ...] | None = None) ->
     return layers
 
 
+def decoder_module_name(model: nn.Module) -> str | None:
+    """Name of the module that runs the decoder layers (holds them in a ``ModuleList``): ``model``
+    for Llama and Llama 4, ``gpt_neox`` for GPT-NeoX, ``transformer`` for Falcon; ``""`` when that
+    is ``model`` itself; None when no ``ModuleList`` of decoder layers is found. Found from the
+    module tree, not ``base_model_prefix`` (Llama 4's says ``language_model``; the decoder is at
+    ``model``)."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    fallback = None
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if not isinstance(child, nn.ModuleList) or len(child) == 0:
+                continue
+            if type(child[0]).__name__ in classes:
+                return name
+            if fallback is None and child_name in ("layers", "h", "blocks"):
+                fallback = name
+    return fallback
+
+
+def decoder_module(model: nn.Module) -> nn.Module | None:
+    """The module that runs the decoder layers (``decoder_module_name``)."""
+    name = decoder_module_name(model)
+    return None if name is None else model.get_submodule(name)
+
+
 def embedding_modules(model: nn.Module) -> list[nn.Module]:
     """The input embedding module(s)."""
     get = getattr(model, "get_input_embeddings", None)
@@ -46,4 +71,31 @@ def output_modules(model: nn.Module) -> list[nn.Module]:
     head = get() if get else None
     if head is not None:
         out.append(head)
+    return out
+
+
+def outer_decoder_layers(model: nn.Module, override: tuple[str, ...] | None = None) -> list[nn.Module]:
+    """``decoder_layers`` without the blocks listed inside another one (a ``layer_classes`` that
+    also names a sub-block, e.g. the MLP, to shard it separately)."""
+    layers = decoder_layers(model, override)
+    nested = {id(m) for layer in layers for m in layer.modules() if m is not layer}
+    return [layer for layer in layers if id(layer) not in nested]
+
+
+_MOE_CHILDREN = ("experts", "router", "shared_expert", "shared_experts")
+
+
+def dense_mlps(model: nn.Module, override: tuple[str, ...] | None = None) -> list[nn.Module]:
+    """The dense feed-forward block (``mlp``) of every decoder layer, in model order; ValueError
+    naming the layer class when a layer has none or a mixture-of-experts block."""
+    out = []
+    for layer in outer_decoder_layers(model, override):
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            raise ValueError(f"{type(layer).__name__} has no `mlp` feed-forward block: tiled_mlp supports "
+                             "decoder layers with a dense `mlp` (Llama, Qwen, Mistral, ...); turn it off")
+        if any(name in _MOE_CHILDREN for name, _ in mlp.named_children()):
+            raise ValueError(f"{type(mlp).__name__} is a mixture-of-experts block: tiled_mlp supports dense "
+                             "MLPs only; turn it off for this model")
+        out.append(mlp)
     return out

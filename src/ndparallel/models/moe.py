@@ -58,6 +58,13 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if is_experts_module(m)]
 
 
+def moe_prefixes(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(experts modules, MoE blocks = the experts' parents) as name prefixes ending in ``.``: what
+    tensor parallel leaves to expert parallel (experts) and replicates (the rest of the block)."""
+    experts = tuple(f"{n}." for n, _ in experts_modules(model))
+    return experts, tuple(e.rsplit(".", 2)[0] + "." for e in experts)
+
+
 def grouped_gemm_ready(module: nn.Module) -> bool:
     """Whether the experts class runs through transformers' experts implementations (the
     grouped-GEMM forward reads ``has_gate``, ``is_transposed``, ``has_bias`` ... from it)."""

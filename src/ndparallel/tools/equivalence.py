@@ -49,6 +49,9 @@ class TrainSetup:
     attention crosses document starts; "wrong-expert-rank" sends every token of a mixture-of-experts
     layer to the next expert-parallel rank (``parallel.expert.set_misroute``)."""
     adapter: dict | None = None  # LoRA: ``ndparallel.models.adapters.lora_config`` kwargs (r, alpha, ...)
+    model_dir: str | None = None
+    """A saved model (``save_pretrained``) both runs load with ``Engine.build_model`` (sharded,
+    transformers' key conversion) instead of building ``model_config`` from the seed."""
 
 
 @dataclass
@@ -131,7 +134,7 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
     from ndparallel.engine import Engine, train_step
 
     engine = Engine(ParallelismConfig(**(layout or {})), strategy_options(setup))
-    model = engine.parallelize(build_model(setup))
+    model = engine.build_model(setup.model_dir) if setup.model_dir else engine.parallelize(build_model(setup))
     if setup.fault == "wrong-expert-rank":
         from ndparallel.parallel.expert import set_misroute
 

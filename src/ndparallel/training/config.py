@@ -90,8 +90,9 @@ class TrainConfig(_Strict):
     true, router_aux_loss_coef: 0.001}`` to train a mixture-of-experts model with its routers'
     load-balancing loss (docs/moe.md)."""
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"] | None = None
-    """Attention kernel (default sdpa); one this machine lacks (e.g. flash_attention_2 on CPU) falls back
-    to sdpa with one warning line. Under CP, ndparallel's own attention is used."""
+    """Attention kernel (default: the family's own, sdpa where transformers supports it, else eager);
+    one this machine lacks (e.g. flash_attention_2 on CPU) falls back to sdpa with one warning line.
+    Under CP (and TP with sequence_parallel), ndparallel's own attention is used."""
     flash_attention: bool | None = None
     """Axolotl's switch: true = attn_implementation: flash_attention_2."""
     sdp_attention: bool | None = None
@@ -130,6 +131,16 @@ class TrainConfig(_Strict):
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     fp8_emulate: bool = False
     """Emulate float8 matmuls in high precision (any device; testing only)."""
+    # long context (Axolotl's names; docs/long_context.md)
+    tiled_mlp: bool = False
+    """Run each decoder MLP over sequence tiles, recomputing a tile in backward: its tokens ×
+    intermediate activations never exist whole."""
+    tiled_mlp_num_shards: _int(1) | None = None
+    """Tiles per MLP call; default: ceil(local tokens / hidden size)."""
+    activation_offloading: bool = False
+    """With fsdp_config.activation_checkpointing: each layer's checkpointed input goes to pinned host
+    memory in the forward and comes back, one layer ahead, for its backward (side CUDA stream).
+    'hidden_states' (Axolotl's mode offloading the checkpointed hidden states) is the same."""
     # adapter (LoRA through PEFT; Axolotl's names)
     adapter: Literal["lora"] | None = None
     """'lora': train LoRA adapters on the frozen base model (needs peft: pip install
@@ -267,9 +278,25 @@ class TrainConfig(_Strict):
                     raise ValueError(f"'{flag}: true' and 'attn_implementation: {self.attn_implementation}' "
                                      "disagree; keep one")
                 self.attn_implementation = impl
+        if self.activation_offloading and not self.fsdp_config.activation_checkpointing:
+            raise ValueError("activation_offloading offloads what activation checkpointing keeps: set "
+                             "fsdp_config.activation_checkpointing: true, or remove activation_offloading")
+        if self.tiled_mlp_num_shards is not None and not self.tiled_mlp:
+            raise ValueError("tiled_mlp_num_shards is set but tiled_mlp is not: set tiled_mlp: true, or "
+                             "remove tiled_mlp_num_shards")
         if self.plugins and "chunked_loss" in type(self).model_fields and getattr(self, "chunked_loss", None) is None:
             self.chunked_loss = True  # CutCrossEntropyPlugin = the memory-efficient loss
         return self
+
+    @field_validator("activation_offloading", mode="before")
+    @classmethod
+    def _offload_mode(cls, v):
+        if v == "hidden_states":
+            return True
+        if isinstance(v, str) and v.lower() in ("legacy", "disk", "offload", "offload_disk"):
+            raise ValueError(f"{v!r} is not supported: ndparallel offloads the checkpointed hidden states to "
+                             "pinned host memory on a side stream; use true (or hidden_states)")
+        return v
 
     @field_validator("adapter", mode="before")
     @classmethod
@@ -313,6 +340,8 @@ class TrainConfig(_Strict):
             activation_checkpointing=f.activation_checkpointing,
             unsharded_grad_accumulation=f.unsharded_grad_accumulation,
             layer_classes=tuple(f.layer_classes) if f.layer_classes else None,
+            activation_offloading=bool(self.activation_offloading), tiled_mlp=self.tiled_mlp,
+            tiled_mlp_num_shards=self.tiled_mlp_num_shards,
         )
 
     def tp_options(self) -> TPOptions:

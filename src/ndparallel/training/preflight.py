@@ -19,6 +19,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     from ndparallel.layout.config import ParallelismConfigError
     from ndparallel.training.model_check import (
         check_adapter,
+        check_memory_options,
         check_model,
         resolve_model_config,
     )
@@ -31,6 +32,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     check_model(cfg, hf)
     _check_experts(cfg, pc.dims, hf)
     check_adapter(cfg, hf, pc.tp_size)
+    check_memory_options(cfg, hf)
     if check_local:
         tokenizer = check_local_inputs(cfg, check_output=check_output)
         _check_added_tokens(cfg, tokenizer, hf)
@@ -47,6 +49,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_sequence_len(cfg, pc.dims)
+    _check_family_layout(cfg, pc, hf)
     _check_fp8(cfg)
     return pc, hf
 
@@ -64,6 +67,20 @@ def _check_experts(cfg: TrainConfig, dims, hf) -> None:
         fits = [d for d in range(1, experts + 1) if experts % d == 0 and dims.ep_problem() is None]
         raise ConfigError(f"expert_parallel_size={dims.ep} does not divide the {experts} experts of "
                           f"base_model={cfg.base_model!r}: use one of {fits[:8]}")
+
+
+def _check_family_layout(cfg: TrainConfig, pc, hf) -> None:
+    """What the model family cannot run under the layout (``parallel.support``), on a meta model."""
+    if not (pc.tp_enabled or pc.cp_enabled):
+        return
+    from ndparallel.parallel.support import layout_problem
+    from ndparallel.training.model_check import meta_model
+
+    tp = cfg.tp_options()
+    problem = layout_problem(meta_model(cfg, hf), tp_size=pc.tp_size, cp_size=pc.cp_size,
+                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_sequence_len(cfg: TrainConfig, dims) -> None:
@@ -249,6 +266,8 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         f"speed        : chunked loss {_auto(cfg.chunked_loss)}, compile {'on' if cfg.compile else 'off'}"
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
+        *([f"tp plan      : {_tp_plan_summary(cfg, hf)}"] if pc.tp_enabled else []),
+        *([f"long context : {_long_context(cfg, pc, hf)}"] if cfg.tiled_mlp or cfg.activation_offloading else []),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
         f"({cfg.lr_scheduler}, warmup "
         f"{cfg.warmup_steps if cfg.warmup_ratio is None else f'ratio {cfg.warmup_ratio:g}'})",
@@ -276,6 +295,37 @@ def _experts_lines(pc, hf) -> list[str]:
     aux = getattr(hf, "router_aux_loss_coef", None) if getattr(hf, "output_router_logits", False) else None
     return [f"experts      : {experts} per MoE layer, top-{top_k}; {where}; load-balancing loss "
             + (f"× {aux} (global over the micro-batch)" if aux is not None else "off (output_router_logits)")]
+
+
+def _tp_plan_summary(cfg: TrainConfig, hf) -> str:
+    """How many plan entries shard which modules, and the entries that match none (dropped)."""
+    from ndparallel.models.tp_plans import match_plan, resolve_tp_plan, unmatched_keys
+    from ndparallel.training.model_check import meta_model
+
+    model = meta_model(cfg, hf)
+    plan = resolve_tp_plan(model, cfg.tp_plan)
+    dropped = unmatched_keys(model, plan)
+    return (f"{len(plan)} entries ({'tp_plan' if cfg.tp_plan else 'the model' + chr(39) + 's own'}) on "
+            f"{len(match_plan(model, plan, strict=False))} modules"
+            + (f"; matching no module (dropped): {dropped}" if dropped else ""))
+
+
+def _long_context(cfg: TrainConfig, pc, hf) -> str:
+    """The memory options and what they hold per rank (docs/long_context.md)."""
+    import math
+
+    tokens = cfg.micro_batch_size * cfg.sequence_len // pc.cp_size
+    parts = []
+    if cfg.tiled_mlp:
+        row = cfg.sequence_len // pc.cp_size // (pc.tp_size if cfg.sequence_parallel else 1)
+        tiles = min(row, cfg.tiled_mlp_num_shards or math.ceil(row / hf.hidden_size))
+        parts.append(f"tiled MLP ({tiles} tiles of ≤ {math.ceil(row / tiles)} tokens per row)")
+    if cfg.activation_offloading:
+        per_layer = tokens * hf.hidden_size * (2 if cfg.bf16 else 4)
+        per_layer //= pc.tp_size if cfg.sequence_parallel else 1
+        parts.append(f"activation offloading ({hf.num_hidden_layers} checkpointed layer inputs, "
+                     f"{hf.num_hidden_layers * per_layer / 2**30:.2f} GiB of pinned host memory per rank)")
+    return ", ".join(parts)
 
 
 def _data_mode(cfg: TrainConfig) -> str:
