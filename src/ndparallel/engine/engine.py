@@ -132,11 +132,7 @@ class Engine:
             options = dataclasses.replace(options, tp=tp)
         from ndparallel.models.moe import experts_modules
 
-        moe = bool(experts_modules(base_model_of(model)))
-        if self.dims.ep_enabled and not moe:
-            from ndparallel.parallel.expert import check_expert_parallel
-
-            check_expert_parallel(base_model_of(model), self.dims.ep)  # raises: no experts to split
+        moe = bool(experts_modules(base_model_of(model)))  # split over ep (or off tp): expert mesh
         expert_mesh = self.expert_mesh if self.dims.experts_split(moe) else None
         model = parallelize_model(model, self.mesh, self.dims, options, self.device, expert_mesh=expert_mesh)
         self._loss_parallel[model] = self.dims.tp_enabled and bool(options.tp.loss_parallel)

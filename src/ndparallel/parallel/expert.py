@@ -78,9 +78,10 @@ def check_expert_parallel(model: nn.Module, ep_size: int) -> None:
                          "layers (no experts module with 3-D expert weights); set expert_parallel_size: 1")
     name, module = experts[0]
     if not grouped_gemm_ready(module):
-        raise ValueError(f"{name} ({type(module).__name__}) does not use transformers' experts implementations "
-                         "(use_experts_implementation), which expert parallel runs its local experts with: "
-                         "this model family is not supported with expert_parallel_size > 1 or tensor parallel")
+        raise ValueError(f"{type(model).__name__}'s experts ({type(module).__name__}) do not run through "
+                         "transformers' experts implementations (use_experts_implementation), with which "
+                         "ndparallel splits experts off (expert parallel; under TP experts are not sharded): "
+                         "train this model without tensor_parallel_size / expert_parallel_size")
     if module.num_experts % ep_size:
         raise ValueError(f"{type(model).__name__} has {module.num_experts} experts per layer, not divisible by "
                          f"expert_parallel_size={ep_size}: use a divisor of {module.num_experts}")

@@ -113,7 +113,8 @@ def _check_layout(model: nn.Module, dims: ParallelDims, tp) -> None:
 
     made_tp = dims.tp > 1 and is_tensor_parallel(model)  # by transformers: its own plan applied
     problem = layout_problem(model, tp_size=1 if made_tp else dims.tp, cp_size=dims.cp,
-                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan, probe_attention=False)
+                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan, probe_attention=False,
+                             ep_size=dims.ep)
     if problem:
         raise ValueError(problem)
 

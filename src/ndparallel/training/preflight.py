@@ -71,14 +71,14 @@ def _check_experts(cfg: TrainConfig, dims, hf) -> None:
 
 def _check_family_layout(cfg: TrainConfig, pc, hf) -> None:
     """What the model family cannot run under the layout (``parallel.support``), on a meta model."""
-    if not (pc.tp_enabled or pc.cp_enabled):
+    if not (pc.tp_enabled or pc.cp_enabled or pc.ep_enabled):
         return
     from ndparallel.parallel.support import layout_problem
     from ndparallel.training.model_check import meta_model
 
     tp = cfg.tp_options()
     problem = layout_problem(meta_model(cfg, hf), tp_size=pc.tp_size, cp_size=pc.cp_size,
-                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan)
+                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan, ep_size=pc.ep_size)
     if problem:
         raise ConfigError(problem)
 
