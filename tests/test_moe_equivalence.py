@@ -136,6 +136,17 @@ def test_checkpoint_of_ep2_fsdp2_resumes_under_fsdp4(tmp_path):
     assert abs(res["losses"][3] - ref["losses"][3]) <= RTOL * ref["losses"][3]
 
 
+def test_published_layout_checkpoint_loads_under_ep(tmp_path):
+    """A model saved by transformers (one tensor per expert on disk) read straight into EP 4 × TP 2 ×
+    FSDP 2 shards (transformers' key conversion on the sharded load) trains as one process does."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(QWEN.model_config).save_pretrained(tmp_path / "saved")
+    setup = dataclasses.replace(QWEN, model_dir=str(tmp_path / "saved"), steps=2)
+    _check(setup, 4, {"dp_shard_size": 2, "tp_size": 2, "ep_size": 4})
+
+
 def _export(out: str) -> None:
     from ndparallel import ParallelismConfig
     from ndparallel.checkpoint.export import save_hf_model
