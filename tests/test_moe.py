@@ -65,6 +65,14 @@ def test_yaml_and_prelaunch_checks():
     pc, hf = validate_layout(cfg, 4, check_local=False)
     assert pc.ep_size == 2 and pc.dims.efsdp == 2
     assert "split over ep=2 (4 per rank" in describe_plan(cfg, pc, hf)
+    # Axolotl's overrides_of_model_config reaches the checks and the model the ranks build
+    from ndparallel.training.build import model_config
+
+    tuned = TrainConfig.model_validate({**base, "base_model": "tiny-mixtral", "expert_parallel_size": 2,
+                                        "overrides_of_model_config": {"router_aux_loss_coef": 0.25}})
+    pc, hf = validate_layout(tuned, 4, check_local=False)
+    assert "load-balancing loss × 0.25" in describe_plan(tuned, pc, hf)
+    assert model_config(tuned).router_aux_loss_coef == 0.25
     with pytest.raises(ConfigError, match="not a mixture-of-experts model"):
         validate_layout(TrainConfig.model_validate({**base, "base_model": "tiny-llama", "ep_size": 2}), 4,
                         check_local=False)
@@ -142,3 +150,32 @@ def test_planner_all_to_all_bytes():
     assert experts == []  # ep = dp_shard·cp·tp: efsdp = 1, each rank holds its experts whole
     fsdp_only = predict_collectives(m, ParallelDims(dp_shard=8), seq_len=4096)
     assert {c.mesh_dim for c in fsdp_only if "(experts)" in c.what} == {"efsdp"}
+
+
+def _ep_collectives():
+    """One EP 2 step of tiny-qwen3-moe (no aux loss), its collectives counted per mesh dim."""
+    from ndparallel import ParallelismConfig
+    from ndparallel.engine import Engine, forward_backward
+    from ndparallel.runtime.comm_profile import CommProfiler
+
+    engine = Engine(ParallelismConfig(dp_shard_size=2, ep_size=2))
+    model = engine.build_model(preset_config("tiny-qwen3-moe", output_router_logits=False))
+    ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(engine.rank))
+    batch = {"input_ids": ids, "shift_labels": ids, "position_ids": torch.arange(32).unsqueeze(0)}
+    with CommProfiler(engine.mesh, engine.built_expert_mesh) as prof:
+        forward_backward(engine, model, [batch])
+        prof.step()
+    return [(r.dim, r.op, r.count) for r in prof.summary() if r.dim == "ep"]
+
+
+def test_all_to_all_calls_as_the_planner_predicts():
+    """The runtime's all-to-alls on ``ep`` per micro-batch (split sizes + dispatch/combine, forward
+    and backward, per MoE layer) = the planner's counts for the same model and layout."""
+    from ndparallel.plan.comms import predict_collectives
+    from ndparallel.plan.models import from_hf_config
+
+    got = {op: n for _dim, op, n in run_on_ranks(_ep_collectives, 2)[0]}
+    spec = from_hf_config(preset_config("tiny-qwen3-moe").to_dict(), "tiny-qwen3-moe")
+    predicted = sum(c.count for c in predict_collectives(spec, ParallelDims(dp_shard=2, ep=2), seq_len=32)
+                    if c.mesh_dim == "ep")
+    assert got == {"all_to_all": predicted} and predicted == 5 * spec.layers

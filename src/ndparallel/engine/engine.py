@@ -88,6 +88,11 @@ class Engine:
                                                   datetime.timedelta(seconds=self.info.timeout_s))
         return self._expert_mesh
 
+    @property
+    def built_expert_mesh(self):
+        """The expert mesh if a model needed it (else None; nothing is built)."""
+        return self._expert_mesh
+
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.submesh(dim).get_group()
 

@@ -325,7 +325,7 @@ class Trainer:
         if self.profile_comm:  # the first two steps (lazy init, then a steady step) are recorded
             from ndparallel.runtime.comm_profile import CommProfiler
 
-            self.profiler = CommProfiler(engine.mesh)
+            self.profiler = CommProfiler(engine.mesh, engine.built_expert_mesh)
             self.profiler.__enter__()
 
 
