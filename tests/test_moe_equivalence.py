@@ -95,6 +95,20 @@ def test_other_moe_families(family):
     assert diff.get("aux_rel", 0.0) <= RTOL and (got.aux_losses is None) == (family == "deepseek_v3")
 
 
+def test_gpt_oss_under_tp_is_refused_before_sharding():
+    from transformers import AutoConfig
+
+    from ndparallel.parallel.support import layout_problem
+
+    _, fields, _, _ = FAMILIES["gpt_oss"]
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt_oss", **_TINY, **fields))
+    assert layout_problem(model, tp_size=2, probe_attention=False).startswith("tensor_parallel_size=2")
+    assert layout_problem(model, ep_size=2, probe_attention=False) is None  # EP alone runs (tested above)
+
+
 def test_ep_with_accumulation_and_checkpointing():
     setup = dataclasses.replace(QWEN, grad_accum=2)
     _check(setup, 2, {"dp_shard_size": 2, "ep_size": 2}, fsdp_options=FSDPOptions(activation_checkpointing=True))
