@@ -125,8 +125,8 @@ def _shard_over_ep(module: nn.Module, ep_mesh: DeviceMesh) -> None:
             local = param.data.chunk(ep_mesh.size(), dim=0)[ep_mesh.get_local_rank()]
             data = DTensor.from_local(torch.empty_like(local, device="meta"), ep_mesh, [Shard(0)], run_check=False,
                                       shape=param.shape, stride=param.stride())
-        else:  # every rank built the same weights (seeded): slice, no communication
-            data = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+        else:  # rank 0 of the ep group scatters its experts: ranks agree even if initialised apart
+            data = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=0)
         module.register_parameter(name, nn.Parameter(data, requires_grad=param.requires_grad))
 
 
@@ -194,7 +194,8 @@ def _dispatch_compute_combine(module: nn.Module, route: ExpertRoute, hidden: tor
     if route.ep_mesh is None:
         out = _local_experts_forward(module, route, sent, experts[order])
     else:
-        counts = torch.bincount(experts, minlength=route.num_experts).view(route.ep_size, route.local_experts)
+        counts = torch.zeros(route.num_experts, dtype=torch.long, device=experts.device).scatter_add_(
+            0, experts, torch.ones_like(experts)).view(route.ep_size, route.local_experts)  # no host sync
         out = _exchange(module, route, sent, counts)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
