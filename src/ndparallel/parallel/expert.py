@@ -207,8 +207,10 @@ def _exchange(module: nn.Module, route: ExpertRoute, sent: torch.Tensor, counts:
     """Dispatch ``sent`` (rows sorted by global expert; ``counts[r, e]`` rows for expert e of rank r)
     over ``ep``, run the local experts on what arrives, and return their outputs in ``sent``'s order."""
     group = route.ep_mesh.get_group()
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)  # counts per (source rank, local expert)
+    # counts per (source rank, local expert). Starting from our own counts: a backend that moves no
+    # data (torch's fake process group, a simulated rank) then sends as many rows as it receives.
+    received = counts.clone()
+    dist.all_to_all_single(received, counts, group=group)
     send_sizes, recv_sizes = torch.stack([counts.sum(dim=1), received.sum(dim=1)]).tolist()  # host read
     tokens = _AllToAll.apply(sent, recv_sizes, send_sizes, group)
     local_ids = torch.arange(route.local_experts, device=sent.device).repeat(route.ep_size)
