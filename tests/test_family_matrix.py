@@ -48,7 +48,8 @@ LAYOUTS = {  # name -> (ParallelismConfig kwargs, YAML fields of the same layout
 SEQ = 32
 TOL, PARAM_TOL = 1e-5, 1e-6
 REASONS = [  # a refusal's one line -> its short name in the docs
-    ("does not apply (mixture-of-experts", "MoE experts are not tensor-parallel yet"),
+    ("transformers' experts implementations", "its MoE experts cannot be split off"),
+    ("shards nothing in its attention", "its TP plan leaves the attention out"),
     ("has no tensor-parallel plan", "no TP plan in transformers"),
     ("AttentionInterface", "its attention bypasses AttentionInterface"),
 ]
@@ -175,8 +176,9 @@ def test_docs_list_the_matrix(saved):
 
 def test_refused_cell_is_refused_on_the_ranks_too(saved):
     """The Python API refuses the same cells (one ValueError, before any sharding), e.g. a
-    mixture-of-experts model under TP and a family without a TP plan."""
-    setups = {name: _setup(saved[name], {}) for name in ("Mixtral", "StableLM")}
+    mixture-of-experts model whose experts cannot be split off (Llama 4) under TP and a family
+    without a TP plan."""
+    setups = {name: _setup(saved[name], {}) for name in ("Llama 4", "StableLM")}
     got = run_on_ranks(train_families, 2, setups, {"tp_size": 2}, timeout_s=300)[0]
-    assert got["Mixtral"].startswith("ValueError: tensor_parallel_size=2") and "experts" in got["Mixtral"]
+    assert got["Llama 4"].startswith("ValueError: tensor_parallel_size=2") and "experts" in got["Llama 4"]
     assert "no tensor-parallel plan" in got["StableLM"]

@@ -27,7 +27,10 @@ def _save(tmp_path, cls: str, **fields) -> str:
 @pytest.mark.parametrize("cls, layout, fragments", [
     ("FalconConfig", ["context_parallel_size=2"], ["context_parallel_size=2", "AttentionInterface"]),
     ("StableLmConfig", ["tensor_parallel_size=2"], ["tensor_parallel_size=2", "no tensor-parallel plan"]),
-    ("MixtralConfig", ["tensor_parallel_size=2"], ["experts", "moe_tp_experts", "dp_shard_size"]),
+    ("Llama4TextConfig", ["tensor_parallel_size=2"], ["tensor_parallel_size=2", "experts implementations"]),
+    ("MixtralConfig", ["expert_parallel_size=2"], ["expert_parallel_size=2 must divide", "dp_shard_size"]),
+    ("LlamaConfig", ["expert_parallel_size=2", "dp_shard_size=2"], ["expert_parallel_size=2",
+                                                                    "not a mixture-of-experts"]),
     ("Llama4TextConfig", ["context_parallel_size=2", "sequence_len=8192", "dp_shard_size=1"],
      ["floor_scale=8192", "sequence_len < 8192"]),
 ])

@@ -19,8 +19,8 @@ from pathlib import Path
 import yaml
 
 PLAN_KEYS = ("dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size",
-             "micro_batch_size", "gradient_accumulation_steps", "cp_comm_strategy", "sequence_parallel",
-             "loss_parallel", "tiled_mlp", "tiled_mlp_num_shards", "activation_offloading")
+             "expert_parallel_size", "micro_batch_size", "gradient_accumulation_steps", "cp_comm_strategy",
+             "sequence_parallel", "loss_parallel", "tiled_mlp", "tiled_mlp_num_shards", "activation_offloading")
 PLAN_FSDP_KEYS = ("activation_checkpointing", "reshard_after_forward", "unsharded_grad_accumulation")
 
 

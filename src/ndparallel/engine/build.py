@@ -36,6 +36,7 @@ def build_model(
     adapter: Any = None,
     adapter_weights: str | os.PathLike | None = None,
     vocab_size: int | None = None,
+    config_overrides: dict | None = None,
 ) -> nn.Module:
     """Build, parallelise and fill a causal LM for ``engine`` (an ``Engine``); returns the model.
 
@@ -56,6 +57,8 @@ def build_model(
         vocab_size: a model read from disk grows to this many token rows (tokens added to its
             tokenizer); the new embedding and LM-head rows start at the mean of the old ones
             (``models.vocab``). A config or preset is built with its own ``vocab_size``.
+        config_overrides: fields set on the config of a model read from disk before it is built
+            (Axolotl's ``overrides_of_model_config``; a config or preset: set them on it).
     """
     if adapter_weights is not None and adapter is None:
         raise ValueError("adapter_weights needs adapter= (the LoraConfig it was saved with: "
@@ -68,7 +71,8 @@ def build_model(
             set_full_tensors(model, read_adapter_weights(model, adapter_weights))
         return model
     path = resolve_model_dir(str(source), engine is None or engine.is_local_main_process)
-    model, files, grown = build_on_meta(path, dtype, attn_implementation, trust_remote_code, vocab_size, adapter)
+    model, files, grown = build_on_meta(path, dtype, attn_implementation, trust_remote_code, vocab_size, adapter,
+                                         config_overrides)
     model = engine.parallelize(model)  # TP/CP/FSDP on meta: no memory yet
     offload = engine.options.fsdp.cpu_offload
     # Shards are materialised where they live: FSDP's CPU offload keeps them in host memory.

@@ -10,7 +10,12 @@ from typing import Mapping
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ndparallel.layout.dims import FLATTENED_DIMS, MESH_DIM_NAMES
+from ndparallel.layout.dims import (
+    EXPERT_DIM_NAMES,
+    FLATTENED_DIMS,
+    MESH_DIM_NAMES,
+    ParallelDims,
+)
 
 
 def is_fake_world() -> bool:
@@ -82,6 +87,27 @@ def build_mesh(
     for name, dims in FLATTENED_DIMS.items():
         flatten_dims(mesh, dims, name, options if _flatten_takes_options() else None)
     return mesh
+
+
+def build_expert_mesh(mesh: DeviceMesh, dims: ParallelDims,
+                      timeout: datetime.timedelta | None = None) -> DeviceMesh:
+    """The expert mesh ``(dp_replicate, efsdp, ep)`` over the same ranks as ``mesh`` (torchtitan's
+    "sparse" mesh): the dense dims flattened and unflattened again, ``ep`` innermost, so its
+    dims and the dense ones share one root (FSDP2 composes an ``ep``-sharded DTensor with its
+    ``efsdp`` mesh only then). Creates the ``efsdp`` and ``ep`` process groups: every rank calls it.
+    ``DeviceMesh._unflatten`` (torch >= 2.10) is private: this is the one place that calls it."""
+    if not hasattr(DeviceMesh, "_unflatten"):
+        import torch
+
+        raise RuntimeError(f"expert parallel needs DeviceMesh._unflatten (torch >= 2.10); torch "
+                           f"{torch.__version__} has none: upgrade torch or set expert_parallel_size: 1")
+    options = group_options(mesh.device_type, timeout) if timeout is not None else None
+    world = flatten_dims(mesh, MESH_DIM_NAMES, "world", options if _flatten_takes_options() else None)
+    sizes = (dims.dp_replicate, dims.efsdp, dims.ep)
+    kwargs = {}
+    if options is not None:
+        kwargs["backend_override"] = {d: (None, options) for d in EXPERT_DIM_NAMES}
+    return world._unflatten(0, sizes, EXPERT_DIM_NAMES, **kwargs)
 
 
 def _flatten_takes_options() -> bool:

@@ -77,12 +77,15 @@ def build_on_meta_from_config(config: PretrainedConfig, dtype: torch.dtype, attn
 
 
 def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | None, trust_remote_code: bool,
-                  vocab_size: int | None = None, adapter: Any = None) -> tuple[nn.Module, list[Path], list[str]]:
+                  vocab_size: int | None = None, adapter: Any = None,
+                  config_overrides: dict | None = None) -> tuple[nn.Module, list[Path], list[str]]:
     """The model of directory ``path`` on the meta device (no memory), checked against its
     safetensors headers; grown to ``vocab_size`` token rows when the tokenizer outgrew it.
     Returns (model, weight files, names of the grown weights)."""
     files = checkpoint_files(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    for key, value in (config_overrides or {}).items():  # Axolotl's overrides_of_model_config
+        setattr(config, key, value)
     _check_causal_lm(config, trust_remote_code)
     grow = grow_config_vocab(config, vocab_size, adapter is not None)
     with torch.device("meta"):

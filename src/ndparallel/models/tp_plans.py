@@ -140,21 +140,26 @@ def unmatched_keys(model: nn.Module, plan: Mapping[str, object]) -> list[str]:
 
 def tp_plan_problem(model: nn.Module, override: Mapping[str, object] | None = None) -> str | None:
     """Why ``model`` cannot be made tensor-parallel with its plan (or ``override``), or None: no
-    plan, a style ndparallel does not apply (MoE experts: ``moe_tp_experts``, ``packed_colwise``),
-    or a plan that shards nothing inside the decoder layers (its keys miss the module tree)."""
+    plan, a style ndparallel does not apply, or a plan that shards nothing inside the decoder layers
+    (its keys miss the module tree). Entries inside a mixture-of-experts block (the experts'
+    ``moe_tp_experts`` / ``packed_colwise``, shared experts) are not applied: expert parallel
+    takes the experts, the rest of the block is replicated over tp (``parallel/tensor.py``)."""
+    from ndparallel.models.moe import moe_prefixes
+
     try:
         plan = resolve_tp_plan(model, override)
         assigned = match_plan(model, plan, strict=bool(override))
     except TPPlanError as e:
         return str(e)
+    _, moe_blocks = moe_prefixes(model)
+    assigned = {n: s for n, s in assigned.items() if not (moe_blocks and n.startswith(moe_blocks))}
     name = type(model).__name__
     odd = {n: s for n, s in assigned.items() if isinstance(s, str) and s not in STYLES}
     if odd:
         where, style = next(iter(odd.items()))
         return (f"{name}'s tensor-parallel plan gives {where} the style {style!r}, which ndparallel does not "
-                "apply (mixture-of-experts experts are not tensor-parallel yet: expert parallelism is planned); "
-                "train this model without tensor_parallel_size (dp_shard_size / context_parallel_size), or "
-                "give a tp_plan without expert styles")
+                "apply: train this model without tensor_parallel_size (dp_shard_size / context_parallel_size), "
+                "or give a tp_plan without that style")
     if not any(n.split(".")[-1] not in ("lm_head", "embed_tokens") and any(p.isdigit() for p in n.split("."))
                for n in assigned):
         dropped = unmatched_keys(model, plan)

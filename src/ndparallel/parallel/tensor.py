@@ -10,6 +10,11 @@ styles and applies them with ``parallelize_module``:
 * every other parameter (norms) becomes a ``Replicate`` DTensor whose module takes DTensor inputs,
   so optimizers and grad clipping see DTensors only, all on the tp mesh.
 
+Mixture-of-experts blocks are not tensor-parallel: the experts are split off by
+``parallel/expert.py`` (each tp rank runs all experts of its ``ep`` rank on its own tokens), the
+rest of the block (router, shared experts) is replicated over tp and reads the block input as it
+comes — the whole sequence, or under sequence parallel the rank's own sequence shard.
+
 Sequence parallel shards the residual stream on dim 1: the sequence length must be divisible by
 tp_size, ``position_ids`` are filled in when missing (HF would derive them from the local length;
 ``positions.position_hook``), a 2-D attention mask may only be all ones (padding masks raise: pack
@@ -39,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ndparallel.models.adapters import is_lora_layer
+from ndparallel.models.moe import moe_prefixes
 from ndparallel.models.naming import tied_parameter_groups
 from ndparallel.models.tp_plans import (
     TPPlanError,
@@ -111,6 +117,8 @@ def apply_tensor_parallel(
         return distribute_leftover_params(model, tp_mesh)
     validate_tensor_parallel(model.config, tp_size, options)
     assigned = match_plan(model, resolve_tp_plan(model, options.plan), strict=bool(options.plan))
+    experts, moe_blocks = moe_prefixes(model)
+    assigned = {n: st for n, st in assigned.items() if not n.startswith(moe_blocks)}
     head = _output_embedding_name(model)
     head_colwise = head in assigned and str(assigned[head]).startswith("colwise")
     if options.loss_parallel and not head_colwise:
@@ -131,19 +139,7 @@ def apply_tensor_parallel(
         )
         if is_lora_layer(model.get_submodule(name)):  # PEFT wrapped it: shard A/B with the base
             styles[name] = LoraParallel(styles[name], name)
-    wrapped = tuple(f"{n}." for n, s in styles.items() if isinstance(s, LoraParallel))
-    for name, module in model.named_modules():
-        if name in styles or not any(True for _ in module.parameters(recurse=False)):
-            continue
-        if name.startswith(wrapped):  # base_layer / lora_A / lora_B: sharded by LoraParallel
-            continue
-        if any(n.startswith(name + ".") for n in styles) or (sp and name in blocks):
-            raise TPPlanError(
-                f"module {name!r} owns parameters and contains tensor-parallel submodules; give it "
-                "a style in the tp plan"
-            )
-        on_residual, _ = _layer_position(name)
-        styles[name] = ReplicateParallel(Shard(1) if sp and on_residual else Replicate())
+    _replicate_the_rest(model, styles, blocks, sp, experts, moe_blocks)
     for block in blocks:
         styles[block] = GatherSequenceInput() if sp else ReplicateBlockInput()
     if sp:
@@ -155,9 +151,36 @@ def apply_tensor_parallel(
     if options.loss_parallel and hasattr(type(model), "loss_function"):
         model.loss_function = _in_loss_parallel(model.loss_function)  # transformers' setter
     setattr(model, _TP_MESH_ATTR, tp_mesh)
-    _check_all_dtensor(model)
+    _check_all_dtensor(model, skip=experts)
     align_grad_placements(model)
     return model
+
+
+def _replicate_the_rest(model: nn.Module, styles: dict[str, ParallelStyle], blocks: set[str], sp: bool,
+                        experts: tuple[str, ...], moe_blocks: tuple[str, ...]) -> None:
+    """Give every other module owning parameters a ``ReplicateParallel`` style (in ``styles``):
+    norms read the residual stream (sequence-sharded under SP) or a block's input; modules of an
+    MoE block (router, shared experts) read the block's rows (this rank's own under SP); the
+    experts themselves are left to ``parallel/expert.py`` and FSDP."""
+    wrapped = tuple(f"{n}." for n, s in styles.items() if isinstance(s, LoraParallel))
+    moe_input = Shard(0) if sp else Replicate()
+    for name, module in model.named_modules():
+        if name in styles or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if name.startswith(wrapped):  # base_layer / lora_A / lora_B: sharded by LoraParallel
+            continue
+        if f"{name}.".startswith(experts):  # split off by parallel/expert.py, sharded by FSDP
+            continue
+        if name.startswith(moe_blocks):
+            styles[name] = ReplicateParallel(moe_input, buffers=True)
+            continue
+        if any(n.startswith(name + ".") for n in styles) or (sp and name in blocks):
+            raise TPPlanError(
+                f"module {name!r} owns parameters and contains tensor-parallel submodules; give it "
+                "a style in the tp plan"
+            )
+        on_residual, _ = _layer_position(name)
+        styles[name] = ReplicateParallel(Shard(1) if sp and on_residual else Replicate())
 
 
 def _sequence_parallel_inputs(model: nn.Module, tp_size: int) -> None:
@@ -192,8 +215,9 @@ def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
             model.get_submodule(mod_name).register_parameter(p_name, first)
 
 
-def _check_all_dtensor(model: nn.Module) -> None:
-    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+def _check_all_dtensor(model: nn.Module, skip: tuple[str, ...] = ()) -> None:
+    plain = [n for n, p in model.named_parameters()
+             if not isinstance(p, DTensor) and not (skip and n.startswith(skip))]
     if plain:
         raise RuntimeError(f"tensor parallel left plain (non-DTensor) parameters: {plain[:5]}")
 

@@ -64,16 +64,22 @@ class ReplicateParallel(ParallelStyle):
     ``Shard(-2)`` for head-sharded q/k of a per-head norm); DTensor outputs back to local tensors.
 
     DTensor autograd then sums the parameter gradients over tp exactly when the input is sharded.
+    ``buffers``: floating-point buffers become ``Replicate`` DTensors too (a router's score-correction
+    bias added to its DTensor logits, DeepSeek-V3).
     """
 
-    def __init__(self, input_layout: Placement = Replicate()):
+    def __init__(self, input_layout: Placement = Replicate(), buffers: bool = False):
         super().__init__()
         self.input_layout = input_layout
+        self.buffers = buffers
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, param in list(module.named_parameters(recurse=False)):
             if not isinstance(param, DTensor):
                 module.register_parameter(name, replicate_param(param, device_mesh))
+        for name, buf in list(module.named_buffers(recurse=False)) if self.buffers else ():
+            if buf is not None and buf.is_floating_point() and not isinstance(buf, DTensor):
+                module._buffers[name] = DTensor.from_local(buf, device_mesh, [Replicate()], run_check=False)
         layout = self.input_layout
 
         def to_dtensor(x):

@@ -75,6 +75,11 @@ def layer_bytes_per_token(model: ModelSpec, layout: Layout, s: Settings) -> tupl
     if model.qk_norm:  # Qwen3's per-head q/k RMSNorms over (a+k)·d/t elements
         fwd += nf * rope
         bwd += nb * rope
+    if model.is_moe:  # dispatch/combine copies, the experts' SwiGLU, the router (plan/moe.py)
+        from ndparallel.plan import moe
+
+        mf, mb = moe.elementwise_bytes_per_token(model, layout, s)
+        fwd, bwd = fwd + Bytes(mf), bwd + Bytes(mb)
     return fwd, bwd
 
 

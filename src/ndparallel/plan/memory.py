@@ -80,6 +80,10 @@ def layer_activation_bytes_per_token(model: ModelSpec, layout: Layout, s: Settin
     per += e * (a + 2 * k) * d / t + e * a * d / t + 4 * a / t + 4 * e * f / t
     if model.qk_norm:
         per += ((4 + e) * d + 4) * (a + k) / t
+    if model.is_moe:  # router, experts, shared MLP instead of the MLP (f = 0): plan/moe.py
+        from ndparallel.plan import moe
+
+        per += moe.activation_bytes_per_token(model, layout, s)
     return per + cp_saved_extra_per_token(model, layout, s)
 
 
@@ -129,6 +133,10 @@ def layer_backward_workspace_per_token(model: ModelSpec, layout: Layout, s: Sett
     residual-stream gradients (``2·e·h/t_sp``)."""
     t_sp = layout.tp if s.sequence_parallel else 1
     e = s.act_bytes
+    if model.is_moe:
+        from ndparallel.plan import moe
+
+        return moe.workspace_per_token(model, layout, s) + 2 * e * model.hidden / t_sp
     return 3 * e * model.intermediate / layout.tp + 2 * e * model.hidden / t_sp
 
 
@@ -186,9 +194,9 @@ def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tup
     unit gathered, and its unsharded gradient, until the embedding's backward at the end. Without
     ``reshard_after_forward`` every layer stays gathered from forward to backward."""
     n, cb, e, rb = layout.fsdp, s.param_compute_bytes, s.act_bytes, s.reduce_bytes
-    if not (n > 1 or s.mixed_precision != "fp32"):
+    if not (max(n, layout.efsdp if model.is_moe else 1) > 1 or s.mixed_precision != "fp32"):
         return 0.0, 0.0
-    layer_local = numels["layer"][0]
+    layer_local = numels["layer"][0] + (numels["experts"][0] if model.is_moe else 0)  # gathered at once
     layer_grad = layer_local
     head_local = numels["root" if model.tied_embeddings else "final"][0]
     head_grad = head_local
@@ -224,8 +232,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     """Peak bytes per GPU: the largest of the loss-backward moment, the first layer's backward,
     the end of backward (all gradients) and the optimizer step (its temporaries)."""
     t, n, e = layout.tp, layout.fsdp, s.act_bytes
-    numels = unit_numels(model, t, n)
-    col = 1 if n > 1 else 0  # unsharded (n == 1) a rank holds the whole tp-local tensors
+    numels = unit_numels(model, t, n, layout)
+    col = 1  # the shard; unsharded (a degree of 1) it is the whole tp-local tensor
     units = fsdp_units(model)
     shard_numel = sum(numels[u][col] * c for u, (c, _) in units.items())
     params = shard_numel * 4  # fp32 master weights

@@ -46,7 +46,8 @@ class TrainSetup:
     fault: str | None = None
     """A deliberately broken layout run (proves the checks can fail): "skip-grad-sync" never
     reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
-    attention crosses document starts."""
+    attention crosses document starts; "wrong-expert-rank" sends every token of a mixture-of-experts
+    layer to the next expert-parallel rank (``parallel.expert.set_misroute``)."""
     adapter: dict | None = None  # LoRA: ``ndparallel.models.adapters.lora_config`` kwargs (r, alpha, ...)
     model_dir: str | None = None
     """A saved model (``save_pretrained``) both runs load with ``Engine.build_model`` (sharded,
@@ -58,6 +59,7 @@ class TrainResult:
     losses: list[float]
     grad_norms: list[float]
     params: dict[str, torch.Tensor] | None  # full (unsharded) parameters after training, rank 0
+    aux_losses: list[float] | None = None  # an MoE model's load-balancing loss per step (if it adds one)
 
 
 def make_global_batches(setup: TrainSetup) -> list[list[dict[str, torch.Tensor]]]:
@@ -133,13 +135,17 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
 
     engine = Engine(ParallelismConfig(**(layout or {})), strategy_options(setup))
     model = engine.build_model(setup.model_dir) if setup.model_dir else engine.parallelize(build_model(setup))
+    if setup.fault == "wrong-expert-rank":
+        from ndparallel.parallel.expert import set_misroute
+
+        set_misroute(model, 1)
     optimizer = setup_optimizer(setup, model.parameters())
     model.train()
     dp_rank, dp_size = engine.dp_rank, engine.dp_size
     rows = setup.global_micro_batch // dp_size
     if rows * dp_size != setup.global_micro_batch:
         raise ValueError(f"global_micro_batch={setup.global_micro_batch} not divisible by dp={dp_size}")
-    losses, norms = [], []
+    losses, norms, aux = [], [], []
     for i, micro_batches in enumerate(make_global_batches(setup)):
         local = [{k: v[dp_rank * rows:(dp_rank + 1) * rows].to(engine.device) for k, v in mb.items()}
                  for mb in micro_batches]
@@ -150,8 +156,10 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
                          skip_grad_sync=setup.fault == "skip-grad-sync")
         losses.append(float(out.loss))
         norms.append(float(out.grad_norm))
+        if out.aux_loss is not None:
+            aux.append(float(out.aux_loss))
     params = full_parameters(model)  # a collective: every rank gathers
-    return TrainResult(losses, norms, params if engine.is_main_process else None)
+    return TrainResult(losses, norms, params if engine.is_main_process else None, aux or None)
 
 
 def full_parameters(model) -> dict[str, torch.Tensor]:
@@ -204,6 +212,10 @@ def compare(reference: TrainResult, other: TrainResult) -> dict[str, float]:
 
     out = {"loss_rel": rel(reference.losses, other.losses),
            "grad_norm_rel": rel(reference.grad_norms, other.grad_norms)}
+    if (reference.aux_losses is None) != (other.aux_losses is None):
+        raise AssertionError("one run has an auxiliary (router) loss and the other none")
+    if reference.aux_losses is not None:
+        out["aux_rel"] = rel(reference.aux_losses, other.aux_losses)
     if reference.params is not None and other.params is not None:
         missing = set(reference.params) ^ set(other.params)
         if missing:

@@ -24,6 +24,8 @@ def shrunk_layout(pc) -> dict[str, int]:
         layout["tp_size"] = 2
     if pc.cp_size > 1:
         layout["cp_size"] = 2
+    if getattr(pc, "ep_size", 1) > 1:  # divides the shrunk dp_shard·cp·tp (a power of 2 >= 2)
+        layout["ep_size"] = 2
     return layout
 
 
@@ -49,7 +51,7 @@ def family_check(cfg, pc, hf) -> str | None:
     world = 1
     for v in layout.values():
         world *= v
-    small = shrink_model(hf, layout.get("tp_size", 1), layout.get("cp_size", 1))
+    small = shrink_model(hf, layout.get("tp_size", 1), layout.get("cp_size", 1), layout.get("ep_size", 1))
     setup = TrainSetup(small.config, steps=2, global_micro_batch=2 * layout.get("dp_shard_size", 1),
                        seq_len=16 * layout.get("cp_size", 1) * layout.get("tp_size", 1), optimizer="sgd",
                        lr=0.1, packed_documents=True,

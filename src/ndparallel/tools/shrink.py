@@ -8,8 +8,8 @@ What is kept, per family, from the config's own fields (no table of families):
 * every layer kind in two layers: a sliding-window and a full layer (Gemma 2/3, Cohere 2, ...), a
   chunked and a NoPE layer (Llama 4); windows and attention chunks shrunk below the sequence so
   that they bite (a window of 5, chunks of 6 tokens);
-* a mixture of experts: a dense first layer where the family has one and an MoE layer, ≤ 4 experts,
-  ≤ 2 per token;
+* a mixture of experts: a dense first layer where the family has one and an MoE layer, ≤ 4 experts
+  (or ``ep_size``: as many as the expert-parallel degree needs), ≤ 2 per token;
 * soft-capping, partial rotary dims (rope lists sliced to the new head dim), tied embeddings;
 * every divisibility the layout needs (heads, KV heads, widths and vocabulary by ``tp_size``).
 
@@ -73,10 +73,11 @@ def _layer_kinds(c) -> None:
         c.attention_chunk_size = CHUNK
 
 
-def _experts(c) -> None:
+def _experts(c, ep_size: int = 1) -> None:
+    keep = ep_size * max(1, 4 // ep_size)  # 4, or a multiple of ep_size (which divides the original count)
     for name in ("num_experts", "num_local_experts", "n_routed_experts"):
         if getattr(c, name, None):
-            setattr(c, name, min(getattr(c, name), 4))
+            setattr(c, name, min(getattr(c, name), keep))
     if getattr(c, "num_experts_per_tok", None):
         c.num_experts_per_tok = min(c.num_experts_per_tok, 2)
     for name, value in (("n_group", 1), ("topk_group", 1), ("first_k_dense_replace", 1),
@@ -132,7 +133,7 @@ def attention_choice(config) -> str:
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 
-def shrink_model(hf_config, tp_size: int, cp_size: int) -> ShrunkModel:
+def shrink_model(hf_config, tp_size: int, cp_size: int, ep_size: int = 1) -> ShrunkModel:
     """``hf_config`` shrunk (see the module doc), checked by building it on the meta device."""
     c = copy.deepcopy(hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config)
     old_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -147,7 +148,7 @@ def shrink_model(hf_config, tp_size: int, cp_size: int) -> ShrunkModel:
     c.num_hidden_layers = 2
     c.vocab_size = 128 * tp_size
     _layer_kinds(c)
-    _experts(c)
+    _experts(c, ep_size)
     _rope_lists(c, old_dim, HEAD_DIM)
     _clean(c, c.vocab_size, 32 * cp_size)
     c.use_cache = False
@@ -156,6 +157,6 @@ def shrink_model(hf_config, tp_size: int, cp_size: int) -> ShrunkModel:
     return ShrunkModel(c, attn)
 
 
-def shrink_config(hf_config, tp_size: int, cp_size: int):
+def shrink_config(hf_config, tp_size: int, cp_size: int, ep_size: int = 1):
     """The shrunk config alone (``shrink_model``), its attention implementation set."""
-    return shrink_model(hf_config, tp_size, cp_size).config
+    return shrink_model(hf_config, tp_size, cp_size, ep_size).config

@@ -82,7 +82,7 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
     from ndparallel.tools.equivalence import train_under_layout
 
     console = Console()
-    small = shrink_config(hf_config, pc.tp_size, pc.cp_size)
+    small = shrink_config(hf_config, pc.tp_size, pc.cp_size, pc.ep_size)
     setup = _setup(cfg, pc, small, steps, fault)
     console.print(
         f"verify: {pc.describe()} on {pc.total_size} CPU ranks vs 1 process; shrunk "

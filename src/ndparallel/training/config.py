@@ -85,6 +85,10 @@ class TrainConfig(_Strict):
     tokenizer_vocab_size: _int(259) = 1024
     """Vocabulary of the built-in BPE tokenizer (presets only)."""
     trust_remote_code: bool = False
+    overrides_of_model_config: dict[str, Any] | None = None
+    """Axolotl's field: set on the model's config before it is built, e.g. ``{output_router_logits:
+    true, router_aux_loss_coef: 0.001}`` to train a mixture-of-experts model with its routers'
+    load-balancing loss (docs/moe.md)."""
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"] | None = None
     """Attention kernel (default: the family's own, sdpa where transformers supports it, else eager);
     one this machine lacks (e.g. flash_attention_2 on CPU) falls back to sdpa with one warning line.
@@ -100,6 +104,9 @@ class TrainConfig(_Strict):
     dp_shard_size: int = 1
     tensor_parallel_size: int = Field(1, validation_alias=AliasChoices("tensor_parallel_size", "tp_size"))
     context_parallel_size: int = Field(1, validation_alias=AliasChoices("context_parallel_size", "cp_size"))
+    expert_parallel_size: int = Field(1, validation_alias=AliasChoices("expert_parallel_size", "ep_size"))
+    """Mixture-of-experts models: experts split over this many ranks (Axolotl's name); carved out
+    of dp_shard × cp × tp, adds no rank (docs/moe.md)."""
     fsdp_config: FSDPConfig = Field(default_factory=FSDPConfig)
     fsdp_version: int = 2
     """Only FSDP2 (per-parameter sharding on the DeviceMesh) exists here."""
@@ -233,6 +240,7 @@ class TrainConfig(_Strict):
 
     @field_validator(
         "dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size",
+        "expert_parallel_size",
     )
     @classmethod
     def _degree(cls, v: int, info) -> int:
@@ -322,6 +330,7 @@ class TrainConfig(_Strict):
         return ParallelismConfig(
             dp_replicate_size=self.dp_replicate_size, dp_shard_size=self.dp_shard_size,
             tp_size=self.tensor_parallel_size, cp_size=self.context_parallel_size,
+            ep_size=self.expert_parallel_size,
         )
 
     def fsdp_options(self) -> FSDPOptions:

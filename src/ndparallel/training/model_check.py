@@ -24,7 +24,15 @@ def one_line(text: object) -> str:
 
 
 def resolve_model_config(cfg: TrainConfig):
-    """The HF config of ``cfg.base_model``, or ``ConfigError`` saying what the name is not."""
+    """The HF config of ``cfg.base_model`` (with ``overrides_of_model_config``), or ``ConfigError``
+    saying what the name is not."""
+    config = _base_model_config(cfg)
+    for key, value in (cfg.overrides_of_model_config or {}).items():
+        setattr(config, key, value)
+    return config
+
+
+def _base_model_config(cfg: TrainConfig):
     from ndparallel.models.presets import (
         PRESETS,
         PUBLISHED,

@@ -32,6 +32,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
         raise ConfigError(str(e)) from None
     hf = resolve_model_config(cfg)
     check_model(cfg, hf, check_weights=check_weights)
+    _check_experts(cfg, pc.dims, hf)
     check_adapter(cfg, hf, pc.tp_size)
     check_memory_options(cfg, hf)
     if check_local:
@@ -55,16 +56,31 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     return pc, hf
 
 
+def _check_experts(cfg: TrainConfig, dims, hf) -> None:
+    """``expert_parallel_size`` needs a mixture-of-experts model whose expert count it divides."""
+    from ndparallel.models.moe import config_num_experts
+
+    experts = config_num_experts(hf)
+    if dims.ep_enabled and experts is None:
+        raise ConfigError(f"expert_parallel_size={dims.ep}, but base_model={cfg.base_model!r} is not a "
+                          "mixture-of-experts model (its config has no num_experts / num_local_experts / "
+                          "n_routed_experts): set expert_parallel_size: 1")
+    if experts is not None and experts % dims.ep:
+        fits = [d for d in range(1, experts + 1) if experts % d == 0 and dims.ep_problem() is None]
+        raise ConfigError(f"expert_parallel_size={dims.ep} does not divide the {experts} experts of "
+                          f"base_model={cfg.base_model!r}: use one of {fits[:8]}")
+
+
 def _check_family_layout(cfg: TrainConfig, pc, hf) -> None:
     """What the model family cannot run under the layout (``parallel.support``), on a meta model."""
-    if not (pc.tp_enabled or pc.cp_enabled):
+    if not (pc.tp_enabled or pc.cp_enabled or pc.ep_enabled):
         return
     from ndparallel.parallel.support import layout_problem
     from ndparallel.training.model_check import meta_model
 
     tp = cfg.tp_options()
     problem = layout_problem(meta_model(cfg, hf), tp_size=pc.tp_size, cp_size=pc.cp_size,
-                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan)
+                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan, ep_size=pc.ep_size)
     if problem:
         raise ConfigError(problem)
 
@@ -245,6 +261,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         f"(micro {cfg.micro_batch_size} × accum {cfg.gradient_accumulation_steps} × dp {pc.dp_size})",
         f"per rank     : {cfg.micro_batch_size} × {cfg.sequence_len // pc.cp_size} tokens per micro-batch"
         + (f" (sequence split over cp={pc.cp_size})" if pc.cp_enabled else ""),
+        *_experts_lines(pc, hf),
         f"fsdp         : {cfg.fsdp_config.model_dump()}",
         f"precision    : {'bf16 compute, fp32 master weights' if cfg.bf16 else 'fp32'}"
         + (f", fp8 linears ({cfg.fp8_recipe})" if cfg.fp8 else ""),
@@ -264,6 +281,22 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     lines += [f"note         : {n}" for n in run_notes(cfg, device) if not n.startswith("max_steps")]
     return "\n".join(lines)
+
+
+def _experts_lines(pc, hf) -> list[str]:
+    """The experts' placement of a mixture-of-experts model (``--dry-run``)."""
+    from ndparallel.models.moe import config_num_experts
+
+    experts = config_num_experts(hf)
+    if experts is None:
+        return []
+    dims = pc.dims
+    top_k = getattr(hf, "num_experts_per_tok", "?")
+    where = (f"split over ep={dims.ep} ({experts // dims.ep} per rank, all-to-all dispatch), FSDP over "
+             f"efsdp={dims.efsdp}" if dims.experts_split(True) else "sharded with the dense layers (FSDP)")
+    aux = getattr(hf, "router_aux_loss_coef", None) if getattr(hf, "output_router_logits", False) else None
+    return [f"experts      : {experts} per MoE layer, top-{top_k}; {where}; load-balancing loss "
+            + (f"× {aux} (global over the micro-batch)" if aux is not None else "off (output_router_logits)")]
 
 
 def _tp_plan_summary(cfg: TrainConfig, hf) -> str:

@@ -144,7 +144,8 @@ class Trainer:
         dtype = torch.bfloat16 if adapter is not None and cfg.bf16 else torch.float32
         model = engine.build_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
                                adapter=adapter, adapter_weights=cfg.lora_model_dir or None, vocab_size=grown,
-                               dtype=dtype, attn_implementation=kernel)
+                               dtype=dtype, attn_implementation=kernel,
+                               config_overrides=cfg.overrides_of_model_config)
         if getattr(model, "config", None) is not None:
             model.config.use_cache = False
         return model
@@ -182,7 +183,7 @@ class Trainer:
         self.state.step += 1
         self.state.samples_seen += self.loader.global_micro_batch * cfg.gradient_accumulation_steps
         return {"loss": out.loss, "grad_norm": out.grad_norm, "lr": self.scheduler.get_last_lr()[0],
-                "tokens": out.tokens}
+                "tokens": out.tokens, "aux_loss": out.aux_loss}
 
     def log(self, step_out: dict) -> dict | None:
         """On logging steps (every ``logging_steps``, the first and the last): read the loss and
@@ -194,6 +195,8 @@ class Trainer:
         loss = step_out["loss"]  # already the global mean (reduced in train_step)
         metrics = {"step": step, "loss": float(loss), "lr": step_out["lr"],
                    "grad_norm": float(step_out["grad_norm"])}
+        if step_out.get("aux_loss") is not None:  # an MoE model's load-balancing loss (in "loss")
+            metrics["aux_loss"] = float(step_out["aux_loss"])
         now = time.perf_counter()
         dt = (now - self._log_time) / max(1, step - self._log_step)
         self._log_time, self._log_step = now, step
@@ -316,7 +319,7 @@ class Trainer:
         if self.profile_comm:  # the first two steps (lazy init, then a steady step) are recorded
             from ndparallel.runtime.comm_profile import CommProfiler
 
-            self.profiler = CommProfiler(engine.mesh)
+            self.profiler = CommProfiler(engine.mesh, engine.built_expert_mesh)
             self.profiler.__enter__()
 
 
