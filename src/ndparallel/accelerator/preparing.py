@@ -92,7 +92,7 @@ def _broadcast_rank0_weights(acc, model: nn.Module, full: dict) -> None:
     set_model_state_dict(model, full if acc.is_main_process else {}, options=options)
 
 
-def prepare_model(acc, model: nn.Module, adapter: Any = None) -> nn.Module:
+def prepare_model(acc, model: nn.Module, adapter: Any = None, quantization: Any = None) -> nn.Module:
     """Parallelise ``model``; with weights on rank 0 only (``cpu_ram_efficient_loading``) they are
     broadcast into every rank's shards afterwards. ``adapter`` (a peft ``LoraConfig``) wraps the
     model with LoRA first (a ``PeftModel`` comes back); a ``PeftModel`` is parallelised as is."""
@@ -107,6 +107,16 @@ def prepare_model(acc, model: nn.Module, adapter: Any = None) -> nn.Module:
         from ndparallel.models.adapters import apply_adapter
 
         model = apply_adapter(model, adapter)
+    if quantization is not None:  # QLoRA: the frozen base linears become NF4 (models/quantized.py)
+        from ndparallel.models.quantization_config import as_nf4_config
+        from ndparallel.models.quantized import quantize_linears
+
+        from ndparallel.models.adapters import is_peft_model
+
+        if adapter is None and not is_peft_model(model):
+            raise ValueError("quantization (a 4-bit NF4 base) needs adapter= (a LoraConfig) or a PeftModel: the "
+                             "quantised base is frozen, only adapters train on it (QLoRA)")
+        quantize_linears(model, as_nf4_config(quantization))
     if getattr(getattr(model, "config", None), "use_cache", False):
         # Training needs no KV cache; with one, transformers also skips its packed-document
         # mask (position_ids restarting at 0) and keeps every layer's K/V alive.

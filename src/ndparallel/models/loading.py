@@ -32,6 +32,9 @@ from ndparallel.models.adapters import (
 )
 from ndparallel.models.causal import causal_lm_problem, config_problem
 from ndparallel.models.presets import PRESETS, is_preset, preset_config
+from ndparallel.models.quantization_config import as_nf4_config
+from ndparallel.models.quantized import NF4Config, nf4_parameter_names, quantize_linears
+from ndparallel.models.quantized_loading import load_nf4_weights
 from ndparallel.models.safetensors_read import load_sharded_safetensors
 from ndparallel.models.vocab import (
     grow_config_vocab,
@@ -53,6 +56,7 @@ def load_model(
     adapter: Any = None,
     adapter_weights: str | os.PathLike | None = None,
     vocab_size: int | None = None,
+    quantization: Any = None,
 ) -> nn.Module:
     """Build, parallelise (``acc.prepare_model``) and fill a causal LM; returns the prepared model.
 
@@ -73,7 +77,12 @@ def load_model(
         vocab_size: a model read from disk grows to this many token rows (tokens added to its
             tokenizer); the new embedding and LM-head rows start at the mean of the old ones
             (``models.vocab``). A config or preset is built with its own ``vocab_size``.
+        quantization: QLoRA's 4-bit NF4 base (``quantized.NF4Config()``, ``"nf4"`` or transformers'
+            ``BitsAndBytesConfig(load_in_4bit=True)``; needs ``adapter``): the base linears are
+            stored as torchao ``NF4Tensor`` shards, each rank quantising only its rows while reading
+            them (``quantized_loading``); computed in ``dtype`` or the mixed-precision dtype.
     """
+    quantization = _check_quantization(quantization, adapter)
     if adapter_weights is not None and adapter is None:
         raise ValueError("adapter_weights needs adapter= (the LoraConfig it was saved with: "
                          "ndparallel.models.adapter_files.read_adapter_config(directory))")
@@ -84,7 +93,7 @@ def load_model(
     else:
         path = resolve_model_dir(str(path_or_config), acc is None or acc.is_local_main_process)
         model = _load_pretrained(acc, path, dtype, trust_remote_code, attn_implementation, adapter, seed,
-                                 adapter_weights, vocab_size)
+                                 adapter_weights, vocab_size, quantization)
         if adapter is not None:  # as given (a hub id stays a hub id), for the saved adapter_config
             adapter_config_of(model).base_model_name_or_path = str(path_or_config)
         return model
@@ -98,6 +107,8 @@ def load_model(
         _check_causal_model(model)
         if adapter is not None:  # PEFT's own init, drawn from the same seeded stream
             model = apply_adapter(model, adapter)
+        if quantization is not None:  # the whole model is on every rank here: quantise it whole
+            quantize_linears(model, quantization)
     model = acc.prepare_model(model)
     if adapter_weights is not None:
         _set_full_tensors(model, read_adapter_weights(model, adapter_weights))
@@ -107,7 +118,7 @@ def load_model(
 def _load_pretrained(
     acc: Any, path: Path, dtype: torch.dtype, trust_remote_code: bool, attn_implementation: str,
     adapter: Any = None, seed: int = 0, adapter_weights: str | os.PathLike | None = None,
-    vocab_size: int | None = None,
+    vocab_size: int | None = None, quantization: NF4Config | None = None,
 ) -> nn.Module:
     files = checkpoint_files(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -125,6 +136,8 @@ def _load_pretrained(
         raise ValueError(f"base model {str(path)!r}: {problem}")
     if adapter is not None:
         model = apply_adapter(model, adapter)  # on meta too: LoRA layers hold no data yet
+    if quantization is not None:  # NF4 placeholders on meta: the strategies shard their packed bytes
+        quantize_linears(model, quantization)
     model = acc.prepare_model(model)  # TP/CP/FSDP on meta: no memory yet
     offload = getattr(getattr(acc, "fsdp_options", None), "cpu_offload", False)
     # Shards are materialised where they live: FSDP's CPU offload keeps them in host memory.
@@ -133,7 +146,10 @@ def _load_pretrained(
         _move_buffers(model, acc.device)
     base = base_model_of(model)
     init_non_persistent_buffers(base)
-    load_sharded_safetensors(base, path, files, skip=set(grown))
+    nf4 = set(nf4_parameter_names(base))
+    load_sharded_safetensors(base, path, files, skip=set(grown) | nf4)
+    if nf4:  # this rank's rows, read and quantised one decoder layer at a time
+        load_nf4_weights(base, path, files, quantization, dtype, acc.device)
     if grown:
         set_grown_rows(base, files, grown, config.vocab_size)
     if adapter_weights is not None:
@@ -145,6 +161,14 @@ def _load_pretrained(
 
         base.generation_config = GenerationConfig.from_pretrained(path)
     return model
+
+
+def _check_quantization(quantization: Any, adapter: Any) -> NF4Config | None:
+    quantization = as_nf4_config(quantization)
+    if quantization is not None and adapter is None:
+        raise ValueError("quantization (a 4-bit NF4 base) needs adapter= (a LoraConfig): the quantised base is "
+                         "frozen, only adapters train on it (QLoRA)")
+    return quantization
 
 
 def _set_full_tensors(model: nn.Module, full: dict[str, torch.Tensor]) -> None:

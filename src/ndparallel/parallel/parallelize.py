@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.layout.mesh import submesh
 from ndparallel.models.adapters import base_model_of
+from ndparallel.models.quantized import nf4_layout_problem
 from ndparallel.parallel.master_weights import low_precision_params, upcast_params
 from ndparallel.parallel.options import (
     CompileOptions,
@@ -55,6 +56,9 @@ def parallelize_model(
     the dtype trainable parameters (and optimizer states) are kept in; None keeps the model's own.
     A PEFT model is parallelised through the Hugging Face model inside it (LoRA layers included)."""
     wrapper, model = model, base_model_of(model)
+    problem = nf4_layout_problem(model, pc.fsdp_size, pc.tp_size)  # QLoRA's 4-bit base
+    if problem:
+        raise ValueError(problem)
     upcast = master_dtype if master_dtype is not None and low_precision_params(model, master_dtype) else None
     if upcast is not None:
         warnings.warn(

@@ -46,6 +46,9 @@ class TrainSetup:
     reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
     attention crosses document starts."""
     adapter: dict | None = None  # LoRA: ``ndparallel.models.adapters.lora_config`` kwargs (r, alpha, ...)
+    load: Any = None
+    """``load(acc, setup) -> model``, prepared by ``acc`` (e.g. ``acc.load_model(dir, ...)``), instead of
+    ``build_model`` + ``prepare``: a module-level function (it travels to the ranks)."""
 
 
 @dataclass
@@ -126,9 +129,13 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
         ParallelismConfig(**(layout or {})), mixed_precision=setup.mixed_precision,
         gradient_accumulation_steps=setup.grad_accum, **setup.parallel_kwargs,
     )
-    model = build_model(setup)
-    optimizer = setup_optimizer(setup, model.parameters())
-    model, optimizer = acc.prepare(model, optimizer)
+    if setup.load is not None:
+        model = setup.load(acc, setup)
+        optimizer = acc.prepare(setup_optimizer(setup, model.parameters()))
+    else:
+        model = build_model(setup)
+        optimizer = setup_optimizer(setup, model.parameters())
+        model, optimizer = acc.prepare(model, optimizer)
     model.train()
     dp_rank, dp_size = acc.dp_rank, acc.dp_size
     rows = setup.global_micro_batch // dp_size
@@ -163,9 +170,11 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
         get_model_state_dict,
     )
 
+    from ndparallel.models.quantized import dequantize, is_nf4
+
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu().clone()
-            for k, v in state.items()}
+    return {k: (dequantize(v) if is_nf4(v) else v.full_tensor() if hasattr(v, "full_tensor") else v)
+            .detach().float().cpu().clone() for k, v in state.items()}
 
 
 def train_documents_separately(setup: TrainSetup) -> TrainResult:
