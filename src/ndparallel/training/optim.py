@@ -35,15 +35,21 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """``adamw`` (alias ``adamw_torch``) or ``sgd`` over ``params`` with the weight-decay groups above.
     AdamW is ``fused`` (one kernel for all parameters, step count on the device: no host sync)
-    by default when every parameter is on CUDA (``fused_supported``); torch's default otherwise."""
+    by default when every parameter is on CUDA (``fused_supported``); torch's default otherwise.
+    Low-bit AdamW names (``adamw_8bit``, ``adamw_torch_4bit``, ...): torchao's (``optim_lowbit``)."""
+    from ndparallel.training.optim_lowbit import ALIASES, build_low_bit, is_low_bit
+
     groups = parameter_groups(params, weight_decay)
+    name = ALIASES.get(name, name)
+    if is_low_bit(name):
+        return build_low_bit(name, groups, lr, betas, eps)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr)
     if name in ("adamw", "adamw_torch", "adamw_torch_fused"):  # fused wherever it applies
         all_params = [p for g in groups for p in g["params"]]
         use_fused = fused_supported(all_params) if fused is None else fused
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=use_fused or None)
-    raise ValueError(f"optimizer {name!r} is not supported: use 'adamw' or 'sgd'")
+    raise ValueError(f"optimizer {name!r} is not supported: use 'adamw', 'sgd' or 'adamw_8bit'")
 
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",
