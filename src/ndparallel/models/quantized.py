@@ -61,13 +61,24 @@ class NF4Config:
         return self.block_size * self.scaler_block_size
 
 
-def require_torchao():
+def nf4_module():
+    """torchao's NF4 module (``torchao.quantization.quantize_.workflows.nf4.nf4_tensor`` since 0.15-ish,
+    ``torchao.dtypes.nf4tensor`` before)."""
     try:
-        from torchao.quantization import NF4Tensor, to_nf4
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError:
-        raise ImportError("QLoRA (a 4-bit NF4 base) needs torchao: pip install 'ndparallel[qlora]' "
-                          "(or pip install torchao)") from None
-    return NF4Tensor, to_nf4
+        try:
+            from torchao.dtypes import nf4tensor as nf4_tensor
+        except ImportError:
+            raise ImportError("QLoRA (a 4-bit NF4 base) needs torchao: pip install 'ndparallel[qlora]' "
+                              "(or pip install torchao)") from None
+    return nf4_tensor
+
+
+def require_torchao():
+    """(``NF4Tensor``, ``to_nf4``) from torchao; ImportError with the pip line when it is missing."""
+    module = nf4_module()
+    return module.NF4Tensor, module.to_nf4
 
 
 def is_nf4(tensor: Any) -> bool:
@@ -119,9 +130,7 @@ def quantize_linears(model: nn.Module, config: NF4Config) -> list[str]:
 
 
 def _block_absmax(values: torch.Tensor, block: int) -> torch.Tensor:
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import get_block_absmax
-
-    return get_block_absmax(values, block)
+    return nf4_module().get_block_absmax(values, block)
 
 
 @torch.no_grad()
@@ -168,32 +177,40 @@ def dequantize(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.get_original_weight() if is_nf4(tensor) else tensor
 
 
+def nf4_shard_count(shape: tuple[int, ...] | torch.Size, config: NF4Config) -> int:
+    """The largest number of FSDP shards an NF4 weight of ``shape`` splits into (whole rows and whole
+    scaler blocks per shard, as torchao's split needs); any divisor of it works too."""
+    return math.gcd(shape[0], math.prod(shape) // config.group)
+
+
 def nf4_shard_counts(model: nn.Module) -> dict[str, int]:
-    """For each NF4 weight of ``model``: the largest number of FSDP shards it splits into (whole rows
-    and whole scaler blocks per shard); any divisor of it works too."""
+    """``nf4_shard_count`` of every NF4 weight of ``model``, by parameter name."""
     out = {}
     for name, p in model.named_parameters():
         if is_nf4(p):
             local = getattr(p, "_local_tensor", p)
-            blocks = math.prod(p.shape) // (local.block_size * local.scaler_block_size)
-            out[name] = math.gcd(p.shape[0], blocks)
+            out[name] = nf4_shard_count(p.shape, NF4Config(local.block_size, local.scaler_block_size))
     return out
 
 
 def nf4_layout_problem(model: nn.Module, fsdp_shards: int, tp_size: int) -> str | None:
     """Why ``model``'s NF4 weights cannot run on this layout (None: they can), with the fix."""
-    if not any(is_nf4(p) for p in model.parameters()):
+    return layout_problem(nf4_shard_counts(model), fsdp_shards, tp_size)
+
+
+def layout_problem(shard_counts: dict[str, int], fsdp_shards: int, tp_size: int) -> str | None:
+    """``nf4_layout_problem`` from the weights' ``nf4_shard_count``s (no model needed)."""
+    if not shard_counts:
         return None
     if tp_size > 1:
         return ("a 4-bit NF4 base (QLoRA) with tensor_parallel_size > 1 is not supported (torchao's NF4 tensor "
                 "shards along FSDP's dim 0 only): set tensor_parallel_size: 1 and give the GPUs to "
                 "dp_shard_size (a 70B NF4 base is ~37 GB: FSDP 2 holds it), or use adapter: lora for TP")
-    counts = nf4_shard_counts(model)
-    bad = [n for n, c in counts.items() if c % fsdp_shards]
+    bad = [n for n, c in shard_counts.items() if c % fsdp_shards]
     if bad:
-        divisor = math.gcd(*counts.values())
+        divisor = math.gcd(*shard_counts.values())
         return (f"the NF4 weights cannot be split into {fsdp_shards} FSDP shards (dp_shard_size x "
                 f"context_parallel_size) of whole rows and whole NF4 scaler blocks, e.g. {bad[0]} "
-                f"(at most {counts[bad[0]]}): use a shard count dividing {divisor}, or smaller NF4 blocks "
+                f"(at most {shard_counts[bad[0]]}): use a shard count dividing {divisor}, or smaller NF4 blocks "
                 "(nf4_scaler_block_size)")
     return None

@@ -18,6 +18,8 @@ memory), which has no torchao counterpart: they are mapped to the unpaged optimi
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 TORCHAO = {
@@ -30,6 +32,10 @@ TORCHAO = {
 
 ALIASES = {"paged_adamw_32bit": "adamw"}
 """Names that mean a torch optimizer here."""
+
+OPTIMIZER_NAMES = ("adamw", "adamw_torch", "adamw_torch_fused", "sgd", *TORCHAO, *ALIASES)
+OptimizerName = Literal[OPTIMIZER_NAMES]  # type: ignore[valid-type]
+"""Every ``optimizer:`` value ``ndparallel train`` accepts."""
 
 NOTES = {
     "adamw_8bit": "bitsandbytes' block-wise 8-bit AdamW -> torchao AdamW8bit (the same algorithm: 256-value "

@@ -148,7 +148,7 @@ class Trainer:
         dtype = torch.bfloat16 if adapter is not None and cfg.bf16 else torch.float32
         model = acc.load_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
                                adapter=adapter, adapter_weights=cfg.lora_model_dir or None, vocab_size=grown,
-                               dtype=dtype, attn_implementation=kernel)
+                               dtype=dtype, attn_implementation=kernel, quantization=cfg.nf4_config())
         if getattr(model, "config", None) is not None:
             model.config.use_cache = False
         return model
@@ -205,7 +205,7 @@ class Trainer:
         if step % cfg.logging_steps and step not in (1, self.total_steps):
             return None
         loss = step_out["loss"]  # already the global mean (reduced in train_step)
-        metrics = {"step": step, "loss": float(loss), "lr": step_out["lr"],
+        metrics = {"step": step, "loss": float(loss), "lr": float(step_out["lr"]),  # a tensor under torchao optimizers
                    "grad_norm": float(step_out["grad_norm"])}
         now = time.perf_counter()
         dt = (now - self._log_time) / max(1, step - self._log_step)
@@ -264,7 +264,8 @@ class Trainer:
                 acc.print(f"saved the trained model to {final} (AutoModelForCausalLM.from_pretrained loads it)")
             else:
                 acc.print(f"saved the LoRA adapter to {final} (PeftModel.from_pretrained(base_model, "
-                          f"{str(final)!r}) loads it)")
+                          f"{str(final)!r}) loads it" + ("; trained on the 4-bit NF4 base)" if self.cfg.load_in_4bit
+                                                         else ")"))
             if self.cfg.adapter is not None and self.cfg.merge_lora:
                 self._save_merged()
         acc.end_training()
@@ -276,7 +277,8 @@ class Trainer:
         save_hf_model(self.model, merged, self.acc.is_main_process, tokenizer=self.tokenizer,
                       dtype=self.cfg.export_dtype(), merge_adapter=True)
         self.acc.wait_for_everyone()
-        self.acc.print(f"saved the merged model to {merged} (AutoModelForCausalLM.from_pretrained loads it)")
+        into = " into the dequantised NF4 base" if self.cfg.load_in_4bit else ""
+        self.acc.print(f"saved the merged model{into} to {merged} (AutoModelForCausalLM.from_pretrained loads it)")
 
     # ------------------------------------------------------------------------------- run
     def run(self) -> dict:
