@@ -46,6 +46,7 @@ class TrainSetup:
     reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
     attention crosses document starts."""
     adapter: dict | None = None  # LoRA: ``ndparallel.models.adapters.lora_config`` kwargs (r, alpha, ...)
+    quantization: Any = None  # QLoRA: an ``NF4Config``: the base linears NF4 before parallelising
     load: Any = None
     """``load(acc, setup) -> model``, prepared by ``acc`` (e.g. ``acc.load_model(dir, ...)``), instead of
     ``build_model`` + ``prepare``: a module-level function (it travels to the ranks)."""
@@ -110,6 +111,10 @@ def build_model(setup: TrainSetup):
         from ndparallel.models.adapters import apply_adapter, lora_config
 
         model = apply_adapter(model, lora_config(**setup.adapter))
+    if setup.quantization is not None:  # the whole model on every rank: quantised whole (to_nf4)
+        from ndparallel.models.quantized import quantize_linears
+
+        quantize_linears(model, setup.quantization)
     return model
 
 

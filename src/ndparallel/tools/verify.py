@@ -24,6 +24,15 @@ def _adapter_kwargs(cfg: TrainConfig) -> dict | None:
             else sorted({t.rsplit(".", 1)[-1] for t in targets or []})}
 
 
+def _shrunk_nf4(cfg: TrainConfig):
+    """QLoRA's NF4 base with blocks small enough for the shrunk model's weights (None without it)."""
+    if not cfg.load_in_4bit:
+        return None
+    from ndparallel.models.quantized import NF4Config
+
+    return NF4Config(16, 4, cfg.nf4_config().skip_modules)
+
+
 def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: float = 1e-5,
                   fault: str | None = None) -> bool:
     """Run the layout and one process on CPU ranks; print the differences and a verdict."""
@@ -39,6 +48,7 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
         grad_accum=min(cfg.gradient_accumulation_steps, 2), seq_len=16 * pc.cp_size,
         optimizer="adamw", lr=1e-2, max_grad_norm=cfg.max_grad_norm, packed_documents=True,
         adapter=_adapter_kwargs(cfg),
+        quantization=_shrunk_nf4(cfg),
         parallel_kwargs=dict(fsdp_options=cfg.fsdp_options(), tp_options=cfg.tp_options(),
                              cp_options=cfg.cp_options(), loss_options=cfg.loss_options(),
                              # compile is checked at the dynamo / AOT-autograd level: inductor's
@@ -50,6 +60,7 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
         f"{small.model_type}: hidden {small.hidden_size}, heads {small.num_attention_heads}/"
         f"{small.num_key_value_heads}, 2 layers, seq {setup.seq_len} (packed documents), {steps} "
         "AdamW steps" + (f", LoRA r={setup.adapter['r']} (dropout 0)" if setup.adapter else "")
+        + (", 4-bit NF4 base (16 x 4 blocks: the shrunk weights are small)" if setup.quantization else "")
     )
     ref = run_on_ranks(train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}), None)[0]
     got = run_on_ranks(train_under_layout, pc.total_size, dataclasses.replace(setup, fault=fault),
