@@ -39,7 +39,8 @@ def header(result: PlanResult) -> str:
         from ndparallel.plan.adapter import trainable_fraction, trainable_params
 
         lora = (f"; LoRA r={r.lora_r} on every linear: {trainable_params(r.model, r.lora_r) / 1e6:.1f}M "
-                f"trainable ({trainable_fraction(r.model, r.lora_r):.2%}), base frozen")
+                f"trainable ({trainable_fraction(r.model, r.lora_r):.2%}), base frozen"
+                + (" in 4-bit NF4 (linears)" if r.quantized_base else ""))
     return (f"{r.model.name} ({r.model.num_params / 1e9:.2f}B params) on {r.gpus} × {hw.name} "
             f"({r.gpus_per_node}/node, {_gib(hw.mem_bytes)} GiB, {hw.peak_flops / 1e12:.0f} "
             f"TFLOP/s bf16); seq {r.seq_len}, global batch {gb}, {r.optimizer}, "
@@ -195,7 +196,7 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
         "fsdp_config": {"reshard_after_forward": s.reshard_after_forward,
                         "activation_checkpointing": s.checkpointing,
                         "unsharded_grad_accumulation": s.unsharded_grad_accumulation},
-        "optimizer": "adamw_torch" if s.optimizer == "adamw" else "sgd",
+        "optimizer": {"adamw": "adamw_torch"}.get(s.optimizer, s.optimizer),
     }
     if e.layout.cp > 1:
         cfg["cp_comm_strategy"] = s.cp_strategy
@@ -205,7 +206,10 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
     if s.mixed_precision == "bf16":
         cfg["bf16"] = True
     if s.lora_r:
-        cfg.update(adapter="lora", lora_r=s.lora_r, lora_alpha=2 * s.lora_r, lora_target_linear=True)
+        cfg.update(adapter="qlora" if s.quantized_base else "lora", lora_r=s.lora_r, lora_alpha=2 * s.lora_r,
+                   lora_target_linear=True)
+        if s.quantized_base:
+            cfg["load_in_4bit"] = True
     return cfg
 
 

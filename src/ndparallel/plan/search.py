@@ -56,6 +56,8 @@ class PlanRequest:
     optimizer_fused: bool = False
     lora_r: int = 0
     """LoRA rank (``--adapter lora --lora-r``); 0: full fine-tuning."""
+    quantized_base: bool = False
+    """QLoRA (``--adapter qlora``): a 4-bit NF4 base under the adapters."""
 
 
 @dataclass
@@ -173,7 +175,7 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     dp_exposed = (edge + max(0.0, gather * (1 - 2 / n_units) - ga * t_mb)
                   + max(0.0, reduce * (1 - 2 / n_units) - s.reducing_microbatches * t_mb * 2 / 3))
     t_opt = extras["optimizer"] + extras["clip"]
-    compute = ga * t_mb + extras["fsdp_copies"]
+    compute = ga * t_mb + extras["fsdp_copies"] + extras.get("nf4_dequant", 0.0)
     step = compute + ga * cp_exposed + tp + dp_exposed + t_opt
     gb = s.micro_batch * ga * layout.dp
     tokens = gb * s.seq_len
@@ -218,8 +220,14 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
                     unsharded_grad_accumulation=req.unsharded_grad_accumulation,
                     cp_strategy=req.cp_strategy, cp_kernel=req.cp_kernel, ac_policy=req.ac_policy,
                     loss_impl=req.loss_impl, loss_chunk_tokens=req.loss_chunk_tokens,
-                    optimizer_fused=req.optimizer_fused, lora_r=req.lora_r)
+                    optimizer_fused=req.optimizer_fused, lora_r=req.lora_r,
+                    quantized_base=req.quantized_base)
     res.rejections = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
+    if req.quantized_base:
+        from ndparallel.plan.qlora import nf4_shards_problem
+
+        why = nf4_shards_problem(req.model, layout)
+        res.rejections += [("qlora_layout", why)] if why else []
     if res.rejections:
         return res
     mbs = [micro_batch] if micro_batch else [req.micro_batch] if req.micro_batch else list(
