@@ -24,6 +24,7 @@ SMALL = {
     "data_memory": ["--mb", "2"],
     "loss_memory": ["--skip-logits"],
     "merge_memory": ["--layers", "2"],
+    "qlora_memory": ["--layers", "2"],
     "gpu_single": ["--tiny"],
 }
 
