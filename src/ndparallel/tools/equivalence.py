@@ -136,10 +136,10 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
     )
     if setup.load is not None:
         model = setup.load(acc, setup)
-        optimizer = acc.prepare(setup_optimizer(setup, model.parameters()))
+        optimizer = acc.prepare(setup_optimizer(setup, model))
     else:
         model = build_model(setup)
-        optimizer = setup_optimizer(setup, model.parameters())
+        optimizer = setup_optimizer(setup, model)
         model, optimizer = acc.prepare(model, optimizer)
     model.train()
     dp_rank, dp_size = acc.dp_rank, acc.dp_size

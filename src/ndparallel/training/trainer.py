@@ -119,7 +119,7 @@ class Trainer:
         self.save_every = cfg.save_steps or (max(1, steps_per_epoch // cfg.saves_per_epoch)
                                              if cfg.saves_per_epoch else None)
         self.model = self._load_model()
-        self.optimizer = optimizer_for(cfg, self.model.parameters())
+        self.optimizer = optimizer_for(cfg, self.model)  # the model: low-bit AdamW finds its embeddings
         warmup = (cfg.warmup_steps if cfg.warmup_ratio is None
                   else math.ceil(cfg.warmup_ratio * self.total_steps))
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, warmup, self.total_steps)
