@@ -93,7 +93,7 @@ CASES = [  # kernel, load_balance, heads, kv_heads (GQA when < heads), seq, padd
     ("math", True, 4, 2, 32, 32, False),
     ("flash", True, 4, 2, 32, 32, False),
     ("math", True, 4, 4, 16, 16, False),
-    ("sdpa", True, 4, 1, 29, 32, False),   # odd length, padded to a multiple of 2·cp; old name
+    ("flash", True, 4, 1, 29, 32, False),  # odd length, padded to a multiple of 2·cp
     ("math", True, 4, 2, 27, 32, False),
     ("math", False, 4, 2, 24, 24, False),  # contiguous (not load-balanced) shards
     ("math", True, 4, 2, 32, 32, True),    # packed documents, rows with different boundaries
@@ -103,7 +103,7 @@ CASES = [  # kernel, load_balance, heads, kv_heads (GQA when < heads), seq, padd
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
 def test_cp_attention_matches_full_causal_attention(cp, strategy):
     for case, errs in run_on_ranks(_op_errors, cp, strategy, CASES, timeout_s=120)[0]:
         assert max(errs.values()) <= TOL, (case, errs)
@@ -130,8 +130,10 @@ def test_document_mask_negative_control():
 
 
 @pytest.mark.parametrize("kernel", ["math", "flash"])
-@pytest.mark.parametrize("docs", [False, True])
+@pytest.mark.parametrize("docs", [False, "packed", True])
 def test_document_causal_attention_one_device(kernel, docs):
+    """No documents and packed rows (every block a causal square: written in place, no fp32
+    accumulator), and a row with a jump (merged blocks, the fp32 path)."""
     from ndparallel.parallel.cp_attention import document_causal_attention
 
     g = torch.Generator().manual_seed(3)
@@ -139,7 +141,7 @@ def test_document_causal_attention_one_device(kernel, docs):
     k, v = (torch.randn(3, 2, 20, 8, generator=g) for _ in range(2))
     dout = torch.randn(3, 4, 20, 8, generator=g)
     pos = packed_positions(3, 20, 5) if docs else None
-    if docs:  # a jump without a restart: those queries see back to the row's start (the rule)
+    if docs is True:  # a jump without a restart: those queries see back to the row's start (the rule)
         pos[2] = torch.tensor([0, 1, 2, 0, 1, 7, 8, 9, 10, 11, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
     rq, rk, rv, ref = reference_attention(q, k, v, 0.3, pos)
     ref.backward(dout.double())
@@ -159,7 +161,7 @@ def _never_skips_collectives():
     q = torch.randn(1, 2, 4, 4, requires_grad=True)
     k = torch.randn(1, 2, 4, 4, requires_grad=True)
     v = torch.randn(1, 2, 4, 4, requires_grad=True)
-    for strategy in ("ring", "allgather", "alltoall"):
+    for strategy in ("ring", "allgather", "ulysses"):
         for _ in range(2):
             out = context_parallel_attention(q, k, v, dist.group.WORLD, strategy=strategy)
             out.sum().backward()

@@ -76,3 +76,24 @@ def as_nf4_config(quantization: Any) -> NF4Config | None:
         return nf4_config_from_bnb(quantization.to_dict())
     raise TypeError(f"quantization: expected an NF4Config, 'nf4' or a BitsAndBytesConfig, got "
                     f"{type(quantization).__name__}")
+
+
+def quantize_for_qlora(model, quantization: Any) -> list[str]:
+    """QLoRA on a model in memory: its base linears become NF4 (``quantize_linears``, each weight
+    whole). ``model`` must carry LoRA adapters (a ``PeftModel``): a 4-bit base cannot train."""
+    from ndparallel.models.adapters import is_peft_model
+    from ndparallel.models.quantized import quantize_linears
+
+    if not is_peft_model(model):
+        raise ValueError("quantization (a 4-bit NF4 base) needs adapter= (a LoraConfig) or a PeftModel: the "
+                         "quantised base is frozen, only adapters train on it (QLoRA)")
+    return quantize_linears(model, as_nf4_config(quantization))
+
+
+def check_quantization(quantization: Any, adapter: Any):
+    """``quantization`` as an ``NF4Config`` (None: none); refused without an ``adapter``."""
+    quantization = as_nf4_config(quantization)
+    if quantization is not None and adapter is None:
+        raise ValueError("quantization (a 4-bit NF4 base) needs adapter= (a LoraConfig): the quantised base is "
+                         "frozen, only adapters train on it (QLoRA)")
+    return quantization

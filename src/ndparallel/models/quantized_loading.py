@@ -58,6 +58,10 @@ def _high_precision_like(param: torch.Tensor, dtype: torch.dtype, device: torch.
                               shape=param.shape, stride=param.stride())
 
 
+def _device_of(param: torch.Tensor) -> torch.device:
+    return param.to_local().device if hasattr(param, "device_mesh") else param.device
+
+
 def _swap_in(param: nn.Parameter, nf4_local: torch.Tensor) -> None:
     if hasattr(param, "device_mesh"):
         from torch.distributed.tensor import DTensor
@@ -78,11 +82,16 @@ def nf4_layer_groups(names: list[str]) -> list[list[str]]:
     return [groups[k] for k in sorted(groups, key=lambda k: (k == "", k))]
 
 
-def load_nf4_weights(model: nn.Module, path: Path, files: list[Path], config: NF4Config,
-                     dtype: torch.dtype, device: torch.device) -> None:
-    """Fill every NF4 parameter of the materialised ``model`` from the safetensors ``files``, one
-    decoder layer at a time (see the module doc). ``dtype``: the precision the rows are read and
-    quantised in (the model's load dtype); ``device``: where they are quantised. Collective."""
+def _config_of(param: torch.Tensor) -> NF4Config:
+    local = getattr(param, "_local_tensor", param)
+    return NF4Config(local.block_size, local.scaler_block_size)
+
+
+def load_nf4_weights(model: nn.Module, path: Path, files: list[Path], device: torch.device | None = None) -> None:
+    """Fill every NF4 parameter (placeholder) of the materialised ``model`` from the safetensors
+    ``files``, one decoder layer at a time (see the module doc), with the placeholders' block sizes,
+    reading and quantising in their dtype (the load dtype) on ``device`` (default: where each shard
+    lives). Collective."""
     import torch.distributed.checkpoint as dcp
 
     from ndparallel.models.safetensors_read import SliceReader
@@ -94,10 +103,11 @@ def load_nf4_weights(model: nn.Module, path: Path, files: list[Path], config: NF
     if missing:
         raise ValueError(f"{len(missing)} weight(s) are not in the checkpoint {str(path)!r}, e.g. {missing[:5]}")
     for group in nf4_layer_groups(names):
-        rows = {checkpoint_key(n): _high_precision_like(params[n], dtype, device) for n in group}
+        rows = {checkpoint_key(n): _high_precision_like(params[n], params[n].dtype, device or _device_of(params[n]))
+                for n in group}
         dcp.load(rows, storage_reader=SliceReader(str(path)))
         for n in group:
             p, read = params[n], rows.pop(checkpoint_key(n))
             local = read.to_local() if hasattr(read, "device_mesh") else read
-            nf4 = quantize_row_shard(local, config, _row_group(p))
-            _swap_in(p, nf4.to(p.to_local().device if hasattr(p, "device_mesh") else p.device))
+            nf4 = quantize_row_shard(local, _config_of(p), _row_group(p))
+            _swap_in(p, nf4.to(_device_of(p)))

@@ -1,5 +1,5 @@
-"""Apply the strategies to a model in one readable order: float8 → TP → CP → activation
-checkpointing → compile → FSDP (torchtitan's order).
+"""Apply the strategies to a model in one readable order: float8 → TP → CP → tiled MLP →
+activation checkpointing (+ offloading) → compile → FSDP (torchtitan's order).
 
 Each step is a call into one strategy module; this function only decides which apply.
 
@@ -21,38 +21,33 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ndparallel.layout.config import ParallelismConfig
+from ndparallel.layout.dims import ParallelDims
 from ndparallel.layout.mesh import submesh
 from ndparallel.models.adapters import base_model_of
 from ndparallel.models.quantized import nf4_layout_problem
 from ndparallel.parallel.master_weights import low_precision_params, upcast_params
-from ndparallel.parallel.options import (
-    CompileOptions,
-    CPOptions,
-    Float8Options,
-    FSDPOptions,
-    TPOptions,
-)
+from ndparallel.parallel.options import FSDPOptions, StrategyOptions
 
 
 def is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
+def uses_fsdp(dims: ParallelDims, options: StrategyOptions) -> bool:
+    """FSDP2 wraps the model when parameters are sharded or replicated over ranks, and for mixed
+    precision on one rank too (its ``MixedPrecisionPolicy`` does the casts)."""
+    return dims.dp_replicate * dims.fsdp > 1 or options.param_dtype is not None
+
+
 def parallelize_model(
     model: nn.Module,
     mesh: DeviceMesh,
-    pc: ParallelismConfig,
-    fsdp: FSDPOptions,
-    tp: TPOptions,
-    cp: CPOptions,
-    param_dtype: torch.dtype | None,
+    dims: ParallelDims,
+    options: StrategyOptions,
     device: torch.device,
-    compile: CompileOptions = CompileOptions(),
-    float8: Float8Options = Float8Options(),
     master_dtype: torch.dtype | None = torch.float32,
 ) -> nn.Module:
-    """Parallelise ``model`` in place for layout ``pc`` on ``mesh`` and return it. ``master_dtype``:
+    """Parallelise ``model`` in place for layout ``dims`` on ``mesh`` and return it. ``master_dtype``:
     the dtype trainable parameters (and optimizer states) are kept in; None keeps the model's own.
     A PEFT model is parallelised through the Hugging Face model inside it (LoRA layers included)."""
     wrapper, model = model, base_model_of(model)
@@ -66,48 +61,60 @@ def parallelize_model(
             f"{next(p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point())}: "
             f"upcasting them to {upcast} master weights (compute uses mixed_precision's dtype); "
             "load the model in float32 to skip this step", stacklevel=3)
-    use_fsdp = pc.dp_replicate_size * pc.fsdp_size > 1 or param_dtype is not None
-    if float8.enabled:
+    fsdp = options.fsdp
+    if options.float8.enabled:
         from ndparallel.parallel.float8 import apply_float8
 
-        apply_float8(model, float8, fsdp.layer_classes, fsdp=use_fsdp)
-    if pc.tp_enabled:
-        from ndparallel.parallel import tensor
+        apply_float8(model, options.float8, fsdp.layer_classes, fsdp=uses_fsdp(dims, options))
+    if dims.tp_enabled:
+        from ndparallel.parallel.tensor import apply_tensor_parallel
 
-        tp_mesh = submesh(mesh, "tp")
-        if tensor.is_tensor_parallel(model):  # made TP by transformers (tp_plan / device_mesh)
-            if wrapper is not model:
-                # transformers' TP hooks know nothing of LoRA A/B: its forward would add a full-size
-                # adapter output to a sharded base output (a different model, found by a test).
-                raise ValueError("LoRA on a model made tensor-parallel by transformers (tp_plan) is not supported: "
-                                 "load the model without tp_plan; prepare applies TP and shards each adapter "
-                                 "with its base linear")
-            tensor.distribute_leftover_params(model, tp_mesh)
-        else:
-            tensor.validate_tensor_parallel(model.config, pc.tp_size, tp)
-            tensor.apply_tensor_parallel(model, tp_mesh, tp)
-    if pc.cp_enabled:
-        from ndparallel.parallel import context
+        apply_tensor_parallel(model, submesh(mesh, "tp"), options.tp, adapted=wrapper is not model)
+    if dims.cp_enabled:
+        from ndparallel.parallel.context import apply_context_parallel
 
-        context.apply_context_parallel(model, submesh(mesh, "cp"), cp)
-    if fsdp.activation_checkpointing:
-        # transformers' own per-decoder-layer checkpointing (GradientCheckpointingLayer); the
-        # non-reentrant variant composes with FSDP2's hooks and DTensor.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if compile.enabled:
+        apply_context_parallel(model, submesh(mesh, "cp"), options.cp)
+    apply_activation_memory(model, fsdp, device)
+    if options.compile.enabled:
         from ndparallel.parallel.compile import apply_compile
 
-        apply_compile(model, compile, fsdp.layer_classes, per_child=pc.tp_enabled,
-                      skip_attention=pc.cp_enabled and fsdp.activation_checkpointing)
-    if use_fsdp:
+        # the tiled MLP's nested backward and the offloading hooks stay eager: compile each child
+        apply_compile(model, options.compile, fsdp.layer_classes,
+                      per_child=dims.tp_enabled or fsdp.tiled_mlp or fsdp.activation_offloading,
+                      skip_attention=dims.cp_enabled and fsdp.activation_checkpointing)
+    if uses_fsdp(dims, options):
         from ndparallel.parallel.fsdp import apply_fsdp
 
-        dims = ("dp_replicate", "dp_shard_cp") if pc.dp_replicate_enabled else ("dp_shard_cp",)
-        apply_fsdp(model, submesh(mesh, *dims), fsdp, param_dtype=param_dtype, master_dtype=upcast)
+        apply_fsdp(model, submesh(mesh, *dims.fsdp_dims), fsdp, param_dtype=options.param_dtype,
+                   master_dtype=upcast)
+        if fsdp.tiled_mlp:
+            from ndparallel.parallel.tiled_mlp import check_not_fsdp_unit
+
+            check_not_fsdp_unit(model)
     elif upcast is not None:
         upcast_params(model, upcast)
     move_leftovers(model, device, keep_params_on_cpu=fsdp.cpu_offload)
     return wrapper
+
+
+def apply_activation_memory(model: nn.Module, fsdp: FSDPOptions, device: torch.device) -> None:
+    """The per-decoder-layer memory options, after TP and CP (their hooks stay on the blocks):
+    sequence-tiled MLP, activation checkpointing, then offloading of the checkpointed inputs."""
+    if fsdp.activation_offloading and not fsdp.activation_checkpointing:
+        raise ValueError("activation_offloading offloads the inputs activation checkpointing keeps: set "
+                         "fsdp_config.activation_checkpointing: true (FSDPOptions(activation_checkpointing=True))")
+    if fsdp.tiled_mlp:
+        from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
+
+        apply_tiled_mlp(model, fsdp.tiled_mlp_num_shards, fsdp.layer_classes)
+    if fsdp.activation_checkpointing:
+        # transformers' own per-decoder-layer checkpointing (GradientCheckpointingLayer); the
+        # non-reentrant variant composes with FSDP2's hooks and DTensor.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fsdp.activation_offloading:
+        from ndparallel.parallel.offload import apply_activation_offloading
+
+        apply_activation_offloading(model, device, fsdp.layer_classes)
 
 
 def move_leftovers(model: nn.Module, device: torch.device, keep_params_on_cpu: bool = False) -> None:

@@ -10,17 +10,20 @@ step's memory-bound extras (optimizer, clipping, FSDP's copies).
   ``kernel_overhead_s``; and the host floor: a micro-batch cannot run faster than its eager ops
   are dispatched (``host_op_s`` each), which is what bounds tiny models.
 
-MFU keeps the usual convention: model FLOPs ``6·N + 6·L·a·d·s`` per token over the dtype's peak.
+MFU: model FLOPs per token (``models.flops``: 4·N + 2·N_trained + causal attention 6·L·a·d·s, the
+trainer's definition too) over the dtype's peak.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ndparallel.models.flops import train_flops_per_token
 from ndparallel.plan.attention import attention_time
 from ndparallel.plan.gemm import Gemm, gemm_time, micro_batch_gemms
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
+from ndparallel.plan.long_context import mlp_tiles
 from ndparallel.plan.membound import (
     CLIP_BYTES,
     OPTIMIZER_BYTES,
@@ -37,23 +40,17 @@ KERNELS_PER_LAYER = (60, 130)
 loss, FSDP and the optimizer included; ~190 per layer, split about 1 : 2."""
 
 
-def attention_flops_per_token(model: ModelSpec, seq_len: int) -> float:
-    """Training FLOPs of QKᵀ and PV per token with a causal mask: forward 2·(2·a·d·s)/2 per layer,
-    backward twice that: 6·L·a·d·s."""
-    return 6 * model.layers * model.heads * model.head_dim * seq_len
-
-
 def model_flops_per_token(model: ModelSpec, seq_len: int, lora_r: int = 0) -> float:
-    """6·N (forward 2·N, backward 4·N; N = matmul parameters incl. LM head) + causal attention.
-    LoRA of rank ``lora_r``: no weight gradients for the frozen base, 4·N + 2·N_adapter (the
-    adapters' forward and input gradients, 4·N_adapter, are neglected: N_adapter ≈ 0.5 % of N)."""
+    """``models.flops.train_flops_per_token`` (the trainer's MFU uses the same definition):
+    4·N + 2·N_trained + causal attention 6·L·a·d·s; N_trained = N, or the adapters under LoRA of
+    rank ``lora_r`` (no weight gradients for the frozen base)."""
+    trained = model.matmul_params
     if lora_r:
         from ndparallel.plan.adapter import trainable_params
 
-        matmul = 4 * model.matmul_params + 2 * trainable_params(model, lora_r)
-    else:
-        matmul = 6 * model.matmul_params
-    return matmul + attention_flops_per_token(model, seq_len)
+        trained = trainable_params(model, lora_r)
+    return train_flops_per_token(model.matmul_params, trained, model.layers, model.heads * model.head_dim,
+                                 seq_len)
 
 
 def peak(hw: Hardware, s: Settings) -> float:
@@ -101,12 +98,16 @@ def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings,
     fwd_a, bwd_a = attention_time(model, layout, s, hw, pk)
     fwd_b, bwd_b = layer_bytes_per_token(model, layout, s)
     layer = fwd_b * (2 if s.checkpointing else 1) + bwd_b
+    if s.tiled_mlp:  # the SwiGLU of the tile recomputed in backward (5e per element of f/t)
+        layer += Bytes(5 * s.act_bytes * model.intermediate / layout.tp)
     # The selective policy keeps the attention output: attention is not recomputed.
     attn = fwd_a * (2 if s.checkpointing and s.ac_policy == "full" else 1) + bwd_a
     elementwise = bytes_time(layer * (tokens * model.layers), hw)
     loss = bytes_time(loss_bytes_per_token(model, layout, s) * tokens, hw)
     kf, kb = KERNELS_PER_LAYER
     kernels = model.layers * (kf * (2 if s.checkpointing else 1) + kb)
+    if s.tiled_mlp:  # per tile ~6 forward kernels (3 GEMMs, SiLU, product, copy), 2 forwards + ~12 back
+        kernels += model.layers * mlp_tiles(model, layout, s)[0] * (6 * (2 + s.checkpointing) + 12)
     return ComputeBreakdown(gemm, attn, elementwise, loss, kernels * hw.kernel_overhead_s,
                             kernels * hw.host_op_s)
 

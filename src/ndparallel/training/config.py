@@ -26,6 +26,7 @@ from ndparallel.parallel.options import (
     Float8Options,
     FSDPOptions,
     LossOptions,
+    StrategyOptions,
     TPOptions,
 )
 from ndparallel.training.config_data import (  # noqa: F401  (ConfigError: re-exported)
@@ -108,7 +109,9 @@ class TrainConfig(QuantFields):
     sequence_parallel: bool = False
     loss_parallel: bool | None = None
     """Under TP: cross-entropy on vocab-sharded logits; default (null): on when exact."""
-    cp_comm_strategy: Literal["ring", "allgather", "alltoall"] = "ring"
+    cp_comm_strategy: Literal["ring", "allgather", "ulysses", "alltoall"] = "ring"
+    """ring (K/V rotated), allgather (K/V gathered once per layer), ulysses (heads <-> sequence
+    all-to-all); alltoall is Accelerate's name for the rotating exchange: it runs the ring."""
     # speed
     chunked_loss: bool | None = None
     """Loss from hidden states + LM-head weight in token chunks, never the full logits; default
@@ -123,6 +126,16 @@ class TrainConfig(QuantFields):
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     fp8_emulate: bool = False
     """Emulate float8 matmuls in high precision (any device; testing only)."""
+    # long context (Axolotl's names; docs/long_context.md)
+    tiled_mlp: bool = False
+    """Run each decoder MLP over sequence tiles, recomputing a tile in backward: its tokens ×
+    intermediate activations never exist whole."""
+    tiled_mlp_num_shards: _int(1) | None = None
+    """Tiles per MLP call; default: ceil(local tokens / hidden size)."""
+    activation_offloading: bool = False
+    """With fsdp_config.activation_checkpointing: each layer's checkpointed input goes to pinned host
+    memory in the forward and comes back, one layer ahead, for its backward (side CUDA stream).
+    'hidden_states' (Axolotl's mode offloading the checkpointed hidden states) is the same."""
     # adapter (LoRA through PEFT; Axolotl's names)
     adapter: Literal["lora", "qlora"] | None = None
     """'lora': train LoRA adapters on the frozen base model (needs peft: pip install
@@ -262,9 +275,25 @@ class TrainConfig(QuantFields):
                     raise ValueError(f"'{flag}: true' and 'attn_implementation: {self.attn_implementation}' "
                                      "disagree; keep one")
                 self.attn_implementation = impl
+        if self.activation_offloading and not self.fsdp_config.activation_checkpointing:
+            raise ValueError("activation_offloading offloads what activation checkpointing keeps: set "
+                             "fsdp_config.activation_checkpointing: true, or remove activation_offloading")
+        if self.tiled_mlp_num_shards is not None and not self.tiled_mlp:
+            raise ValueError("tiled_mlp_num_shards is set but tiled_mlp is not: set tiled_mlp: true, or "
+                             "remove tiled_mlp_num_shards")
         if self.plugins and "chunked_loss" in type(self).model_fields and getattr(self, "chunked_loss", None) is None:
             self.chunked_loss = True  # CutCrossEntropyPlugin = the memory-efficient loss
         return self
+
+    @field_validator("activation_offloading", mode="before")
+    @classmethod
+    def _offload_mode(cls, v):
+        if v == "hidden_states":
+            return True
+        if isinstance(v, str) and v.lower() in ("legacy", "disk", "offload", "offload_disk"):
+            raise ValueError(f"{v!r} is not supported: ndparallel offloads the checkpointed hidden states to "
+                             "pinned host memory on a side stream; use true (or hidden_states)")
+        return v
 
     @field_validator("lora_target_modules", mode="before")
     @classmethod
@@ -299,6 +328,8 @@ class TrainConfig(QuantFields):
             activation_checkpointing=f.activation_checkpointing,
             unsharded_grad_accumulation=f.unsharded_grad_accumulation,
             layer_classes=tuple(f.layer_classes) if f.layer_classes else None,
+            activation_offloading=bool(self.activation_offloading), tiled_mlp=self.tiled_mlp,
+            tiled_mlp_num_shards=self.tiled_mlp_num_shards,
         )
 
     def tp_options(self) -> TPOptions:
@@ -312,7 +343,9 @@ class TrainConfig(QuantFields):
         return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[name]
 
     def cp_options(self) -> CPOptions:
-        return CPOptions(comm_strategy=self.cp_comm_strategy)
+        from ndparallel.layout.handlers import CP_STRATEGIES
+
+        return CPOptions(comm_strategy=CP_STRATEGIES.get(self.cp_comm_strategy, self.cp_comm_strategy))
 
     def loss_options(self) -> LossOptions:
         return LossOptions(chunked=self.chunked_loss, chunk_tokens=self.loss_chunk_tokens)
@@ -322,6 +355,14 @@ class TrainConfig(QuantFields):
 
     def float8_options(self) -> Float8Options:
         return Float8Options(enabled=self.fp8, recipe=self.fp8_recipe, emulate=self.fp8_emulate)
+
+    def strategy_options(self) -> StrategyOptions:
+        """Every strategy option of the run, and its compute dtype: what the engine applies."""
+        import torch
+
+        return StrategyOptions(fsdp=self.fsdp_options(), tp=self.tp_options(), cp=self.cp_options(),
+                               loss=self.loss_options(), compile=self.compile_options(),
+                               float8=self.float8_options(), param_dtype=torch.bfloat16 if self.bf16 else None)
 
     def lora_kwargs(self, **overrides) -> dict | None:
         """Arguments of ``ndparallel.models.adapters.lora_config``; None without ``adapter``."""

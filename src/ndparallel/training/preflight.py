@@ -19,6 +19,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     from ndparallel.layout.config import ParallelismConfigError
     from ndparallel.training.model_check import (
         check_adapter,
+        check_memory_options,
         check_model,
         resolve_model_config,
     )
@@ -33,6 +34,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     from ndparallel.training.qlora_check import check_quantized_base
 
     check_quantized_base(cfg, hf, pc)  # load_in_4bit: torchao, no TP, NF4 shards of whole blocks
+    check_memory_options(cfg, hf)
     if check_local:
         tokenizer = check_local_inputs(cfg, check_output=check_output)
         _check_added_tokens(cfg, tokenizer, hf)
@@ -45,11 +47,26 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
             from ndparallel.parallel.context import validate_context_parallel
 
             validate_context_parallel(hf, pc.cp_size, cfg.sequence_len, pc.tp_size,
-                                      strategy=cfg.cp_comm_strategy)
+                                      strategy=cfg.cp_options().comm_strategy)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_sequence_len(cfg, pc.dims)
     _check_fp8(cfg)
     return pc, hf
+
+
+def _check_sequence_len(cfg: TrainConfig, dims) -> None:
+    """Rows are cut into CP chunks and, under sequence parallel, split over tp: one rule
+    (``ParallelDims.seq_len_divisor``) for every layout."""
+    divisor = dims.seq_len_divisor(cfg.sequence_parallel)
+    if cfg.sequence_len % divisor:
+        up = cfg.sequence_len + (-cfg.sequence_len) % divisor
+        why = " and ".join(w for w, on in (
+            (f"2·context_parallel_size = {dims.cp_chunks()} chunks", dims.cp_enabled),
+            (f"sequence parallel splits each cp rank's tokens over tensor_parallel_size = {dims.tp}",
+             cfg.sequence_parallel and dims.tp_enabled)) if on)
+        raise ConfigError(f"sequence_len={cfg.sequence_len} is not a multiple of {divisor} ({why}): "
+                          f"set sequence_len to a multiple of {divisor} (e.g. {up})")
 
 
 def _check_fp8(cfg: TrainConfig) -> None:
@@ -222,6 +239,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
         *([f"quantised    : {check_quantized_base(cfg, hf, pc)}"] if cfg.load_in_4bit else []),
+        *([f"long context : {_long_context(cfg, pc, hf)}"] if cfg.tiled_mlp or cfg.activation_offloading else []),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
         f"({cfg.lr_scheduler}, warmup "
         f"{cfg.warmup_steps if cfg.warmup_ratio is None else f'ratio {cfg.warmup_ratio:g}'})",
@@ -233,6 +251,24 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     lines += [f"note         : {n}" for n in run_notes(cfg, device) if not n.startswith("max_steps")]
     return "\n".join(lines)
+
+
+def _long_context(cfg: TrainConfig, pc, hf) -> str:
+    """The memory options and what they hold per rank (docs/long_context.md)."""
+    import math
+
+    tokens = cfg.micro_batch_size * cfg.sequence_len // pc.cp_size
+    parts = []
+    if cfg.tiled_mlp:
+        row = cfg.sequence_len // pc.cp_size // (pc.tp_size if cfg.sequence_parallel else 1)
+        tiles = min(row, cfg.tiled_mlp_num_shards or math.ceil(row / hf.hidden_size))
+        parts.append(f"tiled MLP ({tiles} tiles of ≤ {math.ceil(row / tiles)} tokens per row)")
+    if cfg.activation_offloading:
+        per_layer = tokens * hf.hidden_size * (2 if cfg.bf16 else 4)
+        per_layer //= pc.tp_size if cfg.sequence_parallel else 1
+        parts.append(f"activation offloading ({hf.num_hidden_layers} checkpointed layer inputs, "
+                     f"{hf.num_hidden_layers * per_layer / 2**30:.2f} GiB of pinned host memory per rank)")
+    return ", ".join(parts)
 
 
 def _data_mode(cfg: TrainConfig) -> str:
