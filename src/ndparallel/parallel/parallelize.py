@@ -51,7 +51,7 @@ def parallelize_model(
     the dtype trainable parameters (and optimizer states) are kept in; None keeps the model's own.
     A PEFT model is parallelised through the Hugging Face model inside it (LoRA layers included)."""
     wrapper, model = model, base_model_of(model)
-    problem = nf4_layout_problem(model, pc.fsdp_size, pc.tp_size)  # QLoRA's 4-bit base
+    problem = nf4_layout_problem(model, dims.fsdp, dims.tp)  # QLoRA's 4-bit base
     if problem:
         raise ValueError(problem)
     upcast = master_dtype if master_dtype is not None and low_precision_params(model, master_dtype) else None
