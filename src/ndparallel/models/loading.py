@@ -45,7 +45,7 @@ from ndparallel.models.weights import weights_problem
 _SAFETENSORS = ".safetensors"
 
 
-def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str,
+def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str | None,
                       trust_remote_code: bool, seed: int, adapter: Any = None,
                       quantization: NF4Config | None = None) -> nn.Module:
     """A random initialisation equal to ``torch.manual_seed(seed); from_config(config)`` on one
@@ -68,7 +68,7 @@ def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_impleme
     return model
 
 
-def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool,
+def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | None, trust_remote_code: bool,
                   vocab_size: int | None = None, adapter: Any = None,
                   quantization: NF4Config | None = None) -> tuple[nn.Module, list[Path], list[str]]:
     """The model of directory ``path`` on the meta device (no memory), checked against its

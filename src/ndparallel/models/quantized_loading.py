@@ -27,7 +27,6 @@ import torch.nn as nn
 
 from ndparallel.models.adapters import checkpoint_key
 from ndparallel.models.quantized import NF4Config, is_nf4, quantize_row_shard
-from ndparallel.models.weights import read_header
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
@@ -94,18 +93,20 @@ def load_nf4_weights(model: nn.Module, path: Path, files: list[Path], device: to
     lives). Collective."""
     import torch.distributed.checkpoint as dcp
 
-    from ndparallel.models.safetensors_read import SliceReader
+    from ndparallel.models.key_conversion import checkpoint_keys
+    from ndparallel.models.safetensors_read import SliceReader, stored_tensors
 
     params = dict(model.named_parameters())
     names = [n for n, p in params.items() if is_nf4(p)]
-    stored = {k for f in files for k in read_header(f)}
-    missing = [checkpoint_key(n) for n in names if checkpoint_key(n) not in stored]
+    stored = stored_tensors(files)
+    plan = checkpoint_keys(model, {k: (v[0], v[1]) for k, v in stored.items()})  # transformers' key matching
+    missing = [checkpoint_key(n) for n in names if not plan.has(checkpoint_key(n))]
     if missing:
         raise ValueError(f"{len(missing)} weight(s) are not in the checkpoint {str(path)!r}, e.g. {missing[:5]}")
     for group in nf4_layer_groups(names):
         rows = {checkpoint_key(n): _high_precision_like(params[n], params[n].dtype, device or _device_of(params[n]))
                 for n in group}
-        dcp.load(rows, storage_reader=SliceReader(str(path)))
+        dcp.load(rows, storage_reader=SliceReader(str(path), model, plan, stored))
         for n in group:
             p, read = params[n], rows.pop(checkpoint_key(n))
             local = read.to_local() if hasattr(read, "device_mesh") else read

@@ -52,6 +52,9 @@ class TrainSetup:
     load: Any = None
     """``load(engine, setup) -> model``, parallelised by ``engine`` (e.g. ``engine.build_model(dir, ...)``),
     instead of ``build_model`` + ``parallelize``: a module-level function (it travels to the ranks)."""
+    model_dir: str | None = None
+    """A saved model (``save_pretrained``) both runs load with ``Engine.build_model`` (sharded,
+    transformers' key conversion) instead of building ``model_config`` from the seed."""
 
 
 @dataclass
@@ -137,7 +140,12 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
     from ndparallel.engine import Engine, train_step
 
     engine = Engine(ParallelismConfig(**(layout or {})), strategy_options(setup))
-    model = setup.load(engine, setup) if setup.load is not None else engine.parallelize(build_model(setup))
+    if setup.load is not None:
+        model = setup.load(engine, setup)
+    elif setup.model_dir:
+        model = engine.build_model(setup.model_dir)
+    else:
+        model = engine.parallelize(build_model(setup))
     optimizer = setup_optimizer(setup, model)  # the model: low-bit AdamW finds its embeddings
     model.train()
     dp_rank, dp_size = engine.dp_rank, engine.dp_size

@@ -22,14 +22,16 @@ def check_quantized_base(cfg: TrainConfig, hf, pc) -> str | None:
         quantized_linears,
         require_torchao,
     )
-    from ndparallel.training.model_check import _adapted_meta_model
+    from ndparallel.models.adapters import apply_adapter
+    from ndparallel.training.model_check import meta_model, quiet_transformers
 
     try:
         require_torchao()
     except ImportError as e:
         raise ConfigError(f"load_in_4bit: {e}") from None
     config = cfg.nf4_config()
-    base = base_model_of(_adapted_meta_model(cfg, hf))
+    with quiet_transformers():  # check_adapter (run first) has named any problem of the LoRA config
+        base = base_model_of(apply_adapter(meta_model(cfg, hf), cfg.lora_config()))
     names, kept = quantized_linears(base, config)
     modules = dict(base.named_modules())
     shapes = {n: tuple(modules[n].weight.shape) for n in names}
