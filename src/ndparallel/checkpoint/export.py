@@ -45,6 +45,7 @@ from ndparallel.models.adapters import (
 )
 from ndparallel.models.key_conversion import SaveConversion
 from ndparallel.models.naming import model_class_name, tied_aliases
+from ndparallel.models.quantized import dequantize, is_nf4
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -133,8 +134,11 @@ class ShardWriter:
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a DTensor gathered; a QLoRA NF4 weight gathered as 4-bit and dequantised)."""
     from torch.distributed.tensor import DTensor
 
+    if is_nf4(value):
+        return dequantize(value)
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
@@ -148,7 +152,8 @@ def save_hf_model(
     Collective: every rank must call it; only ``is_main`` writes. ``dtype`` casts (default: as is);
     ``safe_serialization=False`` writes ``pytorch_model*.bin`` instead of safetensors. A LoRA
     ``PeftModel`` is written as a PEFT adapter directory, or with ``merge_adapter`` as the plain
-    model with every adapter merged into its base weight (``W + scaling · B @ A``)."""
+    model with every adapter merged into its base weight (``W + scaling · B @ A``); a QLoRA base's
+    NF4 weights are written dequantised (merged or not): the weights the adapter was trained on."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     if is_peft_model(model) and not merge_adapter:
@@ -176,7 +181,7 @@ def save_hf_model(
             a, b, scaling = merges[name]
             full = _full(value).float() + scaling * (_full(state[b]).float() @ _full(state[a]).float())
             full = full.to(dtype or value.dtype)
-        elif dtype is not None and value.is_floating_point():
+        elif dtype is not None and value.is_floating_point() and not is_nf4(value):
             full = _full(value.to(dtype))  # cast the local shard first: the gather moves dtype's bytes
         else:
             full = _full(value)  # one tensor at a time

@@ -23,6 +23,7 @@ from ndparallel.models.loading import (
     set_full_tensors,
 )
 from ndparallel.models.presets import is_preset, preset_config
+from ndparallel.models.quantization_config import check_quantization
 from ndparallel.parallel.parallelize import move_leftovers
 
 
@@ -37,6 +38,7 @@ def build_model(
     adapter_weights: str | os.PathLike | None = None,
     vocab_size: int | None = None,
     config_overrides: dict | None = None,
+    quantization: Any = None,
 ) -> nn.Module:
     """Build, parallelise and fill a causal LM for ``engine`` (an ``Engine``); returns the model.
 
@@ -59,27 +61,31 @@ def build_model(
             (``models.vocab``). A config or preset is built with its own ``vocab_size``.
         config_overrides: fields set on the config of a model read from disk before it is built
             (Axolotl's ``overrides_of_model_config``; a config or preset: set them on it).
+        quantization: QLoRA's 4-bit NF4 base (``models.quantized.NF4Config()``, ``"nf4"`` or a 4-bit
+            ``BitsAndBytesConfig``; needs ``adapter``): the base linears become torchao ``NF4Tensor``
+            shards, each rank quantising only its rows while reading them (``quantized_loading``).
     """
+    quantization = check_quantization(quantization, adapter)
     if adapter_weights is not None and adapter is None:
         raise ValueError("adapter_weights needs adapter= (the LoraConfig it was saved with: "
                          "ndparallel.models.adapter_files.read_adapter_config(directory))")
     if isinstance(source, PretrainedConfig) or (isinstance(source, str) and is_preset(source)):
         config = source if isinstance(source, PretrainedConfig) else preset_config(source)
-        model = build_from_config(config, dtype, attn_implementation, trust_remote_code, seed, adapter)
+        model = build_from_config(config, dtype, attn_implementation, trust_remote_code, seed, adapter, quantization)
         model = engine.parallelize(model)
         if adapter_weights is not None:
             set_full_tensors(model, read_adapter_weights(model, adapter_weights))
         return model
     path = resolve_model_dir(str(source), engine is None or engine.is_local_main_process)
     model, files, grown = build_on_meta(path, dtype, attn_implementation, trust_remote_code, vocab_size, adapter,
-                                         config_overrides)
+                                         config_overrides, quantization)
     model = engine.parallelize(model)  # TP/CP/FSDP on meta: no memory yet
     offload = engine.options.fsdp.cpu_offload
     # Shards are materialised where they live: FSDP's CPU offload keeps them in host memory.
     materialize(model, torch.device("cpu") if offload else engine.device)
     if offload:
         move_leftovers(model, engine.device, keep_params_on_cpu=True)  # buffers to the device
-    fill_from_files(model, path, files, grown, seed, adapter_weights)
+    fill_from_files(model, path, files, grown, seed, adapter_weights, device=engine.device)
     if adapter is not None:  # as given (a hub id stays a hub id), for the saved adapter_config
         adapter_config_of(model).base_model_name_or_path = str(source)
     return model

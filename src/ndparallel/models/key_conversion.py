@@ -32,6 +32,8 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from ndparallel.models.adapters import checkpoint_key, is_adapter_param
+
 
 def _transforms(model: nn.Module, add_legacy: bool = True) -> list:
     """transformers' load-time transforms for ``model`` (empty for a non-transformers module).
@@ -126,7 +128,9 @@ def checkpoint_keys(model: nn.Module, stored: dict[str, tuple]) -> CheckpointKey
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
-    keys = dict.fromkeys(model.state_dict(), True)
+    # LoRA-wrapped linears are read under the base model's names (``.base_layer`` dropped); the
+    # adapters are in no base checkpoint
+    keys = dict.fromkeys((checkpoint_key(k) for k in model.state_dict() if not is_adapter_param(k)), True)
     prefix = getattr(model, "base_model_prefix", None)
     direct: dict[str, str] = {}
     fused: dict[str, Fused] = {}

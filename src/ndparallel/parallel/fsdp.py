@@ -23,6 +23,7 @@ from torch.distributed.fsdp import (
 
 from ndparallel.models.layers import decoder_layers, embedding_modules, output_modules
 from ndparallel.models.naming import share_parameters
+from ndparallel.models.quantized import is_nf4
 from ndparallel.parallel.master_weights import upcast_params
 from ndparallel.parallel.options import FSDPOptions
 
@@ -48,6 +49,12 @@ def apply_fsdp(
     if options.cpu_offload:
         # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op copy.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    nf4 = {p for p in model.parameters() if is_nf4(p)}
+    if nf4 and dp_mesh.size(dp_mesh.ndim - 1) == 1:
+        # QLoRA without sharding (DP, or one device with mixed precision): FSDP2's shard-size-1 path
+        # has no room for NF4's three all-gather inputs. The frozen NF4 weights are replicated as
+        # they are (no gradient, nothing to reduce); FSDP keeps the rest.
+        kwargs["ignored_params"] = nf4
 
     def shard(module, reshard_after_forward: bool) -> None:
         for m in module if isinstance(module, list) else [module]:

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ndparallel.layout.dims import ParallelDims
 from ndparallel.layout.mesh import submesh
 from ndparallel.models.adapters import base_model_of
+from ndparallel.models.quantized import nf4_layout_problem
 from ndparallel.parallel.master_weights import low_precision_params, upcast_params
 from ndparallel.parallel.options import FSDPOptions, StrategyOptions
 
@@ -55,6 +56,9 @@ def parallelize_model(
     ``expert_mesh`` (``layout.mesh.build_expert_mesh``): given, the experts of a mixture-of-experts
     model are split over its ``ep`` dim and FSDP-sharded over its ``efsdp`` dim (``dims.experts_split``)."""
     wrapper, model = model, base_model_of(model)
+    problem = nf4_layout_problem(model, dims.fsdp, dims.tp)  # QLoRA's 4-bit base
+    if problem:
+        raise ValueError(problem)
     upcast = master_dtype if master_dtype is not None and low_precision_params(model, master_dtype) else None
     if upcast is not None:
         warnings.warn(

@@ -123,6 +123,10 @@ def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Colle
         from ndparallel.plan.adapter import adapt_collectives
 
         out = adapt_collectives(out, model, layout, s, Collective)
+    if s.quantized_base:
+        from ndparallel.plan.qlora import nf4_collectives
+
+        out = nf4_collectives(out, model, layout, s)
     return [c for c in out if c.count > 0]
 
 

@@ -64,6 +64,9 @@ class Settings:
     lora_r: int = 0
     """LoRA rank on every linear of the decoder layers (``plan --adapter lora``); 0: full
     fine-tuning. See ``ndparallel.plan.adapter``."""
+    quantized_base: bool = False
+    """QLoRA (``plan --adapter qlora``): the decoder linears of the frozen base are 4-bit NF4
+    (``ndparallel.plan.qlora``); needs ``lora_r``."""
     tiled_mlp: bool = False
     """Sequence-tiled MLP (``tiled_mlp``): see ``ndparallel.plan.long_context``."""
     tiled_mlp_num_shards: int | None = None
@@ -97,10 +100,15 @@ class Settings:
         return 4
 
     @property
-    def optimizer_state_bytes(self) -> int:
+    def optimizer_state_bytes(self) -> float:
         """Bytes of optimizer state per parameter: AdamW exp_avg + exp_avg_sq in fp32; SGD with
-        torch's default momentum=0 keeps none."""
-        return {"adamw": 8, "sgd": 0}[self.optimizer]
+        torch's default momentum=0 keeps none; torchao's 8-bit AdamW int8 codes + one fp32 scale per
+        256 values for each moment, its 4-bit one packed codes + one scale per 128 (tensors of
+        >= 4096 values, every matrix of a real model)."""
+        return OPTIMIZER_STATE_BYTES[self.optimizer]
+
+
+OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "sgd": 0.0, "adamw_8bit": 2 + 8 / 256, "adamw_4bit": 1 + 8 / 128}
 
 
 _ALIASES = {

@@ -25,6 +25,7 @@ from ndparallel.plan.long_context import (
     tiled_saved_reduction_per_token,
 )
 from ndparallel.plan.models import ModelSpec, fsdp_units
+from ndparallel.plan.qlora import memory_adjustments
 
 FRAGMENTATION = 0.05
 """Allocator slack added on top of the transient (activation, buffer, logits) bytes."""
@@ -251,6 +252,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         all_grads = adapter * 4 + (model.layers * adapter_local * s.reduce_bytes
                                    if s.accumulates_unsharded else 0.0)
         head_grads = 0.0  # the LM head is frozen
+    nf4 = memory_adjustments(model, layout, s, numels["layer"][0]) if s.quantized_base else {}
+    params -= nf4.get("params", 0.0)  # QLoRA: the decoder linears are 4-bit NF4 (plan/qlora.py)
     # With zero_grad(set_to_none=True) and one micro-batch no gradient exists at the loss moment;
     # at the first layer's backward only the (untied) head unit's has been reduced.
     grads_kept = not s.set_to_none or s.grad_accum > 1
@@ -270,13 +273,15 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     saved += 2 * tokens * model.head_dim * e
     logits = _logits_bytes(model, layout, s, tokens)
     buf_a, buf_b = _buffers(model, layout, s, numels)
+    buf_a, buf_b = buf_a - nf4.get("buffer_a", 0.0), buf_b - nf4.get("buffer_b", 0.0)
 
     moments = {
         "loss backward": (grads_a, saved, logits, buf_a),
         # the last layer's backward: every layer's saved activations (under checkpointing, the
         # layer's own recomputed ones too) and the gradient workspace of one layer
         "layer backward": (grads_b, saved + (per_layer if s.checkpointing else 0.0)
-                           + _workspace(model, layout, s, tokens), 0.0, buf_b),
+                           + _workspace(model, layout, s, tokens)
+                           + nf4.get("workspace", 0.0), 0.0, buf_b),
         "end of backward": (all_grads, 0.0, 0.0, 0.0),
         "optimizer step": (all_grads + optimizer_step_temporaries(model, layout, s), 0.0, 0.0, 0.0),
     }

@@ -39,7 +39,8 @@ def header(result: PlanResult) -> str:
         from ndparallel.plan.adapter import trainable_fraction, trainable_params
 
         lora = (f"; LoRA r={r.lora_r} on every linear: {trainable_params(r.model, r.lora_r) / 1e6:.1f}M "
-                f"trainable ({trainable_fraction(r.model, r.lora_r):.2%}), base frozen")
+                f"trainable ({trainable_fraction(r.model, r.lora_r):.2%}), base frozen"
+                + (" in 4-bit NF4 (linears)" if r.quantized_base else ""))
     moe = (f", {r.model.active_params / 1e9:.2f}B active: {r.model.top_k} of {r.model.num_experts} experts"
            if r.model.is_moe else "")
     return (f"{r.model.name} ({r.model.num_params / 1e9:.2f}B params{moe}) on {r.gpus} × {hw.name} "
@@ -201,7 +202,7 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
         "fsdp_config": {"reshard_after_forward": s.reshard_after_forward,
                         "activation_checkpointing": s.checkpointing,
                         "unsharded_grad_accumulation": s.unsharded_grad_accumulation},
-        "optimizer": "adamw_torch" if s.optimizer == "adamw" else "sgd",
+        "optimizer": {"adamw": "adamw_torch"}.get(s.optimizer, s.optimizer),
     }
     if e.layout.cp > 1:
         cfg["cp_comm_strategy"] = s.cp_strategy
@@ -211,7 +212,10 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
     if s.mixed_precision == "bf16":
         cfg["bf16"] = True
     if s.lora_r:
-        cfg.update(adapter="lora", lora_r=s.lora_r, lora_alpha=2 * s.lora_r, lora_target_linear=True)
+        cfg.update(adapter="qlora" if s.quantized_base else "lora", lora_r=s.lora_r, lora_alpha=2 * s.lora_r,
+                   lora_target_linear=True)
+        if s.quantized_base:
+            cfg["load_in_4bit"] = True
     if s.tiled_mlp:
         cfg["tiled_mlp"] = True
         if s.tiled_mlp_num_shards:

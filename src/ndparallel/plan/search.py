@@ -57,6 +57,8 @@ class PlanRequest:
     optimizer_fused: bool = False
     lora_r: int = 0
     """LoRA rank (``--adapter lora --lora-r``); 0: full fine-tuning."""
+    quantized_base: bool = False
+    """QLoRA (``--adapter qlora``): a 4-bit NF4 base under the adapters."""
     tiled_mlp: bool = False
     tiled_mlp_num_shards: int | None = None
     activation_offloading: bool = False
@@ -185,7 +187,7 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     dp_exposed = (edge + max(0.0, gather * (1 - 2 / n_units) - ga * t_mb)
                   + max(0.0, reduce * (1 - 2 / n_units) - s.reducing_microbatches * t_mb * 2 / 3))
     t_opt = extras["optimizer"] + extras["clip"]
-    compute = ga * t_mb + extras["fsdp_copies"]
+    compute = ga * t_mb + extras["fsdp_copies"] + extras.get("nf4_dequant", 0.0)
     offload = ga * offload_exposed_seconds(model, layout, s, hw.host_link_bw, t_mb)
     step = compute + ga * cp_exposed + tp + dp_exposed + t_opt + offload + ep
     gb = s.micro_batch * ga * layout.dp
@@ -233,8 +235,13 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
                     loss_impl=req.loss_impl, loss_chunk_tokens=req.loss_chunk_tokens,
                     optimizer_fused=req.optimizer_fused, lora_r=req.lora_r, tiled_mlp=req.tiled_mlp,
                     tiled_mlp_num_shards=req.tiled_mlp_num_shards,
-                    activation_offloading=req.activation_offloading)
+                    activation_offloading=req.activation_offloading, quantized_base=req.quantized_base)
     res.rejections = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
+    if req.quantized_base:
+        from ndparallel.plan.qlora import nf4_shards_problem
+
+        why = nf4_shards_problem(req.model, layout)
+        res.rejections += [("qlora_layout", why)] if why else []
     if res.rejections:
         return res
     mbs = [micro_batch] if micro_batch else [req.micro_batch] if req.micro_batch else list(

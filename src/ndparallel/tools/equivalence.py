@@ -49,6 +49,10 @@ class TrainSetup:
     attention crosses document starts; "wrong-expert-rank" sends every token of a mixture-of-experts
     layer to the next expert-parallel rank (``parallel.expert.set_misroute``)."""
     adapter: dict | None = None  # LoRA: ``ndparallel.models.adapters.lora_config`` kwargs (r, alpha, ...)
+    quantization: Any = None  # QLoRA: an ``NF4Config``: the base linears NF4 before parallelising
+    load: Any = None
+    """``load(engine, setup) -> model``, parallelised by ``engine`` (e.g. ``engine.build_model(dir, ...)``),
+    instead of ``build_model`` + ``parallelize``: a module-level function (it travels to the ranks)."""
     model_dir: str | None = None
     """A saved model (``save_pretrained``) both runs load with ``Engine.build_model`` (sharded,
     transformers' key conversion) instead of building ``model_config`` from the seed."""
@@ -114,6 +118,10 @@ def build_model(setup: TrainSetup):
         from ndparallel.models.adapters import apply_adapter, lora_config
 
         model = apply_adapter(model, lora_config(**setup.adapter))
+    if setup.quantization is not None:  # the whole model on every rank: quantised whole (to_nf4)
+        from ndparallel.models.quantized import quantize_linears
+
+        quantize_linears(model, setup.quantization)
     return model
 
 
@@ -134,12 +142,17 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
     from ndparallel.engine import Engine, train_step
 
     engine = Engine(ParallelismConfig(**(layout or {})), strategy_options(setup))
-    model = engine.build_model(setup.model_dir) if setup.model_dir else engine.parallelize(build_model(setup))
+    if setup.load is not None:
+        model = setup.load(engine, setup)
+    elif setup.model_dir:
+        model = engine.build_model(setup.model_dir)
+    else:
+        model = engine.parallelize(build_model(setup))
     if setup.fault == "wrong-expert-rank":
         from ndparallel.parallel.expert import set_misroute
 
         set_misroute(model, 1)
-    optimizer = setup_optimizer(setup, model.parameters())
+    optimizer = setup_optimizer(setup, model)  # the model: low-bit AdamW finds its embeddings
     model.train()
     dp_rank, dp_size = engine.dp_rank, engine.dp_size
     rows = setup.global_micro_batch // dp_size
@@ -169,9 +182,11 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
         get_model_state_dict,
     )
 
+    from ndparallel.models.quantized import dequantize, is_nf4
+
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu().clone()
-            for k, v in state.items()}
+    return {k: (dequantize(v) if is_nf4(v) else v.full_tensor() if hasattr(v, "full_tensor") else v)
+            .detach().float().cpu().clone() for k, v in state.items()}
 
 
 def train_documents_separately(setup: TrainSetup) -> TrainResult:

@@ -49,4 +49,7 @@ def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
             notes.append(f"attn_implementation: {cfg.attn_implementation} -> {kernel} on this machine: {why}")
     if cfg.tf32 and device_type == "cpu":
         notes.append("tf32: no effect on CPU (it only changes CUDA fp32 matmuls)")
+    from ndparallel.training.config_quant import quant_notes
+
+    notes += quant_notes(cfg)  # load_in_4bit, bnb_config_kwargs, low-bit / paged optimizers
     return notes

@@ -39,6 +39,8 @@ from ndparallel.training.config_data import (  # noqa: F401  (ConfigError: re-ex
     _Strict,
 )
 from ndparallel.training.config_errors import format_validation_error
+from ndparallel.training.config_quant import QuantFields
+from ndparallel.training.optim_lowbit import OptimizerName
 from ndparallel.training.overrides import apply_override
 
 
@@ -74,8 +76,9 @@ class FSDPConfig(_Strict):
         return v
 
 
-class TrainConfig(_Strict):
-    """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one)."""
+class TrainConfig(QuantFields):
+    """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one; the
+    quantisation fields: ``config_quant.QuantFields``)."""
 
     # model
     base_model: str = "quickstart-llama"
@@ -142,9 +145,10 @@ class TrainConfig(_Strict):
     memory in the forward and comes back, one layer ahead, for its backward (side CUDA stream).
     'hidden_states' (Axolotl's mode offloading the checkpointed hidden states) is the same."""
     # adapter (LoRA through PEFT; Axolotl's names)
-    adapter: Literal["lora"] | None = None
+    adapter: Literal["lora", "qlora"] | None = None
     """'lora': train LoRA adapters on the frozen base model (needs peft: pip install
-    'ndparallel[lora]'); null: full fine-tuning."""
+    'ndparallel[lora]'); 'qlora' (with load_in_4bit: true): the same on a 4-bit NF4 base (torchao);
+    null: full fine-tuning."""
     lora_r: _int(1) = 8
     lora_alpha: _float(gt=0) = 16.0
     lora_dropout: _float(ge=0, lt=1) = 0.0
@@ -204,8 +208,10 @@ class TrainConfig(_Strict):
     warmup_steps: _int(0) = 0
     warmup_ratio: _float(ge=0, lt=1) | None = None
     """Warm-up as a fraction of the run's steps (rounded up); instead of warmup_steps."""
-    optimizer: Literal["adamw", "adamw_torch", "adamw_torch_fused", "sgd"] = "adamw"
-    """adamw_torch_fused: AdamW with torch's fused kernel where every parameter is on CUDA."""
+    optimizer: OptimizerName = "adamw"
+    """adamw_torch_fused: AdamW with torch's fused kernel where every parameter is on CUDA; adamw_8bit
+    (adamw_bnb_8bit, paged_adamw_8bit, adamw_torch_8bit), adamw_torch_4bit, ao_adamw_fp8: torchao's
+    low-bit AdamW (training/optim_lowbit.py)."""
     weight_decay: _float(ge=0) = 0.0
     adam_beta1: _float(ge=0, lt=1) = 0.9
     adam_beta2: _float(ge=0, lt=1) = 0.999
@@ -296,14 +302,6 @@ class TrainConfig(_Strict):
         if isinstance(v, str) and v.lower() in ("legacy", "disk", "offload", "offload_disk"):
             raise ValueError(f"{v!r} is not supported: ndparallel offloads the checkpointed hidden states to "
                              "pinned host memory on a side stream; use true (or hidden_states)")
-        return v
-
-    @field_validator("adapter", mode="before")
-    @classmethod
-    def _adapter(cls, v):
-        if isinstance(v, str) and v.lower() == "qlora":
-            raise ValueError("'qlora' (a 4-bit quantised base) is not supported: use adapter: lora "
-                             "(set bf16: true to keep the frozen base in bf16)")
         return v
 
     @field_validator("lora_target_modules", mode="before")

@@ -34,6 +34,9 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     check_model(cfg, hf, check_weights=check_weights)
     _check_experts(cfg, pc.dims, hf)
     check_adapter(cfg, hf, pc.tp_size)
+    from ndparallel.training.qlora_check import check_quantized_base
+
+    check_quantized_base(cfg, hf, pc)  # load_in_4bit: torchao, no TP, NF4 shards of whole blocks
     check_memory_options(cfg, hf)
     if check_local:
         tokenizer = check_local_inputs(cfg, check_output=check_output)
@@ -251,6 +254,7 @@ def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
 def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     """The resolved run, as printed by ``--dry-run``."""
     from ndparallel.training.model_check import check_adapter
+    from ndparallel.training.qlora_check import check_quantized_base
 
     gbs = cfg.micro_batch_size * cfg.gradient_accumulation_steps * pc.dp_size
     lines = [
@@ -268,6 +272,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         f"speed        : chunked loss {_auto(cfg.chunked_loss)}, compile {'on' if cfg.compile else 'off'}"
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
+        *([f"quantised    : {check_quantized_base(cfg, hf, pc)}"] if cfg.load_in_4bit else []),
         *([f"tp plan      : {_tp_plan_summary(cfg, hf)}"] if pc.tp_enabled else []),
         *([f"long context : {_long_context(cfg, pc, hf)}"] if cfg.tiled_mlp or cfg.activation_offloading else []),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "

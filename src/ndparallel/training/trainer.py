@@ -115,7 +115,7 @@ class Trainer:
         self.save_every = cfg.save_steps or (max(1, steps_per_epoch // cfg.saves_per_epoch)
                                              if cfg.saves_per_epoch else None)
         self.model = self._load_model()
-        self.optimizer = optimizer_for(cfg, self.model.parameters())
+        self.optimizer = optimizer_for(cfg, self.model)  # the model: low-bit AdamW finds its embeddings
         warmup = (cfg.warmup_steps if cfg.warmup_ratio is None
                   else math.ceil(cfg.warmup_ratio * self.total_steps))
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, warmup, self.total_steps)
@@ -144,7 +144,7 @@ class Trainer:
         dtype = torch.bfloat16 if adapter is not None and cfg.bf16 else torch.float32
         model = engine.build_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
                                adapter=adapter, adapter_weights=cfg.lora_model_dir or None, vocab_size=grown,
-                               dtype=dtype, attn_implementation=kernel,
+                               dtype=dtype, attn_implementation=kernel, quantization=cfg.nf4_config(),
                                config_overrides=cfg.overrides_of_model_config)
         if getattr(model, "config", None) is not None:
             model.config.use_cache = False
@@ -193,7 +193,7 @@ class Trainer:
         if step % cfg.logging_steps and step not in (1, self.total_steps):
             return None
         loss = step_out["loss"]  # already the global mean (reduced in train_step)
-        metrics = {"step": step, "loss": float(loss), "lr": step_out["lr"],
+        metrics = {"step": step, "loss": float(loss), "lr": float(step_out["lr"]),  # a tensor under torchao
                    "grad_norm": float(step_out["grad_norm"])}
         if step_out.get("aux_loss") is not None:  # an MoE model's load-balancing loss (in "loss")
             metrics["aux_loss"] = float(step_out["aux_loss"])
@@ -259,7 +259,8 @@ class Trainer:
                 engine.print(f"saved the trained model to {final} (AutoModelForCausalLM.from_pretrained loads it)")
             else:
                 engine.print(f"saved the LoRA adapter to {final} (PeftModel.from_pretrained(base_model, "
-                             f"{str(final)!r}) loads it)")
+                             f"{str(final)!r}) loads it" + ("; trained on the 4-bit NF4 base)" if self.cfg.load_in_4bit
+                                                            else ")"))
             if self.cfg.adapter is not None and self.cfg.merge_lora:
                 self._save_merged()
         shutdown()
@@ -271,7 +272,8 @@ class Trainer:
         save_hf_model(self.model, merged, self.engine.is_main_process, tokenizer=self.tokenizer,
                       dtype=self.cfg.export_dtype(), merge_adapter=True)
         self.engine.barrier()
-        self.engine.print(f"saved the merged model to {merged} (AutoModelForCausalLM.from_pretrained loads it)")
+        into = " into the dequantised NF4 base" if self.cfg.load_in_4bit else ""
+        self.engine.print(f"saved the merged model{into} to {merged} (AutoModelForCausalLM.from_pretrained loads it)")
 
     # ------------------------------------------------------------------------------- run
     def run(self) -> dict:
