@@ -12,6 +12,14 @@ from typing import Any, Sequence
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS_ENV = "BENCH_RESULTS_DIR"
+"""Where ``write_json`` writes instead of ``bench/results`` when set (``bench/gpu_all.sh`` points it
+into its ``--out`` folder, the one that comes back from a GPU machine; tests into a temporary one)."""
+
+
+def results_dir() -> Path:
+    """``$BENCH_RESULTS_DIR`` if set, else ``bench/results`` (git-ignored)."""
+    return Path(os.environ.get(RESULTS_ENV) or RESULTS)
 
 
 def machine() -> dict[str, Any]:
@@ -24,10 +32,14 @@ def machine() -> dict[str, Any]:
 
 
 def write_json(name: str, payload: dict) -> Path:
-    """Write ``bench/results/<name>.json`` with the machine description added."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2, default=str))
+    """Write ``<results_dir()>/<name>.json`` with the machine description added; atomically (a
+    temporary file renamed), so a run killed mid-write leaves the previous complete file."""
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"machine": machine(), **payload}, indent=2, default=str))
+    tmp.replace(path)
     return path
 
 

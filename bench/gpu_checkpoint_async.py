@@ -11,7 +11,7 @@ Checks (exit 1 when one fails): every checkpoint written is complete (``COMPLETE
 hashes), and an async save blocks the training thread less than a sync one. Prints the table,
 writes JSON to ``--out`` (default ``$BENCH_RESULTS_DIR`` or ``bench/results``) and a last line
 ``HEADLINE: ...``. Exit 77 (skip) without a GPU unless ``--tiny`` (the same logic on CPU, tiny
-model: what ``bench/gpu_all.sh --cpu-smoke`` runs).
+model: what ``bench/gpu_all.sh --cpu-smoke`` runs, step ``checkpoint_async``).
 
     python bench/gpu_checkpoint_async.py [--layers 8] [--steps 18] [--every 6] [--ckpt-dir DIR]
     python bench/gpu_checkpoint_async.py --tiny

@@ -2,6 +2,7 @@
 
     python bench/gpu_cp.py                 # CUDA if visible (≈1 min on an H200), else CPU (small sizes)
     python bench/gpu_cp.py --device cpu    # the same logic, small sizes, seconds
+    python bench/gpu_cp.py --tiny          # CPU, smallest sizes (bench/gpu_all.sh --cpu-smoke)
 
 1. Exactness (out, dQ, dK, dV; max error relative to the largest reference value) of
    * the ring's blocks at cp=4 emulated on this device: every rank's chunk pairs, merged by LSE in
@@ -14,13 +15,13 @@
 2. Speed (fwd+bwd, median) against torch's flash SDPA on the same work: one dense block, one causal
    square, a whole row as the ring's blocks, packed documents; plus peak scratch memory.
 
-Prints two tables and writes ``bench/results/gpu_cp.json``.
+Prints two tables and writes ``gpu_cp.json`` (``bench/results/`` or ``$BENCH_RESULTS_DIR``); exit 1
+if a case is not exact.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -265,9 +266,9 @@ def model_check(device, dtype):
 
 
 def one_rank_group(device):
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+    """A one-process group (an in-memory store: no port to collide with another run's)."""
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1,
                             device_id=torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else None)
     return dist.group.WORLD
 
@@ -276,18 +277,23 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--tiny", action="store_true", help="CPU, smallest sizes, 2 reps: the same code in seconds "
+                    "(bench/gpu_all.sh --cpu-smoke)")
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.device, args.reps = "cpu", 2
     dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                        (args.device if args.device != "auto" else "cpu"))
     cuda = dev.type == "cuda"
     group = one_rank_group(dev)
     dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if cuda else [])
-    checks = check(dev, dtypes, (2, 8, 2048, 64) if cuda else (2, 4, 128, 16), group)
+    shape = (2, 8, 2048, 64) if cuda else (1, 4, 64, 16) if args.tiny else (2, 4, 128, 16)
+    checks = check(dev, dtypes, shape, group)
     print_table(f"CP attention exactness on {dev} (max |err| / max |ref| vs fp64 SDPA)",
                 ["what", "dtype", "kernel", "heads", "docs", "out", "dq", "dk", "dv", "torch err", "ok"],
                 [(r["what"], r["dtype"], r["kernel"], r["heads"], str(r["documents"]), *r["errors"],
                   r["torch_err"], "ok" if r["ok"] else "FAIL") for r in checks])
-    shape = (1, 32, 8, 32768, 128) if cuda else (1, 4, 2, 512, 16)
+    shape = (1, 32, 8, 32768, 128) if cuda else (1, 4, 2, 256, 16) if args.tiny else (1, 4, 2, 512, 16)
     speeds = []
     for dt in ([torch.bfloat16] if cuda else [torch.float32]):
         speeds += speed(dev, dt, shape, args.reps)
@@ -302,7 +308,11 @@ def main(argv=None):
     ok = all(r["ok"] for r in checks) and model_ok
     path = write_json("gpu_cp", {"device": str(dev), "ok": ok, "checks": checks, "speed": speeds,
                                  "speed_shape": shape, "model_check": model})
-    print(f"{'PASS' if ok else 'FAIL'}: {sum(r['ok'] for r in checks)}/{len(checks)} exact; wrote {path}")
+    n_ok = sum(r["ok"] for r in checks)
+    print(f"{'PASS' if ok else 'FAIL'}: {n_ok}/{len(checks)} exact; wrote {path}")
+    ring = next((r for r in speeds if "ring" in r["what"]), None)
+    print(f"HEADLINE: {n_ok}/{len(checks)} exact, model check {'ok' if model_ok else 'FAIL'}"
+          + (f"; {ring['what']}: {ring['ratio']:.2f}x torch flash" if ring else ""))
     dist.destroy_process_group()
     return 0 if ok else 1
 

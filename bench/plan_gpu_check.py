@@ -209,13 +209,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with the tiny model")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan_gpu_check.json"))
+    ap.add_argument("--out", default=None, help="JSON file (default plan_gpu_check.json in bench/results/ "
+                    "or $BENCH_RESULTS_DIR)")
     args = ap.parse_args(argv)
-    import os
+    from _common import results_dir
 
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                 ("MASTER_PORT", "29541")):
-        os.environ.setdefault(k, v)
+    args.out = args.out or str(results_dir() / "plan_gpu_check.json")
+    # no RANK / WORLD_SIZE: the Accelerator starts a one-rank group on an in-memory store (no port)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     names = ["tiny", "tiny-ac"] if device == "cpu" else args.configs.split(",")
     rows = []
@@ -235,7 +235,14 @@ def main(argv=None) -> int:
             print(json.dumps(row["profile"].get("device_ms_by_class", row["profile"])), flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    return 0
+    errors = [r for r in rows if "error" in r]
+    for r in errors:
+        print(f"FAIL {r['config']}: {r['error']}")
+    print("HEADLINE: " + "; ".join(
+        f"{r['config']} ERROR" if "error" in r else
+        f"{r['config']} {r['tokens_per_s']:,.0f} tok/s" + (f", {r['max_allocated_gib']:.2f} GiB" if "max_allocated_gib" in r else "")
+        for r in rows) + f"; compare: python bench/plan_validation.py --gpu-results {args.out}")
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

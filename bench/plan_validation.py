@@ -7,15 +7,14 @@ Runs the tiny Llama (the planner's ``tiny`` spec) in fp32 with AdamW under sever
 forked gloo CPU ranks and writes ``bench/results/plan_validation.json``.
 
 *Measured* memory is the quantity ``estimate_memory`` predicts minus its ``overhead`` field:
-the bytes of tensor storage alive on rank 0 at the peak of one steady-state forward+backward,
+the bytes of tensor storage alive on rank 0 at the peak of one steady-state step (forward, backward
+and the optimizer step),
 = states present before the step (local parameter shards, their gradients kept allocated by
 ``zero_grad(set_to_none=False)``, AdamW states; unique storages, FSDP padding included) + the
-peak of storages created during forward and backward, tracked by a ``TorchDispatchMode`` (every
-op output's storage, freed by a weakref callback, ``UntypedStorage.resize_`` followed — FSDP2
-frees and re-allocates unsharded parameters that way; outputs the op schema declares as aliases
-of an input and wrapper-subclass outputs own no new memory and are skipped). Allocator caching/fragmentation, the
-Python/torch runtime and gloo buffers are not counted (the planner's ``overhead``). The optimizer
-step itself is not in the window (the planner's peak is in backward).
+peak of storages created during the step (``runtime/memory_probe.py``: ``LiveBytes``). Allocator
+caching/fragmentation, the Python/torch runtime and gloo buffers are not counted (the planner's
+``overhead``). The optimizer step is in the window: unfused AdamW's temporaries are the planner's
+optimizer-step moment.
 *Predicted*: ``estimate_memory(...).total - overhead`` with mixed_precision fp32.
 Step time: median of ``--steps`` steps after a warm-up, vs ``search.estimate(...).time.step`` with
 hardware calibrated here (``ndparallel.plan.calibrate``, quick), gpus_per_node = 4.
@@ -29,14 +28,13 @@ import platform
 import statistics
 import sys
 import time
-import weakref
 from datetime import date
 from pathlib import Path
 
 import torch
 import transformers  # noqa: F401  (imported once before forking ranks)
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
+
+from ndparallel.runtime.memory_probe import LiveBytes, state_bytes
 
 LAYOUTS = {  # name: (ParallelismConfig kwargs, world)
     "1": ({}, 1),
@@ -49,105 +47,6 @@ LAYOUTS = {  # name: (ParallelismConfig kwargs, world)
     "FSDP2xCP2": ({"dp_shard_size": 2, "cp_size": 2}, 4),
 }
 GOAL = 0.10
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of tensor storage created inside the block and still alive; ``peak`` its maximum."""
-
-    def __init__(self):
-        super().__init__()
-        self.cur = self.peak = 0
-        self._sizes = WeakIdKeyDictionary()
-        self._refs: set = set()
-        self._orig_resize = None
-
-    def _free(self, rec, ref):
-        self.cur -= rec[0]
-        self._refs.discard(ref)
-
-    def _track(self, st, n=None):
-        if st in self._sizes:
-            return
-        rec = [st.nbytes() if n is None else n]
-        self._sizes[st] = rec
-        self._refs.add(weakref.ref(st, lambda r, rec=rec: self._free(rec, r)))
-        self.cur += rec[0]
-        self.peak = max(self.peak, self.cur)
-
-    def __enter__(self):
-        orig = self._orig_resize = torch.UntypedStorage.resize_
-        mode = self
-
-        def resize_(st, size):
-            out = orig(st, size)
-            if st in mode._sizes:
-                rec = mode._sizes[st]
-                mode.cur += size - rec[0]
-                rec[0] = size
-                mode.peak = max(mode.peak, mode.cur)
-            else:
-                mode._track(st, size)
-            return out
-
-        torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._orig_resize
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):  # DTensor re-dispatches its local ops
-            return NotImplemented
-        out = func(*args, **(kwargs or {}))
-        for t in _fresh_outputs(func, out):
-            # Plain tensors only: a wrapper subclass (funcol's AsyncCollectiveTensor) has a storage
-            # without memory; its inner tensor was created, and is tracked, by its own op.
-            if type(t) is torch.Tensor and t.device.type != "meta":
-                try:
-                    self._track(t.untyped_storage())
-                except (RuntimeError, NotImplementedError):
-                    pass
-        return out
-
-
-def _fresh_outputs(func, out) -> list:
-    """The outputs of ``func`` that its schema does not declare as aliases of an input.
-
-    Views and in-place results (``t()`` of a weight, ``add_`` into a kept gradient) share an
-    input's storage: it is either tracked already or existed before the window (parameters,
-    gradients, the batch), where it is counted in the states or not at all.
-    """
-    outs = list(out) if isinstance(out, (list, tuple)) else [out]
-    rets = func._schema.returns
-    if len(rets) == 1:  # one return, possibly a Tensor[] list
-        fresh = [rets[0].alias_info is None] * len(outs)
-    else:
-        fresh = [r.alias_info is None for r in rets]
-    return [t for t, f in zip(outs, fresh) if f]
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _state_bytes(model, opt) -> dict:
-    seen = set()
-
-    def nb(t):
-        st = _local(t).untyped_storage()
-        if st.data_ptr() in seen:
-            return 0
-        seen.add(st.data_ptr())
-        return st.nbytes()
-
-    params = sum(nb(p) for p in model.parameters())
-    grads = sum(nb(p.grad) for p in model.parameters() if p.grad is not None)
-    optim = sum(nb(v) for s in opt.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor) and v.numel() > 1)
-    return {"params": params, "grads": grads, "optimizer": optim}
 
 
 def _rank(layout: dict, seq: int, mb: int, steps: int, tp: dict):
@@ -174,10 +73,10 @@ def _rank(layout: dict, seq: int, mb: int, steps: int, tp: dict):
         dist.barrier()
         t0 = time.perf_counter()
         tracker = LiveBytes() if i == 1 else None
-        states = _state_bytes(model, opt) if tracker else None
-        with (tracker or _null()):
+        states = state_bytes(model, opt) if tracker else None
+        with (tracker or _null()):  # the whole step: the optimizer's temporaries count too
             forward_backward(acc.engine, model, [{"input_ids": ids, "shift_labels": labels, "position_ids": pos}])
-        opt.step()
+            opt.step()
         opt.zero_grad(set_to_none=False)
         dist.barrier()
         if tracker:

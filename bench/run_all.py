@@ -3,8 +3,8 @@
     python bench/run_all.py            # tables on stdout, JSON in bench/results/
     python bench/run_all.py --only communication,overhead
 
-Each script also runs on its own with larger settings (see its docstring). gpu_single skips
-itself without CUDA.
+Each script also runs on its own with larger settings (see its docstring). gpu_single runs
+its tiny CPU form here (--tiny); the GPU checks are bench/gpu_all.sh.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ SMALL = {
     "data_memory": ["--mb", "2"],
     "loss_memory": ["--skip-logits"],
     "merge_memory": ["--layers", "2"],
+    "qlora_memory": ["--layers", "2"],
     "long_context": ["--seqs", "512,1024,2048", "--attention-seqs", "4096"],
     "gpu_single": ["--tiny"],
 }

@@ -86,7 +86,7 @@ def test_several_problems_one_per_line(tmp_path, capsys):
     code, _, err = run_cli(capsys, "train", cfg, "--dry-run")
     lines = err.strip().splitlines()
     assert code == 2 and lines[0].endswith("3 problems:") and len(lines) == 4, err
-    assert "fsdp_version" in err and "quantized loading is not supported" in err and "did you mean 'lr_scheduler'" in err
+    assert "fsdp_version" in err and "an 8-bit base (load_in_8bit) is not supported" in err and "did you mean 'lr_scheduler'" in err
 
 
 def test_layer_class_of_another_model_is_refused(local, capsys):

@@ -23,7 +23,7 @@ def _yaml(tmp_path, text):
 
 
 @pytest.mark.parametrize("text, fragment", [
-    ("adapter: qlora\n", "'qlora' (a 4-bit quantised base) is not supported"),
+    ("adapter: qlora\n", "adapter: qlora needs load_in_4bit: true"),
     ("lora_r: 16\nlora_target_linear: true\n", "lora_r, lora_target_linear set but adapter is not 'lora'"),
     ("adapter: lora\nlora_r: 0\n", "'lora_r': must be >= 1, got 0"),
     ("adapter: lora\nlora_dropout: 1.5\n", "'lora_dropout': must be < 1"),

@@ -138,6 +138,9 @@ def test_scalar_collectives():
     assert both[("all_reduce", "tp", 64)] == 1 and both[("all_reduce", "dp_shard_cp", 84)] == 1
     assert not any(k[2] in (8, 64, 84) and k[0] == "all_reduce" for k in
                    aggregate(predict_collectives(TINY, Layout(dp_replicate=2), seq_len=32)))
+    # the step loss: one fp32 all-reduce over dp_cp when dp·cp > 1
+    assert fsdp[("all_reduce", "dp_cp", 4)] == 1
+    assert ("all_reduce", "dp_cp", 4) not in tp32
 
 
 def test_context_parallel_ring():

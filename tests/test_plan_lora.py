@@ -90,4 +90,4 @@ def test_cli_lora_fits_where_full_fine_tuning_does_not(tmp_path, capsys):
 def test_cli_lora_r_without_adapter_is_one_line(capsys):
     assert main(["--model", "tiny", "--gpus", "1", "--lora-r", "8"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "ndparallel plan: error: --lora-r needs --adapter lora"
+    assert err == "ndparallel plan: error: --lora-r needs --adapter lora (or qlora)"

@@ -62,7 +62,8 @@ def test_states_sharded_by_fsdp_and_tp():
 
 
 def test_activations_checkpointing_and_cp():
-    s = Settings(seq_len=32, micro_batch=2)
+    # fused AdamW (the trainer's on CUDA) has no step temporaries: the peak stays in backward
+    s = Settings(seq_len=32, micro_batch=2, optimizer_fused=True)
     tokens = 64
     m = estimate_memory(TINY, Layout(), s, H100)
     assert m.activation_bytes_per_layer == 2456 * tokens
@@ -77,7 +78,7 @@ def test_activations_checkpointing_and_cp():
         assert m.activations == saved and m.logits == logits
     else:
         assert m.activations == saved + workspace and m.logits == 0
-    ck = estimate_memory(TINY, Layout(), Settings(seq_len=32, micro_batch=2, checkpointing=True),
+    ck = estimate_memory(TINY, Layout(), Settings(seq_len=32, micro_batch=2, checkpointing=True, optimizer_fused=True),
                          H100)
     # checkpointing keeps only each layer's bf16 input: L * tokens * 2 * h (+ RoPE cos/sin)
     assert ck.activations in (2 * tokens * 2 * 64 + rope,
@@ -144,10 +145,26 @@ def test_end_of_backward_moment_for_state_heavy_layouts():
     # 8B on one GPU with checkpointing and a short sequence: states dominate; the peak is the end
     # of backward (all gradients present), 16 B per parameter.
     m = estimate_memory(PRESETS["llama-3.1-8b"], Layout(),
-                        Settings(seq_len=256, checkpointing=True), H100)
+                        Settings(seq_len=256, checkpointing=True, optimizer_fused=True), H100)
     assert m.peak_phase == "end of backward"
     assert m.params + m.grads + m.optimizer == 8_030_261_248 * 16
     assert m.activations == m.logits == m.fsdp_buffers == 0
+
+
+def test_unfused_adamw_step_holds_two_copies_of_the_largest_tensor():
+    """The optimizer-step moment: unfused AdamW's temporaries (2 × the largest local tensor; the
+    H200 foreach row measured 1.96 GiB = 2 × Llama-3.2-1B's embedding), none when fused or SGD."""
+    from ndparallel.plan.memory import optimizer_step_temporaries
+
+    model = PRESETS["llama-3.2-1b"]
+    s = Settings(seq_len=256, checkpointing=True)
+    assert optimizer_step_temporaries(model, Layout(), s) == 2 * 4 * 128256 * 2048
+    assert optimizer_step_temporaries(model, Layout(dp_shard=2, tp=2), s) == 2 * 4 * 128256 * 2048 / 4
+    assert optimizer_step_temporaries(model, Layout(), Settings(seq_len=256, optimizer_fused=True)) == 0
+    assert optimizer_step_temporaries(model, Layout(), Settings(seq_len=256, optimizer="sgd")) == 0
+    m = estimate_memory(PRESETS["llama-3.1-8b"], Layout(), s, H100)
+    assert m.peak_phase == "optimizer step"
+    assert m.grads == 8_030_261_248 * 4 + 2 * 4 * 128256 * 4096
 
 
 def test_chunked_loss_holds_one_chunk():
@@ -195,6 +212,6 @@ def test_h200_rows_memory():
     assert len(rows) == 6
     for r in rows:
         s = Settings(seq_len=r["seq"], micro_batch=r["micro_batch"],
-                     checkpointing=r["checkpointing"])
+                     checkpointing=r["checkpointing"], optimizer_fused=r["fused_adamw"])
         m = estimate_memory(PRESETS[r["planner_model"]], Layout(), s, HWP["h200"])
         assert m.allocated / 2**30 == pytest.approx(r["max_allocated_gib"], rel=0.01), r["config"]

@@ -51,8 +51,14 @@ def test_hf_config_dir_matches_transformers(tmp_path, kind, tied):
     assert dataclasses.replace(from_file, name=spec.name) == spec
 
 
-def test_moe_and_unknown_rejected(tmp_path):
-    with pytest.raises(ValueError, match="mixture-of-experts"):
+def test_unmodelled_moe_and_unknown_rejected(tmp_path):
+    dense = {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 16,
+             "vocab_size": 32}
+    with pytest.raises(ValueError, match="DeepSeek-style"):
+        from_hf_config({**dense, "n_routed_experts": 8, "kv_lora_rank": 4})
+    with pytest.raises(ValueError, match="every layer is an MoE layer"):
+        from_hf_config({**dense, "num_experts": 8, "mlp_only_layers": [0]})
+    with pytest.raises(ValueError, match="lacks"):
         from_hf_config({"num_local_experts": 8, "hidden_size": 8})
     with pytest.raises(ValueError, match="unknown model"):
         load_model_spec("no-such-model")

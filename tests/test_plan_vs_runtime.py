@@ -22,8 +22,8 @@ STEPS = 2  # the last one is compared (the first also includes lazy initialisati
 
 
 def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
-    """``STEPS`` training steps as ``train_under_layout`` runs them (the shared ``forward_backward``,
-    gradient norm, AdamW). Per step two
+    """``STEPS`` training steps as ``train_step`` runs them (the shared ``forward_backward``, the step
+    loss's all-reduce, gradient norm, AdamW). Per step two
     profiler records: everything but the gradient norm, then the gradient norm alone."""
     from transformers import AutoModelForCausalLM
 
@@ -55,7 +55,9 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
             tokens = torch.randint(0, 256, (ROWS, SEQ + 1), generator=g)
             ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
             pos = torch.arange(SEQ).expand(ROWS, -1).clone()
-            forward_backward(acc.engine, model, [{"input_ids": ids, "shift_labels": labels, "position_ids": pos}])
+            loss = forward_backward(acc.engine, model, [{"input_ids": ids, "shift_labels": labels,
+                                                         "position_ids": pos}])
+            acc.engine.reduce_step_loss(loss)  # as train_step does
             prof.step()
             acc.grad_norm(model.parameters())
             prof.step()

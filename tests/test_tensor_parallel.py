@@ -292,3 +292,40 @@ def test_the_check_can_fail():
     ref = _train(copy.deepcopy(model), batches)
     losses, norms, _ = run_on_ranks(_tp_rank, 2, model, batches, TPOptions(plan=plan))[0]
     assert max(abs(a - b) / a for a, b in zip(ref[1], norms)) > 3 * NORM_RTOL  # measured ~1e-4
+
+
+def _embedding_gradient(padding_idx):
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from ndparallel.parallel.tp_styles import VocabParallelEmbedding
+
+    torch.manual_seed(0)
+    full = torch.randn(64, 8)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    emb = torch.nn.Embedding(64, 8, padding_idx=padding_idx)
+    emb.weight.data.copy_(full)
+    parallelize_module(emb, mesh, VocabParallelEmbedding(Replicate()))
+    ids = torch.tensor([[0, 5, 31, 32, 63, 5, 40]])
+    out = emb(ids)
+    upstream = torch.arange(out.numel(), dtype=torch.float32).view_as(out)
+    (out * upstream).sum().backward()
+    ref_w = full.clone().requires_grad_()
+    ref = F.embedding(ids, ref_w, padding_idx)
+    (ref * upstream).sum().backward()
+    g = emb.weight.grad
+    local = g.to_local()
+    return (torch.equal(out, ref.detach()), torch.equal(g.full_tensor(), ref_w.grad),
+            tuple(local.shape), local.untyped_storage().nbytes(), tuple(g.placements))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 5, 40])
+def test_vocab_parallel_embedding_gradient_is_the_local_rows(padding_idx):
+    """The lookups equal the full embedding's, the weight gradient equals it, and each tp rank holds
+    (and allocates) only its rows' gradient — torch's RowwiseParallel embedding allocates the whole
+    vocabulary's on every rank."""
+    for same_out, same_grad, shape, nbytes, placements in run_on_ranks(_embedding_gradient, 2, padding_idx):
+        assert same_out and same_grad
+        assert shape == (32, 8) and nbytes == 32 * 8 * 4 and str(placements[0]) in ("S(0)", "Shard(dim=0)")

@@ -35,9 +35,9 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
           save_every: int | None = None, stop_after: int | None = None, save_total_limit: int | None = None,
           kill_at: int | None = None, kill_rank: int = 1, marker: str | None = None,
           reseed_before_load: bool = False, model_preset: str = "tiny-llama",
-          adapter: dict | None = None, async_saves: bool = False, slow_write: dict | None = None,
-          sync_copy_at: int | None = None, die_after_save_at: int | None = None,
-          signal_at: tuple[int, int] | None = None) -> dict:
+          adapter: dict | None = None, optimizer: str | None = None, async_saves: bool = False,
+          slow_write: dict | None = None, sync_copy_at: int | None = None,
+          die_after_save_at: int | None = None, signal_at: tuple[int, int] | None = None) -> dict:
     """Train ``steps`` optimizer steps (resuming first if asked); returns losses by step, the first
     random numbers drawn after the last save / the load, and the loader position.
 
@@ -64,6 +64,8 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
     from ndparallel.engine import forward_backward
 
     setup = with_overrides(make_setup(), model_config=preset_config(model_preset), adapter=adapter)
+    if optimizer is not None:
+        setup = with_overrides(setup, optimizer=optimizer)
     acc = Accelerator(ParallelismConfig(**(layout or {})))
     model = build_model(setup)
     optimizer = setup_optimizer(setup, model.parameters())

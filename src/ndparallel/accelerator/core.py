@@ -255,11 +255,13 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
-                      evaluation_mode: bool = False, adapter: Any = None) -> nn.Module:
+                      evaluation_mode: bool = False, adapter: Any = None, quantization: Any = None) -> nn.Module:
         """Apply float8 → TP → CP attention → activation checkpointing → compile → FSDP/HSDP/DP,
         in that order. A model this Accelerator already prepared (e.g. from ``load_model``) is
         returned as is. ``adapter`` (a peft ``LoraConfig``) wraps the model with LoRA first and
-        returns the ``PeftModel``; a ``PeftModel`` passed in is parallelised as is (docs/lora.md)."""
+        returns the ``PeftModel``; a ``PeftModel`` passed in is parallelised as is (docs/lora.md).
+        ``quantization`` (``NF4Config()`` / ``"nf4"`` / a 4-bit ``BitsAndBytesConfig``) stores the frozen
+        base linears as torchao NF4 first (QLoRA: docs/lora.md)."""
         from ndparallel.accelerator.preparing import prepare_model
 
         if device_placement is False:
@@ -268,7 +270,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         if evaluation_mode:
             raise ValueError("prepare_model(evaluation_mode=True) is not supported: prepare the model as for "
                              "training (sharded) and call model.eval() / torch.no_grad() for inference")
-        return prepare_model(self, model, adapter)
+        return prepare_model(self, model, adapter, quantization)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
         from ndparallel.accelerator.preparing import prepare_optimizer
@@ -309,8 +311,9 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         """Build the model on the meta device, parallelise it, then read only this rank's shards
         from the safetensors files (DCP resharding). ``path_or_config``: an HF model dir, an HF
         config, or a built-in preset name (random init, same on every rank). ``adapter=LoraConfig``
-        returns a LoRA ``PeftModel`` over the frozen, sharded base. Keyword arguments:
-        ``ndparallel.engine.build.build_model``'s."""
+        returns a LoRA ``PeftModel`` over the frozen, sharded base; ``quantization=NF4Config()``
+        (or ``"nf4"``, a 4-bit ``BitsAndBytesConfig``) makes that base 4-bit NF4 (QLoRA). Keyword
+        arguments: ``ndparallel.engine.build.build_model``'s."""
         from ndparallel.accelerator.preparing import register_model
 
         return register_model(self, self.engine.build_model(path_or_config, **kwargs))

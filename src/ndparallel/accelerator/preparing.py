@@ -89,11 +89,12 @@ def _broadcast_rank0_weights(acc, model: nn.Module, full: dict) -> None:
     set_model_state_dict(model, full if acc.is_main_process else {}, options=options)
 
 
-def prepare_model(acc, model: nn.Module, adapter: Any = None) -> nn.Module:
+def prepare_model(acc, model: nn.Module, adapter: Any = None, quantization: Any = None) -> nn.Module:
     """Parallelise ``model`` (``Engine.parallelize``); with weights on rank 0 only
     (``cpu_ram_efficient_loading``) they are broadcast into every rank's shards afterwards.
     ``adapter`` (a peft ``LoraConfig``) wraps the model with LoRA first (a ``PeftModel`` comes
-    back); a ``PeftModel`` is parallelised as is. Optimizers made before are remapped onto the
+    back); a ``PeftModel`` is parallelised as is. ``quantization`` (QLoRA) stores the frozen base
+    linears as NF4 first (``models.quantized``). Optimizers made before are remapped onto the
     parallelised parameters (``prepare_optimizer``)."""
     if any(model is m for m in acc._models):
         return model
@@ -101,6 +102,10 @@ def prepare_model(acc, model: nn.Module, adapter: Any = None) -> nn.Module:
         from ndparallel.models.adapters import apply_adapter
 
         model = apply_adapter(model, adapter)
+    if quantization is not None:
+        from ndparallel.models.quantization_config import quantize_for_qlora
+
+        quantize_for_qlora(model, quantization)
     rank0_only = _weights_on_rank0_only(acc, model)
     full = {k: v.to(acc.device) for k, v in model.state_dict().items()} if rank0_only and acc.is_main_process else {}
     old = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}

@@ -51,13 +51,42 @@ def _base_dir(adapter_config, base: str | os.PathLike | None) -> Path:
     return resolve_model_dir(name, True)
 
 
+def checkpoint_quantization(checkpoint_dir: str | os.PathLike):
+    """(``NF4Config``, dtype the run quantised in) of a QLoRA run's checkpoint (its resolved config
+    says ``load_in_4bit``); (None, None) for any other."""
+    from ndparallel.checkpoint.directory import STATE_FILE
+    from ndparallel.checkpoint.io import read_json
+    from ndparallel.models.quantization_config import nf4_config_from_bnb
+    from ndparallel.models.quantized import NF4Config
+
+    state = Path(checkpoint_dir) / STATE_FILE
+    config = (read_json(state).get("config") or {}) if state.is_file() else {}
+    if not config.get("load_in_4bit"):
+        return None, None
+    nf4 = NF4Config(config.get("nf4_block_size", 64), config.get("nf4_scaler_block_size", 256))
+    nf4 = nf4_config_from_bnb({"load_in_4bit": True, **(config.get("bnb_config_kwargs") or {})}, nf4)
+    return nf4, torch.bfloat16 if config.get("bf16") else torch.float32
+
+
+def _nf4_round_trip(t: torch.Tensor, nf4, dtype: torch.dtype | None) -> torch.Tensor:
+    """What a QLoRA run computed with: ``t`` quantised to NF4 (in the run's load dtype) and back."""
+    from ndparallel.models.quantized import require_torchao
+
+    _, to_nf4 = require_torchao()
+    q = t.to(dtype or t.dtype)
+    return to_nf4(q, nf4.block_size, nf4.scaler_block_size).get_original_weight().to(t.dtype)
+
+
 def merge_adapter_files(adapter_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                         base: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
-                        max_shard_size: int | str = "5GB", tokenizer=None) -> Path:
+                        max_shard_size: int | str = "5GB", tokenizer=None, nf4=None,
+                        nf4_dtype: torch.dtype | None = None) -> Path:
     """Write ``base`` (default: the adapter's ``base_model_name_or_path``) with the adapter of
     ``adapter_dir`` merged in, as a plain HF safetensors directory ``out_dir``. ``dtype`` casts the
-    floating tensors (default: the base's own). Raises ``ValueError`` before writing anything when
-    the adapter does not fit the base."""
+    floating tensors (default: the base's own). ``nf4`` (an ``NF4Config``: a QLoRA adapter): every
+    weight the run stored as NF4 is first quantised and dequantised as the run did (in ``nf4_dtype``,
+    default the stored dtype), so the merge is into the weights the adapter was trained on. Raises
+    ``ValueError`` before writing anything when the adapter does not fit the base."""
     lora = read_adapter_config(adapter_dir)
     base_dir = _base_dir(lora, base)
     files = checkpoint_files(base_dir)
@@ -68,6 +97,11 @@ def merge_adapter_files(adapter_dir: str | os.PathLike, out_dir: str | os.PathLi
     problem = weights_problem(skeleton, files, str(base_dir / "config.json"))  # headers only
     if problem:
         raise ValueError(f"base {base_dir}: {problem}")
+    quantised = set()
+    if nf4 is not None:
+        from ndparallel.models.quantized import quantized_linears
+
+        quantised = {f"{n}.weight" for n in quantized_linears(skeleton, nf4)[0]}
     peft_model = apply_adapter(skeleton, lora)
     problem = adapter_weights_problem(peft_model, adapter_dir)
     if problem:
@@ -89,6 +123,8 @@ def merge_adapter_files(adapter_dir: str | os.PathLike, out_dir: str | os.PathLi
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 t = f.get_tensor(key)
+                if key in quantised:
+                    t = _nf4_round_trip(t, nf4, nf4_dtype)
                 if key in merges:
                     a, b, scaling = merges[key]
                     t = (t.float() + scaling * (adapter[b].float() @ adapter[a].float())).to(t.dtype)

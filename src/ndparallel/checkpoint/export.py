@@ -43,7 +43,9 @@ from ndparallel.models.adapters import (
     is_peft_model,
     merge_specs,
 )
+from ndparallel.models.key_conversion import SaveConversion
 from ndparallel.models.naming import model_class_name, tied_aliases
+from ndparallel.models.quantized import dequantize, is_nf4
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -69,7 +71,8 @@ class ShardWriter:
     ``safe=False`` writes ``pytorch_model*.bin`` files (torch.save) under HF's names instead."""
 
     def __init__(self, directory: str | os.PathLike, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                 safe: bool = True):
+                 safe: bool = True, conversion: SaveConversion | None = None):
+        self.conversion = conversion  # model keys -> the checkpoint layout transformers writes
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.safe = safe
@@ -84,6 +87,13 @@ class ShardWriter:
         self.total = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Add a model tensor (converted to the checkpoint's keys with ``conversion``)."""
+        if self.conversion is None:
+            return self._add(name, tensor)
+        for key, t in self.conversion.add(name, tensor).items():
+            self._add(key, t)
+
+    def _add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         if self.current and self.current_bytes + nbytes > self.max:
             self.flush()
@@ -106,6 +116,9 @@ class ShardWriter:
 
     def finish(self) -> list[str]:
         """Write the last shard, give the files their final names; returns them."""
+        if self.conversion is not None and self.conversion.pending():
+            raise RuntimeError(f"export: tensors {self.conversion.pending()[:3]} were never written: their "
+                               "conversion group (transformers' checkpoint layout) is incomplete")
         self.flush()
         n = len(self.files)
         stem, ext = self.stem, self.ext
@@ -121,8 +134,11 @@ class ShardWriter:
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a DTensor gathered; a QLoRA NF4 weight gathered as 4-bit and dequantised)."""
     from torch.distributed.tensor import DTensor
 
+    if is_nf4(value):
+        return dequantize(value)
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
@@ -136,7 +152,8 @@ def save_hf_model(
     Collective: every rank must call it; only ``is_main`` writes. ``dtype`` casts (default: as is);
     ``safe_serialization=False`` writes ``pytorch_model*.bin`` instead of safetensors. A LoRA
     ``PeftModel`` is written as a PEFT adapter directory, or with ``merge_adapter`` as the plain
-    model with every adapter merged into its base weight (``W + scaling · B @ A``)."""
+    model with every adapter merged into its base weight (``W + scaling · B @ A``); a QLoRA base's
+    NF4 weights are written dequantised (merged or not): the weights the adapter was trained on."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     if is_peft_model(model) and not merge_adapter:
@@ -147,18 +164,24 @@ def save_hf_model(
     state = get_model_state_dict(model)  # sharded: nothing is gathered here
     aliases = tied_aliases(model)
     merges = merge_specs(model)
-    writer = ShardWriter(save_directory, max_shard_size, safe=safe_serialization) if is_main else None
     seen: set[int] = set()
-    saved_dtype = None
+    names = []
     for name, value in state.items():
-        if name in aliases or id(value) in seen or is_adapter_param(name):
-            continue
-        seen.add(id(value))
+        if not (name in aliases or id(value) in seen or is_adapter_param(name)):
+            seen.add(id(value))
+            names.append(name)
+    writer = None
+    if is_main:
+        conversion = SaveConversion(model, [checkpoint_key(n) for n in names])
+        writer = ShardWriter(save_directory, max_shard_size, safe=safe_serialization, conversion=conversion)
+    saved_dtype = None
+    for name in names:
+        value = state[name]
         if name in merges:  # in fp32, then cast; A and B are small
             a, b, scaling = merges[name]
             full = _full(value).float() + scaling * (_full(state[b]).float() @ _full(state[a]).float())
             full = full.to(dtype or value.dtype)
-        elif dtype is not None and value.is_floating_point():
+        elif dtype is not None and value.is_floating_point() and not is_nf4(value):
             full = _full(value.to(dtype))  # cast the local shard first: the gather moves dtype's bytes
         else:
             full = _full(value)  # one tensor at a time
@@ -234,7 +257,7 @@ def export_checkpoint(
         raise ValueError(f"checkpoint {ckpt} does not match the model config: tensor {n!r} has shape "
                          f"{list(metadata[prefix + n].size)} in the checkpoint, {list(shapes[n].shape)} in "
                          "the config" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
-    writer = ShardWriter(out, max_shard_size)
+    writer = ShardWriter(out, max_shard_size, conversion=SaveConversion(skeleton, expected))
     limit = writer.max
     group: list[str] = []
     group_bytes = 0

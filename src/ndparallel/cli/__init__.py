@@ -1,4 +1,4 @@
-"""The ``ndparallel`` command line: launch, train, preprocess, verify, plan, export, plot."""
+"""The ``ndparallel`` command line: launch, train, preprocess, verify, plan, simulate, export, plot."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ _SUBCOMMANDS = {
     "preprocess": "tokenize and cache a config's datasets; show samples with their trained tokens",
     "verify": "check a layout trains the same model as one device (shrunk, on CPU)",
     "plan": "rank the parallel layouts for a model and cluster by memory and step time",
+    "simulate": "run one real rank of an N-rank world here (fake collectives) against the planner",
     "export": "turn a sharded checkpoint into a Hugging Face safetensors directory",
     "plot": "draw a run's loss and throughput curves to a PNG",
 }
@@ -26,6 +27,9 @@ def _usage() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns its exit code (2: bad input, reported in one line on stderr)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    from ndparallel.runtime.quiet import quiet_library_noise
+
+    quiet_library_noise()
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
@@ -53,6 +57,10 @@ def _dispatch(command: str, rest: list[str]) -> int:
         return launch(rest)
     if command == "plan":
         return _plan(rest)
+    if command == "simulate":
+        from ndparallel.cli.simulate import run_simulate
+
+        return run_simulate(rest)
     if command in ("train", "preprocess", "verify", "export", "plot"):
         from ndparallel.cli import commands
 

@@ -36,6 +36,9 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--base", default=None,
                         help="with --merge: the base model directory (default: the adapter's "
                              "base_model_name_or_path)")
+    parser.add_argument("--nf4", action="store_true",
+                        help="with --merge of a PEFT adapter directory trained with QLoRA: merge into the "
+                             "NF4-quantised-and-dequantised base, as trained (a QLoRA checkpoint: automatic)")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into a non-empty OUT_DIR (its model and config files are replaced)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -48,6 +51,8 @@ def export_main(argv: Sequence[str] | None = None) -> int:
                               "--overwrite to replace its model and config files")
     if args.base is not None and not args.merge:
         return fail("export", "--base is the base model of --merge: add --merge (or drop --base)")
+    if args.nf4 and not args.merge:
+        return fail("export", "--nf4 is for --merge of a QLoRA adapter: add --merge (or drop --nf4)")
     dtype = DTYPES.get(args.dtype) if args.dtype else None
     try:
         if not (ckpt / "COMPLETE").exists() and list_checkpoints(ckpt):
@@ -78,11 +83,20 @@ def _merge(ckpt: Path, out_dir: Path, args, dtype) -> Path:
         export_adapter_checkpoint,
         is_adapter_checkpoint,
     )
-    from ndparallel.checkpoint.adapter_merge import merge_adapter_files
+    from ndparallel.checkpoint.adapter_merge import (
+        checkpoint_quantization,
+        merge_adapter_files,
+    )
+    from ndparallel.models.quantized import NF4Config
 
     kwargs = dict(base=args.base, dtype=dtype, max_shard_size=args.max_shard_size, tokenizer=args.tokenizer)
     if (ckpt / ADAPTER_CONFIG).is_file():
-        return merge_adapter_files(ckpt, out_dir, **kwargs)
+        return merge_adapter_files(ckpt, out_dir, nf4=NF4Config() if args.nf4 else None, **kwargs)
+    nf4, nf4_dtype = checkpoint_quantization(ckpt)
+    if nf4 is not None:
+        print("ndparallel export: a QLoRA checkpoint (load_in_4bit): merging into the NF4-quantised base it was "
+              "trained on (dequantised)")
+        kwargs.update(nf4=nf4, nf4_dtype=nf4_dtype)
     if not is_adapter_checkpoint(ckpt):
         raise ValueError(f"--merge needs a LoRA run's checkpoint or a PEFT adapter directory; {ckpt} is "
                          "neither (a full fine-tuning checkpoint exports without --merge)")

@@ -19,8 +19,8 @@ from pathlib import Path
 import yaml
 
 PLAN_KEYS = ("dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size",
-             "micro_batch_size", "gradient_accumulation_steps", "cp_comm_strategy", "sequence_parallel",
-             "loss_parallel", "tiled_mlp", "tiled_mlp_num_shards", "activation_offloading")
+             "expert_parallel_size", "micro_batch_size", "gradient_accumulation_steps", "cp_comm_strategy",
+             "sequence_parallel", "loss_parallel", "tiled_mlp", "tiled_mlp_num_shards", "activation_offloading")
 PLAN_FSDP_KEYS = ("activation_checkpointing", "reshard_after_forward", "unsharded_grad_accumulation")
 
 
@@ -45,7 +45,7 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
     gpus = int(given.gpus) if given.gpus and given.gpus.isdigit() and int(given.gpus) > 0 else None
     flags = ["--model", cfg.base_model, "--seq-len", str(cfg.sequence_len),
              "--mixed-precision", "bf16" if cfg.bf16 else "fp32",
-             "--optimizer", "sgd" if cfg.optimizer == "sgd" else "adamw",
+             "--optimizer", _plan_optimizer(cfg.optimizer),
              "--cp-strategy", cfg.cp_comm_strategy,
              "--loss-impl", "full" if cfg.chunked_loss is False else "chunked"]
     if cfg.optimizer == "adamw_torch_fused":
@@ -60,8 +60,8 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
             flags += ["--tiled-mlp-num-shards", str(cfg.tiled_mlp_num_shards)]
     if cfg.activation_offloading:
         flags.append("--activation-offloading")
-    if cfg.adapter == "lora" and given.adapter in (None, "lora"):
-        flags += ["--adapter", "lora", "--lora-r", str(cfg.lora_r)]
+    if cfg.adapter and given.adapter in (None, "lora", "qlora"):
+        flags += ["--adapter", given.adapter or ("qlora" if cfg.load_in_4bit else "lora"), "--lora-r", str(cfg.lora_r)]
     said = f"model {cfg.base_model}, seq {cfg.sequence_len}"
     if gpus and not (given.global_batch_size or given.global_batch_tokens):
         dp, where = _config_dp(cfg.parallelism_config(), gpus, path)
@@ -70,6 +70,16 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
         said += (f", global batch {batch} sequences (micro {cfg.micro_batch_size} × accumulation "
                  f"{cfg.gradient_accumulation_steps} × dp {dp}{where})")
     return flags, f"ndparallel plan: from {path}: {said}"
+
+
+def _plan_optimizer(name: str) -> str:
+    """The planner's optimizer for a training config's (torchao's low-bit ones by their state size)."""
+    from ndparallel.training.optim_lowbit import TORCHAO
+
+    if name == "sgd":
+        return "sgd"
+    return {"AdamW8bit": "adamw_8bit", "AdamWFp8": "adamw_8bit", "AdamW4bit": "adamw_4bit"}.get(
+        TORCHAO.get(name, ""), "adamw")
 
 
 def _config_dp(layout, gpus: int, path: str) -> tuple[int, str]:

@@ -40,7 +40,7 @@ class Engine:
         self.info: DistributedInfo = init_distributed(device, timeout_s)
         if isinstance(layout, ParallelDims):
             layout = ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard,
-                                       cp_size=layout.cp, tp_size=layout.tp)
+                                       cp_size=layout.cp, tp_size=layout.tp, ep_size=layout.ep)
         self.dims: ParallelDims = layout.resolve(self.info.world_size).dims
         across = self.dims.tp_across_nodes(int(os.environ.get("LOCAL_WORLD_SIZE", self.info.world_size)))
         if across:  # several nodes (torchrun --nnodes, accelerate launch --num_machines)
@@ -49,7 +49,9 @@ class Engine:
                                datetime.timedelta(seconds=self.info.timeout_s))
         self.options = options
         self._submeshes: dict[tuple[str, ...], object] = {}
+        self._expert_mesh = None
         self._loss_parallel: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._router_aux: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # ----------------------------------------------------------------------- where
     @property
@@ -78,6 +80,22 @@ class Engine:
         if dims not in self._submeshes:
             self._submeshes[dims] = submesh(self.mesh, *dims)
         return self._submeshes[dims]
+
+    @property
+    def expert_mesh(self):
+        """The expert mesh ``(dp_replicate, efsdp, ep)`` (``layout.mesh.build_expert_mesh``), built
+        on first use: only a mixture-of-experts model under EP or TP needs its process groups."""
+        if self._expert_mesh is None:
+            from ndparallel.layout.mesh import build_expert_mesh
+
+            self._expert_mesh = build_expert_mesh(self.mesh, self.dims,
+                                                  datetime.timedelta(seconds=self.info.timeout_s))
+        return self._expert_mesh
+
+    @property
+    def built_expert_mesh(self):
+        """The expert mesh if a model needed it (else None; nothing is built)."""
+        return self._expert_mesh
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.submesh(dim).get_group()
@@ -121,7 +139,11 @@ class Engine:
 
             tp = resolve_loss_parallel(base_model_of(model), options.tp)
             options = dataclasses.replace(options, tp=tp)
-        model = parallelize_model(model, self.mesh, self.dims, options, self.device)
+        from ndparallel.models.moe import experts_modules
+
+        moe = bool(experts_modules(base_model_of(model)))  # split over ep (or off tp): expert mesh
+        expert_mesh = self.expert_mesh if self.dims.experts_split(moe) else None
+        model = parallelize_model(model, self.mesh, self.dims, options, self.device, expert_mesh=expert_mesh)
         self._loss_parallel[model] = self.dims.tp_enabled and bool(options.tp.loss_parallel)
         return model
 
@@ -164,10 +186,40 @@ class Engine:
         with self.loss_context():
             return causal_lm_loss(logits, shift_labels, num_items)
 
-    def forward_loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor], num_items) -> torch.Tensor:
+    def router_aux_spec(self, model: nn.Module):
+        """The ``MoESpec`` of a mixture-of-experts model whose training loss includes the routers'
+        load-balancing loss (transformers' ``output_router_logits``), else None."""
+        if model not in self._router_aux:
+            from ndparallel.models.adapters import base_model_of
+            from ndparallel.models.moe import moe_spec
+
+            spec = moe_spec(base_model_of(model))
+            self._router_aux[model] = spec if spec is not None and spec.aux_loss_coef is not None else None
+        return self._router_aux[model]
+
+    def forward_loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor], num_items,
+                     aux_weight: float = 1.0, aux_values: list | None = None) -> torch.Tensor:
         """Forward ``batch`` (``input_ids``, ``shift_labels``, ``position_ids``; CP-sharded
         already) and return this rank's token-loss sum / the global token count: the chunked loss
-        (no full logits) where exact (``LossOptions``), else the logits and ``causal_lm_loss``."""
+        (no full logits) where exact (``LossOptions``), else the logits and ``causal_lm_loss``.
+        A mixture-of-experts model with ``output_router_logits`` adds its routers' load-balancing
+        loss × ``router_aux_loss_coef`` × ``aux_weight`` (``parallel/router_loss.py``: global over
+        the micro-batch, layout-invariant); its global value is appended to ``aux_values``."""
+        spec = self.router_aux_spec(model)
+        if spec is None:
+            return self._token_loss(model, batch, num_items)
+        from ndparallel.parallel.router_loss import aux_loss_term, recording_routers
+
+        with recording_routers(model, spec, batch.get("attention_mask")) as stats:
+            loss = self._token_loss(model, batch, num_items)
+        rows_split_on_tp = self.dims.tp_enabled and self.options.tp.sequence_parallel
+        group = dist.group.WORLD if rows_split_on_tp else self.group("dp_cp")
+        term, value = aux_loss_term(stats, group, self.dims.dp * self.dims.cp)
+        if aux_values is not None:
+            aux_values.append(value.detach() * aux_weight)
+        return loss + (spec.aux_loss_coef * aux_weight) * term.to(loss.dtype)
+
+    def _token_loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor], num_items) -> torch.Tensor:
         from ndparallel.parallel import lm_loss
 
         if lm_loss.use_chunked_loss(model, self.options.loss):
@@ -189,7 +241,8 @@ class Engine:
     def reduce_step_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """This rank's share of the step loss summed over the dp×cp ranks (tp peers hold the same
         share): the global mean token loss, in place, on every rank."""
-        dist.all_reduce(loss_sum, group=self.group("dp_cp"))
+        if self.dims.size("dp_cp") > 1:
+            dist.all_reduce(loss_sum, group=self.group("dp_cp"))
         return loss_sum
 
     # -------------------------------------------------------------------- batches

@@ -23,6 +23,10 @@ class StepResult:
     """The global gradient norm before clipping (a device scalar)."""
     tokens: int
     """Tokens of the global batch (rows × width of every micro-batch, over the dp ranks)."""
+    aux_loss: torch.Tensor | None = None
+    """A mixture-of-experts model's load-balancing loss of the step (unscaled by its coefficient;
+    the mean over the micro-batches, each over its global micro-batch), included in ``loss``
+    × ``router_aux_loss_coef``; None when the model adds none."""
 
 
 def batch_to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -34,12 +38,13 @@ def batch_to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> 
 
 
 def forward_backward(engine, model: torch.nn.Module, micro_batches: Sequence[Mapping[str, torch.Tensor]],
-                     skip_grad_sync: bool = False) -> torch.Tensor:
+                     skip_grad_sync: bool = False, aux_values: list | None = None) -> torch.Tensor:
     """Run every micro-batch (CP-sharded when CP is on) with the layout-invariant loss and
     back-propagate it; gradients are reduced after the last micro-batch only (accumulation).
     Returns this rank's share of the step loss (a device tensor): summed over the ``dp_cp`` ranks
     it is the global mean token loss. ``skip_grad_sync`` never reduces gradients: a deliberately
-    broken run, used to prove that the equivalence checks can fail."""
+    broken run, used to prove that the equivalence checks can fail. ``aux_values`` collects a
+    mixture-of-experts model's load-balancing loss of each micro-batch (already / their number)."""
     from ndparallel.parallel.fsdp import set_gradient_sync
 
     n_items = engine.global_num_items(micro_batches)
@@ -51,7 +56,8 @@ def forward_backward(engine, model: torch.nn.Module, micro_batches: Sequence[Map
             else:
                 engine.set_grad_sync(model, i == len(micro_batches) - 1)
             with engine.batch_context(mb):
-                loss = engine.forward_loss(model, mb, n_items)
+                loss = engine.forward_loss(model, mb, n_items, aux_weight=1.0 / len(micro_batches),
+                                           aux_values=aux_values)
                 engine.backward(loss, model)
             loss_sum += loss.detach().float()
     finally:
@@ -69,7 +75,8 @@ def train_step(
     ``max_grad_norm``: clip to it (None: only measure the norm). ``guard``: a ``NonFiniteGuard``
     deciding whether a non-finite step is applied (``step`` is its 1-based index). The scheduler
     steps even when the optimizer step is skipped (the schedule follows the step count)."""
-    loss = forward_backward(engine, model, micro_batches, skip_grad_sync=skip_grad_sync)
+    aux_values: list = []
+    loss = forward_backward(engine, model, micro_batches, skip_grad_sync=skip_grad_sync, aux_values=aux_values)
     params = model.parameters()
     norm = (engine.clip_grad_norm_(params, max_grad_norm) if max_grad_norm
             else engine.grad_norm(params))
@@ -84,7 +91,8 @@ def train_step(
 
         precompute_scales(model, engine.options.float8)
     tokens = engine.dp_size * sum(mb["input_ids"].numel() for mb in micro_batches)  # rows may be cut
-    return StepResult(loss, norm, tokens)
+    aux = torch.stack(aux_values).sum() if aux_values else None
+    return StepResult(loss, norm, tokens, aux)
 
 
 @contextlib.contextmanager

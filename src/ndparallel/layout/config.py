@@ -6,6 +6,9 @@ included, so every lookup works for every layout. Flattened views:
 * ``dp``          = (dp_replicate, dp_shard): ranks that receive different data;
 * ``dp_shard_cp`` = (dp_shard, cp): what FSDP shards parameters over;
 * ``dp_cp``       = (dp_replicate, dp_shard, cp): over what loss tokens are counted.
+
+``ep_size`` (expert parallel, mixture-of-experts models) adds no rank: it is carved out of
+dp_shard × cp × tp (``ParallelDims``; the expert mesh is built by ``layout.mesh.build_expert_mesh``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ ENV_VARS: dict[str, tuple[str, ...]] = {
     "dp_shard_size": ("NDPARALLEL_DP_SHARD_SIZE", "PARALLELISM_CONFIG_DP_SHARD_SIZE"),
     "cp_size": ("NDPARALLEL_CP_SIZE", "PARALLELISM_CONFIG_CP_SIZE"),
     "tp_size": ("NDPARALLEL_TP_SIZE", "PARALLELISM_CONFIG_TP_SIZE"),
+    "ep_size": ("NDPARALLEL_EP_SIZE",),
 }
 
 
@@ -68,6 +72,10 @@ class ParallelismConfig:
     """Context-parallel handler: the K/V exchange strategy (created when ``cp_size > 1``)."""
     sp_handler: Any = None
     """Accelerate's DeepSpeed SP handler: must stay None."""
+    ep_size: int | None = None
+    """Expert-parallel degree of a mixture-of-experts model (experts split over ep ranks, tokens
+    sent to them by all-to-all). Adds no rank: it must divide dp_shard × cp × tp (torchtitan's
+    rule); ndparallel's own field (Accelerate has none), ``expert_parallel_size`` in YAML."""
     _resolved: bool = field(default=False, repr=False, compare=False)
     device_mesh: Any = field(default=None, init=False, repr=False, compare=False)
     """The mesh built for this config (Accelerate's cache; ``get_device_mesh``)."""
@@ -78,6 +86,10 @@ class ParallelismConfig:
             if value is None:
                 value = _from_env(name, os.environ)
             setattr(self, name, _check_size(name, value))
+        ep = self.ep_size if self.ep_size is not None else _from_env("ep_size", os.environ)
+        self.ep_size = _check_size("ep_size", ep)
+        if self.ep_size == -1:
+            raise ParallelismConfigError("ep_size=-1 is not allowed: give the expert-parallel degree (>= 1)")
         _check_accelerate_fields(self)
         fills = [n for n in _FIELDS if getattr(self, n) == -1]
         if len(fills) > 1:
@@ -138,6 +150,10 @@ class ParallelismConfig:
         return self.tp_size != 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep_size != 1
+
+    @property
     def cp_enabled(self) -> bool:
         return self.cp_size != 1
 
@@ -188,20 +204,29 @@ class ParallelismConfig:
         s = self.sizes
         layout = " × ".join(f"{dim}={size}" for dim, size in s.items())
         total = self.total_size if -1 not in s.values() else "world"
-        return f"ParallelismConfig({layout}; {total} ranks)"
+        ep = f"; ep={self.ep_size}" if self.ep_enabled else ""
+        return f"ParallelismConfig({layout}{ep}; {total} ranks)"
 
     @property
     def dims(self) -> ParallelDims:
         """The resolved degrees as the engine's typed ``ParallelDims`` (requires no -1 left)."""
         self._require_resolved("dims")
-        return ParallelDims(self.dp_replicate_size, self.dp_shard_size, self.cp_size, self.tp_size)
+        try:
+            return ParallelDims(self.dp_replicate_size, self.dp_shard_size, self.cp_size, self.tp_size,
+                                self.ep_size)
+        except ValueError as e:
+            raise ParallelismConfigError(str(e)) from None
 
     def describe(self) -> str:
         """Short human name of the layout, e.g. 'HSDP 2×2 + TP 2'."""
         return self.dims.describe()
 
     def to_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in _FIELDS}
+        """The degrees (``ep_size`` only when expert parallel is on)."""
+        out = {name: getattr(self, name) for name in _FIELDS}
+        if self.ep_enabled:
+            out["ep_size"] = self.ep_size
+        return out
 
     def to_json(self) -> str:
         """The degrees and handler choices as JSON (Accelerate's ``to_json`` returns None)."""
@@ -216,7 +241,7 @@ class ParallelismConfig:
         """Fill a -1 degree from ``world_size`` and check the product equals it."""
         if world_size < 1:
             raise ParallelismConfigError(f"world size must be >= 1, got {world_size}")
-        sizes = self.to_dict()
+        sizes = {name: getattr(self, name) for name in _FIELDS}
         fill = next((n for n, v in sizes.items() if v == -1), None)
         if fill is not None:
             rest = 1
@@ -237,9 +262,11 @@ class ParallelismConfig:
             raise ParallelismConfigError(
                 f"dp_replicate_size × dp_shard_size × cp_size × tp_size = {_product_text(sizes)} = "
                 f"{product} ranks, but the world has {world_size}; change the degrees so that their "
-                f"product is {world_size}, or launch {product} processes"
+                f"product is {world_size}, or launch {product} processes" + _ep_hint(self.ep_size, sizes, world_size)
             )
-        return dataclasses.replace(self, **sizes, _resolved=True)
+        resolved = dataclasses.replace(self, **sizes, _resolved=True)
+        resolved.dims  # noqa: B018 - raises when ep does not divide dp_shard × cp × tp
+        return resolved
 
     def _require_resolved(self, what: str) -> None:
         if -1 in self.sizes.values():
@@ -305,6 +332,19 @@ def _check_accelerate_fields(pc: ParallelismConfig) -> None:
             setattr(pc, name, cls())
         elif handler is not None and not isinstance(handler, cls):
             raise ParallelismConfigError(f"{name} must be a {cls.__name__}, got {type(handler).__name__}")
+
+
+def _ep_hint(ep: int, sizes: Mapping[str, int], world: int) -> str:
+    """A note for Axolotl users, whose ``expert_parallel_size`` multiplies the world (ep × dp_shard
+    = world size): here ep ranks are borrowed from dp_shard × cp × tp and multiply nothing."""
+    if ep == 1:
+        return ""
+    rest = sizes["dp_replicate_size"] * sizes["cp_size"] * sizes["tp_size"]
+    shard = world // rest if world % rest == 0 else None
+    fix = f" (here: dp_shard_size={shard} with expert_parallel_size={ep})" if shard else ""
+    return (f". Note: expert_parallel_size adds no ranks in ndparallel (torchtitan's rule, not Axolotl's "
+            f"ep × dp_shard = world): it is carved out of dp_shard × cp × tp, so make those cover the "
+            f"world{fix}")
 
 
 def _check_size(name: str, value: object) -> int:

@@ -1,6 +1,12 @@
 """The mesh dimensions and ``ParallelDims``: the resolved degrees of one layout and every answer
 derived from them (which dims are on, what FSDP shards over, what a sequence length must divide
-by). The runtime, the data path, the strategies' checks and the planner all ask this one object."""
+by, where the experts of a mixture-of-experts model live). The runtime, the data path, the
+strategies' checks and the planner all ask this one object.
+
+Expert parallel (torchtitan's rule, experts not tensor-parallel: ``etp = 1``): the ``ep`` ranks
+are borrowed from the ranks the dense part already spreads over, ``dp_shard · cp · tp = efsdp · ep``.
+The expert mesh is ``(dp_replicate, efsdp, ep)``, ``ep`` innermost: experts are split over ``ep``
+(tokens travel there by all-to-all) and FSDP-sharded over ``efsdp`` (HSDP with ``dp_replicate``)."""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ import math
 from dataclasses import dataclass
 
 MESH_DIM_NAMES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_DIM_NAMES: tuple[str, ...] = ("dp_replicate", "efsdp", "ep")
+"""The expert mesh (an unflattened view of the same ranks), ``ep`` innermost."""
 FLATTENED_DIMS: dict[str, tuple[str, ...]] = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
@@ -17,18 +25,34 @@ FLATTENED_DIMS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees in mesh order (dp_replicate, dp_shard, cp, tp), tp innermost; all >= 1."""
+    """Degrees in mesh order (dp_replicate, dp_shard, cp, tp), tp innermost; all >= 1. ``ep``
+    (expert parallel) multiplies no rank count: it is carved out of dp_shard · cp · tp."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for dim in MESH_DIM_NAMES:
+        for dim in (*MESH_DIM_NAMES, "ep"):
             value = getattr(self, dim)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelDims.{dim}={value!r}: degrees are integers >= 1")
+        problem = self.ep_problem()
+        if problem:
+            raise ValueError(problem)
+
+    def ep_problem(self) -> str | None:
+        """Why ``ep`` does not fit the dense degrees (it must divide dp_shard · cp · tp), or None."""
+        borrowed = self.dp_shard * self.cp * self.tp
+        if borrowed % self.ep == 0:
+            return None
+        fits = [d for d in range(1, borrowed + 1) if borrowed % d == 0]
+        return (f"expert_parallel_size={self.ep} must divide dp_shard × cp × tp = {self.dp_shard}×{self.cp}×"
+                f"{self.tp} = {borrowed}: the expert-parallel ranks are borrowed from the ranks the dense "
+                f"layers shard over (torchtitan's rule). Use expert_parallel_size in {fits}, or raise "
+                f"dp_shard_size so that it divides (e.g. dp_shard_size={self.dp_shard * self.ep // math.gcd(borrowed, self.ep)})")
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -45,12 +69,21 @@ class ParallelDims:
         """Ranks FSDP shards parameters over (dp_shard × cp)."""
         return self.dp_shard * self.cp
 
+    @property
+    def efsdp(self) -> int:
+        """Ranks FSDP shards each expert's weights over: dp_shard · cp · tp / ep (etp = 1)."""
+        return self.dp_shard * self.cp * self.tp // self.ep
+
     def size(self, dim: str) -> int:
-        """Degree of a base or flattened mesh dim."""
+        """Degree of a base, flattened or expert mesh dim (``efsdp``, ``ep``)."""
+        if dim in ("efsdp", "ep"):
+            return getattr(self, dim)
         return math.prod(getattr(self, d) for d in FLATTENED_DIMS.get(dim, (dim,)))
 
     def inner_size(self, dim: str) -> int:
         """Product of the degrees inside ``dim`` (the rank stride of its groups)."""
+        if dim in ("efsdp", "ep"):  # the expert mesh: ep innermost, efsdp right outside it
+            return self.ep if dim == "efsdp" else 1
         last = FLATTENED_DIMS.get(dim, (dim,))[-1]
         return math.prod(getattr(self, d) for d in MESH_DIM_NAMES[MESH_DIM_NAMES.index(last) + 1:])
 
@@ -69,15 +102,20 @@ class ParallelDims:
         return {d: getattr(self, d) for d in MESH_DIM_NAMES}
 
     def to_dict(self) -> dict[str, int]:
-        """The degrees under ``ParallelismConfig``'s field names (as checkpoints record them)."""
-        return {"dp_replicate_size": self.dp_replicate, "dp_shard_size": self.dp_shard,
-                "cp_size": self.cp, "tp_size": self.tp}
+        """The degrees under ``ParallelismConfig``'s field names (as checkpoints record them);
+        ``ep_size`` only when expert parallel is on."""
+        out = {"dp_replicate_size": self.dp_replicate, "dp_shard_size": self.dp_shard,
+               "cp_size": self.cp, "tp_size": self.tp}
+        if self.ep > 1:
+            out["ep_size"] = self.ep
+        return out
 
     # ---------------------------------------------------------------- enabled
     dp_replicate_enabled = property(lambda self: self.dp_replicate > 1)
     dp_shard_enabled = property(lambda self: self.dp_shard > 1)
     cp_enabled = property(lambda self: self.cp > 1)
     tp_enabled = property(lambda self: self.tp > 1)
+    ep_enabled = property(lambda self: self.ep > 1)
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -88,6 +126,16 @@ class ParallelDims:
     def fsdp_dims(self) -> tuple[str, ...]:
         """The mesh dims FSDP2 runs on: (dp_replicate, dp_shard_cp) for HSDP, else (dp_shard_cp,)."""
         return ("dp_replicate", "dp_shard_cp") if self.dp_replicate_enabled else ("dp_shard_cp",)
+
+    def expert_fsdp_dims(self) -> tuple[str, ...]:
+        """The expert-mesh dims FSDP2 runs the experts on: (dp_replicate, efsdp) or (efsdp,)."""
+        return ("dp_replicate", "efsdp") if self.dp_replicate_enabled else ("efsdp",)
+
+    def experts_split(self, moe: bool) -> bool:
+        """Whether a model's experts leave the dense layout (``parallel/expert.py``): under expert
+        parallel, and under TP (experts are never tensor-parallel: each tp rank runs all its
+        experts on its own share of the tokens)."""
+        return moe and (self.ep_enabled or self.tp_enabled)
 
     # --------------------------------------------------------------- sequences
     def cp_chunks(self, load_balance: bool = True) -> int:
@@ -119,10 +167,14 @@ class ParallelDims:
             parts.append(f"CP {self.cp}")
         if self.tp_enabled:
             parts.append(f"TP {self.tp}")
+        if self.ep_enabled:
+            parts.append(f"EP {self.ep}")
         return " + ".join(parts) or "single device"
 
     def short(self) -> str:
-        return f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},cp={self.cp},tp={self.tp}"
+        ep = f",ep={self.ep}" if self.ep_enabled else ""
+        return f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},cp={self.cp},tp={self.tp}{ep}"
 
     def compact(self) -> str:
-        return f"{self.dp_replicate}x{self.dp_shard}x{self.cp}x{self.tp}"
+        ep = f"+ep{self.ep}" if self.ep_enabled else ""
+        return f"{self.dp_replicate}x{self.dp_shard}x{self.cp}x{self.tp}{ep}"

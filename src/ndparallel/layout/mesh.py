@@ -10,7 +10,20 @@ from typing import Mapping
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ndparallel.layout.dims import FLATTENED_DIMS, MESH_DIM_NAMES
+from ndparallel.layout.dims import (
+    EXPERT_DIM_NAMES,
+    FLATTENED_DIMS,
+    MESH_DIM_NAMES,
+    ParallelDims,
+)
+
+
+def is_fake_world() -> bool:
+    """Is the default process group torch's fake backend (``ndparallel simulate``: one real rank of
+    a larger world, collectives returning at once without data)?"""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and str(dist.get_backend()) == "fake"
 
 
 def group_options(device_type: str, timeout: datetime.timedelta):
@@ -65,7 +78,8 @@ def build_mesh(
     """Mesh (dp_replicate, dp_shard, cp, tp) over the default group, plus flattened views. With
     ``timeout`` every group of the mesh (base dims and flattened views) gets it."""
     shape = tuple(sizes[d] for d in MESH_DIM_NAMES)
-    options = group_options(device_type, timeout) if timeout is not None else None
+    # a fake group takes no backend options (and nothing can time out in it)
+    options = group_options(device_type, timeout) if timeout is not None and not is_fake_world() else None
     kwargs = {}
     if options is not None:
         kwargs["backend_override"] = {d: (None, options) for d in MESH_DIM_NAMES}
@@ -73,6 +87,27 @@ def build_mesh(
     for name, dims in FLATTENED_DIMS.items():
         flatten_dims(mesh, dims, name, options if _flatten_takes_options() else None)
     return mesh
+
+
+def build_expert_mesh(mesh: DeviceMesh, dims: ParallelDims,
+                      timeout: datetime.timedelta | None = None) -> DeviceMesh:
+    """The expert mesh ``(dp_replicate, efsdp, ep)`` over the same ranks as ``mesh`` (torchtitan's
+    "sparse" mesh): the dense dims flattened and unflattened again, ``ep`` innermost, so its
+    dims and the dense ones share one root (FSDP2 composes an ``ep``-sharded DTensor with its
+    ``efsdp`` mesh only then). Creates the ``efsdp`` and ``ep`` process groups: every rank calls it.
+    ``DeviceMesh._unflatten`` (torch >= 2.10) is private: this is the one place that calls it."""
+    if not hasattr(DeviceMesh, "_unflatten"):
+        import torch
+
+        raise RuntimeError(f"expert parallel needs DeviceMesh._unflatten (torch >= 2.10); torch "
+                           f"{torch.__version__} has none: upgrade torch or set expert_parallel_size: 1")
+    options = group_options(mesh.device_type, timeout) if timeout is not None else None
+    world = flatten_dims(mesh, MESH_DIM_NAMES, "world", options if _flatten_takes_options() else None)
+    sizes = (dims.dp_replicate, dims.efsdp, dims.ep)
+    kwargs = {}
+    if options is not None:
+        kwargs["backend_override"] = {d: (None, options) for d in EXPERT_DIM_NAMES}
+    return world._unflatten(0, sizes, EXPERT_DIM_NAMES, **kwargs)
 
 
 def _flatten_takes_options() -> bool:

@@ -100,16 +100,31 @@ def check_adapter_config(config: Any) -> None:
 def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
     """Wrap ``model`` with PEFT (``get_peft_model``): the base weights frozen, LoRA A/B trainable in
     fp32 (PEFT's ``autocast_adapter_dtype``). ``all-linear`` inside a target list is expanded
-    (Axolotl's ``lora_target_linear`` together with ``lora_target_modules``)."""
+    (Axolotl's ``lora_target_linear`` together with ``lora_target_modules``); on a mixture-of-experts
+    model always, so that it means the ``nn.Linear`` layers there too (PEFT's own expansion would
+    also put LoRA on the fused 3-D expert weights and the routers, ``target_parameters``)."""
     import copy
+
+    from ndparallel.models.moe import experts_modules
 
     peft = require_peft()
     check_adapter_config(config)
     targets = config.target_modules
+    if isinstance(targets, str) and targets == ALL_LINEAR and experts_modules(model):
+        targets = [ALL_LINEAR]
     if isinstance(targets, (list, set, tuple)) and ALL_LINEAR in targets:
         config = copy.deepcopy(config)
         config.target_modules = sorted((set(targets) - {ALL_LINEAR}) | linear_module_names(model))
-    return peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME, autocast_adapter_dtype=True)
+    asked = sorted(config.target_modules or []) if not isinstance(config.target_modules, str) else [targets]
+    wrapped = peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME, autocast_adapter_dtype=True)
+    fused = getattr(adapter_config_of(wrapped), "target_parameters", None)
+    if fused:  # PEFT maps transformers-4 names (gate_proj, up_proj, w1 ...) onto fused MoE weights
+        raise ValueError(f"LoRA targets {asked} reach the fused expert weights / "
+                         f"routers of this mixture-of-experts model ({sorted(fused)}, PEFT target_parameters): "
+                         "not supported (their merge and export are not handled); target the attention and "
+                         "dense linears (lora_target_modules: [q_proj, k_proj, v_proj, o_proj], or "
+                         "lora_target_linear: true)")
+    return wrapped
 
 
 def adapter_config_of(model: nn.Module):

@@ -4,7 +4,8 @@
 
 * N: parameters used in matmuls (every linear weight and the LM head — the embedding matrix when
   tied; the embedding lookup, norms and biases do no matmul). Each takes 2 FLOPs per token in
-  forward and 2 for the input gradient in backward;
+  forward and 2 for the input gradient in backward. In a mixture-of-experts model the *active*
+  ones: the routers and top_k / E of the expert weights (a token runs k of the E experts);
 * N_trained: those whose weight gradient is computed (2 more FLOPs per token): N for full
   fine-tuning, the adapters for LoRA (whose own forward/input-gradient FLOPs, ~4·N_adapter, are
   left out: N_adapter is ~0.5 % of N);
@@ -28,6 +29,10 @@ def matmul_params(model: nn.Module) -> tuple[int, int]:
     of its linear layers; LoRA adapters count as trained only, their frozen base as N."""
     seen: set[int] = set()
     n = trained = 0
+    for weight, share in _moe_weights(model):  # experts and routers are no nn.Linear
+        seen.add(id(weight))
+        n += int(weight.shape.numel() * share)
+        trained += int(weight.shape.numel() * share) if weight.requires_grad else 0
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if not isinstance(module, nn.Linear) or weight is None or id(weight) in seen:
@@ -39,6 +44,19 @@ def matmul_params(model: nn.Module) -> tuple[int, int]:
         if weight.requires_grad:
             trained += numel
     return n, trained
+
+
+def _moe_weights(model: nn.Module) -> list[tuple[nn.Parameter, float]]:
+    """(weight, share of it one token multiplies with) of an MoE model's routers (1) and experts
+    (top_k / E); empty for a dense model."""
+    from ndparallel.models.moe import experts_modules, moe_spec, router_modules
+
+    spec = moe_spec(model)
+    if spec is None:
+        return []
+    routers = [(m.weight, 1.0) for _, m, _ in router_modules(model) if isinstance(getattr(m, "weight", None), nn.Parameter)]
+    share = spec.top_k / spec.num_experts
+    return routers + [(p, share) for _, m in experts_modules(model) for p in m.parameters(recurse=False) if p.dim() == 3]
 
 
 def attention_dim(config) -> int:

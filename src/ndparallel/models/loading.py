@@ -32,6 +32,8 @@ from ndparallel.models.adapters import (
 )
 from ndparallel.models.causal import causal_lm_problem, config_problem
 from ndparallel.models.presets import PRESETS
+from ndparallel.models.quantized import NF4Config, nf4_parameter_names, quantize_linears
+from ndparallel.models.quantized_loading import load_nf4_weights
 from ndparallel.models.safetensors_read import load_sharded_safetensors
 from ndparallel.models.vocab import (
     grow_config_vocab,
@@ -43,12 +45,14 @@ from ndparallel.models.weights import weights_problem
 _SAFETENSORS = ".safetensors"
 
 
-def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str,
-                      trust_remote_code: bool, seed: int, adapter: Any = None) -> nn.Module:
+def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str | None,
+                      trust_remote_code: bool, seed: int, adapter: Any = None,
+                      quantization: NF4Config | None = None) -> nn.Module:
     """A random initialisation equal to ``torch.manual_seed(seed); from_config(config)`` on one
     process (the global RNG is left untouched), checked to be a causal LM; ``adapter`` wraps it
-    with LoRA, PEFT's init drawn from the same seeded stream. Built whole on the CPU: meant for
-    presets and tests, not for random-initialising a large model."""
+    with LoRA, PEFT's init drawn from the same seeded stream; ``quantization`` (QLoRA) stores its
+    linears as NF4, each quantised whole. Built whole on the CPU: meant for presets and tests, not
+    for random-initialising a large model."""
     _check_causal_lm(config, trust_remote_code)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -59,16 +63,38 @@ def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_impleme
         _check_causal_model(model)
         if adapter is not None:
             model = apply_adapter(model, adapter)
+        if quantization is not None:
+            quantize_linears(model, quantization)
     return model
 
 
-def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool,
-                  vocab_size: int | None = None, adapter: Any = None) -> tuple[nn.Module, list[Path], list[str]]:
+def build_on_meta_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str | None,
+                              trust_remote_code: bool = False, adapter: Any = None) -> nn.Module:
+    """The model of ``config`` on the meta device (no memory), checked to be a causal LM;
+    ``adapter`` wraps it with LoRA (on meta too)."""
+    _check_causal_lm(config, trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+    _check_causal_model(model)
+    return apply_adapter(model, adapter) if adapter is not None else model
+
+
+def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | None, trust_remote_code: bool,
+                  vocab_size: int | None = None, adapter: Any = None,
+                  config_overrides: dict | None = None,
+                  quantization: NF4Config | None = None) -> tuple[nn.Module, list[Path], list[str]]:
     """The model of directory ``path`` on the meta device (no memory), checked against its
-    safetensors headers; grown to ``vocab_size`` token rows when the tokenizer outgrew it.
-    Returns (model, weight files, names of the grown weights)."""
+    safetensors headers; grown to ``vocab_size`` token rows when the tokenizer outgrew it; with
+    ``quantization`` (QLoRA) NF4 placeholders for its linears (the strategies shard their packed
+    bytes; ``fill_from_files`` quantises each rank's rows). Returns (model, weight files, names of
+    the grown weights)."""
     files = checkpoint_files(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    for key, value in (config_overrides or {}).items():  # Axolotl's overrides_of_model_config
+        setattr(config, key, value)
     _check_causal_lm(config, trust_remote_code)
     grow = grow_config_vocab(config, vocab_size, adapter is not None)
     with torch.device("meta"):
@@ -83,17 +109,23 @@ def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str, trus
         raise ValueError(f"base model {str(path)!r}: {problem}")
     if adapter is not None:
         model = apply_adapter(model, adapter)  # on meta too: LoRA layers hold no data yet
+    if quantization is not None:
+        quantize_linears(model, quantization)
     return model, files, grown
 
 
 def fill_from_files(model: nn.Module, path: Path, files: list[Path], grown: list[str], seed: int = 0,
-                    adapter_weights: str | os.PathLike | None = None) -> None:
+                    adapter_weights: str | os.PathLike | None = None, device: torch.device | None = None) -> None:
     """Fill a materialised (``materialize``), possibly parallelised model from the files of
-    ``path``: this rank's shards only; grown token rows = the mean row; LoRA adapters from
+    ``path``: this rank's shards only; grown token rows = the mean row; QLoRA's NF4 weights read
+    and quantised one decoder layer at a time (on ``device``); LoRA adapters from
     ``adapter_weights`` or initialised from ``seed``; the directory's generation config."""
     base = base_model_of(model)
     init_non_persistent_buffers(base)
-    load_sharded_safetensors(base, path, files, skip=set(grown))
+    nf4 = set(nf4_parameter_names(base))
+    load_sharded_safetensors(base, path, files, skip=set(grown) | nf4)
+    if nf4:  # this rank's rows, read and quantised one decoder layer at a time
+        load_nf4_weights(base, path, files, device)
     if grown:
         set_grown_rows(base, files, grown, base.config.vocab_size)
     if adapter_weights is not None:

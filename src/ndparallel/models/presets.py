@@ -29,6 +29,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen2": dict(model_type="qwen2", **_TINY_COMMON),
     "tiny-qwen3": dict(model_type="qwen3", head_dim=16, **{**_TINY_COMMON, "tie_word_embeddings": True}),
     "tiny-mistral": dict(model_type="mistral", sliding_window=None, **_TINY_COMMON),
+    # Mixture-of-experts (8 / 4 experts, top-2; the routers' load-balancing loss in the loss).
+    "tiny-qwen3-moe": dict(model_type="qwen3_moe", head_dim=16, moe_intermediate_size=32, num_experts=8,
+                           num_experts_per_tok=2, norm_topk_prob=True, output_router_logits=True,
+                           router_aux_loss_coef=0.01, **_TINY_COMMON),
+    "tiny-mixtral": dict(model_type="mixtral", sliding_window=None, num_local_experts=4, num_experts_per_tok=2,
+                         output_router_logits=True, router_aux_loss_coef=0.01,
+                         **{**_TINY_COMMON, "intermediate_size": 32}),
     # The quickstart's model: still tiny, large enough for the loss to fall visibly on CPU.
     "quickstart-llama": dict(
         model_type="llama",
@@ -67,6 +74,18 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-7b": ("mistralai/Mistral-7B-v0.3",
                    _published("mistral", 4096, 32, 32, 8, 14336, 32768, 128, positions=32768,
                              sliding_window=None)),
+    # mixture of experts: every layer routes each token to top-k of E experts
+    "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B",
+                      _published("qwen3_moe", 2048, 48, 32, 4, 6144, 151936, 128, positions=40960,
+                                 moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                 norm_topk_prob=True, router_aux_loss_coef=0.001)),
+    "qwen3-235b-a22b": ("Qwen/Qwen3-235B-A22B",
+                        _published("qwen3_moe", 4096, 94, 64, 4, 12288, 151936, 128, positions=40960,
+                                   moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+                                   norm_topk_prob=True, router_aux_loss_coef=0.001)),
+    "mixtral-8x7b": ("mistralai/Mixtral-8x7B-v0.1",
+                     _published("mixtral", 4096, 32, 32, 8, 14336, 32000, 128, positions=32768,
+                               num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
 }
 """Well-known models by short name: their hub id and published shape (no weights)."""
 

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import (
 
 from ndparallel.models.layers import decoder_layers, embedding_modules, output_modules
 from ndparallel.models.naming import share_parameters
+from ndparallel.models.quantized import is_nf4
 from ndparallel.parallel.master_weights import upcast_params
 from ndparallel.parallel.options import FSDPOptions
 
@@ -33,18 +34,27 @@ def apply_fsdp(
     options: FSDPOptions,
     param_dtype: torch.dtype | None = None,
     master_dtype: torch.dtype | None = None,
+    experts: tuple[DeviceMesh, list[nn.Module]] | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2: each decoder layer, the embeddings, the final norm + lm_head, then
     the root. ``dp_mesh`` is 1-D (shard) or 2-D (replicate, shard). ``param_dtype`` (e.g. bf16) is
     the compute dtype; gradients are reduced in ``options.reduce_dtype`` (default fp32) and the
     sharded fp32 master weights are kept. ``master_dtype``: upcast each module's parameters to it
     just before sharding that module, so only one module at a time exists unsharded in the higher
-    precision."""
+    precision. ``experts``: (expert FSDP mesh, experts modules split off by ``parallel/expert.py``):
+    each becomes its own FSDP unit on that mesh (``efsdp``, with ``dp_replicate`` for HSDP) inside
+    its decoder layer's unit, as torchtitan shards experts over ``efsdp``."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=options.reduce_dtype or torch.float32)
     kwargs = dict(mesh=dp_mesh, mp_policy=mp)
     if options.cpu_offload:
         # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op copy.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    nf4 = {p for p in model.parameters() if is_nf4(p)}
+    if nf4 and dp_mesh.size(dp_mesh.ndim - 1) == 1:
+        # QLoRA without sharding (DP, or one device with mixed precision): FSDP2's shard-size-1 path
+        # has no room for NF4's three all-gather inputs. The frozen NF4 weights are replicated as
+        # they are (no gradient, nothing to reduce); FSDP keeps the rest.
+        kwargs["ignored_params"] = nf4
 
     def shard(module, reshard_after_forward: bool) -> None:
         for m in module if isinstance(module, list) else [module]:
@@ -52,6 +62,14 @@ def apply_fsdp(
                 upcast_params(m, master_dtype)
         fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)
 
+    if experts is not None:
+        expert_mesh, modules = experts
+        for module in modules:
+            if master_dtype is not None:
+                upcast_params(module, master_dtype)
+            fully_shard(module, reshard_after_forward=options.reshard_after_forward,
+                        shard_placement_fn=_expert_placement(module, expert_mesh),
+                        **{**kwargs, "mesh": expert_mesh})
     for layer in decoder_layers(model, options.layer_classes):
         shard(layer, options.reshard_after_forward)
     embeddings = embedding_modules(model)
@@ -68,6 +86,17 @@ def apply_fsdp(
             # Plain SUM collectives: gloo has no PREMUL_SUM, and NCCL's zero-copy path wants SUM.
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _expert_placement(module: nn.Module, expert_mesh: DeviceMesh):
+    """Shard experts on dim 0 (whole experts per rank) unless there are fewer local experts than
+    ``efsdp`` ranks: then on dim 1, which needs no padding (torchtitan's rule)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    efsdp = expert_mesh.size(expert_mesh.ndim - 1)
+    local = next(p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()).shape[0]
+    placement = Shard(1) if efsdp > local else Shard(0)
+    return lambda _param: placement
 
 
 def _reshard_after_no_grad_forward(model: nn.Module, args, output) -> None:

@@ -1,4 +1,4 @@
-"""Apply the strategies to a model in one readable order: float8 → TP → CP → tiled MLP →
+"""Apply the strategies to a model in one readable order: float8 → TP → EP → CP → tiled MLP →
 activation checkpointing (+ offloading) → compile → FSDP (torchtitan's order).
 
 Each step is a call into one strategy module; this function only decides which apply.
@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ndparallel.layout.dims import ParallelDims
 from ndparallel.layout.mesh import submesh
 from ndparallel.models.adapters import base_model_of
+from ndparallel.models.quantized import nf4_layout_problem
 from ndparallel.parallel.master_weights import low_precision_params, upcast_params
 from ndparallel.parallel.options import FSDPOptions, StrategyOptions
 
@@ -32,10 +33,12 @@ def is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def uses_fsdp(dims: ParallelDims, options: StrategyOptions) -> bool:
+def uses_fsdp(dims: ParallelDims, options: StrategyOptions, experts_split: bool = False) -> bool:
     """FSDP2 wraps the model when parameters are sharded or replicated over ranks, and for mixed
-    precision on one rank too (its ``MixedPrecisionPolicy`` does the casts)."""
-    return dims.dp_replicate * dims.fsdp > 1 or options.param_dtype is not None
+    precision on one rank too (its ``MixedPrecisionPolicy`` does the casts); with the experts
+    split off (``parallel/expert.py``) also when only they are sharded (over ``efsdp``)."""
+    sharded = dims.dp_replicate * dims.fsdp > 1 or (experts_split and dims.efsdp > 1)
+    return sharded or options.param_dtype is not None
 
 
 def parallelize_model(
@@ -45,11 +48,17 @@ def parallelize_model(
     options: StrategyOptions,
     device: torch.device,
     master_dtype: torch.dtype | None = torch.float32,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Parallelise ``model`` in place for layout ``dims`` on ``mesh`` and return it. ``master_dtype``:
     the dtype trainable parameters (and optimizer states) are kept in; None keeps the model's own.
-    A PEFT model is parallelised through the Hugging Face model inside it (LoRA layers included)."""
+    A PEFT model is parallelised through the Hugging Face model inside it (LoRA layers included).
+    ``expert_mesh`` (``layout.mesh.build_expert_mesh``): given, the experts of a mixture-of-experts
+    model are split over its ``ep`` dim and FSDP-sharded over its ``efsdp`` dim (``dims.experts_split``)."""
     wrapper, model = model, base_model_of(model)
+    problem = nf4_layout_problem(model, dims.fsdp, dims.tp)  # QLoRA's 4-bit base
+    if problem:
+        raise ValueError(problem)
     upcast = master_dtype if master_dtype is not None and low_precision_params(model, master_dtype) else None
     if upcast is not None:
         warnings.warn(
@@ -58,6 +67,7 @@ def parallelize_model(
             f"upcasting them to {upcast} master weights (compute uses mixed_precision's dtype); "
             "load the model in float32 to skip this step", stacklevel=3)
     fsdp = options.fsdp
+    _check_layout(model, dims, options.tp)
     if options.float8.enabled:
         from ndparallel.parallel.float8 import apply_float8
 
@@ -66,6 +76,12 @@ def parallelize_model(
         from ndparallel.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, submesh(mesh, "tp"), options.tp, adapted=wrapper is not model)
+    experts = []
+    if expert_mesh is not None:
+        from ndparallel.parallel.expert import apply_expert_parallel
+
+        tp_mesh = submesh(mesh, "tp") if dims.tp_enabled else None
+        experts = apply_expert_parallel(model, expert_mesh["ep"], tp_mesh, options.tp.sequence_parallel)
     if dims.cp_enabled:
         from ndparallel.parallel.context import apply_context_parallel
 
@@ -78,11 +94,12 @@ def parallelize_model(
         apply_compile(model, options.compile, fsdp.layer_classes,
                       per_child=dims.tp_enabled or fsdp.tiled_mlp or fsdp.activation_offloading,
                       skip_attention=dims.cp_enabled and fsdp.activation_checkpointing)
-    if uses_fsdp(dims, options):
+    if uses_fsdp(dims, options, bool(experts)):
         from ndparallel.parallel.fsdp import apply_fsdp
 
+        expert_fsdp = (expert_mesh[dims.expert_fsdp_dims()], experts) if experts else None
         apply_fsdp(model, submesh(mesh, *dims.fsdp_dims), fsdp, param_dtype=options.param_dtype,
-                   master_dtype=upcast)
+                   master_dtype=upcast, experts=expert_fsdp)
         if fsdp.tiled_mlp:
             from ndparallel.parallel.tiled_mlp import check_not_fsdp_unit
 
@@ -91,6 +108,19 @@ def parallelize_model(
         upcast_params(model, upcast)
     move_leftovers(model, device, keep_params_on_cpu=fsdp.cpu_offload)
     return wrapper
+
+
+def _check_layout(model: nn.Module, dims: ParallelDims, tp) -> None:
+    """Refuse (one line, before any sharding) what this model cannot run exactly under ``dims``."""
+    from ndparallel.parallel.support import layout_problem
+    from ndparallel.parallel.tensor import is_tensor_parallel
+
+    made_tp = dims.tp > 1 and is_tensor_parallel(model)  # by transformers: its own plan applied
+    problem = layout_problem(model, tp_size=1 if made_tp else dims.tp, cp_size=dims.cp,
+                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan, probe_attention=False,
+                             ep_size=dims.ep)
+    if problem:
+        raise ValueError(problem)
 
 
 def apply_activation_memory(model: nn.Module, fsdp: FSDPOptions, device: torch.device) -> None:

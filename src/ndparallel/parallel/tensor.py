@@ -10,9 +10,17 @@ styles and applies them with ``parallelize_module``:
 * every other parameter (norms) becomes a ``Replicate`` DTensor whose module takes DTensor inputs,
   so optimizers and grad clipping see DTensors only, all on the tp mesh.
 
+Mixture-of-experts blocks are not tensor-parallel: the experts are split off by
+``parallel/expert.py`` (each tp rank runs all experts of its ``ep`` rank on its own tokens), the
+rest of the block (router, shared experts) is replicated over tp and reads the block input as it
+comes — the whole sequence, or under sequence parallel the rank's own sequence shard.
+
 Sequence parallel shards the residual stream on dim 1: the sequence length must be divisible by
-tp_size, ``position_ids`` are filled in when missing (HF would derive them from the local length),
-and a 2-D attention mask may only be all ones (padding masks raise: pack with position_ids).
+tp_size, ``position_ids`` are filled in when missing (HF would derive them from the local length;
+``positions.position_hook``), a 2-D attention mask may only be all ones (padding masks raise: pack
+with position_ids), and attention is ndparallel's document attention (transformers would build
+its masks from the local length: packed rows crashed its sdpa), which derives the causal and
+document masks from the positions.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ndparallel.models.adapters import is_lora_layer
+from ndparallel.models.moe import moe_prefixes
 from ndparallel.models.naming import tied_parameter_groups
 from ndparallel.models.tp_plans import (
     TPPlanError,
@@ -45,6 +54,7 @@ from ndparallel.models.tp_plans import (
 )
 from ndparallel.parallel.lora import LoraParallel
 from ndparallel.parallel.options import TPOptions
+from ndparallel.parallel.positions import position_hook
 from ndparallel.parallel.tp_styles import (
     GatherSequenceInput,
     ReplicateBlockInput,
@@ -74,36 +84,6 @@ def _output_embedding_name(model: nn.Module) -> str | None:
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
-
-
-def _sp_position_hook(tp_size: int):
-    def hook(_mod, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            ids = kwargs.get("inputs_embeds")
-        if ids is None:
-            return args, kwargs
-        seq = ids.shape[1]
-        if seq % tp_size:
-            raise ValueError(
-                f"sequence parallel: sequence length {seq} is not divisible by tp_size={tp_size}; "
-                f"pad the batch to a multiple of {tp_size} (or disable sequence_parallel)"
-            )
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            if not bool(mask.all()):
-                raise ValueError(
-                    "sequence parallel does not support padding attention masks (HF builds the mask "
-                    "from the local sequence length): pack sequences with position_ids instead, or "
-                    "disable sequence_parallel"
-                )
-            kwargs = {**kwargs, "attention_mask": None}  # all ones: plain causal attention
-        if kwargs.get("position_ids") is None:
-            pos = torch.arange(seq, device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
-            kwargs = {**kwargs, "position_ids": pos}
-        return args, kwargs
-
-    return hook
 
 
 def apply_tensor_parallel(
@@ -137,6 +117,8 @@ def apply_tensor_parallel(
         return distribute_leftover_params(model, tp_mesh)
     validate_tensor_parallel(model.config, tp_size, options)
     assigned = match_plan(model, resolve_tp_plan(model, options.plan), strict=bool(options.plan))
+    experts, moe_blocks = moe_prefixes(model)
+    assigned = {n: st for n, st in assigned.items() if not n.startswith(moe_blocks)}
     head = _output_embedding_name(model)
     head_colwise = head in assigned and str(assigned[head]).startswith("colwise")
     if options.loss_parallel and not head_colwise:
@@ -157,11 +139,40 @@ def apply_tensor_parallel(
         )
         if is_lora_layer(model.get_submodule(name)):  # PEFT wrapped it: shard A/B with the base
             styles[name] = LoraParallel(styles[name], name)
+    _replicate_the_rest(model, styles, blocks, sp, experts, moe_blocks)
+    for block in blocks:
+        styles[block] = GatherSequenceInput() if sp else ReplicateBlockInput()
+    if sp:
+        _sequence_parallel_inputs(model, tp_size)
+    tied = tied_parameter_groups(model)
+    for name, style in styles.items():
+        parallelize_module(model.get_submodule(name), tp_mesh, style)
+    _retie(model, tied)
+    if options.loss_parallel and hasattr(type(model), "loss_function"):
+        model.loss_function = _in_loss_parallel(model.loss_function)  # transformers' setter
+    setattr(model, _TP_MESH_ATTR, tp_mesh)
+    _check_all_dtensor(model, skip=experts)
+    align_grad_placements(model)
+    return model
+
+
+def _replicate_the_rest(model: nn.Module, styles: dict[str, ParallelStyle], blocks: set[str], sp: bool,
+                        experts: tuple[str, ...], moe_blocks: tuple[str, ...]) -> None:
+    """Give every other module owning parameters a ``ReplicateParallel`` style (in ``styles``):
+    norms read the residual stream (sequence-sharded under SP) or a block's input; modules of an
+    MoE block (router, shared experts) read the block's rows (this rank's own under SP); the
+    experts themselves are left to ``parallel/expert.py`` and FSDP."""
     wrapped = tuple(f"{n}." for n, s in styles.items() if isinstance(s, LoraParallel))
+    moe_input = Shard(0) if sp else Replicate()
     for name, module in model.named_modules():
         if name in styles or not any(True for _ in module.parameters(recurse=False)):
             continue
         if name.startswith(wrapped):  # base_layer / lora_A / lora_B: sharded by LoraParallel
+            continue
+        if f"{name}.".startswith(experts):  # split off by parallel/expert.py, sharded by FSDP
+            continue
+        if name.startswith(moe_blocks):
+            styles[name] = ReplicateParallel(moe_input, buffers=True)
             continue
         if any(n.startswith(name + ".") for n in styles) or (sp and name in blocks):
             raise TPPlanError(
@@ -170,21 +181,17 @@ def apply_tensor_parallel(
             )
         on_residual, _ = _layer_position(name)
         styles[name] = ReplicateParallel(Shard(1) if sp and on_residual else Replicate())
-    for block in blocks:
-        styles[block] = GatherSequenceInput() if sp else ReplicateBlockInput()
-    if sp:
-        model.register_forward_pre_hook(_sp_position_hook(tp_size), with_kwargs=True)
 
-    tied = tied_parameter_groups(model)
-    for name, style in styles.items():
-        parallelize_module(model.get_submodule(name), tp_mesh, style)
-    _retie(model, tied)
-    if options.loss_parallel and hasattr(type(model), "loss_function"):
-        model.loss_function = _in_loss_parallel(model.loss_function)  # transformers' setter
-    setattr(model, _TP_MESH_ATTR, tp_mesh)
-    _check_all_dtensor(model)
-    align_grad_placements(model)
-    return model
+
+def _sequence_parallel_inputs(model: nn.Module, tp_size: int) -> None:
+    """Positions and attention for a sequence-sharded residual stream: ``position_ids`` filled in
+    from the full length (``positions.position_hook``), and ndparallel's document attention —
+    transformers builds its masks from the local length, which breaks on packed rows; the
+    document attention derives them from the positions."""
+    from ndparallel.parallel.context import apply_document_attention
+
+    model.register_forward_pre_hook(position_hook(sp_size=tp_size), with_kwargs=True)
+    apply_document_attention(model)
 
 
 def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
@@ -208,8 +215,9 @@ def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
             model.get_submodule(mod_name).register_parameter(p_name, first)
 
 
-def _check_all_dtensor(model: nn.Module) -> None:
-    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+def _check_all_dtensor(model: nn.Module, skip: tuple[str, ...] = ()) -> None:
+    plain = [n for n, p in model.named_parameters()
+             if not isinstance(p, DTensor) and not (skip and n.startswith(skip))]
     if plain:
         raise RuntimeError(f"tensor parallel left plain (non-DTensor) parameters: {plain[:5]}")
 

@@ -8,7 +8,8 @@ base splits A on in and keeps B whole. Per layer and tp rank (h hidden, q = a·d
     colwise q, k, v, gate, up:  r·(5h + (q + 2kv + 2f)/tp)
     rowwise o, down:            r·((q + f)/tp + 2h)
 
-FSDP shards those over dp_shard × cp like any parameter. What LoRA changes (see docs/planner.md):
+FSDP shards those over dp_shard × cp like any parameter. An MoE model (no dense MLP, f = 0) has
+LoRA on its four attention linears only (the fused expert weights are not adapted): 4h, not 7h. What LoRA changes (see docs/planner.md):
 the frozen base is kept in the compute dtype (bf16), only adapters hold fp32 master weights,
 gradients and optimizer state; FSDP still all-gathers the whole base but reduce-scatters only
 adapter gradients; matmul FLOPs are 4·N + 2·N_adapter (no weight gradients of the base).
@@ -28,7 +29,7 @@ ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def adapter_params_per_layer(model: ModelSpec, r: int) -> int:
     """A and B elements of one decoder layer (all seven linears)."""
     h, q, kv, f = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim, model.intermediate
-    return r * (7 * h + 2 * q + 2 * kv + 3 * f)
+    return r * ((4 if model.is_moe else 7) * h + 2 * q + 2 * kv + 3 * f)
 
 
 def trainable_params(model: ModelSpec, r: int) -> int:
@@ -43,8 +44,8 @@ def trainable_fraction(model: ModelSpec, r: int) -> float:
 def adapter_layer_local(model: ModelSpec, r: int, tp: int) -> int:
     """Adapter elements of one layer on one tp rank (before FSDP sharding)."""
     h, q, kv, f = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim, model.intermediate
-    colwise = 5 * h + math.ceil((q + 2 * kv + 2 * f) / tp)
-    rowwise = math.ceil((q + f) / tp) + 2 * h
+    colwise = (3 if model.is_moe else 5) * h + math.ceil((q + 2 * kv + 2 * f) / tp)
+    rowwise = math.ceil((q + f) / tp) + (1 if model.is_moe else 2) * h
     return r * (colwise + rowwise)
 
 
@@ -73,6 +74,6 @@ def adapt_collectives(cs: list, model: ModelSpec, layout: Layout, s: Settings, c
         out.append(c)
     if layout.tp > 1:
         out.append(collective("all_reduce", "tp", r * model.hidden * 4,
-                              len(ADAPTED) * model.layers * s.grad_accum,
+                              (4 if model.is_moe else len(ADAPTED)) * model.layers * s.grad_accum,
                               "TP LoRA replicated-factor grads (A of colwise, B of rowwise)"))
     return out

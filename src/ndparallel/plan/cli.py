@@ -55,7 +55,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                    help="checkpointing policy: full (ndparallel) or torchtitan's per-op "
                         "selective policy (for comparisons; not run by ndparallel)")
     t.add_argument("--mixed-precision", choices=("bf16", "fp32"), default="bf16")
-    t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    t.add_argument("--optimizer", choices=("adamw", "sgd", "adamw_8bit", "adamw_4bit"), default="adamw",
+                   help="adamw_8bit / adamw_4bit: torchao's low-bit AdamW (train's adamw_8bit, "
+                        "paged_adamw_8bit, adamw_torch_4bit ...)")
     t.add_argument("--no-sequence-parallel", action="store_true",
                    help="TP with all-reduce instead of sequence parallel")
     t.add_argument("--no-loss-parallel", action="store_true",
@@ -75,10 +77,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens per chunk of --loss-impl chunked (default: 256 MiB of fp32 logits)")
     t.add_argument("--fused-adamw", action="store_true",
                    help="AdamW fused=True (default: torch's foreach AdamW, as the trainer)")
-    t.add_argument("--adapter", choices=("none", "lora"), default="none",
+    t.add_argument("--adapter", choices=("none", "lora", "qlora"), default="none",
                    help="lora: LoRA on every linear layer, the base frozen in the compute dtype "
-                        "(train's adapter: lora, lora_target_linear: true)")
-    t.add_argument("--lora-r", type=int, default=None, help="LoRA rank (default 16; needs --adapter lora)")
+                        "(train's adapter: lora, lora_target_linear: true); qlora: the same on a "
+                        "4-bit NF4 base (train's adapter: qlora, load_in_4bit: true)")
+    t.add_argument("--lora-r", type=int, default=None,
+                   help="LoRA rank (default 16; needs --adapter lora or qlora)")
     _add_long_context_arguments(t)
     o = parser.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
@@ -135,10 +139,11 @@ def build_request(args) -> PlanRequest:
     if args.global_batch_tokens:
         global_batch = args.global_batch_tokens // args.seq_len
     mb = None if str(args.micro_batch).lower() == "auto" else int(args.micro_batch)
-    if args.lora_r is not None and args.adapter != "lora":
-        raise ValueError("--lora-r needs --adapter lora")
-    lora_r = (16 if args.lora_r is None else args.lora_r) if args.adapter == "lora" else 0
-    if args.adapter == "lora" and lora_r < 1:
+    adapted = args.adapter in ("lora", "qlora")
+    if args.lora_r is not None and not adapted:
+        raise ValueError("--lora-r needs --adapter lora (or qlora)")
+    lora_r = (16 if args.lora_r is None else args.lora_r) if adapted else 0
+    if adapted and lora_r < 1:
         raise ValueError(f"--lora-r must be >= 1, got {lora_r}")
     return PlanRequest(
         model=load_model_spec(args.model), hardware=_hardware(args), gpus=args.gpus,
@@ -152,6 +157,7 @@ def build_request(args) -> PlanRequest:
         unsharded_grad_accumulation=args.unsharded_grad_accumulation,
         cp_strategy=args.cp_strategy, cp_kernel=args.cp_kernel, loss_impl=args.loss_impl,
         loss_chunk_tokens=args.loss_chunk_tokens, optimizer_fused=args.fused_adamw, lora_r=lora_r,
+        quantized_base=args.adapter == "qlora",
         tiled_mlp=args.tiled_mlp, tiled_mlp_num_shards=args.tiled_mlp_num_shards,
         activation_offloading=args.activation_offloading,
         host_mem_bytes=host_mem_bytes(args.host_mem) if args.host_mem else None,

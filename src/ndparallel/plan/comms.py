@@ -52,10 +52,18 @@ def fsdp_shard_numel(p: ParamSpec, tp: int, fsdp: int) -> int:
     return math.ceil(shape[0] / fsdp) * rest
 
 
-def unit_numels(model: ModelSpec, tp: int, fsdp: int) -> dict[str, tuple[int, int]]:
-    """FSDP unit -> (tp-local unsharded elements, padded shard elements) of ONE such unit."""
+def unit_numels(model: ModelSpec, tp: int, fsdp: int, layout: Layout | None = None) -> dict[str, tuple[int, int]]:
+    """FSDP unit -> (tp-local unsharded elements, padded shard elements) of ONE such unit. An MoE
+    model's ``experts`` unit: this rank's E/ep experts and their shard over efsdp (``layout``;
+    default: experts not split, sharded over ``fsdp`` like the rest)."""
     out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    if model.is_moe:
+        from ndparallel.plan.moe import expert_unit_numels
+
+        out["experts"] = list(expert_unit_numels(model, layout or Layout(dp_shard=fsdp)))
     for p in model.param_specs():
+        if p.unit == "experts":
+            continue
         local = 1
         for d in tp_local_shape(p, tp):
             local *= d
@@ -107,10 +115,18 @@ def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Colle
                 for kind, nbytes, n, what in tiled_tp_extra(model, layout, s, tokens, ga)]
     if layout.cp > 1:
         out += _context_parallel(model, layout, s, tokens, ga)
+    if model.is_moe:
+        from ndparallel.plan import moe
+
+        out += moe.collectives(model, layout, s, tokens, ga, Collective)
     if s.lora_r:
         from ndparallel.plan.adapter import adapt_collectives
 
         out = adapt_collectives(out, model, layout, s, Collective)
+    if s.quantized_base:
+        from ndparallel.plan.qlora import nf4_collectives
+
+        out = nf4_collectives(out, model, layout, s)
     return [c for c in out if c.count > 0]
 
 
@@ -120,16 +136,16 @@ def _data_parallel(model: ModelSpec, layout: Layout, s: Settings, ga: int) -> li
     ``unsharded_grad_accumulation``) and the HSDP/DDP all-reduce over dp_replicate once per step."""
     out = []
     red = s.reducing_microbatches
-    n = layout.fsdp
-    numels = unit_numels(model, layout.tp, n)
+    numels = unit_numels(model, layout.tp, layout.fsdp, layout)
     for unit, (count, reshards) in fsdp_units(model).items():
         local, shard = numels[unit]
+        dim, n = ("efsdp", layout.efsdp) if unit == "experts" else ("dp_shard_cp", layout.fsdp)
         if n > 1:
             gathers = 1 + (1 if reshards and s.reshard_after_forward else 0)
-            out.append(Collective("all_gather", "dp_shard_cp", shard * s.param_compute_bytes,
+            out.append(Collective("all_gather", dim, shard * s.param_compute_bytes,
                                   gathers * count * ga, f"FSDP all-gather params ({unit})",
                                   "compute"))
-            out.append(Collective("reduce_scatter", "dp_shard_cp", shard * n * s.reduce_bytes,
+            out.append(Collective("reduce_scatter", dim, shard * n * s.reduce_bytes,
                                   count * red, f"FSDP reduce-scatter grads ({unit})", "compute"))
         if layout.dp_replicate > 1:
             size = shard if n > 1 else local
@@ -247,9 +263,11 @@ def _ulysses(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int
 
 def scalar_collectives(model: ModelSpec, layout: Layout,
                        mixed_precision: str = "bf16") -> list[Collective]:
-    """The training loop's scalar collectives per optimizer step (``train_under_layout``):
+    """The training step's scalar collectives per optimizer step (``engine.step.train_step``, which
+    ``train``, ``verify`` and ``train_under_layout`` run):
 
     * the global count of loss tokens: one int64 all-reduce over ``dp`` (if dp > 1);
+    * the step's loss: one fp32 all-reduce over ``dp_cp`` (if dp·cp > 1; ``reduce_step_loss``);
     * the gradient norm (``parallel/grad_norm.py``): torch's ``get_total_norm`` takes one norm
       per gradient tensor and DTensor sums their squares, 4 bytes per tensor, over the mesh dims
       the tensors are sharded on. With a 1-D parameter mesh (FSDP or CP only: ``dp_shard_cp``;
@@ -259,13 +277,24 @@ def scalar_collectives(model: ModelSpec, layout: Layout,
       group separately: all tensors over ``dp_shard_cp`` (if > 1), the tp-sharded ones over
       ``tp``, in several calls whose number the planner does not model: the entry gives the
       *total* bytes per dim as one call.
-    The logging all-reduce of the loss (``train_under_layout``) is the caller's choice: not listed.
+    An MoE model's split experts (``ParallelDims.experts_split``) form their own group, reduced
+    over ``efsdp`` and ``ep``; the routers' load-balancing loss adds one all-reduce of its
+    statistics (2·E + 1 fp32) per micro-batch when the model adds that loss (not listed here).
     """
     out = []
     if layout.dp > 1:
         out.append(Collective("all_reduce", "dp", 8, 1, "global token count (int64)"))
-    tensors = sum(p.count for p in model.param_specs())
-    tp_sharded = sum(p.count for p in model.param_specs() if p.tp_dim is not None)
+    if layout.dp * layout.cp > 1:
+        out.append(Collective("all_reduce", "dp_cp", 4, 1, "step loss (fp32)"))
+    split = layout.experts_split(model.is_moe)
+    specs = [p for p in model.param_specs() if not (split and p.unit == "experts")]
+    if split:
+        experts = sum(p.count for p in model.param_specs() if p.unit == "experts")
+        for dim in ("efsdp", "ep"):
+            if layout.size(dim) > 1:
+                out.append(Collective("all_reduce", dim, 4 * experts, 1, "gradient norm of the experts"))
+    tensors = sum(p.count for p in specs)
+    tp_sharded = sum(p.count for p in specs if p.tp_dim is not None)
     fsdp_wrapped = layout.dp_replicate * layout.fsdp > 1 or mixed_precision == "bf16"
     dims = []
     if layout.fsdp > 1:

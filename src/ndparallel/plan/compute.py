@@ -122,7 +122,13 @@ def step_extras(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware,
     opt = trained * OPTIMIZER_BYTES[(s.optimizer, s.optimizer_fused)] / bw
     clip = trained * CLIP_BYTES / bw
     fsdp = fsdp_copy_bytes(model, layout, s, local_params, shard_params) / bw
-    return {"optimizer": opt, "clip": clip, "fsdp_copies": fsdp}
+    out = {"optimizer": opt, "clip": clip, "fsdp_copies": fsdp}
+    if s.quantized_base:  # QLoRA: every NF4 weight dequantised in forward and backward (plan/qlora.py)
+        from ndparallel.plan.qlora import dequant_seconds, fsdp_copy_bytes_qlora
+
+        out["nf4_dequant"] = dequant_seconds(model, layout, s, bw)
+        out["fsdp_copies"] = fsdp_copy_bytes_qlora(model, layout, s, local_params, shard_params) / bw
+    return out
 
 
 def compute_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> tuple[float, float]:

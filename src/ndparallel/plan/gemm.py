@@ -66,6 +66,8 @@ def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gem
     tiles, tile_tokens = mlp_tiles(model, layout, s) if s.tiled_mlp else (1, all_tokens)
     out = []
     for name, i, o, per in _linears(model, layout.tp):
+        if not o or not i:  # an MoE model has no dense MLP (f = 0)
+            continue
         n = per * model.layers
         if not s.checkpointing:
             again = 0
@@ -85,6 +87,10 @@ def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gem
         out += [Gemm(f"{name} lora A fwd", tokens, r, i, n + again), Gemm(f"{name} lora B fwd", tokens, o, r, n + again),
                 Gemm(f"{name} lora B dgrad", tokens, r, o, n), Gemm(f"{name} lora B wgrad", o, r, tokens, n),
                 Gemm(f"{name} lora A dgrad", tokens, i, r, n), Gemm(f"{name} lora A wgrad", r, i, tokens, n)]
+    if model.is_moe:  # the router, the experts' grouped GEMMs, the shared MLP (plan/moe.py)
+        from ndparallel.plan import moe
+
+        out += moe.gemms(model, layout, s, tokens, Gemm, recompute=s.checkpointing)
     vocab = -(-model.vocab // layout.tp)
     h = model.hidden
     out += [Gemm("lm_head fwd", all_tokens, vocab, h, 1), Gemm("lm_head dgrad", all_tokens, h, vocab, 1)]

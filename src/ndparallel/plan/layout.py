@@ -64,6 +64,9 @@ class Settings:
     lora_r: int = 0
     """LoRA rank on every linear of the decoder layers (``plan --adapter lora``); 0: full
     fine-tuning. See ``ndparallel.plan.adapter``."""
+    quantized_base: bool = False
+    """QLoRA (``plan --adapter qlora``): the decoder linears of the frozen base are 4-bit NF4
+    (``ndparallel.plan.qlora``); needs ``lora_r``."""
     tiled_mlp: bool = False
     """Sequence-tiled MLP (``tiled_mlp``): see ``ndparallel.plan.long_context``."""
     tiled_mlp_num_shards: int | None = None
@@ -97,10 +100,15 @@ class Settings:
         return 4
 
     @property
-    def optimizer_state_bytes(self) -> int:
+    def optimizer_state_bytes(self) -> float:
         """Bytes of optimizer state per parameter: AdamW exp_avg + exp_avg_sq in fp32; SGD with
-        torch's default momentum=0 keeps none."""
-        return {"adamw": 8, "sgd": 0}[self.optimizer]
+        torch's default momentum=0 keeps none; torchao's 8-bit AdamW int8 codes + one fp32 scale per
+        256 values for each moment, its 4-bit one packed codes + one scale per 128 (tensors of
+        >= 4096 values, every matrix of a real model)."""
+        return OPTIMIZER_STATE_BYTES[self.optimizer]
+
+
+OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "sgd": 0.0, "adamw_8bit": 2 + 8 / 256, "adamw_4bit": 1 + 8 / 128}
 
 
 _ALIASES = {
@@ -110,6 +118,7 @@ _ALIASES = {
     "fsdp": "dp_shard", "shard": "dp_shard",
     "cp": "cp", "cp_size": "cp", "c": "cp", "context_parallel_size": "cp",
     "tp": "tp", "tp_size": "tp", "t": "tp", "tensor_parallel_size": "tp",
+    "ep": "ep", "ep_size": "ep", "e": "ep", "expert_parallel_size": "ep",
     "mb": "micro_batch", "micro_batch": "micro_batch", "micro_batch_size": "micro_batch",
     "ac": "checkpointing", "checkpointing": "checkpointing",
     "activation_checkpointing": "checkpointing",
@@ -117,22 +126,26 @@ _ALIASES = {
 
 
 def parse_layout(text: str) -> tuple[Layout, dict]:
-    """Parse 'dp_replicate=2,dp_shard=4,cp=1,tp=8' (aliases dr/ds/r/s/c/t; missing dims are 1)
-    or the compact '2x4x1x8' (mesh order, optionally followed by ',mb=2,ac=on'). Extra keys mb=N and ac=on|off pin the micro-batch
-    and checkpointing; they are returned in the second value."""
+    """Parse 'dp_replicate=2,dp_shard=4,cp=1,tp=8' (aliases dr/ds/r/s/c/t, ep/e; missing dims are
+    1) or the compact '2x4x1x8' / '2x4x1x8+ep4' (mesh order, optionally followed by ',mb=2,ac=on').
+    Extra keys mb=N and ac=on|off pin the micro-batch and checkpointing; they are returned in the
+    second value."""
     text = text.strip()
     values: dict = {}
     extras: dict = {}
     for part in filter(None, re.split(r"[,\s]+", text)):
-        if re.fullmatch(r"\d+x\d+x\d+x\d+", part) and not values:
-            values = dict(zip(DIMS, (int(v) for v in part.split("x"))))
+        compact = re.fullmatch(r"(\d+x\d+x\d+x\d+)(?:\+ep(\d+))?", part)
+        if compact and not values:
+            values = dict(zip(DIMS, (int(v) for v in compact.group(1).split("x"))))
+            if compact.group(2):
+                values["ep"] = int(compact.group(2))
             continue
         if "=" not in part:
             raise ValueError(f"cannot read {part!r} in layout {text!r}: use key=value or AxBxCxD")
         key, val = (s.strip() for s in part.split("=", 1))
         name = _ALIASES.get(key.lower())
         if name is None:
-            raise ValueError(f"unknown layout key {key!r} (use dp_replicate, dp_shard, cp, tp, mb, ac)")
+            raise ValueError(f"unknown layout key {key!r} (use dp_replicate, dp_shard, cp, tp, ep, mb, ac)")
         if name == "checkpointing":
             if val.lower() not in ("on", "off", "true", "false", "1", "0"):
                 raise ValueError(f"ac={val!r}: use on or off")
@@ -143,20 +156,22 @@ def parse_layout(text: str) -> tuple[Layout, dict]:
             values[name] = int(val)
     if not values:
         raise ValueError(f"layout {text!r} names no degree")
-    return Layout(**values), extras
+    return Layout(**values), extras  # ParallelDims refuses an ep that does not divide dp_shard·cp·tp
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(world: int) -> list[Layout]:
-    """Every (dp_replicate, dp_shard, cp, tp) with product ``world``."""
+def enumerate_layouts(world: int, experts: int = 0) -> list[Layout]:
+    """Every (dp_replicate, dp_shard, cp, tp) with product ``world``; for a model with ``experts``
+    per layer also every expert-parallel degree dividing both dp_shard·cp·tp and ``experts``."""
     out = []
     for tp in divisors(world):
         for cp in divisors(world // tp):
             for ds in divisors(world // (tp * cp)):
-                out.append(Layout(world // (tp * cp * ds), ds, cp, tp))
+                eps = [e for e in divisors(ds * cp * tp) if experts % e == 0] if experts else [1]
+                out += [Layout(world // (tp * cp * ds), ds, cp, tp, ep) for ep in eps]
     return out
 
 
@@ -181,6 +196,10 @@ def structural_rejections(
         out.append(("kv_heads", f"{model.kv_heads} key/value heads are not divisible by tp={tp}"))
     if model.intermediate % tp:
         out.append(("ffn", f"intermediate size {model.intermediate} is not divisible by tp={tp}"))
+    if layout.ep > 1 and not model.is_moe:
+        out.append(("ep_dense", f"ep={layout.ep}: {model.name} has no experts to split"))
+    elif model.is_moe and model.num_experts % layout.ep:
+        out.append(("ep_experts", f"ep={layout.ep} does not divide the {model.num_experts} experts"))
     if cp > 1 and settings.cp_strategy == "ulysses" and model.heads % tp == 0 and model.kv_heads % tp == 0:
         h, kv = model.heads // tp, model.kv_heads // tp
         if h % cp or (kv % cp and cp % kv):

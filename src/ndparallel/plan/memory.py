@@ -25,6 +25,7 @@ from ndparallel.plan.long_context import (
     tiled_saved_reduction_per_token,
 )
 from ndparallel.plan.models import ModelSpec, fsdp_units
+from ndparallel.plan.qlora import memory_adjustments
 
 FRAGMENTATION = 0.05
 """Allocator slack added on top of the transient (activation, buffer, logits) bytes."""
@@ -80,6 +81,10 @@ def layer_activation_bytes_per_token(model: ModelSpec, layout: Layout, s: Settin
     per += e * (a + 2 * k) * d / t + e * a * d / t + 4 * a / t + 4 * e * f / t
     if model.qk_norm:
         per += ((4 + e) * d + 4) * (a + k) / t
+    if model.is_moe:  # router, experts, shared MLP instead of the MLP (f = 0): plan/moe.py
+        from ndparallel.plan import moe
+
+        per += moe.activation_bytes_per_token(model, layout, s)
     return per + cp_saved_extra_per_token(model, layout, s)
 
 
@@ -129,6 +134,10 @@ def layer_backward_workspace_per_token(model: ModelSpec, layout: Layout, s: Sett
     residual-stream gradients (``2·e·h/t_sp``)."""
     t_sp = layout.tp if s.sequence_parallel else 1
     e = s.act_bytes
+    if model.is_moe:
+        from ndparallel.plan import moe
+
+        return moe.workspace_per_token(model, layout, s) + 2 * e * model.hidden / t_sp
     return 3 * e * model.intermediate / layout.tp + 2 * e * model.hidden / t_sp
 
 
@@ -186,9 +195,9 @@ def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tup
     unit gathered, and its unsharded gradient, until the embedding's backward at the end. Without
     ``reshard_after_forward`` every layer stays gathered from forward to backward."""
     n, cb, e, rb = layout.fsdp, s.param_compute_bytes, s.act_bytes, s.reduce_bytes
-    if not (n > 1 or s.mixed_precision != "fp32"):
+    if not (max(n, layout.efsdp if model.is_moe else 1) > 1 or s.mixed_precision != "fp32"):
         return 0.0, 0.0
-    layer_local = numels["layer"][0]
+    layer_local = numels["layer"][0] + (numels["experts"][0] if model.is_moe else 0)  # gathered at once
     layer_grad = layer_local
     head_local = numels["root" if model.tied_embeddings else "final"][0]
     head_grad = head_local
@@ -207,12 +216,25 @@ def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tup
     return buf_a, buf_b
 
 
+def optimizer_step_temporaries(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """Bytes unfused AdamW allocates during its step: two fp32 temporaries the size of the rank's
+    largest parameter tensor (``sqrt(v)`` and its quotient). Measured: on the H200 the foreach step
+    of Llama-3.2-1B peaked 1.96 GiB above its states (``bench/reference/h200_plan_gpu_check.json``,
+    row 1b-mb4-foreach) = 2 × its 128256 × 2048 embedding; on CPU the per-tensor loop 2 × the
+    largest shard (``ndparallel simulate``). Fused AdamW (the trainer's on CUDA) and SGD: none."""
+    if s.optimizer != "adamw" or s.optimizer_fused:
+        return 0.0
+    largest = max(p.numel / (layout.tp if p.tp_dim is not None else 1) / layout.fsdp
+                  for p in model.param_specs())
+    return 2 * 4.0 * largest
+
+
 def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> MemoryBreakdown:
-    """Peak bytes per GPU: the largest of the loss-backward moment, the first layer's backward
-    and the end of backward (all gradients, before the optimizer step)."""
+    """Peak bytes per GPU: the largest of the loss-backward moment, the first layer's backward,
+    the end of backward (all gradients) and the optimizer step (its temporaries)."""
     t, n, e = layout.tp, layout.fsdp, s.act_bytes
-    numels = unit_numels(model, t, n)
-    col = 1 if n > 1 else 0  # unsharded (n == 1) a rank holds the whole tp-local tensors
+    numels = unit_numels(model, t, n, layout)
+    col = 1  # the shard; unsharded (a degree of 1) it is the whole tp-local tensor
     units = fsdp_units(model)
     shard_numel = sum(numels[u][col] * c for u, (c, _) in units.items())
     params = shard_numel * 4  # fp32 master weights
@@ -230,6 +252,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         all_grads = adapter * 4 + (model.layers * adapter_local * s.reduce_bytes
                                    if s.accumulates_unsharded else 0.0)
         head_grads = 0.0  # the LM head is frozen
+    nf4 = memory_adjustments(model, layout, s, numels["layer"][0]) if s.quantized_base else {}
+    params -= nf4.get("params", 0.0)  # QLoRA: the decoder linears are 4-bit NF4 (plan/qlora.py)
     # With zero_grad(set_to_none=True) and one micro-batch no gradient exists at the loss moment;
     # at the first layer's backward only the (untied) head unit's has been reduced.
     grads_kept = not s.set_to_none or s.grad_accum > 1
@@ -249,14 +273,17 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     saved += 2 * tokens * model.head_dim * e
     logits = _logits_bytes(model, layout, s, tokens)
     buf_a, buf_b = _buffers(model, layout, s, numels)
+    buf_a, buf_b = buf_a - nf4.get("buffer_a", 0.0), buf_b - nf4.get("buffer_b", 0.0)
 
     moments = {
         "loss backward": (grads_a, saved, logits, buf_a),
         # the last layer's backward: every layer's saved activations (under checkpointing, the
         # layer's own recomputed ones too) and the gradient workspace of one layer
         "layer backward": (grads_b, saved + (per_layer if s.checkpointing else 0.0)
-                           + _workspace(model, layout, s, tokens), 0.0, buf_b),
+                           + _workspace(model, layout, s, tokens)
+                           + nf4.get("workspace", 0.0), 0.0, buf_b),
         "end of backward": (all_grads, 0.0, 0.0, 0.0),
+        "optimizer step": (all_grads + optimizer_step_temporaries(model, layout, s), 0.0, 0.0, 0.0),
     }
     phase = max(moments, key=lambda k: sum(moments[k]))
     grads, acts, lg, buf = moments[phase]

@@ -1,8 +1,10 @@
 """Model shapes the planner needs: built-in presets (as data) and loading an HF ``config.json``.
 
-Only dense decoder-only models of the Llama family shape are described: token embedding, ``L``
-decoder layers (RMSNorm, GQA attention with q/k/v/o projections, RMSNorm, gated MLP), final norm
-and LM head (optionally tied to the embedding). Qwen3 adds per-head q/k RMSNorms.
+Decoder-only models of the Llama family shape: token embedding, ``L`` decoder layers (RMSNorm, GQA
+attention with q/k/v/o projections, RMSNorm, gated MLP), final norm and LM head (optionally tied
+to the embedding). Qwen3 adds per-head q/k RMSNorms. Mixture-of-experts models (Qwen3-MoE,
+Mixtral, Qwen2-MoE, OLMoE, gpt-oss shapes) replace every layer's MLP by a router and E experts
+(optionally shared experts): ``plan/moe.py``.
 """
 
 from __future__ import annotations
@@ -47,10 +49,22 @@ class ModelSpec:
     attention_bias: bool = False
     qk_norm: bool = False
     hf_id: str | None = field(default=None, compare=False)
+    num_experts: int = 0
+    """Experts per layer (0: a dense model; then every MoE field is 0)."""
+    top_k: int = 0
+    """Experts a token uses."""
+    moe_intermediate: int = 0
+    """Width of one expert's gated MLP."""
+    shared_intermediate: int = 0
+    """Width of the shared experts' MLP every token also runs (Qwen2-MoE); 0: none."""
 
     @property
     def head_dim(self) -> int:
         return self.head_dim_ or self.hidden // self.heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     # ------------------------------------------------------------- parameters
     def param_specs(self) -> list[ParamSpec]:
@@ -85,10 +99,23 @@ class ModelSpec:
         layer += [
             ParamSpec("self_attn.o_proj.weight", (h, q), 1, "layer", L),
             ParamSpec("post_attention_layernorm.weight", (h,), None, "layer", L),
-            ParamSpec("mlp.gate_proj.weight", (f, h), 0, "layer", L),
-            ParamSpec("mlp.up_proj.weight", (f, h), 0, "layer", L),
-            ParamSpec("mlp.down_proj.weight", (h, f), 1, "layer", L),
         ]
+        if f:
+            layer += [
+                ParamSpec("mlp.gate_proj.weight", (f, h), 0, "layer", L),
+                ParamSpec("mlp.up_proj.weight", (f, h), 0, "layer", L),
+                ParamSpec("mlp.down_proj.weight", (h, f), 1, "layer", L),
+            ]
+        if self.is_moe:  # not tensor-parallel: router and shared MLP replicated over tp
+            e, i, sh = self.num_experts, self.moe_intermediate, self.shared_intermediate
+            layer += [ParamSpec("mlp.gate.weight", (e, h), None, "layer", L),
+                      ParamSpec("mlp.experts.gate_up_proj", (e, 2 * i, h), None, "experts", L),
+                      ParamSpec("mlp.experts.down_proj", (e, h, i), None, "experts", L)]
+            if sh:
+                layer += [ParamSpec("mlp.shared_expert.gate_proj.weight", (sh, h), None, "layer", L),
+                          ParamSpec("mlp.shared_expert.up_proj.weight", (sh, h), None, "layer", L),
+                          ParamSpec("mlp.shared_expert.down_proj.weight", (h, sh), None, "layer", L),
+                          ParamSpec("mlp.shared_expert_gate.weight", (1, h), None, "layer", L)]
         specs += [replace(p, name=f"layers.*.{p.name}") for p in layer]
         specs.append(ParamSpec("norm.weight", (h,), None, head_unit))
         if not self.tied_embeddings:
@@ -105,11 +132,17 @@ class ModelSpec:
 
     @property
     def matmul_params(self) -> int:
-        """Parameters used in matmuls (the N of 6·N·tokens): every linear and the LM head (which
-        is the embedding matrix when tied); the embedding lookup and norms do no matmul."""
+        """Parameters used in matmuls per token (the N of 6·N·tokens): every linear and the LM head
+        (which is the embedding matrix when tied); the embedding lookup and norms do no matmul. In
+        an MoE model the *active* ones: the router, the shared MLP and k of the E experts."""
         linear = sum(
-            p.numel * p.count for p in self.param_specs() if p.unit == "layer" and len(p.shape) == 2
+            p.numel * p.count for p in self.param_specs()
+            if p.unit == "layer" and len(p.shape) == 2 and ".mlp.gate." not in p.name and ".mlp.shared" not in p.name
         )
+        if self.is_moe:
+            from ndparallel.plan.moe import active_matmul_params_per_layer
+
+            linear += self.layers * active_matmul_params_per_layer(self)
         return linear + self.vocab * self.hidden
 
     def to_dict(self) -> dict:
@@ -120,7 +153,21 @@ class ModelSpec:
             "vocab_size": self.vocab, "tie_word_embeddings": self.tied_embeddings,
             "attention_bias": self.attention_bias, "qk_norm": self.qk_norm,
             "num_params": self.num_params,
+            **({"num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
+                "moe_intermediate_size": self.moe_intermediate,
+                "shared_expert_intermediate_size": self.shared_intermediate,
+                "active_params": self.active_params} if self.is_moe else {}),
         }
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses (all of them in a dense model; k of E experts in an MoE)."""
+        if not self.is_moe:
+            return self.num_params
+        from ndparallel.plan.moe import expert_params
+
+        per_token = self.top_k * 3 * self.hidden * self.moe_intermediate
+        return self.num_params - self.layers * (expert_params(self) - per_token)
 
 
 def fsdp_units(model: ModelSpec) -> dict[str, tuple[int, bool]]:
@@ -132,6 +179,8 @@ def fsdp_units(model: ModelSpec) -> dict[str, tuple[int, bool]]:
     one tensor, so embedding, norm and LM head all live in the root unit.
     """
     units = {"layer": (model.layers, True)}
+    if model.is_moe:  # each layer's experts: their own unit, sharded over efsdp (plan/moe.py)
+        units["experts"] = (model.layers, True)
     if model.tied_embeddings:
         units["root"] = (1, False)
     else:
@@ -141,15 +190,14 @@ def fsdp_units(model: ModelSpec) -> dict[str, tuple[int, bool]]:
 
 
 def from_hf_config(cfg: dict, name: str = "custom") -> ModelSpec:
-    """ModelSpec from the dict of an HF ``config.json`` (Llama/Qwen/Mistral field names)."""
-    if cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"):
-        raise ValueError(f"{name}: mixture-of-experts configs are not supported by the planner")
+    """ModelSpec from the dict of an HF ``config.json`` (Llama/Qwen/Mistral field names; the MoE
+    fields of Qwen3-MoE / Qwen2-MoE / Mixtral / OLMoE / gpt-oss)."""
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size", "vocab_size") if k not in cfg]
     if missing:
         raise ValueError(f"{name}: config.json lacks {', '.join(missing)}")
     heads = int(cfg["num_attention_heads"])
-    return ModelSpec(
+    fields = dict(
         name=name,
         hidden=int(cfg["hidden_size"]),
         layers=int(cfg["num_hidden_layers"]),
@@ -163,6 +211,26 @@ def from_hf_config(cfg: dict, name: str = "custom") -> ModelSpec:
         qk_norm=str(cfg.get("model_type", "")).startswith("qwen3"),
         hf_id=name,
     )
+    return ModelSpec(**{**fields, **_moe_fields(cfg, name)})
+
+
+def _moe_fields(cfg: dict, name: str) -> dict:
+    """The MoE fields of an HF config dict (empty for a dense model); refuses what is not modelled."""
+    from ndparallel.models.moe import config_num_experts
+
+    experts = config_num_experts(cfg)
+    if experts is None:
+        return {}
+    if cfg.get("kv_lora_rank") or cfg.get("first_k_dense_replace"):
+        raise ValueError(f"{name}: DeepSeek-style MoE (multi-head latent attention, dense first layers) is "
+                         "not modelled by the planner")
+    if (cfg.get("decoder_sparse_step") or 1) != 1 or cfg.get("mlp_only_layers"):
+        raise ValueError(f"{name}: MoE configs with dense layers (decoder_sparse_step, mlp_only_layers) are not "
+                         "modelled by the planner: it assumes every layer is an MoE layer")
+    width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    return {"num_experts": experts, "top_k": int(cfg.get("num_experts_per_tok") or 1),
+            "moe_intermediate": int(width), "shared_intermediate": int(shared), "intermediate": 0}
 
 
 def _presets() -> dict[str, ModelSpec]:

@@ -39,8 +39,11 @@ def header(result: PlanResult) -> str:
         from ndparallel.plan.adapter import trainable_fraction, trainable_params
 
         lora = (f"; LoRA r={r.lora_r} on every linear: {trainable_params(r.model, r.lora_r) / 1e6:.1f}M "
-                f"trainable ({trainable_fraction(r.model, r.lora_r):.2%}), base frozen")
-    return (f"{r.model.name} ({r.model.num_params / 1e9:.2f}B params) on {r.gpus} × {hw.name} "
+                f"trainable ({trainable_fraction(r.model, r.lora_r):.2%}), base frozen"
+                + (" in 4-bit NF4 (linears)" if r.quantized_base else ""))
+    moe = (f", {r.model.active_params / 1e9:.2f}B active: {r.model.top_k} of {r.model.num_experts} experts"
+           if r.model.is_moe else "")
+    return (f"{r.model.name} ({r.model.num_params / 1e9:.2f}B params{moe}) on {r.gpus} × {hw.name} "
             f"({r.gpus_per_node}/node, {_gib(hw.mem_bytes)} GiB, {hw.peak_flops / 1e12:.0f} "
             f"TFLOP/s bf16); seq {r.seq_len}, global batch {gb}, {r.optimizer}, "
             f"{r.mixed_precision}, activation checkpointing {r.checkpointing}{lora}")
@@ -50,7 +53,7 @@ def print_table(result: PlanResult, console: Console, top: int = 10,
                 show_rejected: bool = False) -> None:
     console.print(header(result))
     table = Table(title=f"Ranked layouts ({len(result.ranked)} fit, best {min(top, len(result.ranked))} shown)")
-    for col in ("#", "dp_rep×dp_shard×cp×tp", "strategy", "mb", "ga", "AC", "mem GiB",
+    for col in ("#", "dp_rep×dp_shard×cp×tp(+ep)", "strategy", "mb", "ga", "AC", "mem GiB",
                 "step s", "tok/s/GPU", "MFU", "bottleneck"):
         table.add_column(col, justify="right" if col not in ("strategy", "bottleneck") else "left")
     for i, r in enumerate(result.ranked[:top], 1):
@@ -148,7 +151,8 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
     tim = Table(title="Step time (s)")
     tim.add_column("part")
     tim.add_column("seconds", justify="right")
-    for name in ("compute", "tp_exposed", "cp_exposed", "dp_exposed", "optimizer", "offload_exposed", "step"):
+    for name in ("compute", "tp_exposed", "cp_exposed", "dp_exposed", "ep_exposed", "optimizer", "offload_exposed",
+                 "step"):
         tim.add_row(name, f"{getattr(t, name):.3f}")
     for dim, v in t.comm_total.items():
         link = "intra" if v["intra_node"] else "inter"
@@ -191,13 +195,14 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
         "dp_shard_size": e.layout.dp_shard,
         "tensor_parallel_size": e.layout.tp,
         "context_parallel_size": e.layout.cp,
+        **({"expert_parallel_size": e.layout.ep} if e.layout.ep > 1 else {}),
         "sequence_len": s.seq_len,
         "micro_batch_size": s.micro_batch,
         "gradient_accumulation_steps": s.grad_accum,
         "fsdp_config": {"reshard_after_forward": s.reshard_after_forward,
                         "activation_checkpointing": s.checkpointing,
                         "unsharded_grad_accumulation": s.unsharded_grad_accumulation},
-        "optimizer": "adamw_torch" if s.optimizer == "adamw" else "sgd",
+        "optimizer": {"adamw": "adamw_torch"}.get(s.optimizer, s.optimizer),
     }
     if e.layout.cp > 1:
         cfg["cp_comm_strategy"] = s.cp_strategy
@@ -207,7 +212,10 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
     if s.mixed_precision == "bf16":
         cfg["bf16"] = True
     if s.lora_r:
-        cfg.update(adapter="lora", lora_r=s.lora_r, lora_alpha=2 * s.lora_r, lora_target_linear=True)
+        cfg.update(adapter="qlora" if s.quantized_base else "lora", lora_r=s.lora_r, lora_alpha=2 * s.lora_r,
+                   lora_target_linear=True)
+        if s.quantized_base:
+            cfg["load_in_4bit"] = True
     if s.tiled_mlp:
         cfg["tiled_mlp"] = True
         if s.tiled_mlp_num_shards:

@@ -57,6 +57,8 @@ class PlanRequest:
     optimizer_fused: bool = False
     lora_r: int = 0
     """LoRA rank (``--adapter lora --lora-r``); 0: full fine-tuning."""
+    quantized_base: bool = False
+    """QLoRA (``--adapter qlora``): a 4-bit NF4 base under the adapters."""
     tiled_mlp: bool = False
     tiled_mlp_num_shards: int | None = None
     activation_offloading: bool = False
@@ -68,7 +70,7 @@ class PlanRequest:
 
 @dataclass
 class TimeBreakdown:
-    """Seconds per optimizer step; ``step`` = compute + cp + tp + dp + optimizer."""
+    """Seconds per optimizer step; ``step`` = compute + cp + tp + dp + optimizer + ep."""
 
     compute: float
     """ga micro-batches (GEMMs, attention, element-wise, loss, launches) + FSDP's own copies."""
@@ -84,6 +86,8 @@ class TimeBreakdown:
     """One micro-batch by op class (seconds) and the step's memory-bound extras."""
     offload_exposed: float = 0.0
     """Activation-offloading copies not hidden behind compute (in ``step``)."""
+    ep_exposed: float = 0.0
+    """Expert-parallel all-to-alls (dispatch, combine, split sizes): on the critical path."""
 
 
 @dataclass
@@ -150,14 +154,12 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     ga = s.grad_accum
     mb_time = micro_batch_time(model, layout, s, hw)
     t_mb, t_attn = mb_time.total, mb_time.attention
-    local, shard = unit_param_counts(model, comms.unit_numels(model, layout.tp, layout.fsdp))
-    if layout.fsdp == 1:
-        shard = local
+    local, shard = unit_param_counts(model, comms.unit_numels(model, layout.tp, layout.fsdp, layout))
     trained = adapter_shard_numel(model, layout, s.lora_r) if s.lora_r else None
     extras = step_extras(model, layout, s, hw, local, shard, trained)
     per_dim: dict[str, float] = {}
     intra: dict[str, bool] = {}
-    gather = reduce = tp = cp = cp_serial = 0.0
+    gather = reduce = tp = cp = cp_serial = ep = 0.0
     for c in colls:
         sec, is_intra = comms.cost(c, layout, hw, gpus_per_node)
         per_dim[c.mesh_dim] = per_dim.get(c.mesh_dim, 0.0) + sec
@@ -170,6 +172,8 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
             cp += sec
         elif c.mesh_dim == "cp":  # CP all-to-all (Ulysses): before/after attention, not hidden
             cp_serial += sec
+        elif c.mesh_dim == "ep":  # the experts wait for their tokens: not hidden
+            ep += sec
         else:
             tp += sec
     # CP ring hides behind the attention of each step; TP and the CP all-to-all are on the
@@ -178,31 +182,31 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     # FSDP/DP: all-gathers (prefetched) hide behind all forward+backward compute, gradient
     # reductions behind the backward (2/3 of compute) of the micro-batches that reduce. The first
     # unit's gather and the last unit's reduction cannot hide: 2/n_units of the traffic.
-    n_units = model.layers + (1 if model.tied_embeddings else 2)
+    n_units = model.layers * (2 if model.is_moe else 1) + (1 if model.tied_embeddings else 2)
     edge = 2 * (gather + reduce) / n_units
     dp_exposed = (edge + max(0.0, gather * (1 - 2 / n_units) - ga * t_mb)
                   + max(0.0, reduce * (1 - 2 / n_units) - s.reducing_microbatches * t_mb * 2 / 3))
     t_opt = extras["optimizer"] + extras["clip"]
-    compute = ga * t_mb + extras["fsdp_copies"]
+    compute = ga * t_mb + extras["fsdp_copies"] + extras.get("nf4_dequant", 0.0)
     offload = ga * offload_exposed_seconds(model, layout, s, hw.host_link_bw, t_mb)
-    step = compute + ga * cp_exposed + tp + dp_exposed + t_opt + offload
+    step = compute + ga * cp_exposed + tp + dp_exposed + t_opt + offload + ep
     gb = s.micro_batch * ga * layout.dp
     tokens = gb * s.seq_len
     world = layout.world
     tps = tokens / step / world
     mfu = tokens * model_flops_per_token(model, s.seq_len, s.lora_r) / (step * world * peak(hw, s))
     parts = {"compute": compute, "tp comm": tp, "cp comm": ga * cp_exposed,
-             "fsdp/dp comm": dp_exposed, "optimizer step": t_opt}
+             "fsdp/dp comm": dp_exposed, "optimizer step": t_opt, "ep comm": ep}
     name = max(parts, key=parts.get)
     if name.endswith("comm"):
-        dims = {"tp comm": ["tp"], "cp comm": ["cp"],
-                "fsdp/dp comm": ["dp_shard_cp", "dp_replicate"]}[name]
+        dims = {"tp comm": ["tp"], "cp comm": ["cp"], "ep comm": ["ep"],
+                "fsdp/dp comm": ["dp_shard_cp", "dp_replicate", "efsdp"]}[name]
         links = {("intra" if intra[d] else "inter") for d in dims if d in intra}
         name += f" ({'/'.join(sorted(links))}-node)"
     bottleneck = f"{name} {parts[max(parts, key=parts.get)] / step:.0%}"
     timeb = TimeBreakdown(compute, tp, ga * cp_exposed, dp_exposed, t_opt, step,
                           {d: {"seconds": v, "intra_node": intra[d]} for d, v in per_dim.items()},
-                          {**mb_time.to_dict(), **extras}, offload)
+                          {**mb_time.to_dict(), **extras}, offload, ep)
     return Estimate(layout, s, mem, timeb, global_batch or gb, tps, mfu, bottleneck,
                     mem.total <= hw.mem_bytes, colls)
 
@@ -231,8 +235,13 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
                     loss_impl=req.loss_impl, loss_chunk_tokens=req.loss_chunk_tokens,
                     optimizer_fused=req.optimizer_fused, lora_r=req.lora_r, tiled_mlp=req.tiled_mlp,
                     tiled_mlp_num_shards=req.tiled_mlp_num_shards,
-                    activation_offloading=req.activation_offloading)
+                    activation_offloading=req.activation_offloading, quantized_base=req.quantized_base)
     res.rejections = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
+    if req.quantized_base:
+        from ndparallel.plan.qlora import nf4_shards_problem
+
+        why = nf4_shards_problem(req.model, layout)
+        res.rejections += [("qlora_layout", why)] if why else []
     if res.rejections:
         return res
     mbs = [micro_batch] if micro_batch else [req.micro_batch] if req.micro_batch else list(
@@ -293,7 +302,7 @@ def plan(req: PlanRequest) -> PlanResult:
     """Evaluate every layout of ``req.gpus`` ranks; rank those that fit by tokens/s per GPU."""
     if req.gpus < 1:
         raise ValueError("--gpus must be >= 1")
-    results = [evaluate_layout(req, lay) for lay in enumerate_layouts(req.gpus)]
+    results = [evaluate_layout(req, lay) for lay in enumerate_layouts(req.gpus, req.model.num_experts)]
     ranked = sorted((r for r in results if r.ok),
                     key=lambda r: (-r.best.tokens_per_s_per_gpu, r.best.memory.total))
     rejected = [r for r in results if not r.ok]

@@ -16,7 +16,8 @@ passes *into* one call, summed over the tensors of a coalesced call:
 * gather: the input; scatter: this rank's output chunk; barrier: 0.
 
 A call is attributed to the mesh dim whose process group it used: base dims ``dp_replicate``,
-``dp_shard``, ``cp``, ``tp`` and flattened ``dp``, ``dp_shard_cp``, ``dp_cp``. torch reuses one
+``dp_shard``, ``cp``, ``tp`` and flattened ``dp``, ``dp_shard_cp``, ``dp_cp`` (and, given the expert
+mesh of a mixture-of-experts run, ``efsdp`` and ``ep``). torch reuses one
 group for dims with the same ranks in some cases (every dim spanning the whole world uses the
 default group): the call is then reported under the first such dim in ``PREFERENCE`` and
 ``aliases()`` lists the others. Groups of no mesh dim are reported as ``world`` or ``group:<name>``.
@@ -44,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 BASE_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 FLAT_DIMS = ("dp_shard_cp", "dp", "dp_cp")
-PREFERENCE = ("tp", "cp", "dp_shard", "dp_replicate", "dp_shard_cp", "dp", "dp_cp")
+PREFERENCE = ("tp", "cp", "dp_shard", "dp_replicate", "dp_shard_cp", "dp", "dp_cp", "ep", "efsdp")
 """Order in which a dim name is chosen for a group shared by several dims."""
 
 # op name -> (reported kind, name of the schema argument whose bytes are counted)
@@ -132,9 +133,11 @@ class CommProfiler(TorchDispatchMode):
     Args:
         mesh: the run's ``DeviceMesh`` (e.g. ``acc.torch_device_mesh``); its base and flattened
             dims name the groups. ``None``: groups are named ``world`` / ``group:<name>``.
+        expert_mesh: the expert mesh of a mixture-of-experts run (``Engine.expert_mesh``): its
+            ``ep`` and ``efsdp`` dims name their groups too.
     """
 
-    def __init__(self, mesh=None) -> None:
+    def __init__(self, mesh=None, expert_mesh=None) -> None:
         super().__init__()
         self._dims_of_group: dict[str, list[str]] = {}
         if mesh is not None:
@@ -142,8 +145,11 @@ class CommProfiler(TorchDispatchMode):
 
             sizes = {}
             for dim in PREFERENCE:
+                source = expert_mesh if dim in ("ep", "efsdp") else mesh
+                if source is None:
+                    continue
                 try:
-                    sub = submesh(mesh, dim)
+                    sub = submesh(source, dim)
                 except (KeyError, RuntimeError, ValueError):
                     continue  # a flattened view this mesh does not have
                 sizes[dim] = sub.size()

@@ -92,6 +92,8 @@ def init_distributed(
 
 def _device_of_running_group(requested: str | None) -> str:
     running = str(dist.get_backend())
+    if running == "fake":  # a simulated rank (runtime/fake_world.py): any device
+        return requested or default_device_type()
     has_nccl = "nccl" in running
     if requested == "cuda" and not has_nccl:
         raise RuntimeError(
@@ -155,8 +157,8 @@ def rank0_decides(fn, *args, group=None, **kwargs):
     for decisions that must agree across ranks and would cost I/O × world if every rank made them
     (which checkpoint to resume, whether one is intact). A ``ValueError`` raised on rank 0 is raised
     on every rank with the same message. Collective when a multi-rank group is up."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return fn(*args, **kwargs)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1 or str(dist.get_backend()) == "fake":
+        return fn(*args, **kwargs)  # (a simulated rank decides alone: a fake broadcast carries nothing)
     box: list = [None]
     if dist.get_rank(group) == 0:
         try:

@@ -46,8 +46,16 @@ class TrainSetup:
     fault: str | None = None
     """A deliberately broken layout run (proves the checks can fail): "skip-grad-sync" never
     reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
-    attention crosses document starts."""
+    attention crosses document starts; "wrong-expert-rank" sends every token of a mixture-of-experts
+    layer to the next expert-parallel rank (``parallel.expert.set_misroute``)."""
     adapter: dict | None = None  # LoRA: ``ndparallel.models.adapters.lora_config`` kwargs (r, alpha, ...)
+    quantization: Any = None  # QLoRA: an ``NF4Config``: the base linears NF4 before parallelising
+    load: Any = None
+    """``load(engine, setup) -> model``, parallelised by ``engine`` (e.g. ``engine.build_model(dir, ...)``),
+    instead of ``build_model`` + ``parallelize``: a module-level function (it travels to the ranks)."""
+    model_dir: str | None = None
+    """A saved model (``save_pretrained``) both runs load with ``Engine.build_model`` (sharded,
+    transformers' key conversion) instead of building ``model_config`` from the seed."""
 
 
 @dataclass
@@ -55,6 +63,7 @@ class TrainResult:
     losses: list[float]
     grad_norms: list[float]
     params: dict[str, torch.Tensor] | None  # full (unsharded) parameters after training, rank 0
+    aux_losses: list[float] | None = None  # an MoE model's load-balancing loss per step (if it adds one)
 
 
 def make_global_batches(setup: TrainSetup) -> list[list[dict[str, torch.Tensor]]]:
@@ -109,6 +118,10 @@ def build_model(setup: TrainSetup):
         from ndparallel.models.adapters import apply_adapter, lora_config
 
         model = apply_adapter(model, lora_config(**setup.adapter))
+    if setup.quantization is not None:  # the whole model on every rank: quantised whole (to_nf4)
+        from ndparallel.models.quantized import quantize_linears
+
+        quantize_linears(model, setup.quantization)
     return model
 
 
@@ -129,14 +142,23 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
     from ndparallel.engine import Engine, train_step
 
     engine = Engine(ParallelismConfig(**(layout or {})), strategy_options(setup))
-    model = engine.parallelize(build_model(setup))
-    optimizer = setup_optimizer(setup, model.parameters())
+    if setup.load is not None:
+        model = setup.load(engine, setup)
+    elif setup.model_dir:
+        model = engine.build_model(setup.model_dir)
+    else:
+        model = engine.parallelize(build_model(setup))
+    if setup.fault == "wrong-expert-rank":
+        from ndparallel.parallel.expert import set_misroute
+
+        set_misroute(model, 1)
+    optimizer = setup_optimizer(setup, model)  # the model: low-bit AdamW finds its embeddings
     model.train()
     dp_rank, dp_size = engine.dp_rank, engine.dp_size
     rows = setup.global_micro_batch // dp_size
     if rows * dp_size != setup.global_micro_batch:
         raise ValueError(f"global_micro_batch={setup.global_micro_batch} not divisible by dp={dp_size}")
-    losses, norms = [], []
+    losses, norms, aux = [], [], []
     for i, micro_batches in enumerate(make_global_batches(setup)):
         local = [{k: v[dp_rank * rows:(dp_rank + 1) * rows].to(engine.device) for k, v in mb.items()}
                  for mb in micro_batches]
@@ -147,8 +169,10 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
                          skip_grad_sync=setup.fault == "skip-grad-sync")
         losses.append(float(out.loss))
         norms.append(float(out.grad_norm))
+        if out.aux_loss is not None:
+            aux.append(float(out.aux_loss))
     params = full_parameters(model)  # a collective: every rank gathers
-    return TrainResult(losses, norms, params if engine.is_main_process else None)
+    return TrainResult(losses, norms, params if engine.is_main_process else None, aux or None)
 
 
 def full_parameters(model) -> dict[str, torch.Tensor]:
@@ -158,9 +182,11 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
         get_model_state_dict,
     )
 
+    from ndparallel.models.quantized import dequantize, is_nf4
+
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu().clone()
-            for k, v in state.items()}
+    return {k: (dequantize(v) if is_nf4(v) else v.full_tensor() if hasattr(v, "full_tensor") else v)
+            .detach().float().cpu().clone() for k, v in state.items()}
 
 
 def train_documents_separately(setup: TrainSetup) -> TrainResult:
@@ -201,6 +227,10 @@ def compare(reference: TrainResult, other: TrainResult) -> dict[str, float]:
 
     out = {"loss_rel": rel(reference.losses, other.losses),
            "grad_norm_rel": rel(reference.grad_norms, other.grad_norms)}
+    if (reference.aux_losses is None) != (other.aux_losses is None):
+        raise AssertionError("one run has an auxiliary (router) loss and the other none")
+    if reference.aux_losses is not None:
+        out["aux_rel"] = rel(reference.aux_losses, other.aux_losses)
     if reference.params is not None and other.params is not None:
         missing = set(reference.params) ^ set(other.params)
         if missing:

@@ -24,6 +24,15 @@ def _adapter_kwargs(cfg: TrainConfig) -> dict | None:
             else sorted({t.rsplit(".", 1)[-1] for t in targets or []})}
 
 
+def _shrunk_nf4(cfg: TrainConfig):
+    """QLoRA's NF4 base with blocks small enough for the shrunk model's weights (None without it)."""
+    if not cfg.load_in_4bit:
+        return None
+    from ndparallel.models.quantized import NF4Config
+
+    return NF4Config(16, 4, cfg.nf4_config().skip_modules)
+
+
 EXACT_STEPS_NOTE = ("SGD steps: the exact check (AdamW divides by sqrt(v) and so turns fp32 rounding on "
                     "near-zero gradients into lr-sized steps; gradients and SGD updates show the layout itself)")
 BF16_TOLERANCE = 2e-2
@@ -43,7 +52,7 @@ def _setup(cfg: TrainConfig, pc, small, steps: int, fault: str | None):
         small, steps=steps, global_micro_batch=2 * pc.dp_size,
         grad_accum=min(cfg.gradient_accumulation_steps, 2), seq_len=16 * pc.cp_size,
         optimizer="sgd", lr=1e-2, max_grad_norm=cfg.max_grad_norm, packed_documents=True,
-        adapter=_adapter_kwargs(cfg), fault=fault,
+        adapter=_adapter_kwargs(cfg), quantization=_shrunk_nf4(cfg), fault=fault,
         parallel_kwargs=dict(
             fsdp_options=options.fsdp, tp_options=options.tp, cp_options=options.cp, loss_options=options.loss,
             # compile is checked at the dynamo / AOT-autograd level: inductor's C++ build would add
@@ -82,13 +91,14 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
     from ndparallel.tools.equivalence import train_under_layout
 
     console = Console()
-    small = shrink_config(hf_config, pc.tp_size, pc.cp_size)
+    small = shrink_config(hf_config, pc.tp_size, pc.cp_size, pc.ep_size)
     setup = _setup(cfg, pc, small, steps, fault)
     console.print(
         f"verify: {pc.describe()} on {pc.total_size} CPU ranks vs 1 process; shrunk "
         f"{small.model_type}: hidden {small.hidden_size}, heads {small.num_attention_heads}/"
         f"{small.num_key_value_heads}, 2 layers, seq {setup.seq_len} (packed documents), {steps} "
-        + EXACT_STEPS_NOTE + (f"; LoRA r={setup.adapter['r']} (dropout 0)" if setup.adapter else ""))
+        + EXACT_STEPS_NOTE + (f"; LoRA r={setup.adapter['r']} (dropout 0)" if setup.adapter else "")
+        + ("; a 4-bit NF4 base (16 x 4 blocks: the shrunk weights are small)" if setup.quantization else ""))
     runs = [("fp32", setup, tolerance)]
     if cfg.bf16 or cfg.fp8:
         runs.append(("bf16" + (" + fp8" if cfg.fp8 else ""), dataclasses.replace(

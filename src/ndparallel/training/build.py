@@ -15,9 +15,13 @@ def model_config(cfg: TrainConfig, vocab_size: int | None = None):
 
     from ndparallel.models.presets import is_preset, preset_config
 
+    overrides = cfg.overrides_of_model_config or {}
     if is_preset(cfg.base_model):
-        return preset_config(cfg.base_model, **({"vocab_size": vocab_size} if vocab_size else {}))
-    return AutoConfig.from_pretrained(cfg.base_model, trust_remote_code=cfg.trust_remote_code)
+        return preset_config(cfg.base_model, **overrides, **({"vocab_size": vocab_size} if vocab_size else {}))
+    config = AutoConfig.from_pretrained(cfg.base_model, trust_remote_code=cfg.trust_remote_code)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
 
 
 def data_cache_dir(cfg: TrainConfig) -> Path:

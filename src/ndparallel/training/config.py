@@ -39,6 +39,8 @@ from ndparallel.training.config_data import (  # noqa: F401  (ConfigError: re-ex
     _Strict,
 )
 from ndparallel.training.config_errors import format_validation_error
+from ndparallel.training.config_quant import QuantFields
+from ndparallel.training.optim_lowbit import OptimizerName
 from ndparallel.training.overrides import apply_override
 
 
@@ -74,8 +76,9 @@ class FSDPConfig(_Strict):
         return v
 
 
-class TrainConfig(_Strict):
-    """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one)."""
+class TrainConfig(QuantFields):
+    """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one; the
+    quantisation fields: ``config_quant.QuantFields``)."""
 
     # model
     base_model: str = "quickstart-llama"
@@ -85,9 +88,14 @@ class TrainConfig(_Strict):
     tokenizer_vocab_size: _int(259) = 1024
     """Vocabulary of the built-in BPE tokenizer (presets only)."""
     trust_remote_code: bool = False
+    overrides_of_model_config: dict[str, Any] | None = None
+    """Axolotl's field: set on the model's config before it is built, e.g. ``{output_router_logits:
+    true, router_aux_loss_coef: 0.001}`` to train a mixture-of-experts model with its routers'
+    load-balancing loss (docs/moe.md)."""
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"] | None = None
-    """Attention kernel (default sdpa); one this machine lacks (e.g. flash_attention_2 on CPU) falls back
-    to sdpa with one warning line. Under CP, ndparallel's own attention is used."""
+    """Attention kernel (default: the family's own, sdpa where transformers supports it, else eager);
+    one this machine lacks (e.g. flash_attention_2 on CPU) falls back to sdpa with one warning line.
+    Under CP (and TP with sequence_parallel), ndparallel's own attention is used."""
     flash_attention: bool | None = None
     """Axolotl's switch: true = attn_implementation: flash_attention_2."""
     sdp_attention: bool | None = None
@@ -99,6 +107,9 @@ class TrainConfig(_Strict):
     dp_shard_size: int = 1
     tensor_parallel_size: int = Field(1, validation_alias=AliasChoices("tensor_parallel_size", "tp_size"))
     context_parallel_size: int = Field(1, validation_alias=AliasChoices("context_parallel_size", "cp_size"))
+    expert_parallel_size: int = Field(1, validation_alias=AliasChoices("expert_parallel_size", "ep_size"))
+    """Mixture-of-experts models: experts split over this many ranks (Axolotl's name); carved out
+    of dp_shard × cp × tp, adds no rank (docs/moe.md)."""
     fsdp_config: FSDPConfig = Field(default_factory=FSDPConfig)
     fsdp_version: int = 2
     """Only FSDP2 (per-parameter sharding on the DeviceMesh) exists here."""
@@ -134,9 +145,10 @@ class TrainConfig(_Strict):
     memory in the forward and comes back, one layer ahead, for its backward (side CUDA stream).
     'hidden_states' (Axolotl's mode offloading the checkpointed hidden states) is the same."""
     # adapter (LoRA through PEFT; Axolotl's names)
-    adapter: Literal["lora"] | None = None
+    adapter: Literal["lora", "qlora"] | None = None
     """'lora': train LoRA adapters on the frozen base model (needs peft: pip install
-    'ndparallel[lora]'); null: full fine-tuning."""
+    'ndparallel[lora]'); 'qlora' (with load_in_4bit: true): the same on a 4-bit NF4 base (torchao);
+    null: full fine-tuning."""
     lora_r: _int(1) = 8
     lora_alpha: _float(gt=0) = 16.0
     lora_dropout: _float(ge=0, lt=1) = 0.0
@@ -196,8 +208,10 @@ class TrainConfig(_Strict):
     warmup_steps: _int(0) = 0
     warmup_ratio: _float(ge=0, lt=1) | None = None
     """Warm-up as a fraction of the run's steps (rounded up); instead of warmup_steps."""
-    optimizer: Literal["adamw", "adamw_torch", "adamw_torch_fused", "sgd"] = "adamw"
-    """adamw_torch_fused: AdamW with torch's fused kernel where every parameter is on CUDA."""
+    optimizer: OptimizerName = "adamw"
+    """adamw_torch_fused: AdamW with torch's fused kernel where every parameter is on CUDA; adamw_8bit
+    (adamw_bnb_8bit, paged_adamw_8bit, adamw_torch_8bit), adamw_torch_4bit, ao_adamw_fp8: torchao's
+    low-bit AdamW (training/optim_lowbit.py)."""
     weight_decay: _float(ge=0) = 0.0
     adam_beta1: _float(ge=0, lt=1) = 0.9
     adam_beta2: _float(ge=0, lt=1) = 0.999
@@ -241,6 +255,7 @@ class TrainConfig(_Strict):
 
     @field_validator(
         "dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size",
+        "expert_parallel_size",
     )
     @classmethod
     def _degree(cls, v: int, info) -> int:
@@ -298,14 +313,6 @@ class TrainConfig(_Strict):
                              "pinned host memory on a side stream; use true (or hidden_states)")
         return v
 
-    @field_validator("adapter", mode="before")
-    @classmethod
-    def _adapter(cls, v):
-        if isinstance(v, str) and v.lower() == "qlora":
-            raise ValueError("'qlora' (a 4-bit quantised base) is not supported: use adapter: lora "
-                             "(set bf16: true to keep the frozen base in bf16)")
-        return v
-
     @field_validator("lora_target_modules", mode="before")
     @classmethod
     def _target_list(cls, v):
@@ -330,6 +337,7 @@ class TrainConfig(_Strict):
         return ParallelismConfig(
             dp_replicate_size=self.dp_replicate_size, dp_shard_size=self.dp_shard_size,
             tp_size=self.tensor_parallel_size, cp_size=self.context_parallel_size,
+            ep_size=self.expert_parallel_size,
         )
 
     def fsdp_options(self) -> FSDPOptions:

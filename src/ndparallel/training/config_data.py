@@ -78,8 +78,6 @@ UNSUPPORTED = {
     "gradient_checkpointing": "use fsdp_config.activation_checkpointing: true",
     "fsdp": "the FSDP settings live in fsdp_config (see docs/data.md, Axolotl configs)",
     "deepspeed": "DeepSpeed is not used here; ndparallel shards with FSDP2 (fsdp_config)",
-    "load_in_8bit": "quantized loading is not supported; remove it",
-    "load_in_4bit": "quantized loading is not supported; remove it",
     "wandb_project": "no W&B logging; metrics go to output_dir/metrics.jsonl (ndparallel plot draws them)",
     "evals_per_epoch": "use eval_steps",
     "eval_sample_packing": "evaluation uses the training rows' layout; remove it",

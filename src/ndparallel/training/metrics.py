@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import resource
 import time
 from pathlib import Path
 
@@ -39,7 +38,9 @@ def peak_memory_gb(device: torch.device) -> float:
     """Peak accelerator memory allocated, or this process's peak RSS on CPU, in GiB."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    from ndparallel.runtime.memory_probe import peak_rss_bytes
+
+    return peak_rss_bytes() / 2**30
 
 
 class MetricsWriter:

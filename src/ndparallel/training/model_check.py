@@ -24,7 +24,15 @@ def one_line(text: object) -> str:
 
 
 def resolve_model_config(cfg: TrainConfig):
-    """The HF config of ``cfg.base_model``, or ``ConfigError`` saying what the name is not."""
+    """The HF config of ``cfg.base_model`` (with ``overrides_of_model_config``), or ``ConfigError``
+    saying what the name is not."""
+    config = _base_model_config(cfg)
+    for key, value in (cfg.overrides_of_model_config or {}).items():
+        setattr(config, key, value)
+    return config
+
+
+def _base_model_config(cfg: TrainConfig):
     from ndparallel.models.presets import (
         PRESETS,
         PUBLISHED,
@@ -116,8 +124,9 @@ def quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
-def check_model(cfg: TrainConfig, hf) -> None:
-    """Causal decoder? ``sequence_len`` within its positions? Local weights fit the config?"""
+def check_model(cfg: TrainConfig, hf, check_weights: bool = True) -> None:
+    """Causal decoder? ``sequence_len`` within its positions? Local weights fit the config (with
+    ``check_weights``)?"""
     from ndparallel.models.causal import causal_lm_problem, config_problem
     from ndparallel.models.presets import is_preset, published_config
 
@@ -132,15 +141,15 @@ def check_model(cfg: TrainConfig, hf) -> None:
     if is_preset(cfg.base_model) or (published_config(cfg.base_model) is not None
                                      and not Path(cfg.base_model).exists()):
         if cfg.fsdp_config.layer_classes:
-            _check_layer_classes(cfg, _meta_model(cfg, hf))
+            _check_layer_classes(cfg, meta_model(cfg, hf))
         return  # built-in or published shapes: known causal decoders, no local weights to check
-    model = _meta_model(cfg, hf)
+    model = meta_model(cfg, hf)
     problem = causal_lm_problem(model)
     if problem:
         raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
     _check_layer_classes(cfg, model)
     path = Path(cfg.base_model).expanduser()
-    if path.is_dir():
+    if path.is_dir() and check_weights:
         _check_weights(cfg, model, path)
 
 
@@ -158,7 +167,8 @@ def _check_layer_classes(cfg: TrainConfig, model) -> None:
                           "class, or remove it")
 
 
-def _meta_model(cfg: TrainConfig, hf):
+def meta_model(cfg: TrainConfig, hf):
+    """``base_model``'s architecture on the meta device (no memory); ``ConfigError`` if it cannot be built."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -201,7 +211,7 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int) -> str | None:
         is_lora_layer,
     )
 
-    model = _saved_adapter_model(cfg, hf) if cfg.lora_model_dir else _adapted_meta_model(cfg, hf)
+    model = _saved_adapter_model(cfg, hf) if cfg.lora_model_dir else _adaptedmeta_model(cfg, hf)
     layers = {n: m for n, m in base_model_of(model).named_modules() if is_lora_layer(m)}
     odd = [n for n, m in layers.items() if not isinstance(m.base_layer, nn.Linear)]
     if odd and tp_size > 1:
@@ -215,16 +225,16 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int) -> str | None:
     return (f"LoRA r={lora.r} alpha={lora.lora_alpha:g} dropout={lora.lora_dropout:g} on "
             f"{len(layers)} layers ({', '.join(names)}); {trainable / 1e6:.2f}M trainable parameters "
             f"= {100 * trainable / total:.3f}% of {total / 1e6:,.1f}M; base frozen in "
-            f"{'bf16' if cfg.bf16 else 'fp32'}{start}")
+            f"{'4-bit NF4 (linears) + ' if cfg.load_in_4bit else ''}{'bf16' if cfg.bf16 else 'fp32'}{start}")
 
 
-def _adapted_meta_model(cfg: TrainConfig, hf, lora_config=None):
+def _adaptedmeta_model(cfg: TrainConfig, hf, lora_config=None):
     """A meta-device copy of the model wrapped with the run's LoRA config (or ``lora_config``)."""
     from ndparallel.models.adapters import apply_adapter
 
     try:
         with quiet_transformers():
-            return apply_adapter(_meta_model(cfg, hf), lora_config or cfg.lora_config())
+            return apply_adapter(meta_model(cfg, hf), lora_config or cfg.lora_config())
     except ImportError as e:
         raise ConfigError(f"adapter: lora: {e}") from None
     except (ValueError, TypeError, KeyError) as e:  # PEFT: "Target modules {...} not found ..."
@@ -253,9 +263,9 @@ def _saved_adapter_model(cfg: TrainConfig, hf):
         if field in cfg.model_fields_set and float(getattr(cfg, field)) != float(value):
             raise ConfigError(f"{field}={getattr(cfg, field):g} but the adapter in {cfg.lora_model_dir} has "
                               f"{value:g}: remove {field} (the saved adapter decides) or set it to {value:g}")
-    model = _adapted_meta_model(cfg, hf, saved)
+    model = _adaptedmeta_model(cfg, hf, saved)
     if {"lora_target_modules", "lora_target_linear"} & cfg.model_fields_set:
-        mine = _adapted_layers(_adapted_meta_model(cfg, hf, cfg.lora_config_from_fields()))
+        mine = _adapted_layers(_adaptedmeta_model(cfg, hf, cfg.lora_config_from_fields()))
         theirs = _adapted_layers(model)
         if mine != theirs:
             raise ConfigError(f"lora_target_modules / lora_target_linear adapt {len(mine)} layers, the adapter "

@@ -29,21 +29,36 @@ def fused_supported(params: list[torch.Tensor]) -> bool:
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], name: str = "adamw", lr: float = 3e-4,
+    params: Iterable[torch.nn.Parameter] | torch.nn.Module, name: str = "adamw", lr: float = 3e-4,
     weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
     fused: bool | None = None,
 ) -> torch.optim.Optimizer:
     """``adamw`` (alias ``adamw_torch``) or ``sgd`` over ``params`` with the weight-decay groups above.
     AdamW is ``fused`` (one kernel for all parameters, step count on the device: no host sync)
-    by default when every parameter is on CUDA (``fused_supported``); torch's default otherwise."""
-    groups = parameter_groups(params, weight_decay)
+    by default when every parameter is on CUDA (``fused_supported``); torch's default otherwise.
+    Low-bit AdamW names (``adamw_8bit``, ``adamw_torch_4bit``, ...): torchao's (``optim_lowbit``);
+    given the model (``params`` a module), its token embeddings keep fp32 states there."""
+    from ndparallel.training.optim_lowbit import (
+        ALIASES,
+        build_low_bit,
+        embedding_groups,
+        is_low_bit,
+    )
+
+    model = params if isinstance(params, torch.nn.Module) else None
+    groups = parameter_groups(model.parameters() if model is not None else params, weight_decay)
+    name = ALIASES.get(name, name)
+    if is_low_bit(name):
+        embeddings = {id(m.weight) for m in (model.modules() if model is not None else ())
+                      if isinstance(m, torch.nn.Embedding)}
+        return build_low_bit(name, embedding_groups(groups, embeddings), lr, betas, eps)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr)
     if name in ("adamw", "adamw_torch", "adamw_torch_fused"):  # fused wherever it applies
         all_params = [p for g in groups for p in g["params"]]
         use_fused = fused_supported(all_params) if fused is None else fused
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=use_fused or None)
-    raise ValueError(f"optimizer {name!r} is not supported: use 'adamw' or 'sgd'")
+    raise ValueError(f"optimizer {name!r} is not supported: use 'adamw', 'sgd' or 'adamw_8bit'")
 
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",

@@ -10,12 +10,14 @@ from pathlib import Path
 from ndparallel.training.config import ConfigError, TrainConfig
 
 
-def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True, check_output: bool = True):
+def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True, check_output: bool = True,
+                    check_weights: bool = True):
     """Check the layout against the world size and the model before any rank starts; with
     ``check_local`` also what lives on this machine (data, tokenizer, device, resume checkpoint,
     and with ``check_output`` the output_dir; a ``--dry-run`` may check a config meant for another
-    machine). Returns (resolved ParallelismConfig, HF model config); raises ``ConfigError`` (one
-    line) on the first problem."""
+    machine). ``check_weights=False``: a model directory may hold its config alone (``simulate``
+    reads no weights). Returns (resolved ParallelismConfig, HF model config); raises
+    ``ConfigError`` (one line) on the first problem."""
     from ndparallel.layout.config import ParallelismConfigError
     from ndparallel.training.model_check import (
         check_adapter,
@@ -29,8 +31,12 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     except ParallelismConfigError as e:
         raise ConfigError(str(e)) from None
     hf = resolve_model_config(cfg)
-    check_model(cfg, hf)
+    check_model(cfg, hf, check_weights=check_weights)
+    _check_experts(cfg, pc.dims, hf)
     check_adapter(cfg, hf, pc.tp_size)
+    from ndparallel.training.qlora_check import check_quantized_base
+
+    check_quantized_base(cfg, hf, pc)  # load_in_4bit: torchao, no TP, NF4 shards of whole blocks
     check_memory_options(cfg, hf)
     if check_local:
         tokenizer = check_local_inputs(cfg, check_output=check_output)
@@ -48,8 +54,38 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_sequence_len(cfg, pc.dims)
+    _check_family_layout(cfg, pc, hf)
     _check_fp8(cfg)
     return pc, hf
+
+
+def _check_experts(cfg: TrainConfig, dims, hf) -> None:
+    """``expert_parallel_size`` needs a mixture-of-experts model whose expert count it divides."""
+    from ndparallel.models.moe import config_num_experts
+
+    experts = config_num_experts(hf)
+    if dims.ep_enabled and experts is None:
+        raise ConfigError(f"expert_parallel_size={dims.ep}, but base_model={cfg.base_model!r} is not a "
+                          "mixture-of-experts model (its config has no num_experts / num_local_experts / "
+                          "n_routed_experts): set expert_parallel_size: 1")
+    if experts is not None and experts % dims.ep:
+        fits = [d for d in range(1, experts + 1) if experts % d == 0 and dims.ep_problem() is None]
+        raise ConfigError(f"expert_parallel_size={dims.ep} does not divide the {experts} experts of "
+                          f"base_model={cfg.base_model!r}: use one of {fits[:8]}")
+
+
+def _check_family_layout(cfg: TrainConfig, pc, hf) -> None:
+    """What the model family cannot run under the layout (``parallel.support``), on a meta model."""
+    if not (pc.tp_enabled or pc.cp_enabled or pc.ep_enabled):
+        return
+    from ndparallel.parallel.support import layout_problem
+    from ndparallel.training.model_check import meta_model
+
+    tp = cfg.tp_options()
+    problem = layout_problem(meta_model(cfg, hf), tp_size=pc.tp_size, cp_size=pc.cp_size,
+                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan, ep_size=pc.ep_size)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_sequence_len(cfg: TrainConfig, dims) -> None:
@@ -218,6 +254,7 @@ def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
 def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     """The resolved run, as printed by ``--dry-run``."""
     from ndparallel.training.model_check import check_adapter
+    from ndparallel.training.qlora_check import check_quantized_base
 
     gbs = cfg.micro_batch_size * cfg.gradient_accumulation_steps * pc.dp_size
     lines = [
@@ -228,12 +265,15 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         f"(micro {cfg.micro_batch_size} × accum {cfg.gradient_accumulation_steps} × dp {pc.dp_size})",
         f"per rank     : {cfg.micro_batch_size} × {cfg.sequence_len // pc.cp_size} tokens per micro-batch"
         + (f" (sequence split over cp={pc.cp_size})" if pc.cp_enabled else ""),
+        *_experts_lines(pc, hf),
         f"fsdp         : {cfg.fsdp_config.model_dump()}",
         f"precision    : {'bf16 compute, fp32 master weights' if cfg.bf16 else 'fp32'}"
         + (f", fp8 linears ({cfg.fp8_recipe})" if cfg.fp8 else ""),
         f"speed        : chunked loss {_auto(cfg.chunked_loss)}, compile {'on' if cfg.compile else 'off'}"
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
+        *([f"quantised    : {check_quantized_base(cfg, hf, pc)}"] if cfg.load_in_4bit else []),
+        *([f"tp plan      : {_tp_plan_summary(cfg, hf)}"] if pc.tp_enabled else []),
         *([f"long context : {_long_context(cfg, pc, hf)}"] if cfg.tiled_mlp or cfg.activation_offloading else []),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
         f"({cfg.lr_scheduler}, warmup "
@@ -246,6 +286,35 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     lines += [f"note         : {n}" for n in run_notes(cfg, device) if not n.startswith("max_steps")]
     return "\n".join(lines)
+
+
+def _experts_lines(pc, hf) -> list[str]:
+    """The experts' placement of a mixture-of-experts model (``--dry-run``)."""
+    from ndparallel.models.moe import config_num_experts
+
+    experts = config_num_experts(hf)
+    if experts is None:
+        return []
+    dims = pc.dims
+    top_k = getattr(hf, "num_experts_per_tok", "?")
+    where = (f"split over ep={dims.ep} ({experts // dims.ep} per rank, all-to-all dispatch), FSDP over "
+             f"efsdp={dims.efsdp}" if dims.experts_split(True) else "sharded with the dense layers (FSDP)")
+    aux = getattr(hf, "router_aux_loss_coef", None) if getattr(hf, "output_router_logits", False) else None
+    return [f"experts      : {experts} per MoE layer, top-{top_k}; {where}; load-balancing loss "
+            + (f"× {aux} (global over the micro-batch)" if aux is not None else "off (output_router_logits)")]
+
+
+def _tp_plan_summary(cfg: TrainConfig, hf) -> str:
+    """How many plan entries shard which modules, and the entries that match none (dropped)."""
+    from ndparallel.models.tp_plans import match_plan, resolve_tp_plan, unmatched_keys
+    from ndparallel.training.model_check import meta_model
+
+    model = meta_model(cfg, hf)
+    plan = resolve_tp_plan(model, cfg.tp_plan)
+    dropped = unmatched_keys(model, plan)
+    return (f"{len(plan)} entries ({'tp_plan' if cfg.tp_plan else 'the model' + chr(39) + 's own'}) on "
+            f"{len(match_plan(model, plan, strict=False))} modules"
+            + (f"; matching no module (dropped): {dropped}" if dropped else ""))
 
 
 def _long_context(cfg: TrainConfig, pc, hf) -> str:

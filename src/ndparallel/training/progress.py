@@ -6,7 +6,8 @@ from __future__ import annotations
 
 def format_metrics(m: dict) -> str:
     """One line: loss, lr, gradient norm, throughput, MFU (when known) and peak memory."""
-    return (f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
+    return (f"loss {m['loss']:.4f}" + (f" (aux {m['aux_loss']:.4f})" if "aux_loss" in m else "")
+            + f" | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
             f"{m['tokens_per_s']:.0f} tok/s | {m['tflops_per_device']:.3f} TFLOP/s/dev"
             + (f" | MFU {m['mfu']:.1%}" if "mfu" in m else "")
             + f" | mem {m['peak_memory_gb']:.2f} GB")

@@ -49,22 +49,16 @@ class TrainState:
     samples_seen: int = 0  # global samples consumed: resumes on any layout
 
 
-# Library loggers whose messages no user can act on: torchao (imported by transformers whenever it
-# is installed, fp8 on or not) logs "Failed to load ... .so" for kernels of other GPUs, and torch
-# warns that torchao registers Enum classes as pytree constants.
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "torch.distributed.tensor._redistribute")
-
-
 def quiet_non_main_ranks(rank: int) -> None:
     """Warnings and library logs from ranks other than 0 are not repeated N times; notices that do
     not apply here are silenced on every rank: FSDP2's "returned a view tensor" (transformers'
-    decoder applies no in-place op to those outputs; the equivalence tests prove the gradients),
-    DTensor's "sequential all_gather" note when export gathers FSDP × TP parameters, and the
-    ``QUIET_LOGGERS``."""
+    decoder applies no in-place op to those outputs; the equivalence tests prove the gradients)
+    and the library noise of ``runtime/quiet.py``."""
+    from ndparallel.runtime.quiet import quiet_library_noise
+
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a deprecated name
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_library_noise()
     if rank != 0:
         warnings.filterwarnings("ignore")
         logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -121,7 +115,7 @@ class Trainer:
         self.save_every = cfg.save_steps or (max(1, steps_per_epoch // cfg.saves_per_epoch)
                                              if cfg.saves_per_epoch else None)
         self.model = self._load_model()
-        self.optimizer = optimizer_for(cfg, self.model.parameters())
+        self.optimizer = optimizer_for(cfg, self.model)  # the model: low-bit AdamW finds its embeddings
         warmup = (cfg.warmup_steps if cfg.warmup_ratio is None
                   else math.ceil(cfg.warmup_ratio * self.total_steps))
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, warmup, self.total_steps)
@@ -156,7 +150,8 @@ class Trainer:
         dtype = torch.bfloat16 if adapter is not None and cfg.bf16 else torch.float32
         model = engine.build_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
                                adapter=adapter, adapter_weights=cfg.lora_model_dir or None, vocab_size=grown,
-                               dtype=dtype, attn_implementation=kernel)
+                               dtype=dtype, attn_implementation=kernel, quantization=cfg.nf4_config(),
+                               config_overrides=cfg.overrides_of_model_config)
         if getattr(model, "config", None) is not None:
             model.config.use_cache = False
         return model
@@ -194,7 +189,7 @@ class Trainer:
         self.state.step += 1
         self.state.samples_seen += self.loader.global_micro_batch * cfg.gradient_accumulation_steps
         return {"loss": out.loss, "grad_norm": out.grad_norm, "lr": self.scheduler.get_last_lr()[0],
-                "tokens": out.tokens}
+                "tokens": out.tokens, "aux_loss": out.aux_loss}
 
     def log(self, step_out: dict) -> dict | None:
         """On logging steps (every ``logging_steps``, the first and the last): read the loss and
@@ -204,8 +199,10 @@ class Trainer:
         if step % cfg.logging_steps and step not in (1, self.total_steps):
             return None
         loss = step_out["loss"]  # already the global mean (reduced in train_step)
-        metrics = {"step": step, "loss": float(loss), "lr": step_out["lr"],
+        metrics = {"step": step, "loss": float(loss), "lr": float(step_out["lr"]),  # a tensor under torchao
                    "grad_norm": float(step_out["grad_norm"])}
+        if step_out.get("aux_loss") is not None:  # an MoE model's load-balancing loss (in "loss")
+            metrics["aux_loss"] = float(step_out["aux_loss"])
         now = time.perf_counter()
         dt = (now - self._log_time) / max(1, step - self._log_step)
         self._log_time, self._log_step = now, step
@@ -280,7 +277,8 @@ class Trainer:
                 engine.print(f"saved the trained model to {final} (AutoModelForCausalLM.from_pretrained loads it)")
             else:
                 engine.print(f"saved the LoRA adapter to {final} (PeftModel.from_pretrained(base_model, "
-                             f"{str(final)!r}) loads it)")
+                             f"{str(final)!r}) loads it" + ("; trained on the 4-bit NF4 base)" if self.cfg.load_in_4bit
+                                                            else ")"))
             if self.cfg.adapter is not None and self.cfg.merge_lora:
                 self._save_merged()
         shutdown()
@@ -292,7 +290,8 @@ class Trainer:
         save_hf_model(self.model, merged, self.engine.is_main_process, tokenizer=self.tokenizer,
                       dtype=self.cfg.export_dtype(), merge_adapter=True)
         self.engine.barrier()
-        self.engine.print(f"saved the merged model to {merged} (AutoModelForCausalLM.from_pretrained loads it)")
+        into = " into the dequantised NF4 base" if self.cfg.load_in_4bit else ""
+        self.engine.print(f"saved the merged model{into} to {merged} (AutoModelForCausalLM.from_pretrained loads it)")
 
     # ------------------------------------------------------------------------------- run
     def run(self) -> dict:
@@ -356,7 +355,7 @@ class Trainer:
         if self.profile_comm:  # the first two steps (lazy init, then a steady step) are recorded
             from ndparallel.runtime.comm_profile import CommProfiler
 
-            self.profiler = CommProfiler(engine.mesh)
+            self.profiler = CommProfiler(engine.mesh, engine.built_expert_mesh)
             self.profiler.__enter__()
 
 

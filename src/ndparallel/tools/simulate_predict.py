@@ -1,0 +1,118 @@
+"""The planner's prediction for a simulated rank: the same model, layout and settings as the run
+(read from the running trainer, so a default the runtime resolves — loss parallel, the chunked
+loss, fused AdamW — is the one the planner is asked about), and the per-dimension comparison of
+the collectives the rank issued with the ones the planner counts."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+GiB = 2**30
+
+
+def planner_settings(trainer):
+    """``plan.layout.Settings`` of the running trainer's step."""
+    from ndparallel.models.adapters import base_model_of
+    from ndparallel.parallel.lm_loss import use_chunked_loss
+    from ndparallel.plan.layout import Settings
+
+    cfg, engine, model = trainer.cfg, trainer.engine, trainer.model
+    options = engine.options
+    return Settings(
+        seq_len=cfg.sequence_len, micro_batch=cfg.micro_batch_size, grad_accum=cfg.gradient_accumulation_steps,
+        checkpointing=options.fsdp.activation_checkpointing,
+        mixed_precision="bf16" if options.param_dtype is not None else "fp32",
+        optimizer="sgd" if cfg.optimizer == "sgd" else "adamw",
+        sequence_parallel=options.tp.sequence_parallel, loss_parallel=engine.loss_parallel(model),
+        unsharded_grad_accumulation=options.fsdp.unsharded_grad_accumulation,
+        reshard_after_forward=options.fsdp.reshard_after_forward, cp_strategy=options.cp.comm_strategy,
+        loss_impl="chunked" if use_chunked_loss(base_model_of(model), options.loss) else "full",
+        loss_chunk_tokens=options.loss.chunk_tokens,
+        optimizer_fused=bool(trainer.optimizer.defaults.get("fused")),
+        lora_r=cfg.lora_r if cfg.adapter else 0,
+    )
+
+
+def hardware_for(req, engine, spec, settings):
+    """``--hardware-file``, else ``--gpu``, else this CUDA device's preset; on CPU a quick
+    calibration of this machine at the model's own shapes (a few seconds)."""
+    from ndparallel.plan.hardware import get_preset, load_hardware_file, preset_for_device
+
+    if req.hardware_file:
+        return load_hardware_file(req.hardware_file)
+    if req.gpu:
+        return get_preset(req.gpu)
+    if engine.device.type == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(engine.device)
+        hw = preset_for_device(name)
+        if hw is None:
+            raise ValueError(f"no planner preset for {name!r}: pass --gpu NAME or --hardware-file "
+                             "(ndparallel plan --calibrate writes one)")
+        return hw
+    from ndparallel.plan.calibrate import calibrate
+    from ndparallel.plan.hardware import Hardware
+
+    tokens = settings.micro_batch * settings.seq_len // engine.dims.cp
+    profile = calibrate(ranks=1, quick=True, device="cpu", model=spec, seq_len=tokens, micro_batch=1)
+    return Hardware.from_dict(profile["hardware"])
+
+
+def predict(trainer, req, measured: dict) -> tuple[dict, list]:
+    """The planner's memory and time for the run; returns (report part, predicted collectives)."""
+    from ndparallel.plan.comms import collectives_for, scalar_collectives
+    from ndparallel.plan.models import from_hf_config
+    from ndparallel.plan.search import estimate
+
+    engine = trainer.engine
+    spec = from_hf_config(trainer.hf_config.to_dict(), str(trainer.cfg.base_model))
+    settings = planner_settings(trainer)
+    hw = hardware_for(req, engine, spec, settings)
+    est = estimate(spec, engine.dims, settings, hw, req.gpus_per_node)
+    mem = est.memory
+    if engine.device.type == "cuda":
+        peak = mem.total
+    else:  # the CPU process's runtime plays the part of the CUDA context: measured before the model
+        peak = mem.allocated + measured["runtime_rss_gib"] * GiB
+    t = est.time
+    colls = collectives_for(spec, engine.dims, settings) + scalar_collectives(spec, engine.dims,
+                                                                              settings.mixed_precision)
+    report = {
+        "peak_memory_gib": peak / GiB, "tensor_peak_gib": mem.allocated / GiB, "peak_phase": mem.peak_phase,
+        "memory_gib": {k: getattr(mem, k) / GiB for k in ("params", "grads", "optimizer", "activations",
+                                                          "logits", "fsdp_buffers", "overhead")},
+        "step_time_s": t.compute + t.optimizer, "step_time_with_comm_s": t.step,
+        "exposed_comm_s": {"tp": t.tp_exposed, "cp": t.cp_exposed, "dp": t.dp_exposed},
+        "hardware": hw.name, "settings": {"loss_impl": settings.loss_impl, "loss_parallel": settings.loss_parallel,
+                                          "checkpointing": settings.checkpointing},
+    }
+    report["error"] = {
+        "peak_memory": _rel(report["peak_memory_gib"], measured["peak_memory_gib"]),
+        "tensor_peak": _rel(report["tensor_peak_gib"], measured["tensor_peak_gib"]),
+        "step_time": _rel(report["step_time_s"], measured["step_time_s"]),
+    }
+    return report, colls
+
+
+def _rel(predicted: float, measured: float) -> float:
+    """(predicted − measured) / measured."""
+    return (predicted - measured) / measured if measured else float("nan")
+
+
+def compare_collectives(profiler, planned: list, engine) -> tuple[dict, dict]:
+    """Calls and bytes per mesh dim: what the profiled step issued, what the planner counts.
+    Dims are reported under the profiler's label (a dim sharing its group with another, e.g.
+    ``dp_shard_cp`` = ``dp_shard`` without CP, under one name); a planner ``send_recv`` is one
+    send and one receive on each rank."""
+    measured: dict = defaultdict(lambda: {"calls": 0, "bytes": 0})
+    for (dim, _op, nbytes), calls in profiler.calls().items():
+        measured[dim]["calls"] += calls
+        measured[dim]["bytes"] += calls * nbytes
+    predicted: dict = defaultdict(lambda: {"calls": 0, "bytes": 0})
+    for c in planned:
+        n = 2 if c.kind == "send_recv" else 1
+        row = predicted[profiler.label(c.mesh_dim)]
+        row["calls"] += n * c.count
+        row["bytes"] += n * c.count * c.bytes
+    return dict(measured), dict(predicted)
