@@ -57,14 +57,21 @@ def encode(tokenizer, rendered: Rendered, train_on_inputs: bool = False) -> tupl
 
 def tokenize_samples(records: datasets.Dataset, spec: DatasetSpec, tokenizer, *, where: str,
                      train_on_inputs: bool = False, chat_template: str | None = None,
-                     eot_tokens: tuple[str, ...] | None = None, cache_dir: str | os.PathLike | None = None, num_proc: int | None = None) -> datasets.Dataset:
-    """``records`` of ``spec.type`` -> ``{input_ids, labels}`` (one row per record, same order)."""
+                     eot_tokens: tuple[str, ...] | None = None, cache_dir: str | os.PathLike | None = None,
+                     num_proc: int | None = None, chat_template_jinja: str | None = None,
+                     template_kwargs: dict | None = None) -> datasets.Dataset:
+    """``records`` of ``spec.type`` -> ``{input_ids, labels}`` (one row per record, same order).
+    ``chat_template`` / ``chat_template_jinja`` / ``template_kwargs``: the run's, for
+    ``chat_template`` datasets that name none."""
     chat = None
     if spec.type == "chat_template":
         from .chat import ChatRenderer, resolve_template
 
-        template = resolve_template(tokenizer, spec.chat_template or chat_template, spec.chat_template_jinja, where)
-        chat = ChatRenderer(tokenizer, template, spec, eot_tokens)
+        if spec.chat_template or spec.chat_template_jinja:
+            template = resolve_template(tokenizer, spec.chat_template, spec.chat_template_jinja, where)
+        else:
+            template = resolve_template(tokenizer, chat_template, chat_template_jinja, where)
+        chat = ChatRenderer(tokenizer, template, spec, eot_tokens, template_kwargs)
 
     def batch_fn(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "labels": []}
@@ -80,7 +87,9 @@ def tokenize_samples(records: datasets.Dataset, spec: DatasetSpec, tokenizer, *,
                                   "labels": datasets.Sequence(datasets.Value("int32"))})
     settings = [_VERSION, records._fingerprint, tokenizer_hash(tokenizer), spec.type, spec.text_field,
                 spec.field_messages, spec.message_property_mappings, sorted(spec.roles_to_train), spec.train_on_eos, spec.train_on_eot,
-                train_on_inputs, chat.template if chat else None, chat.turn_tokens if chat else None, spec.format]
+                train_on_inputs, chat.template if chat else None, chat.turn_tokens if chat else None, spec.format,
+                spec.drop_system_message, spec.field_thinking, spec.template_thinking_key, spec.roles,
+                template_kwargs if chat else None]
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:32]
     kwargs: dict[str, Any] = dict(batched=True, with_indices=True, remove_columns=records.column_names,
                                   features=features, num_proc=num_proc, desc=f"tokenize {where}",

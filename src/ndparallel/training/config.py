@@ -14,6 +14,7 @@ import yaml
 from pydantic import (
     AliasChoices,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -29,15 +30,14 @@ from ndparallel.parallel.options import (
     TPOptions,
 )
 from ndparallel.training.config_data import (  # noqa: F401  (ConfigError: re-exported)
-    KNOWN_PLUGINS,
-    UNSUPPORTED,
     ConfigError,
     DatasetConfig,
     SpecialTokens,
     _int,
     _Strict,
 )
-from ndparallel.training.config_errors import format_validation_error
+from ndparallel.training.config_errors import join_problems, validation_problems
+from ndparallel.training.config_fields import FSDPConfig, RunControlFields, TrackerFields
 from ndparallel.training.overrides import apply_override
 
 
@@ -45,36 +45,9 @@ def _float(**bounds):
     return Annotated[float, Field(allow_inf_nan=False, **bounds)]
 
 
-
-
-class FSDPConfig(_Strict):
-    reshard_after_forward: bool = True
-    cpu_offload: bool = Field(False, validation_alias=AliasChoices("cpu_offload", "offload_params"))
-    activation_checkpointing: bool = False
-    unsharded_grad_accumulation: bool = False
-    layer_classes: list[str] | None = Field(
-        None, validation_alias=AliasChoices("layer_classes", "transformer_layer_cls_to_wrap"))
-    """Decoder-layer class names FSDP wraps one by one (default: found in the model)."""
-    # Axolotl / Accelerate names with one meaning here (compat.py explains them in --dry-run)
-    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] | None = None
-    auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP"] | None = None
-
-    @field_validator("layer_classes", mode="before")
-    @classmethod
-    def _one_or_more(cls, v):
-        return [v] if isinstance(v, str) else v
-
-    @field_validator("auto_wrap_policy", mode="before")
-    @classmethod
-    def _wrap_policy(cls, v):
-        if v is not None and v != "TRANSFORMER_BASED_WRAP":
-            raise ValueError(f"{v!r} is not supported: ndparallel wraps each decoder layer "
-                             "(TRANSFORMER_BASED_WRAP); remove it or set TRANSFORMER_BASED_WRAP")
-        return v
-
-
-class TrainConfig(_Strict):
-    """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one)."""
+class TrainConfig(RunControlFields, TrackerFields):
+    """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one; the
+    Axolotl keys that are translated, accepted empty or refused: ``axolotl_keys.py``)."""
 
     # model
     base_model: str = "quickstart-llama"
@@ -92,7 +65,8 @@ class TrainConfig(_Strict):
     sdp_attention: bool | None = None
     """Axolotl's switch: true = attn_implementation: sdpa."""
     plugins: list[str] | None = None
-    """Axolotl plugins: only CutCrossEntropyPlugin (= the memory-efficient loss) is understood."""
+    """Axolotl plugins: CutCrossEntropyPlugin, LigerPlugin, ... map to ndparallel's equivalents
+    (``axolotl_keys.PLUGINS``); others are refused."""
     # layout
     dp_replicate_size: int = 1
     dp_shard_size: int = 1
@@ -133,15 +107,19 @@ class TrainConfig(_Strict):
     """Module names to adapt (e.g. [q_proj, v_proj]); none and no lora_target_linear: PEFT's default."""
     lora_target_linear: bool = False
     """Adapt every linear layer except the output head (added to lora_target_modules)."""
+    peft_use_rslora: bool = False
+    """Rank-stabilised LoRA: scale the adapter by alpha / sqrt(r) instead of alpha / r."""
     lora_model_dir: str | None = None
     """A saved PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) to continue
     training: its r, alpha and targets are used and its weights replace the fresh init."""
     merge_lora: bool = False
     """Also write the base model with the adapter merged in, to output_dir/merged."""
     # data
-    datasets: list[DatasetConfig] = Field(
-        default_factory=lambda: [DatasetConfig(path="builtin:stdlib")]
-    )
+    datasets: list[DatasetConfig] | None = None
+    """Required with a real base_model; a built-in preset defaults to the built-in corpus."""
+    pretraining_dataset: list[DatasetConfig] | None = None
+    """Raw text streamed as Axolotl does (needs max_steps): tokenised, concatenated and cut into
+    sequence_len blocks while training; instead of datasets."""
     val_set_size: _float(ge=0) = 0.0
     """A fraction in [0, 1) of the packed blocks, or a whole number of blocks."""
     sequence_len: int = 256
@@ -152,10 +130,13 @@ class TrainConfig(_Strict):
     """Rows always sequence_len long (fixed shapes); false: each micro-batch cut after its longest row."""
     train_on_inputs: bool = False
     """Train on the prompt too (default: its labels are -100, only the answer is learned)."""
-    excess_length_strategy: Literal["truncate", "drop"] = "truncate"
+    excess_length_strategy: Literal["truncate", "drop", "raise"] = "truncate"
     """A fine-tuning sample longer than sequence_len (raw text is cut into pieces instead)."""
     chat_template: str | None = None
-    """Template of chat_template datasets: tokenizer_default (default), chatml, llama3."""
+    """Template of chat_template datasets: tokenizer_default (default), one of Axolotl's named templates
+    (chatml, llama3, qwen3, gemma3, phi_3, mistral_v7_tekken, ...: ``data/chat_templates``), or jinja."""
+    chat_template_jinja: str | None = None
+    """A Jinja chat template (text or a .jinja file) for chat_template: jinja."""
     eot_tokens: list[str] | None = None
     """Tokens that end a chat turn (default: the eos and the turn tokens the template uses, such as
     <|eot_id|>); trained per each dataset's train_on_eot."""
@@ -214,6 +195,7 @@ class TrainConfig(_Strict):
     """dtype of the final model's weights: auto = bf16 for a bf16 run, else fp32."""
     # runtime
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    _axolotl_notes: list[str] = PrivateAttr(default_factory=list)  # what axolotl_map translated
     collective_timeout_s: _float(gt=0) = 600.0
     max_restarts: _int(0) = 0
 
@@ -228,14 +210,21 @@ class TrainConfig(_Strict):
             raise ValueError(f"must be >= 1 (1 disables the dimension), got {v}")
         return v
 
-    @field_validator("plugins")
+    @field_validator("plugins", mode="before")
     @classmethod
-    def _plugins(cls, v: list[str] | None) -> list[str] | None:
-        unknown = [p for p in v or [] if p.rsplit(".", 1)[-1] not in KNOWN_PLUGINS]
+    def _plugins(cls, v):
+        from ndparallel.training.axolotl_keys import PLUGINS
+
+        v = [v] if isinstance(v, str) else v
+        unknown = [p for p in v or [] if str(p).rsplit(".", 1)[-1] not in PLUGINS]
         if unknown:
-            raise ValueError(f"{unknown} not supported; ndparallel understands only {sorted(KNOWN_PLUGINS)} "
-                             "(its memory-efficient loss); remove the others")
-        return v
+            raise ValueError(f"{unknown} not supported; ndparallel maps only {', '.join(PLUGINS)}; remove the others")
+        return v or None
+
+    @field_validator("lora_model_dir", "resume_from_checkpoint", "tokenizer", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v):
+        return None if v == "" else v
 
     @field_validator("fsdp_version")
     @classmethod
@@ -256,8 +245,30 @@ class TrainConfig(_Strict):
                     raise ValueError(f"'{flag}: true' and 'attn_implementation: {self.attn_implementation}' "
                                      "disagree; keep one")
                 self.attn_implementation = impl
-        if self.plugins and "chunked_loss" in type(self).model_fields and getattr(self, "chunked_loss", None) is None:
-            self.chunked_loss = True  # CutCrossEntropyPlugin = the memory-efficient loss
+        extras = [f for f in ("cosine_min_lr_ratio", "cosine_constant_lr_ratio", "lr_quadratic_warmup")
+                  if getattr(self, f) not in (None, False)]
+        if extras and self.lr_scheduler != "cosine":
+            raise ValueError(f"{', '.join(extras)} shape the cosine schedule, but lr_scheduler is "
+                             f"{self.lr_scheduler}: set lr_scheduler: cosine or remove them")
+        if self.evals_per_epoch is not None and self.eval_steps is not None:
+            raise ValueError("'eval_steps' and 'evals_per_epoch' are both set; keep one")
+        return self._data_source()
+
+    def _data_source(self):
+        from ndparallel.models.presets import is_preset
+
+        if self.pretraining_dataset is not None:
+            if self.datasets:
+                raise ValueError("'datasets' and 'pretraining_dataset' are both set; keep one")
+            if self.max_steps is None:
+                raise ValueError("pretraining_dataset is streamed: set max_steps (the stream has no known length)")
+            self.datasets = []
+        elif not self.datasets:
+            if not is_preset(self.base_model):
+                raise ValueError(f"datasets: none given for base_model={self.base_model!r}; add datasets: [{{path: "
+                                 "FILE_OR_HUB_NAME, type: alpaca | chat_template | completion ...}] (or "
+                                 "pretraining_dataset:)")
+            self.datasets = [DatasetConfig(path="builtin:stdlib")]
         return self
 
     @field_validator("adapter", mode="before")
@@ -331,7 +342,7 @@ class TrainConfig(_Strict):
             return None
         return {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
                 "target_modules": self.lora_target_modules, "target_linear": self.lora_target_linear,
-                **overrides}
+                **({"use_rslora": True} if self.peft_use_rslora else {}), **overrides}
 
     def lora_config(self):
         """The peft ``LoraConfig`` of ``adapter: lora`` (None without it): the one saved in
@@ -354,7 +365,9 @@ class TrainConfig(_Strict):
         """LoRA fields the user set although ``adapter`` is not ``lora``."""
         if self.adapter is not None:
             return []
-        return sorted(f for f in self.model_fields_set if f.startswith("lora_") or f == "merge_lora")
+        fields = type(self).model_fields
+        return sorted(f for f in self.model_fields_set if (f.startswith("lora_") or f == "merge_lora")
+                      and getattr(self, f) not in (None, False, "", []) and getattr(self, f) != fields[f].default)
 
     def data_options(self):
         from ndparallel.data.pipeline import DataOptions
@@ -363,13 +376,19 @@ class TrainConfig(_Strict):
             sequence_len=self.sequence_len, sample_packing=self.sample_packing,
             train_on_inputs=self.train_on_inputs, excess_length_strategy=self.excess_length_strategy,
             chat_template=self.chat_template, eot_tokens=tuple(self.eot_tokens or ()) or None,
+            chat_template_jinja=self.chat_template_jinja, chat_template_kwargs=self.chat_template_kwargs,
+            min_sample_len=self.min_sample_len,
             val_set_size=self.val_set_size, seed=self.seed,
             num_proc=self.dataset_processes,
         )
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-    """Read, override (``--set key=value``, dotted keys for nested fields) and validate."""
+    """Read, override (``--set key=value``, dotted keys for nested fields), translate Axolotl's keys
+    (``axolotl_map``: its notes are kept for ``--dry-run``) and validate. Every problem found is
+    one line of the ``ConfigError``."""
+    from ndparallel.training.axolotl_map import translate
+
     data: dict[str, Any] = {}
     source = str(path) if path else "config"
     if path is not None:
@@ -377,15 +396,38 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         if not p.is_file():
             raise ConfigError(f"config file {p} not found")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if data is None or data == {}:
+            raise ConfigError(f"{p} is empty: write at least base_model and datasets (or run ndparallel train "
+                              "without a config for the built-in quickstart)")
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of keys to values")
     for item in overrides:
         apply_override(data, item)
+    found = translate(data, own_keys())
+    problems = list(found.problems)
+    cfg = None
     try:
-        return TrainConfig.model_validate(data)
+        cfg = TrainConfig.model_validate(found.data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source, TrainConfig, {
-            "fsdp_config": FSDPConfig, "datasets": DatasetConfig, "special_tokens": SpecialTokens})) from None
+        problems += validation_problems(e, TrainConfig, NESTED)
+    if problems:
+        raise ConfigError(join_problems(source, problems))
+    cfg._axolotl_notes = found.notes
+    return cfg
+
+
+NESTED = {"fsdp_config": FSDPConfig, "datasets": DatasetConfig, "pretraining_dataset": DatasetConfig,
+          "special_tokens": SpecialTokens}
+
+
+def own_keys() -> set[str]:
+    """Top-level keys TrainConfig reads itself (field names and aliases)."""
+    keys = set()
+    for name, f in TrainConfig.model_fields.items():
+        keys.add(name)
+        if isinstance(f.validation_alias, AliasChoices):
+            keys.update(str(c) for c in f.validation_alias.choices)
+    return keys

@@ -30,6 +30,9 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     hf = resolve_model_config(cfg)
     check_model(cfg, hf)
     check_adapter(cfg, hf, pc.tp_size)
+    from ndparallel.training.dry_checks import check_without_data
+
+    check_without_data(cfg, hf)
     if check_local:
         tokenizer = check_local_inputs(cfg, check_output=check_output)
         _check_added_tokens(cfg, tokenizer, hf)
@@ -177,7 +180,7 @@ def run_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
     notes = []
     if cfg.max_steps is not None and "num_epochs" in cfg.model_fields_set:
         notes.append(f"max_steps {cfg.max_steps} (num_epochs {cfg.num_epochs:g} is ignored: max_steps wins)")
-    return notes + compat_notes(cfg, device_type)
+    return notes + cfg._axolotl_notes + compat_notes(cfg, device_type)
 
 
 def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
@@ -187,9 +190,7 @@ def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
         return int(os.environ["WORLD_SIZE"])
     sizes = [cfg.dp_replicate_size, cfg.dp_shard_size, cfg.tensor_parallel_size, cfg.context_parallel_size]
     if -1 in sizes:
-        if not nproc:
-            raise ConfigError("a degree is -1 (fill from the world size): pass --nproc-per-node N")
-        return nproc
+        return nproc or local_devices(cfg)
     total = 1
     for s in sizes:
         total *= s
@@ -198,8 +199,17 @@ def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
     return total
 
 
+def local_devices(cfg: TrainConfig) -> int:
+    """Ranks a degree of -1 fills on this machine without --nproc-per-node: every CUDA GPU (as
+    Axolotl's launch uses them all); 1 on CPU."""
+    import torch
+
+    return torch.cuda.device_count() if cfg.device != "cpu" and torch.cuda.is_available() else 1
+
+
 def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     """The resolved run, as printed by ``--dry-run``."""
+    from ndparallel.training.dry_checks import chunked_loss_state
     from ndparallel.training.model_check import check_adapter
 
     gbs = cfg.micro_batch_size * cfg.gradient_accumulation_steps * pc.dp_size
@@ -214,7 +224,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         f"fsdp         : {cfg.fsdp_config.model_dump()}",
         f"precision    : {'bf16 compute, fp32 master weights' if cfg.bf16 else 'fp32'}"
         + (f", fp8 linears ({cfg.fp8_recipe})" if cfg.fp8 else ""),
-        f"speed        : chunked loss {_auto(cfg.chunked_loss)}, compile {'on' if cfg.compile else 'off'}"
+        f"speed        : chunked loss {chunked_loss_state(cfg, hf)}, compile {'on' if cfg.compile else 'off'}"
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
@@ -234,6 +244,10 @@ def _data_mode(cfg: TrainConfig) -> str:
     from ndparallel.data.dataset import DatasetSpec
     from ndparallel.data.pipeline import concatenates
 
+    if cfg.pretraining_dataset is not None:
+        how = "attention per document" if cfg.sample_packing else "attention across documents"
+        return (f"pretraining_dataset: streamed while training, documents concatenated and cut into "
+                f"{cfg.sequence_len}-token blocks ({how}); every rank reads the stream")
     specs = [DatasetSpec.from_any(d.model_dump()) for d in cfg.datasets]
     types = ", ".join(sorted({s.type or "text" for s in specs}))
     if concatenates(specs, cfg.sample_packing):

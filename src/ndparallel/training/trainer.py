@@ -87,7 +87,8 @@ class Trainer:
     def setup(self) -> None:
         """Accelerator (process group, mesh), tokenizer, data, model, optimizer and schedule."""
         from ndparallel.accelerator import Accelerator
-        from ndparallel.data import PackedLoader
+        from ndparallel.training.build import train_loader
+        from ndparallel.training.controls import EarlyStopping, LossWatchdog, eval_every
         from ndparallel.training.optim import build_scheduler
 
         cfg = self.cfg
@@ -108,12 +109,12 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg, cache_dir)
         self.splits = build_data(cfg, self.tokenizer, cache_dir)
         multiple = pad_multiple(cfg)
-        self.loader = PackedLoader(self.splits.train, cfg.micro_batch_size, dp_rank=acc.dp_rank,
-                                   dp_size=acc.dp_size, seed=cfg.seed, pad_to_multiple=multiple)
+        self.loader = train_loader(cfg, self.splits, self.tokenizer, acc.dp_rank, acc.dp_size, multiple)
         self.val_loader = None
-        if self.splits.val is not None and cfg.eval_steps:
+        if self.splits.val is not None:
             self.val_loader = validation_loader(acc, self.splits.val, cfg.micro_batch_size, cfg.seed, multiple)
         steps_per_epoch = len(self.loader) // cfg.gradient_accumulation_steps
+        self.eval_every = eval_every(cfg.eval_steps, cfg.evals_per_epoch, steps_per_epoch)
         self.total_steps = (cfg.max_steps if cfg.max_steps is not None  # max_steps wins over num_epochs
                             else max(1, math.floor(cfg.num_epochs * steps_per_epoch)))
         self.save_every = cfg.save_steps or (max(1, steps_per_epoch // cfg.saves_per_epoch)
@@ -122,8 +123,11 @@ class Trainer:
         self.optimizer = optimizer_for(cfg, self.model.parameters())
         warmup = (cfg.warmup_steps if cfg.warmup_ratio is None
                   else math.ceil(cfg.warmup_ratio * self.total_steps))
-        self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, warmup, self.total_steps)
+        self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, warmup, self.total_steps,
+                                         cfg.cosine_min_lr_ratio, cfg.cosine_constant_lr_ratio, cfg.lr_quadratic_warmup)
         self.nonfinite = NonFiniteGuard(cfg.on_nonfinite)
+        self.watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience)
+        self.early_stopping, self.stopped = EarlyStopping(cfg.early_stopping_patience), False
 
     def _load_model(self):
         """The model, sharded, with the attention kernel this machine has (one warning line if the
@@ -138,7 +142,7 @@ class Trainer:
                       f"available ({why}): using {kernel}")  # one line, main rank
         self.hf_config = model_config(cfg, vocab_size=rounded_vocab(cfg, len(self.tokenizer)))
         self.hf_config.use_cache = False
-        source = self.hf_config if is_preset(cfg.base_model) else cfg.base_model
+        source = self.hf_config if is_preset(cfg.base_model) or cfg.reinit_weights else cfg.base_model
         grown = None if is_preset(cfg.base_model) else grown_vocab_size(cfg, self.tokenizer, self.hf_config.vocab_size)
         if grown:  # tokens added to the tokenizer: new embedding / LM-head rows
             acc.print(f"ndparallel train: the tokenizer has {len(self.tokenizer)} tokens, the model "
@@ -151,6 +155,10 @@ class Trainer:
                                dtype=dtype, attn_implementation=kernel)
         if getattr(model, "config", None) is not None:
             model.config.use_cache = False
+        if cfg.unfrozen_parameters and adapter is None:
+            from ndparallel.training.controls import freeze_except
+
+            freeze_except(model, cfg.unfrozen_parameters)  # before the first forward (FSDP2's lazy init)
         return model
 
     def resume(self) -> None:
@@ -221,17 +229,21 @@ class Trainer:
         self.metrics.write(metrics)
         self.progress.update(step, metrics)
         self.nonfinite.check()
+        self.watchdog.check(step, metrics["loss"])
         return metrics
 
     def maybe_evaluate(self) -> None:
         from ndparallel.training.evaluate import evaluate
 
         cfg, step = self.cfg, self.state.step
-        if self.val_loader is None or (step % cfg.eval_steps and step != self.total_steps):
+        if self.val_loader is None or ((not self.eval_every or step % self.eval_every) and step != self.total_steps):
             return
         ev = evaluate(self.acc, self.model, self.val_loader)
         self.metrics.write({"step": step, **ev})
         self.acc.print(f"step {step}: eval_loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}")
+        if self.early_stopping.should_stop(ev["eval_loss"]):
+            self.stopped = True
+            self.acc.print(f"step {step}: no lower eval_loss in {cfg.early_stopping_patience} evaluations: stopping")
 
     def maybe_save(self) -> None:
         from ndparallel.checkpoint import save_step_checkpoint
@@ -292,7 +304,7 @@ class Trainer:
         self.progress = Progress(self.total_steps, self.state.step, enabled=self.acc.is_main_process)
         self._log_time, self._log_step = time.perf_counter(), self.state.step
         try:
-            while self.state.step < self.total_steps:
+            while self.state.step < self.total_steps and not self.stopped:
                 self.last = self.log(self.train_step()) or self.last
                 self.maybe_evaluate()
                 self.maybe_save()
