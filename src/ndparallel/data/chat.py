@@ -154,24 +154,67 @@ class ChatRenderer:
     def segments(self, record: Mapping[str, Any], where: str) -> list[Segment]:
         messages = self.messages(record, where)
         full = self.render(messages)
+        ends = self._turn_ends(messages, full)
+        if ends is None:  # the template renders a prefix differently (Qwen 3's thinking, an eos at the end)
+            return self._searched(messages, full, where)
         segments: list[Segment] = []
         start = 0
-        for i, message in enumerate(messages):
-            end = len(full)
-            if i < len(messages) - 1:
-                prefix = self.render(messages[: i + 1])
-                if not full.startswith(prefix):
-                    raise ValueError(f"{where}: the chat template does not render the conversation's first {i + 1} "
-                                     "message(s) as a prefix of the whole (turns cannot be located); use another "
-                                     "chat_template, or type input_output with explicit segments")
-                end = len(prefix)
-            trained = message["role"] in self.roles_to_train
-            policy = {"turn": trained, "all": True, "last": i == len(messages) - 1, "none": False}
-            end_trained = (policy[self.spec.train_on_eos], policy[self.spec.train_on_eot or self.spec.train_on_eos])
-            texts = [message["content"], message.get(self.thinking[1])] if trained else []
-            segments += self._turn(full[start:end], texts, end_trained, where, i)
+        for i, (message, end) in enumerate(zip(messages, ends)):
+            texts = [message["content"], message.get(self.thinking[1])] if self._trained(message) else []
+            segments += self._turn(full[start:end], texts, self._end_policy(messages, i), where, i)
             start = end
         return segments
+
+    def _trained(self, message: dict) -> bool:
+        return message["role"] in self.roles_to_train
+
+    def _end_policy(self, messages: list[dict], i: int) -> tuple[bool, bool]:
+        """Whether turn ``i``'s end token is trained: (when it is the eos, when it is another token)."""
+        policy = {"turn": self._trained(messages[i]), "all": True, "last": i == len(messages) - 1, "none": False}
+        return policy[self.spec.train_on_eos], policy[self.spec.train_on_eot or self.spec.train_on_eos]
+
+    def _turn_ends(self, messages: list[dict], full: str) -> list[int] | None:
+        """Where each turn ends: rendering ``messages[:i+1]`` gives a prefix of ``full`` (None when
+        the template does not render prefixes as prefixes)."""
+        ends = []
+        for i in range(len(messages) - 1):
+            prefix = self.render(messages[: i + 1])
+            if not full.startswith(prefix):
+                return None
+            ends.append(len(prefix))
+        return ends + [len(full)]
+
+    def _searched(self, messages: list[dict], full: str, where: str) -> list[Segment]:
+        """Turns located by finding each message's content, in order, in ``full``: the text between
+        two contents is the next turn's header (never trained) after this turn's end token."""
+        found = []
+        pos = 0
+        for i, message in enumerate(messages):
+            content = message["content"]
+            body = content if content in full[pos:] else content.strip()
+            at = full.find(body, pos) if body else pos
+            if at < 0:
+                raise ValueError(f"{where}: message {i}'s content is not in the chat template's output (the "
+                                 "template changes it); use another chat_template or type input_output")
+            found.append((at, at + len(body)))
+            pos = at + len(body)
+        segments: list[Segment] = []
+        pos = 0
+        for i, (message, (at, end)) in enumerate(zip(messages, found)):
+            begin = at
+            thinking = (message.get(self.thinking[1]) or "").strip() if self._trained(message) else ""
+            if thinking and full.rfind(thinking, pos, at) >= 0:
+                begin = full.rfind(thinking, pos, at)
+            segments += [(full[pos:begin], False), (full[begin:end], self._trained(message) and end > begin)]
+            limit = found[i + 1][0] if i + 1 < len(found) else len(full)
+            hits = [(full.find(t, end, limit), t) for t in self.turn_tokens if full.find(t, end, limit) >= 0]
+            pos = end
+            if hits:
+                hit, token = min(hits)
+                flags = self._end_policy(messages, i)
+                segments += [(full[end:hit], False), (token, flags[0] if token == self.eos else flags[1])]
+                pos = hit + len(token)
+        return [*segments, (full[pos:], False)]
 
     def _turn(self, turn: str, texts: list, end_trained: tuple[bool, bool], where: str, i: int) -> list[Segment]:
         """Header (never trained), the trained text (``texts``: the content and the reasoning, from

@@ -1,8 +1,9 @@
 """Rendered samples -> ``input_ids`` and ``labels`` (the token id where trained, -100 elsewhere).
 
 The sample's text is tokenized once, whole (so the tokens are the ones the model would see at
-inference), with offsets: a token is trained when the character it starts at lies in a trained
-segment. Tokens the tokenizer adds itself (a BOS) are not trained; an appended eos is trained
+inference), with offsets: a token is trained when one of its characters lies in a trained segment
+(so a token that joins a header's space to the answer's first word, as `` the`` after Jamba's
+``<|assistant|>``, is learned with the answer). Tokens the tokenizer adds itself (a BOS) are not trained; an appended eos is trained
 when the last segment is. ``train_on_inputs`` trains every token. ``labels`` are per token, not
 shifted (Axolotl's convention); the rows built from them hold the shifted ones.
 
@@ -27,7 +28,7 @@ from ndparallel.parallel.loss import IGNORE_INDEX
 from .dataset import DatasetSpec, cached_map, tokenizer_hash
 from .prompts import Rendered, render
 
-_VERSION = 1  # bump when the encoding changes, to invalidate cached results
+_VERSION = 2  # bump when the encoding changes, to invalidate cached results
 
 
 def encode(tokenizer, rendered: Rendered, train_on_inputs: bool = False) -> tuple[list[int], list[int]]:
@@ -46,8 +47,8 @@ def encode(tokenizer, rendered: Rendered, train_on_inputs: bool = False) -> tupl
         if train_on_inputs:
             labels.append(tok)
             continue
-        k = bisect.bisect_right(starts, a) - 1
-        labels.append(tok if b > a and k >= 0 and flags[k] else IGNORE_INDEX)
+        first, last = bisect.bisect_right(starts, a) - 1, bisect.bisect_right(starts, b - 1) - 1
+        labels.append(tok if b > a and last >= 0 and any(flags[max(first, 0):last + 1]) else IGNORE_INDEX)
     if rendered.append_eos and tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
         last = next((f for t, f in reversed(rendered.segments) if t), True)
         ids.append(tokenizer.eos_token_id)

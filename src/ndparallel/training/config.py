@@ -263,13 +263,16 @@ class TrainConfig(RunControlFields, TrackerFields):
             if self.max_steps is None:
                 raise ValueError("pretraining_dataset is streamed: set max_steps (the stream has no known length)")
             self.datasets = []
-        elif not self.datasets:
-            if not is_preset(self.base_model):
-                raise ValueError(f"datasets: none given for base_model={self.base_model!r}; add datasets: [{{path: "
-                                 "FILE_OR_HUB_NAME, type: alpaca | chat_template | completion ...}] (or "
-                                 "pretraining_dataset:)")
-            self.datasets = [DatasetConfig(path="builtin:stdlib")]
+        elif not self.datasets:  # a real model without data: refused once base_model itself is checked
+            self.datasets = [DatasetConfig(path="builtin:stdlib")] if is_preset(self.base_model) else []
         return self
+
+    def missing_data_problem(self) -> str | None:
+        """A real base_model and no data at all (the built-in corpus only goes with the presets)."""
+        if self.datasets or self.pretraining_dataset is not None:
+            return None
+        return (f"datasets: none given for base_model={self.base_model!r}; add datasets: [{{path: FILE_OR_HUB_NAME, "
+                "type: alpaca | chat_template | completion ...}] (or pretraining_dataset:)")
 
     @field_validator("adapter", mode="before")
     @classmethod

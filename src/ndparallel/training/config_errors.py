@@ -46,9 +46,9 @@ def validation_problems(err: ValidationError, top: type[BaseModel], nested: dict
         if e["type"] == "extra_forbidden":
             parent = e["loc"][:-1]
             model = nested.get(str(parent[0]), top) if parent else top
-            known = _known_keys(model) + ([] if parent else list(TOP))
-            lines.append(f"unknown key '{loc}'" + (_suggest(str(e["loc"][-1]), known) or
-                                                   "; remove it (see the keys in docs/axolotl.md)"))
+            key = str(e["loc"][-1])
+            hint = _suggest(key, _known_keys(model)) or ("" if parent else _suggest(key, list(TOP)))
+            lines.append(f"unknown key '{loc}'" + (hint or "; remove it (see the keys in docs/axolotl.md)"))
         else:
             lines.append(f"'{loc}': {_range_message(e)}" if loc else _range_message(e))
     return lines

@@ -27,7 +27,9 @@ class FSDPConfig(_Strict):
     @field_validator("layer_classes", mode="before")
     @classmethod
     def _one_or_more(cls, v):
-        return [v] if isinstance(v, str) else v
+        """A list, one name, or Accelerate's comma-separated names (``A,B``)."""
+        names = [v] if isinstance(v, str) else v
+        return [n.strip() for name in names for n in str(name).split(",") if n.strip()] if names else v
 
     @field_validator("auto_wrap_policy", mode="before")
     @classmethod

@@ -33,6 +33,8 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     from ndparallel.training.dry_checks import check_without_data
 
     check_without_data(cfg, hf)
+    if cfg.missing_data_problem():
+        raise ConfigError(cfg.missing_data_problem())
     if check_local:
         tokenizer = check_local_inputs(cfg, check_output=check_output)
         _check_added_tokens(cfg, tokenizer, hf)
@@ -48,7 +50,8 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
                                       strategy=cfg.cp_comm_strategy)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _check_fp8(cfg)
+    if check_local:  # the GPU the run needs is the launching machine's (a dry run may check another's config)
+        _check_fp8(cfg)
     return pc, hf
 
 
@@ -215,8 +218,9 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     gbs = cfg.micro_batch_size * cfg.gradient_accumulation_steps * pc.dp_size
     lines = [
         f"layout       : {pc.describe()}  ({pc!r})",
-        f"model        : {cfg.base_model} ({hf.model_type}, {hf.num_hidden_layers} layers, hidden "
-        f"{hf.hidden_size}, heads {hf.num_attention_heads}/{getattr(hf, 'num_key_value_heads', '?')})",
+        f"model        : {cfg.base_model} ({hf.model_type}, {getattr(hf, 'num_hidden_layers', '?')} layers, hidden "
+        f"{getattr(hf, 'hidden_size', '?')}, heads {getattr(hf, 'num_attention_heads', '?')}/"
+        f"{getattr(hf, 'num_key_value_heads', '?')})",
         f"global batch : {gbs} sequences × {cfg.sequence_len} tokens = {gbs * cfg.sequence_len} tokens/step "
         f"(micro {cfg.micro_batch_size} × accum {cfg.gradient_accumulation_steps} × dp {pc.dp_size})",
         f"per rank     : {cfg.micro_batch_size} × {cfg.sequence_len // pc.cp_size} tokens per micro-batch"
