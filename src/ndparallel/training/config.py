@@ -282,6 +282,14 @@ class TrainConfig(RunControlFields, TrackerFields):
                              "(set bf16: true to keep the frozen base in bf16)")
         return v
 
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _token_list(cls, v):
+        if isinstance(v, dict):
+            raise ValueError(f"a list of new tokens, got a mapping {sorted(v)}: put bos/eos/pad/unk tokens under "
+                             "special_tokens: and list other new tokens under tokens:")
+        return [v] if isinstance(v, str) else v
+
     @field_validator("lora_target_modules", mode="before")
     @classmethod
     def _target_list(cls, v):

@@ -98,6 +98,11 @@ def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm
     from ndparallel.training.outputs import plan_output_dir
     from ndparallel.training.trainer import resume_policy
 
+    from ndparallel.tracking.run import missing_trackers
+
+    missing = missing_trackers(cfg.trackers())
+    if missing:
+        raise ConfigError(f"trackers not installed: {'; '.join(missing)} (or turn them off in the config)")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device: cuda, but there is no CUDA GPU here (torch {torch.__version__}, "
                           "torch.cuda.is_available() is False): set device: cpu or auto")
@@ -241,6 +246,13 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
 
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     lines += [f"note         : {n}" for n in run_notes(cfg, device) if not n.startswith("max_steps")]
+    from ndparallel.tracking.run import missing_trackers
+
+    trackers = cfg.trackers()
+    if trackers:
+        lines.insert(-1, f"trackers     : metrics.jsonl + {', '.join(trackers)}"
+                     + (f" (not installed here: {'; '.join(missing_trackers(trackers))})"
+                        if missing_trackers(trackers) else ""))
     return "\n".join(lines)
 
 

@@ -31,8 +31,8 @@ from ndparallel.training.build import (
 )
 from ndparallel.training.config import TrainConfig
 from ndparallel.training.evaluate import validation_loader
+from ndparallel.tracking.run import RunTrackers
 from ndparallel.training.metrics import (
-    MetricsWriter,
     device_peak_flops,
     global_numel,
     local_numel,
@@ -279,6 +279,7 @@ class Trainer:
                           f"{str(final)!r}) loads it)")
             if self.cfg.adapter is not None and self.cfg.merge_lora:
                 self._save_merged()
+        self.metrics.finish()
         acc.end_training()
 
     def _save_merged(self) -> None:
@@ -321,12 +322,11 @@ class Trainer:
             n_global, self.hf_config.num_hidden_layers, self.hf_config.hidden_size, cfg.sequence_len,
             trainable_params=global_numel(self.model, trainable_only=True))
         self.peak_flops = device_peak_flops(acc.device, cfg.bf16)
-        self.metrics = MetricsWriter(self.out / "metrics.jsonl", acc.is_main_process)
+        self.metrics = RunTrackers(self.out, cfg, acc.is_main_process, fresh=self.state.step == 0,
+                                   config=cfg.model_dump(mode="json", exclude_none=True))
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.resolved.yaml").write_text(_dump_yaml(cfg))
-            if self.state.step == 0 and self.metrics.path.exists():
-                self.metrics.path.unlink()  # a fresh run starts a fresh metrics file
         acc.print(
             f"ndparallel train: {acc.parallelism_config.describe()} on {acc.num_processes} rank(s) "
             f"({acc.device.type}); model {n_global / 1e6:.2f}M params "
