@@ -222,3 +222,11 @@ def test_examples_at_the_dry_run_level(schema_results, tmp_path_factory, capsys)
             if mine:
                 print(f"  refused {name}: {mine[0].removeprefix('ndparallel train: error: ')[:150]}")
     assert modulo >= 112, "fewer Axolotl examples pass --dry-run than measured on 2026-12-01"
+
+
+def test_readme_and_docs_tables_are_generated_from_the_key_table():
+    from ndparallel.training.axolotl_doc import current_block, docs_table, readme_table
+
+    root = Path(__file__).resolve().parents[1]
+    assert current_block((root / "README.md").read_text()) == readme_table()
+    assert current_block((root / "docs" / "axolotl.md").read_text()) == docs_table()

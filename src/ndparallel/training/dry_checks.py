@@ -55,3 +55,19 @@ def chunked_loss_state(cfg: TrainConfig, hf) -> str:
         return "off"
     problem = chunked_loss_problem(cfg, hf)
     return "on" if problem is None else f"off ({problem}: the logits path)"
+
+
+def model_notes(cfg: TrainConfig, hf) -> list[str]:
+    """Notes that depend on the model: sample packing with token mixers other than attention."""
+    if not cfg.sample_packing:
+        return []
+    import torch.nn as nn
+
+    from ndparallel.training.model_check import _meta_model
+
+    mixers = sorted({type(m).__name__ for m in _meta_model(cfg, hf).modules() if isinstance(m, nn.Conv1d)})
+    if not mixers:
+        return []
+    return [f"sample_packing: {hf.model_type} also mixes tokens outside attention (convolution / state-space "
+            "layers): packed samples influence each other there, as in Axolotl without varlen kernels; "
+            "sample_packing: false trains each sample alone"]

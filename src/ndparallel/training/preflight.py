@@ -245,7 +245,10 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     import torch
 
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    lines += [f"note         : {n}" for n in run_notes(cfg, device) if not n.startswith("max_steps")]
+    from ndparallel.training.dry_checks import model_notes
+
+    notes = [n for n in run_notes(cfg, device) if not n.startswith("max_steps")] + model_notes(cfg, hf)
+    lines += [f"note         : {n}" for n in notes]
     from ndparallel.tracking.run import missing_trackers
 
     trackers = cfg.trackers()
