@@ -61,9 +61,9 @@ def local_micro_batch(acc, micro: dict[str, torch.Tensor]) -> dict[str, torch.Te
 def nd_step(acc, model, optimizer, mb: dict[str, torch.Tensor], max_norm: float | None = 1.0):
     """One optimizer step through the public Accelerator API (one micro-batch): global token
     count, CP sharding, token-sum loss, backward, clipping, AdamW."""
-    from ndparallel.training.step import forward_backward
+    from ndparallel.engine import forward_backward
 
-    loss = forward_backward(acc, model, [mb])  # the very step `ndparallel train` runs
+    loss = forward_backward(acc.engine, model, [mb])  # the very step `ndparallel train` runs
     if max_norm is not None:
         acc.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()

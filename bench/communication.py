@@ -16,7 +16,7 @@ A = tokens per rank × hidden × 4 B, kv = 2 × tokens per rank × kv_heads × h
               them: 2 (c−1) kv sends
 * CP c allgather: FSDP over cp + per layer one all-gather of K/V (kv in) and one reduce-scatter
               of dK/dV (c·kv in)
-* CP c alltoall: FSDP over cp + per layer Q, K, V (K/V heads raised to c when fewer) and the
+* CP c ulysses: FSDP over cp + per layer Q, K, V (K/V heads raised to c when fewer) and the
               output all-to-all'd forward and their gradients backward, + int32 positions gathered
 
 Received bytes (recv) are the mirror of sends and are left out of the totals. Everything
@@ -68,10 +68,10 @@ def layouts():
 
         out["CP 2 ring"] = ({"cp_size": 2}, {"cp_options": CPOptions(comm_strategy="ring")})
         out["CP 2 allgather"] = ({"cp_size": 2}, {"cp_options": CPOptions(comm_strategy="allgather")})
-        out["CP 2 alltoall"] = ({"cp_size": 2}, {"cp_options": CPOptions(comm_strategy="alltoall")})
+        out["CP 2 ulysses"] = ({"cp_size": 2}, {"cp_options": CPOptions(comm_strategy="ulysses")})
         out["CP 4 ring"] = ({"cp_size": 4}, {"cp_options": CPOptions(comm_strategy="ring")})
         out["CP 4 allgather"] = ({"cp_size": 4}, {"cp_options": CPOptions(comm_strategy="allgather")})
-        out["CP 4 alltoall"] = ({"cp_size": 4}, {"cp_options": CPOptions(comm_strategy="alltoall")})
+        out["CP 4 ulysses"] = ({"cp_size": 4}, {"cp_options": CPOptions(comm_strategy="ulysses")})
     except ImportError:
         pass
     return out
@@ -126,7 +126,7 @@ def floor(name, layout, cfg, seq, rows, n_params):
     kv = 2 * tokens * cfg.num_key_value_heads * d * 4
     if c > 1 and "ring" in name:
         out[("cp", "send")] += 2 * (c - 1) * kv * L
-    elif c > 1 and "alltoall" in name:  # Q,K,V and output there and back (K/V heads raised to c)
+    elif c > 1 and "ulysses" in name:  # Q,K,V and output there and back (K/V heads raised to c)
         qkv = tokens * (cfg.num_attention_heads + 2 * max(cfg.num_key_value_heads, c)) * d * 4
         out[("cp", "all_to_all")] += 2 * (qkv + tokens * cfg.num_attention_heads * d * 4) * L
         out[("cp", "all_gather")] += tokens * 4 * L  # int32 position ids (document masks)

@@ -7,8 +7,8 @@
    * the ring's blocks at cp=4 emulated on this device: every rank's chunk pairs, merged by LSE in
      fp32, backward given the final out/LSE — the kernel calls of ``_RingAttention`` without the
      transfers;
-   * the real autograd ops on a 1-rank group (ring, allgather, alltoall) and the one-device
-     document attention (``document_causal_attention``, also alltoall's local step);
+   * the real autograd ops on a 1-rank group (ring, allgather, ulysses) and the one-device
+     document attention (``document_causal_attention``, also ulysses' local step);
    for fp32 / bf16 / fp16, MHA and GQA, with and without packed documents, against fp64 SDPA with
    a dense mask. ``torch err`` is torch's own SDPA in the same dtype against the same reference.
 2. Speed (fwd+bwd, median) against torch's flash SDPA on the same work: one dense block, one causal
@@ -146,7 +146,7 @@ def check(device, dtypes, shape, group):
                     "ring cp=4 (emulated)": lambda: ring_emulated(qd, kd, vd, pos, dd, 4, BlockKernel(name, d ** -0.5)),
                     "document attention": lambda: autograd_run(lambda a, b_, c: document_causal_attention(a, b_, c, pos), qd, kd, vd, dd),
                 }
-                for strat in ("ring", "allgather", "alltoall"):
+                for strat in ("ring", "allgather", "ulysses"):
                     runs[f"{strat} op (1 rank)"] = lambda strat=strat: autograd_run(
                         lambda a, b_, c: context_parallel_attention(a, b_, c, group, strategy=strat, position_ids=p),
                         qd, kd, vd, dd)

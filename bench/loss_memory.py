@@ -45,7 +45,7 @@ def _one_step(chunked: bool, vocab: int, rows: int, seq: int) -> dict:
         build_model,
         make_global_batches,
     )
-    from ndparallel.training.step import forward_backward
+    from ndparallel.engine import forward_backward
 
     setup = TrainSetup(preset_config("tiny-llama", vocab_size=vocab), steps=1, global_micro_batch=rows,
                        seq_len=seq)
@@ -56,7 +56,7 @@ def _one_step(chunked: bool, vocab: int, rows: int, seq: int) -> dict:
     base = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     t = time.perf_counter()
-    loss = forward_backward(acc, model, batch)
+    loss = forward_backward(acc.engine, model, batch)
     opt.step()
     seconds = time.perf_counter() - t
     peak = _status_kb("VmHWM")

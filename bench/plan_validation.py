@@ -157,7 +157,7 @@ def _rank(layout: dict, seq: int, mb: int, steps: int, tp: dict):
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.models.presets import preset_config
     from ndparallel.parallel.options import TPOptions
-    from ndparallel.training.step import forward_backward
+    from ndparallel.engine import forward_backward
 
     acc = Accelerator(ParallelismConfig(**layout), mixed_precision="no", tp_options=TPOptions(**tp))
     torch.manual_seed(0)
@@ -176,7 +176,7 @@ def _rank(layout: dict, seq: int, mb: int, steps: int, tp: dict):
         tracker = LiveBytes() if i == 1 else None
         states = _state_bytes(model, opt) if tracker else None
         with (tracker or _null()):
-            forward_backward(acc, model, [{"input_ids": ids, "shift_labels": labels, "position_ids": pos}])
+            forward_backward(acc.engine, model, [{"input_ids": ids, "shift_labels": labels, "position_ids": pos}])
         opt.step()
         opt.zero_grad(set_to_none=False)
         dist.barrier()

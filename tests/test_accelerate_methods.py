@@ -5,6 +5,7 @@ checks, and the mesh starting its own process group."""
 
 import json
 import os
+from pathlib import Path
 import socket
 import warnings
 
@@ -190,6 +191,58 @@ def _save_state(tmp):
 def test_save_state_with_registered_objects_and_automatic_naming(tmp_path):
     path, n, diff, iteration = run_on_ranks(_save_state, 2, str(tmp_path))[0]
     assert path.endswith(os.path.join("checkpoints", "checkpoint_0")) and n == 7 and diff == 0.0 and iteration == 1
+
+
+def _failed_save_keeps_the_previous(tmp):
+    """``total_limit=1``: a save that fails mid-write (every rank's DCP files written, then the disk
+    is full) must leave the previous checkpoint complete and loadable; a retry then succeeds and
+    only then rotates the old one away. (The error is raised on every rank, as a full shared disk
+    does, so the ranks stay in step for the rest of the test.)"""
+    import ndparallel.checkpoint.state as state
+    from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.checkpoint import validate_checkpoint
+    from ndparallel.utils import ProjectConfiguration
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2), project_config=ProjectConfiguration(
+        project_dir=tmp, automatic_checkpoint_naming=True, total_limit=1))
+    model = _tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    x = torch.randint(0, 256, (1, 8))
+    first = acc.save_state()
+    loss_then = model(input_ids=x, labels=x).loss.item()
+    acc.backward(model(input_ids=x, labels=x).loss)
+    opt.step()
+    real = state.rng_state
+
+    def disk_full():
+        raise OSError(28, "No space left on device")
+
+    state.rng_state = disk_full  # called right after the DCP files are written
+    try:
+        acc.save_state()
+        raised = False
+    except OSError:
+        raised = True
+    finally:
+        state.rng_state = real
+    acc.wait_for_everyone()
+    after_failure = sorted(p.name for p in (Path(tmp) / "checkpoints").iterdir())
+    intact = validate_checkpoint(first) == []
+    acc.load_state(first)
+    restored = abs(model(input_ids=x, labels=x).loss.item() - loss_then)
+    second = acc.save_state()  # the retry overwrites the half-written folder, then rotates
+    acc.wait_for_everyone()
+    final = sorted(p.name for p in (Path(tmp) / "checkpoints").iterdir() if not p.name.startswith("."))
+    return raised, after_failure, intact, restored, Path(second).name, final
+
+
+def test_failed_save_state_keeps_the_previous_checkpoint(tmp_path):
+    raised, after_failure, intact, restored, second, final = run_on_ranks(
+        _failed_save_keeps_the_previous, 2, str(tmp_path))[0]
+    assert raised and intact and restored == 0.0
+    assert after_failure == ["checkpoint_0", "checkpoint_1"]  # the old one was not deleted first
+    assert second == "checkpoint_1" and final == ["checkpoint_1"]  # rotated once the new one completed
 
 
 # ----------------------------------------------------------------------------- trackers

@@ -17,7 +17,7 @@ def _counted(unsharded: bool):
     from ndparallel.models.presets import preset_config
     from ndparallel.parallel.options import FSDPOptions
     from ndparallel.runtime.comm_profile import CommProfiler
-    from ndparallel.training.step import forward_backward
+    from ndparallel.engine import forward_backward
 
     acc = Accelerator(ParallelismConfig(dp_replicate_size=2, dp_shard_size=2),
                       gradient_accumulation_steps=GA,
@@ -31,10 +31,10 @@ def _counted(unsharded: bool):
         return {"input_ids": t[:, :-1].contiguous(), "shift_labels": t[:, 1:].contiguous(),
                 "position_ids": torch.arange(SEQ).expand(ROWS, -1).clone()}
 
-    forward_backward(acc, model, [micro() for _ in range(GA)])  # lazy init outside the record
+    forward_backward(acc.engine, model, [micro() for _ in range(GA)])  # lazy init outside the record
     model.zero_grad()
     with CommProfiler(acc.torch_device_mesh) as prof:
-        forward_backward(acc, model, [micro() for _ in range(GA)])
+        forward_backward(acc.engine, model, [micro() for _ in range(GA)])
         prof.step()
     shard, rep = prof.label("dp_shard_cp"), prof.label("dp_replicate")
     # keyed like the planner's ``aggregate``: (kind, mesh dim, bytes per call) -> calls

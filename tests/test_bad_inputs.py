@@ -281,12 +281,12 @@ def test_non_causal_model_refused_when_loaded_on_the_ranks():
     """The same rule inside ``load_model`` (a config given through the API, no preflight)."""
     from transformers import BertConfig
 
-    from ndparallel.models.loading import load_model
+    from ndparallel.engine.build import build_model
 
     cfg = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=128)
     with pytest.raises(ValueError, match="not a causal decoder"):
-        load_model(None, cfg)
+        build_model(None, cfg)
 
 
 def test_encoder_decoder_is_refused(tmp_path, capsys):
@@ -528,7 +528,7 @@ def _save_ckpt(path: str):
     acc = Accelerator()
     model = acc.load_model("tiny-llama")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    save_checkpoint(acc, path, model, opt, step=1)
+    save_checkpoint(path, model, opt, step=1)
     return True
 
 

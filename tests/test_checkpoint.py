@@ -196,7 +196,7 @@ def _save_into(path: str) -> None:
     model = build_model(setup)
     optimizer = setup_optimizer(setup, model.parameters())
     model, optimizer = acc.prepare(model, optimizer)
-    save_checkpoint(acc, path, model, optimizer, step=0)
+    save_checkpoint(path, model, optimizer, step=0)
 
 
 def test_save_refuses_a_directory_with_other_files(tmp_path):

@@ -141,16 +141,17 @@ def test_fsdp2_tp2_cp2_8_ranks():
 
 # ------------------------------------------------------------------------------ evaluation
 def _eval_both(layout):
-    from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel import ParallelismConfig
+    from ndparallel.engine import Engine
     from ndparallel.tools.equivalence import build_model
     from ndparallel.training.evaluate import evaluate, validation_loader
 
-    acc = Accelerator(ParallelismConfig(**layout))
-    model = acc.prepare(build_model(BASE))
+    engine = Engine(ParallelismConfig(**layout))
+    model = engine.parallelize(build_model(BASE))
     blocks = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(3))
-    chunked = evaluate(acc, model, validation_loader(acc, blocks, 2, 0))
-    acc.loss_options = LossOptions(chunked=False)
-    logits = evaluate(acc, model, validation_loader(acc, blocks, 2, 0))
+    chunked = evaluate(engine, model, validation_loader(engine, blocks, 2, 0))
+    engine.options = dataclasses.replace(engine.options, loss=LossOptions(chunked=False))
+    logits = evaluate(engine, model, validation_loader(engine, blocks, 2, 0))
     return chunked["eval_loss"], logits["eval_loss"]
 
 

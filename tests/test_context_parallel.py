@@ -100,7 +100,7 @@ def _train_cp(batches, strategy, pad_to_cp):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
 def test_cp_training_equals_one_process(cp, strategy):
     batches = _data(seq=32)
     expected = _train_single(batches)
@@ -167,11 +167,11 @@ def test_validate_context_parallel_errors():
         validate_context_parallel(config, cp_size=2, seq_len=64, tp_size=4)
     with pytest.raises(ValueError, match="cp_comm_strategy='nccl'"):
         validate_context_parallel(config, cp_size=2, strategy="nccl")
-    # alltoall: query heads per TP rank divisible by cp; K/V heads per TP rank divide or are divided
-    validate_context_parallel(config, cp_size=4, seq_len=64, strategy="alltoall")  # 4 | 4, 2 | 4
-    validate_context_parallel(config, cp_size=2, seq_len=64, tp_size=2, strategy="alltoall")
-    with pytest.raises(ValueError, match=r"alltoall.*4 attention heads .* context_parallel_size=8"):
-        validate_context_parallel(config, cp_size=8, seq_len=64, strategy="alltoall")
+    # ulysses: query heads per TP rank divisible by cp; K/V heads per TP rank divide or are divided
+    validate_context_parallel(config, cp_size=4, seq_len=64, strategy="ulysses")  # 4 | 4, 2 | 4
+    validate_context_parallel(config, cp_size=2, seq_len=64, tp_size=2, strategy="ulysses")
+    with pytest.raises(ValueError, match=r"ulysses.*4 attention heads .* context_parallel_size=8"):
+        validate_context_parallel(config, cp_size=8, seq_len=64, strategy="ulysses")
     config.num_attention_heads, config.num_key_value_heads = 12, 6
     with pytest.raises(ValueError, match=r"6 key/value heads .*context_parallel_size=4"):
-        validate_context_parallel(config, cp_size=4, seq_len=64, strategy="alltoall")
+        validate_context_parallel(config, cp_size=4, seq_len=64, strategy="ulysses")

@@ -93,7 +93,7 @@ CASES = [  # kernel, load_balance, heads, kv_heads (GQA when < heads), seq, padd
     ("math", True, 4, 2, 32, 32, False),
     ("flash", True, 4, 2, 32, 32, False),
     ("math", True, 4, 4, 16, 16, False),
-    ("sdpa", True, 4, 1, 29, 32, False),   # odd length, padded to a multiple of 2·cp; old name
+    ("flash", True, 4, 1, 29, 32, False),  # odd length, padded to a multiple of 2·cp
     ("math", True, 4, 2, 27, 32, False),
     ("math", False, 4, 2, 24, 24, False),  # contiguous (not load-balanced) shards
     ("math", True, 4, 2, 32, 32, True),    # packed documents, rows with different boundaries
@@ -103,7 +103,7 @@ CASES = [  # kernel, load_balance, heads, kv_heads (GQA when < heads), seq, padd
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
 def test_cp_attention_matches_full_causal_attention(cp, strategy):
     for case, errs in run_on_ranks(_op_errors, cp, strategy, CASES, timeout_s=120)[0]:
         assert max(errs.values()) <= TOL, (case, errs)
@@ -159,7 +159,7 @@ def _never_skips_collectives():
     q = torch.randn(1, 2, 4, 4, requires_grad=True)
     k = torch.randn(1, 2, 4, 4, requires_grad=True)
     v = torch.randn(1, 2, 4, 4, requires_grad=True)
-    for strategy in ("ring", "allgather", "alltoall"):
+    for strategy in ("ring", "allgather", "ulysses"):
         for _ in range(2):
             out = context_parallel_attention(q, k, v, dist.group.WORLD, strategy=strategy)
             out.sum().backward()

@@ -70,7 +70,8 @@ def test_two_blocks_merged_equal_one_causal_attention(name, dtype, tol):
 def test_resolve_kernel():
     cpu = torch.zeros(1, 1, 4, 8)
     assert resolve_kernel("auto", cpu) == "flash"
-    assert resolve_kernel("sdpa", cpu) == "flash"  # the old name
+    with pytest.raises(ValueError, match="not one of"):  # transformers' name, not a CP kernel
+        resolve_kernel("sdpa", cpu)
     assert resolve_kernel("math", cpu) == "math"
     with pytest.raises(ValueError, match="kernel='cudnn'"):
         resolve_kernel("cudnn", cpu)

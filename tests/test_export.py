@@ -54,7 +54,7 @@ def _train_and_export(layout: dict, out: str, preset: str) -> dict | None:
             logits = logits.full_tensor()
     acc.save_model(model, f"{out}/hf")
     save_hf_model(model, f"{out}/hf-sharded", is_main=acc.is_main_process, max_shard_size="60KB")
-    save_checkpoint(acc, f"{out}/ckpt", model, optimizer, step=2)
+    save_checkpoint(f"{out}/ckpt", model, optimizer, step=2)
     dist.barrier()
     return logits.float() if acc.is_main_process else None
 

@@ -47,9 +47,10 @@ def _check(setup, layout, world):
     diff = compare(ref, got)
     assert diff["loss_rel"] <= LOSS_RTOL, diff
     assert diff["grad_norm_rel"] <= LOSS_RTOL, diff
-    # AdamW amplifies fp32 noise on near-zero gradients (CPU-FACTS): parameters are compared
-    # loosely here and tightly under SGD below; losses and grad norms are the tight check.
-    assert diff["param_abs"] <= 1e-3, diff
+    # AdamW turns fp32 rounding on near-zero gradients into lr-sized parameter steps: its runs are
+    # checked by losses and grad norms; parameters are compared under SGD, tightly.
+    if setup.optimizer == "sgd":
+        assert diff["param_abs"] <= 1e-6, diff
     return diff
 
 

@@ -89,7 +89,7 @@ def _count_step_syncs(layout, parallel_kwargs, control=False):
         build_model,
         make_global_batches,
     )
-    from ndparallel.training.step import forward_backward
+    from ndparallel.engine import forward_backward
 
     setup = TrainSetup(preset_config("tiny-llama"), steps=2, global_micro_batch=4, seq_len=32, grad_accum=2)
     acc = Accelerator(ParallelismConfig(**layout), gradient_accumulation_steps=2, **parallel_kwargs)
@@ -100,7 +100,7 @@ def _count_step_syncs(layout, parallel_kwargs, control=False):
         local = [{k: v[acc.dp_rank * rows:(acc.dp_rank + 1) * rows] for k, v in mb.items()} for mb in micro]
         copies.clear()
         with HostSyncCounter() as counter:
-            loss = forward_backward(acc, model, local)
+            loss = forward_backward(acc.engine, model, local)
             acc.clip_grad_norm_(model.parameters(), 1.0)
             if control:
                 float(loss)

@@ -17,7 +17,7 @@ MAX_FUNCTION_LINES = 80
 # ``accelerate.utils``); they are listed so their imports are checked like any layer's.
 # (``testing`` only re-exports the runtime's multi-rank runner.)
 LAYERS = ["layout", "parallelism_config", "runtime", "tracking", "models", "parallel", "data", "checkpoint", "plan",
-          "accelerator", "utils", "training", "tools", "cli"]
+          "engine", "accelerator", "utils", "training", "tools", "cli"]
 
 
 def _modules() -> dict[str, Path]:
@@ -138,3 +138,46 @@ def test_files_and_functions_are_small():
 def test_the_checker_finds_a_cycle():
     """Negative control: the cycle finder is not vacuous."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# ------------------------------------------------------------- one engine, two front doors
+ENGINE_USERS = ("layout", "runtime", "models", "parallel", "data", "checkpoint", "plan", "engine",
+                "training", "tools")
+"""Folders that run training through the engine, never through the Accelerate facade."""
+FACADE_STATE = ("_models", "_optimizers", "_schedulers", "_prepared_optimizers", "_dataloaders")
+
+
+def _facade_uses(path: Path) -> list[str]:
+    """Calls of ``prepare``/``prepare_model`` and reads of the facade's tracked lists (attribute or
+    ``getattr`` string) in one file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in FACADE_STATE:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Call):
+            fn = node.func
+            if isinstance(fn, ast.Attribute) and fn.attr in ("prepare", "prepare_model"):
+                found.append(f"{node.lineno}: .{fn.attr}(...)")
+            if (isinstance(fn, ast.Name) and fn.id == "getattr" and len(node.args) > 1
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in FACADE_STATE):
+                found.append(f"{node.lineno}: getattr(..., {node.args[1].value!r})")
+    return found
+
+
+def test_engine_users_never_reach_into_the_facade():
+    bad = []
+    for module, deps in _graph().items():
+        if _layer(module) in ENGINE_USERS:
+            bad += [f"{module} imports {d}" for d in deps if _layer(d) == "accelerator"]
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] in ENGINE_USERS:
+            bad += [f"{rel}:{use}" for use in _facade_uses(path)]
+    assert bad == []
+
+
+def test_the_facade_checker_finds_a_use(tmp_path):
+    """Negative control: a module that reads ``acc._models`` and calls ``acc.prepare_model`` is found."""
+    f = tmp_path / "m.py"
+    f.write_text("def f(acc, m):\n    acc.prepare_model(m)\n    return getattr(acc, '_schedulers'), acc._models\n")
+    assert len(_facade_uses(f)) == 3

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, ViTConfig
 
-from ndparallel.models.loading import load_model
+from ndparallel.engine.build import build_model
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import RankFailure, run_on_ranks
 
@@ -55,7 +55,7 @@ def _probe(path, layout):
     from ndparallel import Accelerator, ParallelismConfig
 
     acc = Accelerator(parallelism_config=ParallelismConfig(**layout))
-    model = load_model(acc, path)
+    model = acc.load_model(path)
     tied_after_load = model.lm_head.weight is model.model.embed_tokens.weight
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     params = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}
@@ -127,7 +127,7 @@ def _preset_probe(name):
 
     acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2))
     before = torch.random.get_rng_state()
-    model = load_model(acc, name, seed=7)
+    model = acc.load_model(name, seed=7)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     sd = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}
     return sd, torch.equal(before, torch.random.get_rng_state())
@@ -144,34 +144,34 @@ def test_preset_random_init_is_seeded_and_same_on_every_rank():
 # ------------------------------------------------------------------------------------- errors
 def test_missing_path_names_presets(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist.*tiny-llama"):
-        load_model(None, tmp_path / "nope")
+        build_model(None, tmp_path / "nope")
 
 
 def test_pickled_weights_are_refused_not_unpickled(tmp_path):
     (tmp_path / "config.json").write_text(preset_config("tiny-llama").to_json_string())
     (tmp_path / "pytorch_model.bin").write_bytes(b"not a pickle: must never be opened")
     with pytest.raises(FileNotFoundError, match="pytorch_model.bin.*[Cc]onvert"):
-        load_model(None, tmp_path)
+        build_model(None, tmp_path)
 
 
 def test_dir_without_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        load_model(None, tmp_path)
+        build_model(None, tmp_path)
 
 
 def test_config_without_causal_lm_class(tmp_path):
     with pytest.raises(ValueError, match="vit.*causal"):
-        load_model(None, ViTConfig())
+        build_model(None, ViTConfig())
     (tmp_path / "config.json").write_text(json.dumps(ViTConfig().to_dict()))
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="causal"):
-        load_model(None, tmp_path)
+        build_model(None, tmp_path)
 
 
 def _load_wrong(path):
     from ndparallel import Accelerator
 
-    return load_model(Accelerator(), path)
+    return Accelerator().load_model(path)
 
 
 def test_checkpoint_of_another_model_names_missing_keys(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ndparallel.training.nonfinite import NonFiniteError, NonFiniteGuard
+from ndparallel.engine.nonfinite import NonFiniteError, NonFiniteGuard
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["base_model=tiny-llama", "datasets=[{path: 'builtin:stdlib', max_bytes: 100000}]",

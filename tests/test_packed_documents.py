@@ -80,7 +80,7 @@ def test_negative_control_attention_across_documents():
     assert diff["loss_rel"] > 1e-3, diff
 
 
-STRATEGIES = ["ring", "allgather", "alltoall"]
+STRATEGIES = ["ring", "allgather", "ulysses"]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -100,27 +100,27 @@ def test_context_parallel_allgather():
     assert got[("reduce_scatter", "cp", 2 * 4096)] == 2
     assert not any(k[0] == "send_recv" for k in got)
     with pytest.raises(ValueError):
-        predict_collectives(TINY, Layout(cp=2), seq_len=32, cp_strategy="ulysses")
+        predict_collectives(TINY, Layout(cp=2), seq_len=32, cp_strategy="spiral")
 
 
-def test_context_parallel_alltoall():
+def test_context_parallel_ulysses():
     """Ulysses: per layer and pass, one all-to-all of Q,K,V (16 tokens per rank × (4 + 2·2) heads
     × 16 × bf16) and one of the output (16 × 4 × 16 × 2 B), forward and backward; positions
     (int32) all-gathered per forward. K/V heads are raised to cp when fewer (replicated)."""
-    got = aggregate(predict_collectives(TINY, Layout(cp=2), seq_len=32, cp_strategy="alltoall"))
+    got = aggregate(predict_collectives(TINY, Layout(cp=2), seq_len=32, cp_strategy="ulysses"))
     got = {k: v for k, v in got.items() if k[1] == "cp"}  # FSDP over dp_shard_cp aside
     assert got == {("all_to_all", "cp", 4096): 4, ("all_to_all", "cp", 2048): 4,
                    ("all_gather", "cp", 64): 2}
-    ck = aggregate(predict_collectives(TINY, Layout(cp=4), seq_len=32, cp_strategy="alltoall",
+    ck = aggregate(predict_collectives(TINY, Layout(cp=4), seq_len=32, cp_strategy="ulysses",
                                        checkpointing=True))
     # 8 tokens per rank, kv heads 2 -> 4 (replicated): 8 × (4 + 8) × 16 × 2; recompute: 3 passes
     assert ck[("all_to_all", "cp", 8 * 12 * 16 * 2)] == 6 and ck[("all_gather", "cp", 32)] == 4
 
 
-def test_alltoall_head_rule_rejects_layouts():
+def test_ulysses_head_rule_rejects_layouts():
     from ndparallel.plan.layout import Settings, structural_rejections
 
-    s = Settings(seq_len=64, cp_strategy="alltoall")
+    s = Settings(seq_len=64, cp_strategy="ulysses")
     assert structural_rejections(Layout(cp=4), TINY, 4, 8, s) == []  # 4 heads, 2 kv heads
     codes = [c for c, _ in structural_rejections(Layout(cp=8), TINY, 8, 8, s)]
     assert codes == ["heads_cp"]

@@ -36,7 +36,7 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
         TPOptions,
     )
     from ndparallel.runtime.comm_profile import CommProfiler
-    from ndparallel.training.step import forward_backward
+    from ndparallel.engine import forward_backward
 
     # The planner models the logits loss (gathered or loss-parallel); the chunked loss (default)
     # and loss parallel's default-on are pinned off here so each case runs what it names.
@@ -55,7 +55,7 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
             tokens = torch.randint(0, 256, (ROWS, SEQ + 1), generator=g)
             ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
             pos = torch.arange(SEQ).expand(ROWS, -1).clone()
-            forward_backward(acc, model, [{"input_ids": ids, "shift_labels": labels, "position_ids": pos}])
+            forward_backward(acc.engine, model, [{"input_ids": ids, "shift_labels": labels, "position_ids": pos}])
             prof.step()
             acc.grad_norm(model.parameters())
             prof.step()
@@ -130,7 +130,7 @@ TP = {"tp_size": 2}
 CP = {"cp_size": 2}
 SP = {"sequence_parallel": True}
 LP = {"loss_parallel": True}
-RING, AG, A2A = {"comm_strategy": "ring"}, {"comm_strategy": "allgather"}, {"comm_strategy": "alltoall"}
+RING, AG, A2A = {"comm_strategy": "ring"}, {"comm_strategy": "allgather"}, {"comm_strategy": "ulysses"}
 # One process group per case: two equal DeviceMeshes in one process share DTensor's sharding
 # propagation cache, so a second run's embedding output can be reduced on the first run's group.
 GROUPS = {

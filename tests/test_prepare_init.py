@@ -19,7 +19,7 @@ def _train_from(dtype, layout):
 
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.training.optim import build_optimizer
-    from ndparallel.training.step import forward_backward
+    from ndparallel.engine import forward_backward
 
     acc = Accelerator(ParallelismConfig(**layout))
     torch.manual_seed(0)
@@ -36,7 +36,7 @@ def _train_from(dtype, layout):
     rows = SETUP.global_micro_batch // acc.dp_size
     for micro in make_global_batches(SETUP):
         local = [{k: v[acc.dp_rank * rows:(acc.dp_rank + 1) * rows] for k, v in mb.items()} for mb in micro]
-        loss = forward_backward(acc, model, local)
+        loss = forward_backward(acc.engine, model, local)
         torch.distributed.all_reduce(loss, group=acc.mesh("dp_cp").get_group())
         losses.append(float(loss))
         opt.step()

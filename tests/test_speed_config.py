@@ -54,7 +54,7 @@ def _fused_vs_default(layout):
         make_global_batches,
     )
     from ndparallel.training.optim import build_optimizer
-    from ndparallel.training.step import forward_backward
+    from ndparallel.engine import forward_backward
 
     setup = TrainSetup(preset_config("tiny-llama"), steps=2, global_micro_batch=4, seq_len=16)
     out = []
@@ -64,7 +64,7 @@ def _fused_vs_default(layout):
         opt = build_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01, fused=fused)
         for micro in make_global_batches(setup):
             rows = 4 // acc.dp_size
-            forward_backward(acc, model, [{k: v[acc.dp_rank * rows:(acc.dp_rank + 1) * rows]
+            forward_backward(acc.engine, model, [{k: v[acc.dp_rank * rows:(acc.dp_rank + 1) * rows]
                                            for k, v in mb.items()} for mb in micro])
             opt.step()
             opt.zero_grad()
@@ -74,5 +74,5 @@ def _fused_vs_default(layout):
 
 
 def test_fused_adamw_on_dtensors_equals_for_loop_fsdp_x_tp():
-    # AdamW turns fp32 rounding on near-zero gradients into lr-sized steps (CPU-FACTS)
+    # AdamW turns fp32 rounding on near-zero gradients into lr-sized steps (it divides by sqrt(v))
     assert run_on_ranks(_fused_vs_default, 4, {"dp_shard_size": 2, "tp_size": 2})[0] <= 1e-5

@@ -45,7 +45,7 @@ def _train(model, batches, options: TPOptions | None = None):
 
     from ndparallel.parallel.tensor import loss_parallel_context
 
-    # lr 1e-3: AdamW turns rounding noise on near-zero gradients into ~lr-sized steps (CPU-FACTS)
+    # lr 1e-3: AdamW turns rounding noise on near-zero gradients into ~lr-sized steps (it divides by sqrt(v))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, norms = [], []
     for ids, labels, pos in batches:

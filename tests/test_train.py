@@ -90,10 +90,10 @@ def test_verify_passes_right_layout_and_fails_broken_one(monkeypatch, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
-def test_verify_cp_alltoall_on_packed_documents_and_catches_a_document_leak(monkeypatch, capsys):
-    """verify packs rows with documents: CP (alltoall) passes; attending across documents fails."""
+def test_verify_cp_ulysses_on_packed_documents_and_catches_a_document_leak(monkeypatch, capsys):
+    """verify packs rows with documents: CP (ulysses) passes; attending across documents fails."""
     monkeypatch.chdir(ROOT)
-    assert _verify(["cp_comm_strategy=alltoall"], None, "examples/cpu/cp.yaml") == 0
+    assert _verify(["cp_comm_strategy=ulysses"], None, "examples/cpu/cp.yaml") == 0
     assert "PASS" in capsys.readouterr().out
     assert _verify([], "cross-documents", "examples/cpu/cp.yaml") == 1
     assert "FAIL" in capsys.readouterr().out

@@ -35,8 +35,8 @@ def _yaml(tmp_path, text):
         ("fsdp_config: {reshard_after_forwad: true}\n", "did you mean 'reshard_after_forward'"),
         ("tensor_parallel_size: 3\n", "num_attention_heads"),  # 4 heads, tp 3
         ("context_parallel_size: 2\nsequence_len: 30\n", "sequence_len"),
-        ("context_parallel_size: 8\ncp_comm_strategy: alltoall\n", "cp_comm_strategy='alltoall'"),
-        ("cp_comm_strategy: ulysses\n", "'cp_comm_strategy'"),
+        ("context_parallel_size: 8\ncp_comm_strategy: ulysses\n", "cp_comm_strategy='ulysses'"),
+        ("cp_comm_strategy: spiral\n", "'cp_comm_strategy'"),
         ("dp_shard_size: 0\n", "'dp_shard_size': must be >= 1"),
         ("lr_scheduler: wavy\n", "'lr_scheduler: wavy': not supported"),
     ],

@@ -1,11 +1,11 @@
-"""Our own loop (``ndparallel.training.step.forward_backward``, layout-invariant loss) on one
+"""Our own loop (``ndparallel.engine.forward_backward``, layout-invariant loss) on one
 process, over the same global batches the Accelerate-style scripts see, for the comparison."""
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from ndparallel import Accelerator
-from ndparallel.training.step import forward_backward
+from ndparallel.engine import forward_backward
 
 from .nd_utils import get_dataset, setup_tokenizer
 
@@ -34,7 +34,7 @@ def reference_losses(model_dir: str, seq_len: int, dp: int, steps: int, lr: floa
     model, opt = acc.prepare(model, opt)
     losses = []
     for mbs in global_batches(model_dir, seq_len, dp, steps, micro):
-        losses.append(float(forward_backward(acc, model, mbs)))
+        losses.append(float(forward_backward(acc.engine, model, mbs)))
         opt.step()
         opt.zero_grad()
     params = {k: v.detach().clone() for k, v in model.state_dict().items()} if return_params else None

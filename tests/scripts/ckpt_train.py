@@ -49,7 +49,7 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
         setup_optimizer,
         with_overrides,
     )
-    from ndparallel.training.step import forward_backward
+    from ndparallel.engine import forward_backward
 
     setup = with_overrides(make_setup(), model_config=preset_config(model_preset), adapter=adapter)
     acc = Accelerator(ParallelismConfig(**(layout or {})))
@@ -67,7 +67,7 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
         if ckpt is not None:
             if reseed_before_load:
                 torch.manual_seed(12345)
-            extra = load_checkpoint(acc, ckpt, model, optimizer, scheduler, loader=loader)
+            extra = load_checkpoint(ckpt, model, optimizer, scheduler, loader=loader)
             start = extra["step"]
             rng_probe = torch.rand(4).tolist()
             assert extra["config"]["name"] == "ckpt-test" and extra["note"] == [1, 2]
@@ -75,7 +75,7 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
     batches = iter(loader)
     for step in range(start + 1, steps + 1):
         mb = {k: v.to(acc.device) for k, v in next(batches).items()}
-        loss = forward_backward(acc, model, [mb])
+        loss = forward_backward(acc.engine, model, [mb])
         acc.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
@@ -84,9 +84,9 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
         dist.all_reduce(total, group=acc.mesh("dp_cp").get_group())
         losses[step] = float(total)
         if save_every and step % save_every == 0:
-            save_step_checkpoint(acc, out_dir, step, model, optimizer, scheduler, loader=loader,
+            save_step_checkpoint(out_dir, step, model, optimizer, scheduler, loader=loader,
                                  config={"name": "ckpt-test", "layout": layout}, extra={"note": [1, 2]},
-                                 save_total_limit=save_total_limit)
+                                 save_total_limit=save_total_limit, layout=acc.engine.dims)
             rng_probe = torch.rand(4).tolist()
         if kill_at == step and acc.process_index == kill_rank and (marker is None or not os.path.exists(marker)):
             if marker is not None:

@@ -64,7 +64,6 @@ class ContextParallelMixin:
         if not buffers:
             raise ValueError("context parallelism is on but maybe_context_parallel got no buffers: pass "
                              "the batch tensors to shard (input_ids, shift_labels, ...)")
-        from ndparallel.parallel.context import context_parallel_buffers
         from ndparallel.parallel.cp_sharding import cp_positions
 
         dims = list(buffer_seq_dims or [1] * len(buffers))
@@ -73,8 +72,7 @@ class ContextParallelMixin:
             raise ValueError(f"maybe_context_parallel: buffers have different sequence lengths {sorted(lengths)}")
         seq_len = lengths.pop()
         cp, lb = self.parallelism_config.cp_size, self.cp_options.load_balance
-        with context_parallel_buffers(self.mesh("cp"), list(buffers), dims,
-                                      no_restore_buffers=no_restore_buffers, load_balance=lb):
+        with self.engine.cp_shard(list(buffers), dims, no_restore=no_restore_buffers):
             positions = cp_positions(seq_len, self.rank_in("cp"), cp, lb, device=self.device)
             hook = _fill_positions_hook(positions, seq_len // cp)
             handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self._models]

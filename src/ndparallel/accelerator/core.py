@@ -1,8 +1,9 @@
-"""``Accelerator``: the user-facing facade. It resolves its arguments (Hugging Face Accelerate's,
-plus ndparallel's options), holds the mesh, and prepares models, optimizers, schedulers and
-loaders by calling the strategy modules; it contains no parallel algorithm itself. Its methods are
-grouped by concern in the mixins it is assembled from (processes, collectives, stepping, context
-parallelism, saving, tracking)."""
+"""``Accelerator``: Hugging Face Accelerate's surface as an adapter over ndparallel's ``Engine``.
+It maps Accelerate's arguments, plugins and handlers onto the engine's layout and strategy options
+and adds what is Accelerate's own (prepared optimizer/scheduler/loader wrappers, accumulation
+state, trackers, ``save_state`` naming, hooks); every parallel step is the engine's. Its methods
+are grouped by concern in the mixins it is assembled from (processes, collectives, stepping,
+context parallelism, saving, tracking)."""
 
 from __future__ import annotations
 
@@ -26,17 +27,18 @@ from ndparallel.accelerator.state import (
 from ndparallel.accelerator.stepping import SteppingMixin
 from ndparallel.accelerator.tracking import TrackingMixin, filter_trackers
 from ndparallel.accelerator.wrappers import AcceleratedOptimizer, PreparedDataLoader
+from ndparallel.engine import Engine
 from ndparallel.layout.config import ParallelismConfig
-from ndparallel.layout.mesh import submesh
 from ndparallel.parallel.options import (
     CompileOptions,
     CPOptions,
     Float8Options,
     FSDPOptions,
     LossOptions,
+    StrategyOptions,
     TPOptions,
 )
-from ndparallel.runtime.distributed import DistributedInfo, init_distributed
+from ndparallel.runtime.distributed import DistributedInfo
 
 
 class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParallelMixin,
@@ -99,18 +101,19 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         if s.fsdp_plugin is not None and s.fsdp_plugin.cpu_ram_efficient_loading:
             # transformers' switch for "load the weights on rank 0 only" (Accelerate sets it too)
             os.environ["ACCELERATE_USE_FSDP"] = os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
-        self.info: DistributedInfo = init_distributed(s.device, s.timeout_s)
         pc = s.parallelism_config or ParallelismConfig()
-        if s.parallelism_config is None and pc.active_dims == () and self.info.world_size > 1:
-            pc = ParallelismConfig(dp_replicate_size=-1)
+        if s.parallelism_config is None and pc.active_dims == ():
+            pc = ParallelismConfig(dp_replicate_size=-1)  # Accelerate: replicas over every process
+        options = StrategyOptions(fsdp=s.fsdp_options, tp=s.tp_options, cp=s.cp_options, loss=s.loss_options,
+                                  compile=s.compile_options, float8=s.float8_options, param_dtype=s.param_dtype)
+        self.engine = Engine(pc, options, device=s.device, timeout_s=s.timeout_s)
+        self.info: DistributedInfo = self.engine.info
         self.parallelism_config = pc.resolve(self.info.world_size)
-        self.torch_device_mesh = self.parallelism_config.build_device_mesh(
-            self.info.device_type, timeout_s=self.info.timeout_s)
-        self.parallelism_config._set_device_mesh(self.torch_device_mesh)
+        self.torch_device_mesh = self.engine.mesh
+        self.parallelism_config.device_mesh = self.torch_device_mesh
         if s.parallelism_config is not None:
-            s.parallelism_config._set_device_mesh(self.torch_device_mesh)
+            s.parallelism_config.device_mesh = self.torch_device_mesh
         self._settings = s
-        self._submeshes: dict[tuple[str, ...], Any] = {}
         self._take_settings(s)
         ga = s.gradient_state_plugin
         self.gradient_state = GradientState(num_steps=int(ga.num_steps), adjust_scheduler=ga.adjust_scheduler,
@@ -131,10 +134,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         self.step = 0  # micro-batches seen by ``accumulate``
 
     def _take_settings(self, s: arguments.Settings) -> None:
-        """The resolved options, plugins and handlers as attributes (Accelerate's names)."""
-        self.fsdp_options, self.tp_options, self.cp_options = s.fsdp_options, s.tp_options, s.cp_options
-        self.loss_options, self.compile_options = s.loss_options, s.compile_options
-        self.float8_options = s.float8_options
+        """The resolved plugins and handlers as attributes (Accelerate's names)."""
         self.fsdp_plugin, self.dynamo_plugin = s.fsdp_plugin, s.dynamo_plugin
         self.dataloader_config, self.project_configuration = s.dataloader_config, s.project_configuration
         self.device_placement = s.device_placement
@@ -150,6 +150,14 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
     @property
     def device(self) -> torch.device:
         return self.info.device
+
+    # the engine's strategy options, under the Accelerator's argument names
+    fsdp_options = property(lambda self: self.engine.options.fsdp)
+    tp_options = property(lambda self: self.engine.options.tp)
+    cp_options = property(lambda self: self.engine.options.cp)
+    loss_options = property(lambda self: self.engine.options.loss)
+    compile_options = property(lambda self: self.engine.options.compile)
+    float8_options = property(lambda self: self.engine.options.float8)
 
     @property
     def mixed_precision(self) -> str:
@@ -212,15 +220,12 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
 
     # ---------------------------------------------------------------- mesh
     def mesh(self, *dims: str):
-        """Sub-mesh for base or flattened dim names, e.g. ``acc.mesh("dp_shard_cp")`` (cached:
-        slicing a DeviceMesh builds a new one each time)."""
-        if dims not in self._submeshes:
-            self._submeshes[dims] = submesh(self.torch_device_mesh, *dims)
-        return self._submeshes[dims]
+        """Sub-mesh for base or flattened dim names, e.g. ``acc.mesh("dp_shard_cp")``."""
+        return self.engine.submesh(*dims)
 
     def rank_in(self, dim: str) -> int:
         """This rank's index along a mesh dim (``dp``, ``tp``, ``cp``, ``dp_shard_cp``...)."""
-        return self.mesh(dim).get_local_rank()
+        return self.engine.rank_in(dim)
 
     @property
     def dp_rank(self) -> int:
@@ -304,7 +309,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         """Build the model on the meta device, parallelise it, then read only this rank's shards
         from the safetensors files (DCP resharding). ``path_or_config``: an HF model dir, an HF
         config, or a built-in preset name (random init, same on every rank). ``adapter=LoraConfig``
-        returns a LoRA ``PeftModel`` over the frozen, sharded base."""
-        from ndparallel.models.loading import load_model
+        returns a LoRA ``PeftModel`` over the frozen, sharded base. Keyword arguments:
+        ``ndparallel.engine.build.build_model``'s."""
+        from ndparallel.accelerator.preparing import register_model
 
-        return load_model(self, path_or_config, **kwargs)
+        return register_model(self, self.engine.build_model(path_or_config, **kwargs))

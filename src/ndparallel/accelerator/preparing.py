@@ -79,57 +79,48 @@ def _broadcast_rank0_weights(acc, model: nn.Module, full: dict) -> None:
         set_model_state_dict,
     )
 
-    from ndparallel.models.loading import (
-        _to_empty_keeping_ties,
-        init_non_persistent_buffers,
-    )
+    from ndparallel.models.loading import init_non_persistent_buffers, materialize
     from ndparallel.parallel.parallelize import is_meta
 
     if is_meta(model):
-        _to_empty_keeping_ties(model, acc.device)
+        materialize(model, acc.device)
         init_non_persistent_buffers(model)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full if acc.is_main_process else {}, options=options)
 
 
 def prepare_model(acc, model: nn.Module, adapter: Any = None) -> nn.Module:
-    """Parallelise ``model``; with weights on rank 0 only (``cpu_ram_efficient_loading``) they are
-    broadcast into every rank's shards afterwards. ``adapter`` (a peft ``LoraConfig``) wraps the
-    model with LoRA first (a ``PeftModel`` comes back); a ``PeftModel`` is parallelised as is."""
-    from ndparallel.checkpoint.save_pretrained import (
-        enable_consolidated_save_pretrained,
-    )
-    from ndparallel.parallel.parallelize import parallelize_model
-
+    """Parallelise ``model`` (``Engine.parallelize``); with weights on rank 0 only
+    (``cpu_ram_efficient_loading``) they are broadcast into every rank's shards afterwards.
+    ``adapter`` (a peft ``LoraConfig``) wraps the model with LoRA first (a ``PeftModel`` comes
+    back); a ``PeftModel`` is parallelised as is. Optimizers made before are remapped onto the
+    parallelised parameters (``prepare_optimizer``)."""
     if any(model is m for m in acc._models):
         return model
     if adapter is not None:
         from ndparallel.models.adapters import apply_adapter
 
         model = apply_adapter(model, adapter)
-    if getattr(getattr(model, "config", None), "use_cache", False):
-        # Training needs no KV cache; with one, transformers also skips its packed-document
-        # mask (position_ids restarting at 0) and keeps every layer's K/V alive.
-        model.config.use_cache = False
     rank0_only = _weights_on_rank0_only(acc, model)
     full = {k: v.to(acc.device) for k, v in model.state_dict().items()} if rank0_only and acc.is_main_process else {}
     old = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
-    if acc.parallelism_config.tp_enabled:  # loss_parallel=None: on where exact, for this model
-        from ndparallel.models.adapters import base_model_of
-        from ndparallel.parallel.tensor import resolve_loss_parallel
-
-        acc.tp_options = resolve_loss_parallel(base_model_of(model), acc.tp_options)
-    model = parallelize_model(
-        model, acc.torch_device_mesh, acc.parallelism_config, fsdp=acc.fsdp_options, tp=acc.tp_options,
-        cp=acc.cp_options, compile=acc.compile_options, float8=acc.float8_options,
-        param_dtype=acc.param_dtype, device=acc.device,
-    )
+    model = acc.engine.parallelize(model)
     if rank0_only:
         _broadcast_rank0_weights(acc, model, full)
     new = dict(model.named_parameters(remove_duplicate=False))
     for pid, name in old.items():
         if name in new:
             acc._param_remap[pid] = new[name]
+    return register_model(acc, model)
+
+
+def register_model(acc, model: nn.Module) -> nn.Module:
+    """Track a parallelised model (``save_state``, ``accumulate``, CP position filling) and make
+    its ``save_pretrained`` write one consolidated directory."""
+    from ndparallel.checkpoint.save_pretrained import (
+        enable_consolidated_save_pretrained,
+    )
+
     enable_consolidated_save_pretrained(model)
     acc._models.append(model)
     return model

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
@@ -15,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from ndparallel.accelerator.plugins import ProjectConfiguration
+from ndparallel.checkpoint.directory import validate_checkpoint
 
 
 class _Hook:
@@ -123,9 +123,23 @@ class SavingMixin:
         for hook in self._save_model_state_pre_hook.values():
             hook(models, [m.state_dict() for m in models], str(output_dir))
         extra = {"custom_objects": [o.state_dict() for o in self._custom_objects]}
-        out = save_state(self, output_dir, models, self._optimizers_of(models), self._schedulers, extra=extra)
+        out = save_state(output_dir, models, self._optimizers_of(models), self._schedulers, extra=extra,
+                         layout=self.engine.dims)
+        self._rotate_automatic_checkpoints()  # only now that the new one is complete
         self.project_configuration.iteration += 1
         return str(out)
+
+    def _rotate_automatic_checkpoints(self) -> None:
+        """``ProjectConfiguration(total_limit=N)``: keep the newest N complete ``checkpoint_*``
+        folders. Runs after the new checkpoint is complete, so a failed save (crash, full disk)
+        never costs the previous one (``checkpoint.directory.rotate_checkpoints``)."""
+        project = self.project_configuration
+        if project.automatic_checkpoint_naming and project.total_limit is not None and self.is_main_process:
+            from ndparallel.checkpoint.directory import rotate_checkpoints
+
+            rotate_checkpoints(Path(project.project_dir or ".") / "checkpoints", project.total_limit,
+                               prefix="checkpoint_")
+        self.wait_for_everyone()
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
         """Load a ``save_state`` checkpoint into the prepared objects, resharding to this layout."""
@@ -138,7 +152,7 @@ class SavingMixin:
         models = list(self._models)
         for hook in self._load_model_state_pre_hook.values():
             hook(models, str(input_dir))
-        out = load_state(self, input_dir, models, self._optimizers_of(models), self._schedulers)
+        out = load_state(input_dir, models, self._optimizers_of(models), self._schedulers)
         saved = (out.get("custom_objects") or [])
         if len(saved) != len(self._custom_objects):
             raise ValueError(f"checkpoint {input_dir} holds {len(saved)} registered objects, "
@@ -161,13 +175,8 @@ class SavingMixin:
         root = Path(project.project_dir or ".") / "checkpoints"
         if self.is_main_process:
             root.mkdir(parents=True, exist_ok=True)
-            folders = sorted((p for p in root.iterdir() if p.name.startswith("checkpoint_")),
-                             key=lambda p: int(p.name.split("_")[-1]))
-            if project.total_limit is not None:
-                for old in folders[: max(0, len(folders) + 1 - project.total_limit)]:
-                    shutil.rmtree(old, ignore_errors=True)
         target = root / f"checkpoint_{project.iteration}"
-        if target.exists():
+        if target.exists() and not validate_checkpoint(target, deep=False):  # a failed save may be retried
             raise ValueError(f"Checkpoint directory {target} already exists: set "
                              "accelerator.project_configuration.iteration to the next free number")
         self.wait_for_everyone()

@@ -89,42 +89,23 @@ class SteppingMixin:
         """Non-ignored label tokens of this optimizer step over all micro-batches and dp ranks
         (count *before* CP sharding), an int64 tensor on the device (no host sync). Divide each
         micro-batch's token-loss sum by this."""
-        from ndparallel.parallel.loss import global_num_items
-
-        return global_num_items(micro_batches, self.mesh("dp").get_group(), label_key, self.device)
+        return self.engine.global_num_items(micro_batches, label_key)
 
     def loss_context(self):
         """The context the loss forward and backward must run in (``loss_parallel`` under TP)."""
-        if self.parallelism_config.tp_enabled and self.tp_options.loss_parallel:
-            from ndparallel.parallel.tensor import loss_parallel_context
-
-            return loss_parallel_context(self.tp_options)
-        return contextlib.nullcontext()
+        return self.engine.loss_context()
 
     def causal_lm_loss(self, logits: torch.Tensor, shift_labels: torch.Tensor,
                        num_items_in_batch: int | torch.Tensor):
         """Token-loss sum of this rank / the global token count (see ``global_num_items``)."""
-        from ndparallel.parallel.loss import causal_lm_loss
-
-        with self.loss_context():
-            return causal_lm_loss(logits, shift_labels, num_items_in_batch)
+        return self.engine.causal_lm_loss(logits, shift_labels, num_items_in_batch)
 
     def forward_loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor],
                      num_items_in_batch: int | torch.Tensor) -> torch.Tensor:
         """Forward ``batch`` (``input_ids``, ``shift_labels``, ``position_ids``; CP-sharded already
         inside ``maybe_context_parallel``) and return this rank's token-loss sum / the global token
-        count. Uses the chunked loss (no full logits) where it is exact (``LossOptions``), else
-        the logits and ``causal_lm_loss``."""
-        from ndparallel.parallel import lm_loss
-
-        if lm_loss.use_chunked_loss(model, self.loss_options):
-            from ndparallel.parallel.fsdp import gathered
-
-            sp = self.parallelism_config.tp_enabled and self.tp_options.sequence_parallel
-            return lm_loss.forward_loss(model, batch, num_items_in_batch, self.loss_options.chunk_tokens,
-                                        sequence_parallel=sp, gathered=gathered)
-        logits = model(**lm_loss.model_inputs(batch)).logits
-        return self.causal_lm_loss(logits, batch["shift_labels"], num_items_in_batch)
+        count (``Engine.forward_loss``: the chunked loss where exact, else the logits)."""
+        return self.engine.forward_loss(model, batch, num_items_in_batch)
 
     def backward(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
                  **kwargs) -> None:
@@ -139,10 +120,9 @@ class SteppingMixin:
             raise ValueError("backward(learning_rate=...) is LOMO's fused update, not supported: "
                              "use a torch optimizer")
         if num_items_in_batch is None:
-            pc = self.parallelism_config
-            loss = loss / (self.gradient_accumulation_steps * pc.dp_size * pc.cp_size)
-        with self.loss_context():
-            loss.backward(**kwargs)
+            dims = self.engine.dims
+            loss = loss / (self.gradient_accumulation_steps * dims.dp * dims.cp)
+        self.engine.backward(loss, **kwargs)
 
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
         raise NotImplementedError("LOMO optimizers are not supported by ndparallel: use a torch optimizer "
@@ -151,9 +131,7 @@ class SteppingMixin:
     # ------------------------------------------------------------- gradients
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0):
         """Clip to ``max_norm``; returns the true global norm (any layout, any mix of meshes)."""
-        from ndparallel.parallel.grad_norm import clip_grad_norm_
-
-        return clip_grad_norm_(parameters, max_norm, norm_type)
+        return self.engine.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]`` (elementwise: exact on
@@ -164,9 +142,7 @@ class SteppingMixin:
 
     def grad_norm(self, parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm without clipping."""
-        from ndparallel.parallel.grad_norm import total_grad_norm
-
-        return total_grad_norm(parameters, norm_type)
+        return self.engine.grad_norm(parameters, norm_type)
 
     def unscale_gradients(self, optimizer=None) -> None:
         """Accelerate unscales fp16 loss-scaled gradients here; ndparallel never scales: no-op."""

@@ -26,24 +26,25 @@ STATE_FILE = "state.json"
 HF_CONFIG_DIR = "hf"
 CHECKPOINT_PREFIX = "checkpoint-"
 _HASH_LIMIT = 16 << 20  # sha256 for files up to this size
-_STEP_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
 def checkpoint_dir(output_dir: str | os.PathLike, step: int) -> Path:
     return Path(output_dir) / f"{CHECKPOINT_PREFIX}{int(step)}"
 
 
-def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every ``checkpoint-N`` directory, complete or not, oldest first."""
+def list_checkpoints(output_dir: str | os.PathLike, prefix: str = CHECKPOINT_PREFIX) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``{prefix}N`` directory (``checkpoint-N``; Accelerate's automatic
+    naming: ``checkpoint_N``), complete or not, oldest first."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)$")
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := pattern.match(p.name))]
     return sorted(found)
 
 
 def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int,
-                       background: bool = False) -> list[Path]:
+                       background: bool = False, prefix: str = CHECKPOINT_PREFIX) -> list[Path]:
     """Keep the newest ``save_total_limit`` complete checkpoints; delete older complete ones and
     incomplete leftovers older than the newest complete one. Returns what was deleted.
 
@@ -53,7 +54,7 @@ def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int,
     peers wait in a timed collective. Leftovers of a crash are swept by the next rotation."""
     if save_total_limit < 1:
         raise ValueError(f"save_total_limit must be >= 1, got {save_total_limit}")
-    entries = list_checkpoints(output_dir)
+    entries = list_checkpoints(output_dir, prefix)
     complete = [(s, p) for s, p in entries if not validate_checkpoint(p, deep=False)]
     if not complete:
         return []

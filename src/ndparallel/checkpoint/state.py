@@ -15,7 +15,7 @@ A checkpoint directory (``output_dir/checkpoint-{step}/``) holds:
   of the small ones). A directory without a valid marker is never taken for a checkpoint.
 
 Nothing is unpickled on load: JSON, DCP tensor data via ``torch.load(weights_only=True)``, and
-DCP's ``.metadata`` through an allow-list unpickler (``checkpoint_io``). All ranks must see the
+DCP's ``.metadata`` through an allow-list unpickler (``checkpoint.io``). All ranks must see the
 same filesystem (multi-node: a shared one).
 """
 
@@ -63,46 +63,50 @@ from ndparallel.runtime.distributed import rank0_decides
 
 # ------------------------------------------------------------------------------ save / load
 def save_checkpoint(
-    acc, directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     scheduler=None, extra: dict | None = None, *, loader=None, step: int | None = None, config: Any = None,
+    layout=None,
 ) -> Path:
     """Save ``model``, ``optimizer``, ``scheduler``, ``loader`` position, RNG states, ``step``,
-    ``config`` and ``extra`` (JSON-able; tensors allowed) into ``directory``. Call on every rank."""
+    ``config`` and ``extra`` (JSON-able; tensors allowed) into ``directory``. Call on every rank.
+    ``layout`` (a ``ParallelDims``, recorded for information): the layout that saved it."""
     return save_state(
-        acc, directory, [model], [optimizer] if optimizer is not None else [],
+        directory, [model], [optimizer] if optimizer is not None else [],
         [scheduler] if scheduler is not None else [], extra=extra,
-        loaders=[loader] if loader is not None else [], step=step, config=config,
+        loaders=[loader] if loader is not None else [], step=step, config=config, layout=layout,
     )
 
 
 def load_checkpoint(
-    acc, directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     scheduler=None, *, loader=None, restore_rng: bool = True,
 ) -> dict:
-    """Load what ``save_checkpoint`` wrote into the (already prepared) objects, on any layout.
+    """Load what ``save_checkpoint`` wrote into the (already parallelised) objects, on any layout.
     Returns the saved ``extra`` plus ``step``, ``config`` and ``loader`` (its state) when absent."""
     return load_state(
-        acc, directory, [model], [optimizer] if optimizer is not None else [],
+        directory, [model], [optimizer] if optimizer is not None else [],
         [scheduler] if scheduler is not None else [], loaders=[loader] if loader is not None else [],
         restore_rng=restore_rng,
     )
 
 
 def save_state(
-    acc, directory: str | os.PathLike, models: Sequence[nn.Module] | None = None,
-    optimizers: Sequence[torch.optim.Optimizer] | None = None, schedulers: Sequence[Any] | None = None,
+    directory: str | os.PathLike, models: Sequence[nn.Module] = (),
+    optimizers: Sequence[torch.optim.Optimizer] = (), schedulers: Sequence[Any] = (),
     extra: dict | None = None, *, loaders: Sequence[Any] = (), step: int | None = None, config: Any = None,
+    layout=None,
 ) -> Path:
-    """``Accelerator.save_state``: several models / optimizers / schedulers / loaders (default:
-    those the Accelerator tracks). Every rank must call it; returns the directory."""
-    models, optimizers, schedulers = _tracked(acc, models, optimizers, schedulers)
+    """Several models / optimizers / schedulers / loaders into one checkpoint (what
+    ``Accelerator.save_state`` saves). Every rank must call it; returns the directory."""
+    models, optimizers, schedulers = _uniq(models), _uniq(optimizers), _uniq(schedulers)
     directory = Path(directory)
     rank, world = _rank(), _world()
     extra = dict(extra or {})
     if step is None and isinstance(extra.get("step"), int):
         step = extra["step"]
     tensors: dict[str, torch.Tensor] = {}
-    state: dict[str, Any] = {"format": FORMAT, "step": step, "world_size": world, "layout": _layout(acc)}
+    state: dict[str, Any] = {"format": FORMAT, "step": step, "world_size": world,
+                             "layout": layout.to_dict() if layout is not None else None}
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -140,12 +144,12 @@ def save_state(
 
 
 def load_state(
-    acc, directory: str | os.PathLike, models: Sequence[nn.Module] | None = None,
-    optimizers: Sequence[torch.optim.Optimizer] | None = None, schedulers: Sequence[Any] | None = None,
+    directory: str | os.PathLike, models: Sequence[nn.Module] = (),
+    optimizers: Sequence[torch.optim.Optimizer] = (), schedulers: Sequence[Any] = (),
     *, loaders: Sequence[Any] = (), restore_rng: bool = True,
 ) -> dict:
-    """``Accelerator.load_state``: restore what ``save_state`` wrote, resharding DTensors to this
-    run's layout. Raises ``ValueError`` for an incomplete or corrupted directory."""
+    """Restore what ``save_state`` wrote, resharding DTensors to this run's layout. Raises
+    ``ValueError`` for an incomplete or corrupted directory."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -153,7 +157,7 @@ def load_state(
         set_optimizer_state_dict,
     )
 
-    models, optimizers, schedulers = _tracked(acc, models, optimizers, schedulers)
+    models, optimizers, schedulers = _uniq(models), _uniq(optimizers), _uniq(schedulers)
     directory = Path(directory)
     problems = rank0_decides(validate_checkpoint, directory)  # hashed once, not once per rank
     if problems:
@@ -204,13 +208,14 @@ def load_state(
 
 
 def save_step_checkpoint(
-    acc, output_dir: str | os.PathLike, step: int, model: nn.Module, optimizer, scheduler=None, *,
+    output_dir: str | os.PathLike, step: int, model: nn.Module, optimizer, scheduler=None, *,
     loader=None, config: Any = None, extra: dict | None = None, save_total_limit: int | None = None,
+    layout=None,
 ) -> Path:
     """Save ``output_dir/checkpoint-{step}`` and then, if ``save_total_limit`` is set, delete all
     but the newest ``save_total_limit`` complete checkpoints (only once the new one is complete)."""
-    path = save_checkpoint(acc, checkpoint_dir(output_dir, step), model, optimizer, scheduler, extra,
-                           loader=loader, step=step, config=config)
+    path = save_checkpoint(checkpoint_dir(output_dir, step), model, optimizer, scheduler, extra,
+                           loader=loader, step=step, config=config, layout=layout)
     if save_total_limit is not None and _rank() == 0:
         rotate_checkpoints(output_dir, save_total_limit, background=True)  # renames, then returns
     _barrier()
@@ -252,24 +257,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _layout(acc) -> dict | None:
-    pc = getattr(acc, "parallelism_config", None)
-    return pc.to_dict() if pc is not None and hasattr(pc, "to_dict") else None
-
-
-def _tracked(acc, models, optimizers, schedulers):
-    def uniq(xs):
-        seen, out = set(), []
-        for x in xs or ():
-            if id(x) not in seen:
-                seen.add(id(x))
-                out.append(x)
-        return out
-
-    models = uniq(models if models is not None else getattr(acc, "_models", []))
-    optimizers = uniq(optimizers if optimizers is not None else getattr(acc, "_optimizers", []))
-    schedulers = uniq(schedulers if schedulers is not None else getattr(acc, "_schedulers", []))
-    return models, optimizers, schedulers
+def _uniq(xs) -> list:
+    """``xs`` without repeats (by identity), in order."""
+    seen, out = set(), []
+    for x in xs or ():
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
 
 
 def _owner(models: Sequence[nn.Module], optimizer) -> nn.Module:

@@ -67,7 +67,7 @@ def run_train(argv: Sequence[str]) -> int:
         if args.profile_comm:
             inner.append("--profile-comm")
         return relaunch_self(world, inner, torchrun_args=[f"--max-restarts={cfg.max_restarts}"])
-    from ndparallel.training.nonfinite import NonFiniteError
+    from ndparallel.engine.nonfinite import NonFiniteError
     from ndparallel.training.trainer import run_training
 
     try:
@@ -125,12 +125,15 @@ def run_preprocess(argv: Sequence[str]) -> int:
 def run_verify(argv: Sequence[str]) -> int:
     parser = Parser(
         prog="ndparallel verify",
-        description="train a shrunk model of the config's architecture under its layout and on one "
-                    "process (CPU), and compare losses and gradient norms")
+        description="train a shrunk model of the config's architecture under its layout and options and on "
+                    "one process (CPU), through the trainer's own step; compare losses, gradient norms and "
+                    "parameters after SGD steps (and, with bf16/fp8, the same at that precision)")
     _config_args(parser)
     parser.add_argument("--steps", type=at_least(1), default=3, help="optimizer steps (>= 1)")
     parser.add_argument("--tolerance", type=at_least(0.0, strict=True), default=1e-5,
-                        help="max relative loss/grad-norm error (> 0)")
+                        help="max relative fp32 loss/grad-norm error (> 0)")
+    parser.add_argument("--param-tolerance", type=at_least(0.0, strict=True), default=1e-6,
+                        help="max absolute fp32 parameter difference after the steps (> 0)")
     parser.add_argument("--inject-fault", choices=["skip-grad-sync", "cross-documents"], default=None,
                         help=argparse.SUPPRESS)  # proves the check can fail (tests)
     args = parser.parse_args(list(argv))
@@ -142,7 +145,8 @@ def run_verify(argv: Sequence[str]) -> int:
         return fail("verify", e)
     from ndparallel.tools.verify import verify_layout
 
-    ok = verify_layout(cfg, pc, hf, steps=args.steps, tolerance=args.tolerance, fault=args.inject_fault)
+    ok = verify_layout(cfg, pc, hf, steps=args.steps, tolerance=args.tolerance, fault=args.inject_fault,
+                       param_tolerance=args.param_tolerance)
     return 0 if ok else 1
 
 

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ndparallel.layout.dims import MESH_DIM_NAMES
+from ndparallel.layout.dims import MESH_DIM_NAMES, ParallelDims
 from ndparallel.layout.handlers import (
     TorchContextParallelConfig,
     TorchTensorParallelConfig,
@@ -39,9 +39,10 @@ class ParallelismConfigError(ValueError):
     """An invalid layout; the message names the field(s) and the fix."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class ParallelismConfig:
-    """Degrees of each parallel dimension; 1 disables a dimension.
+    """Degrees of each parallel dimension; 1 disables a dimension (Hugging Face Accelerate's
+    class, a plain dataclass as there; ``dims`` is the typed, resolved view the engine uses).
 
     One of ``dp_shard_size`` / ``dp_replicate_size`` may be -1: "fill from the world size".
     ``None`` means "read from the environment, else 1" (see ``ENV_VARS``).
@@ -68,15 +69,15 @@ class ParallelismConfig:
     sp_handler: Any = None
     """Accelerate's DeepSpeed SP handler: must stay None."""
     _resolved: bool = field(default=False, repr=False, compare=False)
-
-    device_mesh = None  # set by ``get_device_mesh`` (Accelerate's cache); not a dataclass field
+    device_mesh: Any = field(default=None, init=False, repr=False, compare=False)
+    """The mesh built for this config (Accelerate's cache; ``get_device_mesh``)."""
 
     def __post_init__(self) -> None:
         for name in _FIELDS:
             value = getattr(self, name)
             if value is None:
                 value = _from_env(name, os.environ)
-            object.__setattr__(self, name, _check_size(name, value))
+            setattr(self, name, _check_size(name, value))
         _check_accelerate_fields(self)
         fills = [n for n in _FIELDS if getattr(self, n) == -1]
         if len(fills) > 1:
@@ -189,20 +190,15 @@ class ParallelismConfig:
         total = self.total_size if -1 not in s.values() else "world"
         return f"ParallelismConfig({layout}; {total} ranks)"
 
+    @property
+    def dims(self) -> ParallelDims:
+        """The resolved degrees as the engine's typed ``ParallelDims`` (requires no -1 left)."""
+        self._require_resolved("dims")
+        return ParallelDims(self.dp_replicate_size, self.dp_shard_size, self.cp_size, self.tp_size)
+
     def describe(self) -> str:
         """Short human name of the layout, e.g. 'HSDP 2×2 + TP 2'."""
-        parts = []
-        if self.dp_replicate_enabled and self.dp_shard_enabled:
-            parts.append(f"HSDP {self.dp_replicate_size}×{self.dp_shard_size}")
-        elif self.dp_replicate_enabled:
-            parts.append(f"DP {self.dp_replicate_size}")
-        elif self.dp_shard_enabled:
-            parts.append(f"FSDP {self.dp_shard_size}")
-        if self.cp_enabled:
-            parts.append(f"CP {self.cp_size}")
-        if self.tp_enabled:
-            parts.append(f"TP {self.tp_size}")
-        return " + ".join(parts) or "single device"
+        return self.dims.describe()
 
     def to_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in _FIELDS}
@@ -273,16 +269,13 @@ class ParallelismConfig:
         if self.device_mesh is None:
             if device_type is None:
                 raise ValueError("no device mesh built yet: pass a device_type, e.g. get_device_mesh('cuda')")
-            object.__setattr__(self, "device_mesh", self.build_device_mesh(device_type))
+            self.device_mesh = self.build_device_mesh(device_type)
         elif device_type is not None and self.device_mesh.device_type != device_type:
             raise ValueError(
                 f"the device mesh was built for {self.device_mesh.device_type!r}, not {device_type!r}"
             )
         return self.device_mesh
 
-    def _set_device_mesh(self, mesh) -> None:
-        """Attach a mesh built elsewhere (the Accelerator's) so ``get_device_mesh()`` returns it."""
-        object.__setattr__(self, "device_mesh", mesh)
 
 
 def _check_accelerate_fields(pc: ParallelismConfig) -> None:
@@ -303,14 +296,13 @@ def _check_accelerate_fields(pc: ParallelismConfig) -> None:
         )
     if pc.sp_handler is not None:
         raise ParallelismConfigError("sp_handler is not supported (no DeepSpeed SP): leave it None, use cp_size")
-    object.__setattr__(pc, "cp_backend", backend)
-    object.__setattr__(pc, "sp_size", 1)
-    object.__setattr__(pc, "sp_backend", pc.sp_backend or env.get("PARALLELISM_CONFIG_SP_BACKEND") or "deepspeed")
+    pc.cp_backend, pc.sp_size = backend, 1
+    pc.sp_backend = pc.sp_backend or env.get("PARALLELISM_CONFIG_SP_BACKEND") or "deepspeed"
     for name, cls, size in (("tp_handler", TorchTensorParallelConfig, pc.tp_size),
                             ("cp_handler", TorchContextParallelConfig, pc.cp_size)):
         handler = getattr(pc, name)
         if handler is None and size != 1:
-            object.__setattr__(pc, name, cls())
+            setattr(pc, name, cls())
         elif handler is not None and not isinstance(handler, cls):
             raise ParallelismConfigError(f"{name} must be a {cls.__name__}, got {type(handler).__name__}")
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 CP_STRATEGY_ENV = "PARALLELISM_CONFIG_CP_COMM_STRATEGY"
 # Accelerate's names -> ours. torch's "alltoall" rotate method passes each K/V shard from rank to
 # rank (with all_to_all as the transport): the same computation as our ring (send/recv transport).
+# (ndparallel's head-splitting all-to-all is called "ulysses" so the two never clash.)
 CP_STRATEGIES = {"allgather": "allgather", "alltoall": "ring", "ring": "ring"}
 
 

@@ -25,13 +25,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ndparallel.models.adapter_files import read_adapter_weights
 from ndparallel.models.adapters import (
-    adapter_config_of,
     apply_adapter,
     base_model_of,
     initial_adapter_weights,
+    is_peft_model,
 )
 from ndparallel.models.causal import causal_lm_problem, config_problem
-from ndparallel.models.presets import PRESETS, is_preset, preset_config
+from ndparallel.models.presets import PRESETS
 from ndparallel.models.safetensors_read import load_sharded_safetensors
 from ndparallel.models.vocab import (
     grow_config_vocab,
@@ -43,51 +43,12 @@ from ndparallel.models.weights import weights_problem
 _SAFETENSORS = ".safetensors"
 
 
-def load_model(
-    acc: Any,
-    path_or_config: str | os.PathLike | PretrainedConfig,
-    dtype: torch.dtype = torch.float32,
-    trust_remote_code: bool = False,
-    attn_implementation: str = "sdpa",
-    seed: int = 0,
-    adapter: Any = None,
-    adapter_weights: str | os.PathLike | None = None,
-    vocab_size: int | None = None,
-) -> nn.Module:
-    """Build, parallelise (``acc.prepare_model``) and fill a causal LM; returns the prepared model.
-
-    Args:
-        acc: the ``Accelerator`` (its layout, mesh and device are used).
-        path_or_config: an HF model directory with ``*.safetensors`` (one file or sharded), an HF
-            ``PretrainedConfig``, or a built-in preset name (``ndparallel.models.presets``).
-        dtype: parameter dtype (checkpoint tensors are converted while being copied in).
-        trust_remote_code: passed to ``AutoConfig`` / ``AutoModelForCausalLM``.
-        attn_implementation: the attention kernel name given to transformers.
-        seed: RNG seed of the random init of a config/preset (the global RNG is left untouched)
-            and of the LoRA adapter's A matrices.
-        adapter: a peft ``LoraConfig``: the model is wrapped (``get_peft_model``) before it is
-            parallelised; the base weights are frozen and keep ``dtype``, the adapters are fp32.
-            A model read from disk starts with A drawn from ``seed`` and B = 0 on every layout.
-        adapter_weights: a saved PEFT adapter directory whose tensors replace that init (continue
-            training an adapter; ``adapter`` must be its config: ``adapter_files.read_adapter_config``).
-        vocab_size: a model read from disk grows to this many token rows (tokens added to its
-            tokenizer); the new embedding and LM-head rows start at the mean of the old ones
-            (``models.vocab``). A config or preset is built with its own ``vocab_size``.
-    """
-    if adapter_weights is not None and adapter is None:
-        raise ValueError("adapter_weights needs adapter= (the LoraConfig it was saved with: "
-                         "ndparallel.models.adapter_files.read_adapter_config(directory))")
-    if isinstance(path_or_config, PretrainedConfig):
-        config = path_or_config
-    elif isinstance(path_or_config, str) and is_preset(path_or_config):
-        config = preset_config(path_or_config)
-    else:
-        path = resolve_model_dir(str(path_or_config), acc is None or acc.is_local_main_process)
-        model = _load_pretrained(acc, path, dtype, trust_remote_code, attn_implementation, adapter, seed,
-                                 adapter_weights, vocab_size)
-        if adapter is not None:  # as given (a hub id stays a hub id), for the saved adapter_config
-            adapter_config_of(model).base_model_name_or_path = str(path_or_config)
-        return model
+def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str,
+                      trust_remote_code: bool, seed: int, adapter: Any = None) -> nn.Module:
+    """A random initialisation equal to ``torch.manual_seed(seed); from_config(config)`` on one
+    process (the global RNG is left untouched), checked to be a causal LM; ``adapter`` wraps it
+    with LoRA, PEFT's init drawn from the same seeded stream. Built whole on the CPU: meant for
+    presets and tests, not for random-initialising a large model."""
     _check_causal_lm(config, trust_remote_code)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -96,19 +57,16 @@ def load_model(
             trust_remote_code=trust_remote_code,
         )
         _check_causal_model(model)
-        if adapter is not None:  # PEFT's own init, drawn from the same seeded stream
+        if adapter is not None:
             model = apply_adapter(model, adapter)
-    model = acc.prepare_model(model)
-    if adapter_weights is not None:
-        _set_full_tensors(model, read_adapter_weights(model, adapter_weights))
     return model
 
 
-def _load_pretrained(
-    acc: Any, path: Path, dtype: torch.dtype, trust_remote_code: bool, attn_implementation: str,
-    adapter: Any = None, seed: int = 0, adapter_weights: str | os.PathLike | None = None,
-    vocab_size: int | None = None,
-) -> nn.Module:
+def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool,
+                  vocab_size: int | None = None, adapter: Any = None) -> tuple[nn.Module, list[Path], list[str]]:
+    """The model of directory ``path`` on the meta device (no memory), checked against its
+    safetensors headers; grown to ``vocab_size`` token rows when the tokenizer outgrew it.
+    Returns (model, weight files, names of the grown weights)."""
     files = checkpoint_files(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     _check_causal_lm(config, trust_remote_code)
@@ -125,29 +83,30 @@ def _load_pretrained(
         raise ValueError(f"base model {str(path)!r}: {problem}")
     if adapter is not None:
         model = apply_adapter(model, adapter)  # on meta too: LoRA layers hold no data yet
-    model = acc.prepare_model(model)  # TP/CP/FSDP on meta: no memory yet
-    offload = getattr(getattr(acc, "fsdp_options", None), "cpu_offload", False)
-    # Shards are materialised where they live: FSDP's CPU offload keeps them in host memory.
-    _to_empty_keeping_ties(model, torch.device("cpu") if offload else acc.device)
-    if offload:
-        _move_buffers(model, acc.device)
+    return model, files, grown
+
+
+def fill_from_files(model: nn.Module, path: Path, files: list[Path], grown: list[str], seed: int = 0,
+                    adapter_weights: str | os.PathLike | None = None) -> None:
+    """Fill a materialised (``materialize``), possibly parallelised model from the files of
+    ``path``: this rank's shards only; grown token rows = the mean row; LoRA adapters from
+    ``adapter_weights`` or initialised from ``seed``; the directory's generation config."""
     base = base_model_of(model)
     init_non_persistent_buffers(base)
     load_sharded_safetensors(base, path, files, skip=set(grown))
     if grown:
-        set_grown_rows(base, files, grown, config.vocab_size)
+        set_grown_rows(base, files, grown, base.config.vocab_size)
     if adapter_weights is not None:
-        _set_full_tensors(model, read_adapter_weights(model, adapter_weights))
-    elif adapter is not None:
-        _set_full_tensors(model, initial_adapter_weights(model, seed))
+        set_full_tensors(model, read_adapter_weights(model, adapter_weights))
+    elif is_peft_model(model):
+        set_full_tensors(model, initial_adapter_weights(model, seed))
     if (path / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
         base.generation_config = GenerationConfig.from_pretrained(path)
-    return model
 
 
-def _set_full_tensors(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+def set_full_tensors(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
     """Copy full tensors (the same on every rank; small: LoRA adapters) into the matching,
     possibly sharded, parameters, each rank keeping its slice (DCP distributes rank 0's values)."""
     from torch.distributed.checkpoint.state_dict import (
@@ -158,7 +117,7 @@ def _set_full_tensors(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
-def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device) -> None:
     """``model.to_empty(device)`` without breaking tied parameters: meta → real storage is no
     shallow copy, so plain ``to_empty`` gives each alias of a tied weight its own new Parameter.
     Swapping tensors in place (``swap_tensors``) keeps every Parameter object, hence the ties
@@ -169,13 +128,6 @@ def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
         model.to_empty(device=device)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(old)
-
-
-def _move_buffers(model: nn.Module, device: torch.device) -> None:
-    for module in model.modules():
-        for name, b in module.named_buffers(recurse=False):
-            if b is not None and b.device != device:
-                module._buffers[name] = b.to(device)
 
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]

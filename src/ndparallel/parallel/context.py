@@ -8,8 +8,9 @@ closure holds the group, and sets the model's attention implementation to that n
 no global state of ours and no attribute on the modules; two models on two meshes get two names.
 The registered mask function returns no mask (the attention derives its causal and document masks
 from ``position_ids``) and raises on a padding mask, which transformers would otherwise drop
-silently for custom names. ``apply_document_attention`` does the same without CP: packed rows on
-one device with O(S) memory (transformers' sdpa would build a B×S×S mask).
+silently for custom names. ``apply_document_attention`` does the same without CP, for scripts: packed
+rows on one device with O(S) memory (transformers' sdpa would build a B×S×S mask; ``train`` leaves
+attention without CP to transformers).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.layout.mesh import process_group
-from ndparallel.parallel.cp_alltoall import alltoall_head_error
+from ndparallel.parallel.cp_ulysses import ulysses_head_error
 from ndparallel.parallel.cp_attention import (
     STRATEGIES,
     context_parallel_attention,
@@ -59,11 +60,11 @@ def validate_context_parallel(
                     f"each TP rank runs CP attention on {field}/tp heads; choose a "
                     f"tensor_parallel_size that divides {value}"
                 )
-    if strategy == "alltoall" and cp_size > 1 and heads is not None:
-        error = alltoall_head_error(heads // tp_size, kv_heads // tp_size, cp_size)
+    if strategy == "ulysses" and cp_size > 1 and heads is not None:
+        error = ulysses_head_error(heads // tp_size, kv_heads // tp_size, cp_size)
         if error:
             raise ValueError(
-                f"cp_comm_strategy='alltoall' splits heads over cp ranks, but {error} "
+                f"cp_comm_strategy='ulysses' splits heads over cp ranks, but {error} "
                 f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}, "
                 f"tensor_parallel_size={tp_size}): use cp_comm_strategy 'ring' or 'allgather', or a "
                 "context_parallel_size that divides the query heads per TP rank and divides or is "

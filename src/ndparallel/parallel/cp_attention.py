@@ -18,7 +18,7 @@ Strategies:
 * ``allgather``: K/V gathered once with a functional collective; each local query chunk attends
   to the keys before it (one dense span) and its own chunk (one causal span). The backward
   reduce-scatters dK/dV (fp32). Keeps the gathered K/V for the backward (memory O(S) per rank).
-* ``alltoall`` (Ulysses, ``cp_alltoall``): heads <-> sequence all-to-all, local attention on
+* ``ulysses`` (Ulysses, ``cp_ulysses``): heads <-> sequence all-to-all, local attention on
   cp-th of the heads over the whole sequence, all-to-all back.
 
 Packed documents (``position_ids`` restarting at 0): attention never crosses a document start;
@@ -52,9 +52,9 @@ from ndparallel.parallel.cp_collectives import (
 from ndparallel.parallel.cp_kernels import BlockKernel, resolve_kernel
 from ndparallel.parallel.cp_sharding import cp_chunk_ids, cp_positions
 
-Strategy = Literal["ring", "allgather", "alltoall"]
-STRATEGIES = ("ring", "allgather", "alltoall")
-Kernel = Literal["auto", "flash", "math", "sdpa"]
+Strategy = Literal["ring", "allgather", "ulysses"]
+STRATEGIES = ("ring", "allgather", "ulysses")
+Kernel = Literal["auto", "flash", "math"]
 _KV_TAG, _DKV_TAG = 11, 12
 
 
@@ -269,8 +269,8 @@ def context_parallel_attention(
     if s_loc % len(ids):
         raise ValueError(f"local sequence length {s_loc} must hold {len(ids)} equal chunks")
     block_kernel = _kernel(kernel, query, scale)
-    if strategy == "alltoall":
-        from ndparallel.parallel.cp_alltoall import ulysses_attention
+    if strategy == "ulysses":
+        from ndparallel.parallel.cp_ulysses import ulysses_attention
 
         return ulysses_attention(query, key, value, group, load_balance, block_kernel,
                                  position_ids, cache)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-KERNELS = ("auto", "flash", "math", "sdpa")
+KERNELS = ("auto", "flash", "math")
 _A = torch.ops.aten
 
 
@@ -38,13 +38,13 @@ def cuda_flash_supported(q: torch.Tensor) -> bool:
 
 
 def resolve_kernel(kernel: str, q: torch.Tensor) -> str:
-    """``auto``/``sdpa``/``flash``/``math`` -> the kernel that runs for ``q`` ('flash' or 'math')."""
+    """``auto``/``flash``/``math`` -> the kernel that runs for ``q`` ('flash' or 'math')."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {', '.join(KERNELS)}")
     flash_ok = q.device.type == "cpu" or cuda_flash_supported(q)
     if kernel == "auto":
         return "flash" if flash_ok else "math"
-    if kernel in ("flash", "sdpa"):
+    if kernel == "flash":
         if not flash_ok:
             raise ValueError(
                 f"kernel={kernel!r}: torch's flash attention does not run {q.dtype} head_dim "

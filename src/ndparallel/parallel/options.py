@@ -41,8 +41,8 @@ class TPOptions:
 
 @dataclass(frozen=True)
 class CPOptions:
-    comm_strategy: Literal["ring", "allgather", "alltoall"] = "ring"
-    """'ring': K/V rotate rank to rank; 'allgather': K/V gathered once per layer; 'alltoall'
+    comm_strategy: Literal["ring", "allgather", "ulysses"] = "ring"
+    """'ring': K/V rotate rank to rank; 'allgather': K/V gathered once per layer; 'ulysses'
     (Ulysses): heads <-> sequence all-to-all, local attention on cp-th of the heads (query heads per
     TP rank divisible by cp; K/V heads per TP rank divisible by cp or dividing it)."""
     load_balance: bool = True
@@ -65,7 +65,8 @@ class LossOptions:
 class CompileOptions:
     enabled: bool = False
     """``torch.compile`` each decoder layer (regional compilation, as torchtitan does): one graph
-    reused by every layer, FSDP/TP hooks and the CP attention outside the compiled code."""
+    reused by every layer; FSDP2's hooks and the CP attention run outside the compiled code, TP's
+    DTensor ops inside it (``parallel/compile.py``)."""
     backend: str = "inductor"
     """The ``torch.compile`` backend."""
     fullgraph: bool = False
@@ -83,3 +84,31 @@ class Float8Options:
     """Under FSDP with the tensorwise recipe, all-gather weights in float8 (half the bytes)."""
     emulate: bool = False
     """Emulate the float8 matmuls in high precision (any device; for tests, not for speed)."""
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """Every strategy's options for one run, plus the compute dtype: what ``parallelize_model``
+    applies and the engine runs (the trainer, ``verify`` and the Accelerate facade build one)."""
+
+    fsdp: FSDPOptions = FSDPOptions()
+    tp: TPOptions = TPOptions()
+    cp: CPOptions = CPOptions()
+    loss: LossOptions = LossOptions()
+    compile: CompileOptions = CompileOptions()
+    float8: Float8Options = Float8Options()
+    param_dtype: torch.dtype | None = None
+    """Compute dtype of the parallelised model (bf16 for mixed precision); None: fp32. Master
+    weights, gradient reduction and optimizer states stay fp32 either way."""
+
+    @classmethod
+    def from_kwargs(cls, mixed_precision: str = "no", **kwargs) -> "StrategyOptions":
+        """From the Accelerator's keyword names (``fsdp_options=``, ``tp_options=``, ...,
+        ``mixed_precision="bf16"``), as test setups and scripts write them."""
+        names = {"fsdp_options": "fsdp", "tp_options": "tp", "cp_options": "cp", "loss_options": "loss",
+                 "compile_options": "compile", "float8_options": "float8"}
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise TypeError(f"unknown strategy option(s) {unknown}: use {sorted(names)}")
+        dtype = {"no": None, "fp32": None, "bf16": torch.bfloat16}[mixed_precision]
+        return cls(param_dtype=dtype, **{names[k]: v for k, v in kwargs.items() if v is not None})

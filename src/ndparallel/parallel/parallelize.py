@@ -21,37 +21,32 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ndparallel.layout.config import ParallelismConfig
+from ndparallel.layout.dims import ParallelDims
 from ndparallel.layout.mesh import submesh
 from ndparallel.models.adapters import base_model_of
 from ndparallel.parallel.master_weights import low_precision_params, upcast_params
-from ndparallel.parallel.options import (
-    CompileOptions,
-    CPOptions,
-    Float8Options,
-    FSDPOptions,
-    TPOptions,
-)
+from ndparallel.parallel.options import StrategyOptions
 
 
 def is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
+def uses_fsdp(dims: ParallelDims, options: StrategyOptions) -> bool:
+    """FSDP2 wraps the model when parameters are sharded or replicated over ranks, and for mixed
+    precision on one rank too (its ``MixedPrecisionPolicy`` does the casts)."""
+    return dims.dp_replicate * dims.fsdp > 1 or options.param_dtype is not None
+
+
 def parallelize_model(
     model: nn.Module,
     mesh: DeviceMesh,
-    pc: ParallelismConfig,
-    fsdp: FSDPOptions,
-    tp: TPOptions,
-    cp: CPOptions,
-    param_dtype: torch.dtype | None,
+    dims: ParallelDims,
+    options: StrategyOptions,
     device: torch.device,
-    compile: CompileOptions = CompileOptions(),
-    float8: Float8Options = Float8Options(),
     master_dtype: torch.dtype | None = torch.float32,
 ) -> nn.Module:
-    """Parallelise ``model`` in place for layout ``pc`` on ``mesh`` and return it. ``master_dtype``:
+    """Parallelise ``model`` in place for layout ``dims`` on ``mesh`` and return it. ``master_dtype``:
     the dtype trainable parameters (and optimizer states) are kept in; None keeps the model's own.
     A PEFT model is parallelised through the Hugging Face model inside it (LoRA layers included)."""
     wrapper, model = model, base_model_of(model)
@@ -62,44 +57,33 @@ def parallelize_model(
             f"{next(p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point())}: "
             f"upcasting them to {upcast} master weights (compute uses mixed_precision's dtype); "
             "load the model in float32 to skip this step", stacklevel=3)
-    use_fsdp = pc.dp_replicate_size * pc.fsdp_size > 1 or param_dtype is not None
-    if float8.enabled:
+    fsdp = options.fsdp
+    if options.float8.enabled:
         from ndparallel.parallel.float8 import apply_float8
 
-        apply_float8(model, float8, fsdp.layer_classes, fsdp=use_fsdp)
-    if pc.tp_enabled:
-        from ndparallel.parallel import tensor
+        apply_float8(model, options.float8, fsdp.layer_classes, fsdp=uses_fsdp(dims, options))
+    if dims.tp_enabled:
+        from ndparallel.parallel.tensor import apply_tensor_parallel
 
-        tp_mesh = submesh(mesh, "tp")
-        if tensor.is_tensor_parallel(model):  # made TP by transformers (tp_plan / device_mesh)
-            if wrapper is not model:
-                # transformers' TP hooks know nothing of LoRA A/B: its forward would add a full-size
-                # adapter output to a sharded base output (a different model, found by a test).
-                raise ValueError("LoRA on a model made tensor-parallel by transformers (tp_plan) is not supported: "
-                                 "load the model without tp_plan; prepare applies TP and shards each adapter "
-                                 "with its base linear")
-            tensor.distribute_leftover_params(model, tp_mesh)
-        else:
-            tensor.validate_tensor_parallel(model.config, pc.tp_size, tp)
-            tensor.apply_tensor_parallel(model, tp_mesh, tp)
-    if pc.cp_enabled:
-        from ndparallel.parallel import context
+        apply_tensor_parallel(model, submesh(mesh, "tp"), options.tp, adapted=wrapper is not model)
+    if dims.cp_enabled:
+        from ndparallel.parallel.context import apply_context_parallel
 
-        context.apply_context_parallel(model, submesh(mesh, "cp"), cp)
+        apply_context_parallel(model, submesh(mesh, "cp"), options.cp)
     if fsdp.activation_checkpointing:
         # transformers' own per-decoder-layer checkpointing (GradientCheckpointingLayer); the
         # non-reentrant variant composes with FSDP2's hooks and DTensor.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if compile.enabled:
+    if options.compile.enabled:
         from ndparallel.parallel.compile import apply_compile
 
-        apply_compile(model, compile, fsdp.layer_classes, per_child=pc.tp_enabled,
-                      skip_attention=pc.cp_enabled and fsdp.activation_checkpointing)
-    if use_fsdp:
+        apply_compile(model, options.compile, fsdp.layer_classes, per_child=dims.tp_enabled,
+                      skip_attention=dims.cp_enabled and fsdp.activation_checkpointing)
+    if uses_fsdp(dims, options):
         from ndparallel.parallel.fsdp import apply_fsdp
 
-        dims = ("dp_replicate", "dp_shard_cp") if pc.dp_replicate_enabled else ("dp_shard_cp",)
-        apply_fsdp(model, submesh(mesh, *dims), fsdp, param_dtype=param_dtype, master_dtype=upcast)
+        apply_fsdp(model, submesh(mesh, *dims.fsdp_dims), fsdp, param_dtype=options.param_dtype,
+                   master_dtype=upcast)
     elif upcast is not None:
         upcast_params(model, upcast)
     move_leftovers(model, device, keep_params_on_cpu=fsdp.cpu_offload)

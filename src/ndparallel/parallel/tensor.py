@@ -107,20 +107,27 @@ def _sp_position_hook(tp_size: int):
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions | None = None
+    model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions | None = None, adapted: bool = False,
 ) -> nn.Module:
     """Shard ``model`` over the 1-D ``tp_mesh`` in place (and return it).
 
     Every parameter ends up a DTensor on ``tp_mesh``; tied parameters stay one Parameter.
     ``loss_parallel=None`` counts as off here (``resolve_loss_parallel`` picks the default). A model
     already made tensor-parallel (by transformers' ``from_pretrained(tp_plan=..., device_mesh=...)``)
-    is not sharded again: only its leftover plain parameters are replicated.
+    is not sharded again: only its leftover plain parameters are replicated. ``adapted``: the model
+    carries LoRA layers (PEFT), which transformers' own TP would compute wrongly: refused there.
     """
     options = options or TPOptions()
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs the 1-D tp mesh (mesh['tp']), got {tp_mesh}")
     tp_size = tp_mesh.size()
     if is_tensor_parallel(model):
+        if adapted:
+            # transformers' TP hooks know nothing of LoRA A/B: its forward would add a full-size
+            # adapter output to a sharded base output (a different model, found by a test).
+            raise ValueError("LoRA on a model made tensor-parallel by transformers (tp_plan) is not supported: "
+                             "load the model without tp_plan; prepare applies TP and shards each adapter "
+                             "with its base linear")
         if options.sequence_parallel or options.loss_parallel:
             raise ValueError(
                 "the model is already tensor-parallel (loaded by transformers with tp_plan/device_mesh); "

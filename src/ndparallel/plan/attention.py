@@ -67,7 +67,7 @@ def attention_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware,
         fwd = causal_fwd_flops(model, layout, s)
         return fwd / (peak * eff_f), 2 * fwd / (peak * eff_b)
     flops = cp_block_fwd_flops(model, layout, s)
-    if s.cp_kernel in ("flash", "sdpa"):
+    if s.cp_kernel == "flash":
         measured = hw.cp_block_efficiency.get("flash")
         blocks = 2 * layout.cp * model.layers  # 2c−1 full + 2 causal halves
         if measured:

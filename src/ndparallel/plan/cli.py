@@ -63,12 +63,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--unsharded-grad-accumulation", action="store_true",
                    help="accumulate unsharded gradients, reduce-scatter only after the last "
                         "micro-batch (default: reduce-scatter every micro-batch)")
-    t.add_argument("--cp-strategy", choices=("ring", "allgather", "alltoall"), default="ring",
+    t.add_argument("--cp-strategy", choices=("ring", "allgather", "ulysses"), default="ring",
                    help="context-parallel attention communication (train's cp_comm_strategy)")
     t.add_argument("--no-reshard-after-forward", action="store_true",
                    help="FSDP keeps params unsharded between forward and backward")
-    t.add_argument("--cp-kernel", choices=("flash", "math", "sdpa"), default="flash",
-                   help="CP block kernel (flash: what 'auto' runs on CUDA in bf16; sdpa = flash; math: fp32)")
+    t.add_argument("--cp-kernel", choices=("flash", "math"), default="flash",
+                   help="CP block kernel (flash: what 'auto' runs on CUDA in bf16; math: fp32)")
     t.add_argument("--loss-impl", choices=("full", "chunked"), default="chunked",
                    help="chunked: the trainer's memory-efficient loss (default); full: whole logits")
     t.add_argument("--loss-chunk-tokens", type=int, default=None,

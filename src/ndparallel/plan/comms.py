@@ -200,11 +200,11 @@ def _context_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int
     plus cp hops of the fp32 dK/dV accumulators (the last one returning them home).
     All-gather strategy: the stacked local K/V all-gathered once per forward (kept for backward),
     the fp32 dK/dV of the whole sequence reduce-scattered once in backward.
-    All-to-all (Ulysses, ``parallel/cp_alltoall.py``): see ``_ulysses``."""
+    All-to-all (Ulysses, ``parallel/cp_ulysses.py``): see ``_ulysses``."""
     c, L = layout.cp, model.layers
     kv_elems = 2 * tokens * model.kv_heads * model.head_dim // layout.tp
     fwd = (c - 1) * (2 if s.checkpointing else 1)
-    if s.cp_strategy == "alltoall":
+    if s.cp_strategy == "ulysses":
         return _ulysses(model, layout, s, tokens, ga)
     if s.cp_strategy == "allgather":
         passes = 2 if s.checkpointing else 1
@@ -215,7 +215,7 @@ def _context_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int
                        "CP reduce-scatter dK/dV (fp32)"),
         ]
     if s.cp_strategy != "ring":
-        raise ValueError(f"cp_strategy={s.cp_strategy!r}: use 'ring', 'allgather' or 'alltoall'")
+        raise ValueError(f"cp_strategy={s.cp_strategy!r}: use 'ring', 'allgather' or 'ulysses'")
     return [
         Collective("send_recv", "cp", kv_elems * s.act_bytes, (fwd + (c - 1)) * L * ga,
                    "CP ring K/V", "attention"),

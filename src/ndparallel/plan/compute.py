@@ -10,13 +10,15 @@ step's memory-bound extras (optimizer, clipping, FSDP's copies).
   ``kernel_overhead_s``; and the host floor: a micro-batch cannot run faster than its eager ops
   are dispatched (``host_op_s`` each), which is what bounds tiny models.
 
-MFU keeps the usual convention: model FLOPs ``6·N + 6·L·a·d·s`` per token over the dtype's peak.
+MFU: model FLOPs per token (``models.flops``: 4·N + 2·N_trained + causal attention 6·L·a·d·s, the
+trainer's definition too) over the dtype's peak.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ndparallel.models.flops import train_flops_per_token
 from ndparallel.plan.attention import attention_time
 from ndparallel.plan.gemm import Gemm, gemm_time, micro_batch_gemms
 from ndparallel.plan.hardware import Hardware
@@ -37,23 +39,17 @@ KERNELS_PER_LAYER = (60, 130)
 loss, FSDP and the optimizer included; ~190 per layer, split about 1 : 2."""
 
 
-def attention_flops_per_token(model: ModelSpec, seq_len: int) -> float:
-    """Training FLOPs of QKᵀ and PV per token with a causal mask: forward 2·(2·a·d·s)/2 per layer,
-    backward twice that: 6·L·a·d·s."""
-    return 6 * model.layers * model.heads * model.head_dim * seq_len
-
-
 def model_flops_per_token(model: ModelSpec, seq_len: int, lora_r: int = 0) -> float:
-    """6·N (forward 2·N, backward 4·N; N = matmul parameters incl. LM head) + causal attention.
-    LoRA of rank ``lora_r``: no weight gradients for the frozen base, 4·N + 2·N_adapter (the
-    adapters' forward and input gradients, 4·N_adapter, are neglected: N_adapter ≈ 0.5 % of N)."""
+    """``models.flops.train_flops_per_token`` (the trainer's MFU uses the same definition):
+    4·N + 2·N_trained + causal attention 6·L·a·d·s; N_trained = N, or the adapters under LoRA of
+    rank ``lora_r`` (no weight gradients for the frozen base)."""
+    trained = model.matmul_params
     if lora_r:
         from ndparallel.plan.adapter import trainable_params
 
-        matmul = 4 * model.matmul_params + 2 * trainable_params(model, lora_r)
-    else:
-        matmul = 6 * model.matmul_params
-    return matmul + attention_flops_per_token(model, seq_len)
+        trained = trainable_params(model, lora_r)
+    return train_flops_per_token(model.matmul_params, trained, model.layers, model.heads * model.head_dim,
+                                 seq_len)
 
 
 def peak(hw: Hardware, s: Settings) -> float:

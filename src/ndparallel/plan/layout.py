@@ -5,65 +5,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ndparallel.layout.config import ParallelismConfig, ParallelismConfigError
+from ndparallel.layout.dims import MESH_DIM_NAMES, ParallelDims
 from ndparallel.plan.models import ModelSpec
 
-DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+DIMS = MESH_DIM_NAMES
 
-
-@dataclass(frozen=True)
-class Layout:
-    """Degrees in mesh order (dp_replicate, dp_shard, cp, tp), tp innermost."""
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
-
-    @property
-    def dp(self) -> int:
-        """Ranks that see different samples."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def fsdp(self) -> int:
-        """Ranks FSDP shards over (dp_shard × cp)."""
-        return self.dp_shard * self.cp
-
-    def size(self, dim: str) -> int:
-        """Degree of a base or flattened mesh dim."""
-        flat = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
-                "dp_cp": ("dp_replicate", "dp_shard", "cp")}
-        n = 1
-        for d in flat.get(dim, (dim,)):
-            n *= getattr(self, d)
-        return n
-
-    def inner_size(self, dim: str) -> int:
-        """Product of the degrees inside ``dim`` (the rank stride of its groups)."""
-        last = {"dp": "dp_shard", "dp_shard_cp": "cp", "dp_cp": "cp"}
-        i = DIMS.index(last.get(dim, dim))
-        n = 1
-        for d in DIMS[i + 1:]:
-            n *= getattr(self, d)
-        return n
-
-    def short(self) -> str:
-        return f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},cp={self.cp},tp={self.tp}"
-
-    def compact(self) -> str:
-        return f"{self.dp_replicate}x{self.dp_shard}x{self.cp}x{self.tp}"
-
-    def to_parallelism_config(self) -> ParallelismConfig:
-        return ParallelismConfig(dp_replicate_size=self.dp_replicate, dp_shard_size=self.dp_shard,
-                                 cp_size=self.cp, tp_size=self.tp)
-
-    def describe(self) -> str:
-        return self.to_parallelism_config().resolve(self.world).describe()
+Layout = ParallelDims
+"""The planner's name for a layout: the runtime's own ``ParallelDims`` (one definition of the
+degrees and what derives from them)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +44,7 @@ class Settings:
     reshard_after_forward: bool = True
     cp_strategy: str = "ring"
     """CP attention: 'ring' (K/V hop rank to rank), 'allgather' (K/V gathered once per layer) or
-    'alltoall' (Ulysses: heads <-> sequence all-to-all; cp bounded by the head counts)."""
+    'ulysses' (Ulysses: heads <-> sequence all-to-all; cp bounded by the head counts)."""
     prefetch: int = 1
     """FSDP units all-gathered ahead of the one computing."""
     loss_impl: str = "full"
@@ -111,7 +60,7 @@ class Settings:
     """``zero_grad(set_to_none=True)`` (torch's default, the trainer's): no gradient exists from
     the optimizer step until each FSDP unit's backward produces it. False keeps them allocated."""
     cp_kernel: str = "flash"
-    """CP ring block kernel (``CPOptions.kernel``): 'math' (what 'auto' picks on CUDA) or 'sdpa'."""
+    """CP block kernel: 'flash' (torch's flash op; what 'auto' runs on CUDA bf16/fp16) or 'math'."""
     lora_r: int = 0
     """LoRA rank on every linear of the decoder layers (``plan --adapter lora``); 0: full
     fine-tuning. See ``ndparallel.plan.adapter``."""
@@ -207,10 +156,9 @@ def structural_rejections(
 ) -> list[tuple[str, str]]:
     """Why ``layout`` cannot run at all (before memory): a list of (code, message); empty if ok."""
     out: list[tuple[str, str]] = []
-    try:
-        layout.to_parallelism_config().resolve(world)
-    except ParallelismConfigError as exc:
-        out.append(("world_size", str(exc)))
+    if layout.world != world:
+        out.append(("world_size", f"dp_replicate × dp_shard × cp × tp = {layout.compact()} = {layout.world} "
+                    f"ranks, but the world has {world}"))
     tp, cp = layout.tp, layout.cp
     if tp > gpus_per_node:
         out.append(("tp_beyond_node", f"tp={tp} is larger than a node ({gpus_per_node} GPUs): "
@@ -224,16 +172,16 @@ def structural_rejections(
         out.append(("kv_heads", f"{model.kv_heads} key/value heads are not divisible by tp={tp}"))
     if model.intermediate % tp:
         out.append(("ffn", f"intermediate size {model.intermediate} is not divisible by tp={tp}"))
-    if cp > 1 and settings.cp_strategy == "alltoall" and model.heads % tp == 0 and model.kv_heads % tp == 0:
+    if cp > 1 and settings.cp_strategy == "ulysses" and model.heads % tp == 0 and model.kv_heads % tp == 0:
         h, kv = model.heads // tp, model.kv_heads // tp
         if h % cp or (kv % cp and cp % kv):
-            out.append(("heads_cp", f"cp_strategy alltoall needs the {h} query heads per tp rank "
+            out.append(("heads_cp", f"cp_strategy ulysses needs the {h} query heads per tp rank "
                         f"divisible by cp={cp} and the {kv} key/value heads per tp rank dividing "
                         "or divisible by it"))
-    if cp > 1 and settings.seq_len % (2 * cp):
+    if settings.seq_len % layout.cp_chunks():
         out.append(("seq_cp", f"seq_len {settings.seq_len} is not divisible by 2·cp = {2 * cp} "
                     "(load-balanced CP cuts each sequence into 2·cp chunks)"))
-    elif tp > 1 and settings.sequence_parallel and (settings.seq_len // cp) % tp:
+    elif settings.seq_len % layout.seq_len_divisor(settings.sequence_parallel):
         out.append(("seq_tp", f"the {settings.seq_len // cp} tokens per cp rank are not divisible "
                     f"by tp={tp} (sequence parallel splits them over tp)"))
     return out

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.parallel.options import StrategyOptions
 from ndparallel.training.optim import build_optimizer
-from ndparallel.training.step import forward_backward
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,9 @@ class TrainSetup:
     seed: int = 0
     ignore_fraction: float = 0.1  # share of label positions set to IGNORE_INDEX
     mixed_precision: str = "no"
-    parallel_kwargs: dict = field(default_factory=dict)  # fsdp_options / tp_options / cp_options
+    parallel_kwargs: dict = field(default_factory=dict)
+    """Strategy options under the Accelerator's names (``fsdp_options=``, ``tp_options=``,
+    ``cp_options=``, ``loss_options=``, ``compile_options=``, ``float8_options=``)."""
     packed_documents: bool = False
     """Rows hold several documents: position_ids restart at 0 at each document start and the
     label across each boundary is ignored (transformers' packing convention)."""
@@ -115,45 +117,38 @@ def setup_optimizer(setup: TrainSetup, params):
     return build_optimizer(params, setup.optimizer, lr=setup.lr, weight_decay=setup.weight_decay)
 
 
+def strategy_options(setup: TrainSetup) -> StrategyOptions:
+    return StrategyOptions.from_kwargs(mixed_precision=setup.mixed_precision, **setup.parallel_kwargs)
+
+
 def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) -> TrainResult:
     """Run inside a rank (process group up): train with ``layout`` (ParallelismConfig kwargs; None =
-    one process) through the public Accelerator API and return losses, grad norms, final params."""
-    import torch.distributed as dist
+    one process) through the engine's ``train_step`` — the step ``ndparallel train`` runs — and
+    return losses, grad norms and the final full parameters (rank 0)."""
+    from ndparallel import ParallelismConfig
+    from ndparallel.engine import Engine, train_step
 
-    from ndparallel import Accelerator, ParallelismConfig
-
-    acc = Accelerator(
-        ParallelismConfig(**(layout or {})), mixed_precision=setup.mixed_precision,
-        gradient_accumulation_steps=setup.grad_accum, **setup.parallel_kwargs,
-    )
-    model = build_model(setup)
+    engine = Engine(ParallelismConfig(**(layout or {})), strategy_options(setup))
+    model = engine.parallelize(build_model(setup))
     optimizer = setup_optimizer(setup, model.parameters())
-    model, optimizer = acc.prepare(model, optimizer)
     model.train()
-    dp_rank, dp_size = acc.dp_rank, acc.dp_size
+    dp_rank, dp_size = engine.dp_rank, engine.dp_size
     rows = setup.global_micro_batch // dp_size
     if rows * dp_size != setup.global_micro_batch:
         raise ValueError(f"global_micro_batch={setup.global_micro_batch} not divisible by dp={dp_size}")
     losses, norms = [], []
-    for micro_batches in make_global_batches(setup):
-        local = [{k: v[dp_rank * rows:(dp_rank + 1) * rows].to(acc.device) for k, v in mb.items()}
+    for i, micro_batches in enumerate(make_global_batches(setup)):
+        local = [{k: v[dp_rank * rows:(dp_rank + 1) * rows].to(engine.device) for k, v in mb.items()}
                  for mb in micro_batches]
         if setup.fault == "cross-documents":
             for mb in local:
-                mb["position_ids"] = torch.arange(setup.seq_len, device=acc.device).expand(rows, -1).clone()
-        step_loss = forward_backward(acc, model, local, skip_grad_sync=setup.fault == "skip-grad-sync")
-        if setup.max_grad_norm is not None:
-            norm = acc.clip_grad_norm_(model.parameters(), setup.max_grad_norm)
-        else:
-            norm = acc.grad_norm(model.parameters())
-        optimizer.step()
-        optimizer.zero_grad()
-        # Each dp×cp rank holds a share of the loss; tp peers hold the same share.
-        dist.all_reduce(step_loss, group=acc.mesh("dp_cp").get_group())
-        losses.append(float(step_loss))
-        norms.append(float(norm))
+                mb["position_ids"] = torch.arange(setup.seq_len, device=engine.device).expand(rows, -1).clone()
+        out = train_step(engine, model, optimizer, local, max_grad_norm=setup.max_grad_norm, step=i + 1,
+                         skip_grad_sync=setup.fault == "skip-grad-sync")
+        losses.append(float(out.loss))
+        norms.append(float(out.grad_norm))
     params = full_parameters(model)  # a collective: every rank gathers
-    return TrainResult(losses, norms, params if acc.is_main_process else None)
+    return TrainResult(losses, norms, params if engine.is_main_process else None)
 
 
 def full_parameters(model) -> dict[str, torch.Tensor]:
@@ -200,6 +195,8 @@ def train_documents_separately(setup: TrainSetup) -> TrainResult:
 def compare(reference: TrainResult, other: TrainResult) -> dict[str, float]:
     """Largest relative loss / grad-norm difference and largest absolute parameter difference."""
     def rel(a, b):
+        if len(a) != len(b) or not a:
+            raise AssertionError(f"the runs have {len(a)} and {len(b)} steps: nothing to compare step by step")
         return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
 
     out = {"loss_rel": rel(reference.losses, other.losses),

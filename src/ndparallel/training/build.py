@@ -127,14 +127,9 @@ def optimizer_for(cfg: TrainConfig, params):
                            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
 
 
-def pad_multiple(cfg: TrainConfig) -> int | None:
-    """``pad_to_sequence_len: false``: the multiple a micro-batch's width is rounded up to (what the
-    layout needs: 2·cp for context parallel, tp for sequence parallel; at least 8)."""
+def pad_multiple(cfg: TrainConfig, dims) -> int | None:
+    """``pad_to_sequence_len: false``: the multiple a micro-batch's width is rounded up to: what the
+    layout ``dims`` (``ParallelDims``) needs of a sequence length, and at least 8."""
     if cfg.pad_to_sequence_len:
         return None
-    need = 8
-    if cfg.context_parallel_size > 1:
-        need = math.lcm(need, 2 * cfg.context_parallel_size)
-    if cfg.sequence_parallel and cfg.tensor_parallel_size > 1:
-        need = math.lcm(need, cfg.tensor_parallel_size)
-    return need
+    return math.lcm(8, dims.seq_len_divisor(cfg.sequence_parallel))

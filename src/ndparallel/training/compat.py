@@ -35,6 +35,9 @@ def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
     if cfg.sample_packing and cfg.micro_batch_size > 1:
         notes.append(f"sample_packing: each micro-batch is {cfg.micro_batch_size} packed rows of sequence_len "
                      "tokens (Axolotl's multipack: the same)")
+    if cfg.cp_comm_strategy == "alltoall":
+        notes.append("cp_comm_strategy: alltoall (Accelerate's name for the rotating K/V exchange) -> ring; "
+                     "the head-splitting all-to-all is cp_comm_strategy: ulysses")
     if cfg.context_parallel_size > 1 and cfg.attn_implementation not in (None, "sdpa"):
         notes.append(f"attn_implementation: {cfg.attn_implementation} is replaced by ndparallel's context-parallel "
                      "attention (cp > 1)")

@@ -27,6 +27,7 @@ from ndparallel.parallel.options import (
     Float8Options,
     FSDPOptions,
     LossOptions,
+    StrategyOptions,
     TPOptions,
 )
 from ndparallel.training.config_data import (  # noqa: F401  (ConfigError: re-exported)
@@ -37,7 +38,7 @@ from ndparallel.training.config_data import (  # noqa: F401  (ConfigError: re-ex
     _Strict,
 )
 from ndparallel.training.config_errors import join_problems, validation_problems
-from ndparallel.training.config_fields import FSDPConfig, RunControlFields, TrackerFields
+from ndparallel.training.config_fields import DataSourceFields, FSDPConfig, RunControlFields, TrackerFields
 from ndparallel.training.overrides import apply_override
 
 
@@ -45,7 +46,7 @@ def _float(**bounds):
     return Annotated[float, Field(allow_inf_nan=False, **bounds)]
 
 
-class TrainConfig(RunControlFields, TrackerFields):
+class TrainConfig(DataSourceFields, RunControlFields, TrackerFields):
     """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one; the
     Axolotl keys that are translated, accepted empty or refused: ``axolotl_keys.py``)."""
 
@@ -79,7 +80,9 @@ class TrainConfig(RunControlFields, TrackerFields):
     sequence_parallel: bool = False
     loss_parallel: bool | None = None
     """Under TP: cross-entropy on vocab-sharded logits; default (null): on when exact."""
-    cp_comm_strategy: Literal["ring", "allgather", "alltoall"] = "ring"
+    cp_comm_strategy: Literal["ring", "allgather", "ulysses", "alltoall"] = "ring"
+    """ring (K/V rotated), allgather (K/V gathered once per layer), ulysses (heads <-> sequence
+    all-to-all); alltoall is Accelerate's name for the rotating exchange: it runs the ring."""
     # speed
     chunked_loss: bool | None = None
     """Loss from hidden states + LM-head weight in token chunks, never the full logits; default
@@ -117,9 +120,6 @@ class TrainConfig(RunControlFields, TrackerFields):
     # data
     datasets: list[DatasetConfig] | None = None
     """Required with a real base_model; a built-in preset defaults to the built-in corpus."""
-    pretraining_dataset: list[DatasetConfig] | None = None
-    """Raw text streamed as Axolotl does (needs max_steps): tokenised, concatenated and cut into
-    sequence_len blocks while training; instead of datasets."""
     val_set_size: _float(ge=0) = 0.0
     """A fraction in [0, 1) of the packed blocks, or a whole number of blocks."""
     sequence_len: int = 256
@@ -252,27 +252,7 @@ class TrainConfig(RunControlFields, TrackerFields):
                              f"{self.lr_scheduler}: set lr_scheduler: cosine or remove them")
         if self.evals_per_epoch is not None and self.eval_steps is not None:
             raise ValueError("'eval_steps' and 'evals_per_epoch' are both set; keep one")
-        return self._data_source()
-
-    def _data_source(self):
-        from ndparallel.models.presets import is_preset
-
-        if self.pretraining_dataset is not None:
-            if self.datasets:
-                raise ValueError("'datasets' and 'pretraining_dataset' are both set; keep one")
-            if self.max_steps is None:
-                raise ValueError("pretraining_dataset is streamed: set max_steps (the stream has no known length)")
-            self.datasets = []
-        elif not self.datasets:  # a real model without data: refused once base_model itself is checked
-            self.datasets = [DatasetConfig(path="builtin:stdlib")] if is_preset(self.base_model) else []
         return self
-
-    def missing_data_problem(self) -> str | None:
-        """A real base_model and no data at all (the built-in corpus only goes with the presets)."""
-        if self.datasets or self.pretraining_dataset is not None:
-            return None
-        return (f"datasets: none given for base_model={self.base_model!r}; add datasets: [{{path: FILE_OR_HUB_NAME, "
-                "type: alpaca | chat_template | completion ...}] (or pretraining_dataset:)")
 
     @field_validator("adapter", mode="before")
     @classmethod
@@ -336,7 +316,9 @@ class TrainConfig(RunControlFields, TrackerFields):
         return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[name]
 
     def cp_options(self) -> CPOptions:
-        return CPOptions(comm_strategy=self.cp_comm_strategy)
+        from ndparallel.layout.handlers import CP_STRATEGIES
+
+        return CPOptions(comm_strategy=CP_STRATEGIES.get(self.cp_comm_strategy, self.cp_comm_strategy))
 
     def loss_options(self) -> LossOptions:
         return LossOptions(chunked=self.chunked_loss, chunk_tokens=self.loss_chunk_tokens)
@@ -346,6 +328,14 @@ class TrainConfig(RunControlFields, TrackerFields):
 
     def float8_options(self) -> Float8Options:
         return Float8Options(enabled=self.fp8, recipe=self.fp8_recipe, emulate=self.fp8_emulate)
+
+    def strategy_options(self) -> StrategyOptions:
+        """Every strategy option of the run, and its compute dtype: what the engine applies."""
+        import torch
+
+        return StrategyOptions(fsdp=self.fsdp_options(), tp=self.tp_options(), cp=self.cp_options(),
+                               loss=self.loss_options(), compile=self.compile_options(),
+                               float8=self.float8_options(), param_dtype=torch.bfloat16 if self.bf16 else None)
 
     def lora_kwargs(self, **overrides) -> dict | None:
         """Arguments of ``ndparallel.models.adapters.lora_config``; None without ``adapter``."""

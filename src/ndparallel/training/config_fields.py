@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from ndparallel.training.config_data import _int, _Strict
+from ndparallel.training.config_data import DatasetConfig, _int, _Strict
 
 
 class FSDPConfig(_Strict):
@@ -138,3 +138,33 @@ class RunControlFields(_Strict):
             except re.error as e:
                 raise ValueError(f"{pattern!r} is not a regular expression ({e})") from None
         return v or None
+
+
+class DataSourceFields(_Strict):
+    """Where the data comes from when it is not ``datasets``: Axolotl's streamed pre-training text;
+    and the rule for a config without any data."""
+
+    pretraining_dataset: list[DatasetConfig] | None = None
+    """Raw text streamed as Axolotl does (needs max_steps): tokenised, concatenated and cut into
+    sequence_len blocks while training; instead of datasets."""
+
+    @model_validator(mode="after")
+    def _data_source(self):  # reads TrainConfig's datasets / max_steps / base_model
+        from ndparallel.models.presets import is_preset
+
+        if self.pretraining_dataset is not None:
+            if self.datasets:
+                raise ValueError("'datasets' and 'pretraining_dataset' are both set; keep one")
+            if self.max_steps is None:
+                raise ValueError("pretraining_dataset is streamed: set max_steps (the stream has no known length)")
+            self.datasets = []
+        elif not self.datasets:  # a real model without data: refused once base_model itself is checked
+            self.datasets = [DatasetConfig(path="builtin:stdlib")] if is_preset(self.base_model) else []
+        return self
+
+    def missing_data_problem(self) -> str | None:
+        """A real base_model and no data at all (the built-in corpus only goes with the presets)."""
+        if self.datasets or self.pretraining_dataset is not None:
+            return None
+        return (f"datasets: none given for base_model={self.base_model!r}; add datasets: [{{path: FILE_OR_HUB_NAME, "
+                "type: alpaca | chat_template | completion ...}] (or pretraining_dataset:)")

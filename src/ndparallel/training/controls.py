@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from ndparallel.training.nonfinite import NonFiniteError
+from ndparallel.engine.nonfinite import NonFiniteError
 
 
 def eval_every(eval_steps: int | None, evals_per_epoch: int | None, steps_per_epoch: int) -> int | None:

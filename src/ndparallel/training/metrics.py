@@ -7,13 +7,13 @@ import resource
 import torch
 
 
-def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int,
-                          trainable_params: int | None = None) -> float:
-    """Training FLOPs per token: 6·N for the matmuls (forward + backward) plus 12·L·h·s for the
-    attention scores and values (PaLM paper, appendix B). With frozen parameters (LoRA) the
-    backward computes weight gradients only for the ``trainable_params``: 4·N + 2·N_trainable."""
-    trainable = num_params if trainable_params is None else trainable_params
-    return 4.0 * num_params + 2.0 * trainable + 12.0 * num_layers * hidden * seq_len
+def model_flops_per_token(model: torch.nn.Module, config, seq_len: int) -> float:
+    """Training FLOPs per token of ``model`` at ``seq_len`` (``models.flops``: the definition the
+    planner uses too)."""
+    from ndparallel.models.flops import attention_dim, matmul_params, train_flops_per_token
+
+    n, trained = matmul_params(model)
+    return train_flops_per_token(n, trained, config.num_hidden_layers, attention_dim(config), seq_len)
 
 
 def device_peak_flops(device: torch.device, bf16: bool) -> float | None:

@@ -130,17 +130,17 @@ def apply_output_plan(cfg: TrainConfig, plan: OutputPlan) -> None:
     claim(out, *plan.adopt, *plan.writes)
 
 
-def claim_output_dir(acc, cfg: TrainConfig, resuming: bool, profile_comm: bool = False) -> None:
+def claim_output_dir(engine, cfg: TrainConfig, resuming: bool, profile_comm: bool = False) -> None:
     """On every rank, before the first write to ``output_dir``: rank 0 decides (again: files may
     have appeared since the launcher checked) and applies the plan; every rank raises the same
     ``ValueError`` when it is refused."""
     message = ""
-    if acc.is_main_process:
+    if engine.is_main_process:
         plan = plan_output_dir(cfg, resuming, profile_comm)
         message = "; ".join(plan.conflicts)
         if not message:
             apply_output_plan(cfg, plan)
-    message = _broadcast_text(message, acc.device)
+    message = _broadcast_text(message, engine.device)
     if message:
         raise ValueError(message)
 

@@ -47,12 +47,27 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
             from ndparallel.parallel.context import validate_context_parallel
 
             validate_context_parallel(hf, pc.cp_size, cfg.sequence_len, pc.tp_size,
-                                      strategy=cfg.cp_comm_strategy)
+                                      strategy=cfg.cp_options().comm_strategy)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_sequence_len(cfg, pc.dims)
     if check_local:  # the GPU the run needs is the launching machine's (a dry run may check another's config)
         _check_fp8(cfg)
     return pc, hf
+
+
+def _check_sequence_len(cfg: TrainConfig, dims) -> None:
+    """Rows are cut into CP chunks and, under sequence parallel, split over tp: one rule
+    (``ParallelDims.seq_len_divisor``) for every layout."""
+    divisor = dims.seq_len_divisor(cfg.sequence_parallel)
+    if cfg.sequence_len % divisor:
+        up = cfg.sequence_len + (-cfg.sequence_len) % divisor
+        why = " and ".join(w for w, on in (
+            (f"2·context_parallel_size = {dims.cp_chunks()} chunks", dims.cp_enabled),
+            (f"sequence parallel splits each cp rank's tokens over tensor_parallel_size = {dims.tp}",
+             cfg.sequence_parallel and dims.tp_enabled)) if on)
+        raise ConfigError(f"sequence_len={cfg.sequence_len} is not a multiple of {divisor} ({why}): "
+                          f"set sequence_len to a multiple of {divisor} (e.g. {up})")
 
 
 def _check_fp8(cfg: TrainConfig) -> None:

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from ndparallel.engine import Engine, batch_to_device, train_step
+from ndparallel.engine.nonfinite import NonFiniteGuard
 from ndparallel.training.build import (
     build_data,
     data_cache_dir,
@@ -39,9 +40,7 @@ from ndparallel.training.metrics import (
     model_flops_per_token,
     peak_memory_gb,
 )
-from ndparallel.training.nonfinite import NonFiniteGuard
 from ndparallel.training.progress import Progress
-from ndparallel.training.step import batch_to_device, forward_backward
 
 
 @dataclass
@@ -50,14 +49,22 @@ class TrainState:
     samples_seen: int = 0  # global samples consumed: resumes on any layout
 
 
+# Library loggers whose messages no user can act on: torchao (imported by transformers whenever it
+# is installed, fp8 on or not) logs "Failed to load ... .so" for kernels of other GPUs, and torch
+# warns that torchao registers Enum classes as pytree constants.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "torch.distributed.tensor._redistribute")
+
+
 def quiet_non_main_ranks(rank: int) -> None:
-    """Warnings and library logs from ranks other than 0 are not repeated N times; two torch notices
-    that do not apply here are silenced on every rank: FSDP2's "returned a view tensor" (transformers'
-    decoder applies no in-place op to those outputs; the equivalence tests prove the gradients) and
-    DTensor's "sequential all_gather" note when export gathers FSDP × TP parameters."""
+    """Warnings and library logs from ranks other than 0 are not repeated N times; notices that do
+    not apply here are silenced on every rank: FSDP2's "returned a view tensor" (transformers'
+    decoder applies no in-place op to those outputs; the equivalence tests prove the gradients),
+    DTensor's "sequential all_gather" note when export gathers FSDP × TP parameters, and the
+    ``QUIET_LOGGERS``."""
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a deprecated name
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     if rank != 0:
         warnings.filterwarnings("ignore")
         logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -85,34 +92,29 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- phases
     def setup(self) -> None:
-        """Accelerator (process group, mesh), tokenizer, data, model, optimizer and schedule."""
-        from ndparallel.accelerator import Accelerator
+        """Engine (process group, layout, mesh, strategies), tokenizer, data, model, optimizer and
+        schedule."""
         from ndparallel.training.build import train_loader
         from ndparallel.training.controls import EarlyStopping, LossWatchdog, eval_every
         from ndparallel.training.optim import build_scheduler
 
         cfg = self.cfg
-        self.acc = acc = Accelerator(
-            cfg.parallelism_config(), mixed_precision="bf16" if cfg.bf16 else "no",
-            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-            fsdp_options=cfg.fsdp_options(), tp_options=cfg.tp_options(), cp_options=cfg.cp_options(),
-            loss_options=cfg.loss_options(), compile_options=cfg.compile_options(),
-            float8_options=cfg.float8_options(),
-            device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.collective_timeout_s,
-        )
-        quiet_non_main_ranks(acc.process_index)
-        if cfg.tf32 and acc.device.type == "cuda":
+        self.engine = engine = Engine(cfg.parallelism_config(), cfg.strategy_options(),
+                                      device=None if cfg.device == "auto" else cfg.device,
+                                      timeout_s=cfg.collective_timeout_s)
+        quiet_non_main_ranks(engine.rank)
+        if cfg.tf32 and engine.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         cache_dir = data_cache_dir(cfg)
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg, cache_dir)
         self.splits = build_data(cfg, self.tokenizer, cache_dir)
-        multiple = pad_multiple(cfg)
-        self.loader = train_loader(cfg, self.splits, self.tokenizer, acc.dp_rank, acc.dp_size, multiple)
+        multiple = pad_multiple(cfg, engine.dims)
+        self.loader = train_loader(cfg, self.splits, self.tokenizer, engine.dp_rank, engine.dp_size, multiple)
         self.val_loader = None
         if self.splits.val is not None:
-            self.val_loader = validation_loader(acc, self.splits.val, cfg.micro_batch_size, cfg.seed, multiple)
+            self.val_loader = validation_loader(engine, self.splits.val, cfg.micro_batch_size, cfg.seed, multiple)
         steps_per_epoch = len(self.loader) // cfg.gradient_accumulation_steps
         self.eval_every = eval_every(cfg.eval_steps, cfg.evals_per_epoch, steps_per_epoch)
         self.total_steps = (cfg.max_steps if cfg.max_steps is not None  # max_steps wins over num_epochs
@@ -135,22 +137,22 @@ class Trainer:
         from ndparallel.models.attention import attention_kernel
         from ndparallel.models.presets import is_preset
 
-        cfg, acc = self.cfg, self.acc
-        kernel, why = attention_kernel(cfg.attn_implementation, acc.device.type)
-        if why and cfg.context_parallel_size == 1:
-            acc.print(f"ndparallel train: warning: attn_implementation {cfg.attn_implementation} is not "
+        cfg, engine = self.cfg, self.engine
+        kernel, why = attention_kernel(cfg.attn_implementation, engine.device.type)
+        if why and not engine.dims.cp_enabled:
+            engine.print(f"ndparallel train: warning: attn_implementation {cfg.attn_implementation} is not "
                       f"available ({why}): using {kernel}")  # one line, main rank
         self.hf_config = model_config(cfg, vocab_size=rounded_vocab(cfg, len(self.tokenizer)))
         self.hf_config.use_cache = False
         source = self.hf_config if is_preset(cfg.base_model) or cfg.reinit_weights else cfg.base_model
         grown = None if is_preset(cfg.base_model) else grown_vocab_size(cfg, self.tokenizer, self.hf_config.vocab_size)
         if grown:  # tokens added to the tokenizer: new embedding / LM-head rows
-            acc.print(f"ndparallel train: the tokenizer has {len(self.tokenizer)} tokens, the model "
+            engine.print(f"ndparallel train: the tokenizer has {len(self.tokenizer)} tokens, the model "
                       f"{self.hf_config.vocab_size} rows: growing to {grown} (new rows = the mean row)")
             self.hf_config.vocab_size = grown
         adapter = cfg.lora_config()  # LoRA: the frozen base is kept in bf16 for a bf16 run
         dtype = torch.bfloat16 if adapter is not None and cfg.bf16 else torch.float32
-        model = acc.load_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
+        model = engine.build_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
                                adapter=adapter, adapter_weights=cfg.lora_model_dir or None, vocab_size=grown,
                                dtype=dtype, attn_implementation=kernel)
         if getattr(model, "config", None) is not None:
@@ -175,41 +177,32 @@ class Trainer:
             raise ValueError(f"resume_from_checkpoint: {e}") from None
         if ckpt is None:
             return
-        extra = load_checkpoint(self.acc, ckpt, self.model, self.optimizer, self.scheduler)
+        extra = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler)
         self.state = TrainState(step=int(extra["step"]), samples_seen=int(extra["samples_seen"]))
-        self.acc.print(f"resumed from {ckpt} at step {self.state.step}")
+        self.engine.print(f"resumed from {ckpt} at step {self.state.step}")
 
     def train_step(self) -> dict:
-        """One optimizer step over ``gradient_accumulation_steps`` micro-batches. Nothing is read
-        back from the device: the loss and grad norm come back as device tensors for ``log``."""
-        cfg, acc = self.cfg, self.acc
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches (the engine's
+        ``train_step``, which ``verify`` runs too). Nothing is read back from the device: the loss
+        and grad norm come back as device tensors for ``log``."""
+        cfg, engine = self.cfg, self.engine
         first = self.state.samples_seen // self.loader.global_micro_batch
-        micro_batches = [batch_to_device(self.loader.micro_batch(first + m), acc.device)
+        micro_batches = [batch_to_device(self.loader.micro_batch(first + m), engine.device)
                          for m in range(cfg.gradient_accumulation_steps)]
-        loss_sum = forward_backward(acc, self.model, micro_batches)
-        params = self.model.parameters()
-        grad_norm = acc.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm else acc.grad_norm(params)
-        dist.all_reduce(loss_sum, group=acc.mesh("dp_cp").get_group())  # the global mean token loss
-        if self.nonfinite.step_is_finite(self.state.step + 1, loss_sum, grad_norm):
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if cfg.fp8:
-            from ndparallel.parallel.float8 import precompute_scales
-
-            precompute_scales(self.model, acc.float8_options)
+        out = train_step(engine, self.model, self.optimizer, micro_batches, scheduler=self.scheduler,
+                         max_grad_norm=cfg.max_grad_norm, guard=self.nonfinite, step=self.state.step + 1)
         if self.profiler is not None:
-            self.profiler = _profile_step(acc, self.profiler, self.out)
+            self.profiler = _profile_step(engine, self.profiler, self.out)
         self.state.step += 1
         self.state.samples_seen += self.loader.global_micro_batch * cfg.gradient_accumulation_steps
-        tokens = acc.dp_size * sum(mb["input_ids"].numel() for mb in micro_batches)  # rows may be cut
-        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "tokens": tokens}
+        return {"loss": out.loss, "grad_norm": out.grad_norm, "lr": self.scheduler.get_last_lr()[0],
+                "tokens": out.tokens}
 
     def log(self, step_out: dict) -> dict | None:
         """On logging steps (every ``logging_steps``, the first and the last): read the loss and
         the grad norm (the only host syncs of training, with the non-finite check), write the
         metrics; throughput is measured over the steps since the last log."""
-        step, cfg, acc = self.state.step, self.cfg, self.acc
+        step, cfg, engine = self.state.step, self.cfg, self.engine
         if step % cfg.logging_steps and step not in (1, self.total_steps):
             return None
         loss = step_out["loss"]  # already the global mean (reduced in train_step)
@@ -220,9 +213,9 @@ class Trainer:
         self._log_time, self._log_step = now, step
         tokens = step_out["tokens"]  # this step's (rows are cut when pad_to_sequence_len is false)
         metrics.update({
-            "step_time_s": dt, "tokens_per_s": tokens / dt, "tokens_per_s_per_device": tokens / dt / acc.num_processes,
-            "tflops_per_device": self.flops_per_token * tokens / dt / acc.num_processes / 1e12,
-            "peak_memory_gb": peak_memory_gb(acc.device),
+            "step_time_s": dt, "tokens_per_s": tokens / dt, "tokens_per_s_per_device": tokens / dt / engine.world_size,
+            "tflops_per_device": self.flops_per_token * tokens / dt / engine.world_size / 1e12,
+            "peak_memory_gb": peak_memory_gb(engine.device),
         })
         if self.peak_flops:
             metrics["mfu"] = metrics["tflops_per_device"] * 1e12 / self.peak_flops
@@ -238,12 +231,12 @@ class Trainer:
         cfg, step = self.cfg, self.state.step
         if self.val_loader is None or ((not self.eval_every or step % self.eval_every) and step != self.total_steps):
             return
-        ev = evaluate(self.acc, self.model, self.val_loader)
+        ev = evaluate(self.engine, self.model, self.val_loader)
         self.metrics.write({"step": step, **ev})
-        self.acc.print(f"step {step}: eval_loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}")
+        self.engine.print(f"step {step}: eval_loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}")
         if self.early_stopping.should_stop(ev["eval_loss"]):
             self.stopped = True
-            self.acc.print(f"step {step}: no lower eval_loss in {cfg.early_stopping_patience} evaluations: stopping")
+            self.engine.print(f"step {step}: no lower eval_loss in {cfg.early_stopping_patience} evaluations: stopping")
 
     def maybe_save(self) -> None:
         from ndparallel.checkpoint import save_step_checkpoint
@@ -253,43 +246,48 @@ class Trainer:
             return
         self.nonfinite.check()  # never a checkpoint of a diverged model
         path = save_step_checkpoint(
-            self.acc, cfg.output_dir, step, self.model, self.optimizer, self.scheduler,
+            cfg.output_dir, step, self.model, self.optimizer, self.scheduler,
             config=cfg.model_dump(mode="json"), extra={"samples_seen": self.state.samples_seen},
-            save_total_limit=cfg.save_total_limit,
+            save_total_limit=cfg.save_total_limit, layout=self.engine.dims,
         )
-        self.acc.print(f"step {step}: checkpoint saved to {path}")
+        self.engine.print(f"step {step}: checkpoint saved to {path}")
 
     def finish(self) -> None:
         """The final Hugging Face model; then leave the process group."""
-        acc = self.acc
+        from ndparallel.checkpoint.export import save_hf_model
+        from ndparallel.runtime.distributed import shutdown
+
+        engine = self.engine
         self.nonfinite.check()
         if self.cfg.save_final_model:
             # the optimizer states (2× the model in fp32 for AdamW) are not needed any more: free
             # them before gathering the full tensors
             self.optimizer.state.clear()
             gc.collect()
-            if acc.device.type == "cuda":
+            if engine.device.type == "cuda":
                 torch.cuda.empty_cache()
             final = self.out / "final"
-            acc.save_model(self.model, str(final), tokenizer=self.tokenizer, dtype=self.cfg.export_dtype())
+            save_hf_model(self.model, final, engine.is_main_process, tokenizer=self.tokenizer,
+                          dtype=self.cfg.export_dtype())
+            engine.barrier()
             if self.cfg.adapter is None:
-                acc.print(f"saved the trained model to {final} (AutoModelForCausalLM.from_pretrained loads it)")
+                engine.print(f"saved the trained model to {final} (AutoModelForCausalLM.from_pretrained loads it)")
             else:
-                acc.print(f"saved the LoRA adapter to {final} (PeftModel.from_pretrained(base_model, "
-                          f"{str(final)!r}) loads it)")
+                engine.print(f"saved the LoRA adapter to {final} (PeftModel.from_pretrained(base_model, "
+                             f"{str(final)!r}) loads it)")
             if self.cfg.adapter is not None and self.cfg.merge_lora:
                 self._save_merged()
         self.metrics.finish()
-        acc.end_training()
+        shutdown()
 
     def _save_merged(self) -> None:
         from ndparallel.checkpoint.export import save_hf_model
 
         merged = self.out / "merged"
-        save_hf_model(self.model, merged, self.acc.is_main_process, tokenizer=self.tokenizer,
+        save_hf_model(self.model, merged, self.engine.is_main_process, tokenizer=self.tokenizer,
                       dtype=self.cfg.export_dtype(), merge_adapter=True)
-        self.acc.wait_for_everyone()
-        self.acc.print(f"saved the merged model to {merged} (AutoModelForCausalLM.from_pretrained loads it)")
+        self.engine.barrier()
+        self.engine.print(f"saved the merged model to {merged} (AutoModelForCausalLM.from_pretrained loads it)")
 
     # ------------------------------------------------------------------------------- run
     def run(self) -> dict:
@@ -299,10 +297,10 @@ class Trainer:
         from ndparallel.training.outputs import claim_output_dir
 
         resuming = resume_policy(self.cfg.resume_from_checkpoint, os.environ) is not None
-        claim_output_dir(self.acc, self.cfg, resuming, self.profile_comm)  # before the first write
+        claim_output_dir(self.engine, self.cfg, resuming, self.profile_comm)  # before the first write
         self._start_outputs()
         self.model.train()
-        self.progress = Progress(self.total_steps, self.state.step, enabled=self.acc.is_main_process)
+        self.progress = Progress(self.total_steps, self.state.step, enabled=self.engine.is_main_process)
         self._log_time, self._log_step = time.perf_counter(), self.state.step
         try:
             while self.state.step < self.total_steps and not self.stopped:
@@ -316,20 +314,18 @@ class Trainer:
 
     def _start_outputs(self) -> None:
         """Metrics file, resolved config, the run's summary line, the communication profiler."""
-        acc, cfg = self.acc, self.cfg
+        engine, cfg = self.engine, self.cfg
         n_global = global_numel(self.model)
-        self.flops_per_token = model_flops_per_token(
-            n_global, self.hf_config.num_hidden_layers, self.hf_config.hidden_size, cfg.sequence_len,
-            trainable_params=global_numel(self.model, trainable_only=True))
-        self.peak_flops = device_peak_flops(acc.device, cfg.bf16)
-        self.metrics = RunTrackers(self.out, cfg, acc.is_main_process, fresh=self.state.step == 0,
+        self.flops_per_token = model_flops_per_token(self.model, self.hf_config, cfg.sequence_len)
+        self.peak_flops = device_peak_flops(engine.device, cfg.bf16)
+        self.metrics = RunTrackers(self.out, cfg, engine.is_main_process, fresh=self.state.step == 0,
                                    config=cfg.model_dump(mode="json", exclude_none=True))
-        if acc.is_main_process:
+        if engine.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.resolved.yaml").write_text(_dump_yaml(cfg))
-        acc.print(
-            f"ndparallel train: {acc.parallelism_config.describe()} on {acc.num_processes} rank(s) "
-            f"({acc.device.type}); model {n_global / 1e6:.2f}M params "
+        engine.print(
+            f"ndparallel train: {engine.dims.describe()} on {engine.world_size} rank(s) "
+            f"({engine.device.type}); model {n_global / 1e6:.2f}M params "
             f"({local_numel(self.model) / 1e6:.2f}M on this rank{self._trainable_note()}); {self.total_steps} steps × "
             f"{self.loader.global_micro_batch * cfg.gradient_accumulation_steps} sequences × "
             f"{cfg.sequence_len} tokens"
@@ -338,7 +334,7 @@ class Trainer:
         if self.profile_comm:  # the first two steps (lazy init, then a steady step) are recorded
             from ndparallel.runtime.comm_profile import CommProfiler
 
-            self.profiler = CommProfiler(acc.torch_device_mesh)
+            self.profiler = CommProfiler(engine.mesh)
             self.profiler.__enter__()
 
 
@@ -353,15 +349,15 @@ def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:
     return Trainer(cfg, profile_comm=profile_comm).run()
 
 
-def _profile_step(acc, profiler, out: Path):
+def _profile_step(engine, profiler, out: Path):
     """Close a profiled step; after the second, print rank 0's table, write every rank's JSON, stop."""
     profiler.step()
     if profiler.num_steps < 2:
         return profiler
     profiler.__exit__(None, None, None)
     (out / "comm_profile").mkdir(parents=True, exist_ok=True)
-    (out / "comm_profile" / f"rank-{acc.process_index:05d}.json").write_text(profiler.to_json(step=1))
-    acc.print(profiler.format_table(step=1, title="collectives per rank, steady step (rank 0)"))
+    (out / "comm_profile" / f"rank-{engine.rank:05d}.json").write_text(profiler.to_json(step=1))
+    engine.print(profiler.format_table(step=1, title="collectives per rank, steady step (rank 0)"))
     return None
 
 

@@ -1,4 +1,4 @@
-"""Ulysses context parallelism (``cp_comm_strategy: alltoall``).
+"""Ulysses context parallelism (``cp_comm_strategy: ulysses``).
 
 An all-to-all turns this rank's sequence shard of *all* heads into the *whole* sequence of a
 cp-th of the heads; each rank then runs document-masked causal attention locally
@@ -28,8 +28,8 @@ from ndparallel.parallel.cp_kernels import BlockKernel
 from ndparallel.parallel.cp_sharding import cp_chunk_ids
 
 
-def alltoall_head_error(heads: int, kv_heads: int, cp: int) -> str | None:
-    """Why ``alltoall`` cannot split these heads (per TP rank) over cp ranks; None if it can."""
+def ulysses_head_error(heads: int, kv_heads: int, cp: int) -> str | None:
+    """Why ``ulysses`` cannot split these heads (per TP rank) over cp ranks; None if it can."""
     if heads % cp:
         return (f"{heads} attention heads (per tensor-parallel rank) are not divisible by "
                 f"context_parallel_size={cp}")
@@ -80,9 +80,9 @@ def ulysses_attention(q, k, v, group, load_balance: bool, kernel: BlockKernel, p
     cp = dist.get_world_size(group)
     b, heads, s_loc, d = q.shape
     kv_heads = k.shape[1]
-    error = alltoall_head_error(heads, kv_heads, cp)
+    error = ulysses_head_error(heads, kv_heads, cp)
     if error:
-        raise ValueError(f"cp_comm_strategy='alltoall': {error}; use 'ring' or 'allgather'")
+        raise ValueError(f"cp_comm_strategy='ulysses': {error}; use 'ring' or 'allgather'")
     if kv_heads < cp:  # each rank needs the K/V head its query heads use
         k, v = k.repeat_interleave(cp // kv_heads, 1), v.repeat_interleave(cp // kv_heads, 1)
     hq, hk = heads // cp, k.shape[1] // cp
@@ -96,7 +96,7 @@ def ulysses_attention(q, k, v, group, load_balance: bool, kernel: BlockKernel, p
         starts = document_starts(full_pos, torch.arange(cp * s_loc), b)
         return DocLayout(starts, (0,), cp * s_loc, b, q.device)
 
-    docs = cache.get(position_ids, ("alltoall", b, s_loc, cp), build) if cache is not None else build()
+    docs = cache.get(position_ids, ("ulysses", b, s_loc, cp), build) if cache is not None else build()
     packed = torch.cat([t.reshape(b, cp, -1, s_loc, d) for t in (q, k, v)], dim=2)
     x = _to_heads(packed, group, natural, n)  # [B, hq + 2·hk, S, D]
     out = local_attention(x[:, :hq], x[:, hq:hq + hk], x[:, hq + hk:], kernel, docs)

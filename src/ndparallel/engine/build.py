@@ -1,0 +1,80 @@
+"""Build a causal LM straight into the engine's layout (torchtitan's order): on the meta device →
+parallelise (no memory yet) → materialise this rank's shards where they live → read only those
+shards from the safetensors files. A config or preset name is built whole, seeded, and sharded
+(``models.loading.build_from_config``: for presets and tests)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers import PretrainedConfig
+
+from ndparallel.models.adapter_files import read_adapter_weights
+from ndparallel.models.adapters import adapter_config_of
+from ndparallel.models.loading import (
+    build_from_config,
+    build_on_meta,
+    fill_from_files,
+    materialize,
+    resolve_model_dir,
+    set_full_tensors,
+)
+from ndparallel.models.presets import is_preset, preset_config
+from ndparallel.parallel.parallelize import move_leftovers
+
+
+def build_model(
+    engine,
+    source: str | os.PathLike | PretrainedConfig,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+    adapter: Any = None,
+    adapter_weights: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+) -> nn.Module:
+    """Build, parallelise and fill a causal LM for ``engine`` (an ``Engine``); returns the model.
+
+    Args:
+        source: an HF model directory with ``*.safetensors`` (one file or sharded) or a hub id, an
+            HF ``PretrainedConfig``, or a built-in preset name (``ndparallel.models.presets``).
+        dtype: parameter dtype (checkpoint tensors are converted while being copied in).
+        trust_remote_code: passed to ``AutoConfig`` / ``AutoModelForCausalLM``.
+        attn_implementation: the attention kernel name given to transformers.
+        seed: RNG seed of the random init of a config/preset (the global RNG is left untouched)
+            and of the LoRA adapter's A matrices.
+        adapter: a peft ``LoraConfig``: the model is wrapped (``get_peft_model``) before it is
+            parallelised; the base weights are frozen and keep ``dtype``, the adapters are fp32.
+            A model read from disk starts with A drawn from ``seed`` and B = 0 on every layout.
+        adapter_weights: a saved PEFT adapter directory whose tensors replace that init (continue
+            training an adapter; ``adapter`` must be its config: ``adapter_files.read_adapter_config``).
+        vocab_size: a model read from disk grows to this many token rows (tokens added to its
+            tokenizer); the new embedding and LM-head rows start at the mean of the old ones
+            (``models.vocab``). A config or preset is built with its own ``vocab_size``.
+    """
+    if adapter_weights is not None and adapter is None:
+        raise ValueError("adapter_weights needs adapter= (the LoraConfig it was saved with: "
+                         "ndparallel.models.adapter_files.read_adapter_config(directory))")
+    if isinstance(source, PretrainedConfig) or (isinstance(source, str) and is_preset(source)):
+        config = source if isinstance(source, PretrainedConfig) else preset_config(source)
+        model = build_from_config(config, dtype, attn_implementation, trust_remote_code, seed, adapter)
+        model = engine.parallelize(model)
+        if adapter_weights is not None:
+            set_full_tensors(model, read_adapter_weights(model, adapter_weights))
+        return model
+    path = resolve_model_dir(str(source), engine is None or engine.is_local_main_process)
+    model, files, grown = build_on_meta(path, dtype, attn_implementation, trust_remote_code, vocab_size, adapter)
+    model = engine.parallelize(model)  # TP/CP/FSDP on meta: no memory yet
+    offload = engine.options.fsdp.cpu_offload
+    # Shards are materialised where they live: FSDP's CPU offload keeps them in host memory.
+    materialize(model, torch.device("cpu") if offload else engine.device)
+    if offload:
+        move_leftovers(model, engine.device, keep_params_on_cpu=True)  # buffers to the device
+    fill_from_files(model, path, files, grown, seed, adapter_weights)
+    if adapter is not None:  # as given (a hub id stays a hub id), for the saved adapter_config
+        adapter_config_of(model).base_model_name_or_path = str(source)
+    return model

@@ -1,0 +1,230 @@
+"""``Engine``: one process's typed training runtime — the process group, the resolved layout
+(``ParallelDims``) and its mesh, the strategy options, and what a training step needs from them
+(parallelising models, the layout-invariant loss, CP sharding of a batch, gradient sync, norms).
+
+The trainer, ``verify`` and the equivalence checks drive it directly; the Accelerate-compatible
+``Accelerator`` is an adapter over it. Nothing below this layer calls back into either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import weakref
+from typing import Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ndparallel.layout.config import ParallelismConfig
+from ndparallel.layout.dims import ParallelDims
+from ndparallel.layout.mesh import build_mesh, submesh
+from ndparallel.parallel.options import StrategyOptions
+from ndparallel.runtime.distributed import DistributedInfo, init_distributed
+
+
+class Engine:
+    """Start (or join) the process group, resolve ``layout`` against its world size, build the
+    4-D mesh (every group with the collective timeout) and hold the strategy ``options``.
+
+    ``layout``: a ``ParallelismConfig`` (a -1 degree is filled from the world size) or
+    ``ParallelDims``. ``device``: "cpu"/"cuda" (default: ``NDPARALLEL_DEVICE``, else cuda when
+    visible). ``timeout_s``: collective timeout of every group (default ``NDPARALLEL_TIMEOUT`` or 600).
+    """
+
+    def __init__(self, layout: ParallelismConfig | ParallelDims, options: StrategyOptions = StrategyOptions(),
+                 *, device: str | None = None, timeout_s: float | None = None) -> None:
+        self.info: DistributedInfo = init_distributed(device, timeout_s)
+        if isinstance(layout, ParallelDims):
+            layout = ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard,
+                                       cp_size=layout.cp, tp_size=layout.tp)
+        self.dims: ParallelDims = layout.resolve(self.info.world_size).dims
+        self.mesh = build_mesh(self.info.device_type, self.dims.sizes,
+                               datetime.timedelta(seconds=self.info.timeout_s))
+        self.options = options
+        self._submeshes: dict[tuple[str, ...], object] = {}
+        self._loss_parallel: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    # ----------------------------------------------------------------------- where
+    @property
+    def device(self) -> torch.device:
+        return self.info.device
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.info.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.info.local_rank == 0
+
+    def submesh(self, *dims: str):
+        """The sub-mesh of base or flattened dim names, e.g. ``submesh("dp_shard_cp")`` (cached:
+        slicing a DeviceMesh builds a new one each time)."""
+        if dims not in self._submeshes:
+            self._submeshes[dims] = submesh(self.mesh, *dims)
+        return self._submeshes[dims]
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self.submesh(dim).get_group()
+
+    def rank_in(self, dim: str) -> int:
+        """This rank's index along a mesh dim (``dp``, ``tp``, ``cp``, ``dp_shard_cp``...)."""
+        return self.submesh(dim).get_local_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank_in("dp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    def print(self, *args, **kwargs) -> None:
+        """``print`` on each node's first process only."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    # ---------------------------------------------------------------------- models
+    def parallelize(self, model: nn.Module, adapter=None) -> nn.Module:
+        """Apply the layout's strategies to ``model`` (float8 → TP → CP → AC → compile → FSDP) and
+        return it; ``adapter`` (a peft ``LoraConfig``) wraps it with LoRA first. Training needs no
+        KV cache (with one, transformers also skips its packed-document mask): it is switched off."""
+        from ndparallel.models.adapters import apply_adapter, base_model_of
+        from ndparallel.parallel.parallelize import parallelize_model
+
+        if adapter is not None:
+            model = apply_adapter(model, adapter)
+        if getattr(getattr(model, "config", None), "use_cache", False):
+            model.config.use_cache = False
+        options = self.options
+        if self.dims.tp_enabled:  # loss_parallel=None: on where exact, decided for this model
+            from ndparallel.parallel.tensor import resolve_loss_parallel
+
+            tp = resolve_loss_parallel(base_model_of(model), options.tp)
+            options = dataclasses.replace(options, tp=tp)
+        model = parallelize_model(model, self.mesh, self.dims, options, self.device)
+        self._loss_parallel[model] = self.dims.tp_enabled and bool(options.tp.loss_parallel)
+        return model
+
+    def build_model(self, source, **kwargs) -> nn.Module:
+        """A causal LM built on the meta device, parallelised, and filled with this rank's shards
+        (``engine.build.build_model``: ``source`` is a model directory / hub id, an HF config or a
+        preset name)."""
+        from ndparallel.engine.build import build_model
+
+        return build_model(self, source, **kwargs)
+
+    # ------------------------------------------------------------------------ loss
+    def loss_parallel(self, model: nn.Module | None = None) -> bool:
+        """Whether ``model``'s logits are vocab-sharded (loss parallel); without a model: whether
+        any model this engine parallelised has it (the context is a no-op for plain tensors)."""
+        if model is not None:
+            return self._loss_parallel.get(model, False)
+        return any(self._loss_parallel.values())
+
+    def loss_context(self, model: nn.Module | None = None):
+        """The context the loss forward and backward run in (``loss_parallel`` under TP)."""
+        if self.loss_parallel(model):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def global_num_items(self, micro_batches: Iterable[Mapping[str, torch.Tensor]],
+                         label_key: str = "shift_labels") -> torch.Tensor:
+        """Non-ignored label tokens of this optimizer step over all micro-batches and dp ranks
+        (counted before CP sharding), an int64 tensor on the device (no host sync)."""
+        from ndparallel.parallel.loss import global_num_items
+
+        return global_num_items(micro_batches, self.group("dp"), label_key, self.device)
+
+    def causal_lm_loss(self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items) -> torch.Tensor:
+        """Token-loss sum of this rank / the global token count."""
+        from ndparallel.parallel.loss import causal_lm_loss
+
+        with self.loss_context():
+            return causal_lm_loss(logits, shift_labels, num_items)
+
+    def forward_loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor], num_items) -> torch.Tensor:
+        """Forward ``batch`` (``input_ids``, ``shift_labels``, ``position_ids``; CP-sharded
+        already) and return this rank's token-loss sum / the global token count: the chunked loss
+        (no full logits) where exact (``LossOptions``), else the logits and ``causal_lm_loss``."""
+        from ndparallel.parallel import lm_loss
+
+        if lm_loss.use_chunked_loss(model, self.options.loss):
+            from ndparallel.parallel.fsdp import gathered
+
+            sp = self.dims.tp_enabled and self.options.tp.sequence_parallel
+            return lm_loss.forward_loss(model, batch, num_items, self.options.loss.chunk_tokens,
+                                        sequence_parallel=sp, gathered=gathered)
+        logits = model(**lm_loss.model_inputs(batch)).logits
+        from ndparallel.parallel.loss import causal_lm_loss
+
+        with self.loss_context(model):
+            return causal_lm_loss(logits, batch["shift_labels"], num_items)
+
+    def backward(self, loss: torch.Tensor, model: nn.Module | None = None, **kwargs) -> None:
+        with self.loss_context(model):
+            loss.backward(**kwargs)
+
+    def reduce_step_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the step loss summed over the dp×cp ranks (tp peers hold the same
+        share): the global mean token loss, in place, on every rank."""
+        dist.all_reduce(loss_sum, group=self.group("dp_cp"))
+        return loss_sum
+
+    # -------------------------------------------------------------------- batches
+    @contextlib.contextmanager
+    def cp_shard(self, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int] | None = None,
+                 no_restore: set | None = None):
+        """Shard ``buffers`` IN PLACE along their sequence dims over the cp group for the block
+        (load-balanced for causal attention), restored after; a no-op without CP."""
+        if not self.dims.cp_enabled:
+            yield list(buffers)
+            return
+        from ndparallel.parallel.context import context_parallel_buffers
+
+        dims = list(seq_dims or [1] * len(buffers))
+        with context_parallel_buffers(self.submesh("cp"), list(buffers), dims, no_restore_buffers=no_restore,
+                                      load_balance=self.options.cp.load_balance) as out:
+            yield out
+
+    def batch_context(self, batch: Mapping[str, torch.Tensor]):
+        """``cp_shard`` of a training batch's ``input_ids``, ``shift_labels`` and ``position_ids``."""
+        return self.cp_shard([batch["input_ids"], batch["shift_labels"], batch["position_ids"]])
+
+    # ------------------------------------------------------------------- gradients
+    def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
+        """Reduce gradients in the next backward passes (``enabled``) or only reduce-scatter them
+        (gradient accumulation; with ``unsharded_grad_accumulation`` not even that)."""
+        from ndparallel.parallel.fsdp import set_gradient_sync
+
+        keep_rs = not self.options.fsdp.unsharded_grad_accumulation
+        set_gradient_sync(model, enabled, keep_reduce_scatter=keep_rs)
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip to ``max_norm``; returns the true global norm (any layout, any mix of meshes)."""
+        from ndparallel.parallel.grad_norm import clip_grad_norm_
+
+        return clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def grad_norm(self, parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+        from ndparallel.parallel.grad_norm import total_grad_norm
+
+        return total_grad_norm(parameters, norm_type)

@@ -1,0 +1,98 @@
+"""The one training step: micro-batches (CP-sharded), gradient accumulation, the layout-invariant
+loss, clipping, the non-finite guard, the optimizer and scheduler, fp8 scale precomputation.
+``ndparallel train``, ``ndparallel verify`` and the equivalence checks all run this function, so
+what verify proves is what train runs.
+
+The step never waits for the device: the token count and the loss stay device tensors, nothing
+is read back (``tests/test_host_sync.py`` counts the reads)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    """The global mean token loss of the step (a device scalar, the same on every rank)."""
+    grad_norm: torch.Tensor
+    """The global gradient norm before clipping (a device scalar)."""
+    tokens: int
+    """Tokens of the global batch (rows × width of every micro-batch, over the dp ranks)."""
+
+
+def batch_to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Copy a host batch to ``device``: through pinned memory and without blocking the host on
+    CUDA (the copy is queued before the step's kernels that read it); as is on CPU."""
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in batch.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def forward_backward(engine, model: torch.nn.Module, micro_batches: Sequence[Mapping[str, torch.Tensor]],
+                     skip_grad_sync: bool = False) -> torch.Tensor:
+    """Run every micro-batch (CP-sharded when CP is on) with the layout-invariant loss and
+    back-propagate it; gradients are reduced after the last micro-batch only (accumulation).
+    Returns this rank's share of the step loss (a device tensor): summed over the ``dp_cp`` ranks
+    it is the global mean token loss. ``skip_grad_sync`` never reduces gradients: a deliberately
+    broken run, used to prove that the equivalence checks can fail."""
+    from ndparallel.parallel.fsdp import set_gradient_sync
+
+    n_items = engine.global_num_items(micro_batches)
+    loss_sum = torch.zeros((), device=engine.device)
+    try:
+        for i, mb in enumerate(micro_batches):
+            if skip_grad_sync:
+                set_gradient_sync(model, False)
+            else:
+                engine.set_grad_sync(model, i == len(micro_batches) - 1)
+            with engine.batch_context(mb):
+                loss = engine.forward_loss(model, mb, n_items)
+                engine.backward(loss, model)
+            loss_sum += loss.detach().float()
+    finally:
+        set_gradient_sync(model, True)
+    return loss_sum
+
+
+def train_step(
+    engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[Mapping[str, torch.Tensor]], *, scheduler=None, max_grad_norm: float | None = None,
+    guard=None, step: int = 0, skip_grad_sync: bool = False,
+) -> StepResult:
+    """One optimizer step over ``micro_batches`` (this rank's, already on the device).
+
+    ``max_grad_norm``: clip to it (None: only measure the norm). ``guard``: a ``NonFiniteGuard``
+    deciding whether a non-finite step is applied (``step`` is its 1-based index). The scheduler
+    steps even when the optimizer step is skipped (the schedule follows the step count)."""
+    loss = forward_backward(engine, model, micro_batches, skip_grad_sync=skip_grad_sync)
+    params = model.parameters()
+    norm = (engine.clip_grad_norm_(params, max_grad_norm) if max_grad_norm
+            else engine.grad_norm(params))
+    engine.reduce_step_loss(loss)
+    if guard is None or guard.step_is_finite(step, loss, norm):
+        optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if engine.options.float8.enabled:
+        from ndparallel.parallel.float8 import precompute_scales
+
+        precompute_scales(model, engine.options.float8)
+    tokens = engine.dp_size * sum(mb["input_ids"].numel() for mb in micro_batches)  # rows may be cut
+    return StepResult(loss, norm, tokens)
+
+
+@contextlib.contextmanager
+def evaluation(model: torch.nn.Module):
+    """``model.eval()`` and no gradients inside the block; training mode after it."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train()

@@ -1,0 +1,47 @@
+"""Training FLOPs per token: the one definition the trainer's logged MFU and the planner share.
+
+    flops/token = 4·N + 2·N_trained + 6·L·(a·d)·s
+
+* N: parameters used in matmuls (every linear weight and the LM head — the embedding matrix when
+  tied; the embedding lookup, norms and biases do no matmul). Each takes 2 FLOPs per token in
+  forward and 2 for the input gradient in backward;
+* N_trained: those whose weight gradient is computed (2 more FLOPs per token): N for full
+  fine-tuning, the adapters for LoRA (whose own forward/input-gradient FLOPs, ~4·N_adapter, are
+  left out: N_adapter is ~0.5 % of N);
+* attention as it runs with a causal mask: QKᵀ and PV cost 2·(2·a·d·s)/2 per token per layer
+  forward (half the score matrix), backward twice that: 6·L·a·d·s (a heads of dim d, sequence s).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+def train_flops_per_token(matmul_params: int, trained_matmul_params: int, layers: int, attention_dim: int,
+                          seq_len: int) -> float:
+    """Model FLOPs of one training token (forward + backward) per the module docstring."""
+    return 4.0 * matmul_params + 2.0 * trained_matmul_params + 6.0 * layers * attention_dim * seq_len
+
+
+def matmul_params(model: nn.Module) -> tuple[int, int]:
+    """(N, N_trained) of a model, sharded or not (global shapes), tied weights once: the weights
+    of its linear layers; LoRA adapters count as trained only, their frozen base as N."""
+    seen: set[int] = set()
+    n = trained = 0
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, nn.Linear) or weight is None or id(weight) in seen:
+            continue
+        seen.add(id(weight))
+        numel = weight.shape.numel()
+        if ".lora_" not in f".{name}":
+            n += numel
+        if weight.requires_grad:
+            trained += numel
+    return n, trained
+
+
+def attention_dim(config) -> int:
+    """Query heads × head dim of an HF config (``head_dim`` when set, else hidden / heads)."""
+    heads = config.num_attention_heads
+    return heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
