@@ -22,9 +22,9 @@ import yaml
 from axolotl_stand_ins import FIXTURES, model_types, stand_in
 from cli_helpers import forbid_launch, run_cli
 
-from ndparallel.training.axolotl_keys import DATASET, FSDP, PLUGINS, TOP, Translation
+from ndparallel.training.axolotl_keys import DATASET, FSDP, PLUGINS, TOP
 from ndparallel.training.axolotl_map import MAPPERS, translate
-from ndparallel.training.config import ConfigError, TrainConfig, load_config, own_keys
+from ndparallel.training.config import ConfigError, load_config, own_keys
 from ndparallel.training.config_data import DatasetConfig, SpecialTokens
 from ndparallel.training.config_fields import FSDPConfig
 
@@ -170,7 +170,7 @@ def _report(name: str, results: dict[str, list[str]]) -> tuple[int, int]:
 def test_examples_at_the_schema_level(schema_results):
     assert len(schema_results) == 198
     accepted, modulo = _report("schema", schema_results)
-    assert modulo >= 152, "fewer Axolotl examples accepted than measured on 2026-12-01 (152 of 198)"
+    assert modulo >= 153, "fewer Axolotl examples accepted than measured on 2026-12-01 (153 of 198)"
     for name, lines in schema_results.items():
         for line in lines:
             assert not re.fullmatch(r"unknown key '[^']*'(; remove it.*)?", line) or "did you mean" in line \
@@ -221,7 +221,7 @@ def test_examples_at_the_dry_run_level(schema_results, tmp_path_factory, capsys)
             mine = [x for x in lines if not PENDING.match(x) and not x.endswith("problems:")]
             if mine:
                 print(f"  refused {name}: {mine[0].removeprefix('ndparallel train: error: ')[:150]}")
-    assert modulo >= 112, "fewer Axolotl examples pass --dry-run than measured on 2026-12-01"
+    assert modulo >= 114, "fewer Axolotl examples pass --dry-run than measured on 2026-12-01 (114 of 198)"
 
 
 def test_readme_and_docs_tables_are_generated_from_the_key_table():

@@ -60,7 +60,7 @@ def test_split_slices_data_files_and_alpaca_styles(tmp_path):
     records = load_records(spec)
     assert len(records) == 6 and records[0]["output"] == alpaca_records(30, seed=5)[0]["output"]
     with pytest.raises(ConfigError, match="is not a split"):
-        load_config(_cfg(tmp_path, f"base_model: tiny-llama\ndatasets: [{{path: x, split: 'train[:20'}}]\n"))
+        load_config(_cfg(tmp_path, "base_model: tiny-llama\ndatasets: [{path: x, split: 'train[:20'}]\n"))
     from ndparallel.data.dataset import DatasetSpec
 
     record = {"instruction": "Name a colour.", "input": "", "output": "Red."}
@@ -133,7 +133,7 @@ def test_trackers_missing_packages_are_refused_before_launch(tmp_path, capsys, m
 
 def test_run_controls():
     from ndparallel.training.controls import EarlyStopping, LossWatchdog, eval_every
-    from ndparallel.training.nonfinite import NonFiniteError
+    from ndparallel.engine.nonfinite import NonFiniteError
     from ndparallel.training.optim import cosine_factor
 
     assert eval_every(None, 4, 10) == 2 and eval_every(5, None, 10) == 5 and eval_every(None, None, 10) is None

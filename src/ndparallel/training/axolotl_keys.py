@@ -47,6 +47,8 @@ TRACKER = "this tracker is not supported: use wandb_project, use_tensorboard or 
 OPTIM = "not supported here: remove it (optimizer: adamw_torch, adamw_torch_fused or sgd; learning_rate, weight_decay)"
 KERNEL = "a kernel switch of Axolotl's: ndparallel runs transformers' modules (regional compile: torch_compile: true)"
 LORA = "not supported by ndparallel's LoRA (adapter: lora with lora_r/lora_alpha/lora_dropout/lora_target_*); remove it"
+RAY = ("Ray is not used: ndparallel starts its ranks itself (ray_num_workers: N -> ndparallel train "
+       "--nproc-per-node N, or torchrun across nodes); the same training")
 NO_EFFECT_DDP = "DDP / Accelerate knob: ndparallel's data parallelism is FSDP2's (no DDP buckets or unused-parameter search)"
 
 TOP: dict[str, Rule] = {
@@ -183,10 +185,8 @@ TOP: dict[str, Rule] = {
            "comet_experiment_key", "comet_mode", "comet_online", "comet_experiment_config", "use_trackio",
            "trackio_project_name", "trackio_run_name", "trackio_space_id", "use_otel_metrics"),
     **_defaults("noop", TRACKER, otel_metrics_host="localhost", otel_metrics_port=8000),
-    **_all("noop", "Ray is not used: ndparallel starts its ranks itself (ndparallel train, or torchrun); remove it",
-           "use_ray", "ray_run_name"),
-    **_defaults("noop", "Ray is not used: ndparallel starts its ranks itself; remove it", ray_num_workers=1,
-                resources_per_worker={"GPU": 1}),
+    **_all("ignored", RAY, "use_ray", "ray_run_name"),
+    **_defaults("ignored", RAY, ray_num_workers=1, resources_per_worker={"GPU": 1}),
     **_all("noop", "Gradio is not used; remove it", "gradio_title", "gradio_share", "gradio_server_name",
            "gradio_server_port", "gradio_max_new_tokens", "gradio_temperature"),
     **_all("noop", "LISA / ReLoRA / jagged restarts are not supported; remove it", "lisa_n_layers",

@@ -19,11 +19,11 @@ def _no_degrees(t: Translation) -> bool:
 
 
 def _shard_everything(t: Translation, why: str) -> None:
-    """Axolotl's FSDP / ZeRO over every GPU: dp_shard_size -1 when no degree is given."""
+    """Axolotl's FSDP / ZeRO over every GPU: dp_shard_size -1 when no degree is given (said once)."""
     if _no_degrees(t):
         t.data["dp_shard_size"] = -1
         t.notes.append(why + " -> FSDP2 over every rank (dp_shard_size: -1)")
-    else:
+    elif t.data.get("dp_shard_size") != -1:
         t.notes.append(why + " -> FSDP2 over the given degrees")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ndparallel.training.axolotl_keys import DATASET, PLUGINS, TOP, Rule, Translation, is_empty, short
+from ndparallel.training.axolotl_keys import DATASET, PLUGINS, TOP, Translation, is_empty, short
 from ndparallel.training.axolotl_layout import (
     default_layout,
     deepspeed,
@@ -342,8 +342,3 @@ def _dataset(t: Translation, where: str, entry: dict) -> dict:
             if not is_empty(value, rule.default):
                 t.refuse(f"{where}.{key}", value, rule.text)
     return d
-
-
-def rules_of(key: str) -> Rule | None:
-    """The table's rule for a top-level key (None: a TrainConfig field or not an Axolotl key)."""
-    return TOP.get(key)
