@@ -121,7 +121,7 @@ def test_streamed_pretraining(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [["pretraining_dataset.0.split=train[:10%]"]])
-def test_streamed_pretraining_refuses_a_slice_before_launch(tmp_path, extra, capsys):
+def test_streamed_pretraining_refuses_a_slice_at_dry_run(tmp_path, extra, capsys):
     from cli_helpers import forbid_launch, run_cli
 
     mp = pytest.MonkeyPatch()
@@ -130,7 +130,7 @@ def test_streamed_pretraining_refuses_a_slice_before_launch(tmp_path, extra, cap
         model = tiny_llama_dir(tmp_path / "smollm")
         write_jsonl(tmp_path / "fineweb.jsonl", [{"text": "a b c"}])
         code, _, err = run_cli(capsys, "train", EXAMPLES / "streaming/pretrain.yaml", "--set", f"base_model={model}",
-                               "--set", f"pretraining_dataset.0.path={tmp_path / 'fineweb.jsonl'}",
+                               "--set", f"pretraining_dataset.0.path={tmp_path / 'fineweb.jsonl'}", "--dry-run",
                                "--set", f"output_dir={tmp_path / 'out'}", *[x for e in extra for x in ("--set", e)])
     finally:
         mp.undo()

@@ -78,8 +78,8 @@ TOP: dict[str, Rule] = {
     **_all("mapped", "no -> no checkpoints; epoch -> saves_per_epoch: 1; steps -> save_steps", "save_strategy"),
     **_all("mapped", "-> tokenizer", "tokenizer_config"),
     **_all("mapped", "-> dataset_processes", "dataset_num_proc"),
-    **_all("mapped", "the model class comes from base_model's config.json (AutoModelForCausalLM); the note "
-           "says which", "model_type"),
+    **_all("mapped", "the model class comes from base_model's config.json (AutoModelForCausalLM picks the "
+           "family's causal-LM class)", "model_type"),
     **_all("mapped", "the tokenizer class comes from base_model's tokenizer files (AutoTokenizer, fast)",
            "tokenizer_type", "tokenizer_use_fast", "tokenizer_legacy"),
     **_all("mapped", "the Hugging Face tokenizer (tokenizer.json) of base_model is used, not mistral-common",
@@ -155,7 +155,8 @@ TOP: dict[str, Rule] = {
            "model_revision", "revision_of_model"),
     **_all("noop", "overrides of config.json are not applied (the router's auxiliary loss is not added): edit "
            "base_model's config.json, or remove it", "overrides_of_model_config", "overrides_of_model_kwargs"),
-    **_all("mapped", "the model class comes from base_model's config.json (AutoModelForCausalLM)", "type_of_model"),
+    **_all("mapped", "the model class comes from base_model's config.json (AutoModelForCausalLM picks the "
+           "family's causal-LM class)", "type_of_model"),
     **_all("noop", "not supported; remove it (ndparallel trains a transformers model with its own classes)",
            "trainer_cls", "processor_kwargs", "use_onebitllms", "llama4_linearized_experts"),
     **_all("noop", QUANT, "load_in_8bit", "load_in_4bit", "gptq", "bnb_config_kwargs", "model_quantization_config",

@@ -21,6 +21,10 @@ def check_without_data(cfg: TrainConfig, hf) -> None:
             if spec.type == "chat_template" and not spec.chat_template_jinja:
                 check_template_name(spec.chat_template or cfg.chat_template, f"datasets[{i}]",
                                     cfg.chat_template_jinja)
+        for i, d in enumerate(cfg.pretraining_dataset or []):
+            if "[" in d.split:
+                raise ValueError(f"pretraining_dataset[{i}].split: {d.split!r}: a streamed dataset has no length to "
+                                 "slice by; give a split name (e.g. train) and use skip: N to skip records")
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.chunked_loss:
