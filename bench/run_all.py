@@ -24,6 +24,7 @@ SMALL = {
     "data_memory": ["--mb", "2"],
     "loss_memory": ["--skip-logits"],
     "merge_memory": ["--layers", "2"],
+    "long_context": ["--seqs", "512,1024,2048", "--attention-seqs", "4096"],
     "gpu_single": ["--tiny"],
 }
 

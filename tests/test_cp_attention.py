@@ -130,8 +130,10 @@ def test_document_mask_negative_control():
 
 
 @pytest.mark.parametrize("kernel", ["math", "flash"])
-@pytest.mark.parametrize("docs", [False, True])
+@pytest.mark.parametrize("docs", [False, "packed", True])
 def test_document_causal_attention_one_device(kernel, docs):
+    """No documents and packed rows (every block a causal square: written in place, no fp32
+    accumulator), and a row with a jump (merged blocks, the fp32 path)."""
     from ndparallel.parallel.cp_attention import document_causal_attention
 
     g = torch.Generator().manual_seed(3)
@@ -139,7 +141,7 @@ def test_document_causal_attention_one_device(kernel, docs):
     k, v = (torch.randn(3, 2, 20, 8, generator=g) for _ in range(2))
     dout = torch.randn(3, 4, 20, 8, generator=g)
     pos = packed_positions(3, 20, 5) if docs else None
-    if docs:  # a jump without a restart: those queries see back to the row's start (the rule)
+    if docs is True:  # a jump without a restart: those queries see back to the row's start (the rule)
         pos[2] = torch.tensor([0, 1, 2, 0, 1, 7, 8, 9, 10, 11, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
     rq, rk, rv, ref = reference_attention(q, k, v, 0.3, pos)
     ref.backward(dout.double())

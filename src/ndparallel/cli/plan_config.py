@@ -20,7 +20,7 @@ import yaml
 
 PLAN_KEYS = ("dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size",
              "micro_batch_size", "gradient_accumulation_steps", "cp_comm_strategy", "sequence_parallel",
-             "loss_parallel")
+             "loss_parallel", "tiled_mlp", "tiled_mlp_num_shards", "activation_offloading")
 PLAN_FSDP_KEYS = ("activation_checkpointing", "reshard_after_forward", "unsharded_grad_accumulation")
 
 
@@ -54,6 +54,12 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
         flags.append("--no-sequence-parallel")
     if cfg.fsdp_config.activation_checkpointing:
         flags += ["--activation-checkpointing", "on"]
+    if cfg.tiled_mlp:
+        flags.append("--tiled-mlp")
+        if cfg.tiled_mlp_num_shards:
+            flags += ["--tiled-mlp-num-shards", str(cfg.tiled_mlp_num_shards)]
+    if cfg.activation_offloading:
+        flags.append("--activation-offloading")
     if cfg.adapter == "lora" and given.adapter in (None, "lora"):
         flags += ["--adapter", "lora", "--lora-r", str(cfg.lora_r)]
     said = f"model {cfg.base_model}, seq {cfg.sequence_len}"

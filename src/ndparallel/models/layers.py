@@ -47,3 +47,30 @@ def output_modules(model: nn.Module) -> list[nn.Module]:
     if head is not None:
         out.append(head)
     return out
+
+
+def outer_decoder_layers(model: nn.Module, override: tuple[str, ...] | None = None) -> list[nn.Module]:
+    """``decoder_layers`` without the blocks listed inside another one (a ``layer_classes`` that
+    also names a sub-block, e.g. the MLP, to shard it separately)."""
+    layers = decoder_layers(model, override)
+    nested = {id(m) for layer in layers for m in layer.modules() if m is not layer}
+    return [layer for layer in layers if id(layer) not in nested]
+
+
+_MOE_CHILDREN = ("experts", "router", "shared_expert", "shared_experts")
+
+
+def dense_mlps(model: nn.Module, override: tuple[str, ...] | None = None) -> list[nn.Module]:
+    """The dense feed-forward block (``mlp``) of every decoder layer, in model order; ValueError
+    naming the layer class when a layer has none or a mixture-of-experts block."""
+    out = []
+    for layer in outer_decoder_layers(model, override):
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            raise ValueError(f"{type(layer).__name__} has no `mlp` feed-forward block: tiled_mlp supports "
+                             "decoder layers with a dense `mlp` (Llama, Qwen, Mistral, ...); turn it off")
+        if any(name in _MOE_CHILDREN for name, _ in mlp.named_children()):
+            raise ValueError(f"{type(mlp).__name__} is a mixture-of-experts block: tiled_mlp supports dense "
+                             "MLPs only; turn it off for this model")
+        out.append(mlp)
+    return out

@@ -167,32 +167,73 @@ def accumulators(q: torch.Tensor):
 
 class _LocalAttention(torch.autograd.Function):
     """All queries against all keys of one sequence on one rank (no CP, or after Ulysses'
-    all-to-all), document-masked."""
+    all-to-all), document-masked.
+
+    When every rectangle is a causal square (each document of each row is its own block: the
+    usual packed row), the squares partition the queries and the keys, so each block's output and
+    gradients are written straight into the results, in the inputs' dtype: no fp32 accumulator of
+    the whole sequence, the scratch is one block's. Otherwise (a run that continues a document
+    from before the row start) blocks of the same queries are merged in fp32."""
 
     @staticmethod
     def forward(ctx, q, k, v, kernel: BlockKernel, docs: DocLayout):
         groups = docs.groups(0, 0, q.shape[2])
-        if groups == [(None, (Rect(0, q.shape[2], 0, q.shape[2], True),))]:  # one document
-            out, acc_lse = kernel.fwd(q, k, v, True)
-            out = out.to(q.dtype)
+        direct = _squares_only(groups)
+        if direct:
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+            for rows, rects in groups:
+                for r in rects:
+                    o, l_ = kernel.fwd(_take(q, rows, r.q0, r.q1), _take(k, rows, r.k0, r.k1),
+                                       _take(v, rows, r.k0, r.k1), True)
+                    _put(out, rows, r.q0, r.q1, o)
+                    _put(lse, rows, r.q0, r.q1, l_)
         else:
-            acc_out, acc_lse = accumulators(q)
-            forward_span(kernel, q, k, v, acc_out, acc_lse, groups, True)
+            acc_out, lse = accumulators(q)
+            forward_span(kernel, q, k, v, acc_out, lse, groups, True)
             out = acc_out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.args = (kernel, docs)
+            del acc_out
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (kernel, docs, direct)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        kernel, docs = ctx.args
+        kernel, docs, direct = ctx.args
+        dout = dout.contiguous()
+        groups = docs.groups(0, 0, q.shape[2])
+        if direct:
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            for rows, rects in groups:
+                for r in rects:
+                    g_q, g_k, g_v = kernel.bwd(
+                        _take(dout, rows, r.q0, r.q1), _take(q, rows, r.q0, r.q1),
+                        _take(k, rows, r.k0, r.k1), _take(v, rows, r.k0, r.k1),
+                        _take(out, rows, r.q0, r.q1), _take(lse, rows, r.q0, r.q1), True)
+                    _put(dq, rows, r.q0, r.q1, g_q)
+                    _put(dk, rows, r.k0, r.k1, g_k)
+                    _put(dv, rows, r.k0, r.k1, g_v)
+            return dq, dk, dv, None, None
         dq = torch.zeros_like(q, dtype=torch.float32)
         dk = torch.zeros_like(k, dtype=torch.float32)
         dv = torch.zeros_like(v, dtype=torch.float32)
-        backward_span(kernel, q, k, v, out, dout.contiguous(), lse, dq, dk, dv,
-                      docs.groups(0, 0, q.shape[2]))
+        backward_span(kernel, q, k, v, out, dout, lse, dq, dk, dv, groups)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _squares_only(groups: Groups) -> bool:
+    """Every rectangle a causal square: they partition the queries and the keys of each row."""
+    return all(r.causal for _, rects in groups for r in rects)
+
+
+def _put(dst: torch.Tensor, rows, lo: int, hi: int, src: torch.Tensor) -> None:
+    """dst[rows, :, lo:hi] = src (all rows when ``rows`` is None), cast to dst's dtype."""
+    view = dst[:, :, lo:hi]
+    if rows is None:
+        view.copy_(src)
+    else:
+        view.index_copy_(0, rows, src.to(dst.dtype))
 
 
 def local_attention(q, k, v, kernel: BlockKernel, docs: DocLayout) -> torch.Tensor:

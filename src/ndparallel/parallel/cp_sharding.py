@@ -51,8 +51,11 @@ def shard_for_cp(
 def cp_positions(
     seq_len: int, cp_rank: int, cp_size: int, load_balance: bool = True, device=None
 ) -> torch.Tensor:
-    """Global positions (int64, shape ``[seq_len // cp]``) of the tokens ``cp_rank`` holds."""
-    return shard_for_cp(torch.arange(seq_len, device=device), 0, cp_rank, cp_size, load_balance)
+    """Global positions (int64, shape ``[seq_len // cp]``) of the tokens ``cp_rank`` holds; built
+    from this rank's chunks alone (O(seq_len / cp) memory)."""
+    chunk = _check_len(seq_len, cp_size, load_balance)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
+                      for c in cp_chunk_ids(cp_rank, cp_size, load_balance)])
 
 
 def reorder_cp_chunks(

@@ -10,6 +10,9 @@ import torch
 
 @dataclass(frozen=True)
 class FSDPOptions:
+    """FSDP2 and the per-decoder-layer memory options (checkpointing, offloading, tiled MLP), which
+    apply with or without FSDP."""
+
     reshard_after_forward: bool = True
     """Free the gathered parameters after forward (re-gather in backward): less memory, more comm."""
     cpu_offload: bool = False
@@ -25,6 +28,16 @@ class FSDPOptions:
     HSDP) waits for the last micro-batch."""
     reduce_dtype: torch.dtype | None = None
     """dtype of the gradient reduce-scatter / all-reduce; None = fp32 (exact sums under bf16)."""
+    # The decoder layers' activation memory (with or without FSDP; docs/long_context.md):
+    activation_offloading: bool = False
+    """With ``activation_checkpointing``: each layer's checkpointed input (its hidden states) moves
+    to pinned host memory on a side CUDA stream during the forward and comes back, one layer
+    ahead, before that layer's backward (``parallel/offload.py``). On CPU a plain copy."""
+    tiled_mlp: bool = False
+    """Compute each decoder layer's MLP over tiles of the sequence and recompute a tile in backward
+    (``parallel/tiled_mlp.py``): its tokens × intermediate activations never exist whole."""
+    tiled_mlp_num_shards: int | None = None
+    """Tiles per MLP call; None: ceil(local tokens / hidden size) (ALST's rule)."""
 
 
 @dataclass(frozen=True)

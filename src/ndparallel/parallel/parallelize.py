@@ -1,5 +1,5 @@
-"""Apply the strategies to a model in one readable order: float8 → TP → CP → activation
-checkpointing → compile → FSDP (torchtitan's order).
+"""Apply the strategies to a model in one readable order: float8 → TP → CP → tiled MLP →
+activation checkpointing (+ offloading) → compile → FSDP (torchtitan's order).
 
 Each step is a call into one strategy module; this function only decides which apply.
 
@@ -25,7 +25,7 @@ from ndparallel.layout.dims import ParallelDims
 from ndparallel.layout.mesh import submesh
 from ndparallel.models.adapters import base_model_of
 from ndparallel.parallel.master_weights import low_precision_params, upcast_params
-from ndparallel.parallel.options import StrategyOptions
+from ndparallel.parallel.options import FSDPOptions, StrategyOptions
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -70,24 +70,47 @@ def parallelize_model(
         from ndparallel.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, submesh(mesh, "cp"), options.cp)
-    if fsdp.activation_checkpointing:
-        # transformers' own per-decoder-layer checkpointing (GradientCheckpointingLayer); the
-        # non-reentrant variant composes with FSDP2's hooks and DTensor.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_activation_memory(model, fsdp, device)
     if options.compile.enabled:
         from ndparallel.parallel.compile import apply_compile
 
-        apply_compile(model, options.compile, fsdp.layer_classes, per_child=dims.tp_enabled,
+        # the tiled MLP's nested backward and the offloading hooks stay eager: compile each child
+        apply_compile(model, options.compile, fsdp.layer_classes,
+                      per_child=dims.tp_enabled or fsdp.tiled_mlp or fsdp.activation_offloading,
                       skip_attention=dims.cp_enabled and fsdp.activation_checkpointing)
     if uses_fsdp(dims, options):
         from ndparallel.parallel.fsdp import apply_fsdp
 
         apply_fsdp(model, submesh(mesh, *dims.fsdp_dims), fsdp, param_dtype=options.param_dtype,
                    master_dtype=upcast)
+        if fsdp.tiled_mlp:
+            from ndparallel.parallel.tiled_mlp import check_not_fsdp_unit
+
+            check_not_fsdp_unit(model)
     elif upcast is not None:
         upcast_params(model, upcast)
     move_leftovers(model, device, keep_params_on_cpu=fsdp.cpu_offload)
     return wrapper
+
+
+def apply_activation_memory(model: nn.Module, fsdp: FSDPOptions, device: torch.device) -> None:
+    """The per-decoder-layer memory options, after TP and CP (their hooks stay on the blocks):
+    sequence-tiled MLP, activation checkpointing, then offloading of the checkpointed inputs."""
+    if fsdp.activation_offloading and not fsdp.activation_checkpointing:
+        raise ValueError("activation_offloading offloads the inputs activation checkpointing keeps: set "
+                         "fsdp_config.activation_checkpointing: true (FSDPOptions(activation_checkpointing=True))")
+    if fsdp.tiled_mlp:
+        from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
+
+        apply_tiled_mlp(model, fsdp.tiled_mlp_num_shards, fsdp.layer_classes)
+    if fsdp.activation_checkpointing:
+        # transformers' own per-decoder-layer checkpointing (GradientCheckpointingLayer); the
+        # non-reentrant variant composes with FSDP2's hooks and DTensor.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fsdp.activation_offloading:
+        from ndparallel.parallel.offload import apply_activation_offloading
+
+        apply_activation_offloading(model, device, fsdp.layer_classes)
 
 
 def move_leftovers(model: nn.Module, device: torch.device, keep_params_on_cpu: bool = False) -> None:

@@ -9,7 +9,7 @@ import sys
 from rich.console import Console
 
 from ndparallel.plan import hardware as hwmod
-from ndparallel.plan.cli_checks import check_args, gpu_mem_bytes
+from ndparallel.plan.cli_checks import check_args, gpu_mem_bytes, host_mem_bytes
 from ndparallel.plan.layout import parse_layout
 from ndparallel.plan.models import PRESETS as MODEL_PRESETS
 from ndparallel.plan.models import load_model_spec
@@ -79,6 +79,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                    help="lora: LoRA on every linear layer, the base frozen in the compute dtype "
                         "(train's adapter: lora, lora_target_linear: true)")
     t.add_argument("--lora-r", type=int, default=None, help="LoRA rank (default 16; needs --adapter lora)")
+    _add_long_context_arguments(t)
     o = parser.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
     o.add_argument("--show-rejected", action="store_true", help="list every rejected layout")
@@ -86,6 +87,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--explain", metavar="LAYOUT",
                    help="explain one layout: dp_replicate=2,dp_shard=4,cp=1,tp=8 or 2x4x1x8 "
                         "(optionally mb=2,ac=on)")
+    o.add_argument("--max-seq-len", action="store_true",
+                   help="find the longest sequence that trains, per layout (micro-batch 1), and "
+                        "compare the long-context options")
     o.add_argument("--write-config", metavar="OUT.yaml",
                    help="write the best (or the --explain) layout as a train config")
     c = parser.add_argument_group("calibration")
@@ -94,6 +98,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--calibrate-ranks", type=int, help="ranks for collective measurements")
     c.add_argument("--calibrate-out", help="save the profile JSON here")
     c.add_argument("--quick", action="store_true", help="fewer/smaller calibration measurements")
+
+
+def _add_long_context_arguments(t) -> None:
+    t.add_argument("--tiled-mlp", action="store_true",
+                   help="sequence-tiled MLP (train's tiled_mlp: true)")
+    t.add_argument("--tiled-mlp-num-shards", type=int, default=None,
+                   help="tiles per MLP call (default: ceil(local tokens / hidden))")
+    t.add_argument("--activation-offloading", action="store_true",
+                   help="checkpointed layer inputs in host memory (train's activation_offloading: "
+                        "true; turns checkpointing on)")
+    t.add_argument("--host-mem", help="host memory per node, e.g. 2TB or 1900GB: with offloading, "
+                   "layouts needing more than 80 %% of it are rejected (default: not checked)")
 
 
 def _hardware(args) -> hwmod.Hardware:
@@ -136,6 +152,9 @@ def build_request(args) -> PlanRequest:
         unsharded_grad_accumulation=args.unsharded_grad_accumulation,
         cp_strategy=args.cp_strategy, cp_kernel=args.cp_kernel, loss_impl=args.loss_impl,
         loss_chunk_tokens=args.loss_chunk_tokens, optimizer_fused=args.fused_adamw, lora_r=lora_r,
+        tiled_mlp=args.tiled_mlp, tiled_mlp_num_shards=args.tiled_mlp_num_shards,
+        activation_offloading=args.activation_offloading,
+        host_mem_bytes=host_mem_bytes(args.host_mem) if args.host_mem else None,
     )
 
 
@@ -147,6 +166,8 @@ def run_plan(args) -> int:
         if args.calibrate:
             return _run_calibrate(args, console)
         req = build_request(args)
+        if args.max_seq_len:
+            return _run_longest(args, req, console)
         result = plan(req)
         chosen = result.ranked[0] if result.ranked else None
         if args.explain:
@@ -175,6 +196,23 @@ def run_plan(args) -> int:
     except ValueError as exc:
         print(f"ndparallel plan: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _run_longest(args, req: PlanRequest, console: Console) -> int:
+    from ndparallel.plan.longest import feature_summary, longest, print_longest
+
+    if args.explain or args.write_config:
+        raise ValueError("--max-seq-len answers one question: leave out --explain / --write-config "
+                         "(then plan that length with --seq-len N)")
+    rows = longest(req)
+    summary = feature_summary(req)
+    if args.json:
+        print(json.dumps({"longest": [r.to_dict() for r in rows],
+                          "summary": {k: (v.to_dict() if v else None) for k, v in summary.items()}},
+                         indent=2, default=str))
+    else:
+        print_longest(req, rows, summary, console, top=args.top)
+    return 0 if any(r.seq_len for r in rows) else 1
 
 
 def _run_calibrate(args, console: Console) -> int:

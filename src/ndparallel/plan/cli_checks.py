@@ -38,6 +38,29 @@ def gpu_mem_bytes(text: str) -> float:
     return value
 
 
+def host_mem_bytes(text: str) -> float:
+    """``--host-mem``: host memory per node, '2TB', '1900GB' (GB = GiB; a bare number is GB)."""
+    try:
+        value = hwmod.parse_size(text, gb_is_gib=True, bare_unit="gib")
+    except ValueError:
+        raise ValueError(f"--host-mem {text!r}: not a size; write e.g. 2TB or 1900GB (per node)") from None
+    if value < MIN_GPU_MEM:
+        raise ValueError(f"--host-mem {text!r} is {value / hwmod.GiB:.3g} GiB: below 1 GiB, probably a "
+                         "unit slip; write e.g. 1900GB")
+    return value
+
+
+def _long_context(args) -> None:
+    _positive_int(args, "--tiled-mlp-num-shards", "tiled_mlp_num_shards")
+    if getattr(args, "tiled_mlp_num_shards", None) and not args.tiled_mlp:
+        raise ValueError("--tiled-mlp-num-shards needs --tiled-mlp")
+    if getattr(args, "activation_offloading", False) and args.activation_checkpointing == "off":
+        raise ValueError("--activation-offloading offloads what checkpointing keeps: drop "
+                         "--activation-checkpointing off")
+    if getattr(args, "host_mem", None) is not None:
+        host_mem_bytes(args.host_mem)
+
+
 def _micro_batch(args) -> None:
     text = str(args.micro_batch).strip().lower()
     if text == "auto":
@@ -99,6 +122,7 @@ def check_args(args) -> None:
     _positive_int(args, "--calibrate-ranks", "calibrate_ranks")
     _positive_int(args, "--loss-chunk-tokens", "loss_chunk_tokens")
     _micro_batch(args)
+    _long_context(args)
     if args.global_batch_tokens and args.seq_len and args.global_batch_tokens % args.seq_len:
         raise ValueError(f"--global-batch-tokens {args.global_batch_tokens} is not a multiple of "
                          f"--seq-len {args.seq_len}; use a multiple, or --global-batch-size")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
+from ndparallel.plan.long_context import tiled_tp_extra
 from ndparallel.plan.models import ModelSpec, ParamSpec, fsdp_units
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all")
@@ -102,6 +103,8 @@ def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Colle
     tokens = s.micro_batch * s.seq_len // layout.cp  # tokens per rank per micro-batch
     if layout.tp > 1:
         out += _tensor_parallel(model, layout, s, tokens, ga)
+        out += [Collective(kind, "tp", nbytes, n, what)
+                for kind, nbytes, n, what in tiled_tp_extra(model, layout, s, tokens, ga)]
     if layout.cp > 1:
         out += _context_parallel(model, layout, s, tokens, ga)
     if s.lora_r:

@@ -23,6 +23,7 @@ from ndparallel.plan.attention import attention_time
 from ndparallel.plan.gemm import Gemm, gemm_time, micro_batch_gemms
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
+from ndparallel.plan.long_context import mlp_tiles
 from ndparallel.plan.membound import (
     CLIP_BYTES,
     OPTIMIZER_BYTES,
@@ -97,12 +98,16 @@ def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings,
     fwd_a, bwd_a = attention_time(model, layout, s, hw, pk)
     fwd_b, bwd_b = layer_bytes_per_token(model, layout, s)
     layer = fwd_b * (2 if s.checkpointing else 1) + bwd_b
+    if s.tiled_mlp:  # the SwiGLU of the tile recomputed in backward (5e per element of f/t)
+        layer += Bytes(5 * s.act_bytes * model.intermediate / layout.tp)
     # The selective policy keeps the attention output: attention is not recomputed.
     attn = fwd_a * (2 if s.checkpointing and s.ac_policy == "full" else 1) + bwd_a
     elementwise = bytes_time(layer * (tokens * model.layers), hw)
     loss = bytes_time(loss_bytes_per_token(model, layout, s) * tokens, hw)
     kf, kb = KERNELS_PER_LAYER
     kernels = model.layers * (kf * (2 if s.checkpointing else 1) + kb)
+    if s.tiled_mlp:  # per tile ~6 forward kernels (3 GEMMs, SiLU, product, copy), 2 forwards + ~12 back
+        kernels += model.layers * mlp_tiles(model, layout, s)[0] * (6 * (2 + s.checkpointing) + 12)
     return ComputeBreakdown(gemm, attn, elementwise, loss, kernels * hw.kernel_overhead_s,
                             kernels * hw.host_op_s)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
+from ndparallel.plan.long_context import mlp_tiles
 from ndparallel.plan.models import ModelSpec
 
 ANCHOR_DIM = 8192
@@ -50,6 +51,9 @@ def _linears(model: ModelSpec, tp: int) -> list[tuple[str, int, int, int]]:
             ("gate/up_proj", h, f // tp, 2), ("down_proj", f // tp, h, 1)]
 
 
+MLP_LINEARS = ("gate/up_proj", "down_proj")
+"""The linears a tiled MLP runs per tile (``plan.long_context``)."""
+
 SELECTIVE_RECOMPUTED = {"q_proj": 0, "k/v_proj": 1, "o_proj": 1, "gate/up_proj": 1, "down_proj": 0}
 """Linears per layer whose forward the selective (per-op) policy recomputes: torchtitan's policy
 saves the outputs of matmuls 1, 3, 5, 7 of a layer (q, v, gate, down) and recomputes 2, 4, 6
@@ -58,7 +62,8 @@ saves the outputs of matmuls 1, 3, 5, 7 of a layer (q, v, gate, down) and recomp
 
 def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gemm]:
     """Every GEMM of one micro-batch's forward + backward (+ recompute) on one GPU."""
-    tokens = s.micro_batch * s.seq_len // layout.cp
+    all_tokens = s.micro_batch * s.seq_len // layout.cp
+    tiles, tile_tokens = mlp_tiles(model, layout, s) if s.tiled_mlp else (1, all_tokens)
     out = []
     for name, i, o, per in _linears(model, layout.tp):
         n = per * model.layers
@@ -68,6 +73,9 @@ def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gem
             again = SELECTIVE_RECOMPUTED[name] * model.layers
         else:
             again = n
+        tokens = all_tokens
+        if s.tiled_mlp and name in MLP_LINEARS:  # per tile, and the tile's forward once more
+            tokens, n, again = int(tile_tokens), n * tiles, (again + n) * tiles
         out += [Gemm(f"{name} fwd", tokens, o, i, n + again),
                 Gemm(f"{name} dgrad", tokens, i, o, n)]
         if not s.lora_r:
@@ -79,9 +87,9 @@ def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gem
                 Gemm(f"{name} lora A dgrad", tokens, i, r, n), Gemm(f"{name} lora A wgrad", r, i, tokens, n)]
     vocab = -(-model.vocab // layout.tp)
     h = model.hidden
-    out += [Gemm("lm_head fwd", tokens, vocab, h, 1), Gemm("lm_head dgrad", tokens, h, vocab, 1)]
+    out += [Gemm("lm_head fwd", all_tokens, vocab, h, 1), Gemm("lm_head dgrad", all_tokens, h, vocab, 1)]
     if not s.lora_r:  # under LoRA the LM head is frozen
-        out.append(Gemm("lm_head wgrad", vocab, h, tokens, 1))
+        out.append(Gemm("lm_head wgrad", vocab, h, all_tokens, 1))
     return out
 
 

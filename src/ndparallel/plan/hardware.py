@@ -66,6 +66,10 @@ class Hardware:
     fractions of peak (backward FLOPs = 2.5× the forward's). Without an entry 'flash' is the causal
     flash kernel × ``plan.attention.CP_FLASH_SLOWDOWN`` and 'math' is costed from its FLOPs and
     score-tensor bytes."""
+    host_link_bw: float = 50e9
+    """Per-GPU one-direction bandwidth of pinned host <-> device copies, bytes/s (PCIe Gen5 x16:
+    ~55 GB/s achievable; Gen4 ~25): activation offloading. An assumption until measured
+    (``bench/gpu_long_context.py`` measures it)."""
     kernel_overhead_s: float = 1e-6
     """GPU idle time per kernel launched back to back (launch gap)."""
     host_op_s: float = 7e-6
@@ -93,9 +97,9 @@ PRESETS: dict[str, Hardware] = {
         # A100 SXM: 312 TFLOP/s bf16, 19.5 fp32; NVLink3 600 GB/s both ways; DGX A100 has one
         # 200 Gb/s HDR NIC per GPU. Memory = the driver's total (40536 / 81920 MiB).
         Hardware("a100-40gb", 40536 * MiB, 312e12, 19.5e12, 1.555e12, 300e9, 25e9,
-                 matmul_efficiency=0.7),
+                 matmul_efficiency=0.7, host_link_bw=25e9),
         Hardware("a100-80gb", 81920 * MiB, 312e12, 19.5e12, 2.039e12, 300e9, 25e9,
-                 matmul_efficiency=0.7),
+                 matmul_efficiency=0.7, host_link_bw=25e9),
         # H100 SXM: 989 TFLOP/s bf16 dense, 67 fp32; NVLink4 900 GB/s both ways; one 400 Gb/s
         # NDR NIC per GPU (DGX H100). 81559 MiB reported.
         Hardware("h100-80gb", 81559 * MiB, 989e12, 67e12, 3.35e12, 450e9, 50e9),

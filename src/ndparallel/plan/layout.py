@@ -64,6 +64,15 @@ class Settings:
     lora_r: int = 0
     """LoRA rank on every linear of the decoder layers (``plan --adapter lora``); 0: full
     fine-tuning. See ``ndparallel.plan.adapter``."""
+    tiled_mlp: bool = False
+    """Sequence-tiled MLP (``tiled_mlp``): see ``ndparallel.plan.long_context``."""
+    tiled_mlp_num_shards: int | None = None
+    """Tiles per MLP call; None: the runtime's rule, ceil(local tokens / hidden)."""
+    activation_offloading: bool = False
+    """Checkpointed layer inputs kept in host memory (needs ``checkpointing``)."""
+    offload_in_flight: int = 2
+    """Layer inputs of the offloader on the device at once (its ``max_in_flight`` copies in the
+    forward; the restored one and the prefetched one in backward)."""
 
     @property
     def act_bytes(self) -> int:

@@ -16,6 +16,14 @@ from ndparallel.plan.adapter import adapter_layer_local, adapter_shard_numel
 from ndparallel.plan.comms import unit_numels
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
+from ndparallel.plan.long_context import (
+    checkpointed_input_per_token,
+    device_checkpointed_layers,
+    host_bytes,
+    mlp_gradient_workspace_per_token,
+    tile_working_set,
+    tiled_saved_reduction_per_token,
+)
 from ndparallel.plan.models import ModelSpec, fsdp_units
 
 FRAGMENTATION = 0.05
@@ -37,6 +45,8 @@ class MemoryBreakdown:
     peak_phase: str
     activation_bytes_per_layer: float
     """Saved by one layer without checkpointing (one micro-batch)."""
+    host_offload: float = 0.0
+    """Host (pinned) bytes per GPU of offloaded layer inputs; not part of ``total``."""
 
     @property
     def allocated(self) -> float:
@@ -70,7 +80,47 @@ def layer_activation_bytes_per_token(model: ModelSpec, layout: Layout, s: Settin
     per += e * (a + 2 * k) * d / t + e * a * d / t + 4 * a / t + 4 * e * f / t
     if model.qk_norm:
         per += ((4 + e) * d + 4) * (a + k) / t
-    return per
+    return per + cp_saved_extra_per_token(model, layout, s)
+
+
+def _cp_widths(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
+    """(query width a·d/t, K/V width k·d/t, Ulysses' K/V width per rank max(k/t, c)·d)."""
+    t, d = layout.tp, model.head_dim
+    return model.heads * d / t, model.kv_heads * d / t, max(model.kv_heads // t, layout.cp) * d
+
+
+def cp_saved_extra_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """What a CP attention keeps beyond q, k, v, out, lse of its own tokens, per local token:
+    ``allgather`` the other ranks' K/V (``2·e·k·d/t·(c−1)``); ``ulysses`` its heads-layout
+    output (``e·a·d/t``) and the K/V copies when K/V heads are replicated to cp."""
+    c, e = layout.cp, s.act_bytes
+    if c == 1:
+        return 0.0
+    q, kv, kv_u = _cp_widths(model, layout)
+    if s.cp_strategy == "allgather":
+        return 2 * e * kv * (c - 1)
+    if s.cp_strategy == "ulysses":
+        return e * q + 2 * e * max(0.0, kv_u - kv)
+    return 0.0
+
+
+def attention_scratch_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """Buffers of one layer's CP attention backward per local token (``parallel/cp_attention.py``):
+    ``ring`` dQ in fp32 (``4·a·d/t``), K/V stacked and its receive buffer (``4·e·k·d/t``), the fp32
+    dK/dV contribution, the one received and the one being sent (``24·k·d/t``) and dQ's cast
+    (``e·a·d/t``); ``allgather`` dQ in fp32 and its cast, the whole sequence's fp32 dK/dV and its
+    rank-major copy (``16·k·d/t·c``); ``ulysses`` (document path: blocks written in place, no fp32
+    accumulator) the heads-layout Q/K/V gradients and the all-to-all buffers (``2·e·(a+2k')·d``).
+    Without CP (torch's SDPA) the kernel's own scratch is O(block): 0."""
+    c, e = layout.cp, s.act_bytes
+    if c == 1:
+        return 0.0
+    q, kv, kv_u = _cp_widths(model, layout)
+    if s.cp_strategy == "allgather":
+        return 4 * q + 16 * kv * c + e * q
+    if s.cp_strategy == "ulysses":
+        return 2 * e * (q + 2 * kv_u)
+    return 4 * q + 4 * e * kv + 24 * kv + e * q
 
 
 def layer_backward_workspace_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
@@ -187,12 +237,12 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     grads_b = all_grads if grads_kept else head_grads
 
     tokens = s.micro_batch * s.seq_len / layout.cp
-    t_sp = t if s.sequence_parallel else 1
-    per_layer = layer_activation_bytes_per_token(model, layout, s) * tokens
+    plain_layer = layer_activation_bytes_per_token(model, layout, s) * tokens
+    per_layer = plain_layer - tiled_saved_reduction_per_token(model, layout, s) * tokens
     if s.checkpointing and s.ac_policy == "selective":
         saved = model.layers * tokens * selective_saved_per_token(model, layout, s)
-    elif s.checkpointing:
-        saved = model.layers * tokens * e * model.hidden / t_sp  # each layer's input only
+    elif s.checkpointing:  # each layer's input only (with offloading: the ones on the device)
+        saved = device_checkpointed_layers(model, s) * tokens * checkpointed_input_per_token(model, layout, s)
     else:
         saved = model.layers * per_layer
     # RoPE cos and sin (b, s/c, d) in activation dtype, shared by all layers.
@@ -205,7 +255,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         # the last layer's backward: every layer's saved activations (under checkpointing, the
         # layer's own recomputed ones too) and the gradient workspace of one layer
         "layer backward": (grads_b, saved + (per_layer if s.checkpointing else 0.0)
-                           + tokens * layer_backward_workspace_per_token(model, layout, s), 0.0, buf_b),
+                           + _workspace(model, layout, s, tokens), 0.0, buf_b),
         "end of backward": (all_grads, 0.0, 0.0, 0.0),
     }
     phase = max(moments, key=lambda k: sum(moments[k]))
@@ -213,4 +263,15 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     overhead = hw.runtime_overhead_bytes + FRAGMENTATION * (acts + lg + buf)
     total = params + grads + optimizer + acts + lg + buf + overhead
     return MemoryBreakdown(params, grads, optimizer, acts, lg, buf, overhead, total, phase,
-                           per_layer)
+                           plain_layer, host_bytes(model, layout, s))
+
+
+def _workspace(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:
+    """One layer's backward workspace: the larger of its MLP stage (with the tiled MLP: per tile
+    only) and its attention stage (CP buffers), each with the residual-stream gradients."""
+    per_token = layer_backward_workspace_per_token(model, layout, s)
+    mlp = mlp_gradient_workspace_per_token(model, layout, s)
+    residual = tokens * (per_token - mlp)
+    mlp_stage = tile_working_set(model, layout, s) if s.tiled_mlp else tokens * mlp
+    attention_stage = tokens * attention_scratch_per_token(model, layout, s)
+    return residual + max(mlp_stage, attention_stage)

@@ -138,6 +138,8 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
                  "overhead", "total"):
         mem.add_row(name, _gib(getattr(m, name)))
     mem.add_row("capacity", _gib(hw.mem_bytes))
+    if m.host_offload:
+        mem.add_row("host (pinned) memory: offloaded layer inputs", _gib(m.host_offload))
     mem.add_row("peak allocated (torch.cuda.max_memory_allocated)", _gib(m.allocated))
     console.print(mem)
     console.print("total = peak allocated + CUDA context/NCCL + fragmentation allowance; the "
@@ -146,7 +148,7 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
     tim = Table(title="Step time (s)")
     tim.add_column("part")
     tim.add_column("seconds", justify="right")
-    for name in ("compute", "tp_exposed", "cp_exposed", "dp_exposed", "optimizer", "step"):
+    for name in ("compute", "tp_exposed", "cp_exposed", "dp_exposed", "optimizer", "offload_exposed", "step"):
         tim.add_row(name, f"{getattr(t, name):.3f}")
     for dim, v in t.comm_total.items():
         link = "intra" if v["intra_node"] else "inter"
@@ -206,6 +208,12 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
         cfg["bf16"] = True
     if s.lora_r:
         cfg.update(adapter="lora", lora_r=s.lora_r, lora_alpha=2 * s.lora_r, lora_target_linear=True)
+    if s.tiled_mlp:
+        cfg["tiled_mlp"] = True
+        if s.tiled_mlp_num_shards:
+            cfg["tiled_mlp_num_shards"] = s.tiled_mlp_num_shards
+    if s.activation_offloading:
+        cfg["activation_offloading"] = True
     return cfg
 
 

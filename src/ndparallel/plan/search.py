@@ -19,6 +19,7 @@ from ndparallel.plan.layout import (
     enumerate_layouts,
     structural_rejections,
 )
+from ndparallel.plan.long_context import HOST_BUDGET_FRACTION, offload_exposed_seconds
 from ndparallel.plan.membound import unit_param_counts
 from ndparallel.plan.memory import MemoryBreakdown, estimate_memory
 from ndparallel.plan.models import ModelSpec
@@ -56,6 +57,13 @@ class PlanRequest:
     optimizer_fused: bool = False
     lora_r: int = 0
     """LoRA rank (``--adapter lora --lora-r``); 0: full fine-tuning."""
+    tiled_mlp: bool = False
+    tiled_mlp_num_shards: int | None = None
+    activation_offloading: bool = False
+    """Offload the checkpointed layer inputs (checkpointing is then always on)."""
+    host_mem_bytes: float | None = None
+    """Host memory per node; with offloading, layouts whose offloaded bytes per node exceed
+    ``HOST_BUDGET_FRACTION`` of it are rejected (``host_oom``). None: not checked."""
 
 
 @dataclass
@@ -74,6 +82,8 @@ class TimeBreakdown:
     """Unhidden time per mesh dim before overlap, and whether its link is intra-node."""
     compute_parts: dict = field(default_factory=dict)
     """One micro-batch by op class (seconds) and the step's memory-bound extras."""
+    offload_exposed: float = 0.0
+    """Activation-offloading copies not hidden behind compute (in ``step``)."""
 
 
 @dataclass
@@ -174,7 +184,8 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
                   + max(0.0, reduce * (1 - 2 / n_units) - s.reducing_microbatches * t_mb * 2 / 3))
     t_opt = extras["optimizer"] + extras["clip"]
     compute = ga * t_mb + extras["fsdp_copies"]
-    step = compute + ga * cp_exposed + tp + dp_exposed + t_opt
+    offload = ga * offload_exposed_seconds(model, layout, s, hw.host_link_bw, t_mb)
+    step = compute + ga * cp_exposed + tp + dp_exposed + t_opt + offload
     gb = s.micro_batch * ga * layout.dp
     tokens = gb * s.seq_len
     world = layout.world
@@ -191,7 +202,7 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     bottleneck = f"{name} {parts[max(parts, key=parts.get)] / step:.0%}"
     timeb = TimeBreakdown(compute, tp, ga * cp_exposed, dp_exposed, t_opt, step,
                           {d: {"seconds": v, "intra_node": intra[d]} for d, v in per_dim.items()},
-                          {**mb_time.to_dict(), **extras})
+                          {**mb_time.to_dict(), **extras}, offload)
     return Estimate(layout, s, mem, timeb, global_batch or gb, tps, mfu, bottleneck,
                     mem.total <= hw.mem_bytes, colls)
 
@@ -218,7 +229,9 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
                     unsharded_grad_accumulation=req.unsharded_grad_accumulation,
                     cp_strategy=req.cp_strategy, cp_kernel=req.cp_kernel, ac_policy=req.ac_policy,
                     loss_impl=req.loss_impl, loss_chunk_tokens=req.loss_chunk_tokens,
-                    optimizer_fused=req.optimizer_fused, lora_r=req.lora_r)
+                    optimizer_fused=req.optimizer_fused, lora_r=req.lora_r, tiled_mlp=req.tiled_mlp,
+                    tiled_mlp_num_shards=req.tiled_mlp_num_shards,
+                    activation_offloading=req.activation_offloading)
     res.rejections = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
     if res.rejections:
         return res
@@ -226,6 +239,8 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
         AUTO_MICRO_BATCHES)
     if checkpointing is not None:
         acs = [checkpointing]
+    elif req.activation_offloading:  # offloading moves what checkpointing keeps
+        acs = [True]
     else:
         acs = {"auto": [False, True], "on": [True], "off": [False]}[req.checkpointing]
     batch_reasons = []
@@ -238,9 +253,12 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
             s = Settings(**{**asdict(base), "micro_batch": mb, "grad_accum": ga,
                             "checkpointing": ac})
             res.options.append(estimate(req.model, layout, s, req.hardware, req.gpus_per_node))
+    host_problem = _check_host(req, layout, res.options)
     fitting = [o for o in res.options if o.fits]
     if fitting:
         res.best = max(fitting, key=lambda o: (o.tokens_per_s_per_gpu, -o.memory.total))
+    elif host_problem:
+        res.rejections = [("host_oom", host_problem)]
     elif res.options:
         least = min(res.options, key=lambda o: o.memory.total)
         s = least.settings
@@ -251,6 +269,24 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
     else:
         res.rejections = [("global_batch", batch_reasons[0])]
     return res
+
+
+def _check_host(req: PlanRequest, layout: Layout, options: list[Estimate]) -> str | None:
+    """Mark options whose offloaded activations exceed the node's host budget as not fitting;
+    the reason when that is what rules out every option that fits the GPU."""
+    if req.host_mem_bytes is None:
+        return None
+    per_node = min(req.gpus_per_node, layout.world)
+    budget = HOST_BUDGET_FRACTION * req.host_mem_bytes
+    reason = None
+    for o in options:
+        need = o.memory.host_offload * per_node
+        if o.fits and need > budget:
+            o.fits = False
+            reason = (f"offloaded activations need {need / GiB:.0f} GiB of host memory per node "
+                      f"({per_node} GPUs × {o.memory.host_offload / GiB:.1f}) > {HOST_BUDGET_FRACTION:.0%} "
+                      f"of --host-mem {req.host_mem_bytes / GiB:.0f} GiB")
+    return reason if reason and not any(o.fits for o in options) else None
 
 
 def plan(req: PlanRequest) -> PlanResult:

@@ -41,7 +41,8 @@ QUANT = ("quantised base models are not supported yet: remove it (a bf16 base: b
          "or adapter: lora on the bf16 base)")
 QAT = "quantisation-aware training is not supported yet; remove it"
 INTERNAL = "Axolotl sets it itself (internal); remove it"
-OFFLOAD = "activation / layer offloading is not supported yet; remove it (fsdp_config.cpu_offload offloads parameters)"
+OFFLOAD = ("offloading layer parameters is not supported: remove it (fsdp_config.cpu_offload offloads the "
+           "parameters, activation_offloading the checkpointed activations)")
 GENERATE = "sample generation during training is not supported; remove it (eval_loss and perplexity are logged)"
 TRACKER = "this tracker is not supported: use wandb_project, use_tensorboard or use_mlflow; remove it"
 OPTIM = "not supported here: remove it (optimizer: adamw_torch, adamw_torch_fused or sgd; learning_rate, weight_decay)"
@@ -57,8 +58,10 @@ TOP: dict[str, Rule] = {
     **_all("mapped", "-> bf16: true (bf16 compute; ndparallel keeps fp32 master weights)", "bfloat16"),
     **_all("mapped", "true -> bf16: false (fp32 is the default)", "float32"),
     **_all("mapped", "auto -> true on CUDA GPUs of compute capability >= 8.0 (no effect on CPU)", "tf32"),
-    **_all("mapped", "true -> fsdp_config.activation_checkpointing: true ('offload': refused, not supported yet)",
-           "gradient_checkpointing"),
+    **_all("mapped", "true -> fsdp_config.activation_checkpointing: true; offload -> also activation_offloading: "
+           "true", "gradient_checkpointing"),
+    **_all("mapped", "legacy -> true (the checkpointed activations to pinned host memory; disk: refused)",
+           "activation_offloading"),
     **_all("mapped", "use_reentrant: ndparallel always checkpoints non-reentrantly (the same gradients)",
            "gradient_checkpointing_kwargs"),
     **_all("mapped", "[full_shard | shard_grad_op | hybrid_shard | offload | auto_wrap] -> FSDP2 over every rank "
@@ -163,8 +166,9 @@ TOP: dict[str, Rule] = {
            "model_quantization_config_kwargs", "quantize_moe_experts", "qlora_sharded_model_loading",
            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama"),
     **_all("noop", QAT, "qat", "quantization"),
-    **_all("noop", OFFLOAD, "activation_offloading", "layer_offloading", "tiled_mlp", "tiled_mlp_num_shards"),
-    **_defaults("noop", OFFLOAD, tiled_mlp_use_original_mlp=True),
+    **_all("noop", OFFLOAD, "layer_offloading"),
+    **_defaults("noop", "a generic tiled MLP is not used: ndparallel tiles the model's own MLP (tiled_mlp); remove "
+                "it", tiled_mlp_use_original_mlp=True),
     **_all("noop", "selective activation checkpointing is not supported: use fsdp_config.activation_checkpointing",
            "selective_checkpointing"),
     **_all("noop", RL, "rl", "trl", "vllm", "ebft", "rl_beta", "dpo_beta", "dpo_use_weighting", "dpo_label_smoothing",

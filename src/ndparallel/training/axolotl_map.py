@@ -92,9 +92,13 @@ def _precision_flag(t: Translation, key: str, value: Any) -> None:
 
 
 def _gradient_checkpointing(t: Translation, key: str, value: Any) -> None:
-    if value in ("offload", "offload_disk"):
-        t.refuse(key, value, TOP["activation_offloading"].text.replace("remove it", "use gradient_checkpointing: true"))
-    elif not is_empty(value):
+    if value == "offload_disk":
+        t.refuse(key, value, "offloading to disk is not supported: use gradient_checkpointing: true with "
+                 "activation_offloading: true (pinned host memory)")
+        return
+    if value == "offload":  # Axolotl's deprecated spelling of checkpointing + activation offloading
+        _set(t, "activation_offloading", True, "gradient_checkpointing: offload -> activation_offloading: true", key)
+    if not is_empty(value):
         fsdp = t.data.setdefault("fsdp_config", {}) or {}
         t.data["fsdp_config"] = fsdp
         if fsdp.get("activation_checkpointing") is False:
@@ -104,6 +108,12 @@ def _gradient_checkpointing(t: Translation, key: str, value: Any) -> None:
         fsdp["activation_checkpointing"] = True
         t.notes.append("gradient_checkpointing: true -> fsdp_config.activation_checkpointing: true (each decoder "
                        "layer recomputed in the backward)")
+
+
+def _activation_offloading(t: Translation, key: str, value: Any) -> None:
+    if value == "legacy":  # Axolotl's older implementation of the same offload
+        t.data[key] = True
+        t.notes.append("activation_offloading: legacy -> true (checkpointed activations to pinned host memory)")
 
 
 def _checkpointing_kwargs(t: Translation, key: str, value: Any) -> None:
@@ -279,7 +289,7 @@ def _dataset_processes(t: Translation, key: str, value: Any) -> None:
 
 MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "bf16": _bf16, "tf32": _tf32, "bfloat16": _precision_flag, "float32": _precision_flag,
-    "gradient_checkpointing": _gradient_checkpointing, "gradient_checkpointing_kwargs": _checkpointing_kwargs,
+    "gradient_checkpointing": _gradient_checkpointing, "activation_offloading": _activation_offloading, "gradient_checkpointing_kwargs": _checkpointing_kwargs,
     "fsdp": fsdp_list, "fsdp_version": fsdp_version, "deepspeed": deepspeed,
     "fsdp_final_state_dict_type": _note_if_set, "sequence_parallel_degree": _rename("context_parallel_size"),
     "ddp_timeout": _rename("collective_timeout_s"), "auto_resume_from_checkpoints": _auto_resume,

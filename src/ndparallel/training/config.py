@@ -38,7 +38,13 @@ from ndparallel.training.config_data import (  # noqa: F401  (ConfigError: re-ex
     _Strict,
 )
 from ndparallel.training.config_errors import join_problems, validation_problems
-from ndparallel.training.config_fields import DataSourceFields, FSDPConfig, RunControlFields, TrackerFields
+from ndparallel.training.config_fields import (
+    DataSourceFields,
+    FSDPConfig,
+    InputForms,
+    RunControlFields,
+    TrackerFields,
+)
 from ndparallel.training.overrides import apply_override
 
 
@@ -46,7 +52,7 @@ def _float(**bounds):
     return Annotated[float, Field(allow_inf_nan=False, **bounds)]
 
 
-class TrainConfig(DataSourceFields, RunControlFields, TrackerFields):
+class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields):
     """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one; the
     Axolotl keys that are translated, accepted empty or refused: ``axolotl_keys.py``)."""
 
@@ -97,6 +103,16 @@ class TrainConfig(DataSourceFields, RunControlFields, TrackerFields):
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     fp8_emulate: bool = False
     """Emulate float8 matmuls in high precision (any device; testing only)."""
+    # long context (Axolotl's names; docs/long_context.md)
+    tiled_mlp: bool = False
+    """Run each decoder MLP over sequence tiles, recomputing a tile in backward: its tokens ×
+    intermediate activations never exist whole."""
+    tiled_mlp_num_shards: _int(1) | None = None
+    """Tiles per MLP call; default: ceil(local tokens / hidden size)."""
+    activation_offloading: bool = False
+    """With fsdp_config.activation_checkpointing: each layer's checkpointed input goes to pinned host
+    memory in the forward and comes back, one layer ahead, for its backward (side CUDA stream).
+    'hidden_states' (Axolotl's mode offloading the checkpointed hidden states) is the same."""
     # adapter (LoRA through PEFT; Axolotl's names)
     adapter: Literal["lora"] | None = None
     """'lora': train LoRA adapters on the frozen base model (needs peft: pip install
@@ -210,22 +226,6 @@ class TrainConfig(DataSourceFields, RunControlFields, TrackerFields):
             raise ValueError(f"must be >= 1 (1 disables the dimension), got {v}")
         return v
 
-    @field_validator("plugins", mode="before")
-    @classmethod
-    def _plugins(cls, v):
-        from ndparallel.training.axolotl_keys import PLUGINS
-
-        v = [v] if isinstance(v, str) else v
-        unknown = [p for p in v or [] if str(p).rsplit(".", 1)[-1] not in PLUGINS]
-        if unknown:
-            raise ValueError(f"{unknown} not supported; ndparallel maps only {', '.join(PLUGINS)}; remove the others")
-        return v or None
-
-    @field_validator("lora_model_dir", "resume_from_checkpoint", "tokenizer", mode="before")
-    @classmethod
-    def _empty_is_unset(cls, v):
-        return None if v == "" else v
-
     @field_validator("fsdp_version")
     @classmethod
     def _fsdp2(cls, v: int) -> int:
@@ -245,14 +245,23 @@ class TrainConfig(DataSourceFields, RunControlFields, TrackerFields):
                     raise ValueError(f"'{flag}: true' and 'attn_implementation: {self.attn_implementation}' "
                                      "disagree; keep one")
                 self.attn_implementation = impl
-        extras = [f for f in ("cosine_min_lr_ratio", "cosine_constant_lr_ratio", "lr_quadratic_warmup")
-                  if getattr(self, f) not in (None, False)]
-        if extras and self.lr_scheduler != "cosine":
-            raise ValueError(f"{', '.join(extras)} shape the cosine schedule, but lr_scheduler is "
-                             f"{self.lr_scheduler}: set lr_scheduler: cosine or remove them")
-        if self.evals_per_epoch is not None and self.eval_steps is not None:
-            raise ValueError("'eval_steps' and 'evals_per_epoch' are both set; keep one")
+        if self.activation_offloading and not self.fsdp_config.activation_checkpointing:
+            raise ValueError("activation_offloading offloads what activation checkpointing keeps: set "
+                             "fsdp_config.activation_checkpointing: true, or remove activation_offloading")
+        if self.tiled_mlp_num_shards is not None and not self.tiled_mlp:
+            raise ValueError("tiled_mlp_num_shards is set but tiled_mlp is not: set tiled_mlp: true, or "
+                             "remove tiled_mlp_num_shards")
         return self
+
+    @field_validator("activation_offloading", mode="before")
+    @classmethod
+    def _offload_mode(cls, v):
+        if v == "hidden_states":
+            return True
+        if isinstance(v, str) and v.lower() in ("legacy", "disk", "offload", "offload_disk"):
+            raise ValueError(f"{v!r} is not supported: ndparallel offloads the checkpointed hidden states to "
+                             "pinned host memory on a side stream; use true (or hidden_states)")
+        return v
 
     @field_validator("adapter", mode="before")
     @classmethod
@@ -261,14 +270,6 @@ class TrainConfig(DataSourceFields, RunControlFields, TrackerFields):
             raise ValueError("'qlora' (a 4-bit quantised base) is not supported: use adapter: lora "
                              "(set bf16: true to keep the frozen base in bf16)")
         return v
-
-    @field_validator("tokens", mode="before")
-    @classmethod
-    def _token_list(cls, v):
-        if isinstance(v, dict):
-            raise ValueError(f"a list of new tokens, got a mapping {sorted(v)}: put bos/eos/pad/unk tokens under "
-                             "special_tokens: and list other new tokens under tokens:")
-        return [v] if isinstance(v, str) else v
 
     @field_validator("lora_target_modules", mode="before")
     @classmethod
@@ -303,6 +304,8 @@ class TrainConfig(DataSourceFields, RunControlFields, TrackerFields):
             activation_checkpointing=f.activation_checkpointing,
             unsharded_grad_accumulation=f.unsharded_grad_accumulation,
             layer_classes=tuple(f.layer_classes) if f.layer_classes else None,
+            activation_offloading=bool(self.activation_offloading), tiled_mlp=self.tiled_mlp,
+            tiled_mlp_num_shards=self.tiled_mlp_num_shards,
         )
 
     def tp_options(self) -> TPOptions:

@@ -129,6 +129,17 @@ class RunControlFields(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (e.g. {enable_thinking: false})."""
 
+    @model_validator(mode="after")
+    def _one_way_each(self):  # reads TrainConfig's lr_scheduler and eval_steps
+        extras = [f for f in ("cosine_min_lr_ratio", "cosine_constant_lr_ratio", "lr_quadratic_warmup")
+                  if getattr(self, f) not in (None, False)]
+        if extras and self.lr_scheduler != "cosine":
+            raise ValueError(f"{', '.join(extras)} shape the cosine schedule, but lr_scheduler is "
+                             f"{self.lr_scheduler}: set lr_scheduler: cosine or remove them")
+        if self.evals_per_epoch is not None and self.eval_steps is not None:
+            raise ValueError("'eval_steps' and 'evals_per_epoch' are both set; keep one")
+        return self
+
     @field_validator("unfrozen_parameters")
     @classmethod
     def _patterns(cls, v):
@@ -168,3 +179,32 @@ class DataSourceFields(_Strict):
             return None
         return (f"datasets: none given for base_model={self.base_model!r}; add datasets: [{{path: FILE_OR_HUB_NAME, "
                 "type: alpaca | chat_template | completion ...}] (or pretraining_dataset:)")
+
+
+class InputForms(_Strict):
+    """How Axolotl's configs write some of ``TrainConfig``'s fields: an empty string for "not set",
+    one item for a list, plugins by class path (validators only; the fields are TrainConfig's)."""
+
+    @field_validator("plugins", mode="before", check_fields=False)
+    @classmethod
+    def _plugins(cls, v):
+        from ndparallel.training.axolotl_keys import PLUGINS
+
+        v = [v] if isinstance(v, str) else v
+        unknown = [p for p in v or [] if str(p).rsplit(".", 1)[-1] not in PLUGINS]
+        if unknown:
+            raise ValueError(f"{unknown} not supported; ndparallel maps only {', '.join(PLUGINS)}; remove the others")
+        return v or None
+
+    @field_validator("lora_model_dir", "resume_from_checkpoint", "tokenizer", mode="before", check_fields=False)
+    @classmethod
+    def _empty_is_unset(cls, v):
+        return None if v == "" else v
+
+    @field_validator("tokens", mode="before", check_fields=False)
+    @classmethod
+    def _token_list(cls, v):
+        if isinstance(v, dict):
+            raise ValueError(f"a list of new tokens, got a mapping {sorted(v)}: put bos/eos/pad/unk tokens under "
+                             "special_tokens: and list other new tokens under tokens:")
+        return [v] if isinstance(v, str) else v

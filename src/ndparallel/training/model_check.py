@@ -265,3 +265,28 @@ def _saved_adapter_model(cfg: TrainConfig, hf):
     if problem:
         raise ConfigError(f"{where}: {problem}")
     return model
+
+
+def check_memory_options(cfg: TrainConfig, hf) -> None:
+    """``tiled_mlp`` needs a dense ``mlp`` block in every decoder layer, ``activation_offloading``
+    layers checkpointed by transformers (``GradientCheckpointingLayer``): checked on a meta model."""
+    if not (cfg.tiled_mlp or cfg.activation_offloading):
+        return
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from ndparallel.models.layers import dense_mlps, outer_decoder_layers
+
+    model = _meta_model(cfg, hf)
+    classes = tuple(cfg.fsdp_config.layer_classes) if cfg.fsdp_config.layer_classes else None
+    try:
+        mlps = dense_mlps(model, classes) if cfg.tiled_mlp else []
+        layers = outer_decoder_layers(model, classes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if mlps and type(mlps[0]).__name__ in (classes or ()):
+        raise ConfigError(f"tiled_mlp: fsdp_config.layer_classes names the MLP ({type(mlps[0]).__name__}), so "
+                          "FSDP would gather its parameters once per tile; shard whole decoder layers (leave "
+                          "layer_classes unset) or turn tiled_mlp off")
+    if cfg.activation_offloading and not all(isinstance(m, GradientCheckpointingLayer) for m in layers):
+        raise ConfigError(f"activation_offloading: {type(layers[0]).__name__} is not checkpointed by transformers' "
+                          "GradientCheckpointingLayer, whose checkpoint function ndparallel wraps; turn it off")

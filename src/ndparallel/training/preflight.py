@@ -19,6 +19,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     from ndparallel.layout.config import ParallelismConfigError
     from ndparallel.training.model_check import (
         check_adapter,
+        check_memory_options,
         check_model,
         resolve_model_config,
     )
@@ -30,6 +31,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     hf = resolve_model_config(cfg)
     check_model(cfg, hf)
     check_adapter(cfg, hf, pc.tp_size)
+    check_memory_options(cfg, hf)
     from ndparallel.training.dry_checks import check_without_data
 
     check_without_data(cfg, hf)
@@ -251,6 +253,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         f"speed        : chunked loss {chunked_loss_state(cfg, hf)}, compile {'on' if cfg.compile else 'off'}"
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
+        *([f"long context : {_long_context(cfg, pc, hf)}"] if cfg.tiled_mlp or cfg.activation_offloading else []),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
         f"({cfg.lr_scheduler}, warmup "
         f"{cfg.warmup_steps if cfg.warmup_ratio is None else f'ratio {cfg.warmup_ratio:g}'})",
@@ -272,6 +275,24 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
                      + (f" (not installed here: {'; '.join(missing_trackers(trackers))})"
                         if missing_trackers(trackers) else ""))
     return "\n".join(lines)
+
+
+def _long_context(cfg: TrainConfig, pc, hf) -> str:
+    """The memory options and what they hold per rank (docs/long_context.md)."""
+    import math
+
+    tokens = cfg.micro_batch_size * cfg.sequence_len // pc.cp_size
+    parts = []
+    if cfg.tiled_mlp:
+        row = cfg.sequence_len // pc.cp_size // (pc.tp_size if cfg.sequence_parallel else 1)
+        tiles = min(row, cfg.tiled_mlp_num_shards or math.ceil(row / hf.hidden_size))
+        parts.append(f"tiled MLP ({tiles} tiles of ≤ {math.ceil(row / tiles)} tokens per row)")
+    if cfg.activation_offloading:
+        per_layer = tokens * hf.hidden_size * (2 if cfg.bf16 else 4)
+        per_layer //= pc.tp_size if cfg.sequence_parallel else 1
+        parts.append(f"activation offloading ({hf.num_hidden_layers} checkpointed layer inputs, "
+                     f"{hf.num_hidden_layers * per_layer / 2**30:.2f} GiB of pinned host memory per rank)")
+    return ", ".join(parts)
 
 
 def _data_mode(cfg: TrainConfig) -> str:

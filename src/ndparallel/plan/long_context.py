@@ -1,0 +1,112 @@
+"""What the long-context memory options change in the planner's model (docs/planner.md, *Long
+context*), per local token ``T = b·s/c`` of one micro-batch on one GPU.
+
+**Sequence-tiled MLP** (``parallel/tiled_mlp.py``): a layer no longer keeps gate, SiLU(gate), up
+and their product (``4·e·f/t`` per token) and keeps the MLP input sharded under sequence parallel
+(``e·h/t_sp`` instead of the gathered ``e·h``); one tile's working set exists in its backward:
+the recomputed four intermediates and their gradients (``7·e·f/t``) and the gathered tile input
+(``e·h``) per tile token. Time: the MLP forward runs once more (the tile recomputed in backward;
+with checkpointing the layer's recompute runs the tiled forward whole, down-projection included),
+its GEMMs at the tile's shape, and under TP the MLP's forward collectives once more.
+
+**Activation offloading** (``parallel/offload.py``, needs checkpointing): the ``L`` checkpointed
+layer inputs (``e·h/t_sp`` per token each) live in host memory; on the device at most
+``offload_in_flight`` (2) of them at any moment. Time: ``L`` device→host copies overlapping the
+forward of the next layer and ``L`` host→device copies overlapping the recompute and backward of
+the layer after, at ``Hardware.host_link_bw``; only what exceeds that compute is exposed.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ndparallel.plan.layout import Layout, Settings
+from ndparallel.plan.models import ModelSpec
+
+HOST_BUDGET_FRACTION = 0.8
+"""Share of a node's host memory the offloaded activations may use (the runtime's default
+budget is 80 % of the available memory, split over the node's ranks)."""
+
+
+def _t_sp(layout: Layout, s: Settings) -> int:
+    return layout.tp if s.sequence_parallel and layout.tp > 1 else 1
+
+
+def mlp_tiles(model: ModelSpec, layout: Layout, s: Settings) -> tuple[int, float]:
+    """(tiles per MLP call, tokens of one tile after the tp all-gather, all rows of the
+    micro-batch): the runtime cuts the MLP input's local rows (``s/(c·t_sp)`` tokens) into
+    ``tiled_mlp_num_shards`` or ``ceil(rows / h)`` tiles."""
+    t_sp = _t_sp(layout, s)
+    row = max(1, s.seq_len // layout.cp // t_sp)
+    n = min(row, s.tiled_mlp_num_shards or math.ceil(row / model.hidden))
+    return n, s.micro_batch * math.ceil(row / n) * t_sp
+
+
+def tiled_saved_reduction_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """Bytes per local token one layer does not keep for backward with the tiled MLP."""
+    if not s.tiled_mlp:
+        return 0.0
+    e, t = s.act_bytes, layout.tp
+    return 4 * e * model.intermediate / t + e * model.hidden * (1 - 1 / _t_sp(layout, s))
+
+
+def tile_working_set(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """Bytes of one tile's backward: 7·e·f/t + e·h per tile token (0 without tiling)."""
+    if not s.tiled_mlp:
+        return 0.0
+    _, tile = mlp_tiles(model, layout, s)
+    e = s.act_bytes
+    return tile * (7 * e * model.intermediate / layout.tp + e * model.hidden)
+
+
+def mlp_gradient_workspace_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """The MLP part (gate, up and product gradients, ``3·e·f/t``) of a layer's backward workspace
+    per token; tiled, it exists per tile only (in ``tile_working_set``)."""
+    return 3 * s.act_bytes * model.intermediate / layout.tp
+
+
+def checkpointed_input_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    return s.act_bytes * model.hidden / _t_sp(layout, s)
+
+
+def device_checkpointed_layers(model: ModelSpec, s: Settings) -> int:
+    """Checkpointed layer inputs on the device at the peak: all of them, or with offloading the
+    ones in flight."""
+    return min(model.layers, s.offload_in_flight) if s.activation_offloading else model.layers
+
+
+def host_bytes(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """Host memory per GPU holding the offloaded layer inputs of one micro-batch (pinned)."""
+    if not (s.activation_offloading and s.checkpointing):
+        return 0.0
+    tokens = s.micro_batch * s.seq_len / layout.cp
+    return model.layers * tokens * checkpointed_input_per_token(model, layout, s)
+
+
+def offload_exposed_seconds(model: ModelSpec, layout: Layout, s: Settings, host_link_bw: float,
+                            micro_batch_seconds: float) -> float:
+    """Copy time per micro-batch not hidden behind compute: per layer a device→host copy against
+    the next layer's forward (a quarter of a checkpointed micro-batch: forward 1, recompute 1,
+    backward 2) and a host→device copy against a layer's recompute + backward (three quarters)."""
+    if not (s.activation_offloading and s.checkpointing):
+        return 0.0
+    per_layer = host_bytes(model, layout, s) / model.layers / host_link_bw
+    layer_compute = micro_batch_seconds / model.layers
+    return model.layers * (max(0.0, per_layer - layer_compute / 4)
+                           + max(0.0, per_layer - 3 * layer_compute / 4))
+
+
+def tiled_tp_extra(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int) -> list[tuple]:
+    """Extra TP collectives of the tiled MLP per step, as (kind, bytes, calls, what): the tiles'
+    recomputed forward repeats the MLP input's all-gather (sequence parallel) and its output's
+    reduction; under checkpointing the layer's recompute also runs the output's reduction, which
+    the untiled recompute skips (the checkpoint stops before it). Tiling itself splits each call
+    into tiles of the same total bytes (the per-call latencies of the tiles are not modelled)."""
+    if not s.tiled_mlp or layout.tp == 1:
+        return []
+    full = tokens * model.hidden * s.act_bytes
+    reductions = (1 + (1 if s.checkpointing else 0)) * model.layers * ga
+    if s.sequence_parallel:
+        return [("all_gather", full // layout.tp, model.layers * ga, "TP/SP all-gather (tiled MLP recompute)"),
+                ("reduce_scatter", full, reductions, "TP/SP reduce-scatter (tiled MLP recompute)")]
+    return [("all_reduce", full, reductions, "TP all-reduce (tiled MLP recompute)")]
