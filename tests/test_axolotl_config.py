@@ -69,7 +69,7 @@ def test_seed_fields_map_to_ndparallel():
     ("plugins: [axolotl.integrations.diffusion.DiffusionPlugin]", "not supported; ndparallel maps only"),
     ("fsdp_version: 3", "only FSDP2 exists here"),
     ("fsdp_config: {auto_wrap_policy: NO_WRAP}", "'NO_WRAP' is not supported"),
-    ("gradient_checkpointing: offload", "activation / layer offloading is not supported yet"),
+    ("gradient_checkpointing: offload_disk", "offloading to disk is not supported"),
     ("datasets: [{path: x.jsonl, type: sharegpt}]", "use chat_template"),
     ("warmup_steps: 10", "'warmup_steps' and 'warmup_ratio' are both set"),
 ])

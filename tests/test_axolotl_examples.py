@@ -8,8 +8,8 @@ ones left out), replayed through ndparallel's front door:
 * the share of examples accepted unchanged, at the schema level and at the ``--dry-run`` level with
   a tiny model of each example's family (``models.yaml``) standing in for ``base_model``.
 
-Refusals that belong to work done elsewhere (quantised bases and low-bit optimizers: QLoRA;
-activation offloading and tiled MLP: issue 31) are counted apart as ``pending``."""
+Refusals that belong to work done elsewhere (quantised bases and low-bit optimizers: QLoRA) are
+counted apart as ``pending``."""
 
 from __future__ import annotations
 
@@ -33,9 +33,8 @@ SCHEMA = json.loads((FIXTURES / "schema_keys.json").read_text())
 PENDING = re.compile(
     r"^'(load_in_4bit|load_in_8bit|adapter|optimizer: \w*(8bit|4bit|paged)\w*|quantize_moe_experts|bnb_config_kwargs"
     r"|model_quantization_config\w*|gptq\w*|qat|quantization|nvfp4\w*|dsv4_fp\w*|nonexpert_quantization"
-    r"|qlora_sharded_model_loading|gemma4_\w*_nonexpert|activation_offloading|tiled_mlp\w*"
-    r"|gradient_checkpointing: offload\w*|layer_offloading)[':]")
-"""Refusals of keys another piece of work supports (QLoRA and low-bit optimizers; issue 31)."""
+    r"|qlora_sharded_model_loading|gemma4_\w*_nonexpert)[':]")
+"""Refusals of keys another piece of work supports (QLoRA and low-bit optimizers)."""
 FIX = re.compile(r"\b(remove|use|set|add|give|download|put|upload|install|keep|fix|write|raise|lower|did you mean)\b")
 LEGACY = {"debug", "test_value", "eta_min", "base_model_ignore_patterns", "sample_packing_seq_len_multiplier",
           "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama"}
@@ -163,7 +162,7 @@ def _report(name: str, results: dict[str, list[str]]) -> tuple[int, int]:
     accepted = sum(not lines for lines in results.values())
     modulo = sum(all(PENDING.match(line) for line in lines) for lines in results.values())
     print(f"\n{name}: {accepted}/{len(results)} accepted unchanged; {modulo}/{len(results)} "
-          f"({100 * modulo / len(results):.1f} %) counting QLoRA / low-bit optimizer / offloading refusals as pending")
+          f"({100 * modulo / len(results):.1f} %) counting QLoRA / low-bit optimizer refusals as pending")
     return accepted, modulo
 
 
@@ -179,8 +178,8 @@ def test_examples_at_the_schema_level(schema_results):
 
 
 NEUTRAL = ("load_in_4bit", "load_in_8bit", "bnb_config_kwargs", "quantize_moe_experts", "gptq", "qat", "quantization",
-           "model_quantization_config", "model_quantization_config_kwargs", "activation_offloading", "tiled_mlp",
-           "nvfp4_merge_aware", "dsv4_fp4_grouped_mode", "qlora_sharded_model_loading", "layer_offloading")
+           "model_quantization_config", "model_quantization_config_kwargs", "nvfp4_merge_aware",
+           "dsv4_fp4_grouped_mode", "qlora_sharded_model_loading")
 
 
 def _neutralised(raw: dict) -> list[str]:
@@ -190,8 +189,6 @@ def _neutralised(raw: dict) -> list[str]:
         sets.append("adapter=lora")
     if re.search(r"8bit|4bit|paged", str(raw.get("optimizer"))):
         sets.append("optimizer=adamw_torch")
-    if str(raw.get("gradient_checkpointing")).startswith("offload"):
-        sets.append("gradient_checkpointing=true")
     return sets
 
 
