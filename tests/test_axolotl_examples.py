@@ -107,6 +107,10 @@ def _plugin_of(key: str) -> str:
      {"datasets": [{"path": "x", "message_property_mappings": {"role": "from", "content": "value"}}]},
      "message_property_mappings"),
     ({"attn_implementation": "xformers"}, {"attn_implementation": "sdpa"}, "xformers -> sdpa"),
+    ({"gradient_checkpointing": "offload"}, {"activation_offloading": True,
+                                             "fsdp_config": {"activation_checkpointing": True}},
+     "offload -> activation_offloading: true"),
+    ({"activation_offloading": "legacy"}, {"activation_offloading": True}, "legacy -> true"),
     ({"plugins": ["axolotl.integrations.liger.LigerPlugin"], "liger_rms_norm": True},
      {"torch_compile": True}, "liger_rms_norm: true -> torch_compile: true"),
 ])
