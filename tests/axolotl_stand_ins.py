@@ -52,6 +52,7 @@ _FAMILY = {
     "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_expand=2,
                              layer_types=["mamba", "attention"]),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention"], num_experts=4),
 }
 

@@ -231,3 +231,17 @@ def test_readme_and_docs_tables_are_generated_from_the_key_table():
     root = Path(__file__).resolve().parents[1]
     assert current_block((root / "README.md").read_text()) == readme_table()
     assert current_block((root / "docs" / "axolotl.md").read_text()) == docs_table()
+
+
+def test_dry_run_explains_family_dependent_behaviour(tmp_path, capsys):
+    """LFM2 (short convolutions between attention layers): the chunked loss of the CutCrossEntropy
+    plugin resolves to the logits path, and packed samples are said to mix in the convolutions."""
+    path = stand_in(tmp_path, "lfm2")
+    example = FIXTURES / "examples" / "LiquidAI" / "lfm2-350m-fft.yaml"
+    code, out, err = run_cli(capsys, "train", example, "--dry-run", "--set", f"base_model={path}")
+    assert code == 0, err
+    assert "chunked loss off (model_type 'lfm2' is not among the families with a plain LM head" in out
+    assert "sample_packing: lfm2 also mixes tokens outside attention" in out
+    code, _, err = run_cli(capsys, "train", example, "--dry-run", "--set", f"base_model={path}",
+                           "--set", "chunked_loss=true")
+    assert code == 2 and "chunked_loss: true, but the chunked loss would not be exact" in err
