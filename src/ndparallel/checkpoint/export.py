@@ -43,6 +43,7 @@ from ndparallel.models.adapters import (
     is_peft_model,
     merge_specs,
 )
+from ndparallel.models.key_conversion import SaveConversion
 from ndparallel.models.naming import model_class_name, tied_aliases
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
@@ -69,7 +70,8 @@ class ShardWriter:
     ``safe=False`` writes ``pytorch_model*.bin`` files (torch.save) under HF's names instead."""
 
     def __init__(self, directory: str | os.PathLike, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                 safe: bool = True):
+                 safe: bool = True, conversion: SaveConversion | None = None):
+        self.conversion = conversion  # model keys -> the checkpoint layout transformers writes
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.safe = safe
@@ -84,6 +86,13 @@ class ShardWriter:
         self.total = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Add a model tensor (converted to the checkpoint's keys with ``conversion``)."""
+        if self.conversion is None:
+            return self._add(name, tensor)
+        for key, t in self.conversion.add(name, tensor).items():
+            self._add(key, t)
+
+    def _add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         if self.current and self.current_bytes + nbytes > self.max:
             self.flush()
@@ -106,6 +115,9 @@ class ShardWriter:
 
     def finish(self) -> list[str]:
         """Write the last shard, give the files their final names; returns them."""
+        if self.conversion is not None and self.conversion.pending():
+            raise RuntimeError(f"export: tensors {self.conversion.pending()[:3]} were never written: their "
+                               "conversion group (transformers' checkpoint layout) is incomplete")
         self.flush()
         n = len(self.files)
         stem, ext = self.stem, self.ext
@@ -147,13 +159,19 @@ def save_hf_model(
     state = get_model_state_dict(model)  # sharded: nothing is gathered here
     aliases = tied_aliases(model)
     merges = merge_specs(model)
-    writer = ShardWriter(save_directory, max_shard_size, safe=safe_serialization) if is_main else None
     seen: set[int] = set()
-    saved_dtype = None
+    names = []
     for name, value in state.items():
-        if name in aliases or id(value) in seen or is_adapter_param(name):
-            continue
-        seen.add(id(value))
+        if not (name in aliases or id(value) in seen or is_adapter_param(name)):
+            seen.add(id(value))
+            names.append(name)
+    writer = None
+    if is_main:
+        conversion = SaveConversion(model, [checkpoint_key(n) for n in names])
+        writer = ShardWriter(save_directory, max_shard_size, safe=safe_serialization, conversion=conversion)
+    saved_dtype = None
+    for name in names:
+        value = state[name]
         if name in merges:  # in fp32, then cast; A and B are small
             a, b, scaling = merges[name]
             full = _full(value).float() + scaling * (_full(state[b]).float() @ _full(state[a]).float())
@@ -234,7 +252,7 @@ def export_checkpoint(
         raise ValueError(f"checkpoint {ckpt} does not match the model config: tensor {n!r} has shape "
                          f"{list(metadata[prefix + n].size)} in the checkpoint, {list(shapes[n].shape)} in "
                          "the config" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
-    writer = ShardWriter(out, max_shard_size)
+    writer = ShardWriter(out, max_shard_size, conversion=SaveConversion(skeleton, expected))
     limit = writer.max
     group: list[str] = []
     group_bytes = 0

@@ -38,6 +38,9 @@ def run_train(argv: Sequence[str]) -> int:
                         help="ranks on this machine (default: the product of the degrees)")
     parser.add_argument("--profile-comm", action="store_true",
                         help="count collectives and bytes per mesh dim during the first step")
+    parser.add_argument("--skip-family-check", action="store_true",
+                        help="launch a model family outside the tested set without first checking a "
+                             "shrunk copy of it under the layout (docs/families.md)")
     args = parser.parse_args(list(argv))
     from ndparallel.runtime.launch import launched_by_ndparallel
 
@@ -59,6 +62,10 @@ def run_train(argv: Sequence[str]) -> int:
     if not in_job:
         from ndparallel.runtime.launch import relaunch_self
 
+        if not args.skip_family_check:
+            problem = _family_check(cfg, pc, hf)
+            if problem:
+                return fail("train", problem)
         from ndparallel.training.dry_checks import model_notes
 
         for note in run_notes(cfg) + model_notes(cfg, hf):
@@ -84,6 +91,19 @@ def run_train(argv: Sequence[str]) -> int:
     if main_rank:
         _plot_curves(Path(cfg.output_dir))
     return 0
+
+
+def _family_check(cfg, pc, hf) -> str | None:
+    """A family outside the tested set: its layout checked on a shrunk copy first (CPU, seconds)."""
+    from ndparallel.models.families import is_tested_family
+
+    if is_tested_family(hf) or not (pc.tp_enabled or pc.cp_enabled or pc.dp_size > 1):
+        return None
+    from ndparallel.tools.family_check import family_check
+
+    print(f"ndparallel train: {hf.model_type!r} is not among the tested families: checking a shrunk copy "
+          "under this layout against one process first (CPU, seconds; --skip-family-check skips it)")
+    return family_check(cfg, pc, hf)
 
 
 def _rank_error(command: str, error: BaseException, exit_code: int | None = None) -> int:

@@ -31,7 +31,7 @@ def build_model(
     source: str | os.PathLike | PretrainedConfig,
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     seed: int = 0,
     adapter: Any = None,
     adapter_weights: str | os.PathLike | None = None,
@@ -44,7 +44,8 @@ def build_model(
             HF ``PretrainedConfig``, or a built-in preset name (``ndparallel.models.presets``).
         dtype: parameter dtype (checkpoint tensors are converted while being copied in).
         trust_remote_code: passed to ``AutoConfig`` / ``AutoModelForCausalLM``.
-        attn_implementation: the attention kernel name given to transformers.
+        attn_implementation: the attention kernel name given to transformers (None: the family's
+            default, sdpa where transformers supports it, else eager: Gemma 2).
         seed: RNG seed of the random init of a config/preset (the global RNG is left untouched)
             and of the LoRA adapter's A matrices.
         adapter: a peft ``LoraConfig``: the model is wrapped (``get_peft_model``) before it is

@@ -28,6 +28,31 @@ def decoder_layers(model: nn.Module, override: tuple[str, ...] | None = None) ->
     return layers
 
 
+def decoder_module_name(model: nn.Module) -> str | None:
+    """Name of the module that runs the decoder layers (holds them in a ``ModuleList``): ``model``
+    for Llama and Llama 4, ``gpt_neox`` for GPT-NeoX, ``transformer`` for Falcon; ``""`` when that
+    is ``model`` itself; None when no ``ModuleList`` of decoder layers is found. Found from the
+    module tree, not ``base_model_prefix`` (Llama 4's says ``language_model``; the decoder is at
+    ``model``)."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    fallback = None
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if not isinstance(child, nn.ModuleList) or len(child) == 0:
+                continue
+            if type(child[0]).__name__ in classes:
+                return name
+            if fallback is None and child_name in ("layers", "h", "blocks"):
+                fallback = name
+    return fallback
+
+
+def decoder_module(model: nn.Module) -> nn.Module | None:
+    """The module that runs the decoder layers (``decoder_module_name``)."""
+    name = decoder_module_name(model)
+    return None if name is None else model.get_submodule(name)
+
+
 def embedding_modules(model: nn.Module) -> list[nn.Module]:
     """The input embedding module(s)."""
     get = getattr(model, "get_input_embeddings", None)

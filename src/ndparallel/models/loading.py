@@ -43,7 +43,7 @@ from ndparallel.models.weights import weights_problem
 _SAFETENSORS = ".safetensors"
 
 
-def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str,
+def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str | None,
                       trust_remote_code: bool, seed: int, adapter: Any = None) -> nn.Module:
     """A random initialisation equal to ``torch.manual_seed(seed); from_config(config)`` on one
     process (the global RNG is left untouched), checked to be a causal LM; ``adapter`` wraps it
@@ -62,7 +62,7 @@ def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_impleme
     return model
 
 
-def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool,
+def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | None, trust_remote_code: bool,
                   vocab_size: int | None = None, adapter: Any = None) -> tuple[nn.Module, list[Path], list[str]]:
     """The model of directory ``path`` on the meta device (no memory), checked against its
     safetensors headers; grown to ``vocab_size`` token rows when the tokenizer outgrew it.

@@ -18,19 +18,32 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.futures import Future
 
 from ndparallel.models.adapters import checkpoint_key, is_adapter_param
+from ndparallel.models.key_conversion import CheckpointKeys, checkpoint_keys
 from ndparallel.models.weights import read_header
 
 
-def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path], skip: set[str] = frozenset()) -> None:
+def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path], skip: set[str] = frozenset(),
+                             plan: CheckpointKeys | None = None) -> None:
     """Fill every parameter and persistent buffer of ``model`` (plain tensors or DTensor shards)
     from the safetensors files in ``path``, reading only this rank's slices (DCP resharding).
 
-    Collective: every rank of the default group must call it. Tied parameters are read once,
-    under the key the checkpoint holds (``save_pretrained`` omits ``lm_head.weight`` when tied).
-    ``skip``: names left for the caller (grown token rows)."""
+    Collective: every rank of the default group must call it. Keys are matched as transformers
+    does (``key_conversion``: renamed and fused tensors, e.g. GPT-NeoX's ``embed_out``, MoE experts
+    stored one per expert). Tied parameters are read once, under the key the checkpoint holds
+    (``save_pretrained`` omits ``lm_head.weight`` when tied). ``skip``: names left for the caller
+    (grown token rows). ``plan``: the key matching, if already made (``checkpoint_plan``, on the
+    model before it was parallelised)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -38,23 +51,26 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path], sk
         set_model_state_dict,
     )
 
-    ckpt_keys = _checkpoint_keys(files)
+    stored = stored_tensors(files)
+    plan = plan or checkpoint_keys(model, {k: (v[0], v[1]) for k, v in stored.items()})
     # LoRA: the wrapped linears' weights are read under the base model's names (``.base_layer``
     # dropped); the adapters are in no base checkpoint.
     state_dict = {k: v for k, v in get_model_state_dict(model).items()
                   if not is_adapter_param(k) and k not in skip}
     name = {k: checkpoint_key(k) for k in state_dict}
     param_id = {checkpoint_key(n): id(p) for n, p in model.named_parameters(remove_duplicate=False)}
-    in_ckpt = {param_id[k] for k in ckpt_keys if k in param_id}  # tied aliases count as present
-    to_read = {name[k]: t for k, t in state_dict.items() if name[k] in ckpt_keys}
-    missing = [k for k in state_dict if name[k] not in ckpt_keys and param_id.get(name[k]) not in in_ckpt]
+    in_ckpt = {param_id[k] for k in param_id if plan.has(k)}  # tied aliases count as present
+    to_read = {name[k]: t for k, t in state_dict.items() if plan.has(name[k])}
+    missing = [k for k in state_dict if not plan.has(name[k]) and param_id.get(name[k]) not in in_ckpt]
     if missing:
         raise ValueError(
             f"{len(missing)} model tensor(s) are not in the checkpoint {str(path)!r}, e.g. "
-            f"{missing[:5]}; its keys look like {sorted(ckpt_keys)[:3]} (a checkpoint of another "
+            f"{missing[:5]}; its keys look like {sorted(stored)[:3]} (a checkpoint of another "
             "architecture or with renamed keys?)"
         )
-    dcp.load(to_read, storage_reader=SliceReader(str(path)))
+    if plan.converted():  # save_pretrained writes the checkpoint's layout back (transformers' way)
+        model._weight_conversions = plan.transforms
+    dcp.load(to_read, storage_reader=SliceReader(str(path), model, plan, stored))
     # DCP wrote into the state-dict tensors, which are the parameters' own storage for FSDP2/TP
     # DTensors and plain tensors; setting them back is a no-op copy that also covers wrappers
     # whose state dict is a copy.
@@ -62,9 +78,14 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path], sk
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
 
 
-def _checkpoint_keys(files: list[Path]) -> set[str]:
-    """Tensor names in the safetensors headers (the data is not read)."""
-    return {name for f in files for name in read_header(f)}
+def checkpoint_plan(model: nn.Module, files: list[Path]) -> CheckpointKeys:
+    """How ``files`` fill ``model`` (``key_conversion.checkpoint_keys`` over the headers)."""
+    return checkpoint_keys(model, {k: (v[0], v[1]) for k, v in stored_tensors(files).items()})
+
+
+def stored_tensors(files: list[Path]) -> dict[str, tuple[str, list[int], Path]]:
+    """Tensor name -> (safetensors dtype, shape, file) from the headers (the data is not read)."""
+    return {name: (info["dtype"], list(info["shape"]), f) for f in files for name, info in read_header(f).items()}
 
 
 # ------------------------------------------------------------------------- slice reads by pread
@@ -122,21 +143,71 @@ def read_slice(f, data_start: int, info: dict, offsets, lengths, target: torch.T
 
 
 class SliceReader(HuggingFaceStorageReader):
-    """``HuggingFaceStorageReader`` (same metadata, same DCP planning) whose reads ``pread`` each
-    requested slice into its destination instead of slicing an mmap (see the module doc)."""
+    """A DCP storage reader over a model directory's safetensors files whose metadata is the
+    model's keys (``key_conversion.checkpoint_keys``: stored tensors renamed or fused as
+    transformers does) and whose reads ``pread`` each requested slice into its destination
+    instead of slicing an mmap (see the module doc); a fused tensor's slice is built by its
+    transformers converter from the stored tensors it needs."""
+
+    def __init__(self, path: str, model: nn.Module, plan: CheckpointKeys, stored: dict):
+        super().__init__(path)
+        self._model, self._plan, self._stored = model, plan, stored
+        self._headers: dict = {}
+
+    def _header(self, file):
+        if file not in self._headers:
+            self._headers[file] = read_header(file, with_data_start=True)
+        return self._headers[file]
+
+    def read_metadata(self) -> Metadata:
+        entries = {}
+        for key, stored_key in self._plan.direct.items():
+            dtype, shape, _ = self._stored[stored_key]
+            entries[key] = (SAFETENSORS_DTYPES[dtype], shape)
+        for key, group in self._plan.fused.items():
+            first = next(iter(group.sources.values()))[0]
+            entries[key] = (SAFETENSORS_DTYPES[self._stored[first][0]], list(group.shapes[key]))
+        metadata = Metadata(state_dict_metadata={
+            key: TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype), size=torch.Size(shape),
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape))])
+            for key, (dtype, shape) in entries.items()
+        }, storage_data={MetadataIndex(key, [0] * len(shape)): key for key, (_, shape) in entries.items()})
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
+        return metadata
 
     def read_data(self, plan, planner):
-        per_file: dict[str, list] = {}
+        direct, fused = {}, []
         for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for file, items in per_file.items():
-            header, data_start = read_header(file, with_data_start=True)
+            fqn = item.storage_index.fqn
+            if fqn in self._plan.direct:
+                stored_key = self._plan.direct[fqn]
+                direct.setdefault(self._stored[stored_key][2], []).append((item, stored_key))
+            else:
+                fused.append(item)
+        for file, items in direct.items():
+            header, data_start = self._header(file)
             with open(file, "rb", buffering=0) as f:
-                for item in items:
+                for item, stored_key in items:
                     target = planner.resolve_tensor(item).detach()
-                    read_slice(f, data_start, header[item.storage_index.fqn],
+                    read_slice(f, data_start, header[stored_key],
                                list(item.storage_offsets), list(item.lengths), target)
                     planner.commit_tensor(item, target)
+        for item in fused:
+            fqn = item.storage_index.fqn
+            target = planner.resolve_tensor(item).detach()
+            piece = self._plan.fused[fqn].read(self._model, fqn, list(item.storage_offsets),
+                                               list(item.lengths), self._read_whole)
+            target.copy_(piece)
+            planner.commit_tensor(item, target)
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def _read_whole(self, key: str) -> torch.Tensor:
+        dtype, shape, file = self._stored[key]
+        header, data_start = self._header(file)
+        out = torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype])
+        with open(file, "rb", buffering=0) as f:
+            read_slice(f, data_start, header[key], [0] * len(shape), shape, out)
+        return out

@@ -48,6 +48,18 @@ class TPPlanError(ValueError):
     """No usable plan; the message says what to supply."""
 
 
+def plan_prefix(model: nn.Module) -> str:
+    """Where a base-model plan's keys (``layers.*.self_attn.q_proj``) live in ``model``: its
+    ``base_model_prefix`` attribute when that is a module, else the module that runs the decoder
+    layers (Llama 4: ``base_model_prefix`` is ``language_model``, the decoder is ``model``)."""
+    from ndparallel.models.layers import decoder_module_name
+
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return prefix
+    return decoder_module_name(model) or ""
+
+
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
     """The model's own HF plan, root-relative: base plan prefixed + the head class's ``_tp_plan``.
 
@@ -57,8 +69,8 @@ def model_tp_plan(model: nn.Module) -> dict[str, str]:
     config = getattr(model, "config", None)
     plan: dict[str, str] = dict(getattr(type(model), "_tp_plan", None) or {})
     base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
+    prefix = plan_prefix(model)
+    base = model.get_submodule(prefix) if prefix else None
     if base_plan and isinstance(base, nn.Module):
         if isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
             base_plan = {"embed_tokens": "embedding_rowwise", **base_plan}
@@ -81,12 +93,12 @@ def resolve_tp_plan(model: nn.Module, override: Mapping[str, object] | None = No
         return dict(override)
     plan = model_tp_plan(model)
     if not plan:
-        example = "\n".join(f'  "{k}": {v}' for k, v in EXAMPLE_PLAN.items())
+        example = ", ".join(f'"{k}": {v}' for k, v in EXAMPLE_PLAN.items())
         raise TPPlanError(
             f"{type(model).__name__} has no tensor-parallel plan (its config has no base_model_tp_plan "
             "and the class no _tp_plan): supply one with TPOptions(plan={...}) in Python or the "
             "`tp_plan` key of the YAML config, mapping module-name patterns to styles "
-            f"({', '.join(STYLES)}), e.g.\ntp_plan:\n{example}"
+            f"({', '.join(STYLES)}), e.g. tp_plan: {{{example}}}"
         )
     return plan
 
@@ -103,7 +115,7 @@ def match_plan(model: nn.Module, plan: Mapping[str, object], *, strict: bool) ->
     two keys giving one module different styles, raise ``TPPlanError``.
     """
     names = [n for n, _ in model.named_modules() if n]
-    prefix = getattr(model, "base_model_prefix", "")
+    prefix = plan_prefix(model)
     out: dict[str, object] = {}
     for key, style in plan.items():
         hits = [n for n in names if _pattern(key).fullmatch(n)]
@@ -119,3 +131,34 @@ def match_plan(model: nn.Module, plan: Mapping[str, object], *, strict: bool) ->
                 raise TPPlanError(f"module {name!r} gets two tp styles: {out[name]!r} and {style!r}")
             out[name] = style
     return out
+
+
+def unmatched_keys(model: nn.Module, plan: Mapping[str, object]) -> list[str]:
+    """The plan's keys that match no module of ``model`` (what applying it would drop)."""
+    return [k for k in plan if not match_plan(model, {k: plan[k]}, strict=False)]
+
+
+def tp_plan_problem(model: nn.Module, override: Mapping[str, object] | None = None) -> str | None:
+    """Why ``model`` cannot be made tensor-parallel with its plan (or ``override``), or None: no
+    plan, a style ndparallel does not apply (MoE experts: ``moe_tp_experts``, ``packed_colwise``),
+    or a plan that shards nothing inside the decoder layers (its keys miss the module tree)."""
+    try:
+        plan = resolve_tp_plan(model, override)
+        assigned = match_plan(model, plan, strict=bool(override))
+    except TPPlanError as e:
+        return str(e)
+    name = type(model).__name__
+    odd = {n: s for n, s in assigned.items() if isinstance(s, str) and s not in STYLES}
+    if odd:
+        where, style = next(iter(odd.items()))
+        return (f"{name}'s tensor-parallel plan gives {where} the style {style!r}, which ndparallel does not "
+                "apply (mixture-of-experts experts are not tensor-parallel yet: expert parallelism is planned); "
+                "train this model without tensor_parallel_size (dp_shard_size / context_parallel_size), or "
+                "give a tp_plan without expert styles")
+    if not any(n.split(".")[-1] not in ("lm_head", "embed_tokens") and any(p.isdigit() for p in n.split("."))
+               for n in assigned):
+        dropped = unmatched_keys(model, plan)
+        return (f"{name}'s tensor-parallel plan shards no module inside its decoder layers (keys that match "
+                f"nothing: {dropped[:4]}): give a tp_plan whose keys name its modules, e.g. "
+                f"{[n for n, _ in model.named_modules() if '.0.' in n][:3]}")
+    return None

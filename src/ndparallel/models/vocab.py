@@ -67,13 +67,19 @@ def set_grown_rows(model: nn.Module, files: list[Path], names: list[str], rows: 
         set_model_state_dict,
     )
 
+    from ndparallel.models.key_conversion import checkpoint_keys
+    from ndparallel.models.weights import read_header
+
     distributed = dist.is_available() and dist.is_initialized()
     full: dict[str, torch.Tensor] = {}
     if not distributed or dist.get_rank() == 0:
         dtypes = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
+        stored = {k: (v["dtype"], v["shape"]) for f in files for k, v in read_header(f).items()}
+        where = checkpoint_keys(model, stored).direct  # model name -> stored name (GPT-NeoX: embed_out)
         for f in files:
             with safe_open(str(f), framework="pt") as handle:
-                for n in set(names) & set(handle.keys()):
-                    full[n] = grow_rows(handle.get_tensor(n).to(dtypes[n]), rows)
+                for n in names:
+                    if where.get(n, n) in handle.keys():
+                        full[n] = grow_rows(handle.get_tensor(where.get(n, n)).to(dtypes[n]), rows)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed, strict=False)
     set_model_state_dict(model, full, options=options)

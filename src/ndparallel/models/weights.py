@@ -50,31 +50,44 @@ def read_header(file: str | os.PathLike, with_data_start: bool = False):
 def weights_problem(model: torch.nn.Module, files: list[Path], config_name: str = "config.json",
                     grown: list[str] = ()) -> str | None:
     """Why the safetensors ``files`` cannot fill ``model`` (built on any device, meta included,
-    from ``config_name``), or None. Tied aliases may be absent, as ``save_pretrained`` omits them;
-    the ``grown`` weights (token rows added) may have fewer rows than the model."""
+    from ``config_name``), or None. Keys are matched as transformers converts them
+    (``key_conversion``: renamed and fused tensors). Tied aliases may be absent, as
+    ``save_pretrained`` omits them; the ``grown`` weights (token rows added) may have fewer rows
+    than the model."""
+    from ndparallel.models.key_conversion import checkpoint_keys, stored_shape
     from ndparallel.models.naming import tied_aliases
 
-    stored: dict[str, tuple[list[int], str]] = {}
+    stored: dict[str, tuple[str, list[int], str]] = {}
     for f in files:
         for name, info in read_header(f).items():
-            stored[name] = (list(info["shape"]), f.name)
+            stored[name] = (info["dtype"], list(info["shape"]), f.name)
+    try:
+        plan = checkpoint_keys(model, {k: v[:2] for k, v in stored.items()})
+    except ValueError as e:
+        return f"{e} ({str(files[0].parent)!r})"
+    except Exception as e:  # noqa: BLE001 - a transformers converter that cannot combine these tensors
+        return (f"the checkpoint's tensors cannot be converted to {type(model).__name__}'s as transformers "
+                f"would ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
     aliases = set(tied_aliases(model))
     expected = {k: list(v.shape) for k, v in model.state_dict().items() if k not in aliases}
-    missing = [k for k in expected if k not in stored]
+    missing = [k for k in expected if not plan.has(k)]
     if missing:
         return (f"{len(missing)} model tensor(s) are not in the checkpoint {str(files[0].parent)!r}, e.g. "
                 f"{missing[:3]}; its keys look like {sorted(stored)[:3]} (a checkpoint of another "
                 "architecture or with renamed keys?)")
+
     def fits(k: str, shape: list[int]) -> bool:
-        have = stored[k][0]
+        have = stored_shape(plan, stored, k)
         if k in grown:
             return len(have) == len(shape) and have[1:] == shape[1:] and have[0] <= shape[0]
         return have == shape
 
-    wrong = [(k, stored[k], shape) for k, shape in expected.items() if not fits(k, shape)]
+    wrong = [(k, shape) for k, shape in expected.items() if not fits(k, shape)]
     if wrong:
-        (name, (have, file), want), more = wrong[0], len(wrong) - 1
-        return (f"tensor {name!r} in {file} has shape {have}, but {config_name} gives the model "
-                f"{want}" + (f" (and {more} more tensors differ)" if more else "")
+        (name, want), more = wrong[0], len(wrong) - 1
+        where = (f"in {stored[plan.direct[name]][2]}" if name in plan.direct
+                 else f"built from {sum(map(len, plan.fused[name].sources.values()))} stored tensors")
+        return (f"tensor {name!r} {where} has shape {stored_shape(plan, stored, name)}, but {config_name} "
+                f"gives the model {want}" + (f" (and {more} more tensors differ)" if more else "")
                 + ": the weights do not match the config (sizes edited, or another model's config?)")
     return None

@@ -7,7 +7,8 @@ way). Applied after TP, CP and activation checkpointing and before FSDP, so
   are traced into it, and activation checkpointing (transformers' per-layer wrapper, outside
   ``_call_impl``) recomputes the compiled layer;
 * the CP attention (an autograd function that sends K/V around the ring over a process group
-  dynamo cannot trace) runs eagerly: a graph break before and after it, the rest compiled.
+  dynamo cannot trace) and the document attention of TP + sequence parallel (its masks are built
+  on the host from the positions) run eagerly: a graph break before and after, the rest compiled.
 
 Under tensor parallelism the unit is each child of a decoder layer (attention, MLP, norms) rather
 than the layer: with the whole layer compiled, the backward of torch 2.13's compiled graph hands
@@ -52,14 +53,15 @@ def _is_attention(child_name: str) -> bool:
 
 
 def _attention_eager(model: nn.Module) -> None:
-    """Run the model's CP attention (an ``ndparallel_cp_*`` name in transformers'
+    """Run the model's CP or document attention (an ``ndparallel_*`` name in transformers'
     ``AttentionInterface``) eagerly inside compiled layers: re-register it behind
-    ``torch._dynamo.disable`` (a clean graph break; dynamo cannot trace its process group)."""
+    ``torch._dynamo.disable`` (a clean graph break; dynamo cannot trace its process group, nor
+    the host-side document geometry)."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if not (isinstance(name, str) and name.startswith("ndparallel_cp_")):
+    if not (isinstance(name, str) and name.startswith(("ndparallel_cp_", "ndparallel_documents_"))):
         return
     fn = ALL_ATTENTION_FUNCTIONS[name]
     if not getattr(fn, "_ndparallel_eager", False):

@@ -31,6 +31,7 @@ from ndparallel.parallel.cp_attention import (
 from ndparallel.parallel.cp_blocks import DocCache
 from ndparallel.parallel.cp_sharding import cp_num_chunks, shard_for_cp
 from ndparallel.parallel.options import CPOptions
+from ndparallel.parallel.positions import PositionRecorder
 
 
 def validate_context_parallel(
@@ -75,25 +76,29 @@ def validate_context_parallel(
             f"attention_dropout={config.attention_dropout} is not supported with context parallelism; "
             "set config.attention_dropout = 0.0"
         )
-    if cp_size > 1 and _uses_sliding_window(config):
+    floor = getattr(config, "floor_scale", None)
+    if cp_size > 1 and getattr(config, "attn_temperature_tuning", False) and seq_len and floor and seq_len >= floor:
+        raise ValueError(temperature_tuning_message(seq_len, floor))
+    kinds = sorted({str(t) for t in getattr(config, "layer_types", None) or ()} - set(ATTENTION_LAYER_TYPES))
+    if cp_size > 1 and kinds:
         raise ValueError(
-            "sliding-window attention (config.sliding_window / layer_types) is not supported with "
-            "context parallelism; disable it (sliding_window=None / use_sliding_window=False)"
-        )
+            f"layer_types {kinds} are not attention layers: context parallelism splits the sequence "
+            "and only ndparallel's attention exchanges tokens between ranks, so such a layer would "
+            "see its shard alone; train this model without context_parallel_size")
 
 
-def _uses_sliding_window(config) -> bool:
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return any("sliding" in str(t) for t in layer_types)
-    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+"""``config.layer_types`` ndparallel's attention computes: causal, sliding-window (the layer's
+``sliding_window``) and chunked (Llama 4's ``attention_chunk_size``)."""
 
 
-def attention_name(cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto") -> str:
-    """The ``AttentionInterface`` name ``apply_context_parallel`` uses for this group and options."""
+def attention_name(cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto", owner: object = None) -> str:
+    """The ``AttentionInterface`` name ``apply_context_parallel`` uses for this group and options
+    (and ``owner``: each model gets its own registration, whose closure records its positions)."""
     group = process_group(cp_mesh)
     lb = "lb" if options.load_balance else "contig"
-    return f"ndparallel_cp_{options.comm_strategy}_{lb}_{kernel}_pg{group.group_name}"
+    suffix = "" if owner is None else f"_m{id(owner):x}"
+    return f"ndparallel_cp_{options.comm_strategy}_{lb}_{kernel}_pg{group.group_name}{suffix}"
 
 
 def _check_call(module, attention_mask, dropout, kwargs) -> None:
@@ -104,26 +109,66 @@ def _check_call(module, attention_mask, dropout, kwargs) -> None:
         )
     if dropout:
         raise ValueError("attention dropout is not supported by context-parallel / document attention")
-    for unsupported in ("sliding_window", "softcap", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"{unsupported} is not supported by context-parallel / document attention")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("attention sinks (s_aux) are not supported by context-parallel / document attention")
     if not getattr(module, "is_causal", True):
         raise ValueError("context-parallel / document attention is causal only; this module is not causal")
 
 
-def make_attention_fn(cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto"):
+def _check_temperature_tuning(module, seq_len: int) -> None:
+    """Llama 4's NoPE layers scale queries by a function of ``arange(local length)``: under CP the
+    local index, not the global one — equal only while the sequence is shorter than
+    ``floor_scale`` (every token then gets scale 1)."""
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        floor = getattr(module, "floor_scale", None)
+        if floor is not None and seq_len >= floor:
+            raise ValueError(temperature_tuning_message(seq_len, floor))
+
+
+def temperature_tuning_message(seq_len: int, floor_scale: int) -> str:
+    return (f"sequence length {seq_len} >= floor_scale={floor_scale}: Llama 4's attention temperature "
+            "tuning (NoPE layers) numbers the tokens of a context-parallel shard from 0, so it would "
+            f"differ from one device; use sequence_len < {floor_scale} with context parallelism, or "
+            "train without context_parallel_size")
+
+
+def layer_features(module, kwargs) -> tuple[int | None, int | None, float | None]:
+    """(sliding window, attention chunk, soft cap) of the layer calling the attention: the
+    ``sliding_window`` / ``softcap`` the model passes (what transformers' flash-attention path
+    uses), else the layer's ``config.layer_types`` entry."""
+    config = getattr(module, "config", None)
+    types, idx = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    kind = types[idx] if types is not None and isinstance(idx, int) and idx < len(types) else None
+    if kind is not None and kind not in ATTENTION_LAYER_TYPES:
+        raise ValueError(f"layer {idx} is a {kind!r} layer: ndparallel's attention computes "
+                         f"{', '.join(ATTENTION_LAYER_TYPES)} layers only")
+    window = kwargs.get("sliding_window")
+    if window is None and kind == "sliding_attention":
+        window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None) if kind == "chunked_attention" else None
+    return window, chunk, kwargs.get("softcap")
+
+
+def make_attention_fn(cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto",
+                      recorder: PositionRecorder | None = None):
     """HF attention function ``fn(module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kw)
-    -> (out [B, S, H, D], None)`` running CP attention on the group of ``cp_mesh``; documents
-    (``position_ids`` restarting at 0, passed by the model in ``kw``) are never attended across."""
+    -> (out [B, S, H, Dv], None)`` running CP attention on the group of ``cp_mesh``; documents
+    (``position_ids`` restarting at 0: passed by the model in ``kw``, else the decoder's, from
+    ``recorder``) are never attended across; the layer's sliding window, attention chunk and soft
+    cap (``layer_features``) are honoured."""
     group = process_group(cp_mesh)
     strategy, load_balance = options.comm_strategy, options.load_balance
     cache = DocCache()  # the document layout of the current batch, shared by the layers
+    recorder = recorder or PositionRecorder()
 
     def cp_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         _check_call(module, attention_mask, dropout, kwargs)
+        _check_temperature_tuning(module, query.shape[2] * dist.get_world_size(group))
+        window, chunk, softcap = layer_features(module, kwargs)
         out = context_parallel_attention(
             query, key, value, group, strategy=strategy, load_balance=load_balance,
-            scale=scaling, kernel=kernel, position_ids=kwargs.get("position_ids"), cache=cache,
+            scale=scaling, kernel=kernel, position_ids=recorder.positions(kwargs), cache=cache,
+            window=window, chunk=chunk, softcap=softcap,
         )
         return out.transpose(1, 2).contiguous(), None
 
@@ -147,10 +192,10 @@ def _register(model, name: str, fn) -> None:
     AttentionMaskInterface.register(name, _no_padding_mask)
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:
-        raise RuntimeError(
-            f"{type(model).__name__} did not accept attention implementation {name!r}; it needs a "
-            "model using transformers' AttentionInterface"
-        )
+        raise ValueError(
+            f"{type(model).__name__} does not call attention through transformers' AttentionInterface, "
+            "through which ndparallel's context-parallel / document attention replaces it: train this "
+            "model without context_parallel_size (and without sequence_parallel)")
 
 
 def apply_document_attention(model, kernel: str = "auto"):
@@ -159,15 +204,17 @@ def apply_document_attention(model, kernel: str = "auto"):
     transformers' own sdpa/eager handle packed rows too, but build a B×S×S mask; its
     flash_attention_2 (if installed) uses varlen kernels. Works under TP (each rank its heads)."""
     cache = DocCache()
+    recorder = PositionRecorder().attach(model)
 
     def document_attention_forward(module, query, key, value, attention_mask, scaling=None,
                                    dropout=0.0, **kwargs):
         _check_call(module, attention_mask, dropout, kwargs)
-        out = document_causal_attention(query, key, value, kwargs.get("position_ids"), scaling,
-                                        kernel, cache)
+        window, chunk, softcap = layer_features(module, kwargs)
+        out = document_causal_attention(query, key, value, recorder.positions(kwargs), scaling,
+                                        kernel, cache, window, chunk, softcap)
         return out.transpose(1, 2).contiguous(), None
 
-    _register(model, f"ndparallel_documents_{kernel}", document_attention_forward)
+    _register(model, f"ndparallel_documents_{kernel}_m{id(recorder):x}", document_attention_forward)
     return model
 
 
@@ -182,7 +229,9 @@ def apply_context_parallel(model, cp_mesh, options: CPOptions = CPOptions(), ker
         return model
     validate_context_parallel(model.config, dist.get_world_size(group), load_balance=options.load_balance,
                               tp_size=_tp_degree(model), strategy=options.comm_strategy)
-    _register(model, attention_name(group, options, kernel), make_attention_fn(group, options, kernel))
+    recorder = PositionRecorder().attach(model)
+    _register(model, attention_name(group, options, kernel, owner=recorder),
+              make_attention_fn(group, options, kernel, recorder))
     return model
 
 

@@ -203,8 +203,8 @@ def _to_rank_major(x: torch.Tensor, cp: int, load_balance: bool, n: int) -> torc
 
 # ----------------------------------------------------------------------------- public ops
 def _check_shapes(query, key, value) -> None:
-    if query.dim() != 4 or key.shape != value.shape or key.shape[:1] != query.shape[:1]:
-        raise ValueError(f"expected q [B,H,S,D], k/v [B,Hk,S,D]; got {tuple(query.shape)}, "
+    if query.dim() != 4 or key.shape[:-1] != value.shape[:-1] or key.shape[:1] != query.shape[:1]:
+        raise ValueError(f"expected q [B,H,S,D], k [B,Hk,S,D], v [B,Hk,S,Dv]; got {tuple(query.shape)}, "
                          f"{tuple(key.shape)}, {tuple(value.shape)}")
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"num heads {query.shape[1]} is not a multiple of kv heads {key.shape[1]}")
@@ -212,29 +212,47 @@ def _check_shapes(query, key, value) -> None:
         raise ValueError("query and key must have the same sequence length and head dim")
 
 
-def _kernel(kernel: str, query: torch.Tensor, scale: float | None) -> BlockKernel:
+def _same_head_dims(query, key, value):
+    """MLA-style attention (value head dim ≠ query/key head dim, DeepSeek-V3): zero-pad the
+    smaller side so every kernel and the ring's stacked K/V see one head dim. Exact: zero value
+    columns give zero output columns (sliced off), zero q/k columns add nothing to the scores.
+    Costs the padding (e.g. V 128 -> 192: +50 % of V)."""
+    dq, dv = query.shape[-1], value.shape[-1]
+    if dv < dq:
+        value = torch.nn.functional.pad(value, (0, dq - dv))
+    elif dq < dv:
+        query, key = (torch.nn.functional.pad(t, (0, dv - dq)) for t in (query, key))
+    return query, key, value, dv
+
+
+def _kernel(kernel: str, query: torch.Tensor, scale: float | None, softcap: float | None) -> BlockKernel:
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    return BlockKernel(resolve_kernel(kernel, query), scale)
+    return BlockKernel(resolve_kernel(kernel, query, softcap), scale, softcap)
 
 
 def document_causal_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     position_ids: torch.Tensor | None = None, scale: float | None = None, kernel: Kernel = "auto",
-    cache=None,
+    cache=None, window: int | None = None, chunk: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention on one device that never crosses a document start (``position_ids``
-    restarting at 0; None = plain causal). q [B, H, S, D], k/v [B, Hk, S, D]. Memory O(S): no
-    S×S mask; each document is one causal block. ``cache``: a ``DocCache`` shared by the layers
-    of one forward (one host copy of the positions per forward)."""
+    restarting at 0; None = plain causal). q [B, H, S, D], k [B, Hk, S, D], v [B, Hk, S, Dv].
+    ``window``: sliding window (query i sees keys > i − window); ``chunk``: chunked attention
+    (restarts every ``chunk`` tokens); ``softcap``: soft-capped scores. Memory O(S): no S×S mask;
+    each document is one causal block. ``cache``: a ``DocCache`` shared by the layers of one
+    forward (one host copy of the positions per forward)."""
     _check_shapes(query, key, value)
     b, s = query.shape[0], query.shape[2]
+    block_kernel = _kernel(kernel, query, scale, softcap)
+    query, key, value, dv = _same_head_dims(query, key, value)
 
     def build():
-        starts = document_starts(position_ids, torch.arange(s), b)
-        return DocLayout(starts, (0,), s, b, query.device)
+        starts = document_starts(position_ids, torch.arange(s), b, chunk)
+        return DocLayout(starts, (0,), s, b, query.device, window)
 
-    docs = cache.get(position_ids, (b, s, 1, 0), build) if cache is not None else build()
-    return local_attention(query, key, value, _kernel(kernel, query, scale), docs)
+    extra = (b, s, 1, 0, window, chunk)
+    docs = cache.get(position_ids, extra, build) if cache is not None else build()
+    return local_attention(query, key, value, block_kernel, docs)[..., :dv]
 
 
 def context_parallel_attention(
@@ -248,16 +266,21 @@ def context_parallel_attention(
     kernel: Kernel = "auto",
     position_ids: torch.Tensor | None = None,
     cache=None,
+    window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries against the keys of the whole cp group.
 
-    ``query`` [B, H, S_local, D], ``key``/``value`` [B, Hk, S_local, D] with ``H % Hk == 0`` (GQA),
-    all sharded as ``shard_for_cp`` does (same ``load_balance``). ``group``: the cp ProcessGroup or
-    a 1-D DeviceMesh. ``position_ids`` [B or 1, S_local]: the *global* positions of the local
-    tokens (sharded like the rest); where they restart at 0 a new document starts and attention
-    does not cross it. None: plain causal. ``cache``: a ``DocCache`` shared by the layers of one
-    forward. Returns [B, H, S_local, D] in ``query``'s dtype. Every rank of the group must call it
-    (it communicates in forward and backward).
+    ``query`` [B, H, S_local, D], ``key`` [B, Hk, S_local, D], ``value`` [B, Hk, S_local, Dv]
+    with ``H % Hk == 0`` (GQA), all sharded as ``shard_for_cp`` does (same ``load_balance``).
+    ``group``: the cp ProcessGroup or a 1-D DeviceMesh. ``position_ids`` [B or 1, S_local]: the
+    *global* positions of the local tokens (sharded like the rest); where they restart at 0 a new
+    document starts and attention does not cross it. None: plain causal. ``window``, ``chunk``,
+    ``softcap``: as in ``document_causal_attention`` (blocks outside every query's window are
+    skipped; every rank still takes part in every transfer). ``cache``: a ``DocCache`` shared by
+    the layers of one forward. Returns [B, H, S_local, Dv] in ``query``'s dtype. Every rank of the
+    group must call it (it communicates in forward and backward).
     """
     group = process_group(group)
     _check_shapes(query, key, value)
@@ -268,18 +291,20 @@ def context_parallel_attention(
     b, s_loc = query.shape[0], query.shape[2]
     if s_loc % len(ids):
         raise ValueError(f"local sequence length {s_loc} must hold {len(ids)} equal chunks")
-    block_kernel = _kernel(kernel, query, scale)
+    block_kernel = _kernel(kernel, query, scale, softcap)
+    query, key, value, dv = _same_head_dims(query, key, value)
     if strategy == "ulysses":
         from ndparallel.parallel.cp_ulysses import ulysses_attention
 
         return ulysses_attention(query, key, value, group, load_balance, block_kernel,
-                                 position_ids, cache)
+                                 position_ids, cache, window, chunk)[..., :dv]
     n = s_loc // len(ids)
 
     def build():
         index = cp_positions(s_loc * cp, rank, cp, load_balance)
-        return DocLayout(document_starts(position_ids, index, b), ids, n, b, query.device)
+        return DocLayout(document_starts(position_ids, index, b, chunk), ids, n, b, query.device, window)
 
-    docs = cache.get(position_ids, (b, s_loc, cp, rank, load_balance), build) if cache is not None else build()
+    extra = (b, s_loc, cp, rank, load_balance, window, chunk)
+    docs = cache.get(position_ids, extra, build) if cache is not None else build()
     fn = _RingAttention if strategy == "ring" else _AllGatherAttention
-    return fn.apply(query, key, value, group, load_balance, block_kernel, docs)
+    return fn.apply(query, key, value, group, load_balance, block_kernel, docs)[..., :dv]

@@ -74,7 +74,7 @@ def _full_positions(position_ids, b: int, group, natural: torch.Tensor, n: int) 
 
 
 def ulysses_attention(q, k, v, group, load_balance: bool, kernel: BlockKernel, position_ids=None,
-                      cache=None) -> torch.Tensor:
+                      cache=None, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
     """Context-parallel attention by head/sequence all-to-all; same contract as
     ``context_parallel_attention`` (q [B, H, S_local, D], k/v [B, Hk, S_local, D])."""
     cp = dist.get_world_size(group)
@@ -93,10 +93,11 @@ def ulysses_attention(q, k, v, group, load_balance: bool, kernel: BlockKernel, p
         full_pos = _full_positions(position_ids, b, group, natural.to(position_ids.device), n)
 
     def build():
-        starts = document_starts(full_pos, torch.arange(cp * s_loc), b)
-        return DocLayout(starts, (0,), cp * s_loc, b, q.device)
+        starts = document_starts(full_pos, torch.arange(cp * s_loc), b, chunk)
+        return DocLayout(starts, (0,), cp * s_loc, b, q.device, window)
 
-    docs = cache.get(position_ids, ("ulysses", b, s_loc, cp), build) if cache is not None else build()
+    extra = ("ulysses", b, s_loc, cp, window, chunk)
+    docs = cache.get(position_ids, extra, build) if cache is not None else build()
     packed = torch.cat([t.reshape(b, cp, -1, s_loc, d) for t in (q, k, v)], dim=2)
     x = _to_heads(packed, group, natural, n)  # [B, hq + 2·hk, S, D]
     out = local_attention(x[:, :hq], x[:, hq:hq + hk], x[:, hq + hk:], kernel, docs)

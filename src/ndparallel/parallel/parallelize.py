@@ -58,6 +58,7 @@ def parallelize_model(
             f"upcasting them to {upcast} master weights (compute uses mixed_precision's dtype); "
             "load the model in float32 to skip this step", stacklevel=3)
     fsdp = options.fsdp
+    _check_layout(model, dims, options.tp)
     if options.float8.enabled:
         from ndparallel.parallel.float8 import apply_float8
 
@@ -91,6 +92,18 @@ def parallelize_model(
         upcast_params(model, upcast)
     move_leftovers(model, device, keep_params_on_cpu=fsdp.cpu_offload)
     return wrapper
+
+
+def _check_layout(model: nn.Module, dims: ParallelDims, tp) -> None:
+    """Refuse (one line, before any sharding) what this model cannot run exactly under ``dims``."""
+    from ndparallel.parallel.support import layout_problem
+    from ndparallel.parallel.tensor import is_tensor_parallel
+
+    made_tp = dims.tp > 1 and is_tensor_parallel(model)  # by transformers: its own plan applied
+    problem = layout_problem(model, tp_size=1 if made_tp else dims.tp, cp_size=dims.cp,
+                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan, probe_attention=False)
+    if problem:
+        raise ValueError(problem)
 
 
 def apply_activation_memory(model: nn.Module, fsdp: FSDPOptions, device: torch.device) -> None:

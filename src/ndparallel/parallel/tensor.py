@@ -11,8 +11,11 @@ styles and applies them with ``parallelize_module``:
   so optimizers and grad clipping see DTensors only, all on the tp mesh.
 
 Sequence parallel shards the residual stream on dim 1: the sequence length must be divisible by
-tp_size, ``position_ids`` are filled in when missing (HF would derive them from the local length),
-and a 2-D attention mask may only be all ones (padding masks raise: pack with position_ids).
+tp_size, ``position_ids`` are filled in when missing (HF would derive them from the local length;
+``positions.position_hook``), a 2-D attention mask may only be all ones (padding masks raise: pack
+with position_ids), and attention is ndparallel's document attention (transformers would build
+its masks from the local length: packed rows crashed its sdpa), which derives the causal and
+document masks from the positions.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ndparallel.models.tp_plans import (
 )
 from ndparallel.parallel.lora import LoraParallel
 from ndparallel.parallel.options import TPOptions
+from ndparallel.parallel.positions import position_hook
 from ndparallel.parallel.tp_styles import (
     GatherSequenceInput,
     ReplicateBlockInput,
@@ -74,36 +78,6 @@ def _output_embedding_name(model: nn.Module) -> str | None:
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
-
-
-def _sp_position_hook(tp_size: int):
-    def hook(_mod, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            ids = kwargs.get("inputs_embeds")
-        if ids is None:
-            return args, kwargs
-        seq = ids.shape[1]
-        if seq % tp_size:
-            raise ValueError(
-                f"sequence parallel: sequence length {seq} is not divisible by tp_size={tp_size}; "
-                f"pad the batch to a multiple of {tp_size} (or disable sequence_parallel)"
-            )
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            if not bool(mask.all()):
-                raise ValueError(
-                    "sequence parallel does not support padding attention masks (HF builds the mask "
-                    "from the local sequence length): pack sequences with position_ids instead, or "
-                    "disable sequence_parallel"
-                )
-            kwargs = {**kwargs, "attention_mask": None}  # all ones: plain causal attention
-        if kwargs.get("position_ids") is None:
-            pos = torch.arange(seq, device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
-            kwargs = {**kwargs, "position_ids": pos}
-        return args, kwargs
-
-    return hook
 
 
 def apply_tensor_parallel(
@@ -173,8 +147,7 @@ def apply_tensor_parallel(
     for block in blocks:
         styles[block] = GatherSequenceInput() if sp else ReplicateBlockInput()
     if sp:
-        model.register_forward_pre_hook(_sp_position_hook(tp_size), with_kwargs=True)
-
+        _sequence_parallel_inputs(model, tp_size)
     tied = tied_parameter_groups(model)
     for name, style in styles.items():
         parallelize_module(model.get_submodule(name), tp_mesh, style)
@@ -185,6 +158,17 @@ def apply_tensor_parallel(
     _check_all_dtensor(model)
     align_grad_placements(model)
     return model
+
+
+def _sequence_parallel_inputs(model: nn.Module, tp_size: int) -> None:
+    """Positions and attention for a sequence-sharded residual stream: ``position_ids`` filled in
+    from the full length (``positions.position_hook``), and ndparallel's document attention —
+    transformers builds its masks from the local length, which breaks on packed rows; the
+    document attention derives them from the positions."""
+    from ndparallel.parallel.context import apply_document_attention
+
+    model.register_forward_pre_hook(position_hook(sp_size=tp_size), with_kwargs=True)
+    apply_document_attention(model)
 
 
 def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:

@@ -48,6 +48,9 @@ class TrainSetup:
     reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
     attention crosses document starts."""
     adapter: dict | None = None  # LoRA: ``ndparallel.models.adapters.lora_config`` kwargs (r, alpha, ...)
+    model_dir: str | None = None
+    """A saved model (``save_pretrained``) both runs load with ``Engine.build_model`` (sharded,
+    transformers' key conversion) instead of building ``model_config`` from the seed."""
 
 
 @dataclass
@@ -129,7 +132,7 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
     from ndparallel.engine import Engine, train_step
 
     engine = Engine(ParallelismConfig(**(layout or {})), strategy_options(setup))
-    model = engine.parallelize(build_model(setup))
+    model = engine.build_model(setup.model_dir) if setup.model_dir else engine.parallelize(build_model(setup))
     optimizer = setup_optimizer(setup, model.parameters())
     model.train()
     dp_rank, dp_size = engine.dp_rank, engine.dp_size

@@ -1,32 +1,161 @@
-"""A shrunk copy of a model config for ``ndparallel verify``: the same architecture and attention
-layout with tiny dimensions, so a layout can be checked against one process on CPU in seconds."""
+"""A shrunk copy of a model config (``ndparallel verify``, the pre-launch check of a family outside
+the tested set, the family matrix of the tests): the same architecture and attention layout with
+tiny dimensions, so a layout can be checked against one process on CPU in seconds.
+
+What is kept, per family, from the config's own fields (no table of families):
+
+* attention: the head/KV-head ratio, a query/key head dim unlike the value one (MLA), biases, norms;
+* every layer kind in two layers: a sliding-window and a full layer (Gemma 2/3, Cohere 2, ...), a
+  chunked and a NoPE layer (Llama 4); windows and attention chunks shrunk below the sequence so
+  that they bite (a window of 5, chunks of 6 tokens);
+* a mixture of experts: a dense first layer where the family has one and an MoE layer, ≤ 4 experts,
+  ≤ 2 per token;
+* soft-capping, partial rotary dims (rope lists sliced to the new head dim), tied embeddings;
+* every divisibility the layout needs (heads, KV heads, widths and vocabulary by ``tp_size``).
+
+Dropout is set to 0 (its random masks differ per layout) and token ids outside the shrunk
+vocabulary are dropped. ``attn_implementation`` is the family's own choice on one process (sdpa
+where transformers supports it for the family, else eager: Gemma 2's soft-capping).
+"""
 
 from __future__ import annotations
 
 import copy
+import math
+from dataclasses import dataclass
+
+WINDOW = 5
+"""Sliding window of a shrunk model: shorter than a CP chunk of verify's rows, so windows cut
+across chunks and ranks."""
+CHUNK = 6
+"""Attention chunk of a shrunk chunked-attention layer (Llama 4)."""
+HEAD_DIM = 8
 
 
-def shrink_config(hf_config, tp_size: int, cp_size: int):
-    """Same architecture and attention layout, tiny dims: 2 layers, head_dim 8, at most 4 KV heads
-    and 4 query heads per KV head, widths and vocab kept divisible by ``tp_size``."""
-    c = copy.deepcopy(hf_config)
+@dataclass(frozen=True)
+class ShrunkModel:
+    config: object  # a transformers PretrainedConfig, ``_attn_implementation`` set
+    attn_implementation: str
+
+
+def _set(c, name: str, value) -> None:
+    """Set a config field if the config has it (and it is not a read-only property)."""
+    if name in c.to_dict() and not isinstance(getattr(type(c), name, None), property):
+        setattr(c, name, value)
+
+
+def _heads(c, tp_size: int, cp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads): grouped-query attention stays grouped (≤ 2 query heads per KV head
+    at the small size), the KV heads stay divisible by ``tp_size`` where they were, and the query
+    heads per TP rank divide over ``cp_size`` (all-to-all CP splits them)."""
     heads = c.num_attention_heads
     kv = getattr(c, "num_key_value_heads", None) or heads
     group = max(1, heads // kv)
-    new_kv = min(kv, max(4, tp_size))
+    new_kv = min(kv, max(2, tp_size))
     if kv % tp_size == 0:  # keep the divisibility the layout relies on
         new_kv = max(tp_size, new_kv - new_kv % tp_size)
-    new_heads = new_kv * min(group, 4)
-    head_dim = 8
-    c.num_attention_heads, c.num_key_value_heads = new_heads, new_kv
-    c.head_dim = head_dim
-    c.hidden_size = new_heads * head_dim
-    c.intermediate_size = 2 * c.hidden_size
+    heads = math.lcm(new_kv * min(group, 2), tp_size * cp_size)
+    return (heads, heads) if group == 1 else (heads, new_kv)  # multi-head attention stays so
+
+
+def _layer_kinds(c) -> None:
+    """Two layers holding every kind the config has (first two distinct kinds)."""
+    types = list(getattr(c, "layer_types", None) or ())
+    kinds = list(dict.fromkeys(types))
+    if "chunked_attention" in kinds and hasattr(c, "no_rope_layers"):  # Llama 4: a chunked RoPE layer
+        c.no_rope_layers, kinds = [1, 0], ["chunked_attention", "full_attention"]  # and a NoPE one
+    if types:
+        c.layer_types = (kinds * 2)[:2]
+    if any(t == "sliding_attention" for t in c.layer_types or ()) if types else (
+            getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True)):
+        c.sliding_window = WINDOW
+    if "chunked_attention" in kinds:
+        c.attention_chunk_size = CHUNK
+
+
+def _experts(c) -> None:
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if getattr(c, name, None):
+            setattr(c, name, min(getattr(c, name), 4))
+    if getattr(c, "num_experts_per_tok", None):
+        c.num_experts_per_tok = min(c.num_experts_per_tok, 2)
+    for name, value in (("n_group", 1), ("topk_group", 1), ("first_k_dense_replace", 1),
+                        ("decoder_sparse_step", 1), ("mlp_only_layers", [])):
+        _set(c, name, value)
+    if getattr(c, "moe_layers", None):
+        c.moe_layers = [1]
+
+
+def _widths(c, hidden: int, tp_size: int) -> None:
+    c.hidden_size = hidden
+    for name, value in (("intermediate_size", 2 * hidden), ("intermediate_size_mlp", 2 * hidden),
+                        ("ffn_hidden_size", 2 * hidden), ("moe_intermediate_size", 4 * tp_size),
+                        ("shared_expert_intermediate_size", 8 * tp_size)):
+        if getattr(c, name, None):
+            _set(c, name, value)
+    if getattr(c, "kv_lora_rank", None):  # MLA (DeepSeek-V3): value head dim ≠ query/key head dim
+        c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim = 16, HEAD_DIM, HEAD_DIM
+        c.v_head_dim = 12
+        _set(c, "qk_head_dim", 2 * HEAD_DIM)
+        if getattr(c, "q_lora_rank", None):
+            c.q_lora_rank = 32
+
+
+def _rope_lists(c, old_dim: int, new_dim: int) -> None:
+    """Per-frequency rope lists (Phi-3's longrope factors) cut to the new head dim."""
+    params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None)
+    for table in ([params] if isinstance(params, dict) else []):
+        for sub in [table, *(v for v in table.values() if isinstance(v, dict))]:
+            for key, value in list(sub.items()):
+                if isinstance(value, list) and value and len(value) * 2 >= new_dim and old_dim != new_dim:
+                    sub[key] = value[: max(1, len(value) * new_dim // old_dim)]
+
+
+def _clean(c, vocab: int, max_positions: int) -> None:
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        value = getattr(c, name, None)
+        if isinstance(value, int) and value >= vocab or isinstance(value, list) and any(v >= vocab for v in value):
+            setattr(c, name, None)
+    for name, value in c.to_dict().items():
+        if isinstance(value, float) and value and ("dropout" in name or name.endswith("_pdrop")):
+            _set(c, name, 0.0)
+    c.max_position_embeddings = max(getattr(c, "max_position_embeddings", 0) and 256, max_positions)
+    _set(c, "original_max_position_embeddings", min(getattr(c, "original_max_position_embeddings", 0) or 0,
+                                                   c.max_position_embeddings) or None)
+
+
+def attention_choice(config) -> str:
+    """What one process runs for this family: sdpa where transformers supports it, else eager."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
+
+
+def shrink_model(hf_config, tp_size: int, cp_size: int) -> ShrunkModel:
+    """``hf_config`` shrunk (see the module doc), checked by building it on the meta device."""
+    c = copy.deepcopy(hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config)
+    old_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    heads, kv = _heads(c, tp_size, cp_size)
+    c.num_attention_heads = heads
+    _set(c, "num_key_value_heads", kv)
+    _set(c, "num_kv_heads", kv)
+    _set(c, "head_dim", HEAD_DIM)
+    _widths(c, heads * HEAD_DIM, tp_size)
+    if getattr(c, "query_pre_attn_scalar", None):
+        c.query_pre_attn_scalar = HEAD_DIM
     c.num_hidden_layers = 2
     c.vocab_size = 128 * tp_size
-    c.max_position_embeddings = max(256, 32 * cp_size)
-    if getattr(c, "layer_types", None):
-        c.layer_types = c.layer_types[:2]
+    _layer_kinds(c)
+    _experts(c)
+    _rope_lists(c, old_dim, HEAD_DIM)
+    _clean(c, c.vocab_size, 32 * cp_size)
     c.use_cache = False
-    c._attn_implementation = "sdpa"
-    return c
+    attn = attention_choice(c)
+    c._attn_implementation = attn
+    return ShrunkModel(c, attn)
+
+
+def shrink_config(hf_config, tp_size: int, cp_size: int):
+    """The shrunk config alone (``shrink_model``), its attention implementation set."""
+    return shrink_model(hf_config, tp_size, cp_size).config

@@ -38,9 +38,10 @@ def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
     if cfg.cp_comm_strategy == "alltoall":
         notes.append("cp_comm_strategy: alltoall (Accelerate's name for the rotating K/V exchange) -> ring; "
                      "the head-splitting all-to-all is cp_comm_strategy: ulysses")
-    if cfg.context_parallel_size > 1 and cfg.attn_implementation not in (None, "sdpa"):
-        notes.append(f"attn_implementation: {cfg.attn_implementation} is replaced by ndparallel's context-parallel "
-                     "attention (cp > 1)")
+    own = cfg.context_parallel_size > 1 or (cfg.sequence_parallel and cfg.tensor_parallel_size > 1)
+    if own and cfg.attn_implementation not in (None, "sdpa"):
+        notes.append(f"attn_implementation: {cfg.attn_implementation} is replaced by ndparallel's own attention "
+                     "(context parallel, or sequence parallel under TP)")
     elif device_type is not None:
         from ndparallel.models.attention import attention_kernel
 

@@ -65,8 +65,9 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields)
     """Vocabulary of the built-in BPE tokenizer (presets only)."""
     trust_remote_code: bool = False
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"] | None = None
-    """Attention kernel (default sdpa); one this machine lacks (e.g. flash_attention_2 on CPU) falls back
-    to sdpa with one warning line. Under CP, ndparallel's own attention is used."""
+    """Attention kernel (default: the family's own, sdpa where transformers supports it, else eager);
+    one this machine lacks (e.g. flash_attention_2 on CPU) falls back to sdpa with one warning line.
+    Under CP (and TP with sequence_parallel), ndparallel's own attention is used."""
     flash_attention: bool | None = None
     """Axolotl's switch: true = attn_implementation: flash_attention_2."""
     sdp_attention: bool | None = None

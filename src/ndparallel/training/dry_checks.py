@@ -35,9 +35,9 @@ def check_without_data(cfg: TrainConfig, hf) -> None:
                               "logits path for this model)")
     if cfg.unfrozen_parameters and cfg.adapter is None:
         from ndparallel.training.controls import unmatched_patterns
-        from ndparallel.training.model_check import _meta_model
+        from ndparallel.training.model_check import meta_model
 
-        names = [n for n, _ in _meta_model(cfg, hf).named_parameters()]
+        names = [n for n, _ in meta_model(cfg, hf).named_parameters()]
         missing = unmatched_patterns(names, cfg.unfrozen_parameters)
         if missing:
             raise ConfigError(f"unfrozen_parameters: {missing[0]!r} matches no parameter of base_model="
@@ -48,9 +48,9 @@ def check_without_data(cfg: TrainConfig, hf) -> None:
 def chunked_loss_problem(cfg: TrainConfig, hf) -> str | None:
     """Why the chunked loss would not be exact for this model (None: it is)."""
     from ndparallel.models.heads import plain_head_problem
-    from ndparallel.training.model_check import _meta_model
+    from ndparallel.training.model_check import meta_model
 
-    return plain_head_problem(_meta_model(cfg, hf))
+    return plain_head_problem(meta_model(cfg, hf))
 
 
 def chunked_loss_state(cfg: TrainConfig, hf) -> str:
@@ -67,9 +67,9 @@ def model_notes(cfg: TrainConfig, hf) -> list[str]:
         return []
     import torch.nn as nn
 
-    from ndparallel.training.model_check import _meta_model
+    from ndparallel.training.model_check import meta_model
 
-    mixers = sorted({type(m).__name__ for m in _meta_model(cfg, hf).modules() if isinstance(m, nn.Conv1d)})
+    mixers = sorted({type(m).__name__ for m in meta_model(cfg, hf).modules() if isinstance(m, nn.Conv1d)})
     if not mixers:
         return []
     return [f"sample_packing: {hf.model_type} also mixes tokens outside attention (convolution / state-space "

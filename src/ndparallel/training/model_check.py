@@ -132,9 +132,9 @@ def check_model(cfg: TrainConfig, hf) -> None:
     if is_preset(cfg.base_model) or (published_config(cfg.base_model) is not None
                                      and not Path(cfg.base_model).exists()):
         if cfg.fsdp_config.layer_classes:
-            _check_layer_classes(cfg, _meta_model(cfg, hf))
+            _check_layer_classes(cfg, meta_model(cfg, hf))
         return  # built-in or published shapes: known causal decoders, no local weights to check
-    model = _meta_model(cfg, hf)
+    model = meta_model(cfg, hf)
     problem = causal_lm_problem(model)
     if problem:
         raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
@@ -158,7 +158,8 @@ def _check_layer_classes(cfg: TrainConfig, model) -> None:
                           "class, or remove it")
 
 
-def _meta_model(cfg: TrainConfig, hf):
+def meta_model(cfg: TrainConfig, hf):
+    """``base_model``'s architecture on the meta device (no memory); ``ConfigError`` if it cannot be built."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -201,7 +202,7 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int) -> str | None:
         is_lora_layer,
     )
 
-    model = _saved_adapter_model(cfg, hf) if cfg.lora_model_dir else _adapted_meta_model(cfg, hf)
+    model = _saved_adapter_model(cfg, hf) if cfg.lora_model_dir else _adaptedmeta_model(cfg, hf)
     layers = {n: m for n, m in base_model_of(model).named_modules() if is_lora_layer(m)}
     odd = [n for n, m in layers.items() if not isinstance(m.base_layer, nn.Linear)]
     if odd and tp_size > 1:
@@ -218,13 +219,13 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int) -> str | None:
             f"{'bf16' if cfg.bf16 else 'fp32'}{start}")
 
 
-def _adapted_meta_model(cfg: TrainConfig, hf, lora_config=None):
+def _adaptedmeta_model(cfg: TrainConfig, hf, lora_config=None):
     """A meta-device copy of the model wrapped with the run's LoRA config (or ``lora_config``)."""
     from ndparallel.models.adapters import apply_adapter
 
     try:
         with quiet_transformers():
-            return apply_adapter(_meta_model(cfg, hf), lora_config or cfg.lora_config())
+            return apply_adapter(meta_model(cfg, hf), lora_config or cfg.lora_config())
     except ImportError as e:
         raise ConfigError(f"adapter: lora: {e}") from None
     except (ValueError, TypeError, KeyError) as e:  # PEFT: "Target modules {...} not found ..."
@@ -253,9 +254,9 @@ def _saved_adapter_model(cfg: TrainConfig, hf):
         if field in cfg.model_fields_set and float(getattr(cfg, field)) != float(value):
             raise ConfigError(f"{field}={getattr(cfg, field):g} but the adapter in {cfg.lora_model_dir} has "
                               f"{value:g}: remove {field} (the saved adapter decides) or set it to {value:g}")
-    model = _adapted_meta_model(cfg, hf, saved)
+    model = _adaptedmeta_model(cfg, hf, saved)
     if {"lora_target_modules", "lora_target_linear"} & cfg.model_fields_set:
-        mine = _adapted_layers(_adapted_meta_model(cfg, hf, cfg.lora_config_from_fields()))
+        mine = _adapted_layers(_adaptedmeta_model(cfg, hf, cfg.lora_config_from_fields()))
         theirs = _adapted_layers(model)
         if mine != theirs:
             raise ConfigError(f"lora_target_modules / lora_target_linear adapt {len(mine)} layers, the adapter "
@@ -276,7 +277,7 @@ def check_memory_options(cfg: TrainConfig, hf) -> None:
 
     from ndparallel.models.layers import dense_mlps, outer_decoder_layers
 
-    model = _meta_model(cfg, hf)
+    model = meta_model(cfg, hf)
     classes = tuple(cfg.fsdp_config.layer_classes) if cfg.fsdp_config.layer_classes else None
     try:
         mlps = dense_mlps(model, classes) if cfg.tiled_mlp else []

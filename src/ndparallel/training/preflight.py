@@ -53,9 +53,24 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_sequence_len(cfg, pc.dims)
+    _check_family_layout(cfg, pc, hf)
     if check_local:  # the GPU the run needs is the launching machine's (a dry run may check another's config)
         _check_fp8(cfg)
     return pc, hf
+
+
+def _check_family_layout(cfg: TrainConfig, pc, hf) -> None:
+    """What the model family cannot run under the layout (``parallel.support``), on a meta model."""
+    if not (pc.tp_enabled or pc.cp_enabled):
+        return
+    from ndparallel.parallel.support import layout_problem
+    from ndparallel.training.model_check import meta_model
+
+    tp = cfg.tp_options()
+    problem = layout_problem(meta_model(cfg, hf), tp_size=pc.tp_size, cp_size=pc.cp_size,
+                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_sequence_len(cfg: TrainConfig, dims) -> None:
@@ -253,6 +268,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         f"speed        : chunked loss {chunked_loss_state(cfg, hf)}, compile {'on' if cfg.compile else 'off'}"
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
+        *([f"tp plan      : {_tp_plan_summary(cfg, hf)}"] if pc.tp_enabled else []),
         *([f"long context : {_long_context(cfg, pc, hf)}"] if cfg.tiled_mlp or cfg.activation_offloading else []),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
         f"({cfg.lr_scheduler}, warmup "
@@ -275,6 +291,19 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
                      + (f" (not installed here: {'; '.join(missing_trackers(trackers))})"
                         if missing_trackers(trackers) else ""))
     return "\n".join(lines)
+
+
+def _tp_plan_summary(cfg: TrainConfig, hf) -> str:
+    """How many plan entries shard which modules, and the entries that match none (dropped)."""
+    from ndparallel.models.tp_plans import match_plan, resolve_tp_plan, unmatched_keys
+    from ndparallel.training.model_check import meta_model
+
+    model = meta_model(cfg, hf)
+    plan = resolve_tp_plan(model, cfg.tp_plan)
+    dropped = unmatched_keys(model, plan)
+    return (f"{len(plan)} entries ({'tp_plan' if cfg.tp_plan else 'the model' + chr(39) + 's own'}) on "
+            f"{len(match_plan(model, plan, strict=False))} modules"
+            + (f"; matching no module (dropped): {dropped}" if dropped else ""))
 
 
 def _long_context(cfg: TrainConfig, pc, hf) -> str:
