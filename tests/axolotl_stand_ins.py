@@ -53,6 +53,7 @@ _FAMILY = {
                              layer_types=["mamba", "attention"]),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "nemotron_h": dict(hybrid_override_pattern="M*", layers_block_type=["mamba", "attention"]),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention"], num_experts=4),
 }
 

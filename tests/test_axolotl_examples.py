@@ -222,7 +222,7 @@ def test_examples_at_the_dry_run_level(schema_results, tmp_path_factory, capsys)
             mine = [x for x in lines if not PENDING.match(x) and not x.endswith("problems:")]
             if mine:
                 print(f"  refused {name}: {mine[0].removeprefix('ndparallel train: error: ')[:150]}")
-    assert modulo >= 114, "fewer Axolotl examples pass --dry-run than measured on 2026-12-01 (114 of 198)"
+    assert modulo >= 140, "fewer Axolotl examples pass --dry-run than measured on 2026-12-01 (140 of 198)"
 
 
 def test_readme_and_docs_tables_are_generated_from_the_key_table():

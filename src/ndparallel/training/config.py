@@ -122,7 +122,7 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields)
     lora_alpha: _float(gt=0) = 16.0
     lora_dropout: _float(ge=0, lt=1) = 0.0
     """Dropout on the adapter input; its random mask differs between layouts (use 0 to compare them)."""
-    lora_target_modules: list[str] | None = Field(None, validation_alias=AliasChoices(
+    lora_target_modules: str | list[str] | None = Field(None, validation_alias=AliasChoices(
         "lora_target_modules", "target_modules"))
     """Module names to adapt (e.g. [q_proj, v_proj]); none and no lora_target_linear: PEFT's default."""
     lora_target_linear: bool = False
@@ -275,7 +275,9 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields)
     @field_validator("lora_target_modules", mode="before")
     @classmethod
     def _target_list(cls, v):
-        return [v] if isinstance(v, str) else v
+        """A list of module names; one string is a regular expression matched against whole module
+        names (PEFT's and Axolotl's rule) when it has regex characters, else one name."""
+        return v if not isinstance(v, str) or set(v) & set("[]()*+?|\\^$") else [v]
 
     @field_validator("sequence_len")
     @classmethod
