@@ -66,10 +66,10 @@ def test_seed_fields_map_to_ndparallel():
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    ("plugins: [axolotl.integrations.liger.LigerPlugin]", "['axolotl.integrations.liger.LigerPlugin'] not supported"),
-    ("fsdp_version: 1", "only FSDP2 exists here"),
-    ("fsdp_config: {auto_wrap_policy: SIZE_BASED_WRAP}", "'SIZE_BASED_WRAP' is not supported"),
-    ("gradient_checkpointing: true", "use fsdp_config.activation_checkpointing: true"),
+    ("plugins: [axolotl.integrations.diffusion.DiffusionPlugin]", "not supported; ndparallel maps only"),
+    ("fsdp_version: 3", "only FSDP2 exists here"),
+    ("fsdp_config: {auto_wrap_policy: NO_WRAP}", "'NO_WRAP' is not supported"),
+    ("gradient_checkpointing: offload_disk", "offloading to disk is not supported"),
     ("datasets: [{path: x.jsonl, type: sharegpt}]", "use chat_template"),
     ("warmup_steps: 10", "'warmup_steps' and 'warmup_ratio' are both set"),
 ])
@@ -82,11 +82,12 @@ def test_unsupported_is_refused_in_one_line(tmp_path, capsys, extra, fragment):
 
 def test_several_problems_one_per_line(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(LLAMA.read_text() + "\nfsdp_version: 1\nload_in_8bit: true\nlr_schedulr: cosine\n")
+    cfg.write_text(LLAMA.read_text() + "\nfsdp_version: 3\nload_in_8bit: true\nlr_schedulr: cosine\n")
     code, _, err = run_cli(capsys, "train", cfg, "--dry-run")
     lines = err.strip().splitlines()
     assert code == 2 and lines[0].endswith("3 problems:") and len(lines) == 4, err
-    assert "fsdp_version" in err and "an 8-bit base (load_in_8bit) is not supported" in err and "did you mean 'lr_scheduler'" in err
+    assert "fsdp_version" in err and "an 8-bit base (load_in_8bit) is not supported" in err
+    assert "did you mean 'lr_scheduler'" in err
 
 
 def test_layer_class_of_another_model_is_refused(local, capsys):

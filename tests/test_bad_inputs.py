@@ -613,17 +613,25 @@ def _error_lines(stderr: str) -> list[str]:
 
 
 def test_error_found_on_the_ranks_is_one_line_exit_2(tmp_path):
-    """Found only on the ranks (the validation split is smaller than one global micro-batch of the
-    layout, known once the ranks build their loaders): the first failing rank's message, once,
+    """Found only on the ranks (the launcher checks a resume checkpoint's files and sizes, the ranks
+    re-hash them: a corrupted file of the right size): the first failing rank's message, once,
     exit 2, no 'job failed' / 'stalled' lines. (Data problems themselves, e.g. a dataset smaller
     than one block, are found before launch: next test.)"""
-    cfg = _cfg(tmp_path, "datasets: [{path: 'builtin:stdlib', max_bytes: 50000}]\nval_set_size: 1\n"
-                         "eval_steps: 1\nmax_steps: 1\ndp_shard_size: 2\n")
+    from ndparallel.checkpoint.directory import FORMAT, MARKER, STATE_FILE
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for name in (".metadata", STATE_FILE):
+        (ckpt / name).write_bytes(b"x" * 8)
+    files = {n: {"size": 8, "sha256": "0" * 64} for n in (".metadata", STATE_FILE)}
+    (ckpt / MARKER).write_text(json.dumps({"format": FORMAT, "files": files}))
+    cfg = _cfg(tmp_path, "datasets: [{path: 'builtin:stdlib', max_bytes: 50000}]\n"
+                         f"max_steps: 1\ndp_shard_size: 2\nresume_from_checkpoint: {ckpt}\n")
     proc = _cli("train", cfg)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("ndparallel train: error:"), proc.stderr[-3000:]
-    assert "val_set_size" in lines[0]
+    assert "resume_from_checkpoint" in lines[0] and "corrupted" in lines[0], lines
 
 
 def test_dataset_smaller_than_one_block_is_found_before_launch(tmp_path, capsys):

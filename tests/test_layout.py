@@ -16,8 +16,8 @@ MAX_FUNCTION_LINES = 80
 # modules that mirror Accelerate's import paths (``accelerate.parallelism_config``,
 # ``accelerate.utils``); they are listed so their imports are checked like any layer's.
 # (``testing`` only re-exports the runtime's multi-rank runner.)
-LAYERS = ["layout", "parallelism_config", "runtime", "models", "parallel", "data", "checkpoint", "plan", "engine",
-          "accelerator", "utils", "training", "tools", "cli"]
+LAYERS = ["layout", "parallelism_config", "runtime", "tracking", "models", "parallel", "data", "checkpoint", "plan",
+          "engine", "accelerator", "utils", "training", "tools", "cli"]
 
 
 def _modules() -> dict[str, Path]:

@@ -199,7 +199,7 @@ def test_a_wrong_restore_is_caught():
 # ------------------------------------------------------------------ refused before launch, one line
 @pytest.mark.parametrize("text, fragment", [
     ("activation_offloading: true\n", "set fsdp_config.activation_checkpointing: true"),
-    ("activation_offloading: legacy\nfsdp_config: {activation_checkpointing: true}\n", "'legacy' is not supported"),
+    ("activation_offloading: disk\nfsdp_config: {activation_checkpointing: true}\n", "'disk' is not supported"),
     ("tiled_mlp_num_shards: 4\n", "tiled_mlp_num_shards is set but tiled_mlp is not"),
     ("tiled_mlp: true\ntiled_mlp_num_shards: 0\n", "'tiled_mlp_num_shards': must be >= 1"),
     ("tiled_mlp: true\nfsdp_config: {layer_classes: [LlamaDecoderLayer, LlamaMLP]}\n",

@@ -110,7 +110,7 @@ def test_a_run_continues_from_another_runs_adapter_on_another_layout(tmp_path):
 
 def _yaml(tmp_path, base: str, text: str) -> str:
     p = tmp_path / "cfg.yaml"
-    p.write_text(f"base_model: {base}\nadapter: lora\n" + text)
+    p.write_text(f"base_model: {base}\nadapter: lora\ndatasets: [{{path: data.jsonl, type: alpaca}}]\n" + text)
     return str(p)
 
 

@@ -38,7 +38,7 @@ def _yaml(tmp_path, text):
         ("context_parallel_size: 8\ncp_comm_strategy: ulysses\n", "cp_comm_strategy='ulysses'"),
         ("cp_comm_strategy: spiral\n", "'cp_comm_strategy'"),
         ("dp_shard_size: 0\n", "'dp_shard_size': must be >= 1"),
-        ("lr_scheduler: wavy\n", "'lr_scheduler'"),
+        ("lr_scheduler: wavy\n", "'lr_scheduler: wavy': not supported"),
     ],
 )
 def test_bad_config_one_clear_line(tmp_path, capsys, text, fragment):

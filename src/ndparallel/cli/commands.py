@@ -72,7 +72,9 @@ def run_train(argv: Sequence[str]) -> int:
             problem = _family_check(cfg, pc, hf)
             if problem:
                 return fail("train", problem)
-        for note in run_notes(cfg):
+        from ndparallel.training.dry_checks import model_notes
+
+        for note in run_notes(cfg) + model_notes(cfg, hf):
             print(f"ndparallel train: note: {note}")
         inner = ["train", *([args.config] if args.config else []), *(f"--set={s}" for s in args.set)]
         if args.profile_comm:

@@ -1,12 +1,16 @@
 """``type: chat_template``: a conversation rendered with a chat template, split into trained and
 untrained text.
 
-The template is the tokenizer's own (``tokenizer_default``), a built-in one (``chatml``,
-``llama3``) or a Jinja string. Turn boundaries come from the template itself: turn ``i`` is the
-text that rendering ``messages[:i+1]`` adds to rendering ``messages[:i]`` (a template must render
-a conversation's prefix as a prefix of its text; one that does not is refused with the row
-named). Inside a turn, the message content is trained when its role is in ``roles_to_train``
-(default ``["assistant"]``); the role header never is; the end-of-turn token (the eos, or a
+The template is the tokenizer's own (``tokenizer_default``), one of Axolotl's named templates
+(``chat_templates/*.jinja``: ``chatml``, ``llama3``, ``qwen3``, ``gemma3``, ``phi_3``, ...) or a
+Jinja string / file (``chat_template: jinja`` with ``chat_template_jinja``). Turn boundaries come
+from the template itself: turn ``i`` is the text that rendering ``messages[:i+1]`` adds to
+rendering ``messages[:i]`` (a template must render a conversation's prefix as a prefix of its
+text; one that does not is refused with the row named). A turn that is not trained needs no more:
+templates that fold the system prompt into the first user turn (Gemma 3) render the system turn
+as nothing and the next turn holds both. Inside a trained turn (role in ``roles_to_train``,
+default ``["assistant"]``) the content — and its reasoning text, ``field_thinking``, when the
+template renders it — is trained; the role header never is; the end-of-turn token (the eos, or a
 turn token the template uses such as ``<|eot_id|>``/``<|im_end|>``) per ``train_on_eos``:
 ``turn`` (of trained turns, the default), ``all``, ``last`` (the last turn's), ``none`` — and
 ``train_on_eot`` for an end-of-turn token that is not the eos (default: as ``train_on_eos``);
@@ -16,58 +20,93 @@ turn token the template uses such as ``<|eot_id|>``/``<|im_end|>``) per ``train_
 
 from __future__ import annotations
 
+import difflib
+import functools
+from pathlib import Path
 from typing import Any, Mapping
 
 from .dataset import DatasetSpec
 from .prompts import Segment, _short
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-          "{% endif %}")
-LLAMA3 = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
-          "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
-TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3}
-"""Built-in templates by name (as Axolotl's ``chat_template:`` names them)."""
-TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
+TEMPLATE_DIR = Path(__file__).parent / "chat_templates"
+"""Axolotl's named templates, one ``NAME.jinja`` each (Apache-2.0; see its README)."""
+FALLBACK_PREFIX = "tokenizer_default_fallback_"
+
+
+@functools.cache
+def template_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in TEMPLATE_DIR.glob("*.jinja")))
+
+
+@functools.cache
+def named_template(name: str) -> str:
+    return (TEMPLATE_DIR / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+LLAMA3 = named_template("llama3")
+TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eot|>",
+               "<turn|>", "<|END_OF_TURN_TOKEN|>", "[|endofturn|]", "<|eom|>")
 ROLE_NAMES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
 """ShareGPT-style role names -> the chat-template ones."""
 TRAIN_ON_EOS = ("turn", "all", "last", "none")
 
 
+def check_template_name(name: str | None, where: str, jinja: str | None = None) -> None:
+    """``ValueError`` for a ``chat_template`` that names no template (checked before any data)."""
+    if name in (None, "tokenizer_default") or (name == "jinja" and jinja):
+        return
+    base = name.removeprefix(FALLBACK_PREFIX)
+    if base in template_names():
+        return
+    if name == "jinja":
+        raise ValueError(f"{where}: chat_template: jinja needs chat_template_jinja (a template or a .jinja file)")
+    close = difflib.get_close_matches(base, template_names(), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ValueError(f"{where}.chat_template: unknown template {name!r}; {hint}use tokenizer_default, jinja (with "
+                     f"chat_template_jinja) or one of {', '.join(template_names())}")
+
+
 def resolve_template(tokenizer, name: str | None, jinja: str | None, where: str) -> str:
-    """The Jinja text of the template to use (``name`` None = the tokenizer's own)."""
+    """The Jinja text of the template to use (``name`` None = the tokenizer's own). A named
+    template whose text the tokenizer already has gives the tokenizer's own."""
     if jinja:
-        return jinja
+        path = Path(jinja).expanduser()
+        return path.read_text(encoding="utf-8") if jinja.endswith(".jinja") and path.is_file() else jinja
+    own = tokenizer.chat_template
+    if isinstance(own, dict):
+        own = own.get("default")
     fallback = None
-    if name and name.startswith("tokenizer_default_fallback_"):
-        name, fallback = "tokenizer_default", name.removeprefix("tokenizer_default_fallback_")
+    if name and name.startswith(FALLBACK_PREFIX):
+        name, fallback = "tokenizer_default", name.removeprefix(FALLBACK_PREFIX)
     if name in (None, "tokenizer_default"):
-        own = tokenizer.chat_template
-        if isinstance(own, dict):
-            own = own.get("default")
         if own:
             return own
         if fallback is None:
             raise ValueError(f"{where}: the tokenizer has no chat template; set chat_template to one of "
-                             f"{sorted(TEMPLATES)} (or chat_template_jinja to a Jinja template)")
+                             f"{', '.join(template_names())} (or chat_template_jinja to a Jinja template)")
         name = fallback
-    if name not in TEMPLATES:
-        raise ValueError(f"{where}.chat_template: unknown template {name!r}; use tokenizer_default, one of "
-                         f"{sorted(TEMPLATES)}, or chat_template_jinja")
-    return TEMPLATES[name]
+    check_template_name(name, where)
+    text = named_template(name)
+    return own if own and own.strip() == text.strip() else text
 
 
 class ChatRenderer:
     """Renders one dataset's conversations into trained / untrained segments."""
 
-    def __init__(self, tokenizer, template: str, spec: DatasetSpec, eot_tokens: tuple[str, ...] | None = None):
+    def __init__(self, tokenizer, template: str, spec: DatasetSpec, eot_tokens: tuple[str, ...] | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None):
         for name in ("train_on_eos", "train_on_eot"):
             value = getattr(spec, name)
             if value not in TRAIN_ON_EOS and not (name == "train_on_eot" and value is None):
                 raise ValueError(f"{name}: {value!r}; use one of {list(TRAIN_ON_EOS)}")
         self.tokenizer, self.template, self.spec = tokenizer, template, spec
-        self.roles_to_train = {ROLE_NAMES.get(r, r) for r in spec.roles_to_train}
+        self.template_kwargs = dict(template_kwargs or {})
+        self.role_names = dict(ROLE_NAMES)
+        for target, sources in (spec.roles or {}).items():
+            self.role_names.update({str(s): str(target) for s in ([sources] if isinstance(sources, str) else sources)})
+        self.roles_to_train = {self.role_names.get(r, r) for r in spec.roles_to_train}
+        self.thinking = (spec.field_thinking or "reasoning_content",
+                         spec.template_thinking_key or spec.field_thinking or "reasoning_content")
         self.eos = eos = tokenizer.eos_token
         vocab = tokenizer.get_vocab()
         for t in eot_tokens or ():
@@ -79,16 +118,20 @@ class ChatRenderer:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **self.template_kwargs)
 
     def messages(self, record: Mapping[str, Any], where: str) -> list[dict]:
-        """The record's turns as ``[{"role", "content"}]`` (ShareGPT ``from``/``value`` accepted)."""
+        """The record's turns as ``[{"role", "content"}]`` (ShareGPT ``from``/``value`` accepted;
+        the reasoning text under the template's key; system turns left out with
+        ``drop_system_message``)."""
         spec = self.spec
         field = spec.field_messages or ("messages" if "messages" in record else "conversations")
         turns = record.get(field)
         if not isinstance(turns, list) or not turns:
             raise ValueError(f"{where}: column {field!r} must be a non-empty list of messages, got {_short(turns)}")
         mapping = dict(spec.message_property_mappings or {})
+        source, target = self.thinking
         out = []
         for i, m in enumerate(turns):
             if not isinstance(m, Mapping):
@@ -99,43 +142,101 @@ class ChatRenderer:
             if not isinstance(role, str) or not isinstance(content, str):
                 raise ValueError(f"{where}: {field}[{i}] needs a text {role_key!r} and {content_key!r}, got "
                                  f"{_short(m)}; set message_property_mappings for other key names")
-            out.append({"role": ROLE_NAMES.get(role, role), "content": content})
+            message = {"role": self.role_names.get(role, role), "content": content}
+            if isinstance(m.get(source), str) and m.get(source):
+                message[target] = m[source]
+            if not (spec.drop_system_message and message["role"] == "system"):
+                out.append(message)
+        if not out:
+            raise ValueError(f"{where}: no message left (drop_system_message removed every one)")
         return out
 
     def segments(self, record: Mapping[str, Any], where: str) -> list[Segment]:
         messages = self.messages(record, where)
         full = self.render(messages)
+        ends = self._turn_ends(messages, full)
+        if ends is None:  # the template renders a prefix differently (Qwen 3's thinking, an eos at the end)
+            return self._searched(messages, full, where)
         segments: list[Segment] = []
         start = 0
-        for i, message in enumerate(messages):
-            end = len(full)
-            if i < len(messages) - 1:
-                prefix = self.render(messages[: i + 1])
-                if not full.startswith(prefix):
-                    raise ValueError(f"{where}: the chat template does not render the conversation's first {i + 1} "
-                                     "message(s) as a prefix of the whole (turns cannot be located); use another "
-                                     "chat_template, or type input_output with explicit segments")
-                end = len(prefix)
-            trained = message["role"] in self.roles_to_train
-            policy = {"turn": trained, "all": True, "last": i == len(messages) - 1, "none": False}
-            end_trained = (policy[self.spec.train_on_eos], policy[self.spec.train_on_eot or self.spec.train_on_eos])
-            segments += self._turn(full[start:end], message["content"], trained, end_trained, where, i)
+        for i, (message, end) in enumerate(zip(messages, ends)):
+            texts = [message["content"], message.get(self.thinking[1])] if self._trained(message) else []
+            segments += self._turn(full[start:end], texts, self._end_policy(messages, i), where, i)
             start = end
         return segments
 
-    def _turn(self, turn: str, content: str, trained: bool, end_trained: tuple[bool, bool], where: str,
-              i: int) -> list[Segment]:
-        """Header (never trained), content, text up to the turn token, the turn token (trained per
-        ``end_trained``: (when it is the eos, when it is another end-of-turn token)), the rest."""
+    def _trained(self, message: dict) -> bool:
+        return message["role"] in self.roles_to_train
+
+    def _end_policy(self, messages: list[dict], i: int) -> tuple[bool, bool]:
+        """Whether turn ``i``'s end token is trained: (when it is the eos, when it is another token)."""
+        policy = {"turn": self._trained(messages[i]), "all": True, "last": i == len(messages) - 1, "none": False}
+        return policy[self.spec.train_on_eos], policy[self.spec.train_on_eot or self.spec.train_on_eos]
+
+    def _turn_ends(self, messages: list[dict], full: str) -> list[int] | None:
+        """Where each turn ends: rendering ``messages[:i+1]`` gives a prefix of ``full`` (None when
+        the template does not render prefixes as prefixes)."""
+        ends = []
+        for i in range(len(messages) - 1):
+            prefix = self.render(messages[: i + 1])
+            if not full.startswith(prefix):
+                return None
+            ends.append(len(prefix))
+        return ends + [len(full)]
+
+    def _searched(self, messages: list[dict], full: str, where: str) -> list[Segment]:
+        """Turns located by finding each message's content, in order, in ``full``: the text between
+        two contents is the next turn's header (never trained) after this turn's end token."""
+        found = []
+        pos = 0
+        for i, message in enumerate(messages):
+            content = message["content"]
+            body = content if content in full[pos:] else content.strip()
+            at = full.find(body, pos) if body else pos
+            if at < 0:
+                raise ValueError(f"{where}: message {i}'s content is not in the chat template's output (the "
+                                 "template changes it); use another chat_template or type input_output")
+            found.append((at, at + len(body)))
+            pos = at + len(body)
+        segments: list[Segment] = []
+        pos = 0
+        for i, (message, (at, end)) in enumerate(zip(messages, found)):
+            begin = at
+            thinking = (message.get(self.thinking[1]) or "").strip() if self._trained(message) else ""
+            if thinking and full.rfind(thinking, pos, at) >= 0:
+                begin = full.rfind(thinking, pos, at)
+            segments += [(full[pos:begin], False), (full[begin:end], self._trained(message) and end > begin)]
+            limit = found[i + 1][0] if i + 1 < len(found) else len(full)
+            hits = [(full.find(t, end, limit), t) for t in self.turn_tokens if full.find(t, end, limit) >= 0]
+            pos = end
+            if hits:
+                hit, token = min(hits)
+                flags = self._end_policy(messages, i)
+                segments += [(full[end:hit], False), (token, flags[0] if token == self.eos else flags[1])]
+                pos = hit + len(token)
+        return [*segments, (full[pos:], False)]
+
+    def _turn(self, turn: str, texts: list, end_trained: tuple[bool, bool], where: str, i: int) -> list[Segment]:
+        """Header (never trained), the trained text (``texts``: the content and the reasoning, from
+        the first of them to the end of the content; none for an untrained turn), the text up to
+        the turn token, the turn token (trained per ``end_trained``: (when it is the eos, when it
+        is another end-of-turn token)), the rest."""
         limit = max((turn.rfind(t) for t in self.turn_tokens), default=-1)
         limit = len(turn) if limit < 0 else limit
-        body = content if content in turn[:limit] else content.strip()
-        pos = turn.rfind(body, 0, limit) if body else limit
-        if pos < 0:
-            raise ValueError(f"{where}: message {i}'s content is not in the chat template's output (the template "
-                             "changes it); use another chat_template or type input_output")
-        out: list[Segment] = [(turn[:pos], False), (body, trained)]
-        tail = turn[pos + len(body):]
+        out: list[Segment] = [(turn[:limit], False)]
+        tail = turn[limit:]
+        if texts:
+            content = texts[0]
+            body = content if content in turn[:limit] else content.strip()
+            pos = turn.rfind(body, 0, limit) if body else limit
+            if pos < 0:
+                raise ValueError(f"{where}: message {i}'s content is not in the chat template's output (the "
+                                 "template changes it); use another chat_template or type input_output")
+            thinking = (texts[1] or "").strip()
+            first = turn.rfind(thinking, 0, pos) if thinking else -1
+            begin = first if first >= 0 else pos
+            out = [(turn[:begin], False), (turn[begin:pos + len(body)], True)]
+            tail = turn[pos + len(body):]
         hits = [(tail.find(t), t) for t in self.turn_tokens if t in tail]
         if not hits:
             return [*out, (tail, False)]

@@ -39,7 +39,9 @@ RAW_TYPES = (*FORMATS, "completion", "pretrain")
 """Types whose samples are raw text, every token trained."""
 PROMPT_TYPES = ("alpaca", "chat_template", "input_output")
 """Fine-tuning types: records rendered to a prompt and a trained part (``prompts.py``)."""
-TYPES = (*RAW_TYPES, *PROMPT_TYPES)
+ALPACA_STYLES = ("instruct", "chat", "chatml", "phi")
+"""``alpaca:<style>``: Axolotl's Alpaca prompt styles (``prompts.ALPACA_TURNS``)."""
+TYPES = (*RAW_TYPES, *PROMPT_TYPES, *(f"alpaca:{s}" for s in ALPACA_STYLES))
 _COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 
 
@@ -64,7 +66,23 @@ class DatasetSpec:
     train_on_eot: str | None = None  # the same choices for end-of-turn tokens; None: as train_on_eos
     chat_template: str | None = None  # a built-in name, "tokenizer_default", or None (the run's)
     chat_template_jinja: str | None = None
+    drop_system_message: bool = False  # chat_template: system messages left out
+    field_thinking: str | None = None  # chat_template: the message key holding the reasoning text
+    template_thinking_key: str | None = None  # ... and the key the template reads it from
+    roles: dict | None = None  # chat_template: {template role: [names in the data]}
     format: InstructFormat | None = None  # type user_defined (a mapping in the config): instruct.py
+    data_files: tuple[str, ...] | None = None  # files of a Hub dataset or a local directory to read
+    skip: int | None = None  # pretraining_dataset: records skipped at the start of the stream
+
+    @property
+    def base_type(self) -> str | None:
+        """``type`` without Axolotl's ``:<style>`` suffix (``alpaca:chat`` -> ``alpaca``)."""
+        return self.type.split(":", 1)[0] if isinstance(self.type, str) else self.type
+
+    @property
+    def split_name(self) -> str:
+        """The split a slice such as ``train[:20%]`` is taken from."""
+        return self.split.split("[", 1)[0].split("+", 1)[0].strip()
 
     @property
     def raw(self) -> bool:
@@ -93,11 +111,26 @@ class DatasetSpec:
             d["type"] = USER_DEFINED
         if isinstance(d.get("roles_to_train"), list):
             d["roles_to_train"] = tuple(d["roles_to_train"])
-        return cls(**d)
+        if isinstance(d.get("data_files"), (list, str)):
+            d["data_files"] = tuple([d["data_files"]] if isinstance(d["data_files"], str) else d["data_files"])
+        return cls(**{k: v for k, v in d.items() if v is not None or k not in _NOT_NULL})
+
+
+_NOT_NULL = {"split", "text_field", "sample_by", "roles_to_train", "train_on_eos", "drop_system_message"}
+
+
+def check_split(spec: DatasetSpec, where: str) -> None:
+    """``split`` is Hugging Face's split syntax (``train``, ``train[:20%]``, ``train[10:100]``)."""
+    try:
+        datasets.ReadInstruction.from_spec(spec.split)
+    except (ValueError, AssertionError) as e:
+        raise ValueError(f"{where}.split: {spec.split!r} is not a split ({e}); write e.g. train, train[:20%] or "
+                         "train[100:200]") from None
 
 
 def check_type(spec: DatasetSpec, where: str) -> None:
-    """``ValueError`` for an unknown ``type`` / ``ds_type`` (with a did-you-mean)."""
+    """``ValueError`` for an unknown ``type`` / ``ds_type`` (with a did-you-mean) or ``split``."""
+    check_split(spec, where)
     if spec.type == USER_DEFINED and spec.format is None:
         raise ValueError(f"{where}.type: {USER_DEFINED} is written as a mapping: type: {{format: "
                          "'... {instruction} ...', field_instruction: ..., field_output: ...}")
@@ -215,6 +248,18 @@ def local_files(spec: DatasetSpec, where: str) -> tuple[list[str], str]:
     """The files a local ``spec.path`` (a file or a directory) stands for, and their format."""
     path = Path(spec.path).expanduser()
     wanted = spec.ds_type or (spec.type if spec.type in FORMATS else None)
+    if path.is_dir() and spec.data_files:
+        files = [str(path / f) for f in spec.data_files]
+        missing = [f for f in spec.data_files if not (path / f).is_file()]
+        if missing:
+            raise ValueError(f"{where}.data_files: {missing[0]!r} is not a file under {spec.path!r}")
+        kinds = sorted({wanted or _format_of(f) or "?" for f in files})
+        if len(kinds) > 1 or "?" in kinds:
+            raise ValueError(f"{where}.data_files: formats {kinds} (from the extensions); set ds_type")
+        return files, kinds[0]
+    if spec.data_files:
+        raise ValueError(f"{where}.data_files: path {spec.path!r} is a file; data_files picks files of a "
+                         "directory or a Hub dataset (drop data_files, or point path at the directory)")
     if path.is_dir():
         usable = {wanted} if wanted else set(FORMATS) - (set() if spec.raw else {"text"})  # records: no .md/.txt
         files = sorted(str(p) for p in path.rglob("*")
@@ -242,7 +287,7 @@ def _load_local(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: s
     files, fmt = local_files(spec, where)
     kwargs: dict[str, Any] = {"sample_by": spec.sample_by} if fmt == "text" else {}
     try:
-        return datasets.load_dataset(fmt, data_files={spec.split: files}, split=spec.split,
+        return datasets.load_dataset(fmt, data_files={spec.split_name: files}, split=spec.split,
                                      cache_dir=None if cache_dir is None else str(Path(cache_dir) / "datasets"),
                                      **kwargs)
     except Exception as e:  # noqa: BLE001 - a file datasets cannot parse is bad input: one line
@@ -264,6 +309,7 @@ def _load_hub(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: str
                          "cache")
     try:
         return datasets.load_dataset(spec.path, spec.name, split=spec.split,
+                                     data_files=list(spec.data_files) if spec.data_files else None,
                                      cache_dir=None if cache_dir is None else str(Path(cache_dir) / "datasets"))
     except Exception as e:
         raise ValueError(f"{where}.path: {spec.path!r} is not a local file and could not be loaded from the Hugging "

@@ -1,8 +1,9 @@
 """Rendered samples -> ``input_ids`` and ``labels`` (the token id where trained, -100 elsewhere).
 
 The sample's text is tokenized once, whole (so the tokens are the ones the model would see at
-inference), with offsets: a token is trained when the character it starts at lies in a trained
-segment. Tokens the tokenizer adds itself (a BOS) are not trained; an appended eos is trained
+inference), with offsets: a token is trained when one of its characters lies in a trained segment
+(so a token that joins a header's space to the answer's first word, as `` the`` after Jamba's
+``<|assistant|>``, is learned with the answer). Tokens the tokenizer adds itself (a BOS) are not trained; an appended eos is trained
 when the last segment is. ``train_on_inputs`` trains every token. ``labels`` are per token, not
 shifted (Axolotl's convention); the rows built from them hold the shifted ones.
 
@@ -27,7 +28,7 @@ from ndparallel.parallel.loss import IGNORE_INDEX
 from .dataset import DatasetSpec, cached_map, tokenizer_hash
 from .prompts import Rendered, render
 
-_VERSION = 1  # bump when the encoding changes, to invalidate cached results
+_VERSION = 2  # bump when the encoding changes, to invalidate cached results
 
 
 def encode(tokenizer, rendered: Rendered, train_on_inputs: bool = False) -> tuple[list[int], list[int]]:
@@ -46,8 +47,8 @@ def encode(tokenizer, rendered: Rendered, train_on_inputs: bool = False) -> tupl
         if train_on_inputs:
             labels.append(tok)
             continue
-        k = bisect.bisect_right(starts, a) - 1
-        labels.append(tok if b > a and k >= 0 and flags[k] else IGNORE_INDEX)
+        first, last = bisect.bisect_right(starts, a) - 1, bisect.bisect_right(starts, b - 1) - 1
+        labels.append(tok if b > a and last >= 0 and any(flags[max(first, 0):last + 1]) else IGNORE_INDEX)
     if rendered.append_eos and tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
         last = next((f for t, f in reversed(rendered.segments) if t), True)
         ids.append(tokenizer.eos_token_id)
@@ -57,14 +58,21 @@ def encode(tokenizer, rendered: Rendered, train_on_inputs: bool = False) -> tupl
 
 def tokenize_samples(records: datasets.Dataset, spec: DatasetSpec, tokenizer, *, where: str,
                      train_on_inputs: bool = False, chat_template: str | None = None,
-                     eot_tokens: tuple[str, ...] | None = None, cache_dir: str | os.PathLike | None = None, num_proc: int | None = None) -> datasets.Dataset:
-    """``records`` of ``spec.type`` -> ``{input_ids, labels}`` (one row per record, same order)."""
+                     eot_tokens: tuple[str, ...] | None = None, cache_dir: str | os.PathLike | None = None,
+                     num_proc: int | None = None, chat_template_jinja: str | None = None,
+                     template_kwargs: dict | None = None) -> datasets.Dataset:
+    """``records`` of ``spec.type`` -> ``{input_ids, labels}`` (one row per record, same order).
+    ``chat_template`` / ``chat_template_jinja`` / ``template_kwargs``: the run's, for
+    ``chat_template`` datasets that name none."""
     chat = None
     if spec.type == "chat_template":
         from .chat import ChatRenderer, resolve_template
 
-        template = resolve_template(tokenizer, spec.chat_template or chat_template, spec.chat_template_jinja, where)
-        chat = ChatRenderer(tokenizer, template, spec, eot_tokens)
+        if spec.chat_template or spec.chat_template_jinja:
+            template = resolve_template(tokenizer, spec.chat_template, spec.chat_template_jinja, where)
+        else:
+            template = resolve_template(tokenizer, chat_template, chat_template_jinja, where)
+        chat = ChatRenderer(tokenizer, template, spec, eot_tokens, template_kwargs)
 
     def batch_fn(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "labels": []}
@@ -80,7 +88,9 @@ def tokenize_samples(records: datasets.Dataset, spec: DatasetSpec, tokenizer, *,
                                   "labels": datasets.Sequence(datasets.Value("int32"))})
     settings = [_VERSION, records._fingerprint, tokenizer_hash(tokenizer), spec.type, spec.text_field,
                 spec.field_messages, spec.message_property_mappings, sorted(spec.roles_to_train), spec.train_on_eos, spec.train_on_eot,
-                train_on_inputs, chat.template if chat else None, chat.turn_tokens if chat else None, spec.format]
+                train_on_inputs, chat.template if chat else None, chat.turn_tokens if chat else None, spec.format,
+                spec.drop_system_message, spec.field_thinking, spec.template_thinking_key, spec.roles,
+                template_kwargs if chat else None]
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:32]
     kwargs: dict[str, Any] = dict(batched=True, with_indices=True, remove_columns=records.column_names,
                                   features=features, num_proc=num_proc, desc=f"tokenize {where}",

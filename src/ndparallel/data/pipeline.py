@@ -48,6 +48,9 @@ class DataOptions:
     train_on_inputs: bool = False
     excess_length_strategy: str = "truncate"
     chat_template: str | None = None  # the run's default for chat_template datasets
+    chat_template_jinja: str | None = None  # the run's Jinja template (chat_template: jinja)
+    chat_template_kwargs: dict | None = None  # extra variables of the chat template
+    min_sample_len: int | None = None  # fine-tuning samples shorter than this are dropped
     eot_tokens: tuple[str, ...] | None = None  # end-of-turn tokens of chat templates (None: detected)
     val_set_size: float | int = 0
     seed: int = 0
@@ -91,8 +94,9 @@ def tokenize_specs(specs: list[DatasetSpec], tokenizer, options: DataOptions, ca
                              f"{records.column_names[:10]}")
         out.append(tokenize_samples(records, spec, tokenizer, where=where, train_on_inputs=options.train_on_inputs,
                                     chat_template=options.chat_template, eot_tokens=options.eot_tokens,
-                                    cache_dir=cache_dir,
-                                    num_proc=options.num_proc))
+                                    cache_dir=cache_dir, num_proc=options.num_proc,
+                                    chat_template_jinja=options.chat_template_jinja,
+                                    template_kwargs=options.chat_template_kwargs))
     return out
 
 
@@ -102,10 +106,11 @@ def prepare_samples(specs: list[DatasetSpec], tokenizer, options: DataOptions, c
     tokenized = tokenized if tokenized is not None else tokenize_specs(specs, tokenizer, options, cache_dir)
     tables = [TokenTable(t) for t in tokenized]
     samples, stats = select_samples(tables, [s.raw for s in specs], options.sequence_len,
-                                    options.excess_length_strategy)
+                                    options.excess_length_strategy, options.min_sample_len)
     if len(samples) == 0:
         raise ValueError(f"datasets: no sample left to train on ({stats.records} records; "
                          f"{stats.dropped_too_long} longer than sequence_len={options.sequence_len} dropped, "
+                         f"{stats.dropped_too_short} shorter than min_sample_len dropped, "
                          f"{stats.dropped_untrained} with no trained token); check the data, raise sequence_len, "
                          "or set excess_length_strategy: truncate")
     return PreparedSamples(tables, samples, stats, [t._fingerprint for t in tokenized])
@@ -116,7 +121,7 @@ def build_rows(specs: list[DatasetSpec], tokenizer, options: DataOptions, cache_
     tokenized = tokenize_specs(specs, tokenizer, options, cache_dir)
     pad_id = _pad_id(tokenizer)
     settings = [_ROWS_VERSION, [t._fingerprint for t in tokenized], [s.raw for s in specs], options.sequence_len,
-                bool(options.sample_packing), options.excess_length_strategy, pad_id]
+                bool(options.sample_packing), options.excess_length_strategy, pad_id, options.min_sample_len]
     key = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:32]
     directory = None if cache_dir is None else Path(cache_dir) / "rows" / key
     if directory is not None:

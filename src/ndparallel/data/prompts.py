@@ -6,7 +6,9 @@ tokens (a BOS) and whether an eos is appended (trained when the last segment is)
 turns it into ``input_ids`` and ``labels`` (-100 where not trained). Types (Axolotl's names):
 
 * ``alpaca``: columns ``instruction``, ``input`` (optional), ``output``. The prompt is Alpaca's
-  (``### Instruction: ... ### Response:``), the answer is ``output`` + eos.
+  (``### Instruction: ... ### Response:``), the answer is ``output`` + eos. ``alpaca:<style>``
+  uses Axolotl's other turn formats (``chat``: ``USER: ... ASSISTANT:``, ``chatml``, ``phi``) with
+  the same system text.
 * ``completion`` / ``pretrain`` (and the raw-text file types): the ``text_field`` column, all trained.
 * ``input_output``: a ``segments`` column of ``{"text": ..., "label": true|false}``; the text is
   used as written (no BOS or eos added), ``label`` says whether a segment is trained.
@@ -29,11 +31,22 @@ from .instruct import render_prompt
 
 Segment = tuple[str, bool]
 
-ALPACA_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
-                     "context. Write a response that appropriately completes the request.\n\n"
-                     "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
-ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
-                   "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+ALPACA_SYSTEM = ("Below is an instruction that describes a task, paired with an input that provides further "
+                 "context. Write a response that appropriately completes the request.")
+ALPACA_SYSTEM_NO_INPUT = "Below is an instruction that describes a task. Write a response that appropriately " \
+                         "completes the request."
+ALPACA_TURNS = {  # style: (system format, turn with input, turn without input): Axolotl's AlpacaPrompter
+    "instruct": ("{system}\n\n", "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+                 "### Instruction:\n{instruction}\n\n### Response:\n"),
+    "chat": ("SYSTEM: {system}\n", "USER: {instruction}\n{input}\nASSISTANT:", "USER: {instruction}\nASSISTANT:"),
+    "chatml": ("<|im_start|>system\n{system}<|im_end|>\n",
+               "<|im_start|>user\n{instruction}\n{input}<|im_end|>\n<|im_start|>assistant\n",
+               "<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n"),
+    "phi": ("<|system|>\n{system}<|end|>\n", "<|user|>\n{instruction}<|end|>{input}<|assistant|>",
+            "<|user|>\n{instruction}<|end|>\n<|assistant|>\n"),
+}
+ALPACA_WITH_INPUT = ALPACA_TURNS["instruct"][0].format(system=ALPACA_SYSTEM) + ALPACA_TURNS["instruct"][1]
+ALPACA_NO_INPUT = ALPACA_TURNS["instruct"][0].format(system=ALPACA_SYSTEM_NO_INPUT) + ALPACA_TURNS["instruct"][2]
 
 
 @dataclass(frozen=True)
@@ -49,7 +62,7 @@ def required_columns(spec: DatasetSpec) -> list[tuple[str, ...]]:
     """Columns a record of ``spec.type`` needs; each entry lists alternatives (any one suffices)."""
     if spec.raw:
         return [(spec.text_field,)]
-    if spec.type == "alpaca":
+    if spec.base_type == "alpaca":
         return [("instruction",), ("output",)]
     if spec.format is not None:
         return spec.format.required_columns()
@@ -62,8 +75,8 @@ def render(record: Mapping[str, Any], spec: DatasetSpec, where: str, chat=None) 
     """``record`` as segments; ``chat``: a ``chat.ChatRenderer`` (needed for ``chat_template``)."""
     if spec.raw:
         return Rendered([(_text(record, spec.text_field, where), True)])
-    if spec.type == "alpaca":
-        return alpaca(record, where)
+    if spec.base_type == "alpaca":
+        return alpaca(record, where, spec.type.partition(":")[2] or "instruct")
     if spec.type == "input_output":
         return input_output(record, where)
     if spec.format is not None:
@@ -74,13 +87,16 @@ def render(record: Mapping[str, Any], spec: DatasetSpec, where: str, chat=None) 
     return Rendered(chat.segments(record, where), add_special_tokens=False, append_eos=False)
 
 
-def alpaca(record: Mapping[str, Any], where: str) -> Rendered:
+def alpaca(record: Mapping[str, Any], where: str, style: str = "instruct") -> Rendered:
     instruction = _text(record, "instruction", where)
     extra = record.get("input")
     if extra is not None and not isinstance(extra, str):
         raise ValueError(f"{where}: 'input' is a {type(extra).__name__}, not text")
-    template = ALPACA_WITH_INPUT if extra and extra.strip() else ALPACA_NO_INPUT
-    prompt = template.format(instruction=instruction, input=extra or "")
+    system, with_input, without = ALPACA_TURNS[style]
+    if extra and extra.strip():
+        prompt = system.format(system=ALPACA_SYSTEM) + with_input.format(instruction=instruction, input=extra)
+    else:
+        prompt = system.format(system=ALPACA_SYSTEM_NO_INPUT) + without.format(instruction=instruction)
     return Rendered([(prompt, False), (_text(record, "output", where), True)])
 
 

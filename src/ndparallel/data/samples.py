@@ -79,6 +79,7 @@ class SelectionStats:
     truncated: int = 0
     dropped_too_long: int = 0
     dropped_untrained: int = 0
+    dropped_too_short: int = 0
     pieces_from_split: int = 0
 
     def as_dict(self) -> dict:
@@ -86,25 +87,37 @@ class SelectionStats:
 
 
 def select_samples(tables: list[TokenTable], raw: list[bool], sequence_len: int,
-                   excess_length_strategy: str = "truncate") -> tuple[np.ndarray, SelectionStats]:
-    """``(table, row, start, end)`` of every sample that goes into rows, in dataset order."""
-    if excess_length_strategy not in ("truncate", "drop"):
-        raise ValueError(f"excess_length_strategy: {excess_length_strategy!r}; use 'truncate' or 'drop'")
+                   excess_length_strategy: str = "truncate", min_len: int | None = None,
+                   ) -> tuple[np.ndarray, SelectionStats]:
+    """``(table, row, start, end)`` of every sample that goes into rows, in dataset order. With
+    ``min_len``, samples (raw documents before they are cut) of fewer tokens are dropped (Axolotl's ``min_sample_len``);
+    ``excess_length_strategy: raise`` refuses a fine-tuning sample longer than ``sequence_len``."""
+    if excess_length_strategy not in ("truncate", "drop", "raise"):
+        raise ValueError(f"excess_length_strategy: {excess_length_strategy!r}; use 'truncate', 'drop' or 'raise'")
     stats = SelectionStats()
     parts = []
     for t, (table, is_raw) in enumerate(zip(tables, raw)):
         lengths = table.lengths
         stats.records += len(lengths)
         rows = np.arange(len(lengths), dtype=np.int64)
+        if min_len:
+            short = lengths < min_len
+            stats.dropped_too_short += int(short.sum())
+            rows = rows[~short]
         if is_raw:  # consecutive pieces of at most sequence_len tokens
-            n_pieces = np.maximum(1, -(-lengths // sequence_len))
+            n_pieces = np.maximum(1, -(-lengths[rows] // sequence_len))
             stats.pieces_from_split += int((n_pieces - 1).sum())
             rows = np.repeat(rows, n_pieces)
             first = np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
             starts = (np.arange(len(rows)) - first) * sequence_len
             ends = np.minimum(starts + sequence_len, lengths[rows])
         else:
-            long = lengths > sequence_len
+            long = lengths[rows] > sequence_len
+            if excess_length_strategy == "raise" and long.any():
+                row = int(rows[long][0])
+                raise ValueError(f"datasets[{t}] row {row}: {int(lengths[row])} tokens, longer than sequence_len="
+                                 f"{sequence_len} (excess_length_strategy: raise); raise sequence_len, or set "
+                                 "excess_length_strategy: truncate or drop")
             if excess_length_strategy == "drop":
                 stats.dropped_too_long += int(long.sum())
                 rows = rows[~long]

@@ -32,17 +32,24 @@ def require_peft():
 
 
 def lora_config(r: int = 8, alpha: float = 16, dropout: float = 0.0,
-                target_modules: Iterable[str] | str | None = None, target_linear: bool = False):
+                target_modules: Iterable[str] | str | None = None, target_linear: bool = False,
+                use_rslora: bool = False):
     """A PEFT ``LoraConfig`` from Axolotl's fields (``lora_r``, ``lora_alpha``, ``lora_dropout``,
-    ``lora_target_modules``, ``lora_target_linear``). As in Axolotl, ``target_linear`` adds every
-    linear layer except the output head to ``target_modules``; neither: PEFT's default targets."""
+    ``lora_target_modules``, ``lora_target_linear``, ``peft_use_rslora``). As in Axolotl,
+    ``target_linear`` adds every linear layer except the output head to ``target_modules``; neither:
+    PEFT's default targets. A string is a regular expression over whole module names."""
     peft = require_peft()
-    targets: Any = [target_modules] if isinstance(target_modules, str) else list(target_modules or [])
+    if isinstance(target_modules, str) and not set(target_modules) & set("[]()*+?|\\^$"):
+        target_modules = [target_modules]  # one module name, not a pattern
+    if isinstance(target_modules, str) and target_linear:
+        raise ValueError(f"lora_target_modules is a regular expression ({target_modules!r}) and lora_target_linear "
+                         "is true: keep one (PEFT matches either a pattern or a list of names)")
+    targets: Any = target_modules if isinstance(target_modules, str) else list(target_modules or [])
     if target_linear:
         targets = ALL_LINEAR if not targets else [ALL_LINEAR, *targets]
     alpha = int(alpha) if float(alpha).is_integer() else alpha
     return peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
-                           target_modules=targets or None)
+                           target_modules=targets or None, use_rslora=use_rslora)
 
 
 def is_adapter_config(obj: Any) -> bool:

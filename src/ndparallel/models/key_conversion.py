@@ -128,8 +128,7 @@ def checkpoint_keys(model: nn.Module, stored: dict[str, tuple]) -> CheckpointKey
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
-    # LoRA-wrapped linears are read under the base model's names (``.base_layer`` dropped); the
-    # adapters are in no base checkpoint
+    # a LoRA-wrapped linear's weight is stored under the base model's name (``.base_layer`` dropped)
     keys = dict.fromkeys((checkpoint_key(k) for k in model.state_dict() if not is_adapter_param(k)), True)
     prefix = getattr(model, "base_model_prefix", None)
     direct: dict[str, str] = {}

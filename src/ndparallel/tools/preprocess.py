@@ -22,6 +22,11 @@ def preprocess(cfg: TrainConfig, show: int | None = None, as_json: bool = False,
     from ndparallel.training.build import build_data, data_cache_dir, load_tokenizer
 
     out = out or sys.stdout
+    if cfg.missing_data_problem():
+        raise ValueError(cfg.missing_data_problem())
+    if cfg.pretraining_dataset is not None:
+        raise ValueError("pretraining_dataset is streamed while training (nothing is prepared ahead); preprocess "
+                         "prepares datasets:")
     for i, d in enumerate(cfg.datasets):  # the quick look first: file and line named
         check_dataset(d.model_dump(), f"datasets[{i}]")
     cache = data_cache_dir(cfg)

@@ -71,8 +71,8 @@ def predict(trainer, req, measured: dict) -> tuple[dict, list]:
     hw = hardware_for(req, engine, spec, settings)
     est = estimate(spec, engine.dims, settings, hw, req.gpus_per_node)
     mem = est.memory
-    if engine.device.type == "cuda":
-        peak = mem.total
+    if engine.device.type == "cuda":  # what train logs: the allocator's peak (the CUDA context apart)
+        peak = mem.allocated
     else:  # the CPU process's runtime plays the part of the CUDA context: measured before the model
         peak = mem.allocated + measured["runtime_rss_gib"] * GiB
     t = est.time
@@ -80,6 +80,7 @@ def predict(trainer, req, measured: dict) -> tuple[dict, list]:
                                                                               settings.mixed_precision)
     report = {
         "peak_memory_gib": peak / GiB, "tensor_peak_gib": mem.allocated / GiB, "peak_phase": mem.peak_phase,
+        "device_total_gib": mem.total / GiB,  # with the runtime overhead: what must fit the device
         "memory_gib": {k: getattr(mem, k) / GiB for k in ("params", "grads", "optimizer", "activations",
                                                           "logits", "fsdp_buffers", "overhead")},
         "step_time_s": t.compute + t.optimizer, "step_time_with_comm_s": t.step,

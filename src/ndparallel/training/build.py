@@ -46,10 +46,11 @@ def load_tokenizer(cfg: TrainConfig, cache_dir: Path):
                 kwargs.update(max_files=d.max_files, max_bytes=d.max_bytes)
     tokenizer = load_or_train_tokenizer(source, cache_dir=cache_dir, **kwargs)
     set_special_tokens(tokenizer, cfg)
-    if cfg.chat_template and cfg.chat_template != "tokenizer_default":
+    if (cfg.chat_template and cfg.chat_template != "tokenizer_default") or cfg.chat_template_jinja:
         from ndparallel.data.chat import resolve_template
 
-        tokenizer.chat_template = resolve_template(tokenizer, cfg.chat_template, None, "chat_template")
+        tokenizer.chat_template = resolve_template(tokenizer, cfg.chat_template, cfg.chat_template_jinja,
+                                                   "chat_template")
     return tokenizer
 
 
@@ -59,7 +60,13 @@ def set_special_tokens(tokenizer, cfg: TrainConfig) -> None:
     from tokenizers import AddedToken
 
     vocab = tokenizer.get_vocab()
-    for name, token in (cfg.special_tokens.model_dump(exclude_none=True) if cfg.special_tokens else {}).items():
+    special = cfg.special_tokens.model_dump(exclude_none=True) if cfg.special_tokens else {}
+    extra = special.pop("additional_special_tokens", None)
+    if extra:
+        tokenizer.add_special_tokens({"additional_special_tokens": [
+            AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in extra]},
+            replace_extra_special_tokens=False)
+    for name, token in special.items():
         if token in vocab:
             setattr(tokenizer, name, token)
         else:
@@ -84,10 +91,37 @@ def grown_vocab_size(cfg: TrainConfig, tokenizer, model_vocab: int) -> int | Non
 
 
 def build_data(cfg: TrainConfig, tokenizer, cache_dir: Path):
-    """Train (and validation) rows: every rank builds the same (cached, file-locked)."""
+    """Train (and validation) rows: every rank builds the same (cached, file-locked). A streamed
+    ``pretraining_dataset`` builds nothing ahead: its first record is checked, ``train_loader``
+    reads it while training."""
+    from ndparallel.data.packing import PackedSplits
     from ndparallel.data.pipeline import build_data as build
 
+    if cfg.pretraining_dataset is not None:
+        from ndparallel.data.dataset import DatasetSpec
+        from ndparallel.data.stream import check_stream
+
+        for i, d in enumerate(cfg.pretraining_dataset):
+            check_stream(DatasetSpec.from_any(d.model_dump()), f"pretraining_dataset[{i}]")
+        return PackedSplits(None, None)
     return build([d.model_dump() for d in cfg.datasets], tokenizer, cfg.data_options(), cache_dir=cache_dir)
+
+
+def train_loader(cfg: TrainConfig, splits, tokenizer, dp_rank: int, dp_size: int, pad_to_multiple: int | None):
+    """This rank's training loader: ``PackedLoader`` over the prepared rows, or ``StreamingLoader``
+    over ``pretraining_dataset`` (its length: the run's micro-batches)."""
+    from ndparallel.data import PackedLoader
+
+    if cfg.pretraining_dataset is None:
+        return PackedLoader(splits.train, cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed,
+                            pad_to_multiple=pad_to_multiple)
+    from ndparallel.data.dataset import DatasetSpec
+    from ndparallel.data.stream import StreamingLoader, TokenStream
+
+    specs = [DatasetSpec.from_any(d.model_dump()) for d in cfg.pretraining_dataset]
+    return StreamingLoader(TokenStream(specs, tokenizer, cfg.sequence_len), cfg.micro_batch_size,
+                           dp_rank=dp_rank, dp_size=dp_size, per_document=bool(cfg.sample_packing),
+                           length=cfg.max_steps * cfg.gradient_accumulation_steps)
 
 
 def optimizer_for(cfg: TrainConfig, params):

@@ -1,7 +1,8 @@
 """What an Axolotl config means here: one line per field that behaves differently, for ``--dry-run``
-and the start of ``train``. Fields with the same meaning (renames such as ``offload_params`` ->
-``cpu_offload``, ``dataset_prepared_path`` -> ``dataset_cache_dir``) say nothing; fields that
-cannot work are refused by the schema (``config.py``), one line each."""
+and the start of ``train``, from the validated config. Fields with the same meaning (renames such as
+``offload_params`` -> ``cpu_offload``, ``dataset_prepared_path`` -> ``dataset_cache_dir``) say nothing;
+the notes of translated Axolotl keys come from ``axolotl_map`` (``cfg._axolotl_notes``); fields that
+cannot work are refused there or by the schema (``config.py``), one line each."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
     """Notes on fields that differ from Axolotl's behaviour; ``device_type`` (the ranks' device,
     when known) adds the attention-kernel and tf32 notes."""
     notes = []
-    if cfg.plugins:
-        notes.append("plugins: CutCrossEntropyPlugin -> chunked_loss: true (ndparallel's memory-efficient loss, "
-                     "the full logits never exist)")
     fsdp = cfg.fsdp_config
     if fsdp.state_dict_type:
         notes.append(f"fsdp_config.state_dict_type: {fsdp.state_dict_type}: checkpoints are always sharded (DCP, "
                      "resumable on any layout) and the final model one full safetensors directory")
+    if fsdp.auto_wrap_policy == "SIZE_BASED_WRAP":
+        notes.append("fsdp_config.auto_wrap_policy: SIZE_BASED_WRAP -> each decoder layer is one FSDP2 unit (the "
+                     "same training; the all-gathers are grouped per layer)")
     if cfg.special_tokens or cfg.tokens:
         notes.append("special_tokens / tokens: set on (or added to) the tokenizer, saved with the model; tokens "
                      "new to a pretrained base_model's vocabulary grow its embeddings (new rows start at the mean row)")

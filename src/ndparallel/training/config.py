@@ -14,6 +14,7 @@ import yaml
 from pydantic import (
     AliasChoices,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -30,15 +31,21 @@ from ndparallel.parallel.options import (
     TPOptions,
 )
 from ndparallel.training.config_data import (  # noqa: F401  (ConfigError: re-exported)
-    KNOWN_PLUGINS,
-    UNSUPPORTED,
     ConfigError,
     DatasetConfig,
     SpecialTokens,
     _int,
     _Strict,
 )
-from ndparallel.training.config_errors import format_validation_error
+from ndparallel.training.config_errors import join_problems, validation_problems
+from ndparallel.training.config_fields import (
+    ClusterFields,
+    DataSourceFields,
+    FSDPConfig,
+    InputForms,
+    RunControlFields,
+    TrackerFields,
+)
 from ndparallel.training.config_quant import QuantFields
 from ndparallel.training.optim_lowbit import OptimizerName
 from ndparallel.training.overrides import apply_override
@@ -48,37 +55,11 @@ def _float(**bounds):
     return Annotated[float, Field(allow_inf_nan=False, **bounds)]
 
 
-
-
-class FSDPConfig(_Strict):
-    reshard_after_forward: bool = True
-    cpu_offload: bool = Field(False, validation_alias=AliasChoices("cpu_offload", "offload_params"))
-    activation_checkpointing: bool = False
-    unsharded_grad_accumulation: bool = False
-    layer_classes: list[str] | None = Field(
-        None, validation_alias=AliasChoices("layer_classes", "transformer_layer_cls_to_wrap"))
-    """Decoder-layer class names FSDP wraps one by one (default: found in the model)."""
-    # Axolotl / Accelerate names with one meaning here (compat.py explains them in --dry-run)
-    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] | None = None
-    auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP"] | None = None
-
-    @field_validator("layer_classes", mode="before")
-    @classmethod
-    def _one_or_more(cls, v):
-        return [v] if isinstance(v, str) else v
-
-    @field_validator("auto_wrap_policy", mode="before")
-    @classmethod
-    def _wrap_policy(cls, v):
-        if v is not None and v != "TRANSFORMER_BASED_WRAP":
-            raise ValueError(f"{v!r} is not supported: ndparallel wraps each decoder layer "
-                             "(TRANSFORMER_BASED_WRAP); remove it or set TRANSFORMER_BASED_WRAP")
-        return v
-
-
-class TrainConfig(QuantFields):
+class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields, QuantFields, ClusterFields):
     """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one; the
-    quantisation fields: ``config_quant.QuantFields``)."""
+    Axolotl keys that are translated, accepted empty or refused: ``axolotl_keys.py``; the
+    quantisation fields: ``config_quant.QuantFields``; preemption and asynchronous checkpoints:
+    ``config_fields.ClusterFields``)."""
 
     # model
     base_model: str = "quickstart-llama"
@@ -101,7 +82,8 @@ class TrainConfig(QuantFields):
     sdp_attention: bool | None = None
     """Axolotl's switch: true = attn_implementation: sdpa."""
     plugins: list[str] | None = None
-    """Axolotl plugins: only CutCrossEntropyPlugin (= the memory-efficient loss) is understood."""
+    """Axolotl plugins: CutCrossEntropyPlugin, LigerPlugin, ... map to ndparallel's equivalents
+    (``axolotl_keys.PLUGINS``); others are refused."""
     # layout
     dp_replicate_size: int = 1
     dp_shard_size: int = 1
@@ -153,20 +135,21 @@ class TrainConfig(QuantFields):
     lora_alpha: _float(gt=0) = 16.0
     lora_dropout: _float(ge=0, lt=1) = 0.0
     """Dropout on the adapter input; its random mask differs between layouts (use 0 to compare them)."""
-    lora_target_modules: list[str] | None = Field(None, validation_alias=AliasChoices(
+    lora_target_modules: str | list[str] | None = Field(None, validation_alias=AliasChoices(
         "lora_target_modules", "target_modules"))
     """Module names to adapt (e.g. [q_proj, v_proj]); none and no lora_target_linear: PEFT's default."""
     lora_target_linear: bool = False
     """Adapt every linear layer except the output head (added to lora_target_modules)."""
+    peft_use_rslora: bool = False
+    """Rank-stabilised LoRA: scale the adapter by alpha / sqrt(r) instead of alpha / r."""
     lora_model_dir: str | None = None
     """A saved PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) to continue
     training: its r, alpha and targets are used and its weights replace the fresh init."""
     merge_lora: bool = False
     """Also write the base model with the adapter merged in, to output_dir/merged."""
     # data
-    datasets: list[DatasetConfig] = Field(
-        default_factory=lambda: [DatasetConfig(path="builtin:stdlib")]
-    )
+    datasets: list[DatasetConfig] | None = None
+    """Required with a real base_model; a built-in preset defaults to the built-in corpus."""
     val_set_size: _float(ge=0) = 0.0
     """A fraction in [0, 1) of the packed blocks, or a whole number of blocks."""
     sequence_len: int = 256
@@ -177,10 +160,13 @@ class TrainConfig(QuantFields):
     """Rows always sequence_len long (fixed shapes); false: each micro-batch cut after its longest row."""
     train_on_inputs: bool = False
     """Train on the prompt too (default: its labels are -100, only the answer is learned)."""
-    excess_length_strategy: Literal["truncate", "drop"] = "truncate"
+    excess_length_strategy: Literal["truncate", "drop", "raise"] = "truncate"
     """A fine-tuning sample longer than sequence_len (raw text is cut into pieces instead)."""
     chat_template: str | None = None
-    """Template of chat_template datasets: tokenizer_default (default), chatml, llama3."""
+    """Template of chat_template datasets: tokenizer_default (default), one of Axolotl's named templates
+    (chatml, llama3, qwen3, gemma3, phi_3, mistral_v7_tekken, ...: ``data/chat_templates``), or jinja."""
+    chat_template_jinja: str | None = None
+    """A Jinja chat template (text or a .jinja file) for chat_template: jinja."""
     eot_tokens: list[str] | None = None
     """Tokens that end a chat turn (default: the eos and the turn tokens the template uses, such as
     <|eot_id|>); trained per each dataset's train_on_eot."""
@@ -239,17 +225,9 @@ class TrainConfig(QuantFields):
     save_final_model: bool = True
     save_dtype: Literal["auto", "bf16", "fp32", "fp16"] = "auto"
     """dtype of the final model's weights: auto = bf16 for a bf16 run, else fp32."""
-    checkpoint_async: bool = False
-    """Write checkpoints in the background (staged to host memory, pinned on CUDA) while training
-    continues; at most one in flight, COMPLETE only once written, the last one awaited at the end."""
-    preemption_checkpoint: bool = True
-    """On SIGTERM / SIGUSR1 (preemption, scancel, SLURM's --signal): finish the step, save a
-    checkpoint there and exit 75; false: exit 75 without saving."""
-    preemption_timeout_s: _float(gt=0) = 100.0
-    """Seconds from the signal until the job exits even without a checkpoint (keep it below the
-    scheduler's grace period: SLURM --signal lead time / KillWait, Kubernetes terminationGracePeriodSeconds)."""
     # runtime
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    _axolotl_notes: list[str] = PrivateAttr(default_factory=list)  # what axolotl_map translated
     collective_timeout_s: _float(gt=0) = 600.0
     max_restarts: _int(0) = 0
 
@@ -263,15 +241,6 @@ class TrainConfig(QuantFields):
             return v
         if v < 1:
             raise ValueError(f"must be >= 1 (1 disables the dimension), got {v}")
-        return v
-
-    @field_validator("plugins")
-    @classmethod
-    def _plugins(cls, v: list[str] | None) -> list[str] | None:
-        unknown = [p for p in v or [] if p.rsplit(".", 1)[-1] not in KNOWN_PLUGINS]
-        if unknown:
-            raise ValueError(f"{unknown} not supported; ndparallel understands only {sorted(KNOWN_PLUGINS)} "
-                             "(its memory-efficient loss); remove the others")
         return v
 
     @field_validator("fsdp_version")
@@ -299,8 +268,6 @@ class TrainConfig(QuantFields):
         if self.tiled_mlp_num_shards is not None and not self.tiled_mlp:
             raise ValueError("tiled_mlp_num_shards is set but tiled_mlp is not: set tiled_mlp: true, or "
                              "remove tiled_mlp_num_shards")
-        if self.plugins and "chunked_loss" in type(self).model_fields and getattr(self, "chunked_loss", None) is None:
-            self.chunked_loss = True  # CutCrossEntropyPlugin = the memory-efficient loss
         return self
 
     @field_validator("activation_offloading", mode="before")
@@ -316,7 +283,9 @@ class TrainConfig(QuantFields):
     @field_validator("lora_target_modules", mode="before")
     @classmethod
     def _target_list(cls, v):
-        return [v] if isinstance(v, str) else v
+        """A list of module names; one string is a regular expression matched against whole module
+        names (PEFT's and Axolotl's rule) when it has regex characters, else one name."""
+        return v if not isinstance(v, str) or set(v) & set("[]()*+?|\\^$") else [v]
 
     @field_validator("sequence_len")
     @classmethod
@@ -389,7 +358,7 @@ class TrainConfig(QuantFields):
             return None
         return {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
                 "target_modules": self.lora_target_modules, "target_linear": self.lora_target_linear,
-                **overrides}
+                **({"use_rslora": True} if self.peft_use_rslora else {}), **overrides}
 
     def lora_config(self):
         """The peft ``LoraConfig`` of ``adapter: lora`` (None without it): the one saved in
@@ -412,7 +381,9 @@ class TrainConfig(QuantFields):
         """LoRA fields the user set although ``adapter`` is not ``lora``."""
         if self.adapter is not None:
             return []
-        return sorted(f for f in self.model_fields_set if f.startswith("lora_") or f == "merge_lora")
+        fields = type(self).model_fields
+        return sorted(f for f in self.model_fields_set if (f.startswith("lora_") or f == "merge_lora")
+                      and getattr(self, f) not in (None, False, "", []) and getattr(self, f) != fields[f].default)
 
     def data_options(self):
         from ndparallel.data.pipeline import DataOptions
@@ -421,13 +392,19 @@ class TrainConfig(QuantFields):
             sequence_len=self.sequence_len, sample_packing=self.sample_packing,
             train_on_inputs=self.train_on_inputs, excess_length_strategy=self.excess_length_strategy,
             chat_template=self.chat_template, eot_tokens=tuple(self.eot_tokens or ()) or None,
+            chat_template_jinja=self.chat_template_jinja, chat_template_kwargs=self.chat_template_kwargs,
+            min_sample_len=self.min_sample_len,
             val_set_size=self.val_set_size, seed=self.seed,
             num_proc=self.dataset_processes,
         )
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-    """Read, override (``--set key=value``, dotted keys for nested fields) and validate."""
+    """Read, override (``--set key=value``, dotted keys for nested fields), translate Axolotl's keys
+    (``axolotl_map``: its notes are kept for ``--dry-run``) and validate. Every problem found is
+    one line of the ``ConfigError``."""
+    from ndparallel.training.axolotl_map import translate
+
     data: dict[str, Any] = {}
     source = str(path) if path else "config"
     if path is not None:
@@ -435,15 +412,38 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         if not p.is_file():
             raise ConfigError(f"config file {p} not found")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if data is None or data == {}:
+            raise ConfigError(f"{p} is empty: write at least base_model and datasets (or run ndparallel train "
+                              "without a config for the built-in quickstart)")
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of keys to values")
     for item in overrides:
         apply_override(data, item)
+    found = translate(data, own_keys())
+    problems = list(found.problems)
+    cfg = None
     try:
-        return TrainConfig.model_validate(data)
+        cfg = TrainConfig.model_validate(found.data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source, TrainConfig, {
-            "fsdp_config": FSDPConfig, "datasets": DatasetConfig, "special_tokens": SpecialTokens})) from None
+        problems += validation_problems(e, TrainConfig, NESTED)
+    if problems:
+        raise ConfigError(join_problems(source, problems))
+    cfg._axolotl_notes = found.notes
+    return cfg
+
+
+NESTED = {"fsdp_config": FSDPConfig, "datasets": DatasetConfig, "pretraining_dataset": DatasetConfig,
+          "special_tokens": SpecialTokens}
+
+
+def own_keys() -> set[str]:
+    """Top-level keys TrainConfig reads itself (field names and aliases)."""
+    keys = set()
+    for name, f in TrainConfig.model_fields.items():
+        keys.add(name)
+        if isinstance(f.validation_alias, AliasChoices):
+            keys.update(str(c) for c in f.validation_alias.choices)
+    return keys

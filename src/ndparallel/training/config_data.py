@@ -6,7 +6,10 @@ from __future__ import annotations
 import difflib
 from typing import Annotated, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+import types
+import typing
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -15,6 +18,30 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        """``key:`` with no value (null) on a field that cannot be null means "not set": the default
+        (Axolotl's configs leave placeholders such as ``lora_r:`` empty)."""
+        if isinstance(data, dict):
+            names = _non_nullable_keys(cls)
+            data = {k: v for k, v in data.items() if not (v is None and k in names)}
+        return data
+
+
+def _non_nullable_keys(model: type[BaseModel]) -> set[str]:
+    keys = set()
+    for name, f in model.model_fields.items():
+        args = typing.get_args(f.annotation)
+        nullable = f.annotation is type(None) or type(None) in args or f.annotation is typing.Any
+        if isinstance(f.annotation, types.UnionType) or typing.get_origin(f.annotation) is typing.Union:
+            nullable = nullable or type(None) in args
+        if not nullable:
+            keys.add(name)
+            if isinstance(f.validation_alias, AliasChoices):
+                keys.update(str(c) for c in f.validation_alias.choices)
+    return keys
 
 
 def _int(ge: int):
@@ -42,6 +69,34 @@ class DatasetConfig(_Strict):
     train_on_eot: Literal["turn", "all", "last", "none"] | None = None
     chat_template: str | None = None
     chat_template_jinja: str | None = None
+    drop_system_message: bool = False
+    """chat_template: leave the conversations' system messages out."""
+    field_thinking: str | None = None
+    """chat_template: the message key holding the reasoning text (trained with the answer)."""
+    template_thinking_key: str | None = None
+    """chat_template: the key the template reads the reasoning from (default: field_thinking)."""
+    roles: dict[str, list[str]] | None = None
+    """chat_template: the role names of the data for each template role, e.g. {assistant: [gpt, bot]}."""
+    data_files: list[str] | None = None
+    """Files of a Hub dataset (or of a local directory) to read, instead of all of them."""
+    skip: _int(0) | None = None
+    """pretraining_dataset: records skipped at the start of the stream."""
+
+    @field_validator("data_files", mode="before")
+    @classmethod
+    def _one_or_more(cls, v):
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("split")
+    @classmethod
+    def _split(cls, v):
+        import datasets
+
+        try:
+            datasets.ReadInstruction.from_spec(v)
+        except (ValueError, AssertionError):
+            raise ValueError(f"{v!r} is not a split; write e.g. train, train[:20%] or train[100:200]") from None
+        return v
 
     @field_validator("type", mode="before")
     @classmethod
@@ -69,18 +124,5 @@ class SpecialTokens(_Strict):
     eos_token: str | None = None
     pad_token: str | None = None
     unk_token: str | None = None
-
-
-KNOWN_PLUGINS = {"CutCrossEntropyPlugin"}
-"""Axolotl plugins (class names) this config understands."""
-
-UNSUPPORTED = {
-    "gradient_checkpointing": "use fsdp_config.activation_checkpointing: true",
-    "fsdp": "the FSDP settings live in fsdp_config (see docs/data.md, Axolotl configs)",
-    "deepspeed": "DeepSpeed is not used here; ndparallel shards with FSDP2 (fsdp_config)",
-    "wandb_project": "no W&B logging; metrics go to output_dir/metrics.jsonl (ndparallel plot draws them)",
-    "evals_per_epoch": "use eval_steps",
-    "eval_sample_packing": "evaluation uses the training rows' layout; remove it",
-    "xformers_attention": "xformers is not supported; use attn_implementation: sdpa or flash_attention_2",
-}
-"""Axolotl keys with no meaning here: the fix instead of a did-you-mean."""
+    additional_special_tokens: list[str] | None = None
+    """Added as special tokens (never split, kept when decoding with skip_special_tokens=False)."""

@@ -7,7 +7,6 @@ import difflib
 
 from pydantic import AliasChoices, BaseModel, ValidationError
 
-from ndparallel.training.config_data import UNSUPPORTED
 
 _HINTS = {
     "max_steps": "or leave it out to train num_epochs epochs",
@@ -37,11 +36,11 @@ def _known_keys(model: type[BaseModel]) -> list[str]:
     return keys
 
 
-def format_validation_error(err: ValidationError, source: str, top: type[BaseModel],
-                            nested: dict[str, type[BaseModel]]) -> str:
-    """One line for one problem; ``N problems:`` and one indented line per problem otherwise.
-    An unknown key gets the fix (``UNSUPPORTED``) or a did-you-mean among the keys of ``top`` or,
-    under a field named in ``nested``, of that section's model."""
+def validation_problems(err: ValidationError, top: type[BaseModel], nested: dict[str, type[BaseModel]]) -> list[str]:
+    """One line per problem. An unknown key gets a did-you-mean among the keys of ``top`` (and the
+    Axolotl keys ndparallel knows) or, under a field named in ``nested``, of that section's model."""
+    from ndparallel.training.axolotl_keys import TOP
+
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
@@ -49,13 +48,24 @@ def format_validation_error(err: ValidationError, source: str, top: type[BaseMod
             parent = e["loc"][:-1]
             model = nested.get(str(parent[0]), top) if parent else top
             key = str(e["loc"][-1])
-            hint = UNSUPPORTED.get(key) if not parent else None
-            lines.append(f"unknown key '{loc}'" + (f": {hint}" if hint else _suggest(key, _known_keys(model))))
+            hint = _suggest(key, _known_keys(model)) or ("" if parent else _suggest(key, list(TOP)))
+            lines.append(f"unknown key '{loc}'" + (hint or "; remove it (see the keys in docs/axolotl.md)"))
         else:
             lines.append(f"'{loc}': {_range_message(e)}" if loc else _range_message(e))
+    return lines
+
+
+def join_problems(source: str, lines: list[str]) -> str:
+    """``source: problem`` for one; ``source: N problems:`` and one indented line each otherwise."""
     if len(lines) == 1:
         return f"{source}: {lines[0]}"
     return f"{source}: {len(lines)} problems:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def format_validation_error(err: ValidationError, source: str, top: type[BaseModel],
+                            nested: dict[str, type[BaseModel]]) -> str:
+    """``validation_problems`` joined as the message users see."""
+    return join_problems(source, validation_problems(err, top, nested))
 
 
 _BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}

@@ -12,18 +12,15 @@ from ndparallel.engine.step import evaluation
 
 
 def validation_loader(engine, val_blocks, micro_batch_size: int, seed: int, pad_to_multiple: int | None = None):
-    """The validation split's loader (built at start, so a split too small for the layout fails
-    before training, not hours later at the first evaluation)."""
+    """The validation split's loader, every row of it: the rows are padded with rows that train
+    nothing to a whole number of global micro-batches (``data.padded``), so a split smaller than one
+    global micro-batch is evaluated as a partial batch, and none is dropped."""
     from ndparallel.data import PackedLoader
+    from ndparallel.data.padded import padded_to
 
-    try:
-        return PackedLoader(val_blocks, micro_batch_size, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
-                            seed=seed, shuffle=False, pad_to_multiple=pad_to_multiple)
-    except ValueError:
-        raise ValueError(
-            f"val_set_size gives {val_blocks.shape[0]} validation blocks, fewer than one global "
-            f"micro-batch (dp_size {engine.dp_size} × micro_batch_size {micro_batch_size}); raise "
-            "val_set_size (a fraction, or a number of blocks) or set it to 0") from None
+    rows = padded_to(val_blocks, engine.dp_size * micro_batch_size)
+    return PackedLoader(rows, micro_batch_size, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
+                        seed=seed, shuffle=False, pad_to_multiple=pad_to_multiple)
 
 
 def evaluate(engine, model, loader) -> dict:

@@ -1,10 +1,6 @@
-"""Training metrics: throughput, FLOPs, MFU, peak memory, and the JSONL metrics file."""
+"""Training metrics: throughput, FLOPs, MFU, peak memory (written by ``ndparallel.tracking.run``)."""
 
 from __future__ import annotations
-
-import json
-import time
-from pathlib import Path
 
 import torch
 
@@ -41,20 +37,6 @@ def peak_memory_gb(device: torch.device) -> float:
     from ndparallel.runtime.memory_probe import peak_rss_bytes
 
     return peak_rss_bytes() / 2**30
-
-
-class MetricsWriter:
-    """Appends one JSON object per line to ``path`` (main rank only)."""
-
-    def __init__(self, path: str | Path, enabled: bool):
-        self.path, self.enabled = Path(path), enabled
-        if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, record: dict) -> None:
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps({"time": time.time(), **record}) + "\n")
 
 
 def global_numel(model: torch.nn.Module, trainable_only: bool = False) -> int:

@@ -286,7 +286,7 @@ def check_memory_options(cfg: TrainConfig, hf) -> None:
 
     from ndparallel.models.layers import dense_mlps, outer_decoder_layers
 
-    model = _meta_model(cfg, hf)
+    model = meta_model(cfg, hf)
     classes = tuple(cfg.fsdp_config.layer_classes) if cfg.fsdp_config.layer_classes else None
     try:
         mlps = dense_mlps(model, classes) if cfg.tiled_mlp else []

@@ -6,6 +6,7 @@ and not to 1-D parameters (norm weights, biases), whose decay would only pull th
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -66,9 +67,32 @@ SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with
 """Our YAML names -> transformers' ``get_scheduler`` names."""
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int):
-    """transformers' schedule ``name`` (see ``SCHEDULERS``) with linear warm-up."""
+def build_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int,
+                    min_lr_ratio: float | None = None, constant_lr_ratio: float | None = None,
+                    quadratic_warmup: bool = False):
+    """transformers' schedule ``name`` (see ``SCHEDULERS``) with linear warm-up; a cosine with
+    Axolotl's options (``cosine_min_lr_ratio``, ``cosine_constant_lr_ratio``,
+    ``lr_quadratic_warmup``) is ``cosine_factor``."""
     from transformers import get_scheduler
 
+    if name == "cosine" and (min_lr_ratio is not None or constant_lr_ratio is not None or quadratic_warmup):
+        import functools
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+            cosine_factor, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio or 0.0,
+            constant_lr_ratio=constant_lr_ratio, quadratic_warmup=quadratic_warmup))
     return get_scheduler(SCHEDULERS[name], optimizer, num_warmup_steps=warmup_steps,
                          num_training_steps=total_steps)
+
+
+def cosine_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0,
+                  constant_lr_ratio: float | None = None, quadratic_warmup: bool = False) -> float:
+    """The learning-rate factor at ``step``: warm-up (linear, or quadratic) to 1, then a half cosine
+    down to ``min_lr_ratio`` reached at the end — or at ``constant_lr_ratio`` of the steps, after
+    which it stays there."""
+    if step < warmup_steps:
+        ramp = step / max(1, warmup_steps)
+        return ramp * ramp if quadratic_warmup else ramp
+    end = total_steps if constant_lr_ratio is None else max(warmup_steps, int(total_steps * constant_lr_ratio))
+    progress = min(1.0, (min(step, end) - warmup_steps) / max(1, end - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

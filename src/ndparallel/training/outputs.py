@@ -50,6 +50,9 @@ def run_writes(cfg: TrainConfig, profile_comm: bool = False) -> list[str]:
             names.append("merged")
     if profile_comm:
         names.append("comm_profile")
+    for tracker, entry in (("wandb", "wandb"), ("tensorboard", "runs")):
+        if tracker in cfg.trackers():
+            names.append(entry)
     return names
 
 

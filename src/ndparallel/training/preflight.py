@@ -38,6 +38,11 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
 
     check_quantized_base(cfg, hf, pc)  # load_in_4bit: torchao, no TP, NF4 shards of whole blocks
     check_memory_options(cfg, hf)
+    from ndparallel.training.dry_checks import check_without_data
+
+    check_without_data(cfg, hf)
+    if cfg.missing_data_problem():
+        raise ConfigError(cfg.missing_data_problem())
     if check_local:
         tokenizer = check_local_inputs(cfg, check_output=check_output)
         _check_added_tokens(cfg, tokenizer, hf)
@@ -55,7 +60,8 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
         raise ConfigError(str(e)) from None
     _check_sequence_len(cfg, pc.dims)
     _check_family_layout(cfg, pc, hf)
-    _check_fp8(cfg)
+    if check_local:  # the GPU the run needs is the launching machine's (a dry run may check another's config)
+        _check_fp8(cfg)
     return pc, hf
 
 
@@ -145,6 +151,11 @@ def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm
     from ndparallel.training.outputs import plan_output_dir
     from ndparallel.training.trainer import resume_policy
 
+    from ndparallel.tracking.run import missing_trackers
+
+    missing = missing_trackers(cfg.trackers())
+    if missing:
+        raise ConfigError(f"trackers not installed: {'; '.join(missing)} (or turn them off in the config)")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device: cuda, but there is no CUDA GPU here (torch {torch.__version__}, "
                           "torch.cuda.is_available() is False): set device: cpu or auto")
@@ -230,7 +241,7 @@ def run_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
     notes = []
     if cfg.max_steps is not None and "num_epochs" in cfg.model_fields_set:
         notes.append(f"max_steps {cfg.max_steps} (num_epochs {cfg.num_epochs:g} is ignored: max_steps wins)")
-    return notes + compat_notes(cfg, device_type)
+    return notes + cfg._axolotl_notes + compat_notes(cfg, device_type)
 
 
 def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
@@ -240,9 +251,7 @@ def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
         return int(os.environ["WORLD_SIZE"])
     sizes = [cfg.dp_replicate_size, cfg.dp_shard_size, cfg.tensor_parallel_size, cfg.context_parallel_size]
     if -1 in sizes:
-        if not nproc:
-            raise ConfigError("a degree is -1 (fill from the world size): pass --nproc-per-node N")
-        return nproc
+        return nproc or local_devices(cfg)
     total = 1
     for s in sizes:
         total *= s
@@ -251,16 +260,26 @@ def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
     return total
 
 
+def local_devices(cfg: TrainConfig) -> int:
+    """Ranks a degree of -1 fills on this machine without --nproc-per-node: every CUDA GPU (as
+    Axolotl's launch uses them all); 1 on CPU."""
+    import torch
+
+    return torch.cuda.device_count() if cfg.device != "cpu" and torch.cuda.is_available() else 1
+
+
 def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     """The resolved run, as printed by ``--dry-run``."""
+    from ndparallel.training.dry_checks import chunked_loss_state
     from ndparallel.training.model_check import check_adapter
     from ndparallel.training.qlora_check import check_quantized_base
 
     gbs = cfg.micro_batch_size * cfg.gradient_accumulation_steps * pc.dp_size
     lines = [
         f"layout       : {pc.describe()}  ({pc!r})",
-        f"model        : {cfg.base_model} ({hf.model_type}, {hf.num_hidden_layers} layers, hidden "
-        f"{hf.hidden_size}, heads {hf.num_attention_heads}/{getattr(hf, 'num_key_value_heads', '?')})",
+        f"model        : {cfg.base_model} ({hf.model_type}, {getattr(hf, 'num_hidden_layers', '?')} layers, hidden "
+        f"{getattr(hf, 'hidden_size', '?')}, heads {getattr(hf, 'num_attention_heads', '?')}/"
+        f"{getattr(hf, 'num_key_value_heads', '?')})",
         f"global batch : {gbs} sequences × {cfg.sequence_len} tokens = {gbs * cfg.sequence_len} tokens/step "
         f"(micro {cfg.micro_batch_size} × accum {cfg.gradient_accumulation_steps} × dp {pc.dp_size})",
         f"per rank     : {cfg.micro_batch_size} × {cfg.sequence_len // pc.cp_size} tokens per micro-batch"
@@ -269,7 +288,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         f"fsdp         : {cfg.fsdp_config.model_dump()}",
         f"precision    : {'bf16 compute, fp32 master weights' if cfg.bf16 else 'fp32'}"
         + (f", fp8 linears ({cfg.fp8_recipe})" if cfg.fp8 else ""),
-        f"speed        : chunked loss {_auto(cfg.chunked_loss)}, compile {'on' if cfg.compile else 'off'}"
+        f"speed        : chunked loss {chunked_loss_state(cfg, hf)}, compile {'on' if cfg.compile else 'off'}"
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
         *([f"quantised    : {check_quantized_base(cfg, hf, pc)}"] if cfg.load_in_4bit else []),
@@ -284,7 +303,17 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     import torch
 
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    lines += [f"note         : {n}" for n in run_notes(cfg, device) if not n.startswith("max_steps")]
+    from ndparallel.training.dry_checks import model_notes
+
+    notes = [n for n in run_notes(cfg, device) if not n.startswith("max_steps")] + model_notes(cfg, hf)
+    lines += [f"note         : {n}" for n in notes]
+    from ndparallel.tracking.run import missing_trackers
+
+    trackers = cfg.trackers()
+    if trackers:
+        lines.insert(-1, f"trackers     : metrics.jsonl + {', '.join(trackers)}"
+                     + (f" (not installed here: {'; '.join(missing_trackers(trackers))})"
+                        if missing_trackers(trackers) else ""))
     return "\n".join(lines)
 
 
@@ -339,6 +368,10 @@ def _data_mode(cfg: TrainConfig) -> str:
     from ndparallel.data.dataset import DatasetSpec
     from ndparallel.data.pipeline import concatenates
 
+    if cfg.pretraining_dataset is not None:
+        how = "attention per document" if cfg.sample_packing else "attention across documents"
+        return (f"pretraining_dataset: streamed while training, documents concatenated and cut into "
+                f"{cfg.sequence_len}-token blocks ({how}); every rank reads the stream")
     specs = [DatasetSpec.from_any(d.model_dump()) for d in cfg.datasets]
     types = ", ".join(sorted({s.type or "text" for s in specs}))
     if concatenates(specs, cfg.sample_packing):

@@ -32,8 +32,8 @@ from ndparallel.training.build import (
 )
 from ndparallel.training.config import TrainConfig
 from ndparallel.training.evaluate import validation_loader
+from ndparallel.tracking.run import RunTrackers
 from ndparallel.training.metrics import (
-    MetricsWriter,
     device_peak_flops,
     global_numel,
     local_numel,
@@ -88,7 +88,8 @@ class Trainer:
     def setup(self) -> None:
         """Engine (process group, layout, mesh, strategies), tokenizer, data, model, optimizer and
         schedule."""
-        from ndparallel.data import PackedLoader
+        from ndparallel.training.build import train_loader
+        from ndparallel.training.controls import EarlyStopping, LossWatchdog, eval_every
         from ndparallel.training.optim import build_scheduler
 
         cfg = self.cfg
@@ -104,12 +105,12 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg, cache_dir)
         self.splits = build_data(cfg, self.tokenizer, cache_dir)
         multiple = pad_multiple(cfg, engine.dims)
-        self.loader = PackedLoader(self.splits.train, cfg.micro_batch_size, dp_rank=engine.dp_rank,
-                                   dp_size=engine.dp_size, seed=cfg.seed, pad_to_multiple=multiple)
+        self.loader = train_loader(cfg, self.splits, self.tokenizer, engine.dp_rank, engine.dp_size, multiple)
         self.val_loader = None
-        if self.splits.val is not None and cfg.eval_steps:
+        if self.splits.val is not None:
             self.val_loader = validation_loader(engine, self.splits.val, cfg.micro_batch_size, cfg.seed, multiple)
         steps_per_epoch = len(self.loader) // cfg.gradient_accumulation_steps
+        self.eval_every = eval_every(cfg.eval_steps, cfg.evals_per_epoch, steps_per_epoch)
         self.total_steps = (cfg.max_steps if cfg.max_steps is not None  # max_steps wins over num_epochs
                             else max(1, math.floor(cfg.num_epochs * steps_per_epoch)))
         self.save_every = cfg.save_steps or (max(1, steps_per_epoch // cfg.saves_per_epoch)
@@ -118,8 +119,11 @@ class Trainer:
         self.optimizer = optimizer_for(cfg, self.model)  # the model: low-bit AdamW finds its embeddings
         warmup = (cfg.warmup_steps if cfg.warmup_ratio is None
                   else math.ceil(cfg.warmup_ratio * self.total_steps))
-        self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, warmup, self.total_steps)
+        self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, warmup, self.total_steps,
+                                         cfg.cosine_min_lr_ratio, cfg.cosine_constant_lr_ratio, cfg.lr_quadratic_warmup)
         self.nonfinite = NonFiniteGuard(cfg.on_nonfinite)
+        self.watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience)
+        self.early_stopping, self.stopped = EarlyStopping(cfg.early_stopping_patience), False
         self._saved_step: int | None = None
         self.checkpointer = None
         if cfg.checkpoint_async:
@@ -140,7 +144,7 @@ class Trainer:
                       f"available ({why}): using {kernel}")  # one line, main rank
         self.hf_config = model_config(cfg, vocab_size=rounded_vocab(cfg, len(self.tokenizer)))
         self.hf_config.use_cache = False
-        source = self.hf_config if is_preset(cfg.base_model) else cfg.base_model
+        source = self.hf_config if is_preset(cfg.base_model) or cfg.reinit_weights else cfg.base_model
         grown = None if is_preset(cfg.base_model) else grown_vocab_size(cfg, self.tokenizer, self.hf_config.vocab_size)
         if grown:  # tokens added to the tokenizer: new embedding / LM-head rows
             engine.print(f"ndparallel train: the tokenizer has {len(self.tokenizer)} tokens, the model "
@@ -154,6 +158,10 @@ class Trainer:
                                config_overrides=cfg.overrides_of_model_config)
         if getattr(model, "config", None) is not None:
             model.config.use_cache = False
+        if cfg.unfrozen_parameters and adapter is None:
+            from ndparallel.training.controls import freeze_except
+
+            freeze_except(model, cfg.unfrozen_parameters)  # before the first forward (FSDP2's lazy init)
         return model
 
     def resume(self) -> None:
@@ -217,17 +225,21 @@ class Trainer:
         self.metrics.write(metrics)
         self.progress.update(step, metrics)
         self.nonfinite.check()
+        self.watchdog.check(step, metrics["loss"])
         return metrics
 
     def maybe_evaluate(self) -> None:
         from ndparallel.training.evaluate import evaluate
 
         cfg, step = self.cfg, self.state.step
-        if self.val_loader is None or (step % cfg.eval_steps and step != self.total_steps):
+        if self.val_loader is None or ((not self.eval_every or step % self.eval_every) and step != self.total_steps):
             return
         ev = evaluate(self.engine, self.model, self.val_loader)
         self.metrics.write({"step": step, **ev})
         self.engine.print(f"step {step}: eval_loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}")
+        if self.early_stopping.should_stop(ev["eval_loss"]):
+            self.stopped = True
+            self.engine.print(f"step {step}: no lower eval_loss in {cfg.early_stopping_patience} evaluations: stopping")
 
     def maybe_save(self) -> None:
         if self.save_every and self.state.step % self.save_every == 0:
@@ -281,6 +293,7 @@ class Trainer:
                                                             else ")"))
             if self.cfg.adapter is not None and self.cfg.merge_lora:
                 self._save_merged()
+        self.metrics.finish()
         shutdown()
 
     def _save_merged(self) -> None:
@@ -314,7 +327,7 @@ class Trainer:
         try:
             with self.preemption:  # signals handled until the end (a final export completes)
                 try:
-                    while self.state.step < self.total_steps:
+                    while self.state.step < self.total_steps and not self.stopped:
                         self.last = self.log(self.train_step()) or self.last
                         self.maybe_evaluate()
                         self.maybe_save()
@@ -338,12 +351,11 @@ class Trainer:
         n_global = global_numel(self.model)
         self.flops_per_token = model_flops_per_token(self.model, self.hf_config, cfg.sequence_len)
         self.peak_flops = device_peak_flops(engine.device, cfg.bf16)
-        self.metrics = MetricsWriter(self.out / "metrics.jsonl", engine.is_main_process)
+        self.metrics = RunTrackers(self.out, cfg, engine.is_main_process, fresh=self.state.step == 0,
+                                   config=cfg.model_dump(mode="json", exclude_none=True))
         if engine.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.resolved.yaml").write_text(_dump_yaml(cfg))
-            if self.state.step == 0 and self.metrics.path.exists():
-                self.metrics.path.unlink()  # a fresh run starts a fresh metrics file
         engine.print(
             f"ndparallel train: {engine.dims.describe()} on {engine.world_size} rank(s) "
             f"({engine.device.type}); model {n_global / 1e6:.2f}M params "

@@ -1,0 +1,354 @@
+"""An Axolotl config mapping translated into ndparallel's fields before validation.
+
+``translate(raw, own_keys)`` applies ``axolotl_keys``' table to a raw YAML mapping: renames and value
+translations (``bf16: auto``, ``gradient_checkpointing``, FSDP1's ``fsdp:`` list and ``fsdp_``
+prefixes, DeepSpeed ZeRO configs, ...), drops what is empty or has no effect, and collects one
+``note`` per translated key and one ``problem`` (the key and the fix) per key it refuses. Keys it
+does not know are left for the schema (``TrainConfig``), which refuses unknown ones with a
+did-you-mean. Only the raw mapping is read: nothing here imports the schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ndparallel.training.optim_lowbit import OPTIMIZER_NAMES
+from ndparallel.training.axolotl_keys import DATASET, PLUGINS, TOP, Translation, is_empty, short
+from ndparallel.training.axolotl_layout import (
+    default_layout,
+    deepspeed,
+    fsdp_config,
+    fsdp_list,
+    fsdp_version,
+)
+
+
+def translate(raw: dict, own_keys: set[str]) -> Translation:
+    """``raw`` (a parsed YAML mapping, not modified) as ndparallel's fields; ``own_keys``: the
+    top-level keys ``TrainConfig`` accepts itself (names and aliases)."""
+    t = Translation(dict(raw))
+    for key in list(t.data):
+        rule = TOP.get(key)
+        if rule is None or (key in own_keys and key not in MAPPERS):
+            continue
+        value = t.data.pop(key) if key not in own_keys else t.data[key]
+        if key in MAPPERS:
+            MAPPERS[key](t, key, value)
+        elif rule.kind == "noop" and not is_empty(value, rule.default):
+            t.refuse(key, value, rule.text)
+        elif rule.kind == "ignored" and not is_empty(value, rule.default):
+            t.notes.append(f"{key}: {rule.text}")
+    fsdp_config(t)
+    _plugins(t)
+    default_layout(t)
+    for name in ("datasets", "pretraining_dataset"):
+        entries = t.data.get(name)
+        if isinstance(entries, dict):
+            entries = t.data[name] = [entries]
+        if isinstance(entries, list):
+            t.data[name] = [_dataset(t, f"{name}[{i}]", d) if isinstance(d, dict) else d
+                            for i, d in enumerate(entries)]
+    return t
+
+
+# ----------------------------------------------------------------------- top-level value mappers
+def _set(t: Translation, key: str, value: Any, why: str, source: str) -> None:
+    """``key: value`` unless the config sets ``key`` itself to something else (then a problem)."""
+    if key in t.data and t.data[key] is not None and t.data[key] != value:
+        t.problems.append(f"'{source}' means {key}: {short(value)} but the config sets {key}: "
+                          f"{short(t.data[key])}; keep one")
+        return
+    t.data[key] = value
+    if why:
+        t.notes.append(why)
+
+
+def _bf16(t: Translation, key: str, value: Any) -> None:
+    if value in ("auto", "full"):
+        on = _bf16_gpu()
+        t.data[key] = on
+        t.notes.append(f"bf16: {value} -> {str(on).lower()} (" + ("this machine's GPU computes in bf16)" if on else
+                       "no GPU computing in bf16 here: fp32; on a bf16 GPU the same config trains in bf16)"))
+
+
+def _bf16_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+def _tf32(t: Translation, key: str, value: Any) -> None:
+    if value == "auto":
+        import torch
+
+        t.data[key] = bool(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8)
+
+
+def _precision_flag(t: Translation, key: str, value: Any) -> None:
+    if is_empty(value):
+        return
+    bf16 = key == "bfloat16"
+    _set(t, "bf16", bf16, f"{key}: true -> bf16: {str(bf16).lower()}"
+         + (" (bf16 compute, fp32 master weights)" if bf16 else ""), key)
+
+
+def _gradient_checkpointing(t: Translation, key: str, value: Any) -> None:
+    if value == "offload_disk":
+        t.refuse(key, value, "offloading to disk is not supported: use gradient_checkpointing: true with "
+                 "activation_offloading: true (pinned host memory)")
+        return
+    if value == "offload":  # Axolotl's deprecated spelling of checkpointing + activation offloading
+        _set(t, "activation_offloading", True, "gradient_checkpointing: offload -> activation_offloading: true", key)
+    if not is_empty(value):
+        fsdp = t.data.setdefault("fsdp_config", {}) or {}
+        t.data["fsdp_config"] = fsdp
+        if fsdp.get("activation_checkpointing") is False:
+            t.problems.append("'gradient_checkpointing: true' and 'fsdp_config.activation_checkpointing: false' "
+                              "disagree; keep one")
+            return
+        fsdp["activation_checkpointing"] = True
+        t.notes.append("gradient_checkpointing: true -> fsdp_config.activation_checkpointing: true (each decoder "
+                       "layer recomputed in the backward)")
+
+
+def _activation_offloading(t: Translation, key: str, value: Any) -> None:
+    if value == "legacy":  # Axolotl's older implementation of the same offload
+        t.data[key] = True
+        t.notes.append("activation_offloading: legacy -> true (checkpointed activations to pinned host memory)")
+
+
+def _checkpointing_kwargs(t: Translation, key: str, value: Any) -> None:
+    if is_empty(value):
+        return
+    extra = sorted(set(value) - {"use_reentrant"}) if isinstance(value, dict) else [value]
+    if extra:
+        t.refuse(key, value, "only use_reentrant is understood (ndparallel checkpoints non-reentrantly); remove it")
+    elif value.get("use_reentrant"):
+        t.notes.append(f"{key}: use_reentrant: true -> non-reentrant checkpointing (the same gradients)")
+
+
+def _rename(target: str) -> Callable:
+    def mapper(t: Translation, key: str, value: Any) -> None:
+        if not is_empty(value):
+            _set(t, target, value, "", key)
+    return mapper
+
+
+def _note_if_set(t: Translation, key: str, value: Any) -> None:
+    if not is_empty(value):
+        t.notes.append(f"{key}: {short(value)}: {TOP[key].text}")
+
+
+def _auto_resume(t: Translation, key: str, value: Any) -> None:
+    if value is True and not t.data.get("resume_from_checkpoint"):
+        _set(t, "resume_from_checkpoint", "auto", "auto_resume_from_checkpoints: true -> resume_from_checkpoint: "
+             "auto (the newest complete checkpoint in output_dir)", key)
+
+
+def _batch_size(t: Translation, key: str, value: Any) -> None:
+    if is_empty(value):
+        return
+    micro = t.data.get("micro_batch_size") or 1
+    if not isinstance(value, int) or value % micro:
+        t.refuse(key, value, f"must be a multiple of micro_batch_size ({micro}); or set "
+                 "gradient_accumulation_steps instead")
+        return
+    _set(t, "gradient_accumulation_steps", value // micro, f"batch_size: {value} -> gradient_accumulation_steps: "
+         f"{value // micro} (= batch_size / micro_batch_size per rank)", key)
+
+
+def _warmup_steps(t: Translation, key: str, value: Any) -> None:
+    if isinstance(value, float) and 0 < value < 1:
+        del t.data[key]
+        _set(t, "warmup_ratio", value, f"warmup_steps: {value:g} -> warmup_ratio: {value:g} (a value below 1 is a "
+             "fraction of the run's steps, as transformers reads it)", key)
+
+
+def _eval_strategy(t: Translation, key: str, value: Any) -> None:
+    if value in (None, "", "steps"):
+        return
+    if value == "no":
+        t.data.pop("eval_steps", None)
+        t.data.pop("evals_per_epoch", None)
+        t.notes.append(f"{key}: no -> no evaluation during training")
+    elif value == "epoch":
+        _set(t, "evals_per_epoch", 1, f"{key}: epoch -> evals_per_epoch: 1", key)
+    else:
+        t.refuse(key, value, "use no, epoch or steps (with eval_steps / evals_per_epoch)")
+
+
+def _save_strategy(t: Translation, key: str, value: Any) -> None:
+    if value in (None, "", "steps"):
+        return
+    if value == "no":
+        t.data.pop("save_steps", None)
+        t.data.pop("saves_per_epoch", None)
+        t.notes.append("save_strategy: no -> no checkpoints during training (the final model is saved)")
+    elif value == "epoch":
+        _set(t, "saves_per_epoch", 1, "save_strategy: epoch -> saves_per_epoch: 1", key)
+    else:
+        t.refuse(key, value, TOP["load_best_model_at_end"].text if value == "best" else
+                 "use no, epoch or steps (with save_steps / saves_per_epoch)")
+
+
+def _attention_flag(t: Translation, key: str, value: Any) -> None:
+    if value is True:
+        impl = {"xformers_attention": "sdpa", "sage_attention": "sdpa", "eager_attention": "eager",
+                "flex_attention": "flex_attention"}[key]
+        why = " (xformers / SageAttention are not used: PyTorch's SDPA kernels)" if impl == "sdpa" else ""
+        _set(t, "attn_implementation", impl, f"{key}: true -> attn_implementation: {impl}{why}", key)
+
+
+HUB_KERNELS = {"flash-attn2": "flash_attention_2", "flash-attn3": "flash_attention_3",
+               "vllm-flash-attn3": "flash_attention_3", "sage-attention": "sdpa"}
+
+
+def _attn_implementation(t: Translation, key: str, value: Any) -> None:
+    if value in ("xformers", "sage", "fp8") or (isinstance(value, str) and "/" in value):
+        impl = HUB_KERNELS.get(value.rsplit("/", 1)[-1]) if "/" in value else "sdpa"
+        if impl is None:
+            t.refuse(key, value, "hub kernels are not loaded: use eager, sdpa, flash_attention_2, flash_attention_3 "
+                     "or flex_attention")
+            return
+        t.data[key] = impl
+        t.notes.append(f"attn_implementation: {value} -> {impl} (the same attention, a kernel ndparallel loads)")
+
+
+def _torch_compile(t: Translation, key: str, value: Any) -> None:
+    if value == "auto":
+        import torch
+
+        t.data[key] = torch.cuda.is_available()
+        t.notes.append(f"torch_compile: auto -> {str(t.data[key]).lower()} (on with a CUDA GPU)")
+
+
+def _causal_lm_eval(t: Translation, key: str, value: Any) -> None:
+    metrics = t.data.get("eval_causal_lm_metrics") if key == "do_causal_lm_eval" else value
+    if is_empty(value) or (key == "eval_causal_lm_metrics" and not t.data.get("do_causal_lm_eval", True)):
+        return
+    if not set(metrics or []) <= {"perplexity"}:
+        t.refuse(key, value, "only perplexity is computed (eval_perplexity, from the eval loss): set "
+                 "eval_causal_lm_metrics: [perplexity] or remove it")
+    elif key == "do_causal_lm_eval":
+        t.notes.append("do_causal_lm_eval: eval_perplexity is logged at every evaluation")
+
+
+def _mean_resizing(t: Translation, key: str, value: Any) -> None:
+    if value is True:
+        t.notes.append(f"{key}: true: {TOP[key].text}")
+
+
+def _accelerator_config(t: Translation, key: str, value: Any) -> None:
+    if is_empty(value):
+        return
+    if value == {"gradient_accumulation_kwargs": {"sync_each_batch": True}}:
+        t.notes.append(f"accelerator_config: {TOP[key].text}")
+    else:
+        t.refuse(key, value, "Accelerate settings are not read here (ndparallel is its own engine); remove it")
+
+
+def _liger(t: Translation, key: str, value: Any) -> None:
+    if is_empty(value):
+        return
+    if "cross_entropy" in key:
+        t.notes.append(f"{key}: true -> the chunked loss (chunked_loss: on where exact)")
+        return
+    if "torch_compile" not in t.data and "compile" not in t.data:
+        t.data["torch_compile"] = True
+        t.notes.append(f"{key}: true -> torch_compile: true (regional compile; inductor fuses the norms, "
+                       "activations and rotary embeddings Liger fuses by hand)")
+
+
+OPTIMIZERS = {**dict.fromkeys(OPTIMIZER_NAMES), "adamw_hf": "adamw_torch"}
+"""Axolotl's optimizer names ndparallel runs (the low-bit ones through torchao: ``optim_lowbit``)."""
+SCHEDULERS = {"cosine": None, "linear": None, "constant": None, "constant_with_warmup": None}
+
+
+def _choice(t: Translation, key: str, value: Any, known: dict, example: str) -> None:
+    """A value ndparallel has (``known[value]`` None), renames (a string), or refuses with the choices."""
+    if value is None or value in known and known[value] is None:
+        return
+    if value in known:
+        t.data[key] = known[value]
+        t.notes.append(f"{key}: {value} -> {known[value]}")
+        return
+    del t.data[key]
+    hint = (" (the 8-bit / 4-bit optimizers run through torchao: adamw_8bit, adamw_torch_4bit, ...)"
+            if isinstance(value, str) and any(s in value for s in ("8bit", "4bit", "paged")) else "")
+    t.refuse(key, value, f"not supported{hint}: use one of {[k for k, v in known.items() if v is None]} "
+             f"(e.g. {key}: {example})")
+
+
+def _zero_is_none(t: Translation, key: str, value: Any) -> None:
+    if value == 0:
+        del t.data[key]
+
+
+def _dataset_processes(t: Translation, key: str, value: Any) -> None:
+    _rename("dataset_processes")(t, key, value)
+
+
+MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
+    "bf16": _bf16, "tf32": _tf32, "bfloat16": _precision_flag, "float32": _precision_flag,
+    "gradient_checkpointing": _gradient_checkpointing, "activation_offloading": _activation_offloading, "gradient_checkpointing_kwargs": _checkpointing_kwargs,
+    "fsdp": fsdp_list, "fsdp_version": fsdp_version, "deepspeed": deepspeed,
+    "fsdp_final_state_dict_type": _note_if_set, "sequence_parallel_degree": _rename("context_parallel_size"),
+    "ddp_timeout": _rename("collective_timeout_s"), "auto_resume_from_checkpoints": _auto_resume,
+    "batch_size": _batch_size, "warmup_steps": _warmup_steps, "eval_strategy": _eval_strategy,
+    "evaluation_strategy": _eval_strategy, "save_strategy": _save_strategy, "tokenizer_config": _rename("tokenizer"),
+    "dataset_num_proc": _dataset_processes, "model_type": _note_if_set, "type_of_model": _note_if_set,
+    "evals_per_epoch": _zero_is_none, "saves_per_epoch": _zero_is_none, "tokenizer_type": _note_if_set,
+    "tokenizer_use_fast": _note_if_set, "tokenizer_legacy": _note_if_set,
+    "tokenizer_use_mistral_common": _note_if_set, "xformers_attention": _attention_flag,
+    "sage_attention": _attention_flag, "eager_attention": _attention_flag, "flex_attention": _attention_flag,
+    "attn_implementation": _attn_implementation, "chunked_cross_entropy": _rename("chunked_loss"),
+    "torch_compile": _torch_compile, "do_causal_lm_eval": _causal_lm_eval,
+    "eval_causal_lm_metrics": _causal_lm_eval, "mean_resizing_embeddings": _mean_resizing,
+    "accelerator_config": _accelerator_config,
+    "cut_cross_entropy": lambda t, k, v: None,  # the plugin's own switch (on by default)
+    "optimizer": lambda t, k, v: _choice(t, k, v, OPTIMIZERS, "adamw_torch_fused"),
+    "lr_scheduler": lambda t, k, v: _choice(t, k, v, SCHEDULERS, "cosine"),
+    **{k: _liger for k in TOP if k.startswith("liger_") and TOP[k].kind == "mapped"},
+}
+"""Keys whose value is translated (the rest of ``TOP`` follows its rule's kind)."""
+
+
+# ---------------------------------------------------------------------------- nested sections
+def _plugins(t: Translation) -> None:
+    plugins = t.data.get("plugins")
+    if is_empty(plugins):
+        t.data.pop("plugins", None)
+        return
+    plugins = [plugins] if isinstance(plugins, str) else plugins
+    unknown = [p for p in plugins if str(p).rsplit(".", 1)[-1] not in PLUGINS]
+    if unknown:
+        t.refuse("plugins", unknown, f"not supported; ndparallel maps only {', '.join(PLUGINS)}: remove the others")
+        plugins = [p for p in plugins if p not in unknown]
+    for p in plugins:
+        name = str(p).rsplit(".", 1)[-1]
+        if name in PLUGINS:
+            t.notes.append(f"plugins: {name} -> {PLUGINS[name]}")
+    t.data["plugins"] = plugins or None
+
+
+def _dataset(t: Translation, where: str, entry: dict) -> dict:
+    d = dict(entry)
+    roles = {k: d.pop(k) for k in ("message_field_role", "message_field_content") if k in d}
+    if any(not is_empty(v) for v in roles.values()):
+        mapping = dict(d.get("message_property_mappings") or {})
+        for k, v in roles.items():
+            if not is_empty(v):
+                mapping.setdefault(k.removeprefix("message_field_"), v)
+        d["message_property_mappings"] = mapping
+        t.notes.append(f"{where}: message_field_role / message_field_content -> message_property_mappings")
+    if "text_column" in d:
+        column = d.pop("text_column")
+        if not is_empty(column, "text"):
+            d.setdefault("text_field", column)
+    for key in list(d):
+        rule = DATASET.get(key)
+        if rule is not None and rule.kind == "noop":
+            value = d.pop(key)
+            if not is_empty(value, rule.default):
+                t.refuse(f"{where}.{key}", value, rule.text)
+    return d

@@ -1,0 +1,224 @@
+"""Groups of training-config fields: ``fsdp_config``'s section, and what ``TrainConfig``
+(``config.py``) inherits: experiment trackers, and Axolotl's run controls (evaluation and saving cadence, early stopping, the loss
+watchdog, the cosine floor, frozen parameters, sample filters)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import AliasChoices, Field, field_validator, model_validator
+
+from ndparallel.training.config_data import DatasetConfig, _int, _Strict
+
+
+class FSDPConfig(_Strict):
+    reshard_after_forward: bool = True
+    cpu_offload: bool = Field(False, validation_alias=AliasChoices("cpu_offload", "offload_params"))
+    activation_checkpointing: bool = False
+    unsharded_grad_accumulation: bool = False
+    layer_classes: list[str] | None = Field(
+        None, validation_alias=AliasChoices("layer_classes", "transformer_layer_cls_to_wrap"))
+    """Decoder-layer class names FSDP wraps one by one (default: found in the model)."""
+    # Axolotl / Accelerate names with one meaning here (compat.py explains them in --dry-run)
+    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] | None = None
+    auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"] | None = None
+
+    @field_validator("layer_classes", mode="before")
+    @classmethod
+    def _one_or_more(cls, v):
+        """A list, one name, or Accelerate's comma-separated names (``A,B``)."""
+        names = [v] if isinstance(v, str) else v
+        return [n.strip() for name in names for n in str(name).split(",") if n.strip()] if names else v
+
+    @field_validator("auto_wrap_policy", mode="before")
+    @classmethod
+    def _wrap_policy(cls, v):
+        if v is not None and v not in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"):
+            raise ValueError(f"{v!r} is not supported: ndparallel wraps each decoder layer "
+                             "(TRANSFORMER_BASED_WRAP); remove it or set TRANSFORMER_BASED_WRAP")
+        return v
+
+
+class TrackerFields(_Strict):
+    """Where metrics go besides ``output_dir/metrics.jsonl`` (Axolotl's names)."""
+
+    use_wandb: bool | None = None
+    """Weights & Biases; on when wandb_project is set (as in Axolotl)."""
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_name: str | None = None
+    wandb_run_id: str | None = None
+    wandb_mode: Literal["online", "offline", "disabled", "shared"] | None = None
+    """offline: the run is written under output_dir/wandb (``wandb sync`` uploads it later)."""
+    wandb_watch: str | None = None
+    wandb_log_model: str | None = None
+    use_tensorboard: bool = False
+    """TensorBoard event files under output_dir/runs."""
+    use_mlflow: bool | None = None
+    """MLflow; on when mlflow_tracking_uri or mlflow_experiment_name is set (as in Axolotl)."""
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment_name: str | None = None
+    mlflow_run_name: str | None = None
+    hf_mlflow_log_artifacts: bool | None = None
+
+    @field_validator("wandb_watch", "wandb_log_model")
+    @classmethod
+    def _unsupported_wandb(cls, v, info):
+        if v not in (None, "", "false", "False"):
+            what = "watching gradients" if info.field_name == "wandb_watch" else "uploading the model"
+            raise ValueError(f"{v!r}: {what} to W&B is not supported; remove it (metrics are logged)")
+        return None
+
+    @field_validator("hf_mlflow_log_artifacts")
+    @classmethod
+    def _no_artifacts(cls, v):
+        if v:
+            raise ValueError("copying checkpoints to MLflow is not supported; remove it (metrics are logged)")
+        return v
+
+    def trackers(self) -> list[str]:
+        """The trackers this config turns on, by name (``ndparallel.tracking``)."""
+        out = []
+        wandb = self.use_wandb if self.use_wandb is not None else bool(self.wandb_project)
+        if wandb and self.wandb_mode != "disabled":
+            out.append("wandb")
+        if self.use_tensorboard:
+            out.append("tensorboard")
+        mlflow = self.use_mlflow if self.use_mlflow is not None else bool(
+            self.mlflow_tracking_uri or self.mlflow_experiment_name)
+        if mlflow:
+            out.append("mlflow")
+        return out
+
+    def tracker_kwargs(self, name: str, run_dir: str) -> dict[str, Any]:
+        """Arguments of tracker ``name`` for a run writing to ``run_dir``."""
+        if name == "wandb":
+            return {k: v for k, v in {"project": self.wandb_project or "ndparallel", "entity": self.wandb_entity,
+                                      "name": self.wandb_name, "id": self.wandb_run_id, "mode": self.wandb_mode,
+                                      "dir": run_dir}.items() if v is not None}
+        if name == "tensorboard":
+            return {"logging_dir": f"{run_dir}/runs"}
+        return {k: v for k, v in {"experiment_name": self.mlflow_experiment_name or "ndparallel",
+                                  "tracking_uri": self.mlflow_tracking_uri,
+                                  "run_name": self.mlflow_run_name}.items() if v is not None}
+
+
+class ClusterFields(_Strict):
+    """Preemption and asynchronous checkpoints (``docs/multi_node.md``, ``docs/checkpoints.md``)."""
+
+    checkpoint_async: bool = False
+    """Write checkpoints in the background (staged to host memory, pinned on CUDA) while training
+    continues; at most one in flight, COMPLETE only once written, the last one awaited at the end."""
+    preemption_checkpoint: bool = True
+    """On SIGTERM / SIGUSR1 (preemption, scancel, SLURM's --signal): finish the step, save a
+    checkpoint there and exit 75; false: exit 75 without saving."""
+    preemption_timeout_s: float = Field(100.0, gt=0, allow_inf_nan=False)
+    """Seconds from the signal until the job exits even without a checkpoint (keep it below the
+    scheduler's grace period: SLURM --signal lead time / KillWait, Kubernetes terminationGracePeriodSeconds)."""
+
+
+class RunControlFields(_Strict):
+    """Axolotl's cadence, stopping and selection settings that ndparallel honours."""
+
+    evals_per_epoch: _int(1) | None = None
+    """Evaluations per epoch (every steps_per_epoch // evals_per_epoch steps); instead of eval_steps."""
+    early_stopping_patience: _int(1) | None = None
+    """Stop after this many evaluations in a row without a lower eval_loss."""
+    loss_watchdog_threshold: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Stop when the training loss stays above this (at loss_watchdog_patience log steps in a row)."""
+    loss_watchdog_patience: _int(1) = 3
+    cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    """cosine: decay to this fraction of learning_rate instead of 0."""
+    cosine_constant_lr_ratio: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    """cosine: hold the learning rate at its floor after this fraction of the steps."""
+    lr_quadratic_warmup: bool = False
+    """Warm up quadratically ((step / warmup_steps)^2) instead of linearly."""
+    unfrozen_parameters: list[str] | None = None
+    """Regular expressions (re.match on parameter names); only matching parameters are trained."""
+    reinit_weights: bool = False
+    """Start from base_model's architecture with random weights (pre-training from scratch)."""
+    min_sample_len: _int(1) | None = None
+    """Fine-tuning samples shorter than this many tokens are dropped."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (e.g. {enable_thinking: false})."""
+
+    @model_validator(mode="after")
+    def _one_way_each(self):  # reads TrainConfig's lr_scheduler and eval_steps
+        extras = [f for f in ("cosine_min_lr_ratio", "cosine_constant_lr_ratio", "lr_quadratic_warmup")
+                  if getattr(self, f) not in (None, False)]
+        if extras and self.lr_scheduler != "cosine":
+            raise ValueError(f"{', '.join(extras)} shape the cosine schedule, but lr_scheduler is "
+                             f"{self.lr_scheduler}: set lr_scheduler: cosine or remove them")
+        if self.evals_per_epoch is not None and self.eval_steps is not None:
+            raise ValueError("'eval_steps' and 'evals_per_epoch' are both set; keep one")
+        return self
+
+    @field_validator("unfrozen_parameters")
+    @classmethod
+    def _patterns(cls, v):
+        for pattern in v or []:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"{pattern!r} is not a regular expression ({e})") from None
+        return v or None
+
+
+class DataSourceFields(_Strict):
+    """Where the data comes from when it is not ``datasets``: Axolotl's streamed pre-training text;
+    and the rule for a config without any data."""
+
+    pretraining_dataset: list[DatasetConfig] | None = None
+    """Raw text streamed as Axolotl does (needs max_steps): tokenised, concatenated and cut into
+    sequence_len blocks while training; instead of datasets."""
+
+    @model_validator(mode="after")
+    def _data_source(self):  # reads TrainConfig's datasets / max_steps / base_model
+        from ndparallel.models.presets import is_preset
+
+        if self.pretraining_dataset is not None:
+            if self.datasets:
+                raise ValueError("'datasets' and 'pretraining_dataset' are both set; keep one")
+            if self.max_steps is None:
+                raise ValueError("pretraining_dataset is streamed: set max_steps (the stream has no known length)")
+            self.datasets = []
+        elif not self.datasets:  # a real model without data: refused once base_model itself is checked
+            self.datasets = [DatasetConfig(path="builtin:stdlib")] if is_preset(self.base_model) else []
+        return self
+
+    def missing_data_problem(self) -> str | None:
+        """A real base_model and no data at all (the built-in corpus only goes with the presets)."""
+        if self.datasets or self.pretraining_dataset is not None:
+            return None
+        return (f"datasets: none given for base_model={self.base_model!r}; add datasets: [{{path: FILE_OR_HUB_NAME, "
+                "type: alpaca | chat_template | completion ...}] (or pretraining_dataset:)")
+
+
+class InputForms(_Strict):
+    """How Axolotl's configs write some of ``TrainConfig``'s fields: an empty string for "not set",
+    one item for a list, plugins by class path (validators only; the fields are TrainConfig's)."""
+
+    @field_validator("plugins", mode="before", check_fields=False)
+    @classmethod
+    def _plugins(cls, v):
+        from ndparallel.training.axolotl_keys import PLUGINS
+
+        v = [v] if isinstance(v, str) else v
+        unknown = [p for p in v or [] if str(p).rsplit(".", 1)[-1] not in PLUGINS]
+        if unknown:
+            raise ValueError(f"{unknown} not supported; ndparallel maps only {', '.join(PLUGINS)}; remove the others")
+        return v or None
+
+    @field_validator("lora_model_dir", "resume_from_checkpoint", "tokenizer", mode="before", check_fields=False)
+    @classmethod
+    def _empty_is_unset(cls, v):
+        return None if v == "" else v
+
+    @field_validator("tokens", mode="before", check_fields=False)
+    @classmethod
+    def _token_list(cls, v):
+        if isinstance(v, dict):
+            raise ValueError(f"a list of new tokens, got a mapping {sorted(v)}: put bos/eos/pad/unk tokens under "
+                             "special_tokens: and list other new tokens under tokens:")
+        return [v] if isinstance(v, str) else v

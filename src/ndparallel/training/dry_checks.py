@@ -1,0 +1,77 @@
+"""Checks that need the model's config but no data and no weights, run by ``--dry-run`` as well as
+before ``train`` launches: named chat templates exist, ``chunked_loss: true`` is exact for the
+family, the ``unfrozen_parameters`` patterns name parameters of the model. So a config ``--dry-run``
+passes is not refused later for a reason it could have known."""
+
+from __future__ import annotations
+
+from ndparallel.training.config import ConfigError, TrainConfig
+
+
+def check_without_data(cfg: TrainConfig, hf) -> None:
+    """``ConfigError`` (one line) for the first problem."""
+    from ndparallel.data.chat import check_template_name
+    from ndparallel.data.dataset import DatasetSpec
+
+    try:
+        if cfg.chat_template:
+            check_template_name(cfg.chat_template, "config", cfg.chat_template_jinja)
+        for i, d in enumerate(cfg.datasets or []):
+            spec = DatasetSpec.from_any(d.model_dump(), f"datasets[{i}]")
+            if spec.type == "chat_template" and not spec.chat_template_jinja:
+                check_template_name(spec.chat_template or cfg.chat_template, f"datasets[{i}]",
+                                    cfg.chat_template_jinja)
+        for i, d in enumerate(cfg.pretraining_dataset or []):
+            if "[" in d.split:
+                raise ValueError(f"pretraining_dataset[{i}].split: {d.split!r}: a streamed dataset has no length to "
+                                 "slice by; give a split name (e.g. train) and use skip: N to skip records")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.chunked_loss:
+        problem = chunked_loss_problem(cfg, hf)
+        if problem:
+            raise ConfigError(f"chunked_loss: true, but the chunked loss would not be exact for base_model="
+                              f"{cfg.base_model!r}: {problem}; set chunked_loss: false or leave it out (auto: the "
+                              "logits path for this model)")
+    if cfg.unfrozen_parameters and cfg.adapter is None:
+        from ndparallel.training.controls import unmatched_patterns
+        from ndparallel.training.model_check import meta_model
+
+        names = [n for n, _ in meta_model(cfg, hf).named_parameters()]
+        missing = unmatched_patterns(names, cfg.unfrozen_parameters)
+        if missing:
+            raise ConfigError(f"unfrozen_parameters: {missing[0]!r} matches no parameter of base_model="
+                              f"{cfg.base_model!r} (its parameters are named like {names[0]!r}, {names[-1]!r}); "
+                              "fix the pattern (re.match from the start of the name)")
+
+
+def chunked_loss_problem(cfg: TrainConfig, hf) -> str | None:
+    """Why the chunked loss would not be exact for this model (None: it is)."""
+    from ndparallel.models.heads import plain_head_problem
+    from ndparallel.training.model_check import meta_model
+
+    return plain_head_problem(meta_model(cfg, hf))
+
+
+def chunked_loss_state(cfg: TrainConfig, hf) -> str:
+    """What ``chunked_loss`` resolves to for this model, for ``--dry-run``."""
+    if cfg.chunked_loss is False:
+        return "off"
+    problem = chunked_loss_problem(cfg, hf)
+    return "on" if problem is None else f"off ({problem}: the logits path)"
+
+
+def model_notes(cfg: TrainConfig, hf) -> list[str]:
+    """Notes that depend on the model: sample packing with token mixers other than attention."""
+    if not cfg.sample_packing:
+        return []
+    import torch.nn as nn
+
+    from ndparallel.training.model_check import meta_model
+
+    mixers = sorted({type(m).__name__ for m in meta_model(cfg, hf).modules() if isinstance(m, nn.Conv1d)})
+    if not mixers:
+        return []
+    return [f"sample_packing: {hf.model_type} also mixes tokens outside attention (convolution / state-space "
+            "layers): packed samples influence each other there, as in Axolotl without varlen kernels; "
+            "sample_packing: false trains each sample alone"]

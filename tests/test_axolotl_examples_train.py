@@ -1,0 +1,137 @@
+"""A representative handful of Axolotl's own examples (tests/fixtures/axolotl_examples) trained to the
+end on 2 CPU ranks, unchanged but for paths (tiny local models, local data in each dataset's own
+columns), sequence_len, max_steps and micro-batch sizes: ``--nproc-per-node 2`` without degrees in
+the YAML gives data parallelism (or FSDP where the config asks for it), as Axolotl's launch does.
+
+* FSDP (FSDP1 ``fsdp:`` list + legacy ``fsdp_`` keys), full fine-tuning, chat_template (Llama 3's
+  named template, ShareGPT columns, a ``train[:N%]`` split), sample packing, the Liger plugin
+  (-> compile, chunked loss), a validation split smaller than one global batch;
+* LoRA on Qwen 3 with packing, Alpaca data, wandb (offline, no network), TensorBoard and MLflow;
+* streamed pre-training (``pretraining_dataset``, per-document attention).
+Each output loads with transformers / PEFT."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from axolotl_stand_ins import FIXTURES
+from sft_fixtures import alpaca_records, chat_records, llama3_tokenizer, tiny_llama_dir, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = FIXTURES / "examples"
+
+
+def _train(config: Path, cwd: Path, *sets: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    path = os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}
+    args = [sys.executable, "-m", "ndparallel", "train", str(config), "--nproc-per-node", "2",
+            *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=cwd, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _steps(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _sharegpt(records: list[dict]) -> list[dict]:
+    names = {"user": "human", "assistant": "gpt", "system": "system"}
+    return [{"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in r["messages"]]}
+            for r in records]
+
+
+def tiny_qwen3_dir(path: Path) -> Path:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = llama3_tokenizer()
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow  # Liger -> torch.compile: inductor compiles the decoder layers on CPU (~1.5 min)
+def test_fsdp_chat_template_packing_liger_full_finetune(tmp_path):
+    model = tiny_llama_dir(tmp_path / "llama")
+    data = tmp_path / "finetome"
+    data.mkdir()
+    write_jsonl(data / "train.jsonl", _sharegpt(chat_records(150)))
+    proc = _train(EXAMPLES / "llama-3/fft-8b-liger-fsdp.yaml", tmp_path, f"base_model={model}",
+                  f"datasets.0.path={data}", "sequence_len=128", "max_steps=2", "micro_batch_size=1",
+                  "gradient_accumulation_steps=2", "output_dir=out")
+    notes = proc.stdout
+    for said in ("fsdp_config: Axolotl's legacy fsdp_ prefix dropped", "FSDP2 over every rank",
+                 "-> torch_compile: true", "gradient_checkpointing: true ->", "bf16: auto -> false"):
+        assert said in notes, (said, notes[-3000:])
+    out = tmp_path / "out"
+    rows = _steps(out)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2] and any("eval_loss" in r for r in rows)
+    assert "FSDP 2 on 2 rank(s)" in proc.stdout, proc.stdout[-2000:]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert AutoModelForCausalLM.from_pretrained(out / "final").config.num_hidden_layers == 2
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    assert tok.eos_token == "<|eot_id|>" and tok.pad_token == "<|finetune_right_pad_id|>"
+
+
+def test_lora_packing_alpaca_with_wandb_offline_tensorboard_mlflow(tmp_path):
+    model = tiny_qwen3_dir(tmp_path / "qwen3")
+    write_jsonl(tmp_path / "alpaca.jsonl", alpaca_records(60))
+    env = {"WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_SILENT": "true",  # any network call would fail
+           "MLFLOW_ALLOW_FILE_STORE": "true"}
+    _train(EXAMPLES / "qwen3/8b-lora-fused-attn.yaml", tmp_path, f"base_model={model}",
+           f"datasets.0.path={tmp_path / 'alpaca.jsonl'}", "sequence_len=128", "max_steps=3",
+           "gradient_accumulation_steps=1", "output_dir=out", "wandb_project=axolotl-replay", "wandb_mode=offline",
+           "use_tensorboard=true", "mlflow_experiment_name=replay", f"mlflow_tracking_uri=file://{tmp_path / 'mlruns'}",
+           env=env)
+    out = tmp_path / "out"
+    assert [r["step"] for r in _steps(out) if "loss" in r] == [1, 2, 3]
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # the offline run, to `wandb sync` later
+    assert list((out / "runs").rglob("events.out.tfevents.*"))
+    assert list((tmp_path / "mlruns").rglob("metrics/loss"))
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    lora = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), out / "final")
+    assert lora.peft_config["default"].r == 32 and lora.peft_config["default"].lora_alpha == 64
+
+
+def test_streamed_pretraining(tmp_path):
+    model = tiny_llama_dir(tmp_path / "smollm")
+    write_jsonl(tmp_path / "fineweb.jsonl", [{"text": r["output"], "id": i} for i, r in enumerate(alpaca_records(80))])
+    proc = _train(EXAMPLES / "streaming/pretrain.yaml", tmp_path, f"base_model={model}",
+                  f"pretraining_dataset.0.path={tmp_path / 'fineweb.jsonl'}", "pretraining_dataset.0.name=null",
+                  "sequence_len=64", "max_steps=3", "gradient_accumulation_steps=2", "logging_steps=1",
+                  "output_dir=out")
+    assert "streamed while training" in proc.stdout or [r for r in _steps(tmp_path / "out") if "loss" in r]
+    assert [r["step"] for r in _steps(tmp_path / "out") if "loss" in r] == [1, 2, 3]
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "final").config.model_type == "llama"
+
+
+@pytest.mark.parametrize("extra", [["pretraining_dataset.0.split=train[:10%]"]])
+def test_streamed_pretraining_refuses_a_slice_at_dry_run(tmp_path, extra, capsys):
+    from cli_helpers import forbid_launch, run_cli
+
+    mp = pytest.MonkeyPatch()
+    forbid_launch(mp)
+    try:
+        model = tiny_llama_dir(tmp_path / "smollm")
+        write_jsonl(tmp_path / "fineweb.jsonl", [{"text": "a b c"}])
+        code, _, err = run_cli(capsys, "train", EXAMPLES / "streaming/pretrain.yaml", "--set", f"base_model={model}",
+                               "--set", f"pretraining_dataset.0.path={tmp_path / 'fineweb.jsonl'}", "--dry-run",
+                               "--set", f"output_dir={tmp_path / 'out'}", *[x for e in extra for x in ("--set", e)])
+    finally:
+        mp.undo()
+    assert code == 2 and "a streamed dataset has no length to slice by" in err, err
