@@ -2,12 +2,19 @@
 of ``ndparallel.testing.run_on_ranks`` start in ~0.1 s instead of re-importing them."""
 
 import os
+import tempfile
 
 import pytest
 
 # The suite runs on CPU/gloo ranks even on a machine with GPUs: an Accelerator built in a test (or
 # a `ndparallel train` it starts) reads this instead of picking the visible GPUs.
 os.environ["NDPARALLEL_DEVICE"] = "cpu"
+# Trackers never reach a network here: a script that logs to W&B (Accelerate's nd_parallel.py does by
+# default) writes an offline run into a scratch folder, as it would on a machine without an API key
+# but with WANDB_MODE=offline.
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("WANDB_DIR", tempfile.mkdtemp(prefix="ndparallel-tests-wandb-"))
 
 import torch  # noqa: E402,F401
 import transformers  # noqa: E402,F401

@@ -34,7 +34,8 @@ PENDING = re.compile(
     r"^'(load_in_4bit|load_in_8bit|adapter|optimizer: \w*(8bit|4bit|paged)\w*|quantize_moe_experts|bnb_config_kwargs"
     r"|model_quantization_config\w*|gptq\w*|qat|quantization|nvfp4\w*|dsv4_fp\w*|nonexpert_quantization"
     r"|qlora_sharded_model_loading|gemma4_\w*_nonexpert)[':]")
-"""Refusals of keys another piece of work supports (QLoRA and low-bit optimizers)."""
+"""Refusals of quantisation keys (GPTQ, QAT, MXFP4 / NVFP4 bases, an 8-bit full fine-tune), reported
+apart: the rest of such an example is checked with them taken out."""
 FIX = re.compile(r"\b(remove|use|set|add|give|download|put|upload|install|keep|fix|write|raise|lower|did you mean)\b")
 LEGACY = {"debug", "test_value", "eta_min", "base_model_ignore_patterns", "sample_packing_seq_len_multiplier",
           "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama"}
@@ -166,14 +167,14 @@ def _report(name: str, results: dict[str, list[str]]) -> tuple[int, int]:
     accepted = sum(not lines for lines in results.values())
     modulo = sum(all(PENDING.match(line) for line in lines) for lines in results.values())
     print(f"\n{name}: {accepted}/{len(results)} accepted unchanged; {modulo}/{len(results)} "
-          f"({100 * modulo / len(results):.1f} %) counting QLoRA / low-bit optimizer refusals as pending")
+          f"({100 * modulo / len(results):.1f} %) setting aside unsupported quantised bases")
     return accepted, modulo
 
 
 def test_examples_at_the_schema_level(schema_results):
     assert len(schema_results) == 198
     accepted, modulo = _report("schema", schema_results)
-    assert modulo >= 153, "fewer Axolotl examples accepted than measured on 2026-12-01 (153 of 198)"
+    assert accepted >= 144 and modulo >= 158, "fewer Axolotl examples accepted than measured on 2026-12-01 (144 of 198)"
     for name, lines in schema_results.items():
         for line in lines:
             assert not re.fullmatch(r"unknown key '[^']*'(; remove it.*)?", line) or "did you mean" in line \
@@ -211,6 +212,8 @@ def test_examples_at_the_dry_run_level(schema_results, tmp_path_factory, capsys)
             continue
         sets = [f"base_model={stand_in(root, families[raw['base_model']])}",
                 *(_neutralised(raw) if pending_only else [])]
+        if raw.get("load_in_4bit") and not pending_only:  # NF4 groups that fit the tiny stand-in's linears
+            sets += ["nf4_block_size=2", "nf4_scaler_block_size=2"]
         code, _, err = run_cli(capsys, "train", path, "--dry-run", *[a for s in sets for a in ("--set", s)])
         lines = [x.strip() for x in err.strip().splitlines()]
         results[name] = [] if code == 0 else lines
@@ -222,7 +225,7 @@ def test_examples_at_the_dry_run_level(schema_results, tmp_path_factory, capsys)
             mine = [x for x in lines if not PENDING.match(x) and not x.endswith("problems:")]
             if mine:
                 print(f"  refused {name}: {mine[0].removeprefix('ndparallel train: error: ')[:150]}")
-    assert modulo >= 140, "fewer Axolotl examples pass --dry-run than measured on 2026-12-01 (140 of 198)"
+    assert accepted >= 124 and modulo >= 138, "fewer Axolotl examples pass --dry-run than measured on 2026-12-01 (124 of 198)"
 
 
 def test_readme_and_docs_tables_are_generated_from_the_key_table():

@@ -78,7 +78,8 @@ def prelaunch_verdict(model_dir: str, layout: dict, extra: dict) -> str | None:
     from ndparallel.training.config import ConfigError, TrainConfig
     from ndparallel.training.preflight import validate_layout
 
-    cfg = TrainConfig(base_model=model_dir, sequence_len=SEQ, **_yaml_fields(layout, extra))
+    cfg = TrainConfig(base_model=model_dir, sequence_len=SEQ, datasets=[{"path": "builtin:stdlib"}],
+                      **_yaml_fields(layout, extra))
     world = 1
     for v in layout.values():
         world *= v

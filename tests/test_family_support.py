@@ -38,6 +38,7 @@ def test_unsupported_combination_refused_before_launch(tmp_path, capsys, monkeyp
     forbid_launch(monkeypatch)
     model = _save(tmp_path, cls, max_position_embeddings=16384) if cls.startswith("Llama4") else _save(tmp_path, cls)
     code, _, err = run_cli(capsys, "train", "--set", f"base_model={model}", "--set", "sequence_len=32",
+                           "--set", "datasets=[{path: 'builtin:stdlib'}]",
                            *(a for item in layout for a in ("--set", item)), "--dry-run")
     assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     for fragment in fragments:

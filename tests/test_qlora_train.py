@@ -40,7 +40,7 @@ def _yaml(tmp_path, text, base="tiny-llama"):
     (QLORA + "tensor_parallel_size: 2\n", "with tensor_parallel_size > 1 is not supported (torchao's NF4"),
     (QLORA + "dp_shard_size: 32\n", "cannot be split into 32 FSDP shards"),
     ("adapter: qlora\nload_in_4bit: true\n", "no linear layer of base_model='tiny-llama' holds whole NF4 groups"),
-    ("optimizer: lion_8bit\n", "'optimizer'"),
+    ("optimizer: lion_8bit\n", "optimizer: lion_8bit"),
 ])
 def test_bad_qlora_config_is_one_line(tmp_path, capsys, text, fragment):
     code, _, err = run_cli(capsys, "train", _yaml(tmp_path, text), "--dry-run")

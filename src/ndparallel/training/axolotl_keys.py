@@ -152,8 +152,10 @@ TOP: dict[str, Rule] = {
     **_all("noop", "fp16 is not supported: use bf16: true (or fp32: leave both out)", "fp16", "float16"),
     **_all("noop", "put base_model's config.json in base_model (a separate config is not read)",
            "base_model_config", "cls_model_config"),
-    **_all("noop", "overrides of config.json are not applied (the router's auxiliary loss is not added): edit "
-           "base_model's config.json, or remove it", "model_config", "model_kwargs"),
+    **_all("mapped", "-> overrides_of_model_config (Axolotl's alias: fields set on base_model's config before the "
+           "model is built, e.g. output_router_logits: true adds an MoE model's load-balancing loss)", "model_config"),
+    **_all("noop", "overrides of the model's constructor arguments are not applied: use overrides_of_model_config "
+           "(config.json fields), or remove it", "model_kwargs"),
     **_all("noop", "download that revision (hf download NAME --revision R --local-dir DIR) and set base_model: DIR",
            "model_revision", "revision_of_model"),
     **_all("noop", "overrides of the model's constructor arguments are not applied: use overrides_of_model_config "
@@ -162,8 +164,14 @@ TOP: dict[str, Rule] = {
            "family's causal-LM class)", "type_of_model"),
     **_all("noop", "not supported; remove it (ndparallel trains a transformers model with its own classes)",
            "trainer_cls", "processor_kwargs", "use_onebitllms", "llama4_linearized_experts"),
+    **_all("mapped", "true with adapter: lora -> LoRA on the base in bf16/fp32 (no 8-bit base here: twice its "
+           "memory, and no LLM.int8 rounding; adapter: qlora + load_in_4bit: true is the low-memory option)",
+           "load_in_8bit"),
     **_all("noop", QUANT, "gptq", "model_quantization_config", "model_quantization_config_kwargs",
-           "quantize_moe_experts", "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama"),
+           "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama"),
+    **_all("mapped", "true -> the experts' fused weights stay in the base dtype (QLoRA quantises the linear "
+           "layers to NF4; the experts are 3-D tensors: more memory than Axolotl's 4-bit experts)",
+           "quantize_moe_experts"),
     **_all("noop", QAT, "qat", "quantization"),
     **_all("noop", OFFLOAD, "layer_offloading"),
     **_defaults("noop", "a generic tiled MLP is not used: ndparallel tiles the model's own MLP (tiled_mlp); remove "

@@ -134,6 +134,13 @@ def _rename(target: str) -> Callable:
     return mapper
 
 
+def _load_in_8bit(t: Translation, key: str, value: Any) -> None:
+    """8-bit LoRA -> LoRA on the unquantised base (said in a note); anything else: the field's own check."""
+    if value is True and t.data.get("adapter") == "lora":
+        t.data[key] = False
+        t.notes.append(f"{key}: true -> {TOP[key].text.split('-> ', 1)[1]}")
+
+
 def _note_if_set(t: Translation, key: str, value: Any) -> None:
     if not is_empty(value):
         t.notes.append(f"{key}: {short(value)}: {TOP[key].text}")
@@ -304,7 +311,8 @@ MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "attn_implementation": _attn_implementation, "chunked_cross_entropy": _rename("chunked_loss"),
     "torch_compile": _torch_compile, "do_causal_lm_eval": _causal_lm_eval,
     "eval_causal_lm_metrics": _causal_lm_eval, "mean_resizing_embeddings": _mean_resizing,
-    "accelerator_config": _accelerator_config,
+    "accelerator_config": _accelerator_config, "model_config": _rename("overrides_of_model_config"),
+    "load_in_8bit": _load_in_8bit, "quantize_moe_experts": _note_if_set,
     "cut_cross_entropy": lambda t, k, v: None,  # the plugin's own switch (on by default)
     "optimizer": lambda t, k, v: _choice(t, k, v, OPTIMIZERS, "adamw_torch_fused"),
     "lr_scheduler": lambda t, k, v: _choice(t, k, v, SCHEDULERS, "cosine"),
