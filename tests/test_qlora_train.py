@@ -33,7 +33,7 @@ def _yaml(tmp_path, text, base="tiny-llama"):
 @pytest.mark.parametrize("text, fragment", [
     ("adapter: qlora\n", "adapter: qlora needs load_in_4bit: true"),
     ("load_in_4bit: true\n", "load_in_4bit: true needs adapter: qlora"),
-    ("adapter: lora\nload_in_8bit: true\n", "an 8-bit base (load_in_8bit) is not supported: use adapter: qlora"),
+    ("load_in_8bit: true\n", "an 8-bit base (load_in_8bit) is not supported: use adapter: qlora"),
     (QLORA + "bnb_config_kwargs: {bnb_4bit_quant_type: fp4}\n", "bnb_4bit_quant_type: 'fp4' is not supported"),
     (QLORA + "bnb_config_kwargs: {bnb_4bit_blocksize: 32}\n", "bnb_config_kwargs: ['bnb_4bit_blocksize'] not supported"),
     ("adapter: lora\nbnb_config_kwargs: {bnb_4bit_use_double_quant: true}\n", "bnb_config_kwargs set without"),
@@ -62,6 +62,9 @@ def test_dry_run_shows_the_4bit_base_and_the_notes(tmp_path, capsys):
         assert note in out, out
     code, out, _ = run_cli(capsys, "train", _yaml(tmp_path, QLORA.replace("qlora", "lora", 1)), "--dry-run")
     assert code == 0 and "adapter: lora with load_in_4bit: true = adapter: qlora" in out
+    # Axolotl's 8-bit LoRA: LoRA on the unquantised base, said in a note
+    code, out, err = run_cli(capsys, "train", _yaml(tmp_path, "adapter: lora\nload_in_8bit: true\n"), "--dry-run")
+    assert code == 0 and "load_in_8bit: true -> LoRA on the base in bf16/fp32 (no 8-bit base here" in out, err
 
 
 # ----------------------------------------------------------------------------- a real run
