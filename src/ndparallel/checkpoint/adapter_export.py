@@ -1,8 +1,9 @@
 """LoRA adapters written in PEFT's own format: ``adapter_config.json`` + ``adapter_model.safetensors``,
 which ``PeftModel.from_pretrained(base_model, directory)`` loads.
 
-* ``save_adapter``: from a parallelised ``PeftModel`` (any layout). Only the adapter tensors are
-  gathered (``full_tensor``, one at a time: r·(in + out) per adapted linear); rank 0 names them
+* ``save_adapter``: from a parallelised ``PeftModel`` (any layout). Only the trained tensors are
+  gathered (``full_tensor``, one at a time: r·(in + out) per adapted linear, and each
+  ``modules_to_save`` module whole, e.g. vocab × hidden for ``embed_tokens``); rank 0 names them
   with PEFT's ``get_peft_model_state_dict`` and writes the directory.
 * ``export_adapter_checkpoint``: from a DCP checkpoint of a LoRA run, on one process without peft
   (the checkpoint holds only trained tensors; the adapter config was saved beside it).
@@ -29,7 +30,7 @@ from ndparallel.models.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ndparallel.models.adapters import (
     ADAPTER_NAME,
     adapter_config_of,
-    is_adapter_param,
+    is_trained_state,
     peft_save_key,
 )
 
@@ -82,7 +83,7 @@ def export_adapter_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | 
     if problems:
         raise ValueError(f"cannot export {ckpt}: " + "; ".join(problems))
     metadata = read_dcp_metadata(ckpt).state_dict_metadata
-    names = [k for k in metadata if k.startswith("model/") and is_adapter_param(k)]
+    names = [k for k in metadata if k.startswith("model/") and is_trained_state(k)]
     if not names:
         raise ValueError(f"checkpoint {ckpt} holds no LoRA adapter tensors")
     targets = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in names}

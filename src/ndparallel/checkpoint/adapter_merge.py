@@ -1,6 +1,7 @@
 """Merge a saved PEFT LoRA adapter into its base model offline, on one process, streaming: each base
-tensor is read from the base's safetensors, merged (``W + scaling · B @ A`` in fp32, then cast)
-when LoRA adapted it, and handed to the shard writer. Peak host memory: one output shard
+tensor is read from the base's safetensors, merged (``W + scaling · B @ A`` in fp32, then cast;
+per expert for ``target_parameters``) when LoRA adapted it, replaced by the adapter's trained copy
+for ``modules_to_save``, and handed to the shard writer. Peak host memory: one output shard
 (``max_shard_size``) + one base tensor + the adapter — not the model (``PeftModel.merge_and_unload``
 needs the whole model in memory: 140 GB for 70B in bf16).
 
@@ -31,7 +32,9 @@ from ndparallel.models.adapter_files import (
 from ndparallel.models.adapters import (
     apply_adapter,
     checkpoint_key,
+    is_saved_module_param,
     merge_specs,
+    merged_weight,
     peft_save_key,
 )
 from ndparallel.models.loading import checkpoint_files, resolve_model_dir
@@ -106,13 +109,16 @@ def merge_adapter_files(adapter_dir: str | os.PathLike, out_dir: str | os.PathLi
     problem = adapter_weights_problem(peft_model, adapter_dir)
     if problem:
         raise ValueError(f"{problem} (base {base_dir})")
-    merges = {checkpoint_key(w): (peft_save_key(PEFT_PREFIX + a), peft_save_key(PEFT_PREFIX + b), s)
-              for w, (a, b, s) in merge_specs(peft_model.get_base_model()).items()}
+    merges = {checkpoint_key(w): spec._replace(a=peft_save_key(PEFT_PREFIX + spec.a), b=peft_save_key(PEFT_PREFIX + spec.b))
+              for w, spec in merge_specs(peft_model.get_base_model()).items()}
+    # modules_to_save: the adapter holds the trained module whole, under the base's own key
+    replaced = {checkpoint_key(n): peft_save_key(PEFT_PREFIX + n)
+                for n, _ in peft_model.get_base_model().named_parameters() if is_saved_module_param(n)}
     stored = set()
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             stored.update(f.keys())
-    missing = sorted(set(merges) - stored)
+    missing = sorted((set(merges) | set(replaced)) - stored)
     if missing:
         raise ValueError(f"base {base_dir} has no tensor {missing[0]} that the adapter adapts "
                          f"({len(missing)} missing): not the adapter's base model")
@@ -125,9 +131,11 @@ def merge_adapter_files(adapter_dir: str | os.PathLike, out_dir: str | os.PathLi
                 t = f.get_tensor(key)
                 if key in quantised:
                     t = _nf4_round_trip(t, nf4, nf4_dtype)
-                if key in merges:
-                    a, b, scaling = merges[key]
-                    t = (t.float() + scaling * (adapter[b].float() @ adapter[a].float())).to(t.dtype)
+                if key in replaced:
+                    t = adapter[replaced[key]].to(t.dtype)
+                elif key in merges:
+                    spec = merges[key]
+                    t = merged_weight(t, adapter[spec.a], adapter[spec.b], spec)
                 if dtype is not None and t.is_floating_point():
                     t = t.to(dtype)
                 saved_dtype = saved_dtype or (t.dtype if t.is_floating_point() else None)

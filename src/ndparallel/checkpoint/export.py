@@ -40,8 +40,10 @@ from ndparallel.models.adapters import (
     base_model_of,
     checkpoint_key,
     is_adapter_param,
+    is_frozen_original,
     is_peft_model,
     merge_specs,
+    merged_weight,
 )
 from ndparallel.models.key_conversion import SaveConversion
 from ndparallel.models.naming import model_class_name, tied_aliases
@@ -152,7 +154,8 @@ def save_hf_model(
     Collective: every rank must call it; only ``is_main`` writes. ``dtype`` casts (default: as is);
     ``safe_serialization=False`` writes ``pytorch_model*.bin`` instead of safetensors. A LoRA
     ``PeftModel`` is written as a PEFT adapter directory, or with ``merge_adapter`` as the plain
-    model with every adapter merged into its base weight (``W + scaling · B @ A``); a QLoRA base's
+    model with every adapter merged into its base weight (``W + scaling · B @ A``, per expert for
+    ``target_parameters``) and the trained ``modules_to_save`` copies in place of the originals; a QLoRA base's
     NF4 weights are written dequantised (merged or not): the weights the adapter was trained on."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -167,7 +170,7 @@ def save_hf_model(
     seen: set[int] = set()
     names = []
     for name, value in state.items():
-        if not (name in aliases or id(value) in seen or is_adapter_param(name)):
+        if not (name in aliases or id(value) in seen or is_adapter_param(name) or is_frozen_original(name)):
             seen.add(id(value))
             names.append(name)
     writer = None
@@ -178,8 +181,8 @@ def save_hf_model(
     for name in names:
         value = state[name]
         if name in merges:  # in fp32, then cast; A and B are small
-            a, b, scaling = merges[name]
-            full = _full(value).float() + scaling * (_full(state[b]).float() @ _full(state[a]).float())
+            spec = merges[name]
+            full = merged_weight(_full(value), _full(state[spec.a]), _full(state[spec.b]), spec)
             full = full.to(dtype or value.dtype)
         elif dtype is not None and value.is_floating_point() and not is_nf4(value):
             full = _full(value.to(dtype))  # cast the local shard first: the gather moves dtype's bytes

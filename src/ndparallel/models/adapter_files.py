@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ndparallel.models.adapters import (
     check_adapter_config,
-    is_adapter_param,
+    is_trained_state,
     peft_save_key,
     require_peft,
 )
@@ -60,9 +60,10 @@ def read_adapter_config(directory: str | os.PathLike, dropout: float | None = No
 
 
 def _expected(model: nn.Module) -> dict[str, tuple[str, torch.Size]]:
-    """For every adapter parameter of a PEFT model: the key PEFT saves it under -> (our name, shape).
-    The shape is the full (unsharded) one: DTensor parameters report it too."""
-    return {peft_save_key(n): (n, p.shape) for n, p in model.named_parameters() if is_adapter_param(n)}
+    """For every adapter parameter (and trained ``modules_to_save`` copy) of a PEFT model: the key
+    PEFT saves it under -> (our name, shape). The shape is the full (unsharded) one: DTensor
+    parameters report it too."""
+    return {peft_save_key(n): (n, p.shape) for n, p in model.named_parameters() if is_trained_state(n)}
 
 
 def adapter_weights_problem(model: nn.Module, directory: str | os.PathLike) -> str | None:
@@ -83,7 +84,7 @@ def adapter_weights_problem(model: nn.Module, directory: str | os.PathLike) -> s
         parts = ([f"{len(missing)} tensor(s) missing, e.g. {missing[0]}"] if missing else []) + \
                 ([f"{len(extra)} unexpected, e.g. {extra[0]}"] if extra else [])
         return (f"{file} does not match the model: {'; '.join(parts)} (an adapter of another "
-                "model, or one with modules_to_save / embedding adapters, which are not supported)")
+                "model, or one with embedding adapters / trainable tokens, which are not supported)")
     for key, (_, shape) in expected.items():
         if tuple(shape) != shapes[key]:
             return (f"{file}: {key} has shape {list(shapes[key])}, the model needs {list(shape)} "

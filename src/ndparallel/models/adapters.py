@@ -12,7 +12,8 @@ TP plans stay the model's own.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+import re
+from typing import Any, Iterable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -33,11 +34,15 @@ def require_peft():
 
 def lora_config(r: int = 8, alpha: float = 16, dropout: float = 0.0,
                 target_modules: Iterable[str] | str | None = None, target_linear: bool = False,
-                use_rslora: bool = False):
+                use_rslora: bool = False, modules_to_save: Iterable[str] | None = None,
+                target_parameters: Iterable[str] | None = None):
     """A PEFT ``LoraConfig`` from Axolotl's fields (``lora_r``, ``lora_alpha``, ``lora_dropout``,
-    ``lora_target_modules``, ``lora_target_linear``, ``peft_use_rslora``). As in Axolotl,
-    ``target_linear`` adds every linear layer except the output head to ``target_modules``; neither:
-    PEFT's default targets. A string is a regular expression over whole module names."""
+    ``lora_target_modules``, ``lora_target_linear``, ``peft_use_rslora``, ``lora_modules_to_save``,
+    ``lora_target_parameters``). As in Axolotl, ``target_linear`` adds every linear layer except the
+    output head to ``target_modules``; neither: PEFT's default targets. A string is a regular
+    expression over whole module names. ``modules_to_save``: modules trained in full beside the
+    adapters (e.g. ``[embed_tokens, lm_head]``); ``target_parameters``: parameters given LoRA
+    directly (e.g. MoE experts' 3-D ``experts.gate_up_proj``: PEFT's ``ParamWrapper``)."""
     peft = require_peft()
     if isinstance(target_modules, str) and not set(target_modules) & set("[]()*+?|\\^$"):
         target_modules = [target_modules]  # one module name, not a pattern
@@ -48,8 +53,10 @@ def lora_config(r: int = 8, alpha: float = 16, dropout: float = 0.0,
     if target_linear:
         targets = ALL_LINEAR if not targets else [ALL_LINEAR, *targets]
     alpha = int(alpha) if float(alpha).is_integer() else alpha
+    extra = {k: list(v) for k, v in (("modules_to_save", modules_to_save),
+                                     ("target_parameters", target_parameters)) if v}
     return peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
-                           target_modules=targets or None, use_rslora=use_rslora)
+                           target_modules=targets or None, use_rslora=use_rslora, **extra)
 
 
 def is_adapter_config(obj: Any) -> bool:
@@ -79,9 +86,32 @@ def is_adapter_param(name: str) -> bool:
     return ".lora_" in name
 
 
+SAVED_COPY = f".modules_to_save.{ADAPTER_NAME}."
+"""PEFT's ``ModulesToSaveWrapper`` holds the trained copy of a ``modules_to_save`` module here
+(``embed_tokens.modules_to_save.default.weight``) beside the frozen ``original_module``."""
+_WRAPPER_PARTS = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+
+
+def is_saved_module_param(name: str) -> bool:
+    """A trained copy of a ``modules_to_save`` module's parameter (starts as the base weight)."""
+    return SAVED_COPY in name
+
+
+def is_trained_state(name: str) -> bool:
+    """What a saved adapter holds: LoRA factors and the trained ``modules_to_save`` copies."""
+    return is_adapter_param(name) or is_saved_module_param(name)
+
+
+def is_frozen_original(name: str) -> bool:
+    """The frozen original of a ``modules_to_save`` module (superseded by its trained copy)."""
+    return ".original_module." in name
+
+
 def checkpoint_key(name: str) -> str:
-    """The base model's own name for a (possibly LoRA-wrapped) parameter: drops ``.base_layer``."""
-    return name.replace(".base_layer.", ".")
+    """The base model's own name for a (possibly LoRA-wrapped) parameter: drops every
+    ``.base_layer`` (nested for parameters with several LoRA'd tensors, PEFT's ``ParamWrapper``),
+    and a ``modules_to_save`` wrapper's ``.original_module`` / ``.modules_to_save.default``."""
+    return _WRAPPER_PARTS.sub("", name)
 
 
 def linear_module_names(model: nn.Module) -> set[str]:
@@ -96,9 +126,8 @@ def check_adapter_config(config: Any) -> None:
     """Refuse what ndparallel does not train correctly on every layout, naming the field."""
     if str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1].upper() != "LORA":
         raise ValueError(f"adapter: only LoRA is supported, got {getattr(config, 'peft_type', config)!r}")
-    for field, ok in (("use_dora", False), ("modules_to_save", None), ("layer_replication", None),
-                      ("target_parameters", None), ("fan_in_fan_out", False),
-                      ("lora_bias", False)):
+    for field, ok in (("use_dora", False), ("layer_replication", None), ("fan_in_fan_out", False),
+                      ("lora_bias", False), ("trainable_token_indices", None)):
         if getattr(config, field, ok) not in (ok, [], {}):
             raise ValueError(f"LoraConfig.{field}={getattr(config, field)!r} is not supported by "
                              f"ndparallel: leave it at {ok!r} (plain LoRA on linear layers)")
@@ -123,15 +152,26 @@ def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
         config = copy.deepcopy(config)
         config.target_modules = sorted((set(targets) - {ALL_LINEAR}) | linear_module_names(model))
     asked = sorted(config.target_modules or []) if not isinstance(config.target_modules, str) else [targets]
+    wanted = set(config.target_parameters or [])
+    if config.modules_to_save and tied_embeddings(model) and not getattr(config, "ensure_weight_tying", False):
+        config = copy.deepcopy(config)  # the trained embedding stays the LM head, as in the base
+        config.ensure_weight_tying = True
     wrapped = peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME, autocast_adapter_dtype=True)
-    fused = getattr(adapter_config_of(wrapped), "target_parameters", None)
+    fused = set(getattr(adapter_config_of(wrapped), "target_parameters", None) or []) - wanted
     if fused:  # PEFT maps transformers-4 names (gate_proj, up_proj, w1 ...) onto fused MoE weights
         raise ValueError(f"LoRA targets {asked} reach the fused expert weights / "
                          f"routers of this mixture-of-experts model ({sorted(fused)}, PEFT target_parameters): "
-                         "not supported (their merge and export are not handled); target the attention and "
-                         "dense linears (lora_target_modules: [q_proj, k_proj, v_proj, o_proj], or "
-                         "lora_target_linear: true)")
+                         "name them in lora_target_parameters (e.g. [experts.gate_up_proj, experts.down_proj]) "
+                         "to adapt them, or target the attention and dense linears (lora_target_modules: "
+                         "[q_proj, k_proj, v_proj, o_proj], or lora_target_linear: true)")
     return wrapped
+
+
+def tied_embeddings(model: nn.Module) -> bool:
+    """Whether the model's LM head is its input embedding (``tie_word_embeddings``)."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    emb, head = (get_in() if callable(get_in) else None), (get_out() if callable(get_out) else None)
+    return emb is not None and head is not None and getattr(emb, "weight", None) is getattr(head, "weight", 0)
 
 
 def adapter_config_of(model: nn.Module):
@@ -164,19 +204,57 @@ def initial_adapter_weights(model: nn.Module, seed: int) -> dict[str, torch.Tens
     return out
 
 
-def merge_specs(model: nn.Module) -> dict[str, tuple[str, str, float]]:
-    """For every LoRA-wrapped linear of the Hugging Face model ``model``: its base weight's name ->
-    (A's name, B's name, scaling), so that ``W + scaling · B @ A`` is the merged weight."""
+class MergeSpec(NamedTuple):
+    """How one base weight and its adapter merge: ``W + scaling · B @ A`` (``experts`` 0: a linear's
+    2-D weight), or per expert for a 3-D weight adapted through ``target_parameters`` (PEFT's
+    ``ParamWrapper``: ``experts`` experts, ``layout`` the einsum giving the weight's own layout)."""
+    a: str
+    b: str
+    scaling: float
+    experts: int = 0
+    layout: str = ""
+
+
+def is_param_wrapper(module: nn.Module) -> bool:
+    """A PEFT ``ParamWrapper``: LoRA on a parameter (``target_parameters``) instead of a linear."""
+    return isinstance(getattr(module, "parameter_name", None), str) and is_lora_layer(module)
+
+
+def merge_specs(model: nn.Module) -> dict[str, MergeSpec]:
+    """For every LoRA-adapted weight of the Hugging Face model ``model`` (linears and
+    ``target_parameters``): its name -> its ``MergeSpec``."""
     out = {}
+    names = {id(m): n for n, m in model.named_modules()}
     for prefix, m in model.named_modules():
-        if is_lora_layer(m) and ADAPTER_NAME in m.lora_A:
-            out[f"{prefix}.base_layer.weight"] = (f"{prefix}.lora_A.{ADAPTER_NAME}.weight",
-                                                  f"{prefix}.lora_B.{ADAPTER_NAME}.weight",
-                                                  float(m.scaling[ADAPTER_NAME]))
+        if not (is_lora_layer(m) and ADAPTER_NAME in m.lora_A):
+            continue
+        a, b = f"{prefix}.lora_A.{ADAPTER_NAME}.weight", f"{prefix}.lora_B.{ADAPTER_NAME}.weight"
+        scaling = float(m.scaling[ADAPTER_NAME])
+        if not is_param_wrapper(m):
+            out[f"{prefix}.base_layer.weight"] = MergeSpec(a, b, scaling)
+            continue
+        name = f"{names[id(m.get_base_layer())]}.{m.parameter_name}"
+        if m.num_experts == 1:
+            out[name] = MergeSpec(a, b, scaling)
+        else:  # as PEFT's ParamWrapper.get_delta_weight
+            layout = "o r e, e r i -> e o i" if m._did_swap_in_out_features else "o r e, e r i -> e i o"
+            out[name] = MergeSpec(a, b, scaling, m.num_experts, layout)
     return out
+
+
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, spec: MergeSpec) -> torch.Tensor:
+    """``weight`` with its adapter merged in (in fp32, returned in ``weight``'s dtype)."""
+    a, b = a.float(), b.float()
+    if not spec.experts:
+        delta = b @ a
+    else:
+        delta = torch.einsum(spec.layout, b.reshape(b.shape[0], -1, spec.experts),
+                             a.reshape(spec.experts, -1, a.shape[-1]))
+    return (weight.float() + spec.scaling * delta).to(weight.dtype)
 
 
 def peft_save_key(name: str) -> str:
     """The key PEFT's ``save_pretrained`` stores an adapter tensor under (the adapter name
     dropped: ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``)."""
-    return name.replace(f".lora_A.{ADAPTER_NAME}.", ".lora_A.").replace(f".lora_B.{ADAPTER_NAME}.", ".lora_B.")
+    return (name.replace(f".lora_A.{ADAPTER_NAME}.", ".lora_A.").replace(f".lora_B.{ADAPTER_NAME}.", ".lora_B.")
+            .replace(SAVED_COPY, "."))

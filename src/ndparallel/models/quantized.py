@@ -96,14 +96,19 @@ def quantizable(weight_shape: tuple[int, ...] | torch.Size, config: NF4Config) -
     return len(weight_shape) == 2 and math.prod(weight_shape) % config.group == 0
 
 
+def _in_saved_module(name: str) -> bool:
+    """Inside a LoRA ``modules_to_save`` wrapper (trained in full: never quantised)."""
+    return ".original_module" in f".{name}." or ".modules_to_save." in f".{name}."
+
+
 def quantized_linears(model: nn.Module, config: NF4Config) -> tuple[list[str], list[str]]:
     """(linears quantised, linears left in the load dtype because of their size), by module name:
-    every ``nn.Linear`` but the output head and ``config.skip_modules``."""
+    every ``nn.Linear`` but the output head, LoRA's ``modules_to_save`` and ``config.skip_modules``."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     out, kept = [], []
     for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear) or m is head or ".lora_" in f".{name}":
+        if not isinstance(m, nn.Linear) or m is head or ".lora_" in f".{name}" or _in_saved_module(name):
             continue
         if name.rsplit(".", 1)[-1] in config.skip_modules:
             continue

@@ -102,6 +102,28 @@ def _experts_problem(model: nn.Module, tp_size: int, ep_size: int) -> str | None
     return None
 
 
+def adapter_layout_problem(model: nn.Module, tp_size: int = 1, ep_size: int = 1) -> str | None:
+    """Why LoRA's ``modules_to_save`` (trained copies of whole modules) or ``target_parameters``
+    (LoRA on the experts' 3-D weights) cannot run under TP / EP, or None. Under TP the embedding
+    and LM head are vocab-sharded and their PEFT copies would not be; under TP or EP the expert
+    weights are split off while their LoRA factors hold every expert."""
+    from ndparallel.models.adapters import is_param_wrapper
+
+    saved = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                    if hasattr(m, "original_module") and hasattr(m, "modules_to_save")})
+    wrapped = sorted({f"{n.rsplit('.', 1)[-1]}.{m.parameter_name}" for n, m in model.named_modules()
+                      if is_param_wrapper(m)})
+    if saved and tp_size > 1:
+        return (f"tensor_parallel_size={tp_size}: LoRA's modules_to_save ({', '.join(saved)}) are trained whole, "
+                "not vocab-sharded: drop lora_modules_to_save or set tensor_parallel_size: 1 (use dp_shard_size)")
+    for degree, size in (("tensor_parallel_size", tp_size), ("expert_parallel_size", ep_size)):
+        if wrapped and size > 1:
+            return (f"{degree}={size}: LoRA on the experts' weights (lora_target_parameters: {', '.join(wrapped)}) "
+                    f"needs them whole on each rank: set {degree}: 1 (shard them with dp_shard_size) or drop "
+                    "lora_target_parameters")
+    return None
+
+
 def layout_problem(model: nn.Module, *, tp_size: int = 1, cp_size: int = 1, sequence_parallel: bool = False,
                    tp_plan=None, probe_attention: bool = True, ep_size: int = 1) -> str | None:
     """The first reason ``model`` cannot be trained exactly under this layout, or None.
@@ -111,6 +133,9 @@ def layout_problem(model: nn.Module, *, tp_size: int = 1, cp_size: int = 1, sequ
 
     base = getattr(model, "base_model", None) if hasattr(model, "peft_config") else None
     model = getattr(base, "model", model) if base is not None else model
+    problem = adapter_layout_problem(model, tp_size, ep_size)
+    if problem:
+        return problem
     if tp_size > 1:
         problem = tp_plan_problem(model, tp_plan)
         if problem:

@@ -213,11 +213,9 @@ TOP: dict[str, Rule] = {
                 qgalore_update_proj_gap=200, qgalore_scale=0.25, qgalore_proj_type="std", qgalore_proj_quant=True,
                 qgalore_proj_bits=4, qgalore_proj_group_size=256, qgalore_cos_threshold=0.4, qgalore_gamma_proj=2,
                 qgalore_queue_size=5, loraplus_lr_embedding=1e-6),
-    **_all("noop", LORA, "lora_target_parameters", "lora_rank_pattern", "lora_alpha_pattern",
+    **_all("noop", LORA, "lora_rank_pattern", "lora_alpha_pattern",
            "peft_layers_to_transform", "peft_layers_pattern", "peft", "peft_use_dora", "peft_layer_replication",
            "peft_trainable_token_indices", "peft_ensure_weight_tying", "lora_on_cpu"),
-    **_all("noop", "LoRA's modules_to_save (embeddings / LM head trained in full beside the adapters) is not "
-           "supported: remove it, or train without adapter", "lora_modules_to_save"),
     **_all("noop", "ndparallel initialises LoRA as PEFT does by default (A random, B zero); remove it",
            "peft_init_lora_weights"),
     **_all("noop", "NEFTune noise is not supported; remove it", "neftune_noise_alpha", "noisy_embedding_alpha"),

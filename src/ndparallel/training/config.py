@@ -42,6 +42,7 @@ from ndparallel.training.config_fields import (
     ClusterFields,
     DataSourceFields,
     FSDPConfig,
+    LoraExtraFields,
     InputForms,
     RunControlFields,
     TrackerFields,
@@ -55,7 +56,7 @@ def _float(**bounds):
     return Annotated[float, Field(allow_inf_nan=False, **bounds)]
 
 
-class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields, QuantFields, ClusterFields):
+class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields, QuantFields, ClusterFields, LoraExtraFields):
     """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one; the
     Axolotl keys that are translated, accepted empty or refused: ``axolotl_keys.py``; the
     quantisation fields: ``config_quant.QuantFields``; preemption and asynchronous checkpoints:
@@ -358,7 +359,7 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
             return None
         return {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
                 "target_modules": self.lora_target_modules, "target_linear": self.lora_target_linear,
-                **({"use_rslora": True} if self.peft_use_rslora else {}), **overrides}
+                **({"use_rslora": True} if self.peft_use_rslora else {}), **self.lora_extra_kwargs(), **overrides}
 
     def lora_config(self):
         """The peft ``LoraConfig`` of ``adapter: lora`` (None without it): the one saved in

@@ -222,3 +222,19 @@ class InputForms(_Strict):
             raise ValueError(f"a list of new tokens, got a mapping {sorted(v)}: put bos/eos/pad/unk tokens under "
                              "special_tokens: and list other new tokens under tokens:")
         return [v] if isinstance(v, str) else v
+
+
+class LoraExtraFields(_Strict):
+    """LoRA's whole-module and parameter targets (with ``adapter: lora``, Axolotl's names)."""
+
+    lora_modules_to_save: list[str] | None = None
+    """Modules trained in full beside the adapters and saved with them (e.g. [embed_tokens, lm_head]);
+    tied embeddings stay tied; QLoRA leaves them unquantised. Not with tensor_parallel_size > 1."""
+    lora_target_parameters: list[str] | None = None
+    """Parameters given LoRA directly (PEFT's target_parameters), e.g. MoE experts' 3-D
+    [experts.gate_up_proj, experts.down_proj]; needs lora_dropout: 0; not with TP or EP."""
+
+    def lora_extra_kwargs(self) -> dict:
+        """These fields as ``models.adapters.lora_config`` arguments (the unset ones left out)."""
+        return {k: v for k, v in (("modules_to_save", self.lora_modules_to_save),
+                                  ("target_parameters", self.lora_target_parameters)) if v}

@@ -193,7 +193,7 @@ def _check_weights(cfg: TrainConfig, model, path: Path) -> None:
         raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
 
 
-def check_adapter(cfg: TrainConfig, hf, tp_size: int) -> str | None:
+def check_adapter(cfg: TrainConfig, hf, tp_size: int, ep_size: int = 1) -> str | None:
     """``adapter: lora`` before launch: peft installed, the targets exist in the model (PEFT applied
     to a meta-device copy), no embedding adapted under TP, no stray ``lora_*`` field without an
     adapter. Returns a one-line summary of the adapter (None without one)."""
@@ -214,6 +214,11 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int) -> str | None:
     model = _saved_adapter_model(cfg, hf) if cfg.lora_model_dir else _adaptedmeta_model(cfg, hf)
     layers = {n: m for n, m in base_model_of(model).named_modules() if is_lora_layer(m)}
     odd = [n for n, m in layers.items() if not isinstance(m.base_layer, nn.Linear)]
+    from ndparallel.parallel.support import adapter_layout_problem
+
+    problem = adapter_layout_problem(base_model_of(model), tp_size, ep_size)
+    if problem:
+        raise ConfigError(problem)
     if odd and tp_size > 1:
         raise ConfigError(f"lora_target_modules: {odd[0]} ({type(layers[odd[0]].base_layer).__name__}): "
                           "with tensor_parallel_size > 1 LoRA adapts linear layers only: leave it out")

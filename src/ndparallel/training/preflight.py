@@ -33,7 +33,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     hf = resolve_model_config(cfg)
     check_model(cfg, hf, check_weights=check_weights)
     _check_experts(cfg, pc.dims, hf)
-    check_adapter(cfg, hf, pc.tp_size)
+    check_adapter(cfg, hf, pc.tp_size, pc.ep_size or 1)
     from ndparallel.training.qlora_check import check_quantized_base
 
     check_quantized_base(cfg, hf, pc)  # load_in_4bit: torchao, no TP, NF4 shards of whole blocks
