@@ -40,6 +40,7 @@ from ndparallel.models.adapters import (
 from ndparallel.models.loading import checkpoint_files, resolve_model_dir
 from ndparallel.models.naming import model_class_name
 from ndparallel.models.presets import is_preset
+from ndparallel.models.safetensors_read import stored_tensors
 from ndparallel.models.weights import weights_problem
 
 PEFT_PREFIX = "base_model.model."
@@ -80,6 +81,38 @@ def _nf4_round_trip(t: torch.Tensor, nf4, dtype: torch.dtype | None) -> torch.Te
     return to_nf4(q, nf4.block_size, nf4.scaler_block_size).get_original_weight().to(t.dtype)
 
 
+class _FusedMerges:
+    """Adapted model tensors the base stores as several tensors (transformers 5 MoE families keep
+    one tensor per expert on disk and fuse them on load, ``models.key_conversion``): each is built
+    as transformers builds it, merged, and split back into the stored tensors as ``save_pretrained``
+    does. Memory: one fused tensor (all experts of one weight of one layer) at a time."""
+
+    def __init__(self, model, stored: dict, merges: dict):
+        from ndparallel.models.key_conversion import SaveConversion, checkpoint_keys
+
+        plan = checkpoint_keys(model, {k: (v[0], v[1]) for k, v in stored.items()})
+        self.groups = {k: plan.fused[k] for k in merges if k in plan.fused}
+        self.sources = {s: k for k, g in self.groups.items() for keys in g.sources.values() for s in keys}
+        self._model, self._stored, self._merges = model, stored, merges
+        self._revert = SaveConversion(model, list(self.groups))
+        self._done: set[str] = set()
+
+    def _read(self, key: str) -> torch.Tensor:
+        with safe_open(str(self._stored[key][2]), framework="pt") as f:
+            return f.get_tensor(key)
+
+    def merge(self, stored_key: str, adapter: dict) -> dict[str, torch.Tensor]:
+        """The merged stored tensors of ``stored_key``'s group, once (later members: nothing)."""
+        target = self.sources[stored_key]
+        if target in self._done:
+            return {}
+        self._done.add(target)
+        spec = self._merges[target]
+        shape = self.groups[target].shapes[target]
+        full = self.groups[target].read(self._model, target, [0] * len(shape), list(shape), self._read)
+        return self._revert.add(target, merged_weight(full, adapter[spec.a], adapter[spec.b], spec))
+
+
 def merge_adapter_files(adapter_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                         base: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
                         max_shard_size: int | str = "5GB", tokenizer=None, nf4=None,
@@ -114,20 +147,30 @@ def merge_adapter_files(adapter_dir: str | os.PathLike, out_dir: str | os.PathLi
     # modules_to_save: the adapter holds the trained module whole, under the base's own key
     replaced = {checkpoint_key(n): peft_save_key(PEFT_PREFIX + n)
                 for n, _ in peft_model.get_base_model().named_parameters() if is_saved_module_param(n)}
-    stored = set()
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            stored.update(f.keys())
-    missing = sorted((set(merges) | set(replaced)) - stored)
+    stored = stored_tensors(files)
+    fused = _FusedMerges(peft_model.get_base_model(), stored, merges)
+    missing = sorted((set(merges) | set(replaced)) - set(stored) - set(fused.groups))
     if missing:
         raise ValueError(f"base {base_dir} has no tensor {missing[0]} that the adapter adapts "
                          f"({len(missing)} missing): not the adapter's base model")
     adapter = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS))
     writer = ShardWriter(out_dir, max_shard_size)
     saved_dtype = None
+
+    def add(key: str, t: torch.Tensor) -> None:
+        nonlocal saved_dtype
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        saved_dtype = saved_dtype or (t.dtype if t.is_floating_point() else None)
+        writer.add(key, t)
+
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
+                if key in fused.sources:  # stored per expert: merged fused, written back per expert
+                    for k, t in fused.merge(key, adapter).items():
+                        add(k, t)
+                    continue
                 t = f.get_tensor(key)
                 if key in quantised:
                     t = _nf4_round_trip(t, nf4, nf4_dtype)
@@ -136,10 +179,7 @@ def merge_adapter_files(adapter_dir: str | os.PathLike, out_dir: str | os.PathLi
                 elif key in merges:
                     spec = merges[key]
                     t = merged_weight(t, adapter[spec.a], adapter[spec.b], spec)
-                if dtype is not None and t.is_floating_point():
-                    t = t.to(dtype)
-                saved_dtype = saved_dtype or (t.dtype if t.is_floating_point() else None)
-                writer.add(key, t)
+                add(key, t)
     writer.finish()
     out = Path(out_dir)
     write_hf_config(hf_config, out, saved_dtype, class_name)

@@ -62,8 +62,9 @@ def read_adapter_config(directory: str | os.PathLike, dropout: float | None = No
 def _expected(model: nn.Module) -> dict[str, tuple[str, torch.Size]]:
     """For every adapter parameter (and trained ``modules_to_save`` copy) of a PEFT model: the key
     PEFT saves it under -> (our name, shape). The shape is the full (unsharded) one: DTensor
-    parameters report it too."""
-    return {peft_save_key(n): (n, p.shape) for n, p in model.named_parameters() if is_trained_state(n)}
+    parameters report it too. Tied copies count under each name (PEFT saves both)."""
+    return {peft_save_key(n): (n, p.shape) for n, p in model.named_parameters(remove_duplicate=False)
+            if is_trained_state(n)}
 
 
 def adapter_weights_problem(model: nn.Module, directory: str | os.PathLike) -> str | None:

@@ -107,6 +107,12 @@ def is_frozen_original(name: str) -> bool:
     return ".original_module." in name
 
 
+def trained_module(module: nn.Module | None) -> nn.Module | None:
+    """The module that runs: a ``modules_to_save`` wrapper's trained copy, else ``module``."""
+    saved = getattr(module, "modules_to_save", None) if hasattr(module, "original_module") else None
+    return saved[ADAPTER_NAME] if isinstance(saved, nn.ModuleDict) and ADAPTER_NAME in saved else module
+
+
 def checkpoint_key(name: str) -> str:
     """The base model's own name for a (possibly LoRA-wrapped) parameter: drops every
     ``.base_layer`` (nested for parameters with several LoRA'd tensors, PEFT's ``ParamWrapper``),
@@ -145,6 +151,9 @@ def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
 
     peft = require_peft()
     check_adapter_config(config)
+    if config.target_parameters and config.lora_dropout:
+        raise ValueError(f"lora_target_parameters with lora_dropout={config.lora_dropout:g}: LoRA on a parameter "
+                         "has no input to drop out (PEFT's ParamWrapper): set lora_dropout: 0")
     targets = config.target_modules
     if isinstance(targets, str) and targets == ALL_LINEAR and experts_modules(model):
         targets = [ALL_LINEAR]
@@ -164,6 +173,12 @@ def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
                          "name them in lora_target_parameters (e.g. [experts.gate_up_proj, experts.down_proj]) "
                          "to adapt them, or target the attention and dense linears (lora_target_modules: "
                          "[q_proj, k_proj, v_proj, o_proj], or lora_target_linear: true)")
+    reached = {checkpoint_key(f"{n}.{m.parameter_name}") for n, m in wrapped.named_modules() if is_param_wrapper(m)}
+    unmatched = sorted(w for w in wanted if not any(r == w or r.endswith(f".{w}") for r in reached))
+    if unmatched:  # PEFT passes over them silently
+        raise ValueError(f"lora_target_parameters {unmatched} match no parameter of {type(model).__name__} "
+                         "(name them as module.parameter, e.g. experts.gate_up_proj for a mixture-of-experts "
+                         "layer's fused 3-D weights; a dense model has none)")
     return wrapped
 
 

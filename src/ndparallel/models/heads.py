@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from ndparallel.models.adapters import trained_module
+
 PLAIN_HEAD_FAMILIES = frozenset({
     "llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
     "phi3", "olmo2", "gemma", "smollm3", "starcoder2",
@@ -25,7 +27,7 @@ def plain_head_problem(model: nn.Module) -> str | None:
     if getattr(config, "final_logit_softcapping", None):
         return "the model soft-caps its logits (final_logit_softcapping)"
     get_head, get_decoder = getattr(model, "get_output_embeddings", None), getattr(model, "get_decoder", None)
-    head = get_head() if callable(get_head) else None
+    head = trained_module(get_head()) if callable(get_head) else None
     if not isinstance(head, nn.Linear) or head.bias is not None:
         return "the output embedding is not a bias-free nn.Linear"
     if not callable(get_decoder) or get_decoder() is None:

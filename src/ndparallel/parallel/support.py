@@ -107,12 +107,12 @@ def adapter_layout_problem(model: nn.Module, tp_size: int = 1, ep_size: int = 1)
     (LoRA on the experts' 3-D weights) cannot run under TP / EP, or None. Under TP the embedding
     and LM head are vocab-sharded and their PEFT copies would not be; under TP or EP the expert
     weights are split off while their LoRA factors hold every expert."""
-    from ndparallel.models.adapters import is_param_wrapper
+    from ndparallel.models.adapters import checkpoint_key, is_param_wrapper
 
     saved = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                     if hasattr(m, "original_module") and hasattr(m, "modules_to_save")})
-    wrapped = sorted({f"{n.rsplit('.', 1)[-1]}.{m.parameter_name}" for n, m in model.named_modules()
-                      if is_param_wrapper(m)})
+    wrapped = sorted({".".join(checkpoint_key(f"{n}.{m.parameter_name}").split(".")[-2:])
+                      for n, m in model.named_modules() if is_param_wrapper(m)})
     if saved and tp_size > 1:
         return (f"tensor_parallel_size={tp_size}: LoRA's modules_to_save ({', '.join(saved)}) are trained whole, "
                 "not vocab-sharded: drop lora_modules_to_save or set tensor_parallel_size: 1 (use dp_shard_size)")

@@ -208,7 +208,9 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int, ep_size: int = 1) -> str |
     from ndparallel.models.adapters import (
         adapter_config_of,
         base_model_of,
+        checkpoint_key,
         is_lora_layer,
+        is_param_wrapper,
     )
 
     model = _saved_adapter_model(cfg, hf) if cfg.lora_model_dir else _adaptedmeta_model(cfg, hf)
@@ -224,7 +226,11 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int, ep_size: int = 1) -> str |
                           "with tensor_parallel_size > 1 LoRA adapts linear layers only: leave it out")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    names = sorted({n.rsplit(".", 1)[-1] for n in layers})
+    names = sorted({n.rsplit(".", 1)[-1] for n in layers if not is_param_wrapper(layers[n])})
+    names += sorted({".".join(checkpoint_key(f"{n}.{m.parameter_name}").split(".")[-2:])
+                     for n, m in layers.items() if is_param_wrapper(m)})
+    if cfg.lora_modules_to_save:
+        names.append(f"trained whole: {', '.join(cfg.lora_modules_to_save)}")
     lora = adapter_config_of(model)
     start = f"; starts from {cfg.lora_model_dir}" if cfg.lora_model_dir else ""
     return (f"LoRA r={lora.r} alpha={lora.lora_alpha:g} dropout={lora.lora_dropout:g} on "
@@ -243,7 +249,10 @@ def _adaptedmeta_model(cfg: TrainConfig, hf, lora_config=None):
     except ImportError as e:
         raise ConfigError(f"adapter: lora: {e}") from None
     except (ValueError, TypeError, KeyError) as e:  # PEFT: "Target modules {...} not found ..."
-        raise ConfigError(f"lora_target_modules={cfg.lora_target_modules!r}: {one_line(e)[:300]}") from None
+        message = one_line(e)[:300]
+        if message.startswith("lora_"):  # ours, naming its field
+            raise ConfigError(message) from None
+        raise ConfigError(f"lora_target_modules={cfg.lora_target_modules!r}: {message}") from None
 
 
 def _adapted_layers(model) -> list[str]:

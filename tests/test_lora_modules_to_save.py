@@ -1,0 +1,177 @@
+"""LoRA's ``modules_to_save`` (Axolotl's ``lora_modules_to_save``: embeddings / LM head trained in
+full beside the adapters): every layout trains the same model as one process (fp32, SGD), tied
+embeddings stay tied, the saved PEFT adapter holds the trained modules and reproduces the trained
+model's logits (PEFT's loader, the merged export, the offline merge), QLoRA leaves them unquantised,
+tensor parallel is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import peft  # noqa: F401  (imported once before the ranks fork)
+import pytest
+import torch
+from cli_helpers import run_cli
+
+from ndparallel.models.presets import preset_config
+from ndparallel.testing import run_on_ranks
+from ndparallel.tools.equivalence import (
+    TrainSetup,
+    build_model,
+    compare,
+    make_global_batches,
+    setup_optimizer,
+    train_under_layout,
+)
+
+RTOL, ATOL = 1e-5, 1e-6
+SAVE = ["embed_tokens", "lm_head"]
+LORA = dict(r=4, alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=SAVE)
+_refs: dict = {}
+
+
+def _setup(preset: str, **lora) -> TrainSetup:
+    return TrainSetup(preset_config(preset), steps=3, global_micro_batch=4, seq_len=32, max_grad_norm=1.0,
+                      optimizer="sgd", lr=0.5, adapter={**LORA, **lora})
+
+
+def _reference(setup: TrainSetup):
+    if repr(setup) not in _refs:
+        _refs[repr(setup)] = run_on_ranks(train_under_layout, 1, setup, None)[0]
+    return _refs[repr(setup)]
+
+
+def _initial(setup: TrainSetup) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in build_model(setup).state_dict().items()}
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama-tied"])
+@pytest.mark.parametrize("layout, world", [({"dp_shard_size": 2}, 2),
+                                           ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4)],
+                         ids=["fsdp2", "dp2xfsdp2"])
+def test_layouts_train_the_saved_modules_as_one_process(preset, layout, world):
+    setup = _setup(preset)
+    ref = _reference(setup)
+    got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=400)[0]
+    diff = compare(ref, got)
+    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= ATOL, diff
+    start = _initial(setup)
+    copies = [k for k in start if ".modules_to_save.default." in k]
+    originals = [k for k in start if ".original_module." in k]
+    assert len(copies) == len(originals) == 2, sorted(start)
+    for k in copies:  # trained in full: every row of the vocabulary that was seen moved
+        assert (got.params[k] - start[k]).abs().max() > 1e-3, k
+    for k in originals:
+        assert torch.equal(got.params[k], start[k]), k
+    if preset.endswith("-tied"):  # one trained tensor is both the embedding and the LM head
+        emb, head = (next(k for k in copies if part in k) for part in ("embed_tokens", "lm_head"))
+        assert torch.equal(got.params[emb], got.params[head])
+
+
+def test_cp2():
+    setup = _setup("tiny-llama")
+    got = run_on_ranks(train_under_layout, 2, setup, {"cp_size": 2}, timeout_s=400)[0]
+    diff = compare(_reference(setup), got)
+    assert diff["loss_rel"] <= RTOL and diff["param_abs"] <= ATOL, diff
+
+
+def test_without_the_key_the_modules_stay_frozen():
+    """Negative control: the same run without modules_to_save leaves the embedding and head alone."""
+    setup = _setup("tiny-llama", modules_to_save=None)
+    ref = _reference(setup)
+    start = _initial(setup)
+    for k in ("base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"):
+        assert torch.equal(ref.params[k], start[k]), k
+    assert _reference(_setup("tiny-llama")).losses[-1] != ref.losses[-1]
+
+
+PROBE = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
+
+
+def _save_base(path: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(preset_config("tiny-llama-tied")).save_pretrained(path)
+
+
+def _train_and_save(base_dir: str, out: str) -> torch.Tensor:
+    """FSDP 2 from the saved base (meta build, sharded load): 3 SGD steps, then the PEFT adapter
+    and the merged model written; returns the trained model's logits on ``PROBE``."""
+    from ndparallel import ParallelismConfig
+    from ndparallel.checkpoint.export import save_hf_model
+    from ndparallel.engine import Engine, train_step
+    from ndparallel.models.adapters import lora_config
+
+    setup = _setup("tiny-llama-tied")
+    engine = Engine(ParallelismConfig(dp_shard_size=2))
+    model = engine.build_model(base_dir, adapter=lora_config(**setup.adapter), seed=1)
+    optimizer = setup_optimizer(setup, model)
+    rows, r = setup.global_micro_batch // engine.dp_size, engine.dp_rank
+    for i, micro_batches in enumerate(make_global_batches(setup)):
+        local = [{k: v[r * rows:(r + 1) * rows] for k, v in mb.items()} for mb in micro_batches]
+        train_step(engine, model, optimizer, local, max_grad_norm=1.0, step=i + 1)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=PROBE).logits.detach().clone()
+    save_hf_model(model, f"{out}/adapter", engine.is_main_process)
+    save_hf_model(model, f"{out}/merged", engine.is_main_process, merge_adapter=True)
+    return logits
+
+
+def test_saved_adapter_holds_the_trained_modules_and_reproduces_the_model(tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel.checkpoint.adapter_merge import merge_adapter_files
+
+    base_dir, out = str(tmp_path / "base"), tmp_path / "out"
+    run_on_ranks(_save_base, 1, base_dir)
+    trained = run_on_ranks(_train_and_save, 2, base_dir, str(out), timeout_s=400)[0]
+    saved = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    base = load_file(f"{base_dir}/model.safetensors")
+    emb = saved["base_model.model.model.embed_tokens.weight"]
+    assert emb.shape == base["model.embed_tokens.weight"].shape
+    assert (emb - base["model.embed_tokens.weight"]).abs().max() > 1e-3  # the trained module, whole
+
+    def logits(model):
+        with torch.no_grad():
+            return model.eval()(input_ids=PROBE).logits
+
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(out / "adapter"))
+    merge_adapter_files(out / "adapter", out / "offline", base=base_dir)
+    untouched = logits(AutoModelForCausalLM.from_pretrained(base_dir))
+    assert (untouched - trained).abs().max() > 1e-2  # training changed the model
+    for name, model in (("peft", peft_model), ("merged", AutoModelForCausalLM.from_pretrained(out / "merged")),
+                        ("offline merge", AutoModelForCausalLM.from_pretrained(out / "offline"))):
+        assert (logits(model) - trained).abs().max() <= 2e-5, name
+
+
+def test_qlora_leaves_the_saved_modules_unquantised():
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel.models.adapters import apply_adapter, lora_config
+    from ndparallel.models.quantized import NF4Config, quantized_linears
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
+    model = apply_adapter(model, lora_config(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    names, _ = quantized_linears(model, NF4Config(block_size=32, scaler_block_size=4))
+    assert names and not [n for n in names if "lm_head" in n], names
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ("tensor_parallel_size: 2\n", "tensor_parallel_size=2: LoRA's modules_to_save (embed_tokens, lm_head) "
+                                  "are trained whole"),
+    ("", "on 2 layers (q_proj, trained whole: embed_tokens, lm_head)"),
+])
+def test_cli(tmp_path, capsys, extra, fragment):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("base_model: tiny-llama\nadapter: lora\nlora_target_modules: [q_proj]\n"
+                   f"lora_modules_to_save: [embed_tokens, lm_head]\n{extra}")
+    code, out, err = run_cli(capsys, "train", str(cfg), "--dry-run")
+    assert (code == 2) == bool(extra), err
+    assert fragment in (err if extra else out), (out, err)
+    if extra:
+        assert len(err.strip().splitlines()) == 1, err
