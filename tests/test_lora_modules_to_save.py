@@ -175,3 +175,19 @@ def test_cli(tmp_path, capsys, extra, fragment):
     assert fragment in (err if extra else out), (out, err)
     if extra:
         assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_bf16_base_keeps_fp32_trained_copies():
+    """As PEFT keeps the adapters: the trained copies are fp32 master weights, the originals bf16."""
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel.models.adapters import apply_adapter, lora_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(preset_config("tiny-llama-tied"), dtype=torch.bfloat16)
+    model = apply_adapter(model, lora_config(r=4, target_modules=["q_proj"], modules_to_save=SAVE))
+    got = {("copy" if ".modules_to_save." in n else "original", p.dtype)
+           for n, p in model.named_parameters(remove_duplicate=False) if "embed_tokens" in n or "lm_head" in n}
+    assert got == {("original", torch.bfloat16), ("copy", torch.float32)}, got
+    inner = model.get_base_model()
+    assert inner.lm_head.modules_to_save["default"].weight is inner.model.embed_tokens.modules_to_save["default"].weight

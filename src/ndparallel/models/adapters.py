@@ -173,6 +173,7 @@ def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
                          "name them in lora_target_parameters (e.g. [experts.gate_up_proj, experts.down_proj]) "
                          "to adapt them, or target the attention and dense linears (lora_target_modules: "
                          "[q_proj, k_proj, v_proj, o_proj], or lora_target_linear: true)")
+    _upcast_saved_modules(wrapped)
     reached = {checkpoint_key(f"{n}.{m.parameter_name}") for n, m in wrapped.named_modules() if is_param_wrapper(m)}
     unmatched = sorted(w for w in wanted if not any(r == w or r.endswith(f".{w}") for r in reached))
     if unmatched:  # PEFT passes over them silently
@@ -180,6 +181,15 @@ def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
                          "(name them as module.parameter, e.g. experts.gate_up_proj for a mixture-of-experts "
                          "layer's fused 3-D weights; a dense model has none)")
     return wrapped
+
+
+@torch.no_grad()
+def _upcast_saved_modules(model: nn.Module) -> None:
+    """The trained ``modules_to_save`` copies in fp32 (as PEFT's ``autocast_adapter_dtype`` keeps
+    the adapters): fp32 master weights while the frozen original keeps the base's dtype."""
+    for name, p in model.named_parameters():
+        if is_saved_module_param(name) and p.dtype in (torch.float16, torch.bfloat16):
+            torch.utils.swap_tensors(p, nn.Parameter(p.detach().float(), requires_grad=p.requires_grad))
 
 
 def tied_embeddings(model: nn.Module) -> bool:
