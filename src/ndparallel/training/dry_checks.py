@@ -62,7 +62,20 @@ def chunked_loss_state(cfg: TrainConfig, hf) -> str:
 
 
 def model_notes(cfg: TrainConfig, hf) -> list[str]:
-    """Notes that depend on the model: sample packing with token mixers other than attention."""
+    """Notes that depend on the model: ``sequence_len`` past the model's positions (rotary / ALiBi:
+    extrapolated), sample packing with token mixers other than attention."""
+    from ndparallel.training.model_check import beyond_positions
+
+    notes = []
+    positions = beyond_positions(cfg, hf)
+    if positions is not None:
+        notes.append(f"sequence_len={cfg.sequence_len} goes past the model's max_position_embeddings={positions}: "
+                     "its computed (rotary / ALiBi) positions extrapolate beyond the trained context, as in "
+                     "Axolotl; a rope_scaling in config.json extends the context properly")
+    return notes + _packing_notes(cfg, hf)
+
+
+def _packing_notes(cfg: TrainConfig, hf) -> list[str]:
     if not cfg.sample_packing:
         return []
     import torch.nn as nn

@@ -133,11 +133,11 @@ def check_model(cfg: TrainConfig, hf, check_weights: bool = True) -> None:
     problem = config_problem(hf, cfg.trust_remote_code)
     if problem:
         raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
-    positions = getattr(hf, "max_position_embeddings", None)
-    if isinstance(positions, int) and cfg.sequence_len > positions:
+    tables = beyond_learned_positions(cfg, hf)
+    if tables:
         raise ConfigError(f"sequence_len={cfg.sequence_len} is larger than the model's max_position_embeddings="
-                          f"{positions} (base_model={cfg.base_model!r}): lower sequence_len, or extend the "
-                          "model's context (max_position_embeddings with a fitting rope_scaling in config.json)")
+                          f"{hf.max_position_embeddings} (base_model={cfg.base_model!r}), and its positions are a "
+                          f"learned table ({tables[0]}) with no row past that: lower sequence_len")
     if is_preset(cfg.base_model) or (published_config(cfg.base_model) is not None
                                      and not Path(cfg.base_model).exists()):
         if cfg.fsdp_config.layer_classes:
@@ -165,6 +165,21 @@ def _check_layer_classes(cfg: TrainConfig, model) -> None:
         raise ConfigError(f"fsdp_config.layer_classes (transformer_layer_cls_to_wrap) {missing} is not a class of "
                           f"base_model={cfg.base_model!r} (its layers: {layers[:6]}); set it to the decoder-layer "
                           "class, or remove it")
+
+
+def beyond_positions(cfg: TrainConfig, hf) -> int | None:
+    """The model's ``max_position_embeddings`` when ``sequence_len`` goes past it (else None)."""
+    positions = getattr(hf, "max_position_embeddings", None)
+    return positions if isinstance(positions, int) and cfg.sequence_len > positions else None
+
+
+def beyond_learned_positions(cfg: TrainConfig, hf) -> list[str]:
+    """The learned position tables that ``sequence_len`` overruns (none for rotary / ALiBi models,
+    which compute positions: ``dry_checks.model_notes`` says they extrapolate)."""
+    from ndparallel.models.causal import learned_position_tables
+
+    positions = beyond_positions(cfg, hf)
+    return [] if positions is None else learned_position_tables(meta_model(cfg, hf), positions)
 
 
 def meta_model(cfg: TrainConfig, hf):
