@@ -210,7 +210,8 @@ def test_examples_at_the_dry_run_level(schema_results, tmp_path_factory, capsys)
         if schema_results[name] and not pending_only:
             results[name] = schema_results[name]
             continue
-        sets = [f"base_model={stand_in(root, families[raw['base_model']])}",
+        sets = [f"base_model={stand_in(root, families[raw['base_model']])}",  # a local stand-in: no Hub revision
+                *[f"{k}=null" for k in ("revision_of_model", "model_revision") if k in raw],
                 *(_neutralised(raw) if pending_only else [])]
         if raw.get("load_in_4bit") and not pending_only:  # NF4 groups that fit the tiny stand-in's linears
             sets += ["nf4_block_size=2", "nf4_scaler_block_size=2"]
