@@ -37,7 +37,7 @@ PENDING = re.compile(
 """Refusals of quantisation keys (GPTQ, QAT, MXFP4 / NVFP4 bases, an 8-bit full fine-tune), reported
 apart: the rest of such an example is checked with them taken out."""
 FIX = re.compile(r"\b(remove|use|set|add|give|download|put|upload|install|keep|fix|write|raise|lower|did you mean)\b")
-LEGACY = {"debug", "test_value", "eta_min", "base_model_ignore_patterns", "sample_packing_seq_len_multiplier",
+LEGACY = {"debug", "test_value", "eta_min", "base_model_ignore_patterns", "sample_packing_seq_len_multiplier", "adam_eps",
           "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama"}
 """Keys Axolotl's examples use that its schema no longer has (the table covers them too)."""
 

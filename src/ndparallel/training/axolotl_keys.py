@@ -317,6 +317,8 @@ TOP: dict[str, Rule] = {
     # keys of Axolotl's examples that its current schema no longer has (Axolotl ignores them)
     **_all("ignored", "not a key of Axolotl's schema (Axolotl ignores it too)", "debug", "test_value", "eta_min",
            "base_model_ignore_patterns", "sample_packing_seq_len_multiplier"),
+    **_all("ignored", "not a key of Axolotl's schema: Axolotl ignores it, and so does ndparallel (the optimizer's "
+           "epsilon is adam_epsilon: rename it to apply it)", "adam_eps"),
 }
 """Top-level Axolotl keys (not ``TrainConfig`` fields or aliases)."""
 
