@@ -309,11 +309,15 @@ TOP: dict[str, Rule] = {
            "nemo_gym_dir", "nemo_gym_max_turns", "nemo_gym_model_name", "nemo_gym_multi_turn"),
     **_defaults("noop", RL, nemo_gym_auto_start=True, nemo_gym_enabled=True, nemo_gym_head_port=11000,
                 nemo_gym_run_timeout=300, nemo_gym_server_timeout=360, nemo_gym_verify_timeout=30),
-    **_all("noop", TRACKER, "swanlab_api_host", "swanlab_api_key", "swanlab_description", "swanlab_experiment_name",
-           "swanlab_lark_secret", "swanlab_lark_webhook_url", "swanlab_mode", "swanlab_project",
-           "swanlab_web_host", "swanlab_workspace"),
-    **_defaults("noop", TRACKER, swanlab_completion_log_interval=100, swanlab_completion_max_buffer=128,
-                swanlab_log_completions=True, swanlab_log_model=False, use_swanlab=None),
+    **_all("noop", "give SwanLab's key in the environment (SWANLAB_API_KEY; or swanlab login), not in the "
+           "config; remove it", "swanlab_api_key"),
+    **_all("noop", "a private SwanLab deployment is set up with swanlab login --host HOST; remove it",
+           "swanlab_api_host", "swanlab_web_host"),
+    **_all("noop", "SwanLab's Lark notifications are not wired in; remove it", "swanlab_lark_secret",
+           "swanlab_lark_webhook_url"),
+    **_defaults("noop", "SwanLab logs metrics only (no completions, no model upload); remove it",
+                swanlab_completion_log_interval=100, swanlab_completion_max_buffer=128, swanlab_log_completions=True,
+                swanlab_log_model=False),
     # keys of Axolotl's examples that its current schema no longer has (Axolotl ignores them)
     **_all("ignored", "not a key of Axolotl's schema (Axolotl ignores it too)", "debug", "test_value", "eta_min",
            "base_model_ignore_patterns", "sample_packing_seq_len_multiplier"),
@@ -328,6 +332,7 @@ PLUGINS: dict[str, str] = {
                    "torch_compile",
     "ExpertParallelPlugin": "ndparallel's expert parallelism: expert_parallel_size (docs/moe.md)",
     "KernelsPlugin": "transformers' own modules (its kernels change speed, not the result)",
+    "SwanLabPlugin": "the SwanLab tracker (use_swanlab / swanlab_project, docs/axolotl.md)",
 }
 """Axolotl plugins (class names) ndparallel maps; any other is refused with the fix."""
 
