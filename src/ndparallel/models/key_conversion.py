@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from ndparallel.models.adapters import checkpoint_key, is_adapter_param
+from ndparallel.models.checkpoint_formats import extra_transforms, keeps_rows
 
 
 def _transforms(model: nn.Module, add_legacy: bool = True) -> list:
@@ -61,6 +62,7 @@ class Fused:
     target: str  # the model key the converter is keyed on (its first target)
     sources: dict[str, list[str]] = field(default_factory=dict)  # source pattern -> stored keys, in order
     shapes: dict[str, tuple] = field(default_factory=dict)  # model key -> shape, every target
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # model key -> dtype the converter gives
 
     def _convert(self, model, read: Callable[[str], torch.Tensor | None]) -> dict[str, torch.Tensor]:
         conv = copy.deepcopy(self.converter)
@@ -77,15 +79,26 @@ class Fused:
 
         ops = list(getattr(self.converter, "operations", ()))
         return (bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
-                and all(getattr(op, "dim", None) not in (None, 0) for op in ops[1:]))
+                and all(keeps_rows(op) for op in ops[1:]))
 
-    def read(self, model, name: str, offsets, lengths, read_stored: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        """``model[name][offsets : offsets + lengths]``, reading stored tensors with ``read_stored``."""
-        by_rows = self.stacks_rows() and len(offsets) > 0
-        if by_rows:  # only the stored tensors of rows [lo, hi): the rest read as None (skipped)
-            lo, hi = offsets[0], offsets[0] + lengths[0]
+    def maps_rows(self) -> bool:
+        """Every operation keeps dim 0 (one stored tensor per source, e.g. MXFP4 dequantisation):
+        a slice of rows needs only those rows of each stored tensor."""
+        ops = list(getattr(self.converter, "operations", ()))
+        return (bool(ops) and all(keeps_rows(op) for op in ops)
+                and all(len(keys) == 1 for keys in self.sources.values()))
+
+    def read(self, model, name: str, offsets, lengths, read_stored: Callable[[str], torch.Tensor],
+             read_rows: Callable[[str, int, int], torch.Tensor] | None = None) -> torch.Tensor:
+        """``model[name][offsets : offsets + lengths]``, reading stored tensors with ``read_stored``
+        (rows ``[lo, hi)`` of one with ``read_rows``, where given)."""
+        lo, hi = (offsets[0], offsets[0] + lengths[0]) if len(offsets) else (0, 0)
+        by_rows = len(offsets) > 0 and (self.stacks_rows() or (read_rows is not None and self.maps_rows()))
+        if by_rows and self.stacks_rows():  # only the stored tensors of rows [lo, hi): the rest read as None
             index = {k: i for keys in self.sources.values() for i, k in enumerate(keys)}
             full = self._convert(model, lambda k: read_stored(k) if lo <= index[k] < hi else None)[name]
+        elif by_rows:  # rows [lo, hi) of each stored tensor
+            full = self._convert(model, lambda k: read_rows(k, lo, hi))[name]
         else:
             full = self._convert(model, read_stored)[name]
         first = 0 if by_rows else offsets[0]
@@ -124,7 +137,8 @@ def checkpoint_keys(model: nn.Module, stored: dict[str, tuple]) -> CheckpointKey
         rename_source_key,
     )
 
-    transforms = _transforms(model)
+    own = _transforms(model)
+    transforms = own + extra_transforms(model, stored)  # + MXFP4, linearized experts: load only
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
@@ -158,8 +172,9 @@ def checkpoint_keys(model: nn.Module, stored: dict[str, tuple]) -> CheckpointKey
                              f"does ({' '.join(str(e).split())[:200]}): the weights do not match the "
                              "config") from None
         group.shapes = {name: tuple(t.shape) for name, t in meta.items()}
+        group.dtypes = {name: t.dtype for name, t in meta.items()}
         fused.update({name: group for name in group.shapes if name in keys})
-    return CheckpointKeys(direct, fused, unused, [t for t in transforms if t.was_used()])
+    return CheckpointKeys(direct, fused, unused, [t for t in own if t.was_used()])
 
 
 def stored_shape(plan: CheckpointKeys, stored: dict[str, tuple], key: str) -> list[int]:
