@@ -72,7 +72,8 @@ def _train(path: str, overrides: list[str]) -> bool:
 
 
 RUNS = {
-    "gpt_oss": "model_quantization_config: Mxfp4Config\nmodel_quantization_config_kwargs: {dequantize: true}\n",
+    "gpt_oss": ("model_quantization_config: Mxfp4Config\nmodel_quantization_config_kwargs: {dequantize: true}\n"
+                "gradient_checkpointing: true\n"),  # the layers wrapped before the experts are read
     "llama4": ("llama4_linearized_experts: true\nadapter: qlora\nload_in_4bit: true\nlora_r: 4\nlora_alpha: 8\n"
                "lora_target_modules: [self_attn.q_proj, self_attn.v_proj, shared_expert.gate_proj]\n"
                "nf4_block_size: 2\nnf4_scaler_block_size: 2\n"),
