@@ -96,19 +96,20 @@ def llama4(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama4")
     torch.manual_seed(0)
     _save(AutoModelForCausalLM.from_config(tiny_config("llama4_text")), root / "ref")
-
-    def linearize(state):
-        for name in [k for k in state if k.endswith("experts.gate_up_proj")]:
-            prefix, gate_up = name.removesuffix("gate_up_proj"), state.pop(name)
-            down, inter = state.pop(prefix + "down_proj"), gate_up.shape[-1] // 2
-            for e in range(gate_up.shape[0]):
-                state[f"{prefix}gate_projs.{e}.weight"] = gate_up[e, :, :inter].T
-                state[f"{prefix}up_projs.{e}.weight"] = gate_up[e, :, inter:].T
-                state[f"{prefix}down_projs.{e}.weight"] = down[e].T
-        return state
-
-    _rewrite(root / "ref", root / "linearized", linearize)
+    _rewrite(root / "ref", root / "linearized", _linearize)
     return root / "ref", root / "linearized"
+
+
+def _linearize(state: dict) -> dict:
+    """Axolotl's linearized layout: each expert as gate / up / down linears."""
+    for name in [k for k in state if k.endswith("experts.gate_up_proj")]:
+        prefix, gate_up = name.removesuffix("gate_up_proj"), state.pop(name)
+        down, inter = state.pop(prefix + "down_proj"), gate_up.shape[-1] // 2
+        for e in range(gate_up.shape[0]):
+            state[f"{prefix}gate_projs.{e}.weight"] = gate_up[e, :, :inter].T
+            state[f"{prefix}up_projs.{e}.weight"] = gate_up[e, :, inter:].T
+            state[f"{prefix}down_projs.{e}.weight"] = down[e].T
+    return state
 
 
 def _loaded(model_dir: str, layout: dict) -> dict:
@@ -142,6 +143,20 @@ def test_mxfp4_experts_are_dequantised_exactly_on_load(gpt_oss):
 def test_linearized_llama4_experts_are_fused_on_load(llama4):
     ref, linearized = llama4
     _assert_same_weights(ref, linearized, 2)
+
+
+def test_linearized_multimodal_llama4_checkpoint_loads_its_text_model(tmp_path):
+    """Axolotl's published linearized checkpoints are Llama4ForConditionalGeneration
+    (``language_model.model.layers.*``): the text model is read from them, experts fused."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, projector_input_dim=32, projector_output_dim=32, vision_output_dim=32)
+    torch.manual_seed(0)
+    _save(Llama4ForConditionalGeneration(Llama4Config(text_config=tiny_config("llama4_text").to_dict(),
+                                                      vision_config=vision)), tmp_path / "ref")
+    _rewrite(tmp_path / "ref", tmp_path / "linearized", _linearize)
+    _assert_same_weights(tmp_path / "ref", tmp_path / "linearized", 2)
 
 
 def _train(model_type: str, model_dir: Path, world: int):
