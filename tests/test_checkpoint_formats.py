@@ -224,9 +224,11 @@ def test_prequantized_bitsandbytes_checkpoint_is_refused_before_launch(llama4, t
             assert problem is not None and "pre-quantised by bitsandbytes" in problem and "bf16 checkpoint" in problem
 
 
-def test_only_the_sliced_rows_are_read_for_mxfp4(gpt_oss):
-    """Negative control of the memory bound: a rank's slice is built from its rows of the stored
-    tensors (reading any other row fails here)."""
+def test_only_the_sliced_rows_are_read_for_mxfp4(gpt_oss, monkeypatch):
+    """The memory bound: a rank's slice is built from its rows of the stored tensors (reading a
+    whole tensor fails here), in blocks of rows (here one expert per block)."""
+    import ndparallel.models.key_conversion as kc
+
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ndparallel.models.safetensors_read import SliceReader, checkpoint_plan, stored_tensors
@@ -251,6 +253,11 @@ def test_only_the_sliced_rows_are_read_for_mxfp4(gpt_oss):
         raise AssertionError(f"read {key} whole")
 
     shape = list(group.shapes[name])
+    full = group.read(model, name, [0, 0, 0], shape, reader._read_whole)  # no read_rows: all at once
     piece = group.read(model, name, [2, 0, 0], [2, *shape[1:]], no_whole, read_rows)
-    full = group.read(model, name, [0, 0, 0], shape, reader._read_whole)
-    assert rows == [(2, 4), (2, 4)] and torch.equal(piece, full[2:4])
+    assert rows == [(2, 4), (2, 4)] and torch.equal(piece, full[2:4])  # blocks, scales: rows 2-3 only
+    rows.clear()
+    monkeypatch.setattr(kc, "_BLOCK_VALUES", shape[1] * shape[2])  # one expert per block
+    out = torch.empty(2, shape[1], shape[2] - 8)
+    got = group.read(model, name, [2, 0, 8], [2, shape[1], shape[2] - 8], no_whole, read_rows, out=out)
+    assert got is out and rows == [(2, 3), (2, 3), (3, 4), (3, 4)] and torch.equal(out, full[2:4, :, 8:])

@@ -26,6 +26,7 @@ operations; no table of our own), serve the sharded load and the export:
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -89,22 +90,45 @@ class Fused:
                 and all(len(keys) == 1 for keys in self.sources.values()))
 
     def read(self, model, name: str, offsets, lengths, read_stored: Callable[[str], torch.Tensor],
-             read_rows: Callable[[str, int, int], torch.Tensor] | None = None) -> torch.Tensor:
+             read_rows: Callable[[str, int, int], torch.Tensor] | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         """``model[name][offsets : offsets + lengths]``, reading stored tensors with ``read_stored``
-        (rows ``[lo, hi)`` of one with ``read_rows``, where given)."""
+        (rows ``[lo, hi)`` of one with ``read_rows``, where given). A converter that maps rows
+        (``maps_rows``) is run on blocks of at most ``_BLOCK_VALUES`` values, each copied into
+        ``out`` (returned) when given."""
+        if len(offsets) and read_rows is not None and self.maps_rows() and not self.stacks_rows():
+            return self._read_row_blocks(model, name, offsets, lengths, read_rows, out)
         lo, hi = (offsets[0], offsets[0] + lengths[0]) if len(offsets) else (0, 0)
-        by_rows = len(offsets) > 0 and (self.stacks_rows() or (read_rows is not None and self.maps_rows()))
-        if by_rows and self.stacks_rows():  # only the stored tensors of rows [lo, hi): the rest read as None
+        by_rows = len(offsets) > 0 and self.stacks_rows()
+        if by_rows:  # only the stored tensors of rows [lo, hi): the rest read as None (skipped)
             index = {k: i for keys in self.sources.values() for i, k in enumerate(keys)}
             full = self._convert(model, lambda k: read_stored(k) if lo <= index[k] < hi else None)[name]
-        elif by_rows:  # rows [lo, hi) of each stored tensor
-            full = self._convert(model, lambda k: read_rows(k, lo, hi))[name]
         else:
             full = self._convert(model, read_stored)[name]
         first = 0 if by_rows else offsets[0]
         index = (slice(first, first + lengths[0]),
                  *(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))) if len(offsets) else ()
         return full[index]
+
+    def _read_row_blocks(self, model, name, offsets, lengths, read_rows, out) -> torch.Tensor:
+        lo, hi = offsets[0], offsets[0] + lengths[0]
+        inner = tuple(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))
+        step = max(1, _BLOCK_VALUES // max(1, math.prod(self.shapes[name][1:])))
+        parts = []
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            part = self._convert(model, lambda k: read_rows(k, a, b))[name][(slice(None), *inner)]
+            if out is None:
+                parts.append(part)
+            else:
+                out[a - lo:b - lo].copy_(part)
+            del part
+        return out if out is not None else torch.cat(parts)
+
+
+_BLOCK_VALUES = 2**24
+"""Values of one block of rows converted at once by a row-mapping converter (MXFP4 dequantisation:
+≈ 20 bytes per value transient in fp32, so ≈ 330 MB; at least one row)."""
 
 
 @dataclass

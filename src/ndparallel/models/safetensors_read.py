@@ -196,8 +196,10 @@ class SliceReader(HuggingFaceStorageReader):
             fqn = item.storage_index.fqn
             target = planner.resolve_tensor(item).detach()
             piece = self._plan.fused[fqn].read(self._model, fqn, list(item.storage_offsets),
-                                               list(item.lengths), self._read_whole, self._read_rows)
-            target.copy_(piece)
+                                               list(item.lengths), self._read_whole, self._read_rows,
+                                               out=target if target.is_contiguous() else None)
+            if piece is not target:
+                target.copy_(piece)
             planner.commit_tensor(item, target)
         fut: Future = Future()
         fut.set_result(None)
