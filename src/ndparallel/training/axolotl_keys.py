@@ -161,12 +161,16 @@ TOP: dict[str, Rule] = {
     **_all("mapped", "the model class comes from base_model's config.json (AutoModelForCausalLM picks the "
            "family's causal-LM class)", "type_of_model"),
     **_all("noop", "not supported; remove it (ndparallel trains a transformers model with its own classes)",
-           "trainer_cls", "processor_kwargs", "use_onebitllms", "llama4_linearized_experts"),
+           "trainer_cls", "processor_kwargs", "use_onebitllms"),
+    **_all("mapped", "true -> Axolotl's per-expert linears fused into transformers' Llama 4 experts on load "
+           "(saved in transformers' layout; LoRA on experts.*_projs refused)", "llama4_linearized_experts"),
     **_all("mapped", "true with adapter: lora -> LoRA on the base in bf16/fp32 (no 8-bit base here: twice its "
            "memory, and no LLM.int8 rounding; adapter: qlora + load_in_4bit: true is the low-memory option)",
            "load_in_8bit"),
-    **_all("noop", QUANT, "gptq", "model_quantization_config", "model_quantization_config_kwargs",
-           "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama"),
+    **_all("noop", QUANT, "gptq", "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama"),
+    **_all("mapped", "Mxfp4Config + {dequantize: true} -> MXFP4 expert weights dequantised on load, trained and "
+           "saved unquantised (dequantize: false, other configs: refused)", "model_quantization_config",
+           "model_quantization_config_kwargs"),
     **_all("mapped", "true -> the experts' fused weights stay in the base dtype (QLoRA quantises the linear "
            "layers to NF4; the experts are 3-D tensors: more memory than Axolotl's 4-bit experts)",
            "quantize_moe_experts"),
