@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ndparallel.training.optim_lowbit import OPTIMIZER_NAMES
+from ndparallel.training.axolotl_checkpoint import linearized_experts, model_quantization
 from ndparallel.training.axolotl_keys import DATASET, PLUGINS, TOP, Translation, is_empty, short
 from ndparallel.training.axolotl_layout import (
     default_layout,
@@ -313,6 +314,8 @@ MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "eval_causal_lm_metrics": _causal_lm_eval, "mean_resizing_embeddings": _mean_resizing,
     "accelerator_config": _accelerator_config, "model_config": _rename("overrides_of_model_config"),
     "load_in_8bit": _load_in_8bit, "quantize_moe_experts": _note_if_set,
+    "model_quantization_config": model_quantization, "model_quantization_config_kwargs": model_quantization,
+    "llama4_linearized_experts": linearized_experts,
     "cut_cross_entropy": lambda t, k, v: None,  # the plugin's own switch (on by default)
     "optimizer": lambda t, k, v: _choice(t, k, v, OPTIMIZERS, "adamw_torch_fused"),
     "lr_scheduler": lambda t, k, v: _choice(t, k, v, SCHEDULERS, "cosine"),
