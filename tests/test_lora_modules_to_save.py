@@ -119,6 +119,18 @@ def _train_and_save(base_dir: str, out: str) -> torch.Tensor:
     return logits
 
 
+def _continue_from(base_dir: str, adapter_dir: str) -> torch.Tensor:
+    """``lora_model_dir``'s path: the saved adapter loaded on FSDP 2; its logits on ``PROBE``."""
+    from ndparallel import ParallelismConfig
+    from ndparallel.engine import Engine
+    from ndparallel.models.adapter_files import read_adapter_config
+
+    engine = Engine(ParallelismConfig(dp_shard_size=2))
+    model = engine.build_model(base_dir, adapter=read_adapter_config(adapter_dir), adapter_weights=adapter_dir)
+    with torch.no_grad():
+        return model.eval()(input_ids=PROBE).logits.detach().clone()
+
+
 def test_saved_adapter_holds_the_trained_modules_and_reproduces_the_model(tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -146,6 +158,15 @@ def test_saved_adapter_holds_the_trained_modules_and_reproduces_the_model(tmp_pa
     for name, model in (("peft", peft_model), ("merged", AutoModelForCausalLM.from_pretrained(out / "merged")),
                         ("offline merge", AutoModelForCausalLM.from_pretrained(out / "offline"))):
         assert (logits(model) - trained).abs().max() <= 2e-5, name
+    resumed = run_on_ranks(_continue_from, 2, base_dir, str(out / "adapter"), timeout_s=400)[0]
+    assert (resumed - trained).abs().max() <= 2e-5  # lora_model_dir: the run continues from it
+
+
+def test_tensor_parallel_is_refused_in_python_too():
+    from ndparallel.runtime.multirank import RankFailure
+
+    with pytest.raises(RankFailure, match="LoRA's modules_to_save .* are trained whole"):
+        run_on_ranks(train_under_layout, 2, _setup("tiny-llama"), {"tp_size": 2}, timeout_s=200)
 
 
 def test_qlora_leaves_the_saved_modules_unquantised():

@@ -115,6 +115,18 @@ def _train_and_save(base_dir: str, out: str) -> torch.Tensor:
     return logits
 
 
+def _continue_from(base_dir: str, adapter_dir: str) -> torch.Tensor:
+    """``lora_model_dir``'s path: the saved adapter loaded on FSDP 2; its logits on ``PROBE``."""
+    from ndparallel import ParallelismConfig
+    from ndparallel.engine import Engine
+    from ndparallel.models.adapter_files import read_adapter_config
+
+    engine = Engine(ParallelismConfig(dp_shard_size=2))
+    model = engine.build_model(base_dir, adapter=read_adapter_config(adapter_dir), adapter_weights=adapter_dir)
+    with torch.no_grad():
+        return model.eval()(input_ids=PROBE).logits.detach().clone()
+
+
 def test_saved_adapter_reproduces_the_trained_model(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -144,6 +156,8 @@ def test_saved_adapter_reproduces_the_trained_model(tmp_path):
     for name, model in (("peft", peft_model), ("merged", AutoModelForCausalLM.from_pretrained(out / "merged")),
                         ("offline merge", AutoModelForCausalLM.from_pretrained(out / "offline"))):
         assert (logits(model) - trained).abs().max() <= 2e-5, name
+    resumed = run_on_ranks(_continue_from, 2, base_dir, str(out / "adapter"), timeout_s=400)[0]
+    assert (resumed - trained).abs().max() <= 2e-5  # lora_model_dir: the run continues from it
 
 
 @pytest.mark.parametrize("extra, fragment", [

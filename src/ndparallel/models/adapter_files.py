@@ -102,5 +102,5 @@ def read_adapter_weights(model: nn.Module, directory: str | os.PathLike) -> dict
     if problem:
         raise ValueError(problem)
     saved = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
-    dtypes: dict[str, Any] = {n: p.dtype for n, p in model.named_parameters()}
+    dtypes: dict[str, Any] = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
     return {name: saved[key].to(dtypes[name]) for key, (name, _) in _expected(model).items()}
