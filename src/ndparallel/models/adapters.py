@@ -165,7 +165,15 @@ def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
     if config.modules_to_save and tied_embeddings(model) and not getattr(config, "ensure_weight_tying", False):
         config = copy.deepcopy(config)  # the trained embedding stays the LM head, as in the base
         config.ensure_weight_tying = True
-    wrapped = peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME, autocast_adapter_dtype=True)
+    try:
+        wrapped = peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME, autocast_adapter_dtype=True)
+    except ValueError as e:  # PEFT mapped transformers-4 names onto fused experts, then refused a setting
+        if "ParamWrapper" not in str(e) or wanted:
+            raise
+        raise ValueError(f"LoRA targets {asked} reach the fused expert weights of this mixture-of-experts model "
+                         f"(PEFT maps them to target_parameters: {e}): name the experts in "
+                         "lora_target_parameters (with lora_dropout: 0), or target the attention and dense "
+                         "linears only") from None
     fused = set(getattr(adapter_config_of(wrapped), "target_parameters", None) or []) - wanted
     if fused:  # PEFT maps transformers-4 names (gate_proj, up_proj, w1 ...) onto fused MoE weights
         raise ValueError(f"LoRA targets {asked} reach the fused expert weights / "
