@@ -113,6 +113,8 @@ TOP: dict[str, Rule] = {
     **_all("ignored", "loader settings: ndparallel reads memory-mapped rows on the main thread (no workers)",
            "dataloader_pin_memory", "dataloader_num_workers", "dataloader_prefetch_factor",
            "dataloader_drop_last", "remove_unused_columns"),
+    **_all("mapped", "a mapping of bos/eos/pad/unk tokens (older Axolotl's form) -> special_tokens; a list of new "
+           "tokens is read as is", "tokens"),
     **_all("ignored", "tokens/s, TFLOPs, MFU and peak memory are always logged", "include_tokens_per_second",
            "include_tkps"),
     **_all("ignored", "validation rows are built like training rows (packed samples never attend across "
