@@ -44,7 +44,8 @@ INTERNAL = "Axolotl sets it itself (internal); remove it"
 OFFLOAD = ("offloading layer parameters is not supported: remove it (fsdp_config.cpu_offload offloads the "
            "parameters, activation_offloading the checkpointed activations)")
 GENERATE = "sample generation during training is not supported; remove it (eval_loss and perplexity are logged)"
-TRACKER = "this tracker is not supported: use wandb_project, use_tensorboard or use_mlflow; remove it"
+TRACKER = ("this tracker is not supported: use wandb_project, use_tensorboard, use_mlflow, swanlab_project or "
+           "use_otel_metrics; remove it")
 OPTIM = "not supported here: remove it (optimizer: adamw_torch, adamw_torch_fused or sgd; learning_rate, weight_decay)"
 KERNEL = "a kernel switch of Axolotl's: ndparallel runs transformers' modules (regional compile: torch_compile: true)"
 LORA = "not supported by ndparallel's LoRA (adapter: lora with lora_r/lora_alpha/lora_dropout/lora_target_*); remove it"
@@ -199,8 +200,7 @@ TOP: dict[str, Rule] = {
                 generation_temperature=0.7, generation_prompt_ratio=0.5, generation_do_sample=True),
     **_all("noop", TRACKER, "use_comet", "comet_api_key", "comet_workspace", "comet_project_name",
            "comet_experiment_key", "comet_mode", "comet_online", "comet_experiment_config", "use_trackio",
-           "trackio_project_name", "trackio_run_name", "trackio_space_id", "use_otel_metrics"),
-    **_defaults("noop", TRACKER, otel_metrics_host="localhost", otel_metrics_port=8000),
+           "trackio_project_name", "trackio_run_name", "trackio_space_id"),
     **_all("ignored", RAY, "use_ray", "ray_run_name"),
     **_defaults("ignored", RAY, ray_num_workers=1, resources_per_worker={"GPU": 1}),
     **_all("noop", "Gradio is not used; remove it", "gradio_title", "gradio_share", "gradio_server_name",
