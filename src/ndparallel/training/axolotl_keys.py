@@ -272,7 +272,8 @@ TOP: dict[str, Rule] = {
            "pretraining_sample_concatenation"),
     **_defaults("noop", "Axolotl's streaming packer is not used; remove it", pretrain_multipack_attn=True,
                 streaming_multipack_buffer_size=10000),
-    **_all("noop", "deprecated by Axolotl: use sample_packing: true", "max_packed_sequence_len"),
+    **_all("mapped", "N (= sequence_len, or with sequence_len unset) -> sample_packing: true, sequence_len: N (its "
+           "successor; today's Axolotl refuses the old key)", "max_packed_sequence_len"),
     **_all("noop", "put rope_scaling in base_model's config.json", "rope_scaling"),
     **_all("noop", "DeepSpeed's compiler is not used (ndparallel: torch_compile); remove it", "deepcompile"),
     **_all("noop", "torch.compile options are not passed (torch_compile_backend picks the backend); remove it",
