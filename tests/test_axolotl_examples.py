@@ -214,6 +214,8 @@ def test_examples_at_the_dry_run_level(schema_results, tmp_path_factory, capsys)
                 *(_neutralised(raw) if pending_only else [])]
         if raw.get("load_in_4bit") and not pending_only:  # NF4 groups that fit the tiny stand-in's linears
             sets += ["nf4_block_size=2", "nf4_scaler_block_size=2"]
+        if ((raw.get("qat") or {}).get("group_size") or 0) > 64:  # QAT groups that fit the stand-in's 64-wide linears
+            sets.append("qat.group_size=32")
         code, _, err = run_cli(capsys, "train", path, "--dry-run", *[a for s in sets for a in ("--set", s)])
         lines = [x.strip() for x in err.strip().splitlines()]
         results[name] = [] if code == 0 else lines

@@ -155,12 +155,15 @@ def test_four_rank_layouts_under_qat_step_exactly_then_within_rounding_flips():
     assert diff["param_abs"] <= 1e-4 * 3, diff
 
 
-def _train(path: str, overrides: list[str]):
+def _train(path: str, overrides: list[str]) -> int:
+    """Train per the YAML; the number of fake-quantised modules the trained model had."""
+    from ndparallel.parallel.qat import fake_quantized_modules
     from ndparallel.training.config import load_config
-    from ndparallel.training.trainer import run_training
+    from ndparallel.training.trainer import Trainer
 
-    run_training(load_config(path, overrides))
-    return True
+    trainer = Trainer(load_config(path, overrides))
+    trainer.run()
+    return len(fake_quantized_modules(trainer.model))
 
 
 def test_yaml_qat_run_on_fsdp_saves_an_unquantised_model_that_loads(tmp_path, capsys):
@@ -175,7 +178,8 @@ def test_yaml_qat_run_on_fsdp_saves_an_unquantised_model_that_loads(tmp_path, ca
     code, out, err = run_cli(capsys, "train", cfg, "--dry-run", "--set", "dp_shard_size=2")
     assert code == 0, err
     assert "qat          : int4 weights (groups of 32) + int8 activations" in out, out
-    run_on_ranks(_train, 2, str(cfg), ["dp_shard_size=2"], timeout_s=300)
+    swapped = run_on_ranks(_train, 2, str(cfg), ["dp_shard_size=2"], timeout_s=300)
+    assert swapped == [2 * 7 + 1] * 2  # every linear of the trained model was fake-quantised, on each rank
     final = tmp_path / "out" / "final"
     model = AutoModelForCausalLM.from_pretrained(final)
     assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
