@@ -197,3 +197,11 @@ def test_yaml_qat_run_on_fsdp_saves_an_unquantised_model_that_loads(tmp_path, ca
     assert torch.isfinite(logits).all()
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert sorted(r["step"] for r in rows if "loss" in r) == [1, 2, 3]
+
+
+def test_verify_runs_the_layout_check_again_with_fake_quantisation(tmp_path, capsys):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("base_model: tiny-llama\ndp_shard_size: 2\ndevice: cpu\nsequence_len: 32\n"
+                   "qat: {activation_dtype: int8, weight_dtype: int4, group_size: 64}\n")  # shrunk model: 32 wide
+    code, out, err = run_cli(capsys, "verify", cfg, "--steps", "2")
+    assert code == 0 and "fp32 + qat int4: one process vs layout" in out and "PASS" in out, out + err
