@@ -205,3 +205,15 @@ def test_verify_runs_the_layout_check_again_with_fake_quantisation(tmp_path, cap
                    "qat: {activation_dtype: int8, weight_dtype: int4, group_size: 64}\n")  # shrunk model: 32 wide
     code, out, err = run_cli(capsys, "verify", cfg, "--steps", "2")
     assert code == 0 and "fp32 + qat int4: one process vs layout" in out and "PASS" in out, out + err
+
+
+def test_plan_from_a_qat_config_counts_the_full_logits(tmp_path, capsys):
+    import yaml
+
+    raw = yaml.safe_load(open("examples/gpu/llama-3.1-8b-lora-fsdp-tp.yaml"))
+    raw.update(tensor_parallel_size=1, qat={"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 32})
+    cfg = tmp_path / "qat.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    code, out, err = run_cli(capsys, "plan", "--config", cfg, "--gpus", "8", "--json")
+    assert code == 0, err
+    assert json.loads(out)["request"]["loss_impl"] == "full"  # the chunked loss steps aside under qat
