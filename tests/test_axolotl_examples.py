@@ -108,6 +108,8 @@ def _plugin_of(key: str) -> str:
      {"datasets": [{"path": "x", "message_property_mappings": {"role": "from", "content": "value"}}]},
      "message_property_mappings"),
     ({"attn_implementation": "xformers"}, {"attn_implementation": "sdpa"}, "xformers -> sdpa"),
+    ({"tokens": {"pad_token": "<|padding|>", "eos_token": "<|endoftext|>"}},
+     {"special_tokens": {"pad_token": "<|padding|>", "eos_token": "<|endoftext|>"}}, "(older Axolotl's form)"),
     ({"gradient_checkpointing": "offload"}, {"activation_offloading": True,
                                              "fsdp_config": {"activation_checkpointing": True}},
      "offload -> activation_offloading: true"),
