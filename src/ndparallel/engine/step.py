@@ -1,5 +1,6 @@
 """The one training step: micro-batches (CP-sharded), gradient accumulation, the layout-invariant
-loss, clipping, the non-finite guard, the optimizer and scheduler, fp8 scale precomputation.
+loss, clipping, the non-finite guard, the optimizer and scheduler, fp8 scale precomputation, QAT's
+delayed fake quantisation (``fake_quant_after_n_steps``).
 ``ndparallel train``, ``ndparallel verify`` and the equivalence checks all run this function, so
 what verify proves is what train runs.
 
@@ -76,6 +77,10 @@ def train_step(
     deciding whether a non-finite step is applied (``step`` is its 1-based index). The scheduler
     steps even when the optimizer step is skipped (the schedule follows the step count)."""
     aux_values: list = []
+    if engine.options.qat.fake_quant_after_n_steps is not None:
+        from ndparallel.parallel.qat import step_fake_quant
+
+        step_fake_quant(model, engine.options.qat, step)
     loss = forward_backward(engine, model, micro_batches, skip_grad_sync=skip_grad_sync, aux_values=aux_values)
     params = model.parameters()
     norm = (engine.clip_grad_norm_(params, max_grad_norm) if max_grad_norm

@@ -14,7 +14,7 @@ BEGIN, END = "<!-- axolotl-keys:begin (generated: python -m ndparallel.training.
 HONOURED = (
     "base_model tokenizer_config trust_remote_code attn_implementation flash_attention sdp_attention plugins "
     "dp_replicate_size dp_shard_size tensor_parallel_size context_parallel_size fsdp_config fsdp_version "
-    "torch_compile torch_compile_backend fp8 adapter lora_r lora_alpha lora_dropout lora_target_modules "
+    "torch_compile torch_compile_backend fp8 qat adapter lora_r lora_alpha lora_dropout lora_target_modules "
     "lora_target_linear lora_model_dir merge_lora peft_use_rslora lora_modules_to_save lora_target_parameters "
     "datasets pretraining_dataset val_set_size "
     "sequence_len sample_packing pad_to_sequence_len train_on_inputs excess_length_strategy chat_template "
@@ -28,7 +28,8 @@ HONOURED = (
     "wandb_run_id wandb_mode wandb_watch wandb_log_model use_tensorboard use_mlflow mlflow_tracking_uri "
     "mlflow_experiment_name mlflow_run_name hf_mlflow_log_artifacts device revision_of_model model_revision "
     "dataset_exact_deduplication curriculum_sampling sample_packing_sequentially use_swanlab swanlab_project "
-    "swanlab_experiment_name swanlab_description swanlab_workspace swanlab_mode").split()
+    "swanlab_experiment_name swanlab_description swanlab_workspace swanlab_mode use_otel_metrics otel_metrics_host "
+    "otel_metrics_port").split()
 """Axolotl's top-level keys ``TrainConfig`` reads under the same name (``tokenizer_config`` via the
 translation; ``wandb_watch``, ``wandb_log_model`` and ``hf_mlflow_log_artifacts``: empty only)."""
 

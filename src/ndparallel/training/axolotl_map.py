@@ -287,6 +287,39 @@ def _choice(t: Translation, key: str, value: Any, known: dict, example: str) -> 
              f"(e.g. {key}: {example})")
 
 
+def _tokens(t: Translation, key: str, value: Any) -> None:
+    """Older Axolotl configs give the bos / eos / pad / unk tokens as a ``tokens:`` mapping (today's
+    Axolotl refuses it): they become ``special_tokens``; a list (new tokens) is left as is."""
+    if not isinstance(value, dict) or not value or not set(value) <= {"bos_token", "eos_token", "pad_token",
+                                                                      "unk_token"}:
+        return
+    special = t.data.get("special_tokens") or {}
+    clash = sorted(k for k in value if k in special and special[k] != value[k])
+    if not isinstance(special, dict) or clash:
+        t.problems.append(f"'tokens' gives {clash or sorted(value)} as a mapping and special_tokens sets them "
+                          "otherwise; keep them under special_tokens only")
+        return
+    del t.data[key]
+    t.data["special_tokens"] = {**value, **special}
+    t.notes.append(f"tokens: a mapping of {', '.join(sorted(value))} (older Axolotl's form) -> special_tokens")
+
+
+def _max_packed(t: Translation, key: str, value: Any) -> None:
+    """Axolotl's old packing switch: rows of ``value`` tokens packed with samples."""
+    if is_empty(value):
+        return
+    length = t.data.get("sequence_len")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or length not in (None, value):
+        t.refuse(key, value, f"its successor packs rows of sequence_len tokens: remove it and set sequence_len: "
+                 f"{value if isinstance(value, int) else 'N'} and sample_packing: true")
+        return
+    if t.data.get("sample_packing") is False:
+        t.refuse(key, value, "it packs samples but the config sets sample_packing: false; keep one")
+        return
+    t.data.update(sequence_len=value, sample_packing=True)
+    t.notes.append(f"{key}: {value} -> sample_packing: true, sequence_len: {value} (its successor)")
+
+
 def _zero_is_none(t: Translation, key: str, value: Any) -> None:
     if value == 0:
         del t.data[key]
@@ -315,7 +348,7 @@ MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "accelerator_config": _accelerator_config, "model_config": _rename("overrides_of_model_config"),
     "load_in_8bit": _load_in_8bit, "quantize_moe_experts": _note_if_set,
     "model_quantization_config": model_quantization, "model_quantization_config_kwargs": model_quantization,
-    "llama4_linearized_experts": linearized_experts,
+    "llama4_linearized_experts": linearized_experts, "tokens": _tokens, "max_packed_sequence_len": _max_packed,
     "cut_cross_entropy": lambda t, k, v: None,  # the plugin's own switch (on by default)
     "optimizer": lambda t, k, v: _choice(t, k, v, OPTIMIZERS, "adamw_torch_fused"),
     "lr_scheduler": lambda t, k, v: _choice(t, k, v, SCHEDULERS, "cosine"),

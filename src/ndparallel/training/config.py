@@ -351,7 +351,8 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
 
         return StrategyOptions(fsdp=self.fsdp_options(), tp=self.tp_options(), cp=self.cp_options(),
                                loss=self.loss_options(), compile=self.compile_options(),
-                               float8=self.float8_options(), param_dtype=torch.bfloat16 if self.bf16 else None)
+                               float8=self.float8_options(), qat=self.qat_options(),
+                               param_dtype=torch.bfloat16 if self.bf16 else None)
 
     def lora_kwargs(self, **overrides) -> dict | None:
         """Arguments of ``ndparallel.models.adapters.lora_config``; None without ``adapter``."""

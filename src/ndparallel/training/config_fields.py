@@ -69,6 +69,11 @@ class TrackerFields(_Strict):
     swanlab_workspace: str | None = None
     swanlab_mode: Literal["cloud", "online", "local", "offline", "disabled"] | None = None
     """offline: the run is written under output_dir/swanlog (``swanlab sync`` uploads it later)."""
+    use_otel_metrics: bool = False
+    """A Prometheus endpoint http://otel_metrics_host:otel_metrics_port/metrics (main rank) with the
+    latest logged numbers (Axolotl's OpenTelemetry metrics)."""
+    otel_metrics_host: str = "localhost"
+    otel_metrics_port: int = Field(8000, ge=0, le=65535)
 
     @field_validator("wandb_watch", "wandb_log_model")
     @classmethod
@@ -100,6 +105,8 @@ class TrackerFields(_Strict):
         swanlab = self.use_swanlab if self.use_swanlab is not None else bool(self.swanlab_project)
         if swanlab and self.swanlab_mode != "disabled":
             out.append("swanlab")
+        if self.use_otel_metrics:
+            out.append("prometheus")
         return out
 
     def tracker_kwargs(self, name: str, run_dir: str) -> dict[str, Any]:
@@ -110,6 +117,8 @@ class TrackerFields(_Strict):
                                       "dir": run_dir}.items() if v is not None}
         if name == "tensorboard":
             return {"logging_dir": f"{run_dir}/runs"}
+        if name == "prometheus":
+            return {"host": self.otel_metrics_host, "port": self.otel_metrics_port}
         if name == "swanlab":  # Axolotl's "cloud" is SwanLab's "online"
             mode = "online" if self.swanlab_mode == "cloud" else self.swanlab_mode
             return {k: v for k, v in {"project": self.swanlab_project or "ndparallel", "mode": mode,
