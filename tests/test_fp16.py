@@ -164,3 +164,20 @@ def test_trainer_logs_the_scale_and_resume_continues_it(tmp_path):
     resumed = _rows(out)
     assert [r["step"] for r in resumed] == [3, 4]
     assert [(r["loss"], r["loss_scale"]) for r in resumed] == [(r["loss"], r["loss_scale"]) for r in full[2:]]
+
+
+def test_the_planner_counts_fp16_as_bf16():
+    """Same bytes (2-byte activations and gathered weights, fp32 masters and reductions) and the same
+    tensor-core peak; fp32 differs (the control)."""
+    from ndparallel.plan.hardware import PRESETS as HW
+    from ndparallel.plan.layout import Layout, Settings
+    from ndparallel.plan.memory import estimate_memory
+    from ndparallel.plan.models import PRESETS
+    from ndparallel.plan.search import estimate
+
+    model, hw = PRESETS["tiny"], HW["h100-80gb"]
+    got = {mp: (estimate_memory(model, Layout(dp_shard=2, tp=2), Settings(seq_len=256, mixed_precision=mp), hw),
+                estimate(model, Layout(dp_shard=2, tp=2), Settings(seq_len=256, mixed_precision=mp), hw, 8))
+           for mp in ("bf16", "fp16", "fp32")}
+    assert got["fp16"][0] == got["bf16"][0] != got["fp32"][0]
+    assert got["fp16"][1].time == got["bf16"][1].time

@@ -258,7 +258,8 @@ def compare(reference: TrainResult, other: TrainResult) -> dict[str, float]:
     def rel(a, b):
         if len(a) != len(b) or not a:
             raise AssertionError(f"the runs have {len(a)} and {len(b)} steps: nothing to compare step by step")
-        return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+        # equal non-finite values (an fp16 overflow step's inf norm on both sides) are equal
+        return max(0.0 if x == y else abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
 
     out = {"loss_rel": rel(reference.losses, other.losses),
            "grad_norm_rel": rel(reference.grad_norms, other.grad_norms)}

@@ -36,7 +36,7 @@ def _shrunk_nf4(cfg: TrainConfig):
 EXACT_STEPS_NOTE = ("SGD steps: the exact check (AdamW divides by sqrt(v) and so turns fp32 rounding on "
                     "near-zero gradients into lr-sized steps; gradients and SGD updates show the layout itself)")
 BF16_TOLERANCE = 2e-2
-"""Relative loss / grad-norm tolerance of the run at the config's precision (bf16 compute, fp8):
+"""Relative loss / grad-norm tolerance of the run at the config's precision (bf16/fp16 compute, fp8):
 both sides round differently (sharded matmuls, reduction orders), so only gross errors show."""
 
 
@@ -100,9 +100,10 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
         + EXACT_STEPS_NOTE + (f"; LoRA r={setup.adapter['r']} (dropout 0)" if setup.adapter else "")
         + ("; a 4-bit NF4 base (16 x 4 blocks: the shrunk weights are small)" if setup.quantization else ""))
     runs = [("fp32", setup, tolerance)]
-    if cfg.bf16 or cfg.fp8:
-        runs.append(("bf16" + (" + fp8" if cfg.fp8 else ""), dataclasses.replace(
-            setup, mixed_precision="bf16" if cfg.bf16 else "no"), BF16_TOLERANCE))
+    if cfg.compute_dtype() is not None or cfg.fp8:  # bf16, or fp16 with its loss scaling
+        low = cfg.compute_dtype_name()
+        runs.append((low + (" + fp8" if cfg.fp8 else ""), dataclasses.replace(
+            setup, mixed_precision=low if low != "fp32" else "no"), BF16_TOLERANCE))
     ok = True
     for name, run, tol in runs:
         ref = run_on_ranks(train_under_layout, 1, dataclasses.replace(

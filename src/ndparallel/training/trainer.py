@@ -362,7 +362,7 @@ class Trainer:
         engine, cfg = self.engine, self.cfg
         n_global = global_numel(self.model)
         self.flops_per_token = model_flops_per_token(self.model, self.hf_config, cfg.sequence_len)
-        self.peak_flops = device_peak_flops(engine.device, cfg.bf16)
+        self.peak_flops = device_peak_flops(engine.device, cfg.compute_dtype() is not None)
         self.metrics = RunTrackers(self.out, cfg, engine.is_main_process, fresh=self.state.step == 0,
                                    config=cfg.model_dump(mode="json", exclude_none=True))
         if engine.is_main_process:
