@@ -181,3 +181,47 @@ def test_the_planner_counts_fp16_as_bf16():
            for mp in ("bf16", "fp16", "fp32")}
     assert got["fp16"][0] == got["bf16"][0] != got["fp32"][0]
     assert got["fp16"][1].time == got["bf16"][1].time
+
+
+def _facade(tmp):
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.accelerator.handlers import GradScalerKwargs
+
+    acc = Accelerator(ParallelismConfig(dp_shard_size=2), mixed_precision="fp16",
+                      kwargs_handlers=[GradScalerKwargs(init_scale=2.0 ** 40, growth_interval=10 ** 9)])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FP16.model_config)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def full():
+        return torch.cat([p.detach().full_tensor().flatten().float() for p in model.parameters()])
+
+    def step():
+        acc.backward(model(input_ids=x, labels=x).loss)
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return acc.optimizer_step_was_skipped, acc.scaler.scale
+
+    start = full()
+    overflowed = step()  # loss x 2^40 overflows fp16 on every rank
+    unchanged = bool(torch.equal(full(), start))
+    acc.scaler.scale = 2.0 ** 8
+    applied = step()
+    changed = not torch.equal(full(), start)
+    acc.save_state(str(tmp))
+    acc.scaler.scale = 1.0
+    acc.load_state(str(tmp))
+    return overflowed, unchanged, applied, changed, acc.scaler.scale
+
+
+def test_accelerator_fp16_skips_overflows_and_saves_the_scale(tmp_path):
+    """The Accelerate facade: mixed_precision="fp16" scales in backward, unscales in clip_grad_norm_,
+    skips an overflowed step on both ranks (parameters unchanged), applies a finite one (they
+    change), and save_state / load_state keep the scale."""
+    got = run_on_ranks(_facade, 2, tmp_path / "state")
+    assert got == [((True, 2.0 ** 39), True, (False, 2.0 ** 8), True, 2.0 ** 8)] * 2
