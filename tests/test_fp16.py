@@ -128,6 +128,8 @@ def test_fp16_config_keys():
     assert cfg.export_dtype() == torch.float16 and cfg.loss_scaler().scale == 2.0 ** 16
     with pytest.raises(ConfigError, match="bf16 and fp16 are both true"):
         load_config(None, ["fp16=true", "bf16=true"])
+    with pytest.raises(ConfigError, match="fp8 with fp16 is not supported"):
+        load_config(None, ["fp16=true", "fp8=true"])
 
 
 SMALL = ["datasets=[{path: 'builtin:stdlib', max_bytes: 200000}]", "tokenizer_vocab_size=512", "sequence_len=32",

@@ -8,6 +8,7 @@ norms and parameters up to fp32 rounding.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,8 +259,7 @@ def compare(reference: TrainResult, other: TrainResult) -> dict[str, float]:
     def rel(a, b):
         if len(a) != len(b) or not a:
             raise AssertionError(f"the runs have {len(a)} and {len(b)} steps: nothing to compare step by step")
-        # equal non-finite values (an fp16 overflow step's inf norm on both sides) are equal
-        return max(0.0 if x == y else abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+        return max(_rel(x, y) for x, y in zip(a, b))
 
     out = {"loss_rel": rel(reference.losses, other.losses),
            "grad_norm_rel": rel(reference.grad_norms, other.grad_norms)}
@@ -275,6 +275,14 @@ def compare(reference: TrainResult, other: TrainResult) -> dict[str, float]:
             (reference.params[k] - other.params[k]).abs().max().item() for k in reference.params
         )
     return out
+
+
+def _rel(x: float, y: float) -> float:
+    """Relative difference; two non-finite values (an fp16 overflow step on both sides: inf or NaN
+    norm) count as equal, one non-finite value against a finite one as infinitely different."""
+    if not (math.isfinite(x) and math.isfinite(y)):
+        return 0.0 if not (math.isfinite(x) or math.isfinite(y)) else math.inf
+    return abs(x - y) / max(abs(x), 1e-12)
 
 
 def with_overrides(setup: TrainSetup, **kwargs) -> TrainSetup:

@@ -5,6 +5,8 @@ that no attention crosses a document start under the layout."""
 
 from __future__ import annotations
 
+import math
+
 from rich.console import Console
 from rich.table import Table
 
@@ -40,6 +42,13 @@ BF16_TOLERANCE = 2e-2
 both sides round differently (sharded matmuls, reduction orders), so only gross errors show."""
 
 
+def _norm_diff(a: float, b: float) -> str:
+    """The grad-norm column: an fp16 overflow (non-finite on both sides) is a skipped step."""
+    if not (math.isfinite(a) or math.isfinite(b)):
+        return "skipped"
+    return f"{abs(a - b) / abs(a):.1e}"
+
+
 def _setup(cfg: TrainConfig, pc, small, steps: int, fault: str | None):
     """What both sides of the check train: the run's own strategy options (as ``train`` builds
     them), fp32, SGD, on packed rows of random documents."""
@@ -73,7 +82,7 @@ def _compare(console, title: str, ref, got) -> dict:
         table.add_column(col, justify="right")
     for i, (a, b, ga, gb) in enumerate(zip(ref.losses, got.losses, ref.grad_norms, got.grad_norms)):
         table.add_row(str(i + 1), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b) / abs(a):.1e}",
-                      f"{ga:.6f}", f"{gb:.6f}", f"{abs(ga - gb) / abs(ga):.1e}")
+                      f"{ga:.6f}", f"{gb:.6f}", _norm_diff(ga, gb))
     console.print(table)
     return diff
 

@@ -137,6 +137,9 @@ class PrecisionFields(_Strict):
     def _one_precision(self):
         if self.fp16 and getattr(self, "bf16", False):
             raise ValueError("bf16 and fp16 are both true: choose one (bf16 where the GPU has it: no loss scaling)")
+        if self.fp16 and getattr(self, "fp8", False):
+            raise ValueError("fp8 with fp16 is not supported (torchao's float8 training runs from bf16/fp32): "
+                             "use bf16: true with fp8: true")
         return self
 
     def compute_dtype_name(self) -> str:
