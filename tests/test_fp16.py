@@ -134,12 +134,15 @@ def test_fp16_config_keys():
 
 SMALL = ["datasets=[{path: 'builtin:stdlib', max_bytes: 200000}]", "tokenizer_vocab_size=512", "sequence_len=32",
          "base_model=tiny-llama", "dp_shard_size=2", "fp16=true", "max_steps=4", "save_steps=2",
-         "save_final_model=false", "logging_steps=1", "loss_scale_init=1048576", "loss_scale_growth_interval=1"]
+         "save_final_model=false", "logging_steps=1", "loss_scale_init=1048576", "loss_scale_growth_interval=1",
+         # QLoRA (Axolotl's openllama-3b/qlora.yml is fp16): a 4-bit NF4 base, fp16 compute, LoRA masters fp32
+         "adapter=qlora", "load_in_4bit=true", "nf4_block_size=32", "nf4_scaler_block_size=4", "lora_target_linear=true"]
 
 
 def _train(overrides):
     from ndparallel.training.trainer import run_training
 
+    torch.compiler.set_stance("force_eager")  # torchao's NF4 ops compile otherwise (~20 s per run here)
     run_training(load_config(None, overrides))
     return True
 
@@ -149,9 +152,9 @@ def _rows(run_dir) -> list[dict]:
 
 
 def test_trainer_logs_the_scale_and_resume_continues_it(tmp_path):
-    """``ndparallel train`` with fp16: the scale is logged each log step and saved in checkpoints;
-    resuming from step 2 continues with the same scale, losses and skips as the uninterrupted run.
-    (2^20 with growth every step: overflows and growth both happen in 4 steps.)"""
+    """``ndparallel train`` with fp16 (QLoRA on FSDP 2): the scale is logged each log step and saved in
+    checkpoints; resuming from step 2 continues with the same scale and losses as the uninterrupted
+    run. (2^20 with growth every step: overflows and growth both happen in 4 steps.)"""
     import shutil
 
     out = tmp_path / "run"
