@@ -37,7 +37,7 @@ PENDING = re.compile(
 """Refusals of quantisation keys (GPTQ, QAT, MXFP4 / NVFP4 bases, an 8-bit full fine-tune), reported
 apart: the rest of such an example is checked with them taken out."""
 FIX = re.compile(r"\b(remove|use|set|add|give|download|put|upload|install|keep|fix|write|raise|lower|did you mean)\b")
-LEGACY = {"debug", "test_value", "eta_min", "base_model_ignore_patterns", "sample_packing_seq_len_multiplier",
+LEGACY = {"debug", "test_value", "eta_min", "base_model_ignore_patterns", "sample_packing_seq_len_multiplier", "adam_eps",
           "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama"}
 """Keys Axolotl's examples use that its schema no longer has (the table covers them too)."""
 
@@ -210,7 +210,8 @@ def test_examples_at_the_dry_run_level(schema_results, tmp_path_factory, capsys)
         if schema_results[name] and not pending_only:
             results[name] = schema_results[name]
             continue
-        sets = [f"base_model={stand_in(root, families[raw['base_model']])}",
+        sets = [f"base_model={stand_in(root, families[raw['base_model']])}",  # a local stand-in: no Hub revision
+                *[f"{k}=null" for k in ("revision_of_model", "model_revision") if k in raw],
                 *(_neutralised(raw) if pending_only else [])]
         if raw.get("load_in_4bit") and not pending_only:  # NF4 groups that fit the tiny stand-in's linears
             sets += ["nf4_block_size=2", "nf4_scaler_block_size=2"]

@@ -157,8 +157,6 @@ TOP: dict[str, Rule] = {
            "model is built, e.g. output_router_logits: true adds an MoE model's load-balancing loss)", "model_config"),
     **_all("noop", "overrides of the model's constructor arguments are not applied: use overrides_of_model_config "
            "(config.json fields), or remove it", "model_kwargs"),
-    **_all("noop", "download that revision (hf download NAME --revision R --local-dir DIR) and set base_model: DIR",
-           "model_revision", "revision_of_model"),
     **_all("noop", "overrides of the model's constructor arguments are not applied: use overrides_of_model_config "
            "(config.json fields), or remove it", "overrides_of_model_kwargs"),
     **_all("mapped", "the model class comes from base_model's config.json (AutoModelForCausalLM picks the "
@@ -244,16 +242,15 @@ TOP: dict[str, Rule] = {
            "estimates it); remove it", "max_memory", "gpu_memory_limit"),
     **_all("noop", "benchmark evaluation is not supported (eval_loss and perplexity are logged); remove it",
            "do_bench_eval", "bench_dataset", "bench_split"),
-    **_all("noop", "the loader shuffles the packed rows each epoch (seeded); remove it",
-           "shuffle_before_merging_datasets", "curriculum_sampling", "sample_packing_sequentially"),
-    **_defaults("noop", "the loader shuffles the packed rows each epoch (seeded); remove it",
+    **_all("noop", "the loader shuffles the rows each epoch (seeded); remove it (curriculum_sampling: true keeps "
+           "the data's order)", "shuffle_before_merging_datasets"),
+    **_defaults("noop", "the loader shuffles the rows each epoch (seeded); remove it (curriculum_sampling: true "
+                "keeps the data's order)",
                 shuffle_merged_datasets=True),
     **_all("noop", "test_datasets are not supported: the validation split comes from val_set_size; remove it",
            "test_datasets"),
     **_all("noop", "sharding a dataset by hand is not supported (each rank reads its rows of the whole "
            "dataset); remove it", "dataset_shard_num", "dataset_shard_idx", "num_dataset_shards_to_save"),
-    **_all("noop", "deduplication is not supported: deduplicate the data beforehand; remove it",
-           "dataset_exact_deduplication"),
     **_all("noop", "datasets are always prepared (tokenised and cached) first; remove it", "skip_prepare_dataset",
            "dataset_keep_in_memory"),
     **_all("noop", "the system message comes from the data (or the template's own default); remove it",
@@ -321,6 +318,8 @@ TOP: dict[str, Rule] = {
     # keys of Axolotl's examples that its current schema no longer has (Axolotl ignores them)
     **_all("ignored", "not a key of Axolotl's schema (Axolotl ignores it too)", "debug", "test_value", "eta_min",
            "base_model_ignore_patterns", "sample_packing_seq_len_multiplier"),
+    **_all("ignored", "not a key of Axolotl's schema: Axolotl ignores it, and so does ndparallel (the optimizer's "
+           "epsilon is adam_epsilon: rename it to apply it)", "adam_eps"),
 }
 """Top-level Axolotl keys (not ``TrainConfig`` fields or aliases)."""
 

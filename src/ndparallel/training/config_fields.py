@@ -216,6 +216,21 @@ class DataSourceFields(_Strict):
     pretraining_dataset: list[DatasetConfig] | None = None
     """Raw text streamed as Axolotl does (needs max_steps): tokenised, concatenated and cut into
     sequence_len blocks while training; instead of datasets."""
+    revision_of_model: str | None = Field(None, min_length=1,
+                                          validation_alias=AliasChoices("revision_of_model", "model_revision"))
+    """A Hub base_model's branch, tag or commit (config, weights and tokenizer all from it)."""
+    dataset_exact_deduplication: bool = False
+    """Drop fine-tuning samples whose tokens and labels repeat an earlier sample's (Axolotl's rule)."""
+    curriculum_sampling: bool = False
+    """Train on the rows in dataset order every epoch (no shuffle)."""
+    sample_packing_sequentially: bool = False
+    """sample_packing: fill rows in dataset order (next fit) instead of longest first (first fit
+    decreasing); with curriculum_sampling the samples are seen in the order of the data."""
+
+    @field_validator("revision_of_model", mode="before")
+    @classmethod
+    def _revision_text(cls, v):
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v  # YAML reads 1234567 as a number
 
     @model_validator(mode="after")
     def _data_source(self):  # reads TrainConfig's datasets / max_steps / base_model
