@@ -108,6 +108,8 @@ def _plugin_of(key: str) -> str:
      {"datasets": [{"path": "x", "message_property_mappings": {"role": "from", "content": "value"}}]},
      "message_property_mappings"),
     ({"attn_implementation": "xformers"}, {"attn_implementation": "sdpa"}, "xformers -> sdpa"),
+    ({"tokens": {"pad_token": "<|padding|>", "eos_token": "<|endoftext|>"}},
+     {"special_tokens": {"pad_token": "<|padding|>", "eos_token": "<|endoftext|>"}}, "(older Axolotl's form)"),
     ({"gradient_checkpointing": "offload"}, {"activation_offloading": True,
                                              "fsdp_config": {"activation_checkpointing": True}},
      "offload -> activation_offloading: true"),
@@ -122,6 +124,15 @@ def test_renames_and_translations_say_what_they_became(raw, expected, note):
     for key, value in expected.items():
         assert t.data[key] == value, (key, t.data)
     assert any(note in n for n in t.notes), t.notes
+
+
+def test_expert_parallel_without_degrees_shards_over_every_device():
+    """Axolotl's EP examples give only expert_parallel_size (its ranks are the data-parallel ones):
+    the dense layers are then sharded over every device, from which EP borrows its ranks."""
+    t = translate({"expert_parallel_size": 4}, own_keys())
+    assert t.problems == [] and t.data["dp_shard_size"] == -1 and "dp_replicate_size" not in t.data
+    assert any("expert_parallel_size borrows its ranks" in n for n in t.notes), t.notes
+    assert translate({}, own_keys()).data["dp_replicate_size"] == -1  # control: plain data parallel
 
 
 def test_wrong_did_you_means_are_gone(tmp_path):
@@ -215,7 +226,10 @@ def test_examples_at_the_dry_run_level(schema_results, tmp_path_factory, capsys)
                 *(_neutralised(raw) if pending_only else [])]
         if raw.get("load_in_4bit") and not pending_only:  # NF4 groups that fit the tiny stand-in's linears
             sets += ["nf4_block_size=2", "nf4_scaler_block_size=2"]
-        code, _, err = run_cli(capsys, "train", path, "--dry-run", *[a for s in sets for a in ("--set", s)])
+        ranks = ["--nproc-per-node", str(raw["expert_parallel_size"])] if raw.get("expert_parallel_size", 1) > 1 \
+            and not any(k in raw for k in ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size")) else []
+        code, _, err = run_cli(capsys, "train", path, "--dry-run", *ranks,  # EP examples: the GPUs they are written for
+                               *[a for s in sets for a in ("--set", s)])
         lines = [x.strip() for x in err.strip().splitlines()]
         results[name] = [] if code == 0 else lines
         if code == 0 and pending_only:

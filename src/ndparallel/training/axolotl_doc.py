@@ -26,7 +26,9 @@ HONOURED = (
     "unfrozen_parameters reinit_weights min_sample_len use_wandb wandb_project wandb_entity wandb_name "
     "wandb_run_id wandb_mode wandb_watch wandb_log_model use_tensorboard use_mlflow mlflow_tracking_uri "
     "mlflow_experiment_name mlflow_run_name hf_mlflow_log_artifacts device revision_of_model model_revision "
-    "dataset_exact_deduplication curriculum_sampling sample_packing_sequentially").split()
+    "dataset_exact_deduplication curriculum_sampling sample_packing_sequentially use_swanlab swanlab_project "
+    "swanlab_experiment_name swanlab_description swanlab_workspace swanlab_mode use_otel_metrics otel_metrics_host "
+    "otel_metrics_port").split()
 """Axolotl's top-level keys ``TrainConfig`` reads under the same name (``tokenizer_config`` via the
 translation; ``wandb_watch``, ``wandb_log_model`` and ``hf_mlflow_log_artifacts``: empty only)."""
 

@@ -61,6 +61,19 @@ class TrackerFields(_Strict):
     mlflow_experiment_name: str | None = None
     mlflow_run_name: str | None = None
     hf_mlflow_log_artifacts: bool | None = None
+    use_swanlab: bool | None = None
+    """SwanLab; on when swanlab_project is set."""
+    swanlab_project: str | None = None
+    swanlab_experiment_name: str | None = None
+    swanlab_description: str | None = None
+    swanlab_workspace: str | None = None
+    swanlab_mode: Literal["cloud", "online", "local", "offline", "disabled"] | None = None
+    """offline: the run is written under output_dir/swanlog (``swanlab sync`` uploads it later)."""
+    use_otel_metrics: bool = False
+    """A Prometheus endpoint http://otel_metrics_host:otel_metrics_port/metrics (main rank) with the
+    latest logged numbers (Axolotl's OpenTelemetry metrics)."""
+    otel_metrics_host: str = "localhost"
+    otel_metrics_port: int = Field(8000, ge=0, le=65535)
 
     @field_validator("wandb_watch", "wandb_log_model")
     @classmethod
@@ -89,6 +102,11 @@ class TrackerFields(_Strict):
             self.mlflow_tracking_uri or self.mlflow_experiment_name)
         if mlflow:
             out.append("mlflow")
+        swanlab = self.use_swanlab if self.use_swanlab is not None else bool(self.swanlab_project)
+        if swanlab and self.swanlab_mode != "disabled":
+            out.append("swanlab")
+        if self.use_otel_metrics:
+            out.append("prometheus")
         return out
 
     def tracker_kwargs(self, name: str, run_dir: str) -> dict[str, Any]:
@@ -99,6 +117,14 @@ class TrackerFields(_Strict):
                                       "dir": run_dir}.items() if v is not None}
         if name == "tensorboard":
             return {"logging_dir": f"{run_dir}/runs"}
+        if name == "prometheus":
+            return {"host": self.otel_metrics_host, "port": self.otel_metrics_port}
+        if name == "swanlab":  # Axolotl's "cloud" is SwanLab's "online"
+            mode = "online" if self.swanlab_mode == "cloud" else self.swanlab_mode
+            return {k: v for k, v in {"project": self.swanlab_project or "ndparallel", "mode": mode,
+                                      "name": self.swanlab_experiment_name, "description": self.swanlab_description,
+                                      "workspace": self.swanlab_workspace, "log_dir": f"{run_dir}/swanlog"}.items()
+                    if v is not None}
         return {k: v for k, v in {"experiment_name": self.mlflow_experiment_name or "ndparallel",
                                   "tracking_uri": self.mlflow_tracking_uri,
                                   "run_name": self.mlflow_run_name}.items() if v is not None}
