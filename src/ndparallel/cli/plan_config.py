@@ -47,7 +47,8 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
              "--mixed-precision", cfg.compute_dtype_name(),
              "--optimizer", _plan_optimizer(cfg.optimizer),
              "--cp-strategy", cfg.cp_comm_strategy,
-             "--loss-impl", "full" if cfg.chunked_loss is False else "chunked"]
+             # qat fake-quantises the LM head: the trainer computes the loss from the full logits
+             "--loss-impl", "full" if cfg.chunked_loss is False or cfg.qat is not None else "chunked"]
     if cfg.optimizer == "adamw_torch_fused":
         flags.append("--fused-adamw")
     if not cfg.tp_options().sequence_parallel:

@@ -1,5 +1,6 @@
 """The one training step: micro-batches (CP-sharded), gradient accumulation, the layout-invariant
-loss, clipping, the non-finite guard, the optimizer and scheduler, fp8 scale precomputation.
+loss, clipping, the non-finite guard, the optimizer and scheduler, fp8 scale precomputation, QAT's
+delayed fake quantisation (``fake_quant_after_n_steps``).
 ``ndparallel train``, ``ndparallel verify`` and the equivalence checks all run this function, so
 what verify proves is what train runs.
 
@@ -81,6 +82,10 @@ def train_step(
     and an overflow (non-finite global norm: the same decision on every rank) skips the optimizer
     step and backs off the scale; the guard then sees only the loss (an overflow is no divergence)."""
     aux_values: list = []
+    if engine.options.qat.fake_quant_after_n_steps is not None:
+        from ndparallel.parallel.qat import step_fake_quant
+
+        step_fake_quant(model, engine.options.qat, step)
     loss = forward_backward(engine, model, micro_batches, skip_grad_sync=skip_grad_sync, aux_values=aux_values,
                             loss_scale=scaler.scale if scaler is not None else None)
     params = list(model.parameters())

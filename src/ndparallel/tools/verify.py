@@ -37,6 +37,26 @@ def _shrunk_nf4(cfg: TrainConfig):
 
 EXACT_STEPS_NOTE = ("SGD steps: the exact check (AdamW divides by sqrt(v) and so turns fp32 rounding on "
                     "near-zero gradients into lr-sized steps; gradients and SGD updates show the layout itself)")
+def _shrunk_qat(cfg: TrainConfig, small):
+    """The run's QAT settings for the shrunk model (int4 groups that divide its linears), or None:
+    no QAT, nvfp4 (no fp4 matmul on the CPU ranks), or an mxfp4 block the shrunk widths do not hold."""
+    import dataclasses
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    o = cfg.qat_options()
+    if not o.enabled or o.weight_dtype == "nvfp4":
+        return None
+    with torch.device("meta"):
+        widths = [m.in_features for m in AutoModelForCausalLM.from_config(small).modules()
+                  if isinstance(m, torch.nn.Linear)]
+    if o.weight_dtype == "int4":
+        return dataclasses.replace(o, group_size=math.gcd(o.group_size, *widths))
+    return None if o.weight_dtype == "mxfp4" and any(w % 32 for w in widths) else o
+
+
 BF16_TOLERANCE = 2e-2
 """Relative loss / grad-norm tolerance of the run at the config's precision (bf16/fp16 compute, fp8):
 both sides round differently (sharded matmuls, reduction orders), so only gross errors show."""
@@ -93,7 +113,8 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
     through the trainer's own ``train_step``; print the differences and a verdict. The verdict
     rests on exact quantities: fp32 losses, gradient norms and the parameters after ``steps``
     SGD steps. With ``bf16`` or ``fp8`` the same is run again at that precision against one
-    process at that precision (a looser, stated tolerance)."""
+    process at that precision (a looser, stated tolerance); with ``qat`` again with fake
+    quantisation on both sides (the same looser tolerance: quantisation levels flip on fp32 noise)."""
     import dataclasses
 
     from ndparallel.runtime.multirank import run_on_ranks
@@ -113,10 +134,18 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
         low = cfg.compute_dtype_name()
         runs.append((low + (" + fp8" if cfg.fp8 else ""), dataclasses.replace(
             setup, mixed_precision=low if low != "fp32" else "no"), BF16_TOLERANCE))
+    qat = _shrunk_qat(cfg, small)
+    if qat is not None:  # fake quantisation rounds: a value on a level boundary may go either way
+        runs.append((f"fp32 + qat {qat.weight_dtype}", dataclasses.replace(
+            setup, parallel_kwargs={**setup.parallel_kwargs, "qat_options": qat}), BF16_TOLERANCE))
+    elif cfg.qat is not None:
+        console.print(f"qat {cfg.qat.weight_dtype}: not run here (fp4 matmuls need a Blackwell GPU, or the shrunk "
+                      "model's widths do not hold its blocks); the fp32 check covers the layout")
     ok = True
     for name, run, tol in runs:
+        kept = {k: v for k, v in run.parallel_kwargs.items() if k == "qat_options"}  # one process, with QAT
         ref = run_on_ranks(train_under_layout, 1, dataclasses.replace(
-            run, parallel_kwargs={}, fault=None), None)[0]
+            run, parallel_kwargs=kept, fault=None), None)[0]
         got = run_on_ranks(train_under_layout, pc.total_size, run, pc.to_dict(), timeout_s=600)[0]
         diff = _compare(console, f"{name}: one process vs layout", ref, got)
         exact = name == "fp32"

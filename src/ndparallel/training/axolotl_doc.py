@@ -14,7 +14,7 @@ BEGIN, END = "<!-- axolotl-keys:begin (generated: python -m ndparallel.training.
 HONOURED = (
     "base_model tokenizer_config trust_remote_code attn_implementation flash_attention sdp_attention plugins "
     "dp_replicate_size dp_shard_size tensor_parallel_size context_parallel_size fsdp_config fsdp_version "
-    "torch_compile torch_compile_backend fp8 adapter lora_r lora_alpha lora_dropout lora_target_modules "
+    "torch_compile torch_compile_backend fp8 qat adapter lora_r lora_alpha lora_dropout lora_target_modules "
     "lora_target_linear lora_model_dir merge_lora peft_use_rslora datasets pretraining_dataset val_set_size "
     "sequence_len sample_packing pad_to_sequence_len train_on_inputs excess_length_strategy chat_template "
     "chat_template_jinja chat_template_kwargs eot_tokens special_tokens tokens resize_token_embeddings_to_32x "

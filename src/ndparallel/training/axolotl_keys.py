@@ -39,7 +39,8 @@ MM = "multimodal (image / audio) training is not supported here: ndparallel trai
 REWARD = "reward and process-reward models are not supported here (causal-LM training only); remove it"
 QUANT = ("this quantised base is not supported: remove it (a 4-bit NF4 base: adapter: qlora + load_in_4bit: "
          "true; a bf16 base: bf16: true)")
-QAT = "quantisation-aware training is not supported yet; remove it"
+PTQ = ("post-training quantisation is not a training step here: quantise the saved model afterwards (torchao's "
+       "quantize_, or axolotl quantize with this config); remove it")
 INTERNAL = "Axolotl sets it itself (internal); remove it"
 OFFLOAD = ("offloading layer parameters is not supported: remove it (fsdp_config.cpu_offload offloads the "
            "parameters, activation_offloading the checkpointed activations)")
@@ -178,7 +179,7 @@ TOP: dict[str, Rule] = {
     **_all("mapped", "true -> the experts' fused weights stay in the base dtype (QLoRA quantises the linear "
            "layers to NF4; the experts are 3-D tensors: more memory than Axolotl's 4-bit experts)",
            "quantize_moe_experts"),
-    **_all("noop", QAT, "qat", "quantization"),
+    **_all("noop", PTQ, "quantization"),
     **_all("noop", OFFLOAD, "layer_offloading"),
     **_defaults("noop", "a generic tiled MLP is not used: ndparallel tiles the model's own MLP (tiled_mlp); remove "
                 "it", tiled_mlp_use_original_mlp=True),
@@ -273,7 +274,8 @@ TOP: dict[str, Rule] = {
            "pretraining_sample_concatenation"),
     **_defaults("noop", "Axolotl's streaming packer is not used; remove it", pretrain_multipack_attn=True,
                 streaming_multipack_buffer_size=10000),
-    **_all("noop", "deprecated by Axolotl: use sample_packing: true", "max_packed_sequence_len"),
+    **_all("mapped", "N (= sequence_len, or with sequence_len unset) -> sample_packing: true, sequence_len: N (its "
+           "successor; today's Axolotl refuses the old key)", "max_packed_sequence_len"),
     **_all("noop", "put rope_scaling in base_model's config.json", "rope_scaling"),
     **_all("noop", "DeepSpeed's compiler is not used (ndparallel: torch_compile); remove it", "deepcompile"),
     **_all("noop", "torch.compile options are not passed (torch_compile_backend picks the backend); remove it",

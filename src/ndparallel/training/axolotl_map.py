@@ -310,6 +310,22 @@ def _tokens(t: Translation, key: str, value: Any) -> None:
     t.notes.append(f"tokens: a mapping of {', '.join(sorted(value))} (older Axolotl's form) -> special_tokens")
 
 
+def _max_packed(t: Translation, key: str, value: Any) -> None:
+    """Axolotl's old packing switch: rows of ``value`` tokens packed with samples."""
+    if is_empty(value):
+        return
+    length = t.data.get("sequence_len")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or length not in (None, value):
+        t.refuse(key, value, f"its successor packs rows of sequence_len tokens: remove it and set sequence_len: "
+                 f"{value if isinstance(value, int) else 'N'} and sample_packing: true")
+        return
+    if t.data.get("sample_packing") is False:
+        t.refuse(key, value, "it packs samples but the config sets sample_packing: false; keep one")
+        return
+    t.data.update(sequence_len=value, sample_packing=True)
+    t.notes.append(f"{key}: {value} -> sample_packing: true, sequence_len: {value} (its successor)")
+
+
 def _zero_is_none(t: Translation, key: str, value: Any) -> None:
     if value == 0:
         del t.data[key]
@@ -339,7 +355,7 @@ MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "accelerator_config": _accelerator_config, "model_config": _rename("overrides_of_model_config"),
     "load_in_8bit": _load_in_8bit, "quantize_moe_experts": _note_if_set,
     "model_quantization_config": model_quantization, "model_quantization_config_kwargs": model_quantization,
-    "llama4_linearized_experts": linearized_experts, "tokens": _tokens,
+    "llama4_linearized_experts": linearized_experts, "tokens": _tokens, "max_packed_sequence_len": _max_packed,
     "cut_cross_entropy": lambda t, k, v: None,  # the plugin's own switch (on by default)
     "optimizer": lambda t, k, v: _choice(t, k, v, OPTIMIZERS, "adamw_torch_fused"),
     "lr_scheduler": lambda t, k, v: _choice(t, k, v, SCHEDULERS, "cosine"),

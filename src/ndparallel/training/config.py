@@ -350,7 +350,8 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
         """Every strategy option of the run, and its compute dtype: what the engine applies."""
         return StrategyOptions(fsdp=self.fsdp_options(), tp=self.tp_options(), cp=self.cp_options(),
                                loss=self.loss_options(), compile=self.compile_options(),
-                               float8=self.float8_options(), param_dtype=self.compute_dtype())
+                               float8=self.float8_options(), qat=self.qat_options(),
+                               param_dtype=self.compute_dtype())
 
     def lora_kwargs(self, **overrides) -> dict | None:
         """Arguments of ``ndparallel.models.adapters.lora_config``; None without ``adapter``."""

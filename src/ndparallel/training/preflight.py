@@ -62,6 +62,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     _check_family_layout(cfg, pc, hf)
     if check_local:  # the GPU the run needs is the launching machine's (a dry run may check another's config)
         _check_fp8(cfg)
+        _check_qat_device(cfg)
     return pc, hf
 
 
@@ -120,6 +121,20 @@ def _check_fp8(cfg: TrainConfig) -> None:
     problem = float8_problem(cfg.float8_options(), device)
     if problem:
         raise ConfigError(f"fp8: {problem}")
+
+
+def _check_qat_device(cfg: TrainConfig) -> None:
+    """nvfp4 QAT runs fp4 matmuls: a Blackwell GPU (``parallel.qat.qat_device_problem``)."""
+    if cfg.qat is None:
+        return
+    import torch
+
+    from ndparallel.parallel.qat import qat_device_problem
+
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    problem = qat_device_problem(cfg.qat_options(), device)
+    if problem:
+        raise ConfigError(f"qat: {problem}")
 
 
 def _check_added_tokens(cfg: TrainConfig, tokenizer, hf) -> None:
@@ -270,7 +285,7 @@ def local_devices(cfg: TrainConfig) -> int:
 
 def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     """The resolved run, as printed by ``--dry-run``."""
-    from ndparallel.training.dry_checks import chunked_loss_state
+    from ndparallel.training.dry_checks import chunked_loss_state, qat_summary
     from ndparallel.training.model_check import check_adapter
     from ndparallel.training.qlora_check import check_quantized_base
 
@@ -293,6 +308,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
         *([f"quantised    : {check_quantized_base(cfg, hf, pc)}"] if cfg.load_in_4bit else []),
+        *([f"qat          : {qat_summary(cfg)}"] if cfg.qat is not None else []),
         *([f"tp plan      : {_tp_plan_summary(cfg, hf)}"] if pc.tp_enabled else []),
         *([f"long context : {_long_context(cfg, pc, hf)}"] if cfg.tiled_mlp or cfg.activation_offloading else []),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
