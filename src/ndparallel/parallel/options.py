@@ -138,8 +138,9 @@ class StrategyOptions:
     float8: Float8Options = Float8Options()
     qat: QATOptions = QATOptions()
     param_dtype: torch.dtype | None = None
-    """Compute dtype of the parallelised model (bf16 for mixed precision); None: fp32. Master
-    weights, gradient reduction and optimizer states stay fp32 either way."""
+    """Compute dtype of the parallelised model (bf16 or fp16 for mixed precision); None: fp32.
+    Master weights, gradient reduction and optimizer states stay fp32 either way (fp16 also needs
+    loss scaling: ``engine.LossScaler``)."""
 
     @classmethod
     def from_kwargs(cls, mixed_precision: str = "no", **kwargs) -> "StrategyOptions":
@@ -151,5 +152,5 @@ class StrategyOptions:
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
             raise TypeError(f"unknown strategy option(s) {unknown}: use {sorted(names)}")
-        dtype = {"no": None, "fp32": None, "bf16": torch.bfloat16}[mixed_precision]
+        dtype = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
         return cls(param_dtype=dtype, **{names[k]: v for k, v in kwargs.items() if v is not None})

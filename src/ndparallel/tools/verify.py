@@ -5,6 +5,8 @@ that no attention crosses a document start under the layout."""
 
 from __future__ import annotations
 
+import math
+
 from rich.console import Console
 from rich.table import Table
 
@@ -56,8 +58,15 @@ def _shrunk_qat(cfg: TrainConfig, small):
 
 
 BF16_TOLERANCE = 2e-2
-"""Relative loss / grad-norm tolerance of the run at the config's precision (bf16 compute, fp8):
+"""Relative loss / grad-norm tolerance of the run at the config's precision (bf16/fp16 compute, fp8):
 both sides round differently (sharded matmuls, reduction orders), so only gross errors show."""
+
+
+def _norm_diff(a: float, b: float) -> str:
+    """The grad-norm column: an fp16 overflow (non-finite on both sides) is a skipped step."""
+    if not (math.isfinite(a) or math.isfinite(b)):
+        return "skipped"
+    return f"{abs(a - b) / abs(a):.1e}"
 
 
 def _setup(cfg: TrainConfig, pc, small, steps: int, fault: str | None):
@@ -93,7 +102,7 @@ def _compare(console, title: str, ref, got) -> dict:
         table.add_column(col, justify="right")
     for i, (a, b, ga, gb) in enumerate(zip(ref.losses, got.losses, ref.grad_norms, got.grad_norms)):
         table.add_row(str(i + 1), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b) / abs(a):.1e}",
-                      f"{ga:.6f}", f"{gb:.6f}", f"{abs(ga - gb) / abs(ga):.1e}")
+                      f"{ga:.6f}", f"{gb:.6f}", _norm_diff(ga, gb))
     console.print(table)
     return diff
 
@@ -121,9 +130,10 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
         + EXACT_STEPS_NOTE + (f"; LoRA r={setup.adapter['r']} (dropout 0)" if setup.adapter else "")
         + ("; a 4-bit NF4 base (16 x 4 blocks: the shrunk weights are small)" if setup.quantization else ""))
     runs = [("fp32", setup, tolerance)]
-    if cfg.bf16 or cfg.fp8:
-        runs.append(("bf16" + (" + fp8" if cfg.fp8 else ""), dataclasses.replace(
-            setup, mixed_precision="bf16" if cfg.bf16 else "no"), BF16_TOLERANCE))
+    if cfg.compute_dtype() is not None or cfg.fp8:  # bf16, or fp16 with its loss scaling
+        low = cfg.compute_dtype_name()
+        runs.append((low + (" + fp8" if cfg.fp8 else ""), dataclasses.replace(
+            setup, mixed_precision=low if low != "fp32" else "no"), BF16_TOLERANCE))
     qat = _shrunk_qat(cfg, small)
     if qat is not None:  # fake quantisation rounds: a value on a level boundary may go either way
         runs.append((f"fp32 + qat {qat.weight_dtype}", dataclasses.replace(

@@ -21,7 +21,7 @@ HONOURED = (
     "chat_template_jinja chat_template_kwargs eot_tokens special_tokens tokens resize_token_embeddings_to_32x "
     "dataset_prepared_path dataset_processes micro_batch_size gradient_accumulation_steps num_epochs max_steps "
     "learning_rate lr_scheduler warmup_steps warmup_ratio cosine_min_lr_ratio cosine_constant_lr_ratio "
-    "lr_quadratic_warmup optimizer weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm bf16 tf32 "
+    "lr_quadratic_warmup optimizer weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm bf16 fp16 tf32 "
     "seed output_dir logging_steps eval_steps evals_per_epoch save_steps saves_per_epoch save_total_limit "
     "resume_from_checkpoint early_stopping_patience loss_watchdog_threshold loss_watchdog_patience "
     "unfrozen_parameters reinit_weights min_sample_len use_wandb wandb_project wandb_entity wandb_name "

@@ -59,6 +59,8 @@ TOP: dict[str, Rule] = {
     **_all("mapped", "bf16: auto -> true where the GPU computes in bf16, else false (said in a note)", "bf16"),
     **_all("mapped", "-> bf16: true (bf16 compute; ndparallel keeps fp32 master weights)", "bfloat16"),
     **_all("mapped", "true -> bf16: false (fp32 is the default)", "float32"),
+    **_all("mapped", "true -> fp16: true (fp16 compute with fp32 master weights and dynamic loss scaling; Axolotl "
+           "loads the model in fp16 instead, ndparallel keeps fp32 masters)", "float16"),
     **_all("mapped", "auto -> true on CUDA GPUs of compute capability >= 8.0 (no effect on CPU)", "tf32"),
     **_all("mapped", "true -> fsdp_config.activation_checkpointing: true; offload -> also activation_offloading: "
            "true", "gradient_checkpointing"),
@@ -153,7 +155,6 @@ TOP: dict[str, Rule] = {
     **_all("ignored", "ndparallel trains the LoRA adapters in fp32", "peft_autocast_adapter_dtype"),
     **_all("ignored", "deprecated by Axolotl (no effect there either)", "eval_table_size", "eval_max_new_tokens"),
     # ---- accepted when empty / false / Axolotl's default; refused with the fix when set
-    **_all("noop", "fp16 is not supported: use bf16: true (or fp32: leave both out)", "fp16", "float16"),
     **_all("noop", "put base_model's config.json in base_model (a separate config is not read)",
            "base_model_config", "cls_model_config"),
     **_all("mapped", "-> overrides_of_model_config (Axolotl's alias: fields set on base_model's config before the "

@@ -88,6 +88,12 @@ def _tf32(t: Translation, key: str, value: Any) -> None:
 def _precision_flag(t: Translation, key: str, value: Any) -> None:
     if is_empty(value):
         return
+    if key == "float16":  # Axolotl: load in fp16; here fp16 mixed precision ("fp16: false" beside it is moot)
+        if t.data.get("fp16") is False:
+            t.data["fp16"] = None
+        _set(t, "fp16", True, "float16: true -> fp16: true (fp16 compute, fp32 master weights, dynamic loss "
+             "scaling; Axolotl would load the model in fp16, ndparallel keeps fp32 masters)", key)
+        return
     bf16 = key == "bfloat16"
     _set(t, "bf16", bf16, f"{key}: true -> bf16: {str(bf16).lower()}"
          + (" (bf16 compute, fp32 master weights)" if bf16 else ""), key)
@@ -331,6 +337,7 @@ def _dataset_processes(t: Translation, key: str, value: Any) -> None:
 
 MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "bf16": _bf16, "tf32": _tf32, "bfloat16": _precision_flag, "float32": _precision_flag,
+    "float16": _precision_flag,
     "gradient_checkpointing": _gradient_checkpointing, "activation_offloading": _activation_offloading, "gradient_checkpointing_kwargs": _checkpointing_kwargs,
     "fsdp": fsdp_list, "fsdp_version": fsdp_version, "deepspeed": deepspeed,
     "fsdp_final_state_dict_type": _note_if_set, "sequence_parallel_degree": _rename("context_parallel_size"),

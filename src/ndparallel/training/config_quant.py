@@ -167,7 +167,7 @@ def quant_notes(cfg) -> list[str]:
             notes.append("adapter: lora with load_in_4bit: true = adapter: qlora (LoRA on a 4-bit NF4 base)")
         notes.append("load_in_4bit: the base's linear weights become torchao NF4 (bitsandbytes' NF4 format with "
                      "double-quantised scales; torchao's kernels), each rank quantising only its FSDP shard "
-                     "while loading; compute in " + ("bf16" if cfg.bf16 else "fp32"))
+                     "while loading; compute in " + cfg.compute_dtype_name())
         notes += [f"bnb_config_kwargs.{n}" for n in bnb_notes(cfg.bnb_config_kwargs or {})]
         if cfg.merge_lora:
             notes.append("merge_lora: the adapter is merged into the dequantised NF4 base (the weights it was "

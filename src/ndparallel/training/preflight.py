@@ -302,7 +302,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         + (f" (sequence split over cp={pc.cp_size})" if pc.cp_enabled else ""),
         *_experts_lines(pc, hf),
         f"fsdp         : {cfg.fsdp_config.model_dump()}",
-        f"precision    : {'bf16 compute, fp32 master weights' if cfg.bf16 else 'fp32'}"
+        f"precision    : {_precision(cfg)}"
         + (f", fp8 linears ({cfg.fp8_recipe})" if cfg.fp8 else ""),
         f"speed        : chunked loss {chunked_loss_state(cfg, hf)}, compile {'on' if cfg.compile else 'off'}"
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
@@ -374,7 +374,7 @@ def _long_context(cfg: TrainConfig, pc, hf) -> str:
         tiles = min(row, cfg.tiled_mlp_num_shards or math.ceil(row / hf.hidden_size))
         parts.append(f"tiled MLP ({tiles} tiles of ≤ {math.ceil(row / tiles)} tokens per row)")
     if cfg.activation_offloading:
-        per_layer = tokens * hf.hidden_size * (2 if cfg.bf16 else 4)
+        per_layer = tokens * hf.hidden_size * (2 if cfg.compute_dtype() is not None else 4)
         per_layer //= pc.tp_size if cfg.sequence_parallel else 1
         parts.append(f"activation offloading ({hf.num_hidden_layers} checkpointed layer inputs, "
                      f"{hf.num_hidden_layers * per_layer / 2**30:.2f} GiB of pinned host memory per rank)")
@@ -413,3 +413,12 @@ def _steps(cfg: TrainConfig) -> str:
 
 def _auto(flag: bool | None) -> str:
     return "auto (on where exact)" if flag is None else ("on" if flag else "off")
+
+
+def _precision(cfg) -> str:
+    name = cfg.compute_dtype_name()
+    if name == "fp16":
+        return (f"fp16 compute, fp32 master weights, dynamic loss scaling (from {cfg.loss_scale_init:g}, x2 after "
+                f"{cfg.loss_scale_growth_interval} finite steps, /2 and the step skipped on an overflow; one host "
+                "read per step)")
+    return "bf16 compute, fp32 master weights" if name == "bf16" else "fp32"
