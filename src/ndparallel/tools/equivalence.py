@@ -27,7 +27,8 @@ class TrainSetup:
     global_micro_batch: int = 4  # rows of one micro-batch summed over all dp ranks
     grad_accum: int = 1
     seq_len: int = 32
-    optimizer: str = "adamw"  # or "sgd"
+    optimizer: str = "adamw"  # or "sgd", "muon", ...
+    optimizer_options: dict = field(default_factory=dict)  # more keywords of build_optimizer (muon: ns_dtype)
     weight_decay: float = 0.01
     lr: float = 1e-2
     max_grad_norm: float | None = None
@@ -127,7 +128,8 @@ def build_model(setup: TrainSetup):
 
 def setup_optimizer(setup: TrainSetup, params):
     """The optimizer both runs use (the trainer's ``build_optimizer`` with the setup's settings)."""
-    return build_optimizer(params, setup.optimizer, lr=setup.lr, weight_decay=setup.weight_decay)
+    return build_optimizer(params, setup.optimizer, lr=setup.lr, weight_decay=setup.weight_decay,
+                           **setup.optimizer_options)
 
 
 def strategy_options(setup: TrainSetup) -> StrategyOptions:
