@@ -48,7 +48,8 @@ class TrainSetup:
     """A deliberately broken layout run (proves the checks can fail): "skip-grad-sync" never
     reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
     attention crosses document starts; "wrong-expert-rank" sends every token of a mixture-of-experts
-    layer to the next expert-parallel rank (``parallel.expert.set_misroute``)."""
+    layer to the next expert-parallel rank (``parallel.expert.set_misroute``); "per-shard-muon"
+    orthogonalises each rank's shard of a Muon matrix instead of the whole matrix."""
     adapter: dict | None = None  # LoRA: ``ndparallel.models.adapters.lora_config`` kwargs (r, alpha, ...)
     quantization: Any = None  # QLoRA: an ``NF4Config``: the base linears NF4 before parallelising
     load: Any = None
@@ -128,8 +129,8 @@ def build_model(setup: TrainSetup):
 
 def setup_optimizer(setup: TrainSetup, params):
     """The optimizer both runs use (the trainer's ``build_optimizer`` with the setup's settings)."""
-    return build_optimizer(params, setup.optimizer, lr=setup.lr, weight_decay=setup.weight_decay,
-                           **setup.optimizer_options)
+    options = {**setup.optimizer_options, **({"per_shard": True} if setup.fault == "per-shard-muon" else {})}
+    return build_optimizer(params, setup.optimizer, lr=setup.lr, weight_decay=setup.weight_decay, **options)
 
 
 def strategy_options(setup: TrainSetup) -> StrategyOptions:
