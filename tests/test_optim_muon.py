@@ -135,3 +135,24 @@ def test_checkpoint_resumes_on_another_layout(tmp_path):
     assert sorted(resumed["losses"]) == [3, 4]
     for step in (3, 4):
         assert abs(resumed["losses"][step] - ref["losses"][step]) <= 1e-5 * abs(ref["losses"][step]), (resumed, ref)
+
+
+def test_planner_states_one_momentum_for_matrices_two_moments_for_the_rest():
+    """70B on FSDP 8 x TP 2: Muon's states = 4 B x every parameter + 4 B more on the embedding and
+    head units (AdamW's second moment); its step gathers the largest hidden matrix whole."""
+    from ndparallel.plan.comms import unit_numels
+    from ndparallel.plan.hardware import PRESETS as HW
+    from ndparallel.plan.layout import Layout, Settings
+    from ndparallel.plan.memory import estimate_memory
+    from ndparallel.plan.models import PRESETS, fsdp_units
+    from ndparallel.plan.muon import newton_schulz_seconds, step_temporaries
+
+    model, layout, hw = PRESETS["llama-3.1-70b"], Layout(dp_shard=8, tp=2), HW["h100-80gb"]
+    mem = {o: estimate_memory(model, layout, Settings(seq_len=4096, optimizer=o), hw).optimizer
+           for o in ("adamw", "muon", "sgd")}
+    numels = unit_numels(model, layout.tp, layout.fsdp, layout)
+    edge = sum(numels[u][1] * c for u, (c, _) in fsdp_units(model).items() if u in ("embed", "final"))
+    assert mem["muon"] == pytest.approx(mem["adamw"] / 2 + 4 * edge)
+    assert step_temporaries(model, layout) == 14 * 8192 * 28672  # the MLP matrix, whole
+    # Newton-Schulz repeated on every rank: ~1.3e16 FLOPs per step at 70B (seconds on an H100)
+    assert 10 < newton_schulz_seconds(model, layout, hw) < 30
