@@ -64,7 +64,8 @@ def spectral_lr(lr: float, shape: torch.Size) -> float:
 
 
 def muon_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Axolotl's split: hidden matrices -> Muon (with decay); embeddings, LM head, 1-D -> AdamW (none)."""
+    """Axolotl's split: hidden matrices -> Muon (with decay); embeddings, LM head, PEFT's
+    ``modules_to_save`` copies, 1-D -> AdamW (none). LoRA's A and B matrices get Muon, as in Axolotl."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     for get in ("get_input_embeddings", "get_output_embeddings"):
         module = getattr(model, get, lambda: None)()
@@ -75,7 +76,8 @@ def muon_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        is_embedding = id(p) in embeddings or "embed_tokens" in name or "lm_head" in name
+        is_embedding = (id(p) in embeddings or "embed_tokens" in name or "lm_head" in name
+                        or name.endswith("modules_to_save.default.weight"))  # PEFT's trained copies
         (muon if p.ndim >= 2 and not is_embedding else adamw).append(p)
     groups = [{"params": muon, "algorithm": "muon", "weight_decay": weight_decay}]
     if adamw:
