@@ -31,6 +31,7 @@ from ndparallel.models.adapters import (
     is_peft_model,
 )
 from ndparallel.models.causal import causal_lm_problem, config_problem
+from ndparallel.models.checkpoint_formats import drop_dequantized_config
 from ndparallel.models.presets import PRESETS
 from ndparallel.models.quantized import NF4Config, nf4_parameter_names, quantize_linears
 from ndparallel.models.quantized_loading import load_nf4_weights
@@ -95,6 +96,7 @@ def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | Non
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     for key, value in (config_overrides or {}).items():  # Axolotl's overrides_of_model_config
         setattr(config, key, value)
+    drop_dequantized_config(config)  # MXFP4 experts are dequantised on load (checkpoint_formats)
     _check_causal_lm(config, trust_remote_code)
     grow = grow_config_vocab(config, vocab_size, adapter is not None)
     with torch.device("meta"):

@@ -39,12 +39,14 @@ MM = "multimodal (image / audio) training is not supported here: ndparallel trai
 REWARD = "reward and process-reward models are not supported here (causal-LM training only); remove it"
 QUANT = ("this quantised base is not supported: remove it (a 4-bit NF4 base: adapter: qlora + load_in_4bit: "
          "true; a bf16 base: bf16: true)")
-QAT = "quantisation-aware training is not supported yet; remove it"
+PTQ = ("post-training quantisation is not a training step here: quantise the saved model afterwards (torchao's "
+       "quantize_, or axolotl quantize with this config); remove it")
 INTERNAL = "Axolotl sets it itself (internal); remove it"
 OFFLOAD = ("offloading layer parameters is not supported: remove it (fsdp_config.cpu_offload offloads the "
            "parameters, activation_offloading the checkpointed activations)")
 GENERATE = "sample generation during training is not supported; remove it (eval_loss and perplexity are logged)"
-TRACKER = "this tracker is not supported: use wandb_project, use_tensorboard or use_mlflow; remove it"
+TRACKER = ("this tracker is not supported: use wandb_project, use_tensorboard, use_mlflow, swanlab_project or "
+           "use_otel_metrics; remove it")
 OPTIM = "not supported here: remove it (optimizer: adamw_torch, adamw_torch_fused or sgd; learning_rate, weight_decay)"
 KERNEL = "a kernel switch of Axolotl's: ndparallel runs transformers' modules (regional compile: torch_compile: true)"
 LORA = "not supported by ndparallel's LoRA (adapter: lora with lora_r/lora_alpha/lora_dropout/lora_target_*); remove it"
@@ -57,6 +59,8 @@ TOP: dict[str, Rule] = {
     **_all("mapped", "bf16: auto -> true where the GPU computes in bf16, else false (said in a note)", "bf16"),
     **_all("mapped", "-> bf16: true (bf16 compute; ndparallel keeps fp32 master weights)", "bfloat16"),
     **_all("mapped", "true -> bf16: false (fp32 is the default)", "float32"),
+    **_all("mapped", "true -> fp16: true (fp16 compute with fp32 master weights and dynamic loss scaling; Axolotl "
+           "loads the model in fp16 instead, ndparallel keeps fp32 masters)", "float16"),
     **_all("mapped", "auto -> true on CUDA GPUs of compute capability >= 8.0 (no effect on CPU)", "tf32"),
     **_all("mapped", "true -> fsdp_config.activation_checkpointing: true; offload -> also activation_offloading: "
            "true", "gradient_checkpointing"),
@@ -115,6 +119,8 @@ TOP: dict[str, Rule] = {
     **_all("ignored", "loader settings: ndparallel reads memory-mapped rows on the main thread (no workers)",
            "dataloader_pin_memory", "dataloader_num_workers", "dataloader_prefetch_factor",
            "dataloader_drop_last", "remove_unused_columns"),
+    **_all("mapped", "a mapping of bos/eos/pad/unk tokens (older Axolotl's form) -> special_tokens; a list of new "
+           "tokens is read as is", "tokens"),
     **_all("ignored", "tokens/s, TFLOPs, MFU and peak memory are always logged", "include_tokens_per_second",
            "include_tkps"),
     **_all("ignored", "validation rows are built like training rows (packed samples never attend across "
@@ -151,7 +157,6 @@ TOP: dict[str, Rule] = {
     **_all("ignored", "ndparallel trains the LoRA adapters in fp32", "peft_autocast_adapter_dtype"),
     **_all("ignored", "deprecated by Axolotl (no effect there either)", "eval_table_size", "eval_max_new_tokens"),
     # ---- accepted when empty / false / Axolotl's default; refused with the fix when set
-    **_all("noop", "fp16 is not supported: use bf16: true (or fp32: leave both out)", "fp16", "float16"),
     **_all("noop", "put base_model's config.json in base_model (a separate config is not read)",
            "base_model_config", "cls_model_config"),
     **_all("mapped", "-> overrides_of_model_config (Axolotl's alias: fields set on base_model's config before the "
@@ -163,16 +168,20 @@ TOP: dict[str, Rule] = {
     **_all("mapped", "the model class comes from base_model's config.json (AutoModelForCausalLM picks the "
            "family's causal-LM class)", "type_of_model"),
     **_all("noop", "not supported; remove it (ndparallel trains a transformers model with its own classes)",
-           "trainer_cls", "processor_kwargs", "use_onebitllms", "llama4_linearized_experts"),
+           "trainer_cls", "processor_kwargs", "use_onebitllms"),
+    **_all("mapped", "true -> Axolotl's per-expert linears fused into transformers' Llama 4 experts on load "
+           "(saved in transformers' layout; LoRA on experts.*_projs refused)", "llama4_linearized_experts"),
     **_all("mapped", "true with adapter: lora -> LoRA on the base in bf16/fp32 (no 8-bit base here: twice its "
            "memory, and no LLM.int8 rounding; adapter: qlora + load_in_4bit: true is the low-memory option)",
            "load_in_8bit"),
-    **_all("noop", QUANT, "gptq", "model_quantization_config", "model_quantization_config_kwargs",
-           "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama"),
+    **_all("noop", QUANT, "gptq", "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama"),
+    **_all("mapped", "Mxfp4Config + {dequantize: true} -> MXFP4 expert weights dequantised on load, trained and "
+           "saved unquantised (dequantize: false, other configs: refused)", "model_quantization_config",
+           "model_quantization_config_kwargs"),
     **_all("mapped", "true -> the experts' fused weights stay in the base dtype (QLoRA quantises the linear "
            "layers to NF4; the experts are 3-D tensors: more memory than Axolotl's 4-bit experts)",
            "quantize_moe_experts"),
-    **_all("noop", QAT, "qat", "quantization"),
+    **_all("noop", PTQ, "quantization"),
     **_all("noop", OFFLOAD, "layer_offloading"),
     **_defaults("noop", "a generic tiled MLP is not used: ndparallel tiles the model's own MLP (tiled_mlp); remove "
                 "it", tiled_mlp_use_original_mlp=True),
@@ -195,8 +204,7 @@ TOP: dict[str, Rule] = {
                 generation_temperature=0.7, generation_prompt_ratio=0.5, generation_do_sample=True),
     **_all("noop", TRACKER, "use_comet", "comet_api_key", "comet_workspace", "comet_project_name",
            "comet_experiment_key", "comet_mode", "comet_online", "comet_experiment_config", "use_trackio",
-           "trackio_project_name", "trackio_run_name", "trackio_space_id", "use_otel_metrics"),
-    **_defaults("noop", TRACKER, otel_metrics_host="localhost", otel_metrics_port=8000),
+           "trackio_project_name", "trackio_run_name", "trackio_space_id"),
     **_all("ignored", RAY, "use_ray", "ray_run_name"),
     **_defaults("ignored", RAY, ray_num_workers=1, resources_per_worker={"GPU": 1}),
     **_all("noop", "Gradio is not used; remove it", "gradio_title", "gradio_share", "gradio_server_name",
@@ -268,7 +276,8 @@ TOP: dict[str, Rule] = {
            "pretraining_sample_concatenation"),
     **_defaults("noop", "Axolotl's streaming packer is not used; remove it", pretrain_multipack_attn=True,
                 streaming_multipack_buffer_size=10000),
-    **_all("noop", "deprecated by Axolotl: use sample_packing: true", "max_packed_sequence_len"),
+    **_all("mapped", "N (= sequence_len, or with sequence_len unset) -> sample_packing: true, sequence_len: N (its "
+           "successor; today's Axolotl refuses the old key)", "max_packed_sequence_len"),
     **_all("noop", "put rope_scaling in base_model's config.json", "rope_scaling"),
     **_all("noop", "DeepSpeed's compiler is not used (ndparallel: torch_compile); remove it", "deepcompile"),
     **_all("noop", "torch.compile options are not passed (torch_compile_backend picks the backend); remove it",
@@ -311,11 +320,15 @@ TOP: dict[str, Rule] = {
            "nemo_gym_dir", "nemo_gym_max_turns", "nemo_gym_model_name", "nemo_gym_multi_turn"),
     **_defaults("noop", RL, nemo_gym_auto_start=True, nemo_gym_enabled=True, nemo_gym_head_port=11000,
                 nemo_gym_run_timeout=300, nemo_gym_server_timeout=360, nemo_gym_verify_timeout=30),
-    **_all("noop", TRACKER, "swanlab_api_host", "swanlab_api_key", "swanlab_description", "swanlab_experiment_name",
-           "swanlab_lark_secret", "swanlab_lark_webhook_url", "swanlab_mode", "swanlab_project",
-           "swanlab_web_host", "swanlab_workspace"),
-    **_defaults("noop", TRACKER, swanlab_completion_log_interval=100, swanlab_completion_max_buffer=128,
-                swanlab_log_completions=True, swanlab_log_model=False, use_swanlab=None),
+    **_all("noop", "give SwanLab's key in the environment (SWANLAB_API_KEY; or swanlab login), not in the "
+           "config; remove it", "swanlab_api_key"),
+    **_all("noop", "a private SwanLab deployment is set up with swanlab login --host HOST; remove it",
+           "swanlab_api_host", "swanlab_web_host"),
+    **_all("noop", "SwanLab's Lark notifications are not wired in; remove it", "swanlab_lark_secret",
+           "swanlab_lark_webhook_url"),
+    **_defaults("noop", "SwanLab logs metrics only (no completions, no model upload); remove it",
+                swanlab_completion_log_interval=100, swanlab_completion_max_buffer=128, swanlab_log_completions=True,
+                swanlab_log_model=False),
     # keys of Axolotl's examples that its current schema no longer has (Axolotl ignores them)
     **_all("ignored", "not a key of Axolotl's schema (Axolotl ignores it too)", "debug", "test_value", "eta_min",
            "base_model_ignore_patterns", "sample_packing_seq_len_multiplier"),
@@ -330,6 +343,7 @@ PLUGINS: dict[str, str] = {
                    "torch_compile",
     "ExpertParallelPlugin": "ndparallel's expert parallelism: expert_parallel_size (docs/moe.md)",
     "KernelsPlugin": "transformers' own modules (its kernels change speed, not the result)",
+    "SwanLabPlugin": "the SwanLab tracker (use_swanlab / swanlab_project, docs/axolotl.md)",
 }
 """Axolotl plugins (class names) ndparallel maps; any other is refused with the fix."""
 
