@@ -5,7 +5,7 @@ States: Muon keeps one fp32 momentum buffer (4 B/param) for the hidden matrices 
 layers' norms (2·hidden of ~12·hidden² per layer) are counted at Muon's 4 B, below 0.1 % off.
 Step temporaries: each sharded matrix is gathered WHOLE (one at a time): its fp32 copy and
 Newton–Schulz's bf16 working set (the input, X·Xᵀ, its square, the product, the next X: ~5 × 2 B
-per element for a square matrix) ≈ 14 B per element of the largest hidden matrix; expert weights
+per element for a square matrix) ≈ 16 B per element of the largest hidden matrix at the peak; expert weights
 are sharded on the expert dim, so a rank orthogonalises its own experts' matrices (its local shard).
 Compute: 5 iterations of 2 m²n + 2 m³ + 2 m²n FLOPs per m×n matrix (m ≤ n), on every rank of the
 matrix's shard group (redundant: round-robin over ranks is a later optimisation).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 ADAMW_UNITS = ("root", "embed", "final")
 """FSDP units whose parameters Muon leaves to AdamW (embeddings, LM head, final norm)."""
-GATHERED_BYTES = 14.0
+GATHERED_BYTES = 16.0
 """Bytes per element of the gathered matrix during its Newton–Schulz (fp32 copy + bf16 working set)."""
 
 
