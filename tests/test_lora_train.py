@@ -22,9 +22,17 @@ def _yaml(tmp_path, text):
     return str(p)
 
 
+def test_lora_fields_without_adapter_are_a_note_on_a_full_fine_tune(tmp_path, capsys):
+    """Axolotl's full fine-tuning configs often keep lora_* fields with no adapter; Axolotl ignores
+    them, and so does ndparallel, saying so before launch."""
+    code, out, err = run_cli(capsys, "train", _yaml(tmp_path, "lora_r: 16\nlora_target_linear: true\n"), "--dry-run")
+    assert code == 0, err
+    assert "lora_r, lora_target_linear set but no adapter: not used, every parameter is trained" in out
+    assert "adapter      :" not in out
+
+
 @pytest.mark.parametrize("text, fragment", [
     ("adapter: qlora\n", "adapter: qlora needs load_in_4bit: true"),
-    ("lora_r: 16\nlora_target_linear: true\n", "lora_r, lora_target_linear set but adapter is not 'lora'"),
     ("adapter: lora\nlora_r: 0\n", "'lora_r': must be >= 1, got 0"),
     ("adapter: lora\nlora_dropout: 1.5\n", "'lora_dropout': must be < 1"),
     ("adapter: lora\nlora_target_modules: [q_projj]\n", "lora_target_modules=['q_projj']"),

@@ -256,6 +256,10 @@ def run_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
     notes = []
     if cfg.max_steps is not None and "num_epochs" in cfg.model_fields_set:
         notes.append(f"max_steps {cfg.max_steps} (num_epochs {cfg.num_epochs:g} is ignored: max_steps wins)")
+    stray = cfg.lora_fields_without_adapter()
+    if stray:  # Axolotl ignores them too: its archived full fine-tuning configs keep them
+        notes.append(f"{', '.join(stray)} set but no adapter: not used, every parameter is trained (full "
+                     "fine-tuning, as in Axolotl); add adapter: lora to train LoRA adapters instead")
     return notes + cfg._axolotl_notes + compat_notes(cfg, device_type)
 
 
