@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
+from ndparallel.models.multimodal import causal_lm_from_config
 from ndparallel.checkpoint.export import ShardWriter
 from ndparallel.checkpoint.hf_files import (
     copy_generation_config,
@@ -92,7 +93,7 @@ def merge_adapter_files(adapter_dir: str | os.PathLike, out_dir: str | os.PathLi
     files = checkpoint_files(base_dir)
     hf_config = AutoConfig.from_pretrained(base_dir)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
+        skeleton = causal_lm_from_config(hf_config)
     class_name = model_class_name(skeleton)
     problem = weights_problem(skeleton, files, str(base_dir / "config.json"))  # headers only
     if problem:

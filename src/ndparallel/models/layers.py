@@ -27,16 +27,21 @@ def decoder_layers(model: nn.Module, override: tuple[str, ...] | None = None) ->
         )
     return layers
 
+_TOWERS = ("vision", "visual", "audio", "image", "speech", "multi_modal")
+
 
 def decoder_module_name(model: nn.Module) -> str | None:
     """Name of the module that runs the decoder layers (holds them in a ``ModuleList``): ``model``
     for Llama and Llama 4, ``gpt_neox`` for GPT-NeoX, ``transformer`` for Falcon; ``""`` when that
     is ``model`` itself; None when no ``ModuleList`` of decoder layers is found. Found from the
     module tree, not ``base_model_prefix`` (Llama 4's says ``language_model``; the decoder is at
-    ``model``)."""
+    ``model``); never inside a multimodal model's vision / audio tower (Voxtral's and Mistral 3's
+    towers hold decoder-like layers too)."""
     classes = set(getattr(model, "_no_split_modules", None) or ())
     fallback = None
     for name, module in model.named_modules():
+        if any(part.startswith(_TOWERS) for part in name.split(".")):
+            continue
         for child_name, child in module.named_children():
             if not isinstance(child, nn.ModuleList) or len(child) == 0:
                 continue

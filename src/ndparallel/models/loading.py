@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from ndparallel.models.adapter_files import read_adapter_weights
 from ndparallel.models.adapters import (
@@ -31,6 +31,7 @@ from ndparallel.models.adapters import (
     is_peft_model,
 )
 from ndparallel.models.causal import causal_lm_problem, config_problem
+from ndparallel.models.multimodal import causal_lm_from_config
 from ndparallel.models.presets import PRESETS
 from ndparallel.models.quantized import NF4Config, nf4_parameter_names, quantize_linears
 from ndparallel.models.quantized_loading import load_nf4_weights
@@ -56,7 +57,7 @@ def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_impleme
     _check_causal_lm(config, trust_remote_code)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(
+        model = causal_lm_from_config(
             config, dtype=dtype, attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
@@ -74,7 +75,7 @@ def build_on_meta_from_config(config: PretrainedConfig, dtype: torch.dtype, attn
     ``adapter`` wraps it with LoRA (on meta too)."""
     _check_causal_lm(config, trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        model = causal_lm_from_config(
             config, dtype=dtype, attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
@@ -98,7 +99,7 @@ def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | Non
     _check_causal_lm(config, trust_remote_code)
     grow = grow_config_vocab(config, vocab_size, adapter is not None)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        model = causal_lm_from_config(
             config, dtype=dtype, attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )

@@ -170,11 +170,12 @@ def _check_layer_classes(cfg: TrainConfig, model) -> None:
 def meta_model(cfg: TrainConfig, hf):
     """``base_model``'s architecture on the meta device (no memory); ``ConfigError`` if it cannot be built."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from ndparallel.models.multimodal import causal_lm_from_config
 
     try:
         with quiet_transformers(), torch.device("meta"):
-            return AutoModelForCausalLM.from_config(hf, trust_remote_code=cfg.trust_remote_code)
+            return causal_lm_from_config(hf, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build a model from
         raise ConfigError(f"base_model={cfg.base_model!r}: no model can be built from its config: "
                           f"{one_line(e)[:300]}") from None

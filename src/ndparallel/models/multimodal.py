@@ -1,0 +1,73 @@
+"""Multimodal checkpoints (a text decoder plus vision / audio towers) trained on text, as Axolotl does.
+
+Axolotl fine-tunes the text part of Gemma 3 / 3n / 4, Mistral 3 (Mistral Small 3.x, Medium 3.5),
+Voxtral and Qwen 3.5 checkpoints on text data and names their modules as the multimodal class does
+(``model.language_model.layers.N.self_attn.q_proj``). ndparallel builds the same class — the
+``architectures`` entry of the checkpoint's ``config.json`` (transformers' ``*ForConditionalGeneration``)
+— so every name in ``lora_target_modules`` / ``unfrozen_parameters`` means the module it means in
+Axolotl, the whole checkpoint loads (towers included) and the export is the checkpoint's own layout.
+A text batch runs only the language model: the towers get no gradient and stay as loaded. Cost: the
+towers' parameters (frozen, sharded like the rest; e.g. SigLIP ~0.4 B of Gemma 3 27B).
+
+For gemma3 / gemma3n / gemma4 transformers' ``AutoModelForCausalLM`` already maps the multimodal
+config to that class; for mistral3 / voxtral it maps nothing, for qwen3_5 / qwen3_5_moe the text
+class (which would rename the modules). Llama 4 keeps its text class (``Llama4ForCausalLM``; its
+family support is measured with it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+TOWERS = ("vision_config", "audio_config")
+KEEP_TEXT_CLASS = ("llama4",)
+
+
+def multimodal_class(config: Any) -> type | None:
+    """The ``*ForConditionalGeneration`` class a multimodal ``config`` (``text_config`` plus a vision
+    or audio config) is trained as, or None (a text model: ``AutoModelForCausalLM`` decides)."""
+    import transformers
+
+    if getattr(config, "model_type", None) in KEEP_TEXT_CLASS or getattr(config, "text_config", None) is None:
+        return None
+    if not any(getattr(config, name, None) is not None for name in TOWERS):
+        return None
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None) if arch.endswith("ForConditionalGeneration") else None
+        if isinstance(cls, type) and isinstance(config, getattr(cls, "config_class", type(None))):
+            return cls
+    return None
+
+
+def causal_lm_from_config(config: Any, **kwargs) -> nn.Module:
+    """``AutoModelForCausalLM.from_config(config, **kwargs)``, or the multimodal class of a multimodal
+    checkpoint's config (``multimodal_class``)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = multimodal_class(config)
+    if cls is None:
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    kwargs.pop("trust_remote_code", None)
+    return cls._from_config(config, **kwargs)
+
+
+def model_kind(model: nn.Module) -> str | None:
+    """``"multimodal"`` note text for ``--dry-run`` (None for a text model)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "text_config", None) is None:
+        return None
+    towers = [n.split("_")[0] for n in TOWERS if getattr(config, n, None) is not None]
+    if not towers:
+        return None
+    total = sum(p.numel() for p in model.parameters())
+    text = sum(p.numel() for n, p in model.named_parameters() if _is_text(n))
+    return (f"{type(model).__name__}: a multimodal checkpoint ({' + '.join(towers)} towers) trained on text as "
+            f"Axolotl does: modules keep the checkpoint's names (model.language_model.*); the towers "
+            f"({(total - text) / 1e6:,.1f}M of {total / 1e6:,.1f}M parameters) are loaded, get no gradient, and are "
+            "exported as loaded")
+
+
+def _is_text(name: str) -> bool:
+    return ".language_model." in f".{name}" or name.startswith("lm_head")
