@@ -53,6 +53,24 @@ def causal_lm_from_config(config: Any, **kwargs) -> nn.Module:
     return cls._from_config(config, **kwargs)
 
 
+TP_FAILS = {  # measured (tests/test_multimodal.py): the multimodal forward under a TP plan
+    "gemma4": "its forward mixes the tensor-parallel embedding output with plain tensors (torch.where over "
+              "the image / audio token mask)",
+    "qwen3_5": "its linear-attention layers (Gated DeltaNet) own parameters the TP plan does not place",
+    "qwen3_5_moe": "its linear-attention layers (Gated DeltaNet) own parameters the TP plan does not place",
+}
+
+
+def tensor_parallel_problem(config: Any) -> str | None:
+    """Why a multimodal checkpoint cannot train under tensor parallelism, or None."""
+    cls = multimodal_class(config)
+    reason = TP_FAILS.get(getattr(config, "model_type", None)) if cls is not None else None
+    if reason is None:
+        return None
+    return (f"{cls.__name__} (a multimodal checkpoint) cannot train with tensor_parallel_size > 1: {reason}; "
+            "use FSDP (dp_shard_size) and data parallelism instead")
+
+
 def model_kind(model: nn.Module) -> str | None:
     """``"multimodal"`` note text for ``--dry-run`` (None for a text model)."""
     config = getattr(model, "config", None)
