@@ -18,41 +18,21 @@ from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from axolotl_stand_ins import tiny_config  # noqa: E402
+from axolotl_stand_ins import MULTIMODAL, multimodal_model  # noqa: E402
 
-TEXT = {"gemma3": "gemma3_text", "mistral3": "ministral3", "voxtral": "llama", "qwen3_5": "qwen3_5_text",
-        "gemma4": "gemma4_text"}
-TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-             head_dim=16, image_size=28, patch_size=14, depth=1, num_heads=2, out_hidden_size=64, num_mel_bins=16,
-             output_proj_dims=32, subsampling_conv_channels=[8, 8])
 AXOLOTL_REGEX = r"model.language_model.layers.[\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj"
 
 
-def tiny_multimodal(model_type: str):
-    """The multimodal config with a tiny text model (the replay's stand-in sizes) and 1-layer towers."""
-    base = transformers.AutoConfig.for_model(model_type)
-    kwargs = {"text_config": tiny_config(TEXT[model_type]).to_dict()}
-    for name, cls in base.sub_configs.items():
-        if name != "text_config":
-            current = getattr(base, name)
-            tower = (type(current)() if current is not None else cls()).to_dict()
-            kwargs[name] = {**tower, **{k: v for k, v in TOWER.items() if k in tower}}
-    return transformers.AutoConfig.for_model(model_type, **kwargs)
-
-
 def save_multimodal(root: Path, model_type: str) -> Path:
-    config = tiny_multimodal(model_type)
-    mapping = transformers.AutoModelForImageTextToText._model_mapping
-    cls = transformers.VoxtralForConditionalGeneration if model_type == "voxtral" else mapping[type(config)]
     torch.manual_seed(0)
-    cls(config).save_pretrained(root / model_type)  # config.json names the class (architectures)
+    multimodal_model(model_type).save_pretrained(root / model_type)  # config.json names the class
     return root / model_type
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("multimodal")
-    return {mt: str(save_multimodal(root, mt)) for mt in TEXT}
+    return {mt: str(save_multimodal(root, mt)) for mt in MULTIMODAL}
 
 
 def _setup(path: str) -> TrainSetup:
