@@ -3,16 +3,16 @@
 Axolotl fine-tunes the text part of Gemma 3 / 3n / 4, Mistral 3 (Mistral Small 3.x, Medium 3.5),
 Voxtral and Qwen 3.5 checkpoints on text data and names their modules as the multimodal class does
 (``model.language_model.layers.N.self_attn.q_proj``). ndparallel builds the same class — the
-``architectures`` entry of the checkpoint's ``config.json`` (transformers' ``*ForConditionalGeneration``)
-— so every name in ``lora_target_modules`` / ``unfrozen_parameters`` means the module it means in
+``*ForConditionalGeneration`` class Axolotl loads it with (transformers' image-text-to-text mapping;
+Voxtral's own) — so every name in ``lora_target_modules`` / ``unfrozen_parameters`` means the module it means in
 Axolotl, the whole checkpoint loads (towers included) and the export is the checkpoint's own layout.
 A text batch runs only the language model: the towers get no gradient and stay as loaded. Cost: the
 towers' parameters (frozen, sharded like the rest; e.g. SigLIP ~0.4 B of Gemma 3 27B).
 
 For gemma3 / gemma3n / gemma4 transformers' ``AutoModelForCausalLM`` already maps the multimodal
-config to that class; for mistral3 / voxtral it maps nothing, for qwen3_5 / qwen3_5_moe the text
-class (which would rename the modules). Llama 4 keeps its text class (``Llama4ForCausalLM``; its
-family support is measured with it).
+config to that class; for mistral3 / voxtral it maps nothing, for qwen3_5 the text class (which
+would rename the modules). Llama 4 and Qwen 3.5 MoE keep their text class (``Llama4ForCausalLM``,
+whose family support is measured; Qwen 3.5 MoE: not measured as multimodal).
 """
 
 from __future__ import annotations
@@ -22,23 +22,28 @@ from typing import Any
 import torch.nn as nn
 
 TOWERS = ("vision_config", "audio_config")
-KEEP_TEXT_CLASS = ("llama4",)
+TRAINED_AS_MULTIMODAL = ("gemma3", "gemma3n", "gemma4", "mistral3", "voxtral", "qwen3_5")
+"""Multimodal model types built as their multimodal class (measured in tests/test_multimodal.py, but
+gemma3n: its timm vision tower is not installed here). Axolotl builds every model type of
+transformers' image-text-to-text mapping (and Voxtral) that way; the others keep what
+``AutoModelForCausalLM`` builds (Llama 4 and Qwen 3.5 MoE: their text class) or stay refused."""
 
 
 def multimodal_class(config: Any) -> type | None:
     """The ``*ForConditionalGeneration`` class a multimodal ``config`` (``text_config`` plus a vision
-    or audio config) is trained as, or None (a text model: ``AutoModelForCausalLM`` decides)."""
+    or audio config) is trained as — the class Axolotl loads it with (transformers'
+    ``AutoModelForImageTextToText``; Voxtral's own) — or None (``AutoModelForCausalLM`` decides)."""
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    if getattr(config, "model_type", None) in KEEP_TEXT_CLASS or getattr(config, "text_config", None) is None:
+    kind = getattr(config, "model_type", None)
+    if kind not in TRAINED_AS_MULTIMODAL or getattr(config, "text_config", None) is None:
         return None
     if not any(getattr(config, name, None) is not None for name in TOWERS):
         return None
-    for arch in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, arch, None) if arch.endswith("ForConditionalGeneration") else None
-        if isinstance(cls, type) and isinstance(config, getattr(cls, "config_class", type(None))):
-            return cls
-    return None
+    if kind == "voxtral":
+        return transformers.VoxtralForConditionalGeneration
+    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
 
 
 def causal_lm_from_config(config: Any, **kwargs) -> nn.Module:
@@ -71,19 +76,14 @@ def tensor_parallel_problem(config: Any) -> str | None:
             "use FSDP (dp_shard_size) and data parallelism instead")
 
 
-def model_kind(model: nn.Module) -> str | None:
-    """``"multimodal"`` note text for ``--dry-run`` (None for a text model)."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "text_config", None) is None:
-        return None
-    towers = [n.split("_")[0] for n in TOWERS if getattr(config, n, None) is not None]
-    if not towers:
-        return None
+def multimodal_note(model: nn.Module) -> str:
+    """The ``--dry-run`` note for a model built by ``multimodal_class``."""
+    towers = [n.split("_")[0] for n in TOWERS if getattr(model.config, n, None) is not None]
     total = sum(p.numel() for p in model.parameters())
     text = sum(p.numel() for n, p in model.named_parameters() if _is_text(n))
-    return (f"{type(model).__name__}: a multimodal checkpoint ({' + '.join(towers)} towers) trained on text as "
-            f"Axolotl does: modules keep the checkpoint's names (model.language_model.*); the towers "
-            f"({(total - text) / 1e6:,.1f}M of {total / 1e6:,.1f}M parameters) are loaded, get no gradient, and are "
+    return (f"{type(model).__name__}: a multimodal checkpoint ({' + '.join(towers)}) trained on text as Axolotl "
+            "trains it: modules keep the checkpoint's names (model.language_model.*); the towers "
+            f"({(total - text) / 1e6:,.2f}M of {total / 1e6:,.2f}M parameters) are loaded, get no gradient and are "
             "exported as loaded")
 
 
