@@ -112,3 +112,40 @@ def test_tensor_parallel_refused_before_launch_where_it_fails(saved):
         with pytest.raises(ValueError, match="multimodal checkpoint.*tensor_parallel_size > 1"):
             validate_tensor_parallel(transformers.AutoConfig.from_pretrained(saved[mt]), 2)
     validate_tensor_parallel(transformers.AutoConfig.from_pretrained(saved["mistral3"]), 2)  # runs: no error
+
+
+@pytest.mark.slow  # a 2-rank `ndparallel train` subprocess: ~75 s on this machine
+def test_axolotl_mistral_medium_text_qlora_trains_on_two_ranks(tmp_path):
+    """Axolotl's examples/mistral-medium-3_5/qlora-text.yml as written (paths, sizes and the 8-bit
+    optimizer swapped) on a tiny Mistral3ForConditionalGeneration: QLoRA with the multimodal regex on
+    FSDP 2 ranks, packed chat data; the adapter loads onto the multimodal class with PEFT and adapts
+    the language model only."""
+    import subprocess
+
+    from peft import PeftModel
+    from sft_fixtures import chat_records, llama3_tokenizer, write_jsonl
+
+    from axolotl_stand_ins import FIXTURES, tiny_multimodal
+
+    tok = llama3_tokenizer()
+    config = tiny_multimodal("mistral3")
+    config.text_config.vocab_size = len(tok)
+    torch.manual_seed(0)
+    transformers.Mistral3ForConditionalGeneration(config).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    write_jsonl(tmp_path / "chat.jsonl", chat_records(60))
+    sets = [f"base_model={tmp_path / 'model'}", f"datasets.0.path={tmp_path / 'chat.jsonl'}", "sequence_len=128",
+            "max_steps=2", "gradient_accumulation_steps=1", "micro_batch_size=1", "optimizer=adamw_torch",
+            "output_dir=out", "nf4_block_size=2", "nf4_scaler_block_size=2"]
+    root = Path(__file__).resolve().parents[1]
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root / "src")}
+    args = [sys.executable, "-m", "ndparallel", "train",
+            str(FIXTURES / "examples/mistral-medium-3_5/qlora-text.yml"), "--nproc-per-node", "2",
+            *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Mistral3ForConditionalGeneration: a multimodal checkpoint" in proc.stdout
+    base = transformers.Mistral3ForConditionalGeneration.from_pretrained(tmp_path / "model")
+    lora = PeftModel.from_pretrained(base, tmp_path / "out" / "final")
+    adapted = [n for n, m in lora.named_modules() if hasattr(m, "lora_A") and len(m.lora_A)]
+    assert len(adapted) == 14 and all(".language_model.layers." in n for n in adapted), adapted

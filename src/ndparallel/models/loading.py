@@ -128,7 +128,7 @@ def fill_from_files(model: nn.Module, path: Path, files: list[Path], grown: list
     if nf4:  # this rank's rows, read and quantised one decoder layer at a time
         load_nf4_weights(base, path, files, device)
     if grown:
-        set_grown_rows(base, files, grown, base.config.vocab_size)
+        set_grown_rows(base, files, grown, base.config.get_text_config().vocab_size)
     if adapter_weights is not None:
         set_full_tensors(model, read_adapter_weights(model, adapter_weights))
     elif is_peft_model(model):
