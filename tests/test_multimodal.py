@@ -1,7 +1,7 @@
 """Multimodal checkpoints (text decoder + vision / audio towers) train on text as their
 ``*ForConditionalGeneration`` class, as Axolotl trains them: tiny Gemma 3 / Mistral 3 / Voxtral /
 Qwen 3.5 / Gemma 4 checkpoints written by ``save_pretrained`` load sharded, train 2 SGD steps on
-packed rows under FSDP 2 and CP 2 equal to one process (Gemma 4 not: see below), Axolotl's ``model.language_model...`` LoRA
+packed rows under FSDP 2, TP 2 and CP 2 equal to one process (Gemma 4 not: see below), Axolotl's ``model.language_model...`` LoRA
 regex adapts exactly the language model's projections, the export loads with transformers, and
 what fails under TP is refused before launch."""
 
@@ -62,7 +62,7 @@ def test_multimodal_class_and_names(saved):
         assert len(adapted) == expected and all(".language_model.layers." in n for n in adapted), (mt, adapted)
 
 
-def test_fsdp_and_cp_equal_one_process(saved):
+def test_fsdp_tp_cp_equal_one_process(saved):
     # gemma4 is left out: measured grad norms 9e-6 relative and parameters 2e-6 apart under FSDP 2
     # (lr 0.1), above this file's tolerance; not shown to be exact (docs/families.md)
     setups = {mt: _setup(p) for mt, p in saved.items() if mt != "gemma4"}
@@ -70,7 +70,10 @@ def test_fsdp_and_cp_equal_one_process(saved):
     fsdp = run_on_ranks(_train_all, 2, setups, {"dp_shard_size": 2}, timeout_s=300)[0]
     cp_setups = {mt: s for mt, s in setups.items() if mt != "qwen3_5"}  # linear attention: refused under CP
     cp = run_on_ranks(_train_all, 2, cp_setups, {"cp_size": 2}, timeout_s=300)[0]
-    for name, runs in (("fsdp", fsdp), ("cp", cp)):
+    tp_setups = {mt: s for mt, s in setups.items() if mt != "qwen3_5"}  # refused under TP (below)
+    tp = run_on_ranks(_train_all, 2, tp_setups, {"tp_size": 2}, timeout_s=300)[0]
+    assert set(tp) == {"gemma3", "mistral3", "voxtral"}
+    for name, runs in (("fsdp", fsdp), ("cp", cp), ("tp", tp)):
         for mt, run in runs.items():
             diff = compare(ref[mt], run)
             assert diff["loss_rel"] < 1e-5 and diff["grad_norm_rel"] < 1e-5 and diff["param_abs"] < 1e-6, (name, mt, diff)
@@ -149,3 +152,20 @@ def test_axolotl_mistral_medium_text_qlora_trains_on_two_ranks(tmp_path):
     lora = PeftModel.from_pretrained(base, tmp_path / "out" / "final")
     adapted = [n for n, m in lora.named_modules() if hasattr(m, "lora_A") and len(m.lora_A)]
     assert len(adapted) == 14 and all(".language_model.layers." in n for n in adapted), adapted
+
+
+def test_transformers4_multimodal_names_refused_with_the_rename(saved):
+    """Axolotl's Voxtral example writes transformers 4's names (language_model.model.layers...): they
+    match nothing in transformers 5 (in Axolotl too); refused before launch with the rename."""
+    from ndparallel.training.config import ConfigError, TrainConfig
+    from ndparallel.training.model_check import check_adapter
+
+    hf = transformers.AutoConfig.from_pretrained(saved["voxtral"])
+    old = AXOLOTL_REGEX.replace("model.language_model.", "language_model.model.")
+    cfg = TrainConfig(base_model=saved["voxtral"], datasets=[{"path": "builtin:stdlib"}], adapter="lora",
+                      lora_target_modules=old)
+    with pytest.raises(ConfigError, match=r"transformers 5 names .* write 'model\.language_model\.layers"):
+        check_adapter(cfg, hf, 1)
+    cfg = TrainConfig(base_model=saved["voxtral"], datasets=[{"path": "builtin:stdlib"}], adapter="lora",
+                      lora_target_modules=AXOLOTL_REGEX)
+    assert "on 14 layers" in check_adapter(cfg, hf, 1)

@@ -89,3 +89,14 @@ def multimodal_note(model: nn.Module) -> str:
 
 def _is_text(name: str) -> bool:
     return ".language_model." in f".{name}" or name.startswith("lm_head")
+
+
+def old_layout_hint(targets: Any) -> str | None:
+    """For LoRA targets that match nothing: a pattern written with transformers 4's multimodal names
+    (``language_model.model.layers``, e.g. Axolotl's Voxtral example), which transformers 5 (and
+    Axolotl on it) names ``model.language_model.layers``."""
+    if not isinstance(targets, str) or "language_model.model." not in targets:
+        return None
+    fixed = targets.replace("language_model.model.", "model.language_model.")
+    return (f"matches no module: transformers 5 names a multimodal model's text layers model.language_model.layers.N "
+            f"(transformers 4: language_model.model.layers.N); write {fixed!r}")

@@ -239,7 +239,10 @@ def _adaptedmeta_model(cfg: TrainConfig, hf, lora_config=None):
     except ImportError as e:
         raise ConfigError(f"adapter: lora: {e}") from None
     except (ValueError, TypeError, KeyError) as e:  # PEFT: "Target modules {...} not found ..."
-        raise ConfigError(f"lora_target_modules={cfg.lora_target_modules!r}: {one_line(e)[:300]}") from None
+        from ndparallel.models.multimodal import old_layout_hint
+
+        hint = old_layout_hint(cfg.lora_target_modules)
+        raise ConfigError(f"lora_target_modules={cfg.lora_target_modules!r}: {hint or one_line(e)[:300]}") from None
 
 
 def _adapted_layers(model) -> list[str]:
