@@ -37,7 +37,7 @@ PENDING = re.compile(
 """Refusals of quantisation keys (GPTQ, QAT, MXFP4 / NVFP4 bases, an 8-bit full fine-tune), reported
 apart: the rest of such an example is checked with them taken out."""
 FIX = re.compile(r"\b(remove|use|set|add|give|download|put|upload|install|keep|fix|write|raise|lower|did you mean)\b")
-LEGACY = {"debug", "test_value", "eta_min", "base_model_ignore_patterns", "sample_packing_seq_len_multiplier",
+LEGACY = {"debug", "test_value", "eta_min", "base_model_ignore_patterns", "sample_packing_seq_len_multiplier", "adam_eps",
           "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama"}
 """Keys Axolotl's examples use that its schema no longer has (the table covers them too)."""
 
@@ -108,6 +108,8 @@ def _plugin_of(key: str) -> str:
      {"datasets": [{"path": "x", "message_property_mappings": {"role": "from", "content": "value"}}]},
      "message_property_mappings"),
     ({"attn_implementation": "xformers"}, {"attn_implementation": "sdpa"}, "xformers -> sdpa"),
+    ({"tokens": {"pad_token": "<|padding|>", "eos_token": "<|endoftext|>"}},
+     {"special_tokens": {"pad_token": "<|padding|>", "eos_token": "<|endoftext|>"}}, "(older Axolotl's form)"),
     ({"gradient_checkpointing": "offload"}, {"activation_offloading": True,
                                              "fsdp_config": {"activation_checkpointing": True}},
      "offload -> activation_offloading: true"),
@@ -122,6 +124,15 @@ def test_renames_and_translations_say_what_they_became(raw, expected, note):
     for key, value in expected.items():
         assert t.data[key] == value, (key, t.data)
     assert any(note in n for n in t.notes), t.notes
+
+
+def test_expert_parallel_without_degrees_shards_over_every_device():
+    """Axolotl's EP examples give only expert_parallel_size (its ranks are the data-parallel ones):
+    the dense layers are then sharded over every device, from which EP borrows its ranks."""
+    t = translate({"expert_parallel_size": 4}, own_keys())
+    assert t.problems == [] and t.data["dp_shard_size"] == -1 and "dp_replicate_size" not in t.data
+    assert any("expert_parallel_size borrows its ranks" in n for n in t.notes), t.notes
+    assert translate({}, own_keys()).data["dp_replicate_size"] == -1  # control: plain data parallel
 
 
 def test_wrong_did_you_means_are_gone(tmp_path):
@@ -210,11 +221,15 @@ def test_examples_at_the_dry_run_level(schema_results, tmp_path_factory, capsys)
         if schema_results[name] and not pending_only:
             results[name] = schema_results[name]
             continue
-        sets = [f"base_model={stand_in(root, families[raw['base_model']])}",
+        sets = [f"base_model={stand_in(root, families[raw['base_model']])}",  # a local stand-in: no Hub revision
+                *[f"{k}=null" for k in ("revision_of_model", "model_revision") if k in raw],
                 *(_neutralised(raw) if pending_only else [])]
         if raw.get("load_in_4bit") and not pending_only:  # NF4 groups that fit the tiny stand-in's linears
             sets += ["nf4_block_size=2", "nf4_scaler_block_size=2"]
-        code, _, err = run_cli(capsys, "train", path, "--dry-run", *[a for s in sets for a in ("--set", s)])
+        ranks = ["--nproc-per-node", str(raw["expert_parallel_size"])] if raw.get("expert_parallel_size", 1) > 1 \
+            and not any(k in raw for k in ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size")) else []
+        code, _, err = run_cli(capsys, "train", path, "--dry-run", *ranks,  # EP examples: the GPUs they are written for
+                               *[a for s in sets for a in ("--set", s)])
         lines = [x.strip() for x in err.strip().splitlines()]
         results[name] = [] if code == 0 else lines
         if code == 0 and pending_only:

@@ -6,7 +6,7 @@ the YAML gives data parallelism (or FSDP where the config asks for it), as Axolo
 * FSDP (FSDP1 ``fsdp:`` list + legacy ``fsdp_`` keys), full fine-tuning, chat_template (Llama 3's
   named template, ShareGPT columns, a ``train[:N%]`` split), sample packing, the Liger plugin
   (-> compile, chunked loss), a validation split smaller than one global batch;
-* LoRA on Qwen 3 with packing, Alpaca data, wandb (offline, no network), TensorBoard and MLflow;
+* LoRA on Qwen 3 with packing, Alpaca data, wandb and SwanLab (offline, no network), TensorBoard and MLflow;
 * streamed pre-training (``pretraining_dataset``, per-document attention).
 Each output loads with transformers / PEFT."""
 
@@ -84,7 +84,7 @@ def test_fsdp_chat_template_packing_liger_full_finetune(tmp_path):
     assert tok.eos_token == "<|eot_id|>" and tok.pad_token == "<|finetune_right_pad_id|>"
 
 
-def test_lora_packing_alpaca_with_wandb_offline_tensorboard_mlflow(tmp_path):
+def test_lora_packing_alpaca_with_wandb_swanlab_offline_tensorboard_mlflow(tmp_path):
     model = tiny_qwen3_dir(tmp_path / "qwen3")
     write_jsonl(tmp_path / "alpaca.jsonl", alpaca_records(60))
     env = {"WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_SILENT": "true",  # any network call would fail
@@ -93,12 +93,14 @@ def test_lora_packing_alpaca_with_wandb_offline_tensorboard_mlflow(tmp_path):
            f"datasets.0.path={tmp_path / 'alpaca.jsonl'}", "sequence_len=128", "max_steps=3",
            "gradient_accumulation_steps=1", "output_dir=out", "wandb_project=axolotl-replay", "wandb_mode=offline",
            "use_tensorboard=true", "mlflow_experiment_name=replay", f"mlflow_tracking_uri=file://{tmp_path / 'mlruns'}",
-           env=env)
+           "swanlab_project=replay", "swanlab_mode=offline", env=env)
     out = tmp_path / "out"
     assert [r["step"] for r in _steps(out) if "loss" in r] == [1, 2, 3]
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # the offline run, to `wandb sync` later
     assert list((out / "runs").rglob("events.out.tfevents.*"))
     assert list((tmp_path / "mlruns").rglob("metrics/loss"))
+    (swanlab,) = (out / "swanlog").rglob("run-*.swanlab")  # the offline run, to `swanlab sync` later
+    assert b"loss" in swanlab.read_bytes() and b"learning_rate" in next((out / "swanlog").rglob("config.yaml")).read_bytes()
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

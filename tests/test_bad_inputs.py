@@ -114,8 +114,16 @@ def test_num_epochs_with_max_steps_is_said_to_be_ignored(tmp_path, capsys):
 
 
 def test_sequence_len_beyond_max_position_embeddings(tmp_path, capsys):
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, "sequence_len: 8192\n"), "--dry-run"),
-             "sequence_len=8192", "max_position_embeddings=4096")
+    """A learned position table (GPT-2's wpe) has no row past max_position_embeddings: refused.
+    Rotary positions are computed: accepted with a note (Axolotl's ALST examples train 500k tokens)."""
+    from axolotl_stand_ins import stand_in
+
+    gpt2 = stand_in(tmp_path, "gpt2")  # n_positions 8192
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, "sequence_len: 8200\n", base_model=str(gpt2)), "--dry-run"),
+             "sequence_len=8200", "max_position_embeddings=8192", "learned table (transformer.wpe)")
+    code, out, err = run_cli(capsys, "train", _cfg(tmp_path, "sequence_len: 8192\n"), "--dry-run")
+    assert code == 0, err
+    assert "sequence_len=8192 goes past the model's max_position_embeddings=4096" in out, out
 
 
 # --------------------------------------------------------------------------- the CLI

@@ -1,4 +1,4 @@
-"""First-fit-decreasing bin packing of sample lengths into rows of ``capacity`` tokens.
+"""First-fit-decreasing (and, on request, next-fit) bin packing of sample lengths into rows of ``capacity`` tokens.
 
 Samples are taken longest first (ties: dataset order), each into the lowest-numbered row with
 room for it, a new row when none has; inside a row they are kept in dataset order.
@@ -52,6 +52,22 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
                 break
             tree[node] = best
             node //= 2
+    return row_of
+
+
+def next_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """The row of each sample when rows are filled in dataset order, a new row opened whenever the
+    next sample does not fit the current one (Axolotl's ``sample_packing_sequentially``). O(n)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and (int(lengths.max()) > capacity or int(lengths.min()) < 1):
+        raise ValueError(f"sample lengths must be in [1, {capacity}], got [{lengths.min()}, {lengths.max()}]")
+    row_of = np.zeros(len(lengths), np.int64)
+    row, free = 0, capacity
+    for index, need in enumerate(lengths.tolist()):
+        if need > free:
+            row, free = row + 1, capacity
+        row_of[index] = row
+        free -= need
     return row_of
 
 

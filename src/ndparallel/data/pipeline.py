@@ -28,13 +28,13 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 from filelock import FileLock
 
-from .bins import first_fit_decreasing
+from .bins import first_fit_decreasing, next_fit
 from .dataset import DatasetSpec, load_records
 from .encode import tokenize_samples
 from .packing import PackedSplits, build_blocks, split_blocks
 from .prompts import required_columns
 from .rows import RowStore, write_rows
-from .samples import SelectionStats, TokenTable, select_samples
+from .samples import SelectionStats, TokenTable, first_occurrences, select_samples
 
 _ROWS_VERSION = 1
 
@@ -55,6 +55,8 @@ class DataOptions:
     val_set_size: float | int = 0
     seed: int = 0
     num_proc: int | None = None
+    deduplicate: bool = False  # drop samples repeating an earlier one's tokens and labels
+    sequential_packing: bool = False  # sample_packing by next fit in dataset order
 
 
 def concatenates(specs: Iterable[DatasetSpec], sample_packing: bool | None) -> bool:
@@ -107,6 +109,10 @@ def prepare_samples(specs: list[DatasetSpec], tokenizer, options: DataOptions, c
     tables = [TokenTable(t) for t in tokenized]
     samples, stats = select_samples(tables, [s.raw for s in specs], options.sequence_len,
                                     options.excess_length_strategy, options.min_sample_len)
+    if options.deduplicate:
+        unique = first_occurrences(tables, samples)
+        stats.dropped_duplicates, stats.samples = len(samples) - len(unique), len(unique)
+        samples = unique
     if len(samples) == 0:
         raise ValueError(f"datasets: no sample left to train on ({stats.records} records; "
                          f"{stats.dropped_too_long} longer than sequence_len={options.sequence_len} dropped, "
@@ -121,7 +127,9 @@ def build_rows(specs: list[DatasetSpec], tokenizer, options: DataOptions, cache_
     tokenized = tokenize_specs(specs, tokenizer, options, cache_dir)
     pad_id = _pad_id(tokenizer)
     settings = [_ROWS_VERSION, [t._fingerprint for t in tokenized], [s.raw for s in specs], options.sequence_len,
-                bool(options.sample_packing), options.excess_length_strategy, pad_id, options.min_sample_len]
+                bool(options.sample_packing), options.excess_length_strategy, pad_id, options.min_sample_len,
+                *([options.deduplicate, options.sequential_packing] if options.deduplicate
+                  or options.sequential_packing else [])]  # keys of older caches stay valid
     key = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:32]
     directory = None if cache_dir is None else Path(cache_dir) / "rows" / key
     if directory is not None:
@@ -137,7 +145,8 @@ def _write(specs, tokenizer, options: DataOptions, tokenized, pad_id: int, direc
     prepared = prepare_samples(specs, tokenizer, options, tokenized=tokenized)
     lengths = prepared.samples[:, 3] - prepared.samples[:, 2]
     if options.sample_packing:
-        row_of = first_fit_decreasing(lengths, options.sequence_len)
+        pack = next_fit if options.sequential_packing else first_fit_decreasing
+        row_of = pack(lengths, options.sequence_len)
     else:
         row_of = np.arange(len(lengths), dtype=np.int64)
     n_rows = int(row_of.max()) + 1

@@ -38,8 +38,9 @@ def load_or_train_tokenizer(
     max_files: int | None = None,
     max_bytes: int | None = None,
     min_frequency: int = 2,
+    revision: str | None = None,
 ) -> PreTrainedTokenizerFast:
-    """Return a fast tokenizer with an eos token.
+    """Return a fast tokenizer with an eos token (a Hub name's at ``revision``).
 
     ``source`` is ``"builtin:stdlib"`` (train or load a cached byte-level BPE on the stdlib
     corpus, capped by ``max_files``/``max_bytes``) or anything ``AutoTokenizer.from_pretrained``
@@ -48,12 +49,12 @@ def load_or_train_tokenizer(
     if str(source) == BUILTIN_STDLIB:
         cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         return _cached_stdlib_bpe(cache, vocab_size, max_files, max_bytes, min_frequency)
-    return _load_pretrained(source)
+    return _load_pretrained(source, revision)
 
 
-def _load_pretrained(source: str | os.PathLike) -> PreTrainedTokenizerFast:
+def _load_pretrained(source: str | os.PathLike, revision: str | None = None) -> PreTrainedTokenizerFast:
     try:
-        tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=False, revision=revision)
     except Exception as e:  # missing dir, offline hub name, custom code...
         raise ValueError(
             f"tokenizer {str(source)!r} could not be loaded ({type(e).__name__}: {e}). Give a "

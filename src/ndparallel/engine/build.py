@@ -39,6 +39,7 @@ def build_model(
     vocab_size: int | None = None,
     config_overrides: dict | None = None,
     quantization: Any = None,
+    revision: str | None = None,
 ) -> nn.Module:
     """Build, parallelise and fill a causal LM for ``engine`` (an ``Engine``); returns the model.
 
@@ -76,7 +77,7 @@ def build_model(
         if adapter_weights is not None:
             set_full_tensors(model, read_adapter_weights(model, adapter_weights))
         return model
-    path = resolve_model_dir(str(source), engine is None or engine.is_local_main_process)
+    path = resolve_model_dir(str(source), engine is None or engine.is_local_main_process, revision)
     model, files, grown = build_on_meta(path, dtype, attn_implementation, trust_remote_code, vocab_size, adapter,
                                          config_overrides, quantization)
     model = engine.parallelize(model)  # TP/CP/FSDP on meta: no memory yet

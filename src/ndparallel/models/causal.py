@@ -106,3 +106,12 @@ def future_visible(config: Any, length: int = 8) -> bool | None:
     except Exception:  # noqa: BLE001 - any failure: no behavioural evidence
         return None
     return not torch.allclose(a, b, atol=1e-6, rtol=0)
+
+
+def learned_position_tables(model: torch.nn.Module, positions: int) -> list[str]:
+    """Embedding tables of absolute positions (GPT-2's ``wpe``, OPT's ``embed_positions``): modules
+    other than the input embedding with ``positions`` (OPT: + 2) rows. Such a model cannot run past
+    ``positions``; rotary and ALiBi models compute positions and can (extrapolating)."""
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return [name for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Embedding) and m is not inputs and positions <= m.num_embeddings <= positions + 2]

@@ -26,6 +26,7 @@ operations; no table of our own), serve the sharded load and the export:
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -33,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from ndparallel.models.adapters import checkpoint_key, is_adapter_param
+from ndparallel.models.checkpoint_formats import extra_transforms, keeps_rows
 
 
 def _transforms(model: nn.Module, add_legacy: bool = True) -> list:
@@ -61,6 +63,7 @@ class Fused:
     target: str  # the model key the converter is keyed on (its first target)
     sources: dict[str, list[str]] = field(default_factory=dict)  # source pattern -> stored keys, in order
     shapes: dict[str, tuple] = field(default_factory=dict)  # model key -> shape, every target
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # model key -> dtype the converter gives
 
     def _convert(self, model, read: Callable[[str], torch.Tensor | None]) -> dict[str, torch.Tensor]:
         conv = copy.deepcopy(self.converter)
@@ -77,13 +80,27 @@ class Fused:
 
         ops = list(getattr(self.converter, "operations", ()))
         return (bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
-                and all(getattr(op, "dim", None) not in (None, 0) for op in ops[1:]))
+                and all(keeps_rows(op) for op in ops[1:]))
 
-    def read(self, model, name: str, offsets, lengths, read_stored: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        """``model[name][offsets : offsets + lengths]``, reading stored tensors with ``read_stored``."""
-        by_rows = self.stacks_rows() and len(offsets) > 0
+    def maps_rows(self) -> bool:
+        """Every operation keeps dim 0 (one stored tensor per source, e.g. MXFP4 dequantisation):
+        a slice of rows needs only those rows of each stored tensor."""
+        ops = list(getattr(self.converter, "operations", ()))
+        return (bool(ops) and all(keeps_rows(op) for op in ops)
+                and all(len(keys) == 1 for keys in self.sources.values()))
+
+    def read(self, model, name: str, offsets, lengths, read_stored: Callable[[str], torch.Tensor],
+             read_rows: Callable[[str, int, int], torch.Tensor] | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """``model[name][offsets : offsets + lengths]``, reading stored tensors with ``read_stored``
+        (rows ``[lo, hi)`` of one with ``read_rows``, where given). A converter that maps rows
+        (``maps_rows``) is run on blocks of at most ``_BLOCK_VALUES`` values, each copied into
+        ``out`` (returned) when given."""
+        if len(offsets) and read_rows is not None and self.maps_rows() and not self.stacks_rows():
+            return self._read_row_blocks(model, name, offsets, lengths, read_rows, out)
+        lo, hi = (offsets[0], offsets[0] + lengths[0]) if len(offsets) else (0, 0)
+        by_rows = len(offsets) > 0 and self.stacks_rows()
         if by_rows:  # only the stored tensors of rows [lo, hi): the rest read as None (skipped)
-            lo, hi = offsets[0], offsets[0] + lengths[0]
             index = {k: i for keys in self.sources.values() for i, k in enumerate(keys)}
             full = self._convert(model, lambda k: read_stored(k) if lo <= index[k] < hi else None)[name]
         else:
@@ -92,6 +109,26 @@ class Fused:
         index = (slice(first, first + lengths[0]),
                  *(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))) if len(offsets) else ()
         return full[index]
+
+    def _read_row_blocks(self, model, name, offsets, lengths, read_rows, out) -> torch.Tensor:
+        lo, hi = offsets[0], offsets[0] + lengths[0]
+        inner = tuple(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))
+        step = max(1, _BLOCK_VALUES // max(1, math.prod(self.shapes[name][1:])))
+        parts = []
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            part = self._convert(model, lambda k: read_rows(k, a, b))[name][(slice(None), *inner)]
+            if out is None:
+                parts.append(part)
+            else:
+                out[a - lo:b - lo].copy_(part)
+            del part
+        return out if out is not None else torch.cat(parts)
+
+
+_BLOCK_VALUES = 2**24
+"""Values of one block of rows converted at once by a row-mapping converter (MXFP4 dequantisation:
+≈ 20 bytes per value transient in fp32, so ≈ 330 MB; at least one row)."""
 
 
 @dataclass
@@ -124,7 +161,8 @@ def checkpoint_keys(model: nn.Module, stored: dict[str, tuple]) -> CheckpointKey
         rename_source_key,
     )
 
-    transforms = _transforms(model)
+    own = _transforms(model)
+    transforms = own + extra_transforms(model, stored)  # + MXFP4, linearized experts: load only
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
@@ -158,8 +196,9 @@ def checkpoint_keys(model: nn.Module, stored: dict[str, tuple]) -> CheckpointKey
                              f"does ({' '.join(str(e).split())[:200]}): the weights do not match the "
                              "config") from None
         group.shapes = {name: tuple(t.shape) for name, t in meta.items()}
+        group.dtypes = {name: t.dtype for name, t in meta.items()}
         fused.update({name: group for name in group.shapes if name in keys})
-    return CheckpointKeys(direct, fused, unused, [t for t in transforms if t.was_used()])
+    return CheckpointKeys(direct, fused, unused, [t for t in own if t.was_used()])
 
 
 def stored_shape(plan: CheckpointKeys, stored: dict[str, tuple], key: str) -> list[int]:

@@ -31,6 +31,7 @@ from ndparallel.models.adapters import (
     is_peft_model,
 )
 from ndparallel.models.causal import causal_lm_problem, config_problem
+from ndparallel.models.checkpoint_formats import drop_dequantized_config
 from ndparallel.models.multimodal import causal_lm_from_config
 from ndparallel.models.presets import PRESETS
 from ndparallel.models.quantized import NF4Config, nf4_parameter_names, quantize_linears
@@ -96,6 +97,7 @@ def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | Non
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     for key, value in (config_overrides or {}).items():  # Axolotl's overrides_of_model_config
         setattr(config, key, value)
+    drop_dequantized_config(config)  # MXFP4 experts are dequantised on load (checkpoint_formats)
     _check_causal_lm(config, trust_remote_code)
     grow = grow_config_vocab(config, vocab_size, adapter is not None)
     with torch.device("meta"):
@@ -166,10 +168,11 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
 
 
-def resolve_model_dir(name: str, is_local_main: bool) -> Path:
-    """A local directory as is; a Hugging Face Hub id (``org/name``) downloaded (safetensors,
-    config and tokenizer files only) into the HF cache, by each node's local rank 0 first while
-    the other local ranks wait, then found in the cache by them without network."""
+def resolve_model_dir(name: str, is_local_main: bool, revision: str | None = None) -> Path:
+    """A local directory as is; a Hugging Face Hub id (``org/name``, at ``revision``: a branch, tag
+    or commit; default main) downloaded (safetensors, config and tokenizer files only) into the HF
+    cache, by each node's local rank 0 first while the other local ranks wait, then found in the
+    cache by them without network."""
     path = Path(name).expanduser()
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
         return path
@@ -177,7 +180,8 @@ def resolve_model_dir(name: str, is_local_main: bool) -> Path:
     from huggingface_hub import snapshot_download
 
     def download(offline: bool) -> Path:
-        return Path(snapshot_download(name, allow_patterns=_HUB_PATTERNS, local_files_only=offline))
+        return Path(snapshot_download(name, revision=revision, allow_patterns=_HUB_PATTERNS,
+                                      local_files_only=offline))
 
     result: Path | Exception | None = None
     if is_local_main:
@@ -198,7 +202,8 @@ def resolve_model_dir(name: str, is_local_main: bool) -> Path:
         raise FileNotFoundError(
             f"base model {name!r} is not a local directory and could not be fetched from the "
             f"Hugging Face Hub ({type(result).__name__}: {result}). Download it where the Hub is "
-            f"reachable (`huggingface-cli download {name} --local-dir DIR`) and give DIR instead."
+            f"reachable (`hf download {name}{f' --revision {revision}' if revision else ''} --local-dir DIR`) "
+            "and give DIR instead."
         ) from None
     return result
 

@@ -165,8 +165,7 @@ class SliceReader(HuggingFaceStorageReader):
             dtype, shape, _ = self._stored[stored_key]
             entries[key] = (SAFETENSORS_DTYPES[dtype], shape)
         for key, group in self._plan.fused.items():
-            first = next(iter(group.sources.values()))[0]
-            entries[key] = (SAFETENSORS_DTYPES[self._stored[first][0]], list(group.shapes[key]))
+            entries[key] = (group.dtypes[key], list(group.shapes[key]))
         metadata = Metadata(state_dict_metadata={
             key: TensorStorageMetadata(
                 properties=TensorProperties(dtype=dtype), size=torch.Size(shape),
@@ -197,17 +196,24 @@ class SliceReader(HuggingFaceStorageReader):
             fqn = item.storage_index.fqn
             target = planner.resolve_tensor(item).detach()
             piece = self._plan.fused[fqn].read(self._model, fqn, list(item.storage_offsets),
-                                               list(item.lengths), self._read_whole)
-            target.copy_(piece)
+                                               list(item.lengths), self._read_whole, self._read_rows,
+                                               out=target if target.is_contiguous() else None)
+            if piece is not target:
+                target.copy_(piece)
             planner.commit_tensor(item, target)
         fut: Future = Future()
         fut.set_result(None)
         return fut
 
     def _read_whole(self, key: str) -> torch.Tensor:
+        return self._read_rows(key, 0, self._stored[key][1][0] if self._stored[key][1] else 0)
+
+    def _read_rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of a stored tensor (all of a scalar)."""
         dtype, shape, file = self._stored[key]
         header, data_start = self._header(file)
-        out = torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype])
+        part = [hi - lo, *shape[1:]] if shape else []
+        out = torch.empty(part, dtype=SAFETENSORS_DTYPES[dtype])
         with open(file, "rb", buffering=0) as f:
-            read_slice(f, data_start, header[key], [0] * len(shape), shape, out)
+            read_slice(f, data_start, header[key], [lo] + [0] * (len(shape) - 1) if shape else [], part, out)
         return out

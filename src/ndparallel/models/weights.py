@@ -54,6 +54,7 @@ def weights_problem(model: torch.nn.Module, files: list[Path], config_name: str 
     (``key_conversion``: renamed and fused tensors). Tied aliases may be absent, as
     ``save_pretrained`` omits them; the ``grown`` weights (token rows added) may have fewer rows
     than the model."""
+    from ndparallel.models.checkpoint_formats import prequantized_problem
     from ndparallel.models.key_conversion import checkpoint_keys, stored_shape
     from ndparallel.models.naming import tied_aliases
 
@@ -61,6 +62,9 @@ def weights_problem(model: torch.nn.Module, files: list[Path], config_name: str 
     for f in files:
         for name, info in read_header(f).items():
             stored[name] = (info["dtype"], list(info["shape"]), f.name)
+    prequantized = prequantized_problem(getattr(model, "config", None), stored)
+    if prequantized:
+        return f"{str(files[0].parent)!r}: {prequantized}"
     try:
         plan = checkpoint_keys(model, {k: v[:2] for k, v in stored.items()})
     except ValueError as e:

@@ -1,5 +1,5 @@
 """``ndparallel train``'s metrics: ``output_dir/metrics.jsonl`` always (what ``ndparallel plot``
-reads), plus the trackers its config turns on (Weights & Biases, TensorBoard, MLflow), all written
+reads), plus the trackers its config turns on (Weights & Biases, TensorBoard, MLflow, SwanLab), all written
 by the main rank through the same tracker classes as the Accelerate facade's."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def missing_trackers(names: list[str]) -> list[str]:
 
 def make_tracker(name: str, kwargs: dict[str, Any]) -> GeneralTracker:
     kwargs = dict(kwargs)
-    if name == "wandb":
+    if name in ("wandb", "swanlab"):
         return TRACKERS[name](kwargs.pop("project"), **kwargs)
     if name == "tensorboard":
         return TRACKERS[name]("", kwargs.pop("logging_dir"), **kwargs)

@@ -214,12 +214,43 @@ class MLflowTracker(GeneralTracker):
         mlflow.end_run()
 
 
+class SwanLabTracker(GeneralTracker):
+    """SwanLab (``mode``: online, local, offline — written under ``log_dir``, ``swanlab sync``
+    uploads it later — or disabled)."""
+
+    name = "swanlab"
+    requires_logging_directory = False
+
+    def __init__(self, run_name: str, **kwargs):
+        super().__init__()
+        self.run_name, self.init_kwargs = run_name, kwargs
+
+    def start(self) -> None:
+        import swanlab
+
+        self.run = swanlab.init(project=self.run_name, **self.init_kwargs)
+
+    @property
+    def tracker(self):
+        return self.run
+
+    def store_init_configuration(self, values: dict) -> None:
+        self.run.config.update({k: _plain(v) for k, v in values.items()})
+
+    def log(self, values: dict, step: int | None = None, **kwargs) -> None:
+        numbers = {k: _plain(v) for k, v in values.items() if isinstance(_plain(v), (int, float))}
+        self.run.log(numbers, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
 TRACKERS = {"jsonl": JSONLTracker, "tensorboard": TensorBoardTracker, "wandb": WandBTracker,
-            "mlflow": MLflowTracker}
+            "mlflow": MLflowTracker, "swanlab": SwanLabTracker}
 MODULES = {"jsonl": (), "tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",),
            "mlflow": ("mlflow",), "aim": ("aim",), "comet_ml": ("comet_ml",), "clearml": ("clearml",),
            "dvclive": ("dvclive",), "swanlab": ("swanlab",), "trackio": ("trackio",)}
-PIP = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}
+PIP = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny", "swanlab": "swanlab"}
 """The package to install for each tracker (``pip install 'ndparallel[trackers]'`` has them all)."""
 
 

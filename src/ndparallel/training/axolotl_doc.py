@@ -25,7 +25,9 @@ HONOURED = (
     "resume_from_checkpoint early_stopping_patience loss_watchdog_threshold loss_watchdog_patience "
     "unfrozen_parameters reinit_weights min_sample_len use_wandb wandb_project wandb_entity wandb_name "
     "wandb_run_id wandb_mode wandb_watch wandb_log_model use_tensorboard use_mlflow mlflow_tracking_uri "
-    "mlflow_experiment_name mlflow_run_name hf_mlflow_log_artifacts device").split()
+    "mlflow_experiment_name mlflow_run_name hf_mlflow_log_artifacts device revision_of_model model_revision "
+    "dataset_exact_deduplication curriculum_sampling sample_packing_sequentially use_swanlab swanlab_project "
+    "swanlab_experiment_name swanlab_description swanlab_workspace swanlab_mode").split()
 """Axolotl's top-level keys ``TrainConfig`` reads under the same name (``tokenizer_config`` via the
 translation; ``wandb_watch``, ``wandb_log_model`` and ``hf_mlflow_log_artifacts``: empty only)."""
 

@@ -113,6 +113,8 @@ TOP: dict[str, Rule] = {
     **_all("ignored", "loader settings: ndparallel reads memory-mapped rows on the main thread (no workers)",
            "dataloader_pin_memory", "dataloader_num_workers", "dataloader_prefetch_factor",
            "dataloader_drop_last", "remove_unused_columns"),
+    **_all("mapped", "a mapping of bos/eos/pad/unk tokens (older Axolotl's form) -> special_tokens; a list of new "
+           "tokens is read as is", "tokens"),
     **_all("ignored", "tokens/s, TFLOPs, MFU and peak memory are always logged", "include_tokens_per_second",
            "include_tkps"),
     **_all("ignored", "validation rows are built like training rows (packed samples never attend across "
@@ -156,19 +158,21 @@ TOP: dict[str, Rule] = {
            "model is built, e.g. output_router_logits: true adds an MoE model's load-balancing loss)", "model_config"),
     **_all("noop", "overrides of the model's constructor arguments are not applied: use overrides_of_model_config "
            "(config.json fields), or remove it", "model_kwargs"),
-    **_all("noop", "download that revision (hf download NAME --revision R --local-dir DIR) and set base_model: DIR",
-           "model_revision", "revision_of_model"),
     **_all("noop", "overrides of the model's constructor arguments are not applied: use overrides_of_model_config "
            "(config.json fields), or remove it", "overrides_of_model_kwargs"),
     **_all("mapped", "the model class comes from base_model's config.json (AutoModelForCausalLM picks the "
            "family's causal-LM class)", "type_of_model"),
     **_all("noop", "not supported; remove it (ndparallel trains a transformers model with its own classes)",
-           "trainer_cls", "processor_kwargs", "use_onebitllms", "llama4_linearized_experts"),
+           "trainer_cls", "processor_kwargs", "use_onebitllms"),
+    **_all("mapped", "true -> Axolotl's per-expert linears fused into transformers' Llama 4 experts on load "
+           "(saved in transformers' layout; LoRA on experts.*_projs refused)", "llama4_linearized_experts"),
     **_all("mapped", "true with adapter: lora -> LoRA on the base in bf16/fp32 (no 8-bit base here: twice its "
            "memory, and no LLM.int8 rounding; adapter: qlora + load_in_4bit: true is the low-memory option)",
            "load_in_8bit"),
-    **_all("noop", QUANT, "gptq", "model_quantization_config", "model_quantization_config_kwargs",
-           "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama"),
+    **_all("noop", QUANT, "gptq", "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama"),
+    **_all("mapped", "Mxfp4Config + {dequantize: true} -> MXFP4 expert weights dequantised on load, trained and "
+           "saved unquantised (dequantize: false, other configs: refused)", "model_quantization_config",
+           "model_quantization_config_kwargs"),
     **_all("mapped", "true -> the experts' fused weights stay in the base dtype (QLoRA quantises the linear "
            "layers to NF4; the experts are 3-D tensors: more memory than Axolotl's 4-bit experts)",
            "quantize_moe_experts"),
@@ -243,16 +247,15 @@ TOP: dict[str, Rule] = {
            "estimates it); remove it", "max_memory", "gpu_memory_limit"),
     **_all("noop", "benchmark evaluation is not supported (eval_loss and perplexity are logged); remove it",
            "do_bench_eval", "bench_dataset", "bench_split"),
-    **_all("noop", "the loader shuffles the packed rows each epoch (seeded); remove it",
-           "shuffle_before_merging_datasets", "curriculum_sampling", "sample_packing_sequentially"),
-    **_defaults("noop", "the loader shuffles the packed rows each epoch (seeded); remove it",
+    **_all("noop", "the loader shuffles the rows each epoch (seeded); remove it (curriculum_sampling: true keeps "
+           "the data's order)", "shuffle_before_merging_datasets"),
+    **_defaults("noop", "the loader shuffles the rows each epoch (seeded); remove it (curriculum_sampling: true "
+                "keeps the data's order)",
                 shuffle_merged_datasets=True),
     **_all("noop", "test_datasets are not supported: the validation split comes from val_set_size; remove it",
            "test_datasets"),
     **_all("noop", "sharding a dataset by hand is not supported (each rank reads its rows of the whole "
            "dataset); remove it", "dataset_shard_num", "dataset_shard_idx", "num_dataset_shards_to_save"),
-    **_all("noop", "deduplication is not supported: deduplicate the data beforehand; remove it",
-           "dataset_exact_deduplication"),
     **_all("noop", "datasets are always prepared (tokenised and cached) first; remove it", "skip_prepare_dataset",
            "dataset_keep_in_memory"),
     **_all("noop", "the system message comes from the data (or the template's own default); remove it",
@@ -312,14 +315,20 @@ TOP: dict[str, Rule] = {
            "nemo_gym_dir", "nemo_gym_max_turns", "nemo_gym_model_name", "nemo_gym_multi_turn"),
     **_defaults("noop", RL, nemo_gym_auto_start=True, nemo_gym_enabled=True, nemo_gym_head_port=11000,
                 nemo_gym_run_timeout=300, nemo_gym_server_timeout=360, nemo_gym_verify_timeout=30),
-    **_all("noop", TRACKER, "swanlab_api_host", "swanlab_api_key", "swanlab_description", "swanlab_experiment_name",
-           "swanlab_lark_secret", "swanlab_lark_webhook_url", "swanlab_mode", "swanlab_project",
-           "swanlab_web_host", "swanlab_workspace"),
-    **_defaults("noop", TRACKER, swanlab_completion_log_interval=100, swanlab_completion_max_buffer=128,
-                swanlab_log_completions=True, swanlab_log_model=False, use_swanlab=None),
+    **_all("noop", "give SwanLab's key in the environment (SWANLAB_API_KEY; or swanlab login), not in the "
+           "config; remove it", "swanlab_api_key"),
+    **_all("noop", "a private SwanLab deployment is set up with swanlab login --host HOST; remove it",
+           "swanlab_api_host", "swanlab_web_host"),
+    **_all("noop", "SwanLab's Lark notifications are not wired in; remove it", "swanlab_lark_secret",
+           "swanlab_lark_webhook_url"),
+    **_defaults("noop", "SwanLab logs metrics only (no completions, no model upload); remove it",
+                swanlab_completion_log_interval=100, swanlab_completion_max_buffer=128, swanlab_log_completions=True,
+                swanlab_log_model=False),
     # keys of Axolotl's examples that its current schema no longer has (Axolotl ignores them)
     **_all("ignored", "not a key of Axolotl's schema (Axolotl ignores it too)", "debug", "test_value", "eta_min",
            "base_model_ignore_patterns", "sample_packing_seq_len_multiplier"),
+    **_all("ignored", "not a key of Axolotl's schema: Axolotl ignores it, and so does ndparallel (the optimizer's "
+           "epsilon is adam_epsilon: rename it to apply it)", "adam_eps"),
 }
 """Top-level Axolotl keys (not ``TrainConfig`` fields or aliases)."""
 
@@ -329,6 +338,7 @@ PLUGINS: dict[str, str] = {
                    "torch_compile",
     "ExpertParallelPlugin": "ndparallel's expert parallelism: expert_parallel_size (docs/moe.md)",
     "KernelsPlugin": "transformers' own modules (its kernels change speed, not the result)",
+    "SwanLabPlugin": "the SwanLab tracker (use_swanlab / swanlab_project, docs/axolotl.md)",
 }
 """Axolotl plugins (class names) ndparallel maps; any other is refused with the fix."""
 

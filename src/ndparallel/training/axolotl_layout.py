@@ -32,11 +32,13 @@ def default_layout(t: Translation) -> None:
     asks for FSDP); on CPU, over ``--nproc-per-node`` ranks."""
     if not _no_degrees(t) or any(k in t.data for k in DEGREES):
         return
-    fsdp = bool(t.data.get("fsdp_config")) or t.data.get("fsdp_version") is not None
+    experts = any(isinstance(t.data.get(k), int) and t.data[k] > 1 for k in ("expert_parallel_size", "ep_size"))
+    fsdp = bool(t.data.get("fsdp_config")) or t.data.get("fsdp_version") is not None or experts
     key = "dp_shard_size" if fsdp else "dp_replicate_size"
     t.data[key] = -1
     t.notes.append(f"no parallelism degree given: {'FSDP2' if fsdp else 'data parallel'} over every local device "
-                   f"({key}: -1: every GPU; on CPU --nproc-per-node N ranks, default 1)")
+                   f"({key}: -1: every GPU; on CPU --nproc-per-node N ranks, default 1)"
+                   + ("; expert_parallel_size borrows its ranks from those FSDP ranks" if experts else ""))
 
 
 def fsdp_list(t: Translation, key: str, value: Any) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ndparallel.training.optim_lowbit import OPTIMIZER_NAMES
+from ndparallel.training.axolotl_checkpoint import linearized_experts, model_quantization
 from ndparallel.training.axolotl_keys import DATASET, PLUGINS, TOP, Translation, is_empty, short
 from ndparallel.training.axolotl_layout import (
     default_layout,
@@ -286,6 +287,23 @@ def _choice(t: Translation, key: str, value: Any, known: dict, example: str) -> 
              f"(e.g. {key}: {example})")
 
 
+def _tokens(t: Translation, key: str, value: Any) -> None:
+    """Older Axolotl configs give the bos / eos / pad / unk tokens as a ``tokens:`` mapping (today's
+    Axolotl refuses it): they become ``special_tokens``; a list (new tokens) is left as is."""
+    if not isinstance(value, dict) or not value or not set(value) <= {"bos_token", "eos_token", "pad_token",
+                                                                      "unk_token"}:
+        return
+    special = t.data.get("special_tokens") or {}
+    clash = sorted(k for k in value if k in special and special[k] != value[k])
+    if not isinstance(special, dict) or clash:
+        t.problems.append(f"'tokens' gives {clash or sorted(value)} as a mapping and special_tokens sets them "
+                          "otherwise; keep them under special_tokens only")
+        return
+    del t.data[key]
+    t.data["special_tokens"] = {**value, **special}
+    t.notes.append(f"tokens: a mapping of {', '.join(sorted(value))} (older Axolotl's form) -> special_tokens")
+
+
 def _zero_is_none(t: Translation, key: str, value: Any) -> None:
     if value == 0:
         del t.data[key]
@@ -313,6 +331,8 @@ MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "eval_causal_lm_metrics": _causal_lm_eval, "mean_resizing_embeddings": _mean_resizing,
     "accelerator_config": _accelerator_config, "model_config": _rename("overrides_of_model_config"),
     "load_in_8bit": _load_in_8bit, "quantize_moe_experts": _note_if_set,
+    "model_quantization_config": model_quantization, "model_quantization_config_kwargs": model_quantization,
+    "llama4_linearized_experts": linearized_experts, "tokens": _tokens,
     "cut_cross_entropy": lambda t, k, v: None,  # the plugin's own switch (on by default)
     "optimizer": lambda t, k, v: _choice(t, k, v, OPTIMIZERS, "adamw_torch_fused"),
     "lr_scheduler": lambda t, k, v: _choice(t, k, v, SCHEDULERS, "cosine"),

@@ -18,7 +18,8 @@ def model_config(cfg: TrainConfig, vocab_size: int | None = None):
     overrides = cfg.overrides_of_model_config or {}
     if is_preset(cfg.base_model):
         return preset_config(cfg.base_model, **overrides, **({"vocab_size": vocab_size} if vocab_size else {}))
-    config = AutoConfig.from_pretrained(cfg.base_model, trust_remote_code=cfg.trust_remote_code)
+    config = AutoConfig.from_pretrained(cfg.base_model, trust_remote_code=cfg.trust_remote_code,
+                                        revision=cfg.revision_of_model)
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
@@ -44,6 +45,8 @@ def load_tokenizer(cfg: TrainConfig, cache_dir: Path):
         for d in cfg.datasets:  # train on the same slice of the corpus the data uses
             if d.path == "builtin:stdlib":
                 kwargs.update(max_files=d.max_files, max_bytes=d.max_bytes)
+    if source == cfg.base_model and cfg.revision_of_model:
+        kwargs["revision"] = cfg.revision_of_model
     tokenizer = load_or_train_tokenizer(source, cache_dir=cache_dir, **kwargs)
     set_special_tokens(tokenizer, cfg)
     if (cfg.chat_template and cfg.chat_template != "tokenizer_default") or cfg.chat_template_jinja:
@@ -114,7 +117,7 @@ def train_loader(cfg: TrainConfig, splits, tokenizer, dp_rank: int, dp_size: int
 
     if cfg.pretraining_dataset is None:
         return PackedLoader(splits.train, cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed,
-                            pad_to_multiple=pad_to_multiple)
+                            pad_to_multiple=pad_to_multiple, shuffle=not cfg.curriculum_sampling)
     from ndparallel.data.dataset import DatasetSpec
     from ndparallel.data.stream import StreamingLoader, TokenStream
 

@@ -395,8 +395,8 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
             chat_template_jinja=self.chat_template_jinja, chat_template_kwargs=self.chat_template_kwargs,
             min_sample_len=self.min_sample_len,
             val_set_size=self.val_set_size, seed=self.seed,
-            num_proc=self.dataset_processes,
-        )
+            num_proc=self.dataset_processes, deduplicate=self.dataset_exact_deduplication,
+            sequential_packing=self.sample_packing_sequentially)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:

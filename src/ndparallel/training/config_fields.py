@@ -61,6 +61,14 @@ class TrackerFields(_Strict):
     mlflow_experiment_name: str | None = None
     mlflow_run_name: str | None = None
     hf_mlflow_log_artifacts: bool | None = None
+    use_swanlab: bool | None = None
+    """SwanLab; on when swanlab_project is set."""
+    swanlab_project: str | None = None
+    swanlab_experiment_name: str | None = None
+    swanlab_description: str | None = None
+    swanlab_workspace: str | None = None
+    swanlab_mode: Literal["cloud", "online", "local", "offline", "disabled"] | None = None
+    """offline: the run is written under output_dir/swanlog (``swanlab sync`` uploads it later)."""
 
     @field_validator("wandb_watch", "wandb_log_model")
     @classmethod
@@ -89,6 +97,9 @@ class TrackerFields(_Strict):
             self.mlflow_tracking_uri or self.mlflow_experiment_name)
         if mlflow:
             out.append("mlflow")
+        swanlab = self.use_swanlab if self.use_swanlab is not None else bool(self.swanlab_project)
+        if swanlab and self.swanlab_mode != "disabled":
+            out.append("swanlab")
         return out
 
     def tracker_kwargs(self, name: str, run_dir: str) -> dict[str, Any]:
@@ -99,6 +110,12 @@ class TrackerFields(_Strict):
                                       "dir": run_dir}.items() if v is not None}
         if name == "tensorboard":
             return {"logging_dir": f"{run_dir}/runs"}
+        if name == "swanlab":  # Axolotl's "cloud" is SwanLab's "online"
+            mode = "online" if self.swanlab_mode == "cloud" else self.swanlab_mode
+            return {k: v for k, v in {"project": self.swanlab_project or "ndparallel", "mode": mode,
+                                      "name": self.swanlab_experiment_name, "description": self.swanlab_description,
+                                      "workspace": self.swanlab_workspace, "log_dir": f"{run_dir}/swanlog"}.items()
+                    if v is not None}
         return {k: v for k, v in {"experiment_name": self.mlflow_experiment_name or "ndparallel",
                                   "tracking_uri": self.mlflow_tracking_uri,
                                   "run_name": self.mlflow_run_name}.items() if v is not None}
@@ -172,6 +189,21 @@ class DataSourceFields(_Strict):
     pretraining_dataset: list[DatasetConfig] | None = None
     """Raw text streamed as Axolotl does (needs max_steps): tokenised, concatenated and cut into
     sequence_len blocks while training; instead of datasets."""
+    revision_of_model: str | None = Field(None, min_length=1,
+                                          validation_alias=AliasChoices("revision_of_model", "model_revision"))
+    """A Hub base_model's branch, tag or commit (config, weights and tokenizer all from it)."""
+    dataset_exact_deduplication: bool = False
+    """Drop fine-tuning samples whose tokens and labels repeat an earlier sample's (Axolotl's rule)."""
+    curriculum_sampling: bool = False
+    """Train on the rows in dataset order every epoch (no shuffle)."""
+    sample_packing_sequentially: bool = False
+    """sample_packing: fill rows in dataset order (next fit) instead of longest first (first fit
+    decreasing); with curriculum_sampling the samples are seen in the order of the data."""
+
+    @field_validator("revision_of_model", mode="before")
+    @classmethod
+    def _revision_text(cls, v):
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v  # YAML reads 1234567 as a number
 
     @model_validator(mode="after")
     def _data_source(self):  # reads TrainConfig's datasets / max_steps / base_model

@@ -21,6 +21,7 @@ def check_without_data(cfg: TrainConfig, hf) -> None:
             if spec.type == "chat_template" and not spec.chat_template_jinja:
                 check_template_name(spec.chat_template or cfg.chat_template, f"datasets[{i}]",
                                     cfg.chat_template_jinja)
+        _check_data_order(cfg)
         for i, d in enumerate(cfg.pretraining_dataset or []):
             if "[" in d.split:
                 raise ValueError(f"pretraining_dataset[{i}].split: {d.split!r}: a streamed dataset has no length to "
@@ -45,6 +46,29 @@ def check_without_data(cfg: TrainConfig, hf) -> None:
                               "fix the pattern (re.match from the start of the name)")
 
 
+def _check_data_order(cfg: TrainConfig) -> None:
+    """Deduplication and the data-order switches apply to whole samples, not to streamed or
+    concatenated raw text."""
+    from ndparallel.data.dataset import DatasetSpec
+    from ndparallel.data.pipeline import concatenates
+
+    switches = [k for k in ("dataset_exact_deduplication", "curriculum_sampling", "sample_packing_sequentially")
+                if getattr(cfg, k)]
+    if not switches:
+        return
+    if cfg.pretraining_dataset is not None:
+        raise ValueError(f"{switches[0]}: true with a streamed pretraining_dataset (read once, in its own order, "
+                         "never deduplicated): remove it, or give the data under datasets:")
+    specs = [DatasetSpec.from_any(d.model_dump()) for d in cfg.datasets]
+    if cfg.dataset_exact_deduplication and concatenates(specs, cfg.sample_packing):
+        raise ValueError("dataset_exact_deduplication: true, but raw text is concatenated into blocks here "
+                         "(sample_packing unset): set sample_packing: true (or false) to train whole samples, "
+                         "which are deduplicated")
+    if cfg.sample_packing_sequentially and not cfg.sample_packing:
+        raise ValueError("sample_packing_sequentially: true without sample_packing: true (one sample per row: "
+                         "nothing is packed); set sample_packing: true, or remove it")
+
+
 def chunked_loss_problem(cfg: TrainConfig, hf) -> str | None:
     """Why the chunked loss would not be exact for this model (None: it is)."""
     from ndparallel.models.heads import plain_head_problem
@@ -62,21 +86,33 @@ def chunked_loss_state(cfg: TrainConfig, hf) -> str:
 
 
 def model_notes(cfg: TrainConfig, hf) -> list[str]:
-    """Notes that depend on the model: a multimodal checkpoint trained on text, sample packing with
-    token mixers other than attention."""
+    """Notes that depend on the model: a multimodal checkpoint trained on text, ``sequence_len``
+    past the model's positions (rotary / ALiBi: extrapolated), sample packing with token mixers
+    other than attention."""
     from ndparallel.models.multimodal import multimodal_class, multimodal_note
-    from ndparallel.training.model_check import meta_model
+    from ndparallel.training.model_check import beyond_positions, meta_model
 
     notes = [multimodal_note(meta_model(cfg, hf))] if multimodal_class(hf) is not None else []
+    positions = beyond_positions(cfg, hf)
+    if positions is not None:
+        notes.append(f"sequence_len={cfg.sequence_len} goes past the model's max_position_embeddings={positions}: "
+                     "its computed (rotary / ALiBi) positions extrapolate beyond the trained context, as in "
+                     "Axolotl; a rope_scaling in config.json extends the context properly")
+    return notes + _packing_notes(cfg, hf)
+
+
+def _packing_notes(cfg: TrainConfig, hf) -> list[str]:
     if not cfg.sample_packing:
-        return notes
+        return []
     import torch.nn as nn
+
+    from ndparallel.training.model_check import meta_model
 
     language = [m for n, m in meta_model(cfg, hf).named_modules() if not _in_tower(n)]
     mixers = sorted({type(m).__name__ for m in language if isinstance(m, nn.Conv1d)})
     if not mixers:
-        return notes
-    return notes + [f"sample_packing: {hf.model_type} also mixes tokens outside attention (convolution / state-space "
+        return []
+    return [f"sample_packing: {hf.model_type} also mixes tokens outside attention (convolution / state-space "
             "layers): packed samples influence each other there, as in Axolotl without varlen kernels; "
             "sample_packing: false trains each sample alone"]
 

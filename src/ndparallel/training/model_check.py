@@ -42,6 +42,10 @@ def _base_model_config(cfg: TrainConfig):
     )
 
     name = cfg.base_model
+    if cfg.revision_of_model and (is_preset(name) or Path(name).expanduser().exists()):
+        raise ConfigError(f"revision_of_model={cfg.revision_of_model!r} picks a revision of a Hub base_model, but "
+                          f"base_model={name!r} is {'a built-in preset' if is_preset(name) else 'a local path'}: "
+                          "remove it, or give the Hub id as base_model")
     if is_preset(name):
         return preset_config(name, vocab_size=cfg.tokenizer_vocab_size)
     path = Path(name).expanduser()
@@ -55,7 +59,7 @@ def _base_model_config(cfg: TrainConfig):
     if known is not None:
         return known
     if is_hub_id(name):
-        return _hub_config(name, cfg.trust_remote_code)
+        return _hub_config(name, cfg.trust_remote_code, cfg.revision_of_model)
     if "/" not in name and not name.startswith((".", "~")):
         close = difflib.get_close_matches(name, [*PRESETS, *PUBLISHED], n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -80,12 +84,13 @@ def _auto_config(name: str, source, trust_remote_code: bool, **kwargs):
         raise ConfigError(f"base_model={name!r} cannot be read: {one_line(e)[:400]}") from None
 
 
-def _hub_config(name: str, trust_remote_code: bool):
+def _hub_config(name: str, trust_remote_code: bool, revision: str | None = None):
     with contextlib.suppress(Exception):  # the local HF cache first: no network
         with quiet_transformers():
             from transformers import AutoConfig
 
-            return AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code)
+            return AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code,
+                                              revision=revision)
     fix = (f"download it where the Hub is reachable (`huggingface-cli download {name} --local-dir DIR`) "
            "and give DIR")
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
@@ -95,7 +100,7 @@ def _hub_config(name: str, trust_remote_code: bool):
     if not reachable(endpoint):
         raise ConfigError(f"base_model={name!r} is not a local directory and not in the local Hugging Face "
                           f"cache, and {endpoint} cannot be reached: {fix}")
-    return _auto_config(name, name, trust_remote_code)
+    return _auto_config(name, name, trust_remote_code, revision=revision)
 
 
 def reachable(url: str, timeout_s: float = 3.0) -> bool:
@@ -133,11 +138,11 @@ def check_model(cfg: TrainConfig, hf, check_weights: bool = True) -> None:
     problem = config_problem(hf, cfg.trust_remote_code)
     if problem:
         raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
-    positions = getattr(hf, "max_position_embeddings", None)
-    if isinstance(positions, int) and cfg.sequence_len > positions:
+    tables = beyond_learned_positions(cfg, hf)
+    if tables:
         raise ConfigError(f"sequence_len={cfg.sequence_len} is larger than the model's max_position_embeddings="
-                          f"{positions} (base_model={cfg.base_model!r}): lower sequence_len, or extend the "
-                          "model's context (max_position_embeddings with a fitting rope_scaling in config.json)")
+                          f"{hf.max_position_embeddings} (base_model={cfg.base_model!r}), and its positions are a "
+                          f"learned table ({tables[0]}) with no row past that: lower sequence_len")
     if is_preset(cfg.base_model) or (published_config(cfg.base_model) is not None
                                      and not Path(cfg.base_model).exists()):
         if cfg.fsdp_config.layer_classes:
@@ -165,6 +170,21 @@ def _check_layer_classes(cfg: TrainConfig, model) -> None:
         raise ConfigError(f"fsdp_config.layer_classes (transformer_layer_cls_to_wrap) {missing} is not a class of "
                           f"base_model={cfg.base_model!r} (its layers: {layers[:6]}); set it to the decoder-layer "
                           "class, or remove it")
+
+
+def beyond_positions(cfg: TrainConfig, hf) -> int | None:
+    """The model's ``max_position_embeddings`` when ``sequence_len`` goes past it (else None)."""
+    positions = getattr(hf.get_text_config(), "max_position_embeddings", None)  # multimodal: its text model's
+    return positions if isinstance(positions, int) and cfg.sequence_len > positions else None
+
+
+def beyond_learned_positions(cfg: TrainConfig, hf) -> list[str]:
+    """The learned position tables that ``sequence_len`` overruns (none for rotary / ALiBi models,
+    which compute positions: ``dry_checks.model_notes`` says they extrapolate)."""
+    from ndparallel.models.causal import learned_position_tables
+
+    positions = beyond_positions(cfg, hf)
+    return [] if positions is None else learned_position_tables(meta_model(cfg, hf), positions)
 
 
 def meta_model(cfg: TrainConfig, hf):

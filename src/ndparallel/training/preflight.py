@@ -278,7 +278,8 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     gbs = cfg.micro_batch_size * cfg.gradient_accumulation_steps * pc.dp_size
     lines = [
         f"layout       : {pc.describe()}  ({pc!r})",
-        f"model        : {cfg.base_model} ({hf.model_type}, {getattr(hf, 'num_hidden_layers', '?')} layers, hidden "
+        f"model        : {cfg.base_model}{f' @ {cfg.revision_of_model}' if cfg.revision_of_model else ''} "
+        f"({hf.model_type}, {getattr(hf, 'num_hidden_layers', '?')} layers, hidden "
         f"{getattr(hf, 'hidden_size', '?')}, heads {getattr(hf, 'num_attention_heads', '?')}/"
         f"{getattr(hf, 'num_key_value_heads', '?')})",
         f"global batch : {gbs} sequences × {cfg.sequence_len} tokens = {gbs * cfg.sequence_len} tokens/step "
@@ -378,9 +379,13 @@ def _data_mode(cfg: TrainConfig) -> str:
     if concatenates(specs, cfg.sample_packing):
         return f"{types}: documents concatenated and cut into {cfg.sequence_len}-token blocks"
     how = "packed several per row (attention per sample)" if cfg.sample_packing else "one per row"
+    if cfg.sample_packing and cfg.sample_packing_sequentially:
+        how = how.replace("several per row", "several per row in dataset order")
     masked = "every token trained" if cfg.train_on_inputs else "prompt tokens masked (-100)"
     pad = "padded to sequence_len" if cfg.pad_to_sequence_len else "each micro-batch cut after its longest row"
-    return f"{types}: whole samples, {how}, {masked}, {pad}"
+    order = [*(["exact duplicates dropped"] if cfg.dataset_exact_deduplication else []),
+             "rows in dataset order (curriculum_sampling)" if cfg.curriculum_sampling else "rows shuffled each epoch"]
+    return f"{types}: whole samples, {how}, {masked}, {pad}, {', '.join(order)}"
 
 
 def _steps(cfg: TrainConfig) -> str:

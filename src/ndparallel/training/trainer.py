@@ -156,7 +156,7 @@ class Trainer:
         model = engine.build_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
                                adapter=adapter, adapter_weights=cfg.lora_model_dir or None, vocab_size=grown,
                                dtype=dtype, attn_implementation=kernel, quantization=cfg.nf4_config(),
-                               config_overrides=cfg.overrides_of_model_config)
+                               config_overrides=cfg.overrides_of_model_config, revision=cfg.revision_of_model)
         if getattr(model, "config", None) is not None:
             model.config.use_cache = False
         if cfg.unfrozen_parameters and adapter is None:
