@@ -66,17 +66,20 @@ TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_atte
 
 
 def tiny_multimodal(model_type: str):
-    """A multimodal config: the tiny text model of ``MULTIMODAL`` plus 1-layer vision / audio towers."""
+    """A multimodal config: the tiny text model of ``MULTIMODAL`` (or the one named after ``+``:
+    ``mistral3+mistral4``) plus 1-layer vision / audio towers."""
     from transformers import AutoConfig
 
+    model_type, _, text_type = model_type.partition("+")
     base = AutoConfig.for_model(model_type)
-    kwargs = {"text_config": tiny_config(MULTIMODAL[model_type]).to_dict()}
+    kwargs = {"text_config": tiny_config(text_type or MULTIMODAL[model_type]).to_dict()}
     for name, cls in base.sub_configs.items():
         if name != "text_config":
             current = getattr(base, name)
             tower = (type(current)() if current is not None else cls()).to_dict()
             kwargs[name] = {**tower, **{k: v for k, v in TOWER.items() if k in tower}}
-    return AutoConfig.for_model(model_type, **kwargs)
+    tied = model_type.startswith("gemma")  # Gemma ties its LM head to the embeddings; the others do not
+    return AutoConfig.for_model(model_type, tie_word_embeddings=tied, **kwargs)
 
 
 def multimodal_model(model_type: str):
@@ -87,6 +90,10 @@ def multimodal_model(model_type: str):
     mapping = transformers.AutoModelForImageTextToText._model_mapping
     cls = transformers.VoxtralForConditionalGeneration if model_type == "voxtral" else mapping[type(config)]
     return cls(config)
+
+
+def is_multimodal(model_type: str) -> bool:
+    return model_type.partition("+")[0] in MULTIMODAL
 
 
 def stand_in(root: Path, model_type: str) -> Path:
@@ -102,7 +109,7 @@ def stand_in(root: Path, model_type: str) -> Path:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = multimodal_model(model_type) if model_type in MULTIMODAL else \
+        model = multimodal_model(model_type) if is_multimodal(model_type) else \
             AutoModelForCausalLM.from_config(tiny_config(model_type))
         model.save_pretrained(path)
     return path
