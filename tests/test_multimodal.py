@@ -60,6 +60,10 @@ def test_multimodal_class_and_names(saved):
                    if is_lora_layer(m)]
         expected = 7 * 2 - (1 if mt == "qwen3_5" else 0) * 4  # qwen3_5: layer 0 is linear attention
         assert len(adapted) == expected and all(".language_model.layers." in n for n in adapted), (mt, adapted)
+        from ndparallel.plan.models import load_model_spec
+
+        spec = load_model_spec(path)  # the planner sizes the text model (config.json: text_config)
+        assert (spec.hidden, spec.layers, spec.vocab) == (64, 2, 512), mt
 
 
 def test_fsdp_tp_cp_equal_one_process(saved):
