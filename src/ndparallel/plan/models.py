@@ -194,7 +194,7 @@ def from_hf_config(cfg: dict, name: str = "custom") -> ModelSpec:
     fields of Qwen3-MoE / Qwen2-MoE / Mixtral / OLMoE / gpt-oss). A multimodal config (Gemma 3 / 4,
     Mistral 3, Voxtral, Qwen 3.5): its ``text_config`` (the towers, frozen and never run on text, are
     left out: an undercount of their parameters, e.g. ~0.4 B for a SigLIP / Pixtral tower)."""
-    if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
+    if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
         cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"]}
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size", "vocab_size") if k not in cfg]
