@@ -108,6 +108,8 @@ def _plugin_of(key: str) -> str:
      {"datasets": [{"path": "x", "message_property_mappings": {"role": "from", "content": "value"}}]},
      "message_property_mappings"),
     ({"attn_implementation": "xformers"}, {"attn_implementation": "sdpa"}, "xformers -> sdpa"),
+    ({"max_packed_sequence_len": 2048, "sequence_len": 2048}, {"sample_packing": True, "sequence_len": 2048},
+     "max_packed_sequence_len: 2048 -> sample_packing: true"),
     ({"tokens": {"pad_token": "<|padding|>", "eos_token": "<|endoftext|>"}},
      {"special_tokens": {"pad_token": "<|padding|>", "eos_token": "<|endoftext|>"}}, "(older Axolotl's form)"),
     ({"gradient_checkpointing": "offload"}, {"activation_offloading": True,
@@ -143,7 +145,7 @@ def test_wrong_did_you_means_are_gone(tmp_path):
         load_config(cfg)
     text = str(e.value)
     assert "save_dtype" not in text and "did you mean 'bf16'" not in text and "lora_target_modules'" not in text
-    assert "'fp16: true': fp16 is not supported: use bf16: true" in text
+    assert "fp16" not in text  # fp16: true is honoured now (fp16 mixed precision: tests/test_fp16.py)
     assert "modules_to_save" in text and "remove it, or train without adapter" in text
     assert "unknown key 'data_fil'" in text  # a typo of no key at the top level: no suggestion that misleads
 
@@ -226,6 +228,8 @@ def test_examples_at_the_dry_run_level(schema_results, tmp_path_factory, capsys)
                 *(_neutralised(raw) if pending_only else [])]
         if raw.get("load_in_4bit") and not pending_only:  # NF4 groups that fit the tiny stand-in's linears
             sets += ["nf4_block_size=2", "nf4_scaler_block_size=2"]
+        if ((raw.get("qat") or {}).get("group_size") or 0) > 64:  # QAT groups that fit the stand-in's 64-wide linears
+            sets.append("qat.group_size=32")
         ranks = ["--nproc-per-node", str(raw["expert_parallel_size"])] if raw.get("expert_parallel_size", 1) > 1 \
             and not any(k in raw for k in ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size")) else []
         code, _, err = run_cli(capsys, "train", path, "--dry-run", *ranks,  # EP examples: the GPUs they are written for

@@ -32,7 +32,7 @@ from ndparallel.parallel.options import (
     TPOptions,
 )
 
-MIXED_PRECISION = {"no": None, "fp32": None, "bf16": torch.bfloat16}
+MIXED_PRECISION = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 RNG_TYPES = ("torch", "cuda", "generator")
 UNSET = object()  # Accelerate's sentinel for the deprecated ``split_batches`` argument
 
@@ -67,9 +67,6 @@ def _mixed_precision(value: Any) -> str:
     if value is None:
         value = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     value = str(getattr(value, "value", value)).lower()
-    if value == "fp16":
-        raise ValueError("mixed_precision='fp16' needs loss scaling (a gradient scaler), which ndparallel "
-                         "does not implement: use 'bf16' (as fast on Ampere and newer GPUs, no scaling needed)")
     if value == "fp8":
         raise ValueError("mixed_precision='fp8' is not supported: use 'bf16' (fp8 needs TransformerEngine/"
                          "torchao recipes ndparallel does not drive)")

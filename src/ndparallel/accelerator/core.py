@@ -54,8 +54,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
     ``device`` ("cpu"/"cuda"; default cuda when visible) and ``timeout_s`` (collective timeout).
     ``Accelerator(ParallelismConfig(...))`` (the layout as first positional argument) also works.
     ``mixed_precision``: "no" (fp32), "bf16" (bf16 compute, fp32 master weights; gradients reduced
-    in fp32 unless ``fsdp_plugin.mixed_precision_policy`` says otherwise). "fp16" is refused: it
-    needs loss scaling, which ndparallel does not implement.
+    in fp32 unless ``fsdp_plugin.mixed_precision_policy`` says otherwise), "fp16" (the same in fp16,
+    with dynamic loss scaling: ``GradScalerKwargs``; ``accelerator.scaler``).
     """
 
     def __init__(
@@ -144,7 +144,12 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         self.init_handler = s.handlers.get("init_handler")
         self.autocast_handler = s.handlers.get("autocast_handler")
         self.profile_handler = s.handlers.get("profile_handler")
-        self.scaler_handler, self.scaler, self.native_amp = None, None, s.param_dtype is not None
+        self.scaler_handler, self.native_amp = s.handlers.get("scaler_handler"), s.param_dtype is not None
+        self.scaler = None  # fp16 compute (mixed_precision or the FSDP plugin's policy): loss scaling
+        if s.param_dtype == torch.float16:
+            from ndparallel.accelerator.handlers import GradScalerKwargs
+
+            self.scaler = (self.scaler_handler or GradScalerKwargs()).build()
 
     # ------------------------------------------------------------ what runs
     @property

@@ -76,7 +76,8 @@ class InitProcessGroupKwargs(KwargsHandler):
 
 @dataclass
 class GradScalerKwargs(KwargsHandler):
-    """fp16 loss-scaling options: ndparallel has no GradScaler, so giving them is an error."""
+    """fp16 loss-scaling options (``mixed_precision="fp16"``): the ``engine.LossScaler`` the
+    prepared optimizers use (its overflow decision is global: the same on every rank)."""
 
     init_scale: float = 65536.0
     growth_factor: float = 2.0
@@ -84,9 +85,13 @@ class GradScalerKwargs(KwargsHandler):
     growth_interval: int = 2000
     enabled: bool = True
 
-    def __post_init__(self) -> None:
-        raise ValueError("GradScalerKwargs is not supported: ndparallel has no fp16 loss scaling; "
-                         "train with mixed_precision='bf16' (no scaler needed)")
+    def build(self):
+        """The ``LossScaler`` (None when not ``enabled``)."""
+        from ndparallel.engine.loss_scale import LossScaler
+
+        if not self.enabled:
+            return None
+        return LossScaler(self.init_scale, self.growth_factor, self.backoff_factor, self.growth_interval)
 
 
 @dataclass

@@ -141,7 +141,7 @@ def prepare_optimizer(acc, optimizer: torch.optim.Optimizer) -> AcceleratedOptim
                          "before the first optimizer.step()")
     for group in optimizer.param_groups:
         group["params"] = [acc._param_remap.get(id(p), p) for p in group["params"]]
-    wrapped = AcceleratedOptimizer(optimizer, acc.gradient_state)
+    wrapped = AcceleratedOptimizer(optimizer, acc.gradient_state, scaler=acc.scaler)
     acc._optimizers.append(optimizer)
     acc._prepared_optimizers.append(wrapped)
     return wrapped

@@ -123,6 +123,8 @@ class SavingMixin:
         for hook in self._save_model_state_pre_hook.values():
             hook(models, [m.state_dict() for m in models], str(output_dir))
         extra = {"custom_objects": [o.state_dict() for o in self._custom_objects]}
+        if self.scaler is not None:  # fp16: resume with the same loss scale
+            extra["loss_scale"] = self.scaler.state_dict()
         out = save_state(output_dir, models, self._optimizers_of(models), self._schedulers, extra=extra,
                          layout=self.engine.dims)
         self._rotate_automatic_checkpoints()  # only now that the new one is complete
@@ -159,6 +161,8 @@ class SavingMixin:
                              f"{len(self._custom_objects)} are registered now")
         for obj, state in zip(self._custom_objects, saved):
             obj.load_state_dict(state)
+        if self.scaler is not None and out.get("loss_scale"):
+            self.scaler.load_state_dict(out["loss_scale"])
         return out
 
     def _optimizers_of(self, models: list[nn.Module]) -> list:

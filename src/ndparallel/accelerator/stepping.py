@@ -122,6 +122,8 @@ class SteppingMixin:
         if num_items_in_batch is None:
             dims = self.engine.dims
             loss = loss / (self.gradient_accumulation_steps * dims.dp * dims.cp)
+        if self.scaler is not None:  # fp16: back-propagate the scaled loss (unscaled before the step)
+            loss = loss * self.scaler.scale
         self.engine.backward(loss, **kwargs)
 
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
@@ -130,7 +132,9 @@ class SteppingMixin:
 
     # ------------------------------------------------------------- gradients
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0):
-        """Clip to ``max_norm``; returns the true global norm (any layout, any mix of meshes)."""
+        """Clip to ``max_norm``; returns the true global norm (any layout, any mix of meshes). fp16:
+        the gradients are unscaled first (as Accelerate does)."""
+        self.unscale_gradients()
         return self.engine.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
@@ -141,15 +145,20 @@ class SteppingMixin:
                 p.grad.clamp_(-clip_value, clip_value)
 
     def grad_norm(self, parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-        """The global gradient norm without clipping."""
+        """The global gradient norm without clipping (fp16: of the unscaled gradients)."""
+        self.unscale_gradients()
         return self.engine.grad_norm(parameters, norm_type)
 
     def unscale_gradients(self, optimizer=None) -> None:
-        """Accelerate unscales fp16 loss-scaled gradients here; ndparallel never scales: no-op."""
+        """fp16: divide the gradients of ``optimizer`` (default: every prepared one) by the loss scale,
+        once per step (``clip_grad_norm_`` calls it; the optimizer step does if nobody did)."""
+        for o in [optimizer] if optimizer is not None else self._prepared_optimizers:
+            if hasattr(o, "unscale_"):
+                o.unscale_()
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
-        """Whether an fp16 overflow skipped the last step: never (no loss scaling here)."""
+        """Whether an fp16 overflow skipped the last step (every rank decides the same)."""
         return any(getattr(o, "step_was_skipped", False) for o in self._prepared_optimizers)
 
     # -------------------------------------------------------- mixed precision

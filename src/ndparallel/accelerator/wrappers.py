@@ -14,13 +14,19 @@ from ndparallel.accelerator.state import GradientState
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
-    """Delegates to ``optimizer``; ``step``/``zero_grad`` only run when gradients are synced."""
+    """Delegates to ``optimizer``; ``step``/``zero_grad`` only run when gradients are synced. With an
+    fp16 ``scaler`` (``engine.LossScaler``) ``step`` unscales the gradients (unless
+    ``accelerator.clip_grad_norm_`` / ``unscale_gradients`` did), and skips the step when their
+    global norm is not finite (the same decision on every rank), backing off the scale."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState):
+    def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState, scaler=None):
         # No super().__init__: the wrapped optimizer owns param_groups, state and defaults.
         self.optimizer = optimizer
         self.gradient_state = gradient_state
+        self.scaler = scaler
         self._is_overflow = False
+        self._unscaled = False
+        self._steps = 0
 
     state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, "state", v))
     param_groups = property(lambda self: self.optimizer.param_groups,
@@ -41,10 +47,28 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if self.gradient_state.sync_gradients:
             self.optimizer.zero_grad(**({} if set_to_none is None else {"set_to_none": set_to_none}))
 
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def unscale_(self) -> None:
+        """Divide the gradients by the loss scale (once per step; fp16 only)."""
+        if self.scaler is not None and not self._unscaled:
+            self.scaler.unscale_(self._params())
+            self._unscaled = True
+
     def step(self, closure=None):
-        if self.gradient_state.sync_gradients:
-            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        return None
+        if not self.gradient_state.sync_gradients:
+            return None
+        self._steps += 1
+        if self.scaler is not None:
+            from ndparallel.parallel.grad_norm import total_grad_norm
+
+            self.unscale_()
+            self._unscaled = False
+            self._is_overflow = not self.scaler.update(total_grad_norm(self._params()), self._steps)
+            if self._is_overflow:
+                return None
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
     def train(self):
         return self.optimizer.train() if hasattr(self.optimizer, "train") else None
@@ -54,7 +78,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     @property
     def step_was_skipped(self) -> bool:
-        """True when the last step was skipped for an fp16 overflow (never here: no loss scaling)."""
+        """True when the last step was skipped for an fp16 overflow (the scale was halved)."""
         return self._is_overflow
 
     def __repr__(self) -> str:

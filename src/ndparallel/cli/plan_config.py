@@ -44,10 +44,11 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
     given, _ = pre.parse_known_args(argv)
     gpus = int(given.gpus) if given.gpus and given.gpus.isdigit() and int(given.gpus) > 0 else None
     flags = ["--model", cfg.base_model, "--seq-len", str(cfg.sequence_len),
-             "--mixed-precision", "bf16" if cfg.bf16 else "fp32",
+             "--mixed-precision", cfg.compute_dtype_name(),
              "--optimizer", _plan_optimizer(cfg.optimizer),
              "--cp-strategy", cfg.cp_comm_strategy,
-             "--loss-impl", "full" if cfg.chunked_loss is False else "chunked"]
+             # qat fake-quantises the LM head: the trainer computes the loss from the full logits
+             "--loss-impl", "full" if cfg.chunked_loss is False or cfg.qat is not None else "chunked"]
     if cfg.optimizer == "adamw_torch_fused":
         flags.append("--fused-adamw")
     if not cfg.tp_options().sequence_parallel:

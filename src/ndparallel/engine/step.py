@@ -1,5 +1,6 @@
 """The one training step: micro-batches (CP-sharded), gradient accumulation, the layout-invariant
-loss, clipping, the non-finite guard, the optimizer and scheduler, fp8 scale precomputation.
+loss, clipping, the non-finite guard, the optimizer and scheduler, fp8 scale precomputation, QAT's
+delayed fake quantisation (``fake_quant_after_n_steps``).
 ``ndparallel train``, ``ndparallel verify`` and the equivalence checks all run this function, so
 what verify proves is what train runs.
 
@@ -38,13 +39,15 @@ def batch_to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> 
 
 
 def forward_backward(engine, model: torch.nn.Module, micro_batches: Sequence[Mapping[str, torch.Tensor]],
-                     skip_grad_sync: bool = False, aux_values: list | None = None) -> torch.Tensor:
+                     skip_grad_sync: bool = False, aux_values: list | None = None,
+                     loss_scale: float | None = None) -> torch.Tensor:
     """Run every micro-batch (CP-sharded when CP is on) with the layout-invariant loss and
     back-propagate it; gradients are reduced after the last micro-batch only (accumulation).
     Returns this rank's share of the step loss (a device tensor): summed over the ``dp_cp`` ranks
     it is the global mean token loss. ``skip_grad_sync`` never reduces gradients: a deliberately
     broken run, used to prove that the equivalence checks can fail. ``aux_values`` collects a
-    mixture-of-experts model's load-balancing loss of each micro-batch (already / their number)."""
+    mixture-of-experts model's load-balancing loss of each micro-batch (already / their number).
+    ``loss_scale`` (fp16): back-propagate the loss × it (the returned loss is not scaled)."""
     from ndparallel.parallel.fsdp import set_gradient_sync
 
     n_items = engine.global_num_items(micro_batches)
@@ -58,7 +61,7 @@ def forward_backward(engine, model: torch.nn.Module, micro_batches: Sequence[Map
             with engine.batch_context(mb):
                 loss = engine.forward_loss(model, mb, n_items, aux_weight=1.0 / len(micro_batches),
                                            aux_values=aux_values)
-                engine.backward(loss, model)
+                engine.backward(loss * loss_scale if loss_scale is not None else loss, model)
             loss_sum += loss.detach().float()
     finally:
         set_gradient_sync(model, True)
@@ -68,20 +71,32 @@ def forward_backward(engine, model: torch.nn.Module, micro_batches: Sequence[Map
 def train_step(
     engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     micro_batches: Sequence[Mapping[str, torch.Tensor]], *, scheduler=None, max_grad_norm: float | None = None,
-    guard=None, step: int = 0, skip_grad_sync: bool = False,
+    guard=None, step: int = 0, skip_grad_sync: bool = False, scaler=None,
 ) -> StepResult:
     """One optimizer step over ``micro_batches`` (this rank's, already on the device).
 
     ``max_grad_norm``: clip to it (None: only measure the norm). ``guard``: a ``NonFiniteGuard``
     deciding whether a non-finite step is applied (``step`` is its 1-based index). The scheduler
-    steps even when the optimizer step is skipped (the schedule follows the step count)."""
+    steps even when the optimizer step is skipped (the schedule follows the step count).
+    ``scaler``: a ``LossScaler`` (fp16): the loss is scaled, the gradients unscaled before clipping,
+    and an overflow (non-finite global norm: the same decision on every rank) skips the optimizer
+    step and backs off the scale; the guard then sees only the loss (an overflow is no divergence)."""
     aux_values: list = []
-    loss = forward_backward(engine, model, micro_batches, skip_grad_sync=skip_grad_sync, aux_values=aux_values)
-    params = model.parameters()
+    if engine.options.qat.fake_quant_after_n_steps is not None:
+        from ndparallel.parallel.qat import step_fake_quant
+
+        step_fake_quant(model, engine.options.qat, step)
+    loss = forward_backward(engine, model, micro_batches, skip_grad_sync=skip_grad_sync, aux_values=aux_values,
+                            loss_scale=scaler.scale if scaler is not None else None)
+    params = list(model.parameters())
+    if scaler is not None:
+        scaler.unscale_(params)
     norm = (engine.clip_grad_norm_(params, max_grad_norm) if max_grad_norm
             else engine.grad_norm(params))
     engine.reduce_step_loss(loss)
-    if guard is None or guard.step_is_finite(step, loss, norm):
+    apply = scaler is None or scaler.update(norm, step)
+    seen_norm = norm if apply else torch.zeros((), device=norm.device)
+    if (guard is None or guard.step_is_finite(step, loss, seen_norm)) and apply:
         optimizer.step()
     if scheduler is not None:
         scheduler.step()

@@ -28,6 +28,8 @@ def plain_head_problem(model: nn.Module) -> str | None:
     head = get_head() if callable(get_head) else None
     if not isinstance(head, nn.Linear) or head.bias is not None:
         return "the output embedding is not a bias-free nn.Linear"
+    if type(head).forward is not nn.Linear.forward:  # e.g. QAT's fake-quantised linear
+        return f"the LM head computes more than a matmul ({type(head).__name__})"
     if not callable(get_decoder) or get_decoder() is None:
         return "the model has no get_decoder() to read the final hidden states from"
     return None

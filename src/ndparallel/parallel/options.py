@@ -100,6 +100,32 @@ class Float8Options:
 
 
 @dataclass(frozen=True)
+class QATOptions:
+    """Quantisation-aware training (Axolotl's ``qat:``; ``parallel/qat.py``): torchao fake-quantises
+    every linear layer's weight (and input activations) in the forward, training stays in full
+    precision; the saved model keeps the unquantised weights (quantise it afterwards)."""
+
+    weight_dtype: Literal["int4", "int8", "float8", "nvfp4", "mxfp4"] | None = None
+    """The fake-quantised weight format; None: QAT off."""
+    activation_dtype: Literal["int4", "int8", "float8", "nvfp4", "mxfp4"] | None = None
+    """The fake-quantised input-activation format; None: weights only."""
+    group_size: int | None = 32
+    """Weight values per quantisation group (int4; nvfp4 16, mxfp4 32)."""
+    quantize_embedding: bool = False
+    """Also fake-quantise the input embedding's weight (weights only)."""
+    fake_quant_after_n_steps: int | None = None
+    """Train the first N optimizer steps without fake quantisation (int / float8 formats)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.weight_dtype is not None
+
+    def active_at(self, step: int) -> bool:
+        """Whether fake quantisation is on in optimizer step ``step`` (1-based)."""
+        return self.fake_quant_after_n_steps is None or step > self.fake_quant_after_n_steps
+
+
+@dataclass(frozen=True)
 class StrategyOptions:
     """Every strategy's options for one run, plus the compute dtype: what ``parallelize_model``
     applies and the engine runs (the trainer, ``verify`` and the Accelerate facade build one)."""
@@ -110,18 +136,21 @@ class StrategyOptions:
     loss: LossOptions = LossOptions()
     compile: CompileOptions = CompileOptions()
     float8: Float8Options = Float8Options()
+    qat: QATOptions = QATOptions()
     param_dtype: torch.dtype | None = None
-    """Compute dtype of the parallelised model (bf16 for mixed precision); None: fp32. Master
-    weights, gradient reduction and optimizer states stay fp32 either way."""
+    """Compute dtype of the parallelised model (bf16 or fp16 for mixed precision); None: fp32.
+    Master weights, gradient reduction and optimizer states stay fp32 either way (fp16 also needs
+    loss scaling: ``engine.LossScaler``)."""
 
     @classmethod
     def from_kwargs(cls, mixed_precision: str = "no", **kwargs) -> "StrategyOptions":
         """From the Accelerator's keyword names (``fsdp_options=``, ``tp_options=``, ...,
         ``mixed_precision="bf16"``), as test setups and scripts write them."""
         names = {"fsdp_options": "fsdp", "tp_options": "tp", "cp_options": "cp", "loss_options": "loss",
-                 "compile_options": "compile", "float8_options": "float8"}
+                 "compile_options": "compile", "float8_options": "float8",
+                 "qat_options": "qat"}
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
             raise TypeError(f"unknown strategy option(s) {unknown}: use {sorted(names)}")
-        dtype = {"no": None, "fp32": None, "bf16": torch.bfloat16}[mixed_precision]
+        dtype = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
         return cls(param_dtype=dtype, **{names[k]: v for k, v in kwargs.items() if v is not None})

@@ -1,5 +1,5 @@
-"""Apply the strategies to a model in one readable order: float8 → TP → EP → CP → tiled MLP →
-activation checkpointing (+ offloading) → compile → FSDP (torchtitan's order).
+"""Apply the strategies to a model in one readable order: float8 or QAT fake quantisation → TP → EP →
+CP → tiled MLP → activation checkpointing (+ offloading) → compile → FSDP (torchtitan's order).
 
 Each step is a call into one strategy module; this function only decides which apply.
 
@@ -72,6 +72,13 @@ def parallelize_model(
         from ndparallel.parallel.float8 import apply_float8
 
         apply_float8(model, options.float8, fsdp.layer_classes, fsdp=uses_fsdp(dims, options))
+    if options.qat.enabled:
+        from ndparallel.parallel.qat import apply_qat, qat_layout_problem
+
+        problem = qat_layout_problem(dims.tp, options.float8.enabled)
+        if problem:
+            raise ValueError(problem)
+        apply_qat(model, options.qat)
     if dims.tp_enabled:
         from ndparallel.parallel.tensor import apply_tensor_parallel
 

@@ -54,7 +54,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--ac-policy", choices=("full", "selective"), default="full",
                    help="checkpointing policy: full (ndparallel) or torchtitan's per-op "
                         "selective policy (for comparisons; not run by ndparallel)")
-    t.add_argument("--mixed-precision", choices=("bf16", "fp32"), default="bf16")
+    t.add_argument("--mixed-precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     t.add_argument("--optimizer", choices=("adamw", "sgd", "adamw_8bit", "adamw_4bit"), default="adamw",
                    help="adamw_8bit / adamw_4bit: torchao's low-bit AdamW (train's adamw_8bit, "
                         "paged_adamw_8bit, adamw_torch_4bit ...)")

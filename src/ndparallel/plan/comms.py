@@ -272,7 +272,7 @@ def scalar_collectives(model: ModelSpec, layout: Layout,
       per gradient tensor and DTensor sums their squares, 4 bytes per tensor, over the mesh dims
       the tensors are sharded on. With a 1-D parameter mesh (FSDP or CP only: ``dp_shard_cp``;
       TP only in fp32: ``tp``) that is one all-reduce of 4·(parameter tensors) bytes, the
-      tp-replicated norms stacked in. With a 2-D one (FSDP applied — any dp degree > 1, or bf16,
+      tp-replicated norms stacked in. With a 2-D one (FSDP applied — any dp degree > 1, or bf16/fp16,
       whose cast FSDP does even on one rank — together with TP) DTensor reduces each placement
       group separately: all tensors over ``dp_shard_cp`` (if > 1), the tp-sharded ones over
       ``tp``, in several calls whose number the planner does not model: the entry gives the
@@ -295,7 +295,7 @@ def scalar_collectives(model: ModelSpec, layout: Layout,
                 out.append(Collective("all_reduce", dim, 4 * experts, 1, "gradient norm of the experts"))
     tensors = sum(p.count for p in specs)
     tp_sharded = sum(p.count for p in specs if p.tp_dim is not None)
-    fsdp_wrapped = layout.dp_replicate * layout.fsdp > 1 or mixed_precision == "bf16"
+    fsdp_wrapped = layout.dp_replicate * layout.fsdp > 1 or mixed_precision in ("bf16", "fp16")
     dims = []
     if layout.fsdp > 1:
         dims.append(("dp_shard_cp", tensors))

@@ -54,7 +54,7 @@ def model_flops_per_token(model: ModelSpec, seq_len: int, lora_r: int = 0) -> fl
 
 
 def peak(hw: Hardware, s: Settings) -> float:
-    return hw.peak_flops if s.mixed_precision == "bf16" else hw.peak_flops_fp32
+    return hw.peak_flops if s.mixed_precision in ("bf16", "fp16") else hw.peak_flops_fp32  # same tensor-core peak
 
 
 @dataclass(frozen=True)

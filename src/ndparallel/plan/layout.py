@@ -30,7 +30,8 @@ class Settings:
     (q, v, gate, down) and the attention output, recompute the rest — modelled for comparisons
     with torchtitan's published rows; ndparallel's runtime does not run it."""
     mixed_precision: str = "bf16"
-    """'bf16': fp32 master params, bf16 compute/all-gather, fp32 gradient reduction; 'fp32'."""
+    """'bf16': fp32 master params, bf16 compute/all-gather, fp32 gradient reduction; 'fp16': the same
+    bytes and FLOP/s in fp16 (loss scaling adds no memory: one scalar); 'fp32'."""
     optimizer: str = "adamw"
     sequence_parallel: bool = True
     """TP with sequence parallel (all-gather + reduce-scatter) instead of all-reduce."""
@@ -79,7 +80,7 @@ class Settings:
 
     @property
     def act_bytes(self) -> int:
-        return 2 if self.mixed_precision == "bf16" else 4
+        return 2 if self.mixed_precision in ("bf16", "fp16") else 4
 
     @property
     def reducing_microbatches(self) -> int:

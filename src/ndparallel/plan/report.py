@@ -209,8 +209,8 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
     if e.layout.tp > 1:
         cfg["sequence_parallel"] = s.sequence_parallel
         cfg["loss_parallel"] = s.loss_parallel
-    if s.mixed_precision == "bf16":
-        cfg["bf16"] = True
+    if s.mixed_precision in ("bf16", "fp16"):
+        cfg[s.mixed_precision] = True
     if s.lora_r:
         cfg.update(adapter="qlora" if s.quantized_base else "lora", lora_r=s.lora_r, lora_alpha=2 * s.lora_r,
                    lora_target_linear=True)

@@ -8,6 +8,7 @@ norms and parameters up to fp32 rounding.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,12 @@ class TrainSetup:
     """A deliberately broken layout run (proves the checks can fail): "skip-grad-sync" never
     reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
     attention crosses document starts; "wrong-expert-rank" sends every token of a mixture-of-experts
-    layer to the next expert-parallel rank (``parallel.expert.set_misroute``)."""
+    layer to the next expert-parallel rank (``parallel.expert.set_misroute``); "overflow-step-2"
+    (fp16) puts an inf into one element of the last rank's local gradient shard at step 2, as a
+    rank-local fp16 overflow would: every rank must skip that step."""
+    loss_scale: dict | None = None
+    """fp16: ``LossScaler`` keyword arguments (default: its defaults); {"init_scale": 1.0,
+    "growth_interval": 10**9} turns the scaling off in effect (a negative control)."""
     adapter: dict | None = None  # LoRA: ``ndparallel.models.adapters.lora_config`` kwargs (r, alpha, ...)
     quantization: Any = None  # QLoRA: an ``NF4Config``: the base linears NF4 before parallelising
     load: Any = None
@@ -64,6 +70,7 @@ class TrainResult:
     grad_norms: list[float]
     params: dict[str, torch.Tensor] | None  # full (unsharded) parameters after training, rank 0
     aux_losses: list[float] | None = None  # an MoE model's load-balancing loss per step (if it adds one)
+    loss_scales: list[float] | None = None  # fp16: the loss scale after each step (this rank's)
 
 
 def make_global_batches(setup: TrainSetup) -> list[list[dict[str, torch.Tensor]]]:
@@ -158,7 +165,8 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
     rows = setup.global_micro_batch // dp_size
     if rows * dp_size != setup.global_micro_batch:
         raise ValueError(f"global_micro_batch={setup.global_micro_batch} not divisible by dp={dp_size}")
-    losses, norms, aux = [], [], []
+    losses, norms, aux, scales = [], [], [], []
+    scaler = loss_scaler(setup, engine)
     for i, micro_batches in enumerate(make_global_batches(setup)):
         local = [{k: v[dp_rank * rows:(dp_rank + 1) * rows].to(engine.device) for k, v in mb.items()}
                  for mb in micro_batches]
@@ -166,14 +174,42 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
             for mb in local:
                 mb["position_ids"] = torch.arange(setup.seq_len, device=engine.device).expand(rows, -1).clone()
         out = train_step(engine, model, optimizer, local, max_grad_norm=setup.max_grad_norm, step=i + 1,
-                         skip_grad_sync=setup.fault == "skip-grad-sync")
+                         skip_grad_sync=setup.fault == "skip-grad-sync", scaler=scaler)
+        if scaler is not None:
+            scales.append(scaler.scale)
         losses.append(float(out.loss))
         norms.append(float(out.grad_norm))
         if out.aux_loss is not None:
             aux.append(float(out.aux_loss))
     params = full_parameters(model)  # a collective: every rank gathers
-    return TrainResult(losses, norms, params if engine.is_main_process else None, aux or None)
+    return TrainResult(losses, norms, params if engine.is_main_process else None, aux or None,
+                       scales if scaler is not None else None)
 
+
+def loss_scaler(setup: TrainSetup, engine):
+    """The fp16 run's ``LossScaler`` (None otherwise); with the "overflow-step-2" fault, one whose
+    unscaling puts an inf into the last rank's first local gradient shard at step 2."""
+    if setup.mixed_precision != "fp16":
+        return None
+    from ndparallel.engine import LossScaler
+
+    if setup.fault != "overflow-step-2":
+        return LossScaler(**(setup.loss_scale or {}))
+    last = engine.rank == engine.world_size - 1
+
+    class InjectedOverflow(LossScaler):
+        calls = 0
+
+        def unscale_(self, parameters):
+            parameters = list(parameters)
+            InjectedOverflow.calls += 1
+            grad = next(p.grad for p in parameters if p.grad is not None)
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            if InjectedOverflow.calls == 2 and last and local.numel():
+                local.view(-1)[0] = float("inf")
+            super().unscale_(parameters)
+
+    return InjectedOverflow(**(setup.loss_scale or {}))
 
 def full_parameters(model) -> dict[str, torch.Tensor]:
     """Every parameter, unsharded, as fp32 CPU tensors (collective under FSDP/TP: all ranks call)."""
@@ -223,7 +259,7 @@ def compare(reference: TrainResult, other: TrainResult) -> dict[str, float]:
     def rel(a, b):
         if len(a) != len(b) or not a:
             raise AssertionError(f"the runs have {len(a)} and {len(b)} steps: nothing to compare step by step")
-        return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+        return max(_rel(x, y) for x, y in zip(a, b))
 
     out = {"loss_rel": rel(reference.losses, other.losses),
            "grad_norm_rel": rel(reference.grad_norms, other.grad_norms)}
@@ -239,6 +275,14 @@ def compare(reference: TrainResult, other: TrainResult) -> dict[str, float]:
             (reference.params[k] - other.params[k]).abs().max().item() for k in reference.params
         )
     return out
+
+
+def _rel(x: float, y: float) -> float:
+    """Relative difference; two non-finite values (an fp16 overflow step on both sides: inf or NaN
+    norm) count as equal, one non-finite value against a finite one as infinitely different."""
+    if not (math.isfinite(x) and math.isfinite(y)):
+        return 0.0 if not (math.isfinite(x) or math.isfinite(y)) else math.inf
+    return abs(x - y) / max(abs(x), 1e-12)
 
 
 def with_overrides(setup: TrainSetup, **kwargs) -> TrainSetup:

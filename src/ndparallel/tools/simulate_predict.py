@@ -21,7 +21,7 @@ def planner_settings(trainer):
     return Settings(
         seq_len=cfg.sequence_len, micro_batch=cfg.micro_batch_size, grad_accum=cfg.gradient_accumulation_steps,
         checkpointing=options.fsdp.activation_checkpointing,
-        mixed_precision="bf16" if options.param_dtype is not None else "fp32",
+        mixed_precision={"float16": "fp16", "None": "fp32"}.get(str(options.param_dtype).removeprefix("torch."), "bf16"),
         optimizer="sgd" if cfg.optimizer == "sgd" else "adamw",
         sequence_parallel=options.tp.sequence_parallel, loss_parallel=engine.loss_parallel(model),
         unsharded_grad_accumulation=options.fsdp.unsharded_grad_accumulation,

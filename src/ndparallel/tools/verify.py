@@ -5,6 +5,8 @@ that no attention crosses a document start under the layout."""
 
 from __future__ import annotations
 
+import math
+
 from rich.console import Console
 from rich.table import Table
 
@@ -35,9 +37,36 @@ def _shrunk_nf4(cfg: TrainConfig):
 
 EXACT_STEPS_NOTE = ("SGD steps: the exact check (AdamW divides by sqrt(v) and so turns fp32 rounding on "
                     "near-zero gradients into lr-sized steps; gradients and SGD updates show the layout itself)")
+def _shrunk_qat(cfg: TrainConfig, small):
+    """The run's QAT settings for the shrunk model (int4 groups that divide its linears), or None:
+    no QAT, nvfp4 (no fp4 matmul on the CPU ranks), or an mxfp4 block the shrunk widths do not hold."""
+    import dataclasses
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    o = cfg.qat_options()
+    if not o.enabled or o.weight_dtype == "nvfp4":
+        return None
+    with torch.device("meta"):
+        widths = [m.in_features for m in AutoModelForCausalLM.from_config(small).modules()
+                  if isinstance(m, torch.nn.Linear)]
+    if o.weight_dtype == "int4":
+        return dataclasses.replace(o, group_size=math.gcd(o.group_size, *widths))
+    return None if o.weight_dtype == "mxfp4" and any(w % 32 for w in widths) else o
+
+
 BF16_TOLERANCE = 2e-2
-"""Relative loss / grad-norm tolerance of the run at the config's precision (bf16 compute, fp8):
+"""Relative loss / grad-norm tolerance of the run at the config's precision (bf16/fp16 compute, fp8):
 both sides round differently (sharded matmuls, reduction orders), so only gross errors show."""
+
+
+def _norm_diff(a: float, b: float) -> str:
+    """The grad-norm column: an fp16 overflow (non-finite on both sides) is a skipped step."""
+    if not (math.isfinite(a) or math.isfinite(b)):
+        return "skipped"
+    return f"{abs(a - b) / abs(a):.1e}"
 
 
 def _setup(cfg: TrainConfig, pc, small, steps: int, fault: str | None):
@@ -73,7 +102,7 @@ def _compare(console, title: str, ref, got) -> dict:
         table.add_column(col, justify="right")
     for i, (a, b, ga, gb) in enumerate(zip(ref.losses, got.losses, ref.grad_norms, got.grad_norms)):
         table.add_row(str(i + 1), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b) / abs(a):.1e}",
-                      f"{ga:.6f}", f"{gb:.6f}", f"{abs(ga - gb) / abs(ga):.1e}")
+                      f"{ga:.6f}", f"{gb:.6f}", _norm_diff(ga, gb))
     console.print(table)
     return diff
 
@@ -84,7 +113,8 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
     through the trainer's own ``train_step``; print the differences and a verdict. The verdict
     rests on exact quantities: fp32 losses, gradient norms and the parameters after ``steps``
     SGD steps. With ``bf16`` or ``fp8`` the same is run again at that precision against one
-    process at that precision (a looser, stated tolerance)."""
+    process at that precision (a looser, stated tolerance); with ``qat`` again with fake
+    quantisation on both sides (the same looser tolerance: quantisation levels flip on fp32 noise)."""
     import dataclasses
 
     from ndparallel.runtime.multirank import run_on_ranks
@@ -100,13 +130,22 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
         + EXACT_STEPS_NOTE + (f"; LoRA r={setup.adapter['r']} (dropout 0)" if setup.adapter else "")
         + ("; a 4-bit NF4 base (16 x 4 blocks: the shrunk weights are small)" if setup.quantization else ""))
     runs = [("fp32", setup, tolerance)]
-    if cfg.bf16 or cfg.fp8:
-        runs.append(("bf16" + (" + fp8" if cfg.fp8 else ""), dataclasses.replace(
-            setup, mixed_precision="bf16" if cfg.bf16 else "no"), BF16_TOLERANCE))
+    if cfg.compute_dtype() is not None or cfg.fp8:  # bf16, or fp16 with its loss scaling
+        low = cfg.compute_dtype_name()
+        runs.append((low + (" + fp8" if cfg.fp8 else ""), dataclasses.replace(
+            setup, mixed_precision=low if low != "fp32" else "no"), BF16_TOLERANCE))
+    qat = _shrunk_qat(cfg, small)
+    if qat is not None:  # fake quantisation rounds: a value on a level boundary may go either way
+        runs.append((f"fp32 + qat {qat.weight_dtype}", dataclasses.replace(
+            setup, parallel_kwargs={**setup.parallel_kwargs, "qat_options": qat}), BF16_TOLERANCE))
+    elif cfg.qat is not None:
+        console.print(f"qat {cfg.qat.weight_dtype}: not run here (fp4 matmuls need a Blackwell GPU, or the shrunk "
+                      "model's widths do not hold its blocks); the fp32 check covers the layout")
     ok = True
     for name, run, tol in runs:
+        kept = {k: v for k, v in run.parallel_kwargs.items() if k == "qat_options"}  # one process, with QAT
         ref = run_on_ranks(train_under_layout, 1, dataclasses.replace(
-            run, parallel_kwargs={}, fault=None), None)[0]
+            run, parallel_kwargs=kept, fault=None), None)[0]
         got = run_on_ranks(train_under_layout, pc.total_size, run, pc.to_dict(), timeout_s=600)[0]
         diff = _compare(console, f"{name}: one process vs layout", ref, got)
         exact = name == "fp32"

@@ -29,6 +29,8 @@ def make_tracker(name: str, kwargs: dict[str, Any]) -> GeneralTracker:
         return TRACKERS[name](kwargs.pop("project"), **kwargs)
     if name == "tensorboard":
         return TRACKERS[name]("", kwargs.pop("logging_dir"), **kwargs)
+    if name == "prometheus":
+        return TRACKERS[name](**kwargs)
     return TRACKERS[name](kwargs.pop("experiment_name"), **kwargs)
 
 

@@ -245,12 +245,61 @@ class SwanLabTracker(GeneralTracker):
         self.run.finish()
 
 
+class PrometheusTracker(GeneralTracker):
+    """A Prometheus scrape endpoint, ``http://host:port/metrics``, holding the run's latest numbers as
+    gauges ``ndparallel_<name>`` (loss, learning_rate, grad_norm, eval_loss, tokens_per_s, ...) and
+    ``ndparallel_step`` (Axolotl's ``use_otel_metrics`` serves such an endpoint through
+    OpenTelemetry's Prometheus reader). Its own registry and server thread: nothing global; port 0
+    takes a free port (``url`` says which)."""
+
+    name = "prometheus"
+    requires_logging_directory = False
+
+    def __init__(self, host: str = "localhost", port: int = 8000):
+        super().__init__()
+        self.host, self.port, self.gauges = host, port, {}
+
+    def start(self) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self.registry = CollectorRegistry()
+        try:
+            self.server, self.thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        except OSError as e:
+            raise OSError(f"the metrics endpoint cannot listen on {self.host}:{self.port} ({e}); set "
+                          "otel_metrics_port to a free port (0: any)") from None
+        self.url = f"http://{self.host}:{self.server.server_port}/metrics"
+
+    @property
+    def tracker(self):
+        return self.registry
+
+    def log(self, values: dict, step: int | None = None, **kwargs) -> None:
+        from prometheus_client import Gauge
+
+        numbers = {k: _plain(v) for k, v in values.items()}
+        if step is not None:
+            numbers["step"] = step
+        for key, value in numbers.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                name = "ndparallel_" + "".join(c if c.isalnum() else "_" for c in key)
+                if name not in self.gauges:
+                    self.gauges[name] = Gauge(name, f"{key} (ndparallel train)", registry=self.registry)
+                self.gauges[name].set(value)
+
+    def finish(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 TRACKERS = {"jsonl": JSONLTracker, "tensorboard": TensorBoardTracker, "wandb": WandBTracker,
-            "mlflow": MLflowTracker, "swanlab": SwanLabTracker}
+            "mlflow": MLflowTracker, "swanlab": SwanLabTracker, "prometheus": PrometheusTracker}
 MODULES = {"jsonl": (), "tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",),
            "mlflow": ("mlflow",), "aim": ("aim",), "comet_ml": ("comet_ml",), "clearml": ("clearml",),
-           "dvclive": ("dvclive",), "swanlab": ("swanlab",), "trackio": ("trackio",)}
-PIP = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny", "swanlab": "swanlab"}
+           "dvclive": ("dvclive",), "swanlab": ("swanlab",), "trackio": ("trackio",),
+           "prometheus": ("prometheus_client",)}
+PIP = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny", "swanlab": "swanlab",
+       "prometheus": "prometheus-client"}
 """The package to install for each tracker (``pip install 'ndparallel[trackers]'`` has them all)."""
 
 

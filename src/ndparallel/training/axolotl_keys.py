@@ -39,12 +39,14 @@ MM = "multimodal (image / audio) training is not supported here: ndparallel trai
 REWARD = "reward and process-reward models are not supported here (causal-LM training only); remove it"
 QUANT = ("this quantised base is not supported: remove it (a 4-bit NF4 base: adapter: qlora + load_in_4bit: "
          "true; a bf16 base: bf16: true)")
-QAT = "quantisation-aware training is not supported yet; remove it"
+PTQ = ("post-training quantisation is not a training step here: quantise the saved model afterwards (torchao's "
+       "quantize_, or axolotl quantize with this config); remove it")
 INTERNAL = "Axolotl sets it itself (internal); remove it"
 OFFLOAD = ("offloading layer parameters is not supported: remove it (fsdp_config.cpu_offload offloads the "
            "parameters, activation_offloading the checkpointed activations)")
 GENERATE = "sample generation during training is not supported; remove it (eval_loss and perplexity are logged)"
-TRACKER = "this tracker is not supported: use wandb_project, use_tensorboard or use_mlflow; remove it"
+TRACKER = ("this tracker is not supported: use wandb_project, use_tensorboard, use_mlflow, swanlab_project or "
+           "use_otel_metrics; remove it")
 OPTIM = "not supported here: remove it (optimizer: adamw_torch, adamw_torch_fused or sgd; learning_rate, weight_decay)"
 KERNEL = "a kernel switch of Axolotl's: ndparallel runs transformers' modules (regional compile: torch_compile: true)"
 LORA = "not supported by ndparallel's LoRA (adapter: lora with lora_r/lora_alpha/lora_dropout/lora_target_*); remove it"
@@ -57,6 +59,8 @@ TOP: dict[str, Rule] = {
     **_all("mapped", "bf16: auto -> true where the GPU computes in bf16, else false (said in a note)", "bf16"),
     **_all("mapped", "-> bf16: true (bf16 compute; ndparallel keeps fp32 master weights)", "bfloat16"),
     **_all("mapped", "true -> bf16: false (fp32 is the default)", "float32"),
+    **_all("mapped", "true -> fp16: true (fp16 compute with fp32 master weights and dynamic loss scaling; Axolotl "
+           "loads the model in fp16 instead, ndparallel keeps fp32 masters)", "float16"),
     **_all("mapped", "auto -> true on CUDA GPUs of compute capability >= 8.0 (no effect on CPU)", "tf32"),
     **_all("mapped", "true -> fsdp_config.activation_checkpointing: true; offload -> also activation_offloading: "
            "true", "gradient_checkpointing"),
@@ -151,7 +155,6 @@ TOP: dict[str, Rule] = {
     **_all("ignored", "ndparallel trains the LoRA adapters in fp32", "peft_autocast_adapter_dtype"),
     **_all("ignored", "deprecated by Axolotl (no effect there either)", "eval_table_size", "eval_max_new_tokens"),
     # ---- accepted when empty / false / Axolotl's default; refused with the fix when set
-    **_all("noop", "fp16 is not supported: use bf16: true (or fp32: leave both out)", "fp16", "float16"),
     **_all("noop", "put base_model's config.json in base_model (a separate config is not read)",
            "base_model_config", "cls_model_config"),
     **_all("mapped", "-> overrides_of_model_config (Axolotl's alias: fields set on base_model's config before the "
@@ -176,7 +179,7 @@ TOP: dict[str, Rule] = {
     **_all("mapped", "true -> the experts' fused weights stay in the base dtype (QLoRA quantises the linear "
            "layers to NF4; the experts are 3-D tensors: more memory than Axolotl's 4-bit experts)",
            "quantize_moe_experts"),
-    **_all("noop", QAT, "qat", "quantization"),
+    **_all("noop", PTQ, "quantization"),
     **_all("noop", OFFLOAD, "layer_offloading"),
     **_defaults("noop", "a generic tiled MLP is not used: ndparallel tiles the model's own MLP (tiled_mlp); remove "
                 "it", tiled_mlp_use_original_mlp=True),
@@ -199,8 +202,7 @@ TOP: dict[str, Rule] = {
                 generation_temperature=0.7, generation_prompt_ratio=0.5, generation_do_sample=True),
     **_all("noop", TRACKER, "use_comet", "comet_api_key", "comet_workspace", "comet_project_name",
            "comet_experiment_key", "comet_mode", "comet_online", "comet_experiment_config", "use_trackio",
-           "trackio_project_name", "trackio_run_name", "trackio_space_id", "use_otel_metrics"),
-    **_defaults("noop", TRACKER, otel_metrics_host="localhost", otel_metrics_port=8000),
+           "trackio_project_name", "trackio_run_name", "trackio_space_id"),
     **_all("ignored", RAY, "use_ray", "ray_run_name"),
     **_defaults("ignored", RAY, ray_num_workers=1, resources_per_worker={"GPU": 1}),
     **_all("noop", "Gradio is not used; remove it", "gradio_title", "gradio_share", "gradio_server_name",
@@ -272,7 +274,8 @@ TOP: dict[str, Rule] = {
            "pretraining_sample_concatenation"),
     **_defaults("noop", "Axolotl's streaming packer is not used; remove it", pretrain_multipack_attn=True,
                 streaming_multipack_buffer_size=10000),
-    **_all("noop", "deprecated by Axolotl: use sample_packing: true", "max_packed_sequence_len"),
+    **_all("mapped", "N (= sequence_len, or with sequence_len unset) -> sample_packing: true, sequence_len: N (its "
+           "successor; today's Axolotl refuses the old key)", "max_packed_sequence_len"),
     **_all("noop", "put rope_scaling in base_model's config.json", "rope_scaling"),
     **_all("noop", "DeepSpeed's compiler is not used (ndparallel: torch_compile); remove it", "deepcompile"),
     **_all("noop", "torch.compile options are not passed (torch_compile_backend picks the backend); remove it",

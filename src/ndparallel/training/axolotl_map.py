@@ -88,6 +88,12 @@ def _tf32(t: Translation, key: str, value: Any) -> None:
 def _precision_flag(t: Translation, key: str, value: Any) -> None:
     if is_empty(value):
         return
+    if key == "float16":  # Axolotl: load in fp16; here fp16 mixed precision ("fp16: false" beside it is moot)
+        if t.data.get("fp16") is False:
+            t.data["fp16"] = None
+        _set(t, "fp16", True, "float16: true -> fp16: true (fp16 compute, fp32 master weights, dynamic loss "
+             "scaling; Axolotl would load the model in fp16, ndparallel keeps fp32 masters)", key)
+        return
     bf16 = key == "bfloat16"
     _set(t, "bf16", bf16, f"{key}: true -> bf16: {str(bf16).lower()}"
          + (" (bf16 compute, fp32 master weights)" if bf16 else ""), key)
@@ -304,6 +310,22 @@ def _tokens(t: Translation, key: str, value: Any) -> None:
     t.notes.append(f"tokens: a mapping of {', '.join(sorted(value))} (older Axolotl's form) -> special_tokens")
 
 
+def _max_packed(t: Translation, key: str, value: Any) -> None:
+    """Axolotl's old packing switch: rows of ``value`` tokens packed with samples."""
+    if is_empty(value):
+        return
+    length = t.data.get("sequence_len")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or length not in (None, value):
+        t.refuse(key, value, f"its successor packs rows of sequence_len tokens: remove it and set sequence_len: "
+                 f"{value if isinstance(value, int) else 'N'} and sample_packing: true")
+        return
+    if t.data.get("sample_packing") is False:
+        t.refuse(key, value, "it packs samples but the config sets sample_packing: false; keep one")
+        return
+    t.data.update(sequence_len=value, sample_packing=True)
+    t.notes.append(f"{key}: {value} -> sample_packing: true, sequence_len: {value} (its successor)")
+
+
 def _zero_is_none(t: Translation, key: str, value: Any) -> None:
     if value == 0:
         del t.data[key]
@@ -315,6 +337,7 @@ def _dataset_processes(t: Translation, key: str, value: Any) -> None:
 
 MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "bf16": _bf16, "tf32": _tf32, "bfloat16": _precision_flag, "float32": _precision_flag,
+    "float16": _precision_flag,
     "gradient_checkpointing": _gradient_checkpointing, "activation_offloading": _activation_offloading, "gradient_checkpointing_kwargs": _checkpointing_kwargs,
     "fsdp": fsdp_list, "fsdp_version": fsdp_version, "deepspeed": deepspeed,
     "fsdp_final_state_dict_type": _note_if_set, "sequence_parallel_degree": _rename("context_parallel_size"),
@@ -332,7 +355,7 @@ MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "accelerator_config": _accelerator_config, "model_config": _rename("overrides_of_model_config"),
     "load_in_8bit": _load_in_8bit, "quantize_moe_experts": _note_if_set,
     "model_quantization_config": model_quantization, "model_quantization_config_kwargs": model_quantization,
-    "llama4_linearized_experts": linearized_experts, "tokens": _tokens,
+    "llama4_linearized_experts": linearized_experts, "tokens": _tokens, "max_packed_sequence_len": _max_packed,
     "cut_cross_entropy": lambda t, k, v: None,  # the plugin's own switch (on by default)
     "optimizer": lambda t, k, v: _choice(t, k, v, OPTIMIZERS, "adamw_torch_fused"),
     "lr_scheduler": lambda t, k, v: _choice(t, k, v, SCHEDULERS, "cosine"),

@@ -43,6 +43,7 @@ from ndparallel.training.config_fields import (
     DataSourceFields,
     FSDPConfig,
     InputForms,
+    PrecisionFields,
     RunControlFields,
     TrackerFields,
 )
@@ -55,7 +56,8 @@ def _float(**bounds):
     return Annotated[float, Field(allow_inf_nan=False, **bounds)]
 
 
-class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields, QuantFields, ClusterFields):
+class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields, QuantFields, ClusterFields,
+                  PrecisionFields):
     """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one; the
     Axolotl keys that are translated, accepted empty or refused: ``axolotl_keys.py``; the
     quantisation fields: ``config_quant.QuantFields``; preemption and asynchronous checkpoints:
@@ -224,7 +226,7 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
     resume_from_checkpoint: str | None = None
     save_final_model: bool = True
     save_dtype: Literal["auto", "bf16", "fp32", "fp16"] = "auto"
-    """dtype of the final model's weights: auto = bf16 for a bf16 run, else fp32."""
+    """dtype of the final model's weights: auto = the compute dtype (bf16 / fp16 run), else fp32."""
     # runtime
     device: Literal["auto", "cpu", "cuda"] = "auto"
     _axolotl_notes: list[str] = PrivateAttr(default_factory=list)  # what axolotl_map translated
@@ -327,7 +329,7 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
     def export_dtype(self):
         import torch
 
-        name = self.save_dtype if self.save_dtype != "auto" else ("bf16" if self.bf16 else "fp32")
+        name = self.save_dtype if self.save_dtype != "auto" else self.compute_dtype_name()
         return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[name]
 
     def cp_options(self) -> CPOptions:
@@ -346,11 +348,10 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
 
     def strategy_options(self) -> StrategyOptions:
         """Every strategy option of the run, and its compute dtype: what the engine applies."""
-        import torch
-
         return StrategyOptions(fsdp=self.fsdp_options(), tp=self.tp_options(), cp=self.cp_options(),
                                loss=self.loss_options(), compile=self.compile_options(),
-                               float8=self.float8_options(), param_dtype=torch.bfloat16 if self.bf16 else None)
+                               float8=self.float8_options(), qat=self.qat_options(),
+                               param_dtype=self.compute_dtype())
 
     def lora_kwargs(self, **overrides) -> dict | None:
         """Arguments of ``ndparallel.models.adapters.lora_config``; None without ``adapter``."""

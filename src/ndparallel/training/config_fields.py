@@ -69,6 +69,11 @@ class TrackerFields(_Strict):
     swanlab_workspace: str | None = None
     swanlab_mode: Literal["cloud", "online", "local", "offline", "disabled"] | None = None
     """offline: the run is written under output_dir/swanlog (``swanlab sync`` uploads it later)."""
+    use_otel_metrics: bool = False
+    """A Prometheus endpoint http://otel_metrics_host:otel_metrics_port/metrics (main rank) with the
+    latest logged numbers (Axolotl's OpenTelemetry metrics)."""
+    otel_metrics_host: str = "localhost"
+    otel_metrics_port: int = Field(8000, ge=0, le=65535)
 
     @field_validator("wandb_watch", "wandb_log_model")
     @classmethod
@@ -100,6 +105,8 @@ class TrackerFields(_Strict):
         swanlab = self.use_swanlab if self.use_swanlab is not None else bool(self.swanlab_project)
         if swanlab and self.swanlab_mode != "disabled":
             out.append("swanlab")
+        if self.use_otel_metrics:
+            out.append("prometheus")
         return out
 
     def tracker_kwargs(self, name: str, run_dir: str) -> dict[str, Any]:
@@ -110,6 +117,8 @@ class TrackerFields(_Strict):
                                       "dir": run_dir}.items() if v is not None}
         if name == "tensorboard":
             return {"logging_dir": f"{run_dir}/runs"}
+        if name == "prometheus":
+            return {"host": self.otel_metrics_host, "port": self.otel_metrics_port}
         if name == "swanlab":  # Axolotl's "cloud" is SwanLab's "online"
             mode = "online" if self.swanlab_mode == "cloud" else self.swanlab_mode
             return {k: v for k, v in {"project": self.swanlab_project or "ndparallel", "mode": mode,
@@ -133,6 +142,50 @@ class ClusterFields(_Strict):
     preemption_timeout_s: float = Field(100.0, gt=0, allow_inf_nan=False)
     """Seconds from the signal until the job exits even without a checkpoint (keep it below the
     scheduler's grace period: SLURM --signal lead time / KillWait, Kubernetes terminationGracePeriodSeconds)."""
+
+
+class PrecisionFields(_Strict):
+    """fp16 mixed precision and its dynamic loss scaling (``docs/precision.md``); ``bf16`` is in
+    ``TrainConfig``."""
+
+    fp16: bool = False
+    """fp16 compute (FSDP2's param_dtype) with fp32 master weights, fp32 gradient reduction and
+    dynamic loss scaling; for GPUs without bf16 (V100, T4). bf16 needs no scaling: prefer it."""
+    loss_scale_init: float = Field(2.0 ** 16, gt=0, allow_inf_nan=False)
+    """fp16: the first loss scale (a power of two keeps scaling exact)."""
+    loss_scale_growth_interval: int = Field(2000, ge=1)
+    """fp16: finite steps in a row after which the loss scale doubles (an overflow halves it and
+    skips that optimizer step)."""
+    loss_scale_min: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """fp16: a loss scale halved below this stops the run (the gradients overflow at any scale)."""
+
+    @model_validator(mode="after")
+    def _one_precision(self):
+        if self.fp16 and getattr(self, "bf16", False):
+            raise ValueError("bf16 and fp16 are both true: choose one (bf16 where the GPU has it: no loss scaling)")
+        if self.fp16 and getattr(self, "fp8", False):
+            raise ValueError("fp8 with fp16 is not supported (torchao's float8 training runs from bf16/fp32): "
+                             "use bf16: true with fp8: true")
+        return self
+
+    def compute_dtype_name(self) -> str:
+        """"bf16", "fp16" (mixed precision, fp32 master weights) or "fp32"."""
+        return "bf16" if getattr(self, "bf16", False) else "fp16" if self.fp16 else "fp32"
+
+    def compute_dtype(self):
+        """The torch dtype of mixed-precision compute (``StrategyOptions.param_dtype``); None: fp32."""
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.compute_dtype_name())
+
+    def loss_scaler(self):
+        """The ``LossScaler`` of an fp16 run, None otherwise."""
+        if not self.fp16:
+            return None
+        from ndparallel.engine.loss_scale import LossScaler
+
+        return LossScaler(self.loss_scale_init, growth_interval=self.loss_scale_growth_interval,
+                          min_scale=self.loss_scale_min)
 
 
 class RunControlFields(_Strict):

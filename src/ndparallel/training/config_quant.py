@@ -8,6 +8,7 @@ bitsandbytes' keys mean here. A mixin of ``TrainConfig`` (kept apart from ``conf
   with no effect (compute / storage dtype, double quantisation: always on) or refused (fp4).
 * ``load_in_8bit: true``: refused with the fix (no FSDP2-ready 8-bit frozen weight here yet).
 * ``nf4_block_size`` / ``nf4_scaler_block_size``: ndparallel's own (tiny test models only).
+* ``qat``: quantisation-aware training (Axolotl's block; ``QATSettings``, ``parallel/qat.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,50 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from ndparallel.parallel.options import QATOptions
 from ndparallel.training.config_data import _Strict
+
+_DTYPES = {"int4": "int4", "int8": "int8", "float8_e4m3fn": "float8", "fp8": "float8", "float8": "float8",
+           "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
+
+
+class QATSettings(_Strict):
+    """Axolotl's ``qat:`` block: fake-quantise the linear layers while training (torchao), so the
+    model quantised afterwards loses less. Formats and combinations: ``parallel/qat.py``."""
+
+    weight_dtype: str = "int8"
+    """int4, float8 (fp8, float8_e4m3fn), mxfp4 or nvfp4 (Axolotl's default int8 has no QAT config)."""
+    activation_dtype: str | None = None
+    """int8 or float8 with int4 weights, float8 with float8, mxfp4 / nvfp4 with the same; none: weights only."""
+    group_size: int | None = Field(32, ge=1)
+    """Weight values per scale (int4); nvfp4 16, mxfp4 32."""
+    quantize_embedding: bool | None = False
+    """Also fake-quantise the input embedding (int4 weights)."""
+    fake_quant_after_n_steps: int | None = Field(None, ge=0)
+    """The first N optimizer steps train without fake quantisation (int4 / float8)."""
+
+    @field_validator("weight_dtype", "activation_dtype", mode="before")
+    @classmethod
+    def _dtype(cls, v: Any) -> str | None:
+        if v is None:
+            return None
+        if str(v) not in _DTYPES:
+            raise ValueError(f"{v!r} is not a QAT format: use one of {sorted(_DTYPES)}")
+        return _DTYPES[str(v)]
+
+    @model_validator(mode="after")
+    def _torchao_can(self):
+        from ndparallel.parallel.qat import qat_options_problem
+
+        problem = qat_options_problem(self.options())
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def options(self) -> QATOptions:
+        return QATOptions(weight_dtype=self.weight_dtype, activation_dtype=self.activation_dtype,
+                          group_size=self.group_size, quantize_embedding=bool(self.quantize_embedding),
+                          fake_quant_after_n_steps=self.fake_quant_after_n_steps)
 
 
 class QuantFields(_Strict):
@@ -30,6 +74,9 @@ class QuantFields(_Strict):
     keeps modules unquantised; compute/storage dtype and double quantisation have no effect here."""
     qlora_sharded_model_loading: bool = False
     """Axolotl's sharded QLoRA loading for FSDP: always what ndparallel does (no effect)."""
+    qat: QATSettings | None = None
+    """Quantisation-aware training (Axolotl's ``qat:``): torchao fake quantisation of every linear;
+    empty: off. The saved model is unquantised (quantise it afterwards with the same settings)."""
     nf4_block_size: int = Field(64, ge=2)
     """Values per NF4 block (bitsandbytes and torchao: 64); smaller only for tiny test models."""
     nf4_scaler_block_size: int = Field(256, ge=2)
@@ -60,6 +107,28 @@ class QuantFields(_Strict):
         if v % 2:
             raise ValueError(f"must be even, got {v}")
         return v
+
+    @field_validator("qat", mode="before")
+    @classmethod
+    def _empty_qat_is_off(cls, v: Any) -> Any:
+        return None if v == {} else v
+
+    @model_validator(mode="after")
+    def _qat_alone(self):
+        if self.qat is None:
+            return self
+        from ndparallel.parallel.qat import qat_layout_problem
+
+        if self.load_in_4bit or getattr(self, "adapter", None) == "qlora":
+            raise ValueError("qat with a 4-bit base (adapter: qlora / load_in_4bit): not together, as in Axolotl; "
+                             "remove qat, or train LoRA on a full-precision base (adapter: lora)")
+        problem = qat_layout_problem(getattr(self, "tensor_parallel_size", 1), getattr(self, "fp8", False))
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def qat_options(self) -> QATOptions:
+        return self.qat.options() if self.qat is not None else QATOptions()
 
     @model_validator(mode="after")
     def _qlora_needs_4bit(self):
@@ -98,7 +167,7 @@ def quant_notes(cfg) -> list[str]:
             notes.append("adapter: lora with load_in_4bit: true = adapter: qlora (LoRA on a 4-bit NF4 base)")
         notes.append("load_in_4bit: the base's linear weights become torchao NF4 (bitsandbytes' NF4 format with "
                      "double-quantised scales; torchao's kernels), each rank quantising only its FSDP shard "
-                     "while loading; compute in " + ("bf16" if cfg.bf16 else "fp32"))
+                     "while loading; compute in " + cfg.compute_dtype_name())
         notes += [f"bnb_config_kwargs.{n}" for n in bnb_notes(cfg.bnb_config_kwargs or {})]
         if cfg.merge_lora:
             notes.append("merge_lora: the adapter is merged into the dequantised NF4 base (the weights it was "

@@ -1,6 +1,7 @@
 """Checks that need the model's config but no data and no weights, run by ``--dry-run`` as well as
 before ``train`` launches: named chat templates exist, ``chunked_loss: true`` is exact for the
-family, the ``unfrozen_parameters`` patterns name parameters of the model. So a config ``--dry-run``
+family, the ``unfrozen_parameters`` patterns name parameters of the model, ``qat.group_size`` divides
+every linear's input width. So a config ``--dry-run``
 passes is not refused later for a reason it could have known."""
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ def check_without_data(cfg: TrainConfig, hf) -> None:
                                  "slice by; give a split name (e.g. train) and use skip: N to skip records")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.qat is not None:
+        from ndparallel.parallel.qat import group_size_problem
+        from ndparallel.training.model_check import meta_model
+
+        problem = group_size_problem(meta_model(cfg, hf), cfg.qat_options())
+        if problem:
+            raise ConfigError(f"qat: {problem}")
     if cfg.chunked_loss:
         problem = chunked_loss_problem(cfg, hf)
         if problem:
@@ -74,7 +82,22 @@ def chunked_loss_problem(cfg: TrainConfig, hf) -> str | None:
     from ndparallel.models.heads import plain_head_problem
     from ndparallel.training.model_check import meta_model
 
+    if cfg.qat is not None:
+        return "qat fake-quantises the LM head (more than a matmul)"
     return plain_head_problem(meta_model(cfg, hf))
+
+
+def qat_summary(cfg: TrainConfig) -> str:
+    """The ``qat`` line of ``--dry-run``."""
+    o = cfg.qat_options()
+    groups = f"groups of {o.group_size}" if o.weight_dtype == "int4" else {"nvfp4": "blocks of 16",
+                                                                             "mxfp4": "blocks of 32"}.get(o.weight_dtype)
+    text = f"{o.weight_dtype} weights" + (f" ({groups})" if groups else "")
+    text += f" + {o.activation_dtype} activations" if o.activation_dtype else " (weights only)"
+    text += ", embedding too" if o.quantize_embedding else ""
+    text += f", from step {o.fake_quant_after_n_steps + 1}" if o.fake_quant_after_n_steps else ""
+    return (text + ": torchao fake quantisation of every linear (LM head included); the model is saved "
+            "unquantised: quantise it afterwards with the same settings")
 
 
 def chunked_loss_state(cfg: TrainConfig, hf) -> str:

@@ -246,7 +246,7 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int) -> str | None:
     return (f"LoRA r={lora.r} alpha={lora.lora_alpha:g} dropout={lora.lora_dropout:g} on "
             f"{len(layers)} layers ({', '.join(names)}); {trainable / 1e6:.2f}M trainable parameters "
             f"= {100 * trainable / total:.3f}% of {total / 1e6:,.1f}M; base frozen in "
-            f"{'4-bit NF4 (linears) + ' if cfg.load_in_4bit else ''}{'bf16' if cfg.bf16 else 'fp32'}{start}")
+            f"{'4-bit NF4 (linears) + ' if cfg.load_in_4bit else ''}{cfg.compute_dtype_name()}{start}")
 
 
 def _adaptedmeta_model(cfg: TrainConfig, hf, lora_config=None):

@@ -62,6 +62,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     _check_family_layout(cfg, pc, hf)
     if check_local:  # the GPU the run needs is the launching machine's (a dry run may check another's config)
         _check_fp8(cfg)
+        _check_qat_device(cfg)
     return pc, hf
 
 
@@ -120,6 +121,20 @@ def _check_fp8(cfg: TrainConfig) -> None:
     problem = float8_problem(cfg.float8_options(), device)
     if problem:
         raise ConfigError(f"fp8: {problem}")
+
+
+def _check_qat_device(cfg: TrainConfig) -> None:
+    """nvfp4 QAT runs fp4 matmuls: a Blackwell GPU (``parallel.qat.qat_device_problem``)."""
+    if cfg.qat is None:
+        return
+    import torch
+
+    from ndparallel.parallel.qat import qat_device_problem
+
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    problem = qat_device_problem(cfg.qat_options(), device)
+    if problem:
+        raise ConfigError(f"qat: {problem}")
 
 
 def _check_added_tokens(cfg: TrainConfig, tokenizer, hf) -> None:
@@ -271,7 +286,7 @@ def local_devices(cfg: TrainConfig) -> int:
 
 def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     """The resolved run, as printed by ``--dry-run``."""
-    from ndparallel.training.dry_checks import chunked_loss_state
+    from ndparallel.training.dry_checks import chunked_loss_state, qat_summary
     from ndparallel.training.model_check import check_adapter
     from ndparallel.training.qlora_check import check_quantized_base
 
@@ -288,12 +303,13 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         + (f" (sequence split over cp={pc.cp_size})" if pc.cp_enabled else ""),
         *_experts_lines(pc, hf),
         f"fsdp         : {cfg.fsdp_config.model_dump()}",
-        f"precision    : {'bf16 compute, fp32 master weights' if cfg.bf16 else 'fp32'}"
+        f"precision    : {_precision(cfg)}"
         + (f", fp8 linears ({cfg.fp8_recipe})" if cfg.fp8 else ""),
         f"speed        : chunked loss {chunked_loss_state(cfg, hf)}, compile {'on' if cfg.compile else 'off'}"
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
         *([f"quantised    : {check_quantized_base(cfg, hf, pc)}"] if cfg.load_in_4bit else []),
+        *([f"qat          : {qat_summary(cfg)}"] if cfg.qat is not None else []),
         *([f"tp plan      : {_tp_plan_summary(cfg, hf)}"] if pc.tp_enabled else []),
         *([f"long context : {_long_context(cfg, pc, hf)}"] if cfg.tiled_mlp or cfg.activation_offloading else []),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
@@ -359,7 +375,7 @@ def _long_context(cfg: TrainConfig, pc, hf) -> str:
         tiles = min(row, cfg.tiled_mlp_num_shards or math.ceil(row / hf.hidden_size))
         parts.append(f"tiled MLP ({tiles} tiles of ≤ {math.ceil(row / tiles)} tokens per row)")
     if cfg.activation_offloading:
-        per_layer = tokens * hf.hidden_size * (2 if cfg.bf16 else 4)
+        per_layer = tokens * hf.hidden_size * (2 if cfg.compute_dtype() is not None else 4)
         per_layer //= pc.tp_size if cfg.sequence_parallel else 1
         parts.append(f"activation offloading ({hf.num_hidden_layers} checkpointed layer inputs, "
                      f"{hf.num_hidden_layers * per_layer / 2**30:.2f} GiB of pinned host memory per rank)")
@@ -398,3 +414,12 @@ def _steps(cfg: TrainConfig) -> str:
 
 def _auto(flag: bool | None) -> str:
     return "auto (on where exact)" if flag is None else ("on" if flag else "off")
+
+
+def _precision(cfg) -> str:
+    name = cfg.compute_dtype_name()
+    if name == "fp16":
+        return (f"fp16 compute, fp32 master weights, dynamic loss scaling (from {cfg.loss_scale_init:g}, x2 after "
+                f"{cfg.loss_scale_growth_interval} finite steps, /2 and the step skipped on an overflow; one host "
+                "read per step)")
+    return "bf16 compute, fp32 master weights" if name == "bf16" else "fp32"

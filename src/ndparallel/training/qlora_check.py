@@ -42,7 +42,7 @@ def check_quantized_base(cfg: TrainConfig, hf, pc) -> str | None:
         raise ConfigError(f"load_in_4bit: no linear layer of base_model={cfg.base_model!r} holds whole NF4 groups of "
                           f"{config.group} values: nothing to quantise (use adapter: lora)")
     params = sum(math.prod(s) for s in shapes.values())
-    rest = "bf16" if cfg.bf16 else "fp32"
+    rest = cfg.compute_dtype_name()
     kept_note = (f"; {len(kept)} linear(s) kept in {rest} (not whole {config.group}-value groups, e.g. {kept[0]})"
                  if kept else "")
     size = params * NF4_BYTES_PER_PARAM

@@ -122,6 +122,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, warmup, self.total_steps,
                                          cfg.cosine_min_lr_ratio, cfg.cosine_constant_lr_ratio, cfg.lr_quadratic_warmup)
         self.nonfinite = NonFiniteGuard(cfg.on_nonfinite)
+        self.scaler = cfg.loss_scaler()  # fp16: dynamic loss scaling (None otherwise)
         self.watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience)
         self.early_stopping, self.stopped = EarlyStopping(cfg.early_stopping_patience), False
         self._saved_step: int | None = None
@@ -151,8 +152,8 @@ class Trainer:
             engine.print(f"ndparallel train: the tokenizer has {len(self.tokenizer)} tokens, the model "
                       f"{text.vocab_size} rows: growing to {grown} (new rows = the mean row)")
             text.vocab_size = grown
-        adapter = cfg.lora_config()  # LoRA: the frozen base is kept in bf16 for a bf16 run
-        dtype = torch.bfloat16 if adapter is not None and cfg.bf16 else torch.float32
+        adapter = cfg.lora_config()  # LoRA: the frozen base is kept in the compute dtype (bf16/fp16 run)
+        dtype = (cfg.compute_dtype() if adapter is not None else None) or torch.float32
         model = engine.build_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
                                adapter=adapter, adapter_weights=cfg.lora_model_dir or None, vocab_size=grown,
                                dtype=dtype, attn_implementation=kernel, quantization=cfg.nf4_config(),
@@ -181,6 +182,8 @@ class Trainer:
             return
         extra = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler)
         self.state = TrainState(step=int(extra["step"]), samples_seen=int(extra["samples_seen"]))
+        if self.scaler is not None and "loss_scale" in extra:  # fp16: continue with the same scale
+            self.scaler.load_state_dict(extra["loss_scale"])
         self.engine.print(f"resumed from {ckpt} at step {self.state.step}")
 
     def train_step(self) -> dict:
@@ -192,7 +195,8 @@ class Trainer:
         micro_batches = [batch_to_device(self.loader.micro_batch(first + m), engine.device)
                          for m in range(cfg.gradient_accumulation_steps)]
         out = train_step(engine, self.model, self.optimizer, micro_batches, scheduler=self.scheduler,
-                         max_grad_norm=cfg.max_grad_norm, guard=self.nonfinite, step=self.state.step + 1)
+                         max_grad_norm=cfg.max_grad_norm, guard=self.nonfinite, step=self.state.step + 1,
+                         scaler=self.scaler)
         if self.profiler is not None:
             self.profiler = _profile_step(engine, self.profiler, self.out)
         self.state.step += 1
@@ -210,6 +214,8 @@ class Trainer:
         loss = step_out["loss"]  # already the global mean (reduced in train_step)
         metrics = {"step": step, "loss": float(loss), "lr": float(step_out["lr"]),  # a tensor under torchao
                    "grad_norm": float(step_out["grad_norm"])}
+        if self.scaler is not None:  # fp16: the scale after this step and the overflow skips so far
+            metrics.update(loss_scale=self.scaler.scale, overflow_skips=self.scaler.skipped)
         if step_out.get("aux_loss") is not None:  # an MoE model's load-balancing loss (in "loss")
             metrics["aux_loss"] = float(step_out["aux_loss"])
         now = time.perf_counter()
@@ -260,11 +266,17 @@ class Trainer:
         background = self.checkpointer is not None and periodic
         save = self.checkpointer.save_step if background else save_step_checkpoint
         path = save(cfg.output_dir, step, self.model, self.optimizer, self.scheduler,
-                    config=cfg.model_dump(mode="json"), extra={"samples_seen": self.state.samples_seen},
+                    config=cfg.model_dump(mode="json"), extra=self._checkpoint_extra(),
                     save_total_limit=cfg.save_total_limit, layout=self.engine.dims)
         self._saved_step = step
         self.engine.print(f"step {step}: checkpoint {'being written to' if background else 'saved to'} {path}")
         return path
+
+    def _checkpoint_extra(self) -> dict:
+        extra = {"samples_seen": self.state.samples_seen}
+        if self.scaler is not None:
+            extra["loss_scale"] = self.scaler.state_dict()
+        return extra
 
     def finish(self) -> None:
         """The final Hugging Face model; then leave the process group."""
@@ -351,7 +363,7 @@ class Trainer:
         engine, cfg = self.engine, self.cfg
         n_global = global_numel(self.model)
         self.flops_per_token = model_flops_per_token(self.model, self.hf_config, cfg.sequence_len)
-        self.peak_flops = device_peak_flops(engine.device, cfg.bf16)
+        self.peak_flops = device_peak_flops(engine.device, cfg.compute_dtype() is not None)
         self.metrics = RunTrackers(self.out, cfg, engine.is_main_process, fresh=self.state.step == 0,
                                    config=cfg.model_dump(mode="json", exclude_none=True))
         if engine.is_main_process:
