@@ -173,3 +173,24 @@ def test_transformers4_multimodal_names_refused_with_the_rename(saved):
     cfg = TrainConfig(base_model=saved["voxtral"], datasets=[{"path": "builtin:stdlib"}], adapter="lora",
                       lora_target_modules=AXOLOTL_REGEX)
     assert "on 14 layers" in check_adapter(cfg, hf, 1)
+
+
+def test_chunked_loss_equals_the_logits_path(saved):
+    """Mistral 3 and Voxtral compute ``lm_head(hidden)`` and nothing more: the chunked loss (Axolotl's
+    CutCrossEntropy maps to it) is on for them and equals the logits path; Gemma 3 soft-caps: off."""
+    import dataclasses
+
+    from ndparallel.models.heads import plain_head_problem
+    from ndparallel.models.multimodal import causal_lm_from_config
+    from ndparallel.parallel.options import LossOptions
+
+    for mt in ("mistral3", "voxtral"):
+        base = _setup(saved[mt])
+        runs = [run_on_ranks(_train_all, 1, {mt: dataclasses.replace(
+            base, parallel_kwargs={"loss_options": LossOptions(chunked=chunked, chunk_tokens=8)})}, None,
+            timeout_s=300)[0][mt] for chunked in (False, True)]
+        diff = compare(*runs)
+        assert diff["loss_rel"] < 1e-6 and diff["grad_norm_rel"] < 1e-5 and diff["param_abs"] < 1e-6, (mt, diff)
+    with torch.device("meta"):
+        gemma = causal_lm_from_config(transformers.AutoConfig.from_pretrained(saved["gemma3"]))
+    assert plain_head_problem(gemma) is not None
