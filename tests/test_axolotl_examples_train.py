@@ -137,3 +137,32 @@ def test_streamed_pretraining_refuses_a_slice_at_dry_run(tmp_path, extra, capsys
     finally:
         mp.undo()
     assert code == 2 and "a streamed dataset has no length to slice by" in err, err
+
+
+def tiny_qwen2_dir(path: Path) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = llama3_tokenizer()
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_muon_pretraining_fsdp2(tmp_path):
+    """Axolotl's Muon pre-training example (FSDP2, streamed data): Muon for the hidden matrices,
+    AdamW for the rest, said under --dry-run; trains and its output loads."""
+    model = tiny_qwen2_dir(tmp_path / "qwen2")
+    write_jsonl(tmp_path / "c4.jsonl", [{"text": r["output"]} for r in alpaca_records(80)])
+    proc = _train(EXAMPLES / "qwen2/muon-pretrain-fsdp2.yaml", tmp_path, f"base_model={model}",
+                  f"pretraining_dataset.0.path={tmp_path / 'c4.jsonl'}", "pretraining_dataset.0.name=null",
+                  "sequence_len=64", "max_steps=3", "micro_batch_size=2", "output_dir=out")
+    assert "optimizer: muon: Muon" in proc.stdout, proc.stdout[-3000:]
+    assert [r["step"] for r in _steps(tmp_path / "out") if "loss" in r] == [1, 2, 3]
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "final").config.model_type == "qwen2"

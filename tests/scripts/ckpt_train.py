@@ -35,7 +35,8 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
           save_every: int | None = None, stop_after: int | None = None, save_total_limit: int | None = None,
           kill_at: int | None = None, kill_rank: int = 1, marker: str | None = None,
           reseed_before_load: bool = False, model_preset: str = "tiny-llama",
-          adapter: dict | None = None, optimizer: str | None = None, async_saves: bool = False,
+          adapter: dict | None = None, optimizer: str | None = None, optimizer_options: dict | None = None,
+          async_saves: bool = False,
           slow_write: dict | None = None, sync_copy_at: int | None = None,
           die_after_save_at: int | None = None, signal_at: tuple[int, int] | None = None) -> dict:
     """Train ``steps`` optimizer steps (resuming first if asked); returns losses by step, the first
@@ -65,10 +66,10 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
 
     setup = with_overrides(make_setup(), model_config=preset_config(model_preset), adapter=adapter)
     if optimizer is not None:
-        setup = with_overrides(setup, optimizer=optimizer)
+        setup = with_overrides(setup, optimizer=optimizer, optimizer_options=optimizer_options or {})
     acc = Accelerator(ParallelismConfig(**(layout or {})))
     model = build_model(setup)
-    optimizer = setup_optimizer(setup, model.parameters())
+    optimizer = setup_optimizer(setup, model if setup.optimizer == "muon" else model.parameters())  # muon: the model
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + s))
     model, optimizer = acc.prepare(model, optimizer)
     model.train()

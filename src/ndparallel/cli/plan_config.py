@@ -77,8 +77,8 @@ def _plan_optimizer(name: str) -> str:
     """The planner's optimizer for a training config's (torchao's low-bit ones by their state size)."""
     from ndparallel.training.optim_lowbit import TORCHAO
 
-    if name == "sgd":
-        return "sgd"
+    if name in ("sgd", "muon"):
+        return name
     return {"AdamW8bit": "adamw_8bit", "AdamWFp8": "adamw_8bit", "AdamW4bit": "adamw_4bit"}.get(
         TORCHAO.get(name, ""), "adamw")
 

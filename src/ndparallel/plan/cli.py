@@ -55,9 +55,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                    help="checkpointing policy: full (ndparallel) or torchtitan's per-op "
                         "selective policy (for comparisons; not run by ndparallel)")
     t.add_argument("--mixed-precision", choices=("bf16", "fp16", "fp32"), default="bf16")
-    t.add_argument("--optimizer", choices=("adamw", "sgd", "adamw_8bit", "adamw_4bit"), default="adamw",
+    t.add_argument("--optimizer", choices=("adamw", "sgd", "adamw_8bit", "adamw_4bit", "muon"), default="adamw",
                    help="adamw_8bit / adamw_4bit: torchao's low-bit AdamW (train's adamw_8bit, "
-                        "paged_adamw_8bit, adamw_torch_4bit ...)")
+                        "paged_adamw_8bit, adamw_torch_4bit ...); muon: Muon + AdamW (plan/muon.py)")
     t.add_argument("--no-sequence-parallel", action="store_true",
                    help="TP with all-reduce instead of sequence parallel")
     t.add_argument("--no-loss-parallel", action="store_true",

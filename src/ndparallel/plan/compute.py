@@ -122,6 +122,10 @@ def step_extras(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware,
     opt = trained * OPTIMIZER_BYTES[(s.optimizer, s.optimizer_fused)] / bw
     clip = trained * CLIP_BYTES / bw
     fsdp = fsdp_copy_bytes(model, layout, s, local_params, shard_params) / bw
+    if s.optimizer == "muon":  # its Newton-Schulz GEMMs (plan/muon.py)
+        from ndparallel.plan.muon import newton_schulz_seconds
+
+        opt += newton_schulz_seconds(model, layout, hw)
     out = {"optimizer": opt, "clip": clip, "fsdp_copies": fsdp}
     if s.quantized_base:  # QLoRA: every NF4 weight dequantised in forward and backward (plan/qlora.py)
         from ndparallel.plan.qlora import dequant_seconds, fsdp_copy_bytes_qlora

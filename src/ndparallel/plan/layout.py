@@ -105,11 +105,13 @@ class Settings:
         """Bytes of optimizer state per parameter: AdamW exp_avg + exp_avg_sq in fp32; SGD with
         torch's default momentum=0 keeps none; torchao's 8-bit AdamW int8 codes + one fp32 scale per
         256 values for each moment, its 4-bit one packed codes + one scale per 128 (tensors of
-        >= 4096 values, every matrix of a real model)."""
+        >= 4096 values, every matrix of a real model); Muon one momentum buffer (its hidden matrices;
+        AdamW's second moment on the embedding units is added in ``plan/muon.py``)."""
         return OPTIMIZER_STATE_BYTES[self.optimizer]
 
 
-OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "sgd": 0.0, "adamw_8bit": 2 + 8 / 256, "adamw_4bit": 1 + 8 / 128}
+OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "sgd": 0.0, "adamw_8bit": 2 + 8 / 256, "adamw_4bit": 1 + 8 / 128,
+                         "muon": 4.0}
 
 
 _ALIASES = {

@@ -128,12 +128,14 @@ def unit_param_counts(model: ModelSpec, numels: dict) -> tuple[float, float]:
 
 OPTIMIZER_BYTES = {("adamw", True): 28, ("adamw", False): 84, ("sgd", True): 12,
                    ("sgd", False): 12, ("adamw_8bit", True): 18, ("adamw_8bit", False): 18,
-                   ("adamw_4bit", True): 17, ("adamw_4bit", False): 17}
+                   ("adamw_4bit", True): 17, ("adamw_4bit", False): 17, ("muon", True): 32, ("muon", False): 32}
 """Bytes per parameter of one optimizer step. Fused AdamW reads param, grad, exp_avg, exp_avg_sq
 and writes three (28); torch's default foreach AdamW runs eight list ops (weight decay 8, lerp 12,
 ``·β₂`` 8, addcmul 16, sqrt 8, div 8, ``+ε`` 8, addcdiv 16 = 84). SGD without momentum: 12.
 torchao's low-bit AdamW runs one compiled kernel per parameter: param and grad read, param written
-(12), each moment's codes read and written (8-bit: 2 x 2 + scales ~ 6; 4-bit ~ 5)."""
+(12), each moment's codes read and written (8-bit: 2 x 2 + scales ~ 6; 4-bit ~ 5). Muon (its
+matrices): momentum ``mul_`` + ``add_`` (20), decay and update of the param (16 less the fused
+read: ~12) ≈ 32; its Newton–Schulz GEMMs are compute, counted apart (``plan/muon.py``)."""
 CLIP_BYTES = 12
 """Gradient clipping per parameter: the norm reads the gradient (4), the scaling reads and
 writes it (8)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ndparallel.plan import muon
 from ndparallel.plan.adapter import adapter_layer_local, adapter_shard_numel
 from ndparallel.plan.comms import unit_numels
 from ndparallel.plan.hardware import Hardware
@@ -222,6 +223,8 @@ def optimizer_step_temporaries(model: ModelSpec, layout: Layout, s: Settings) ->
     of Llama-3.2-1B peaked 1.96 GiB above its states (``bench/reference/h200_plan_gpu_check.json``,
     row 1b-mb4-foreach) = 2 × its 128256 × 2048 embedding; on CPU the per-tensor loop 2 × the
     largest shard (``ndparallel simulate``). Fused AdamW (the trainer's on CUDA) and SGD: none."""
+    if s.optimizer == "muon":
+        return muon.step_temporaries(model, layout)
     if s.optimizer != "adamw" or s.optimizer_fused:
         return 0.0
     largest = max(p.numel / (layout.tp if p.tp_dim is not None else 1) / layout.fsdp
@@ -239,6 +242,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     shard_numel = sum(numels[u][col] * c for u, (c, _) in units.items())
     params = shard_numel * 4  # fp32 master weights
     optimizer = shard_numel * s.optimizer_state_bytes
+    if s.optimizer == "muon":  # AdamW's two moments on the embedding / head units (plan/muon.py)
+        optimizer += muon.adamw_extra_state_bytes(numels, units, col)
     all_grads = shard_numel * 4
     if s.accumulates_unsharded:  # FSDP2 keeps unsharded grads in the reduce dtype between syncs
         all_grads += sum(numels[u][0] * c for u, (c, _) in units.items()) * s.reduce_bytes

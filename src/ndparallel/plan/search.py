@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ndparallel.plan import comms
+from ndparallel.plan import comms, muon
 from ndparallel.plan.adapter import adapter_shard_numel
 from ndparallel.plan.compute import (
     micro_batch_time,
@@ -187,6 +187,8 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     dp_exposed = (edge + max(0.0, gather * (1 - 2 / n_units) - ga * t_mb)
                   + max(0.0, reduce * (1 - 2 / n_units) - s.reducing_microbatches * t_mb * 2 / 3))
     t_opt = extras["optimizer"] + extras["clip"]
+    if s.optimizer == "muon":  # each hidden matrix gathered whole for Newton-Schulz (plan/muon.py)
+        t_opt += muon.gather_seconds(model, layout, hw, gpus_per_node)
     compute = ga * t_mb + extras["fsdp_copies"] + extras.get("nf4_dequant", 0.0)
     offload = ga * offload_exposed_seconds(model, layout, s, hw.host_link_bw, t_mb)
     step = compute + ga * cp_exposed + tp + dp_exposed + t_opt + offload + ep

@@ -28,7 +28,8 @@ class TrainSetup:
     global_micro_batch: int = 4  # rows of one micro-batch summed over all dp ranks
     grad_accum: int = 1
     seq_len: int = 32
-    optimizer: str = "adamw"  # or "sgd"
+    optimizer: str = "adamw"  # or "sgd", "muon", ...
+    optimizer_options: dict = field(default_factory=dict)  # more keywords of build_optimizer (muon: ns_dtype)
     weight_decay: float = 0.01
     lr: float = 1e-2
     max_grad_norm: float | None = None
@@ -50,7 +51,8 @@ class TrainSetup:
     attention crosses document starts; "wrong-expert-rank" sends every token of a mixture-of-experts
     layer to the next expert-parallel rank (``parallel.expert.set_misroute``); "overflow-step-2"
     (fp16) puts an inf into one element of the last rank's local gradient shard at step 2, as a
-    rank-local fp16 overflow would: every rank must skip that step."""
+    rank-local fp16 overflow would: every rank must skip that step; "per-shard-muon" orthogonalises
+    each rank's shard of a Muon matrix instead of the whole matrix."""
     loss_scale: dict | None = None
     """fp16: ``LossScaler`` keyword arguments (default: its defaults); {"init_scale": 1.0,
     "growth_interval": 10**9} turns the scaling off in effect (a negative control)."""
@@ -134,7 +136,8 @@ def build_model(setup: TrainSetup):
 
 def setup_optimizer(setup: TrainSetup, params):
     """The optimizer both runs use (the trainer's ``build_optimizer`` with the setup's settings)."""
-    return build_optimizer(params, setup.optimizer, lr=setup.lr, weight_decay=setup.weight_decay)
+    options = {**setup.optimizer_options, **({"per_shard": True} if setup.fault == "per-shard-muon" else {})}
+    return build_optimizer(params, setup.optimizer, lr=setup.lr, weight_decay=setup.weight_decay, **options)
 
 
 def strategy_options(setup: TrainSetup) -> StrategyOptions:

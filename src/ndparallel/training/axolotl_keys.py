@@ -98,7 +98,9 @@ TOP: dict[str, Rule] = {
     **_all("mapped", "xformers, sage, fp8, kernels-community/* -> the equivalent kernel ndparallel loads "
            "(sdpa, flash_attention_2/3)", "attn_implementation"),
     **_all("mapped", "auto -> true with a CUDA GPU (regional compile of each decoder layer)", "torch_compile"),
-    **_all("mapped", "Axolotl's names: adamw_hf -> adamw_torch; others refused with the choices", "optimizer"),
+    **_all("mapped", "Axolotl's names: adamw_hf -> adamw_torch; muon: Muon + AdamW as Axolotl's FSDP2 "
+           "DistMuon, whole matrices on every layout (docs/optimizers.md); others refused with the choices",
+           "optimizer"),
     **_all("mapped", "cosine, linear, constant, constant_with_warmup; others refused with the choices",
            "lr_scheduler"),
     **_all("mapped", "with metrics ⊆ [perplexity]: eval_perplexity is logged at every evaluation",

@@ -32,13 +32,15 @@ def fused_supported(params: list[torch.Tensor]) -> bool:
 def build_optimizer(
     params: Iterable[torch.nn.Parameter] | torch.nn.Module, name: str = "adamw", lr: float = 3e-4,
     weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-    fused: bool | None = None,
+    fused: bool | None = None, **options,
 ) -> torch.optim.Optimizer:
     """``adamw`` (alias ``adamw_torch``) or ``sgd`` over ``params`` with the weight-decay groups above.
     AdamW is ``fused`` (one kernel for all parameters, step count on the device: no host sync)
     by default when every parameter is on CUDA (``fused_supported``); torch's default otherwise.
     Low-bit AdamW names (``adamw_8bit``, ``adamw_torch_4bit``, ...): torchao's (``optim_lowbit``);
-    given the model (``params`` a module), its token embeddings keep fp32 states there."""
+    given the model (``params`` a module), its token embeddings keep fp32 states there.
+    ``muon``: Muon for the hidden matrices, AdamW for the rest (``optim_muon``; needs the model;
+    ``options``: ``MuonAdamW``'s keywords)."""
     from ndparallel.training.optim_lowbit import (
         ALIASES,
         build_low_bit,
@@ -47,6 +49,13 @@ def build_optimizer(
     )
 
     model = params if isinstance(params, torch.nn.Module) else None
+    if name == "muon":
+        from ndparallel.training.optim_muon import build_muon
+
+        if model is None:
+            raise ValueError("optimizer 'muon' needs the model (build_optimizer(model, 'muon')): it sends the "
+                             "embeddings and LM head to AdamW")
+        return build_muon(model, lr, weight_decay, betas, eps, **options)
     groups = parameter_groups(model.parameters() if model is not None else params, weight_decay)
     name = ALIASES.get(name, name)
     if is_low_bit(name):
@@ -59,7 +68,7 @@ def build_optimizer(
         all_params = [p for g in groups for p in g["params"]]
         use_fused = fused_supported(all_params) if fused is None else fused
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=use_fused or None)
-    raise ValueError(f"optimizer {name!r} is not supported: use 'adamw', 'sgd' or 'adamw_8bit'")
+    raise ValueError(f"optimizer {name!r} is not supported: use 'adamw', 'sgd', 'muon' or 'adamw_8bit'")
 
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",

@@ -33,7 +33,7 @@ TORCHAO = {
 ALIASES = {"paged_adamw_32bit": "adamw"}
 """Names that mean a torch optimizer here."""
 
-OPTIMIZER_NAMES = ("adamw", "adamw_torch", "adamw_torch_fused", "sgd", *TORCHAO, *ALIASES)
+OPTIMIZER_NAMES = ("adamw", "adamw_torch", "adamw_torch_fused", "sgd", "muon", *TORCHAO, *ALIASES)
 OptimizerName = Literal[OPTIMIZER_NAMES]  # type: ignore[valid-type]
 """Every ``optimizer:`` value ``ndparallel train`` accepts."""
 
@@ -59,6 +59,10 @@ def is_low_bit(name: str) -> bool:
 
 def optimizer_note(name: str) -> str | None:
     """One ``--dry-run`` line for an optimizer name that means something else here, else None."""
+    if name == "muon":
+        from ndparallel.training.optim_muon import NOTE
+
+        return f"optimizer: muon: {NOTE}"
     return f"optimizer: {name}: {NOTES[name]}" if name in NOTES else None
 
 
