@@ -17,7 +17,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from ndparallel.models.multimodal import causal_lm_from_config
 from ndparallel.checkpoint.export import ShardWriter
 from ndparallel.checkpoint.hf_files import (
     copy_generation_config,
@@ -36,6 +35,7 @@ from ndparallel.models.adapters import (
     peft_save_key,
 )
 from ndparallel.models.loading import checkpoint_files, resolve_model_dir
+from ndparallel.models.multimodal import causal_lm_from_config
 from ndparallel.models.naming import model_class_name
 from ndparallel.models.presets import is_preset
 from ndparallel.models.weights import weights_problem

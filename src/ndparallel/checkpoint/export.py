@@ -231,6 +231,7 @@ def export_checkpoint(
     process. ``model_config``: an HF config, dir, config.json or preset name (default: the config
     stored in the checkpoint). ``tokenizer``: an object with ``save_pretrained`` or a path."""
     import torch.distributed.checkpoint as dcp
+
     from ndparallel.models.multimodal import causal_lm_from_config
 
     ckpt, out = Path(checkpoint_dir), Path(out_dir)

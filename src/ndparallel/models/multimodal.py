@@ -34,7 +34,9 @@ def multimodal_class(config: Any) -> type | None:
     or audio config) is trained as — the class Axolotl loads it with (transformers'
     ``AutoModelForImageTextToText``; Voxtral's own) — or None (``AutoModelForCausalLM`` decides)."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
 
     kind = getattr(config, "model_type", None)
     if kind not in TRAINED_AS_MULTIMODAL or getattr(config, "text_config", None) is None:
