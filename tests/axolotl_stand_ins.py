@@ -58,6 +58,44 @@ _FAMILY = {
 }
 
 
+MULTIMODAL = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "mistral3": "ministral3", "voxtral": "llama",
+              "qwen3_5": "qwen3_5_text"}  # multimodal model_type -> its text model's (tiny_config)
+TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+             head_dim=16, image_size=28, patch_size=14, depth=1, num_heads=2, out_hidden_size=64, num_mel_bins=16,
+             output_proj_dims=32, subsampling_conv_channels=[8, 8])
+
+
+def tiny_multimodal(model_type: str):
+    """A multimodal config: the tiny text model of ``MULTIMODAL`` (or the one named after ``+``:
+    ``mistral3+mistral4``) plus 1-layer vision / audio towers."""
+    from transformers import AutoConfig
+
+    model_type, _, text_type = model_type.partition("+")
+    base = AutoConfig.for_model(model_type)
+    kwargs = {"text_config": tiny_config(text_type or MULTIMODAL[model_type]).to_dict()}
+    for name, cls in base.sub_configs.items():
+        if name != "text_config":
+            current = getattr(base, name)
+            tower = (type(current)() if current is not None else cls()).to_dict()
+            kwargs[name] = {**tower, **{k: v for k, v in TOWER.items() if k in tower}}
+    tied = model_type.startswith("gemma")  # Gemma ties its LM head to the embeddings; the others do not
+    return AutoConfig.for_model(model_type, tie_word_embeddings=tied, **kwargs)
+
+
+def multimodal_model(model_type: str):
+    """The ``*ForConditionalGeneration`` model of ``tiny_multimodal(model_type)`` (random init)."""
+    import transformers
+
+    config = tiny_multimodal(model_type)
+    mapping = transformers.AutoModelForImageTextToText._model_mapping
+    cls = transformers.VoxtralForConditionalGeneration if model_type == "voxtral" else mapping[type(config)]
+    return cls(config)
+
+
+def is_multimodal(model_type: str) -> bool:
+    return model_type.partition("+")[0] in MULTIMODAL
+
+
 def stand_in(root: Path, model_type: str) -> Path:
     """``root/model_type``: a tiny random model of that family (made once per ``root``)."""
     import torch
@@ -71,5 +109,7 @@ def stand_in(root: Path, model_type: str) -> Path:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        AutoModelForCausalLM.from_config(tiny_config(model_type)).save_pretrained(path)
+        model = multimodal_model(model_type) if is_multimodal(model_type) else \
+            AutoModelForCausalLM.from_config(tiny_config(model_type))
+        model.save_pretrained(path)
     return path

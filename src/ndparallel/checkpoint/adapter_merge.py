@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from ndparallel.checkpoint.export import ShardWriter
 from ndparallel.checkpoint.hf_files import (
@@ -38,6 +38,7 @@ from ndparallel.models.adapters import (
     peft_save_key,
 )
 from ndparallel.models.loading import checkpoint_files, resolve_model_dir
+from ndparallel.models.multimodal import causal_lm_from_config
 from ndparallel.models.naming import model_class_name
 from ndparallel.models.presets import is_preset
 from ndparallel.models.safetensors_read import stored_tensors
@@ -128,7 +129,7 @@ def merge_adapter_files(adapter_dir: str | os.PathLike, out_dir: str | os.PathLi
     files = checkpoint_files(base_dir)
     hf_config = AutoConfig.from_pretrained(base_dir)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
+        skeleton = causal_lm_from_config(hf_config)
     class_name = model_class_name(skeleton)
     problem = weights_problem(skeleton, files, str(base_dir / "config.json"))  # headers only
     if problem:

@@ -234,8 +234,8 @@ def export_checkpoint(
     process. ``model_config``: an HF config, dir, config.json or preset name (default: the config
     stored in the checkpoint). ``tokenizer``: an object with ``save_pretrained`` or a path."""
     import torch.distributed.checkpoint as dcp
-    from transformers import AutoModelForCausalLM
 
+    from ndparallel.models.multimodal import causal_lm_from_config
 
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
     if is_adapter_checkpoint(ckpt):  # a LoRA run: its checkpoints hold the adapter only
@@ -245,7 +245,7 @@ def export_checkpoint(
         raise ValueError(f"cannot export {ckpt}: " + "; ".join(problems))
     config = _load_config(model_config, ckpt)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = causal_lm_from_config(config)
     expected = [n for n in skeleton.state_dict() if n not in tied_aliases(skeleton)]
     metadata = read_dcp_metadata(ckpt).state_dict_metadata
     prefix = "model/"

@@ -131,8 +131,10 @@ class Engine:
 
         if adapter is not None:
             model = apply_adapter(model, adapter)
-        if getattr(getattr(model, "config", None), "use_cache", False):
-            model.config.use_cache = False
+        config = getattr(model, "config", None)  # a multimodal model's decoder reads its text_config
+        for part in (config, getattr(config, "get_text_config", lambda: None)()):
+            if getattr(part, "use_cache", False):
+                part.use_cache = False
         options = self.options
         if self.dims.tp_enabled:  # loss_parallel=None: on where exact, decided for this model
             from ndparallel.parallel.tensor import resolve_loss_parallel

@@ -35,11 +35,13 @@ def config_problem(config: Any, trust_remote_code: bool = False) -> str | None:
     """Why ``config`` cannot be trained as a causal LM (from the config alone), or None."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    from ndparallel.models.multimodal import multimodal_class
+
     kind = f"model_type {config.model_type!r} (architectures {getattr(config, 'architectures', None)})"
     if getattr(config, "is_encoder_decoder", False):
         return (f"{kind} is an encoder-decoder (is_encoder_decoder: true): ndparallel trains causal "
                 "decoders only")
-    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or multimodal_class(config) is not None:
         return None
     if trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
         return None
@@ -82,7 +84,7 @@ def future_visible(config: Any, length: int = 8) -> bool | None:
     """Whether logits at positions ``< length - 1`` of a shrunk random copy change when only the
     last token changes (True: the model sees the future). None when the copy cannot be built or
     run (the attribute evidence then stands)."""
-    from transformers import AutoModelForCausalLM
+    from ndparallel.models.multimodal import causal_lm_from_config
 
     small = copy.deepcopy(config)
     for key in _LAYER_COUNTS:
@@ -94,7 +96,7 @@ def future_visible(config: Any, length: int = 8) -> bool | None:
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(small).eval()
+            model = causal_lm_from_config(small).eval()
             ids = torch.randint(4, 100, (1, length))
             changed = ids.clone()
             changed[0, -1] = 3 if ids[0, -1] != 3 else 2

@@ -3,7 +3,8 @@
 The chunked loss (``ndparallel.parallel.lm_loss``) recomputes the logits from the final hidden
 states and the LM-head weight, so it is exact only where the model's forward does nothing else to
 them: no final soft-capping (Gemma 2/3), no logit scaling (Cohere, Granite), a bias-free linear
-head. The families below were checked against their transformers 5 forward.
+head. The families below were checked against their transformers 5 forward (the multimodal
+Mistral 3 and Voxtral classes: ``lm_head`` of the language model's output, tests/test_multimodal.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from ndparallel.models.adapters import trained_module
 
 PLAIN_HEAD_FAMILIES = frozenset({
     "llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
-    "phi3", "olmo2", "gemma", "smollm3", "starcoder2",
+    "phi3", "olmo2", "gemma", "smollm3", "starcoder2", "mistral3", "voxtral",
 })
 
 

@@ -27,16 +27,21 @@ def decoder_layers(model: nn.Module, override: tuple[str, ...] | None = None) ->
         )
     return layers
 
+_TOWERS = ("vision", "visual", "audio", "image", "speech", "multi_modal")
+
 
 def decoder_module_name(model: nn.Module) -> str | None:
     """Name of the module that runs the decoder layers (holds them in a ``ModuleList``): ``model``
     for Llama and Llama 4, ``gpt_neox`` for GPT-NeoX, ``transformer`` for Falcon; ``""`` when that
     is ``model`` itself; None when no ``ModuleList`` of decoder layers is found. Found from the
     module tree, not ``base_model_prefix`` (Llama 4's says ``language_model``; the decoder is at
-    ``model``)."""
+    ``model``); never inside a multimodal model's vision / audio tower (Voxtral's and Mistral 3's
+    towers hold decoder-like layers too)."""
     classes = set(getattr(model, "_no_split_modules", None) or ())
     fallback = None
     for name, module in model.named_modules():
+        if _in_tower(name):
+            continue
         for child_name, child in module.named_children():
             if not isinstance(child, nn.ModuleList) or len(child) == 0:
                 continue
@@ -76,10 +81,16 @@ def output_modules(model: nn.Module) -> list[nn.Module]:
 
 def outer_decoder_layers(model: nn.Module, override: tuple[str, ...] | None = None) -> list[nn.Module]:
     """``decoder_layers`` without the blocks listed inside another one (a ``layer_classes`` that
-    also names a sub-block, e.g. the MLP, to shard it separately)."""
+    also names a sub-block, e.g. the MLP, to shard it separately) and without a multimodal model's
+    tower blocks (a text batch never runs them): the blocks a text forward runs."""
     layers = decoder_layers(model, override)
     nested = {id(m) for layer in layers for m in layer.modules() if m is not layer}
-    return [layer for layer in layers if id(layer) not in nested]
+    towers = {id(m) for name, m in model.named_modules() if _in_tower(name)}
+    return [layer for layer in layers if id(layer) not in nested and id(layer) not in towers]
+
+
+def _in_tower(name: str) -> bool:
+    return any(part.startswith(_TOWERS) for part in name.split("."))
 
 
 _MOE_CHILDREN = ("experts", "router", "shared_expert", "shared_experts")

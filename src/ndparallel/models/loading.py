@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from ndparallel.models.adapter_files import read_adapter_weights
 from ndparallel.models.adapters import (
@@ -32,6 +32,7 @@ from ndparallel.models.adapters import (
 )
 from ndparallel.models.causal import causal_lm_problem, config_problem
 from ndparallel.models.checkpoint_formats import drop_dequantized_config
+from ndparallel.models.multimodal import causal_lm_from_config
 from ndparallel.models.presets import PRESETS
 from ndparallel.models.quantized import NF4Config, nf4_parameter_names, quantize_linears
 from ndparallel.models.quantized_loading import load_nf4_weights
@@ -57,7 +58,7 @@ def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_impleme
     _check_causal_lm(config, trust_remote_code)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(
+        model = causal_lm_from_config(
             config, dtype=dtype, attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
@@ -75,7 +76,7 @@ def build_on_meta_from_config(config: PretrainedConfig, dtype: torch.dtype, attn
     ``adapter`` wraps it with LoRA (on meta too)."""
     _check_causal_lm(config, trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        model = causal_lm_from_config(
             config, dtype=dtype, attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
@@ -100,7 +101,7 @@ def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | Non
     _check_causal_lm(config, trust_remote_code)
     grow = grow_config_vocab(config, vocab_size, adapter is not None)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        model = causal_lm_from_config(
             config, dtype=dtype, attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
@@ -129,7 +130,7 @@ def fill_from_files(model: nn.Module, path: Path, files: list[Path], grown: list
     if nf4:  # this rank's rows, read and quantised one decoder layer at a time
         load_nf4_weights(base, path, files, device)
     if grown:
-        set_grown_rows(base, files, grown, base.config.vocab_size)
+        set_grown_rows(base, files, grown, base.config.get_text_config().vocab_size)
     if adapter_weights is not None:
         set_full_tensors(model, read_adapter_weights(model, adapter_weights))
     elif is_peft_model(model):

@@ -43,7 +43,9 @@ def grow_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def grow_config_vocab(config, vocab_size: int | None, lora: bool = False) -> bool:
-    """Whether the model needs more token rows than its checkpoint has (then ``config`` says so)."""
+    """Whether the model needs more token rows than its checkpoint has (then ``config`` says so;
+    a multimodal config: its text config)."""
+    config = config.get_text_config()
     if vocab_size is None or vocab_size == config.vocab_size:
         return False
     if vocab_size < config.vocab_size:

@@ -38,7 +38,9 @@ def validate_context_parallel(
     config, cp_size: int, seq_len: int | None = None, tp_size: int = 1, load_balance: bool = True,
     strategy: str = "ring",
 ) -> None:
-    """Raise ValueError (naming the field and the fix) if ``config`` cannot run with this CP layout."""
+    """Raise ValueError (naming the field and the fix) if ``config`` cannot run with this CP layout
+    (a multimodal config: its text model's fields)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if cp_size < 1:
         raise ValueError(f"context_parallel_size={cp_size} must be >= 1")
     if strategy not in STRATEGIES:

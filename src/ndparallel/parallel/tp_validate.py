@@ -15,6 +15,11 @@ def validate_tensor_parallel(config: Any, tp_size: int, options: TPOptions | Non
         raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
     if tp_size == 1:
         return
+    from ndparallel.models.multimodal import tensor_parallel_problem
+
+    problem = tensor_parallel_problem(config)
+    if problem:
+        raise ValueError(problem)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", None)
     fields = {

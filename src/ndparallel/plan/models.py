@@ -191,7 +191,11 @@ def fsdp_units(model: ModelSpec) -> dict[str, tuple[int, bool]]:
 
 def from_hf_config(cfg: dict, name: str = "custom") -> ModelSpec:
     """ModelSpec from the dict of an HF ``config.json`` (Llama/Qwen/Mistral field names; the MoE
-    fields of Qwen3-MoE / Qwen2-MoE / Mixtral / OLMoE / gpt-oss)."""
+    fields of Qwen3-MoE / Qwen2-MoE / Mixtral / OLMoE / gpt-oss). A multimodal config (Gemma 3 / 4,
+    Mistral 3, Voxtral, Qwen 3.5): its ``text_config`` (the towers, frozen and never run on text, are
+    left out: an undercount of their parameters, e.g. ~0.4 B for a SigLIP / Pixtral tower)."""
+    if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
+        cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"]}
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size", "vocab_size") if k not in cfg]
     if missing:

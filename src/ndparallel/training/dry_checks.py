@@ -109,11 +109,13 @@ def chunked_loss_state(cfg: TrainConfig, hf) -> str:
 
 
 def model_notes(cfg: TrainConfig, hf) -> list[str]:
-    """Notes that depend on the model: ``sequence_len`` past the model's positions (rotary / ALiBi:
-    extrapolated), sample packing with token mixers other than attention."""
-    from ndparallel.training.model_check import beyond_positions
+    """Notes that depend on the model: a multimodal checkpoint trained on text, ``sequence_len``
+    past the model's positions (rotary / ALiBi: extrapolated), sample packing with token mixers
+    other than attention."""
+    from ndparallel.models.multimodal import multimodal_class, multimodal_note
+    from ndparallel.training.model_check import beyond_positions, meta_model
 
-    notes = []
+    notes = [multimodal_note(meta_model(cfg, hf))] if multimodal_class(hf) is not None else []
     positions = beyond_positions(cfg, hf)
     if positions is not None:
         notes.append(f"sequence_len={cfg.sequence_len} goes past the model's max_position_embeddings={positions}: "
@@ -129,9 +131,14 @@ def _packing_notes(cfg: TrainConfig, hf) -> list[str]:
 
     from ndparallel.training.model_check import meta_model
 
-    mixers = sorted({type(m).__name__ for m in meta_model(cfg, hf).modules() if isinstance(m, nn.Conv1d)})
+    language = [m for n, m in meta_model(cfg, hf).named_modules() if not _in_tower(n)]
+    mixers = sorted({type(m).__name__ for m in language if isinstance(m, nn.Conv1d)})
     if not mixers:
         return []
     return [f"sample_packing: {hf.model_type} also mixes tokens outside attention (convolution / state-space "
             "layers): packed samples influence each other there, as in Axolotl without varlen kernels; "
             "sample_packing: false trains each sample alone"]
+
+
+def _in_tower(name: str) -> bool:
+    return any(part.startswith(("vision", "visual", "audio", "multi_modal")) for part in name.split("."))

@@ -10,7 +10,8 @@ def model_flops_per_token(model: torch.nn.Module, config, seq_len: int) -> float
     planner uses too)."""
     from ndparallel.models.flops import attention_dim, matmul_params, train_flops_per_token
 
-    n, trained = matmul_params(model)
+    n, trained = matmul_params(model)  # a multimodal model: its towers' linears too (an overcount)
+    config = config.get_text_config()
     return train_flops_per_token(n, trained, config.num_hidden_layers, attention_dim(config), seq_len)
 
 

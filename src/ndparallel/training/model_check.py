@@ -174,7 +174,7 @@ def _check_layer_classes(cfg: TrainConfig, model) -> None:
 
 def beyond_positions(cfg: TrainConfig, hf) -> int | None:
     """The model's ``max_position_embeddings`` when ``sequence_len`` goes past it (else None)."""
-    positions = getattr(hf, "max_position_embeddings", None)
+    positions = getattr(hf.get_text_config(), "max_position_embeddings", None)  # multimodal: its text model's
     return positions if isinstance(positions, int) and cfg.sequence_len > positions else None
 
 
@@ -190,11 +190,12 @@ def beyond_learned_positions(cfg: TrainConfig, hf) -> list[str]:
 def meta_model(cfg: TrainConfig, hf):
     """``base_model``'s architecture on the meta device (no memory); ``ConfigError`` if it cannot be built."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from ndparallel.models.multimodal import causal_lm_from_config
 
     try:
         with quiet_transformers(), torch.device("meta"):
-            return AutoModelForCausalLM.from_config(hf, trust_remote_code=cfg.trust_remote_code)
+            return causal_lm_from_config(hf, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build a model from
         raise ConfigError(f"base_model={cfg.base_model!r}: no model can be built from its config: "
                           f"{one_line(e)[:300]}") from None
@@ -268,7 +269,10 @@ def _adaptedmeta_model(cfg: TrainConfig, hf, lora_config=None):
         message = one_line(e)[:300]
         if message.startswith("lora_"):  # ours, naming its field
             raise ConfigError(message) from None
-        raise ConfigError(f"lora_target_modules={cfg.lora_target_modules!r}: {message}") from None
+        from ndparallel.models.multimodal import old_layout_hint
+
+        hint = old_layout_hint(cfg.lora_target_modules)
+        raise ConfigError(f"lora_target_modules={cfg.lora_target_modules!r}: {hint or message}") from None
 
 
 def _adapted_layers(model) -> list[str]:

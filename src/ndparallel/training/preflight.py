@@ -144,6 +144,7 @@ def _check_added_tokens(cfg: TrainConfig, tokenizer, hf) -> None:
     from ndparallel.models.presets import is_preset
     from ndparallel.training.build import grown_vocab_size, rounded_vocab
 
+    hf = hf.get_text_config()  # a multimodal config: its text model's vocabulary
     if is_preset(cfg.base_model):  # built with a row per token of the run's tokenizer
         hf.vocab_size = rounded_vocab(cfg, len(tokenizer))
         return
@@ -372,7 +373,7 @@ def _long_context(cfg: TrainConfig, pc, hf) -> str:
     import math
 
     tokens = cfg.micro_batch_size * cfg.sequence_len // pc.cp_size
-    parts = []
+    parts, hf = [], hf.get_text_config()
     if cfg.tiled_mlp:
         row = cfg.sequence_len // pc.cp_size // (pc.tp_size if cfg.sequence_parallel else 1)
         tiles = min(row, cfg.tiled_mlp_num_shards or math.ceil(row / hf.hidden_size))

@@ -144,13 +144,14 @@ class Trainer:
             engine.print(f"ndparallel train: warning: attn_implementation {cfg.attn_implementation} is not "
                       f"available ({why}): using {kernel}")  # one line, main rank
         self.hf_config = model_config(cfg, vocab_size=rounded_vocab(cfg, len(self.tokenizer)))
-        self.hf_config.use_cache = False
+        text = self.hf_config.get_text_config()  # a multimodal checkpoint: its text model's fields
+        self.hf_config.use_cache = text.use_cache = False
         source = self.hf_config if is_preset(cfg.base_model) or cfg.reinit_weights else cfg.base_model
-        grown = None if is_preset(cfg.base_model) else grown_vocab_size(cfg, self.tokenizer, self.hf_config.vocab_size)
+        grown = None if is_preset(cfg.base_model) else grown_vocab_size(cfg, self.tokenizer, text.vocab_size)
         if grown:  # tokens added to the tokenizer: new embedding / LM-head rows
             engine.print(f"ndparallel train: the tokenizer has {len(self.tokenizer)} tokens, the model "
-                      f"{self.hf_config.vocab_size} rows: growing to {grown} (new rows = the mean row)")
-            self.hf_config.vocab_size = grown
+                      f"{text.vocab_size} rows: growing to {grown} (new rows = the mean row)")
+            text.vocab_size = grown
         adapter = cfg.lora_config()  # LoRA: the frozen base is kept in the compute dtype (bf16/fp16 run)
         dtype = (cfg.compute_dtype() if adapter is not None else None) or torch.float32
         model = engine.build_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
