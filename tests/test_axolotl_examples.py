@@ -187,7 +187,7 @@ def _report(name: str, results: dict[str, list[str]]) -> tuple[int, int]:
 def test_examples_at_the_schema_level(schema_results):
     assert len(schema_results) == 198
     accepted, modulo = _report("schema", schema_results)
-    assert accepted >= 181 and modulo >= 187, "fewer Axolotl examples accepted than measured on 2026-12-01 (181 of 198)"
+    assert accepted >= 182 and modulo >= 188, "fewer Axolotl examples accepted than measured on 2026-12-01 (182 of 198)"
     for name, lines in schema_results.items():
         for line in lines:
             assert not re.fullmatch(r"unknown key '[^']*'(; remove it.*)?", line) or "did you mean" in line \
@@ -244,7 +244,7 @@ def test_examples_at_the_dry_run_level(schema_results, tmp_path_factory, capsys)
             mine = [x for x in lines if not PENDING.match(x) and not x.endswith("problems:")]
             if mine:
                 print(f"  refused {name}: {mine[0].removeprefix('ndparallel train: error: ')[:150]}")
-    assert accepted >= 168 and modulo >= 171, "fewer Axolotl examples pass --dry-run than measured on 2026-12-01 (168 of 198)"
+    assert accepted >= 169 and modulo >= 172, "fewer Axolotl examples pass --dry-run than measured on 2026-12-01 (169 of 198)"
 
 
 def test_readme_and_docs_tables_are_generated_from_the_key_table():

@@ -121,6 +121,17 @@ def test_chat_roles_to_train_and_sharegpt_with_chatml(tok):
     assert tok.decode(ids).startswith("<|im_start|>user\nHi there.")
 
 
+def test_jeopardy_is_alpaca_with_the_clue_and_category_and_a_what_is_answer():
+    spec = DatasetSpec.from_any({"path": "x.jsonl", "type": "jeopardy"})
+    record = {"question": "This river flows through Cairo", "category": "RIVERS", "answer": "the Nile"}
+    expected = render({"instruction": record["question"], "input": "RIVERS", "output": "what is the Nile"},
+                      DatasetSpec.from_any({"path": "x.jsonl", "type": "alpaca"}), "row 0")
+    assert render(record, spec, "row 0").segments == expected.segments
+    assert expected.segments[-1] == ("what is the Nile", True)
+    with pytest.raises(ValueError, match="column 'question' is missing"):
+        render({"category": "RIVERS", "answer": "x"}, spec, "row 0")
+
+
 def test_input_output_segments(tok):
     record = {"segments": [{"text": "<|begin_of_text|>Q: two plus two?\n", "label": False},
                            {"text": "A: four.<|end_of_text|>", "label": True}]}

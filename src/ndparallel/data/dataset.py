@@ -37,7 +37,7 @@ FORMATS: dict[str, tuple[str, ...]] = {
 }
 RAW_TYPES = (*FORMATS, "completion", "pretrain")
 """Types whose samples are raw text, every token trained."""
-PROMPT_TYPES = ("alpaca", "chat_template", "input_output")
+PROMPT_TYPES = ("alpaca", "chat_template", "input_output", "jeopardy")
 """Fine-tuning types: records rendered to a prompt and a trained part (``prompts.py``)."""
 ALPACA_STYLES = ("instruct", "chat", "chatml", "phi")
 """``alpaca:<style>``: Axolotl's Alpaca prompt styles (``prompts.ALPACA_TURNS``)."""

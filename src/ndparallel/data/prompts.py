@@ -10,6 +10,8 @@ turns it into ``input_ids`` and ``labels`` (-100 where not trained). Types (Axol
   uses Axolotl's other turn formats (``chat``: ``USER: ... ASSISTANT:``, ``chatml``, ``phi``) with
   the same system text.
 * ``completion`` / ``pretrain`` (and the raw-text file types): the ``text_field`` column, all trained.
+* ``jeopardy``: columns ``question``, ``category``, ``answer``: the Alpaca prompt (clue as
+  instruction, category as input), the answer trained as ``what is <answer>`` (Axolotl's).
 * ``input_output``: a ``segments`` column of ``{"text": ..., "label": true|false}``; the text is
   used as written (no BOS or eos added), ``label`` says whether a segment is trained.
 * ``chat_template``: a ``messages`` / ``conversations`` column rendered with a chat template
@@ -68,6 +70,8 @@ def required_columns(spec: DatasetSpec) -> list[tuple[str, ...]]:
         return spec.format.required_columns()
     if spec.type == "input_output":
         return [("segments",)]
+    if spec.type == "jeopardy":
+        return [("question",), ("category",), ("answer",)]
     return [(spec.field_messages,)] if spec.field_messages else [("messages", "conversations")]
 
 
@@ -79,6 +83,8 @@ def render(record: Mapping[str, Any], spec: DatasetSpec, where: str, chat=None) 
         return alpaca(record, where, spec.type.partition(":")[2] or "instruct")
     if spec.type == "input_output":
         return input_output(record, where)
+    if spec.type == "jeopardy":
+        return jeopardy(record, where)
     if spec.format is not None:
         prompt, output = render_prompt(record, spec.format, where)
         return Rendered([(prompt, False), (output, True)])
@@ -98,6 +104,14 @@ def alpaca(record: Mapping[str, Any], where: str, style: str = "instruct") -> Re
     else:
         prompt = system.format(system=ALPACA_SYSTEM_NO_INPUT) + without.format(instruction=instruction)
     return Rendered([(prompt, False), (_text(record, "output", where), True)])
+
+
+def jeopardy(record: Mapping[str, Any], where: str) -> Rendered:
+    """Axolotl's ``jeopardy``: the Alpaca prompt with the clue as instruction and the category as
+    input; the trained answer is "what is <answer>"."""
+    fields = {"instruction": _text(record, "question", where), "input": _text(record, "category", where),
+              "output": "what is " + _text(record, "answer", where)}
+    return alpaca(fields, where)
 
 
 def input_output(record: Mapping[str, Any], where: str) -> Rendered:

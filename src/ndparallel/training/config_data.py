@@ -51,7 +51,7 @@ def _int(ge: int):
 class DatasetConfig(_Strict):
     path: str
     type: str | dict | None = None
-    """Raw text (text, json, parquet, csv, completion, pretrain) or alpaca, chat_template, input_output,
+    """Raw text (text, json, parquet, csv, completion, pretrain) or alpaca, chat_template, input_output, jeopardy,
     or a custom instruction format {format, no_input_format, field_instruction, ...} (docs/data.md)."""
     ds_type: Literal["text", "json", "parquet", "csv"] | None = None
     """The file format when ``type`` is not one (default: from the extension)."""
