@@ -7,8 +7,10 @@ the YAML gives data parallelism (or FSDP where the config asks for it), as Axolo
   named template, ShareGPT columns, a ``train[:N%]`` split), sample packing, the Liger plugin
   (-> compile, chunked loss), a validation split smaller than one global batch;
 * LoRA on Qwen 3 with packing, Alpaca data, wandb and SwanLab (offline, no network), TensorBoard and MLflow;
-* streamed pre-training (``pretraining_dataset``, per-document attention).
-Each output loads with transformers / PEFT."""
+* streamed pre-training (``pretraining_dataset``, per-document attention); Muon pre-training on FSDP2;
+* QAT on FSDP2, LoRA with modules_to_save and deduplication, sequential packing, QLoRA, fp16 LoRA.
+Each output loads with transformers / PEFT. (Elsewhere: the seed config, test_axolotl_config.py; a
+multimodal QLoRA example, test_multimodal.py.)"""
 
 from __future__ import annotations
 
@@ -166,3 +168,37 @@ def test_muon_pretraining_fsdp2(tmp_path):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "final").config.model_type == "qwen2"
+
+
+ALPACA_RUNS = {  # example -> extra --set overrides (each example's alpaca datasets point at local data)
+    "llama-3/3b-qat-fsdp2.yaml": [],  # QAT int8 activations / int4 weights (group 32) on FSDP2
+    "llama-3/lora-1b-deduplicate-sft.yml": ["datasets.1.path={data}"],  # LoRA + modules_to_save + dedup
+    "llama-3/lora-1b-sample-packing-sequentially.yml": ["datasets.1.path={data}"],  # next fit, no shuffle
+    "llama-3/qlora-1b.yml": ["nf4_block_size=2", "nf4_scaler_block_size=2"],  # QLoRA (NF4 groups fit 64)
+    "archived/openllama-3b/lora.yml": ["special_tokens=null"],  # fp16 LoRA, dynamic loss scale (its <s> </s>
+    # <unk> are OpenLLaMA's tokenizer's; the stand-in's tokenizer has its own)
+}
+
+
+@pytest.mark.parametrize("example", sorted(ALPACA_RUNS))
+def test_more_alpaca_examples_train_to_the_end(example, tmp_path):
+    """QAT, LoRA with modules_to_save and deduplication, sequential packing, QLoRA and fp16: each
+    example as written but for paths and sizes, 2 steps on 2 ranks; the output loads."""
+    model = tiny_llama_dir(tmp_path / "llama")
+    data = write_jsonl(tmp_path / "alpaca.jsonl", alpaca_records(48))
+    sets = [s.format(data=data) for s in ALPACA_RUNS[example]]
+    _train(EXAMPLES / example, tmp_path, f"base_model={model}", f"datasets.0.path={data}", "sequence_len=256",
+           "max_steps=2", "micro_batch_size=2", "gradient_accumulation_steps=1", "output_dir=out", *sets)
+    out = tmp_path / "out"
+    assert [r["step"] for r in _steps(out) if "loss" in r][-1] == 2
+    from transformers import AutoModelForCausalLM
+
+    if (out / "final" / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), out / "final")
+    else:
+        AutoModelForCausalLM.from_pretrained(out / "final")
+    if "deduplicate" in example:  # the example lists one dataset twice: its second copy is dropped
+        (meta,) = (tmp_path / ".cache" / "rows").glob("*/meta.json")
+        assert json.loads(meta.read_text())["dropped_duplicates"] == 48
