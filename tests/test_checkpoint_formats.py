@@ -7,7 +7,6 @@ the reference checkpoint does on one process. Pre-quantised bitsandbytes checkpo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path

@@ -13,7 +13,6 @@ reaches the ranks; a cell that runs and differs, or raises there, fails the test
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 

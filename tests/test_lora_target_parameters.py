@@ -11,6 +11,7 @@ import peft  # noqa: F401  (imported once before the ranks fork)
 import pytest
 import torch
 from cli_helpers import run_cli
+from lora_roundtrip import PROBE, continue_from, save_base, train_and_save
 
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import run_on_ranks
@@ -18,8 +19,6 @@ from ndparallel.tools.equivalence import (
     TrainSetup,
     build_model,
     compare,
-    make_global_batches,
-    setup_optimizer,
     train_under_layout,
 )
 
@@ -81,52 +80,6 @@ def test_without_the_key_the_experts_get_no_adapter():
     assert _reference(_setup(preset_config("tiny-qwen3-moe"))).losses[-1] != ref.losses[-1]
 
 
-PROBE = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
-
-
-def _save_base(path: str) -> None:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(3)
-    AutoModelForCausalLM.from_config(preset_config("tiny-qwen3-moe")).save_pretrained(path)
-
-
-def _train_and_save(base_dir: str, out: str) -> torch.Tensor:
-    """FSDP 2 from the saved base (meta build, sharded load, transformers' expert-key conversion):
-    3 SGD steps, then the PEFT adapter and the merged model; returns the logits on ``PROBE``."""
-    from ndparallel import ParallelismConfig
-    from ndparallel.checkpoint.export import save_hf_model
-    from ndparallel.engine import Engine, train_step
-    from ndparallel.models.adapters import lora_config
-
-    setup = _setup(preset_config("tiny-qwen3-moe"))
-    engine = Engine(ParallelismConfig(dp_shard_size=2))
-    model = engine.build_model(base_dir, adapter=lora_config(**setup.adapter), seed=1)
-    optimizer = setup_optimizer(setup, model)
-    rows, r = setup.global_micro_batch // engine.dp_size, engine.dp_rank
-    for i, micro_batches in enumerate(make_global_batches(setup)):
-        local = [{k: v[r * rows:(r + 1) * rows] for k, v in mb.items()} for mb in micro_batches]
-        train_step(engine, model, optimizer, local, max_grad_norm=1.0, step=i + 1)
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=PROBE).logits.detach().clone()
-    save_hf_model(model, f"{out}/adapter", engine.is_main_process)
-    save_hf_model(model, f"{out}/merged", engine.is_main_process, merge_adapter=True)
-    return logits
-
-
-def _continue_from(base_dir: str, adapter_dir: str) -> torch.Tensor:
-    """``lora_model_dir``'s path: the saved adapter loaded on FSDP 2; its logits on ``PROBE``."""
-    from ndparallel import ParallelismConfig
-    from ndparallel.engine import Engine
-    from ndparallel.models.adapter_files import read_adapter_config
-
-    engine = Engine(ParallelismConfig(dp_shard_size=2))
-    model = engine.build_model(base_dir, adapter=read_adapter_config(adapter_dir), adapter_weights=adapter_dir)
-    with torch.no_grad():
-        return model.eval()(input_ids=PROBE).logits.detach().clone()
-
-
 def test_saved_adapter_reproduces_the_trained_model(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -134,8 +87,9 @@ def test_saved_adapter_reproduces_the_trained_model(tmp_path):
     from ndparallel.checkpoint.adapter_merge import merge_adapter_files
 
     base_dir, out = str(tmp_path / "base"), tmp_path / "out"
-    run_on_ranks(_save_base, 1, base_dir)
-    trained = run_on_ranks(_train_and_save, 2, base_dir, str(out), timeout_s=400)[0]
+    run_on_ranks(save_base, 1, base_dir, preset_config("tiny-qwen3-moe"))
+    setup = _setup(preset_config("tiny-qwen3-moe"))
+    trained = run_on_ranks(train_and_save, 2, setup, base_dir, str(out), timeout_s=400)[0]
 
     def logits(model):
         with torch.no_grad():
@@ -156,7 +110,7 @@ def test_saved_adapter_reproduces_the_trained_model(tmp_path):
     for name, model in (("peft", peft_model), ("merged", AutoModelForCausalLM.from_pretrained(out / "merged")),
                         ("offline merge", AutoModelForCausalLM.from_pretrained(out / "offline"))):
         assert (logits(model) - trained).abs().max() <= 2e-5, name
-    resumed = run_on_ranks(_continue_from, 2, base_dir, str(out / "adapter"), timeout_s=400)[0]
+    resumed = run_on_ranks(continue_from, 2, base_dir, str(out / "adapter"), timeout_s=400)[0]
     assert (resumed - trained).abs().max() <= 2e-5  # lora_model_dir: the run continues from it
 
 

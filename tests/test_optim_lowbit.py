@@ -91,7 +91,6 @@ def _eager_ckpt_train(*args, **kwargs):
 def test_checkpoint_resumes_on_another_layout(tmp_path):
     """FSDP 2 saves after step 2 (8-bit states in DCP), one rank resumes to step 4: the losses of
     steps 3-4 equal an uninterrupted one-rank run's (the restored states are the saved ones)."""
-    from ndparallel.checkpoint.io import read_dcp_metadata
 
     ref = run_on_ranks(_eager_ckpt_train, 1, {}, str(tmp_path / "ref"), optimizer="adamw_8bit", timeout_s=400)[0]
     run_on_ranks(_eager_ckpt_train, 2, {"dp_shard_size": 2}, str(tmp_path / "run"), save_every=1, stop_after=2,

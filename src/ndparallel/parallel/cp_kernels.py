@@ -150,7 +150,6 @@ def _scores(q, k, scale, causal, softcap, r0: int = 0):
 
 def _math_fwd(q, k, v, scale, causal, softcap=None):
     b, h, lq, _ = q.shape
-    hk = k.shape[1]
     out = torch.empty(b, h, lq, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
     vf = v.float().unsqueeze(2)

@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import warnings
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
