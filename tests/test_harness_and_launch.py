@@ -54,6 +54,37 @@ def test_hanging_ranks_are_killed_at_the_deadline():
         run_on_ranks(_hang, 2, timeout_s=3)
 
 
+def _progress_bar() -> int:
+    from tqdm.auto import tqdm
+
+    return sum(tqdm(range(3), disable=False, file=sys.stderr))
+
+
+def test_a_tqdm_lock_held_in_the_parent_at_fork_does_not_hang_the_ranks():
+    """tqdm's monitor thread in the parent takes the bar lock every 10 s; a fork in that instant
+    copies the held lock. Here a parent thread holds it across the fork: the ranks' bars still run
+    (without fresh locks in the child they wait forever and the 30 s deadline fails the test)."""
+    import threading
+
+    from tqdm.auto import tqdm
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with tqdm.get_lock():
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    held.wait(10)
+    try:
+        assert run_on_ranks(_progress_bar, 2, timeout_s=30) == [3, 3]
+    finally:
+        release.set()
+        holder.join(10)
+
+
 def test_threads_per_rank():
     assert threads_per_rank(8, cpu_count=2) == 1
     assert threads_per_rank(2, cpu_count=16) == 8

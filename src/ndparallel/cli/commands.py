@@ -107,17 +107,29 @@ def _train_on_rank(cfg, profile_comm: bool, main_rank: bool) -> int:
         sys.stdout.flush()
         os._exit(INTERRUPTED_EXIT)  # now: not after a background checkpoint write (left without a marker)
     except NonFiniteError as e:  # every rank sees the same global loss / grad norm: exit 1
-        return _rank_error("train", e, exit_code=1)
+        _exit_failed_rank(_rank_error("train", e, exit_code=1))
     except INPUT_ERRORS as e:
         # Bad data / model / checkpoint / output_dir found on the ranks: non-zero exit on every
         # failing rank (the elastic agent then stops any rank still waiting in a collective); the
         # launcher prints the first failing rank's line once. NDPARALLEL_TRACEBACK=1 shows it.
         if isinstance(e, (TimeoutError, ConnectionError)) or os.environ.get("NDPARALLEL_TRACEBACK") == "1":
             raise  # a machine fault, not an input, or asked for
-        return _rank_error("train", e)
+        _exit_failed_rank(_rank_error("train", e))
     if main_rank:
         _plot_curves(Path(cfg.output_dir))
     return 0
+
+
+def _exit_failed_rank(code: int) -> None:
+    """Leave a failed rank now, with ``code``. Its process group is still up (a peer may be waiting
+    in a collective, so it cannot be destroyed safely), and letting the interpreter tear it down
+    can abort the process (``terminate called without an active exception``, exit -6) after the
+    error was reported: the launcher would then see a crash instead of exit ``code``."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def check_nodes(cfg, world: int, ranks_per_node: int) -> None:

@@ -2,7 +2,8 @@
 
 Forking after ``torch`` and ``transformers`` are imported once in the parent costs ~0.1 s a rank
 instead of ~3-15 s for spawn. Every child calls ``torch.set_num_threads(1)`` first: forked children
-running two OpenMP threads after the parent used threads were seen to hang. A rank that raises
+running two OpenMP threads after the parent used threads were seen to hang. tqdm's locks are made
+anew in each child (``_fresh_tqdm_locks``). A rank that raises
 fails the call at once with its rank and traceback; a hard deadline kills every child by PID.
 """
 
@@ -28,11 +29,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _fresh_tqdm_locks() -> None:
+    """In a forked child: new, unheld locks for every tqdm class that has its own.
+
+    A progress bar in the parent (``save_pretrained``'s "Writing model shards") leaves tqdm's
+    monitor thread running there; every 10 s it takes the class's write lock. A fork in that
+    instant copies the lock held by a thread the child does not have, and the child's first bar
+    (``from_pretrained``'s "Loading weights") waits forever. ``tqdm.set_lock`` is tqdm's own hook
+    for choosing the lock; a plain ``RLock`` is what its default lock holds per process.
+    """
+    import sys
+    import threading
+
+    std = sys.modules.get("tqdm.std")
+    if std is None:
+        return
+    pending, seen = [std.tqdm], set()
+    while pending:
+        cls = pending.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        pending.extend(cls.__subclasses__())
+        if "_lock" in vars(cls) or cls is std.tqdm:
+            cls.set_lock(threading.RLock())
+
+
 def _child(rank: int, world_size: int, port: int, conn, fn, args, kwargs, pg_timeout_s: float, env):
     try:
         import torch
 
         torch.set_num_threads(1)
+        _fresh_tqdm_locks()
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
