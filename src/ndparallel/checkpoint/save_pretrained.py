@@ -25,14 +25,20 @@ import torch.nn as nn
 def full_state_dict(model: nn.Module) -> dict:
     """The whole model's state dict as plain CPU tensors on rank 0 (``{}`` on other ranks).
     Collective: every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return state if rank == 0 else {}
+    from ndparallel.models.quantized import dequantize, is_nf4
+
+    main = (dist.get_rank() if dist.is_initialized() else 0) == 0
+    full = {}
+    for name, value in get_model_state_dict(model).items():  # sharded: gathered one at a time
+        # a QLoRA base's NF4 shards: dequantised, then gathered (``dequantize`` says why)
+        value = dequantize(value) if is_nf4(value) else value.full_tensor() if isinstance(value, DTensor) else value
+        if main:
+            full[name] = value.detach().cpu()
+        del value
+    return full
 
 
 def _has_dtensor(state: dict) -> bool:

@@ -175,10 +175,22 @@ def quantize_row_shard(rows: torch.Tensor, config: NF4Config, group=None):
 
 
 def dequantize(tensor: torch.Tensor) -> torch.Tensor:
-    """The high-precision values (in its dtype) of an ``NF4Tensor``; any other tensor as is. A DTensor
-    of NF4 shards is gathered first (collective: its NF4 bytes, torchao's all-gather)."""
-    if hasattr(tensor, "full_tensor") and is_nf4(tensor):
-        tensor = tensor.full_tensor()
+    """The high-precision values (in its dtype) of an ``NF4Tensor``; any other tensor as is.
+
+    A DTensor of NF4 shards: every rank dequantises its own shard (whole rows and scaler blocks, the
+    tensor's scaler mean: the same values as dequantising the whole), then the plain values are
+    gathered (collective). The 4-bit shards themselves are not gathered: that goes through
+    torchao's override of the functional all-gather, which was seen to corrupt the heap
+    (``malloc(): unaligned tcache chunk``) and to hang on gloo ranks. Costs the dequantised
+    tensor's bytes on the wire instead of 4-bit ones; the whole dequantised tensor exists anyway.
+    """
+    if is_nf4(tensor) and hasattr(tensor, "to_local"):
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            local = tensor.to_local().get_original_weight()
+            return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                                      shape=tensor.shape, stride=tensor.stride()).full_tensor()
     return tensor.get_original_weight() if is_nf4(tensor) else tensor
 
 

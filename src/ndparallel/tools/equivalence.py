@@ -216,14 +216,11 @@ def loss_scaler(setup: TrainSetup, engine):
 
 def full_parameters(model) -> dict[str, torch.Tensor]:
     """Every parameter, unsharded, as fp32 CPU tensors (collective under FSDP/TP: all ranks call)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from ndparallel.models.quantized import dequantize, is_nf4
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    state = get_model_state_dict(model)  # sharded; gathered one tensor at a time (NF4: see dequantize)
     return {k: (dequantize(v) if is_nf4(v) else v.full_tensor() if hasattr(v, "full_tensor") else v)
             .detach().float().cpu().clone() for k, v in state.items()}
 
