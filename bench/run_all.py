@@ -22,6 +22,7 @@ SMALL = {
     "startup": ["--worlds", "1,2,4,8"],
     "scaling": ["--worlds", "1,2,4", "--steps", "4", "--seq", "256"],
     "data_memory": ["--mb", "2"],
+    "dedup_memory": ["--samples", "50000"],
     "loss_memory": ["--skip-logits"],
     "merge_memory": ["--layers", "2"],
     "qlora_memory": ["--layers", "2"],
