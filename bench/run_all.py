@@ -23,6 +23,7 @@ SMALL = {
     "scaling": ["--worlds", "1,2,4", "--steps", "4", "--seq", "256"],
     "data_memory": ["--mb", "2"],
     "dedup_memory": ["--samples", "50000"],
+    "qat_memory": ["--formats", "int4,int4/int8"],
     "loss_memory": ["--skip-logits"],
     "merge_memory": ["--layers", "2"],
     "qlora_memory": ["--layers", "2"],

@@ -217,3 +217,16 @@ def test_plan_from_a_qat_config_counts_the_full_logits(tmp_path, capsys):
     code, out, err = run_cli(capsys, "plan", "--config", cfg, "--gpus", "8", "--json")
     assert code == 0, err
     assert json.loads(out)["request"]["loss_impl"] == "full"  # the chunked loss steps aside under qat
+
+
+def test_qat_without_checkpointing_gets_a_memory_note(tmp_path, capsys):
+    """Measured (docs/qat.md): int4 QAT keeps ~9x every layer's bf16 weights for backward unless
+    activation checkpointing recomputes them: said before launch; not said once checkpointing is on."""
+    p = tmp_path / "cfg.yaml"
+    base = "base_model: tiny-llama\nqat: {weight_dtype: int4, activation_dtype: int8, group_size: 32}\n"
+    p.write_text(base)
+    code, out, err = run_cli(capsys, "train", p, "--dry-run")
+    assert code == 0 and "qat (int4 weights) without activation checkpointing" in out + err, out + err
+    p.write_text(base + "gradient_checkpointing: true\n")
+    code, out, err = run_cli(capsys, "train", p, "--dry-run")
+    assert code == 0 and "without activation checkpointing" not in out + err, out + err

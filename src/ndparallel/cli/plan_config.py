@@ -61,6 +61,11 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
             flags += ["--tiled-mlp-num-shards", str(cfg.tiled_mlp_num_shards)]
     if cfg.activation_offloading:
         flags.append("--activation-offloading")
+    qat = cfg.qat_options()
+    if qat.enabled:
+        from ndparallel.plan.qat import qat_format
+
+        flags += ["--qat", qat_format(qat.weight_dtype, qat.activation_dtype)]
     if cfg.adapter and given.adapter in (None, "lora", "qlora"):
         flags += ["--adapter", given.adapter or ("qlora" if cfg.load_in_4bit else "lora"), "--lora-r", str(cfg.lora_r)]
     said = f"model {cfg.base_model}, seq {cfg.sequence_len}"

@@ -77,12 +77,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens per chunk of --loss-impl chunked (default: 256 MiB of fp32 logits)")
     t.add_argument("--fused-adamw", action="store_true",
                    help="AdamW fused=True (default: torch's foreach AdamW, as the trainer)")
-    t.add_argument("--adapter", choices=("none", "lora", "qlora"), default="none",
-                   help="lora: LoRA on every linear layer, the base frozen in the compute dtype "
-                        "(train's adapter: lora, lora_target_linear: true); qlora: the same on a "
-                        "4-bit NF4 base (train's adapter: qlora, load_in_4bit: true)")
-    t.add_argument("--lora-r", type=int, default=None,
-                   help="LoRA rank (default 16; needs --adapter lora or qlora)")
+    _add_adapter_arguments(t)
     _add_long_context_arguments(t)
     o = parser.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
@@ -102,6 +97,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--calibrate-ranks", type=int, help="ranks for collective measurements")
     c.add_argument("--calibrate-out", help="save the profile JSON here")
     c.add_argument("--quick", action="store_true", help="fewer/smaller calibration measurements")
+
+
+def _add_adapter_arguments(t) -> None:
+    t.add_argument("--adapter", choices=("none", "lora", "qlora"), default="none",
+                   help="lora: LoRA on every linear layer, the base frozen in the compute dtype "
+                        "(train's adapter: lora, lora_target_linear: true); qlora: the same on a "
+                        "4-bit NF4 base (train's adapter: qlora, load_in_4bit: true)")
+    t.add_argument("--lora-r", type=int, default=None,
+                   help="LoRA rank (default 16; needs --adapter lora or qlora)")
+    t.add_argument("--qat", metavar="WEIGHT[/ACT]", default=None,
+                   help="quantisation-aware training (train's qat:): int4, int4/int8, int4/float8, "
+                        "float8/float8 or mxfp4/mxfp4; adds what the fake quantisers keep for backward")
 
 
 def _add_long_context_arguments(t) -> None:
@@ -145,6 +152,12 @@ def build_request(args) -> PlanRequest:
     lora_r = (16 if args.lora_r is None else args.lora_r) if adapted else 0
     if adapted and lora_r < 1:
         raise ValueError(f"--lora-r must be >= 1, got {lora_r}")
+    if args.qat:
+        from ndparallel.plan.qat import qat_format_problem
+
+        problem = qat_format_problem(args.qat)
+        if problem:
+            raise ValueError(problem)
     return PlanRequest(
         model=load_model_spec(args.model), hardware=_hardware(args), gpus=args.gpus,
         gpus_per_node=min(args.gpus_per_node, args.gpus) if args.gpus_per_node else args.gpus,
@@ -157,7 +170,7 @@ def build_request(args) -> PlanRequest:
         unsharded_grad_accumulation=args.unsharded_grad_accumulation,
         cp_strategy=args.cp_strategy, cp_kernel=args.cp_kernel, loss_impl=args.loss_impl,
         loss_chunk_tokens=args.loss_chunk_tokens, optimizer_fused=args.fused_adamw, lora_r=lora_r,
-        quantized_base=args.adapter == "qlora",
+        quantized_base=args.adapter == "qlora", qat=args.qat,
         tiled_mlp=args.tiled_mlp, tiled_mlp_num_shards=args.tiled_mlp_num_shards,
         activation_offloading=args.activation_offloading,
         host_mem_bytes=host_mem_bytes(args.host_mem) if args.host_mem else None,

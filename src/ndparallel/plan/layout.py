@@ -68,6 +68,8 @@ class Settings:
     quantized_base: bool = False
     """QLoRA (``plan --adapter qlora``): the decoder linears of the frozen base are 4-bit NF4
     (``ndparallel.plan.qlora``); needs ``lora_r``."""
+    qat: str | None = None
+    """QAT's weight[/activation] formats (``plan --qat``; ``ndparallel.plan.qat``); None: off."""
     tiled_mlp: bool = False
     """Sequence-tiled MLP (``tiled_mlp``): see ``ndparallel.plan.long_context``."""
     tiled_mlp_num_shards: int | None = None

@@ -26,6 +26,7 @@ from ndparallel.plan.long_context import (
     tiled_saved_reduction_per_token,
 )
 from ndparallel.plan.models import ModelSpec, fsdp_units
+from ndparallel.plan.qat import qat_head_bytes, qat_layer_bytes
 from ndparallel.plan.qlora import memory_adjustments
 
 FRAGMENTATION = 0.05
@@ -274,6 +275,13 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         saved = device_checkpointed_layers(model, s) * tokens * checkpointed_input_per_token(model, layout, s)
     else:
         saved = model.layers * per_layer
+    # QAT: each layer's fake-quantiser share until its backward; under checkpointing one layer's,
+    # while it is recomputed (plan/qat.py). The head's is held until the loss backward.
+    qat_layer = qat_head = 0.0
+    if s.qat:
+        qat_layer = qat_layer_bytes(model, s.qat, tokens, frozen=bool(s.lora_r), compute_bytes=e)
+        qat_head = qat_head_bytes(model, s.qat, tokens, frozen=bool(s.lora_r), compute_bytes=e)
+        saved += 0.0 if s.checkpointing else model.layers * qat_layer
     # RoPE cos and sin (b, s/c, d) in activation dtype, shared by all layers.
     saved += 2 * tokens * model.head_dim * e
     logits = _logits_bytes(model, layout, s, tokens)
@@ -281,12 +289,12 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     buf_a, buf_b = buf_a - nf4.get("buffer_a", 0.0), buf_b - nf4.get("buffer_b", 0.0)
 
     moments = {
-        "loss backward": (grads_a, saved, logits, buf_a),
+        "loss backward": (grads_a, saved + qat_head, logits, buf_a),
         # the last layer's backward: every layer's saved activations (under checkpointing, the
         # layer's own recomputed ones too) and the gradient workspace of one layer
         "layer backward": (grads_b, saved + (per_layer if s.checkpointing else 0.0)
                            + _workspace(model, layout, s, tokens)
-                           + nf4.get("workspace", 0.0), 0.0, buf_b),
+                           + nf4.get("workspace", 0.0) + (qat_layer if s.checkpointing else 0.0), 0.0, buf_b),
         "end of backward": (all_grads, 0.0, 0.0, 0.0),
         "optimizer step": (all_grads + optimizer_step_temporaries(model, layout, s), 0.0, 0.0, 0.0),
     }

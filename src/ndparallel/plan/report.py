@@ -41,6 +41,8 @@ def header(result: PlanResult) -> str:
         lora = (f"; LoRA r={r.lora_r} on every linear: {trainable_params(r.model, r.lora_r) / 1e6:.1f}M "
                 f"trainable ({trainable_fraction(r.model, r.lora_r):.2%}), base frozen"
                 + (" in 4-bit NF4 (linears)" if r.quantized_base else ""))
+    if r.qat:
+        lora += f"; QAT {r.qat} (fake quantisers' saved tensors counted)"
     moe = (f", {r.model.active_params / 1e9:.2f}B active: {r.model.top_k} of {r.model.num_experts} experts"
            if r.model.is_moe else "")
     return (f"{r.model.name} ({r.model.num_params / 1e9:.2f}B params{moe}) on {r.gpus} × {hw.name} "
@@ -216,6 +218,10 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
                    lora_target_linear=True)
         if s.quantized_base:
             cfg["load_in_4bit"] = True
+    if s.qat:
+        weight, _, act = s.qat.partition("/")
+        cfg["qat"] = {"weight_dtype": weight, "activation_dtype": act or None,
+                      **({"group_size": 32} if weight in ("int4", "mxfp4") else {})}
     if s.tiled_mlp:
         cfg["tiled_mlp"] = True
         if s.tiled_mlp_num_shards:

@@ -59,6 +59,8 @@ class PlanRequest:
     """LoRA rank (``--adapter lora --lora-r``); 0: full fine-tuning."""
     quantized_base: bool = False
     """QLoRA (``--adapter qlora``): a 4-bit NF4 base under the adapters."""
+    qat: str | None = None
+    """QAT formats (``--qat int4/int8``; ``plan/qat.py``); None: off."""
     tiled_mlp: bool = False
     tiled_mlp_num_shards: int | None = None
     activation_offloading: bool = False
@@ -237,13 +239,17 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
                     loss_impl=req.loss_impl, loss_chunk_tokens=req.loss_chunk_tokens,
                     optimizer_fused=req.optimizer_fused, lora_r=req.lora_r, tiled_mlp=req.tiled_mlp,
                     tiled_mlp_num_shards=req.tiled_mlp_num_shards,
-                    activation_offloading=req.activation_offloading, quantized_base=req.quantized_base)
+                    activation_offloading=req.activation_offloading, quantized_base=req.quantized_base,
+                    qat=req.qat)
     res.rejections = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
     if req.quantized_base:
         from ndparallel.plan.qlora import nf4_shards_problem
 
         why = nf4_shards_problem(req.model, layout)
         res.rejections += [("qlora_layout", why)] if why else []
+    if req.qat and layout.tp > 1:  # parallel/qat.py refuses it: scales computed on TP shards
+        why = f"qat with tp={layout.tp}: torchao's fake quantisers would scale TP shards, not whole rows (train refuses it)"
+        res.rejections.append(("qat_layout", why))
     if res.rejections:
         return res
     mbs = [micro_batch] if micro_batch else [req.micro_batch] if req.micro_batch else list(

@@ -261,6 +261,12 @@ def run_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
     if stray:  # Axolotl ignores them too: its archived full fine-tuning configs keep them
         notes.append(f"{', '.join(stray)} set but no adapter: not used, every parameter is trained (full "
                      "fine-tuning, as in Axolotl); add adapter: lora to train LoRA adapters instead")
+    qat = cfg.qat_options()
+    if qat.enabled and qat.weight_dtype not in ("mxfp4", "nvfp4") and not cfg.fsdp_config.activation_checkpointing:
+        notes.append(f"qat ({qat.weight_dtype} weights) without activation checkpointing: torchao's fake quantisers "
+                     "keep the rounded weights and their fp32 intermediates of every layer for backward (~9x the "
+                     "layer's bf16 weights when they train; docs/qat.md): set gradient_checkpointing: true (or "
+                     "fsdp_config.activation_checkpointing: true) unless `ndparallel plan --config` says it fits")
     return notes + cfg._axolotl_notes + compat_notes(cfg, device_type)
 
 
