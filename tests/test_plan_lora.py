@@ -91,3 +91,75 @@ def test_cli_lora_r_without_adapter_is_one_line(capsys):
     assert main(["--model", "tiny", "--gpus", "1", "--lora-r", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "ndparallel plan: error: --lora-r needs --adapter lora (or qlora)"
+
+
+def _local_copy_numel(layout: dict) -> int:
+    from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.models.adapters import SAVED_COPY, lora_config
+
+    acc = Accelerator(ParallelismConfig(**layout))
+    adapter = lora_config(r=4, target_linear=True, modules_to_save=["embed_tokens", "lm_head"])
+    model = acc.load_model("tiny-llama", adapter=adapter)
+    seen = {id(p): (p.to_local() if hasattr(p, "to_local") else p).numel()
+            for n, p in model.named_parameters() if SAVED_COPY in n and p.requires_grad}
+    return sum(seen.values())
+
+
+def test_modules_to_save_copies_equal_the_runtime_shards():
+    """``lora_modules_to_save: [embed_tokens, lm_head]``: one trained vocab × hidden copy per table,
+    FSDP-sharded, as the runtime holds them on each rank."""
+    from ndparallel.plan.adapter import saved_copy_shard_numel, saved_copy_units
+
+    got = run_on_ranks(_local_copy_numel, 2, {"dp_shard_size": 2}, timeout_s=300)
+    layout = Layout(dp_shard=2)
+    assert saved_copy_units(TINY, ("embed", "head")) == ("embed", "final")
+    assert set(got) == {2 * saved_copy_shard_numel(TINY, layout)} and got[0] > 0
+
+
+def test_modules_to_save_states_grads_and_traffic():
+    s = Settings(seq_len=32, lora_r=4, set_to_none=False)
+    saved = Settings(**{**s.__dict__, "lora_saved": ("embed", "head")})
+    layout = Layout(dp_shard=2)
+    lora, with_copies = estimate_memory(TINY, layout, s, H100), estimate_memory(TINY, layout, saved, H100)
+    copies = 2 * -(-TINY.vocab // 2) * TINY.hidden  # two tables, half the vocab rows each
+    assert with_copies.params - lora.params == copies * 4  # fp32 masters
+    assert with_copies.grads - lora.grads == copies * 4 and with_copies.optimizer - lora.optimizer == copies * 8
+    rs = [c for c in collectives_for(TINY, layout, saved) if c.kind == "reduce_scatter"]
+    assert sorted(c.what for c in rs if "trained copy" in c.what) == [
+        "FSDP reduce-scatter grads (embed), trained copy", "FSDP reduce-scatter grads (final), trained copy"]
+    assert all(c.bytes == copies / 2 * 2 * 4 for c in rs if "trained copy" in c.what)  # one table, n × shard, fp32
+    tied = PRESETS["llama-3.2-1b"]
+    one = estimate_memory(tied, layout, Settings(**{**saved.__dict__, "seq_len": 128}), H100)
+    base = estimate_memory(tied, layout, Settings(**{**s.__dict__, "seq_len": 128}), H100)
+    assert one.params - base.params == -(-tied.vocab // 2) * tied.hidden * 4  # tied: one copy
+
+
+def test_cli_modules_to_save_rejects_tp_and_round_trips_a_config(tmp_path, capsys):
+    import json
+
+    args = ["--model", "llama-3.1-8b", "--gpus", "8", "--adapter", "lora", "--lora-modules-to-save",
+            "embed_tokens,lm_head"]
+    assert main([*args, "--json", "--show-rejected"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert all(r["layout"]["tp"] == 1 for r in result["ranked"])
+    assert any(c["code"] == "lora_layout" for r in result["rejected"] for c in r["rejections"])
+    out_yaml = tmp_path / "saved.yaml"
+    assert main([*args, "--top", "1", "--write-config", str(out_yaml)]) == 0
+    assert "trained copies of embed_tokens and lm_head" in capsys.readouterr().out
+    cfg = TrainConfig.model_validate(yaml.safe_load(out_yaml.read_text()))
+    assert cfg.lora_modules_to_save == ["embed_tokens", "lm_head"]
+    assert main(["--model", "tiny", "--gpus", "1", "--lora-modules-to-save", "lm_head"]) == 2
+    assert "needs --adapter lora" in capsys.readouterr().err
+
+
+def test_a_configs_modules_to_save_reach_the_planner(tmp_path, capsys):
+    import json
+
+    from cli_helpers import run_cli
+
+    cfg = tmp_path / "lora.yaml"
+    cfg.write_text("base_model: meta-llama/Llama-3.1-8B\nsequence_len: 2048\nmicro_batch_size: 1\nadapter: lora\n"
+                   "lora_r: 16\nlora_modules_to_save: [embed_tokens, lm_head]\ndatasets: [{path: 'builtin:stdlib'}]\n")
+    code, out, err = run_cli(capsys, "plan", "--config", cfg, "--gpus", "8", "--json")
+    assert code == 0, err
+    assert json.loads(out)["request"]["lora_saved"] == ["embed", "head"]

@@ -68,6 +68,10 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
         flags += ["--qat", qat_format(qat.weight_dtype, qat.activation_dtype)]
     if cfg.adapter and given.adapter in (None, "lora", "qlora"):
         flags += ["--adapter", given.adapter or ("qlora" if cfg.load_in_4bit else "lora"), "--lora-r", str(cfg.lora_r)]
+        from ndparallel.plan.adapter import saved_tables
+
+        if saved_tables(cfg.lora_modules_to_save):
+            flags += ["--lora-modules-to-save", ",".join(cfg.lora_modules_to_save)]
     said = f"model {cfg.base_model}, seq {cfg.sequence_len}"
     if gpus and not (given.global_batch_size or given.global_batch_tokens):
         dp, where = _config_dp(cfg.parallelism_config(), gpus, path)

@@ -24,6 +24,31 @@ from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.models import ModelSpec
 
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SAVED_MODULES = {"embed_tokens": "embed", "wte": "embed", "word_embeddings": "embed", "tok_embeddings": "embed",
+                 "lm_head": "head", "output": "head", "embed_out": "head"}
+"""``modules_to_save`` names the planner models (vocab × hidden tables) -> which table."""
+
+
+def saved_tables(names) -> tuple[str, ...]:
+    """The vocab × hidden tables ('embed', 'head') among ``modules_to_save`` names (others — norms,
+    small layers — are not modelled)."""
+    return tuple(sorted({SAVED_MODULES[n.rsplit(".", 1)[-1]] for n in names or ()
+                         if n.rsplit(".", 1)[-1] in SAVED_MODULES}))
+
+
+def saved_copy_units(model: ModelSpec, tables: tuple[str, ...]) -> tuple[str, ...]:
+    """FSDP units holding a trained full copy (``lora_modules_to_save``): PEFT keeps the frozen
+    original and trains a copy of each table; tied embeddings keep one copy (in the root unit)."""
+    if not tables:
+        return ()
+    if model.tied_embeddings:
+        return ("root",)
+    return tuple({"embed": "embed", "head": "final"}[t] for t in tables)
+
+
+def saved_copy_shard_numel(model: ModelSpec, layout: Layout) -> int:
+    """Elements of one trained copy on one rank (FSDP-sharded on the vocab dim; TP is refused)."""
+    return math.ceil(model.vocab / layout.fsdp) * model.hidden
 
 
 def adapter_params_per_layer(model: ModelSpec, r: int) -> int:
@@ -61,9 +86,20 @@ def adapt_collectives(cs: list, model: ModelSpec, layout: Layout, s: Settings, c
     all-reduce of its r·d fp32 elements per micro-batch."""
     r, n = s.lora_r, layout.fsdp
     local = adapter_layer_local(model, r, layout.tp)
+    copies = saved_copy_units(model, s.lora_saved)
+    copy = saved_copy_shard_numel(model, layout)
     out = []
     for c in cs:
         grad = c.what.startswith(("FSDP reduce-scatter", "HSDP all-reduce", "DDP all-reduce"))
+        unit = c.what[c.what.rfind("(") + 1:-1]
+        if unit in copies:  # the frozen table and its trained copy: both gathered, the copy's grads reduced
+            if grad:
+                size = copy * n if c.kind == "reduce_scatter" else copy
+                c = replace(c, bytes=size * s.reduce_bytes, what=c.what + ", trained copy")
+            elif c.kind == "all_gather":
+                c = replace(c, bytes=c.bytes + copy * s.param_compute_bytes, what=c.what + " + trained copy")
+            out.append(c)
+            continue
         if grad and "(layer)" not in c.what:
             continue  # embedding / final / root units: frozen
         if grad:

@@ -106,6 +106,9 @@ def _add_adapter_arguments(t) -> None:
                         "4-bit NF4 base (train's adapter: qlora, load_in_4bit: true)")
     t.add_argument("--lora-r", type=int, default=None,
                    help="LoRA rank (default 16; needs --adapter lora or qlora)")
+    t.add_argument("--lora-modules-to-save", metavar="NAMES", default=None,
+                   help="tables trained in full beside the adapters (train's lora_modules_to_save), "
+                        "e.g. embed_tokens,lm_head: a trained copy of each (one if tied)")
     t.add_argument("--qat", metavar="WEIGHT[/ACT]", default=None,
                    help="quantisation-aware training (train's qat:): int4, int4/int8, int4/float8, "
                         "float8/float8 or mxfp4/mxfp4; adds what the fake quantisers keep for backward")
@@ -150,6 +153,17 @@ def build_request(args) -> PlanRequest:
     if args.lora_r is not None and not adapted:
         raise ValueError("--lora-r needs --adapter lora (or qlora)")
     lora_r = (16 if args.lora_r is None else args.lora_r) if adapted else 0
+    saved = ()
+    if args.lora_modules_to_save:
+        from ndparallel.plan.adapter import SAVED_MODULES, saved_tables
+
+        if not adapted:
+            raise ValueError("--lora-modules-to-save needs --adapter lora (or qlora)")
+        names = [n for n in args.lora_modules_to_save.split(",") if n]
+        saved = saved_tables(names)
+        if not saved:
+            raise ValueError(f"--lora-modules-to-save {args.lora_modules_to_save}: names no embedding or LM head "
+                             f"table the planner models ({', '.join(SAVED_MODULES)})")
     if adapted and lora_r < 1:
         raise ValueError(f"--lora-r must be >= 1, got {lora_r}")
     if args.qat:
@@ -170,7 +184,7 @@ def build_request(args) -> PlanRequest:
         unsharded_grad_accumulation=args.unsharded_grad_accumulation,
         cp_strategy=args.cp_strategy, cp_kernel=args.cp_kernel, loss_impl=args.loss_impl,
         loss_chunk_tokens=args.loss_chunk_tokens, optimizer_fused=args.fused_adamw, lora_r=lora_r,
-        quantized_base=args.adapter == "qlora", qat=args.qat,
+        quantized_base=args.adapter == "qlora", qat=args.qat, lora_saved=saved,
         tiled_mlp=args.tiled_mlp, tiled_mlp_num_shards=args.tiled_mlp_num_shards,
         activation_offloading=args.activation_offloading,
         host_mem_bytes=host_mem_bytes(args.host_mem) if args.host_mem else None,

@@ -40,15 +40,18 @@ KERNELS_PER_LAYER = (60, 130)
 loss, FSDP and the optimizer included; ~190 per layer, split about 1 : 2."""
 
 
-def model_flops_per_token(model: ModelSpec, seq_len: int, lora_r: int = 0) -> float:
+def model_flops_per_token(model: ModelSpec, seq_len: int, lora_r: int = 0, lora_saved: tuple[str, ...] = ()) -> float:
     """``models.flops.train_flops_per_token`` (the trainer's MFU uses the same definition):
     4·N + 2·N_trained + causal attention 6·L·a·d·s; N_trained = N, or the adapters under LoRA of
-    rank ``lora_r`` (no weight gradients for the frozen base)."""
+    rank ``lora_r`` (no weight gradients for the frozen base) plus a trained LM head copy
+    (``lora_saved``; the embedding's is a lookup, no matmul)."""
     trained = model.matmul_params
     if lora_r:
-        from ndparallel.plan.adapter import trainable_params
+        from ndparallel.plan.adapter import saved_copy_units, trainable_params
 
         trained = trainable_params(model, lora_r)
+        if ("root" if model.tied_embeddings else "final") in saved_copy_units(model, lora_saved):
+            trained += model.vocab * model.hidden
     return train_flops_per_token(model.matmul_params, trained, model.layers, model.heads * model.head_dim,
                                  seq_len)
 

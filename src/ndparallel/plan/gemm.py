@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ndparallel.plan.adapter import saved_copy_units
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import mlp_tiles
@@ -94,7 +95,8 @@ def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gem
     vocab = -(-model.vocab // layout.tp)
     h = model.hidden
     out += [Gemm("lm_head fwd", all_tokens, vocab, h, 1), Gemm("lm_head dgrad", all_tokens, h, vocab, 1)]
-    if not s.lora_r:  # under LoRA the LM head is frozen
+    head_copy = ("root" if model.tied_embeddings else "final") in saved_copy_units(model, s.lora_saved)
+    if not s.lora_r or head_copy:  # under LoRA the LM head is frozen, unless its copy trains
         out.append(Gemm("lm_head wgrad", vocab, h, all_tokens, 1))
     return out
 

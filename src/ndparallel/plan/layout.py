@@ -65,6 +65,9 @@ class Settings:
     lora_r: int = 0
     """LoRA rank on every linear of the decoder layers (``plan --adapter lora``); 0: full
     fine-tuning. See ``ndparallel.plan.adapter``."""
+    lora_saved: tuple[str, ...] = ()
+    """Tables trained in full beside the adapters (``lora_modules_to_save``): 'embed', 'head'
+    (``plan --lora-modules-to-save``; ``ndparallel.plan.adapter``)."""
     quantized_base: bool = False
     """QLoRA (``plan --adapter qlora``): the decoder linears of the frozen base are 4-bit NF4
     (``ndparallel.plan.qlora``); needs ``lora_r``."""

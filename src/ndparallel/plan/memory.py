@@ -13,7 +13,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ndparallel.plan import muon
-from ndparallel.plan.adapter import adapter_layer_local, adapter_shard_numel
+from ndparallel.plan.adapter import (
+    adapter_layer_local,
+    adapter_shard_numel,
+    saved_copy_shard_numel,
+    saved_copy_units,
+)
 from ndparallel.plan.comms import unit_numels
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
@@ -207,6 +212,9 @@ def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tup
         layer_grad = adapter_layer_local(model, s.lora_r, layout.tp)
         layer_local += layer_grad
         head_grad = 0
+        if ("root" if model.tied_embeddings else "final") in saved_copy_units(model, s.lora_saved):
+            head_grad = model.vocab * model.hidden  # its trained copy: gathered beside the frozen table
+            head_local += head_grad
     buf_a = head_local * cb
     buf_b = (1 + s.prefetch) * layer_local * cb + layer_grad * (e + rb)
     if model.tied_embeddings:
@@ -258,6 +266,13 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         all_grads = adapter * 4 + (model.layers * adapter_local * s.reduce_bytes
                                    if s.accumulates_unsharded else 0.0)
         head_grads = 0.0  # the LM head is frozen
+        copies = saved_copy_units(model, s.lora_saved)  # lora_modules_to_save: trained full tables
+        if copies:
+            copy = saved_copy_shard_numel(model, layout)
+            params += len(copies) * copy * 4
+            optimizer += len(copies) * copy * s.optimizer_state_bytes
+            all_grads += len(copies) * copy * 4
+            head_grads = copy * 4 if head in copies else 0.0
     nf4 = memory_adjustments(model, layout, s, numels["layer"][0]) if s.quantized_base else {}
     params -= nf4.get("params", 0.0)  # QLoRA: the decoder linears are 4-bit NF4 (plan/qlora.py)
     # With zero_grad(set_to_none=True) and one micro-batch no gradient exists at the loss moment;

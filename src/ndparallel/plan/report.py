@@ -40,7 +40,9 @@ def header(result: PlanResult) -> str:
 
         lora = (f"; LoRA r={r.lora_r} on every linear: {trainable_params(r.model, r.lora_r) / 1e6:.1f}M "
                 f"trainable ({trainable_fraction(r.model, r.lora_r):.2%}), base frozen"
-                + (" in 4-bit NF4 (linears)" if r.quantized_base else ""))
+                + (" in 4-bit NF4 (linears)" if r.quantized_base else "")
+                + (f", trained copies of {' and '.join({'embed': 'embed_tokens', 'head': 'lm_head'}[t] for t in r.lora_saved)}"
+                   if r.lora_saved else ""))
     if r.qat:
         lora += f"; QAT {r.qat} (fake quantisers' saved tensors counted)"
     moe = (f", {r.model.active_params / 1e9:.2f}B active: {r.model.top_k} of {r.model.num_experts} experts"
@@ -218,6 +220,8 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
                    lora_target_linear=True)
         if s.quantized_base:
             cfg["load_in_4bit"] = True
+        if s.lora_saved:
+            cfg["lora_modules_to_save"] = [{"embed": "embed_tokens", "head": "lm_head"}[t] for t in s.lora_saved]
     if s.qat:
         weight, _, act = s.qat.partition("/")
         cfg["qat"] = {"weight_dtype": weight, "activation_dtype": act or None,

@@ -61,6 +61,8 @@ class PlanRequest:
     """QLoRA (``--adapter qlora``): a 4-bit NF4 base under the adapters."""
     qat: str | None = None
     """QAT formats (``--qat int4/int8``; ``plan/qat.py``); None: off."""
+    lora_saved: tuple[str, ...] = ()
+    """Tables trained in full beside the adapters ('embed', 'head': ``--lora-modules-to-save``)."""
     tiled_mlp: bool = False
     tiled_mlp_num_shards: int | None = None
     activation_offloading: bool = False
@@ -198,7 +200,7 @@ def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_p
     tokens = gb * s.seq_len
     world = layout.world
     tps = tokens / step / world
-    mfu = tokens * model_flops_per_token(model, s.seq_len, s.lora_r) / (step * world * peak(hw, s))
+    mfu = tokens * model_flops_per_token(model, s.seq_len, s.lora_r, s.lora_saved) / (step * world * peak(hw, s))
     parts = {"compute": compute, "tp comm": tp, "cp comm": ga * cp_exposed,
              "fsdp/dp comm": dp_exposed, "optimizer step": t_opt, "ep comm": ep}
     name = max(parts, key=parts.get)
@@ -240,13 +242,16 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
                     optimizer_fused=req.optimizer_fused, lora_r=req.lora_r, tiled_mlp=req.tiled_mlp,
                     tiled_mlp_num_shards=req.tiled_mlp_num_shards,
                     activation_offloading=req.activation_offloading, quantized_base=req.quantized_base,
-                    qat=req.qat)
+                    qat=req.qat, lora_saved=req.lora_saved)
     res.rejections = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
     if req.quantized_base:
         from ndparallel.plan.qlora import nf4_shards_problem
 
         why = nf4_shards_problem(req.model, layout)
         res.rejections += [("qlora_layout", why)] if why else []
+    if req.lora_saved and layout.tp > 1:  # train refuses it: the copies would not be vocab-sharded
+        why = f"lora_modules_to_save with tp={layout.tp}: the trained copies would not be vocab-sharded (train refuses it)"
+        res.rejections.append(("lora_layout", why))
     if req.qat and layout.tp > 1:  # parallel/qat.py refuses it: scales computed on TP shards
         why = f"qat with tp={layout.tp}: torchao's fake quantisers would scale TP shards, not whole rows (train refuses it)"
         res.rejections.append(("qat_layout", why))
