@@ -140,9 +140,53 @@ def apply_qat(model: nn.Module, options: QATOptions) -> nn.Module:
         weight, _ = _fake_quantize_configs(options, with_activation=False)
         quantize_(model, QATConfig(weight_config=weight, step="prepare"),
                   filter_fn=lambda m, _: isinstance(m, nn.Embedding))
+    recompute_quantizers(model)
     if options.fake_quant_after_n_steps is not None:
         set_fake_quant(model, options.fake_quant_after_n_steps == 0)
     return model
+
+
+class RecomputedQuantizer(nn.Module):
+    """A torchao fake quantiser run under a non-reentrant activation checkpoint.
+
+    Left alone, a quantiser in autograd keeps its rounded output and fp32 intermediates for the
+    backward of every trained linear: 18.5 bytes per int4 weight element, ~9x the layer's bf16
+    weights, for every layer until its backward (``bench/qat_memory.py``). Under the checkpoint it
+    keeps only its input (the weight, which the layer holds anyway) and recomputes the rounding in
+    the backward: the same deterministic ops, so the same values and gradients; the cost is one more
+    element-wise pass over each weight (and fake-quantised input) per backward."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return self.inner(x)  # nothing would be saved: no checkpoint needed
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+_QUANTIZER_ATTRS = ("weight_fake_quantizer", "activation_fake_quantizer")
+
+
+def recompute_quantizers(model: nn.Module) -> None:
+    """Wrap the fake quantisers of torchao's ``FakeQuantizedLinear`` / ``FakeQuantizedEmbedding``
+    in ``RecomputedQuantizer`` (the MX / NVFP4 linears already save only their packed inputs)."""
+    from torchao.quantization.qat import FakeQuantizedEmbedding, FakeQuantizedLinear
+
+    for module in model.modules():
+        if isinstance(module, (FakeQuantizedLinear, FakeQuantizedEmbedding)):
+            for attr in _QUANTIZER_ATTRS:
+                quantizer = getattr(module, attr, None)
+                if quantizer is not None and not isinstance(quantizer, RecomputedQuantizer):
+                    setattr(module, attr, RecomputedQuantizer(quantizer))
+
+
+def _quantizers(module: nn.Module) -> list[nn.Module]:
+    found = [getattr(module, attr, None) for attr in _QUANTIZER_ATTRS]
+    return [q.inner if isinstance(q, RecomputedQuantizer) else q for q in found if q is not None]
 
 
 def fake_quantized_modules(model: nn.Module) -> list[nn.Module]:
@@ -158,10 +202,8 @@ def set_fake_quant(model: nn.Module, enabled: bool) -> None:
     """Switch every fake quantiser of ``model`` on or off (``fake_quant_after_n_steps``); off, the
     layers compute exactly as plain linears / embeddings."""
     for module in fake_quantized_modules(model):
-        for attr in ("weight_fake_quantizer", "activation_fake_quantizer"):
-            quantizer = getattr(module, attr, None)
-            if quantizer is not None:
-                quantizer.enabled = enabled
+        for quantizer in _quantizers(module):
+            quantizer.enabled = enabled
 
 
 def step_fake_quant(model: nn.Module, options: QATOptions, step: int) -> None:

@@ -263,9 +263,9 @@ def run_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
                      "fine-tuning, as in Axolotl); add adapter: lora to train LoRA adapters instead")
     qat = cfg.qat_options()
     if qat.enabled and qat.weight_dtype not in ("mxfp4", "nvfp4") and not cfg.fsdp_config.activation_checkpointing:
-        notes.append(f"qat ({qat.weight_dtype} weights) without activation checkpointing: torchao's fake quantisers "
-                     "keep the rounded weights and their fp32 intermediates of every layer for backward (~9x the "
-                     "layer's bf16 weights when they train; docs/qat.md): set gradient_checkpointing: true (or "
+        notes.append(f"qat ({qat.weight_dtype} weights) without activation checkpointing: every layer keeps a "
+                     "rounded copy of its whole (unsharded) weights for backward, the model's weights again on "
+                     "every rank (docs/qat.md): set gradient_checkpointing: true (or "
                      "fsdp_config.activation_checkpointing: true) unless `ndparallel plan --config` says it fits")
     return notes + cfg._axolotl_notes + compat_notes(cfg, device_type)
 
