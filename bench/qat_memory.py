@@ -1,15 +1,17 @@
 """What QAT keeps for backward, per decoder layer, against the planner's model of it.
 
-torchao's fake quantisers run in autograd: the rounded weight and the quantiser's intermediates (in
-fp32) are saved for the backward of every fake-quantised linear, and so are the activation
-quantiser's for its input. Measured here on one process (bf16, as FSDP2's gathered weights
-compute): the bytes saved for backward by one more decoder layer (a 3-layer minus a 2-layer Llama),
-with QAT minus without, for two layer shapes and two token counts, with trained linears and with
-frozen ones (LoRA's base: no weight gradient, so no quantiser intermediates); fitted as
-``a · (layer's linear weight elements) + b · tokens · (layer's linear input elements)`` per format.
-The planner's constants (``ndparallel.plan.qat``) must be within 10 % of the fit.
+torchao's fake quantisers run in autograd. ndparallel runs each under an activation checkpoint
+(``parallel/qat.py``: ``RecomputedQuantizer``), so a fake-quantised linear keeps the rounded weight
+(and rounded input) that ``F.linear`` needs; ``--plain`` measures torchao's quantisers as they come
+(they also keep their fp32 intermediates). Measured on one process (bf16, as FSDP2's gathered
+weights compute): the bytes saved for backward by one more decoder layer (a 3-layer minus a 2-layer
+Llama), with QAT minus without, for two layer shapes and two token counts, with trained linears and
+with frozen ones (LoRA's base); fitted as ``a · (layer's linear weight elements) + b · tokens ·
+(layer's linear input elements)`` per format. The planner's constants (``ndparallel.plan.qat``)
+must be within 10 % of the fit (not checked with ``--plain``).
 
     python bench/qat_memory.py          # table + bench/results/qat_memory.json
+    python bench/qat_memory.py --plain  # torchao's quantisers without the recompute
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _saved_bytes(model: torch.nn.Module, tokens: int) -> int:
     return sum(nbytes for _, nbytes in seen)
 
 
-def _model(shape: dict, layers: int, fmt: str | None, frozen: bool = False):
+def _model(shape: dict, layers: int, fmt: str | None, frozen: bool = False, plain: bool = False):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from ndparallel.parallel.options import QATOptions
@@ -65,6 +67,13 @@ def _model(shape: dict, layers: int, fmt: str | None, frozen: bool = False):
     if fmt is not None:
         weight, _, act = fmt.partition("/")
         model = apply_qat(model, QATOptions(weight_dtype=weight, activation_dtype=act or None, group_size=32))
+        if plain:  # torchao's quantisers as they come
+            from ndparallel.parallel.qat import RecomputedQuantizer
+
+            for module in model.modules():
+                for attr in ("weight_fake_quantizer", "activation_fake_quantizer"):
+                    if isinstance(getattr(module, attr, None), RecomputedQuantizer):
+                        setattr(module, attr, getattr(module, attr).inner)
     if frozen:  # LoRA's frozen base: the decoder linears get no weight gradient
         for name, p in model.named_parameters():
             if ".layers." in name and name.endswith("proj.weight"):
@@ -72,11 +81,11 @@ def _model(shape: dict, layers: int, fmt: str | None, frozen: bool = False):
     return model
 
 
-def layer_extra(shape: dict, tokens: int, fmt: str, frozen: bool) -> float:
+def layer_extra(shape: dict, tokens: int, fmt: str, frozen: bool, plain: bool = False) -> float:
     """Saved bytes of one more decoder layer with QAT ``fmt`` minus without."""
     def per_layer(f):
-        return (_saved_bytes(_model(shape, 3, f, frozen), tokens)
-                - _saved_bytes(_model(shape, 2, f, frozen), tokens))
+        return (_saved_bytes(_model(shape, 3, f, frozen, plain), tokens)
+                - _saved_bytes(_model(shape, 2, f, frozen, plain), tokens))
     return per_layer(fmt) - per_layer(None)
 
 
@@ -90,13 +99,13 @@ def layer_counts(shape: dict) -> tuple[int, int]:
     return weights, inputs
 
 
-def fit(fmt: str, frozen: bool = False) -> dict:
+def fit(fmt: str, frozen: bool = False, plain: bool = False) -> dict:
     rows, targets = [], []
     for shape in SHAPES:
         weights, inputs = layer_counts(shape)
         for tokens in TOKENS:
             rows.append([weights, tokens * inputs])
-            targets.append(layer_extra(shape, tokens, fmt, frozen))
+            targets.append(layer_extra(shape, tokens, fmt, frozen, plain))
     (a, b), *_ = np.linalg.lstsq(np.array(rows, float), np.array(targets, float), rcond=None)
     worst = max(abs(r[0] * a + r[1] * b - t) / max(abs(t), 1.0) for r, t in zip(rows, targets))
     return {"format": fmt + (" + LoRA" if frozen else ""), "per_weight": float(a), "per_input": float(b),
@@ -107,8 +116,9 @@ def fit(fmt: str, frozen: bool = False) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default=",".join(QAT_FORMATS))
+    parser.add_argument("--plain", action="store_true", help="torchao's quantisers without the recompute")
     args = parser.parse_args(argv)
-    results = [fit(f, frozen) for frozen in (False, True) for f in args.formats.split(",")]
+    results = [fit(f, frozen, args.plain) for frozen in (False, True) for f in args.formats.split(",")]
     print_table("QAT: bytes saved for backward per decoder layer, beyond the same layer without QAT (bf16)",
                 ["format", "per weight elem", "planner", "per input elem·token", "planner", "fit error"],
                 [[r["format"], f"{r['per_weight']:.2f}", f"{r['planner_per_weight']:.2f}",
@@ -116,6 +126,10 @@ def main(argv=None) -> int:
                  for r in results])
     ok = all(abs(r["per_weight"] - r["planner_per_weight"]) <= 0.1 * max(r["per_weight"], 1.0)
              and abs(r["per_input"] - r["planner_per_input"]) <= 0.1 * max(r["per_input"], 1.0) for r in results)
+    if args.plain:
+        print("--plain: torchao's quantisers keep their intermediates; the planner models ndparallel's recompute")
+        print(f"wrote {write_json('qat_memory_plain', {'rows': results})}")
+        return 0
     print(f"goal: the planner's constants within 10 % of the fit: {'met' if ok else 'NOT met'}")
     print(f"wrote {write_json('qat_memory', {'rows': results, 'goal_met': ok})}")
     return 0
