@@ -68,12 +68,9 @@ def _model(shape: dict, layers: int, fmt: str | None, frozen: bool = False, plai
         weight, _, act = fmt.partition("/")
         model = apply_qat(model, QATOptions(weight_dtype=weight, activation_dtype=act or None, group_size=32))
         if plain:  # torchao's quantisers as they come
-            from ndparallel.parallel.qat import RecomputedQuantizer
+            from ndparallel.parallel.qat import plain_quantizers
 
-            for module in model.modules():
-                for attr in ("weight_fake_quantizer", "activation_fake_quantizer"):
-                    if isinstance(getattr(module, attr, None), RecomputedQuantizer):
-                        setattr(module, attr, getattr(module, attr).inner)
+            plain_quantizers(model)
     if frozen:  # LoRA's frozen base: the decoder linears get no weight gradient
         for name, p in model.named_parameters():
             if ".layers." in name and name.endswith("proj.weight"):

@@ -243,7 +243,7 @@ def test_recomputed_quantisers_give_the_same_gradients_and_keep_far_less(options
 
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.parallel.qat import RecomputedQuantizer, apply_qat
+    from ndparallel.parallel.qat import RecomputedQuantizer, apply_qat, plain_quantizers
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from qat_memory import _saved_bytes
@@ -258,11 +258,7 @@ def test_recomputed_quantisers_give_the_same_gradients_and_keep_far_less(options
             return m
         m = apply_qat(m, options)
         if not recompute:
-            for module in m.modules():
-                for attr in ("weight_fake_quantizer", "activation_fake_quantizer"):
-                    q = getattr(module, attr, None)
-                    if isinstance(q, RecomputedQuantizer):
-                        setattr(module, attr, q.inner)
+            plain_quantizers(m)
         return m
 
     x = torch.randint(0, 512, (2, 32))

@@ -184,6 +184,16 @@ def recompute_quantizers(model: nn.Module) -> None:
                     setattr(module, attr, RecomputedQuantizer(quantizer))
 
 
+def plain_quantizers(model: nn.Module) -> None:
+    """Undo ``recompute_quantizers``: torchao's quantisers as they come (what ``bench/qat_memory.py
+    --plain`` and the test of the recompute compare against)."""
+    for module in model.modules():
+        for attr in _QUANTIZER_ATTRS:
+            quantizer = getattr(module, attr, None)
+            if isinstance(quantizer, RecomputedQuantizer):
+                setattr(module, attr, quantizer.inner)
+
+
 def _quantizers(module: nn.Module) -> list[nn.Module]:
     found = [getattr(module, attr, None) for attr in _QUANTIZER_ATTRS]
     return [q.inner if isinstance(q, RecomputedQuantizer) else q for q in found if q is not None]
