@@ -55,12 +55,21 @@ def test_the_pinned_revision_is_what_trains(hub_cache, tmp_path):
     main = _run(hub_cache, tmp_path / "main", "", "--dry-run")
     assert main.returncode == 0, main.stderr
     assert f"model        : {REPO} (llama, 2 layers" in main.stdout
-    run = _run(hub_cache, tmp_path / "train", f"model_revision: {OLD}\n")  # Axolotl's other name
+    run = _run(hub_cache, tmp_path / "train", f"model_revision: {OLD}\nadapter: lora\nlora_r: 2\n"
+               "lora_target_linear: true\n")  # Axolotl's other name; a LoRA run on the old commit
     assert run.returncode == 0, run.stderr[-3000:]
     import json
 
-    final = json.loads((tmp_path / "train" / "out" / "final" / "config.json").read_text())
-    assert final["num_hidden_layers"] == 1  # weights and config of the old commit
+    final = tmp_path / "train" / "out" / "final"
+    adapter = json.loads((final / "adapter_config.json").read_text())
+    assert (adapter["base_model_name_or_path"], adapter["revision"]) == (REPO, OLD)  # recorded with the adapter
+    # the offline merge takes the base at that revision (main's 2 layers would not fit the adapter)
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    merged = subprocess.run([sys.executable, "-m", "ndparallel", "export", str(final), str(tmp_path / "merged"),
+                             "--merge"], env=env, capture_output=True, text=True, timeout=300)
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1  # weights and config of the old commit
     missing = _run(hub_cache, tmp_path / "missing", f"revision_of_model: {'ef' * 20}\n", "--dry-run")
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
     assert "base_model='tiny-org/tiny-llama'" in missing.stderr

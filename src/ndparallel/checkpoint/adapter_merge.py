@@ -53,7 +53,9 @@ def _base_dir(adapter_config, base: str | os.PathLike | None) -> Path:
         why = f"the built-in preset {name!r} (random weights, not on disk)" if name else "not recorded"
         raise ValueError(f"the adapter's base model is {why}: pass --base DIR (the Hugging Face model "
                          "directory it was trained on), or merge while training (merge_lora: true)")
-    return resolve_model_dir(name, True)
+    # the Hub revision the adapter was trained on (revision_of_model), unless --base names the base
+    revision = getattr(adapter_config, "revision", None) if base is None else None
+    return resolve_model_dir(name, True, revision)
 
 
 def checkpoint_quantization(checkpoint_dir: str | os.PathLike):

@@ -35,14 +35,15 @@ def require_peft():
 def lora_config(r: int = 8, alpha: float = 16, dropout: float = 0.0,
                 target_modules: Iterable[str] | str | None = None, target_linear: bool = False,
                 use_rslora: bool = False, modules_to_save: Iterable[str] | None = None,
-                target_parameters: Iterable[str] | None = None):
+                target_parameters: Iterable[str] | None = None, revision: str | None = None):
     """A PEFT ``LoraConfig`` from Axolotl's fields (``lora_r``, ``lora_alpha``, ``lora_dropout``,
     ``lora_target_modules``, ``lora_target_linear``, ``peft_use_rslora``, ``lora_modules_to_save``,
     ``lora_target_parameters``). As in Axolotl, ``target_linear`` adds every linear layer except the
     output head to ``target_modules``; neither: PEFT's default targets. A string is a regular
     expression over whole module names. ``modules_to_save``: modules trained in full beside the
     adapters (e.g. ``[embed_tokens, lm_head]``); ``target_parameters``: parameters given LoRA
-    directly (e.g. MoE experts' 3-D ``experts.gate_up_proj``: PEFT's ``ParamWrapper``)."""
+    directly (e.g. MoE experts' 3-D ``experts.gate_up_proj``: PEFT's ``ParamWrapper``); ``revision``:
+    the base model's Hub revision (``revision_of_model``), recorded in the saved adapter's config."""
     peft = require_peft()
     if isinstance(target_modules, str) and not set(target_modules) & set("[]()*+?|\\^$"):
         target_modules = [target_modules]  # one module name, not a pattern
@@ -56,7 +57,7 @@ def lora_config(r: int = 8, alpha: float = 16, dropout: float = 0.0,
     extra = {k: list(v) for k, v in (("modules_to_save", modules_to_save),
                                      ("target_parameters", target_parameters)) if v}
     return peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
-                           target_modules=targets or None, use_rslora=use_rslora, **extra)
+                           target_modules=targets or None, use_rslora=use_rslora, revision=revision, **extra)
 
 
 def is_adapter_config(obj: Any) -> bool:

@@ -354,7 +354,9 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
             return None
         return {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
                 "target_modules": self.lora_target_modules, "target_linear": self.lora_target_linear,
-                **({"use_rslora": True} if self.peft_use_rslora else {}), **self.lora_extra_kwargs(), **overrides}
+                **({"use_rslora": True} if self.peft_use_rslora else {}),
+                **({"revision": self.revision_of_model} if self.revision_of_model else {}),
+                **self.lora_extra_kwargs(), **overrides}
 
     def lora_config(self):
         """The peft ``LoraConfig`` of ``adapter: lora`` (None without it): the one saved in
