@@ -68,13 +68,22 @@ TP_FAILS = {  # measured (tests/test_multimodal.py): the multimodal forward unde
 }
 
 
+TEXT_TP_FAILS = {"qwen3_5_text": TP_FAILS["qwen3_5"], "qwen3_5_moe_text": TP_FAILS["qwen3_5_moe"]}
+"""The same models' text-only checkpoints (their text class: the same linear-attention layers)."""
+
+
 def tensor_parallel_problem(config: Any) -> str | None:
-    """Why a multimodal checkpoint cannot train under tensor parallelism, or None."""
+    """Why a multimodal checkpoint (or the text model of one in ``TEXT_TP_FAILS``) cannot train
+    under tensor parallelism, or None."""
+    model_type = getattr(config, "model_type", None)
     cls = multimodal_class(config)
-    reason = TP_FAILS.get(getattr(config, "model_type", None)) if cls is not None else None
+    if cls is not None:
+        reason, what = TP_FAILS.get(model_type), f"{cls.__name__} (a multimodal checkpoint)"
+    else:
+        reason, what = TEXT_TP_FAILS.get(model_type), f"model_type {model_type!r}"
     if reason is None:
         return None
-    return (f"{cls.__name__} (a multimodal checkpoint) cannot train with tensor_parallel_size > 1: {reason}; "
+    return (f"{what} cannot train with tensor_parallel_size > 1: {reason}; "
             "use FSDP (dp_shard_size) and data parallelism instead")
 
 
