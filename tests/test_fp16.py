@@ -112,7 +112,7 @@ def test_loss_scaler_grows_backs_off_and_stops_at_the_floor():
     state = s.state_dict()
     t = LossScaler(min_scale=2.0)
     t.load_state_dict(state)
-    assert (t.scale, t.good_steps) == (8.0, 0)
+    assert (t.scale, t.good_steps, t.skipped) == (8.0, 0, 1)  # the skip count survives a resume
     assert not t.update(inf, 4) and t.scale == 4.0
     assert not t.update(inf, 5) and t.scale == 2.0
     with pytest.raises(NonFiniteError, match="^step 6: the fp16 gradients overflow even at loss scale 2 "):

@@ -50,7 +50,7 @@ class LossScaler:
         self.good_steps = 0
         """Finite steps since the last change of the scale."""
         self.skipped = 0
-        """Optimizer steps skipped for an overflow (this process's lifetime)."""
+        """Optimizer steps skipped for an overflow (the run's: kept in checkpoints)."""
 
     def unscale_(self, parameters: Iterable[torch.Tensor]) -> None:
         """Multiply every gradient by ``1/scale`` in place (DTensor gradients: their local shards)."""
@@ -81,10 +81,12 @@ class LossScaler:
         return False
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps, "growth_factor": self.growth_factor,
-                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval}
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped,
+                "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue with a saved scale and its count of good steps (the factors given now win)."""
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
+        self.skipped = int(state.get("skipped", 0))  # checkpoints written before it was kept: 0
