@@ -29,7 +29,7 @@ def _resolve(**kwargs):
     args = {n: None for n in _NAMES}
     args.update(device_placement=True, split_batches=arguments.UNSET, gradient_accumulation_steps=1, cpu=False,
                 step_scheduler_with_optimizer=True, fsdp_options=None, tp_options=None, cp_options=None,
-                loss_options=None, compile_options=None, float8_options=None, device=None, timeout_s=None)
+                loss_options=None, compile_options=None, float8_options=None, qat_options=None, device=None, timeout_s=None)
     args.update(kwargs)
     return arguments.resolve(args)
 

@@ -277,3 +277,29 @@ def test_recomputed_quantisers_give_the_same_gradients_and_keep_far_less(options
         assert torch.equal(loss_a, loss_b) and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
     plain = _saved_bytes(model(True, qat=False), 64)  # fp32: the extra is QAT's
     assert (_saved_bytes(model(True), 64) - plain) * 3 < _saved_bytes(model(False), 64) - plain
+
+
+def _facade_qat_loss() -> tuple[int, float]:
+    """``Accelerator(..., qat_options=...)`` on FSDP 2: prepare fake-quantises the model; one step."""
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.parallel.qat import fake_quantized_modules
+
+    acc = Accelerator(ParallelismConfig(dp_shard_size=2), qat_options=INT8_INT4)
+    assert acc.qat_options == INT8_INT4
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = acc.prepare(model, optimizer)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(acc.process_index))
+    loss = model(input_ids=x, labels=x).loss
+    acc.backward(loss)
+    optimizer.step()
+    return len(fake_quantized_modules(model)), loss.item()
+
+
+def test_the_accelerate_facade_takes_qat_options():
+    swapped = run_on_ranks(_facade_qat_loss, 2, timeout_s=300)
+    assert [n for n, _ in swapped] == [2 * 7 + 1] * 2  # every linear and the head, on each rank
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in swapped)

@@ -29,6 +29,7 @@ from ndparallel.parallel.options import (
     Float8Options,
     FSDPOptions,
     LossOptions,
+    QATOptions,
     TPOptions,
 )
 
@@ -50,6 +51,7 @@ class Settings:
     loss_options: LossOptions
     compile_options: CompileOptions
     float8_options: Float8Options
+    qat_options: QATOptions
     dynamo_plugin: TorchDynamoPlugin
     dataloader_config: DataLoaderConfiguration
     project_configuration: ProjectConfiguration
@@ -191,6 +193,7 @@ def resolve(a: dict[str, Any]) -> Settings:
         loss_options=a["loss_options"] or LossOptions(),
         compile_options=a["compile_options"] or dynamo.compile_options(),
         float8_options=a["float8_options"] or Float8Options(),
+        qat_options=a["qat_options"] or QATOptions(),
         dataloader_config=_dataloader_config(a["dataloader_config"], a["split_batches"]),
         project_configuration=_project(a["project_dir"], a["project_config"]), handlers=handlers,
         rng_types=_rng_types(a["rng_types"]), log_with=a["log_with"],

@@ -35,6 +35,7 @@ from ndparallel.parallel.options import (
     Float8Options,
     FSDPOptions,
     LossOptions,
+    QATOptions,
     StrategyOptions,
     TPOptions,
 )
@@ -51,6 +52,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
     strategies' options; ``fsdp_plugin`` / ``parallelism_config.cp_handler`` map onto them),
     ``loss_options`` (the chunked loss, on where exact), ``compile_options`` (regional compile; also
     from ``dynamo_backend``/``dynamo_plugin``), ``float8_options`` (fp8 linears, SM >= 8.9),
+    ``qat_options`` (quantisation-aware training: torchao fake quantisation, ``parallel/qat.py``),
     ``device`` ("cpu"/"cuda"; default cuda when visible) and ``timeout_s`` (collective timeout).
     ``Accelerator(ParallelismConfig(...))`` (the layout as first positional argument) also works.
     ``mixed_precision``: "no" (fp32), "bf16" (bf16 compute, fp32 master weights; gradients reduced
@@ -88,6 +90,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         loss_options: LossOptions | None = None,
         compile_options: CompileOptions | None = None,
         float8_options: Float8Options | None = None,
+        qat_options: QATOptions | None = None,
         device: str | None = None,
         timeout_s: float | None = None,
     ) -> None:
@@ -105,7 +108,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         if s.parallelism_config is None and pc.active_dims == ():
             pc = ParallelismConfig(dp_replicate_size=-1)  # Accelerate: replicas over every process
         options = StrategyOptions(fsdp=s.fsdp_options, tp=s.tp_options, cp=s.cp_options, loss=s.loss_options,
-                                  compile=s.compile_options, float8=s.float8_options, param_dtype=s.param_dtype)
+                                  compile=s.compile_options, float8=s.float8_options, qat=s.qat_options,
+                                  param_dtype=s.param_dtype)
         self.engine = Engine(pc, options, device=s.device, timeout_s=s.timeout_s)
         self.info: DistributedInfo = self.engine.info
         self.parallelism_config = pc.resolve(self.info.world_size)
@@ -163,6 +167,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
     loss_options = property(lambda self: self.engine.options.loss)
     compile_options = property(lambda self: self.engine.options.compile)
     float8_options = property(lambda self: self.engine.options.float8)
+    qat_options = property(lambda self: self.engine.options.qat)
 
     @property
     def mixed_precision(self) -> str:
