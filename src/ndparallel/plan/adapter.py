@@ -46,6 +46,11 @@ def saved_copy_units(model: ModelSpec, tables: tuple[str, ...]) -> tuple[str, ..
     return tuple({"embed": "embed", "head": "final"}[t] for t in tables)
 
 
+def head_copy_trains(model: ModelSpec, tables: tuple[str, ...]) -> bool:
+    """Whether a trained copy of the LM head exists (tied: the one copy is the head too)."""
+    return ("root" if model.tied_embeddings else "final") in saved_copy_units(model, tables)
+
+
 def saved_copy_shard_numel(model: ModelSpec, layout: Layout) -> int:
     """Elements of one trained copy on one rank (FSDP-sharded on the vocab dim; TP is refused)."""
     return math.ceil(model.vocab / layout.fsdp) * model.hidden

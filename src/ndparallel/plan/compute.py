@@ -47,10 +47,10 @@ def model_flops_per_token(model: ModelSpec, seq_len: int, lora_r: int = 0, lora_
     (``lora_saved``; the embedding's is a lookup, no matmul)."""
     trained = model.matmul_params
     if lora_r:
-        from ndparallel.plan.adapter import saved_copy_units, trainable_params
+        from ndparallel.plan.adapter import head_copy_trains, trainable_params
 
         trained = trainable_params(model, lora_r)
-        if ("root" if model.tied_embeddings else "final") in saved_copy_units(model, lora_saved):
+        if head_copy_trains(model, lora_saved):
             trained += model.vocab * model.hidden
     return train_flops_per_token(model.matmul_params, trained, model.layers, model.heads * model.head_dim,
                                  seq_len)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ndparallel.plan.adapter import saved_copy_units
+from ndparallel.plan.adapter import head_copy_trains
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import mlp_tiles
@@ -95,8 +95,7 @@ def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gem
     vocab = -(-model.vocab // layout.tp)
     h = model.hidden
     out += [Gemm("lm_head fwd", all_tokens, vocab, h, 1), Gemm("lm_head dgrad", all_tokens, h, vocab, 1)]
-    head_copy = ("root" if model.tied_embeddings else "final") in saved_copy_units(model, s.lora_saved)
-    if not s.lora_r or head_copy:  # under LoRA the LM head is frozen, unless its copy trains
+    if not s.lora_r or head_copy_trains(model, s.lora_saved):  # under LoRA the LM head is frozen, unless its copy trains
         out.append(Gemm("lm_head wgrad", vocab, h, all_tokens, 1))
     return out
 

@@ -16,6 +16,7 @@ from ndparallel.plan import muon
 from ndparallel.plan.adapter import (
     adapter_layer_local,
     adapter_shard_numel,
+    head_copy_trains,
     saved_copy_shard_numel,
     saved_copy_units,
 )
@@ -212,7 +213,7 @@ def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tup
         layer_grad = adapter_layer_local(model, s.lora_r, layout.tp)
         layer_local += layer_grad
         head_grad = 0
-        if ("root" if model.tied_embeddings else "final") in saved_copy_units(model, s.lora_saved):
+        if head_copy_trains(model, s.lora_saved):
             head_grad = model.vocab * model.hidden  # its trained copy: gathered beside the frozen table
             head_local += head_grad
     buf_a = head_local * cb
