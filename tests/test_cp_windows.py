@@ -43,9 +43,18 @@ def reference(q, k, v, pos, scale, window=None, chunk=None, softcap=None):
     return (q, k, v), out
 
 
-def _rel(got, want) -> float:
-    """Largest error relative to the largest reference value (a window of 1 has zero dQ/dK)."""
-    return ((got.double() - want).abs().max() / want.abs().max().clamp(min=1e-3)).item()
+def _errors(pairs) -> list[float]:
+    """Largest error of each (got, want) pair relative to the largest reference value of that tensor.
+
+    A window of 1 makes dQ and dK exactly zero (a softmax over one key is constant), so their own
+    scale is 0 and the kernel's fp32 residue of the cancelling terms P * (dP - rowsum(dO * O)) is
+    all that is left: such a tensor (zero to fp64 rounding) is measured against the case's scale, the
+    largest reference value of the output and its gradients (dV = dO there), which is the magnitude
+    of the terms that cancel."""
+    wants = [want.abs().max().item() for _, want in pairs]
+    case_scale = max(wants)
+    return [((got.double() - want).abs().max() / (w if w > 1e-9 * case_scale else case_scale)).item()
+            for (got, want), w in zip(pairs, wants)]
 
 
 def _inputs(seq, dv=8, seed=0, batch=3):
@@ -74,8 +83,8 @@ def test_one_device(kernel):
         out = document_causal_attention(*got_in, pos, scale=0.3, kernel=kernel, window=window,
                                         chunk=chunk, softcap=softcap)
         out.backward(dout)
-        for got, want in ((out, ref), *((a.grad, b.grad) for a, b in zip(got_in, ref_in))):
-            err = _rel(got, want)
+        pairs = [(out, ref), *((a.grad, b.grad) for a, b in zip(got_in, ref_in))]
+        for err in _errors(pairs):
             assert err <= TOL, (window, chunk, softcap, dv, err)
 
 
@@ -97,11 +106,10 @@ def _cp_errors(strategy):
                                              scale=0.3, position_ids=shard_for_cp(pos, 1, rank, cp, lb),
                                              window=window, chunk=chunk, softcap=softcap)
             out.backward(shard_for_cp(dout, 2, rank, cp, lb))
-            for got, want in ((out.detach(), ref), *((a.grad, b.grad) for a, b in zip(local, ref_in))):
-                full = unshard_from_cp(got.contiguous(), 2, dist.group.WORLD, lb).double()
-                err = _rel(full, want)
-                key = (window, chunk, softcap, dv, lb)
-                worst[key] = max(worst.get(key, 0.0), err)
+            pairs = [(unshard_from_cp(got.contiguous(), 2, dist.group.WORLD, lb), want)
+                     for got, want in ((out.detach(), ref), *((a.grad, b.grad) for a, b in zip(local, ref_in)))]
+            key = (window, chunk, softcap, dv, lb)
+            worst[key] = max(worst.get(key, 0.0), *_errors(pairs))
     return worst
 
 
