@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/ensure_env.sh
 PY=${PYTHON:-python3}
-exec "$PY" -m pytest -q "$@"
+# --durations=30: the slowest tests close every run (CI's log included); the budget and the
+# before/after table are in docs/testing.md, the full breakdown is `python bench/test_time.py --run`.
+exec "$PY" -m pytest -q --durations=30 "$@"

@@ -178,6 +178,7 @@ def test_custom_instruction_format_end_to_end(local, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # a real multi-rank launch, 40-95 s on 2 cores: over the 120 s default budget
 def test_seed_config_trains_to_the_end_on_cpu_ranks(local):
     """The Llama seed config, only base_model / dataset path / output_dir changed; for the CPU:
     dp_shard_size 4 -> 2 (8 ranks instead of 16) and sequence_len 2048 -> 256."""

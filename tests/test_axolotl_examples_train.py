@@ -63,6 +63,7 @@ def tiny_qwen3_dir(path: Path) -> Path:
 
 
 @pytest.mark.slow  # Liger -> torch.compile: inductor compiles the decoder layers on CPU (~1.5 min)
+@pytest.mark.timeout(300)  # a real multi-rank launch, 40-95 s on 2 cores: over the 120 s default budget
 def test_fsdp_chat_template_packing_liger_full_finetune(tmp_path):
     model = tiny_llama_dir(tmp_path / "llama")
     data = tmp_path / "finetome"
@@ -180,6 +181,7 @@ ALPACA_RUNS = {  # example -> extra --set overrides (each example's alpaca datas
 }
 
 
+@pytest.mark.timeout(300)  # a real multi-rank launch, 40-95 s on 2 cores: over the 120 s default budget
 @pytest.mark.parametrize("example", sorted(ALPACA_RUNS))
 def test_more_alpaca_examples_train_to_the_end(example, tmp_path):
     """QAT, LoRA with modules_to_save and deduplication, sequential packing, QLoRA and fp16: each

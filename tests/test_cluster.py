@@ -102,6 +102,7 @@ def _wait_for_step(proc: subprocess.Popen, out: Path, step: int) -> None:
     pytest.fail(f"step {step} was not logged within {WAIT_S} s")
 
 
+@pytest.mark.timeout(300)  # a real multi-rank launch, 40-95 s on 2 cores: over the 120 s default budget
 def test_sigterm_to_launcher_checkpoints_agreed_step_and_resumes_exactly(work):
     root, reference = work
     cfg, out = _config(root, "preempted"), root / "preempted"
@@ -177,6 +178,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.timeout(300)  # a real multi-rank launch, 40-95 s on 2 cores: over the 120 s default budget
 def test_two_nodes_of_two_ranks_equal_one_node_of_four(work):
     """Node 0: ``torchrun``; node 1: ``ndparallel launch`` — both torchrun's flags, one c10d
     rendezvous on 127.0.0.1. Asynchronous checkpoints on, every 5 steps."""

@@ -62,6 +62,7 @@ def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+@pytest.mark.timeout(300)  # a real multi-rank launch, 40-95 s on 2 cores: over the 120 s default budget
 def test_stopped_rank_is_the_one_named(tmp_path):
     """Rank 1 of 3 stops itself (SIGSTOP): its peers time out in the next collective and are
     stopped; rank 1 ignores SIGTERM and is killed 30 s later (torch's grace) — it is the one named."""

@@ -51,6 +51,7 @@ def _run(hub_cache: Path, tmp_path: Path, extra: str, *args: str) -> subprocess.
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.timeout(300)  # a real multi-rank launch, 40-95 s on 2 cores: over the 120 s default budget
 def test_the_pinned_revision_is_what_trains(hub_cache, tmp_path):
     main = _run(hub_cache, tmp_path / "main", "", "--dry-run")
     assert main.returncode == 0, main.stderr
