@@ -3,6 +3,7 @@ rank starts (``train``, ``--dry-run``, ``verify``), and the resolved plan ``--dr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -193,20 +194,29 @@ def prepare_data(cfg: TrainConfig):
     """Tokenize and pack every dataset (cached) before any rank starts, so that each data problem
     (a bad record anywhere, a missing column, nothing left after filtering, too little data) ends
     here in one line, and the ranks find everything cached. Returns (tokenizer, splits)."""
-    import datasets
-
     from ndparallel.training.build import build_data, data_cache_dir, load_tokenizer
 
+    with quiet_datasets():
+        try:
+            tokenizer = load_tokenizer(cfg, data_cache_dir(cfg))
+            return tokenizer, build_data(cfg, tokenizer, data_cache_dir(cfg))
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e)) from None
+
+
+@contextlib.contextmanager
+def quiet_datasets():
+    """``datasets``' own error logs off (the one line naming the problem says it) and its progress
+    bars only on a terminal, for the block."""
+    import datasets
+
     level = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error logs: the one line below says it
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     bars_were_off = not datasets.is_progress_bar_enabled()
-    if not sys.stderr.isatty():  # progress bars only on a terminal: logs keep one line per problem
+    if not sys.stderr.isatty():
         datasets.disable_progress_bars()
     try:
-        tokenizer = load_tokenizer(cfg, data_cache_dir(cfg))
-        return tokenizer, build_data(cfg, tokenizer, data_cache_dir(cfg))
-    except (ValueError, OSError) as e:
-        raise ConfigError(str(e)) from None
+        yield
     finally:
         datasets.logging.set_verbosity(level)
         if not bars_were_off:
