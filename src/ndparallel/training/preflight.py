@@ -173,6 +173,11 @@ def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm
     missing = missing_trackers(cfg.trackers())
     if missing:
         raise ConfigError(f"trackers not installed: {'; '.join(missing)} (or turn them off in the config)")
+    from ndparallel.tracking.credentials import tracker_problem
+
+    problem = tracker_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device: cuda, but there is no CUDA GPU here (torch {torch.__version__}, "
                           "torch.cuda.is_available() is False): set device: cpu or auto")
@@ -277,7 +282,9 @@ def run_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
                      "rounded copy of its whole (unsharded) weights for backward, the model's weights again on "
                      "every rank (docs/qat.md): set gradient_checkpointing: true (or "
                      "fsdp_config.activation_checkpointing: true) unless `ndparallel plan --config` says it fits")
-    return notes + cfg._axolotl_notes + compat_notes(cfg, device_type)
+    from ndparallel.tracking.credentials import tracker_notes
+
+    return notes + cfg._axolotl_notes + compat_notes(cfg, device_type) + tracker_notes(cfg)
 
 
 def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
@@ -349,9 +356,13 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
 
     trackers = cfg.trackers()
     if trackers:
+        from ndparallel.tracking.credentials import tracker_problem
+
+        problem = tracker_problem(cfg)
         lines.insert(-1, f"trackers     : metrics.jsonl + {', '.join(trackers)}"
                      + (f" (not installed here: {'; '.join(missing_trackers(trackers))})"
-                        if missing_trackers(trackers) else ""))
+                        if missing_trackers(trackers) else "")
+                     + (f" (train would refuse here: {problem})" if problem else ""))
     return "\n".join(lines)
 
 
