@@ -293,6 +293,10 @@ def local_files(spec: DatasetSpec, where: str) -> tuple[list[str], str]:
     (``ValueError`` when ``type`` names a format the extensions contradict: ``format_conflict``)."""
     path = Path(spec.path).expanduser()
     wanted = spec.ds_type or (spec.type if spec.type in FORMATS else None)
+    if spec.split_name != "train":
+        raise ValueError(f"{where}.split: {spec.split!r}, but local files are one split, train (the whole file): "
+                         f"write split: train (or a slice such as train[:90%]), point path at the {spec.split_name} "
+                         "file, or use val_set_size for a validation part")
     if path.is_dir() and spec.data_files:
         files = [str(path / f) for f in spec.data_files]
         missing = [f for f in spec.data_files if not (path / f).is_file()]

@@ -283,8 +283,9 @@ def run_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
                      "every rank (docs/qat.md): set gradient_checkpointing: true (or "
                      "fsdp_config.activation_checkpointing: true) unless `ndparallel plan --config` says it fits")
     from ndparallel.tracking.credentials import tracker_notes
+    from ndparallel.training.data_notes import data_notes
 
-    return notes + cfg._axolotl_notes + compat_notes(cfg, device_type) + tracker_notes(cfg)
+    return notes + cfg._axolotl_notes + compat_notes(cfg, device_type) + tracker_notes(cfg) + data_notes(cfg)
 
 
 def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
