@@ -101,7 +101,7 @@ def test_layer_class_of_another_model_is_refused(local, capsys):
      "add 1 token(s) new to the vocabulary"),
     ("unknown type", {"set": "datasets.0.type=alpacca"}, "did you mean 'alpaca'"),
     ("missing column", {"records": [{"instruction": "x", "answer": "y"}]}, "column 'output' is not in"),
-    ("bad JSON line after the first MiB", {"bad_line_at": 1 << 21}, "could not be read as json"),
+    ("bad JSON line after the first MiB", {"bad_line_at": 1 << 21}, "not valid JSON"),
     ("a null output in a record", {"records": [*alpaca_records(5), {"instruction": "x", "output": None}]},
      "datasets[0] row 5: column 'output' is missing or null"),
     ("unknown chat template", {"records": [{"messages": [{"role": "user", "content": "hi"}]}],

@@ -173,8 +173,19 @@ def load_text_dataset(spec: DatasetSpec | Mapping[str, Any] | str, cache_dir: st
     if spec.text_field not in ds.column_names:
         raise ValueError(f"{where}.text_field: column {spec.text_field!r} not in {spec.path!r}; available columns: "
                          f"{ds.column_names}. Set text_field to one of them")
+    check_text_column(ds, spec, where)
     ds = ds.select_columns([spec.text_field])
     return ds.rename_column(spec.text_field, "text") if spec.text_field != "text" else ds
+
+
+def check_text_column(ds: datasets.Dataset, spec: DatasetSpec, where: str) -> None:
+    """``ValueError`` naming the file and line of the first record whose raw text is not a string."""
+    from .lines import text_column_problem
+
+    files, fmt = local_files(spec, where) if os.path.exists(spec.path) else (None, None)
+    problem = text_column_problem(ds, spec, files, fmt, where)
+    if problem:
+        raise ValueError(problem)
 
 
 def load_text_datasets(specs: Iterable[DatasetSpec | Mapping[str, Any] | str],
@@ -244,15 +255,56 @@ def _format_of(path: str) -> str | None:
     return next((fmt for fmt, exts in FORMATS.items() if p.endswith(exts)), None)
 
 
+RECORD_EXTENSIONS = (".arrow",)
+"""Record files ndparallel does not read, named so that a plain-text ``type`` cannot take them."""
+
+
+def format_conflict(spec: DatasetSpec, file: str, where: str) -> str | None:
+    """Why ``spec`` would read ``file`` as a format its extension contradicts (``type`` spelled as a
+    file format: ``text``, ``json``, ``parquet``, ``csv``), or None. ``ds_type`` is the explicit
+    file format (Axolotl's) and is believed; the line parse then finds a file that is not it."""
+    if spec.type not in FORMATS:
+        return None
+    name = Path(file).name
+    if spec.ds_type is not None:
+        if spec.ds_type == spec.type:
+            return None
+        return (f"{where}: type {spec.type!r} and ds_type {spec.ds_type!r} name two file formats for {name}; "
+                "type is the prompt strategy (type: completion for raw text), ds_type the file format: keep one")
+    ext = _format_of(file) or ("arrow" if name.lower().endswith(RECORD_EXTENSIONS) else None)
+    if ext is None or ext == spec.type:
+        return None
+    if spec.type == "text":
+        return (f"{where}.type: 'text' would read {name} as plain text, but its extension says {ext} records: "
+                "the records' syntax (braces, quotes, keys) would be trained as tokens. Use type: completion (it "
+                "trains the text_field column, default 'text'), or ds_type: text without type if the raw lines "
+                "really are the text")
+    if ext == "text":
+        return (f"{where}.type: {spec.type!r} would read {name} as {spec.type} records, but its extension says "
+                f"plain text: use type: completion (or leave type out) to train the text, or ds_type: "
+                f"{spec.type} if the file really holds {spec.type} records")
+    return (f"{where}.type: {spec.type!r} would read {name} as {spec.type}, but its extension says {ext}: use "
+            f"type: completion (format from the extension), or ds_type: {spec.type} if the file really is "
+            f"{spec.type}")
+
+
 def local_files(spec: DatasetSpec, where: str) -> tuple[list[str], str]:
-    """The files a local ``spec.path`` (a file or a directory) stands for, and their format."""
+    """The files a local ``spec.path`` (a file or a directory) stands for, and their format
+    (``ValueError`` when ``type`` names a format the extensions contradict: ``format_conflict``)."""
     path = Path(spec.path).expanduser()
     wanted = spec.ds_type or (spec.type if spec.type in FORMATS else None)
+    if spec.split_name != "train":
+        raise ValueError(f"{where}.split: {spec.split!r}, but local files are one split, train (the whole file): "
+                         f"write split: train (or a slice such as train[:90%]), point path at the {spec.split_name} "
+                         "file, or use val_set_size for a validation part")
     if path.is_dir() and spec.data_files:
         files = [str(path / f) for f in spec.data_files]
         missing = [f for f in spec.data_files if not (path / f).is_file()]
         if missing:
             raise ValueError(f"{where}.data_files: {missing[0]!r} is not a file under {spec.path!r}")
+        conflict = next(filter(None, (format_conflict(spec, f, where) for f in files)), None)
+        if conflict:
+            raise ValueError(conflict)
         kinds = sorted({wanted or _format_of(f) or "?" for f in files})
         if len(kinds) > 1 or "?" in kinds:
             raise ValueError(f"{where}.data_files: formats {kinds} (from the extensions); set ds_type")
@@ -266,12 +318,20 @@ def local_files(spec: DatasetSpec, where: str) -> tuple[list[str], str]:
                        if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
                        and _format_of(p.name) in usable)
         kinds = sorted({_format_of(f) for f in files})
+        if not files and spec.ds_type is None:
+            others = (str(p) for p in sorted(path.rglob("*")) if p.is_file() and not p.name.startswith("."))
+            conflict = next(filter(None, (format_conflict(spec, f, where) for f in others)), None)
+            if conflict:
+                raise ValueError(conflict)
         if not files:
             raise ValueError(f"{where}.path: directory {spec.path!r} holds no "
                              f"{wanted or '/'.join(FORMATS)} files ({', '.join(sum(FORMATS.values(), ()))})")
         if len(kinds) > 1:
             raise ValueError(f"{where}.path: directory {spec.path!r} mixes formats {kinds}; set type to one of them")
         return files, kinds[0]
+    conflict = format_conflict(spec, str(path), where)
+    if conflict:
+        raise ValueError(conflict)
     fmt = wanted or _format_of(path.name)
     if fmt is None:
         field = "type" if spec.raw else "ds_type"
@@ -291,6 +351,12 @@ def _load_local(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: s
                                      cache_dir=None if cache_dir is None else str(Path(cache_dir) / "datasets"),
                                      **kwargs)
     except Exception as e:  # noqa: BLE001 - a file datasets cannot parse is bad input: one line
+        from .lines import first_bad_line
+        from .prompts import required_columns
+
+        located = first_bad_line(files, fmt, required_columns(spec), spec.text_field if spec.raw else None, where)
+        if located:
+            raise ValueError(located) from None
         cause = e
         while cause.__cause__ is not None or cause.__context__ is not None:
             cause = cause.__cause__ or cause.__context__

@@ -73,6 +73,11 @@ def tokenize_samples(records: datasets.Dataset, spec: DatasetSpec, tokenizer, *,
         else:
             template = resolve_template(tokenizer, chat_template, chat_template_jinja, where)
         chat = ChatRenderer(tokenizer, template, spec, eot_tokens, template_kwargs)
+        from .chat_check import chat_problem
+
+        problem = chat_problem(records, spec, chat.role_names, where)
+        if problem:
+            raise ValueError(problem)
 
     def batch_fn(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "labels": []}

@@ -29,7 +29,7 @@ import numpy as np
 from filelock import FileLock
 
 from .bins import first_fit_decreasing, next_fit
-from .dataset import DatasetSpec, load_records
+from .dataset import DatasetSpec, check_text_column, load_records
 from .encode import tokenize_samples
 from .packing import PackedSplits, build_blocks, split_blocks
 from .prompts import required_columns
@@ -94,6 +94,8 @@ def tokenize_specs(specs: list[DatasetSpec], tokenizer, options: DataOptions, ca
             names = " or ".join(repr(a) for a in missing[0])
             raise ValueError(f"{where}: type {spec.type or 'completion'} needs column {names}; {spec.path!r} has "
                              f"{records.column_names[:10]}")
+        if spec.raw:
+            check_text_column(records, spec, where)
         out.append(tokenize_samples(records, spec, tokenizer, where=where, train_on_inputs=options.train_on_inputs,
                                     chat_template=options.chat_template, eot_tokens=options.eot_tokens,
                                     cache_dir=cache_dir, num_proc=options.num_proc,

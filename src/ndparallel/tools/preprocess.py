@@ -16,6 +16,13 @@ TRAINED, MASKED = "bold green", "dim"
 
 def preprocess(cfg: TrainConfig, show: int | None = None, as_json: bool = False, out: TextIO | None = None) -> int:
     """Run the data pipeline of ``cfg`` (cached); returns the number of samples."""
+    from ndparallel.training.preflight import quiet_datasets
+
+    with quiet_datasets():
+        return _preprocess(cfg, show, as_json, out)
+
+
+def _preprocess(cfg: TrainConfig, show: int | None, as_json: bool, out: TextIO | None) -> int:
     from ndparallel.data.check import check_dataset
     from ndparallel.data.dataset import DatasetSpec
     from ndparallel.data.pipeline import concatenates, prepare_samples, tokenize_specs

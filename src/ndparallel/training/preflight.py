@@ -3,6 +3,7 @@ rank starts (``train``, ``--dry-run``, ``verify``), and the resolved plan ``--dr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -172,6 +173,11 @@ def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm
     missing = missing_trackers(cfg.trackers())
     if missing:
         raise ConfigError(f"trackers not installed: {'; '.join(missing)} (or turn them off in the config)")
+    from ndparallel.tracking.credentials import tracker_problem
+
+    problem = tracker_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device: cuda, but there is no CUDA GPU here (torch {torch.__version__}, "
                           "torch.cuda.is_available() is False): set device: cpu or auto")
@@ -193,20 +199,29 @@ def prepare_data(cfg: TrainConfig):
     """Tokenize and pack every dataset (cached) before any rank starts, so that each data problem
     (a bad record anywhere, a missing column, nothing left after filtering, too little data) ends
     here in one line, and the ranks find everything cached. Returns (tokenizer, splits)."""
-    import datasets
-
     from ndparallel.training.build import build_data, data_cache_dir, load_tokenizer
 
+    with quiet_datasets():
+        try:
+            tokenizer = load_tokenizer(cfg, data_cache_dir(cfg))
+            return tokenizer, build_data(cfg, tokenizer, data_cache_dir(cfg))
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e)) from None
+
+
+@contextlib.contextmanager
+def quiet_datasets():
+    """``datasets``' own error logs off (the one line naming the problem says it) and its progress
+    bars only on a terminal, for the block."""
+    import datasets
+
     level = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error logs: the one line below says it
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     bars_were_off = not datasets.is_progress_bar_enabled()
-    if not sys.stderr.isatty():  # progress bars only on a terminal: logs keep one line per problem
+    if not sys.stderr.isatty():
         datasets.disable_progress_bars()
     try:
-        tokenizer = load_tokenizer(cfg, data_cache_dir(cfg))
-        return tokenizer, build_data(cfg, tokenizer, data_cache_dir(cfg))
-    except (ValueError, OSError) as e:
-        raise ConfigError(str(e)) from None
+        yield
     finally:
         datasets.logging.set_verbosity(level)
         if not bars_were_off:
@@ -267,7 +282,10 @@ def run_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
                      "rounded copy of its whole (unsharded) weights for backward, the model's weights again on "
                      "every rank (docs/qat.md): set gradient_checkpointing: true (or "
                      "fsdp_config.activation_checkpointing: true) unless `ndparallel plan --config` says it fits")
-    return notes + cfg._axolotl_notes + compat_notes(cfg, device_type)
+    from ndparallel.tracking.credentials import tracker_notes
+    from ndparallel.training.data_notes import data_notes
+
+    return notes + cfg._axolotl_notes + compat_notes(cfg, device_type) + tracker_notes(cfg) + data_notes(cfg)
 
 
 def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
@@ -339,9 +357,13 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
 
     trackers = cfg.trackers()
     if trackers:
+        from ndparallel.tracking.credentials import tracker_problem
+
+        problem = tracker_problem(cfg)
         lines.insert(-1, f"trackers     : metrics.jsonl + {', '.join(trackers)}"
                      + (f" (not installed here: {'; '.join(missing_trackers(trackers))})"
-                        if missing_trackers(trackers) else ""))
+                        if missing_trackers(trackers) else "")
+                     + (f" (train would refuse here: {problem})" if problem else ""))
     return "\n".join(lines)
 
 
