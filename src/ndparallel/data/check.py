@@ -14,8 +14,8 @@ line) instead of a traceback on every rank after minutes of start-up:
 The whole dataset is then tokenized before launch too (``training.preflight.prepare_data``): a bad
 record anywhere, or nothing left after filtering, is also found before any rank starts.
 
-Only the head is read (a 10 GB file costs one MiB), so a bad line further down is found when the
-ranks load the file (``dataset._load_local`` turns it into one line too). Compressed files are
+Only the head is read here (a 10 GB file costs one MiB); a bad line further down is found by the
+tokenising pass before launch, which names its file, line and column (``data/lines.py``). Compressed files are
 only checked to exist. A directory: its first ``MAX_FILES`` files are checked.
 """
 
