@@ -139,16 +139,56 @@ def test_run_controls():
     assert eval_every(None, 4, 10) == 2 and eval_every(5, None, 10) == 5 and eval_every(None, None, 10) is None
     stop = EarlyStopping(2)
     assert [stop.should_stop(x) for x in (3.0, 2.0, 2.5, 2.1)] == [False, False, False, True]
-    dog = LossWatchdog(5.0, patience=2)
-    dog.check(1, 6.0)
-    dog.check(2, 4.0)
-    dog.check(3, 6.0)
+    dog = LossWatchdog(5.0, patience=2, action="fail")  # the explicit hard stop
+    assert [dog.check(1, 6.0), dog.check(2, 4.0), dog.check(3, 6.0)] == [None] * 3
     with pytest.raises(NonFiniteError, match="loss_watchdog_threshold=5"):
         dog.check(4, 7.0)
+    dog = LossWatchdog(5.0, patience=2)  # Axolotl's: a warning line, the trainer stops gracefully
+    assert [dog.check(1, 6.0), dog.check(2, 4.0), dog.check(3, 6.0)] == [None] * 3
+    assert "stopping training as Axolotl does" in dog.check(4, 7.0)
     kw = dict(warmup_steps=2, total_steps=10)
     assert cosine_factor(1, **kw, quadratic_warmup=True) == 0.25 and cosine_factor(2, **kw) == 1.0
     assert cosine_factor(10, **kw, min_lr_ratio=0.1) == pytest.approx(0.1)
     assert cosine_factor(8, **kw, min_lr_ratio=0.1, constant_lr_ratio=0.6) == pytest.approx(0.1)  # held
+
+
+def _train_as_the_cli_does(cfg_path: str) -> tuple[int, str]:
+    """``ndparallel train``'s rank function on this rank: its exit code and what it printed."""
+    import contextlib
+    import io
+
+    from ndparallel.cli.commands import _train_on_rank
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = _train_on_rank(load_config(cfg_path), False, True)
+    return code, out.getvalue()
+
+
+def test_loss_watchdog_stops_gracefully_as_axolotl_does(tmp_path, model):
+    """Axolotl's loss_watchdog_threshold ends the run normally: a warning, the final model saved,
+    exit 0 (its callback sets should_training_stop); the note before launch says so.
+    loss_watchdog_action: fail is the hard stop (exit 1, no final model)."""
+    from ndparallel.training.preflight import run_notes
+
+    write_jsonl(tmp_path / "a.jsonl", alpaca_records(24))
+    text = (f"base_model: {model}\ndatasets: [{{path: {tmp_path / 'a.jsonl'}, type: alpaca}}]\n"
+            f"output_dir: {tmp_path / 'out'}\nsequence_len: 128\nmax_steps: 4\nlogging_steps: 1\ndevice: cpu\n"
+            "loss_watchdog_threshold: 0.01\nloss_watchdog_patience: 2\n")  # a tiny model's loss is ~5
+    cfg = _cfg(tmp_path, text)
+    assert any("stops training as Axolotl does" in n for n in run_notes(load_config(cfg)))
+    code, printed = run_on_ranks(_train_as_the_cli_does, 1, str(cfg))[0]
+    assert code == 0 and "warning: step 2: the loss" in printed, printed
+    steps = [json.loads(line).get("step") for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 2 and (tmp_path / "out" / "final" / "model.safetensors").is_file(), steps
+    hard = _cfg(tmp_path, text.replace("/out", "/hard") + "loss_watchdog_action: fail\n")
+    assert any("exits 1 without a final model" in n for n in run_notes(load_config(hard)))
+    from ndparallel.engine.nonfinite import NonFiniteError
+    from ndparallel.testing import RankFailure
+
+    with pytest.raises(RankFailure, match=NonFiniteError.__name__):
+        run_on_ranks(_frozen_run, 1, str(hard))
+    assert not (tmp_path / "hard" / "final").exists()
 
 
 def _frozen_run(cfg_path: str) -> dict:

@@ -198,6 +198,9 @@ class RunControlFields(_Strict):
     loss_watchdog_threshold: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Stop when the training loss stays above this (at loss_watchdog_patience log steps in a row)."""
     loss_watchdog_patience: _int(1) = 3
+    loss_watchdog_action: Literal["stop", "fail"] = "stop"
+    """What the loss watchdog does: ``stop`` ends the run as Axolotl's does (a warning, the final model
+    saved, exit 0); ``fail`` exits 1 at once, nothing more saved (like a diverged run)."""
     cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     """cosine: decay to this fraction of learning_rate instead of 0."""
     cosine_constant_lr_ratio: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)

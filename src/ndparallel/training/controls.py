@@ -38,22 +38,31 @@ class EarlyStopping:
 
 
 class LossWatchdog:
-    """``loss_watchdog_threshold``: stop (like a diverged run: exit 1, nothing more saved) when the
-    logged training loss exceeds the threshold at ``patience`` log steps in a row. It reads the loss
-    the trainer already read at log steps: no extra host synchronisation."""
+    """``loss_watchdog_threshold``: the logged training loss exceeded the threshold at ``patience``
+    log steps in a row. ``action="stop"`` (Axolotl's: its callback sets ``should_training_stop``):
+    ``check`` returns the warning line and the trainer ends the run normally (final model, exit 0);
+    ``"fail"``: ``check`` raises ``NonFiniteError`` (exit 1, nothing more saved). It reads the loss the
+    trainer already read at log steps: no extra host synchronisation."""
 
-    def __init__(self, threshold: float | None, patience: int = 3):
-        self.threshold, self.patience, self.high = threshold, patience, 0
+    def __init__(self, threshold: float | None, patience: int = 3, action: str = "stop"):
+        if action not in ("stop", "fail"):
+            raise ValueError(f"loss_watchdog_action must be 'stop' or 'fail', got {action!r}")
+        self.threshold, self.patience, self.action, self.high = threshold, patience, action, 0
 
-    def check(self, step: int, loss: float) -> None:
+    def check(self, step: int, loss: float) -> str | None:
+        """None while training goes on; the warning line when the run should stop (``stop``)."""
         if self.threshold is None:
-            return
+            return None
         self.high = self.high + 1 if loss > self.threshold else 0
-        if self.high >= self.patience:
-            raise NonFiniteError(f"step {step}: the loss {loss:.4g} stayed above loss_watchdog_threshold="
-                                 f"{self.threshold:g} at {self.high} log steps in a row; training stopped (lower "
-                                 "learning_rate, check the data, or raise the threshold); checkpoints written "
-                                 "before are intact")
+        if self.high < self.patience:
+            return None
+        what = (f"step {step}: the loss {loss:.4g} stayed above loss_watchdog_threshold={self.threshold:g} at "
+                f"{self.high} log steps in a row")
+        if self.action == "fail":
+            raise NonFiniteError(f"{what}; training stopped (lower learning_rate, check the data, or raise the "
+                                 "threshold); checkpoints written before are intact")
+        return (f"{what}: stopping training as Axolotl does (the final model is saved; "
+                "loss_watchdog_action: fail exits 1 instead)")
 
 
 def freeze_except(model: torch.nn.Module, patterns: list[str] | None) -> int:

@@ -276,6 +276,11 @@ def run_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
     if stray:  # Axolotl ignores them too: its archived full fine-tuning configs keep them
         notes.append(f"{', '.join(stray)} set but no adapter: not used, every parameter is trained (full "
                      "fine-tuning, as in Axolotl); add adapter: lora to train LoRA adapters instead")
+    if cfg.loss_watchdog_threshold is not None:
+        notes.append(f"loss_watchdog_threshold {cfg.loss_watchdog_threshold:g}: " + (
+            "stops training as Axolotl does (a warning, the final model saved, exit 0); loss_watchdog_action: "
+            "fail exits 1 without a final model instead" if cfg.loss_watchdog_action == "stop" else
+            "loss_watchdog_action: fail exits 1 without a final model (Axolotl stops gracefully and saves it)"))
     qat = cfg.qat_options()
     if qat.enabled and qat.weight_dtype not in ("mxfp4", "nvfp4") and not cfg.fsdp_config.activation_checkpointing:
         notes.append(f"qat ({qat.weight_dtype} weights) without activation checkpointing: every layer keeps a "

@@ -123,7 +123,8 @@ class Trainer:
                                          cfg.cosine_min_lr_ratio, cfg.cosine_constant_lr_ratio, cfg.lr_quadratic_warmup)
         self.nonfinite = NonFiniteGuard(cfg.on_nonfinite)
         self.scaler = cfg.loss_scaler()  # fp16: dynamic loss scaling (None otherwise)
-        self.watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience)
+        self.watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience,
+                                     cfg.loss_watchdog_action)
         self.early_stopping, self.stopped = EarlyStopping(cfg.early_stopping_patience), False
         self._saved_step: int | None = None
         self.checkpointer = None
@@ -232,7 +233,10 @@ class Trainer:
         self.metrics.write(metrics)
         self.progress.update(step, metrics)
         self.nonfinite.check()
-        self.watchdog.check(step, metrics["loss"])
+        warning = self.watchdog.check(step, metrics["loss"])  # the same global loss on every rank
+        if warning:
+            self.stopped = True
+            engine.print(f"ndparallel train: warning: {warning}")
         return metrics
 
     def maybe_evaluate(self) -> None:
