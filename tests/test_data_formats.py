@@ -124,3 +124,26 @@ def test_locator_names_csv_and_text_lines(tmp_path):
     assert "line 3: not UTF-8 (invalid byte at column 5)" in first_bad_line([str(txt)], "text", [], None, "d")
     good = jsonl(tmp_path / "g.jsonl", n=5)
     assert first_bad_line([str(good)], "json", [("text",)], "text", "d") is None
+
+
+def test_dry_run_says_what_each_dataset_is_read_as(tmp_path, capsys):
+    """--dry-run (no data read, nothing tokenised) names per dataset the format, where that came from,
+    and what trains; a dataset train would refuse is said to be refused; a path not on this machine
+    is described, not refused (the dry run may be for another machine)."""
+    data = jsonl(tmp_path / "t.jsonl")
+    alpaca = tmp_path / "a.jsonl"
+    alpaca.write_text(json.dumps({"instruction": "say hi", "input": "", "output": "hi"}) + "\n")
+    cfg = config(tmp_path, f"{{path: {data}, type: completion}}, {{path: {alpaca}, type: alpaca}}, "
+                           f"{{path: {data}, ds_type: json}}, {{path: {data}, type: text}}, "
+                           f"{{path: {tmp_path / 'elsewhere.parquet'}, type: alpaca}}")
+    code, out, err = run_cli(capsys, "train", cfg, "--dry-run")
+    assert code == 0, err
+    lines = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("dataset ")]
+    assert lines[0] == ("datasets[0]: t.jsonl read as JSON records (from the extension); type completion: raw text, "
+                        "every token trained (column 'text' of records)"), lines
+    assert lines[1] == "datasets[1]: a.jsonl read as JSON records (from the extension); alpaca: prompt masked, response trained"
+    assert lines[2].startswith("datasets[2]: t.jsonl read as JSON records (from ds_type)"), lines
+    assert lines[3].startswith("datasets[3]: refused by train: datasets[3].type: 'text' would read t.jsonl"), lines
+    assert "not on this machine" in lines[4] and "alpaca: prompt masked" in lines[4], lines
+    assert "preprocess CONFIG --show" in lines[5] and len(lines) == 6, lines
+    assert not (tmp_path / "cache").exists()  # nothing read or tokenised

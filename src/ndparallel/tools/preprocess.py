@@ -60,6 +60,10 @@ def _preprocess(cfg: TrainConfig, show: int | None, as_json: bool, out: TextIO |
         print(f"ndparallel preprocess: {summary}", file=sys.stderr)
         return count
     print(f"ndparallel preprocess: {summary}; cached in {cache}", file=out)
+    from ndparallel.data.describe import read_as
+
+    for i, spec in enumerate(specs):
+        print(f"  {read_as(spec, f'datasets[{i}]', bool(cfg.train_on_inputs))}", file=out)
     if show:
         _show(tokenizer, samples[:count], out)
     return count

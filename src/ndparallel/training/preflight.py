@@ -349,6 +349,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         f"({cfg.lr_scheduler}, warmup "
         f"{cfg.warmup_steps if cfg.warmup_ratio is None else f'ratio {cfg.warmup_ratio:g}'})",
         f"data         : {_data_mode(cfg)}",
+        *(f"dataset      : {line}" for line in _datasets_read_as(cfg)),
         f"output       : {cfg.output_dir}",
     ]
     import torch
@@ -417,6 +418,24 @@ def _long_context(cfg: TrainConfig, pc, hf) -> str:
         parts.append(f"activation offloading ({hf.num_hidden_layers} checkpointed layer inputs, "
                      f"{hf.num_hidden_layers * per_layer / 2**30:.2f} GiB of pinned host memory per rank)")
     return ", ".join(parts)
+
+
+def _datasets_read_as(cfg: TrainConfig) -> list[str]:
+    """One line per dataset: the format it is read as and what it trains (``data/describe.py``);
+    the first samples themselves are ``preprocess --show``'s (a dry run tokenises nothing)."""
+    from ndparallel.data.dataset import DatasetSpec
+    from ndparallel.data.describe import read_as
+
+    if cfg.pretraining_dataset is not None or not cfg.datasets:
+        return []
+    lines = []
+    for i, d in enumerate(cfg.datasets):
+        try:
+            lines.append(read_as(DatasetSpec.from_any(d.model_dump(), f"datasets[{i}]"), f"datasets[{i}]",
+                                 bool(cfg.train_on_inputs)))
+        except ValueError as e:
+            lines.append(f"datasets[{i}]: refused by train: {e}")
+    return [*lines, "the first trained samples, masked part marked: ndparallel preprocess CONFIG --show 2"]
 
 
 def _data_mode(cfg: TrainConfig) -> str:
