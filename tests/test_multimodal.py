@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from ndparallel.testing import run_on_ranks
-from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
+from ndparallel.tools.equivalence import TrainSetup, compare, grad_norm_tolerance, train_under_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from axolotl_stand_ins import MULTIMODAL, multimodal_model  # noqa: E402
@@ -41,14 +41,6 @@ def _setup(path: str) -> TrainSetup:
     return TrainSetup(config, steps=2, global_micro_batch=2, seq_len=16, optimizer="sgd", lr=0.1,
                       max_grad_norm=1.0, packed_documents=True, model_dir=path)
 
-
-def grad_norm_tolerance(model_type: str, config) -> float:
-    """1e-5, times sqrt(head_dim) for Gemma 4: its attention (scaling 1 on RMS-normalised q, k)
-    amplifies rounding sqrt(head_dim) times more than 1/sqrt(d) attention (docs/families.md,
-    tests/test_rounding_bounds.py)."""
-    if model_type != "gemma4":
-        return 1e-5
-    return 1e-5 * max(layer.head_dim for layer in config.per_layer_config) ** 0.5
 
 
 def _train_all(setups: dict, layout: dict | None) -> dict:
@@ -89,7 +81,7 @@ def test_fsdp_tp_cp_equal_one_process(saved):
         for mt, run in runs.items():
             diff = compare(ref[mt], run)
             print(name, mt, diff)
-            norm_tol = grad_norm_tolerance(mt, setups[mt].model_config)
+            norm_tol = grad_norm_tolerance(setups[mt].model_config)
             assert diff["loss_rel"] < 1e-5 and diff["grad_norm_rel"] < norm_tol and diff["param_abs"] < 1e-6, (name, mt, diff)
     assert {"gemma4"} <= set(fsdp) & set(cp)
     # the towers got no gradient: they end as loaded

@@ -254,8 +254,10 @@ def train_documents_separately(setup: TrainSetup) -> TrainResult:
     return TrainResult(losses, norms, full_parameters(model))
 
 
-def compare(reference: TrainResult, other: TrainResult) -> dict[str, float]:
-    """Largest relative loss / grad-norm difference and largest absolute parameter difference."""
+def compare(reference: TrainResult, other: TrainResult) -> dict[str, float | str]:
+    """Largest relative loss / grad-norm difference, largest absolute parameter difference, and
+    the largest relative parameter difference (``param_rel``: max |diff| / max |reference| of a
+    tensor) with the tensor it is in (``param_rel_tensor``)."""
     def rel(a, b):
         if len(a) != len(b) or not a:
             raise AssertionError(f"the runs have {len(a)} and {len(b)} steps: nothing to compare step by step")
@@ -274,7 +276,41 @@ def compare(reference: TrainResult, other: TrainResult) -> dict[str, float]:
         out["param_abs"] = max(
             (reference.params[k] - other.params[k]).abs().max().item() for k in reference.params
         )
+        out["param_rel"], out["param_rel_tensor"] = max(
+            (_tensor_rel(reference.params[k], other.params[k]), k) for k in reference.params)
     return out
+
+
+def largest_difference(diff: dict) -> tuple[float, str]:
+    """The largest relative difference of a ``compare`` result and where it is: "loss", "grad norm",
+    "aux loss" or a parameter's name."""
+    where = {"loss_rel": "loss", "grad_norm_rel": "grad norm", "aux_rel": "aux loss"}
+    candidates = [(diff[k], name) for k, name in where.items() if k in diff]
+    if "param_rel" in diff:
+        candidates.append((diff["param_rel"], diff["param_rel_tensor"]))
+    return max(candidates)
+
+
+def _tensor_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |a| (0 for equal tensors; inf where a is 0 and b is not)."""
+    d = (a - b).abs().max().item() if a.numel() else 0.0
+    scale = a.abs().max().item() if a.numel() else 0.0
+    return 0.0 if d == 0 else d / scale if scale else math.inf
+
+
+UNIT_SCALED_QK_NORM = ("gemma4_text",)
+"""Families whose attention multiplies RMS-normalised q and k with scaling 1 (not 1/sqrt(head_dim))."""
+
+
+def grad_norm_tolerance(config, common: float = 1e-5) -> float:
+    """The relative gradient-norm tolerance of a family: ``common``, times sqrt(head_dim) (the
+    largest of its layers) for ``UNIT_SCALED_QK_NORM`` attention, whose logits reach head_dim and
+    whose rounding is amplified sqrt(head_dim) times more than 1/sqrt(d) attention's
+    (docs/families.md, tests/test_rounding_bounds.py)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "model_type", None) not in UNIT_SCALED_QK_NORM:
+        return common
+    return common * max(layer.head_dim for layer in text.per_layer_config) ** 0.5
 
 
 def _rel(x: float, y: float) -> float:

@@ -11,6 +11,9 @@ What is kept, per family, from the config's own fields (no table of families):
 * a mixture of experts: a dense first layer where the family has one and an MoE layer, ≤ 4 experts
   (or ``ep_size``: as many as the expert-parallel degree needs), ≤ 2 per token;
 * soft-capping, partial rotary dims (rope lists sliced to the new head dim), tied embeddings;
+* per-layer overrides of a heterogeneous config (Gemma 4's full-attention layers: a head dim twice
+  the sliding ones'), shrunk by the same ratio, per layer kind; Gemma 4's per-layer input embeddings
+  at the small width and vocabulary, no KV sharing between the two layers;
 * every divisibility the layout needs (heads, KV heads, widths and vocabulary by ``tp_size``).
 
 Dropout is set to 0 (its random masks differ per layout) and token ids outside the shrunk
@@ -78,8 +81,9 @@ def _experts(c, ep_size: int = 1) -> None:
     for name in ("num_experts", "num_local_experts", "n_routed_experts"):
         if getattr(c, name, None):
             setattr(c, name, min(getattr(c, name), keep))
-    if getattr(c, "num_experts_per_tok", None):
-        c.num_experts_per_tok = min(c.num_experts_per_tok, 2)
+    for name in ("num_experts_per_tok", "top_k_experts"):
+        if getattr(c, name, None):
+            setattr(c, name, min(getattr(c, name), 2))
     for name, value in (("n_group", 1), ("topk_group", 1), ("first_k_dense_replace", 1),
                         ("decoder_sparse_step", 1), ("mlp_only_layers", [])):
         _set(c, name, value)
@@ -133,9 +137,34 @@ def attention_choice(config) -> str:
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 
+def _homogeneous(c):
+    """(``c`` without per-layer overrides, the overrides by layer index): a heterogeneous config
+    (transformers' ``per_layer_config``) refuses reading per-layer fields globally."""
+    spec = c.__dict__.get("_heterogeneity_spec")
+    overrides = dict(spec.per_layer_overrides) if spec is not None else {}
+    if not overrides:
+        return c, {}
+    return type(c)(**{**c.to_dict(), "per_layer_config": {}}), overrides
+
+
+def _shrunk_overrides(overrides: dict, old_types: list, new_types: list, old_dim: int, kv: int) -> dict:
+    """The per-layer overrides for the two shrunk layers: each layer kind keeps its kind's override,
+    a head dim scaled by HEAD_DIM / old_dim, KV heads at the shrunk count."""
+    def shrunk(o: dict) -> dict:
+        return {k: (max(HEAD_DIM, HEAD_DIM * v // old_dim) if k == "head_dim" else kv if k == "num_key_value_heads"
+                    else v) for k, v in o.items()}
+
+    if not old_types or not new_types:
+        return {1: shrunk(next(iter(overrides.values())))}
+    by_kind = {old_types[i]: o for i, o in sorted(overrides.items())}
+    return {i: shrunk(by_kind[t]) for i, t in enumerate(new_types) if by_kind.get(t)}
+
+
 def shrink_model(hf_config, tp_size: int, cp_size: int, ep_size: int = 1) -> ShrunkModel:
     """``hf_config`` shrunk (see the module doc), checked by building it on the meta device."""
     c = copy.deepcopy(hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config)
+    c, overrides = _homogeneous(c)
+    old_types = list(getattr(c, "layer_types", None) or ())
     old_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     heads, kv = _heads(c, tp_size, cp_size)
     c.num_attention_heads = heads
@@ -151,6 +180,12 @@ def shrink_model(hf_config, tp_size: int, cp_size: int, ep_size: int = 1) -> Shr
     _experts(c, ep_size)
     _rope_lists(c, old_dim, HEAD_DIM)
     _clean(c, c.vocab_size, 32 * cp_size)
+    if getattr(c, "hidden_size_per_layer_input", None):  # Gemma 4's per-layer input embeddings
+        c.hidden_size_per_layer_input, c.vocab_size_per_layer_input = HEAD_DIM, c.vocab_size
+    _set(c, "num_kv_shared_layers", 0)  # two layers: no later layer to reuse an earlier one's K/V
+    if overrides:
+        c = type(c)(**{**c.to_dict(), "per_layer_config": _shrunk_overrides(
+            overrides, old_types, list(getattr(c, "layer_types", None) or ()), old_dim, kv)})
     c.use_cache = False
     attn = attention_choice(c)
     c._attn_implementation = attn
