@@ -12,12 +12,8 @@ from typing import Sequence
 
 from ndparallel.cli.args import Parser, at_least, fail
 from ndparallel.training.config import ConfigError, load_config
-from ndparallel.training.preflight import (
-    describe_plan,
-    run_notes,
-    validate_layout,
-    world_size_for,
-)
+from ndparallel.training.plan_text import describe_plan
+from ndparallel.training.preflight import run_notes, validate_layout, world_size_for
 
 INPUT_ERRORS = (ValueError, OSError)
 """Raised on the ranks for bad data, model, checkpoint or output_dir: reported as one line, exit 2

@@ -27,6 +27,7 @@ from filelock import FileLock
 from transformers import PreTrainedTokenizerBase
 
 from .corpus import BUILTIN_STDLIB, stdlib_dataset
+from .lines import COMPRESSION as _COMPRESSION
 from .instruct import USER_DEFINED, InstructFormat
 
 FORMATS: dict[str, tuple[str, ...]] = {
@@ -42,7 +43,6 @@ PROMPT_TYPES = ("alpaca", "chat_template", "input_output", "jeopardy")
 ALPACA_STYLES = ("instruct", "chat", "chatml", "phi")
 """``alpaca:<style>``: Axolotl's Alpaca prompt styles (``prompts.ALPACA_TURNS``)."""
 TYPES = (*RAW_TYPES, *PROMPT_TYPES, *(f"alpaca:{s}" for s in ALPACA_STYLES))
-_COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,21 @@ class DatasetSpec:
 
 
 _NOT_NULL = {"split", "text_field", "sample_by", "roles_to_train", "train_on_eos", "drop_system_message"}
+
+
+def required_columns(spec: DatasetSpec) -> list[tuple[str, ...]]:
+    """Columns a record of ``spec.type`` needs; each entry lists alternatives (any one suffices)."""
+    if spec.raw:
+        return [(spec.text_field,)]
+    if spec.base_type == "alpaca":
+        return [("instruction",), ("output",)]
+    if spec.format is not None:
+        return spec.format.required_columns()
+    if spec.type == "input_output":
+        return [("segments",)]
+    if spec.type == "jeopardy":
+        return [("question",), ("category",), ("answer",)]
+    return [(spec.field_messages,)] if spec.field_messages else [("messages", "conversations")]
 
 
 def check_split(spec: DatasetSpec, where: str) -> None:
@@ -352,7 +367,6 @@ def _load_local(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: s
                                      **kwargs)
     except Exception as e:  # noqa: BLE001 - a file datasets cannot parse is bad input: one line
         from .lines import first_bad_line
-        from .prompts import required_columns
 
         located = first_bad_line(files, fmt, required_columns(spec), spec.text_field if spec.raw else None, where)
         if located:

@@ -17,6 +17,8 @@ from typing import Iterable
 
 Columns = list[tuple[str, ...]]  # needed columns, each as its alternatives
 _JSON_TYPES = {int: "number", float: "number", bool: "boolean", list: "array", str: "string", dict: "object"}
+COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+"""Compressed files: read by the datasets loader, not scanned line by line here."""
 _EXAMPLE = 'each line must be one JSON object, e.g. {"text": "..."}'
 
 
@@ -25,11 +27,9 @@ def first_bad_line(files: Iterable[str], fmt: str, columns: Columns, text_column
     """One line naming ``where``, the file, the line (and column) of the first bad record of
     ``files`` (format ``fmt``), or None when every record looks usable. ``columns``: what each
     record needs; ``text_column``: a column that must hold a string (raw text)."""
-    from .dataset import _COMPRESSION
-
     for name in files:
         file = Path(name)
-        if file.name.lower().endswith(_COMPRESSION) or fmt == "parquet":
+        if file.name.lower().endswith(COMPRESSION) or fmt == "parquet":
             continue
         problem = {"json": _json, "csv": _csv, "text": _text}[fmt](file, columns, text_column)
         if problem:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .dataset import DatasetSpec
+from .dataset import DatasetSpec, required_columns  # noqa: F401 - imported from here by check, pipeline
 from .instruct import render_prompt
 
 Segment = tuple[str, bool]
@@ -58,21 +58,6 @@ class Rendered:
     segments: list[Segment]
     add_special_tokens: bool = True  # the tokenizer's own BOS convention
     append_eos: bool = True  # an eos id after the text, trained when the last segment is
-
-
-def required_columns(spec: DatasetSpec) -> list[tuple[str, ...]]:
-    """Columns a record of ``spec.type`` needs; each entry lists alternatives (any one suffices)."""
-    if spec.raw:
-        return [(spec.text_field,)]
-    if spec.base_type == "alpaca":
-        return [("instruction",), ("output",)]
-    if spec.format is not None:
-        return spec.format.required_columns()
-    if spec.type == "input_output":
-        return [("segments",)]
-    if spec.type == "jeopardy":
-        return [("question",), ("category",), ("answer",)]
-    return [(spec.field_messages,)] if spec.field_messages else [("messages", "conversations")]
 
 
 def render(record: Mapping[str, Any], spec: DatasetSpec, where: str, chat=None) -> Rendered:

@@ -1,0 +1,171 @@
+"""The resolved run as ``ndparallel train --dry-run`` prints it: layout, model, batch, precision,
+speed options, steps, what each dataset is read as, and the notes said before launch."""
+
+from __future__ import annotations
+
+from ndparallel.training.config import TrainConfig
+from ndparallel.training.preflight import run_notes
+
+
+def describe_plan(cfg: TrainConfig, pc, hf) -> str:
+    """The resolved run, as printed by ``--dry-run``."""
+    from ndparallel.training.dry_checks import chunked_loss_state, qat_summary
+    from ndparallel.training.model_check import check_adapter
+    from ndparallel.training.qlora_check import check_quantized_base
+
+    gbs = cfg.micro_batch_size * cfg.gradient_accumulation_steps * pc.dp_size
+    lines = [
+        f"layout       : {pc.describe()}  ({pc!r})",
+        f"model        : {cfg.base_model}{f' @ {cfg.revision_of_model}' if cfg.revision_of_model else ''} "
+        f"({hf.model_type}, {getattr(hf, 'num_hidden_layers', '?')} layers, hidden "
+        f"{getattr(hf, 'hidden_size', '?')}, heads {getattr(hf, 'num_attention_heads', '?')}/"
+        f"{getattr(hf, 'num_key_value_heads', '?')})",
+        f"global batch : {gbs} sequences × {cfg.sequence_len} tokens = {gbs * cfg.sequence_len} tokens/step "
+        f"(micro {cfg.micro_batch_size} × accum {cfg.gradient_accumulation_steps} × dp {pc.dp_size})",
+        f"per rank     : {cfg.micro_batch_size} × {cfg.sequence_len // pc.cp_size} tokens per micro-batch"
+        + (f" (sequence split over cp={pc.cp_size})" if pc.cp_enabled else ""),
+        *_experts_lines(pc, hf),
+        f"fsdp         : {cfg.fsdp_config.model_dump()}",
+        f"precision    : {_precision(cfg)}"
+        + (f", fp8 linears ({cfg.fp8_recipe})" if cfg.fp8 else ""),
+        f"speed        : chunked loss {chunked_loss_state(cfg, hf)}, compile {'on' if cfg.compile else 'off'}"
+        + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
+        *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
+        *([f"quantised    : {check_quantized_base(cfg, hf, pc)}"] if cfg.load_in_4bit else []),
+        *([f"qat          : {qat_summary(cfg)}"] if cfg.qat is not None else []),
+        *([f"tp plan      : {_tp_plan_summary(cfg, hf)}"] if pc.tp_enabled else []),
+        *([f"long context : {_long_context(cfg, pc, hf)}"] if cfg.tiled_mlp or cfg.activation_offloading else []),
+        f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
+        f"({cfg.lr_scheduler}, warmup "
+        f"{cfg.warmup_steps if cfg.warmup_ratio is None else f'ratio {cfg.warmup_ratio:g}'})",
+        f"data         : {_data_mode(cfg)}",
+        *(f"dataset      : {line}" for line in _datasets_read_as(cfg)),
+        f"output       : {cfg.output_dir}",
+    ]
+    import torch
+
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    from ndparallel.training.dry_checks import model_notes
+
+    notes = [n for n in run_notes(cfg, device) if not n.startswith("max_steps")] + model_notes(cfg, hf)
+    lines += [f"note         : {n}" for n in notes]
+    from ndparallel.tracking.run import missing_trackers
+
+    trackers = cfg.trackers()
+    if trackers:
+        from ndparallel.tracking.credentials import tracker_problem
+
+        problem = tracker_problem(cfg)
+        lines.insert(-1, f"trackers     : metrics.jsonl + {', '.join(trackers)}"
+                     + (f" (not installed here: {'; '.join(missing_trackers(trackers))})"
+                        if missing_trackers(trackers) else "")
+                     + (f" (train would refuse here: {problem})" if problem else ""))
+    return "\n".join(lines)
+
+
+def _experts_lines(pc, hf) -> list[str]:
+    """The experts' placement of a mixture-of-experts model (``--dry-run``)."""
+    from ndparallel.models.moe import config_num_experts
+
+    experts = config_num_experts(hf)
+    if experts is None:
+        return []
+    dims = pc.dims
+    top_k = getattr(hf, "num_experts_per_tok", "?")
+    where = (f"split over ep={dims.ep} ({experts // dims.ep} per rank, all-to-all dispatch), FSDP over "
+             f"efsdp={dims.efsdp}" if dims.experts_split(True) else "sharded with the dense layers (FSDP)")
+    aux = getattr(hf, "router_aux_loss_coef", None) if getattr(hf, "output_router_logits", False) else None
+    return [f"experts      : {experts} per MoE layer, top-{top_k}; {where}; load-balancing loss "
+            + (f"× {aux} (global over the micro-batch)" if aux is not None else "off (output_router_logits)")]
+
+
+def _tp_plan_summary(cfg: TrainConfig, hf) -> str:
+    """How many plan entries shard which modules, and the entries that match none (dropped)."""
+    from ndparallel.models.tp_plans import match_plan, resolve_tp_plan, unmatched_keys
+    from ndparallel.training.model_check import meta_model
+
+    model = meta_model(cfg, hf)
+    plan = resolve_tp_plan(model, cfg.tp_plan)
+    dropped = unmatched_keys(model, plan)
+    return (f"{len(plan)} entries ({'tp_plan' if cfg.tp_plan else 'the model' + chr(39) + 's own'}) on "
+            f"{len(match_plan(model, plan, strict=False))} modules"
+            + (f"; matching no module (dropped): {dropped}" if dropped else ""))
+
+
+def _long_context(cfg: TrainConfig, pc, hf) -> str:
+    """The memory options and what they hold per rank (docs/long_context.md)."""
+    import math
+
+    tokens = cfg.micro_batch_size * cfg.sequence_len // pc.cp_size
+    parts, hf = [], hf.get_text_config()
+    if cfg.tiled_mlp:
+        row = cfg.sequence_len // pc.cp_size // (pc.tp_size if cfg.sequence_parallel else 1)
+        tiles = min(row, cfg.tiled_mlp_num_shards or math.ceil(row / hf.hidden_size))
+        parts.append(f"tiled MLP ({tiles} tiles of ≤ {math.ceil(row / tiles)} tokens per row)")
+    if cfg.activation_offloading:
+        per_layer = tokens * hf.hidden_size * (2 if cfg.compute_dtype() is not None else 4)
+        per_layer //= pc.tp_size if cfg.sequence_parallel else 1
+        parts.append(f"activation offloading ({hf.num_hidden_layers} checkpointed layer inputs, "
+                     f"{hf.num_hidden_layers * per_layer / 2**30:.2f} GiB of pinned host memory per rank)")
+    return ", ".join(parts)
+
+
+def _datasets_read_as(cfg: TrainConfig) -> list[str]:
+    """One line per dataset: the format it is read as and what it trains (``data/describe.py``);
+    the first samples themselves are ``preprocess --show``'s (a dry run tokenises nothing)."""
+    from ndparallel.data.dataset import DatasetSpec
+    from ndparallel.data.describe import read_as
+
+    if cfg.pretraining_dataset is not None or not cfg.datasets:
+        return []
+    lines = []
+    for i, d in enumerate(cfg.datasets):
+        try:
+            lines.append(read_as(DatasetSpec.from_any(d.model_dump(), f"datasets[{i}]"), f"datasets[{i}]",
+                                 bool(cfg.train_on_inputs)))
+        except ValueError as e:
+            lines.append(f"datasets[{i}]: refused by train: {e}")
+    return [*lines, "the first trained samples, masked part marked: ndparallel preprocess CONFIG --show 2"]
+
+
+def _data_mode(cfg: TrainConfig) -> str:
+    from ndparallel.data.dataset import DatasetSpec
+    from ndparallel.data.pipeline import concatenates
+
+    if cfg.pretraining_dataset is not None:
+        how = "attention per document" if cfg.sample_packing else "attention across documents"
+        return (f"pretraining_dataset: streamed while training, documents concatenated and cut into "
+                f"{cfg.sequence_len}-token blocks ({how}); every rank reads the stream")
+    specs = [DatasetSpec.from_any(d.model_dump()) for d in cfg.datasets]
+    types = ", ".join(sorted({s.type or "text" for s in specs}))
+    if concatenates(specs, cfg.sample_packing):
+        return f"{types}: documents concatenated and cut into {cfg.sequence_len}-token blocks"
+    how = "packed several per row (attention per sample)" if cfg.sample_packing else "one per row"
+    if cfg.sample_packing and cfg.sample_packing_sequentially:
+        how = how.replace("several per row", "several per row in dataset order")
+    masked = "every token trained" if cfg.train_on_inputs else "prompt tokens masked (-100)"
+    pad = "padded to sequence_len" if cfg.pad_to_sequence_len else "each micro-batch cut after its longest row"
+    order = [*(["exact duplicates dropped"] if cfg.dataset_exact_deduplication else []),
+             "rows in dataset order (curriculum_sampling)" if cfg.curriculum_sampling else "rows shuffled each epoch"]
+    return f"{types}: whole samples, {how}, {masked}, {pad}, {', '.join(order)}"
+
+
+def _steps(cfg: TrainConfig) -> str:
+    if cfg.max_steps is None:
+        return f"{cfg.num_epochs:g} epochs"
+    if "num_epochs" in cfg.model_fields_set:
+        return f"max_steps {cfg.max_steps} (num_epochs {cfg.num_epochs:g} is ignored: max_steps wins)"
+    return f"max_steps {cfg.max_steps}"
+
+
+def _auto(flag: bool | None) -> str:
+    return "auto (on where exact)" if flag is None else ("on" if flag else "off")
+
+
+def _precision(cfg) -> str:
+    name = cfg.compute_dtype_name()
+    if name == "fp16":
+        return (f"fp16 compute, fp32 master weights, dynamic loss scaling (from {cfg.loss_scale_init:g}, x2 after "
+                f"{cfg.loss_scale_growth_interval} finite steps, /2 and the step skipped on an overflow; one host "
+                "read per step)")
+    return "bf16 compute, fp32 master weights" if name == "bf16" else "fp32"
