@@ -125,6 +125,8 @@ def test_tensor_parallel_refused_before_launch_where_it_fails(saved):
     # the text-only checkpoint has the same linear-attention layers (its TP run failed on the ranks)
     with pytest.raises(ValueError, match="model_type 'qwen3_5_text' cannot train with tensor_parallel_size > 1"):
         validate_tensor_parallel(transformers.AutoConfig.for_model("qwen3_5_text"), 2)
+    with pytest.raises(ValueError, match="model_type 'gemma4_text' cannot train with tensor_parallel_size > 1"):
+        validate_tensor_parallel(transformers.AutoConfig.for_model("gemma4_text"), 2)
 
 
 @pytest.mark.slow  # a 2-rank `ndparallel train` subprocess: ~75 s on this machine
