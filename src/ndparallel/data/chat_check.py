@@ -30,8 +30,9 @@ def chat_problem(records, spec, role_names: dict[str, str], where: str) -> str |
                 f"keys: {keys}); set it to the key holding the reasoning text, or remove it")
     mapping = spec.message_property_mappings or {}
     role_key = mapping.get("role") or ("from" if "from" in keys and "role" not in keys else "role")
-    if role_key not in keys:
-        return None  # the tokenising pass names the first message without it
+    content_key = mapping.get("content") or ("value" if "value" in keys and "content" not in keys else "content")
+    if role_key not in keys or content_key not in keys:
+        return None  # malformed messages: the tokenising pass names the first one, row and index
     seen = set(pc.unique(pa.chunked_array([c.flatten().field(role_key) for c in column.chunks],
                                           type=kind.value_type.field(role_key).type)).to_pylist()) - {None}
     roles = sorted({role_names.get(r, r) for r in seen})
