@@ -23,6 +23,7 @@ def forbid_launch(monkeypatch) -> None:
         raise AssertionError(f"ranks were launched: {a}")
 
     monkeypatch.setattr(launch, "relaunch_self", refuse)
+    monkeypatch.setattr(launch, "run_here", refuse)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)

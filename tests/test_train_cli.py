@@ -118,3 +118,36 @@ def test_resume_policy_after_an_elastic_restart():
     assert resume_policy(None, {"TORCHELASTIC_RESTART_COUNT": "0"}) is None
     assert resume_policy(None, {"TORCHELASTIC_RESTART_COUNT": "1"}) == "auto"
     assert resume_policy("ckpt/checkpoint-4", {"TORCHELASTIC_RESTART_COUNT": "1"}) == "ckpt/checkpoint-4"
+
+
+def test_one_rank_train_runs_in_this_process_without_an_agent(tmp_path, capsys, monkeypatch):
+    """World size 1, no restarts: no elastic agent, no second interpreter; the run and its model
+    are those of a launched one, and the rank variables of the caller are left as they were."""
+    import ndparallel.runtime.launch as launch
+
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("the elastic agent was started"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    cfg = _yaml(tmp_path, f"base_model: tiny-llama\nmax_steps: 2\noutput_dir: {out}\nsequence_len: 32\n"
+                          f"dataset_cache_dir: {tmp_path / 'cache'}\n")
+    code, stdout, err = run_cli(capsys, "train", cfg)
+    assert code == 0, err[-3000:]
+    assert "step 2: loss" in stdout and (out / "final" / "config.json").exists()
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # its one-rank group is gone with it
+
+
+def test_one_rank_train_preempted_before_its_loop_exits_75(monkeypatch):
+    import signal
+
+    from ndparallel.runtime.launch import run_here
+    from ndparallel.runtime.preemption import PREEMPTED_EXIT
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped:
+        run_here(lambda: os.kill(os.getpid(), signal.SIGTERM) or 0)
+    assert stopped.value.code == PREEMPTED_EXIT
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert run_here(lambda: 3) == 3

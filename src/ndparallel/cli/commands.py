@@ -72,6 +72,10 @@ def run_train(argv: Sequence[str]) -> int:
 
         for note in run_notes(cfg) + model_notes(cfg, hf):
             print(f"ndparallel train: note: {note}")
+        if world == 1 and cfg.max_restarts == 0:  # nothing to restart, no peers: no agent either
+            from ndparallel.runtime.launch import run_here
+
+            return run_here(lambda: _train_on_rank(cfg, args.profile_comm, main_rank=True, alone=True))
         inner = ["train", *([args.config] if args.config else []), *(f"--set={s}" for s in args.set)]
         if args.profile_comm:
             inner.append("--profile-comm")
@@ -80,8 +84,10 @@ def run_train(argv: Sequence[str]) -> int:
     return _train_on_rank(cfg, args.profile_comm, main_rank)
 
 
-def _train_on_rank(cfg, profile_comm: bool, main_rank: bool) -> int:
-    """One rank of ``ndparallel train``: the run, and how it ended as an exit code."""
+def _train_on_rank(cfg, profile_comm: bool, main_rank: bool, alone: bool = False) -> int:
+    """One rank of ``ndparallel train``: the run, and how it ended as an exit code. ``alone``: the
+    only rank, in the command's own process (``run_here``): a failure returns its code (no peer can
+    be waiting in a collective, so its one-rank group is destroyed safely)."""
     import sys
 
     from ndparallel.engine.nonfinite import NonFiniteError
@@ -103,17 +109,26 @@ def _train_on_rank(cfg, profile_comm: bool, main_rank: bool) -> int:
         sys.stdout.flush()
         os._exit(INTERRUPTED_EXIT)  # now: not after a background checkpoint write (left without a marker)
     except NonFiniteError as e:  # every rank sees the same global loss / grad norm: exit 1
-        _exit_failed_rank(_rank_error("train", e, exit_code=1))
+        return _failed(_rank_error("train", e, exit_code=1), alone)
     except INPUT_ERRORS as e:
         # Bad data / model / checkpoint / output_dir found on the ranks: non-zero exit on every
         # failing rank (the elastic agent then stops any rank still waiting in a collective); the
         # launcher prints the first failing rank's line once. NDPARALLEL_TRACEBACK=1 shows it.
         if isinstance(e, (TimeoutError, ConnectionError)) or os.environ.get("NDPARALLEL_TRACEBACK") == "1":
             raise  # a machine fault, not an input, or asked for
-        _exit_failed_rank(_rank_error("train", e))
+        return _failed(_rank_error("train", e), alone)
     if main_rank:
         _plot_curves(Path(cfg.output_dir))
     return 0
+
+
+def _failed(code: int, alone: bool) -> int:
+    if not alone:
+        _exit_failed_rank(code)
+    from ndparallel.runtime.distributed import shutdown
+
+    shutdown()
+    return code
 
 
 def _exit_failed_rank(code: int) -> None:

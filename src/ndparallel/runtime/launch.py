@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -217,6 +217,32 @@ def _signalled(sigval) -> int:
           + (" (preempted: run the same command again to resume)" if code == PREEMPTED_EXIT else ""),
           file=sys.stderr)
     return code
+
+
+def run_here(rank_main: Callable[[], int]) -> int:
+    """A one-rank job in this process: no elastic agent, no second interpreter (they cost ~10 s of
+    CPU a launch, the training of a small model under one). The rank's world is this process
+    (``init_distributed`` makes a one-rank group on a local store); its preemption handler, Ctrl-C
+    and one-line input errors are the same as under the launcher, and it cannot outlive one."""
+    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+             if k in os.environ}
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # until the trainer's own watch is up
+        previous = {sig: signal.signal(sig, _preempted_before_training) for sig in PREEMPTION_SIGNALS}
+    try:
+        return rank_main()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        os.environ.update(saved)
+
+
+def _preempted_before_training(signum, frame) -> None:
+    """SIGTERM / SIGUSR1 while no preemption watch is installed (start-up, export): nothing to
+    checkpoint now, so exit ``PREEMPTED_EXIT`` at once, as the launcher would."""
+    os.write(2, f"ndparallel train: {signal.Signals(signum).name} received outside the training loop: "
+                f"exit {PREEMPTED_EXIT} (preempted: run the same command again to resume)\n".encode())
+    raise SystemExit(PREEMPTED_EXIT)
 
 
 def relaunch_self(nproc_per_node: int, module_args: Sequence[str], torchrun_args: Sequence[str] = ()) -> int:
