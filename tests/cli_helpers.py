@@ -27,3 +27,116 @@ def forbid_launch(monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
+
+
+def train_on_forked_ranks(args, cwd=None, env=None, timeout_s: float = 600.0):
+    """``ndparallel train ARGS`` with its ranks forked from this process instead of launched: the
+    command's own checks and notes run here, then each rank runs the rank side of the same command
+    (``RANK``/``WORLD_SIZE`` set, as the launcher sets them), having torch and transformers already
+    imported — ~15 s of CPU less than three fresh interpreters and an elastic agent. For tests of
+    what a run does (configs, data, outputs); the launcher itself is tested with real launches.
+    Returns a ``subprocess.CompletedProcess`` with this command's and every rank's output."""
+    import io
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    import ndparallel.runtime.launch as launch
+    from ndparallel.cli import main
+
+    args = [str(a) for a in args]
+    real_relaunch, old_cwd, old_env = launch.relaunch_self, os.getcwd(), dict(os.environ)
+    saved_fds, saved_streams = (os.dup(1), os.dup(2)), (sys.stdout, sys.stderr)
+    files = [tempfile.TemporaryFile(mode="w+b") for _ in range(2)]
+    sys.stdout.flush(), sys.stderr.flush()
+    for fd, f in zip((1, 2), files):
+        os.dup2(f.fileno(), fd)
+    sys.stdout, sys.stderr = (io.TextIOWrapper(open(fd, "wb", closefd=False), write_through=True) for fd in (1, 2))
+    launch.relaunch_self = lambda n, module_args, torchrun_args=(): _fork_ranks(n, module_args, timeout_s)
+    try:
+        os.environ.update({"HF_HUB_OFFLINE": "1", **(env or {})})
+        if cwd is not None:
+            os.chdir(cwd)
+        code = main(args)
+    finally:
+        launch.relaunch_self = real_relaunch
+        os.chdir(old_cwd)
+        os.environ.clear()
+        os.environ.update(old_env)
+        sys.stdout.flush(), sys.stderr.flush()
+        sys.stdout, sys.stderr = saved_streams
+        for fd, saved in zip((1, 2), saved_fds):
+            os.dup2(saved, fd)
+            os.close(saved)
+    out, err = ((f.seek(0), f.read().decode(errors="replace"), f.close())[1] for f in files)
+    return subprocess.CompletedProcess(["ndparallel", *args], code, out, err)
+
+
+def _fork_ranks(world: int, module_args, timeout_s: float) -> int:
+    """``python -m ndparallel MODULE_ARGS`` as ``world`` forked ranks; the first non-zero exit code
+    (a failed rank's peers get 30 s, then SIGKILL, as the launcher's agent would stop them)."""
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from ndparallel.runtime.multirank import _free_port
+
+    assert not dist.is_initialized(), "fork the ranks from a process without a process group"
+    port, pids = _free_port(), []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            _rank_child(rank, world, port, list(module_args))
+        pids.append(pid)
+    codes: dict[int, int] = {}
+    deadline, first_failure = time.monotonic() + timeout_s, None
+    while len(codes) < world:
+        for pid in pids:
+            if pid in codes:
+                continue
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+                if codes[pid] != 0 and first_failure is None:
+                    first_failure = codes[pid]
+                    deadline = min(deadline, time.monotonic() + 30)
+        if time.monotonic() > deadline:
+            for pid in set(pids) - set(codes):
+                os.kill(pid, signal.SIGKILL)
+                codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            first_failure = first_failure if first_failure is not None else 124  # (timed out)
+        time.sleep(0.05)
+    return first_failure or 0
+
+
+def _rank_child(rank: int, world: int, port: int, module_args) -> None:
+    import os
+    import sys
+    import traceback
+
+    code = 1
+    try:
+        import torch
+
+        from ndparallel.runtime.launch import LAUNCHED_ENV
+        from ndparallel.runtime.multirank import _fresh_tqdm_locks
+
+        torch.set_num_threads(1)  # (forked ranks with several OpenMP threads were seen to hang)
+        _fresh_tqdm_locks()
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          **{LAUNCHED_ENV: "1"})
+        from ndparallel.cli import main
+
+        assert module_args[0] == "train", module_args
+        code = main(module_args)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - a rank's crash is shown, as the launcher shows it
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)

@@ -15,13 +15,12 @@ multimodal QLoRA example, test_multimodal.py.)"""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from axolotl_stand_ins import FIXTURES
+from cli_helpers import train_on_forked_ranks
 from sft_fixtures import alpaca_records, chat_records, llama3_tokenizer, tiny_llama_dir, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,11 +28,8 @@ EXAMPLES = FIXTURES / "examples"
 
 
 def _train(config: Path, cwd: Path, *sets: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    path = os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}
-    args = [sys.executable, "-m", "ndparallel", "train", str(config), "--nproc-per-node", "2",
-            *[a for s in sets for a in ("--set", s)]]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=cwd, env=env)
+    args = ["train", config, "--nproc-per-node", "2", *[a for s in sets for a in ("--set", s)]]
+    proc = train_on_forked_ranks(args, cwd=cwd, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return proc
 
