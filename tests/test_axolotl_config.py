@@ -6,13 +6,10 @@ refused before launch, one problem per line; data problems are found before any 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import forbid_launch, run_cli
+from cli_helpers import forbid_launch, run_cli, train_on_forked_ranks
 from sft_fixtures import alpaca_records, tiny_llama_dir, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,11 +179,8 @@ def test_custom_instruction_format_end_to_end(local, tmp_path, capsys):
 def test_seed_config_trains_to_the_end_on_cpu_ranks(local):
     """The Llama seed config, only base_model / dataset path / output_dir changed; for the CPU:
     dp_shard_size 4 -> 2 (8 ranks instead of 16) and sequence_len 2048 -> 256."""
-    path = os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
-    proc = subprocess.run([sys.executable, "-m", "ndparallel", "train", str(local / "seed.yaml"),
-                           "--set", "dp_shard_size=2", "--set", "sequence_len=256"],
-                          capture_output=True, text=True, timeout=900, cwd=local, env=env)
+    proc = train_on_forked_ranks(["train", local / "seed.yaml", "--set", "dp_shard_size=2",
+                                  "--set", "sequence_len=256"], cwd=local)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = local / "out"
     assert (out / "final" / "model.safetensors").is_file()

@@ -129,14 +129,13 @@ def test_tensor_parallel_refused_before_launch_where_it_fails(saved):
         validate_tensor_parallel(transformers.AutoConfig.for_model("gemma4_text"), 2)
 
 
-@pytest.mark.slow  # a 2-rank `ndparallel train` subprocess: ~75 s on this machine
+@pytest.mark.slow  # a 2-rank `ndparallel train` (ranks forked from pytest)
 def test_axolotl_mistral_medium_text_qlora_trains_on_two_ranks(tmp_path):
     """Axolotl's examples/mistral-medium-3_5/qlora-text.yml as written (paths, sizes and the 8-bit
     optimizer swapped) on a tiny Mistral3ForConditionalGeneration: QLoRA with the multimodal regex on
     FSDP 2 ranks, packed chat data; the adapter loads onto the multimodal class with PEFT and adapts
     the language model only."""
-    import subprocess
-
+    from cli_helpers import train_on_forked_ranks
     from peft import PeftModel
     from sft_fixtures import chat_records, llama3_tokenizer, write_jsonl
 
@@ -152,12 +151,9 @@ def test_axolotl_mistral_medium_text_qlora_trains_on_two_ranks(tmp_path):
     sets = [f"base_model={tmp_path / 'model'}", f"datasets.0.path={tmp_path / 'chat.jsonl'}", "sequence_len=128",
             "max_steps=2", "gradient_accumulation_steps=1", "micro_batch_size=1", "optimizer=adamw_torch",
             "output_dir=out", "nf4_block_size=2", "nf4_scaler_block_size=2"]
-    root = Path(__file__).resolve().parents[1]
-    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root / "src")}
-    args = [sys.executable, "-m", "ndparallel", "train",
-            str(FIXTURES / "examples/mistral-medium-3_5/qlora-text.yml"), "--nproc-per-node", "2",
+    args = ["train", FIXTURES / "examples/mistral-medium-3_5/qlora-text.yml", "--nproc-per-node", "2",
             *[a for s in sets for a in ("--set", s)]]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    proc = train_on_forked_ranks(args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Mistral3ForConditionalGeneration: a multimodal checkpoint" in proc.stdout
     base = transformers.Mistral3ForConditionalGeneration.from_pretrained(tmp_path / "model")
