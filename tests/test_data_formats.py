@@ -145,5 +145,33 @@ def test_dry_run_says_what_each_dataset_is_read_as(tmp_path, capsys):
     assert lines[2].startswith("datasets[2]: t.jsonl read as JSON records (from ds_type)"), lines
     assert lines[3].startswith("datasets[3]: refused by train: datasets[3].type: 'text' would read t.jsonl"), lines
     assert "not on this machine" in lines[4] and "alpaca: prompt masked" in lines[4], lines
-    assert "preprocess CONFIG --show" in lines[5] and len(lines) == 6, lines
+    assert len(lines) == 5, lines
+    assert "more samples : masked part marked: ndparallel preprocess CONFIG --show 4" in out
+    samples = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("first sample ")]
+    assert samples[0] == "datasets[0]: raw text, every token trained", samples
+    assert "the built-in tokenizer of a preset model is trained when the run starts" in samples[1], samples
     assert not (tmp_path / "cache").exists()  # nothing read or tokenised
+
+
+def test_dry_run_shows_the_first_trained_sample_of_each_dataset(tmp_path, capsys):
+    """With the data and the tokenizer on this machine, --dry-run shows each dataset's first sample as
+    train will tokenise it, trained runs in [[ ]]; one record read, nothing cached or written."""
+    from sft_fixtures import chat_records, llama3_tokenizer, write_jsonl
+
+    llama3_tokenizer().save_pretrained(tmp_path / "tok")
+    alpaca = tmp_path / "a.jsonl"
+    alpaca.write_text(json.dumps({"instruction": "say hi", "input": "", "output": "hi there"}) + "\n" + "{broken\n")
+    write_jsonl(tmp_path / "c.jsonl", chat_records(3))
+    cfg = config(tmp_path, f"{{path: {alpaca}, type: alpaca}}, {{path: {tmp_path / 'c.jsonl'}, type: chat_template, "
+                           "chat_template: llama3}, {path: nobody/elsewhere, type: alpaca}",
+                 extra=f"tokenizer: {tmp_path / 'tok'}\nsequence_len: 256\n")
+    code, out, err = run_cli(capsys, "train", cfg, "--dry-run")
+    assert code == 0, err
+    samples = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("first sample ")]
+    assert samples[0].startswith("datasets[0]: ") and "### Instruction:\\nsay hi" in samples[0], samples
+    assert samples[0].endswith("### Response:\\n[[hi there<|end_of_text|>]]"), samples  # the prompt is masked
+    chat = samples[1]
+    assert "<|start_header_id|>user<|end_header_id|>" in chat and chat.count("[[") == chat.count("]]") >= 1, chat
+    assert "<|start_header_id|>user" not in "".join(part.split("]]")[0] for part in chat.split("[[")[1:]), chat
+    assert samples[2] == "datasets[2]: not shown (a Hub dataset: read where it runs)", samples
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()

@@ -39,7 +39,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         f"({cfg.lr_scheduler}, warmup "
         f"{cfg.warmup_steps if cfg.warmup_ratio is None else f'ratio {cfg.warmup_ratio:g}'})",
         f"data         : {_data_mode(cfg)}",
-        *(f"dataset      : {line}" for line in _datasets_read_as(cfg)),
+        *_datasets_read_as(cfg),
         f"output       : {cfg.output_dir}",
     ]
     import torch
@@ -111,21 +111,60 @@ def _long_context(cfg: TrainConfig, pc, hf) -> str:
 
 
 def _datasets_read_as(cfg: TrainConfig) -> list[str]:
-    """One line per dataset: the format it is read as and what it trains (``data/describe.py``);
-    the first samples themselves are ``preprocess --show``'s (a dry run tokenises nothing)."""
+    """Per dataset: the format it is read as and what it trains (``data/describe.py``), then its
+    first trained sample, masked part marked, where its file and the tokenizer are on this machine
+    (``data/first_sample.py``: one record read, nothing cached)."""
     from ndparallel.data.dataset import DatasetSpec
     from ndparallel.data.describe import read_as
 
     if cfg.pretraining_dataset is not None or not cfg.datasets:
         return []
-    lines = []
+    lines, tokenizer = [], _local_tokenizer(cfg)
     for i, d in enumerate(cfg.datasets):
+        where = f"datasets[{i}]"
         try:
-            lines.append(read_as(DatasetSpec.from_any(d.model_dump(), f"datasets[{i}]"), f"datasets[{i}]",
-                                 bool(cfg.train_on_inputs)))
+            spec = DatasetSpec.from_any(d.model_dump(), where)
         except ValueError as e:
-            lines.append(f"datasets[{i}]: refused by train: {e}")
-    return [*lines, "the first trained samples, masked part marked: ndparallel preprocess CONFIG --show 2"]
+            lines.append(f"dataset      : {where}: refused by train: {e}")
+            continue
+        lines.append(f"dataset      : {read_as(spec, where, bool(cfg.train_on_inputs))}")
+        lines.append(f"first sample : {where}: {_first_sample(cfg, spec, where, tokenizer)}")
+    return [*lines, "more samples : masked part marked: ndparallel preprocess CONFIG --show 4"]
+
+
+def _local_tokenizer(cfg: TrainConfig):
+    """The run's tokenizer where it is a local directory (a dry run downloads and trains nothing);
+    else the reason it is not loaded, as a string."""
+    from pathlib import Path
+
+    from ndparallel.models.presets import is_preset
+
+    source = cfg.tokenizer or cfg.base_model
+    if source == cfg.base_model and is_preset(source):
+        return "the built-in tokenizer of a preset model is trained when the run starts"
+    if not Path(str(source)).expanduser().is_dir():
+        return f"the tokenizer ({source}) is not a local directory"
+    from ndparallel.training.build import data_cache_dir, load_tokenizer
+
+    try:
+        return load_tokenizer(cfg, data_cache_dir(cfg))
+    except (ValueError, OSError) as e:
+        return f"the tokenizer does not load: {' '.join(str(e).split())[:200]}"
+
+
+def _first_sample(cfg: TrainConfig, spec, where: str, tokenizer) -> str:
+    from ndparallel.data.first_sample import NotShown, first_sample
+
+    if spec.raw:
+        return "raw text, every token trained"
+    if isinstance(tokenizer, str):
+        return f"not shown here ({tokenizer}; `ndparallel preprocess CONFIG --show 1` where it is)"
+    try:
+        return first_sample(spec, where, tokenizer, cfg.data_options())
+    except NotShown as e:
+        return f"not shown ({e})"
+    except (ValueError, OSError, KeyError, TypeError) as e:  # train refuses or names it: preprocess says how
+        return f"not shown: {' '.join(str(e).split())[:300]}"
 
 
 def _data_mode(cfg: TrainConfig) -> str:
