@@ -56,6 +56,10 @@ class TrainSetup:
     loss_scale: dict | None = None
     """fp16: ``LossScaler`` keyword arguments (default: its defaults); {"init_scale": 1.0,
     "growth_interval": 10**9} turns the scaling off in effect (a negative control)."""
+    dtype: str = "float32"
+    """The model's parameters and compute: "float64" makes a reference that tells which side of a
+    difference between two fp32 runs is wrong (one process; MoE experts then run transformers'
+    eager implementation: grouped_mm has no float64 kernel)."""
     adapter: dict | None = None  # LoRA: ``ndparallel.models.adapters.lora_config`` kwargs (r, alpha, ...)
     quantization: Any = None  # QLoRA: an ``NF4Config``: the base linears NF4 before parallelising
     load: Any = None
@@ -122,7 +126,8 @@ def build_model(setup: TrainSetup):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(setup.seed)
-    model = AutoModelForCausalLM.from_config(setup.model_config).float()
+    extra = {"experts_implementation": "eager"} if setup.dtype == "float64" else {}
+    model = AutoModelForCausalLM.from_config(setup.model_config, **extra).to(getattr(torch, setup.dtype))
     if setup.adapter is not None:  # PEFT's init continues the seeded stream: the same everywhere
         from ndparallel.models.adapters import apply_adapter, lora_config
 
