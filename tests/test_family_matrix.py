@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {  # name in the docs -> transformers config class (its defaults, shrunk)
     "Llama": "LlamaConfig", "Llama 4": "Llama4TextConfig", "Qwen2": "Qwen2Config", "Qwen3": "Qwen3Config",
     "Mistral": "MistralConfig", "Gemma 2": "Gemma2Config", "Gemma 3": "Gemma3TextConfig",
-    "Phi-3": "Phi3Config", "OLMo-2": "Olmo2Config", "Cohere": "CohereConfig", "Cohere 2": "Cohere2Config",
+    "Gemma 4": "Gemma4TextConfig",    "Phi-3": "Phi3Config", "OLMo-2": "Olmo2Config", "Cohere": "CohereConfig", "Cohere 2": "Cohere2Config",
     "GLM": "GlmConfig", "GLM-4": "Glm4Config", "Phi": "PhiConfig", "SmolLM3": "SmolLM3Config",
     "GPT-NeoX": "GPTNeoXConfig", "Falcon": "FalconConfig", "StableLM": "StableLmConfig",
     "Qwen2-MoE": "Qwen2MoeConfig", "Qwen3-MoE": "Qwen3MoeConfig", "Mixtral": "MixtralConfig",
@@ -51,7 +51,14 @@ REASONS = [  # a refusal's one line -> its short name in the docs
     ("shards nothing in its attention", "its TP plan leaves the attention out"),
     ("has no tensor-parallel plan", "no TP plan in transformers"),
     ("AttentionInterface", "its attention bypasses AttentionInterface"),
+    ("mixes the tensor-parallel embedding output", "its forward mixes TP and plain tensors"),
 ]
+FAMILY_SETTINGS = {  # a family trained with other settings than the rest -> (settings, where the docs say why)
+    "Gemma 4": ({"max_grad_norm": 1.0}, "### Gemma 4: why its differences are larger, and the bound"),
+}
+"""Gemma 4 amplifies fp32 rounding in its attention (scaling 1); unclipped at lr 0.1 its step-1
+gradient norm is ~15 and step 2 sees step 1's difference amplified again: clipped at 1.0, as in
+tests/test_multimodal.py, it meets the common tolerances."""
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +100,12 @@ def short_reason(message: str) -> str:
     return next((short for key, short in REASONS if key in message), message)
 
 
-def _setup(model_dir: str, extra: dict) -> TrainSetup:
+def _setup(model_dir: str, extra: dict, family: str | None = None) -> TrainSetup:
     config = transformers.AutoConfig.from_pretrained(model_dir)
     kwargs = {"tp_options": TPOptions(sequence_parallel=True)} if extra.get("sequence_parallel") else {}
     return TrainSetup(config, steps=2, global_micro_batch=2, seq_len=SEQ, optimizer="sgd", lr=0.1,
-                      packed_documents=True, model_dir=model_dir, parallel_kwargs=kwargs)
+                      packed_documents=True, model_dir=model_dir, parallel_kwargs=kwargs,
+                      **FAMILY_SETTINGS.get(family, ({}, ""))[0])
 
 
 def train_families(setups: dict, layout: dict | None) -> dict:
@@ -113,7 +121,7 @@ def train_families(setups: dict, layout: dict | None) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(saved):
-    setups = {name: _setup(path, {}) for name, path in saved.items()}
+    setups = {name: _setup(path, {}, name) for name, path in saved.items()}
     results = run_on_ranks(train_families, 1, setups, None, timeout_s=600)[0]
     failed = {n: r for n, r in results.items() if isinstance(r, str)}
     assert not failed, failed
@@ -130,7 +138,7 @@ def test_tested_families_are_the_matrix():
 def test_layout_on_every_family(layout_name, saved, reference):
     layout, extra = LAYOUTS[layout_name]
     verdicts = {name: prelaunch_verdict(path, layout, extra) for name, path in saved.items()}
-    runnable = {name: _setup(path, extra) for name, path in saved.items() if verdicts[name] is None}
+    runnable = {name: _setup(path, extra, name) for name, path in saved.items() if verdicts[name] is None}
     world = 1
     for v in layout.values():
         world *= v
@@ -143,7 +151,8 @@ def test_layout_on_every_family(layout_name, saved, reference):
         diff = compare(reference[name], got[name])
         if not (diff["loss_rel"] <= TOL and diff["grad_norm_rel"] <= TOL and diff["param_abs"] <= PARAM_TOL):
             bad[name] = diff
-    assert not bad, f"{layout_name}: cells that launched but differ from one process or failed: {bad}"
+    assert not bad, (f"{layout_name}: cells that launched but differ from one process or failed (a family "
+                     f"needing other settings goes in FAMILY_SETTINGS with the docs' reason): {bad}")
     for name, verdict in verdicts.items():  # refusals are known ones, one line each
         assert verdict is None or short_reason(verdict) != verdict, (name, verdict)
 
@@ -172,6 +181,16 @@ def test_docs_list_the_matrix(saved):
     assert _between(docs, "family-matrix") == table, "docs/families.md is stale; it should read:\n" + table
     line = (f"Tested families ({len(FAMILIES)}): {', '.join(FAMILIES)}; layouts: {', '.join(LAYOUTS)}.\n")
     assert _between((ROOT / "README.md").read_text(), "families") == line, "README is stale:\n" + line
+
+
+def test_every_family_with_its_own_settings_has_its_reason_in_the_docs():
+    """The guard: no family trains under other settings than the rest without the docs deriving why."""
+    docs = (ROOT / "docs" / "families.md").read_text()
+    for family, (settings, heading) in FAMILY_SETTINGS.items():
+        assert family in FAMILIES and settings, family
+        assert heading in docs, (family, heading)
+        section = docs.split(heading, 1)[1].split("\n## ", 1)[0]
+        assert all(str(v) in section for v in settings.values()), (family, settings)
 
 
 def test_refused_cell_is_refused_on_the_ranks_too(saved):
