@@ -125,7 +125,7 @@ def make_nd(cfg, device: torch.device, lr: float, *, chunked: bool, compile_back
 
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.parallel.options import CompileOptions, Float8Options, LossOptions
-    from ndparallel.training.optim import build_optimizer
+    from ndparallel.optim.build import build_optimizer
 
     f8 = Float8Options(enabled=fp8, emulate=emulate_fp8)
     acc = Accelerator(ParallelismConfig(), mixed_precision="bf16", device=device.type,

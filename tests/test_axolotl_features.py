@@ -134,7 +134,7 @@ def test_trackers_missing_packages_are_refused_before_launch(tmp_path, capsys, m
 def test_run_controls():
     from ndparallel.training.controls import EarlyStopping, LossWatchdog, eval_every
     from ndparallel.engine.nonfinite import NonFiniteError
-    from ndparallel.training.optim import cosine_factor
+    from ndparallel.optim.build import cosine_factor
 
     assert eval_every(None, 4, 10) == 2 and eval_every(5, None, 10) == 5 and eval_every(None, None, 10) is None
     stop = EarlyStopping(2)

@@ -16,7 +16,7 @@ MAX_FUNCTION_LINES = 80
 # modules that mirror Accelerate's import paths (``accelerate.parallelism_config``,
 # ``accelerate.utils``); they are listed so their imports are checked like any layer's.
 # (``testing`` only re-exports the runtime's multi-rank runner.)
-LAYERS = ["layout", "parallelism_config", "runtime", "tracking", "models", "parallel", "data", "checkpoint", "plan",
+LAYERS = ["layout", "parallelism_config", "runtime", "optim", "tracking", "models", "parallel", "data", "checkpoint", "plan",
           "engine", "accelerator", "utils", "training", "tools", "cli"]
 
 

@@ -28,7 +28,7 @@ def _train(stock: bool = False, eager: bool = False) -> dict:
     losses, the full parameters and each parameter's state kind."""
     import torch.distributed as dist
 
-    from ndparallel.training.optim import build_optimizer
+    from ndparallel.optim.build import build_optimizer
 
     if eager:
         torch.compiler.set_stance("force_eager")
@@ -118,7 +118,7 @@ def test_embeddings_keep_fp32_states():
     from transformers import AutoModelForCausalLM
 
     from ndparallel.models.presets import preset_config
-    from ndparallel.training.optim import build_optimizer
+    from ndparallel.optim.build import build_optimizer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))

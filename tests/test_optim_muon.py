@@ -55,7 +55,7 @@ def test_split_follows_axolotl():
     """Hidden matrices (and MoE experts, routers) -> Muon with decay; embeddings, head, norms -> AdamW without."""
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.training.optim import build_optimizer
+    from ndparallel.optim.build import build_optimizer
 
     for preset in ("tiny-llama", "tiny-llama-tied", "tiny-qwen3-moe"):
         model = AutoModelForCausalLM.from_config(preset_config(preset))
@@ -74,7 +74,7 @@ def test_split_follows_axolotl():
 
 
 def test_newton_schulz_orthogonalises_each_expert_matrix():
-    from ndparallel.training.optim_muon import newton_schulz
+    from ndparallel.optim.muon import newton_schulz
 
     g = torch.randn(3, 48, 32, generator=torch.Generator().manual_seed(0))
     out = newton_schulz(g, torch.float32)

@@ -18,7 +18,7 @@ def _train_from(dtype, layout):
     from transformers import AutoModelForCausalLM
 
     from ndparallel import Accelerator, ParallelismConfig
-    from ndparallel.training.optim import build_optimizer
+    from ndparallel.optim.build import build_optimizer
     from ndparallel.engine import forward_backward
 
     acc = Accelerator(ParallelismConfig(**layout))

@@ -38,7 +38,7 @@ def test_token_count_is_a_device_tensor_and_an_int_still_works():
 
 
 def test_fused_adamw_only_on_cuda():
-    from ndparallel.training.optim import build_optimizer, fused_supported
+    from ndparallel.optim.build import build_optimizer, fused_supported
 
     p = torch.nn.Parameter(torch.zeros(3))
     assert not fused_supported([p])
@@ -53,7 +53,7 @@ def _fused_vs_default(layout):
         build_model,
         make_global_batches,
     )
-    from ndparallel.training.optim import build_optimizer
+    from ndparallel.optim.build import build_optimizer
     from ndparallel.engine import forward_backward
 
     setup = TrainSetup(preset_config("tiny-llama"), steps=2, global_micro_batch=4, seq_len=16)

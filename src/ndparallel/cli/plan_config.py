@@ -84,7 +84,7 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
 
 def _plan_optimizer(name: str) -> str:
     """The planner's optimizer for a training config's (torchao's low-bit ones by their state size)."""
-    from ndparallel.training.optim_lowbit import TORCHAO
+    from ndparallel.optim.lowbit import TORCHAO
 
     if name in ("sgd", "muon"):
         return name

@@ -1,4 +1,4 @@
-"""The planner's account of ``optimizer: muon`` (``training/optim_muon.py``).
+"""The planner's account of ``optimizer: muon`` (``optim/muon.py``).
 
 States: Muon keeps one fp32 momentum buffer (4 B/param) for the hidden matrices (the ``layer`` and
 ``experts`` FSDP units), AdamW two (8 B/param) for the embedding / LM-head / final-norm units; the

@@ -16,7 +16,7 @@ import torch
 
 from ndparallel.parallel.loss import IGNORE_INDEX
 from ndparallel.parallel.options import StrategyOptions
-from ndparallel.training.optim import build_optimizer
+from ndparallel.optim.build import build_optimizer
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ndparallel.training.optim_lowbit import OPTIMIZER_NAMES
+from ndparallel.optim.lowbit import OPTIMIZER_NAMES
 from ndparallel.training.axolotl_checkpoint import linearized_experts, model_quantization
 from ndparallel.training.axolotl_keys import DATASET, PLUGINS, TOP, Translation, is_empty, short
 from ndparallel.training.axolotl_layout import (

@@ -128,11 +128,11 @@ def train_loader(cfg: TrainConfig, splits, tokenizer, dp_rank: int, dp_size: int
 
 
 def optimizer_for(cfg: TrainConfig, params):
-    from ndparallel.training.optim import build_optimizer
+    from ndparallel.optim.build import build_optimizer
 
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.optimizer == "muon" and not {"adam_beta1", "adam_beta2"} <= cfg.model_fields_set:
-        from ndparallel.training.optim_muon import MUON_BETAS  # Axolotl's, unless both betas are given
+        from ndparallel.optim.muon import MUON_BETAS  # Axolotl's, unless both betas are given
 
         betas = MUON_BETAS
     return build_optimizer(params, cfg.optimizer, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,

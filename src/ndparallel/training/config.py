@@ -43,7 +43,7 @@ from ndparallel.training.config_fields import (
     TrackerFields,
 )
 from ndparallel.training.config_quant import QuantFields
-from ndparallel.training.optim_lowbit import OptimizerName
+from ndparallel.optim.lowbit import OptimizerName
 from ndparallel.training.overrides import apply_override
 
 
@@ -194,7 +194,7 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
     optimizer: OptimizerName = "adamw"
     """adamw_torch_fused: AdamW with torch's fused kernel where every parameter is on CUDA; adamw_8bit
     (adamw_bnb_8bit, paged_adamw_8bit, adamw_torch_8bit), adamw_torch_4bit, ao_adamw_fp8: torchao's
-    low-bit AdamW (training/optim_lowbit.py)."""
+    low-bit AdamW (optim/lowbit.py)."""
     weight_decay: _float(ge=0) = 0.0
     adam_beta1: _float(ge=0, lt=1) = 0.9
     adam_beta2: _float(ge=0, lt=1) = 0.999

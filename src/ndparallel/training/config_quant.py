@@ -157,7 +157,7 @@ class QuantFields(_Strict):
 
 def quant_notes(cfg) -> list[str]:
     """``--dry-run`` notes on the quantisation and low-bit optimizer fields."""
-    from ndparallel.training.optim_lowbit import optimizer_note
+    from ndparallel.optim.lowbit import optimizer_note
 
     notes = []
     if cfg.load_in_4bit:

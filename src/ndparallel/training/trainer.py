@@ -90,7 +90,7 @@ class Trainer:
         schedule."""
         from ndparallel.training.build import train_loader
         from ndparallel.training.controls import EarlyStopping, LossWatchdog, eval_every
-        from ndparallel.training.optim import build_scheduler
+        from ndparallel.optim.build import build_scheduler
 
         cfg = self.cfg
         self.engine = engine = Engine(cfg.parallelism_config(), cfg.strategy_options(),

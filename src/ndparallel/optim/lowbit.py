@@ -60,7 +60,7 @@ def is_low_bit(name: str) -> bool:
 def optimizer_note(name: str) -> str | None:
     """One ``--dry-run`` line for an optimizer name that means something else here, else None."""
     if name == "muon":
-        from ndparallel.training.optim_muon import NOTE
+        from ndparallel.optim.muon import NOTE
 
         return f"optimizer: muon: {NOTE}"
     return f"optimizer: {name}: {NOTES[name]}" if name in NOTES else None

@@ -41,7 +41,7 @@ def build_optimizer(
     given the model (``params`` a module), its token embeddings keep fp32 states there.
     ``muon``: Muon for the hidden matrices, AdamW for the rest (``optim_muon``; needs the model;
     ``options``: ``MuonAdamW``'s keywords)."""
-    from ndparallel.training.optim_lowbit import (
+    from ndparallel.optim.lowbit import (
         ALIASES,
         build_low_bit,
         embedding_groups,
@@ -50,7 +50,7 @@ def build_optimizer(
 
     model = params if isinstance(params, torch.nn.Module) else None
     if name == "muon":
-        from ndparallel.training.optim_muon import build_muon
+        from ndparallel.optim.muon import build_muon
 
         if model is None:
             raise ValueError("optimizer 'muon' needs the model (build_optimizer(model, 'muon')): it sends the "
