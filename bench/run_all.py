@@ -29,6 +29,7 @@ SMALL = {
     "qlora_memory": ["--layers", "2"],
     "long_context": ["--seqs", "512,1024,2048", "--attention-seqs", "4096"],
     "gpu_single": ["--tiny"],
+    "family_differences": ["--layouts", "FSDP 2,CP 2"],
 }
 
 
