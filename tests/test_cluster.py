@@ -28,6 +28,7 @@ from ndparallel.runtime.preemption import PREEMPTED_EXIT
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import ckpt_train  # noqa: E402
+from cli_helpers import train_on_forked_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16
@@ -70,8 +71,10 @@ def _losses(out: Path) -> dict[int, float]:
 
 
 def _train(cfg: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ndparallel", "train", str(cfg), *extra], env=_env(),
-                          capture_output=True, text=True, timeout=WAIT_S)
+    """The same ``ndparallel train`` command, its ranks forked from pytest (what resumes is the
+    ranks' side; the launches above are the real ones)."""
+    return train_on_forked_ranks(["train", cfg, *extra], env={"NDPARALLEL_TIMEOUT": "60", "NDPARALLEL_DEVICE": "cpu"},
+                                 timeout_s=WAIT_S)
 
 
 def _train_in_ranks(config: str) -> None:
@@ -127,7 +130,7 @@ def test_sigterm_to_launcher_checkpoints_agreed_step_and_resumes_exactly(work):
     assert f"preempted (SIGTERM) after step {step}: checkpoint saved to {ckpt}" in stderr
     assert "Traceback" not in stderr, stderr[-3000:]
 
-    resumed = _train(cfg)  # the same command again
+    resumed = _train(cfg)  # the same command again (its ranks forked)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {ckpt} at step {step}" in resumed.stdout
     assert _losses(out) == reference  # exact, every step
