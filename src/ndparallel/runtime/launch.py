@@ -232,6 +232,9 @@ def run_here(rank_main: Callable[[], int]) -> int:
     try:
         return rank_main()
     finally:
+        import gc
+
+        gc.collect()  # the run's cycles (its process group, thread pools) go now, with their threads
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         os.environ.update(saved)
