@@ -169,7 +169,7 @@ def test_loss_watchdog_stops_gracefully_as_axolotl_does(tmp_path, model):
     """Axolotl's loss_watchdog_threshold ends the run normally: a warning, the final model saved,
     exit 0 (its callback sets should_training_stop); the note before launch says so.
     loss_watchdog_action: fail is the hard stop (exit 1, no final model)."""
-    from ndparallel.training.preflight import run_notes
+    from ndparallel.preflight.checks import run_notes
 
     write_jsonl(tmp_path / "a.jsonl", alpaca_records(24))
     text = (f"base_model: {model}\ndatasets: [{{path: {tmp_path / 'a.jsonl'}, type: alpaca}}]\n"
@@ -205,7 +205,7 @@ def test_unfrozen_parameters_under_fsdp2(tmp_path, model):
                          f"output_dir: {tmp_path / 'out'}\ndataset_prepared_path: {tmp_path / 'cache'}\n"
                          "sequence_len: 128\nmax_steps: 2\nlearning_rate: 0.01\ndp_shard_size: 2\ndevice: cpu\n"
                          "unfrozen_parameters: ['^lm_head', 'model\\.layers\\.1\\.mlp']\n")
-    from ndparallel.training.preflight import prepare_data
+    from ndparallel.preflight.checks import prepare_data
 
     prepare_data(load_config(cfg))  # the ranks find the data cached
     run_on_ranks(_frozen_run, 2, str(cfg))
@@ -217,7 +217,7 @@ def test_unfrozen_parameters_under_fsdp2(tmp_path, model):
     assert "lm_head.weight" in changed and "model.layers.1.mlp.up_proj.weight" in changed
     bad = _cfg(tmp_path, cfg.read_text().replace("'^lm_head'", "'^head_of_lm'"))
     with pytest.raises(ConfigError, match="matches no parameter"):
-        from ndparallel.training.preflight import validate_layout
+        from ndparallel.preflight.checks import validate_layout
 
         validate_layout(load_config(bad), 2, check_local=False)
     assert json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1

@@ -59,7 +59,7 @@ def test_refused_without_fp8_hardware():
 
 def test_train_config_fp8_fails_before_launch(tmp_path):
     from ndparallel.training.config import ConfigError, load_config
-    from ndparallel.training.preflight import _check_fp8, validate_layout
+    from ndparallel.preflight.checks import _check_fp8, validate_layout
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")

@@ -58,8 +58,8 @@ def test_router_aux_loss_equals_transformers(name):
 
 def test_yaml_and_prelaunch_checks():
     from ndparallel.training.config import ConfigError, TrainConfig
-    from ndparallel.training.plan_text import describe_plan
-    from ndparallel.training.preflight import validate_layout
+    from ndparallel.preflight.plan_text import describe_plan
+    from ndparallel.preflight.checks import validate_layout
 
     base = {"datasets": [{"path": "builtin:stdlib"}], "sequence_len": 64, "dp_shard_size": 4}
     cfg = TrainConfig.model_validate({**base, "base_model": "tiny-qwen3-moe", "expert_parallel_size": 2})

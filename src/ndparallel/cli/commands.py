@@ -12,8 +12,8 @@ from typing import Sequence
 
 from ndparallel.cli.args import Parser, at_least, fail
 from ndparallel.training.config import ConfigError, load_config
-from ndparallel.training.plan_text import describe_plan
-from ndparallel.training.preflight import run_notes, validate_layout, world_size_for
+from ndparallel.preflight.plan_text import describe_plan
+from ndparallel.preflight.checks import run_notes, validate_layout, world_size_for
 
 INPUT_ERRORS = (ValueError, OSError)
 """Raised on the ranks for bad data, model, checkpoint or output_dir: reported as one line, exit 2
@@ -68,7 +68,7 @@ def run_train(argv: Sequence[str]) -> int:
             problem = _family_check(cfg, pc, hf)
             if problem:
                 return fail("train", problem)
-        from ndparallel.training.dry_checks import model_notes
+        from ndparallel.preflight.dry_checks import model_notes
 
         for note in run_notes(cfg) + model_notes(cfg, hf):
             print(f"ndparallel train: note: {note}")

@@ -58,7 +58,7 @@ def check_train_launch(argv: Sequence[str]) -> str | None:
         return None  # "gpu"/"auto" or an elastic range: the ranks check for themselves
     from ndparallel.cli.commands import check_nodes
     from ndparallel.training.config import ConfigError, load_config
-    from ndparallel.training.preflight import validate_layout
+    from ndparallel.preflight.checks import validate_layout
 
     world = int(nproc) * int(nnodes)
     try:

@@ -30,7 +30,7 @@ def run_simulate(argv: Sequence[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(list(argv))
     from ndparallel.training.config import ConfigError, load_config
-    from ndparallel.training.preflight import validate_layout
+    from ndparallel.preflight.checks import validate_layout
 
     try:
         gpu_mem = _gpu_mem(args.gpu_mem)

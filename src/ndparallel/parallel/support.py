@@ -1,5 +1,5 @@
 """Can this model run under this layout exactly? One answer for the pre-launch checks (a meta-device
-model, ``training/preflight.py``) and for ``parallelize_model`` (the real model, Python API): a
+model, ``preflight/checks.py``) and for ``parallelize_model`` (the real model, Python API): a
 problem is one line naming the degree and what to do instead; None when the layout applies.
 
 What is checked beyond the degrees' arithmetic (``validate_tensor_parallel``,

@@ -20,7 +20,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     reads no weights). Returns (resolved ParallelismConfig, HF model config); raises
     ``ConfigError`` (one line) on the first problem."""
     from ndparallel.layout.config import ParallelismConfigError
-    from ndparallel.training.model_check import (
+    from ndparallel.preflight.model_check import (
         check_adapter,
         check_memory_options,
         check_model,
@@ -35,11 +35,11 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     check_model(cfg, hf, check_weights=check_weights)
     _check_experts(cfg, pc.dims, hf)
     check_adapter(cfg, hf, pc.tp_size, pc.ep_size or 1)
-    from ndparallel.training.qlora_check import check_quantized_base
+    from ndparallel.preflight.qlora_check import check_quantized_base
 
     check_quantized_base(cfg, hf, pc)  # load_in_4bit: torchao, no TP, NF4 shards of whole blocks
     check_memory_options(cfg, hf)
-    from ndparallel.training.dry_checks import check_without_data
+    from ndparallel.preflight.dry_checks import check_without_data
 
     check_without_data(cfg, hf)
     if cfg.missing_data_problem():
@@ -87,7 +87,7 @@ def _check_family_layout(cfg: TrainConfig, pc, hf) -> None:
     if not (pc.tp_enabled or pc.cp_enabled or pc.ep_enabled):
         return
     from ndparallel.parallel.support import layout_problem
-    from ndparallel.training.model_check import meta_model
+    from ndparallel.preflight.model_check import meta_model
 
     tp = cfg.tp_options()
     problem = layout_problem(meta_model(cfg, hf), tp_size=pc.tp_size, cp_size=pc.cp_size,
@@ -288,7 +288,7 @@ def run_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
                      "every rank (docs/qat.md): set gradient_checkpointing: true (or "
                      "fsdp_config.activation_checkpointing: true) unless `ndparallel plan --config` says it fits")
     from ndparallel.tracking.credentials import tracker_notes
-    from ndparallel.training.data_notes import data_notes
+    from ndparallel.preflight.data_notes import data_notes
 
     return notes + cfg._axolotl_notes + compat_notes(cfg, device_type) + tracker_notes(cfg) + data_notes(cfg)
 

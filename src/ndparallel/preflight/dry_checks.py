@@ -31,7 +31,7 @@ def check_without_data(cfg: TrainConfig, hf) -> None:
         raise ConfigError(str(e)) from None
     if cfg.qat is not None:
         from ndparallel.parallel.qat import group_size_problem
-        from ndparallel.training.model_check import meta_model
+        from ndparallel.preflight.model_check import meta_model
 
         problem = group_size_problem(meta_model(cfg, hf), cfg.qat_options())
         if problem:
@@ -44,7 +44,7 @@ def check_without_data(cfg: TrainConfig, hf) -> None:
                               "logits path for this model)")
     if cfg.unfrozen_parameters and cfg.adapter is None:
         from ndparallel.training.controls import unmatched_patterns
-        from ndparallel.training.model_check import meta_model
+        from ndparallel.preflight.model_check import meta_model
 
         names = [n for n, _ in meta_model(cfg, hf).named_parameters()]
         missing = unmatched_patterns(names, cfg.unfrozen_parameters)
@@ -80,7 +80,7 @@ def _check_data_order(cfg: TrainConfig) -> None:
 def chunked_loss_problem(cfg: TrainConfig, hf) -> str | None:
     """Why the chunked loss would not be exact for this model (None: it is)."""
     from ndparallel.models.heads import plain_head_problem
-    from ndparallel.training.model_check import meta_model
+    from ndparallel.preflight.model_check import meta_model
 
     if cfg.qat is not None:
         return "qat fake-quantises the LM head (more than a matmul)"
@@ -113,7 +113,7 @@ def model_notes(cfg: TrainConfig, hf) -> list[str]:
     past the model's positions (rotary / ALiBi: extrapolated), sample packing with token mixers
     other than attention."""
     from ndparallel.models.multimodal import multimodal_class, multimodal_note
-    from ndparallel.training.model_check import beyond_positions, meta_model
+    from ndparallel.preflight.model_check import beyond_positions, meta_model
 
     notes = [multimodal_note(meta_model(cfg, hf))] if multimodal_class(hf) is not None else []
     positions = beyond_positions(cfg, hf)
@@ -129,7 +129,7 @@ def _packing_notes(cfg: TrainConfig, hf) -> list[str]:
         return []
     import torch.nn as nn
 
-    from ndparallel.training.model_check import meta_model
+    from ndparallel.preflight.model_check import meta_model
 
     language = [m for n, m in meta_model(cfg, hf).named_modules() if not _in_tower(n)]
     mixers = sorted({type(m).__name__ for m in language if isinstance(m, nn.Conv1d)})

@@ -4,14 +4,14 @@ speed options, steps, what each dataset is read as, and the notes said before la
 from __future__ import annotations
 
 from ndparallel.training.config import TrainConfig
-from ndparallel.training.preflight import run_notes
+from ndparallel.preflight.checks import run_notes
 
 
 def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     """The resolved run, as printed by ``--dry-run``."""
-    from ndparallel.training.dry_checks import chunked_loss_state, qat_summary
-    from ndparallel.training.model_check import check_adapter
-    from ndparallel.training.qlora_check import check_quantized_base
+    from ndparallel.preflight.dry_checks import chunked_loss_state, qat_summary
+    from ndparallel.preflight.model_check import check_adapter
+    from ndparallel.preflight.qlora_check import check_quantized_base
 
     gbs = cfg.micro_batch_size * cfg.gradient_accumulation_steps * pc.dp_size
     lines = [
@@ -45,7 +45,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
     import torch
 
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    from ndparallel.training.dry_checks import model_notes
+    from ndparallel.preflight.dry_checks import model_notes
 
     notes = [n for n in run_notes(cfg, device) if not n.startswith("max_steps")] + model_notes(cfg, hf)
     lines += [f"note         : {n}" for n in notes]
@@ -82,7 +82,7 @@ def _experts_lines(pc, hf) -> list[str]:
 def _tp_plan_summary(cfg: TrainConfig, hf) -> str:
     """How many plan entries shard which modules, and the entries that match none (dropped)."""
     from ndparallel.models.tp_plans import match_plan, resolve_tp_plan, unmatched_keys
-    from ndparallel.training.model_check import meta_model
+    from ndparallel.preflight.model_check import meta_model
 
     model = meta_model(cfg, hf)
     plan = resolve_tp_plan(model, cfg.tp_plan)

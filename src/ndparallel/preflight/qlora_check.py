@@ -23,7 +23,7 @@ def check_quantized_base(cfg: TrainConfig, hf, pc) -> str | None:
         require_torchao,
     )
     from ndparallel.models.adapters import apply_adapter
-    from ndparallel.training.model_check import meta_model, quiet_transformers
+    from ndparallel.preflight.model_check import meta_model, quiet_transformers
 
     try:
         require_torchao()

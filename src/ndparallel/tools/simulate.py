@@ -50,7 +50,7 @@ class SimulatedTrainer(Trainer):
         from ndparallel.models.attention import attention_kernel
         from ndparallel.models.presets import is_preset
         from ndparallel.training.build import rounded_vocab
-        from ndparallel.training.model_check import resolve_model_config
+        from ndparallel.preflight.model_check import resolve_model_config
 
         cfg, engine = self.cfg, self.engine
         kernel, _ = attention_kernel(cfg.attn_implementation, engine.device.type)
