@@ -119,9 +119,6 @@ def _rank_child(rank: int, world: int, port: int, module_args) -> None:
 
     code = 1
     try:
-        import gc
-
-        gc.freeze()  # the parent's garbage stays uncollected here (see runtime/multirank.py)
         import torch
 
         from ndparallel.runtime.launch import LAUNCHED_ENV

@@ -85,41 +85,6 @@ def test_a_tqdm_lock_held_in_the_parent_at_fork_does_not_hang_the_ranks():
         holder.join(10)
 
 
-class _WaitsOnDelete:
-    """Garbage whose finalizer waits for an event only a thread of the parent would set (as a
-    finished run's process group waits for its gloo threads)."""
-
-    def __init__(self, released):
-        self.released, self.me = released, self  # a cycle: only the garbage collector frees it
-
-    def __del__(self):
-        self.released.wait()
-
-
-def _collect() -> str:
-    import gc
-
-    gc.collect()
-    return "collected"
-
-
-def test_the_parents_garbage_is_not_collected_in_the_ranks():
-    """A forked rank never runs the finalizers of what its parent left for the garbage collector
-    (an in-process run's process group hung a later test's rank in gc.collect())."""
-    import gc
-    import threading
-
-    released = threading.Event()
-    gc.disable()
-    try:
-        _WaitsOnDelete(released)  # uncollected garbage now
-        assert run_on_ranks(_collect, 2, timeout_s=20) == ["collected"] * 2
-    finally:
-        released.set()
-        gc.enable()
-        gc.collect()
-
-
 def test_threads_per_rank():
     assert threads_per_rank(8, cpu_count=2) == 1
     assert threads_per_rank(2, cpu_count=16) == 8

@@ -137,6 +137,18 @@ def test_one_rank_train_runs_in_this_process_without_an_agent(tmp_path, capsys, 
     import torch.distributed as dist
 
     assert not dist.is_initialized()  # its one-rank group is gone with it
+    from ndparallel.testing import run_on_ranks
+
+    # ... and its garbage too: a rank forked later that collected it would wait for the run's gloo
+    # threads forever (fork copies none), as test_bad_inputs' did
+    assert run_on_ranks(_collect_garbage, 1, timeout_s=30) == ["collected"]
+
+
+def _collect_garbage() -> str:
+    import gc
+
+    gc.collect()
+    return "collected"
 
 
 def test_one_rank_train_preempted_before_its_loop_exits_75(monkeypatch):

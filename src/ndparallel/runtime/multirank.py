@@ -1,9 +1,10 @@
 """Run one function on N CPU ranks (gloo), each a forked child, and collect the results.
 
 Forking after ``torch`` and ``transformers`` are imported once in the parent costs ~0.1 s a rank
-instead of ~3-15 s for spawn. Every child freezes the objects it inherited (``gc.freeze``: a parent's
-uncollected process group, collected in a child, waits forever for threads that were not forked)
-and calls ``torch.set_num_threads(1)``: forked children
+instead of ~3-15 s for spawn. The parent must hold no garbage that owns threads (a finished run's
+process group: collected in a child, its finalizer waits forever for threads fork did not copy;
+``runtime.launch.run_here`` collects its run's cycles itself). Every child calls
+``torch.set_num_threads(1)`` first: forked children
 running two OpenMP threads after the parent used threads were seen to hang. tqdm's locks are made
 anew in each child (``_fresh_tqdm_locks``). A rank that raises
 fails the call at once with its rank and traceback; a hard deadline kills every child by PID.
@@ -59,11 +60,6 @@ def _fresh_tqdm_locks() -> None:
 
 def _child(rank: int, world_size: int, port: int, conn, fn, args, kwargs, pg_timeout_s: float, env):
     try:
-        import gc
-
-        # What the parent left for its garbage collector (a finished run's process group, thread
-        # pools) is never collected here: its finalizers would wait for threads a fork does not copy.
-        gc.freeze()
         import torch
 
         torch.set_num_threads(1)
