@@ -16,15 +16,15 @@ import difflib
 import hashlib
 import json
 import os
-import socket
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
-from urllib.parse import urlparse
 
 import datasets
 from filelock import FileLock
 from transformers import PreTrainedTokenizerBase
+
+from ndparallel.runtime.network import reachable
 
 from .corpus import BUILTIN_STDLIB, stdlib_dataset
 from .lines import COMPRESSION as _COMPRESSION
@@ -382,7 +382,7 @@ def _load_local(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: s
 def _load_hub(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: str) -> datasets.Dataset:
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    if not offline and not _reachable(endpoint):  # else datasets retries for ~25 s, then fails
+    if not offline and not reachable(endpoint):  # else datasets retries for ~25 s, then fails
         raise ValueError(f"{where}.path: {spec.path!r} is not a local file and {endpoint} cannot be reached: download "
                          f"it where the Hub is reachable (`huggingface-cli download --repo-type dataset {spec.path} "
                          "--local-dir DIR`) and set path to DIR, or set HF_HUB_OFFLINE=1 to use the local datasets "
@@ -394,13 +394,3 @@ def _load_hub(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: str
     except Exception as e:
         raise ValueError(f"{where}.path: {spec.path!r} is not a local file and could not be loaded from the Hugging "
                          f"Face Hub ({type(e).__name__}: {e}); check the path, or the name/split when online") from e
-
-
-def _reachable(url: str, timeout_s: float = 3.0) -> bool:
-    """A TCP connection to ``url``'s host opens within ``timeout_s`` (one try)."""
-    parsed = urlparse(url)
-    try:
-        with socket.create_connection((parsed.hostname or "", parsed.port or 443), timeout=timeout_s):
-            return True
-    except OSError:
-        return False

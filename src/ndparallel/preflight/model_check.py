@@ -9,11 +9,10 @@ import contextlib
 import difflib
 import os
 import re
-import socket
 import warnings
 from pathlib import Path
-from urllib.parse import urlparse
 
+from ndparallel.runtime.network import reachable
 from ndparallel.training.config import ConfigError, TrainConfig
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -101,17 +100,6 @@ def _hub_config(name: str, trust_remote_code: bool, revision: str | None = None)
         raise ConfigError(f"base_model={name!r} is not a local directory and not in the local Hugging Face "
                           f"cache, and {endpoint} cannot be reached: {fix}")
     return _auto_config(name, name, trust_remote_code, revision=revision)
-
-
-def reachable(url: str, timeout_s: float = 3.0) -> bool:
-    """Whether a TCP connection to ``url``'s host opens within ``timeout_s`` (one try, no retries)."""
-    parsed = urlparse(url)
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    try:
-        with socket.create_connection((parsed.hostname or "", port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import netrc
 import os
-import socket
 from pathlib import Path
 from typing import Mapping
 from urllib.parse import urlparse
+
+from ndparallel.runtime.network import reachable
 
 WANDB_HOST = "https://api.wandb.ai"
 SWANLAB_HOST = "https://api.swanlab.cn"
@@ -58,17 +59,6 @@ def tracker_notes(cfg, env: Mapping[str, str] | None = None) -> list[str]:
 def wandb_mode(cfg, env: Mapping[str, str]) -> str:
     """The mode W&B will run in: the config's, else ``WANDB_MODE``, else online."""
     return cfg.wandb_mode or env.get("WANDB_MODE") or "online"
-
-
-def reachable(url: str, timeout_s: float = 3.0) -> bool:
-    """A TCP connection to ``url``'s host opens within ``timeout_s`` (one try)."""
-    parsed = urlparse(url)
-    port = parsed.port or (80 if parsed.scheme == "http" else 443)
-    try:
-        with socket.create_connection((parsed.hostname or "", port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def _netrc_path(env: Mapping[str, str]) -> str:
