@@ -7,20 +7,21 @@ import pytest
 from ndparallel import ParallelismConfig
 from ndparallel.testing import run_on_ranks
 
-LAYOUTS = [  # (dp_replicate, dp_shard, cp, tp)
-    (1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1), (1, 4, 1, 1),
-    (2, 2, 1, 1), (1, 2, 1, 2), (1, 2, 2, 1), (1, 1, 2, 2), (2, 1, 1, 2), (2, 2, 1, 2),
-    (1, 2, 2, 2), (3, 1, 1, 2),
+LAYOUTS = [  # (pp, dp_replicate, dp_shard, cp, tp)
+    (1, 1, 1, 1, 1), (1, 2, 1, 1, 1), (1, 1, 2, 1, 1), (1, 1, 1, 1, 2), (1, 1, 1, 2, 1), (1, 1, 4, 1, 1),
+    (1, 2, 2, 1, 1), (1, 1, 2, 1, 2), (1, 1, 2, 2, 1), (1, 1, 1, 2, 2), (1, 2, 1, 1, 2), (1, 2, 2, 1, 2),
+    (1, 1, 2, 2, 2), (1, 3, 1, 1, 2),
+    (2, 1, 1, 1, 1), (2, 1, 2, 1, 2), (2, 2, 1, 2, 1),  # pipeline stages outermost
 ]
+NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def _expected_groups(sizes):
-    """Independent reference: rank = row-major index over (dp_replicate, dp_shard, cp, tp)."""
-    names = ("dp_replicate", "dp_shard", "cp", "tp")
+    """Independent reference: rank = row-major index over (pp, dp_replicate, dp_shard, cp, tp)."""
     coords = list(itertools.product(*(range(s) for s in sizes)))
     views = {
-        "dp_replicate": (0,), "dp_shard": (1,), "cp": (2,), "tp": (3,),
-        "dp": (0, 1), "dp_shard_cp": (1, 2), "dp_cp": (0, 1, 2),
+        "pp": (0,), "dp_replicate": (1,), "dp_shard": (2,), "cp": (3,), "tp": (4,),
+        "dp": (1, 2), "dp_shard_cp": (2, 3), "dp_cp": (1, 2, 3),
     }
     out = {}
     for rank, c in enumerate(coords):
@@ -28,9 +29,9 @@ def _expected_groups(sizes):
         for view, dims in views.items():
             out[rank][view] = sorted(
                 r for r, c2 in enumerate(coords)
-                if all(c2[d] == c[d] for d in range(4) if d not in dims)
+                if all(c2[d] == c[d] for d in range(5) if d not in dims)
             )
-        out[rank]["coords"] = dict(zip(names, c))
+        out[rank]["coords"] = dict(zip(NAMES, c))
     return out
 
 
@@ -41,7 +42,7 @@ def _mesh_report():
 
     pc = ParallelismConfig(dp_shard_size=-1, **_mesh_report.kwargs)
     mesh = pc.build_device_mesh("cpu")
-    views = ("dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp")
+    views = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp")
     return {
         "shape": tuple(mesh.mesh.shape),
         "names": mesh.mesh_dim_names,
@@ -52,13 +53,13 @@ def _mesh_report():
 
 
 def _run_layout(sizes):
-    r, s, c, t = sizes
+    p, r, s, c, t = sizes
 
     def fn():
-        _mesh_report.kwargs = dict(dp_replicate_size=r, cp_size=c, tp_size=t)
+        _mesh_report.kwargs = dict(pp_size=p, dp_replicate_size=r, cp_size=c, tp_size=t)
         return _mesh_report()
 
-    return run_on_ranks(fn, r * s * c * t, timeout_s=120)
+    return run_on_ranks(fn, p * r * s * c * t, timeout_s=120)
 
 
 def _check(sizes, reports):
@@ -66,7 +67,7 @@ def _check(sizes, reports):
     for rank, rep in enumerate(reports):
         assert rep["rank"] == rank
         assert rep["shape"] == sizes
-        assert rep["names"] == ("dp_replicate", "dp_shard", "cp", "tp")
+        assert rep["names"] == NAMES
         for view, ranks in rep["groups"].items():
             assert ranks == expected[rank][view], (sizes, rank, view)
         for dim, idx in expected[rank]["coords"].items():
@@ -80,5 +81,5 @@ def test_mesh_groups(sizes):
 
 @pytest.mark.slow
 def test_mesh_groups_full_4d_16_ranks():
-    sizes = (2, 2, 2, 2)
+    sizes = (1, 2, 2, 2, 2)
     _check(sizes, _run_layout(sizes))

@@ -109,4 +109,4 @@ def _one_process_mesh():
 def test_build_mesh_starts_a_one_rank_group_outside_torchrun():
     from ndparallel.testing import run_on_ranks
 
-    assert run_on_ranks(_one_process_mesh, 1)[0] == (1, (1, 1, 1, 1), True)
+    assert run_on_ranks(_one_process_mesh, 1)[0] == (1, (1, 1, 1, 1, 1), True)  # (pp, dp_replicate, dp_shard, cp, tp)

@@ -40,7 +40,7 @@ class Engine:
         self.info: DistributedInfo = init_distributed(device, timeout_s)
         if isinstance(layout, ParallelDims):
             layout = ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard,
-                                       cp_size=layout.cp, tp_size=layout.tp, ep_size=layout.ep)
+                                       cp_size=layout.cp, tp_size=layout.tp, ep_size=layout.ep, pp_size=layout.pp)
         self.dims: ParallelDims = layout.resolve(self.info.world_size).dims
         across = self.dims.tp_across_nodes(int(os.environ.get("LOCAL_WORLD_SIZE", self.info.world_size)))
         if across:  # several nodes (torchrun --nnodes, accelerate launch --num_machines)
@@ -52,6 +52,7 @@ class Engine:
         self._expert_mesh = None
         self._loss_parallel: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._router_aux: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._pipelines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # ----------------------------------------------------------------------- where
     @property
@@ -125,7 +126,55 @@ class Engine:
     def parallelize(self, model: nn.Module, adapter=None) -> nn.Module:
         """Apply the layout's strategies to ``model`` (float8 → TP → CP → AC → compile → FSDP) and
         return it; ``adapter`` (a peft ``LoraConfig``) wraps it with LoRA first. Training needs no
-        KV cache (with one, transformers also skips its packed-document mask): it is switched off."""
+        KV cache (with one, transformers also skips its packed-document mask): it is switched off.
+        Under pipeline parallel the model is cut into stages first, each parallelised on its own
+        and run by the pipeline (``pipeline_of``); the returned ``StageView`` names this rank's
+        stages as the whole model does."""
+        if self.dims.pp_enabled:
+            return self._parallelize_pipeline(model, adapter)
+        return self._parallelize_stage(model, adapter)
+
+    def _parallelize_pipeline(self, model: nn.Module, adapter) -> nn.Module:
+        from ndparallel.models.layers import decoder_module
+        from ndparallel.parallel.pipeline import Pipeline
+        from ndparallel.parallel.pipeline_split import plan_stages
+        from ndparallel.parallel.pipeline_stages import StageView, cut_stages, pipeline_family_problem
+
+        problem = pipeline_family_problem(getattr(model, "config", None))
+        if problem is None and adapter is not None:
+            problem = "pipeline parallel with a LoRA adapter is not supported yet: set pipeline_parallel_size: 1"
+        if problem is None and self.router_aux_spec(model) is not None:
+            problem = ("pipeline parallel with a mixture-of-experts router loss is not supported yet: "
+                       "set pipeline_parallel_size: 1")
+        if problem is None and self.dims.cp_enabled and self.options.cp.comm_strategy == "ring" \
+                and self.info.device_type == "cpu":
+            problem = ("pipeline parallel with ring context parallel crashes gloo (a CPU run): set "
+                       "cp_comm_strategy: allgather (CPOptions(comm_strategy='allgather'))")
+        if problem:
+            raise ValueError(problem)
+        plan = plan_stages(self.options.pipeline, self.dims.pp, len(decoder_module(model).layers))
+        mine = plan.stages_of(self.rank_in("pp"))
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        stages = cut_stages(model, {s: plan.layers[s] for s in mine}, plan.n_stages)
+        stages = {s: self._parallelize_stage(lm, None) for s, lm in stages.items()}
+        view = StageView(stages)
+        self._pipelines[view] = Pipeline(self, plan, stages, tied)
+        return view
+
+    def pipeline_of(self, model: nn.Module):
+        """The ``Pipeline`` running a model this engine cut into stages, else None."""
+        return self._pipelines.get(model)
+
+    def stage_loss(self, lm: nn.Module, batch: Mapping[str, torch.Tensor], num_items) -> torch.Tensor:
+        """The last pipeline stage's loss: ``forward_loss`` of its cut model on the hidden states.
+        The zero-bubble schedules run a backward in two passes (input, then weight gradients),
+        which the chunked loss's single fused backward cannot: they take the logits path."""
+        from ndparallel.parallel.pipeline_split import ZERO_BUBBLE_SCHEDULES, schedule_name
+
+        two_pass = schedule_name(self.options.pipeline.schedule) in ZERO_BUBBLE_SCHEDULES
+        return self._token_loss(lm, batch, num_items, chunked=False if two_pass else None)
+
+    def _parallelize_stage(self, model: nn.Module, adapter) -> nn.Module:
         from ndparallel.models.adapters import apply_adapter, base_model_of
         from ndparallel.parallel.parallelize import parallelize_model
 
@@ -221,10 +270,11 @@ class Engine:
             aux_values.append(value.detach() * aux_weight)
         return loss + (spec.aux_loss_coef * aux_weight) * term.to(loss.dtype)
 
-    def _token_loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor], num_items) -> torch.Tensor:
+    def _token_loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor], num_items,
+                    chunked: bool | None = None) -> torch.Tensor:
         from ndparallel.parallel import lm_loss
 
-        if lm_loss.use_chunked_loss(model, self.options.loss):
+        if chunked is not False and lm_loss.use_chunked_loss(model, self.options.loss):
             from ndparallel.parallel.fsdp import gathered
 
             sp = self.dims.tp_enabled and self.options.tp.sequence_parallel
@@ -245,6 +295,8 @@ class Engine:
         share): the global mean token loss, in place, on every rank."""
         if self.dims.size("dp_cp") > 1:
             dist.all_reduce(loss_sum, group=self.group("dp_cp"))
+        if self.dims.pp_enabled:  # only the last stage has a loss: sent to the other stages
+            dist.all_reduce(loss_sum, group=self.group("pp"))
         return loss_sum
 
     # -------------------------------------------------------------------- batches
@@ -278,12 +330,17 @@ class Engine:
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
-        """Clip to ``max_norm``; returns the true global norm (any layout, any mix of meshes)."""
+        """Clip to ``max_norm``; returns the true global norm (any layout, any mix of meshes; under
+        pipeline parallel over every stage: pass ``Pipeline.norm_parameters()``)."""
         from ndparallel.parallel.grad_norm import clip_grad_norm_
 
-        return clip_grad_norm_(parameters, max_norm, norm_type)
+        return clip_grad_norm_(parameters, max_norm, norm_type, across=self._stage_group(), device=self.device)
 
     def grad_norm(self, parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
         from ndparallel.parallel.grad_norm import total_grad_norm
 
-        return total_grad_norm(parameters, norm_type)
+        return total_grad_norm(parameters, norm_type, across=self._stage_group(), device=self.device)
+
+    def _stage_group(self):
+        """The group whose ranks hold different parameters of one model (the pp group), or None."""
+        return self.group("pp") if self.dims.pp_enabled else None

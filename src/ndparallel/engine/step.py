@@ -51,6 +51,9 @@ def forward_backward(engine, model: torch.nn.Module, micro_batches: Sequence[Map
     from ndparallel.parallel.fsdp import set_gradient_sync
 
     n_items = engine.global_num_items(micro_batches)
+    pipeline = engine.pipeline_of(model)
+    if pipeline is not None:  # the schedule runs every micro-batch through the stages
+        return pipeline.forward_backward(micro_batches, n_items, loss_scale)
     loss_sum = torch.zeros((), device=engine.device)
     try:
         for i, mb in enumerate(micro_batches):
@@ -91,8 +94,12 @@ def train_step(
     params = list(model.parameters())
     if scaler is not None:
         scaler.unscale_(params)
-    norm = (engine.clip_grad_norm_(params, max_grad_norm) if max_grad_norm
-            else engine.grad_norm(params))
+    pipeline = engine.pipeline_of(model)  # pipeline stages: the norm counts a tied weight once
+    norm = engine.grad_norm(pipeline.norm_parameters() if pipeline is not None else params)
+    if max_grad_norm:
+        from ndparallel.parallel.grad_norm import scale_grads_to
+
+        scale_grads_to(params, norm, max_grad_norm)
     engine.reduce_step_loss(loss)
     apply = scaler is None or scaler.update(norm, step)
     seen_norm = norm if apply else torch.zeros((), device=norm.device)

@@ -1,7 +1,8 @@
-"""``ParallelismConfig``: the four parallel degrees, their validation and the ``DeviceMesh``.
+"""``ParallelismConfig``: the parallel degrees, their validation and the ``DeviceMesh``.
 
-The mesh always has the four dims ``(dp_replicate, dp_shard, cp, tp)``, outermost first, size-1 dims
-included, so every lookup works for every layout. Flattened views:
+The mesh always has the five dims ``(pp, dp_replicate, dp_shard, cp, tp)``, outermost first, size-1
+dims included, so every lookup works for every layout. ``pp_size`` (pipeline stages) is ndparallel's
+own field: Accelerate's ``ParallelismConfig`` has none. Flattened views (inside one pipeline stage):
 
 * ``dp``          = (dp_replicate, dp_shard): ranks that receive different data;
 * ``dp_shard_cp`` = (dp_shard, cp): what FSDP shards parameters over;
@@ -20,14 +21,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ndparallel.layout.dims import MESH_DIM_NAMES, ParallelDims
+from ndparallel.layout.dims import DEVICE_MESH_DIM_NAMES, ParallelDims
 from ndparallel.layout.handlers import (
     TorchContextParallelConfig,
     TorchTensorParallelConfig,
 )
 
 _FIELDS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
-_FIELD_OF_DIM = dict(zip(MESH_DIM_NAMES, _FIELDS))
+_SIZE_FIELDS = ("pp_size", *_FIELDS)
+_FIELD_OF_DIM = dict(zip(DEVICE_MESH_DIM_NAMES, _SIZE_FIELDS))
 # Environment variables: ours first, then Hugging Face Accelerate's, so launch scripts written for
 # Accelerate keep working unchanged.
 ENV_VARS: dict[str, tuple[str, ...]] = {
@@ -36,6 +38,7 @@ ENV_VARS: dict[str, tuple[str, ...]] = {
     "cp_size": ("NDPARALLEL_CP_SIZE", "PARALLELISM_CONFIG_CP_SIZE"),
     "tp_size": ("NDPARALLEL_TP_SIZE", "PARALLELISM_CONFIG_TP_SIZE"),
     "ep_size": ("NDPARALLEL_EP_SIZE",),
+    "pp_size": ("NDPARALLEL_PP_SIZE",),
 }
 
 
@@ -76,6 +79,10 @@ class ParallelismConfig:
     """Expert-parallel degree of a mixture-of-experts model (experts split over ep ranks, tokens
     sent to them by all-to-all). Adds no rank: it must divide dp_shard × cp × tp (torchtitan's
     rule); ndparallel's own field (Accelerate has none), ``expert_parallel_size`` in YAML."""
+    pp_size: int | None = None
+    """Pipeline stages: the decoder layers split over pp groups of ranks, each stage laid out by the
+    other four degrees (outermost mesh dim). ndparallel's own field (Accelerate has none),
+    ``pipeline_parallel_size`` in YAML; the schedule and micro-batches are ``PipelineOptions``."""
     _resolved: bool = field(default=False, repr=False, compare=False)
     device_mesh: Any = field(default=None, init=False, repr=False, compare=False)
     """The mesh built for this config (Accelerate's cache; ``get_device_mesh``)."""
@@ -86,10 +93,12 @@ class ParallelismConfig:
             if value is None:
                 value = _from_env(name, os.environ)
             setattr(self, name, _check_size(name, value))
-        ep = self.ep_size if self.ep_size is not None else _from_env("ep_size", os.environ)
-        self.ep_size = _check_size("ep_size", ep)
-        if self.ep_size == -1:
-            raise ParallelismConfigError("ep_size=-1 is not allowed: give the expert-parallel degree (>= 1)")
+        for name, what in (("ep_size", "expert-parallel degree"), ("pp_size", "number of pipeline stages")):
+            value = getattr(self, name)
+            value = _check_size(name, value if value is not None else _from_env(name, os.environ))
+            if value == -1:
+                raise ParallelismConfigError(f"{name}=-1 is not allowed: give the {what} (>= 1)")
+            setattr(self, name, value)
         _check_accelerate_fields(self)
         fills = [n for n in _FIELDS if getattr(self, n) == -1]
         if len(fills) > 1:
@@ -105,14 +114,14 @@ class ParallelismConfig:
     # ------------------------------------------------------------------ sizes
     @property
     def sizes(self) -> dict[str, int]:
-        """Mesh dim name -> degree (may contain -1 before ``resolve``)."""
-        return {dim: getattr(self, _FIELD_OF_DIM[dim]) for dim in MESH_DIM_NAMES}
+        """Mesh dim name -> degree, pp first (may contain -1 before ``resolve``)."""
+        return {dim: getattr(self, _FIELD_OF_DIM[dim]) for dim in DEVICE_MESH_DIM_NAMES}
 
     @property
     def total_size(self) -> int:
         """Number of ranks the layout needs (requires a resolved config if a size is -1)."""
         self._require_resolved("total_size")
-        return self.dp_replicate_size * self.dp_shard_size * self.cp_size * self.tp_size
+        return self.pp_size * self.dp_replicate_size * self.dp_shard_size * self.cp_size * self.tp_size
 
     @property
     def dp_size(self) -> int:
@@ -156,6 +165,10 @@ class ParallelismConfig:
     @property
     def cp_enabled(self) -> bool:
         return self.cp_size != 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp_size != 1
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -202,7 +215,7 @@ class ParallelismConfig:
 
     def __repr__(self) -> str:
         s = self.sizes
-        layout = " × ".join(f"{dim}={size}" for dim, size in s.items())
+        layout = " × ".join(f"{dim}={size}" for dim, size in s.items() if dim != "pp" or size != 1)
         total = self.total_size if -1 not in s.values() else "world"
         ep = f"; ep={self.ep_size}" if self.ep_enabled else ""
         return f"ParallelismConfig({layout}{ep}; {total} ranks)"
@@ -213,7 +226,7 @@ class ParallelismConfig:
         self._require_resolved("dims")
         try:
             return ParallelDims(self.dp_replicate_size, self.dp_shard_size, self.cp_size, self.tp_size,
-                                self.ep_size)
+                                self.ep_size, self.pp_size)
         except ValueError as e:
             raise ParallelismConfigError(str(e)) from None
 
@@ -222,10 +235,12 @@ class ParallelismConfig:
         return self.dims.describe()
 
     def to_dict(self) -> dict[str, int]:
-        """The degrees (``ep_size`` only when expert parallel is on)."""
+        """The degrees (``ep_size`` / ``pp_size`` only when expert / pipeline parallel is on)."""
         out = {name: getattr(self, name) for name in _FIELDS}
         if self.ep_enabled:
             out["ep_size"] = self.ep_size
+        if self.pp_enabled:
+            out["pp_size"] = self.pp_size
         return out
 
     def to_json(self) -> str:
@@ -241,7 +256,7 @@ class ParallelismConfig:
         """Fill a -1 degree from ``world_size`` and check the product equals it."""
         if world_size < 1:
             raise ParallelismConfigError(f"world size must be >= 1, got {world_size}")
-        sizes = {name: getattr(self, name) for name in _FIELDS}
+        sizes = {name: getattr(self, name) for name in _SIZE_FIELDS}
         fill = next((n for n, v in sizes.items() if v == -1), None)
         if fill is not None:
             rest = 1
@@ -259,8 +274,9 @@ class ParallelismConfig:
         for v in sizes.values():
             product *= v
         if product != world_size:
+            names = ("pp_size × " if sizes["pp_size"] != 1 else "") + "dp_replicate_size × dp_shard_size × cp_size × tp_size"
             raise ParallelismConfigError(
-                f"dp_replicate_size × dp_shard_size × cp_size × tp_size = {_product_text(sizes)} = "
+                f"{names} = {_product_text(sizes)} = "
                 f"{product} ranks, but the world has {world_size}; change the degrees so that their "
                 f"product is {world_size}, or launch {product} processes" + _ep_hint(self.ep_size, sizes, world_size)
             )
@@ -276,7 +292,7 @@ class ParallelismConfig:
 
     # ------------------------------------------------------------------- mesh
     def build_device_mesh(self, device_type: str, timeout_s: float | None = None):
-        """One ``DeviceMesh`` over all ranks with dims (dp_replicate, dp_shard, cp, tp) and the
+        """One ``DeviceMesh`` over all ranks with dims (pp, dp_replicate, dp_shard, cp, tp) and the
         flattened ``dp``, ``dp_shard_cp``, ``dp_cp`` views. Without a process group it starts the
         default one first, as torch's ``init_device_mesh`` does (``torchrun`` env vars; a one-rank
         group when there are none). ``timeout_s``: the collective timeout of every group of the mesh
@@ -379,4 +395,5 @@ def _from_env(name: str, env: Mapping[str, str]) -> int | str:
 
 
 def _product_text(sizes: Mapping[str, int], skip: str | None = None) -> str:
-    return "×".join(str(v) for n, v in sizes.items() if n != skip)
+    """The degrees as "a×b×…" (one pipeline stage, ``pp_size`` 1, is left out)."""
+    return "×".join(str(v) for n, v in sizes.items() if n != skip and not (n == "pp_size" and v == 1))

@@ -14,6 +14,11 @@ import math
 from dataclasses import dataclass
 
 MESH_DIM_NAMES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp")
+"""The dims inside one pipeline stage (what every strategy but pipeline parallel shards over)."""
+PIPELINE_DIM = "pp"
+DEVICE_MESH_DIM_NAMES: tuple[str, ...] = (PIPELINE_DIM, *MESH_DIM_NAMES)
+"""The built ``DeviceMesh``'s dims, outermost first: pipeline stages outermost (the stage-to-stage
+point-to-point traffic is the lightest, so it may cross the slowest links)."""
 EXPERT_DIM_NAMES: tuple[str, ...] = ("dp_replicate", "efsdp", "ep")
 """The expert mesh (an unflattened view of the same ranks), ``ep`` innermost."""
 FLATTENED_DIMS: dict[str, tuple[str, ...]] = {
@@ -25,17 +30,19 @@ FLATTENED_DIMS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees in mesh order (dp_replicate, dp_shard, cp, tp), tp innermost; all >= 1. ``ep``
-    (expert parallel) multiplies no rank count: it is carved out of dp_shard · cp · tp."""
+    """Degrees in mesh order (pp, dp_replicate, dp_shard, cp, tp), tp innermost; all >= 1. ``ep``
+    (expert parallel) multiplies no rank count: it is carved out of dp_shard · cp · tp. ``pp``
+    (pipeline stages) multiplies the world: every stage has the layout of the other four dims."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        for dim in (*MESH_DIM_NAMES, "ep"):
+        for dim in (*DEVICE_MESH_DIM_NAMES, "ep"):
             value = getattr(self, dim)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelDims.{dim}={value!r}: degrees are integers >= 1")
@@ -57,6 +64,11 @@ class ParallelDims:
     # ------------------------------------------------------------------ sizes
     @property
     def world(self) -> int:
+        return self.pp * self.stage_world
+
+    @property
+    def stage_world(self) -> int:
+        """Ranks of one pipeline stage (the whole world without pipeline parallel)."""
         return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
@@ -85,7 +97,8 @@ class ParallelDims:
         if dim in ("efsdp", "ep"):  # the expert mesh: ep innermost, efsdp right outside it
             return self.ep if dim == "efsdp" else 1
         last = FLATTENED_DIMS.get(dim, (dim,))[-1]
-        return math.prod(getattr(self, d) for d in MESH_DIM_NAMES[MESH_DIM_NAMES.index(last) + 1:])
+        names = DEVICE_MESH_DIM_NAMES
+        return math.prod(getattr(self, d) for d in names[names.index(last) + 1:])
 
     def tp_across_nodes(self, ranks_per_node: int) -> str | None:
         """Why tp groups would span nodes when each node runs ``ranks_per_node`` consecutive
@@ -99,15 +112,18 @@ class ParallelDims:
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {d: getattr(self, d) for d in MESH_DIM_NAMES}
+        """Degree of every dim of the built mesh (``DEVICE_MESH_DIM_NAMES``), pp first."""
+        return {d: getattr(self, d) for d in DEVICE_MESH_DIM_NAMES}
 
     def to_dict(self) -> dict[str, int]:
         """The degrees under ``ParallelismConfig``'s field names (as checkpoints record them);
-        ``ep_size`` only when expert parallel is on."""
+        ``ep_size`` / ``pp_size`` only when expert / pipeline parallel is on."""
         out = {"dp_replicate_size": self.dp_replicate, "dp_shard_size": self.dp_shard,
                "cp_size": self.cp, "tp_size": self.tp}
         if self.ep > 1:
             out["ep_size"] = self.ep
+        if self.pp > 1:
+            out["pp_size"] = self.pp
         return out
 
     # ---------------------------------------------------------------- enabled
@@ -116,6 +132,7 @@ class ParallelDims:
     cp_enabled = property(lambda self: self.cp > 1)
     tp_enabled = property(lambda self: self.tp > 1)
     ep_enabled = property(lambda self: self.ep > 1)
+    pp_enabled = property(lambda self: self.pp > 1)
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -156,7 +173,7 @@ class ParallelDims:
     # ------------------------------------------------------------------ names
     def describe(self) -> str:
         """Short human name, e.g. 'HSDP 2×2 + TP 2' ('single device' for 1×1×1×1)."""
-        parts = []
+        parts = [f"PP {self.pp}"] if self.pp_enabled else []
         if self.dp_replicate_enabled and self.dp_shard_enabled:
             parts.append(f"HSDP {self.dp_replicate}×{self.dp_shard}")
         elif self.dp_replicate_enabled:
@@ -173,8 +190,10 @@ class ParallelDims:
 
     def short(self) -> str:
         ep = f",ep={self.ep}" if self.ep_enabled else ""
-        return f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},cp={self.cp},tp={self.tp}{ep}"
+        pp = f"pp={self.pp}," if self.pp_enabled else ""
+        return f"{pp}dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},cp={self.cp},tp={self.tp}{ep}"
 
     def compact(self) -> str:
         ep = f"+ep{self.ep}" if self.ep_enabled else ""
-        return f"{self.dp_replicate}x{self.dp_shard}x{self.cp}x{self.tp}{ep}"
+        pp = f"pp{self.pp}:" if self.pp_enabled else ""
+        return f"{pp}{self.dp_replicate}x{self.dp_shard}x{self.cp}x{self.tp}{ep}"

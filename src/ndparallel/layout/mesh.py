@@ -11,6 +11,7 @@ from typing import Mapping
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ndparallel.layout.dims import (
+    DEVICE_MESH_DIM_NAMES,
     EXPERT_DIM_NAMES,
     FLATTENED_DIMS,
     MESH_DIM_NAMES,
@@ -75,15 +76,17 @@ def ensure_default_group(device_type: str) -> None:
 def build_mesh(
     device_type: str, sizes: Mapping[str, int], timeout: datetime.timedelta | None = None
 ) -> DeviceMesh:
-    """Mesh (dp_replicate, dp_shard, cp, tp) over the default group, plus flattened views. With
-    ``timeout`` every group of the mesh (base dims and flattened views) gets it."""
-    shape = tuple(sizes[d] for d in MESH_DIM_NAMES)
+    """Mesh (pp, dp_replicate, dp_shard, cp, tp) over the default group, plus flattened views
+    (inside each pipeline stage). ``sizes`` without "pp": one stage. With ``timeout`` every group
+    of the mesh (base dims and flattened views) gets it."""
+    sizes = {"pp": 1, **sizes}
+    shape = tuple(sizes[d] for d in DEVICE_MESH_DIM_NAMES)
     # a fake group takes no backend options (and nothing can time out in it)
     options = group_options(device_type, timeout) if timeout is not None and not is_fake_world() else None
     kwargs = {}
     if options is not None:
-        kwargs["backend_override"] = {d: (None, options) for d in MESH_DIM_NAMES}
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES, **kwargs)
+        kwargs["backend_override"] = {d: (None, options) for d in DEVICE_MESH_DIM_NAMES}
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=DEVICE_MESH_DIM_NAMES, **kwargs)
     for name, dims in FLATTENED_DIMS.items():
         flatten_dims(mesh, dims, name, options if _flatten_takes_options() else None)
     return mesh
@@ -137,4 +140,4 @@ def group_ranks(mesh: DeviceMesh, dim: str) -> list[int]:
 
 def coordinates(mesh: DeviceMesh) -> dict[str, int]:
     """This rank's index along every base and flattened dim."""
-    return {dim: submesh(mesh, dim).get_local_rank() for dim in (*MESH_DIM_NAMES, *FLATTENED_DIMS)}
+    return {dim: submesh(mesh, dim).get_local_rank() for dim in (*DEVICE_MESH_DIM_NAMES, *FLATTENED_DIMS)}

@@ -29,9 +29,11 @@ def grouped_grads(parameters: Iterable[torch.Tensor]) -> dict[tuple, list[torch.
     return groups
 
 
-def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
+                    across=None, device: torch.device | None = None) -> torch.Tensor:
     """The true global gradient norm: a plain fp32 scalar on the gradients' device, the same on
-    every rank. Never read on the host (no sync)."""
+    every rank. Never read on the host (no sync). ``across``: a process group whose ranks hold
+    *different* parameters (pipeline stages): their norms are combined over it."""
     norm_type = float(norm_type)
     norms = []
     for grads in grouped_grads(parameters).values():
@@ -39,22 +41,34 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
         if isinstance(n, DTensor):
             n = n.full_tensor()
         norms.append(n.float())
+    inf = norm_type == float("inf")
     if not norms:
-        return torch.tensor(0.0)
-    stacked = torch.stack([n.to(norms[0].device) for n in norms])
-    if norm_type == float("inf"):
-        return stacked.max()
-    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+        total = torch.zeros((), device=device)
+    else:
+        stacked = torch.stack([n.to(norms[0].device) for n in norms])
+        total = stacked.max() if inf else stacked.pow(norm_type).sum()
+    if across is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=across)
+    return total if inf else total.pow(1.0 / norm_type)
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, across=None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; return the norm before.
-    The scale is computed and applied on the device, as torch's own clipping does (no sync)."""
+    The scale is computed and applied on the device, as torch's own clipping does (no sync).
+    ``across``: see ``total_grad_norm``."""
     parameters = list(parameters)
-    total = total_grad_norm(parameters, norm_type)
+    total = total_grad_norm(parameters, norm_type, across, device)
+    scale_grads_to(parameters, total, max_norm)
+    return total
+
+
+def scale_grads_to(parameters: Iterable[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+    """Scale the gradients of ``parameters`` by min(1, max_norm / ``total``) (on the device)."""
     coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
     for grads in grouped_grads(parameters).values():
         torch._foreach_mul_(grads, coef.to(grads[0].device))
-    return total

@@ -33,7 +33,8 @@ from ndparallel.models.heads import plain_head_problem
 from ndparallel.parallel.chunked_ce import chunked_linear_cross_entropy
 from ndparallel.parallel.options import LossOptions
 
-MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
+MODEL_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask")
+"""What a batch gives the model; ``inputs_embeds`` (hidden states) on a later pipeline stage."""
 
 
 def use_chunked_loss(model: nn.Module, options: LossOptions) -> bool:

@@ -126,6 +126,26 @@ class QATOptions:
 
 
 @dataclass(frozen=True)
+class PipelineOptions:
+    """Pipeline parallel (``pp_size`` > 1; ``parallel/pipeline.py``): how the decoder layers are
+    split into stages and the order in which stages run their micro-batches."""
+
+    schedule: str = "1F1B"
+    """torch's schedule (``torch.distributed.pipelining``): 'GPipe', '1F1B', 'Interleaved1F1B',
+    'InterleavedZeroBubble' (several stages per rank), 'ZBVZeroBubble' (two stages per rank in a V)."""
+    microbatches: int | None = None
+    """Pipeline micro-batches per optimizer step (the step's rows split evenly); None: the step's
+    gradient-accumulation micro-batches, one pipeline micro-batch each."""
+    virtual_stages: int | None = None
+    """Stages per rank; None: 1 for GPipe / 1F1B, 2 for the interleaved and zero-bubble schedules."""
+    layers_per_stage: int | None = None
+    """Decoder layers of every stage (their number must divide into it); None: an even split."""
+    split_points: tuple[int, ...] | None = None
+    """Index of the first decoder layer of each stage after the first (torchtitan's split points);
+    exclusive with ``layers_per_stage``."""
+
+
+@dataclass(frozen=True)
 class StrategyOptions:
     """Every strategy's options for one run, plus the compute dtype: what ``parallelize_model``
     applies and the engine runs (the trainer, ``verify`` and the Accelerate facade build one)."""
@@ -137,6 +157,7 @@ class StrategyOptions:
     compile: CompileOptions = CompileOptions()
     float8: Float8Options = Float8Options()
     qat: QATOptions = QATOptions()
+    pipeline: PipelineOptions = PipelineOptions()
     param_dtype: torch.dtype | None = None
     """Compute dtype of the parallelised model (bf16 or fp16 for mixed precision); None: fp32.
     Master weights, gradient reduction and optimizer states stay fp32 either way (fp16 also needs
@@ -148,7 +169,7 @@ class StrategyOptions:
         ``mixed_precision="bf16"``), as test setups and scripts write them."""
         names = {"fsdp_options": "fsdp", "tp_options": "tp", "cp_options": "cp", "loss_options": "loss",
                  "compile_options": "compile", "float8_options": "float8",
-                 "qat_options": "qat"}
+                 "qat_options": "qat", "pipeline_options": "pipeline"}
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
             raise TypeError(f"unknown strategy option(s) {unknown}: use {sorted(names)}")

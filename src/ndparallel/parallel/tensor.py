@@ -117,7 +117,8 @@ def apply_tensor_parallel(
     validate_tensor_parallel(model.config, tp_size, options)
     assigned = match_plan(model, resolve_tp_plan(model, options.plan), strict=bool(options.plan))
     experts, moe_blocks = moe_prefixes(model)
-    assigned = {n: st for n, st in assigned.items() if not n.startswith(moe_blocks)}
+    assigned = {n: st for n, st in assigned.items() if not n.startswith(moe_blocks)
+                and any(True for _ in model.get_submodule(n).parameters())}  # a pipeline stage's stand-ins
     head = _output_embedding_name(model)
     head_colwise = head in assigned and str(assigned[head]).startswith("colwise")
     if options.loss_parallel and not head_colwise:
@@ -296,7 +297,7 @@ def resolve_loss_parallel(model: nn.Module, options: TPOptions) -> TPOptions:
     if not is_tensor_parallel(model):
         head = _output_embedding_name(model)
         style = match_plan(model, resolve_tp_plan(model, options.plan), strict=False).get(head)
-        on = str(style).startswith("colwise")
+        on = str(style).startswith("colwise") and any(True for _ in model.get_submodule(head).parameters())
     return dataclasses.replace(options, loss_parallel=on)
 
 

@@ -52,7 +52,8 @@ class TrainSetup:
     layer to the next expert-parallel rank (``parallel.expert.set_misroute``); "overflow-step-2"
     (fp16) puts an inf into one element of the last rank's local gradient shard at step 2, as a
     rank-local fp16 overflow would: every rank must skip that step; "per-shard-muon" orthogonalises
-    each rank's shard of a Muon matrix instead of the whole matrix."""
+    each rank's shard of a Muon matrix instead of the whole matrix; "unsummed-tied-grads" (pipeline
+    parallel) leaves the two stage copies of tied embeddings with their own gradients."""
     loss_scale: dict | None = None
     """fp16: ``LossScaler`` keyword arguments (default: its defaults); {"init_scale": 1.0,
     "growth_interval": 10**9} turns the scaling off in effect (a negative control)."""
@@ -163,6 +164,8 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
         model = engine.build_model(setup.model_dir)
     else:
         model = engine.parallelize(build_model(setup))
+    if setup.fault == "unsummed-tied-grads":
+        engine.pipeline_of(model).sum_tied_grads = False
     if setup.fault == "wrong-expert-rank":
         from ndparallel.parallel.expert import set_misroute
 
@@ -190,6 +193,10 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
         if out.aux_loss is not None:
             aux.append(float(out.aux_loss))
     params = full_parameters(model)  # a collective: every rank gathers
+    if engine.dims.pp_enabled:  # each stage gathered its own: rank 0 collects the others'
+        from ndparallel.parallel.pipeline import gather_stage_states
+
+        params = gather_stage_states(engine, params)
     return TrainResult(losses, norms, params if engine.is_main_process else None, aux or None,
                        scales if scaler is not None else None)
 

@@ -1,0 +1,222 @@
+"""Pipeline parallel: one optimizer step's micro-batches through torch's pipeline schedules.
+
+torch (``torch.distributed.pipelining``) provides the stages' point-to-point transfers and the
+schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble); what it does not do is written here:
+
+* ``StageModule`` — the forward one stage runs: transformers' own forward of the cut model
+  (``pipeline_stages.cut_stage``) on token ids (first stage) or hidden states (the others), and on
+  the last stage the engine's layout-invariant loss (token-loss sum / the step's global token
+  count, chunked where exact), so the pipeline trains what one device trains.
+* ``Pipeline.forward_backward`` — the step's micro-batches joined into one batch (rows padded to
+  one width: a right pad never changes an earlier token), CP-sharded like any batch, split by the
+  schedule into ``microbatches`` pieces; every stage gets ``position_ids`` (rotary, packed
+  documents) and ``shift_labels`` as keyword inputs.
+* tied input / output embeddings: the first stage's embedding and the last stage's LM head are two
+  copies; their gradients are summed after the step (so both take the same update) and the norm
+  counts the weight once.
+* the gradient norm across stages (``grad_norm.total_grad_norm(across=pp)``) and the step loss,
+  which only the last stage has, sent to every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.parallel.pipeline_split import StagePlan
+
+
+class StageModule(nn.Module):
+    """One pipeline stage's forward around its cut model ``lm``: hidden states out, or on the
+    last stage the loss from ``loss(lm, batch, num_items)``."""
+
+    def __init__(self, lm: nn.Module, index: int, n_stages: int, loss) -> None:
+        super().__init__()
+        self.lm = lm
+        self.index, self.n_stages = index, n_stages
+        self._loss = loss
+        self.num_items: torch.Tensor | None = None  # the step's global token count, set per step
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.n_stages - 1
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+        inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
+        if self.is_last:
+            return self._loss(self.lm, {**inputs, "position_ids": position_ids, "shift_labels": shift_labels},
+                              self.num_items)
+        # The decoder's output (its norm is an identity here) is taken by a hook, not as the
+        # "logits" the identity LM head returns: those are a view, which the zero-bubble schedules'
+        # split backward cannot detach in place.
+        captured = {}
+
+        def keep(_module, _args, output):
+            captured["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+        handle = self.lm.get_decoder().register_forward_hook(keep)
+        try:
+            self.lm(**inputs, position_ids=position_ids, use_cache=False, logits_to_keep=1)
+        finally:
+            handle.remove()
+        return captured["hidden"]
+
+
+def join_micro_batches(micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The step's micro-batches as one batch of rows, each right-padded to the widest (pad token 0,
+    label ignored, positions counting on): padding after a row's tokens changes none of them."""
+    width = max(mb["input_ids"].shape[1] for mb in micro_batches)
+    out: dict[str, list[torch.Tensor]] = {"input_ids": [], "shift_labels": [], "position_ids": []}
+    for mb in micro_batches:
+        pad = width - mb["input_ids"].shape[1]
+        ids, labels, pos = mb["input_ids"], mb["shift_labels"], mb["position_ids"]
+        if pad:
+            rows = ids.shape[0]
+            ids = torch.cat([ids, ids.new_zeros(rows, pad)], 1)
+            labels = torch.cat([labels, labels.new_full((rows, pad), IGNORE_INDEX)], 1)
+            pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, device=pos.device)], 1)
+        out["input_ids"].append(ids)
+        out["shift_labels"].append(labels)
+        out["position_ids"].append(pos)
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+class Pipeline:
+    """This rank's stages of a pipeline-parallel model and the schedule that runs them."""
+
+    def __init__(self, engine, plan: StagePlan, stages: dict[int, nn.Module], tied: bool) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        self.engine, self.plan = engine, plan
+        self.modules = {s: StageModule(lm, s, plan.n_stages, engine.stage_loss) for s, lm in stages.items()}
+        group = engine.group("pp")
+        self.stages = [PipelineStage(self.modules[s], s, plan.n_stages, engine.device, group=group)
+                       for s in sorted(self.modules)]
+        self._schedules: dict[int, object] = {}
+        self._loss_scale: float | None = None
+        self._tied = self._tie_pair(tied)
+        self.sum_tied_grads = True  # False only in a deliberately broken run (the checks must fail)
+
+    # ---------------------------------------------------------------------- where
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.modules
+
+    @property
+    def holds_last(self) -> bool:
+        return self.plan.n_stages - 1 in self.modules
+
+    def lms(self) -> list[nn.Module]:
+        return [self.modules[s].lm for s in sorted(self.modules)]
+
+    # ---------------------------------------------------------------- tied weights
+    def _tie_pair(self, tied: bool):
+        """(the copies of the tied weight on this rank, the group summing their gradients) or None."""
+        if not tied:
+            return None
+        first_rank, last_rank = self.plan.rank_of(0), self.plan.rank_of(self.plan.n_stages - 1)
+        mine = []
+        if self.holds_first:
+            mine.append(self.modules[0].lm.get_input_embeddings().weight)
+        if self.holds_last:
+            mine.append(self.modules[self.plan.n_stages - 1].lm.get_output_embeddings().weight)
+        if first_rank == last_rank:  # one rank holds both (ZBV): a local sum
+            return mine, None
+        if self.plan.pp == 2:
+            return mine, self.engine.group("pp")
+        pairs = self.engine.mesh.mesh  # (pp, ...) ranks: pair stage-0 and last-stage ranks of each pipeline
+        firsts, lasts = pairs[first_rank].flatten().tolist(), pairs[last_rank].flatten().tolist()
+        group, _ = dist.new_subgroups_by_enumeration([[a, b] for a, b in zip(firsts, lasts)])
+        return mine, group
+
+    def _sum_tied_grads(self) -> None:
+        if self._tied is None or not self.sum_tied_grads:
+            return
+        weights, group = self._tied
+        grads = [w.grad for w in weights if w.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        if group is None:
+            if len(local) == 2:
+                total = local[0] + local[1]
+                local[0].copy_(total)
+                local[1].copy_(total)
+            return
+        for g in local:
+            dist.all_reduce(g, group=group)
+
+    def norm_parameters(self) -> list[torch.Tensor]:
+        """The parameters the gradient norm counts: the tied weight once (its first-stage copy)."""
+        skip = set()
+        if self._tied is not None and self.holds_last:
+            skip.add(id(self.modules[self.plan.n_stages - 1].lm.get_output_embeddings().weight))
+        return [p for lm in self.lms() for p in lm.parameters() if id(p) not in skip]
+
+    # ------------------------------------------------------------------------ step
+    def _schedule(self, n_microbatches: int):
+        if n_microbatches not in self._schedules:
+            from torch.distributed.pipelining import schedules
+
+            cls = getattr(schedules, f"Schedule{self.plan.schedule}")
+            stages = self.stages if self.plan.virtual > 1 else self.stages[0]
+            self._schedules[n_microbatches] = cls(stages, n_microbatches=n_microbatches, loss_fn=self._loss_fn,
+                                                  scale_grads=False)
+        return self._schedules[n_microbatches]
+
+    def _loss_fn(self, loss: torch.Tensor, _target) -> torch.Tensor:
+        return loss * self._loss_scale if self._loss_scale is not None else loss
+
+    def microbatches(self, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> int:
+        """Pipeline micro-batches of a step: ``PipelineOptions.microbatches``, else one per
+        accumulation micro-batch."""
+        n = self.engine.options.pipeline.microbatches or len(micro_batches)
+        rows = sum(mb["input_ids"].shape[0] for mb in micro_batches)
+        if rows % n:
+            raise ValueError(f"pipeline_microbatches={n} must divide the rows of a step on one dp rank "
+                             f"({rows} = micro_batch_size × gradient_accumulation_steps)")
+        return n
+
+    def forward_backward(self, micro_batches: Sequence[Mapping[str, torch.Tensor]], num_items: torch.Tensor,
+                         loss_scale: float | None = None) -> torch.Tensor:
+        """Run the step's micro-batches through the schedule (forward and backward) and return this
+        rank's share of the step loss (the last stage's sum over its micro-batches, else 0)."""
+        n = self.microbatches(micro_batches)
+        batch = join_micro_batches(micro_batches)
+        for module in self.modules.values():
+            module.num_items = num_items
+        self._loss_scale = loss_scale
+        losses: list[torch.Tensor] = []
+        schedule = self._schedule(n)
+        last_lm = self.modules[self.plan.n_stages - 1].lm if self.holds_last else None
+        with self.engine.batch_context(batch), self.engine.loss_context(last_lm):
+            args = (batch["input_ids"],) if self.holds_first else ()
+            target = batch["shift_labels"] if self.holds_last else None
+            schedule.step(*args, position_ids=batch["position_ids"], shift_labels=batch["shift_labels"],
+                          target=target, losses=losses, return_outputs=False)
+        self._sum_tied_grads()
+        total = torch.zeros((), device=self.engine.device)
+        for loss in losses:
+            total += loss.detach().float()
+        return total / loss_scale if loss_scale is not None else total
+
+
+def gather_stage_states(engine, state: dict) -> dict | None:
+    """Every stage's ``state`` (name -> tensor, this rank's stages) merged on pp rank 0 (None on
+    the others): a small-model helper for comparisons, not a checkpoint path."""
+    group = engine.group("pp")
+    first = engine.rank_in("pp") == 0
+    out = [None] * engine.dims.pp if first else None
+    dist.gather_object(state, out, group=group, group_dst=0)
+    if not first:
+        return None
+    merged: dict = {}
+    for part in out:
+        merged.update(part)
+    return merged

@@ -1,0 +1,135 @@
+"""Cut an unmodified Hugging Face causal LM into pipeline stages, and name the pieces a rank holds
+as the whole model names them.
+
+A stage is the model itself with what it does not run taken out: the decoder layers of other
+stages (the kept ones stay under their indices in the whole model, ``StageLayers``), the input
+embeddings unless it is the first stage, the final norm and the LM head unless it is the last
+(replaced by ``nn.Identity``: the model's own forward then returns the hidden states as
+"logits"). Every stage therefore runs transformers' own forward — rotary embeddings, the causal /
+packed-document mask from ``position_ids`` — and every strategy (TP plans, FSDP units, activation
+checkpointing, compile) applies to it unchanged. ``StageView`` gives the rank's stages one module
+tree under the unsplit model's names, for checkpoints, exports and the optimizer.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Iterable
+
+import torch.nn as nn
+
+from ndparallel.models.layers import decoder_module
+
+PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+"""Families whose decoder forward takes ``inputs_embeds`` as the hidden states unchanged and whose
+logits are ``lm_head(norm(hidden))``: what a stage cut needs; each is proven by the PP
+equivalence tests (Gemma scales the embeddings and soft-caps the logits inside the forward)."""
+
+
+class StageLayers(nn.ModuleList):
+    """A stage's decoder layers, registered under their indices in the whole model
+    (``layers.4`` stays ``layers.4`` on the stage that starts at layer 4). Integer indexing and
+    iteration are by position, as the decoder's forward expects of its ``ModuleList``."""
+
+    def __init__(self, layers: dict[int, nn.Module] | Iterable[nn.Module] | None = None) -> None:
+        super().__init__()
+        if isinstance(layers, dict):
+            for index, layer in layers.items():
+                self.add_module(str(index), layer)
+        elif layers is not None:  # a slice (the decoder's ``self.layers[:n]``): positions
+            for position, layer in enumerate(layers):
+                self.add_module(str(position), layer)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return StageLayers(list(self._modules.values())[idx])
+        return list(self._modules.values())[idx]
+
+
+def pipeline_family_problem(config) -> str | None:
+    """Why a model of ``config`` cannot be cut into pipeline stages exactly, or None."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in PIPELINE_FAMILIES:
+        return None
+    return (f"pipeline parallel runs the families {list(PIPELINE_FAMILIES)}, whose stages are exact cuts of "
+            f"the decoder; this model is {model_type!r}: set pipeline_parallel_size: 1 (and use dp_shard / tp)")
+
+
+def cut_stage(model: nn.Module, layers: Iterable[int], first: bool, last: bool) -> nn.Module:
+    """Make ``model`` (in place) the stage that runs decoder ``layers``; ``first`` keeps the input
+    embeddings, ``last`` the final norm and the LM head. Returns ``model``."""
+    decoder = decoder_module(model)
+    if decoder is None or not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: no decoder with a `layers` list found to cut into stages")
+    whole = decoder.layers
+    decoder.layers = StageLayers({i: whole[i] for i in layers})
+    if not first:
+        decoder.embed_tokens = None
+    if not last:
+        decoder.norm = nn.Identity()
+        model.lm_head = nn.Identity()
+    return model
+
+
+def cut_stages(model: nn.Module, stage_layers: dict[int, tuple[int, ...]], n_stages: int) -> dict[int, nn.Module]:
+    """One cut copy of ``model`` per stage in ``stage_layers`` (stage -> its layer indices); the
+    last of them is ``model`` itself (no copy). On the meta device the copies cost nothing."""
+    stages = sorted(stage_layers)
+    out = {}
+    for k, s in enumerate(stages):
+        piece = model if k == len(stages) - 1 else copy.deepcopy(model)
+        out[s] = cut_stage(piece, stage_layers[s], first=s == 0, last=s == n_stages - 1)
+    return out
+
+
+def _has_state(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def merge_views(modules: list[nn.Module]) -> nn.Module:
+    """One module tree holding ``modules``' parameters under the names each has (stages of one
+    model: their names are disjoint but for stateless stand-ins and copies of buffers such as
+    rotary frequencies). Returns the single module as is."""
+    if len(modules) == 1:
+        return modules[0]
+    if all(isinstance(m, StageLayers) for m in modules):
+        merged = StageLayers()
+        for m in modules:
+            for name, layer in m._modules.items():
+                merged.add_module(name, layer)
+        return StageLayers({int(k): merged._modules[k] for k in sorted(merged._modules, key=int)})
+    view = nn.Module()
+    names = list(dict.fromkeys(n for m in modules for n in m._modules))
+    for name in names:
+        children = [m._modules[name] for m in modules if m._modules.get(name) is not None]
+        stateful = [c for c in children if _has_state(c)]
+        if not children:
+            continue
+        if len(stateful) <= 1 or all(c is stateful[0] for c in stateful):
+            view.add_module(name, (stateful or children)[0])
+        elif isinstance(stateful[0], StageLayers) or not any(c._parameters or c._buffers for c in stateful):
+            view.add_module(name, merge_views(stateful))  # containers: the decoder, its layers
+        elif not any(c._parameters for c in stateful):  # copies of the same buffers (rotary frequencies)
+            view.add_module(name, stateful[0])
+        else:
+            raise ValueError(f"two pipeline stages of one rank both hold the parameters of {name!r}")
+    return view
+
+
+class StageView(nn.Module):
+    """The rank's pipeline stages as one module under the unsplit model's parameter names (what
+    ``state_dict``, DCP checkpoints, exports and the optimizer see). Training runs through the
+    engine's pipeline (``engine.train_step``), never through this module's forward."""
+
+    def __init__(self, stages: dict[int, nn.Module]) -> None:
+        super().__init__()
+        pieces = [stages[s] for s in sorted(stages)]
+        merged = merge_views(pieces)
+        for name, child in merged._modules.items():
+            self.add_module(name, child)
+        self.config = pieces[0].config
+        self.stage_indices = tuple(sorted(stages))
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline-parallel model holds only this rank's stages: train it with the engine's "
+                           "train_step (ndparallel train / Accelerator.pipeline_step), not model(...)")
