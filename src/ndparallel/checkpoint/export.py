@@ -36,6 +36,7 @@ from ndparallel.checkpoint.hf_files import (
     write_hf_config,
 )
 from ndparallel.checkpoint.io import SafeFileSystemReader, read_dcp_metadata
+from ndparallel.checkpoint.stage_export import is_pipeline_view, pipeline_tied_copies, stage_names, stage_tensors
 from ndparallel.models.adapters import (
     base_model_of,
     checkpoint_key,
@@ -165,7 +166,7 @@ def save_hf_model(
         return save_adapter(model, save_directory, is_main, tokenizer)
     model = base_model_of(model)
     state = get_model_state_dict(model)  # sharded: nothing is gathered here
-    aliases = tied_aliases(model)
+    aliases = tied_aliases(model) | pipeline_tied_copies(model)
     merges = merge_specs(model)
     seen: set[int] = set()
     names = []
@@ -173,21 +174,28 @@ def save_hf_model(
         if not (name in aliases or id(value) in seen or is_adapter_param(name) or is_frozen_original(name)):
             seen.add(id(value))
             names.append(name)
+
+    def gathered(name: str) -> torch.Tensor:
+        value = state[name]
+        if name in merges:  # in fp32, then cast; A and B are small
+            spec = merges[name]
+            full = merged_weight(_full(value), _full(state[spec.a]), _full(state[spec.b]), spec)
+            return full.to(dtype or value.dtype)
+        if dtype is not None and value.is_floating_point() and not is_nf4(value):
+            return _full(value.to(dtype))  # cast the local shard first: the gather moves dtype's bytes
+        return _full(value)  # one tensor at a time
+
+    if is_pipeline_view(model):  # every stage's tensors, streamed to the first stage
+        stream = stage_tensors(model, state, names, gathered, dtype)
+        names = [n for n, _, _ in stage_names(model, state, names, dtype)]
+    else:
+        stream = ((name, gathered(name)) for name in names)
     writer = None
     if is_main:
         conversion = SaveConversion(model, [checkpoint_key(n) for n in names])
         writer = ShardWriter(save_directory, max_shard_size, safe=safe_serialization, conversion=conversion)
     saved_dtype = None
-    for name in names:
-        value = state[name]
-        if name in merges:  # in fp32, then cast; A and B are small
-            spec = merges[name]
-            full = merged_weight(_full(value), _full(state[spec.a]), _full(state[spec.b]), spec)
-            full = full.to(dtype or value.dtype)
-        elif dtype is not None and value.is_floating_point() and not is_nf4(value):
-            full = _full(value.to(dtype))  # cast the local shard first: the gather moves dtype's bytes
-        else:
-            full = _full(value)  # one tensor at a time
+    for name, full in stream:
         if writer is not None:
             full = full.detach().to("cpu", dtype=dtype or full.dtype)
             saved_dtype = saved_dtype or (full.dtype if full.is_floating_point() else None)

@@ -56,6 +56,8 @@ from ndparallel.checkpoint.io import (
     tensor_keys,
     write_json_atomic,
 )
+from ndparallel.checkpoint.stage_export import is_pipeline_view
+from ndparallel.checkpoint.stage_state import merge_stage_skeletons, restrict_to_stage
 from ndparallel.models.adapters import adapter_config_of, base_model_of, is_peft_model
 from ndparallel.models.naming import model_class_name
 from ndparallel.runtime.distributed import rank0_decides
@@ -130,6 +132,7 @@ def collect_state(models, optimizers, schedulers, extra, loaders, step, config, 
         split_tensors(get_optimizer_state_dict(_owner(models, o), o), _key("optimizer", i), tensors)
         for i, o in enumerate(optimizers)
     ]
+    merge_stage_skeletons(models, state)  # pipeline parallel: state.json lists every stage's tensors
     state["schedulers"] = [split_tensors(s.state_dict(), _key("scheduler", i), tensors)
                            for i, s in enumerate(schedulers)]
     state["loaders"] = [split_tensors(ld.state_dict(), _key("loader", i), tensors) for i, ld in enumerate(loaders)]
@@ -184,11 +187,16 @@ def load_state(
 
     # Targets: this run's (sharded) state dicts; DCP reads each rank's part of each tensor into them.
     current: dict[str, torch.Tensor] = {}
+    staged = any(is_pipeline_view(m) for m in models)  # a stage loads its own names only
     for i, m in enumerate(models):
-        _check_same_params(directory, set(state["models"][i]), split_tensors(
-            get_model_state_dict(m, options=_TRAINED), _key("model", i), current))
+        mine = split_tensors(get_model_state_dict(m, options=_TRAINED), _key("model", i), current)
+        if staged:
+            state["models"][i] = restrict_to_stage(state["models"][i], mine, optimizer=False)
+        _check_same_params(directory, set(state["models"][i]), mine)
     for i, o in enumerate(optimizers):
-        split_tensors(get_optimizer_state_dict(_owner(models, o), o), _key("optimizer", i), current)
+        mine = split_tensors(get_optimizer_state_dict(_owner(models, o), o), _key("optimizer", i), current)
+        if staged:
+            state["optimizers"][i] = restrict_to_stage(state["optimizers"][i], mine, optimizer=True)
     wanted = tensor_keys([state[k] for k in ("models", "optimizers", "schedulers", "loaders", "config", "extra")])
     metadata = read_dcp_metadata(directory).state_dict_metadata
     targets: dict[str, torch.Tensor] = {}

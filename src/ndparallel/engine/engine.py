@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ndparallel.layout.config import ParallelismConfig
-from ndparallel.layout.dims import ParallelDims
+from ndparallel.layout.dims import MESH_DIM_NAMES, ParallelDims
 from ndparallel.layout.mesh import build_mesh, submesh
 from ndparallel.parallel.options import StrategyOptions
 from ndparallel.runtime.distributed import DistributedInfo, init_distributed
@@ -158,6 +158,8 @@ class Engine:
         stages = cut_stages(model, {s: plan.layers[s] for s in mine}, plan.n_stages)
         stages = {s: self._parallelize_stage(lm, None) for s, lm in stages.items()}
         view = StageView(stages)
+        view.pp_group = self.group("pp")  # for the export (checkpoint/stage_export.py)
+        view.stage_main = all(self.rank_in(d) == 0 for d in MESH_DIM_NAMES)
         self._pipelines[view] = Pipeline(self, plan, stages, tied)
         return view
 

@@ -6,7 +6,10 @@ import torch.nn as nn
 
 
 def model_class_name(model: nn.Module) -> str:
-    """The HF class name of a (possibly FSDP-wrapped) model, e.g. ``LlamaForCausalLM``."""
+    """The HF class name of a (possibly FSDP-wrapped) model, e.g. ``LlamaForCausalLM`` (a pipeline
+    stage view names the model it was cut from: ``hf_class_name``)."""
+    if getattr(model, "hf_class_name", None):
+        return model.hf_class_name
     for cls in type(model).__mro__:
         if not cls.__name__.startswith("FSDP"):
             return cls.__name__

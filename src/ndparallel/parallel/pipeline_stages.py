@@ -19,6 +19,7 @@ from typing import Iterable
 import torch.nn as nn
 
 from ndparallel.models.layers import decoder_module
+from ndparallel.models.naming import model_class_name
 
 PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """Families whose decoder forward takes ``inputs_embeds`` as the hidden states unchanged and whose
@@ -128,7 +129,9 @@ class StageView(nn.Module):
         for name, child in merged._modules.items():
             self.add_module(name, child)
         self.config = pieces[0].config
+        self.hf_class_name = model_class_name(pieces[0])
         self.stage_indices = tuple(sorted(stages))
+        self.pp_group = None  # set by the engine: the export streams every stage to the first
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline-parallel model holds only this rank's stages: train it with the engine's "

@@ -61,6 +61,9 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
         raise ConfigError(str(e)) from None
     _check_sequence_len(cfg, pc.dims)
     _check_family_layout(cfg, pc, hf)
+    from ndparallel.preflight.pipeline_check import check_pipeline
+
+    check_pipeline(cfg, pc, hf)
     if check_local:  # the GPU the run needs is the launching machine's (a dry run may check another's config)
         _check_fp8(cfg)
         _check_qat_device(cfg)
@@ -298,7 +301,8 @@ def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    sizes = [cfg.dp_replicate_size, cfg.dp_shard_size, cfg.tensor_parallel_size, cfg.context_parallel_size]
+    sizes = [cfg.dp_replicate_size, cfg.dp_shard_size, cfg.tensor_parallel_size, cfg.context_parallel_size,
+             cfg.pipeline_parallel_size]
     if -1 in sizes:
         return nproc or local_devices(cfg)
     total = 1

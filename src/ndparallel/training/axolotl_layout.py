@@ -11,7 +11,7 @@ from typing import Any
 from ndparallel.training.axolotl_keys import FSDP, Translation, is_empty, short
 
 DEGREES = ("dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size", "tp_size",
-           "cp_size")
+           "cp_size", "pipeline_parallel_size", "pp_size")
 
 
 def _no_degrees(t: Translation) -> bool:

@@ -1,0 +1,52 @@
+"""Pipeline-parallel checks of a training config, before any rank starts: the schedule, the stage
+split against the model's layers, the micro-batches against the stages, and what does not compose
+with pipeline parallel yet (each refused by name)."""
+
+from __future__ import annotations
+
+from ndparallel.training.config import ConfigError, TrainConfig
+
+
+def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
+    """Why this config's pipeline cannot run, or None (also None without pipeline parallel,
+    unless the schedule name itself is wrong)."""
+    from ndparallel.parallel.pipeline_split import pipeline_problem
+    from ndparallel.parallel.pipeline_stages import pipeline_family_problem
+
+    options = cfg.pipeline_options()
+    pp = pc.pp_size
+    if pp <= 1:
+        return pipeline_problem(options, pp, None, None)
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    family = pipeline_family_problem(text)
+    if family:
+        return family
+    rows = cfg.micro_batch_size * cfg.gradient_accumulation_steps
+    microbatches = cfg.pipeline_microbatches or cfg.gradient_accumulation_steps
+    if rows % microbatches:
+        return (f"pipeline_microbatches={microbatches} must divide the rows of a step on one data-parallel rank, "
+                f"micro_batch_size × gradient_accumulation_steps = {rows}")
+    problem = pipeline_problem(options, pp, getattr(text, "num_hidden_layers", None), microbatches)
+    if problem:
+        return problem
+    refusals = [
+        (cfg.adapter is not None, f"adapter: {cfg.adapter}"),
+        (pc.ep_size > 1, f"expert_parallel_size: {pc.ep_size}"),
+        (cfg.compile, "torch_compile: true"),
+        (cfg.fp8, "fp8: true"),
+        (bool(cfg.val_set_size), f"val_set_size: {cfg.val_set_size} (evaluation)"),
+    ]
+    for refused, what in refusals:
+        if refused:
+            return (f"pipeline_parallel_size={pp} with {what} is not supported yet: set pipeline_parallel_size: 1, "
+                    "or drop that setting (docs/pipeline_parallel.md, 'What composes')")
+    if pc.cp_enabled and cfg.cp_options().comm_strategy == "ring" and cfg.device == "cpu":
+        return ("pipeline parallel with ring context parallel crashes gloo (a CPU run): set "
+                "cp_comm_strategy: allgather")
+    return None
+
+
+def check_pipeline(cfg: TrainConfig, pc, hf) -> None:
+    problem = pipeline_config_problem(cfg, pc, hf)
+    if problem:
+        raise ConfigError(problem)
