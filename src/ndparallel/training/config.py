@@ -27,7 +27,6 @@ from ndparallel.parallel.options import (
     Float8Options,
     FSDPOptions,
     LossOptions,
-    PipelineOptions,
     StrategyOptions,
     TPOptions,
 )
@@ -43,6 +42,7 @@ from ndparallel.training.config_fields import (
     ClusterFields, DataSourceFields, FSDPConfig, InputForms, LoraExtraFields, PrecisionFields, RunControlFields,
     TrackerFields,
 )
+from ndparallel.training.config_pipeline import PipelineFields
 from ndparallel.training.config_quant import QuantFields
 from ndparallel.optim.lowbit import OptimizerName
 from ndparallel.training.overrides import apply_override
@@ -53,7 +53,7 @@ def _float(**bounds):
 
 
 class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields, QuantFields, ClusterFields,
-                  PrecisionFields, LoraExtraFields):
+                  PrecisionFields, LoraExtraFields, PipelineFields):
     """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one; the
     Axolotl keys that are translated, accepted empty or refused: ``axolotl_keys.py``; the
     quantisation fields: ``config_quant.QuantFields``; preemption and asynchronous checkpoints:
@@ -90,20 +90,6 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
     expert_parallel_size: int = Field(1, validation_alias=AliasChoices("expert_parallel_size", "ep_size"))
     """Mixture-of-experts models: experts split over this many ranks (Axolotl's name); carved out
     of dp_shard × cp × tp, adds no rank (docs/moe.md)."""
-    pipeline_parallel_size: int = Field(1, validation_alias=AliasChoices("pipeline_parallel_size", "pp_size"))
-    """Pipeline stages: the decoder layers split over this many groups of ranks, each laid out by
-    the four sizes above (multiplies the world; docs/pipeline_parallel.md)."""
-    pipeline_schedule: str = "1F1B"
-    """GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble (torch's schedules)."""
-    pipeline_microbatches: int | None = None
-    """Pipeline micro-batches per step (dividing micro_batch_size × gradient_accumulation_steps
-    rows); default: one per gradient-accumulation micro-batch."""
-    pipeline_virtual_stages: int | None = None
-    """Stages per rank; default 1, 2 for the interleaved and zero-bubble schedules."""
-    pipeline_layers_per_stage: int | None = None
-    """Decoder layers per stage (default: an even split)."""
-    pipeline_split_points: list[int] | None = None
-    """The first decoder layer of each stage after the first (exclusive with layers_per_stage)."""
     fsdp_config: FSDPConfig = Field(default_factory=FSDPConfig)
     fsdp_version: int = 2
     """Only FSDP2 (per-parameter sharding on the DeviceMesh) exists here."""
@@ -245,7 +231,7 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
 
     @field_validator(
         "dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size",
-        "expert_parallel_size", "pipeline_parallel_size",
+        "expert_parallel_size",
     )
     @classmethod
     def _degree(cls, v: int, info) -> int:
@@ -319,13 +305,6 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
             dp_replicate_size=self.dp_replicate_size, dp_shard_size=self.dp_shard_size,
             tp_size=self.tensor_parallel_size, cp_size=self.context_parallel_size,
             ep_size=self.expert_parallel_size, pp_size=self.pipeline_parallel_size,
-        )
-
-    def pipeline_options(self) -> PipelineOptions:
-        return PipelineOptions(
-            schedule=self.pipeline_schedule, microbatches=self.pipeline_microbatches,
-            virtual_stages=self.pipeline_virtual_stages, layers_per_stage=self.pipeline_layers_per_stage,
-            split_points=tuple(self.pipeline_split_points) if self.pipeline_split_points is not None else None,
         )
 
     def fsdp_options(self) -> FSDPOptions:

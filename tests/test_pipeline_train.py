@@ -1,0 +1,69 @@
+"""``ndparallel train`` with ``pipeline_parallel_size``: a YAML run on PP 2 × TP 2 checkpoints,
+resumes on PP 1 and exports an HF model equal to an uninterrupted PP 1 run; a bad pipeline is
+refused before any rank starts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_helpers import train_on_forked_ranks  # noqa: E402
+
+BASE = {
+    "base_model": "tiny-llama-tied",  # tied embeddings: the first and last stage hold copies
+    "overrides_of_model_config": {"num_hidden_layers": 4},
+    "optimizer": "sgd", "learning_rate": 0.5, "lr_scheduler": "constant", "max_grad_norm": 1.0,
+    "micro_batch_size": 1, "gradient_accumulation_steps": 2, "sequence_len": 32, "seed": 3,
+}
+
+
+def _write(path: Path, **fields) -> Path:
+    path.write_text(yaml.safe_dump({**BASE, **fields}))
+    return path
+
+
+def _weights(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))
+
+
+def test_pp2_tp2_checkpoint_resumes_on_pp1_and_exports_the_one_process_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel.cli import main
+
+    pp = _write(tmp_path / "pp.yaml", pipeline_parallel_size=2, tensor_parallel_size=2, max_steps=2, save_steps=2,
+                output_dir=str(tmp_path / "pp"))
+    run = train_on_forked_ranks(["train", pp])
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "PP 2 + TP 2 on 4 rank(s)" in run.stdout
+    resumed = _write(tmp_path / "resume.yaml", max_steps=3, output_dir=str(tmp_path / "resumed"),
+                     resume_from_checkpoint=str(tmp_path / "pp" / "checkpoint-2"))
+    straight = _write(tmp_path / "straight.yaml", max_steps=3, output_dir=str(tmp_path / "straight"))
+    assert main(["train", str(resumed)]) == 0  # one rank: in this process
+    assert main(["train", str(straight)]) == 0
+    a, b = _weights(tmp_path / "resumed" / "final"), _weights(tmp_path / "straight" / "final")
+    assert set(a) == set(b) and any(".layers.3." in k for k in a)
+    assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) <= 1e-5
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "final")  # the PP run's own export
+    assert model.config.num_hidden_layers == 4 and type(model).__name__ == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"pipeline_parallel_size": 2, "pipeline_schedule": "PipeDream"}, "is not a schedule"),
+    ({"pipeline_parallel_size": 8}, "8 stages, but the model has 4 decoder layers"),
+    ({"pipeline_parallel_size": 4}, "at least 4"),
+    ({"pipeline_parallel_size": 2, "adapter": "lora", "lora_target_linear": True}, "adapter: lora is not supported"),
+])
+def test_bad_pipelines_fail_before_launch(tmp_path, capsys, fields, words):
+    from ndparallel.cli import main
+
+    config = _write(tmp_path / "bad.yaml", max_steps=1, output_dir=str(tmp_path / "out"), **fields)
+    assert main(["train", str(config), "--dry-run"]) != 0
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err, err
