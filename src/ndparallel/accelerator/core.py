@@ -252,7 +252,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
 
     @property
     def pipeline_parallel_rank(self) -> int:
-        raise NotImplementedError("pipeline parallelism is not supported (as in Accelerate)")
+        """This rank's pipeline stage index (``pp_size``: ndparallel's own, Accelerate has no PP)."""
+        return self.rank_in("pp")
 
     # -------------------------------------------------------------- prepare
     def prepare(self, *objects: Any, device_placement=None) -> Any:

@@ -113,10 +113,15 @@ def prepare_model(acc, model: nn.Module, adapter: Any = None, quantization: Any 
     if rank0_only:
         _broadcast_rank0_weights(acc, model, full)
     new = dict(model.named_parameters(remove_duplicate=False))
-    for pid, name in old.items():
-        if name in new:
-            acc._param_remap[pid] = new[name]
+    staged = acc.engine.dims.pp_enabled  # a pipeline stage holds part of the model:
+    for pid, name in old.items():       # the other stages' parameters leave the optimizer
+        if name in new or staged:
+            acc._param_remap[pid] = new.get(name, DROPPED)
     return register_model(acc, model)
+
+
+DROPPED = object()
+"""``_param_remap``'s value for a parameter this rank does not hold (another pipeline stage's)."""
 
 
 def register_model(acc, model: nn.Module) -> nn.Module:
@@ -140,7 +145,8 @@ def prepare_optimizer(acc, optimizer: torch.optim.Optimizer) -> AcceleratedOptim
         raise ValueError("the optimizer already holds state (it has stepped): create it, or call prepare, "
                          "before the first optimizer.step()")
     for group in optimizer.param_groups:
-        group["params"] = [acc._param_remap.get(id(p), p) for p in group["params"]]
+        remapped = (acc._param_remap.get(id(p), p) for p in group["params"])
+        group["params"] = [p for p in remapped if p is not DROPPED]
     wrapped = AcceleratedOptimizer(optimizer, acc.gradient_state, scaler=acc.scaler)
     acc._optimizers.append(optimizer)
     acc._prepared_optimizers.append(wrapped)

@@ -4,7 +4,7 @@ prepared optimizer/scheduler skipping until the step completes), clipping, autoc
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -106,6 +106,23 @@ class SteppingMixin:
         inside ``maybe_context_parallel``) and return this rank's token-loss sum / the global token
         count (``Engine.forward_loss``: the chunked loss where exact, else the logits)."""
         return self.engine.forward_loss(model, batch, num_items_in_batch)
+
+    def pipeline_step(self, model: nn.Module, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> torch.Tensor:
+        """Under pipeline parallel (``pp_size`` > 1, ndparallel's own: Accelerate has none), the
+        forward and backward of one optimizer step's micro-batches (``input_ids``,
+        ``shift_labels``, ``position_ids``; this dp rank's, not CP-sharded) through the stages;
+        returns the step's global mean token loss on every rank. Then ``clip_grad_norm_`` and
+        ``optimizer.step()`` as usual: ``model(...)`` cannot run a model cut into stages."""
+        pipeline = self.engine.pipeline_of(model)
+        if pipeline is None:
+            raise ValueError("pipeline_step needs a model prepared with pp_size > 1; without pipeline parallel "
+                             "run forward_loss and backward per micro-batch")
+        from ndparallel.engine import batch_to_device
+
+        micro_batches = [batch_to_device(mb, self.engine.device) for mb in micro_batches]
+        n_items = self.engine.global_num_items(micro_batches)
+        scale = self.scaler.scale if self.scaler is not None else None
+        return self.engine.reduce_step_loss(pipeline.forward_backward(micro_batches, n_items, scale))
 
     def backward(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
                  **kwargs) -> None:

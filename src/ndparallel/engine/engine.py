@@ -332,17 +332,22 @@ class Engine:
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
-        """Clip to ``max_norm``; returns the true global norm (any layout, any mix of meshes; under
-        pipeline parallel over every stage: pass ``Pipeline.norm_parameters()``)."""
-        from ndparallel.parallel.grad_norm import clip_grad_norm_
+        """Clip to ``max_norm``; returns the true global norm (any layout, any mix of meshes, every
+        pipeline stage)."""
+        from ndparallel.parallel.grad_norm import scale_grads_to
 
-        return clip_grad_norm_(parameters, max_norm, norm_type, across=self._stage_group(), device=self.device)
+        parameters = list(parameters)
+        total = self.grad_norm(parameters, norm_type)
+        scale_grads_to(parameters, total, max_norm)
+        return total
 
     def grad_norm(self, parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm; under pipeline parallel over every stage, each weight once
+        (the last stage's copy of tied embeddings is not counted again)."""
         from ndparallel.parallel.grad_norm import total_grad_norm
 
-        return total_grad_norm(parameters, norm_type, across=self._stage_group(), device=self.device)
-
-    def _stage_group(self):
-        """The group whose ranks hold different parameters of one model (the pp group), or None."""
-        return self.group("pp") if self.dims.pp_enabled else None
+        if not self.dims.pp_enabled:
+            return total_grad_norm(parameters, norm_type, device=self.device)
+        copies = {i for pipeline in self._pipelines.values() for i in pipeline.tied_copy_ids()}
+        counted = [p for p in parameters if id(p) not in copies]
+        return total_grad_norm(counted, norm_type, across=self.group("pp"), device=self.device)

@@ -94,12 +94,8 @@ def train_step(
     params = list(model.parameters())
     if scaler is not None:
         scaler.unscale_(params)
-    pipeline = engine.pipeline_of(model)  # pipeline stages: the norm counts a tied weight once
-    norm = engine.grad_norm(pipeline.norm_parameters() if pipeline is not None else params)
-    if max_grad_norm:
-        from ndparallel.parallel.grad_norm import scale_grads_to
-
-        scale_grads_to(params, norm, max_grad_norm)
+    norm = (engine.clip_grad_norm_(params, max_grad_norm) if max_grad_norm
+            else engine.grad_norm(params))
     engine.reduce_step_loss(loss)
     apply = scaler is None or scaler.update(norm, step)
     seen_norm = norm if apply else torch.zeros((), device=norm.device)

@@ -14,8 +14,8 @@ schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble); what it does not do is w
 * tied input / output embeddings: the first stage's embedding and the last stage's LM head are two
   copies; their gradients are summed after the step (so both take the same update) and the norm
   counts the weight once.
-* the gradient norm across stages (``grad_norm.total_grad_norm(across=pp)``) and the step loss,
-  which only the last stage has, sent to every rank.
+* the gradient norm across stages (``Engine.grad_norm``: ``total_grad_norm(across=pp)``, the
+  tied copy not counted twice) and the step loss, which only the last stage has, sent to every rank.
 """
 
 from __future__ import annotations
@@ -152,12 +152,12 @@ class Pipeline:
         for g in local:
             dist.all_reduce(g, group=group)
 
-    def norm_parameters(self) -> list[torch.Tensor]:
-        """The parameters the gradient norm counts: the tied weight once (its first-stage copy)."""
-        skip = set()
-        if self._tied is not None and self.holds_last:
-            skip.add(id(self.modules[self.plan.n_stages - 1].lm.get_output_embeddings().weight))
-        return [p for lm in self.lms() for p in lm.parameters() if id(p) not in skip]
+    def tied_copy_ids(self) -> set[int]:
+        """ids of the parameters the gradient norm must not count again: the last stage's copy of
+        tied embeddings (its first-stage twin is counted)."""
+        if self._tied is None or not self.holds_last:
+            return set()
+        return {id(self.modules[self.plan.n_stages - 1].lm.get_output_embeddings().weight)}
 
     # ------------------------------------------------------------------------ step
     def _schedule(self, n_microbatches: int):

@@ -135,4 +135,4 @@ class StageView(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline-parallel model holds only this rank's stages: train it with the engine's "
-                           "train_step (ndparallel train / Accelerator.pipeline_step), not model(...)")
+                           "train_step (ndparallel train) or Accelerator.pipeline_step, not model(...)")
