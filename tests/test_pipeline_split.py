@@ -52,3 +52,11 @@ def test_pp_size_is_a_degree_like_the_others(monkeypatch):
         ParallelismConfig(pp_size=-1)
     with pytest.raises(ParallelismConfigError, match="pp_size × dp_replicate_size"):
         ParallelismConfig(pp_size=2, dp_shard_size=2).resolve(8)
+
+
+def test_bubble_share_per_schedule():
+    from ndparallel.parallel.pipeline_split import bubble_fraction
+
+    assert bubble_fraction(plan_stages(PipelineOptions(), 4, 8), 12) == 3 / 15  # (p-1)/(m+p-1)
+    assert bubble_fraction(plan_stages(PipelineOptions(schedule="Interleaved1F1B"), 4, 8), 12) == 3 / 27
+    assert bubble_fraction(plan_stages(PipelineOptions(schedule="ZBVZeroBubble"), 2, 8), 4) == 0.0

@@ -228,7 +228,8 @@ def run_verify(argv: Sequence[str]) -> int:
                         help="max relative fp32 loss/grad-norm error (> 0)")
     parser.add_argument("--param-tolerance", type=at_least(0.0, strict=True), default=1e-6,
                         help="max absolute fp32 parameter difference after the steps (> 0)")
-    parser.add_argument("--inject-fault", choices=["skip-grad-sync", "cross-documents"], default=None,
+    parser.add_argument("--inject-fault", choices=["skip-grad-sync", "cross-documents", "unsummed-tied-grads"],
+                        default=None,
                         help=argparse.SUPPRESS)  # proves the check can fail (tests)
     args = parser.parse_args(list(argv))
     try:

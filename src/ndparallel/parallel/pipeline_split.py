@@ -128,3 +128,14 @@ def plan_stages(options: PipelineOptions, pp: int, num_layers: int) -> StagePlan
         raise ValueError(problem)
     v = virtual_stages(options)
     return StagePlan(pp, v, schedule_name(options.schedule), stage_layers(options, pp * v, num_layers))
+
+
+def bubble_fraction(plan: StagePlan, microbatches: int) -> float:
+    """The share of a step each stage idles in the schedule's fill and drain (the standard
+    estimate, equal stage times): (p − 1) / (m + p − 1) for GPipe and 1F1B, (p − 1) / (v·m + p − 1)
+    with v stages per rank (interleaved), about 0 for the zero-bubble schedules (their weight-
+    gradient passes fill the gaps; ideal, not guaranteed)."""
+    p, m, v = plan.pp, microbatches, plan.virtual
+    if plan.schedule in ZERO_BUBBLE_SCHEDULES:
+        return 0.0
+    return (p - 1) / (v * m + p - 1)

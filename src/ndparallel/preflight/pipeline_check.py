@@ -50,3 +50,15 @@ def check_pipeline(cfg: TrainConfig, pc, hf) -> None:
     problem = pipeline_config_problem(cfg, pc, hf)
     if problem:
         raise ConfigError(problem)
+
+
+def pipeline_summary(cfg: TrainConfig, pc, hf) -> str:
+    """One line for ``--dry-run``: schedule, stages and their layers, micro-batches, the bubble."""
+    from ndparallel.parallel.pipeline_split import bubble_fraction, plan_stages
+
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    plan = plan_stages(cfg.pipeline_options(), pc.pp_size, text.num_hidden_layers)
+    m = cfg.pipeline_microbatches or cfg.gradient_accumulation_steps
+    layers = " | ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in plan.layers)
+    return (f"{plan.schedule}, {plan.n_stages} stages ({plan.virtual} per rank; layers {layers}), "
+            f"{m} micro-batches per step; idle share (bubble) ≈ {bubble_fraction(plan, m):.0%}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ndparallel.training.config import TrainConfig
 from ndparallel.preflight.checks import run_notes
+from ndparallel.preflight.pipeline_check import pipeline_summary
 
 
 def describe_plan(cfg: TrainConfig, pc, hf) -> str:
@@ -25,6 +26,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         f"per rank     : {cfg.micro_batch_size} × {cfg.sequence_len // pc.cp_size} tokens per micro-batch"
         + (f" (sequence split over cp={pc.cp_size})" if pc.cp_enabled else ""),
         *_experts_lines(pc, hf),
+        *([f"pipeline     : {pipeline_summary(cfg, pc, hf)}"] if pc.pp_enabled else []),
         f"fsdp         : {cfg.fsdp_config.model_dump()}",
         f"precision    : {_precision(cfg)}"
         + (f", fp8 linears ({cfg.fp8_recipe})" if cfg.fp8 else ""),

@@ -107,6 +107,23 @@ def _compare(console, title: str, ref, got) -> dict:
     return diff
 
 
+def _enough_layers_for_stages(small, cfg: TrainConfig, pc):
+    """The shrunk model with a decoder layer for every pipeline stage (its two layer kinds
+    repeated): two layers cannot fill 2 stages × 2 virtual stages."""
+    if pc.pp_size <= 1:
+        return small
+    from ndparallel.parallel.pipeline_split import virtual_stages
+
+    stages = pc.pp_size * virtual_stages(cfg.pipeline_options())
+    if stages <= small.num_hidden_layers:
+        return small
+    kinds = getattr(small, "layer_types", None)
+    small.num_hidden_layers = stages
+    if isinstance(kinds, list) and kinds:
+        small.layer_types = [kinds[i % len(kinds)] for i in range(stages)]
+    return small
+
+
 def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: float = 1e-5,
                   fault: str | None = None, param_tolerance: float = 1e-6) -> bool:
     """Train a shrunk copy of the model under the config's layout and options and on one process,
@@ -121,12 +138,12 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
     from ndparallel.tools.equivalence import train_under_layout
 
     console = Console()
-    small = shrink_config(hf_config, pc.tp_size, pc.cp_size, pc.ep_size)
+    small = _enough_layers_for_stages(shrink_config(hf_config, pc.tp_size, pc.cp_size, pc.ep_size), cfg, pc)
     setup = _setup(cfg, pc, small, steps, fault)
     console.print(
         f"verify: {pc.describe()} on {pc.total_size} CPU ranks vs 1 process; shrunk "
         f"{small.model_type}: hidden {small.hidden_size}, heads {small.num_attention_heads}/"
-        f"{small.num_key_value_heads}, 2 layers, seq {setup.seq_len} (packed documents), {steps} "
+        f"{small.num_key_value_heads}, {small.num_hidden_layers} layers, seq {setup.seq_len} (packed documents), {steps} "
         + EXACT_STEPS_NOTE + (f"; LoRA r={setup.adapter['r']} (dropout 0)" if setup.adapter else "")
         + ("; a 4-bit NF4 base (16 x 4 blocks: the shrunk weights are small)" if setup.quantization else ""))
     runs = [("fp32", setup, tolerance)]
