@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import CPOptions, PipelineOptions
+from ndparallel.parallel.options import CPOptions, FSDPOptions, PipelineOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
@@ -30,6 +30,8 @@ CASES = {  # name: (model, layout, schedule, extra strategy options, pipeline mi
     "pp2_tp2_tied": ("qwen3_tied", {"pp_size": 2, "tp_size": 2}, "1F1B", {}, None),
     "pp2_cp2": ("llama", {"pp_size": 2, "cp_size": 2}, "1F1B", ALLGATHER, None),
     "pp2_dp2_interleaved": ("llama_tied", {"pp_size": 2, "dp_replicate_size": 2}, "Interleaved1F1B", {}, None),
+    "pp2_checkpointing": ("llama_tied", {"pp_size": 2}, "1F1B",
+                          {"fsdp_options": FSDPOptions(activation_checkpointing=True)}, None),
 }
 
 _references: dict = {}
@@ -69,6 +71,20 @@ def test_pp2_fsdp2_tp2_on_8_ranks_equals_one_process():
     got = run_on_ranks(train_under_layout, 8, pipelined("llama_tied", "1F1B"), layout)[0]
     diff = compare(reference("llama_tied"), got)
     assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_pp2_mixed_precision_equals_one_process(precision):
+    """fp16 (loss scaling: the scale multiplies the last stage's loss) and bf16 activations
+    between stages: the same as one process at that precision."""
+    extra = {"mixed_precision": precision, "steps": 3}
+    if precision == "fp16":
+        extra["loss_scale"] = {"init_scale": 2.0 ** 10}  # every step applies (see test_fp16.py)
+    ref = run_on_ranks(train_under_layout, 1, TrainSetup(MODELS["llama"], **{**BASE, **extra}), None)[0]
+    got = run_on_ranks(train_under_layout, 2, pipelined("llama", "1F1B", **extra), {"pp_size": 2})[0]
+    diff = compare(ref, got)
+    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff
+    assert ref.loss_scales == got.loss_scales
 
 
 def test_unsummed_tied_gradients_are_caught():
