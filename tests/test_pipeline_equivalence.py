@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import CPOptions, FSDPOptions, PipelineOptions
+from ndparallel.parallel.options import CPOptions, FSDPOptions, PipelineOptions, TPOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
@@ -27,7 +27,8 @@ CASES = {  # name: (model, layout, schedule, extra strategy options, pipeline mi
     "pp2_zbv_tied": ("llama_tied", {"pp_size": 2}, "ZBVZeroBubble", {}, None),
     "pp4_tied": ("llama_tied", {"pp_size": 4}, "1F1B", {}, 4),  # the first/last-stage pair group
     "pp2_fsdp2": ("llama", {"pp_size": 2, "dp_shard_size": 2}, "1F1B", {}, None),
-    "pp2_tp2_tied": ("qwen3_tied", {"pp_size": 2, "tp_size": 2}, "1F1B", {}, None),
+    "pp2_tp2_sp_tied": ("qwen3_tied", {"pp_size": 2, "tp_size": 2}, "1F1B",
+                        {"tp_options": TPOptions(sequence_parallel=True)}, None),
     "pp2_cp2": ("llama", {"pp_size": 2, "cp_size": 2}, "1F1B", ALLGATHER, None),
     "pp2_dp2_interleaved": ("llama_tied", {"pp_size": 2, "dp_replicate_size": 2}, "Interleaved1F1B", {}, None),
     "pp2_checkpointing": ("llama_tied", {"pp_size": 2}, "1F1B",
