@@ -1,5 +1,6 @@
 """Pipeline parallel trains the same model as one process (fp32, SGD): every schedule, PP composed
-with FSDP, TP and CP, tied embeddings across stages, on Llama and Qwen3 (tied)."""
+with FSDP, TP, CP and EP, tied embeddings across stages, on Llama, Qwen3 (tied) and Qwen3-MoE
+(without the router loss, which PP refuses)."""
 
 import dataclasses
 
@@ -15,6 +16,7 @@ MODELS = {  # 4 decoder layers: 2 stages × 2 virtual stages still get one layer
     "llama": preset_config("tiny-llama", num_hidden_layers=4),
     "llama_tied": preset_config("tiny-llama-tied", num_hidden_layers=4),
     "qwen3_tied": preset_config("tiny-qwen3", num_hidden_layers=4),
+    "qwen3_moe": preset_config("tiny-qwen3-moe", num_hidden_layers=4, output_router_logits=False),
 }
 BASE = dict(steps=2, global_micro_batch=4, grad_accum=2, seq_len=16, optimizer="sgd", lr=0.5, max_grad_norm=1.0)
 ALLGATHER = {"cp_options": CPOptions(comm_strategy="allgather")}
@@ -31,6 +33,7 @@ CASES = {  # name: (model, layout, schedule, extra strategy options, pipeline mi
                         {"tp_options": TPOptions(sequence_parallel=True)}, None),
     "pp2_cp2": ("llama", {"pp_size": 2, "cp_size": 2}, "1F1B", ALLGATHER, None),
     "pp2_dp2_interleaved": ("llama_tied", {"pp_size": 2, "dp_replicate_size": 2}, "Interleaved1F1B", {}, None),
+    "pp2_fsdp2_ep2_moe": ("qwen3_moe", {"pp_size": 2, "dp_shard_size": 2, "ep_size": 2}, "1F1B", {}, None),
     "pp2_checkpointing": ("llama_tied", {"pp_size": 2}, "1F1B",
                           {"fsdp_options": FSDPOptions(activation_checkpointing=True)}, None),
 }
@@ -52,8 +55,8 @@ def pipelined(model, schedule, extra=None, microbatches=None, **setup):
 
 def world(layout: dict) -> int:
     n = 1
-    for v in layout.values():
-        n *= v
+    for dim, v in layout.items():
+        n *= 1 if dim == "ep_size" else v  # expert parallel borrows its ranks
     return n
 
 

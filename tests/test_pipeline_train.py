@@ -59,6 +59,8 @@ def test_pp2_tp2_checkpoint_resumes_on_pp1_and_exports_the_one_process_model(tmp
     ({"pipeline_parallel_size": 8}, "8 stages, but the model has 4 decoder layers"),
     ({"pipeline_parallel_size": 4}, "at least 4"),
     ({"pipeline_parallel_size": 2, "adapter": "lora", "lora_target_linear": True}, "adapter: lora is not supported"),
+    ({"pipeline_parallel_size": 2, "base_model": "tiny-qwen3-moe"}, "output_router_logits: false"),
+    ({"pipeline_parallel_size": 2, "base_model": "tiny-mixtral"}, "this model is 'mixtral'"),
 ])
 def test_bad_pipelines_fail_before_launch(tmp_path, capsys, fields, words):
     from ndparallel.cli import main

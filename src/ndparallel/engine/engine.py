@@ -26,6 +26,12 @@ from ndparallel.parallel.options import StrategyOptions
 from ndparallel.runtime.distributed import DistributedInfo, init_distributed
 
 
+ROUTER_LOSS_UNDER_PP = (
+    "pipeline parallel with a mixture-of-experts router load-balancing loss is not supported yet (its expert "
+    "fractions span every stage's layers): set output_router_logits: false in overrides_of_model_config, or "
+    "pipeline_parallel_size: 1")
+
+
 class Engine:
     """Start (or join) the process group, resolve ``layout`` against its world size, build the
     4-D mesh (every group with the collective timeout) and hold the strategy ``options``.
@@ -144,8 +150,7 @@ class Engine:
         if problem is None and adapter is not None:
             problem = "pipeline parallel with a LoRA adapter is not supported yet: set pipeline_parallel_size: 1"
         if problem is None and self.router_aux_spec(model) is not None:
-            problem = ("pipeline parallel with a mixture-of-experts router loss is not supported yet: "
-                       "set pipeline_parallel_size: 1")
+            problem = ROUTER_LOSS_UNDER_PP
         if problem is None and self.dims.cp_enabled and self.options.cp.comm_strategy == "ring" \
                 and self.info.device_type == "cpu":
             problem = ("pipeline parallel with ring context parallel crashes gloo (a CPU run): set "

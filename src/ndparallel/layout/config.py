@@ -355,7 +355,7 @@ def _ep_hint(ep: int, sizes: Mapping[str, int], world: int) -> str:
     = world size): here ep ranks are borrowed from dp_shard × cp × tp and multiply nothing."""
     if ep == 1:
         return ""
-    rest = sizes["dp_replicate_size"] * sizes["cp_size"] * sizes["tp_size"]
+    rest = sizes.get("pp_size", 1) * sizes["dp_replicate_size"] * sizes["cp_size"] * sizes["tp_size"]
     shard = world // rest if world % rest == 0 else None
     fix = f" (here: dp_shard_size={shard} with expert_parallel_size={ep})" if shard else ""
     return (f". Note: expert_parallel_size adds no ranks in ndparallel (torchtitan's rule, not Axolotl's "

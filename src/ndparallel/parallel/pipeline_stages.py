@@ -21,7 +21,7 @@ import torch.nn as nn
 from ndparallel.models.layers import decoder_module
 from ndparallel.models.naming import model_class_name
 
-PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 """Families whose decoder forward takes ``inputs_embeds`` as the hidden states unchanged and whose
 logits are ``lm_head(norm(hidden))``: what a stage cut needs; each is proven by the PP
 equivalence tests (Gemma scales the embeddings and soft-caps the logits inside the forward)."""

@@ -29,9 +29,12 @@ def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
     problem = pipeline_problem(options, pp, getattr(text, "num_hidden_layers", None), microbatches)
     if problem:
         return problem
+    if getattr(text, "output_router_logits", False) and getattr(text, "router_aux_loss_coef", None) is not None:
+        from ndparallel.engine.engine import ROUTER_LOSS_UNDER_PP
+
+        return ROUTER_LOSS_UNDER_PP
     refusals = [
         (cfg.adapter is not None, f"adapter: {cfg.adapter}"),
-        (pc.ep_size > 1, f"expert_parallel_size: {pc.ep_size}"),
         (cfg.compile, "torch_compile: true"),
         (cfg.fp8, "fp8: true"),
         (bool(cfg.val_set_size), f"val_set_size: {cfg.val_set_size} (evaluation)"),
