@@ -91,6 +91,20 @@ def test_pp2_mixed_precision_equals_one_process(precision):
     assert ref.loss_scales == got.loss_scales
 
 
+def test_packed_documents_stay_apart_on_every_stage():
+    """Rows packed with several documents: every stage builds its mask from the position_ids it
+    receives, so the pipeline trains what one process trains on the same packed rows."""
+    ref = run_on_ranks(train_under_layout, 1, TrainSetup(MODELS["qwen3_tied"], **BASE, packed_documents=True),
+                       None)[0]
+    got = run_on_ranks(train_under_layout, 2, pipelined("qwen3_tied", "1F1B", packed_documents=True),
+                       {"pp_size": 2})[0]
+    diff = compare(ref, got)
+    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff
+    crossing = run_on_ranks(train_under_layout, 2, pipelined("qwen3_tied", "1F1B", packed_documents=True,
+                                                             fault="cross-documents"), {"pp_size": 2})[0]
+    assert compare(ref, crossing)["loss_rel"] > 1e-4  # attention across documents is caught
+
+
 def test_unsummed_tied_gradients_are_caught():
     """The negative control: the two stage copies of a tied embedding updated from their own
     gradients only train a different model, and the comparison says so."""
