@@ -263,7 +263,7 @@ def distribute_leftover_params(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Modu
         if not any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             continue
         if name in grad_allreduce:
-            module.__dict__.pop("forward", None)  # transformers' per-instance TP forward wrapper
+            _drop_transformers_grad_allreduce(module)
             style = ReplicateParallel(Shard(-2))
         else:
             style = ReplicateParallel(Replicate())
@@ -273,6 +273,18 @@ def distribute_leftover_params(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Modu
     _check_all_dtensor(model)
     align_grad_placements(model)
     return model
+
+
+def _drop_transformers_grad_allreduce(module: nn.Module) -> None:
+    """Remove transformers' gradient all-reduce of a ``replicated_with_grad_allreduce`` module: a
+    per-instance forward wrapper (transformers < 5.25) or a forward pre-hook that hooks the
+    parameters' accumulated gradients (5.25); both call ``dist.all_reduce`` on a gradient, which
+    a DTensor gradient cannot take. DTensor autograd does that reduction here."""
+    module.__dict__.pop("forward", None)
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if getattr(hook, "__module__", "").startswith("transformers.") and "tp_forward_pre_hook" in getattr(
+                hook, "__qualname__", ""):
+            del module._forward_pre_hooks[key]
 
 
 def _in_loss_parallel(loss_fn):
