@@ -329,7 +329,7 @@ def test_build_device_mesh_starts_the_process_group_under_torchrun():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    assert run_on_ranks(_mesh_starts_group, 2, port)[0] == (True, 2, (1, 2, 1, 1))
+    assert run_on_ranks(_mesh_starts_group, 2, port)[0] == (True, 2, (1, 1, 2, 1, 1))  # (pp, dp_replicate, dp_shard, cp, tp)
 
 
 def _transformers_tp_whole_world(path):

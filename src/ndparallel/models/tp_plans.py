@@ -26,6 +26,8 @@ STYLES: dict[str, str] = {
     "replicated_with_grad_allreduce": "replicated params on head-sharded input (e.g. Qwen3 q_norm/k_norm);"
     " gradients summed over tp.",
     "replicate": "replicated params on a replicated input.",
+    "mla_kv_a_proj": "MLA's shared K/V down-projection (DeepSeek V2/V3, transformers >= 5.25): replicated,"
+    " its gradient summed over tp by DTensor (the rope part bypasses the colwise kv_b_proj).",
     "sequence_parallel": "replicated params; input sharded on the sequence dim under sequence parallel.",
 }
 """The Hugging Face style names ndparallel maps onto DTensor styles, with their meaning."""

@@ -56,6 +56,7 @@ from ndparallel.parallel.options import TPOptions
 from ndparallel.parallel.positions import position_hook
 from ndparallel.parallel.tp_styles import (
     GatherSequenceInput,
+    MlaKvAProjParallel,
     ReplicateBlockInput,
     ReplicateParallel,
     align_grad_placements,
@@ -119,6 +120,10 @@ def apply_tensor_parallel(
     experts, moe_blocks = moe_prefixes(model)
     assigned = {n: st for n, st in assigned.items() if not n.startswith(moe_blocks)
                 and any(True for _ in model.get_submodule(n).parameters())}  # a pipeline stage's stand-ins
+    if getattr(model.config, "qk_rope_head_dim", None):  # MLA: transformers < 5.25's plans lack the style
+        for name, _ in model.named_modules():
+            if name.endswith("kv_a_proj_with_mqa") and name not in assigned and not name.startswith(moe_blocks):
+                assigned[name] = "mla_kv_a_proj"
     head = _output_embedding_name(model)
     head_colwise = head in assigned and str(assigned[head]).startswith("colwise")
     if options.loss_parallel and not head_colwise:
@@ -133,10 +138,13 @@ def apply_tensor_parallel(
         on_residual, block = _layer_position(name)
         if block:
             blocks.add(block)
-        styles[name] = parallel_style(
-            style, on_residual=on_residual, sequence_parallel=sp,
-            output_sharded=options.loss_parallel and name == head,
-        )
+        if style == "mla_kv_a_proj":  # needs the rotary width: from the config
+            styles[name] = MlaKvAProjParallel(model.config.qk_rope_head_dim)
+        else:
+            styles[name] = parallel_style(
+                style, on_residual=on_residual, sequence_parallel=sp,
+                output_sharded=options.loss_parallel and name == head,
+            )
         if is_lora_layer(model.get_submodule(name)):  # PEFT wrapped it: shard A/B with the base
             styles[name] = LoraParallel(styles[name], name)
     _replicate_the_rest(model, styles, blocks, sp, experts, moe_blocks)

@@ -206,6 +206,43 @@ class GatherSequenceInput(_BlockInput):
         return x.redistribute(mesh, [Replicate()])
 
 
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward: the gradient summed over ``group`` (each rank's was partial)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class MlaKvAProjParallel(ReplicateParallel):
+    """MLA's shared K/V down-projection (DeepSeek V2/V3, transformers' ``mla_kv_a_proj``):
+    replicated, but the last ``rope_dim`` outputs (the rotary key part) skip the column-sharded
+    ``kv_b_proj`` and meet only this rank's heads, so their gradient is partial on each rank: it
+    is summed over tp here (the rest comes back whole through ``kv_b_proj``'s input gradient)."""
+
+    def __init__(self, rope_dim: int):
+        super().__init__(Replicate())
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
+        group, rope = device_mesh.get_group(), self.rope_dim
+
+        def sum_rope_grad(_mod, _args, output):
+            passed, rotary = output.split([output.shape[-1] - rope, rope], dim=-1)
+            return torch.cat([passed, _SumGradOverGroup.apply(rotary, group)], dim=-1)
+
+        module.register_forward_hook(sum_rope_grad)  # after the DTensor output became local
+        return module
+
+
 def parallel_style(
     style: object, *, on_residual: bool, sequence_parallel: bool, output_sharded: bool = False
 ) -> ParallelStyle:
