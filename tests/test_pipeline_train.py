@@ -1,6 +1,6 @@
-"""``ndparallel train`` with ``pipeline_parallel_size``: a YAML run on PP 2 × TP 2 checkpoints,
-resumes on PP 1 and exports an HF model equal to an uninterrupted PP 1 run; a bad pipeline is
-refused before any rank starts."""
+"""``ndparallel train`` with ``pipeline_parallel_size``: a YAML run on PP 2 × TP 2 evaluates as PP 1
+does, checkpoints, resumes on PP 1 and exports an HF model equal to an uninterrupted PP 1 run; a
+bad pipeline is refused before any rank starts."""
 
 from __future__ import annotations
 
@@ -18,12 +18,20 @@ BASE = {
     "overrides_of_model_config": {"num_hidden_layers": 4},
     "optimizer": "sgd", "learning_rate": 0.5, "lr_scheduler": "constant", "max_grad_norm": 1.0,
     "micro_batch_size": 1, "gradient_accumulation_steps": 2, "sequence_len": 32, "seed": 3,
+    "datasets": [{"path": "builtin:stdlib", "max_bytes": 60000}], "val_set_size": 0.05, "eval_steps": 1,
 }
 
 
 def _write(path: Path, **fields) -> Path:
     path.write_text(yaml.safe_dump({**BASE, **fields}))
     return path
+
+
+def _eval_losses(output_dir: Path) -> dict[int, float]:
+    import json
+
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
 
 
 def _weights(directory: Path) -> dict:
@@ -47,6 +55,8 @@ def test_pp2_tp2_checkpoint_resumes_on_pp1_and_exports_the_one_process_model(tmp
     straight = _write(tmp_path / "straight.yaml", max_steps=3, output_dir=str(tmp_path / "straight"))
     assert main(["train", str(resumed)]) == 0  # one rank: in this process
     assert main(["train", str(straight)]) == 0
+    pp_eval, one_eval = _eval_losses(tmp_path / "pp"), _eval_losses(tmp_path / "straight")
+    assert sorted(pp_eval) == [1, 2] and all(abs(pp_eval[s] - one_eval[s]) <= 1e-5 * one_eval[s] for s in pp_eval)
     a, b = _weights(tmp_path / "resumed" / "final"), _weights(tmp_path / "straight" / "final")
     assert set(a) == set(b) and any(".layers.3." in k for k in a)
     assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) <= 1e-5

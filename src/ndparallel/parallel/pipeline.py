@@ -89,6 +89,11 @@ def join_micro_batches(micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> d
     return {k: torch.cat(v) for k, v in out.items()}
 
 
+def _ignored(micro_batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A micro-batch of the same shape that trains and scores nothing (every label ignored)."""
+    return {**micro_batch, "shift_labels": torch.full_like(micro_batch["shift_labels"], IGNORE_INDEX)}
+
+
 class Pipeline:
     """This rank's stages of a pipeline-parallel model and the schedule that runs them."""
 
@@ -187,24 +192,46 @@ class Pipeline:
                          loss_scale: float | None = None) -> torch.Tensor:
         """Run the step's micro-batches through the schedule (forward and backward) and return this
         rank's share of the step loss (the last stage's sum over its micro-batches, else 0)."""
-        n = self.microbatches(micro_batches)
+        self._loss_scale = loss_scale
+        total = self._run(micro_batches, num_items, self.microbatches(micro_batches), train=True)
+        self._sum_tied_grads()
+        return total / loss_scale if loss_scale is not None else total
+
+    def eval_group(self) -> int:
+        """Micro-batches per evaluation pass: the training step's pipeline micro-batches (a count
+        the schedule accepts), at least the number of stages."""
+        return self.engine.options.pipeline.microbatches or self.plan.pp
+
+    def evaluate(self, micro_batches: Sequence[Mapping[str, torch.Tensor]], num_items: torch.Tensor,
+                 group: int) -> torch.Tensor:
+        """Forward only, ``group`` micro-batches at a time (the last group filled with micro-batches
+        whose labels are all ignored): this rank's share of the token-loss sum / ``num_items``."""
+        self._loss_scale = None
+        total = torch.zeros((), device=self.engine.device)
+        for start in range(0, len(micro_batches), group):
+            chunk = list(micro_batches[start:start + group])
+            chunk += [_ignored(chunk[-1])] * (group - len(chunk))
+            with torch.no_grad():
+                total += self._run(chunk, num_items, group, train=False)
+        return total
+
+    def _run(self, micro_batches, num_items: torch.Tensor, n: int, train: bool) -> torch.Tensor:
         batch = join_micro_batches(micro_batches)
         for module in self.modules.values():
             module.num_items = num_items
-        self._loss_scale = loss_scale
         losses: list[torch.Tensor] = []
         schedule = self._schedule(n)
         last_lm = self.modules[self.plan.n_stages - 1].lm if self.holds_last else None
         with self.engine.batch_context(batch), self.engine.loss_context(last_lm):
             args = (batch["input_ids"],) if self.holds_first else ()
             target = batch["shift_labels"] if self.holds_last else None
-            schedule.step(*args, position_ids=batch["position_ids"], shift_labels=batch["shift_labels"],
-                          target=target, losses=losses, return_outputs=False)
-        self._sum_tied_grads()
+            run = schedule.step if train else schedule.eval
+            run(*args, position_ids=batch["position_ids"], shift_labels=batch["shift_labels"], target=target,
+                losses=losses, return_outputs=False)
         total = torch.zeros((), device=self.engine.device)
         for loss in losses:
             total += loss.detach().float()
-        return total / loss_scale if loss_scale is not None else total
+        return total
 
 
 def gather_stage_states(engine, state: dict) -> dict | None:

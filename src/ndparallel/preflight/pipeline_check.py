@@ -37,7 +37,6 @@ def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
         (cfg.adapter is not None, f"adapter: {cfg.adapter}"),
         (cfg.compile, "torch_compile: true"),
         (cfg.fp8, "fp8: true"),
-        (bool(cfg.val_set_size), f"val_set_size: {cfg.val_set_size} (evaluation)"),
     ]
     for refused, what in refusals:
         if refused:

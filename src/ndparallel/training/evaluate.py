@@ -26,16 +26,23 @@ def validation_loader(engine, val_blocks, micro_batch_size: int, seed: int, pad_
 def evaluate(engine, model, loader) -> dict:
     """Loss over every validation block (sharded over the dp ranks), as one device computes it:
     the sum of token losses / the number of label tokens."""
-    micro_batches = range(len(loader))
     with evaluation(model):
         # label tokens counted on the host batches (one small collective), then one micro-batch at
-        # a time on the device
-        n_items = engine.global_num_items(loader.micro_batch(i) for i in micro_batches)
+        # a time on the device (under pipeline parallel: a pipeline's worth at a time)
+        n_items = engine.global_num_items(loader.micro_batch(i) for i in range(len(loader)))
         total = torch.zeros((), device=engine.device)
-        for i in micro_batches:
-            mb = batch_to_device(loader.micro_batch(i), engine.device)
-            with engine.batch_context(mb):
-                total += engine.forward_loss(model, mb, n_items).float()
+        pipeline = engine.pipeline_of(model)
+        if pipeline is not None:
+            group = pipeline.eval_group()
+            for start in range(0, len(loader), group):
+                mbs = [batch_to_device(loader.micro_batch(i), engine.device)
+                       for i in range(start, min(start + group, len(loader)))]
+                total += pipeline.evaluate(mbs, n_items, group)
+        else:
+            for i in range(len(loader)):
+                mb = batch_to_device(loader.micro_batch(i), engine.device)
+                with engine.batch_context(mb):
+                    total += engine.forward_loss(model, mb, n_items).float()
         engine.reduce_step_loss(total)
     loss = float(total)
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
