@@ -47,7 +47,7 @@ def test_quick_cpu_calibration_feeds_the_planner(tmp_path, capsys):
                  str(path), "--seq-len", "256", "--global-batch-size", "8",
                  "--mixed-precision", "fp32", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert len(data["ranked"]) == 4  # 2x1x1x1, 1x2x1x1, 1x1x2x1, 1x1x1x2
+    assert len(data["ranked"]) == 5  # 2x1x1x1, 1x2x1x1, 1x1x2x1, 1x1x1x2, pp2:1x1x1x1
     assert data["hardware"]["gemm_table"] == hw.gemm_table
 
 

@@ -45,7 +45,10 @@ def _run(argv) -> int:
     (["--write-config", "/no/such/dir/plan.yaml"], "--write-config"),
     (["--hardware-file", "/no/such/hw.json"], "--hardware-file"),
     (["--seq-len", "abc"], "--seq-len"),
-    (["--explain", "pp=2"], "pp"),
+    (["--explain", "zz=2"], "zz"),
+    (["--explain", "pp=2,ds=4,schedule=Fast"], "schedule"),
+    (["--pipeline-schedule", "Fast"], "--pipeline-schedule"),
+    (["--pipeline-virtual-stages", "0"], "--pipeline-virtual-stages"),
 ])
 def test_bad_flag_one_line_exit_2(extra, flag, capsys):
     code = _run(BASE + extra)

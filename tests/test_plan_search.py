@@ -54,7 +54,7 @@ def test_enumerator_agrees_with_parallelism_config(world):
     assert proposed, "some layout must fit a 1B model"
     for lay in proposed:
         pc = ParallelismConfig(dp_replicate_size=lay.dp_replicate, dp_shard_size=lay.dp_shard,
-                               cp_size=lay.cp, tp_size=lay.tp).resolve(world)
+                               cp_size=lay.cp, tp_size=lay.tp, pp_size=lay.pp).resolve(world)
         assert pc.total_size == world
     # every rejection has a reason
     assert all(r.rejections for r in result.rejected)
@@ -83,8 +83,12 @@ def test_parse_layout_forms():
     assert parse_layout("dr=2 ds=4 tp=8") == (lay, {})
     assert parse_layout("ds=4,tp=8,dr=2,mb=2,ac=on") == (lay, {"micro_batch": 2,
                                                                 "checkpointing": True})
+    assert parse_layout("pp=2,ds=4") == (Layout(dp_shard=4, pp=2), {})
+    assert parse_layout("pp16:1x64x1x8,mb=1,schedule=interleaved1f1b,v=4") == (
+        Layout(1, 64, 1, 8, pp=16), {"micro_batch": 1, "pipeline_schedule": "Interleaved1F1B",
+                                     "pipeline_virtual_stages": 4})
     with pytest.raises(ValueError):
-        parse_layout("pp=2")
+        parse_layout("zz=2")
 
 
 def test_parse_size():
@@ -140,7 +144,7 @@ def test_write_config(tmp_path, capsys):
 
     TrainConfig.model_validate(cfg)
     world = (cfg["dp_replicate_size"] * cfg["dp_shard_size"] * cfg["tensor_parallel_size"]
-             * cfg["context_parallel_size"])
+             * cfg["context_parallel_size"] * cfg.get("pipeline_parallel_size", 1))
     assert world == 64
 
 

@@ -79,13 +79,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                    help="AdamW fused=True (default: torch's foreach AdamW, as the trainer)")
     _add_adapter_arguments(t)
     _add_long_context_arguments(t)
+    _add_pipeline_arguments(t)
     o = parser.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
     o.add_argument("--show-rejected", action="store_true", help="list every rejected layout")
     o.add_argument("--json", action="store_true", help="print JSON instead of tables")
     o.add_argument("--explain", metavar="LAYOUT",
-                   help="explain one layout: dp_replicate=2,dp_shard=4,cp=1,tp=8 or 2x4x1x8 "
-                        "(optionally mb=2,ac=on)")
+                   help="explain one layout: dp_replicate=2,dp_shard=4,cp=1,tp=8 or 2x4x1x8, with pp=N or "
+                        "pp16:1x64x1x8 for pipeline stages (optionally mb=2,ac=on,schedule=Interleaved1F1B,v=2)")
     o.add_argument("--max-seq-len", action="store_true",
                    help="find the longest sequence that trains, per layout (micro-batch 1), and "
                         "compare the long-context options")
@@ -112,6 +113,16 @@ def _add_adapter_arguments(t) -> None:
     t.add_argument("--qat", metavar="WEIGHT[/ACT]", default=None,
                    help="quantisation-aware training (train's qat:): int4, int4/int8, int4/float8, "
                         "float8/float8 or mxfp4/mxfp4; adds what the fake quantisers keep for backward")
+
+
+def _add_pipeline_arguments(t) -> None:
+    t.add_argument("--pipeline-schedule", default="auto",
+                   help="pipeline schedule of the pp layouts: auto (1F1B and Interleaved1F1B), GPipe, 1F1B, "
+                        "Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble (train's pipeline_schedule)")
+    t.add_argument("--pipeline-virtual-stages", type=int, default=None,
+                   help="stages per rank of the interleaved / zero-bubble schedules (default 2)")
+    t.add_argument("--no-pipeline-parallel", action="store_true",
+                   help="search layouts without pipeline parallel (pp = 1) only")
 
 
 def _add_long_context_arguments(t) -> None:
@@ -188,7 +199,18 @@ def build_request(args) -> PlanRequest:
         tiled_mlp=args.tiled_mlp, tiled_mlp_num_shards=args.tiled_mlp_num_shards,
         activation_offloading=args.activation_offloading,
         host_mem_bytes=host_mem_bytes(args.host_mem) if args.host_mem else None,
+        pipeline=not args.no_pipeline_parallel, pipeline_schedule=_schedule(args.pipeline_schedule),
+        pipeline_virtual_stages=args.pipeline_virtual_stages,
     )
+
+
+def _schedule(name: str) -> str:
+    from ndparallel.plan.pipeline import canonical
+
+    try:
+        return "auto" if name.lower() == "auto" else canonical(name)
+    except ValueError as exc:
+        raise ValueError(f"--pipeline-schedule {exc}") from None
 
 
 def run_plan(args) -> int:
@@ -206,8 +228,8 @@ def run_plan(args) -> int:
         if args.explain:
             layout, extras = parse_layout(args.explain)
             if extras:
-                chosen = evaluate_layout(req, layout, extras.get("micro_batch"),
-                                         extras.get("checkpointing"))
+                chosen = evaluate_layout(req, layout, extras.get("micro_batch"), extras.get("checkpointing"),
+                                         extras.get("pipeline_schedule"), extras.get("pipeline_virtual_stages"))
             else:
                 chosen = result.find(layout) or evaluate_layout(req, layout)
             if args.json:

@@ -123,6 +123,7 @@ def check_args(args) -> None:
     _positive_int(args, "--loss-chunk-tokens", "loss_chunk_tokens")
     _micro_batch(args)
     _long_context(args)
+    _positive_int(args, "--pipeline-virtual-stages", "pipeline_virtual_stages")
     if args.global_batch_tokens and args.seq_len and args.global_batch_tokens % args.seq_len:
         raise ValueError(f"--global-batch-tokens {args.global_batch_tokens} is not a multiple of "
                          f"--seq-len {args.seq_len}; use a multiple, or --global-batch-size")

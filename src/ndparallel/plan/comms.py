@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
@@ -55,7 +56,13 @@ def fsdp_shard_numel(p: ParamSpec, tp: int, fsdp: int) -> int:
 def unit_numels(model: ModelSpec, tp: int, fsdp: int, layout: Layout | None = None) -> dict[str, tuple[int, int]]:
     """FSDP unit -> (tp-local unsharded elements, padded shard elements) of ONE such unit. An MoE
     model's ``experts`` unit: this rank's E/ep experts and their shard over efsdp (``layout``;
-    default: experts not split, sharded over ``fsdp`` like the rest)."""
+    default: experts not split, sharded over ``fsdp`` like the rest). Cached (the search's hot
+    spot); the caller gets its own dict."""
+    return dict(_unit_numels(model, tp, fsdp, layout if model.is_moe else None))
+
+
+@lru_cache(maxsize=4096)
+def _unit_numels(model: ModelSpec, tp: int, fsdp: int, layout: Layout | None) -> dict[str, tuple[int, int]]:
     out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     if model.is_moe:
         from ndparallel.plan.moe import expert_unit_numels
@@ -149,7 +156,7 @@ def _data_parallel(model: ModelSpec, layout: Layout, s: Settings, ga: int) -> li
                                   count * red, f"FSDP reduce-scatter grads ({unit})", "compute"))
         if layout.dp_replicate > 1:
             size = shard if n > 1 else local
-            out.append(Collective("all_reduce", "dp_replicate", size * s.reduce_bytes, count,
+            out.append(Collective("all_reduce", "dp_replicate", size * s.reduce_bytes, count * s.replica_reductions,
                                   f"{'HSDP' if n > 1 else 'DDP'} all-reduce grads ({unit})",
                                   "compute"))
     return out
@@ -164,6 +171,7 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
     target logit), without it the logits are all-gathered. Norm weights replicated over tp on
     sharded inputs (sequence or heads) get their grads all-reduced."""
     t, h, L, ab = layout.tp, model.hidden, model.layers, s.act_bytes
+    embed, head = int(model.has_embedding), int(model.has_lm_head)  # a pipeline rank may lack them
     full = tokens * h * ab
     shard = full // t
     # Forward passes of the pairs. The recomputed forward under checkpointing (torch's
@@ -185,24 +193,24 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
                        "TP/SP all-gather (layers)"),
             Collective("reduce_scatter", "tp", full, (fwd + bwd) * ga,
                        "TP/SP reduce-scatter (layers)"),
-            Collective("reduce_scatter", "tp", full, ga, "TP embedding output (fwd)"),
-            Collective("all_gather", "tp", shard, ga, "TP embedding grad (bwd)"),
-            Collective("all_gather", "tp", shard, ga, "TP LM-head input (fwd)"),
-            Collective("reduce_scatter", "tp", full, ga, "TP LM-head input grad (bwd)"),
+            Collective("reduce_scatter", "tp", full, ga * embed, "TP embedding output (fwd)"),
+            Collective("all_gather", "tp", shard, ga * embed, "TP embedding grad (bwd)"),
+            Collective("all_gather", "tp", shard, ga * head, "TP LM-head input (fwd)"),
+            Collective("reduce_scatter", "tp", full, ga * head, "TP LM-head input grad (bwd)"),
         ]
     else:
         out += [
             Collective("all_reduce", "tp", full, fwd * ga, "TP all-reduce rowwise outputs (fwd)"),
             Collective("all_reduce", "tp", full, bwd_no_sp * ga,
                        "TP all-reduce block input grads (bwd)"),
-            Collective("all_reduce", "tp", full, ga, "TP embedding output (fwd)"),
-            Collective("all_reduce", "tp", full, ga, "TP LM-head input grad (bwd)"),
+            Collective("all_reduce", "tp", full, ga * embed, "TP embedding output (fwd)"),
+            Collective("all_reduce", "tp", full, ga * head, "TP LM-head input grad (bwd)"),
         ]
     if s.loss_parallel:
-        out.append(Collective("all_reduce", "tp", tokens * 4, 3 * ga, "TP loss-parallel statistics"))
+        out.append(Collective("all_reduce", "tp", tokens * 4, 3 * ga * head, "TP loss-parallel statistics"))
     else:
         vocab_local = -(-model.vocab // t)
-        out.append(Collective("all_gather", "tp", tokens * vocab_local * ab, ga,
+        out.append(Collective("all_gather", "tp", tokens * vocab_local * ab, ga * head,
                               "TP LM-head logits gathered (fwd)"))
     for p in model.param_specs():
         partial = p.tp_dim is None and (s.sequence_parallel or "q_norm" in p.name
@@ -315,6 +323,7 @@ def aggregate(collectives: list[Collective]) -> dict[tuple[str, str, int], int]:
 
 
 # ------------------------------------------------------------------ links
+@lru_cache(maxsize=8192)
 def group_is_intra_node(layout: Layout, dim: str, gpus_per_node: int) -> bool:
     """Do all groups along ``dim`` stay inside one node? Ranks are laid out mesh order
     (dp_replicate, dp_shard, cp, tp), node k holding ranks [k·G, (k+1)·G): a group of size n with

@@ -16,7 +16,8 @@ trainer's definition too) over the dtype's peak.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from ndparallel.models.flops import train_flops_per_token
 from ndparallel.plan.attention import attention_time
@@ -78,7 +79,8 @@ class ComputeBreakdown:
         return max(gpu, self.host_floor)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "total": self.total}
+        return {"gemm": self.gemm, "attention": self.attention, "elementwise": self.elementwise, "loss": self.loss,
+                "launch": self.launch, "host_floor": self.host_floor, "total": self.total}
 
 
 def bytes_time(b: Bytes, hw: Hardware) -> float:
@@ -94,7 +96,22 @@ def all_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gemm]:
 
 def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings,
                      hw: Hardware) -> ComputeBreakdown:
-    """Time of one micro-batch on one GPU (each GPU does 1/(c·t) of the work)."""
+    """Time of one micro-batch on one GPU (each GPU does 1/(c·t) of the work). Cached on what it
+    depends on (the search asks for the same micro-batch under many layouts and step settings):
+    a dense model's tp and cp, the settings less the step-level ones (``STEP_FIELDS``)."""
+    key = layout if model.is_moe else Layout(cp=layout.cp, tp=layout.tp)
+    return _micro_batch_time(model, key, replace(s, **STEP_FIELDS), hw, id(hw))
+
+
+STEP_FIELDS = {"grad_accum": 1, "pp_in_flight": 1.0, "pp_schedule": "1F1B", "pp_virtual": 1,
+               "sync_every_microbatch": False, "unsharded_grad_accumulation": False, "optimizer": "adamw",
+               "optimizer_fused": False, "set_to_none": True}
+"""Settings of the optimizer step and of accumulation, which one micro-batch's compute ignores."""
+
+
+@lru_cache(maxsize=4096)
+def _micro_batch_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, _hw: int) -> ComputeBreakdown:
+    """``micro_batch_time``; ``_hw`` = id(hw): calibrated profiles equal in their compared fields differ."""
     pk = peak(hw, s)
     tokens = s.micro_batch * s.seq_len / layout.cp
     gemm = gemm_time(hw, all_gemms(model, layout, s), pk)
@@ -106,7 +123,7 @@ def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings,
     # The selective policy keeps the attention output: attention is not recomputed.
     attn = fwd_a * (2 if s.checkpointing and s.ac_policy == "full" else 1) + bwd_a
     elementwise = bytes_time(layer * (tokens * model.layers), hw)
-    loss = bytes_time(loss_bytes_per_token(model, layout, s) * tokens, hw)
+    loss = bytes_time(loss_bytes_per_token(model, layout, s) * tokens, hw) if model.has_lm_head else 0.0
     kf, kb = KERNELS_PER_LAYER
     kernels = model.layers * (kf * (2 if s.checkpointing else 1) + kb)
     if s.tiled_mlp:  # per tile ~6 forward kernels (3 GEMMs, SiLU, product, copy), 2 forwards + ~12 back

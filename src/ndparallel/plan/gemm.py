@@ -92,6 +92,8 @@ def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gem
         from ndparallel.plan import moe
 
         out += moe.gemms(model, layout, s, tokens, Gemm, recompute=s.checkpointing)
+    if not model.has_lm_head:  # a pipeline rank without the last stage
+        return out
     vocab = -(-model.vocab // layout.tp)
     h = model.hidden
     out += [Gemm("lm_head fwd", all_tokens, vocab, h, 1), Gemm("lm_head dgrad", all_tokens, h, vocab, 1)]

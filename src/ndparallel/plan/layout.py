@@ -82,6 +82,19 @@ class Settings:
     offload_in_flight: int = 2
     """Layer inputs of the offloader on the device at once (its ``max_in_flight`` copies in the
     forward; the restored one and the prefetched one in backward)."""
+    pp_schedule: str = "1F1B"
+    """Pipeline schedule (torch's names, train's ``pipeline_schedule``); used when pp > 1."""
+    pp_virtual: int = 1
+    """Stages per pp rank (train's ``pipeline_virtual_stages``): 2+ for the interleaved and
+    zero-bubble schedules."""
+    sync_every_microbatch: bool = False
+    """Gradients reduced after every micro-batch's backward, the replica all-reduce included: what
+    the pipeline runtime does (``Pipeline.forward_backward`` runs torch's schedule, which never
+    skips FSDP's gradient sync; ``unsharded_grad_accumulation`` does not apply there)."""
+    pp_in_flight: float = 1.0
+    """Micro-batches whose activations a rank holds at its peak, in units of one micro-batch
+    through all of its layers: 1 without pipeline parallel; set per pp rank by
+    ``plan/pipeline_estimate.py`` (``pipeline.in_flight``)."""
 
     @property
     def act_bytes(self) -> int:
@@ -90,12 +103,18 @@ class Settings:
     @property
     def reducing_microbatches(self) -> int:
         """Micro-batches per step whose backward reduce-scatters gradients."""
-        return 1 if self.unsharded_grad_accumulation else self.grad_accum
+        return 1 if self.unsharded_grad_accumulation and not self.sync_every_microbatch else self.grad_accum
+
+    @property
+    def replica_reductions(self) -> int:
+        """Replica (dp_replicate) all-reduces per step and unit: after the last micro-batch only,
+        or after every one (``sync_every_microbatch``)."""
+        return self.grad_accum if self.sync_every_microbatch else 1
 
     @property
     def accumulates_unsharded(self) -> bool:
         """Unsharded fp32 gradients are kept between micro-batches (no sync until the last)."""
-        return self.grad_accum > 1 and self.unsharded_grad_accumulation
+        return self.grad_accum > 1 and self.unsharded_grad_accumulation and not self.sync_every_microbatch
 
     @property
     def param_compute_bytes(self) -> int:
@@ -120,6 +139,10 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "sgd": 0.0, "adamw_8bit": 2 + 8 / 256, "a
 
 
 _ALIASES = {
+    "pp": "pp", "pp_size": "pp", "pipeline_parallel_size": "pp",
+    "schedule": "pipeline_schedule", "sched": "pipeline_schedule", "pipeline_schedule": "pipeline_schedule",
+    "v": "pipeline_virtual_stages", "virtual": "pipeline_virtual_stages",
+    "pipeline_virtual_stages": "pipeline_virtual_stages",
     "dp_replicate": "dp_replicate", "dp_replicate_size": "dp_replicate", "dr": "dp_replicate",
     "r": "dp_replicate", "replicate": "dp_replicate", "ddp": "dp_replicate",
     "dp_shard": "dp_shard", "dp_shard_size": "dp_shard", "ds": "dp_shard", "s": "dp_shard",
@@ -134,32 +157,36 @@ _ALIASES = {
 
 
 def parse_layout(text: str) -> tuple[Layout, dict]:
-    """Parse 'dp_replicate=2,dp_shard=4,cp=1,tp=8' (aliases dr/ds/r/s/c/t, ep/e; missing dims are
-    1) or the compact '2x4x1x8' / '2x4x1x8+ep4' (mesh order, optionally followed by ',mb=2,ac=on').
-    Extra keys mb=N and ac=on|off pin the micro-batch and checkpointing; they are returned in the
-    second value."""
+    """Parse 'pp=16,dp_replicate=2,dp_shard=4,cp=1,tp=8' (aliases dr/ds/r/s/c/t, ep/e; missing
+    dims are 1) or the compact '2x4x1x8' / '2x4x1x8+ep4' / 'pp16:2x4x1x8' (mesh order, optionally
+    followed by ',mb=2,ac=on'). Extra keys mb=N, ac=on|off, schedule=NAME and v=N (pipeline
+    stages per rank) pin the option; they are returned in the second value."""
     text = text.strip()
     values: dict = {}
     extras: dict = {}
     for part in filter(None, re.split(r"[,\s]+", text)):
-        compact = re.fullmatch(r"(\d+x\d+x\d+x\d+)(?:\+ep(\d+))?", part)
+        compact = re.fullmatch(r"(?:pp(\d+):)?(\d+x\d+x\d+x\d+)(?:\+ep(\d+))?", part)
         if compact and not values:
-            values = dict(zip(DIMS, (int(v) for v in compact.group(1).split("x"))))
-            if compact.group(2):
-                values["ep"] = int(compact.group(2))
+            values = dict(zip(DIMS, (int(v) for v in compact.group(2).split("x"))))
+            values.update({k: int(compact.group(i)) for k, i in (("pp", 1), ("ep", 3)) if compact.group(i)})
             continue
         if "=" not in part:
             raise ValueError(f"cannot read {part!r} in layout {text!r}: use key=value or AxBxCxD")
         key, val = (s.strip() for s in part.split("=", 1))
         name = _ALIASES.get(key.lower())
         if name is None:
-            raise ValueError(f"unknown layout key {key!r} (use dp_replicate, dp_shard, cp, tp, ep, mb, ac)")
+            raise ValueError(f"unknown layout key {key!r} (use pp, dp_replicate, dp_shard, cp, tp, ep, mb, ac, "
+                             "schedule, v)")
         if name == "checkpointing":
             if val.lower() not in ("on", "off", "true", "false", "1", "0"):
                 raise ValueError(f"ac={val!r}: use on or off")
             extras[name] = val.lower() in ("on", "true", "1")
-        elif name == "micro_batch":
+        elif name in ("micro_batch", "pipeline_virtual_stages"):
             extras[name] = int(val)
+        elif name == "pipeline_schedule":
+            from ndparallel.plan.pipeline import canonical
+
+            extras[name] = canonical(val)
         else:
             values[name] = int(val)
     if not values:
@@ -171,15 +198,25 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(world: int, experts: int = 0) -> list[Layout]:
+def pipeline_degrees(world: int, layers: int) -> list[int]:
+    """The pp degrees the search tries: 1 and the powers of two dividing ``world``, at most
+    ``layers`` (every stage needs a layer)."""
+    return [1] + [2**k for k in range(1, world.bit_length()) if world % 2**k == 0 and 2**k <= layers]
+
+
+def enumerate_layouts(world: int, experts: int = 0, layers: int = 0) -> list[Layout]:
     """Every (dp_replicate, dp_shard, cp, tp) with product ``world``; for a model with ``experts``
-    per layer also every expert-parallel degree dividing both dp_shard·cp·tp and ``experts``."""
+    per layer also every expert-parallel degree dividing both dp_shard·cp·tp and ``experts``. With
+    ``layers`` (a dense model's decoder layers) also pipeline parallel: every such layout of
+    ``world / pp`` ranks for each of ``pipeline_degrees``."""
     out = []
-    for tp in divisors(world):
-        for cp in divisors(world // tp):
-            for ds in divisors(world // (tp * cp)):
-                eps = [e for e in divisors(ds * cp * tp) if experts % e == 0] if experts else [1]
-                out += [Layout(world // (tp * cp * ds), ds, cp, tp, ep) for ep in eps]
+    for pp in pipeline_degrees(world, layers) if layers and not experts else [1]:
+        stage = world // pp
+        for tp in divisors(stage):
+            for cp in divisors(stage // tp):
+                for ds in divisors(stage // (tp * cp)):
+                    eps = [e for e in divisors(ds * cp * tp) if experts % e == 0] if experts else [1]
+                    out += [Layout(stage // (tp * cp * ds), ds, cp, tp, ep, pp) for ep in eps]
     return out
 
 
@@ -189,8 +226,8 @@ def structural_rejections(
     """Why ``layout`` cannot run at all (before memory): a list of (code, message); empty if ok."""
     out: list[tuple[str, str]] = []
     if layout.world != world:
-        out.append(("world_size", f"dp_replicate × dp_shard × cp × tp = {layout.compact()} = {layout.world} "
-                    f"ranks, but the world has {world}"))
+        out.append(("world_size", f"{'pp × ' if layout.pp_enabled else ''}dp_replicate × dp_shard × cp × tp = "
+                    f"{layout.compact()} = {layout.world} ranks, but the world has {world}"))
     tp, cp = layout.tp, layout.cp
     if tp > gpus_per_node:
         out.append(("tp_beyond_node", f"tp={tp} is larger than a node ({gpus_per_node} GPUs): "
@@ -214,10 +251,26 @@ def structural_rejections(
             out.append(("heads_cp", f"cp_strategy ulysses needs the {h} query heads per tp rank "
                         f"divisible by cp={cp} and the {kv} key/value heads per tp rank dividing "
                         "or divisible by it"))
+    if layout.pp_enabled:
+        out += pipeline_rejections(layout, model, settings)
     if settings.seq_len % layout.cp_chunks():
         out.append(("seq_cp", f"seq_len {settings.seq_len} is not divisible by 2·cp = {2 * cp} "
                     "(load-balanced CP cuts each sequence into 2·cp chunks)"))
     elif settings.seq_len % layout.seq_len_divisor(settings.sequence_parallel):
         out.append(("seq_tp", f"the {settings.seq_len // cp} tokens per cp rank are not divisible "
                     f"by tp={tp} (sequence parallel splits them over tp)"))
+    return out
+
+
+def pipeline_rejections(layout: Layout, model: ModelSpec, settings: Settings) -> list[tuple[str, str]]:
+    """What a pp layout cannot be, whatever its micro-batches (those: ``pipeline.problem``)."""
+    out = []
+    if layout.pp > model.layers:
+        out.append(("pp_layers", f"pp={layout.pp} stages for {model.layers} decoder layers: every stage "
+                    "needs one"))
+    if model.is_moe:
+        out.append(("pp_moe", f"pp={layout.pp} with experts: pipeline parallel of MoE models is not "
+                    "modelled (train refuses it with a router loss)"))
+    if settings.lora_r:
+        out.append(("pp_adapter", f"pp={layout.pp} with a LoRA adapter: train refuses it (not supported yet)"))
     return out

@@ -207,7 +207,7 @@ def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tup
         return 0.0, 0.0
     layer_local = numels["layer"][0] + (numels["experts"][0] if model.is_moe else 0)  # gathered at once
     layer_grad = layer_local
-    head_local = numels["root" if model.tied_embeddings else "final"][0]
+    head_local = numels.get("root" if model.tied_embeddings else "final", (0, 0))[0]
     head_grad = head_local
     if s.lora_r:  # the adapters are gathered with their layer; only they get gradients
         layer_grad = adapter_layer_local(model, s.lora_r, layout.tp)
@@ -258,7 +258,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     if s.accumulates_unsharded:  # FSDP2 keeps unsharded grads in the reduce dtype between syncs
         all_grads += sum(numels[u][0] * c for u, (c, _) in units.items()) * s.reduce_bytes
     head = "root" if model.tied_embeddings else "final"
-    head_grads = 0.0 if model.tied_embeddings else numels[head][col] * 4
+    head_grads = 0.0 if model.tied_embeddings else numels.get(head, (0, 0))[col] * 4
     if s.lora_r:  # the frozen base stays in the compute dtype; only the adapters train (adapter.py)
         adapter_local = adapter_layer_local(model, s.lora_r, t)
         adapter = adapter_shard_numel(model, layout, s.lora_r)
@@ -300,7 +300,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         saved += 0.0 if s.checkpointing else model.layers * qat_layer
     # RoPE cos and sin (b, s/c, d) in activation dtype, shared by all layers.
     saved += 2 * tokens * model.head_dim * e
-    logits = _logits_bytes(model, layout, s, tokens)
+    saved *= s.pp_in_flight  # a pipeline rank holds several micro-batches (plan/pipeline.py)
+    logits = _logits_bytes(model, layout, s, tokens) if model.has_lm_head else 0.0
     buf_a, buf_b = _buffers(model, layout, s, numels)
     buf_a, buf_b = buf_a - nf4.get("buffer_a", 0.0), buf_b - nf4.get("buffer_b", 0.0)
 

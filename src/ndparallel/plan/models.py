@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 
 
@@ -57,6 +58,10 @@ class ModelSpec:
     """Width of one expert's gated MLP."""
     shared_intermediate: int = 0
     """Width of the shared experts' MLP every token also runs (Qwen2-MoE); 0: none."""
+    has_embedding: bool = True
+    """False for a pipeline rank without the first stage (``plan/pipeline.py: rank_model``)."""
+    has_lm_head: bool = True
+    """False for a pipeline rank without the last stage: no final norm, LM head or loss."""
 
     @property
     def head_dim(self) -> int:
@@ -68,6 +73,11 @@ class ModelSpec:
 
     # ------------------------------------------------------------- parameters
     def param_specs(self) -> list[ParamSpec]:
+        """Every parameter tensor with its TP sharding and FSDP unit (``_param_specs``, cached:
+        the search asks for them thousands of times)."""
+        return list(_param_specs(self))
+
+    def _specs(self) -> list[ParamSpec]:
         """Every parameter tensor with its TP sharding and FSDP unit (see ``fsdp_units``).
 
         TP plan (Llama/Qwen ``base_model_tp_plan`` plus vocab-parallel embedding and LM head):
@@ -78,7 +88,7 @@ class ModelSpec:
         q, kv, f = self.heads * d, self.kv_heads * d, self.intermediate
         head_unit = "root" if self.tied_embeddings else "final"
         embed_unit = "root" if self.tied_embeddings else "embed"
-        specs = [ParamSpec("embed_tokens.weight", (self.vocab, h), 0, embed_unit)]
+        specs = [ParamSpec("embed_tokens.weight", (self.vocab, h), 0, embed_unit)] if self.has_embedding else []
         layer = [
             ParamSpec("input_layernorm.weight", (h,), None, "layer", L),
             ParamSpec("self_attn.q_proj.weight", (q, h), 0, "layer", L),
@@ -117,8 +127,9 @@ class ModelSpec:
                           ParamSpec("mlp.shared_expert.down_proj.weight", (h, sh), None, "layer", L),
                           ParamSpec("mlp.shared_expert_gate.weight", (1, h), None, "layer", L)]
         specs += [replace(p, name=f"layers.*.{p.name}") for p in layer]
-        specs.append(ParamSpec("norm.weight", (h,), None, head_unit))
-        if not self.tied_embeddings:
+        if self.has_lm_head:
+            specs.append(ParamSpec("norm.weight", (h,), None, head_unit))
+        if self.has_lm_head and not self.tied_embeddings:
             specs.append(ParamSpec("lm_head.weight", (self.vocab, h), 0, head_unit))
         return specs
 
@@ -143,7 +154,7 @@ class ModelSpec:
             from ndparallel.plan.moe import active_matmul_params_per_layer
 
             linear += self.layers * active_matmul_params_per_layer(self)
-        return linear + self.vocab * self.hidden
+        return linear + (self.vocab * self.hidden if self.has_lm_head else 0)
 
     def to_dict(self) -> dict:
         return {
@@ -170,6 +181,11 @@ class ModelSpec:
         return self.num_params - self.layers * (expert_params(self) - per_token)
 
 
+@lru_cache(maxsize=256)
+def _param_specs(model: ModelSpec) -> tuple[ParamSpec, ...]:
+    return tuple(model._specs())
+
+
 def fsdp_units(model: ModelSpec) -> dict[str, tuple[int, bool]]:
     """FSDP unit name -> (how many such units, resharded after forward?).
 
@@ -183,8 +199,10 @@ def fsdp_units(model: ModelSpec) -> dict[str, tuple[int, bool]]:
         units["experts"] = (model.layers, True)
     if model.tied_embeddings:
         units["root"] = (1, False)
-    else:
+        return units
+    if model.has_embedding:
         units["embed"] = (1, True)
+    if model.has_lm_head:
         units["final"] = (1, False)
     return units
 

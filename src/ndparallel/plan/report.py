@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ndparallel.plan import comms
 from ndparallel.plan.hardware import GiB
+from ndparallel.plan.pipeline import default_virtual, pipeline_lines
 from ndparallel.plan.search import Estimate, LayoutResult, PlanResult
 
 
@@ -28,6 +29,25 @@ def _human_bytes(x: float) -> str:
 
 def _ac(e: Estimate) -> str:
     return "on" if e.settings.checkpointing else "off"
+
+
+def _schedule(e: Estimate) -> str:
+    """A pp layout's pipeline schedule ('—' without pipeline parallel)."""
+    if not e.layout.pp_enabled:
+        return "—"
+    return e.settings.pp_schedule + (f" v{e.settings.pp_virtual}" if e.settings.pp_virtual > 1 else "")
+
+
+def _strategy(e: Estimate) -> str:
+    """The layout's name, with its pipeline schedule under pipeline parallel."""
+    return e.layout.describe() + (f" · {_schedule(e)}" if e.layout.pp_enabled else "")
+
+
+def _explain_arg(e: Estimate) -> str:
+    """The ``--explain`` value naming this option's layout (and its pipeline schedule)."""
+    if not e.layout.pp_enabled:
+        return e.layout.short()
+    return f"{e.layout.short()},schedule={e.settings.pp_schedule},v={e.settings.pp_virtual}"
 
 
 def header(result: PlanResult) -> str:
@@ -57,12 +77,16 @@ def print_table(result: PlanResult, console: Console, top: int = 10,
                 show_rejected: bool = False) -> None:
     console.print(header(result))
     table = Table(title=f"Ranked layouts ({len(result.ranked)} fit, best {min(top, len(result.ranked))} shown)")
-    for col in ("#", "dp_rep×dp_shard×cp×tp(+ep)", "strategy", "mb", "ga", "AC", "mem GiB",
-                "step s", "tok/s/GPU", "MFU", "bottleneck"):
-        table.add_column(col, justify="right" if col not in ("strategy", "bottleneck") else "left")
-    for i, r in enumerate(result.ranked[:top], 1):
+    rows = result.ranked[:top]
+    pp = any(r.layout.pp_enabled for r in rows)
+    for col in ("#", "pp:dr×ds×cp×tp" if pp else "dp_rep×dp_shard×cp×tp(+ep)", "strategy",
+                *(("pp schedule",) if pp else ()), "mb", "ga",
+                "AC", "mem GiB", "step s", "tok/s/GPU", "MFU", "bottleneck"):
+        table.add_column(col, justify="left" if col in ("strategy", "pp schedule", "bottleneck") else "right")
+    for i, r in enumerate(rows, 1):
         e = r.best
-        table.add_row(str(i), r.layout.compact(), r.layout.describe(), str(e.settings.micro_batch),
+        sched = (_schedule(e),) if pp else ()
+        table.add_row(str(i), r.layout.compact(), r.layout.describe(), *sched, str(e.settings.micro_batch),
                       str(e.settings.grad_accum), _ac(e), _gib(e.memory.total),
                       f"{e.time.step:.2f}", f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.mfu:.1%}",
                       e.bottleneck)
@@ -83,7 +107,7 @@ def print_table(result: PlanResult, console: Console, top: int = 10,
         console.print(rej)
     if result.ranked:
         best = result.ranked[0]
-        console.print(f"Explain one: --explain {best.layout.short()}")
+        console.print(f"Explain one: --explain {_explain_arg(best.best)}")
 
 
 def to_json(result: PlanResult) -> dict:
@@ -133,9 +157,12 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
         rank = next(i for i, r in enumerate(result.ranked, 1) if r.layout == lay) \
             if any(r.layout == lay for r in result.ranked) else None
         where = f"rank {rank} of {len(result.ranked)}" if rank else "evaluated alone"
-        console.print(f"{lay.describe()} — {where}; best option micro_batch="
+        console.print(f"{_strategy(e)} — {where}; best option micro_batch="
                       f"{e.settings.micro_batch}, grad_accum={e.settings.grad_accum}, "
                       f"checkpointing {_ac(e)}")
+    if e.pipeline is not None:
+        for line in pipeline_lines(e):
+            console.print(line, soft_wrap=True)
     hw = result.request.hardware
     m = e.memory
     mem = Table(title=f"Memory per GPU at the peak ({m.peak_phase})")
@@ -156,7 +183,7 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
     tim.add_column("part")
     tim.add_column("seconds", justify="right")
     for name in ("compute", "tp_exposed", "cp_exposed", "dp_exposed", "ep_exposed", "optimizer", "offload_exposed",
-                 "step"):
+                 *(("pp_bubble", "pp_exposed") if e.pipeline is not None else ()), "step"):
         tim.add_row(name, f"{getattr(t, name):.3f}")
     for dim, v in t.comm_total.items():
         link = "intra" if v["intra_node"] else "inter"
@@ -208,6 +235,11 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
                         "unsharded_grad_accumulation": s.unsharded_grad_accumulation},
         "optimizer": {"adamw": "adamw_torch"}.get(s.optimizer, s.optimizer),
     }
+    if e.layout.pp_enabled:  # the runtime's default: one pipeline micro-batch per accumulation step
+        cfg["pipeline_parallel_size"] = e.layout.pp
+        cfg["pipeline_schedule"] = s.pp_schedule
+        if s.pp_virtual != default_virtual(s.pp_schedule):
+            cfg["pipeline_virtual_stages"] = s.pp_virtual
     if e.layout.cp > 1:
         cfg["cp_comm_strategy"] = s.cp_strategy
     if e.layout.tp > 1:

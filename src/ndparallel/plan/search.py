@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from ndparallel.plan import comms, muon
-from ndparallel.plan.adapter import adapter_shard_numel
-from ndparallel.plan.compute import (
-    micro_batch_time,
-    model_flops_per_token,
-    peak,
-    step_extras,
-)
+from ndparallel.plan.estimate import Estimate, TimeBreakdown, finish, rank_step
 from ndparallel.plan.hardware import GiB, Hardware
 from ndparallel.plan.layout import (
     Layout,
@@ -19,10 +12,14 @@ from ndparallel.plan.layout import (
     enumerate_layouts,
     structural_rejections,
 )
-from ndparallel.plan.long_context import HOST_BUDGET_FRACTION, offload_exposed_seconds
-from ndparallel.plan.membound import unit_param_counts
-from ndparallel.plan.memory import MemoryBreakdown, estimate_memory
+from ndparallel.plan.long_context import HOST_BUDGET_FRACTION
 from ndparallel.plan.models import ModelSpec
+from ndparallel.plan.pipeline import AUTO_SCHEDULES, canonical, default_virtual
+from ndparallel.plan.pipeline import problem as pipeline_problem
+from ndparallel.plan.pipeline_estimate import estimate_pipeline
+
+__all__ = ["Estimate", "TimeBreakdown", "PlanRequest", "LayoutResult", "PlanResult", "estimate",
+           "evaluate_layout", "plan"]
 
 DEFAULT_GLOBAL_BATCH_TOKENS = 2**22
 """Used when no global batch is given: ~4M tokens, rounded per layout (not enforced exactly)."""
@@ -70,52 +67,12 @@ class PlanRequest:
     host_mem_bytes: float | None = None
     """Host memory per node; with offloading, layouts whose offloaded bytes per node exceed
     ``HOST_BUDGET_FRACTION`` of it are rejected (``host_oom``). None: not checked."""
-
-
-@dataclass
-class TimeBreakdown:
-    """Seconds per optimizer step; ``step`` = compute + cp + tp + dp + optimizer + ep."""
-
-    compute: float
-    """ga micro-batches (GEMMs, attention, element-wise, loss, launches) + FSDP's own copies."""
-    tp_exposed: float
-    cp_exposed: float
-    dp_exposed: float
-    optimizer: float
-    """Optimizer step + gradient clipping (memory-bound)."""
-    step: float
-    comm_total: dict = field(default_factory=dict)
-    """Unhidden time per mesh dim before overlap, and whether its link is intra-node."""
-    compute_parts: dict = field(default_factory=dict)
-    """One micro-batch by op class (seconds) and the step's memory-bound extras."""
-    offload_exposed: float = 0.0
-    """Activation-offloading copies not hidden behind compute (in ``step``)."""
-    ep_exposed: float = 0.0
-    """Expert-parallel all-to-alls (dispatch, combine, split sizes): on the critical path."""
-
-
-@dataclass
-class Estimate:
-    layout: Layout
-    settings: Settings
-    memory: MemoryBreakdown
-    time: TimeBreakdown
-    global_batch: int
-    tokens_per_s_per_gpu: float
-    mfu: float
-    bottleneck: str
-    fits: bool
-    collectives: list = field(default_factory=list, repr=False)
-
-    def to_dict(self) -> dict:
-        return {
-            "layout": asdict(self.layout), "settings": asdict(self.settings),
-            "global_batch_sequences": self.global_batch, "fits": self.fits,
-            "memory_gib": {k: (v / GiB if isinstance(v, float | int) else v)
-                           for k, v in self.memory.to_dict().items()},
-            "time_s": asdict(self.time), "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
-            "mfu": self.mfu, "bottleneck": self.bottleneck,
-        }
+    pipeline: bool = True
+    """Search pipeline-parallel layouts too (``--no-pipeline-parallel``: pp = 1 only)."""
+    pipeline_schedule: str = "auto"
+    """'auto': 1F1B and Interleaved1F1B (2 stages per rank) for each pp layout; else that schedule."""
+    pipeline_virtual_stages: int | None = None
+    """Stages per rank of the multi-stage schedules (None: the runtime's default, 2)."""
 
 
 @dataclass
@@ -152,69 +109,12 @@ class PlanResult:
 # --------------------------------------------------------------- evaluation
 def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_per_node: int,
              global_batch: int | None = None) -> Estimate:
-    """Memory and step time of one fully specified configuration (no validity checks)."""
-    mem = estimate_memory(model, layout, s, hw)
-    colls = comms.collectives_for(model, layout, s)
-    ga = s.grad_accum
-    mb_time = micro_batch_time(model, layout, s, hw)
-    t_mb, t_attn = mb_time.total, mb_time.attention
-    local, shard = unit_param_counts(model, comms.unit_numels(model, layout.tp, layout.fsdp, layout))
-    trained = adapter_shard_numel(model, layout, s.lora_r) if s.lora_r else None
-    extras = step_extras(model, layout, s, hw, local, shard, trained)
-    per_dim: dict[str, float] = {}
-    intra: dict[str, bool] = {}
-    gather = reduce = tp = cp = cp_serial = ep = 0.0
-    for c in colls:
-        sec, is_intra = comms.cost(c, layout, hw, gpus_per_node)
-        per_dim[c.mesh_dim] = per_dim.get(c.mesh_dim, 0.0) + sec
-        intra[c.mesh_dim] = is_intra
-        if c.overlap == "compute" and c.kind == "all_gather":
-            gather += sec
-        elif c.overlap == "compute":
-            reduce += sec
-        elif c.overlap == "attention":
-            cp += sec
-        elif c.mesh_dim == "cp":  # CP all-to-all (Ulysses): before/after attention, not hidden
-            cp_serial += sec
-        elif c.mesh_dim == "ep":  # the experts wait for their tokens: not hidden
-            ep += sec
-        else:
-            tp += sec
-    # CP ring hides behind the attention of each step; TP and the CP all-to-all are on the
-    # critical path.
-    cp_exposed = (max(0.0, cp / ga - t_attn) + cp_serial / ga) if ga else 0.0
-    # FSDP/DP: all-gathers (prefetched) hide behind all forward+backward compute, gradient
-    # reductions behind the backward (2/3 of compute) of the micro-batches that reduce. The first
-    # unit's gather and the last unit's reduction cannot hide: 2/n_units of the traffic.
-    n_units = model.layers * (2 if model.is_moe else 1) + (1 if model.tied_embeddings else 2)
-    edge = 2 * (gather + reduce) / n_units
-    dp_exposed = (edge + max(0.0, gather * (1 - 2 / n_units) - ga * t_mb)
-                  + max(0.0, reduce * (1 - 2 / n_units) - s.reducing_microbatches * t_mb * 2 / 3))
-    t_opt = extras["optimizer"] + extras["clip"]
-    if s.optimizer == "muon":  # each hidden matrix gathered whole for Newton-Schulz (plan/muon.py)
-        t_opt += muon.gather_seconds(model, layout, hw, gpus_per_node)
-    compute = ga * t_mb + extras["fsdp_copies"] + extras.get("nf4_dequant", 0.0)
-    offload = ga * offload_exposed_seconds(model, layout, s, hw.host_link_bw, t_mb)
-    step = compute + ga * cp_exposed + tp + dp_exposed + t_opt + offload + ep
-    gb = s.micro_batch * ga * layout.dp
-    tokens = gb * s.seq_len
-    world = layout.world
-    tps = tokens / step / world
-    mfu = tokens * model_flops_per_token(model, s.seq_len, s.lora_r, s.lora_saved) / (step * world * peak(hw, s))
-    parts = {"compute": compute, "tp comm": tp, "cp comm": ga * cp_exposed,
-             "fsdp/dp comm": dp_exposed, "optimizer step": t_opt, "ep comm": ep}
-    name = max(parts, key=parts.get)
-    if name.endswith("comm"):
-        dims = {"tp comm": ["tp"], "cp comm": ["cp"], "ep comm": ["ep"],
-                "fsdp/dp comm": ["dp_shard_cp", "dp_replicate", "efsdp"]}[name]
-        links = {("intra" if intra[d] else "inter") for d in dims if d in intra}
-        name += f" ({'/'.join(sorted(links))}-node)"
-    bottleneck = f"{name} {parts[max(parts, key=parts.get)] / step:.0%}"
-    timeb = TimeBreakdown(compute, tp, ga * cp_exposed, dp_exposed, t_opt, step,
-                          {d: {"seconds": v, "intra_node": intra[d]} for d, v in per_dim.items()},
-                          {**mb_time.to_dict(), **extras}, offload, ep)
-    return Estimate(layout, s, mem, timeb, global_batch or gb, tps, mfu, bottleneck,
-                    mem.total <= hw.mem_bytes, colls)
+    """Memory and step time of one fully specified configuration (no validity checks); a pp
+    layout is its slowest pipeline rank's pace plus the schedule's bubble (``pipeline_estimate``)."""
+    if layout.pp > 1:
+        return estimate_pipeline(model, layout, s, hw, gpus_per_node, global_batch)
+    mem, colls, timeb = rank_step(model, layout, s, hw, gpus_per_node)
+    return finish(model, layout, s, hw, mem, colls, timeb, global_batch)
 
 
 def _grad_accum(req: PlanRequest, layout: Layout, mb: int) -> tuple[int | None, str | None]:
@@ -228,11 +128,9 @@ def _grad_accum(req: PlanRequest, layout: Layout, mb: int) -> tuple[int | None, 
     return req.global_batch // per_step, None
 
 
-def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = None,
-                    checkpointing: bool | None = None) -> LayoutResult:
-    """All (micro-batch, checkpointing) options of one layout; the best that fits is ``best``."""
-    res = LayoutResult(layout)
-    base = Settings(seq_len=req.seq_len, mixed_precision=req.mixed_precision,
+def base_settings(req: PlanRequest) -> Settings:
+    """The request's settings before a layout's micro-batch, accumulation and checkpointing."""
+    return Settings(seq_len=req.seq_len, mixed_precision=req.mixed_precision,
                     optimizer=req.optimizer, sequence_parallel=req.sequence_parallel,
                     reshard_after_forward=req.reshard_after_forward,
                     loss_parallel=req.loss_parallel,
@@ -243,18 +141,44 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
                     tiled_mlp_num_shards=req.tiled_mlp_num_shards,
                     activation_offloading=req.activation_offloading, quantized_base=req.quantized_base,
                     qat=req.qat, lora_saved=req.lora_saved)
-    res.rejections = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
+
+
+def _layout_rejections(req: PlanRequest, layout: Layout, base: Settings) -> list[tuple[str, str]]:
+    out = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
     if req.quantized_base:
         from ndparallel.plan.qlora import nf4_shards_problem
 
         why = nf4_shards_problem(req.model, layout)
-        res.rejections += [("qlora_layout", why)] if why else []
+        out += [("qlora_layout", why)] if why else []
     if req.lora_saved and layout.tp > 1:  # train refuses it: the copies would not be vocab-sharded
         why = f"lora_modules_to_save with tp={layout.tp}: the trained copies would not be vocab-sharded (train refuses it)"
-        res.rejections.append(("lora_layout", why))
+        out.append(("lora_layout", why))
     if req.qat and layout.tp > 1:  # parallel/qat.py refuses it: scales computed on TP shards
         why = f"qat with tp={layout.tp}: torchao's fake quantisers would scale TP shards, not whole rows (train refuses it)"
-        res.rejections.append(("qat_layout", why))
+        out.append(("qat_layout", why))
+    return out
+
+
+def _schedules(req: PlanRequest, layout: Layout, schedule: str | None,
+               virtual: int | None) -> list[tuple[str, int]]:
+    """(pipeline schedule, stages per rank) options of a layout: one placeholder without PP."""
+    if layout.pp == 1:
+        return [("1F1B", 1)]
+    schedule = schedule or (None if req.pipeline_schedule == "auto" else canonical(req.pipeline_schedule))
+    virtual = virtual or req.pipeline_virtual_stages
+    if schedule:
+        return [(schedule, virtual or default_virtual(schedule))]
+    return [(name, virtual if virtual and v > 1 else v) for name, v in AUTO_SCHEDULES]
+
+
+def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = None,
+                    checkpointing: bool | None = None, schedule: str | None = None,
+                    virtual: int | None = None) -> LayoutResult:
+    """All (micro-batch, checkpointing, pipeline schedule) options of one layout; the best that
+    fits is ``best``. ``schedule`` / ``virtual`` pin a pp layout's schedule and stages per rank."""
+    res = LayoutResult(layout)
+    base = base_settings(req)
+    res.rejections = _layout_rejections(req, layout, base)
     if res.rejections:
         return res
     mbs = [micro_batch] if micro_batch else [req.micro_batch] if req.micro_batch else list(
@@ -265,16 +189,26 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
         acs = [True]
     else:
         acs = {"auto": [False, True], "on": [True], "off": [False]}[req.checkpointing]
-    batch_reasons = []
+    reasons: dict[str, list[str]] = {"global_batch": [], "pp_microbatches": []}
     for mb in mbs:
         ga, why = _grad_accum(req, layout, mb)
         if ga is None:
-            batch_reasons.append(why)
+            reasons["global_batch"].append(why)
             continue
-        for ac in acs:
-            s = Settings(**{**asdict(base), "micro_batch": mb, "grad_accum": ga,
-                            "checkpointing": ac})
-            res.options.append(estimate(req.model, layout, s, req.hardware, req.gpus_per_node))
+        for name, v in _schedules(req, layout, schedule, virtual):
+            why = pipeline_problem(name, layout.pp, v, req.model.layers, ga) if layout.pp > 1 else None
+            if why:
+                reasons["pp_microbatches"].append(f"micro_batch={mb}: {why}")
+                continue
+            for ac in acs:
+                s = replace(base, micro_batch=mb, grad_accum=ga, checkpointing=ac, pp_schedule=name, pp_virtual=v)
+                res.options.append(estimate(req.model, layout, s, req.hardware, req.gpus_per_node))
+    _choose(req, layout, res, reasons)
+    return res
+
+
+def _choose(req: PlanRequest, layout: Layout, res: LayoutResult, reasons: dict[str, list[str]]) -> None:
+    """``res.best``: the fastest option that fits; else the one rejection that explains why none."""
     host_problem = _check_host(req, layout, res.options)
     fitting = [o for o in res.options if o.fits]
     if fitting:
@@ -287,10 +221,11 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
         res.rejections = [("oom", (
             f"out of memory: needs {least.memory.total / GiB:.1f} GiB > "
             f"{req.hardware.mem_bytes / GiB:.1f} GiB even with micro_batch={s.micro_batch}, "
-            f"checkpointing {'on' if s.checkpointing else 'off'}"))]
+            f"checkpointing {'on' if s.checkpointing else 'off'}"
+            + (f", {s.pp_schedule}" if layout.pp > 1 else "")))]
     else:
-        res.rejections = [("global_batch", batch_reasons[0])]
-    return res
+        code = "pp_microbatches" if reasons["pp_microbatches"] else "global_batch"
+        res.rejections = [(code, reasons[code][0])]
 
 
 def _check_host(req: PlanRequest, layout: Layout, options: list[Estimate]) -> str | None:
@@ -315,7 +250,8 @@ def plan(req: PlanRequest) -> PlanResult:
     """Evaluate every layout of ``req.gpus`` ranks; rank those that fit by tokens/s per GPU."""
     if req.gpus < 1:
         raise ValueError("--gpus must be >= 1")
-    results = [evaluate_layout(req, lay) for lay in enumerate_layouts(req.gpus, req.model.num_experts)]
+    layers = req.model.layers if req.pipeline else 0
+    results = [evaluate_layout(req, lay) for lay in enumerate_layouts(req.gpus, req.model.num_experts, layers)]
     ranked = sorted((r for r in results if r.ok),
                     key=lambda r: (-r.best.tokens_per_s_per_gpu, r.best.memory.total))
     rejected = [r for r in results if not r.ok]

@@ -1,0 +1,199 @@
+"""Pipeline parallel in the planner: what each pp rank holds, the schedules' bubble and in-flight
+micro-batches, and the stage-to-stage transfers (docs/planner.md, *Pipeline parallel*).
+
+``p`` stages' worth of pp ranks, ``m`` pipeline micro-batches per step (the runtime's default: one
+per gradient-accumulation micro-batch), ``v`` stages per rank. The layers are split as the
+runtime splits them (``parallel/pipeline_split.py``: even, the first stages one layer more).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from ndparallel.parallel.options import PipelineOptions
+from ndparallel.parallel.pipeline_split import (
+    MULTI_STAGE_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    StagePlan,
+    pipeline_problem,
+    schedule_name,
+    stage_layers,
+)
+from ndparallel.plan.models import ModelSpec
+
+AUTO_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))
+"""(schedule, stages per rank) the search tries for a pp layout (``--pipeline-schedule auto``);
+the interleaved one where every stage still gets a layer."""
+
+
+def default_virtual(schedule: str) -> int:
+    """The runtime's stages per rank: 1 for GPipe / 1F1B, 2 for the others."""
+    return 2 if schedule in MULTI_STAGE_SCHEDULES else 1
+
+
+def problem(schedule: str, pp: int, v: int, layers: int, m: int) -> str | None:
+    """Why the runtime would refuse this pipeline (one line), or None (``pipeline_problem``)."""
+    return pipeline_problem(PipelineOptions(schedule=schedule, virtual_stages=v), pp, layers, m)
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Share of a step the pipeline idles: GPipe and 1F1B (p−1)/(m+p−1) (Huang et al. 2019,
+    Narayanan et al. 2021 §2.2.1); interleaved 1F1B (p−1)/(v·m+p−1) (Narayanan et al. 2021
+    §2.2.2: the bubble shrinks by v); the zero-bubble schedules 0 (Qi et al. 2024: the
+    weight-gradient passes fill it; their small remainder is not modelled)."""
+    if p <= 1 or schedule in ZERO_BUBBLE_SCHEDULES:
+        return 0.0
+    v = v if schedule in MULTI_STAGE_SCHEDULES else 1
+    return (p - 1) / (v * m + p - 1)
+
+
+def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> float:
+    """Micro-batches whose activations pp rank ``rank`` holds at its peak, in units of one
+    micro-batch through all of the rank's layers (each chunk of an interleaved rank is 1/v).
+
+    * GPipe: all m forwards before the first backward.
+    * 1F1B: p − rank (torch's ``Schedule1F1B`` warms up with p − rank forwards, then runs one
+      forward per backward).
+    * Interleaved 1F1B: (v−1)·r + 2·(p−1−rank) + 1 chunks, r = micro-batches per round (p when p
+      divides m): torch's ``_get_warmup_ops`` plus the steady state's one, and Megatron-LM's
+      ``num_warmup_microbatches`` of its interleaved schedule; for rank 0 that is
+      (1 + (p−1)/(p·v))·p of the rank's micro-batches (Korthikanti et al. 2022, §4.2.3).
+    * Interleaved zero bubble: the same with one warm-up chunk per hop (torch's multiply_factor 1);
+      the weight-gradient inputs kept past the input backward are not counted.
+    * ZBV zero bubble: 2p chunks (torch's warm-up: 2(p−rank)−1 + 2·rank + 1) = p on every rank,
+      1F1B's first-stage peak (Qi et al. 2024).
+    """
+    if p <= 1:
+        return 1.0
+    if schedule == "GPipe":
+        return float(m)
+    if schedule == "1F1B":
+        return float(min(m, p - rank))
+    if schedule == "ZBVZeroBubble":
+        return float(min(m, p))
+    per_round = m // max(1, m // p)
+    hops = 2 if schedule == "Interleaved1F1B" else 1
+    chunks = (v - 1) * per_round + hops * (p - 1 - rank) + 1
+    return min(chunks, m * v) / v
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """What one pp rank runs: its decoder layers (all its stages), whether it holds the first
+    stage (the embedding) and the last (final norm, LM head, loss), and its stage count."""
+
+    rank: int
+    layers: int
+    first: bool
+    last: bool
+    stages: int
+
+
+@lru_cache(maxsize=1024)
+def rank_shape(model: ModelSpec, p: int, v: int, schedule: str, rank: int) -> RankShape:
+    """The runtime's split (``pipeline_split.stage_layers`` and ``StagePlan.stages_of``)."""
+    plan = StagePlan(p, v, schedule, stage_layers(PipelineOptions(schedule=schedule, virtual_stages=v),
+                                                  p * v, model.layers))
+    mine = plan.stages_of(rank)
+    return RankShape(rank, sum(len(plan.layers[s]) for s in mine), 0 in mine, p * v - 1 in mine, len(mine))
+
+
+@lru_cache(maxsize=1024)
+def rank_model(model: ModelSpec, shape: RankShape) -> ModelSpec:
+    """The part of ``model`` a pp rank holds, as a model: its layers, the embedding on the first
+    stage, final norm + LM head on the last (tied embeddings: two copies, one each end)."""
+    return replace(model, layers=shape.layers, tied_embeddings=False,
+                   has_embedding=shape.first, has_lm_head=shape.last)
+
+
+def measured_ranks(p: int, schedule: str) -> tuple[int, ...]:
+    """The pp ranks worth modelling: the first (most layers, the most micro-batches in flight,
+    the embedding) and the last (LM head and loss); every other rank is below the first in both
+    memory and time. ZBV's rank 0 holds both ends."""
+    return (0,) if schedule == "ZBVZeroBubble" else (0, p - 1)
+
+
+# ------------------------------------------------------------------- transfers
+def p2p_bytes(model: ModelSpec, layout, s) -> int:
+    """One stage boundary's transfer per micro-batch: the hidden states, micro_batch × seq/cp ×
+    hidden in the activation dtype, ÷ tp under sequence parallel (a sequence-sharded DTensor)."""
+    per = s.micro_batch * s.seq_len // layout.cp * model.hidden * s.act_bytes
+    return per // layout.tp if s.sequence_parallel and layout.tp > 1 else per
+
+
+def p2p_collectives(model: ModelSpec, layout, s, shape: RankShape, collective) -> list:
+    """The rank's sends per step: activations forward from each of its stages but the model's
+    last, their gradients backward from each but the first (one ``send_recv`` each)."""
+    nbytes, m = p2p_bytes(model, layout, s), s.grad_accum
+    return [c for c in (
+        collective("send_recv", "pp", nbytes, m * (shape.stages - shape.last),
+                   "PP activations to the next stage (fwd)", "pipeline"),
+        collective("send_recv", "pp", nbytes, m * (shape.stages - shape.first),
+                   "PP activation gradients to the previous stage (bwd)", "pipeline"),
+    ) if c.count > 0]
+
+
+def exposed_transfers(schedule: str, p: int, m: int, v: int) -> int:
+    """Transfers on a step's critical path (an assumption, docs/planner.md). torch's single-stage
+    schedules (GPipe, 1F1B) wait for each micro-batch's send and receive before computing on
+    (``_wait_batch_p2p`` in their loop): one forward and one backward transfer per micro-batch,
+    plus the fill and drain, 2·(m + p − 1). The multi-stage ones post their receives ahead and
+    their sends asynchronously (``_PipelineScheduleRuntime``): only the first micro-batch's chain
+    through every boundary and back, 2·(p·v − 1)."""
+    if schedule in MULTI_STAGE_SCHEDULES:
+        return 2 * (p * v - 1)
+    return 2 * (m + p - 1)
+
+
+@dataclass
+class PipelineInfo:
+    """What ``--explain`` says of a pp layout."""
+
+    schedule: str
+    virtual: int
+    microbatches: int
+    bubble_fraction: float
+    """The schedule's idle share (``bubble_fraction``)."""
+    ranks: dict = field(default_factory=dict)
+    """'first' / 'last' -> (RankShape, MemoryBreakdown, busy seconds per step)."""
+    worst: str = "first"
+    """The rank whose memory is reported (the larger)."""
+    pace: str = "first"
+    """The slowest rank (it sets the pipeline's pace)."""
+
+    def to_dict(self) -> dict:
+        from ndparallel.plan.hardware import GiB
+
+        return {"schedule": self.schedule, "virtual_stages": self.virtual, "microbatches": self.microbatches,
+                "bubble_fraction": self.bubble_fraction, "worst_memory": self.worst, "pace": self.pace,
+                "ranks": {k: {"layers": shape.layers, "embedding": shape.first, "lm_head": shape.last,
+                              "memory_gib": mem.total / GiB, "busy_s": busy}
+                          for k, (shape, mem, busy) in self.ranks.items()}}
+
+
+def canonical(schedule: str) -> str:
+    """The runtime's spelling of ``schedule``; ValueError naming the choices otherwise."""
+    name = schedule_name(schedule)
+    if name is None:
+        raise ValueError(f"{schedule!r} is not a pipeline schedule: use GPipe, 1F1B, Interleaved1F1B, "
+                         "InterleavedZeroBubble or ZBVZeroBubble")
+    return name
+
+
+def pipeline_lines(e) -> list[str]:
+    """``--explain``'s lines of a pp layout's estimate ``e``: the bubble share in one, the first
+    and the last stage's memory in the other."""
+    from ndparallel.plan.hardware import GiB
+
+    info, t = e.pipeline, e.time
+    per_rank = f" × {info.virtual} per rank" if info.virtual > 1 else ""
+    lines = [f"Pipeline {info.schedule} ({e.layout.pp} stages{per_rank}, {info.microbatches} micro-batches): "
+             f"bubble {info.bubble_fraction:.1%} of the pipeline = {t.pp_bubble:.2f} s ({t.pp_bubble / t.step:.1%} "
+             f"of the step); p2p exposed {t.pp_exposed:.2f} s; pace: {info.pace} stage"]
+    parts = []
+    for name, (shape, mem, _) in info.ranks.items():
+        ends = (" + embedding" if shape.first else "") + (" + head, loss" if shape.last else "")
+        parts.append(f"{name} ({shape.layers} layers{ends}) {mem.total / GiB:.1f} GiB")
+    lines.append("Stage memory: " + ", ".join(parts) + f"; reported: {info.worst}")
+    return lines
