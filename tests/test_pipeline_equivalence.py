@@ -34,6 +34,8 @@ CASES = {  # name: (model, layout, schedule, extra strategy options, pipeline mi
     "pp2_cp2": ("llama", {"pp_size": 2, "cp_size": 2}, "1F1B", ALLGATHER, None),
     "pp2_dp2_interleaved": ("llama_tied", {"pp_size": 2, "dp_replicate_size": 2}, "Interleaved1F1B", {}, None),
     "pp2_fsdp2_ep2_moe": ("qwen3_moe", {"pp_size": 2, "dp_shard_size": 2, "ep_size": 2}, "1F1B", {}, None),
+    "pp2_fsdp2_unsharded_accumulation": ("llama_tied", {"pp_size": 2, "dp_shard_size": 2}, "1F1B",
+                                         {"fsdp_options": FSDPOptions(unsharded_grad_accumulation=True)}, None),
     "pp2_checkpointing": ("llama_tied", {"pp_size": 2}, "1F1B",
                           {"fsdp_options": FSDPOptions(activation_checkpointing=True)}, None),
 }
@@ -120,3 +122,29 @@ def test_bad_pipeline_layouts_fail_before_training():
         run_on_ranks(train_under_layout, 2, TrainSetup(preset_config("tiny-llama"), **BASE,
                      parallel_kwargs={"pipeline_options": PipelineOptions(schedule="Interleaved1F1B")}),
                      {"pp_size": 2})
+
+
+def _count_reductions(setup, layout):
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
+
+    calls, reduce = [0], fsdp_group.foreach_reduce
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return reduce(*args, **kwargs)
+
+    fsdp_group.foreach_reduce = counting  # torch-internal: a count, in a forked rank only
+    train_under_layout(setup, layout)
+    return calls[0]
+
+
+def test_unsharded_accumulation_reduces_gradients_once_per_step():
+    """FSDP under PP: by default every pipeline micro-batch reduce-scatters (gradients stay sharded);
+    with unsharded_grad_accumulation the stage is torch's FSDP root and reduces once per step."""
+    layout = {"pp_size": 2, "dp_shard_size": 2}
+    sharded = pipelined("llama", "1F1B", grad_accum=4)
+    once = dataclasses.replace(sharded, parallel_kwargs={**sharded.parallel_kwargs, "fsdp_options":
+                                                         FSDPOptions(unsharded_grad_accumulation=True)})
+    per_micro_batch = run_on_ranks(_count_reductions, 4, sharded, layout)[0]
+    per_step = run_on_ranks(_count_reductions, 4, once, layout)[0]
+    assert per_micro_batch == 4 * per_step > 0  # 4 micro-batches per step

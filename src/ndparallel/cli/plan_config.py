@@ -20,7 +20,8 @@ import yaml
 
 PLAN_KEYS = ("dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size",
              "expert_parallel_size", "micro_batch_size", "gradient_accumulation_steps", "cp_comm_strategy",
-             "sequence_parallel", "loss_parallel", "tiled_mlp", "tiled_mlp_num_shards", "activation_offloading")
+             "sequence_parallel", "loss_parallel", "tiled_mlp", "tiled_mlp_num_shards", "activation_offloading",
+             "pipeline_parallel_size", "pipeline_schedule", "pipeline_virtual_stages", "pipeline_microbatches")
 PLAN_FSDP_KEYS = ("activation_checkpointing", "reshard_after_forward", "unsharded_grad_accumulation")
 
 
@@ -118,6 +119,9 @@ def merge_written_config(source: str, written: str) -> None:
     header = "".join(line + "\n" for line in plan_text.splitlines() if line.startswith("#"))
     planned = yaml.safe_load(plan_text) or {}
     merged = yaml.safe_load(Path(source).read_text()) or {}
+    if "pipeline_parallel_size" not in planned:  # the plan has no pipeline: drop the source's
+        for key in [k for k in merged if k.startswith("pipeline_")]:
+            merged.pop(key)
     merged.update({key: planned[key] for key in PLAN_KEYS if key in planned})
     fsdp = dict(merged.get("fsdp_config") or {})
     fsdp.update({k: v for k, v in (planned.get("fsdp_config") or {}).items() if k in PLAN_FSDP_KEYS})

@@ -89,6 +89,30 @@ def join_micro_batches(micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> d
     return {k: torch.cat(v) for k, v in out.items()}
 
 
+def _shard_root(module: StageModule, engine) -> None:
+    """With ``unsharded_grad_accumulation``: make the stage module the FSDP root over its sharded
+    model (no parameters of its own), so torch's ``PipelineStage`` sees an FSDP module: it then
+    skips the gradient reduction in every micro-batch's backward and reduces once per step
+    (``perform_reduce_grad``), gradients unsharded until then. Otherwise (the default) every
+    micro-batch's backward reduce-scatters (and under HSDP all-reduces): gradients stay sharded."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from ndparallel.parallel.fsdp import fsdp_root
+
+    if not engine.options.fsdp.unsharded_grad_accumulation:
+        return
+    inner = fsdp_root(module.lm)
+    if inner is None or inner is not module.lm:  # not sharded (or only its experts): nothing to gain
+        return
+    options = engine.options
+    mp = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.fsdp.reduce_dtype or torch.float32)
+    fully_shard(module, mesh=engine.submesh(*engine.dims.fsdp_dims), mp_policy=mp, reshard_after_forward=False)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
 def _ignored(micro_batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A micro-batch of the same shape that trains and scores nothing (every label ignored)."""
     return {**micro_batch, "shift_labels": torch.full_like(micro_batch["shift_labels"], IGNORE_INDEX)}
@@ -102,6 +126,8 @@ class Pipeline:
 
         self.engine, self.plan = engine, plan
         self.modules = {s: StageModule(lm, s, plan.n_stages, engine.stage_loss) for s, lm in stages.items()}
+        for module in self.modules.values():
+            _shard_root(module, engine)
         group = engine.group("pp")
         self.stages = [PipelineStage(self.modules[s], s, plan.n_stages, engine.device, group=group)
                        for s in sorted(self.modules)]
