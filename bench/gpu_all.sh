@@ -32,6 +32,8 @@
 # HSDP 2x4 x TP 2 (world 16, seq 2048), Qwen3-8B FSDP 2 x CP 2 x TP 2 (seq 8192), Llama-3.1-70B FSDP 8
 # x TP 8 (world 64), 405B on 512: measured peak memory and compute time vs the planner (step
 # `simulate`). The long-context rows (issue 31): step `long_context` (bench/gpu_long_context.py).
+# Pipeline parallel (one GPU cannot hold two NCCL stages): step `pipeline_stages`, stage 0 and the
+# last stage of a 2-stage cut of the Llama-3.2-1B shape, fwd/bwd time and memory per micro-batch in flight.
 set -uo pipefail
 T0=$SECONDS  # the budget counts from here: wheel installation and env.txt included
 BUDGET="" DIR="" SMOKE=0 ONLY="" LIST=0
@@ -80,6 +82,7 @@ plan_steps() {
   step simulate 300 bash bench/gpu_steps.sh simulate
   step long_context 200 bash bench/gpu_steps.sh long_context
   step checkpoint_async 150 "$PY" bench/gpu_checkpoint_async.py $TINY
+  step pipeline_stages 120 "$PY" bench/pipeline.py --one-rank-stage --device "$GPU_ALL_DEVICE" $TINY
   step tests_gpu_visible 300 bash bench/gpu_steps.sh tests_gpu_visible
 }
 

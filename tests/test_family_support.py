@@ -25,7 +25,7 @@ def _save(tmp_path, cls: str, **fields) -> str:
 
 
 @pytest.mark.parametrize("cls, layout, fragments", [
-    ("FalconConfig", ["context_parallel_size=2"], ["context_parallel_size=2", "AttentionInterface"]),
+    ("BloomConfig", ["context_parallel_size=2"], ["context_parallel_size=2", "AttentionInterface"]),
     ("StableLmConfig", ["tensor_parallel_size=2"], ["tensor_parallel_size=2", "no tensor-parallel plan"]),
     ("Llama4TextConfig", ["tensor_parallel_size=2"], ["tensor_parallel_size=2", "experts implementations"]),
     ("MixtralConfig", ["expert_parallel_size=2"], ["expert_parallel_size=2 must divide", "dp_shard_size"]),

@@ -103,7 +103,7 @@ def test_launch_prints_every_rank_coordinates():
     assert out.returncode == 0, out.stderr[-3000:]
     for r in range(4):
         assert f"rank {r}: " in out.stdout
-    assert "rank 3: dp_replicate=0 dp_shard=1 cp=1 tp=0" in out.stdout
+    assert "rank 3: pp=0 dp_replicate=0 dp_shard=1 cp=1 tp=0" in out.stdout
     assert "[FSDP 2 + CP 2]" in out.stdout
 
 

@@ -108,15 +108,21 @@ def prepare_model(acc, model: nn.Module, adapter: Any = None, quantization: Any 
         quantize_for_qlora(model, quantization)
     rank0_only = _weights_on_rank0_only(acc, model)
     full = {k: v.to(acc.device) for k, v in model.state_dict().items()} if rank0_only and acc.is_main_process else {}
-    old = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    old: dict[int, list[str]] = {}  # a tied parameter has several names
+    for name, p in model.named_parameters(remove_duplicate=False):
+        old.setdefault(id(p), []).append(name)
     model = acc.engine.parallelize(model)
     if rank0_only:
         _broadcast_rank0_weights(acc, model, full)
     new = dict(model.named_parameters(remove_duplicate=False))
+    kept = {id(p) for p in new.values()}
     staged = acc.engine.dims.pp_enabled  # a pipeline stage holds part of the model:
-    for pid, name in old.items():       # the other stages' parameters leave the optimizer
-        if name in new or staged:
-            acc._param_remap[pid] = new.get(name, DROPPED)
+    for pid, names in old.items():      # the other stages' parameters leave the optimizer
+        if pid in kept:
+            continue  # parallelised in place: the optimizer's parameter is still the model's
+        held = [n for n in names if n in new]
+        if held or staged:
+            acc._param_remap[pid] = new[held[0]] if held else DROPPED
     return register_model(acc, model)
 
 

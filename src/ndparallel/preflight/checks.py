@@ -47,6 +47,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     if check_local:
         tokenizer = check_local_inputs(cfg, check_output=check_output)
         _check_added_tokens(cfg, tokenizer, hf)
+    _check_family_layout(cfg, pc, hf)  # what the family cannot run at all, before which sizes would fit
     try:
         if pc.tp_enabled:
             from ndparallel.parallel.tensor import validate_tensor_parallel
@@ -60,7 +61,6 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_sequence_len(cfg, pc.dims)
-    _check_family_layout(cfg, pc, hf)
     from ndparallel.preflight.pipeline_check import check_pipeline
 
     check_pipeline(cfg, pc, hf)

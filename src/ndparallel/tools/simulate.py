@@ -61,6 +61,10 @@ class SimulatedTrainer(Trainer):
         self.hf_config.use_cache = False
         adapter = cfg.lora_config_from_fields()  # a saved adapter's shape would need its files
         dtype = torch.bfloat16 if adapter is not None and cfg.bf16 else torch.float32
+        if engine.dims.pp_enabled:  # this rank's pipeline stages only
+            from ndparallel.tools.simulate_pipeline import build_random_stages
+
+            return build_random_stages(engine, self.hf_config, dtype, kernel, cfg.trust_remote_code)
         return build_random_shards(engine, self.hf_config, dtype=dtype, attn_implementation=kernel,
                                    trust_remote_code=cfg.trust_remote_code, adapter=adapter)
 
@@ -71,6 +75,7 @@ def simulate(cfg: TrainConfig, req: SimulationRequest) -> dict:
     from ndparallel.runtime.distributed import shutdown
     from ndparallel.runtime.fake_world import start_fake_world
     from ndparallel.runtime.memory_probe import peak_rss_bytes, reset_peak_rss
+    from ndparallel.tools.simulate_pipeline import pipeline_report
     from ndparallel.tools.simulate_predict import compare_collectives, predict
 
     start_fake_world(req.world_size, req.rank)
@@ -81,12 +86,15 @@ def simulate(cfg: TrainConfig, req: SimulationRequest) -> dict:
         baseline_rss = peak_rss_bytes()
         trainer = SimulatedTrainer(cfg)
         trainer.setup()
+        pipeline = _direct_pipeline(trainer)
         measured, profiler = _measure(trainer, req.steps)
         measured["runtime_rss_gib"] = baseline_rss / GiB
         if req.save_checkpoint:
             measured["checkpoint"] = _save_checkpoint(trainer, Path(req.save_checkpoint))
         predicted, planned = predict(trainer, req, measured)
         collectives, predicted_collectives = compare_collectives(profiler, planned, trainer.engine)
+        if pipeline is not None:
+            measured["pipeline"] = pipeline_report(trainer, measured)
     finally:
         shutdown()
     engine = trainer.engine
@@ -103,6 +111,19 @@ def simulate(cfg: TrainConfig, req: SimulationRequest) -> dict:
     }
     out["fits"] = _fits(out, req.gpu_mem)
     return out
+
+
+def _direct_pipeline(trainer: Trainer):
+    """Under pipeline parallel: this rank's stages run directly (``tools/simulate_pipeline.py``:
+    torch's schedules cannot start over the fake backend); None otherwise."""
+    engine = trainer.engine
+    if not engine.dims.pp_enabled:
+        return None
+    from ndparallel.tools.simulate_pipeline import DirectSchedule
+
+    direct = DirectSchedule(engine, engine.pipeline_of(trainer.model))
+    direct.install()
+    return direct
 
 
 def _steps_batches(trainer: Trainer, step: int) -> list:

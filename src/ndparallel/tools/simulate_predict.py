@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 GiB = 2**30
+PIPELINE_NOT_PLANNED = ("the planner has no per-stage memory / time model of a pipeline rank yet: the measurement "
+                        "is shown alone")
 
 
 def planner_settings(trainer):
@@ -66,6 +68,8 @@ def predict(trainer, req, measured: dict) -> tuple[dict, list]:
     from ndparallel.plan.search import estimate
 
     engine = trainer.engine
+    if engine.dims.pp_enabled:  # TODO(planner PP): this rank's stage, once plan/ models one
+        return {"available": False, "why": PIPELINE_NOT_PLANNED}, []
     spec = from_hf_config(trainer.hf_config.to_dict(), str(trainer.cfg.base_model))
     settings = planner_settings(trainer)
     hw = hardware_for(req, engine, spec, settings)

@@ -13,6 +13,13 @@ def _pct(x: float) -> str:
     return f"{x:+.1%}"
 
 
+def _row(t: Table, label: str, measured: float, p: dict, key: str, err: str | None) -> None:
+    if p.get("available") is False:  # no planner model of this layout: the measurement alone
+        t.add_row(label, f"{measured:.3f}", "—", "")
+        return
+    t.add_row(label, f"{measured:.3f}", f"{p[key]:.3f}", _pct(p["error"][err]) if err else "")
+
+
 def format_report(r: dict) -> str:
     m, p = r["measured"], r["predicted"]
     lay = r["layout"]
@@ -20,18 +27,27 @@ def format_report(r: dict) -> str:
     console = Console(file=buf, width=120, force_terminal=False)
     console.print(f"simulate: rank {lay['rank']} of {lay['world_size']} ({lay['describe']}) on {lay['device']}; "
                   f"model {r['model']['name']} ({r['model']['params'] / 1e6:.1f}M params); "
-                  f"{r['settings']['steps']} timed steps; planner hardware {p['hardware']}")
+                  f"{r['settings']['steps']} timed steps; planner hardware {p.get('hardware', '—')}")
+    if "pipeline" in m:
+        pl = m["pipeline"]
+        layers = sum(len(v) for v in pl["layers"].values())
+        console.print(f"pipeline: {pl['schedule']}, pp rank {pl['pp_rank']} of {pl['pp']} runs stage(s) "
+                      f"{pl['stages']} ({layers} layers{', embeddings' if pl['first_stage'] else ''}"
+                      f"{', norm + head + loss' if pl['last_stage'] else ''}); {pl['microbatches']} micro-batches "
+                      f"per step, bubble ≈ {pl['bubble']:.0%}; run {pl['run']}")
     t = Table(title="measured vs predicted (this rank)")
     for col in ("", "measured", "predicted", "error"):
         t.add_column(col, justify="right")
-    t.add_row("peak memory (GiB)", f"{m['peak_memory_gib']:.3f}", f"{p['peak_memory_gib']:.3f}",
-              _pct(p["error"]["peak_memory"]))
-    t.add_row("tensor peak (GiB)", f"{m['tensor_peak_gib']:.3f}", f"{p['tensor_peak_gib']:.3f}",
-              _pct(p["error"]["tensor_peak"]))
-    t.add_row("step compute time (s)", f"{m['step_time_s']:.3f}", f"{p['step_time_s']:.3f}",
-              _pct(p["error"]["step_time"]))
-    t.add_row("step time with comm. (s)", "—", f"{p['step_time_with_comm_s']:.3f}", "")
+    _row(t, "peak memory (GiB)", m["peak_memory_gib"], p, "peak_memory_gib", "peak_memory")
+    _row(t, "tensor peak (GiB)", m["tensor_peak_gib"], p, "tensor_peak_gib", "tensor_peak")
+    _row(t, "step compute time (s)", m["step_time_s"], p, "step_time_s", "step_time")
+    if "pipeline" in m:
+        t.add_row("step + bubble, est. (s)", f"{m['pipeline']['step_time_with_bubble_s']:.3f}", "", "")
+    if p.get("available") is not False:
+        t.add_row("step time with comm. (s)", "—", f"{p['step_time_with_comm_s']:.3f}", "")
     console.print(t)
+    if p.get("available") is False:
+        console.print(f"planner: {p['why']}")
     c = Table(title="collectives per step, by mesh dim (calls / bytes)")
     for col in ("dim", "measured", "predicted"):
         c.add_column(col, justify="right")
