@@ -21,6 +21,13 @@ CP with activation checkpointing: the non-reentrant checkpoint runs the layer un
 hooks, and dynamo cannot break a graph there: a layer holding the (eager) CP attention would fall
 back to eager as a whole (nothing compiled, seen on torch 2.13). There the unit is each child but
 the attention: the MLP is compiled, the attention block runs eagerly.
+
+A checkpointed layer is traced as one checkpoint higher-order op, and dynamo refuses a side effect
+on outside state inside it (a graph break, the layer back to eager): transformers >= 5.25's
+attention classes, decorated by the ``kernels`` package, set and reset a module-level variable in
+every forward. That side effect leaves no trace once the forward returns, so nothing is lost by
+not replaying it in the recompute: while the model runs, dynamo's own switch for this
+(``skip_fwd_side_effects_in_bwd_under_checkpoint``) is on (``_checkpoint_side_effects``).
 """
 
 from __future__ import annotations
@@ -39,13 +46,40 @@ def apply_compile(model: nn.Module, options: CompileOptions, layer_classes=None,
     in place with ``options``; return the model."""
     _attention_eager(model)
     per_child = per_child or skip_attention
-    for layer in decoder_layers(model, layer_classes):
+    layers = decoder_layers(model, layer_classes)
+    if any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
+        _checkpoint_side_effects(model)
+    for layer in layers:
         units = [c for n, c in layer.named_children()
                  if "norm" not in n and any(True for _ in c.parameters())
                  and not (skip_attention and _is_attention(n))] if per_child else [layer]
         for unit in units:
             unit.compile(backend=options.backend, fullgraph=options.fullgraph)
     return model
+
+
+_SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
+def _checkpoint_side_effects(model: nn.Module) -> None:
+    """Turn dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` on for the duration of each
+    forward of ``model`` (a forward pre-hook enters the config patch, a forward hook that runs
+    even when the forward raises leaves it): process-wide settings stay as they were."""
+    if not hasattr(torch._dynamo.config, _SKIP_REPLAY):  # older torch: the layer stays eager
+        return
+    active = []
+
+    def enter(module, args, kwargs):
+        patch = torch._dynamo.config.patch(**{_SKIP_REPLAY: True})
+        patch.__enter__()
+        active.append(patch)
+
+    def leave(module, args, kwargs, output):
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter, with_kwargs=True)
+    model.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
 def _is_attention(child_name: str) -> bool:
