@@ -12,7 +12,7 @@ from ndparallel.training.axolotl_keys import DATASET, FSDP, PLUGINS, TOP, Rule
 BEGIN, END = "<!-- axolotl-keys:begin (generated: python -m ndparallel.training.axolotl_doc) -->", \
     "<!-- axolotl-keys:end -->"
 HONOURED = (
-    "base_model tokenizer_config trust_remote_code attn_implementation flash_attention sdp_attention plugins "
+    "base_model tokenizer_config trust_remote_code attn_implementation flash_attention sdp_attention "
     "dp_replicate_size dp_shard_size tensor_parallel_size context_parallel_size fsdp_config fsdp_version "
     "torch_compile torch_compile_backend fp8 qat adapter lora_r lora_alpha lora_dropout lora_target_modules "
     "lora_target_linear lora_model_dir merge_lora peft_use_rslora lora_modules_to_save lora_target_parameters "

@@ -103,6 +103,8 @@ TOP: dict[str, Rule] = {
            "optimizer"),
     **_all("mapped", "cosine, linear, constant, constant_with_warmup; others refused with the choices",
            "lr_scheduler"),
+    **_all("mapped", "CutCrossEntropyPlugin, LigerPlugin, ExpertParallelPlugin, KernelsPlugin, SwanLabPlugin (class "
+           "name or path) -> ndparallel's equivalent, said in a note; others refused", "plugins"),
     **_all("mapped", "with metrics ⊆ [perplexity]: eval_perplexity is logged at every evaluation",
            "do_causal_lm_eval", "eval_causal_lm_metrics"),
     **_all("mapped", "new token rows start at the mean of the existing rows (false: refused)",

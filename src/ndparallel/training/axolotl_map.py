@@ -40,7 +40,6 @@ def translate(raw: dict, own_keys: set[str]) -> Translation:
         elif rule.kind == "ignored" and not is_empty(value, rule.default):
             t.notes.append(f"{key}: {rule.text}")
     fsdp_config(t)
-    _plugins(t)
     default_layout(t)
     for name in ("datasets", "pretraining_dataset"):
         entries = t.data.get(name)
@@ -335,6 +334,18 @@ def _dataset_processes(t: Translation, key: str, value: Any) -> None:
     _rename("dataset_processes")(t, key, value)
 
 
+def _plugins(t: Translation, key: str, value: Any) -> None:
+    """Axolotl's plugins (class names or paths): a note for each one ndparallel maps, the others refused."""
+    if is_empty(value):
+        return
+    plugins = [value] if isinstance(value, str) or not isinstance(value, list) else value
+    names = [str(p).rsplit(".", 1)[-1] for p in plugins]
+    unknown = [p for p, name in zip(plugins, names) if name not in PLUGINS]
+    if unknown:
+        t.refuse(key, unknown, f"not supported; ndparallel maps only {', '.join(PLUGINS)}: remove the others")
+    t.notes += [f"plugins: {name} -> {PLUGINS[name]}" for name in names if name in PLUGINS]
+
+
 MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "bf16": _bf16, "tf32": _tf32, "bfloat16": _precision_flag, "float32": _precision_flag,
     "float16": _precision_flag,
@@ -358,30 +369,13 @@ MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "llama4_linearized_experts": linearized_experts, "tokens": _tokens, "max_packed_sequence_len": _max_packed,
     "cut_cross_entropy": lambda t, k, v: None,  # the plugin's own switch (on by default)
     "optimizer": lambda t, k, v: _choice(t, k, v, OPTIMIZERS, "adamw_torch_fused"),
-    "lr_scheduler": lambda t, k, v: _choice(t, k, v, SCHEDULERS, "cosine"),
+    "lr_scheduler": lambda t, k, v: _choice(t, k, v, SCHEDULERS, "cosine"), "plugins": _plugins,
     **{k: _liger for k in TOP if k.startswith("liger_") and TOP[k].kind == "mapped"},
 }
 """Keys whose value is translated (the rest of ``TOP`` follows its rule's kind)."""
 
 
 # ---------------------------------------------------------------------------- nested sections
-def _plugins(t: Translation) -> None:
-    plugins = t.data.get("plugins")
-    if is_empty(plugins):
-        t.data.pop("plugins", None)
-        return
-    plugins = [plugins] if isinstance(plugins, str) else plugins
-    unknown = [p for p in plugins if str(p).rsplit(".", 1)[-1] not in PLUGINS]
-    if unknown:
-        t.refuse("plugins", unknown, f"not supported; ndparallel maps only {', '.join(PLUGINS)}: remove the others")
-        plugins = [p for p in plugins if p not in unknown]
-    for p in plugins:
-        name = str(p).rsplit(".", 1)[-1]
-        if name in PLUGINS:
-            t.notes.append(f"plugins: {name} -> {PLUGINS[name]}")
-    t.data["plugins"] = plugins or None
-
-
 def _dataset(t: Translation, where: str, entry: dict) -> dict:
     d = dict(entry)
     roles = {k: d.pop(k) for k in ("message_field_role", "message_field_content") if k in d}

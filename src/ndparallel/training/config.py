@@ -79,9 +79,6 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
     """Axolotl's switch: true = attn_implementation: flash_attention_2."""
     sdp_attention: bool | None = None
     """Axolotl's switch: true = attn_implementation: sdpa."""
-    plugins: list[str] | None = None
-    """Axolotl plugins: CutCrossEntropyPlugin, LigerPlugin, ... map to ndparallel's equivalents
-    (``axolotl_keys.PLUGINS``); others are refused."""
     # layout
     dp_replicate_size: int = 1
     dp_shard_size: int = 1
@@ -402,6 +399,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     """Read, override (``--set key=value``, dotted keys for nested fields), translate Axolotl's keys
     (``axolotl_map``: its notes are kept for ``--dry-run``) and validate. Every problem found is
     one line of the ``ConfigError``."""
+    from ndparallel.training.axolotl_keys import TOP
     from ndparallel.training.axolotl_map import translate
 
     data: dict[str, Any] = {}
@@ -427,7 +425,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     try:
         cfg = TrainConfig.model_validate(found.data)
     except ValidationError as e:
-        problems += validation_problems(e, TrainConfig, NESTED)
+        problems += validation_problems(e, TrainConfig, NESTED, TOP)
     if problems:
         raise ConfigError(join_problems(source, problems))
     cfg._axolotl_notes = found.notes
