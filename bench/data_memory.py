@@ -48,7 +48,7 @@ def write_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:
 
 
 def _config(data: str, cache: str, steps: int, packing: bool):
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     return load_config(None, [
         "base_model=tiny-llama", f"datasets=[{{path: '{data}'}}]", "tokenizer_vocab_size=512",

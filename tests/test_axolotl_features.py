@@ -14,7 +14,7 @@ from cli_helpers import forbid_launch, run_cli
 from sft_fixtures import alpaca_records, llama3_tokenizer, tiny_llama_dir, write_jsonl
 
 from ndparallel.testing import run_on_ranks
-from ndparallel.training.config import ConfigError, load_config
+from ndparallel.axolotl import ConfigError, load_config
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ MAX_FUNCTION_LINES = 80
 # ``accelerate.utils``); they are listed so their imports are checked like any layer's.
 # (``testing`` only re-exports the runtime's multi-rank runner.)
 LAYERS = ["layout", "parallelism_config", "runtime", "optim", "tracking", "models", "parallel", "data", "checkpoint", "plan",
-          "engine", "accelerator", "utils", "training", "preflight", "tools", "cli"]
+          "engine", "config", "training", "preflight", "axolotl", "accelerator", "utils", "tools", "cli"]
 
 
 def _modules() -> dict[str, Path]:

@@ -46,7 +46,7 @@ def test_write_config_keeps_the_run_and_its_batch(capsys, tmp_path):
     assert planned["micro_batch_size"] * planned["gradient_accumulation_steps"] * dp == 16  # same batch
     for key in ("datasets", "learning_rate", "lora_r", "output_dir", "max_steps", "base_model"):
         assert planned[key] == source[key], key
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     load_config(str(out))  # a valid training config
 

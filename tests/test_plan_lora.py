@@ -18,7 +18,7 @@ from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.memory import estimate_memory
 from ndparallel.plan.models import PRESETS
 from ndparallel.testing import run_on_ranks
-from ndparallel.training.config import TrainConfig
+from ndparallel.config import TrainConfig
 
 TINY = PRESETS["tiny"]  # = the tiny-llama preset
 H100 = HW["h100-80gb"]

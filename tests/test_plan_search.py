@@ -138,9 +138,7 @@ def test_write_config(tmp_path, capsys):
     assert keys <= set(cfg)
     assert cfg["base_model"] == "meta-llama/Llama-3.1-70B" and cfg["sequence_len"] == 8192
     assert isinstance(cfg["fsdp_config"]["activation_checkpointing"], bool)
-    from ndparallel.training.config import (
-        TrainConfig,  # the emitted file is a valid train config
-    )
+    from ndparallel.config import TrainConfig  # the emitted file is a valid train config
 
     TrainConfig.model_validate(cfg)
     world = (cfg["dp_replicate_size"] * cfg["dp_shard_size"] * cfg["tensor_parallel_size"]

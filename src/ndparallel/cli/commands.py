@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ndparallel.cli.args import Parser, at_least, fail
-from ndparallel.training.config import ConfigError, load_config
+from ndparallel.axolotl import ConfigError, load_config
 from ndparallel.preflight.plan_text import describe_plan
 from ndparallel.preflight.checks import run_notes, validate_layout, world_size_for
 

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ndparallel.training.config import ConfigError, TrainConfig
+from ndparallel.config import ConfigError, TrainConfig
 
 
 def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True, check_output: bool = True,
@@ -270,7 +270,7 @@ def _check_tokenizer(cfg: TrainConfig) -> None:
 def run_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
     """Things the user set that have no effect or behave differently from Axolotl, one line each,
     said once before launch (and in ``--dry-run``)."""
-    from ndparallel.training.compat import compat_notes
+    from ndparallel.preflight.compat import compat_notes
 
     notes = []
     if cfg.max_steps is not None and "num_epochs" in cfg.model_fields_set:

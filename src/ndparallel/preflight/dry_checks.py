@@ -6,7 +6,7 @@ passes is not refused later for a reason it could have known."""
 
 from __future__ import annotations
 
-from ndparallel.training.config import ConfigError, TrainConfig
+from ndparallel.config import ConfigError, TrainConfig
 
 
 def check_without_data(cfg: TrainConfig, hf) -> None:

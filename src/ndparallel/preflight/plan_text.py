@@ -3,7 +3,7 @@ speed options, steps, what each dataset is read as, and the notes said before la
 
 from __future__ import annotations
 
-from ndparallel.training.config import TrainConfig
+from ndparallel.config import TrainConfig
 from ndparallel.preflight.checks import run_notes
 from ndparallel.preflight.pipeline_check import pipeline_summary
 

@@ -9,7 +9,7 @@ import json
 import sys
 from typing import TextIO
 
-from ndparallel.training.config import TrainConfig
+from ndparallel.config import TrainConfig
 
 TRAINED, MASKED = "bold green", "dim"
 

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from ndparallel.training.config_data import DatasetConfig, _int, _Strict
+from ndparallel.config.datasets import DatasetConfig, _int, _Strict
 
 
 class FSDPConfig(_Strict):

@@ -1,6 +1,6 @@
 """An Axolotl config mapping translated into ndparallel's fields before validation.
 
-``translate(raw, own_keys)`` applies ``axolotl_keys``' table to a raw YAML mapping: renames and value
+``translate(raw, own_keys)`` applies ``keys``' table to a raw YAML mapping: renames and value
 translations (``bf16: auto``, ``gradient_checkpointing``, FSDP1's ``fsdp:`` list and ``fsdp_``
 prefixes, DeepSpeed ZeRO configs, ...), drops what is empty or has no effect, and collects one
 ``note`` per translated key and one ``problem`` (the key and the fix) per key it refuses. Keys it
@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ndparallel.optim.lowbit import OPTIMIZER_NAMES
-from ndparallel.training.axolotl_checkpoint import linearized_experts, model_quantization
-from ndparallel.training.axolotl_keys import DATASET, PLUGINS, TOP, Translation, is_empty, short
-from ndparallel.training.axolotl_layout import (
+from ndparallel.axolotl.checkpoint import linearized_experts, model_quantization
+from ndparallel.axolotl.keys import DATASET, PLUGINS, TOP, Translation, is_empty, short
+from ndparallel.axolotl.layout import (
     default_layout,
     deepspeed,
     fsdp_config,

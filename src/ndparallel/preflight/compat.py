@@ -1,12 +1,12 @@
 """What an Axolotl config means here: one line per field that behaves differently, for ``--dry-run``
 and the start of ``train``, from the validated config. Fields with the same meaning (renames such as
 ``offload_params`` -> ``cpu_offload``, ``dataset_prepared_path`` -> ``dataset_cache_dir``) say nothing;
-the notes of translated Axolotl keys come from ``axolotl_map`` (``cfg._axolotl_notes``); fields that
-cannot work are refused there or by the schema (``config.py``), one line each."""
+the notes of translated Axolotl keys come from ``ndparallel.axolotl.translate`` (``cfg._axolotl_notes``); fields that
+cannot work are refused there or by the schema (``config/schema.py``), one line each."""
 
 from __future__ import annotations
 
-from ndparallel.training.config import TrainConfig
+from ndparallel.config import TrainConfig
 
 
 def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
@@ -50,7 +50,7 @@ def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
             notes.append(f"attn_implementation: {cfg.attn_implementation} -> {kernel} on this machine: {why}")
     if cfg.tf32 and device_type == "cpu":
         notes.append("tf32: no effect on CPU (it only changes CUDA fp32 matmuls)")
-    from ndparallel.training.config_quant import quant_notes
+    from ndparallel.config.quant import quant_notes
 
     notes += quant_notes(cfg)  # load_in_4bit, bnb_config_kwargs, low-bit / paged optimizers
     return notes
