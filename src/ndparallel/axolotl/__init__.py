@@ -3,6 +3,6 @@
 ``checkpoint``, driven by the table in ``keys``), and the docs' key tables generated (``doc``)."""
 
 from ndparallel.axolotl.load import load_config, own_keys
-from ndparallel.config.datasets import ConfigError
+from ndparallel.config.errors import ConfigError
 
 __all__ = ["ConfigError", "load_config", "own_keys"]

@@ -11,8 +11,8 @@ from pydantic import AliasChoices, ValidationError
 
 from ndparallel.axolotl.keys import TOP
 from ndparallel.axolotl.translate import translate
-from ndparallel.config.datasets import ConfigError, DatasetConfig, SpecialTokens
-from ndparallel.config.errors import join_problems, validation_problems
+from ndparallel.config.datasets import DatasetConfig, SpecialTokens
+from ndparallel.config.errors import ConfigError, join_problems, validation_problems
 from ndparallel.config.fields import FSDPConfig
 from ndparallel.config.overrides import apply_override
 from ndparallel.config.schema import TrainConfig

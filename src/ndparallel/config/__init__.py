@@ -4,7 +4,7 @@
 It knows ndparallel's fields only: the YAML front door (``ndparallel.axolotl``) translates
 Axolotl's keys into them."""
 
-from ndparallel.config.datasets import ConfigError
+from ndparallel.config.errors import ConfigError
 from ndparallel.config.schema import TrainConfig
 
 __all__ = ["ConfigError", "TrainConfig"]

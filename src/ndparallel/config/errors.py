@@ -9,6 +9,10 @@ from typing import Iterable
 from pydantic import AliasChoices, BaseModel, ValidationError
 
 
+class ConfigError(ValueError):
+    """A bad training config; the message is meant to be shown as is."""
+
+
 _HINTS = {
     "max_steps": "or leave it out to train num_epochs epochs",
     "save_steps": "or leave it out to save no intermediate checkpoint",

@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from ndparallel.config.datasets import DatasetConfig, _int, _Strict
+from ndparallel.config.base import _int, _Strict
+from ndparallel.config.datasets import DatasetConfig
 
 
 class FSDPConfig(_Strict):

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from ndparallel.parallel.options import QATOptions
-from ndparallel.config.datasets import _Strict
+from ndparallel.config.base import _Strict
 
 _DTYPES = {"int4": "int4", "int8": "int8", "float8_e4m3fn": "float8", "fp8": "float8", "float8": "float8",
            "nvfp4": "nvfp4", "mxfp4": "mxfp4"}

@@ -17,13 +17,8 @@ from pydantic import (
     model_validator,
 )
 
-from ndparallel.config.datasets import (  # noqa: F401  (ConfigError: re-exported)
-    ConfigError,
-    DatasetConfig,
-    SpecialTokens,
-    _int,
-    _Strict,
-)
+from ndparallel.config.base import _int
+from ndparallel.config.datasets import DatasetConfig, SpecialTokens
 from ndparallel.config.fields import (
     ClusterFields, DataSourceFields, FSDPConfig, InputForms, LoraExtraFields, PrecisionFields, RunControlFields,
     TrackerFields,
