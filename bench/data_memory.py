@@ -60,7 +60,7 @@ def _config(data: str, cache: str, steps: int, packing: bool):
 
 def _prepare(data: str, cache: str, steps: int, packing: bool) -> dict:
     """What ``ndparallel train`` does before launching the ranks: the whole data preparation."""
-    from ndparallel.preflight.checks import prepare_data
+    from ndparallel.preflight.local import prepare_data
 
     anon = AnonPeak()
     prepare_data(_config(data, cache, steps, packing))

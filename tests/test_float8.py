@@ -59,7 +59,8 @@ def test_refused_without_fp8_hardware():
 
 def test_train_config_fp8_fails_before_launch(tmp_path):
     from ndparallel.axolotl import ConfigError, load_config
-    from ndparallel.preflight.checks import _check_fp8, validate_layout
+    from ndparallel.preflight.checks import validate_layout
+    from ndparallel.preflight.local import _check_fp8
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")

@@ -13,7 +13,8 @@ from typing import Sequence
 from ndparallel.cli.args import Parser, at_least, fail
 from ndparallel.axolotl import ConfigError, load_config
 from ndparallel.preflight.plan_text import describe_plan
-from ndparallel.preflight.checks import run_notes, validate_layout, world_size_for
+from ndparallel.preflight.checks import run_notes, validate_layout
+from ndparallel.preflight.world import world_size_for
 
 INPUT_ERRORS = (ValueError, OSError)
 """Raised on the ranks for bad data, model, checkpoint or output_dir: reported as one line, exit 2

@@ -16,7 +16,7 @@ TRAINED, MASKED = "bold green", "dim"
 
 def preprocess(cfg: TrainConfig, show: int | None = None, as_json: bool = False, out: TextIO | None = None) -> int:
     """Run the data pipeline of ``cfg`` (cached); returns the number of samples."""
-    from ndparallel.preflight.checks import quiet_datasets
+    from ndparallel.preflight.local import quiet_datasets
 
     with quiet_datasets():
         return _preprocess(cfg, show, as_json, out)
