@@ -3,7 +3,8 @@ and the start of ``train``, from the validated config. Fields with the same mean
 ``offload_params`` -> ``cpu_offload``, ``dataset_prepared_path`` -> ``dataset_cache_dir``) say nothing;
 the notes of translated Axolotl keys come from the front door (``axolotl/translate.py``, kept in
 ``cfg._axolotl_notes``); fields that cannot work are refused there or by the schema
-(``config/schema.py``), one line each. Also the quantisation and low-bit optimizer notes."""
+(``config/schema.py``), one line each. Also the quantisation and low-bit optimizer notes. Both are
+entries of ``checks.CHECKS``."""
 
 from __future__ import annotations
 
@@ -51,7 +52,6 @@ def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
             notes.append(f"attn_implementation: {cfg.attn_implementation} -> {kernel} on this machine: {why}")
     if cfg.tf32 and device_type == "cpu":
         notes.append("tf32: no effect on CPU (it only changes CUDA fp32 matmuls)")
-    notes += quant_notes(cfg)  # load_in_4bit, bnb_config_kwargs, low-bit / paged optimizers
     return notes
 
 

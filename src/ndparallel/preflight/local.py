@@ -143,12 +143,10 @@ def _check_fp8(cfg: TrainConfig) -> None:
     """fp8 needs torchao and a GPU of compute capability >= 8.9 (unless emulated)."""
     if not cfg.fp8:
         return
-    import torch
-
     from ndparallel.parallel.float8 import float8_problem
+    from ndparallel.preflight.world import run_device
 
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    problem = float8_problem(cfg.float8_options(), device)
+    problem = float8_problem(cfg.float8_options(), run_device(cfg))
     if problem:
         raise ConfigError(f"fp8: {problem}")
 
@@ -157,11 +155,9 @@ def _check_qat_device(cfg: TrainConfig) -> None:
     """nvfp4 QAT runs fp4 matmuls: a Blackwell GPU (``parallel.qat.qat_device_problem``)."""
     if cfg.qat is None:
         return
-    import torch
-
     from ndparallel.parallel.qat import qat_device_problem
+    from ndparallel.preflight.world import run_device
 
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    problem = qat_device_problem(cfg.qat_options(), device)
+    problem = qat_device_problem(cfg.qat_options(), run_device(cfg))
     if problem:
         raise ConfigError(f"qat: {problem}")

@@ -1,5 +1,6 @@
-"""How many ranks a run has, known before any rank starts: the product of its degrees,
-``--nproc-per-node``, the launcher's ``WORLD_SIZE``, or every local GPU for a degree of -1."""
+"""Where a run goes, known before any rank starts: how many ranks (the product of its degrees,
+``--nproc-per-node``, the launcher's ``WORLD_SIZE``, or every local GPU for a degree of -1) and on
+which device type."""
 
 from __future__ import annotations
 
@@ -31,3 +32,10 @@ def local_devices(cfg: TrainConfig) -> int:
     import torch
 
     return torch.cuda.device_count() if cfg.device != "cpu" and torch.cuda.is_available() else 1
+
+
+def run_device(cfg: TrainConfig) -> str:
+    """The ranks' device type: ``device``, or with ``auto`` cuda where a GPU is visible, else cpu."""
+    import torch
+
+    return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
