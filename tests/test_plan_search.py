@@ -8,10 +8,10 @@ import yaml
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.plan.cli import add_plan_arguments, main, run_plan
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.hardware import parse_size
 from ndparallel.plan.layout import Layout, enumerate_layouts, parse_layout
 from ndparallel.plan.models import PRESETS
 from ndparallel.plan.search import PlanRequest, evaluate_layout, plan
+from ndparallel.runtime.sizes import parse_size
 
 H100 = HW["h100-80gb"]
 

@@ -63,7 +63,7 @@ def run_simulate(argv: Sequence[str]) -> int:
 
 
 def _gpu_mem(text: str | None) -> float | None:
-    from ndparallel.plan.hardware import parse_size
+    from ndparallel.runtime.sizes import parse_size
 
     if text is None:
         return None
