@@ -6,7 +6,6 @@ Weights & Biases and MLflow. One set of implementations for both front doors: th
 
 from __future__ import annotations
 
-import enum
 import importlib.util
 import json
 import math
@@ -14,27 +13,6 @@ import os
 import time
 from pathlib import Path
 from typing import Any
-
-
-class LoggerType(str, enum.Enum):
-    ALL = "all"
-    JSONL = "jsonl"
-    AIM = "aim"
-    TENSORBOARD = "tensorboard"
-    WANDB = "wandb"
-    COMETML = "comet_ml"
-    MLFLOW = "mlflow"
-    CLEARML = "clearml"
-    DVCLIVE = "dvclive"
-    SWANLAB = "swanlab"
-    TRACKIO = "trackio"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def list(cls) -> list[str]:
-        return [m.value for m in cls]
 
 
 class GeneralTracker:
