@@ -235,14 +235,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         """This rank's index along a mesh dim (``dp``, ``tp``, ``cp``, ``dp_shard_cp``...)."""
         return self.engine.rank_in(dim)
 
-    @property
-    def dp_rank(self) -> int:
-        return self.rank_in("dp")
-
-    @property
-    def dp_size(self) -> int:
-        return self.parallelism_config.dp_size
-
+    dp_rank = property(lambda self: self.engine.dp_rank)
+    dp_size = property(lambda self: self.engine.dp_size)
     tensor_parallel_rank = property(lambda self: self.rank_in("tp"))
     context_parallel_rank = property(lambda self: self.rank_in("cp"))
     data_parallel_rank = property(lambda self: self.rank_in("dp_replicate"))

@@ -177,31 +177,25 @@ def _warmup_steps(t: Translation, key: str, value: Any) -> None:
              "fraction of the run's steps, as transformers reads it)", key)
 
 
-def _eval_strategy(t: Translation, key: str, value: Any) -> None:
-    if value in (None, "", "steps"):
-        return
-    if value == "no":
-        t.data.pop("eval_steps", None)
-        t.data.pop("evals_per_epoch", None)
-        t.notes.append(f"{key}: no -> no evaluation during training")
-    elif value == "epoch":
-        _set(t, "evals_per_epoch", 1, f"{key}: epoch -> evals_per_epoch: 1", key)
-    else:
-        t.refuse(key, value, "use no, epoch or steps (with eval_steps / evals_per_epoch)")
+def _strategy(steps: str, per_epoch: str, none: str, best_fix: str | None = None) -> Callable:
+    """transformers' eval / save strategy: ``no`` -> neither ``steps`` nor ``per_epoch`` (``none``
+    said), ``epoch`` -> ``per_epoch: 1``, ``steps`` -> as the config sets them."""
+    def mapper(t: Translation, key: str, value: Any) -> None:
+        if value in (None, "", "steps"):
+            return
+        if value == "no":
+            t.data.pop(steps, None)
+            t.data.pop(per_epoch, None)
+            t.notes.append(f"{key}: no -> {none}")
+        elif value == "epoch":
+            _set(t, per_epoch, 1, f"{key}: epoch -> {per_epoch}: 1", key)
+        else:
+            t.refuse(key, value, best_fix if value == "best" and best_fix else
+                     f"use no, epoch or steps (with {steps} / {per_epoch})")
+    return mapper
 
 
-def _save_strategy(t: Translation, key: str, value: Any) -> None:
-    if value in (None, "", "steps"):
-        return
-    if value == "no":
-        t.data.pop("save_steps", None)
-        t.data.pop("saves_per_epoch", None)
-        t.notes.append("save_strategy: no -> no checkpoints during training (the final model is saved)")
-    elif value == "epoch":
-        _set(t, "saves_per_epoch", 1, "save_strategy: epoch -> saves_per_epoch: 1", key)
-    else:
-        t.refuse(key, value, TOP["load_best_model_at_end"].text if value == "best" else
-                 "use no, epoch or steps (with save_steps / saves_per_epoch)")
+_eval_strategy = _strategy("eval_steps", "evals_per_epoch", "no evaluation during training")
 
 
 def _attention_flag(t: Translation, key: str, value: Any) -> None:
@@ -354,7 +348,9 @@ MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "fsdp_final_state_dict_type": _note_if_set, "sequence_parallel_degree": _rename("context_parallel_size"),
     "ddp_timeout": _rename("collective_timeout_s"), "auto_resume_from_checkpoints": _auto_resume,
     "batch_size": _batch_size, "warmup_steps": _warmup_steps, "eval_strategy": _eval_strategy,
-    "evaluation_strategy": _eval_strategy, "save_strategy": _save_strategy, "tokenizer_config": _rename("tokenizer"),
+    "evaluation_strategy": _eval_strategy,
+    "save_strategy": _strategy("save_steps", "saves_per_epoch", "no checkpoints during training (the final model is "
+                               "saved)", TOP["load_best_model_at_end"].text), "tokenizer_config": _rename("tokenizer"),
     "dataset_num_proc": _dataset_processes, "model_type": _note_if_set, "type_of_model": _note_if_set,
     "evals_per_epoch": _zero_is_none, "saves_per_epoch": _zero_is_none, "tokenizer_type": _note_if_set,
     "tokenizer_use_fast": _note_if_set, "tokenizer_legacy": _note_if_set,
