@@ -234,8 +234,8 @@ def qat_memory(p: Preflight) -> list[str]:
     if qat.enabled and qat.weight_dtype not in ("mxfp4", "nvfp4") and not cfg.fsdp_config.activation_checkpointing:
         return [f"qat ({qat.weight_dtype} weights) without activation checkpointing: every layer keeps a rounded "
                 "copy of its whole (unsharded) weights for backward, the model's weights again on every rank "
-                "(docs/qat.md): set gradient_checkpointing: true (or fsdp_config.activation_checkpointing: true) "
-                "unless `ndparallel plan --config` says it fits"]
+                "(docs/qat.md): set fsdp_config.activation_checkpointing: true unless `ndparallel plan --config` "
+                "says it fits"]
     return []
 
 
