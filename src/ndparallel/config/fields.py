@@ -1,6 +1,6 @@
 """Groups of training-config fields: ``fsdp_config``'s section, and what ``TrainConfig``
-(``config.py``) inherits: experiment trackers, and Axolotl's run controls (evaluation and saving cadence, early stopping, the loss
-watchdog, the cosine floor, frozen parameters, sample filters)."""
+(``schema.py``) inherits: experiment trackers, and Axolotl's run controls (evaluation and saving
+cadence, early stopping, the loss watchdog, the cosine floor, frozen parameters, sample filters)."""
 
 from __future__ import annotations
 

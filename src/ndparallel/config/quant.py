@@ -1,5 +1,5 @@
 """The training config's quantisation fields (Axolotl's names): QLoRA's 4-bit base and what
-bitsandbytes' keys mean here. A mixin of ``TrainConfig`` (kept apart from ``config.py``).
+bitsandbytes' keys mean here. A mixin of ``TrainConfig`` (kept apart from ``schema.py``).
 
 * ``adapter: qlora`` + ``load_in_4bit: true`` (Axolotl requires both): LoRA on a frozen base whose
   linear weights are torchao NF4 (``models.quantized``). ``adapter: lora`` + ``load_in_4bit: true``

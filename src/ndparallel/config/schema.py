@@ -1,4 +1,7 @@
-"""The training config: a YAML file with Axolotl's field names, validated by pydantic.
+"""The typed run configuration: every field of ``ndparallel train``, validated by pydantic, and
+what the run's parts are built from (``parallelism_config``, ``strategy_options``, ``data_options``,
+``lora_config``). Field names are Axolotl's where Axolotl has one; the YAML front door
+(``ndparallel.axolotl``) reads the file and translates Axolotl's other keys into these fields.
 
 Errors come out as one line naming the field and the fix (unknown keys get a did-you-mean). Every
 numeric field has its allowed range in the schema (``Field(ge=..., gt=..., lt=...)``; floats must
@@ -45,7 +48,6 @@ def _float(**bounds):
 class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields, QuantFields, ClusterFields,
                   PrecisionFields, LoraExtraFields, PipelineFields):
     """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one; the
-    Axolotl keys that are translated, accepted empty or refused: ``ndparallel/axolotl/keys.py``; the
     quantisation fields: ``quant.QuantFields``; preemption and asynchronous checkpoints:
     ``fields.ClusterFields``)."""
 
