@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 
-from ndparallel.accelerator.state import LoggerType  # noqa: F401  (Accelerate's import path)
+from ndparallel.accelerator.state import LoggerType
 from ndparallel.tracking.trackers import MODULES as _MODULES
 from ndparallel.tracking.trackers import (  # noqa: F401  (Accelerate's import paths)
     TRACKERS,
