@@ -48,7 +48,7 @@ def write_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:
 
 
 def _config(data: str, cache: str, steps: int, packing: bool):
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     return load_config(None, [
         "base_model=tiny-llama", f"datasets=[{{path: '{data}'}}]", "tokenizer_vocab_size=512",
@@ -60,7 +60,7 @@ def _config(data: str, cache: str, steps: int, packing: bool):
 
 def _prepare(data: str, cache: str, steps: int, packing: bool) -> dict:
     """What ``ndparallel train`` does before launching the ranks: the whole data preparation."""
-    from ndparallel.preflight.checks import prepare_data
+    from ndparallel.preflight.local import prepare_data
 
     anon = AnonPeak()
     prepare_data(_config(data, cache, steps, packing))

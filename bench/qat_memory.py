@@ -106,7 +106,7 @@ def fit(fmt: str, frozen: bool = False, plain: bool = False) -> dict:
     (a, b), *_ = np.linalg.lstsq(np.array(rows, float), np.array(targets, float), rcond=None)
     worst = max(abs(r[0] * a + r[1] * b - t) / max(abs(t), 1.0) for r, t in zip(rows, targets))
     return {"format": fmt + (" + LoRA" if frozen else ""), "per_weight": float(a), "per_input": float(b),
-            "fit_error": float(worst), "planner_per_weight": qat_saved_bytes_per_weight(fmt, frozen),
+            "fit_error": float(worst), "planner_per_weight": qat_saved_bytes_per_weight(fmt),
             "planner_per_input": qat_saved_bytes_per_input(fmt, frozen)}
 
 

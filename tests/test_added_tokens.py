@@ -89,7 +89,7 @@ def test_grown_model_on_fsdp2_tp2_equals_transformers_resize(tmp_path, tied):
                                                     (259, False, 2, 260), (259, True, 1, 288), (259, True, 3, 288)])
 def test_grown_vocab_size_rounds_for_tp_and_32x(tokens, x32, tp, want):
     from ndparallel.training.build import grown_vocab_size
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     cfg = load_config(None, [f"resize_token_embeddings_to_32x={str(x32).lower()}", f"tensor_parallel_size={tp}"])
     assert grown_vocab_size(cfg, range(tokens), 256) == want
@@ -127,7 +127,7 @@ def chat_run(tmp_path_factory):
 
 
 def _train(path: str):
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
     from ndparallel.training.trainer import run_training
 
     run_training(load_config(path))
@@ -168,7 +168,7 @@ def test_lora_with_new_tokens_is_refused_before_launch(chat_run, tmp_path, capsy
 
 
 def _train_overrides(overrides):
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
     from ndparallel.training.trainer import run_training
 
     run_training(load_config(None, overrides))

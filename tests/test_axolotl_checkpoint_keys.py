@@ -1,4 +1,4 @@
-"""Axolotl's keys for the checkpoint formats the loader reads (training/axolotl_checkpoint.py):
+"""Axolotl's keys for the checkpoint formats the loader reads (axolotl/checkpoint.py):
 ``model_quantization_config: Mxfp4Config`` + ``{dequantize: true}`` (gpt-oss) and
 ``llama4_linearized_experts: true``, translated with a note or refused with the fix; Axolotl's own
 gpt-oss and Llama 4 examples pass ``--dry-run`` on tiny MXFP4 / linearized checkpoints, and a run
@@ -15,9 +15,9 @@ from cli_helpers import run_cli
 from test_checkpoint_formats import gpt_oss, llama4  # noqa: F401 - the tiny checkpoints (fixtures)
 
 from ndparallel.testing import run_on_ranks
-from ndparallel.training.axolotl_checkpoint import LINEARIZED_LORA_FIX, MXFP4_FIX
-from ndparallel.training.axolotl_map import translate
-from ndparallel.training.config import load_config, own_keys
+from ndparallel.axolotl.checkpoint import LINEARIZED_LORA_FIX, MXFP4_FIX
+from ndparallel.axolotl.translate import translate
+from ndparallel.axolotl import load_config, own_keys
 
 MX = {"model_quantization_config": "Mxfp4Config"}
 

@@ -53,7 +53,7 @@ def test_seed_configs_dry_run_explain_each_difference(capsys, config):
 
 
 def test_seed_fields_map_to_ndparallel():
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     cfg = load_config(LLAMA)
     assert cfg.fsdp_config.layer_classes == ["LlamaDecoderLayer"] and cfg.fsdp_config.cpu_offload is False
@@ -128,7 +128,7 @@ def test_data_problems_found_before_launch(local, tmp_path, capsys, problem, set
 
 
 def test_preprocess_json_and_show(local, tmp_path, capsys):
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     sets = ["--set", f"dataset_prepared_path={tmp_path / 'cache'}", "--set", "sequence_len=256"]
     code, out, err = run_cli(capsys, "preprocess", local / "seed.yaml", "--json", *sets)
@@ -157,7 +157,7 @@ def test_custom_instruction_format_end_to_end(local, tmp_path, capsys):
     assert code == 0, err
     from transformers import AutoTokenizer
 
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     tok = AutoTokenizer.from_pretrained(load_config(local / "seed.yaml").base_model)
     for line, record in zip(out.splitlines(), alpaca_records(48)):

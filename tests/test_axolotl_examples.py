@@ -22,11 +22,11 @@ import yaml
 from axolotl_stand_ins import FIXTURES, model_types, stand_in
 from cli_helpers import forbid_launch, run_cli
 
-from ndparallel.training.axolotl_keys import DATASET, FSDP, PLUGINS, TOP
-from ndparallel.training.axolotl_map import MAPPERS, translate
-from ndparallel.training.config import ConfigError, load_config, own_keys
-from ndparallel.training.config_data import DatasetConfig, SpecialTokens
-from ndparallel.training.config_fields import FSDPConfig
+from ndparallel.axolotl.keys import DATASET, FSDP, PLUGINS, TOP
+from ndparallel.axolotl.translate import MAPPERS, translate
+from ndparallel.axolotl import ConfigError, load_config, own_keys
+from ndparallel.config.datasets import DatasetConfig, SpecialTokens
+from ndparallel.config.fields import FSDPConfig
 
 EXAMPLES = sorted((FIXTURES / "examples").rglob("*.y*ml"))
 SCHEMA = json.loads((FIXTURES / "schema_keys.json").read_text())
@@ -248,7 +248,7 @@ def test_examples_at_the_dry_run_level(schema_results, tmp_path_factory, capsys)
 
 
 def test_readme_and_docs_tables_are_generated_from_the_key_table():
-    from ndparallel.training.axolotl_doc import current_block, docs_table, readme_table
+    from ndparallel.axolotl.doc import current_block, docs_table, readme_table
 
     root = Path(__file__).resolve().parents[1]
     assert current_block((root / "README.md").read_text()) == readme_table()

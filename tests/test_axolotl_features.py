@@ -14,7 +14,7 @@ from cli_helpers import forbid_launch, run_cli
 from sft_fixtures import alpaca_records, llama3_tokenizer, tiny_llama_dir, write_jsonl
 
 from ndparallel.testing import run_on_ranks
-from ndparallel.training.config import ConfigError, load_config
+from ndparallel.axolotl import ConfigError, load_config
 
 
 @pytest.fixture(autouse=True)
@@ -205,7 +205,7 @@ def test_unfrozen_parameters_under_fsdp2(tmp_path, model):
                          f"output_dir: {tmp_path / 'out'}\ndataset_prepared_path: {tmp_path / 'cache'}\n"
                          "sequence_len: 128\nmax_steps: 2\nlearning_rate: 0.01\ndp_shard_size: 2\ndevice: cpu\n"
                          "unfrozen_parameters: ['^lm_head', 'model\\.layers\\.1\\.mlp']\n")
-    from ndparallel.preflight.checks import prepare_data
+    from ndparallel.preflight.local import prepare_data
 
     prepare_data(load_config(cfg))  # the ranks find the data cached
     run_on_ranks(_frozen_run, 2, str(cfg))

@@ -466,7 +466,7 @@ def test_unrelated_files_block_a_new_run_unless_overwrite(tmp_path, capsys, monk
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     _refused(run_cli(capsys, "train", _cfg(tmp_path)), "output_dir", "notes.txt", "overwrite_output_dir")
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
     from ndparallel.training.outputs import plan_output_dir
 
     cfg = load_config(_cfg(tmp_path, "overwrite_output_dir: true\n"))
@@ -474,7 +474,7 @@ def test_unrelated_files_block_a_new_run_unless_overwrite(tmp_path, capsys, monk
 
 
 def test_a_dataset_cache_inside_output_dir_is_not_a_foreign_file(tmp_path):
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
     from ndparallel.training.outputs import plan_output_dir
 
     (tmp_path / "out" / "cache").mkdir(parents=True)
@@ -483,7 +483,7 @@ def test_a_dataset_cache_inside_output_dir_is_not_a_foreign_file(tmp_path):
 
 
 def test_resume_into_a_previous_run_is_allowed(tmp_path):
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
     from ndparallel.training.outputs import plan_output_dir
 
     out = tmp_path / "out"
@@ -587,7 +587,7 @@ def test_plot_never_overwrites_a_users_png(tmp_path, capsys):
 
 # ------------------------------------------------------------------- errors on the ranks
 def _train_in_process(cfg_path: str):
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
     from ndparallel.training.trainer import run_training
 
     run_training(load_config(cfg_path))

@@ -78,7 +78,7 @@ def _train(cfg: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def _train_in_ranks(config: str) -> None:
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
     from ndparallel.training.trainer import run_training
 
     run_training(load_config(config))

@@ -78,7 +78,7 @@ def _cfg(tmp_path, extra: str) -> str:
 
 def test_curriculum_sampling_turns_the_shuffle_off(tmp_path, capsys, monkeypatch):
     from ndparallel.training.build import train_loader
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     forbid_launch(monkeypatch)
     cfg = load_config(_cfg(tmp_path, "curriculum_sampling: true\n"))

@@ -337,7 +337,7 @@ def test_custom_format_system_column_and_defaults(tok):
     ({"format": "{instruction}", "feld_output": "a"}, "unknown key(s) ['feld_output']"),
 ])
 def test_bad_custom_format_is_one_line_before_launch(tmp_path, fmt, fragment):
-    from ndparallel.training.config import ConfigError, load_config
+    from ndparallel.axolotl import ConfigError, load_config
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(json.dumps({"base_model": "tiny-llama", "datasets": [{"path": "d.jsonl", "type": fmt}]}))
@@ -348,7 +348,7 @@ def test_bad_custom_format_is_one_line_before_launch(tmp_path, fmt, fragment):
 
 
 def test_eot_settings_flow_from_the_config():
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     cfg = load_config(None, ["eot_tokens=['<|eot_id|>']",
                              "datasets=[{path: x.jsonl, type: chat_template, train_on_eot: all}]"])

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ndparallel.checkpoint.export import parse_size
 from ndparallel.cli.export import export_main
 from ndparallel.runtime.multirank import run_on_ranks
+from ndparallel.runtime.sizes import parse_size
 
 INPUT = torch.arange(24).reshape(2, 12) % 200
 

@@ -81,7 +81,7 @@ def _yaml_fields(layout: dict, extra: dict) -> dict:
 
 def prelaunch_verdict(model_dir: str, layout: dict, extra: dict) -> str | None:
     """What ``ndparallel train`` says before launch: None (it launches) or its one-line refusal."""
-    from ndparallel.training.config import ConfigError, TrainConfig
+    from ndparallel.config import ConfigError, TrainConfig
     from ndparallel.preflight.checks import validate_layout
 
     cfg = TrainConfig(base_model=model_dir, sequence_len=SEQ, datasets=[{"path": "builtin:stdlib"}],

@@ -94,7 +94,7 @@ def test_family_outside_the_tested_set_is_checked_before_launch(monkeypatch):
     layout would train differently) the check refuses it in one line."""
     from ndparallel.layout.config import ParallelismConfig
     from ndparallel.tools import family_check as fc
-    from ndparallel.training.config import TrainConfig
+    from ndparallel.config import TrainConfig
 
     cfg = TrainConfig(sequence_len=32, sequence_parallel=True)
     assert fc.family_check(cfg, ParallelismConfig(tp_size=2).resolve(2), transformers.GemmaConfig()) is None

@@ -58,8 +58,9 @@ def test_refused_without_fp8_hardware():
 
 
 def test_train_config_fp8_fails_before_launch(tmp_path):
-    from ndparallel.training.config import ConfigError, load_config
-    from ndparallel.preflight.checks import _check_fp8, validate_layout
+    from ndparallel.axolotl import ConfigError, load_config
+    from ndparallel.preflight.checks import validate_layout
+    from ndparallel.preflight.local import _check_fp8
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
@@ -100,7 +101,7 @@ def test_fsdp_all_gathers_float8_weights():
 
 
 def _train_fp8(overrides):
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
     from ndparallel.training.trainer import run_training
 
     run_training(load_config(None, [

@@ -27,7 +27,7 @@ from ndparallel.tools.equivalence import (
     make_global_batches,
     train_under_layout,
 )
-from ndparallel.training.config import ConfigError, load_config
+from ndparallel.axolotl import ConfigError, load_config
 
 LOSS_RTOL, NORM_RTOL, PARAM_ATOL = 2e-5, 5e-4, 2e-4
 # init scale 2^10: the tiny model's first step overflows fp16 at torch's default 2^16 (its LM-head

@@ -11,13 +11,17 @@ MAX_TOP_LEVEL_MODULES = 8
 MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 80
 
-# Each folder may import only from the folders listed before it (and itself); ``accelerator`` is
-# the facade over the layers below it. ``parallelism_config`` and ``utils`` are the top-level
-# modules that mirror Accelerate's import paths (``accelerate.parallelism_config``,
-# ``accelerate.utils``); they are listed so their imports are checked like any layer's.
-# (``testing`` only re-exports the runtime's multi-rank runner.)
+# Each folder may import only from the folders listed before it (and itself). Bottom up: the layout
+# and the runtime; optimizers and trackers; models, strategies, data, checkpoints and the planner; the
+# engine over them; the typed run config; the trainer's loop; the checks before launch; the two front
+# doors (``axolotl``: YAML with Axolotl's keys; ``accelerator``: Accelerate's Python surface); tools and
+# the CLI on top. ``parallelism_config`` and ``utils`` are the top-level modules that mirror
+# Accelerate's import paths (``accelerate.parallelism_config``, ``accelerate.utils``); they are listed
+# so their imports are checked like any layer's. (``testing`` only re-exports the runtime's runner.)
 LAYERS = ["layout", "parallelism_config", "runtime", "optim", "tracking", "models", "parallel", "data", "checkpoint", "plan",
-          "engine", "accelerator", "utils", "training", "preflight", "tools", "cli"]
+          "engine", "config", "training", "preflight", "axolotl", "accelerator", "utils", "tools", "cli"]
+FRONT_DOORS = ("axolotl", "accelerator")
+"""Side by side: neither imports the other (only ``tools`` and ``cli``, above both, use them)."""
 
 
 def _modules() -> dict[str, Path]:
@@ -102,9 +106,10 @@ def test_no_import_cycles():
     assert _cycles(graph) == []
 
 
-def test_lower_layers_never_import_higher_ones():
+def _arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a layer of ``LAYERS`` into a higher one (``a -> b``)."""
     bad = []
-    for module, deps in _graph().items():
+    for module, deps in graph.items():
         src = _layer(module)
         if src not in LAYERS:
             continue
@@ -112,6 +117,26 @@ def test_lower_layers_never_import_higher_ones():
             dst = _layer(dep)
             if dst in LAYERS and LAYERS.index(dst) > LAYERS.index(src):
                 bad.append(f"{module} -> {dep}")
+    return sorted(bad)
+
+
+def test_lower_layers_never_import_higher_ones():
+    assert _arrows_up(_graph()) == []
+
+
+def test_the_layer_checker_finds_an_arrow_up():
+    """Negative control: the engine importing the trainer, or the typed config the YAML front door's
+    key table, is an arrow running back up; the trainer importing the engine is not."""
+    graph = {"ndparallel.engine.step": {"ndparallel.training.trainer", "ndparallel.parallel.loss"},
+             "ndparallel.config.errors": {"ndparallel.axolotl.keys"},
+             "ndparallel.training.trainer": {"ndparallel.engine.step", "ndparallel.config.schema"}}
+    assert _arrows_up(graph) == ["ndparallel.config.errors -> ndparallel.axolotl.keys",
+                                 "ndparallel.engine.step -> ndparallel.training.trainer"]
+
+
+def test_the_front_doors_stand_side_by_side():
+    bad = [f"{module} -> {dep}" for module, deps in _graph().items() for dep in deps
+           if _layer(module) in FRONT_DOORS and _layer(dep) in FRONT_DOORS and _layer(dep) != _layer(module)]
     assert bad == []
 
 
@@ -142,7 +167,7 @@ def test_the_checker_finds_a_cycle():
 
 # ------------------------------------------------------------- one engine, two front doors
 ENGINE_USERS = ("layout", "runtime", "models", "parallel", "data", "checkpoint", "plan", "engine",
-                "training", "tools")
+                "config", "training", "preflight", "axolotl", "tools")
 """Folders that run training through the engine, never through the Accelerate facade."""
 FACADE_STATE = ("_models", "_optimizers", "_schedulers", "_prepared_optimizers", "_dataloaders")
 

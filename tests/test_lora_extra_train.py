@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from ndparallel.testing import run_on_ranks
-from ndparallel.training.config import load_config
+from ndparallel.axolotl import load_config
 
 CONFIG = """base_model: {base}
 tokenizer: builtin:stdlib

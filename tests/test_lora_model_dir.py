@@ -15,7 +15,7 @@ from cli_helpers import run_cli
 
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import run_on_ranks
-from ndparallel.training.config import load_config
+from ndparallel.axolotl import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -11,7 +11,7 @@ import torch
 from cli_helpers import run_cli
 
 from ndparallel.testing import run_on_ranks
-from ndparallel.training.config import load_config
+from ndparallel.axolotl import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -57,7 +57,7 @@ def test_router_aux_loss_equals_transformers(name):
 
 
 def test_yaml_and_prelaunch_checks():
-    from ndparallel.training.config import ConfigError, TrainConfig
+    from ndparallel.config import ConfigError, TrainConfig
     from ndparallel.preflight.plan_text import describe_plan
     from ndparallel.preflight.checks import validate_layout
 

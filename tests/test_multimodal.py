@@ -165,7 +165,7 @@ def test_axolotl_mistral_medium_text_qlora_trains_on_two_ranks(tmp_path):
 def test_transformers4_multimodal_names_refused_with_the_rename(saved):
     """Axolotl's Voxtral example writes transformers 4's names (language_model.model.layers...): they
     match nothing in transformers 5 (in Axolotl too); refused before launch with the rename."""
-    from ndparallel.training.config import ConfigError, TrainConfig
+    from ndparallel.config import ConfigError, TrainConfig
     from ndparallel.preflight.model_check import check_adapter
 
     hf = transformers.AutoConfig.from_pretrained(saved["voxtral"])

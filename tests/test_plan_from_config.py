@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 from cli_helpers import run_cli
 
@@ -46,7 +47,7 @@ def test_write_config_keeps_the_run_and_its_batch(capsys, tmp_path):
     assert planned["micro_batch_size"] * planned["gradient_accumulation_steps"] * dp == 16  # same batch
     for key in ("datasets", "learning_rate", "lora_r", "output_dir", "max_steps", "base_model"):
         assert planned[key] == source[key], key
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     load_config(str(out))  # a valid training config
 
@@ -59,3 +60,16 @@ def test_bad_config_is_one_line(capsys, tmp_path):
     code, _, err = run_cli(capsys, "plan", "--config", auto, "--gpus", "8")
     assert code == 2 and "--global-batch-size" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("fields, key, value", [
+    ("qat: {weight_dtype: int4, activation_dtype: int8, group_size: 32}\n", "qat", "int4/int8"),
+    ("adapter: lora\nlora_r: 16\nlora_modules_to_save: [embed_tokens, lm_head]\n", "lora_saved", ["embed", "head"]),
+], ids=["qat", "lora_modules_to_save"])
+def test_a_configs_field_reaches_the_planner(capsys, tmp_path, fields, key, value):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("base_model: meta-llama/Llama-3.1-8B\nsequence_len: 2048\nmicro_batch_size: 1\n"
+                   "datasets: [{path: 'builtin:stdlib'}]\n" + fields)
+    code, out, err = run_cli(capsys, "plan", "--config", cfg, "--gpus", "8", "--json")
+    assert code == 0, err
+    assert json.loads(out)["request"][key] == value

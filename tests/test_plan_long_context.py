@@ -136,7 +136,7 @@ def test_config_options_reach_the_plan_and_come_back(capsys, tmp_path):
     import yaml
     from cli_helpers import run_cli
 
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     from pathlib import Path
 

@@ -18,7 +18,7 @@ from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.memory import estimate_memory
 from ndparallel.plan.models import PRESETS
 from ndparallel.testing import run_on_ranks
-from ndparallel.training.config import TrainConfig
+from ndparallel.config import TrainConfig
 
 TINY = PRESETS["tiny"]  # = the tiny-llama preset
 H100 = HW["h100-80gb"]
@@ -150,16 +150,3 @@ def test_cli_modules_to_save_rejects_tp_and_round_trips_a_config(tmp_path, capsy
     assert cfg.lora_modules_to_save == ["embed_tokens", "lm_head"]
     assert main(["--model", "tiny", "--gpus", "1", "--lora-modules-to-save", "lm_head"]) == 2
     assert "needs --adapter lora" in capsys.readouterr().err
-
-
-def test_a_configs_modules_to_save_reach_the_planner(tmp_path, capsys):
-    import json
-
-    from cli_helpers import run_cli
-
-    cfg = tmp_path / "lora.yaml"
-    cfg.write_text("base_model: meta-llama/Llama-3.1-8B\nsequence_len: 2048\nmicro_batch_size: 1\nadapter: lora\n"
-                   "lora_r: 16\nlora_modules_to_save: [embed_tokens, lm_head]\ndatasets: [{path: 'builtin:stdlib'}]\n")
-    code, out, err = run_cli(capsys, "plan", "--config", cfg, "--gpus", "8", "--json")
-    assert code == 0, err
-    assert json.loads(out)["request"]["lora_saved"] == ["embed", "head"]

@@ -183,7 +183,7 @@ def test_write_config_has_the_pipeline_fields(tmp_path):
         8, "Interleaved1F1B", 4)
     assert "pipeline_microbatches" not in cfg  # the runtime's default: one per accumulation step
     assert cfg["dp_shard_size"] * cfg["pipeline_parallel_size"] == 64
-    from ndparallel.training.config import TrainConfig
+    from ndparallel.config import TrainConfig
 
     TrainConfig.model_validate(cfg)
     out = tmp_path / "pp.yaml"

@@ -2,8 +2,8 @@
 (``parallel/qat.py``), a fake-quantised layer keeps a rounded bf16 copy of its weights (and inputs)
 for backward. The constants in ``plan/qat.py`` are re-measured here on a tiny Llama (the method of
 ``bench/qat_memory.py``) and must predict its saved bytes within 10 %; the memory model adds them
-per layer (once under checkpointing); TP layouts are rejected as train refuses them; a config's
-``qat:`` reaches the planner."""
+per layer (once under checkpointing); TP layouts are rejected as train refuses them (a config's
+``qat:`` reaching the planner: ``tests/test_plan_from_config.py``)."""
 
 from __future__ import annotations
 
@@ -77,12 +77,3 @@ def test_tp_layouts_are_rejected_and_the_header_says_qat(capsys):
 def test_unknown_format_is_one_line(capsys):
     code, _, err = run_cli(capsys, "plan", "--model", "llama-3.1-8b", "--gpus", "8", "--qat", "int8")
     assert code == 2 and "--qat int8" in err and "int4/int8" in err and "Traceback" not in err
-
-
-def test_a_configs_qat_reaches_the_planner(capsys, tmp_path):
-    cfg = tmp_path / "qat.yaml"
-    cfg.write_text("base_model: meta-llama/Llama-3.1-8B\nsequence_len: 2048\nmicro_batch_size: 1\n"
-                   "datasets: [{path: 'builtin:stdlib'}]\nqat: {weight_dtype: int4, activation_dtype: int8, group_size: 32}\n")
-    code, out, err = run_cli(capsys, "plan", "--config", cfg, "--gpus", "8", "--json")
-    assert code == 0, err
-    assert json.loads(out)["request"]["qat"] == "int4/int8"

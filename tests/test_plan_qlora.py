@@ -19,7 +19,7 @@ from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.memory import estimate_memory
 from ndparallel.plan.models import PRESETS, ModelSpec
 from ndparallel.plan.qlora import quantized_layer_local, quantized_shard_numel
-from ndparallel.training.config import TrainConfig
+from ndparallel.config import TrainConfig
 
 pytest.importorskip("torchao")
 H100 = HW["h100-80gb"]

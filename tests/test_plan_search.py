@@ -8,10 +8,10 @@ import yaml
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.plan.cli import add_plan_arguments, main, run_plan
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.hardware import parse_size
 from ndparallel.plan.layout import Layout, enumerate_layouts, parse_layout
 from ndparallel.plan.models import PRESETS
 from ndparallel.plan.search import PlanRequest, evaluate_layout, plan
+from ndparallel.runtime.sizes import parse_size
 
 H100 = HW["h100-80gb"]
 
@@ -138,9 +138,7 @@ def test_write_config(tmp_path, capsys):
     assert keys <= set(cfg)
     assert cfg["base_model"] == "meta-llama/Llama-3.1-70B" and cfg["sequence_len"] == 8192
     assert isinstance(cfg["fsdp_config"]["activation_checkpointing"], bool)
-    from ndparallel.training.config import (
-        TrainConfig,  # the emitted file is a valid train config
-    )
+    from ndparallel.config import TrainConfig  # the emitted file is a valid train config
 
     TrainConfig.model_validate(cfg)
     world = (cfg["dp_replicate_size"] * cfg["dp_shard_size"] * cfg["tensor_parallel_size"]

@@ -217,7 +217,7 @@ def test_the_level_flip_count_sees_one_flip_and_no_rounding_noise():
 def _train(path: str, overrides: list[str]) -> int:
     """Train per the YAML; the number of fake-quantised modules the trained model had."""
     from ndparallel.parallel.qat import fake_quantized_modules
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
     from ndparallel.training.trainer import Trainer
 
     trainer = Trainer(load_config(path, overrides))

@@ -15,7 +15,7 @@ import torch.nn as nn
 from cli_helpers import run_cli
 
 from ndparallel.testing import run_on_ranks
-from ndparallel.training.config import load_config
+from ndparallel.axolotl import load_config
 
 pytest.importorskip("torchao")
 from torchao.quantization import to_nf4  # noqa: E402

@@ -6,7 +6,7 @@ import torch
 
 from ndparallel.parallel.options import CompileOptions, Float8Options, LossOptions
 from ndparallel.testing import run_on_ranks
-from ndparallel.training.config import ConfigError, load_config
+from ndparallel.axolotl import ConfigError, load_config
 
 
 def test_yaml_fields_become_options():

@@ -29,7 +29,7 @@ def cfg(tmp_path: Path, extra: str) -> Path:
 
 def problem(tmp_path, extra: str):
     from ndparallel.tracking.credentials import tracker_problem
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     return tracker_problem(load_config(str(cfg(tmp_path, extra)), []))
 
@@ -78,7 +78,7 @@ def test_mlflow_server_out_of_reach_is_refused_and_a_local_store_noted(tmp_path)
     assert "remove mlflow_tracking_uri" in problem(tmp_path, "mlflow_tracking_uri: http://127.0.0.1:9\n")
     assert problem(tmp_path, f"mlflow_tracking_uri: file://{tmp_path}/mlruns\n") is None
     from ndparallel.tracking.credentials import tracker_notes
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     notes = tracker_notes(load_config(str(cfg(tmp_path, "mlflow_experiment_name: e\n")), []))
     assert len(notes) == 1 and "./mlruns" in notes[0]

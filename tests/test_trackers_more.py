@@ -5,7 +5,7 @@ network: its train replay is in test_axolotl_examples_train.py) and the metrics 
 import urllib.request
 
 from ndparallel.tracking.run import RunTrackers
-from ndparallel.training.config import load_config
+from ndparallel.axolotl import load_config
 
 
 def _scrape(url: str) -> dict[str, float]:

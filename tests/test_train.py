@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ndparallel.testing import run_on_ranks
-from ndparallel.training.config import load_config
+from ndparallel.axolotl import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_DATA = ["datasets=[{path: 'builtin:stdlib', max_bytes: 200000}]", "tokenizer_vocab_size=512",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_cli
 
-from ndparallel.training.config import ConfigError, load_config
+from ndparallel.axolotl import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))

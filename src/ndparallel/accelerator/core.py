@@ -39,7 +39,6 @@ from ndparallel.parallel.options import (
     StrategyOptions,
     TPOptions,
 )
-from ndparallel.runtime.distributed import DistributedInfo
 
 
 class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParallelMixin,
@@ -111,8 +110,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
                                   compile=s.compile_options, float8=s.float8_options, qat=s.qat_options,
                                   param_dtype=s.param_dtype)
         self.engine = Engine(pc, options, device=s.device, timeout_s=s.timeout_s)
-        self.info: DistributedInfo = self.engine.info
-        self.parallelism_config = pc.resolve(self.info.world_size)
+        self.parallelism_config = pc.resolve(self.engine.world_size)
         self.torch_device_mesh = self.engine.mesh
         self.parallelism_config.device_mesh = self.torch_device_mesh
         if s.parallelism_config is not None:
@@ -124,7 +122,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
                                             sync_with_dataloader=ga.sync_with_dataloader,
                                             sync_each_batch=ga.sync_each_batch)
         self.log_with = filter_trackers(s.log_with, self.project_configuration.logging_dir,
-                                        warn=self.info.rank == 0)
+                                        warn=self.engine.is_main_process)
         self.trackers: list = []
         self._param_remap: dict[int, nn.Parameter] = {}
         self._models: list[nn.Module] = []
@@ -158,7 +156,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
     # ------------------------------------------------------------ what runs
     @property
     def device(self) -> torch.device:
-        return self.info.device
+        return self.engine.device
 
     # the engine's strategy options, under the Accelerator's argument names
     fsdp_options = property(lambda self: self.engine.options.fsdp)
@@ -180,11 +178,11 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
 
     @property
     def distributed_type(self) -> DistributedType:
-        if self.info.world_size == 1:
+        if self.engine.world_size == 1:
             return DistributedType.NO
         if self.parallelism_config.fsdp_enabled:
             return DistributedType.FSDP
-        return DistributedType.MULTI_CPU if self.info.device_type == "cpu" else DistributedType.MULTI_GPU
+        return DistributedType.MULTI_CPU if self.engine.device.type == "cpu" else DistributedType.MULTI_GPU
 
     @property
     def is_fsdp2(self) -> bool:
@@ -237,14 +235,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         """This rank's index along a mesh dim (``dp``, ``tp``, ``cp``, ``dp_shard_cp``...)."""
         return self.engine.rank_in(dim)
 
-    @property
-    def dp_rank(self) -> int:
-        return self.rank_in("dp")
-
-    @property
-    def dp_size(self) -> int:
-        return self.parallelism_config.dp_size
-
+    dp_rank = property(lambda self: self.engine.dp_rank)
+    dp_size = property(lambda self: self.engine.dp_size)
     tensor_parallel_rank = property(lambda self: self.rank_in("tp"))
     context_parallel_rank = property(lambda self: self.rank_in("cp"))
     data_parallel_rank = property(lambda self: self.rank_in("dp_replicate"))

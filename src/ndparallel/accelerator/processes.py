@@ -1,6 +1,7 @@
-"""Which process is which, and running code on some of them: Accelerate's process properties,
-``main_process_first``, the ``on_*`` decorators, ``split_between_processes`` and the
-breakpoint trigger. Mixed into ``Accelerator`` (it provides ``info`` and ``device``)."""
+"""Which process is which, and running code on some of them: Accelerate's process properties (the
+engine's answers under Accelerate's names), ``main_process_first``, the ``on_*`` decorators,
+``split_between_processes`` and the breakpoint trigger. Mixed into ``Accelerator`` (it provides
+``engine`` and ``device``)."""
 
 from __future__ import annotations
 
@@ -13,50 +14,28 @@ import torch.distributed as dist
 
 
 class ProcessesMixin:
-    info: Any
+    engine: Any
 
-    @property
-    def process_index(self) -> int:
-        return self.info.rank
-
-    @property
-    def num_processes(self) -> int:
-        return self.info.world_size
-
-    @property
-    def local_process_index(self) -> int:
-        return self.info.local_rank
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.info.rank == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.info.local_rank == 0
-
-    @property
-    def is_last_process(self) -> bool:
-        return self.info.rank == self.info.world_size - 1
-
-    @property
-    def use_distributed(self) -> bool:
-        return self.info.world_size > 1
+    process_index = property(lambda self: self.engine.rank)
+    num_processes = property(lambda self: self.engine.world_size)
+    local_process_index = property(lambda self: self.engine.local_rank)
+    is_main_process = property(lambda self: self.engine.is_main_process)
+    is_local_main_process = property(lambda self: self.engine.is_local_main_process)
+    is_last_process = property(lambda self: self.engine.rank == self.engine.world_size - 1)
+    use_distributed = property(lambda self: self.engine.world_size > 1)
 
     @property
     def multi_device(self) -> bool:
         """Several GPU processes (Accelerate's MULTI_GPU family)."""
-        return self.use_distributed and self.info.device_type != "cpu"
+        return self.use_distributed and self.engine.device.type != "cpu"
 
     def wait_for_everyone(self) -> None:
         """Barrier over all processes."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+        self.engine.barrier()
 
     def print(self, *args, **kwargs) -> None:
         """``print`` on the local main process only (Accelerate's rule)."""
-        if self.is_local_main_process:
-            print(*args, **kwargs)
+        self.engine.print(*args, **kwargs)
 
     # ------------------------------------------------------------- ordering
     @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """What Accelerate keeps in its ``AcceleratorState`` / ``GradientState`` singletons, kept here per
 Accelerator instead (no global mutable state): the distributed type, the precision, and the
-gradient-accumulation state the prepared optimizer, scheduler and loaders consult."""
+gradient-accumulation state the prepared optimizer, scheduler and loaders consult; and Accelerate's
+enums (``DistributedType``, ``PrecisionType``, ``RNGType``, ``LoggerType``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,18 @@ import enum
 from dataclasses import dataclass
 
 
-class DistributedType(str, enum.Enum):
+class _AccelerateEnum(str, enum.Enum):
+    """Accelerate's ``BaseEnum``: ``str()`` gives the value, ``list()`` every value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def list(cls) -> list[str]:
+        return [m.value for m in cls]
+
+
+class DistributedType(_AccelerateEnum):
     """Accelerate's names for how a run is distributed (the ones that can occur here)."""
 
     NO = "NO"
@@ -19,28 +31,32 @@ class DistributedType(str, enum.Enum):
     MEGATRON_LM = "MEGATRON_LM"
     XLA = "XLA"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class PrecisionType(str, enum.Enum):
+class PrecisionType(_AccelerateEnum):
     NO = "no"
     FP8 = "fp8"
     FP16 = "fp16"
     BF16 = "bf16"
 
-    def __str__(self) -> str:
-        return self.value
 
-    @classmethod
-    def list(cls) -> list[str]:
-        return [m.value for m in cls]
-
-
-class RNGType(str, enum.Enum):
+class RNGType(_AccelerateEnum):
     TORCH = "torch"
     CUDA = "cuda"
     GENERATOR = "generator"
+
+
+class LoggerType(_AccelerateEnum):
+    ALL = "all"
+    JSONL = "jsonl"
+    AIM = "aim"
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    COMETML = "comet_ml"
+    MLFLOW = "mlflow"
+    CLEARML = "clearml"
+    DVCLIVE = "dvclive"
+    SWANLAB = "swanlab"
+    TRACKIO = "trackio"
 
 
 @dataclass

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import warnings
 
+from ndparallel.accelerator.state import LoggerType
 from ndparallel.tracking.trackers import MODULES as _MODULES
 from ndparallel.tracking.trackers import (  # noqa: F401  (Accelerate's import paths)
     TRACKERS,
     GeneralTracker,
     JSONLTracker,
-    LoggerType,
     MLflowTracker,
     TensorBoardTracker,
     WandBTracker,

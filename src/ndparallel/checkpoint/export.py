@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -49,23 +48,11 @@ from ndparallel.models.adapters import (
 from ndparallel.models.key_conversion import SaveConversion
 from ndparallel.models.naming import model_class_name, tied_aliases
 from ndparallel.models.quantized import dequantize, is_nf4
+from ndparallel.runtime.sizes import parse_size
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-def parse_size(size: int | str) -> int:
-    """``5GB``, ``500MB``, ``2GiB`` or an int (bytes)."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
-    if not m:
-        raise ValueError(f"cannot read size {size!r}: use e.g. 5GB, 500MB or a number of bytes")
-    unit = m.group(2).rstrip("B")
-    base = 1024 if unit.endswith("I") else 1000
-    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
-    return int(float(m.group(1)) * base**power)
 
 
 class ShardWriter:
@@ -83,7 +70,7 @@ class ShardWriter:
         for pattern in ("model*.safetensors*", "pytorch_model*.bin*"):  # a previous export's shards
             for old in self.dir.glob(pattern):
                 old.unlink()
-        self.max = parse_size(max_shard_size)
+        self.max = int(parse_size(max_shard_size))
         self.current: dict[str, torch.Tensor] = {}
         self.current_bytes = 0
         self.files: list[tuple[str, list[str]]] = []

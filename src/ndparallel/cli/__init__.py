@@ -79,7 +79,7 @@ def _plan(argv: list[str]) -> int:
         split_config_arg,
     )
     from ndparallel.plan.cli import main as plan_main
-    from ndparallel.training.config import ConfigError
+    from ndparallel.config import ConfigError
 
     config, rest = split_config_arg(argv)
     if config is None:

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Sequence
 
 from ndparallel.cli.args import Parser, at_least, fail
-from ndparallel.training.config import ConfigError, load_config
+from ndparallel.axolotl import ConfigError, load_config
 from ndparallel.preflight.plan_text import describe_plan
-from ndparallel.preflight.checks import run_notes, validate_layout, world_size_for
+from ndparallel.preflight.checks import run_checks, validate_layout
+from ndparallel.preflight.world import run_device, world_size_for
 
 INPUT_ERRORS = (ValueError, OSError)
 """Raised on the ranks for bad data, model, checkpoint or output_dir: reported as one line, exit 2
@@ -51,7 +52,8 @@ def run_train(argv: Sequence[str]) -> int:
         if not (in_job and launched_by_ndparallel() and not args.dry_run):  # else checked before launch
             # A dry run checks a config meant for another machine: its data may live there. Under
             # torchrun every rank checks (output_dir: rank 0 only, before its first write).
-            pc, hf = validate_layout(cfg, world, check_local=not args.dry_run, check_output=not in_job)
+            found = run_checks(cfg, world, check_local=not args.dry_run, check_output=not in_job,
+                               device_type=run_device(cfg) if args.dry_run else None)
         if in_job:
             check_nodes(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     except ConfigError as e:
@@ -59,18 +61,16 @@ def run_train(argv: Sequence[str]) -> int:
     main_rank = not in_job or os.environ.get("RANK") == "0"
     if args.dry_run:
         if main_rank:
-            print(describe_plan(cfg, pc, hf))
+            print(describe_plan(cfg, found.pc, found.hf, found.notes))
         return 0
     if not in_job:
         from ndparallel.runtime.launch import relaunch_self
 
         if not args.skip_family_check:
-            problem = _family_check(cfg, pc, hf)
+            problem = _family_check(cfg, found.pc, found.hf)
             if problem:
                 return fail("train", problem)
-        from ndparallel.preflight.dry_checks import model_notes
-
-        for note in run_notes(cfg) + model_notes(cfg, hf):
+        for note in found.notes:
             print(f"ndparallel train: note: {note}")
         if world == 1 and cfg.max_restarts == 0:  # nothing to restart, no peers: no agent either
             from ndparallel.runtime.launch import run_here

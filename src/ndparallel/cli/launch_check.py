@@ -57,7 +57,7 @@ def check_train_launch(argv: Sequence[str]) -> str | None:
     if not nproc.isdigit() or not nnodes.isdigit():
         return None  # "gpu"/"auto" or an elastic range: the ranks check for themselves
     from ndparallel.cli.commands import check_nodes
-    from ndparallel.training.config import ConfigError, load_config
+    from ndparallel.axolotl import ConfigError, load_config
     from ndparallel.preflight.checks import validate_layout
 
     world = int(nproc) * int(nnodes)

@@ -36,7 +36,7 @@ def split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
 def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
     """Planner flags from training config ``path`` and a one-line description of what was taken.
     ``argv`` (the user's flags) gives ``--gpus``. Raises ``ValueError`` with the fix."""
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     cfg = load_config(path)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # bad values: the planner says

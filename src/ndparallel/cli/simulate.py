@@ -29,7 +29,7 @@ def run_simulate(argv: Sequence[str]) -> int:
                         help="also write this rank's DCP checkpoint shards to DIR: time and bytes")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(list(argv))
-    from ndparallel.training.config import ConfigError, load_config
+    from ndparallel.axolotl import ConfigError, load_config
     from ndparallel.preflight.checks import validate_layout
 
     try:
@@ -63,7 +63,7 @@ def run_simulate(argv: Sequence[str]) -> int:
 
 
 def _gpu_mem(text: str | None) -> float | None:
-    from ndparallel.plan.hardware import parse_size
+    from ndparallel.runtime.sizes import parse_size
 
     if text is None:
         return None

@@ -11,7 +11,7 @@ line) instead of a traceback on every rank after minutes of start-up:
   input_output) in none of the sampled records / not in the CSV header or the parquet schema;
   ``text_field`` other than ``text`` on a plain-text file.
 
-The whole dataset is then tokenized before launch too (``preflight.checks.prepare_data``): a bad
+The whole dataset is then tokenized before launch too (``preflight.local.prepare_data``): a bad
 record anywhere, or nothing left after filtering, is also found before any rank starts.
 
 Only the head is read here (a 10 GB file costs one MiB); a bad line further down is found by the

@@ -5,7 +5,7 @@ tokenised ahead) are read record by record; each text is tokenised with an eos a
 tokens are concatenated and cut into blocks of ``sequence_len + 1`` (``input_ids = block[:-1]``,
 ``shift_labels = block[1:]``). With ``per_document`` (``sample_packing: true``) the positions
 restart at each document inside a block and no label crosses a document end, so attention stays
-within documents (what Axolotl's ``pretrain_multipack_attn`` gives).
+within documents (what Axolotl's multipack attention for pre-training gives).
 
 Every dp rank reads the same stream and takes its rows of each global micro-batch (``dp_size ×
 micro_batch_size`` consecutive blocks): the ranks see exactly what one process with the global
@@ -62,7 +62,7 @@ def check_stream(spec: DatasetSpec, where: str) -> None:
         raise ValueError(f"{where}.path: {spec.path!r} holds no record")
     if not isinstance(first.get(spec.text_field), str):
         raise ValueError(f"{where}: column {spec.text_field!r} is not a text column of {spec.path!r} (columns: "
-                         f"{sorted(first)[:10]}); set text_column (or field)")
+                         f"{sorted(first)[:10]}); set text_field to the column holding the text")
 
 
 class TokenStream:

@@ -81,11 +81,7 @@ def build_model(
     model, files, grown = build_on_meta(path, dtype, attn_implementation, trust_remote_code, vocab_size, adapter,
                                          config_overrides, quantization)
     model = engine.parallelize(model)  # TP/CP/FSDP on meta: no memory yet
-    offload = engine.options.fsdp.cpu_offload
-    # Shards are materialised where they live: FSDP's CPU offload keeps them in host memory.
-    materialize(model, torch.device("cpu") if offload else engine.device)
-    if offload:
-        move_leftovers(model, engine.device, keep_params_on_cpu=True)  # buffers to the device
+    materialize_shards(engine, model)
     fill_from_files(model, path, files, grown, seed, adapter_weights, device=engine.device)
     if adapter is not None:  # as given (a hub id stays a hub id), for the saved adapter_config
         adapter_config_of(model).base_model_name_or_path = str(source)
@@ -104,14 +100,25 @@ def build_random_shards(engine, config: PretrainedConfig, dtype: torch.dtype = t
 
     model = build_on_meta_from_config(config, dtype, attn_implementation, trust_remote_code, adapter)
     model = engine.parallelize(model)
+    materialize_shards(engine, model)
+    fill_random(model)
+    init_non_persistent_buffers(base_model_of(model))
+    return model
+
+
+def materialize_shards(engine, module: nn.Module) -> None:
+    """This rank's shards of a parallelised meta ``module`` allocated where they live: on the
+    device, or in host memory under FSDP's CPU offload (its buffers then go to the device)."""
     offload = engine.options.fsdp.cpu_offload
-    materialize(model, torch.device("cpu") if offload else engine.device)
+    materialize(module, torch.device("cpu") if offload else engine.device)
     if offload:
-        move_leftovers(model, engine.device, keep_params_on_cpu=True)
+        move_leftovers(module, engine.device, keep_params_on_cpu=True)
+
+
+def fill_random(module: nn.Module) -> None:
+    """This rank's shards of every floating parameter: normal(0, 0.02) for matrices, ones for vectors."""
     with torch.no_grad():
-        for p in model.parameters():
+        for p in module.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
             if local.is_floating_point():
                 local.normal_(0.0, 0.02) if local.dim() > 1 else local.fill_(1.0)
-    init_non_persistent_buffers(base_model_of(model))
-    return model

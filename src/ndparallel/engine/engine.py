@@ -74,6 +74,10 @@ class Engine:
         return self.info.world_size
 
     @property
+    def local_rank(self) -> int:
+        return self.info.local_rank
+
+    @property
     def is_main_process(self) -> bool:
         return self.info.rank == 0
 

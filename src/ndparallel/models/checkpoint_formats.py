@@ -11,7 +11,7 @@
   supported (transformers' MXFP4 modules are inference kernels): the model is trained in the run's
   dtype and saved in transformers' plain layout, as ``from_pretrained(...,
   quantization_config=Mxfp4Config(dequantize=True))`` does.
-* **Axolotl's linearized Llama 4 experts** (``llama4_linearized_experts``; e.g.
+* **Axolotl's linearized Llama 4 experts** (e.g.
   ``axolotl-quants/Llama-4-Scout-17B-16E-Linearized-*``): each expert stored as three linears,
   ``experts.gate_projs.<e>.weight`` / ``up_projs`` [I, H] and ``down_projs`` [H, I]. They are
   fused into transformers' ``Llama4TextExperts`` parameters, ``gate_up_proj`` [E, H, 2I] =

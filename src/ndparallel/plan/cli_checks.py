@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ndparallel.plan import hardware as hwmod
+from ndparallel.runtime.sizes import parse_size
 
 MIN_GPU_MEM = hwmod.GiB
 """Below 1 GiB a ``--gpu-mem`` value is taken for a unit slip (``96MB`` for ``96GB``)."""
@@ -28,7 +29,7 @@ def gpu_mem_bytes(text: str) -> float:
     """``--gpu-mem``: '80GB', '141GiB', or a bare number of GB (GB = GiB, as GPU memory is
     quoted and as ``mem_bytes`` is reported)."""
     try:
-        value = hwmod.parse_size(text, gb_is_gib=True, bare_unit="gib")
+        value = parse_size(text, gb_is_gib=True, bare_unit="gib")
     except ValueError:
         raise ValueError(f"--gpu-mem {text!r}: not a size; write e.g. 80GB or 141GiB "
                          "(a bare number is read as GB)") from None
@@ -41,7 +42,7 @@ def gpu_mem_bytes(text: str) -> float:
 def host_mem_bytes(text: str) -> float:
     """``--host-mem``: host memory per node, '2TB', '1900GB' (GB = GiB; a bare number is GB)."""
     try:
-        value = hwmod.parse_size(text, gb_is_gib=True, bare_unit="gib")
+        value = parse_size(text, gb_is_gib=True, bare_unit="gib")
     except ValueError:
         raise ValueError(f"--host-mem {text!r}: not a size; write e.g. 2TB or 1900GB (per node)") from None
     if value < MIN_GPU_MEM:

@@ -15,7 +15,6 @@ into what NCCL's ring achieves (bus bandwidth). A calibrated profile stores meas
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -135,24 +134,6 @@ def load_hardware_file(path: str | Path) -> Hardware:
     with open(path) as fh:
         data = json.load(fh)
     return Hardware.from_dict(data.get("hardware", data))
-
-
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-          "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str | float, *, gb_is_gib: bool = False, bare_unit: str = "b") -> float:
-    """'80GB' -> bytes. With ``gb_is_gib`` (memory sizes), GB/MB/TB mean GiB/MiB/TiB, as GPU
-    memory is quoted. A number without a unit is read in ``bare_unit`` (bytes by default)."""
-    if isinstance(text, (int, float)):
-        return float(text) * _UNITS[bare_unit]
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read a size from {text!r} (e.g. '80GB', '141GiB', '4e10')")
-    unit = m.group(2).lower() or bare_unit
-    if gb_is_gib and unit in ("k", "kb", "m", "mb", "g", "gb", "t", "tb"):
-        unit = unit[0] + "ib"
-    return float(m.group(1)) * _UNITS[unit]
 
 
 def with_overrides(hw: Hardware, **overrides) -> Hardware:

@@ -43,8 +43,9 @@ def qat_format_problem(fmt: str) -> str | None:
     return f"--qat {fmt}: not a modelled QAT format; use one of {', '.join(QAT_FORMATS)} (nvfp4: plan as mxfp4/mxfp4)"
 
 
-def qat_saved_bytes_per_weight(fmt: str, frozen: bool = False, compute_bytes: int = 2) -> float:
-    """Saved bytes per linear weight element: the rounded copy in the compute dtype (MX: none)."""
+def qat_saved_bytes_per_weight(fmt: str, compute_bytes: int = 2) -> float:
+    """Saved bytes per linear weight element: the rounded copy in the compute dtype (MX: none), frozen
+    or not."""
     return 0.0 if fmt.startswith("mxfp4") else float(compute_bytes)
 
 
@@ -67,11 +68,11 @@ def layer_linear_counts(model: ModelSpec) -> tuple[int, int]:
 def qat_layer_bytes(model: ModelSpec, fmt: str, tokens: float, frozen: bool, compute_bytes: int) -> float:
     """What one decoder layer keeps for backward because of QAT (``tokens``: this rank's)."""
     weights, inputs = layer_linear_counts(model)
-    return (qat_saved_bytes_per_weight(fmt, frozen, compute_bytes) * weights
+    return (qat_saved_bytes_per_weight(fmt, compute_bytes) * weights
             + qat_saved_bytes_per_input(fmt, frozen, compute_bytes) * tokens * inputs)
 
 
 def qat_head_bytes(model: ModelSpec, fmt: str, tokens: float, frozen: bool, compute_bytes: int) -> float:
     """The fake-quantised LM head's share (``frozen`` under LoRA), held until the loss backward."""
-    return (qat_saved_bytes_per_weight(fmt, frozen, compute_bytes) * model.vocab * model.hidden
+    return (qat_saved_bytes_per_weight(fmt, compute_bytes) * model.vocab * model.hidden
             + qat_saved_bytes_per_input(fmt, frozen, compute_bytes) * tokens * model.hidden)

@@ -1,53 +1,166 @@
-"""Checks of a training config against the world size, the model and the data, made before any
-rank starts (``train``, ``--dry-run``, ``verify``), and the resolved plan ``--dry-run`` prints."""
+"""The checks before launch: one list (``CHECKS``), run in order by one pass (``run_checks``) for
+``train`` (before it starts a rank, and on every rank under torchrun), ``--dry-run``, ``verify``,
+``simulate`` and ``launch``. A check reads the config — from ``layout`` and ``model`` on, also the
+resolved layout and base_model's config — and returns notes (lines said once before launch) or
+refuses with a one-line ``ConfigError``; the first refusal ends the pass. Adding a check is adding
+its function here and its line in ``CHECKS``."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
-from ndparallel.training.config import ConfigError, TrainConfig
+from ndparallel.config import ConfigError, TrainConfig
 
 
-def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True, check_output: bool = True,
-                    check_weights: bool = True):
-    """Check the layout against the world size and the model before any rank starts; with
-    ``check_local`` also what lives on this machine (data, tokenizer, device, resume checkpoint,
-    and with ``check_output`` the output_dir; a ``--dry-run`` may check a config meant for another
-    machine). ``check_weights=False``: a model directory may hold its config alone (``simulate``
-    reads no weights). Returns (resolved ParallelismConfig, HF model config); raises
-    ``ConfigError`` (one line) on the first problem."""
+@dataclass
+class Preflight:
+    """One pass: what the checks are given, and what they found."""
+
+    cfg: TrainConfig
+    world_size: int | None = None
+    """None: the config alone (no layout, no model: the checks that need ``config`` only)."""
+    check_local: bool = True
+    """Also what lives on this machine (trackers, device, data, tokenizer, resume checkpoint, the GPU);
+    a ``--dry-run`` may check a config meant for another machine."""
+    check_output: bool = True
+    """With ``check_local``: ``output_dir`` too (under torchrun, rank 0 claims it before its first write)."""
+    check_weights: bool = True
+    """A local base_model's safetensors headers against its config (``simulate`` reads no weights)."""
+    device_type: str | None = None
+    """The ranks' device type when the caller knows it: adds the attention-kernel and tf32 notes."""
+    pc: Any = None
+    """Found by ``layout``: the ``ParallelismConfig`` resolved against ``world_size``."""
+    hf: Any = None
+    """Found by ``model``: base_model's HF config (its vocabulary grown by the run's added tokens)."""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    run: Callable[[Preflight], list[str] | None]
+    needs: str = "model"
+    """``config``: the config alone; ``model``: a world size (then the layout and base_model's config
+    are known); ``local``: that, and ``check_local``."""
+
+
+# --------------------------------------------------------------------- the layout and the model
+def layout(p: Preflight) -> None:
+    """The degrees against the world size (a -1 degree filled from it)."""
     from ndparallel.layout.config import ParallelismConfigError
-    from ndparallel.preflight.model_check import (
-        check_adapter,
-        check_memory_options,
-        check_model,
-        resolve_model_config,
-    )
 
     try:
-        pc = cfg.parallelism_config().resolve(world_size)
+        p.pc = p.cfg.parallelism_config().resolve(p.world_size)
     except ParallelismConfigError as e:
         raise ConfigError(str(e)) from None
-    hf = resolve_model_config(cfg)
-    check_model(cfg, hf, check_weights=check_weights)
-    _check_experts(cfg, pc.dims, hf)
-    check_adapter(cfg, hf, pc.tp_size, pc.ep_size or 1)
+
+
+def model(p: Preflight) -> None:
+    """base_model found; a causal decoder whose positions hold sequence_len, its local weights fitting its config."""
+    from ndparallel.preflight.model_check import check_model, resolve_model_config
+
+    p.hf = resolve_model_config(p.cfg)
+    check_model(p.cfg, p.hf, check_weights=p.check_weights)
+
+
+def experts(p: Preflight) -> None:
+    """``expert_parallel_size`` needs a mixture-of-experts model whose expert count it divides."""
+    from ndparallel.models.moe import config_num_experts
+
+    cfg, dims, count = p.cfg, p.pc.dims, config_num_experts(p.hf)
+    if dims.ep_enabled and count is None:
+        raise ConfigError(f"expert_parallel_size={dims.ep}, but base_model={cfg.base_model!r} is not a "
+                          "mixture-of-experts model (its config has no num_experts / num_local_experts / "
+                          "n_routed_experts): set expert_parallel_size: 1")
+    if count is not None and count % dims.ep:
+        fits = [d for d in range(1, count + 1) if count % d == 0 and dims.ep_problem() is None]
+        raise ConfigError(f"expert_parallel_size={dims.ep} does not divide the {count} experts of "
+                          f"base_model={cfg.base_model!r}: use one of {fits[:8]}")
+
+
+def adapter(p: Preflight) -> None:
+    from ndparallel.preflight.model_check import check_adapter
+
+    check_adapter(p.cfg, p.hf, p.pc.tp_size, p.pc.ep_size or 1)
+
+
+def quantized_base(p: Preflight) -> None:
+    """load_in_4bit: torchao, no TP, NF4 shards of whole blocks."""
     from ndparallel.preflight.qlora_check import check_quantized_base
 
-    check_quantized_base(cfg, hf, pc)  # load_in_4bit: torchao, no TP, NF4 shards of whole blocks
-    check_memory_options(cfg, hf)
-    from ndparallel.preflight.dry_checks import check_without_data
+    check_quantized_base(p.cfg, p.hf, p.pc)
 
-    check_without_data(cfg, hf)
-    if cfg.missing_data_problem():
-        raise ConfigError(cfg.missing_data_problem())
-    if check_local:
-        tokenizer = check_local_inputs(cfg, check_output=check_output)
-        _check_added_tokens(cfg, tokenizer, hf)
-    _check_family_layout(cfg, pc, hf)  # what the family cannot run at all, before which sizes would fit
+
+def memory_options(p: Preflight) -> None:
+    from ndparallel.preflight.model_check import check_memory_options
+
+    check_memory_options(p.cfg, p.hf)
+
+
+def chat_templates(p: Preflight) -> None:
+    from ndparallel.preflight.dry_checks import check_chat_templates
+
+    check_chat_templates(p.cfg)
+
+
+def data_order(p: Preflight) -> None:
+    from ndparallel.preflight.dry_checks import check_data_order
+
+    check_data_order(p.cfg)
+
+
+def qat_groups(p: Preflight) -> None:
+    from ndparallel.preflight.dry_checks import check_qat_groups
+
+    check_qat_groups(p.cfg, p.hf)
+
+
+def chunked_loss(p: Preflight) -> None:
+    from ndparallel.preflight.dry_checks import check_chunked_loss
+
+    check_chunked_loss(p.cfg, p.hf)
+
+
+def unfrozen_parameters(p: Preflight) -> None:
+    from ndparallel.preflight.dry_checks import check_unfrozen_parameters
+
+    check_unfrozen_parameters(p.cfg, p.hf)
+
+
+def data_given(p: Preflight) -> None:
+    problem = p.cfg.missing_data_problem()
+    if problem:
+        raise ConfigError(problem)
+
+
+def local_inputs(p: Preflight) -> None:
+    """Trackers, device, output_dir, resume checkpoint, tokenizer and every dataset (prepared and
+    cached); the vocabulary the tokenizer adds, which the layout checks after this one then see."""
+    from ndparallel.preflight.local import _check_added_tokens, check_local_inputs
+
+    tokenizer = check_local_inputs(p.cfg, check_output=p.check_output)
+    _check_added_tokens(p.cfg, tokenizer, p.hf)
+
+
+def family_layout(p: Preflight) -> None:
+    """What the model family cannot run under the layout at all (``parallel.support``, on a meta
+    model), before which sizes would fit."""
+    pc, tp = p.pc, p.cfg.tp_options()
+    if not (pc.tp_enabled or pc.cp_enabled or pc.ep_enabled):
+        return
+    from ndparallel.parallel.support import layout_problem
+    from ndparallel.preflight.model_check import meta_model
+
+    problem = layout_problem(meta_model(p.cfg, p.hf), tp_size=pc.tp_size, cp_size=pc.cp_size,
+                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan, ep_size=pc.ep_size)
+    if problem:
+        raise ConfigError(problem)
+
+
+def tp_cp_sizes(p: Preflight) -> None:
+    """Heads, widths and the vocabulary divide by the TP degree; the sequence by CP's chunks."""
+    cfg, pc, hf = p.cfg, p.pc, p.hf
     try:
         if pc.tp_enabled:
             from ndparallel.parallel.tensor import validate_tensor_parallel
@@ -60,48 +173,12 @@ def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True,
                                       strategy=cfg.cp_options().comm_strategy)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _check_sequence_len(cfg, pc.dims)
-    from ndparallel.preflight.pipeline_check import check_pipeline
-
-    check_pipeline(cfg, pc, hf)
-    if check_local:  # the GPU the run needs is the launching machine's (a dry run may check another's config)
-        _check_fp8(cfg)
-        _check_qat_device(cfg)
-    return pc, hf
 
 
-def _check_experts(cfg: TrainConfig, dims, hf) -> None:
-    """``expert_parallel_size`` needs a mixture-of-experts model whose expert count it divides."""
-    from ndparallel.models.moe import config_num_experts
-
-    experts = config_num_experts(hf)
-    if dims.ep_enabled and experts is None:
-        raise ConfigError(f"expert_parallel_size={dims.ep}, but base_model={cfg.base_model!r} is not a "
-                          "mixture-of-experts model (its config has no num_experts / num_local_experts / "
-                          "n_routed_experts): set expert_parallel_size: 1")
-    if experts is not None and experts % dims.ep:
-        fits = [d for d in range(1, experts + 1) if experts % d == 0 and dims.ep_problem() is None]
-        raise ConfigError(f"expert_parallel_size={dims.ep} does not divide the {experts} experts of "
-                          f"base_model={cfg.base_model!r}: use one of {fits[:8]}")
-
-
-def _check_family_layout(cfg: TrainConfig, pc, hf) -> None:
-    """What the model family cannot run under the layout (``parallel.support``), on a meta model."""
-    if not (pc.tp_enabled or pc.cp_enabled or pc.ep_enabled):
-        return
-    from ndparallel.parallel.support import layout_problem
-    from ndparallel.preflight.model_check import meta_model
-
-    tp = cfg.tp_options()
-    problem = layout_problem(meta_model(cfg, hf), tp_size=pc.tp_size, cp_size=pc.cp_size,
-                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan, ep_size=pc.ep_size)
-    if problem:
-        raise ConfigError(problem)
-
-
-def _check_sequence_len(cfg: TrainConfig, dims) -> None:
+def sequence_len(p: Preflight) -> None:
     """Rows are cut into CP chunks and, under sequence parallel, split over tp: one rule
     (``ParallelDims.seq_len_divisor``) for every layout."""
+    cfg, dims = p.cfg, p.pc.dims
     divisor = dims.seq_len_divisor(cfg.sequence_parallel)
     if cfg.sequence_len % divisor:
         up = cfg.sequence_len + (-cfg.sequence_len) % divisor
@@ -113,209 +190,145 @@ def _check_sequence_len(cfg: TrainConfig, dims) -> None:
                           f"set sequence_len to a multiple of {divisor} (e.g. {up})")
 
 
-def _check_fp8(cfg: TrainConfig) -> None:
-    """fp8 needs torchao and a GPU of compute capability >= 8.9 (unless emulated)."""
-    if not cfg.fp8:
-        return
-    import torch
+def pipeline(p: Preflight) -> None:
+    from ndparallel.preflight.pipeline_check import check_pipeline
 
-    from ndparallel.parallel.float8 import float8_problem
-
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    problem = float8_problem(cfg.float8_options(), device)
-    if problem:
-        raise ConfigError(f"fp8: {problem}")
+    check_pipeline(p.cfg, p.pc, p.hf)
 
 
-def _check_qat_device(cfg: TrainConfig) -> None:
-    """nvfp4 QAT runs fp4 matmuls: a Blackwell GPU (``parallel.qat.qat_device_problem``)."""
-    if cfg.qat is None:
-        return
-    import torch
+def gpu_features(p: Preflight) -> None:
+    """fp8 and nvfp4 QAT on the launching machine's GPU."""
+    from ndparallel.preflight.local import _check_fp8, _check_qat_device
 
-    from ndparallel.parallel.qat import qat_device_problem
-
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    problem = qat_device_problem(cfg.qat_options(), device)
-    if problem:
-        raise ConfigError(f"qat: {problem}")
+    _check_fp8(p.cfg)
+    _check_qat_device(p.cfg)
 
 
-def _check_added_tokens(cfg: TrainConfig, tokenizer, hf) -> None:
-    """Tokens new to ``base_model``'s vocabulary (``tokens``, ``special_tokens``) grow its
-    embeddings: refused with LoRA (the new rows would stay frozen). ``hf`` gets the vocabulary the
-    ranks will build (a preset's: the tokenizer's, rounded), which the TP / CP checks then see."""
-    from ndparallel.models.presets import is_preset
-    from ndparallel.training.build import grown_vocab_size, rounded_vocab
-
-    hf = hf.get_text_config()  # a multimodal config: its text model's vocabulary
-    if is_preset(cfg.base_model):  # built with a row per token of the run's tokenizer
-        hf.vocab_size = rounded_vocab(cfg, len(tokenizer))
-        return
-    grown = grown_vocab_size(cfg, tokenizer, hf.vocab_size)
-    if grown is None:
-        return
-    if cfg.adapter:
-        raise ConfigError(f"tokens / special_tokens add {len(tokenizer) - hf.vocab_size} token(s) new to the "
-                          f"vocabulary of base_model={cfg.base_model!r}; with adapter: lora their embedding rows "
-                          "would stay frozen: use tokens it has, or full fine-tuning")
-    hf.vocab_size = grown
+# ----------------------------------------------------------------------------------- notes
+def max_steps_wins(p: Preflight) -> list[str]:
+    cfg = p.cfg
+    if cfg.max_steps is not None and "num_epochs" in cfg.model_fields_set:
+        return [f"max_steps {cfg.max_steps} (num_epochs {cfg.num_epochs:g} is ignored: max_steps wins)"]
+    return []
 
 
-def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm: bool = False):
-    """Device, output_dir, resume checkpoint, tokenizer and a first sample of each dataset file;
-    returns the run's tokenizer."""
-    import torch
-
-    from ndparallel.data.check import check_dataset
-    from ndparallel.training.outputs import plan_output_dir
-    from ndparallel.training.trainer import resume_policy
-
-    from ndparallel.tracking.run import missing_trackers
-
-    missing = missing_trackers(cfg.trackers())
-    if missing:
-        raise ConfigError(f"trackers not installed: {'; '.join(missing)} (or turn them off in the config)")
-    from ndparallel.tracking.credentials import tracker_problem
-
-    problem = tracker_problem(cfg)
-    if problem:
-        raise ConfigError(problem)
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device: cuda, but there is no CUDA GPU here (torch {torch.__version__}, "
-                          "torch.cuda.is_available() is False): set device: cpu or auto")
-    resuming = resume_policy(cfg.resume_from_checkpoint, os.environ) is not None
-    conflicts = plan_output_dir(cfg, resuming, profile_comm).conflicts if check_output else []
-    if conflicts:
-        raise ConfigError(conflicts[0])
-    _check_resume_path(cfg)
-    _check_tokenizer(cfg)
-    for i, d in enumerate(cfg.datasets):
-        try:
-            check_dataset(d.model_dump(), f"datasets[{i}]")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    return prepare_data(cfg)[0]
+def lora_fields_unused(p: Preflight) -> list[str]:
+    """Axolotl ignores them too: its archived full fine-tuning configs keep them."""
+    stray = p.cfg.lora_fields_without_adapter()
+    return [f"{', '.join(stray)} set but no adapter: not used, every parameter is trained (full fine-tuning, as in "
+            "Axolotl); add adapter: lora to train LoRA adapters instead"] if stray else []
 
 
-def prepare_data(cfg: TrainConfig):
-    """Tokenize and pack every dataset (cached) before any rank starts, so that each data problem
-    (a bad record anywhere, a missing column, nothing left after filtering, too little data) ends
-    here in one line, and the ranks find everything cached. Returns (tokenizer, splits)."""
-    from ndparallel.training.build import build_data, data_cache_dir, load_tokenizer
-
-    with quiet_datasets():
-        try:
-            tokenizer = load_tokenizer(cfg, data_cache_dir(cfg))
-            return tokenizer, build_data(cfg, tokenizer, data_cache_dir(cfg))
-        except (ValueError, OSError) as e:
-            raise ConfigError(str(e)) from None
+def loss_watchdog(p: Preflight) -> list[str]:
+    cfg = p.cfg
+    if cfg.loss_watchdog_threshold is None:
+        return []
+    return [f"loss_watchdog_threshold {cfg.loss_watchdog_threshold:g}: " + (
+        "stops training as Axolotl does (a warning, the final model saved, exit 0); loss_watchdog_action: "
+        "fail exits 1 without a final model instead" if cfg.loss_watchdog_action == "stop" else
+        "loss_watchdog_action: fail exits 1 without a final model (Axolotl stops gracefully and saves it)")]
 
 
-@contextlib.contextmanager
-def quiet_datasets():
-    """``datasets``' own error logs off (the one line naming the problem says it) and its progress
-    bars only on a terminal, for the block."""
-    import datasets
-
-    level = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    bars_were_off = not datasets.is_progress_bar_enabled()
-    if not sys.stderr.isatty():
-        datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        datasets.logging.set_verbosity(level)
-        if not bars_were_off:
-            datasets.enable_progress_bars()
+def qat_memory(p: Preflight) -> list[str]:
+    cfg, qat = p.cfg, p.cfg.qat_options()
+    if qat.enabled and qat.weight_dtype not in ("mxfp4", "nvfp4") and not cfg.fsdp_config.activation_checkpointing:
+        return [f"qat ({qat.weight_dtype} weights) without activation checkpointing: every layer keeps a rounded "
+                "copy of its whole (unsharded) weights for backward, the model's weights again on every rank "
+                "(docs/qat.md): set fsdp_config.activation_checkpointing: true unless `ndparallel plan --config` "
+                "says it fits"]
+    return []
 
 
-def _check_resume_path(cfg: TrainConfig) -> None:
-    from ndparallel.checkpoint.directory import list_checkpoints, validate_checkpoint
-
-    r = cfg.resume_from_checkpoint
-    if r in (None, "", "auto"):
-        return
-    problems = validate_checkpoint(Path(r).expanduser(), deep=False)  # the ranks re-hash it
-    if problems:
-        hint = (" (it holds checkpoint-N directories: pass one of them, or resume_from_checkpoint: auto)"
-                if list_checkpoints(r) else "")
-        raise ConfigError(f"resume_from_checkpoint={r!r} is not a usable checkpoint: "
-                          + "; ".join(problems) + hint)
+def translated_keys(p: Preflight) -> list[str]:
+    """What the front door translated (``axolotl/translate.py``)."""
+    return list(p.cfg._axolotl_notes)
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+def differences(p: Preflight) -> list[str]:
+    """Fields that behave differently from Axolotl's (``compat.py``)."""
+    from ndparallel.preflight.compat import compat_notes
+
+    return compat_notes(p.cfg, p.device_type)
 
 
-def _check_tokenizer(cfg: TrainConfig) -> None:
-    from ndparallel.data.dataset import looks_local
-    from ndparallel.models.presets import is_preset
+def quantisation(p: Preflight) -> list[str]:
+    from ndparallel.preflight.compat import quant_notes
 
-    if cfg.tokenizer and cfg.tokenizer != "builtin:stdlib":
-        path = Path(cfg.tokenizer).expanduser()
-        if not path.exists() and (looks_local(cfg.tokenizer) or "/" not in cfg.tokenizer):
-            raise ConfigError(f"tokenizer={cfg.tokenizer!r} does not exist: give a directory holding "
-                              "tokenizer.json (e.g. the base model's), or builtin:stdlib")
-        if path.is_dir() and not any((path / f).is_file() for f in _TOKENIZER_FILES):
-            raise ConfigError(f"tokenizer={cfg.tokenizer!r} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
-        return
-    model_dir = Path(cfg.base_model).expanduser()
-    if not cfg.tokenizer and not is_preset(cfg.base_model) and model_dir.is_dir() and not any(
-            (model_dir / f).is_file() for f in _TOKENIZER_FILES):
-        raise ConfigError(f"base_model={cfg.base_model!r} holds no tokenizer ({', '.join(_TOKENIZER_FILES)}): "
-                          "set tokenizer: to a tokenizer directory (or builtin:stdlib)")
+    return quant_notes(p.cfg)
+
+
+def trackers(p: Preflight) -> list[str]:
+    from ndparallel.tracking.credentials import tracker_notes
+
+    return tracker_notes(p.cfg)
+
+
+def data(p: Preflight) -> list[str]:
+    from ndparallel.preflight.data_notes import data_notes
+
+    return data_notes(p.cfg)
+
+
+def model_notes(p: Preflight) -> list[str]:
+    """A multimodal checkpoint trained on text, positions extrapolated, packing with token mixers."""
+    from ndparallel.preflight.dry_checks import model_notes as notes
+
+    return notes(p.cfg, p.hf)
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("layout", layout),
+    Check("model", model),
+    Check("experts", experts),
+    Check("adapter", adapter),
+    Check("quantized base", quantized_base),
+    Check("memory options", memory_options),
+    Check("chat templates", chat_templates),
+    Check("data order", data_order),
+    Check("qat groups", qat_groups),
+    Check("chunked loss", chunked_loss),
+    Check("unfrozen parameters", unfrozen_parameters),
+    Check("data given", data_given),
+    Check("local inputs", local_inputs, needs="local"),
+    Check("family layout", family_layout),
+    Check("tp / cp sizes", tp_cp_sizes),
+    Check("sequence_len", sequence_len),
+    Check("pipeline", pipeline),
+    Check("gpu features", gpu_features, needs="local"),
+    Check("max_steps wins", max_steps_wins, needs="config"),
+    Check("lora fields unused", lora_fields_unused, needs="config"),
+    Check("loss watchdog", loss_watchdog, needs="config"),
+    Check("qat memory", qat_memory, needs="config"),
+    Check("translated keys", translated_keys, needs="config"),
+    Check("differences", differences, needs="config"),
+    Check("quantisation", quantisation, needs="config"),
+    Check("trackers", trackers, needs="config"),
+    Check("data", data, needs="config"),
+    Check("model notes", model_notes),
+)
+"""In the order they run: a refusal found earlier is the one said (e.g. what a family cannot run
+at all, before which sizes would fit); the notes come last, in the order they are printed."""
+
+
+def run_checks(cfg: TrainConfig, world_size: int | None = None, *, check_local: bool = True,
+               check_output: bool = True, check_weights: bool = True, device_type: str | None = None) -> Preflight:
+    """Every check of ``CHECKS`` that applies (``Preflight`` says what each flag means), in order.
+    Raises ``ConfigError`` (one line) on the first refusal; else returns the pass: the resolved
+    layout (``pc``), base_model's config (``hf``) and the notes."""
+    p = Preflight(cfg, world_size, check_local, check_output, check_weights, device_type)
+    for check in CHECKS:
+        if check.needs == "config" or (world_size is not None and (check.needs == "model" or check_local)):
+            p.notes += check.run(p) or []
+    return p
+
+
+def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True, check_output: bool = True,
+                    check_weights: bool = True):
+    """``run_checks`` for callers that need (resolved ParallelismConfig, HF model config) alone."""
+    p = run_checks(cfg, world_size, check_local=check_local, check_output=check_output, check_weights=check_weights)
+    return p.pc, p.hf
 
 
 def run_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
-    """Things the user set that have no effect or behave differently from Axolotl, one line each,
-    said once before launch (and in ``--dry-run``)."""
-    from ndparallel.training.compat import compat_notes
-
-    notes = []
-    if cfg.max_steps is not None and "num_epochs" in cfg.model_fields_set:
-        notes.append(f"max_steps {cfg.max_steps} (num_epochs {cfg.num_epochs:g} is ignored: max_steps wins)")
-    stray = cfg.lora_fields_without_adapter()
-    if stray:  # Axolotl ignores them too: its archived full fine-tuning configs keep them
-        notes.append(f"{', '.join(stray)} set but no adapter: not used, every parameter is trained (full "
-                     "fine-tuning, as in Axolotl); add adapter: lora to train LoRA adapters instead")
-    if cfg.loss_watchdog_threshold is not None:
-        notes.append(f"loss_watchdog_threshold {cfg.loss_watchdog_threshold:g}: " + (
-            "stops training as Axolotl does (a warning, the final model saved, exit 0); loss_watchdog_action: "
-            "fail exits 1 without a final model instead" if cfg.loss_watchdog_action == "stop" else
-            "loss_watchdog_action: fail exits 1 without a final model (Axolotl stops gracefully and saves it)"))
-    qat = cfg.qat_options()
-    if qat.enabled and qat.weight_dtype not in ("mxfp4", "nvfp4") and not cfg.fsdp_config.activation_checkpointing:
-        notes.append(f"qat ({qat.weight_dtype} weights) without activation checkpointing: every layer keeps a "
-                     "rounded copy of its whole (unsharded) weights for backward, the model's weights again on "
-                     "every rank (docs/qat.md): set gradient_checkpointing: true (or "
-                     "fsdp_config.activation_checkpointing: true) unless `ndparallel plan --config` says it fits")
-    from ndparallel.tracking.credentials import tracker_notes
-    from ndparallel.preflight.data_notes import data_notes
-
-    return notes + cfg._axolotl_notes + compat_notes(cfg, device_type) + tracker_notes(cfg) + data_notes(cfg)
-
-
-def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
-    if nproc is not None and nproc < 1:
-        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    sizes = [cfg.dp_replicate_size, cfg.dp_shard_size, cfg.tensor_parallel_size, cfg.context_parallel_size,
-             cfg.pipeline_parallel_size]
-    if -1 in sizes:
-        return nproc or local_devices(cfg)
-    total = 1
-    for s in sizes:
-        total *= s
-    if nproc and nproc != total:
-        raise ConfigError(f"--nproc-per-node {nproc} but the layout needs {total} ranks")
-    return total
-
-
-def local_devices(cfg: TrainConfig) -> int:
-    """Ranks a degree of -1 fills on this machine without --nproc-per-node: every CUDA GPU (as
-    Axolotl's launch uses them all); 1 on CPU."""
-    import torch
-
-    return torch.cuda.device_count() if cfg.device != "cpu" and torch.cuda.is_available() else 1
+    """The notes of the checks that read the config alone (no layout, no model, no machine)."""
+    return run_checks(cfg, device_type=device_type).notes

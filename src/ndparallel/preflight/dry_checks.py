@@ -1,16 +1,17 @@
-"""Checks that need the model's config but no data and no weights, run by ``--dry-run`` as well as
-before ``train`` launches: named chat templates exist, ``chunked_loss: true`` is exact for the
-family, the ``unfrozen_parameters`` patterns name parameters of the model, ``qat.group_size`` divides
-every linear's input width. So a config ``--dry-run``
-passes is not refused later for a reason it could have known."""
+"""Checks that need the model's config but no data and no weights (entries of ``checks.CHECKS``, so
+``--dry-run`` runs them as well as ``train``): named chat templates exist, the data-order switches
+fit the data, ``chunked_loss: true`` is exact for the family, the ``unfrozen_parameters`` patterns
+name parameters of the model, ``qat.group_size`` divides every linear's input width. So a config
+``--dry-run`` passes is not refused later for a reason it could have known. Also the notes and
+``--dry-run`` lines that depend on the model."""
 
 from __future__ import annotations
 
-from ndparallel.training.config import ConfigError, TrainConfig
+from ndparallel.config import ConfigError, TrainConfig
 
 
-def check_without_data(cfg: TrainConfig, hf) -> None:
-    """``ConfigError`` (one line) for the first problem."""
+def check_chat_templates(cfg: TrainConfig) -> None:
+    """The config's and every chat_template dataset's template is one that exists."""
     from ndparallel.data.chat import check_template_name
     from ndparallel.data.dataset import DatasetSpec
 
@@ -22,6 +23,13 @@ def check_without_data(cfg: TrainConfig, hf) -> None:
             if spec.type == "chat_template" and not spec.chat_template_jinja:
                 check_template_name(spec.chat_template or cfg.chat_template, f"datasets[{i}]",
                                     cfg.chat_template_jinja)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_data_order(cfg: TrainConfig) -> None:
+    """Deduplication and the data-order switches fit the data; a streamed dataset is not sliced."""
+    try:
         _check_data_order(cfg)
         for i, d in enumerate(cfg.pretraining_dataset or []):
             if "[" in d.split:
@@ -29,6 +37,9 @@ def check_without_data(cfg: TrainConfig, hf) -> None:
                                  "slice by; give a split name (e.g. train) and use skip: N to skip records")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_qat_groups(cfg: TrainConfig, hf) -> None:
     if cfg.qat is not None:
         from ndparallel.parallel.qat import group_size_problem
         from ndparallel.preflight.model_check import meta_model
@@ -36,15 +47,21 @@ def check_without_data(cfg: TrainConfig, hf) -> None:
         problem = group_size_problem(meta_model(cfg, hf), cfg.qat_options())
         if problem:
             raise ConfigError(f"qat: {problem}")
+
+
+def check_chunked_loss(cfg: TrainConfig, hf) -> None:
     if cfg.chunked_loss:
         problem = chunked_loss_problem(cfg, hf)
         if problem:
             raise ConfigError(f"chunked_loss: true, but the chunked loss would not be exact for base_model="
                               f"{cfg.base_model!r}: {problem}; set chunked_loss: false or leave it out (auto: the "
                               "logits path for this model)")
+
+
+def check_unfrozen_parameters(cfg: TrainConfig, hf) -> None:
     if cfg.unfrozen_parameters and cfg.adapter is None:
-        from ndparallel.training.controls import unmatched_patterns
         from ndparallel.preflight.model_check import meta_model
+        from ndparallel.training.controls import unmatched_patterns
 
         names = [n for n, _ in meta_model(cfg, hf).named_parameters()]
         missing = unmatched_patterns(names, cfg.unfrozen_parameters)

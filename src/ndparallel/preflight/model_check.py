@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 from ndparallel.runtime.network import reachable
-from ndparallel.training.config import ConfigError, TrainConfig
+from ndparallel.config import ConfigError, TrainConfig
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 

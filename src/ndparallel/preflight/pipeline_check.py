@@ -4,7 +4,7 @@ with pipeline parallel yet (each refused by name)."""
 
 from __future__ import annotations
 
-from ndparallel.training.config import ConfigError, TrainConfig
+from ndparallel.config import ConfigError, TrainConfig
 
 
 def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:

@@ -3,13 +3,15 @@ speed options, steps, what each dataset is read as, and the notes said before la
 
 from __future__ import annotations
 
-from ndparallel.training.config import TrainConfig
-from ndparallel.preflight.checks import run_notes
+from typing import Sequence
+
+from ndparallel.config import TrainConfig
 from ndparallel.preflight.pipeline_check import pipeline_summary
 
 
-def describe_plan(cfg: TrainConfig, pc, hf) -> str:
-    """The resolved run, as printed by ``--dry-run``."""
+def describe_plan(cfg: TrainConfig, pc, hf, notes: Sequence[str] = ()) -> str:
+    """The resolved run, as printed by ``--dry-run``: ``pc`` and ``hf`` as the checks resolved them,
+    ``notes`` theirs (``checks.run_checks``; the max_steps note is said by the steps line)."""
     from ndparallel.preflight.dry_checks import chunked_loss_state, qat_summary
     from ndparallel.preflight.model_check import check_adapter
     from ndparallel.preflight.qlora_check import check_quantized_base
@@ -44,13 +46,7 @@ def describe_plan(cfg: TrainConfig, pc, hf) -> str:
         *_datasets_read_as(cfg),
         f"output       : {cfg.output_dir}",
     ]
-    import torch
-
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    from ndparallel.preflight.dry_checks import model_notes
-
-    notes = [n for n in run_notes(cfg, device) if not n.startswith("max_steps")] + model_notes(cfg, hf)
-    lines += [f"note         : {n}" for n in notes]
+    lines += [f"note         : {n}" for n in notes if not n.startswith("max_steps")]
     from ndparallel.tracking.run import missing_trackers
 
     trackers = cfg.trackers()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ndparallel.training.config import ConfigError, TrainConfig
+from ndparallel.config import ConfigError, TrainConfig
 
 
 def check_quantized_base(cfg: TrainConfig, hf, pc) -> str | None:

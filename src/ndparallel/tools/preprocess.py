@@ -9,14 +9,14 @@ import json
 import sys
 from typing import TextIO
 
-from ndparallel.training.config import TrainConfig
+from ndparallel.config import TrainConfig
 
 TRAINED, MASKED = "bold green", "dim"
 
 
 def preprocess(cfg: TrainConfig, show: int | None = None, as_json: bool = False, out: TextIO | None = None) -> int:
     """Run the data pipeline of ``cfg`` (cached); returns the number of samples."""
-    from ndparallel.preflight.checks import quiet_datasets
+    from ndparallel.preflight.local import quiet_datasets
 
     with quiet_datasets():
         return _preprocess(cfg, show, as_json, out)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ndparallel.training.config import TrainConfig
+from ndparallel.config import TrainConfig
 from ndparallel.training.trainer import Trainer
 
 GiB = 2**30
@@ -226,7 +226,7 @@ def _child_main(argv: list[str]) -> None:
     import json
 
     from ndparallel.runtime.quiet import quiet_library_noise
-    from ndparallel.training.config import load_config
+    from ndparallel.axolotl import load_config
 
     quiet_library_noise()
     req = SimulationRequest(**json.loads(argv[0]))

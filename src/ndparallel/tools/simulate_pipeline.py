@@ -32,22 +32,15 @@ def build_random_stages(engine, config, dtype: torch.dtype, attn_implementation:
     meta device, parallelised, materialised with random values; each stage's cut model
     materialised and its rotary buffers computed on its own (the ``StageView`` holds one copy of
     them and has no ``_init_weights``)."""
-    from ndparallel.models.loading import build_on_meta_from_config, init_non_persistent_buffers, materialize
-    from ndparallel.parallel.parallelize import move_leftovers
+    from ndparallel.engine.build import fill_random, materialize_shards
+    from ndparallel.models.loading import build_on_meta_from_config, init_non_persistent_buffers
 
     view = engine.parallelize(build_on_meta_from_config(config, dtype, attn_implementation, trust_remote_code,
                                                         None))
-    offload = engine.options.fsdp.cpu_offload
     lms = engine.pipeline_of(view).lms()
     for lm in lms:  # each stage: the view keeps one copy of the rotary buffers of a rank's stages
-        materialize(lm, torch.device("cpu") if offload else engine.device)
-        if offload:
-            move_leftovers(lm, engine.device, keep_params_on_cpu=True)
-    with torch.no_grad():
-        for p in view.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            if local.is_floating_point():
-                local.normal_(0.0, 0.02) if local.dim() > 1 else local.fill_(1.0)
+        materialize_shards(engine, lm)
+    fill_random(view)
     for lm in lms:
         init_non_persistent_buffers(lm)
     return view

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ndparallel.tools.shrink import shrink_config
-from ndparallel.training.config import TrainConfig
+from ndparallel.config import TrainConfig
 
 
 def _adapter_kwargs(cfg: TrainConfig) -> dict | None:

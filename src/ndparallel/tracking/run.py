@@ -11,7 +11,7 @@ from ndparallel.tracking.trackers import PIP, TRACKERS, GeneralTracker, JSONLTra
 
 
 class TrackerConfig(Protocol):
-    """What a run's config tells about its trackers (``training.config_fields.TrackerFields``)."""
+    """What a run's config tells about its trackers (``config.fields.TrackerFields``)."""
 
     def trackers(self) -> list[str]: ...
 

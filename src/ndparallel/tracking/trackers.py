@@ -6,7 +6,6 @@ Weights & Biases and MLflow. One set of implementations for both front doors: th
 
 from __future__ import annotations
 
-import enum
 import importlib.util
 import json
 import math
@@ -14,27 +13,6 @@ import os
 import time
 from pathlib import Path
 from typing import Any
-
-
-class LoggerType(str, enum.Enum):
-    ALL = "all"
-    JSONL = "jsonl"
-    AIM = "aim"
-    TENSORBOARD = "tensorboard"
-    WANDB = "wandb"
-    COMETML = "comet_ml"
-    MLFLOW = "mlflow"
-    CLEARML = "clearml"
-    DVCLIVE = "dvclive"
-    SWANLAB = "swanlab"
-    TRACKIO = "trackio"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def list(cls) -> list[str]:
-        return [m.value for m in cls]
 
 
 class GeneralTracker:
@@ -150,8 +128,10 @@ class TensorBoardTracker(GeneralTracker):
         self.writer.close()
 
 
-class WandBTracker(GeneralTracker):
-    name = "wandb"
+class _ProjectRunTracker(GeneralTracker):
+    """A tracker whose library's ``init(project=run_name, ...)`` returns the run it logs to."""
+
+    module = ""
     requires_logging_directory = False
 
     def __init__(self, run_name: str, **kwargs):
@@ -159,22 +139,24 @@ class WandBTracker(GeneralTracker):
         self.run_name, self.init_kwargs = run_name, kwargs
 
     def start(self) -> None:
-        import wandb
-
-        self.run = wandb.init(project=self.run_name, **self.init_kwargs)
+        self.run = importlib.import_module(self.module).init(project=self.run_name, **self.init_kwargs)
 
     @property
     def tracker(self):
         return self.run
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class WandBTracker(_ProjectRunTracker):
+    name = module = "wandb"
 
     def store_init_configuration(self, values: dict) -> None:
         self.run.config.update(values, allow_val_change=True)
 
     def log(self, values: dict, step: int | None = None, **kwargs) -> None:
         self.run.log(values, step=step, **kwargs)
-
-    def finish(self) -> None:
-        self.run.finish()
 
 
 class MLflowTracker(GeneralTracker):
@@ -214,25 +196,11 @@ class MLflowTracker(GeneralTracker):
         mlflow.end_run()
 
 
-class SwanLabTracker(GeneralTracker):
+class SwanLabTracker(_ProjectRunTracker):
     """SwanLab (``mode``: online, local, offline — written under ``log_dir``, ``swanlab sync``
     uploads it later — or disabled)."""
 
-    name = "swanlab"
-    requires_logging_directory = False
-
-    def __init__(self, run_name: str, **kwargs):
-        super().__init__()
-        self.run_name, self.init_kwargs = run_name, kwargs
-
-    def start(self) -> None:
-        import swanlab
-
-        self.run = swanlab.init(project=self.run_name, **self.init_kwargs)
-
-    @property
-    def tracker(self):
-        return self.run
+    name = module = "swanlab"
 
     def store_init_configuration(self, values: dict) -> None:
         self.run.config.update({k: _plain(v) for k, v in values.items()})
@@ -240,9 +208,6 @@ class SwanLabTracker(GeneralTracker):
     def log(self, values: dict, step: int | None = None, **kwargs) -> None:
         numbers = {k: _plain(v) for k, v in values.items() if isinstance(_plain(v), (int, float))}
         self.run.log(numbers, step=step)
-
-    def finish(self) -> None:
-        self.run.finish()
 
 
 class PrometheusTracker(GeneralTracker):

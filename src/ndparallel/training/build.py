@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ndparallel.training.config import TrainConfig
+from ndparallel.config import TrainConfig
 
 
 def model_config(cfg: TrainConfig, vocab_size: int | None = None):

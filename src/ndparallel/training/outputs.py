@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ndparallel.checkpoint.ownership import RUN_FILE, claim, read_run, start_run
-from ndparallel.training.config import TrainConfig
+from ndparallel.config import TrainConfig
 
 _CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 _ADOPTED_WITHOUT_RECORD = ("metrics.jsonl", "config.resolved.yaml")

@@ -30,7 +30,7 @@ from ndparallel.training.build import (
     pad_multiple,
     rounded_vocab,
 )
-from ndparallel.training.config import TrainConfig
+from ndparallel.config import TrainConfig
 from ndparallel.training.evaluate import validation_loader
 from ndparallel.tracking.run import RunTrackers
 from ndparallel.training.metrics import (

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pydantic import AliasChoices, Field
 
 from ndparallel.parallel.options import PipelineOptions
-from ndparallel.training.config_data import _Strict
+from ndparallel.config.base import _Strict
 
 
 class PipelineFields(_Strict):

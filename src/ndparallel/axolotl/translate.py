@@ -1,6 +1,6 @@
 """An Axolotl config mapping translated into ndparallel's fields before validation.
 
-``translate(raw, own_keys)`` applies ``axolotl_keys``' table to a raw YAML mapping: renames and value
+``translate(raw, own_keys)`` applies ``keys``' table to a raw YAML mapping: renames and value
 translations (``bf16: auto``, ``gradient_checkpointing``, FSDP1's ``fsdp:`` list and ``fsdp_``
 prefixes, DeepSpeed ZeRO configs, ...), drops what is empty or has no effect, and collects one
 ``note`` per translated key and one ``problem`` (the key and the fix) per key it refuses. Keys it
@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ndparallel.optim.lowbit import OPTIMIZER_NAMES
-from ndparallel.training.axolotl_checkpoint import linearized_experts, model_quantization
-from ndparallel.training.axolotl_keys import DATASET, PLUGINS, TOP, Translation, is_empty, short
-from ndparallel.training.axolotl_layout import (
+from ndparallel.axolotl.checkpoint import linearized_experts, model_quantization
+from ndparallel.axolotl.keys import DATASET, PLUGINS, TOP, Translation, is_empty, short
+from ndparallel.axolotl.layout import (
     default_layout,
     deepspeed,
     fsdp_config,
@@ -40,7 +40,6 @@ def translate(raw: dict, own_keys: set[str]) -> Translation:
         elif rule.kind == "ignored" and not is_empty(value, rule.default):
             t.notes.append(f"{key}: {rule.text}")
     fsdp_config(t)
-    _plugins(t)
     default_layout(t)
     for name in ("datasets", "pretraining_dataset"):
         entries = t.data.get(name)
@@ -178,31 +177,25 @@ def _warmup_steps(t: Translation, key: str, value: Any) -> None:
              "fraction of the run's steps, as transformers reads it)", key)
 
 
-def _eval_strategy(t: Translation, key: str, value: Any) -> None:
-    if value in (None, "", "steps"):
-        return
-    if value == "no":
-        t.data.pop("eval_steps", None)
-        t.data.pop("evals_per_epoch", None)
-        t.notes.append(f"{key}: no -> no evaluation during training")
-    elif value == "epoch":
-        _set(t, "evals_per_epoch", 1, f"{key}: epoch -> evals_per_epoch: 1", key)
-    else:
-        t.refuse(key, value, "use no, epoch or steps (with eval_steps / evals_per_epoch)")
+def _strategy(steps: str, per_epoch: str, none: str, best_fix: str | None = None) -> Callable:
+    """transformers' eval / save strategy: ``no`` -> neither ``steps`` nor ``per_epoch`` (``none``
+    said), ``epoch`` -> ``per_epoch: 1``, ``steps`` -> as the config sets them."""
+    def mapper(t: Translation, key: str, value: Any) -> None:
+        if value in (None, "", "steps"):
+            return
+        if value == "no":
+            t.data.pop(steps, None)
+            t.data.pop(per_epoch, None)
+            t.notes.append(f"{key}: no -> {none}")
+        elif value == "epoch":
+            _set(t, per_epoch, 1, f"{key}: epoch -> {per_epoch}: 1", key)
+        else:
+            t.refuse(key, value, best_fix if value == "best" and best_fix else
+                     f"use no, epoch or steps (with {steps} / {per_epoch})")
+    return mapper
 
 
-def _save_strategy(t: Translation, key: str, value: Any) -> None:
-    if value in (None, "", "steps"):
-        return
-    if value == "no":
-        t.data.pop("save_steps", None)
-        t.data.pop("saves_per_epoch", None)
-        t.notes.append("save_strategy: no -> no checkpoints during training (the final model is saved)")
-    elif value == "epoch":
-        _set(t, "saves_per_epoch", 1, "save_strategy: epoch -> saves_per_epoch: 1", key)
-    else:
-        t.refuse(key, value, TOP["load_best_model_at_end"].text if value == "best" else
-                 "use no, epoch or steps (with save_steps / saves_per_epoch)")
+_eval_strategy = _strategy("eval_steps", "evals_per_epoch", "no evaluation during training")
 
 
 def _attention_flag(t: Translation, key: str, value: Any) -> None:
@@ -335,6 +328,18 @@ def _dataset_processes(t: Translation, key: str, value: Any) -> None:
     _rename("dataset_processes")(t, key, value)
 
 
+def _plugins(t: Translation, key: str, value: Any) -> None:
+    """Axolotl's plugins (class names or paths): a note for each one ndparallel maps, the others refused."""
+    if is_empty(value):
+        return
+    plugins = [value] if isinstance(value, str) or not isinstance(value, list) else value
+    names = [str(p).rsplit(".", 1)[-1] for p in plugins]
+    unknown = [p for p, name in zip(plugins, names) if name not in PLUGINS]
+    if unknown:
+        t.refuse(key, unknown, f"not supported; ndparallel maps only {', '.join(PLUGINS)}: remove the others")
+    t.notes += [f"plugins: {name} -> {PLUGINS[name]}" for name in names if name in PLUGINS]
+
+
 MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "bf16": _bf16, "tf32": _tf32, "bfloat16": _precision_flag, "float32": _precision_flag,
     "float16": _precision_flag,
@@ -343,7 +348,9 @@ MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "fsdp_final_state_dict_type": _note_if_set, "sequence_parallel_degree": _rename("context_parallel_size"),
     "ddp_timeout": _rename("collective_timeout_s"), "auto_resume_from_checkpoints": _auto_resume,
     "batch_size": _batch_size, "warmup_steps": _warmup_steps, "eval_strategy": _eval_strategy,
-    "evaluation_strategy": _eval_strategy, "save_strategy": _save_strategy, "tokenizer_config": _rename("tokenizer"),
+    "evaluation_strategy": _eval_strategy,
+    "save_strategy": _strategy("save_steps", "saves_per_epoch", "no checkpoints during training (the final model is "
+                               "saved)", TOP["load_best_model_at_end"].text), "tokenizer_config": _rename("tokenizer"),
     "dataset_num_proc": _dataset_processes, "model_type": _note_if_set, "type_of_model": _note_if_set,
     "evals_per_epoch": _zero_is_none, "saves_per_epoch": _zero_is_none, "tokenizer_type": _note_if_set,
     "tokenizer_use_fast": _note_if_set, "tokenizer_legacy": _note_if_set,
@@ -358,30 +365,13 @@ MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "llama4_linearized_experts": linearized_experts, "tokens": _tokens, "max_packed_sequence_len": _max_packed,
     "cut_cross_entropy": lambda t, k, v: None,  # the plugin's own switch (on by default)
     "optimizer": lambda t, k, v: _choice(t, k, v, OPTIMIZERS, "adamw_torch_fused"),
-    "lr_scheduler": lambda t, k, v: _choice(t, k, v, SCHEDULERS, "cosine"),
+    "lr_scheduler": lambda t, k, v: _choice(t, k, v, SCHEDULERS, "cosine"), "plugins": _plugins,
     **{k: _liger for k in TOP if k.startswith("liger_") and TOP[k].kind == "mapped"},
 }
 """Keys whose value is translated (the rest of ``TOP`` follows its rule's kind)."""
 
 
 # ---------------------------------------------------------------------------- nested sections
-def _plugins(t: Translation) -> None:
-    plugins = t.data.get("plugins")
-    if is_empty(plugins):
-        t.data.pop("plugins", None)
-        return
-    plugins = [plugins] if isinstance(plugins, str) else plugins
-    unknown = [p for p in plugins if str(p).rsplit(".", 1)[-1] not in PLUGINS]
-    if unknown:
-        t.refuse("plugins", unknown, f"not supported; ndparallel maps only {', '.join(PLUGINS)}: remove the others")
-        plugins = [p for p in plugins if p not in unknown]
-    for p in plugins:
-        name = str(p).rsplit(".", 1)[-1]
-        if name in PLUGINS:
-            t.notes.append(f"plugins: {name} -> {PLUGINS[name]}")
-    t.data["plugins"] = plugins or None
-
-
 def _dataset(t: Translation, where: str, entry: dict) -> dict:
     d = dict(entry)
     roles = {k: d.pop(k) for k in ("message_field_role", "message_field_content") if k in d}

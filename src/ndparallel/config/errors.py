@@ -4,8 +4,13 @@ or field named, the bound and the value, the fix or a did-you-mean."""
 from __future__ import annotations
 
 import difflib
+from typing import Iterable
 
 from pydantic import AliasChoices, BaseModel, ValidationError
+
+
+class ConfigError(ValueError):
+    """A bad training config; the message is meant to be shown as is."""
 
 
 _HINTS = {
@@ -36,11 +41,11 @@ def _known_keys(model: type[BaseModel]) -> list[str]:
     return keys
 
 
-def validation_problems(err: ValidationError, top: type[BaseModel], nested: dict[str, type[BaseModel]]) -> list[str]:
-    """One line per problem. An unknown key gets a did-you-mean among the keys of ``top`` (and the
-    Axolotl keys ndparallel knows) or, under a field named in ``nested``, of that section's model."""
-    from ndparallel.training.axolotl_keys import TOP
-
+def validation_problems(err: ValidationError, top: type[BaseModel], nested: dict[str, type[BaseModel]],
+                        other_keys: Iterable[str] = ()) -> list[str]:
+    """One line per problem. An unknown key gets a did-you-mean among the keys of ``top`` (then
+    ``other_keys``: the keys a front door translates) or, under a field named in ``nested``, of that
+    section's model."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
@@ -48,7 +53,7 @@ def validation_problems(err: ValidationError, top: type[BaseModel], nested: dict
             parent = e["loc"][:-1]
             model = nested.get(str(parent[0]), top) if parent else top
             key = str(e["loc"][-1])
-            hint = _suggest(key, _known_keys(model)) or ("" if parent else _suggest(key, list(TOP)))
+            hint = _suggest(key, _known_keys(model)) or ("" if parent else _suggest(key, list(other_keys)))
             lines.append(f"unknown key '{loc}'" + (hint or "; remove it (see the keys in docs/axolotl.md)"))
         else:
             lines.append(f"'{loc}': {_range_message(e)}" if loc else _range_message(e))
@@ -60,12 +65,6 @@ def join_problems(source: str, lines: list[str]) -> str:
     if len(lines) == 1:
         return f"{source}: {lines[0]}"
     return f"{source}: {len(lines)} problems:\n" + "\n".join(f"  {line}" for line in lines)
-
-
-def format_validation_error(err: ValidationError, source: str, top: type[BaseModel],
-                            nested: dict[str, type[BaseModel]]) -> str:
-    """``validation_problems`` joined as the message users see."""
-    return join_problems(source, validation_problems(err, top, nested))
 
 
 _BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}

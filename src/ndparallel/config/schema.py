@@ -1,4 +1,7 @@
-"""The training config: a YAML file with Axolotl's field names, validated by pydantic.
+"""The typed run configuration: every field of ``ndparallel train``, validated by pydantic, and
+what the run's parts are built from (``parallelism_config``, ``strategy_options``, ``data_options``,
+``lora_config``). Field names are Axolotl's where Axolotl has one; the YAML front door
+(``ndparallel.axolotl``) reads the file and translates Axolotl's other keys into these fields.
 
 Errors come out as one line naming the field and the fix (unknown keys get a did-you-mean). Every
 numeric field has its allowed range in the schema (``Field(ge=..., gt=..., lt=...)``; floats must
@@ -7,20 +10,26 @@ be finite); the message states the range, the value given and, where one helps, 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     AliasChoices,
     Field,
     PrivateAttr,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
+from ndparallel.config.base import _int
+from ndparallel.config.datasets import DatasetConfig, SpecialTokens
+from ndparallel.config.fields import (
+    ClusterFields, DataSourceFields, FSDPConfig, InputForms, LoraExtraFields, PrecisionFields, RunControlFields,
+    TrackerFields,
+)
+from ndparallel.config.pipeline import PipelineFields
+from ndparallel.config.quant import QuantFields
 from ndparallel.layout.config import ParallelismConfig
+from ndparallel.optim.lowbit import OptimizerName
 from ndparallel.parallel.options import (
     CompileOptions,
     CPOptions,
@@ -30,22 +39,6 @@ from ndparallel.parallel.options import (
     StrategyOptions,
     TPOptions,
 )
-from ndparallel.training.config_data import (  # noqa: F401  (ConfigError: re-exported)
-    ConfigError,
-    DatasetConfig,
-    SpecialTokens,
-    _int,
-    _Strict,
-)
-from ndparallel.training.config_errors import join_problems, validation_problems
-from ndparallel.training.config_fields import (
-    ClusterFields, DataSourceFields, FSDPConfig, InputForms, LoraExtraFields, PrecisionFields, RunControlFields,
-    TrackerFields,
-)
-from ndparallel.training.config_pipeline import PipelineFields
-from ndparallel.training.config_quant import QuantFields
-from ndparallel.optim.lowbit import OptimizerName
-from ndparallel.training.overrides import apply_override
 
 
 def _float(**bounds):
@@ -55,9 +48,8 @@ def _float(**bounds):
 class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields, QuantFields, ClusterFields,
                   PrecisionFields, LoraExtraFields, PipelineFields):
     """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one; the
-    Axolotl keys that are translated, accepted empty or refused: ``axolotl_keys.py``; the
-    quantisation fields: ``config_quant.QuantFields``; preemption and asynchronous checkpoints:
-    ``config_fields.ClusterFields``)."""
+    quantisation fields: ``quant.QuantFields``; preemption and asynchronous checkpoints:
+    ``fields.ClusterFields``)."""
 
     # model
     base_model: str = "quickstart-llama"
@@ -79,9 +71,6 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
     """Axolotl's switch: true = attn_implementation: flash_attention_2."""
     sdp_attention: bool | None = None
     """Axolotl's switch: true = attn_implementation: sdpa."""
-    plugins: list[str] | None = None
-    """Axolotl plugins: CutCrossEntropyPlugin, LigerPlugin, ... map to ndparallel's equivalents
-    (``axolotl_keys.PLUGINS``); others are refused."""
     # layout
     dp_replicate_size: int = 1
     dp_shard_size: int = 1
@@ -225,7 +214,7 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
     """dtype of the final model's weights: auto = the compute dtype (bf16 / fp16 run), else fp32."""
     # runtime
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    _axolotl_notes: list[str] = PrivateAttr(default_factory=list)  # what axolotl_map translated
+    _axolotl_notes: list[str] = PrivateAttr(default_factory=list)  # what the front door translated (axolotl/translate.py)
     collective_timeout_s: _float(gt=0) = 600.0
     max_restarts: _int(0) = 0
 
@@ -396,53 +385,3 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
             val_set_size=self.val_set_size, seed=self.seed,
             num_proc=self.dataset_processes, deduplicate=self.dataset_exact_deduplication,
             sequential_packing=self.sample_packing_sequentially)
-
-
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-    """Read, override (``--set key=value``, dotted keys for nested fields), translate Axolotl's keys
-    (``axolotl_map``: its notes are kept for ``--dry-run``) and validate. Every problem found is
-    one line of the ``ConfigError``."""
-    from ndparallel.training.axolotl_map import translate
-
-    data: dict[str, Any] = {}
-    source = str(path) if path else "config"
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} not found")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
-        if data is None or data == {}:
-            raise ConfigError(f"{p} is empty: write at least base_model and datasets (or run ndparallel train "
-                              "without a config for the built-in quickstart)")
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping of keys to values")
-    for item in overrides:
-        apply_override(data, item)
-    found = translate(data, own_keys())
-    problems = list(found.problems)
-    cfg = None
-    try:
-        cfg = TrainConfig.model_validate(found.data)
-    except ValidationError as e:
-        problems += validation_problems(e, TrainConfig, NESTED)
-    if problems:
-        raise ConfigError(join_problems(source, problems))
-    cfg._axolotl_notes = found.notes
-    return cfg
-
-
-NESTED = {"fsdp_config": FSDPConfig, "datasets": DatasetConfig, "pretraining_dataset": DatasetConfig,
-          "special_tokens": SpecialTokens}
-
-
-def own_keys() -> set[str]:
-    """Top-level keys TrainConfig reads itself (field names and aliases)."""
-    keys = set()
-    for name, f in TrainConfig.model_fields.items():
-        keys.add(name)
-        if isinstance(f.validation_alias, AliasChoices):
-            keys.update(str(c) for c in f.validation_alias.choices)
-    return keys

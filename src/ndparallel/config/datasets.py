@@ -1,51 +1,13 @@
-"""Parts of the training config: its error type, the ``datasets:`` entries, ``special_tokens``, and
-the Axolotl names it understands or refuses with a fix."""
+"""The training config's ``datasets:`` entries and ``special_tokens``."""
 
 from __future__ import annotations
 
 import difflib
-from typing import Annotated, Literal
+from typing import Literal
 
-import types
-import typing
+from pydantic import AliasChoices, Field, field_validator
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
-
-
-class ConfigError(ValueError):
-    """A bad training config; the message is meant to be shown as is."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data):
-        """``key:`` with no value (null) on a field that cannot be null means "not set": the default
-        (Axolotl's configs leave placeholders such as ``lora_r:`` empty)."""
-        if isinstance(data, dict):
-            names = _non_nullable_keys(cls)
-            data = {k: v for k, v in data.items() if not (v is None and k in names)}
-        return data
-
-
-def _non_nullable_keys(model: type[BaseModel]) -> set[str]:
-    keys = set()
-    for name, f in model.model_fields.items():
-        args = typing.get_args(f.annotation)
-        nullable = f.annotation is type(None) or type(None) in args or f.annotation is typing.Any
-        if isinstance(f.annotation, types.UnionType) or typing.get_origin(f.annotation) is typing.Union:
-            nullable = nullable or type(None) in args
-        if not nullable:
-            keys.add(name)
-            if isinstance(f.validation_alias, AliasChoices):
-                keys.update(str(c) for c in f.validation_alias.choices)
-    return keys
-
-
-def _int(ge: int):
-    return Annotated[int, Field(ge=ge)]
+from ndparallel.config.base import _int, _Strict
 
 
 class DatasetConfig(_Strict):

@@ -6,7 +6,7 @@ from typing import Any
 
 import yaml
 
-from ndparallel.training.config_data import ConfigError
+from ndparallel.config.errors import ConfigError
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -1,18 +1,18 @@
-"""The Axolotl-key tables of README.md and docs/axolotl.md, generated from ``axolotl_keys`` and the
+"""The Axolotl-key tables of README.md and docs/axolotl.md, generated from ``keys`` and the
 schema (``tests/test_axolotl_examples.py`` checks the files hold exactly this text, so they cannot go
-stale). ``python -m ndparallel.training.axolotl_doc`` rewrites both between their markers."""
+stale). ``python -m ndparallel.axolotl.doc`` rewrites both between their markers."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from ndparallel.training.axolotl_keys import DATASET, FSDP, PLUGINS, TOP, Rule
+from ndparallel.axolotl.keys import DATASET, FSDP, PLUGINS, TOP, Rule
 
-BEGIN, END = "<!-- axolotl-keys:begin (generated: python -m ndparallel.training.axolotl_doc) -->", \
+BEGIN, END = "<!-- axolotl-keys:begin (generated: python -m ndparallel.axolotl.doc) -->", \
     "<!-- axolotl-keys:end -->"
 HONOURED = (
-    "base_model tokenizer_config trust_remote_code attn_implementation flash_attention sdp_attention plugins "
+    "base_model tokenizer_config trust_remote_code attn_implementation flash_attention sdp_attention "
     "dp_replicate_size dp_shard_size tensor_parallel_size context_parallel_size fsdp_config fsdp_version "
     "torch_compile torch_compile_backend fp8 qat adapter lora_r lora_alpha lora_dropout lora_target_modules "
     "lora_target_linear lora_model_dir merge_lora peft_use_rslora lora_modules_to_save lora_target_parameters "

@@ -1,14 +1,14 @@
 """Axolotl's keys for checkpoint formats the loader reads (``models/checkpoint_formats.py``):
 ``model_quantization_config: Mxfp4Config`` with ``model_quantization_config_kwargs: {dequantize:
 true}`` (gpt-oss published in MXFP4, trained dequantised) and ``llama4_linearized_experts: true``
-(Axolotl's per-expert-linear Llama 4 checkpoints). Value mappers of ``axolotl_map.MAPPERS``."""
+(Axolotl's per-expert-linear Llama 4 checkpoints). Value mappers of ``translate.MAPPERS``."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
-from ndparallel.training.axolotl_keys import Translation, is_empty
+from ndparallel.axolotl.keys import Translation, is_empty
 
 MXFP4_NOTE = ("the checkpoint's MXFP4 expert weights (*_blocks + *_scales) are dequantised on load to the run's "
               "dtype, exactly, each rank only its experts; the model trains and is saved unquantised (a bf16 "

@@ -1,4 +1,4 @@
-"""The layout part of an Axolotl config translated (``axolotl_map``): FSDP1's ``fsdp:`` list,
+"""The layout part of an Axolotl config translated (``translate``): FSDP1's ``fsdp:`` list,
 ``fsdp_version: 1``, ``fsdp_config`` with its legacy ``fsdp_`` prefixes and FSDP1 knobs, DeepSpeed
 ZeRO configs, and the default without degrees (data parallel over every local device)."""
 
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ndparallel.training.axolotl_keys import FSDP, Translation, is_empty, short
+from ndparallel.axolotl.keys import FSDP, Translation, is_empty, short
 
 DEGREES = ("dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size", "tp_size",
            "cp_size", "pipeline_parallel_size", "pp_size")

@@ -1,12 +1,14 @@
 """What an Axolotl config means here: one line per field that behaves differently, for ``--dry-run``
 and the start of ``train``, from the validated config. Fields with the same meaning (renames such as
 ``offload_params`` -> ``cpu_offload``, ``dataset_prepared_path`` -> ``dataset_cache_dir``) say nothing;
-the notes of translated Axolotl keys come from ``axolotl_map`` (``cfg._axolotl_notes``); fields that
-cannot work are refused there or by the schema (``config.py``), one line each."""
+the notes of translated Axolotl keys come from the front door (``axolotl/translate.py``, kept in
+``cfg._axolotl_notes``); fields that cannot work are refused there or by the schema
+(``config/schema.py``), one line each. Also the quantisation and low-bit optimizer notes. Both are
+entries of ``checks.CHECKS``."""
 
 from __future__ import annotations
 
-from ndparallel.training.config import TrainConfig
+from ndparallel.config import TrainConfig
 
 
 def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
@@ -50,7 +52,29 @@ def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
             notes.append(f"attn_implementation: {cfg.attn_implementation} -> {kernel} on this machine: {why}")
     if cfg.tf32 and device_type == "cpu":
         notes.append("tf32: no effect on CPU (it only changes CUDA fp32 matmuls)")
-    from ndparallel.training.config_quant import quant_notes
+    return notes
 
-    notes += quant_notes(cfg)  # load_in_4bit, bnb_config_kwargs, low-bit / paged optimizers
+
+def quant_notes(cfg) -> list[str]:
+    """``--dry-run`` notes on the quantisation and low-bit optimizer fields."""
+    from ndparallel.optim.lowbit import optimizer_note
+
+    notes = []
+    if cfg.load_in_4bit:
+        from ndparallel.models.quantization_config import bnb_notes
+
+        if cfg.adapter == "lora":
+            notes.append("adapter: lora with load_in_4bit: true = adapter: qlora (LoRA on a 4-bit NF4 base)")
+        notes.append("load_in_4bit: the base's linear weights become torchao NF4 (bitsandbytes' NF4 format with "
+                     "double-quantised scales; torchao's kernels), each rank quantising only its FSDP shard "
+                     "while loading; compute in " + cfg.compute_dtype_name())
+        notes += [f"bnb_config_kwargs.{n}" for n in bnb_notes(cfg.bnb_config_kwargs or {})]
+        if cfg.merge_lora:
+            notes.append("merge_lora: the adapter is merged into the dequantised NF4 base (the weights it was "
+                         "trained on), written in save_dtype")
+    if cfg.qlora_sharded_model_loading:
+        notes.append("qlora_sharded_model_loading: always so here (each rank reads and quantises its shard)")
+    note = optimizer_note(cfg.optimizer)
+    if note:
+        notes.append(note)
     return notes

@@ -1,6 +1,6 @@
 """Groups of training-config fields: ``fsdp_config``'s section, and what ``TrainConfig``
-(``config.py``) inherits: experiment trackers, and Axolotl's run controls (evaluation and saving cadence, early stopping, the loss
-watchdog, the cosine floor, frozen parameters, sample filters)."""
+(``schema.py``) inherits: experiment trackers, and Axolotl's run controls (evaluation and saving
+cadence, early stopping, the loss watchdog, the cosine floor, frozen parameters, sample filters)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from ndparallel.training.config_data import DatasetConfig, _int, _Strict
+from ndparallel.config.base import _int, _Strict
+from ndparallel.config.datasets import DatasetConfig
 
 
 class FSDPConfig(_Strict):
@@ -285,18 +286,7 @@ class DataSourceFields(_Strict):
 
 class InputForms(_Strict):
     """How Axolotl's configs write some of ``TrainConfig``'s fields: an empty string for "not set",
-    one item for a list, plugins by class path (validators only; the fields are TrainConfig's)."""
-
-    @field_validator("plugins", mode="before", check_fields=False)
-    @classmethod
-    def _plugins(cls, v):
-        from ndparallel.training.axolotl_keys import PLUGINS
-
-        v = [v] if isinstance(v, str) else v
-        unknown = [p for p in v or [] if str(p).rsplit(".", 1)[-1] not in PLUGINS]
-        if unknown:
-            raise ValueError(f"{unknown} not supported; ndparallel maps only {', '.join(PLUGINS)}; remove the others")
-        return v or None
+    one item for a list (validators only; the fields are TrainConfig's)."""
 
     @field_validator("lora_model_dir", "resume_from_checkpoint", "tokenizer", mode="before", check_fields=False)
     @classmethod

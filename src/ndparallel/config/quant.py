@@ -1,5 +1,5 @@
 """The training config's quantisation fields (Axolotl's names): QLoRA's 4-bit base and what
-bitsandbytes' keys mean here. A mixin of ``TrainConfig`` (kept apart from ``config.py``).
+bitsandbytes' keys mean here. A mixin of ``TrainConfig`` (kept apart from ``schema.py``).
 
 * ``adapter: qlora`` + ``load_in_4bit: true`` (Axolotl requires both): LoRA on a frozen base whose
   linear weights are torchao NF4 (``models.quantized``). ``adapter: lora`` + ``load_in_4bit: true``
@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from ndparallel.parallel.options import QATOptions
-from ndparallel.training.config_data import _Strict
+from ndparallel.config.base import _Strict
 
 _DTYPES = {"int4": "int4", "int8": "int8", "float8_e4m3fn": "float8", "fp8": "float8", "float8": "float8",
            "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
@@ -153,28 +153,3 @@ class QuantFields(_Strict):
 
         base = NF4Config(self.nf4_block_size, self.nf4_scaler_block_size)
         return nf4_config_from_bnb({"load_in_4bit": True, **(self.bnb_config_kwargs or {})}, base)
-
-
-def quant_notes(cfg) -> list[str]:
-    """``--dry-run`` notes on the quantisation and low-bit optimizer fields."""
-    from ndparallel.optim.lowbit import optimizer_note
-
-    notes = []
-    if cfg.load_in_4bit:
-        from ndparallel.models.quantization_config import bnb_notes
-
-        if cfg.adapter == "lora":
-            notes.append("adapter: lora with load_in_4bit: true = adapter: qlora (LoRA on a 4-bit NF4 base)")
-        notes.append("load_in_4bit: the base's linear weights become torchao NF4 (bitsandbytes' NF4 format with "
-                     "double-quantised scales; torchao's kernels), each rank quantising only its FSDP shard "
-                     "while loading; compute in " + cfg.compute_dtype_name())
-        notes += [f"bnb_config_kwargs.{n}" for n in bnb_notes(cfg.bnb_config_kwargs or {})]
-        if cfg.merge_lora:
-            notes.append("merge_lora: the adapter is merged into the dequantised NF4 base (the weights it was "
-                         "trained on), written in save_dtype")
-    if cfg.qlora_sharded_model_loading:
-        notes.append("qlora_sharded_model_loading: always so here (each rank reads and quantises its shard)")
-    note = optimizer_note(cfg.optimizer)
-    if note:
-        notes.append(note)
-    return notes

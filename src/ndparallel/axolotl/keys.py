@@ -2,7 +2,7 @@
 what ndparallel does with it (README "Axolotl configs" lists them; ``tests/test_axolotl_examples.py``
 checks the table against Axolotl's schema, so no Axolotl key is an "unknown key"):
 
-* ``mapped``: translated into ndparallel fields by ``axolotl_map.py``; ``--dry-run`` says to what in
+* ``mapped``: translated into ndparallel fields by ``translate.py``; ``--dry-run`` says to what in
   one ``note:`` line.
 * ``ignored``: accepted whatever its value; it changes nothing here (a speed switch of a kernel
   ndparallel does not use, a setting of something ndparallel does differently), and ``--dry-run``
@@ -55,7 +55,7 @@ RAY = ("Ray is not used: ndparallel starts its ranks itself (ray_num_workers: N 
 NO_EFFECT_DDP = "DDP / Accelerate knob: ndparallel's data parallelism is FSDP2's (no DDP buckets or unused-parameter search)"
 
 TOP: dict[str, Rule] = {
-    # ---- renamed or translated (axolotl_map.py)
+    # ---- renamed or translated (translate.py)
     **_all("mapped", "bf16: auto -> true where the GPU computes in bf16, else false (said in a note)", "bf16"),
     **_all("mapped", "-> bf16: true (bf16 compute; ndparallel keeps fp32 master weights)", "bfloat16"),
     **_all("mapped", "true -> bf16: false (fp32 is the default)", "float32"),
@@ -103,6 +103,8 @@ TOP: dict[str, Rule] = {
            "optimizer"),
     **_all("mapped", "cosine, linear, constant, constant_with_warmup; others refused with the choices",
            "lr_scheduler"),
+    **_all("mapped", "CutCrossEntropyPlugin, LigerPlugin, ExpertParallelPlugin, KernelsPlugin, SwanLabPlugin (class "
+           "name or path) -> ndparallel's equivalent, said in a note; others refused", "plugins"),
     **_all("mapped", "with metrics ⊆ [perplexity]: eval_perplexity is logged at every evaluation",
            "do_causal_lm_eval", "eval_causal_lm_metrics"),
     **_all("mapped", "new token rows start at the mean of the existing rows (false: refused)",
