@@ -27,7 +27,9 @@ on outside state inside it (a graph break, the layer back to eager): transformer
 attention classes, decorated by the ``kernels`` package, set and reset a module-level variable in
 every forward. That side effect leaves no trace once the forward returns, so nothing is lost by
 not replaying it in the recompute: while the model runs, dynamo's own switch for this
-(``skip_fwd_side_effects_in_bwd_under_checkpoint``) is on (``_checkpoint_side_effects``).
+(``skip_fwd_side_effects_in_bwd_under_checkpoint``) is on (``_checkpoint_side_effects``) — except
+around nested checkpoints (QAT's recomputed quantisers), where torch 2.13's dynamo fails with it:
+there the checkpointed layers run eagerly.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def apply_compile(model: nn.Module, options: CompileOptions, layer_classes=None,
     _attention_eager(model)
     per_child = per_child or skip_attention
     layers = decoder_layers(model, layer_classes)
-    if any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
+    if any(getattr(layer, "gradient_checkpointing", False) for layer in layers) and not _nested_checkpoints(model):
         _checkpoint_side_effects(model)
     for layer in layers:
         units = [c for n, c in layer.named_children()
@@ -59,6 +61,15 @@ def apply_compile(model: nn.Module, options: CompileOptions, layer_classes=None,
 
 
 _SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
+def _nested_checkpoints(model: nn.Module) -> bool:
+    """Checkpoints inside the layer's checkpoint (QAT's ``RecomputedQuantizer``): with the switch on,
+    torch 2.13's dynamo fails on them (an internal error pruning the nested graphs), so there the
+    layers stay eager as before."""
+    from ndparallel.parallel.qat import RecomputedQuantizer
+
+    return any(isinstance(m, RecomputedQuantizer) for m in model.modules())
 
 
 def _checkpoint_side_effects(model: nn.Module) -> None:
