@@ -2,6 +2,10 @@
 
     python bench/test_time.py REPORT.xml [--top 30] [--json OUT.json]
     python bench/test_time.py --run [--top 30] [--json OUT.json]   # runs scripts/test.sh first
+    python bench/test_time.py REPORT.xml --write-durations      # refresh tests/durations.json
+
+`tests/durations.json` (seconds per test file, from a serial run's report) orders the files for the
+test workers, longest first (`tests/conftest.py`); a stale entry changes the order, nothing else.
 
 Prints the slowest tests, the time per test file, and how the total splits by test length (the few
 long tests — real launches of `ndparallel train`, gpu_all's CPU smoke — against the many short ones).
@@ -21,6 +25,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DURATIONS = ROOT / "tests" / "durations.json"
 BUCKETS = ((20.0, ">= 20 s"), (10.0, "10-20 s"), (3.0, "3-10 s"), (1.0, "1-3 s"), (0.0, "< 1 s"))
 
 
@@ -76,6 +81,8 @@ def main(argv=None) -> int:
     parser.add_argument("--run", action="store_true", help="run scripts/test.sh first and read its report")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--json", type=Path, help="also write the summary as JSON here")
+    parser.add_argument("--write-durations", nargs="?", type=Path, const=DURATIONS, metavar="PATH",
+                        help=f"write seconds per test file (the workers' order) to PATH (default {DURATIONS.relative_to(ROOT)})")
     args = parser.parse_args(argv)
     if args.run == (args.report is not None):
         parser.error("give a REPORT.xml or --run (one of them)")
@@ -89,7 +96,16 @@ def main(argv=None) -> int:
     print_summary(summary)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
+    if args.write_durations:
+        write_durations(summary, args.write_durations)
     return 0
+
+
+def write_durations(summary: dict, path: Path) -> None:
+    """Seconds per test file (``test_x.py``), longest first, as ``tests/conftest.py`` reads them."""
+    files = {f"{name}.py": row["s"] for name, row in summary["files"].items()}
+    path.write_text(json.dumps(files, indent=0) + "\n")
+    print(f"\nwrote {len(files)} files' durations to {path}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch>=2.11" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-if ! "$PY" -c "import ndparallel, pytest_timeout, accelerate" 2>/dev/null \
+if ! "$PY" -c "import ndparallel, pytest_timeout, xdist, accelerate" 2>/dev/null \
    || [ "${NDPARALLEL_REINSTALL:-0}" = 1 ]; then
   echo "[ensure_env] installing ndparallel (editable) with its dev extras"
   "$PY" -m pip install -q -e ".[dev]"

@@ -4,6 +4,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/ensure_env.sh
 PY=${PYTHON:-python3}
+# Test workers (pytest-xdist), one test file at a time each, the longest files first
+# (tests/conftest.py, tests/durations.json): 2 on a 2-core machine, at most 4;
+# NDPARALLEL_TEST_WORKERS=1 runs everything in this one process.
+CORES=$(nproc 2>/dev/null || echo 2)
+WORKERS=${NDPARALLEL_TEST_WORKERS:-$((CORES < 2 ? 2 : (CORES > 4 ? 4 : CORES)))}
+PARALLEL=()
+if [ "$WORKERS" -gt 1 ]; then PARALLEL=(-n "$WORKERS" --dist loadfile); fi
 # --durations=30: the slowest tests close every run (CI's log included); the budget and the
 # before/after table are in docs/testing.md, the full breakdown is `python bench/test_time.py --run`.
-exec "$PY" -m pytest -q --durations=30 "$@"
+exec "$PY" -m pytest -q --durations=30 "${PARALLEL[@]}" "$@"

@@ -1,8 +1,10 @@
 """Shared fixtures. ``torch`` and ``transformers`` are imported once here so that the forked ranks
 of ``ndparallel.testing.run_on_ranks`` start in ~0.1 s instead of re-importing them."""
 
+import json
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -30,3 +32,30 @@ def _no_process_group_left_in_pytest():
     if dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("the test left a default process group in the pytest process")
+
+
+DURATIONS = Path(__file__).with_name("durations.json")
+UNLISTED_FILE_S = 10.0
+"""A test file tests/durations.json does not list yet counts as this many seconds."""
+
+
+def file_weight(name: str, weights: dict) -> float:
+    return weights.get(name, UNLISTED_FILE_S)
+
+
+def order_by_file_weight(items: list, file_of, weights: dict) -> list:
+    """Longest files first, each file's tests together and in their own order (a stable sort)."""
+    return sorted(items, key=lambda item: -file_weight(file_of(item), weights))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """The suite's test workers (``scripts/test.sh``: pytest-xdist, one file at a time per worker)
+    take the longest files first and fill in with the short ones, so no long file starts last.
+    The seconds per file are measured (``tests/durations.json``, refreshed by
+    ``bench/test_time.py --write-durations``); a stale file changes the order, nothing else."""
+    try:
+        weights = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return
+    items[:] = order_by_file_weight(items, lambda item: item.path.name, weights)
