@@ -21,6 +21,25 @@ os.environ.setdefault("WANDB_DIR", tempfile.mkdtemp(prefix="ndparallel-tests-wan
 import torch  # noqa: E402,F401
 import transformers  # noqa: E402,F401
 
+from ndparallel.tools import equivalence as _equivalence  # noqa: E402
+
+
+class _CountedCompare:
+    """``tools.equivalence.compare`` as the tests see it (conftest is imported before any test
+    module binds the name): the same function, each call counted for the suite's summary line —
+    the number of layout-vs-one-process comparisons made must not fall (docs/testing.md)."""
+
+    def __init__(self, compare):
+        self.compare, self.calls = compare, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.compare(*args, **kwargs)
+
+
+_COMPARE = _CountedCompare(_equivalence.compare)
+_equivalence.compare = _COMPARE
+
 
 @pytest.fixture(autouse=True)
 def _no_process_group_left_in_pytest():
@@ -59,3 +78,21 @@ def pytest_collection_modifyitems(config, items):
     except (OSError, ValueError):
         return
     items[:] = order_by_file_weight(items, lambda item: item.path.name, weights)
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a test worker: its count goes to the controller
+        workeroutput["equivalence_comparisons"] = _COMPARE.calls
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the controller hears each worker end
+def pytest_testnodedown(node, error):
+    node.config._ndparallel_comparisons = (getattr(node.config, "_ndparallel_comparisons", 0)
+                                           + node.workeroutput.get("equivalence_comparisons", 0))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    count = getattr(config, "_ndparallel_comparisons", 0) + _COMPARE.calls
+    terminalreporter.write_line(f"equivalence comparisons (a layout's run against one process's, "
+                                f"tools.equivalence.compare): {count}")
