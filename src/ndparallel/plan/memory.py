@@ -201,7 +201,8 @@ def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tup
     Layer moment: the layer in use and ``prefetch`` more gathered in compute dtype, its unsharded
     gradient in compute dtype plus the fp32 copy fed to reduce-scatter; tied models keep the root
     unit gathered, and its unsharded gradient, until the embedding's backward at the end. Without
-    ``reshard_after_forward`` every layer stays gathered from forward to backward."""
+    ``reshard_after_forward`` every layer stays gathered from forward to backward; without
+    ``reshard_after_backward`` from one micro-batch's backward to the next forward."""
     n, cb, e, rb = layout.fsdp, s.param_compute_bytes, s.act_bytes, s.reduce_bytes
     if not (max(n, layout.efsdp if model.is_moe else 1) > 1 or s.mixed_precision != "fp32"):
         return 0.0, 0.0
@@ -220,10 +221,13 @@ def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tup
     buf_b = (1 + s.prefetch) * layer_local * cb + layer_grad * (e + rb)
     if model.tied_embeddings:
         buf_b += head_local * cb + head_grad * e
-    if not s.reshard_after_forward:
+    if not s.reshard_after_forward or not s.reshard_after_backward:
+        # every layer gathered at a layer's backward: kept from forward, or (a pipeline stage root,
+        # ``reshard_after_backward`` False) since the previous micro-batch's backward
         kept = (model.layers - 1 - s.prefetch) * layer_local * cb
-        buf_a += model.layers * layer_local * cb
         buf_b += max(kept, 0.0)
+    if not s.reshard_after_forward:
+        buf_a += model.layers * layer_local * cb
     return buf_a, buf_b
 
 
