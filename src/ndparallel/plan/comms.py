@@ -285,6 +285,8 @@ def scalar_collectives(model: ModelSpec, layout: Layout,
       group separately: all tensors over ``dp_shard_cp`` (if > 1), the tp-sharded ones over
       ``tp``, in several calls whose number the planner does not model: the entry gives the
       *total* bytes per dim as one call.
+    * under pipeline parallel the step loss and the squared gradient norm, one fp32 all-reduce each
+      over ``pp`` (the tied-embedding gradient sum between the first and last stage is not listed).
     An MoE model's split experts (``ParallelDims.experts_split``) form their own group, reduced
     over ``efsdp`` and ``ep``; the routers' load-balancing loss adds one all-reduce of its
     statistics (2·E + 1 fp32) per micro-batch when the model adds that loss (not listed here).
@@ -294,6 +296,9 @@ def scalar_collectives(model: ModelSpec, layout: Layout,
         out.append(Collective("all_reduce", "dp", 8, 1, "global token count (int64)"))
     if layout.dp * layout.cp > 1:
         out.append(Collective("all_reduce", "dp_cp", 4, 1, "step loss (fp32)"))
+    if layout.pp > 1:  # the last stage's loss to every stage; the stages' squared norms summed
+        out.append(Collective("all_reduce", "pp", 4, 1, "step loss across stages (fp32)"))
+        out.append(Collective("all_reduce", "pp", 4, 1, "gradient norm across stages (fp32)"))
     split = layout.experts_split(model.is_moe)
     specs = [p for p in model.param_specs() if not (split and p.unit == "experts")]
     if split:

@@ -194,12 +194,14 @@ def chunk_tokens(s: Settings, vocab_local: int, tokens: float) -> int:
     return int(min(max(1, tokens), 1 << (fit.bit_length() - 1)))
 
 
-def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tuple[float, float]:
+def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict,
+             accumulating: bool = False) -> tuple[float, float]:
     """FSDP's unsharded parameters and gradients at (loss moment, layer moment).
 
     Loss moment: the head unit gathered (its gradient comes after the loss backward's peak).
     Layer moment: the layer in use and ``prefetch`` more gathered in compute dtype, its unsharded
-    gradient in compute dtype plus the fp32 copy fed to reduce-scatter; tied models keep the root
+    gradient in compute dtype plus the fp32 copy fed to reduce-scatter (``accumulating``
+    unsharded: the gradient is added into the kept one, no copy); tied models keep the root
     unit gathered, and its unsharded gradient, until the embedding's backward at the end. Without
     ``reshard_after_forward`` every layer stays gathered from forward to backward; without
     ``reshard_after_backward`` from one micro-batch's backward to the next forward."""
@@ -218,13 +220,14 @@ def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tup
             head_grad = model.vocab * model.hidden  # its trained copy: gathered beside the frozen table
             head_local += head_grad
     buf_a = head_local * cb
-    buf_b = (1 + s.prefetch) * layer_local * cb + layer_grad * (e + rb)
+    prefetched = min(s.prefetch, model.layers - 1)  # a one-layer pipeline stage has no next layer
+    buf_b = (1 + prefetched) * layer_local * cb + layer_grad * (e + (0 if accumulating else rb))
     if model.tied_embeddings:
         buf_b += head_local * cb + head_grad * e
     if not s.reshard_after_forward or not s.reshard_after_backward:
         # every layer gathered at a layer's backward: kept from forward, or (a pipeline stage root,
         # ``reshard_after_backward`` False) since the previous micro-batch's backward
-        kept = (model.layers - 1 - s.prefetch) * layer_local * cb
+        kept = (model.layers - 1 - prefetched) * layer_local * cb
         buf_b += max(kept, 0.0)
     if not s.reshard_after_forward:
         buf_a += model.layers * layer_local * cb
@@ -259,8 +262,10 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     if s.optimizer == "muon":  # AdamW's two moments on the embedding / head units (plan/muon.py)
         optimizer += muon.adamw_extra_state_bytes(numels, units, col)
     all_grads = shard_numel * 4
+    unsharded = 0.0
     if s.accumulates_unsharded:  # FSDP2 keeps unsharded grads in the reduce dtype between syncs
-        all_grads += sum(numels[u][0] * c for u, (c, _) in units.items()) * s.reduce_bytes
+        unsharded = sum(numels[u][0] * c for u, (c, _) in units.items()) * s.reduce_bytes
+        all_grads += unsharded
     head = "root" if model.tied_embeddings else "final"
     head_grads = 0.0 if model.tied_embeddings else numels.get(head, (0, 0))[col] * 4
     if s.lora_r:  # the frozen base stays in the compute dtype; only the adapters train (adapter.py)
@@ -285,6 +290,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     grads_kept = not s.set_to_none or s.grad_accum > 1
     grads_a = all_grads if grads_kept else 0.0
     grads_b = all_grads if grads_kept else head_grads
+    if unsharded and not s.lora_r:  # accumulating unsharded: no sharded gradient before the sync
+        grads_a = grads_b = unsharded + (0.0 if s.set_to_none else shard_numel * 4)
 
     tokens = s.micro_batch * s.seq_len / layout.cp
     plain_layer = layer_activation_bytes_per_token(model, layout, s) * tokens
@@ -306,7 +313,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     saved += 2 * tokens * model.head_dim * e
     saved *= s.pp_in_flight  # a pipeline rank holds several micro-batches (plan/pipeline.py)
     logits = _logits_bytes(model, layout, s, tokens) if model.has_lm_head else 0.0
-    buf_a, buf_b = _buffers(model, layout, s, numels)
+    buf_a, buf_b = _buffers(model, layout, s, numels, unsharded > 0)
     buf_a, buf_b = buf_a - nf4.get("buffer_a", 0.0), buf_b - nf4.get("buffer_b", 0.0)
 
     moments = {
