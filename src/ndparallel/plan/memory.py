@@ -294,24 +294,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         grads_a = grads_b = unsharded + (0.0 if s.set_to_none else shard_numel * 4)
 
     tokens = s.micro_batch * s.seq_len / layout.cp
-    plain_layer = layer_activation_bytes_per_token(model, layout, s) * tokens
-    per_layer = plain_layer - tiled_saved_reduction_per_token(model, layout, s) * tokens
-    if s.checkpointing and s.ac_policy == "selective":
-        saved = model.layers * tokens * selective_saved_per_token(model, layout, s)
-    elif s.checkpointing:  # each layer's input only (with offloading: the ones on the device)
-        saved = device_checkpointed_layers(model, s) * tokens * checkpointed_input_per_token(model, layout, s)
-    else:
-        saved = model.layers * per_layer
-    # QAT: each layer's fake-quantiser share until its backward; under checkpointing one layer's,
-    # while it is recomputed (plan/qat.py). The head's is held until the loss backward.
-    qat_layer = qat_head = 0.0
-    if s.qat:
-        qat_layer = qat_layer_bytes(model, s.qat, tokens, frozen=bool(s.lora_r), compute_bytes=e)
-        qat_head = qat_head_bytes(model, s.qat, tokens, frozen=bool(s.lora_r), compute_bytes=e)
-        saved += 0.0 if s.checkpointing else model.layers * qat_layer
-    # RoPE cos and sin (b, s/c, d) in activation dtype, shared by all layers.
-    saved += 2 * tokens * model.head_dim * e
-    saved *= s.pp_in_flight  # a pipeline rank holds several micro-batches (plan/pipeline.py)
+    saved, plain_layer, per_layer, qat_layer, qat_head = _saved_activations(model, layout, s, tokens)
     logits = _logits_bytes(model, layout, s, tokens) if model.has_lm_head else 0.0
     buf_a, buf_b = _buffers(model, layout, s, numels, unsharded > 0)
     buf_a, buf_b = buf_a - nf4.get("buffer_a", 0.0), buf_b - nf4.get("buffer_b", 0.0)
@@ -332,6 +315,31 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     total = params + grads + optimizer + acts + lg + buf + overhead
     return MemoryBreakdown(params, grads, optimizer, acts, lg, buf, overhead, total, phase,
                            plain_layer, host_bytes(model, layout, s))
+
+
+def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> tuple:
+    """(saved for backward at the peak, one layer's plain saved set, the same less what the tiled
+    MLP drops, QAT's share per layer, QAT's share of the head), bytes of ``tokens`` per micro-batch."""
+    e = s.act_bytes
+    plain_layer = layer_activation_bytes_per_token(model, layout, s) * tokens
+    per_layer = plain_layer - tiled_saved_reduction_per_token(model, layout, s) * tokens
+    if s.checkpointing and s.ac_policy == "selective":
+        saved = model.layers * tokens * selective_saved_per_token(model, layout, s)
+    elif s.checkpointing:  # each layer's input only (with offloading: the ones on the device)
+        saved = device_checkpointed_layers(model, s) * tokens * checkpointed_input_per_token(model, layout, s)
+    else:
+        saved = model.layers * per_layer
+    # QAT: each layer's fake-quantiser share until its backward; under checkpointing one layer's,
+    # while it is recomputed (plan/qat.py). The head's is held until the loss backward.
+    qat_layer = qat_head = 0.0
+    if s.qat:
+        qat_layer = qat_layer_bytes(model, s.qat, tokens, frozen=bool(s.lora_r), compute_bytes=e)
+        qat_head = qat_head_bytes(model, s.qat, tokens, frozen=bool(s.lora_r), compute_bytes=e)
+        saved += 0.0 if s.checkpointing else model.layers * qat_layer
+    # RoPE cos and sin (b, s/c, d) in activation dtype, shared by all layers.
+    saved += 2 * tokens * model.head_dim * e
+    saved *= s.pp_in_flight  # a pipeline rank holds several micro-batches (plan/pipeline.py)
+    return saved, plain_layer, per_layer, qat_layer, qat_head
 
 
 def _workspace(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:
