@@ -138,9 +138,23 @@ def _count_reductions(setup, layout):
     return calls[0]
 
 
+def _planned_reductions(unsharded: bool, grad_accum: int) -> int:
+    """The planner's reduce-scatters per step on the first stage's rank of the same run."""
+    from ndparallel.plan.comms import collectives_for
+    from ndparallel.plan.layout import Layout, Settings
+    from ndparallel.plan.models import from_hf_config
+    from ndparallel.plan.pipeline_estimate import pp_rank
+
+    spec, layout = from_hf_config(MODELS["llama"].to_dict()), Layout(pp=2, dp_shard=2)
+    s = Settings(seq_len=BASE["seq_len"], grad_accum=grad_accum, unsharded_grad_accumulation=unsharded)
+    _, part, rank_s = pp_rank(spec, layout, s, 0)
+    return sum(c.count for c in collectives_for(part, layout, rank_s) if c.kind == "reduce_scatter")
+
+
 def test_unsharded_accumulation_reduces_gradients_once_per_step():
     """FSDP under PP: by default every pipeline micro-batch reduce-scatters (gradients stay sharded);
-    with unsharded_grad_accumulation the stage is torch's FSDP root and reduces once per step."""
+    with unsharded_grad_accumulation the stage is torch's FSDP root and reduces once per step. The
+    planner counts the same reductions (one foreach_reduce per FSDP unit and reduction)."""
     layout = {"pp_size": 2, "dp_shard_size": 2}
     sharded = pipelined("llama", "1F1B", grad_accum=4)
     once = dataclasses.replace(sharded, parallel_kwargs={**sharded.parallel_kwargs, "fsdp_options":
@@ -148,3 +162,5 @@ def test_unsharded_accumulation_reduces_gradients_once_per_step():
     per_micro_batch = run_on_ranks(_count_reductions, 4, sharded, layout)[0]
     per_step = run_on_ranks(_count_reductions, 4, once, layout)[0]
     assert per_micro_batch == 4 * per_step > 0  # 4 micro-batches per step
+    steps = sharded.steps
+    assert (per_micro_batch, per_step) == (steps * _planned_reductions(False, 4), steps * _planned_reductions(True, 4))

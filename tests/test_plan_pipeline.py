@@ -2,8 +2,11 @@
 schedules' bubble and in-flight micro-batches, what each stage holds, the search, the outputs,
 and the anchors — Llama-3.1-405B on Meta's layout, Llama-3.1-8B on one node."""
 
+from dataclasses import replace
+
 import pytest
 import yaml
+from rich.console import Console
 
 from ndparallel.plan.cli import main
 from ndparallel.plan.hardware import PRESETS as HW
@@ -17,7 +20,7 @@ from ndparallel.plan.pipeline import (
     rank_model,
     rank_shape,
 )
-from ndparallel.plan.report import train_config
+from ndparallel.plan.report import print_explain, train_config
 from ndparallel.plan.search import PlanRequest, evaluate_layout, plan
 
 H100 = HW["h100-80gb"]
@@ -150,10 +153,11 @@ def test_8b_on_one_node_does_not_pick_pipeline_parallel():
 
 
 def test_hsdp_replicas_all_reduce_every_pipeline_micro_batch():
-    """The pipeline runtime never skips FSDP's gradient sync: every micro-batch reduce-scatters
-    and all-reduces across replicas (without PP: once per step)."""
+    """By default the pipeline runtime never skips FSDP's gradient sync: every micro-batch
+    reduce-scatters and all-reduces across replicas (without PP: once per step)."""
     req = _req("llama-3.1-70b", 64, seq_len=4096, global_batch=64)
-    pp = evaluate_layout(req, Layout(dp_replicate=2, dp_shard=4, pp=8), micro_batch=1, checkpointing=True).best
+    pp = evaluate_layout(req, Layout(dp_replicate=2, dp_shard=4, pp=8), micro_batch=1, checkpointing=True,
+                         unsharded=False).best
     flat = evaluate_layout(req, Layout(dp_replicate=2, dp_shard=4, tp=8), micro_batch=1, checkpointing=True).best
     replica = {c.what: c.count for c in pp.collectives if c.mesh_dim == "dp_replicate"}
     assert replica.pop("HSDP all-reduce grads (layer)") == 10 * 8  # 10 layers × m = 8
@@ -163,14 +167,48 @@ def test_hsdp_replicas_all_reduce_every_pipeline_micro_batch():
         "HSDP all-reduce grads (layer)": 80, "HSDP all-reduce grads (embed)": 1, "HSDP all-reduce grads (final)": 1}
 
 
+def test_unsharded_accumulation_under_pp_reduces_and_gathers_once_per_step():
+    """With unsharded_grad_accumulation each stage is torch's FSDP root: one reduction per step
+    (HSDP's all-reduce too), the parameters kept gathered between micro-batches — one gather per
+    step, ga + 1 with resharding after forward (a unit's op after a forward gathers again) — and
+    a full fp32 gradient of the stage per rank. The counts are the runtime's:
+    tests/test_pipeline_equivalence.py counts the reductions, docs/planner.md the gathers."""
+    req = _req("llama-3.1-70b", 64, seq_len=4096, global_batch=64)
+    lay, m = Layout(dp_replicate=2, dp_shard=4, pp=8), 8
+
+    def option(unsharded, **kw):
+        (only,) = evaluate_layout(replace(req, **kw), lay, micro_batch=1, checkpointing=True,
+                                  schedule="1F1B", unsharded=unsharded).options
+        return only  # fitting or not: the counts are the question
+
+    def counts(e, kind, what="(layer)"):
+        return sum(c.count for c in e.collectives if c.kind == kind and what in c.what)
+
+    every, once = option(False), option(True)
+    layers = rank_shape(PRESETS["llama-3.1-70b"], 8, 1, "1F1B", 0).layers
+    assert counts(every, "reduce_scatter") == layers * m and counts(once, "reduce_scatter") == layers
+    assert counts(every, "all_reduce") == layers * m and counts(once, "all_reduce") == layers
+    assert counts(every, "all_gather") == 2 * layers * m and counts(once, "all_gather") == layers * (m + 1)
+    kept = option(True, reshard_after_forward=False)
+    assert counts(kept, "all_gather") == layers and counts(option(False, reshard_after_forward=False),
+                                                           "all_gather") == layers * m
+    first = rank_model(PRESETS["llama-3.1-70b"], rank_shape(PRESETS["llama-3.1-70b"], 8, 1, "1F1B", 0))
+    assert once.memory.grads == 4 * first.num_params  # tp = 1: the stage's unsharded fp32 gradients, no shard yet
+    assert once.time.dp_exposed < every.time.dp_exposed
+    assert once.settings.unsharded_grad_accumulation and train_config(once, plan(_req("llama-3.2-1b", 1)))[
+        "fsdp_config"]["unsharded_grad_accumulation"] is True
+
+
 # ------------------------------------------------------------------ outputs
 def test_explain_prints_bubble_and_stage_memory(capsys):
     args = ["--model", "llama-3.1-70b", "--gpus", "64", "--seq-len", "4096", "--global-batch-size", "64",
-            "--explain", "pp8:1x8x1x1,mb=1,ac=on,schedule=Interleaved1F1B"]
+            "--explain", "pp8:1x8x1x1,mb=1,ac=on,schedule=Interleaved1F1B,uga=on"]
     assert main(args) == 0
     out = capsys.readouterr().out
     bubble = [line for line in out.splitlines() if line.startswith("Pipeline ")]
     assert len(bubble) == 1 and "Interleaved1F1B" in bubble[0] and f"{7 / 23:.1%}" in bubble[0]
+    assert "reduced once per step" in bubble[0]
+    assert main(args[:-1] + [args[-1].replace("uga=on", "uga=maybe")]) == 2
     memory = [line for line in out.splitlines() if line.startswith("Stage memory:")]
     assert len(memory) == 1 and "first (" in memory[0] and "last (" in memory[0] and "GiB" in memory[0]
 
@@ -195,40 +233,60 @@ def test_write_config_has_the_pipeline_fields(tmp_path):
 
 
 # ------------------------------------------------------------------ anchors
+META_SETTINGS = dict(micro_batch=1, checkpointing=False, schedule="Interleaved1F1B", unsharded=True)
+"""Meta's run as the Llama 3 paper (§3.3.2) describes it: FSDP not resharding after forward (the
+request's ``reshard_after_forward=False``), gradients accumulated in fp32 over the micro-batches
+and reduce-scattered once per step, no activation checkpointing at 8K tokens, interleaved 1F1B."""
+
+
 @pytest.fixture(scope="module")
 def meta_run():
-    """Meta's run (their FSDP does not reshard after forward) and the planner's own search."""
+    """Meta's layout under Meta's settings at v = 2 (ndparallel's default) and v = 7 (the deepest
+    ndparallel splits 126 layers over 16 ranks; Meta's chunks were one layer each, V = 8), the
+    same layout as ndparallel would choose to run it, and the planner's own search."""
     req = _req("llama-3.1-405b", 8192, seq_len=8192, global_batch=2048, reshard_after_forward=False)
-    meta = evaluate_layout(req, META, micro_batch=1, schedule="Interleaved1F1B")
-    default = evaluate_layout(_req("llama-3.1-405b", 8192, seq_len=8192, global_batch=2048), META,
-                              micro_batch=1, schedule="Interleaved1F1B")
-    return meta, default, plan(req)
+    meta = {v: evaluate_layout(req, META, virtual=v, **META_SETTINGS) for v in (2, 7)}
+    runnable = evaluate_layout(req, META, micro_batch=1, schedule="Interleaved1F1B", virtual=7)
+    return meta, runnable, plan(req)
+
+
+@pytest.mark.parametrize("v", [2, 7])
+def test_405b_meta_layout_within_15_percent(meta_run, v, capsys):
+    """Under Meta's settings the prediction is within 15 % of the 43 % measured (2026-12-05: 38.7 %
+    at v = 2, 42.1 % at v = 7) — and it does not fit ndparallel's runtime, which keeps ~152 KB per
+    token and layer at tp 8 (DTensor's sequence parallel saves the gathered block inputs): --explain
+    says so in one line, with the time prediction beside it."""
+    meta, _, result = meta_run
+    res = meta[v]
+    (e,) = res.options
+    assert abs(e.mfu / META_MFU - 1) <= 0.15, e.mfu
+    assert not e.fits and not res.ok and res.rejections[0][0] == "oom"
+    assert e.settings.grad_accum == 32 and e.pipeline.bubble_fraction == pytest.approx(15 / (32 * v + 15))
+    assert e.time.dp_exposed < e.time.pp_bubble + e.time.tp_exposed  # FSDP once per step: small
+    print_explain(res, result, Console(width=200))
+    out = capsys.readouterr().out
+    why = [line for line in out.splitlines() if line.startswith("Does not fit:")]
+    assert len(why) == 1 and "no checkpointing" in why[0] and "micro-batches" in why[0]
+    assert f"MFU {e.mfu:.1%}" in out
 
 
 def test_405b_meta_layout_as_ndparallel_would_run_it(meta_run):
-    """The honest prediction (2026-12-04): 19.8 % MFU (17.5 % with FSDP's default resharding)
-    against Meta's 43 % — docs/planner.md, *Pipeline parallel*, says where the difference goes:
-    FSDP gathering and reducing every stage's parameters on every one of the 32 pipeline
-    micro-batches (ndparallel's pipeline runtime), checkpointing (its saved activations do not fit
-    without it), the v = 2 bubble (15/79) paced by that slower micro-batch."""
-    meta, default, _ = meta_run
-    e = meta.best
-    assert e.settings.checkpointing and e.settings.grad_accum == 32 and e.settings.pp_virtual == 2
-    assert e.pipeline.bubble_fraction == pytest.approx(15 / 79)
-    assert 0.17 < e.mfu < 0.23, e.mfu
-    assert 0.15 < default.best.mfu < e.mfu
+    """What fits ndparallel's runtime on Meta's layout: checkpointing on, gradients reduced once
+    per step (chosen by the search), v = 7 — below Meta's 43 % by the recompute and its TP traffic."""
+    _, runnable, _ = meta_run
+    e = runnable.best
+    assert e.settings.checkpointing and e.settings.unsharded_grad_accumulation and e.fits
+    assert 0.28 < e.mfu < META_MFU * 0.85, e.mfu
     first, last = (e.pipeline.ranks[k][1].total for k in ("first", "last"))
     assert first > last and e.pipeline.worst == "first" and e.memory.total == first
-    assert e.time.dp_exposed > e.time.pp_bubble  # FSDP per micro-batch costs more than the bubble
+    assert e.pipeline.stretch > 1.5  # 126 layers in 112 stages: the first stages hold 2 layers, the rest 1
 
 
-@pytest.mark.xfail(strict=True, reason="the honest model predicts 19.8 % for Meta's 43 % (see the test above)")
-def test_405b_meta_layout_within_15_percent(meta_run):
-    assert abs(meta_run[0].best.mfu / META_MFU - 1) <= 0.15
-
-
-def test_405b_planner_best_is_at_least_as_fast_as_meta(meta_run):
-    meta, _, result = meta_run
-    best = result.ranked[0]
-    assert best.layout.pp > 1 or best.best.mfu >= meta.best.mfu
-    assert best.best.mfu >= meta.best.mfu
+def test_405b_planner_best_is_pipelined(meta_run):
+    """The planner's own best there is a pp layout (no flat layout fits without resharding after
+    forward), at least as fast as Meta's layout run the way ndparallel can, with the gradient
+    reduction it chose written into the config."""
+    _, runnable, result = meta_run
+    best = result.ranked[0].best
+    assert best.layout.pp > 1 and best.mfu >= runnable.best.mfu
+    assert train_config(best, result)["fsdp_config"]["unsharded_grad_accumulation"] is best.settings.unsharded_grad_accumulation

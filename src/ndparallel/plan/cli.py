@@ -62,9 +62,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                    help="TP with all-reduce instead of sequence parallel")
     t.add_argument("--no-loss-parallel", action="store_true",
                    help="TP gathers full logits instead of a vocab-parallel loss")
-    t.add_argument("--unsharded-grad-accumulation", action="store_true",
-                   help="accumulate unsharded gradients, reduce-scatter only after the last "
-                        "micro-batch (default: reduce-scatter every micro-batch)")
+    t.add_argument("--unsharded-grad-accumulation", nargs="?", const="on", default="auto",
+                   choices=("auto", "on", "off"),
+                   help="accumulate unsharded gradients, reduce-scatter only after the last micro-batch "
+                        "(train's fsdp_config.unsharded_grad_accumulation); auto (default): pp layouts try "
+                        "both, others reduce-scatter every micro-batch")
     t.add_argument("--cp-strategy", choices=("ring", "allgather", "ulysses"), default="ring",
                    help="context-parallel attention communication (train's cp_comm_strategy)")
     t.add_argument("--no-reshard-after-forward", action="store_true",
@@ -86,7 +88,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="print JSON instead of tables")
     o.add_argument("--explain", metavar="LAYOUT",
                    help="explain one layout: dp_replicate=2,dp_shard=4,cp=1,tp=8 or 2x4x1x8, with pp=N or "
-                        "pp16:1x64x1x8 for pipeline stages (optionally mb=2,ac=on,schedule=Interleaved1F1B,v=2)")
+                        "pp16:1x64x1x8 for pipeline stages (optionally mb=2,ac=on,schedule=Interleaved1F1B,v=2,uga=on)")
     o.add_argument("--max-seq-len", action="store_true",
                    help="find the longest sequence that trains, per layout (micro-batch 1), and "
                         "compare the long-context options")
@@ -192,7 +194,7 @@ def build_request(args) -> PlanRequest:
         optimizer=args.optimizer, sequence_parallel=not args.no_sequence_parallel,
         reshard_after_forward=not args.no_reshard_after_forward,
         loss_parallel=not args.no_loss_parallel,
-        unsharded_grad_accumulation=args.unsharded_grad_accumulation,
+        unsharded_grad_accumulation={"on": True, "off": False}.get(args.unsharded_grad_accumulation),
         cp_strategy=args.cp_strategy, cp_kernel=args.cp_kernel, loss_impl=args.loss_impl,
         loss_chunk_tokens=args.loss_chunk_tokens, optimizer_fused=args.fused_adamw, lora_r=lora_r,
         quantized_base=args.adapter == "qlora", qat=args.qat, lora_saved=saved,
@@ -229,7 +231,8 @@ def run_plan(args) -> int:
             layout, extras = parse_layout(args.explain)
             if extras:
                 chosen = evaluate_layout(req, layout, extras.get("micro_batch"), extras.get("checkpointing"),
-                                         extras.get("pipeline_schedule"), extras.get("pipeline_virtual_stages"))
+                                         extras.get("pipeline_schedule"), extras.get("pipeline_virtual_stages"),
+                                         extras.get("unsharded_grad_accumulation"))
             else:
                 chosen = result.find(layout) or evaluate_layout(req, layout)
             if args.json:

@@ -114,7 +114,7 @@ def predict_collectives(
 def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Collective]:
     out: list[Collective] = []
     ga = s.grad_accum
-    out += _data_parallel(model, layout, s, ga)
+    out += _data_parallel(model, layout, s)
     tokens = s.micro_batch * s.seq_len // layout.cp  # tokens per rank per micro-batch
     if layout.tp > 1:
         out += _tensor_parallel(model, layout, s, tokens, ga)
@@ -137,10 +137,11 @@ def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Colle
     return [c for c in out if c.count > 0]
 
 
-def _data_parallel(model: ModelSpec, layout: Layout, s: Settings, ga: int) -> list[Collective]:
-    """FSDP2 per unit and micro-batch: all-gather in forward (+ again in backward if resharded);
-    reduce-scatter of gradients in fp32 on every micro-batch (only the last one with
-    ``unsharded_grad_accumulation``) and the HSDP/DDP all-reduce over dp_replicate once per step."""
+def _data_parallel(model: ModelSpec, layout: Layout, s: Settings) -> list[Collective]:
+    """FSDP2 per unit and micro-batch: all-gather in forward (+ again in backward if resharded;
+    ``Settings.gathers_per_step``); reduce-scatter of gradients in fp32 on every micro-batch (only
+    the last one with ``unsharded_grad_accumulation``) and the HSDP/DDP all-reduce over
+    dp_replicate once per step (every micro-batch with ``sync_every_microbatch``)."""
     out = []
     red = s.reducing_microbatches
     numels = unit_numels(model, layout.tp, layout.fsdp, layout)
@@ -148,9 +149,8 @@ def _data_parallel(model: ModelSpec, layout: Layout, s: Settings, ga: int) -> li
         local, shard = numels[unit]
         dim, n = ("efsdp", layout.efsdp) if unit == "experts" else ("dp_shard_cp", layout.fsdp)
         if n > 1:
-            gathers = 1 + (1 if reshards and s.reshard_after_forward else 0)
             out.append(Collective("all_gather", dim, shard * s.param_compute_bytes,
-                                  gathers * count * ga, f"FSDP all-gather params ({unit})",
+                                  s.gathers_per_step(reshards) * count, f"FSDP all-gather params ({unit})",
                                   "compute"))
             out.append(Collective("reduce_scatter", dim, shard * n * s.reduce_bytes,
                                   count * red, f"FSDP reduce-scatter grads ({unit})", "compute"))
@@ -285,6 +285,8 @@ def scalar_collectives(model: ModelSpec, layout: Layout,
       group separately: all tensors over ``dp_shard_cp`` (if > 1), the tp-sharded ones over
       ``tp``, in several calls whose number the planner does not model: the entry gives the
       *total* bytes per dim as one call.
+    * under pipeline parallel the step loss and the squared gradient norm, one fp32 all-reduce each
+      over ``pp`` (the tied-embedding gradient sum between the first and last stage is not listed).
     An MoE model's split experts (``ParallelDims.experts_split``) form their own group, reduced
     over ``efsdp`` and ``ep``; the routers' load-balancing loss adds one all-reduce of its
     statistics (2·E + 1 fp32) per micro-batch when the model adds that loss (not listed here).
@@ -294,6 +296,9 @@ def scalar_collectives(model: ModelSpec, layout: Layout,
         out.append(Collective("all_reduce", "dp", 8, 1, "global token count (int64)"))
     if layout.dp * layout.cp > 1:
         out.append(Collective("all_reduce", "dp_cp", 4, 1, "step loss (fp32)"))
+    if layout.pp > 1:  # the last stage's loss to every stage; the stages' squared norms summed
+        out.append(Collective("all_reduce", "pp", 4, 1, "step loss across stages (fp32)"))
+        out.append(Collective("all_reduce", "pp", 4, 1, "gradient norm across stages (fp32)"))
     split = layout.experts_split(model.is_moe)
     specs = [p for p in model.param_specs() if not (split and p.unit == "experts")]
     if split:

@@ -104,7 +104,8 @@ def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings,
 
 
 STEP_FIELDS = {"grad_accum": 1, "pp_in_flight": 1.0, "pp_schedule": "1F1B", "pp_virtual": 1,
-               "sync_every_microbatch": False, "unsharded_grad_accumulation": False, "optimizer": "adamw",
+               "sync_every_microbatch": False, "reshard_after_backward": True, "unsharded_grad_accumulation": False,
+               "optimizer": "adamw",
                "optimizer_fused": False, "set_to_none": True}
 """Settings of the optimizer step and of accumulation, which one micro-batch's compute ignores."""
 

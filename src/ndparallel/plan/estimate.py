@@ -112,14 +112,8 @@ def rank_step(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware,
     # CP ring hides behind the attention of each step; TP and the CP all-to-all are on the
     # critical path.
     cp_exposed = (max(0.0, cp / ga - t_attn) + cp_serial / ga) if ga else 0.0
-    # FSDP/DP: all-gathers (prefetched) hide behind all forward+backward compute, gradient
-    # reductions behind the backward (2/3 of compute) of the micro-batches that reduce. The first
-    # unit's gather and the last unit's reduction cannot hide: 2/n_units of the traffic, n_units
-    # those of one FSDP root (every pipeline stage is one: a rank with v stages has v roots).
     n_units = sum(count for count, _ in fsdp_units(model).values()) / (s.pp_virtual if layout.pp > 1 else 1)
-    edge = min(1.0, 2 / n_units)
-    dp_exposed = (edge * (gather + reduce) + max(0.0, gather * (1 - edge) - ga * t_mb)
-                  + max(0.0, reduce * (1 - edge) - s.reducing_microbatches * t_mb * 2 / 3))
+    dp_exposed = fsdp_exposed(gather, reduce, n_units, s, t_mb)
     t_opt = extras["optimizer"] + extras["clip"]
     if s.optimizer == "muon":  # each hidden matrix gathered whole for Newton-Schulz (plan/muon.py)
         t_opt += muon.gather_seconds(model, layout, hw, gpus_per_node)
@@ -130,6 +124,25 @@ def rank_step(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware,
                           {d: {"seconds": v, "intra_node": intra[d]} for d, v in per_dim.items()},
                           {**mb_time.to_dict(), **extras}, offload, ep)
     return mem, colls, timeb
+
+
+def fsdp_exposed(gather: float, reduce: float, n_units: float, s: Settings, t_mb: float) -> float:
+    """Seconds of FSDP/DP traffic (``gather``, ``reduce``: a step's, before overlap) no compute hides.
+
+    All-gathers (prefetched) hide behind all forward+backward compute, gradient reductions behind
+    the backward (2/3 of compute) of the micro-batches that reduce. The first unit's gather and the
+    last unit's reduction cannot hide: 2/n_units of the traffic, n_units those of one FSDP root
+    (every pipeline stage is one: a rank with v stages has v roots). A pipeline stage root that
+    keeps its parameters gathered (``reshard_after_backward`` False) gathers during the first
+    micro-batch's forward only (1/3 of one micro-batch to hide behind; with resharding after
+    forward, spread over all of them) and reduces after its last backward, when torch's
+    ``perform_reduce_grad`` makes the compute stream wait for the reductions: nothing hides them."""
+    edge = min(1.0, 2 / n_units)
+    if not s.reshard_after_backward:
+        window = (s.grad_accum if s.reshard_after_forward else 1 / 3) * t_mb
+        return edge * gather + max(0.0, gather * (1 - edge) - window) + reduce
+    return (edge * (gather + reduce) + max(0.0, gather * (1 - edge) - s.grad_accum * t_mb)
+            + max(0.0, reduce * (1 - edge) - s.reducing_microbatches * t_mb * 2 / 3))
 
 
 def finish(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, mem: MemoryBreakdown,

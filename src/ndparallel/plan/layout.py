@@ -89,8 +89,13 @@ class Settings:
     zero-bubble schedules."""
     sync_every_microbatch: bool = False
     """Gradients reduced after every micro-batch's backward, the replica all-reduce included: what
-    the pipeline runtime does (``Pipeline.forward_backward`` runs torch's schedule, which never
-    skips FSDP's gradient sync; ``unsharded_grad_accumulation`` does not apply there)."""
+    the pipeline runtime does by default (torch's ``PipelineStage`` never skips the gradient sync of
+    a stage that is not itself an FSDP module; ``plan/pipeline_estimate.py``)."""
+    reshard_after_backward: bool = True
+    """FSDP reshards a unit's parameters after its backward (torch's default). False under pipeline
+    parallel with ``unsharded_grad_accumulation``: the stage is torch's FSDP root and its
+    ``PipelineStage`` keeps the parameters gathered (``set_reshard_after_backward(False)``) and the
+    gradients unsharded until the step's last backward, then reduces once (``perform_reduce_grad``)."""
     pp_in_flight: float = 1.0
     """Micro-batches whose activations a rank holds at its peak, in units of one micro-batch
     through all of its layers: 1 without pipeline parallel; set per pp rank by
@@ -110,6 +115,16 @@ class Settings:
         """Replica (dp_replicate) all-reduces per step and unit: after the last micro-batch only,
         or after every one (``sync_every_microbatch``)."""
         return self.grad_accum if self.sync_every_microbatch else 1
+
+    def gathers_per_step(self, reshards: bool = True) -> int:
+        """All-gathers of one FSDP unit per step (``reshards``: the unit reshards after forward when
+        ``reshard_after_forward``). Kept gathered between micro-batches (``reshard_after_backward``
+        False): once, or with resharding after forward ``ga + 1``: each forward reshards, and a
+        unit's op that follows a forward gathers again (every op but the step's last backward)."""
+        again = reshards and self.reshard_after_forward
+        if not self.reshard_after_backward:
+            return self.grad_accum + 1 if again else 1
+        return self.grad_accum * (2 if again else 1)
 
     @property
     def accumulates_unsharded(self) -> bool:
@@ -153,14 +168,16 @@ _ALIASES = {
     "mb": "micro_batch", "micro_batch": "micro_batch", "micro_batch_size": "micro_batch",
     "ac": "checkpointing", "checkpointing": "checkpointing",
     "activation_checkpointing": "checkpointing",
+    "uga": "unsharded_grad_accumulation", "unsharded_grad_accumulation": "unsharded_grad_accumulation",
 }
 
 
 def parse_layout(text: str) -> tuple[Layout, dict]:
     """Parse 'pp=16,dp_replicate=2,dp_shard=4,cp=1,tp=8' (aliases dr/ds/r/s/c/t, ep/e; missing
     dims are 1) or the compact '2x4x1x8' / '2x4x1x8+ep4' / 'pp16:2x4x1x8' (mesh order, optionally
-    followed by ',mb=2,ac=on'). Extra keys mb=N, ac=on|off, schedule=NAME and v=N (pipeline
-    stages per rank) pin the option; they are returned in the second value."""
+    followed by ',mb=2,ac=on'). Extra keys mb=N, ac=on|off, schedule=NAME, v=N (pipeline
+    stages per rank) and uga=on|off (unsharded gradient accumulation) pin the option; they are
+    returned in the second value."""
     text = text.strip()
     values: dict = {}
     extras: dict = {}
@@ -176,10 +193,10 @@ def parse_layout(text: str) -> tuple[Layout, dict]:
         name = _ALIASES.get(key.lower())
         if name is None:
             raise ValueError(f"unknown layout key {key!r} (use pp, dp_replicate, dp_shard, cp, tp, ep, mb, ac, "
-                             "schedule, v)")
-        if name == "checkpointing":
+                             "schedule, v, uga)")
+        if name in ("checkpointing", "unsharded_grad_accumulation"):
             if val.lower() not in ("on", "off", "true", "false", "1", "0"):
-                raise ValueError(f"ac={val!r}: use on or off")
+                raise ValueError(f"{key}={val!r}: use on or off")
             extras[name] = val.lower() in ("on", "true", "1")
         elif name in ("micro_batch", "pipeline_virtual_stages"):
             extras[name] = int(val)

@@ -101,7 +101,8 @@ def fsdp_copy_bytes(model: ModelSpec, layout: Layout, s: Settings, local: float,
     parameter counts per unit. An all-gather casts the fp32 shard into the bf16 send buffer
     (shard·(4+e)) and copies the gathered buffer into the parameters (local·2e); a gradient
     reduction concatenates the bf16 gradients into an fp32 buffer (local·(e+4)) and, after the
-    first micro-batch, adds into the sharded gradient (shard·12). On one rank the "collectives"
+    first micro-batch, adds into the sharded gradient (shard·12); accumulating unsharded, each
+    micro-batch after the first adds its gradient into the fp32 unsharded one (local·(8+e)). On one rank the "collectives"
     are device copies too (local·2e per gather, local·8 per reduction): with more ranks they are
     the communication costed in ``comms.py``."""
     e = s.act_bytes
@@ -109,11 +110,14 @@ def fsdp_copy_bytes(model: ModelSpec, layout: Layout, s: Settings, local: float,
     applied = layout.dp_replicate * layout.fsdp > 1 or s.mixed_precision != "fp32"
     if not applied:
         return 0.0
-    gathers = s.grad_accum * (2 if s.reshard_after_forward else 1)
+    gathers = s.gathers_per_step()
     per_gather = shard * (4 + e) + local * 2 * e + (local * 2 * e if one_rank else 0.0)
     reduces = s.reducing_microbatches
     per_reduce = local * (e + 4) + (local * 8 if one_rank else 0.0)
-    accumulate = shard * 12 * (s.grad_accum - 1)
+    if s.accumulates_unsharded:  # fp32 unsharded += this micro-batch's bf16 gradient (read 4 + e, write 4)
+        accumulate = local * (8 + e) * (s.grad_accum - 1)
+    else:  # the reduced shard added into the sharded gradient
+        accumulate = shard * 12 * (s.reducing_microbatches - 1)
     return gathers * per_gather + reduces * per_reduce + accumulate
 
 

@@ -194,14 +194,17 @@ def chunk_tokens(s: Settings, vocab_local: int, tokens: float) -> int:
     return int(min(max(1, tokens), 1 << (fit.bit_length() - 1)))
 
 
-def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tuple[float, float]:
+def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict,
+             accumulating: bool = False) -> tuple[float, float]:
     """FSDP's unsharded parameters and gradients at (loss moment, layer moment).
 
     Loss moment: the head unit gathered (its gradient comes after the loss backward's peak).
     Layer moment: the layer in use and ``prefetch`` more gathered in compute dtype, its unsharded
-    gradient in compute dtype plus the fp32 copy fed to reduce-scatter; tied models keep the root
+    gradient in compute dtype plus the fp32 copy fed to reduce-scatter (``accumulating``
+    unsharded: the gradient is added into the kept one, no copy); tied models keep the root
     unit gathered, and its unsharded gradient, until the embedding's backward at the end. Without
-    ``reshard_after_forward`` every layer stays gathered from forward to backward."""
+    ``reshard_after_forward`` every layer stays gathered from forward to backward; without
+    ``reshard_after_backward`` from one micro-batch's backward to the next forward."""
     n, cb, e, rb = layout.fsdp, s.param_compute_bytes, s.act_bytes, s.reduce_bytes
     if not (max(n, layout.efsdp if model.is_moe else 1) > 1 or s.mixed_precision != "fp32"):
         return 0.0, 0.0
@@ -217,13 +220,17 @@ def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> tup
             head_grad = model.vocab * model.hidden  # its trained copy: gathered beside the frozen table
             head_local += head_grad
     buf_a = head_local * cb
-    buf_b = (1 + s.prefetch) * layer_local * cb + layer_grad * (e + rb)
+    prefetched = min(s.prefetch, model.layers - 1)  # a one-layer pipeline stage has no next layer
+    buf_b = (1 + prefetched) * layer_local * cb + layer_grad * (e + (0 if accumulating else rb))
     if model.tied_embeddings:
         buf_b += head_local * cb + head_grad * e
-    if not s.reshard_after_forward:
-        kept = (model.layers - 1 - s.prefetch) * layer_local * cb
-        buf_a += model.layers * layer_local * cb
+    if not s.reshard_after_forward or not s.reshard_after_backward:
+        # every layer gathered at a layer's backward: kept from forward, or (a pipeline stage root,
+        # ``reshard_after_backward`` False) since the previous micro-batch's backward
+        kept = (model.layers - 1 - prefetched) * layer_local * cb
         buf_b += max(kept, 0.0)
+    if not s.reshard_after_forward:
+        buf_a += model.layers * layer_local * cb
     return buf_a, buf_b
 
 
@@ -255,8 +262,10 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     if s.optimizer == "muon":  # AdamW's two moments on the embedding / head units (plan/muon.py)
         optimizer += muon.adamw_extra_state_bytes(numels, units, col)
     all_grads = shard_numel * 4
+    unsharded = 0.0
     if s.accumulates_unsharded:  # FSDP2 keeps unsharded grads in the reduce dtype between syncs
-        all_grads += sum(numels[u][0] * c for u, (c, _) in units.items()) * s.reduce_bytes
+        unsharded = sum(numels[u][0] * c for u, (c, _) in units.items()) * s.reduce_bytes
+        all_grads += unsharded
     head = "root" if model.tied_embeddings else "final"
     head_grads = 0.0 if model.tied_embeddings else numels.get(head, (0, 0))[col] * 4
     if s.lora_r:  # the frozen base stays in the compute dtype; only the adapters train (adapter.py)
@@ -281,28 +290,13 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     grads_kept = not s.set_to_none or s.grad_accum > 1
     grads_a = all_grads if grads_kept else 0.0
     grads_b = all_grads if grads_kept else head_grads
+    if unsharded and not s.lora_r:  # accumulating unsharded: no sharded gradient before the sync
+        grads_a = grads_b = unsharded + (0.0 if s.set_to_none else shard_numel * 4)
 
     tokens = s.micro_batch * s.seq_len / layout.cp
-    plain_layer = layer_activation_bytes_per_token(model, layout, s) * tokens
-    per_layer = plain_layer - tiled_saved_reduction_per_token(model, layout, s) * tokens
-    if s.checkpointing and s.ac_policy == "selective":
-        saved = model.layers * tokens * selective_saved_per_token(model, layout, s)
-    elif s.checkpointing:  # each layer's input only (with offloading: the ones on the device)
-        saved = device_checkpointed_layers(model, s) * tokens * checkpointed_input_per_token(model, layout, s)
-    else:
-        saved = model.layers * per_layer
-    # QAT: each layer's fake-quantiser share until its backward; under checkpointing one layer's,
-    # while it is recomputed (plan/qat.py). The head's is held until the loss backward.
-    qat_layer = qat_head = 0.0
-    if s.qat:
-        qat_layer = qat_layer_bytes(model, s.qat, tokens, frozen=bool(s.lora_r), compute_bytes=e)
-        qat_head = qat_head_bytes(model, s.qat, tokens, frozen=bool(s.lora_r), compute_bytes=e)
-        saved += 0.0 if s.checkpointing else model.layers * qat_layer
-    # RoPE cos and sin (b, s/c, d) in activation dtype, shared by all layers.
-    saved += 2 * tokens * model.head_dim * e
-    saved *= s.pp_in_flight  # a pipeline rank holds several micro-batches (plan/pipeline.py)
+    saved, plain_layer, per_layer, qat_layer, qat_head = _saved_activations(model, layout, s, tokens)
     logits = _logits_bytes(model, layout, s, tokens) if model.has_lm_head else 0.0
-    buf_a, buf_b = _buffers(model, layout, s, numels)
+    buf_a, buf_b = _buffers(model, layout, s, numels, unsharded > 0)
     buf_a, buf_b = buf_a - nf4.get("buffer_a", 0.0), buf_b - nf4.get("buffer_b", 0.0)
 
     moments = {
@@ -321,6 +315,31 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     total = params + grads + optimizer + acts + lg + buf + overhead
     return MemoryBreakdown(params, grads, optimizer, acts, lg, buf, overhead, total, phase,
                            plain_layer, host_bytes(model, layout, s))
+
+
+def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> tuple:
+    """(saved for backward at the peak, one layer's plain saved set, the same less what the tiled
+    MLP drops, QAT's share per layer, QAT's share of the head), bytes of ``tokens`` per micro-batch."""
+    e = s.act_bytes
+    plain_layer = layer_activation_bytes_per_token(model, layout, s) * tokens
+    per_layer = plain_layer - tiled_saved_reduction_per_token(model, layout, s) * tokens
+    if s.checkpointing and s.ac_policy == "selective":
+        saved = model.layers * tokens * selective_saved_per_token(model, layout, s)
+    elif s.checkpointing:  # each layer's input only (with offloading: the ones on the device)
+        saved = device_checkpointed_layers(model, s) * tokens * checkpointed_input_per_token(model, layout, s)
+    else:
+        saved = model.layers * per_layer
+    # QAT: each layer's fake-quantiser share until its backward; under checkpointing one layer's,
+    # while it is recomputed (plan/qat.py). The head's is held until the loss backward.
+    qat_layer = qat_head = 0.0
+    if s.qat:
+        qat_layer = qat_layer_bytes(model, s.qat, tokens, frozen=bool(s.lora_r), compute_bytes=e)
+        qat_head = qat_head_bytes(model, s.qat, tokens, frozen=bool(s.lora_r), compute_bytes=e)
+        saved += 0.0 if s.checkpointing else model.layers * qat_layer
+    # RoPE cos and sin (b, s/c, d) in activation dtype, shared by all layers.
+    saved += 2 * tokens * model.head_dim * e
+    saved *= s.pp_in_flight  # a pipeline rank holds several micro-batches (plan/pipeline.py)
+    return saved, plain_layer, per_layer, qat_layer, qat_head
 
 
 def _workspace(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:

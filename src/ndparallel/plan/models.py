@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 
@@ -26,7 +26,7 @@ class ParamSpec:
     unit: str
     count: int = 1
 
-    @property
+    @cached_property
     def numel(self) -> int:
         n = 1
         for d in self.shape:

@@ -91,12 +91,29 @@ class RankShape:
 
 
 @lru_cache(maxsize=1024)
-def rank_shape(model: ModelSpec, p: int, v: int, schedule: str, rank: int) -> RankShape:
-    """The runtime's split (``pipeline_split.stage_layers`` and ``StagePlan.stages_of``)."""
-    plan = StagePlan(p, v, schedule, stage_layers(PipelineOptions(schedule=schedule, virtual_stages=v),
+def _stage_plan(model: ModelSpec, p: int, v: int, schedule: str) -> StagePlan:
+    """The runtime's split (``pipeline_split.stage_layers``)."""
+    return StagePlan(p, v, schedule, stage_layers(PipelineOptions(schedule=schedule, virtual_stages=v),
                                                   p * v, model.layers))
+
+
+@lru_cache(maxsize=1024)
+def rank_shape(model: ModelSpec, p: int, v: int, schedule: str, rank: int) -> RankShape:
+    """What pp rank ``rank`` runs under the runtime's split (``StagePlan.stages_of``)."""
+    plan = _stage_plan(model, p, v, schedule)
     mine = plan.stages_of(rank)
     return RankShape(rank, sum(len(plan.layers[s]) for s in mine), 0 in mine, p * v - 1 in mine, len(mine))
+
+
+@lru_cache(maxsize=1024)
+def fill_stretch(model: ModelSpec, p: int, v: int, schedule: str, shape: RankShape) -> float:
+    """How much longer the fill and the drain are than the bubble formula's p − 1 chunks of the
+    pacing rank's average chunk (its layers / its stages): they pass through the first p stages,
+    one per rank, which hold more layers than that average when the split is uneven (126 layers
+    in 112 stages: 14 of 2 layers first, then 98 of 1). The mean of those stages over the average."""
+    plan = _stage_plan(model, p, v, schedule)
+    first_row = sum(len(plan.layers[s]) for s in range(p)) / p
+    return first_row / (shape.layers / shape.stages)
 
 
 @lru_cache(maxsize=1024)
@@ -161,12 +178,15 @@ class PipelineInfo:
     """The rank whose memory is reported (the larger)."""
     pace: str = "first"
     """The slowest rank (it sets the pipeline's pace)."""
+    stretch: float = 1.0
+    """The fill and drain over the formula's (``fill_stretch``)."""
 
     def to_dict(self) -> dict:
         from ndparallel.plan.hardware import GiB
 
         return {"schedule": self.schedule, "virtual_stages": self.virtual, "microbatches": self.microbatches,
-                "bubble_fraction": self.bubble_fraction, "worst_memory": self.worst, "pace": self.pace,
+                "bubble_fraction": self.bubble_fraction, "fill_stretch": self.stretch, "worst_memory": self.worst,
+                "pace": self.pace,
                 "ranks": {k: {"layers": shape.layers, "embedding": shape.first, "lm_head": shape.last,
                               "memory_gib": mem.total / GiB, "busy_s": busy}
                           for k, (shape, mem, busy) in self.ranks.items()}}
@@ -182,18 +202,39 @@ def canonical(schedule: str) -> str:
 
 
 def pipeline_lines(e) -> list[str]:
-    """``--explain``'s lines of a pp layout's estimate ``e``: the bubble share in one, the first
-    and the last stage's memory in the other."""
+    """``--explain``'s lines of a pp layout's estimate ``e``: the bubble share (and how gradients
+    are reduced) in one, the first and the last stage's memory in the other; when it does not
+    fit, a third saying why."""
     from ndparallel.plan.hardware import GiB
 
     info, t = e.pipeline, e.time
     per_rank = f" × {info.virtual} per rank" if info.virtual > 1 else ""
+    grads = ("FSDP gradients reduced once per step (unsharded_grad_accumulation)"
+             if e.settings.unsharded_grad_accumulation else "FSDP gradients reduced every micro-batch")
+    stretch = (f" × {info.stretch:.2f} (uneven stages)" if abs(info.stretch - 1) > 0.02 else "")
     lines = [f"Pipeline {info.schedule} ({e.layout.pp} stages{per_rank}, {info.microbatches} micro-batches): "
-             f"bubble {info.bubble_fraction:.1%} of the pipeline = {t.pp_bubble:.2f} s ({t.pp_bubble / t.step:.1%} "
-             f"of the step); p2p exposed {t.pp_exposed:.2f} s; pace: {info.pace} stage"]
+             f"bubble {info.bubble_fraction:.1%} of the pipeline{stretch} = {t.pp_bubble:.2f} s ({t.pp_bubble / t.step:.1%} "
+             f"of the step); p2p exposed {t.pp_exposed:.2f} s; pace: {info.pace} stage; {grads}"]
     parts = []
     for name, (shape, mem, _) in info.ranks.items():
         ends = (" + embedding" if shape.first else "") + (" + head, loss" if shape.last else "")
         parts.append(f"{name} ({shape.layers} layers{ends}) {mem.total / GiB:.1f} GiB")
     lines.append("Stage memory: " + ", ".join(parts) + f"; reported: {info.worst}")
+    if not e.fits:
+        lines.append(_why_not(e))
     return lines
+
+
+def _why_not(e) -> str:
+    """One line: the reported stage's memory and its activations' share, factor by factor."""
+    from ndparallel.plan.hardware import GiB
+
+    info, s = e.pipeline, e.settings
+    shape, mem, _ = info.ranks[info.worst]
+    tokens = s.micro_batch * s.seq_len // e.layout.cp
+    held = in_flight(s.pp_schedule, e.layout.pp, s.grad_accum, s.pp_virtual, shape.rank)
+    kept = ("each layer's input (checkpointing)" if s.checkpointing else
+            f"{mem.activation_bytes_per_layer / tokens / 1e3:.0f} KB per token and layer (no checkpointing)")
+    return (f"Does not fit: the {info.worst} stage needs {mem.total / GiB:.1f} GiB, "
+            f"{mem.activations / GiB:.1f} of them activations: {held:.1f} micro-batches of {tokens} tokens in flight "
+            f"through its {shape.layers} layers, {kept}")

@@ -1,9 +1,10 @@
 """A pipeline-parallel layout's estimate: its first and last pp ranks modelled as ranks of their
 own (``estimate.rank_step`` on ``pipeline.rank_model``), the slowest setting the pace.
 
-Step = work(slowest rank) / (1 − β) + exposed transfers + the optimizer step, β the schedule's
-bubble fraction, work = the rank's micro-batches with their exposed TP/CP/FSDP communication.
-Reported memory: the larger rank's."""
+Step = work(slowest rank) / (1 − β) + its once-per-step FSDP exposure + exposed transfers + the
+optimizer step, β the schedule's bubble fraction, work = the rank's micro-batches with their
+exposed TP/CP communication and, when gradients are reduced on every micro-batch (the runtime's
+default), their exposed FSDP traffic. Reported memory: the larger rank's."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.models import ModelSpec
 from ndparallel.plan.pipeline import (
     PipelineInfo,
+    RankShape,
     bubble_fraction,
     exposed_transfers,
+    fill_stretch,
     in_flight,
     measured_ranks,
     p2p_bytes,
@@ -30,12 +33,29 @@ from ndparallel.plan.pipeline import (
 
 
 def rank_settings(s: Settings, p: int, rank: int, last: bool) -> Settings:
-    """``s`` for one pp rank: its in-flight micro-batches, gradients reduced every micro-batch
-    (the runtime's, ``Settings.sync_every_microbatch``); on the last stage under a zero-bubble
-    schedule the full-logits loss (the runtime's: the chunked loss cannot split its backward)."""
+    """``s`` for one pp rank: its in-flight micro-batches; gradients reduced on every micro-batch
+    (the runtime's default: ``Settings.sync_every_microbatch``) or, with
+    ``unsharded_grad_accumulation``, once per step by the stage's FSDP root, which keeps its
+    parameters gathered until then (``Settings.reshard_after_backward`` False;
+    ``parallel/pipeline.py: _shard_root``); on the last stage under a zero-bubble schedule the
+    full-logits loss (the runtime's: the chunked loss cannot split its backward)."""
     loss = "full" if last and s.pp_schedule in ZERO_BUBBLE_SCHEDULES else s.loss_impl
+    per_step = s.unsharded_grad_accumulation
     return replace(s, pp_in_flight=in_flight(s.pp_schedule, p, s.grad_accum, s.pp_virtual, rank),
-                   loss_impl=loss, sync_every_microbatch=True)
+                   loss_impl=loss, sync_every_microbatch=not per_step, reshard_after_backward=not per_step)
+
+
+def pp_rank(model: ModelSpec, layout: Layout, s: Settings, rank: int) -> tuple[RankShape, ModelSpec, Settings]:
+    """Pp rank ``rank`` as a rank of its own: what it runs, that part of ``model``, its settings."""
+    shape = rank_shape(model, layout.pp, s.pp_virtual, s.pp_schedule, rank)
+    return shape, rank_model(model, shape), rank_settings(s, layout.pp, rank, shape.last)
+
+
+def _paced(timeb, s: Settings) -> tuple[float, float]:
+    """(work the pipeline paces, FSDP time outside it): a stage root reducing once per step gathers
+    at the first micro-batch and reduces after the last, outside the steady state."""
+    once = timeb.dp_exposed if s.unsharded_grad_accumulation else 0.0
+    return timeb.busy + timeb.dp_exposed - once, once
 
 
 def estimate_pipeline(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_per_node: int,
@@ -44,28 +64,33 @@ def estimate_pipeline(model: ModelSpec, layout: Layout, s: Settings, hw: Hardwar
     p, m, v, schedule = layout.pp, s.grad_accum, s.pp_virtual, s.pp_schedule
     ranks = {}
     for rank in measured_ranks(p, schedule):
-        shape = rank_shape(model, p, v, schedule, rank)
-        part = rank_model(model, shape)
-        rs = rank_settings(s, p, rank, shape.last)
+        shape, part, rs = pp_rank(model, layout, s, rank)
         mem, colls, timeb = rank_step(part, layout, rs, hw, gpus_per_node)
         colls = colls + p2p_collectives(part, layout, rs, shape, Collective)
         ranks["first" if rank == 0 else "last"] = (shape, mem, colls, timeb)
-    # A micro-batch's exposed FSDP traffic (every stage gathers and reduces on every micro-batch)
-    # is on its rank's critical path like its compute: the slowest such rank paces the pipeline.
-    pace = max(ranks, key=lambda k: ranks[k][3].busy + ranks[k][3].dp_exposed)
+    # A micro-batch's exposed FSDP traffic (by default every stage gathers and reduces on every
+    # micro-batch) is on its rank's critical path like its compute: the slowest rank paces the
+    # pipeline; a once-per-step reduction adds after it.
+    beta = bubble_fraction(schedule, p, m, v)
+
+    def pipelined(k: str) -> tuple[float, float, float, float]:
+        """(work, its bubble, once-per-step FSDP, fill stretch) were rank ``k`` the pace."""
+        work, once = _paced(ranks[k][3], s)
+        stretch = fill_stretch(model, p, v, schedule, ranks[k][0])
+        return work, work * beta / (1 - beta) * stretch, once, stretch
+
+    pace = max(ranks, key=lambda k: sum(pipelined(k)[:3]))
     worst = max(ranks, key=lambda k: ranks[k][1].total)
     _, _, colls, timeb = ranks[pace]
-    beta = bubble_fraction(schedule, p, m, v)
-    work = timeb.busy + timeb.dp_exposed
-    bubble = work * beta / (1 - beta)
+    work, bubble, once, stretch = pipelined(pace)
     one, intra = comms.cost(Collective("send_recv", "pp", p2p_bytes(model, layout, s), 1, ""),
                             layout, hw, gpus_per_node)
     p2p = exposed_transfers(schedule, p, m, v) * one
     sends = sum(c.count for c in colls if c.mesh_dim == "pp")
     optimizer = max(r[3].optimizer for r in ranks.values())  # after the pipeline, on every rank
     timeb = replace(timeb, optimizer=optimizer, pp_bubble=bubble, pp_exposed=p2p,
-                    step=work + bubble + p2p + optimizer,
+                    step=work + once + bubble + p2p + optimizer,
                     comm_total={**timeb.comm_total, "pp": {"seconds": sends * one, "intra_node": intra}})
     info = PipelineInfo(schedule, v, m, beta, {k: (r[0], r[1], r[3].busy) for k, r in ranks.items()},
-                        worst, pace)
+                        worst, pace, stretch)
     return finish(model, layout, s, hw, ranks[worst][1], colls, timeb, global_batch, info)

@@ -125,7 +125,7 @@ def fsdp_copy_bytes_qlora(model: ModelSpec, layout: Layout, s: Settings, local: 
     e = s.act_bytes
     local_b = local * e - nf4_saving(model.layers * quantized_layer_local(model, layout.tp), s)
     shard_b = shard * e - nf4_saving(quantized_shard_numel(model, layout), s)
-    gathers = s.grad_accum * (2 if s.reshard_after_forward else 1)
+    gathers = s.gathers_per_step()
     adapter_local = model.layers * adapter_layer_local(model, s.lora_r, layout.tp)
     reduce = s.reducing_microbatches * adapter_local * (e + 4)
     accumulate = adapter_shard_numel(model, layout, s.lora_r) * 12 * (s.grad_accum - 1)

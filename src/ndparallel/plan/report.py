@@ -35,7 +35,9 @@ def _schedule(e: Estimate) -> str:
     """A pp layout's pipeline schedule ('—' without pipeline parallel)."""
     if not e.layout.pp_enabled:
         return "—"
-    return e.settings.pp_schedule + (f" v{e.settings.pp_virtual}" if e.settings.pp_virtual > 1 else "")
+    s = e.settings
+    return (s.pp_schedule + (f" v{s.pp_virtual}" if s.pp_virtual > 1 else "")
+            + (", grads reduced once" if s.unsharded_grad_accumulation else ""))
 
 
 def _strategy(e: Estimate) -> str:
@@ -45,9 +47,10 @@ def _strategy(e: Estimate) -> str:
 
 def _explain_arg(e: Estimate) -> str:
     """The ``--explain`` value naming this option's layout (and its pipeline schedule)."""
+    uga = ",uga=on" if e.settings.unsharded_grad_accumulation else ""
     if not e.layout.pp_enabled:
-        return e.layout.short()
-    return f"{e.layout.short()},schedule={e.settings.pp_schedule},v={e.settings.pp_virtual}"
+        return e.layout.short() + uga
+    return f"{e.layout.short()},schedule={e.settings.pp_schedule},v={e.settings.pp_virtual}{uga}"
 
 
 def header(result: PlanResult) -> str:
@@ -207,12 +210,13 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
     console.print(col)
     if len(res.options) > 1:
         opt = Table(title="Options of this layout")
-        for c in ("mb", "ga", "AC", "mem GiB", "fits", "step s", "tok/s/GPU"):
+        pp = lay.pp_enabled
+        for c in ("mb", "ga", "AC", *(("pp schedule",) if pp else ()), "mem GiB", "fits", "step s", "tok/s/GPU"):
             opt.add_column(c, justify="right")
         for o in res.options:
             opt.add_row(str(o.settings.micro_batch), str(o.settings.grad_accum), _ac(o),
-                        _gib(o.memory.total), "yes" if o.fits else "no", f"{o.time.step:.2f}",
-                        f"{o.tokens_per_s_per_gpu:,.0f}")
+                        *((_schedule(o),) if pp else ()), _gib(o.memory.total), "yes" if o.fits else "no",
+                        f"{o.time.step:.2f}", f"{o.tokens_per_s_per_gpu:,.0f}")
         console.print(opt)
 
 

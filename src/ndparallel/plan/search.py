@@ -46,7 +46,10 @@ class PlanRequest:
     sequence_parallel: bool = True
     reshard_after_forward: bool = True
     loss_parallel: bool = True
-    unsharded_grad_accumulation: bool = False
+    unsharded_grad_accumulation: bool | None = None
+    """FSDP gradients accumulated unsharded, reduced once per step. None (auto): pp layouts try both
+    (one reduction per step by each stage's FSDP root, or one per micro-batch: the runtime's
+    default), other layouts reduce on every micro-batch; True / False: that, everywhere."""
     cp_strategy: str = "ring"
     cp_kernel: str = "flash"
     loss_impl: str = "chunked"  # what the trainer runs (docs/performance.md)
@@ -134,7 +137,7 @@ def base_settings(req: PlanRequest) -> Settings:
                     optimizer=req.optimizer, sequence_parallel=req.sequence_parallel,
                     reshard_after_forward=req.reshard_after_forward,
                     loss_parallel=req.loss_parallel,
-                    unsharded_grad_accumulation=req.unsharded_grad_accumulation,
+                    unsharded_grad_accumulation=bool(req.unsharded_grad_accumulation),
                     cp_strategy=req.cp_strategy, cp_kernel=req.cp_kernel, ac_policy=req.ac_policy,
                     loss_impl=req.loss_impl, loss_chunk_tokens=req.loss_chunk_tokens,
                     optimizer_fused=req.optimizer_fused, lora_r=req.lora_r, tiled_mlp=req.tiled_mlp,
@@ -171,11 +174,20 @@ def _schedules(req: PlanRequest, layout: Layout, schedule: str | None,
     return [(name, virtual if virtual and v > 1 else v) for name, v in AUTO_SCHEDULES]
 
 
+def _grad_syncs(req: PlanRequest, layout: Layout, unsharded: bool | None) -> list[bool]:
+    """``unsharded_grad_accumulation`` values tried: the pinned one, else the request's, else (auto)
+    both for a pp layout with FSDP or replicas, the runtime's default (False) otherwise."""
+    if unsharded is not None or req.unsharded_grad_accumulation is not None:
+        return [req.unsharded_grad_accumulation if unsharded is None else unsharded]
+    return [False, True] if layout.pp > 1 and layout.dp_replicate * layout.fsdp > 1 else [False]
+
+
 def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = None,
                     checkpointing: bool | None = None, schedule: str | None = None,
-                    virtual: int | None = None) -> LayoutResult:
-    """All (micro-batch, checkpointing, pipeline schedule) options of one layout; the best that
-    fits is ``best``. ``schedule`` / ``virtual`` pin a pp layout's schedule and stages per rank."""
+                    virtual: int | None = None, unsharded: bool | None = None) -> LayoutResult:
+    """All (micro-batch, checkpointing, pipeline schedule, gradient reduction) options of one
+    layout; the best that fits is ``best``. ``schedule`` / ``virtual`` pin a pp layout's schedule
+    and stages per rank, ``unsharded`` its ``unsharded_grad_accumulation``."""
     res = LayoutResult(layout)
     base = base_settings(req)
     res.rejections = _layout_rejections(req, layout, base)
@@ -201,8 +213,10 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
                 reasons["pp_microbatches"].append(f"micro_batch={mb}: {why}")
                 continue
             for ac in acs:
-                s = replace(base, micro_batch=mb, grad_accum=ga, checkpointing=ac, pp_schedule=name, pp_virtual=v)
-                res.options.append(estimate(req.model, layout, s, req.hardware, req.gpus_per_node))
+                for uga in _grad_syncs(req, layout, unsharded):
+                    s = replace(base, micro_batch=mb, grad_accum=ga, checkpointing=ac, pp_schedule=name,
+                                pp_virtual=v, unsharded_grad_accumulation=uga)
+                    res.options.append(estimate(req.model, layout, s, req.hardware, req.gpus_per_node))
     _choose(req, layout, res, reasons)
     return res
 

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 BASE_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 FLAT_DIMS = ("dp_shard_cp", "dp", "dp_cp")
-PREFERENCE = ("tp", "cp", "dp_shard", "dp_replicate", "dp_shard_cp", "dp", "dp_cp", "ep", "efsdp")
+PREFERENCE = ("tp", "cp", "dp_shard", "dp_replicate", "dp_shard_cp", "dp", "dp_cp", "ep", "efsdp", "pp")
 """Order in which a dim name is chosen for a group shared by several dims."""
 
 # op name -> (reported kind, name of the schema argument whose bytes are counted)

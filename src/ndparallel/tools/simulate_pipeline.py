@@ -10,7 +10,9 @@ under the fake mesh, the real last-stage loss) through ``DirectSchedule``: the s
 actions for this rank (GPipe and 1F1B written out as torch runs them; torch's own action list,
 ``pipeline_order``, for the multi-stage schedules), a forward keeping its graph until that micro-
 batch's backward, so the activations in flight are the schedule's. Inputs a stage would receive
-are random hidden states of the shape the previous stage sends, the output gradients ones.
+are random hidden states of the shape the previous stage sends, the output gradients ones. A stage
+that is an FSDP root (``unsharded_grad_accumulation``) is handled as ``PipelineStage`` handles it:
+no reduction in its backwards, one ``perform_reduce_grad`` after the step's.
 
 Not modelled: the P2P receive buffers (one activation per micro-batch and boundary in flight), and
 the zero-bubble schedules' split backward: an input-gradient action (I) runs the whole backward,
@@ -128,14 +130,29 @@ class DirectSchedule:
                         total += out.detach().float()
                 elif kind in ("B", "I"):
                     out = kept.pop((stage, mb))
+                    _no_sync(module)
                     if module.is_last:
                         (out * loss_scale if loss_scale is not None else out).backward()
                     else:
                         out.backward(torch.ones_like(out))
+        for stage in pipeline.stages:  # what torch's schedules do after a stage's last backward
+            stage.perform_reduce_grad(1)
         tied_sum = getattr(pipeline, "_sum_tied_grads", None)  # the tied-embedding all-reduce (fake)
         if tied_sum is not None:
             tied_sum()
         return total
+
+
+def _no_sync(module) -> None:
+    """What ``PipelineStage`` does before a backward of a stage that is itself an FSDP module
+    (``unsharded_grad_accumulation``): no gradient reduction, no reshard, until the step's
+    ``perform_reduce_grad``. Other stages reduce in their own backward, as FSDP does."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        module.set_is_last_backward(False)
+        module.set_reshard_after_backward(False)
+        module.set_requires_gradient_sync(False)
 
 
 def pipeline_report(trainer, measured: dict) -> dict:

@@ -8,8 +8,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 GiB = 2**30
-PIPELINE_NOT_PLANNED = ("the planner has no per-stage memory / time model of a pipeline rank yet: the measurement "
-                        "is shown alone")
 
 
 def planner_settings(trainer):
@@ -20,6 +18,10 @@ def planner_settings(trainer):
 
     cfg, engine, model = trainer.cfg, trainer.engine, trainer.model
     options = engine.options
+    pipeline = engine.pipeline_of(model)
+    stages = {"pp_schedule": pipeline.plan.schedule, "pp_virtual": pipeline.plan.virtual} if pipeline else {}
+    if pipeline is not None and pipeline.holds_last:  # the loss is the last stage's cut model's
+        model = pipeline.modules[pipeline.plan.n_stages - 1].lm
     return Settings(
         seq_len=cfg.sequence_len, micro_batch=cfg.micro_batch_size, grad_accum=cfg.gradient_accumulation_steps,
         checkpointing=options.fsdp.activation_checkpointing,
@@ -31,7 +33,7 @@ def planner_settings(trainer):
         loss_impl="chunked" if use_chunked_loss(base_model_of(model), options.loss) else "full",
         loss_chunk_tokens=options.loss.chunk_tokens,
         optimizer_fused=bool(trainer.optimizer.defaults.get("fused")),
-        lora_r=cfg.lora_r if cfg.adapter else 0,
+        lora_r=cfg.lora_r if cfg.adapter else 0, **stages,
     )
 
 
@@ -61,27 +63,62 @@ def hardware_for(req, engine, spec, settings):
     return Hardware.from_dict(profile["hardware"])
 
 
-def predict(trainer, req, measured: dict) -> tuple[dict, list]:
-    """The planner's memory and time for the run; returns (report part, predicted collectives)."""
-    from ndparallel.plan.comms import collectives_for, scalar_collectives
-    from ndparallel.plan.models import from_hf_config
-    from ndparallel.plan.search import estimate
+def pipeline_problem(trainer, spec, settings) -> str | None:
+    """Why the planner cannot model this pp rank (one line), or None: it models one pipeline
+    micro-batch per accumulation step and the runtime's even split of the layers."""
+    from ndparallel.plan.pipeline import rank_shape
 
     engine = trainer.engine
-    if engine.dims.pp_enabled:  # TODO(planner PP): this rank's stage, once plan/ models one
-        return {"available": False, "why": PIPELINE_NOT_PLANNED}, []
+    plan, rank = engine.pipeline_of(trainer.model).plan, engine.rank_in("pp")
+    m = engine.options.pipeline.microbatches
+    if m is not None and m != settings.grad_accum:
+        return (f"the planner models one pipeline micro-batch per accumulation step, not pipeline_microbatches={m}: "
+                "the measurement is shown alone")
+    layers = sum(len(plan.layers[s]) for s in plan.stages_of(rank))
+    if rank_shape(spec, plan.pp, plan.virtual, plan.schedule, rank).layers != layers:
+        return "the planner models the even split of the layers, not this one: the measurement is shown alone"
+    return None
+
+
+def rank_estimate(trainer, spec, settings, hw, gpus_per_node: int) -> tuple:
+    """(memory, collectives, time, pipeline part) the planner predicts for this rank: under pipeline
+    parallel this pp rank's stages (``pipeline_estimate.pp_rank``) — the collectives without the
+    stage transfers, which the direct run does not issue."""
+    from ndparallel.plan.comms import collectives_for, scalar_collectives
+    from ndparallel.plan.estimate import rank_step
+    from ndparallel.plan.pipeline_estimate import pp_rank
+    from ndparallel.plan.search import estimate
+
+    dims = trainer.engine.dims
+    if not dims.pp_enabled:
+        est = estimate(spec, dims, settings, hw, gpus_per_node)
+        colls = collectives_for(spec, dims, settings)
+        return est.memory, colls + scalar_collectives(spec, dims, settings.mixed_precision), est.time, None
+    rank = trainer.engine.rank_in("pp")
+    shape, part, rank_settings = pp_rank(spec, dims, settings, rank)
+    mem, colls, timeb = rank_step(part, dims, rank_settings, hw, gpus_per_node)
+    stage = {(True, True): "first and last", (True, False): "first", (False, True): "last"}.get(
+        (shape.first, shape.last), "middle")
+    part_report = {"pp_rank": rank, "stage": stage, "layers": shape.layers, "in_flight": rank_settings.pp_in_flight}
+    return mem, colls + scalar_collectives(part, dims, settings.mixed_precision), timeb, part_report
+
+
+def predict(trainer, req, measured: dict) -> tuple[dict, list]:
+    """The planner's memory and time for the run; returns (report part, predicted collectives)."""
+    from ndparallel.plan.models import from_hf_config
+
+    engine = trainer.engine
     spec = from_hf_config(trainer.hf_config.to_dict(), str(trainer.cfg.base_model))
     settings = planner_settings(trainer)
+    why = pipeline_problem(trainer, spec, settings) if engine.dims.pp_enabled else None
+    if why:
+        return {"available": False, "why": why}, []
     hw = hardware_for(req, engine, spec, settings)
-    est = estimate(spec, engine.dims, settings, hw, req.gpus_per_node)
-    mem = est.memory
+    mem, colls, t, stage = rank_estimate(trainer, spec, settings, hw, req.gpus_per_node)
     if engine.device.type == "cuda":  # what train logs: the allocator's peak (the CUDA context apart)
         peak = mem.allocated
     else:  # the CPU process's runtime plays the part of the CUDA context: measured before the model
         peak = mem.allocated + measured["runtime_rss_gib"] * GiB
-    t = est.time
-    colls = collectives_for(spec, engine.dims, settings) + scalar_collectives(spec, engine.dims,
-                                                                              settings.mixed_precision)
     report = {
         "peak_memory_gib": peak / GiB, "tensor_peak_gib": mem.allocated / GiB, "peak_phase": mem.peak_phase,
         "device_total_gib": mem.total / GiB,  # with the runtime overhead: what must fit the device
@@ -91,6 +128,7 @@ def predict(trainer, req, measured: dict) -> tuple[dict, list]:
         "exposed_comm_s": {"tp": t.tp_exposed, "cp": t.cp_exposed, "dp": t.dp_exposed},
         "hardware": hw.name, "settings": {"loss_impl": settings.loss_impl, "loss_parallel": settings.loss_parallel,
                                           "checkpointing": settings.checkpointing},
+        **({"pipeline": stage} if stage else {}),
     }
     report["error"] = {
         "peak_memory": _rel(report["peak_memory_gib"], measured["peak_memory_gib"]),

@@ -48,6 +48,10 @@ def format_report(r: dict) -> str:
     console.print(t)
     if p.get("available") is False:
         console.print(f"planner: {p['why']}")
+    elif "pipeline" in p:
+        s = p["pipeline"]
+        console.print(f"planner: pp rank {s['pp_rank']} as the {s['stage']} stage ({s['layers']} layers, "
+                      f"{s['in_flight']:g} micro-batches in flight at its peak; no stage transfers counted)")
     c = Table(title="collectives per step, by mesh dim (calls / bytes)")
     for col in ("dim", "measured", "predicted"):
         c.add_column(col, justify="right")
