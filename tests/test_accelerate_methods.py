@@ -245,6 +245,46 @@ def test_failed_save_state_keeps_the_previous_checkpoint(tmp_path):
     assert second == "checkpoint_1" and final == ["checkpoint_1"]  # rotated once the new one completed
 
 
+def _every_rank_checks_before_rank0_empties(tmp):
+    """Rank 1 is slow to look at the target directory; rank 0 may empty it only once it has."""
+    import time
+
+    import ndparallel.checkpoint.state as state
+    from ndparallel import Accelerator, ParallelismConfig
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2))
+    model = acc.prepare(_tiny_model())
+    target = Path(tmp) / "ckpt"
+    acc.save_state(str(target))  # the directory exists: the next save checks, then empties it
+    checked, real_check, real_prepare = Path(tmp) / f"checked-{acc.process_index}", state.check_target_dir, \
+        state.prepare_dir
+    seen = []
+
+    def slow_check(directory):
+        if acc.process_index == 1:
+            time.sleep(0.5)
+        real_check(directory)
+        checked.touch()
+
+    def prepare(directory):
+        seen.append(sorted(p.name for p in Path(tmp).glob("checked-*")))
+        real_prepare(directory)
+
+    state.check_target_dir, state.prepare_dir = slow_check, prepare
+    try:
+        acc.save_state(str(target))
+    finally:
+        state.check_target_dir, state.prepare_dir = real_check, real_prepare
+    return seen
+
+
+def test_every_rank_checks_the_target_before_rank0_empties_it(tmp_path):
+    """A peer listing the old checkpoint while rank 0 removed it failed (FileNotFoundError, seen
+    once in a full run): rank 0 empties the directory only after every rank has checked it."""
+    seen = run_on_ranks(_every_rank_checks_before_rank0_empties, 2, str(tmp_path))
+    assert seen[0] == [["checked-0", "checked-1"]] and seen[1] == []
+
+
 # ----------------------------------------------------------------------------- trackers
 class _Recorder:
     pass

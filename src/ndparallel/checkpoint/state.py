@@ -143,11 +143,12 @@ def collect_state(models, optimizers, schedulers, extra, loaders, step, config, 
 
 def start_save(directory: Path, state: dict, models: Sequence[nn.Module]) -> None:
     """Everything of a save but the DCP tensor files and the marker: the target checked on every
-    rank, (re)created by rank 0, then this rank's RNG states and rank 0's ``state.json`` and HF
+    rank, then (re)created by rank 0, then this rank's RNG states and rank 0's ``state.json`` and HF
     config. Collective (barrier after the directory exists)."""
     models = _uniq(models)
     rank = _rank()
     check_target_dir(directory)  # on every rank (same filesystem), so all raise together
+    _barrier()  # every rank has looked before rank 0 empties it (a peer listing it mid-rmtree failed)
     if rank == 0:
         prepare_dir(directory)
     _barrier()
