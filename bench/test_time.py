@@ -29,33 +29,41 @@ DURATIONS = ROOT / "tests" / "durations.json"
 BUCKETS = ((20.0, ">= 20 s"), (10.0, "10-20 s"), (3.0, "3-10 s"), (1.0, "1-3 s"), (0.0, "< 1 s"))
 
 
-def read_report(path: Path) -> list[tuple[str, str, float, str]]:
-    """(file, test, seconds, outcome) of every test case in a JUnit XML report."""
+def read_report(path: Path) -> list[tuple[str, str, float, str, float | None]]:
+    """(file, test, seconds, outcome, CPU seconds or None) of every test case in a JUnit XML report
+    (the CPU seconds: the ``cpu_s`` property tests/conftest.py records)."""
     cases = []
     for case in ET.parse(path).iter("testcase"):
         module = case.get("classname", "").split(".")
         file = next((part for part in module if part.startswith("test_")), module[-1])
         outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
-        cases.append((file, case.get("name", "?"), float(case.get("time", 0.0)), outcome))
+        cpu = next((float(p.get("value")) for p in case.iter("property") if p.get("name") == "cpu_s"), None)
+        cases.append((file, case.get("name", "?"), float(case.get("time", 0.0)), outcome, cpu))
     return cases
 
 
 def summarise(cases, top: int) -> dict:
-    by_file = collections.defaultdict(lambda: [0, 0.0])
+    by_file = collections.defaultdict(lambda: [0, 0.0, 0.0])
     by_bucket = collections.defaultdict(lambda: [0, 0.0])
-    for file, _, seconds, _ in cases:
+    for file, _, seconds, _, cpu in cases:
         by_file[file][0] += 1
         by_file[file][1] += seconds
+        by_file[file][2] += cpu or 0.0
         label = next(label for floor, label in BUCKETS if seconds >= floor)
         by_bucket[label][0] += 1
         by_bucket[label][1] += seconds
-    outcomes = collections.Counter(outcome for *_, outcome in cases)
+    outcomes = collections.Counter(c[3] for c in cases)
+    has_cpu = any(c[4] is not None for c in cases)
     return {
         "tests": len(cases),
         "outcomes": dict(outcomes),
         "total_s": round(sum(c[2] for c in cases), 1),
-        "slowest": [{"test": f"{f}::{n}", "s": round(s, 1)} for f, n, s, _ in sorted(cases, key=lambda c: -c[2])[:top]],
-        "files": {f: {"tests": n, "s": round(s, 1)} for f, (n, s) in sorted(by_file.items(), key=lambda x: -x[1][1])},
+        "cpu_s": round(sum(c[4] or 0.0 for c in cases), 1) if has_cpu else None,
+        "slowest": [{"test": f"{f}::{n}", "s": round(s, 1)} for f, n, s, *_ in sorted(cases, key=lambda c: -c[2])[:top]],
+        "most_cpu": [{"test": f"{f}::{n}", "cpu_s": round(cpu, 1)}
+                     for f, n, _, _, cpu in sorted(cases, key=lambda c: -(c[4] or 0.0))[:top]] if has_cpu else [],
+        "files": {f: {"tests": n, "s": round(s, 1), "cpu_s": round(cpu, 1)}
+                  for f, (n, s, cpu) in sorted(by_file.items(), key=lambda x: -x[1][1])},
         "by_length": {label: {"tests": by_bucket[label][0], "s": round(by_bucket[label][1], 1)}
                       for _, label in BUCKETS},
     }
@@ -63,13 +71,18 @@ def summarise(cases, top: int) -> dict:
 
 def print_summary(summary: dict, top_files: int = 20) -> None:
     total = summary["total_s"] or 1.0
-    print(f"{summary['tests']} tests, {summary['total_s']:.0f} s in test bodies and fixtures; {summary['outcomes']}")
+    cpu = f", {summary['cpu_s']:.0f} CPU s" if summary.get("cpu_s") is not None else ""
+    print(f"{summary['tests']} tests, {summary['total_s']:.0f} s in test bodies and fixtures{cpu}; {summary['outcomes']}")
     print(f"\n{len(summary['slowest'])} slowest tests:")
     for row in summary["slowest"]:
         print(f"  {row['s']:7.1f} s  {row['test']}")
+    if summary.get("most_cpu"):
+        print(f"\n{len(summary['most_cpu'])} tests using the most CPU (the ranks and commands they ran included):")
+        for row in summary["most_cpu"]:
+            print(f"  {row['cpu_s']:7.1f} CPU s  {row['test']}")
     print(f"\n{top_files} slowest files:")
     for file, row in list(summary["files"].items())[:top_files]:
-        print(f"  {row['s']:7.1f} s  {row['tests']:4d} tests  {file}")
+        print(f"  {row['s']:7.1f} s  {row['cpu_s']:7.1f} CPU s  {row['tests']:4d} tests  {file}")
     print("\nby test length:")
     for label, row in summary["by_length"].items():
         print(f"  {label:8}  {row['tests']:5d} tests  {row['s']:7.1f} s  ({100 * row['s'] / total:4.1f}%)")

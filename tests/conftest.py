@@ -3,6 +3,7 @@ of ``ndparallel.testing.run_on_ranks`` start in ~0.1 s instead of re-importing t
 
 import json
 import os
+import resource
 import tempfile
 from pathlib import Path
 
@@ -96,3 +97,28 @@ def pytest_terminal_summary(terminalreporter, config):
     count = getattr(config, "_ndparallel_comparisons", 0) + _COMPARE.calls
     terminalreporter.write_line(f"equivalence comparisons (a layout's run against one process's, "
                                 f"tools.equivalence.compare): {count}")
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and of its children that were waited for."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.stash[_CPU_AT_START] = _cpu_seconds()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each test's CPU seconds (itself, its fixtures, the ranks and commands it waited for) go into
+    the JUnit report as the property ``cpu_s`` (with its teardown): ``bench/test_time.py`` sums
+    them per file."""
+    if call.when == "teardown" and _CPU_AT_START in item.stash:
+        item.user_properties.append(("cpu_s", round(_cpu_seconds() - item.stash[_CPU_AT_START], 2)))
+    return (yield)
+
+
+_CPU_AT_START = pytest.StashKey[float]()
