@@ -22,6 +22,14 @@ os.environ.setdefault("WANDB_DIR", tempfile.mkdtemp(prefix="ndparallel-tests-wan
 import torch  # noqa: E402,F401
 import transformers  # noqa: E402,F401
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # One of the suite's test workers (scripts/test.sh): the cores are shared out between them, so
+    # that each worker's own torch ops (and the commands it runs, through OMP_NUM_THREADS) do not
+    # oversubscribe them: OpenMP threads spinning for a busy core cost ~5 % of the suite's CPU.
+    _THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
 from ndparallel.tools import equivalence as _equivalence  # noqa: E402
 
 
