@@ -38,6 +38,10 @@ CASES = {  # name: (model, layout, schedule, extra strategy options, pipeline mi
                                          {"fsdp_options": FSDPOptions(unsharded_grad_accumulation=True)}, None),
     "pp2_checkpointing": ("llama_tied", {"pp_size": 2}, "1F1B",
                           {"fsdp_options": FSDPOptions(activation_checkpointing=True)}, None),
+    "pp2_cp2_ulysses": ("llama", {"pp_size": 2, "cp_size": 2}, "1F1B",
+                        {"cp_options": CPOptions(comm_strategy="ulysses")}, None),
+    "pp2_fsdp2_cpu_offload": ("llama_tied", {"pp_size": 2, "dp_shard_size": 2}, "1F1B",
+                              {"fsdp_options": FSDPOptions(cpu_offload=True)}, None),
 }
 
 _references: dict = {}
@@ -164,3 +168,12 @@ def test_unsharded_accumulation_reduces_gradients_once_per_step():
     assert per_micro_batch == 4 * per_step > 0  # 4 micro-batches per step
     steps = sharded.steps
     assert (per_micro_batch, per_step) == (steps * _planned_reductions(False, 4), steps * _planned_reductions(True, 4))
+
+
+@pytest.mark.slow
+def test_pp2_hsdp_2x2_on_8_ranks_equals_one_process():
+    """Each stage HSDP: gradients reduce-scattered over dp_shard, all-reduced over dp_replicate."""
+    layout = {"pp_size": 2, "dp_replicate_size": 2, "dp_shard_size": 2}
+    got = run_on_ranks(train_under_layout, 8, pipelined("qwen3_tied", "1F1B"), layout)[0]
+    diff = compare(reference("qwen3_tied"), got)
+    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff
