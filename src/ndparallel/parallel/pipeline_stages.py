@@ -130,6 +130,7 @@ class StageView(nn.Module):
             self.add_module(name, child)
         self.config = pieces[0].config
         self.hf_class_name = model_class_name(pieces[0])
+        self._tied_weights_keys = getattr(pieces[0], "_tied_weights_keys", None)  # loading a stage's own copy
         self.stage_indices = tuple(sorted(stages))
         self.pp_group = None  # set by the engine: the export streams every stage to the first
 
