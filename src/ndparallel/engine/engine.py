@@ -137,9 +137,9 @@ class Engine:
         """Apply the layout's strategies to ``model`` (float8 → TP → CP → AC → compile → FSDP) and
         return it; ``adapter`` (a peft ``LoraConfig``) wraps it with LoRA first. Training needs no
         KV cache (with one, transformers also skips its packed-document mask): it is switched off.
-        Under pipeline parallel the model is cut into stages first, each parallelised on its own
-        and run by the pipeline (``pipeline_of``); the returned ``StageView`` names this rank's
-        stages as the whole model does."""
+        Under pipeline parallel the model (with its adapter) is cut into stages first, each
+        parallelised on its own and run by the pipeline (``pipeline_of``); the returned
+        ``StageView`` names this rank's stages as the whole (PEFT) model does."""
         if self.dims.pp_enabled:
             return self._parallelize_pipeline(model, adapter)
         return self._parallelize_stage(model, adapter)

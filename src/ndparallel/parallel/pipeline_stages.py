@@ -173,10 +173,8 @@ class StageView(nn.Module):
             self.get_base_model().attach(pp_group, stage_main)
 
     def get_base_model(self) -> nn.Module:
-        """A LoRA view's Hugging Face model view (PEFT's ``PeftModel.get_base_model``)."""
-        if "base_model" not in self._modules:
-            raise AttributeError("get_base_model: this pipeline stage view holds no LoRA adapter")
-        return self.base_model.model
+        """A LoRA view's Hugging Face model view (PEFT's ``PeftModel.get_base_model``); else itself."""
+        return self.base_model.model if "base_model" in self._modules else self
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline-parallel model holds only this rank's stages: train it with the engine's "
