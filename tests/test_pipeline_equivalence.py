@@ -5,6 +5,7 @@ with FSDP, TP, CP and EP, tied embeddings across stages, on Llama, Qwen3 (tied) 
 import dataclasses
 
 import pytest
+import torch
 
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import CPOptions, FSDPOptions, PipelineOptions, TPOptions
@@ -109,6 +110,21 @@ def test_packed_documents_stay_apart_on_every_stage():
     crossing = run_on_ranks(train_under_layout, 2, pipelined("qwen3_tied", "1F1B", packed_documents=True,
                                                              fault="cross-documents"), {"pp_size": 2})[0]
     assert compare(ref, crossing)["loss_rel"] > 1e-4  # attention across documents is caught
+
+
+def test_pp2_interleaved_loads_the_model_from_disk(tmp_path):
+    """A model read from a directory (meta device → stages → this rank's shards): every stage of a
+    rank materialised and its rotary buffers computed, as one process loads it."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(MODELS["llama_tied"]).save_pretrained(tmp_path)
+    ref = run_on_ranks(train_under_layout, 1, TrainSetup(MODELS["llama_tied"], **BASE, model_dir=str(tmp_path)),
+                       None)[0]
+    got = run_on_ranks(train_under_layout, 2, pipelined("llama_tied", "Interleaved1F1B", model_dir=str(tmp_path)),
+                       {"pp_size": 2})[0]
+    diff = compare(ref, got)
+    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff
 
 
 def test_unsummed_tied_gradients_are_caught():

@@ -1,5 +1,6 @@
 """``ndparallel train`` with ``pipeline_parallel_size``: a YAML run on PP 2 × TP 2 evaluates as PP 1
-does, checkpoints, resumes on PP 1 and exports an HF model equal to an uninterrupted PP 1 run; a
+does, checkpoints, resumes on PP 1 and exports an HF model equal to an uninterrupted PP 1 run; LoRA
+checkpoints cross pipeline degrees both ways and the PP 2 adapter export is the one-process one; a
 bad pipeline is refused before any rank starts."""
 
 from __future__ import annotations
@@ -7,7 +8,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import peft  # noqa: F401  (imported once before the ranks fork)
 import pytest
+import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -64,11 +67,58 @@ def test_pp2_tp2_checkpoint_resumes_on_pp1_and_exports_the_one_process_model(tmp
     assert model.config.num_hidden_layers == 4 and type(model).__name__ == "LlamaForCausalLM"
 
 
+LORA = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_linear": True, "val_set_size": 0}
+
+
+def _tensors(directory: Path, name: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / name))
+
+
+def test_lora_checkpoints_cross_pipeline_degrees_and_the_pp2_adapter_is_the_one_process_adapter(tmp_path):
+    """LoRA: a PP 1 run's checkpoint resumes on PP 2 and the PP 2 checkpoint on PP 1, to the adapter
+    of the uninterrupted PP 1 run; the PP 2 run's adapter (every stage's tensors) = the offline export
+    of the PP 1 checkpoint of the same step, loads with PEFT and gives its merged model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel.cli import main
+
+    straight = _write(tmp_path / "straight.yaml", **LORA, max_steps=3, save_steps=1, output_dir=str(tmp_path / "one"))
+    assert main(["train", str(straight)]) == 0  # one rank: in this process
+    pp = _write(tmp_path / "pp.yaml", **LORA, pipeline_parallel_size=2, max_steps=2, save_steps=2, merge_lora=True,
+                output_dir=str(tmp_path / "pp"), resume_from_checkpoint=str(tmp_path / "one" / "checkpoint-1"))
+    run = train_on_forked_ranks(["train", pp])
+    assert run.returncode == 0, run.stdout + run.stderr
+    back = _write(tmp_path / "back.yaml", **LORA, max_steps=3, output_dir=str(tmp_path / "back"),
+                  resume_from_checkpoint=str(tmp_path / "pp" / "checkpoint-2"))
+    assert main(["train", str(back)]) == 0
+    weights = "adapter_model.safetensors"
+    a, b = _tensors(tmp_path / "back" / "final", weights), _tensors(tmp_path / "one" / "final", weights)
+    assert set(a) == set(b) and any(".layers.3." in k for k in a)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    assert main(["export", str(tmp_path / "one" / "checkpoint-2"), str(tmp_path / "step2")]) == 0
+    staged, offline = _tensors(tmp_path / "pp" / "final", weights), _tensors(tmp_path / "step2", weights)
+    assert set(staged) == set(offline) == set(b)  # every stage's tensors, under PEFT's names
+    assert max((staged[k] - offline[k]).abs().max().item() for k in staged) <= 1e-6
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "merged").eval()
+    torch.manual_seed(BASE["seed"])  # the preset's random base, as the run drew it
+    base = AutoModelForCausalLM.from_config(merged.config).float().eval()
+    ids = torch.randint(0, merged.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "pp" / "final").eval()(input_ids=ids).logits
+        assert (adapted - merged(input_ids=ids).logits).abs().max() <= 2e-5
+    assert (adapted - plain).abs().max() > 1e-3  # the adapter learned something
+
+
 @pytest.mark.parametrize("fields, words", [
     ({"pipeline_parallel_size": 2, "pipeline_schedule": "PipeDream"}, "is not a schedule"),
     ({"pipeline_parallel_size": 8}, "8 stages, but the model has 4 decoder layers"),
     ({"pipeline_parallel_size": 4}, "at least 4"),
-    ({"pipeline_parallel_size": 2, "adapter": "lora", "lora_target_linear": True}, "adapter: lora is not supported"),
+    ({"pipeline_parallel_size": 2, **LORA, "lora_modules_to_save": ["embed_tokens", "lm_head"]},
+     "lora_modules_to_save on tied embeddings"),
     ({"pipeline_parallel_size": 2, "base_model": "tiny-qwen3-moe"}, "output_router_logits: false"),
     ({"pipeline_parallel_size": 2, "base_model": "tiny-mixtral"}, "this model is 'mixtral'"),
 ])

@@ -1,7 +1,8 @@
 """QLoRA: a 4-bit NF4 frozen base (torchao's NF4Tensor) with LoRA adapters trains the same adapter
 on every layout as QLoRA on one process: the reference quantises the whole weights with torchao's
 ``to_nf4`` and trains PEFT's adapters on one process; the layouts read and quantise each rank's rows
-(``load_model(..., quantization=NF4Config(...))``). fp32 compute of the dequantised weights, SGD."""
+(``load_model(..., quantization=NF4Config(...))``), pipeline stages included. fp32 compute of the
+dequantised weights, SGD."""
 
 import dataclasses
 
@@ -12,7 +13,7 @@ import torch.nn as nn
 
 from ndparallel.models.presets import preset_config
 from ndparallel.models.quantized import NF4Config, is_nf4, nf4_with_mean, quantize_row_shard
-from ndparallel.parallel.options import FSDPOptions
+from ndparallel.parallel.options import FSDPOptions, PipelineOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
@@ -135,6 +136,13 @@ def test_fsdp2_cp2_adamw_accumulation(tmp_path_factory):
 
 def test_fsdp4_cpu_offload(tmp_path_factory):
     _check(tmp_path_factory, {"dp_shard_size": 4}, 4, fsdp_options=FSDPOptions(cpu_offload=True))
+
+
+def test_pp2_fsdp2(tmp_path_factory):
+    """Pipeline parallel: each stage reads and quantises its own layers' rows, FSDP-sharded, and
+    draws its adapters' init where the whole model's seeded order puts them."""
+    _check(tmp_path_factory, {"pp_size": 2, "dp_shard_size": 2}, 4,
+           pipeline_options=PipelineOptions(schedule="1F1B", microbatches=2))
 
 
 def _peft_model():

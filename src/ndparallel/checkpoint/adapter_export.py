@@ -4,7 +4,9 @@ which ``PeftModel.from_pretrained(base_model, directory)`` loads.
 * ``save_adapter``: from a parallelised ``PeftModel`` (any layout). Only the trained tensors are
   gathered (``full_tensor``, one at a time: r·(in + out) per adapted linear, and each
   ``modules_to_save`` module whole, e.g. vocab × hidden for ``embed_tokens``); rank 0 names them
-  with PEFT's ``get_peft_model_state_dict`` and writes the directory.
+  with PEFT's ``get_peft_model_state_dict`` and writes the directory. Under pipeline parallel each
+  stage gathers its own and sends them to rank 0, which names them as ``export_adapter_checkpoint``
+  does (``peft_save_key``: PEFT's function needs every stage's modules).
 * ``export_adapter_checkpoint``: from a DCP checkpoint of a LoRA run, on one process without peft
   (the checkpoint holds only trained tensors; the adapter config was saved beside it).
 
@@ -26,6 +28,7 @@ import torch.nn as nn
 from ndparallel.checkpoint.directory import HF_CONFIG_DIR, validate_checkpoint
 from ndparallel.checkpoint.hf_files import save_tokenizer
 from ndparallel.checkpoint.io import SafeFileSystemReader, read_dcp_metadata
+from ndparallel.checkpoint.stage_export import is_pipeline_view, stage_tensors
 from ndparallel.models.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ndparallel.models.adapters import (
     ADAPTER_NAME,
@@ -36,30 +39,55 @@ from ndparallel.models.adapters import (
 
 
 def save_adapter(model: nn.Module, directory: str | os.PathLike, is_main: bool, tokenizer=None) -> None:
-    """Write the PEFT adapter directory of ``model`` (a parallelised ``PeftModel``). Collective:
-    every rank calls it; only ``is_main`` writes."""
+    """Write the PEFT adapter directory of ``model`` (a parallelised ``PeftModel``, or a pipeline
+    stage view of one: every stage's tensors streamed to the first stage). Collective: every rank
+    calls it; only ``is_main`` writes."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
     )
-    from torch.distributed.tensor import DTensor
 
     state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
-    full: dict[str, torch.Tensor] = {}
+    gather = _stage_tensors if is_pipeline_view(model) else _peft_tensors
+    tensors = gather(model, state, is_main)
+    if is_main:
+        _write_adapter(model, tensors, Path(directory), tokenizer)
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value  # tiny: r × d
+
+
+def _peft_tensors(model: nn.Module, state: dict, is_main: bool) -> dict[str, torch.Tensor] | None:
+    """The trained tensors gathered, named on rank 0 by PEFT (``get_peft_model_state_dict``)."""
+    full = {}
     for name, value in state.items():
-        t = value.full_tensor() if isinstance(value, DTensor) else value  # tiny: r × d
+        t = _full(value)
         if is_main:
             full[name] = t.detach().to("cpu").contiguous()
     if not is_main:
-        return
+        return None
     from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model, state_dict=full, adapter_name=ADAPTER_NAME)
+
+
+def _stage_tensors(model: nn.Module, state: dict, is_main: bool) -> dict[str, torch.Tensor] | None:
+    """Every pipeline stage's trained tensors on rank 0, named as PEFT saves them (``peft_save_key``:
+    PEFT's own function needs every stage's modules, and rank 0 holds its own stages only)."""
+    names = [n for n in state if is_trained_state(n)]
+    stream = stage_tensors(model, state, names, lambda name: _full(state[name]), None)  # collective
+    tensors = {peft_save_key(name): t.detach().to("cpu").contiguous() for name, t in stream if is_main}
+    return tensors if is_main else None
+
+
+def _write_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], out: Path, tokenizer) -> None:
     from safetensors.torch import save_file
 
-    out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = get_peft_model_state_dict(model, state_dict=full, adapter_name=ADAPTER_NAME)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / ADAPTER_WEIGHTS),
-              metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = copy.deepcopy(adapter_config_of(model))
     config.inference_mode = True
     config.save_pretrained(str(out))

@@ -121,13 +121,9 @@ def collect_state(models, optimizers, schedulers, extra, loaders, step, config, 
     tensors: dict[str, torch.Tensor] = {}
     state: dict[str, Any] = {"format": FORMAT, "step": step, "world_size": _world(),
                              "layout": layout.to_dict() if layout is not None else None}
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    state["models"] = [split_tensors(get_model_state_dict(m, options=_TRAINED), _key("model", i), tensors)
-                       for i, m in enumerate(models)]
+    state["models"] = [split_tensors(_trained_state(m), _key("model", i), tensors) for i, m in enumerate(models)]
     state["optimizers"] = [
         split_tensors(get_optimizer_state_dict(_owner(models, o), o), _key("optimizer", i), tensors)
         for i, o in enumerate(optimizers)
@@ -169,7 +165,6 @@ def load_state(
     """Restore what ``save_state`` wrote, resharding DTensors to this run's layout. Raises
     ``ValueError`` for an incomplete or corrupted directory."""
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
@@ -190,7 +185,9 @@ def load_state(
     current: dict[str, torch.Tensor] = {}
     staged = any(is_pipeline_view(m) for m in models)  # a stage loads its own names only
     for i, m in enumerate(models):
-        mine = split_tensors(get_model_state_dict(m, options=_TRAINED), _key("model", i), current)
+        mine = split_tensors(_trained_state(m), _key("model", i), current)
+        frozen = _frozen_names(m)  # (older checkpoints hold a LoRA base's tied, frozen LM head)
+        state["models"][i] = {k: v for k, v in state["models"][i].items() if k not in frozen}
         if staged:
             state["models"][i] = restrict_to_stage(state["models"][i], mine, optimizer=False)
         _check_same_params(directory, set(state["models"][i]), mine)
@@ -249,6 +246,25 @@ def save_step_checkpoint(
 _TRAINED = StateDictOptions(ignore_frozen_params=True)
 """Model state saved: trainable parameters and buffers. Frozen parameters (a LoRA base model) are
 left out: they never change, and come back from the base model when a run resumes."""
+
+
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def _frozen_names(model: nn.Module) -> set[str]:
+    """Every name of every frozen parameter, as DCP names it (wrapper parts dropped)."""
+    return {".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+            for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+
+
+def _trained_state(model: nn.Module) -> dict:
+    """The model state a checkpoint holds (``_TRAINED``). DCP leaves a frozen parameter out under its
+    first name only: a LoRA base's tied LM head (vocab × hidden) came along under ``lm_head.weight``,
+    which a pipeline stage holding the head alone does not have. Every frozen name is left out."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    frozen = _frozen_names(model)
+    return {k: v for k, v in get_model_state_dict(model, options=_TRAINED).items() if k not in frozen}
 
 
 def _check_same_params(directory: Path, saved: set[str], current: dict) -> None:

@@ -95,24 +95,30 @@ def build_random_shards(engine, config: PretrainedConfig, dtype: torch.dtype = t
     materialised and filled with random values (normal(0, 0.02) for matrices, ones for vectors;
     rotary buffers computed): the whole model never exists on any rank, whatever its size. For
     measuring one rank (``ndparallel simulate``), where the values do not matter."""
-    from ndparallel.models.loading import build_on_meta_from_config, init_non_persistent_buffers
-    from ndparallel.models.adapters import base_model_of
+    from ndparallel.models.loading import build_on_meta_from_config
 
     model = build_on_meta_from_config(config, dtype, attn_implementation, trust_remote_code, adapter)
     model = engine.parallelize(model)
     materialize_shards(engine, model)
     fill_random(model)
-    init_non_persistent_buffers(base_model_of(model))
     return model
 
 
 def materialize_shards(engine, module: nn.Module) -> None:
-    """This rank's shards of a parallelised meta ``module`` allocated where they live: on the
-    device, or in host memory under FSDP's CPU offload (its buffers then go to the device)."""
+    """This rank's shards of a parallelised meta ``module`` allocated where they live (on the
+    device, or in host memory under FSDP's CPU offload, its buffers then on the device), and its
+    non-persistent buffers (rotary frequencies) computed. A pipeline stage view: each of its
+    stages' models (the view holds one copy of the buffers several stages of a rank share)."""
+    from ndparallel.models.adapters import base_model_of
+    from ndparallel.models.loading import init_non_persistent_buffers
+
     offload = engine.options.fsdp.cpu_offload
-    materialize(module, torch.device("cpu") if offload else engine.device)
-    if offload:
-        move_leftovers(module, engine.device, keep_params_on_cpu=True)
+    pipeline = engine.pipeline_of(module)
+    for part in pipeline.lms() if pipeline is not None else [module]:
+        materialize(part, torch.device("cpu") if offload else engine.device)
+        if offload:
+            move_leftovers(part, engine.device, keep_params_on_cpu=True)
+        init_non_persistent_buffers(base_model_of(part))
 
 
 def fill_random(module: nn.Module) -> None:

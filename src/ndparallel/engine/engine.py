@@ -137,22 +137,29 @@ class Engine:
         """Apply the layout's strategies to ``model`` (float8 → TP → CP → AC → compile → FSDP) and
         return it; ``adapter`` (a peft ``LoraConfig``) wraps it with LoRA first. Training needs no
         KV cache (with one, transformers also skips its packed-document mask): it is switched off.
-        Under pipeline parallel the model is cut into stages first, each parallelised on its own
-        and run by the pipeline (``pipeline_of``); the returned ``StageView`` names this rank's
-        stages as the whole model does."""
+        Under pipeline parallel the model (with its adapter) is cut into stages first, each
+        parallelised on its own and run by the pipeline (``pipeline_of``); the returned
+        ``StageView`` names this rank's stages as the whole (PEFT) model does."""
         if self.dims.pp_enabled:
             return self._parallelize_pipeline(model, adapter)
         return self._parallelize_stage(model, adapter)
 
     def _parallelize_pipeline(self, model: nn.Module, adapter) -> nn.Module:
+        from ndparallel.models.adapters import apply_adapter, base_model_of, is_peft_model, trained_shapes
         from ndparallel.models.layers import decoder_module
         from ndparallel.parallel.pipeline import Pipeline
         from ndparallel.parallel.pipeline_split import plan_stages
-        from ndparallel.parallel.pipeline_stages import StageView, cut_stages, pipeline_family_problem
+        from ndparallel.parallel.pipeline_stages import (
+            StageView,
+            adapter_pipeline_problem,
+            cut_stages,
+            pipeline_family_problem,
+        )
 
-        problem = pipeline_family_problem(getattr(model, "config", None))
-        if problem is None and adapter is not None:
-            problem = "pipeline parallel with a LoRA adapter is not supported yet: set pipeline_parallel_size: 1"
+        if adapter is not None:  # on the whole model: PEFT's names and init are one process's
+            model = apply_adapter(model, adapter)
+        base = base_model_of(model)
+        problem = pipeline_family_problem(getattr(base, "config", None)) or adapter_pipeline_problem(model)
         if problem is None and self.router_aux_spec(model) is not None:
             problem = ROUTER_LOSS_UNDER_PP
         if problem is None and self.dims.cp_enabled and self.options.cp.comm_strategy == "ring" \
@@ -161,14 +168,14 @@ class Engine:
                        "cp_comm_strategy: allgather (CPOptions(comm_strategy='allgather'))")
         if problem:
             raise ValueError(problem)
-        plan = plan_stages(self.options.pipeline, self.dims.pp, len(decoder_module(model).layers))
+        plan = plan_stages(self.options.pipeline, self.dims.pp, len(decoder_module(base).layers))
         mine = plan.stages_of(self.rank_in("pp"))
-        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        tied = bool(getattr(base.config, "tie_word_embeddings", False))
+        whole = trained_shapes(model) if is_peft_model(model) else None  # adapter files and init: the whole's
         stages = cut_stages(model, {s: plan.layers[s] for s in mine}, plan.n_stages)
         stages = {s: self._parallelize_stage(lm, None) for s, lm in stages.items()}
-        view = StageView(stages)
-        view.pp_group = self.group("pp")  # for the export (checkpoint/stage_export.py)
-        view.stage_main = all(self.rank_in(d) == 0 for d in MESH_DIM_NAMES)
+        view = StageView(stages, whole_trained=whole)
+        view.attach(self.group("pp"), all(self.rank_in(d) == 0 for d in MESH_DIM_NAMES))  # for the export
         self._pipelines[view] = Pipeline(self, plan, stages, tied)
         return view
 

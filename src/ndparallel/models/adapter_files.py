@@ -16,9 +16,9 @@ import torch.nn as nn
 
 from ndparallel.models.adapters import (
     check_adapter_config,
-    is_trained_state,
     peft_save_key,
     require_peft,
+    trained_shapes,
 )
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -62,9 +62,9 @@ def read_adapter_config(directory: str | os.PathLike, dropout: float | None = No
 def _expected(model: nn.Module) -> dict[str, tuple[str, torch.Size]]:
     """For every adapter parameter (and trained ``modules_to_save`` copy) of a PEFT model: the key
     PEFT saves it under -> (our name, shape). The shape is the full (unsharded) one: DTensor
-    parameters report it too. Tied copies count under each name (PEFT saves both)."""
-    return {peft_save_key(n): (n, p.shape) for n, p in model.named_parameters(remove_duplicate=False)
-            if is_trained_state(n)}
+    parameters report it too. Tied copies count under each name (PEFT saves both). A pipeline stage
+    view expects the whole model's (``trained_shapes``)."""
+    return {peft_save_key(n): (n, torch.Size(shape)) for n, shape, _ in trained_shapes(model)}
 
 
 def adapter_weights_problem(model: nn.Module, directory: str | os.PathLike) -> str | None:
@@ -95,7 +95,7 @@ def adapter_weights_problem(model: nn.Module, directory: str | os.PathLike) -> s
 
 def read_adapter_weights(model: nn.Module, directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The saved adapter tensors under ``model``'s own parameter names, in its parameters' dtype
-    (full tensors; each rank keeps its shard when they are set)."""
+    (full tensors; each rank keeps its shard when they are set; a pipeline stage view: its own)."""
     from safetensors.torch import load_file
 
     problem = adapter_weights_problem(model, directory)
@@ -103,4 +103,4 @@ def read_adapter_weights(model: nn.Module, directory: str | os.PathLike) -> dict
         raise ValueError(problem)
     saved = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
     dtypes: dict[str, Any] = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
-    return {name: saved[key].to(dtypes[name]) for key, (name, _) in _expected(model).items()}
+    return {name: saved[key].to(dtypes[name]) for key, (name, _) in _expected(model).items() if name in dtypes}

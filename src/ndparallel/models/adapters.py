@@ -213,28 +213,46 @@ def adapter_config_of(model: nn.Module):
     return model.peft_config[ADAPTER_NAME]
 
 
+WHOLE_TRAINED = "whole_trained_shapes"
+"""The attribute a part of a model (a pipeline stage view) records the whole model's
+``trained_shapes`` under, taken before the cut: adapter files and the seeded init are the whole's."""
+
+
+def trained_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, full shape, dtype) of every trained tensor of a PEFT model (LoRA factors,
+    ``modules_to_save`` copies; tied copies under each name), in parameter order — of the whole
+    model even where ``model`` holds a part of it (``WHOLE_TRAINED``)."""
+    whole = getattr(model, WHOLE_TRAINED, None)
+    if whole is not None:
+        return list(whole)
+    return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)
+            if is_trained_state(n)]
+
+
 @torch.no_grad()
 def initial_adapter_weights(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Full initial LoRA weights of a PEFT model whose adapters hold no data yet (built on the meta
     device): A as PEFT initialises it (Kaiming-uniform, or normal(0, 1/r) for ``"gaussian"``), B
-    zero, so the model starts equal to the base. Drawn from ``seed`` in parameter order: the same
-    on every rank and every layout."""
+    zero, so the model starts equal to the base. Drawn from ``seed`` in the whole model's parameter
+    order (``trained_shapes``): the same on every rank, every layout and every pipeline stage."""
     init = adapter_config_of(model).init_lora_weights
     if init not in (True, "gaussian"):
         raise ValueError(f"LoraConfig.init_lora_weights={init!r}: loading a model from disk supports "
                          "True (PEFT's default) and 'gaussian'")
     g = torch.Generator().manual_seed(seed)
+    own = {n for n, _ in model.named_parameters()}
     out = {}
-    for name, p in model.named_parameters():
+    for name, shape, dtype in trained_shapes(model):
         if not is_adapter_param(name):
             continue
-        full = torch.zeros(p.shape, dtype=p.dtype)
+        full = torch.zeros(shape, dtype=dtype)
         if ".lora_A." in name:
             if init == "gaussian":
                 full.normal_(0.0, 1.0 / adapter_config_of(model).r, generator=g)
             else:
                 nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=g)
-        out[name] = full
+        if name in own:
+            out[name] = full
     return out
 
 

@@ -119,12 +119,12 @@ def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | Non
 
 def fill_from_files(model: nn.Module, path: Path, files: list[Path], grown: list[str], seed: int = 0,
                     adapter_weights: str | os.PathLike | None = None, device: torch.device | None = None) -> None:
-    """Fill a materialised (``materialize``), possibly parallelised model from the files of
-    ``path``: this rank's shards only; grown token rows = the mean row; QLoRA's NF4 weights read
-    and quantised one decoder layer at a time (on ``device``); LoRA adapters from
-    ``adapter_weights`` or initialised from ``seed``; the directory's generation config."""
+    """Fill a materialised (``materialize``, non-persistent buffers computed:
+    ``init_non_persistent_buffers``), possibly parallelised model from the files of ``path``: this
+    rank's shards only; grown token rows = the mean row; QLoRA's NF4 weights read and quantised one
+    decoder layer at a time (on ``device``); LoRA adapters from ``adapter_weights`` or initialised
+    from ``seed``; the directory's generation config."""
     base = base_model_of(model)
-    init_non_persistent_buffers(base)
     nf4 = set(nf4_parameter_names(base))
     load_sharded_safetensors(base, path, files, skip=set(grown) | nf4)
     if nf4:  # this rank's rows, read and quantised one decoder layer at a time

@@ -12,6 +12,7 @@ rank holds its shards plus one bounded temporary (only for dtype conversion or s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -41,7 +42,8 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path], sk
     Collective: every rank of the default group must call it. Keys are matched as transformers
     does (``key_conversion``: renamed and fused tensors, e.g. GPT-NeoX's ``embed_out``, MoE experts
     stored one per expert). Tied parameters are read once, under the key the checkpoint holds
-    (``save_pretrained`` omits ``lm_head.weight`` when tied). ``skip``: names left for the caller
+    (``save_pretrained`` omits ``lm_head.weight`` when tied; a pipeline stage's own copy of it is read
+    from the embedding's key). ``skip``: names left for the caller
     (grown token rows). ``plan``: the key matching, if already made (``checkpoint_plan``, on the
     model before it was parallelised)."""
     import torch.distributed.checkpoint as dcp
@@ -59,6 +61,9 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path], sk
                   if not is_adapter_param(k) and k not in skip}
     name = {k: checkpoint_key(k) for k in state_dict}
     param_id = {checkpoint_key(n): id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+    apart = _tied_apart(model, param_id, plan, stored)
+    if apart:
+        plan = dataclasses.replace(plan, direct={**plan.direct, **apart})
     in_ckpt = {param_id[k] for k in param_id if plan.has(k)}  # tied aliases count as present
     to_read = {name[k]: t for k, t in state_dict.items() if plan.has(name[k])}
     missing = [k for k in state_dict if not plan.has(name[k]) and param_id.get(name[k]) not in in_ckpt]
@@ -76,6 +81,20 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path], sk
     # whose state dict is a copy.
     loaded = {k: to_read[name[k]] for k in state_dict if name[k] in to_read}
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
+
+
+def _tied_apart(model: nn.Module, param_id: dict[str, int], plan: CheckpointKeys, stored: dict) -> dict[str, str]:
+    """Model key -> stored key of each tied weight that ``model`` holds apart from its source (a
+    pipeline's last stage holds the LM head of tied embeddings, a copy or alone): read from the
+    source's key, which is all ``save_pretrained`` stored (transformers ties them on load)."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return {}
+    out = {}
+    for target, source in (getattr(model, "_tied_weights_keys", None) or {}).items():
+        key = plan.direct.get(source, source if source in stored else None)
+        if target in param_id and not plan.has(target) and key and param_id.get(source) != param_id[target]:
+            out[target] = key
+    return out
 
 
 def checkpoint_plan(model: nn.Module, files: list[Path]) -> CheckpointKeys:

@@ -97,12 +97,13 @@ def _shard_root(module: StageModule, engine) -> None:
     micro-batch's backward reduce-scatters (and under HSDP all-reduces): gradients stay sharded."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    from ndparallel.models.adapters import base_model_of
     from ndparallel.parallel.fsdp import fsdp_root
 
     if not engine.options.fsdp.unsharded_grad_accumulation:
         return
     inner = fsdp_root(module.lm)
-    if inner is None or inner is not module.lm:  # not sharded (or only its experts): nothing to gain
+    if inner is None or inner is not base_model_of(module.lm):  # not sharded (or only its experts)
         return
     options = engine.options
     mp = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.fsdp.reduce_dtype or torch.float32)

@@ -18,6 +18,7 @@ from typing import Iterable
 
 import torch.nn as nn
 
+from ndparallel.models.adapters import WHOLE_TRAINED, base_model_of, is_peft_model
 from ndparallel.models.layers import decoder_module
 from ndparallel.models.naming import model_class_name
 
@@ -56,9 +57,27 @@ def pipeline_family_problem(config) -> str | None:
             f"the decoder; this model is {model_type!r}: set pipeline_parallel_size: 1 (and use dp_shard / tp)")
 
 
+def adapter_pipeline_problem(model: nn.Module) -> str | None:
+    """Why a LoRA model cannot be cut into stages exactly, or None: a trained weight that is both
+    the input embedding and the LM head (``lora_modules_to_save`` on tied embeddings) would be two
+    trained copies on the first and the last stage."""
+    if not is_peft_model(model):
+        return None
+    base = base_model_of(model)
+    emb, head = base.get_input_embeddings(), base.get_output_embeddings()
+    trained = {id(p) for p in emb.parameters() if p.requires_grad} if emb is not None else set()
+    if head is not None and any(id(p) in trained for p in head.parameters()):
+        return ("pipeline parallel with lora_modules_to_save on tied embeddings (one trained weight is the first "
+                "stage's embedding and the last stage's LM head) is not supported: drop embed_tokens / lm_head "
+                "from lora_modules_to_save, or set pipeline_parallel_size: 1")
+    return None
+
+
 def cut_stage(model: nn.Module, layers: Iterable[int], first: bool, last: bool) -> nn.Module:
     """Make ``model`` (in place) the stage that runs decoder ``layers``; ``first`` keeps the input
-    embeddings, ``last`` the final norm and the LM head. Returns ``model``."""
+    embeddings, ``last`` the final norm and the LM head. Returns ``model`` (a LoRA ``PeftModel``:
+    the Hugging Face model inside it is cut, its LoRA layers go with their layers)."""
+    model, wrapper = base_model_of(model), model
     decoder = decoder_module(model)
     if decoder is None or not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
         raise ValueError(f"{type(model).__name__}: no decoder with a `layers` list found to cut into stages")
@@ -69,7 +88,7 @@ def cut_stage(model: nn.Module, layers: Iterable[int], first: bool, last: bool) 
     if not last:
         decoder.norm = nn.Identity()
         model.lm_head = nn.Identity()
-    return model
+    return wrapper
 
 
 def cut_stages(model: nn.Module, stage_layers: dict[int, tuple[int, ...]], n_stages: int) -> dict[int, nn.Module]:
@@ -120,18 +139,42 @@ def merge_views(modules: list[nn.Module]) -> nn.Module:
 class StageView(nn.Module):
     """The rank's pipeline stages as one module under the unsplit model's parameter names (what
     ``state_dict``, DCP checkpoints, exports and the optimizer see). Training runs through the
-    engine's pipeline (``engine.train_step``), never through this module's forward."""
+    engine's pipeline (``engine.train_step``), never through this module's forward.
 
-    def __init__(self, stages: dict[int, nn.Module]) -> None:
+    Stages that are LoRA ``PeftModel``s give a view named as the whole ``PeftModel`` is
+    (``base_model.model.<the model's names>``) that answers PEFT's ``peft_config`` and
+    ``get_base_model()`` (the view of the Hugging Face models inside); ``whole_trained``: the whole
+    model's ``trained_shapes``, taken before the cut (adapter files and the seeded init)."""
+
+    def __init__(self, stages: dict[int, nn.Module], whole_trained: list | None = None) -> None:
         super().__init__()
         pieces = [stages[s] for s in sorted(stages)]
-        merged = merge_views(pieces)
-        for name, child in merged._modules.items():
-            self.add_module(name, child)
-        self.config = pieces[0].config
-        self.hf_class_name = model_class_name(pieces[0])
+        if is_peft_model(pieces[0]):
+            holder = nn.Module()  # PEFT's LoraModel holds the model as `model`
+            holder.add_module("model", StageView({s: base_model_of(m) for s, m in stages.items()}))
+            self.add_module("base_model", holder)
+            self.peft_config = pieces[0].peft_config
+            setattr(self, WHOLE_TRAINED, whole_trained)
+        else:
+            for name, child in merge_views(pieces)._modules.items():
+                self.add_module(name, child)
+        base = base_model_of(pieces[0])
+        self.config, self.hf_class_name = base.config, model_class_name(base)
+        self._tied_weights_keys = getattr(base, "_tied_weights_keys", None)  # loading a stage's own copy
         self.stage_indices = tuple(sorted(stages))
-        self.pp_group = None  # set by the engine: the export streams every stage to the first
+        self.pp_group = None  # set by ``attach``: the export streams every stage to the first
+        self.stage_main = False
+
+    def attach(self, pp_group, stage_main: bool) -> None:
+        """The pipeline's process group and whether this rank sends its stages' tensors in an
+        export (its stage's first rank); a LoRA view's base view too."""
+        self.pp_group, self.stage_main = pp_group, stage_main
+        if is_peft_model(self):
+            self.get_base_model().attach(pp_group, stage_main)
+
+    def get_base_model(self) -> nn.Module:
+        """A LoRA view's Hugging Face model view (PEFT's ``PeftModel.get_base_model``); else itself."""
+        return self.base_model.model if "base_model" in self._modules else self
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline-parallel model holds only this rank's stages: train it with the engine's "

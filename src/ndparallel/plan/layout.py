@@ -289,5 +289,6 @@ def pipeline_rejections(layout: Layout, model: ModelSpec, settings: Settings) ->
         out.append(("pp_moe", f"pp={layout.pp} with experts: pipeline parallel of MoE models is not "
                     "modelled (train refuses it with a router loss)"))
     if settings.lora_r:
-        out.append(("pp_adapter", f"pp={layout.pp} with a LoRA adapter: train refuses it (not supported yet)"))
+        out.append(("pp_adapter", f"pp={layout.pp} with a LoRA adapter: not modelled by the planner (train runs "
+                    "it: docs/pipeline_parallel.md)"))
     return out

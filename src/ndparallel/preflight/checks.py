@@ -82,7 +82,7 @@ def experts(p: Preflight) -> None:
 def adapter(p: Preflight) -> None:
     from ndparallel.preflight.model_check import check_adapter
 
-    check_adapter(p.cfg, p.hf, p.pc.tp_size, p.pc.ep_size or 1)
+    check_adapter(p.cfg, p.hf, p.pc.tp_size, p.pc.ep_size or 1, p.pc.pp_size)
 
 
 def quantized_base(p: Preflight) -> None:

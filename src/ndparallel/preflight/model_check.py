@@ -202,9 +202,10 @@ def _check_weights(cfg: TrainConfig, model, path: Path) -> None:
         raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
 
 
-def check_adapter(cfg: TrainConfig, hf, tp_size: int, ep_size: int = 1) -> str | None:
+def check_adapter(cfg: TrainConfig, hf, tp_size: int, ep_size: int = 1, pp_size: int = 1) -> str | None:
     """``adapter: lora`` before launch: peft installed, the targets exist in the model (PEFT applied
-    to a meta-device copy), no embedding adapted under TP. Returns a one-line summary of the adapter
+    to a meta-device copy), no embedding adapted under TP, no tied trained embedding cut into
+    pipeline stages. Returns a one-line summary of the adapter
     (None without one); ``lora_*`` fields without an adapter are a note (``preflight.run_notes``)."""
     if cfg.adapter is None:
         return None
@@ -224,6 +225,10 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int, ep_size: int = 1) -> str |
     from ndparallel.parallel.support import adapter_layout_problem
 
     problem = adapter_layout_problem(base_model_of(model), tp_size, ep_size)
+    if problem is None and pp_size > 1:
+        from ndparallel.parallel.pipeline_stages import adapter_pipeline_problem
+
+        problem = adapter_pipeline_problem(model)
     if problem:
         raise ConfigError(problem)
     if odd and tp_size > 1:

@@ -1,6 +1,7 @@
 """Pipeline-parallel checks of a training config, before any rank starts: the schedule, the stage
 split against the model's layers, the micro-batches against the stages, and what does not compose
-with pipeline parallel yet (each refused by name)."""
+with pipeline parallel yet (each refused by name; a LoRA adapter's own case is checked with the
+adapter, ``model_check.check_adapter``)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
 
         return ROUTER_LOSS_UNDER_PP
     refusals = [
-        (cfg.adapter is not None, f"adapter: {cfg.adapter}"),
         (cfg.compile, "torch_compile: true"),
         (cfg.fp8, "fp8: true"),
     ]
