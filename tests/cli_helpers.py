@@ -82,10 +82,10 @@ def _fork_ranks(world: int, module_args, timeout_s: float) -> int:
 
     import torch.distributed as dist
 
-    from ndparallel.runtime.multirank import _free_port
+    from ndparallel.runtime.multirank import free_port
 
     assert not dist.is_initialized(), "fork the ranks from a process without a process group"
-    port, pids = _free_port(), []
+    port, pids = free_port(), []
     for rank in range(world):
         pid = os.fork()
         if pid == 0:

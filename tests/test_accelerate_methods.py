@@ -6,7 +6,6 @@ checks, and the mesh starting its own process group."""
 import json
 import os
 from pathlib import Path
-import socket
 import warnings
 
 import pytest
@@ -366,9 +365,9 @@ def _mesh_starts_group(second_port):
 
 
 def test_build_device_mesh_starts_the_process_group_under_torchrun():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    from ndparallel.runtime.multirank import free_port
+
+    port = str(free_port())
     assert run_on_ranks(_mesh_starts_group, 2, port)[0] == (True, 2, (1, 1, 2, 1, 1))  # (pp, dp_replicate, dp_shard, cp, tp)
 
 

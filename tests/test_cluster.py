@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ndparallel.checkpoint import list_checkpoints, validate_checkpoint
-from ndparallel.runtime.multirank import RankFailure, run_on_ranks
+from ndparallel.runtime.multirank import RankFailure, free_port, run_on_ranks
 from ndparallel.runtime.preemption import PREEMPTED_EXIT
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -175,12 +174,6 @@ def test_sigusr1_to_one_rank_of_a_python_loop_stops_all_after_one_step(tmp_path)
     assert resumed["losses"] == {5: ref[5], 6: ref[6]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(300)  # a real multi-rank launch, 40-95 s on 2 cores: over the 120 s default budget
 def test_two_nodes_of_two_ranks_equal_one_node_of_four(work):
     """Node 0: ``torchrun``; node 1: ``ndparallel launch`` — both torchrun's flags, one c10d
@@ -188,7 +181,7 @@ def test_two_nodes_of_two_ranks_equal_one_node_of_four(work):
     root, reference = work
     cfg, out = _config(root, "two_nodes"), root / "two_nodes"
     rdzv = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "two-nodes"]
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "two-nodes"]
     train = ["-m", "ndparallel", "train", str(cfg), "--set", "checkpoint_async=true", "--set", "save_steps=5"]
     launchers = [[sys.executable, "-m", "torch.distributed.run", *rdzv, *train],
                  [sys.executable, "-m", "ndparallel", "launch", *rdzv, *train]]
@@ -248,7 +241,7 @@ def test_accelerate_launch_on_two_machines(tmp_path):
     if shutil.which("accelerate") is None:
         pytest.skip("the accelerate CLI is not installed")
     (tmp_path / "cfg.yaml").write_text(_ACCELERATE_CONFIG)
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen(
         ["accelerate", "launch", "--config_file", str(tmp_path / "cfg.yaml"), "--num_machines", "2",
          "--machine_rank", str(m), "--main_process_ip", "127.0.0.1", "--main_process_port", port,

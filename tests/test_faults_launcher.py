@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from ndparallel.runtime.multirank import free_port
 from ndparallel.runtime.preemption import PREEMPTED_EXIT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,12 +86,6 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     assert _wait_gone(ranks, within_s=10), "ranks outlived their launcher"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -99,7 +94,7 @@ def _listening(port: int) -> bool:
 def test_a_dead_node_ends_the_other_which_names_it(tmp_path):
     """Two launchers (1 rank each, c10d rendezvous on 127.0.0.1): ``kill -9`` of the second —
     its rank dies with it; the first ends within the collective timeout, naming that node."""
-    port = _free_port()
+    port = free_port()
     rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "dead-node"]
     first = _launch(*rdzv, str(SCRIPT), "loop", str(tmp_path))

@@ -118,3 +118,16 @@ def test_launch_reports_failure(tmp_path):
 def test_cli_unknown_command():
     out = _run_cli("frobnicate")
     assert out.returncode == 2 and "unknown command" in out.stderr
+
+
+def test_free_port_lies_below_the_ephemeral_range():
+    """A rendezvous port chosen for later is one bind(0) and gloo's own sockets never hand out."""
+    import socket
+
+    from ndparallel.runtime.multirank import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(5)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1, (ports, low)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # free indeed

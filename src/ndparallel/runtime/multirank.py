@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import signal
 import socket
 import time
@@ -26,10 +27,53 @@ class RankFailure(RuntimeError):
     """One or more ranks raised, died or timed out; the message names them."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    """A free local TCP port for a rendezvous that binds it later (``MASTER_PORT``, a c10d
+    endpoint), chosen below the kernel's ephemeral range where it can: a port the kernel hands out
+    for ``bind(0)`` may be taken by anyone in between — gloo alone binds many, and tests run side
+    by side — while a port below that range is taken only by another explicit choice (of ~12,000)."""
+    low = _ephemeral_low()
+    for _ in range(50):
+        port = random.randrange(max(1024, low - 12000), low) if low > 2048 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free local port found")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # unknown: let the kernel choose
+
+
+def _listening_socket() -> socket.socket:
+    """A socket listening on a free local port, opened before the ranks fork and handed to rank
+    0's store (``master_listen_fd``): the port is never free in between. (Choosing a free port and
+    binding it later raced with other tests running beside this one: EADDRINUSE.)"""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+def _start_group(rank: int, world_size: int, port: int, listen_fd: int, timeout_s: float) -> None:
+    """The default gloo group of a forked rank, over a store rank 0 serves on the inherited socket."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout, master_listen_fd=listen_fd)
+    else:
+        os.close(listen_fd)
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _fresh_tqdm_locks() -> None:
@@ -58,7 +102,8 @@ def _fresh_tqdm_locks() -> None:
             cls.set_lock(threading.RLock())
 
 
-def _child(rank: int, world_size: int, port: int, conn, fn, args, kwargs, pg_timeout_s: float, env):
+def _child(rank: int, world_size: int, port: int, listen_fd: int, conn, fn, args, kwargs, pg_timeout_s: float,
+           env):
     try:
         import torch
 
@@ -72,7 +117,8 @@ def _child(rank: int, world_size: int, port: int, conn, fn, args, kwargs, pg_tim
         os.environ.update(env)
         from ndparallel.runtime.distributed import init_distributed, shutdown
 
-        init_distributed("cpu", timeout_s=pg_timeout_s)
+        _start_group(rank, world_size, port, listen_fd, pg_timeout_s)
+        init_distributed("cpu", timeout_s=pg_timeout_s)  # this rank's info, on the group just started
         result = fn(*args, **kwargs)
         payload, ok = pickle.dumps(("ok", result)), True
     except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit
@@ -126,7 +172,8 @@ def run_on_ranks(
         raise RuntimeError("run_on_ranks: this process already has a default process group; call "
                            "it from a process without one (destroy_process_group() first)")
     ctx = get_context("fork")
-    port = _free_port()
+    listener = _listening_socket()
+    port = listener.getsockname()[1]
     # A rank stuck in a collective gives up a little before our own deadline.
     pg_timeout_s = max(5.0, timeout_s - 5.0)
     procs, conns = [], {}
@@ -134,13 +181,14 @@ def run_on_ranks(
         parent_end, child_end = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_child,
-            args=(rank, world_size, port, child_end, fn, args, kwargs, pg_timeout_s, env or {}),
+            args=(rank, world_size, port, listener.fileno(), child_end, fn, args, kwargs, pg_timeout_s, env or {}),
             daemon=True,
         )
         p.start()
         child_end.close()
         procs.append(p)
         conns[parent_end] = rank
+    listener.close()  # rank 0 holds its own copy
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
