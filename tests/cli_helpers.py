@@ -133,6 +133,10 @@ def _rank_child(rank: int, world: int, port: int, module_args) -> None:
 
         assert module_args[0] == "train", module_args
         code = main(module_args)
+        record = os.environ.get("NDPARALLEL_RECORD_MODULES")  # tests/scripts/record_rank_modules.py
+        if record and rank == 0:
+            with open(record, "w") as listing:
+                listing.write("\n".join(sys.modules))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - a rank's crash is shown, as the launcher shows it

@@ -30,6 +30,32 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(_THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
+
+
+def _import_what_ranks_import() -> None:
+    """Import here, once per test process, what the suite's forked ranks import
+    (``tests/rank_modules.txt``, recorded by ``tests/scripts/record_rank_modules.py``): a rank
+    inherits the modules of the process it is forked from and imports the rest itself — ~2,000
+    modules, ~1.8 s of CPU for every rank of every test otherwise. A module that cannot be
+    imported here (another version, another platform) is left to the ranks."""
+    import importlib
+    import sys
+    import warnings
+
+    listing = Path(__file__).with_name("rank_modules.txt")
+    names = listing.read_text().split() if listing.is_file() else []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in names:
+            if name not in sys.modules:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - a cache: what fails here is imported by the ranks
+                    pass
+
+
+_import_what_ranks_import()
+
 from ndparallel.tools import equivalence as _equivalence  # noqa: E402
 
 
