@@ -68,3 +68,14 @@ def test_bad_rank_is_one_line(config, capsys):
 
     code, _, err = run_cli(capsys, "simulate", str(config), "--world-size", "8", "--rank", "8")
     assert code == 2 and "--rank 8 is not in a world of 8 ranks" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("size, message", [("lots", "--gpu-mem 'lots': not a size"),
+                                           ("0", "--gpu-mem '0': must be > 0")])
+def test_bad_gpu_mem_is_one_line_as_in_plan(config, capsys, size, message):
+    """``simulate`` reads ``--gpu-mem`` with the planner's parser (one message for both commands);
+    only the planner's 1 GiB unit-slip floor is lifted, for the budgets of tiny CPU models."""
+    from cli_helpers import run_cli
+
+    code, _, err = run_cli(capsys, "simulate", str(config), "--world-size", "8", "--gpu-mem", size)
+    assert code == 2 and message in err and "Traceback" not in err

@@ -30,10 +30,11 @@ def run_simulate(argv: Sequence[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(list(argv))
     from ndparallel.axolotl import ConfigError, load_config
+    from ndparallel.plan.cli_checks import gpu_mem_bytes
     from ndparallel.preflight.checks import validate_layout
 
     try:
-        gpu_mem = _gpu_mem(args.gpu_mem)
+        gpu_mem = None if args.gpu_mem is None else gpu_mem_bytes(args.gpu_mem, minimum=0)
         cfg = load_config(args.config, args.set)
         if args.rank >= args.world_size:
             raise ConfigError(f"--rank {args.rank} is not in a world of {args.world_size} ranks: "
@@ -60,14 +61,3 @@ def run_simulate(argv: Sequence[str]) -> int:
               f"{report['measured']['peak_memory_gib']:.2f} GiB > --gpu-mem {args.gpu_mem}", file=sys.stderr)
         return 1
     return 0
-
-
-def _gpu_mem(text: str | None) -> float | None:
-    from ndparallel.runtime.sizes import parse_size
-
-    if text is None:
-        return None
-    value = parse_size(text, gb_is_gib=True, bare_unit="gib")
-    if value <= 0:
-        raise ValueError(f"--gpu-mem {text}: must be > 0")
-    return value

@@ -25,15 +25,18 @@ def _positive(args, flag: str, attr: str, unit: str) -> None:
         raise ValueError(f"{flag} {v}: must be > 0 ({unit})")
 
 
-def gpu_mem_bytes(text: str) -> float:
+def gpu_mem_bytes(text: str, minimum: float = MIN_GPU_MEM) -> float:
     """``--gpu-mem``: '80GB', '141GiB', or a bare number of GB (GB = GiB, as GPU memory is
-    quoted and as ``mem_bytes`` is reported)."""
+    quoted and as ``mem_bytes`` is reported). Below ``minimum`` (1 GiB: a unit slip for a GPU's
+    memory) is refused; ``simulate`` passes a smaller floor for the budgets of tiny CPU models."""
     try:
         value = parse_size(text, gb_is_gib=True, bare_unit="gib")
     except ValueError:
         raise ValueError(f"--gpu-mem {text!r}: not a size; write e.g. 80GB or 141GiB "
                          "(a bare number is read as GB)") from None
-    if value < MIN_GPU_MEM:
+    if not value > 0:
+        raise ValueError(f"--gpu-mem {text!r}: must be > 0 (e.g. 80GB)")
+    if value < minimum:
         raise ValueError(f"--gpu-mem {text!r} is {value / hwmod.GiB:.3g} GiB: below 1 GiB, "
                          "probably a unit slip; write e.g. 80GB")
     return value
