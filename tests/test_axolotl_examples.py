@@ -97,11 +97,11 @@ def _plugin_of(key: str) -> str:
      "-> fsdp_config.activation_checkpointing: true"),
     ({"fsdp": ["full_shard", "auto_wrap"], "fsdp_config": {"fsdp_offload_params": True,
                                                            "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}},
-     {"dp_shard_size": -1, "fsdp_config": {"offload_params": True, "transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}},
+     {"dp_shard_size": -1, "fsdp_config": {"cpu_offload": True, "layer_classes": "LlamaDecoderLayer"}},
      "legacy fsdp_ prefix dropped"),
     ({"fsdp_version": 1}, {"fsdp_version": 2}, "fsdp_version: 1 -> FSDP2"),
     ({"deepspeed": "deepspeed_configs/zero3_bf16_cpuoffload_all.json"},
-     {"dp_shard_size": -1, "fsdp_config": {"reshard_after_forward": True, "offload_params": True}}, "ZeRO-3"),
+     {"dp_shard_size": -1, "fsdp_config": {"reshard_after_forward": True, "cpu_offload": True}}, "ZeRO-3"),
     ({"warmup_steps": 0.1}, {"warmup_ratio": 0.1}, "warmup_steps: 0.1 -> warmup_ratio"),
     ({"batch_size": 8, "micro_batch_size": 2}, {"gradient_accumulation_steps": 4}, "batch_size: 8"),
     ({"datasets": [{"path": "x", "message_field_role": "from", "message_field_content": "value"}]},
@@ -117,7 +117,7 @@ def _plugin_of(key: str) -> str:
      "offload -> activation_offloading: true"),
     ({"activation_offloading": "legacy"}, {"activation_offloading": True}, "legacy -> true"),
     ({"plugins": ["axolotl.integrations.liger.LigerPlugin"], "liger_rms_norm": True},
-     {"torch_compile": True}, "liger_rms_norm: true -> torch_compile: true"),
+     {"compile": True}, "liger_rms_norm: true -> torch_compile: true"),
 ])
 def test_renames_and_translations_say_what_they_became(raw, expected, note):
     t = translate({"dp_shard_size": None, **raw}, own_keys()) if "fsdp" not in raw and "deepspeed" not in raw else \
@@ -126,6 +126,42 @@ def test_renames_and_translations_say_what_they_became(raw, expected, note):
     for key, value in expected.items():
         assert t.data[key] == value, (key, t.data)
     assert any(note in n for n in t.notes), t.notes
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ({"torch_compile": True, "torch_compile_backend": "eager"}, {"compile": True, "compile_backend": "eager"}),
+    ({"dataset_prepared_path": "last_run_prepared"}, {"dataset_cache_dir": "last_run_prepared"}),
+    ({"fsdp_config": {"offload_params": True, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}},
+     {"fsdp_config": {"cpu_offload": True, "layer_classes": ["LlamaDecoderLayer"]}}),
+    ({"datasets": [{"path": "x", "type": "completion", "field": "body"}]},
+     {"datasets": [{"path": "x", "type": "completion", "text_field": "body"}]}),
+])
+def test_axolotl_names_become_the_typed_configs_own(raw, expected):
+    """The typed config knows none of Axolotl's names: the front door renames them (silently: the
+    same meaning) and a value the schema refuses is still named as the config wrote it."""
+    t = translate({"dp_shard_size": None, **raw}, own_keys())
+    assert t.problems == []
+    for key, value in expected.items():
+        assert t.data[key] == value, (key, t.data)
+
+
+@pytest.mark.parametrize("sets, named", [
+    (["torch_compile=sometimes"], "'torch_compile': "),
+    (["dataset_prepared_path=[1, 2]"], "'dataset_prepared_path': "),
+    (["fsdp_config.offload_params=sometimes"], "'fsdp_config.offload_params': "),
+])
+def test_a_renamed_keys_bad_value_is_named_as_written(sets, named):
+    from ndparallel.axolotl import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, sets)
+    assert named in str(e.value), str(e.value)
+
+
+def test_a_renamed_key_and_its_new_name_must_agree():
+    t = translate({"fsdp_config": {"offload_params": True, "cpu_offload": False}}, own_keys())
+    assert t.problems == ["'fsdp_config.offload_params: true' and 'fsdp_config.cpu_offload: false' say different "
+                          "things; keep one"]
 
 
 def test_expert_parallel_without_degrees_shards_over_every_device():

@@ -206,3 +206,67 @@ def test_the_facade_checker_finds_a_use(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def f(acc, m):\n    acc.prepare_model(m)\n    return getattr(acc, '_schedulers'), acc._models\n")
     assert len(_facade_uses(f)) == 3
+
+
+# ------------------------------------------------------------- Axolotl's names stay at its door
+BELOW_THE_FRONT_DOORS = LAYERS[:LAYERS.index("axolotl")]
+SHARED_WORDS = {
+    "model_type", "revision", "world_size", "peft", "quantization", "device_map", "tokenizer_config", "shards",
+    "rope_scaling", "pad_to_multiple_of", "temperature", "gradient_checkpointing", "flex_attention", "float16",
+    "bfloat16", "float32", "fsdp", "ddp", "deepspeed", "local_rank", "batch_size", "streaming", "version",
+    "gradient_checkpointing_kwargs", "model_config", "field", "strict", "text_column"}
+"""Axolotl keys that are also Python's, pydantic's, torch's, transformers', PEFT's or Accelerate's own
+words (a dtype, a config attribute, a backend, an argument): meeting one below the front doors says
+nothing about Axolotl."""
+
+
+def _axolotl_names() -> set[str]:
+    """Axolotl's keys that the typed config does not hold under the same name (``axolotl/keys.py``'s
+    tables), less the shared words."""
+    from ndparallel.axolotl import keys
+    from ndparallel.config.datasets import DatasetConfig
+    from ndparallel.config.fields import FSDPConfig
+    from ndparallel.config.schema import TrainConfig
+
+    ours = {n for model in (TrainConfig, FSDPConfig, DatasetConfig) for n in model.model_fields}
+    return (set(keys.TOP) | set(keys.DATASET) | set(keys.FSDP)) - ours - SHARED_WORDS
+
+
+def _names_used(path: Path, names: set[str]) -> list[str]:
+    """``names`` met in one file's code: words of a string (docstrings aside), an attribute, a
+    keyword argument or a variable."""
+    import re
+
+    tree = ast.parse(path.read_text())
+    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words = set(re.findall(r"[A-Za-z_]\w*", node.value))
+        else:
+            words = {getattr(node, "attr", None) or getattr(node, "arg", None) or getattr(node, "id", None)}
+        found += [f"{node.lineno}: {w}" for w in sorted(words & names)]
+    return found
+
+
+def test_no_axolotl_key_below_the_front_doors():
+    """Axolotl's key tables and their translation live in ``axolotl/``: nothing below the front doors
+    reads, writes or names a key of those tables (the typed config has its own names)."""
+    names = _axolotl_names()
+    assert {"torch_compile", "dataset_prepared_path", "sequence_parallel_degree"} <= names  # not vacuous
+    bad = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE)
+        if (rel.parts[0] if len(rel.parts) > 1 else rel.stem) in BELOW_THE_FRONT_DOORS:
+            bad += [f"{rel}:{use}" for use in _names_used(path, names)]
+    assert bad == []
+
+
+def test_the_axolotl_name_finder_finds_one(tmp_path):
+    """Negative control: a string, an attribute and a keyword naming Axolotl keys are found; the same
+    words in a docstring, and the typed config's own names, are not."""
+    f = tmp_path / "m.py"
+    f.write_text('"""torch_compile in a docstring."""\n'
+                 'def f(cfg):\n    """dataset_prepared_path too."""\n'
+                 '    return cfg.sequence_parallel_degree, g(ddp_timeout=1), "set torch_compile: true", cfg.compile\n')
+    assert sorted(_names_used(f, _axolotl_names())) == ["4: ddp_timeout", "4: sequence_parallel_degree", "4: torch_compile"]

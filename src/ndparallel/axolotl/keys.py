@@ -84,6 +84,8 @@ TOP: dict[str, Rule] = {
            "eval_strategy", "evaluation_strategy"),
     **_all("mapped", "no -> no checkpoints; epoch -> saves_per_epoch: 1; steps -> save_steps", "save_strategy"),
     **_all("mapped", "-> tokenizer", "tokenizer_config"),
+    **_all("mapped", "-> dataset_cache_dir (ndparallel's keyed caches of tokenised rows)", "dataset_prepared_path"),
+    **_all("mapped", "-> compile_backend", "torch_compile_backend"),
     **_all("mapped", "-> dataset_processes", "dataset_num_proc"),
     **_all("mapped", "the model class comes from base_model's config.json (AutoModelForCausalLM picks the "
            "family's causal-LM class)", "model_type"),
@@ -350,7 +352,7 @@ PLUGINS: dict[str, str] = {
 DATASET: dict[str, Rule] = {
     **_all("mapped", "-> message_property_mappings {role: ..., content: ...}", "message_field_role",
            "message_field_content"),
-    **_all("mapped", "-> text_field", "text_column"),
+    **_all("mapped", "-> text_field", "text_column", "field"),
     **_all("noop", "per-message training flags are not supported: use roles_to_train; remove it",
            "message_field_training", "message_field_training_detail"),
     **_all("noop", "not supported for chat_template data here; remove it", "field_tools", "split_thinking",
@@ -367,6 +369,8 @@ FSDP: dict[str, Rule] = {
     **_all("mapped", "FULL_SHARD -> reshard_after_forward: true; SHARD_GRAD_OP -> false; NO_SHARD -> data "
            "parallel; HYBRID_SHARD -> set dp_replicate_size x dp_shard_size", "sharding_strategy"),
     **_all("mapped", "-> fsdp_version (1: FSDP2, the same training)", "version", "fsdp_version"),
+    **_all("mapped", "-> cpu_offload", "offload_params"),
+    **_all("mapped", "-> layer_classes", "transformer_layer_cls_to_wrap"),
     **_all("ignored", "an FSDP1 knob: FSDP2 shards per parameter (original parameters, states synchronised by "
            "the sharded load, prefetching built in)", "limit_all_gathers", "sync_module_states",
            "use_orig_params", "forward_prefetch", "backward_prefetch", "cpu_ram_efficient_loading",
@@ -384,9 +388,23 @@ class Translation:
     data: dict
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    renamed: dict[str, str] = field(default_factory=dict)
+    """Where a renamed key's value went (``compile``, ``fsdp_config.cpu_offload``, ``datasets.0.text_field``)
+    -> the key the config wrote there, so a value the schema refuses is named as written."""
 
     def refuse(self, key: str, value: Any, fix: str) -> None:
         self.problems.append(f"'{key}: {short(value)}': {fix}")
+
+    def rename_in(self, section: dict, where: str, old: str, new: str) -> None:
+        """``section[old]`` -> ``section[new]`` in a nested section (``where``: its path, e.g.
+        ``fsdp_config`` or ``datasets[0]``); both keys set to different values is a problem."""
+        value = section.pop(old)
+        if section.get(new) is not None and section[new] != value:
+            self.problems.append(f"'{where}.{old}: {short(value)}' and '{where}.{new}: {short(section[new])}' "
+                                 "say different things; keep one")
+            return
+        section[new] = value
+        self.renamed[f"{where.replace('[', '.').replace(']', '')}.{new}"] = f"{where}.{old}"
 
 
 def is_empty(value: Any, default: Any = None) -> bool:

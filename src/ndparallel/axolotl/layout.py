@@ -114,6 +114,9 @@ def fsdp_config(t: Translation) -> None:
     if renamed:
         t.notes.append(f"fsdp_config: Axolotl's legacy fsdp_ prefix dropped ({', '.join(renamed[:3])}"
                        f"{', ...' if len(renamed) > 3 else ''})")
+    for old, new in (("offload_params", "cpu_offload"), ("transformer_layer_cls_to_wrap", "layer_classes")):
+        if old in out:
+            t.rename_in(out, "fsdp_config", old, new)
     ignored = []
     for key in list(out):
         rule = FSDP.get(key)

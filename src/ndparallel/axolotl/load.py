@@ -45,7 +45,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     try:
         cfg = TrainConfig.model_validate(found.data)
     except ValidationError as e:
-        problems += validation_problems(e, TrainConfig, NESTED, TOP)
+        problems += [_as_written(line, found.renamed) for line in validation_problems(e, TrainConfig, NESTED, TOP)]
     if problems:
         raise ConfigError(join_problems(source, problems))
     cfg._axolotl_notes = found.notes
@@ -54,6 +54,14 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
 
 NESTED = {"fsdp_config": FSDPConfig, "datasets": DatasetConfig, "pretraining_dataset": DatasetConfig,
           "special_tokens": SpecialTokens}
+
+
+def _as_written(problem: str, renamed: dict[str, str]) -> str:
+    """A schema problem about a renamed key's value names the key as the config wrote it."""
+    for target, source in renamed.items():
+        if problem.startswith(f"'{target}'"):
+            return f"'{source}'" + problem[len(target) + 2:]
+    return problem
 
 
 def own_keys() -> set[str]:

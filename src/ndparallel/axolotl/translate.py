@@ -137,6 +137,7 @@ def _rename(target: str) -> Callable:
     def mapper(t: Translation, key: str, value: Any) -> None:
         if not is_empty(value):
             _set(t, target, value, "", key)
+            t.renamed[target] = key
     return mapper
 
 
@@ -225,8 +226,10 @@ def _torch_compile(t: Translation, key: str, value: Any) -> None:
     if value == "auto":
         import torch
 
-        t.data[key] = torch.cuda.is_available()
-        t.notes.append(f"torch_compile: auto -> {str(t.data[key]).lower()} (on with a CUDA GPU)")
+        value = torch.cuda.is_available()
+        t.notes.append(f"torch_compile: auto -> {str(value).lower()} (on with a CUDA GPU)")
+    _set(t, "compile", value, "", key)
+    t.renamed["compile"] = key
 
 
 def _causal_lm_eval(t: Translation, key: str, value: Any) -> None:
@@ -260,8 +263,8 @@ def _liger(t: Translation, key: str, value: Any) -> None:
     if "cross_entropy" in key:
         t.notes.append(f"{key}: true -> the chunked loss (chunked_loss: on where exact)")
         return
-    if "torch_compile" not in t.data and "compile" not in t.data:
-        t.data["torch_compile"] = True
+    if "compile" not in t.data and "torch_compile" not in t.data:  # the config's own choice wins
+        t.data["compile"] = True
         t.notes.append(f"{key}: true -> torch_compile: true (regional compile; inductor fuses the norms, "
                        "activations and rotary embeddings Liger fuses by hand)")
 
@@ -351,6 +354,7 @@ MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "evaluation_strategy": _eval_strategy,
     "save_strategy": _strategy("save_steps", "saves_per_epoch", "no checkpoints during training (the final model is "
                                "saved)", TOP["load_best_model_at_end"].text), "tokenizer_config": _rename("tokenizer"),
+    "dataset_prepared_path": _rename("dataset_cache_dir"), "torch_compile_backend": _rename("compile_backend"),
     "dataset_num_proc": _dataset_processes, "model_type": _note_if_set, "type_of_model": _note_if_set,
     "evals_per_epoch": _zero_is_none, "saves_per_epoch": _zero_is_none, "tokenizer_type": _note_if_set,
     "tokenizer_use_fast": _note_if_set, "tokenizer_legacy": _note_if_set,
@@ -382,10 +386,11 @@ def _dataset(t: Translation, where: str, entry: dict) -> dict:
                 mapping.setdefault(k.removeprefix("message_field_"), v)
         d["message_property_mappings"] = mapping
         t.notes.append(f"{where}: message_field_role / message_field_content -> message_property_mappings")
-    if "text_column" in d:
-        column = d.pop("text_column")
-        if not is_empty(column, "text"):
-            d.setdefault("text_field", column)
+    for old in ("text_column", "field"):
+        if old in d and is_empty(d[old], "text"):
+            del d[old]
+        elif old in d:
+            t.rename_in(d, where, old, "text_field")
     for key in list(d):
         rule = DATASET.get(key)
         if rule is not None and rule.kind == "noop":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import Field, field_validator
 
 from ndparallel.config.base import _int, _Strict
 
@@ -18,7 +18,7 @@ class DatasetConfig(_Strict):
     ds_type: Literal["text", "json", "parquet", "csv"] | None = None
     """The file format when ``type`` is not one (default: from the extension)."""
     split: str = "train"
-    text_field: str = Field("text", validation_alias=AliasChoices("text_field", "field"))
+    text_field: str = "text"
     name: str | None = None
     sample_by: Literal["document", "paragraph", "line"] = "document"
     max_files: _int(1) | None = None

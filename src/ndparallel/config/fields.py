@@ -15,11 +15,10 @@ from ndparallel.config.datasets import DatasetConfig
 
 class FSDPConfig(_Strict):
     reshard_after_forward: bool = True
-    cpu_offload: bool = Field(False, validation_alias=AliasChoices("cpu_offload", "offload_params"))
+    cpu_offload: bool = False
     activation_checkpointing: bool = False
     unsharded_grad_accumulation: bool = False
-    layer_classes: list[str] | None = Field(
-        None, validation_alias=AliasChoices("layer_classes", "transformer_layer_cls_to_wrap"))
+    layer_classes: list[str] | None = None
     """Decoder-layer class names FSDP wraps one by one (default: found in the model)."""
     # Axolotl / Accelerate names with one meaning here (compat.py explains them in --dry-run)
     state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] | None = None

@@ -95,9 +95,9 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
     (null): on for model families where it is exact (see docs/performance.md)."""
     loss_chunk_tokens: _int(1) | None = None
     """Tokens per loss chunk; default: 256 MiB of fp32 logits per chunk."""
-    compile: bool = Field(False, validation_alias=AliasChoices("compile", "torch_compile"))
+    compile: bool = False
     """torch.compile each decoder layer (regional compilation)."""
-    compile_backend: str = Field("inductor", validation_alias=AliasChoices("compile_backend", "torch_compile_backend"))
+    compile_backend: str = "inductor"
     fp8: bool = False
     """Float8 training of the decoder linears (torchao; GPU compute capability >= 8.9)."""
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
@@ -164,8 +164,7 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
     the mean of the existing rows, trained with the model (full fine-tuning only)."""
     resize_token_embeddings_to_32x: bool = False
     """When rows are added, round the vocabulary up to a multiple of 32."""
-    dataset_cache_dir: str | None = Field(None, validation_alias=AliasChoices("dataset_cache_dir",
-                                                                             "dataset_prepared_path"))
+    dataset_cache_dir: str | None = None
     """Tokenized data, rows and the built-in tokenizer (default: output_dir/../.cache)."""
     dataset_processes: _int(1) | None = None
     """Processes that tokenize (datasets.map num_proc); default 1."""

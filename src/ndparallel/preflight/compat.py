@@ -1,7 +1,6 @@
 """What an Axolotl config means here: one line per field that behaves differently, for ``--dry-run``
-and the start of ``train``, from the validated config. Fields with the same meaning (renames such as
-``offload_params`` -> ``cpu_offload``, ``dataset_prepared_path`` -> ``dataset_cache_dir``) say nothing;
-the notes of translated Axolotl keys come from the front door (``axolotl/translate.py``, kept in
+and the start of ``train``, from the validated config. Renamed keys say nothing here; the notes of translated Axolotl keys come
+from the front door (``axolotl/translate.py``, kept in
 ``cfg._axolotl_notes``); fields that cannot work are refused there or by the schema
 (``config/schema.py``), one line each. Also the quantisation and low-bit optimizer notes. Both are
 entries of ``checks.CHECKS``."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def data_notes(cfg) -> list[str]:
-    """``train_on_inputs`` with types that have no prompt; a ``dataset_prepared_path`` holding
+    """``train_on_inputs`` with types that have no prompt; a ``dataset_cache_dir`` holding
     Axolotl's prepared datasets (not read: ndparallel tokenises into its own keyed caches)."""
     from ndparallel.data.dataset import DatasetSpec
 
@@ -26,7 +26,7 @@ def data_notes(cfg) -> list[str]:
     if cache is not None and cache.is_dir():
         prepared = sorted(p.parent.name for p in cache.glob("*/dataset_info.json"))
         if prepared:
-            notes.append(f"dataset_prepared_path={str(cache)!r} holds Axolotl's prepared datasets ({prepared[0]}"
+            notes.append(f"dataset_cache_dir={str(cache)!r} holds Axolotl's prepared datasets ({prepared[0]}"
                          f"{', ...' if len(prepared) > 1 else ''}): ndparallel does not read them; it tokenises "
                          "the datasets: again into its own caches beside them (keyed by data, tokenizer and "
                          "settings, so another config's cache is never reused)")

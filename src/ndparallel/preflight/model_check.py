@@ -147,7 +147,7 @@ def check_model(cfg: TrainConfig, hf, check_weights: bool = True) -> None:
 
 
 def _check_layer_classes(cfg: TrainConfig, model) -> None:
-    """``fsdp_config.layer_classes`` (Axolotl: ``transformer_layer_cls_to_wrap``) names classes of this model."""
+    """``fsdp_config.layer_classes`` names classes of this model."""
     names = cfg.fsdp_config.layer_classes
     if not names:
         return
@@ -155,7 +155,7 @@ def _check_layer_classes(cfg: TrainConfig, model) -> None:
     missing = sorted(set(names) - present)
     if missing:
         layers = sorted(n for n in present if n.endswith(("DecoderLayer", "Block", "Layer")))
-        raise ConfigError(f"fsdp_config.layer_classes (transformer_layer_cls_to_wrap) {missing} is not a class of "
+        raise ConfigError(f"fsdp_config.layer_classes {missing} is not a class of "
                           f"base_model={cfg.base_model!r} (its layers: {layers[:6]}); set it to the decoder-layer "
                           "class, or remove it")
 

@@ -35,7 +35,7 @@ def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
 
         return ROUTER_LOSS_UNDER_PP
     refusals = [
-        (cfg.compile, "torch_compile: true"),
+        (cfg.compile, "compile: true"),
         (cfg.fp8, "fp8: true"),
     ]
     for refused, what in refusals:

@@ -26,8 +26,8 @@ def model_config(cfg: TrainConfig, vocab_size: int | None = None):
 
 
 def data_cache_dir(cfg: TrainConfig) -> Path:
-    """Where tokenized data, rows and the built-in tokenizer are cached (``dataset_cache_dir``, alias
-    ``dataset_prepared_path``; default ``output_dir/../.cache``)."""
+    """Where tokenized data, rows and the built-in tokenizer are cached (``dataset_cache_dir``;
+    default ``output_dir/../.cache``)."""
     return Path(cfg.dataset_cache_dir or Path(cfg.output_dir).parent / ".cache")
 
 
