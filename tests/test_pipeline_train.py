@@ -1,5 +1,5 @@
-"""``ndparallel train`` with ``pipeline_parallel_size``: a YAML run on PP 2 × TP 2 evaluates as PP 1
-does, checkpoints, resumes on PP 1 and exports an HF model equal to an uninterrupted PP 1 run; LoRA
+"""``ndparallel train`` with ``pipeline_parallel_size``: a YAML run on 8 ranks, PP 2 × FSDP 2 × TP 2,
+evaluates as PP 1 does, checkpoints, resumes on PP 1 and exports an HF model equal to an uninterrupted PP 1 run; LoRA
 checkpoints cross pipeline degrees both ways and the PP 2 adapter export is the one-process one; a
 bad pipeline is refused before any rank starts."""
 
@@ -43,19 +43,20 @@ def _weights(directory: Path) -> dict:
     return load_file(str(directory / "model.safetensors"))
 
 
-def test_pp2_tp2_checkpoint_resumes_on_pp1_and_exports_the_one_process_model(tmp_path):
+def test_pp2_fsdp2_tp2_checkpoint_resumes_on_pp1_and_exports_the_one_process_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from ndparallel.cli import main
 
-    pp = _write(tmp_path / "pp.yaml", pipeline_parallel_size=2, tensor_parallel_size=2, max_steps=2, save_steps=2,
-                output_dir=str(tmp_path / "pp"))
+    pp = _write(tmp_path / "pp.yaml", pipeline_parallel_size=2, dp_shard_size=2, tensor_parallel_size=2, max_steps=2,
+                save_steps=2, output_dir=str(tmp_path / "pp"))
     run = train_on_forked_ranks(["train", pp])
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "PP 2 + TP 2 on 4 rank(s)" in run.stdout
-    resumed = _write(tmp_path / "resume.yaml", max_steps=3, output_dir=str(tmp_path / "resumed"),
+    assert "PP 2 + FSDP 2 + TP 2 on 8 rank(s)" in run.stdout, run.stdout
+    one = {"gradient_accumulation_steps": 4}  # the same 4 sequences a step as FSDP 2 x 2 micro-batches
+    resumed = _write(tmp_path / "resume.yaml", **one, max_steps=3, output_dir=str(tmp_path / "resumed"),
                      resume_from_checkpoint=str(tmp_path / "pp" / "checkpoint-2"))
-    straight = _write(tmp_path / "straight.yaml", max_steps=3, output_dir=str(tmp_path / "straight"))
+    straight = _write(tmp_path / "straight.yaml", **one, max_steps=3, output_dir=str(tmp_path / "straight"))
     assert main(["train", str(resumed)]) == 0  # one rank: in this process
     assert main(["train", str(straight)]) == 0
     pp_eval, one_eval = _eval_losses(tmp_path / "pp"), _eval_losses(tmp_path / "straight")
