@@ -1,6 +1,7 @@
 """Shared fixtures. ``torch`` and ``transformers`` are imported once here so that the forked ranks
 of ``ndparallel.testing.run_on_ranks`` start in ~0.1 s instead of re-importing them."""
 
+import gc
 import json
 import os
 import resource
@@ -54,7 +55,10 @@ def _import_what_ranks_import() -> None:
                     pass
 
 
+gc.disable()  # as ndparallel's commands do (runtime/startup.py): ~20 % of the import time otherwise
 _import_what_ranks_import()
+gc.freeze()  # the imported modules' objects leave every later collection, here and in the forked ranks
+gc.enable()
 
 from ndparallel.tools import equivalence as _equivalence  # noqa: E402
 

@@ -57,6 +57,10 @@ def _dispatch(command: str, rest: list[str]) -> int:
         return launch(rest)
     if command == "plan":
         return _plan(rest)
+    if command in ("train", "verify", "simulate", "export") and not {"-h", "--help"} & set(rest):
+        from ndparallel.runtime.startup import import_model_libraries
+
+        import_model_libraries()  # ~20 % faster with the collector paused (runtime/startup.py)
     if command == "simulate":
         from ndparallel.cli.simulate import run_simulate
 
