@@ -114,6 +114,25 @@ def test_lora_checkpoints_cross_pipeline_degrees_and_the_pp2_adapter_is_the_one_
     assert (adapted - plain).abs().max() > 1e-3  # the adapter learned something
 
 
+@pytest.mark.parametrize("on_nonfinite, max_steps, says", [("stop", 8, "from then on"), ("skip", 14, "in a row")])
+def test_a_diverging_pipeline_stops_naming_the_step(tmp_path, on_nonfinite, max_steps, says):
+    """The non-finite guard under PP 2 (the step's loss from the last stage, its norm over every
+    stage, both on every rank): ``stop`` ends the run at the next check with one error naming the
+    step, exit 1, and no checkpoint or final model of the diverged weights; ``skip`` skips each such
+    step and, after more than 10 in a row, ends the same way (its checkpoints hold skipped, finite
+    steps only)."""
+    out = tmp_path / "run"
+    config = _write(tmp_path / "nan.yaml", pipeline_parallel_size=2, learning_rate=1e12, max_grad_norm=None,
+                    max_steps=max_steps, save_steps=4 if on_nonfinite == "stop" else 100, logging_steps=1,
+                    val_set_size=0, on_nonfinite=on_nonfinite, output_dir=str(out))
+    run = train_on_forked_ranks(["train", config])
+    errors = [line for line in run.stderr.splitlines() if line.startswith("ndparallel train: error:")]
+    assert run.returncode == 1 and len(errors) == 1, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "not finite" in errors[0] and says in errors[0] and "Traceback" not in run.stderr, errors
+    assert ("on_nonfinite: skip" in errors[0]) == (on_nonfinite == "stop")  # skip mode is not told to skip
+    assert not (out / "final").exists() and not list(out.glob("checkpoint-*")), sorted(out.iterdir())
+
+
 @pytest.mark.parametrize("fields, words", [
     ({"pipeline_parallel_size": 2, "pipeline_schedule": "PipeDream"}, "is not a schedule"),
     ({"pipeline_parallel_size": 8}, "8 stages, but the model has 4 decoder layers"),

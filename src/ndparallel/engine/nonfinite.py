@@ -55,8 +55,8 @@ class NonFiniteGuard:
         if self._first_bad is not None and int(self._first_bad) >= 0:
             raise NonFiniteError(self._message(int(self._first_bad), "from then on the model is not trained"))
 
-    @staticmethod
-    def _message(step: int, what: str) -> str:
+    def _message(self, step: int, what: str) -> str:
+        skip = ", or set on_nonfinite: skip" if self.mode == "stop" else ""  # skip mode: it already did
         return (f"step {step}: the loss or the gradient norm is not finite (NaN/inf; {what}). "
-                "Training stopped: lower learning_rate, set max_grad_norm, check the data, or set "
-                "on_nonfinite: skip; checkpoints written before that step are intact")
+                f"Training stopped: lower learning_rate, set max_grad_norm, check the data{skip}; "
+                "checkpoints written before that step are intact")
