@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import FSDPOptions, PipelineOptions
+from ndparallel.parallel.options import CPOptions, FSDPOptions, PipelineOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
@@ -24,11 +24,19 @@ CASES = {  # name: (model, LoRA extras, layout, schedule, strategy options)
     "pp2_fsdp2_modules_to_save": ("tiny-llama", {"modules_to_save": ["embed_tokens", "lm_head"]},
                                   {"pp_size": 2, "dp_shard_size": 2}, "1F1B",
                                   {"fsdp_options": FSDPOptions(unsharded_grad_accumulation=True)}),
+    # each stage's base and adapter linears sharded by TP (the adapters as the layers they adapt)
+    "pp2_tp2": ("tiny-llama", {}, {"pp_size": 2, "tp_size": 2}, "1F1B", {}),
+    # each stage's sequence split by CP (all-gather: gloo's ring P2P beside the pipeline's is refused)
+    "pp2_cp2": ("tiny-llama", {}, {"pp_size": 2, "cp_size": 2}, "1F1B",
+                {"cp_options": CPOptions(comm_strategy="allgather")}),
+    # a mixture-of-experts model's stages with their experts split by EP (the adapters on attention)
+    "pp2_fsdp2_ep2_moe": ("tiny-qwen3-moe", {}, {"pp_size": 2, "dp_shard_size": 2, "ep_size": 2}, "1F1B", {}),
 }
 
 
 def _setup(model: str, lora_extra: dict) -> TrainSetup:
-    return TrainSetup(preset_config(model, num_hidden_layers=4), **SETUP, adapter={**LORA, **lora_extra})
+    moe = {"output_router_logits": False} if "moe" in model else {}  # PP refuses the router loss
+    return TrainSetup(preset_config(model, num_hidden_layers=4, **moe), **SETUP, adapter={**LORA, **lora_extra})
 
 
 def _count_reductions(setup, layout):
@@ -52,7 +60,9 @@ def test_pipeline_lora_equals_one_process_lora(case):
     ref = run_on_ranks(train_under_layout, 1, setup, None)[0]
     staged = dataclasses.replace(setup, parallel_kwargs={"pipeline_options": PipelineOptions(schedule=schedule),
                                                          **options})
-    world = layout["pp_size"] * layout.get("dp_shard_size", 1)
+    world = 1
+    for dim, size in layout.items():
+        world *= 1 if dim == "ep_size" else size  # expert parallel borrows its ranks
     got, reductions = run_on_ranks(_count_reductions, world, staged, layout)[0]
     diff = compare(ref, got)
     assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff
