@@ -1,58 +1,63 @@
-"""``runtime/startup.import_model_libraries``: the model libraries are imported with the cyclic
-collector paused, then frozen; the collector is on again afterwards; a second call does nothing.
-(The time it saves is measured by ``bench/startup_gc.py``, never here.)"""
+"""``runtime/startup``: the model libraries are imported with the cyclic collector paused and, the
+first time in a process, frozen; the collector is on again afterwards, also after a failed import;
+the commands that build a model start with it once their input is known to be readable. (The time
+it saves is measured by ``bench/startup_gc.py``, never here.)"""
 
 from __future__ import annotations
 
 import gc
 import importlib
+import subprocess
 import sys
 from types import SimpleNamespace
+
+import pytest
 
 from ndparallel.runtime import startup
 
 
-def test_imports_with_the_collector_paused_then_freezes(monkeypatch):
-    states = []
-
+def _recording(monkeypatch, states: list, fail: bool = False):
     def import_module(name):
         states.append((name, gc.isenabled()))
+        if fail:
+            raise ImportError(name)
         return importlib.import_module(name)
 
-    monkeypatch.setattr(startup, "MODEL_LIBRARIES", ("colorsys",))
     monkeypatch.setattr(startup, "importlib", SimpleNamespace(import_module=import_module))
+
+
+def test_imports_what_is_missing_with_the_collector_paused(monkeypatch):
+    states = []
+    _recording(monkeypatch, states)
+    monkeypatch.setattr(startup, "MODEL_LIBRARIES", ("json", "colorsys"))
     monkeypatch.delitem(sys.modules, "colorsys", raising=False)
-    frozen = gc.get_freeze_count()
+    frozen = gc.get_freeze_count()  # > 0: the test process froze its imports (conftest.py)
     startup.import_model_libraries()
     assert states == [("colorsys", False)] and gc.isenabled() and "colorsys" in sys.modules
-    assert gc.get_freeze_count() > frozen
-    startup.import_model_libraries()  # imported already: nothing imported, nothing frozen
+    assert gc.get_freeze_count() == frozen  # not the first call in this process: nothing frozen
+    startup.import_model_libraries()  # nothing missing: nothing imported
     assert states == [("colorsys", False)]
 
 
 def test_a_failed_import_leaves_the_collector_on(monkeypatch):
-    def import_module(name):
-        raise ImportError(name)
-
+    _recording(monkeypatch, [], fail=True)
     monkeypatch.setattr(startup, "MODEL_LIBRARIES", ("no_such_module_here",))
-    monkeypatch.setattr(startup, "importlib", SimpleNamespace(import_module=import_module))
-    try:
+    with pytest.raises(ImportError):
         startup.import_model_libraries()
-    except ImportError:
-        pass
     assert gc.isenabled()
 
 
-def test_commands_that_build_a_model_start_with_it():
-    """In a fresh process: `train -h` and `plan` leave the heap unfrozen; `export` (bad arguments
-    and all) starts with the frozen import."""
-    import subprocess
-
-    code = ("import contextlib, gc, io\nfrom ndparallel.cli import main\n"
+def test_commands_freeze_once_their_input_is_readable(tmp_path):
+    """In a fresh process: `train -h`, a config with an unknown key, and `plan -h` freeze nothing
+    (they fail or answer fast); `export` of a missing checkpoint, past its argument checks, has
+    imported the model libraries and frozen them."""
+    code = ("import contextlib, gc, io, sys\nfrom ndparallel.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
-            "    main(['train', '-h']); main(['plan', '-h']); a = gc.get_freeze_count()\n"
-            "    main(['export', '--no-such-flag']); b = gc.get_freeze_count()\n"
-            "print(a, b)")
+            "    main(['train', '-h']); main(['train', '--set', 'no_such_key=1']); main(['plan', '-h'])\n"
+            "    a = gc.get_freeze_count()\n"
+            f"    main(['export', {str(tmp_path / 'none')!r}, {str(tmp_path / 'out')!r}])\n"
+            "    b = gc.get_freeze_count()\n"
+            "print(a, b, 'transformers.modeling_utils' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    before, after = map(int, out.stdout.split()[-2:])
-    assert before == 0 and after > 100_000, out.stdout + out.stderr
+    before, after, loaded = (out.stdout.split() or ["?"] * 3)[-3:]
+    assert before == "0" and after.isdigit() and int(after) > 100_000 and loaded == "True", out.stdout + out.stderr

@@ -57,16 +57,15 @@ def _dispatch(command: str, rest: list[str]) -> int:
         return launch(rest)
     if command == "plan":
         return _plan(rest)
-    if command in ("train", "verify", "simulate", "export") and not {"-h", "--help"} & set(rest):
-        from ndparallel.runtime.startup import import_model_libraries
-
-        import_model_libraries()  # ~20 % faster with the collector paused (runtime/startup.py)
     if command == "simulate":
         from ndparallel.cli.simulate import run_simulate
 
         return run_simulate(rest)
     if command in ("train", "preprocess", "verify", "export", "plot"):
-        from ndparallel.cli import commands
+        from ndparallel.runtime.startup import paused_collector
+
+        with paused_collector():  # torch and more, at the commands' module level (runtime/startup.py)
+            from ndparallel.cli import commands
 
         return getattr(commands, f"run_{command}")(rest)
     close = difflib.get_close_matches(command, list(_SUBCOMMANDS), n=1, cutoff=0.6)

@@ -15,6 +15,7 @@ from ndparallel.axolotl import ConfigError, load_config
 from ndparallel.preflight.plan_text import describe_plan
 from ndparallel.preflight.checks import run_checks, validate_layout
 from ndparallel.preflight.world import run_device, world_size_for
+from ndparallel.runtime.startup import import_model_libraries
 
 INPUT_ERRORS = (ValueError, OSError)
 """Raised on the ranks for bad data, model, checkpoint or output_dir: reported as one line, exit 2
@@ -49,6 +50,7 @@ def run_train(argv: Sequence[str]) -> int:
     try:
         cfg = load_config(args.config, args.set)
         world = world_size_for(cfg, args.nproc_per_node)
+        import_model_libraries()  # the config is readable: what builds the model, collector paused
         if not (in_job and launched_by_ndparallel() and not args.dry_run):  # else checked before launch
             # A dry run checks a config meant for another machine: its data may live there. Under
             # torchrun every rank checks (output_dir: rank 0 only, before its first write).
@@ -235,6 +237,7 @@ def run_verify(argv: Sequence[str]) -> int:
     try:
         cfg = load_config(args.config, args.set)
         world = world_size_for(cfg, None)
+        import_model_libraries()
         pc, hf = validate_layout(cfg, world, check_local=False)  # verify uses synthetic data
     except ConfigError as e:
         return fail("verify", e)

@@ -11,6 +11,7 @@ from ndparallel.checkpoint.directory import find_resume_checkpoint, list_checkpo
 from ndparallel.checkpoint.export import DTYPES, export_checkpoint
 from ndparallel.cli.args import Parser, fail
 from ndparallel.models.adapter_files import ADAPTER_CONFIG
+from ndparallel.runtime.startup import import_model_libraries
 
 
 def export_main(argv: Sequence[str] | None = None) -> int:
@@ -54,6 +55,7 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     if args.nf4 and not args.merge:
         return fail("export", "--nf4 is for --merge of a QLoRA adapter: add --merge (or drop --nf4)")
     dtype = DTYPES.get(args.dtype) if args.dtype else None
+    import_model_libraries()  # the arguments are sound: what reads and writes the model, collector paused
     try:
         if not (ckpt / "COMPLETE").exists() and list_checkpoints(ckpt):
             found = find_resume_checkpoint(ckpt, "auto")

@@ -31,11 +31,13 @@ def run_simulate(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     from ndparallel.axolotl import ConfigError, load_config
     from ndparallel.plan.cli_checks import gpu_mem_bytes
+    from ndparallel.runtime.startup import import_model_libraries
     from ndparallel.preflight.checks import validate_layout
 
     try:
         gpu_mem = None if args.gpu_mem is None else gpu_mem_bytes(args.gpu_mem, minimum=0)
         cfg = load_config(args.config, args.set)
+        import_model_libraries()  # the config is readable: what builds the model, collector paused
         if args.rank >= args.world_size:
             raise ConfigError(f"--rank {args.rank} is not in a world of {args.world_size} ranks: "
                               f"use 0 <= --rank < --world-size")

@@ -1,16 +1,17 @@
 """The start of a process that will build a model: torch's and transformers' model code imported
 with Python's cyclic garbage collector paused, then frozen out of every later collection.
 
-Those imports create about a million objects that live as long as the process; the collector,
+Those imports create about 670,000 objects that live as long as the process; the collector,
 triggered by allocation counts, walks the young ones again and again while they are being made:
-~0.9 s, ~20 % of the import time, on a 2-core CPU machine (a one-rank tiny ``ndparallel train``:
-4.1 s -> 3.3 s, measured in docs/testing.md). Frozen, they are also never walked by a full
-collection during training. The gc module has no other switch for this; the calls are its own
-``gc.disable`` / ``gc.freeze``, as Python's documentation suggests before a fork.
+~1.6 s of CPU, ~40 % of the import time, on a 2-core CPU machine (``bench/startup_gc.py``; a
+one-rank tiny ``ndparallel train``: 4.1 s -> 3.3 s). Frozen, they are also never walked by a full
+collection during training, nor copied page by page by a rank forked from this process. The calls
+are the gc module's own (``gc.disable`` / ``gc.freeze``), as Python's documentation suggests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import sys
@@ -20,18 +21,28 @@ MODEL_LIBRARIES = ("torch", "torch.distributed.tensor", "torch.distributed.fsdp"
 """What every command that builds a model imports (the families' own modules stay lazy: small)."""
 
 
-def import_model_libraries() -> None:
-    """Import ``MODEL_LIBRARIES`` with the collector paused, then freeze what exists. Nothing when
-    they are imported already (a second command in one process: its objects are not frozen, so
-    garbage made since start-up is still collected)."""
-    if all(name in sys.modules for name in MODEL_LIBRARIES):
-        return
+@contextlib.contextmanager
+def paused_collector():
+    """The cyclic collector off inside (a command's module imports); back on after, as it was."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        for name in MODEL_LIBRARIES:
-            importlib.import_module(name)
+        yield
     finally:
         if enabled:
-            gc.freeze()
             gc.enable()
+
+
+def import_model_libraries() -> None:
+    """Import what is missing of ``MODEL_LIBRARIES`` with the collector paused; the first time in
+    a process (nothing frozen yet), then freeze every object alive. A later call freezes nothing,
+    so the garbage a long process makes between two commands is still collected."""
+    missing = [name for name in MODEL_LIBRARIES if name not in sys.modules]
+    first = gc.get_freeze_count() == 0
+    if not missing and not first:
+        return
+    with paused_collector():
+        for name in missing:
+            importlib.import_module(name)
+        if first:
+            gc.freeze()
