@@ -31,6 +31,10 @@ CASES = {  # name: (model, LoRA extras, layout, schedule, strategy options)
                 {"cp_options": CPOptions(comm_strategy="allgather")}),
     # a mixture-of-experts model's stages with their experts split by EP (the adapters on attention)
     "pp2_fsdp2_ep2_moe": ("tiny-qwen3-moe", {}, {"pp_size": 2, "dp_shard_size": 2, "ep_size": 2}, "1F1B", {}),
+    # adapters on the experts' fused weights too (PEFT's target_parameters), each stage its layers'
+    "pp2_moe_target_parameters": ("tiny-qwen3-moe", {"target_linear": False, "target_modules": ["q_proj", "v_proj"],
+                                                     "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
+                                  {"pp_size": 2}, "1F1B", {}),
 }
 
 
@@ -68,6 +72,10 @@ def test_pipeline_lora_equals_one_process_lora(case):
     assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff
     b = [k for k in ref.params if ".lora_B." in k]
     assert any(".layers.3." in k for k in b) and max(ref.params[k].abs().max().item() for k in b) > 1e-3
+    if "target_parameters" in extra:  # the experts' own adapters trained, on both stages
+        experts = [k for k in b if ".mlp.experts." in k]
+        assert any(".layers.0." in k for k in experts) and any(".layers.3." in k for k in experts)
+        assert max(ref.params[k].abs().max().item() for k in experts) > 1e-4
     if "fsdp_options" in options:  # the stage is FSDP's root: one reduction per step, not per micro-batch
         per_micro_batch = run_on_ranks(_count_reductions, world, dataclasses.replace(
             staged, parallel_kwargs={**staged.parallel_kwargs, "fsdp_options": FSDPOptions()}), layout)[0][1]
