@@ -1,7 +1,7 @@
 """Regional ``torch.compile`` of the decoder layers trains the same model as eager, composed with
-FSDP2 + activation checkpointing (inductor), TP with sequence parallel, CP and FSDP2 x CP (``aot_eager``:
-dynamo and AOT autograd, the parts that meet our hooks and DTensors, without the C++ build that
-makes inductor take ~1 min per graph on 2 cores). fp32, SGD: losses and grad norms ≤ 1e-5 rel.
+FSDP2 + activation checkpointing (inductor), TP with sequence parallel, CP, FSDP2 x CP and pipeline
+stages (``aot_eager``: dynamo and AOT autograd, the parts that meet our hooks and DTensors, without
+the C++ build that makes inductor take ~1 min per graph on 2 cores). fp32, SGD: losses and grad norms ≤ 1e-5 rel.
 Each rank also reports how many graphs dynamo built and where it broke them (CP and TP + SP:
 around ndparallel's attention, which runs eagerly by design)."""
 
@@ -105,3 +105,12 @@ def test_fsdp2_cp2_activation_checkpointing_4_ranks():
     graphs, breaks = _check({"dp_shard_size": 2, "cp_size": 2}, 4, "aot_eager",
                             fsdp_options=FSDPOptions(activation_checkpointing=True))
     assert breaks == 0, breaks
+
+
+def test_pipeline_stages_compile_with_activation_checkpointing():
+    """PP 2 (1F1B, 2 micro-batches): each stage's decoder layers compiled as without PP, under
+    activation checkpointing; = one eager process."""
+    from ndparallel.parallel.options import PipelineOptions
+
+    _check({"pp_size": 2}, 2, "aot_eager", pipeline_options=PipelineOptions(schedule="1F1B", microbatches=2),
+           fsdp_options=FSDPOptions(activation_checkpointing=True))

@@ -35,7 +35,6 @@ def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
 
         return ROUTER_LOSS_UNDER_PP
     refusals = [
-        (cfg.compile, "compile: true"),
         (cfg.fp8, "fp8: true"),
     ]
     for refused, what in refusals:
