@@ -20,16 +20,21 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_DIR", tempfile.mkdtemp(prefix="ndparallel-tests-wandb-"))
 
-import torch  # noqa: E402,F401
-import transformers  # noqa: E402,F401
-
+_THREADS = None
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     # One of the suite's test workers (scripts/test.sh): the cores are shared out between them, so
     # that each worker's own torch ops (and the commands it runs, through OMP_NUM_THREADS) do not
-    # oversubscribe them: OpenMP threads spinning for a busy core cost ~5 % of the suite's CPU.
+    # oversubscribe them: OpenMP threads spinning for a busy core cost ~5 % of the suite's CPU. Set
+    # before torch is imported: numpy's and scipy's OpenBLAS size their thread pools when loaded.
     _THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    torch.set_num_threads(_THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(_THREADS))
+
+import torch  # noqa: E402,F401
+import transformers  # noqa: E402,F401
+
+if _THREADS is not None:
+    torch.set_num_threads(_THREADS)
 
 
 
