@@ -11,6 +11,7 @@ from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import CPOptions, FSDPOptions, PipelineOptions, TPOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
+from pipeline_helpers import train_counting_reductions, world_of
 
 RTOL = 1e-5
 MODELS = {  # 4 decoder layers: 2 stages × 2 virtual stages still get one layer each
@@ -60,28 +61,30 @@ def pipelined(model, schedule, extra=None, microbatches=None, **setup):
                       parallel_kwargs={"pipeline_options": options, **(extra or {})})
 
 
-def world(layout: dict) -> int:
-    n = 1
-    for dim, v in layout.items():
-        n *= 1 if dim == "ep_size" else v  # expert parallel borrows its ranks
-    return n
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_pipeline_layout_equals_one_process(case):
-    model, layout, schedule, extra, microbatches = CASES[case]
-    got = run_on_ranks(train_under_layout, world(layout), pipelined(model, schedule, extra, microbatches), layout)[0]
+def _equals_one_process(model, layout, schedule, extra=None, microbatches=None):
+    got = run_on_ranks(train_under_layout, world_of(layout), pipelined(model, schedule, extra, microbatches),
+                       layout)[0]
     diff = compare(reference(model), got)
     assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL, diff
     assert diff["param_abs"] <= 1e-6, diff
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_pipeline_layout_equals_one_process(case):
+    _equals_one_process(*CASES[case])
+
+
+EIGHT_RANKS = {  # name: (model, layout, schedule)
+    "pp2_fsdp2_tp2": ("llama_tied", {"pp_size": 2, "dp_shard_size": 2, "tp_size": 2}, "1F1B"),
+    # each stage HSDP: gradients reduce-scattered over dp_shard, all-reduced over dp_replicate
+    "pp2_hsdp_2x2": ("qwen3_tied", {"pp_size": 2, "dp_replicate_size": 2, "dp_shard_size": 2}, "1F1B"),
+}
+
+
 @pytest.mark.slow
-def test_pp2_fsdp2_tp2_on_8_ranks_equals_one_process():
-    layout = {"pp_size": 2, "dp_shard_size": 2, "tp_size": 2}
-    got = run_on_ranks(train_under_layout, 8, pipelined("llama_tied", "1F1B"), layout)[0]
-    diff = compare(reference("llama_tied"), got)
-    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff
+@pytest.mark.parametrize("case", EIGHT_RANKS)
+def test_pipeline_on_8_ranks_equals_one_process(case):
+    _equals_one_process(*EIGHT_RANKS[case])
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -144,20 +147,6 @@ def test_bad_pipeline_layouts_fail_before_training():
                      {"pp_size": 2})
 
 
-def _count_reductions(setup, layout):
-    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
-
-    calls, reduce = [0], fsdp_group.foreach_reduce
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return reduce(*args, **kwargs)
-
-    fsdp_group.foreach_reduce = counting  # torch-internal: a count, in a forked rank only
-    train_under_layout(setup, layout)
-    return calls[0]
-
-
 def _planned_reductions(unsharded: bool, grad_accum: int) -> int:
     """The planner's reduce-scatters per step on the first stage's rank of the same run."""
     from ndparallel.plan.comms import collectives_for
@@ -179,17 +168,10 @@ def test_unsharded_accumulation_reduces_gradients_once_per_step():
     sharded = pipelined("llama", "1F1B", grad_accum=4)
     once = dataclasses.replace(sharded, parallel_kwargs={**sharded.parallel_kwargs, "fsdp_options":
                                                          FSDPOptions(unsharded_grad_accumulation=True)})
-    per_micro_batch = run_on_ranks(_count_reductions, 4, sharded, layout)[0]
-    per_step = run_on_ranks(_count_reductions, 4, once, layout)[0]
+    per_micro_batch = run_on_ranks(train_counting_reductions, 4, sharded, layout)[0][1]
+    per_step = run_on_ranks(train_counting_reductions, 4, once, layout)[0][1]
     assert per_micro_batch == 4 * per_step > 0  # 4 micro-batches per step
     steps = sharded.steps
     assert (per_micro_batch, per_step) == (steps * _planned_reductions(False, 4), steps * _planned_reductions(True, 4))
 
 
-@pytest.mark.slow
-def test_pp2_hsdp_2x2_on_8_ranks_equals_one_process():
-    """Each stage HSDP: gradients reduce-scattered over dp_shard, all-reduced over dp_replicate."""
-    layout = {"pp_size": 2, "dp_replicate_size": 2, "dp_shard_size": 2}
-    got = run_on_ranks(train_under_layout, 8, pipelined("qwen3_tied", "1F1B"), layout)[0]
-    diff = compare(reference("qwen3_tied"), got)
-    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff

@@ -13,6 +13,7 @@ from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import CPOptions, FSDPOptions, PipelineOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
+from pipeline_helpers import train_counting_reductions, world_of
 
 RTOL = 1e-5
 LORA = dict(r=4, alpha=8, dropout=0.0, target_linear=True)
@@ -43,20 +44,6 @@ def _setup(model: str, lora_extra: dict) -> TrainSetup:
     return TrainSetup(preset_config(model, num_hidden_layers=4, **moe), **SETUP, adapter={**LORA, **lora_extra})
 
 
-def _count_reductions(setup, layout):
-    """The run's result and the FSDP gradient reductions of this rank (rank 0: the first stage)."""
-    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
-
-    calls, reduce = [0], fsdp_group.foreach_reduce
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return reduce(*args, **kwargs)
-
-    fsdp_group.foreach_reduce = counting  # torch-internal: a count, in a forked rank only
-    return train_under_layout(setup, layout), calls[0]
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_pipeline_lora_equals_one_process_lora(case):
     model, extra, layout, schedule, options = CASES[case]
@@ -64,10 +51,8 @@ def test_pipeline_lora_equals_one_process_lora(case):
     ref = run_on_ranks(train_under_layout, 1, setup, None)[0]
     staged = dataclasses.replace(setup, parallel_kwargs={"pipeline_options": PipelineOptions(schedule=schedule),
                                                          **options})
-    world = 1
-    for dim, size in layout.items():
-        world *= 1 if dim == "ep_size" else size  # expert parallel borrows its ranks
-    got, reductions = run_on_ranks(_count_reductions, world, staged, layout)[0]
+    world = world_of(layout)
+    got, reductions = run_on_ranks(train_counting_reductions, world, staged, layout)[0]
     diff = compare(ref, got)
     assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff
     b = [k for k in ref.params if ".lora_B." in k]
@@ -77,7 +62,7 @@ def test_pipeline_lora_equals_one_process_lora(case):
         assert any(".layers.0." in k for k in experts) and any(".layers.3." in k for k in experts)
         assert max(ref.params[k].abs().max().item() for k in experts) > 1e-4
     if "fsdp_options" in options:  # the stage is FSDP's root: one reduction per step, not per micro-batch
-        per_micro_batch = run_on_ranks(_count_reductions, world, dataclasses.replace(
+        per_micro_batch = run_on_ranks(train_counting_reductions, world, dataclasses.replace(
             staged, parallel_kwargs={**staged.parallel_kwargs, "fsdp_options": FSDPOptions()}), layout)[0][1]
         assert per_micro_batch == SETUP["grad_accum"] * reductions > 0
 
