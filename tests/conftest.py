@@ -60,10 +60,11 @@ def _import_what_ranks_import() -> None:
                     pass
 
 
-gc.disable()  # as ndparallel's commands do (runtime/startup.py): ~20 % of the import time otherwise
-_import_what_ranks_import()
-gc.freeze()  # the imported modules' objects leave every later collection, here and in the forked ranks
-gc.enable()
+from ndparallel.runtime.startup import paused_collector  # noqa: E402
+
+with paused_collector():  # as ndparallel's commands import (runtime/startup.py): ~20 % of the time otherwise
+    _import_what_ranks_import()
+    gc.freeze()  # the imported modules' objects leave every later collection, here and in the forked ranks
 
 from ndparallel.tools import equivalence as _equivalence  # noqa: E402
 
