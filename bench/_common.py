@@ -6,8 +6,9 @@ import datetime
 import json
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -25,8 +26,11 @@ def results_dir() -> Path:
 def machine() -> dict[str, Any]:
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "host": platform.node(), "cpu_cores": os.cpu_count(), "platform": platform.platform(),
-        "python": platform.python_version(), "torch": torch.__version__,
+        "host": platform.node(),
+        "cpu_cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
@@ -67,7 +71,7 @@ def local_micro_batch(acc, micro: dict[str, torch.Tensor]) -> dict[str, torch.Te
     """This rank's dp slice of a global micro-batch."""
     rows = next(iter(micro.values())).shape[0] // acc.dp_size
     lo = acc.dp_rank * rows
-    return {k: v[lo:lo + rows].contiguous().to(acc.device) for k, v in micro.items()}
+    return {k: v[lo : lo + rows].contiguous().to(acc.device) for k, v in micro.items()}
 
 
 def nd_step(acc, model, optimizer, mb: dict[str, torch.Tensor], max_norm: float | None = 1.0):

@@ -17,8 +17,8 @@ next loop's peak memory is its own.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -62,8 +62,12 @@ def make_accelerate(cfg, device: torch.device, lr: float) -> Loop:
     model, opt = acc.prepare(model, adamw(model.parameters(), lr, device))
 
     def step(mb):
-        out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
-                    labels=mb["shift_labels"], shift_labels=mb["shift_labels"])
+        out = model(
+            input_ids=mb["input_ids"],
+            position_ids=mb["position_ids"],
+            labels=mb["shift_labels"],
+            shift_labels=mb["shift_labels"],
+        )
         acc.backward(out.loss)
         acc.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
@@ -75,6 +79,7 @@ def make_accelerate(cfg, device: torch.device, lr: float) -> Loop:
         acc.free_memory()
         acc = model = opt = None
         free(device)
+
     return Loop(step, close)
 
 
@@ -116,23 +121,37 @@ def make_plain_fsdp2(cfg, device: torch.device, lr: float) -> Loop:
         nonlocal model, opt
         model = opt = None
         free(device)
+
     return Loop(step, close)
 
 
-def make_nd(cfg, device: torch.device, lr: float, *, chunked: bool, compile_backend: str | None,
-            fp8: bool, emulate_fp8: bool = False) -> Loop:
+def make_nd(
+    cfg,
+    device: torch.device,
+    lr: float,
+    *,
+    chunked: bool,
+    compile_backend: str | None,
+    fp8: bool,
+    emulate_fp8: bool = False,
+) -> Loop:
     from _common import nd_step
 
     from ndparallel import Accelerator, ParallelismConfig
-    from ndparallel.parallel.options import CompileOptions, Float8Options, LossOptions
     from ndparallel.optim.build import build_optimizer
+    from ndparallel.parallel.options import CompileOptions, Float8Options, LossOptions
 
     f8 = Float8Options(enabled=fp8, emulate=emulate_fp8)
-    acc = Accelerator(ParallelismConfig(), mixed_precision="bf16", device=device.type,
-                      loss_options=LossOptions(chunked=chunked),
-                      compile_options=CompileOptions(enabled=compile_backend is not None,
-                                                     backend=compile_backend or "inductor"),
-                      float8_options=f8)
+    acc = Accelerator(
+        ParallelismConfig(),
+        mixed_precision="bf16",
+        device=device.type,
+        loss_options=LossOptions(chunked=chunked),
+        compile_options=CompileOptions(
+            enabled=compile_backend is not None, backend=compile_backend or "inductor"
+        ),
+        float8_options=f8,
+    )
     model = acc.prepare(build_model(cfg, device))
     opt = build_optimizer(model.parameters(), lr=lr)
     if fp8:
@@ -148,4 +167,5 @@ def make_nd(cfg, device: torch.device, lr: float, *, chunked: bool, compile_back
         nonlocal acc, model, opt
         acc = model = opt = None
         free(device, compiled=compile_backend is not None)
+
     return Loop(step, close)

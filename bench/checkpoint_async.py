@@ -47,9 +47,15 @@ MODES = ("no saves", "preemption check", "sync saves", "async saves")
 def model_config(hidden: int, layers: int, vocab: int, tied: bool = False):
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64 or 64,
-                      num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-                      num_key_value_heads=max(1, hidden // 128), vocab_size=vocab, tie_word_embeddings=tied)
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3 // 64 * 64 or 64,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+    )
     cfg._attn_implementation = "sdpa"
     cfg.use_cache = False
     return cfg
@@ -60,7 +66,10 @@ def staged_bytes(model, optimizer) -> int:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     total = 0
-    for value in (*get_model_state_dict(model).values(), *_tensors(get_optimizer_state_dict(model, optimizer))):
+    for value in (
+        *get_model_state_dict(model).values(),
+        *_tensors(get_optimizer_state_dict(model, optimizer)),
+    ):
         local = value.to_local() if hasattr(value, "to_local") else value
         if isinstance(local, torch.Tensor):
             total += local.numel() * local.element_size()
@@ -87,8 +96,11 @@ def run_rounds(acc, args, ckpt_root: Path) -> list[dict]:
     from ndparallel.runtime.preemption import PreemptionWatch
 
     torch.manual_seed(0)
-    model = acc.prepare(transformers.AutoModelForCausalLM.from_config(
-        model_config(args.hidden, args.layers, args.vocab, args.tied)))
+    model = acc.prepare(
+        transformers.AutoModelForCausalLM.from_config(
+            model_config(args.hidden, args.layers, args.vocab, args.tied)
+        )
+    )
     optimizer = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-4))
     gen = torch.Generator().manual_seed(1)
     batch = lambda: _batch(acc, args.batch, args.seq, args.vocab, gen)  # noqa: E731
@@ -105,12 +117,24 @@ def run_rounds(acc, args, ckpt_root: Path) -> list[dict]:
                 if mode == "preemption check":
                     st["checks"].append(_timed(acc, watch.should_stop))
             if mode == "sync saves":
-                st["blocked"].append(_timed(acc, lambda: save_step_checkpoint(
-                    ckpt_root / "sync", step, model, optimizer, save_total_limit=1)))
+                st["blocked"].append(
+                    _timed(
+                        acc,
+                        lambda: save_step_checkpoint(
+                            ckpt_root / "sync", step, model, optimizer, save_total_limit=1
+                        ),
+                    )
+                )
             if mode == "async saves":
                 rss.setdefault("before", vm_bytes("RssAnon:"))
-                st["blocked"].append(_timed(acc, lambda: saver.save_step(
-                    ckpt_root / "async", step, model, optimizer, save_total_limit=1)))
+                st["blocked"].append(
+                    _timed(
+                        acc,
+                        lambda: saver.save_step(
+                            ckpt_root / "async", step, model, optimizer, save_total_limit=1
+                        ),
+                    )
+                )
                 for _ in range(args.every):
                     step += 1
                     st["writing_steps"].append(_timed(acc, lambda: _step(acc, model, optimizer, batch())))
@@ -135,13 +159,22 @@ def _timed(acc, fn) -> float:
 def _summary(mode: str, st: dict, staged_mb: float, rss: dict, problems: list[str]) -> dict:
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     blocked = st["blocked"]
-    out = {"mode": mode, "step_s_median": med(st["steps"]), "saves": len(blocked),
-           # steady state: the first save also creates the writer's group and the staging buffers
-           "save_blocked_s": med(blocked[1:] or blocked) or 0.0,
-           "save_blocked_first_s": blocked[0] if blocked else None, "check_s_median": med(st["checks"])}
+    out = {
+        "mode": mode,
+        "step_s_median": med(st["steps"]),
+        "saves": len(blocked),
+        # steady state: the first save also creates the writer's group and the staging buffers
+        "save_blocked_s": med(blocked[1:] or blocked) or 0.0,
+        "save_blocked_first_s": blocked[0] if blocked else None,
+        "check_s_median": med(st["checks"]),
+    }
     if mode == "async saves":
-        out.update(writing_step_s_median=med(st["writing_steps"]), wait_s=med(st["waits"]),
-                   staged_mb=staged_mb, staging_rss_mb=(rss["after"] - rss["before"]) / 2**20)
+        out.update(
+            writing_step_s_median=med(st["writing_steps"]),
+            wait_s=med(st["waits"]),
+            staged_mb=staged_mb,
+            staging_rss_mb=(rss["after"] - rss["before"]) / 2**20,
+        )
     if mode in ("sync saves", "async saves"):
         out["problems"] = [p for p in problems if ("async" in p) == (mode == "async saves")]
     return out
@@ -167,8 +200,11 @@ def _check_and_remove(out: Path, main: bool) -> list[str]:
 
 def _batch(acc, rows: int, seq: int, vocab: int, gen):
     ids = torch.randint(0, vocab, (rows, seq + 1), generator=gen)
-    return {"input_ids": ids[:, :-1].to(acc.device), "shift_labels": ids[:, 1:].to(acc.device),
-            "position_ids": torch.arange(seq).expand(rows, seq).to(acc.device)}
+    return {
+        "input_ids": ids[:, :-1].to(acc.device),
+        "shift_labels": ids[:, 1:].to(acc.device),
+        "position_ids": torch.arange(seq).expand(rows, seq).to(acc.device),
+    }
 
 
 def _step(acc, model, optimizer, mb) -> None:
@@ -197,8 +233,10 @@ def cost_per_save(results: list[dict], every: int) -> dict[str, float]:
     waiting for the previous save) + the slowdown of the steps it overlapped + the final wait."""
     by = {r["mode"]: r for r in results}
     base, a = by["no saves"]["step_s_median"], by["async saves"]
-    return {"sync": by["sync saves"]["save_blocked_s"],
-            "async": a["save_blocked_s"] + a["wait_s"] + every * max(0.0, a["writing_step_s_median"] - base)}
+    return {
+        "sync": by["sync saves"]["save_blocked_s"],
+        "async": a["save_blocked_s"] + a["wait_s"] + every * max(0.0, a["writing_step_s_median"] - base),
+    }
 
 
 def report(args, results: list[dict], name: str, out: Path) -> Path:
@@ -209,18 +247,45 @@ def report(args, results: list[dict], name: str, out: Path) -> Path:
     cost = cost_per_save(results, args.every)
     rows = []
     for r in results:
-        rows.append((r["mode"], r["step_s_median"], r["step_s_median"] / base,
-                     r["check_s_median"] * 1e3 if r["check_s_median"] is not None else "-",
-                     r["save_blocked_s"] if r["saves"] else "-", r.get("writing_step_s_median", "-"),
-                     r.get("wait_s", "-"), {"sync saves": cost["sync"], "async saves": cost["async"]}.get(r["mode"], "-"),
-                     r.get("staged_mb", "-"), r.get("staging_rss_mb", "-")))
-    print_table(f"save every {args.every} steps, {args.rounds} rounds, modes interleaved ({name})",
-                ["mode", "step s (median)", "× no saves", "check ms", "save call s", "step s while writing",
-                 "wait s", "cost per save s", "staged MB", "staging RSS MB"], rows)
+        rows.append(
+            (
+                r["mode"],
+                r["step_s_median"],
+                r["step_s_median"] / base,
+                r["check_s_median"] * 1e3 if r["check_s_median"] is not None else "-",
+                r["save_blocked_s"] if r["saves"] else "-",
+                r.get("writing_step_s_median", "-"),
+                r.get("wait_s", "-"),
+                {"sync saves": cost["sync"], "async saves": cost["async"]}.get(r["mode"], "-"),
+                r.get("staged_mb", "-"),
+                r.get("staging_rss_mb", "-"),
+            )
+        )
+    print_table(
+        f"save every {args.every} steps, {args.rounds} rounds, modes interleaved ({name})",
+        [
+            "mode",
+            "step s (median)",
+            "× no saves",
+            "check ms",
+            "save call s",
+            "step s while writing",
+            "wait s",
+            "cost per save s",
+            "staged MB",
+            "staging RSS MB",
+        ],
+        rows,
+    )
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine(), "args": vars(args), "results": results,
-                                "cost_per_save_s": cost}, indent=2, default=str))
+    path.write_text(
+        json.dumps(
+            {"machine": machine(), "args": vars(args), "results": results, "cost_per_save_s": cost},
+            indent=2,
+            default=str,
+        )
+    )
     print(f"wrote {path}")
     return path
 
@@ -236,10 +301,16 @@ def parser(**defaults) -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=defaults.get("seq", 128))
     p.add_argument("--batch", type=int, default=defaults.get("batch", 2))
     p.add_argument("--precision", default=defaults.get("precision", "no"), choices=["no", "bf16"])
-    p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=defaults.get("tied", False),
-                   help="tie the embedding and the LM head")
+    p.add_argument(
+        "--tied",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.get("tied", False),
+        help="tie the embedding and the LM head",
+    )
     p.add_argument("--out", type=Path, default=Path(os.environ.get("BENCH_RESULTS_DIR", RESULTS)))
-    p.add_argument("--ckpt-dir", type=Path, default=None, help="where checkpoints are written (default: a temp dir)")
+    p.add_argument(
+        "--ckpt-dir", type=Path, default=None, help="where checkpoints are written (default: a temp dir)"
+    )
     p.add_argument("--name", default=defaults.get("name", "checkpoint_async"))
     return p
 

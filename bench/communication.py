@@ -48,8 +48,10 @@ def layouts():
     out = {
         "DP 2": ({"dp_replicate_size": 2}, {}),
         "FSDP 2": ({"dp_shard_size": 2}, {}),
-        "FSDP 2 no-reshard": ({"dp_shard_size": 2},
-                              {"fsdp_options": FSDPOptions(reshard_after_forward=False)}),
+        "FSDP 2 no-reshard": (
+            {"dp_shard_size": 2},
+            {"fsdp_options": FSDPOptions(reshard_after_forward=False)},
+        ),
         "FSDP 4": ({"dp_shard_size": 4}, {}),
         "HSDP 2x2": ({"dp_replicate_size": 2, "dp_shard_size": 2}, {}),
     }
@@ -59,7 +61,9 @@ def layouts():
 
         out["TP 2"] = ({"tp_size": 2}, {"tp_options": TPOptions()})
         out["SP 2 (+loss parallel)"] = (
-            {"tp_size": 2}, {"tp_options": TPOptions(sequence_parallel=True, loss_parallel=True)})
+            {"tp_size": 2},
+            {"tp_options": TPOptions(sequence_parallel=True, loss_parallel=True)},
+        )
     except ImportError:
         pass
     try:
@@ -98,8 +102,7 @@ def _measure(layout, options, seq, rows, steps=2):
             nd_step(acc, model, opt, local_micro_batch(acc, micro[0]))
             prof.step()
     labels = {d: prof.label(d) for d in ("dp_replicate", "dp_shard_cp", "tp", "cp")}
-    return {"calls": prof.calls(steps - 1), "labels": labels, "n_params": n_params,
-            "aliases": prof.aliases()}
+    return {"calls": prof.calls(steps - 1), "labels": labels, "n_params": n_params, "aliases": prof.aliases()}
 
 
 def floor(name, layout, cfg, seq, rows, n_params):
@@ -150,8 +153,9 @@ def main(argv=None):
         if args.only and name not in args.only.split(","):
             continue
         try:
-            per_rank = run_on_ranks(_measure, layout_world(layout), layout, options, args.seq,
-                                    args.rows, timeout_s=300)
+            per_rank = run_on_ranks(
+                _measure, layout_world(layout), layout, options, args.seq, args.rows, timeout_s=300
+            )
         except Exception as exc:  # a strategy under construction must not stop the others
             print(f"{name}: failed: {str(exc).splitlines()[0:3]}")
             results[name] = {"error": str(exc)[:2000]}
@@ -169,23 +173,43 @@ def main(argv=None):
         for (d, op), b in floor(name, layout, cfg, args.seq, args.rows, m["n_params"]).items():
             fl[(labels.get(d, d), op)] += b
         total, total_floor = sum(measured.values()), sum(fl.values())
-        excess = {f"{d}/{op}": measured.get((d, op), 0) - fl.get((d, op), 0)
-                  for d, op in set(measured) | set(fl)
-                  if measured.get((d, op), 0) != fl.get((d, op), 0)}
+        excess = {
+            f"{d}/{op}": measured.get((d, op), 0) - fl.get((d, op), 0)
+            for d, op in set(measured) | set(fl)
+            if measured.get((d, op), 0) != fl.get((d, op), 0)
+        }
         excess = dict(sorted(excess.items(), key=lambda kv: -abs(kv[1])))
-        per_rank_total = [sum(b * k for (_, op, b), k in r["calls"].items() if op != "recv")
-                          for r in per_rank]
-        results[name] = {"layout": layout, "bytes_per_step_rank0": total, "floor": total_floor, "recv_bytes": recv,
-                         "ratio": total / total_floor if total_floor else None,
-                         "bytes_per_rank": per_rank_total,
-                         "measured": {f"{d}/{op}": b for (d, op), b in sorted(measured.items())},
-                         "floor_items": {f"{d}/{op}": b for (d, op), b in sorted(fl.items())},
-                         "excess": excess, "aliases": m["aliases"]}
+        per_rank_total = [
+            sum(b * k for (_, op, b), k in r["calls"].items() if op != "recv") for r in per_rank
+        ]
+        results[name] = {
+            "layout": layout,
+            "bytes_per_step_rank0": total,
+            "floor": total_floor,
+            "recv_bytes": recv,
+            "ratio": total / total_floor if total_floor else None,
+            "bytes_per_rank": per_rank_total,
+            "measured": {f"{d}/{op}": b for (d, op), b in sorted(measured.items())},
+            "floor_items": {f"{d}/{op}": b for (d, op), b in sorted(fl.items())},
+            "excess": excess,
+            "aliases": m["aliases"],
+        }
         top = ", ".join(f"{k} {v:+,}" for k, v in list(excess.items())[:3])
-        table.append((name, total, total_floor, total / total_floor if total_floor else float("nan"),
-                      max(per_rank_total), top or "-"))
-    print_table(f"bytes per step per rank (tiny-llama fp32, seq {args.seq}, {args.rows} rows/step)",
-                ["layout", "measured B", "floor B", "ratio", "max rank B", "largest excess (B)"], table)
+        table.append(
+            (
+                name,
+                total,
+                total_floor,
+                total / total_floor if total_floor else float("nan"),
+                max(per_rank_total),
+                top or "-",
+            )
+        )
+    print_table(
+        f"bytes per step per rank (tiny-llama fp32, seq {args.seq}, {args.rows} rows/step)",
+        ["layout", "measured B", "floor B", "ratio", "max rank B", "largest excess (B)"],
+        table,
+    )
     path = write_json("communication", {"settings": vars(args), "results": results})
     print(f"wrote {path}")
 

@@ -86,8 +86,11 @@ def _rank(seq: int, strategy: str, steps: int, preset: str, batch: int):
     times, attn_bytes, all_bytes = [], 0, 0
     for step in range(steps + 1):
         ids = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=g)
-        b = {"input_ids": ids[:, :-1].clone(), "shift_labels": ids[:, 1:].clone(),
-             "position_ids": torch.arange(seq).expand(batch, seq).clone()}
+        b = {
+            "input_ids": ids[:, :-1].clone(),
+            "shift_labels": ids[:, 1:].clone(),
+            "position_ids": torch.arange(seq).expand(batch, seq).clone(),
+        }
         dist.barrier()
         t0 = time.perf_counter()
         with context_parallel_buffers(mesh, list(b.values()), [1, 1, 1]):
@@ -95,8 +98,9 @@ def _rank(seq: int, strategy: str, steps: int, preset: str, batch: int):
             whole.storages.clear()
             with whole:
                 logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["shift_labels"].flatten(),
-                                                         reduction="sum") / (batch * seq)
+                loss = torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), b["shift_labels"].flatten(), reduction="sum"
+                ) / (batch * seq)
             loss.backward()
         for p in model.parameters():
             dist.all_reduce(p.grad, group=group)
@@ -118,24 +122,39 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for cp in (int(c) for c in args.cps.split(",")):
-        for strategy in (["ring", "allgather"] if cp > 1 else ["sdpa", "ring"]):
-            res = run_on_ranks(_rank, cp, args.seq, strategy, args.steps, args.preset, args.batch,
-                               timeout_s=600)
-            rows.append({
-                "cp": cp, "strategy": strategy, "seq": args.seq,
-                "attn_MiB_per_rank": max(r["attn_bytes"] for r in res) / 2**20,
-                "act_MiB_per_rank": max(r["all_bytes"] for r in res) / 2**20,
-                "step_ms": 1e3 * max(r["step_s"] for r in res),
-            })
+        for strategy in ["ring", "allgather"] if cp > 1 else ["sdpa", "ring"]:
+            res = run_on_ranks(
+                _rank, cp, args.seq, strategy, args.steps, args.preset, args.batch, timeout_s=600
+            )
+            rows.append(
+                {
+                    "cp": cp,
+                    "strategy": strategy,
+                    "seq": args.seq,
+                    "attn_MiB_per_rank": max(r["attn_bytes"] for r in res) / 2**20,
+                    "act_MiB_per_rank": max(r["all_bytes"] for r in res) / 2**20,
+                    "step_ms": 1e3 * max(r["step_s"] for r in res),
+                }
+            )
     base = next(r for r in rows if r["cp"] == 1 and r["strategy"] == "ring")["attn_MiB_per_rank"]
-    print(f"{'cp':>3} {'strategy':>10} {'attn MiB/rank':>14} {'vs cp1':>7} {'all act MiB/rank':>17} {'step ms':>8}")
+    print(
+        f"{'cp':>3} {'strategy':>10} {'attn MiB/rank':>14} {'vs cp1':>7} {'all act MiB/rank':>17} {'step ms':>8}"
+    )
     for r in rows:
-        print(f"{r['cp']:>3} {r['strategy']:>10} {r['attn_MiB_per_rank']:>14.2f} "
-              f"{r['attn_MiB_per_rank'] / base:>7.3f} {r['act_MiB_per_rank']:>17.2f} {r['step_ms']:>8.1f}")
+        print(
+            f"{r['cp']:>3} {r['strategy']:>10} {r['attn_MiB_per_rank']:>14.2f} "
+            f"{r['attn_MiB_per_rank'] / base:>7.3f} {r['act_MiB_per_rank']:>17.2f} {r['step_ms']:>8.1f}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"preset": args.preset, "batch": args.batch, "steps": args.steps, "torch": torch.__version__,
-            "threads_per_rank": 1, "note": "CPU gloo; ranks share the machine's cores"}
+    meta = {
+        "preset": args.preset,
+        "batch": args.batch,
+        "steps": args.steps,
+        "torch": torch.__version__,
+        "threads_per_rank": 1,
+        "note": "CPU gloo; ranks share the machine's cores",
+    }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"wrote {out}")
 

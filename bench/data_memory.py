@@ -50,12 +50,22 @@ def write_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:
 def _config(data: str, cache: str, steps: int, packing: bool):
     from ndparallel.axolotl import load_config
 
-    return load_config(None, [
-        "base_model=tiny-llama", f"datasets=[{{path: '{data}'}}]", "tokenizer_vocab_size=512",
-        "tokenizer=builtin:stdlib", "sequence_len=128", "dp_shard_size=2", f"max_steps={steps}",
-        f"dataset_cache_dir={cache}", f"output_dir={cache}/run", "save_final_model=false",
-        *(["sample_packing=true"] if packing else []),
-    ])
+    return load_config(
+        None,
+        [
+            "base_model=tiny-llama",
+            f"datasets=[{{path: '{data}'}}]",
+            "tokenizer_vocab_size=512",
+            "tokenizer=builtin:stdlib",
+            "sequence_len=128",
+            "dp_shard_size=2",
+            f"max_steps={steps}",
+            f"dataset_cache_dir={cache}",
+            f"output_dir={cache}/run",
+            "save_final_model=false",
+            *(["sample_packing=true"] if packing else []),
+        ],
+    )
 
 
 def _prepare(data: str, cache: str, steps: int, packing: bool) -> dict:
@@ -87,36 +97,56 @@ def measure(megabytes: float, steps: int, workdir: Path, packing: bool = False) 
     args = (str(data), str(workdir / f"cache-{megabytes}"), steps, packing)
     prepared = run_on_ranks(_prepare, 1, *args, timeout_s=1800)[0] if packing else None
     ranks = run_on_ranks(_rank, 2, *args, timeout_s=1800)
-    return {"megabytes": megabytes, "blocks": ranks[0]["blocks"],
-            "prepare_anon_mb": prepared["peak_anon"] / 2**20 if prepared else None,
-            "peak_rss_mb": [r["peak_rss"] / 2**20 for r in ranks],
-            "peak_anon_mb": [r["peak_anon"] / 2**20 for r in ranks]}
+    return {
+        "megabytes": megabytes,
+        "blocks": ranks[0]["blocks"],
+        "prepare_anon_mb": prepared["peak_anon"] / 2**20 if prepared else None,
+        "peak_rss_mb": [r["peak_rss"] / 2**20 for r in ranks],
+        "peak_anon_mb": [r["peak_anon"] / 2**20 for r in ranks],
+    }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=8.0, help="size S of the small corpus, MB of text")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--sample-packing", action="store_true", help="rows of whole samples (sample_packing)")
+    parser.add_argument(
+        "--sample-packing", action="store_true", help="rows of whole samples (sample_packing)"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(args.mb * k, args.steps, Path(tmp), args.sample_packing) for k in (1, 10)]
     small, large = rows
     ratios = {k: [b / a for a, b in zip(small[k], large[k])] for k in ("peak_rss_mb", "peak_anon_mb")}
-    print_table("peak memory per rank (MB) vs dataset size: RSS (incl. mapped file pages) | private",
-                ["dataset", "blocks", "RSS r0", "RSS r1", "private r0", "private r1"],
-                [[f"{r['megabytes']:.0f} MB", r["blocks"], *(f"{m:.0f}" for m in r["peak_rss_mb"]),
-                  *(f"{m:.0f}" for m in r["peak_anon_mb"])] for r in rows]
-                + [["10× / 1×", "", *(f"{x:.3f}" for x in ratios["peak_rss_mb"] + ratios["peak_anon_mb"])]])
+    print_table(
+        "peak memory per rank (MB) vs dataset size: RSS (incl. mapped file pages) | private",
+        ["dataset", "blocks", "RSS r0", "RSS r1", "private r0", "private r1"],
+        [
+            [
+                f"{r['megabytes']:.0f} MB",
+                r["blocks"],
+                *(f"{m:.0f}" for m in r["peak_rss_mb"]),
+                *(f"{m:.0f}" for m in r["peak_anon_mb"]),
+            ]
+            for r in rows
+        ]
+        + [["10× / 1×", "", *(f"{x:.3f}" for x in ratios["peak_rss_mb"] + ratios["peak_anon_mb"])]],
+    )
     if args.sample_packing:
-        print("private peak of the process that prepared the data (before the ranks): "
-              + " -> ".join(f"{r['prepare_anon_mb']:.0f} MB ({r['megabytes']:.0f} MB of text)" for r in rows))
+        print(
+            "private peak of the process that prepared the data (before the ranks): "
+            + " -> ".join(f"{r['prepare_anon_mb']:.0f} MB ({r['megabytes']:.0f} MB of text)" for r in rows)
+        )
     ok = max(ratios["peak_anon_mb"]) < 1.10
-    print(f"goal: 10× data grows the private (non-file) peak per rank by < 10 %: "
-          f"{'met' if ok else 'NOT met'} (max ratio {max(ratios['peak_anon_mb']):.3f}); mapped file "
-          "pages are shared by the node's ranks and evictable page cache")
-    path = write_json("data_memory_packed" if args.sample_packing else "data_memory",
-                      {"rows": rows, "ratios": ratios, "goal_met": ok})
+    print(
+        f"goal: 10× data grows the private (non-file) peak per rank by < 10 %: "
+        f"{'met' if ok else 'NOT met'} (max ratio {max(ratios['peak_anon_mb']):.3f}); mapped file "
+        "pages are shared by the node's ranks and evictable page cache"
+    )
+    path = write_json(
+        "data_memory_packed" if args.sample_packing else "data_memory",
+        {"rows": rows, "ratios": ratios, "goal_met": ok},
+    )
     print(f"wrote {path}")
     return 0
 

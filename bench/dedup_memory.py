@@ -44,8 +44,9 @@ def table_of(n: int, seed: int = 0) -> tuple[TokenTable, np.ndarray, int]:
     offsets = np.arange(0, n * TOKENS + 1, TOKENS, dtype=np.int32)
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids.reshape(-1)))
     ds = datasets.Dataset(pa.table({"input_ids": column, "labels": column}))
-    samples = np.stack([np.zeros(n, np.int64), np.arange(n), np.zeros(n, np.int64),
-                        np.full(n, TOKENS, np.int64)], axis=1)
+    samples = np.stack(
+        [np.zeros(n, np.int64), np.arange(n), np.zeros(n, np.int64), np.full(n, TOKENS, np.int64)], axis=1
+    )
     distinct = len(np.unique(ids, axis=0))
     return TokenTable(ds), samples, distinct
 
@@ -59,8 +60,13 @@ def measure(n: int) -> dict:
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert len(kept) == distinct, (len(kept), distinct)
-    return {"samples": n, "distinct": distinct, "peak_mb": peak / 2**20, "bytes_per_distinct": peak / distinct,
-            "seconds": seconds}
+    return {
+        "samples": n,
+        "distinct": distinct,
+        "peak_mb": peak / 2**20,
+        "bytes_per_distinct": peak / distinct,
+        "seconds": seconds,
+    }
 
 
 def main(argv=None) -> int:
@@ -71,16 +77,31 @@ def main(argv=None) -> int:
     small, large = rows
     slope = (large["peak_mb"] - small["peak_mb"]) * 2**20 / (large["distinct"] - small["distinct"])
     fixed_mb = small["peak_mb"] - slope * small["distinct"] / 2**20
-    print_table("dataset_exact_deduplication: allocation peak of first_occurrences (tracemalloc)",
-                ["samples", "distinct", "peak MB", "bytes / distinct", "seconds"],
-                [[f"{r['samples']:,}", f"{r['distinct']:,}", f"{r['peak_mb']:.1f}",
-                  f"{r['bytes_per_distinct']:.0f}", f"{r['seconds']:.1f}"] for r in rows])
-    print(f"each more distinct sample: {slope:.0f} bytes; fixed part {fixed_mb:.1f} MB; "
-          f"so ~{(fixed_mb + slope * 1e6 / 2**20) / 1024:.2f} GB per million distinct samples "
-          f"({large['seconds'] / large['samples'] * 1e6:.0f} s per million samples here)")
+    print_table(
+        "dataset_exact_deduplication: allocation peak of first_occurrences (tracemalloc)",
+        ["samples", "distinct", "peak MB", "bytes / distinct", "seconds"],
+        [
+            [
+                f"{r['samples']:,}",
+                f"{r['distinct']:,}",
+                f"{r['peak_mb']:.1f}",
+                f"{r['bytes_per_distinct']:.0f}",
+                f"{r['seconds']:.1f}",
+            ]
+            for r in rows
+        ],
+    )
+    print(
+        f"each more distinct sample: {slope:.0f} bytes; fixed part {fixed_mb:.1f} MB; "
+        f"so ~{(fixed_mb + slope * 1e6 / 2**20) / 1024:.2f} GB per million distinct samples "
+        f"({large['seconds'] / large['samples'] * 1e6:.0f} s per million samples here)"
+    )
     ok = slope < 160 and fixed_mb < 24
     print(f"goal: < 160 bytes per distinct sample and a fixed part < 24 MB: {'met' if ok else 'NOT met'}")
-    path = write_json("dedup_memory", {"rows": rows, "bytes_per_distinct_sample": slope, "fixed_mb": fixed_mb, "goal_met": ok})
+    path = write_json(
+        "dedup_memory",
+        {"rows": rows, "bytes_per_distinct_sample": slope, "fixed_mb": fixed_mb, "goal_met": ok},
+    )
     print(f"wrote {path}")
     return 0
 

@@ -26,11 +26,20 @@ sys.path.insert(0, str(ROOT / "tests"))
 def main(argv=None) -> int:
     import torch
     import transformers
-    from test_family_matrix import FAMILIES, LAYOUTS, PARAM_TOL, TOL, _setup, prelaunch_verdict, short_reason, train_families
 
     from ndparallel.testing import run_on_ranks
     from ndparallel.tools.equivalence import compare
     from ndparallel.tools.shrink import shrink_model
+    from test_family_matrix import (
+        FAMILIES,
+        LAYOUTS,
+        PARAM_TOL,
+        TOL,
+        _setup,
+        prelaunch_verdict,
+        short_reason,
+        train_families,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layout names")
@@ -49,8 +58,9 @@ def main(argv=None) -> int:
             torch.manual_seed(0)
             transformers.AutoModelForCausalLM.from_config(config).save_pretrained(Path(tmp) / name)
             saved[name] = str(Path(tmp) / name)
-        reference = run_on_ranks(train_families, 1, {n: _setup(p, {}, n) for n, p in saved.items()}, None,
-                                 timeout_s=900)[0]
+        reference = run_on_ranks(
+            train_families, 1, {n: _setup(p, {}, n) for n, p in saved.items()}, None, timeout_s=900
+        )[0]
         for layout_name in layouts:
             layout, extra = LAYOUTS[layout_name]
             runnable = {}
@@ -66,17 +76,24 @@ def main(argv=None) -> int:
             got = run_on_ranks(train_families, world, runnable, layout, timeout_s=900)[0]
             for name in runnable:
                 result = got[name]
-                cells[name][layout_name] = result if isinstance(result, str) else compare(reference[name], result)
+                cells[name][layout_name] = (
+                    result if isinstance(result, str) else compare(reference[name], result)
+                )
             print(f"{layout_name}: done", file=sys.stderr, flush=True)
-    print(f"largest relative parameter difference from one process after 2 SGD steps (the test's tolerances: "
-          f"losses and gradient norms {TOL:g} relative, parameters {PARAM_TOL:g} absolute)\n")
+    print(
+        f"largest relative parameter difference from one process after 2 SGD steps (the test's tolerances: "
+        f"losses and gradient norms {TOL:g} relative, parameters {PARAM_TOL:g} absolute)\n"
+    )
     print("| family | " + " | ".join(layouts) + " |\n|---|" + "---|" * len(layouts))
     for name in families:
         row = []
         for layout_name in layouts:
             cell = cells[name][layout_name]
-            row.append(cell if isinstance(cell, str) else
-                       f"{cell['param_rel']:.0e} (`{_short(cell['param_rel_tensor'])}`)")
+            row.append(
+                cell
+                if isinstance(cell, str)
+                else f"{cell['param_rel']:.0e} (`{_short(cell['param_rel_tensor'])}`)"
+            )
         print(f"| {name} | " + " | ".join(row) + " |")
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)

@@ -40,12 +40,28 @@ def _config():
     from transformers import LlamaConfig
 
     if _tiny():
-        return LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                           tie_word_embeddings=False, use_cache=False)
-    return LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ,
-                       tie_word_embeddings=False, use_cache=False)
+        return LlamaConfig(
+            vocab_size=1024,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+            use_cache=False,
+        )
+    return LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
 
 
 def _batches(vocab: int):
@@ -55,8 +71,13 @@ def _batches(vocab: int):
     out = []
     for _ in range(STEPS * GA):
         tokens = torch.randint(0, vocab, (BATCH, (32 if _tiny() else SEQ) + 1), generator=g)
-        out.append({"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, :-1].contiguous(),
-                    "shift_labels": tokens[:, 1:].contiguous()})
+        out.append(
+            {
+                "input_ids": tokens[:, :-1].contiguous(),
+                "labels": tokens[:, :-1].contiguous(),
+                "shift_labels": tokens[:, 1:].contiguous(),
+            }
+        )
     return out
 
 
@@ -74,8 +95,12 @@ def run(which: str, mixed_precision: str, logdir: str):
         from accelerate import Accelerator
     else:
         from ndparallel import Accelerator
-    acc = Accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=GA,
-                      log_with=tracker(), project_dir=logdir)
+    acc = Accelerator(
+        mixed_precision=mixed_precision,
+        gradient_accumulation_steps=GA,
+        log_with=tracker(),
+        project_dir=logdir,
+    )
     acc.init_trackers("compat")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config())
@@ -107,8 +132,11 @@ def one_precision(mp: str) -> dict:
     """Both Accelerators in this process (Accelerate first), one precision."""
     import torch
 
-    out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "torch": torch.__version__, "tracker": tracker()}
+    out = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "tracker": tracker(),
+    }
     for which in ("accelerate", "ndparallel"):
         with tempfile.TemporaryDirectory() as d:
             losses, lr, params = run(which, mp, d)
@@ -124,8 +152,10 @@ def compare(mp: str, res: dict) -> list[str]:
     worst = max(abs(x - y) / abs(x) for x, y in zip(a["losses"], n["losses"]))
     tol = FP32_RTOL if mp == "no" else BF16_RTOL
     res["worst_rel_diff"] = worst
-    print(f"{mp:9} final lr accelerate {a['lr']:.6g} ndparallel {n['lr']:.6g}; reloaded params "
-          f"{a['params']} / {n['params']}; tensorboard files {a['tensorboard_files']} / {n['tensorboard_files']}")
+    print(
+        f"{mp:9} final lr accelerate {a['lr']:.6g} ndparallel {n['lr']:.6g}; reloaded params "
+        f"{a['params']} / {n['params']}; tensorboard files {a['tensorboard_files']} / {n['tensorboard_files']}"
+    )
     fails = []
     if len(a["losses"]) != STEPS or len(n["losses"]) != STEPS:
         fails.append(f"{mp}: {len(a['losses'])} / {len(n['losses'])} optimizer steps, expected {STEPS}")
@@ -140,8 +170,12 @@ def compare(mp: str, res: dict) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--precision", choices=("no", "bf16"), help="run one precision in this process "
-                    "and print its result as JSON (what the parent does per precision)")
+    ap.add_argument(
+        "--precision",
+        choices=("no", "bf16"),
+        help="run one precision in this process "
+        "and print its result as JSON (what the parent does per precision)",
+    )
     ap.add_argument("--tiny", action="store_true", help="a smaller model (the CPU smoke run)")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -157,12 +191,14 @@ def main(argv=None) -> int:
             print(child.stdout[-3000:], child.stderr[-6000:], sep="\n")
             fails.append(f"{mp}: the child process failed (exit {child.returncode})")
             continue
-        results[mp] = json.loads(lines[-1][len("RESULT "):])
+        results[mp] = json.loads(lines[-1][len("RESULT ") :])
     for mp, r in results.items():
         print(f"{mp}: on {r['device']}, torch {r['torch']}")
     on_gpu = any(r["device"] != "cpu" for r in results.values())
     if on_gpu and any(r["tracker"] is None for r in results.values()):
-        fails.append("tensorboard is not installed on this GPU machine (carry its wheel: bench/gpu_wheels.sh)")
+        fails.append(
+            "tensorboard is not installed on this GPU machine (carry its wheel: bench/gpu_wheels.sh)"
+        )
     print(f"{'precision':9} {'step':>4} {'accelerate':>12} {'ndparallel':>12} {'rel diff':>10}")
     for mp, res in results.items():
         fails += compare(mp, res)
@@ -170,8 +206,11 @@ def main(argv=None) -> int:
         print(f"FAIL {f}")
     worst = {mp: f"{r['worst_rel_diff']:.1e}" for mp, r in results.items()}
     tb = "with TensorBoard" if all(r["tracker"] for r in results.values()) else "TensorBoard not installed"
-    print(f"HEADLINE: max rel loss diff fp32 {worst.get('no', '-')} (tol {FP32_RTOL:g}), bf16 "
-          f"{worst.get('bf16', '-')} (tol {BF16_RTOL:g}); {tb}" + (f"; {len(fails)} failure(s)" if fails else ""))
+    print(
+        f"HEADLINE: max rel loss diff fp32 {worst.get('no', '-')} (tol {FP32_RTOL:g}), bf16 "
+        f"{worst.get('bf16', '-')} (tol {BF16_RTOL:g}); {tb}"
+        + (f"; {len(fails)} failure(s)" if fails else "")
+    )
     return 1 if fails else 0
 
 

@@ -34,8 +34,19 @@ SKIP = 77
 
 
 def main(argv=None) -> int:
-    p = parser(world=1, rounds=2, every=6, hidden=2048, layers=8, vocab=128256, seq=2048, batch=2,
-               precision="bf16", tied=True, name="gpu_checkpoint_async")
+    p = parser(
+        world=1,
+        rounds=2,
+        every=6,
+        hidden=2048,
+        layers=8,
+        vocab=128256,
+        seq=2048,
+        batch=2,
+        precision="bf16",
+        tied=True,
+        name="gpu_checkpoint_async",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU (the logic, not the figures)")
     args = p.parse_args(argv)
     if args.tiny:
@@ -57,11 +68,13 @@ def main(argv=None) -> int:
     if not args.tiny and cost["async"] >= cost["sync"]:
         problems.append(f"an async save cost {cost['async']:.2f} s, a sync one {cost['sync']:.2f} s")
     check = by["preemption check"]
-    print(f"HEADLINE: a save costs {cost['sync']:.2f} s sync vs {cost['async']:.2f} s async "
-          f"(blocked {by['async saves']['save_blocked_s']:.2f} s); {by['async saves']['staged_mb'] / 1024:.2f} GB "
-          f"staged in host memory; preemption check {check['check_s_median'] * 1e3:.2f} ms/step, step "
-          f"x{check['step_s_median'] / by['no saves']['step_s_median']:.3f}"
-          + (f"; FAIL: {'; '.join(problems)}" if problems else ""))
+    print(
+        f"HEADLINE: a save costs {cost['sync']:.2f} s sync vs {cost['async']:.2f} s async "
+        f"(blocked {by['async saves']['save_blocked_s']:.2f} s); {by['async saves']['staged_mb'] / 1024:.2f} GB "
+        f"staged in host memory; preemption check {check['check_s_median'] * 1e3:.2f} ms/step, step "
+        f"x{check['step_s_median'] / by['no saves']['step_s_median']:.3f}"
+        + (f"; FAIL: {'; '.join(problems)}" if problems else "")
+    )
     return 1 if problems else 0
 
 

@@ -60,7 +60,9 @@ def packed_positions(b: int, s: int, docs: int) -> torch.Tensor:
     """Rows of ``docs`` documents of unequal lengths (row r shifted so rows differ)."""
     out = torch.empty(b, s, dtype=torch.int64)
     for r in range(b):
-        cuts = sorted({(s * (i + 1)) // docs + (r * 37 + i * 11) % max(1, s // (4 * docs)) for i in range(docs - 1)})
+        cuts = sorted(
+            {(s * (i + 1)) // docs + (r * 37 + i * 11) % max(1, s // (4 * docs)) for i in range(docs - 1)}
+        )
         for a, e in zip([0, *cuts], [*cuts, s]):
             out[r, a:e] = torch.arange(e - a)
     return out
@@ -71,14 +73,18 @@ def dense_mask(pos: torch.Tensor | None, s: int, device) -> torch.Tensor:
     j = torch.arange(s, device=device).view(1, s)
     if pos is None:
         return (j <= i)[None, None]
-    start = torch.minimum((torch.arange(s, device=device) - pos.to(device)).clamp(min=0), torch.arange(s, device=device))
+    start = torch.minimum(
+        (torch.arange(s, device=device) - pos.to(device)).clamp(min=0), torch.arange(s, device=device)
+    )
     return ((j <= i) & (j >= start.view(-1, s, 1))).unsqueeze(1)
 
 
 def reference(q, k, v, dout, mask, dtype=torch.float64):
     g = q.shape[1] // k.shape[1]
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask)
+    out = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask
+    )
     out.backward(dout.to(dtype))
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -90,7 +96,7 @@ def ring_emulated(q, k, v, pos, dout, cp: int, kernel: BlockKernel):
     outs, dqs = [], []
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros_like(dk)
-    ch = lambda t, i: t[:, :, i * n:(i + 1) * n]  # noqa: E731
+    ch = lambda t, i: t[:, :, i * n : (i + 1) * n]  # noqa: E731
     for r in range(cp):
         ids = (r, 2 * cp - 1 - r)
         lp = None if pos is None else shard_for_cp(pos, 1, r, cp)
@@ -101,15 +107,34 @@ def ring_emulated(q, k, v, pos, dout, cp: int, kernel: BlockKernel):
             fresh = True
             for c in range(2 * cp):
                 if groups := docs.groups(qi, c * n, n):
-                    fresh = forward_span(kernel, ch(ql, qi), ch(k, c), ch(v, c), ch(acc_out, qi),
-                                         ch(acc_lse, qi), groups, fresh)
+                    fresh = forward_span(
+                        kernel,
+                        ch(ql, qi),
+                        ch(k, c),
+                        ch(v, c),
+                        ch(acc_out, qi),
+                        ch(acc_lse, qi),
+                        groups,
+                        fresh,
+                    )
         out = acc_out.to(q.dtype)
         dq = torch.zeros(ql.shape, dtype=torch.float32, device=q.device)
         for qi in range(2):
             for c in range(2 * cp):
                 if groups := docs.groups(qi, c * n, n):
-                    backward_span(kernel, ch(ql, qi), ch(k, c), ch(v, c), ch(out, qi), ch(dl, qi),
-                                  ch(acc_lse, qi), ch(dq, qi), ch(dk, c), ch(dv, c), groups)
+                    backward_span(
+                        kernel,
+                        ch(ql, qi),
+                        ch(k, c),
+                        ch(v, c),
+                        ch(out, qi),
+                        ch(dl, qi),
+                        ch(acc_lse, qi),
+                        ch(dq, qi),
+                        ch(dk, c),
+                        ch(dv, c),
+                        groups,
+                    )
         outs.append(out)
         dqs.append(dq)
     nat = lambda xs: reorder_cp_chunks(torch.cat(xs, 2), 2, cp)  # noqa: E731
@@ -144,19 +169,38 @@ def check(device, dtypes, shape, group):
                 torch_err = max(rel_errors(reference(qd, kd, vd, dd, mask, dt), ref))
                 p = pos if pos is not None else torch.arange(s, device=device).expand(b, s)
                 runs = {
-                    "ring cp=4 (emulated)": lambda: ring_emulated(qd, kd, vd, pos, dd, 4, BlockKernel(name, d ** -0.5)),
-                    "document attention": lambda: autograd_run(lambda a, b_, c: document_causal_attention(a, b_, c, pos), qd, kd, vd, dd),
+                    "ring cp=4 (emulated)": lambda: ring_emulated(
+                        qd, kd, vd, pos, dd, 4, BlockKernel(name, d**-0.5)
+                    ),
+                    "document attention": lambda: autograd_run(
+                        lambda a, b_, c: document_causal_attention(a, b_, c, pos), qd, kd, vd, dd
+                    ),
                 }
                 for strat in ("ring", "allgather", "ulysses"):
                     runs[f"{strat} op (1 rank)"] = lambda strat=strat: autograd_run(
-                        lambda a, b_, c: context_parallel_attention(a, b_, c, group, strategy=strat, position_ids=p),
-                        qd, kd, vd, dd)
+                        lambda a, b_, c: context_parallel_attention(
+                            a, b_, c, group, strategy=strat, position_ids=p
+                        ),
+                        qd,
+                        kd,
+                        vd,
+                        dd,
+                    )
                 for what, run in runs.items():
                     errs = rel_errors(run(), ref)
                     bad = any(e != e for e in errs) or max(errs) > TOL[dt]
-                    rows.append({"what": what, "dtype": str(dt).replace("torch.", ""), "kernel": name,
-                                 "heads": f"{h}/{hk}", "documents": docs, "errors": errs,
-                                 "torch_err": torch_err, "ok": not bad})
+                    rows.append(
+                        {
+                            "what": what,
+                            "dtype": str(dt).replace("torch.", ""),
+                            "kernel": name,
+                            "heads": f"{h}/{hk}",
+                            "documents": docs,
+                            "errors": errs,
+                            "torch_err": torch_err,
+                            "ok": not bad,
+                        }
+                    )
     return rows
 
 
@@ -208,24 +252,49 @@ def speed(device, dtype, shape, reps):
     g = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(b, h, s, d, generator=g).to(device, dtype)
     k, v = (torch.randn(b, hk, s, d, generator=g).to(device, dtype) for _ in range(2))
-    kernel = BlockKernel(resolve_kernel("auto", q), d ** -0.5)
+    kernel = BlockKernel(resolve_kernel("auto", q), d**-0.5)
     n = s // 8
     qc, kc, vc = q[:, :, :n], k[:, :, :n], v[:, :, :n]
     docs = 16
     pos = packed_positions(b, s, docs).to(device)
     spans = [(a, a + int(p)) for a, p in _doc_lengths(pos[0])]
     cases = [
-        (f"dense block {n}x{n}", lambda: ours_block(qc, kc, vc, False, kernel), lambda: torch_flash(qc, kc, vc, False)),
-        (f"causal square {n}", lambda: ours_block(qc, kc, vc, True, kernel), lambda: torch_flash(qc, kc, vc, True)),
-        (f"row {s} as ring cp=4 blocks", lambda: ring_emulated(q, k, v, None, q, 4, kernel), lambda: torch_flash(q, k, v, True)),
-        (f"row {s}, {docs} documents", lambda: autograd_run(lambda a, b_, c: document_causal_attention(a, b_, c, pos[:1].expand(b, -1)), q, k, v, q),
-         lambda: [torch_flash(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], True) for a, e in spans]),
+        (
+            f"dense block {n}x{n}",
+            lambda: ours_block(qc, kc, vc, False, kernel),
+            lambda: torch_flash(qc, kc, vc, False),
+        ),
+        (
+            f"causal square {n}",
+            lambda: ours_block(qc, kc, vc, True, kernel),
+            lambda: torch_flash(qc, kc, vc, True),
+        ),
+        (
+            f"row {s} as ring cp=4 blocks",
+            lambda: ring_emulated(q, k, v, None, q, 4, kernel),
+            lambda: torch_flash(q, k, v, True),
+        ),
+        (
+            f"row {s}, {docs} documents",
+            lambda: autograd_run(
+                lambda a, b_, c: document_causal_attention(a, b_, c, pos[:1].expand(b, -1)), q, k, v, q
+            ),
+            lambda: [torch_flash(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], True) for a, e in spans],
+        ),
     ]
     rows = []
     for what, ours, ref in cases:
         t_o, t_r = timed(ours, device, reps), timed(ref, device, reps)
-        rows.append({"what": what, "ours_ms": t_o, "torch_flash_ms": t_r, "ratio": t_o / t_r,
-                     "ours_scratch_gib": peak_scratch(ours, device), "torch_scratch_gib": peak_scratch(ref, device)})
+        rows.append(
+            {
+                "what": what,
+                "ours_ms": t_o,
+                "torch_flash_ms": t_r,
+                "ratio": t_o / t_r,
+                "ours_scratch_gib": peak_scratch(ours, device),
+                "torch_scratch_gib": peak_scratch(ref, device),
+            }
+        )
     return rows
 
 
@@ -243,8 +312,16 @@ def model_check(device, dtype):
     from ndparallel.parallel.context import apply_document_attention
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=512, use_cache=False, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=512,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     ref_model = LlamaForCausalLM(cfg).to(device, dtype)
     model = LlamaForCausalLM(cfg).to(device, dtype)
     model.load_state_dict(ref_model.state_dict())
@@ -256,20 +333,32 @@ def model_check(device, dtype):
     logits.float().logsumexp(-1).sum().backward()
     ref = []
     for a, length in _doc_lengths(pos[0].cpu()):
-        out = ref_model(input_ids=ids[:, a:a + length], position_ids=torch.arange(length, device=device)[None]).logits
+        out = ref_model(
+            input_ids=ids[:, a : a + length], position_ids=torch.arange(length, device=device)[None]
+        ).logits
         ref.append(out)
         out.float().logsumexp(-1).sum().backward()
     ref = torch.cat(ref, 1)
-    g, rg = model.model.layers[0].self_attn.q_proj.weight.grad, ref_model.model.layers[0].self_attn.q_proj.weight.grad
-    return {"logits_err": ((logits - ref).abs().max() / ref.abs().max()).item(),
-            "grad_err": ((g - rg).abs().max() / rg.abs().max()).item(), "dtype": str(dtype)}
+    g, rg = (
+        model.model.layers[0].self_attn.q_proj.weight.grad,
+        ref_model.model.layers[0].self_attn.q_proj.weight.grad,
+    )
+    return {
+        "logits_err": ((logits - ref).abs().max() / ref.abs().max()).item(),
+        "grad_err": ((g - rg).abs().max() / rg.abs().max()).item(),
+        "dtype": str(dtype),
+    }
 
 
 def one_rank_group(device):
     """A one-process group (an in-memory store: no port to collide with another run's)."""
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1,
-                            device_id=torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else None)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else None,
+    )
     return dist.group.WORLD
 
 
@@ -277,42 +366,85 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--tiny", action="store_true", help="CPU, smallest sizes, 2 reps: the same code in seconds "
-                    "(bench/gpu_all.sh --cpu-smoke)")
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="CPU, smallest sizes, 2 reps: the same code in seconds (bench/gpu_all.sh --cpu-smoke)",
+    )
     args = ap.parse_args(argv)
     if args.tiny:
         args.device, args.reps = "cpu", 2
-    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                       (args.device if args.device != "auto" else "cpu"))
+    dev = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else (args.device if args.device != "auto" else "cpu")
+    )
     cuda = dev.type == "cuda"
     group = one_rank_group(dev)
     dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if cuda else [])
     shape = (2, 8, 2048, 64) if cuda else (1, 4, 64, 16) if args.tiny else (2, 4, 128, 16)
     checks = check(dev, dtypes, shape, group)
-    print_table(f"CP attention exactness on {dev} (max |err| / max |ref| vs fp64 SDPA)",
-                ["what", "dtype", "kernel", "heads", "docs", "out", "dq", "dk", "dv", "torch err", "ok"],
-                [(r["what"], r["dtype"], r["kernel"], r["heads"], str(r["documents"]), *r["errors"],
-                  r["torch_err"], "ok" if r["ok"] else "FAIL") for r in checks])
+    print_table(
+        f"CP attention exactness on {dev} (max |err| / max |ref| vs fp64 SDPA)",
+        ["what", "dtype", "kernel", "heads", "docs", "out", "dq", "dk", "dv", "torch err", "ok"],
+        [
+            (
+                r["what"],
+                r["dtype"],
+                r["kernel"],
+                r["heads"],
+                str(r["documents"]),
+                *r["errors"],
+                r["torch_err"],
+                "ok" if r["ok"] else "FAIL",
+            )
+            for r in checks
+        ],
+    )
     shape = (1, 32, 8, 32768, 128) if cuda else (1, 4, 2, 256, 16) if args.tiny else (1, 4, 2, 512, 16)
     speeds = []
-    for dt in ([torch.bfloat16] if cuda else [torch.float32]):
+    for dt in [torch.bfloat16] if cuda else [torch.float32]:
         speeds += speed(dev, dt, shape, args.reps)
-    print_table(f"fwd+bwd ms on {dev}, {dt}, B×H/Hk×S×D = {shape} (median of {args.reps})",
-                ["what", "ours ms", "torch flash ms", "ratio", "ours scratch GiB", "torch scratch GiB"],
-                [(r["what"], r["ours_ms"], r["torch_flash_ms"], r["ratio"], r["ours_scratch_gib"],
-                  r["torch_scratch_gib"]) for r in speeds])
+    print_table(
+        f"fwd+bwd ms on {dev}, {dt}, B×H/Hk×S×D = {shape} (median of {args.reps})",
+        ["what", "ours ms", "torch flash ms", "ratio", "ours scratch GiB", "torch scratch GiB"],
+        [
+            (
+                r["what"],
+                r["ours_ms"],
+                r["torch_flash_ms"],
+                r["ratio"],
+                r["ours_scratch_gib"],
+                r["torch_scratch_gib"],
+            )
+            for r in speeds
+        ],
+    )
     model = model_check(dev, torch.bfloat16 if cuda else torch.float32)
     model_ok = model["logits_err"] <= TOL[torch.bfloat16] and model["grad_err"] <= 5e-2
-    print(f"model check (packed row vs documents alone, {model['dtype']}): logits {model['logits_err']:.2e}, "
-          f"q_proj grad {model['grad_err']:.2e} {'ok' if model_ok else 'FAIL'}")
+    print(
+        f"model check (packed row vs documents alone, {model['dtype']}): logits {model['logits_err']:.2e}, "
+        f"q_proj grad {model['grad_err']:.2e} {'ok' if model_ok else 'FAIL'}"
+    )
     ok = all(r["ok"] for r in checks) and model_ok
-    path = write_json("gpu_cp", {"device": str(dev), "ok": ok, "checks": checks, "speed": speeds,
-                                 "speed_shape": shape, "model_check": model})
+    path = write_json(
+        "gpu_cp",
+        {
+            "device": str(dev),
+            "ok": ok,
+            "checks": checks,
+            "speed": speeds,
+            "speed_shape": shape,
+            "model_check": model,
+        },
+    )
     n_ok = sum(r["ok"] for r in checks)
     print(f"{'PASS' if ok else 'FAIL'}: {n_ok}/{len(checks)} exact; wrote {path}")
     ring = next((r for r in speeds if "ring" in r["what"]), None)
-    print(f"HEADLINE: {n_ok}/{len(checks)} exact, model check {'ok' if model_ok else 'FAIL'}"
-          + (f"; {ring['what']}: {ring['ratio']:.2f}x torch flash" if ring else ""))
+    print(
+        f"HEADLINE: {n_ok}/{len(checks)} exact, model check {'ok' if model_ok else 'FAIL'}"
+        + (f"; {ring['what']}: {ring['ratio']:.2f}x torch flash" if ring else "")
+    )
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -41,20 +41,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 
 GiB = 2**30
-FULL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-            vocab_size=128256, head_dim=128)
-TINY = dict(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=256, head_dim=16)
-CONFIGS = {"checkpointing": dict(activation_checkpointing=True),
-           "ckpt + tiled": dict(activation_checkpointing=True, tiled_mlp=True),
-           "ckpt + tiled + offload": dict(activation_checkpointing=True, tiled_mlp=True, activation_offloading=True)}
+FULL = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    head_dim=128,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    head_dim=16,
+)
+CONFIGS = {
+    "checkpointing": dict(activation_checkpointing=True),
+    "ckpt + tiled": dict(activation_checkpointing=True, tiled_mlp=True),
+    "ckpt + tiled + offload": dict(activation_checkpointing=True, tiled_mlp=True, activation_offloading=True),
+}
 
 
 def llama(shape: dict, layers: int, attention: str = "sdpa"):
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(**shape, num_hidden_layers=layers, max_position_embeddings=1 << 21, rms_norm_eps=1e-5,
-                      tie_word_embeddings=False, rope_theta=500000.0)
+    cfg = LlamaConfig(
+        **shape,
+        num_hidden_layers=layers,
+        max_position_embeddings=1 << 21,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+    )
     cfg._attn_implementation = attention
     cfg.use_cache = False
     return cfg
@@ -63,16 +83,20 @@ def llama(shape: dict, layers: int, attention: str = "sdpa"):
 def batch(seq: int, vocab: int, seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (1, seq + 1), generator=g)
-    return {"input_ids": tokens[:, :-1].contiguous(), "shift_labels": tokens[:, 1:].contiguous(),
-            "position_ids": torch.arange(seq).unsqueeze(0)}
+    return {
+        "input_ids": tokens[:, :-1].contiguous(),
+        "shift_labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.arange(seq).unsqueeze(0),
+    }
 
 
 def accelerator(device: str, options: dict):
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.parallel.options import FSDPOptions
 
-    return Accelerator(ParallelismConfig(), mixed_precision="bf16", device=device,
-                       fsdp_options=FSDPOptions(**options))
+    return Accelerator(
+        ParallelismConfig(), mixed_precision="bf16", device=device, fsdp_options=FSDPOptions(**options)
+    )
 
 
 def grads_after_one_step(device: str, options: dict, seq: int) -> dict:
@@ -87,8 +111,10 @@ def grads_after_one_step(device: str, options: dict, seq: int) -> dict:
     model.train()
     mb = {k: v.to(acc.device) for k, v in batch(seq, TINY["vocab_size"]).items()}
     forward_backward(acc.engine, model, [mb])
-    return {n: p.grad.full_tensor().float().cpu() if hasattr(p.grad, "full_tensor") else p.grad.float().cpu()
-            for n, p in model.named_parameters()}
+    return {
+        n: p.grad.full_tensor().float().cpu() if hasattr(p.grad, "full_tensor") else p.grad.float().cpu()
+        for n, p in model.named_parameters()
+    }
 
 
 def exactness(device: str, seq: int) -> dict:
@@ -98,16 +124,19 @@ def exactness(device: str, seq: int) -> dict:
     ref = grads_after_one_step(device, dict(activation_checkpointing=True), seq)
     again = grads_after_one_step(device, dict(activation_checkpointing=True), seq)
     off = grads_after_one_step(device, dict(activation_checkpointing=True, activation_offloading=True), seq)
-    tiled = grads_after_one_step(device, dict(activation_checkpointing=True, tiled_mlp=True,
-                                              tiled_mlp_num_shards=4), seq)
+    tiled = grads_after_one_step(
+        device, dict(activation_checkpointing=True, tiled_mlp=True, tiled_mlp_num_shards=4), seq
+    )
 
     def rel(a, b):
         return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)).item() for k in b)
 
     torch.use_deterministic_algorithms(False)
-    out = {"repeat_max_abs": max((again[k] - ref[k]).abs().max().item() for k in ref),
-           "offload_max_abs": max((off[k] - ref[k]).abs().max().item() for k in ref),
-           "tiled_max_rel": rel(tiled, ref)}
+    out = {
+        "repeat_max_abs": max((again[k] - ref[k]).abs().max().item() for k in ref),
+        "offload_max_abs": max((off[k] - ref[k]).abs().max().item() for k in ref),
+        "tiled_max_rel": rel(tiled, ref),
+    }
     out["pass"] = out["offload_max_abs"] <= out["repeat_max_abs"] and out["tiled_max_rel"] <= 5e-2
     return out
 
@@ -135,14 +164,12 @@ def host_link(device: str, nbytes: int) -> dict:
 
 
 def memory_row(device: str, shape: dict, layers: int, options: dict, seq: int, steps: int) -> dict:
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.parallel.offload import offloader_of
     from ndparallel.engine import forward_backward
-
-    from peft import LoraConfig
-
     from ndparallel.models.adapters import apply_adapter
+    from ndparallel.parallel.offload import offloader_of
 
     acc = accelerator(device, options)
     torch.manual_seed(0)
@@ -167,9 +194,13 @@ def memory_row(device: str, shape: dict, layers: int, options: dict, seq: int, s
         for p in model.parameters():
             p.grad = None
     off = offloader_of(model)
-    return {"seq": seq, "step_s": min(times), "peak_over_states_GiB": peak / GiB if peak is not None else None,
-            "host_GiB": off.stats.peak_host_bytes / GiB if off else 0.0,
-            "predicted_GiB": _predicted(shape, layers, options, seq) / GiB}
+    return {
+        "seq": seq,
+        "step_s": min(times),
+        "peak_over_states_GiB": peak / GiB if peak is not None else None,
+        "host_GiB": off.stats.peak_host_bytes / GiB if off else 0.0,
+        "predicted_GiB": _predicted(shape, layers, options, seq) / GiB,
+    }
 
 
 def _sync(device: str) -> None:
@@ -189,9 +220,14 @@ def _predicted(shape: dict, layers: int, options: dict, seq: int) -> float:
     from ndparallel.plan.layout import Layout, Settings
     from ndparallel.plan.memory import estimate_memory
 
-    s = Settings(seq_len=seq, loss_impl="chunked", lora_r=16, checkpointing=True,
-                 tiled_mlp=options.get("tiled_mlp", False),
-                 activation_offloading=options.get("activation_offloading", False))
+    s = Settings(
+        seq_len=seq,
+        loss_impl="chunked",
+        lora_r=16,
+        checkpointing=True,
+        tiled_mlp=options.get("tiled_mlp", False),
+        activation_offloading=options.get("activation_offloading", False),
+    )
     m = estimate_memory(_spec(shape, layers), Layout(), s, get_preset("h200"))
     return m.allocated - m.params - m.optimizer
 
@@ -206,28 +242,49 @@ def planner_answer() -> dict:
 
     out = {}
     for name, lora in (("lora_r16", 16), ("full_sgd", 0)):
-        req = PlanRequest(load_model_spec("llama-3.1-8b"), get_preset("h200"), 1, lora_r=lora,
-                          optimizer="adamw" if lora else "sgd", tiled_mlp=True, activation_offloading=True)
+        req = PlanRequest(
+            load_model_spec("llama-3.1-8b"),
+            get_preset("h200"),
+            1,
+            lora_r=lora,
+            optimizer="adamw" if lora else "sgd",
+            tiled_mlp=True,
+            activation_offloading=True,
+        )
         out[name] = longest_for_layout(req, Layout()).seq_len
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu-smoke", "--tiny", dest="smoke", action="store_true",
-                    help="the same logic on CPU with a tiny model (bench/gpu_all.sh --cpu-smoke)")
+    ap.add_argument(
+        "--cpu-smoke",
+        "--tiny",
+        dest="smoke",
+        action="store_true",
+        help="the same logic on CPU with a tiny model (bench/gpu_all.sh --cpu-smoke)",
+    )
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the 8B-shaped model")
     ap.add_argument("--seqs", default=None, help="lengths of the memory rows (default 32768,65536,131072)")
     ap.add_argument("--steps", type=int, default=2, help="steps per row (the smallest time is kept)")
-    ap.add_argument("--out", default=os.environ.get("BENCH_RESULTS_DIR") or os.environ.get("OUT")
-                    or str(Path(tempfile.gettempdir()) / "ndparallel-bench"))
+    ap.add_argument(
+        "--out",
+        default=os.environ.get("BENCH_RESULTS_DIR")
+        or os.environ.get("OUT")
+        or str(Path(tempfile.gettempdir()) / "ndparallel-bench"),
+    )
     args = ap.parse_args(argv)
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before CUDA starts)
     shape = TINY if device == "cpu" else FULL
-    seqs = [int(x) for x in (args.seqs or ("256,512" if device == "cpu" else "32768,65536,131072")).split(",")]
-    result = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "layers": args.layers,
-              "shape": shape}
+    seqs = [
+        int(x) for x in (args.seqs or ("256,512" if device == "cpu" else "32768,65536,131072")).split(",")
+    ]
+    result = {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "layers": args.layers,
+        "shape": shape,
+    }
     result["exactness"] = exactness(device, 256 if device == "cpu" else 4096)
     print("exactness:", json.dumps(result["exactness"]), flush=True)
     result["host_link"] = host_link(device, GiB)
@@ -257,8 +314,10 @@ def _print_rows(rows) -> None:
     print(f"{'config':24} {'seq':>8} {'peak GiB':>9} {'pred GiB':>9} {'host GiB':>9} {'step s':>8}")
     for r in rows:
         peak = "-" if r["peak_over_states_GiB"] is None else f"{r['peak_over_states_GiB']:.2f}"
-        print(f"{r['config']:24} {r['seq']:>8} {peak:>9} {r['predicted_GiB']:>9.2f} {r['host_GiB']:>9.2f} "
-              f"{r['step_s']:>8.2f}")
+        print(
+            f"{r['config']:24} {r['seq']:>8} {peak:>9} {r['predicted_GiB']:>9.2f} {r['host_GiB']:>9.2f} "
+            f"{r['step_s']:>8.2f}"
+        )
 
 
 def _headline(result: dict) -> str:
@@ -266,10 +325,12 @@ def _headline(result: dict) -> str:
     last = result["rows"][-1]
     peak = last["peak_over_states_GiB"]
     mem = f"{peak:.1f} GiB (planner {last['predicted_GiB']:.1f})" if peak is not None else "n/a on CPU"
-    return (f"exact={'yes' if ex['pass'] else 'NO'} (offload diff {ex['offload_max_abs']:.0e} vs repeat "
-            f"{ex['repeat_max_abs']:.0e}, tiled rel "
-            f"{ex['tiled_max_rel']:.1e}); {last['config']} @ {last['seq']:,} tok, {result['layers']} layers: "
-            f"{mem}, {last['step_s']:.1f} s; planner 8B/1xH200 longest {result['planner_8b_h200_longest']}")
+    return (
+        f"exact={'yes' if ex['pass'] else 'NO'} (offload diff {ex['offload_max_abs']:.0e} vs repeat "
+        f"{ex['repeat_max_abs']:.0e}, tiled rel "
+        f"{ex['tiled_max_rel']:.1e}); {last['config']} @ {last['seq']:,} tok, {result['layers']} layers: "
+        f"{mem}, {last['step_s']:.1f} s; planner 8B/1xH200 longest {result['planner_8b_h200_longest']}"
+    )
 
 
 if __name__ == "__main__":

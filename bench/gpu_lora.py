@@ -37,13 +37,16 @@ def _run(acc, cfg, args, adapter) -> dict:
         torch.cuda.reset_peak_memory_stats()
     dtype = torch.bfloat16 if adapter is not None else torch.float32
     model = acc.load_model(cfg, dtype=dtype, adapter=adapter)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
-                            weight_decay=0.0, fused=cuda or None)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0, fused=cuda or None
+    )
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
-    mb = {"input_ids": tokens[:, :-1].contiguous().to(acc.device),
-          "shift_labels": tokens[:, 1:].contiguous().to(acc.device),
-          "position_ids": torch.arange(args.seq).expand(args.batch, -1).contiguous().to(acc.device)}
+    mb = {
+        "input_ids": tokens[:, :-1].contiguous().to(acc.device),
+        "shift_labels": tokens[:, 1:].contiguous().to(acc.device),
+        "position_ids": torch.arange(args.seq).expand(args.batch, -1).contiguous().to(acc.device),
+    }
     times, losses = [], []
     for i in range(args.steps + args.warmup):
         sync()
@@ -54,8 +57,13 @@ def _run(acc, cfg, args, adapter) -> dict:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    out = {"step_s": statistics.median(times), "times_ms": [t * 1e3 for t in times], "losses": losses,
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "trainable": trainable}
+    out = {
+        "step_s": statistics.median(times),
+        "times_ms": [t * 1e3 for t in times],
+        "losses": losses,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "trainable": trainable,
+    }
     del model, opt
     gc.collect()
     return out
@@ -68,8 +76,17 @@ def _planned(args, lora_r: int) -> dict:
     from ndparallel.plan.search import PlanRequest, evaluate_layout
 
     model = PRESETS["tiny" if args.tiny else "llama-3.2-1b"]
-    req = PlanRequest(model, get_preset("h200"), gpus=1, gpus_per_node=1, seq_len=args.seq,
-                      global_batch=args.batch, micro_batch=args.batch, checkpointing="off", lora_r=lora_r)
+    req = PlanRequest(
+        model,
+        get_preset("h200"),
+        gpus=1,
+        gpus_per_node=1,
+        seq_len=args.seq,
+        global_batch=args.batch,
+        micro_batch=args.batch,
+        checkpointing="off",
+        lora_r=lora_r,
+    )
     best = evaluate_layout(req, Layout()).options[0]
     return {"mem_gib": best.memory.total / 2**30, "tokens_per_s": best.tokens_per_s_per_gpu}
 
@@ -99,7 +116,9 @@ def main(argv=None) -> int:
     from _common import print_table, write_json
 
     if not args.tiny and not torch.cuda.is_available():
-        print("gpu_lora: no CUDA device (--tiny runs the same code on CPU)\nHEADLINE: skipped: no CUDA device")
+        print(
+            "gpu_lora: no CUDA device (--tiny runs the same code on CPU)\nHEADLINE: skipped: no CUDA device"
+        )
         return 77
     from gpu_single import model_config
 
@@ -118,13 +137,27 @@ def main(argv=None) -> int:
             traceback.print_exc()
             results[who] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
         write_json("gpu_lora", {"settings": vars(args), "results": results})
-    rows = [(who, r["trainable"], r["step_s"] * 1e3, r["tokens_per_s"], r["peak_gib"] or "n/a",
-             r["planned"]["mem_gib"], r["planned"]["tokens_per_s"], f"{r['losses'][0]:.3f} → {r['losses'][-1]:.3f}")
-            for who, r in results.items() if "error" not in r]
+    rows = [
+        (
+            who,
+            r["trainable"],
+            r["step_s"] * 1e3,
+            r["tokens_per_s"],
+            r["peak_gib"] or "n/a",
+            r["planned"]["mem_gib"],
+            r["planned"]["tokens_per_s"],
+            f"{r['losses'][0]:.3f} → {r['losses'][-1]:.3f}",
+        )
+        for who, r in results.items()
+        if "error" not in r
+    ]
     device = torch.cuda.get_device_name(0) if acc.device.type == "cuda" else "CPU (--tiny)"
     shape = "tiny model (the planner's 'tiny' preset)" if args.tiny else "Llama-3.2-1B shape"
-    print_table(f"{device}: {shape}, bf16, seq {args.seq}, batch {args.batch}",
-                ["run", "trainable", "step ms", "tokens/s", "peak GiB", "plan GiB", "plan tok/s", "loss"], rows)
+    print_table(
+        f"{device}: {shape}, bf16, seq {args.seq}, batch {args.batch}",
+        ["run", "trainable", "step ms", "tokens/s", "peak GiB", "plan GiB", "plan tok/s", "loss"],
+        rows,
+    )
     fails = [p for who, r in results.items() for p in _problems(who, r)]
     for f in fails:
         print(f"FAIL {f}")
@@ -133,8 +166,10 @@ def main(argv=None) -> int:
     if "tokens_per_s" in lora and "tokens_per_s" in full:
         line += f" tokens/s {lora['tokens_per_s'] / full['tokens_per_s']:.2f}x"
         if lora["peak_gib"] and full["peak_gib"]:
-            line += f", peak {lora['peak_gib']:.1f} vs {full['peak_gib']:.1f} GiB " \
-                    f"(planned {lora['planned']['mem_gib']:.1f} vs {full['planned']['mem_gib']:.1f})"
+            line += (
+                f", peak {lora['peak_gib']:.1f} vs {full['peak_gib']:.1f} GiB "
+                f"(planned {lora['planned']['mem_gib']:.1f} vs {full['planned']['mem_gib']:.1f})"
+            )
     print(f"HEADLINE: {line}" + (f"; {len(fails)} failure(s)" if fails else ""))
     acc.end_training()
     return 1 if fails else 0

@@ -27,27 +27,77 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = {"tokenizer": "builtin:stdlib", "bf16": True, "micro_batch_size": 1,
-          "fsdp_config": {"activation_checkpointing": True}}
-ROWS = {
-    "llama-3.1-8b-hsdp2x4-tp2": ({"base_model": "meta-llama/Llama-3.1-8B", "dp_replicate_size": 2,
-                                  "dp_shard_size": 4, "tensor_parallel_size": 2, "sequence_len": 2048}, 16),
-    "qwen3-8b-fsdp2-cp2-tp2": ({"base_model": "Qwen/Qwen3-8B", "dp_shard_size": 2, "context_parallel_size": 2,
-                                "tensor_parallel_size": 2, "sequence_len": 8192}, 8),
-    "llama-3.1-70b-fsdp8-tp8": ({"base_model": "meta-llama/Llama-3.1-70B", "dp_shard_size": 8,
-                                 "tensor_parallel_size": 8, "sequence_len": 8192}, 64),
-    "llama-3.1-405b-fsdp64-tp8": ({"base_model": "meta-llama/Llama-3.1-405B", "dp_shard_size": 64,
-                                   "tensor_parallel_size": 8, "sequence_len": 8192}, 512),
+COMMON = {
+    "tokenizer": "builtin:stdlib",
+    "bf16": True,
+    "micro_batch_size": 1,
+    "fsdp_config": {"activation_checkpointing": True},
 }
-SMOKE = {"tiny-fsdp2-cp2-tp2": ({"base_model": "tiny-llama", "dp_shard_size": 2, "context_parallel_size": 2,
-                                 "tensor_parallel_size": 2, "sequence_len": 64, "bf16": False}, 8)}
+ROWS = {
+    "llama-3.1-8b-hsdp2x4-tp2": (
+        {
+            "base_model": "meta-llama/Llama-3.1-8B",
+            "dp_replicate_size": 2,
+            "dp_shard_size": 4,
+            "tensor_parallel_size": 2,
+            "sequence_len": 2048,
+        },
+        16,
+    ),
+    "qwen3-8b-fsdp2-cp2-tp2": (
+        {
+            "base_model": "Qwen/Qwen3-8B",
+            "dp_shard_size": 2,
+            "context_parallel_size": 2,
+            "tensor_parallel_size": 2,
+            "sequence_len": 8192,
+        },
+        8,
+    ),
+    "llama-3.1-70b-fsdp8-tp8": (
+        {
+            "base_model": "meta-llama/Llama-3.1-70B",
+            "dp_shard_size": 8,
+            "tensor_parallel_size": 8,
+            "sequence_len": 8192,
+        },
+        64,
+    ),
+    "llama-3.1-405b-fsdp64-tp8": (
+        {
+            "base_model": "meta-llama/Llama-3.1-405B",
+            "dp_shard_size": 64,
+            "tensor_parallel_size": 8,
+            "sequence_len": 8192,
+        },
+        512,
+    ),
+}
+SMOKE = {
+    "tiny-fsdp2-cp2-tp2": (
+        {
+            "base_model": "tiny-llama",
+            "dp_shard_size": 2,
+            "context_parallel_size": 2,
+            "tensor_parallel_size": 2,
+            "sequence_len": 64,
+            "bf16": False,
+        },
+        8,
+    )
+}
 
 
 def _config(tmp: Path, name: str, fields: dict) -> Path:
     import yaml
 
-    cfg = {**COMMON, **fields, "output_dir": str(tmp / name), "dataset_cache_dir": str(tmp / "cache"),
-           "datasets": [{"path": "builtin:stdlib", "max_files": 200}]}
+    cfg = {
+        **COMMON,
+        **fields,
+        "output_dir": str(tmp / name),
+        "dataset_cache_dir": str(tmp / "cache"),
+        "datasets": [{"path": "builtin:stdlib", "max_files": 200}],
+    }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -68,22 +118,43 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, (fields, world) in rows.items():
             t0 = time.perf_counter()
-            run = subprocess.run([sys.executable, "-m", "ndparallel", "simulate", str(_config(Path(tmp), name, fields)),
-                                  "--world-size", str(world), "--steps", str(args.steps), "--json"],
-                                 capture_output=True, text=True, cwd=ROOT, env=env)
+            run = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "ndparallel",
+                    "simulate",
+                    str(_config(Path(tmp), name, fields)),
+                    "--world-size",
+                    str(world),
+                    "--steps",
+                    str(args.steps),
+                    "--json",
+                ],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                env=env,
+            )
             wall = time.perf_counter() - t0
             if run.returncode != 0 or not run.stdout.strip().startswith("{"):
                 failed += 1
                 (out / f"simulate-{name}.err").write_text(run.stderr)
-                print(f"FAIL {name}: exit {run.returncode} after {wall:.0f} s: {run.stderr.strip()[-300:]}", flush=True)
+                print(
+                    f"FAIL {name}: exit {run.returncode} after {wall:.0f} s: {run.stderr.strip()[-300:]}",
+                    flush=True,
+                )
                 continue
             report = json.loads(run.stdout)
             report["wall_s"] = wall
             (out / f"simulate-{name}.json").write_text(json.dumps(report, indent=2))
             m, p = report["measured"], report["predicted"]
-            print(f"PASS {name}: world {world}, {wall:.0f} s; peak {m['peak_memory_gib']:.2f} GiB vs predicted "
-                  f"{p['peak_memory_gib']:.2f} ({p['error']['peak_memory']:+.1%}); step compute "
-                  f"{m['step_time_s']:.3f} s vs {p['step_time_s']:.3f} ({p['error']['step_time']:+.1%})", flush=True)
+            print(
+                f"PASS {name}: world {world}, {wall:.0f} s; peak {m['peak_memory_gib']:.2f} GiB vs predicted "
+                f"{p['peak_memory_gib']:.2f} ({p['error']['peak_memory']:+.1%}); step compute "
+                f"{m['step_time_s']:.3f} s vs {p['step_time_s']:.3f} ({p['error']['step_time']:+.1%})",
+                flush=True,
+            )
     return 1 if failed else 0
 
 

@@ -63,12 +63,27 @@ def model_config(tiny: bool):
     from transformers import LlamaConfig
 
     if tiny:
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True)
+        cfg = LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1024,
+            tie_word_embeddings=True,
+        )
     else:
-        cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                          num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                          vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192)
+        cfg = LlamaConfig(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+        )
     cfg._attn_implementation = "sdpa"
     cfg.use_cache = False
     return cfg
@@ -77,9 +92,11 @@ def model_config(tiny: bool):
 def batch(cfg, rows: int, seq: int, device) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (rows, seq + 1), generator=g)
-    return {"input_ids": tokens[:, :-1].contiguous().to(device),
-            "shift_labels": tokens[:, 1:].contiguous().to(device),
-            "position_ids": torch.arange(seq).expand(rows, -1).contiguous().to(device)}
+    return {
+        "input_ids": tokens[:, :-1].contiguous().to(device),
+        "shift_labels": tokens[:, 1:].contiguous().to(device),
+        "position_ids": torch.arange(seq).expand(rows, -1).contiguous().to(device),
+    }
 
 
 def fp8_skip_reason(device: torch.device, emulate: bool) -> str | None:
@@ -97,9 +114,15 @@ def make_loop(name: str, cfg, device, args):
     if name == "plain fsdp2":
         return loops.make_plain_fsdp2(cfg, device, args.lr)
     compiled = name in ("nd + compile", "nd + fp8")
-    return loops.make_nd(cfg, device, args.lr, chunked=name != "nd eager",
-                         compile_backend=args.compile_backend if compiled else None,
-                         fp8=name == "nd + fp8", emulate_fp8=args.tiny)
+    return loops.make_nd(
+        cfg,
+        device,
+        args.lr,
+        chunked=name != "nd eager",
+        compile_backend=args.compile_backend if compiled else None,
+        fp8=name == "nd + fp8",
+        emulate_fp8=args.tiny,
+    )
 
 
 def run_variant(name: str, cfg, device, args, mb) -> dict:
@@ -129,8 +152,14 @@ def run_variant(name: str, cfg, device, args, mb) -> dict:
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     finally:
         loop.close()
-    return {"step_s": statistics.median(times), "times_ms": [t * 1e3 for t in times], "losses": losses,
-            "peak_gib": peak, "allocated_at_start_gib": start_gib, "build_s": build_s}
+    return {
+        "step_s": statistics.median(times),
+        "times_ms": [t * 1e3 for t in times],
+        "losses": losses,
+        "peak_gib": peak,
+        "allocated_at_start_gib": start_gib,
+        "build_s": build_s,
+    }
 
 
 def check_drift(rows: dict) -> list[str]:
@@ -141,8 +170,10 @@ def check_drift(rows: dict) -> list[str]:
         return [f"{REFERENCE} did not run: no loss to compare the rows with"]
     fall = (ref[0] - ref[-1]) / abs(ref[0])
     if not fall >= MIN_FALL:
-        fails.append(f"{REFERENCE}'s loss fell {fall:.1%} (< {MIN_FALL:.0%}): the drift check cannot "
-                     "tell a broken row from a working one (more --steps or a larger --lr)")
+        fails.append(
+            f"{REFERENCE}'s loss fell {fall:.1%} (< {MIN_FALL:.0%}): the drift check cannot "
+            "tell a broken row from a working one (more --steps or a larger --lr)"
+        )
     for name, r in rows.items():
         if "losses" not in r:
             continue
@@ -151,8 +182,10 @@ def check_drift(rows: dict) -> list[str]:
         finite = all(math.isfinite(x) for x in r["losses"])
         r.update(drift=drift, drift_tol=tol, drift_ok=finite and drift <= tol)
         if not r["drift_ok"]:
-            fails.append(f"{name}: loss drifts {drift:.2%} from {REFERENCE} (tolerance {tol:.0%})"
-                         + ("" if finite else "; non-finite loss"))
+            fails.append(
+                f"{name}: loss drifts {drift:.2%} from {REFERENCE} (tolerance {tol:.0%})"
+                + ("" if finite else "; non-finite loss")
+            )
     return fails
 
 
@@ -168,12 +201,20 @@ def add_rates(r: dict, tokens: int, flops_per_token: float, peak: float | None, 
 def row_cells(name: str, r: dict) -> tuple:
     if "skipped" in r or "error" in r:
         return (name, "skipped" if "skipped" in r else "ERROR", "", "", "", "", "", "", "")
-    pct = (lambda v: f"{v:.1%}" if v is not None else "n/a")
-    ratio = (lambda v: f"{v:.2f}x" if v is not None else "")
+    pct = lambda v: f"{v:.1%}" if v is not None else "n/a"
+    ratio = lambda v: f"{v:.2f}x" if v is not None else ""
     drift = f"{r['drift']:.2%}" + ("" if r.get("drift_ok") else " FAIL") if "drift" in r else ""
-    return (name, f"{r['step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}", pct(r["mfu"]),
-            f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "n/a", ratio(r["vs_accelerate"]),
-            ratio(r["peak_vs_accelerate"]), f"{r['losses'][0]:.3f} → {r['losses'][-1]:.3f}", drift)
+    return (
+        name,
+        f"{r['step_s'] * 1e3:.1f}",
+        f"{r['tokens_per_s']:,.0f}",
+        pct(r["mfu"]),
+        f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "n/a",
+        ratio(r["vs_accelerate"]),
+        ratio(r["peak_vs_accelerate"]),
+        f"{r['losses'][0]:.3f} → {r['losses'][-1]:.3f}",
+        drift,
+    )
 
 
 def headline(seq: int, rows: dict, fails: list[str]) -> str:
@@ -193,7 +234,9 @@ def headline(seq: int, rows: dict, fails: list[str]) -> str:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seqs", default=None, help="sequence lengths, comma-separated (default 2048; --tiny 32)")
+    ap.add_argument(
+        "--seqs", default=None, help="sequence lengths, comma-separated (default 2048; --tiny 32)"
+    )
     ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default 8192; --tiny 128)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 8; --tiny 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 3; --tiny 1)")
@@ -201,11 +244,20 @@ def parse_args(argv):
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--compile-backend", default=None, help="default inductor (--tiny: aot_eager)")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: the same code, seconds")
-    ap.add_argument("--name", default="gpu_single", help="results file NAME.json in $BENCH_RESULTS_DIR "
-                    "(default bench/results)")
+    ap.add_argument(
+        "--name",
+        default="gpu_single",
+        help="results file NAME.json in $BENCH_RESULTS_DIR (default bench/results)",
+    )
     args = ap.parse_args(argv)
-    for key, gpu, tiny in (("seqs", "2048", "32"), ("tokens", 8192, 128), ("steps", 8, 2), ("warmup", 3, 1),
-                           ("lr", 1e-4, 1e-2), ("compile_backend", "inductor", "aot_eager")):
+    for key, gpu, tiny in (
+        ("seqs", "2048", "32"),
+        ("tokens", 8192, 128),
+        ("steps", 8, 2),
+        ("warmup", 3, 1),
+        ("lr", 1e-4, 1e-2),
+        ("compile_backend", "inductor", "aot_eager"),
+    ):
         if getattr(args, key) is None:
             setattr(args, key, tiny if args.tiny else gpu)
     unknown = set(args.variants.split(",")) - set(VARIANTS)
@@ -223,7 +275,9 @@ def main(argv=None) -> int:
     from ndparallel.training.metrics import device_peak_flops
 
     if not args.tiny and not torch.cuda.is_available():
-        print("gpu_single: no CUDA device (--tiny runs the same code on CPU)\nHEADLINE: skipped: no CUDA device")
+        print(
+            "gpu_single: no CUDA device (--tiny runs the same code on CPU)\nHEADLINE: skipped: no CUDA device"
+        )
         return 77
     device = torch.device("cpu" if args.tiny else "cuda")
     cfg = model_config(args.tiny)
@@ -232,9 +286,15 @@ def main(argv=None) -> int:
     peak = device_peak_flops(device, bf16=True)
     chosen = [v for v in VARIANTS if v in args.variants.split(",")]  # Accelerate first: before any group
     results, fails, lines = {}, [], []
-    payload = {"settings": vars(args), "device": name, "peak_bf16_flops": peak, "results": results,
-               "matmul_params": spec.matmul_params, "drift_tol": {v: DRIFT_TOL.get(v, DEFAULT_DRIFT_TOL)
-                                                                  for v in VARIANTS}, "min_fall": MIN_FALL}
+    payload = {
+        "settings": vars(args),
+        "device": name,
+        "peak_bf16_flops": peak,
+        "results": results,
+        "matmul_params": spec.matmul_params,
+        "drift_tol": {v: DRIFT_TOL.get(v, DEFAULT_DRIFT_TOL) for v in VARIANTS},
+        "min_fall": MIN_FALL,
+    }
     for seq in (int(s) for s in args.seqs.split(",")):
         rows_per_step = max(1, args.tokens // seq)
         mb = batch(cfg, rows_per_step, seq, device)
@@ -251,15 +311,31 @@ def main(argv=None) -> int:
                 add_rates(r, rows_per_step * seq, flops, peak, rows.get("accelerate"))
             check_drift(rows)
             write_json(args.name, payload)  # after every row: a later crash loses nothing measured
-            print(f"ROW seq {seq}: " + " | ".join(str(c) for c in row_cells(variant, r))
-                  + (f" | {r['error']}" if "error" in r else ""), flush=True)
+            print(
+                f"ROW seq {seq}: "
+                + " | ".join(str(c) for c in row_cells(variant, r))
+                + (f" | {r['error']}" if "error" in r else ""),
+                flush=True,
+            )
         seq_fails = [f"{v}: {r['error']}" for v, r in rows.items() if "error" in r] + check_drift(rows)
         fails += [f"seq {seq}: {f}" for f in seq_fails]
         write_json(args.name, payload)
-        print_table(f"{name}: {spec.matmul_params / 1e9:.2f}B matmul params, bf16, seq {seq} × {rows_per_step}, "
-                    f"median of {args.steps} steps after {args.warmup}; MFU at {flops / 1e9:.2f} GFLOP/token",
-                    ["loop", "step ms", "tokens/s", "MFU", "peak GiB", "tok/s vs acc", "peak vs acc",
-                     "loss first → last", "drift"], [row_cells(v, r) for v, r in rows.items()])
+        print_table(
+            f"{name}: {spec.matmul_params / 1e9:.2f}B matmul params, bf16, seq {seq} × {rows_per_step}, "
+            f"median of {args.steps} steps after {args.warmup}; MFU at {flops / 1e9:.2f} GFLOP/token",
+            [
+                "loop",
+                "step ms",
+                "tokens/s",
+                "MFU",
+                "peak GiB",
+                "tok/s vs acc",
+                "peak vs acc",
+                "loss first → last",
+                "drift",
+            ],
+            [row_cells(v, r) for v, r in rows.items()],
+        )
         for v, r in rows.items():
             if "skipped" in r:
                 print(f"{v}: skipped: {r['skipped']}")

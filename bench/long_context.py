@@ -37,9 +37,18 @@ from plan_validation import LiveBytes  # noqa: E402
 
 from ndparallel.testing import run_on_ranks  # noqa: E402
 
-MODEL = dict(model_type="llama", hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-             num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=1 << 20,
-             rms_norm_eps=1e-5, tie_word_embeddings=False)
+MODEL = dict(
+    model_type="llama",
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=1 << 20,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 CONFIGS = {  # name: FSDPOptions kwargs
     "plain": {},
     "checkpointing": dict(activation_checkpointing=True),
@@ -76,9 +85,9 @@ def _step(options: dict, seq: int) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.engine import forward_backward
     from ndparallel.parallel.offload import offloader_of
     from ndparallel.parallel.options import FSDPOptions
-    from ndparallel.engine import forward_backward
 
     acc = Accelerator(ParallelismConfig(), fsdp_options=FSDPOptions(**options))
     torch.manual_seed(0)
@@ -90,13 +99,19 @@ def _step(options: dict, seq: int) -> dict:
         _untracked_host_copies(off)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (1, seq + 1), generator=g)
-    batch = {"input_ids": tokens[:, :-1].contiguous(), "shift_labels": tokens[:, 1:].contiguous(),
-             "position_ids": torch.arange(seq).unsqueeze(0)}
+    batch = {
+        "input_ids": tokens[:, :-1].contiguous(),
+        "shift_labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.arange(seq).unsqueeze(0),
+    }
     t0 = time.perf_counter()
     with LiveBytes() as tracker:
         forward_backward(acc.engine, model, [batch])
-    return {"peak": tracker.peak, "host": off.stats.peak_host_bytes if off else 0,
-            "seconds": time.perf_counter() - t0}
+    return {
+        "peak": tracker.peak,
+        "host": off.stats.peak_host_bytes if off else 0,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def _predicted(options: dict, seq: int) -> float:
@@ -107,10 +122,15 @@ def _predicted(options: dict, seq: int) -> float:
     from ndparallel.plan.models import from_hf_config
 
     spec = from_hf_config(MODEL, "bench")
-    s = Settings(seq_len=seq, mixed_precision="fp32", optimizer="sgd", loss_impl="chunked",
-                 checkpointing=options.get("activation_checkpointing", False),
-                 tiled_mlp=options.get("tiled_mlp", False),
-                 activation_offloading=options.get("activation_offloading", False))
+    s = Settings(
+        seq_len=seq,
+        mixed_precision="fp32",
+        optimizer="sgd",
+        loss_impl="chunked",
+        checkpointing=options.get("activation_checkpointing", False),
+        tiled_mlp=options.get("tiled_mlp", False),
+        activation_offloading=options.get("activation_offloading", False),
+    )
     m = estimate_memory(spec, Layout(), s, get_preset("h100-80gb"))
     return m.allocated - m.params - m.optimizer
 
@@ -143,8 +163,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", default="1024,2048,4096,8192", help="sequence lengths")
     ap.add_argument("--attention-seqs", default="4096,16384", help="lengths of the attention-scratch table")
     ap.add_argument("--only", default=None, help="comma-separated subset of: " + ", ".join(CONFIGS))
-    ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "ndparallel-bench"),
-                    help="directory for long_context.json (default: under the system temp dir)")
+    ap.add_argument(
+        "--out",
+        default=str(Path(tempfile.gettempdir()) / "ndparallel-bench"),
+        help="directory for long_context.json (default: under the system temp dir)",
+    )
     args = ap.parse_args(argv)
     seqs = [int(x) for x in args.seqs.split(",")]
     names = args.only.split(",") if args.only else list(CONFIGS)
@@ -154,27 +177,57 @@ def main(argv=None) -> int:
         pred = [_predicted(CONFIGS[name], s) for s in seqs]
         slope, pslope = _slope(seqs, [g["peak"] for g in got]), _slope(seqs, pred)
         host_slope = _slope(seqs, [g["host"] for g in got])
-        results[name] = {"options": CONFIGS[name], "seq": seqs, "runs": got, "predicted": pred,
-                         "slope_bytes_per_token": slope, "predicted_slope": pslope,
-                         "host_slope_bytes_per_token": host_slope}
-        rows.append([name, *(f"{g['peak'] / 2**20:.1f}" for g in got), f"{slope:,.0f}", f"{pslope:,.0f}",
-                     f"{host_slope:,.0f}", f"{got[-1]['seconds']:.2f}"])
-    print_table(f"Peak memory of one step (MiB) vs sequence length; {MODEL['num_hidden_layers']} layers, "
-                f"h {MODEL['hidden_size']}, f {MODEL['intermediate_size']}, fp32",
-                ["config", *(f"{s:,}" for s in seqs), "B/token", "planner B/token", "host B/token",
-                 f"s at {seqs[-1]:,}"], rows)
+        results[name] = {
+            "options": CONFIGS[name],
+            "seq": seqs,
+            "runs": got,
+            "predicted": pred,
+            "slope_bytes_per_token": slope,
+            "predicted_slope": pslope,
+            "host_slope_bytes_per_token": host_slope,
+        }
+        rows.append(
+            [
+                name,
+                *(f"{g['peak'] / 2**20:.1f}" for g in got),
+                f"{slope:,.0f}",
+                f"{pslope:,.0f}",
+                f"{host_slope:,.0f}",
+                f"{got[-1]['seconds']:.2f}",
+            ]
+        )
+    print_table(
+        f"Peak memory of one step (MiB) vs sequence length; {MODEL['num_hidden_layers']} layers, "
+        f"h {MODEL['hidden_size']}, f {MODEL['intermediate_size']}, fp32",
+        [
+            "config",
+            *(f"{s:,}" for s in seqs),
+            "B/token",
+            "planner B/token",
+            "host B/token",
+            f"s at {seqs[-1]:,}",
+        ],
+        rows,
+    )
     attn = []
     for s in (int(x) for x in args.attention_seqs.split(",")):
         before, after = (run_on_ranks(_attention_scratch, 1, s, flag)[0] for flag in (False, True))
         attn.append({"seq": s, "merged_fp32": before, "in_place": after})
-    print_table("Document attention forward + backward, peak MiB (8 heads / 2 K/V, d 64, bf16, 8 documents)",
-                ["seq", "fp32 accumulators (merge path)", "blocks in place"],
-                [[f"{a['seq']:,}", f"{a['merged_fp32'] / 2**20:.1f}", f"{a['in_place'] / 2**20:.1f}"] for a in attn])
+    print_table(
+        "Document attention forward + backward, peak MiB (8 heads / 2 K/V, d 64, bf16, 8 documents)",
+        ["seq", "fp32 accumulators (merge path)", "blocks in place"],
+        [[f"{a['seq']:,}", f"{a['merged_fp32'] / 2**20:.1f}", f"{a['in_place'] / 2**20:.1f}"] for a in attn],
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "long_context.json"
-    path.write_text(json.dumps({"machine": machine(), "model": MODEL, "configs": results,
-                                "attention_scratch": attn}, indent=2, default=str))
+    path.write_text(
+        json.dumps(
+            {"machine": machine(), "model": MODEL, "configs": results, "attention_scratch": attn},
+            indent=2,
+            default=str,
+        )
+    )
     print(f"wrote {path}")
     return 0
 

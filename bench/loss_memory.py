@@ -38,6 +38,7 @@ def _one_step(chunked: bool, vocab: int, rows: int, seq: int) -> dict:
     import time
 
     from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.engine import forward_backward
     from ndparallel.models.presets import preset_config
     from ndparallel.parallel.options import LossOptions
     from ndparallel.tools.equivalence import (
@@ -45,10 +46,10 @@ def _one_step(chunked: bool, vocab: int, rows: int, seq: int) -> dict:
         build_model,
         make_global_batches,
     )
-    from ndparallel.engine import forward_backward
 
-    setup = TrainSetup(preset_config("tiny-llama", vocab_size=vocab), steps=1, global_micro_batch=rows,
-                       seq_len=seq)
+    setup = TrainSetup(
+        preset_config("tiny-llama", vocab_size=vocab), steps=1, global_micro_batch=rows, seq_len=seq
+    )
     acc = Accelerator(ParallelismConfig(), loss_options=LossOptions(chunked=chunked))
     model = acc.prepare(build_model(setup))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -60,7 +61,12 @@ def _one_step(chunked: bool, vocab: int, rows: int, seq: int) -> dict:
     opt.step()
     seconds = time.perf_counter() - t
     peak = _status_kb("VmHWM")
-    return {"peak_rss": peak * 1024, "increase": (peak - base) * 1024, "loss": float(loss), "seconds": seconds}
+    return {
+        "peak_rss": peak * 1024,
+        "increase": (peak - base) * 1024,
+        "loss": float(loss),
+        "seconds": seconds,
+    }
 
 
 def main(argv=None):
@@ -76,8 +82,11 @@ def main(argv=None):
         r = run_on_ranks(_one_step, 1, chunked, args.vocab, args.rows, args.seq, timeout_s=1200)[0]
         results[label] = r
         rows.append((label, r["peak_rss"] / GB, r["increase"] / GB, r["seconds"], r["loss"]))
-    print_table(f"one AdamW step, tiny Llama, vocab {args.vocab:,}, {args.rows * args.seq:,} tokens, 1 CPU process",
-                ["loss", "peak RSS GB", "step increase GB", "step s", "loss value"], rows)
+    print_table(
+        f"one AdamW step, tiny Llama, vocab {args.vocab:,}, {args.rows * args.seq:,} tokens, 1 CPU process",
+        ["loss", "peak RSS GB", "step increase GB", "step s", "loss value"],
+        rows,
+    )
     goal = results["chunked loss"]["peak_rss"] <= 2.0 * GB
     print(f"goal: chunked peak RSS <= 2.0 GB: {'met' if goal else 'NOT met'}")
     path = write_json("loss_memory", {"settings": vars(args), "results": results, "goal_met": goal})

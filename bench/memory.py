@@ -47,8 +47,12 @@ def _llama_config(hidden: int, layers: int, vocab: int, intermediate: int):
 
     heads = max(1, hidden // 64)
     return preset_config(
-        "tiny-llama", hidden_size=hidden, num_hidden_layers=layers, vocab_size=vocab,
-        intermediate_size=intermediate, num_attention_heads=heads,
+        "tiny-llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 4),
     )
 
@@ -73,8 +77,9 @@ def _train_state(config, fsdp: int) -> dict:
     return dict(
         params=sum(_local_bytes(p) for p in params),
         grads=sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-        optim=sum(_local_bytes(v) for s in opt.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor)),
+        optim=sum(
+            _local_bytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        ),
         total_param_bytes=total_numel * 4,
     )
 
@@ -86,9 +91,18 @@ def bench_training_state(config, sizes) -> list[dict]:
         worst = max(per_rank, key=lambda r: r["params"] + r["grads"] + r["optim"])
         total = worst["total_param_bytes"] * 4  # fp32 params + grads + AdamW exp_avg, exp_avg_sq
         held = worst["params"] + worst["grads"] + worst["optim"]
-        rows.append(dict(fsdp=n, bytes_per_rank=held, total_over_n=total / n,
-                         ratio=held / (total / n), params=worst["params"], grads=worst["grads"],
-                         optim=worst["optim"], total=total))
+        rows.append(
+            dict(
+                fsdp=n,
+                bytes_per_rank=held,
+                total_over_n=total / n,
+                ratio=held / (total / n),
+                params=worst["params"],
+                grads=worst["grads"],
+                optim=worst["optim"],
+                total=total,
+            )
+        )
     return rows
 
 
@@ -109,8 +123,12 @@ def _lora_state(config, fsdp: int, r: int) -> dict:
         base=sum(_local_bytes(p) for p in params if not p.requires_grad),
         adapter=sum(_local_bytes(p) for p in trainable),
         grads=sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-        optim=sum(_local_bytes(v) for s in opt.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0),
+        optim=sum(
+            _local_bytes(v)
+            for s in opt.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ),
         adapter_numel=sum(p.numel() for p in trainable),
         frozen_grads=sum(p.grad is not None for p in params if not p.requires_grad),
     )
@@ -123,10 +141,19 @@ def bench_lora_state(config, sizes, r: int = 16) -> list[dict]:
         worst = max(per_rank, key=lambda x: x["adapter"] + x["grads"] + x["optim"])
         held = worst["adapter"] + worst["grads"] + worst["optim"]
         adapter_only = worst["adapter_numel"] * (4 + 4 + 8) / n  # fp32 param + grad + AdamW m, v
-        rows.append(dict(fsdp=n, base_per_rank=worst["base"], train_state_per_rank=held,
-                         adapter_only_over_n=adapter_only, ratio=held / adapter_only,
-                         adapter_params=worst["adapter_numel"], grads=worst["grads"],
-                         optim=worst["optim"], frozen_with_grad=worst["frozen_grads"]))
+        rows.append(
+            dict(
+                fsdp=n,
+                base_per_rank=worst["base"],
+                train_state_per_rank=held,
+                adapter_only_over_n=adapter_only,
+                ratio=held / adapter_only,
+                adapter_params=worst["adapter_numel"],
+                grads=worst["grads"],
+                optim=worst["optim"],
+                frozen_with_grad=worst["frozen_grads"],
+            )
+        )
     return rows
 
 
@@ -181,8 +208,12 @@ def _load_rss(path: str, how: str, fsdp: int) -> dict:
             (p.to_local() if hasattr(p, "to_local") else p).sum()
     peak_kb = _status_kb("VmHWM")
     local = sum(_local_bytes(p) for p in model.parameters())
-    return dict(increase=(peak_kb - base_kb) * 1024, load_only=(load_peak_kb - base_kb) * 1024,
-                local_param_bytes=local, seconds=seconds)
+    return dict(
+        increase=(peak_kb - base_kb) * 1024,
+        load_only=(load_peak_kb - base_kb) * 1024,
+        local_param_bytes=local,
+        seconds=seconds,
+    )
 
 
 def bench_loading(config, sizes) -> tuple[int, list[dict]]:
@@ -190,16 +221,23 @@ def bench_loading(config, sizes) -> tuple[int, list[dict]]:
     with tempfile.TemporaryDirectory() as tmp:
         model_bytes = run_on_ranks(_save_checkpoint, 1, config, tmp)[0]
         cases = [("from_pretrained (1 process)", "hf", 1)] + [
-            (f"load_model FSDP {n}", "nd", n) for n in sizes]
+            (f"load_model FSDP {n}", "nd", n) for n in sizes
+        ]
         for label, how, n in cases:
             per_rank = run_on_ranks(_load_rss, n, tmp, how, n, timeout_s=600)
             worst = max(r["increase"] for r in per_rank)
-            rows.append(dict(layout=label, ranks=n, peak_increase_max=worst,
-                             peak_increase_per_rank=[r["increase"] for r in per_rank],
-                             ratio=worst / model_bytes,
-                             load_only_max=max(r["load_only"] for r in per_rank),
-                             local_param_bytes=per_rank[0]["local_param_bytes"],
-                             seconds=max(r["seconds"] for r in per_rank)))
+            rows.append(
+                dict(
+                    layout=label,
+                    ranks=n,
+                    peak_increase_max=worst,
+                    peak_increase_per_rank=[r["increase"] for r in per_rank],
+                    ratio=worst / model_bytes,
+                    load_only_max=max(r["load_only"] for r in per_rank),
+                    local_param_bytes=per_rank[0]["local_param_bytes"],
+                    seconds=max(r["seconds"] for r in per_rank),
+                )
+            )
     return model_bytes, rows
 
 
@@ -220,43 +258,63 @@ def main() -> None:
     print("(a) parameter + gradient + AdamW bytes per rank (fp32, small Llama, worst rank)")
     print(f"{'FSDP':>5} {'held MB':>9} {'total/N MB':>11} {'ratio':>6}")
     for r in train_rows:
-        print(f"{r['fsdp']:>5} {r['bytes_per_rank'] / MB:>9.2f} {r['total_over_n'] / MB:>11.2f} "
-              f"{r['ratio']:>6.3f}")
+        print(
+            f"{r['fsdp']:>5} {r['bytes_per_rank'] / MB:>9.2f} {r['total_over_n'] / MB:>11.2f} "
+            f"{r['ratio']:>6.3f}"
+        )
 
     lora_rows = bench_lora_state(small, sizes) if peft is not None else []
-    print("\n(c) LoRA r=16 on every linear (PEFT), fp32, small Llama, worst rank: the train state is the "
-          "adapters'")
-    print(f"{'FSDP':>5} {'frozen base MB':>15} {'train state MB':>15} {'adapter-only/N MB':>18} "
-          f"{'ratio':>6} {'full FT state MB':>17}")
+    print(
+        "\n(c) LoRA r=16 on every linear (PEFT), fp32, small Llama, worst rank: the train state is the "
+        "adapters'"
+    )
+    print(
+        f"{'FSDP':>5} {'frozen base MB':>15} {'train state MB':>15} {'adapter-only/N MB':>18} "
+        f"{'ratio':>6} {'full FT state MB':>17}"
+    )
     for r, full in zip(lora_rows, train_rows):
-        print(f"{r['fsdp']:>5} {r['base_per_rank'] / MB:>15.2f} {r['train_state_per_rank'] / MB:>15.3f} "
-              f"{r['adapter_only_over_n'] / MB:>18.3f} {r['ratio']:>6.3f} {full['bytes_per_rank'] / MB:>17.2f}")
+        print(
+            f"{r['fsdp']:>5} {r['base_per_rank'] / MB:>15.2f} {r['train_state_per_rank'] / MB:>15.3f} "
+            f"{r['adapter_only_over_n'] / MB:>18.3f} {r['ratio']:>6.3f} {full['bytes_per_rank'] / MB:>17.2f}"
+        )
 
     big = _llama_config(args.hidden, args.layers, args.vocab, args.intermediate)
     model_bytes, load_rows = (0, []) if args.no_loading else bench_loading(big, sizes)
     if load_rows:
-        print(f"\n(b) host peak RSS increase per rank while loading a {model_bytes / MB:.0f} MB fp32 "
-              f"Llama (worst rank; goal for FSDP 4: <= 0.35 x model)")
+        print(
+            f"\n(b) host peak RSS increase per rank while loading a {model_bytes / MB:.0f} MB fp32 "
+            f"Llama (worst rank; goal for FSDP 4: <= 0.35 x model)"
+        )
         print("  peak = VmHWM - VmRSS before the load, after the load and a read of every parameter;")
         print("  'load only' = the same before that read (from_pretrained may leave params as mmap views)")
-        print(f"{'layout':<28} {'peak MB':>8} {'x model':>8} {'load only MB':>13} "
-              f"{'local params MB':>16} {'load s':>7}")
+        print(
+            f"{'layout':<28} {'peak MB':>8} {'x model':>8} {'load only MB':>13} "
+            f"{'local params MB':>16} {'load s':>7}"
+        )
         for r in load_rows:
-            print(f"{r['layout']:<28} {r['peak_increase_max'] / MB:>8.1f} {r['ratio']:>8.3f} "
-                  f"{r['load_only_max'] / MB:>13.1f} {r['local_param_bytes'] / MB:>16.1f} "
-                  f"{r['seconds']:>7.2f}")
+            print(
+                f"{r['layout']:<28} {r['peak_increase_max'] / MB:>8.1f} {r['ratio']:>8.3f} "
+                f"{r['load_only_max'] / MB:>13.1f} {r['local_param_bytes'] / MB:>16.1f} "
+                f"{r['seconds']:>7.2f}"
+            )
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     loading = dict(model=big.to_dict(), model_bytes=model_bytes, rows=load_rows)
     if args.no_loading and out.is_file():  # keep the last measured (b)
         loading = json.loads(out.read_text()).get("loading", loading)
-    out.write_text(json.dumps(dict(
-        training_state=dict(model=small.to_dict(), rows=train_rows),
-        lora_state=dict(model=small.to_dict(), r=16, rows=lora_rows),
-        loading=loading,
-        torch=torch.__version__,
-    ), indent=1, default=str))
+    out.write_text(
+        json.dumps(
+            dict(
+                training_state=dict(model=small.to_dict(), rows=train_rows),
+                lora_state=dict(model=small.to_dict(), r=16, rows=lora_rows),
+                loading=loading,
+                torch=torch.__version__,
+            ),
+            indent=1,
+            default=str,
+        )
+    )
     print(f"\nwrote {out}")
 
 

@@ -31,8 +31,14 @@ def _make(root: Path, layers: int) -> tuple[Path, Path, int]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
-                      num_attention_heads=16, num_key_value_heads=16, vocab_size=32000)
+    cfg = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -63,14 +69,23 @@ def _measure(mode: str, base: Path, adapter: Path, out: Path) -> dict:
     import os
 
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    run = subprocess.run([sys.executable, __file__, "--child", mode, str(base), str(adapter), str(out)],
-                         capture_output=True, text=True, env=env, check=True)
+    run = subprocess.run(
+        [sys.executable, __file__, "--child", mode, str(base), str(adapter), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the S model (2·S doubles them)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--layers", type=int, default=4, help="decoder layers of the S model (2·S doubles them)"
+    )
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -83,15 +98,27 @@ def main() -> None:
             for mode in ("ours", "peft"):
                 got = _measure(mode, base, adapter, root / f"out-{mode}{layers}")
                 results.append({"layers": layers, "model_bytes": nbytes, "merge": mode, **got})
-                rows.append([f"{layers} layers", f"{nbytes / 2**20:.0f}", mode,
-                             f"{got['anon'] / 2**20:.0f}", f"{got['hwm'] / 2**20:.0f}",
-                             f"{got['anon'] / nbytes:.2f}"])
-    print_table(f"offline LoRA merge, host memory (MiB; output shards {SHARD})",
-                ["base", "model", "merge", "private peak held by the merge", "VmHWM", "held / model"], rows)
+                rows.append(
+                    [
+                        f"{layers} layers",
+                        f"{nbytes / 2**20:.0f}",
+                        mode,
+                        f"{got['anon'] / 2**20:.0f}",
+                        f"{got['hwm'] / 2**20:.0f}",
+                        f"{got['anon'] / nbytes:.2f}",
+                    ]
+                )
+    print_table(
+        f"offline LoRA merge, host memory (MiB; output shards {SHARD})",
+        ["base", "model", "merge", "private peak held by the merge", "VmHWM", "held / model"],
+        rows,
+    )
     by = {(r["layers"], r["merge"]): r["anon"] for r in results}
     small, large = args.layers, 2 * args.layers
     growth = {m: (by[(large, m)] - by[(small, m)]) / 2**20 for m in ("ours", "peft")}
-    print(f"private peak growth from S to 2·S: ours {growth['ours']:+.0f} MiB, PEFT {growth['peft']:+.0f} MiB")
+    print(
+        f"private peak growth from S to 2·S: ours {growth['ours']:+.0f} MiB, PEFT {growth['peft']:+.0f} MiB"
+    )
     print(f"wrote {write_json('merge_memory', {'shard': SHARD, 'results': results, 'growth_mib': growth})}")
 
 

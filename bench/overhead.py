@@ -61,8 +61,10 @@ def _plain_step(model, opt, mb, group):
     n = (labels != -100).sum()
     dist.all_reduce(n, group=group)
     logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                           reduction="sum") / n
+    loss = (
+        F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+        / n
+    )
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -83,8 +85,9 @@ def _run(world, steps, seq, rows, warmup, chunked=True):
         setup_optimizer,
     )
 
-    setup = TrainSetup(preset_config("quickstart-llama"), steps=steps + warmup,
-                       global_micro_batch=rows, seq_len=seq)
+    setup = TrainSetup(
+        preset_config("quickstart-llama"), steps=steps + warmup, global_micro_batch=rows, seq_len=seq
+    )
     acc = Accelerator(ParallelismConfig(dp_shard_size=world), loss_options=LossOptions(chunked=chunked))
     nd_model = build_model(setup)
     nd_opt = setup_optimizer(setup, nd_model.parameters())
@@ -117,26 +120,56 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--rows", type=int, default=4, help="global micro-batch rows")
-    ap.add_argument("--loss", choices=("chunked", "logits"), default="chunked",
-                    help="ndparallel's loss: chunked (its default) or the logits (the plain loop's math)")
+    ap.add_argument(
+        "--loss",
+        choices=("chunked", "logits"),
+        default="chunked",
+        help="ndparallel's loss: chunked (its default) or the logits (the plain loop's math)",
+    )
     args = ap.parse_args(argv)
-    r = run_on_ranks(_run, args.world, args.world, args.steps, args.seq, args.rows, args.warmup,
-                     args.loss == "chunked", timeout_s=900)[0]
+    r = run_on_ranks(
+        _run,
+        args.world,
+        args.world,
+        args.steps,
+        args.seq,
+        args.rows,
+        args.warmup,
+        args.loss == "chunked",
+        timeout_s=900,
+    )[0]
     nd, pl = statistics.median(r["times"]["ndparallel"]), statistics.median(r["times"]["plain"])
     # Paired: each ndparallel step against the plain step next to it (robust to load drifts).
     paired = statistics.median(a / b for a, b in zip(r["times"]["ndparallel"], r["times"]["plain"]))
     loss_diff = max(abs(a - b) for a, b in zip(r["losses"]["ndparallel"], r["losses"]["plain"]))
-    print_table(f"step time, FSDP {args.world}, quickstart-llama, seq {args.seq}, {args.loss} loss, "
-                f"{args.rows} rows, {args.steps} alternated steps",
-                ["loop", "median ms", "min ms", "ratio"],
-                [("plain PyTorch", pl * 1e3, min(r["times"]["plain"]) * 1e3, 1.0),
-                 ("ndparallel", nd * 1e3, min(r["times"]["ndparallel"]) * 1e3, nd / pl)])
-    print(f"median of paired step ratios: {paired:.3f}; ratio of minima: "
-          f"{min(r['times']['ndparallel']) / min(r['times']['plain']):.3f}")
-    print(f"max |loss difference| over the steps: {loss_diff:.2e} (same model and data; "
-          f"{'the same math' if args.loss == 'logits' else 'chunked vs full-logits loss: fp32 rounding'})")
-    path = write_json("overhead" if args.loss == "chunked" else "overhead_logits", {"settings": vars(args), "median_s": {"ndparallel": nd, "plain": pl},
-                                   "ratio": nd / pl, "paired_ratio": paired, "max_loss_diff": loss_diff, **r})
+    print_table(
+        f"step time, FSDP {args.world}, quickstart-llama, seq {args.seq}, {args.loss} loss, "
+        f"{args.rows} rows, {args.steps} alternated steps",
+        ["loop", "median ms", "min ms", "ratio"],
+        [
+            ("plain PyTorch", pl * 1e3, min(r["times"]["plain"]) * 1e3, 1.0),
+            ("ndparallel", nd * 1e3, min(r["times"]["ndparallel"]) * 1e3, nd / pl),
+        ],
+    )
+    print(
+        f"median of paired step ratios: {paired:.3f}; ratio of minima: "
+        f"{min(r['times']['ndparallel']) / min(r['times']['plain']):.3f}"
+    )
+    print(
+        f"max |loss difference| over the steps: {loss_diff:.2e} (same model and data; "
+        f"{'the same math' if args.loss == 'logits' else 'chunked vs full-logits loss: fp32 rounding'})"
+    )
+    path = write_json(
+        "overhead" if args.loss == "chunked" else "overhead_logits",
+        {
+            "settings": vars(args),
+            "median_s": {"ndparallel": nd, "plain": pl},
+            "ratio": nd / pl,
+            "paired_ratio": paired,
+            "max_loss_diff": loss_diff,
+            **r,
+        },
+    )
     print(f"wrote {path}")
 
 

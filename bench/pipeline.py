@@ -57,10 +57,16 @@ def model_config(hidden: int, layers: int, vocab: int):
 
     wide = hidden >= 1024  # Llama-3.2-1B's heads at its width: 32 of 64, 8 K/V
     heads = max(1, hidden // (64 if wide else 32))
-    return LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=max(1, heads // (4 if wide else 2)),
-                       vocab_size=vocab,
-                       max_position_embeddings=8192, tie_word_embeddings=False)
+    return LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // (4 if wide else 2)),
+        vocab_size=vocab,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
 
 
 def formula(schedule: str, p: int, m: int, v: int) -> float:
@@ -70,9 +76,14 @@ def formula(schedule: str, p: int, m: int, v: int) -> float:
 
 def micro_batches(m: int, seq: int, vocab: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(0, vocab, (1, seq), generator=g),
-             "shift_labels": torch.randint(0, vocab, (1, seq), generator=g),
-             "position_ids": torch.arange(seq)[None]} for _ in range(m)]
+    return [
+        {
+            "input_ids": torch.randint(0, vocab, (1, seq), generator=g),
+            "shift_labels": torch.randint(0, vocab, (1, seq), generator=g),
+            "position_ids": torch.arange(seq)[None],
+        }
+        for _ in range(m)
+    ]
 
 
 class BusyClock:
@@ -92,6 +103,7 @@ class BusyClock:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t0
+
         return wrapped
 
 
@@ -134,7 +146,9 @@ def rank_run(args: dict) -> list[dict]:
     cfg = model_config(args["hidden"], args["layers"], args["vocab"])
     for schedule in args["schedules"]:
         torch.manual_seed(0)
-        engine = Engine(ParallelismConfig(pp_size=p), StrategyOptions(pipeline=PipelineOptions(schedule=schedule)))
+        engine = Engine(
+            ParallelismConfig(pp_size=p), StrategyOptions(pipeline=PipelineOptions(schedule=schedule))
+        )
         model = engine.parallelize(AutoModelForCausalLM.from_config(cfg))
         pipeline = engine.pipeline_of(model)
         clock = BusyClock(pipeline.stages)
@@ -144,12 +158,23 @@ def rank_run(args: dict) -> list[dict]:
             _timed_step(engine, model, mbs, clock)  # a new micro-batch count: the schedule's set-up
             timed = [_timed_step(engine, model, mbs, clock) for _ in range(args["steps"])]
             makespan, busy = min(timed)
-            rows.append({"schedule": schedule, "pp": p, "virtual": pipeline.plan.virtual, "microbatches": m,
-                         "rank": dist.get_rank(), "stages": [int(s) for s in sorted(pipeline.modules)],
-                         "formula": formula(schedule, p, m, pipeline.plan.virtual),
-                         "makespan_s": makespan, "busy_s": busy, "idle": max(0.0, 1.0 - busy / makespan),
-                         "makespans_s": [t for t, _ in timed],
-                         "peak_mib": _peak_bytes(engine, model, mbs) / MiB, "param_mib": params / MiB})
+            rows.append(
+                {
+                    "schedule": schedule,
+                    "pp": p,
+                    "virtual": pipeline.plan.virtual,
+                    "microbatches": m,
+                    "rank": dist.get_rank(),
+                    "stages": [int(s) for s in sorted(pipeline.modules)],
+                    "formula": formula(schedule, p, m, pipeline.plan.virtual),
+                    "makespan_s": makespan,
+                    "busy_s": busy,
+                    "idle": max(0.0, 1.0 - busy / makespan),
+                    "makespans_s": [t for t, _ in timed],
+                    "peak_mib": _peak_bytes(engine, model, mbs) / MiB,
+                    "param_mib": params / MiB,
+                }
+            )
         del model, pipeline, engine
     return rows
 
@@ -157,8 +182,10 @@ def rank_run(args: dict) -> list[dict]:
 def run_multi_rank(args) -> dict:
     from ndparallel.testing import run_on_ranks
 
-    shared = {k: getattr(args, k) for k in ("hidden", "layers", "vocab", "seq", "steps", "schedules",
-                                            "microbatches")}
+    shared = {
+        k: getattr(args, k)
+        for k in ("hidden", "layers", "vocab", "seq", "steps", "schedules", "microbatches")
+    }
     rows, load = [], [os.getloadavg()[0]]
     for p in args.pp:
         t0 = time.perf_counter()
@@ -167,13 +194,34 @@ def run_multi_rank(args) -> dict:
         print(f"pp {p}: {time.perf_counter() - t0:.0f} s", flush=True)
     table = summarise(rows)
     load.append(os.getloadavg()[0])
-    print_table(f"pipeline bubble: idle fraction per stage (measured) vs formula; {os.cpu_count()} cores, "
-                f"load average {load[0]:.1f} -> {load[1]:.1f}",
-                ["schedule", "pp", "m", "formula", "idle per stage", "mean idle", "step s",
-                 "peak MiB per stage"], [[r[k] for k in ("schedule", "pp", "microbatches", "formula", "idle_text",
-                                                          "mean_idle", "makespan_s", "peak_text")] for r in table])
-    return {"rows": rows, "table": table, "cores": os.cpu_count(), "load_average": load,
-            "oversubscribed": [p for p in args.pp if p > (os.cpu_count() or 1)]}
+    print_table(
+        f"pipeline bubble: idle fraction per stage (measured) vs formula; {os.cpu_count()} cores, "
+        f"load average {load[0]:.1f} -> {load[1]:.1f}",
+        ["schedule", "pp", "m", "formula", "idle per stage", "mean idle", "step s", "peak MiB per stage"],
+        [
+            [
+                r[k]
+                for k in (
+                    "schedule",
+                    "pp",
+                    "microbatches",
+                    "formula",
+                    "idle_text",
+                    "mean_idle",
+                    "makespan_s",
+                    "peak_text",
+                )
+            ]
+            for r in table
+        ],
+    )
+    return {
+        "rows": rows,
+        "table": table,
+        "cores": os.cpu_count(),
+        "load_average": load,
+        "oversubscribed": [p for p in args.pp if p > (os.cpu_count() or 1)],
+    }
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -184,11 +232,20 @@ def summarise(rows: list[dict]) -> list[dict]:
     for (schedule, p, m), group in keyed.items():
         group.sort(key=lambda r: r["rank"])
         idle = [r["idle"] for r in group]
-        out.append({"schedule": schedule, "pp": p, "microbatches": m, "formula": group[0]["formula"],
-                    "idle": idle, "mean_idle": statistics.fmean(idle), "makespan_s": group[0]["makespan_s"],
-                    "peak_mib": [r["peak_mib"] for r in group],
-                    "idle_text": " / ".join(f"{x:.2f}" for x in idle),
-                    "peak_text": " / ".join(f"{r['peak_mib']:.1f}" for r in group)})
+        out.append(
+            {
+                "schedule": schedule,
+                "pp": p,
+                "microbatches": m,
+                "formula": group[0]["formula"],
+                "idle": idle,
+                "mean_idle": statistics.fmean(idle),
+                "makespan_s": group[0]["makespan_s"],
+                "peak_mib": [r["peak_mib"] for r in group],
+                "idle_text": " / ".join(f"{x:.2f}" for x in idle),
+                "peak_text": " / ".join(f"{r['peak_mib']:.1f}" for r in group),
+            }
+        )
     return out
 
 
@@ -197,8 +254,10 @@ def _stage_inputs(stage, mbs, hidden: int, device, dtype):
     if stage.is_first:
         return [mb["input_ids"].to(device) for mb in mbs]
     g = torch.Generator().manual_seed(2)
-    return [torch.randn(*mb["input_ids"].shape, hidden, generator=g).to(device, dtype).requires_grad_()
-            for mb in mbs]
+    return [
+        torch.randn(*mb["input_ids"].shape, hidden, generator=g).to(device, dtype).requires_grad_()
+        for mb in mbs
+    ]
 
 
 def _sync(device) -> None:
@@ -260,8 +319,10 @@ def one_rank_stages(args) -> dict:
     with torch.device(device):
         whole = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     per = args.layers // args.stages
-    pieces = {0: cut_stage(copy.deepcopy(whole), range(per), first=True, last=False),
-              args.stages - 1: cut_stage(whole, range(args.layers - per, args.layers), first=False, last=True)}
+    pieces = {
+        0: cut_stage(copy.deepcopy(whole), range(per), first=True, last=False),
+        args.stages - 1: cut_stage(whole, range(args.layers - per, args.layers), first=False, last=True),
+    }
     mbs = micro_batches(args.inflight, args.seq, args.vocab)
     rows = []
     for index, lm in pieces.items():
@@ -272,15 +333,43 @@ def one_rank_stages(args) -> dict:
         fwd, bwd = _run_inflight(stage, inputs, mbs, device)
         one, many = (_stage_peak(stage, inputs[:k], mbs[:k], device) for k in (1, args.inflight))
         lm.zero_grad(set_to_none=True)
-        rows.append({"stage": index, "layers": per, "params": sum(p.numel() for p in lm.parameters()),
-                     "forward_ms": 1e3 * statistics.median(fwd), "backward_ms": 1e3 * statistics.median(bwd),
-                     "peak_1_mib": one / MiB, f"peak_{args.inflight}_mib": many / MiB,
-                     "per_microbatch_mib": (many - one) / MiB / max(1, args.inflight - 1)})
-    print_table(f"one pipeline stage on {device.type} ({args.dtype or dtype}; {args.stages} stages of {args.layers} "
-                f"layers, seq {args.seq})", ["stage", "params", "fwd ms", "bwd ms", "peak 1 mb MiB",
-                                            f"peak {args.inflight} mb MiB", "MiB / in-flight mb"],
-                [[r["stage"], r["params"], r["forward_ms"], r["backward_ms"], r["peak_1_mib"],
-                  r[f"peak_{args.inflight}_mib"], r["per_microbatch_mib"]] for r in rows])
+        rows.append(
+            {
+                "stage": index,
+                "layers": per,
+                "params": sum(p.numel() for p in lm.parameters()),
+                "forward_ms": 1e3 * statistics.median(fwd),
+                "backward_ms": 1e3 * statistics.median(bwd),
+                "peak_1_mib": one / MiB,
+                f"peak_{args.inflight}_mib": many / MiB,
+                "per_microbatch_mib": (many - one) / MiB / max(1, args.inflight - 1),
+            }
+        )
+    print_table(
+        f"one pipeline stage on {device.type} ({args.dtype or dtype}; {args.stages} stages of {args.layers} "
+        f"layers, seq {args.seq})",
+        [
+            "stage",
+            "params",
+            "fwd ms",
+            "bwd ms",
+            "peak 1 mb MiB",
+            f"peak {args.inflight} mb MiB",
+            "MiB / in-flight mb",
+        ],
+        [
+            [
+                r["stage"],
+                r["params"],
+                r["forward_ms"],
+                r["backward_ms"],
+                r["peak_1_mib"],
+                r[f"peak_{args.inflight}_mib"],
+                r["per_microbatch_mib"],
+            ]
+            for r in rows
+        ],
+    )
     return {"device": device.type, "dtype": str(dtype), "rows": rows}
 
 
@@ -289,8 +378,10 @@ def headline_one_rank(result: dict, inflight: int) -> tuple[str, bool]:
     for r in result["rows"]:
         figures = [r["forward_ms"], r["backward_ms"], r["peak_1_mib"], r[f"peak_{inflight}_mib"]]
         ok &= all(math.isfinite(x) and x > 0 for x in figures) and r[f"peak_{inflight}_mib"] > r["peak_1_mib"]
-        parts.append(f"stage {r['stage']}: fwd {r['forward_ms']:.1f} / bwd {r['backward_ms']:.1f} ms per mb, "
-                     f"+{r['per_microbatch_mib']:.1f} MiB per in-flight mb")
+        parts.append(
+            f"stage {r['stage']}: fwd {r['forward_ms']:.1f} / bwd {r['backward_ms']:.1f} ms per mb, "
+            f"+{r['per_microbatch_mib']:.1f} MiB per in-flight mb"
+        )
     return f"{result['device']}: " + "; ".join(parts), ok
 
 
@@ -313,11 +404,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for one pp world's ranks")
     p.add_argument("--one-rank-stage", action="store_true", help="one device: stage 0 and the last stage")
     p.add_argument("--device", default=None, help="--one-rank-stage: cuda or cpu (default: cuda if visible)")
-    p.add_argument("--dtype", default=None, help="--one-rank-stage: bfloat16 / float32 (default bf16 on cuda)")
+    p.add_argument(
+        "--dtype", default=None, help="--one-rank-stage: bfloat16 / float32 (default bf16 on cuda)"
+    )
     p.add_argument("--stages", type=int, default=2, help="--one-rank-stage: stages of the cut")
     p.add_argument("--inflight", type=int, default=4, help="--one-rank-stage: micro-batches kept at once")
     p.add_argument("--tiny", action="store_true", help="--one-rank-stage on CPU with a tiny model")
-    p.add_argument("--out", type=Path, default=None, help="results folder (default $BENCH_RESULTS_DIR or bench/results)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="results folder (default $BENCH_RESULTS_DIR or bench/results)"
+    )
     p.add_argument("--name", default=None, help="JSON file name (default pipeline / pipeline_stages)")
     return p
 

@@ -30,15 +30,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 SHAPES = {  # name: HF config fields (the planner's presets)
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-               tie_word_embeddings=True),
-    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-               num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-               tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
-                 tie_word_embeddings=False),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "3b": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        tie_word_embeddings=False,
+    ),
 }
 CONFIGS = {  # name: (shape, seq, micro-batch, activation checkpointing, planner preset)
     "1b-mb4": ("1b", 2048, 4, False, "llama-3.2-1b"),
@@ -73,8 +94,12 @@ def build(shape: str, ac: bool, device: str, fused: bool):
 
     cfg = LlamaConfig(max_position_embeddings=8192, **SHAPES[shape])
     cfg._attn_implementation = "sdpa"
-    acc = Accelerator(ParallelismConfig(), mixed_precision="bf16", device=device,
-                      fsdp_options=FSDPOptions(activation_checkpointing=ac))
+    acc = Accelerator(
+        ParallelismConfig(),
+        mixed_precision="bf16",
+        device=device,
+        fsdp_options=FSDPOptions(activation_checkpointing=ac),
+    )
     torch.manual_seed(0)
     with torch.device(acc.device):
         model = AutoModelForCausalLM.from_config(cfg).float()
@@ -148,16 +173,27 @@ def profile_step(acc, model, opt, mb, device: str) -> dict:
         row[1] += 1
     top = sorted(([k, v[0], v[1]] for k, v in kernels.items()), key=lambda r: -r[1])[:80]
     ops = prof.key_averages(group_by_input_shape=True)
-    op_rows = sorted(([e.key, str(e.input_shapes)[:160], e.self_device_time_total / 1e3, e.count]
-                      for e in ops if e.self_device_time_total > 50), key=lambda r: -r[2])
-    return {"device_ms_by_class": by_class, "kernels_by_class": counts,
-            "top_kernels_ms_calls": top, "ops_self_device_ms": op_rows[:150]}
+    op_rows = sorted(
+        (
+            [e.key, str(e.input_shapes)[:160], e.self_device_time_total / 1e3, e.count]
+            for e in ops
+            if e.self_device_time_total > 50
+        ),
+        key=lambda r: -r[2],
+    )
+    return {
+        "device_ms_by_class": by_class,
+        "kernels_by_class": counts,
+        "top_kernels_ms_calls": top,
+        "ops_self_device_ms": op_rows[:150],
+    }
 
 
 def _is_annotation(name: str) -> bool:
     """record_function ranges the profiler also reports on the GPU timeline (not kernels)."""
-    return name.startswith(("FSDP::", "Optimizer.", "ProfilerStep", "## ", "autograd::",
-                            "aten::", "PythonSubclass"))
+    return name.startswith(
+        ("FSDP::", "Optimizer.", "ProfilerStep", "## ", "autograd::", "aten::", "PythonSubclass")
+    )
 
 
 def run_config(name: str, steps: int, warmup: int, device: str) -> dict:
@@ -168,8 +204,11 @@ def run_config(name: str, steps: int, warmup: int, device: str) -> dict:
     acc, model, opt, cfg = build(shape, ac, device, fused)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (mbs, seq + 1), generator=g)
-    mb = {"input_ids": tokens[:, :-1].to(acc.device), "shift_labels": tokens[:, 1:].to(acc.device),
-          "position_ids": torch.arange(seq).expand(mbs, -1).contiguous().to(acc.device)}
+    mb = {
+        "input_ids": tokens[:, :-1].to(acc.device),
+        "shift_labels": tokens[:, 1:].to(acc.device),
+        "position_ids": torch.arange(seq).expand(mbs, -1).contiguous().to(acc.device),
+    }
     times = []
     for i in range(warmup + steps):
         if device == "cuda":
@@ -182,9 +221,18 @@ def run_config(name: str, steps: int, warmup: int, device: str) -> dict:
             times.append(time.perf_counter() - t0)
     mem = Mem(device)
     instrumented_step(acc, model, opt, mb, mem)
-    out = {"config": name, "planner_model": preset, "seq": seq, "micro_batch": mbs,
-           "checkpointing": ac, "fused_adamw": fused, "step_s": statistics.median(times), "step_s_all": times,
-           "tokens_per_s": mbs * seq / statistics.median(times), "peaks_gib": mem.peaks}
+    out = {
+        "config": name,
+        "planner_model": preset,
+        "seq": seq,
+        "micro_batch": mbs,
+        "checkpointing": ac,
+        "fused_adamw": fused,
+        "step_s": statistics.median(times),
+        "step_s_all": times,
+        "tokens_per_s": mbs * seq / statistics.median(times),
+        "peaks_gib": mem.peaks,
+    }
     if device == "cuda":
         free, total = torch.cuda.mem_get_info()
         out["max_allocated_gib"] = max(v for k, v in mem.peaks.items() if not k.endswith("_end"))
@@ -209,8 +257,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with the tiny model")
-    ap.add_argument("--out", default=None, help="JSON file (default plan_gpu_check.json in bench/results/ "
-                    "or $BENCH_RESULTS_DIR)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="JSON file (default plan_gpu_check.json in bench/results/ or $BENCH_RESULTS_DIR)",
+    )
     args = ap.parse_args(argv)
     from _common import results_dir
 
@@ -219,8 +270,10 @@ def main(argv=None) -> int:
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     names = ["tiny", "tiny-ac"] if device == "cpu" else args.configs.split(",")
     rows = []
-    meta = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-            "torch": torch.__version__}
+    meta = {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
     for name in names:
         try:
             row = run_config(name, args.steps, args.warmup, device)
@@ -238,10 +291,17 @@ def main(argv=None) -> int:
     errors = [r for r in rows if "error" in r]
     for r in errors:
         print(f"FAIL {r['config']}: {r['error']}")
-    print("HEADLINE: " + "; ".join(
-        f"{r['config']} ERROR" if "error" in r else
-        f"{r['config']} {r['tokens_per_s']:,.0f} tok/s" + (f", {r['max_allocated_gib']:.2f} GiB" if "max_allocated_gib" in r else "")
-        for r in rows) + f"; compare: python bench/plan_validation.py --gpu-results {args.out}")
+    print(
+        "HEADLINE: "
+        + "; ".join(
+            f"{r['config']} ERROR"
+            if "error" in r
+            else f"{r['config']} {r['tokens_per_s']:,.0f} tok/s"
+            + (f", {r['max_allocated_gib']:.2f} GiB" if "max_allocated_gib" in r else "")
+            for r in rows
+        )
+        + f"; compare: python bench/plan_validation.py --gpu-results {args.out}"
+    )
     return 1 if errors else 0
 
 

@@ -54,9 +54,9 @@ def _rank(layout: dict, seq: int, mb: int, steps: int, tp: dict):
     from transformers import AutoModelForCausalLM
 
     from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.engine import forward_backward
     from ndparallel.models.presets import preset_config
     from ndparallel.parallel.options import TPOptions
-    from ndparallel.engine import forward_backward
 
     acc = Accelerator(ParallelismConfig(**layout), mixed_precision="no", tp_options=TPOptions(**tp))
     torch.manual_seed(0)
@@ -74,14 +74,15 @@ def _rank(layout: dict, seq: int, mb: int, steps: int, tp: dict):
         t0 = time.perf_counter()
         tracker = LiveBytes() if i == 1 else None
         states = state_bytes(model, opt) if tracker else None
-        with (tracker or _null()):  # the whole step: the optimizer's temporaries count too
-            forward_backward(acc.engine, model, [{"input_ids": ids, "shift_labels": labels, "position_ids": pos}])
+        with tracker or _null():  # the whole step: the optimizer's temporaries count too
+            forward_backward(
+                acc.engine, model, [{"input_ids": ids, "shift_labels": labels, "position_ids": pos}]
+            )
             opt.step()
         opt.zero_grad(set_to_none=False)
         dist.barrier()
         if tracker:
-            mem = {**states, "transient_peak": tracker.peak,
-                   "total": sum(states.values()) + tracker.peak}
+            mem = {**states, "transient_peak": tracker.peak, "total": sum(states.values()) + tracker.peak}
         elif i >= 2:
             times.append(time.perf_counter() - t0)
     return {"memory": mem, "step_s": statistics.median(times)}
@@ -100,12 +101,19 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--mb", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--no-calibrate", action="store_true",
-                    help="cost step times with a fixed CPU profile instead of measuring one")
+    ap.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="cost step times with a fixed CPU profile instead of measuring one",
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan_validation.json"))
-    ap.add_argument("--gpu-results", nargs="?", const=str(REFERENCE / "h200_plan_gpu_check.json"),
-                    help="instead of the CPU runs: compare the planner with a bench/plan_gpu_check.py "
-                         "JSON (default: the H200 reference)")
+    ap.add_argument(
+        "--gpu-results",
+        nargs="?",
+        const=str(REFERENCE / "h200_plan_gpu_check.json"),
+        help="instead of the CPU runs: compare the planner with a bench/plan_gpu_check.py "
+        "JSON (default: the H200 reference)",
+    )
     ap.add_argument("--hardware-file", help="with --gpu-results: cost with this profile, not the preset")
     args = ap.parse_args(argv)
     if args.gpu_results:
@@ -127,13 +135,23 @@ def main(argv=None) -> int:
     model = PRESETS["tiny"]
     rows = []
     for name, (kw, world) in LAYOUTS.items():
-        lay = Layout(kw.get("dp_replicate_size", 1), kw.get("dp_shard_size", 1),
-                     kw.get("cp_size", 1), kw.get("tp_size", 1))
+        lay = Layout(
+            kw.get("dp_replicate_size", 1),
+            kw.get("dp_shard_size", 1),
+            kw.get("cp_size", 1),
+            kw.get("tp_size", 1),
+        )
         tp = {"sequence_parallel": True, "loss_parallel": True} if lay.tp > 1 else {}
         # The runs below keep gradients allocated (zero_grad(set_to_none=False)).
-        s = Settings(seq_len=args.seq, micro_batch=args.mb, mixed_precision="fp32",
-                     sequence_parallel=lay.tp > 1, loss_parallel=lay.tp > 1, set_to_none=False,
-                     loss_impl="chunked")  # the runtime's default loss (forward_backward)
+        s = Settings(
+            seq_len=args.seq,
+            micro_batch=args.mb,
+            mixed_precision="fp32",
+            sequence_parallel=lay.tp > 1,
+            loss_parallel=lay.tp > 1,
+            set_to_none=False,
+            loss_impl="chunked",
+        )  # the runtime's default loss (forward_backward)
         m = estimate_memory(model, lay, s, hw)
         predicted = m.total - m.overhead
         est = estimate(model, lay, s, hw, gpus_per_node=4, global_batch=args.mb * lay.dp)
@@ -141,19 +159,31 @@ def main(argv=None) -> int:
         meas = res[0]["memory"]
         step = max(r["step_s"] for r in res)
         err = (predicted - meas["total"]) / meas["total"]
-        rows.append({
-            "layout": name, "degrees": lay.compact(), "world": world,
-            "predicted_bytes": predicted, "measured_bytes": meas["total"], "error": err,
-            "within_goal": abs(err) <= GOAL, "peak_phase": m.peak_phase,
-            "predicted_parts": {k: getattr(m, k) for k in ("params", "grads", "optimizer",
-                                                          "activations", "logits",
-                                                          "fsdp_buffers")},
-            "measured_parts": meas,
-            "predicted_step_s": est.time.step, "measured_step_s": step,
-        })
-        print(f"  {name}: predicted {predicted / 2**20:.2f} MiB, measured "
-              f"{meas['total'] / 2**20:.2f} MiB ({err:+.1%}); step {step * 1e3:.0f} ms",
-              file=sys.stderr, flush=True)
+        rows.append(
+            {
+                "layout": name,
+                "degrees": lay.compact(),
+                "world": world,
+                "predicted_bytes": predicted,
+                "measured_bytes": meas["total"],
+                "error": err,
+                "within_goal": abs(err) <= GOAL,
+                "peak_phase": m.peak_phase,
+                "predicted_parts": {
+                    k: getattr(m, k)
+                    for k in ("params", "grads", "optimizer", "activations", "logits", "fsdp_buffers")
+                },
+                "measured_parts": meas,
+                "predicted_step_s": est.time.step,
+                "measured_step_s": step,
+            }
+        )
+        print(
+            f"  {name}: predicted {predicted / 2**20:.2f} MiB, measured "
+            f"{meas['total'] / 2**20:.2f} MiB ({err:+.1%}); step {step * 1e3:.0f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
     rank_p = _ranks([r["predicted_step_s"] for r in rows])
     rank_m = _ranks([r["measured_step_s"] for r in rows])
     n = len(rows)
@@ -161,10 +191,19 @@ def main(argv=None) -> int:
     for r, a, b in zip(rows, rank_p, rank_m):
         r["predicted_rank"], r["measured_rank"] = a, b
     _print(rows, spearman)
-    out = {"date": date.today().isoformat(), "machine": platform.node(),
-           "cpu_count": __import__("os").cpu_count(), "torch": torch.__version__,
-           "seq_len": args.seq, "micro_batch": args.mb, "precision": "fp32", "goal": GOAL,
-           "hardware": hw.name, "spearman_step_time": spearman, "rows": rows}
+    out = {
+        "date": date.today().isoformat(),
+        "machine": platform.node(),
+        "cpu_count": __import__("os").cpu_count(),
+        "torch": torch.__version__,
+        "seq_len": args.seq,
+        "micro_batch": args.mb,
+        "precision": "fp32",
+        "goal": GOAL,
+        "hardware": hw.name,
+        "spearman_step_time": spearman,
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")
@@ -186,26 +225,39 @@ def gpu_table(path: str, hardware_file: str | None) -> int:
     from ndparallel.plan.search import estimate
 
     data = json.loads(Path(path).read_text())
-    hw = (load_hardware_file(hardware_file) if hardware_file
-          else preset_for_device(data.get("device", "")) or HW["h200"])
+    hw = (
+        load_hardware_file(hardware_file)
+        if hardware_file
+        else preset_for_device(data.get("device", "")) or HW["h200"]
+    )
     t = Table(title=f"planner ({hw.name}) vs {data.get('device')}: peak allocated, tokens/s")
-    for c in ("config", "pred GiB", "meas GiB", "err", "pred tok/s", "meas tok/s", "err",
-              "reserved GiB"):
+    for c in ("config", "pred GiB", "meas GiB", "err", "pred tok/s", "meas tok/s", "err", "reserved GiB"):
         t.add_column(c, justify="left" if c == "config" else "right")
     worst_mem = worst_tps = 0.0
     for r in data["rows"]:
         if "error" in r:
             continue
-        s = Settings(seq_len=r["seq"], micro_batch=r["micro_batch"],
-                     checkpointing=r["checkpointing"], optimizer_fused=r["fused_adamw"])
+        s = Settings(
+            seq_len=r["seq"],
+            micro_batch=r["micro_batch"],
+            checkpointing=r["checkpointing"],
+            optimizer_fused=r["fused_adamw"],
+        )
         e = estimate(PRESETS[r["planner_model"]], Layout(), s, hw, 8)
         mem = e.memory.allocated / 2**30
         tps = r["micro_batch"] * r["seq"] / e.time.step
         em, et = mem / r["max_allocated_gib"] - 1, tps / r["tokens_per_s"] - 1
         worst_mem, worst_tps = max(worst_mem, abs(em)), max(worst_tps, abs(et))
-        t.add_row(r["config"], f"{mem:.2f}", f"{r['max_allocated_gib']:.2f}", f"{em:+.1%}",
-                  f"{tps:,.0f}", f"{r['tokens_per_s']:,.0f}", f"{et:+.1%}",
-                  f"{r['max_reserved_gib']:.1f}")
+        t.add_row(
+            r["config"],
+            f"{mem:.2f}",
+            f"{r['max_allocated_gib']:.2f}",
+            f"{em:+.1%}",
+            f"{tps:,.0f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{et:+.1%}",
+            f"{r['max_reserved_gib']:.1f}",
+        )
     Console(width=140).print(t)
     print(f"worst |error|: memory {worst_mem:.1%} (goal 10 %), tokens/s {worst_tps:.1%} (goal 15 %)")
     return 0 if worst_mem <= 0.10 and worst_tps <= 0.15 else 1
@@ -224,14 +276,28 @@ def _print(rows, spearman):
     from rich.table import Table
 
     t = Table(title="planner vs CPU run: peak memory per rank (fp32, AdamW), step time")
-    for c in ("layout", "pred MiB", "meas MiB", "error", "≤10%", "pred step ms", "meas step ms",
-              "rank pred/meas"):
+    for c in (
+        "layout",
+        "pred MiB",
+        "meas MiB",
+        "error",
+        "≤10%",
+        "pred step ms",
+        "meas step ms",
+        "rank pred/meas",
+    ):
         t.add_column(c, justify="left" if c == "layout" else "right")
     for r in rows:
-        t.add_row(r["layout"], f"{r['predicted_bytes'] / 2**20:.2f}",
-                  f"{r['measured_bytes'] / 2**20:.2f}", f"{r['error']:+.1%}",
-                  "yes" if r["within_goal"] else "NO", f"{r['predicted_step_s'] * 1e3:.1f}",
-                  f"{r['measured_step_s'] * 1e3:.1f}", f"{r['predicted_rank']}/{r['measured_rank']}")
+        t.add_row(
+            r["layout"],
+            f"{r['predicted_bytes'] / 2**20:.2f}",
+            f"{r['measured_bytes'] / 2**20:.2f}",
+            f"{r['error']:+.1%}",
+            "yes" if r["within_goal"] else "NO",
+            f"{r['predicted_step_s'] * 1e3:.1f}",
+            f"{r['measured_step_s'] * 1e3:.1f}",
+            f"{r['predicted_rank']}/{r['measured_rank']}",
+        )
     Console(width=120).print(t)
     print(f"step-time ranking, Spearman rho = {spearman:.2f}")
 

@@ -28,8 +28,10 @@ from _common import print_table, write_json  # noqa: E402
 
 from ndparallel.plan.qat import QAT_FORMATS, qat_saved_bytes_per_input, qat_saved_bytes_per_weight  # noqa: E402
 
-SHAPES = [dict(hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2),
-          dict(hidden_size=384, intermediate_size=512, num_attention_heads=6, num_key_value_heads=6)]
+SHAPES = [
+    dict(hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2),
+    dict(hidden_size=384, intermediate_size=512, num_attention_heads=6, num_key_value_heads=6),
+]
 TOKENS = (64, 256)
 
 
@@ -80,9 +82,12 @@ def _model(shape: dict, layers: int, fmt: str | None, frozen: bool = False, plai
 
 def layer_extra(shape: dict, tokens: int, fmt: str, frozen: bool, plain: bool = False) -> float:
     """Saved bytes of one more decoder layer with QAT ``fmt`` minus without."""
+
     def per_layer(f):
-        return (_saved_bytes(_model(shape, 3, f, frozen, plain), tokens)
-                - _saved_bytes(_model(shape, 2, f, frozen, plain), tokens))
+        return _saved_bytes(_model(shape, 3, f, frozen, plain), tokens) - _saved_bytes(
+            _model(shape, 2, f, frozen, plain), tokens
+        )
+
     return per_layer(fmt) - per_layer(None)
 
 
@@ -105,9 +110,14 @@ def fit(fmt: str, frozen: bool = False, plain: bool = False) -> dict:
             targets.append(layer_extra(shape, tokens, fmt, frozen, plain))
     (a, b), *_ = np.linalg.lstsq(np.array(rows, float), np.array(targets, float), rcond=None)
     worst = max(abs(r[0] * a + r[1] * b - t) / max(abs(t), 1.0) for r, t in zip(rows, targets))
-    return {"format": fmt + (" + LoRA" if frozen else ""), "per_weight": float(a), "per_input": float(b),
-            "fit_error": float(worst), "planner_per_weight": qat_saved_bytes_per_weight(fmt),
-            "planner_per_input": qat_saved_bytes_per_input(fmt, frozen)}
+    return {
+        "format": fmt + (" + LoRA" if frozen else ""),
+        "per_weight": float(a),
+        "per_input": float(b),
+        "fit_error": float(worst),
+        "planner_per_weight": qat_saved_bytes_per_weight(fmt),
+        "planner_per_input": qat_saved_bytes_per_input(fmt, frozen),
+    }
 
 
 def main(argv=None) -> int:
@@ -116,15 +126,30 @@ def main(argv=None) -> int:
     parser.add_argument("--plain", action="store_true", help="torchao's quantisers without the recompute")
     args = parser.parse_args(argv)
     results = [fit(f, frozen, args.plain) for frozen in (False, True) for f in args.formats.split(",")]
-    print_table("QAT: bytes saved for backward per decoder layer, beyond the same layer without QAT (bf16)",
-                ["format", "per weight elem", "planner", "per input elem·token", "planner", "fit error"],
-                [[r["format"], f"{r['per_weight']:.2f}", f"{r['planner_per_weight']:.2f}",
-                  f"{r['per_input']:.2f}", f"{r['planner_per_input']:.2f}", f"{r['fit_error']:.1%}"]
-                 for r in results])
-    ok = all(abs(r["per_weight"] - r["planner_per_weight"]) <= 0.1 * max(r["per_weight"], 1.0)
-             and abs(r["per_input"] - r["planner_per_input"]) <= 0.1 * max(r["per_input"], 1.0) for r in results)
+    print_table(
+        "QAT: bytes saved for backward per decoder layer, beyond the same layer without QAT (bf16)",
+        ["format", "per weight elem", "planner", "per input elem·token", "planner", "fit error"],
+        [
+            [
+                r["format"],
+                f"{r['per_weight']:.2f}",
+                f"{r['planner_per_weight']:.2f}",
+                f"{r['per_input']:.2f}",
+                f"{r['planner_per_input']:.2f}",
+                f"{r['fit_error']:.1%}",
+            ]
+            for r in results
+        ],
+    )
+    ok = all(
+        abs(r["per_weight"] - r["planner_per_weight"]) <= 0.1 * max(r["per_weight"], 1.0)
+        and abs(r["per_input"] - r["planner_per_input"]) <= 0.1 * max(r["per_input"], 1.0)
+        for r in results
+    )
     if args.plain:
-        print("--plain: torchao's quantisers keep their intermediates; the planner models ndparallel's recompute")
+        print(
+            "--plain: torchao's quantisers keep their intermediates; the planner models ndparallel's recompute"
+        )
         print(f"wrote {write_json('qat_memory_plain', {'rows': results})}")
         return 0
     print(f"goal: the planner's constants within 10 % of the fit: {'met' if ok else 'NOT met'}")

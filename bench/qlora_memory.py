@@ -40,8 +40,14 @@ MB = 2**20
 def _config(layers: int):
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers, num_attention_heads=16,
-                       num_key_value_heads=4, vocab_size=32000)
+    return LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    )
 
 
 def _save(path: str, layers: int) -> bool:
@@ -60,8 +66,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
     local = t.to_local() if hasattr(t, "to_local") else t
     if is_nf4(local):
-        return sum(getattr(local, a).numel() * getattr(local, a).element_size()
-                   for a in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"))
+        return sum(
+            getattr(local, a).numel() * getattr(local, a).element_size()
+            for a in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
+        )
     return local.numel() * local.element_size()
 
 
@@ -72,8 +80,11 @@ def _load(path: str, fsdp: int, nf4: bool) -> dict:
 
     acc = Accelerator(ParallelismConfig(dp_shard_size=fsdp))
     # the same code path on a tiny model first: lazy imports (peft, torchao, DCP) are not the load's
-    warm = acc.load_model(f"{path}/warmup", adapter=lora_config(r=4, target_linear=True),
-                          quantization=NF4Config(32, 4) if nf4 else None)
+    warm = acc.load_model(
+        f"{path}/warmup",
+        adapter=lora_config(r=4, target_linear=True),
+        quantization=NF4Config(32, 4) if nf4 else None,
+    )
     del warm
     acc._models.clear()
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -82,8 +93,12 @@ def _load(path: str, fsdp: int, nf4: bool) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     tracker = MemTracker()
     with tracker:
-        model = acc.load_model(f"{path}/model", dtype=torch.bfloat16, adapter=lora_config(r=16, target_linear=True),
-                               quantization=NF4Config() if nf4 else None)
+        model = acc.load_model(
+            f"{path}/model",
+            dtype=torch.bfloat16,
+            adapter=lora_config(r=16, target_linear=True),
+            quantization=NF4Config() if nf4 else None,
+        )
     peak = vm_bytes("VmHWM:") - before
     live = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     base = sum(_nbytes(p) for n, p in model.named_parameters() if ".lora_" not in n)
@@ -107,42 +122,74 @@ def _dequant_peak(rows: int, cols: int) -> dict:
 
 
 def _predicted_base(layers: int, fsdp: int) -> float:
+    from ndparallel.plan.hardware import PRESETS as HW
     from ndparallel.plan.layout import Layout, Settings
     from ndparallel.plan.memory import estimate_memory
-    from ndparallel.plan.hardware import PRESETS as HW
     from ndparallel.plan.models import ModelSpec
 
-    spec = ModelSpec("bench", hidden=1024, layers=layers, heads=16, kv_heads=4, intermediate=2816, vocab=32000)
+    spec = ModelSpec(
+        "bench", hidden=1024, layers=layers, heads=16, kv_heads=4, intermediate=2816, vocab=32000
+    )
     layout = Layout(dp_shard=fsdp)
     s = Settings(seq_len=32, lora_r=16, quantized_base=True)
     from ndparallel.plan.adapter import adapter_shard_numel
 
-    return estimate_memory(spec, layout, s, HW["h100-80gb"]).params - adapter_shard_numel(spec, layout, 16) * 4
+    return (
+        estimate_memory(spec, layout, s, HW["h100-80gb"]).params - adapter_shard_numel(spec, layout, 16) * 4
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
     rows, results = [], []
     with tempfile.TemporaryDirectory() as tmp:
         run_on_ranks(_save, 1, tmp, args.layers)  # in a child: no rank inherits memory the parent freed
         for fsdp in (1, 2, 4):
-            bf16 = max(run_on_ranks(_load, fsdp, tmp, fsdp, False, timeout_s=900), key=lambda r: r["load_peak"])
+            bf16 = max(
+                run_on_ranks(_load, fsdp, tmp, fsdp, False, timeout_s=900), key=lambda r: r["load_peak"]
+            )
             nf4 = max(run_on_ranks(_load, fsdp, tmp, fsdp, True, timeout_s=900), key=lambda r: r["load_peak"])
             predicted = _predicted_base(args.layers, fsdp)
-            rows.append([f"FSDP {fsdp}", bf16["base_bytes"] / MB, nf4["base_bytes"] / MB,
-                         nf4["base_bytes"] / bf16["base_bytes"], predicted / MB,
-                         bf16["load_live_peak"] / MB, nf4["load_live_peak"] / MB,
-                         bf16["load_peak"] / MB, nf4["load_peak"] / MB])
+            rows.append(
+                [
+                    f"FSDP {fsdp}",
+                    bf16["base_bytes"] / MB,
+                    nf4["base_bytes"] / MB,
+                    nf4["base_bytes"] / bf16["base_bytes"],
+                    predicted / MB,
+                    bf16["load_live_peak"] / MB,
+                    nf4["load_live_peak"] / MB,
+                    bf16["load_peak"] / MB,
+                    nf4["load_peak"] / MB,
+                ]
+            )
             results.append({"fsdp": fsdp, "bf16": bf16, "nf4": nf4, "planner_nf4_base_bytes": predicted})
-    print_table(f"QLoRA vs LoRA on a bf16 base: Llama h1024 x {args.layers} layers, worst rank",
-                ["layout", "bf16 base MB", "NF4 base MB", "NF4 / bf16", "planner NF4 MB", "load live bf16 MB",
-                 "load live NF4 MB", "load RSS bf16 MB", "load RSS NF4 MB"], rows)
+    print_table(
+        f"QLoRA vs LoRA on a bf16 base: Llama h1024 x {args.layers} layers, worst rank",
+        [
+            "layout",
+            "bf16 base MB",
+            "NF4 base MB",
+            "NF4 / bf16",
+            "planner NF4 MB",
+            "load live bf16 MB",
+            "load live NF4 MB",
+            "load RSS bf16 MB",
+            "load RSS NF4 MB",
+        ],
+        rows,
+    )
     deq = run_on_ranks(_dequant_peak, 1, 4096, 4096)[0]
     per_value = deq["peak"] / deq["values"]
-    print_table("one NF4 dequantisation (bf16, 4096 x 4096)", ["measured peak MB", "bytes/value", "planner bytes/value"],
-                [[deq["peak"] / MB, per_value, 8 + 3 * 2]])
+    print_table(
+        "one NF4 dequantisation (bf16, 4096 x 4096)",
+        ["measured peak MB", "bytes/value", "planner bytes/value"],
+        [[deq["peak"] / MB, per_value, 8 + 3 * 2]],
+    )
     print(f"wrote {write_json('qlora_memory', {'layers': args.layers, 'rows': results, 'dequant': deq})}")
 
 

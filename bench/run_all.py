@@ -47,8 +47,12 @@ def main(argv=None):
         walls[name] = time.time() - t0
         if rc:
             failed.append(name)
-    print("\n" + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items())
-          + f"; total {time.time() - t_all:.0f} s" + (f"; FAILED: {failed}" if failed else ""))
+    print(
+        "\n"
+        + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items())
+        + f"; total {time.time() - t_all:.0f} s"
+        + (f"; FAILED: {failed}" if failed else "")
+    )
     return 1 if failed else 0
 
 

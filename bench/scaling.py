@@ -44,8 +44,12 @@ def _run(layout, seq, rows_per_dp, steps):
     )
 
     acc = Accelerator(ParallelismConfig(**layout))
-    setup = TrainSetup(preset_config("tiny-llama"), steps=steps + 1,
-                       global_micro_batch=rows_per_dp * acc.dp_size, seq_len=seq)
+    setup = TrainSetup(
+        preset_config("tiny-llama"),
+        steps=steps + 1,
+        global_micro_batch=rows_per_dp * acc.dp_size,
+        seq_len=seq,
+    )
     model = build_model(setup)
     opt = setup_optimizer(setup, model.parameters())
     model, opt = acc.prepare(model, opt)
@@ -91,11 +95,22 @@ def main(argv=None):
     one = results.get("DP/1") or base
     for key, r in results.items():
         name, w = key.split("/")
-        rows.append((name, int(w), r["step_s"] * 1e3, r["tokens"], r["tokens_per_s"],
-                     r["tokens_per_s"] / one["tokens_per_s"] if one else float("nan")))
-    print_table(f"tokens/s vs world (tiny-llama fp32, seq {args.seq}, {args.rows} rows per dp rank, "
-                f"{torch.get_num_threads()} threads here, 1 per rank)",
-                ["strategy", "world", "step ms", "tokens/step", "tokens/s", "vs 1 rank"], rows)
+        rows.append(
+            (
+                name,
+                int(w),
+                r["step_s"] * 1e3,
+                r["tokens"],
+                r["tokens_per_s"],
+                r["tokens_per_s"] / one["tokens_per_s"] if one else float("nan"),
+            )
+        )
+    print_table(
+        f"tokens/s vs world (tiny-llama fp32, seq {args.seq}, {args.rows} rows per dp rank, "
+        f"{torch.get_num_threads()} threads here, 1 per rank)",
+        ["strategy", "world", "step ms", "tokens/step", "tokens/s", "vs 1 rank"],
+        rows,
+    )
     print(f"wrote {write_json('scaling', {'settings': vars(args), 'results': results})}")
 
 

@@ -55,10 +55,19 @@ def worker(out_dir: str) -> None:
     nd_step(acc, model, opt, local_micro_batch(acc, micro))
     t_step = time.time()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    Path(out_dir, f"rank{acc.process_index}.json").write_text(json.dumps({
-        "rank": acc.process_index, "world": acc.num_processes, "threads": torch.get_num_threads(),
-        "import_s": t_import - launched, "prepare_s": t_prepare - launched,
-        "first_step_s": t_step - launched, "peak_rss_bytes": rss}))
+    Path(out_dir, f"rank{acc.process_index}.json").write_text(
+        json.dumps(
+            {
+                "rank": acc.process_index,
+                "world": acc.num_processes,
+                "threads": torch.get_num_threads(),
+                "import_s": t_import - launched,
+                "prepare_s": t_prepare - launched,
+                "first_step_s": t_step - launched,
+                "peak_rss_bytes": rss,
+            }
+        )
+    )
     acc.end_training()
 
 
@@ -67,18 +76,34 @@ def run_world(world: int) -> dict:
         env = dict(os.environ, BENCH_LAUNCH_T=repr(time.time()))
         t0 = time.time()
         proc = subprocess.run(
-            [sys.executable, "-m", "ndparallel", "launch", f"--nproc-per-node={world}",
-             str(Path(__file__).resolve()), "--worker", tmp],
-            env=env, capture_output=True, text=True, timeout=600)
+            [
+                sys.executable,
+                "-m",
+                "ndparallel",
+                "launch",
+                f"--nproc-per-node={world}",
+                str(Path(__file__).resolve()),
+                "--worker",
+                tmp,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         wall = time.time() - t0
         ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
     if proc.returncode != 0 or len(ranks) != world:
         return {"world": world, "error": proc.stderr[-2000:]}
-    return {"world": world, "job_wall_s": wall, "ranks": ranks,
-            "first_step_s": max(r["first_step_s"] for r in ranks),
-            "import_s": max(r["import_s"] for r in ranks),
-            "max_rss_mb": max(r["peak_rss_bytes"] for r in ranks) / 2**20,
-            "mean_rss_mb": sum(r["peak_rss_bytes"] for r in ranks) / len(ranks) / 2**20}
+    return {
+        "world": world,
+        "job_wall_s": wall,
+        "ranks": ranks,
+        "first_step_s": max(r["first_step_s"] for r in ranks),
+        "import_s": max(r["import_s"] for r in ranks),
+        "max_rss_mb": max(r["peak_rss_bytes"] for r in ranks) / 2**20,
+        "mean_rss_mb": sum(r["peak_rss_bytes"] for r in ranks) / len(ranks) / 2**20,
+    }
 
 
 def main(argv=None):
@@ -92,13 +117,24 @@ def main(argv=None):
     from _common import print_table, write_json
 
     results = [run_world(int(w)) for w in args.worlds.split(",")]
-    rows = [(r["world"], r.get("import_s", float("nan")), r.get("first_step_s", float("nan")),
-             r.get("job_wall_s", float("nan")), r.get("mean_rss_mb", float("nan")),
-             r.get("max_rss_mb", float("nan"))) if "error" not in r else (r["world"], "failed", "", "", "", "")
-            for r in results]
-    print_table("launch to first step (FSDP over all ranks, tiny-llama, seq 256)",
-                ["world", "imports done s", "first step done s", "job wall s", "mean RSS MB",
-                 "max RSS MB"], rows)
+    rows = [
+        (
+            r["world"],
+            r.get("import_s", float("nan")),
+            r.get("first_step_s", float("nan")),
+            r.get("job_wall_s", float("nan")),
+            r.get("mean_rss_mb", float("nan")),
+            r.get("max_rss_mb", float("nan")),
+        )
+        if "error" not in r
+        else (r["world"], "failed", "", "", "", "")
+        for r in results
+    ]
+    print_table(
+        "launch to first step (FSDP over all ranks, tiny-llama, seq 256)",
+        ["world", "imports done s", "first step done s", "job wall s", "mean RSS MB", "max RSS MB"],
+        rows,
+    )
     for r in results:
         if "error" in r:
             print(f"world {r['world']} failed:\n{r['error']}")

@@ -45,15 +45,24 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for name, code in FORMS.items():  # alternately: a drift of the machine's load hits both
             runs[name].append(_once(code))
-    rows = {name: {"wall_s": statistics.median(w for w, _ in r), "cpu_s": statistics.median(c for _, c in r)}
-            for name, r in runs.items()}
+    rows = {
+        name: {"wall_s": statistics.median(w for w, _ in r), "cpu_s": statistics.median(c for _, c in r)}
+        for name, r in runs.items()
+    }
     ratio = rows["paused"]["cpu_s"] / rows["plain"]["cpu_s"]
     print(f"{'form':8} {'CPU s':>7} {'wall s':>7}   (median of {args.rounds}, {', '.join(MODEL_LIBRARIES)})")
     for name, row in rows.items():
         print(f"{name:8} {row['cpu_s']:7.2f} {row['wall_s']:7.2f}")
     print(f"paused / plain CPU: {ratio:.2f}")
-    write_json("startup_gc", {"rounds": args.rounds, "libraries": list(MODEL_LIBRARIES), "rows": rows,
-                              "paused_over_plain_cpu": ratio})
+    write_json(
+        "startup_gc",
+        {
+            "rounds": args.rounds,
+            "libraries": list(MODEL_LIBRARIES),
+            "rows": rows,
+            "paused_over_plain_cpu": ratio,
+        },
+    )
     return 0
 
 

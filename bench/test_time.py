@@ -36,7 +36,9 @@ def read_report(path: Path) -> list[tuple[str, str, float, str, float | None]]:
     for case in ET.parse(path).iter("testcase"):
         module = case.get("classname", "").split(".")
         file = next((part for part in module if part.startswith("test_")), module[-1])
-        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+        outcome = next(
+            (child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed"
+        )
         cpu = next((float(p.get("value")) for p in case.iter("property") if p.get("name") == "cpu_s"), None)
         cases.append((file, case.get("name", "?"), float(case.get("time", 0.0)), outcome, cpu))
     return cases
@@ -59,25 +61,39 @@ def summarise(cases, top: int) -> dict:
         "outcomes": dict(outcomes),
         "total_s": round(sum(c[2] for c in cases), 1),
         "cpu_s": round(sum(c[4] or 0.0 for c in cases), 1) if has_cpu else None,
-        "slowest": [{"test": f"{f}::{n}", "s": round(s, 1)} for f, n, s, *_ in sorted(cases, key=lambda c: -c[2])[:top]],
-        "most_cpu": [{"test": f"{f}::{n}", "cpu_s": round(cpu, 1)}
-                     for f, n, _, _, cpu in sorted(cases, key=lambda c: -(c[4] or 0.0))[:top]] if has_cpu else [],
-        "files": {f: {"tests": n, "s": round(s, 1), "cpu_s": round(cpu, 1)}
-                  for f, (n, s, cpu) in sorted(by_file.items(), key=lambda x: -x[1][1])},
-        "by_length": {label: {"tests": by_bucket[label][0], "s": round(by_bucket[label][1], 1)}
-                      for _, label in BUCKETS},
+        "slowest": [
+            {"test": f"{f}::{n}", "s": round(s, 1)}
+            for f, n, s, *_ in sorted(cases, key=lambda c: -c[2])[:top]
+        ],
+        "most_cpu": [
+            {"test": f"{f}::{n}", "cpu_s": round(cpu, 1)}
+            for f, n, _, _, cpu in sorted(cases, key=lambda c: -(c[4] or 0.0))[:top]
+        ]
+        if has_cpu
+        else [],
+        "files": {
+            f: {"tests": n, "s": round(s, 1), "cpu_s": round(cpu, 1)}
+            for f, (n, s, cpu) in sorted(by_file.items(), key=lambda x: -x[1][1])
+        },
+        "by_length": {
+            label: {"tests": by_bucket[label][0], "s": round(by_bucket[label][1], 1)} for _, label in BUCKETS
+        },
     }
 
 
 def print_summary(summary: dict, top_files: int = 20) -> None:
     total = summary["total_s"] or 1.0
     cpu = f", {summary['cpu_s']:.0f} CPU s" if summary.get("cpu_s") is not None else ""
-    print(f"{summary['tests']} tests, {summary['total_s']:.0f} s in test bodies and fixtures{cpu}; {summary['outcomes']}")
+    print(
+        f"{summary['tests']} tests, {summary['total_s']:.0f} s in test bodies and fixtures{cpu}; {summary['outcomes']}"
+    )
     print(f"\n{len(summary['slowest'])} slowest tests:")
     for row in summary["slowest"]:
         print(f"  {row['s']:7.1f} s  {row['test']}")
     if summary.get("most_cpu"):
-        print(f"\n{len(summary['most_cpu'])} tests using the most CPU (the ranks and commands they ran included):")
+        print(
+            f"\n{len(summary['most_cpu'])} tests using the most CPU (the ranks and commands they ran included):"
+        )
         for row in summary["most_cpu"]:
             print(f"  {row['cpu_s']:7.1f} CPU s  {row['test']}")
     print(f"\n{top_files} slowest files:")
@@ -94,8 +110,14 @@ def main(argv=None) -> int:
     parser.add_argument("--run", action="store_true", help="run scripts/test.sh first and read its report")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--json", type=Path, help="also write the summary as JSON here")
-    parser.add_argument("--write-durations", nargs="?", type=Path, const=DURATIONS, metavar="PATH",
-                        help=f"write seconds per test file (the workers' order) to PATH (default {DURATIONS.relative_to(ROOT)})")
+    parser.add_argument(
+        "--write-durations",
+        nargs="?",
+        type=Path,
+        const=DURATIONS,
+        metavar="PATH",
+        help=f"write seconds per test file (the workers' order) to PATH (default {DURATIONS.relative_to(ROOT)})",
+    )
     args = parser.parse_args(argv)
     if args.run == (args.report is not None):
         parser.error("give a REPORT.xml or --run (one of them)")

@@ -1,7 +1,7 @@
 """Print each rank's mesh coordinates and process groups.
 
-    ndparallel launch --nproc-per-node 8 examples/show_mesh.py --dp-shard 2 --cp 2 --tp 2
-    ndparallel launch --nproc-per-node 8 examples/show_mesh.py --pp 2 --dp-shard 2 --tp 2
+ndparallel launch --nproc-per-node 8 examples/show_mesh.py --dp-shard 2 --cp 2 --tp 2
+ndparallel launch --nproc-per-node 8 examples/show_mesh.py --pp 2 --dp-shard 2 --tp 2
 """
 
 import argparse
@@ -21,7 +21,9 @@ parser.add_argument("--pp", type=int, default=1)
 args = parser.parse_args()
 
 info = init_distributed()
-pc = ParallelismConfig(args.dp_replicate, args.dp_shard, args.tp, args.cp, pp_size=args.pp).resolve(info.world_size)
+pc = ParallelismConfig(args.dp_replicate, args.dp_shard, args.tp, args.cp, pp_size=args.pp).resolve(
+    info.world_size
+)
 mesh = pc.build_device_mesh(info.device_type)
 coords = " ".join(f"{k}={v}" for k, v in coordinates(mesh).items())
 groups = " ".join(f"{d}={group_ranks(mesh, d)}" for d in ("pp", "dp", "dp_shard_cp", "dp_cp", "cp", "tp"))

@@ -52,7 +52,9 @@ def train_on_forked_ranks(args, cwd=None, env=None, timeout_s: float = 600.0):
     sys.stdout.flush(), sys.stderr.flush()
     for fd, f in zip((1, 2), files):
         os.dup2(f.fileno(), fd)
-    sys.stdout, sys.stderr = (io.TextIOWrapper(open(fd, "wb", closefd=False), write_through=True) for fd in (1, 2))
+    sys.stdout, sys.stderr = (
+        io.TextIOWrapper(open(fd, "wb", closefd=False), write_through=True) for fd in (1, 2)
+    )
     launch.relaunch_self = lambda n, module_args, torchrun_args=(): _fork_ranks(n, module_args, timeout_s)
     try:
         os.environ.update({"HF_HUB_OFFLINE": "1", **(env or {})})
@@ -126,9 +128,15 @@ def _rank_child(rank: int, world: int, port: int, module_args) -> None:
 
         torch.set_num_threads(1)  # (forked ranks with several OpenMP threads were seen to hang)
         _fresh_tqdm_locks()
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                          **{LAUNCHED_ENV: "1"})
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            **{LAUNCHED_ENV: "1"},
+        )
         from ndparallel.cli import main
 
         assert module_args[0] == "train", module_args

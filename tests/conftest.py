@@ -37,7 +37,6 @@ if _THREADS is not None:
     torch.set_num_threads(_THREADS)
 
 
-
 def _import_what_ranks_import() -> None:
     """Import here, once per test process, what the suite's forked ranks import
     (``tests/rank_modules.txt``, recorded by ``tests/scripts/record_rank_modules.py``): a rank
@@ -133,14 +132,16 @@ def pytest_sessionfinish(session):
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the controller hears each worker end
 def pytest_testnodedown(node, error):
-    node.config._ndparallel_comparisons = (getattr(node.config, "_ndparallel_comparisons", 0)
-                                           + node.workeroutput.get("equivalence_comparisons", 0))
+    node.config._ndparallel_comparisons = getattr(
+        node.config, "_ndparallel_comparisons", 0
+    ) + node.workeroutput.get("equivalence_comparisons", 0)
 
 
 def pytest_terminal_summary(terminalreporter, config):
     count = getattr(config, "_ndparallel_comparisons", 0) + _COMPARE.calls
-    terminalreporter.write_line(f"equivalence comparisons (a layout's run against one process's, "
-                                f"tools.equivalence.compare): {count}")
+    terminalreporter.write_line(
+        f"equivalence comparisons (a layout's run against one process's, tools.equivalence.compare): {count}"
+    )
 
 
 def _cpu_seconds() -> float:

@@ -29,7 +29,7 @@ def train_and_save(setup, base_dir: str, out: str) -> torch.Tensor:
     optimizer = setup_optimizer(setup, model)
     rows, r = setup.global_micro_batch // engine.dp_size, engine.dp_rank
     for i, micro_batches in enumerate(make_global_batches(setup)):
-        local = [{k: v[r * rows:(r + 1) * rows] for k, v in mb.items()} for mb in micro_batches]
+        local = [{k: v[r * rows : (r + 1) * rows] for k, v in mb.items()} for mb in micro_batches]
         train_step(engine, model, optimizer, local, max_grad_norm=1.0, step=i + 1)
     model.eval()
     with torch.no_grad():
@@ -46,6 +46,8 @@ def continue_from(base_dir: str, adapter_dir: str) -> torch.Tensor:
     from ndparallel.models.adapter_files import read_adapter_config
 
     engine = Engine(ParallelismConfig(dp_shard_size=2))
-    model = engine.build_model(base_dir, adapter=read_adapter_config(adapter_dir), adapter_weights=adapter_dir)
+    model = engine.build_model(
+        base_dir, adapter=read_adapter_config(adapter_dir), adapter_weights=adapter_dir
+    )
     with torch.no_grad():
         return model.eval()(input_ids=PROBE).logits.detach().clone()

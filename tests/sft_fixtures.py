@@ -9,8 +9,10 @@ import random
 from pathlib import Path
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-WORDS = ("the a model data train answer question list write explain why how what number sum city river "
-         "python code function value small large first second red blue green fast slow").split()
+WORDS = (
+    "the a model data train answer question list write explain why how what number sum city river "
+    "python code function value small large first second red blue green fast slow"
+).split()
 
 
 def _sentence(rng: random.Random, lo: int, hi: int) -> str:
@@ -20,8 +22,14 @@ def _sentence(rng: random.Random, lo: int, hi: int) -> str:
 def alpaca_records(n: int, seed: int = 0) -> list[dict]:
     """Alpaca-shaped records of varied lengths; every third has an empty ``input``."""
     rng = random.Random(seed)
-    return [{"instruction": _sentence(rng, 3, 12), "input": "" if i % 3 == 0 else _sentence(rng, 2, 10),
-             "output": " ".join(_sentence(rng, 3, 10) for _ in range(rng.randint(1, 4)))} for i in range(n)]
+    return [
+        {
+            "instruction": _sentence(rng, 3, 12),
+            "input": "" if i % 3 == 0 else _sentence(rng, 2, 10),
+            "output": " ".join(_sentence(rng, 3, 10) for _ in range(rng.randint(1, 4))),
+        }
+        for i in range(n)
+    ]
 
 
 def chat_records(n: int, seed: int = 0) -> list[dict]:
@@ -31,8 +39,10 @@ def chat_records(n: int, seed: int = 0) -> list[dict]:
     for i in range(n):
         messages = [{"role": "system", "content": _sentence(rng, 3, 6)}] if i % 2 else []
         for _ in range(rng.randint(1, 3)):
-            messages += [{"role": "user", "content": _sentence(rng, 2, 8)},
-                         {"role": "assistant", "content": _sentence(rng, 3, 12)}]
+            messages += [
+                {"role": "user", "content": _sentence(rng, 2, 8)},
+                {"role": "assistant", "content": _sentence(rng, 3, 12)},
+            ]
         out.append({"messages": messages})
     return out
 
@@ -60,16 +70,27 @@ def llama3_tokenizer(vocab_size: int = 700):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     bos = tok.token_to_id("<|begin_of_text|>")
-    tok.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
-                                      special_tokens=[("<|begin_of_text|>", bos)]),
-    ])
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single="<|begin_of_text|> $A",
+                pair="<|begin_of_text|> $A $B",
+                special_tokens=[("<|begin_of_text|>", bos)],
+            ),
+        ]
+    )
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"
+    )
     out.chat_template = LLAMA3
     return out
 
@@ -81,10 +102,19 @@ def tiny_llama_dir(path: Path, vocab_size: int | None = None) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = llama3_tokenizer()
-    config = LlamaConfig(vocab_size=vocab_size or len(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, use_cache=True, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab_size or len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        use_cache=True,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)

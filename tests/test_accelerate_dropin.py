@@ -8,9 +8,9 @@ import warnings
 
 import pytest
 import torch
+
 from accelerate_scripts import nd_parallel
 from accelerate_scripts.reference import reference_losses
-
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import run_on_ranks
 
@@ -50,20 +50,40 @@ def _nd_parallel(argv):
 
 def _run_nd(model_dir, out_dir, layout: dict, *extra):
     world = 1
-    argv = ["--model-name", model_dir, "--sequence-length", str(SEQ), "--num-steps", str(STEPS),
-            "--save-dir", str(out_dir), "--dtype", "float32", "--mixed-precision", "no",
-            "--learning-rate", str(LR), "--checkpoint-frequency", "2", *extra]
+    argv = [
+        "--model-name",
+        model_dir,
+        "--sequence-length",
+        str(SEQ),
+        "--num-steps",
+        str(STEPS),
+        "--save-dir",
+        str(out_dir),
+        "--dtype",
+        "float32",
+        "--mixed-precision",
+        "no",
+        "--learning-rate",
+        str(LR),
+        "--checkpoint-frequency",
+        "2",
+        *extra,
+    ]
     for name, size in layout.items():
         argv += [f"--{name.replace('_', '-')}", str(size)]
         world *= size
     return run_on_ranks(_nd_parallel, world, argv, timeout_s=400)
 
 
-@pytest.mark.parametrize("layout", [
-    {"dp_shard_size": 2, "cp_size": 2},
-    {"dp_replicate_size": 2, "dp_shard_size": 2},
-    {"tp_size": 2},
-], ids=["fsdp2xcp2", "hsdp2x2", "tp2-transformers"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"dp_shard_size": 2, "cp_size": 2},
+        {"dp_replicate_size": 2, "dp_shard_size": 2},
+        {"tp_size": 2},
+    ],
+    ids=["fsdp2xcp2", "hsdp2x2", "tp2-transformers"],
+)
 def test_nd_parallel_script_equals_our_loop(model_dir, tmp_path, layout):
     results = _run_nd(model_dir, tmp_path, layout)
     dp = layout.get("dp_replicate_size", 1) * layout.get("dp_shard_size", 1)
@@ -135,8 +155,15 @@ def _cp_guide(model_dir, local_positions=False, strategy="alltoall"):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return cp_guide.run(model_dir, {"dp_shard_size": 2, "cp_size": 2}, STEPS, SEQ, LR, strategy=strategy,
-                            local_positions=local_positions)
+        return cp_guide.run(
+            model_dir,
+            {"dp_shard_size": 2, "cp_size": 2},
+            STEPS,
+            SEQ,
+            LR,
+            strategy=strategy,
+            local_positions=local_positions,
+        )
 
 
 @pytest.mark.parametrize("strategy", ["alltoall", "allgather"])

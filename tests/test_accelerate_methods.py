@@ -5,8 +5,8 @@ checks, and the mesh starting its own process group."""
 
 import json
 import os
-from pathlib import Path
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,10 +31,12 @@ def _surface(tmp):
 
     acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
     r = acc.process_index
-    out = {"sum": acc.reduce(torch.tensor([float(r)])).item(),  # Accelerate's default: "sum"
-           "max": acc.reduce(torch.tensor([float(r)]), "max").item(),
-           "gather": acc.gather(torch.tensor(r)).tolist(),
-           "padded": acc.pad_across_processes(torch.arange(r + 1)).shape[0]}
+    out = {
+        "sum": acc.reduce(torch.tensor([float(r)])).item(),  # Accelerate's default: "sum"
+        "max": acc.reduce(torch.tensor([float(r)]), "max").item(),
+        "gather": acc.gather(torch.tensor(r)).tolist(),
+        "padded": acc.pad_across_processes(torch.arange(r + 1)).shape[0],
+    }
     with acc.split_between_processes(list(range(10))) as part:
         out["split"] = part
     with acc.split_between_processes(torch.arange(10), apply_padding=True) as part:
@@ -49,9 +51,17 @@ def _surface(tmp):
     if r == 1:
         acc.set_trigger()
     out["trigger"], out["trigger_again"] = acc.check_trigger(), acc.check_trigger()
-    out["attrs"] = (str(acc.distributed_type), acc.is_fsdp2, acc.is_last_process, acc.mixed_precision,
-                    acc.tensor_parallel_rank, acc.data_parallel_shard_rank, acc.context_parallel_rank,
-                    acc.state.num_processes, acc.parallelism_config.get_device_mesh() is acc.torch_device_mesh)
+    out["attrs"] = (
+        str(acc.distributed_type),
+        acc.is_fsdp2,
+        acc.is_last_process,
+        acc.mixed_precision,
+        acc.tensor_parallel_rank,
+        acc.data_parallel_shard_rank,
+        acc.context_parallel_rank,
+        acc.state.num_processes,
+        acc.parallelism_config.get_device_mesh() is acc.torch_device_mesh,
+    )
     # gather_for_metrics: 7 samples, 2 per dp rank per step -> every sample exactly once
     loader = acc.prepare(DataLoader(list(range(7)), batch_size=2))
     seen = []
@@ -120,9 +130,11 @@ def _save(layout, out_dir):
     want = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model = acc.prepare(model)
     model.save_pretrained(os.path.join(out_dir, "plain"))  # collective: every rank calls it
-    acc.unwrap_model(model).save_pretrained(os.path.join(out_dir, "accelerate_way"),
-                                            state_dict=acc.get_state_dict(model),
-                                            is_main_process=acc.is_main_process)
+    acc.unwrap_model(model).save_pretrained(
+        os.path.join(out_dir, "accelerate_way"),
+        state_dict=acc.get_state_dict(model),
+        is_main_process=acc.is_main_process,
+    )
     acc.save_model(model, os.path.join(out_dir, "bin"), max_shard_size="100KB", safe_serialization=False)
     acc.wait_for_everyone()
     if not acc.is_main_process:
@@ -135,9 +147,17 @@ def _save(layout, out_dir):
     return diffs, files
 
 
-@pytest.mark.parametrize("layout", [{"dp_shard_size": 2}, {"tp_size": 2}, {"dp_replicate_size": 2},
-                                    {"cp_size": 2}, {"dp_shard_size": 2, "tp_size": 2}],
-                         ids=["fsdp", "tp", "dp", "cp", "fsdp_tp"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"dp_shard_size": 2},
+        {"tp_size": 2},
+        {"dp_replicate_size": 2},
+        {"cp_size": 2},
+        {"dp_shard_size": 2, "tp_size": 2},
+    ],
+    ids=["fsdp", "tp", "dp", "cp", "fsdp_tp"],
+)
 def test_save_pretrained_on_a_prepared_model_writes_the_full_model(layout, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -168,8 +188,10 @@ def _save_state(tmp):
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.utils import ProjectConfiguration
 
-    acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2),
-                      project_config=ProjectConfiguration(project_dir=tmp, automatic_checkpoint_naming=True))
+    acc = Accelerator(
+        parallelism_config=ParallelismConfig(dp_shard_size=2),
+        project_config=ProjectConfiguration(project_dir=tmp, automatic_checkpoint_naming=True),
+    )
     model = _tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model, opt = acc.prepare(model, opt)
@@ -189,7 +211,12 @@ def _save_state(tmp):
 
 def test_save_state_with_registered_objects_and_automatic_naming(tmp_path):
     path, n, diff, iteration = run_on_ranks(_save_state, 2, str(tmp_path))[0]
-    assert path.endswith(os.path.join("checkpoints", "checkpoint_0")) and n == 7 and diff == 0.0 and iteration == 1
+    assert (
+        path.endswith(os.path.join("checkpoints", "checkpoint_0"))
+        and n == 7
+        and diff == 0.0
+        and iteration == 1
+    )
 
 
 def _failed_save_keeps_the_previous(tmp):
@@ -202,8 +229,10 @@ def _failed_save_keeps_the_previous(tmp):
     from ndparallel.checkpoint import validate_checkpoint
     from ndparallel.utils import ProjectConfiguration
 
-    acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2), project_config=ProjectConfiguration(
-        project_dir=tmp, automatic_checkpoint_naming=True, total_limit=1))
+    acc = Accelerator(
+        parallelism_config=ParallelismConfig(dp_shard_size=2),
+        project_config=ProjectConfiguration(project_dir=tmp, automatic_checkpoint_naming=True, total_limit=1),
+    )
     model = _tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = acc.prepare(model, opt)
@@ -238,7 +267,8 @@ def _failed_save_keeps_the_previous(tmp):
 
 def test_failed_save_state_keeps_the_previous_checkpoint(tmp_path):
     raised, after_failure, intact, restored, second, final = run_on_ranks(
-        _failed_save_keeps_the_previous, 2, str(tmp_path))[0]
+        _failed_save_keeps_the_previous, 2, str(tmp_path)
+    )[0]
     assert raised and intact and restored == 0.0
     assert after_failure == ["checkpoint_0", "checkpoint_1"]  # the old one was not deleted first
     assert second == "checkpoint_1" and final == ["checkpoint_1"]  # rotated once the new one completed
@@ -255,8 +285,11 @@ def _every_rank_checks_before_rank0_empties(tmp):
     model = acc.prepare(_tiny_model())
     target = Path(tmp) / "ckpt"
     acc.save_state(str(target))  # the directory exists: the next save checks, then empties it
-    checked, real_check, real_prepare = Path(tmp) / f"checked-{acc.process_index}", state.check_target_dir, \
-        state.prepare_dir
+    checked, real_check, real_prepare = (
+        Path(tmp) / f"checked-{acc.process_index}",
+        state.check_target_dir,
+        state.prepare_dir,
+    )
     seen = []
 
     def slow_check(directory):
@@ -342,10 +375,13 @@ def _cp_errors(case):
             model(input_ids=x, labels=labels)
 
 
-@pytest.mark.parametrize("case, fragment", [
-    ("unsharded_positions", "position_ids have length 16 but the sharded inputs 8"),
-    ("unshifted_labels", "labels` without `shift_labels`"),
-])
+@pytest.mark.parametrize(
+    "case, fragment",
+    [
+        ("unsharded_positions", "position_ids have length 16 but the sharded inputs 8"),
+        ("unshifted_labels", "labels` without `shift_labels`"),
+    ],
+)
 def test_cp_inputs_that_would_silently_change_the_loss_are_errors(case, fragment):
     with pytest.raises(Exception, match=fragment):
         run_on_ranks(_cp_errors, 2, case)
@@ -368,7 +404,11 @@ def test_build_device_mesh_starts_the_process_group_under_torchrun():
     from ndparallel.runtime.multirank import free_port
 
     port = str(free_port())
-    assert run_on_ranks(_mesh_starts_group, 2, port)[0] == (True, 2, (1, 1, 2, 1, 1))  # (pp, dp_replicate, dp_shard, cp, tp)
+    assert run_on_ranks(_mesh_starts_group, 2, port)[0] == (
+        True,
+        2,
+        (1, 1, 2, 1, 1),
+    )  # (pp, dp_replicate, dp_shard, cp, tp)
 
 
 def _transformers_tp_whole_world(path):
@@ -417,8 +457,10 @@ def _rank0_only_loading(path):
     from ndparallel.parallel.parallelize import is_meta
     from ndparallel.utils import FullyShardedDataParallelPlugin
 
-    acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2),
-                      fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True))
+    acc = Accelerator(
+        parallelism_config=ParallelismConfig(dp_shard_size=2),
+        fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True),
+    )
     if acc.is_main_process:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -33,8 +33,11 @@ def _accelerate_names() -> list[str]:
     from accelerate.parallelism_config import ParallelismConfig
 
     args = list(inspect.signature(accelerate.Accelerator.__init__).parameters)[1:]
-    return ([f"Accelerator({a}=)" for a in args] + [f"Accelerator.{n}" for n in _public(accelerate.Accelerator)]
-            + [f"ParallelismConfig.{n}" for n in _public(ParallelismConfig)])
+    return (
+        [f"Accelerator({a}=)" for a in args]
+        + [f"Accelerator.{n}" for n in _public(accelerate.Accelerator)]
+        + [f"ParallelismConfig.{n}" for n in _public(ParallelismConfig)]
+    )
 
 
 def test_every_public_accelerate_name_has_a_row():
@@ -52,8 +55,12 @@ def _instance_attributes() -> set[str]:
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
-                for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
-                    if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and el.value.id == "self":
+                for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if (
+                        isinstance(el, ast.Attribute)
+                        and isinstance(el.value, ast.Name)
+                        and el.value.id == "self"
+                    ):
                         names.add(el.attr)
     return names
 
@@ -69,7 +76,7 @@ def test_names_marked_supported_or_differs_exist_on_ours():
         if state == "not supported":
             continue
         if name.startswith("Accelerator("):
-            ok = name[len("Accelerator("):-2] in ours_args
+            ok = name[len("Accelerator(") : -2] in ours_args
         elif name.startswith("Accelerator."):
             attr = name.split(".", 1)[1]
             ok = hasattr(Accelerator, attr) or attr in attrs

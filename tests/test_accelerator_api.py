@@ -25,9 +25,16 @@ def _utilities():
     sched = torch.optim.lr_scheduler.StepLR(sched_opt, 1)
     loader, sched2 = acc.prepare(loader, sched)
     seen = [int(x) for (batch,) in loader for x in batch]
-    return {"sum": reduced_sum, "mean": reduced_mean, "gathered": gathered, "seen": seen,
-            "sched_same": sched2.scheduler is sched, "dp_rank": acc.dp_rank, "tp_rank": acc.rank_in("tp"),
-            "main": acc.is_main_process}
+    return {
+        "sum": reduced_sum,
+        "mean": reduced_mean,
+        "gathered": gathered,
+        "seen": seen,
+        "sched_same": sched2.scheduler is sched,
+        "dp_rank": acc.dp_rank,
+        "tp_rank": acc.rank_in("tp"),
+        "main": acc.is_main_process,
+    }
 
 
 def test_utilities_on_fsdp2_x_tp2():
@@ -61,7 +68,7 @@ def _accelerate_style_losses(layout):
     for _ in range(3):
         x = torch.randint(0, 256, (4, 16), generator=g)  # every row has the same token count
         rows = x.shape[0] // acc.dp_size
-        local = x[acc.dp_rank * rows:(acc.dp_rank + 1) * rows]
+        local = x[acc.dp_rank * rows : (acc.dp_rank + 1) * rows]
         loss = model(input_ids=local, labels=local).loss
         acc.backward(loss)
         opt.step()
@@ -82,10 +89,13 @@ def _bad_accelerator(kwargs):
     Accelerator(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    ({"mixed_precision": "fp8"}, "mixed_precision='fp8' is not supported"),
-    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"mixed_precision": "fp8"}, "mixed_precision='fp8' is not supported"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be >= 1"),
+    ],
+)
 def test_bad_arguments(kwargs, fragment):
     with pytest.raises(Exception, match=fragment):
         run_on_ranks(_bad_accelerator, 1, kwargs)

@@ -14,22 +14,27 @@ def _counted(unsharded: bool):
     from transformers import AutoModelForCausalLM
 
     from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.engine import forward_backward
     from ndparallel.models.presets import preset_config
     from ndparallel.parallel.options import FSDPOptions
     from ndparallel.runtime.comm_profile import CommProfiler
-    from ndparallel.engine import forward_backward
 
-    acc = Accelerator(ParallelismConfig(dp_replicate_size=2, dp_shard_size=2),
-                      gradient_accumulation_steps=GA,
-                      fsdp_options=FSDPOptions(unsharded_grad_accumulation=unsharded))
+    acc = Accelerator(
+        ParallelismConfig(dp_replicate_size=2, dp_shard_size=2),
+        gradient_accumulation_steps=GA,
+        fsdp_options=FSDPOptions(unsharded_grad_accumulation=unsharded),
+    )
     torch.manual_seed(0)
     model = acc.prepare(AutoModelForCausalLM.from_config(preset_config("tiny-llama")))
     g = torch.Generator().manual_seed(acc.dp_rank)
 
     def micro():
         t = torch.randint(0, 256, (ROWS, SEQ + 1), generator=g)
-        return {"input_ids": t[:, :-1].contiguous(), "shift_labels": t[:, 1:].contiguous(),
-                "position_ids": torch.arange(SEQ).expand(ROWS, -1).clone()}
+        return {
+            "input_ids": t[:, :-1].contiguous(),
+            "shift_labels": t[:, 1:].contiguous(),
+            "position_ids": torch.arange(SEQ).expand(ROWS, -1).clone(),
+        }
 
     forward_backward(acc.engine, model, [micro() for _ in range(GA)])  # lazy init outside the record
     model.zero_grad()
@@ -38,8 +43,10 @@ def _counted(unsharded: bool):
         prof.step()
     shard, rep = prof.label("dp_shard_cp"), prof.label("dp_replicate")
     # keyed like the planner's ``aggregate``: (kind, mesh dim, bytes per call) -> calls
-    return {(op, ("dp_shard_cp" if d == shard else "dp_replicate" if d == rep else d), b): n
-            for (d, op, b), n in prof.calls(0).items()}
+    return {
+        (op, ("dp_shard_cp" if d == shard else "dp_replicate" if d == rep else d), b): n
+        for (d, op, b), n in prof.calls(0).items()
+    }
 
 
 @pytest.mark.parametrize("unsharded", [False, True], ids=["sharded", "unsharded"])
@@ -49,9 +56,17 @@ def test_hsdp_accumulation_counts_equal_prediction(unsharded):
     from ndparallel.plan.models import PRESETS
 
     counted = run_on_ranks(_counted, 4, unsharded)[0]
-    predicted = aggregate(predict_collectives(
-        PRESETS["tiny"], Layout(dp_replicate=2, dp_shard=2), seq_len=SEQ, micro_batch=ROWS,
-        grad_accum=GA, mixed_precision="fp32", unsharded_grad_accumulation=unsharded))
+    predicted = aggregate(
+        predict_collectives(
+            PRESETS["tiny"],
+            Layout(dp_replicate=2, dp_shard=2),
+            seq_len=SEQ,
+            micro_batch=ROWS,
+            grad_accum=GA,
+            mixed_precision="fp32",
+            unsharded_grad_accumulation=unsharded,
+        )
+    )
     # the only other call is the token count's all-reduce over dp (a scalar, not FSDP's)
     fsdp = {k: v for k, v in counted.items() if k[1] in ("dp_shard_cp", "dp_replicate")}
     assert fsdp == predicted

@@ -54,8 +54,10 @@ def _reference(path: str, rows: int) -> dict:
         for emb in {id(m): m for m in (model.get_input_embeddings(), model.get_output_embeddings())}.values():
             emb.weight[old:] = emb.weight[:old].float().mean(0)
     ids = torch.arange(rows - 8, rows).repeat(2, 2)  # the new tokens among the last ones
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "loss": float(model(input_ids=ids, labels=ids).loss)}
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "loss": float(model(input_ids=ids, labels=ids).loss),
+    }
 
 
 def _ours(path: str, layout: dict, rows: int) -> dict:
@@ -67,8 +69,11 @@ def _ours(path: str, layout: dict, rows: int) -> dict:
     for n, p in model.named_parameters():
         params[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
     ids = torch.arange(rows - 8, rows).repeat(2, 2)
-    return {"params": params, "loss": float(model(input_ids=ids, labels=ids).loss),
-            "vocab": model.config.vocab_size}
+    return {
+        "params": params,
+        "loss": float(model(input_ids=ids, labels=ids).loss),
+        "vocab": model.config.vocab_size,
+    }
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -85,13 +90,23 @@ def test_grown_model_on_fsdp2_tp2_equals_transformers_resize(tmp_path, tied):
     assert abs(got["loss"] - ref["loss"]) <= 1e-5 * ref["loss"], (got["loss"], ref["loss"])
 
 
-@pytest.mark.parametrize("tokens, x32, tp, want", [(256, False, 1, None), (259, False, 1, 259),
-                                                    (259, False, 2, 260), (259, True, 1, 288), (259, True, 3, 288)])
+@pytest.mark.parametrize(
+    "tokens, x32, tp, want",
+    [
+        (256, False, 1, None),
+        (259, False, 1, 259),
+        (259, False, 2, 260),
+        (259, True, 1, 288),
+        (259, True, 3, 288),
+    ],
+)
 def test_grown_vocab_size_rounds_for_tp_and_32x(tokens, x32, tp, want):
-    from ndparallel.training.build import grown_vocab_size
     from ndparallel.axolotl import load_config
+    from ndparallel.training.build import grown_vocab_size
 
-    cfg = load_config(None, [f"resize_token_embeddings_to_32x={str(x32).lower()}", f"tensor_parallel_size={tp}"])
+    cfg = load_config(
+        None, [f"resize_token_embeddings_to_32x={str(x32).lower()}", f"tensor_parallel_size={tp}"]
+    )
     assert grown_vocab_size(cfg, range(tokens), 256) == want
 
 
@@ -116,11 +131,20 @@ def chat_run(tmp_path_factory):
     base = tiny_llama_dir(root / "base")
     data = write_jsonl(root / "chat.jsonl", chat_records(64))
     cfg = {
-        "base_model": str(base), "output_dir": str(root / "out"), "dataset_cache_dir": str(root / "cache"),
-        "datasets": [{"path": str(data), "type": "chat_template"}], "chat_template": "chatml",
-        "tokens": ["<|im_start|>", "<|im_end|>"], "resize_token_embeddings_to_32x": True,
-        "sequence_len": 128, "micro_batch_size": 2, "max_steps": 3, "learning_rate": 1e-2,
-        "dp_shard_size": 2, "device": "cpu", "logging_steps": 1,
+        "base_model": str(base),
+        "output_dir": str(root / "out"),
+        "dataset_cache_dir": str(root / "cache"),
+        "datasets": [{"path": str(data), "type": "chat_template"}],
+        "chat_template": "chatml",
+        "tokens": ["<|im_start|>", "<|im_end|>"],
+        "resize_token_embeddings_to_32x": True,
+        "sequence_len": 128,
+        "micro_batch_size": 2,
+        "max_steps": 3,
+        "learning_rate": 1e-2,
+        "dp_shard_size": 2,
+        "device": "cpu",
+        "logging_steps": 1,
     }
     (root / "cfg.yaml").write_text(json.dumps(cfg))
     return root
@@ -145,13 +169,15 @@ def test_chat_fine_tune_adds_chatml_tokens(chat_run):
     model = AutoModelForCausalLM.from_pretrained(final)
     new_ids = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     assert new_ids == [len(base_tok), len(base_tok) + 1]  # appended after the base vocabulary
-    assert model.config.vocab_size == -(-len(tok) // 32) * 32 > len(base_tok)  # resize_token_embeddings_to_32x
+    assert (
+        model.config.vocab_size == -(-len(tok) // 32) * 32 > len(base_tok)
+    )  # resize_token_embeddings_to_32x
     assert tok("<|im_start|>user").input_ids[1] == new_ids[0]  # one token, not split
     emb = model.get_input_embeddings().weight.detach()
     base = AutoModelForCausalLM.from_pretrained(chat_run / "base").get_input_embeddings().weight.detach()
     mean = base.float().mean(0)
     assert (emb[new_ids[0]] - mean).abs().max() > 1e-4  # a token of every sample: trained away from the mean
-    unused = emb[len(tok):]  # padding rows no token maps to: never in the data, still the mean
+    unused = emb[len(tok) :]  # padding rows no token maps to: never in the data, still the mean
     assert unused.shape[0] > 0 and torch.allclose(unused, mean.expand_as(unused), atol=1e-6)
 
 
@@ -180,10 +206,23 @@ def test_a_preset_with_an_odd_vocabulary_under_tp_is_rounded(tmp_path):
     rounded to 514 rows for TP 2 (else the ranks would fail TP's divisibility check)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    run_on_ranks(_train_overrides, 2, [
-        "base_model=tiny-llama", "tokenizer_vocab_size=512", "tokens=['<extra>']", "tensor_parallel_size=2",
-        "device=cpu", "sequence_len=32", "max_steps=1", "datasets=[{path: 'builtin:stdlib', max_bytes: 100000}]",
-        f"output_dir={tmp_path / 'out'}", f"dataset_cache_dir={tmp_path / 'cache'}"], timeout_s=300)
+    run_on_ranks(
+        _train_overrides,
+        2,
+        [
+            "base_model=tiny-llama",
+            "tokenizer_vocab_size=512",
+            "tokens=['<extra>']",
+            "tensor_parallel_size=2",
+            "device=cpu",
+            "sequence_len=32",
+            "max_steps=1",
+            "datasets=[{path: 'builtin:stdlib', max_bytes: 100000}]",
+            f"output_dir={tmp_path / 'out'}",
+            f"dataset_cache_dir={tmp_path / 'cache'}",
+        ],
+        timeout_s=300,
+    )
     tok = AutoTokenizer.from_pretrained(tmp_path / "out" / "final")
     assert len(tok) % 2 == 1 and "<extra>" in tok.get_vocab()
     assert AutoConfig.from_pretrained(tmp_path / "out" / "final").vocab_size == len(tok) + 1

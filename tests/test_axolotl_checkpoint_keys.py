@@ -10,39 +10,53 @@ import json
 
 import pytest
 import torch
+
 from axolotl_stand_ins import FIXTURES
 from cli_helpers import run_cli
-from test_checkpoint_formats import gpt_oss, llama4  # noqa: F401 - the tiny checkpoints (fixtures)
-
-from ndparallel.testing import run_on_ranks
+from ndparallel.axolotl import load_config, own_keys
 from ndparallel.axolotl.checkpoint import LINEARIZED_LORA_FIX, MXFP4_FIX
 from ndparallel.axolotl.translate import translate
-from ndparallel.axolotl import load_config, own_keys
+from ndparallel.testing import run_on_ranks
+from test_checkpoint_formats import gpt_oss, llama4  # noqa: F401 - the tiny checkpoints (fixtures)
 
 MX = {"model_quantization_config": "Mxfp4Config"}
 
 
-@pytest.mark.parametrize("raw, problem", [
-    ({**MX, "model_quantization_config_kwargs": {"dequantize": True}}, None),
-    ({"model_quantization_config_kwargs": {"dequantize": True}, **MX}, None),  # either order
-    ({**MX, "model_quantization_config_kwargs": {"dequantize": False}}, MXFP4_FIX),
-    (MX, MXFP4_FIX),
-    ({**MX, "model_quantization_config_kwargs": {"dequantize": True, "modules_to_not_convert": ["x"]}},
-     "only dequantize: true is understood"),
-    ({"model_quantization_config": "FineGrainedFP8Config"}, "only Mxfp4Config"),
-    ({"model_quantization_config_kwargs": {"dequantize": True}}, "without model_quantization_config"),
-    ({"llama4_linearized_experts": True}, None),
-    ({"llama4_linearized_experts": True, "lora_target_modules": ["self_attn.q_proj", "experts.gate_projs.[0-9]+$"]},
-     LINEARIZED_LORA_FIX),
-    ({"llama4_linearized_experts": False, "model_quantization_config": None}, None),
-])
+@pytest.mark.parametrize(
+    "raw, problem",
+    [
+        ({**MX, "model_quantization_config_kwargs": {"dequantize": True}}, None),
+        ({"model_quantization_config_kwargs": {"dequantize": True}, **MX}, None),  # either order
+        ({**MX, "model_quantization_config_kwargs": {"dequantize": False}}, MXFP4_FIX),
+        (MX, MXFP4_FIX),
+        (
+            {**MX, "model_quantization_config_kwargs": {"dequantize": True, "modules_to_not_convert": ["x"]}},
+            "only dequantize: true is understood",
+        ),
+        ({"model_quantization_config": "FineGrainedFP8Config"}, "only Mxfp4Config"),
+        ({"model_quantization_config_kwargs": {"dequantize": True}}, "without model_quantization_config"),
+        ({"llama4_linearized_experts": True}, None),
+        (
+            {
+                "llama4_linearized_experts": True,
+                "lora_target_modules": ["self_attn.q_proj", "experts.gate_projs.[0-9]+$"],
+            },
+            LINEARIZED_LORA_FIX,
+        ),
+        ({"llama4_linearized_experts": False, "model_quantization_config": None}, None),
+    ],
+)
 def test_translation_notes_or_refuses_with_the_fix(raw, problem):
     t = translate(raw, own_keys())
     if problem is None:
         assert t.problems == []
         assert all(k not in t.data or t.data[k] is None for k in raw if k != "lora_target_modules")
-        mine = [n for n in t.notes if n.startswith(("model_quantization_config", "llama4_linearized_experts"))]
-        assert len(mine) == sum(bool(v) for k, v in raw.items() if k != "model_quantization_config_kwargs"), mine
+        mine = [
+            n for n in t.notes if n.startswith(("model_quantization_config", "llama4_linearized_experts"))
+        ]
+        assert len(mine) == sum(bool(v) for k, v in raw.items() if k != "model_quantization_config_kwargs"), (
+            mine
+        )
     else:
         assert len(t.problems) == 1 and problem in t.problems[0], t.problems
 
@@ -58,9 +72,16 @@ def test_axolotl_examples_dry_run_on_the_converted_checkpoints(gpt_oss, llama4, 
     assert code == 0, err
     assert "llama4_linearized_experts: true -> the checkpoint's per-expert linears" in out
     # dequantize: false is refused before launch, naming the fix
-    code, _, err = run_cli(capsys, "train", FIXTURES / "examples" / "gpt-oss" / "gpt-oss-20b-fft-fsdp2.yaml",
-                           "--dry-run", "--set", f"base_model={gpt_oss[1]}",
-                           "--set", "model_quantization_config_kwargs.dequantize=false")
+    code, _, err = run_cli(
+        capsys,
+        "train",
+        FIXTURES / "examples" / "gpt-oss" / "gpt-oss-20b-fft-fsdp2.yaml",
+        "--dry-run",
+        "--set",
+        f"base_model={gpt_oss[1]}",
+        "--set",
+        "model_quantization_config_kwargs.dequantize=false",
+    )
     assert code == 2 and "set model_quantization_config_kwargs: {dequantize: true}" in err, err
 
 
@@ -72,11 +93,15 @@ def _train(path: str, overrides: list[str]) -> bool:
 
 
 RUNS = {
-    "gpt_oss": ("model_quantization_config: Mxfp4Config\nmodel_quantization_config_kwargs: {dequantize: true}\n"
-                "gradient_checkpointing: true\n"),  # the layers wrapped before the experts are read
-    "llama4": ("llama4_linearized_experts: true\nadapter: qlora\nload_in_4bit: true\nlora_r: 4\nlora_alpha: 8\n"
-               "lora_target_modules: [self_attn.q_proj, self_attn.v_proj, shared_expert.gate_proj]\n"
-               "nf4_block_size: 2\nnf4_scaler_block_size: 2\n"),
+    "gpt_oss": (
+        "model_quantization_config: Mxfp4Config\nmodel_quantization_config_kwargs: {dequantize: true}\n"
+        "gradient_checkpointing: true\n"
+    ),  # the layers wrapped before the experts are read
+    "llama4": (
+        "llama4_linearized_experts: true\nadapter: qlora\nload_in_4bit: true\nlora_r: 4\nlora_alpha: 8\n"
+        "lora_target_modules: [self_attn.q_proj, self_attn.v_proj, shared_expert.gate_proj]\n"
+        "nf4_block_size: 2\nnf4_scaler_block_size: 2\n"
+    ),
 }
 
 
@@ -88,11 +113,13 @@ def test_run_from_the_converted_checkpoint_trains_on_fsdp_and_saves(fmt, request
 
     base = request.getfixturevalue(fmt)[1]
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(f"base_model: {base}\n{RUNS[fmt]}"
-                   "tokenizer: builtin:stdlib\ntokenizer_vocab_size: 512\nsequence_len: 32\n"
-                   "datasets: [{path: 'builtin:stdlib', max_bytes: 100000}]\nmicro_batch_size: 2\n"
-                   "optimizer: sgd\nlearning_rate: 0.1\nlogging_steps: 1\nmax_steps: 2\ndevice: cpu\n"
-                   f"dataset_cache_dir: {tmp_path / 'cache'}\noutput_dir: {tmp_path / 'out'}\n")
+    cfg.write_text(
+        f"base_model: {base}\n{RUNS[fmt]}"
+        "tokenizer: builtin:stdlib\ntokenizer_vocab_size: 512\nsequence_len: 32\n"
+        "datasets: [{path: 'builtin:stdlib', max_bytes: 100000}]\nmicro_batch_size: 2\n"
+        "optimizer: sgd\nlearning_rate: 0.1\nlogging_steps: 1\nmax_steps: 2\ndevice: cpu\n"
+        f"dataset_cache_dir: {tmp_path / 'cache'}\noutput_dir: {tmp_path / 'out'}\n"
+    )
     run_on_ranks(_train, 2, str(cfg), ["dp_shard_size=2"], timeout_s=400)
     final = tmp_path / "out" / "final"
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

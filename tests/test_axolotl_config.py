@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from cli_helpers import forbid_launch, run_cli, train_on_forked_ranks
 from sft_fixtures import alpaca_records, tiny_llama_dir, write_jsonl
 
@@ -30,9 +31,12 @@ def local(tmp_path_factory):
     d = tmp_path_factory.mktemp("seed")
     tiny_llama_dir(d / "tiny-llama3")
     write_jsonl(d / "alpaca.jsonl", alpaca_records(48))
-    text = (LLAMA.read_text().replace("base_model: meta-llama/Llama-3.1-8B", f"base_model: {d / 'tiny-llama3'}")
-            .replace("path: tatsu-lab/alpaca", f"path: {d / 'alpaca.jsonl'}")
-            .replace("output_dir: ./outputs/ndp-out/", f"output_dir: {d / 'out'}"))
+    text = (
+        LLAMA.read_text()
+        .replace("base_model: meta-llama/Llama-3.1-8B", f"base_model: {d / 'tiny-llama3'}")
+        .replace("path: tatsu-lab/alpaca", f"path: {d / 'alpaca.jsonl'}")
+        .replace("output_dir: ./outputs/ndp-out/", f"output_dir: {d / 'out'}")
+    )
     changed = [a for a, b in zip(LLAMA.read_text().splitlines(), text.splitlines()) if a != b]
     assert len(changed) == 3, changed
     (d / "seed.yaml").write_text(text)
@@ -46,8 +50,15 @@ def test_seed_configs_dry_run_explain_each_difference(capsys, config):
     notes = [line for line in out.splitlines() if line.startswith("note")]
     assert len({n.split(":")[1] for n in notes}) == len(notes)  # one line per field
     text = "\n".join(notes)
-    for field in ("plugins: CutCrossEntropyPlugin", "state_dict_type: FULL_STATE_DICT", "adamw_torch_fused",
-                  "warmup_ratio: 0.1", "saves_per_epoch: 1", "attn_implementation: flash_attention_2", "tf32"):
+    for field in (
+        "plugins: CutCrossEntropyPlugin",
+        "state_dict_type: FULL_STATE_DICT",
+        "adamw_torch_fused",
+        "warmup_ratio: 0.1",
+        "saves_per_epoch: 1",
+        "attn_implementation: flash_attention_2",
+        "tf32",
+    ):
         assert field in text, (field, out)
     assert "alpaca: whole samples, packed several per row" in out and "prompt tokens masked" in out
 
@@ -62,14 +73,17 @@ def test_seed_fields_map_to_ndparallel():
     assert load_config(QWEN).special_tokens is None  # an empty `special_tokens:` is accepted
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    ("plugins: [axolotl.integrations.diffusion.DiffusionPlugin]", "not supported; ndparallel maps only"),
-    ("fsdp_version: 3", "only FSDP2 exists here"),
-    ("fsdp_config: {auto_wrap_policy: NO_WRAP}", "'NO_WRAP' is not supported"),
-    ("gradient_checkpointing: offload_disk", "offloading to disk is not supported"),
-    ("datasets: [{path: x.jsonl, type: sharegpt}]", "use chat_template"),
-    ("warmup_steps: 10", "'warmup_steps' and 'warmup_ratio' are both set"),
-])
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        ("plugins: [axolotl.integrations.diffusion.DiffusionPlugin]", "not supported; ndparallel maps only"),
+        ("fsdp_version: 3", "only FSDP2 exists here"),
+        ("fsdp_config: {auto_wrap_policy: NO_WRAP}", "'NO_WRAP' is not supported"),
+        ("gradient_checkpointing: offload_disk", "offloading to disk is not supported"),
+        ("datasets: [{path: x.jsonl, type: sharegpt}]", "use chat_template"),
+        ("warmup_steps: 10", "'warmup_steps' and 'warmup_ratio' are both set"),
+    ],
+)
 def test_unsupported_is_refused_in_one_line(tmp_path, capsys, extra, fragment):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(LLAMA.read_text() + "\n" + extra + "\n")
@@ -88,25 +102,51 @@ def test_several_problems_one_per_line(tmp_path, capsys):
 
 
 def test_layer_class_of_another_model_is_refused(local, capsys):
-    code, _, err = run_cli(capsys, "train", local / "seed.yaml", "--dry-run",
-                        "--set", "fsdp_config.transformer_layer_cls_to_wrap=Qwen3DecoderLayer")
+    code, _, err = run_cli(
+        capsys,
+        "train",
+        local / "seed.yaml",
+        "--dry-run",
+        "--set",
+        "fsdp_config.transformer_layer_cls_to_wrap=Qwen3DecoderLayer",
+    )
     assert code == 2 and "['Qwen3DecoderLayer'] is not a class of" in err and "LlamaDecoderLayer" in err, err
 
 
-@pytest.mark.parametrize("problem, setup, fragment", [
-    ("a new special token with LoRA", {"set": ["special_tokens.pad_token=<pad>", "adapter=lora"]},
-     "add 1 token(s) new to the vocabulary"),
-    ("unknown type", {"set": "datasets.0.type=alpacca"}, "did you mean 'alpaca'"),
-    ("missing column", {"records": [{"instruction": "x", "answer": "y"}]}, "column 'output' is not in"),
-    ("bad JSON line after the first MiB", {"bad_line_at": 1 << 21}, "not valid JSON"),
-    ("a null output in a record", {"records": [*alpaca_records(5), {"instruction": "x", "output": None}]},
-     "datasets[0] row 5: column 'output' is missing or null"),
-    ("unknown chat template", {"records": [{"messages": [{"role": "user", "content": "hi"}]}],
-                               "set": ["datasets.0.type=chat_template", "datasets.0.chat_template=zephyr"]},
-     "unknown template 'zephyr'"),
-    ("nothing left after filtering", {"records": [{"instruction": "word " * 400, "output": "y"}],
-                                      "set": "excess_length_strategy=drop"}, "no sample left to train on"),
-])
+@pytest.mark.parametrize(
+    "problem, setup, fragment",
+    [
+        (
+            "a new special token with LoRA",
+            {"set": ["special_tokens.pad_token=<pad>", "adapter=lora"]},
+            "add 1 token(s) new to the vocabulary",
+        ),
+        ("unknown type", {"set": "datasets.0.type=alpacca"}, "did you mean 'alpaca'"),
+        ("missing column", {"records": [{"instruction": "x", "answer": "y"}]}, "column 'output' is not in"),
+        ("bad JSON line after the first MiB", {"bad_line_at": 1 << 21}, "not valid JSON"),
+        (
+            "a null output in a record",
+            {"records": [*alpaca_records(5), {"instruction": "x", "output": None}]},
+            "datasets[0] row 5: column 'output' is missing or null",
+        ),
+        (
+            "unknown chat template",
+            {
+                "records": [{"messages": [{"role": "user", "content": "hi"}]}],
+                "set": ["datasets.0.type=chat_template", "datasets.0.chat_template=zephyr"],
+            },
+            "unknown template 'zephyr'",
+        ),
+        (
+            "nothing left after filtering",
+            {
+                "records": [{"instruction": "word " * 400, "output": "y"}],
+                "set": "excess_length_strategy=drop",
+            },
+            "no sample left to train on",
+        ),
+    ],
+)
 def test_data_problems_found_before_launch(local, tmp_path, capsys, problem, setup, fragment):
     data = tmp_path / "d.jsonl"
     if "bad_line_at" in setup:
@@ -116,9 +156,18 @@ def test_data_problems_found_before_launch(local, tmp_path, capsys, problem, set
         data.write_text("\n".join([*lines, "{not json"]) + "\n")
     else:
         write_jsonl(data, setup.get("records", alpaca_records(8)))
-    sets = ["--set", f"datasets.0.path={data}", "--set", f"output_dir={tmp_path / 'out'}",
-            "--set", f"dataset_prepared_path={tmp_path / 'cache'}", "--set", "sequence_len=256",
-            "--set", "dp_shard_size=2"]
+    sets = [
+        "--set",
+        f"datasets.0.path={data}",
+        "--set",
+        f"output_dir={tmp_path / 'out'}",
+        "--set",
+        f"dataset_prepared_path={tmp_path / 'cache'}",
+        "--set",
+        "sequence_len=256",
+        "--set",
+        "dp_shard_size=2",
+    ]
     for item in [setup["set"]] if isinstance(setup.get("set"), str) else setup.get("set", []):
         sets += ["--set", item]
     code, _, err = run_cli(capsys, "train", local / "seed.yaml", *sets)
@@ -151,8 +200,14 @@ def test_custom_instruction_format_end_to_end(local, tmp_path, capsys):
     """Axolotl's `type: {format: ...}` on the seed's alpaca data: preprocess masks the prompt the
     format builds; a column the format names but the data lacks is refused before launch."""
     fmt = '{format: "[INST] {instruction} {input} [/INST]\\n", no_input_format: "[INST] {instruction} [/INST]\\n"}'
-    sets = ["--set", f"dataset_prepared_path={tmp_path / 'cache'}", "--set", "sequence_len=256",
-            "--set", f"datasets.0.type={fmt}"]
+    sets = [
+        "--set",
+        f"dataset_prepared_path={tmp_path / 'cache'}",
+        "--set",
+        "sequence_len=256",
+        "--set",
+        f"datasets.0.type={fmt}",
+    ]
     code, out, err = run_cli(capsys, "preprocess", local / "seed.yaml", "--json", *sets)
     assert code == 0, err
     from transformers import AutoTokenizer
@@ -164,8 +219,11 @@ def test_custom_instruction_format_end_to_end(local, tmp_path, capsys):
         s = json.loads(line)
         prompt = [t for t, lab in zip(s["input_ids"], s["labels"]) if lab == -100]
         trained = [t for t, lab in zip(s["input_ids"], s["labels"]) if lab != -100]
-        turn = f"[INST] {record['instruction']} {record['input']} [/INST]\n" if record["input"] else \
-            f"[INST] {record['instruction']} [/INST]\n"
+        turn = (
+            f"[INST] {record['instruction']} {record['input']} [/INST]\n"
+            if record["input"]
+            else f"[INST] {record['instruction']} [/INST]\n"
+        )
         assert tok.decode(prompt) == "<|begin_of_text|>" + turn
         assert tok.decode(trained) == record["output"] + "<|end_of_text|>"
     bad = "{format: '{instruction}', field_output: answer}"
@@ -179,8 +237,9 @@ def test_custom_instruction_format_end_to_end(local, tmp_path, capsys):
 def test_seed_config_trains_to_the_end_on_cpu_ranks(local):
     """The Llama seed config, only base_model / dataset path / output_dir changed; for the CPU:
     dp_shard_size 4 -> 2 (8 ranks instead of 16) and sequence_len 2048 -> 256."""
-    proc = train_on_forked_ranks(["train", local / "seed.yaml", "--set", "dp_shard_size=2",
-                                  "--set", "sequence_len=256"], cwd=local)
+    proc = train_on_forked_ranks(
+        ["train", local / "seed.yaml", "--set", "dp_shard_size=2", "--set", "sequence_len=256"], cwd=local
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = local / "out"
     assert (out / "final" / "model.safetensors").is_file()

@@ -19,6 +19,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from axolotl_stand_ins import FIXTURES
 from cli_helpers import train_on_forked_ranks
 from sft_fixtures import alpaca_records, chat_records, llama3_tokenizer, tiny_llama_dir, write_jsonl
@@ -40,8 +41,10 @@ def _steps(out: Path) -> list[dict]:
 
 def _sharegpt(records: list[dict]) -> list[dict]:
     names = {"user": "human", "assistant": "gpt", "system": "system"}
-    return [{"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in r["messages"]]}
-            for r in records]
+    return [
+        {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in r["messages"]]}
+        for r in records
+    ]
 
 
 def tiny_qwen3_dir(path: Path) -> Path:
@@ -49,9 +52,19 @@ def tiny_qwen3_dir(path: Path) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tok = llama3_tokenizer()
-    config = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
@@ -65,12 +78,25 @@ def test_fsdp_chat_template_packing_liger_full_finetune(tmp_path):
     data = tmp_path / "finetome"
     data.mkdir()
     write_jsonl(data / "train.jsonl", _sharegpt(chat_records(150)))
-    proc = _train(EXAMPLES / "llama-3/fft-8b-liger-fsdp.yaml", tmp_path, f"base_model={model}",
-                  f"datasets.0.path={data}", "sequence_len=128", "max_steps=2", "micro_batch_size=1",
-                  "gradient_accumulation_steps=2", "output_dir=out")
+    proc = _train(
+        EXAMPLES / "llama-3/fft-8b-liger-fsdp.yaml",
+        tmp_path,
+        f"base_model={model}",
+        f"datasets.0.path={data}",
+        "sequence_len=128",
+        "max_steps=2",
+        "micro_batch_size=1",
+        "gradient_accumulation_steps=2",
+        "output_dir=out",
+    )
     notes = proc.stdout
-    for said in ("fsdp_config: Axolotl's legacy fsdp_ prefix dropped", "FSDP2 over every rank",
-                 "-> torch_compile: true", "gradient_checkpointing: true ->", "bf16: auto -> false"):
+    for said in (
+        "fsdp_config: Axolotl's legacy fsdp_ prefix dropped",
+        "FSDP2 over every rank",
+        "-> torch_compile: true",
+        "gradient_checkpointing: true ->",
+        "bf16: auto -> false",
+    ):
         assert said in notes, (said, notes[-3000:])
     out = tmp_path / "out"
     rows = _steps(out)
@@ -86,20 +112,39 @@ def test_fsdp_chat_template_packing_liger_full_finetune(tmp_path):
 def test_lora_packing_alpaca_with_wandb_swanlab_offline_tensorboard_mlflow(tmp_path):
     model = tiny_qwen3_dir(tmp_path / "qwen3")
     write_jsonl(tmp_path / "alpaca.jsonl", alpaca_records(60))
-    env = {"WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_SILENT": "true",  # any network call would fail
-           "MLFLOW_ALLOW_FILE_STORE": "true"}
-    _train(EXAMPLES / "qwen3/8b-lora-fused-attn.yaml", tmp_path, f"base_model={model}",
-           f"datasets.0.path={tmp_path / 'alpaca.jsonl'}", "sequence_len=128", "max_steps=3",
-           "gradient_accumulation_steps=1", "output_dir=out", "wandb_project=axolotl-replay", "wandb_mode=offline",
-           "use_tensorboard=true", "mlflow_experiment_name=replay", f"mlflow_tracking_uri=file://{tmp_path / 'mlruns'}",
-           "swanlab_project=replay", "swanlab_mode=offline", env=env)
+    env = {
+        "WANDB_BASE_URL": "http://127.0.0.1:9",
+        "WANDB_SILENT": "true",  # any network call would fail
+        "MLFLOW_ALLOW_FILE_STORE": "true",
+    }
+    _train(
+        EXAMPLES / "qwen3/8b-lora-fused-attn.yaml",
+        tmp_path,
+        f"base_model={model}",
+        f"datasets.0.path={tmp_path / 'alpaca.jsonl'}",
+        "sequence_len=128",
+        "max_steps=3",
+        "gradient_accumulation_steps=1",
+        "output_dir=out",
+        "wandb_project=axolotl-replay",
+        "wandb_mode=offline",
+        "use_tensorboard=true",
+        "mlflow_experiment_name=replay",
+        f"mlflow_tracking_uri=file://{tmp_path / 'mlruns'}",
+        "swanlab_project=replay",
+        "swanlab_mode=offline",
+        env=env,
+    )
     out = tmp_path / "out"
     assert [r["step"] for r in _steps(out) if "loss" in r] == [1, 2, 3]
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # the offline run, to `wandb sync` later
     assert list((out / "runs").rglob("events.out.tfevents.*"))
     assert list((tmp_path / "mlruns").rglob("metrics/loss"))
     (swanlab,) = (out / "swanlog").rglob("run-*.swanlab")  # the offline run, to `swanlab sync` later
-    assert b"loss" in swanlab.read_bytes() and b"learning_rate" in next((out / "swanlog").rglob("config.yaml")).read_bytes()
+    assert (
+        b"loss" in swanlab.read_bytes()
+        and b"learning_rate" in next((out / "swanlog").rglob("config.yaml")).read_bytes()
+    )
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -109,11 +154,21 @@ def test_lora_packing_alpaca_with_wandb_swanlab_offline_tensorboard_mlflow(tmp_p
 
 def test_streamed_pretraining(tmp_path):
     model = tiny_llama_dir(tmp_path / "smollm")
-    write_jsonl(tmp_path / "fineweb.jsonl", [{"text": r["output"], "id": i} for i, r in enumerate(alpaca_records(80))])
-    proc = _train(EXAMPLES / "streaming/pretrain.yaml", tmp_path, f"base_model={model}",
-                  f"pretraining_dataset.0.path={tmp_path / 'fineweb.jsonl'}", "pretraining_dataset.0.name=null",
-                  "sequence_len=64", "max_steps=3", "gradient_accumulation_steps=2", "logging_steps=1",
-                  "output_dir=out")
+    write_jsonl(
+        tmp_path / "fineweb.jsonl", [{"text": r["output"], "id": i} for i, r in enumerate(alpaca_records(80))]
+    )
+    proc = _train(
+        EXAMPLES / "streaming/pretrain.yaml",
+        tmp_path,
+        f"base_model={model}",
+        f"pretraining_dataset.0.path={tmp_path / 'fineweb.jsonl'}",
+        "pretraining_dataset.0.name=null",
+        "sequence_len=64",
+        "max_steps=3",
+        "gradient_accumulation_steps=2",
+        "logging_steps=1",
+        "output_dir=out",
+    )
     assert "streamed while training" in proc.stdout or [r for r in _steps(tmp_path / "out") if "loss" in r]
     assert [r["step"] for r in _steps(tmp_path / "out") if "loss" in r] == [1, 2, 3]
     from transformers import AutoModelForCausalLM
@@ -130,9 +185,19 @@ def test_streamed_pretraining_refuses_a_slice_at_dry_run(tmp_path, extra, capsys
     try:
         model = tiny_llama_dir(tmp_path / "smollm")
         write_jsonl(tmp_path / "fineweb.jsonl", [{"text": "a b c"}])
-        code, _, err = run_cli(capsys, "train", EXAMPLES / "streaming/pretrain.yaml", "--set", f"base_model={model}",
-                               "--set", f"pretraining_dataset.0.path={tmp_path / 'fineweb.jsonl'}", "--dry-run",
-                               "--set", f"output_dir={tmp_path / 'out'}", *[x for e in extra for x in ("--set", e)])
+        code, _, err = run_cli(
+            capsys,
+            "train",
+            EXAMPLES / "streaming/pretrain.yaml",
+            "--set",
+            f"base_model={model}",
+            "--set",
+            f"pretraining_dataset.0.path={tmp_path / 'fineweb.jsonl'}",
+            "--dry-run",
+            "--set",
+            f"output_dir={tmp_path / 'out'}",
+            *[x for e in extra for x in ("--set", e)],
+        )
     finally:
         mp.undo()
     assert code == 2 and "a streamed dataset has no length to slice by" in err, err
@@ -143,9 +208,18 @@ def tiny_qwen2_dir(path: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = llama3_tokenizer()
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
@@ -157,9 +231,17 @@ def test_muon_pretraining_fsdp2(tmp_path):
     AdamW for the rest, said under --dry-run; trains and its output loads."""
     model = tiny_qwen2_dir(tmp_path / "qwen2")
     write_jsonl(tmp_path / "c4.jsonl", [{"text": r["output"]} for r in alpaca_records(80)])
-    proc = _train(EXAMPLES / "qwen2/muon-pretrain-fsdp2.yaml", tmp_path, f"base_model={model}",
-                  f"pretraining_dataset.0.path={tmp_path / 'c4.jsonl'}", "pretraining_dataset.0.name=null",
-                  "sequence_len=64", "max_steps=3", "micro_batch_size=2", "output_dir=out")
+    proc = _train(
+        EXAMPLES / "qwen2/muon-pretrain-fsdp2.yaml",
+        tmp_path,
+        f"base_model={model}",
+        f"pretraining_dataset.0.path={tmp_path / 'c4.jsonl'}",
+        "pretraining_dataset.0.name=null",
+        "sequence_len=64",
+        "max_steps=3",
+        "micro_batch_size=2",
+        "output_dir=out",
+    )
     assert "optimizer: muon: Muon" in proc.stdout, proc.stdout[-3000:]
     assert [r["step"] for r in _steps(tmp_path / "out") if "loss" in r] == [1, 2, 3]
     from transformers import AutoModelForCausalLM
@@ -185,8 +267,18 @@ def test_more_alpaca_examples_train_to_the_end(example, tmp_path):
     model = tiny_llama_dir(tmp_path / "llama")
     data = write_jsonl(tmp_path / "alpaca.jsonl", alpaca_records(48))
     sets = [s.format(data=data) for s in ALPACA_RUNS[example]]
-    _train(EXAMPLES / example, tmp_path, f"base_model={model}", f"datasets.0.path={data}", "sequence_len=256",
-           "max_steps=2", "micro_batch_size=2", "gradient_accumulation_steps=1", "output_dir=out", *sets)
+    _train(
+        EXAMPLES / example,
+        tmp_path,
+        f"base_model={model}",
+        f"datasets.0.path={data}",
+        "sequence_len=256",
+        "max_steps=2",
+        "micro_batch_size=2",
+        "gradient_accumulation_steps=1",
+        "output_dir=out",
+        *sets,
+    )
     out = tmp_path / "out"
     assert [r["step"] for r in _steps(out) if "loss" in r][-1] == 2
     from transformers import AutoModelForCausalLM

@@ -10,11 +10,11 @@ import json
 
 import pytest
 import torch
-from cli_helpers import forbid_launch, run_cli
-from sft_fixtures import alpaca_records, llama3_tokenizer, tiny_llama_dir, write_jsonl
 
-from ndparallel.testing import run_on_ranks
+from cli_helpers import forbid_launch, run_cli
 from ndparallel.axolotl import ConfigError, load_config
+from ndparallel.testing import run_on_ranks
+from sft_fixtures import alpaca_records, llama3_tokenizer, tiny_llama_dir, write_jsonl
 
 
 @pytest.fixture(autouse=True)
@@ -38,13 +38,20 @@ def test_no_degrees_is_data_parallel_over_the_local_devices(tmp_path, capsys, mo
     base = f"base_model: {model}\ndatasets: [{{path: {tmp_path / 'a.jsonl'}, type: alpaca}}]\n"
     code, out, err = run_cli(capsys, "train", _cfg(tmp_path, base), "--dry-run", "--nproc-per-node", "2")
     assert code == 0 and "DP 2" in out and "data parallel over every local device" in out, err
-    code, out, err = run_cli(capsys, "train", _cfg(tmp_path, base + "fsdp_config: {offload_params: false}\n"),
-                             "--dry-run", "--nproc-per-node", "2")
+    code, out, err = run_cli(
+        capsys,
+        "train",
+        _cfg(tmp_path, base + "fsdp_config: {offload_params: false}\n"),
+        "--dry-run",
+        "--nproc-per-node",
+        "2",
+    )
     assert code == 0 and "FSDP 2" in out, err
     code, out, err = run_cli(capsys, "train", _cfg(tmp_path, base), "--dry-run")  # CPU, no --nproc-per-node
     assert code == 0 and "layout       : single device" in out, err
-    code, _, err = run_cli(capsys, "train", _cfg(tmp_path, base + "dp_shard_size: 4\n"), "--dry-run",
-                           "--nproc-per-node", "2")
+    code, _, err = run_cli(
+        capsys, "train", _cfg(tmp_path, base + "dp_shard_size: 4\n"), "--dry-run", "--nproc-per-node", "2"
+    )
     assert code == 2 and "needs 4 ranks" in err  # explicit degrees still decide
 
 
@@ -65,7 +72,10 @@ def test_split_slices_data_files_and_alpaca_styles(tmp_path):
 
     record = {"instruction": "Name a colour.", "input": "", "output": "Red."}
     chat = render(record, DatasetSpec(path="x", type="alpaca:chat"), "t")
-    assert chat.segments[0][0].endswith("USER: Name a colour.\nASSISTANT:") and chat.segments[1] == ("Red.", True)
+    assert chat.segments[0][0].endswith("USER: Name a colour.\nASSISTANT:") and chat.segments[1] == (
+        "Red.",
+        True,
+    )
     phi = render(record, DatasetSpec(path="x", type="alpaca:phi"), "t")
     assert "<|user|>\nName a colour.<|end|>\n<|assistant|>\n" in phi.segments[0][0]
 
@@ -99,7 +109,7 @@ def test_streamed_blocks_are_one_process_blocks_split_over_dp_ranks(tmp_path):
             assert torch.equal(full[key], torch.cat([p[key] for p in parts]))
     batch = one.micro_batch(1)
     eos = llama3_tokenizer().eos_token_id
-    restarts = (batch["position_ids"][:, 1:] == 0)
+    restarts = batch["position_ids"][:, 1:] == 0
     assert restarts.any()  # several documents per block, positions restart at each
     after_eos = batch["input_ids"][:, :-1] == eos
     assert torch.equal(restarts, after_eos)  # a document starts right after an eos
@@ -123,20 +133,27 @@ def test_trackers_missing_packages_are_refused_before_launch(tmp_path, capsys, m
 
     monkeypatch.setattr(run, "is_installed", lambda name: name == "jsonl")
     write_jsonl(tmp_path / "a.jsonl", alpaca_records(8))
-    cfg = _cfg(tmp_path, f"base_model: {model}\ndatasets: [{{path: {tmp_path / 'a.jsonl'}, type: alpaca}}]\n"
-                         f"output_dir: {tmp_path / 'out'}\nwandb_project: p\nuse_tensorboard: true\n")
+    cfg = _cfg(
+        tmp_path,
+        f"base_model: {model}\ndatasets: [{{path: {tmp_path / 'a.jsonl'}, type: alpaca}}]\n"
+        f"output_dir: {tmp_path / 'out'}\nwandb_project: p\nuse_tensorboard: true\n",
+    )
     code, _, err = run_cli(capsys, "train", cfg)
-    assert code == 2 and "wandb: pip install wandb" in err and "tensorboard: pip install tensorboard" in err, err
+    assert (
+        code == 2 and "wandb: pip install wandb" in err and "tensorboard: pip install tensorboard" in err
+    ), err
     code, out, _ = run_cli(capsys, "train", cfg, "--dry-run")
     assert code == 0 and "trackers     : metrics.jsonl + wandb, tensorboard (not installed here" in out
 
 
 def test_run_controls():
-    from ndparallel.training.controls import EarlyStopping, LossWatchdog, eval_every
     from ndparallel.engine.nonfinite import NonFiniteError
     from ndparallel.optim.build import cosine_factor
+    from ndparallel.training.controls import EarlyStopping, LossWatchdog, eval_every
 
-    assert eval_every(None, 4, 10) == 2 and eval_every(5, None, 10) == 5 and eval_every(None, None, 10) is None
+    assert (
+        eval_every(None, 4, 10) == 2 and eval_every(5, None, 10) == 5 and eval_every(None, None, 10) is None
+    )
     stop = EarlyStopping(2)
     assert [stop.should_stop(x) for x in (3.0, 2.0, 2.5, 2.1)] == [False, False, False, True]
     dog = LossWatchdog(5.0, patience=2, action="fail")  # the explicit hard stop
@@ -172,14 +189,18 @@ def test_loss_watchdog_stops_gracefully_as_axolotl_does(tmp_path, model):
     from ndparallel.preflight.checks import run_notes
 
     write_jsonl(tmp_path / "a.jsonl", alpaca_records(24))
-    text = (f"base_model: {model}\ndatasets: [{{path: {tmp_path / 'a.jsonl'}, type: alpaca}}]\n"
-            f"output_dir: {tmp_path / 'out'}\nsequence_len: 128\nmax_steps: 4\nlogging_steps: 1\ndevice: cpu\n"
-            "loss_watchdog_threshold: 0.01\nloss_watchdog_patience: 2\n")  # a tiny model's loss is ~5
+    text = (
+        f"base_model: {model}\ndatasets: [{{path: {tmp_path / 'a.jsonl'}, type: alpaca}}]\n"
+        f"output_dir: {tmp_path / 'out'}\nsequence_len: 128\nmax_steps: 4\nlogging_steps: 1\ndevice: cpu\n"
+        "loss_watchdog_threshold: 0.01\nloss_watchdog_patience: 2\n"
+    )  # a tiny model's loss is ~5
     cfg = _cfg(tmp_path, text)
     assert any("stops training as Axolotl does" in n for n in run_notes(load_config(cfg)))
     code, printed = run_on_ranks(_train_as_the_cli_does, 1, str(cfg))[0]
     assert code == 0 and "warning: step 2: the loss" in printed, printed
-    steps = [json.loads(line).get("step") for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line).get("step") for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert max(steps) == 2 and (tmp_path / "out" / "final" / "model.safetensors").is_file(), steps
     hard = _cfg(tmp_path, text.replace("/out", "/hard") + "loss_watchdog_action: fail\n")
     assert any("exits 1 without a final model" in n for n in run_notes(load_config(hard)))
@@ -201,17 +222,23 @@ def _frozen_run(cfg_path: str) -> dict:
 def test_unfrozen_parameters_under_fsdp2(tmp_path, model):
     """Only the matching parameters change (2 ranks, FSDP2); a pattern matching nothing is refused."""
     write_jsonl(tmp_path / "a.jsonl", alpaca_records(24))
-    cfg = _cfg(tmp_path, f"base_model: {model}\ndatasets: [{{path: {tmp_path / 'a.jsonl'}, type: alpaca}}]\n"
-                         f"output_dir: {tmp_path / 'out'}\ndataset_prepared_path: {tmp_path / 'cache'}\n"
-                         "sequence_len: 128\nmax_steps: 2\nlearning_rate: 0.01\ndp_shard_size: 2\ndevice: cpu\n"
-                         "unfrozen_parameters: ['^lm_head', 'model\\.layers\\.1\\.mlp']\n")
+    cfg = _cfg(
+        tmp_path,
+        f"base_model: {model}\ndatasets: [{{path: {tmp_path / 'a.jsonl'}, type: alpaca}}]\n"
+        f"output_dir: {tmp_path / 'out'}\ndataset_prepared_path: {tmp_path / 'cache'}\n"
+        "sequence_len: 128\nmax_steps: 2\nlearning_rate: 0.01\ndp_shard_size: 2\ndevice: cpu\n"
+        "unfrozen_parameters: ['^lm_head', 'model\\.layers\\.1\\.mlp']\n",
+    )
     from ndparallel.preflight.local import prepare_data
 
     prepare_data(load_config(cfg))  # the ranks find the data cached
     run_on_ranks(_frozen_run, 2, str(cfg))
     from safetensors.torch import load_file
 
-    before, after = load_file(model / "model.safetensors"), load_file(tmp_path / "out" / "final" / "model.safetensors")
+    before, after = (
+        load_file(model / "model.safetensors"),
+        load_file(tmp_path / "out" / "final" / "model.safetensors"),
+    )
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(k.startswith(("lm_head", "model.layers.1.mlp")) for k in changed), sorted(changed)
     assert "lm_head.weight" in changed and "model.layers.1.mlp.up_proj.weight" in changed

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from cli_helpers import forbid_launch, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,49 +51,57 @@ def _yaml(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
 
 def _cfg(tmp_path: Path, extra: str = "", base_model: str = "tiny-llama") -> Path:
     """A good small config (``extra`` appended: later keys win) with its own output and cache dir."""
-    return _yaml(tmp_path, f"base_model: {base_model}\ntokenizer_vocab_size: 512\nsequence_len: 32\n"
-                           f"output_dir: {tmp_path / 'out'}\ndataset_cache_dir: {tmp_path / 'cache'}\n"
-                           + extra)
+    return _yaml(
+        tmp_path,
+        f"base_model: {base_model}\ntokenizer_vocab_size: 512\nsequence_len: 32\n"
+        f"output_dir: {tmp_path / 'out'}\ndataset_cache_dir: {tmp_path / 'cache'}\n" + extra,
+    )
 
 
 def _snapshot(root: Path) -> dict[str, str]:
     """Every file under ``root`` with its sha256: what must not change."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 # ------------------------------------------------------------------------ schema: ranges
-@pytest.mark.parametrize("field, value, fragment", [
-    ("max_steps", 0, "'max_steps': must be >= 1"),
-    ("max_steps", -5, "'max_steps': must be >= 1"),
-    ("num_epochs", -1, "'num_epochs': must be > 0"),
-    ("num_epochs", 0, "'num_epochs': must be > 0"),
-    ("save_total_limit", 0, "'save_total_limit': must be >= 1"),
-    ("save_total_limit", -1, "'save_total_limit': must be >= 1"),
-    ("save_steps", -1, "'save_steps': must be >= 1"),
-    ("save_steps", 0, "'save_steps': must be >= 1"),
-    ("eval_steps", 0, "'eval_steps': must be >= 1"),
-    ("logging_steps", 0, "'logging_steps': must be >= 1"),
-    ("warmup_steps", -10, "'warmup_steps': must be >= 0"),
-    ("collective_timeout_s", -1, "'collective_timeout_s': must be > 0"),
-    ("collective_timeout_s", ".nan", "'collective_timeout_s'"),
-    ("max_restarts", -1, "'max_restarts': must be >= 0"),
-    ("learning_rate", -0.1, "'learning_rate': must be > 0"),
-    ("learning_rate", ".inf", "'learning_rate'"),
-    ("weight_decay", -1, "'weight_decay': must be >= 0"),
-    ("adam_beta1", 1.5, "'adam_beta1': must be < 1"),
-    ("adam_beta2", -0.1, "'adam_beta2': must be >= 0"),
-    ("adam_epsilon", 0, "'adam_epsilon': must be > 0"),
-    ("max_grad_norm", -1, "'max_grad_norm': must be > 0"),
-    ("micro_batch_size", 0, "'micro_batch_size': must be >= 1"),
-    ("gradient_accumulation_steps", -2, "'gradient_accumulation_steps': must be >= 1"),
-    ("sequence_len", 0, "'sequence_len': must be >= 1"),
-    ("val_set_size", -0.1, "'val_set_size': must be >= 0"),
-    ("val_set_size", 2.5, "'val_set_size'"),
-    ("seed", -1, "'seed': must be >= 0"),
-    ("tokenizer_vocab_size", 100, "'tokenizer_vocab_size': must be >= 259"),
-    ("datasets[0].max_bytes", 0, "'datasets.0.max_bytes': must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("max_steps", 0, "'max_steps': must be >= 1"),
+        ("max_steps", -5, "'max_steps': must be >= 1"),
+        ("num_epochs", -1, "'num_epochs': must be > 0"),
+        ("num_epochs", 0, "'num_epochs': must be > 0"),
+        ("save_total_limit", 0, "'save_total_limit': must be >= 1"),
+        ("save_total_limit", -1, "'save_total_limit': must be >= 1"),
+        ("save_steps", -1, "'save_steps': must be >= 1"),
+        ("save_steps", 0, "'save_steps': must be >= 1"),
+        ("eval_steps", 0, "'eval_steps': must be >= 1"),
+        ("logging_steps", 0, "'logging_steps': must be >= 1"),
+        ("warmup_steps", -10, "'warmup_steps': must be >= 0"),
+        ("collective_timeout_s", -1, "'collective_timeout_s': must be > 0"),
+        ("collective_timeout_s", ".nan", "'collective_timeout_s'"),
+        ("max_restarts", -1, "'max_restarts': must be >= 0"),
+        ("learning_rate", -0.1, "'learning_rate': must be > 0"),
+        ("learning_rate", ".inf", "'learning_rate'"),
+        ("weight_decay", -1, "'weight_decay': must be >= 0"),
+        ("adam_beta1", 1.5, "'adam_beta1': must be < 1"),
+        ("adam_beta2", -0.1, "'adam_beta2': must be >= 0"),
+        ("adam_epsilon", 0, "'adam_epsilon': must be > 0"),
+        ("max_grad_norm", -1, "'max_grad_norm': must be > 0"),
+        ("micro_batch_size", 0, "'micro_batch_size': must be >= 1"),
+        ("gradient_accumulation_steps", -2, "'gradient_accumulation_steps': must be >= 1"),
+        ("sequence_len", 0, "'sequence_len': must be >= 1"),
+        ("val_set_size", -0.1, "'val_set_size': must be >= 0"),
+        ("val_set_size", 2.5, "'val_set_size'"),
+        ("seed", -1, "'seed': must be >= 0"),
+        ("tokenizer_vocab_size", 100, "'tokenizer_vocab_size': must be >= 259"),
+        ("datasets[0].max_bytes", 0, "'datasets.0.max_bytes': must be >= 1"),
+    ],
+)
 def test_numeric_field_out_of_range(tmp_path, capsys, field, value, fragment):
     if field.startswith("datasets"):
         extra = f"datasets: [{{path: 'builtin:stdlib', max_bytes: {value}}}]\n"
@@ -103,8 +112,10 @@ def test_numeric_field_out_of_range(tmp_path, capsys, field, value, fragment):
 
 
 def test_range_message_names_the_fix(tmp_path, capsys):
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, "max_steps: 0\n"), "--dry-run"),
-             "leave it out to train num_epochs epochs")
+    _refused(
+        run_cli(capsys, "train", _cfg(tmp_path, "max_steps: 0\n"), "--dry-run"),
+        "leave it out to train num_epochs epochs",
+    )
 
 
 def test_num_epochs_with_max_steps_is_said_to_be_ignored(tmp_path, capsys):
@@ -119,8 +130,12 @@ def test_sequence_len_beyond_max_position_embeddings(tmp_path, capsys):
     from axolotl_stand_ins import stand_in
 
     gpt2 = stand_in(tmp_path, "gpt2")  # n_positions 8192
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, "sequence_len: 8200\n", base_model=str(gpt2)), "--dry-run"),
-             "sequence_len=8200", "max_position_embeddings=8192", "learned table (transformer.wpe)")
+    _refused(
+        run_cli(capsys, "train", _cfg(tmp_path, "sequence_len: 8200\n", base_model=str(gpt2)), "--dry-run"),
+        "sequence_len=8200",
+        "max_position_embeddings=8192",
+        "learned table (transformer.wpe)",
+    )
     code, out, err = run_cli(capsys, "train", _cfg(tmp_path, "sequence_len: 8192\n"), "--dry-run")
     assert code == 0, err
     assert "sequence_len=8192 goes past the model's max_position_embeddings=4096" in out, out
@@ -128,8 +143,10 @@ def test_sequence_len_beyond_max_position_embeddings(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- the CLI
 def test_set_with_broken_yaml_value(tmp_path, capsys):
-    _refused(run_cli(capsys, "train", _cfg(tmp_path), "--set", "max_steps=[1,", "--dry-run"),
-             "--set 'max_steps=[1,'")
+    _refused(
+        run_cli(capsys, "train", _cfg(tmp_path), "--set", "max_steps=[1,", "--dry-run"),
+        "--set 'max_steps=[1,'",
+    )
 
 
 def test_set_into_a_scalar(tmp_path, capsys):
@@ -170,8 +187,11 @@ def test_preset_typo_suggests_the_preset(tmp_path, capsys):
     import time
 
     t0 = time.perf_counter()
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model="tiny-lama"), "--dry-run"),
-             "unknown preset", "did you mean 'tiny-llama'")
+    _refused(
+        run_cli(capsys, "train", _cfg(tmp_path, base_model="tiny-lama"), "--dry-run"),
+        "unknown preset",
+        "did you mean 'tiny-llama'",
+    )
     assert time.perf_counter() - t0 < 10  # no Hub round trip, no retries
 
 
@@ -185,8 +205,11 @@ def test_hub_id_not_cached_offline_fails_fast(tmp_path, capsys):
     import time
 
     t0 = time.perf_counter()
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model="someorg/somemodel"), "--dry-run"),
-             "someorg/somemodel", "not in the local Hugging Face cache")
+    _refused(
+        run_cli(capsys, "train", _cfg(tmp_path, base_model="someorg/somemodel"), "--dry-run"),
+        "someorg/somemodel",
+        "not in the local Hugging Face cache",
+    )
     assert time.perf_counter() - t0 < 10
 
 
@@ -219,8 +242,12 @@ def test_weights_with_wrong_shapes(tmp_path, capsys, tiny_model):
     cfg = json.loads((model / "config.json").read_text())
     cfg["intermediate_size"] = 96  # the weights were saved with 128
     (model / "config.json").write_text(json.dumps(cfg))
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
-             "shape", "mlp", "config.json")
+    _refused(
+        run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
+        "shape",
+        "mlp",
+        "config.json",
+    )
 
 
 def test_weights_with_renamed_keys(tmp_path, capsys, tiny_model):
@@ -230,8 +257,11 @@ def test_weights_with_renamed_keys(tmp_path, capsys, tiny_model):
     tensors = load_file(model / "model.safetensors")
     tensors = {k.replace("self_attn.q_proj", "attention.wq"): v for k, v in tensors.items()}
     save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
-             "not in the checkpoint", "q_proj")
+    _refused(
+        run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
+        "not in the checkpoint",
+        "q_proj",
+    )
 
 
 def test_truncated_safetensors(tmp_path, capsys, tiny_model):
@@ -239,30 +269,46 @@ def test_truncated_safetensors(tmp_path, capsys, tiny_model):
     f = model / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) - 1000])
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
-             "model.safetensors", "truncated")
+    _refused(
+        run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
+        "model.safetensors",
+        "truncated",
+    )
 
 
 def test_safetensors_with_garbage_header(tmp_path, capsys, tiny_model):
     model = _copy_model(tiny_model, tmp_path / "m")
     (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
-             "model.safetensors", "not a safetensors file")
+    _refused(
+        run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
+        "model.safetensors",
+        "not a safetensors file",
+    )
 
 
 def _save_bert(directory: Path, is_decoder: bool) -> Path:
     from transformers import BertConfig, BertLMHeadModel
 
-    config = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, is_decoder=is_decoder)
+    config = BertConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        is_decoder=is_decoder,
+    )
     BertLMHeadModel(config).save_pretrained(directory)
     return directory
 
 
 def test_bidirectional_model_is_refused(tmp_path, capsys):
     model = _save_bert(tmp_path / "bert", is_decoder=False)
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
-             "not a causal decoder", "BertLMHeadModel", "is_decoder")
+    _refused(
+        run_cli(capsys, "train", _cfg(tmp_path, base_model=str(model)), "--dry-run"),
+        "not a causal decoder",
+        "BertLMHeadModel",
+        "is_decoder",
+    )
 
 
 def test_causal_check_rule():
@@ -276,8 +322,9 @@ def test_causal_check_rule():
 
     with torch.device("meta"):
         assert causal_lm_problem(AutoModelForCausalLM.from_config(preset_config("tiny-llama"))) is None
-        small = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=128)
+        small = dict(
+            vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+        )
         assert causal_lm_problem(BertLMHeadModel(BertConfig(**small, is_decoder=True))) is None
         assert "bidirectional" in causal_lm_problem(BertLMHeadModel(BertConfig(**small)))
     from ndparallel.models.causal import config_problem
@@ -291,8 +338,9 @@ def test_non_causal_model_refused_when_loaded_on_the_ranks():
 
     from ndparallel.engine.build import build_model
 
-    cfg = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=128)
+    cfg = BertConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+    )
     with pytest.raises(ValueError, match="not a causal decoder"):
         build_model(None, cfg)
 
@@ -301,16 +349,14 @@ def test_encoder_decoder_is_refused(tmp_path, capsys):
     from transformers import T5Config
 
     T5Config(num_layers=2, d_model=64, d_ff=128, num_heads=4, vocab_size=256).save_pretrained(tmp_path / "t5")
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model=str(tmp_path / "t5")), "--dry-run"),
-             "causal")
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, base_model=str(tmp_path / "t5")), "--dry-run"), "causal")
 
 
 def test_cuda_without_gpu(tmp_path, capsys, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, "device: cuda\n")),
-             "device", "cuda", "no CUDA GPU")
+    _refused(run_cli(capsys, "train", _cfg(tmp_path, "device: cuda\n")), "device", "cuda", "no CUDA GPU")
 
 
 # ---------------------------------------------------------------------------------- data
@@ -376,7 +422,9 @@ def test_not_a_parquet_file(tmp_path, capsys):
 def test_text_field_on_a_plain_text_file(tmp_path, capsys):
     data = tmp_path / "d.txt"
     data.write_text("hello world\n")
-    _refused(run_cli(capsys, "train", _data_cfg(tmp_path, data, ", text_field: body")), "text_field", "'text'")
+    _refused(
+        run_cli(capsys, "train", _data_cfg(tmp_path, data, ", text_field: body")), "text_field", "'text'"
+    )
 
 
 def test_directory_with_one_bad_file(tmp_path, capsys):
@@ -402,14 +450,20 @@ def test_good_data_passes_the_checks(tmp_path):
 
 
 def test_missing_tokenizer_dir(tmp_path, capsys):
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, f"tokenizer: {tmp_path / 'no-tok'}\n")),
-             "tokenizer", "does not exist")
+    _refused(
+        run_cli(capsys, "train", _cfg(tmp_path, f"tokenizer: {tmp_path / 'no-tok'}\n")),
+        "tokenizer",
+        "does not exist",
+    )
 
 
 def test_explicit_resume_path_that_is_not_a_checkpoint(tmp_path, capsys):
     (tmp_path / "ckpt").mkdir()
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, f"resume_from_checkpoint: {tmp_path / 'ckpt'}\n")),
-             "resume_from_checkpoint", "not a usable checkpoint")
+    _refused(
+        run_cli(capsys, "train", _cfg(tmp_path, f"resume_from_checkpoint: {tmp_path / 'ckpt'}\n")),
+        "resume_from_checkpoint",
+        "not a usable checkpoint",
+    )
 
 
 # ---------------------------------------------------------------------------- output_dir
@@ -444,8 +498,13 @@ def test_new_run_into_a_previous_run_is_refused(tmp_path, capsys):
     out = tmp_path / "out"
     _fake_previous_run(out)
     before = _snapshot(out)
-    _refused(run_cli(capsys, "train", _cfg(tmp_path, "seed: 7\n")),
-             "output_dir", "another run", "resume_from_checkpoint: auto", "overwrite_output_dir: true")
+    _refused(
+        run_cli(capsys, "train", _cfg(tmp_path, "seed: 7\n")),
+        "output_dir",
+        "another run",
+        "resume_from_checkpoint: auto",
+        "overwrite_output_dir: true",
+    )
     assert _snapshot(out) == before
 
 
@@ -569,8 +628,9 @@ def test_export_with_a_mismatched_model_config(tmp_path, capsys, checkpoint, tin
     cfg = json.loads((other / "config.json").read_text())
     cfg["intermediate_size"] = 96
     (other / "config.json").write_text(json.dumps(cfg))
-    _refused(run_cli(capsys, "export", checkpoint, tmp_path / "out", "--config", other),
-             "does not match", "shape")
+    _refused(
+        run_cli(capsys, "export", checkpoint, tmp_path / "out", "--config", other), "does not match", "shape"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -611,13 +671,22 @@ def test_rank_zero_refuses_to_overwrite_what_it_did_not_write(tmp_path):
 
 def _cli(*args, timeout=300, cwd=ROOT):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "ndparallel", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "ndparallel", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env,
+    )
 
 
 def _error_lines(stderr: str) -> list[str]:
-    return [ln for ln in stderr.splitlines() if "error" in ln.lower() or "failed" in ln.lower()
-            or "stalled" in ln or "Traceback" in ln]
+    return [
+        ln
+        for ln in stderr.splitlines()
+        if "error" in ln.lower() or "failed" in ln.lower() or "stalled" in ln or "Traceback" in ln
+    ]
 
 
 def test_error_found_on_the_ranks_is_one_line_exit_2(tmp_path):
@@ -633,8 +702,11 @@ def test_error_found_on_the_ranks_is_one_line_exit_2(tmp_path):
         (ckpt / name).write_bytes(b"x" * 8)
     files = {n: {"size": 8, "sha256": "0" * 64} for n in (".metadata", STATE_FILE)}
     (ckpt / MARKER).write_text(json.dumps({"format": FORMAT, "files": files}))
-    cfg = _cfg(tmp_path, "datasets: [{path: 'builtin:stdlib', max_bytes: 50000}]\n"
-                         f"max_steps: 1\ndp_shard_size: 2\nresume_from_checkpoint: {ckpt}\n")
+    cfg = _cfg(
+        tmp_path,
+        "datasets: [{path: 'builtin:stdlib', max_bytes: 50000}]\n"
+        f"max_steps: 1\ndp_shard_size: 2\nresume_from_checkpoint: {ckpt}\n",
+    )
     proc = _cli("train", cfg)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = _error_lines(proc.stderr)

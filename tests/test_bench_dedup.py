@@ -12,8 +12,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_dedup_memory_bench_runs(tmp_path):
     env = {**os.environ, "BENCH_RESULTS_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "dedup_memory.py"), "--samples", "3000"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "dedup_memory.py"), "--samples", "3000"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     result = json.loads((tmp_path / "dedup_memory.json").read_text())
     small, large = result["rows"]

@@ -15,8 +15,11 @@ REF = [10.0, 9.0, 8.0]
 
 
 def test_rows_within_the_tolerance_pass():
-    rows = {"nd eager": {"losses": list(REF)}, "nd + compile": {"losses": [10.0, 9.05, 8.1]},
-            "nd + fp8": {"losses": [10.0, 9.3, 8.3]}}  # 3.75 % off: inside fp8's 5 %, not bf16's 2 %
+    rows = {
+        "nd eager": {"losses": list(REF)},
+        "nd + compile": {"losses": [10.0, 9.05, 8.1]},
+        "nd + fp8": {"losses": [10.0, 9.3, 8.3]},
+    }  # 3.75 % off: inside fp8's 5 %, not bf16's 2 %
     assert gpu_single.check_drift(rows) == []
     assert rows["nd + compile"]["drift_ok"] and rows["nd + fp8"]["drift_ok"]
     assert abs(rows["nd + fp8"]["drift"] - 0.3 / 8.0) < 1e-12
@@ -24,8 +27,11 @@ def test_rows_within_the_tolerance_pass():
 
 def test_a_row_that_does_not_learn_fails():
     """Negative control: broken gradients leave the loss flat while the reference falls."""
-    rows = {"nd eager": {"losses": list(REF)}, "nd + compile": {"losses": [10.0, 10.0, 10.0]},
-            "nd + chunked loss": {"losses": [10.0, 9.0, float("nan")]}}
+    rows = {
+        "nd eager": {"losses": list(REF)},
+        "nd + compile": {"losses": [10.0, 10.0, 10.0]},
+        "nd + chunked loss": {"losses": [10.0, 9.0, float("nan")]},
+    }
     fails = gpu_single.check_drift(rows)
     assert len(fails) == 2 and not rows["nd + compile"]["drift_ok"], fails
     assert any("nd + chunked loss" in f and "non-finite" in f for f in fails), fails

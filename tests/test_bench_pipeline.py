@@ -23,7 +23,10 @@ def test_quick_bubble_table(tmp_path):
     result = json.loads((tmp_path / "pipeline.json").read_text())
     table = result["table"]
     assert [(r["schedule"], r["pp"], r["microbatches"]) for r in table] == [
-        ("GPipe", 2, 4), ("1F1B", 2, 4), ("Interleaved1F1B", 2, 4)]
+        ("GPipe", 2, 4),
+        ("1F1B", 2, 4),
+        ("Interleaved1F1B", 2, 4),
+    ]
     formula = {"GPipe": 1 / 5, "1F1B": 1 / 5, "Interleaved1F1B": 1 / 9}  # (p-1)/(m+p-1), (p-1)/(v·m+p-1)
     for r in table:
         assert math.isclose(r["formula"], formula[r["schedule"]]), r

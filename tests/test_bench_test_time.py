@@ -23,7 +23,8 @@ def test_report_ranks_tests_files_and_lengths(tmp_path, capsys):
         '<testcase classname="tests.test_a" name="test_fast" time="0.5"/>'
         '<testcase classname="tests.test_b" name="test_mid[x]" time="4.0"><failure message="m"/></testcase>'
         '<testcase classname="tests.test_b" name="test_skip" time="0.0"><skipped message="s"/></testcase>'
-        "</testsuite></testsuites>")
+        "</testsuite></testsuites>"
+    )
     mod = _module()
     summary = mod.summarise(mod.read_report(report), top=2)
     assert summary["tests"] == 4 and summary["total_s"] == 29.5
@@ -49,7 +50,13 @@ def test_the_workers_order_is_longest_file_first():
     weights = {"test_long.py": 100.0, "test_short.py": 1.0}
     names = ["test_short.py::a", "test_new.py::a", "test_long.py::a", "test_short.py::b", "test_long.py::b"]
     ordered = order_by_file_weight(names, lambda n: n.split("::")[0], weights)
-    assert ordered == ["test_long.py::a", "test_long.py::b", "test_new.py::a", "test_short.py::a", "test_short.py::b"]
+    assert ordered == [
+        "test_long.py::a",
+        "test_long.py::b",
+        "test_new.py::a",
+        "test_short.py::a",
+        "test_short.py::b",
+    ]
     assert file_weight("test_new.py", weights) == file_weight("test_new.py", {})  # unlisted: the default
 
 
@@ -61,5 +68,7 @@ def test_durations_list_the_suites_files():
     listed = set(json.loads((ROOT / "tests" / "durations.json").read_text()))
     files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
     assert listed <= files, f"tests/durations.json lists files that are gone: {sorted(listed - files)}"
-    assert len(files - listed) <= 5, f"tests/durations.json lacks {sorted(files - listed)}: refresh it " \
+    assert len(files - listed) <= 5, (
+        f"tests/durations.json lacks {sorted(files - listed)}: refresh it "
         "(python bench/test_time.py REPORT.xml --write-durations)"
+    )

@@ -19,24 +19,55 @@ from ndparallel.data.prompts import Rendered
 _TOKEN = re.compile(r"<\|?[A-Za-z_▁｜|]+\|?>|\[/?INST\]|\[\|[a-z]+\|\]|<[a-z_]+\|>|<\|[a-z_]+>|<｜[^｜]+｜>")
 EOS = {"deepseek_v2": "<｜end▁of▁sentence｜>", "deepseek_v3": "<｜end▁of▁sentence｜>"}
 """The family's eos where its template writes it literally (else ``</s>``)."""
-END = {"alpaca": "</s>", "aya": "<|END_OF_TURN_TOKEN|>", "chatml": "<|im_end|>", "cohere": "<|END_OF_TURN_TOKEN|>",
-       "command_a": "<|END_OF_TURN_TOKEN|>", "command_a_rag": "<|END_OF_TURN_TOKEN|>",
-       "command_a_tool_use": "<|END_OF_TURN_TOKEN|>", "deepseek_v2": "<｜end▁of▁sentence｜>",
-       "deepseek_v3": "<｜end▁of▁sentence｜>", "exaone": "[|endofturn|]", "exaone4": "[|endofturn|]",
-       "falcon_h1": "<|im_end|>", "gemma": "<end_of_turn>", "gemma3": "<end_of_turn>", "gemma3n": "<end_of_turn>",
-       "gemma4": "<turn|>", "gemma4_unified": "<turn|>", "jamba": "<|eom|>", "llama3": "<|eot_id|>",
-       "llama3_2_vision": "<|eot_id|>", "llama4": "<|eot|>", "llava": None, "metharme": "last:</s>",
-       "mistral_v1": "</s>", "mistral_v2v3": "</s>", "mistral_v3_tekken": "</s>", "mistral_v7_tekken": "</s>",
-       "nemotron_h": "<|im_end|>", "phi_3": "<|end|>", "phi_35": "<|end|>", "phi_4": "<|im_end|>",
-       "pixtral": "</s>", "qwen2_vl": "<|im_end|>", "qwen3": "<|im_end|>", "qwen3_5": "<|im_end|>",
-       "qwen_25": "<|im_end|>"}
+END = {
+    "alpaca": "</s>",
+    "aya": "<|END_OF_TURN_TOKEN|>",
+    "chatml": "<|im_end|>",
+    "cohere": "<|END_OF_TURN_TOKEN|>",
+    "command_a": "<|END_OF_TURN_TOKEN|>",
+    "command_a_rag": "<|END_OF_TURN_TOKEN|>",
+    "command_a_tool_use": "<|END_OF_TURN_TOKEN|>",
+    "deepseek_v2": "<｜end▁of▁sentence｜>",
+    "deepseek_v3": "<｜end▁of▁sentence｜>",
+    "exaone": "[|endofturn|]",
+    "exaone4": "[|endofturn|]",
+    "falcon_h1": "<|im_end|>",
+    "gemma": "<end_of_turn>",
+    "gemma3": "<end_of_turn>",
+    "gemma3n": "<end_of_turn>",
+    "gemma4": "<turn|>",
+    "gemma4_unified": "<turn|>",
+    "jamba": "<|eom|>",
+    "llama3": "<|eot_id|>",
+    "llama3_2_vision": "<|eot_id|>",
+    "llama4": "<|eot|>",
+    "llava": None,
+    "metharme": "last:</s>",
+    "mistral_v1": "</s>",
+    "mistral_v2v3": "</s>",
+    "mistral_v3_tekken": "</s>",
+    "mistral_v7_tekken": "</s>",
+    "nemotron_h": "<|im_end|>",
+    "phi_3": "<|end|>",
+    "phi_35": "<|end|>",
+    "phi_4": "<|im_end|>",
+    "pixtral": "</s>",
+    "qwen2_vl": "<|im_end|>",
+    "qwen3": "<|im_end|>",
+    "qwen3_5": "<|im_end|>",
+    "qwen_25": "<|im_end|>",
+}
 """What ends a trained assistant turn in each template (``last:``: only the conversation's end;
 None: nothing — LLaVA's template writes no end of turn)."""
 NO_SYSTEM = {"gemma", "mistral_v2v3", "mistral_v3_tekken", "pixtral"}
 """Templates that refuse a system message."""
-CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"},
-                {"role": "assistant", "content": "the answer is yes"}, {"role": "user", "content": "how are you"},
-                {"role": "assistant", "content": "a list of words"}]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "hello there"},
+    {"role": "assistant", "content": "the answer is yes"},
+    {"role": "user", "content": "how are you"},
+    {"role": "assistant", "content": "a list of words"},
+]
 
 
 def family_tokenizer(template: str, eos: str = "</s>"):
@@ -49,8 +80,12 @@ def family_tokenizer(template: str, eos: str = "</s>"):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     words = " ".join(m["content"] for m in CONVERSATION)
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([words] * 20, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token=eos, pad_token="<pad>")
 
@@ -106,17 +141,34 @@ def test_gemma3_folds_the_system_prompt_into_the_first_user_turn():
 
 
 def test_drop_system_message_thinking_roles_and_template_kwargs():
-    tok, renderer, _ = _setup("qwen3", drop_system_message=True, field_thinking="thinking",
-                              roles={"assistant": ["bot"], "user": ["human"]})
-    record = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "human", "content": "hello there"},
-                           {"role": "bot", "content": "the answer is yes", "thinking": "a list"}]}
+    tok, renderer, _ = _setup(
+        "qwen3",
+        drop_system_message=True,
+        field_thinking="thinking",
+        roles={"assistant": ["bot"], "user": ["human"]},
+    )
+    record = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "human", "content": "hello there"},
+            {"role": "bot", "content": "the answer is yes", "thinking": "a list"},
+        ]
+    }
     segments = renderer.segments(record, "t")
     text = "".join(t for t, _ in segments)
     assert "Be brief." not in text and "<|im_start|>assistant" in text  # system dropped, roles mapped
     trained = "".join(t for t, f in segments if f)
-    assert trained.startswith("a list") and "</think>" in trained and trained.endswith("the answer is yes<|im_end|>")
-    quiet = ChatRenderer(tok, named_template("qwen3"), DatasetSpec(path="x", type="chat_template"),
-                         template_kwargs={"enable_thinking": False})
+    assert (
+        trained.startswith("a list")
+        and "</think>" in trained
+        and trained.endswith("the answer is yes<|im_end|>")
+    )
+    quiet = ChatRenderer(
+        tok,
+        named_template("qwen3"),
+        DatasetSpec(path="x", type="chat_template"),
+        template_kwargs={"enable_thinking": False},
+    )
     plain = ChatRenderer(tok, named_template("qwen3"), DatasetSpec(path="x", type="chat_template"))
     msgs = [{"role": "user", "content": "hi"}]
     assert quiet.render(msgs, add_generation_prompt=True) != plain.render(msgs, add_generation_prompt=True)

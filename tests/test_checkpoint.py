@@ -38,8 +38,9 @@ def runs(tmp_path_factory):
     after step 3."""
     root = tmp_path_factory.mktemp("ckpt")
     ref = run_on_ranks(ckpt_train.train, 2, FSDP2, str(root / "ref"))[0]
-    part = run_on_ranks(ckpt_train.train, 2, FSDP2, str(root / "run"), save_every=1, stop_after=3,
-                        save_total_limit=2)[0]
+    part = run_on_ranks(
+        ckpt_train.train, 2, FSDP2, str(root / "run"), save_every=1, stop_after=3, save_total_limit=2
+    )[0]
     return {"root": root, "ref": ref, "part": part, "out": root / "run"}
 
 
@@ -48,8 +49,15 @@ def test_rotation_and_marker(runs):
     assert steps == [2, 3]  # save_total_limit=2 removed checkpoint-1
     info = json.loads((runs["out"] / "checkpoint-3" / MARKER).read_text())
     assert info["step"] == 3 and info["world_size"] == 2 and info["layout"]["dp_shard_size"] == 2
-    assert {".metadata", "state.json", "__0_0.distcp", "__1_0.distcp", "rng/rank-00000.json",
-            "rng/rank-00001.json", "hf/config.json"} <= set(info["files"])
+    assert {
+        ".metadata",
+        "state.json",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "rng/rank-00000.json",
+        "rng/rank-00001.json",
+        "hf/config.json",
+    } <= set(info["files"])
     assert validate_checkpoint(runs["out"] / "checkpoint-3") == []
 
 
@@ -64,8 +72,9 @@ def test_resume_same_layout_is_identical(runs, tmp_path):
     assert res["loader"] == runs["ref"]["loader"]  # data position restored
 
 
-@pytest.mark.parametrize("world,layout", [(4, {"dp_shard_size": 2, "tp_size": 2}), (1, {})],
-                         ids=["fsdp2xtp2", "one-rank"])
+@pytest.mark.parametrize(
+    "world,layout", [(4, {"dp_shard_size": 2, "tp_size": 2}), (1, {})], ids=["fsdp2xtp2", "one-rank"]
+)
 def test_resume_on_other_layout(runs, tmp_path, world, layout):
     if layout.get("tp_size", 1) > 1:
         pytest.importorskip("ndparallel.parallel.tensor")
@@ -174,8 +183,13 @@ def test_no_torch_load_without_weights_only(runs, tmp_path, monkeypatch):
 
 
 def test_split_join_roundtrip():
-    state = {"a": torch.ones(2), "b": [1, (2.5, None), {"c": torch.zeros(1)}], 3: "int key",
-             "__x": True, "betas": (0.9, 0.999)}
+    state = {
+        "a": torch.ones(2),
+        "b": [1, (2.5, None), {"c": torch.zeros(1)}],
+        3: "int key",
+        "__x": True,
+        "betas": (0.9, 0.999),
+    }
     tensors: dict = {}
     skeleton = split_tensors(state, "p", tensors)
     json.dumps(skeleton)

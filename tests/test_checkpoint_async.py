@@ -41,8 +41,17 @@ def test_async_checkpoint_is_the_sync_one_and_resumes_exactly(tmp_path, referenc
     ref = reference
     out = tmp_path / "run"
     # checkpoint-4's writer sleeps 1 s: steps 5 and 6 update the parameters while it is written
-    run = run_on_ranks(ckpt_train.train, 2, FSDP2, str(out), steps=6, save_every=2, async_saves=True,
-                       slow_write={4: 1.0}, sync_copy_at=4)[0]
+    run = run_on_ranks(
+        ckpt_train.train,
+        2,
+        FSDP2,
+        str(out),
+        steps=6,
+        save_every=2,
+        async_saves=True,
+        slow_write={4: 1.0},
+        sync_copy_at=4,
+    )[0]
     assert run["losses"] == ref  # saving in the background changes nothing in training
     assert [s for s, _ in list_checkpoints(out)] == [2, 4, 6]
     for s in (2, 4, 6):
@@ -51,7 +60,9 @@ def test_async_checkpoint_is_the_sync_one_and_resumes_exactly(tmp_path, referenc
     assert written.keys() == sync.keys() and len(written) > 10
     for key, value in sync.items():
         assert torch.equal(written[key], value), key  # the state of step 4, not of a later step
-    assert not all(torch.equal(a, b) for a, b in zip(written.values(), _tensors(out / "checkpoint-6").values()))
+    assert not all(
+        torch.equal(a, b) for a, b in zip(written.values(), _tensors(out / "checkpoint-6").values())
+    )
 
     shutil.rmtree(out / "checkpoint-6")
     res = run_on_ranks(ckpt_train.train, 2, FSDP2, str(out), steps=6, resume=True)[0]
@@ -62,8 +73,17 @@ def test_crash_during_async_write_resumes_from_previous_checkpoint(tmp_path, ref
     ref = reference
     out = tmp_path / "run"
     with pytest.raises(RankFailure, match="died"):  # every rank dies while checkpoint-4 is written
-        run_on_ranks(ckpt_train.train, 2, FSDP2, str(out), steps=6, save_every=2, async_saves=True,
-                     slow_write={4: 60.0}, die_after_save_at=4)
+        run_on_ranks(
+            ckpt_train.train,
+            2,
+            FSDP2,
+            str(out),
+            steps=6,
+            save_every=2,
+            async_saves=True,
+            slow_write={4: 60.0},
+            die_after_save_at=4,
+        )
     assert validate_checkpoint(out / "checkpoint-2") == []
     assert (out / "checkpoint-4").is_dir() and not (out / "checkpoint-4" / MARKER).exists()
     with pytest.warns(UserWarning, match="checkpoint-4"):

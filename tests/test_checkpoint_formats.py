@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from axolotl_stand_ins import tiny_config
 
+from axolotl_stand_ins import tiny_config
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, full_parameters, train_under_layout
 
@@ -33,7 +33,11 @@ def mxfp4_pack(experts: int, rows: int, cols: int, gen: torch.Generator):
     table = torch.tensor([_e2m1(c) for c in range(16)])
     values = table[codes] * torch.exp2(exponent.float())[..., None]
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)  # first value in the low nibble
-    return blocks, (exponent + 127).to(torch.uint8), values.reshape(experts, rows, cols).transpose(1, 2).contiguous()
+    return (
+        blocks,
+        (exponent + 127).to(torch.uint8),
+        values.reshape(experts, rows, cols).transpose(1, 2).contiguous(),
+    )
 
 
 def _save(model, path: Path) -> None:
@@ -50,7 +54,9 @@ def _rewrite(ref: Path, out: Path, convert, config_extra: dict | None = None) ->
 
     shutil.copytree(ref, out)
     state = convert(load_file(ref / "model.safetensors"))
-    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"}
+    )
     if config_extra:
         config = json.loads((out / "config.json").read_text())
         config.update(config_extra)
@@ -81,9 +87,22 @@ def gpt_oss(tmp_path_factory):
             state[name + "_blocks"], state[name + "_scales"] = blocks, scales
         return state
 
-    _rewrite(root / "ref", root / "mxfp4", to_mxfp4, {"quantization_config": {
-        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                           "model.embed_tokens", "lm_head"]}})
+    _rewrite(
+        root / "ref",
+        root / "mxfp4",
+        to_mxfp4,
+        {
+            "quantization_config": {
+                "quant_method": "mxfp4",
+                "modules_to_not_convert": [
+                    "model.layers.*.self_attn",
+                    "model.layers.*.mlp.router",
+                    "model.embed_tokens",
+                    "lm_head",
+                ],
+            }
+        },
+    )
     return root / "ref", root / "mxfp4"
 
 
@@ -149,11 +168,24 @@ def test_linearized_multimodal_llama4_checkpoint_loads_its_text_model(tmp_path):
     (``language_model.model.layers.*``): the text model is read from them, experts fused."""
     from transformers import Llama4Config, Llama4ForConditionalGeneration
 
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14, projector_input_dim=32, projector_output_dim=32, vision_output_dim=32)
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+        projector_input_dim=32,
+        projector_output_dim=32,
+        vision_output_dim=32,
+    )
     torch.manual_seed(0)
-    _save(Llama4ForConditionalGeneration(Llama4Config(text_config=tiny_config("llama4_text").to_dict(),
-                                                      vision_config=vision)), tmp_path / "ref")
+    _save(
+        Llama4ForConditionalGeneration(
+            Llama4Config(text_config=tiny_config("llama4_text").to_dict(), vision_config=vision)
+        ),
+        tmp_path / "ref",
+    )
     _rewrite(tmp_path / "ref", tmp_path / "linearized", _linearize)
     _assert_same_weights(tmp_path / "ref", tmp_path / "linearized", 2)
 
@@ -170,7 +202,10 @@ def test_converted_checkpoints_train_as_the_reference_on_fsdp(fmt, model_type, r
     reference = _train(model_type, ref, 1)
     for world in (1, 2):
         diff = compare(reference, _train(model_type, converted, world))
-        assert diff["loss_rel"] <= 1e-5 and diff["grad_norm_rel"] <= 1e-5 and diff["param_abs"] <= 1e-6, (world, diff)
+        assert diff["loss_rel"] <= 1e-5 and diff["grad_norm_rel"] <= 1e-5 and diff["param_abs"] <= 1e-6, (
+            world,
+            diff,
+        )
     assert reference.losses[-1] < reference.losses[0]  # it trained
 
 
@@ -211,8 +246,12 @@ def test_prequantized_bitsandbytes_checkpoint_is_refused_before_launch(llama4, t
             state[name + ".absmax"] = torch.ones(state[name].numel() // 32)
         return state
 
-    _rewrite(ref, tmp_path / "bnb", bnb, {"quantization_config": {"quant_method": "bitsandbytes",
-                                                                  "load_in_4bit": True}})
+    _rewrite(
+        ref,
+        tmp_path / "bnb",
+        bnb,
+        {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+    )
     for path in (tmp_path / "bnb", ref):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
@@ -220,16 +259,19 @@ def test_prequantized_bitsandbytes_checkpoint_is_refused_before_launch(llama4, t
         if path == ref:
             assert problem is None  # the control: the bf16 checkpoint loads
         else:
-            assert problem is not None and "pre-quantised by bitsandbytes" in problem and "bf16 checkpoint" in problem
+            assert (
+                problem is not None
+                and "pre-quantised by bitsandbytes" in problem
+                and "bf16 checkpoint" in problem
+            )
 
 
 def test_only_the_sliced_rows_are_read_for_mxfp4(gpt_oss, monkeypatch):
     """The memory bound: a rank's slice is built from its rows of the stored tensors (reading a
     whole tensor fails here), in blocks of rows (here one expert per block)."""
-    import ndparallel.models.key_conversion as kc
-
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    import ndparallel.models.key_conversion as kc
     from ndparallel.models.safetensors_read import SliceReader, checkpoint_plan, stored_tensors
 
     _, mxfp4 = gpt_oss

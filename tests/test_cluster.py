@@ -27,6 +27,7 @@ from ndparallel.runtime.preemption import PREEMPTED_EXIT
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import ckpt_train  # noqa: E402
+
 from cli_helpers import train_on_forked_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,8 +55,12 @@ WAIT_S = 300  # generous: 4 ranks start in ~10 s on 2 idle cores, much slower un
 
 
 def _env() -> dict:
-    return {**os.environ, "NDPARALLEL_TIMEOUT": "60", "NDPARALLEL_DEVICE": "cpu",
-            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    return {
+        **os.environ,
+        "NDPARALLEL_TIMEOUT": "60",
+        "NDPARALLEL_DEVICE": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
 
 
 def _config(root: Path, out: str) -> Path:
@@ -72,8 +77,9 @@ def _losses(out: Path) -> dict[int, float]:
 def _train(cfg: Path, *extra: str) -> subprocess.CompletedProcess:
     """The same ``ndparallel train`` command, its ranks forked from pytest (what resumes is the
     ranks' side; the launches above are the real ones)."""
-    return train_on_forked_ranks(["train", cfg, *extra], env={"NDPARALLEL_TIMEOUT": "60", "NDPARALLEL_DEVICE": "cpu"},
-                                 timeout_s=WAIT_S)
+    return train_on_forked_ranks(
+        ["train", cfg, *extra], env={"NDPARALLEL_TIMEOUT": "60", "NDPARALLEL_DEVICE": "cpu"}, timeout_s=WAIT_S
+    )
 
 
 def _train_in_ranks(config: str) -> None:
@@ -109,8 +115,13 @@ def test_sigterm_to_launcher_checkpoints_agreed_step_and_resumes_exactly(work):
     root, reference = work
     cfg, out = _config(root, "preempted"), root / "preempted"
     with open(root / "preempted.err", "w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "ndparallel", "train", str(cfg)], env=_env(),
-                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ndparallel", "train", str(cfg)],
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+        )
         _wait_for_step(proc, out, 4)
         proc.send_signal(signal.SIGTERM)
         signalled, again = time.monotonic(), False
@@ -124,7 +135,7 @@ def test_sigterm_to_launcher_checkpoints_agreed_step_and_resumes_exactly(work):
         err.seek(0)
         stderr = err.read()
     assert rc == PREEMPTED_EXIT and took < 60, (rc, took, stderr[-3000:])
-    (step, ckpt), = list_checkpoints(out)  # no periodic checkpoint: only the preemption's
+    ((step, ckpt),) = list_checkpoints(out)  # no periodic checkpoint: only the preemption's
     assert step >= 4 and step == max(_losses(out)) and validate_checkpoint(ckpt) == []
     assert f"preempted (SIGTERM) after step {step}: checkpoint saved to {ckpt}" in stderr
     assert "Traceback" not in stderr, stderr[-3000:]
@@ -142,8 +153,13 @@ def test_ctrl_c_prints_one_line_and_keeps_the_checkpoints(work):
     cfg, out = _config(root, "interrupted"), root / "interrupted"
     extra = ["--set", "dp_shard_size=1", "--set", "tensor_parallel_size=2", "--set", "save_steps=2"]
     with open(root / "interrupted.err", "w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "ndparallel", "train", str(cfg), *extra], env=_env(),
-                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ndparallel", "train", str(cfg), *extra],
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+        )
         _wait_for_step(proc, out, 3)
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=120)
@@ -153,8 +169,11 @@ def test_ctrl_c_prints_one_line_and_keeps_the_checkpoints(work):
     assert "Traceback" not in stderr, stderr[-3000:]
     lines = [line for line in stderr.splitlines() if "interrupted" in line]
     assert len(lines) == 1, stderr[-3000:]
-    found = re.fullmatch(r"ndparallel train: interrupted at step (\d+) \(Ctrl-C\): the newest complete checkpoint "
-                         r"is (\S+)/checkpoint-(\d+) \(resume_from_checkpoint: auto continues from it\)", lines[0])
+    found = re.fullmatch(
+        r"ndparallel train: interrupted at step (\d+) \(Ctrl-C\): the newest complete checkpoint "
+        r"is (\S+)/checkpoint-(\d+) \(resume_from_checkpoint: auto continues from it\)",
+        lines[0],
+    )
     assert found and int(found.group(1)) >= 3 and int(found.group(3)) in (2, 4, 6), lines[0]
     complete = [s for s, p in list_checkpoints(out) if validate_checkpoint(p) == []]
     assert complete and complete[-1] == int(found.group(3))
@@ -180,13 +199,27 @@ def test_two_nodes_of_two_ranks_equal_one_node_of_four(work):
     rendezvous on 127.0.0.1. Asynchronous checkpoints on, every 5 steps."""
     root, reference = work
     cfg, out = _config(root, "two_nodes"), root / "two_nodes"
-    rdzv = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "two-nodes"]
+    rdzv = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        "two-nodes",
+    ]
     train = ["-m", "ndparallel", "train", str(cfg), "--set", "checkpoint_async=true", "--set", "save_steps=5"]
-    launchers = [[sys.executable, "-m", "torch.distributed.run", *rdzv, *train],
-                 [sys.executable, "-m", "ndparallel", "launch", *rdzv, *train]]
-    procs = [subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cmd in launchers]
+    launchers = [
+        [sys.executable, "-m", "torch.distributed.run", *rdzv, *train],
+        [sys.executable, "-m", "ndparallel", "launch", *rdzv, *train],
+    ]
+    procs = [
+        subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for cmd in launchers
+    ]
     outputs = [p.communicate(timeout=WAIT_S) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outputs]
     assert _losses(out) == reference
@@ -197,15 +230,37 @@ def test_two_nodes_of_two_ranks_equal_one_node_of_four(work):
 def test_tensor_parallel_across_nodes_refused_before_launch(tmp_path):
     cfg = _config(tmp_path, "cross")
     proc = subprocess.run(
-        [sys.executable, "-m", "ndparallel", "launch", "--nnodes", "2", "--nproc-per-node", "1",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "-m", "ndparallel", "train", str(cfg),
-         "--set", "dp_shard_size=1"],
-        env=_env(), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "ndparallel",
+            "launch",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "127.0.0.1:1",
+            "-m",
+            "ndparallel",
+            "train",
+            str(cfg),
+            "--set",
+            "dp_shard_size=1",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "ndparallel launch: error: tensor_parallel_size=2 spans nodes: a node runs 1 rank(s) and a tp group is 2 "
         "consecutive ranks, so every layer's tensor-parallel all-reduces would cross the inter-node network; keep "
-        "tp within a node (a divisor of 1) and use dp_shard / dp_replicate across nodes"]
+        "tp within a node (a divisor of 1) and use dp_shard / dp_replicate across nodes"
+    ]
     assert not (tmp_path / "cross").exists()  # nothing started
 
 
@@ -242,16 +297,38 @@ def test_accelerate_launch_on_two_machines(tmp_path):
         pytest.skip("the accelerate CLI is not installed")
     (tmp_path / "cfg.yaml").write_text(_ACCELERATE_CONFIG)
     port = str(free_port())
-    procs = [subprocess.Popen(
-        ["accelerate", "launch", "--config_file", str(tmp_path / "cfg.yaml"), "--num_machines", "2",
-         "--machine_rank", str(m), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-         str(ROOT / "tests" / "accelerate_scripts" / "multinode_probe.py"), str(tmp_path)],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path) for m in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                "accelerate",
+                "launch",
+                "--config_file",
+                str(tmp_path / "cfg.yaml"),
+                "--num_machines",
+                "2",
+                "--machine_rank",
+                str(m),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                port,
+                str(ROOT / "tests" / "accelerate_scripts" / "multinode_probe.py"),
+                str(tmp_path),
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+        for m in (0, 1)
+    ]
     outputs = [p.communicate(timeout=WAIT_S) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outputs]
     info = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(4)]
-    assert [(i["process_index"], i["machine"], i["local_process_index"], i["is_local_main_process"])
-            for i in info] == [(0, 0, 0, True), (1, 0, 1, False), (2, 1, 0, True), (3, 1, 1, False)]
+    assert [
+        (i["process_index"], i["machine"], i["local_process_index"], i["is_local_main_process"]) for i in info
+    ] == [(0, 0, 0, True), (1, 0, 1, False), (2, 1, 0, True), (3, 1, 1, False)]
     assert all(i["num_processes"] == 4 and i["sum"] == 6.0 for i in info)
     assert [i["is_main_process"] for i in info] == [True, False, False, False]
     assert [i["tp_group"] for i in info] == [[0, 1], [0, 1], [2, 3], [2, 3]]

@@ -28,23 +28,22 @@ def _primitives():
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
     shard = submesh(mesh, "dp_shard")
     with CommProfiler(mesh) as prof:
-        dist.all_reduce(torch.ones(3, 5), group=shard.get_group())            # 60 B
-        dist.all_reduce(torch.ones(2, dtype=torch.float64))                   # world: 16 B
+        dist.all_reduce(torch.ones(3, 5), group=shard.get_group())  # 60 B
+        dist.all_reduce(torch.ones(2, dtype=torch.float64))  # world: 16 B
         out = torch.empty(8, dtype=torch.bfloat16)
         dist.all_gather_into_tensor(out, torch.ones(4, dtype=torch.bfloat16))  # shard in: 8 B
-        dist.reduce_scatter_tensor(torch.empty(3), torch.ones(6))             # full in: 24 B
-        funcol.all_reduce(torch.ones(7), "sum", shard.get_group()).wait()     # 28 B
+        dist.reduce_scatter_tensor(torch.empty(3), torch.ones(6))  # full in: 24 B
+        funcol.all_reduce(torch.ones(7), "sum", shard.get_group()).wait()  # 28 B
         # DTensor: Shard(0) -> Replicate is one funcol all-gather of the 2x4 local shard.
         dt = distribute_tensor(torch.arange(16.0).reshape(4, 4), shard, [Shard(0)])
-        dt.redistribute(shard, [Replicate()]).to_local()                      # 32 B
+        dt.redistribute(shard, [Replicate()]).to_local()  # 32 B
         if rank == 0:
-            dist.send(torch.ones(5), 1)                                       # 20 B
+            dist.send(torch.ones(5), 1)  # 20 B
         else:
             dist.recv(torch.empty(5), 0)
-        ops = [dist.P2POp(dist.isend, torch.ones(3), peer),
-               dist.P2POp(dist.irecv, torch.empty(3), peer)]
+        ops = [dist.P2POp(dist.isend, torch.ones(3), peer), dist.P2POp(dist.irecv, torch.empty(3), peer)]
         for work in dist.batch_isend_irecv(ops):
-            work.wait()                                                       # 12 B each way
+            work.wait()  # 12 B each way
         prof.step()
         dist.barrier()
     return prof.summary(), prof.summary(1), prof.aliases(), prof.label("dp_shard_cp")
@@ -144,18 +143,22 @@ def _expected_fsdp(units, n, replicate, param_bytes, shard_dim, rep_dim):
     return out
 
 
-@pytest.mark.parametrize("name, layout, world, mp", [
-    ("fsdp2", {"dp_shard_size": 2}, 2, "no"),
-    ("fsdp2-bf16", {"dp_shard_size": 2}, 2, "bf16"),
-    ("hsdp2x2", {"dp_replicate_size": 2, "dp_shard_size": 2}, 4, "no"),
-])
+@pytest.mark.parametrize(
+    "name, layout, world, mp",
+    [
+        ("fsdp2", {"dp_shard_size": 2}, 2, "no"),
+        ("fsdp2-bf16", {"dp_shard_size": 2}, 2, "bf16"),
+        ("hsdp2x2", {"dp_replicate_size": 2, "dp_shard_size": 2}, 4, "no"),
+    ],
+)
 def test_fsdp_step_bytes_exact(name, layout, world, mp):
     results = run_on_ranks(_fsdp_step, world, layout, mp)
     n = layout.get("dp_shard_size", 1)
     rep = layout.get("dp_replicate_size", 1)
     for per_step, labels, units in results:
-        expected = _expected_fsdp(units, n, rep, 2 if mp == "bf16" else 4,
-                                  labels["dp_shard_cp"], labels["dp_replicate"])
+        expected = _expected_fsdp(
+            units, n, rep, 2 if mp == "bf16" else 4, labels["dp_shard_cp"], labels["dp_replicate"]
+        )
         assert per_step[0] == per_step[1], "two identical steps must communicate the same"
         assert per_step[0] == expected, name
     # All-gather bytes per step = (2 × layers + 2 × embedding + final) shard bytes; the tiny
@@ -164,26 +167,30 @@ def test_fsdp_step_bytes_exact(name, layout, world, mp):
     if n == 2 and mp == "no":
         ag = sum(c * b for (d, op, b), c in per_step[0].items() if op == "all_gather")
         unit_bytes = {u: 4 * sum(math.prod(s) for s in shapes) for u, shapes in units.items()}
-        assert ag == (2 * 2 * unit_bytes["layer"] + 2 * unit_bytes["embed"]
-                      + unit_bytes["final"]) // n
+        assert ag == (2 * 2 * unit_bytes["layer"] + 2 * unit_bytes["embed"] + unit_bytes["final"]) // n
 
 
 # ---------------------------------------------------------- vs the planner
-@pytest.mark.parametrize("layout, world, mp", [
-    ({"dp_shard_size": 2}, 2, "fp32"),
-    ({"dp_shard_size": 2}, 2, "bf16"),
-    ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4, "fp32"),
-])
+@pytest.mark.parametrize(
+    "layout, world, mp",
+    [
+        ({"dp_shard_size": 2}, 2, "fp32"),
+        ({"dp_shard_size": 2}, 2, "bf16"),
+        ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4, "fp32"),
+    ],
+)
 def test_equals_planner_prediction(layout, world, mp):
     from ndparallel.plan.comms import aggregate, predict_collectives
     from ndparallel.plan.layout import Layout
     from ndparallel.plan.models import PRESETS
 
     per_step, labels, _ = run_on_ranks(_fsdp_step, world, layout, "bf16" if mp == "bf16" else "no")[0]
-    plan_layout = Layout(dp_replicate=layout.get("dp_replicate_size", 1),
-                         dp_shard=layout.get("dp_shard_size", 1))
-    predicted = aggregate(predict_collectives(PRESETS["tiny"], plan_layout, seq_len=32,
-                                              micro_batch=2, mixed_precision=mp))
+    plan_layout = Layout(
+        dp_replicate=layout.get("dp_replicate_size", 1), dp_shard=layout.get("dp_shard_size", 1)
+    )
+    predicted = aggregate(
+        predict_collectives(PRESETS["tiny"], plan_layout, seq_len=32, micro_batch=2, mixed_precision=mp)
+    )
     predicted = {(labels.get(d, d), kind, b): c for (kind, d, b), c in predicted.items()}
     assert per_step[0] == predicted
 
@@ -201,6 +208,9 @@ def test_ddp_against_planner():
     from ndparallel.plan.models import PRESETS
 
     calls, labels = run_on_ranks(_ddp_step, 2)[0]
-    predicted = aggregate(predict_collectives(PRESETS["tiny"], Layout(dp_replicate=2), seq_len=32,
-                                              micro_batch=2, mixed_precision="fp32"))
+    predicted = aggregate(
+        predict_collectives(
+            PRESETS["tiny"], Layout(dp_replicate=2), seq_len=32, micro_batch=2, mixed_precision="fp32"
+        )
+    )
     assert calls == {(labels.get(d, d), kind, b): c for (kind, d, b), c in predicted.items()}

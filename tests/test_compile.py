@@ -14,8 +14,15 @@ from ndparallel.parallel.options import CompileOptions, FSDPOptions, TPOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
-BASE = TrainSetup(preset_config("tiny-llama"), steps=2, global_micro_batch=4, seq_len=32,
-                  optimizer="sgd", lr=0.5, max_grad_norm=1.0)
+BASE = TrainSetup(
+    preset_config("tiny-llama"),
+    steps=2,
+    global_micro_batch=4,
+    seq_len=32,
+    optimizer="sgd",
+    lr=0.5,
+    max_grad_norm=1.0,
+)
 _ref = {}
 
 
@@ -33,8 +40,9 @@ def _train_and_count(setup, layout):
 def _check(layout, world, backend, **kwargs):
     if "ref" not in _ref:
         _ref["ref"] = run_on_ranks(train_under_layout, 1, BASE, None)[0]
-    setup = dataclasses.replace(BASE, parallel_kwargs={
-        **kwargs, "compile_options": CompileOptions(enabled=True, backend=backend)})
+    setup = dataclasses.replace(
+        BASE, parallel_kwargs={**kwargs, "compile_options": CompileOptions(enabled=True, backend=backend)}
+    )
     got, graphs, breaks = run_on_ranks(_train_and_count, world, setup, layout, timeout_s=600)[0]
     diff = compare(_ref["ref"], got)
     assert diff["loss_rel"] <= 1e-5 and diff["grad_norm_rel"] <= 1e-5, diff
@@ -46,8 +54,9 @@ def _check(layout, world, backend, **kwargs):
 def test_fsdp2_activation_checkpointing_inductor():
     """No graph break: transformers >= 5.25's attention sets and resets a module-level variable
     (the ``kernels`` package), which dynamo refuses inside a checkpoint unless told not to replay it."""
-    graphs, breaks = _check({"dp_shard_size": 2}, 2, "inductor",
-                            fsdp_options=FSDPOptions(activation_checkpointing=True))
+    graphs, breaks = _check(
+        {"dp_shard_size": 2}, 2, "inductor", fsdp_options=FSDPOptions(activation_checkpointing=True)
+    )
     assert breaks == 0, breaks
 
 
@@ -94,16 +103,25 @@ def test_tp_compiles_attention_and_mlp_only():
 
 @pytest.mark.slow
 def test_fsdp2_tp2_sequence_parallel_activation_checkpointing_4_ranks():
-    _check({"dp_shard_size": 2, "tp_size": 2}, 4, "aot_eager", tp_options=TPOptions(sequence_parallel=True),
-           fsdp_options=FSDPOptions(activation_checkpointing=True))
+    _check(
+        {"dp_shard_size": 2, "tp_size": 2},
+        4,
+        "aot_eager",
+        tp_options=TPOptions(sequence_parallel=True),
+        fsdp_options=FSDPOptions(activation_checkpointing=True),
+    )
 
 
 def test_fsdp2_cp2_activation_checkpointing_4_ranks():
     """FSDP2 + CP + AC under compile: dynamo cannot break a graph inside a checkpointed layer, so
     the MLPs are compiled and the CP attention blocks run eagerly (no break; a layer-wide unit
     would compile nothing: 0 graphs, seen before the fix)."""
-    graphs, breaks = _check({"dp_shard_size": 2, "cp_size": 2}, 4, "aot_eager",
-                            fsdp_options=FSDPOptions(activation_checkpointing=True))
+    graphs, breaks = _check(
+        {"dp_shard_size": 2, "cp_size": 2},
+        4,
+        "aot_eager",
+        fsdp_options=FSDPOptions(activation_checkpointing=True),
+    )
     assert breaks == 0, breaks
 
 
@@ -112,5 +130,10 @@ def test_pipeline_stages_compile_with_activation_checkpointing():
     activation checkpointing; = one eager process."""
     from ndparallel.parallel.options import PipelineOptions
 
-    _check({"pp_size": 2}, 2, "aot_eager", pipeline_options=PipelineOptions(schedule="1F1B", microbatches=2),
-           fsdp_options=FSDPOptions(activation_checkpointing=True))
+    _check(
+        {"pp_size": 2},
+        2,
+        "aot_eager",
+        pipeline_options=PipelineOptions(schedule="1F1B", microbatches=2),
+        fsdp_options=FSDPOptions(activation_checkpointing=True),
+    )

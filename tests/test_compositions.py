@@ -17,13 +17,16 @@ _refs: dict = {}
 def _reference(setup):
     key = repr(dataclasses.replace(setup, parallel_kwargs={}))
     if key not in _refs:
-        _refs[key] = run_on_ranks(train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}), None)[0]
+        _refs[key] = run_on_ranks(
+            train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}), None
+        )[0]
     return _refs[key]
 
 
 def _check(layout, world, optimizer="adamw", **parallel_kwargs):
-    setup = dataclasses.replace(BASE, parallel_kwargs=parallel_kwargs, optimizer=optimizer,
-                                lr=0.5 if optimizer == "sgd" else BASE.lr)
+    setup = dataclasses.replace(
+        BASE, parallel_kwargs=parallel_kwargs, optimizer=optimizer, lr=0.5 if optimizer == "sgd" else BASE.lr
+    )
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=400)[0]
     diff = compare(_reference(setup), got)
     assert diff["loss_rel"] <= LOSS_RTOL, diff
@@ -37,7 +40,9 @@ def _check(layout, world, optimizer="adamw", **parallel_kwargs):
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
 def test_fsdp2_cp2(strategy):
-    _check({"dp_shard_size": 2, "cp_size": 2}, 4, optimizer="sgd", cp_options=CPOptions(comm_strategy=strategy))
+    _check(
+        {"dp_shard_size": 2, "cp_size": 2}, 4, optimizer="sgd", cp_options=CPOptions(comm_strategy=strategy)
+    )
 
 
 def test_hsdp_cp2():
@@ -69,8 +74,11 @@ def test_fsdp2_tp2():
 
 
 def test_fsdp2_tp2_sequence_and_loss_parallel():
-    _check({"dp_shard_size": 2, "tp_size": 2}, 4,
-           tp_options=TPOptions(sequence_parallel=True, loss_parallel=True))
+    _check(
+        {"dp_shard_size": 2, "tp_size": 2},
+        4,
+        tp_options=TPOptions(sequence_parallel=True, loss_parallel=True),
+    )
 
 
 @pytest.mark.slow
@@ -81,9 +89,12 @@ def test_hsdp2x2_tp2_8_ranks():
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ring", "ulysses"])
 def test_fsdp2_cp2_tp2_8_ranks(strategy):
-    _check({"dp_shard_size": 2, "cp_size": 2, "tp_size": 2}, 8,
-           tp_options=TPOptions(sequence_parallel=True, loss_parallel=True),
-           cp_options=CPOptions(comm_strategy=strategy))
+    _check(
+        {"dp_shard_size": 2, "cp_size": 2, "tp_size": 2},
+        8,
+        tp_options=TPOptions(sequence_parallel=True, loss_parallel=True),
+        cp_options=CPOptions(comm_strategy=strategy),
+    )
 
 
 @pytest.mark.slow

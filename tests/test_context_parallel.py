@@ -21,8 +21,13 @@ def _data(seq: int, steps: int = STEPS):
     for s in range(steps):
         labels = tokens[s, :, 1:].clone()  # shifted before sharding
         labels[:, :3] = -100
-        batches.append({"input_ids": tokens[s, :, :-1].clone(), "shift_labels": labels,
-                        "position_ids": torch.arange(seq).expand(BATCH, seq).clone()})
+        batches.append(
+            {
+                "input_ids": tokens[s, :, :-1].clone(),
+                "shift_labels": labels,
+                "position_ids": torch.arange(seq).expand(BATCH, seq).clone(),
+            }
+        )
     return batches
 
 
@@ -39,7 +44,8 @@ def _loss(model, batch, group=None):
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     labels = batch["shift_labels"]
     total = torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
     count = (labels != -100).sum()
     if group is not None:
         import torch.distributed as dist

@@ -22,7 +22,9 @@ def packed_positions(batch: int, seq: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     rows = []
     for b in range(batch):
-        starts = {0, seq // 4, seq // 4 + 3} if b == 0 else {0, *torch.randint(1, seq, (3,), generator=g).tolist()}
+        starts = (
+            {0, seq // 4, seq // 4 + 3} if b == 0 else {0, *torch.randint(1, seq, (3,), generator=g).tolist()}
+        )
         pos, cur = [], 0
         for i in range(seq):
             cur = 0 if i in starts else cur + 1
@@ -76,13 +78,25 @@ def _op_errors(strategy, cases):
         dp = torch.cat([dout, torch.zeros(B, heads, pad, D)], dim=2)
         posp = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1)], dim=1)
         ql, kl, vl = (shard_for_cp(t, 2, rank, cp, lb).requires_grad_() for t in (qp, kp, vp))
-        out = context_parallel_attention(ql, kl, vl, dist.group.WORLD, strategy=strategy,
-                                         load_balance=lb, scale=scale, kernel=kernel,
-                                         position_ids=shard_for_cp(posp, 1, rank, cp, lb))
+        out = context_parallel_attention(
+            ql,
+            kl,
+            vl,
+            dist.group.WORLD,
+            strategy=strategy,
+            load_balance=lb,
+            scale=scale,
+            kernel=kernel,
+            position_ids=shard_for_cp(posp, 1, rank, cp, lb),
+        )
         out.backward(shard_for_cp(dp, 2, rank, cp, lb))
         errs = {}
-        for name, local, full in (("out", out.detach(), ref.detach()), ("dq", ql.grad, rq.grad),
-                                  ("dk", kl.grad, rk.grad), ("dv", vl.grad, rv.grad)):
+        for name, local, full in (
+            ("out", out.detach(), ref.detach()),
+            ("dq", ql.grad, rq.grad),
+            ("dk", kl.grad, rk.grad),
+            ("dv", vl.grad, rv.grad),
+        ):
             got = unshard_from_cp(local.contiguous(), 2, dist.group.WORLD, lb)[:, :, :seq].double()
             errs[name] = ((got - full).abs().max() / full.abs().max()).item()
         results.append(((kernel, lb, heads, kv_heads, seq, docs), errs))
@@ -96,7 +110,7 @@ CASES = [  # kernel, load_balance, heads, kv_heads (GQA when < heads), seq, padd
     ("flash", True, 4, 1, 29, 32, False),  # odd length, padded to a multiple of 2·cp
     ("math", True, 4, 2, 27, 32, False),
     ("math", False, 4, 2, 24, 24, False),  # contiguous (not load-balanced) shards
-    ("math", True, 4, 2, 32, 32, True),    # packed documents, rows with different boundaries
+    ("math", True, 4, 2, 32, 32, True),  # packed documents, rows with different boundaries
     ("flash", True, 4, 1, 30, 32, True),
     ("flash", False, 4, 4, 24, 24, True),
 ]

@@ -61,7 +61,8 @@ def test_two_blocks_merged_equal_one_causal_attention(name, dtype, tol):
     rq, rk, rv = (t.detach().double().requires_grad_() for t in (q, k, v))
     mask = torch.ones(7, 12, dtype=torch.bool).tril(5)  # query i sees keys <= 5 + i
     ref = torch.nn.functional.scaled_dot_product_attention(
-        rq, rk.repeat_interleave(2, 1), rv.repeat_interleave(2, 1), attn_mask=mask, scale=0.3)
+        rq, rk.repeat_interleave(2, 1), rv.repeat_interleave(2, 1), attn_mask=mask, scale=0.3
+    )
     ref.backward(dout.double())
     for got, want in ((acc_out, ref), (dq, rq.grad), (dk, rk.grad), (dv, rv.grad)):
         assert (got.double() - want).abs().max() / want.abs().max() <= tol
@@ -80,8 +81,7 @@ def test_resolve_kernel():
 def test_document_geometry():
     """Two local chunks of 8 tokens (global chunks 1 and 2 of cp=2): documents start at global
     6, 11 and 20 (outside these chunks) in row 0; row 1 is one document."""
-    pos = torch.tensor([list(range(6)) + list(range(5)) + list(range(9)) + list(range(12)),
-                        list(range(32))])
+    pos = torch.tensor([list(range(6)) + list(range(5)) + list(range(9)) + list(range(12)), list(range(32))])
     index = torch.arange(8, 24)
     starts = document_starts(pos[:, 8:24], index, 2)
     assert starts[0].tolist() == [6] * 3 + [11] * 9 + [20] * 4

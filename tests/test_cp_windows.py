@@ -53,8 +53,10 @@ def _errors(pairs) -> list[float]:
     of the terms that cancel."""
     wants = [want.abs().max().item() for _, want in pairs]
     case_scale = max(wants)
-    return [((got.double() - want).abs().max() / (w if w > 1e-9 * case_scale else case_scale)).item()
-            for (got, want), w in zip(pairs, wants)]
+    return [
+        ((got.double() - want).abs().max() / (w if w > 1e-9 * case_scale else case_scale)).item()
+        for (got, want), w in zip(pairs, wants)
+    ]
 
 
 def _inputs(seq, dv=8, seed=0, batch=3):
@@ -66,9 +68,17 @@ def _inputs(seq, dv=8, seed=0, batch=3):
 
 
 # (window, chunk, softcap, value head dim): windows shorter and longer than a CP chunk, W = 1
-FEATURES = [(5, None, None, 8), (1, None, None, 8), (11, None, None, 8), (64, None, None, 8),
-            (None, 6, None, 8), (None, None, 2.0, 8), (7, None, 2.0, 8), (None, None, None, 6),
-            (3, None, None, 12)]
+FEATURES = [
+    (5, None, None, 8),
+    (1, None, None, 8),
+    (11, None, None, 8),
+    (64, None, None, 8),
+    (None, 6, None, 8),
+    (None, None, 2.0, 8),
+    (7, None, 2.0, 8),
+    (None, None, None, 6),
+    (3, None, None, 12),
+]
 
 
 @pytest.mark.parametrize("kernel", ["auto", "math"])  # auto: flash, math where soft-capped
@@ -80,8 +90,9 @@ def test_one_device(kernel):
         ref_in, ref = reference(q, k, v, pos, 0.3, window, chunk, softcap)
         ref.backward(dout.double())
         got_in = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = document_causal_attention(*got_in, pos, scale=0.3, kernel=kernel, window=window,
-                                        chunk=chunk, softcap=softcap)
+        out = document_causal_attention(
+            *got_in, pos, scale=0.3, kernel=kernel, window=window, chunk=chunk, softcap=softcap
+        )
         out.backward(dout)
         pairs = [(out, ref), *((a.grad, b.grad) for a, b in zip(got_in, ref_in))]
         for err in _errors(pairs):
@@ -102,12 +113,22 @@ def _cp_errors(strategy):
             ref_in, ref = reference(q, k, v, pos, 0.3, window, chunk, softcap)
             ref.backward(dout.double())
             local = [shard_for_cp(t, 2, rank, cp, lb).requires_grad_() for t in (q, k, v)]
-            out = context_parallel_attention(*local, dist.group.WORLD, strategy=strategy, load_balance=lb,
-                                             scale=0.3, position_ids=shard_for_cp(pos, 1, rank, cp, lb),
-                                             window=window, chunk=chunk, softcap=softcap)
+            out = context_parallel_attention(
+                *local,
+                dist.group.WORLD,
+                strategy=strategy,
+                load_balance=lb,
+                scale=0.3,
+                position_ids=shard_for_cp(pos, 1, rank, cp, lb),
+                window=window,
+                chunk=chunk,
+                softcap=softcap,
+            )
             out.backward(shard_for_cp(dout, 2, rank, cp, lb))
-            pairs = [(unshard_from_cp(got.contiguous(), 2, dist.group.WORLD, lb), want)
-                     for got, want in ((out.detach(), ref), *((a.grad, b.grad) for a, b in zip(local, ref_in)))]
+            pairs = [
+                (unshard_from_cp(got.contiguous(), 2, dist.group.WORLD, lb), want)
+                for got, want in ((out.detach(), ref), *((a.grad, b.grad) for a, b in zip(local, ref_in)))
+            ]
             key = (window, chunk, softcap, dv, lb)
             worst[key] = max(worst.get(key, 0.0), *_errors(pairs))
     return worst

@@ -22,7 +22,9 @@ DOCS = ["first document\nwith two lines", "second one", "third: def f(): pass", 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    return load_or_train_tokenizer(cache_dir=tmp_path_factory.mktemp("tok"), vocab_size=512, max_bytes=300_000)
+    return load_or_train_tokenizer(
+        cache_dir=tmp_path_factory.mktemp("tok"), vocab_size=512, max_bytes=300_000
+    )
 
 
 @pytest.fixture()
@@ -30,7 +32,9 @@ def files(tmp_path):
     (tmp_path / "txt").mkdir()
     for i, d in enumerate(DOCS[:3]):
         (tmp_path / "txt" / f"{i}.txt").write_text(d)
-    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"content": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
+    (tmp_path / "d.jsonl").write_text(
+        "".join(json.dumps({"content": d, "id": i}) + "\n" for i, d in enumerate(DOCS))
+    )
     datasets.Dataset.from_dict({"text": DOCS}).to_parquet(str(tmp_path / "d.parquet"))
     datasets.Dataset.from_dict({"text": DOCS[:2]}).to_csv(str(tmp_path / "d.csv"), index=False)
     return tmp_path
@@ -47,7 +51,10 @@ def test_local_formats(files):
     pq = load_text_dataset({"path": str(files / "d.parquet"), "type": "completion"}, cache)
     assert pq["text"] == DOCS
     assert load_text_dataset({"path": str(files / "d.csv"), "type": "csv"}, cache)["text"] == DOCS[:2]
-    assert load_text_dataset({"path": str(files / "d.jsonl"), "field": "content", "type": "json"}, cache)["text"] == DOCS
+    assert (
+        load_text_dataset({"path": str(files / "d.jsonl"), "field": "content", "type": "json"}, cache)["text"]
+        == DOCS
+    )
     both = load_text_datasets([str(files / "d.parquet"), {"path": "builtin:stdlib", "max_files": 2}], cache)
     assert len(both) == len(DOCS) + 2 and both["text"][: len(DOCS)] == DOCS
 

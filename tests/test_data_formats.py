@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from cli_helpers import forbid_launch, run_cli
 
 
@@ -29,9 +30,11 @@ def refused(result, *fragments) -> str:
 
 def config(tmp_path: Path, datasets: str, extra: str = "") -> Path:
     p = tmp_path / "cfg.yaml"
-    p.write_text(f"base_model: tiny-llama\ntokenizer_vocab_size: 512\nsequence_len: 64\nmax_steps: 1\n"
-                 f"output_dir: {tmp_path / 'out'}\ndataset_cache_dir: {tmp_path / 'cache'}\n"
-                 f"datasets: [{datasets}]\n{extra}")
+    p.write_text(
+        f"base_model: tiny-llama\ntokenizer_vocab_size: 512\nsequence_len: 64\nmax_steps: 1\n"
+        f"output_dir: {tmp_path / 'out'}\ndataset_cache_dir: {tmp_path / 'cache'}\n"
+        f"datasets: [{datasets}]\n{extra}"
+    )
     return p
 
 
@@ -48,8 +51,13 @@ def jsonl(path: Path, n: int = 40, bad: dict[int, str] | None = None) -> Path:
 def test_plain_text_type_over_a_records_file_is_refused(tmp_path, capsys, name):
     data = tmp_path / name
     data.write_text('{"text": "a"}\n')
-    err = refused(run_cli(capsys, "train", config(tmp_path, f"{{path: '{data}', type: text}}")),
-                  "datasets[0].type", name, "type: completion", "ds_type: text")
+    err = refused(
+        run_cli(capsys, "train", config(tmp_path, f"{{path: '{data}', type: text}}")),
+        "datasets[0].type",
+        name,
+        "type: completion",
+        "ds_type: text",
+    )
     assert not (tmp_path / "out").exists(), err
 
 
@@ -57,21 +65,34 @@ def test_plain_text_type_over_a_records_file_is_refused(tmp_path, capsys, name):
 def test_records_type_over_a_txt_file_is_refused(tmp_path, capsys, fmt):
     data = tmp_path / "d.txt"
     data.write_text("hello world\n")
-    refused(run_cli(capsys, "train", config(tmp_path, f"{{path: '{data}', type: {fmt}}}")),
-            "datasets[0].type", "d.txt", "plain text", "type: completion", f"ds_type: {fmt}")
+    refused(
+        run_cli(capsys, "train", config(tmp_path, f"{{path: '{data}', type: {fmt}}}")),
+        "datasets[0].type",
+        "d.txt",
+        "plain text",
+        "type: completion",
+        f"ds_type: {fmt}",
+    )
 
 
 def test_type_and_ds_type_naming_two_formats_is_refused(tmp_path, capsys):
     data = jsonl(tmp_path / "d.jsonl")
-    refused(run_cli(capsys, "train", config(tmp_path, f"{{path: '{data}', type: text, ds_type: json}}")),
-            "type 'text' and ds_type 'json'", "keep one")
+    refused(
+        run_cli(capsys, "train", config(tmp_path, f"{{path: '{data}', type: text, ds_type: json}}")),
+        "type 'text' and ds_type 'json'",
+        "keep one",
+    )
 
 
 def test_plain_text_type_over_a_directory_of_jsonl_is_refused(tmp_path, capsys):
     d = tmp_path / "data"
     d.mkdir()
     jsonl(d / "a.jsonl")
-    refused(run_cli(capsys, "train", config(tmp_path, f"{{path: '{d}', type: text}}")), "a.jsonl", "type: completion")
+    refused(
+        run_cli(capsys, "train", config(tmp_path, f"{{path: '{d}', type: text}}")),
+        "a.jsonl",
+        "type: completion",
+    )
 
 
 def test_agreeing_spellings_are_accepted(tmp_path):
@@ -90,27 +111,40 @@ def test_agreeing_spellings_are_accepted(tmp_path):
 BIG = 12_000  # > 1 MiB: the bad line lies beyond the head the quick look reads
 
 
-@pytest.mark.parametrize("line, fragments", [
-    ('{"text": oops}', ["not valid JSON", "column 10"]),
-    ("[1, 2]", ["a JSON array, not an object"]),
-    ('{"body": "q"}', ["has no 'text'", "body"]),
-    ('{"text": 5}', ["'text' is a JSON number, not text"]),
-    ('{"text": null}', ["has no 'text'"]),
-])
+@pytest.mark.parametrize(
+    "line, fragments",
+    [
+        ('{"text": oops}', ["not valid JSON", "column 10"]),
+        ("[1, 2]", ["a JSON array, not an object"]),
+        ('{"body": "q"}', ["has no 'text'", "body"]),
+        ('{"text": 5}', ["'text' is a JSON number, not text"]),
+        ('{"text": null}', ["has no 'text'"]),
+    ],
+)
 def test_a_bad_line_past_the_head_is_named(tmp_path, capsys, line, fragments):
     data = jsonl(tmp_path / "d.jsonl", n=BIG, bad={BIG - 5: line})
     data.write_text(data.read_text().replace('"def', '"' + "x" * 80 + " def"))  # > 1 MiB
     assert data.stat().st_size > 1 << 20
-    err = refused(run_cli(capsys, "train", config(tmp_path, f"{{path: '{data}', type: completion}}")),
-                  f"d.jsonl line {BIG - 4}", *fragments)
+    err = refused(
+        run_cli(capsys, "train", config(tmp_path, f"{{path: '{data}', type: completion}}")),
+        f"d.jsonl line {BIG - 4}",
+        *fragments,
+    )
     assert not (tmp_path / "out").exists(), err
 
 
 def test_a_bad_line_is_named_by_preprocess_too(tmp_path, capsys):
     data = jsonl(tmp_path / "d.jsonl", n=BIG, bad={BIG - 1: '{"text": "a"'})
     data.write_text(data.read_text().replace('"def', '"' + "x" * 80 + " def"))
-    refused(run_cli(capsys, "preprocess", config(tmp_path, f"{{path: '{data}', type: completion}}",
-                                                 "sample_packing: true\n")), f"d.jsonl line {BIG}", "not valid JSON")
+    refused(
+        run_cli(
+            capsys,
+            "preprocess",
+            config(tmp_path, f"{{path: '{data}', type: completion}}", "sample_packing: true\n"),
+        ),
+        f"d.jsonl line {BIG}",
+        "not valid JSON",
+    )
 
 
 def test_locator_names_csv_and_text_lines(tmp_path):
@@ -133,17 +167,27 @@ def test_dry_run_says_what_each_dataset_is_read_as(tmp_path, capsys):
     data = jsonl(tmp_path / "t.jsonl")
     alpaca = tmp_path / "a.jsonl"
     alpaca.write_text(json.dumps({"instruction": "say hi", "input": "", "output": "hi"}) + "\n")
-    cfg = config(tmp_path, f"{{path: {data}, type: completion}}, {{path: {alpaca}, type: alpaca}}, "
-                           f"{{path: {data}, ds_type: json}}, {{path: {data}, type: text}}, "
-                           f"{{path: {tmp_path / 'elsewhere.parquet'}, type: alpaca}}")
+    cfg = config(
+        tmp_path,
+        f"{{path: {data}, type: completion}}, {{path: {alpaca}, type: alpaca}}, "
+        f"{{path: {data}, ds_type: json}}, {{path: {data}, type: text}}, "
+        f"{{path: {tmp_path / 'elsewhere.parquet'}, type: alpaca}}",
+    )
     code, out, err = run_cli(capsys, "train", cfg, "--dry-run")
     assert code == 0, err
     lines = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("dataset ")]
-    assert lines[0] == ("datasets[0]: t.jsonl read as JSON records (from the extension); type completion: raw text, "
-                        "every token trained (column 'text' of records)"), lines
-    assert lines[1] == "datasets[1]: a.jsonl read as JSON records (from the extension); alpaca: prompt masked, response trained"
+    assert lines[0] == (
+        "datasets[0]: t.jsonl read as JSON records (from the extension); type completion: raw text, "
+        "every token trained (column 'text' of records)"
+    ), lines
+    assert (
+        lines[1]
+        == "datasets[1]: a.jsonl read as JSON records (from the extension); alpaca: prompt masked, response trained"
+    )
     assert lines[2].startswith("datasets[2]: t.jsonl read as JSON records (from ds_type)"), lines
-    assert lines[3].startswith("datasets[3]: refused by train: datasets[3].type: 'text' would read t.jsonl"), lines
+    assert lines[3].startswith(
+        "datasets[3]: refused by train: datasets[3].type: 'text' would read t.jsonl"
+    ), lines
     assert "not on this machine" in lines[4] and "alpaca: prompt masked" in lines[4], lines
     assert len(lines) == 5, lines
     assert "more samples : masked part marked: ndparallel preprocess CONFIG --show 4" in out
@@ -160,18 +204,27 @@ def test_dry_run_shows_the_first_trained_sample_of_each_dataset(tmp_path, capsys
 
     llama3_tokenizer().save_pretrained(tmp_path / "tok")
     alpaca = tmp_path / "a.jsonl"
-    alpaca.write_text(json.dumps({"instruction": "say hi", "input": "", "output": "hi there"}) + "\n" + "{broken\n")
+    alpaca.write_text(
+        json.dumps({"instruction": "say hi", "input": "", "output": "hi there"}) + "\n" + "{broken\n"
+    )
     write_jsonl(tmp_path / "c.jsonl", chat_records(3))
-    cfg = config(tmp_path, f"{{path: {alpaca}, type: alpaca}}, {{path: {tmp_path / 'c.jsonl'}, type: chat_template, "
-                           "chat_template: llama3}, {path: nobody/elsewhere, type: alpaca}",
-                 extra=f"tokenizer: {tmp_path / 'tok'}\nsequence_len: 256\n")
+    cfg = config(
+        tmp_path,
+        f"{{path: {alpaca}, type: alpaca}}, {{path: {tmp_path / 'c.jsonl'}, type: chat_template, "
+        "chat_template: llama3}, {path: nobody/elsewhere, type: alpaca}",
+        extra=f"tokenizer: {tmp_path / 'tok'}\nsequence_len: 256\n",
+    )
     code, out, err = run_cli(capsys, "train", cfg, "--dry-run")
     assert code == 0, err
     samples = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("first sample ")]
     assert samples[0].startswith("datasets[0]: ") and "### Instruction:\\nsay hi" in samples[0], samples
     assert samples[0].endswith("### Response:\\n[[hi there<|end_of_text|>]]"), samples  # the prompt is masked
     chat = samples[1]
-    assert "<|start_header_id|>user<|end_header_id|>" in chat and chat.count("[[") == chat.count("]]") >= 1, chat
-    assert "<|start_header_id|>user" not in "".join(part.split("]]")[0] for part in chat.split("[[")[1:]), chat
+    assert "<|start_header_id|>user<|end_header_id|>" in chat and chat.count("[[") == chat.count("]]") >= 1, (
+        chat
+    )
+    assert "<|start_header_id|>user" not in "".join(part.split("]]")[0] for part in chat.split("[[")[1:]), (
+        chat
+    )
     assert samples[2] == "datasets[2]: not shown (a Hub dataset: read where it runs)", samples
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()

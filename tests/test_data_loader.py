@@ -21,7 +21,9 @@ def ids(batch):
 
 def test_make_batch_shift_and_positions():
     b = make_batch(blocks(3))
-    assert {k: tuple(v.shape) for k, v in b.items()} == {k: (3, S) for k in ("input_ids", "shift_labels", "position_ids")}
+    assert {k: tuple(v.shape) for k, v in b.items()} == {
+        k: (3, S) for k in ("input_ids", "shift_labels", "position_ids")
+    }
     assert all(v.dtype == torch.long for v in b.values())
     assert torch.equal(b["shift_labels"][:, :-1], b["input_ids"][:, 1:])
     assert torch.equal(b["shift_labels"], blocks(3)[:, 1:].long())
@@ -54,11 +56,11 @@ def test_union_over_ranks_is_the_one_rank_batch(dp_size, mbs, grad_accum):
             for key in ref[m]:
                 assert torch.equal(torch.cat([per_rank[r][m][key] for r in range(dp_size)]), ref[m][key])
                 for r in range(dp_size):  # rank r holds rows [r*B, (r+1)*B)
-                    assert torch.equal(per_rank[r][m][key], ref[m][key][r * mbs:(r + 1) * mbs])
+                    assert torch.equal(per_rank[r][m][key], ref[m][key][r * mbs : (r + 1) * mbs])
     # iterating the loaders gives the same stream as the step helper
     for r, ld in enumerate(loaders):
         stream = [b for _ in range(2) for b in ld]
-        expected = [one_rank.micro_batch(k)["input_ids"][r * mbs:(r + 1) * mbs] for k in range(len(stream))]
+        expected = [one_rank.micro_batch(k)["input_ids"][r * mbs : (r + 1) * mbs] for k in range(len(stream))]
         assert all(torch.equal(b["input_ids"], e) for b, e in zip(stream, expected))
 
 
@@ -86,7 +88,9 @@ def test_resume_equals_uninterrupted(stop):
     state = first.state_dict()
     resumed = PackedLoader(blocks(), mbs, dp_rank=1, dp_size=dp, seed=5)
     resumed.load_state_dict(state)
-    got += [ids(b) for b in itertools.islice(itertools.chain.from_iterable(resumed for _ in range(3)), 30 - stop)]
+    got += [
+        ids(b) for b in itertools.islice(itertools.chain.from_iterable(resumed for _ in range(3)), 30 - stop)
+    ]
     assert got == ref
 
 

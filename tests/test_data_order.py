@@ -6,12 +6,12 @@ combinations refused before launch."""
 import numpy as np
 import pytest
 import torch
-from cli_helpers import forbid_launch, run_cli
-from sft_fixtures import alpaca_records, llama3_tokenizer, write_jsonl
 
+from cli_helpers import forbid_launch, run_cli
 from ndparallel.data.bins import first_fit_decreasing, next_fit
 from ndparallel.data.dataset import DatasetSpec
 from ndparallel.data.pipeline import DataOptions, build_rows, prepare_samples
+from sft_fixtures import alpaca_records, llama3_tokenizer, write_jsonl
 
 IGNORE = -100
 
@@ -54,8 +54,12 @@ def test_sequential_packing_keeps_the_data_order(tok, tmp_path):
     order = _samples(prepare_samples(spec, tok, DataOptions(sequence_len=256)))
     found = {}
     for sequential in (True, False):
-        store = build_rows(spec, tok, DataOptions(sequence_len=256, sample_packing=True,
-                                                  sequential_packing=sequential), tmp_path / "cache")
+        store = build_rows(
+            spec,
+            tok,
+            DataOptions(sequence_len=256, sample_packing=True, sequential_packing=sequential),
+            tmp_path / "cache",
+        )
         batch = store[torch.arange(len(store))]
         pieces = []
         for r in range(len(store)):
@@ -71,14 +75,16 @@ def test_sequential_packing_keeps_the_data_order(tok, tmp_path):
 def _cfg(tmp_path, extra: str) -> str:
     data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(8))
     path = tmp_path / "c.yaml"
-    path.write_text(f"base_model: tiny-llama\ntokenizer_vocab_size: 512\nsequence_len: 64\noutput_dir: {tmp_path}/o\n"
-                    f"datasets: [{{path: {data}, type: alpaca}}]\n" + extra)
+    path.write_text(
+        f"base_model: tiny-llama\ntokenizer_vocab_size: 512\nsequence_len: 64\noutput_dir: {tmp_path}/o\n"
+        f"datasets: [{{path: {data}, type: alpaca}}]\n" + extra
+    )
     return str(path)
 
 
 def test_curriculum_sampling_turns_the_shuffle_off(tmp_path, capsys, monkeypatch):
-    from ndparallel.training.build import train_loader
     from ndparallel.axolotl import load_config
+    from ndparallel.training.build import train_loader
 
     forbid_launch(monkeypatch)
     cfg = load_config(_cfg(tmp_path, "curriculum_sampling: true\n"))
@@ -88,18 +94,34 @@ def test_curriculum_sampling_turns_the_shuffle_off(tmp_path, capsys, monkeypatch
     assert [int(ordered.micro_batch(i)["input_ids"][0, 0]) for i in range(12)] == [65 * i for i in range(12)]
     shuffled = train_loader(load_config(_cfg(tmp_path, "")), splits, None, 0, 1, None)
     assert [int(shuffled.micro_batch(i)["input_ids"][0, 0]) for i in range(12)] != [65 * i for i in range(12)]
-    code, out, err = run_cli(capsys, "train", _cfg(tmp_path, "curriculum_sampling: true\nsample_packing: true\n"
-                             "sample_packing_sequentially: true\ndataset_exact_deduplication: true\n"), "--dry-run")
+    code, out, err = run_cli(
+        capsys,
+        "train",
+        _cfg(
+            tmp_path,
+            "curriculum_sampling: true\nsample_packing: true\n"
+            "sample_packing_sequentially: true\ndataset_exact_deduplication: true\n",
+        ),
+        "--dry-run",
+    )
     assert code == 0, err
     assert "packed several per row in dataset order" in out and "exact duplicates dropped" in out
     assert "rows in dataset order (curriculum_sampling)" in out
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    ("dataset_exact_deduplication: true\npretraining_dataset: [{path: x.txt}]\nmax_steps: 3\ndatasets:\n",
-     "dataset_exact_deduplication: true with a streamed pretraining_dataset"),
-    ("sample_packing_sequentially: true\n", "sample_packing_sequentially: true without sample_packing: true"),
-])
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (
+            "dataset_exact_deduplication: true\npretraining_dataset: [{path: x.txt}]\nmax_steps: 3\ndatasets:\n",
+            "dataset_exact_deduplication: true with a streamed pretraining_dataset",
+        ),
+        (
+            "sample_packing_sequentially: true\n",
+            "sample_packing_sequentially: true without sample_packing: true",
+        ),
+    ],
+)
 def test_data_order_switches_refused_where_they_cannot_apply(tmp_path, capsys, monkeypatch, extra, fragment):
     forbid_launch(monkeypatch)
     code, _, err = run_cli(capsys, "train", _cfg(tmp_path, extra), "--dry-run")

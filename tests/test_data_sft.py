@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from sft_fixtures import alpaca_records, chat_records, llama3_tokenizer, write_jsonl
 
 from ndparallel.data import PackedLoader
 from ndparallel.data.bins import first_fit_decreasing
@@ -21,6 +20,7 @@ from ndparallel.data.pipeline import (
     prepare_samples,
 )
 from ndparallel.data.prompts import ALPACA_NO_INPUT, ALPACA_WITH_INPUT, alpaca, render
+from sft_fixtures import alpaca_records, chat_records, llama3_tokenizer, write_jsonl
 
 IGNORE = -100
 
@@ -80,23 +80,37 @@ def test_chat_template_trains_exactly_the_assistant_turns(tok):
                 assert m["content"] in masked
 
 
-@pytest.mark.parametrize("train_on_eos, eot_trained", [("none", [False] * 3), ("all", [True] * 6),
-                                                      ("last", [False, False, True])])
+@pytest.mark.parametrize(
+    "train_on_eos, eot_trained", [("none", [False] * 3), ("all", [True] * 6), ("last", [False, False, True])]
+)
 def test_chat_train_on_eos(tok, train_on_eos, eot_trained):
-    record = {"messages": [{"role": r, "content": f"{r} {i}"} for i in range(3) for r in ("user", "assistant")]}
+    record = {
+        "messages": [{"role": r, "content": f"{r} {i}"} for i in range(3) for r in ("user", "assistant")]
+    }
     ids, labels = _chat(tok, record, train_on_eos=train_on_eos)
     eot = tok.convert_tokens_to_ids("<|eot_id|>")
     got = [lab == eot for i, lab in zip(ids, labels) if i == eot]
-    expect = eot_trained if train_on_eos == "all" else [x for pair in zip([False] * 3, eot_trained) for x in pair]
+    expect = (
+        eot_trained if train_on_eos == "all" else [x for pair in zip([False] * 3, eot_trained) for x in pair]
+    )
     assert got == expect
 
 
-@pytest.mark.parametrize("train_on_eos, train_on_eot, eot_trained", [("none", "turn", [False, True] * 3),
-                                                                      ("turn", "none", [False] * 6),
-                                                                      ("none", "last", [False] * 5 + [True])])
-def test_chat_train_on_eot_governs_turn_tokens_that_are_not_the_eos(tok, train_on_eos, train_on_eot, eot_trained):
+@pytest.mark.parametrize(
+    "train_on_eos, train_on_eot, eot_trained",
+    [
+        ("none", "turn", [False, True] * 3),
+        ("turn", "none", [False] * 6),
+        ("none", "last", [False] * 5 + [True]),
+    ],
+)
+def test_chat_train_on_eot_governs_turn_tokens_that_are_not_the_eos(
+    tok, train_on_eos, train_on_eot, eot_trained
+):
     """Llama 3's turns end with <|eot_id|>, its eos is <|end_of_text|>: train_on_eot decides."""
-    record = {"messages": [{"role": r, "content": f"{r} {i}"} for i in range(3) for r in ("user", "assistant")]}
+    record = {
+        "messages": [{"role": r, "content": f"{r} {i}"} for i in range(3) for r in ("user", "assistant")]
+    }
     ids, labels = _chat(tok, record, train_on_eos=train_on_eos, train_on_eot=train_on_eot)
     eot = tok.convert_tokens_to_ids("<|eot_id|>")
     assert [lab == eot for i, lab in zip(ids, labels) if i == eot] == eot_trained
@@ -124,8 +138,11 @@ def test_chat_roles_to_train_and_sharegpt_with_chatml(tok):
 def test_jeopardy_is_alpaca_with_the_clue_and_category_and_a_what_is_answer():
     spec = DatasetSpec.from_any({"path": "x.jsonl", "type": "jeopardy"})
     record = {"question": "This river flows through Cairo", "category": "RIVERS", "answer": "the Nile"}
-    expected = render({"instruction": record["question"], "input": "RIVERS", "output": "what is the Nile"},
-                      DatasetSpec.from_any({"path": "x.jsonl", "type": "alpaca"}), "row 0")
+    expected = render(
+        {"instruction": record["question"], "input": "RIVERS", "output": "what is the Nile"},
+        DatasetSpec.from_any({"path": "x.jsonl", "type": "alpaca"}),
+        "row 0",
+    )
     assert render(record, spec, "row 0").segments == expected.segments
     assert expected.segments[-1] == ("what is the Nile", True)
     with pytest.raises(ValueError, match="column 'question' is missing"):
@@ -133,8 +150,12 @@ def test_jeopardy_is_alpaca_with_the_clue_and_category_and_a_what_is_answer():
 
 
 def test_input_output_segments(tok):
-    record = {"segments": [{"text": "<|begin_of_text|>Q: two plus two?\n", "label": False},
-                           {"text": "A: four.<|end_of_text|>", "label": True}]}
+    record = {
+        "segments": [
+            {"text": "<|begin_of_text|>Q: two plus two?\n", "label": False},
+            {"text": "A: four.<|end_of_text|>", "label": True},
+        ]
+    }
     ids, labels = encode(tok, render(record, DatasetSpec(path="x", type="input_output"), "t"))
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # used as written
     assert [tok.decode(r) for r in _trained_runs(ids, labels)] == ["A: four.<|end_of_text|>"]
@@ -182,8 +203,10 @@ def _samples_of_row(batch, r, length):
     """(input_ids, shift_labels) of each sample of row r, cut at position_ids restarts."""
     pos = batch["position_ids"][r, :length]
     starts = [0] + [i for i in range(1, length) if int(pos[i]) == 0]
-    return [(batch["input_ids"][r, a:b].tolist(), batch["shift_labels"][r, a:b].tolist())
-            for a, b in zip(starts, [*starts[1:], length])]
+    return [
+        (batch["input_ids"][r, a:b].tolist(), batch["shift_labels"][r, a:b].tolist())
+        for a, b in zip(starts, [*starts[1:], length])
+    ]
 
 
 @pytest.mark.parametrize("packing", [True, False])
@@ -192,8 +215,12 @@ def test_rows_hold_each_sample_once_with_restarts_and_boundary_labels(tok, tmp_p
     data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(40))
     specs = [{"path": str(data), "type": "alpaca"}]
     prepared = _prepare(tok, specs, sequence_len=S)
-    store = build_rows([DatasetSpec.from_any(s) for s in specs], tok,
-                       DataOptions(sequence_len=S, sample_packing=packing), tmp_path / "cache")
+    store = build_rows(
+        [DatasetSpec.from_any(s) for s in specs],
+        tok,
+        DataOptions(sequence_len=S, sample_packing=packing),
+        tmp_path / "cache",
+    )
     batch = store[torch.arange(len(store))]
     found = []
     for r in range(len(store)):
@@ -202,8 +229,10 @@ def test_rows_hold_each_sample_once_with_restarts_and_boundary_labels(tok, tmp_p
         assert packing or len(pieces) == 1
         found += pieces
         assert (batch["shift_labels"][r, length:] == IGNORE).all()  # padding: never a label
-        assert (batch["position_ids"][r, length:] == torch.arange(length, S)[: S - length]
-                - length + batch["position_ids"][r, length - 1] + 1).all()  # continues, no restart
+        assert (
+            batch["position_ids"][r, length:]
+            == torch.arange(length, S)[: S - length] - length + batch["position_ids"][r, length - 1] + 1
+        ).all()  # continues, no restart
     expected = []
     for k in range(len(prepared)):
         ids, labels = prepared.sample(k)
@@ -225,8 +254,12 @@ def test_lengths_truncate_drop_split_and_untrained(tok, tmp_path):
     assert len(split) == split.stats.pieces_from_split + 1 > 1  # raw text is cut, not lost
     assert sum(len(split.sample(k)[0]) for k in range(len(split))) == len(tok("word " * 150)["input_ids"]) + 1
     with pytest.raises(ValueError, match="no sample left.*1 longer than sequence_len=256 dropped"):
-        _prepare(tok, [{"path": str(write_jsonl(tmp_path / "l.jsonl", [long])), "type": "alpaca"}],
-                 sequence_len=256, excess_length_strategy="drop")
+        _prepare(
+            tok,
+            [{"path": str(write_jsonl(tmp_path / "l.jsonl", [long])), "type": "alpaca"}],
+            sequence_len=256,
+            excess_length_strategy="drop",
+        )
 
 
 def test_unset_packing_concatenates_raw_text_only(tok, tmp_path):
@@ -252,8 +285,12 @@ def test_rows_are_cached(tok, tmp_path):
 
 def test_validation_split_of_rows(tok, tmp_path):
     data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(30))
-    splits = build_data([{"path": str(data), "type": "alpaca"}], tok,
-                        DataOptions(sequence_len=256, val_set_size=0.2, seed=1), tmp_path / "cache")
+    splits = build_data(
+        [{"path": str(data), "type": "alpaca"}],
+        tok,
+        DataOptions(sequence_len=256, val_set_size=0.2, seed=1),
+        tmp_path / "cache",
+    )
     assert len(splits.val) == 6 and len(splits.train) == 24
     assert not set(splits.train.rows.tolist()) & set(splits.val.rows.tolist())
     assert PackedLoader(splits.val, 2, shuffle=False).micro_batch(0)["input_ids"].shape == (2, 256)
@@ -281,8 +318,17 @@ def test_padding_cannot_reach_real_tokens(tok, tmp_path):
     rows = build_data([{"path": str(data), "type": "alpaca"}], tok, DataOptions(sequence_len=256)).train
     batch = rows[torch.arange(4)]
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_cache=False,
+        )
+    ).eval()
 
     def logits(ids):
         with torch.no_grad():
@@ -298,9 +344,15 @@ def test_padding_cannot_reach_real_tokens(tok, tmp_path):
 
 
 # ------------------------------------------------------------------ custom instruction formats
-MISTRAL_LIKE = {"system_prompt": "Be brief.", "system_format": "<<SYS>>{system}<</SYS>>\n",
-                "field_instruction": "instruction", "field_input": "input", "field_output": "output",
-                "format": "[INST] {instruction}\n{input} [/INST]\n", "no_input_format": "[INST] {instruction} [/INST]\n"}
+MISTRAL_LIKE = {
+    "system_prompt": "Be brief.",
+    "system_format": "<<SYS>>{system}<</SYS>>\n",
+    "field_instruction": "instruction",
+    "field_input": "input",
+    "field_output": "output",
+    "format": "[INST] {instruction}\n{input} [/INST]\n",
+    "no_input_format": "[INST] {instruction} [/INST]\n",
+}
 
 
 def test_custom_format_masks_exactly_the_prompt(tok):
@@ -308,8 +360,11 @@ def test_custom_format_masks_exactly_the_prompt(tok):
     assert spec.type == "user_defined" and spec.format.no_input_format == MISTRAL_LIKE["no_input_format"]
     for record in alpaca_records(12):
         ids, labels = encode(tok, render(record, spec, "t"))
-        turn = (MISTRAL_LIKE["format"].format(**record) if record["input"]
-                else MISTRAL_LIKE["no_input_format"].format(instruction=record["instruction"]))
+        turn = (
+            MISTRAL_LIKE["format"].format(**record)
+            if record["input"]
+            else MISTRAL_LIKE["no_input_format"].format(instruction=record["instruction"])
+        )
         prompt = "<<SYS>>Be brief.<</SYS>>\n" + turn
         n_prompt = len(tok(prompt)["input_ids"])
         assert labels[:n_prompt] == [IGNORE] * n_prompt and labels[n_prompt:] == ids[n_prompt:]
@@ -328,14 +383,19 @@ def test_custom_format_system_column_and_defaults(tok):
         render({"instruction": "hi"}, spec, "t")
 
 
-@pytest.mark.parametrize("fmt, fragment", [
-    ({"field_instruction": "q"}, "type.format is required"),
-    ({"format": "{instruction} {question}"}, "type.format: placeholder(s) ['question'] are not filled"),
-    ({"format": "{instruction}", "no_input_format": "{instruction} {input}"},
-     "type.no_input_format: placeholder(s) ['input'] are not filled"),
-    ({"format": "{instruction", "field_output": "a"}, "type.format: "),
-    ({"format": "{instruction}", "feld_output": "a"}, "unknown key(s) ['feld_output']"),
-])
+@pytest.mark.parametrize(
+    "fmt, fragment",
+    [
+        ({"field_instruction": "q"}, "type.format is required"),
+        ({"format": "{instruction} {question}"}, "type.format: placeholder(s) ['question'] are not filled"),
+        (
+            {"format": "{instruction}", "no_input_format": "{instruction} {input}"},
+            "type.no_input_format: placeholder(s) ['input'] are not filled",
+        ),
+        ({"format": "{instruction", "field_output": "a"}, "type.format: "),
+        ({"format": "{instruction}", "feld_output": "a"}, "unknown key(s) ['feld_output']"),
+    ],
+)
 def test_bad_custom_format_is_one_line_before_launch(tmp_path, fmt, fragment):
     from ndparallel.axolotl import ConfigError, load_config
 
@@ -350,7 +410,9 @@ def test_bad_custom_format_is_one_line_before_launch(tmp_path, fmt, fragment):
 def test_eot_settings_flow_from_the_config():
     from ndparallel.axolotl import load_config
 
-    cfg = load_config(None, ["eot_tokens=['<|eot_id|>']",
-                             "datasets=[{path: x.jsonl, type: chat_template, train_on_eot: all}]"])
+    cfg = load_config(
+        None,
+        ["eot_tokens=['<|eot_id|>']", "datasets=[{path: x.jsonl, type: chat_template, train_on_eot: all}]"],
+    )
     assert cfg.data_options().eot_tokens == ("<|eot_id|>",)
     assert DatasetSpec.from_any(cfg.datasets[0].model_dump()).train_on_eot == "all"

@@ -30,8 +30,10 @@ def test_store_equals_in_memory_packing(tmp_path, pad_tail):
 
 
 def test_chunked_stream_is_packed_in_order(tmp_path):
-    chunks = [pa.array([[1, 2, 3], [4]], type=pa.list_(pa.int32())),
-              pa.array([[5, 6], [7, 8, 9, 10]], type=pa.list_(pa.int32())).slice(0, 2)]
+    chunks = [
+        pa.array([[1, 2, 3], [4]], type=pa.list_(pa.int32())),
+        pa.array([[5, 6], [7, 8, 9, 10]], type=pa.list_(pa.int32())).slice(0, 2),
+    ]
     path = pack_to_file(pa.chunked_array(chunks), 4, tmp_path / "x.npy", pad_tail=True, pad_value=-100)
     assert np.load(path).tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, -100, -100]]
     assert not list(tmp_path.glob(".x.npy.tmp*"))

@@ -23,7 +23,9 @@ def test_train_cache_roundtrip(tmp_path, monkeypatch):
         assert tok.decode(tok(text)["input_ids"]) == text
     assert tok("x = 1")["input_ids"][-1] != tok.eos_token_id  # no specials added implicitly
 
-    monkeypatch.setattr(tokmod, "train_bpe", lambda *a, **k: pytest.fail("retrained instead of using the cache"))
+    monkeypatch.setattr(
+        tokmod, "train_bpe", lambda *a, **k: pytest.fail("retrained instead of using the cache")
+    )
     t0 = time.perf_counter()
     again = load_or_train_tokenizer("builtin:stdlib", tmp_path, vocab_size=1024, max_bytes=1_000_000)
     assert time.perf_counter() - t0 < first

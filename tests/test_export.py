@@ -41,7 +41,7 @@ def _train_and_export(layout: dict, out: str, preset: str) -> dict | None:
     model, optimizer = acc.prepare(model, optimizer)
     rows = setup.global_micro_batch // acc.dp_size
     for (mb,) in make_global_batches(setup):
-        mb = {k: v[acc.dp_rank * rows:(acc.dp_rank + 1) * rows] for k, v in mb.items()}
+        mb = {k: v[acc.dp_rank * rows : (acc.dp_rank + 1) * rows] for k, v in mb.items()}
         n = acc.global_num_items([mb])
         logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
         acc.backward(acc.causal_lm_loss(logits, mb["shift_labels"], n), num_items_in_batch=n)
@@ -120,7 +120,9 @@ def test_export_cli_from_checkpoint(fsdp_export, tmp_path):
 
 def test_fsdp_tp_export_reloads_with_same_logits(tmp_path):
     pytest.importorskip("ndparallel.parallel.tensor")
-    logits = run_on_ranks(_train_and_export, 4, {"dp_shard_size": 2, "tp_size": 2}, str(tmp_path), "tiny-llama")[0]
+    logits = run_on_ranks(
+        _train_and_export, 4, {"dp_shard_size": 2, "tp_size": 2}, str(tmp_path), "tiny-llama"
+    )[0]
     torch.testing.assert_close(_reload_logits(tmp_path / "hf"), logits, rtol=1e-5, atol=1e-5)
     assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "from-ckpt")]) == 0
     torch.testing.assert_close(_reload_logits(tmp_path / "from-ckpt"), logits, rtol=1e-5, atol=1e-5)

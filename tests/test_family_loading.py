@@ -50,7 +50,10 @@ def test_sharded_load_and_export_equal_transformers(saved, tmp_path):
         assert set(got[cls]) == set(ref), cls
         for name, tensor in ref.items():
             assert torch.equal(got[cls][name], tensor.float()), (cls, name)
-        written, original = load_file(tmp_path / cls / "model.safetensors"), load_file(path / "model.safetensors")
+        written, original = (
+            load_file(tmp_path / cls / "model.safetensors"),
+            load_file(path / "model.safetensors"),
+        )
         assert set(written) == set(original), (cls, sorted(set(written) ^ set(original))[:4])
         assert all(torch.equal(written[k], original[k]) for k in original), cls
     neox = load_file(saved["GPTNeoXConfig"] / "model.safetensors")

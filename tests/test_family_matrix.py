@@ -28,12 +28,28 @@ from ndparallel.tools.shrink import shrink_model
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {  # name in the docs -> transformers config class (its defaults, shrunk)
-    "Llama": "LlamaConfig", "Llama 4": "Llama4TextConfig", "Qwen2": "Qwen2Config", "Qwen3": "Qwen3Config",
-    "Mistral": "MistralConfig", "Gemma 2": "Gemma2Config", "Gemma 3": "Gemma3TextConfig",
-    "Gemma 4": "Gemma4TextConfig",    "Phi-3": "Phi3Config", "OLMo-2": "Olmo2Config", "Cohere": "CohereConfig", "Cohere 2": "Cohere2Config",
-    "GLM": "GlmConfig", "GLM-4": "Glm4Config", "Phi": "PhiConfig", "SmolLM3": "SmolLM3Config",
-    "GPT-NeoX": "GPTNeoXConfig", "Falcon": "FalconConfig", "StableLM": "StableLmConfig",
-    "Qwen2-MoE": "Qwen2MoeConfig", "Qwen3-MoE": "Qwen3MoeConfig", "Mixtral": "MixtralConfig",
+    "Llama": "LlamaConfig",
+    "Llama 4": "Llama4TextConfig",
+    "Qwen2": "Qwen2Config",
+    "Qwen3": "Qwen3Config",
+    "Mistral": "MistralConfig",
+    "Gemma 2": "Gemma2Config",
+    "Gemma 3": "Gemma3TextConfig",
+    "Gemma 4": "Gemma4TextConfig",
+    "Phi-3": "Phi3Config",
+    "OLMo-2": "Olmo2Config",
+    "Cohere": "CohereConfig",
+    "Cohere 2": "Cohere2Config",
+    "GLM": "GlmConfig",
+    "GLM-4": "Glm4Config",
+    "Phi": "PhiConfig",
+    "SmolLM3": "SmolLM3Config",
+    "GPT-NeoX": "GPTNeoXConfig",
+    "Falcon": "FalconConfig",
+    "StableLM": "StableLmConfig",
+    "Qwen2-MoE": "Qwen2MoeConfig",
+    "Qwen3-MoE": "Qwen3MoeConfig",
+    "Mixtral": "MixtralConfig",
     "DeepSeek-V3": "DeepseekV3Config",
 }
 LAYOUTS = {  # name -> (ParallelismConfig kwargs, YAML fields of the same layout, parallel kwargs)
@@ -75,7 +91,11 @@ def saved(tmp_path_factory):
 
 
 def _yaml_fields(layout: dict, extra: dict) -> dict:
-    names = {"dp_shard_size": "dp_shard_size", "tp_size": "tensor_parallel_size", "cp_size": "context_parallel_size"}
+    names = {
+        "dp_shard_size": "dp_shard_size",
+        "tp_size": "tensor_parallel_size",
+        "cp_size": "context_parallel_size",
+    }
     return {**{names[k]: v for k, v in layout.items()}, **extra}
 
 
@@ -84,8 +104,12 @@ def prelaunch_verdict(model_dir: str, layout: dict, extra: dict) -> str | None:
     from ndparallel.config import ConfigError, TrainConfig
     from ndparallel.preflight.checks import validate_layout
 
-    cfg = TrainConfig(base_model=model_dir, sequence_len=SEQ, datasets=[{"path": "builtin:stdlib"}],
-                      **_yaml_fields(layout, extra))
+    cfg = TrainConfig(
+        base_model=model_dir,
+        sequence_len=SEQ,
+        datasets=[{"path": "builtin:stdlib"}],
+        **_yaml_fields(layout, extra),
+    )
     world = 1
     for v in layout.values():
         world *= v
@@ -103,9 +127,18 @@ def short_reason(message: str) -> str:
 def _setup(model_dir: str, extra: dict, family: str | None = None) -> TrainSetup:
     config = transformers.AutoConfig.from_pretrained(model_dir)
     kwargs = {"tp_options": TPOptions(sequence_parallel=True)} if extra.get("sequence_parallel") else {}
-    return TrainSetup(config, steps=2, global_micro_batch=2, seq_len=SEQ, optimizer="sgd", lr=0.1,
-                      packed_documents=True, model_dir=model_dir, parallel_kwargs=kwargs,
-                      **FAMILY_SETTINGS.get(family, ({}, ""))[0])
+    return TrainSetup(
+        config,
+        steps=2,
+        global_micro_batch=2,
+        seq_len=SEQ,
+        optimizer="sgd",
+        lr=0.1,
+        packed_documents=True,
+        model_dir=model_dir,
+        parallel_kwargs=kwargs,
+        **FAMILY_SETTINGS.get(family, ({}, ""))[0],
+    )
 
 
 def train_families(setups: dict, layout: dict | None) -> dict:
@@ -131,7 +164,9 @@ def reference(saved):
 def test_tested_families_are_the_matrix():
     types = {getattr(transformers, cls)().model_type for cls in FAMILIES.values()}
     assert types == set(TESTED_FAMILIES)
-    assert [TESTED_FAMILIES[getattr(transformers, cls)().model_type] for cls in FAMILIES.values()] == list(FAMILIES)
+    assert [TESTED_FAMILIES[getattr(transformers, cls)().model_type] for cls in FAMILIES.values()] == list(
+        FAMILIES
+    )
 
 
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
@@ -151,8 +186,10 @@ def test_layout_on_every_family(layout_name, saved, reference):
         diff = compare(reference[name], got[name])
         if not (diff["loss_rel"] <= TOL and diff["grad_norm_rel"] <= TOL and diff["param_abs"] <= PARAM_TOL):
             bad[name] = diff
-    assert not bad, (f"{layout_name}: cells that launched but differ from one process or failed (a family "
-                     f"needing other settings goes in FAMILY_SETTINGS with the docs' reason): {bad}")
+    assert not bad, (
+        f"{layout_name}: cells that launched but differ from one process or failed (a family "
+        f"needing other settings goes in FAMILY_SETTINGS with the docs' reason): {bad}"
+    )
     for name, verdict in verdicts.items():  # refusals are known ones, one line each
         assert verdict is None or short_reason(verdict) != verdict, (name, verdict)
 
@@ -162,8 +199,11 @@ def _matrix_markdown(saved) -> str:
     rows = []
     for name, path in saved.items():
         cells = [prelaunch_verdict(path, *LAYOUTS[layout]) for layout in LAYOUTS]
-        rows.append(f"| {name} | " + " | ".join("= 1 process" if v is None else f"refused: {short_reason(v)}"
-                                                for v in cells) + " |")
+        rows.append(
+            f"| {name} | "
+            + " | ".join("= 1 process" if v is None else f"refused: {short_reason(v)}" for v in cells)
+            + " |"
+        )
     return head + "\n".join(rows) + "\n"
 
 
@@ -179,7 +219,7 @@ def test_docs_list_the_matrix(saved):
     table = _matrix_markdown(saved)
     docs = (ROOT / "docs" / "families.md").read_text()
     assert _between(docs, "family-matrix") == table, "docs/families.md is stale; it should read:\n" + table
-    line = (f"Tested families ({len(FAMILIES)}): {', '.join(FAMILIES)}; layouts: {', '.join(LAYOUTS)}.\n")
+    line = f"Tested families ({len(FAMILIES)}): {', '.join(FAMILIES)}; layouts: {', '.join(LAYOUTS)}.\n"
     assert _between((ROOT / "README.md").read_text(), "families") == line, "README is stale:\n" + line
 
 

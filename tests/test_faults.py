@@ -24,8 +24,19 @@ TIMEOUT_S = 20
 
 def _launch(out: Path, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
     env = {**os.environ, "NDPARALLEL_TIMEOUT": str(TIMEOUT_S), "NDPARALLEL_DEVICE": "cpu"}
-    cmd = [sys.executable, "-m", "ndparallel", "launch", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), str(SCRIPT), str(out), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ndparallel",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        str(SCRIPT),
+        str(out),
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 

@@ -16,8 +16,17 @@ TIMEOUT_S = 15
 
 def _run(mode: str, tmp_path: Path):
     env = {**os.environ, "NDPARALLEL_TIMEOUT": str(TIMEOUT_S)}
-    cmd = [sys.executable, "-m", "ndparallel", "launch", "--nproc-per-node", "3", str(SCRIPT),
-           mode, str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ndparallel",
+        "launch",
+        "--nproc-per-node",
+        "3",
+        str(SCRIPT),
+        mode,
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     return proc, time.time()
 

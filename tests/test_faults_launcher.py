@@ -28,19 +28,32 @@ pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc 
 
 
 def _env(**extra: str) -> dict:
-    return {**os.environ, "NDPARALLEL_TIMEOUT": "20", "NDPARALLEL_DEVICE": "cpu",
-            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]), **extra}
+    return {
+        **os.environ,
+        "NDPARALLEL_TIMEOUT": "20",
+        "NDPARALLEL_DEVICE": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        **extra,
+    }
 
 
 def _launch(*args: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ndparallel", "launch", *args], env=popen.pop("env", _env()),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ndparallel", "launch", *args],
+        env=popen.pop("env", _env()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 def _wait_for(paths: list[Path], procs: list[subprocess.Popen]) -> None:
     deadline = time.monotonic() + WAIT_S
     while not all(p.exists() for p in paths):
-        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
+        assert all(p.poll() is None for p in procs), [
+            p.communicate()[1][-2000:] for p in procs if p.poll() is not None
+        ]
         assert time.monotonic() < deadline, f"the ranks did not start within {WAIT_S} s"
         time.sleep(0.05)
 
@@ -67,8 +80,9 @@ def _parent(pid: int) -> int:
 def test_stopped_rank_is_the_one_named(tmp_path):
     """Rank 1 of 3 stops itself (SIGSTOP): its peers time out in the next collective and are
     stopped; rank 1 ignores SIGTERM and is killed 30 s later (torch's grace) — it is the one named."""
-    proc = _launch("--nproc-per-node", "3", str(SCRIPT), "stop-rank-1", str(tmp_path),
-                   env=_env(NDPARALLEL_TIMEOUT="3"))
+    proc = _launch(
+        "--nproc-per-node", "3", str(SCRIPT), "stop-rank-1", str(tmp_path), env=_env(NDPARALLEL_TIMEOUT="3")
+    )
     _, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 1
     assert "ndparallel launch: ranks [1] hung: they did not stop when asked (SIGTERM)" in err, err[-3000:]
@@ -95,8 +109,18 @@ def test_a_dead_node_ends_the_other_which_names_it(tmp_path):
     """Two launchers (1 rank each, c10d rendezvous on 127.0.0.1): ``kill -9`` of the second —
     its rank dies with it; the first ends within the collective timeout, naming that node."""
     port = free_port()
-    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "dead-node"]
+    rdzv = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "dead-node",
+    ]
     first = _launch(*rdzv, str(SCRIPT), "loop", str(tmp_path))
     deadline = time.monotonic() + WAIT_S
     while not _listening(port):  # the first launcher hosts the rendezvous store
@@ -112,8 +136,10 @@ def test_a_dead_node_ends_the_other_which_names_it(tmp_path):
     assert _wait_gone([ranks[dead_rank]], within_s=10)
     _, err = first.communicate(timeout=WAIT_S)
     assert first.returncode == 1 and time.monotonic() - killed < 20 + 30, err[-3000:]  # timeout + teardown
-    assert (f"ndparallel launch: node with rank {dead_rank} on {socket.gethostname()} (launcher pid "
-            f"{second.pid}) stopped responding") in err, err[-3000:]
+    assert (
+        f"ndparallel launch: node with rank {dead_rank} on {socket.gethostname()} (launcher pid "
+        f"{second.pid}) stopped responding"
+    ) in err, err[-3000:]
     second.communicate(timeout=30)
 
 
@@ -149,11 +175,17 @@ with PreemptionWatch(timeout_s=1.0, name="job") as watch:
 
 def test_preemption_deadline_exits_without_a_checkpoint_saying_so():
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", _DEADLINE.format(src=str(ROOT / "src"))], env=_env(),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", _DEADLINE.format(src=str(ROOT / "src"))],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == PREEMPTED_EXIT and time.monotonic() - started < 30
     assert proc.stderr.splitlines() == [
         "job: SIGUSR1 received while stopping for SIGTERM: ignored (the checkpoint in progress completes, "
         "or is left without a COMPLETE marker)",
         "job: preempted (SIGTERM) at step 7: no checkpoint within preemption_timeout_s=1: exiting without one "
-        f"(exit {PREEMPTED_EXIT}); the newest complete checkpoint stays the resume point"]
+        f"(exit {PREEMPTED_EXIT}); the newest complete checkpoint stays the resume point",
+    ]

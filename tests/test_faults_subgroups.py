@@ -16,8 +16,10 @@ def _group_timeouts_and_stalls():
     from ndparallel import Accelerator, ParallelismConfig
 
     acc = Accelerator(ParallelismConfig(dp_shard_size=2, cp_size=2, tp_size=2), timeout_s=TIMEOUT_S)
-    timeouts = {d: acc.mesh(d).get_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-                for d in DIMS}
+    timeouts = {
+        d: acc.mesh(d).get_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for d in DIMS
+    }
     stalls = {}
     for dim in ("tp", "cp", "dp_shard"):
         group = acc.mesh(dim).get_group()

@@ -17,8 +17,15 @@ from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 pytest.importorskip("torchao.float8")
 
 F8 = Float8Options(enabled=True, emulate=True)
-BASE = TrainSetup(preset_config("tiny-llama"), steps=3, global_micro_batch=4, seq_len=32, optimizer="sgd",
-                  lr=0.5, max_grad_norm=1.0)
+BASE = TrainSetup(
+    preset_config("tiny-llama"),
+    steps=3,
+    global_micro_batch=4,
+    seq_len=32,
+    optimizer="sgd",
+    lr=0.5,
+    max_grad_norm=1.0,
+)
 
 
 def test_decoder_linears_convert_head_and_embeddings_do_not():
@@ -41,8 +48,10 @@ def test_lora_adapters_stay_out_of_fp8_their_base_converts():
 
     from ndparallel.parallel.float8 import apply_float8
 
-    model = get_peft_model(AutoModelForCausalLM.from_config(preset_config("tiny-llama")),
-                           LoraConfig(r=16, target_modules="all-linear"))  # r 16: fp8-sized adapters
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(preset_config("tiny-llama")),
+        LoraConfig(r=16, target_modules="all-linear"),
+    )  # r 16: fp8-sized adapters
     apply_float8(model.get_base_model(), F8)
     converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert converted and all(n.endswith(".base_layer") for n in converted), sorted(converted)[:4]
@@ -70,8 +79,9 @@ def test_train_config_fp8_fails_before_launch(tmp_path):
         _check_fp8(cfg)  # ... train checks the launching machine
 
 
-@pytest.mark.parametrize("layout, world", [({"dp_shard_size": 2}, 2), ({"tp_size": 2}, 2),
-                                           ({"dp_shard_size": 2, "tp_size": 2}, 4)])
+@pytest.mark.parametrize(
+    "layout, world", [({"dp_shard_size": 2}, 2), ({"tp_size": 2}, 2), ({"dp_shard_size": 2, "tp_size": 2}, 4)]
+)
 def test_layouts_train_like_one_process_in_fp8(layout, world):
     setup = dataclasses.replace(BASE, parallel_kwargs={"float8_options": F8})
     ref = run_on_ranks(train_under_layout, 1, setup, None)[0]
@@ -104,10 +114,24 @@ def _train_fp8(overrides):
     from ndparallel.axolotl import load_config
     from ndparallel.training.trainer import run_training
 
-    run_training(load_config(None, [
-        "base_model=tiny-llama", "tokenizer_vocab_size=512", "device=cpu", "sequence_len=32",
-        "micro_batch_size=2", "datasets=[{path: 'builtin:stdlib', max_bytes: 100000}]", "fp8=true",
-        "fp8_emulate=true", "dp_shard_size=2", "logging_steps=1", *overrides]))
+    run_training(
+        load_config(
+            None,
+            [
+                "base_model=tiny-llama",
+                "tokenizer_vocab_size=512",
+                "device=cpu",
+                "sequence_len=32",
+                "micro_batch_size=2",
+                "datasets=[{path: 'builtin:stdlib', max_bytes: 100000}]",
+                "fp8=true",
+                "fp8_emulate=true",
+                "dp_shard_size=2",
+                "logging_steps=1",
+                *overrides,
+            ],
+        )
+    )
     return True
 
 
@@ -122,11 +146,25 @@ def test_fp8_run_checkpoints_resumes_and_exports_a_plain_hf_model(tmp_path):
 
     out, cache = tmp_path / "run", f"dataset_cache_dir={tmp_path / 'cache'}"
     run_on_ranks(_train_fp8, 2, [f"output_dir={out}", "max_steps=2", "save_steps=2", cache], timeout_s=400)
-    run_on_ranks(_train_fp8, 2, [f"output_dir={out}", "max_steps=3", "save_steps=2", cache,
-                                 "resume_from_checkpoint=auto", "dp_shard_size=1", "tensor_parallel_size=2"],
-                 timeout_s=400)
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
-             if '"loss"' in line]
+    run_on_ranks(
+        _train_fp8,
+        2,
+        [
+            f"output_dir={out}",
+            "max_steps=3",
+            "save_steps=2",
+            cache,
+            "resume_from_checkpoint=auto",
+            "dp_shard_size=1",
+            "tensor_parallel_size=2",
+        ],
+        timeout_s=400,
+    )
+    steps = [
+        json.loads(line)["step"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in line
+    ]
     assert steps == [1, 2, 3], steps  # the second run continued at step 3
     saved = load_file(str(out / "final" / "model.safetensors"))
     assert all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in saved.values())

@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 
+from ndparallel.axolotl import ConfigError, load_config
 from ndparallel.engine.loss_scale import LossScaler
 from ndparallel.engine.nonfinite import NonFiniteError
 from ndparallel.models.presets import preset_config
@@ -27,13 +28,20 @@ from ndparallel.tools.equivalence import (
     make_global_batches,
     train_under_layout,
 )
-from ndparallel.axolotl import ConfigError, load_config
 
 LOSS_RTOL, NORM_RTOL, PARAM_ATOL = 2e-5, 5e-4, 2e-4
 # init scale 2^10: the tiny model's first step overflows fp16 at torch's default 2^16 (its LM-head
 # gradient sums ~115 tokens), which the overflow test covers on purpose; here every step applies.
-FP16 = TrainSetup(preset_config("tiny-llama"), steps=3, global_micro_batch=4, seq_len=32, optimizer="sgd",
-                  lr=0.5, mixed_precision="fp16", loss_scale={"init_scale": 2.0 ** 10})
+FP16 = TrainSetup(
+    preset_config("tiny-llama"),
+    steps=3,
+    global_micro_batch=4,
+    seq_len=32,
+    optimizer="sgd",
+    lr=0.5,
+    mixed_precision="fp16",
+    loss_scale={"init_scale": 2.0**10},
+)
 FSDP2 = {"dp_shard_size": 2}
 _ref: dict = {}
 
@@ -44,18 +52,22 @@ def reference():
     return _ref["one"]
 
 
-@pytest.mark.parametrize("layout, world", [(FSDP2, 2), ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4)],
-                         ids=["fsdp2", "dp2_fsdp2"])
+@pytest.mark.parametrize(
+    "layout, world",
+    [(FSDP2, 2), ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4)],
+    ids=["fsdp2", "dp2_fsdp2"],
+)
 def test_fp16_layouts_train_as_one_process(layout, world):
     ref = reference()
     got = run_on_ranks(train_under_layout, world, FP16, layout)[0]
     diff = compare(ref, got)
     assert diff["loss_rel"] <= LOSS_RTOL and diff["grad_norm_rel"] <= NORM_RTOL, diff
     assert diff["param_abs"] <= PARAM_ATOL, diff
-    assert ref.loss_scales == got.loss_scales == [2.0 ** 10] * 3  # no overflow, no growth yet
+    assert ref.loss_scales == got.loss_scales == [2.0**10] * 3  # no overflow, no growth yet
     # the fp16 run is not the fp32 one (the casts happen): fp16 rounding is visible in the loss
-    fp32 = _ref.setdefault("fp32", run_on_ranks(train_under_layout, 1, dataclasses.replace(FP16, mixed_precision="no"),
-                                                None)[0])
+    fp32 = _ref.setdefault(
+        "fp32", run_on_ranks(train_under_layout, 1, dataclasses.replace(FP16, mixed_precision="no"), None)[0]
+    )
     assert compare(fp32, ref)["loss_rel"] > 1e-6
 
 
@@ -71,10 +83,12 @@ def test_an_overflow_on_one_rank_skips_that_step_on_every_rank():
     ranks = run_on_ranks(train_under_layout, 2, dataclasses.replace(FP16, fault="overflow-step-2"), FSDP2)
     assert [r.loss_scales for r in ranks] == [[1024.0, 512.0, 512.0]] * 2
     assert all(r.grad_norms[1] == float("inf") for r in ranks) and all(
-        torch.isfinite(torch.tensor(r.grad_norms[0::2])).all() for r in ranks)
+        torch.isfinite(torch.tensor(r.grad_norms[0::2])).all() for r in ranks
+    )
     batches = make_global_batches(FP16)
-    without = run_on_ranks(train_under_layout, 2, dataclasses.replace(FP16, batches=[batches[0], batches[2]],
-                                                                       steps=2), FSDP2)[0]
+    without = run_on_ranks(
+        train_under_layout, 2, dataclasses.replace(FP16, batches=[batches[0], batches[2]], steps=2), FSDP2
+    )[0]
     got = ranks[0]
     assert [got.losses[0], got.losses[2]] == pytest.approx(without.losses, rel=LOSS_RTOL)
     # scaled by 512 instead of 1024 at that step: equal up to fp16 subnormals (7.6e-6 measured)
@@ -88,7 +102,9 @@ def _update_errors(setup, init, fp32) -> float:
     gradients are the smallest of the tiny model (they underflow fp16 without scaling)."""
     run = run_on_ranks(train_under_layout, 1, setup, None)[0]
     keys = [k for k in init if "q_proj" in k or "k_proj" in k]
-    return max(float((run.params[k] - fp32.params[k]).norm() / (fp32.params[k] - init[k]).norm()) for k in keys)
+    return max(
+        float((run.params[k] - fp32.params[k]).norm() / (fp32.params[k] - init[k]).norm()) for k in keys
+    )
 
 
 def test_the_scaler_really_scales():
@@ -97,9 +113,10 @@ def test_the_scaler_really_scales():
     one = dataclasses.replace(FP16, steps=1, global_micro_batch=8, seq_len=64)
     init = {k: v.detach().float() for k, v in build_model(one).named_parameters()}
     fp32 = run_on_ranks(train_under_layout, 1, dataclasses.replace(one, mixed_precision="no"), None)[0]
-    unscaled = _update_errors(dataclasses.replace(one, loss_scale={"init_scale": 1.0, "growth_interval": 10 ** 9}),
-                              init, fp32)
-    scaled = _update_errors(dataclasses.replace(one, loss_scale={"init_scale": 2.0 ** 12}), init, fp32)
+    unscaled = _update_errors(
+        dataclasses.replace(one, loss_scale={"init_scale": 1.0, "growth_interval": 10**9}), init, fp32
+    )
+    scaled = _update_errors(dataclasses.replace(one, loss_scale={"init_scale": 2.0**12}), init, fp32)
     assert unscaled > 4 * scaled, (unscaled, scaled)
 
 
@@ -125,18 +142,33 @@ def test_fp16_config_keys():
     cfg = load_config(None, ["float16=true", "fp16=false", "base_model=tiny-llama"])
     assert cfg.fp16 and cfg.strategy_options().param_dtype == torch.float16
     assert any(n.startswith("float16: true -> fp16: true") for n in cfg._axolotl_notes)
-    assert cfg.export_dtype() == torch.float16 and cfg.loss_scaler().scale == 2.0 ** 16
+    assert cfg.export_dtype() == torch.float16 and cfg.loss_scaler().scale == 2.0**16
     with pytest.raises(ConfigError, match="bf16 and fp16 are both true"):
         load_config(None, ["fp16=true", "bf16=true"])
     with pytest.raises(ConfigError, match="fp8 with fp16 is not supported"):
         load_config(None, ["fp16=true", "fp8=true"])
 
 
-SMALL = ["datasets=[{path: 'builtin:stdlib', max_bytes: 200000}]", "tokenizer_vocab_size=512", "sequence_len=32",
-         "base_model=tiny-llama", "dp_shard_size=2", "fp16=true", "max_steps=4", "save_steps=2",
-         "save_final_model=false", "logging_steps=1", "loss_scale_init=1048576", "loss_scale_growth_interval=1",
-         # QLoRA (Axolotl's openllama-3b/qlora.yml is fp16): a 4-bit NF4 base, fp16 compute, LoRA masters fp32
-         "adapter=qlora", "load_in_4bit=true", "nf4_block_size=32", "nf4_scaler_block_size=4", "lora_target_linear=true"]
+SMALL = [
+    "datasets=[{path: 'builtin:stdlib', max_bytes: 200000}]",
+    "tokenizer_vocab_size=512",
+    "sequence_len=32",
+    "base_model=tiny-llama",
+    "dp_shard_size=2",
+    "fp16=true",
+    "max_steps=4",
+    "save_steps=2",
+    "save_final_model=false",
+    "logging_steps=1",
+    "loss_scale_init=1048576",
+    "loss_scale_growth_interval=1",
+    # QLoRA (Axolotl's openllama-3b/qlora.yml is fp16): a 4-bit NF4 base, fp16 compute, LoRA masters fp32
+    "adapter=qlora",
+    "load_in_4bit=true",
+    "nf4_block_size=32",
+    "nf4_scaler_block_size=4",
+    "lora_target_linear=true",
+]
 
 
 def _train(overrides):
@@ -181,9 +213,13 @@ def test_the_planner_counts_fp16_as_bf16():
     from ndparallel.plan.search import estimate
 
     model, hw = PRESETS["tiny"], HW["h100-80gb"]
-    got = {mp: (estimate_memory(model, Layout(dp_shard=2, tp=2), Settings(seq_len=256, mixed_precision=mp), hw),
-                estimate(model, Layout(dp_shard=2, tp=2), Settings(seq_len=256, mixed_precision=mp), hw, 8))
-           for mp in ("bf16", "fp16", "fp32")}
+    got = {
+        mp: (
+            estimate_memory(model, Layout(dp_shard=2, tp=2), Settings(seq_len=256, mixed_precision=mp), hw),
+            estimate(model, Layout(dp_shard=2, tp=2), Settings(seq_len=256, mixed_precision=mp), hw, 8),
+        )
+        for mp in ("bf16", "fp16", "fp32")
+    }
     assert got["fp16"][0] == got["bf16"][0] != got["fp32"][0]
     assert got["fp16"][1].time == got["bf16"][1].time
 
@@ -195,8 +231,11 @@ def _facade(tmp):
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.accelerator.handlers import GradScalerKwargs
 
-    acc = Accelerator(ParallelismConfig(dp_shard_size=2), mixed_precision="fp16",
-                      kwargs_handlers=[GradScalerKwargs(init_scale=2.0 ** 40, growth_interval=10 ** 9)])
+    acc = Accelerator(
+        ParallelismConfig(dp_shard_size=2),
+        mixed_precision="fp16",
+        kwargs_handlers=[GradScalerKwargs(init_scale=2.0**40, growth_interval=10**9)],
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(FP16.model_config)
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
@@ -215,7 +254,7 @@ def _facade(tmp):
     start = full()
     overflowed = step()  # loss x 2^40 overflows fp16 on every rank
     unchanged = bool(torch.equal(full(), start))
-    acc.scaler.scale = 2.0 ** 8
+    acc.scaler.scale = 2.0**8
     applied = step()
     changed = not torch.equal(full(), start)
     acc.save_state(str(tmp))
@@ -229,4 +268,4 @@ def test_accelerator_fp16_skips_overflows_and_saves_the_scale(tmp_path):
     skips an overflowed step on both ranks (parameters unchanged), applies a finite one (they
     change), and save_state / load_state keep the scale."""
     got = run_on_ranks(_facade, 2, tmp_path / "state")
-    assert got == [((True, 2.0 ** 39), True, (False, 2.0 ** 8), True, 2.0 ** 8)] * 2
+    assert got == [((True, 2.0**39), True, (False, 2.0**8), True, 2.0**8)] * 2

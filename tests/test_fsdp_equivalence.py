@@ -21,8 +21,10 @@ LAYOUTS = {
 VARIANTS = {
     "plain": {},
     "accum2": {"grad_accum": 2, "global_micro_batch": 4},
-    "accum2_unsharded": {"grad_accum": 2, "parallel_kwargs": {
-        "fsdp_options": FSDPOptions(unsharded_grad_accumulation=True)}},
+    "accum2_unsharded": {
+        "grad_accum": 2,
+        "parallel_kwargs": {"fsdp_options": FSDPOptions(unsharded_grad_accumulation=True)},
+    },
     "ckpt": {"parallel_kwargs": {"fsdp_options": FSDPOptions(activation_checkpointing=True)}},
     "no_reshard": {"parallel_kwargs": {"fsdp_options": FSDPOptions(reshard_after_forward=False)}},
     "clip": {"max_grad_norm": 0.5},
@@ -55,8 +57,9 @@ def _check(setup, layout, world):
 
 
 # Every option on the 2- and 4-rank layouts; FSDP 4 (the slowest) with the plain variant.
-CASES = [(layout, variant) for layout in LAYOUTS for variant in VARIANTS
-         if layout != "fsdp4" or variant == "plain"]
+CASES = [
+    (layout, variant) for layout in LAYOUTS for variant in VARIANTS if layout != "fsdp4" or variant == "plain"
+]
 
 
 @pytest.mark.parametrize("layout, variant", CASES)
@@ -72,17 +75,19 @@ def test_sgd_parameters_match_tightly():
 
 
 def test_cpu_offload():
-    setup = dataclasses.replace(
-        BASE, parallel_kwargs={"fsdp_options": FSDPOptions(cpu_offload=True)}
-    )
+    setup = dataclasses.replace(BASE, parallel_kwargs={"fsdp_options": FSDPOptions(cpu_offload=True)})
     _check(setup, {"dp_shard_size": 2}, 2)
 
 
-@pytest.mark.parametrize("layout, world", [
-    ({"dp_shard_size": 2}, 2),
-    ({}, 1),  # no data parallelism: bf16 still comes from FSDP2's policy, on a 1-rank mesh
-    ({"tp_size": 2}, 2),
-], ids=["fsdp2", "one_rank", "tp2"])
+@pytest.mark.parametrize(
+    "layout, world",
+    [
+        ({"dp_shard_size": 2}, 2),
+        ({}, 1),  # no data parallelism: bf16 still comes from FSDP2's policy, on a 1-rank mesh
+        ({"tp_size": 2}, 2),
+    ],
+    ids=["fsdp2", "one_rank", "tp2"],
+)
 def test_bf16_runs_and_stays_close(layout, world):
     setup = dataclasses.replace(BASE, mixed_precision="bf16")
     ref = reference(BASE)
@@ -94,9 +99,7 @@ def test_bf16_runs_and_stays_close(layout, world):
 def test_the_check_can_fail():
     """Negative control: a different seed must be detected as a mismatch."""
     ref = reference(BASE)
-    other = run_on_ranks(
-        train_under_layout, 2, dataclasses.replace(BASE, seed=1), {"dp_shard_size": 2}
-    )[0]
+    other = run_on_ranks(train_under_layout, 2, dataclasses.replace(BASE, seed=1), {"dp_shard_size": 2})[0]
     assert compare(ref, other)["loss_rel"] > 1e-4
 
 
@@ -118,8 +121,10 @@ def _params_after_no_grad_forward():
     before = {n: p.detach().full_tensor().clone() for n, p in params.items()}
     acc.backward(model(input_ids=x, labels=x).loss)
     opt.step()
-    return ({n: isinstance(p, DTensor) for n, p in params.items()},
-            {n: float((p.detach().full_tensor() - before[n]).abs().max()) for n, p in params.items()})
+    return (
+        {n: isinstance(p, DTensor) for n, p in params.items()},
+        {n: float((p.detach().full_tensor() - before[n]).abs().max()) for n, p in params.items()},
+    )
 
 
 def test_no_grad_forward_leaves_parameters_sharded():

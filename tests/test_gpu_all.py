@@ -30,8 +30,14 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def _run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """gpu_all.sh in a process group of its own: on a timeout its steps' processes die with it."""
-    proc = subprocess.Popen(["bash", str(SCRIPT), *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -42,8 +48,9 @@ def _run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.Com
 
 
 def _planned() -> list[str]:
-    listing = subprocess.run(["bash", str(SCRIPT), "--cpu-smoke", "--list"], capture_output=True, text=True,
-                             check=True).stdout
+    listing = subprocess.run(
+        ["bash", str(SCRIPT), "--cpu-smoke", "--list"], capture_output=True, text=True, check=True
+    ).stdout
     return [line.split()[0] for line in listing.splitlines()]
 
 
@@ -74,8 +81,14 @@ def test_cpu_smoke_passes_every_step(tmp_path):
     for seq in ("2048", "8192"):  # the performance rows: every loop trained, within the loss tolerance
         result = json.loads((out / "results" / f"gpu_single_{seq}.json").read_text())
         rows = next(iter(result["results"].values()))
-        assert set(rows) == {"accelerate", "plain fsdp2", "nd eager", "nd + chunked loss", "nd + compile",
-                             "nd + fp8"}, rows.keys()
+        assert set(rows) == {
+            "accelerate",
+            "plain fsdp2",
+            "nd eager",
+            "nd + chunked loss",
+            "nd + compile",
+            "nd + fp8",
+        }, rows.keys()
         for name, r in rows.items():
             assert r["tokens_per_s"] > 0 and r["drift_ok"] and len(r["losses"]) == 3, (name, r)
 
@@ -84,8 +97,9 @@ def test_a_failing_step_fails_the_run_and_results_come_back_packed_from_out(tmp_
     """PY=false makes the one selected step fail without running anything heavy."""
     dev_out = tmp_path / "device_out"
     dev_out.mkdir()
-    run = _run(["--cpu-smoke", "--only", "group_timeouts"], _env(tmp_path, OUT=str(dev_out), PY="false"),
-               timeout=120)
+    run = _run(
+        ["--cpu-smoke", "--only", "group_timeouts"], _env(tmp_path, OUT=str(dev_out), PY="false"), timeout=120
+    )
     assert run.returncode == 1, run.stdout + run.stderr
     assert sorted(p.name for p in dev_out.iterdir()) == ["env.txt", "gpu_all.tar.gz", "summary.tsv"]
     rows = {r[0]: r[1:] for r in _summary(dev_out / "summary.tsv")}
@@ -99,8 +113,11 @@ def test_a_failing_step_fails_the_run_and_results_come_back_packed_from_out(tmp_
 
 def test_a_step_is_skipped_when_less_than_half_its_cap_is_left(tmp_path):
     out = tmp_path / "out"
-    run = _run(["--cpu-smoke", "--budget", "10", "--only", "perf_2048", "--out", str(out)],
-               _env(tmp_path, PY="false"), timeout=120)
+    run = _run(
+        ["--cpu-smoke", "--budget", "10", "--only", "perf_2048", "--out", str(out)],
+        _env(tmp_path, PY="false"),
+        timeout=120,
+    )
     rows = {r[0]: r[1:] for r in _summary(out / "summary.tsv")}
     assert rows["perf_2048"][0] == "SKIP" and "budget" in rows["perf_2048"][2], rows["perf_2048"]
     assert run.returncode == 0, run.stdout + run.stderr

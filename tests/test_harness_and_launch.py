@@ -93,8 +93,12 @@ def test_threads_per_rank():
 def _run_cli(*args, timeout=180):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "ndparallel", *args], capture_output=True, text=True,
-        timeout=timeout, cwd=ROOT, env=env,
+        [sys.executable, "-m", "ndparallel", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
     )
 
 

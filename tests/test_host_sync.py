@@ -24,8 +24,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ndparallel.parallel.options import TPOptions
 from ndparallel.testing import run_on_ranks
 
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2",
-            "unique_dim", "unique_consecutive", "is_nonzero", "equal", "repeat_interleave"}
+SYNC_OPS = {
+    "_local_scalar_dense",
+    "nonzero",
+    "masked_select",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "is_nonzero",
+    "equal",
+    "repeat_interleave",
+}
 
 
 class HostSyncCounter(TorchDispatchMode):
@@ -42,8 +53,9 @@ class HostSyncCounter(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         name = func.overloadpacket.__name__
-        if name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                   for i in (args[1] if len(args) > 1 else ())):
+        if name == "index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
+        ):
             name = "index(bool mask)"  # the mask's nonzero count sets the output shape
         if _called_from(CP_PLAN):
             pass  # host-side planning on the host copy made by document_starts (counted apart)
@@ -83,13 +95,13 @@ def _called_from(function_name: str) -> bool:
 
 def _count_step_syncs(layout, parallel_kwargs, control=False):
     from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.engine import forward_backward
     from ndparallel.models.presets import preset_config
     from ndparallel.tools.equivalence import (
         TrainSetup,
         build_model,
         make_global_batches,
     )
-    from ndparallel.engine import forward_backward
 
     setup = TrainSetup(preset_config("tiny-llama"), steps=2, global_micro_batch=4, seq_len=32, grad_accum=2)
     acc = Accelerator(ParallelismConfig(**layout), gradient_accumulation_steps=2, **parallel_kwargs)
@@ -97,7 +109,7 @@ def _count_step_syncs(layout, parallel_kwargs, control=False):
     counts, copies = [], _count_host_copies()
     for micro in make_global_batches(setup):  # step 1 warms up (lazy init), step 2 is counted
         rows = setup.global_micro_batch // acc.dp_size
-        local = [{k: v[acc.dp_rank * rows:(acc.dp_rank + 1) * rows] for k, v in mb.items()} for mb in micro]
+        local = [{k: v[acc.dp_rank * rows : (acc.dp_rank + 1) * rows] for k, v in mb.items()} for mb in micro]
         copies.clear()
         with HostSyncCounter() as counter:
             loss = forward_backward(acc.engine, model, local)
@@ -127,7 +139,9 @@ def test_training_step_reads_nothing_back(case):
         # ndparallel's document attention (CP, and TP + sequence parallel, whose mask transformers
         # cannot build from the sharded length): one host copy of the positions per micro-batch,
         # shared by every layer and backward
-        ours_attention = layout.get("cp_size", 1) > 1 or kwargs.get("tp_options", TPOptions()).sequence_parallel
+        ours_attention = (
+            layout.get("cp_size", 1) > 1 or kwargs.get("tp_options", TPOptions()).sequence_parallel
+        )
         assert calls.count(CP_COPY) == (2 if ours_attention else 0), calls
 
 

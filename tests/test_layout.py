@@ -18,8 +18,27 @@ MAX_FUNCTION_LINES = 80
 # the CLI on top. ``parallelism_config`` and ``utils`` are the top-level modules that mirror
 # Accelerate's import paths (``accelerate.parallelism_config``, ``accelerate.utils``); they are listed
 # so their imports are checked like any layer's. (``testing`` only re-exports the runtime's runner.)
-LAYERS = ["layout", "parallelism_config", "runtime", "optim", "tracking", "models", "parallel", "data", "checkpoint", "plan",
-          "engine", "config", "training", "preflight", "axolotl", "accelerator", "utils", "tools", "cli"]
+LAYERS = [
+    "layout",
+    "parallelism_config",
+    "runtime",
+    "optim",
+    "tracking",
+    "models",
+    "parallel",
+    "data",
+    "checkpoint",
+    "plan",
+    "engine",
+    "config",
+    "training",
+    "preflight",
+    "axolotl",
+    "accelerator",
+    "utils",
+    "tools",
+    "cli",
+]
 FRONT_DOORS = ("axolotl", "accelerator")
 """Side by side: neither imports the other (only ``tools`` and ``cli``, above both, use them)."""
 
@@ -127,16 +146,24 @@ def test_lower_layers_never_import_higher_ones():
 def test_the_layer_checker_finds_an_arrow_up():
     """Negative control: the engine importing the trainer, or the typed config the YAML front door's
     key table, is an arrow running back up; the trainer importing the engine is not."""
-    graph = {"ndparallel.engine.step": {"ndparallel.training.trainer", "ndparallel.parallel.loss"},
-             "ndparallel.config.errors": {"ndparallel.axolotl.keys"},
-             "ndparallel.training.trainer": {"ndparallel.engine.step", "ndparallel.config.schema"}}
-    assert _arrows_up(graph) == ["ndparallel.config.errors -> ndparallel.axolotl.keys",
-                                 "ndparallel.engine.step -> ndparallel.training.trainer"]
+    graph = {
+        "ndparallel.engine.step": {"ndparallel.training.trainer", "ndparallel.parallel.loss"},
+        "ndparallel.config.errors": {"ndparallel.axolotl.keys"},
+        "ndparallel.training.trainer": {"ndparallel.engine.step", "ndparallel.config.schema"},
+    }
+    assert _arrows_up(graph) == [
+        "ndparallel.config.errors -> ndparallel.axolotl.keys",
+        "ndparallel.engine.step -> ndparallel.training.trainer",
+    ]
 
 
 def test_the_front_doors_stand_side_by_side():
-    bad = [f"{module} -> {dep}" for module, deps in _graph().items() for dep in deps
-           if _layer(module) in FRONT_DOORS and _layer(dep) in FRONT_DOORS and _layer(dep) != _layer(module)]
+    bad = [
+        f"{module} -> {dep}"
+        for module, deps in _graph().items()
+        for dep in deps
+        if _layer(module) in FRONT_DOORS and _layer(dep) in FRONT_DOORS and _layer(dep) != _layer(module)
+    ]
     assert bad == []
 
 
@@ -166,8 +193,21 @@ def test_the_checker_finds_a_cycle():
 
 
 # ------------------------------------------------------------- one engine, two front doors
-ENGINE_USERS = ("layout", "runtime", "models", "parallel", "data", "checkpoint", "plan", "engine",
-                "config", "training", "preflight", "axolotl", "tools")
+ENGINE_USERS = (
+    "layout",
+    "runtime",
+    "models",
+    "parallel",
+    "data",
+    "checkpoint",
+    "plan",
+    "engine",
+    "config",
+    "training",
+    "preflight",
+    "axolotl",
+    "tools",
+)
 """Folders that run training through the engine, never through the Accelerate facade."""
 FACADE_STATE = ("_models", "_optimizers", "_schedulers", "_prepared_optimizers", "_dataloaders")
 
@@ -183,8 +223,13 @@ def _facade_uses(path: Path) -> list[str]:
             fn = node.func
             if isinstance(fn, ast.Attribute) and fn.attr in ("prepare", "prepare_model"):
                 found.append(f"{node.lineno}: .{fn.attr}(...)")
-            if (isinstance(fn, ast.Name) and fn.id == "getattr" and len(node.args) > 1
-                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in FACADE_STATE):
+            if (
+                isinstance(fn, ast.Name)
+                and fn.id == "getattr"
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in FACADE_STATE
+            ):
                 found.append(f"{node.lineno}: getattr(..., {node.args[1].value!r})")
     return found
 
@@ -204,17 +249,44 @@ def test_engine_users_never_reach_into_the_facade():
 def test_the_facade_checker_finds_a_use(tmp_path):
     """Negative control: a module that reads ``acc._models`` and calls ``acc.prepare_model`` is found."""
     f = tmp_path / "m.py"
-    f.write_text("def f(acc, m):\n    acc.prepare_model(m)\n    return getattr(acc, '_schedulers'), acc._models\n")
+    f.write_text(
+        "def f(acc, m):\n    acc.prepare_model(m)\n    return getattr(acc, '_schedulers'), acc._models\n"
+    )
     assert len(_facade_uses(f)) == 3
 
 
 # ------------------------------------------------------------- Axolotl's names stay at its door
-BELOW_THE_FRONT_DOORS = LAYERS[:LAYERS.index("axolotl")]
+BELOW_THE_FRONT_DOORS = LAYERS[: LAYERS.index("axolotl")]
 SHARED_WORDS = {
-    "model_type", "revision", "world_size", "peft", "quantization", "device_map", "tokenizer_config", "shards",
-    "rope_scaling", "pad_to_multiple_of", "temperature", "gradient_checkpointing", "flex_attention", "float16",
-    "bfloat16", "float32", "fsdp", "ddp", "deepspeed", "local_rank", "batch_size", "streaming", "version",
-    "gradient_checkpointing_kwargs", "model_config", "field", "strict", "text_column"}
+    "model_type",
+    "revision",
+    "world_size",
+    "peft",
+    "quantization",
+    "device_map",
+    "tokenizer_config",
+    "shards",
+    "rope_scaling",
+    "pad_to_multiple_of",
+    "temperature",
+    "gradient_checkpointing",
+    "flex_attention",
+    "float16",
+    "bfloat16",
+    "float32",
+    "fsdp",
+    "ddp",
+    "deepspeed",
+    "local_rank",
+    "batch_size",
+    "streaming",
+    "version",
+    "gradient_checkpointing_kwargs",
+    "model_config",
+    "field",
+    "strict",
+    "text_column",
+}
 """Axolotl keys that are also Python's, pydantic's, torch's, transformers', PEFT's or Accelerate's own
 words (a dtype, a config attribute, a backend, an argument): meeting one below the front doors says
 nothing about Axolotl."""
@@ -238,7 +310,9 @@ def _names_used(path: Path, names: set[str]) -> list[str]:
     import re
 
     tree = ast.parse(path.read_text())
-    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    docstrings = {
+        id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+    }
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
@@ -266,7 +340,13 @@ def test_the_axolotl_name_finder_finds_one(tmp_path):
     """Negative control: a string, an attribute and a keyword naming Axolotl keys are found; the same
     words in a docstring, and the typed config's own names, are not."""
     f = tmp_path / "m.py"
-    f.write_text('"""torch_compile in a docstring."""\n'
-                 'def f(cfg):\n    """dataset_prepared_path too."""\n'
-                 '    return cfg.sequence_parallel_degree, g(ddp_timeout=1), "set torch_compile: true", cfg.compile\n')
-    assert sorted(_names_used(f, _axolotl_names())) == ["4: ddp_timeout", "4: sequence_parallel_degree", "4: torch_compile"]
+    f.write_text(
+        '"""torch_compile in a docstring."""\n'
+        'def f(cfg):\n    """dataset_prepared_path too."""\n'
+        '    return cfg.sequence_parallel_degree, g(ddp_timeout=1), "set torch_compile: true", cfg.compile\n'
+    )
+    assert sorted(_names_used(f, _axolotl_names())) == [
+        "4: ddp_timeout",
+        "4: sequence_parallel_degree",
+        "4: torch_compile",
+    ]

@@ -14,8 +14,16 @@ from ndparallel.parallel.options import CompileOptions, CPOptions, FSDPOptions, 
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
-BASE = TrainSetup(preset_config("tiny-llama"), steps=2, global_micro_batch=4, seq_len=32,
-                  optimizer="sgd", lr=0.5, max_grad_norm=1.0, packed_documents=True)
+BASE = TrainSetup(
+    preset_config("tiny-llama"),
+    steps=2,
+    global_micro_batch=4,
+    seq_len=32,
+    optimizer="sgd",
+    lr=0.5,
+    max_grad_norm=1.0,
+    packed_documents=True,
+)
 TILED = dict(tiled_mlp=True, tiled_mlp_num_shards=3)  # 3 tiles of a 32- (or 8-) token row: uneven
 BOTH = dict(TILED, activation_checkpointing=True, activation_offloading=True)
 _refs: dict = {}
@@ -24,8 +32,9 @@ _refs: dict = {}
 def _reference(setup: TrainSetup):
     key = repr(dataclasses.replace(setup, parallel_kwargs={}))
     if key not in _refs:
-        _refs[key] = run_on_ranks(train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}),
-                                  None)[0]
+        _refs[key] = run_on_ranks(
+            train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}), None
+        )[0]
     return _refs[key]
 
 
@@ -37,22 +46,37 @@ def _check(layout, world, setup=BASE, **parallel_kwargs):
     assert diff["param_abs"] <= 1e-6, diff
 
 
-@pytest.mark.parametrize("options", [TILED, dict(TILED, activation_checkpointing=True),
-                                     dict(activation_checkpointing=True, activation_offloading=True), BOTH],
-                         ids=["tiled", "tiled+ac", "ac+offload", "tiled+ac+offload"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        TILED,
+        dict(TILED, activation_checkpointing=True),
+        dict(activation_checkpointing=True, activation_offloading=True),
+        BOTH,
+    ],
+    ids=["tiled", "tiled+ac", "ac+offload", "tiled+ac+offload"],
+)
 def test_one_process(options):
     _check(None, 1, fsdp_options=FSDPOptions(**options))
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
 def test_fsdp2_cp2(strategy):
-    _check({"dp_shard_size": 2, "cp_size": 2}, 4, fsdp_options=FSDPOptions(**BOTH),
-           cp_options=CPOptions(comm_strategy=strategy))
+    _check(
+        {"dp_shard_size": 2, "cp_size": 2},
+        4,
+        fsdp_options=FSDPOptions(**BOTH),
+        cp_options=CPOptions(comm_strategy=strategy),
+    )
 
 
 def test_tp2_sequence_parallel_cp2():
-    _check({"tp_size": 2, "cp_size": 2}, 4, fsdp_options=FSDPOptions(**BOTH),
-           tp_options=TPOptions(sequence_parallel=True, loss_parallel=True))
+    _check(
+        {"tp_size": 2, "cp_size": 2},
+        4,
+        fsdp_options=FSDPOptions(**BOTH),
+        tp_options=TPOptions(sequence_parallel=True, loss_parallel=True),
+    )
 
 
 def test_lora_fsdp2():
@@ -69,8 +93,13 @@ def _train_counting_graphs(setup, layout):
 
 
 def test_compile_fsdp2():
-    setup = dataclasses.replace(BASE, parallel_kwargs={
-        "fsdp_options": FSDPOptions(**BOTH), "compile_options": CompileOptions(enabled=True, backend="aot_eager")})
+    setup = dataclasses.replace(
+        BASE,
+        parallel_kwargs={
+            "fsdp_options": FSDPOptions(**BOTH),
+            "compile_options": CompileOptions(enabled=True, backend="aot_eager"),
+        },
+    )
     got, graphs = run_on_ranks(_train_counting_graphs, 2, setup, {"dp_shard_size": 2}, timeout_s=600)[0]
     diff = compare(_reference(setup), got)
     assert diff["loss_rel"] <= 1e-5 and diff["grad_norm_rel"] <= 1e-5 and diff["param_abs"] <= 1e-6, diff
@@ -98,9 +127,15 @@ def test_fsdp_gathers_once_per_layer_and_tp_collectives_run_per_tile():
     assert fsdp[0] == fsdp[1], fsdp
     sp = dict(tp_options=TPOptions(sequence_parallel=True))
     # unpacked rows: transformers' own packed-row mask fails under sequence parallel without CP
-    tp = [run_on_ranks(_collectives, 2, dataclasses.replace(s, packed_documents=False,
-                                                            parallel_kwargs={**s.parallel_kwargs, **sp}),
-                       {"tp_size": 2})[0] for s in (plain, tiled)]
+    tp = [
+        run_on_ranks(
+            _collectives,
+            2,
+            dataclasses.replace(s, packed_documents=False, parallel_kwargs={**s.parallel_kwargs, **sp}),
+            {"tp_size": 2},
+        )[0]
+        for s in (plain, tiled)
+    ]
     # Per layer and step the MLP's all-gather of its input and reduce-scatter of its output each run
     # once per tile in the forward (T instead of 1) and in the tiles' recompute (T more), and their
     # backward mirrors once per tile (T instead of 1): 3T - 2 extra calls of each kind.
@@ -143,7 +178,9 @@ def _offloaded_grads(transfers=None, budget=None, steps=2):
     if transfers is not False:
         offloader = ActivationOffloader(transfers, max_host_bytes=budget)
         for layer in model.model.layers:
-            layer._gradient_checkpointing_func = OffloadedCheckpoint(offloader, layer._gradient_checkpointing_func)
+            layer._gradient_checkpointing_func = OffloadedCheckpoint(
+                offloader, layer._gradient_checkpointing_func
+            )
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     for _ in range(steps):
         model(input_ids=ids, labels=ids).loss.backward()
@@ -197,14 +234,22 @@ def test_a_wrong_restore_is_caught():
 
 
 # ------------------------------------------------------------------ refused before launch, one line
-@pytest.mark.parametrize("text, fragment", [
-    ("activation_offloading: true\n", "set fsdp_config.activation_checkpointing: true"),
-    ("activation_offloading: disk\nfsdp_config: {activation_checkpointing: true}\n", "'disk' is not supported"),
-    ("tiled_mlp_num_shards: 4\n", "tiled_mlp_num_shards is set but tiled_mlp is not"),
-    ("tiled_mlp: true\ntiled_mlp_num_shards: 0\n", "'tiled_mlp_num_shards': must be >= 1"),
-    ("tiled_mlp: true\nfsdp_config: {layer_classes: [LlamaDecoderLayer, LlamaMLP]}\n",
-     "names the MLP (LlamaMLP)"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("activation_offloading: true\n", "set fsdp_config.activation_checkpointing: true"),
+        (
+            "activation_offloading: disk\nfsdp_config: {activation_checkpointing: true}\n",
+            "'disk' is not supported",
+        ),
+        ("tiled_mlp_num_shards: 4\n", "tiled_mlp_num_shards is set but tiled_mlp is not"),
+        ("tiled_mlp: true\ntiled_mlp_num_shards: 0\n", "'tiled_mlp_num_shards': must be >= 1"),
+        (
+            "tiled_mlp: true\nfsdp_config: {layer_classes: [LlamaDecoderLayer, LlamaMLP]}\n",
+            "names the MLP (LlamaMLP)",
+        ),
+    ],
+)
 def test_bad_long_context_config(tmp_path, capsys, text, fragment):
     from cli_helpers import run_cli
 
@@ -220,7 +265,15 @@ def test_moe_blocks_are_refused():
     from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
 
     with torch.device("meta"):
-        model = MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                 num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+        model = MixtralForCausalLM(
+            MixtralConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                vocab_size=64,
+            )
+        )
     with pytest.raises(ValueError, match="mixture-of-experts|no `mlp`"):
         apply_tiled_mlp(model)

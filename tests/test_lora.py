@@ -19,15 +19,25 @@ from ndparallel.tools.equivalence import (
 
 RTOL = 1e-5
 LORA = dict(r=4, alpha=8, dropout=0.0, target_linear=True)  # dropout 0: its RNG differs per layout
-BASE = TrainSetup(preset_config("tiny-llama"), steps=3, global_micro_batch=4, seq_len=32,
-                  max_grad_norm=1.0, optimizer="sgd", lr=0.5, adapter=LORA)
+BASE = TrainSetup(
+    preset_config("tiny-llama"),
+    steps=3,
+    global_micro_batch=4,
+    seq_len=32,
+    max_grad_norm=1.0,
+    optimizer="sgd",
+    lr=0.5,
+    adapter=LORA,
+)
 _refs: dict = {}
 
 
 def _reference(setup):
     key = repr(dataclasses.replace(setup, parallel_kwargs={}))
     if key not in _refs:
-        _refs[key] = run_on_ranks(train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}), None)[0]
+        _refs[key] = run_on_ranks(
+            train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}), None
+        )[0]
     return _refs[key]
 
 
@@ -76,8 +86,11 @@ def test_dp2():
 
 
 def test_hsdp_2x2_with_activation_checkpointing():
-    _check({"dp_replicate_size": 2, "dp_shard_size": 2}, 4,
-           fsdp_options=FSDPOptions(activation_checkpointing=True))
+    _check(
+        {"dp_replicate_size": 2, "dp_shard_size": 2},
+        4,
+        fsdp_options=FSDPOptions(activation_checkpointing=True),
+    )
 
 
 def test_tp2():
@@ -103,8 +116,11 @@ def test_fsdp2_tp2_adamw_with_accumulation():
 
 @pytest.mark.slow
 def test_fsdp2_cp2_tp2_8_ranks():
-    _check({"dp_shard_size": 2, "cp_size": 2, "tp_size": 2}, 8,
-           tp_options=TPOptions(sequence_parallel=True, loss_parallel=True))
+    _check(
+        {"dp_shard_size": 2, "cp_size": 2, "tp_size": 2},
+        8,
+        tp_options=TPOptions(sequence_parallel=True, loss_parallel=True),
+    )
 
 
 def test_a_broken_run_fails_the_check():

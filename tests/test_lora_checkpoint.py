@@ -17,6 +17,7 @@ from ndparallel.runtime.multirank import RankFailure, run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import ckpt_train  # noqa: E402
+
 from cli_helpers import run_cli
 
 LORA = dict(r=4, alpha=8, dropout=0.0, target_linear=True)
@@ -34,8 +35,16 @@ def runs(tmp_path_factory):
     step and stops after step 2."""
     root = tmp_path_factory.mktemp("lora-ckpt")
     ref = run_on_ranks(ckpt_train.train, 1, {}, str(root / "ref"), adapter=LORA)[0]
-    part = run_on_ranks(ckpt_train.train, 4, FSDP2_TP2, str(root / "run"), save_every=1, stop_after=2,
-                        adapter=LORA, timeout_s=400)[0]
+    part = run_on_ranks(
+        ckpt_train.train,
+        4,
+        FSDP2_TP2,
+        str(root / "run"),
+        save_every=1,
+        stop_after=2,
+        adapter=LORA,
+        timeout_s=400,
+    )[0]
     return {"root": root, "ref": ref, "part": part, "out": root / "run"}
 
 
@@ -135,7 +144,9 @@ def test_offline_merge_equals_the_online_merge(runs, base_dir, tmp_path, capsys,
 
     src = runs["out"] / ("checkpoint-2" if source == "checkpoint" else "adapter")
     out = tmp_path / "merged"
-    code, _, err = run_cli(capsys, "export", src, out, "--merge", "--base", base_dir, "--max-shard-size", "100KB")
+    code, _, err = run_cli(
+        capsys, "export", src, out, "--merge", "--base", base_dir, "--max-shard-size", "100KB"
+    )
     assert code == 0, err
     assert (out / "model.safetensors.index.json").is_file()  # streamed into several shards
     merged = AutoModelForCausalLM.from_pretrained(str(out)).eval()

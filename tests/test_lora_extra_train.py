@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ndparallel.testing import run_on_ranks
 from ndparallel.axolotl import load_config
+from ndparallel.testing import run_on_ranks
 
 CONFIG = """base_model: {base}
 tokenizer: builtin:stdlib
@@ -53,11 +53,18 @@ def run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lora-extra")
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(preset_config("tiny-qwen3-moe", vocab_size=512)).save_pretrained(root / "base")
+    AutoModelForCausalLM.from_config(preset_config("tiny-qwen3-moe", vocab_size=512)).save_pretrained(
+        root / "base"
+    )
     cfg = root / "cfg.yaml"
     cfg.write_text(CONFIG.format(base=root / "base"))
-    run_on_ranks(_train, 2, str(cfg), [f"output_dir={root / 'out'}", f"dataset_cache_dir={root / 'cache'}"],
-                 timeout_s=400)
+    run_on_ranks(
+        _train,
+        2,
+        str(cfg),
+        [f"output_dir={root / 'out'}", f"dataset_cache_dir={root / 'cache'}"],
+        timeout_s=400,
+    )
     return root
 
 
@@ -92,7 +99,9 @@ def test_adapter_export_and_merge_agree(run, tmp_path):
     assert (emb - base["model.embed_tokens.weight"]).abs().max() > 1e-4  # trained in full
     assert (head - base["lm_head.weight"]).abs().max() > 1e-4
     assert any(".experts.lora_B." in k and v.abs().max() > 0 for k, v in final.items())
-    exported = load_file(str(export_checkpoint(out / "checkpoint-2", tmp_path / "adapter") / "adapter_model.safetensors"))
+    exported = load_file(
+        str(export_checkpoint(out / "checkpoint-2", tmp_path / "adapter") / "adapter_model.safetensors")
+    )
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

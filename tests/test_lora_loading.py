@@ -23,8 +23,12 @@ def _load(path: str, layout: dict, bf16: bool) -> dict:
     from ndparallel.models.adapters import checkpoint_key, lora_config
 
     acc = Accelerator(ParallelismConfig(**layout), mixed_precision="bf16" if bf16 else "no")
-    model = acc.load_model(path, dtype=torch.bfloat16 if bf16 else torch.float32, seed=5,
-                           adapter=lora_config(r=4, alpha=8, target_linear=True))
+    model = acc.load_model(
+        path,
+        dtype=torch.bfloat16 if bf16 else torch.float32,
+        seed=5,
+        adapter=lora_config(r=4, alpha=8, target_linear=True),
+    )
     full = {}
     for name, p in model.named_parameters():
         t = p.full_tensor() if hasattr(p, "full_tensor") else p
@@ -33,8 +37,11 @@ def _load(path: str, layout: dict, bf16: bool) -> dict:
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     loss = model(input_ids=ids, labels=ids).loss
     acc.backward(loss)
-    return {"params": {checkpoint_key(n.removeprefix("base_model.model.")): t for n, t in full.items()},
-            "dtypes": dtypes, "loss": float(loss)}
+    return {
+        "params": {checkpoint_key(n.removeprefix("base_model.model.")): t for n, t in full.items()},
+        "dtypes": dtypes,
+        "loss": float(loss),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +91,9 @@ def _prepare_paths() -> list[str]:
     peft_model = get_peft_model(build(), lora_config(r=2, target_modules=["v_proj"]))
     opt = torch.optim.SGD([p for p in peft_model.parameters() if p.requires_grad], lr=0.1)
     prepared, opt = acc.prepare(peft_model, opt)
-    out.append(str(prepared is peft_model and all(p.requires_grad for g in opt.param_groups for p in g["params"])))
+    out.append(
+        str(prepared is peft_model and all(p.requires_grad for g in opt.param_groups for p in g["params"]))
+    )
     try:
         m = build()
         acc.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), lora_config(r=2))
@@ -110,8 +119,9 @@ def _peft_over_transformers_tp(path: str) -> None:
     acc = Accelerator(parallelism_config=ParallelismConfig(tp_size=2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", device_mesh=acc.torch_device_mesh["tp"],
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, tp_plan="auto", device_mesh=acc.torch_device_mesh["tp"], dtype=torch.float32
+        )
     acc.prepare(get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])))
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import peft  # noqa: F401  (imported once before the ranks fork)
 import pytest
 import torch
-from cli_helpers import run_cli
 
+from cli_helpers import run_cli
+from ndparallel.axolotl import load_config
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import run_on_ranks
-from ndparallel.axolotl import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -41,8 +41,11 @@ def _peft_reference(base_dir: str, adapter_dir: str) -> dict:
     base = AutoModelForCausalLM.from_pretrained(base_dir)
     plain = float(base(input_ids=IDS, labels=IDS).loss)
     model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
-    return {"loss": float(model(input_ids=IDS, labels=IDS).loss), "base_loss": plain,
-            "saved": load_file(f"{adapter_dir}/adapter_model.safetensors")}
+    return {
+        "loss": float(model(input_ids=IDS, labels=IDS).loss),
+        "base_loss": plain,
+        "saved": load_file(f"{adapter_dir}/adapter_model.safetensors"),
+    }
 
 
 def _ours(base_dir: str, adapter_dir: str, layout: dict) -> dict:
@@ -58,8 +61,11 @@ def _ours(base_dir: str, adapter_dir: str, layout: dict) -> dict:
             t = p.full_tensor() if hasattr(p, "full_tensor") else p
             adapters[peft_save_key(name)] = t.detach().clone()
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    return {"loss": float(model(input_ids=IDS, labels=IDS).loss), "adapters": adapters,
-            "all_trainable_are_adapters": all(".lora_" in n for n in trainable) and bool(trainable)}
+    return {
+        "loss": float(model(input_ids=IDS, labels=IDS).loss),
+        "adapters": adapters,
+        "all_trainable_are_adapters": all(".lora_" in n for n in trainable) and bool(trainable),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +98,34 @@ def _train(overrides):
 def test_a_run_continues_from_another_runs_adapter_on_another_layout(tmp_path):
     from safetensors.torch import load_file
 
-    common = [f"dataset_cache_dir={tmp_path / 'cache'}", "merge_lora=false",
-              "datasets=[{path: 'builtin:stdlib', max_bytes: 200000}]"]
+    common = [
+        f"dataset_cache_dir={tmp_path / 'cache'}",
+        "merge_lora=false",
+        "datasets=[{path: 'builtin:stdlib', max_bytes: 200000}]",
+    ]
     first, second = tmp_path / "first", tmp_path / "second"
-    run_on_ranks(_train, 2, [f"output_dir={first}", "max_steps=3", "save_steps=3", "tensor_parallel_size=1",
-                             *common], timeout_s=400)
+    run_on_ranks(
+        _train,
+        2,
+        [f"output_dir={first}", "max_steps=3", "save_steps=3", "tensor_parallel_size=1", *common],
+        timeout_s=400,
+    )
     # lr ~0: the second run's adapter stays the one it started from (a fresh init would be B = 0)
-    run_on_ranks(_train, 2, [f"output_dir={second}", "max_steps=1", "save_steps=1", "dp_shard_size=1",
-                             f"lora_model_dir={first / 'final'}", "learning_rate=1e-12", "warmup_steps=0",
-                             *common], timeout_s=400)
+    run_on_ranks(
+        _train,
+        2,
+        [
+            f"output_dir={second}",
+            "max_steps=1",
+            "save_steps=1",
+            "dp_shard_size=1",
+            f"lora_model_dir={first / 'final'}",
+            "learning_rate=1e-12",
+            "warmup_steps=0",
+            *common,
+        ],
+        timeout_s=400,
+    )
     a = load_file(first / "final" / "adapter_model.safetensors")
     b = load_file(second / "final" / "adapter_model.safetensors")
     assert set(a) == set(b)
@@ -110,7 +135,9 @@ def test_a_run_continues_from_another_runs_adapter_on_another_layout(tmp_path):
 
 def _yaml(tmp_path, base: str, text: str) -> str:
     p = tmp_path / "cfg.yaml"
-    p.write_text(f"base_model: {base}\nadapter: lora\ndatasets: [{{path: data.jsonl, type: alpaca}}]\n" + text)
+    p.write_text(
+        f"base_model: {base}\nadapter: lora\ndatasets: [{{path: data.jsonl, type: alpaca}}]\n" + text
+    )
     return str(p)
 
 
@@ -135,14 +162,17 @@ def _other_r(adapter: str, tmp_path) -> str:
     return str(copy)
 
 
-@pytest.mark.parametrize("case, fragment", [
-    ("missing", "is not a directory"),
-    ("no_weights", "has no adapter_model.safetensors"),
-    ("no_config", "has no adapter_config.json"),
-    ("r_mismatch", "lora_r=16 but the adapter in"),
-    ("targets_mismatch", "lora_target_modules / lora_target_linear adapt 2 layers, the adapter"),
-    ("shapes", "has shape [4, 64], the model needs [8, 64]"),
-])
+@pytest.mark.parametrize(
+    "case, fragment",
+    [
+        ("missing", "is not a directory"),
+        ("no_weights", "has no adapter_model.safetensors"),
+        ("no_config", "has no adapter_config.json"),
+        ("r_mismatch", "lora_r=16 but the adapter in"),
+        ("targets_mismatch", "lora_target_modules / lora_target_linear adapt 2 layers, the adapter"),
+        ("shapes", "has shape [4, 64], the model needs [8, 64]"),
+    ],
+)
 def test_a_bad_lora_model_dir_is_one_line_before_launch(saved, tmp_path, capsys, case, fragment):
     base, adapter = saved
     text = {  # built lazily: each case writes its own copy
@@ -161,6 +191,8 @@ def test_a_bad_lora_model_dir_is_one_line_before_launch(saved, tmp_path, capsys,
 
 def test_dry_run_names_the_saved_adapter(saved, tmp_path, capsys):
     base, adapter = saved
-    code, out, err = run_cli(capsys, "train", _yaml(tmp_path, base, f"lora_model_dir: {adapter}\n"), "--dry-run")
+    code, out, err = run_cli(
+        capsys, "train", _yaml(tmp_path, base, f"lora_model_dir: {adapter}\n"), "--dry-run"
+    )
     assert code == 0, err
     assert "LoRA r=4 alpha=8 dropout=0 on 14 layers" in out and f"starts from {adapter}" in out, out

@@ -6,13 +6,12 @@ tensor parallel is refused by name."""
 
 from __future__ import annotations
 
-
 import peft  # noqa: F401  (imported once before the ranks fork)
 import pytest
 import torch
+
 from cli_helpers import run_cli
 from lora_roundtrip import PROBE, continue_from, save_base, train_and_save
-
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import (
@@ -29,8 +28,16 @@ _refs: dict = {}
 
 
 def _setup(preset: str, **lora) -> TrainSetup:
-    return TrainSetup(preset_config(preset), steps=3, global_micro_batch=4, seq_len=32, max_grad_norm=1.0,
-                      optimizer="sgd", lr=0.5, adapter={**LORA, **lora})
+    return TrainSetup(
+        preset_config(preset),
+        steps=3,
+        global_micro_batch=4,
+        seq_len=32,
+        max_grad_norm=1.0,
+        optimizer="sgd",
+        lr=0.5,
+        adapter={**LORA, **lora},
+    )
 
 
 def _reference(setup: TrainSetup):
@@ -44,9 +51,11 @@ def _initial(setup: TrainSetup) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama-tied"])
-@pytest.mark.parametrize("layout, world", [({"dp_shard_size": 2}, 2),
-                                           ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4)],
-                         ids=["fsdp2", "dp2xfsdp2"])
+@pytest.mark.parametrize(
+    "layout, world",
+    [({"dp_shard_size": 2}, 2), ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4)],
+    ids=["fsdp2", "dp2xfsdp2"],
+)
 def test_layouts_train_the_saved_modules_as_one_process(preset, layout, world):
     setup = _setup(preset)
     ref = _reference(setup)
@@ -103,12 +112,17 @@ def test_saved_adapter_holds_the_trained_modules_and_reproduces_the_model(tmp_pa
         with torch.no_grad():
             return model.eval()(input_ids=PROBE).logits
 
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(out / "adapter"))
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir), str(out / "adapter")
+    )
     merge_adapter_files(out / "adapter", out / "offline", base=base_dir)
     untouched = logits(AutoModelForCausalLM.from_pretrained(base_dir))
     assert (untouched - trained).abs().max() > 1e-2  # training changed the model
-    for name, model in (("peft", peft_model), ("merged", AutoModelForCausalLM.from_pretrained(out / "merged")),
-                        ("offline merge", AutoModelForCausalLM.from_pretrained(out / "offline"))):
+    for name, model in (
+        ("peft", peft_model),
+        ("merged", AutoModelForCausalLM.from_pretrained(out / "merged")),
+        ("offline merge", AutoModelForCausalLM.from_pretrained(out / "offline")),
+    ):
         assert (logits(model) - trained).abs().max() <= 2e-5, name
     resumed = run_on_ranks(continue_from, 2, base_dir, str(out / "adapter"), timeout_s=400)[0]
     assert (resumed - trained).abs().max() <= 2e-5  # lora_model_dir: the run continues from it
@@ -134,15 +148,22 @@ def test_qlora_leaves_the_saved_modules_unquantised():
     assert names and not [n for n in names if "lm_head" in n], names
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    ("tensor_parallel_size: 2\n", "tensor_parallel_size=2: LoRA's modules_to_save (embed_tokens, lm_head) "
-                                  "are trained whole"),
-    ("", "on 2 layers (q_proj, trained whole: embed_tokens, lm_head)"),
-])
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (
+            "tensor_parallel_size: 2\n",
+            "tensor_parallel_size=2: LoRA's modules_to_save (embed_tokens, lm_head) are trained whole",
+        ),
+        ("", "on 2 layers (q_proj, trained whole: embed_tokens, lm_head)"),
+    ],
+)
 def test_cli(tmp_path, capsys, extra, fragment):
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("base_model: tiny-llama\nadapter: lora\nlora_target_modules: [q_proj]\n"
-                   f"lora_modules_to_save: [embed_tokens, lm_head]\n{extra}")
+    cfg.write_text(
+        "base_model: tiny-llama\nadapter: lora\nlora_target_modules: [q_proj]\n"
+        f"lora_modules_to_save: [embed_tokens, lm_head]\n{extra}"
+    )
     code, out, err = run_cli(capsys, "train", str(cfg), "--dry-run")
     assert (code == 2) == bool(extra), err
     assert fragment in (err if extra else out), (out, err)
@@ -159,8 +180,14 @@ def test_a_bf16_base_keeps_fp32_trained_copies():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(preset_config("tiny-llama-tied"), dtype=torch.bfloat16)
     model = apply_adapter(model, lora_config(r=4, target_modules=["q_proj"], modules_to_save=SAVE))
-    got = {("copy" if ".modules_to_save." in n else "original", p.dtype)
-           for n, p in model.named_parameters(remove_duplicate=False) if "embed_tokens" in n or "lm_head" in n}
+    got = {
+        ("copy" if ".modules_to_save." in n else "original", p.dtype)
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if "embed_tokens" in n or "lm_head" in n
+    }
     assert got == {("original", torch.bfloat16), ("copy", torch.float32)}, got
     inner = model.get_base_model()
-    assert inner.lm_head.modules_to_save["default"].weight is inner.model.embed_tokens.modules_to_save["default"].weight
+    assert (
+        inner.lm_head.modules_to_save["default"].weight
+        is inner.model.embed_tokens.modules_to_save["default"].weight
+    )

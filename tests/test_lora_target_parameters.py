@@ -10,9 +10,9 @@ from __future__ import annotations
 import peft  # noqa: F401  (imported once before the ranks fork)
 import pytest
 import torch
+
 from cli_helpers import run_cli
 from lora_roundtrip import PROBE, continue_from, save_base, train_and_save
-
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import (
@@ -33,15 +33,37 @@ def _gemma_moe():
     from transformers import AutoConfig
 
     return AutoConfig.for_model(
-        "gemma4_text", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=256, layer_types=["sliding_attention", "full_attention"],
-        hidden_size_per_layer_input=16, vocab_size_per_layer_input=256, sliding_window=64,
-        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32, tie_word_embeddings=False)
+        "gemma4_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        layer_types=["sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=256,
+        sliding_window=64,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        tie_word_embeddings=False,
+    )
 
 
 def _setup(config, lr: float = 0.5, **lora) -> TrainSetup:
-    return TrainSetup(config, steps=3, global_micro_batch=4, seq_len=32, max_grad_norm=1.0, optimizer="sgd",
-                      lr=lr, adapter={**LORA, **lora})
+    return TrainSetup(
+        config,
+        steps=3,
+        global_micro_batch=4,
+        seq_len=32,
+        max_grad_norm=1.0,
+        optimizer="sgd",
+        lr=lr,
+        adapter={**LORA, **lora},
+    )
 
 
 def _reference(setup: TrainSetup):
@@ -50,15 +72,20 @@ def _reference(setup: TrainSetup):
     return _refs[repr(setup)]
 
 
-@pytest.mark.parametrize("family, layout, world", [
-    ("qwen3_moe", {"dp_shard_size": 2}, 2),
-    ("qwen3_moe", {"dp_replicate_size": 2, "dp_shard_size": 2}, 4),
-    ("gemma4", {"dp_shard_size": 2}, 2),
-])
+@pytest.mark.parametrize(
+    "family, layout, world",
+    [
+        ("qwen3_moe", {"dp_shard_size": 2}, 2),
+        ("qwen3_moe", {"dp_replicate_size": 2, "dp_shard_size": 2}, 4),
+        ("gemma4", {"dp_shard_size": 2}, 2),
+    ],
+)
 def test_layouts_train_the_expert_adapters_as_one_process(family, layout, world):
     # Gemma 4 at lr 0.5 amplifies fp32 rounding (step 3: 4e-5 apart, one process itself 1.9e-4 from
     # float64: the next test): trained at lr 0.05 here, where both are 1e-6.
-    setup = _setup(preset_config("tiny-qwen3-moe")) if family == "qwen3_moe" else _setup(_gemma_moe(), lr=0.05)
+    setup = (
+        _setup(preset_config("tiny-qwen3-moe")) if family == "qwen3_moe" else _setup(_gemma_moe(), lr=0.05)
+    )
     ref = _reference(setup)
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=400)[0]
     diff = compare(ref, got)
@@ -85,8 +112,10 @@ def test_gemma4_expert_adapters_at_lr_half_fsdp_is_as_close_to_float64_as_one_pr
     fsdp = run_on_ranks(train_under_layout, 2, setup, {"dp_shard_size": 2}, timeout_s=400)[0]
     exact = run_on_ranks(train_under_layout, 1, dataclasses.replace(setup, dtype="float64"), None)[0]
     gap, own, fsdp_own = (compare(a, b)["param_abs"] for a, b in ((one, fsdp), (exact, one), (exact, fsdp)))
-    print(f"Gemma 4 MoE LoRA, lr 0.5, parameters: FSDP 2 vs one process {gap:.1e}; vs float64: one process "
-          f"{own:.1e}, FSDP 2 {fsdp_own:.1e}")
+    print(
+        f"Gemma 4 MoE LoRA, lr 0.5, parameters: FSDP 2 vs one process {gap:.1e}; vs float64: one process "
+        f"{own:.1e}, FSDP 2 {fsdp_own:.1e}"
+    )
     assert own < 1e-3  # float64 trains the same model (a step moves parameters by up to 0.5)
     assert gap <= own and fsdp_own <= 2 * own, (gap, own, fsdp_own)
 
@@ -114,7 +143,9 @@ def test_saved_adapter_reproduces_the_trained_model(tmp_path):
         with torch.no_grad():
             return model.eval()(input_ids=PROBE).logits
 
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(out / "adapter"))
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir), str(out / "adapter")
+    )
     merge_adapter_files(out / "adapter", out / "offline", base=base_dir)
     assert (logits(AutoModelForCausalLM.from_pretrained(base_dir)) - trained).abs().max() > 1e-3
     from safetensors import safe_open
@@ -126,24 +157,45 @@ def test_saved_adapter_reproduces_the_trained_model(tmp_path):
     stored = keys(f"{base_dir}/model.safetensors")  # one tensor per expert, as transformers stores them
     assert "model.layers.0.mlp.experts.0.gate_proj.weight" in stored
     assert keys(out / "offline" / "model.safetensors") == stored
-    for name, model in (("peft", peft_model), ("merged", AutoModelForCausalLM.from_pretrained(out / "merged")),
-                        ("offline merge", AutoModelForCausalLM.from_pretrained(out / "offline"))):
+    for name, model in (
+        ("peft", peft_model),
+        ("merged", AutoModelForCausalLM.from_pretrained(out / "merged")),
+        ("offline merge", AutoModelForCausalLM.from_pretrained(out / "offline")),
+    ):
         assert (logits(model) - trained).abs().max() <= 2e-5, name
     resumed = run_on_ranks(continue_from, 2, base_dir, str(out / "adapter"), timeout_s=400)[0]
     assert (resumed - trained).abs().max() <= 2e-5  # lora_model_dir: the run continues from it
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    ("dp_shard_size: 2\ntensor_parallel_size: 2\n", "tensor_parallel_size=2: LoRA on the experts' weights"),
-    ("dp_shard_size: 4\nexpert_parallel_size: 2\n", "expert_parallel_size=2: LoRA on the experts' weights"),
-    ("lora_dropout: 0.1\n", "lora_target_parameters with lora_dropout=0.1"),
-    ("lora_target_parameters: [experts.up_proj]\n", "lora_target_parameters ['experts.up_proj'] match no parameter"),
-    ("", "on 6 layers (q_proj, experts.down_proj, experts.gate_up_proj)"),
-])
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (
+            "dp_shard_size: 2\ntensor_parallel_size: 2\n",
+            "tensor_parallel_size=2: LoRA on the experts' weights",
+        ),
+        (
+            "dp_shard_size: 4\nexpert_parallel_size: 2\n",
+            "expert_parallel_size=2: LoRA on the experts' weights",
+        ),
+        ("lora_dropout: 0.1\n", "lora_target_parameters with lora_dropout=0.1"),
+        (
+            "lora_target_parameters: [experts.up_proj]\n",
+            "lora_target_parameters ['experts.up_proj'] match no parameter",
+        ),
+        ("", "on 6 layers (q_proj, experts.down_proj, experts.gate_up_proj)"),
+    ],
+)
 def test_cli(tmp_path, capsys, extra, fragment):
     cfg = tmp_path / "cfg.yaml"
-    params = "" if "lora_target_parameters" in extra else "lora_target_parameters: [experts.gate_up_proj, experts.down_proj]\n"
-    cfg.write_text(f"base_model: tiny-qwen3-moe\nadapter: lora\nlora_target_modules: [q_proj]\n{params}{extra}")
+    params = (
+        ""
+        if "lora_target_parameters" in extra
+        else "lora_target_parameters: [experts.gate_up_proj, experts.down_proj]\n"
+    )
+    cfg.write_text(
+        f"base_model: tiny-qwen3-moe\nadapter: lora\nlora_target_modules: [q_proj]\n{params}{extra}"
+    )
     code, out, err = run_cli(capsys, "train", str(cfg), "--dry-run", "--nproc-per-node", "4")
     assert (code == 2) == bool(extra), err
     assert fragment in (err if extra else out), (out, err)

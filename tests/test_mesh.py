@@ -8,10 +8,23 @@ from ndparallel import ParallelismConfig
 from ndparallel.testing import run_on_ranks
 
 LAYOUTS = [  # (pp, dp_replicate, dp_shard, cp, tp)
-    (1, 1, 1, 1, 1), (1, 2, 1, 1, 1), (1, 1, 2, 1, 1), (1, 1, 1, 1, 2), (1, 1, 1, 2, 1), (1, 1, 4, 1, 1),
-    (1, 2, 2, 1, 1), (1, 1, 2, 1, 2), (1, 1, 2, 2, 1), (1, 1, 1, 2, 2), (1, 2, 1, 1, 2), (1, 2, 2, 1, 2),
-    (1, 1, 2, 2, 2), (1, 3, 1, 1, 2),
-    (2, 1, 1, 1, 1), (2, 1, 2, 1, 2), (2, 2, 1, 2, 1),  # pipeline stages outermost
+    (1, 1, 1, 1, 1),
+    (1, 2, 1, 1, 1),
+    (1, 1, 2, 1, 1),
+    (1, 1, 1, 1, 2),
+    (1, 1, 1, 2, 1),
+    (1, 1, 4, 1, 1),
+    (1, 2, 2, 1, 1),
+    (1, 1, 2, 1, 2),
+    (1, 1, 2, 2, 1),
+    (1, 1, 1, 2, 2),
+    (1, 2, 1, 1, 2),
+    (1, 2, 2, 1, 2),
+    (1, 1, 2, 2, 2),
+    (1, 3, 1, 1, 2),
+    (2, 1, 1, 1, 1),
+    (2, 1, 2, 1, 2),
+    (2, 2, 1, 2, 1),  # pipeline stages outermost
 ]
 NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -20,16 +33,21 @@ def _expected_groups(sizes):
     """Independent reference: rank = row-major index over (pp, dp_replicate, dp_shard, cp, tp)."""
     coords = list(itertools.product(*(range(s) for s in sizes)))
     views = {
-        "pp": (0,), "dp_replicate": (1,), "dp_shard": (2,), "cp": (3,), "tp": (4,),
-        "dp": (1, 2), "dp_shard_cp": (2, 3), "dp_cp": (1, 2, 3),
+        "pp": (0,),
+        "dp_replicate": (1,),
+        "dp_shard": (2,),
+        "cp": (3,),
+        "tp": (4,),
+        "dp": (1, 2),
+        "dp_shard_cp": (2, 3),
+        "dp_cp": (1, 2, 3),
     }
     out = {}
     for rank, c in enumerate(coords):
         out[rank] = {}
         for view, dims in views.items():
             out[rank][view] = sorted(
-                r for r, c2 in enumerate(coords)
-                if all(c2[d] == c[d] for d in range(5) if d not in dims)
+                r for r, c2 in enumerate(coords) if all(c2[d] == c[d] for d in range(5) if d not in dims)
             )
         out[rank]["coords"] = dict(zip(NAMES, c))
     return out

@@ -71,8 +71,13 @@ def _probe(path, layout):
         logits = logits.full_tensor()
     stepped = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    return dict(params=params, logits=logits, stepped=stepped, buffers=buffers,
-                tied=(tied_after_load, model.lm_head.weight is model.model.embed_tokens.weight))
+    return dict(
+        params=params,
+        logits=logits,
+        stepped=stepped,
+        buffers=buffers,
+        tied=(tied_after_load, model.lm_head.weight is model.model.embed_tokens.weight),
+    )
 
 
 def _reference(path):
@@ -83,8 +88,13 @@ def _reference(path):
     out = model(input_ids=x, labels=x)
     out.loss.backward()
     opt.step()
-    return dict(params=params, logits=out.logits.detach(), stepped=model.state_dict(),
-                buffers=dict(model.named_buffers()), tied=model.config.tie_word_embeddings)
+    return dict(
+        params=params,
+        logits=out.logits.detach(),
+        stepped=model.state_dict(),
+        buffers=dict(model.named_buffers()),
+        tied=model.config.tie_word_embeddings,
+    )
 
 
 def _max_diff(a, b):

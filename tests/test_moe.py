@@ -19,10 +19,14 @@ def test_ep_is_carved_out_of_dp_shard_cp_tp(monkeypatch):
     assert dims.describe() == "HSDP 2×2 + CP 2 + TP 2 + EP 4" and dims.compact() == "2x2x2x2+ep4"
     assert dims.experts_split(moe=True) and not ParallelDims(dp_shard=4).experts_split(moe=True)
     assert ParallelDims(tp=2).experts_split(moe=True)  # experts are never tensor-parallel
-    with pytest.raises(ValueError, match=r"expert_parallel_size=3 must divide dp_shard × cp × tp = 2×1×2 = 4"):
+    with pytest.raises(
+        ValueError, match=r"expert_parallel_size=3 must divide dp_shard × cp × tp = 2×1×2 = 4"
+    ):
         ParallelDims(dp_shard=2, tp=2, ep=3)
     # Axolotl's convention (ep × dp_shard = world) gets the fix for ndparallel's rule
-    with pytest.raises(ParallelismConfigError, match=r"adds no ranks.*dp_shard_size=4 with expert_parallel_size=2"):
+    with pytest.raises(
+        ParallelismConfigError, match=r"adds no ranks.*dp_shard_size=4 with expert_parallel_size=2"
+    ):
         ParallelismConfig(dp_shard_size=2, ep_size=2).resolve(4)
     with pytest.raises(ParallelismConfigError, match="ep_size=-1 is not allowed"):
         ParallelismConfig(ep_size=-1)
@@ -58,8 +62,8 @@ def test_router_aux_loss_equals_transformers(name):
 
 def test_yaml_and_prelaunch_checks():
     from ndparallel.config import ConfigError, TrainConfig
-    from ndparallel.preflight.plan_text import describe_plan
     from ndparallel.preflight.checks import validate_layout
+    from ndparallel.preflight.plan_text import describe_plan
 
     base = {"datasets": [{"path": "builtin:stdlib"}], "sequence_len": 64, "dp_shard_size": 4}
     cfg = TrainConfig.model_validate({**base, "base_model": "tiny-qwen3-moe", "expert_parallel_size": 2})
@@ -69,17 +73,33 @@ def test_yaml_and_prelaunch_checks():
     # Axolotl's overrides_of_model_config reaches the checks and the model the ranks build
     from ndparallel.training.build import model_config
 
-    tuned = TrainConfig.model_validate({**base, "base_model": "tiny-mixtral", "expert_parallel_size": 2,
-                                        "overrides_of_model_config": {"router_aux_loss_coef": 0.25}})
+    tuned = TrainConfig.model_validate(
+        {
+            **base,
+            "base_model": "tiny-mixtral",
+            "expert_parallel_size": 2,
+            "overrides_of_model_config": {"router_aux_loss_coef": 0.25},
+        }
+    )
     pc, hf = validate_layout(tuned, 4, check_local=False)
     assert "load-balancing loss × 0.25" in describe_plan(tuned, pc, hf)
     assert model_config(tuned).router_aux_loss_coef == 0.25
     with pytest.raises(ConfigError, match="not a mixture-of-experts model"):
-        validate_layout(TrainConfig.model_validate({**base, "base_model": "tiny-llama", "ep_size": 2}), 4,
-                        check_local=False)
-    with pytest.raises(ConfigError, match=r"expert_parallel_size=4 does not divide the 4 experts|does not divide"):
-        validate_layout(TrainConfig.model_validate({**base, "base_model": "tiny-mixtral", "dp_shard_size": 8,
-                                                    "expert_parallel_size": 8}), 8, check_local=False)
+        validate_layout(
+            TrainConfig.model_validate({**base, "base_model": "tiny-llama", "ep_size": 2}),
+            4,
+            check_local=False,
+        )
+    with pytest.raises(
+        ConfigError, match=r"expert_parallel_size=4 does not divide the 4 experts|does not divide"
+    ):
+        validate_layout(
+            TrainConfig.model_validate(
+                {**base, "base_model": "tiny-mixtral", "dp_shard_size": 8, "expert_parallel_size": 8}
+            ),
+            8,
+            check_local=False,
+        )
 
 
 def test_lora_on_moe_targets_the_linear_layers():
@@ -90,7 +110,9 @@ def test_lora_on_moe_targets_the_linear_layers():
     assert set(adapter_config_of(model).target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
     assert not any(".experts." in n and p.requires_grad for n, p in model.named_parameters())
     with pytest.raises(ValueError, match="reach the fused expert weights"):  # v4 names PEFT would map
-        build_model(TrainSetup(preset_config("tiny-qwen3-moe"), adapter=dict(r=4, target_modules=["down_proj"])))
+        build_model(
+            TrainSetup(preset_config("tiny-qwen3-moe"), adapter=dict(r=4, target_modules=["down_proj"]))
+        )
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral"])
@@ -107,7 +129,8 @@ def test_flops_count_active_experts(name):
     assert spec.num_params == sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert spec.active_params == spec.num_params - experts + experts * config.num_experts_per_tok // (
-        getattr(config, "num_experts", None) or config.num_local_experts)
+        getattr(config, "num_experts", None) or config.num_local_experts
+    )
 
 
 def test_planner_moe_presets_and_layouts():
@@ -127,9 +150,11 @@ def test_planner_moe_presets_and_layouts():
     hw = get_preset("h100-80gb")
     # Expert weights per rank: all 128 experts sharded over 8 (FSDP) = 16 whole experts (EP 8)
     assert estimate_memory(small, layout, s, hw).params == pytest.approx(
-        estimate_memory(small, ParallelDims(dp_shard=8), s, hw).params, rel=1e-3)
-    assert [c for c, _ in structural_rejections(ParallelDims(dp_shard=2, ep=2), PRESETS["llama-3.1-8b"], 2, 8, s)] \
-        == ["ep_dense"]
+        estimate_memory(small, ParallelDims(dp_shard=8), s, hw).params, rel=1e-3
+    )
+    assert [
+        c for c, _ in structural_rejections(ParallelDims(dp_shard=2, ep=2), PRESETS["llama-3.1-8b"], 2, 8, s)
+    ] == ["ep_dense"]
     result = plan(PlanRequest(big, hw, gpus=64, seq_len=4096))
     best = result.ranked[0]
     assert best.layout.ep > 1 and best.best.fits  # 235B-A22B on 64: expert parallel wins
@@ -177,6 +202,9 @@ def test_all_to_all_calls_as_the_planner_predicts():
 
     got = {op: n for _dim, op, n in run_on_ranks(_ep_collectives, 2)[0]}
     spec = from_hf_config(preset_config("tiny-qwen3-moe").to_dict(), "tiny-qwen3-moe")
-    predicted = sum(c.count for c in predict_collectives(spec, ParallelDims(dp_shard=2, ep=2), seq_len=32)
-                    if c.mesh_dim == "ep")
+    predicted = sum(
+        c.count
+        for c in predict_collectives(spec, ParallelDims(dp_shard=2, ep=2), seq_len=32)
+        if c.mesh_dim == "ep"
+    )
     assert got == {"all_to_all": predicted} and predicted == 5 * spec.layers

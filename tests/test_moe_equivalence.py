@@ -20,8 +20,15 @@ from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
 RTOL, PARAM_ATOL = 1e-5, 1e-6
 # coef 0.5: the load-balancing loss moves the routers' gradients measurably (transformers: 0.001)
-QWEN = TrainSetup(preset_config("tiny-qwen3-moe", router_aux_loss_coef=0.5), steps=3, global_micro_batch=4,
-                  seq_len=32, max_grad_norm=1.0, optimizer="sgd", lr=0.5)
+QWEN = TrainSetup(
+    preset_config("tiny-qwen3-moe", router_aux_loss_coef=0.5),
+    steps=3,
+    global_micro_batch=4,
+    seq_len=32,
+    max_grad_norm=1.0,
+    optimizer="sgd",
+    lr=0.5,
+)
 MIXTRAL = dataclasses.replace(QWEN, model_config=preset_config("tiny-mixtral", router_aux_loss_coef=0.5))
 SP = TPOptions(sequence_parallel=True, loss_parallel=True)
 _refs: dict = {}
@@ -64,22 +71,67 @@ def test_moe_layout_equals_one_process(case):
     _check(setup, world, layout, **kwargs)
 
 
-_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-             max_position_embeddings=512, tie_word_embeddings=False)
+_TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 FAMILIES = {  # (model_type, fields, world, layout)
     # shared experts (a dense MLP + gate in the MoE block, replicated over tp)
-    "qwen2_moe": ("qwen2_moe", dict(intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                    num_experts=4, num_experts_per_tok=2, output_router_logits=True,
-                                    router_aux_loss_coef=0.5), 2, {"tp_size": 2, "ep_size": 2}),
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            output_router_logits=True,
+            router_aux_loss_coef=0.5,
+        ),
+        2,
+        {"tp_size": 2, "ep_size": 2},
+    ),
     # transposed expert weights with biases and its own gate activation
-    "gpt_oss": ("gpt_oss", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
-                                sliding_window=16, output_router_logits=True, router_aux_loss_coef=0.5), 2,
-                {"dp_shard_size": 2, "ep_size": 2}),
+    "gpt_oss": (
+        "gpt_oss",
+        dict(
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=16,
+            sliding_window=16,
+            output_router_logits=True,
+            router_aux_loss_coef=0.5,
+        ),
+        2,
+        {"dp_shard_size": 2, "ep_size": 2},
+    ),
     # no load-balancing loss; a dense first layer; MLA attention; a router buffer under TP
-    "deepseek_v3": ("deepseek_v3", dict(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4,
-                                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                                        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                        v_head_dim=16, n_group=1, topk_group=1), 2, {"tp_size": 2, "ep_size": 2}),
+    "deepseek_v3": (
+        "deepseek_v3",
+        dict(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            n_group=1,
+            topk_group=1,
+        ),
+        2,
+        {"tp_size": 2, "ep_size": 2},
+    ),
 }
 
 
@@ -88,10 +140,14 @@ def test_other_moe_families(family):
     from transformers import AutoConfig
 
     model_type, fields, world, layout = FAMILIES[family]
-    setup = dataclasses.replace(QWEN, model_config=AutoConfig.for_model(model_type, **_TINY, **fields), steps=2)
+    setup = dataclasses.replace(
+        QWEN, model_config=AutoConfig.for_model(model_type, **_TINY, **fields), steps=2
+    )
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=400)[0]
     diff = compare(_reference(setup), got)
-    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= PARAM_ATOL, diff
+    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= PARAM_ATOL, (
+        diff
+    )
     assert diff.get("aux_rel", 0.0) <= RTOL and (got.aux_losses is None) == (family == "deepseek_v3")
 
 
@@ -111,7 +167,9 @@ def test_gpt_oss_under_tp_is_refused_before_sharding():
 
 def test_ep_with_accumulation_and_checkpointing():
     setup = dataclasses.replace(QWEN, grad_accum=2)
-    _check(setup, 2, {"dp_shard_size": 2, "ep_size": 2}, fsdp_options=FSDPOptions(activation_checkpointing=True))
+    _check(
+        setup, 2, {"dp_shard_size": 2, "ep_size": 2}, fsdp_options=FSDPOptions(activation_checkpointing=True)
+    )
 
 
 def test_tokens_sent_to_the_wrong_expert_rank_fail_the_check():
@@ -139,13 +197,21 @@ def test_checkpoint_of_ep2_fsdp2_resumes_under_fsdp4(tmp_path):
     """Saved at step 2 of a 3-step EP 2 × FSDP 2 run (experts split over 2, each FSDP-sharded over 2;
     the dense layers over 4); step 3 resumed under FSDP 4 equals that run's step 3."""
     ep = {"dp_shard_size": 4, "ep_size": 2}
-    ref = run_on_ranks(ckpt_train.train, 4, ep, str(tmp_path / "run"), steps=3, save_every=2,
-                       model_preset="tiny-qwen3-moe")[0]
+    ref = run_on_ranks(
+        ckpt_train.train, 4, ep, str(tmp_path / "run"), steps=3, save_every=2, model_preset="tiny-qwen3-moe"
+    )[0]
     from ndparallel.checkpoint import list_checkpoints
 
     assert [step for step, _ in list_checkpoints(tmp_path / "run")] == [2]
-    res = run_on_ranks(ckpt_train.train, 4, {"dp_shard_size": 4}, str(tmp_path / "run"), steps=3, resume=True,
-                       model_preset="tiny-qwen3-moe")[0]
+    res = run_on_ranks(
+        ckpt_train.train,
+        4,
+        {"dp_shard_size": 4},
+        str(tmp_path / "run"),
+        steps=3,
+        resume=True,
+        model_preset="tiny-qwen3-moe",
+    )[0]
     assert list(res["losses"]) == [3]
     assert abs(res["losses"][3] - ref["losses"][3]) <= RTOL * ref["losses"][3]
 
@@ -177,6 +243,9 @@ def test_export_writes_what_save_pretrained_writes(tmp_path):
     run_on_ranks(_export, 2, str(tmp_path / "ours"))
     torch.manual_seed(3)
     AutoModelForCausalLM.from_config(preset_config("tiny-mixtral")).save_pretrained(tmp_path / "hf")
-    ours, hf = load_file(tmp_path / "ours" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    ours, hf = (
+        load_file(tmp_path / "ours" / "model.safetensors"),
+        load_file(tmp_path / "hf" / "model.safetensors"),
+    )
     assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in hf  # the published per-expert keys
     assert set(ours) == set(hf) and all(torch.equal(ours[k], hf[k]) for k in hf)

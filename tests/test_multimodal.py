@@ -38,9 +38,17 @@ def saved(tmp_path_factory):
 
 def _setup(path: str) -> TrainSetup:
     config = transformers.AutoConfig.from_pretrained(path).get_text_config()
-    return TrainSetup(config, steps=2, global_micro_batch=2, seq_len=16, optimizer="sgd", lr=0.1,
-                      max_grad_norm=1.0, packed_documents=True, model_dir=path)
-
+    return TrainSetup(
+        config,
+        steps=2,
+        global_micro_batch=2,
+        seq_len=16,
+        optimizer="sgd",
+        lr=0.1,
+        max_grad_norm=1.0,
+        packed_documents=True,
+        model_dir=path,
+    )
 
 
 def _train_all(setups: dict, layout: dict | None) -> dict:
@@ -58,10 +66,16 @@ def test_multimodal_class_and_names(saved):
         model, _, _ = build_on_meta(Path(path), torch.float32, None, False)
         assert type(model).__name__.endswith("ForConditionalGeneration"), mt
         assert any(n.startswith("model.language_model.layers.0.") for n, _ in model.named_parameters()), mt
-        adapted = [n for n, m in apply_adapter(model, lora_config(target_modules=AXOLOTL_REGEX)).named_modules()
-                   if is_lora_layer(m)]
+        adapted = [
+            n
+            for n, m in apply_adapter(model, lora_config(target_modules=AXOLOTL_REGEX)).named_modules()
+            if is_lora_layer(m)
+        ]
         expected = 7 * 2 - (1 if mt == "qwen3_5" else 0) * 4  # qwen3_5: layer 0 is linear attention
-        assert len(adapted) == expected and all(".language_model.layers." in n for n in adapted), (mt, adapted)
+        assert len(adapted) == expected and all(".language_model.layers." in n for n in adapted), (
+            mt,
+            adapted,
+        )
         from ndparallel.plan.models import load_model_spec
 
         spec = load_model_spec(path)  # the planner sizes the text model (config.json: text_config)
@@ -74,7 +88,9 @@ def test_fsdp_tp_cp_equal_one_process(saved):
     fsdp = run_on_ranks(_train_all, 2, setups, {"dp_shard_size": 2}, timeout_s=300)[0]
     cp_setups = {mt: s for mt, s in setups.items() if mt != "qwen3_5"}  # linear attention: refused under CP
     cp = run_on_ranks(_train_all, 2, cp_setups, {"cp_size": 2}, timeout_s=300)[0]
-    tp_setups = {mt: s for mt, s in setups.items() if mt not in ("qwen3_5", "gemma4")}  # refused under TP (below)
+    tp_setups = {
+        mt: s for mt, s in setups.items() if mt not in ("qwen3_5", "gemma4")
+    }  # refused under TP (below)
     tp = run_on_ranks(_train_all, 2, tp_setups, {"tp_size": 2}, timeout_s=300)[0]
     assert set(tp) == {"gemma3", "mistral3", "voxtral"}
     for name, runs in (("fsdp", fsdp), ("cp", cp), ("tp", tp)):
@@ -82,7 +98,9 @@ def test_fsdp_tp_cp_equal_one_process(saved):
             diff = compare(ref[mt], run)
             print(name, mt, diff)
             norm_tol = grad_norm_tolerance(setups[mt].model_config)
-            assert diff["loss_rel"] < 1e-5 and diff["grad_norm_rel"] < norm_tol and diff["param_abs"] < 1e-6, (name, mt, diff)
+            assert (
+                diff["loss_rel"] < 1e-5 and diff["grad_norm_rel"] < norm_tol and diff["param_abs"] < 1e-6
+            ), (name, mt, diff)
     assert {"gemma4"} <= set(fsdp) & set(cp)
     # the towers got no gradient: they end as loaded
     loaded = transformers.AutoModelForImageTextToText.from_pretrained(saved["mistral3"]).state_dict()
@@ -123,9 +141,13 @@ def test_tensor_parallel_refused_before_launch_where_it_fails(saved):
             validate_tensor_parallel(transformers.AutoConfig.from_pretrained(saved[mt]), 2)
     validate_tensor_parallel(transformers.AutoConfig.from_pretrained(saved["mistral3"]), 2)  # runs: no error
     # the text-only checkpoint has the same linear-attention layers (its TP run failed on the ranks)
-    with pytest.raises(ValueError, match="model_type 'qwen3_5_text' cannot train with tensor_parallel_size > 1"):
+    with pytest.raises(
+        ValueError, match="model_type 'qwen3_5_text' cannot train with tensor_parallel_size > 1"
+    ):
         validate_tensor_parallel(transformers.AutoConfig.for_model("qwen3_5_text"), 2)
-    with pytest.raises(ValueError, match="model_type 'gemma4_text' cannot train with tensor_parallel_size > 1"):
+    with pytest.raises(
+        ValueError, match="model_type 'gemma4_text' cannot train with tensor_parallel_size > 1"
+    ):
         validate_tensor_parallel(transformers.AutoConfig.for_model("gemma4_text"), 2)
 
 
@@ -135,11 +157,11 @@ def test_axolotl_mistral_medium_text_qlora_trains_on_two_ranks(tmp_path):
     optimizer swapped) on a tiny Mistral3ForConditionalGeneration: QLoRA with the multimodal regex on
     FSDP 2 ranks, packed chat data; the adapter loads onto the multimodal class with PEFT and adapts
     the language model only."""
-    from cli_helpers import train_on_forked_ranks
     from peft import PeftModel
-    from sft_fixtures import chat_records, llama3_tokenizer, write_jsonl
 
     from axolotl_stand_ins import FIXTURES, tiny_multimodal
+    from cli_helpers import train_on_forked_ranks
+    from sft_fixtures import chat_records, llama3_tokenizer, write_jsonl
 
     tok = llama3_tokenizer()
     config = tiny_multimodal("mistral3")
@@ -148,11 +170,25 @@ def test_axolotl_mistral_medium_text_qlora_trains_on_two_ranks(tmp_path):
     transformers.Mistral3ForConditionalGeneration(config).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
     write_jsonl(tmp_path / "chat.jsonl", chat_records(60))
-    sets = [f"base_model={tmp_path / 'model'}", f"datasets.0.path={tmp_path / 'chat.jsonl'}", "sequence_len=128",
-            "max_steps=2", "gradient_accumulation_steps=1", "micro_batch_size=1", "optimizer=adamw_torch",
-            "output_dir=out", "nf4_block_size=2", "nf4_scaler_block_size=2"]
-    args = ["train", FIXTURES / "examples/mistral-medium-3_5/qlora-text.yml", "--nproc-per-node", "2",
-            *[a for s in sets for a in ("--set", s)]]
+    sets = [
+        f"base_model={tmp_path / 'model'}",
+        f"datasets.0.path={tmp_path / 'chat.jsonl'}",
+        "sequence_len=128",
+        "max_steps=2",
+        "gradient_accumulation_steps=1",
+        "micro_batch_size=1",
+        "optimizer=adamw_torch",
+        "output_dir=out",
+        "nf4_block_size=2",
+        "nf4_scaler_block_size=2",
+    ]
+    args = [
+        "train",
+        FIXTURES / "examples/mistral-medium-3_5/qlora-text.yml",
+        "--nproc-per-node",
+        "2",
+        *[a for s in sets for a in ("--set", s)],
+    ]
     proc = train_on_forked_ranks(args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Mistral3ForConditionalGeneration: a multimodal checkpoint" in proc.stdout
@@ -170,12 +206,20 @@ def test_transformers4_multimodal_names_refused_with_the_rename(saved):
 
     hf = transformers.AutoConfig.from_pretrained(saved["voxtral"])
     old = AXOLOTL_REGEX.replace("model.language_model.", "language_model.model.")
-    cfg = TrainConfig(base_model=saved["voxtral"], datasets=[{"path": "builtin:stdlib"}], adapter="lora",
-                      lora_target_modules=old)
+    cfg = TrainConfig(
+        base_model=saved["voxtral"],
+        datasets=[{"path": "builtin:stdlib"}],
+        adapter="lora",
+        lora_target_modules=old,
+    )
     with pytest.raises(ConfigError, match=r"transformers 5 names .* write 'model\.language_model\.layers"):
         check_adapter(cfg, hf, 1)
-    cfg = TrainConfig(base_model=saved["voxtral"], datasets=[{"path": "builtin:stdlib"}], adapter="lora",
-                      lora_target_modules=AXOLOTL_REGEX)
+    cfg = TrainConfig(
+        base_model=saved["voxtral"],
+        datasets=[{"path": "builtin:stdlib"}],
+        adapter="lora",
+        lora_target_modules=AXOLOTL_REGEX,
+    )
     assert "on 14 layers" in check_adapter(cfg, hf, 1)
 
 
@@ -190,11 +234,25 @@ def test_chunked_loss_equals_the_logits_path(saved):
 
     for mt in ("mistral3", "voxtral"):
         base = _setup(saved[mt])
-        runs = [run_on_ranks(_train_all, 1, {mt: dataclasses.replace(
-            base, parallel_kwargs={"loss_options": LossOptions(chunked=chunked, chunk_tokens=8)})}, None,
-            timeout_s=300)[0][mt] for chunked in (False, True)]
+        runs = [
+            run_on_ranks(
+                _train_all,
+                1,
+                {
+                    mt: dataclasses.replace(
+                        base, parallel_kwargs={"loss_options": LossOptions(chunked=chunked, chunk_tokens=8)}
+                    )
+                },
+                None,
+                timeout_s=300,
+            )[0][mt]
+            for chunked in (False, True)
+        ]
         diff = compare(*runs)
-        assert diff["loss_rel"] < 1e-6 and diff["grad_norm_rel"] < 1e-5 and diff["param_abs"] < 1e-6, (mt, diff)
+        assert diff["loss_rel"] < 1e-6 and diff["grad_norm_rel"] < 1e-5 and diff["param_abs"] < 1e-6, (
+            mt,
+            diff,
+        )
     with torch.device("meta"):
         gemma = causal_lm_from_config(transformers.AutoConfig.from_pretrained(saved["gemma3"]))
     assert plain_head_problem(gemma) is not None

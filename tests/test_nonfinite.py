@@ -12,8 +12,13 @@ import torch
 from ndparallel.engine.nonfinite import NonFiniteError, NonFiniteGuard
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["base_model=tiny-llama", "datasets=[{path: 'builtin:stdlib', max_bytes: 100000}]",
-         "tokenizer_vocab_size=512", "sequence_len=32", "dp_shard_size=2"]
+SMALL = [
+    "base_model=tiny-llama",
+    "datasets=[{path: 'builtin:stdlib', max_bytes: 100000}]",
+    "tokenizer_vocab_size=512",
+    "sequence_len=32",
+    "dp_shard_size=2",
+]
 
 
 def test_stop_mode_names_the_first_bad_step_only_when_checked():
@@ -42,8 +47,16 @@ def test_skip_mode_skips_then_gives_up():
 
 def test_huge_learning_rate_stops_the_run_with_exit_1(tmp_path):
     out = tmp_path / "run"
-    sets = [*SMALL, "learning_rate=1e12", "max_grad_norm=null", "max_steps=12", "logging_steps=4",
-            "save_steps=4", f"output_dir={out}", f"dataset_cache_dir={tmp_path / 'cache'}"]
+    sets = [
+        *SMALL,
+        "learning_rate=1e12",
+        "max_grad_norm=null",
+        "max_steps=12",
+        "logging_steps=4",
+        "save_steps=4",
+        f"output_dir={out}",
+        f"dataset_cache_dir={tmp_path / 'cache'}",
+    ]
     cmd = [sys.executable, "-m", "ndparallel", "train", *[a for s in sets for a in ("--set", s)]]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)

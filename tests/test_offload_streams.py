@@ -43,6 +43,7 @@ class DeferredStreams:
         def copy():
             dev.copy_(host)
             self.restored_order.append(float(host.double().sum()))
+
         return dev, self._enqueue("to_device", copy)
 
     def wait(self, event):
@@ -65,11 +66,15 @@ def _grads(streams=None, max_in_flight=2, layers=4):
     if streams is not None:
         offloader = ActivationOffloader(streams, max_in_flight=max_in_flight)
         for layer in model.model.layers:
-            layer._gradient_checkpointing_func = OffloadedCheckpoint(offloader, layer._gradient_checkpointing_func)
+            layer._gradient_checkpointing_func = OffloadedCheckpoint(
+                offloader, layer._gradient_checkpointing_func
+            )
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
     inputs: list[float] = []  # each layer's input in the forward (the hooks run outside the checkpoint)
-    handles = [layer.register_forward_pre_hook(lambda m, a: inputs.append(float(a[0].detach().double().sum())))
-               for layer in model.model.layers]
+    handles = [
+        layer.register_forward_pre_hook(lambda m, a: inputs.append(float(a[0].detach().double().sum())))
+        for layer in model.model.layers
+    ]
     loss = model(input_ids=ids, labels=ids).loss
     for h in handles:
         h.remove()

@@ -60,10 +60,14 @@ def _train(stock: bool = False, eager: bool = False) -> dict:
         dist.all_reduce(total)
         losses.append(float(total))
     names = {id(p): n for n, p in model.named_parameters()}
-    kinds = {names[id(p)]: type(getattr(s["exp_avg"], "_local_tensor", s["exp_avg"])).__name__
-             for p, s in optimizer.state.items()}
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-              for n, p in model.named_parameters()}
+    kinds = {
+        names[id(p)]: type(getattr(s["exp_avg"], "_local_tensor", s["exp_avg"])).__name__
+        for p, s in optimizer.state.items()
+    }
+    params = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
     return {"losses": losses, "params": params, "kinds": kinds}
 
 
@@ -74,8 +78,11 @@ def test_fsdp2_equals_one_process_states_quantised_per_parameter():
     quantised on both (4096 values; 2048 per FSDP shard), the bias is not (64)."""
     one = run_on_ranks(_train, 1, timeout_s=400)[0]
     fsdp = run_on_ranks(_train, 2, timeout_s=400)[0]
-    assert one["kinds"] == fsdp["kinds"] == {"0.weight": "OptimState8bit", "0.bias": "Tensor",
-                                             "2.weight": "OptimState8bit"}
+    assert (
+        one["kinds"]
+        == fsdp["kinds"]
+        == {"0.weight": "OptimState8bit", "0.bias": "Tensor", "2.weight": "OptimState8bit"}
+    )
     assert max(abs(a - b) / abs(a) for a, b in zip(one["losses"], fsdp["losses"])) <= 1e-5
     assert max((one["params"][k] - fsdp["params"][k]).abs().max().item() for k in one["params"]) <= 1e-3
     assert one["losses"][-1] < one["losses"][0]
@@ -92,22 +99,44 @@ def test_checkpoint_resumes_on_another_layout(tmp_path):
     """FSDP 2 saves after step 2 (8-bit states in DCP), one rank resumes to step 4: the losses of
     steps 3-4 equal an uninterrupted one-rank run's (the restored states are the saved ones)."""
 
-    ref = run_on_ranks(_eager_ckpt_train, 1, {}, str(tmp_path / "ref"), optimizer="adamw_8bit", timeout_s=400)[0]
-    run_on_ranks(_eager_ckpt_train, 2, {"dp_shard_size": 2}, str(tmp_path / "run"), save_every=1, stop_after=2,
-                 optimizer="adamw_8bit", timeout_s=400)
-    run_on_ranks(_eager_ckpt_train, 2, {"dp_shard_size": 2}, str(tmp_path / "fp32"), save_every=2, stop_after=2,
-                 optimizer="adamw", timeout_s=400)
+    ref = run_on_ranks(
+        _eager_ckpt_train, 1, {}, str(tmp_path / "ref"), optimizer="adamw_8bit", timeout_s=400
+    )[0]
+    run_on_ranks(
+        _eager_ckpt_train,
+        2,
+        {"dp_shard_size": 2},
+        str(tmp_path / "run"),
+        save_every=1,
+        stop_after=2,
+        optimizer="adamw_8bit",
+        timeout_s=400,
+    )
+    run_on_ranks(
+        _eager_ckpt_train,
+        2,
+        {"dp_shard_size": 2},
+        str(tmp_path / "fp32"),
+        save_every=2,
+        stop_after=2,
+        optimizer="adamw",
+        timeout_s=400,
+    )
 
     def size(run):
         return sum(p.stat().st_size for p in (tmp_path / run / "checkpoint-2").glob("*.distcp"))
 
     # 8-bit states on disk: ~0.49 MB less than fp32 AdamW's 1.51 MB (98K of 107K parameters quantised)
     assert size("run") < size("fp32") - 0.3e6, (size("run"), size("fp32"))
-    resumed = run_on_ranks(_eager_ckpt_train, 1, {}, str(tmp_path / "run"), resume=True,
-                           optimizer="adamw_8bit", timeout_s=400)[0]
+    resumed = run_on_ranks(
+        _eager_ckpt_train, 1, {}, str(tmp_path / "run"), resume=True, optimizer="adamw_8bit", timeout_s=400
+    )[0]
     assert sorted(resumed["losses"]) == [3, 4]
     for step in (3, 4):
-        assert abs(resumed["losses"][step] - ref["losses"][step]) <= 1e-5 * abs(ref["losses"][step]), (resumed, ref)
+        assert abs(resumed["losses"][step] - ref["losses"][step]) <= 1e-5 * abs(ref["losses"][step]), (
+            resumed,
+            ref,
+        )
 
 
 def test_embeddings_keep_fp32_states():

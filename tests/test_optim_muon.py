@@ -27,8 +27,16 @@ from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import ckpt_train  # noqa: E402
 
-SETUP = TrainSetup(preset_config("tiny-llama"), steps=3, global_micro_batch=4, seq_len=32, optimizer="muon",
-                   lr=1e-2, weight_decay=0.01, optimizer_options={"ns_dtype": torch.float32, "eps": 1e-4})
+SETUP = TrainSetup(
+    preset_config("tiny-llama"),
+    steps=3,
+    global_micro_batch=4,
+    seq_len=32,
+    optimizer="muon",
+    lr=1e-2,
+    weight_decay=0.01,
+    optimizer_options={"ns_dtype": torch.float32, "eps": 1e-4},
+)
 MOE = dataclasses.replace(SETUP, model_config=preset_config("tiny-qwen3-moe"))
 MUON = {"optimizer": "muon", "optimizer_options": SETUP.optimizer_options}
 ADAMW_NAMES = ("embed_tokens", "lm_head", "norm")
@@ -61,7 +69,9 @@ def test_split_follows_axolotl():
         model = AutoModelForCausalLM.from_config(preset_config(preset))
         opt = build_optimizer(model, "muon", lr=0.02, weight_decay=0.01)
         names = {id(p): n for n, p in model.named_parameters()}
-        got = {g["algorithm"]: ({names[id(p)] for p in g["params"]}, g["weight_decay"]) for g in opt.param_groups}
+        got = {
+            g["algorithm"]: ({names[id(p)] for p in g["params"]}, g["weight_decay"]) for g in opt.param_groups
+        }
         adamw, muon = got["adamw"][0], got["muon"][0]
         assert got["muon"][1] == 0.01 and got["adamw"][1] == 0.0
         assert {n for n in names.values() if "embed_tokens" in n or "norm" in n} <= adamw
@@ -83,11 +93,15 @@ def test_newton_schulz_orthogonalises_each_expert_matrix():
     assert s.min() > 0.5 and s.max() < 1.3, s  # singular values pulled to ~1 (NS's approximate U V^T)
 
 
-@pytest.mark.parametrize("layout,world", [
-    ({"dp_shard_size": 2}, 2),
-    ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4),
-    ({"dp_shard_size": 2, "tp_size": 2}, 4),
-], ids=["fsdp2", "dp2xfsdp2", "fsdp2xtp2"])
+@pytest.mark.parametrize(
+    "layout,world",
+    [
+        ({"dp_shard_size": 2}, 2),
+        ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4),
+        ({"dp_shard_size": 2, "tp_size": 2}, 4),
+    ],
+    ids=["fsdp2", "dp2xfsdp2", "fsdp2xtp2"],
+)
 def test_layouts_equal_one_process(layout, world):
     ref = _reference(SETUP)
     got = run_on_ranks(train_under_layout, world, SETUP, layout)[0]
@@ -101,8 +115,9 @@ def test_layouts_equal_one_process(layout, world):
 def test_per_shard_orthogonalisation_differs():
     """The negative control: Newton–Schulz on each rank's shard (torch.optim.Muon on local tensors)."""
     ref = _reference(SETUP)
-    got = run_on_ranks(train_under_layout, 2, dataclasses.replace(SETUP, fault="per-shard-muon"),
-                       {"dp_shard_size": 2})[0]
+    got = run_on_ranks(
+        train_under_layout, 2, dataclasses.replace(SETUP, fault="per-shard-muon"), {"dp_shard_size": 2}
+    )[0]
     muon, _ = _matrix_diff(ref, got)
     assert muon > 1e-3 and compare(ref, got)["loss_rel"] > 1e-5, muon
 
@@ -122,19 +137,25 @@ def test_checkpoint_resumes_on_another_layout(tmp_path):
     """FSDP 2 saves Muon's momentum (sharded DTensors) and AdamW's moments after step 2; FSDP x TP
     resumes to step 4: its losses equal an uninterrupted one-process run's (fp32 NS, as above)."""
     ref = run_on_ranks(ckpt_train.train, 1, {}, str(tmp_path / "ref"), **MUON)[0]
-    run_on_ranks(ckpt_train.train, 2, {"dp_shard_size": 2}, str(tmp_path / "run"), save_every=1, stop_after=2,
-                 **MUON)
+    run_on_ranks(
+        ckpt_train.train, 2, {"dp_shard_size": 2}, str(tmp_path / "run"), save_every=1, stop_after=2, **MUON
+    )
     from ndparallel.checkpoint.io import read_dcp_metadata
 
     keys = list(read_dcp_metadata(tmp_path / "run" / "checkpoint-2").state_dict_metadata)
     assert any("momentum_buffer" in k and "q_proj" in k for k in keys), keys[:20]
     assert any("exp_avg" in k and "embed_tokens" in k for k in keys) and not any(
-        "momentum_buffer" in k and "embed_tokens" in k for k in keys)
-    resumed = run_on_ranks(ckpt_train.train, 4, {"dp_shard_size": 2, "tp_size": 2}, str(tmp_path / "run"),
-                           resume=True, **MUON)[0]
+        "momentum_buffer" in k and "embed_tokens" in k for k in keys
+    )
+    resumed = run_on_ranks(
+        ckpt_train.train, 4, {"dp_shard_size": 2, "tp_size": 2}, str(tmp_path / "run"), resume=True, **MUON
+    )[0]
     assert sorted(resumed["losses"]) == [3, 4]
     for step in (3, 4):
-        assert abs(resumed["losses"][step] - ref["losses"][step]) <= 1e-5 * abs(ref["losses"][step]), (resumed, ref)
+        assert abs(resumed["losses"][step] - ref["losses"][step]) <= 1e-5 * abs(ref["losses"][step]), (
+            resumed,
+            ref,
+        )
 
 
 def test_planner_states_one_momentum_for_matrices_two_moments_for_the_rest():
@@ -148,8 +169,10 @@ def test_planner_states_one_momentum_for_matrices_two_moments_for_the_rest():
     from ndparallel.plan.muon import newton_schulz_seconds, step_temporaries
 
     model, layout, hw = PRESETS["llama-3.1-70b"], Layout(dp_shard=8, tp=2), HW["h100-80gb"]
-    mem = {o: estimate_memory(model, layout, Settings(seq_len=4096, optimizer=o), hw).optimizer
-           for o in ("adamw", "muon", "sgd")}
+    mem = {
+        o: estimate_memory(model, layout, Settings(seq_len=4096, optimizer=o), hw).optimizer
+        for o in ("adamw", "muon", "sgd")
+    }
     numels = unit_numels(model, layout.tp, layout.fsdp, layout)
     edge = sum(numels[u][1] * c for u, (c, _) in fsdp_units(model).items() if u in ("embed", "final"))
     assert mem["muon"] == pytest.approx(mem["adamw"] / 2 + 4 * edge)

@@ -24,8 +24,14 @@ from ndparallel.tools.equivalence import (
 )
 
 TOL = 1e-5
-SETUP = TrainSetup(preset_config("tiny-llama"), steps=2, global_micro_batch=4, seq_len=32,
-                   max_grad_norm=1.0, packed_documents=True)
+SETUP = TrainSetup(
+    preset_config("tiny-llama"),
+    steps=2,
+    global_micro_batch=4,
+    seq_len=32,
+    max_grad_norm=1.0,
+    packed_documents=True,
+)
 _ref: list = []
 
 
@@ -75,8 +81,7 @@ def test_one_process_document_attention():
 
 def test_negative_control_attention_across_documents():
     """Same packed data, but the model attends across document starts: must not match."""
-    diff = _check({"cp_size": 2}, 2, dataclasses.replace(SETUP, fault="cross-documents"),
-                  expect_equal=False)
+    diff = _check({"cp_size": 2}, 2, dataclasses.replace(SETUP, fault="cross-documents"), expect_equal=False)
     assert diff["loss_rel"] > 1e-3, diff
 
 

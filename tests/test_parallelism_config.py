@@ -76,15 +76,25 @@ def test_accelerate_names_and_handlers(monkeypatch):
 
     pc = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, cp_size=2, tp_size=2)
     assert pc.dp_dim_names == ["dp_replicate", "dp_shard"] and pc.non_dp_dim_names == ["tp", "cp"]
-    assert pc.dp_cp_dim_names == ["dp_replicate", "dp_shard", "cp"] and pc.dp_shard_cp_dim_names == ["dp_shard", "cp"]
+    assert pc.dp_cp_dim_names == ["dp_replicate", "dp_shard", "cp"] and pc.dp_shard_cp_dim_names == [
+        "dp_shard",
+        "cp",
+    ]
     assert pc.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"] and pc.active_mesh_dims == [
-        "dp_replicate", "dp_shard", "tp", "cp"]
+        "dp_replicate",
+        "dp_shard",
+        "tp",
+        "cp",
+    ]
     assert (pc.data_parallel_size, pc.non_data_parallel_size, pc.sp_size, pc.cp_backend) == (4, 4, 1, "torch")
     assert pc.cp_handler.cp_comm_strategy == "allgather" and pc.tp_handler is not None
     assert ParallelismConfig().dp_cp_dim_names == [] and ParallelismConfig().cp_handler is None
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_COMM_STRATEGY", "alltoall")
     assert ParallelismConfig(cp_size=2).cp_handler.strategy == "ring"
-    assert ParallelismConfig(cp_size=2, cp_handler=TorchContextParallelConfig("allgather")).cp_handler.strategy == "allgather"
+    assert (
+        ParallelismConfig(cp_size=2, cp_handler=TorchContextParallelConfig("allgather")).cp_handler.strategy
+        == "allgather"
+    )
     with pytest.raises(ParallelismConfigError, match="sp_size=2.*cp_size=2"):
         ParallelismConfig(sp_size=2)
     with pytest.raises(ValueError, match="pass a device_type"):
@@ -109,4 +119,8 @@ def _one_process_mesh():
 def test_build_mesh_starts_a_one_rank_group_outside_torchrun():
     from ndparallel.testing import run_on_ranks
 
-    assert run_on_ranks(_one_process_mesh, 1)[0] == (1, (1, 1, 1, 1, 1), True)  # (pp, dp_replicate, dp_shard, cp, tp)
+    assert run_on_ranks(_one_process_mesh, 1)[0] == (
+        1,
+        (1, 1, 1, 1, 1),
+        True,
+    )  # (pp, dp_replicate, dp_shard, cp, tp)

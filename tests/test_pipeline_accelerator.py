@@ -18,8 +18,13 @@ def _batches(vocab: int):
         step = []
         for _ in range(MICRO):
             t = torch.randint(0, vocab, (ROWS, SEQ + 1), generator=g)
-            step.append({"input_ids": t[:, :-1].contiguous(), "shift_labels": t[:, 1:].contiguous(),
-                         "position_ids": torch.arange(SEQ).expand(ROWS, -1).clone()})
+            step.append(
+                {
+                    "input_ids": t[:, :-1].contiguous(),
+                    "shift_labels": t[:, 1:].contiguous(),
+                    "position_ids": torch.arange(SEQ).expand(ROWS, -1).clone(),
+                }
+            )
         out.append(step)
     return out
 

@@ -20,7 +20,9 @@ MODELS = {  # 4 decoder layers: 2 stages × 2 virtual stages still get one layer
     "qwen3_tied": preset_config("tiny-qwen3", num_hidden_layers=4),
     "qwen3_moe": preset_config("tiny-qwen3-moe", num_hidden_layers=4, output_router_logits=False),
 }
-BASE = dict(steps=2, global_micro_batch=4, grad_accum=2, seq_len=16, optimizer="sgd", lr=0.5, max_grad_norm=1.0)
+BASE = dict(
+    steps=2, global_micro_batch=4, grad_accum=2, seq_len=16, optimizer="sgd", lr=0.5, max_grad_norm=1.0
+)
 ALLGATHER = {"cp_options": CPOptions(comm_strategy="allgather")}
 
 CASES = {  # name: (model, layout, schedule, extra strategy options, pipeline micro-batches)
@@ -31,19 +33,50 @@ CASES = {  # name: (model, layout, schedule, extra strategy options, pipeline mi
     "pp2_zbv_tied": ("llama_tied", {"pp_size": 2}, "ZBVZeroBubble", {}, None),
     "pp4_tied": ("llama_tied", {"pp_size": 4}, "1F1B", {}, 4),  # the first/last-stage pair group
     "pp2_fsdp2": ("llama", {"pp_size": 2, "dp_shard_size": 2}, "1F1B", {}, None),
-    "pp2_tp2_sp_tied": ("qwen3_tied", {"pp_size": 2, "tp_size": 2}, "1F1B",
-                        {"tp_options": TPOptions(sequence_parallel=True)}, None),
+    "pp2_tp2_sp_tied": (
+        "qwen3_tied",
+        {"pp_size": 2, "tp_size": 2},
+        "1F1B",
+        {"tp_options": TPOptions(sequence_parallel=True)},
+        None,
+    ),
     "pp2_cp2": ("llama", {"pp_size": 2, "cp_size": 2}, "1F1B", ALLGATHER, None),
-    "pp2_dp2_interleaved": ("llama_tied", {"pp_size": 2, "dp_replicate_size": 2}, "Interleaved1F1B", {}, None),
+    "pp2_dp2_interleaved": (
+        "llama_tied",
+        {"pp_size": 2, "dp_replicate_size": 2},
+        "Interleaved1F1B",
+        {},
+        None,
+    ),
     "pp2_fsdp2_ep2_moe": ("qwen3_moe", {"pp_size": 2, "dp_shard_size": 2, "ep_size": 2}, "1F1B", {}, None),
-    "pp2_fsdp2_unsharded_accumulation": ("llama_tied", {"pp_size": 2, "dp_shard_size": 2}, "1F1B",
-                                         {"fsdp_options": FSDPOptions(unsharded_grad_accumulation=True)}, None),
-    "pp2_checkpointing": ("llama_tied", {"pp_size": 2}, "1F1B",
-                          {"fsdp_options": FSDPOptions(activation_checkpointing=True)}, None),
-    "pp2_cp2_ulysses": ("llama", {"pp_size": 2, "cp_size": 2}, "1F1B",
-                        {"cp_options": CPOptions(comm_strategy="ulysses")}, None),
-    "pp2_fsdp2_cpu_offload": ("llama_tied", {"pp_size": 2, "dp_shard_size": 2}, "1F1B",
-                              {"fsdp_options": FSDPOptions(cpu_offload=True)}, None),
+    "pp2_fsdp2_unsharded_accumulation": (
+        "llama_tied",
+        {"pp_size": 2, "dp_shard_size": 2},
+        "1F1B",
+        {"fsdp_options": FSDPOptions(unsharded_grad_accumulation=True)},
+        None,
+    ),
+    "pp2_checkpointing": (
+        "llama_tied",
+        {"pp_size": 2},
+        "1F1B",
+        {"fsdp_options": FSDPOptions(activation_checkpointing=True)},
+        None,
+    ),
+    "pp2_cp2_ulysses": (
+        "llama",
+        {"pp_size": 2, "cp_size": 2},
+        "1F1B",
+        {"cp_options": CPOptions(comm_strategy="ulysses")},
+        None,
+    ),
+    "pp2_fsdp2_cpu_offload": (
+        "llama_tied",
+        {"pp_size": 2, "dp_shard_size": 2},
+        "1F1B",
+        {"fsdp_options": FSDPOptions(cpu_offload=True)},
+        None,
+    ),
 }
 
 _references: dict = {}
@@ -57,13 +90,15 @@ def reference(model: str) -> object:
 
 def pipelined(model, schedule, extra=None, microbatches=None, **setup):
     options = PipelineOptions(schedule=schedule, microbatches=microbatches)
-    return TrainSetup(MODELS[model], **{**BASE, **setup},
-                      parallel_kwargs={"pipeline_options": options, **(extra or {})})
+    return TrainSetup(
+        MODELS[model], **{**BASE, **setup}, parallel_kwargs={"pipeline_options": options, **(extra or {})}
+    )
 
 
 def _equals_one_process(model, layout, schedule, extra=None, microbatches=None):
-    got = run_on_ranks(train_under_layout, world_of(layout), pipelined(model, schedule, extra, microbatches),
-                       layout)[0]
+    got = run_on_ranks(
+        train_under_layout, world_of(layout), pipelined(model, schedule, extra, microbatches), layout
+    )[0]
     diff = compare(reference(model), got)
     assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL, diff
     assert diff["param_abs"] <= 1e-6, diff
@@ -93,7 +128,7 @@ def test_pp2_mixed_precision_equals_one_process(precision):
     between stages: the same as one process at that precision."""
     extra = {"mixed_precision": precision, "steps": 3}
     if precision == "fp16":
-        extra["loss_scale"] = {"init_scale": 2.0 ** 10}  # every step applies (see test_fp16.py)
+        extra["loss_scale"] = {"init_scale": 2.0**10}  # every step applies (see test_fp16.py)
     ref = run_on_ranks(train_under_layout, 1, TrainSetup(MODELS["llama"], **{**BASE, **extra}), None)[0]
     got = run_on_ranks(train_under_layout, 2, pipelined("llama", "1F1B", **extra), {"pp_size": 2})[0]
     diff = compare(ref, got)
@@ -104,14 +139,20 @@ def test_pp2_mixed_precision_equals_one_process(precision):
 def test_packed_documents_stay_apart_on_every_stage():
     """Rows packed with several documents: every stage builds its mask from the position_ids it
     receives, so the pipeline trains what one process trains on the same packed rows."""
-    ref = run_on_ranks(train_under_layout, 1, TrainSetup(MODELS["qwen3_tied"], **BASE, packed_documents=True),
-                       None)[0]
-    got = run_on_ranks(train_under_layout, 2, pipelined("qwen3_tied", "1F1B", packed_documents=True),
-                       {"pp_size": 2})[0]
+    ref = run_on_ranks(
+        train_under_layout, 1, TrainSetup(MODELS["qwen3_tied"], **BASE, packed_documents=True), None
+    )[0]
+    got = run_on_ranks(
+        train_under_layout, 2, pipelined("qwen3_tied", "1F1B", packed_documents=True), {"pp_size": 2}
+    )[0]
     diff = compare(ref, got)
     assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff
-    crossing = run_on_ranks(train_under_layout, 2, pipelined("qwen3_tied", "1F1B", packed_documents=True,
-                                                             fault="cross-documents"), {"pp_size": 2})[0]
+    crossing = run_on_ranks(
+        train_under_layout,
+        2,
+        pipelined("qwen3_tied", "1F1B", packed_documents=True, fault="cross-documents"),
+        {"pp_size": 2},
+    )[0]
     assert compare(ref, crossing)["loss_rel"] > 1e-4  # attention across documents is caught
 
 
@@ -122,10 +163,15 @@ def test_pp2_interleaved_loads_the_model_from_disk(tmp_path):
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(MODELS["llama_tied"]).save_pretrained(tmp_path)
-    ref = run_on_ranks(train_under_layout, 1, TrainSetup(MODELS["llama_tied"], **BASE, model_dir=str(tmp_path)),
-                       None)[0]
-    got = run_on_ranks(train_under_layout, 2, pipelined("llama_tied", "Interleaved1F1B", model_dir=str(tmp_path)),
-                       {"pp_size": 2})[0]
+    ref = run_on_ranks(
+        train_under_layout, 1, TrainSetup(MODELS["llama_tied"], **BASE, model_dir=str(tmp_path)), None
+    )[0]
+    got = run_on_ranks(
+        train_under_layout,
+        2,
+        pipelined("llama_tied", "Interleaved1F1B", model_dir=str(tmp_path)),
+        {"pp_size": 2},
+    )[0]
     diff = compare(ref, got)
     assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff
 
@@ -142,9 +188,16 @@ def test_bad_pipeline_layouts_fail_before_training():
     from ndparallel.testing import RankFailure
 
     with pytest.raises(RankFailure, match="4 stages, but the model has 2 decoder layers"):
-        run_on_ranks(train_under_layout, 2, TrainSetup(preset_config("tiny-llama"), **BASE,
-                     parallel_kwargs={"pipeline_options": PipelineOptions(schedule="Interleaved1F1B")}),
-                     {"pp_size": 2})
+        run_on_ranks(
+            train_under_layout,
+            2,
+            TrainSetup(
+                preset_config("tiny-llama"),
+                **BASE,
+                parallel_kwargs={"pipeline_options": PipelineOptions(schedule="Interleaved1F1B")},
+            ),
+            {"pp_size": 2},
+        )
 
 
 def _planned_reductions(unsharded: bool, grad_accum: int) -> int:
@@ -166,12 +219,18 @@ def test_unsharded_accumulation_reduces_gradients_once_per_step():
     planner counts the same reductions (one foreach_reduce per FSDP unit and reduction)."""
     layout = {"pp_size": 2, "dp_shard_size": 2}
     sharded = pipelined("llama", "1F1B", grad_accum=4)
-    once = dataclasses.replace(sharded, parallel_kwargs={**sharded.parallel_kwargs, "fsdp_options":
-                                                         FSDPOptions(unsharded_grad_accumulation=True)})
+    once = dataclasses.replace(
+        sharded,
+        parallel_kwargs={
+            **sharded.parallel_kwargs,
+            "fsdp_options": FSDPOptions(unsharded_grad_accumulation=True),
+        },
+    )
     per_micro_batch = run_on_ranks(train_counting_reductions, 4, sharded, layout)[0][1]
     per_step = run_on_ranks(train_counting_reductions, 4, once, layout)[0][1]
     assert per_micro_batch == 4 * per_step > 0  # 4 micro-batches per step
     steps = sharded.steps
-    assert (per_micro_batch, per_step) == (steps * _planned_reductions(False, 4), steps * _planned_reductions(True, 4))
-
-
+    assert (per_micro_batch, per_step) == (
+        steps * _planned_reductions(False, 4),
+        steps * _planned_reductions(True, 4),
+    )

@@ -17,31 +17,52 @@ from pipeline_helpers import train_counting_reductions, world_of
 
 RTOL = 1e-5
 LORA = dict(r=4, alpha=8, dropout=0.0, target_linear=True)
-SETUP = dict(steps=2, global_micro_batch=4, grad_accum=2, seq_len=16, optimizer="sgd", lr=0.5, max_grad_norm=1.0)
+SETUP = dict(
+    steps=2, global_micro_batch=4, grad_accum=2, seq_len=16, optimizer="sgd", lr=0.5, max_grad_norm=1.0
+)
 CASES = {  # name: (model, LoRA extras, layout, schedule, strategy options)
     # tied embeddings, frozen: both stage copies stay the base's; two stages per rank in one view
     "pp2_interleaved_tied": ("tiny-llama-tied", {}, {"pp_size": 2}, "Interleaved1F1B", {}),
     # trained embedding and head copies on the first and the last stage; the stage an FSDP root
-    "pp2_fsdp2_modules_to_save": ("tiny-llama", {"modules_to_save": ["embed_tokens", "lm_head"]},
-                                  {"pp_size": 2, "dp_shard_size": 2}, "1F1B",
-                                  {"fsdp_options": FSDPOptions(unsharded_grad_accumulation=True)}),
+    "pp2_fsdp2_modules_to_save": (
+        "tiny-llama",
+        {"modules_to_save": ["embed_tokens", "lm_head"]},
+        {"pp_size": 2, "dp_shard_size": 2},
+        "1F1B",
+        {"fsdp_options": FSDPOptions(unsharded_grad_accumulation=True)},
+    ),
     # each stage's base and adapter linears sharded by TP (the adapters as the layers they adapt)
     "pp2_tp2": ("tiny-llama", {}, {"pp_size": 2, "tp_size": 2}, "1F1B", {}),
     # each stage's sequence split by CP (all-gather: gloo's ring P2P beside the pipeline's is refused)
-    "pp2_cp2": ("tiny-llama", {}, {"pp_size": 2, "cp_size": 2}, "1F1B",
-                {"cp_options": CPOptions(comm_strategy="allgather")}),
+    "pp2_cp2": (
+        "tiny-llama",
+        {},
+        {"pp_size": 2, "cp_size": 2},
+        "1F1B",
+        {"cp_options": CPOptions(comm_strategy="allgather")},
+    ),
     # a mixture-of-experts model's stages with their experts split by EP (the adapters on attention)
     "pp2_fsdp2_ep2_moe": ("tiny-qwen3-moe", {}, {"pp_size": 2, "dp_shard_size": 2, "ep_size": 2}, "1F1B", {}),
     # adapters on the experts' fused weights too (PEFT's target_parameters), each stage its layers'
-    "pp2_moe_target_parameters": ("tiny-qwen3-moe", {"target_linear": False, "target_modules": ["q_proj", "v_proj"],
-                                                     "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
-                                  {"pp_size": 2}, "1F1B", {}),
+    "pp2_moe_target_parameters": (
+        "tiny-qwen3-moe",
+        {
+            "target_linear": False,
+            "target_modules": ["q_proj", "v_proj"],
+            "target_parameters": ["experts.gate_up_proj", "experts.down_proj"],
+        },
+        {"pp_size": 2},
+        "1F1B",
+        {},
+    ),
 }
 
 
 def _setup(model: str, lora_extra: dict) -> TrainSetup:
     moe = {"output_router_logits": False} if "moe" in model else {}  # PP refuses the router loss
-    return TrainSetup(preset_config(model, num_hidden_layers=4, **moe), **SETUP, adapter={**LORA, **lora_extra})
+    return TrainSetup(
+        preset_config(model, num_hidden_layers=4, **moe), **SETUP, adapter={**LORA, **lora_extra}
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -49,8 +70,9 @@ def test_pipeline_lora_equals_one_process_lora(case):
     model, extra, layout, schedule, options = CASES[case]
     setup = _setup(model, extra)
     ref = run_on_ranks(train_under_layout, 1, setup, None)[0]
-    staged = dataclasses.replace(setup, parallel_kwargs={"pipeline_options": PipelineOptions(schedule=schedule),
-                                                         **options})
+    staged = dataclasses.replace(
+        setup, parallel_kwargs={"pipeline_options": PipelineOptions(schedule=schedule), **options}
+    )
     world = world_of(layout)
     got, reductions = run_on_ranks(train_counting_reductions, world, staged, layout)[0]
     diff = compare(ref, got)
@@ -62,8 +84,14 @@ def test_pipeline_lora_equals_one_process_lora(case):
         assert any(".layers.0." in k for k in experts) and any(".layers.3." in k for k in experts)
         assert max(ref.params[k].abs().max().item() for k in experts) > 1e-4
     if "fsdp_options" in options:  # the stage is FSDP's root: one reduction per step, not per micro-batch
-        per_micro_batch = run_on_ranks(train_counting_reductions, world, dataclasses.replace(
-            staged, parallel_kwargs={**staged.parallel_kwargs, "fsdp_options": FSDPOptions()}), layout)[0][1]
+        per_micro_batch = run_on_ranks(
+            train_counting_reductions,
+            world,
+            dataclasses.replace(
+                staged, parallel_kwargs={**staged.parallel_kwargs, "fsdp_options": FSDPOptions()}
+            ),
+            layout,
+        )[0][1]
         assert per_micro_batch == SETUP["grad_accum"] * reductions > 0
 
 
@@ -77,7 +105,9 @@ def _initial_adapters(_):
 
     engine = Engine(ParallelismConfig(pp_size=2))
     config = preset_config("tiny-llama", num_hidden_layers=4)
-    view = engine.parallelize(build_on_meta_from_config(config, torch.float32, "sdpa", adapter=lora_config(**LORA)))
+    view = engine.parallelize(
+        build_on_meta_from_config(config, torch.float32, "sdpa", adapter=lora_config(**LORA))
+    )
     whole = initial_adapter_weights(view, seed=0)
     setattr(view, WHOLE_TRAINED, None)
     return whole, initial_adapter_weights(view, seed=0)
@@ -88,8 +118,9 @@ def test_a_stage_draws_the_whole_models_adapter_init():
     from ndparallel.models.loading import build_on_meta_from_config
 
     config = preset_config("tiny-llama", num_hidden_layers=4)
-    one = initial_adapter_weights(build_on_meta_from_config(config, torch.float32, "sdpa",
-                                                            adapter=lora_config(**LORA)), seed=0)
+    one = initial_adapter_weights(
+        build_on_meta_from_config(config, torch.float32, "sdpa", adapter=lora_config(**LORA)), seed=0
+    )
     (first, _), (last, own_order) = run_on_ranks(_initial_adapters, 2, None)
     assert set(first) | set(last) == set(one) and not set(first) & set(last)
     assert all(torch.equal(one[k], t) for k, t in {**first, **last}.items())

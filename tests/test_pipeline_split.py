@@ -21,17 +21,20 @@ def test_stage_placement_per_schedule():
     assert plan_stages(PipelineOptions(), 4, 8).stages_of(3) == [3]
 
 
-@pytest.mark.parametrize("options, pp, layers, mbs, words", [
-    (PipelineOptions(schedule="PipeDream"), 2, 4, 4, "pipeline_schedule='PipeDream' is not a schedule"),
-    (PipelineOptions(), 8, 4, 8, "8 stages, but the model has 4 decoder layers"),
-    (PipelineOptions(schedule="Interleaved1F1B"), 4, 6, 8, "8 stages, but the model has 6"),
-    (PipelineOptions(), 4, 8, 2, "at least 4"),
-    (PipelineOptions(schedule="Interleaved1F1B"), 2, 8, 3, "multiple of pipeline_parallel_size=2"),
-    (PipelineOptions(schedule="1F1B", virtual_stages=2), 2, 8, 4, "runs one stage per rank"),
-    (PipelineOptions(schedule="ZBVZeroBubble", virtual_stages=3), 2, 12, 4, "exactly 2 stages per rank"),
-    (PipelineOptions(layers_per_stage=3), 2, 8, 4, "pipeline_layers_per_stage=3 × 2 stages = 6"),
-    (PipelineOptions(split_points=(5, 2)), 3, 8, 4, "increasing layer indices"),
-])
+@pytest.mark.parametrize(
+    "options, pp, layers, mbs, words",
+    [
+        (PipelineOptions(schedule="PipeDream"), 2, 4, 4, "pipeline_schedule='PipeDream' is not a schedule"),
+        (PipelineOptions(), 8, 4, 8, "8 stages, but the model has 4 decoder layers"),
+        (PipelineOptions(schedule="Interleaved1F1B"), 4, 6, 8, "8 stages, but the model has 6"),
+        (PipelineOptions(), 4, 8, 2, "at least 4"),
+        (PipelineOptions(schedule="Interleaved1F1B"), 2, 8, 3, "multiple of pipeline_parallel_size=2"),
+        (PipelineOptions(schedule="1F1B", virtual_stages=2), 2, 8, 4, "runs one stage per rank"),
+        (PipelineOptions(schedule="ZBVZeroBubble", virtual_stages=3), 2, 12, 4, "exactly 2 stages per rank"),
+        (PipelineOptions(layers_per_stage=3), 2, 8, 4, "pipeline_layers_per_stage=3 × 2 stages = 6"),
+        (PipelineOptions(split_points=(5, 2)), 3, 8, 4, "increasing layer indices"),
+    ],
+)
 def test_bad_pipelines_are_refused_in_one_line(options, pp, layers, mbs, words):
     problem = pipeline_problem(options, pp, layers, mbs)
     assert problem and words in problem and "\n" not in problem

@@ -16,8 +16,9 @@ from ndparallel.plan.models import PRESETS
 
 @pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce", "send_recv"])
 def test_fit_recovers_ring_model(kind):
-    hw = Hardware("x", 1, 1, 1, 1, intra_node_bw=5e9, inter_node_bw=5e9, intra_node_latency=3e-5,
-                  link_efficiency=1.0)
+    hw = Hardware(
+        "x", 1, 1, 1, 1, intra_node_bw=5e9, inter_node_bw=5e9, intra_node_latency=3e-5, link_efficiency=1.0
+    )
     sizes = [2**12, 2**16, 2**20, 2**24]
     times = [collective_time(kind, b, 4, hw, True) for b in sizes]
     fit = fit_alpha_beta(kind, 4, sizes, times)
@@ -26,8 +27,7 @@ def test_fit_recovers_ring_model(kind):
 
 
 def test_quick_cpu_calibration_feeds_the_planner(tmp_path, capsys):
-    profile = calibrate(ranks=2, quick=True, device="cpu", model=PRESETS["tiny"], seq_len=64,
-                        micro_batch=2)
+    profile = calibrate(ranks=2, quick=True, device="cpu", model=PRESETS["tiny"], seq_len=64, micro_batch=2)
     hw = Hardware.from_dict(profile["hardware"])
     assert hw.peak_flops > 0 and hw.peak_flops_fp32 > 0 and hw.hbm_bw > 0
     assert set(hw.collectives) == {"all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all"}
@@ -43,9 +43,28 @@ def test_quick_cpu_calibration_feeds_the_planner(tmp_path, capsys):
     path.write_text(json.dumps(profile))
     assert load_hardware_file(path) == hw
     assert load_hardware_file(path).gemm_table == hw.gemm_table  # compare=False fields too
-    assert main(["--model", "tiny", "--gpus", "2", "--gpus-per-node", "2", "--hardware-file",
-                 str(path), "--seq-len", "256", "--global-batch-size", "8",
-                 "--mixed-precision", "fp32", "--json"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "tiny",
+                "--gpus",
+                "2",
+                "--gpus-per-node",
+                "2",
+                "--hardware-file",
+                str(path),
+                "--seq-len",
+                "256",
+                "--global-batch-size",
+                "8",
+                "--mixed-precision",
+                "fp32",
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert len(data["ranked"]) == 5  # 2x1x1x1, 1x2x1x1, 1x1x2x1, 1x1x1x2, pp2:1x1x1x1
     assert data["hardware"]["gemm_table"] == hw.gemm_table
@@ -53,17 +72,53 @@ def test_quick_cpu_calibration_feeds_the_planner(tmp_path, capsys):
 
 def test_one_rank_calibration_keeps_link_figures(tmp_path, capsys):
     out = tmp_path / "one.json"
-    assert main(["--calibrate", "--calibrate-ranks", "1", "--quick", "--model", "tiny",
-                 "--seq-len", "64", "--micro-batch", "2", "--calibrate-out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--calibrate",
+                "--calibrate-ranks",
+                "1",
+                "--quick",
+                "--model",
+                "tiny",
+                "--seq-len",
+                "64",
+                "--micro-batch",
+                "2",
+                "--calibrate-out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "collectives not measured" in text and "--hardware-file" in text
     profile = json.loads(out.read_text())
     assert profile["hardware"]["collectives"] == {}
     assert "collectives not measured" in profile["measurements"]["note"]
     # the profile plans: an explained layout uses its measured GEMMs
-    assert main(["--model", "tiny", "--gpus", "1", "--hardware-file", str(out), "--seq-len", "64",
-                 "--micro-batch", "2", "--global-batch-size", "2", "--explain", "1x1x1x1",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "tiny",
+                "--gpus",
+                "1",
+                "--hardware-file",
+                str(out),
+                "--seq-len",
+                "64",
+                "--micro-batch",
+                "2",
+                "--global-batch-size",
+                "2",
+                "--explain",
+                "1x1x1x1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     best = json.loads(capsys.readouterr().out)["best"]
     assert best["time_s"]["compute_parts"]["gemm"] > 0
 

@@ -20,36 +20,39 @@ def _run(argv) -> int:
         return exc.code
 
 
-@pytest.mark.parametrize("extra, flag", [
-    (["--seq-len", "0"], "--seq-len"),
-    (["--seq-len", "-5"], "--seq-len"),
-    (["--gpus-per-node", "0"], "--gpus-per-node"),
-    (["--gpus", "12"], "--gpus 12 with --gpus-per-node 8"),
-    (["--gpus", "0"], "--gpus"),
-    (["--global-batch-size", "0"], "--global-batch-size"),
-    (["--global-batch-tokens", "-2048"], "--global-batch-tokens"),
-    (["--global-batch-tokens", "3000"], "--global-batch-tokens"),
-    (["--micro-batch", "0"], "--micro-batch"),
-    (["--micro-batch", "two"], "--micro-batch"),
-    (["--matmul-efficiency", "7"], "--matmul-efficiency"),
-    (["--matmul-efficiency", "0"], "--matmul-efficiency"),
-    (["--peak-tflops", "-3"], "--peak-tflops"),
-    (["--intra-node-bw", "0"], "--intra-node-bw"),
-    (["--inter-node-bw", "-1"], "--inter-node-bw"),
-    (["--hbm-bw", "-1"], "--hbm-bw"),
-    (["--gpu-mem", "96MB"], "--gpu-mem"),
-    (["--gpu-mem", "lots"], "--gpu-mem"),
-    (["--gpu-mem", "0"], "--gpu-mem"),
-    (["--top", "0"], "--top"),
-    (["--loss-chunk-tokens", "0"], "--loss-chunk-tokens"),
-    (["--write-config", "/no/such/dir/plan.yaml"], "--write-config"),
-    (["--hardware-file", "/no/such/hw.json"], "--hardware-file"),
-    (["--seq-len", "abc"], "--seq-len"),
-    (["--explain", "zz=2"], "zz"),
-    (["--explain", "pp=2,ds=4,schedule=Fast"], "schedule"),
-    (["--pipeline-schedule", "Fast"], "--pipeline-schedule"),
-    (["--pipeline-virtual-stages", "0"], "--pipeline-virtual-stages"),
-])
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--seq-len", "0"], "--seq-len"),
+        (["--seq-len", "-5"], "--seq-len"),
+        (["--gpus-per-node", "0"], "--gpus-per-node"),
+        (["--gpus", "12"], "--gpus 12 with --gpus-per-node 8"),
+        (["--gpus", "0"], "--gpus"),
+        (["--global-batch-size", "0"], "--global-batch-size"),
+        (["--global-batch-tokens", "-2048"], "--global-batch-tokens"),
+        (["--global-batch-tokens", "3000"], "--global-batch-tokens"),
+        (["--micro-batch", "0"], "--micro-batch"),
+        (["--micro-batch", "two"], "--micro-batch"),
+        (["--matmul-efficiency", "7"], "--matmul-efficiency"),
+        (["--matmul-efficiency", "0"], "--matmul-efficiency"),
+        (["--peak-tflops", "-3"], "--peak-tflops"),
+        (["--intra-node-bw", "0"], "--intra-node-bw"),
+        (["--inter-node-bw", "-1"], "--inter-node-bw"),
+        (["--hbm-bw", "-1"], "--hbm-bw"),
+        (["--gpu-mem", "96MB"], "--gpu-mem"),
+        (["--gpu-mem", "lots"], "--gpu-mem"),
+        (["--gpu-mem", "0"], "--gpu-mem"),
+        (["--top", "0"], "--top"),
+        (["--loss-chunk-tokens", "0"], "--loss-chunk-tokens"),
+        (["--write-config", "/no/such/dir/plan.yaml"], "--write-config"),
+        (["--hardware-file", "/no/such/hw.json"], "--hardware-file"),
+        (["--seq-len", "abc"], "--seq-len"),
+        (["--explain", "zz=2"], "zz"),
+        (["--explain", "pp=2,ds=4,schedule=Fast"], "schedule"),
+        (["--pipeline-schedule", "Fast"], "--pipeline-schedule"),
+        (["--pipeline-virtual-stages", "0"], "--pipeline-virtual-stages"),
+    ],
+)
 def test_bad_flag_one_line_exit_2(extra, flag, capsys):
     code = _run(BASE + extra)
     err = capsys.readouterr().err.strip()
@@ -60,16 +63,25 @@ def test_bad_flag_one_line_exit_2(extra, flag, capsys):
 
 
 def test_bad_flag_through_main_cli_no_traceback():
-    proc = subprocess.run([sys.executable, "-m", "ndparallel", "plan", *BASE, "--seq-len", "0"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ndparallel", "plan", *BASE, "--seq-len", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "ndparallel plan: error: --seq-len 0: must be a whole number >= 1"
 
 
 def test_gpu_mem_bare_number_is_gib(capsys):
     """``--gpu-mem 96`` is 96 GiB (it used to be 96 bytes, rejecting every layout)."""
-    assert main(BASE + ["--gpus", "1", "--gpus-per-node", "1", "--gpu-mem", "96", "--json",
-                        "--global-batch-size", "4"]) == 0
+    assert (
+        main(
+            BASE
+            + ["--gpus", "1", "--gpus-per-node", "1", "--gpu-mem", "96", "--json", "--global-batch-size", "4"]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["hardware"]["mem_bytes"] == 96 * 2**30
     assert data["ranked"], "a 1B model fits 96 GiB"

@@ -33,26 +33,35 @@ def test_grad_accum_and_no_reshard_scale_counts():
     # Gathers and (by default) reduce-scatters happen every micro-batch, so gradients stay sharded;
     # the replica all-reduce runs once per step. With unsharded_grad_accumulation the
     # reduce-scatter too waits for the last micro-batch.
-    got = aggregate(predict_collectives(TINY, Layout(dp_shard=2), seq_len=32, grad_accum=3,
-                                        reshard_after_forward=False))
+    got = aggregate(
+        predict_collectives(TINY, Layout(dp_shard=2), seq_len=32, grad_accum=3, reshard_after_forward=False)
+    )
     assert got[("all_gather", "dp_shard_cp", 18_496 * 2)] == 2 * 3
     assert got[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2 * 3
-    hsdp = aggregate(predict_collectives(TINY, Layout(dp_replicate=2, dp_shard=2), seq_len=32,
-                                         grad_accum=3))
+    hsdp = aggregate(predict_collectives(TINY, Layout(dp_replicate=2, dp_shard=2), seq_len=32, grad_accum=3))
     assert hsdp[("all_gather", "dp_shard_cp", 18_496 * 2)] == 4 * 3
     assert hsdp[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2 * 3
     assert hsdp[("all_reduce", "dp_replicate", 18_496 * 4)] == 2
-    unsharded = aggregate(predict_collectives(TINY, Layout(dp_replicate=2, dp_shard=2), seq_len=32,
-                                              grad_accum=3, unsharded_grad_accumulation=True))
+    unsharded = aggregate(
+        predict_collectives(
+            TINY,
+            Layout(dp_replicate=2, dp_shard=2),
+            seq_len=32,
+            grad_accum=3,
+            unsharded_grad_accumulation=True,
+        )
+    )
     assert unsharded[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2
     assert unsharded[("all_reduce", "dp_replicate", 18_496 * 4)] == 2
 
 
 def test_ddp_and_hsdp():
     ddp = aggregate(predict_collectives(TINY, Layout(dp_replicate=2), seq_len=32))
-    assert ddp == {("all_reduce", "dp_replicate", 36_992 * 4): 2,
-                   ("all_reduce", "dp_replicate", 16_384 * 4): 1,
-                   ("all_reduce", "dp_replicate", 16_448 * 4): 1}
+    assert ddp == {
+        ("all_reduce", "dp_replicate", 36_992 * 4): 2,
+        ("all_reduce", "dp_replicate", 16_384 * 4): 1,
+        ("all_reduce", "dp_replicate", 16_448 * 4): 1,
+    }
     hsdp = aggregate(predict_collectives(TINY, Layout(dp_replicate=2, dp_shard=2), seq_len=32))
     assert hsdp[("all_reduce", "dp_replicate", 18_496 * 4)] == 2  # the reduced shard
     assert hsdp[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2
@@ -83,8 +92,9 @@ def test_tensor_parallel_all_reduce():
     # fwd: 2 rowwise outputs per layer; bwd: one per block input (attention, MLP), checked against
     # the runtime by tests/test_plan_vs_runtime.py; + embedding fwd, LM-head input grad bwd.
     assert got == {("all_reduce", "tp", 4096): 2 * 2 + 2 * 2 + 2, ("all_reduce", "tp", 128): 3}
-    ck = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, sequence_parallel=False,
-                                       checkpointing=True))
+    ck = aggregate(
+        predict_collectives(TINY, Layout(tp=2), seq_len=32, sequence_parallel=False, checkpointing=True)
+    )
     assert ck[("all_reduce", "tp", 4096)] == 10 + 2  # recompute: attention output only
 
 
@@ -109,10 +119,10 @@ def test_context_parallel_ulysses():
     (int32) all-gathered per forward. K/V heads are raised to cp when fewer (replicated)."""
     got = aggregate(predict_collectives(TINY, Layout(cp=2), seq_len=32, cp_strategy="ulysses"))
     got = {k: v for k, v in got.items() if k[1] == "cp"}  # FSDP over dp_shard_cp aside
-    assert got == {("all_to_all", "cp", 4096): 4, ("all_to_all", "cp", 2048): 4,
-                   ("all_gather", "cp", 64): 2}
-    ck = aggregate(predict_collectives(TINY, Layout(cp=4), seq_len=32, cp_strategy="ulysses",
-                                       checkpointing=True))
+    assert got == {("all_to_all", "cp", 4096): 4, ("all_to_all", "cp", 2048): 4, ("all_gather", "cp", 64): 2}
+    ck = aggregate(
+        predict_collectives(TINY, Layout(cp=4), seq_len=32, cp_strategy="ulysses", checkpointing=True)
+    )
     # 8 tokens per rank, kv heads 2 -> 4 (replicated): 8 × (4 + 8) × 16 × 2; recompute: 3 passes
     assert ck[("all_to_all", "cp", 8 * 12 * 16 * 2)] == 6 and ck[("all_gather", "cp", 32)] == 4
 
@@ -131,13 +141,16 @@ def test_scalar_collectives():
     # 21 parameter tensors (9 per layer x 2, embedding, norm, LM head), 16 of them tp-sharded.
     fsdp = aggregate(predict_collectives(TINY, Layout(dp_shard=2), seq_len=32, scalars=True))
     assert fsdp[("all_reduce", "dp", 8)] == 1 and fsdp[("all_reduce", "dp_shard_cp", 84)] == 1
-    tp32 = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, scalars=True,
-                                         mixed_precision="fp32"))
+    tp32 = aggregate(
+        predict_collectives(TINY, Layout(tp=2), seq_len=32, scalars=True, mixed_precision="fp32")
+    )
     assert tp32[("all_reduce", "tp", 84)] == 1 and ("all_reduce", "dp", 8) not in tp32
     both = aggregate(predict_collectives(TINY, Layout(dp_shard=2, tp=2), seq_len=32, scalars=True))
     assert both[("all_reduce", "tp", 64)] == 1 and both[("all_reduce", "dp_shard_cp", 84)] == 1
-    assert not any(k[2] in (8, 64, 84) and k[0] == "all_reduce" for k in
-                   aggregate(predict_collectives(TINY, Layout(dp_replicate=2), seq_len=32)))
+    assert not any(
+        k[2] in (8, 64, 84) and k[0] == "all_reduce"
+        for k in aggregate(predict_collectives(TINY, Layout(dp_replicate=2), seq_len=32))
+    )
     # the step loss: one fp32 all-reduce over dp_cp when dp·cp > 1
     assert fsdp[("all_reduce", "dp_cp", 4)] == 1
     assert ("all_reduce", "dp_cp", 4) not in tp32
@@ -161,18 +174,21 @@ def test_micro_batch_scales_activation_bytes():
     assert ("reduce_scatter", "tp", 8192) in got
 
 
-@pytest.mark.parametrize("layout,dim,expected", [
-    (Layout(2, 4, 1, 8), "tp", True),
-    (Layout(2, 4, 1, 8), "dp_shard", False),
-    (Layout(2, 4, 1, 8), "dp_replicate", False),
-    (Layout(8, 1, 1, 8), "dp_replicate", False),
-    (Layout(1, 2, 2, 4), "tp", True),          # world 16: stride 1, 4 | 8
-    (Layout(1, 2, 2, 4), "cp", True),          # stride 4, 2 x 4 = 8 | 8
-    (Layout(1, 2, 2, 4), "dp_shard", False),   # stride 8
-    (Layout(1, 2, 2, 4), "dp_shard_cp", False),
-    (Layout(8, 8, 1, 1), "dp_shard", True),
-    (Layout(1, 1, 1, 1), "tp", True),
-])
+@pytest.mark.parametrize(
+    "layout,dim,expected",
+    [
+        (Layout(2, 4, 1, 8), "tp", True),
+        (Layout(2, 4, 1, 8), "dp_shard", False),
+        (Layout(2, 4, 1, 8), "dp_replicate", False),
+        (Layout(8, 1, 1, 8), "dp_replicate", False),
+        (Layout(1, 2, 2, 4), "tp", True),  # world 16: stride 1, 4 | 8
+        (Layout(1, 2, 2, 4), "cp", True),  # stride 4, 2 x 4 = 8 | 8
+        (Layout(1, 2, 2, 4), "dp_shard", False),  # stride 8
+        (Layout(1, 2, 2, 4), "dp_shard_cp", False),
+        (Layout(8, 8, 1, 1), "dp_shard", True),
+        (Layout(1, 1, 1, 1), "tp", True),
+    ],
+)
 def test_group_placement(layout, dim, expected):
     assert group_is_intra_node(layout, dim, gpus_per_node=8) is expected
 
@@ -182,8 +198,18 @@ def test_partial_node_is_intra():
 
 
 def test_alpha_beta_ring():
-    hw = Hardware("x", 1, 1, 1, 1, intra_node_bw=100e9, inter_node_bw=10e9,
-                  intra_node_latency=1e-5, inter_node_latency=2e-5, link_efficiency=1.0)
+    hw = Hardware(
+        "x",
+        1,
+        1,
+        1,
+        1,
+        intra_node_bw=100e9,
+        inter_node_bw=10e9,
+        intra_node_latency=1e-5,
+        inter_node_latency=2e-5,
+        link_efficiency=1.0,
+    )
     # all-reduce of 1 GB over 8: 2*7*(alpha + b/(8B))
     assert collective_time("all_reduce", 1e9, 8, hw, True) == pytest.approx(14 * (1e-5 + 1.25e-3))
     # all-gather of a 1 GB shard over 4 inter-node: 3*(alpha + b/B)
@@ -195,8 +221,17 @@ def test_alpha_beta_ring():
 
 
 def test_measured_table_used_for_intra_links():
-    hw = Hardware("x", 1, 1, 1, 1, 100e9, 10e9, link_efficiency=1.0, collectives={
-        "all_reduce": {"2": {"alpha_s": 1e-3, "bus_bw": 1e9}}})
+    hw = Hardware(
+        "x",
+        1,
+        1,
+        1,
+        1,
+        100e9,
+        10e9,
+        link_efficiency=1.0,
+        collectives={"all_reduce": {"2": {"alpha_s": 1e-3, "bus_bw": 1e9}}},
+    )
     assert collective_time("all_reduce", 1e9, 2, hw, True) == pytest.approx(2 * (1e-3 + 0.5))
     # inter-node links keep the spec numbers
     assert collective_time("all_reduce", 1e9, 2, hw, False) == pytest.approx(2 * (15e-6 + 0.05))

@@ -39,8 +39,10 @@ def test_gemm_flops_are_six_n_per_token():
     s = Settings(seq_len=64, micro_batch=2)
     total = sum(g.flops for g in micro_batch_gemms(TINY, Layout(), s))
     assert total == 6 * TINY.matmul_params * 128
-    ck = sum(g.flops for g in micro_batch_gemms(TINY, Layout(), Settings(
-        seq_len=64, micro_batch=2, checkpointing=True)))
+    ck = sum(
+        g.flops
+        for g in micro_batch_gemms(TINY, Layout(), Settings(seq_len=64, micro_batch=2, checkpointing=True))
+    )
     linear = TINY.matmul_params - TINY.vocab * TINY.hidden
     assert ck - total == 2 * linear * 128
     # tp divides every GEMM's FLOPs; cp divides the tokens.
@@ -49,8 +51,11 @@ def test_gemm_flops_are_six_n_per_token():
     assert tp2 == cp2 == total / 2
     shapes = {(g.what, g.m, g.n, g.k) for g in micro_batch_gemms(TINY, Layout(tp=2), s)}
     # k/v colwise: out 2·16/2 = 16; forward (T, out, in), dgrad (T, in, out), wgrad (out, in, T)
-    assert {("k/v_proj fwd", 128, 16, 64), ("k/v_proj dgrad", 128, 64, 16),
-            ("k/v_proj wgrad", 16, 64, 128)} <= shapes
+    assert {
+        ("k/v_proj fwd", 128, 16, 64),
+        ("k/v_proj dgrad", 128, 64, 16),
+        ("k/v_proj wgrad", 16, 64, 128),
+    } <= shapes
 
 
 def test_gemm_rate_curve_and_table():
@@ -58,25 +63,45 @@ def test_gemm_rate_curve_and_table():
     n = ANCHOR_DIM
     assert gemm_rate(hw, n, n, n, hw.peak_flops) == pytest.approx(800e12)
     # one small dim: (64/192) / (8192/8320) of the anchor rate
-    assert gemm_rate(hw, n, 64, n, hw.peak_flops) == pytest.approx(
-        800e12 * (64 / 192) / (8192 / 8320))
+    assert gemm_rate(hw, n, 64, n, hw.peak_flops) == pytest.approx(800e12 * (64 / 192) / (8192 / 8320))
     assert gemm_rate(hw, 2 * n, n, n, hw.peak_flops) == pytest.approx(800e12)  # capped
-    table = Hardware("x", 1, 1000e12, 50e12, 1e12, 1, 1, matmul_efficiency=0.8,
-                     gemm_table=[{"m": 100, "n": 200, "k": 300, "flops_per_s": 5e12}])
+    table = Hardware(
+        "x",
+        1,
+        1000e12,
+        50e12,
+        1e12,
+        1,
+        1,
+        matmul_efficiency=0.8,
+        gemm_table=[{"m": 100, "n": 200, "k": 300, "flops_per_s": 5e12}],
+    )
     assert gemm_rate(table, 100, 200, 300, 1000e12) == 5e12  # measured shape
     assert gemm_rate(table, 100, 200, 300, 50e12) == 5e12 * 50 / 1000  # fp32
     # an unmeasured shape: the curve scaled by the nearest measured shape's measured/curve
     ratio = 5e12 / gemm_rate(hw, 100, 200, 300, 1000e12)
     assert gemm_rate(table, 100, 200, 600, 1000e12) == pytest.approx(
-        gemm_rate(hw, 100, 200, 600, 1000e12) * ratio)
+        gemm_rate(hw, 100, 200, 600, 1000e12) * ratio
+    )
 
 
 def test_attention_flops_and_kernels():
     s = Settings(seq_len=64, micro_batch=2)
     # 2 layers · 2 sequences · 2·a·d·s² (causal QKᵀ + PV)
     assert causal_fwd_flops(TINY, Layout(), s) == 2 * 2 * 2 * 4 * 16 * 64**2
-    hw = Hardware("x", 1, 100e12, 10e12, 1e12, 1, 1, matmul_efficiency=0.5, hbm_efficiency=0.5,
-                  attention_efficiency={"16": [0.25, 0.1]}, cp_block_efficiency={})
+    hw = Hardware(
+        "x",
+        1,
+        100e12,
+        10e12,
+        1e12,
+        1,
+        1,
+        matmul_efficiency=0.5,
+        hbm_efficiency=0.5,
+        attention_efficiency={"16": [0.25, 0.1]},
+        cp_block_efficiency={},
+    )
     fwd, bwd = attention_time(TINY, Layout(), s, hw, hw.peak_flops)
     f = causal_fwd_flops(TINY, Layout(), s)
     assert (fwd, bwd) == pytest.approx((f / 25e12, 2 * f / 10e12))
@@ -85,7 +110,9 @@ def test_attention_flops_and_kernels():
     fwd, bwd = attention_time(TINY, Layout(cp=2), s, hw, hw.peak_flops)
     f_cp = causal_fwd_flops(TINY, Layout(cp=2), s)
     assert f_cp == f / 2
-    assert (fwd, bwd) == pytest.approx((CP_FLASH_SLOWDOWN * f_cp / 25e12, CP_FLASH_SLOWDOWN * 2 * f_cp / 10e12))
+    assert (fwd, bwd) == pytest.approx(
+        (CP_FLASH_SLOWDOWN * f_cp / 25e12, CP_FLASH_SLOWDOWN * 2 * f_cp / 10e12)
+    )
     # CP 2, math kernel: 2c+1 = 5 blocks per layer of 16-token chunks, fp32 matmuls + scores.
     fwd, bwd = attention_time(TINY, Layout(cp=2), dataclasses.replace(s, cp_kernel="math"), hw, hw.peak_flops)
     block = 4 * 2 * 4 * 16 * 16**2
@@ -132,8 +159,12 @@ def test_h200_rows_tokens_per_s_within_15_percent(profile):
 
     hw = load_hardware_file(REFERENCE / profile) if profile else H200
     for r in _h200_rows():
-        s = Settings(seq_len=r["seq"], micro_batch=r["micro_batch"],
-                     checkpointing=r["checkpointing"], optimizer_fused=r["fused_adamw"])
+        s = Settings(
+            seq_len=r["seq"],
+            micro_batch=r["micro_batch"],
+            checkpointing=r["checkpointing"],
+            optimizer_fused=r["fused_adamw"],
+        )
         e = estimate(PRESETS[r["planner_model"]], Layout(), s, hw, 8)
         predicted = r["micro_batch"] * r["seq"] / e.time.step
         assert predicted == pytest.approx(r["tokens_per_s"], rel=0.15), r["config"]

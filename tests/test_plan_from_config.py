@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,8 +27,21 @@ def test_config_settings_become_the_request(capsys):
 
 
 def test_flags_on_the_command_line_win(capsys):
-    code, out, err = run_cli(capsys, "plan", "--config", LORA_8B, "--gpus", "8", "--json",
-                             "--seq-len", "4096", "--global-batch-size", "64", "--adapter", "none")
+    code, out, err = run_cli(
+        capsys,
+        "plan",
+        "--config",
+        LORA_8B,
+        "--gpus",
+        "8",
+        "--json",
+        "--seq-len",
+        "4096",
+        "--global-batch-size",
+        "64",
+        "--adapter",
+        "none",
+    )
     assert code == 0, err
     req = json.loads(out)["request"]
     assert (req["seq_len"], req["global_batch"], req["lora_r"]) == (4096, 64, 0)
@@ -35,13 +49,16 @@ def test_flags_on_the_command_line_win(capsys):
 
 def test_write_config_keeps_the_run_and_its_batch(capsys, tmp_path):
     out = tmp_path / "planned.yaml"
-    code, _, err = run_cli(capsys, "plan", "--config", LORA_8B, "--gpus", "16", "--top", "1",
-                           "--write-config", out)
+    code, _, err = run_cli(
+        capsys, "plan", "--config", LORA_8B, "--gpus", "16", "--top", "1", "--write-config", out
+    )
     assert code == 0, err
     assert "dp 4 of its own 8-rank layout" in err  # the config is for 8 ranks: its batch is kept
     source, planned = yaml.safe_load(LORA_8B.read_text()), yaml.safe_load(out.read_text())
-    layout = [planned.get(k, 1) for k in ("dp_replicate_size", "dp_shard_size", "context_parallel_size",
-                                          "tensor_parallel_size")]
+    layout = [
+        planned.get(k, 1)
+        for k in ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size")
+    ]
     assert layout[0] * layout[1] * layout[2] * layout[3] == 16
     dp = layout[0] * layout[1]
     assert planned["micro_batch_size"] * planned["gradient_accumulation_steps"] * dp == 16  # same batch
@@ -62,14 +79,24 @@ def test_bad_config_is_one_line(capsys, tmp_path):
     assert len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("fields, key, value", [
-    ("qat: {weight_dtype: int4, activation_dtype: int8, group_size: 32}\n", "qat", "int4/int8"),
-    ("adapter: lora\nlora_r: 16\nlora_modules_to_save: [embed_tokens, lm_head]\n", "lora_saved", ["embed", "head"]),
-], ids=["qat", "lora_modules_to_save"])
+@pytest.mark.parametrize(
+    "fields, key, value",
+    [
+        ("qat: {weight_dtype: int4, activation_dtype: int8, group_size: 32}\n", "qat", "int4/int8"),
+        (
+            "adapter: lora\nlora_r: 16\nlora_modules_to_save: [embed_tokens, lm_head]\n",
+            "lora_saved",
+            ["embed", "head"],
+        ),
+    ],
+    ids=["qat", "lora_modules_to_save"],
+)
 def test_a_configs_field_reaches_the_planner(capsys, tmp_path, fields, key, value):
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("base_model: meta-llama/Llama-3.1-8B\nsequence_len: 2048\nmicro_batch_size: 1\n"
-                   "datasets: [{path: 'builtin:stdlib'}]\n" + fields)
+    cfg.write_text(
+        "base_model: meta-llama/Llama-3.1-8B\nsequence_len: 2048\nmicro_batch_size: 1\n"
+        "datasets: [{path: 'builtin:stdlib'}]\n" + fields
+    )
     code, out, err = run_cli(capsys, "plan", "--config", cfg, "--gpus", "8", "--json")
     assert code == 0, err
     assert json.loads(out)["request"][key] == value

@@ -39,28 +39,35 @@ def test_tiled_mlp_drops_the_mlp_intermediates_of_every_layer():
     sp, sp_tiled = (_mem(lay, loss_impl="full", seq_len=8192, tiled_mlp=t) for t in (False, True))
     assert sp.peak_phase == sp_tiled.peak_phase == "loss backward"
     assert sp.activations - sp_tiled.activations == pytest.approx(
-        L8B.layers * tokens * (4 * e * f / 4 + e * L8B.hidden * 3 / 4))
+        L8B.layers * tokens * (4 * e * f / 4 + e * L8B.hidden * 3 / 4)
+    )
 
 
 def test_tiled_mlp_costs_one_more_mlp_forward():
     s = Settings(seq_len=32768)
-    flops = {tiled: sum(g.flops for g in micro_batch_gemms(L8B, Layout(), dataclasses.replace(s, tiled_mlp=tiled)))
-             for tiled in (False, True)}
+    flops = {
+        tiled: sum(g.flops for g in micro_batch_gemms(L8B, Layout(), dataclasses.replace(s, tiled_mlp=tiled)))
+        for tiled in (False, True)
+    }
     mlp_forward = 2 * 32768 * 3 * L8B.hidden * L8B.intermediate * L8B.layers
     assert flops[True] - flops[False] == pytest.approx(mlp_forward)
 
 
 def test_offloading_keeps_two_layer_inputs_on_the_device():
     # LoRA on FSDP 8: small states, the layer backward is the peak of both
-    ck, off = (_mem(Layout(dp_shard=8), checkpointing=True, activation_offloading=o, lora_r=16)
-               for o in (False, True))
+    ck, off = (
+        _mem(Layout(dp_shard=8), checkpointing=True, activation_offloading=o, lora_r=16)
+        for o in (False, True)
+    )
     assert ck.peak_phase == off.peak_phase == "layer backward"
     layer_input = 65536 * L8B.hidden * 2
     assert off.host_offload == L8B.layers * layer_input
     assert ck.host_offload == 0
     assert ck.activations - off.activations == pytest.approx((L8B.layers - 2) * layer_input)
-    assert host_bytes(L8B, Layout(cp=4), Settings(seq_len=65536, checkpointing=True,
-                                                  activation_offloading=True)) == off.host_offload / 4
+    assert (
+        host_bytes(L8B, Layout(cp=4), Settings(seq_len=65536, checkpointing=True, activation_offloading=True))
+        == off.host_offload / 4
+    )
 
 
 def test_offload_time_is_exposed_only_beyond_the_compute():
@@ -80,8 +87,16 @@ def test_ring_attention_buffers_are_in_the_layer_backward():
 
 
 def test_host_memory_rejects_what_does_not_fit_the_node():
-    req = PlanRequest(L8B, H100, 8, seq_len=1 << 20, micro_batch=1, global_batch=1,
-                      activation_offloading=True, tiled_mlp=True)
+    req = PlanRequest(
+        L8B,
+        H100,
+        8,
+        seq_len=1 << 20,
+        micro_batch=1,
+        global_batch=1,
+        activation_offloading=True,
+        tiled_mlp=True,
+    )
     ok = evaluate_layout(req, Layout(cp=8))
     assert ok.ok, ok.rejections
     tight = evaluate_layout(dataclasses.replace(req, host_mem_bytes=64 * GiB), Layout(cp=8))
@@ -93,11 +108,15 @@ def test_longest_brackets_the_answer_and_the_options_add_up():
     lay = Layout(cp=8)
     got = longest_for_layout(req, lay)
     assert got.seq_len > 2_000_000 and got.seq_len % 16 == 0
-    fits = [evaluate_layout(dataclasses.replace(req, seq_len=n, micro_batch=1, global_batch=1), lay).ok
-            for n in (got.seq_len, got.seq_len + 16 * (1 + got.seq_len // 16 // 100))]
+    fits = [
+        evaluate_layout(dataclasses.replace(req, seq_len=n, micro_batch=1, global_batch=1), lay).ok
+        for n in (got.seq_len, got.seq_len + 16 * (1 + got.seq_len // 16 // 100))
+    ]
     assert fits == [True, False]
-    lengths = [longest_for_layout(dataclasses.replace(req, tiled_mlp=t, activation_offloading=o), lay).seq_len
-               for t, o in ((False, False), (True, False), (False, True), (True, True))]
+    lengths = [
+        longest_for_layout(dataclasses.replace(req, tiled_mlp=t, activation_offloading=o), lay).seq_len
+        for t, o in ((False, False), (True, False), (False, True), (True, True))
+    ]
     assert lengths[0] < lengths[1] < lengths[3] and lengths[0] < lengths[2] < lengths[3], lengths
     assert longest_for_layout(req, Layout(tp=8)).seq_len > 0  # heads 32 / kv 8: tp 8 runs
     assert longest_for_layout(req, Layout(tp=8 * 2), 1 << 20).reason  # tp beyond the kv heads
@@ -112,20 +131,34 @@ def _plan(capsys, *argv):
 
 
 def test_cli_max_seq_len_json(capsys):
-    code, out, _ = _plan(capsys, "--model", "llama-3.2-1b", "--gpus", "2", "--gpu", "h100-80gb",
-                         "--max-seq-len", "--tiled-mlp", "--activation-offloading", "--json")
+    code, out, _ = _plan(
+        capsys,
+        "--model",
+        "llama-3.2-1b",
+        "--gpus",
+        "2",
+        "--gpu",
+        "h100-80gb",
+        "--max-seq-len",
+        "--tiled-mlp",
+        "--activation-offloading",
+        "--json",
+    )
     assert code == 0
     data = json.loads(out)
     assert data["longest"][0]["max_seq_len"] > 0
     assert set(data["summary"]) == {"plain", "tiled MLP", "offloading", "tiled MLP + offloading"}
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--tiled-mlp-num-shards", "4"], "--tiled-mlp-num-shards needs --tiled-mlp"),
-    (["--activation-offloading", "--activation-checkpointing", "off"], "--activation-offloading"),
-    (["--host-mem", "3MB"], "--host-mem"),
-    (["--max-seq-len", "--explain", "1x1x1x2"], "--max-seq-len"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--tiled-mlp-num-shards", "4"], "--tiled-mlp-num-shards needs --tiled-mlp"),
+        (["--activation-offloading", "--activation-checkpointing", "off"], "--activation-offloading"),
+        (["--host-mem", "3MB"], "--host-mem"),
+        (["--max-seq-len", "--explain", "1x1x1x2"], "--max-seq-len"),
+    ],
+)
 def test_cli_bad_flags(capsys, argv, says):
     code, _, err = _plan(capsys, "--model", "llama-3.2-1b", "--gpus", "2", *argv)
     assert code == 2 and says in err and err.count("\n") == 1, err
@@ -133,12 +166,12 @@ def test_cli_bad_flags(capsys, argv, says):
 
 def test_config_options_reach_the_plan_and_come_back(capsys, tmp_path):
     """``plan --config`` of the long-context example plans with its options; --write-config keeps them."""
-    import yaml
-    from cli_helpers import run_cli
-
-    from ndparallel.axolotl import load_config
-
     from pathlib import Path
+
+    import yaml
+
+    from cli_helpers import run_cli
+    from ndparallel.axolotl import load_config
 
     example = str(Path(__file__).resolve().parents[1] / "examples/gpu/llama-3.1-8b-long-context.yaml")
     code, out, err = run_cli(capsys, "plan", "--config", example, "--gpus", "8", "--json")
@@ -146,8 +179,9 @@ def test_config_options_reach_the_plan_and_come_back(capsys, tmp_path):
     req = json.loads(out)["request"]
     assert (req["tiled_mlp"], req["activation_offloading"], req["checkpointing"]) == (True, True, "on")
     written = tmp_path / "planned.yaml"
-    code, _, err = run_cli(capsys, "plan", "--config", example, "--gpus", "8", "--top", "1",
-                           "--write-config", str(written))
+    code, _, err = run_cli(
+        capsys, "plan", "--config", example, "--gpus", "8", "--top", "1", "--write-config", str(written)
+    )
     assert code == 0, err
     planned = yaml.safe_load(written.read_text())
     assert planned["tiled_mlp"] is True and planned["activation_offloading"] is True

@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 
+from ndparallel.config import TrainConfig
 from ndparallel.models.presets import preset_config, published_config
 from ndparallel.plan.adapter import adapter_shard_numel, trainable_params
 from ndparallel.plan.cli import main
@@ -18,7 +19,6 @@ from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.memory import estimate_memory
 from ndparallel.plan.models import PRESETS
 from ndparallel.testing import run_on_ranks
-from ndparallel.config import TrainConfig
 
 TINY = PRESETS["tiny"]  # = the tiny-llama preset
 H100 = HW["h100-80gb"]
@@ -35,8 +35,13 @@ def _peft_trainable(config, r: int) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize("preset, config", [("tiny", lambda: preset_config("tiny-llama")),
-                                            ("llama-3.1-8b", lambda: published_config("llama-3.1-8b"))])
+@pytest.mark.parametrize(
+    "preset, config",
+    [
+        ("tiny", lambda: preset_config("tiny-llama")),
+        ("llama-3.1-8b", lambda: published_config("llama-3.1-8b")),
+    ],
+)
 def test_trainable_params_equal_peft(preset, config):
     assert trainable_params(PRESETS[preset], 16) == _peft_trainable(config(), 16)
 
@@ -47,8 +52,11 @@ def _local_adapter_numel(layout: dict) -> int:
 
     acc = Accelerator(ParallelismConfig(**layout))
     model = acc.load_model("tiny-llama", adapter=lora_config(r=4, target_linear=True))
-    return sum((p.to_local() if hasattr(p, "to_local") else p).numel()
-               for n, p in model.named_parameters() if ".lora_" in n)
+    return sum(
+        (p.to_local() if hasattr(p, "to_local") else p).numel()
+        for n, p in model.named_parameters()
+        if ".lora_" in n
+    )
 
 
 def test_adapter_shard_equals_the_runtime_shard():
@@ -100,8 +108,11 @@ def _local_copy_numel(layout: dict) -> int:
     acc = Accelerator(ParallelismConfig(**layout))
     adapter = lora_config(r=4, target_linear=True, modules_to_save=["embed_tokens", "lm_head"])
     model = acc.load_model("tiny-llama", adapter=adapter)
-    seen = {id(p): (p.to_local() if hasattr(p, "to_local") else p).numel()
-            for n, p in model.named_parameters() if SAVED_COPY in n and p.requires_grad}
+    seen = {
+        id(p): (p.to_local() if hasattr(p, "to_local") else p).numel()
+        for n, p in model.named_parameters()
+        if SAVED_COPY in n and p.requires_grad
+    }
     return sum(seen.values())
 
 
@@ -123,11 +134,17 @@ def test_modules_to_save_states_grads_and_traffic():
     lora, with_copies = estimate_memory(TINY, layout, s, H100), estimate_memory(TINY, layout, saved, H100)
     copies = 2 * -(-TINY.vocab // 2) * TINY.hidden  # two tables, half the vocab rows each
     assert with_copies.params - lora.params == copies * 4  # fp32 masters
-    assert with_copies.grads - lora.grads == copies * 4 and with_copies.optimizer - lora.optimizer == copies * 8
+    assert (
+        with_copies.grads - lora.grads == copies * 4 and with_copies.optimizer - lora.optimizer == copies * 8
+    )
     rs = [c for c in collectives_for(TINY, layout, saved) if c.kind == "reduce_scatter"]
     assert sorted(c.what for c in rs if "trained copy" in c.what) == [
-        "FSDP reduce-scatter grads (embed), trained copy", "FSDP reduce-scatter grads (final), trained copy"]
-    assert all(c.bytes == copies / 2 * 2 * 4 for c in rs if "trained copy" in c.what)  # one table, n × shard, fp32
+        "FSDP reduce-scatter grads (embed), trained copy",
+        "FSDP reduce-scatter grads (final), trained copy",
+    ]
+    assert all(
+        c.bytes == copies / 2 * 2 * 4 for c in rs if "trained copy" in c.what
+    )  # one table, n × shard, fp32
     tied = PRESETS["llama-3.2-1b"]
     one = estimate_memory(tied, layout, Settings(**{**saved.__dict__, "seq_len": 128}), H100)
     base = estimate_memory(tied, layout, Settings(**{**s.__dict__, "seq_len": 128}), H100)
@@ -137,8 +154,16 @@ def test_modules_to_save_states_grads_and_traffic():
 def test_cli_modules_to_save_rejects_tp_and_round_trips_a_config(tmp_path, capsys):
     import json
 
-    args = ["--model", "llama-3.1-8b", "--gpus", "8", "--adapter", "lora", "--lora-modules-to-save",
-            "embed_tokens,lm_head"]
+    args = [
+        "--model",
+        "llama-3.1-8b",
+        "--gpus",
+        "8",
+        "--adapter",
+        "lora",
+        "--lora-modules-to-save",
+        "embed_tokens,lm_head",
+    ]
     assert main([*args, "--json", "--show-rejected"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert all(r["layout"]["tp"] == 1 for r in result["ranked"])

@@ -56,8 +56,7 @@ def test_states_sharded_by_fsdp_and_tp():
     # dp_replicate does not shard; cp shards like dp_shard (FSDP over dp_shard x cp).
     assert estimate_memory(TINY, Layout(dp_replicate=2), s, H100).params == one.params
     assert estimate_memory(TINY, Layout(cp=2), s, H100).params == fsdp2.params
-    sgd = estimate_memory(TINY, Layout(), Settings(seq_len=32, optimizer="sgd", set_to_none=False),
-                          H100)
+    sgd = estimate_memory(TINY, Layout(), Settings(seq_len=32, optimizer="sgd", set_to_none=False), H100)
     assert sgd.optimizer == 0
 
 
@@ -78,11 +77,14 @@ def test_activations_checkpointing_and_cp():
         assert m.activations == saved and m.logits == logits
     else:
         assert m.activations == saved + workspace and m.logits == 0
-    ck = estimate_memory(TINY, Layout(), Settings(seq_len=32, micro_batch=2, checkpointing=True, optimizer_fused=True),
-                         H100)
+    ck = estimate_memory(
+        TINY, Layout(), Settings(seq_len=32, micro_batch=2, checkpointing=True, optimizer_fused=True), H100
+    )
     # checkpointing keeps only each layer's bf16 input: L * tokens * 2 * h (+ RoPE cos/sin)
-    assert ck.activations in (2 * tokens * 2 * 64 + rope,
-                              2 * tokens * 2 * 64 + rope + 2456 * tokens + workspace)
+    assert ck.activations in (
+        2 * tokens * 2 * 64 + rope,
+        2 * tokens * 2 * 64 + rope + 2456 * tokens + workspace,
+    )
     cp2 = estimate_memory(TINY, Layout(cp=2), s, H100)
     assert cp2.activation_bytes_per_layer == m.activation_bytes_per_layer / 2
 
@@ -93,8 +95,7 @@ def test_accumulation_keeps_unsharded_fp32_grads():
     every = Settings(seq_len=32, grad_accum=4)  # the default keeps gradients sharded
     lay = Layout(dp_shard=2, tp=2)
     base = estimate_memory(TINY, lay, s1, H100).grads
-    local = sum(unit_numels(TINY, 2, 2)[u][0] * c for u, c in (("layer", 2), ("embed", 1),
-                                                                ("final", 1)))
+    local = sum(unit_numels(TINY, 2, 2)[u][0] * c for u, c in (("layer", 2), ("embed", 1), ("final", 1)))
     # until the step's one reduction only the unsharded fp32 gradients exist (set_to_none); a
     # unit's sharded one replaces its unsharded one when it is reduced (simulate of PP ranks:
     # docs/simulate.md)
@@ -125,8 +126,7 @@ def test_parts_sum_to_total_and_overhead():
 
 def test_llama8b_single_gpu_states():
     # 8.03B params x (4 param + 4 grad + 8 AdamW) = 128.5 GB: does not fit one GPU.
-    m = estimate_memory(PRESETS["llama-3.1-8b"], Layout(), Settings(seq_len=4096, set_to_none=False),
-                        H100)
+    m = estimate_memory(PRESETS["llama-3.1-8b"], Layout(), Settings(seq_len=4096, set_to_none=False), H100)
     assert m.params + m.grads + m.optimizer == 8_030_261_248 * 16
     assert m.total > H100.mem_bytes
 
@@ -136,8 +136,7 @@ def test_gradients_follow_set_to_none():
     accumulation the earlier micro-batches' (sharded) gradients are there."""
     lay, model = Layout(dp_shard=2), PRESETS["llama-3.2-1b"]
     one = estimate_memory(model, lay, Settings(seq_len=2048, micro_batch=4), H100)
-    kept = estimate_memory(model, lay, Settings(seq_len=2048, micro_batch=4, set_to_none=False),
-                           H100)
+    kept = estimate_memory(model, lay, Settings(seq_len=2048, micro_batch=4, set_to_none=False), H100)
     acc = estimate_memory(model, lay, Settings(seq_len=2048, micro_batch=4, grad_accum=2), H100)
     assert one.peak_phase == "loss backward" and one.grads == 0
     assert kept.grads == acc.grads == kept.params  # fp32 grads of the shard, like the params
@@ -147,8 +146,12 @@ def test_gradients_follow_set_to_none():
 def test_end_of_backward_moment_for_state_heavy_layouts():
     # 8B on one GPU with checkpointing and a short sequence: states dominate; the peak is the end
     # of backward (all gradients present), 16 B per parameter.
-    m = estimate_memory(PRESETS["llama-3.1-8b"], Layout(),
-                        Settings(seq_len=256, checkpointing=True, optimizer_fused=True), H100)
+    m = estimate_memory(
+        PRESETS["llama-3.1-8b"],
+        Layout(),
+        Settings(seq_len=256, checkpointing=True, optimizer_fused=True),
+        H100,
+    )
     assert m.peak_phase == "end of backward"
     assert m.params + m.grads + m.optimizer == 8_030_261_248 * 16
     assert m.activations == m.logits == m.fsdp_buffers == 0
@@ -174,8 +177,7 @@ def test_chunked_loss_holds_one_chunk():
     model, lay = PRESETS["llama-3.2-1b"], Layout()
     kw = dict(seq_len=2048, micro_batch=4)
     full = estimate_memory(model, lay, Settings(**kw), H100)
-    chunked = estimate_memory(model, lay, Settings(**kw, loss_impl="chunked",
-                                                   loss_chunk_tokens=1024), H100)
+    chunked = estimate_memory(model, lay, Settings(**kw, loss_impl="chunked", loss_chunk_tokens=1024), H100)
     side = 8192 * (6 * 2048 + 4 + 2 * 2048)  # final norm + LM-head input, unchanged
     assert full.logits == 8192 * 128256 * 14 + side
     # at the loss moment: one chunk's fp32 logits + bf16 copy, the bf16 hidden-state gradient, the
@@ -183,8 +185,10 @@ def test_chunked_loss_holds_one_chunk():
     from ndparallel.plan.memory import _logits_bytes
 
     s_chunk = Settings(**kw, loss_impl="chunked", loss_chunk_tokens=1024)
-    assert _logits_bytes(model, lay, s_chunk, 8192) == (
-        1024 * 128256 * 6 + 8192 * 2048 * 2 + 128256 * 2048 * 4) + side
+    assert (
+        _logits_bytes(model, lay, s_chunk, 8192)
+        == (1024 * 128256 * 6 + 8192 * 2048 * 2 + 128256 * 2048 * 4) + side
+    )
     assert chunked.total < full.total - 10 * 2**30
     # the default chunk follows the runtime: the largest power of two of tokens whose fp32 logits
     # fit 256 MiB (vocab 128,256 -> 512 tokens)
@@ -198,8 +202,10 @@ def test_selective_checkpointing_keeps_half_the_matmul_outputs():
     model = PRESETS["llama-3.1-8b"]  # h 4096, a·d 4096, k·d 1024, f 14336
     s = Settings(seq_len=8192, checkpointing=True, ac_policy="selective")
     # input + q + v + attention out + gate + down, bf16, + fp32 lse
-    assert selective_saved_per_token(model, Layout(), s) == 2 * (
-        4096 + 4096 + 1024 + 4096 + 14336 + 4096) + 4 * 32
+    assert (
+        selective_saved_per_token(model, Layout(), s)
+        == 2 * (4096 + 4096 + 1024 + 4096 + 14336 + 4096) + 4 * 32
+    )
 
 
 def test_h200_rows_memory():
@@ -210,11 +216,16 @@ def test_h200_rows_memory():
 
     from ndparallel.plan.hardware import PRESETS as HWP
 
-    rows = json.loads((Path(__file__).parents[1] / "bench" / "reference" /
-                       "h200_plan_gpu_check.json").read_text())["rows"]
+    rows = json.loads(
+        (Path(__file__).parents[1] / "bench" / "reference" / "h200_plan_gpu_check.json").read_text()
+    )["rows"]
     assert len(rows) == 6
     for r in rows:
-        s = Settings(seq_len=r["seq"], micro_batch=r["micro_batch"],
-                     checkpointing=r["checkpointing"], optimizer_fused=r["fused_adamw"])
+        s = Settings(
+            seq_len=r["seq"],
+            micro_batch=r["micro_batch"],
+            checkpointing=r["checkpointing"],
+            optimizer_fused=r["fused_adamw"],
+        )
         m = estimate_memory(PRESETS[r["planner_model"]], Layout(), s, HWP["h200"])
         assert m.allocated / 2**30 == pytest.approx(r["max_allocated_gib"], rel=0.01), r["config"]

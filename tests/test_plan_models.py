@@ -39,8 +39,16 @@ def _count_hf(cfg) -> int:
 @pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("qwen3", False)])
 def test_hf_config_dir_matches_transformers(tmp_path, kind, tied):
     cls = transformers.LlamaConfig if kind == "llama" else transformers.Qwen3Config
-    cfg = cls(hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
-              num_key_value_heads=2, head_dim=16, vocab_size=300, tie_word_embeddings=tied)
+    cfg = cls(
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=300,
+        tie_word_embeddings=tied,
+    )
     cfg.save_pretrained(tmp_path)
     spec = load_model_spec(str(tmp_path))
     assert (spec.hidden, spec.layers, spec.heads, spec.kv_heads, spec.head_dim) == (96, 3, 6, 2, 16)
@@ -52,8 +60,13 @@ def test_hf_config_dir_matches_transformers(tmp_path, kind, tied):
 
 
 def test_unmodelled_moe_and_unknown_rejected(tmp_path):
-    dense = {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 16,
-             "vocab_size": 32}
+    dense = {
+        "hidden_size": 8,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 16,
+        "vocab_size": 32,
+    }
     with pytest.raises(ValueError, match="DeepSeek-style"):
         from_hf_config({**dense, "n_routed_experts": 8, "kv_lora_rank": 4})
     with pytest.raises(ValueError, match="every layer is an MoE layer"):

@@ -43,7 +43,11 @@ def test_bubble_fraction_by_schedule():
     assert bubble_fraction("1F1B", 16, 32, v=4) == pytest.approx(15 / 47)  # v ignored: one stage per rank
     assert bubble_fraction("Interleaved1F1B", 16, 32, 2) == pytest.approx(15 / 79)
     assert bubble_fraction("Interleaved1F1B", 4, 8, 4) == pytest.approx(3 / 35)
-    assert bubble_fraction("InterleavedZeroBubble", 16, 32, 2) == bubble_fraction("ZBVZeroBubble", 4, 8, 2) == 0.0
+    assert (
+        bubble_fraction("InterleavedZeroBubble", 16, 32, 2)
+        == bubble_fraction("ZBVZeroBubble", 4, 8, 2)
+        == 0.0
+    )
 
 
 def test_in_flight_micro_batches_by_schedule():
@@ -102,8 +106,12 @@ def test_first_stage_has_the_embedding_last_the_head():
 
 def test_activations_scale_with_the_micro_batches_in_flight():
     model = rank_model(L405, rank_shape(L405, 16, 1, "1F1B", 0))
-    acts = [estimate_memory(model, META, Settings(seq_len=8192, grad_accum=32, checkpointing=True,
-                                                  pp_in_flight=k), H100).activations for k in (1.0, 2.0, 3.0)]
+    acts = [
+        estimate_memory(
+            model, META, Settings(seq_len=8192, grad_accum=32, checkpointing=True, pp_in_flight=k), H100
+        ).activations
+        for k in (1.0, 2.0, 3.0)
+    ]
     assert acts[1] - acts[0] == pytest.approx(acts[2] - acts[1]) and acts[1] > acts[0]  # linear in k
 
 
@@ -112,8 +120,12 @@ def test_p2p_bytes_and_links():
     assert p2p_bytes(L405, Layout(dp_shard=64, tp=8, pp=16), s) == 8192 * 16384 * 2 // 8  # ÷ tp under SP
     no_sp = Settings(seq_len=8192, sequence_parallel=False)
     assert p2p_bytes(L405, Layout(tp=8, pp=2, cp=2), no_sp) == 4096 * 16384 * 2
-    e = evaluate_layout(_req("llama-3.1-70b", 64, seq_len=8192, global_batch=64), Layout(dp_shard=8, pp=8),
-                        micro_batch=1, checkpointing=True).best
+    e = evaluate_layout(
+        _req("llama-3.1-70b", 64, seq_len=8192, global_batch=64),
+        Layout(dp_shard=8, pp=8),
+        micro_batch=1,
+        checkpointing=True,
+    ).best
     sends = [c for c in e.collectives if c.mesh_dim == "pp"]
     assert sends and all(c.kind == "send_recv" for c in sends)
     assert e.time.comm_total["pp"]["intra_node"] is False  # stages 8 ranks apart: one node each
@@ -156,15 +168,21 @@ def test_hsdp_replicas_all_reduce_every_pipeline_micro_batch():
     """By default the pipeline runtime never skips FSDP's gradient sync: every micro-batch
     reduce-scatters and all-reduces across replicas (without PP: once per step)."""
     req = _req("llama-3.1-70b", 64, seq_len=4096, global_batch=64)
-    pp = evaluate_layout(req, Layout(dp_replicate=2, dp_shard=4, pp=8), micro_batch=1, checkpointing=True,
-                         unsharded=False).best
-    flat = evaluate_layout(req, Layout(dp_replicate=2, dp_shard=4, tp=8), micro_batch=1, checkpointing=True).best
+    pp = evaluate_layout(
+        req, Layout(dp_replicate=2, dp_shard=4, pp=8), micro_batch=1, checkpointing=True, unsharded=False
+    ).best
+    flat = evaluate_layout(
+        req, Layout(dp_replicate=2, dp_shard=4, tp=8), micro_batch=1, checkpointing=True
+    ).best
     replica = {c.what: c.count for c in pp.collectives if c.mesh_dim == "dp_replicate"}
     assert replica.pop("HSDP all-reduce grads (layer)") == 10 * 8  # 10 layers × m = 8
     assert list(replica.values()) == [8]  # the stage's embedding or its LM head, every micro-batch
     assert flat.settings.grad_accum == 8
     assert {c.what: c.count for c in flat.collectives if c.mesh_dim == "dp_replicate"} == {
-        "HSDP all-reduce grads (layer)": 80, "HSDP all-reduce grads (embed)": 1, "HSDP all-reduce grads (final)": 1}
+        "HSDP all-reduce grads (layer)": 80,
+        "HSDP all-reduce grads (embed)": 1,
+        "HSDP all-reduce grads (final)": 1,
+    }
 
 
 def test_unsharded_accumulation_under_pp_reduces_and_gathers_once_per_step():
@@ -177,8 +195,9 @@ def test_unsharded_accumulation_under_pp_reduces_and_gathers_once_per_step():
     lay, m = Layout(dp_replicate=2, dp_shard=4, pp=8), 8
 
     def option(unsharded, **kw):
-        (only,) = evaluate_layout(replace(req, **kw), lay, micro_batch=1, checkpointing=True,
-                                  schedule="1F1B", unsharded=unsharded).options
+        (only,) = evaluate_layout(
+            replace(req, **kw), lay, micro_batch=1, checkpointing=True, schedule="1F1B", unsharded=unsharded
+        ).options
         return only  # fitting or not: the counts are the question
 
     def counts(e, kind, what="(layer)"):
@@ -190,19 +209,36 @@ def test_unsharded_accumulation_under_pp_reduces_and_gathers_once_per_step():
     assert counts(every, "all_reduce") == layers * m and counts(once, "all_reduce") == layers
     assert counts(every, "all_gather") == 2 * layers * m and counts(once, "all_gather") == layers * (m + 1)
     kept = option(True, reshard_after_forward=False)
-    assert counts(kept, "all_gather") == layers and counts(option(False, reshard_after_forward=False),
-                                                           "all_gather") == layers * m
+    assert (
+        counts(kept, "all_gather") == layers
+        and counts(option(False, reshard_after_forward=False), "all_gather") == layers * m
+    )
     first = rank_model(PRESETS["llama-3.1-70b"], rank_shape(PRESETS["llama-3.1-70b"], 8, 1, "1F1B", 0))
-    assert once.memory.grads == 4 * first.num_params  # tp = 1: the stage's unsharded fp32 gradients, no shard yet
+    assert (
+        once.memory.grads == 4 * first.num_params
+    )  # tp = 1: the stage's unsharded fp32 gradients, no shard yet
     assert once.time.dp_exposed < every.time.dp_exposed
-    assert once.settings.unsharded_grad_accumulation and train_config(once, plan(_req("llama-3.2-1b", 1)))[
-        "fsdp_config"]["unsharded_grad_accumulation"] is True
+    assert (
+        once.settings.unsharded_grad_accumulation
+        and train_config(once, plan(_req("llama-3.2-1b", 1)))["fsdp_config"]["unsharded_grad_accumulation"]
+        is True
+    )
 
 
 # ------------------------------------------------------------------ outputs
 def test_explain_prints_bubble_and_stage_memory(capsys):
-    args = ["--model", "llama-3.1-70b", "--gpus", "64", "--seq-len", "4096", "--global-batch-size", "64",
-            "--explain", "pp8:1x8x1x1,mb=1,ac=on,schedule=Interleaved1F1B,uga=on"]
+    args = [
+        "--model",
+        "llama-3.1-70b",
+        "--gpus",
+        "64",
+        "--seq-len",
+        "4096",
+        "--global-batch-size",
+        "64",
+        "--explain",
+        "pp8:1x8x1x1,mb=1,ac=on,schedule=Interleaved1F1B,uga=on",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     bubble = [line for line in out.splitlines() if line.startswith("Pipeline ")]
@@ -218,15 +254,35 @@ def test_write_config_has_the_pipeline_fields(tmp_path):
     res = evaluate_layout(req, Layout(dp_shard=8, pp=8), micro_batch=1, schedule="Interleaved1F1B", virtual=4)
     cfg = train_config(res.best, plan(_req("llama-3.2-1b", 1)))
     assert (cfg["pipeline_parallel_size"], cfg["pipeline_schedule"], cfg["pipeline_virtual_stages"]) == (
-        8, "Interleaved1F1B", 4)
+        8,
+        "Interleaved1F1B",
+        4,
+    )
     assert "pipeline_microbatches" not in cfg  # the runtime's default: one per accumulation step
     assert cfg["dp_shard_size"] * cfg["pipeline_parallel_size"] == 64
     from ndparallel.config import TrainConfig
 
     TrainConfig.model_validate(cfg)
     out = tmp_path / "pp.yaml"
-    assert main(["--model", "llama-3.1-70b", "--gpus", "64", "--seq-len", "4096", "--global-batch-size",
-                 "64", "--explain", "pp=8,ds=8,mb=1,schedule=1F1B", "--write-config", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "llama-3.1-70b",
+                "--gpus",
+                "64",
+                "--seq-len",
+                "4096",
+                "--global-batch-size",
+                "64",
+                "--explain",
+                "pp=8,ds=8,mb=1,schedule=1F1B",
+                "--write-config",
+                str(out),
+            ]
+        )
+        == 0
+    )
     written = yaml.safe_load(out.read_text())
     assert (written["pipeline_parallel_size"], written["pipeline_schedule"]) == (8, "1F1B")
     assert "pipeline_virtual_stages" not in written
@@ -289,4 +345,7 @@ def test_405b_planner_best_is_pipelined(meta_run):
     _, runnable, result = meta_run
     best = result.ranked[0].best
     assert best.layout.pp > 1 and best.mfu >= runnable.best.mfu
-    assert train_config(best, result)["fsdp_config"]["unsharded_grad_accumulation"] is best.settings.unsharded_grad_accumulation
+    assert (
+        train_config(best, result)["fsdp_config"]["unsharded_grad_accumulation"]
+        is best.settings.unsharded_grad_accumulation
+    )

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_cli
 
+from cli_helpers import run_cli
 from ndparallel.plan.cli import main
 from ndparallel.plan.hardware import PRESETS as HW
 from ndparallel.plan.layout import Layout, Settings
@@ -33,8 +33,15 @@ def test_constants_predict_a_fresh_measurement(fmt, frozen):
     from qat_memory import SHAPES, layer_counts, layer_extra
 
     shape, tokens = SHAPES[1], 128
-    spec = ModelSpec("tiny", hidden=shape["hidden_size"], layers=3, heads=shape["num_attention_heads"],
-                     kv_heads=shape["num_key_value_heads"], intermediate=shape["intermediate_size"], vocab=512)
+    spec = ModelSpec(
+        "tiny",
+        hidden=shape["hidden_size"],
+        layers=3,
+        heads=shape["num_attention_heads"],
+        kv_heads=shape["num_key_value_heads"],
+        intermediate=shape["intermediate_size"],
+        vocab=512,
+    )
     assert layer_linear_counts(spec) == layer_counts(shape)
     measured = layer_extra(shape, tokens, fmt, frozen)
     predicted = qat_layer_bytes(spec, fmt, tokens, frozen=frozen, compute_bytes=2)
@@ -64,7 +71,10 @@ def test_lora_keeps_only_the_rounded_copy():
 
 
 def test_tp_layouts_are_rejected_and_the_header_says_qat(capsys):
-    assert main(["--model", "llama-3.1-8b", "--gpus", "8", "--qat", "int4/int8", "--show-rejected", "--json"]) == 0
+    assert (
+        main(["--model", "llama-3.1-8b", "--gpus", "8", "--qat", "int4/int8", "--show-rejected", "--json"])
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["request"]["qat"] == "int4/int8"
     ranked = [r["layout"] for r in result["ranked"]]

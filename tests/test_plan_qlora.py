@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from ndparallel.config import TrainConfig
 from ndparallel.models.quantized import NF4_BYTES_PER_PARAM
 from ndparallel.plan.adapter import adapter_shard_numel
 from ndparallel.plan.cli import main
@@ -19,7 +20,6 @@ from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.memory import estimate_memory
 from ndparallel.plan.models import PRESETS, ModelSpec
 from ndparallel.plan.qlora import quantized_layer_local, quantized_shard_numel
-from ndparallel.config import TrainConfig
 
 pytest.importorskip("torchao")
 H100 = HW["h100-80gb"]
@@ -34,16 +34,25 @@ def test_nf4_bytes_equal_the_runtime_tensors():
 
     from ndparallel.models.quantized import NF4Config, nf4_parameter_names, quantize_linears
 
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=1024)
+    cfg = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     quantize_linears(model, NF4Config())
     names = nf4_parameter_names(model)
     assert len(names) == 14  # every linear of both layers, not lm_head
     params = dict(model.named_parameters())
-    stored = sum(getattr(params[n], a).numel() * getattr(params[n], a).element_size()
-                 for n in names for a in ("quantized_data", "quantized_scalers", "quantization_factor"))
+    stored = sum(
+        getattr(params[n], a).numel() * getattr(params[n], a).element_size()
+        for n in names
+        for a in ("quantized_data", "quantized_scalers", "quantization_factor")
+    )
     values = sum(params[n].numel() for n in names)
     assert values == SMALL.layers * quantized_layer_local(SMALL, 1)
     assert values * NF4_BYTES_PER_PARAM <= stored <= values * NF4_BYTES_PER_PARAM * 1.001
@@ -60,22 +69,42 @@ def test_qlora_memory_is_lora_with_an_nf4_base_and_8bit_states():
     adapter = adapter_shard_numel(SMALL, layout, 4)
     assert qlora.grads == lora.grads == adapter * 4
     assert math.isclose(qlora.optimizer, adapter * (2 + 8 / 256))  # 8-bit m and v + block scales
-    gathers = [c for c in collectives_for(SMALL, layout, s) if c.what.startswith("FSDP all-gather params (layer)")]
-    full = [c for c in collectives_for(SMALL, layout, Settings(seq_len=32, lora_r=4))
-            if c.what.startswith("FSDP all-gather params (layer)")]
+    gathers = [
+        c for c in collectives_for(SMALL, layout, s) if c.what.startswith("FSDP all-gather params (layer)")
+    ]
+    full = [
+        c
+        for c in collectives_for(SMALL, layout, Settings(seq_len=32, lora_r=4))
+        if c.what.startswith("FSDP all-gather params (layer)")
+    ]
     assert math.isclose(full[0].bytes - gathers[0].bytes, q / SMALL.layers * (2 - NF4_BYTES_PER_PARAM))
 
 
 def test_70b_qlora_on_two_gpus_fits_and_writes_a_train_config(tmp_path, capsys):
-    args = ["--model", "llama-3.1-70b", "--gpus", "2", "--gpu", "h100-80gb", "--seq-len", "4096",
-            "--micro-batch", "1"]
+    args = [
+        "--model",
+        "llama-3.1-70b",
+        "--gpus",
+        "2",
+        "--gpu",
+        "h100-80gb",
+        "--seq-len",
+        "4096",
+        "--micro-batch",
+        "1",
+    ]
     out = tmp_path / "qlora.yaml"
     assert main([*args, "--adapter", "qlora", "--optimizer", "adamw_8bit", "--write-config", str(out)]) == 0
     text = capsys.readouterr().out
     assert "base frozen in 4-bit NF4 (linears)" in text
     assert "qlora_layout" in text  # TP 2 is rejected: the runtime refuses it
     cfg = TrainConfig.model_validate(yaml.safe_load(out.read_text()))
-    assert (cfg.adapter, cfg.load_in_4bit, cfg.optimizer, cfg.tensor_parallel_size) == ("qlora", True, "adamw_8bit", 1)
+    assert (cfg.adapter, cfg.load_in_4bit, cfg.optimizer, cfg.tensor_parallel_size) == (
+        "qlora",
+        True,
+        "adamw_8bit",
+        1,
+    )
     # the bf16 base alone is 141 GB: FSDP 2 cannot hold it with LoRA; QLoRA's NF4 base (~37 GB) can
     fsdp2 = Layout(dp_shard=2)
     s = Settings(seq_len=4096, lora_r=16, checkpointing=True, loss_impl="chunked")
@@ -86,8 +115,10 @@ def test_70b_qlora_on_two_gpus_fits_and_writes_a_train_config(tmp_path, capsys):
 
 
 def test_layouts_the_runtime_refuses_are_rejected(capsys):
-    assert main(["--model", "llama-3.1-8b", "--gpus", "8", "--adapter", "qlora", "--show-rejected",
-                 "--json"]) == 0
+    assert (
+        main(["--model", "llama-3.1-8b", "--gpus", "8", "--adapter", "qlora", "--show-rejected", "--json"])
+        == 0
+    )
     import json
 
     result = json.loads(capsys.readouterr().out)

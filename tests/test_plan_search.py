@@ -26,8 +26,7 @@ def _codes(req, layout):
 
 
 def test_rejection_reasons():
-    assert _codes(_req(gpus=16, gpus_per_node=8), Layout(1, 1, 1, 16)) == [
-        "tp_beyond_node", "kv_heads"]
+    assert _codes(_req(gpus=16, gpus_per_node=8), Layout(1, 1, 1, 16)) == ["tp_beyond_node", "kv_heads"]
     assert "world_size" in _codes(_req(gpus=8), Layout(1, 2, 1, 1))
     r3b = _req("llama-3.2-3b", gpus=16, gpus_per_node=16)
     assert {"heads", "kv_heads"} <= set(_codes(r3b, Layout(1, 1, 1, 16)))  # 24 and 8 heads
@@ -48,13 +47,17 @@ def test_enumerator_agrees_with_parallelism_config(world):
     layouts = enumerate_layouts(world)
     assert len(set(layouts)) == len(layouts)
     assert all(lay.world == world for lay in layouts)
-    result = plan(_req("llama-3.2-1b", gpus=world, seq_len=2048,
-                       gpus_per_node=min(8, world)))
+    result = plan(_req("llama-3.2-1b", gpus=world, seq_len=2048, gpus_per_node=min(8, world)))
     proposed = [r.layout for r in result.ranked]
     assert proposed, "some layout must fit a 1B model"
     for lay in proposed:
-        pc = ParallelismConfig(dp_replicate_size=lay.dp_replicate, dp_shard_size=lay.dp_shard,
-                               cp_size=lay.cp, tp_size=lay.tp, pp_size=lay.pp).resolve(world)
+        pc = ParallelismConfig(
+            dp_replicate_size=lay.dp_replicate,
+            dp_shard_size=lay.dp_shard,
+            cp_size=lay.cp,
+            tp_size=lay.tp,
+            pp_size=lay.pp,
+        ).resolve(world)
         assert pc.total_size == world
     # every rejection has a reason
     assert all(r.rejections for r in result.rejected)
@@ -81,12 +84,12 @@ def test_parse_layout_forms():
     assert parse_layout("dp_replicate=2,dp_shard=4,cp=1,tp=8") == (lay, {})
     assert parse_layout("2x4x1x8") == (lay, {})
     assert parse_layout("dr=2 ds=4 tp=8") == (lay, {})
-    assert parse_layout("ds=4,tp=8,dr=2,mb=2,ac=on") == (lay, {"micro_batch": 2,
-                                                                "checkpointing": True})
+    assert parse_layout("ds=4,tp=8,dr=2,mb=2,ac=on") == (lay, {"micro_batch": 2, "checkpointing": True})
     assert parse_layout("pp=2,ds=4") == (Layout(dp_shard=4, pp=2), {})
     assert parse_layout("pp16:1x64x1x8,mb=1,schedule=interleaved1f1b,v=4") == (
-        Layout(1, 64, 1, 8, pp=16), {"micro_batch": 1, "pipeline_schedule": "Interleaved1F1B",
-                                     "pipeline_virtual_stages": 4})
+        Layout(1, 64, 1, 8, pp=16),
+        {"micro_batch": 1, "pipeline_schedule": "Interleaved1F1B", "pipeline_virtual_stages": 4},
+    )
     with pytest.raises(ValueError):
         parse_layout("zz=2")
 
@@ -98,8 +101,18 @@ def test_parse_size():
         parse_size("lots")
 
 
-ISSUE_CMD = ["--model", "llama-3.1-70b", "--gpus", "64", "--gpus-per-node", "8",
-             "--gpu", "h100-80gb", "--seq-len", "8192"]
+ISSUE_CMD = [
+    "--model",
+    "llama-3.1-70b",
+    "--gpus",
+    "64",
+    "--gpus-per-node",
+    "8",
+    "--gpu",
+    "h100-80gb",
+    "--seq-len",
+    "8192",
+]
 
 
 def test_issue_command_table(capsys):
@@ -132,17 +145,31 @@ def test_write_config(tmp_path, capsys):
     out = tmp_path / "train.yaml"
     assert main(ISSUE_CMD + ["--write-config", str(out)]) == 0
     cfg = yaml.safe_load(out.read_text())
-    keys = {"base_model", "dp_replicate_size", "dp_shard_size", "tensor_parallel_size",
-            "context_parallel_size", "sequence_len", "micro_batch_size",
-            "gradient_accumulation_steps", "fsdp_config", "bf16"}
+    keys = {
+        "base_model",
+        "dp_replicate_size",
+        "dp_shard_size",
+        "tensor_parallel_size",
+        "context_parallel_size",
+        "sequence_len",
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+        "fsdp_config",
+        "bf16",
+    }
     assert keys <= set(cfg)
     assert cfg["base_model"] == "meta-llama/Llama-3.1-70B" and cfg["sequence_len"] == 8192
     assert isinstance(cfg["fsdp_config"]["activation_checkpointing"], bool)
     from ndparallel.config import TrainConfig  # the emitted file is a valid train config
 
     TrainConfig.model_validate(cfg)
-    world = (cfg["dp_replicate_size"] * cfg["dp_shard_size"] * cfg["tensor_parallel_size"]
-             * cfg["context_parallel_size"] * cfg.get("pipeline_parallel_size", 1))
+    world = (
+        cfg["dp_replicate_size"]
+        * cfg["dp_shard_size"]
+        * cfg["tensor_parallel_size"]
+        * cfg["context_parallel_size"]
+        * cfg.get("pipeline_parallel_size", 1)
+    )
     assert world == 64
 
 
@@ -153,9 +180,25 @@ def test_run_plan_with_own_parser_and_overrides(tmp_path, capsys):
     add_plan_arguments(parser)
     hw_file = tmp_path / "hw.json"
     hw_file.write_text(json.dumps({"hardware": HW["a100-40gb"].to_dict()}))
-    args = parser.parse_args(["--model", "llama-3.2-1b", "--gpus", "4", "--hardware-file",
-                              str(hw_file), "--gpu-mem", "24GB", "--global-batch-tokens",
-                              "65536", "--seq-len", "2048", "--micro-batch", "1", "--json"])
+    args = parser.parse_args(
+        [
+            "--model",
+            "llama-3.2-1b",
+            "--gpus",
+            "4",
+            "--hardware-file",
+            str(hw_file),
+            "--gpu-mem",
+            "24GB",
+            "--global-batch-tokens",
+            "65536",
+            "--seq-len",
+            "2048",
+            "--micro-batch",
+            "1",
+            "--json",
+        ]
+    )
     assert run_plan(args) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["hardware"]["mem_bytes"] == 24 * 2**30

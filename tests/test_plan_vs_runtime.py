@@ -28,6 +28,7 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
     from transformers import AutoModelForCausalLM
 
     from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.engine import forward_backward
     from ndparallel.models.presets import preset_config
     from ndparallel.parallel.options import (
         CPOptions,
@@ -36,14 +37,17 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
         TPOptions,
     )
     from ndparallel.runtime.comm_profile import CommProfiler
-    from ndparallel.engine import forward_backward
 
     # The planner models the logits loss (gathered or loss-parallel); the chunked loss (default)
     # and loss parallel's default-on are pinned off here so each case runs what it names.
-    acc = Accelerator(ParallelismConfig(**layout), mixed_precision=mp,
-                      fsdp_options=FSDPOptions(activation_checkpointing=ckpt),
-                      tp_options=TPOptions(**{"loss_parallel": False, **tp}), cp_options=CPOptions(**cp),
-                      loss_options=LossOptions(chunked=False))
+    acc = Accelerator(
+        ParallelismConfig(**layout),
+        mixed_precision=mp,
+        fsdp_options=FSDPOptions(activation_checkpointing=ckpt),
+        tp_options=TPOptions(**{"loss_parallel": False, **tp}),
+        cp_options=CPOptions(**cp),
+        loss_options=LossOptions(chunked=False),
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -55,16 +59,18 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
             tokens = torch.randint(0, 256, (ROWS, SEQ + 1), generator=g)
             ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
             pos = torch.arange(SEQ).expand(ROWS, -1).clone()
-            loss = forward_backward(acc.engine, model, [{"input_ids": ids, "shift_labels": labels,
-                                                         "position_ids": pos}])
+            loss = forward_backward(
+                acc.engine, model, [{"input_ids": ids, "shift_labels": labels, "position_ids": pos}]
+            )
             acc.engine.reduce_step_loss(loss)  # as train_step does
             prof.step()
             acc.grad_norm(model.parameters())
             prof.step()
             opt.step()
             opt.zero_grad()
-    labels = {d: prof.label(d) for d in ("dp_replicate", "dp_shard", "dp_shard_cp", "dp", "dp_cp",
-                                          "cp", "tp")}
+    labels = {
+        d: prof.label(d) for d in ("dp_replicate", "dp_shard", "dp_shard_cp", "dp", "dp_cp", "cp", "tp")
+    }
     # Optimizer step of step i is recorded in record 2i+2 (with the next step's forward).
     return [prof.calls(i) for i in range(2 * STEPS)], prof.calls(2 * STEPS), labels
 
@@ -76,15 +82,24 @@ def _predict(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool, labels: dict
     from ndparallel.plan.layout import Layout
     from ndparallel.plan.models import PRESETS
 
-    plan_layout = Layout(dp_replicate=layout.get("dp_replicate_size", 1),
-                         dp_shard=layout.get("dp_shard_size", 1), cp=layout.get("cp_size", 1),
-                         tp=layout.get("tp_size", 1))
+    plan_layout = Layout(
+        dp_replicate=layout.get("dp_replicate_size", 1),
+        dp_shard=layout.get("dp_shard_size", 1),
+        cp=layout.get("cp_size", 1),
+        tp=layout.get("tp_size", 1),
+    )
     colls = predict_collectives(
-        PRESETS["tiny"], plan_layout, seq_len=SEQ, micro_batch=ROWS, checkpointing=ckpt,
+        PRESETS["tiny"],
+        plan_layout,
+        seq_len=SEQ,
+        micro_batch=ROWS,
+        checkpointing=ckpt,
         mixed_precision="bf16" if mp == "bf16" else "fp32",
         sequence_parallel=tp.get("sequence_parallel", False),
         loss_parallel=tp.get("loss_parallel", False),
-        cp_strategy=cp.get("comm_strategy", "ring"), scalars=True)
+        cp_strategy=cp.get("comm_strategy", "ring"),
+        scalars=True,
+    )
     main, norm = Counter(), Counter()
     for c in colls:
         target = norm if c.what.startswith("gradient norm") else main
@@ -124,8 +139,9 @@ def _check(case, result):
 
 def _diff(run, pred):
     keys = sorted(set(run) | set(pred))
-    return "\n".join(f"{k}: runtime {run.get(k)} planner {pred.get(k)}" for k in keys
-                     if run.get(k) != pred.get(k))
+    return "\n".join(
+        f"{k}: runtime {run.get(k)} planner {pred.get(k)}" for k in keys if run.get(k) != pred.get(k)
+    )
 
 
 TP = {"tp_size": 2}
@@ -137,13 +153,24 @@ RING, AG, A2A = {"comm_strategy": "ring"}, {"comm_strategy": "allgather"}, {"com
 # propagation cache, so a second run's embedding output can be reduced on the first run's group.
 GROUPS = {
     # name: (world, [(layout, mixed precision, tp options, cp options, checkpointing)])
-    "tp2": (2, [(TP, "no", {}, {}, False), (TP, "no", SP, {}, False),
-                (TP, "bf16", {**SP, **LP}, {}, True)]),
-    "cp2": (2, [(CP, "no", {}, RING, False), (CP, "bf16", {}, AG, True), (CP, "no", {}, A2A, False),
-                (CP, "bf16", {}, A2A, True)]),
+    "tp2": (2, [(TP, "no", {}, {}, False), (TP, "no", SP, {}, False), (TP, "bf16", {**SP, **LP}, {}, True)]),
+    "cp2": (
+        2,
+        [
+            (CP, "no", {}, RING, False),
+            (CP, "bf16", {}, AG, True),
+            (CP, "no", {}, A2A, False),
+            (CP, "bf16", {}, A2A, True),
+        ],
+    ),
     "fsdp2xtp2": (4, [({"dp_shard_size": 2, **TP}, "bf16", {**SP, **LP}, {}, False)]),
-    "fsdp2xcp2": (4, [({"dp_shard_size": 2, **CP}, "bf16", {}, RING, True),
-                      ({"dp_shard_size": 2, **CP}, "bf16", {}, A2A, False)]),
+    "fsdp2xcp2": (
+        4,
+        [
+            ({"dp_shard_size": 2, **CP}, "bf16", {}, RING, True),
+            ({"dp_shard_size": 2, **CP}, "bf16", {}, A2A, False),
+        ],
+    ),
     "tp2xcp2": (4, [({**TP, **CP}, "no", {}, A2A, False)]),
 }
 

@@ -18,8 +18,8 @@ def _train_from(dtype, layout):
     from transformers import AutoModelForCausalLM
 
     from ndparallel import Accelerator, ParallelismConfig
-    from ndparallel.optim.build import build_optimizer
     from ndparallel.engine import forward_backward
+    from ndparallel.optim.build import build_optimizer
 
     acc = Accelerator(ParallelismConfig(**layout))
     torch.manual_seed(0)
@@ -35,7 +35,7 @@ def _train_from(dtype, layout):
     losses = []
     rows = SETUP.global_micro_batch // acc.dp_size
     for micro in make_global_batches(SETUP):
-        local = [{k: v[acc.dp_rank * rows:(acc.dp_rank + 1) * rows] for k, v in mb.items()} for mb in micro]
+        local = [{k: v[acc.dp_rank * rows : (acc.dp_rank + 1) * rows] for k, v in mb.items()} for mb in micro]
         loss = forward_backward(acc.engine, model, local)
         torch.distributed.all_reduce(loss, group=acc.mesh("dp_cp").get_group())
         losses.append(float(loss))
@@ -44,8 +44,11 @@ def _train_from(dtype, layout):
     return warned, dtypes, losses
 
 
-@pytest.mark.parametrize("layout,world", [({}, 1), ({"dp_shard_size": 2}, 2), ({"tp_size": 2}, 2)],
-                         ids=["one-rank", "fsdp2", "tp2"])
+@pytest.mark.parametrize(
+    "layout,world",
+    [({}, 1), ({"dp_shard_size": 2}, 2), ({"tp_size": 2}, 2)],
+    ids=["one-rank", "fsdp2", "tp2"],
+)
 def test_bf16_model_trains_with_fp32_master_weights(layout, world):
     bf16 = run_on_ranks(_train_from, world, torch.bfloat16, layout)[0]
     fp32 = run_on_ranks(_train_from, world, torch.float32, layout)[0]

@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 import torch.nn as nn
-from cli_helpers import run_cli
 
+from cli_helpers import run_cli
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import QATOptions
 from ndparallel.testing import run_on_ranks
@@ -22,17 +22,31 @@ pytest.importorskip("torchao.quantization.qat")
 
 INT8_INT4 = QATOptions(weight_dtype="int4", activation_dtype="int8", group_size=32)
 MXFP4 = QATOptions(weight_dtype="mxfp4", activation_dtype="mxfp4", group_size=32)
-BASE = TrainSetup(preset_config("tiny-llama"), steps=3, global_micro_batch=4, seq_len=32, optimizer="sgd",
-                  lr=0.5, max_grad_norm=1.0)
+BASE = TrainSetup(
+    preset_config("tiny-llama"),
+    steps=3,
+    global_micro_batch=4,
+    seq_len=32,
+    optimizer="sgd",
+    lr=0.5,
+    max_grad_norm=1.0,
+)
 
 
 def _qat(setup: TrainSetup, options: QATOptions) -> TrainSetup:
     return dataclasses.replace(setup, parallel_kwargs={"qat_options": options})
 
 
-@pytest.mark.parametrize("options", [INT8_INT4, MXFP4, QATOptions(weight_dtype="float8", activation_dtype="float8"),
-                                     QATOptions(weight_dtype="int4", quantize_embedding=True)],
-                         ids=["int8-int4", "mxfp4", "float8", "int4-embedding"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        INT8_INT4,
+        MXFP4,
+        QATOptions(weight_dtype="float8", activation_dtype="float8"),
+        QATOptions(weight_dtype="int4", quantize_embedding=True),
+    ],
+    ids=["int8-int4", "mxfp4", "float8", "int4-embedding"],
+)
 def test_every_linear_but_loras_is_fake_quantised_and_runs_here(options):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -40,8 +54,10 @@ def test_every_linear_but_loras_is_fake_quantised_and_runs_here(options):
     from ndparallel.parallel.qat import apply_qat, fake_quantized_modules
 
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_config(preset_config("tiny-llama")),
-                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(preset_config("tiny-llama")),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
     ids = torch.randint(0, 100, (2, 16))
     plain = model(input_ids=ids).logits
     apply_qat(model.get_base_model(), options)
@@ -57,18 +73,28 @@ def test_every_linear_but_loras_is_fake_quantised_and_runs_here(options):
     assert not any("quantizer" in k or "scale" in k for k in state), [k for k in state if "quant" in k][:3]
 
 
-@pytest.mark.parametrize("qat, fragment", [
-    ({"weight_dtype": "int8"}, "int8 weights have no torchao QAT config; use one of"),
-    ({"weight_dtype": "int4", "activation_dtype": "int4"}, "not a torchao QAT combination"),
-    ({"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 32}, "set group_size: 16"),
-    ({"weight_dtype": "mxfp4", "activation_dtype": "mxfp4", "group_size": 16}, "set group_size: 32"),
-    ({"weight_dtype": "mxfp4", "activation_dtype": "mxfp4", "fake_quant_after_n_steps": 5},
-     "remove fake_quant_after_n_steps"),
-    ({"weight_dtype": "float8", "activation_dtype": "float8", "quantize_embedding": True}, "remove quantize_embedding"),
-    ({"weight_dtype": "int2"}, "'int2' is not a QAT format"),
-    ({"weight_dtype": "int4", "group_size": 48}, "model.layers.0.self_attn.q_proj has 64 input features, not a "
-                                                 "multiple of the qat group_size 48"),
-])
+@pytest.mark.parametrize(
+    "qat, fragment",
+    [
+        ({"weight_dtype": "int8"}, "int8 weights have no torchao QAT config; use one of"),
+        ({"weight_dtype": "int4", "activation_dtype": "int4"}, "not a torchao QAT combination"),
+        ({"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 32}, "set group_size: 16"),
+        ({"weight_dtype": "mxfp4", "activation_dtype": "mxfp4", "group_size": 16}, "set group_size: 32"),
+        (
+            {"weight_dtype": "mxfp4", "activation_dtype": "mxfp4", "fake_quant_after_n_steps": 5},
+            "remove fake_quant_after_n_steps",
+        ),
+        (
+            {"weight_dtype": "float8", "activation_dtype": "float8", "quantize_embedding": True},
+            "remove quantize_embedding",
+        ),
+        ({"weight_dtype": "int2"}, "'int2' is not a QAT format"),
+        (
+            {"weight_dtype": "int4", "group_size": 48},
+            "model.layers.0.self_attn.q_proj has 64 input features, not a multiple of the qat group_size 48",
+        ),
+    ],
+)
 def test_bad_qat_block_is_one_line_before_launch(tmp_path, capsys, qat, fragment):
     p = tmp_path / "cfg.yaml"
     p.write_text(f"base_model: tiny-llama\nqat: {json.dumps(qat)}\n")
@@ -77,11 +103,14 @@ def test_bad_qat_block_is_one_line_before_launch(tmp_path, capsys, qat, fragment
     assert len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    ("tensor_parallel_size: 2\n", "qat with tensor_parallel_size=2 is not supported"),
-    ("adapter: qlora\nload_in_4bit: true\n", "qat with a 4-bit base (adapter: qlora / load_in_4bit)"),
-    ("fp8: true\n", "qat and fp8 both replace the linear layers"),
-])
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        ("tensor_parallel_size: 2\n", "qat with tensor_parallel_size=2 is not supported"),
+        ("adapter: qlora\nload_in_4bit: true\n", "qat with a 4-bit base (adapter: qlora / load_in_4bit)"),
+        ("fp8: true\n", "qat and fp8 both replace the linear layers"),
+    ],
+)
 def test_qat_combinations_refused_by_name(tmp_path, capsys, extra, fragment):
     p = tmp_path / "cfg.yaml"
     p.write_text("base_model: tiny-llama\nqat: {weight_dtype: int4, activation_dtype: int8}\n" + extra)
@@ -108,7 +137,9 @@ def test_qat_changes_training_and_delayed_fake_quant_starts_at_step_n():
     from ndparallel.parallel.options import LossOptions
 
     delayed = dataclasses.replace(INT8_INT4, fake_quant_after_n_steps=2)
-    logits = dataclasses.replace(BASE, parallel_kwargs={"loss_options": LossOptions(chunked=False)})  # as QAT's
+    logits = dataclasses.replace(
+        BASE, parallel_kwargs={"loss_options": LossOptions(chunked=False)}
+    )  # as QAT's
     plain, qat, late = run_on_ranks(_runs, 1, [logits, _qat(BASE, INT8_INT4), _qat(BASE, delayed)])[0]
     # negative control, far above the equivalence tolerances below (1e-5 relative, 1e-6 absolute)
     assert abs(qat.grad_norms[0] - plain.grad_norms[0]) / plain.grad_norms[0] > 5e-4, (plain, qat)
@@ -119,15 +150,21 @@ def test_qat_changes_training_and_delayed_fake_quant_starts_at_step_n():
     assert abs(late.losses[2] - plain.losses[2]) / plain.losses[2] > 1e-4  # on from step 3
 
 
-@pytest.mark.parametrize("options, layout, world", [
-    (INT8_INT4, {"dp_shard_size": 2}, 2),
-    (INT8_INT4, {"dp_replicate_size": 2}, 2),
-    (MXFP4, {"dp_shard_size": 2}, 2),
-    ("lora", {"dp_shard_size": 2}, 2),
-], ids=["int8-int4-fsdp2", "int8-int4-dp2", "mxfp4-fsdp2", "int8-int4-lora-fsdp2"])
+@pytest.mark.parametrize(
+    "options, layout, world",
+    [
+        (INT8_INT4, {"dp_shard_size": 2}, 2),
+        (INT8_INT4, {"dp_replicate_size": 2}, 2),
+        (MXFP4, {"dp_shard_size": 2}, 2),
+        ("lora", {"dp_shard_size": 2}, 2),
+    ],
+    ids=["int8-int4-fsdp2", "int8-int4-dp2", "mxfp4-fsdp2", "int8-int4-lora-fsdp2"],
+)
 def test_fsdp_and_replicas_train_like_one_process_under_qat(options, layout, world):
     if options == "lora":  # Axolotl allows QAT with LoRA: the adapted base is fake-quantised, A / B not
-        setup = _qat(dataclasses.replace(BASE, adapter={"r": 4, "alpha": 8, "target_linear": True}), INT8_INT4)
+        setup = _qat(
+            dataclasses.replace(BASE, adapter={"r": 4, "alpha": 8, "target_linear": True}), INT8_INT4
+        )
     else:
         setup = _qat(BASE, options)
     ref = run_on_ranks(train_under_layout, 1, setup, None)[0]
@@ -137,8 +174,11 @@ def test_fsdp_and_replicas_train_like_one_process_under_qat(options, layout, wor
     assert diff["param_abs"] <= 1e-6, diff
 
 
-@pytest.mark.parametrize("layout, world", [({"dp_replicate_size": 2, "dp_shard_size": 2}, 4), ({"cp_size": 2}, 2)],
-                         ids=["hsdp2x2", "cp2"])
+@pytest.mark.parametrize(
+    "layout, world",
+    [({"dp_replicate_size": 2, "dp_shard_size": 2}, 4), ({"cp_size": 2}, 2)],
+    ids=["hsdp2x2", "cp2"],
+)
 def test_layouts_summing_more_terms_step_exactly_then_within_rounding_flips(layout, world):
     """HSDP 2x2 and CP 2 (4 load-balanced sequence chunks): the first step (same weights in) is as
     tight as any layout. Later steps start from weights that differ by fp32 rounding of a gradient
@@ -152,25 +192,33 @@ def test_layouts_summing_more_terms_step_exactly_then_within_rounding_flips(layo
     quantiser) both layouts are exact again (1e-7). Counted and printed as a user would judge it."""
     setup = _qat(BASE, INT8_INT4)
     one = dataclasses.replace(setup, steps=1)
-    ref1, got1 = run_on_ranks(train_under_layout, 1, one, None)[0], run_on_ranks(train_under_layout, world, one,
-                                                                                  layout, timeout_s=300)[0]
+    ref1, got1 = (
+        run_on_ranks(train_under_layout, 1, one, None)[0],
+        run_on_ranks(train_under_layout, world, one, layout, timeout_s=300)[0],
+    )
     diff = compare(ref1, got1)
     assert diff["loss_rel"] <= 1e-5 and diff["grad_norm_rel"] <= 1e-5 and diff["param_abs"] <= 1e-6, diff
-    ref, got = run_on_ranks(train_under_layout, 1, setup, None)[0], run_on_ranks(train_under_layout, world, setup,
-                                                                                 layout, timeout_s=300)[0]
+    ref, got = (
+        run_on_ranks(train_under_layout, 1, setup, None)[0],
+        run_on_ranks(train_under_layout, world, setup, layout, timeout_s=300)[0],
+    )
     diff = compare(ref, got)
     assert diff["loss_rel"] <= 1e-5 and diff["grad_norm_rel"] <= 1e-4, diff
     assert diff["param_abs"] <= 3e-4, diff
     # As a user would judge it: the int4 levels of the quantised weights that differ.
     flips1, total = int4_level_flips(ref1.params, got1.params, INT8_INT4)  # the weights step 2 quantises
     flips, _ = int4_level_flips(ref.params, got.params, INT8_INT4)
-    print(f"int4 weight levels that differ from one process: {flips1} of {total} after step 1, {flips} after "
-          f"{setup.steps} steps")
+    print(
+        f"int4 weight levels that differ from one process: {flips1} of {total} after step 1, {flips} after "
+        f"{setup.steps} steps"
+    )
     assert flips1 <= 2 and flips <= total // 1000, (flips1, flips, total)
     assert int4_level_flips(ref.params, ref.params, INT8_INT4)[0] == 0
     weights_only = _qat(BASE, dataclasses.replace(INT8_INT4, activation_dtype=None))
-    diff = compare(run_on_ranks(train_under_layout, 1, weights_only, None)[0],
-                   run_on_ranks(train_under_layout, world, weights_only, layout, timeout_s=300)[0])
+    diff = compare(
+        run_on_ranks(train_under_layout, 1, weights_only, None)[0],
+        run_on_ranks(train_under_layout, world, weights_only, layout, timeout_s=300)[0],
+    )
     assert diff["param_abs"] <= 1e-6, diff  # control: the activation quantiser's rounding is what moves
 
 
@@ -216,8 +264,8 @@ def test_the_level_flip_count_sees_one_flip_and_no_rounding_noise():
 
 def _train(path: str, overrides: list[str]) -> int:
     """Train per the YAML; the number of fake-quantised modules the trained model had."""
-    from ndparallel.parallel.qat import fake_quantized_modules
     from ndparallel.axolotl import load_config
+    from ndparallel.parallel.qat import fake_quantized_modules
     from ndparallel.training.trainer import Trainer
 
     trainer = Trainer(load_config(path, overrides))
@@ -229,11 +277,13 @@ def test_yaml_qat_run_on_fsdp_saves_an_unquantised_model_that_loads(tmp_path, ca
     from transformers import AutoModelForCausalLM
 
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("base_model: tiny-llama\ntokenizer: builtin:stdlib\ntokenizer_vocab_size: 512\nsequence_len: 32\n"
-                   "datasets: [{path: 'builtin:stdlib', max_bytes: 100000}]\nmicro_batch_size: 2\nmax_steps: 3\n"
-                   "learning_rate: 1.0e-3\nlogging_steps: 1\ndevice: cpu\n"
-                   "qat: {activation_dtype: int8, weight_dtype: int4, group_size: 32, fake_quant_after_n_steps: 1}\n"
-                   f"output_dir: {tmp_path / 'out'}\ndataset_cache_dir: {tmp_path / 'cache'}\n")
+    cfg.write_text(
+        "base_model: tiny-llama\ntokenizer: builtin:stdlib\ntokenizer_vocab_size: 512\nsequence_len: 32\n"
+        "datasets: [{path: 'builtin:stdlib', max_bytes: 100000}]\nmicro_batch_size: 2\nmax_steps: 3\n"
+        "learning_rate: 1.0e-3\nlogging_steps: 1\ndevice: cpu\n"
+        "qat: {activation_dtype: int8, weight_dtype: int4, group_size: 32, fake_quant_after_n_steps: 1}\n"
+        f"output_dir: {tmp_path / 'out'}\ndataset_cache_dir: {tmp_path / 'cache'}\n"
+    )
     code, out, err = run_cli(capsys, "train", cfg, "--dry-run", "--set", "dp_shard_size=2")
     assert code == 0, err
     assert "qat          : int4 weights (groups of 32) + int8 activations" in out, out
@@ -253,8 +303,10 @@ def test_yaml_qat_run_on_fsdp_saves_an_unquantised_model_that_loads(tmp_path, ca
 
 def test_verify_runs_the_layout_check_again_with_fake_quantisation(tmp_path, capsys):
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("base_model: tiny-llama\ndp_shard_size: 2\ndevice: cpu\nsequence_len: 32\n"
-                   "qat: {activation_dtype: int8, weight_dtype: int4, group_size: 64}\n")  # shrunk model: 32 wide
+    cfg.write_text(
+        "base_model: tiny-llama\ndp_shard_size: 2\ndevice: cpu\nsequence_len: 32\n"
+        "qat: {activation_dtype: int8, weight_dtype: int4, group_size: 64}\n"
+    )  # shrunk model: 32 wide
     code, out, err = run_cli(capsys, "verify", cfg, "--steps", "2")
     assert code == 0 and "fp32 + qat int4: one process vs layout" in out and "PASS" in out, out + err
 
@@ -263,7 +315,9 @@ def test_plan_from_a_qat_config_counts_the_full_logits(tmp_path, capsys):
     import yaml
 
     raw = yaml.safe_load(open("examples/gpu/llama-3.1-8b-lora-fsdp-tp.yaml"))
-    raw.update(tensor_parallel_size=1, qat={"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 32})
+    raw.update(
+        tensor_parallel_size=1, qat={"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 32}
+    )
     cfg = tmp_path / "qat.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     code, out, err = run_cli(capsys, "plan", "--config", cfg, "--gpus", "8", "--json")
@@ -284,8 +338,13 @@ def test_qat_without_checkpointing_gets_a_memory_note(tmp_path, capsys):
     assert code == 0 and "without activation checkpointing" not in out + err, out + err
 
 
-@pytest.mark.parametrize("options", [QATOptions(weight_dtype="int4", activation_dtype="int8", group_size=32),
-                                     QATOptions(weight_dtype="float8", activation_dtype="float8")])
+@pytest.mark.parametrize(
+    "options",
+    [
+        QATOptions(weight_dtype="int4", activation_dtype="int8", group_size=32),
+        QATOptions(weight_dtype="float8", activation_dtype="float8"),
+    ],
+)
 def test_recomputed_quantisers_give_the_same_gradients_and_keep_far_less(options):
     """``RecomputedQuantizer``: the fake quantisers run again in backward instead of keeping their
     rounded outputs and fp32 intermediates: bit-identical loss and gradients, and the bytes saved

@@ -57,8 +57,9 @@ def load_reference(engine, setup):
         head = _inner(model).get_output_embeddings()
         for name, m in model.named_modules():
             if isinstance(m, nn.Linear) and m is not head and ".lora_" not in name:
-                m.weight = nn.Parameter(to_nf4(m.weight.detach(), NF4.block_size, NF4.scaler_block_size),
-                                        requires_grad=False)
+                m.weight = nn.Parameter(
+                    to_nf4(m.weight.detach(), NF4.block_size, NF4.scaler_block_size), requires_grad=False
+                )
     return engine.parallelize(model)
 
 
@@ -71,8 +72,9 @@ def load_sharded(engine, setup):
 def _setup(tmp_path_factory, **kw):
     _model_dir(tmp_path_factory)  # both loaders read it (set before the ranks fork)
     kw = {"optimizer": "sgd", "lr": 0.5, **kw}
-    return TrainSetup(preset_config("tiny-llama"), steps=3, global_micro_batch=4, seq_len=32,
-                      max_grad_norm=1.0, **kw)
+    return TrainSetup(
+        preset_config("tiny-llama"), steps=3, global_micro_batch=4, seq_len=32, max_grad_norm=1.0, **kw
+    )
 
 
 _refs: dict = {}
@@ -82,9 +84,12 @@ def _run(setup, layout, world, **parallel_kwargs):
     setup = dataclasses.replace(setup, parallel_kwargs=parallel_kwargs)
     key = repr(setup)
     if key not in _refs:
-        _refs[key] = run_on_ranks(train_under_layout, 1, dataclasses.replace(setup, load=load_reference), None)[0]
-    got = run_on_ranks(train_under_layout, world, dataclasses.replace(setup, load=load_sharded), layout,
-                       timeout_s=400)[0]
+        _refs[key] = run_on_ranks(
+            train_under_layout, 1, dataclasses.replace(setup, load=load_reference), None
+        )[0]
+    got = run_on_ranks(
+        train_under_layout, world, dataclasses.replace(setup, load=load_sharded), layout, timeout_s=400
+    )[0]
     return _refs[key], got
 
 
@@ -94,7 +99,9 @@ def _check(tmp_path_factory, layout, world, setup_kw=None, **parallel_kwargs):
     assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL, diff
     adapters = [k for k in ref.params if ".lora_" in k]
     assert max(ref.params[k].abs().max().item() for k in adapters if "lora_B" in k) > 1e-3  # B moved from 0
-    tol = 1e-6 if got is not None and (setup_kw or {}).get("optimizer", "sgd") == "sgd" else 1e-3  # AdamW: see README
+    tol = (
+        1e-6 if got is not None and (setup_kw or {}).get("optimizer", "sgd") == "sgd" else 1e-3
+    )  # AdamW: see README
     assert max((ref.params[k] - got.params[k]).abs().max().item() for k in adapters) <= tol, diff
     base = [k for k in ref.params if ".lora_" not in k]  # dequantised NF4 weights + norms, embeddings
     assert all(torch.equal(ref.params[k], got.params[k]) for k in base)  # the same 4-bit base, bit for bit
@@ -125,13 +132,21 @@ def test_dp2(tmp_path_factory):
 
 
 def test_hsdp_2x2_with_activation_checkpointing(tmp_path_factory):
-    _check(tmp_path_factory, {"dp_replicate_size": 2, "dp_shard_size": 2}, 4,
-           fsdp_options=FSDPOptions(activation_checkpointing=True))
+    _check(
+        tmp_path_factory,
+        {"dp_replicate_size": 2, "dp_shard_size": 2},
+        4,
+        fsdp_options=FSDPOptions(activation_checkpointing=True),
+    )
 
 
 def test_fsdp2_cp2_adamw_accumulation(tmp_path_factory):
-    _check(tmp_path_factory, {"dp_shard_size": 2, "cp_size": 2}, 4,
-           setup_kw=dict(optimizer="adamw", lr=1e-2, grad_accum=2))
+    _check(
+        tmp_path_factory,
+        {"dp_shard_size": 2, "cp_size": 2},
+        4,
+        setup_kw=dict(optimizer="adamw", lr=1e-2, grad_accum=2),
+    )
 
 
 def test_fsdp4_cpu_offload(tmp_path_factory):
@@ -141,8 +156,12 @@ def test_fsdp4_cpu_offload(tmp_path_factory):
 def test_pp2_fsdp2(tmp_path_factory):
     """Pipeline parallel: each stage reads and quantises its own layers' rows, FSDP-sharded, and
     draws its adapters' init where the whole model's seeded order puts them."""
-    _check(tmp_path_factory, {"pp_size": 2, "dp_shard_size": 2}, 4,
-           pipeline_options=PipelineOptions(schedule="1F1B", microbatches=2))
+    _check(
+        tmp_path_factory,
+        {"pp_size": 2, "dp_shard_size": 2},
+        4,
+        pipeline_options=PipelineOptions(schedule="1F1B", microbatches=2),
+    )
 
 
 def _peft_model():

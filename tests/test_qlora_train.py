@@ -12,16 +12,18 @@ import peft  # noqa: F401  (imported once before the ranks fork)
 import pytest
 import torch
 import torch.nn as nn
-from cli_helpers import run_cli
 
-from ndparallel.testing import run_on_ranks
+from cli_helpers import run_cli
 from ndparallel.axolotl import load_config
+from ndparallel.testing import run_on_ranks
 
 pytest.importorskip("torchao")
 from torchao.quantization import to_nf4  # noqa: E402
 
-QLORA = ("adapter: qlora\nload_in_4bit: true\nnf4_block_size: 32\nnf4_scaler_block_size: 4\n"
-         "lora_target_linear: true\n")
+QLORA = (
+    "adapter: qlora\nload_in_4bit: true\nnf4_block_size: 32\nnf4_scaler_block_size: 4\n"
+    "lora_target_linear: true\n"
+)
 
 
 def _yaml(tmp_path, text, base="tiny-llama"):
@@ -30,18 +32,36 @@ def _yaml(tmp_path, text, base="tiny-llama"):
     return str(p)
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("adapter: qlora\n", "adapter: qlora needs load_in_4bit: true"),
-    ("load_in_4bit: true\n", "load_in_4bit: true needs adapter: qlora"),
-    ("load_in_8bit: true\n", "an 8-bit base (load_in_8bit) is not supported: use adapter: qlora"),
-    (QLORA + "bnb_config_kwargs: {bnb_4bit_quant_type: fp4}\n", "bnb_4bit_quant_type: 'fp4' is not supported"),
-    (QLORA + "bnb_config_kwargs: {bnb_4bit_blocksize: 32}\n", "bnb_config_kwargs: ['bnb_4bit_blocksize'] not supported"),
-    ("adapter: lora\nbnb_config_kwargs: {bnb_4bit_use_double_quant: true}\n", "bnb_config_kwargs set without"),
-    (QLORA + "tensor_parallel_size: 2\n", "with tensor_parallel_size > 1 is not supported (torchao's NF4"),
-    (QLORA + "dp_shard_size: 32\n", "cannot be split into 32 FSDP shards"),
-    ("adapter: qlora\nload_in_4bit: true\n", "no linear layer of base_model='tiny-llama' holds whole NF4 groups"),
-    ("optimizer: lion_8bit\n", "optimizer: lion_8bit"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("adapter: qlora\n", "adapter: qlora needs load_in_4bit: true"),
+        ("load_in_4bit: true\n", "load_in_4bit: true needs adapter: qlora"),
+        ("load_in_8bit: true\n", "an 8-bit base (load_in_8bit) is not supported: use adapter: qlora"),
+        (
+            QLORA + "bnb_config_kwargs: {bnb_4bit_quant_type: fp4}\n",
+            "bnb_4bit_quant_type: 'fp4' is not supported",
+        ),
+        (
+            QLORA + "bnb_config_kwargs: {bnb_4bit_blocksize: 32}\n",
+            "bnb_config_kwargs: ['bnb_4bit_blocksize'] not supported",
+        ),
+        (
+            "adapter: lora\nbnb_config_kwargs: {bnb_4bit_use_double_quant: true}\n",
+            "bnb_config_kwargs set without",
+        ),
+        (
+            QLORA + "tensor_parallel_size: 2\n",
+            "with tensor_parallel_size > 1 is not supported (torchao's NF4",
+        ),
+        (QLORA + "dp_shard_size: 32\n", "cannot be split into 32 FSDP shards"),
+        (
+            "adapter: qlora\nload_in_4bit: true\n",
+            "no linear layer of base_model='tiny-llama' holds whole NF4 groups",
+        ),
+        ("optimizer: lion_8bit\n", "optimizer: lion_8bit"),
+    ],
+)
 def test_bad_qlora_config_is_one_line(tmp_path, capsys, text, fragment):
     code, _, err = run_cli(capsys, "train", _yaml(tmp_path, text), "--dry-run")
     assert code == 2, err
@@ -50,20 +70,26 @@ def test_bad_qlora_config_is_one_line(tmp_path, capsys, text, fragment):
 
 
 def test_dry_run_shows_the_4bit_base_and_the_notes(tmp_path, capsys):
-    text = (QLORA + "load_in_8bit: false\noptimizer: paged_adamw_8bit\nmerge_lora: true\n"
-            "bnb_config_kwargs: {bnb_4bit_use_double_quant: true, bnb_4bit_compute_dtype: bfloat16}\n")
+    text = (
+        QLORA + "load_in_8bit: false\noptimizer: paged_adamw_8bit\nmerge_lora: true\n"
+        "bnb_config_kwargs: {bnb_4bit_use_double_quant: true, bnb_4bit_compute_dtype: bfloat16}\n"
+    )
     code, out, err = run_cli(capsys, "train", _yaml(tmp_path, text), "--dry-run")
     assert code == 0, err
     assert "quantised    : 4-bit NF4 (torchao) on 14 linears: 0.07M params" in out
     assert "base frozen in 4-bit NF4 (linears) + fp32" in out
-    for note in ("optimizer: paged_adamw_8bit: -> torchao AdamW8bit; bitsandbytes' paging",
-                 "bnb_config_kwargs.bnb_4bit_compute_dtype: compute runs in the run's precision",
-                 "merge_lora: the adapter is merged into the dequantised NF4 base"):
+    for note in (
+        "optimizer: paged_adamw_8bit: -> torchao AdamW8bit; bitsandbytes' paging",
+        "bnb_config_kwargs.bnb_4bit_compute_dtype: compute runs in the run's precision",
+        "merge_lora: the adapter is merged into the dequantised NF4 base",
+    ):
         assert note in out, out
     code, out, _ = run_cli(capsys, "train", _yaml(tmp_path, QLORA.replace("qlora", "lora", 1)), "--dry-run")
     assert code == 0 and "adapter: lora with load_in_4bit: true = adapter: qlora" in out
     # Axolotl's 8-bit LoRA: LoRA on the unquantised base, said in a note
-    code, out, err = run_cli(capsys, "train", _yaml(tmp_path, "adapter: lora\nload_in_8bit: true\n"), "--dry-run")
+    code, out, err = run_cli(
+        capsys, "train", _yaml(tmp_path, "adapter: lora\nload_in_8bit: true\n"), "--dry-run"
+    )
     assert code == 0 and "load_in_8bit: true -> LoRA on the base in bf16/fp32 (no 8-bit base here" in out, err
 
 
@@ -84,14 +110,21 @@ def run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("qlora-train")
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(preset_config("tiny-llama", vocab_size=512)).save_pretrained(root / "base")
-    cfg = _yaml(root, QLORA + "tokenizer: builtin:stdlib\ntokenizer_vocab_size: 512\nsequence_len: 32\n"
-                "datasets: [{path: 'builtin:stdlib', max_bytes: 200000}]\nmicro_batch_size: 2\n"
-                "optimizer: paged_adamw_8bit\nlearning_rate: 5.0e-3\nlogging_steps: 1\nsave_steps: 2\n"
-                "merge_lora: true\ndevice: cpu\n", base=root / "base")
+    AutoModelForCausalLM.from_config(preset_config("tiny-llama", vocab_size=512)).save_pretrained(
+        root / "base"
+    )
+    cfg = _yaml(
+        root,
+        QLORA + "tokenizer: builtin:stdlib\ntokenizer_vocab_size: 512\nsequence_len: 32\n"
+        "datasets: [{path: 'builtin:stdlib', max_bytes: 200000}]\nmicro_batch_size: 2\n"
+        "optimizer: paged_adamw_8bit\nlearning_rate: 5.0e-3\nlogging_steps: 1\nsave_steps: 2\n"
+        "merge_lora: true\ndevice: cpu\n",
+        base=root / "base",
+    )
     common = [f"dataset_cache_dir={root / 'cache'}"]
-    run_on_ranks(_train, 2, cfg, common + [f"output_dir={root / 'a'}", "max_steps=4", "dp_shard_size=2"],
-                 timeout_s=400)
+    run_on_ranks(
+        _train, 2, cfg, common + [f"output_dir={root / 'a'}", "max_steps=4", "dp_shard_size=2"], timeout_s=400
+    )
     return {"root": root, "cfg": cfg, "common": common}
 
 
@@ -122,8 +155,11 @@ def test_adapter_and_merged_model_are_the_trained_qlora_model(run):
     with torch.no_grad():
         merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()(input_ids=ids).logits
         on_nf4 = PeftModel.from_pretrained(_nf4_base(run["root"]), out / "final").eval()(input_ids=ids).logits
-        on_bf16 = PeftModel.from_pretrained(_nf4_base(run["root"], quantise=False), out / "final").eval()(
-            input_ids=ids).logits
+        on_bf16 = (
+            PeftModel.from_pretrained(_nf4_base(run["root"], quantise=False), out / "final")
+            .eval()(input_ids=ids)
+            .logits
+        )
         base = _nf4_base(run["root"])(input_ids=ids).logits
     assert (merged - on_nf4).abs().max() <= 2e-5
     assert (merged - on_bf16).abs().max() > 1e-3  # negative control: the unquantised base is another model
@@ -136,8 +172,9 @@ def test_offline_merge_of_the_checkpoint_equals_the_online_merge(run, capsys):
     from safetensors.torch import load_file
 
     out, merged = run["root"] / "a", run["root"] / "offline"
-    code, stdout, err = run_cli(capsys, "export", out / "checkpoint-4", merged, "--merge", "--base",
-                                run["root"] / "base")
+    code, stdout, err = run_cli(
+        capsys, "export", out / "checkpoint-4", merged, "--merge", "--base", run["root"] / "base"
+    )
     assert code == 0, err
     assert "merging into the NF4-quantised base" in stdout
     online, offline = load_file(out / "merged" / "model.safetensors"), load_file(merged / "model.safetensors")
@@ -155,9 +192,20 @@ def test_resume_on_one_rank(run):
     shutil.copytree(root / "a", root / "b")
     shutil.rmtree(root / "b" / "checkpoint-4")
     (root / "b" / "metrics.jsonl").unlink()  # only the resumed steps' rows below
-    run_on_ranks(_train, 1, run["cfg"], run["common"] + [
-        f"output_dir={root / 'b'}", "max_steps=4", "micro_batch_size=4", "merge_lora=false",
-        f"resume_from_checkpoint={root / 'b' / 'checkpoint-2'}"], timeout_s=400)
+    run_on_ranks(
+        _train,
+        1,
+        run["cfg"],
+        run["common"]
+        + [
+            f"output_dir={root / 'b'}",
+            "max_steps=4",
+            "micro_batch_size=4",
+            "merge_lora=false",
+            f"resume_from_checkpoint={root / 'b' / 'checkpoint-2'}",
+        ],
+        timeout_s=400,
+    )
     a, b = _losses(root / "a"), _losses(root / "b")
     assert sorted(b) == [3, 4], b
     for step in (3, 4):

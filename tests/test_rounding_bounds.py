@@ -37,15 +37,17 @@ def _amplification(head_dim: int, scaling: float, delta: float, seed: int = 0) -
 
 
 def test_gemma4_attention_amplifies_rounding_sqrt_head_dim_times_more():
-    delta = 2.0 ** -24  # one fp32 rounding, relative
+    delta = 2.0**-24  # one fp32 rounding, relative
     for head_dim in (16, 64, 256):
         gemma4 = _amplification(head_dim, 1.0, delta)
-        standard = _amplification(head_dim, head_dim ** -0.5, delta)
+        standard = _amplification(head_dim, head_dim**-0.5, delta)
         assert gemma4 <= 4 * head_dim and standard <= 4 * math.sqrt(head_dim), (head_dim, gemma4, standard)
         ratio = gemma4 / standard  # at least the bounds' ratio sqrt(head_dim), up to a factor 2
         assert ratio >= math.sqrt(head_dim) / 2, (head_dim, ratio)
-        print(f"head_dim {head_dim}: Gemma 4 {gemma4:.1f} (bound {4 * head_dim}), 1/sqrt(d) {standard:.1f} "
-              f"(bound {4 * math.sqrt(head_dim):.0f}), ratio {ratio:.1f}")
+        print(
+            f"head_dim {head_dim}: Gemma 4 {gemma4:.1f} (bound {4 * head_dim}), 1/sqrt(d) {standard:.1f} "
+            f"(bound {4 * math.sqrt(head_dim):.0f}), ratio {ratio:.1f}"
+        )
 
 
 def test_control_identical_inputs_give_identical_outputs():

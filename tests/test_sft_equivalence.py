@@ -13,7 +13,6 @@ import dataclasses
 
 import pytest
 import torch
-from sft_fixtures import chat_records, llama3_tokenizer, write_jsonl
 
 from ndparallel.data import epoch_permutation
 from ndparallel.data.pipeline import DataOptions, build_data
@@ -29,6 +28,7 @@ from ndparallel.tools.equivalence import (
     setup_optimizer,
     train_under_layout,
 )
+from sft_fixtures import chat_records, llama3_tokenizer, write_jsonl
 
 TOL = 1e-5
 SEQ, ROWS, STEPS = 64, 4, 2
@@ -40,18 +40,28 @@ def _setup(tmp_path_factory) -> TrainSetup:
         tok = llama3_tokenizer()
         one_exchange = [{"messages": r["messages"][-2:]} for r in chat_records(40, seed=3)]
         data = write_jsonl(tmp_path_factory.mktemp("sft") / "chat.jsonl", one_exchange)
-        rows = build_data([{"path": str(data), "type": "chat_template"}], tok,
-                          DataOptions(sequence_len=SEQ, sample_packing=True)).train
+        rows = build_data(
+            [{"path": str(data), "type": "chat_template"}],
+            tok,
+            DataOptions(sequence_len=SEQ, sample_packing=True),
+        ).train
         order = epoch_permutation(len(rows), seed=0, epoch=0)  # the loader's order
         batches, lengths = [], []
         for step in range(STEPS):
-            idx = order[step * ROWS:(step + 1) * ROWS]
+            idx = order[step * ROWS : (step + 1) * ROWS]
             batches.append([rows[idx]])
             lengths.append(rows.lengths(idx.numpy()).tolist())
         config = preset_config("tiny-llama", vocab_size=len(tok))
         config.use_cache = False
-        _cache["setup"] = TrainSetup(config, steps=STEPS, global_micro_batch=ROWS, seq_len=SEQ, lr=1e-2,
-                                     max_grad_norm=1.0, batches=batches)
+        _cache["setup"] = TrainSetup(
+            config,
+            steps=STEPS,
+            global_micro_batch=ROWS,
+            seq_len=SEQ,
+            lr=1e-2,
+            max_grad_norm=1.0,
+            batches=batches,
+        )
         _cache["lengths"] = lengths
     return _cache["setup"]
 
@@ -75,9 +85,11 @@ def train_samples_separately(setup: TrainSetup, lengths: list[list[int]]) -> Tra
         for mb in micro_batches:
             for row in range(mb["input_ids"].shape[0]):
                 for a, b in _sample_spans(mb["position_ids"][row], lengths[step][row]):
-                    logits = model(input_ids=mb["input_ids"][row:row + 1, a:b],
-                                   position_ids=torch.arange(b - a).unsqueeze(0)).logits
-                    loss = causal_lm_loss(logits, mb["shift_labels"][row:row + 1, a:b], n_items)
+                    logits = model(
+                        input_ids=mb["input_ids"][row : row + 1, a:b],
+                        position_ids=torch.arange(b - a).unsqueeze(0),
+                    ).logits
+                    loss = causal_lm_loss(logits, mb["shift_labels"][row : row + 1, a:b], n_items)
                     loss.backward()
                     step_loss += float(loss.detach())
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), setup.max_grad_norm)))
@@ -102,8 +114,9 @@ def test_rows_pack_several_samples(tmp_path_factory):
     assert 0 < trained < tokens / 2  # prompts masked
 
 
-@pytest.mark.parametrize("layout, world", [(None, 1), ({"dp_shard_size": 2, "tp_size": 2}, 4)],
-                         ids=["one-process", "fsdp2-tp2"])
+@pytest.mark.parametrize(
+    "layout, world", [(None, 1), ({"dp_shard_size": 2, "tp_size": 2}, 4)], ids=["one-process", "fsdp2-tp2"]
+)
 def test_packed_rows_equal_samples_trained_separately(tmp_path_factory, layout, world):
     setup = _setup(tmp_path_factory)
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=400)[0]
@@ -114,8 +127,9 @@ def test_packed_rows_equal_samples_trained_separately(tmp_path_factory, layout, 
 @pytest.mark.slow
 def test_packed_rows_equal_samples_trained_separately_fsdp_cp_tp(tmp_path_factory):
     setup = _setup(tmp_path_factory)
-    got = run_on_ranks(train_under_layout, 8, setup, {"dp_shard_size": 2, "cp_size": 2, "tp_size": 2},
-                       timeout_s=600)[0]
+    got = run_on_ranks(
+        train_under_layout, 8, setup, {"dp_shard_size": 2, "cp_size": 2, "tp_size": 2}, timeout_s=600
+    )[0]
     diff = compare(_reference(setup), got)
     assert diff["loss_rel"] <= TOL and diff["grad_norm_rel"] <= TOL, diff
 

@@ -10,10 +10,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, vocab_size=2048, max_position_embeddings=1024, tie_word_embeddings=False)
-KEYS = [("measured", "peak_memory_gib"), ("measured", "step_time_s"), ("predicted", "peak_memory_gib"),
-        ("predicted", "step_time_s")]
+MODEL = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=2048,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+KEYS = [
+    ("measured", "peak_memory_gib"),
+    ("measured", "step_time_s"),
+    ("predicted", "peak_memory_gib"),
+    ("predicted", "step_time_s"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +35,39 @@ def config(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("simulate")
     LlamaConfig(**MODEL).save_pretrained(tmp / "model")  # config.json only: no weights are read
     path = tmp / "cfg.yaml"
-    path.write_text(f"base_model: {tmp / 'model'}\ntokenizer: builtin:stdlib\n"
-                    "datasets:\n  - {path: builtin:stdlib, max_files: 60}\n"
-                    f"sequence_len: 256\nmicro_batch_size: 2\noutput_dir: {tmp / 'run'}\n")
+    path.write_text(
+        f"base_model: {tmp / 'model'}\ntokenizer: builtin:stdlib\n"
+        "datasets:\n  - {path: builtin:stdlib, max_files: 60}\n"
+        f"sequence_len: 256\nmicro_batch_size: 2\noutput_dir: {tmp / 'run'}\n"
+    )
     return path
 
 
 def _simulate(config, *args):
-    out = subprocess.run([sys.executable, "-m", "ndparallel", "simulate", str(config), "--world-size", "64",
-                          "--steps", "1", "--json", *args], capture_output=True, text=True, cwd=ROOT, timeout=900)
-    return out.returncode, (json.loads(out.stdout) if out.stdout.strip().startswith("{") else None), out.stderr
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ndparallel",
+            "simulate",
+            str(config),
+            "--world-size",
+            "64",
+            "--steps",
+            "1",
+            "--json",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+    )
+    return (
+        out.returncode,
+        (json.loads(out.stdout) if out.stdout.strip().startswith("{") else None),
+        out.stderr,
+    )
 
 
 def _check(report):
@@ -54,8 +89,17 @@ def test_fsdp_rank_of_64_and_a_budget_it_does_not_fit(config):
 
 
 def test_fsdp_cp_tp_rank_of_64(config):
-    code, report, err = _simulate(config, "--set", "dp_shard_size=-1", "--set", "context_parallel_size=2",
-                                  "--set", "tensor_parallel_size=2", "--rank", "37")
+    code, report, err = _simulate(
+        config,
+        "--set",
+        "dp_shard_size=-1",
+        "--set",
+        "context_parallel_size=2",
+        "--set",
+        "tensor_parallel_size=2",
+        "--rank",
+        "37",
+    )
     assert code == 0, err[-2000:]
     assert report["layout"]["describe"] == "FSDP 16 + CP 2 + TP 2" and report["layout"]["rank"] == 37
     _check(report)
@@ -70,8 +114,9 @@ def test_bad_rank_is_one_line(config, capsys):
     assert code == 2 and "--rank 8 is not in a world of 8 ranks" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("size, message", [("lots", "--gpu-mem 'lots': not a size"),
-                                           ("0", "--gpu-mem '0': must be > 0")])
+@pytest.mark.parametrize(
+    "size, message", [("lots", "--gpu-mem 'lots': not a size"), ("0", "--gpu-mem '0': must be > 0")]
+)
 def test_bad_gpu_mem_is_one_line_as_in_plan(config, capsys, size, message):
     """``simulate`` reads ``--gpu-mem`` with the planner's parser (one message for both commands);
     only the planner's 1 GiB unit-slip floor is lifted, for the budgets of tiny CPU models."""

@@ -14,8 +14,16 @@ import pytest
 from ndparallel.parallel.pipeline_split import StagePlan
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024, tie_word_embeddings=False)
+MODEL = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=2048,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
 
 
 def _in_flight(actions, stage):
@@ -55,13 +63,22 @@ def _first_stage_peaks():
     shutdown()  # the runner's one-rank gloo group: this child is rank 0 of a fake world of 4 instead
     start_fake_world(4, 0)
     torch.manual_seed(0)
-    mbs = [{"input_ids": torch.randint(0, 2048, (1, 32)), "shift_labels": torch.randint(0, 2048, (1, 32)),
-            "position_ids": torch.arange(32)[None]} for _ in range(8)]
+    mbs = [
+        {
+            "input_ids": torch.randint(0, 2048, (1, 32)),
+            "shift_labels": torch.randint(0, 2048, (1, 32)),
+            "position_ids": torch.arange(32)[None],
+        }
+        for _ in range(8)
+    ]
     out = {}
     try:
         for schedule in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
-            engine = Engine(ParallelismConfig(pp_size=2, dp_shard_size=2),
-                            StrategyOptions(pipeline=PipelineOptions(schedule=schedule)), device="cpu")
+            engine = Engine(
+                ParallelismConfig(pp_size=2, dp_shard_size=2),
+                StrategyOptions(pipeline=PipelineOptions(schedule=schedule)),
+                device="cpu",
+            )
             model = build_random_stages(engine, LlamaConfig(**MODEL), torch.float32, "sdpa", False)
             direct = DirectSchedule(engine, engine.pipeline_of(model))
             direct.install()
@@ -71,9 +88,12 @@ def _first_stage_peaks():
                 with LiveBytes() as live:
                     forward_backward(engine, model, mbs[:m])
                 peaks[m] = live.peak
-            out[schedule] = {"peak": peaks, "stages": sorted(direct.pipeline.modules),
-                             "actions": direct.actions(8),
-                             "grads": all(p.grad is not None for p in model.parameters())}
+            out[schedule] = {
+                "peak": peaks,
+                "stages": sorted(direct.pipeline.modules),
+                "actions": direct.actions(8),
+                "grads": all(p.grad is not None for p in model.parameters()),
+            }
     finally:
         shutdown()
     return out
@@ -105,10 +125,12 @@ def config(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("simulate_pp")
     LlamaConfig(**MODEL).save_pretrained(tmp / "model")
     path = tmp / "cfg.yaml"
-    path.write_text(f"base_model: {tmp / 'model'}\ntokenizer: builtin:stdlib\n"
-                    "datasets:\n  - {path: builtin:stdlib, max_files: 20}\n"
-                    "sequence_len: 64\nmicro_batch_size: 1\ngradient_accumulation_steps: 4\n"
-                    f"pipeline_parallel_size: 2\noutput_dir: {tmp / 'run'}\n")
+    path.write_text(
+        f"base_model: {tmp / 'model'}\ntokenizer: builtin:stdlib\n"
+        "datasets:\n  - {path: builtin:stdlib, max_files: 20}\n"
+        "sequence_len: 64\nmicro_batch_size: 1\ngradient_accumulation_steps: 4\n"
+        f"pipeline_parallel_size: 2\noutput_dir: {tmp / 'run'}\n"
+    )
     return path
 
 
@@ -119,18 +141,44 @@ def test_simulate_cli_against_the_planner_on_a_pp_world(config, rank, unsharded)
     peak, its collectives per mesh dim (FSDP, the step's scalars, the loss and norm across stages)
     those the rank issued — but, reducing every micro-batch, one all-gather per step on the first
     stage (its last layer, re-gathered by FSDP's prefetch under 1F1B: docs/planner.md)."""
-    sets = ["--set", "dp_shard_size=-1"] + (["--set", "fsdp_config.unsharded_grad_accumulation=true"] if unsharded else [])
-    out = subprocess.run([sys.executable, "-m", "ndparallel", "simulate", str(config), "--world-size", "8", *sets,
-                          "--rank", str(rank), "--steps", "1", "--json"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    sets = ["--set", "dp_shard_size=-1"] + (
+        ["--set", "fsdp_config.unsharded_grad_accumulation=true"] if unsharded else []
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ndparallel",
+            "simulate",
+            str(config),
+            "--world-size",
+            "8",
+            *sets,
+            "--rank",
+            str(rank),
+            "--steps",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert report["layout"]["describe"] == "PP 2 + FSDP 4" and report["layout"]["rank"] == rank
     pl, predicted = report["measured"]["pipeline"], report["predicted"]
-    assert pl["stages"] == [rank // 4] and pl["first_stage"] == (rank == 0) and pl["last_stage"] == (rank == 7)
+    assert (
+        pl["stages"] == [rank // 4] and pl["first_stage"] == (rank == 0) and pl["last_stage"] == (rank == 7)
+    )
     assert pl["bubble"] == pytest.approx(1 / 5) and pl["microbatches"] == 4
-    assert predicted["pipeline"] == {"pp_rank": rank // 4, "stage": "first" if rank == 0 else "last", "layers": 2,
-                                     "in_flight": 2.0 if rank == 0 else 1.0}
+    assert predicted["pipeline"] == {
+        "pp_rank": rank // 4,
+        "stage": "first" if rank == 0 else "last",
+        "layers": 2,
+        "in_flight": 2.0 if rank == 0 else 1.0,
+    }
     assert abs(predicted["error"]["tensor_peak"]) <= 0.10, predicted
     got, want = report["collectives"], report["predicted_collectives"]
     assert set(got) == set(want) == {"dp", "dp_cp", "dp_shard_cp", "pp"}, (got, want)

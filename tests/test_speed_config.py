@@ -4,14 +4,23 @@ on DTensors (the kernel the trainer picks on CUDA), checked on CPU."""
 import pytest
 import torch
 
+from ndparallel.axolotl import ConfigError, load_config
 from ndparallel.parallel.options import CompileOptions, Float8Options, LossOptions
 from ndparallel.testing import run_on_ranks
-from ndparallel.axolotl import ConfigError, load_config
 
 
 def test_yaml_fields_become_options():
-    cfg = load_config(None, ["chunked_loss=false", "loss_chunk_tokens=64", "torch_compile=true",
-                             "compile_backend=aot_eager", "fp8=true", "fp8_recipe=rowwise"])
+    cfg = load_config(
+        None,
+        [
+            "chunked_loss=false",
+            "loss_chunk_tokens=64",
+            "torch_compile=true",
+            "compile_backend=aot_eager",
+            "fp8=true",
+            "fp8_recipe=rowwise",
+        ],
+    )
     assert cfg.loss_options() == LossOptions(chunked=False, chunk_tokens=64)
     assert cfg.compile_options() == CompileOptions(enabled=True, backend="aot_eager")
     assert cfg.float8_options() == Float8Options(enabled=True, recipe="rowwise")
@@ -20,8 +29,9 @@ def test_yaml_fields_become_options():
     assert not defaults.compile_options().enabled and not defaults.float8_options().enabled
 
 
-@pytest.mark.parametrize("override, field", [("loss_chunk_tokens=0", "loss_chunk_tokens"),
-                                             ("fp8_recipe=blockwise", "fp8_recipe")])
+@pytest.mark.parametrize(
+    "override, field", [("loss_chunk_tokens=0", "loss_chunk_tokens"), ("fp8_recipe=blockwise", "fp8_recipe")]
+)
 def test_bad_values_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
         load_config(None, [override])
@@ -47,14 +57,14 @@ def test_fused_adamw_only_on_cuda():
 
 def _fused_vs_default(layout):
     from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.engine import forward_backward
     from ndparallel.models.presets import preset_config
+    from ndparallel.optim.build import build_optimizer
     from ndparallel.tools.equivalence import (
         TrainSetup,
         build_model,
         make_global_batches,
     )
-    from ndparallel.optim.build import build_optimizer
-    from ndparallel.engine import forward_backward
 
     setup = TrainSetup(preset_config("tiny-llama"), steps=2, global_micro_batch=4, seq_len=16)
     out = []
@@ -64,12 +74,24 @@ def _fused_vs_default(layout):
         opt = build_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01, fused=fused)
         for micro in make_global_batches(setup):
             rows = 4 // acc.dp_size
-            forward_backward(acc.engine, model, [{k: v[acc.dp_rank * rows:(acc.dp_rank + 1) * rows]
-                                           for k, v in mb.items()} for mb in micro])
+            forward_backward(
+                acc.engine,
+                model,
+                [
+                    {k: v[acc.dp_rank * rows : (acc.dp_rank + 1) * rows] for k, v in mb.items()}
+                    for mb in micro
+                ],
+            )
             opt.step()
             opt.zero_grad()
-        out.append(torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten()
-                              for p in model.parameters()]))
+        out.append(
+            torch.cat(
+                [
+                    (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten()
+                    for p in model.parameters()
+                ]
+            )
+        )
     return float((out[0] - out[1]).abs().max())
 
 

@@ -52,10 +52,15 @@ def _train(model, batches, options: TPOptions | None = None):
         logits = model(input_ids=ids, position_ids=pos).logits
         n_tokens = (labels != -100).sum()
         with loss_parallel_context(options):
-            loss = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
-                reduction="sum",
-            ) / n_tokens
+            loss = (
+                F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]),
+                    labels.reshape(-1),
+                    ignore_index=-100,
+                    reduction="sum",
+                )
+                / n_tokens
+            )
             loss.backward()
         for name, p in model.named_parameters():
             if isinstance(p, DTensor):
@@ -121,10 +126,18 @@ def test_tp2_equals_one_process(preset):
     _check_tp(preset, TPOptions())
 
 
-@pytest.mark.parametrize("preset,sp,lp", [
-    ("tiny-llama-tied", True, False), ("tiny-llama-tied", False, True), ("tiny-llama-tied", True, True),
-    ("tiny-qwen3", True, True), ("tiny-mistral", True, True), ("tiny-qwen2", True, False),
-], ids=["llama-tied-sp", "llama-tied-lp", "llama-tied-sp+lp", "qwen3-sp+lp", "mistral-sp+lp", "qwen2-sp"])
+@pytest.mark.parametrize(
+    "preset,sp,lp",
+    [
+        ("tiny-llama-tied", True, False),
+        ("tiny-llama-tied", False, True),
+        ("tiny-llama-tied", True, True),
+        ("tiny-qwen3", True, True),
+        ("tiny-mistral", True, True),
+        ("tiny-qwen2", True, False),
+    ],
+    ids=["llama-tied-sp", "llama-tied-lp", "llama-tied-sp+lp", "qwen3-sp+lp", "mistral-sp+lp", "qwen2-sp"],
+)
 def test_sequence_and_loss_parallel_equal_one_process(preset, sp, lp):
     _check_tp(preset, TPOptions(sequence_parallel=sp, loss_parallel=lp))
 
@@ -144,9 +157,12 @@ def test_tp4_with_four_kv_heads():
 def test_user_plan_override_and_tied_embeddings_on_vocab():
     # A user plan (keys relative to the base model are accepted); embedding and lm_head both on vocab
     plan = {
-        "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
-        "embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output",
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "embed_tokens": "embedding_rowwise",
+        "lm_head": "colwise_gather_output",
     }
     results = _check_tp("tiny-llama-tied", TPOptions(plan=plan))
     assert results[0][2]["placement_embed"] == "(Shard(dim=0),)"
@@ -179,7 +195,8 @@ def _hf_tp_rank(path, batches):
 
     tp_mesh = ParallelismConfig(tp_size=2).build_device_mesh("cpu")["tp"]
     model = AutoModelForCausalLM.from_pretrained(
-        path, tp_plan="auto", device_mesh=tp_mesh, dtype=torch.float32)
+        path, tp_plan="auto", device_mesh=tp_mesh, dtype=torch.float32
+    )
     assert is_tensor_parallel(model)
     plain_before = sum(not isinstance(p, DTensor) for p in model.parameters())
     distribute_leftover_params(model, tp_mesh)
@@ -216,8 +233,11 @@ def test_transformers_tp_path_equals_one_process(preset, tmp_path):
     [
         ({}, 4, r"^num_key_value_heads=2 is not divisible by tp_size=4: use tp_size in \{1,2\}$"),
         ({}, 3, r"num_attention_heads=4 is not divisible by tp_size=3: use tp_size in \{1,2\}"),
-        ({"intermediate_size": 100, "num_attention_heads": 8, "num_key_value_heads": 8}, 8,
-         r"^intermediate_size=100 is not divisible by tp_size=8: use tp_size in \{1,2,4\}$"),
+        (
+            {"intermediate_size": 100, "num_attention_heads": 8, "num_key_value_heads": 8},
+            8,
+            r"^intermediate_size=100 is not divisible by tp_size=8: use tp_size in \{1,2,4\}$",
+        ),
         ({"vocab_size": 250}, 4, r"vocab_size=250 is not divisible by tp_size=4: .*pad_to_multiple_of=4"),
     ],
 )
@@ -257,8 +277,9 @@ def _sp_input_errors_rank(model):
     from ndparallel.layout.config import ParallelismConfig
     from ndparallel.parallel.tensor import apply_tensor_parallel
 
-    apply_tensor_parallel(model, ParallelismConfig(tp_size=2).build_device_mesh("cpu")["tp"],
-                          TPOptions(sequence_parallel=True))
+    apply_tensor_parallel(
+        model, ParallelismConfig(tp_size=2).build_device_mesh("cpu")["tp"], TPOptions(sequence_parallel=True)
+    )
     errors = []
     ids = torch.randint(0, 256, (2, 16))
     pad = torch.ones_like(ids)
@@ -317,8 +338,13 @@ def _embedding_gradient(padding_idx):
     (ref * upstream).sum().backward()
     g = emb.weight.grad
     local = g.to_local()
-    return (torch.equal(out, ref.detach()), torch.equal(g.full_tensor(), ref_w.grad),
-            tuple(local.shape), local.untyped_storage().nbytes(), tuple(g.placements))
+    return (
+        torch.equal(out, ref.detach()),
+        torch.equal(g.full_tensor(), ref_w.grad),
+        tuple(local.shape),
+        local.untyped_storage().nbytes(),
+        tuple(g.placements),
+    )
 
 
 @pytest.mark.parametrize("padding_idx", [None, 5, 40])

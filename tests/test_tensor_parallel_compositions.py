@@ -29,9 +29,16 @@ _reference_cache: dict = {}
 
 
 def _setup(preset: str, optimizer: str = "adamw", **tp) -> TrainSetup:
-    return TrainSetup(preset_config(preset), steps=3, global_micro_batch=4, seq_len=32,
-                      max_grad_norm=1.0, optimizer=optimizer, lr=0.5 if optimizer == "sgd" else ADAMW_LR,
-                      parallel_kwargs={"tp_options": TPOptions(**tp)})
+    return TrainSetup(
+        preset_config(preset),
+        steps=3,
+        global_micro_batch=4,
+        seq_len=32,
+        max_grad_norm=1.0,
+        optimizer=optimizer,
+        lr=0.5 if optimizer == "sgd" else ADAMW_LR,
+        parallel_kwargs={"tp_options": TPOptions(**tp)},
+    )
 
 
 def _reference(setup: TrainSetup):
@@ -55,13 +62,17 @@ def _check(setup, layout, world):
 FSDP2_TP2 = ({"dp_shard_size": 2, "tp_size": 2}, 4)
 
 
-@pytest.mark.parametrize("preset,optimizer,tp", [
-    ("tiny-qwen3", "adamw", {"sequence_parallel": True, "loss_parallel": True}),
-    ("tiny-qwen3", "sgd", {"sequence_parallel": True, "loss_parallel": True}),
-    ("tiny-mistral", "adamw", {"sequence_parallel": True}),
-    ("tiny-llama-tied", "adamw", {"loss_parallel": True}),
-    ("tiny-qwen2", "sgd", {}),
-], ids=["qwen3-tied-sp-lp", "qwen3-tied-sp-lp-sgd", "mistral-sp", "llama-tied-lp", "qwen2-sgd"])
+@pytest.mark.parametrize(
+    "preset,optimizer,tp",
+    [
+        ("tiny-qwen3", "adamw", {"sequence_parallel": True, "loss_parallel": True}),
+        ("tiny-qwen3", "sgd", {"sequence_parallel": True, "loss_parallel": True}),
+        ("tiny-mistral", "adamw", {"sequence_parallel": True}),
+        ("tiny-llama-tied", "adamw", {"loss_parallel": True}),
+        ("tiny-qwen2", "sgd", {}),
+    ],
+    ids=["qwen3-tied-sp-lp", "qwen3-tied-sp-lp-sgd", "mistral-sp", "llama-tied-lp", "qwen2-sgd"],
+)
 def test_fsdp2_x_tp2_equals_one_process(preset, optimizer, tp):
     _check(_setup(preset, optimizer, **tp), *FSDP2_TP2)
 
@@ -111,7 +122,8 @@ def test_transformers_tp_model_through_prepare_equals_one_process(tmp_path):
     build_model(setup).save_pretrained(tmp_path)
     ref_losses, ref_norms, _, _ = run_on_ranks(_train_loaded, 1, str(tmp_path), setup, None, None)[0]
     losses, norms, made_tp, tied = run_on_ranks(
-        _train_loaded, 2, str(tmp_path), setup, {"tp_size": 2}, "auto")[0]
+        _train_loaded, 2, str(tmp_path), setup, {"tp_size": 2}, "auto"
+    )[0]
     assert made_tp and tied
     for a, b in zip(ref_losses, losses):
         assert abs(a - b) <= RTOL * abs(a), (ref_losses, losses)

@@ -7,14 +7,21 @@ import socket
 from pathlib import Path
 
 import pytest
+
 from cli_helpers import forbid_launch, run_cli
 
 
 @pytest.fixture(autouse=True)
 def _no_credentials(monkeypatch, tmp_path):
     forbid_launch(monkeypatch)
-    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "MLFLOW_TRACKING_URI", "SWANLAB_API_KEY",
-                "SWANLAB_MODE"):
+    for var in (
+        "WANDB_API_KEY",
+        "WANDB_MODE",
+        "WANDB_BASE_URL",
+        "MLFLOW_TRACKING_URI",
+        "SWANLAB_API_KEY",
+        "SWANLAB_MODE",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -22,14 +29,16 @@ def _no_credentials(monkeypatch, tmp_path):
 
 def cfg(tmp_path: Path, extra: str) -> Path:
     p = tmp_path / "cfg.yaml"
-    p.write_text(f"base_model: tiny-llama\ntokenizer_vocab_size: 512\nsequence_len: 32\nmax_steps: 1\n"
-                 f"output_dir: {tmp_path / 'out'}\ndataset_cache_dir: {tmp_path / 'cache'}\n{extra}")
+    p.write_text(
+        f"base_model: tiny-llama\ntokenizer_vocab_size: 512\nsequence_len: 32\nmax_steps: 1\n"
+        f"output_dir: {tmp_path / 'out'}\ndataset_cache_dir: {tmp_path / 'cache'}\n{extra}"
+    )
     return p
 
 
 def problem(tmp_path, extra: str):
-    from ndparallel.tracking.credentials import tracker_problem
     from ndparallel.axolotl import load_config
+    from ndparallel.tracking.credentials import tracker_problem
 
     return tracker_problem(load_config(str(cfg(tmp_path, extra)), []))
 
@@ -77,8 +86,8 @@ def test_wandb_host_out_of_reach_is_refused(tmp_path, monkeypatch):
 def test_mlflow_server_out_of_reach_is_refused_and_a_local_store_noted(tmp_path):
     assert "remove mlflow_tracking_uri" in problem(tmp_path, "mlflow_tracking_uri: http://127.0.0.1:9\n")
     assert problem(tmp_path, f"mlflow_tracking_uri: file://{tmp_path}/mlruns\n") is None
-    from ndparallel.tracking.credentials import tracker_notes
     from ndparallel.axolotl import load_config
+    from ndparallel.tracking.credentials import tracker_notes
 
     notes = tracker_notes(load_config(str(cfg(tmp_path, "mlflow_experiment_name: e\n")), []))
     assert len(notes) == 1 and "./mlruns" in notes[0]

@@ -9,12 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from ndparallel.testing import run_on_ranks
 from ndparallel.axolotl import load_config
+from ndparallel.testing import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL_DATA = ["datasets=[{path: 'builtin:stdlib', max_bytes: 200000}]", "tokenizer_vocab_size=512",
-              "sequence_len=32", "val_set_size=0.05"]
+SMALL_DATA = [
+    "datasets=[{path: 'builtin:stdlib', max_bytes: 200000}]",
+    "tokenizer_vocab_size=512",
+    "sequence_len=32",
+    "val_set_size=0.05",
+]
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -24,11 +28,30 @@ def _losses(run_dir: Path) -> list[float]:
 
 def test_quickstart_cli_writes_metrics_and_a_model_that_generates(tmp_path):
     out_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "ndparallel", "train", "examples/quickstart.yaml",
-            "--set", "dp_shard_size=2", "--set", "context_parallel_size=1", "--set", "tensor_parallel_size=1",
-            "--set", "max_steps=4", "--set", "logging_steps=2", "--set", "eval_steps=4",
-            "--set", f"output_dir={out_dir}", "--set", f"dataset_cache_dir={tmp_path / 'cache'}",
-            *[a for s in SMALL_DATA for a in ("--set", s)]]
+    args = [
+        sys.executable,
+        "-m",
+        "ndparallel",
+        "train",
+        "examples/quickstart.yaml",
+        "--set",
+        "dp_shard_size=2",
+        "--set",
+        "context_parallel_size=1",
+        "--set",
+        "tensor_parallel_size=1",
+        "--set",
+        "max_steps=4",
+        "--set",
+        "logging_steps=2",
+        "--set",
+        "eval_steps=4",
+        "--set",
+        f"output_dir={out_dir}",
+        "--set",
+        f"dataset_cache_dir={tmp_path / 'cache'}",
+        *[a for s in SMALL_DATA for a in ("--set", s)],
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -36,8 +59,14 @@ def test_quickstart_cli_writes_metrics_and_a_model_that_generates(tmp_path):
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 4]  # the first step, then every logging_steps
-    for key in ("lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
-                "peak_memory_gb"):
+    for key in (
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "tokens_per_s_per_device",
+        "tflops_per_device",
+        "peak_memory_gb",
+    ):
         assert steps[-1][key] > 0 or key == "lr"
     assert any("eval_perplexity" in r for r in rows)
 
@@ -60,13 +89,32 @@ def _train(cfg_path: str, overrides: list[str]):
 @pytest.mark.slow
 def test_3d_layout_train_equals_one_rank(tmp_path):
     """FSDP 2 × CP 2 × TP 2 (8 ranks, micro-batch 2 per dp rank) vs 1 rank with micro-batch 4."""
-    common = [*SMALL_DATA, "max_steps=3", "save_final_model=false", "logging_steps=1",
-              f"dataset_cache_dir={tmp_path / 'cache'}", "base_model=tiny-llama", "learning_rate=1e-2",
-              "sequence_parallel=true", "loss_parallel=true"]
+    common = [
+        *SMALL_DATA,
+        "max_steps=3",
+        "save_final_model=false",
+        "logging_steps=1",
+        f"dataset_cache_dir={tmp_path / 'cache'}",
+        "base_model=tiny-llama",
+        "learning_rate=1e-2",
+        "sequence_parallel=true",
+        "loss_parallel=true",
+    ]
     run_on_ranks(_train, 1, None, [*common, "micro_batch_size=4", f"output_dir={tmp_path / 'one'}"])
-    run_on_ranks(_train, 8, None, [*common, "micro_batch_size=2", "dp_shard_size=2",
-                                   "context_parallel_size=2", "tensor_parallel_size=2",
-                                   f"output_dir={tmp_path / 'nd'}"], timeout_s=500)
+    run_on_ranks(
+        _train,
+        8,
+        None,
+        [
+            *common,
+            "micro_batch_size=2",
+            "dp_shard_size=2",
+            "context_parallel_size=2",
+            "tensor_parallel_size=2",
+            f"output_dir={tmp_path / 'nd'}",
+        ],
+        timeout_s=500,
+    )
     one, nd = _losses(tmp_path / "one"), _losses(tmp_path / "nd")
     assert len(one) == len(nd) == 3
     for a, b in zip(one, nd):
@@ -105,9 +153,17 @@ def test_train_resumes_from_a_checkpoint_and_continues_identically(tmp_path):
     import shutil
 
     out = tmp_path / "run"
-    common = [*SMALL_DATA, "max_steps=4", "save_steps=2", "save_final_model=false", "logging_steps=1",
-              f"dataset_cache_dir={tmp_path / 'cache'}", "base_model=tiny-llama", "dp_shard_size=2",
-              f"output_dir={out}"]
+    common = [
+        *SMALL_DATA,
+        "max_steps=4",
+        "save_steps=2",
+        "save_final_model=false",
+        "logging_steps=1",
+        f"dataset_cache_dir={tmp_path / 'cache'}",
+        "base_model=tiny-llama",
+        "dp_shard_size=2",
+        f"output_dir={out}",
+    ]
     run_on_ranks(_train, 2, None, common)
     full = _losses(out)
     shutil.rmtree(out / "checkpoint-4")
@@ -127,9 +183,19 @@ def _train_profiled(overrides):
 
 def test_profile_comm_writes_per_rank_tables(tmp_path, capfd):
     out = tmp_path / "run"
-    run_on_ranks(_train_profiled, 2, [*SMALL_DATA, "max_steps=3", "save_final_model=false",
-                                      f"dataset_cache_dir={tmp_path / 'cache'}",
-                                      "base_model=tiny-llama", "dp_shard_size=2", f"output_dir={out}"])
+    run_on_ranks(
+        _train_profiled,
+        2,
+        [
+            *SMALL_DATA,
+            "max_steps=3",
+            "save_final_model=false",
+            f"dataset_cache_dir={tmp_path / 'cache'}",
+            "base_model=tiny-llama",
+            "dp_shard_size=2",
+            f"output_dir={out}",
+        ],
+    )
     for rank in (0, 1):
         rows = json.loads((out / "comm_profile" / f"rank-{rank:05d}.json").read_text())["rows"]
         ops = {(r["dim"], r["op"]) for r in rows}

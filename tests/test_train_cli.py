@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_cli
 
+from cli_helpers import run_cli
 from ndparallel.axolotl import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,8 +17,14 @@ EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))
 
 def _cli(*args, timeout=120):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "ndparallel", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "ndparallel", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 def _yaml(tmp_path, text):
@@ -74,8 +80,10 @@ def test_every_example_passes_dry_run(path, capsys, monkeypatch):
 
 
 def test_set_overrides_nested_and_aliases(tmp_path):
-    cfg = load_config(_yaml(tmp_path, "tp_size: 2\ncp_size: 2\n"),
-                      ["fsdp_config.activation_checkpointing=true", "max_steps=7"])
+    cfg = load_config(
+        _yaml(tmp_path, "tp_size: 2\ncp_size: 2\n"),
+        ["fsdp_config.activation_checkpointing=true", "max_steps=7"],
+    )
     assert cfg.tensor_parallel_size == 2 and cfg.context_parallel_size == 2
     assert cfg.fsdp_config.activation_checkpointing and cfg.max_steps == 7
     with pytest.raises(ConfigError, match="KEY=VALUE"):
@@ -101,10 +109,13 @@ def test_error_found_on_the_ranks_is_one_line_and_nonzero(tmp_path):
     """A dataset too small for one block is only found once the ranks tokenize it."""
     data = tmp_path / "tiny.jsonl"
     data.write_text(json.dumps({"text": "hello world"}) + "\n")
-    cfg = _yaml(tmp_path, f"base_model: tiny-llama\ntokenizer_vocab_size: 512\n"
-                          f"datasets: [{{path: {data}}}]\nsequence_len: 512\n"
-                          f"output_dir: {tmp_path / 'out'}\ndataset_cache_dir: {tmp_path / 'cache'}\n"
-                          "dp_shard_size: 2\n")
+    cfg = _yaml(
+        tmp_path,
+        f"base_model: tiny-llama\ntokenizer_vocab_size: 512\n"
+        f"datasets: [{{path: {data}}}]\nsequence_len: 512\n"
+        f"output_dir: {tmp_path / 'out'}\ndataset_cache_dir: {tmp_path / 'cache'}\n"
+        "dp_shard_size: 2\n",
+    )
     out = _cli("train", cfg, timeout=300)
     assert out.returncode != 0
     errors = [line for line in out.stderr.splitlines() if line.startswith("ndparallel train: error:")]
@@ -128,8 +139,11 @@ def test_one_rank_train_runs_in_this_process_without_an_agent(tmp_path, capsys, 
     monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("the elastic agent was started"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "out"
-    cfg = _yaml(tmp_path, f"base_model: tiny-llama\nmax_steps: 2\noutput_dir: {out}\nsequence_len: 32\n"
-                          f"dataset_cache_dir: {tmp_path / 'cache'}\n")
+    cfg = _yaml(
+        tmp_path,
+        f"base_model: tiny-llama\nmax_steps: 2\noutput_dir: {out}\nsequence_len: 32\n"
+        f"dataset_cache_dir: {tmp_path / 'cache'}\n",
+    )
     code, stdout, err = run_cli(capsys, "train", cfg)
     assert code == 0, err[-3000:]
     assert "step 2: loss" in stdout and (out / "final" / "config.json").exists()

@@ -30,10 +30,12 @@ def run(model_name: str, sizes: dict, save_dir: str, steps: int, seq_len: int, l
         transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
         state_dict_type="SHARDED_STATE_DICT",
     )
-    accelerator = Accelerator(parallelism_config=pc, fsdp_plugin=fsdp_plugin,
-                              gradient_accumulation_steps=grad_accum)
-    model = AutoModelForCausalLM.from_pretrained(model_name, device_mesh=accelerator.torch_device_mesh,
-                                                 dtype=torch.float32)
+    accelerator = Accelerator(
+        parallelism_config=pc, fsdp_plugin=fsdp_plugin, gradient_accumulation_steps=grad_accum
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        model_name, device_mesh=accelerator.torch_device_mesh, dtype=torch.float32
+    )
     model = accelerator.prepare(model)
 
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -47,8 +49,11 @@ def run(model_name: str, sizes: dict, save_dir: str, steps: int, seq_len: int, l
             break
         batch["position_ids"] = torch.arange(batch["input_ids"].shape[1]).unsqueeze(0)
         buffers = [batch["input_ids"], batch["shift_labels"], batch["labels"], batch["position_ids"]]
-        with accelerator.accumulate(model), accelerator.maybe_context_parallel(
-            buffers=buffers, buffer_seq_dims=[1, 1, 1, 1], no_restore_buffers=set(buffers)
+        with (
+            accelerator.accumulate(model),
+            accelerator.maybe_context_parallel(
+                buffers=buffers, buffer_seq_dims=[1, 1, 1, 1], no_restore_buffers=set(buffers)
+            ),
         ):
             loss = model(**batch).loss
             accelerator.backward(loss)
@@ -61,7 +66,9 @@ def run(model_name: str, sizes: dict, save_dir: str, steps: int, seq_len: int, l
             micro = []
 
     accelerator.unwrap_model(model).save_pretrained(
-        save_dir, state_dict=accelerator.get_state_dict(model), is_main_process=accelerator.is_main_process,
+        save_dir,
+        state_dict=accelerator.get_state_dict(model),
+        is_main_process=accelerator.is_main_process,
     )
     accelerator.wait_for_everyone()
     return losses

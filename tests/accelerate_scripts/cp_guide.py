@@ -20,17 +20,29 @@ from .nd_utils import get_dataset, setup_tokenizer
 def collate(rows):
     input_ids = torch.tensor([r["input_ids"] for r in rows])
     shift_labels = torch.tensor([r["shift_labels"] for r in rows])
-    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-            "shift_labels": shift_labels, "labels": shift_labels}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "shift_labels": shift_labels,
+        "labels": shift_labels,
+    }
 
 
-def run(model_name: str, sizes: dict, steps: int, seq_len: int, lr: float, strategy: str = "alltoall",
-        local_positions: bool = False):
+def run(
+    model_name: str,
+    sizes: dict,
+    steps: int,
+    seq_len: int,
+    lr: float,
+    strategy: str = "alltoall",
+    local_positions: bool = False,
+):
     """``local_positions``: a deliberately wrong variant passing each shard's *local* positions
     (what a model computes by itself from a shard), to show that positions matter."""
     cp_config = TorchContextParallelConfig(cp_comm_strategy=strategy)
-    parallelism_config = ParallelismConfig(cp_size=sizes["cp_size"], dp_shard_size=sizes.get("dp_shard_size", 1),
-                                           cp_handler=cp_config)
+    parallelism_config = ParallelismConfig(
+        cp_size=sizes["cp_size"], dp_shard_size=sizes.get("dp_shard_size", 1), cp_handler=cp_config
+    )
     accelerator = Accelerator(parallelism_config=parallelism_config)
     model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)

@@ -60,7 +60,9 @@ def parse_args(argv=None):
 
 
 def forward(model, batch, optimizer, accelerator: Accelerator):
-    batch["position_ids"] = torch.arange(0, batch["input_ids"].size(1), device=batch["input_ids"].device).unsqueeze(0)
+    batch["position_ids"] = torch.arange(
+        0, batch["input_ids"].size(1), device=batch["input_ids"].device
+    ).unsqueeze(0)
     buffers = [batch["input_ids"], batch["shift_labels"], batch["labels"], batch["position_ids"]]
     with accelerator.maybe_context_parallel(
         buffers=buffers, buffer_seq_dims=[1, 1, 1, 1], no_restore_buffers=set(buffers)
@@ -98,8 +100,11 @@ def train(args):
         )
 
     accelerator = Accelerator(
-        log_with=args.log_with, mixed_precision=args.mixed_precision, parallelism_config=parallelism_config,
-        fsdp_plugin=fsdp2_plugin, project_dir=args.save_dir,
+        log_with=args.log_with,
+        mixed_precision=args.mixed_precision,
+        parallelism_config=parallelism_config,
+        fsdp_plugin=fsdp2_plugin,
+        project_dir=args.save_dir,
     )
     accelerator.init_trackers("nd_parallel_training")
 

@@ -24,24 +24,34 @@ def setup_tokenizer(model_id: str):
     return _VocabOnlyTokenizer(AutoConfig.from_pretrained(model_id).vocab_size)
 
 
-def get_dataset(tokenizer, seq_len: int, accelerator: Accelerator | None = None, num_docs: int = 64) -> Dataset:
+def get_dataset(
+    tokenizer, seq_len: int, accelerator: Accelerator | None = None, num_docs: int = 64
+) -> Dataset:
     """Packed sequences of ``seq_len`` tokens: input_ids, shift_labels (= labels) and position_ids."""
     processing_ctx = accelerator.main_process_first if accelerator else nullcontext
     g = torch.Generator().manual_seed(1234)
     with processing_ctx():
-        docs = [torch.randint(1, tokenizer.vocab_size, (int(n),), generator=g).tolist()
-                for n in torch.randint(seq_len // 2, 2 * seq_len, (num_docs,), generator=g)]
+        docs = [
+            torch.randint(1, tokenizer.vocab_size, (int(n),), generator=g).tolist()
+            for n in torch.randint(seq_len // 2, 2 * seq_len, (num_docs,), generator=g)
+        ]
         raw = Dataset.from_dict({"input_ids": docs})
 
     def create_packed_sequences(examples):
         tokens = [t for ids in examples["input_ids"] for t in ids]
         n = len(tokens) // (seq_len + 1)
-        rows = [tokens[i * (seq_len + 1):(i + 1) * (seq_len + 1)] for i in range(n)]
-        return {"input_ids": [r[:-1] for r in rows], "shift_labels": [r[1:] for r in rows],
-                "position_ids": [list(range(seq_len)) for _ in rows], "labels": [r[1:] for r in rows]}
+        rows = [tokens[i * (seq_len + 1) : (i + 1) * (seq_len + 1)] for i in range(n)]
+        return {
+            "input_ids": [r[:-1] for r in rows],
+            "shift_labels": [r[1:] for r in rows],
+            "position_ids": [list(range(seq_len)) for _ in rows],
+            "labels": [r[1:] for r in rows],
+        }
 
     with processing_ctx():
-        packed = raw.map(create_packed_sequences, batched=True, remove_columns=raw.column_names, batch_size=1000)
+        packed = raw.map(
+            create_packed_sequences, batched=True, remove_columns=raw.column_names, batch_size=1000
+        )
     return packed.shuffle(seed=42)
 
 
@@ -77,12 +87,16 @@ class PerformanceTracker:
             return {}
         self.num_tokens += batch_tokens
         total = time.perf_counter() - self.start_time
-        out = {"tokens_per_second": self.num_tokens / total,
-               "steps_per_second": (self.step_count - self.warmup_steps) / total}
+        out = {
+            "tokens_per_second": self.num_tokens / total,
+            "steps_per_second": (self.step_count - self.warmup_steps) / total,
+        }
         if model_flops_per_token is not None:
             out["tflops_per_device"] = model_flops_per_token * self.num_tokens / (total * 1e12)
         return out
 
     def get_print_message(self, metrics: dict, with_memory: bool = False) -> str:
-        return (f" | Average steps/s: {metrics['steps_per_second']:.2f} | Average tokens/s: "
-                f"{metrics['tokens_per_second']:.2f} | Average TFLOPS: {metrics['tflops_per_device']:.2f}")
+        return (
+            f" | Average steps/s: {metrics['steps_per_second']:.2f} | Average tokens/s: "
+            f"{metrics['tokens_per_second']:.2f} | Average TFLOPS: {metrics['tflops_per_device']:.2f}"
+        )

@@ -18,16 +18,21 @@ def global_batches(model_dir: str, seq_len: int, dp: int, steps: int, micro: int
     for k in range(steps):
         mbs = []
         for m in range(micro):
-            rows = ds[(k * micro + m) * dp:(k * micro + m + 1) * dp]
-            mbs.append({"input_ids": torch.tensor(rows["input_ids"]),
-                        "shift_labels": torch.tensor(rows["shift_labels"]),
-                        "position_ids": torch.tensor(rows["position_ids"])})
+            rows = ds[(k * micro + m) * dp : (k * micro + m + 1) * dp]
+            mbs.append(
+                {
+                    "input_ids": torch.tensor(rows["input_ids"]),
+                    "shift_labels": torch.tensor(rows["shift_labels"]),
+                    "position_ids": torch.tensor(rows["position_ids"]),
+                }
+            )
         out.append(mbs)
     return out
 
 
-def reference_losses(model_dir: str, seq_len: int, dp: int, steps: int, lr: float, micro: int = 1,
-                     return_params: bool = False):
+def reference_losses(
+    model_dir: str, seq_len: int, dp: int, steps: int, lr: float, micro: int = 1, return_params: bool = False
+):
     acc = Accelerator(gradient_accumulation_steps=micro)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_cache=False)
     opt = torch.optim.SGD(model.parameters(), lr=lr)

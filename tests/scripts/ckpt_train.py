@@ -27,18 +27,38 @@ def make_setup():
     from ndparallel.models.presets import preset_config
     from ndparallel.tools.equivalence import TrainSetup
 
-    return TrainSetup(model_config=preset_config("tiny-llama"), steps=TOTAL_STEPS, seq_len=SEQ,
-                      global_micro_batch=GLOBAL_MB, lr=1e-2)
+    return TrainSetup(
+        model_config=preset_config("tiny-llama"),
+        steps=TOTAL_STEPS,
+        seq_len=SEQ,
+        global_micro_batch=GLOBAL_MB,
+        lr=1e-2,
+    )
 
 
-def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume: bool = False,
-          save_every: int | None = None, stop_after: int | None = None, save_total_limit: int | None = None,
-          kill_at: int | None = None, kill_rank: int = 1, marker: str | None = None,
-          reseed_before_load: bool = False, model_preset: str = "tiny-llama",
-          adapter: dict | None = None, optimizer: str | None = None, optimizer_options: dict | None = None,
-          async_saves: bool = False,
-          slow_write: dict | None = None, sync_copy_at: int | None = None,
-          die_after_save_at: int | None = None, signal_at: tuple[int, int] | None = None) -> dict:
+def train(
+    layout: dict | None,
+    out_dir: str,
+    *,
+    steps: int = TOTAL_STEPS,
+    resume: bool = False,
+    save_every: int | None = None,
+    stop_after: int | None = None,
+    save_total_limit: int | None = None,
+    kill_at: int | None = None,
+    kill_rank: int = 1,
+    marker: str | None = None,
+    reseed_before_load: bool = False,
+    model_preset: str = "tiny-llama",
+    adapter: dict | None = None,
+    optimizer: str | None = None,
+    optimizer_options: dict | None = None,
+    async_saves: bool = False,
+    slow_write: dict | None = None,
+    sync_copy_at: int | None = None,
+    die_after_save_at: int | None = None,
+    signal_at: tuple[int, int] | None = None,
+) -> dict:
     """Train ``steps`` optimizer steps (resuming first if asked); returns losses by step, the first
     random numbers drawn after the last save / the load, and the loader position.
 
@@ -56,25 +76,28 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
         save_step_checkpoint,
     )
     from ndparallel.data.loader import PackedLoader
+    from ndparallel.engine import forward_backward
     from ndparallel.models.presets import preset_config
     from ndparallel.tools.equivalence import (
         build_model,
         setup_optimizer,
         with_overrides,
     )
-    from ndparallel.engine import forward_backward
 
     setup = with_overrides(make_setup(), model_config=preset_config(model_preset), adapter=adapter)
     if optimizer is not None:
         setup = with_overrides(setup, optimizer=optimizer, optimizer_options=optimizer_options or {})
     acc = Accelerator(ParallelismConfig(**(layout or {})))
     model = build_model(setup)
-    optimizer = setup_optimizer(setup, model if setup.optimizer == "muon" else model.parameters())  # muon: the model
+    optimizer = setup_optimizer(
+        setup, model if setup.optimizer == "muon" else model.parameters()
+    )  # muon: the model
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + s))
     model, optimizer = acc.prepare(model, optimizer)
     model.train()
-    blocks = torch.randint(0, setup.model_config.vocab_size, (NUM_BLOCKS, SEQ + 1),
-                           generator=torch.Generator().manual_seed(7))
+    blocks = torch.randint(
+        0, setup.model_config.vocab_size, (NUM_BLOCKS, SEQ + 1), generator=torch.Generator().manual_seed(7)
+    )
     loader = PackedLoader(blocks, GLOBAL_MB // acc.dp_size, dp_rank=acc.dp_rank, dp_size=acc.dp_size, seed=3)
     start, rng_probe = 0, None
     if resume:
@@ -104,17 +127,33 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
             losses[step] = float(total)
             if save_every and step % save_every == 0:
                 save = saver.save_step if saver is not None else save_step_checkpoint
-                kwargs = dict(loader=loader, config={"name": "ckpt-test", "layout": layout}, extra={"note": [1, 2]},
-                              save_total_limit=save_total_limit, layout=acc.engine.dims)
+                kwargs = dict(
+                    loader=loader,
+                    config={"name": "ckpt-test", "layout": layout},
+                    extra={"note": [1, 2]},
+                    save_total_limit=save_total_limit,
+                    layout=acc.engine.dims,
+                )
                 save(out_dir, step, model, optimizer, scheduler, **kwargs)
                 if sync_copy_at == step:
                     kwargs.pop("save_total_limit")
-                    save_checkpoint(os.path.join(out_dir, "sync-copy"), model, optimizer, scheduler, kwargs.pop("extra"),
-                                    step=step, **kwargs)
+                    save_checkpoint(
+                        os.path.join(out_dir, "sync-copy"),
+                        model,
+                        optimizer,
+                        scheduler,
+                        kwargs.pop("extra"),
+                        step=step,
+                        **kwargs,
+                    )
                 if die_after_save_at == step:
                     os._exit(3)
                 rng_probe = torch.rand(4).tolist()
-            if kill_at == step and acc.process_index == kill_rank and (marker is None or not os.path.exists(marker)):
+            if (
+                kill_at == step
+                and acc.process_index == kill_rank
+                and (marker is None or not os.path.exists(marker))
+            ):
                 if marker is not None:
                     open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -123,16 +162,29 @@ def train(layout: dict | None, out_dir: str, *, steps: int = TOTAL_STEPS, resume
             if signal_at is not None and signal_at == (acc.process_index, step):
                 os.kill(os.getpid(), signal.SIGUSR1)
             if watch is not None and watch.should_stop():
-                save_step_checkpoint(out_dir, step, model, optimizer, scheduler, loader=loader,
-                                     config={"name": "ckpt-test", "layout": layout}, extra={"note": [1, 2]},
-                                     layout=acc.engine.dims)
+                save_step_checkpoint(
+                    out_dir,
+                    step,
+                    model,
+                    optimizer,
+                    scheduler,
+                    loader=loader,
+                    config={"name": "ckpt-test", "layout": layout},
+                    extra={"note": [1, 2]},
+                    layout=acc.engine.dims,
+                )
                 watch.finished()
                 stopped = (step, watch.signal_name)
                 break
     if saver is not None:
         saver.close()  # the last save is awaited
-    out = {"losses": losses, "rng_probe": rng_probe, "loader": loader.state_dict(),
-           "lr": scheduler.get_last_lr(), "stopped": stopped}
+    out = {
+        "losses": losses,
+        "rng_probe": rng_probe,
+        "loader": loader.state_dict(),
+        "lr": scheduler.get_last_lr(),
+        "stopped": stopped,
+    }
     if adapter is not None:  # the trained model's logits on a fixed batch, and its exports
         out["logits"] = _logits(acc, model, setup.model_config.vocab_size)
         acc.save_model(model, os.path.join(out_dir, "adapter"))
@@ -183,9 +235,17 @@ def main(argv=None) -> int:
     from ndparallel.runtime.distributed import init_distributed, shutdown
 
     init_distributed("cpu")
-    result = train({"dp_shard_size": dist.get_world_size()}, args.out_dir, steps=args.steps, resume=True,
-                   save_every=1, save_total_limit=2, kill_at=args.kill_at, kill_rank=args.kill_rank,
-                   marker=args.marker)
+    result = train(
+        {"dp_shard_size": dist.get_world_size()},
+        args.out_dir,
+        steps=args.steps,
+        resume=True,
+        save_every=1,
+        save_total_limit=2,
+        kill_at=args.kill_at,
+        kill_rank=args.kill_rank,
+        marker=args.marker,
+    )
     if dist.get_rank() == 0:
         path = os.path.join(args.out_dir, "losses.json")
         old = json.load(open(path)) if os.path.exists(path) else {}

@@ -1,6 +1,6 @@
 """A 3-rank job in which one rank misbehaves while the others sit in a collective.
 
-    python -m ndparallel launch --nproc-per-node 3 fault_collective.py raise|hang MARKER_DIR
+python -m ndparallel launch --nproc-per-node 3 fault_collective.py raise|hang MARKER_DIR
 """
 
 import sys

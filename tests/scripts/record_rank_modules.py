@@ -29,15 +29,18 @@ import transformers  # noqa: E402,F401
 
 BEFORE = list(sys.modules)
 
+
 def _new_modules() -> list[str]:
     known = set(BEFORE)
     return [m for m in sys.modules if m not in known]
+
 
 def _train(setup, layout) -> list[str]:
     from ndparallel.tools.equivalence import train_under_layout
 
     train_under_layout(setup, layout)
     return _new_modules()
+
 
 def _checkpoint_and_export(out: str) -> list[str]:
     from ndparallel import Accelerator, ParallelismConfig
@@ -48,6 +51,7 @@ def _checkpoint_and_export(out: str) -> list[str]:
     acc.save_state(f"{out}/state")
     acc.save_model(model, f"{out}/model")
     return _new_modules()
+
 
 def main() -> int:
 
@@ -60,11 +64,20 @@ def main() -> int:
     llama = preset_config("tiny-llama")
     cases = [
         (TrainSetup(llama, **base), {"dp_shard_size": 2}),
-        (TrainSetup(llama, **base, parallel_kwargs={"tp_options": TPOptions(sequence_parallel=True)}), {"tp_size": 2}),
+        (
+            TrainSetup(llama, **base, parallel_kwargs={"tp_options": TPOptions(sequence_parallel=True)}),
+            {"tp_size": 2},
+        ),
         (TrainSetup(llama, **base), {"cp_size": 2}),
         (TrainSetup(preset_config("tiny-qwen3-moe"), **base), {"dp_shard_size": 2, "ep_size": 2}),
-        (TrainSetup(preset_config("tiny-llama", num_hidden_layers=4), **dict(base, grad_accum=2),
-                    parallel_kwargs={"pipeline_options": PipelineOptions(schedule="1F1B")}), {"pp_size": 2}),
+        (
+            TrainSetup(
+                preset_config("tiny-llama", num_hidden_layers=4),
+                **dict(base, grad_accum=2),
+                parallel_kwargs={"pipeline_options": PipelineOptions(schedule="1F1B")},
+            ),
+            {"pp_size": 2},
+        ),
         (TrainSetup(llama, **base, adapter=dict(r=2, alpha=4, target_linear=True)), {"dp_shard_size": 2}),
     ]
     modules: dict[str, None] = {}
@@ -79,6 +92,7 @@ def main() -> int:
     print(f"{len(names)} modules -> {out}")
     return 0
 
+
 def _train_command_rank(tmp: Path) -> list[str]:
     """The modules of one `ndparallel train` rank, forked as the CLI tests fork theirs."""
     import os
@@ -87,16 +101,37 @@ def _train_command_rank(tmp: Path) -> list[str]:
 
     listing = tmp / "modules.txt"
     os.environ["NDPARALLEL_RECORD_MODULES"] = str(listing)  # read by the rank hook below
-    proc = train_on_forked_ranks(["train", "--set", "base_model=tiny-llama", "--set", "tokenizer_vocab_size=512",
-                                  "--set", "sequence_len=32", "--set", "max_steps=1", "--set", "save_steps=null",
-                                  "--set", "datasets=[{path: 'builtin:stdlib', max_bytes: 20000}]",
-                                  "--set", f"output_dir={tmp / 'run'}", "--set", f"dataset_cache_dir={tmp / 'cache'}",
-                                  "--set", "dp_shard_size=2", "--nproc-per-node", "2"])
+    proc = train_on_forked_ranks(
+        [
+            "train",
+            "--set",
+            "base_model=tiny-llama",
+            "--set",
+            "tokenizer_vocab_size=512",
+            "--set",
+            "sequence_len=32",
+            "--set",
+            "max_steps=1",
+            "--set",
+            "save_steps=null",
+            "--set",
+            "datasets=[{path: 'builtin:stdlib', max_bytes: 20000}]",
+            "--set",
+            f"output_dir={tmp / 'run'}",
+            "--set",
+            f"dataset_cache_dir={tmp / 'cache'}",
+            "--set",
+            "dp_shard_size=2",
+            "--nproc-per-node",
+            "2",
+        ]
+    )
     os.environ.pop("NDPARALLEL_RECORD_MODULES")
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     known = set(BEFORE)
     return [m for m in listing.read_text().split() if m not in known] if listing.is_file() else []
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -70,8 +70,10 @@ def _mixed_precision(value: Any) -> str:
         value = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     value = str(getattr(value, "value", value)).lower()
     if value == "fp8":
-        raise ValueError("mixed_precision='fp8' is not supported: use 'bf16' (fp8 needs TransformerEngine/"
-                         "torchao recipes ndparallel does not drive)")
+        raise ValueError(
+            "mixed_precision='fp8' is not supported: use 'bf16' (fp8 needs TransformerEngine/"
+            "torchao recipes ndparallel does not drive)"
+        )
     if value not in MIXED_PRECISION:
         raise ValueError(f"mixed_precision={value!r} is not supported: use one of {list(MIXED_PRECISION)}")
     return "no" if value == "fp32" else value
@@ -79,29 +81,38 @@ def _mixed_precision(value: Any) -> str:
 
 def _refuse_other_engines(deepspeed_plugin, deepspeed_plugins, megatron_lm_plugin) -> None:
     if deepspeed_plugin is not None or deepspeed_plugins is not None or env_flag("ACCELERATE_USE_DEEPSPEED"):
-        raise ValueError("deepspeed_plugin / ACCELERATE_USE_DEEPSPEED is not supported: ndparallel "
-                         "shards with FSDP2; use fsdp_plugin=FullyShardedDataParallelPlugin(...) and "
-                         "ParallelismConfig(dp_shard_size=...)")
+        raise ValueError(
+            "deepspeed_plugin / ACCELERATE_USE_DEEPSPEED is not supported: ndparallel "
+            "shards with FSDP2; use fsdp_plugin=FullyShardedDataParallelPlugin(...) and "
+            "ParallelismConfig(dp_shard_size=...)"
+        )
     if megatron_lm_plugin is not None or env_flag("ACCELERATE_USE_MEGATRON_LM"):
-        raise ValueError("megatron_lm_plugin is not supported: use ParallelismConfig(tp_size=..., "
-                         "cp_size=...) for tensor and context parallelism")
+        raise ValueError(
+            "megatron_lm_plugin is not supported: use ParallelismConfig(tp_size=..., "
+            "cp_size=...) for tensor and context parallelism"
+        )
 
 
 def _parallelism(pc, torch_tp_plugin) -> ParallelismConfig | None:
     if torch_tp_plugin is not None:
         if not isinstance(torch_tp_plugin, TorchTensorParallelPlugin):
             raise TypeError("torch_tp_plugin must be a TorchTensorParallelPlugin")
-        warnings.warn("`TorchTensorParallelPlugin` is deprecated: use ParallelismConfig(tp_size=...)",
-                      FutureWarning)
+        warnings.warn(
+            "`TorchTensorParallelPlugin` is deprecated: use ParallelismConfig(tp_size=...)", FutureWarning
+        )
         if pc is None:
             return ParallelismConfig(tp_size=torch_tp_plugin.tp_size)
         if pc.tp_size != torch_tp_plugin.tp_size:
-            raise ValueError(f"torch_tp_plugin.tp_size={torch_tp_plugin.tp_size} contradicts "
-                             f"parallelism_config.tp_size={pc.tp_size}: pass only the ParallelismConfig")
+            raise ValueError(
+                f"torch_tp_plugin.tp_size={torch_tp_plugin.tp_size} contradicts "
+                f"parallelism_config.tp_size={pc.tp_size}: pass only the ParallelismConfig"
+            )
     if pc is None and env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
         return ParallelismConfig()
     if pc is not None and not isinstance(pc, ParallelismConfig):
-        raise TypeError(f"parallelism_config must be an ndparallel ParallelismConfig, got {type(pc).__name__}")
+        raise TypeError(
+            f"parallelism_config must be an ndparallel ParallelismConfig, got {type(pc).__name__}"
+        )
     return pc
 
 
@@ -124,8 +135,10 @@ def _cp_options(pc: ParallelismConfig | None, cp_options: CPOptions | None) -> C
     if cp_options is None:
         return CPOptions(comm_strategy=handler.strategy) if handler is not None else CPOptions()
     if handler is not None and handler.strategy != cp_options.comm_strategy:
-        warnings.warn(f"cp_options.comm_strategy={cp_options.comm_strategy!r} is used; "
-                      f"parallelism_config.cp_handler ({handler.cp_comm_strategy!r}) is not")
+        warnings.warn(
+            f"cp_options.comm_strategy={cp_options.comm_strategy!r} is used; "
+            f"parallelism_config.cp_handler ({handler.cp_comm_strategy!r}) is not"
+        )
     return cp_options
 
 
@@ -135,8 +148,9 @@ def _dataloader_config(dataloader_config, split_batches) -> DataLoaderConfigurat
     elif split_batches is not UNSET:
         raise ValueError("pass split_batches inside dataloader_config, not both")
     if split_batches is not UNSET:
-        warnings.warn("split_batches= is deprecated: use dataloader_config=DataLoaderConfiguration(...)",
-                      FutureWarning)
+        warnings.warn(
+            "split_batches= is deprecated: use dataloader_config=DataLoaderConfiguration(...)", FutureWarning
+        )
         dataloader_config.split_batches = bool(split_batches)
     return dataloader_config
 
@@ -162,8 +176,9 @@ def resolve(a: dict[str, Any]) -> Settings:
     mp = _mixed_precision(a["mixed_precision"])
     ga = a["gradient_accumulation_plugin"]
     if ga is not None and int(a["gradient_accumulation_steps"]) != 1:
-        raise ValueError("You can only pass one of `gradient_accumulation_steps` and "
-                         "`gradient_accumulation_plugin`.")
+        raise ValueError(
+            "You can only pass one of `gradient_accumulation_steps` and `gradient_accumulation_plugin`."
+        )
     if ga is None:
         steps = a["gradient_accumulation_steps"]
         if int(steps) < 1:
@@ -171,11 +186,14 @@ def resolve(a: dict[str, Any]) -> Settings:
         env_steps = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
         ga = GradientAccumulationPlugin(num_steps=int(env_steps) if env_steps else int(steps))
     if a["dynamo_plugin"] is not None and a["dynamo_backend"] is not None:
-        raise ValueError("You cannot pass in both `dynamo_plugin` and `dynamo_backend`, please only pass in one.")
+        raise ValueError(
+            "You cannot pass in both `dynamo_plugin` and `dynamo_backend`, please only pass in one."
+        )
     dynamo = a["dynamo_plugin"] or TorchDynamoPlugin(backend=a["dynamo_backend"])
     if a["compile_options"] is not None and dynamo.enabled:
-        raise ValueError("compile_options and dynamo_backend/dynamo_plugin both ask for torch.compile: "
-                         "give one of them")
+        raise ValueError(
+            "compile_options and dynamo_backend/dynamo_plugin both ask for torch.compile: give one of them"
+        )
     pc = _parallelism(a["parallelism_config"], a["torch_tp_plugin"])
     fsdp_plugin, fsdp_options = _fsdp(a["fsdp_plugin"], a["fsdp_options"])
     handlers = sort_handlers(a["kwargs_handlers"])
@@ -187,17 +205,26 @@ def resolve(a: dict[str, Any]) -> Settings:
         param_dtype = fsdp_plugin.param_dtype
     cpu = a["cpu"] or env_flag("ACCELERATE_USE_CPU")
     return Settings(
-        parallelism_config=pc, mixed_precision=mp, param_dtype=param_dtype, gradient_state_plugin=ga,
-        fsdp_plugin=fsdp_plugin, fsdp_options=fsdp_options, tp_options=a["tp_options"] or TPOptions(),
-        cp_options=_cp_options(pc, a["cp_options"]), dynamo_plugin=dynamo,
+        parallelism_config=pc,
+        mixed_precision=mp,
+        param_dtype=param_dtype,
+        gradient_state_plugin=ga,
+        fsdp_plugin=fsdp_plugin,
+        fsdp_options=fsdp_options,
+        tp_options=a["tp_options"] or TPOptions(),
+        cp_options=_cp_options(pc, a["cp_options"]),
+        dynamo_plugin=dynamo,
         loss_options=a["loss_options"] or LossOptions(),
         compile_options=a["compile_options"] or dynamo.compile_options(),
         float8_options=a["float8_options"] or Float8Options(),
         qat_options=a["qat_options"] or QATOptions(),
         dataloader_config=_dataloader_config(a["dataloader_config"], a["split_batches"]),
-        project_configuration=_project(a["project_dir"], a["project_config"]), handlers=handlers,
-        rng_types=_rng_types(a["rng_types"]), log_with=a["log_with"],
-        device="cpu" if cpu else a["device"], timeout_s=timeout_s,
+        project_configuration=_project(a["project_dir"], a["project_config"]),
+        handlers=handlers,
+        rng_types=_rng_types(a["rng_types"]),
+        log_with=a["log_with"],
+        device="cpu" if cpu else a["device"],
+        timeout_s=timeout_s,
         device_placement=bool(a["device_placement"]),
         step_scheduler_with_optimizer=bool(a["step_scheduler_with_optimizer"]),
     )

@@ -5,7 +5,8 @@ samples, so gathering over the world would count each sample tp·cp times)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ def _world(group) -> int:
 def gather(tensor: Any, group=None) -> Any:
     """Concatenate each tensor (dim 0; scalars become length-1) from every process of ``group``
     (default: all), in rank order. Shapes must agree (see ``pad_across_processes``)."""
+
     def one(t: torch.Tensor) -> torch.Tensor:
         t = t.detach().contiguous()
         if t.ndim == 0:
@@ -37,6 +39,7 @@ def gather(tensor: Any, group=None) -> Any:
         parts = [torch.empty_like(t) for _ in range(_world(group))]
         dist.all_gather(parts, t, group=group)
         return torch.cat(parts, dim=0)
+
     return recursively_apply(one, tensor)
 
 
@@ -63,11 +66,13 @@ def reduce(tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
             return out
         dist.all_reduce(out, op=dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM)
         return out / _world(None) if reduction == "mean" else out
+
     return recursively_apply(one, tensor)
 
 
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
     """Pad each tensor along ``dim`` to the largest size any process has (for ``gather``)."""
+
     def one(t: torch.Tensor) -> torch.Tensor:
         if t.ndim == 0 or dim >= t.ndim or _world(None) == 1:
             return t
@@ -82,15 +87,18 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
         index = slice(longest - t.shape[dim], longest) if pad_first else slice(0, t.shape[dim])
         out[(slice(None),) * dim + (index,)] = t
         return out
+
     return recursively_apply(one, tensor)
 
 
 def broadcast(tensor: Any, from_process: int = 0) -> Any:
     """Every process gets ``from_process``'s tensors (in place, returned)."""
+
     def one(t: torch.Tensor) -> torch.Tensor:
         if _world(None) > 1:
             dist.broadcast(t, src=from_process)
         return t
+
     return recursively_apply(one, tensor)
 
 

@@ -8,7 +8,7 @@ with the wrong targets at every shard edge), are errors instead of a silently di
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -28,21 +28,27 @@ class ContextParallelMixin:
             yield
             return
         if not buffers:
-            raise ValueError("context parallelism is on but maybe_context_parallel got no buffers: pass "
-                             "the batch tensors to shard (input_ids, shift_labels, ...)")
+            raise ValueError(
+                "context parallelism is on but maybe_context_parallel got no buffers: pass "
+                "the batch tensors to shard (input_ids, shift_labels, ...)"
+            )
         from ndparallel.parallel.cp_sharding import cp_positions
         from ndparallel.parallel.positions import position_hook
 
         dims = list(buffer_seq_dims or [1] * len(buffers))
         lengths = {b.shape[d] for b, d in zip(buffers, dims)}
         if len(lengths) != 1:
-            raise ValueError(f"maybe_context_parallel: buffers have different sequence lengths {sorted(lengths)}")
+            raise ValueError(
+                f"maybe_context_parallel: buffers have different sequence lengths {sorted(lengths)}"
+            )
         seq_len = lengths.pop()
         cp, lb = self.parallelism_config.cp_size, self.cp_options.load_balance
         with self.engine.cp_shard(list(buffers), dims, no_restore=no_restore_buffers):
             positions = cp_positions(seq_len, self.rank_in("cp"), cp, lb, device=self.device)
             hook = position_hook(cp_positions=positions)
-            handles = [m.register_forward_pre_hook(hook, with_kwargs=True, prepend=True) for m in self._models]
+            handles = [
+                m.register_forward_pre_hook(hook, with_kwargs=True, prepend=True) for m in self._models
+            ]
             try:
                 yield
             finally:

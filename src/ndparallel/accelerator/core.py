@@ -41,8 +41,9 @@ from ndparallel.parallel.options import (
 )
 
 
-class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParallelMixin,
-                  SavingMixin, TrackingMixin):
+class Accelerator(
+    ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParallelMixin, SavingMixin, TrackingMixin
+):
     """Set up the process group and mesh for a layout and prepare models, optimizers and loaders.
 
     The first 21 arguments are Hugging Face Accelerate's, in its order and with its defaults and
@@ -106,9 +107,16 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         pc = s.parallelism_config or ParallelismConfig()
         if s.parallelism_config is None and pc.active_dims == ():
             pc = ParallelismConfig(dp_replicate_size=-1)  # Accelerate: replicas over every process
-        options = StrategyOptions(fsdp=s.fsdp_options, tp=s.tp_options, cp=s.cp_options, loss=s.loss_options,
-                                  compile=s.compile_options, float8=s.float8_options, qat=s.qat_options,
-                                  param_dtype=s.param_dtype)
+        options = StrategyOptions(
+            fsdp=s.fsdp_options,
+            tp=s.tp_options,
+            cp=s.cp_options,
+            loss=s.loss_options,
+            compile=s.compile_options,
+            float8=s.float8_options,
+            qat=s.qat_options,
+            param_dtype=s.param_dtype,
+        )
         self.engine = Engine(pc, options, device=s.device, timeout_s=s.timeout_s)
         self.parallelism_config = pc.resolve(self.engine.world_size)
         self.torch_device_mesh = self.engine.mesh
@@ -118,11 +126,15 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         self._settings = s
         self._take_settings(s)
         ga = s.gradient_state_plugin
-        self.gradient_state = GradientState(num_steps=int(ga.num_steps), adjust_scheduler=ga.adjust_scheduler,
-                                            sync_with_dataloader=ga.sync_with_dataloader,
-                                            sync_each_batch=ga.sync_each_batch)
-        self.log_with = filter_trackers(s.log_with, self.project_configuration.logging_dir,
-                                        warn=self.engine.is_main_process)
+        self.gradient_state = GradientState(
+            num_steps=int(ga.num_steps),
+            adjust_scheduler=ga.adjust_scheduler,
+            sync_with_dataloader=ga.sync_with_dataloader,
+            sync_each_batch=ga.sync_each_batch,
+        )
+        self.log_with = filter_trackers(
+            s.log_with, self.project_configuration.logging_dir, warn=self.engine.is_main_process
+        )
         self.trackers: list = []
         self._param_remap: dict[int, nn.Parameter] = {}
         self._models: list[nn.Module] = []
@@ -195,11 +207,16 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
     @property
     def state(self) -> AcceleratorState:
         return AcceleratorState(
-            distributed_type=self.distributed_type, num_processes=self.num_processes,
-            process_index=self.process_index, local_process_index=self.local_process_index,
-            device=self.device, mixed_precision=self.mixed_precision,
-            parallelism_config=self.parallelism_config, device_mesh=self.torch_device_mesh,
-            fsdp_plugin=self.fsdp_plugin, dynamo_plugin=self.dynamo_plugin,
+            distributed_type=self.distributed_type,
+            num_processes=self.num_processes,
+            process_index=self.process_index,
+            local_process_index=self.local_process_index,
+            device=self.device,
+            mixed_precision=self.mixed_precision,
+            parallelism_config=self.parallelism_config,
+            device_mesh=self.torch_device_mesh,
+            fsdp_plugin=self.fsdp_plugin,
+            dynamo_plugin=self.dynamo_plugin,
         )
 
     @property
@@ -257,8 +274,14 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         out = prepare_all(self, list(objects), device_placement)
         return out[0] if len(out) == 1 else tuple(out)
 
-    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
-                      evaluation_mode: bool = False, adapter: Any = None, quantization: Any = None) -> nn.Module:
+    def prepare_model(
+        self,
+        model: nn.Module,
+        device_placement: bool | None = None,
+        evaluation_mode: bool = False,
+        adapter: Any = None,
+        quantization: Any = None,
+    ) -> nn.Module:
         """Apply float8 → TP → CP attention → activation checkpointing → compile → FSDP/HSDP/DP,
         in that order. A model this Accelerator already prepared (e.g. from ``load_model``) is
         returned as is. ``adapter`` (a peft ``LoraConfig``) wraps the model with LoRA first and
@@ -268,11 +291,15 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         from ndparallel.accelerator.preparing import prepare_model
 
         if device_placement is False:
-            raise ValueError("prepare_model(device_placement=False) is not supported: sharded models live "
-                             "on the Accelerator's device (device placement of batches: prepare_data_loader)")
+            raise ValueError(
+                "prepare_model(device_placement=False) is not supported: sharded models live "
+                "on the Accelerator's device (device placement of batches: prepare_data_loader)"
+            )
         if evaluation_mode:
-            raise ValueError("prepare_model(evaluation_mode=True) is not supported: prepare the model as for "
-                             "training (sharded) and call model.eval() / torch.no_grad() for inference")
+            raise ValueError(
+                "prepare_model(evaluation_mode=True) is not supported: prepare the model as for "
+                "training (sharded) and call model.eval() / torch.no_grad() for inference"
+            )
         return prepare_model(self, model, adapter, quantization)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
@@ -296,9 +323,14 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         """The prepared ``dataloader`` starting ``num_batches`` batches later (resuming mid-epoch)."""
         if not isinstance(dataloader, PreparedDataLoader):
             raise ValueError("skip_first_batches takes a loader returned by accelerator.prepare")
-        return PreparedDataLoader(dataloader.loader, self.gradient_state, dataloader.rng_types,
-                                  skip_batches=dataloader.skip_batches + num_batches,
-                                  total_samples=dataloader.total_samples, global_batch=dataloader.global_batch)
+        return PreparedDataLoader(
+            dataloader.loader,
+            self.gradient_state,
+            dataloader.rng_types,
+            skip_batches=dataloader.skip_batches + num_batches,
+            total_samples=dataloader.total_samples,
+            global_batch=dataloader.global_batch,
+        )
 
     def verify_device_map(self, model: nn.Module) -> bool:
         """True if the model was loaded with a multi-device ``device_map`` (big-model inference),
@@ -306,8 +338,10 @@ class Accelerator(ProcessesMixin, CollectivesMixin, SteppingMixin, ContextParall
         return any(len(set(getattr(m, "hf_device_map", {}).values())) > 1 for m in model.modules())
 
     def deepspeed_ulysses_dl_adapter(self, dl, model):
-        raise NotImplementedError("DeepSpeed Ulysses is not supported: use ParallelismConfig(cp_size=...) "
-                                  "with maybe_context_parallel")
+        raise NotImplementedError(
+            "DeepSpeed Ulysses is not supported: use ParallelismConfig(cp_size=...) "
+            "with maybe_context_parallel"
+        )
 
     # ------------------------------------------------------- models on disk
     def load_model(self, path_or_config, **kwargs) -> nn.Module:

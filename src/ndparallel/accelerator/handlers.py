@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 
 class KwargsHandler:
@@ -63,11 +64,15 @@ class InitProcessGroupKwargs(KwargsHandler):
 
     def __post_init__(self) -> None:
         if self.backend not in (None, "nccl", "gloo", "cpu:gloo,cuda:nccl"):
-            raise ValueError(f"InitProcessGroupKwargs(backend={self.backend!r}) is not supported: "
-                             "ndparallel uses nccl for GPUs (with gloo beside it) and gloo on CPU")
+            raise ValueError(
+                f"InitProcessGroupKwargs(backend={self.backend!r}) is not supported: "
+                "ndparallel uses nccl for GPUs (with gloo beside it) and gloo on CPU"
+            )
         if self.init_method is not None:
-            raise ValueError("InitProcessGroupKwargs(init_method=...) is not supported: launch with "
-                             "torchrun / ndparallel launch (env:// rendezvous)")
+            raise ValueError(
+                "InitProcessGroupKwargs(init_method=...) is not supported: launch with "
+                "torchrun / ndparallel launch (env:// rendezvous)"
+            )
 
     @property
     def timeout_s(self) -> float | None:
@@ -122,10 +127,16 @@ class ProfileKwargs(KwargsHandler):
         names = {"cpu": tp.ProfilerActivity.CPU, "cuda": tp.ProfilerActivity.CUDA}
         activities = [names[a] for a in self.activities] if self.activities else None
         schedule = tp.schedule(**self.schedule_option) if self.schedule_option else None
-        return tp.profile(activities=activities, schedule=schedule, on_trace_ready=self.on_trace_ready,
-                          record_shapes=self.record_shapes, profile_memory=self.profile_memory,
-                          with_stack=self.with_stack, with_flops=self.with_flops,
-                          with_modules=self.with_modules)
+        return tp.profile(
+            activities=activities,
+            schedule=schedule,
+            on_trace_ready=self.on_trace_ready,
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_stack=self.with_stack,
+            with_flops=self.with_flops,
+            with_modules=self.with_modules,
+        )
 
     def trace_path(self, process_index: int) -> str | None:
         if not self.output_trace_dir:
@@ -134,9 +145,13 @@ class ProfileKwargs(KwargsHandler):
         return os.path.join(self.output_trace_dir, f"profile_{process_index}.json")
 
 
-HANDLER_ATTRS = {DistributedDataParallelKwargs: "ddp_handler", InitProcessGroupKwargs: "init_handler",
-                 AutocastKwargs: "autocast_handler", ProfileKwargs: "profile_handler",
-                 GradScalerKwargs: "scaler_handler"}
+HANDLER_ATTRS = {
+    DistributedDataParallelKwargs: "ddp_handler",
+    InitProcessGroupKwargs: "init_handler",
+    AutocastKwargs: "autocast_handler",
+    ProfileKwargs: "profile_handler",
+    GradScalerKwargs: "scaler_handler",
+}
 
 
 def sort_handlers(handlers) -> dict[str, KwargsHandler]:

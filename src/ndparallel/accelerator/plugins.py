@@ -18,8 +18,13 @@ from ndparallel.parallel.options import FSDPOptions
 _TRUE = ("1", "true", "yes", "y", "on")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 # FSDP1 sharding strategies (Accelerate's 1-based numbering) -> reshard_after_forward, or a refusal.
-_SHARDING = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": None, "HYBRID_SHARD": None,
-             "HYBRID_SHARD_ZERO2": None}
+_SHARDING = {
+    "FULL_SHARD": True,
+    "SHARD_GRAD_OP": False,
+    "NO_SHARD": None,
+    "HYBRID_SHARD": None,
+    "HYBRID_SHARD_ZERO2": None,
+}
 
 
 def env_flag(name: str, default: str = "false") -> bool:
@@ -71,7 +76,9 @@ class FullyShardedDataParallelPlugin:
         if self.fsdp_version is None:
             self.fsdp_version = int(env.get("FSDP_VERSION", "2"))
         if int(self.fsdp_version) != 2:
-            raise _unsupported("fsdp_version", self.fsdp_version, "ndparallel shards with FSDP2; set fsdp_version=2")
+            raise _unsupported(
+                "fsdp_version", self.fsdp_version, "ndparallel shards with FSDP2; set fsdp_version=2"
+            )
         self._resolve_sharding(env)
         self._resolve_wrapping(env)
         self._resolve_flags(env)
@@ -83,9 +90,13 @@ class FullyShardedDataParallelPlugin:
             if name.isdigit():
                 name = list(_SHARDING)[int(name) - 1]
             if _SHARDING.get(name) is None:
-                raise _unsupported("sharding_strategy", name, "FULL_SHARD or SHARD_GRAD_OP; for HSDP set "
-                                   "ParallelismConfig(dp_replicate_size=..., dp_shard_size=...), for plain "
-                                   "data parallelism dp_replicate_size alone")
+                raise _unsupported(
+                    "sharding_strategy",
+                    name,
+                    "FULL_SHARD or SHARD_GRAD_OP; for HSDP set "
+                    "ParallelismConfig(dp_replicate_size=..., dp_shard_size=...), for plain "
+                    "data parallelism dp_replicate_size alone",
+                )
             warnings.warn("sharding_strategy is deprecated in favor of reshard_after_forward", FutureWarning)
             if self.reshard_after_forward is None:
                 self.reshard_after_forward = _SHARDING[name]
@@ -110,12 +121,18 @@ class FullyShardedDataParallelPlugin:
         if policy is None:
             policy = env.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP")
         if callable(policy):
-            raise _unsupported("auto_wrap_policy", policy, "use 'transformer_based_wrap' with "
-                               "transformer_cls_names_to_wrap=[...decoder layer class...]")
+            raise _unsupported(
+                "auto_wrap_policy",
+                policy,
+                "use 'transformer_based_wrap' with transformer_cls_names_to_wrap=[...decoder layer class...]",
+            )
         policy = str(policy).upper()
         if policy == "SIZE_BASED_WRAP":
-            raise _unsupported("auto_wrap_policy", "size_based_wrap", "use 'transformer_based_wrap' "
-                               "(ndparallel shards per decoder layer)")
+            raise _unsupported(
+                "auto_wrap_policy",
+                "size_based_wrap",
+                "use 'transformer_based_wrap' (ndparallel shards per decoder layer)",
+            )
         if policy not in ("NO_WRAP", "TRANSFORMER_BASED_WRAP"):
             raise _unsupported("auto_wrap_policy", policy, "use 'transformer_based_wrap' or 'no_wrap'")
         self.auto_wrap_policy = policy.lower()
@@ -124,8 +141,11 @@ class FullyShardedDataParallelPlugin:
         if isinstance(self.transformer_cls_names_to_wrap, str):
             self.transformer_cls_names_to_wrap = self.transformer_cls_names_to_wrap.split(",")
         if self.min_num_params is not None:
-            raise _unsupported("min_num_params", self.min_num_params, "it belongs to size_based_wrap, "
-                               "which ndparallel does not offer; drop it")
+            raise _unsupported(
+                "min_num_params",
+                self.min_num_params,
+                "it belongs to size_based_wrap, which ndparallel does not offer; drop it",
+            )
 
     def _resolve_flags(self, env) -> None:
         if self.cpu_offload is None:
@@ -137,19 +157,29 @@ class FullyShardedDataParallelPlugin:
         if self.activation_checkpointing_offload is None:
             self.activation_checkpointing_offload = env_flag("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD")
         if self.activation_checkpointing_offload:
-            raise _unsupported("activation_checkpointing_offload", True, "use activation_checkpointing=True "
-                               "(recomputation on the device) or cpu_offload=True")
+            raise _unsupported(
+                "activation_checkpointing_offload",
+                True,
+                "use activation_checkpointing=True (recomputation on the device) or cpu_offload=True",
+            )
         if self.ignored_modules is None:
             self.ignored_modules = env.get("FSDP_IGNORED_MODULES") or None
         if self.ignored_modules is not None:
-            raise _unsupported("ignored_modules", self.ignored_modules, "every parameter is sharded; "
-                               "freeze modules with requires_grad_(False) instead")
+            raise _unsupported(
+                "ignored_modules",
+                self.ignored_modules,
+                "every parameter is sharded; freeze modules with requires_grad_(False) instead",
+            )
         if self.cpu_ram_efficient_loading is None:
             self.cpu_ram_efficient_loading = env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
         for name in ("state_dict_config", "optim_state_dict_config", "param_init_fn"):
             if getattr(self, name) is not None:
-                raise _unsupported(name, getattr(self, name), "FSDP2 state dicts are configured by "
-                                   "ndparallel (DCP); meta-device init is accelerator.load_model")
+                raise _unsupported(
+                    name,
+                    getattr(self, name),
+                    "FSDP2 state dicts are configured by "
+                    "ndparallel (DCP); meta-device init is accelerator.load_model",
+                )
         if not self.limit_all_gathers:
             raise _unsupported("limit_all_gathers", False, "it is an FSDP1 setting; FSDP2 has none")
         for name in ("use_orig_params", "sync_module_states"):
@@ -160,7 +190,9 @@ class FullyShardedDataParallelPlugin:
             self.state_dict_type = env.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
         self.state_dict_type = getattr(self.state_dict_type, "name", str(self.state_dict_type)).upper()
         if self.state_dict_type not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
-            raise _unsupported("state_dict_type", self.state_dict_type, "use SHARDED_STATE_DICT or FULL_STATE_DICT")
+            raise _unsupported(
+                "state_dict_type", self.state_dict_type, "use SHARDED_STATE_DICT or FULL_STATE_DICT"
+            )
 
     def _resolve_precision(self) -> None:
         policy = self.mixed_precision_policy
@@ -174,8 +206,11 @@ class FullyShardedDataParallelPlugin:
             return
         get = policy.get if isinstance(policy, dict) else (lambda k, d=None: getattr(policy, k, d))
         if get("output_dtype") is not None or get("buffer_dtype") is not None:
-            raise _unsupported("mixed_precision_policy.output_dtype", get("output_dtype"),
-                               "outputs keep the compute dtype; leave output_dtype unset")
+            raise _unsupported(
+                "mixed_precision_policy.output_dtype",
+                get("output_dtype"),
+                "outputs keep the compute dtype; leave output_dtype unset",
+            )
         if get("cast_forward_inputs", True) is False:
             raise _unsupported("mixed_precision_policy.cast_forward_inputs", False, "inputs are always cast")
         self._param_dtype, self._reduce_dtype = get("param_dtype"), get("reduce_dtype")
@@ -189,8 +224,10 @@ class FullyShardedDataParallelPlugin:
         """These settings as ``FSDPOptions`` (fields the plugin does not own kept from ``base``)."""
         names = self.transformer_cls_names_to_wrap
         return replace(
-            base or FSDPOptions(), reshard_after_forward=self.reshard_after_forward,
-            cpu_offload=self.cpu_offload, activation_checkpointing=self.activation_checkpointing,
+            base or FSDPOptions(),
+            reshard_after_forward=self.reshard_after_forward,
+            cpu_offload=self.cpu_offload,
+            activation_checkpointing=self.activation_checkpointing,
             layer_classes=tuple(names) if names else (base.layer_classes if base else None),
             reduce_dtype=self._reduce_dtype,
         )
@@ -211,8 +248,12 @@ class TorchTensorParallelPlugin:
 
     def __post_init__(self) -> None:
         if self.torch_device_mesh is not None:
-            raise _unsupported("TorchTensorParallelPlugin.torch_device_mesh", "a mesh", "the Accelerator "
-                               "builds the mesh from ParallelismConfig(tp_size=...); read accelerator.torch_device_mesh")
+            raise _unsupported(
+                "TorchTensorParallelPlugin.torch_device_mesh",
+                "a mesh",
+                "the Accelerator "
+                "builds the mesh from ParallelismConfig(tp_size=...); read accelerator.torch_device_mesh",
+            )
 
 
 @dataclass
@@ -237,8 +278,11 @@ class TorchDynamoPlugin:
         self.backend = str(getattr(self.backend, "value", self.backend)).lower()
         for name in ("mode", "dynamic", "options"):
             if getattr(self, name) not in (None, "default") and self.enabled:
-                raise _unsupported(f"dynamo {name}", getattr(self, name),
-                                   "ndparallel compiles each decoder layer with the backend's defaults")
+                raise _unsupported(
+                    f"dynamo {name}",
+                    getattr(self, name),
+                    "ndparallel compiles each decoder layer with the backend's defaults",
+                )
 
     @property
     def enabled(self) -> bool:
@@ -247,8 +291,11 @@ class TorchDynamoPlugin:
     def compile_options(self):
         from ndparallel.parallel.options import CompileOptions
 
-        return CompileOptions(enabled=self.enabled, backend=self.backend if self.enabled else "inductor",
-                              fullgraph=bool(self.fullgraph))
+        return CompileOptions(
+            enabled=self.enabled,
+            backend=self.backend if self.enabled else "inductor",
+            fullgraph=bool(self.fullgraph),
+        )
 
 
 @dataclass
@@ -266,14 +313,24 @@ class DataLoaderConfiguration:
 
     def __post_init__(self) -> None:
         if self.dispatch_batches:
-            raise _unsupported("dispatch_batches", True, "each data-parallel rank reads its own share; "
-                               "leave dispatch_batches unset")
+            raise _unsupported(
+                "dispatch_batches",
+                True,
+                "each data-parallel rank reads its own share; leave dispatch_batches unset",
+            )
         if not self.even_batches:
-            raise _unsupported("even_batches", False, "ranks always get the same number of batches "
-                               "(the sampler pads, or drop_last=True drops the remainder)")
+            raise _unsupported(
+                "even_batches",
+                False,
+                "ranks always get the same number of batches "
+                "(the sampler pads, or drop_last=True drops the remainder)",
+            )
         if self.use_stateful_dataloader:
-            raise _unsupported("use_stateful_dataloader", True, "save the data position yourself "
-                               "(register_for_checkpointing) or use `ndparallel train`")
+            raise _unsupported(
+                "use_stateful_dataloader",
+                True,
+                "save the data position yourself (register_for_checkpointing) or use `ndparallel train`",
+            )
 
 
 @dataclass
@@ -310,5 +367,12 @@ class GradientAccumulationPlugin:
             raise ValueError(f"num_steps (gradient_accumulation_steps) must be >= 1, got {self.num_steps}")
 
 
-__all__ = ["DataLoaderConfiguration", "FullyShardedDataParallelPlugin", "GradientAccumulationPlugin",
-           "ProjectConfiguration", "TorchDynamoPlugin", "TorchTensorParallelPlugin", "env_flag"]
+__all__ = [
+    "DataLoaderConfiguration",
+    "FullyShardedDataParallelPlugin",
+    "GradientAccumulationPlugin",
+    "ProjectConfiguration",
+    "TorchDynamoPlugin",
+    "TorchTensorParallelPlugin",
+    "env_flag",
+]

@@ -38,9 +38,11 @@ def prepare_all(acc, objects: list, device_placement) -> list:
     for i, obj in enumerate(out):
         if isinstance(obj, torch.optim.Optimizer):
             if adapter is not None:
-                raise ValueError("prepare got an optimizer together with a LoRA config: the optimizer holds "
-                                 "the base weights LoRA freezes; prepare the model first, then build the "
-                                 "optimizer from the returned model's parameters")
+                raise ValueError(
+                    "prepare got an optimizer together with a LoRA config: the optimizer holds "
+                    "the base weights LoRA freezes; prepare the model first, then build the "
+                    "optimizer from the returned model's parameters"
+                )
             out[i] = prepare_optimizer(acc, obj)
     for i, obj in enumerate(out):
         if isinstance(obj, AcceleratedScheduler):
@@ -67,8 +69,10 @@ def _weights_on_rank0_only(acc, model: nn.Module) -> bool:
     if not any(metas) or all(metas):
         return False
     if metas[0]:
-        raise ValueError("prepare: rank 0's model is on the meta device but other ranks' are not; load the "
-                         "weights on rank 0 (cpu_ram_efficient_loading) or on every rank")
+        raise ValueError(
+            "prepare: rank 0's model is on the meta device but other ranks' are not; load the "
+            "weights on rank 0 (cpu_ram_efficient_loading) or on every rank"
+        )
     return True
 
 
@@ -107,7 +111,11 @@ def prepare_model(acc, model: nn.Module, adapter: Any = None, quantization: Any 
 
         quantize_for_qlora(model, quantization)
     rank0_only = _weights_on_rank0_only(acc, model)
-    full = {k: v.to(acc.device) for k, v in model.state_dict().items()} if rank0_only and acc.is_main_process else {}
+    full = (
+        {k: v.to(acc.device) for k, v in model.state_dict().items()}
+        if rank0_only and acc.is_main_process
+        else {}
+    )
     old: dict[int, list[str]] = {}  # a tied parameter has several names
     for name, p in model.named_parameters(remove_duplicate=False):
         old.setdefault(id(p), []).append(name)
@@ -117,7 +125,7 @@ def prepare_model(acc, model: nn.Module, adapter: Any = None, quantization: Any 
     new = dict(model.named_parameters(remove_duplicate=False))
     kept = {id(p) for p in new.values()}
     staged = acc.engine.dims.pp_enabled  # a pipeline stage holds part of the model:
-    for pid, names in old.items():      # the other stages' parameters leave the optimizer
+    for pid, names in old.items():  # the other stages' parameters leave the optimizer
         if pid in kept:
             continue  # parallelised in place: the optimizer's parameter is still the model's
         held = [n for n in names if n in new]
@@ -148,8 +156,10 @@ def prepare_optimizer(acc, optimizer: torch.optim.Optimizer) -> AcceleratedOptim
     if isinstance(optimizer, AcceleratedOptimizer):
         return optimizer
     if any(optimizer.state.values()):
-        raise ValueError("the optimizer already holds state (it has stepped): create it, or call prepare, "
-                         "before the first optimizer.step()")
+        raise ValueError(
+            "the optimizer already holds state (it has stepped): create it, or call prepare, "
+            "before the first optimizer.step()"
+        )
     for group in optimizer.param_groups:
         remapped = (acc._param_remap.get(id(p), p) for p in group["params"])
         group["params"] = [p for p in remapped if p is not DROPPED]
@@ -161,10 +171,16 @@ def prepare_optimizer(acc, optimizer: torch.optim.Optimizer) -> AcceleratedOptim
 
 def prepare_scheduler(acc, scheduler) -> AcceleratedScheduler:
     opt = getattr(scheduler, "optimizer", None)
-    optimizers = [o for o in acc._prepared_optimizers if o is opt or o.optimizer is opt] or acc._prepared_optimizers
+    optimizers = [
+        o for o in acc._prepared_optimizers if o is opt or o.optimizer is opt
+    ] or acc._prepared_optimizers
     wrapped = AcceleratedScheduler(
-        scheduler, optimizers, acc.gradient_state, steps_per_update=acc.dp_size,
-        step_with_optimizer=acc.step_scheduler_with_optimizer, split_batches=acc.split_batches,
+        scheduler,
+        optimizers,
+        acc.gradient_state,
+        steps_per_update=acc.dp_size,
+        step_with_optimizer=acc.step_scheduler_with_optimizer,
+        split_batches=acc.split_batches,
     )
     acc._schedulers.append(scheduler)
     return wrapped
@@ -181,17 +197,25 @@ def prepare_data_loader(acc, loader: DataLoader, device_placement=None) -> Prepa
     per_rank = loader.batch_size
     if cfg.split_batches and per_rank is not None:
         if per_rank % dp:
-            raise ValueError(f"split_batches=True needs the batch size ({per_rank}) to be a multiple of the "
-                             f"data-parallel size ({dp})")
+            raise ValueError(
+                f"split_batches=True needs the batch size ({per_rank}) to be a multiple of the "
+                f"data-parallel size ({dp})"
+            )
         per_rank //= dp
     place = acc.device_placement if device_placement is None else device_placement
     seed = cfg.data_seed if cfg.data_seed is not None else 0
-    sharded = shard_dataloader(loader, acc.dp_rank, dp, acc.device if place else None,
-                               batch_size=per_rank, seed=seed)
+    sharded = shard_dataloader(
+        loader, acc.dp_rank, dp, acc.device if place else None, batch_size=per_rank, seed=seed
+    )
     total = None
     if per_rank is not None and hasattr(loader.dataset, "__len__") and not loader.drop_last:
         total = len(loader.dataset)
-    prepared = PreparedDataLoader(sharded, acc.gradient_state, acc.rng_types, total_samples=total,
-                                  global_batch=per_rank * dp if per_rank else None)
+    prepared = PreparedDataLoader(
+        sharded,
+        acc.gradient_state,
+        acc.rng_types,
+        total_samples=total,
+        global_batch=per_rank * dp if per_rank else None,
+    )
     acc._dataloaders.append(prepared)
     return prepared

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,9 @@ class ProcessesMixin:
             @functools.wraps(fn)
             def runner(*args, **kwargs):
                 return fn(*args, **kwargs) if run_here() else None
+
             return runner
+
         return wrap(function) if function is not None else wrap
 
     def on_main_process(self, function: Callable | None = None):

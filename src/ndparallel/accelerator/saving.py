@@ -7,8 +7,9 @@ from __future__ import annotations
 import gc
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -61,21 +62,40 @@ class SavingMixin:
 
         return full_state_dict(model)
 
-    def save_model(self, model: nn.Module, save_directory, max_shard_size: int | str = "10GB",
-                   safe_serialization: bool = True, tokenizer=None, *, dtype=None) -> None:
+    def save_model(
+        self,
+        model: nn.Module,
+        save_directory,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+        tokenizer=None,
+        *,
+        dtype=None,
+    ) -> None:
         """A consolidated Hugging Face directory: weights in ``max_shard_size`` shards (safetensors,
         or ``pytorch_model*.bin`` with ``safe_serialization=False``) + config [+ tokenizer], one
         tensor gathered at a time; ``dtype`` casts floating tensors (default: as trained)."""
         from ndparallel.checkpoint.export import save_hf_model
 
-        save_hf_model(model, save_directory, is_main=self.is_main_process, tokenizer=tokenizer,
-                      max_shard_size=max_shard_size, safe_serialization=safe_serialization, dtype=dtype)
+        save_hf_model(
+            model,
+            save_directory,
+            is_main=self.is_main_process,
+            tokenizer=tokenizer,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+            dtype=dtype,
+        )
         self.wait_for_everyone()
 
     def save(self, obj: Any, f, safe_serialization: bool = False) -> None:
         """``torch.save`` (or safetensors for a dict of tensors) on the main process only
         (each node's local main with ``ProjectConfiguration(save_on_each_node=True)``)."""
-        writer = self.is_local_main_process if self.project_configuration.save_on_each_node else self.is_main_process
+        writer = (
+            self.is_local_main_process
+            if self.project_configuration.save_on_each_node
+            else self.is_main_process
+        )
         if not writer:
             return
         if safe_serialization:
@@ -89,10 +109,16 @@ class SavingMixin:
     def register_for_checkpointing(self, *objects) -> None:
         """Objects with ``state_dict``/``load_state_dict`` saved and restored by ``save_state`` /
         ``load_state`` (their tensors go into the DCP files, the rest into JSON)."""
-        bad = [i for i, o in enumerate(objects) if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        bad = [
+            i
+            for i, o in enumerate(objects)
+            if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))
+        ]
         if bad:
-            raise ValueError("All `objects` must include a `state_dict` and `load_state_dict` function to be "
-                             f"stored. Invalid: items at index {bad}")
+            raise ValueError(
+                "All `objects` must include a `state_dict` and `load_state_dict` function to be "
+                f"stored. Invalid: items at index {bad}"
+            )
         self._custom_objects.extend(objects)
 
     def register_save_state_pre_hook(self, hook: Callable) -> _Hook:
@@ -108,7 +134,9 @@ class SavingMixin:
         self._load_model_state_pre_hook[key] = hook
         return _Hook(self._load_model_state_pre_hook, key)
 
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs):
+    def save_state(
+        self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs
+    ):
         """Sharded checkpoint (DCP) of the prepared models, optimizers, schedulers, registered
         objects and RNG states; complete only once every rank has written; loadable on any layout.
         Nothing in it is unpickled on load, so ``safe_serialization`` holds either way. Without
@@ -116,8 +144,10 @@ class SavingMixin:
         from ndparallel.checkpoint import save_state
 
         if save_model_func_kwargs:
-            raise ValueError(f"save_state({', '.join(save_model_func_kwargs)}=...) are options of Accelerate's "
-                             "per-model weight files; DCP checkpoints take none (use save_model for HF files)")
+            raise ValueError(
+                f"save_state({', '.join(save_model_func_kwargs)}=...) are options of Accelerate's "
+                "per-model weight files; DCP checkpoints take none (use save_model for HF files)"
+            )
         output_dir = self._checkpoint_dir_for_save(output_dir)
         models = list(self._models)
         for hook in self._save_model_state_pre_hook.values():
@@ -125,8 +155,14 @@ class SavingMixin:
         extra = {"custom_objects": [o.state_dict() for o in self._custom_objects]}
         if self.scaler is not None:  # fp16: resume with the same loss scale
             extra["loss_scale"] = self.scaler.state_dict()
-        out = save_state(output_dir, models, self._optimizers_of(models), self._schedulers, extra=extra,
-                         layout=self.engine.dims)
+        out = save_state(
+            output_dir,
+            models,
+            self._optimizers_of(models),
+            self._schedulers,
+            extra=extra,
+            layout=self.engine.dims,
+        )
         self._rotate_automatic_checkpoints()  # only now that the new one is complete
         self.project_configuration.iteration += 1
         return str(out)
@@ -139,26 +175,33 @@ class SavingMixin:
         if project.automatic_checkpoint_naming and project.total_limit is not None and self.is_main_process:
             from ndparallel.checkpoint.directory import rotate_checkpoints
 
-            rotate_checkpoints(Path(project.project_dir or ".") / "checkpoints", project.total_limit,
-                               prefix="checkpoint_")
+            rotate_checkpoints(
+                Path(project.project_dir or ".") / "checkpoints", project.total_limit, prefix="checkpoint_"
+            )
         self.wait_for_everyone()
 
-    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs
+    ):
         """Load a ``save_state`` checkpoint into the prepared objects, resharding to this layout."""
         from ndparallel.checkpoint import load_state
 
         if load_kwargs or load_model_func_kwargs:
-            raise ValueError("load_state(load_kwargs / model kwargs) are options of Accelerate's torch.load "
-                             "of weight files; DCP checkpoints are read without them")
+            raise ValueError(
+                "load_state(load_kwargs / model kwargs) are options of Accelerate's torch.load "
+                "of weight files; DCP checkpoints are read without them"
+            )
         input_dir = self._checkpoint_dir_for_load(input_dir)
         models = list(self._models)
         for hook in self._load_model_state_pre_hook.values():
             hook(models, str(input_dir))
         out = load_state(input_dir, models, self._optimizers_of(models), self._schedulers)
-        saved = (out.get("custom_objects") or [])
+        saved = out.get("custom_objects") or []
         if len(saved) != len(self._custom_objects):
-            raise ValueError(f"checkpoint {input_dir} holds {len(saved)} registered objects, "
-                             f"{len(self._custom_objects)} are registered now")
+            raise ValueError(
+                f"checkpoint {input_dir} holds {len(saved)} registered objects, "
+                f"{len(self._custom_objects)} are registered now"
+            )
         for obj, state in zip(self._custom_objects, saved):
             obj.load_state_dict(state)
         if self.scaler is not None and out.get("loss_scale"):
@@ -173,16 +216,20 @@ class SavingMixin:
         project = self.project_configuration
         if not project.automatic_checkpoint_naming:
             if output_dir is None:
-                raise ValueError("save_state() needs output_dir, or ProjectConfiguration(project_dir=..., "
-                                 "automatic_checkpoint_naming=True)")
+                raise ValueError(
+                    "save_state() needs output_dir, or ProjectConfiguration(project_dir=..., "
+                    "automatic_checkpoint_naming=True)"
+                )
             return Path(os.path.expanduser(str(output_dir)))
         root = Path(project.project_dir or ".") / "checkpoints"
         if self.is_main_process:
             root.mkdir(parents=True, exist_ok=True)
         target = root / f"checkpoint_{project.iteration}"
         if target.exists() and not validate_checkpoint(target, deep=False):  # a failed save may be retried
-            raise ValueError(f"Checkpoint directory {target} already exists: set "
-                             "accelerator.project_configuration.iteration to the next free number")
+            raise ValueError(
+                f"Checkpoint directory {target} already exists: set "
+                "accelerator.project_configuration.iteration to the next free number"
+            )
         self.wait_for_everyone()
         return target
 

@@ -4,7 +4,8 @@ prepared optimizer/scheduler skipping until the step completes), clipping, autoc
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -84,8 +85,9 @@ class SteppingMixin:
         yield
 
     # -------------------------------------------------------- loss, backward
-    def global_num_items(self, micro_batches: Iterable[Mapping[str, torch.Tensor]],
-                         label_key: str = "shift_labels") -> torch.Tensor:
+    def global_num_items(
+        self, micro_batches: Iterable[Mapping[str, torch.Tensor]], label_key: str = "shift_labels"
+    ) -> torch.Tensor:
         """Non-ignored label tokens of this optimizer step over all micro-batches and dp ranks
         (count *before* CP sharding), an int64 tensor on the device (no host sync). Divide each
         micro-batch's token-loss sum by this."""
@@ -95,19 +97,23 @@ class SteppingMixin:
         """The context the loss forward and backward must run in (``loss_parallel`` under TP)."""
         return self.engine.loss_context()
 
-    def causal_lm_loss(self, logits: torch.Tensor, shift_labels: torch.Tensor,
-                       num_items_in_batch: int | torch.Tensor):
+    def causal_lm_loss(
+        self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch: int | torch.Tensor
+    ):
         """Token-loss sum of this rank / the global token count (see ``global_num_items``)."""
         return self.engine.causal_lm_loss(logits, shift_labels, num_items_in_batch)
 
-    def forward_loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor],
-                     num_items_in_batch: int | torch.Tensor) -> torch.Tensor:
+    def forward_loss(
+        self, model: nn.Module, batch: Mapping[str, torch.Tensor], num_items_in_batch: int | torch.Tensor
+    ) -> torch.Tensor:
         """Forward ``batch`` (``input_ids``, ``shift_labels``, ``position_ids``; CP-sharded already
         inside ``maybe_context_parallel``) and return this rank's token-loss sum / the global token
         count (``Engine.forward_loss``: the chunked loss where exact, else the logits)."""
         return self.engine.forward_loss(model, batch, num_items_in_batch)
 
-    def pipeline_step(self, model: nn.Module, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> torch.Tensor:
+    def pipeline_step(
+        self, model: nn.Module, micro_batches: Sequence[Mapping[str, torch.Tensor]]
+    ) -> torch.Tensor:
         """Under pipeline parallel (``pp_size`` > 1, ndparallel's own: Accelerate has none), the
         forward and backward of one optimizer step's micro-batches (``input_ids``,
         ``shift_labels``, ``position_ids``; this dp rank's, not CP-sharded) through the stages;
@@ -115,8 +121,10 @@ class SteppingMixin:
         ``optimizer.step()`` as usual: ``model(...)`` cannot run a model cut into stages."""
         pipeline = self.engine.pipeline_of(model)
         if pipeline is None:
-            raise ValueError("pipeline_step needs a model prepared with pp_size > 1; without pipeline parallel "
-                             "run forward_loss and backward per micro-batch")
+            raise ValueError(
+                "pipeline_step needs a model prepared with pp_size > 1; without pipeline parallel "
+                "run forward_loss and backward per micro-batch"
+            )
         from ndparallel.engine import batch_to_device
 
         micro_batches = [batch_to_device(mb, self.engine.device) for mb in micro_batches]
@@ -124,8 +132,9 @@ class SteppingMixin:
         scale = self.scaler.scale if self.scaler is not None else None
         return self.engine.reduce_step_loss(pipeline.forward_backward(micro_batches, n_items, scale))
 
-    def backward(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
-                 **kwargs) -> None:
+    def backward(
+        self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None, **kwargs
+    ) -> None:
         """Back-propagate ``loss``.
 
         With ``num_items_in_batch`` the loss is taken as already divided by the global token count
@@ -134,8 +143,9 @@ class SteppingMixin:
         it is divided by the accumulation steps (as Accelerate does) and the number of dp×cp ranks
         (gradients are summed over ranks here, averaged in Accelerate: the same result)."""
         if kwargs.pop("learning_rate", None) is not None:
-            raise ValueError("backward(learning_rate=...) is LOMO's fused update, not supported: "
-                             "use a torch optimizer")
+            raise ValueError(
+                "backward(learning_rate=...) is LOMO's fused update, not supported: use a torch optimizer"
+            )
         if num_items_in_batch is None:
             dims = self.engine.dims
             loss = loss / (self.gradient_accumulation_steps * dims.dp * dims.cp)
@@ -144,8 +154,10 @@ class SteppingMixin:
         self.engine.backward(loss, **kwargs)
 
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
-        raise NotImplementedError("LOMO optimizers are not supported by ndparallel: use a torch optimizer "
-                                  "and accelerator.backward(loss)")
+        raise NotImplementedError(
+            "LOMO optimizers are not supported by ndparallel: use a torch optimizer "
+            "and accelerator.backward(loss)"
+        )
 
     # ------------------------------------------------------------- gradients
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0):
@@ -187,7 +199,11 @@ class SteppingMixin:
         if dtype is None or (handler is not None and not handler.enabled):
             yield
             return
-        kwargs = {} if handler is None or handler.cache_enabled is None else {"cache_enabled": handler.cache_enabled}
+        kwargs = (
+            {}
+            if handler is None or handler.cache_enabled is None
+            else {"cache_enabled": handler.cache_enabled}
+        )
         with torch.autocast(device_type=self.device.type, dtype=dtype, **kwargs):
             yield
 

@@ -25,7 +25,9 @@ from ndparallel.tracking.trackers import (  # noqa: F401  (Accelerate's import p
 def filter_trackers(log_with, logging_dir=None, warn: bool = True) -> list:
     """The trackers to start for ``log_with``: JSON lines always, then each requested one that is
     installed (one warning for each that is not), custom ``GeneralTracker`` instances as given."""
-    requested = [] if log_with is None else (list(log_with) if isinstance(log_with, (list, tuple)) else [log_with])
+    requested = (
+        [] if log_with is None else (list(log_with) if isinstance(log_with, (list, tuple)) else [log_with])
+    )
     out: list = ["jsonl"]
     for item in requested:
         if isinstance(item, GeneralTracker):
@@ -41,15 +43,21 @@ def filter_trackers(log_with, logging_dir=None, warn: bool = True) -> list:
                 continue
             if not is_installed(n):
                 if warn:
-                    warnings.warn(f"log_with={n!r}: {n} is not installed, so it is skipped (pip install {n}); "
-                                  "metrics still go to the jsonl tracker")
+                    warnings.warn(
+                        f"log_with={n!r}: {n} is not installed, so it is skipped (pip install {n}); "
+                        "metrics still go to the jsonl tracker"
+                    )
                 continue
             if n not in TRACKERS:
-                raise ValueError(f"log_with={n!r} is installed but not supported by ndparallel: use one of "
-                                 f"{sorted(TRACKERS)}, or pass a GeneralTracker subclass instance")
+                raise ValueError(
+                    f"log_with={n!r} is installed but not supported by ndparallel: use one of "
+                    f"{sorted(TRACKERS)}, or pass a GeneralTracker subclass instance"
+                )
             if TRACKERS[n].requires_logging_directory and n != "jsonl" and logging_dir is None:
-                raise ValueError(f"Logging with `{n}` requires a `logging_dir`: pass project_dir= or "
-                                 "project_config=ProjectConfiguration(logging_dir=...)")
+                raise ValueError(
+                    f"Logging with `{n}` requires a `logging_dir`: pass project_dir= or "
+                    "project_config=ProjectConfiguration(logging_dir=...)"
+                )
             out.append(n)
     return out
 

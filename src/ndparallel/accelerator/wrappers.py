@@ -29,10 +29,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._steps = 0
 
     state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, "state", v))
-    param_groups = property(lambda self: self.optimizer.param_groups,
-                            lambda self, v: setattr(self.optimizer, "param_groups", v))
-    defaults = property(lambda self: self.optimizer.defaults,
-                        lambda self, v: setattr(self.optimizer, "defaults", v))
+    param_groups = property(
+        lambda self: self.optimizer.param_groups, lambda self, v: setattr(self.optimizer, "param_groups", v)
+    )
+    defaults = property(
+        lambda self: self.optimizer.defaults, lambda self, v: setattr(self.optimizer, "defaults", v)
+    )
 
     def add_param_group(self, param_group: dict) -> None:
         self.optimizer.add_param_group(param_group)
@@ -90,8 +92,15 @@ class AcceleratedScheduler:
     advances it ``dp_size`` times, because the global batch is ``dp_size`` loader batches
     (Accelerate advances it by the world size, which over-counts tp/cp ranks sharing a batch)."""
 
-    def __init__(self, scheduler, optimizers, gradient_state: GradientState, steps_per_update: int,
-                 step_with_optimizer: bool = True, split_batches: bool = False):
+    def __init__(
+        self,
+        scheduler,
+        optimizers,
+        gradient_state: GradientState,
+        steps_per_update: int,
+        step_with_optimizer: bool = True,
+        split_batches: bool = False,
+    ):
         self.scheduler = scheduler
         self.optimizers = list(optimizers)
         self.gradient_state = gradient_state
@@ -157,8 +166,15 @@ class PreparedDataLoader:
     tells ``gradient_state`` when the last batch is out (it then completes a step). Every other
     attribute is the loader's."""
 
-    def __init__(self, loader, gradient_state: GradientState, rng_types=(), skip_batches: int = 0,
-                 total_samples: int | None = None, global_batch: int | None = None):
+    def __init__(
+        self,
+        loader,
+        gradient_state: GradientState,
+        rng_types=(),
+        skip_batches: int = 0,
+        total_samples: int | None = None,
+        global_batch: int | None = None,
+    ):
         self.loader = loader
         self.gradient_state = gradient_state
         self.rng_types = list(rng_types)
@@ -184,7 +200,9 @@ class PreparedDataLoader:
 
     def __iter__(self):
         self.set_epoch(self.iteration)  # as Accelerate: each pass over the data is a new epoch
-        synchronize_rng_states(self.rng_types, getattr(getattr(self.loader, "loader", self.loader), "generator", None))
+        synchronize_rng_states(
+            self.rng_types, getattr(getattr(self.loader, "loader", self.loader), "generator", None)
+        )
         state = self.gradient_state
         state.end_of_dataloader, state.in_dataloader, state.remainder = False, True, self._remainder()
         it = iter(self.loader)

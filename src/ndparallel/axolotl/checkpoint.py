@@ -10,16 +10,24 @@ from typing import Any
 
 from ndparallel.axolotl.keys import Translation, is_empty
 
-MXFP4_NOTE = ("the checkpoint's MXFP4 expert weights (*_blocks + *_scales) are dequantised on load to the run's "
-              "dtype, exactly, each rank only its experts; the model trains and is saved unquantised (a bf16 "
-              "checkpoint loads unchanged)")
-MXFP4_FIX = ("an MXFP4 base is not trained as it is here: set model_quantization_config_kwargs: {dequantize: true} "
-             "(the experts dequantised on load, as Axolotl's gpt-oss examples train)")
-LINEARIZED_NOTE = ("the checkpoint's per-expert linears (experts.gate_projs / up_projs / down_projs) are fused "
-                   "into transformers' Llama 4 experts on load (the same model); saved in transformers' layout")
-LINEARIZED_LORA_FIX = ("Axolotl's linearized expert linears are fused into transformers' 3-D expert weights "
-                       "(experts.gate_up_proj / down_proj), which LoRA cannot target: remove these entries "
-                       "(LoRA on attention and shared_expert as listed trains)")
+MXFP4_NOTE = (
+    "the checkpoint's MXFP4 expert weights (*_blocks + *_scales) are dequantised on load to the run's "
+    "dtype, exactly, each rank only its experts; the model trains and is saved unquantised (a bf16 "
+    "checkpoint loads unchanged)"
+)
+MXFP4_FIX = (
+    "an MXFP4 base is not trained as it is here: set model_quantization_config_kwargs: {dequantize: true} "
+    "(the experts dequantised on load, as Axolotl's gpt-oss examples train)"
+)
+LINEARIZED_NOTE = (
+    "the checkpoint's per-expert linears (experts.gate_projs / up_projs / down_projs) are fused "
+    "into transformers' Llama 4 experts on load (the same model); saved in transformers' layout"
+)
+LINEARIZED_LORA_FIX = (
+    "Axolotl's linearized expert linears are fused into transformers' 3-D expert weights "
+    "(experts.gate_up_proj / down_proj), which LoRA cannot target: remove these entries "
+    "(LoRA on attention and shared_expert as listed trains)"
+)
 _EXPERT_LINEARS = re.compile(r"experts\.(gate|up|down)_projs")
 _KWARGS = "model_quantization_config_kwargs"
 
@@ -37,12 +45,20 @@ def model_quantization(t: Translation, key: str, value: Any) -> None:
     if is_empty(config):
         t.refuse(_KWARGS, kwargs, "given without model_quantization_config: remove it")
     elif str(config).lower() not in ("mxfp4config", "mxfp4"):
-        t.refuse("model_quantization_config", config, "only Mxfp4Config (with dequantize: true) is read here; "
-                 "remove it (a 4-bit NF4 base: adapter: qlora + load_in_4bit: true; a bf16 base: bf16: true)")
+        t.refuse(
+            "model_quantization_config",
+            config,
+            "only Mxfp4Config (with dequantize: true) is read here; "
+            "remove it (a 4-bit NF4 base: adapter: qlora + load_in_4bit: true; a bf16 base: bf16: true)",
+        )
     elif not isinstance(kwargs, dict) or kwargs.get("dequantize") is not True:
         t.refuse(_KWARGS if kwargs else "model_quantization_config", kwargs or config, MXFP4_FIX)
     elif set(kwargs) - {"dequantize"}:
-        t.refuse(_KWARGS, sorted(set(kwargs) - {"dequantize"}), "only dequantize: true is understood; remove the rest")
+        t.refuse(
+            _KWARGS,
+            sorted(set(kwargs) - {"dequantize"}),
+            "only dequantize: true is understood; remove the rest",
+        )
     else:
         t.notes.append(f"model_quantization_config: {config} + dequantize: true -> {MXFP4_NOTE}")
 

@@ -9,8 +9,10 @@ from pathlib import Path
 
 from ndparallel.axolotl.keys import DATASET, FSDP, PLUGINS, TOP, Rule
 
-BEGIN, END = "<!-- axolotl-keys:begin (generated: python -m ndparallel.axolotl.doc) -->", \
-    "<!-- axolotl-keys:end -->"
+BEGIN, END = (
+    "<!-- axolotl-keys:begin (generated: python -m ndparallel.axolotl.doc) -->",
+    "<!-- axolotl-keys:end -->",
+)
 HONOURED = (
     "base_model tokenizer_config trust_remote_code attn_implementation flash_attention sdp_attention "
     "dp_replicate_size dp_shard_size tensor_parallel_size context_parallel_size fsdp_config fsdp_version "
@@ -29,7 +31,8 @@ HONOURED = (
     "mlflow_experiment_name mlflow_run_name hf_mlflow_log_artifacts device revision_of_model model_revision "
     "dataset_exact_deduplication curriculum_sampling sample_packing_sequentially use_swanlab swanlab_project "
     "swanlab_experiment_name swanlab_description swanlab_workspace swanlab_mode use_otel_metrics otel_metrics_host "
-    "otel_metrics_port").split()
+    "otel_metrics_port"
+).split()
 """Axolotl's top-level keys ``TrainConfig`` reads under the same name (``tokenizer_config`` via the
 translation; ``wandb_watch``, ``wandb_log_model`` and ``hf_mlflow_log_artifacts``: empty only)."""
 
@@ -60,8 +63,10 @@ def _grouped(table: dict[str, Rule], kinds: tuple[str, ...]) -> list[str]:
         if rule.kind in kinds:
             groups.setdefault((rule.kind, rule.text), []).append(key)
     label = {"mapped": "mapped", "ignored": "accepted, no effect", "noop": "no-op when empty; set: refused"}
-    return [f"| {_names(keys)} | {label[kind]} | {text.replace('|', '/')} |"
-            for (kind, text), keys in sorted(groups.items(), key=lambda g: (g[0][0], sorted(g[1])[0]))]
+    return [
+        f"| {_names(keys)} | {label[kind]} | {text.replace('|', '/')} |"
+        for (kind, text), keys in sorted(groups.items(), key=lambda g: (g[0][0], sorted(g[1])[0]))
+    ]
 
 
 def docs_table() -> str:
@@ -69,8 +74,21 @@ def docs_table() -> str:
     rows = [*head, *_grouped(TOP, ("mapped",)), *_grouped(TOP, ("ignored",)), *_grouped(TOP, ("noop",))]
     nested = [*head, *_grouped(DATASET, ("mapped", "ignored", "noop"))]
     fsdp = [*head, *_grouped(FSDP, ("mapped", "ignored", "noop"))]
-    return "\n".join(["Top-level keys:", "", *rows, "", "A `datasets:` / `pretraining_dataset:` entry:", "",
-                      *nested, "", "`fsdp_config` (Axolotl's legacy `fsdp_` prefix is dropped first):", "", *fsdp])
+    return "\n".join(
+        [
+            "Top-level keys:",
+            "",
+            *rows,
+            "",
+            "A `datasets:` / `pretraining_dataset:` entry:",
+            "",
+            *nested,
+            "",
+            "`fsdp_config` (Axolotl's legacy `fsdp_` prefix is dropped first):",
+            "",
+            *fsdp,
+        ]
+    )
 
 
 def replace_block(text: str, block: str) -> str:
@@ -80,7 +98,7 @@ def replace_block(text: str, block: str) -> str:
 
 
 def current_block(text: str) -> str:
-    return text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip("\n")
+    return text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip("\n")
 
 
 def main(root: str = ".") -> int:

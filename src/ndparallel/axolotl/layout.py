@@ -10,8 +10,16 @@ from typing import Any
 
 from ndparallel.axolotl.keys import FSDP, Translation, is_empty, short
 
-DEGREES = ("dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size", "tp_size",
-           "cp_size", "pipeline_parallel_size", "pp_size")
+DEGREES = (
+    "dp_replicate_size",
+    "dp_shard_size",
+    "tensor_parallel_size",
+    "context_parallel_size",
+    "tp_size",
+    "cp_size",
+    "pipeline_parallel_size",
+    "pp_size",
+)
 
 
 def _no_degrees(t: Translation) -> bool:
@@ -32,13 +40,17 @@ def default_layout(t: Translation) -> None:
     asks for FSDP); on CPU, over ``--nproc-per-node`` ranks."""
     if not _no_degrees(t) or any(k in t.data for k in DEGREES):
         return
-    experts = any(isinstance(t.data.get(k), int) and t.data[k] > 1 for k in ("expert_parallel_size", "ep_size"))
+    experts = any(
+        isinstance(t.data.get(k), int) and t.data[k] > 1 for k in ("expert_parallel_size", "ep_size")
+    )
     fsdp = bool(t.data.get("fsdp_config")) or t.data.get("fsdp_version") is not None or experts
     key = "dp_shard_size" if fsdp else "dp_replicate_size"
     t.data[key] = -1
-    t.notes.append(f"no parallelism degree given: {'FSDP2' if fsdp else 'data parallel'} over every local device "
-                   f"({key}: -1: every GPU; on CPU --nproc-per-node N ranks, default 1)"
-                   + ("; expert_parallel_size borrows its ranks from those FSDP ranks" if experts else ""))
+    t.notes.append(
+        f"no parallelism degree given: {'FSDP2' if fsdp else 'data parallel'} over every local device "
+        f"({key}: -1: every GPU; on CPU --nproc-per-node N ranks, default 1)"
+        + ("; expert_parallel_size borrows its ranks from those FSDP ranks" if experts else "")
+    )
 
 
 def fsdp_list(t: Translation, key: str, value: Any) -> None:
@@ -47,11 +59,18 @@ def fsdp_list(t: Translation, key: str, value: Any) -> None:
     words = value.split() if isinstance(value, str) else [str(v) for v in value]
     fsdp = t.data.setdefault("fsdp_config", {}) or {}
     t.data["fsdp_config"] = fsdp
-    unknown = [w for w in words if w not in ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard", "offload",
-                                             "auto_wrap")]
+    unknown = [
+        w
+        for w in words
+        if w not in ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard", "offload", "auto_wrap")
+    ]
     if unknown or "hybrid_shard" in words:
-        t.refuse(key, value, "use full_shard, shard_grad_op, offload, auto_wrap (hybrid sharding: set "
-                 "dp_replicate_size = nodes and dp_shard_size = GPUs per node)")
+        t.refuse(
+            key,
+            value,
+            "use full_shard, shard_grad_op, offload, auto_wrap (hybrid sharding: set "
+            "dp_replicate_size = nodes and dp_shard_size = GPUs per node)",
+        )
         return
     if "shard_grad_op" in words:
         fsdp.setdefault("reshard_after_forward", False)
@@ -64,7 +83,9 @@ def fsdp_list(t: Translation, key: str, value: Any) -> None:
 def fsdp_version(t: Translation, key: str, value: Any) -> None:
     if value in (1, "1"):
         t.data[key] = 2
-        t.notes.append("fsdp_version: 1 -> FSDP2 (per-parameter sharding of the same model: the same training)")
+        t.notes.append(
+            "fsdp_version: 1 -> FSDP2 (per-parameter sharding of the same model: the same training)"
+        )
 
 
 def deepspeed(t: Translation, key: str, value: Any) -> None:
@@ -72,8 +93,12 @@ def deepspeed(t: Translation, key: str, value: Any) -> None:
         return
     stage, offload = _zero_settings(value)
     if stage is None:
-        t.refuse(key, value, "not a readable DeepSpeed ZeRO config (a JSON file with zero_optimization.stage, "
-                 "or Axolotl's deepspeed_configs/zero{1,2,3}*.json): remove it and use fsdp_config")
+        t.refuse(
+            key,
+            value,
+            "not a readable DeepSpeed ZeRO config (a JSON file with zero_optimization.stage, "
+            "or Axolotl's deepspeed_configs/zero{1,2,3}*.json): remove it and use fsdp_config",
+        )
         return
     fsdp = t.data.setdefault("fsdp_config", {}) or {}
     t.data["fsdp_config"] = fsdp
@@ -97,7 +122,9 @@ def _zero_settings(value: Any) -> tuple[int | None, bool]:
             name = path.name
             for stage in (1, 2, 3):
                 if name.startswith(f"zero{stage}") and name.endswith(".json"):
-                    return stage, "cpuoffload" in name and "params" in name or name.endswith("cpuoffload_all.json")
+                    return stage, "cpuoffload" in name and "params" in name or name.endswith(
+                        "cpuoffload_all.json"
+                    )
             return None, False
     zero = value.get("zero_optimization", {}) if isinstance(value, dict) else {}
     stage = zero.get("stage")
@@ -112,8 +139,10 @@ def fsdp_config(t: Translation) -> None:
     renamed = [k for k in fsdp if k.startswith("fsdp_")]
     out = {k.removeprefix("fsdp_") if k != "fsdp_version" else "version": v for k, v in fsdp.items()}
     if renamed:
-        t.notes.append(f"fsdp_config: Axolotl's legacy fsdp_ prefix dropped ({', '.join(renamed[:3])}"
-                       f"{', ...' if len(renamed) > 3 else ''})")
+        t.notes.append(
+            f"fsdp_config: Axolotl's legacy fsdp_ prefix dropped ({', '.join(renamed[:3])}"
+            f"{', ...' if len(renamed) > 3 else ''})"
+        )
     for old, new in (("offload_params", "cpu_offload"), ("transformer_layer_cls_to_wrap", "layer_classes")):
         if old in out:
             t.rename_in(out, "fsdp_config", old, new)
@@ -127,8 +156,10 @@ def fsdp_config(t: Translation) -> None:
             if not is_empty(value) and value not in (2, "2") and t.data.get("fsdp_version") in (None, 1, "1"):
                 t.notes.append("fsdp_config.fsdp_version: 1 -> FSDP2 (the same training)")
             elif not is_empty(value) and t.data.get("fsdp_version") not in (None, value):
-                t.problems.append(f"fsdp_config.fsdp_version: {value} and fsdp_version: {t.data['fsdp_version']} "
-                                  "disagree; keep one")
+                t.problems.append(
+                    f"fsdp_config.fsdp_version: {value} and fsdp_version: {t.data['fsdp_version']} "
+                    "disagree; keep one"
+                )
         elif key == "sharding_strategy":
             _sharding_strategy(t, out, value)
         elif not is_empty(value, rule.default):
@@ -147,7 +178,11 @@ def _sharding_strategy(t: Translation, fsdp: dict, value: Any) -> None:
     elif name in ("NO_SHARD", "3"):
         return
     else:
-        t.refuse("fsdp_config.sharding_strategy", value, "hybrid sharding: set dp_replicate_size = nodes and "
-                 "dp_shard_size = GPUs per node; else FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")
+        t.refuse(
+            "fsdp_config.sharding_strategy",
+            value,
+            "hybrid sharding: set dp_replicate_size = nodes and "
+            "dp_shard_size = GPUs per node; else FULL_SHARD, SHARD_GRAD_OP or NO_SHARD",
+        )
         return
     _shard_everything(t, f"fsdp_config.sharding_strategy: {name}")

@@ -33,8 +33,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
         if data is None or data == {}:
-            raise ConfigError(f"{p} is empty: write at least base_model and datasets (or run ndparallel train "
-                              "without a config for the built-in quickstart)")
+            raise ConfigError(
+                f"{p} is empty: write at least base_model and datasets (or run ndparallel train "
+                "without a config for the built-in quickstart)"
+            )
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of keys to values")
     for item in overrides:
@@ -45,22 +47,28 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     try:
         cfg = TrainConfig.model_validate(found.data)
     except ValidationError as e:
-        problems += [_as_written(line, found.renamed) for line in validation_problems(e, TrainConfig, NESTED, TOP)]
+        problems += [
+            _as_written(line, found.renamed) for line in validation_problems(e, TrainConfig, NESTED, TOP)
+        ]
     if problems:
         raise ConfigError(join_problems(source, problems))
     cfg._axolotl_notes = found.notes
     return cfg
 
 
-NESTED = {"fsdp_config": FSDPConfig, "datasets": DatasetConfig, "pretraining_dataset": DatasetConfig,
-          "special_tokens": SpecialTokens}
+NESTED = {
+    "fsdp_config": FSDPConfig,
+    "datasets": DatasetConfig,
+    "pretraining_dataset": DatasetConfig,
+    "special_tokens": SpecialTokens,
+}
 
 
 def _as_written(problem: str, renamed: dict[str, str]) -> str:
     """A schema problem about a renamed key's value names the key as the config wrote it."""
     for target, source in renamed.items():
         if problem.startswith(f"'{target}'"):
-            return f"'{source}'" + problem[len(target) + 2:]
+            return f"'{source}'" + problem[len(target) + 2 :]
     return problem
 
 

@@ -10,18 +10,19 @@ did-you-mean. Only the raw mapping is read: nothing here imports the schema.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from ndparallel.optim.lowbit import OPTIMIZER_NAMES
 from ndparallel.axolotl.checkpoint import linearized_experts, model_quantization
 from ndparallel.axolotl.keys import DATASET, PLUGINS, TOP, Translation, is_empty, short
 from ndparallel.axolotl.layout import (
-    default_layout,
     deepspeed,
+    default_layout,
     fsdp_config,
     fsdp_list,
     fsdp_version,
 )
+from ndparallel.optim.lowbit import OPTIMIZER_NAMES
 
 
 def translate(raw: dict, own_keys: set[str]) -> Translation:
@@ -46,8 +47,9 @@ def translate(raw: dict, own_keys: set[str]) -> Translation:
         if isinstance(entries, dict):
             entries = t.data[name] = [entries]
         if isinstance(entries, list):
-            t.data[name] = [_dataset(t, f"{name}[{i}]", d) if isinstance(d, dict) else d
-                            for i, d in enumerate(entries)]
+            t.data[name] = [
+                _dataset(t, f"{name}[{i}]", d) if isinstance(d, dict) else d for i, d in enumerate(entries)
+            ]
     return t
 
 
@@ -55,8 +57,10 @@ def translate(raw: dict, own_keys: set[str]) -> Translation:
 def _set(t: Translation, key: str, value: Any, why: str, source: str) -> None:
     """``key: value`` unless the config sets ``key`` itself to something else (then a problem)."""
     if key in t.data and t.data[key] is not None and t.data[key] != value:
-        t.problems.append(f"'{source}' means {key}: {short(value)} but the config sets {key}: "
-                          f"{short(t.data[key])}; keep one")
+        t.problems.append(
+            f"'{source}' means {key}: {short(value)} but the config sets {key}: "
+            f"{short(t.data[key])}; keep one"
+        )
         return
     t.data[key] = value
     if why:
@@ -67,8 +71,14 @@ def _bf16(t: Translation, key: str, value: Any) -> None:
     if value in ("auto", "full"):
         on = _bf16_gpu()
         t.data[key] = on
-        t.notes.append(f"bf16: {value} -> {str(on).lower()} (" + ("this machine's GPU computes in bf16)" if on else
-                       "no GPU computing in bf16 here: fp32; on a bf16 GPU the same config trains in bf16)"))
+        t.notes.append(
+            f"bf16: {value} -> {str(on).lower()} ("
+            + (
+                "this machine's GPU computes in bf16)"
+                if on
+                else "no GPU computing in bf16 here: fp32; on a bf16 GPU the same config trains in bf16)"
+            )
+        )
 
 
 def _bf16_gpu() -> bool:
@@ -90,37 +100,65 @@ def _precision_flag(t: Translation, key: str, value: Any) -> None:
     if key == "float16":  # Axolotl: load in fp16; here fp16 mixed precision ("fp16: false" beside it is moot)
         if t.data.get("fp16") is False:
             t.data["fp16"] = None
-        _set(t, "fp16", True, "float16: true -> fp16: true (fp16 compute, fp32 master weights, dynamic loss "
-             "scaling; Axolotl would load the model in fp16, ndparallel keeps fp32 masters)", key)
+        _set(
+            t,
+            "fp16",
+            True,
+            "float16: true -> fp16: true (fp16 compute, fp32 master weights, dynamic loss "
+            "scaling; Axolotl would load the model in fp16, ndparallel keeps fp32 masters)",
+            key,
+        )
         return
     bf16 = key == "bfloat16"
-    _set(t, "bf16", bf16, f"{key}: true -> bf16: {str(bf16).lower()}"
-         + (" (bf16 compute, fp32 master weights)" if bf16 else ""), key)
+    _set(
+        t,
+        "bf16",
+        bf16,
+        f"{key}: true -> bf16: {str(bf16).lower()}"
+        + (" (bf16 compute, fp32 master weights)" if bf16 else ""),
+        key,
+    )
 
 
 def _gradient_checkpointing(t: Translation, key: str, value: Any) -> None:
     if value == "offload_disk":
-        t.refuse(key, value, "offloading to disk is not supported: use gradient_checkpointing: true with "
-                 "activation_offloading: true (pinned host memory)")
+        t.refuse(
+            key,
+            value,
+            "offloading to disk is not supported: use gradient_checkpointing: true with "
+            "activation_offloading: true (pinned host memory)",
+        )
         return
     if value == "offload":  # Axolotl's deprecated spelling of checkpointing + activation offloading
-        _set(t, "activation_offloading", True, "gradient_checkpointing: offload -> activation_offloading: true", key)
+        _set(
+            t,
+            "activation_offloading",
+            True,
+            "gradient_checkpointing: offload -> activation_offloading: true",
+            key,
+        )
     if not is_empty(value):
         fsdp = t.data.setdefault("fsdp_config", {}) or {}
         t.data["fsdp_config"] = fsdp
         if fsdp.get("activation_checkpointing") is False:
-            t.problems.append("'gradient_checkpointing: true' and 'fsdp_config.activation_checkpointing: false' "
-                              "disagree; keep one")
+            t.problems.append(
+                "'gradient_checkpointing: true' and 'fsdp_config.activation_checkpointing: false' "
+                "disagree; keep one"
+            )
             return
         fsdp["activation_checkpointing"] = True
-        t.notes.append("gradient_checkpointing: true -> fsdp_config.activation_checkpointing: true (each decoder "
-                       "layer recomputed in the backward)")
+        t.notes.append(
+            "gradient_checkpointing: true -> fsdp_config.activation_checkpointing: true (each decoder "
+            "layer recomputed in the backward)"
+        )
 
 
 def _activation_offloading(t: Translation, key: str, value: Any) -> None:
     if value == "legacy":  # Axolotl's older implementation of the same offload
         t.data[key] = True
-        t.notes.append("activation_offloading: legacy -> true (checkpointed activations to pinned host memory)")
+        t.notes.append(
+            "activation_offloading: legacy -> true (checkpointed activations to pinned host memory)"
+        )
 
 
 def _checkpointing_kwargs(t: Translation, key: str, value: Any) -> None:
@@ -128,7 +166,9 @@ def _checkpointing_kwargs(t: Translation, key: str, value: Any) -> None:
         return
     extra = sorted(set(value) - {"use_reentrant"}) if isinstance(value, dict) else [value]
     if extra:
-        t.refuse(key, value, "only use_reentrant is understood (ndparallel checkpoints non-reentrantly); remove it")
+        t.refuse(
+            key, value, "only use_reentrant is understood (ndparallel checkpoints non-reentrantly); remove it"
+        )
     elif value.get("use_reentrant"):
         t.notes.append(f"{key}: use_reentrant: true -> non-reentrant checkpointing (the same gradients)")
 
@@ -138,6 +178,7 @@ def _rename(target: str) -> Callable:
         if not is_empty(value):
             _set(t, target, value, "", key)
             t.renamed[target] = key
+
     return mapper
 
 
@@ -155,8 +196,14 @@ def _note_if_set(t: Translation, key: str, value: Any) -> None:
 
 def _auto_resume(t: Translation, key: str, value: Any) -> None:
     if value is True and not t.data.get("resume_from_checkpoint"):
-        _set(t, "resume_from_checkpoint", "auto", "auto_resume_from_checkpoints: true -> resume_from_checkpoint: "
-             "auto (the newest complete checkpoint in output_dir)", key)
+        _set(
+            t,
+            "resume_from_checkpoint",
+            "auto",
+            "auto_resume_from_checkpoints: true -> resume_from_checkpoint: "
+            "auto (the newest complete checkpoint in output_dir)",
+            key,
+        )
 
 
 def _batch_size(t: Translation, key: str, value: Any) -> None:
@@ -164,23 +211,39 @@ def _batch_size(t: Translation, key: str, value: Any) -> None:
         return
     micro = t.data.get("micro_batch_size") or 1
     if not isinstance(value, int) or value % micro:
-        t.refuse(key, value, f"must be a multiple of micro_batch_size ({micro}); or set "
-                 "gradient_accumulation_steps instead")
+        t.refuse(
+            key,
+            value,
+            f"must be a multiple of micro_batch_size ({micro}); or set gradient_accumulation_steps instead",
+        )
         return
-    _set(t, "gradient_accumulation_steps", value // micro, f"batch_size: {value} -> gradient_accumulation_steps: "
-         f"{value // micro} (= batch_size / micro_batch_size per rank)", key)
+    _set(
+        t,
+        "gradient_accumulation_steps",
+        value // micro,
+        f"batch_size: {value} -> gradient_accumulation_steps: "
+        f"{value // micro} (= batch_size / micro_batch_size per rank)",
+        key,
+    )
 
 
 def _warmup_steps(t: Translation, key: str, value: Any) -> None:
     if isinstance(value, float) and 0 < value < 1:
         del t.data[key]
-        _set(t, "warmup_ratio", value, f"warmup_steps: {value:g} -> warmup_ratio: {value:g} (a value below 1 is a "
-             "fraction of the run's steps, as transformers reads it)", key)
+        _set(
+            t,
+            "warmup_ratio",
+            value,
+            f"warmup_steps: {value:g} -> warmup_ratio: {value:g} (a value below 1 is a "
+            "fraction of the run's steps, as transformers reads it)",
+            key,
+        )
 
 
 def _strategy(steps: str, per_epoch: str, none: str, best_fix: str | None = None) -> Callable:
     """transformers' eval / save strategy: ``no`` -> neither ``steps`` nor ``per_epoch`` (``none``
     said), ``epoch`` -> ``per_epoch: 1``, ``steps`` -> as the config sets them."""
+
     def mapper(t: Translation, key: str, value: Any) -> None:
         if value in (None, "", "steps"):
             return
@@ -191,8 +254,14 @@ def _strategy(steps: str, per_epoch: str, none: str, best_fix: str | None = None
         elif value == "epoch":
             _set(t, per_epoch, 1, f"{key}: epoch -> {per_epoch}: 1", key)
         else:
-            t.refuse(key, value, best_fix if value == "best" and best_fix else
-                     f"use no, epoch or steps (with {steps} / {per_epoch})")
+            t.refuse(
+                key,
+                value,
+                best_fix
+                if value == "best" and best_fix
+                else f"use no, epoch or steps (with {steps} / {per_epoch})",
+            )
+
     return mapper
 
 
@@ -201,25 +270,39 @@ _eval_strategy = _strategy("eval_steps", "evals_per_epoch", "no evaluation durin
 
 def _attention_flag(t: Translation, key: str, value: Any) -> None:
     if value is True:
-        impl = {"xformers_attention": "sdpa", "sage_attention": "sdpa", "eager_attention": "eager",
-                "flex_attention": "flex_attention"}[key]
+        impl = {
+            "xformers_attention": "sdpa",
+            "sage_attention": "sdpa",
+            "eager_attention": "eager",
+            "flex_attention": "flex_attention",
+        }[key]
         why = " (xformers / SageAttention are not used: PyTorch's SDPA kernels)" if impl == "sdpa" else ""
         _set(t, "attn_implementation", impl, f"{key}: true -> attn_implementation: {impl}{why}", key)
 
 
-HUB_KERNELS = {"flash-attn2": "flash_attention_2", "flash-attn3": "flash_attention_3",
-               "vllm-flash-attn3": "flash_attention_3", "sage-attention": "sdpa"}
+HUB_KERNELS = {
+    "flash-attn2": "flash_attention_2",
+    "flash-attn3": "flash_attention_3",
+    "vllm-flash-attn3": "flash_attention_3",
+    "sage-attention": "sdpa",
+}
 
 
 def _attn_implementation(t: Translation, key: str, value: Any) -> None:
     if value in ("xformers", "sage", "fp8") or (isinstance(value, str) and "/" in value):
         impl = HUB_KERNELS.get(value.rsplit("/", 1)[-1]) if "/" in value else "sdpa"
         if impl is None:
-            t.refuse(key, value, "hub kernels are not loaded: use eager, sdpa, flash_attention_2, flash_attention_3 "
-                     "or flex_attention")
+            t.refuse(
+                key,
+                value,
+                "hub kernels are not loaded: use eager, sdpa, flash_attention_2, flash_attention_3 "
+                "or flex_attention",
+            )
             return
         t.data[key] = impl
-        t.notes.append(f"attn_implementation: {value} -> {impl} (the same attention, a kernel ndparallel loads)")
+        t.notes.append(
+            f"attn_implementation: {value} -> {impl} (the same attention, a kernel ndparallel loads)"
+        )
 
 
 def _torch_compile(t: Translation, key: str, value: Any) -> None:
@@ -237,8 +320,12 @@ def _causal_lm_eval(t: Translation, key: str, value: Any) -> None:
     if is_empty(value) or (key == "eval_causal_lm_metrics" and not t.data.get("do_causal_lm_eval", True)):
         return
     if not set(metrics or []) <= {"perplexity"}:
-        t.refuse(key, value, "only perplexity is computed (eval_perplexity, from the eval loss): set "
-                 "eval_causal_lm_metrics: [perplexity] or remove it")
+        t.refuse(
+            key,
+            value,
+            "only perplexity is computed (eval_perplexity, from the eval loss): set "
+            "eval_causal_lm_metrics: [perplexity] or remove it",
+        )
     elif key == "do_causal_lm_eval":
         t.notes.append("do_causal_lm_eval: eval_perplexity is logged at every evaluation")
 
@@ -254,7 +341,9 @@ def _accelerator_config(t: Translation, key: str, value: Any) -> None:
     if value == {"gradient_accumulation_kwargs": {"sync_each_batch": True}}:
         t.notes.append(f"accelerator_config: {TOP[key].text}")
     else:
-        t.refuse(key, value, "Accelerate settings are not read here (ndparallel is its own engine); remove it")
+        t.refuse(
+            key, value, "Accelerate settings are not read here (ndparallel is its own engine); remove it"
+        )
 
 
 def _liger(t: Translation, key: str, value: Any) -> None:
@@ -265,8 +354,10 @@ def _liger(t: Translation, key: str, value: Any) -> None:
         return
     if "compile" not in t.data and "torch_compile" not in t.data:  # the config's own choice wins
         t.data["compile"] = True
-        t.notes.append(f"{key}: true -> torch_compile: true (regional compile; inductor fuses the norms, "
-                       "activations and rotary embeddings Liger fuses by hand)")
+        t.notes.append(
+            f"{key}: true -> torch_compile: true (regional compile; inductor fuses the norms, "
+            "activations and rotary embeddings Liger fuses by hand)"
+        )
 
 
 OPTIMIZERS = {**dict.fromkeys(OPTIMIZER_NAMES), "adamw_hf": "adamw_torch"}
@@ -283,27 +374,41 @@ def _choice(t: Translation, key: str, value: Any, known: dict, example: str) -> 
         t.notes.append(f"{key}: {value} -> {known[value]}")
         return
     del t.data[key]
-    hint = (" (the 8-bit / 4-bit optimizers run through torchao: adamw_8bit, adamw_torch_4bit, ...)"
-            if isinstance(value, str) and any(s in value for s in ("8bit", "4bit", "paged")) else "")
-    t.refuse(key, value, f"not supported{hint}: use one of {[k for k, v in known.items() if v is None]} "
-             f"(e.g. {key}: {example})")
+    hint = (
+        " (the 8-bit / 4-bit optimizers run through torchao: adamw_8bit, adamw_torch_4bit, ...)"
+        if isinstance(value, str) and any(s in value for s in ("8bit", "4bit", "paged"))
+        else ""
+    )
+    t.refuse(
+        key,
+        value,
+        f"not supported{hint}: use one of {[k for k, v in known.items() if v is None]} "
+        f"(e.g. {key}: {example})",
+    )
 
 
 def _tokens(t: Translation, key: str, value: Any) -> None:
     """Older Axolotl configs give the bos / eos / pad / unk tokens as a ``tokens:`` mapping (today's
     Axolotl refuses it): they become ``special_tokens``; a list (new tokens) is left as is."""
-    if not isinstance(value, dict) or not value or not set(value) <= {"bos_token", "eos_token", "pad_token",
-                                                                      "unk_token"}:
+    if (
+        not isinstance(value, dict)
+        or not value
+        or not set(value) <= {"bos_token", "eos_token", "pad_token", "unk_token"}
+    ):
         return
     special = t.data.get("special_tokens") or {}
     clash = sorted(k for k in value if k in special and special[k] != value[k])
     if not isinstance(special, dict) or clash:
-        t.problems.append(f"'tokens' gives {clash or sorted(value)} as a mapping and special_tokens sets them "
-                          "otherwise; keep them under special_tokens only")
+        t.problems.append(
+            f"'tokens' gives {clash or sorted(value)} as a mapping and special_tokens sets them "
+            "otherwise; keep them under special_tokens only"
+        )
         return
     del t.data[key]
     t.data["special_tokens"] = {**value, **special}
-    t.notes.append(f"tokens: a mapping of {', '.join(sorted(value))} (older Axolotl's form) -> special_tokens")
+    t.notes.append(
+        f"tokens: a mapping of {', '.join(sorted(value))} (older Axolotl's form) -> special_tokens"
+    )
 
 
 def _max_packed(t: Translation, key: str, value: Any) -> None:
@@ -312,8 +417,12 @@ def _max_packed(t: Translation, key: str, value: Any) -> None:
         return
     length = t.data.get("sequence_len")
     if not isinstance(value, int) or isinstance(value, bool) or value < 1 or length not in (None, value):
-        t.refuse(key, value, f"its successor packs rows of sequence_len tokens: remove it and set sequence_len: "
-                 f"{value if isinstance(value, int) else 'N'} and sample_packing: true")
+        t.refuse(
+            key,
+            value,
+            f"its successor packs rows of sequence_len tokens: remove it and set sequence_len: "
+            f"{value if isinstance(value, int) else 'N'} and sample_packing: true",
+        )
         return
     if t.data.get("sample_packing") is False:
         t.refuse(key, value, "it packs samples but the config sets sample_packing: false; keep one")
@@ -344,32 +453,66 @@ def _plugins(t: Translation, key: str, value: Any) -> None:
 
 
 MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
-    "bf16": _bf16, "tf32": _tf32, "bfloat16": _precision_flag, "float32": _precision_flag,
+    "bf16": _bf16,
+    "tf32": _tf32,
+    "bfloat16": _precision_flag,
+    "float32": _precision_flag,
     "float16": _precision_flag,
-    "gradient_checkpointing": _gradient_checkpointing, "activation_offloading": _activation_offloading, "gradient_checkpointing_kwargs": _checkpointing_kwargs,
-    "fsdp": fsdp_list, "fsdp_version": fsdp_version, "deepspeed": deepspeed,
-    "fsdp_final_state_dict_type": _note_if_set, "sequence_parallel_degree": _rename("context_parallel_size"),
-    "ddp_timeout": _rename("collective_timeout_s"), "auto_resume_from_checkpoints": _auto_resume,
-    "batch_size": _batch_size, "warmup_steps": _warmup_steps, "eval_strategy": _eval_strategy,
+    "gradient_checkpointing": _gradient_checkpointing,
+    "activation_offloading": _activation_offloading,
+    "gradient_checkpointing_kwargs": _checkpointing_kwargs,
+    "fsdp": fsdp_list,
+    "fsdp_version": fsdp_version,
+    "deepspeed": deepspeed,
+    "fsdp_final_state_dict_type": _note_if_set,
+    "sequence_parallel_degree": _rename("context_parallel_size"),
+    "ddp_timeout": _rename("collective_timeout_s"),
+    "auto_resume_from_checkpoints": _auto_resume,
+    "batch_size": _batch_size,
+    "warmup_steps": _warmup_steps,
+    "eval_strategy": _eval_strategy,
     "evaluation_strategy": _eval_strategy,
-    "save_strategy": _strategy("save_steps", "saves_per_epoch", "no checkpoints during training (the final model is "
-                               "saved)", TOP["load_best_model_at_end"].text), "tokenizer_config": _rename("tokenizer"),
-    "dataset_prepared_path": _rename("dataset_cache_dir"), "torch_compile_backend": _rename("compile_backend"),
-    "dataset_num_proc": _dataset_processes, "model_type": _note_if_set, "type_of_model": _note_if_set,
-    "evals_per_epoch": _zero_is_none, "saves_per_epoch": _zero_is_none, "tokenizer_type": _note_if_set,
-    "tokenizer_use_fast": _note_if_set, "tokenizer_legacy": _note_if_set,
-    "tokenizer_use_mistral_common": _note_if_set, "xformers_attention": _attention_flag,
-    "sage_attention": _attention_flag, "eager_attention": _attention_flag, "flex_attention": _attention_flag,
-    "attn_implementation": _attn_implementation, "chunked_cross_entropy": _rename("chunked_loss"),
-    "torch_compile": _torch_compile, "do_causal_lm_eval": _causal_lm_eval,
-    "eval_causal_lm_metrics": _causal_lm_eval, "mean_resizing_embeddings": _mean_resizing,
-    "accelerator_config": _accelerator_config, "model_config": _rename("overrides_of_model_config"),
-    "load_in_8bit": _load_in_8bit, "quantize_moe_experts": _note_if_set,
-    "model_quantization_config": model_quantization, "model_quantization_config_kwargs": model_quantization,
-    "llama4_linearized_experts": linearized_experts, "tokens": _tokens, "max_packed_sequence_len": _max_packed,
+    "save_strategy": _strategy(
+        "save_steps",
+        "saves_per_epoch",
+        "no checkpoints during training (the final model is saved)",
+        TOP["load_best_model_at_end"].text,
+    ),
+    "tokenizer_config": _rename("tokenizer"),
+    "dataset_prepared_path": _rename("dataset_cache_dir"),
+    "torch_compile_backend": _rename("compile_backend"),
+    "dataset_num_proc": _dataset_processes,
+    "model_type": _note_if_set,
+    "type_of_model": _note_if_set,
+    "evals_per_epoch": _zero_is_none,
+    "saves_per_epoch": _zero_is_none,
+    "tokenizer_type": _note_if_set,
+    "tokenizer_use_fast": _note_if_set,
+    "tokenizer_legacy": _note_if_set,
+    "tokenizer_use_mistral_common": _note_if_set,
+    "xformers_attention": _attention_flag,
+    "sage_attention": _attention_flag,
+    "eager_attention": _attention_flag,
+    "flex_attention": _attention_flag,
+    "attn_implementation": _attn_implementation,
+    "chunked_cross_entropy": _rename("chunked_loss"),
+    "torch_compile": _torch_compile,
+    "do_causal_lm_eval": _causal_lm_eval,
+    "eval_causal_lm_metrics": _causal_lm_eval,
+    "mean_resizing_embeddings": _mean_resizing,
+    "accelerator_config": _accelerator_config,
+    "model_config": _rename("overrides_of_model_config"),
+    "load_in_8bit": _load_in_8bit,
+    "quantize_moe_experts": _note_if_set,
+    "model_quantization_config": model_quantization,
+    "model_quantization_config_kwargs": model_quantization,
+    "llama4_linearized_experts": linearized_experts,
+    "tokens": _tokens,
+    "max_packed_sequence_len": _max_packed,
     "cut_cross_entropy": lambda t, k, v: None,  # the plugin's own switch (on by default)
     "optimizer": lambda t, k, v: _choice(t, k, v, OPTIMIZERS, "adamw_torch_fused"),
-    "lr_scheduler": lambda t, k, v: _choice(t, k, v, SCHEDULERS, "cosine"), "plugins": _plugins,
+    "lr_scheduler": lambda t, k, v: _choice(t, k, v, SCHEDULERS, "cosine"),
+    "plugins": _plugins,
     **{k: _liger for k in TOP if k.startswith("liger_") and TOP[k].kind == "mapped"},
 }
 """Keys whose value is translated (the rest of ``TOP`` follows its rule's kind)."""

@@ -21,7 +21,17 @@ from ndparallel.checkpoint.state import (
 )
 
 __all__ = [
-    "AsyncCheckpointer", "HF_CONFIG_DIR", "MARKER", "checkpoint_dir", "find_resume_checkpoint", "list_checkpoints",
-    "load_checkpoint", "load_state", "rotate_checkpoints", "save_checkpoint", "save_state",
-    "save_step_checkpoint", "validate_checkpoint",
+    "AsyncCheckpointer",
+    "HF_CONFIG_DIR",
+    "MARKER",
+    "checkpoint_dir",
+    "find_resume_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_state",
+    "rotate_checkpoints",
+    "save_checkpoint",
+    "save_state",
+    "save_step_checkpoint",
+    "validate_checkpoint",
 ]

@@ -87,7 +87,9 @@ def _write_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], out: Path
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"}
+    )
     config = copy.deepcopy(adapter_config_of(model))
     config.inference_mode = True
     config.save_pretrained(str(out))
@@ -99,8 +101,13 @@ def is_adapter_checkpoint(checkpoint_dir: str | os.PathLike) -> bool:
     return (Path(checkpoint_dir) / HF_CONFIG_DIR / ADAPTER_CONFIG).is_file()
 
 
-def export_adapter_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                              tokenizer=None, dtype: torch.dtype | None = None) -> Path:
+def export_adapter_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer=None,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """The PEFT adapter directory of a LoRA checkpoint (any layout), on one process, no peft needed.
     ``dtype`` casts the adapter tensors (default: as trained, fp32)."""
     import torch.distributed.checkpoint as dcp
@@ -118,8 +125,10 @@ def export_adapter_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | 
     with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(targets, storage_reader=SafeFileSystemReader(ckpt), no_dist=True)
-    tensors = {peft_save_key(k.removeprefix("model/")): (t.to(dtype) if dtype is not None else t)
-               for k, t in targets.items()}
+    tensors = {
+        peft_save_key(k.removeprefix("model/")): (t.to(dtype) if dtype is not None else t)
+        for k, t in targets.items()
+    }
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     shutil.copyfile(ckpt / HF_CONFIG_DIR / ADAPTER_CONFIG, out / ADAPTER_CONFIG)

@@ -51,8 +51,10 @@ def _base_dir(adapter_config, base: str | os.PathLike | None) -> Path:
     name = str(base) if base is not None else (adapter_config.base_model_name_or_path or "")
     if not name or is_preset(name):
         why = f"the built-in preset {name!r} (random weights, not on disk)" if name else "not recorded"
-        raise ValueError(f"the adapter's base model is {why}: pass --base DIR (the Hugging Face model "
-                         "directory it was trained on), or merge while training (merge_lora: true)")
+        raise ValueError(
+            f"the adapter's base model is {why}: pass --base DIR (the Hugging Face model "
+            "directory it was trained on), or merge while training (merge_lora: true)"
+        )
     # the Hub revision the adapter was trained on (revision_of_model), unless --base names the base
     revision = getattr(adapter_config, "revision", None) if base is None else None
     return resolve_model_dir(name, True, revision)
@@ -116,10 +118,17 @@ class _FusedMerges:
         return self._revert.add(target, merged_weight(full, adapter[spec.a], adapter[spec.b], spec))
 
 
-def merge_adapter_files(adapter_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                        base: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
-                        max_shard_size: int | str = "5GB", tokenizer=None, nf4=None,
-                        nf4_dtype: torch.dtype | None = None) -> Path:
+def merge_adapter_files(
+    adapter_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    base: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    tokenizer=None,
+    nf4=None,
+    nf4_dtype: torch.dtype | None = None,
+) -> Path:
     """Write ``base`` (default: the adapter's ``base_model_name_or_path``) with the adapter of
     ``adapter_dir`` merged in, as a plain HF safetensors directory ``out_dir``. ``dtype`` casts the
     floating tensors (default: the base's own). ``nf4`` (an ``NF4Config``: a QLoRA adapter): every
@@ -145,17 +154,26 @@ def merge_adapter_files(adapter_dir: str | os.PathLike, out_dir: str | os.PathLi
     problem = adapter_weights_problem(peft_model, adapter_dir)
     if problem:
         raise ValueError(f"{problem} (base {base_dir})")
-    merges = {checkpoint_key(w): spec._replace(a=peft_save_key(PEFT_PREFIX + spec.a), b=peft_save_key(PEFT_PREFIX + spec.b))
-              for w, spec in merge_specs(peft_model.get_base_model()).items()}
+    merges = {
+        checkpoint_key(w): spec._replace(
+            a=peft_save_key(PEFT_PREFIX + spec.a), b=peft_save_key(PEFT_PREFIX + spec.b)
+        )
+        for w, spec in merge_specs(peft_model.get_base_model()).items()
+    }
     # modules_to_save: the adapter holds the trained module whole, under the base's own key
-    replaced = {checkpoint_key(n): peft_save_key(PEFT_PREFIX + n)
-                for n, _ in peft_model.get_base_model().named_parameters() if is_saved_module_param(n)}
+    replaced = {
+        checkpoint_key(n): peft_save_key(PEFT_PREFIX + n)
+        for n, _ in peft_model.get_base_model().named_parameters()
+        if is_saved_module_param(n)
+    }
     stored = stored_tensors(files)
     fused = _FusedMerges(peft_model.get_base_model(), stored, merges)
     missing = sorted((set(merges) | set(replaced)) - set(stored) - set(fused.groups))
     if missing:
-        raise ValueError(f"base {base_dir} has no tensor {missing[0]} that the adapter adapts "
-                         f"({len(missing)} missing): not the adapter's base model")
+        raise ValueError(
+            f"base {base_dir} has no tensor {missing[0]} that the adapter adapts "
+            f"({len(missing)} missing): not the adapter's base model"
+        )
     adapter = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS))
     writer = ShardWriter(out_dir, max_shard_size)
     saved_dtype = None

@@ -26,8 +26,9 @@ import datetime
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,9 +62,20 @@ class AsyncCheckpointer:
         return self._pending is not None and not self._pending.done.is_set()
 
     # ----------------------------------------------------------------------- saving
-    def save(self, directory, models: Sequence = (), optimizers: Sequence = (), schedulers: Sequence = (),
-             extra: dict | None = None, *, loaders: Sequence = (), step: int | None = None, config: Any = None,
-             layout=None, save_total_limit: int | None = None) -> Path:
+    def save(
+        self,
+        directory,
+        models: Sequence = (),
+        optimizers: Sequence = (),
+        schedulers: Sequence = (),
+        extra: dict | None = None,
+        *,
+        loaders: Sequence = (),
+        step: int | None = None,
+        config: Any = None,
+        layout=None,
+        save_total_limit: int | None = None,
+    ) -> Path:
         """Start writing a checkpoint of these objects into ``directory`` (as ``save_state``);
         returns once their state is staged. ``save_total_limit``: rotate ``directory``'s parent
         once it is complete."""
@@ -72,27 +84,53 @@ class AsyncCheckpointer:
         tensors, state = collect_state(models, optimizers, schedulers, extra, loaders, step, config, layout)
         start_save(directory, state, models)
         self._setup(tensors)
-        response = dcp.async_save(tensors, storage_writer=self.writer(directory), process_group=self._group,
-                                  async_stager=self._stager)
+        response = dcp.async_save(
+            tensors,
+            storage_writer=self.writer(directory),
+            process_group=self._group,
+            async_stager=self._stager,
+        )
         upload = getattr(response, "upload_completion", response)
         staging = getattr(response, "staging_completion", None)
         if staging is not None and not staging.done():
             self._hooks = [o.register_step_pre_hook(self._wait_staging) for o in optimizers]
             self._staging = staging
-        rotate = (lambda: rotate_checkpoints(directory.parent, save_total_limit, background=True)) \
-            if save_total_limit is not None else None
+        rotate = (
+            (lambda: rotate_checkpoints(directory.parent, save_total_limit, background=True))
+            if save_total_limit is not None
+            else None
+        )
         self._pending = _Pending(directory, state, upload, rotate)
         self.last_step = state["step"]
         return directory
 
-    def save_step(self, output_dir, step: int, model, optimizer, scheduler=None, *, loader=None,
-                  config: Any = None, extra: dict | None = None, save_total_limit: int | None = None,
-                  layout=None) -> Path:
+    def save_step(
+        self,
+        output_dir,
+        step: int,
+        model,
+        optimizer,
+        scheduler=None,
+        *,
+        loader=None,
+        config: Any = None,
+        extra: dict | None = None,
+        save_total_limit: int | None = None,
+        layout=None,
+    ) -> Path:
         """``output_dir/checkpoint-{step}``, asynchronously (as ``save_step_checkpoint``)."""
-        return self.save(checkpoint_dir(output_dir, step), [model], [optimizer] if optimizer is not None else [],
-                         [scheduler] if scheduler is not None else [], extra, step=step, config=config,
-                         loaders=[loader] if loader is not None else [], layout=layout,
-                         save_total_limit=save_total_limit)
+        return self.save(
+            checkpoint_dir(output_dir, step),
+            [model],
+            [optimizer] if optimizer is not None else [],
+            [scheduler] if scheduler is not None else [],
+            extra,
+            step=step,
+            config=config,
+            loaders=[loader] if loader is not None else [],
+            layout=layout,
+            save_total_limit=save_total_limit,
+        )
 
     def wait(self) -> Path | None:
         """Block until the save in flight (if any) is complete; returns its directory. Raises its
@@ -125,8 +163,14 @@ class AsyncCheckpointer:
 
             on_cuda = any(_is_cuda(t) for t in tensors.values())
             pin = on_cuda if self.pin_memory is None else (self.pin_memory and torch.cuda.is_available())
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=pin, use_shared_memory=False,
-                                                        use_async_staging=on_cuda, use_non_blocking_copy=on_cuda))
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=pin,
+                    use_shared_memory=False,
+                    use_async_staging=on_cuda,
+                    use_non_blocking_copy=on_cuda,
+                )
+            )
 
     def _wait_staging(self, *_args) -> None:
         if self._staging is not None:

@@ -32,7 +32,9 @@ def checkpoint_dir(output_dir: str | os.PathLike, step: int) -> Path:
     return Path(output_dir) / f"{CHECKPOINT_PREFIX}{int(step)}"
 
 
-def list_checkpoints(output_dir: str | os.PathLike, prefix: str = CHECKPOINT_PREFIX) -> list[tuple[int, Path]]:
+def list_checkpoints(
+    output_dir: str | os.PathLike, prefix: str = CHECKPOINT_PREFIX
+) -> list[tuple[int, Path]]:
     """``(step, path)`` of every ``{prefix}N`` directory (``checkpoint-N``; Accelerate's automatic
     naming: ``checkpoint_N``), complete or not, oldest first."""
     root = Path(output_dir)
@@ -43,8 +45,12 @@ def list_checkpoints(output_dir: str | os.PathLike, prefix: str = CHECKPOINT_PRE
     return sorted(found)
 
 
-def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int,
-                       background: bool = False, prefix: str = CHECKPOINT_PREFIX) -> list[Path]:
+def rotate_checkpoints(
+    output_dir: str | os.PathLike,
+    save_total_limit: int,
+    background: bool = False,
+    prefix: str = CHECKPOINT_PREFIX,
+) -> list[Path]:
     """Keep the newest ``save_total_limit`` complete checkpoints; delete older complete ones and
     incomplete leftovers older than the newest complete one. Returns what was deleted.
 
@@ -60,8 +66,11 @@ def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int,
         return []
     keep = {p for _, p in complete[-save_total_limit:]}
     newest = complete[-1][0]
-    doomed = [p for s, p in entries if p not in keep and (p in dict(complete).values() or s < newest)
-              and may_replace(p)]  # never a checkpoint this run did not write (ownership.py)
+    doomed = [
+        p
+        for s, p in entries
+        if p not in keep and (p in dict(complete).values() or s < newest) and may_replace(p)
+    ]  # never a checkpoint this run did not write (ownership.py)
     if not background:
         for p in doomed:
             _delete_checkpoint(p)
@@ -133,15 +142,19 @@ def find_resume_checkpoint(output_dir: str | os.PathLike | None, resume_from_che
         hint = ""
         if list_checkpoints(path):
             hint = " (it holds checkpoint-N directories: pass one of them, or resume_from_checkpoint: auto)"
-        raise ValueError(f"resume_from_checkpoint={str(path)!r} is not a usable checkpoint: "
-                         + "; ".join(problems) + hint)
+        raise ValueError(
+            f"resume_from_checkpoint={str(path)!r} is not a usable checkpoint: " + "; ".join(problems) + hint
+        )
     return path
 
 
 # ----------------------------------------------------------------------------- writing
 def _is_checkpoint_file(name: str) -> bool:
-    return (name in (".metadata", STATE_FILE, MARKER, "rng", HF_CONFIG_DIR) or name.endswith(".distcp")
-            or name.startswith((f".{MARKER}.tmp", f".{STATE_FILE}.tmp")))
+    return (
+        name in (".metadata", STATE_FILE, MARKER, "rng", HF_CONFIG_DIR)
+        or name.endswith(".distcp")
+        or name.startswith((f".{MARKER}.tmp", f".{STATE_FILE}.tmp"))
+    )
 
 
 def check_target_dir(directory: Path) -> None:
@@ -150,12 +163,16 @@ def check_target_dir(directory: Path) -> None:
         if not directory.is_dir():
             raise ValueError(f"cannot save a checkpoint to {directory}: it is a file")
         if not may_replace(directory):
-            raise ValueError(f"cannot save a checkpoint to {directory}: it exists and this run did not "
-                             "write it; move it away or use another output_dir")
+            raise ValueError(
+                f"cannot save a checkpoint to {directory}: it exists and this run did not "
+                "write it; move it away or use another output_dir"
+            )
         foreign = sorted(p.name for p in directory.iterdir() if not _is_checkpoint_file(p.name))
         if foreign:
-            raise ValueError(f"cannot save a checkpoint to {directory}: it holds other files ({foreign[:3]}); "
-                             "use an empty or new directory")
+            raise ValueError(
+                f"cannot save a checkpoint to {directory}: it holds other files ({foreign[:3]}); "
+                "use an empty or new directory"
+            )
 
 
 def prepare_dir(directory: Path) -> None:
@@ -184,10 +201,17 @@ def write_marker(directory: Path, state: dict) -> None:
             if size <= _HASH_LIMIT:
                 entry["sha256"] = _sha256(f)
             files[f.relative_to(directory).as_posix()] = entry
-    write_json_atomic(directory / MARKER, {
-        "format": FORMAT, "step": state["step"], "world_size": state["world_size"],
-        "layout": state["layout"], "time": time.time(), "files": files,
-    })
+    write_json_atomic(
+        directory / MARKER,
+        {
+            "format": FORMAT,
+            "step": state["step"],
+            "world_size": state["world_size"],
+            "layout": state["layout"],
+            "time": time.time(),
+            "files": files,
+        },
+    )
 
 
 def _delete_checkpoint(path: Path) -> None:
@@ -208,5 +232,3 @@ def _move_to_trash(path: Path) -> Path:
 def _delete_all(paths: list[Path]) -> None:
     for p in paths:
         shutil.rmtree(p, ignore_errors=True)
-
-

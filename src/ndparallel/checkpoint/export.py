@@ -35,7 +35,12 @@ from ndparallel.checkpoint.hf_files import (
     write_hf_config,
 )
 from ndparallel.checkpoint.io import SafeFileSystemReader, read_dcp_metadata
-from ndparallel.checkpoint.stage_export import is_pipeline_view, pipeline_tied_copies, stage_names, stage_tensors
+from ndparallel.checkpoint.stage_export import (
+    is_pipeline_view,
+    pipeline_tied_copies,
+    stage_names,
+    stage_tensors,
+)
 from ndparallel.models.adapters import (
     base_model_of,
     checkpoint_key,
@@ -51,8 +56,14 @@ from ndparallel.models.quantized import dequantize, is_nf4
 from ndparallel.runtime.sizes import parse_size
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 class ShardWriter:
@@ -60,8 +71,13 @@ class ShardWriter:
     than that gets a file of its own) and writes HF's index when there is more than one.
     ``safe=False`` writes ``pytorch_model*.bin`` files (torch.save) under HF's names instead."""
 
-    def __init__(self, directory: str | os.PathLike, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                 safe: bool = True, conversion: SaveConversion | None = None):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        safe: bool = True,
+        conversion: SaveConversion | None = None,
+    ):
         self.conversion = conversion  # model keys -> the checkpoint layout transformers writes
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -107,8 +123,10 @@ class ShardWriter:
     def finish(self) -> list[str]:
         """Write the last shard, give the files their final names; returns them."""
         if self.conversion is not None and self.conversion.pending():
-            raise RuntimeError(f"export: tensors {self.conversion.pending()[:3]} were never written: their "
-                               "conversion group (transformers' checkpoint layout) is incomplete")
+            raise RuntimeError(
+                f"export: tensors {self.conversion.pending()[:3]} were never written: their "
+                "conversion group (transformers' checkpoint layout) is incomplete"
+            )
         self.flush()
         n = len(self.files)
         stem, ext = self.stem, self.ext
@@ -133,8 +151,13 @@ def _full(value: torch.Tensor) -> torch.Tensor:
 
 
 def save_hf_model(
-    model: nn.Module, save_directory: str | os.PathLike, is_main: bool, tokenizer=None, *,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, dtype: torch.dtype | None = None,
+    model: nn.Module,
+    save_directory: str | os.PathLike,
+    is_main: bool,
+    tokenizer=None,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
     safe_serialization: bool = True,
     merge_adapter: bool = False,
 ) -> None:
@@ -209,8 +232,10 @@ def _load_config(model_config: Any, checkpoint_dir: Path):
     if model_config is None:
         hf = checkpoint_dir / HF_CONFIG_DIR
         if not (hf / "config.json").is_file():
-            raise ValueError(f"checkpoint {checkpoint_dir} has no {HF_CONFIG_DIR}/config.json: pass the model "
-                             "config (--config: an HF model dir, a config.json or a preset name)")
+            raise ValueError(
+                f"checkpoint {checkpoint_dir} has no {HF_CONFIG_DIR}/config.json: pass the model "
+                "config (--config: an HF model dir, a config.json or a preset name)"
+            )
         return AutoConfig.from_pretrained(hf)
     from ndparallel.models.presets import is_preset, preset_config
 
@@ -221,8 +246,12 @@ def _load_config(model_config: Any, checkpoint_dir: Path):
 
 
 def export_checkpoint(
-    checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, model_config: Any = None, *,
-    tokenizer: Any = None, dtype: torch.dtype | None = None,
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    model_config: Any = None,
+    *,
+    tokenizer: Any = None,
+    dtype: torch.dtype | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Convert checkpoint ``checkpoint_dir`` (any layout, any world size) to an HF directory on one
@@ -246,15 +275,19 @@ def export_checkpoint(
     prefix = "model/"
     missing = [n for n in expected if prefix + n not in metadata]
     if missing:
-        raise ValueError(f"checkpoint {ckpt} does not match the model config: missing {missing[:5]}"
-                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        raise ValueError(
+            f"checkpoint {ckpt} does not match the model config: missing {missing[:5]}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
     shapes = skeleton.state_dict()
     wrong = [n for n in expected if list(metadata[prefix + n].size) != list(shapes[n].shape)]
     if wrong:
         n = wrong[0]
-        raise ValueError(f"checkpoint {ckpt} does not match the model config: tensor {n!r} has shape "
-                         f"{list(metadata[prefix + n].size)} in the checkpoint, {list(shapes[n].shape)} in "
-                         "the config" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
+        raise ValueError(
+            f"checkpoint {ckpt} does not match the model config: tensor {n!r} has shape "
+            f"{list(metadata[prefix + n].size)} in the checkpoint, {list(shapes[n].shape)} in "
+            "the config" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
+        )
     writer = ShardWriter(out, max_shard_size, conversion=SaveConversion(skeleton, expected))
     limit = writer.max
     group: list[str] = []
@@ -283,8 +316,11 @@ def export_checkpoint(
     if group:
         load_group(group)
     writer.finish()
-    floating = [metadata[prefix + n].properties.dtype for n in expected
-                if metadata[prefix + n].properties.dtype.is_floating_point]
+    floating = [
+        metadata[prefix + n].properties.dtype
+        for n in expected
+        if metadata[prefix + n].properties.dtype.is_floating_point
+    ]
     write_hf_config(config, out, dtype or (floating[0] if floating else None), model_class_name(skeleton))
     copy_generation_config(ckpt / HF_CONFIG_DIR, out)
     save_tokenizer(tokenizer, out)

@@ -13,7 +13,9 @@ import torch
 GENERATION_CONFIG = "generation_config.json"
 
 
-def write_hf_config(model_or_config: Any, directory: Path, dtype: torch.dtype | None, class_name: str | None) -> None:
+def write_hf_config(
+    model_or_config: Any, directory: Path, dtype: torch.dtype | None, class_name: str | None
+) -> None:
     """The model's (or config's) ``config.json``, naming ``class_name`` and ``dtype`` when given."""
     config = copy.deepcopy(getattr(model_or_config, "config", model_or_config))
     if class_name:

@@ -99,8 +99,13 @@ def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 # ------------------------------------------------------------------------- safe DCP reading
 _ALLOWED_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},

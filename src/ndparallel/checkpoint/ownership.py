@@ -48,8 +48,9 @@ def start_run(output_dir: str | os.PathLike) -> str:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     run_id = uuid.uuid4().hex
-    write_json_atomic(out / RUN_FILE, {"format": FORMAT, "run_id": run_id, "started": time.time(),
-                                       "written": []})
+    write_json_atomic(
+        out / RUN_FILE, {"format": FORMAT, "run_id": run_id, "started": time.time(), "written": []}
+    )
     return run_id
 
 

@@ -34,7 +34,13 @@ def full_state_dict(model: nn.Module) -> dict:
     full = {}
     for name, value in get_model_state_dict(model).items():  # sharded: gathered one at a time
         # a QLoRA base's NF4 shards: dequantised, then gathered (``dequantize`` says why)
-        value = dequantize(value) if is_nf4(value) else value.full_tensor() if isinstance(value, DTensor) else value
+        value = (
+            dequantize(value)
+            if is_nf4(value)
+            else value.full_tensor()
+            if isinstance(value, DTensor)
+            else value
+        )
         if main:
             full[name] = value.detach().cpu()
         del value

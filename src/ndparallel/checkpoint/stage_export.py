@@ -4,7 +4,7 @@ first rank, which writes them. Memory stays one tensor per rank, as without pipe
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,9 @@ def _entries(state: dict, names: list[str], dtype) -> list[tuple[str, tuple, tor
     return out
 
 
-def stage_names(model: nn.Module, state: dict, names: list[str], dtype) -> list[tuple[str, tuple, torch.dtype]]:
+def stage_names(
+    model: nn.Module, state: dict, names: list[str], dtype
+) -> list[tuple[str, tuple, torch.dtype]]:
     """(name, shape, dtype) of every stage's tensors, in stage order, on every rank (one small
     object gather over the pp group)."""
     everyone = [None] * dist.get_world_size(model.pp_group)
@@ -40,8 +42,9 @@ def stage_names(model: nn.Module, state: dict, names: list[str], dtype) -> list[
     return [e for part in everyone for e in part]
 
 
-def stage_tensors(model: nn.Module, state: dict, names: list[str], gathered: Callable[[str], torch.Tensor],
-                  dtype) -> Iterator[tuple[str, torch.Tensor | None]]:
+def stage_tensors(
+    model: nn.Module, state: dict, names: list[str], gathered: Callable[[str], torch.Tensor], dtype
+) -> Iterator[tuple[str, torch.Tensor | None]]:
     """(name, full tensor) of every stage's tensors on the first stage's first rank (None
     elsewhere), in stage order. Every rank must iterate it to the end (collectives)."""
     group = model.pp_group

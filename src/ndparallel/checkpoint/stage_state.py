@@ -5,7 +5,8 @@ of stages, PP 1 included, and the reverse."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -32,8 +33,9 @@ def merge_stage_skeletons(models: Sequence[nn.Module], state: dict) -> None:
     parts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, (state["models"], state["optimizers"]), group=group)
     state["models"] = [_union([p[0][i] for p in parts]) for i in range(len(state["models"]))]
-    state["optimizers"] = [_merge_optimizer([p[1][i] for p in parts], copies)
-                           for i in range(len(state["optimizers"]))]
+    state["optimizers"] = [
+        _merge_optimizer([p[1][i] for p in parts], copies) for i in range(len(state["optimizers"]))
+    ]
 
 
 def _union(dicts: list[dict]) -> dict:
@@ -64,6 +66,10 @@ def restrict_to_stage(saved: dict, current: dict, optimizer: bool) -> dict:
     if not optimizer:
         return {k: v for k, v in saved.items() if k in current}
     mine, kept = current.get("state", {}), saved.get("state", {})
-    state = {k: kept[k] if k in kept else kept[TIED_SOURCE[k]] for k in mine if k in kept or TIED_SOURCE.get(k) in kept}
+    state = {
+        k: kept[k] if k in kept else kept[TIED_SOURCE[k]]
+        for k in mine
+        if k in kept or TIED_SOURCE.get(k) in kept
+    }
     groups = [{**s, "params": c["params"]} for s, c in zip(saved["param_groups"], current["param_groups"])]
     return {**saved, "state": state, "param_groups": groups}

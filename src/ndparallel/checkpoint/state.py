@@ -19,14 +19,14 @@ DCP's ``.metadata`` through an allow-list unpickler (``checkpoint.io``). All ran
 same filesystem (multi-node: a shared one).
 """
 
-
 from __future__ import annotations
 
 import copy
 import dataclasses
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,37 +65,64 @@ from ndparallel.runtime.distributed import rank0_decides
 
 # ------------------------------------------------------------------------------ save / load
 def save_checkpoint(
-    directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-    scheduler=None, extra: dict | None = None, *, loader=None, step: int | None = None, config: Any = None,
+    directory: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler=None,
+    extra: dict | None = None,
+    *,
+    loader=None,
+    step: int | None = None,
+    config: Any = None,
     layout=None,
 ) -> Path:
     """Save ``model``, ``optimizer``, ``scheduler``, ``loader`` position, RNG states, ``step``,
     ``config`` and ``extra`` (JSON-able; tensors allowed) into ``directory``. Call on every rank.
     ``layout`` (a ``ParallelDims``, recorded for information): the layout that saved it."""
     return save_state(
-        directory, [model], [optimizer] if optimizer is not None else [],
-        [scheduler] if scheduler is not None else [], extra=extra,
-        loaders=[loader] if loader is not None else [], step=step, config=config, layout=layout,
+        directory,
+        [model],
+        [optimizer] if optimizer is not None else [],
+        [scheduler] if scheduler is not None else [],
+        extra=extra,
+        loaders=[loader] if loader is not None else [],
+        step=step,
+        config=config,
+        layout=layout,
     )
 
 
 def load_checkpoint(
-    directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-    scheduler=None, *, loader=None, restore_rng: bool = True,
+    directory: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler=None,
+    *,
+    loader=None,
+    restore_rng: bool = True,
 ) -> dict:
     """Load what ``save_checkpoint`` wrote into the (already parallelised) objects, on any layout.
     Returns the saved ``extra`` plus ``step``, ``config`` and ``loader`` (its state) when absent."""
     return load_state(
-        directory, [model], [optimizer] if optimizer is not None else [],
-        [scheduler] if scheduler is not None else [], loaders=[loader] if loader is not None else [],
+        directory,
+        [model],
+        [optimizer] if optimizer is not None else [],
+        [scheduler] if scheduler is not None else [],
+        loaders=[loader] if loader is not None else [],
         restore_rng=restore_rng,
     )
 
 
 def save_state(
-    directory: str | os.PathLike, models: Sequence[nn.Module] = (),
-    optimizers: Sequence[torch.optim.Optimizer] = (), schedulers: Sequence[Any] = (),
-    extra: dict | None = None, *, loaders: Sequence[Any] = (), step: int | None = None, config: Any = None,
+    directory: str | os.PathLike,
+    models: Sequence[nn.Module] = (),
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    schedulers: Sequence[Any] = (),
+    extra: dict | None = None,
+    *,
+    loaders: Sequence[Any] = (),
+    step: int | None = None,
+    config: Any = None,
     layout=None,
 ) -> Path:
     """Several models / optimizers / schedulers / loaders into one checkpoint (what
@@ -119,19 +146,28 @@ def collect_state(models, optimizers, schedulers, extra, loaders, step, config, 
     if step is None and isinstance(extra.get("step"), int):
         step = extra["step"]
     tensors: dict[str, torch.Tensor] = {}
-    state: dict[str, Any] = {"format": FORMAT, "step": step, "world_size": _world(),
-                             "layout": layout.to_dict() if layout is not None else None}
+    state: dict[str, Any] = {
+        "format": FORMAT,
+        "step": step,
+        "world_size": _world(),
+        "layout": layout.to_dict() if layout is not None else None,
+    }
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    state["models"] = [split_tensors(_trained_state(m), _key("model", i), tensors) for i, m in enumerate(models)]
+    state["models"] = [
+        split_tensors(_trained_state(m), _key("model", i), tensors) for i, m in enumerate(models)
+    ]
     state["optimizers"] = [
         split_tensors(get_optimizer_state_dict(_owner(models, o), o), _key("optimizer", i), tensors)
         for i, o in enumerate(optimizers)
     ]
     merge_stage_skeletons(models, state)  # pipeline parallel: state.json lists every stage's tensors
-    state["schedulers"] = [split_tensors(s.state_dict(), _key("scheduler", i), tensors)
-                           for i, s in enumerate(schedulers)]
-    state["loaders"] = [split_tensors(ld.state_dict(), _key("loader", i), tensors) for i, ld in enumerate(loaders)]
+    state["schedulers"] = [
+        split_tensors(s.state_dict(), _key("scheduler", i), tensors) for i, s in enumerate(schedulers)
+    ]
+    state["loaders"] = [
+        split_tensors(ld.state_dict(), _key("loader", i), tensors) for i, ld in enumerate(loaders)
+    ]
     state["config"] = split_tensors(_jsonable_config(config), "config", tensors)
     state["extra"] = split_tensors(extra, "extra", tensors)
     return tensors, state
@@ -158,9 +194,13 @@ def start_save(directory: Path, state: dict, models: Sequence[nn.Module]) -> Non
 
 
 def load_state(
-    directory: str | os.PathLike, models: Sequence[nn.Module] = (),
-    optimizers: Sequence[torch.optim.Optimizer] = (), schedulers: Sequence[Any] = (),
-    *, loaders: Sequence[Any] = (), restore_rng: bool = True,
+    directory: str | os.PathLike,
+    models: Sequence[nn.Module] = (),
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    schedulers: Sequence[Any] = (),
+    *,
+    loaders: Sequence[Any] = (),
+    restore_rng: bool = True,
 ) -> dict:
     """Restore what ``save_state`` wrote, resharding DTensors to this run's layout. Raises
     ``ValueError`` for an incomplete or corrupted directory."""
@@ -176,8 +216,11 @@ def load_state(
     if problems:
         raise ValueError(f"cannot load checkpoint {directory}: " + "; ".join(problems))
     state = read_json(directory / STATE_FILE)
-    for what, have, saved in (("models", models, state["models"]), ("optimizers", optimizers, state["optimizers"]),
-                              ("schedulers", schedulers, state["schedulers"])):
+    for what, have, saved in (
+        ("models", models, state["models"]),
+        ("optimizers", optimizers, state["optimizers"]),
+        ("schedulers", schedulers, state["schedulers"]),
+    ):
         if len(have) != len(saved):
             raise ValueError(f"checkpoint {directory} holds {len(saved)} {what}, but {len(have)} were given")
 
@@ -195,7 +238,9 @@ def load_state(
         mine = split_tensors(get_optimizer_state_dict(_owner(models, o), o), _key("optimizer", i), current)
         if staged:
             state["optimizers"][i] = restrict_to_stage(state["optimizers"][i], mine, optimizer=True)
-    wanted = tensor_keys([state[k] for k in ("models", "optimizers", "schedulers", "loaders", "config", "extra")])
+    wanted = tensor_keys(
+        [state[k] for k in ("models", "optimizers", "schedulers", "loaders", "config", "extra")]
+    )
     metadata = read_dcp_metadata(directory).state_dict_metadata
     targets: dict[str, torch.Tensor] = {}
     for key in wanted:
@@ -209,7 +254,9 @@ def load_state(
     dcp.load(targets, storage_reader=SafeFileSystemReader(directory))
 
     for i, m in enumerate(models):  # frozen parameters are not in the checkpoint (checked above)
-        set_model_state_dict(m, join_tensors(state["models"][i], targets), options=StateDictOptions(strict=False))
+        set_model_state_dict(
+            m, join_tensors(state["models"][i], targets), options=StateDictOptions(strict=False)
+        )
     for i, o in enumerate(optimizers):
         set_optimizer_state_dict(_owner(models, o), o, join_tensors(state["optimizers"][i], targets))
     for i, s in enumerate(schedulers):
@@ -228,14 +275,31 @@ def load_state(
 
 
 def save_step_checkpoint(
-    output_dir: str | os.PathLike, step: int, model: nn.Module, optimizer, scheduler=None, *,
-    loader=None, config: Any = None, extra: dict | None = None, save_total_limit: int | None = None,
+    output_dir: str | os.PathLike,
+    step: int,
+    model: nn.Module,
+    optimizer,
+    scheduler=None,
+    *,
+    loader=None,
+    config: Any = None,
+    extra: dict | None = None,
+    save_total_limit: int | None = None,
     layout=None,
 ) -> Path:
     """Save ``output_dir/checkpoint-{step}`` and then, if ``save_total_limit`` is set, delete all
     but the newest ``save_total_limit`` complete checkpoints (only once the new one is complete)."""
-    path = save_checkpoint(checkpoint_dir(output_dir, step), model, optimizer, scheduler, extra,
-                           loader=loader, step=step, config=config, layout=layout)
+    path = save_checkpoint(
+        checkpoint_dir(output_dir, step),
+        model,
+        optimizer,
+        scheduler,
+        extra,
+        loader=loader,
+        step=step,
+        config=config,
+        layout=layout,
+    )
     if save_total_limit is not None and _rank() == 0:
         rotate_checkpoints(output_dir, save_total_limit, background=True)  # renames, then returns
     _barrier()
@@ -253,8 +317,11 @@ _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_modu
 
 def _frozen_names(model: nn.Module) -> set[str]:
     """Every name of every frozen parameter, as DCP names it (wrapper parts dropped)."""
-    return {".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
-            for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    return {
+        ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if not param.requires_grad
+    }
 
 
 def _trained_state(model: nn.Module) -> dict:
@@ -276,7 +343,8 @@ def _check_same_params(directory: Path, saved: set[str], current: dict) -> None:
     raise ValueError(
         f"checkpoint {directory} does not fit this model: {len(missing)} trained tensor(s) missing "
         f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]}); was it "
-        "saved with another adapter setting (adapter: lora or not, other lora_target_modules)?")
+        "saved with another adapter setting (adapter: lora or not, other lora_target_modules)?"
+    )
 
 
 def _key(kind: str, i: int) -> str:
@@ -349,4 +417,3 @@ def _restore_rng(directory: Path, state: dict) -> None:
     if not f.is_file():  # a larger world than the one that saved: take rank 0's states
         f = directory / "rng" / "rank-00000.json"
     set_rng_state(read_json(f))
-

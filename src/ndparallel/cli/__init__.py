@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 _SUBCOMMANDS = {
     "launch": "run a script on N ranks (all torchrun options accepted)",
@@ -81,8 +81,8 @@ def _plan(argv: list[str]) -> int:
         merge_written_config,
         split_config_arg,
     )
-    from ndparallel.plan.cli import main as plan_main
     from ndparallel.config import ConfigError
+    from ndparallel.plan.cli import main as plan_main
 
     config, rest = split_config_arg(argv)
     if config is None:

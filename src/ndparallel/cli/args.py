@@ -19,7 +19,9 @@ def fail(command: str, message: object) -> int:
     """Print an input error on stderr, one line per problem (a message listing several keeps its
     line breaks; whitespace inside a line is collapsed); the exit code for it (2)."""
     first, *rest = [" ".join(line.split()) for line in str(message).splitlines() if line.strip()] or [""]
-    print("\n".join([f"ndparallel {command}: error: {first}", *(f"  {line}" for line in rest)]), file=sys.stderr)
+    print(
+        "\n".join([f"ndparallel {command}: error: {first}", *(f"  {line}" for line in rest)]), file=sys.stderr
+    )
     return 2
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-from ndparallel.cli.args import Parser, at_least, fail
 from ndparallel.axolotl import ConfigError, load_config
-from ndparallel.preflight.plan_text import describe_plan
+from ndparallel.cli.args import Parser, at_least, fail
 from ndparallel.preflight.checks import run_checks, validate_layout
+from ndparallel.preflight.plan_text import describe_plan
 from ndparallel.preflight.world import run_device, world_size_for
 from ndparallel.runtime.startup import import_model_libraries
 
@@ -23,22 +23,39 @@ INPUT_ERRORS = (ValueError, OSError)
 
 
 def _config_args(parser: Parser) -> None:
-    parser.add_argument("config", nargs="?", help="YAML config (Axolotl field names); default: built-in quickstart")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field (dotted keys for nested ones); repeatable")
+    parser.add_argument(
+        "config", nargs="?", help="YAML config (Axolotl field names); default: built-in quickstart"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field (dotted keys for nested ones); repeatable",
+    )
 
 
 def run_train(argv: Sequence[str]) -> int:
     parser = Parser(prog="ndparallel train", description="train from a YAML config")
     _config_args(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the resolved plan and exit")
-    parser.add_argument("--nproc-per-node", type=int, default=None,
-                        help="ranks on this machine (default: the product of the degrees)")
-    parser.add_argument("--profile-comm", action="store_true",
-                        help="count collectives and bytes per mesh dim during the first step")
-    parser.add_argument("--skip-family-check", action="store_true",
-                        help="launch a model family outside the tested set without first checking a "
-                             "shrunk copy of it under the layout (docs/families.md)")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="ranks on this machine (default: the product of the degrees)",
+    )
+    parser.add_argument(
+        "--profile-comm",
+        action="store_true",
+        help="count collectives and bytes per mesh dim during the first step",
+    )
+    parser.add_argument(
+        "--skip-family-check",
+        action="store_true",
+        help="launch a model family outside the tested set without first checking a "
+        "shrunk copy of it under the layout (docs/families.md)",
+    )
     args = parser.parse_args(list(argv))
     from ndparallel.runtime.launch import launched_by_ndparallel
 
@@ -54,8 +71,13 @@ def run_train(argv: Sequence[str]) -> int:
         if not (in_job and launched_by_ndparallel() and not args.dry_run):  # else checked before launch
             # A dry run checks a config meant for another machine: its data may live there. Under
             # torchrun every rank checks (output_dir: rank 0 only, before its first write).
-            found = run_checks(cfg, world, check_local=not args.dry_run, check_output=not in_job,
-                               device_type=run_device(cfg) if args.dry_run else None)
+            found = run_checks(
+                cfg,
+                world,
+                check_local=not args.dry_run,
+                check_output=not in_job,
+                device_type=run_device(cfg) if args.dry_run else None,
+            )
         if in_job:
             check_nodes(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     except ConfigError as e:
@@ -81,8 +103,14 @@ def run_train(argv: Sequence[str]) -> int:
         inner = ["train", *([args.config] if args.config else []), *(f"--set={s}" for s in args.set)]
         if args.profile_comm:
             inner.append("--profile-comm")
-        return relaunch_self(world, inner, torchrun_args=[f"--max-restarts={cfg.max_restarts}",
-                                                          *shutdown_grace_args(cfg.preemption_timeout_s)])
+        return relaunch_self(
+            world,
+            inner,
+            torchrun_args=[
+                f"--max-restarts={cfg.max_restarts}",
+                *shutdown_grace_args(cfg.preemption_timeout_s),
+            ],
+        )
     return _train_on_rank(cfg, args.profile_comm, main_rank)
 
 
@@ -177,8 +205,10 @@ def _family_check(cfg, pc, hf) -> str | None:
         return None
     from ndparallel.tools.family_check import family_check
 
-    print(f"ndparallel train: {hf.model_type!r} is not among the tested families: checking a shrunk copy "
-          "under this layout against one process first (CPU, seconds; --skip-family-check skips it)")
+    print(
+        f"ndparallel train: {hf.model_type!r} is not among the tested families: checking a shrunk copy "
+        "under this layout against one process first (CPU, seconds; --skip-family-check skips it)"
+    )
     return family_check(cfg, pc, hf)
 
 
@@ -200,13 +230,23 @@ def _plot_curves(out: Path) -> None:
 
 
 def run_preprocess(argv: Sequence[str]) -> int:
-    parser = Parser(prog="ndparallel preprocess",
-                    description="tokenize (and cache) the config's datasets as train would; print a summary")
+    parser = Parser(
+        prog="ndparallel preprocess",
+        description="tokenize (and cache) the config's datasets as train would; print a summary",
+    )
     _config_args(parser)
-    parser.add_argument("--show", type=at_least(1), default=None, metavar="N",
-                        help="print N samples with the trained tokens highlighted")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object per sample (input_ids, labels; before packing); with --show N: N")
+    parser.add_argument(
+        "--show",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="print N samples with the trained tokens highlighted",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per sample (input_ids, labels; before packing); with --show N: N",
+    )
     args = parser.parse_args(list(argv))
     from ndparallel.tools.preprocess import preprocess
 
@@ -222,17 +262,29 @@ def run_verify(argv: Sequence[str]) -> int:
     parser = Parser(
         prog="ndparallel verify",
         description="train a shrunk model of the config's architecture under its layout and options and on "
-                    "one process (CPU), through the trainer's own step; compare losses, gradient norms and "
-                    "parameters after SGD steps (and, with bf16/fp8, the same at that precision)")
+        "one process (CPU), through the trainer's own step; compare losses, gradient norms and "
+        "parameters after SGD steps (and, with bf16/fp8, the same at that precision)",
+    )
     _config_args(parser)
     parser.add_argument("--steps", type=at_least(1), default=3, help="optimizer steps (>= 1)")
-    parser.add_argument("--tolerance", type=at_least(0.0, strict=True), default=1e-5,
-                        help="max relative fp32 loss/grad-norm error (> 0)")
-    parser.add_argument("--param-tolerance", type=at_least(0.0, strict=True), default=1e-6,
-                        help="max absolute fp32 parameter difference after the steps (> 0)")
-    parser.add_argument("--inject-fault", choices=["skip-grad-sync", "cross-documents", "unsummed-tied-grads"],
-                        default=None,
-                        help=argparse.SUPPRESS)  # proves the check can fail (tests)
+    parser.add_argument(
+        "--tolerance",
+        type=at_least(0.0, strict=True),
+        default=1e-5,
+        help="max relative fp32 loss/grad-norm error (> 0)",
+    )
+    parser.add_argument(
+        "--param-tolerance",
+        type=at_least(0.0, strict=True),
+        default=1e-6,
+        help="max absolute fp32 parameter difference after the steps (> 0)",
+    )
+    parser.add_argument(
+        "--inject-fault",
+        choices=["skip-grad-sync", "cross-documents", "unsummed-tied-grads"],
+        default=None,
+        help=argparse.SUPPRESS,
+    )  # proves the check can fail (tests)
     args = parser.parse_args(list(argv))
     try:
         cfg = load_config(args.config, args.set)
@@ -243,8 +295,15 @@ def run_verify(argv: Sequence[str]) -> int:
         return fail("verify", e)
     from ndparallel.tools.verify import verify_layout
 
-    ok = verify_layout(cfg, pc, hf, steps=args.steps, tolerance=args.tolerance, fault=args.inject_fault,
-                       param_tolerance=args.param_tolerance)
+    ok = verify_layout(
+        cfg,
+        pc,
+        hf,
+        steps=args.steps,
+        tolerance=args.tolerance,
+        fault=args.inject_fault,
+        param_tolerance=args.param_tolerance,
+    )
     return 0 if ok else 1
 
 
@@ -263,8 +322,10 @@ def run_plot(argv: Sequence[str]) -> int:
 
     default = Path(args.run_dir) / "metrics.png"
     if args.out is None and default.exists() and not _run_wrote(default):
-        return fail("plot", f"{default} exists and no ndparallel run wrote it: pass --out PATH "
-                            "(it is never overwritten)")
+        return fail(
+            "plot",
+            f"{default} exists and no ndparallel run wrote it: pass --out PATH (it is never overwritten)",
+        )
     try:
         path = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
     except (FileNotFoundError, ValueError) as e:

@@ -5,7 +5,7 @@ must not span nodes)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class _Unparsable(Exception):
@@ -56,8 +56,8 @@ def check_train_launch(argv: Sequence[str]) -> str | None:
     nproc, nnodes = str(args.nproc_per_node), str(args.nnodes)
     if not nproc.isdigit() or not nnodes.isdigit():
         return None  # "gpu"/"auto" or an elastic range: the ranks check for themselves
-    from ndparallel.cli.commands import check_nodes
     from ndparallel.axolotl import ConfigError, load_config
+    from ndparallel.cli.commands import check_nodes
     from ndparallel.preflight.checks import validate_layout
 
     world = int(nproc) * int(nnodes)

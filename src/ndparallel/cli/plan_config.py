@@ -18,10 +18,25 @@ from pathlib import Path
 
 import yaml
 
-PLAN_KEYS = ("dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size",
-             "expert_parallel_size", "micro_batch_size", "gradient_accumulation_steps", "cp_comm_strategy",
-             "sequence_parallel", "loss_parallel", "tiled_mlp", "tiled_mlp_num_shards", "activation_offloading",
-             "pipeline_parallel_size", "pipeline_schedule", "pipeline_virtual_stages", "pipeline_microbatches")
+PLAN_KEYS = (
+    "dp_replicate_size",
+    "dp_shard_size",
+    "tensor_parallel_size",
+    "context_parallel_size",
+    "expert_parallel_size",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "cp_comm_strategy",
+    "sequence_parallel",
+    "loss_parallel",
+    "tiled_mlp",
+    "tiled_mlp_num_shards",
+    "activation_offloading",
+    "pipeline_parallel_size",
+    "pipeline_schedule",
+    "pipeline_virtual_stages",
+    "pipeline_microbatches",
+)
 PLAN_FSDP_KEYS = ("activation_checkpointing", "reshard_after_forward", "unsharded_grad_accumulation")
 
 
@@ -44,12 +59,21 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
         pre.add_argument(name)
     given, _ = pre.parse_known_args(argv)
     gpus = int(given.gpus) if given.gpus and given.gpus.isdigit() and int(given.gpus) > 0 else None
-    flags = ["--model", cfg.base_model, "--seq-len", str(cfg.sequence_len),
-             "--mixed-precision", cfg.compute_dtype_name(),
-             "--optimizer", _plan_optimizer(cfg.optimizer),
-             "--cp-strategy", cfg.cp_comm_strategy,
-             # qat fake-quantises the LM head: the trainer computes the loss from the full logits
-             "--loss-impl", "full" if cfg.chunked_loss is False or cfg.qat is not None else "chunked"]
+    flags = [
+        "--model",
+        cfg.base_model,
+        "--seq-len",
+        str(cfg.sequence_len),
+        "--mixed-precision",
+        cfg.compute_dtype_name(),
+        "--optimizer",
+        _plan_optimizer(cfg.optimizer),
+        "--cp-strategy",
+        cfg.cp_comm_strategy,
+        # qat fake-quantises the LM head: the trainer computes the loss from the full logits
+        "--loss-impl",
+        "full" if cfg.chunked_loss is False or cfg.qat is not None else "chunked",
+    ]
     if cfg.optimizer == "adamw_torch_fused":
         flags.append("--fused-adamw")
     if not cfg.tp_options().sequence_parallel:
@@ -68,7 +92,12 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
 
         flags += ["--qat", qat_format(qat.weight_dtype, qat.activation_dtype)]
     if cfg.adapter and given.adapter in (None, "lora", "qlora"):
-        flags += ["--adapter", given.adapter or ("qlora" if cfg.load_in_4bit else "lora"), "--lora-r", str(cfg.lora_r)]
+        flags += [
+            "--adapter",
+            given.adapter or ("qlora" if cfg.load_in_4bit else "lora"),
+            "--lora-r",
+            str(cfg.lora_r),
+        ]
         from ndparallel.plan.adapter import saved_tables
 
         if saved_tables(cfg.lora_modules_to_save):
@@ -78,8 +107,10 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
         dp, where = _config_dp(cfg.parallelism_config(), gpus, path)
         batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp
         flags += ["--global-batch-size", str(batch)]
-        said += (f", global batch {batch} sequences (micro {cfg.micro_batch_size} × accumulation "
-                 f"{cfg.gradient_accumulation_steps} × dp {dp}{where})")
+        said += (
+            f", global batch {batch} sequences (micro {cfg.micro_batch_size} × accumulation "
+            f"{cfg.gradient_accumulation_steps} × dp {dp}{where})"
+        )
     return flags, f"ndparallel plan: from {path}: {said}"
 
 
@@ -90,7 +121,8 @@ def _plan_optimizer(name: str) -> str:
     if name in ("sgd", "muon"):
         return name
     return {"AdamW8bit": "adamw_8bit", "AdamWFp8": "adamw_8bit", "AdamW4bit": "adamw_4bit"}.get(
-        TORCHAO.get(name, ""), "adamw")
+        TORCHAO.get(name, ""), "adamw"
+    )
 
 
 def _config_dp(layout, gpus: int, path: str) -> tuple[int, str]:
@@ -104,8 +136,10 @@ def _config_dp(layout, gpus: int, path: str) -> tuple[int, str]:
     except ParallelismConfigError as e:
         sizes = layout.to_dict().values()
         if -1 in sizes:
-            raise ValueError(f"--config {path}: its layout does not fit --gpus {gpus} ({e}); give the batch "
-                             "to keep with --global-batch-size N (sequences per step)") from None
+            raise ValueError(
+                f"--config {path}: its layout does not fit --gpus {gpus} ({e}); give the batch "
+                "to keep with --global-batch-size N (sequences per step)"
+            ) from None
         own = 1
         for v in sizes:
             own *= v

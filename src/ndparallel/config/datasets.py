@@ -57,7 +57,9 @@ class DatasetConfig(_Strict):
         try:
             datasets.ReadInstruction.from_spec(v)
         except (ValueError, AssertionError):
-            raise ValueError(f"{v!r} is not a split; write e.g. train, train[:20%] or train[100:200]") from None
+            raise ValueError(
+                f"{v!r} is not a split; write e.g. train, train[:20%] or train[100:200]"
+            ) from None
         return v
 
     @field_validator("type", mode="before")

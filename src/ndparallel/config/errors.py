@@ -4,7 +4,7 @@ or field named, the bound and the value, the fix or a did-you-mean."""
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from collections.abc import Iterable
 
 from pydantic import AliasChoices, BaseModel, ValidationError
 
@@ -41,8 +41,12 @@ def _known_keys(model: type[BaseModel]) -> list[str]:
     return keys
 
 
-def validation_problems(err: ValidationError, top: type[BaseModel], nested: dict[str, type[BaseModel]],
-                        other_keys: Iterable[str] = ()) -> list[str]:
+def validation_problems(
+    err: ValidationError,
+    top: type[BaseModel],
+    nested: dict[str, type[BaseModel]],
+    other_keys: Iterable[str] = (),
+) -> list[str]:
     """One line per problem. An unknown key gets a did-you-mean among the keys of ``top`` (then
     ``other_keys``: the keys a front door translates) or, under a field named in ``nested``, of that
     section's model."""

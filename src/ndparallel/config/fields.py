@@ -35,8 +35,10 @@ class FSDPConfig(_Strict):
     @classmethod
     def _wrap_policy(cls, v):
         if v is not None and v not in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"):
-            raise ValueError(f"{v!r} is not supported: ndparallel wraps each decoder layer "
-                             "(TRANSFORMER_BASED_WRAP); remove it or set TRANSFORMER_BASED_WRAP")
+            raise ValueError(
+                f"{v!r} is not supported: ndparallel wraps each decoder layer "
+                "(TRANSFORMER_BASED_WRAP); remove it or set TRANSFORMER_BASED_WRAP"
+            )
         return v
 
 
@@ -98,8 +100,11 @@ class TrackerFields(_Strict):
             out.append("wandb")
         if self.use_tensorboard:
             out.append("tensorboard")
-        mlflow = self.use_mlflow if self.use_mlflow is not None else bool(
-            self.mlflow_tracking_uri or self.mlflow_experiment_name)
+        mlflow = (
+            self.use_mlflow
+            if self.use_mlflow is not None
+            else bool(self.mlflow_tracking_uri or self.mlflow_experiment_name)
+        )
         if mlflow:
             out.append("mlflow")
         swanlab = self.use_swanlab if self.use_swanlab is not None else bool(self.swanlab_project)
@@ -112,22 +117,45 @@ class TrackerFields(_Strict):
     def tracker_kwargs(self, name: str, run_dir: str) -> dict[str, Any]:
         """Arguments of tracker ``name`` for a run writing to ``run_dir``."""
         if name == "wandb":
-            return {k: v for k, v in {"project": self.wandb_project or "ndparallel", "entity": self.wandb_entity,
-                                      "name": self.wandb_name, "id": self.wandb_run_id, "mode": self.wandb_mode,
-                                      "dir": run_dir}.items() if v is not None}
+            return {
+                k: v
+                for k, v in {
+                    "project": self.wandb_project or "ndparallel",
+                    "entity": self.wandb_entity,
+                    "name": self.wandb_name,
+                    "id": self.wandb_run_id,
+                    "mode": self.wandb_mode,
+                    "dir": run_dir,
+                }.items()
+                if v is not None
+            }
         if name == "tensorboard":
             return {"logging_dir": f"{run_dir}/runs"}
         if name == "prometheus":
             return {"host": self.otel_metrics_host, "port": self.otel_metrics_port}
         if name == "swanlab":  # Axolotl's "cloud" is SwanLab's "online"
             mode = "online" if self.swanlab_mode == "cloud" else self.swanlab_mode
-            return {k: v for k, v in {"project": self.swanlab_project or "ndparallel", "mode": mode,
-                                      "name": self.swanlab_experiment_name, "description": self.swanlab_description,
-                                      "workspace": self.swanlab_workspace, "log_dir": f"{run_dir}/swanlog"}.items()
-                    if v is not None}
-        return {k: v for k, v in {"experiment_name": self.mlflow_experiment_name or "ndparallel",
-                                  "tracking_uri": self.mlflow_tracking_uri,
-                                  "run_name": self.mlflow_run_name}.items() if v is not None}
+            return {
+                k: v
+                for k, v in {
+                    "project": self.swanlab_project or "ndparallel",
+                    "mode": mode,
+                    "name": self.swanlab_experiment_name,
+                    "description": self.swanlab_description,
+                    "workspace": self.swanlab_workspace,
+                    "log_dir": f"{run_dir}/swanlog",
+                }.items()
+                if v is not None
+            }
+        return {
+            k: v
+            for k, v in {
+                "experiment_name": self.mlflow_experiment_name or "ndparallel",
+                "tracking_uri": self.mlflow_tracking_uri,
+                "run_name": self.mlflow_run_name,
+            }.items()
+            if v is not None
+        }
 
 
 class ClusterFields(_Strict):
@@ -151,7 +179,7 @@ class PrecisionFields(_Strict):
     fp16: bool = False
     """fp16 compute (FSDP2's param_dtype) with fp32 master weights, fp32 gradient reduction and
     dynamic loss scaling; for GPUs without bf16 (V100, T4). bf16 needs no scaling: prefer it."""
-    loss_scale_init: float = Field(2.0 ** 16, gt=0, allow_inf_nan=False)
+    loss_scale_init: float = Field(2.0**16, gt=0, allow_inf_nan=False)
     """fp16: the first loss scale (a power of two keeps scaling exact)."""
     loss_scale_growth_interval: int = Field(2000, ge=1)
     """fp16: finite steps in a row after which the loss scale doubles (an overflow halves it and
@@ -162,14 +190,18 @@ class PrecisionFields(_Strict):
     @model_validator(mode="after")
     def _one_precision(self):
         if self.fp16 and getattr(self, "bf16", False):
-            raise ValueError("bf16 and fp16 are both true: choose one (bf16 where the GPU has it: no loss scaling)")
+            raise ValueError(
+                "bf16 and fp16 are both true: choose one (bf16 where the GPU has it: no loss scaling)"
+            )
         if self.fp16 and getattr(self, "fp8", False):
-            raise ValueError("fp8 with fp16 is not supported (torchao's float8 training runs from bf16/fp32): "
-                             "use bf16: true with fp8: true")
+            raise ValueError(
+                "fp8 with fp16 is not supported (torchao's float8 training runs from bf16/fp32): "
+                "use bf16: true with fp8: true"
+            )
         return self
 
     def compute_dtype_name(self) -> str:
-        """"bf16", "fp16" (mixed precision, fp32 master weights) or "fp32"."""
+        """ "bf16", "fp16" (mixed precision, fp32 master weights) or "fp32"."""
         return "bf16" if getattr(self, "bf16", False) else "fp16" if self.fp16 else "fp32"
 
     def compute_dtype(self):
@@ -184,8 +216,11 @@ class PrecisionFields(_Strict):
             return None
         from ndparallel.engine.loss_scale import LossScaler
 
-        return LossScaler(self.loss_scale_init, growth_interval=self.loss_scale_growth_interval,
-                          min_scale=self.loss_scale_min)
+        return LossScaler(
+            self.loss_scale_init,
+            growth_interval=self.loss_scale_growth_interval,
+            min_scale=self.loss_scale_min,
+        )
 
 
 class RunControlFields(_Strict):
@@ -218,11 +253,16 @@ class RunControlFields(_Strict):
 
     @model_validator(mode="after")
     def _one_way_each(self):  # reads TrainConfig's lr_scheduler and eval_steps
-        extras = [f for f in ("cosine_min_lr_ratio", "cosine_constant_lr_ratio", "lr_quadratic_warmup")
-                  if getattr(self, f) not in (None, False)]
+        extras = [
+            f
+            for f in ("cosine_min_lr_ratio", "cosine_constant_lr_ratio", "lr_quadratic_warmup")
+            if getattr(self, f) not in (None, False)
+        ]
         if extras and self.lr_scheduler != "cosine":
-            raise ValueError(f"{', '.join(extras)} shape the cosine schedule, but lr_scheduler is "
-                             f"{self.lr_scheduler}: set lr_scheduler: cosine or remove them")
+            raise ValueError(
+                f"{', '.join(extras)} shape the cosine schedule, but lr_scheduler is "
+                f"{self.lr_scheduler}: set lr_scheduler: cosine or remove them"
+            )
         if self.evals_per_epoch is not None and self.eval_steps is not None:
             raise ValueError("'eval_steps' and 'evals_per_epoch' are both set; keep one")
         return self
@@ -245,8 +285,9 @@ class DataSourceFields(_Strict):
     pretraining_dataset: list[DatasetConfig] | None = None
     """Raw text streamed as Axolotl does (needs max_steps): tokenised, concatenated and cut into
     sequence_len blocks while training; instead of datasets."""
-    revision_of_model: str | None = Field(None, min_length=1,
-                                          validation_alias=AliasChoices("revision_of_model", "model_revision"))
+    revision_of_model: str | None = Field(
+        None, min_length=1, validation_alias=AliasChoices("revision_of_model", "model_revision")
+    )
     """A Hub base_model's branch, tag or commit (config, weights and tokenizer all from it)."""
     dataset_exact_deduplication: bool = False
     """Drop fine-tuning samples whose tokens and labels repeat an earlier sample's (Axolotl's rule)."""
@@ -259,7 +300,9 @@ class DataSourceFields(_Strict):
     @field_validator("revision_of_model", mode="before")
     @classmethod
     def _revision_text(cls, v):
-        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v  # YAML reads 1234567 as a number
+        return (
+            str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+        )  # YAML reads 1234567 as a number
 
     @model_validator(mode="after")
     def _data_source(self):  # reads TrainConfig's datasets / max_steps / base_model
@@ -269,7 +312,9 @@ class DataSourceFields(_Strict):
             if self.datasets:
                 raise ValueError("'datasets' and 'pretraining_dataset' are both set; keep one")
             if self.max_steps is None:
-                raise ValueError("pretraining_dataset is streamed: set max_steps (the stream has no known length)")
+                raise ValueError(
+                    "pretraining_dataset is streamed: set max_steps (the stream has no known length)"
+                )
             self.datasets = []
         elif not self.datasets:  # a real model without data: refused once base_model itself is checked
             self.datasets = [DatasetConfig(path="builtin:stdlib")] if is_preset(self.base_model) else []
@@ -279,15 +324,19 @@ class DataSourceFields(_Strict):
         """A real base_model and no data at all (the built-in corpus only goes with the presets)."""
         if self.datasets or self.pretraining_dataset is not None:
             return None
-        return (f"datasets: none given for base_model={self.base_model!r}; add datasets: [{{path: FILE_OR_HUB_NAME, "
-                "type: alpaca | chat_template | completion ...}] (or pretraining_dataset:)")
+        return (
+            f"datasets: none given for base_model={self.base_model!r}; add datasets: [{{path: FILE_OR_HUB_NAME, "
+            "type: alpaca | chat_template | completion ...}] (or pretraining_dataset:)"
+        )
 
 
 class InputForms(_Strict):
     """How Axolotl's configs write some of ``TrainConfig``'s fields: an empty string for "not set",
     one item for a list (validators only; the fields are TrainConfig's)."""
 
-    @field_validator("lora_model_dir", "resume_from_checkpoint", "tokenizer", mode="before", check_fields=False)
+    @field_validator(
+        "lora_model_dir", "resume_from_checkpoint", "tokenizer", mode="before", check_fields=False
+    )
     @classmethod
     def _empty_is_unset(cls, v):
         return None if v == "" else v
@@ -296,8 +345,10 @@ class InputForms(_Strict):
     @classmethod
     def _token_list(cls, v):
         if isinstance(v, dict):
-            raise ValueError(f"a list of new tokens, got a mapping {sorted(v)}: put bos/eos/pad/unk tokens under "
-                             "special_tokens: and list other new tokens under tokens:")
+            raise ValueError(
+                f"a list of new tokens, got a mapping {sorted(v)}: put bos/eos/pad/unk tokens under "
+                "special_tokens: and list other new tokens under tokens:"
+            )
         return [v] if isinstance(v, str) else v
 
 
@@ -313,5 +364,11 @@ class LoraExtraFields(_Strict):
 
     def lora_extra_kwargs(self) -> dict:
         """These fields as ``models.adapters.lora_config`` arguments (the unset ones left out)."""
-        return {k: v for k, v in (("modules_to_save", self.lora_modules_to_save),
-                                  ("target_parameters", self.lora_target_parameters)) if v}
+        return {
+            k: v
+            for k, v in (
+                ("modules_to_save", self.lora_modules_to_save),
+                ("target_parameters", self.lora_target_parameters),
+            )
+            if v
+        }

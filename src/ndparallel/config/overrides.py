@@ -18,8 +18,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         problem = " ".join(str(getattr(e, "problem", None) or e).split())
-        raise ConfigError(f"--set {text!r}: the value is not valid YAML ({problem}); quote a string, "
-                          "e.g. --set 'key=\"[1,\"'") from None
+        raise ConfigError(
+            f"--set {text!r}: the value is not valid YAML ({problem}); quote a string, "
+            "e.g. --set 'key=\"[1,\"'"
+        ) from None
     return key.strip().split("."), value
 
 
@@ -38,7 +40,7 @@ def _assign(node, key: str, value, item: str) -> None:
     if isinstance(node, list):
         if not key.isdigit() or int(key) > len(node):
             raise ConfigError(f"--set {item}: '{key}' is not an index of a list of {len(node)} entries")
-        node[int(key):int(key) + 1] = [value]
+        node[int(key) : int(key) + 1] = [value]
     elif isinstance(node, dict):
         node[key] = value
     else:

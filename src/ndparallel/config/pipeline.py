@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from pydantic import AliasChoices, Field
 
-from ndparallel.parallel.options import PipelineOptions
 from ndparallel.config.base import _Strict
+from ndparallel.parallel.options import PipelineOptions
 
 
 class PipelineFields(_Strict):
-    pipeline_parallel_size: int = Field(1, ge=1, validation_alias=AliasChoices("pipeline_parallel_size", "pp_size"))
+    pipeline_parallel_size: int = Field(
+        1, ge=1, validation_alias=AliasChoices("pipeline_parallel_size", "pp_size")
+    )
     """Pipeline stages: the decoder layers split over this many groups of ranks, each laid out by
     the four other sizes (multiplies the world)."""
     pipeline_schedule: str = "1F1B"
@@ -28,7 +30,11 @@ class PipelineFields(_Strict):
 
     def pipeline_options(self) -> PipelineOptions:
         return PipelineOptions(
-            schedule=self.pipeline_schedule, microbatches=self.pipeline_microbatches,
-            virtual_stages=self.pipeline_virtual_stages, layers_per_stage=self.pipeline_layers_per_stage,
-            split_points=tuple(self.pipeline_split_points) if self.pipeline_split_points is not None else None,
+            schedule=self.pipeline_schedule,
+            microbatches=self.pipeline_microbatches,
+            virtual_stages=self.pipeline_virtual_stages,
+            layers_per_stage=self.pipeline_layers_per_stage,
+            split_points=tuple(self.pipeline_split_points)
+            if self.pipeline_split_points is not None
+            else None,
         )

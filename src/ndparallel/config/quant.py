@@ -17,11 +17,18 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from ndparallel.parallel.options import QATOptions
 from ndparallel.config.base import _Strict
+from ndparallel.parallel.options import QATOptions
 
-_DTYPES = {"int4": "int4", "int8": "int8", "float8_e4m3fn": "float8", "fp8": "float8", "float8": "float8",
-           "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
+_DTYPES = {
+    "int4": "int4",
+    "int8": "int8",
+    "float8_e4m3fn": "float8",
+    "fp8": "float8",
+    "float8": "float8",
+    "nvfp4": "nvfp4",
+    "mxfp4": "mxfp4",
+}
 
 
 class QATSettings(_Strict):
@@ -58,9 +65,13 @@ class QATSettings(_Strict):
         return self
 
     def options(self) -> QATOptions:
-        return QATOptions(weight_dtype=self.weight_dtype, activation_dtype=self.activation_dtype,
-                          group_size=self.group_size, quantize_embedding=bool(self.quantize_embedding),
-                          fake_quant_after_n_steps=self.fake_quant_after_n_steps)
+        return QATOptions(
+            weight_dtype=self.weight_dtype,
+            activation_dtype=self.activation_dtype,
+            group_size=self.group_size,
+            quantize_embedding=bool(self.quantize_embedding),
+            fake_quant_after_n_steps=self.fake_quant_after_n_steps,
+        )
 
 
 class QuantFields(_Strict):
@@ -120,8 +131,10 @@ class QuantFields(_Strict):
         from ndparallel.parallel.qat import qat_layout_problem
 
         if self.load_in_4bit or getattr(self, "adapter", None) == "qlora":
-            raise ValueError("qat with a 4-bit base (adapter: qlora / load_in_4bit): not together, as in Axolotl; "
-                             "remove qat, or train LoRA on a full-precision base (adapter: lora)")
+            raise ValueError(
+                "qat with a 4-bit base (adapter: qlora / load_in_4bit): not together, as in Axolotl; "
+                "remove qat, or train LoRA on a full-precision base (adapter: lora)"
+            )
         problem = qat_layout_problem(getattr(self, "tensor_parallel_size", 1), getattr(self, "fp8", False))
         if problem:
             raise ValueError(problem)
@@ -134,14 +147,20 @@ class QuantFields(_Strict):
     def _qlora_needs_4bit(self):
         adapter = getattr(self, "adapter", None)
         if adapter == "qlora" and not self.load_in_4bit:
-            raise ValueError("adapter: qlora needs load_in_4bit: true (the 4-bit NF4 base), as in Axolotl; or use "
-                             "adapter: lora for a bf16/fp32 base")
+            raise ValueError(
+                "adapter: qlora needs load_in_4bit: true (the 4-bit NF4 base), as in Axolotl; or use "
+                "adapter: lora for a bf16/fp32 base"
+            )
         if self.load_in_4bit and adapter is None:
-            raise ValueError("load_in_4bit: true needs adapter: qlora (a 4-bit base is frozen: only LoRA adapters "
-                             "train on it); remove load_in_4bit for full fine-tuning")
+            raise ValueError(
+                "load_in_4bit: true needs adapter: qlora (a 4-bit base is frozen: only LoRA adapters "
+                "train on it); remove load_in_4bit for full fine-tuning"
+            )
         if self.bnb_config_kwargs and not self.load_in_4bit:
-            raise ValueError("bnb_config_kwargs set without load_in_4bit: true: add load_in_4bit: true and "
-                             "adapter: qlora, or remove bnb_config_kwargs")
+            raise ValueError(
+                "bnb_config_kwargs set without load_in_4bit: true: add load_in_4bit: true and "
+                "adapter: qlora, or remove bnb_config_kwargs"
+            )
         return self
 
     def nf4_config(self):

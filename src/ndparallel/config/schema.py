@@ -23,7 +23,13 @@ from pydantic import (
 from ndparallel.config.base import _int
 from ndparallel.config.datasets import DatasetConfig, SpecialTokens
 from ndparallel.config.fields import (
-    ClusterFields, DataSourceFields, FSDPConfig, InputForms, LoraExtraFields, PrecisionFields, RunControlFields,
+    ClusterFields,
+    DataSourceFields,
+    FSDPConfig,
+    InputForms,
+    LoraExtraFields,
+    PrecisionFields,
+    RunControlFields,
     TrackerFields,
 )
 from ndparallel.config.pipeline import PipelineFields
@@ -45,8 +51,17 @@ def _float(**bounds):
     return Annotated[float, Field(allow_inf_nan=False, **bounds)]
 
 
-class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields, QuantFields, ClusterFields,
-                  PrecisionFields, LoraExtraFields, PipelineFields):
+class TrainConfig(
+    InputForms,
+    DataSourceFields,
+    RunControlFields,
+    TrackerFields,
+    QuantFields,
+    ClusterFields,
+    PrecisionFields,
+    LoraExtraFields,
+    PipelineFields,
+):
     """Every field of ``ndparallel train`` YAML files (Axolotl names where Axolotl has one; the
     quantisation fields: ``quant.QuantFields``; preemption and asynchronous checkpoints:
     ``fields.ClusterFields``)."""
@@ -63,7 +78,9 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
     """Axolotl's field: set on the model's config before it is built, e.g. ``{output_router_logits:
     true, router_aux_loss_coef: 0.001}`` to train a mixture-of-experts model with its routers'
     load-balancing loss (docs/moe.md)."""
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"] | None = None
+    attn_implementation: (
+        Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"] | None
+    ) = None
     """Attention kernel (default: the family's own, sdpa where transformers supports it, else eager);
     one this machine lacks (e.g. flash_attention_2 on CPU) falls back to sdpa with one warning line.
     Under CP (and TP with sequence_parallel), ndparallel's own attention is used."""
@@ -122,8 +139,9 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
     lora_alpha: _float(gt=0) = 16.0
     lora_dropout: _float(ge=0, lt=1) = 0.0
     """Dropout on the adapter input; its random mask differs between layouts (use 0 to compare them)."""
-    lora_target_modules: str | list[str] | None = Field(None, validation_alias=AliasChoices(
-        "lora_target_modules", "target_modules"))
+    lora_target_modules: str | list[str] | None = Field(
+        None, validation_alias=AliasChoices("lora_target_modules", "target_modules")
+    )
     """Module names to adapt (e.g. [q_proj, v_proj]); none and no lora_target_linear: PEFT's default."""
     lora_target_linear: bool = False
     """Adapt every linear layer except the output head (added to lora_target_modules)."""
@@ -213,12 +231,17 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
     """dtype of the final model's weights: auto = the compute dtype (bf16 / fp16 run), else fp32."""
     # runtime
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    _axolotl_notes: list[str] = PrivateAttr(default_factory=list)  # what the front door translated (axolotl/translate.py)
+    _axolotl_notes: list[str] = PrivateAttr(
+        default_factory=list
+    )  # what the front door translated (axolotl/translate.py)
     collective_timeout_s: _float(gt=0) = 600.0
     max_restarts: _int(0) = 0
 
     @field_validator(
-        "dp_replicate_size", "dp_shard_size", "tensor_parallel_size", "context_parallel_size",
+        "dp_replicate_size",
+        "dp_shard_size",
+        "tensor_parallel_size",
+        "context_parallel_size",
         "expert_parallel_size",
     )
     @classmethod
@@ -245,15 +268,21 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
         for flag, impl in (("flash_attention", "flash_attention_2"), ("sdp_attention", "sdpa")):
             if getattr(self, flag):
                 if self.attn_implementation not in (None, impl):
-                    raise ValueError(f"'{flag}: true' and 'attn_implementation: {self.attn_implementation}' "
-                                     "disagree; keep one")
+                    raise ValueError(
+                        f"'{flag}: true' and 'attn_implementation: {self.attn_implementation}' "
+                        "disagree; keep one"
+                    )
                 self.attn_implementation = impl
         if self.activation_offloading and not self.fsdp_config.activation_checkpointing:
-            raise ValueError("activation_offloading offloads what activation checkpointing keeps: set "
-                             "fsdp_config.activation_checkpointing: true, or remove activation_offloading")
+            raise ValueError(
+                "activation_offloading offloads what activation checkpointing keeps: set "
+                "fsdp_config.activation_checkpointing: true, or remove activation_offloading"
+            )
         if self.tiled_mlp_num_shards is not None and not self.tiled_mlp:
-            raise ValueError("tiled_mlp_num_shards is set but tiled_mlp is not: set tiled_mlp: true, or "
-                             "remove tiled_mlp_num_shards")
+            raise ValueError(
+                "tiled_mlp_num_shards is set but tiled_mlp is not: set tiled_mlp: true, or "
+                "remove tiled_mlp_num_shards"
+            )
         return self
 
     @field_validator("activation_offloading", mode="before")
@@ -262,8 +291,10 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
         if v == "hidden_states":
             return True
         if isinstance(v, str) and v.lower() in ("legacy", "disk", "offload", "offload_disk"):
-            raise ValueError(f"{v!r} is not supported: ndparallel offloads the checkpointed hidden states to "
-                             "pinned host memory on a side stream; use true (or hidden_states)")
+            raise ValueError(
+                f"{v!r} is not supported: ndparallel offloads the checkpointed hidden states to "
+                "pinned host memory on a side stream; use true (or hidden_states)"
+            )
         return v
 
     @field_validator("lora_target_modules", mode="before")
@@ -290,25 +321,31 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
     # ------------------------------------------------------------ derived
     def parallelism_config(self) -> ParallelismConfig:
         return ParallelismConfig(
-            dp_replicate_size=self.dp_replicate_size, dp_shard_size=self.dp_shard_size,
-            tp_size=self.tensor_parallel_size, cp_size=self.context_parallel_size,
-            ep_size=self.expert_parallel_size, pp_size=self.pipeline_parallel_size,
+            dp_replicate_size=self.dp_replicate_size,
+            dp_shard_size=self.dp_shard_size,
+            tp_size=self.tensor_parallel_size,
+            cp_size=self.context_parallel_size,
+            ep_size=self.expert_parallel_size,
+            pp_size=self.pipeline_parallel_size,
         )
 
     def fsdp_options(self) -> FSDPOptions:
         f = self.fsdp_config
         return FSDPOptions(
-            reshard_after_forward=f.reshard_after_forward, cpu_offload=f.cpu_offload,
+            reshard_after_forward=f.reshard_after_forward,
+            cpu_offload=f.cpu_offload,
             activation_checkpointing=f.activation_checkpointing,
             unsharded_grad_accumulation=f.unsharded_grad_accumulation,
             layer_classes=tuple(f.layer_classes) if f.layer_classes else None,
-            activation_offloading=bool(self.activation_offloading), tiled_mlp=self.tiled_mlp,
+            activation_offloading=bool(self.activation_offloading),
+            tiled_mlp=self.tiled_mlp,
             tiled_mlp_num_shards=self.tiled_mlp_num_shards,
         )
 
     def tp_options(self) -> TPOptions:
-        return TPOptions(plan=self.tp_plan, sequence_parallel=self.sequence_parallel,
-                         loss_parallel=self.loss_parallel)
+        return TPOptions(
+            plan=self.tp_plan, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel
+        )
 
     def export_dtype(self):
         import torch
@@ -332,20 +369,33 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
 
     def strategy_options(self) -> StrategyOptions:
         """Every strategy option of the run, and its compute dtype: what the engine applies."""
-        return StrategyOptions(fsdp=self.fsdp_options(), tp=self.tp_options(), cp=self.cp_options(),
-                               loss=self.loss_options(), compile=self.compile_options(),
-                               float8=self.float8_options(), qat=self.qat_options(),
-                               pipeline=self.pipeline_options(), param_dtype=self.compute_dtype())
+        return StrategyOptions(
+            fsdp=self.fsdp_options(),
+            tp=self.tp_options(),
+            cp=self.cp_options(),
+            loss=self.loss_options(),
+            compile=self.compile_options(),
+            float8=self.float8_options(),
+            qat=self.qat_options(),
+            pipeline=self.pipeline_options(),
+            param_dtype=self.compute_dtype(),
+        )
 
     def lora_kwargs(self, **overrides) -> dict | None:
         """Arguments of ``ndparallel.models.adapters.lora_config``; None without ``adapter``."""
         if self.adapter is None:
             return None
-        return {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
-                "target_modules": self.lora_target_modules, "target_linear": self.lora_target_linear,
-                **({"use_rslora": True} if self.peft_use_rslora else {}),
-                **({"revision": self.revision_of_model} if self.revision_of_model else {}),
-                **self.lora_extra_kwargs(), **overrides}
+        return {
+            "r": self.lora_r,
+            "alpha": self.lora_alpha,
+            "dropout": self.lora_dropout,
+            "target_modules": self.lora_target_modules,
+            "target_linear": self.lora_target_linear,
+            **({"use_rslora": True} if self.peft_use_rslora else {}),
+            **({"revision": self.revision_of_model} if self.revision_of_model else {}),
+            **self.lora_extra_kwargs(),
+            **overrides,
+        }
 
     def lora_config(self):
         """The peft ``LoraConfig`` of ``adapter: lora`` (None without it): the one saved in
@@ -369,18 +419,30 @@ class TrainConfig(InputForms, DataSourceFields, RunControlFields, TrackerFields,
         if self.adapter is not None:
             return []
         fields = type(self).model_fields
-        return sorted(f for f in self.model_fields_set if (f.startswith("lora_") or f == "merge_lora")
-                      and getattr(self, f) not in (None, False, "", []) and getattr(self, f) != fields[f].default)
+        return sorted(
+            f
+            for f in self.model_fields_set
+            if (f.startswith("lora_") or f == "merge_lora")
+            and getattr(self, f) not in (None, False, "", [])
+            and getattr(self, f) != fields[f].default
+        )
 
     def data_options(self):
         from ndparallel.data.pipeline import DataOptions
 
         return DataOptions(
-            sequence_len=self.sequence_len, sample_packing=self.sample_packing,
-            train_on_inputs=self.train_on_inputs, excess_length_strategy=self.excess_length_strategy,
-            chat_template=self.chat_template, eot_tokens=tuple(self.eot_tokens or ()) or None,
-            chat_template_jinja=self.chat_template_jinja, chat_template_kwargs=self.chat_template_kwargs,
+            sequence_len=self.sequence_len,
+            sample_packing=self.sample_packing,
+            train_on_inputs=self.train_on_inputs,
+            excess_length_strategy=self.excess_length_strategy,
+            chat_template=self.chat_template,
+            eot_tokens=tuple(self.eot_tokens or ()) or None,
+            chat_template_jinja=self.chat_template_jinja,
+            chat_template_kwargs=self.chat_template_kwargs,
             min_sample_len=self.min_sample_len,
-            val_set_size=self.val_set_size, seed=self.seed,
-            num_proc=self.dataset_processes, deduplicate=self.dataset_exact_deduplication,
-            sequential_packing=self.sample_packing_sequentially)
+            val_set_size=self.val_set_size,
+            seed=self.seed,
+            num_proc=self.dataset_processes,
+            deduplicate=self.dataset_exact_deduplication,
+            sequential_packing=self.sample_packing_sequentially,
+        )

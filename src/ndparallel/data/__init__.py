@@ -12,8 +12,24 @@ from .packing import IGNORE_INDEX, PackedSplits, build_blocks, pack_blocks, spli
 from .tokenizer import default_cache_dir, load_or_train_tokenizer, train_bpe
 
 __all__ = [
-    "BUILTIN_STDLIB", "IGNORE_INDEX", "DatasetSpec", "PackedLoader", "PackedSplits", "StdlibCorpus",
-    "build_blocks", "default_cache_dir", "epoch_permutation", "global_batch", "load_or_train_tokenizer",
-    "load_text_dataset", "load_text_datasets", "make_batch", "pack_blocks", "split_blocks",
-    "stdlib_corpus", "stdlib_dataset", "tokenize_dataset", "train_bpe",
+    "BUILTIN_STDLIB",
+    "IGNORE_INDEX",
+    "DatasetSpec",
+    "PackedLoader",
+    "PackedSplits",
+    "StdlibCorpus",
+    "build_blocks",
+    "default_cache_dir",
+    "epoch_permutation",
+    "global_batch",
+    "load_or_train_tokenizer",
+    "load_text_dataset",
+    "load_text_datasets",
+    "make_batch",
+    "pack_blocks",
+    "split_blocks",
+    "stdlib_corpus",
+    "stdlib_dataset",
+    "tokenize_dataset",
+    "train_bpe",
 ]

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import difflib
 import functools
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .dataset import DatasetSpec
 from .prompts import Segment, _short
@@ -44,8 +45,19 @@ def named_template(name: str) -> str:
 
 
 LLAMA3 = named_template("llama3")
-TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eot|>",
-               "<turn|>", "<|END_OF_TURN_TOKEN|>", "[|endofturn|]", "<|eom|>")
+TURN_TOKENS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eot|>",
+    "<turn|>",
+    "<|END_OF_TURN_TOKEN|>",
+    "[|endofturn|]",
+    "<|eom|>",
+)
 ROLE_NAMES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
 """ShareGPT-style role names -> the chat-template ones."""
 TRAIN_ON_EOS = ("turn", "all", "last", "none")
@@ -59,11 +71,15 @@ def check_template_name(name: str | None, where: str, jinja: str | None = None) 
     if base in template_names():
         return
     if name == "jinja":
-        raise ValueError(f"{where}: chat_template: jinja needs chat_template_jinja (a template or a .jinja file)")
+        raise ValueError(
+            f"{where}: chat_template: jinja needs chat_template_jinja (a template or a .jinja file)"
+        )
     close = difflib.get_close_matches(base, template_names(), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    raise ValueError(f"{where}.chat_template: unknown template {name!r}; {hint}use tokenizer_default, jinja (with "
-                     f"chat_template_jinja) or one of {', '.join(template_names())}")
+    raise ValueError(
+        f"{where}.chat_template: unknown template {name!r}; {hint}use tokenizer_default, jinja (with "
+        f"chat_template_jinja) or one of {', '.join(template_names())}"
+    )
 
 
 def resolve_template(tokenizer, name: str | None, jinja: str | None, where: str) -> str:
@@ -82,8 +98,10 @@ def resolve_template(tokenizer, name: str | None, jinja: str | None, where: str)
         if own:
             return own
         if fallback is None:
-            raise ValueError(f"{where}: the tokenizer has no chat template; set chat_template to one of "
-                             f"{', '.join(template_names())} (or chat_template_jinja to a Jinja template)")
+            raise ValueError(
+                f"{where}: the tokenizer has no chat template; set chat_template to one of "
+                f"{', '.join(template_names())} (or chat_template_jinja to a Jinja template)"
+            )
         name = fallback
     check_template_name(name, where)
     text = named_template(name)
@@ -93,8 +111,14 @@ def resolve_template(tokenizer, name: str | None, jinja: str | None, where: str)
 class ChatRenderer:
     """Renders one dataset's conversations into trained / untrained segments."""
 
-    def __init__(self, tokenizer, template: str, spec: DatasetSpec, eot_tokens: tuple[str, ...] | None = None,
-                 template_kwargs: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        template: str,
+        spec: DatasetSpec,
+        eot_tokens: tuple[str, ...] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ):
         for name in ("train_on_eos", "train_on_eot"):
             value = getattr(spec, name)
             if value not in TRAIN_ON_EOS and not (name == "train_on_eot" and value is None):
@@ -103,23 +127,36 @@ class ChatRenderer:
         self.template_kwargs = dict(template_kwargs or {})
         self.role_names = dict(ROLE_NAMES)
         for target, sources in (spec.roles or {}).items():
-            self.role_names.update({str(s): str(target) for s in ([sources] if isinstance(sources, str) else sources)})
+            self.role_names.update(
+                {str(s): str(target) for s in ([sources] if isinstance(sources, str) else sources)}
+            )
         self.roles_to_train = {self.role_names.get(r, r) for r in spec.roles_to_train}
-        self.thinking = (spec.field_thinking or "reasoning_content",
-                         spec.template_thinking_key or spec.field_thinking or "reasoning_content")
+        self.thinking = (
+            spec.field_thinking or "reasoning_content",
+            spec.template_thinking_key or spec.field_thinking or "reasoning_content",
+        )
         self.eos = eos = tokenizer.eos_token
         vocab = tokenizer.get_vocab()
         for t in eot_tokens or ():
             if t not in vocab:
-                raise ValueError(f"eot_tokens: {t!r} is not a token of the tokenizer (add it with tokens: [{t}])")
+                raise ValueError(
+                    f"eot_tokens: {t!r} is not a token of the tokenizer (add it with tokens: [{t}])"
+                )
         candidates = (eos, *eot_tokens) if eot_tokens else (eos, *TURN_TOKENS)
-        self.turn_tokens = [t for t in dict.fromkeys(candidates)
-                            if t and (t in template or (t == eos and "eos_token" in template))]
+        self.turn_tokens = [
+            t
+            for t in dict.fromkeys(candidates)
+            if t and (t in template or (t == eos and "eos_token" in template))
+        ]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  **self.template_kwargs)
+        return self.tokenizer.apply_chat_template(
+            messages,
+            chat_template=self.template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
+        )
 
     def messages(self, record: Mapping[str, Any], where: str) -> list[dict]:
         """The record's turns as ``[{"role", "content"}]`` (ShareGPT ``from``/``value`` accepted;
@@ -129,7 +166,9 @@ class ChatRenderer:
         field = spec.field_messages or ("messages" if "messages" in record else "conversations")
         turns = record.get(field)
         if not isinstance(turns, list) or not turns:
-            raise ValueError(f"{where}: column {field!r} must be a non-empty list of messages, got {_short(turns)}")
+            raise ValueError(
+                f"{where}: column {field!r} must be a non-empty list of messages, got {_short(turns)}"
+            )
         mapping = dict(spec.message_property_mappings or {})
         source, target = self.thinking
         out = []
@@ -137,11 +176,15 @@ class ChatRenderer:
             if not isinstance(m, Mapping):
                 raise ValueError(f"{where}: {field}[{i}] is not a message object: {_short(m)}")
             role_key = mapping.get("role") or ("from" if "from" in m and "role" not in m else "role")
-            content_key = mapping.get("content") or ("value" if "value" in m and "content" not in m else "content")
+            content_key = mapping.get("content") or (
+                "value" if "value" in m and "content" not in m else "content"
+            )
             role, content = m.get(role_key), m.get(content_key)
             if not isinstance(role, str) or not isinstance(content, str):
-                raise ValueError(f"{where}: {field}[{i}] needs a text {role_key!r} and {content_key!r}, got "
-                                 f"{_short(m)}; set message_property_mappings for other key names")
+                raise ValueError(
+                    f"{where}: {field}[{i}] needs a text {role_key!r} and {content_key!r}, got "
+                    f"{_short(m)}; set message_property_mappings for other key names"
+                )
             message = {"role": self.role_names.get(role, role), "content": content}
             if isinstance(m.get(source), str) and m.get(source):
                 message[target] = m[source]
@@ -170,7 +213,12 @@ class ChatRenderer:
 
     def _end_policy(self, messages: list[dict], i: int) -> tuple[bool, bool]:
         """Whether turn ``i``'s end token is trained: (when it is the eos, when it is another token)."""
-        policy = {"turn": self._trained(messages[i]), "all": True, "last": i == len(messages) - 1, "none": False}
+        policy = {
+            "turn": self._trained(messages[i]),
+            "all": True,
+            "last": i == len(messages) - 1,
+            "none": False,
+        }
         return policy[self.spec.train_on_eos], policy[self.spec.train_on_eot or self.spec.train_on_eos]
 
     def _turn_ends(self, messages: list[dict], full: str) -> list[int] | None:
@@ -194,8 +242,10 @@ class ChatRenderer:
             body = content if content in full[pos:] else content.strip()
             at = full.find(body, pos) if body else pos
             if at < 0:
-                raise ValueError(f"{where}: message {i}'s content is not in the chat template's output (the "
-                                 "template changes it); use another chat_template or type input_output")
+                raise ValueError(
+                    f"{where}: message {i}'s content is not in the chat template's output (the "
+                    "template changes it); use another chat_template or type input_output"
+                )
             found.append((at, at + len(body)))
             pos = at + len(body)
         segments: list[Segment] = []
@@ -216,7 +266,9 @@ class ChatRenderer:
                 pos = hit + len(token)
         return [*segments, (full[pos:], False)]
 
-    def _turn(self, turn: str, texts: list, end_trained: tuple[bool, bool], where: str, i: int) -> list[Segment]:
+    def _turn(
+        self, turn: str, texts: list, end_trained: tuple[bool, bool], where: str, i: int
+    ) -> list[Segment]:
         """Header (never trained), the trained text (``texts``: the content and the reasoning, from
         the first of them to the end of the content; none for an untrained turn), the text up to
         the turn token, the turn token (trained per ``end_trained``: (when it is the eos, when it
@@ -230,16 +282,18 @@ class ChatRenderer:
             body = content if content in turn[:limit] else content.strip()
             pos = turn.rfind(body, 0, limit) if body else limit
             if pos < 0:
-                raise ValueError(f"{where}: message {i}'s content is not in the chat template's output (the "
-                                 "template changes it); use another chat_template or type input_output")
+                raise ValueError(
+                    f"{where}: message {i}'s content is not in the chat template's output (the "
+                    "template changes it); use another chat_template or type input_output"
+                )
             thinking = (texts[1] or "").strip()
             first = turn.rfind(thinking, 0, pos) if thinking else -1
             begin = first if first >= 0 else pos
-            out = [(turn[:begin], False), (turn[begin:pos + len(body)], True)]
-            tail = turn[pos + len(body):]
+            out = [(turn[:begin], False), (turn[begin : pos + len(body)], True)]
+            tail = turn[pos + len(body) :]
         hits = [(tail.find(t), t) for t in self.turn_tokens if t in tail]
         if not hits:
             return [*out, (tail, False)]
         at, token = min(hits)
         flag = end_trained[0] if token == self.eos else end_trained[1]
-        return [*out, (tail[:at], False), (token, flag), (tail[at + len(token):], False)]
+        return [*out, (tail[:at], False), (token, flag), (tail[at + len(token) :], False)]

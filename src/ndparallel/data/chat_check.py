@@ -22,28 +22,48 @@ def chat_problem(records, spec, role_names: dict[str, str], where: str) -> str |
         return None
     column = records.data.column(field)
     kind = column.type
-    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(kind.value_type):
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(
+        kind.value_type
+    ):
         return None
     keys = [f.name for f in kind.value_type]
     if spec.field_thinking and spec.field_thinking not in keys:
-        return (f"{where}.field_thinking: no message of {spec.path!r} has the key {spec.field_thinking!r} (their "
-                f"keys: {keys}); set it to the key holding the reasoning text, or remove it")
+        return (
+            f"{where}.field_thinking: no message of {spec.path!r} has the key {spec.field_thinking!r} (their "
+            f"keys: {keys}); set it to the key holding the reasoning text, or remove it"
+        )
     mapping = spec.message_property_mappings or {}
     role_key = mapping.get("role") or ("from" if "from" in keys and "role" not in keys else "role")
-    content_key = mapping.get("content") or ("value" if "value" in keys and "content" not in keys else "content")
+    content_key = mapping.get("content") or (
+        "value" if "value" in keys and "content" not in keys else "content"
+    )
     if role_key not in keys or content_key not in keys:
         return None  # malformed messages: the tokenising pass names the first one, row and index
-    seen = set(pc.unique(pa.chunked_array([c.flatten().field(role_key) for c in column.chunks],
-                                          type=kind.value_type.field(role_key).type)).to_pylist()) - {None}
+    seen = set(
+        pc.unique(
+            pa.chunked_array(
+                [c.flatten().field(role_key) for c in column.chunks],
+                type=kind.value_type.field(role_key).type,
+            )
+        ).to_pylist()
+    ) - {None}
     roles = sorted({role_names.get(r, r) for r in seen})
     untrained = [r for r in spec.roles_to_train if role_names.get(r, r) not in roles]
     if untrained:
-        return (f"{where}.roles_to_train: {untrained} is a role no message of {spec.path!r} has (its roles: "
-                f"{sorted(seen)}, read as {roles}); train roles the data has, or map its names with roles: "
-                "{assistant: [...]}")
-    unused = [s for sources in (spec.roles or {}).values()
-              for s in ([sources] if isinstance(sources, str) else sources) if s not in seen]
+        return (
+            f"{where}.roles_to_train: {untrained} is a role no message of {spec.path!r} has (its roles: "
+            f"{sorted(seen)}, read as {roles}); train roles the data has, or map its names with roles: "
+            "{assistant: [...]}"
+        )
+    unused = [
+        s
+        for sources in (spec.roles or {}).values()
+        for s in ([sources] if isinstance(sources, str) else sources)
+        if s not in seen
+    ]
     if unused:
-        return (f"{where}.roles: {unused} is a role name no message of {spec.path!r} has (its roles: "
-                f"{sorted(seen)}); map the names the data uses")
+        return (
+            f"{where}.roles: {unused} is a role name no message of {spec.path!r} has (its roles: "
+            f"{sorted(seen)}); map the names the data uses"
+        )
     return None

@@ -24,8 +24,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .corpus import BUILTIN_STDLIB
 from .dataset import _COMPRESSION, DatasetSpec, check_type, local_files, looks_local
@@ -50,8 +51,10 @@ def check_dataset(spec: DatasetSpec | Mapping[str, Any], where: str) -> None:
     path = Path(spec.path).expanduser()
     if not path.exists():
         if looks_local(spec.path):
-            raise ValueError(f"{where}.path={spec.path!r} does not exist: fix the path (relative paths are "
-                             "taken from the current directory)")
+            raise ValueError(
+                f"{where}.path={spec.path!r} does not exist: fix the path (relative paths are "
+                "taken from the current directory)"
+            )
         return  # a Hub dataset name
     files, fmt = local_files(spec, where)
     for f in files[:MAX_FILES]:
@@ -75,8 +78,10 @@ def check_file(file: Path, fmt: str, text_field: str, where: str, columns: Colum
     text = _decode(head, whole, file, where)
     if fmt == "text":
         if text_field != "text":
-            raise ValueError(f"{where}.text_field={text_field!r}: a plain-text file ({file.name}) gives one "
-                             "column, 'text'; remove text_field or set it to 'text'")
+            raise ValueError(
+                f"{where}.text_field={text_field!r}: a plain-text file ({file.name}) gives one "
+                "column, 'text'; remove text_field or set it to 'text'"
+            )
         if whole and not text.strip():
             raise ValueError(f"{where}: {file} holds only whitespace; remove it from datasets or fill it")
     elif fmt == "json":
@@ -88,15 +93,19 @@ def check_file(file: Path, fmt: str, text_field: str, where: str, columns: Colum
 def _decode(head: bytes, whole: bool, file: Path, where: str) -> str:
     nul = head.find(b"\x00")
     if nul >= 0:
-        raise ValueError(f"{where}: {file} is binary, not text (a NUL byte at offset {nul}); give a "
-                         "text/JSON/CSV file, or set type to its real format")
+        raise ValueError(
+            f"{where}: {file} is binary, not text (a NUL byte at offset {nul}); give a "
+            "text/JSON/CSV file, or set type to its real format"
+        )
     try:
         return head.decode("utf-8")
     except UnicodeDecodeError as e:
         if not whole and e.start >= len(head) - 3:  # a character cut by the sample's end
-            return head[:e.start].decode("utf-8")
-        raise ValueError(f"{where}: {file} is binary or not UTF-8 (invalid byte at offset {e.start}); "
-                         "give a UTF-8 text file, or set type to its real format") from None
+            return head[: e.start].decode("utf-8")
+        raise ValueError(
+            f"{where}: {file} is binary or not UTF-8 (invalid byte at offset {e.start}); "
+            "give a UTF-8 text file, or set type to its real format"
+        ) from None
 
 
 def _missing_column(columns: Columns, present, file: Path, where: str, text_field: str = "text") -> None:
@@ -106,14 +115,20 @@ def _missing_column(columns: Columns, present, file: Path, where: str, text_fiel
         if not any(c in present for c in alternatives):
             names = " or ".join(repr(c) for c in alternatives)
             field = ".text_field" if alternatives == (text_field,) else ""
-            fix = ("set text_field to the column holding the text" if field else
-                   "give records with it (see docs/data.md for each type's columns)")
-            raise ValueError(f"{where}{field}: column {names} is not in {file} (its columns: {sorted(present)[:10]}); "
-                             f"{fix}")
+            fix = (
+                "set text_field to the column holding the text"
+                if field
+                else "give records with it (see docs/data.md for each type's columns)"
+            )
+            raise ValueError(
+                f"{where}{field}: column {names} is not in {file} (its columns: {sorted(present)[:10]}); "
+                f"{fix}"
+            )
 
 
-def _check_json(text: str, whole: bool, size: int, file: Path, columns: Columns, where: str,
-                text_field: str) -> None:
+def _check_json(
+    text: str, whole: bool, size: int, file: Path, columns: Columns, where: str, text_field: str
+) -> None:
     stripped = text.lstrip()
     if stripped.startswith("["):  # one JSON document: an array of records
         if size > MAX_JSON_DOCUMENT:
@@ -121,7 +136,9 @@ def _check_json(text: str, whole: bool, size: int, file: Path, columns: Columns,
         try:
             records = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: {file} line {e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+            raise ValueError(
+                f"{where}: {file} line {e.lineno}: not valid JSON ({e.msg}, column {e.colno})"
+            ) from None
         if not records:
             raise ValueError(f"{where}: {file} holds an empty JSON array: no records")
         keys = {k for r in records[:1000] if isinstance(r, dict) for k in r}
@@ -137,11 +154,15 @@ def _check_json(text: str, whole: bool, size: int, file: Path, columns: Columns,
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: {file} line {number}: not valid JSON ({e.msg}, column {e.colno}); each "
-                             'line must be one JSON object, e.g. {"text": "..."}') from None
+            raise ValueError(
+                f"{where}: {file} line {number}: not valid JSON ({e.msg}, column {e.colno}); each "
+                'line must be one JSON object, e.g. {"text": "..."}'
+            ) from None
         if not isinstance(record, dict):
-            raise ValueError(f"{where}: {file} line {number}: a JSON {type(record).__name__}, not an object; each "
-                             'line must be one JSON object, e.g. {"text": "..."}')
+            raise ValueError(
+                f"{where}: {file} line {number}: a JSON {type(record).__name__}, not an object; each "
+                'line must be one JSON object, e.g. {"text": "..."}'
+            )
         records += 1
         keys.update(record)
     if records == 0:
@@ -166,5 +187,7 @@ def _check_parquet(file: Path, columns: Columns, where: str, text_field: str) ->
             raise ValueError("no PAR1 magic")
         names = pq.read_schema(file).names
     except Exception as e:  # noqa: BLE001 - any unreadable footer
-        raise ValueError(f"{where}: {file} is not a parquet file ({e}); set type to its real format") from None
+        raise ValueError(
+            f"{where}: {file} is not a parquet file ({e}); set type to its real format"
+        ) from None
     _missing_column(columns, names, file, where, text_field)

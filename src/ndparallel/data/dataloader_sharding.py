@@ -40,8 +40,15 @@ def _to(obj, device):
     return obj
 
 
-def shard_dataloader(loader: DataLoader, dp_rank: int, dp_size: int, device: torch.device | None, *,
-                     batch_size: int | None = None, seed: int = 0):
+def shard_dataloader(
+    loader: DataLoader,
+    dp_rank: int,
+    dp_size: int,
+    device: torch.device | None,
+    *,
+    batch_size: int | None = None,
+    seed: int = 0,
+):
     """A loader giving dp rank ``dp_rank`` its own 1/``dp_size`` of the samples (tp/cp peers share a
     dp rank and so see the same samples), interleaved: rank r gets samples r, r+dp, ... of the
     (seeded, same on every rank) sampler order. ``batch_size`` overrides the per-rank batch size
@@ -50,12 +57,20 @@ def shard_dataloader(loader: DataLoader, dp_rank: int, dp_size: int, device: tor
     batches stay where the loader puts them)."""
     if dp_size > 1 and not isinstance(loader.sampler, DistributedSampler) and loader.batch_size is not None:
         sampler = DistributedSampler(
-            loader.dataset, num_replicas=dp_size, rank=dp_rank, seed=seed,
-            shuffle=isinstance(loader.sampler, RandomSampler), drop_last=loader.drop_last,
+            loader.dataset,
+            num_replicas=dp_size,
+            rank=dp_rank,
+            seed=seed,
+            shuffle=isinstance(loader.sampler, RandomSampler),
+            drop_last=loader.drop_last,
         )
         loader = DataLoader(
-            loader.dataset, batch_size=batch_size or loader.batch_size, sampler=sampler,
-            collate_fn=loader.collate_fn, num_workers=loader.num_workers,
-            pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+            loader.dataset,
+            batch_size=batch_size or loader.batch_size,
+            sampler=sampler,
+            collate_fn=loader.collate_fn,
+            num_workers=loader.num_workers,
+            pin_memory=loader.pin_memory,
+            drop_last=loader.drop_last,
         )
     return DeviceLoader(loader, device) if device is not None else loader

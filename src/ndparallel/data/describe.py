@@ -10,7 +10,12 @@ from pathlib import Path
 from .corpus import BUILTIN_STDLIB
 from .dataset import FORMATS, DatasetSpec, local_files, looks_local
 
-FORMAT_WORDS = {"text": "plain text", "json": "JSON records", "parquet": "Parquet records", "csv": "CSV records"}
+FORMAT_WORDS = {
+    "text": "plain text",
+    "json": "JSON records",
+    "parquet": "Parquet records",
+    "csv": "CSV records",
+}
 
 
 def read_as(spec: DatasetSpec, where: str, train_on_inputs: bool = False) -> str:
@@ -30,8 +35,15 @@ def _source(spec: DatasetSpec, where: str) -> str:
         files, fmt = local_files(spec, where)
     except ValueError as e:  # train refuses it before launch with this line
         return f"refused by train: {e}"
-    origin = ("ds_type" if spec.ds_type else "type" if spec.type in FORMATS else
-              "the extension" if len(files) == 1 else "the files' extensions")
+    origin = (
+        "ds_type"
+        if spec.ds_type
+        else "type"
+        if spec.type in FORMATS
+        else "the extension"
+        if len(files) == 1
+        else "the files' extensions"
+    )
     what = path.name if len(files) == 1 and path.is_file() else f"{spec.path} ({len(files)} files)"
     return f"{what} read as {FORMAT_WORDS.get(fmt, fmt)} (from {origin})"
 

@@ -48,19 +48,32 @@ def encode(tokenizer, rendered: Rendered, train_on_inputs: bool = False) -> tupl
             labels.append(tok)
             continue
         first, last = bisect.bisect_right(starts, a) - 1, bisect.bisect_right(starts, b - 1) - 1
-        labels.append(tok if b > a and last >= 0 and any(flags[max(first, 0):last + 1]) else IGNORE_INDEX)
-    if rendered.append_eos and tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        labels.append(tok if b > a and last >= 0 and any(flags[max(first, 0) : last + 1]) else IGNORE_INDEX)
+    if (
+        rendered.append_eos
+        and tokenizer.eos_token_id is not None
+        and (not ids or ids[-1] != tokenizer.eos_token_id)
+    ):
         last = next((f for t, f in reversed(rendered.segments) if t), True)
         ids.append(tokenizer.eos_token_id)
         labels.append(tokenizer.eos_token_id if (last or train_on_inputs) else IGNORE_INDEX)
     return ids, labels
 
 
-def tokenize_samples(records: datasets.Dataset, spec: DatasetSpec, tokenizer, *, where: str,
-                     train_on_inputs: bool = False, chat_template: str | None = None,
-                     eot_tokens: tuple[str, ...] | None = None, cache_dir: str | os.PathLike | None = None,
-                     num_proc: int | None = None, chat_template_jinja: str | None = None,
-                     template_kwargs: dict | None = None) -> datasets.Dataset:
+def tokenize_samples(
+    records: datasets.Dataset,
+    spec: DatasetSpec,
+    tokenizer,
+    *,
+    where: str,
+    train_on_inputs: bool = False,
+    chat_template: str | None = None,
+    eot_tokens: tuple[str, ...] | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    num_proc: int | None = None,
+    chat_template_jinja: str | None = None,
+    template_kwargs: dict | None = None,
+) -> datasets.Dataset:
     """``records`` of ``spec.type`` -> ``{input_ids, labels}`` (one row per record, same order).
     ``chat_template`` / ``chat_template_jinja`` / ``template_kwargs``: the run's, for
     ``chat_template`` datasets that name none."""
@@ -84,20 +97,48 @@ def tokenize_samples(records: datasets.Dataset, spec: DatasetSpec, tokenizer, *,
         columns = list(batch)
         for row, index in enumerate(indices):
             record = {c: batch[c][row] for c in columns}
-            ids, labels = encode(tokenizer, render(record, spec, f"{where} row {index}", chat), train_on_inputs)
+            ids, labels = encode(
+                tokenizer, render(record, spec, f"{where} row {index}", chat), train_on_inputs
+            )
             out["input_ids"].append(ids)
             out["labels"].append(labels)
         return out
 
-    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
-                                  "labels": datasets.Sequence(datasets.Value("int32"))})
-    settings = [_VERSION, records._fingerprint, tokenizer_hash(tokenizer), spec.type, spec.text_field,
-                spec.field_messages, spec.message_property_mappings, sorted(spec.roles_to_train), spec.train_on_eos, spec.train_on_eot,
-                train_on_inputs, chat.template if chat else None, chat.turn_tokens if chat else None, spec.format,
-                spec.drop_system_message, spec.field_thinking, spec.template_thinking_key, spec.roles,
-                template_kwargs if chat else None]
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "labels": datasets.Sequence(datasets.Value("int32")),
+        }
+    )
+    settings = [
+        _VERSION,
+        records._fingerprint,
+        tokenizer_hash(tokenizer),
+        spec.type,
+        spec.text_field,
+        spec.field_messages,
+        spec.message_property_mappings,
+        sorted(spec.roles_to_train),
+        spec.train_on_eos,
+        spec.train_on_eot,
+        train_on_inputs,
+        chat.template if chat else None,
+        chat.turn_tokens if chat else None,
+        spec.format,
+        spec.drop_system_message,
+        spec.field_thinking,
+        spec.template_thinking_key,
+        spec.roles,
+        template_kwargs if chat else None,
+    ]
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:32]
-    kwargs: dict[str, Any] = dict(batched=True, with_indices=True, remove_columns=records.column_names,
-                                  features=features, num_proc=num_proc, desc=f"tokenize {where}",
-                                  new_fingerprint=key)  # our own key: hashing the closure is slow and unstable
+    kwargs: dict[str, Any] = dict(
+        batched=True,
+        with_indices=True,
+        remove_columns=records.column_names,
+        features=features,
+        num_proc=num_proc,
+        desc=f"tokenize {where}",
+        new_fingerprint=key,
+    )  # our own key: hashing the closure is slow and unstable
     return cached_map(records, batch_fn, cache_dir, "sft", key, **kwargs)

@@ -50,7 +50,9 @@ def _first_json(file: Path) -> Any:
         head = f.read(64).lstrip()
         if head.startswith(b"["):
             if file.stat().st_size > WHOLE_JSON_LIMIT:
-                raise NotShown(f"{file.name} is one large JSON array: `ndparallel preprocess CONFIG --show 1`")
+                raise NotShown(
+                    f"{file.name} is one large JSON array: `ndparallel preprocess CONFIG --show 1`"
+                )
             records = json.loads(file.read_text(encoding="utf-8"))
             if not records:
                 raise NotShown(f"{file.name} holds no record")
@@ -95,16 +97,23 @@ def first_sample(spec: DatasetSpec, where: str, tokenizer, options) -> str:
         raise NotShown("raw text: every token is trained")
     record = first_record(spec, where)
     one = datasets.Dataset.from_list([record])
-    row = tokenize_samples(one, spec, tokenizer, where=where, train_on_inputs=options.train_on_inputs,
-                           chat_template=options.chat_template, eot_tokens=options.eot_tokens,
-                           chat_template_jinja=options.chat_template_jinja,
-                           template_kwargs=options.chat_template_kwargs)[0]
+    row = tokenize_samples(
+        one,
+        spec,
+        tokenizer,
+        where=where,
+        train_on_inputs=options.train_on_inputs,
+        chat_template=options.chat_template,
+        eot_tokens=options.eot_tokens,
+        chat_template_jinja=options.chat_template_jinja,
+        template_kwargs=options.chat_template_kwargs,
+    )[0]
     ids, labels = row["input_ids"], row["labels"]
     long = ""
     if len(ids) > options.sequence_len:
         long = f" (longer than sequence_len {options.sequence_len}: {options.excess_length_strategy})"
         if options.excess_length_strategy == "truncate":
-            ids, labels = ids[:options.sequence_len], labels[:options.sequence_len]
+            ids, labels = ids[: options.sequence_len], labels[: options.sequence_len]
     trained = sum(label != -100 for label in labels)
     return f"{len(ids)} tokens{long}, {trained} trained: {marked_text(tokenizer, ids, labels)}"
 

@@ -15,14 +15,18 @@ The system text is the record's ``field_system`` column when set and present, el
 from __future__ import annotations
 
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 USER_DEFINED = "user_defined"
 """The internal type name of a dataset whose ``type`` is such a mapping."""
 
-_PLACEHOLDERS = {"format": {"instruction", "input"}, "no_input_format": {"instruction"},
-                 "system_format": {"system"}}
+_PLACEHOLDERS = {
+    "format": {"instruction", "input"},
+    "no_input_format": {"instruction"},
+    "system_format": {"system"},
+}
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,10 @@ class InstructFormat:
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {unknown} in a custom format; allowed: {known}")
         if not d.get("format"):
-            raise ValueError(f"{where}.format is required: the prompt around {{instruction}} and {{input}}, "
-                             "e.g. '[INST] {instruction} {input} [/INST]'")
+            raise ValueError(
+                f"{where}.format is required: the prompt around {{instruction}} and {{input}}, "
+                "e.g. '[INST] {instruction} {input} [/INST]'"
+            )
         values = {k: v for k, v in d.items() if v is not None}
         for key, value in values.items():
             if not isinstance(value, str):
@@ -54,8 +60,10 @@ class InstructFormat:
             if key in values:
                 used = _placeholders(values[key], f"{where}.{key}")
                 if used - allowed:
-                    raise ValueError(f"{where}.{key}: placeholder(s) {sorted(used - allowed)} are not filled; "
-                                     f"use {sorted('{' + a + '}' for a in allowed)} (literal braces: {{{{ }}}})")
+                    raise ValueError(
+                        f"{where}.{key}: placeholder(s) {sorted(used - allowed)} are not filled; "
+                        f"use {sorted('{' + a + '}' for a in allowed)} (literal braces: {{{{ }}}})"
+                    )
         return cls(**values)
 
     def required_columns(self) -> list[tuple[str, ...]]:
@@ -71,6 +79,7 @@ def _placeholders(text: str, where: str) -> set[str]:
 
 def render_prompt(record: Mapping[str, Any], fmt: InstructFormat, where: str) -> tuple[str, str]:
     """(prompt, output) of one record."""
+
     def text(column: str | None, required: bool) -> str:
         value = record.get(column) if column else None
         if value is None:
@@ -82,8 +91,11 @@ def render_prompt(record: Mapping[str, Any], fmt: InstructFormat, where: str) ->
         return value
 
     instruction, extra = text(fmt.field_instruction, True), text(fmt.field_input, False)
-    system = text(fmt.field_system, False) if fmt.field_system and record.get(fmt.field_system) is not None \
+    system = (
+        text(fmt.field_system, False)
+        if fmt.field_system and record.get(fmt.field_system) is not None
         else fmt.system_prompt
+    )
     prompt = fmt.system_format.format(system=system) if system else ""
     if extra.strip():
         prompt += fmt.format.format(instruction=instruction, input=extra)

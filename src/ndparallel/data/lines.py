@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 Columns = list[tuple[str, ...]]  # needed columns, each as its alternatives
 _JSON_TYPES = {int: "number", float: "number", bool: "boolean", list: "array", str: "string", dict: "object"}
@@ -22,8 +22,9 @@ COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 _EXAMPLE = 'each line must be one JSON object, e.g. {"text": "..."}'
 
 
-def first_bad_line(files: Iterable[str], fmt: str, columns: Columns, text_column: str | None,
-                   where: str) -> str | None:
+def first_bad_line(
+    files: Iterable[str], fmt: str, columns: Columns, text_column: str | None, where: str
+) -> str | None:
     """One line naming ``where``, the file, the line (and column) of the first bad record of
     ``files`` (format ``fmt``), or None when every record looks usable. ``columns``: what each
     record needs; ``text_column``: a column that must hold a string (raw text)."""
@@ -46,8 +47,10 @@ def _record_problem(record, columns: Columns, text_column: str | None) -> str | 
             return f"has no {names} (its keys: {sorted(record)[:10]}); every record needs it"
     value = record.get(text_column) if text_column else ""
     if not isinstance(value, str):
-        return (f"{text_column!r} is a JSON {_JSON_TYPES.get(type(value), type(value).__name__)}, not text; raw text must be a JSON string (set "
-                "text_field to the column holding the text)")
+        return (
+            f"{text_column!r} is a JSON {_JSON_TYPES.get(type(value), type(value).__name__)}, not text; raw text must be a JSON string (set "
+            "text_field to the column holding the text)"
+        )
     return None
 
 
@@ -106,12 +109,13 @@ def _csv(file: Path, columns: Columns, text_column: str | None) -> str | None:
         header = next(reader, [])
         for row in reader:
             if len(row) != len(header) and any(cell.strip() for cell in row):
-                return (f"line {reader.line_num}: {len(row)} fields, the header has {len(header)} (quote fields "
-                        "holding commas or newlines)")
+                return (
+                    f"line {reader.line_num}: {len(row)} fields, the header has {len(header)} (quote fields "
+                    "holding commas or newlines)"
+                )
             if text_column in header and not row[header.index(text_column)]:
                 return f"line {reader.line_num}: {text_column!r} is empty (every record needs its text)"
     return None
-
 
 
 def text_column_problem(ds, spec, files: list[str] | None, fmt: str | None, where: str) -> str | None:
@@ -127,5 +131,7 @@ def text_column_problem(ds, spec, files: list[str] | None, fmt: str | None, wher
         return None
     located = first_bad_line(files, fmt, [(column,)], column, where) if files and fmt else None
     what = "nulls (records without it)" if strings else f"{feature} values"
-    return located or (f"{where}.text_field: column {column!r} of {spec.path!r} holds {what}, not text only; "
-                       "every record needs its text as a string")
+    return located or (
+        f"{where}.text_field: column {column!r} of {spec.path!r} holds {what}, not text only; "
+        "every record needs its text as a string"
+    )

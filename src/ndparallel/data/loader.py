@@ -18,7 +18,8 @@ multiple (which the layout needs: 2·cp for CP, tp for sequence parallel): only 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -62,13 +63,26 @@ class PackedLoader:
     are yielded, so ``state_dict()`` taken after training on a batch resumes at the next one.
     """
 
-    def __init__(self, blocks: torch.Tensor, micro_batch_size: int, *, dp_rank: int = 0, dp_size: int = 1,
-                 seed: int = 0, shuffle: bool = True, pad_to_multiple: int | None = None):
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        micro_batch_size: int,
+        *,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        pad_to_multiple: int | None = None,
+    ):
         if blocks.ndim != 2 or blocks.shape[1] < 2:
-            raise ValueError(f"blocks must be a [num_blocks, sequence_len + 1] tensor, got shape {tuple(blocks.shape)}")
+            raise ValueError(
+                f"blocks must be a [num_blocks, sequence_len + 1] tensor, got shape {tuple(blocks.shape)}"
+            )
         if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"need micro_batch_size >= 1 and 0 <= dp_rank < dp_size, got "
-                             f"micro_batch_size={micro_batch_size}, dp_rank={dp_rank}, dp_size={dp_size}")
+            raise ValueError(
+                f"need micro_batch_size >= 1 and 0 <= dp_rank < dp_size, got "
+                f"micro_batch_size={micro_batch_size}, dp_rank={dp_rank}, dp_size={dp_size}"
+            )
         self.blocks = blocks
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -77,8 +91,10 @@ class PackedLoader:
         self.global_micro_batch = dp_size * micro_batch_size
         self.steps_per_epoch = blocks.shape[0] // self.global_micro_batch
         if self.steps_per_epoch == 0:
-            raise ValueError(f"only {blocks.shape[0]} blocks, fewer than dp_size * micro_batch_size = "
-                             f"{self.global_micro_batch}; add data, lower sequence_len or micro_batch_size")
+            raise ValueError(
+                f"only {blocks.shape[0]} blocks, fewer than dp_size * micro_batch_size = "
+                f"{self.global_micro_batch}; add data, lower sequence_len or micro_batch_size"
+            )
         self.epoch = 0
         self.position = 0
         self._perm_cache: tuple[int, torch.Tensor] | None = None
@@ -121,41 +137,69 @@ class PackedLoader:
 
     def with_dp(self, dp_rank: int, dp_size: int) -> PackedLoader:
         """A copy for another dp layout, same per-rank micro-batch size, same progress in the epoch."""
-        other = PackedLoader(self.blocks, self.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                             seed=self.seed, shuffle=self.shuffle, pad_to_multiple=self.pad_to_multiple)
+        other = PackedLoader(
+            self.blocks,
+            self.micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            pad_to_multiple=self.pad_to_multiple,
+        )
         other.load_state_dict(self.state_dict())
         return other
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position,
-                "samples_in_epoch": self.position * self.global_micro_batch,
-                "seed": self.seed, "num_blocks": self.blocks.shape[0]}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "samples_in_epoch": self.position * self.global_micro_batch,
+            "seed": self.seed,
+            "num_blocks": self.blocks.shape[0],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume; the sample count (not the step) is restored, so it also works across dp layouts."""
         if state["seed"] != self.seed or state["num_blocks"] != self.blocks.shape[0]:
-            raise ValueError(f"loader state is for seed={state['seed']}, num_blocks={state['num_blocks']} but this "
-                             f"loader has seed={self.seed}, num_blocks={self.blocks.shape[0]}; resume with the same "
-                             "data, sequence_len and seed")
+            raise ValueError(
+                f"loader state is for seed={state['seed']}, num_blocks={state['num_blocks']} but this "
+                f"loader has seed={self.seed}, num_blocks={self.blocks.shape[0]}; resume with the same "
+                "data, sequence_len and seed"
+            )
         position, rest = divmod(state["samples_in_epoch"], self.global_micro_batch)
         if rest:
-            raise ValueError(f"loader state stopped after {state['samples_in_epoch']} samples, not a multiple of "
-                             f"dp_size * micro_batch_size = {self.global_micro_batch}; resume with the old global "
-                             "micro-batch size")
+            raise ValueError(
+                f"loader state stopped after {state['samples_in_epoch']} samples, not a multiple of "
+                f"dp_size * micro_batch_size = {self.global_micro_batch}; resume with the old global "
+                "micro-batch size"
+            )
         self.epoch, self.position = state["epoch"], position
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if self._perm_cache is None or self._perm_cache[0] != epoch:
-            self._perm_cache = (epoch, epoch_permutation(self.blocks.shape[0], self.seed, epoch, self.shuffle))
+            self._perm_cache = (
+                epoch,
+                epoch_permutation(self.blocks.shape[0], self.seed, epoch, self.shuffle),
+            )
         return self._perm_cache[1]
 
 
-def global_batch(blocks: torch.Tensor, step: int, *, micro_batch_size: int, dp_size: int, grad_accum: int = 1,
-                 seed: int = 0, shuffle: bool = True, pad_to_multiple: int | None = None) -> list[Batch]:
+def global_batch(
+    blocks: torch.Tensor,
+    step: int,
+    *,
+    micro_batch_size: int,
+    dp_size: int,
+    grad_accum: int = 1,
+    seed: int = 0,
+    shuffle: bool = True,
+    pad_to_multiple: int | None = None,
+) -> list[Batch]:
     """What a 1-rank run sees at optimizer ``step``: ``grad_accum`` micro-batches of ``dp_size * B`` rows.
 
     Rows ``[r*B, (r+1)*B)`` of micro-batch ``m`` are exactly dp rank ``r``'s micro-batch ``m``.
     """
-    one_rank = PackedLoader(blocks, dp_size * micro_batch_size, seed=seed, shuffle=shuffle,
-                            pad_to_multiple=pad_to_multiple)
+    one_rank = PackedLoader(
+        blocks, dp_size * micro_batch_size, seed=seed, shuffle=shuffle, pad_to_multiple=pad_to_multiple
+    )
     return one_rank.step_micro_batches(step, grad_accum)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import datasets
 import numpy as np
@@ -31,8 +32,12 @@ from .dataset import DatasetSpec, load_text_datasets, tokenize_dataset
 from .store import BlockStore, pack_to_file
 
 
-def pack_blocks(tokenized: datasets.Dataset, block_size: int, pad_tail: bool = False,
-                cache_dir: str | os.PathLike | None = None) -> torch.Tensor | BlockStore:
+def pack_blocks(
+    tokenized: datasets.Dataset,
+    block_size: int,
+    pad_tail: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+) -> torch.Tensor | BlockStore:
     """Concatenate ``input_ids`` into ``[num_blocks, block_size]`` int32 rows. With ``cache_dir``
     they are written once (file-locked: one rank of a node packs, the others wait) to a
     memory-mapped file shared by the node's ranks (a ``BlockStore``); without, an in-memory tensor."""
@@ -50,18 +55,21 @@ def pack_blocks(tokenized: datasets.Dataset, block_size: int, pad_tail: bool = F
     flat = torch.from_numpy(pc.list_flatten(column).to_numpy().astype(np.int32))  # astype copies: writable
     n_full, rest = divmod(flat.numel(), block_size)
     if n_full == 0:
-        raise ValueError(f"dataset too small: it gives {flat.numel()} tokens, fewer than one block of "
-                         f"sequence_len + 1 = {block_size}; lower sequence_len or add data")
+        raise ValueError(
+            f"dataset too small: it gives {flat.numel()} tokens, fewer than one block of "
+            f"sequence_len + 1 = {block_size}; lower sequence_len or add data"
+        )
     blocks = flat[: n_full * block_size].view(n_full, block_size)
     if pad_tail and rest:
         tail = torch.full((1, block_size), IGNORE_INDEX, dtype=torch.int32)
-        tail[0, :rest] = flat[n_full * block_size:]
+        tail[0, :rest] = flat[n_full * block_size :]
         blocks = torch.cat([blocks, tail])
     return blocks
 
 
-def split_blocks(blocks: torch.Tensor | BlockStore, val_set_size: float | int, seed: int = 0
-                 ) -> tuple[torch.Tensor | BlockStore, torch.Tensor | BlockStore | None]:
+def split_blocks(
+    blocks: torch.Tensor | BlockStore, val_set_size: float | int, seed: int = 0
+) -> tuple[torch.Tensor | BlockStore, torch.Tensor | BlockStore | None]:
     """Split ``(train, val)`` at block level, deterministically by ``seed``.
 
     ``val_set_size``: ``0`` = no validation set, a float in (0, 1) = fraction (rounded up), an
@@ -77,10 +85,14 @@ def split_blocks(blocks: torch.Tensor | BlockStore, val_set_size: float | int, s
     elif float(val_set_size).is_integer():
         n_val = int(val_set_size)
     else:
-        raise ValueError(f"val_set_size {val_set_size!r}: use a fraction in (0, 1) or a whole number of blocks")
+        raise ValueError(
+            f"val_set_size {val_set_size!r}: use a fraction in (0, 1) or a whole number of blocks"
+        )
     if n_val >= n:
-        raise ValueError(f"val_set_size={val_set_size!r} takes {n_val} of {n} blocks, leaving none to train on; "
-                         "lower val_set_size or sequence_len, or add data")
+        raise ValueError(
+            f"val_set_size={val_set_size!r} takes {n_val} of {n} blocks, leaving none to train on; "
+            "lower val_set_size or sequence_len, or add data"
+        )
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     val_idx, _ = perm[:n_val].sort()
     train_idx, _ = perm[n_val:].sort()
@@ -99,10 +111,17 @@ class PackedSplits:
     val: torch.Tensor | BlockStore | None
 
 
-def build_blocks(specs: Iterable[DatasetSpec | Mapping[str, Any] | str], tokenizer: PreTrainedTokenizerBase,
-                 sequence_len: int, *, val_set_size: float | int = 0, seed: int = 0,
-                 cache_dir: str | os.PathLike | None = None, num_proc: int | None = None,
-                 pad_tail: bool = False) -> PackedSplits:
+def build_blocks(
+    specs: Iterable[DatasetSpec | Mapping[str, Any] | str],
+    tokenizer: PreTrainedTokenizerBase,
+    sequence_len: int,
+    *,
+    val_set_size: float | int = 0,
+    seed: int = 0,
+    cache_dir: str | os.PathLike | None = None,
+    num_proc: int | None = None,
+    pad_tail: bool = False,
+) -> PackedSplits:
     """Load, tokenize (cached), pack and split: the whole pipeline from specs to blocks."""
     text = load_text_datasets(specs, cache_dir)
     tokenized = tokenize_dataset(text, tokenizer, cache_dir, num_proc)

@@ -36,14 +36,18 @@ class PaddedRows:
         part = self.rows[real] if len(real) else None
         if isinstance(part, dict) or (part is None and _is_rowstore(self.rows)):
             width = self.rows.shape[1]
-            pad = {"input_ids": torch.zeros(pads, width, dtype=torch.int64),
-                   "shift_labels": torch.full((pads, width), IGNORE_INDEX, dtype=torch.int64),
-                   "position_ids": torch.arange(width).expand(pads, width).clone()}
+            pad = {
+                "input_ids": torch.zeros(pads, width, dtype=torch.int64),
+                "shift_labels": torch.full((pads, width), IGNORE_INDEX, dtype=torch.int64),
+                "position_ids": torch.arange(width).expand(pads, width).clone(),
+            }
             if part is None:
                 return pad
             return {k: torch.cat([v, pad[k].to(v.dtype)]) if k in pad else v for k, v in part.items()}
         pad = torch.full((pads, self.rows.shape[1]), IGNORE_INDEX, dtype=torch.int32)
-        return pad if part is None else torch.cat([torch.as_tensor(part), pad.to(torch.as_tensor(part).dtype)])
+        return (
+            pad if part is None else torch.cat([torch.as_tensor(part), pad.to(torch.as_tensor(part).dtype)])
+        )
 
     def lengths(self, index) -> np.ndarray:
         index = np.asarray(torch.as_tensor(index).reshape(-1))

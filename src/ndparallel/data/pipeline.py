@@ -21,9 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 from filelock import FileLock
@@ -89,38 +90,60 @@ def tokenize_specs(specs: list[DatasetSpec], tokenizer, options: DataOptions, ca
     for i, spec in enumerate(specs):
         where = f"datasets[{i}]"
         records = load_records(spec, cache_dir, where)
-        missing = [alts for alts in required_columns(spec) if not any(a in records.column_names for a in alts)]
+        missing = [
+            alts for alts in required_columns(spec) if not any(a in records.column_names for a in alts)
+        ]
         if missing:
             names = " or ".join(repr(a) for a in missing[0])
-            raise ValueError(f"{where}: type {spec.type or 'completion'} needs column {names}; {spec.path!r} has "
-                             f"{records.column_names[:10]}")
+            raise ValueError(
+                f"{where}: type {spec.type or 'completion'} needs column {names}; {spec.path!r} has "
+                f"{records.column_names[:10]}"
+            )
         if spec.raw:
             check_text_column(records, spec, where)
-        out.append(tokenize_samples(records, spec, tokenizer, where=where, train_on_inputs=options.train_on_inputs,
-                                    chat_template=options.chat_template, eot_tokens=options.eot_tokens,
-                                    cache_dir=cache_dir, num_proc=options.num_proc,
-                                    chat_template_jinja=options.chat_template_jinja,
-                                    template_kwargs=options.chat_template_kwargs))
+        out.append(
+            tokenize_samples(
+                records,
+                spec,
+                tokenizer,
+                where=where,
+                train_on_inputs=options.train_on_inputs,
+                chat_template=options.chat_template,
+                eot_tokens=options.eot_tokens,
+                cache_dir=cache_dir,
+                num_proc=options.num_proc,
+                chat_template_jinja=options.chat_template_jinja,
+                template_kwargs=options.chat_template_kwargs,
+            )
+        )
     return out
 
 
-def prepare_samples(specs: list[DatasetSpec], tokenizer, options: DataOptions, cache_dir=None,
-                    tokenized: list | None = None) -> PreparedSamples:
+def prepare_samples(
+    specs: list[DatasetSpec], tokenizer, options: DataOptions, cache_dir=None, tokenized: list | None = None
+) -> PreparedSamples:
     """Tokenize and choose the samples; ``ValueError`` when none is left."""
     tokenized = tokenized if tokenized is not None else tokenize_specs(specs, tokenizer, options, cache_dir)
     tables = [TokenTable(t) for t in tokenized]
-    samples, stats = select_samples(tables, [s.raw for s in specs], options.sequence_len,
-                                    options.excess_length_strategy, options.min_sample_len)
+    samples, stats = select_samples(
+        tables,
+        [s.raw for s in specs],
+        options.sequence_len,
+        options.excess_length_strategy,
+        options.min_sample_len,
+    )
     if options.deduplicate:
         unique = first_occurrences(tables, samples)
         stats.dropped_duplicates, stats.samples = len(samples) - len(unique), len(unique)
         samples = unique
     if len(samples) == 0:
-        raise ValueError(f"datasets: no sample left to train on ({stats.records} records; "
-                         f"{stats.dropped_too_long} longer than sequence_len={options.sequence_len} dropped, "
-                         f"{stats.dropped_too_short} shorter than min_sample_len dropped, "
-                         f"{stats.dropped_untrained} with no trained token); check the data, raise sequence_len, "
-                         "or set excess_length_strategy: truncate")
+        raise ValueError(
+            f"datasets: no sample left to train on ({stats.records} records; "
+            f"{stats.dropped_too_long} longer than sequence_len={options.sequence_len} dropped, "
+            f"{stats.dropped_too_short} shorter than min_sample_len dropped, "
+            f"{stats.dropped_untrained} with no trained token); check the data, raise sequence_len, "
+            "or set excess_length_strategy: truncate"
+        )
     return PreparedSamples(tables, samples, stats, [t._fingerprint for t in tokenized])
 
 
@@ -128,10 +151,21 @@ def build_rows(specs: list[DatasetSpec], tokenizer, options: DataOptions, cache_
     """Rows of whole samples (packed when ``sample_packing``), cached in ``cache_dir/rows/<key>/``."""
     tokenized = tokenize_specs(specs, tokenizer, options, cache_dir)
     pad_id = _pad_id(tokenizer)
-    settings = [_ROWS_VERSION, [t._fingerprint for t in tokenized], [s.raw for s in specs], options.sequence_len,
-                bool(options.sample_packing), options.excess_length_strategy, pad_id, options.min_sample_len,
-                *([options.deduplicate, options.sequential_packing] if options.deduplicate
-                  or options.sequential_packing else [])]  # keys of older caches stay valid
+    settings = [
+        _ROWS_VERSION,
+        [t._fingerprint for t in tokenized],
+        [s.raw for s in specs],
+        options.sequence_len,
+        bool(options.sample_packing),
+        options.excess_length_strategy,
+        pad_id,
+        options.min_sample_len,
+        *(
+            [options.deduplicate, options.sequential_packing]
+            if options.deduplicate or options.sequential_packing
+            else []
+        ),
+    ]  # keys of older caches stay valid
     key = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:32]
     directory = None if cache_dir is None else Path(cache_dir) / "rows" / key
     if directory is not None:
@@ -143,7 +177,9 @@ def build_rows(specs: list[DatasetSpec], tokenizer, options: DataOptions, cache_
     return _write(specs, tokenizer, options, tokenized, pad_id, None)
 
 
-def _write(specs, tokenizer, options: DataOptions, tokenized, pad_id: int, directory: Path | None) -> RowStore:
+def _write(
+    specs, tokenizer, options: DataOptions, tokenized, pad_id: int, directory: Path | None
+) -> RowStore:
     prepared = prepare_samples(specs, tokenizer, options, tokenized=tokenized)
     lengths = prepared.samples[:, 3] - prepared.samples[:, 2]
     if options.sample_packing:
@@ -152,10 +188,17 @@ def _write(specs, tokenizer, options: DataOptions, tokenized, pad_id: int, direc
     else:
         row_of = np.arange(len(lengths), dtype=np.int64)
     n_rows = int(row_of.max()) + 1
-    meta = {"rows": n_rows, "sequence_len": options.sequence_len, "sample_packing": bool(options.sample_packing),
-            "tokens": int(lengths.sum()), "fill": float(lengths.sum() / (n_rows * options.sequence_len)),
-            **prepared.stats.as_dict()}
-    return write_rows(prepared.tables, prepared.samples, row_of, options.sequence_len, pad_id, directory, meta)
+    meta = {
+        "rows": n_rows,
+        "sequence_len": options.sequence_len,
+        "sample_packing": bool(options.sample_packing),
+        "tokens": int(lengths.sum()),
+        "fill": float(lengths.sum() / (n_rows * options.sequence_len)),
+        **prepared.stats.as_dict(),
+    }
+    return write_rows(
+        prepared.tables, prepared.samples, row_of, options.sequence_len, pad_id, directory, meta
+    )
 
 
 def _pad_id(tokenizer) -> int:
@@ -165,13 +208,24 @@ def _pad_id(tokenizer) -> int:
     return 0
 
 
-def build_data(specs: Iterable[DatasetSpec | Mapping[str, Any] | str], tokenizer, options: DataOptions,
-               cache_dir: str | os.PathLike | None = None) -> PackedSplits:
+def build_data(
+    specs: Iterable[DatasetSpec | Mapping[str, Any] | str],
+    tokenizer,
+    options: DataOptions,
+    cache_dir: str | os.PathLike | None = None,
+) -> PackedSplits:
     """Train (and validation) rows for ``specs``: concatenated blocks or whole samples (see above)."""
     specs = [DatasetSpec.from_any(s, f"datasets[{i}]") for i, s in enumerate(specs)]
     if concatenates(specs, options.sample_packing):
-        return build_blocks(specs, tokenizer, options.sequence_len, val_set_size=options.val_set_size,
-                            seed=options.seed, cache_dir=cache_dir, num_proc=options.num_proc)
+        return build_blocks(
+            specs,
+            tokenizer,
+            options.sequence_len,
+            val_set_size=options.val_set_size,
+            seed=options.seed,
+            cache_dir=cache_dir,
+            num_proc=options.num_proc,
+        )
     store = build_rows(specs, tokenizer, options, cache_dir)
     train, val = split_blocks(store, options.val_set_size, options.seed)
     return PackedSplits(train, val)

@@ -25,30 +25,49 @@ A record that does not fit its type (a missing or null column, a wrong JSON type
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from .dataset import DatasetSpec, required_columns  # noqa: F401 - imported from here by check, pipeline
 from .instruct import render_prompt
 
 Segment = tuple[str, bool]
 
-ALPACA_SYSTEM = ("Below is an instruction that describes a task, paired with an input that provides further "
-                 "context. Write a response that appropriately completes the request.")
-ALPACA_SYSTEM_NO_INPUT = "Below is an instruction that describes a task. Write a response that appropriately " \
-                         "completes the request."
+ALPACA_SYSTEM = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request."
+)
+ALPACA_SYSTEM_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request."
+)
 ALPACA_TURNS = {  # style: (system format, turn with input, turn without input): Axolotl's AlpacaPrompter
-    "instruct": ("{system}\n\n", "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
-                 "### Instruction:\n{instruction}\n\n### Response:\n"),
-    "chat": ("SYSTEM: {system}\n", "USER: {instruction}\n{input}\nASSISTANT:", "USER: {instruction}\nASSISTANT:"),
-    "chatml": ("<|im_start|>system\n{system}<|im_end|>\n",
-               "<|im_start|>user\n{instruction}\n{input}<|im_end|>\n<|im_start|>assistant\n",
-               "<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n"),
-    "phi": ("<|system|>\n{system}<|end|>\n", "<|user|>\n{instruction}<|end|>{input}<|assistant|>",
-            "<|user|>\n{instruction}<|end|>\n<|assistant|>\n"),
+    "instruct": (
+        "{system}\n\n",
+        "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+        "### Instruction:\n{instruction}\n\n### Response:\n",
+    ),
+    "chat": (
+        "SYSTEM: {system}\n",
+        "USER: {instruction}\n{input}\nASSISTANT:",
+        "USER: {instruction}\nASSISTANT:",
+    ),
+    "chatml": (
+        "<|im_start|>system\n{system}<|im_end|>\n",
+        "<|im_start|>user\n{instruction}\n{input}<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n",
+    ),
+    "phi": (
+        "<|system|>\n{system}<|end|>\n",
+        "<|user|>\n{instruction}<|end|>{input}<|assistant|>",
+        "<|user|>\n{instruction}<|end|>\n<|assistant|>\n",
+    ),
 }
 ALPACA_WITH_INPUT = ALPACA_TURNS["instruct"][0].format(system=ALPACA_SYSTEM) + ALPACA_TURNS["instruct"][1]
-ALPACA_NO_INPUT = ALPACA_TURNS["instruct"][0].format(system=ALPACA_SYSTEM_NO_INPUT) + ALPACA_TURNS["instruct"][2]
+ALPACA_NO_INPUT = (
+    ALPACA_TURNS["instruct"][0].format(system=ALPACA_SYSTEM_NO_INPUT) + ALPACA_TURNS["instruct"][2]
+)
 
 
 @dataclass(frozen=True)
@@ -94,20 +113,31 @@ def alpaca(record: Mapping[str, Any], where: str, style: str = "instruct") -> Re
 def jeopardy(record: Mapping[str, Any], where: str) -> Rendered:
     """Axolotl's ``jeopardy``: the Alpaca prompt with the clue as instruction and the category as
     input; the trained answer is "what is <answer>"."""
-    fields = {"instruction": _text(record, "question", where), "input": _text(record, "category", where),
-              "output": "what is " + _text(record, "answer", where)}
+    fields = {
+        "instruction": _text(record, "question", where),
+        "input": _text(record, "category", where),
+        "output": "what is " + _text(record, "answer", where),
+    }
     return alpaca(fields, where)
 
 
 def input_output(record: Mapping[str, Any], where: str) -> Rendered:
     segments = record.get("segments")
     if not isinstance(segments, list) or not segments:
-        raise ValueError(f"{where}: 'segments' must be a non-empty list of {{\"text\": ..., \"label\": true|false}}, "
-                         f"got {_short(segments)}")
+        raise ValueError(
+            f'{where}: \'segments\' must be a non-empty list of {{"text": ..., "label": true|false}}, '
+            f"got {_short(segments)}"
+        )
     out = []
     for i, seg in enumerate(segments):
-        if not isinstance(seg, Mapping) or not isinstance(seg.get("text"), str) or not isinstance(seg.get("label"), bool):
-            raise ValueError(f"{where}: segments[{i}] must be {{\"text\": str, \"label\": bool}}, got {_short(seg)}")
+        if (
+            not isinstance(seg, Mapping)
+            or not isinstance(seg.get("text"), str)
+            or not isinstance(seg.get("label"), bool)
+        ):
+            raise ValueError(
+                f'{where}: segments[{i}] must be {{"text": str, "label": bool}}, got {_short(seg)}'
+            )
         out.append((seg["text"], seg["label"]))
     return Rendered(out, add_special_tokens=False, append_eos=False)
 

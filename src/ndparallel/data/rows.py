@@ -44,8 +44,10 @@ class RowStore:
     @classmethod
     def open(cls, directory: str | os.PathLike) -> RowStore:
         d = Path(directory)
-        return cls({c: np.load(d / f"{c}.npy", mmap_mode="r") for c in COLUMNS},
-                   np.load(d / "lengths.npy", mmap_mode="r"))
+        return cls(
+            {c: np.load(d / f"{c}.npy", mmap_mode="r") for c in COLUMNS},
+            np.load(d / "lengths.npy", mmap_mode="r"),
+        )
 
     @property
     def shape(self) -> torch.Size:
@@ -80,8 +82,15 @@ class RowStore:
         return RowStore(self.columns, self.row_lengths, rows if self.rows is None else self.rows[rows])
 
 
-def write_rows(tables: list[TokenTable], samples: np.ndarray, row_of: np.ndarray, sequence_len: int,
-               pad_id: int, directory: Path | None, meta: dict) -> RowStore:
+def write_rows(
+    tables: list[TokenTable],
+    samples: np.ndarray,
+    row_of: np.ndarray,
+    sequence_len: int,
+    pad_id: int,
+    directory: Path | None,
+    meta: dict,
+) -> RowStore:
     """Write the rows (``row_of[k]``: the row of ``samples[k]``; rows numbered from 0) to
     ``directory`` (built in a temporary directory, then renamed: it appears complete or not at
     all); ``None``: in memory."""
@@ -111,24 +120,32 @@ def write_rows(tables: list[TokenTable], samples: np.ndarray, row_of: np.ndarray
     return RowStore.open(directory)
 
 
-def _fill(tables: list[TokenTable], samples: np.ndarray, order: np.ndarray, starts: np.ndarray, sequence_len: int,
-          pad_id: int, out: dict[str, np.ndarray], lengths: np.ndarray) -> None:
+def _fill(
+    tables: list[TokenTable],
+    samples: np.ndarray,
+    order: np.ndarray,
+    starts: np.ndarray,
+    sequence_len: int,
+    pad_id: int,
+    out: dict[str, np.ndarray],
+    lengths: np.ndarray,
+) -> None:
     ramp = np.arange(sequence_len, dtype=np.int32)
     for r in range(len(starts) - 1):
-        members = order[starts[r]:starts[r + 1]]
+        members = order[starts[r] : starts[r + 1]]
         ids_row, lab_row, pos_row = out["input_ids"][r], out["shift_labels"][r], out["position_ids"][r]
         offset = 0
         for k in members:
             table, row, start, end = (int(v) for v in samples[k])
             ids, labels = tables[table].get(row)
             n = end - start
-            ids_row[offset:offset + n] = ids[start:end]
-            lab_row[offset:offset + n - 1] = labels[start + 1:end]
+            ids_row[offset : offset + n] = ids[start:end]
+            lab_row[offset : offset + n - 1] = labels[start + 1 : end]
             lab_row[offset + n - 1] = IGNORE_INDEX
-            pos_row[offset:offset + n] = ramp[:n]
+            pos_row[offset : offset + n] = ramp[:n]
             offset += n
         ids_row[offset:] = pad_id
         lab_row[offset:] = IGNORE_INDEX
         last = int(pos_row[offset - 1]) + 1
-        pos_row[offset:] = ramp[last:last + sequence_len - offset]
+        pos_row[offset:] = ramp[last : last + sequence_len - offset]
         lengths[r] = offset

@@ -25,7 +25,9 @@ class TokenTable:
 
     def __init__(self, ds: datasets.Dataset):
         if getattr(ds, "_indices", None) is not None:
-            raise ValueError("a TokenTable needs a dataset without an indices mapping (flatten_indices first)")
+            raise ValueError(
+                "a TokenTable needs a dataset without an indices mapping (flatten_indices first)"
+            )
         self.columns = {name: _Column(ds.data.column(name)) for name in ("input_ids", "labels")}
 
     def __len__(self) -> int:
@@ -51,13 +53,14 @@ class _Column:
         self.values = [c.values.to_numpy(zero_copy_only=False) for c in column.chunks]
         counts = [len(o) - 1 for o in self.offsets]
         self.chunk_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self.lengths = (np.concatenate([np.diff(o) for o in self.offsets]) if self.offsets
-                        else np.zeros(0, np.int64)).astype(np.int64)
+        self.lengths = (
+            np.concatenate([np.diff(o) for o in self.offsets]) if self.offsets else np.zeros(0, np.int64)
+        ).astype(np.int64)
 
     def get(self, row: int) -> np.ndarray:
         c = int(np.searchsorted(self.chunk_start, row, side="right")) - 1
         i = row - int(self.chunk_start[c])
-        return self.values[c][self.offsets[c][i]:self.offsets[c][i + 1]]
+        return self.values[c][self.offsets[c][i] : self.offsets[c][i + 1]]
 
     def count_not(self, value: int, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """For each (row, start, end): how many of ``row[start:end]`` differ from ``value``."""
@@ -87,14 +90,20 @@ class SelectionStats:
         return asdict(self)
 
 
-def select_samples(tables: list[TokenTable], raw: list[bool], sequence_len: int,
-                   excess_length_strategy: str = "truncate", min_len: int | None = None,
-                   ) -> tuple[np.ndarray, SelectionStats]:
+def select_samples(
+    tables: list[TokenTable],
+    raw: list[bool],
+    sequence_len: int,
+    excess_length_strategy: str = "truncate",
+    min_len: int | None = None,
+) -> tuple[np.ndarray, SelectionStats]:
     """``(table, row, start, end)`` of every sample that goes into rows, in dataset order. With
     ``min_len``, samples (raw documents before they are cut) of fewer tokens are dropped (Axolotl's ``min_sample_len``);
     ``excess_length_strategy: raise`` refuses a fine-tuning sample longer than ``sequence_len``."""
     if excess_length_strategy not in ("truncate", "drop", "raise"):
-        raise ValueError(f"excess_length_strategy: {excess_length_strategy!r}; use 'truncate', 'drop' or 'raise'")
+        raise ValueError(
+            f"excess_length_strategy: {excess_length_strategy!r}; use 'truncate', 'drop' or 'raise'"
+        )
     stats = SelectionStats()
     parts = []
     for t, (table, is_raw) in enumerate(zip(tables, raw)):
@@ -116,9 +125,11 @@ def select_samples(tables: list[TokenTable], raw: list[bool], sequence_len: int,
             long = lengths[rows] > sequence_len
             if excess_length_strategy == "raise" and long.any():
                 row = int(rows[long][0])
-                raise ValueError(f"datasets[{t}] row {row}: {int(lengths[row])} tokens, longer than sequence_len="
-                                 f"{sequence_len} (excess_length_strategy: raise); raise sequence_len, or set "
-                                 "excess_length_strategy: truncate or drop")
+                raise ValueError(
+                    f"datasets[{t}] row {row}: {int(lengths[row])} tokens, longer than sequence_len="
+                    f"{sequence_len} (excess_length_strategy: raise); raise sequence_len, or set "
+                    "excess_length_strategy: truncate or drop"
+                )
             if excess_length_strategy == "drop":
                 stats.dropped_too_long += int(long.sum())
                 rows = rows[~long]
@@ -145,7 +156,7 @@ def first_occurrences(tables: list[TokenTable], samples: np.ndarray) -> np.ndarr
     seen: set[bytes] = set()
     keep = np.zeros(len(samples), dtype=bool)
     for first in range(0, len(samples), _DEDUP_CHUNK):
-        chunk = samples[first:first + _DEDUP_CHUNK].tolist()  # Python ints: bounded, not O(samples)
+        chunk = samples[first : first + _DEDUP_CHUNK].tolist()  # Python ints: bounded, not O(samples)
         for k, (table, row, start, end) in enumerate(chunk, start=first):
             ids, labels = tables[table].get(row)
             digest = hashlib.blake2b(np.ascontiguousarray(ids[start:end]).tobytes(), digest_size=16)

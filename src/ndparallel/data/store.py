@@ -66,8 +66,9 @@ def count_tokens(column: pa.ChunkedArray) -> int:
     return int(pc.sum(pc.list_value_length(column)).as_py() or 0)
 
 
-def pack_to_file(column: pa.ChunkedArray, block_size: int, path: Path, pad_tail: bool,
-                 pad_value: int) -> Path:
+def pack_to_file(
+    column: pa.ChunkedArray, block_size: int, path: Path, pad_tail: bool, pad_value: int
+) -> Path:
     """Write the concatenated token lists of ``column`` as ``[n, block_size]`` int32 rows to ``path``
     (tmp file + rename: the file appears complete or not at all). The ragged tail is dropped, or
     padded with ``pad_value`` into one more row when ``pad_tail``."""
@@ -75,8 +76,10 @@ def pack_to_file(column: pa.ChunkedArray, block_size: int, path: Path, pad_tail:
     n_full, rest = divmod(total, block_size)
     n_rows = n_full + (1 if pad_tail and rest else 0)
     if n_full == 0:
-        raise ValueError(f"dataset too small: it gives {total} tokens, fewer than one block of "
-                         f"sequence_len + 1 = {block_size}; lower sequence_len or add data")
+        raise ValueError(
+            f"dataset too small: it gives {total} tokens, fewer than one block of "
+            f"sequence_len + 1 = {block_size}; lower sequence_len or add data"
+        )
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int32, shape=(n_rows, block_size))
     flat = out.reshape(-1)
@@ -85,7 +88,7 @@ def pack_to_file(column: pa.ChunkedArray, block_size: int, path: Path, pad_tail:
         if pos >= limit:
             break
         values = chunk.flatten().to_numpy(zero_copy_only=False)[: limit - pos]
-        flat[pos:pos + len(values)] = values
+        flat[pos : pos + len(values)] = values
         pos += len(values)
     flat[pos:limit] = pad_value
     out.flush()

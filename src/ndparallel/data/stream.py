@@ -17,7 +17,7 @@ re-reads the stream from its start and skips the first ``n`` blocks.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -36,16 +36,23 @@ def open_stream(spec: DatasetSpec, where: str):
     import datasets
 
     if "[" in spec.split:
-        raise ValueError(f"{where}.split: {spec.split!r}: a streamed dataset has no length to slice by; "
-                         "give a split name (e.g. train) and use skip: N to skip records")
+        raise ValueError(
+            f"{where}.split: {spec.split!r}: a streamed dataset has no length to slice by; "
+            "give a split name (e.g. train) and use skip: N to skip records"
+        )
     if os.path.exists(spec.path):
         files, fmt = local_files(spec, where)
         ds = datasets.load_dataset(fmt, data_files={spec.split: files}, split=spec.split, streaming=True)
     elif _format_of(spec.path) is not None or spec.path.startswith((".", "/", "~")):
         raise ValueError(f"{where}.path: {spec.path!r} does not exist")
     else:
-        ds = datasets.load_dataset(spec.path, spec.name, split=spec.split, streaming=True,
-                                   data_files=list(spec.data_files) if spec.data_files else None)
+        ds = datasets.load_dataset(
+            spec.path,
+            spec.name,
+            split=spec.split,
+            streaming=True,
+            data_files=list(spec.data_files) if spec.data_files else None,
+        )
     return ds.skip(spec.skip) if spec.skip else ds
 
 
@@ -56,13 +63,17 @@ def check_stream(spec: DatasetSpec, where: str) -> None:
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - an unreadable source is bad input: one line
-        raise ValueError(f"{where}.path: {spec.path!r} could not be streamed ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:200]})") from None
+        raise ValueError(
+            f"{where}.path: {spec.path!r} could not be streamed ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]})"
+        ) from None
     if first is None:
         raise ValueError(f"{where}.path: {spec.path!r} holds no record")
     if not isinstance(first.get(spec.text_field), str):
-        raise ValueError(f"{where}: column {spec.text_field!r} is not a text column of {spec.path!r} (columns: "
-                         f"{sorted(first)[:10]}); set text_field to the column holding the text")
+        raise ValueError(
+            f"{where}: column {spec.text_field!r} is not a text column of {spec.path!r} (columns: "
+            f"{sorted(first)[:10]}); set text_field to the column holding the text"
+        )
 
 
 class TokenStream:
@@ -101,11 +112,13 @@ class TokenStream:
                 starts += [True] + [False] * (len(doc) - 1)
                 while len(tokens) >= self.block:
                     produced = True
-                    yield np.asarray(tokens[:self.block], np.int64), np.asarray(starts[:self.block])
-                    del tokens[:self.block], starts[:self.block]
+                    yield np.asarray(tokens[: self.block], np.int64), np.asarray(starts[: self.block])
+                    del tokens[: self.block], starts[: self.block]
             if not produced:
-                raise ValueError(f"pretraining_dataset: the stream gives fewer than sequence_len + 1 = {self.block} "
-                                 "tokens; lower sequence_len or add data")
+                raise ValueError(
+                    f"pretraining_dataset: the stream gives fewer than sequence_len + 1 = {self.block} "
+                    "tokens; lower sequence_len or add data"
+                )
 
 
 def stream_batch(blocks: list[tuple[np.ndarray, np.ndarray]], per_document: bool) -> dict[str, torch.Tensor]:
@@ -122,15 +135,27 @@ def stream_batch(blocks: list[tuple[np.ndarray, np.ndarray]], per_document: bool
     first[:, 0] = True  # a block's first token starts its own (piece of a) document
     index = torch.arange(s).expand_as(first)
     last_start = torch.cummax(torch.where(first, index, torch.zeros_like(index)), dim=1).values
-    return {"input_ids": rows[:, :-1].contiguous(), "shift_labels": labels, "position_ids": index - last_start}
+    return {
+        "input_ids": rows[:, :-1].contiguous(),
+        "shift_labels": labels,
+        "position_ids": index - last_start,
+    }
 
 
 class StreamingLoader:
     """This dp rank's micro-batches of a ``TokenStream``; ``micro_batch(i)`` is read in order (an
     earlier ``i``, as after a resume, re-reads the stream from its start)."""
 
-    def __init__(self, stream: TokenStream, micro_batch_size: int, *, dp_rank: int = 0, dp_size: int = 1,
-                 length: int, per_document: bool = False):
+    def __init__(
+        self,
+        stream: TokenStream,
+        micro_batch_size: int,
+        *,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        length: int,
+        per_document: bool = False,
+    ):
         self.stream, self.micro_batch_size = stream, micro_batch_size
         self.dp_rank, self.dp_size, self.length, self.per_document = dp_rank, dp_size, length, per_document
         self.global_micro_batch = dp_size * micro_batch_size
@@ -147,5 +172,7 @@ class StreamingLoader:
             chunk = [next(self._blocks) for _ in range(self.global_micro_batch)]
             self._next += 1
             if self._next - 1 == index:
-                mine = chunk[self.dp_rank * self.micro_batch_size:(self.dp_rank + 1) * self.micro_batch_size]
+                mine = chunk[
+                    self.dp_rank * self.micro_batch_size : (self.dp_rank + 1) * self.micro_batch_size
+                ]
                 return stream_batch(mine, self.per_document)

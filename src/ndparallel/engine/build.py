@@ -68,18 +68,30 @@ def build_model(
     """
     quantization = check_quantization(quantization, adapter)
     if adapter_weights is not None and adapter is None:
-        raise ValueError("adapter_weights needs adapter= (the LoraConfig it was saved with: "
-                         "ndparallel.models.adapter_files.read_adapter_config(directory))")
+        raise ValueError(
+            "adapter_weights needs adapter= (the LoraConfig it was saved with: "
+            "ndparallel.models.adapter_files.read_adapter_config(directory))"
+        )
     if isinstance(source, PretrainedConfig) or (isinstance(source, str) and is_preset(source)):
         config = source if isinstance(source, PretrainedConfig) else preset_config(source)
-        model = build_from_config(config, dtype, attn_implementation, trust_remote_code, seed, adapter, quantization)
+        model = build_from_config(
+            config, dtype, attn_implementation, trust_remote_code, seed, adapter, quantization
+        )
         model = engine.parallelize(model)
         if adapter_weights is not None:
             set_full_tensors(model, read_adapter_weights(model, adapter_weights))
         return model
     path = resolve_model_dir(str(source), engine is None or engine.is_local_main_process, revision)
-    model, files, grown = build_on_meta(path, dtype, attn_implementation, trust_remote_code, vocab_size, adapter,
-                                         config_overrides, quantization)
+    model, files, grown = build_on_meta(
+        path,
+        dtype,
+        attn_implementation,
+        trust_remote_code,
+        vocab_size,
+        adapter,
+        config_overrides,
+        quantization,
+    )
     model = engine.parallelize(model)  # TP/CP/FSDP on meta: no memory yet
     materialize_shards(engine, model)
     fill_from_files(model, path, files, grown, seed, adapter_weights, device=engine.device)
@@ -88,9 +100,14 @@ def build_model(
     return model
 
 
-def build_random_shards(engine, config: PretrainedConfig, dtype: torch.dtype = torch.float32,
-                        attn_implementation: str = "sdpa", trust_remote_code: bool = False,
-                        adapter: Any = None) -> nn.Module:
+def build_random_shards(
+    engine,
+    config: PretrainedConfig,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+    adapter: Any = None,
+) -> nn.Module:
     """The model of ``config`` built on the meta device, parallelised, and only this rank's shards
     materialised and filled with random values (normal(0, 0.02) for matrices, ones for vectors;
     rotary buffers computed): the whole model never exists on any rank, whatever its size. For

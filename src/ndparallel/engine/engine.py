@@ -13,7 +13,7 @@ import dataclasses
 import datetime
 import os
 import weakref
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,11 +25,11 @@ from ndparallel.layout.mesh import build_mesh, submesh
 from ndparallel.parallel.options import StrategyOptions
 from ndparallel.runtime.distributed import DistributedInfo, init_distributed
 
-
 ROUTER_LOSS_UNDER_PP = (
     "pipeline parallel with a mixture-of-experts router load-balancing loss is not supported yet (its expert "
     "fractions span every stage's layers): set output_router_logits: false in overrides_of_model_config, or "
-    "pipeline_parallel_size: 1")
+    "pipeline_parallel_size: 1"
+)
 
 
 class Engine:
@@ -41,18 +41,31 @@ class Engine:
     visible). ``timeout_s``: collective timeout of every group (default ``NDPARALLEL_TIMEOUT`` or 600).
     """
 
-    def __init__(self, layout: ParallelismConfig | ParallelDims, options: StrategyOptions = StrategyOptions(),
-                 *, device: str | None = None, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        layout: ParallelismConfig | ParallelDims,
+        options: StrategyOptions = StrategyOptions(),
+        *,
+        device: str | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         self.info: DistributedInfo = init_distributed(device, timeout_s)
         if isinstance(layout, ParallelDims):
-            layout = ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard,
-                                       cp_size=layout.cp, tp_size=layout.tp, ep_size=layout.ep, pp_size=layout.pp)
+            layout = ParallelismConfig(
+                dp_replicate_size=layout.dp_replicate,
+                dp_shard_size=layout.dp_shard,
+                cp_size=layout.cp,
+                tp_size=layout.tp,
+                ep_size=layout.ep,
+                pp_size=layout.pp,
+            )
         self.dims: ParallelDims = layout.resolve(self.info.world_size).dims
         across = self.dims.tp_across_nodes(int(os.environ.get("LOCAL_WORLD_SIZE", self.info.world_size)))
         if across:  # several nodes (torchrun --nnodes, accelerate launch --num_machines)
             raise ValueError(across)
-        self.mesh = build_mesh(self.info.device_type, self.dims.sizes,
-                               datetime.timedelta(seconds=self.info.timeout_s))
+        self.mesh = build_mesh(
+            self.info.device_type, self.dims.sizes, datetime.timedelta(seconds=self.info.timeout_s)
+        )
         self.options = options
         self._submeshes: dict[tuple[str, ...], object] = {}
         self._expert_mesh = None
@@ -99,8 +112,9 @@ class Engine:
         if self._expert_mesh is None:
             from ndparallel.layout.mesh import build_expert_mesh
 
-            self._expert_mesh = build_expert_mesh(self.mesh, self.dims,
-                                                  datetime.timedelta(seconds=self.info.timeout_s))
+            self._expert_mesh = build_expert_mesh(
+                self.mesh, self.dims, datetime.timedelta(seconds=self.info.timeout_s)
+            )
         return self._expert_mesh
 
     @property
@@ -162,10 +176,16 @@ class Engine:
         problem = pipeline_family_problem(getattr(base, "config", None)) or adapter_pipeline_problem(model)
         if problem is None and self.router_aux_spec(model) is not None:
             problem = ROUTER_LOSS_UNDER_PP
-        if problem is None and self.dims.cp_enabled and self.options.cp.comm_strategy == "ring" \
-                and self.info.device_type == "cpu":
-            problem = ("pipeline parallel with ring context parallel crashes gloo (a CPU run): set "
-                       "cp_comm_strategy: allgather (CPOptions(comm_strategy='allgather'))")
+        if (
+            problem is None
+            and self.dims.cp_enabled
+            and self.options.cp.comm_strategy == "ring"
+            and self.info.device_type == "cpu"
+        ):
+            problem = (
+                "pipeline parallel with ring context parallel crashes gloo (a CPU run): set "
+                "cp_comm_strategy: allgather (CPOptions(comm_strategy='allgather'))"
+            )
         if problem:
             raise ValueError(problem)
         plan = plan_stages(self.options.pipeline, self.dims.pp, len(decoder_module(base).layers))
@@ -240,8 +260,9 @@ class Engine:
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def global_num_items(self, micro_batches: Iterable[Mapping[str, torch.Tensor]],
-                         label_key: str = "shift_labels") -> torch.Tensor:
+    def global_num_items(
+        self, micro_batches: Iterable[Mapping[str, torch.Tensor]], label_key: str = "shift_labels"
+    ) -> torch.Tensor:
         """Non-ignored label tokens of this optimizer step over all micro-batches and dp ranks
         (counted before CP sharding), an int64 tensor on the device (no host sync)."""
         from ndparallel.parallel.loss import global_num_items
@@ -266,8 +287,14 @@ class Engine:
             self._router_aux[model] = spec if spec is not None and spec.aux_loss_coef is not None else None
         return self._router_aux[model]
 
-    def forward_loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor], num_items,
-                     aux_weight: float = 1.0, aux_values: list | None = None) -> torch.Tensor:
+    def forward_loss(
+        self,
+        model: nn.Module,
+        batch: Mapping[str, torch.Tensor],
+        num_items,
+        aux_weight: float = 1.0,
+        aux_values: list | None = None,
+    ) -> torch.Tensor:
         """Forward ``batch`` (``input_ids``, ``shift_labels``, ``position_ids``; CP-sharded
         already) and return this rank's token-loss sum / the global token count: the chunked loss
         (no full logits) where exact (``LossOptions``), else the logits and ``causal_lm_loss``.
@@ -288,16 +315,23 @@ class Engine:
             aux_values.append(value.detach() * aux_weight)
         return loss + (spec.aux_loss_coef * aux_weight) * term.to(loss.dtype)
 
-    def _token_loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor], num_items,
-                    chunked: bool | None = None) -> torch.Tensor:
+    def _token_loss(
+        self, model: nn.Module, batch: Mapping[str, torch.Tensor], num_items, chunked: bool | None = None
+    ) -> torch.Tensor:
         from ndparallel.parallel import lm_loss
 
         if chunked is not False and lm_loss.use_chunked_loss(model, self.options.loss):
             from ndparallel.parallel.fsdp import gathered
 
             sp = self.dims.tp_enabled and self.options.tp.sequence_parallel
-            return lm_loss.forward_loss(model, batch, num_items, self.options.loss.chunk_tokens,
-                                        sequence_parallel=sp, gathered=gathered)
+            return lm_loss.forward_loss(
+                model,
+                batch,
+                num_items,
+                self.options.loss.chunk_tokens,
+                sequence_parallel=sp,
+                gathered=gathered,
+            )
         logits = model(**lm_loss.model_inputs(batch)).logits
         from ndparallel.parallel.loss import causal_lm_loss
 
@@ -319,8 +353,12 @@ class Engine:
 
     # -------------------------------------------------------------------- batches
     @contextlib.contextmanager
-    def cp_shard(self, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int] | None = None,
-                 no_restore: set | None = None):
+    def cp_shard(
+        self,
+        buffers: Sequence[torch.Tensor],
+        seq_dims: Sequence[int] | None = None,
+        no_restore: set | None = None,
+    ):
         """Shard ``buffers`` IN PLACE along their sequence dims over the cp group for the block
         (load-balanced for causal attention), restored after; a no-op without CP."""
         if not self.dims.cp_enabled:
@@ -329,8 +367,13 @@ class Engine:
         from ndparallel.parallel.context import context_parallel_buffers
 
         dims = list(seq_dims or [1] * len(buffers))
-        with context_parallel_buffers(self.submesh("cp"), list(buffers), dims, no_restore_buffers=no_restore,
-                                      load_balance=self.options.cp.load_balance) as out:
+        with context_parallel_buffers(
+            self.submesh("cp"),
+            list(buffers),
+            dims,
+            no_restore_buffers=no_restore,
+            load_balance=self.options.cp.load_balance,
+        ) as out:
             yield out
 
     def batch_context(self, batch: Mapping[str, torch.Tensor]):
@@ -346,8 +389,9 @@ class Engine:
         keep_rs = not self.options.fsdp.unsharded_grad_accumulation
         set_gradient_sync(model, enabled, keep_reduce_scatter=keep_rs)
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
-                        norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
         """Clip to ``max_norm``; returns the true global norm (any layout, any mix of meshes, every
         pipeline stage)."""
         from ndparallel.parallel.grad_norm import scale_grads_to

@@ -25,7 +25,7 @@ Cost: one host read per step (whether to step the optimizer), as every gradient 
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -36,12 +36,20 @@ class LossScaler:
     """The loss scale of an fp16 run and its growth/backoff rule (see the module docstring).
     State (``state_dict``) is five numbers, saved in checkpoints so a resumed run keeps its scale."""
 
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, min_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 1.0,
+    ) -> None:
         if not (init_scale > 0 and math.isfinite(init_scale)):
             raise ValueError(f"loss scale {init_scale}: use a finite number > 0 (a power of two, e.g. 65536)")
         if growth_factor <= 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
-            raise ValueError("loss scaling needs growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
+            raise ValueError(
+                "loss scaling needs growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1"
+            )
         self.scale = float(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -77,13 +85,19 @@ class LossScaler:
                 f"step {step}: the fp16 gradients overflow even at loss scale {self.scale / self.backoff_factor:g} "
                 f"(the floor is loss_scale_min: {self.min_scale:g}): the run has diverged or does not fit fp16's "
                 "range. Training stopped: use bf16: true (or fp32), lower learning_rate or set max_grad_norm; "
-                "checkpoints written before that step are intact")
+                "checkpoints written before that step are intact"
+            )
         return False
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped,
-                "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval}
+        return {
+            "scale": self.scale,
+            "good_steps": self.good_steps,
+            "skipped": self.skipped,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue with a saved scale and its count of good steps (the factors given now win)."""

@@ -40,8 +40,11 @@ class NonFiniteGuard:
                 return True
             self.skipped += 1
             self.consecutive += 1
-            warnings.warn(f"step {step}: non-finite loss or gradient norm; the optimizer step is skipped "
-                          f"({self.consecutive} in a row)", stacklevel=2)
+            warnings.warn(
+                f"step {step}: non-finite loss or gradient norm; the optimizer step is skipped "
+                f"({self.consecutive} in a row)",
+                stacklevel=2,
+            )
             if self.consecutive > self.max_consecutive_skips:
                 raise NonFiniteError(self._message(step, f"{self.consecutive} steps in a row"))
             return False
@@ -57,6 +60,8 @@ class NonFiniteGuard:
 
     def _message(self, step: int, what: str) -> str:
         skip = ", or set on_nonfinite: skip" if self.mode == "stop" else ""  # skip mode: it already did
-        return (f"step {step}: the loss or the gradient norm is not finite (NaN/inf; {what}). "
-                f"Training stopped: lower learning_rate, set max_grad_norm, check the data{skip}; "
-                "checkpoints written before that step are intact")
+        return (
+            f"step {step}: the loss or the gradient norm is not finite (NaN/inf; {what}). "
+            f"Training stopped: lower learning_rate, set max_grad_norm, check the data{skip}; "
+            "checkpoints written before that step are intact"
+        )

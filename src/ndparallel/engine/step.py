@@ -10,8 +10,8 @@ is read back (``tests/test_host_sync.py`` counts the reads)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
@@ -38,9 +38,14 @@ def batch_to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> 
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def forward_backward(engine, model: torch.nn.Module, micro_batches: Sequence[Mapping[str, torch.Tensor]],
-                     skip_grad_sync: bool = False, aux_values: list | None = None,
-                     loss_scale: float | None = None) -> torch.Tensor:
+def forward_backward(
+    engine,
+    model: torch.nn.Module,
+    micro_batches: Sequence[Mapping[str, torch.Tensor]],
+    skip_grad_sync: bool = False,
+    aux_values: list | None = None,
+    loss_scale: float | None = None,
+) -> torch.Tensor:
     """Run every micro-batch (CP-sharded when CP is on) with the layout-invariant loss and
     back-propagate it; gradients are reduced after the last micro-batch only (accumulation).
     Returns this rank's share of the step loss (a device tensor): summed over the ``dp_cp`` ranks
@@ -62,8 +67,9 @@ def forward_backward(engine, model: torch.nn.Module, micro_batches: Sequence[Map
             else:
                 engine.set_grad_sync(model, i == len(micro_batches) - 1)
             with engine.batch_context(mb):
-                loss = engine.forward_loss(model, mb, n_items, aux_weight=1.0 / len(micro_batches),
-                                           aux_values=aux_values)
+                loss = engine.forward_loss(
+                    model, mb, n_items, aux_weight=1.0 / len(micro_batches), aux_values=aux_values
+                )
                 engine.backward(loss * loss_scale if loss_scale is not None else loss, model)
             loss_sum += loss.detach().float()
     finally:
@@ -72,9 +78,17 @@ def forward_backward(engine, model: torch.nn.Module, micro_batches: Sequence[Map
 
 
 def train_step(
-    engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    micro_batches: Sequence[Mapping[str, torch.Tensor]], *, scheduler=None, max_grad_norm: float | None = None,
-    guard=None, step: int = 0, skip_grad_sync: bool = False, scaler=None,
+    engine,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[Mapping[str, torch.Tensor]],
+    *,
+    scheduler=None,
+    max_grad_norm: float | None = None,
+    guard=None,
+    step: int = 0,
+    skip_grad_sync: bool = False,
+    scaler=None,
 ) -> StepResult:
     """One optimizer step over ``micro_batches`` (this rank's, already on the device).
 
@@ -89,13 +103,18 @@ def train_step(
         from ndparallel.parallel.qat import step_fake_quant
 
         step_fake_quant(model, engine.options.qat, step)
-    loss = forward_backward(engine, model, micro_batches, skip_grad_sync=skip_grad_sync, aux_values=aux_values,
-                            loss_scale=scaler.scale if scaler is not None else None)
+    loss = forward_backward(
+        engine,
+        model,
+        micro_batches,
+        skip_grad_sync=skip_grad_sync,
+        aux_values=aux_values,
+        loss_scale=scaler.scale if scaler is not None else None,
+    )
     params = list(model.parameters())
     if scaler is not None:
         scaler.unscale_(params)
-    norm = (engine.clip_grad_norm_(params, max_grad_norm) if max_grad_norm
-            else engine.grad_norm(params))
+    norm = engine.clip_grad_norm_(params, max_grad_norm) if max_grad_norm else engine.grad_norm(params)
     engine.reduce_step_loss(loss)
     apply = scaler is None or scaler.update(norm, step)
     seen_norm = norm if apply else torch.zeros((), device=norm.device)

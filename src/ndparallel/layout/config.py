@@ -18,8 +18,9 @@ import dataclasses
 import datetime
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ndparallel.layout.dims import DEVICE_MESH_DIM_NAMES, ParallelDims
 from ndparallel.layout.handlers import (
@@ -189,8 +190,11 @@ class ParallelismConfig:
     # included), so every name these lists can hold is a valid key of ``build_device_mesh()``.
     @property
     def dp_dim_names(self) -> list[str]:
-        return [d for d, on in (("dp_replicate", self.dp_replicate_enabled),
-                                ("dp_shard", self.dp_shard_enabled)) if on]
+        return [
+            d
+            for d, on in (("dp_replicate", self.dp_replicate_enabled), ("dp_shard", self.dp_shard_enabled))
+            if on
+        ]
 
     @property
     def non_dp_dim_names(self) -> list[str]:
@@ -225,8 +229,14 @@ class ParallelismConfig:
         """The resolved degrees as the engine's typed ``ParallelDims`` (requires no -1 left)."""
         self._require_resolved("dims")
         try:
-            return ParallelDims(self.dp_replicate_size, self.dp_shard_size, self.cp_size, self.tp_size,
-                                self.ep_size, self.pp_size)
+            return ParallelDims(
+                self.dp_replicate_size,
+                self.dp_shard_size,
+                self.cp_size,
+                self.tp_size,
+                self.ep_size,
+                self.pp_size,
+            )
         except ValueError as e:
             raise ParallelismConfigError(str(e)) from None
 
@@ -252,7 +262,7 @@ class ParallelismConfig:
         return json.dumps(out, sort_keys=True)
 
     # ------------------------------------------------------------- validation
-    def resolve(self, world_size: int) -> "ParallelismConfig":
+    def resolve(self, world_size: int) -> ParallelismConfig:
         """Fill a -1 degree from ``world_size`` and check the product equals it."""
         if world_size < 1:
             raise ParallelismConfigError(f"world size must be >= 1, got {world_size}")
@@ -274,11 +284,14 @@ class ParallelismConfig:
         for v in sizes.values():
             product *= v
         if product != world_size:
-            names = ("pp_size × " if sizes["pp_size"] != 1 else "") + "dp_replicate_size × dp_shard_size × cp_size × tp_size"
+            names = (
+                "pp_size × " if sizes["pp_size"] != 1 else ""
+            ) + "dp_replicate_size × dp_shard_size × cp_size × tp_size"
             raise ParallelismConfigError(
                 f"{names} = {_product_text(sizes)} = "
                 f"{product} ranks, but the world has {world_size}; change the degrees so that their "
-                f"product is {world_size}, or launch {product} processes" + _ep_hint(self.ep_size, sizes, world_size)
+                f"product is {world_size}, or launch {product} processes"
+                + _ep_hint(self.ep_size, sizes, world_size)
             )
         resolved = dataclasses.replace(self, **sizes, _resolved=True)
         resolved.dims  # noqa: B018 - raises when ep does not divide dp_shard × cp × tp
@@ -320,7 +333,6 @@ class ParallelismConfig:
         return self.device_mesh
 
 
-
 def _check_accelerate_fields(pc: ParallelismConfig) -> None:
     """Fill and check the fields that exist for Accelerate's API (backends, SP, handlers)."""
     env = os.environ
@@ -338,11 +350,15 @@ def _check_accelerate_fields(pc: ParallelismConfig) -> None:
             f"sequence with cp_size={sp} (context parallelism) instead"
         )
     if pc.sp_handler is not None:
-        raise ParallelismConfigError("sp_handler is not supported (no DeepSpeed SP): leave it None, use cp_size")
+        raise ParallelismConfigError(
+            "sp_handler is not supported (no DeepSpeed SP): leave it None, use cp_size"
+        )
     pc.cp_backend, pc.sp_size = backend, 1
     pc.sp_backend = pc.sp_backend or env.get("PARALLELISM_CONFIG_SP_BACKEND") or "deepspeed"
-    for name, cls, size in (("tp_handler", TorchTensorParallelConfig, pc.tp_size),
-                            ("cp_handler", TorchContextParallelConfig, pc.cp_size)):
+    for name, cls, size in (
+        ("tp_handler", TorchTensorParallelConfig, pc.tp_size),
+        ("cp_handler", TorchContextParallelConfig, pc.cp_size),
+    ):
         handler = getattr(pc, name)
         if handler is None and size != 1:
             setattr(pc, name, cls())
@@ -358,9 +374,11 @@ def _ep_hint(ep: int, sizes: Mapping[str, int], world: int) -> str:
     rest = sizes.get("pp_size", 1) * sizes["dp_replicate_size"] * sizes["cp_size"] * sizes["tp_size"]
     shard = world // rest if world % rest == 0 else None
     fix = f" (here: dp_shard_size={shard} with expert_parallel_size={ep})" if shard else ""
-    return (f". Note: expert_parallel_size adds no ranks in ndparallel (torchtitan's rule, not Axolotl's "
-            f"ep × dp_shard = world): it is carved out of dp_shard × cp × tp, so make those cover the "
-            f"world{fix}")
+    return (
+        f". Note: expert_parallel_size adds no ranks in ndparallel (torchtitan's rule, not Axolotl's "
+        f"ep × dp_shard = world): it is carved out of dp_shard × cp × tp, so make those cover the "
+        f"world{fix}"
+    )
 
 
 def _check_size(name: str, value: object) -> int:

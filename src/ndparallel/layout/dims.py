@@ -56,10 +56,12 @@ class ParallelDims:
         if borrowed % self.ep == 0:
             return None
         fits = [d for d in range(1, borrowed + 1) if borrowed % d == 0]
-        return (f"expert_parallel_size={self.ep} must divide dp_shard × cp × tp = {self.dp_shard}×{self.cp}×"
-                f"{self.tp} = {borrowed}: the expert-parallel ranks are borrowed from the ranks the dense "
-                f"layers shard over (torchtitan's rule). Use expert_parallel_size in {fits}, or raise "
-                f"dp_shard_size so that it divides (e.g. dp_shard_size={self.dp_shard * self.ep // math.gcd(borrowed, self.ep)})")
+        return (
+            f"expert_parallel_size={self.ep} must divide dp_shard × cp × tp = {self.dp_shard}×{self.cp}×"
+            f"{self.tp} = {borrowed}: the expert-parallel ranks are borrowed from the ranks the dense "
+            f"layers shard over (torchtitan's rule). Use expert_parallel_size in {fits}, or raise "
+            f"dp_shard_size so that it divides (e.g. dp_shard_size={self.dp_shard * self.ep // math.gcd(borrowed, self.ep)})"
+        )
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -98,17 +100,19 @@ class ParallelDims:
             return self.ep if dim == "efsdp" else 1
         last = FLATTENED_DIMS.get(dim, (dim,))[-1]
         names = DEVICE_MESH_DIM_NAMES
-        return math.prod(getattr(self, d) for d in names[names.index(last) + 1:])
+        return math.prod(getattr(self, d) for d in names[names.index(last) + 1 :])
 
     def tp_across_nodes(self, ranks_per_node: int) -> str | None:
         """Why tp groups would span nodes when each node runs ``ranks_per_node`` consecutive
         ranks (tp is innermost: a tp group is ``tp`` consecutive ranks), or None."""
         if self.tp <= 1 or ranks_per_node >= self.world or ranks_per_node % self.tp == 0:
             return None
-        return (f"tensor_parallel_size={self.tp} spans nodes: a node runs {ranks_per_node} rank(s) and a tp "
-                f"group is {self.tp} consecutive ranks, so every layer's tensor-parallel all-reduces would cross "
-                f"the inter-node network; keep tp within a node (a divisor of {ranks_per_node}) and use "
-                "dp_shard / dp_replicate across nodes")
+        return (
+            f"tensor_parallel_size={self.tp} spans nodes: a node runs {ranks_per_node} rank(s) and a tp "
+            f"group is {self.tp} consecutive ranks, so every layer's tensor-parallel all-reduces would cross "
+            f"the inter-node network; keep tp within a node (a divisor of {ranks_per_node}) and use "
+            "dp_shard / dp_replicate across nodes"
+        )
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -118,8 +122,12 @@ class ParallelDims:
     def to_dict(self) -> dict[str, int]:
         """The degrees under ``ParallelismConfig``'s field names (as checkpoints record them);
         ``ep_size`` / ``pp_size`` only when expert / pipeline parallel is on."""
-        out = {"dp_replicate_size": self.dp_replicate, "dp_shard_size": self.dp_shard,
-               "cp_size": self.cp, "tp_size": self.tp}
+        out = {
+            "dp_replicate_size": self.dp_replicate,
+            "dp_shard_size": self.dp_shard,
+            "cp_size": self.cp,
+            "tp_size": self.tp,
+        }
         if self.ep > 1:
             out["ep_size"] = self.ep
         if self.pp > 1:

@@ -6,7 +6,7 @@ import datetime
 import inspect
 import os
 import warnings
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -37,7 +37,7 @@ def group_options(device_type: str, timeout: datetime.timedelta):
 
     if device_type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()  # on a mixed cpu:gloo,cuda:nccl group, gloo takes
-    else:                                        # the same timeout from these options
+    else:  # the same timeout from these options
         opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
     return opts
@@ -70,7 +70,9 @@ def ensure_default_group(device_type: str) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
 
 
 def build_mesh(
@@ -92,8 +94,9 @@ def build_mesh(
     return mesh
 
 
-def build_expert_mesh(mesh: DeviceMesh, dims: ParallelDims,
-                      timeout: datetime.timedelta | None = None) -> DeviceMesh:
+def build_expert_mesh(
+    mesh: DeviceMesh, dims: ParallelDims, timeout: datetime.timedelta | None = None
+) -> DeviceMesh:
     """The expert mesh ``(dp_replicate, efsdp, ep)`` over the same ranks as ``mesh`` (torchtitan's
     "sparse" mesh): the dense dims flattened and unflattened again, ``ep`` innermost, so its
     dims and the dense ones share one root (FSDP2 composes an ``ep``-sharded DTensor with its
@@ -102,8 +105,10 @@ def build_expert_mesh(mesh: DeviceMesh, dims: ParallelDims,
     if not hasattr(DeviceMesh, "_unflatten"):
         import torch
 
-        raise RuntimeError(f"expert parallel needs DeviceMesh._unflatten (torch >= 2.10); torch "
-                           f"{torch.__version__} has none: upgrade torch or set expert_parallel_size: 1")
+        raise RuntimeError(
+            f"expert parallel needs DeviceMesh._unflatten (torch >= 2.10); torch "
+            f"{torch.__version__} has none: upgrade torch or set expert_parallel_size: 1"
+        )
     options = group_options(mesh.device_type, timeout) if timeout is not None else None
     world = flatten_dims(mesh, MESH_DIM_NAMES, "world", options if _flatten_takes_options() else None)
     sizes = (dims.dp_replicate, dims.efsdp, dims.ep)

@@ -32,12 +32,17 @@ def read_adapter_config(directory: str | os.PathLike, dropout: float | None = No
     peft = require_peft()
     path = Path(directory)
     if not path.is_dir():
-        raise ValueError(f"{path} is not a directory: give the folder PEFT's save_pretrained "
-                         "(or `ndparallel export` of a LoRA run) wrote")
+        raise ValueError(
+            f"{path} is not a directory: give the folder PEFT's save_pretrained "
+            "(or `ndparallel export` of a LoRA run) wrote"
+        )
     for name, what in ((ADAPTER_CONFIG, "the adapter's config"), (ADAPTER_WEIGHTS, "its weights")):
         if not (path / name).is_file():
-            hint = (" (adapter_model.bin is not read: re-save it with safe_serialization=True)"
-                    if name == ADAPTER_WEIGHTS and (path / "adapter_model.bin").is_file() else "")
+            hint = (
+                " (adapter_model.bin is not read: re-save it with safe_serialization=True)"
+                if name == ADAPTER_WEIGHTS and (path / "adapter_model.bin").is_file()
+                else ""
+            )
             raise ValueError(f"{path} has no {name} ({what}){hint}")
     try:
         config = peft.PeftConfig.from_pretrained(str(path))
@@ -49,9 +54,11 @@ def read_adapter_config(directory: str | os.PathLike, dropout: float | None = No
         raise ValueError(f"{path / ADAPTER_CONFIG}: {e}") from None
     init = getattr(config, "init_lora_weights", True)
     if init not in (True, False, "gaussian"):
-        raise ValueError(f"{path / ADAPTER_CONFIG}: init_lora_weights={init!r} changes the base weights "
-                         "(PiSSA/OLoRA/LoftQ-style); only adapters over the unchanged base are supported "
-                         "(convert it with PEFT's path_initial_model_for_weight_conversion first)")
+        raise ValueError(
+            f"{path / ADAPTER_CONFIG}: init_lora_weights={init!r} changes the base weights "
+            "(PiSSA/OLoRA/LoftQ-style); only adapters over the unchanged base are supported "
+            "(convert it with PEFT's path_initial_model_for_weight_conversion first)"
+        )
     config.init_lora_weights = True  # the cheap default: the saved tensors replace it
     config.inference_mode = False
     if dropout is not None:
@@ -82,14 +89,19 @@ def adapter_weights_problem(model: nn.Module, directory: str | os.PathLike) -> s
     missing = sorted(set(expected) - set(shapes))
     extra = sorted(set(shapes) - set(expected))
     if missing or extra:
-        parts = ([f"{len(missing)} tensor(s) missing, e.g. {missing[0]}"] if missing else []) + \
-                ([f"{len(extra)} unexpected, e.g. {extra[0]}"] if extra else [])
-        return (f"{file} does not match the model: {'; '.join(parts)} (an adapter of another "
-                "model, or one with embedding adapters / trainable tokens, which are not supported)")
+        parts = ([f"{len(missing)} tensor(s) missing, e.g. {missing[0]}"] if missing else []) + (
+            [f"{len(extra)} unexpected, e.g. {extra[0]}"] if extra else []
+        )
+        return (
+            f"{file} does not match the model: {'; '.join(parts)} (an adapter of another "
+            "model, or one with embedding adapters / trainable tokens, which are not supported)"
+        )
     for key, (_, shape) in expected.items():
         if tuple(shape) != shapes[key]:
-            return (f"{file}: {key} has shape {list(shapes[key])}, the model needs {list(shape)} "
-                    "(an adapter trained on another model size)")
+            return (
+                f"{file}: {key} has shape {list(shapes[key])}, the model needs {list(shape)} "
+                "(an adapter trained on another model size)"
+            )
     return None
 
 
@@ -103,4 +115,6 @@ def read_adapter_weights(model: nn.Module, directory: str | os.PathLike) -> dict
         raise ValueError(problem)
     saved = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
     dtypes: dict[str, Any] = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
-    return {name: saved[key].to(dtypes[name]) for key, (name, _) in _expected(model).items() if name in dtypes}
+    return {
+        name: saved[key].to(dtypes[name]) for key, (name, _) in _expected(model).items() if name in dtypes
+    }

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -27,15 +28,23 @@ def require_peft():
     try:
         import peft
     except ImportError:
-        raise ImportError("LoRA needs the peft package: pip install 'ndparallel[lora]' "
-                          "(or pip install peft)") from None
+        raise ImportError(
+            "LoRA needs the peft package: pip install 'ndparallel[lora]' (or pip install peft)"
+        ) from None
     return peft
 
 
-def lora_config(r: int = 8, alpha: float = 16, dropout: float = 0.0,
-                target_modules: Iterable[str] | str | None = None, target_linear: bool = False,
-                use_rslora: bool = False, modules_to_save: Iterable[str] | None = None,
-                target_parameters: Iterable[str] | None = None, revision: str | None = None):
+def lora_config(
+    r: int = 8,
+    alpha: float = 16,
+    dropout: float = 0.0,
+    target_modules: Iterable[str] | str | None = None,
+    target_linear: bool = False,
+    use_rslora: bool = False,
+    modules_to_save: Iterable[str] | None = None,
+    target_parameters: Iterable[str] | None = None,
+    revision: str | None = None,
+):
     """A PEFT ``LoraConfig`` from Axolotl's fields (``lora_r``, ``lora_alpha``, ``lora_dropout``,
     ``lora_target_modules``, ``lora_target_linear``, ``peft_use_rslora``, ``lora_modules_to_save``,
     ``lora_target_parameters``). As in Axolotl, ``target_linear`` adds every linear layer except the
@@ -48,21 +57,36 @@ def lora_config(r: int = 8, alpha: float = 16, dropout: float = 0.0,
     if isinstance(target_modules, str) and not set(target_modules) & set("[]()*+?|\\^$"):
         target_modules = [target_modules]  # one module name, not a pattern
     if isinstance(target_modules, str) and target_linear:
-        raise ValueError(f"lora_target_modules is a regular expression ({target_modules!r}) and lora_target_linear "
-                         "is true: keep one (PEFT matches either a pattern or a list of names)")
+        raise ValueError(
+            f"lora_target_modules is a regular expression ({target_modules!r}) and lora_target_linear "
+            "is true: keep one (PEFT matches either a pattern or a list of names)"
+        )
     targets: Any = target_modules if isinstance(target_modules, str) else list(target_modules or [])
     if target_linear:
         targets = ALL_LINEAR if not targets else [ALL_LINEAR, *targets]
     alpha = int(alpha) if float(alpha).is_integer() else alpha
-    extra = {k: list(v) for k, v in (("modules_to_save", modules_to_save),
-                                     ("target_parameters", target_parameters)) if v}
-    return peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
-                           target_modules=targets or None, use_rslora=use_rslora, revision=revision, **extra)
+    extra = {
+        k: list(v)
+        for k, v in (("modules_to_save", modules_to_save), ("target_parameters", target_parameters))
+        if v
+    }
+    return peft.LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        task_type="CAUSAL_LM",
+        target_modules=targets or None,
+        use_rslora=use_rslora,
+        revision=revision,
+        **extra,
+    )
 
 
 def is_adapter_config(obj: Any) -> bool:
     """A PEFT config object (``LoraConfig`` ...), recognised without importing peft."""
-    return any(c.__name__ == "PeftConfigMixin" and c.__module__.startswith("peft.") for c in type(obj).__mro__)
+    return any(
+        c.__name__ == "PeftConfigMixin" and c.__module__.startswith("peft.") for c in type(obj).__mro__
+    )
 
 
 def is_peft_model(model: Any) -> bool:
@@ -77,9 +101,11 @@ def base_model_of(model: nn.Module) -> nn.Module:
 
 def is_lora_layer(module: nn.Module) -> bool:
     """A PEFT LoRA layer wrapping a base layer (duck-typed: no peft import)."""
-    return (isinstance(getattr(module, "base_layer", None), nn.Module)
-            and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
-            and isinstance(getattr(module, "lora_B", None), nn.ModuleDict))
+    return (
+        isinstance(getattr(module, "base_layer", None), nn.Module)
+        and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+        and isinstance(getattr(module, "lora_B", None), nn.ModuleDict)
+    )
 
 
 def is_adapter_param(name: str) -> bool:
@@ -125,19 +151,29 @@ def linear_module_names(model: nn.Module) -> set[str]:
     """Leaf names of every ``nn.Linear`` but the output head: what PEFT's ``all-linear`` targets."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
-    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and m is not head}
+    return {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and m is not head
+    }
 
 
 def check_adapter_config(config: Any) -> None:
     """Refuse what ndparallel does not train correctly on every layout, naming the field."""
     if str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1].upper() != "LORA":
         raise ValueError(f"adapter: only LoRA is supported, got {getattr(config, 'peft_type', config)!r}")
-    for field, ok in (("use_dora", False), ("layer_replication", None), ("fan_in_fan_out", False),
-                      ("lora_bias", False), ("trainable_token_indices", None)):
+    for field, ok in (
+        ("use_dora", False),
+        ("layer_replication", None),
+        ("fan_in_fan_out", False),
+        ("lora_bias", False),
+        ("trainable_token_indices", None),
+    ):
         if getattr(config, field, ok) not in (ok, [], {}):
-            raise ValueError(f"LoraConfig.{field}={getattr(config, field)!r} is not supported by "
-                             f"ndparallel: leave it at {ok!r} (plain LoRA on linear layers)")
+            raise ValueError(
+                f"LoraConfig.{field}={getattr(config, field)!r} is not supported by "
+                f"ndparallel: leave it at {ok!r} (plain LoRA on linear layers)"
+            )
 
 
 def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
@@ -153,8 +189,10 @@ def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
     peft = require_peft()
     check_adapter_config(config)
     if config.target_parameters and config.lora_dropout:
-        raise ValueError(f"lora_target_parameters with lora_dropout={config.lora_dropout:g}: LoRA on a parameter "
-                         "has no input to drop out (PEFT's ParamWrapper): set lora_dropout: 0")
+        raise ValueError(
+            f"lora_target_parameters with lora_dropout={config.lora_dropout:g}: LoRA on a parameter "
+            "has no input to drop out (PEFT's ParamWrapper): set lora_dropout: 0"
+        )
     targets = config.target_modules
     if isinstance(targets, str) and targets == ALL_LINEAR and experts_modules(model):
         targets = [ALL_LINEAR]
@@ -163,7 +201,11 @@ def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
         config.target_modules = sorted((set(targets) - {ALL_LINEAR}) | linear_module_names(model))
     asked = sorted(config.target_modules or []) if not isinstance(config.target_modules, str) else [targets]
     wanted = set(config.target_parameters or [])
-    if config.modules_to_save and tied_embeddings(model) and not getattr(config, "ensure_weight_tying", False):
+    if (
+        config.modules_to_save
+        and tied_embeddings(model)
+        and not getattr(config, "ensure_weight_tying", False)
+    ):
         config = copy.deepcopy(config)  # the trained embedding stays the LM head, as in the base
         config.ensure_weight_tying = True
     try:
@@ -171,24 +213,32 @@ def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
     except ValueError as e:  # PEFT mapped transformers-4 names onto fused experts, then refused a setting
         if "ParamWrapper" not in str(e) or wanted:
             raise
-        raise ValueError(f"LoRA targets {asked} reach the fused expert weights of this mixture-of-experts model "
-                         f"(PEFT maps them to target_parameters: {e}): name the experts in "
-                         "lora_target_parameters (with lora_dropout: 0), or target the attention and dense "
-                         "linears only") from None
+        raise ValueError(
+            f"LoRA targets {asked} reach the fused expert weights of this mixture-of-experts model "
+            f"(PEFT maps them to target_parameters: {e}): name the experts in "
+            "lora_target_parameters (with lora_dropout: 0), or target the attention and dense "
+            "linears only"
+        ) from None
     fused = set(getattr(adapter_config_of(wrapped), "target_parameters", None) or []) - wanted
     if fused:  # PEFT maps transformers-4 names (gate_proj, up_proj, w1 ...) onto fused MoE weights
-        raise ValueError(f"LoRA targets {asked} reach the fused expert weights / "
-                         f"routers of this mixture-of-experts model ({sorted(fused)}, PEFT target_parameters): "
-                         "name them in lora_target_parameters (e.g. [experts.gate_up_proj, experts.down_proj]) "
-                         "to adapt them, or target the attention and dense linears (lora_target_modules: "
-                         "[q_proj, k_proj, v_proj, o_proj], or lora_target_linear: true)")
+        raise ValueError(
+            f"LoRA targets {asked} reach the fused expert weights / "
+            f"routers of this mixture-of-experts model ({sorted(fused)}, PEFT target_parameters): "
+            "name them in lora_target_parameters (e.g. [experts.gate_up_proj, experts.down_proj]) "
+            "to adapt them, or target the attention and dense linears (lora_target_modules: "
+            "[q_proj, k_proj, v_proj, o_proj], or lora_target_linear: true)"
+        )
     _upcast_saved_modules(wrapped)
-    reached = {checkpoint_key(f"{n}.{m.parameter_name}") for n, m in wrapped.named_modules() if is_param_wrapper(m)}
+    reached = {
+        checkpoint_key(f"{n}.{m.parameter_name}") for n, m in wrapped.named_modules() if is_param_wrapper(m)
+    }
     unmatched = sorted(w for w in wanted if not any(r == w or r.endswith(f".{w}") for r in reached))
     if unmatched:  # PEFT passes over them silently
-        raise ValueError(f"lora_target_parameters {unmatched} match no parameter of {type(model).__name__} "
-                         "(name them as module.parameter, e.g. experts.gate_up_proj for a mixture-of-experts "
-                         "layer's fused 3-D weights; a dense model has none)")
+        raise ValueError(
+            f"lora_target_parameters {unmatched} match no parameter of {type(model).__name__} "
+            "(name them as module.parameter, e.g. experts.gate_up_proj for a mixture-of-experts "
+            "layer's fused 3-D weights; a dense model has none)"
+        )
     return wrapped
 
 
@@ -203,7 +253,10 @@ def _upcast_saved_modules(model: nn.Module) -> None:
 
 def tied_embeddings(model: nn.Module) -> bool:
     """Whether the model's LM head is its input embedding (``tie_word_embeddings``)."""
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    get_in, get_out = (
+        getattr(model, "get_input_embeddings", None),
+        getattr(model, "get_output_embeddings", None),
+    )
     emb, head = (get_in() if callable(get_in) else None), (get_out() if callable(get_out) else None)
     return emb is not None and head is not None and getattr(emb, "weight", None) is getattr(head, "weight", 0)
 
@@ -225,8 +278,11 @@ def trained_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...], torch.d
     whole = getattr(model, WHOLE_TRAINED, None)
     if whole is not None:
         return list(whole)
-    return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)
-            if is_trained_state(n)]
+    return [
+        (n, tuple(p.shape), p.dtype)
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if is_trained_state(n)
+    ]
 
 
 @torch.no_grad()
@@ -237,8 +293,10 @@ def initial_adapter_weights(model: nn.Module, seed: int) -> dict[str, torch.Tens
     order (``trained_shapes``): the same on every rank, every layout and every pipeline stage."""
     init = adapter_config_of(model).init_lora_weights
     if init not in (True, "gaussian"):
-        raise ValueError(f"LoraConfig.init_lora_weights={init!r}: loading a model from disk supports "
-                         "True (PEFT's default) and 'gaussian'")
+        raise ValueError(
+            f"LoraConfig.init_lora_weights={init!r}: loading a model from disk supports "
+            "True (PEFT's default) and 'gaussian'"
+        )
     g = torch.Generator().manual_seed(seed)
     own = {n for n, _ in model.named_parameters()}
     out = {}
@@ -260,6 +318,7 @@ class MergeSpec(NamedTuple):
     """How one base weight and its adapter merge: ``W + scaling · B @ A`` (``experts`` 0: a linear's
     2-D weight), or per expert for a 3-D weight adapted through ``target_parameters`` (PEFT's
     ``ParamWrapper``: ``experts`` experts, ``layout`` the einsum giving the weight's own layout)."""
+
     a: str
     b: str
     scaling: float
@@ -300,13 +359,17 @@ def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, spec: 
     if not spec.experts:
         delta = b @ a
     else:
-        delta = torch.einsum(spec.layout, b.reshape(b.shape[0], -1, spec.experts),
-                             a.reshape(spec.experts, -1, a.shape[-1]))
+        delta = torch.einsum(
+            spec.layout, b.reshape(b.shape[0], -1, spec.experts), a.reshape(spec.experts, -1, a.shape[-1])
+        )
     return (weight.float() + spec.scaling * delta).to(weight.dtype)
 
 
 def peft_save_key(name: str) -> str:
     """The key PEFT's ``save_pretrained`` stores an adapter tensor under (the adapter name
     dropped: ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``)."""
-    return (name.replace(f".lora_A.{ADAPTER_NAME}.", ".lora_A.").replace(f".lora_B.{ADAPTER_NAME}.", ".lora_B.")
-            .replace(SAVED_COPY, "."))
+    return (
+        name.replace(f".lora_A.{ADAPTER_NAME}.", ".lora_A.")
+        .replace(f".lora_B.{ADAPTER_NAME}.", ".lora_B.")
+        .replace(SAVED_COPY, ".")
+    )

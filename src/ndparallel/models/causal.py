@@ -27,8 +27,7 @@ import torch
 
 _CROSS = ("encoder_attn", "crossattention", "cross_attn", "cross_attention", "encoder_attention")
 _TOWERS = ("vision", "visual", "audio", "image", "speech")
-_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers",
-                 "encoder_layers")
+_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers", "encoder_layers")
 
 
 def config_problem(config: Any, trust_remote_code: bool = False) -> str | None:
@@ -39,15 +38,18 @@ def config_problem(config: Any, trust_remote_code: bool = False) -> str | None:
 
     kind = f"model_type {config.model_type!r} (architectures {getattr(config, 'architectures', None)})"
     if getattr(config, "is_encoder_decoder", False):
-        return (f"{kind} is an encoder-decoder (is_encoder_decoder: true): ndparallel trains causal "
-                "decoders only")
+        return (
+            f"{kind} is an encoder-decoder (is_encoder_decoder: true): ndparallel trains causal decoders only"
+        )
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or multimodal_class(config) is not None:
         return None
     if trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
         return None
-    return (f"{kind} has no causal-LM class in transformers' AutoModelForCausalLM; ndparallel trains "
-            "causal language models only"
-            + ("" if trust_remote_code else " (for custom code models set trust_remote_code: true)"))
+    return (
+        f"{kind} has no causal-LM class in transformers' AutoModelForCausalLM; ndparallel trains "
+        "causal language models only"
+        + ("" if trust_remote_code else " (for custom code models set trust_remote_code: true)")
+    )
 
 
 def self_attention_flags(model: torch.nn.Module) -> list[tuple[str, bool]]:
@@ -72,12 +74,18 @@ def causal_lm_problem(model: torch.nn.Module) -> str | None:
     config = model.config
     if future_visible(config) is False:
         return None
-    hint = ("; if it is meant as a decoder, set is_decoder: true in its config.json (its "
-            "self-attention is then causal)" if hasattr(config, "is_decoder") else "")
-    return (f"{type(model).__name__} is not a causal decoder: its self-attention is bidirectional "
-            f"(every self-attention module has is_causal=False, e.g. {flags[0][0]!r}; is_decoder="
-            f"{getattr(config, 'is_decoder', None)}), so a next-token objective would see the "
-            f"tokens it predicts{hint}")
+    hint = (
+        "; if it is meant as a decoder, set is_decoder: true in its config.json (its "
+        "self-attention is then causal)"
+        if hasattr(config, "is_decoder")
+        else ""
+    )
+    return (
+        f"{type(model).__name__} is not a causal decoder: its self-attention is bidirectional "
+        f"(every self-attention module has is_causal=False, e.g. {flags[0][0]!r}; is_decoder="
+        f"{getattr(config, 'is_decoder', None)}), so a next-token objective would see the "
+        f"tokens it predicts{hint}"
+    )
 
 
 def future_visible(config: Any, length: int = 8) -> bool | None:
@@ -113,5 +121,10 @@ def learned_position_tables(model: torch.nn.Module, positions: int) -> list[str]
     other than the input embedding with ``positions`` (OPT: + 2) rows. Such a model cannot run past
     ``positions``; rotary and ALiBi models compute positions and can (extrapolating)."""
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    return [name for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Embedding) and m is not inputs and positions <= m.num_embeddings <= positions + 2]
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Embedding)
+        and m is not inputs
+        and positions <= m.num_embeddings <= positions + 2
+    ]

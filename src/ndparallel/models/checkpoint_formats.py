@@ -54,10 +54,14 @@ def linearized_llama4_transforms() -> list:
     from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose, WeightConverter
 
     return [
-        WeightConverter([".experts.gate_projs.*.weight", ".experts.up_projs.*.weight"], ".experts.gate_up_proj",
-                        [MergeModulelist(dim=0), Concatenate(dim=1), Transpose(1, 2)]),
-        WeightConverter([".experts.down_projs.*.weight"], ".experts.down_proj",
-                        [MergeModulelist(dim=0), Transpose(1, 2)]),
+        WeightConverter(
+            [".experts.gate_projs.*.weight", ".experts.up_projs.*.weight"],
+            ".experts.gate_up_proj",
+            [MergeModulelist(dim=0), Concatenate(dim=1), Transpose(1, 2)],
+        ),
+        WeightConverter(
+            [".experts.down_projs.*.weight"], ".experts.down_proj", [MergeModulelist(dim=0), Transpose(1, 2)]
+        ),
     ]
 
 
@@ -68,7 +72,8 @@ def extra_transforms(model: nn.Module, stored: dict) -> list:
     if any(k.endswith(MXFP4_SUFFIXES) for k in stored):
         extra += mxfp4_transforms()
     if any(".experts.gate_projs." in k for k in stored) and any(
-            type(m).__name__ == "Llama4TextExperts" for m in model.modules()):
+        type(m).__name__ == "Llama4TextExperts" for m in model.modules()
+    ):
         extra += linearized_llama4_transforms()
     return extra
 
@@ -89,12 +94,15 @@ def keeps_rows(op) -> bool:
 def prequantized_problem(config: Any, stored: dict) -> str | None:
     """Why a checkpoint stored in a quantised format ndparallel does not read cannot be loaded, or None."""
     method = _quant_method(config)
-    bnb = method == "bitsandbytes" or any(k.endswith((".absmax", ".quant_map")) or ".quant_state." in k
-                                          for k in stored)
+    bnb = method == "bitsandbytes" or any(
+        k.endswith((".absmax", ".quant_map")) or ".quant_state." in k for k in stored
+    )
     if bnb:
-        return ("its weights are pre-quantised by bitsandbytes (quantization_config.quant_method: bitsandbytes): "
-                "ndparallel does not read bitsandbytes' packed weights; give the bf16 checkpoint instead "
-                "(adapter: qlora + load_in_4bit: true quantises it to NF4 on load)")
+        return (
+            "its weights are pre-quantised by bitsandbytes (quantization_config.quant_method: bitsandbytes): "
+            "ndparallel does not read bitsandbytes' packed weights; give the bf16 checkpoint instead "
+            "(adapter: qlora + load_in_4bit: true quantises it to NF4 on load)"
+        )
     return None
 
 

@@ -7,11 +7,29 @@ before ``ndparallel train`` launches (``tools.family_check``). Keys are ``config
 from __future__ import annotations
 
 TESTED_FAMILIES: dict[str, str] = {
-    "llama": "Llama", "llama4_text": "Llama 4", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
-    "gemma2": "Gemma 2", "gemma3_text": "Gemma 3", "gemma4_text": "Gemma 4", "phi3": "Phi-3", "olmo2": "OLMo-2", "cohere": "Cohere",
-    "cohere2": "Cohere 2", "glm": "GLM", "glm4": "GLM-4", "phi": "Phi", "smollm3": "SmolLM3",
-    "gpt_neox": "GPT-NeoX", "falcon": "Falcon", "stablelm": "StableLM", "qwen2_moe": "Qwen2-MoE",
-    "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "deepseek_v3": "DeepSeek-V3",
+    "llama": "Llama",
+    "llama4_text": "Llama 4",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mistral": "Mistral",
+    "gemma2": "Gemma 2",
+    "gemma3_text": "Gemma 3",
+    "gemma4_text": "Gemma 4",
+    "phi3": "Phi-3",
+    "olmo2": "OLMo-2",
+    "cohere": "Cohere",
+    "cohere2": "Cohere 2",
+    "glm": "GLM",
+    "glm4": "GLM-4",
+    "phi": "Phi",
+    "smollm3": "SmolLM3",
+    "gpt_neox": "GPT-NeoX",
+    "falcon": "Falcon",
+    "stablelm": "StableLM",
+    "qwen2_moe": "Qwen2-MoE",
+    "qwen3_moe": "Qwen3-MoE",
+    "mixtral": "Mixtral",
+    "deepseek_v3": "DeepSeek-V3",
 }
 """model_type -> the family's name in the docs."""
 

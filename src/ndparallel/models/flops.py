@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch.nn as nn
 
 
-def train_flops_per_token(matmul_params: int, trained_matmul_params: int, layers: int, attention_dim: int,
-                          seq_len: int) -> float:
+def train_flops_per_token(
+    matmul_params: int, trained_matmul_params: int, layers: int, attention_dim: int, seq_len: int
+) -> float:
     """Model FLOPs of one training token (forward + backward) per the module docstring."""
     return 4.0 * matmul_params + 2.0 * trained_matmul_params + 6.0 * layers * attention_dim * seq_len
 
@@ -54,9 +55,15 @@ def _moe_weights(model: nn.Module) -> list[tuple[nn.Parameter, float]]:
     spec = moe_spec(model)
     if spec is None:
         return []
-    routers = [(m.weight, 1.0) for _, m, _ in router_modules(model) if isinstance(getattr(m, "weight", None), nn.Parameter)]
+    routers = [
+        (m.weight, 1.0)
+        for _, m, _ in router_modules(model)
+        if isinstance(getattr(m, "weight", None), nn.Parameter)
+    ]
     share = spec.top_k / spec.num_experts
-    return routers + [(p, share) for _, m in experts_modules(model) for p in m.parameters(recurse=False) if p.dim() == 3]
+    return routers + [
+        (p, share) for _, m in experts_modules(model) for p in m.parameters(recurse=False) if p.dim() == 3
+    ]
 
 
 def attention_dim(config) -> int:

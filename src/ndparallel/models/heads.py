@@ -13,10 +13,25 @@ import torch.nn as nn
 
 from ndparallel.models.adapters import trained_module
 
-PLAIN_HEAD_FAMILIES = frozenset({
-    "llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
-    "phi3", "olmo2", "gemma", "smollm3", "starcoder2", "mistral3", "voxtral",
-})
+PLAIN_HEAD_FAMILIES = frozenset(
+    {
+        "llama",
+        "mistral",
+        "ministral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "phi3",
+        "olmo2",
+        "gemma",
+        "smollm3",
+        "starcoder2",
+        "mistral3",
+        "voxtral",
+    }
+)
 
 
 def plain_head_problem(model: nn.Module) -> str | None:

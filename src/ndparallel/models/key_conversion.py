@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -48,8 +48,11 @@ def _transforms(model: nn.Module, add_legacy: bool = True) -> list:
     if not isinstance(model, PreTrainedModel):
         return []
     if isinstance(model, FSDPModule):
-        cls = next(c for c in type(model).__mro__[1:]
-                   if issubclass(c, PreTrainedModel) and not issubclass(c, FSDPModule))
+        cls = next(
+            c
+            for c in type(model).__mro__[1:]
+            if issubclass(c, PreTrainedModel) and not issubclass(c, FSDPModule)
+        )
         with torch.device("meta"):
             model = cls(copy.deepcopy(model.config))
     return get_model_conversion_mapping(model, add_legacy=add_legacy)
@@ -79,19 +82,33 @@ class Fused:
         from transformers.core_model_loading import MergeModulelist
 
         ops = list(getattr(self.converter, "operations", ()))
-        return (bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
-                and all(keeps_rows(op) for op in ops[1:]))
+        return (
+            bool(ops)
+            and isinstance(ops[0], MergeModulelist)
+            and ops[0].dim == 0
+            and all(keeps_rows(op) for op in ops[1:])
+        )
 
     def maps_rows(self) -> bool:
         """Every operation keeps dim 0 (one stored tensor per source, e.g. MXFP4 dequantisation):
         a slice of rows needs only those rows of each stored tensor."""
         ops = list(getattr(self.converter, "operations", ()))
-        return (bool(ops) and all(keeps_rows(op) for op in ops)
-                and all(len(keys) == 1 for keys in self.sources.values()))
+        return (
+            bool(ops)
+            and all(keeps_rows(op) for op in ops)
+            and all(len(keys) == 1 for keys in self.sources.values())
+        )
 
-    def read(self, model, name: str, offsets, lengths, read_stored: Callable[[str], torch.Tensor],
-             read_rows: Callable[[str, int, int], torch.Tensor] | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+    def read(
+        self,
+        model,
+        name: str,
+        offsets,
+        lengths,
+        read_stored: Callable[[str], torch.Tensor],
+        read_rows: Callable[[str, int, int], torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``model[name][offsets : offsets + lengths]``, reading stored tensors with ``read_stored``
         (rows ``[lo, hi)`` of one with ``read_rows``, where given). A converter that maps rows
         (``maps_rows``) is run on blocks of at most ``_BLOCK_VALUES`` values, each copied into
@@ -106,8 +123,11 @@ class Fused:
         else:
             full = self._convert(model, read_stored)[name]
         first = 0 if by_rows else offsets[0]
-        index = (slice(first, first + lengths[0]),
-                 *(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))) if len(offsets) else ()
+        index = (
+            (slice(first, first + lengths[0]), *(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:])))
+            if len(offsets)
+            else ()
+        )
         return full[index]
 
     def _read_row_blocks(self, model, name, offsets, lengths, read_rows, out) -> torch.Tensor:
@@ -121,7 +141,7 @@ class Fused:
             if out is None:
                 parts.append(part)
             else:
-                out[a - lo:b - lo].copy_(part)
+                out[a - lo : b - lo].copy_(part)
             del part
         return out if out is not None else torch.cat(parts)
 
@@ -187,14 +207,18 @@ def checkpoint_keys(model: nn.Module, stored: dict[str, tuple]) -> CheckpointKey
     for group in groups:
         counts = {pattern: len(keys) for pattern, keys in group.sources.items()}
         if len(set(counts.values())) > 1:
-            raise ValueError(f"{group.target} is built from stored tensors {counts} (pattern: count), which "
-                             "should be as many of each: a tensor is missing from the checkpoint")
+            raise ValueError(
+                f"{group.target} is built from stored tensors {counts} (pattern: count), which "
+                "should be as many of each: a tensor is missing from the checkpoint"
+            )
         try:
             meta = group._convert(model, lambda k: torch.empty(stored[k][1], device="meta"))
         except RuntimeError as e:  # e.g. experts of different shapes
-            raise ValueError(f"{group.target} cannot be built from its stored tensors as transformers "
-                             f"does ({' '.join(str(e).split())[:200]}): the weights do not match the "
-                             "config") from None
+            raise ValueError(
+                f"{group.target} cannot be built from its stored tensors as transformers "
+                f"does ({' '.join(str(e).split())[:200]}): the weights do not match the "
+                "config"
+            ) from None
         group.shapes = {name: tuple(t.shape) for name, t in meta.items()}
         group.dtypes = {name: t.dtype for name, t in meta.items()}
         fused.update({name: group for name in group.shapes if name in keys})

@@ -27,6 +27,7 @@ def decoder_layers(model: nn.Module, override: tuple[str, ...] | None = None) ->
         )
     return layers
 
+
 _TOWERS = ("vision", "visual", "audio", "image", "speech", "multi_modal")
 
 
@@ -103,10 +104,14 @@ def dense_mlps(model: nn.Module, override: tuple[str, ...] | None = None) -> lis
     for layer in outer_decoder_layers(model, override):
         mlp = getattr(layer, "mlp", None)
         if not isinstance(mlp, nn.Module):
-            raise ValueError(f"{type(layer).__name__} has no `mlp` feed-forward block: tiled_mlp supports "
-                             "decoder layers with a dense `mlp` (Llama, Qwen, Mistral, ...); turn it off")
+            raise ValueError(
+                f"{type(layer).__name__} has no `mlp` feed-forward block: tiled_mlp supports "
+                "decoder layers with a dense `mlp` (Llama, Qwen, Mistral, ...); turn it off"
+            )
         if any(name in _MOE_CHILDREN for name, _ in mlp.named_children()):
-            raise ValueError(f"{type(mlp).__name__} is a mixture-of-experts block: tiled_mlp supports dense "
-                             "MLPs only; turn it off for this model")
+            raise ValueError(
+                f"{type(mlp).__name__} is a mixture-of-experts block: tiled_mlp supports dense "
+                "MLPs only; turn it off for this model"
+            )
         out.append(mlp)
     return out

@@ -47,9 +47,15 @@ from ndparallel.models.weights import weights_problem
 _SAFETENSORS = ".safetensors"
 
 
-def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str | None,
-                      trust_remote_code: bool, seed: int, adapter: Any = None,
-                      quantization: NF4Config | None = None) -> nn.Module:
+def build_from_config(
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    attn_implementation: str | None,
+    trust_remote_code: bool,
+    seed: int,
+    adapter: Any = None,
+    quantization: NF4Config | None = None,
+) -> nn.Module:
     """A random initialisation equal to ``torch.manual_seed(seed); from_config(config)`` on one
     process (the global RNG is left untouched), checked to be a causal LM; ``adapter`` wraps it
     with LoRA, PEFT's init drawn from the same seeded stream; ``quantization`` (QLoRA) stores its
@@ -59,7 +65,9 @@ def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_impleme
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = causal_lm_from_config(
-            config, dtype=dtype, attn_implementation=attn_implementation,
+            config,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
         _check_causal_model(model)
@@ -70,24 +78,37 @@ def build_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_impleme
     return model
 
 
-def build_on_meta_from_config(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str | None,
-                              trust_remote_code: bool = False, adapter: Any = None) -> nn.Module:
+def build_on_meta_from_config(
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    attn_implementation: str | None,
+    trust_remote_code: bool = False,
+    adapter: Any = None,
+) -> nn.Module:
     """The model of ``config`` on the meta device (no memory), checked to be a causal LM;
     ``adapter`` wraps it with LoRA (on meta too)."""
     _check_causal_lm(config, trust_remote_code)
     with torch.device("meta"):
         model = causal_lm_from_config(
-            config, dtype=dtype, attn_implementation=attn_implementation,
+            config,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
     _check_causal_model(model)
     return apply_adapter(model, adapter) if adapter is not None else model
 
 
-def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | None, trust_remote_code: bool,
-                  vocab_size: int | None = None, adapter: Any = None,
-                  config_overrides: dict | None = None,
-                  quantization: NF4Config | None = None) -> tuple[nn.Module, list[Path], list[str]]:
+def build_on_meta(
+    path: Path,
+    dtype: torch.dtype,
+    attn_implementation: str | None,
+    trust_remote_code: bool,
+    vocab_size: int | None = None,
+    adapter: Any = None,
+    config_overrides: dict | None = None,
+    quantization: NF4Config | None = None,
+) -> tuple[nn.Module, list[Path], list[str]]:
     """The model of directory ``path`` on the meta device (no memory), checked against its
     safetensors headers; grown to ``vocab_size`` token rows when the tokenizer outgrew it; with
     ``quantization`` (QLoRA) NF4 placeholders for its linears (the strategies shard their packed
@@ -102,7 +123,9 @@ def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | Non
     grow = grow_config_vocab(config, vocab_size, adapter is not None)
     with torch.device("meta"):
         model = causal_lm_from_config(
-            config, dtype=dtype, attn_implementation=attn_implementation,
+            config,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
     _check_causal_model(model)
@@ -117,8 +140,15 @@ def build_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | Non
     return model, files, grown
 
 
-def fill_from_files(model: nn.Module, path: Path, files: list[Path], grown: list[str], seed: int = 0,
-                    adapter_weights: str | os.PathLike | None = None, device: torch.device | None = None) -> None:
+def fill_from_files(
+    model: nn.Module,
+    path: Path,
+    files: list[Path],
+    grown: list[str],
+    seed: int = 0,
+    adapter_weights: str | os.PathLike | None = None,
+    device: torch.device | None = None,
+) -> None:
     """Fill a materialised (``materialize``, non-persistent buffers computed:
     ``init_non_persistent_buffers``), possibly parallelised model from the files of ``path``: this
     rank's shards only; grown token rows = the mean row; QLoRA's NF4 weights read and quantised one
@@ -180,8 +210,9 @@ def resolve_model_dir(name: str, is_local_main: bool, revision: str | None = Non
     from huggingface_hub import snapshot_download
 
     def download(offline: bool) -> Path:
-        return Path(snapshot_download(name, revision=revision, allow_patterns=_HUB_PATTERNS,
-                                      local_files_only=offline))
+        return Path(
+            snapshot_download(name, revision=revision, allow_patterns=_HUB_PATTERNS, local_files_only=offline)
+        )
 
     result: Path | Exception | None = None
     if is_local_main:
@@ -228,7 +259,8 @@ def checkpoint_files(path: Path) -> list[Path]:
             f" It holds {', '.join(pickled)}: pickled weights are never loaded (unpickling runs "
             "code). Convert once with transformers: `AutoModelForCausalLM.from_pretrained(dir)"
             ".save_pretrained(out_dir)` (writes safetensors)."
-            if pickled else ""
+            if pickled
+            else ""
         )
         raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}.{hint}")
     return files

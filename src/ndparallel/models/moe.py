@@ -49,8 +49,11 @@ def config_num_experts(config: Any) -> int | None:
 def is_experts_module(module: nn.Module) -> bool:
     """A transformers experts module: 3-D ``down_proj`` (one matrix per expert) and ``num_experts``."""
     down = getattr(module, "down_proj", None)
-    return (isinstance(down, nn.Parameter) and down.dim() == 3
-            and isinstance(getattr(module, "num_experts", None), int))
+    return (
+        isinstance(down, nn.Parameter)
+        and down.dim() == 3
+        and isinstance(getattr(module, "num_experts", None), int)
+    )
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -62,14 +62,17 @@ def causal_lm_from_config(config: Any, **kwargs) -> nn.Module:
 
 TP_FAILS = {  # measured (tests/test_multimodal.py): the multimodal forward under a TP plan
     "gemma4": "its forward mixes the tensor-parallel embedding output with plain tensors (torch.where over "
-              "the image / audio token mask)",
+    "the image / audio token mask)",
     "qwen3_5": "its linear-attention layers (Gated DeltaNet) own parameters the TP plan does not place",
     "qwen3_5_moe": "its linear-attention layers (Gated DeltaNet) own parameters the TP plan does not place",
 }
 
 
-TEXT_TP_FAILS = {"qwen3_5_text": TP_FAILS["qwen3_5"], "qwen3_5_moe_text": TP_FAILS["qwen3_5_moe"],
-                 "gemma4_text": TP_FAILS["gemma4"]}
+TEXT_TP_FAILS = {
+    "qwen3_5_text": TP_FAILS["qwen3_5"],
+    "qwen3_5_moe_text": TP_FAILS["qwen3_5_moe"],
+    "gemma4_text": TP_FAILS["gemma4"],
+}
 """The same models' text-only checkpoints (their text class: the same layers; Gemma 4's text model
 fails on the ranks as the multimodal one does: its embedding mixes DTensor and plain tensors)."""
 
@@ -85,8 +88,10 @@ def tensor_parallel_problem(config: Any) -> str | None:
         reason, what = TEXT_TP_FAILS.get(model_type), f"model_type {model_type!r}"
     if reason is None:
         return None
-    return (f"{what} cannot train with tensor_parallel_size > 1: {reason}; "
-            "use FSDP (dp_shard_size) and data parallelism instead")
+    return (
+        f"{what} cannot train with tensor_parallel_size > 1: {reason}; "
+        "use FSDP (dp_shard_size) and data parallelism instead"
+    )
 
 
 def multimodal_note(model: nn.Module) -> str:
@@ -94,10 +99,12 @@ def multimodal_note(model: nn.Module) -> str:
     towers = [n.split("_")[0] for n in TOWERS if getattr(model.config, n, None) is not None]
     total = sum(p.numel() for p in model.parameters())
     text = sum(p.numel() for n, p in model.named_parameters() if _is_text(n))
-    return (f"{type(model).__name__}: a multimodal checkpoint ({' + '.join(towers)}) trained on text as Axolotl "
-            "trains it: modules keep the checkpoint's names (model.language_model.*); the towers "
-            f"({(total - text) / 1e6:,.2f}M of {total / 1e6:,.2f}M parameters) are loaded, get no gradient and are "
-            "exported as loaded")
+    return (
+        f"{type(model).__name__}: a multimodal checkpoint ({' + '.join(towers)}) trained on text as Axolotl "
+        "trains it: modules keep the checkpoint's names (model.language_model.*); the towers "
+        f"({(total - text) / 1e6:,.2f}M of {total / 1e6:,.2f}M parameters) are loaded, get no gradient and are "
+        "exported as loaded"
+    )
 
 
 def _is_text(name: str) -> bool:
@@ -111,5 +118,7 @@ def old_layout_hint(targets: Any) -> str | None:
     if not isinstance(targets, str) or "language_model.model." not in targets:
         return None
     fixed = targets.replace("language_model.model.", "model.language_model.")
-    return (f"matches no module: transformers 5 names a multimodal model's text layers model.language_model.layers.N "
-            f"(transformers 4: language_model.model.layers.N); write {fixed!r}")
+    return (
+        f"matches no module: transformers 5 names a multimodal model's text layers model.language_model.layers.N "
+        f"(transformers 4: language_model.model.layers.N); write {fixed!r}"
+    )

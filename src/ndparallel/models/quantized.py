@@ -70,8 +70,10 @@ def nf4_module():
         try:
             from torchao.dtypes import nf4tensor as nf4_tensor
         except ImportError:
-            raise ImportError("QLoRA (a 4-bit NF4 base) needs torchao: pip install 'ndparallel[qlora]' "
-                              "(or pip install torchao)") from None
+            raise ImportError(
+                "QLoRA (a 4-bit NF4 base) needs torchao: pip install 'ndparallel[qlora]' "
+                "(or pip install torchao)"
+            ) from None
     return nf4_tensor
 
 
@@ -166,8 +168,10 @@ def quantize_row_shard(rows: torch.Tensor, config: NF4Config, group=None):
     if group is None or dist.get_world_size(group) == 1:
         return to_nf4(rows, config.block_size, config.scaler_block_size)
     if rows.numel() % config.group:
-        raise ValueError(f"a shard of {tuple(rows.shape)} is not a whole number of NF4 scaler blocks "
-                         f"({config.group} values)")
+        raise ValueError(
+            f"a shard of {tuple(rows.shape)} is not a whole number of NF4 scaler blocks "
+            f"({config.group} values)"
+        )
     absmax = _block_absmax(rows.flatten(), config.block_size)
     every = absmax.new_empty(absmax.numel() * dist.get_world_size(group))
     dist.all_gather_into_tensor(every, absmax.contiguous(), group=group)
@@ -189,8 +193,14 @@ def dequantize(tensor: torch.Tensor) -> torch.Tensor:
 
         with torch.no_grad():
             local = tensor.to_local().get_original_weight()
-            return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
-                                      shape=tensor.shape, stride=tensor.stride()).full_tensor()
+            return DTensor.from_local(
+                local,
+                tensor.device_mesh,
+                tensor.placements,
+                run_check=False,
+                shape=tensor.shape,
+                stride=tensor.stride(),
+            ).full_tensor()
     return tensor.get_original_weight() if is_nf4(tensor) else tensor
 
 
@@ -220,14 +230,18 @@ def layout_problem(shard_counts: dict[str, int], fsdp_shards: int, tp_size: int)
     if not shard_counts:
         return None
     if tp_size > 1:
-        return ("a 4-bit NF4 base (QLoRA) with tensor_parallel_size > 1 is not supported (torchao's NF4 tensor "
-                "shards along FSDP's dim 0 only): set tensor_parallel_size: 1 and give the GPUs to "
-                "dp_shard_size (a 70B NF4 base is ~37 GB: FSDP 2 holds it), or use adapter: lora for TP")
+        return (
+            "a 4-bit NF4 base (QLoRA) with tensor_parallel_size > 1 is not supported (torchao's NF4 tensor "
+            "shards along FSDP's dim 0 only): set tensor_parallel_size: 1 and give the GPUs to "
+            "dp_shard_size (a 70B NF4 base is ~37 GB: FSDP 2 holds it), or use adapter: lora for TP"
+        )
     bad = [n for n, c in shard_counts.items() if c % fsdp_shards]
     if bad:
         divisor = math.gcd(*shard_counts.values())
-        return (f"the NF4 weights cannot be split into {fsdp_shards} FSDP shards (dp_shard_size x "
-                f"context_parallel_size) of whole rows and whole NF4 scaler blocks, e.g. {bad[0]} "
-                f"(at most {shard_counts[bad[0]]}): use a shard count dividing {divisor}, or smaller NF4 blocks "
-                "(nf4_scaler_block_size)")
+        return (
+            f"the NF4 weights cannot be split into {fsdp_shards} FSDP shards (dp_shard_size x "
+            f"context_parallel_size) of whole rows and whole NF4 scaler blocks, e.g. {bad[0]} "
+            f"(at most {shard_counts[bad[0]]}): use a shard count dividing {divisor}, or smaller NF4 blocks "
+            "(nf4_scaler_block_size)"
+        )
     return None

@@ -39,8 +39,10 @@ def _row_group(param: torch.Tensor):
         return None
     dims = [i for i, p in enumerate(param.placements) if isinstance(p, Shard)]
     if any(param.placements[i].dim != 0 for i in dims) or len(dims) > 1:
-        raise ValueError(f"an NF4 weight sharded as {param.placements}: only FSDP's dim-0 sharding is "
-                         "supported (no tensor parallel with a 4-bit base)")
+        raise ValueError(
+            f"an NF4 weight sharded as {param.placements}: only FSDP's dim-0 sharding is "
+            "supported (no tensor parallel with a 4-bit base)"
+        )
     if not dims or param.device_mesh.size(dims[0]) == 1:
         return None
     return param.device_mesh.get_group(dims[0])
@@ -53,8 +55,9 @@ def _high_precision_like(param: torch.Tensor, dtype: torch.dtype, device: torch.
     from torch.distributed.tensor import DTensor
 
     local = torch.empty(param.to_local().shape, dtype=dtype, device=device)
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def _device_of(param: torch.Tensor) -> torch.device:
@@ -65,8 +68,14 @@ def _swap_in(param: nn.Parameter, nf4_local: torch.Tensor) -> None:
     if hasattr(param, "device_mesh"):
         from torch.distributed.tensor import DTensor
 
-        new = DTensor.from_local(nf4_local, param.device_mesh, param.placements, run_check=False,
-                                 shape=param.shape, stride=param.stride())
+        new = DTensor.from_local(
+            nf4_local,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
     else:
         new = nf4_local
     torch.utils.swap_tensors(param, nn.Parameter(new, requires_grad=False))
@@ -86,7 +95,9 @@ def _config_of(param: torch.Tensor) -> NF4Config:
     return NF4Config(local.block_size, local.scaler_block_size)
 
 
-def load_nf4_weights(model: nn.Module, path: Path, files: list[Path], device: torch.device | None = None) -> None:
+def load_nf4_weights(
+    model: nn.Module, path: Path, files: list[Path], device: torch.device | None = None
+) -> None:
     """Fill every NF4 parameter (placeholder) of the materialised ``model`` from the safetensors
     ``files``, one decoder layer at a time (see the module doc), with the placeholders' block sizes,
     reading and quantising in their dtype (the load dtype) on ``device`` (default: where each shard
@@ -102,10 +113,16 @@ def load_nf4_weights(model: nn.Module, path: Path, files: list[Path], device: to
     plan = checkpoint_keys(model, {k: (v[0], v[1]) for k, v in stored.items()})  # transformers' key matching
     missing = [checkpoint_key(n) for n in names if not plan.has(checkpoint_key(n))]
     if missing:
-        raise ValueError(f"{len(missing)} weight(s) are not in the checkpoint {str(path)!r}, e.g. {missing[:5]}")
+        raise ValueError(
+            f"{len(missing)} weight(s) are not in the checkpoint {str(path)!r}, e.g. {missing[:5]}"
+        )
     for group in nf4_layer_groups(names):
-        rows = {checkpoint_key(n): _high_precision_like(params[n], params[n].dtype, device or _device_of(params[n]))
-                for n in group}
+        rows = {
+            checkpoint_key(n): _high_precision_like(
+                params[n], params[n].dtype, device or _device_of(params[n])
+            )
+            for n in group
+        }
         dcp.load(rows, storage_reader=SliceReader(str(path), model, plan, stored))
         for n in group:
             p, read = params[n], rows.pop(checkpoint_key(n))

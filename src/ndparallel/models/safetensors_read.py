@@ -34,8 +34,13 @@ from ndparallel.models.key_conversion import CheckpointKeys, checkpoint_keys
 from ndparallel.models.weights import read_header
 
 
-def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path], skip: set[str] = frozenset(),
-                             plan: CheckpointKeys | None = None) -> None:
+def load_sharded_safetensors(
+    model: nn.Module,
+    path: Path,
+    files: list[Path],
+    skip: set[str] = frozenset(),
+    plan: CheckpointKeys | None = None,
+) -> None:
     """Fill every parameter and persistent buffer of ``model`` (plain tensors or DTensor shards)
     from the safetensors files in ``path``, reading only this rank's slices (DCP resharding).
 
@@ -57,8 +62,9 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path], sk
     plan = plan or checkpoint_keys(model, {k: (v[0], v[1]) for k, v in stored.items()})
     # LoRA: the wrapped linears' weights are read under the base model's names (``.base_layer``
     # dropped); the adapters are in no base checkpoint.
-    state_dict = {k: v for k, v in get_model_state_dict(model).items()
-                  if not is_adapter_param(k) and k not in skip}
+    state_dict = {
+        k: v for k, v in get_model_state_dict(model).items() if not is_adapter_param(k) and k not in skip
+    }
     name = {k: checkpoint_key(k) for k in state_dict}
     param_id = {checkpoint_key(n): id(p) for n, p in model.named_parameters(remove_duplicate=False)}
     apart = _tied_apart(model, param_id, plan, stored)
@@ -83,7 +89,9 @@ def load_sharded_safetensors(model: nn.Module, path: Path, files: list[Path], sk
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
 
 
-def _tied_apart(model: nn.Module, param_id: dict[str, int], plan: CheckpointKeys, stored: dict) -> dict[str, str]:
+def _tied_apart(
+    model: nn.Module, param_id: dict[str, int], plan: CheckpointKeys, stored: dict
+) -> dict[str, str]:
     """Model key -> stored key of each tied weight that ``model`` holds apart from its source (a
     pipeline's last stage holds the LM head of tied embeddings, a copy or alone): read from the
     source's key, which is all ``save_pretrained`` stored (transformers ties them on load)."""
@@ -104,7 +112,9 @@ def checkpoint_plan(model: nn.Module, files: list[Path]) -> CheckpointKeys:
 
 def stored_tensors(files: list[Path]) -> dict[str, tuple[str, list[int], Path]]:
     """Tensor name -> (safetensors dtype, shape, file) from the headers (the data is not read)."""
-    return {name: (info["dtype"], list(info["shape"]), f) for f in files for name, info in read_header(f).items()}
+    return {
+        name: (info["dtype"], list(info["shape"]), f) for f in files for name, info in read_header(f).items()
+    }
 
 
 # ------------------------------------------------------------------------- slice reads by pread
@@ -126,10 +136,18 @@ def _readinto(f, pos: int, out: torch.Tensor) -> None:
 
 # The dtype names of the safetensors format (its spec), mapped to torch dtypes.
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -148,8 +166,7 @@ def read_slice(f, data_start: int, info: dict, offsets, lengths, target: torch.T
     row_elems = math.prod(shape[1:])
     row_bytes = row_elems * dtype.itemsize
     contiguous_rows = all(o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], shape[1:]))
-    if (contiguous_rows and target.dtype == dtype and target.device.type == "cpu"
-            and target.is_contiguous()):
+    if contiguous_rows and target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous():
         _readinto(f, base + offsets[0] * row_bytes, target)
         return
     inner = tuple(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))
@@ -158,7 +175,7 @@ def read_slice(f, data_start: int, info: dict, offsets, lengths, target: torch.T
         rows = min(rows_per_block, lengths[0] - start)
         tmp = torch.empty([rows, *shape[1:]], dtype=dtype)
         _readinto(f, base + (offsets[0] + start) * row_bytes, tmp)
-        target[start:start + rows].copy_(tmp[(slice(None), *inner)])
+        target[start : start + rows].copy_(tmp[(slice(None), *inner)])
 
 
 class SliceReader(HuggingFaceStorageReader):
@@ -185,12 +202,19 @@ class SliceReader(HuggingFaceStorageReader):
             entries[key] = (SAFETENSORS_DTYPES[dtype], shape)
         for key, group in self._plan.fused.items():
             entries[key] = (group.dtypes[key], list(group.shapes[key]))
-        metadata = Metadata(state_dict_metadata={
-            key: TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype), size=torch.Size(shape),
-                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape))])
-            for key, (dtype, shape) in entries.items()
-        }, storage_data={MetadataIndex(key, [0] * len(shape)): key for key, (_, shape) in entries.items()})
+        metadata = Metadata(
+            state_dict_metadata={
+                key: TensorStorageMetadata(
+                    properties=TensorProperties(dtype=dtype),
+                    size=torch.Size(shape),
+                    chunks=[
+                        ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape))
+                    ],
+                )
+                for key, (dtype, shape) in entries.items()
+            },
+            storage_data={MetadataIndex(key, [0] * len(shape)): key for key, (_, shape) in entries.items()},
+        )
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
 
@@ -208,15 +232,27 @@ class SliceReader(HuggingFaceStorageReader):
             with open(file, "rb", buffering=0) as f:
                 for item, stored_key in items:
                     target = planner.resolve_tensor(item).detach()
-                    read_slice(f, data_start, header[stored_key],
-                               list(item.storage_offsets), list(item.lengths), target)
+                    read_slice(
+                        f,
+                        data_start,
+                        header[stored_key],
+                        list(item.storage_offsets),
+                        list(item.lengths),
+                        target,
+                    )
                     planner.commit_tensor(item, target)
         for item in fused:
             fqn = item.storage_index.fqn
             target = planner.resolve_tensor(item).detach()
-            piece = self._plan.fused[fqn].read(self._model, fqn, list(item.storage_offsets),
-                                               list(item.lengths), self._read_whole, self._read_rows,
-                                               out=target if target.is_contiguous() else None)
+            piece = self._plan.fused[fqn].read(
+                self._model,
+                fqn,
+                list(item.storage_offsets),
+                list(item.lengths),
+                self._read_whole,
+                self._read_rows,
+                out=target if target.is_contiguous() else None,
+            )
             if piece is not target:
                 target.copy_(piece)
             planner.commit_tensor(item, target)

@@ -10,7 +10,7 @@ styles by ``ndparallel.parallel.tensor``; this module only knows the model side.
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch import nn
 
@@ -159,13 +159,19 @@ def tp_plan_problem(model: nn.Module, override: Mapping[str, object] | None = No
     odd = {n: s for n, s in assigned.items() if isinstance(s, str) and s not in STYLES}
     if odd:
         where, style = next(iter(odd.items()))
-        return (f"{name}'s tensor-parallel plan gives {where} the style {style!r}, which ndparallel does not "
-                "apply: train this model without tensor_parallel_size (dp_shard_size / context_parallel_size), "
-                "or give a tp_plan without that style")
-    if not any(n.split(".")[-1] not in ("lm_head", "embed_tokens") and any(p.isdigit() for p in n.split("."))
-               for n in assigned):
+        return (
+            f"{name}'s tensor-parallel plan gives {where} the style {style!r}, which ndparallel does not "
+            "apply: train this model without tensor_parallel_size (dp_shard_size / context_parallel_size), "
+            "or give a tp_plan without that style"
+        )
+    if not any(
+        n.split(".")[-1] not in ("lm_head", "embed_tokens") and any(p.isdigit() for p in n.split("."))
+        for n in assigned
+    ):
         dropped = unmatched_keys(model, plan)
-        return (f"{name}'s tensor-parallel plan shards no module inside its decoder layers (keys that match "
-                f"nothing: {dropped[:4]}): give a tp_plan whose keys name its modules, e.g. "
-                f"{[n for n, _ in model.named_modules() if '.0.' in n][:3]}")
+        return (
+            f"{name}'s tensor-parallel plan shards no module inside its decoder layers (keys that match "
+            f"nothing: {dropped[:4]}): give a tp_plan whose keys name its modules, e.g. "
+            f"{[n for n, _ in model.named_modules() if '.0.' in n][:3]}"
+        )
     return None

@@ -49,11 +49,15 @@ def grow_config_vocab(config, vocab_size: int | None, lora: bool = False) -> boo
     if vocab_size is None or vocab_size == config.vocab_size:
         return False
     if vocab_size < config.vocab_size:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the model's {config.vocab_size}: "
-                         "a vocabulary only grows")
+        raise ValueError(
+            f"vocab_size={vocab_size} is smaller than the model's {config.vocab_size}: "
+            "a vocabulary only grows"
+        )
     if lora:
-        raise ValueError("adding tokens to a LoRA run: the new embedding rows would stay frozen at their "
-                         "initial value; add them in a full fine-tune (or use tokens the vocabulary has)")
+        raise ValueError(
+            "adding tokens to a LoRA run: the new embedding rows would stay frozen at their "
+            "initial value; add them in a full fine-tune (or use tokens the vocabulary has)"
+        )
     config.vocab_size = vocab_size
     return True
 

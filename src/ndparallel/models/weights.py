@@ -42,13 +42,16 @@ def read_header(file: str | os.PathLike, with_data_start: bool = False):
     header.pop("__metadata__", None)
     end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
     if 8 + n + end > size:
-        raise ValueError(f"{file} is truncated: {size} bytes, its tensors need {8 + n + end} "
-                         "(an interrupted download or copy?); fetch the file again")
+        raise ValueError(
+            f"{file} is truncated: {size} bytes, its tensors need {8 + n + end} "
+            "(an interrupted download or copy?); fetch the file again"
+        )
     return (header, 8 + n) if with_data_start else header
 
 
-def weights_problem(model: torch.nn.Module, files: list[Path], config_name: str = "config.json",
-                    grown: list[str] = ()) -> str | None:
+def weights_problem(
+    model: torch.nn.Module, files: list[Path], config_name: str = "config.json", grown: list[str] = ()
+) -> str | None:
     """Why the safetensors ``files`` cannot fill ``model`` (built on any device, meta included,
     from ``config_name``), or None. Keys are matched as transformers converts them
     (``key_conversion``: renamed and fused tensors). Tied aliases may be absent, as
@@ -70,15 +73,19 @@ def weights_problem(model: torch.nn.Module, files: list[Path], config_name: str 
     except ValueError as e:
         return f"{e} ({str(files[0].parent)!r})"
     except Exception as e:  # noqa: BLE001 - a transformers converter that cannot combine these tensors
-        return (f"the checkpoint's tensors cannot be converted to {type(model).__name__}'s as transformers "
-                f"would ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+        return (
+            f"the checkpoint's tensors cannot be converted to {type(model).__name__}'s as transformers "
+            f"would ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        )
     aliases = set(tied_aliases(model))
     expected = {k: list(v.shape) for k, v in model.state_dict().items() if k not in aliases}
     missing = [k for k in expected if not plan.has(k)]
     if missing:
-        return (f"{len(missing)} model tensor(s) are not in the checkpoint {str(files[0].parent)!r}, e.g. "
-                f"{missing[:3]}; its keys look like {sorted(stored)[:3]} (a checkpoint of another "
-                "architecture or with renamed keys?)")
+        return (
+            f"{len(missing)} model tensor(s) are not in the checkpoint {str(files[0].parent)!r}, e.g. "
+            f"{missing[:3]}; its keys look like {sorted(stored)[:3]} (a checkpoint of another "
+            "architecture or with renamed keys?)"
+        )
 
     def fits(k: str, shape: list[int]) -> bool:
         have = stored_shape(plan, stored, k)
@@ -89,9 +96,15 @@ def weights_problem(model: torch.nn.Module, files: list[Path], config_name: str 
     wrong = [(k, shape) for k, shape in expected.items() if not fits(k, shape)]
     if wrong:
         (name, want), more = wrong[0], len(wrong) - 1
-        where = (f"in {stored[plan.direct[name]][2]}" if name in plan.direct
-                 else f"built from {sum(map(len, plan.fused[name].sources.values()))} stored tensors")
-        return (f"tensor {name!r} {where} has shape {stored_shape(plan, stored, name)}, but {config_name} "
-                f"gives the model {want}" + (f" (and {more} more tensors differ)" if more else "")
-                + ": the weights do not match the config (sizes edited, or another model's config?)")
+        where = (
+            f"in {stored[plan.direct[name]][2]}"
+            if name in plan.direct
+            else f"built from {sum(map(len, plan.fused[name].sources.values()))} stored tensors"
+        )
+        return (
+            f"tensor {name!r} {where} has shape {stored_shape(plan, stored, name)}, but {config_name} "
+            f"gives the model {want}"
+            + (f" (and {more} more tensors differ)" if more else "")
+            + ": the weights do not match the config (sizes edited, or another model's config?)"
+        )
     return None

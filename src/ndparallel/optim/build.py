@@ -7,7 +7,7 @@ and not to 1-D parameters (norm weights, biases), whose decay would only pull th
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -30,9 +30,14 @@ def fused_supported(params: list[torch.Tensor]) -> bool:
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter] | torch.nn.Module, name: str = "adamw", lr: float = 3e-4,
-    weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-    fused: bool | None = None, **options,
+    params: Iterable[torch.nn.Parameter] | torch.nn.Module,
+    name: str = "adamw",
+    lr: float = 3e-4,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    fused: bool | None = None,
+    **options,
 ) -> torch.optim.Optimizer:
     """``adamw`` (alias ``adamw_torch``) or ``sgd`` over ``params`` with the weight-decay groups above.
     AdamW is ``fused`` (one kernel for all parameters, step count on the device: no host sync)
@@ -53,14 +58,19 @@ def build_optimizer(
         from ndparallel.optim.muon import build_muon
 
         if model is None:
-            raise ValueError("optimizer 'muon' needs the model (build_optimizer(model, 'muon')): it sends the "
-                             "embeddings and LM head to AdamW")
+            raise ValueError(
+                "optimizer 'muon' needs the model (build_optimizer(model, 'muon')): it sends the "
+                "embeddings and LM head to AdamW"
+            )
         return build_muon(model, lr, weight_decay, betas, eps, **options)
     groups = parameter_groups(model.parameters() if model is not None else params, weight_decay)
     name = ALIASES.get(name, name)
     if is_low_bit(name):
-        embeddings = {id(m.weight) for m in (model.modules() if model is not None else ())
-                      if isinstance(m, torch.nn.Embedding)}
+        embeddings = {
+            id(m.weight)
+            for m in (model.modules() if model is not None else ())
+            if isinstance(m, torch.nn.Embedding)
+        }
         return build_low_bit(name, embedding_groups(groups, embeddings), lr, betas, eps)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr)
@@ -71,14 +81,24 @@ def build_optimizer(
     raise ValueError(f"optimizer {name!r} is not supported: use 'adamw', 'sgd', 'muon' or 'adamw_8bit'")
 
 
-SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",
-              "constant_with_warmup": "constant_with_warmup"}
+SCHEDULERS = {
+    "cosine": "cosine",
+    "linear": "linear",
+    "constant": "constant_with_warmup",
+    "constant_with_warmup": "constant_with_warmup",
+}
 """Our YAML names -> transformers' ``get_scheduler`` names."""
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int,
-                    min_lr_ratio: float | None = None, constant_lr_ratio: float | None = None,
-                    quadratic_warmup: bool = False):
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    name: str,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float | None = None,
+    constant_lr_ratio: float | None = None,
+    quadratic_warmup: bool = False,
+):
     """transformers' schedule ``name`` (see ``SCHEDULERS``) with linear warm-up; a cosine with
     Axolotl's options (``cosine_min_lr_ratio``, ``cosine_constant_lr_ratio``,
     ``lr_quadratic_warmup``) is ``cosine_factor``."""
@@ -87,21 +107,39 @@ def build_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_steps: i
     if name == "cosine" and (min_lr_ratio is not None or constant_lr_ratio is not None or quadratic_warmup):
         import functools
 
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
-            cosine_factor, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio or 0.0,
-            constant_lr_ratio=constant_lr_ratio, quadratic_warmup=quadratic_warmup))
-    return get_scheduler(SCHEDULERS[name], optimizer, num_warmup_steps=warmup_steps,
-                         num_training_steps=total_steps)
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            functools.partial(
+                cosine_factor,
+                warmup_steps=warmup_steps,
+                total_steps=total_steps,
+                min_lr_ratio=min_lr_ratio or 0.0,
+                constant_lr_ratio=constant_lr_ratio,
+                quadratic_warmup=quadratic_warmup,
+            ),
+        )
+    return get_scheduler(
+        SCHEDULERS[name], optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
+    )
 
 
-def cosine_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0,
-                  constant_lr_ratio: float | None = None, quadratic_warmup: bool = False) -> float:
+def cosine_factor(
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float = 0.0,
+    constant_lr_ratio: float | None = None,
+    quadratic_warmup: bool = False,
+) -> float:
     """The learning-rate factor at ``step``: warm-up (linear, or quadratic) to 1, then a half cosine
     down to ``min_lr_ratio`` reached at the end — or at ``constant_lr_ratio`` of the steps, after
     which it stays there."""
     if step < warmup_steps:
         ramp = step / max(1, warmup_steps)
         return ramp * ramp if quadratic_warmup else ramp
-    end = total_steps if constant_lr_ratio is None else max(warmup_steps, int(total_steps * constant_lr_ratio))
+    end = (
+        total_steps if constant_lr_ratio is None else max(warmup_steps, int(total_steps * constant_lr_ratio))
+    )
     progress = min(1.0, (min(step, end) - warmup_steps) / max(1, end - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

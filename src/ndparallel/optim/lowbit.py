@@ -23,9 +23,13 @@ from typing import Literal
 import torch
 
 TORCHAO = {
-    "adamw_torch_8bit": "AdamW8bit", "ao_adamw_8bit": "AdamW8bit",
-    "adamw_8bit": "AdamW8bit", "adamw_bnb_8bit": "AdamW8bit", "paged_adamw_8bit": "AdamW8bit",
-    "adamw_torch_4bit": "AdamW4bit", "ao_adamw_4bit": "AdamW4bit",
+    "adamw_torch_8bit": "AdamW8bit",
+    "ao_adamw_8bit": "AdamW8bit",
+    "adamw_8bit": "AdamW8bit",
+    "adamw_bnb_8bit": "AdamW8bit",
+    "paged_adamw_8bit": "AdamW8bit",
+    "adamw_torch_4bit": "AdamW4bit",
+    "ao_adamw_4bit": "AdamW4bit",
     "ao_adamw_fp8": "AdamWFp8",
 }
 """Optimizer names (YAML ``optimizer:``) -> torchao.optim class."""
@@ -39,12 +43,12 @@ OptimizerName = Literal[OPTIMIZER_NAMES]  # type: ignore[valid-type]
 
 NOTES = {
     "adamw_8bit": "bitsandbytes' block-wise 8-bit AdamW -> torchao AdamW8bit (the same algorithm: 256-value "
-                  "blocks, tensors >= 4096 values; torchao's kernels, so not bit-equal to bitsandbytes')",
+    "blocks, tensors >= 4096 values; torchao's kernels, so not bit-equal to bitsandbytes')",
     "paged_adamw_8bit": "-> torchao AdamW8bit; bitsandbytes' paging of optimizer states to host memory under "
-                        "GPU memory pressure is not done: the 8-bit states (~2 bytes/param) stay on the GPU "
-                        "(fsdp_config.cpu_offload keeps parameters, gradients and states in host memory)",
+    "GPU memory pressure is not done: the 8-bit states (~2 bytes/param) stay on the GPU "
+    "(fsdp_config.cpu_offload keeps parameters, gradients and states in host memory)",
     "paged_adamw_32bit": "-> torch AdamW; bitsandbytes' paging of optimizer states to host memory is not done "
-                         "(fsdp_config.cpu_offload keeps them in host memory)",
+    "(fsdp_config.cpu_offload keeps them in host memory)",
     "ao_adamw_fp8": "torchao AdamWFp8 (float8 e4m3 states, 256-value blocks)",
 }
 NOTES["adamw_bnb_8bit"] = NOTES["adamw_8bit"]
@@ -66,15 +70,17 @@ def optimizer_note(name: str) -> str | None:
     return f"optimizer: {name}: {NOTES[name]}" if name in NOTES else None
 
 
-def build_low_bit(name: str, groups: list[dict], lr: float, betas: tuple[float, float],
-                  eps: float) -> torch.optim.Optimizer:
+def build_low_bit(
+    name: str, groups: list[dict], lr: float, betas: tuple[float, float], eps: float
+) -> torch.optim.Optimizer:
     """The torchao optimizer ``name`` over the parameter ``groups`` (weight decay per group), deciding
     per parameter which states to quantise (``_PerParameterStates``)."""
     try:
         import torchao.optim as ao
     except ImportError:
-        raise ImportError(f"optimizer {name!r} needs torchao: pip install 'ndparallel[qlora]' "
-                          "(or pip install torchao)") from None
+        raise ImportError(
+            f"optimizer {name!r} needs torchao: pip install 'ndparallel[qlora]' (or pip install torchao)"
+        ) from None
     base = getattr(ao, TORCHAO[name])
     cls = type(base.__name__, (_PerParameterStates, base), {"__doc__": base.__doc__})
     return cls(groups, lr=lr, betas=betas, eps=eps)
@@ -123,6 +129,7 @@ class _PerParameterStates:
         else:
             out = torch.zeros_like(local)
         if isinstance(p, DTensor):
-            out = DTensor.from_local(out, p.device_mesh, p.placements, run_check=False,
-                                     shape=p.shape, stride=p.stride())
+            out = DTensor.from_local(
+                out, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
         return out.to(p.device)

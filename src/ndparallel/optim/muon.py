@@ -32,16 +32,23 @@ import math
 
 import torch
 
-NS_SCHEDULE = ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
-               (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012))
+NS_SCHEDULE = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
 """The quintic Newton–Schulz coefficients of each of the 5 iterations (Axolotl's / dion's Muon)."""
 
 MUON_BETAS = (0.9, 0.95)
 """AdamW's betas for the non-matrix parameters when ``adam_beta1/2`` are not given (Axolotl's)."""
 
-NOTE = ("Muon (Newton-Schulz orthogonalised momentum, Axolotl's FSDP2 algorithm: momentum 0.95, lr scaled by "
-        "sqrt(fan_out/fan_in)) for the hidden matrices, each orthogonalised whole (gathered from its shards); "
-        "AdamW without weight decay for embeddings, LM head, norms and biases (docs/optimizers.md)")
+NOTE = (
+    "Muon (Newton-Schulz orthogonalised momentum, Axolotl's FSDP2 algorithm: momentum 0.95, lr scaled by "
+    "sqrt(fan_out/fan_in)) for the hidden matrices, each orthogonalised whole (gathered from its shards); "
+    "AdamW without weight decay for embeddings, LM head, norms and biases (docs/optimizers.md)"
+)
 
 
 def newton_schulz(g: torch.Tensor, dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7) -> torch.Tensor:
@@ -76,8 +83,12 @@ def muon_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        is_embedding = (id(p) in embeddings or "embed_tokens" in name or "lm_head" in name
-                        or name.endswith("modules_to_save.default.weight"))  # PEFT's trained copies
+        is_embedding = (
+            id(p) in embeddings
+            or "embed_tokens" in name
+            or "lm_head" in name
+            or name.endswith("modules_to_save.default.weight")
+        )  # PEFT's trained copies
         (muon if p.ndim >= 2 and not is_embedding else adamw).append(p)
     groups = [{"params": muon, "algorithm": "muon", "weight_decay": weight_decay}]
     if adamw:
@@ -91,13 +102,23 @@ class MuonAdamW(torch.optim.Optimizer):
     optimizer). ``per_shard``: orthogonalise each rank's local shard instead of the whole matrix —
     wrong, kept only as the equivalence checks' negative control."""
 
-    def __init__(self, groups: list[dict], lr: float = 0.02, momentum: float = 0.95, nesterov: bool = False,
-                 ns_dtype: torch.dtype = torch.bfloat16, betas: tuple[float, float] = MUON_BETAS,
-                 eps: float = 1e-8, per_shard: bool = False):
+    def __init__(
+        self,
+        groups: list[dict],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = False,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        betas: tuple[float, float] = MUON_BETAS,
+        eps: float = 1e-8,
+        per_shard: bool = False,
+    ):
         adamw_groups = [g for g in groups if g.get("algorithm") == "adamw"]
         self._adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps) if adamw_groups else None
-        super().__init__(groups, {"lr": lr, "algorithm": "muon", "momentum": momentum, "nesterov": nesterov,
-                                  "weight_decay": 0.0})
+        super().__init__(
+            groups,
+            {"lr": lr, "algorithm": "muon", "momentum": momentum, "nesterov": nesterov, "weight_decay": 0.0},
+        )
         self.ns_dtype, self.per_shard = ns_dtype, per_shard
 
     @torch.no_grad()
@@ -140,16 +161,22 @@ class MuonAdamW(torch.optim.Optimizer):
             local = newton_schulz(update.to_local(), self.ns_dtype).to(update.dtype)
             return DTensor.from_local(local, mesh, placements, shape=update.shape, stride=update.stride())
         matrix_dims = {update.ndim - 1, update.ndim - 2}
-        whole = [pl if pl.is_replicate() or getattr(pl, "dim", None) not in matrix_dims and not pl.is_partial()
-                 else Replicate() for pl in placements]  # (FSDP x TP's _StridedShard is no Shard to is_shard)
+        whole = [
+            pl
+            if pl.is_replicate() or getattr(pl, "dim", None) not in matrix_dims and not pl.is_partial()
+            else Replicate()
+            for pl in placements
+        ]  # (FSDP x TP's _StridedShard is no Shard to is_shard)
         gathered = update.redistribute(mesh, whole).to_local()
         ortho = newton_schulz(gathered, self.ns_dtype).to(update.dtype)
         del gathered
-        return DTensor.from_local(ortho, mesh, whole, shape=update.shape,
-                                  stride=update.stride()).redistribute(mesh, placements)
+        return DTensor.from_local(
+            ortho, mesh, whole, shape=update.shape, stride=update.stride()
+        ).redistribute(mesh, placements)
 
 
-def build_muon(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
-               eps: float, **options) -> MuonAdamW:
+def build_muon(
+    model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float, **options
+) -> MuonAdamW:
     """``optimizer: muon`` over ``model`` (``options``: ``MuonAdamW``'s keywords)."""
     return MuonAdamW(muon_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, **options)

@@ -43,7 +43,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         for s in range(0, n_tok, chunk):
-            h, y = hidden[s:s + chunk], labels[s:s + chunk]
+            h, y = hidden[s : s + chunk], labels[s : s + chunk]
             logits = (h @ weight.t()).float()  # (c, v_local); the one large buffer
             valid = y != IGNORE_INDEX
             local = y - vocab_start
@@ -66,7 +66,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 grad_logits.scatter_add_(1, idx, -(scale * mine).unsqueeze(1))  # − one-hot
                 g = grad_logits.to(weight.dtype)
                 if want_h:
-                    torch.matmul(g, weight, out=grad_h[s:s + chunk])
+                    torch.matmul(g, weight, out=grad_h[s : s + chunk])
                 if want_w:
                     if grad_w.dtype == g.dtype:
                         grad_w.addmm_(g.t(), h)
@@ -99,8 +99,9 @@ def _vocab_parallel_inputs(hidden: torch.Tensor, weight: DTensor, sequence_paral
         raise ValueError(f"chunked loss: the LM-head weight must live on a 1-D tp mesh, got {mesh}")
     placement = weight.placements[0]
     if not isinstance(hidden, DTensor):
-        hidden = DTensor.from_local(hidden, mesh, [Shard(1) if sequence_parallel else Replicate()],
-                                    run_check=False)
+        hidden = DTensor.from_local(
+            hidden, mesh, [Shard(1) if sequence_parallel else Replicate()], run_check=False
+        )
     if hidden.placements != (Replicate(),):
         hidden = hidden.redistribute(mesh, [Replicate()])
     if placement == Shard(0):
@@ -109,8 +110,10 @@ def _vocab_parallel_inputs(hidden: torch.Tensor, weight: DTensor, sequence_paral
         return local, weight.to_local(), min(mesh.get_local_rank() * per, weight.shape[0]), mesh.get_group()
     if placement == Replicate():
         return hidden.to_local(), weight.to_local(), 0, None
-    raise ValueError(f"chunked loss: LM-head weight placement {placement} is not supported "
-                     "(Shard(0) = vocab-sharded, or Replicate)")
+    raise ValueError(
+        f"chunked loss: LM-head weight placement {placement} is not supported "
+        "(Shard(0) = vocab-sharded, or Replicate)"
+    )
 
 
 def chunked_linear_cross_entropy(

@@ -41,20 +41,35 @@ from ndparallel.models.layers import decoder_layers
 from ndparallel.parallel.options import CompileOptions
 
 
-def apply_compile(model: nn.Module, options: CompileOptions, layer_classes=None,
-                  per_child: bool = False, skip_attention: bool = False) -> nn.Module:
+def apply_compile(
+    model: nn.Module,
+    options: CompileOptions,
+    layer_classes=None,
+    per_child: bool = False,
+    skip_attention: bool = False,
+) -> nn.Module:
     """Compile every decoder layer of ``model`` (or, ``per_child``, every child module of each
     layer that holds parameters, norms excepted, and the attention too when ``skip_attention``)
     in place with ``options``; return the model."""
     _attention_eager(model)
     per_child = per_child or skip_attention
     layers = decoder_layers(model, layer_classes)
-    if any(getattr(layer, "gradient_checkpointing", False) for layer in layers) and not _nested_checkpoints(model):
+    if any(getattr(layer, "gradient_checkpointing", False) for layer in layers) and not _nested_checkpoints(
+        model
+    ):
         _checkpoint_side_effects(model)
     for layer in layers:
-        units = [c for n, c in layer.named_children()
-                 if "norm" not in n and any(True for _ in c.parameters())
-                 and not (skip_attention and _is_attention(n))] if per_child else [layer]
+        units = (
+            [
+                c
+                for n, c in layer.named_children()
+                if "norm" not in n
+                and any(True for _ in c.parameters())
+                and not (skip_attention and _is_attention(n))
+            ]
+            if per_child
+            else [layer]
+        )
         for unit in units:
             unit.compile(backend=options.backend, fullgraph=options.fullgraph)
     return model

@@ -16,13 +16,12 @@ attention without CP to transformers).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ndparallel.layout.mesh import process_group
-from ndparallel.parallel.cp_ulysses import ulysses_head_error
 from ndparallel.parallel.cp_attention import (
     STRATEGIES,
     context_parallel_attention,
@@ -30,12 +29,17 @@ from ndparallel.parallel.cp_attention import (
 )
 from ndparallel.parallel.cp_blocks import DocCache
 from ndparallel.parallel.cp_sharding import cp_num_chunks, shard_for_cp
+from ndparallel.parallel.cp_ulysses import ulysses_head_error
 from ndparallel.parallel.options import CPOptions
 from ndparallel.parallel.positions import PositionRecorder
 
 
 def validate_context_parallel(
-    config, cp_size: int, seq_len: int | None = None, tp_size: int = 1, load_balance: bool = True,
+    config,
+    cp_size: int,
+    seq_len: int | None = None,
+    tp_size: int = 1,
+    load_balance: bool = True,
     strategy: str = "ring",
 ) -> None:
     """Raise ValueError (naming the field and the fix) if ``config`` cannot run with this CP layout
@@ -79,14 +83,21 @@ def validate_context_parallel(
             "set config.attention_dropout = 0.0"
         )
     floor = getattr(config, "floor_scale", None)
-    if cp_size > 1 and getattr(config, "attn_temperature_tuning", False) and seq_len and floor and seq_len >= floor:
+    if (
+        cp_size > 1
+        and getattr(config, "attn_temperature_tuning", False)
+        and seq_len
+        and floor
+        and seq_len >= floor
+    ):
         raise ValueError(temperature_tuning_message(seq_len, floor))
     kinds = sorted({str(t) for t in getattr(config, "layer_types", None) or ()} - set(ATTENTION_LAYER_TYPES))
     if cp_size > 1 and kinds:
         raise ValueError(
             f"layer_types {kinds} are not attention layers: context parallelism splits the sequence "
             "and only ndparallel's attention exchanges tokens between ranks, so such a layer would "
-            "see its shard alone; train this model without context_parallel_size")
+            "see its shard alone; train this model without context_parallel_size"
+        )
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -94,7 +105,9 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 ``sliding_window``) and chunked (Llama 4's ``attention_chunk_size``)."""
 
 
-def attention_name(cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto", owner: object = None) -> str:
+def attention_name(
+    cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto", owner: object = None
+) -> str:
     """The ``AttentionInterface`` name ``apply_context_parallel`` uses for this group and options
     (and ``owner``: each model gets its own registration, whose closure records its positions)."""
     group = process_group(cp_mesh)
@@ -128,10 +141,12 @@ def _check_temperature_tuning(module, seq_len: int) -> None:
 
 
 def temperature_tuning_message(seq_len: int, floor_scale: int) -> str:
-    return (f"sequence length {seq_len} >= floor_scale={floor_scale}: Llama 4's attention temperature "
-            "tuning (NoPE layers) numbers the tokens of a context-parallel shard from 0, so it would "
-            f"differ from one device; use sequence_len < {floor_scale} with context parallelism, or "
-            "train without context_parallel_size")
+    return (
+        f"sequence length {seq_len} >= floor_scale={floor_scale}: Llama 4's attention temperature "
+        "tuning (NoPE layers) numbers the tokens of a context-parallel shard from 0, so it would "
+        f"differ from one device; use sequence_len < {floor_scale} with context parallelism, or "
+        "train without context_parallel_size"
+    )
 
 
 def layer_features(module, kwargs) -> tuple[int | None, int | None, float | None]:
@@ -142,8 +157,10 @@ def layer_features(module, kwargs) -> tuple[int | None, int | None, float | None
     types, idx = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
     kind = types[idx] if types is not None and isinstance(idx, int) and idx < len(types) else None
     if kind is not None and kind not in ATTENTION_LAYER_TYPES:
-        raise ValueError(f"layer {idx} is a {kind!r} layer: ndparallel's attention computes "
-                         f"{', '.join(ATTENTION_LAYER_TYPES)} layers only")
+        raise ValueError(
+            f"layer {idx} is a {kind!r} layer: ndparallel's attention computes "
+            f"{', '.join(ATTENTION_LAYER_TYPES)} layers only"
+        )
     window = kwargs.get("sliding_window")
     if window is None and kind == "sliding_attention":
         window = getattr(config, "sliding_window", None)
@@ -151,8 +168,9 @@ def layer_features(module, kwargs) -> tuple[int | None, int | None, float | None
     return window, chunk, kwargs.get("softcap")
 
 
-def make_attention_fn(cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto",
-                      recorder: PositionRecorder | None = None):
+def make_attention_fn(
+    cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto", recorder: PositionRecorder | None = None
+):
     """HF attention function ``fn(module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kw)
     -> (out [B, S, H, Dv], None)`` running CP attention on the group of ``cp_mesh``; documents
     (``position_ids`` restarting at 0: passed by the model in ``kw``, else the decoder's, from
@@ -168,9 +186,19 @@ def make_attention_fn(cp_mesh, options: CPOptions = CPOptions(), kernel: str = "
         _check_temperature_tuning(module, query.shape[2] * dist.get_world_size(group))
         window, chunk, softcap = layer_features(module, kwargs)
         out = context_parallel_attention(
-            query, key, value, group, strategy=strategy, load_balance=load_balance,
-            scale=scaling, kernel=kernel, position_ids=recorder.positions(kwargs), cache=cache,
-            window=window, chunk=chunk, softcap=softcap,
+            query,
+            key,
+            value,
+            group,
+            strategy=strategy,
+            load_balance=load_balance,
+            scale=scaling,
+            kernel=kernel,
+            position_ids=recorder.positions(kwargs),
+            cache=cache,
+            window=window,
+            chunk=chunk,
+            softcap=softcap,
         )
         return out.transpose(1, 2).contiguous(), None
 
@@ -197,7 +225,8 @@ def _register(model, name: str, fn) -> None:
         raise ValueError(
             f"{type(model).__name__} does not call attention through transformers' AttentionInterface, "
             "through which ndparallel's context-parallel / document attention replaces it: train this "
-            "model without context_parallel_size (and without sequence_parallel)")
+            "model without context_parallel_size (and without sequence_parallel)"
+        )
 
 
 def apply_document_attention(model, kernel: str = "auto"):
@@ -208,12 +237,14 @@ def apply_document_attention(model, kernel: str = "auto"):
     cache = DocCache()
     recorder = PositionRecorder().attach(model)
 
-    def document_attention_forward(module, query, key, value, attention_mask, scaling=None,
-                                   dropout=0.0, **kwargs):
+    def document_attention_forward(
+        module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+    ):
         _check_call(module, attention_mask, dropout, kwargs)
         window, chunk, softcap = layer_features(module, kwargs)
-        out = document_causal_attention(query, key, value, recorder.positions(kwargs), scaling,
-                                        kernel, cache, window, chunk, softcap)
+        out = document_causal_attention(
+            query, key, value, recorder.positions(kwargs), scaling, kernel, cache, window, chunk, softcap
+        )
         return out.transpose(1, 2).contiguous(), None
 
     _register(model, f"ndparallel_documents_{kernel}_m{id(recorder):x}", document_attention_forward)
@@ -229,11 +260,19 @@ def apply_context_parallel(model, cp_mesh, options: CPOptions = CPOptions(), ker
     group = process_group(cp_mesh)
     if dist.get_world_size(group) == 1:
         return model
-    validate_context_parallel(model.config, dist.get_world_size(group), load_balance=options.load_balance,
-                              tp_size=_tp_degree(model), strategy=options.comm_strategy)
+    validate_context_parallel(
+        model.config,
+        dist.get_world_size(group),
+        load_balance=options.load_balance,
+        tp_size=_tp_degree(model),
+        strategy=options.comm_strategy,
+    )
     recorder = PositionRecorder().attach(model)
-    _register(model, attention_name(group, options, kernel, owner=recorder),
-              make_attention_fn(group, options, kernel, recorder))
+    _register(
+        model,
+        attention_name(group, options, kernel, owner=recorder),
+        make_attention_fn(group, options, kernel, recorder),
+    )
     return model
 
 
@@ -281,7 +320,9 @@ def context_parallel_buffers(
                 if id(buf) in seen:
                     continue
                 seen.add(id(buf))
-                alias = buf.new_empty(0).set_(buf.untyped_storage(), buf.storage_offset(), buf.shape, buf.stride())
+                alias = buf.new_empty(0).set_(
+                    buf.untyped_storage(), buf.storage_offset(), buf.shape, buf.stride()
+                )
                 shard = shard_for_cp(buf, dim, cp_rank, cp_size, load_balance)
                 buf.set_(shard)
                 if id(buf) not in keep:

@@ -59,7 +59,7 @@ _KV_TAG, _DKV_TAG = 11, 12
 
 
 def _chunk(t: torch.Tensor, i: int, n: int) -> torch.Tensor:
-    return t[:, :, i * n:(i + 1) * n]
+    return t[:, :, i * n : (i + 1) * n]
 
 
 # ----------------------------------------------------------------------------- ring
@@ -81,8 +81,15 @@ class _RingAttention(torch.autograd.Function):
                     groups = docs.groups(qi, c * n, n)
                     if groups:
                         fresh[qi] = forward_span(
-                            kernel, _chunk(q, qi, n), _chunk(kv[0], kj, n), _chunk(kv[1], kj, n),
-                            _chunk(acc_out, qi, n), _chunk(acc_lse, qi, n), groups, fresh[qi])
+                            kernel,
+                            _chunk(q, qi, n),
+                            _chunk(kv[0], kj, n),
+                            _chunk(kv[1], kj, n),
+                            _chunk(acc_out, qi, n),
+                            _chunk(acc_lse, qi, n),
+                            groups,
+                            fresh[qi],
+                        )
             finish(reqs)
             if step < cp - 1:
                 kv, buf = buf, kv
@@ -116,10 +123,18 @@ class _RingAttention(torch.autograd.Function):
                     groups = docs.groups(qi, c * n, n)
                     if groups:
                         backward_span(
-                            kernel, _chunk(q, qi, n), _chunk(kv[0], kj, n), _chunk(kv[1], kj, n),
-                            _chunk(out, qi, n), _chunk(dout, qi, n), _chunk(lse, qi, n),
-                            _chunk(dq, qi, n), _chunk(contrib[0], kj, n), _chunk(contrib[1], kj, n),
-                            groups)
+                            kernel,
+                            _chunk(q, qi, n),
+                            _chunk(kv[0], kj, n),
+                            _chunk(kv[1], kj, n),
+                            _chunk(out, qi, n),
+                            _chunk(dout, qi, n),
+                            _chunk(lse, qi, n),
+                            _chunk(dq, qi, n),
+                            _chunk(contrib[0], kj, n),
+                            _chunk(contrib[1], kj, n),
+                            groups,
+                        )
             finish(reqs)
             if step > 0:
                 contrib += dkv_in
@@ -130,8 +145,7 @@ class _RingAttention(torch.autograd.Function):
         if cp > 1:  # last hop: the gradient of each K/V goes home
             finish(start(ring_ops([(dkv_done, dkv_in)], group, _DKV_TAG)))
             dkv_done = dkv_in
-        return (dq.to(q.dtype), dkv_done[0].to(k.dtype), dkv_done[1].to(v.dtype),
-                None, None, None, None)
+        return (dq.to(q.dtype), dkv_done[0].to(k.dtype), dkv_done[1].to(v.dtype), None, None, None, None)
 
 
 # ----------------------------------------------------------------------------- all-gather
@@ -154,9 +168,16 @@ class _AllGatherAttention(torch.autograd.Function):
             for ks, kl in _natural_spans(a, n):
                 groups = docs.groups(qi, ks, kl)
                 if groups:
-                    fresh = forward_span(kernel, _chunk(q, qi, n), kv_nat[0, :, :, ks:ks + kl],
-                                         kv_nat[1, :, :, ks:ks + kl], _chunk(acc_out, qi, n),
-                                         _chunk(acc_lse, qi, n), groups, fresh)
+                    fresh = forward_span(
+                        kernel,
+                        _chunk(q, qi, n),
+                        kv_nat[0, :, :, ks : ks + kl],
+                        kv_nat[1, :, :, ks : ks + kl],
+                        _chunk(acc_out, qi, n),
+                        _chunk(acc_lse, qi, n),
+                        groups,
+                        fresh,
+                    )
         out = acc_out.to(q.dtype)
         ctx.save_for_backward(q, kv_nat, out, acc_lse)
         ctx.args = (group, load_balance, kernel, docs)
@@ -174,10 +195,19 @@ class _AllGatherAttention(torch.autograd.Function):
             for ks, kl in _natural_spans(a, n):
                 groups = docs.groups(qi, ks, kl)
                 if groups:
-                    backward_span(kernel, _chunk(q, qi, n), kv_nat[0, :, :, ks:ks + kl],
-                                  kv_nat[1, :, :, ks:ks + kl], _chunk(out, qi, n),
-                                  _chunk(dout, qi, n), _chunk(lse, qi, n), _chunk(dq, qi, n),
-                                  dkv[0, :, :, ks:ks + kl], dkv[1, :, :, ks:ks + kl], groups)
+                    backward_span(
+                        kernel,
+                        _chunk(q, qi, n),
+                        kv_nat[0, :, :, ks : ks + kl],
+                        kv_nat[1, :, :, ks : ks + kl],
+                        _chunk(out, qi, n),
+                        _chunk(dout, qi, n),
+                        _chunk(lse, qi, n),
+                        _chunk(dq, qi, n),
+                        dkv[0, :, :, ks : ks + kl],
+                        dkv[1, :, :, ks : ks + kl],
+                        groups,
+                    )
         rank_major = _to_rank_major(dkv, cp, load_balance, n)  # [cp, 2, B, Hk, S_loc, D]
         mine = reduce_scatter(rank_major.flatten(0, 1), group)
         return (dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None, None, None)
@@ -188,14 +218,14 @@ def _to_natural(g: torch.Tensor, cp: int, load_balance: bool, n: int) -> torch.T
     chunks = {}
     for r in range(cp):
         for j, c in enumerate(cp_chunk_ids(r, cp, load_balance)):
-            chunks[c] = g[r, :, :, :, j * n:(j + 1) * n]
+            chunks[c] = g[r, :, :, :, j * n : (j + 1) * n]
     return torch.cat([chunks[c] for c in range(len(chunks))], dim=3)
 
 
 def _to_rank_major(x: torch.Tensor, cp: int, load_balance: bool, n: int) -> torch.Tensor:
     """Inverse of ``_to_natural`` (contiguous)."""
     per_rank = [
-        torch.cat([x[:, :, :, c * n:(c + 1) * n] for c in cp_chunk_ids(r, cp, load_balance)], dim=3)
+        torch.cat([x[:, :, :, c * n : (c + 1) * n] for c in cp_chunk_ids(r, cp, load_balance)], dim=3)
         for r in range(cp)
     ]
     return torch.stack(per_rank).contiguous()
@@ -204,8 +234,10 @@ def _to_rank_major(x: torch.Tensor, cp: int, load_balance: bool, n: int) -> torc
 # ----------------------------------------------------------------------------- public ops
 def _check_shapes(query, key, value) -> None:
     if query.dim() != 4 or key.shape[:-1] != value.shape[:-1] or key.shape[:1] != query.shape[:1]:
-        raise ValueError(f"expected q [B,H,S,D], k [B,Hk,S,D], v [B,Hk,S,Dv]; got {tuple(query.shape)}, "
-                         f"{tuple(key.shape)}, {tuple(value.shape)}")
+        raise ValueError(
+            f"expected q [B,H,S,D], k [B,Hk,S,D], v [B,Hk,S,Dv]; got {tuple(query.shape)}, "
+            f"{tuple(key.shape)}, {tuple(value.shape)}"
+        )
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"num heads {query.shape[1]} is not a multiple of kv heads {key.shape[1]}")
     if query.shape[2] != key.shape[2] or query.shape[-1] != key.shape[-1]:
@@ -231,9 +263,16 @@ def _kernel(kernel: str, query: torch.Tensor, scale: float | None, softcap: floa
 
 
 def document_causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    position_ids: torch.Tensor | None = None, scale: float | None = None, kernel: Kernel = "auto",
-    cache=None, window: int | None = None, chunk: int | None = None, softcap: float | None = None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    scale: float | None = None,
+    kernel: Kernel = "auto",
+    cache=None,
+    window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention on one device that never crosses a document start (``position_ids``
     restarting at 0; None = plain causal). q [B, H, S, D], k [B, Hk, S, D], v [B, Hk, S, Dv].
@@ -296,8 +335,9 @@ def context_parallel_attention(
     if strategy == "ulysses":
         from ndparallel.parallel.cp_ulysses import ulysses_attention
 
-        return ulysses_attention(query, key, value, group, load_balance, block_kernel,
-                                 position_ids, cache, window, chunk)[..., :dv]
+        return ulysses_attention(
+            query, key, value, group, load_balance, block_kernel, position_ids, cache, window, chunk
+        )[..., :dv]
     n = s_loc // len(ids)
 
     def build():

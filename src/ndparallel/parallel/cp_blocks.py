@@ -26,7 +26,8 @@ computed in groups (``Groups``).
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -49,8 +50,9 @@ class Rect(NamedTuple):
 Groups = list  # [(rows: LongTensor | None for all rows, rects: tuple[Rect, ...])]
 
 
-def document_starts(position_ids: torch.Tensor | None, global_index: torch.Tensor, batch: int,
-                    chunk: int | None = None):
+def document_starts(
+    position_ids: torch.Tensor | None, global_index: torch.Tensor, batch: int, chunk: int | None = None
+):
     """Global index of the start of each token's document, ``[batch, len]`` int64 on the CPU
     (one host copy), or None when there are no position ids and no ``chunk`` (plain causal).
     ``chunk``: chunked attention also restarts every ``chunk`` positions of a document (as
@@ -69,8 +71,15 @@ class DocLayout:
     tokens) against any key span, computed once per attention call and kept for backward.
     ``window``: the layer's sliding window W (query i sees at most keys i−W+1 .. i)."""
 
-    def __init__(self, starts: torch.Tensor | None, chunk_ids: Sequence[int], n: int, batch: int,
-                 device: torch.device, window: int | None = None):
+    def __init__(
+        self,
+        starts: torch.Tensor | None,
+        chunk_ids: Sequence[int],
+        n: int,
+        batch: int,
+        device: torch.device,
+        window: int | None = None,
+    ):
         if window is not None and window < 1:
             raise ValueError(f"sliding window {window} must be >= 1")
         self.chunk_ids, self.n, self.batch, self.device = tuple(chunk_ids), n, batch, device
@@ -83,7 +92,7 @@ class DocLayout:
         n = self.n
         if starts is None:
             return [((0, n, 0),)] * self.batch
-        st = starts[:, j * n:(j + 1) * n]
+        st = starts[:, j * n : (j + 1) * n]
         change = torch.ones_like(st, dtype=torch.bool)
         change[:, 1:] = st[:, 1:] != st[:, :-1]
         out = []
@@ -100,12 +109,14 @@ class DocLayout:
             q_start = self.chunk_ids[qi] * self.n
             by_rects: dict = {}
             for b, runs in enumerate(self._runs[qi]):
-                rects = tuple(r for run in runs
-                              for r in _run_rects(run, q_start, self.n, k_start, k_len, self.window))
+                rects = tuple(
+                    r for run in runs for r in _run_rects(run, q_start, self.n, k_start, k_len, self.window)
+                )
                 by_rects.setdefault(rects, []).append(b)
             self._cache[key] = [
                 (None if len(rows) == self.batch else torch.tensor(rows, device=self.device), rects)
-                for rects, rows in by_rects.items() if rects
+                for rects, rows in by_rects.items()
+                if rects
             ]
         return self._cache[key]
 
@@ -166,8 +177,9 @@ def _run_rects(run, q_start: int, n: int, k_start: int, k_len: int, window: int 
     rects = []
     for piece in _run_pieces(q_start + t0, q_start + t1, s, window):
         for q0, q1, c0, c1, kind in _clip(piece, k_start, k_start + k_len):
-            rects.append(Rect(q0 - q_start, q1 - q_start, c0 - k_start, c1 - k_start,
-                              kind == _CAUSAL, kind == _ANTI))
+            rects.append(
+                Rect(q0 - q_start, q1 - q_start, c0 - k_start, c1 - k_start, kind == _CAUSAL, kind == _ANTI)
+            )
     return rects
 
 
@@ -184,9 +196,14 @@ def forward_span(kernel: BlockKernel, q, k, v, acc_out, acc_lse, groups: Groups,
     not merged). Returns whether the chunk is still fresh."""
     for rows, rects in groups:
         for r in rects:
-            out, lse = kernel.fwd(_take(q, rows, r.q0, r.q1), _take(k, rows, r.k0, r.k1),
-                                  _take(v, rows, r.k0, r.k1), r.causal, r.anti)
-            ao, al = acc_out[:, :, r.q0:r.q1], acc_lse[:, :, r.q0:r.q1]
+            out, lse = kernel.fwd(
+                _take(q, rows, r.q0, r.q1),
+                _take(k, rows, r.k0, r.k1),
+                _take(v, rows, r.k0, r.k1),
+                r.causal,
+                r.anti,
+            )
+            ao, al = acc_out[:, :, r.q0 : r.q1], acc_lse[:, :, r.q0 : r.q1]
             if rows is None and fresh and (r.q0, r.q1) == (0, q.shape[2]):
                 ao.copy_(out)
                 al.copy_(lse)
@@ -207,24 +224,31 @@ def backward_span(kernel: BlockKernel, q, k, v, out, dout, lse, dq, dk, dv, grou
     for rows, rects in groups:
         for r in rects:
             g_q, g_k, g_v = kernel.bwd(
-                _take(dout, rows, r.q0, r.q1), _take(q, rows, r.q0, r.q1),
-                _take(k, rows, r.k0, r.k1), _take(v, rows, r.k0, r.k1),
-                _take(out, rows, r.q0, r.q1), _take(lse, rows, r.q0, r.q1),
-                r.causal, r.anti)
+                _take(dout, rows, r.q0, r.q1),
+                _take(q, rows, r.q0, r.q1),
+                _take(k, rows, r.k0, r.k1),
+                _take(v, rows, r.k0, r.k1),
+                _take(out, rows, r.q0, r.q1),
+                _take(lse, rows, r.q0, r.q1),
+                r.causal,
+                r.anti,
+            )
             if rows is None:
-                dq[:, :, r.q0:r.q1].add_(g_q)
-                dk[:, :, r.k0:r.k1].add_(g_k)
-                dv[:, :, r.k0:r.k1].add_(g_v)
+                dq[:, :, r.q0 : r.q1].add_(g_q)
+                dk[:, :, r.k0 : r.k1].add_(g_k)
+                dv[:, :, r.k0 : r.k1].add_(g_v)
             else:
-                dq[:, :, r.q0:r.q1].index_add_(0, rows, g_q.to(dq.dtype))
-                dk[:, :, r.k0:r.k1].index_add_(0, rows, g_k.to(dk.dtype))
-                dv[:, :, r.k0:r.k1].index_add_(0, rows, g_v.to(dv.dtype))
+                dq[:, :, r.q0 : r.q1].index_add_(0, rows, g_q.to(dq.dtype))
+                dk[:, :, r.k0 : r.k1].index_add_(0, rows, g_k.to(dk.dtype))
+                dv[:, :, r.k0 : r.k1].index_add_(0, rows, g_v.to(dv.dtype))
 
 
 def accumulators(q: torch.Tensor):
     """Running (out fp32 zeros, lse -inf) of the queries ``q`` [B, H, S, D]."""
-    return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
-            torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device))
+    return (
+        torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+        torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device),
+    )
 
 
 class _LocalAttention(torch.autograd.Function):
@@ -246,8 +270,12 @@ class _LocalAttention(torch.autograd.Function):
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
             for rows, rects in groups:
                 for r in rects:
-                    o, l_ = kernel.fwd(_take(q, rows, r.q0, r.q1), _take(k, rows, r.k0, r.k1),
-                                       _take(v, rows, r.k0, r.k1), True)
+                    o, l_ = kernel.fwd(
+                        _take(q, rows, r.q0, r.q1),
+                        _take(k, rows, r.k0, r.k1),
+                        _take(v, rows, r.k0, r.k1),
+                        True,
+                    )
                     _put(out, rows, r.q0, r.q1, o)
                     _put(lse, rows, r.q0, r.q1, l_)
         else:
@@ -270,9 +298,14 @@ class _LocalAttention(torch.autograd.Function):
             for rows, rects in groups:
                 for r in rects:
                     g_q, g_k, g_v = kernel.bwd(
-                        _take(dout, rows, r.q0, r.q1), _take(q, rows, r.q0, r.q1),
-                        _take(k, rows, r.k0, r.k1), _take(v, rows, r.k0, r.k1),
-                        _take(out, rows, r.q0, r.q1), _take(lse, rows, r.q0, r.q1), True)
+                        _take(dout, rows, r.q0, r.q1),
+                        _take(q, rows, r.q0, r.q1),
+                        _take(k, rows, r.k0, r.k1),
+                        _take(v, rows, r.k0, r.k1),
+                        _take(out, rows, r.q0, r.q1),
+                        _take(lse, rows, r.q0, r.q1),
+                        True,
+                    )
                     _put(dq, rows, r.q0, r.q1, g_q)
                     _put(dk, rows, r.k0, r.k1, g_k)
                     _put(dv, rows, r.k0, r.k1, g_v)

@@ -109,14 +109,29 @@ class BlockKernel:
         lse = lse.contiguous()
         if q.device.type == "cpu":
             dq, dk, dv = _A._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, lse, 0.0, causal, scale=self.scale)
+                dout, q, k, v, out, lse, 0.0, causal, scale=self.scale
+            )
             return dq, dk, dv
         if self._aux is None:
             raise RuntimeError("flash backward before any flash forward of this attention call")
         cq, ck, seed, offset = self._aux
         dq, dk, dv = _A._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cq, ck, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
-            scale=self.scale)
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cq,
+            ck,
+            q.shape[2],
+            k.shape[2],
+            0.0,
+            causal,
+            seed,
+            offset,
+            scale=self.scale,
+        )
         return dq, dk, dv
 
 

@@ -9,7 +9,7 @@ causal-attention work. With ``load_balance=False`` rank ``i`` keeps the contiguo
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -54,8 +54,12 @@ def cp_positions(
     """Global positions (int64, shape ``[seq_len // cp]``) of the tokens ``cp_rank`` holds; built
     from this rank's chunks alone (O(seq_len / cp) memory)."""
     chunk = _check_len(seq_len, cp_size, load_balance)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
-                      for c in cp_chunk_ids(cp_rank, cp_size, load_balance)])
+    return torch.cat(
+        [
+            torch.arange(c * chunk, (c + 1) * chunk, device=device)
+            for c in cp_chunk_ids(cp_rank, cp_size, load_balance)
+        ]
+    )
 
 
 def reorder_cp_chunks(
@@ -114,8 +118,13 @@ def pad_for_cp(
     seq_len = batch["input_ids"].shape[seq_dim]
     n = cp_num_chunks(cp_size, load_balance)
     pad = (-seq_len) % n
-    values = {**_PAD_DEFAULTS, "labels": ignore_index, "shift_labels": ignore_index,
-              "input_ids": pad_token_id, **(extra_pad_values or {})}
+    values = {
+        **_PAD_DEFAULTS,
+        "labels": ignore_index,
+        "shift_labels": ignore_index,
+        "input_ids": pad_token_id,
+        **(extra_pad_values or {}),
+    }
     out: dict[str, torch.Tensor] = {}
     for key, t in batch.items():
         if not isinstance(t, torch.Tensor) or t.dim() <= seq_dim or t.shape[seq_dim] != seq_len:

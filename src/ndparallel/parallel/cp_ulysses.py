@@ -31,11 +31,15 @@ from ndparallel.parallel.cp_sharding import cp_chunk_ids
 def ulysses_head_error(heads: int, kv_heads: int, cp: int) -> str | None:
     """Why ``ulysses`` cannot split these heads (per TP rank) over cp ranks; None if it can."""
     if heads % cp:
-        return (f"{heads} attention heads (per tensor-parallel rank) are not divisible by "
-                f"context_parallel_size={cp}")
+        return (
+            f"{heads} attention heads (per tensor-parallel rank) are not divisible by "
+            f"context_parallel_size={cp}"
+        )
     if kv_heads % cp and cp % kv_heads:
-        return (f"{kv_heads} key/value heads (per tensor-parallel rank) neither divide nor are "
-                f"divisible by context_parallel_size={cp}")
+        return (
+            f"{kv_heads} key/value heads (per tensor-parallel rank) neither divide nor are "
+            f"divisible by context_parallel_size={cp}"
+        )
     return None
 
 
@@ -73,8 +77,18 @@ def _full_positions(position_ids, b: int, group, natural: torch.Tensor, n: int) 
     return g.index_select(1, natural).reshape(b, cp * s_loc)
 
 
-def ulysses_attention(q, k, v, group, load_balance: bool, kernel: BlockKernel, position_ids=None,
-                      cache=None, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
+def ulysses_attention(
+    q,
+    k,
+    v,
+    group,
+    load_balance: bool,
+    kernel: BlockKernel,
+    position_ids=None,
+    cache=None,
+    window: int | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
     """Context-parallel attention by head/sequence all-to-all; same contract as
     ``context_parallel_attention`` (q [B, H, S_local, D], k/v [B, Hk, S_local, D])."""
     cp = dist.get_world_size(group)
@@ -100,5 +114,5 @@ def ulysses_attention(q, k, v, group, load_balance: bool, kernel: BlockKernel, p
     docs = cache.get(position_ids, extra, build) if cache is not None else build()
     packed = torch.cat([t.reshape(b, cp, -1, s_loc, d) for t in (q, k, v)], dim=2)
     x = _to_heads(packed, group, natural, n)  # [B, hq + 2·hk, S, D]
-    out = local_attention(x[:, :hq], x[:, hq:hq + hk], x[:, hq + hk:], kernel, docs)
+    out = local_attention(x[:, :hq], x[:, hq : hq + hk], x[:, hq + hk :], kernel, docs)
     return _to_sequence(out, group, rank_major, cp, n)

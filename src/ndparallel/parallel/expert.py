@@ -74,21 +74,28 @@ def check_expert_parallel(model: nn.Module, ep_size: int) -> None:
     """Refuse what expert parallel cannot run, naming the fix (before anything is sharded)."""
     experts = experts_modules(model)
     if not experts:
-        raise ValueError(f"expert_parallel_size={ep_size}: {type(model).__name__} has no mixture-of-experts "
-                         "layers (no experts module with 3-D expert weights); set expert_parallel_size: 1")
+        raise ValueError(
+            f"expert_parallel_size={ep_size}: {type(model).__name__} has no mixture-of-experts "
+            "layers (no experts module with 3-D expert weights); set expert_parallel_size: 1"
+        )
     name, module = experts[0]
     if not grouped_gemm_ready(module):
-        raise ValueError(f"{type(model).__name__}'s experts ({type(module).__name__}) do not run through "
-                         "transformers' experts implementations (use_experts_implementation), with which "
-                         "ndparallel splits experts off (expert parallel; under TP experts are not sharded): "
-                         "train this model without tensor_parallel_size / expert_parallel_size")
+        raise ValueError(
+            f"{type(model).__name__}'s experts ({type(module).__name__}) do not run through "
+            "transformers' experts implementations (use_experts_implementation), with which "
+            "ndparallel splits experts off (expert parallel; under TP experts are not sharded): "
+            "train this model without tensor_parallel_size / expert_parallel_size"
+        )
     if module.num_experts % ep_size:
-        raise ValueError(f"{type(model).__name__} has {module.num_experts} experts per layer, not divisible by "
-                         f"expert_parallel_size={ep_size}: use a divisor of {module.num_experts}")
+        raise ValueError(
+            f"{type(model).__name__} has {module.num_experts} experts per layer, not divisible by "
+            f"expert_parallel_size={ep_size}: use a divisor of {module.num_experts}"
+        )
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None,
-                          sequence_parallel: bool = False) -> list[nn.Module]:
+def apply_expert_parallel(
+    model: nn.Module, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None, sequence_parallel: bool = False
+) -> list[nn.Module]:
     """Take over every experts module of ``model`` (see the module doc); returns them.
 
     ``ep_mesh``: the expert mesh's ``ep`` dim (None or size 1: no split); ``tp_mesh``: the ``tp``
@@ -104,7 +111,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None, tp_mesh:
             _shard_over_ep(module, ep_mesh)
         cls = type(module)
         if cls not in classes:
-            classes[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _expert_parallel_forward})
+            classes[cls] = type(
+                f"ExpertParallel{cls.__name__}", (cls,), {"forward": _expert_parallel_forward}
+            )
         module.__class__ = classes[cls]
         setattr(module, _ROUTE_ATTR, route)
         out.append(module)
@@ -123,8 +132,14 @@ def _shard_over_ep(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
         if param.is_meta:
             local = param.data.chunk(ep_mesh.size(), dim=0)[ep_mesh.get_local_rank()]
-            data = DTensor.from_local(torch.empty_like(local, device="meta"), ep_mesh, [Shard(0)], run_check=False,
-                                      shape=param.shape, stride=param.stride())
+            data = DTensor.from_local(
+                torch.empty_like(local, device="meta"),
+                ep_mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
         else:  # rank 0 of the ep group scatters its experts: ranks agree even if initialised apart
             data = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=0)
         module.register_parameter(name, nn.Parameter(data, requires_grad=param.requires_grad))
@@ -145,30 +160,40 @@ class _LocalExperts:
         return getattr(self._module, name)
 
 
-def _local_experts_forward(module: nn.Module, route: ExpertRoute, tokens: torch.Tensor,
-                           local_ids: torch.Tensor) -> torch.Tensor:
+def _local_experts_forward(
+    module: nn.Module, route: ExpertRoute, tokens: torch.Tensor, local_ids: torch.Tensor
+) -> torch.Tensor:
     """Each row through its (local) expert, unweighted: transformers' grouped-GEMM forward, top-1."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     ones = torch.ones(tokens.shape[0], 1, dtype=tokens.dtype, device=tokens.device)
-    return grouped_mm_experts_forward(_LocalExperts(module, route.local_experts), tokens,
-                                      local_ids.unsqueeze(-1), ones)
+    return grouped_mm_experts_forward(
+        _LocalExperts(module, route.local_experts), tokens, local_ids.unsqueeze(-1), ones
+    )
 
 
-def _expert_parallel_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                             top_k_weights: torch.Tensor) -> torch.Tensor:
+def _expert_parallel_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """The experts module's forward under expert parallel: same arguments and result as the
     model's own (``(T, H)`` tokens, ``(T, k)`` expert ids and routing weights → ``(T, H)``)."""
     route: ExpertRoute = getattr(self, _ROUTE_ATTR)
-    hidden, index, weights = (t.to_local() if isinstance(t, DTensor) else t
-                              for t in (hidden_states, top_k_index, top_k_weights))
+    hidden, index, weights = (
+        t.to_local() if isinstance(t, DTensor) else t for t in (hidden_states, top_k_index, top_k_weights)
+    )
     rows = hidden.shape[0]
     if route.tp_mesh is not None:  # tp peers hold the same rows: each takes its share
         hidden, index, weights = (_to_row_share(t, route.tp_mesh) for t in (hidden, index, weights))
     out = _dispatch_compute_combine(self, route, hidden, index, weights)
     if route.tp_mesh is not None:
-        out = DTensor.from_local(out.contiguous(), route.tp_mesh, [Shard(0)], run_check=False,
-                                 shape=(rows, out.shape[-1]), stride=(out.shape[-1], 1)).full_tensor()
+        out = DTensor.from_local(
+            out.contiguous(),
+            route.tp_mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=(rows, out.shape[-1]),
+            stride=(out.shape[-1], 1),
+        ).full_tensor()
         if out._base is not None:  # a view (uneven slices): the caller may add to it in place
             out = out.clone()
     return out.to(hidden_states.dtype if not isinstance(hidden_states, DTensor) else hidden.dtype)
@@ -177,12 +202,16 @@ def _expert_parallel_forward(self, hidden_states: torch.Tensor, top_k_index: tor
 def _to_row_share(t: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
     """This tp rank's rows of a tensor every tp rank holds whole (``Replicate`` → ``Shard(0)``:
     a local slice; its backward all-gathers the row gradients, uneven or empty slices too)."""
-    return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).redistribute(
-        tp_mesh, [Shard(0)]).to_local()
+    return (
+        DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False)
+        .redistribute(tp_mesh, [Shard(0)])
+        .to_local()
+    )
 
 
-def _dispatch_compute_combine(module: nn.Module, route: ExpertRoute, hidden: torch.Tensor,
-                              index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def _dispatch_compute_combine(
+    module: nn.Module, route: ExpertRoute, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     """Sort the (token, slot) pairs by expert, send each group to its expert's rank, run the local
     experts, send the outputs back, weight them and sum each token's slots."""
     rows, k = index.shape
@@ -194,8 +223,11 @@ def _dispatch_compute_combine(module: nn.Module, route: ExpertRoute, hidden: tor
     if route.ep_mesh is None:
         out = _local_experts_forward(module, route, sent, experts[order])
     else:
-        counts = torch.zeros(route.num_experts, dtype=torch.long, device=experts.device).scatter_add_(
-            0, experts, torch.ones_like(experts)).view(route.ep_size, route.local_experts)  # no host sync
+        counts = (
+            torch.zeros(route.num_experts, dtype=torch.long, device=experts.device)
+            .scatter_add_(0, experts, torch.ones_like(experts))
+            .view(route.ep_size, route.local_experts)
+        )  # no host sync
         out = _exchange(module, route, sent, counts)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -203,7 +235,9 @@ def _dispatch_compute_combine(module: nn.Module, route: ExpertRoute, hidden: tor
     return (per_slot * weights.unsqueeze(-1).to(per_slot.dtype)).sum(dim=1)
 
 
-def _exchange(module: nn.Module, route: ExpertRoute, sent: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _exchange(
+    module: nn.Module, route: ExpertRoute, sent: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
     """Dispatch ``sent`` (rows sorted by global expert; ``counts[r, e]`` rows for expert e of rank r)
     over ``ep``, run the local experts on what arrives, and return their outputs in ``sent``'s order."""
     group = route.ep_mesh.get_group()

@@ -34,16 +34,22 @@ def float8_problem(options: Float8Options, device_type: str) -> str | None:
     if options.emulate:
         return None
     if device_type != "cuda" or not torch.cuda.is_available():
-        return ("fp8 needs a CUDA GPU with compute capability >= 8.9 (H100/H200, L40S, RTX 4090); "
-                "this run has none: set fp8: false")
+        return (
+            "fp8 needs a CUDA GPU with compute capability >= 8.9 (H100/H200, L40S, RTX 4090); "
+            "this run has none: set fp8: false"
+        )
     cap = torch.cuda.get_device_capability()
     if cap < MIN_CAPABILITY:
-        return (f"fp8 needs compute capability >= 8.9; {torch.cuda.get_device_name()} has "
-                f"{cap[0]}.{cap[1]}: set fp8: false")
+        return (
+            f"fp8 needs compute capability >= 8.9; {torch.cuda.get_device_name()} has "
+            f"{cap[0]}.{cap[1]}: set fp8: false"
+        )
     return None
 
 
-def apply_float8(model: nn.Module, options: Float8Options, layer_classes=None, fsdp: bool = True) -> nn.Module:
+def apply_float8(
+    model: nn.Module, options: Float8Options, layer_classes=None, fsdp: bool = True
+) -> nn.Module:
     """Swap the decoder layers' linears for torchao ``Float8Linear`` in place; return the model."""
     problem = float8_problem(options, "cuda" if torch.cuda.is_available() else "cpu")
     if problem:
@@ -52,16 +58,24 @@ def apply_float8(model: nn.Module, options: Float8Options, layer_classes=None, f
 
     config = Float8LinearConfig.from_recipe_name(options.recipe)
     config = dataclasses.replace(
-        config, emulate=options.emulate,
-        enable_fsdp_float8_all_gather=fsdp and options.recipe == "tensorwise" and options.fsdp_float8_all_gather,
+        config,
+        emulate=options.emulate,
+        enable_fsdp_float8_all_gather=fsdp
+        and options.recipe == "tensorwise"
+        and options.fsdp_float8_all_gather,
     )
     inside = {id(m) for layer in decoder_layers(model, layer_classes) for m in layer.modules()}
 
     def convert(module: nn.Module, name: str) -> bool:
         # LoRA's A / B stay in the training dtype: r × d matmuls gain nothing from fp8 and would
         # lose precision; the frozen base linear they wrap (``base_layer``) is converted.
-        return (id(module) in inside and isinstance(module, nn.Linear) and ".lora_" not in f".{name}"
-                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+        return (
+            id(module) in inside
+            and isinstance(module, nn.Linear)
+            and ".lora_" not in f".{name}"
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+        )
 
     return convert_to_float8_training(model, module_filter_fn=convert, config=config)
 

@@ -67,9 +67,12 @@ def apply_fsdp(
         for module in modules:
             if master_dtype is not None:
                 upcast_params(module, master_dtype)
-            fully_shard(module, reshard_after_forward=options.reshard_after_forward,
-                        shard_placement_fn=_expert_placement(module, expert_mesh),
-                        **{**kwargs, "mesh": expert_mesh})
+            fully_shard(
+                module,
+                reshard_after_forward=options.reshard_after_forward,
+                shard_placement_fn=_expert_placement(module, expert_mesh),
+                **{**kwargs, "mesh": expert_mesh},
+            )
     for layer in decoder_layers(model, options.layer_classes):
         shard(layer, options.reshard_after_forward)
     embeddings = embedding_modules(model)
@@ -127,7 +130,6 @@ def fsdp_root(model: nn.Module) -> FSDPModule | None:
     """The outermost FSDP module of ``model`` (``model`` itself, or the Hugging Face model inside a
     wrapper such as a ``PeftModel``); None when nothing is sharded."""
     return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
-
 
 
 @contextlib.contextmanager

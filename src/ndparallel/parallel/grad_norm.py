@@ -9,7 +9,7 @@ result is reduced to a plain tensor (``full_tensor``), and the groups are combin
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -29,8 +29,12 @@ def grouped_grads(parameters: Iterable[torch.Tensor]) -> dict[tuple, list[torch.
     return groups
 
 
-def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
-                    across=None, device: torch.device | None = None) -> torch.Tensor:
+def total_grad_norm(
+    parameters: Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    across=None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """The true global gradient norm: a plain fp32 scalar on the gradients' device, the same on
     every rank. Never read on the host (no sync). ``across``: a process group whose ranks hold
     *different* parameters (pipeline stages): their norms are combined over it."""
@@ -55,7 +59,10 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, across=None,
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    across=None,
     device: torch.device | None = None,
 ) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; return the norm before.

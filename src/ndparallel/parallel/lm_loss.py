@@ -24,7 +24,7 @@ Accelerator, so this module calls into no other strategy.
 from __future__ import annotations
 
 import contextlib
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
@@ -43,8 +43,10 @@ def use_chunked_loss(model: nn.Module, options: LossOptions) -> bool:
         return False
     problem = plain_head_problem(model)
     if problem and options.chunked:
-        raise ValueError(f"chunked_loss: true, but the chunked loss would not be exact for this model: "
-                         f"{problem}; set chunked_loss: false (LossOptions(chunked=False))")
+        raise ValueError(
+            f"chunked_loss: true, but the chunked loss would not be exact for this model: "
+            f"{problem}; set chunked_loss: false (LossOptions(chunked=False))"
+        )
     return problem is None
 
 
@@ -77,6 +79,10 @@ def forward_loss(
     head = model.get_output_embeddings()
     with gathered(head), gathered(model):
         return chunked_linear_cross_entropy(
-            captured["hidden"], head.weight, batch["shift_labels"], num_items_in_batch,
-            chunk_tokens=chunk_tokens, sequence_parallel=sequence_parallel,
+            captured["hidden"],
+            head.weight,
+            batch["shift_labels"],
+            num_items_in_batch,
+            chunk_tokens=chunk_tokens,
+            sequence_parallel=sequence_parallel,
         )

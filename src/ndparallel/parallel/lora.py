@@ -51,7 +51,8 @@ class LoraParallel(ParallelStyle):
         if not isinstance(base, (ColwiseParallel, RowwiseParallel)):
             raise TPPlanError(
                 f"LoRA on {name!r} with tensor parallel needs a column- or row-wise linear there, "
-                f"its tp style is {type(base).__name__}: leave it out of lora_target_modules")
+                f"its tp style is {type(base).__name__}: leave it out of lora_target_modules"
+            )
         self.colwise = isinstance(base, ColwiseParallel)
         self.input_layout = base.input_layouts[0]
         self.output_layout = base.output_layouts[0]
@@ -62,7 +63,8 @@ class LoraParallel(ParallelStyle):
         if not isinstance(module.base_layer, nn.Linear) or module.lora_embedding_A:
             raise TPPlanError(
                 f"LoRA on {self.name!r} ({type(module.base_layer).__name__}) with tensor parallel is "
-                "not supported (linear layers only): leave it out of lora_target_modules")
+                "not supported (linear layers only): leave it out of lora_target_modules"
+            )
         keep = dict(use_local_output=False)
         if self.colwise:
             base, a_style, b_style = ColwiseParallel(**keep), None, ColwiseParallel(**keep)

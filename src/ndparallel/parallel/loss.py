@@ -8,7 +8,7 @@ gradient equals the one a single device computes on the whole global batch, what
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist

@@ -11,8 +11,11 @@ import torch.nn as nn
 
 def low_precision_params(model: nn.Module, master_dtype: torch.dtype) -> list[str]:
     """Names of trainable floating-point parameters whose dtype is not ``master_dtype``."""
-    return [n for n, p in model.named_parameters()
-            if p.requires_grad and p.is_floating_point() and p.dtype != master_dtype]
+    return [
+        n
+        for n, p in model.named_parameters()
+        if p.requires_grad and p.is_floating_point() and p.dtype != master_dtype
+    ]
 
 
 def upcast_params(module: nn.Module, dtype: torch.dtype) -> None:

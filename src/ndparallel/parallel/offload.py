@@ -131,8 +131,14 @@ class ActivationOffloader:
     """Saved-tensor hooks that keep large device tensors in host memory; ``wrap`` puts them around a
     checkpoint function so that only the checkpoint's inputs are offloaded."""
 
-    def __init__(self, transfers=None, min_bytes: int = 1024, max_in_flight: int = 2,
-                 prefetch: bool = True, max_host_bytes: int | None = None):
+    def __init__(
+        self,
+        transfers=None,
+        min_bytes: int = 1024,
+        max_in_flight: int = 2,
+        prefetch: bool = True,
+        max_host_bytes: int | None = None,
+    ):
         self.transfers = transfers or HostTransfers()
         self.min_bytes, self.max_in_flight, self.prefetch = min_bytes, max(1, max_in_flight), prefetch
         self.max_host_bytes = max_host_bytes
@@ -146,13 +152,16 @@ class ActivationOffloader:
     def hooks(self) -> saved_tensors_hooks:
         return saved_tensors_hooks(self._pack, self._unpack)
 
-    def wrap(self, checkpoint_fn) -> "OffloadedCheckpoint":
+    def wrap(self, checkpoint_fn) -> OffloadedCheckpoint:
         return OffloadedCheckpoint(self, checkpoint_fn)
 
     def _eligible(self, x: torch.Tensor) -> bool:
-        return (type(x) is torch.Tensor and x.is_floating_point()
-                and x.numel() * x.element_size() >= self.min_bytes
-                and x.device.type == self.transfers.device_type)
+        return (
+            type(x) is torch.Tensor
+            and x.is_floating_point()
+            and x.numel() * x.element_size() >= self.min_bytes
+            and x.device.type == self.transfers.device_type
+        )
 
     def _pack(self, x: torch.Tensor):
         if not self._eligible(x):
@@ -200,8 +209,11 @@ class ActivationOffloader:
     def _warn_budget(self) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(f"activation_offloading: the host-memory budget of {self.max_host_bytes / 2**30:.1f} "
-                          "GiB is reached; further layer inputs stay on the device", stacklevel=3)
+            warnings.warn(
+                f"activation_offloading: the host-memory budget of {self.max_host_bytes / 2**30:.1f} "
+                "GiB is reached; further layer inputs stay on the device",
+                stacklevel=3,
+            )
 
 
 def _release(stats: OffloadStats, nbytes: int) -> None:
@@ -234,9 +246,11 @@ def apply_activation_offloading(model, device, layer_classes=None, **kwargs) -> 
     for layer in outer_decoder_layers(model, layer_classes):
         fn = getattr(layer, "_gradient_checkpointing_func", None)
         if not getattr(layer, "gradient_checkpointing", False) or fn is None:
-            raise ValueError(f"activation_offloading needs activation checkpointing of {type(layer).__name__} "
-                             "(transformers' GradientCheckpointingLayer): set fsdp_config.activation_checkpointing: "
-                             "true (FSDPOptions(activation_checkpointing=True))")
+            raise ValueError(
+                f"activation_offloading needs activation checkpointing of {type(layer).__name__} "
+                "(transformers' GradientCheckpointingLayer): set fsdp_config.activation_checkpointing: "
+                "true (FSDPOptions(activation_checkpointing=True))"
+            )
         if not isinstance(fn, OffloadedCheckpoint):
             layer._gradient_checkpointing_func = offloader.wrap(fn)
     return offloader

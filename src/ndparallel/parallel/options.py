@@ -62,7 +62,6 @@ class CPOptions:
     """Causal load balancing: rank i holds chunks i and 2·cp−1−i of 2·cp chunks."""
 
 
-
 @dataclass(frozen=True)
 class LossOptions:
     chunked: bool | None = None
@@ -164,12 +163,19 @@ class StrategyOptions:
     loss scaling: ``engine.LossScaler``)."""
 
     @classmethod
-    def from_kwargs(cls, mixed_precision: str = "no", **kwargs) -> "StrategyOptions":
+    def from_kwargs(cls, mixed_precision: str = "no", **kwargs) -> StrategyOptions:
         """From the Accelerator's keyword names (``fsdp_options=``, ``tp_options=``, ...,
         ``mixed_precision="bf16"``), as test setups and scripts write them."""
-        names = {"fsdp_options": "fsdp", "tp_options": "tp", "cp_options": "cp", "loss_options": "loss",
-                 "compile_options": "compile", "float8_options": "float8",
-                 "qat_options": "qat", "pipeline_options": "pipeline"}
+        names = {
+            "fsdp_options": "fsdp",
+            "tp_options": "tp",
+            "cp_options": "cp",
+            "loss_options": "loss",
+            "compile_options": "compile",
+            "float8_options": "float8",
+            "qat_options": "qat",
+            "pipeline_options": "pipeline",
+        }
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
             raise TypeError(f"unknown strategy option(s) {unknown}: use {sorted(names)}")

@@ -65,7 +65,9 @@ def parallelize_model(
             f"the model's trainable parameters are "
             f"{next(p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point())}: "
             f"upcasting them to {upcast} master weights (compute uses mixed_precision's dtype); "
-            "load the model in float32 to skip this step", stacklevel=3)
+            "load the model in float32 to skip this step",
+            stacklevel=3,
+        )
     fsdp = options.fsdp
     _check_layout(model, dims, options.tp)
     if options.float8.enabled:
@@ -98,15 +100,25 @@ def parallelize_model(
         from ndparallel.parallel.compile import apply_compile
 
         # the tiled MLP's nested backward and the offloading hooks stay eager: compile each child
-        apply_compile(model, options.compile, fsdp.layer_classes,
-                      per_child=dims.tp_enabled or fsdp.tiled_mlp or fsdp.activation_offloading,
-                      skip_attention=dims.cp_enabled and fsdp.activation_checkpointing)
+        apply_compile(
+            model,
+            options.compile,
+            fsdp.layer_classes,
+            per_child=dims.tp_enabled or fsdp.tiled_mlp or fsdp.activation_offloading,
+            skip_attention=dims.cp_enabled and fsdp.activation_checkpointing,
+        )
     if uses_fsdp(dims, options, bool(experts)):
         from ndparallel.parallel.fsdp import apply_fsdp
 
         expert_fsdp = (expert_mesh[dims.expert_fsdp_dims()], experts) if experts else None
-        apply_fsdp(model, submesh(mesh, *dims.fsdp_dims), fsdp, param_dtype=options.param_dtype,
-                   master_dtype=upcast, experts=expert_fsdp)
+        apply_fsdp(
+            model,
+            submesh(mesh, *dims.fsdp_dims),
+            fsdp,
+            param_dtype=options.param_dtype,
+            master_dtype=upcast,
+            experts=expert_fsdp,
+        )
         if fsdp.tiled_mlp:
             from ndparallel.parallel.tiled_mlp import check_not_fsdp_unit
 
@@ -123,9 +135,15 @@ def _check_layout(model: nn.Module, dims: ParallelDims, tp) -> None:
     from ndparallel.parallel.tensor import is_tensor_parallel
 
     made_tp = dims.tp > 1 and is_tensor_parallel(model)  # by transformers: its own plan applied
-    problem = layout_problem(model, tp_size=1 if made_tp else dims.tp, cp_size=dims.cp,
-                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan, probe_attention=False,
-                             ep_size=dims.ep)
+    problem = layout_problem(
+        model,
+        tp_size=1 if made_tp else dims.tp,
+        cp_size=dims.cp,
+        sequence_parallel=tp.sequence_parallel,
+        tp_plan=tp.plan,
+        probe_attention=False,
+        ep_size=dims.ep,
+    )
     if problem:
         raise ValueError(problem)
 
@@ -134,8 +152,10 @@ def apply_activation_memory(model: nn.Module, fsdp: FSDPOptions, device: torch.d
     """The per-decoder-layer memory options, after TP and CP (their hooks stay on the blocks):
     sequence-tiled MLP, activation checkpointing, then offloading of the checkpointed inputs."""
     if fsdp.activation_offloading and not fsdp.activation_checkpointing:
-        raise ValueError("activation_offloading offloads the inputs activation checkpointing keeps: set "
-                         "fsdp_config.activation_checkpointing: true (FSDPOptions(activation_checkpointing=True))")
+        raise ValueError(
+            "activation_offloading offloads the inputs activation checkpointing keeps: set "
+            "fsdp_config.activation_checkpointing: true (FSDPOptions(activation_checkpointing=True))"
+        )
     if fsdp.tiled_mlp:
         from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
 
@@ -162,4 +182,6 @@ def move_leftovers(model: nn.Module, device: torch.device, keep_params_on_cpu: b
                 continue
             for p in module.parameters(recurse=False):
                 if not p.is_meta and p.device != device:
-                    torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad))
+                    torch.utils.swap_tensors(
+                        p, nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+                    )

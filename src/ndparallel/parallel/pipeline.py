@@ -20,7 +20,7 @@ schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble); what it does not do is w
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,18 +49,25 @@ class StageModule(nn.Module):
     def is_last(self) -> bool:
         return self.index == self.n_stages - 1
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor
+    ) -> torch.Tensor:
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
         if self.is_last:
-            return self._loss(self.lm, {**inputs, "position_ids": position_ids, "shift_labels": shift_labels},
-                              self.num_items)
+            return self._loss(
+                self.lm,
+                {**inputs, "position_ids": position_ids, "shift_labels": shift_labels},
+                self.num_items,
+            )
         # The decoder's output (its norm is an identity here) is taken by a hook, not as the
         # "logits" the identity LM head returns: those are a view, which the zero-bubble schedules'
         # split backward cannot detach in place.
         captured = {}
 
         def keep(_module, _args, output):
-            captured["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+            captured["hidden"] = (
+                output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+            )
 
         handle = self.lm.get_decoder().register_forward_hook(keep)
         try:
@@ -106,8 +113,12 @@ def _shard_root(module: StageModule, engine) -> None:
     if inner is None or inner is not base_model_of(module.lm):  # not sharded (or only its experts)
         return
     options = engine.options
-    mp = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.fsdp.reduce_dtype or torch.float32)
-    fully_shard(module, mesh=engine.submesh(*engine.dims.fsdp_dims), mp_policy=mp, reshard_after_forward=False)
+    mp = MixedPrecisionPolicy(
+        param_dtype=options.param_dtype, reduce_dtype=options.fsdp.reduce_dtype or torch.float32
+    )
+    fully_shard(
+        module, mesh=engine.submesh(*engine.dims.fsdp_dims), mp_policy=mp, reshard_after_forward=False
+    )
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -130,8 +141,10 @@ class Pipeline:
         for module in self.modules.values():
             _shard_root(module, engine)
         group = engine.group("pp")
-        self.stages = [PipelineStage(self.modules[s], s, plan.n_stages, engine.device, group=group)
-                       for s in sorted(self.modules)]
+        self.stages = [
+            PipelineStage(self.modules[s], s, plan.n_stages, engine.device, group=group)
+            for s in sorted(self.modules)
+        ]
         self._schedules: dict[int, object] = {}
         self._loss_scale: float | None = None
         self._tied = self._tie_pair(tied)
@@ -198,8 +211,9 @@ class Pipeline:
 
             cls = getattr(schedules, f"Schedule{self.plan.schedule}")
             stages = self.stages if self.plan.virtual > 1 else self.stages[0]
-            self._schedules[n_microbatches] = cls(stages, n_microbatches=n_microbatches, loss_fn=self._loss_fn,
-                                                  scale_grads=False)
+            self._schedules[n_microbatches] = cls(
+                stages, n_microbatches=n_microbatches, loss_fn=self._loss_fn, scale_grads=False
+            )
         return self._schedules[n_microbatches]
 
     def _loss_fn(self, loss: torch.Tensor, _target) -> torch.Tensor:
@@ -211,12 +225,18 @@ class Pipeline:
         n = self.engine.options.pipeline.microbatches or len(micro_batches)
         rows = sum(mb["input_ids"].shape[0] for mb in micro_batches)
         if rows % n:
-            raise ValueError(f"pipeline_microbatches={n} must divide the rows of a step on one dp rank "
-                             f"({rows} = micro_batch_size × gradient_accumulation_steps)")
+            raise ValueError(
+                f"pipeline_microbatches={n} must divide the rows of a step on one dp rank "
+                f"({rows} = micro_batch_size × gradient_accumulation_steps)"
+            )
         return n
 
-    def forward_backward(self, micro_batches: Sequence[Mapping[str, torch.Tensor]], num_items: torch.Tensor,
-                         loss_scale: float | None = None) -> torch.Tensor:
+    def forward_backward(
+        self,
+        micro_batches: Sequence[Mapping[str, torch.Tensor]],
+        num_items: torch.Tensor,
+        loss_scale: float | None = None,
+    ) -> torch.Tensor:
         """Run the step's micro-batches through the schedule (forward and backward) and return this
         rank's share of the step loss (the last stage's sum over its micro-batches, else 0)."""
         self._loss_scale = loss_scale
@@ -229,14 +249,15 @@ class Pipeline:
         the schedule accepts), at least the number of stages."""
         return self.engine.options.pipeline.microbatches or self.plan.pp
 
-    def evaluate(self, micro_batches: Sequence[Mapping[str, torch.Tensor]], num_items: torch.Tensor,
-                 group: int) -> torch.Tensor:
+    def evaluate(
+        self, micro_batches: Sequence[Mapping[str, torch.Tensor]], num_items: torch.Tensor, group: int
+    ) -> torch.Tensor:
         """Forward only, ``group`` micro-batches at a time (the last group filled with micro-batches
         whose labels are all ignored): this rank's share of the token-loss sum / ``num_items``."""
         self._loss_scale = None
         total = torch.zeros((), device=self.engine.device)
         for start in range(0, len(micro_batches), group):
-            chunk = list(micro_batches[start:start + group])
+            chunk = list(micro_batches[start : start + group])
             chunk += [_ignored(chunk[-1])] * (group - len(chunk))
             with torch.no_grad():
                 total += self._run(chunk, num_items, group, train=False)
@@ -253,8 +274,14 @@ class Pipeline:
             args = (batch["input_ids"],) if self.holds_first else ()
             target = batch["shift_labels"] if self.holds_last else None
             run = schedule.step if train else schedule.eval
-            run(*args, position_ids=batch["position_ids"], shift_labels=batch["shift_labels"], target=target,
-                losses=losses, return_outputs=False)
+            run(
+                *args,
+                position_ids=batch["position_ids"],
+                shift_labels=batch["shift_labels"],
+                target=target,
+                losses=losses,
+                return_outputs=False,
+            )
         total = torch.zeros((), device=self.engine.device)
         for loss in losses:
             total += loss.detach().float()

@@ -56,43 +56,54 @@ def virtual_stages(options: PipelineOptions) -> int:
     return 2 if schedule in MULTI_STAGE_SCHEDULES else 1
 
 
-def pipeline_problem(options: PipelineOptions, pp: int, num_layers: int | None,
-                     microbatches: int | None) -> str | None:
+def pipeline_problem(
+    options: PipelineOptions, pp: int, num_layers: int | None, microbatches: int | None
+) -> str | None:
     """Why this pipeline cannot run (one line naming the field and the fix), or None.
     ``num_layers``: the model's decoder layers (None: unknown yet); ``microbatches``: the
     pipeline micro-batches of one step (None: unknown yet)."""
     schedule = schedule_name(options.schedule)
     if schedule is None:
-        return (f"pipeline_schedule={options.schedule!r} is not a schedule: use one of {list(SCHEDULES)}")
+        return f"pipeline_schedule={options.schedule!r} is not a schedule: use one of {list(SCHEDULES)}"
     if pp <= 1:
         return None
     v = virtual_stages(options)
     if v < 1:
         return f"pipeline_virtual_stages={v}: give 1 or more stages per rank"
     if schedule in SINGLE_STAGE_SCHEDULES and v != 1:
-        return (f"pipeline_schedule={schedule!r} runs one stage per rank, but pipeline_virtual_stages={v}: "
-                f"use {MULTI_STAGE_SCHEDULES[0]!r} for several stages per rank, or pipeline_virtual_stages: 1")
+        return (
+            f"pipeline_schedule={schedule!r} runs one stage per rank, but pipeline_virtual_stages={v}: "
+            f"use {MULTI_STAGE_SCHEDULES[0]!r} for several stages per rank, or pipeline_virtual_stages: 1"
+        )
     if schedule in MULTI_STAGE_SCHEDULES and v < 2:
-        return (f"pipeline_schedule={schedule!r} needs 2 or more stages per rank (pipeline_virtual_stages), got {v}; "
-                "use '1F1B' for one stage per rank")
+        return (
+            f"pipeline_schedule={schedule!r} needs 2 or more stages per rank (pipeline_virtual_stages), got {v}; "
+            "use '1F1B' for one stage per rank"
+        )
     if schedule == "ZBVZeroBubble" and v != 2:
         return f"pipeline_schedule='ZBVZeroBubble' runs exactly 2 stages per rank, got pipeline_virtual_stages={v}"
     stages = pp * v
     if num_layers is not None:
         if stages > num_layers:
-            return (f"pipeline_parallel_size={pp} × {v} stage(s) per rank = {stages} stages, but the model has "
-                    f"{num_layers} decoder layers: every stage needs one; use at most {num_layers} stages")
+            return (
+                f"pipeline_parallel_size={pp} × {v} stage(s) per rank = {stages} stages, but the model has "
+                f"{num_layers} decoder layers: every stage needs one; use at most {num_layers} stages"
+            )
         try:
             stage_layers(options, stages, num_layers)
         except ValueError as e:
             return str(e)
     if microbatches is not None:
         if microbatches < pp:
-            return (f"{microbatches} pipeline micro-batch(es) per step for {pp} pipeline stages: every stage "
-                    f"would idle; set pipeline_microbatches (or gradient_accumulation_steps) to at least {pp}")
+            return (
+                f"{microbatches} pipeline micro-batch(es) per step for {pp} pipeline stages: every stage "
+                f"would idle; set pipeline_microbatches (or gradient_accumulation_steps) to at least {pp}"
+            )
         if schedule in MULTI_STAGE_SCHEDULES[:2] and microbatches % pp:
-            return (f"pipeline_schedule={schedule!r} needs the micro-batches per step ({microbatches}) to be a "
-                    f"multiple of pipeline_parallel_size={pp}: use {microbatches + pp - microbatches % pp}")
+            return (
+                f"pipeline_schedule={schedule!r} needs the micro-batches per step ({microbatches}) to be a "
+                f"multiple of pipeline_parallel_size={pp}: use {microbatches + pp - microbatches % pp}"
+            )
     return None
 
 
@@ -103,15 +114,23 @@ def stage_layers(options: PipelineOptions, n_stages: int, num_layers: int) -> tu
         raise ValueError("pipeline_split_points and pipeline_layers_per_stage exclude each other: give one")
     if options.split_points is not None:
         points = list(options.split_points)
-        if len(points) != n_stages - 1 or points != sorted(set(points)) or not all(0 < p < num_layers for p in points):
-            raise ValueError(f"pipeline_split_points={points}: give {n_stages - 1} increasing layer indices in "
-                             f"1..{num_layers - 1} (the first layer of every stage but the first)")
+        if (
+            len(points) != n_stages - 1
+            or points != sorted(set(points))
+            or not all(0 < p < num_layers for p in points)
+        ):
+            raise ValueError(
+                f"pipeline_split_points={points}: give {n_stages - 1} increasing layer indices in "
+                f"1..{num_layers - 1} (the first layer of every stage but the first)"
+            )
         bounds = [0, *points, num_layers]
     elif options.layers_per_stage is not None:
         if options.layers_per_stage * n_stages != num_layers:
-            raise ValueError(f"pipeline_layers_per_stage={options.layers_per_stage} × {n_stages} stages = "
-                             f"{options.layers_per_stage * n_stages}, but the model has {num_layers} decoder "
-                             "layers: make them equal, or leave it unset for an even split")
+            raise ValueError(
+                f"pipeline_layers_per_stage={options.layers_per_stage} × {n_stages} stages = "
+                f"{options.layers_per_stage * n_stages}, but the model has {num_layers} decoder "
+                "layers: make them equal, or leave it unset for an even split"
+            )
         bounds = [s * options.layers_per_stage for s in range(n_stages + 1)]
     else:
         base, extra = divmod(num_layers, n_stages)

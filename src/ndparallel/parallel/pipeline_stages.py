@@ -14,7 +14,7 @@ tree under the unsplit model's names, for checkpoints, exports and the optimizer
 from __future__ import annotations
 
 import copy
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch.nn as nn
 
@@ -53,8 +53,10 @@ def pipeline_family_problem(config) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type in PIPELINE_FAMILIES:
         return None
-    return (f"pipeline parallel runs the families {list(PIPELINE_FAMILIES)}, whose stages are exact cuts of "
-            f"the decoder; this model is {model_type!r}: set pipeline_parallel_size: 1 (and use dp_shard / tp)")
+    return (
+        f"pipeline parallel runs the families {list(PIPELINE_FAMILIES)}, whose stages are exact cuts of "
+        f"the decoder; this model is {model_type!r}: set pipeline_parallel_size: 1 (and use dp_shard / tp)"
+    )
 
 
 def adapter_pipeline_problem(model: nn.Module) -> str | None:
@@ -67,9 +69,11 @@ def adapter_pipeline_problem(model: nn.Module) -> str | None:
     emb, head = base.get_input_embeddings(), base.get_output_embeddings()
     trained = {id(p) for p in emb.parameters() if p.requires_grad} if emb is not None else set()
     if head is not None and any(id(p) in trained for p in head.parameters()):
-        return ("pipeline parallel with lora_modules_to_save on tied embeddings (one trained weight is the first "
-                "stage's embedding and the last stage's LM head) is not supported: drop embed_tokens / lm_head "
-                "from lora_modules_to_save, or set pipeline_parallel_size: 1")
+        return (
+            "pipeline parallel with lora_modules_to_save on tied embeddings (one trained weight is the first "
+            "stage's embedding and the last stage's LM head) is not supported: drop embed_tokens / lm_head "
+            "from lora_modules_to_save, or set pipeline_parallel_size: 1"
+        )
     return None
 
 
@@ -91,7 +95,9 @@ def cut_stage(model: nn.Module, layers: Iterable[int], first: bool, last: bool) 
     return wrapper
 
 
-def cut_stages(model: nn.Module, stage_layers: dict[int, tuple[int, ...]], n_stages: int) -> dict[int, nn.Module]:
+def cut_stages(
+    model: nn.Module, stage_layers: dict[int, tuple[int, ...]], n_stages: int
+) -> dict[int, nn.Module]:
     """One cut copy of ``model`` per stage in ``stage_layers`` (stage -> its layer indices); the
     last of them is ``model`` itself (no copy). On the meta device the copies cost nothing."""
     stages = sorted(stage_layers)
@@ -177,5 +183,7 @@ class StageView(nn.Module):
         return self.base_model.model if "base_model" in self._modules else self
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError("a pipeline-parallel model holds only this rank's stages: train it with the engine's "
-                           "train_step (ndparallel train) or Accelerator.pipeline_step, not model(...)")
+        raise RuntimeError(
+            "a pipeline-parallel model holds only this rank's stages: train it with the engine's "
+            "train_step (ndparallel train) or Accelerator.pipeline_step, not model(...)"
+        )

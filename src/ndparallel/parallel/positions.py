@@ -36,14 +36,16 @@ def _check_sequence_parallel(kwargs: dict, seq: int, sp_size: int) -> dict:
     if seq % sp_size:
         raise ValueError(
             f"sequence parallel: sequence length {seq} is not divisible by tp_size={sp_size}; "
-            f"pad the batch to a multiple of {sp_size} (or disable sequence_parallel)")
+            f"pad the batch to a multiple of {sp_size} (or disable sequence_parallel)"
+        )
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         if not bool(mask.all()):
             raise ValueError(
                 "sequence parallel does not support padding attention masks (HF builds the mask "
                 "from the local sequence length): pack sequences with position_ids instead, or "
-                "disable sequence_parallel")
+                "disable sequence_parallel"
+            )
         kwargs = {**kwargs, "attention_mask": None}  # all ones: plain causal attention
     return kwargs
 
@@ -52,7 +54,8 @@ def _check_context_parallel(args, kwargs: dict, seq: int, local_len: int) -> Non
     if seq != local_len:
         raise ValueError(
             f"context parallelism: the model got a sequence of length {seq}, but this cp rank's "
-            f"shard has {local_len} tokens: pass the inputs in maybe_context_parallel(buffers=...)")
+            f"shard has {local_len} tokens: pass the inputs in maybe_context_parallel(buffers=...)"
+        )
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
         raise ValueError(_LABELS_MSG)
     pos = args[2] if len(args) > 2 else kwargs.get("position_ids")
@@ -60,7 +63,8 @@ def _check_context_parallel(args, kwargs: dict, seq: int, local_len: int) -> Non
         raise ValueError(
             f"context parallelism: position_ids have length {pos.shape[-1]} but the sharded inputs "
             f"{local_len}: add position_ids to maybe_context_parallel(buffers=...) (or leave them "
-            "out: they are then filled with the global positions)")
+            "out: they are then filled with the global positions)"
+        )
 
 
 def position_hook(*, sp_size: int = 1, cp_positions: torch.Tensor | None = None):
@@ -81,7 +85,11 @@ def position_hook(*, sp_size: int = 1, cp_positions: torch.Tensor | None = None)
         if sp_size > 1:
             kwargs = _check_sequence_parallel(kwargs, seq, sp_size)
         if kwargs.get("position_ids") is None and not len(args) > 2:
-            pos = cp_positions.to(ids.device) if cp_positions is not None else torch.arange(seq, device=ids.device)
+            pos = (
+                cp_positions.to(ids.device)
+                if cp_positions is not None
+                else torch.arange(seq, device=ids.device)
+            )
             kwargs = {**kwargs, "position_ids": pos.unsqueeze(0).expand(ids.shape[0], -1)}
         return args, kwargs
 
@@ -98,7 +106,7 @@ class PositionRecorder:
     def _record(self, _module, _args, kwargs):
         self.value = kwargs.get("position_ids")  # transformers calls its decoder with keywords
 
-    def attach(self, model: nn.Module) -> "PositionRecorder":
+    def attach(self, model: nn.Module) -> PositionRecorder:
         from ndparallel.models.layers import decoder_module
 
         decoder = decoder_module(model)

@@ -32,8 +32,14 @@ import torch.nn as nn
 
 from ndparallel.parallel.options import QATOptions
 
-_COMBINATIONS = {("int4", None), ("int4", "int8"), ("int4", "float8"), ("float8", "float8"),
-                 ("mxfp4", "mxfp4"), ("nvfp4", "nvfp4")}
+_COMBINATIONS = {
+    ("int4", None),
+    ("int4", "int8"),
+    ("int4", "float8"),
+    ("float8", "float8"),
+    ("mxfp4", "mxfp4"),
+    ("nvfp4", "nvfp4"),
+}
 NVFP4_CAPABILITY = (10, 0)
 
 
@@ -45,19 +51,25 @@ def qat_options_problem(o: QATOptions) -> str | None:
     if (w, a) not in _COMBINATIONS:
         valid = ", ".join(f"{x}/{y or 'none'}" for x, y in sorted(_COMBINATIONS, key=str))
         why = {"int8": "int8 weights have no torchao QAT config"}.get(w, "not a torchao QAT combination")
-        return (f"weight_dtype {w} with activation_dtype {a or 'none'}: {why}; use one of (weight/activation) "
-                f"{valid}")
+        return (
+            f"weight_dtype {w} with activation_dtype {a or 'none'}: {why}; use one of (weight/activation) "
+            f"{valid}"
+        )
     block = {"nvfp4": 16, "mxfp4": 32}.get(w)
     if block is not None and o.group_size not in (None, block):
         return f"{w} quantises blocks of {block} values: set group_size: {block} (or leave it out)"
     if w == "int4" and (o.group_size is None or o.group_size < 1):
         return "int4 weights are quantised in groups: set group_size (e.g. 32, 64, 128, 256)"
     if o.quantize_embedding and w != "int4":
-        return (f"quantize_embedding fake-quantises the embedding's weight alone, which torchao does for int4 "
-                f"weights only (not {w}): remove quantize_embedding or use weight_dtype: int4")
+        return (
+            f"quantize_embedding fake-quantises the embedding's weight alone, which torchao does for int4 "
+            f"weights only (not {w}): remove quantize_embedding or use weight_dtype: int4"
+        )
     if o.fake_quant_after_n_steps is not None and w in ("mxfp4", "nvfp4"):
-        return (f"fake_quant_after_n_steps switches the fake quantisers off and on, which torchao's {w} linears "
-                "cannot do: remove fake_quant_after_n_steps (or use weight_dtype int4 / float8)")
+        return (
+            f"fake_quant_after_n_steps switches the fake quantisers off and on, which torchao's {w} linears "
+            "cannot do: remove fake_quant_after_n_steps (or use weight_dtype int4 / float8)"
+        )
     return None
 
 
@@ -73,9 +85,11 @@ def qat_device_problem(o: QATOptions, device_type: str) -> str | None:
         where = f"{torch.cuda.get_device_name()} has {cap[0]}.{cap[1]}"
     else:
         where = "this run has no CUDA GPU"
-    return (f"nvfp4 fake quantisation runs torchao's fp4 matmul, which needs an NVIDIA GPU of compute capability "
-            f">= 10.0 (B200, GB200); {where}: use weight_dtype/activation_dtype mxfp4 (fp4 e2m1 values, blocks "
-            f"of 32; runs anywhere) or int4 weights")
+    return (
+        f"nvfp4 fake quantisation runs torchao's fp4 matmul, which needs an NVIDIA GPU of compute capability "
+        f">= 10.0 (B200, GB200); {where}: use weight_dtype/activation_dtype mxfp4 (fp4 e2m1 values, blocks "
+        f"of 32; runs anywhere) or int4 weights"
+    )
 
 
 def group_size_problem(model: nn.Module, o: QATOptions) -> str | None:
@@ -87,11 +101,18 @@ def group_size_problem(model: nn.Module, o: QATOptions) -> str | None:
     if not group:
         return None
     for name, module in model.named_modules():
-        width = (module.in_features if isinstance(module, nn.Linear) and _swapped(name)
-                 else module.embedding_dim if isinstance(module, nn.Embedding) and o.quantize_embedding else None)
+        width = (
+            module.in_features
+            if isinstance(module, nn.Linear) and _swapped(name)
+            else module.embedding_dim
+            if isinstance(module, nn.Embedding) and o.quantize_embedding
+            else None
+        )
         if width is not None and width % group:
-            return (f"{name} has {width} input features, not a multiple of the qat group_size {group}: set "
-                    f"qat.group_size to a divisor of {width} (every linear's input width must be a multiple)")
+            return (
+                f"{name} has {width} input features, not a multiple of the qat group_size {group}: set "
+                f"qat.group_size to a divisor of {width} (every linear's input width must be a multiple)"
+            )
     return None
 
 
@@ -115,8 +136,10 @@ def _fake_quantize_configs(o: QATOptions, with_activation: bool = True):
         from torchao.prototype.qat import NVFP4FakeQuantizeConfig
 
         return NVFP4FakeQuantizeConfig(), NVFP4FakeQuantizeConfig()
-    act = {"int8": lambda: IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False),
-           "float8": lambda: Float8FakeQuantizeConfig(dtype=torch.float8_e4m3fn)}.get(a, lambda: None)()
+    act = {
+        "int8": lambda: IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False),
+        "float8": lambda: Float8FakeQuantizeConfig(dtype=torch.float8_e4m3fn),
+    }.get(a, lambda: None)()
     if w == "float8":
         return Float8FakeQuantizeConfig(dtype=torch.float8_e4m3fn), act
     # int4: the kernel it targets takes float8 or bf16 activations (int8 ones are fake-quantised apart)
@@ -134,12 +157,18 @@ def apply_qat(model: nn.Module, options: QATOptions) -> nn.Module:
     from torchao.quantization.qat import QATConfig
 
     weight, act = _fake_quantize_configs(options)
-    quantize_(model, QATConfig(weight_config=weight, activation_config=act, step="prepare"),
-              filter_fn=lambda m, name: isinstance(m, nn.Linear) and _swapped(name))
+    quantize_(
+        model,
+        QATConfig(weight_config=weight, activation_config=act, step="prepare"),
+        filter_fn=lambda m, name: isinstance(m, nn.Linear) and _swapped(name),
+    )
     if options.quantize_embedding:  # activation fake quantisation does not apply to a lookup
         weight, _ = _fake_quantize_configs(options, with_activation=False)
-        quantize_(model, QATConfig(weight_config=weight, step="prepare"),
-                  filter_fn=lambda m, _: isinstance(m, nn.Embedding))
+        quantize_(
+            model,
+            QATConfig(weight_config=weight, step="prepare"),
+            filter_fn=lambda m, _: isinstance(m, nn.Embedding),
+        )
     recompute_quantizers(model)
     if options.fake_quant_after_n_steps is not None:
         set_fake_quant(model, options.fake_quant_after_n_steps == 0)
@@ -228,9 +257,11 @@ def qat_layout_problem(tp_size: int, float8: bool) -> str | None:
     per-token scales are not written for DTensor shards: a row-sharded input would be scaled per
     shard), float8 training (both replace the same linears)."""
     if tp_size > 1:
-        return (f"qat with tensor_parallel_size={tp_size} is not supported (torchao's fake quantisers would compute "
-                "their scales on TP shards, not whole rows): shard with dp_shard_size (FSDP2, exact under QAT) and "
-                "set tensor_parallel_size: 1")
+        return (
+            f"qat with tensor_parallel_size={tp_size} is not supported (torchao's fake quantisers would compute "
+            "their scales on TP shards, not whole rows): shard with dp_shard_size (FSDP2, exact under QAT) and "
+            "set tensor_parallel_size: 1"
+        )
     if float8:
         return "qat and fp8 both replace the linear layers: use one of them (remove fp8 or qat)"
     return None

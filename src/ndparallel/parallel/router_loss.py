@@ -73,10 +73,13 @@ class RouterStatistics:
         else:
             weight = self.mask.reshape(-1).to(routing.device, torch.float32)
             if weight.numel() != routing.shape[0]:
-                raise ValueError(f"attention_mask holds {weight.numel()} positions but the router saw "
-                                 f"{routing.shape[0]} rows: pass no attention_mask (pack with position_ids)")
+                raise ValueError(
+                    f"attention_mask holds {weight.numel()} positions but the router saw "
+                    f"{routing.shape[0]} rows: pass no attention_mask (pack with position_ids)"
+                )
         counts = torch.zeros(e, dtype=torch.float32, device=routing.device).scatter_add_(
-            0, selected.reshape(-1), weight.repeat_interleave(k))
+            0, selected.reshape(-1), weight.repeat_interleave(k)
+        )
         probs = (routing.float() * weight.unsqueeze(-1)).sum(dim=0)
         rows = weight.sum()
         self.counts = counts if self.counts is None else self.counts + counts
@@ -91,6 +94,7 @@ def recording_routers(model: nn.Module, spec: MoESpec, attention_mask: torch.Ten
     stats = RouterStatistics(spec, mask=attention_mask)
     handles = []
     for _, module, index in router_modules(model):
+
         def hook(_module, _args, output, _index=index):
             stats.logits.append(output[_index] if isinstance(output, (tuple, list)) else output)
 
@@ -102,8 +106,9 @@ def recording_routers(model: nn.Module, spec: MoESpec, attention_mask: torch.Ten
             handle.remove()
 
 
-def aux_loss_term(stats: RouterStatistics, group: dist.ProcessGroup | None,
-                  reporting_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def aux_loss_term(
+    stats: RouterStatistics, group: dist.ProcessGroup | None, reporting_ranks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's term to add to its loss share, the global aux value) of one micro-batch;
     ``group``: the ranks holding distinct router rows; ``reporting_ranks``: how many ranks' loss
     shares are summed to report the step loss (dp × cp). Every rank of ``group`` must call it."""
@@ -114,7 +119,7 @@ def aux_loss_term(stats: RouterStatistics, group: dist.ProcessGroup | None,
     totals = torch.cat([stats.counts, stats.prob_sums.detach(), stats.rows.reshape(1)])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(totals, group=group)
-    counts, prob_sums, rows = totals[:e], totals[e:2 * e], totals[2 * e]
+    counts, prob_sums, rows = totals[:e], totals[e : 2 * e], totals[2 * e]
     fraction = counts / rows
     local = e * (fraction * (stats.prob_sums / rows)).sum()
     value = e * (fraction * (prob_sums / rows)).sum()

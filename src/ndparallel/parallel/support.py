@@ -59,12 +59,16 @@ def uses_attention_interface(model: nn.Module) -> bool:
 def _own_attention_problem(model: nn.Module, what: str, probe: bool) -> str | None:
     name = type(model).__name__
     if any(n.endswith(".sinks") or n == "sinks" for n, _ in model.named_parameters()):
-        return (f"{what}: {name} uses attention sinks, which ndparallel's attention does not compute: "
-                "train it without that degree")
+        return (
+            f"{what}: {name} uses attention sinks, which ndparallel's attention does not compute: "
+            "train it without that degree"
+        )
     if probe and not uses_attention_interface(model):
-        return (f"{what}: {name} does not call attention through transformers' AttentionInterface, through "
-                "which ndparallel's attention replaces it: train this model without that degree "
-                "(FSDP / data parallel layouts work)")
+        return (
+            f"{what}: {name} does not call attention through transformers' AttentionInterface, through "
+            "which ndparallel's attention replaces it: train this model without that degree "
+            "(FSDP / data parallel layouts work)"
+        )
     return None
 
 
@@ -80,9 +84,11 @@ def _sp_attention_problem(model: nn.Module, tp_size: int, tp_plan) -> str | None
     except ValueError:
         return None  # no plan: reported by tp_plan_problem
     if attention and not any(n.startswith(attention[0] + ".") for n in styled):
-        return (f"tensor_parallel_size={tp_size} with sequence_parallel: {type(model).__name__}'s tensor-parallel "
-                f"plan shards nothing in its attention ({attention[0]}), which would then read one sequence "
-                "shard: train it without sequence_parallel, or give a tp_plan for the attention")
+        return (
+            f"tensor_parallel_size={tp_size} with sequence_parallel: {type(model).__name__}'s tensor-parallel "
+            f"plan shards nothing in its attention ({attention[0]}), which would then read one sequence "
+            "shard: train it without sequence_parallel, or give a tp_plan for the attention"
+        )
     return None
 
 
@@ -109,23 +115,45 @@ def adapter_layout_problem(model: nn.Module, tp_size: int = 1, ep_size: int = 1)
     weights are split off while their LoRA factors hold every expert."""
     from ndparallel.models.adapters import checkpoint_key, is_param_wrapper
 
-    saved = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                    if hasattr(m, "original_module") and hasattr(m, "modules_to_save")})
-    wrapped = sorted({".".join(checkpoint_key(f"{n}.{m.parameter_name}").split(".")[-2:])
-                      for n, m in model.named_modules() if is_param_wrapper(m)})
+    saved = sorted(
+        {
+            n.rsplit(".", 1)[-1]
+            for n, m in model.named_modules()
+            if hasattr(m, "original_module") and hasattr(m, "modules_to_save")
+        }
+    )
+    wrapped = sorted(
+        {
+            ".".join(checkpoint_key(f"{n}.{m.parameter_name}").split(".")[-2:])
+            for n, m in model.named_modules()
+            if is_param_wrapper(m)
+        }
+    )
     if saved and tp_size > 1:
-        return (f"tensor_parallel_size={tp_size}: LoRA's modules_to_save ({', '.join(saved)}) are trained whole, "
-                "not vocab-sharded: drop lora_modules_to_save or set tensor_parallel_size: 1 (use dp_shard_size)")
+        return (
+            f"tensor_parallel_size={tp_size}: LoRA's modules_to_save ({', '.join(saved)}) are trained whole, "
+            "not vocab-sharded: drop lora_modules_to_save or set tensor_parallel_size: 1 (use dp_shard_size)"
+        )
     for degree, size in (("tensor_parallel_size", tp_size), ("expert_parallel_size", ep_size)):
         if wrapped and size > 1:
-            return (f"{degree}={size}: LoRA on the experts' weights (lora_target_parameters: {', '.join(wrapped)}) "
-                    f"needs them whole on each rank: set {degree}: 1 (shard them with dp_shard_size) or drop "
-                    "lora_target_parameters")
+            return (
+                f"{degree}={size}: LoRA on the experts' weights (lora_target_parameters: {', '.join(wrapped)}) "
+                f"needs them whole on each rank: set {degree}: 1 (shard them with dp_shard_size) or drop "
+                "lora_target_parameters"
+            )
     return None
 
 
-def layout_problem(model: nn.Module, *, tp_size: int = 1, cp_size: int = 1, sequence_parallel: bool = False,
-                   tp_plan=None, probe_attention: bool = True, ep_size: int = 1) -> str | None:
+def layout_problem(
+    model: nn.Module,
+    *,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    sequence_parallel: bool = False,
+    tp_plan=None,
+    probe_attention: bool = True,
+    ep_size: int = 1,
+) -> str | None:
     """The first reason ``model`` cannot be trained exactly under this layout, or None.
     ``probe_attention``: build a meta-device copy to ask whether it takes transformers'
     ``AttentionInterface`` (off at run time: switching the real model's attention says it)."""
@@ -147,7 +175,7 @@ def layout_problem(model: nn.Module, *, tp_size: int = 1, cp_size: int = 1, sequ
     if cp_size > 1:
         return _own_attention_problem(model, f"context_parallel_size={cp_size}", probe_attention)
     if tp_size > 1 and sequence_parallel:
-        return (_sp_attention_problem(model, tp_size, tp_plan)
-                or _own_attention_problem(model, f"tensor_parallel_size={tp_size} with sequence_parallel",
-                                          probe_attention))
+        return _sp_attention_problem(model, tp_size, tp_plan) or _own_attention_problem(
+            model, f"tensor_parallel_size={tp_size} with sequence_parallel", probe_attention
+        )
     return None

@@ -67,8 +67,6 @@ from ndparallel.parallel.tp_validate import validate_tensor_parallel  # noqa: F4
 _TP_MESH_ATTR = "_ndparallel_tp_mesh"
 
 
-
-
 # --------------------------------------------------------------------------------------- apply
 def _layer_position(name: str) -> tuple[bool, str | None]:
     """(on the residual stream?, enclosing block) for a module name: a module inside a numbered
@@ -87,7 +85,10 @@ def _output_embedding_name(model: nn.Module) -> str | None:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions | None = None, adapted: bool = False,
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    options: TPOptions | None = None,
+    adapted: bool = False,
 ) -> nn.Module:
     """Shard ``model`` over the 1-D ``tp_mesh`` in place (and return it).
 
@@ -105,9 +106,11 @@ def apply_tensor_parallel(
         if adapted:
             # transformers' TP hooks know nothing of LoRA A/B: its forward would add a full-size
             # adapter output to a sharded base output (a different model, found by a test).
-            raise ValueError("LoRA on a model made tensor-parallel by transformers (tp_plan) is not supported: "
-                             "load the model without tp_plan; prepare applies TP and shards each adapter "
-                             "with its base linear")
+            raise ValueError(
+                "LoRA on a model made tensor-parallel by transformers (tp_plan) is not supported: "
+                "load the model without tp_plan; prepare applies TP and shards each adapter "
+                "with its base linear"
+            )
         if options.sequence_parallel or options.loss_parallel:
             raise ValueError(
                 "the model is already tensor-parallel (loaded by transformers with tp_plan/device_mesh); "
@@ -118,11 +121,18 @@ def apply_tensor_parallel(
     validate_tensor_parallel(model.config, tp_size, options)
     assigned = match_plan(model, resolve_tp_plan(model, options.plan), strict=bool(options.plan))
     experts, moe_blocks = moe_prefixes(model)
-    assigned = {n: st for n, st in assigned.items() if not n.startswith(moe_blocks)
-                and any(True for _ in model.get_submodule(n).parameters())}  # a pipeline stage's stand-ins
+    assigned = {
+        n: st
+        for n, st in assigned.items()
+        if not n.startswith(moe_blocks) and any(True for _ in model.get_submodule(n).parameters())
+    }  # a pipeline stage's stand-ins
     if getattr(model.config, "qk_rope_head_dim", None):  # MLA: transformers < 5.25's plans lack the style
         for name, _ in model.named_modules():
-            if name.endswith("kv_a_proj_with_mqa") and name not in assigned and not name.startswith(moe_blocks):
+            if (
+                name.endswith("kv_a_proj_with_mqa")
+                and name not in assigned
+                and not name.startswith(moe_blocks)
+            ):
                 assigned[name] = "mla_kv_a_proj"
     head = _output_embedding_name(model)
     head_colwise = head in assigned and str(assigned[head]).startswith("colwise")
@@ -142,7 +152,9 @@ def apply_tensor_parallel(
             styles[name] = MlaKvAProjParallel(model.config.qk_rope_head_dim)
         else:
             styles[name] = parallel_style(
-                style, on_residual=on_residual, sequence_parallel=sp,
+                style,
+                on_residual=on_residual,
+                sequence_parallel=sp,
                 output_sharded=options.loss_parallel and name == head,
             )
         if is_lora_layer(model.get_submodule(name)):  # PEFT wrapped it: shard A/B with the base
@@ -164,8 +176,14 @@ def apply_tensor_parallel(
     return model
 
 
-def _replicate_the_rest(model: nn.Module, styles: dict[str, ParallelStyle], blocks: set[str], sp: bool,
-                        experts: tuple[str, ...], moe_blocks: tuple[str, ...]) -> None:
+def _replicate_the_rest(
+    model: nn.Module,
+    styles: dict[str, ParallelStyle],
+    blocks: set[str],
+    sp: bool,
+    experts: tuple[str, ...],
+    moe_blocks: tuple[str, ...],
+) -> None:
     """Give every other module owning parameters a ``ReplicateParallel`` style (in ``styles``):
     norms read the residual stream (sequence-sharded under SP) or a block's input; modules of an
     MoE block (router, shared experts) read the block's rows (this rank's own under SP); the
@@ -224,8 +242,11 @@ def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
 
 
 def _check_all_dtensor(model: nn.Module, skip: tuple[str, ...] = ()) -> None:
-    plain = [n for n, p in model.named_parameters()
-             if not isinstance(p, DTensor) and not (skip and n.startswith(skip))]
+    plain = [
+        n
+        for n, p in model.named_parameters()
+        if not isinstance(p, DTensor) and not (skip and n.startswith(skip))
+    ]
     if plain:
         raise RuntimeError(f"tensor parallel left plain (non-DTensor) parameters: {plain[:5]}")
 
@@ -262,9 +283,11 @@ def distribute_leftover_params(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Modu
             f"the model is tensor-parallel over {mesh.size()} ranks ({mesh}) but the layout's tp mesh has "
             f"{tp_mesh.size()}: transformers 5 ignores device_mesh when given tp_plan and shards over the "
             "whole world (given tp_size too, it refuses: 'The parallel mesh requires N processes'). Load "
-            "the model without tp_plan/tp_size (prepare then shards it with TP), or use tp_size = world size")
+            "the model without tp_plan/tp_size (prepare then shards it with TP), or use tp_size = world size"
+        )
     grad_allreduce = {
-        n for n, s in match_plan(model, model_tp_plan(model), strict=False).items()
+        n
+        for n, s in match_plan(model, model_tp_plan(model), strict=False).items()
         if s == "replicated_with_grad_allreduce"
     }
     for name, module in model.named_modules():
@@ -291,13 +314,15 @@ def _drop_transformers_grad_allreduce(module: nn.Module) -> None:
     module.__dict__.pop("forward", None)
     for key, hook in list(module._forward_pre_hooks.items()):
         if getattr(hook, "__module__", "").startswith("transformers.") and "tp_forward_pre_hook" in getattr(
-                hook, "__qualname__", ""):
+            hook, "__qualname__", ""
+        ):
             del module._forward_pre_hooks[key]
 
 
 def _in_loss_parallel(loss_fn):
     """The model's own loss (``model(..., labels=...).loss``) on vocab-sharded logits: run inside
     ``loss_parallel()`` (its backward too, through ``Accelerator.backward``); a plain scalar out."""
+
     def loss_function(*args, **kwargs):
         with loss_parallel():
             loss = loss_fn(*args, **kwargs)

@@ -92,9 +92,11 @@ def _run_tiles(call, x: torch.Tensor, spans) -> torch.Tensor:
     for start, length in spans:
         y = call(x.narrow(TILE_DIM, start, length))
         if not isinstance(y, torch.Tensor) or y.shape[:-1] != x.narrow(TILE_DIM, start, length).shape[:-1]:
-            raise TypeError(f"tiled_mlp: the block returned {type(y).__name__} "
-                            f"{tuple(getattr(y, 'shape', ()))} for a tile of shape {tuple(x.shape)}; it "
-                            "supports MLPs mapping [batch, seq, hidden] to one tensor per token")
+            raise TypeError(
+                f"tiled_mlp: the block returned {type(y).__name__} "
+                f"{tuple(getattr(y, 'shape', ()))} for a tile of shape {tuple(x.shape)}; it "
+                "supports MLPs mapping [batch, seq, hidden] to one tensor per token"
+            )
         if out is None:
             out = y.new_empty((*x.shape[:-1], y.shape[-1]))
         out.narrow(TILE_DIM, start, length).copy_(y)
@@ -108,9 +110,11 @@ class TiledMLPMixin:
 
     def __call__(self, *args, **kwargs):
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
-            raise TypeError(f"tiled_mlp: {type(self).__name__} was called with {len(args)} positional and "
-                            f"{sorted(kwargs)} keyword arguments; it supports MLPs called with the hidden "
-                            "states alone")
+            raise TypeError(
+                f"tiled_mlp: {type(self).__name__} was called with {len(args)} positional and "
+                f"{sorted(kwargs)} keyword arguments; it supports MLPs called with the hidden "
+                "states alone"
+            )
         x = args[0]
         if x.dim() < 2:
             return nn.Module.__call__(self, x)
@@ -157,6 +161,8 @@ def check_not_fsdp_unit(model: nn.Module) -> None:
 
     for name, module in model.named_modules():
         if is_tiled(module) and isinstance(module, FSDPModule):
-            raise ValueError(f"tiled_mlp: {name} is its own FSDP unit (fsdp_config.layer_classes), so its "
-                             "parameters would be gathered once per tile; shard whole decoder layers "
-                             "(the default layer_classes) or turn tiled_mlp off")
+            raise ValueError(
+                f"tiled_mlp: {name} is its own FSDP unit (fsdp_config.layer_classes), so its "
+                "parameters would be gathered once per tile; shard whole decoder layers "
+                "(the default layer_classes) or turn tiled_mlp off"
+            )

@@ -177,7 +177,10 @@ class _BlockInput(ParallelStyle):
             if args and isinstance(args[0], torch.Tensor):
                 return (self._to_replicate(args[0], device_mesh), *args[1:]), kwargs
             if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-                return args, {**kwargs, "hidden_states": self._to_replicate(kwargs["hidden_states"], device_mesh)}
+                return args, {
+                    **kwargs,
+                    "hidden_states": self._to_replicate(kwargs["hidden_states"], device_mesh),
+                }
             raise ValueError(
                 f"tensor parallel: {type(_mod).__name__} got no tensor input "
                 "(expected a positional tensor or hidden_states=...)"

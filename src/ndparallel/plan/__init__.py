@@ -17,7 +17,20 @@ from ndparallel.plan.search import (
 )
 
 __all__ = [
-    "Collective", "Hardware", "Layout", "MemoryBreakdown", "ModelSpec", "PlanRequest",
-    "PlanResult", "Settings", "aggregate", "estimate", "estimate_memory", "evaluate_layout",
-    "load_model_spec", "parse_layout", "plan", "predict_collectives",
+    "Collective",
+    "Hardware",
+    "Layout",
+    "MemoryBreakdown",
+    "ModelSpec",
+    "PlanRequest",
+    "PlanResult",
+    "Settings",
+    "aggregate",
+    "estimate",
+    "estimate_memory",
+    "evaluate_layout",
+    "load_model_spec",
+    "parse_layout",
+    "plan",
+    "predict_collectives",
 ]

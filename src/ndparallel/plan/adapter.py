@@ -24,16 +24,30 @@ from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.models import ModelSpec
 
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SAVED_MODULES = {"embed_tokens": "embed", "wte": "embed", "word_embeddings": "embed", "tok_embeddings": "embed",
-                 "lm_head": "head", "output": "head", "embed_out": "head"}
+SAVED_MODULES = {
+    "embed_tokens": "embed",
+    "wte": "embed",
+    "word_embeddings": "embed",
+    "tok_embeddings": "embed",
+    "lm_head": "head",
+    "output": "head",
+    "embed_out": "head",
+}
 """``modules_to_save`` names the planner models (vocab × hidden tables) -> which table."""
 
 
 def saved_tables(names) -> tuple[str, ...]:
     """The vocab × hidden tables ('embed', 'head') among ``modules_to_save`` names (others — norms,
     small layers — are not modelled)."""
-    return tuple(sorted({SAVED_MODULES[n.rsplit(".", 1)[-1]] for n in names or ()
-                         if n.rsplit(".", 1)[-1] in SAVED_MODULES}))
+    return tuple(
+        sorted(
+            {
+                SAVED_MODULES[n.rsplit(".", 1)[-1]]
+                for n in names or ()
+                if n.rsplit(".", 1)[-1] in SAVED_MODULES
+            }
+        )
+    )
 
 
 def saved_copy_units(model: ModelSpec, tables: tuple[str, ...]) -> tuple[str, ...]:
@@ -58,7 +72,12 @@ def saved_copy_shard_numel(model: ModelSpec, layout: Layout) -> int:
 
 def adapter_params_per_layer(model: ModelSpec, r: int) -> int:
     """A and B elements of one decoder layer (all seven linears)."""
-    h, q, kv, f = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim, model.intermediate
+    h, q, kv, f = (
+        model.hidden,
+        model.heads * model.head_dim,
+        model.kv_heads * model.head_dim,
+        model.intermediate,
+    )
     return r * ((4 if model.is_moe else 7) * h + 2 * q + 2 * kv + 3 * f)
 
 
@@ -73,7 +92,12 @@ def trainable_fraction(model: ModelSpec, r: int) -> float:
 
 def adapter_layer_local(model: ModelSpec, r: int, tp: int) -> int:
     """Adapter elements of one layer on one tp rank (before FSDP sharding)."""
-    h, q, kv, f = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim, model.intermediate
+    h, q, kv, f = (
+        model.hidden,
+        model.heads * model.head_dim,
+        model.kv_heads * model.head_dim,
+        model.intermediate,
+    )
     colwise = (3 if model.is_moe else 5) * h + math.ceil((q + 2 * kv + 2 * f) / tp)
     rowwise = math.ceil((q + f) / tp) + (1 if model.is_moe else 2) * h
     return r * (colwise + rowwise)
@@ -96,7 +120,7 @@ def adapt_collectives(cs: list, model: ModelSpec, layout: Layout, s: Settings, c
     out = []
     for c in cs:
         grad = c.what.startswith(("FSDP reduce-scatter", "HSDP all-reduce", "DDP all-reduce"))
-        unit = c.what[c.what.rfind("(") + 1:-1]
+        unit = c.what[c.what.rfind("(") + 1 : -1]
         if unit in copies:  # the frozen table and its trained copy: both gathered, the copy's grads reduced
             if grad:
                 size = copy * n if c.kind == "reduce_scatter" else copy
@@ -114,7 +138,13 @@ def adapt_collectives(cs: list, model: ModelSpec, layout: Layout, s: Settings, c
             continue  # norm weights are frozen
         out.append(c)
     if layout.tp > 1:
-        out.append(collective("all_reduce", "tp", r * model.hidden * 4,
-                              (4 if model.is_moe else len(ADAPTED)) * model.layers * s.grad_accum,
-                              "TP LoRA replicated-factor grads (A of colwise, B of rowwise)"))
+        out.append(
+            collective(
+                "all_reduce",
+                "tp",
+                r * model.hidden * 4,
+                (4 if model.is_moe else len(ADAPTED)) * model.layers * s.grad_accum,
+                "TP LoRA replicated-factor grads (A of colwise, B of rowwise)",
+            )
+        )
     return out

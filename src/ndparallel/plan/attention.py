@@ -41,14 +41,14 @@ matmul (4), dP written (4), ``dP - delta`` (8), ``P·(…)`` (12), read by the d
 def causal_fwd_flops(model: ModelSpec, layout: Layout, s: Settings) -> float:
     """Model FLOPs of all layers' causal attention forward for one micro-batch on one GPU."""
     heads = model.heads // layout.tp
-    per_seq = 2.0 * heads * model.head_dim * s.seq_len ** 2
+    per_seq = 2.0 * heads * model.head_dim * s.seq_len**2
     return model.layers * s.micro_batch * per_seq / layout.cp
 
 
 def cp_block_fwd_flops(model: ModelSpec, layout: Layout, s: Settings) -> float:
     """FLOPs of one full CP block forward (one layer, one micro-batch, one GPU)."""
     chunk = s.seq_len / (2 * layout.cp)
-    return 4.0 * s.micro_batch * (model.heads // layout.tp) * model.head_dim * chunk ** 2
+    return 4.0 * s.micro_batch * (model.heads // layout.tp) * model.head_dim * chunk**2
 
 
 def flash_efficiency(hw: Hardware, head_dim: int) -> tuple[float, float]:
@@ -58,8 +58,9 @@ def flash_efficiency(hw: Hardware, head_dim: int) -> tuple[float, float]:
     return fwd, bwd
 
 
-def attention_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware,
-                   peak: float) -> tuple[float, float]:
+def attention_time(
+    model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, peak: float
+) -> tuple[float, float]:
     """(forward, backward) seconds of all layers' attention for one micro-batch on one GPU
     (the recomputed forward under checkpointing is added by the caller)."""
     eff_f, eff_b = flash_efficiency(hw, model.head_dim)
@@ -71,18 +72,18 @@ def attention_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware,
         measured = hw.cp_block_efficiency.get("flash")
         blocks = 2 * layout.cp * model.layers  # 2c−1 full + 2 causal halves
         if measured:
-            return (blocks * flops / (peak * measured["fwd"]),
-                    blocks * 2.5 * flops / (peak * measured["bwd"]))
+            return (
+                blocks * flops / (peak * measured["fwd"]),
+                blocks * 2.5 * flops / (peak * measured["bwd"]),
+            )
         fwd = causal_fwd_flops(model, layout, s)
-        return (CP_FLASH_SLOWDOWN * fwd / (peak * eff_f),
-                CP_FLASH_SLOWDOWN * 2 * fwd / (peak * eff_b))
+        return (CP_FLASH_SLOWDOWN * fwd / (peak * eff_f), CP_FLASH_SLOWDOWN * 2 * fwd / (peak * eff_b))
     blocks = (2 * layout.cp + 1) * model.layers
     measured = hw.cp_block_efficiency.get(s.cp_kernel)
     if measured:
-        return (blocks * flops / (peak * measured["fwd"]),
-                blocks * 2.5 * flops / (peak * measured["bwd"]))
+        return (blocks * flops / (peak * measured["fwd"]), blocks * 2.5 * flops / (peak * measured["bwd"]))
     chunk = s.seq_len / (2 * layout.cp)
-    scores = s.micro_batch * (model.heads // layout.tp) * chunk ** 2
+    scores = s.micro_batch * (model.heads // layout.tp) * chunk**2
     rate32 = hw.peak_flops_fp32 * hw.matmul_efficiency
     bw = hw.hbm_bw * hw.hbm_efficiency
     fwd = flops / rate32 + scores * MATH_BYTES_FWD / bw

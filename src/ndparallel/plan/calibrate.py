@@ -97,8 +97,10 @@ def _one(kind, x, big, g, n, rank):
         peer_next = (rank + 1) % n
         peer_prev = (rank - 1) % n
         recv = x.clone()
-        ops = [dist.P2POp(dist.isend, x, peer_next, group=g),
-               dist.P2POp(dist.irecv, recv, peer_prev, group=g)]
+        ops = [
+            dist.P2POp(dist.isend, x, peer_next, group=g),
+            dist.P2POp(dist.irecv, recv, peer_prev, group=g),
+        ]
         for r in dist.batch_isend_irecv(ops):
             r.wait()
 
@@ -120,8 +122,13 @@ def _gpu_worker(rank: int, world: int, port: int, sizes, iters, path: str) -> No
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        device_id=torch.device("cuda", rank),
+    )
     try:
         raw = collective_bench("cuda", sizes, iters)
         if rank == 0:
@@ -131,8 +138,14 @@ def _gpu_worker(rank: int, world: int, port: int, sizes, iters, path: str) -> No
         dist.destroy_process_group()
 
 
-def calibrate(ranks: int | None = None, quick: bool = False, device: str | None = None,
-              model: ModelSpec | None = None, seq_len: int = 2048, micro_batch: int = 1) -> dict:
+def calibrate(
+    ranks: int | None = None,
+    quick: bool = False,
+    device: str | None = None,
+    model: ModelSpec | None = None,
+    seq_len: int = 2048,
+    micro_batch: int = 1,
+) -> dict:
     """Measure this machine; returns {"hardware": Hardware dict, "measurements": raw numbers}.
 
     Kernels (``calibrate_kernels.py``): the bf16 GEMMs of ``model`` at ``seq_len × micro_batch``
@@ -156,21 +169,30 @@ def calibrate(ranks: int | None = None, quick: bool = False, device: str | None 
 
         mem = psutil.virtual_memory().total / max(ranks, 1)
         base = None
-    model = model or (load_model_spec("llama-3.2-1b") if device == "cuda"
-                      else load_model_spec("tiny"))
+    model = model or (load_model_spec("llama-3.2-1b") if device == "cuda" else load_model_spec("tiny"))
     kern = measure_kernels(device, quick, model, seq_len, micro_batch)
     raw = _collectives(device, ranks, quick)
     table = _fit_all(raw, _sizes(device, quick)) if raw else {}
     hw = _profile(dev_name, device, mem, base, kern, table, model)
-    note = ("collectives measured on one machine: inter-node numbers copy the intra-node ones"
-            if table else f"collectives not measured ({ranks} rank(s)): link figures kept from "
-            f"{'the ' + base.name + ' preset' if base else 'the memory copy bandwidth'}")
-    return {"hardware": hw.to_dict(),
-            "measurements": {"device": dev_name, "ranks": ranks, "model": model.name,
-                             "seq_len": seq_len, "micro_batch": micro_batch, **kern,
-                             "collective_seconds": {k: {str(n): t for n, t in v.items()}
-                                                    for k, v in raw.items()},
-                             "note": note}}
+    note = (
+        "collectives measured on one machine: inter-node numbers copy the intra-node ones"
+        if table
+        else f"collectives not measured ({ranks} rank(s)): link figures kept from "
+        f"{'the ' + base.name + ' preset' if base else 'the memory copy bandwidth'}"
+    )
+    return {
+        "hardware": hw.to_dict(),
+        "measurements": {
+            "device": dev_name,
+            "ranks": ranks,
+            "model": model.name,
+            "seq_len": seq_len,
+            "micro_batch": micro_batch,
+            **kern,
+            "collective_seconds": {k: {str(n): t for n, t in v.items()} for k, v in raw.items()},
+            "note": note,
+        },
+    }
 
 
 def _sizes(device: str, quick: bool) -> list[int]:
@@ -190,8 +212,9 @@ def _collectives(device: str, ranks: int, quick: bool) -> dict:
     return run_on_ranks(_cpu_rank_fn, ranks, _sizes(device, quick), iters, timeout_s=300)[0]
 
 
-def _profile(dev_name: str, device: str, mem: float, base: Hardware | None, kern: dict,
-             table: dict, model: ModelSpec) -> Hardware:
+def _profile(
+    dev_name: str, device: str, mem: float, base: Hardware | None, kern: dict, table: dict, model: ModelSpec
+) -> Hardware:
     """The measured numbers as a Hardware profile. A known GPU keeps its preset's spec peaks and
     bandwidth, the measurements becoming efficiencies (so MFU stays against the spec peak); an
     unknown device (CPU) gets the measured rates as its peaks, efficiencies 1."""
@@ -209,29 +232,43 @@ def _profile(dev_name: str, device: str, mem: float, base: Hardware | None, kern
     if table:
         ar = table.get("all_reduce", {})
         biggest = ar[str(max(int(k) for k in ar))]
-        links = dict(intra_node_bw=biggest["bus_bw"], inter_node_bw=biggest["bus_bw"],
-                     intra_node_latency=biggest["alpha_s"], inter_node_latency=biggest["alpha_s"],
-                     link_efficiency=1.0)
+        links = dict(
+            intra_node_bw=biggest["bus_bw"],
+            inter_node_bw=biggest["bus_bw"],
+            intra_node_latency=biggest["alpha_s"],
+            inter_node_latency=biggest["alpha_s"],
+            link_efficiency=1.0,
+        )
     elif base:
-        links = dict(intra_node_bw=base.intra_node_bw, inter_node_bw=base.inter_node_bw,
-                     intra_node_latency=base.intra_node_latency,
-                     inter_node_latency=base.inter_node_latency,
-                     link_efficiency=base.link_efficiency)
+        links = dict(
+            intra_node_bw=base.intra_node_bw,
+            inter_node_bw=base.inter_node_bw,
+            intra_node_latency=base.intra_node_latency,
+            inter_node_latency=base.inter_node_latency,
+            link_efficiency=base.link_efficiency,
+        )
     else:  # one CPU rank: nothing measured; memory copies as a stand-in
         links = dict(intra_node_bw=bw, inter_node_bw=bw, link_efficiency=1.0)
     return Hardware(
-        name=f"calibrated-{dev_name}".replace(" ", "-").lower(), mem_bytes=mem,
-        peak_flops=peak, peak_flops_fp32=base.peak_flops_fp32 if base else fp32,
-        hbm_bw=base.hbm_bw if base else bw, **links,
+        name=f"calibrated-{dev_name}".replace(" ", "-").lower(),
+        mem_bytes=mem,
+        peak_flops=peak,
+        peak_flops_fp32=base.peak_flops_fp32 if base else fp32,
+        hbm_bw=base.hbm_bw if base else bw,
+        **links,
         matmul_efficiency=bf16 / peak,
         runtime_overhead_bytes=base.runtime_overhead_bytes if base else 0.25 * GiB,
         hbm_efficiency=bw / base.hbm_bw if base else 1.0,
         broadcast_efficiency=kern["elementwise"]["broadcast"] / bw,
-        attention_efficiency={**(base.attention_efficiency if base else {}), str(a["head_dim"]): [
-            fwd_flops / (a["fwd_s"] * peak), 2 * fwd_flops / (a["bwd_s"] * peak)]},
+        attention_efficiency={
+            **(base.attention_efficiency if base else {}),
+            str(a["head_dim"]): [fwd_flops / (a["fwd_s"] * peak), 2 * fwd_flops / (a["bwd_s"] * peak)],
+        },
         cp_block_efficiency=cp,
-        kernel_overhead_s=small.get("gpu_s", 0.0), host_op_s=small["host_s"],
-        gemm_table=kern["gemm_table"], collectives=table,
+        kernel_overhead_s=small.get("gpu_s", 0.0),
+        host_op_s=small["host_s"],
+        gemm_table=kern["gemm_table"],
+        collectives=table,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def sync(device: str) -> None:
@@ -53,8 +53,7 @@ def time_fn(fn: Callable[[], object], device: str, reps: int = 5, inner: int = 1
     return statistics.median(out)
 
 
-def measure_gemm(device: str, m: int, n: int, k: int, dtype_name: str = "bfloat16",
-                 reps: int = 5) -> float:
+def measure_gemm(device: str, m: int, n: int, k: int, dtype_name: str = "bfloat16", reps: int = 5) -> float:
     """FLOP/s of ``[m, k] @ [k, n]`` in ``dtype_name`` (2·m·n·k FLOPs per call)."""
     import torch
 
@@ -69,13 +68,13 @@ def measure_gemm_table(device: str, shapes: list[tuple[int, int, int]], reps: in
     """[{m, n, k, flops_per_s}] for each distinct (m, n, k), bf16 (the compute dtype)."""
     rows = []
     for m, n, k in sorted(set(shapes)):
-        rows.append({"m": m, "n": n, "k": k, "flops_per_s": measure_gemm(device, m, n, k,
-                                                                         reps=reps)})
+        rows.append({"m": m, "n": n, "k": k, "flops_per_s": measure_gemm(device, m, n, k, reps=reps)})
     return rows
 
 
-def measure_attention(device: str, batch: int, heads: int, kv_heads: int, seq: int,
-                      head_dim: int, reps: int = 5) -> dict:
+def measure_attention(
+    device: str, batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, reps: int = 5
+) -> dict:
     """Causal SDPA (the kernel the non-CP path runs: flash on CUDA) forward and backward seconds,
     GQA without repeated K/V, bf16 on CUDA (fp32 on CPU)."""
     import torch
@@ -83,8 +82,7 @@ def measure_attention(device: str, batch: int, heads: int, kv_heads: int, seq: i
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(batch, kv_heads, seq, head_dim, device=device, dtype=dtype,
-                    requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
     gqa = heads != kv_heads
 
@@ -98,12 +96,20 @@ def measure_attention(device: str, batch: int, heads: int, kv_heads: int, seq: i
         fwd().backward(dout)
 
     t_both = time_fn(fwd_bwd, device, reps)
-    return {"batch": batch, "heads": heads, "kv_heads": kv_heads, "seq": seq,
-            "head_dim": head_dim, "fwd_s": t_fwd, "bwd_s": max(t_both - t_fwd, 1e-9)}
+    return {
+        "batch": batch,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "seq": seq,
+        "head_dim": head_dim,
+        "fwd_s": t_fwd,
+        "bwd_s": max(t_both - t_fwd, 1e-9),
+    }
 
 
-def measure_cp_block(device: str, kernel: str, batch: int, heads: int, kv_heads: int,
-                     chunk: int, head_dim: int, reps: int = 3) -> dict:
+def measure_cp_block(
+    device: str, kernel: str, batch: int, heads: int, kv_heads: int, chunk: int, head_dim: int, reps: int = 3
+) -> dict:
     """One *full* (unmasked) block of the CP block kernel (``parallel/cp_kernels.py``):
     forward (out, lse) and backward seconds for ``chunk`` queries against ``chunk`` keys."""
     import torch
@@ -114,14 +120,22 @@ def measure_cp_block(device: str, kernel: str, batch: int, heads: int, kv_heads:
     q = torch.randn(batch, heads, chunk, head_dim, device=device, dtype=dtype)
     k = torch.randn(batch, kv_heads, chunk, head_dim, device=device, dtype=dtype)
     v = torch.randn_like(k)
-    block = BlockKernel(resolve_kernel(kernel, q), head_dim ** -0.5)
+    block = BlockKernel(resolve_kernel(kernel, q), head_dim**-0.5)
     out, lse = block.fwd(q, k, v, False)
     out = out.to(dtype)
     dout = torch.randn_like(q)
     t_fwd = time_fn(lambda: block.fwd(q, k, v, False), device, reps)
     t_bwd = time_fn(lambda: block.bwd(dout, q, k, v, out, lse, False), device, reps)
-    return {"kernel": kernel, "batch": batch, "heads": heads, "kv_heads": kv_heads,
-            "chunk": chunk, "head_dim": head_dim, "fwd_s": t_fwd, "bwd_s": t_bwd}
+    return {
+        "kernel": kernel,
+        "batch": batch,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "chunk": chunk,
+        "head_dim": head_dim,
+        "fwd_s": t_fwd,
+        "bwd_s": t_bwd,
+    }
 
 
 def measure_elementwise_bw(device: str, nbytes: int, reps: int = 5) -> dict:
@@ -206,8 +220,13 @@ def measure_kernels(device: str, quick: bool, model, seq_len: int, micro_batch: 
 
     cuda = device.startswith("cuda")
     s = Settings(seq_len=seq_len, micro_batch=micro_batch)
-    tps = [1] if quick else [t for t in (1, 2, 4, 8) if not (
-        model.heads % t or model.kv_heads % t or model.intermediate % t)]
+    tps = (
+        [1]
+        if quick
+        else [
+            t for t in (1, 2, 4, 8) if not (model.heads % t or model.kv_heads % t or model.intermediate % t)
+        ]
+    )
     shapes = {sh for t in tps for sh in gemm_shapes(model, Layout(tp=t), s)}
     if not cuda:
         shapes = {sh for sh in shapes if sh[0] * sh[1] * sh[2] <= CPU_MAX_GEMM}
@@ -217,16 +236,19 @@ def measure_kernels(device: str, quick: bool, model, seq_len: int, micro_batch: 
     chunk = max(seq // 4, 16)
     cp_blocks = {}
     for kernel in ("math", "flash"):
-        cp_blocks[kernel] = measure_cp_block(device, kernel, micro_batch, model.heads,
-                                             model.kv_heads, chunk, model.head_dim)
+        cp_blocks[kernel] = measure_cp_block(
+            device, kernel, micro_batch, model.heads, model.kv_heads, chunk, model.head_dim
+        )
     return {
         "anchor_n": anchor,
-        "matmul_flops": {"bfloat16": measure_gemm(device, anchor, anchor, anchor, reps=reps),
-                         "float32": measure_gemm(device, anchor, anchor, anchor, "float32",
-                                                 reps=reps)},
+        "matmul_flops": {
+            "bfloat16": measure_gemm(device, anchor, anchor, anchor, reps=reps),
+            "float32": measure_gemm(device, anchor, anchor, anchor, "float32", reps=reps),
+        },
         "gemm_table": measure_gemm_table(device, sorted(shapes), reps=reps),
-        "attention": measure_attention(device, micro_batch, model.heads, model.kv_heads, seq,
-                                       model.head_dim, reps=reps),
+        "attention": measure_attention(
+            device, micro_batch, model.heads, model.kv_heads, seq, model.head_dim, reps=reps
+        ),
         "cp_blocks": cp_blocks,
         "elementwise": measure_elementwise_bw(device, 2**30 if cuda else 2**22, reps=reps),
         "small_op": measure_small_op(device, 2000 if cuda else 200),

@@ -32,13 +32,16 @@ def gpu_mem_bytes(text: str, minimum: float = MIN_GPU_MEM) -> float:
     try:
         value = parse_size(text, gb_is_gib=True, bare_unit="gib")
     except ValueError:
-        raise ValueError(f"--gpu-mem {text!r}: not a size; write e.g. 80GB or 141GiB "
-                         "(a bare number is read as GB)") from None
+        raise ValueError(
+            f"--gpu-mem {text!r}: not a size; write e.g. 80GB or 141GiB (a bare number is read as GB)"
+        ) from None
     if not value > 0:
         raise ValueError(f"--gpu-mem {text!r}: must be > 0 (e.g. 80GB)")
     if value < minimum:
-        raise ValueError(f"--gpu-mem {text!r} is {value / hwmod.GiB:.3g} GiB: below 1 GiB, "
-                         "probably a unit slip; write e.g. 80GB")
+        raise ValueError(
+            f"--gpu-mem {text!r} is {value / hwmod.GiB:.3g} GiB: below 1 GiB, "
+            "probably a unit slip; write e.g. 80GB"
+        )
     return value
 
 
@@ -49,8 +52,10 @@ def host_mem_bytes(text: str) -> float:
     except ValueError:
         raise ValueError(f"--host-mem {text!r}: not a size; write e.g. 2TB or 1900GB (per node)") from None
     if value < MIN_GPU_MEM:
-        raise ValueError(f"--host-mem {text!r} is {value / hwmod.GiB:.3g} GiB: below 1 GiB, probably a "
-                         "unit slip; write e.g. 1900GB")
+        raise ValueError(
+            f"--host-mem {text!r} is {value / hwmod.GiB:.3g} GiB: below 1 GiB, probably a "
+            "unit slip; write e.g. 1900GB"
+        )
     return value
 
 
@@ -59,8 +64,9 @@ def _long_context(args) -> None:
     if getattr(args, "tiled_mlp_num_shards", None) and not args.tiled_mlp:
         raise ValueError("--tiled-mlp-num-shards needs --tiled-mlp")
     if getattr(args, "activation_offloading", False) and args.activation_checkpointing == "off":
-        raise ValueError("--activation-offloading offloads what checkpointing keeps: drop "
-                         "--activation-checkpointing off")
+        raise ValueError(
+            "--activation-offloading offloads what checkpointing keeps: drop --activation-checkpointing off"
+        )
     if getattr(args, "host_mem", None) is not None:
         host_mem_bytes(args.host_mem)
 
@@ -72,8 +78,7 @@ def _micro_batch(args) -> None:
     try:
         mb = int(text)
     except ValueError:
-        raise ValueError(f"--micro-batch {args.micro_batch!r}: use a whole number >= 1 or "
-                         "'auto'") from None
+        raise ValueError(f"--micro-batch {args.micro_batch!r}: use a whole number >= 1 or 'auto'") from None
     _positive_int(args, "--micro-batch", "micro_batch", mb)
 
 
@@ -87,7 +92,8 @@ def _cluster(args) -> None:
         raise ValueError(
             f"--gpus {gpus} with --gpus-per-node {per_node}: the planner places whole nodes, and "
             f"{gpus} is not a multiple of {per_node}; use --gpus {lo or per_node} or {hi}, or a "
-            f"--gpus-per-node that divides {gpus} ({', '.join(map(str, fits))})")
+            f"--gpus-per-node that divides {gpus} ({', '.join(map(str, fits))})"
+        )
 
 
 def _paths(args) -> None:
@@ -97,21 +103,26 @@ def _paths(args) -> None:
             continue
         p = Path(path)
         if p.is_dir():
-            raise ValueError(f"{flag} {path}: is a directory; give a file name, e.g. "
-                             f"{p / 'plan.yaml' if attr == 'write_config' else p / 'hw.json'}")
+            raise ValueError(
+                f"{flag} {path}: is a directory; give a file name, e.g. "
+                f"{p / 'plan.yaml' if attr == 'write_config' else p / 'hw.json'}"
+            )
         if not p.parent.is_dir():
-            raise ValueError(f"{flag} {path}: directory {p.parent} does not exist; create it "
-                             "first or pick another path")
+            raise ValueError(
+                f"{flag} {path}: directory {p.parent} does not exist; create it first or pick another path"
+            )
     hw_file = getattr(args, "hardware_file", None)
     if hw_file:
         try:
             hwmod.load_hardware_file(hw_file)
         except FileNotFoundError:
-            raise ValueError(f"--hardware-file {hw_file}: no such file (write one with "
-                             "--calibrate --calibrate-out FILE)") from None
+            raise ValueError(
+                f"--hardware-file {hw_file}: no such file (write one with --calibrate --calibrate-out FILE)"
+            ) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--hardware-file {hw_file}: not JSON ({exc}); give a profile "
-                             "written by --calibrate") from None
+            raise ValueError(
+                f"--hardware-file {hw_file}: not JSON ({exc}); give a profile written by --calibrate"
+            ) from None
         except (TypeError, ValueError) as exc:
             raise ValueError(f"--hardware-file {hw_file}: {exc}") from None
 
@@ -129,12 +140,13 @@ def check_args(args) -> None:
     _long_context(args)
     _positive_int(args, "--pipeline-virtual-stages", "pipeline_virtual_stages")
     if args.global_batch_tokens and args.seq_len and args.global_batch_tokens % args.seq_len:
-        raise ValueError(f"--global-batch-tokens {args.global_batch_tokens} is not a multiple of "
-                         f"--seq-len {args.seq_len}; use a multiple, or --global-batch-size")
+        raise ValueError(
+            f"--global-batch-tokens {args.global_batch_tokens} is not a multiple of "
+            f"--seq-len {args.seq_len}; use a multiple, or --global-batch-size"
+        )
     eff = args.matmul_efficiency
     if eff is not None and not 0 < eff <= 1:
-        raise ValueError(f"--matmul-efficiency {eff}: a fraction of peak, 0 < x <= 1 "
-                         "(e.g. 0.8)")
+        raise ValueError(f"--matmul-efficiency {eff}: a fraction of peak, 0 < x <= 1 (e.g. 0.8)")
     _positive(args, "--peak-tflops", "peak_tflops", "TFLOP/s")
     _positive(args, "--intra-node-bw", "intra_node_bw", "GB/s per GPU")
     _positive(args, "--inter-node-bw", "inter_node_bw", "GB/s per GPU")

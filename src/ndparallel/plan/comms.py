@@ -53,7 +53,9 @@ def fsdp_shard_numel(p: ParamSpec, tp: int, fsdp: int) -> int:
     return math.ceil(shape[0] / fsdp) * rest
 
 
-def unit_numels(model: ModelSpec, tp: int, fsdp: int, layout: Layout | None = None) -> dict[str, tuple[int, int]]:
+def unit_numels(
+    model: ModelSpec, tp: int, fsdp: int, layout: Layout | None = None
+) -> dict[str, tuple[int, int]]:
     """FSDP unit -> (tp-local unsharded elements, padded shard elements) of ONE such unit. An MoE
     model's ``experts`` unit: this rank's E/ep experts and their shard over efsdp (``layout``;
     default: experts not split, sharded over ``fsdp`` like the rest). Cached (the search's hot
@@ -100,11 +102,18 @@ def predict_collectives(
     ``scalars``: also list the small ones of the training loop (``train_under_layout`` /
     ``ndparallel.training.trainer``): the global token count and the gradient norm (see ``scalar_collectives``).
     """
-    s = Settings(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
-                 checkpointing=checkpointing, mixed_precision=mixed_precision,
-                 sequence_parallel=sequence_parallel, reshard_after_forward=reshard_after_forward,
-                 loss_parallel=loss_parallel, unsharded_grad_accumulation=unsharded_grad_accumulation,
-                 cp_strategy=cp_strategy)
+    s = Settings(
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        checkpointing=checkpointing,
+        mixed_precision=mixed_precision,
+        sequence_parallel=sequence_parallel,
+        reshard_after_forward=reshard_after_forward,
+        loss_parallel=loss_parallel,
+        unsharded_grad_accumulation=unsharded_grad_accumulation,
+        cp_strategy=cp_strategy,
+    )
     out = collectives_for(model, layout, s)
     if scalars:
         out += scalar_collectives(model, layout, mixed_precision)
@@ -118,8 +127,10 @@ def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Colle
     tokens = s.micro_batch * s.seq_len // layout.cp  # tokens per rank per micro-batch
     if layout.tp > 1:
         out += _tensor_parallel(model, layout, s, tokens, ga)
-        out += [Collective(kind, "tp", nbytes, n, what)
-                for kind, nbytes, n, what in tiled_tp_extra(model, layout, s, tokens, ga)]
+        out += [
+            Collective(kind, "tp", nbytes, n, what)
+            for kind, nbytes, n, what in tiled_tp_extra(model, layout, s, tokens, ga)
+        ]
     if layout.cp > 1:
         out += _context_parallel(model, layout, s, tokens, ga)
     if model.is_moe:
@@ -149,16 +160,38 @@ def _data_parallel(model: ModelSpec, layout: Layout, s: Settings) -> list[Collec
         local, shard = numels[unit]
         dim, n = ("efsdp", layout.efsdp) if unit == "experts" else ("dp_shard_cp", layout.fsdp)
         if n > 1:
-            out.append(Collective("all_gather", dim, shard * s.param_compute_bytes,
-                                  s.gathers_per_step(reshards) * count, f"FSDP all-gather params ({unit})",
-                                  "compute"))
-            out.append(Collective("reduce_scatter", dim, shard * n * s.reduce_bytes,
-                                  count * red, f"FSDP reduce-scatter grads ({unit})", "compute"))
+            out.append(
+                Collective(
+                    "all_gather",
+                    dim,
+                    shard * s.param_compute_bytes,
+                    s.gathers_per_step(reshards) * count,
+                    f"FSDP all-gather params ({unit})",
+                    "compute",
+                )
+            )
+            out.append(
+                Collective(
+                    "reduce_scatter",
+                    dim,
+                    shard * n * s.reduce_bytes,
+                    count * red,
+                    f"FSDP reduce-scatter grads ({unit})",
+                    "compute",
+                )
+            )
         if layout.dp_replicate > 1:
             size = shard if n > 1 else local
-            out.append(Collective("all_reduce", "dp_replicate", size * s.reduce_bytes, count * s.replica_reductions,
-                                  f"{'HSDP' if n > 1 else 'DDP'} all-reduce grads ({unit})",
-                                  "compute"))
+            out.append(
+                Collective(
+                    "all_reduce",
+                    "dp_replicate",
+                    size * s.reduce_bytes,
+                    count * s.replica_reductions,
+                    f"{'HSDP' if n > 1 else 'DDP'} all-reduce grads ({unit})",
+                    "compute",
+                )
+            )
     return out
 
 
@@ -189,10 +222,8 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
     out = []
     if s.sequence_parallel:
         out += [
-            Collective("all_gather", "tp", shard, (fwd_in + bwd) * ga,
-                       "TP/SP all-gather (layers)"),
-            Collective("reduce_scatter", "tp", full, (fwd + bwd) * ga,
-                       "TP/SP reduce-scatter (layers)"),
+            Collective("all_gather", "tp", shard, (fwd_in + bwd) * ga, "TP/SP all-gather (layers)"),
+            Collective("reduce_scatter", "tp", full, (fwd + bwd) * ga, "TP/SP reduce-scatter (layers)"),
             Collective("reduce_scatter", "tp", full, ga * embed, "TP embedding output (fwd)"),
             Collective("all_gather", "tp", shard, ga * embed, "TP embedding grad (bwd)"),
             Collective("all_gather", "tp", shard, ga * head, "TP LM-head input (fwd)"),
@@ -201,8 +232,7 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
     else:
         out += [
             Collective("all_reduce", "tp", full, fwd * ga, "TP all-reduce rowwise outputs (fwd)"),
-            Collective("all_reduce", "tp", full, bwd_no_sp * ga,
-                       "TP all-reduce block input grads (bwd)"),
+            Collective("all_reduce", "tp", full, bwd_no_sp * ga, "TP all-reduce block input grads (bwd)"),
             Collective("all_reduce", "tp", full, ga * embed, "TP embedding output (fwd)"),
             Collective("all_reduce", "tp", full, ga * head, "TP LM-head input grad (bwd)"),
         ]
@@ -210,14 +240,23 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
         out.append(Collective("all_reduce", "tp", tokens * 4, 3 * ga * head, "TP loss-parallel statistics"))
     else:
         vocab_local = -(-model.vocab // t)
-        out.append(Collective("all_gather", "tp", tokens * vocab_local * ab, ga * head,
-                              "TP LM-head logits gathered (fwd)"))
+        out.append(
+            Collective(
+                "all_gather", "tp", tokens * vocab_local * ab, ga * head, "TP LM-head logits gathered (fwd)"
+            )
+        )
     for p in model.param_specs():
-        partial = p.tp_dim is None and (s.sequence_parallel or "q_norm" in p.name
-                                        or "k_norm" in p.name)
+        partial = p.tp_dim is None and (s.sequence_parallel or "q_norm" in p.name or "k_norm" in p.name)
         if partial:
-            out.append(Collective("all_reduce", "tp", p.numel * s.param_compute_bytes,
-                                  p.count * ga, f"TP replicated-grad all-reduce ({p.name})"))
+            out.append(
+                Collective(
+                    "all_reduce",
+                    "tp",
+                    p.numel * s.param_compute_bytes,
+                    p.count * ga,
+                    f"TP replicated-grad all-reduce ({p.name})",
+                )
+            )
     return out
 
 
@@ -236,18 +275,16 @@ def _context_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int
     if s.cp_strategy == "allgather":
         passes = 2 if s.checkpointing else 1
         return [
-            Collective("all_gather", "cp", kv_elems * s.act_bytes, passes * L * ga,
-                       "CP all-gather K/V"),
-            Collective("reduce_scatter", "cp", c * kv_elems * 4, L * ga,
-                       "CP reduce-scatter dK/dV (fp32)"),
+            Collective("all_gather", "cp", kv_elems * s.act_bytes, passes * L * ga, "CP all-gather K/V"),
+            Collective("reduce_scatter", "cp", c * kv_elems * 4, L * ga, "CP reduce-scatter dK/dV (fp32)"),
         ]
     if s.cp_strategy != "ring":
         raise ValueError(f"cp_strategy={s.cp_strategy!r}: use 'ring', 'allgather' or 'ulysses'")
     return [
-        Collective("send_recv", "cp", kv_elems * s.act_bytes, (fwd + (c - 1)) * L * ga,
-                   "CP ring K/V", "attention"),
-        Collective("send_recv", "cp", kv_elems * 4, c * L * ga, "CP ring dK/dV (fp32)",
-                   "attention"),
+        Collective(
+            "send_recv", "cp", kv_elems * s.act_bytes, (fwd + (c - 1)) * L * ga, "CP ring K/V", "attention"
+        ),
+        Collective("send_recv", "cp", kv_elems * 4, c * L * ga, "CP ring dK/dV (fp32)", "attention"),
     ]
 
 
@@ -269,8 +306,7 @@ def _ulysses(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int
     ]
 
 
-def scalar_collectives(model: ModelSpec, layout: Layout,
-                       mixed_precision: str = "bf16") -> list[Collective]:
+def scalar_collectives(model: ModelSpec, layout: Layout, mixed_precision: str = "bf16") -> list[Collective]:
     """The training step's scalar collectives per optimizer step (``engine.step.train_step``, which
     ``train``, ``verify`` and ``train_under_layout`` run):
 

@@ -41,7 +41,9 @@ KERNELS_PER_LAYER = (60, 130)
 loss, FSDP and the optimizer included; ~190 per layer, split about 1 : 2."""
 
 
-def model_flops_per_token(model: ModelSpec, seq_len: int, lora_r: int = 0, lora_saved: tuple[str, ...] = ()) -> float:
+def model_flops_per_token(
+    model: ModelSpec, seq_len: int, lora_r: int = 0, lora_saved: tuple[str, ...] = ()
+) -> float:
     """``models.flops.train_flops_per_token`` (the trainer's MFU uses the same definition):
     4·N + 2·N_trained + causal attention 6·L·a·d·s; N_trained = N, or the adapters under LoRA of
     rank ``lora_r`` (no weight gradients for the frozen base) plus a trained LM head copy
@@ -53,12 +55,15 @@ def model_flops_per_token(model: ModelSpec, seq_len: int, lora_r: int = 0, lora_
         trained = trainable_params(model, lora_r)
         if head_copy_trains(model, lora_saved):
             trained += model.vocab * model.hidden
-    return train_flops_per_token(model.matmul_params, trained, model.layers, model.heads * model.head_dim,
-                                 seq_len)
+    return train_flops_per_token(
+        model.matmul_params, trained, model.layers, model.heads * model.head_dim, seq_len
+    )
 
 
 def peak(hw: Hardware, s: Settings) -> float:
-    return hw.peak_flops if s.mixed_precision in ("bf16", "fp16") else hw.peak_flops_fp32  # same tensor-core peak
+    return (
+        hw.peak_flops if s.mixed_precision in ("bf16", "fp16") else hw.peak_flops_fp32
+    )  # same tensor-core peak
 
 
 @dataclass(frozen=True)
@@ -79,8 +84,15 @@ class ComputeBreakdown:
         return max(gpu, self.host_floor)
 
     def to_dict(self) -> dict:
-        return {"gemm": self.gemm, "attention": self.attention, "elementwise": self.elementwise, "loss": self.loss,
-                "launch": self.launch, "host_floor": self.host_floor, "total": self.total}
+        return {
+            "gemm": self.gemm,
+            "attention": self.attention,
+            "elementwise": self.elementwise,
+            "loss": self.loss,
+            "launch": self.launch,
+            "host_floor": self.host_floor,
+            "total": self.total,
+        }
 
 
 def bytes_time(b: Bytes, hw: Hardware) -> float:
@@ -94,8 +106,7 @@ def all_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gemm]:
     return micro_batch_gemms(model, layout, s)
 
 
-def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings,
-                     hw: Hardware) -> ComputeBreakdown:
+def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> ComputeBreakdown:
     """Time of one micro-batch on one GPU (each GPU does 1/(c·t) of the work). Cached on what it
     depends on (the search asks for the same micro-batch under many layouts and step settings):
     a dense model's tp and cp, the settings less the step-level ones (``STEP_FIELDS``)."""
@@ -103,15 +114,25 @@ def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings,
     return _micro_batch_time(model, key, replace(s, **STEP_FIELDS), hw, id(hw))
 
 
-STEP_FIELDS = {"grad_accum": 1, "pp_in_flight": 1.0, "pp_schedule": "1F1B", "pp_virtual": 1,
-               "sync_every_microbatch": False, "reshard_after_backward": True, "unsharded_grad_accumulation": False,
-               "optimizer": "adamw",
-               "optimizer_fused": False, "set_to_none": True}
+STEP_FIELDS = {
+    "grad_accum": 1,
+    "pp_in_flight": 1.0,
+    "pp_schedule": "1F1B",
+    "pp_virtual": 1,
+    "sync_every_microbatch": False,
+    "reshard_after_backward": True,
+    "unsharded_grad_accumulation": False,
+    "optimizer": "adamw",
+    "optimizer_fused": False,
+    "set_to_none": True,
+}
 """Settings of the optimizer step and of accumulation, which one micro-batch's compute ignores."""
 
 
 @lru_cache(maxsize=4096)
-def _micro_batch_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, _hw: int) -> ComputeBreakdown:
+def _micro_batch_time(
+    model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, _hw: int
+) -> ComputeBreakdown:
     """``micro_batch_time``; ``_hw`` = id(hw): calibrated profiles equal in their compared fields differ."""
     pk = peak(hw, s)
     tokens = s.micro_batch * s.seq_len / layout.cp
@@ -129,13 +150,20 @@ def _micro_batch_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardwar
     kernels = model.layers * (kf * (2 if s.checkpointing else 1) + kb)
     if s.tiled_mlp:  # per tile ~6 forward kernels (3 GEMMs, SiLU, product, copy), 2 forwards + ~12 back
         kernels += model.layers * mlp_tiles(model, layout, s)[0] * (6 * (2 + s.checkpointing) + 12)
-    return ComputeBreakdown(gemm, attn, elementwise, loss, kernels * hw.kernel_overhead_s,
-                            kernels * hw.host_op_s)
+    return ComputeBreakdown(
+        gemm, attn, elementwise, loss, kernels * hw.kernel_overhead_s, kernels * hw.host_op_s
+    )
 
 
-def step_extras(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware,
-                local_params: float, shard_params: float, trained_params: float | None = None
-                ) -> dict[str, float]:
+def step_extras(
+    model: ModelSpec,
+    layout: Layout,
+    s: Settings,
+    hw: Hardware,
+    local_params: float,
+    shard_params: float,
+    trained_params: float | None = None,
+) -> dict[str, float]:
     """Per-step memory-bound seconds outside the micro-batches: optimizer, clipping, FSDP copies.
     ``trained_params``: the shard the optimizer updates (LoRA: the adapters'; default: all)."""
     bw = hw.hbm_bw * hw.hbm_efficiency

@@ -66,20 +66,26 @@ class Estimate:
 
     def to_dict(self) -> dict:
         out = {
-            "layout": asdict(self.layout), "settings": asdict(self.settings),
-            "global_batch_sequences": self.global_batch, "fits": self.fits,
-            "memory_gib": {k: (v / GiB if isinstance(v, float | int) else v)
-                           for k, v in self.memory.to_dict().items()},
-            "time_s": asdict(self.time), "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
-            "mfu": self.mfu, "bottleneck": self.bottleneck,
+            "layout": asdict(self.layout),
+            "settings": asdict(self.settings),
+            "global_batch_sequences": self.global_batch,
+            "fits": self.fits,
+            "memory_gib": {
+                k: (v / GiB if isinstance(v, float | int) else v) for k, v in self.memory.to_dict().items()
+            },
+            "time_s": asdict(self.time),
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "bottleneck": self.bottleneck,
         }
         if self.pipeline is not None:
             out["pipeline"] = self.pipeline.to_dict()
         return out
 
 
-def rank_step(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware,
-              gpus_per_node: int) -> tuple[MemoryBreakdown, list, TimeBreakdown]:
+def rank_step(
+    model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_per_node: int
+) -> tuple[MemoryBreakdown, list, TimeBreakdown]:
     """Memory, collectives and step time of one rank running ``model`` (under pipeline parallel:
     the rank's share, ``pipeline.rank_model``) for ``s.grad_accum`` micro-batches."""
     mem = estimate_memory(model, layout, s, hw)
@@ -120,9 +126,18 @@ def rank_step(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware,
     compute = ga * t_mb + extras["fsdp_copies"] + extras.get("nf4_dequant", 0.0)
     offload = ga * offload_exposed_seconds(model, layout, s, hw.host_link_bw, t_mb)
     step = compute + ga * cp_exposed + tp + dp_exposed + t_opt + offload + ep
-    timeb = TimeBreakdown(compute, tp, ga * cp_exposed, dp_exposed, t_opt, step,
-                          {d: {"seconds": v, "intra_node": intra[d]} for d, v in per_dim.items()},
-                          {**mb_time.to_dict(), **extras}, offload, ep)
+    timeb = TimeBreakdown(
+        compute,
+        tp,
+        ga * cp_exposed,
+        dp_exposed,
+        t_opt,
+        step,
+        {d: {"seconds": v, "intra_node": intra[d]} for d, v in per_dim.items()},
+        {**mb_time.to_dict(), **extras},
+        offload,
+        ep,
+    )
     return mem, colls, timeb
 
 
@@ -141,30 +156,69 @@ def fsdp_exposed(gather: float, reduce: float, n_units: float, s: Settings, t_mb
     if not s.reshard_after_backward:
         window = (s.grad_accum if s.reshard_after_forward else 1 / 3) * t_mb
         return edge * gather + max(0.0, gather * (1 - edge) - window) + reduce
-    return (edge * (gather + reduce) + max(0.0, gather * (1 - edge) - s.grad_accum * t_mb)
-            + max(0.0, reduce * (1 - edge) - s.reducing_microbatches * t_mb * 2 / 3))
+    return (
+        edge * (gather + reduce)
+        + max(0.0, gather * (1 - edge) - s.grad_accum * t_mb)
+        + max(0.0, reduce * (1 - edge) - s.reducing_microbatches * t_mb * 2 / 3)
+    )
 
 
-def finish(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, mem: MemoryBreakdown,
-           colls: list, timeb: TimeBreakdown, global_batch: int | None = None,
-           pipeline=None) -> Estimate:
+def finish(
+    model: ModelSpec,
+    layout: Layout,
+    s: Settings,
+    hw: Hardware,
+    mem: MemoryBreakdown,
+    colls: list,
+    timeb: TimeBreakdown,
+    global_batch: int | None = None,
+    pipeline=None,
+) -> Estimate:
     """Throughput, MFU (the whole model's FLOPs over every GPU) and the bottleneck of a step."""
     gb = s.micro_batch * s.grad_accum * layout.dp
     tokens = gb * s.seq_len
     world = layout.world
     step = timeb.step
     tps = tokens / step / world
-    mfu = tokens * model_flops_per_token(model, s.seq_len, s.lora_r, s.lora_saved) / (step * world * peak(hw, s))
-    parts = {"compute": timeb.compute, "tp comm": timeb.tp_exposed, "cp comm": timeb.cp_exposed,
-             "fsdp/dp comm": timeb.dp_exposed, "optimizer step": timeb.optimizer, "ep comm": timeb.ep_exposed,
-             "pipeline bubble": timeb.pp_bubble, "pp comm": timeb.pp_exposed}
+    mfu = (
+        tokens
+        * model_flops_per_token(model, s.seq_len, s.lora_r, s.lora_saved)
+        / (step * world * peak(hw, s))
+    )
+    parts = {
+        "compute": timeb.compute,
+        "tp comm": timeb.tp_exposed,
+        "cp comm": timeb.cp_exposed,
+        "fsdp/dp comm": timeb.dp_exposed,
+        "optimizer step": timeb.optimizer,
+        "ep comm": timeb.ep_exposed,
+        "pipeline bubble": timeb.pp_bubble,
+        "pp comm": timeb.pp_exposed,
+    }
     name = max(parts, key=parts.get)
     if name.endswith("comm"):
-        dims = {"tp comm": ["tp"], "cp comm": ["cp"], "ep comm": ["ep"], "pp comm": ["pp"],
-                "fsdp/dp comm": ["dp_shard_cp", "dp_replicate", "efsdp"]}[name]
-        links = {("intra" if timeb.comm_total[d]["intra_node"] else "inter")
-                 for d in dims if d in timeb.comm_total}
+        dims = {
+            "tp comm": ["tp"],
+            "cp comm": ["cp"],
+            "ep comm": ["ep"],
+            "pp comm": ["pp"],
+            "fsdp/dp comm": ["dp_shard_cp", "dp_replicate", "efsdp"],
+        }[name]
+        links = {
+            ("intra" if timeb.comm_total[d]["intra_node"] else "inter") for d in dims if d in timeb.comm_total
+        }
         name += f" ({'/'.join(sorted(links))}-node)"
     bottleneck = f"{name} {parts[max(parts, key=parts.get)] / step:.0%}"
-    return Estimate(layout, s, mem, timeb, global_batch or gb, tps, mfu, bottleneck,
-                    mem.total <= hw.mem_bytes, colls, pipeline)
+    return Estimate(
+        layout,
+        s,
+        mem,
+        timeb,
+        global_batch or gb,
+        tps,
+        mfu,
+        bottleneck,
+        mem.total <= hw.mem_bytes,
+        colls,
+        pipeline,
+    )

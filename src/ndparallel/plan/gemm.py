@@ -48,8 +48,13 @@ def _linears(model: ModelSpec, tp: int) -> list[tuple[str, int, int, int]]:
     """(name, in, out, how many per layer) of a decoder layer's linears, tp-local."""
     h, d, f = model.hidden, model.head_dim, model.intermediate
     q, kv = model.heads * d // tp, model.kv_heads * d // tp
-    return [("q_proj", h, q, 1), ("k/v_proj", h, kv, 2), ("o_proj", q, h, 1),
-            ("gate/up_proj", h, f // tp, 2), ("down_proj", f // tp, h, 1)]
+    return [
+        ("q_proj", h, q, 1),
+        ("k/v_proj", h, kv, 2),
+        ("o_proj", q, h, 1),
+        ("gate/up_proj", h, f // tp, 2),
+        ("down_proj", f // tp, h, 1),
+    ]
 
 
 MLP_LINEARS = ("gate/up_proj", "down_proj")
@@ -79,15 +84,19 @@ def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gem
         tokens = all_tokens
         if s.tiled_mlp and name in MLP_LINEARS:  # per tile, and the tile's forward once more
             tokens, n, again = int(tile_tokens), n * tiles, (again + n) * tiles
-        out += [Gemm(f"{name} fwd", tokens, o, i, n + again),
-                Gemm(f"{name} dgrad", tokens, i, o, n)]
+        out += [Gemm(f"{name} fwd", tokens, o, i, n + again), Gemm(f"{name} dgrad", tokens, i, o, n)]
         if not s.lora_r:
             out.append(Gemm(f"{name} wgrad", o, i, tokens, n))
             continue
         r = s.lora_r  # frozen base: no weight gradient; the adapter x·Aᵀ·Bᵀ, its two gradients each
-        out += [Gemm(f"{name} lora A fwd", tokens, r, i, n + again), Gemm(f"{name} lora B fwd", tokens, o, r, n + again),
-                Gemm(f"{name} lora B dgrad", tokens, r, o, n), Gemm(f"{name} lora B wgrad", o, r, tokens, n),
-                Gemm(f"{name} lora A dgrad", tokens, i, r, n), Gemm(f"{name} lora A wgrad", r, i, tokens, n)]
+        out += [
+            Gemm(f"{name} lora A fwd", tokens, r, i, n + again),
+            Gemm(f"{name} lora B fwd", tokens, o, r, n + again),
+            Gemm(f"{name} lora B dgrad", tokens, r, o, n),
+            Gemm(f"{name} lora B wgrad", o, r, tokens, n),
+            Gemm(f"{name} lora A dgrad", tokens, i, r, n),
+            Gemm(f"{name} lora A wgrad", r, i, tokens, n),
+        ]
     if model.is_moe:  # the router, the experts' grouped GEMMs, the shared MLP (plan/moe.py)
         from ndparallel.plan import moe
 
@@ -97,7 +106,9 @@ def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gem
     vocab = -(-model.vocab // layout.tp)
     h = model.hidden
     out += [Gemm("lm_head fwd", all_tokens, vocab, h, 1), Gemm("lm_head dgrad", all_tokens, h, vocab, 1)]
-    if not s.lora_r or head_copy_trains(model, s.lora_saved):  # under LoRA the LM head is frozen, unless its copy trains
+    if not s.lora_r or head_copy_trains(
+        model, s.lora_saved
+    ):  # under LoRA the LM head is frozen, unless its copy trains
         out.append(Gemm("lm_head wgrad", vocab, h, all_tokens, 1))
     return out
 

@@ -56,8 +56,9 @@ class Hardware:
     rsqrt) run in PyTorch's strided kernel at this fraction of the contiguous ones' bandwidth."""
     gemm_half_dim: float = 128.0
     """``x₀`` of the GEMM shape curve ``x/(x+x₀)`` per dimension (``gemm.py``)."""
-    attention_efficiency: dict = field(default_factory=lambda: {
-        "64": [0.37, 0.23], "128": [0.61, 0.38]}, compare=False)
+    attention_efficiency: dict = field(
+        default_factory=lambda: {"64": [0.37, 0.23], "128": [0.61, 0.38]}, compare=False
+    )
     """Causal flash attention by head dim: [forward, backward] model FLOPs / (time · peak), the
     backward counted as 2× the forward's FLOPs. The nearest head dim is used."""
     cp_block_efficiency: dict = field(default_factory=dict, compare=False)
@@ -82,7 +83,7 @@ class Hardware:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Hardware":
+    def from_dict(cls, data: dict) -> Hardware:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -95,10 +96,28 @@ PRESETS: dict[str, Hardware] = {
     for h in [
         # A100 SXM: 312 TFLOP/s bf16, 19.5 fp32; NVLink3 600 GB/s both ways; DGX A100 has one
         # 200 Gb/s HDR NIC per GPU. Memory = the driver's total (40536 / 81920 MiB).
-        Hardware("a100-40gb", 40536 * MiB, 312e12, 19.5e12, 1.555e12, 300e9, 25e9,
-                 matmul_efficiency=0.7, host_link_bw=25e9),
-        Hardware("a100-80gb", 81920 * MiB, 312e12, 19.5e12, 2.039e12, 300e9, 25e9,
-                 matmul_efficiency=0.7, host_link_bw=25e9),
+        Hardware(
+            "a100-40gb",
+            40536 * MiB,
+            312e12,
+            19.5e12,
+            1.555e12,
+            300e9,
+            25e9,
+            matmul_efficiency=0.7,
+            host_link_bw=25e9,
+        ),
+        Hardware(
+            "a100-80gb",
+            81920 * MiB,
+            312e12,
+            19.5e12,
+            2.039e12,
+            300e9,
+            25e9,
+            matmul_efficiency=0.7,
+            host_link_bw=25e9,
+        ),
         # H100 SXM: 989 TFLOP/s bf16 dense, 67 fp32; NVLink4 900 GB/s both ways; one 400 Gb/s
         # NDR NIC per GPU (DGX H100). 81559 MiB reported.
         Hardware("h100-80gb", 81559 * MiB, 989e12, 67e12, 3.35e12, 450e9, 50e9),

@@ -149,26 +149,57 @@ class Settings:
         return OPTIMIZER_STATE_BYTES[self.optimizer]
 
 
-OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "sgd": 0.0, "adamw_8bit": 2 + 8 / 256, "adamw_4bit": 1 + 8 / 128,
-                         "muon": 4.0}
+OPTIMIZER_STATE_BYTES = {
+    "adamw": 8.0,
+    "sgd": 0.0,
+    "adamw_8bit": 2 + 8 / 256,
+    "adamw_4bit": 1 + 8 / 128,
+    "muon": 4.0,
+}
 
 
 _ALIASES = {
-    "pp": "pp", "pp_size": "pp", "pipeline_parallel_size": "pp",
-    "schedule": "pipeline_schedule", "sched": "pipeline_schedule", "pipeline_schedule": "pipeline_schedule",
-    "v": "pipeline_virtual_stages", "virtual": "pipeline_virtual_stages",
+    "pp": "pp",
+    "pp_size": "pp",
+    "pipeline_parallel_size": "pp",
+    "schedule": "pipeline_schedule",
+    "sched": "pipeline_schedule",
+    "pipeline_schedule": "pipeline_schedule",
+    "v": "pipeline_virtual_stages",
+    "virtual": "pipeline_virtual_stages",
     "pipeline_virtual_stages": "pipeline_virtual_stages",
-    "dp_replicate": "dp_replicate", "dp_replicate_size": "dp_replicate", "dr": "dp_replicate",
-    "r": "dp_replicate", "replicate": "dp_replicate", "ddp": "dp_replicate",
-    "dp_shard": "dp_shard", "dp_shard_size": "dp_shard", "ds": "dp_shard", "s": "dp_shard",
-    "fsdp": "dp_shard", "shard": "dp_shard",
-    "cp": "cp", "cp_size": "cp", "c": "cp", "context_parallel_size": "cp",
-    "tp": "tp", "tp_size": "tp", "t": "tp", "tensor_parallel_size": "tp",
-    "ep": "ep", "ep_size": "ep", "e": "ep", "expert_parallel_size": "ep",
-    "mb": "micro_batch", "micro_batch": "micro_batch", "micro_batch_size": "micro_batch",
-    "ac": "checkpointing", "checkpointing": "checkpointing",
+    "dp_replicate": "dp_replicate",
+    "dp_replicate_size": "dp_replicate",
+    "dr": "dp_replicate",
+    "r": "dp_replicate",
+    "replicate": "dp_replicate",
+    "ddp": "dp_replicate",
+    "dp_shard": "dp_shard",
+    "dp_shard_size": "dp_shard",
+    "ds": "dp_shard",
+    "s": "dp_shard",
+    "fsdp": "dp_shard",
+    "shard": "dp_shard",
+    "cp": "cp",
+    "cp_size": "cp",
+    "c": "cp",
+    "context_parallel_size": "cp",
+    "tp": "tp",
+    "tp_size": "tp",
+    "t": "tp",
+    "tensor_parallel_size": "tp",
+    "ep": "ep",
+    "ep_size": "ep",
+    "e": "ep",
+    "expert_parallel_size": "ep",
+    "mb": "micro_batch",
+    "micro_batch": "micro_batch",
+    "micro_batch_size": "micro_batch",
+    "ac": "checkpointing",
+    "checkpointing": "checkpointing",
     "activation_checkpointing": "checkpointing",
-    "uga": "unsharded_grad_accumulation", "unsharded_grad_accumulation": "unsharded_grad_accumulation",
+    "uga": "unsharded_grad_accumulation",
+    "unsharded_grad_accumulation": "unsharded_grad_accumulation",
 }
 
 
@@ -192,8 +223,10 @@ def parse_layout(text: str) -> tuple[Layout, dict]:
         key, val = (s.strip() for s in part.split("=", 1))
         name = _ALIASES.get(key.lower())
         if name is None:
-            raise ValueError(f"unknown layout key {key!r} (use pp, dp_replicate, dp_shard, cp, tp, ep, mb, ac, "
-                             "schedule, v, uga)")
+            raise ValueError(
+                f"unknown layout key {key!r} (use pp, dp_replicate, dp_shard, cp, tp, ep, mb, ac, "
+                "schedule, v, uga)"
+            )
         if name in ("checkpointing", "unsharded_grad_accumulation"):
             if val.lower() not in ("on", "off", "true", "false", "1", "0"):
                 raise ValueError(f"{key}={val!r}: use on or off")
@@ -243,15 +276,30 @@ def structural_rejections(
     """Why ``layout`` cannot run at all (before memory): a list of (code, message); empty if ok."""
     out: list[tuple[str, str]] = []
     if layout.world != world:
-        out.append(("world_size", f"{'pp × ' if layout.pp_enabled else ''}dp_replicate × dp_shard × cp × tp = "
-                    f"{layout.compact()} = {layout.world} ranks, but the world has {world}"))
+        out.append(
+            (
+                "world_size",
+                f"{'pp × ' if layout.pp_enabled else ''}dp_replicate × dp_shard × cp × tp = "
+                f"{layout.compact()} = {layout.world} ranks, but the world has {world}",
+            )
+        )
     tp, cp = layout.tp, layout.cp
     if tp > gpus_per_node:
-        out.append(("tp_beyond_node", f"tp={tp} is larger than a node ({gpus_per_node} GPUs): "
-                    "TP collectives would cross the inter-node network every layer"))
+        out.append(
+            (
+                "tp_beyond_node",
+                f"tp={tp} is larger than a node ({gpus_per_node} GPUs): "
+                "TP collectives would cross the inter-node network every layer",
+            )
+        )
     elif tp > 1 and gpus_per_node % tp:
-        out.append(("tp_beyond_node", f"tp={tp} does not divide the {gpus_per_node} GPUs of a "
-                    "node: some TP groups would straddle two nodes"))
+        out.append(
+            (
+                "tp_beyond_node",
+                f"tp={tp} does not divide the {gpus_per_node} GPUs of a "
+                "node: some TP groups would straddle two nodes",
+            )
+        )
     if model.heads % tp:
         out.append(("heads", f"{model.heads} attention heads are not divisible by tp={tp}"))
     if model.kv_heads % tp:
@@ -265,17 +313,32 @@ def structural_rejections(
     if cp > 1 and settings.cp_strategy == "ulysses" and model.heads % tp == 0 and model.kv_heads % tp == 0:
         h, kv = model.heads // tp, model.kv_heads // tp
         if h % cp or (kv % cp and cp % kv):
-            out.append(("heads_cp", f"cp_strategy ulysses needs the {h} query heads per tp rank "
-                        f"divisible by cp={cp} and the {kv} key/value heads per tp rank dividing "
-                        "or divisible by it"))
+            out.append(
+                (
+                    "heads_cp",
+                    f"cp_strategy ulysses needs the {h} query heads per tp rank "
+                    f"divisible by cp={cp} and the {kv} key/value heads per tp rank dividing "
+                    "or divisible by it",
+                )
+            )
     if layout.pp_enabled:
         out += pipeline_rejections(layout, model, settings)
     if settings.seq_len % layout.cp_chunks():
-        out.append(("seq_cp", f"seq_len {settings.seq_len} is not divisible by 2·cp = {2 * cp} "
-                    "(load-balanced CP cuts each sequence into 2·cp chunks)"))
+        out.append(
+            (
+                "seq_cp",
+                f"seq_len {settings.seq_len} is not divisible by 2·cp = {2 * cp} "
+                "(load-balanced CP cuts each sequence into 2·cp chunks)",
+            )
+        )
     elif settings.seq_len % layout.seq_len_divisor(settings.sequence_parallel):
-        out.append(("seq_tp", f"the {settings.seq_len // cp} tokens per cp rank are not divisible "
-                    f"by tp={tp} (sequence parallel splits them over tp)"))
+        out.append(
+            (
+                "seq_tp",
+                f"the {settings.seq_len // cp} tokens per cp rank are not divisible "
+                f"by tp={tp} (sequence parallel splits them over tp)",
+            )
+        )
     return out
 
 
@@ -283,12 +346,23 @@ def pipeline_rejections(layout: Layout, model: ModelSpec, settings: Settings) ->
     """What a pp layout cannot be, whatever its micro-batches (those: ``pipeline.problem``)."""
     out = []
     if layout.pp > model.layers:
-        out.append(("pp_layers", f"pp={layout.pp} stages for {model.layers} decoder layers: every stage "
-                    "needs one"))
+        out.append(
+            ("pp_layers", f"pp={layout.pp} stages for {model.layers} decoder layers: every stage needs one")
+        )
     if model.is_moe:
-        out.append(("pp_moe", f"pp={layout.pp} with experts: pipeline parallel of MoE models is not "
-                    "modelled (train refuses it with a router loss)"))
+        out.append(
+            (
+                "pp_moe",
+                f"pp={layout.pp} with experts: pipeline parallel of MoE models is not "
+                "modelled (train refuses it with a router loss)",
+            )
+        )
     if settings.lora_r:
-        out.append(("pp_adapter", f"pp={layout.pp} with a LoRA adapter: not modelled by the planner (train runs "
-                    "it: docs/pipeline_parallel.md)"))
+        out.append(
+            (
+                "pp_adapter",
+                f"pp={layout.pp} with a LoRA adapter: not modelled by the planner (train runs "
+                "it: docs/pipeline_parallel.md)",
+            )
+        )
     return out

@@ -83,8 +83,9 @@ def host_bytes(model: ModelSpec, layout: Layout, s: Settings) -> float:
     return model.layers * tokens * checkpointed_input_per_token(model, layout, s)
 
 
-def offload_exposed_seconds(model: ModelSpec, layout: Layout, s: Settings, host_link_bw: float,
-                            micro_batch_seconds: float) -> float:
+def offload_exposed_seconds(
+    model: ModelSpec, layout: Layout, s: Settings, host_link_bw: float, micro_batch_seconds: float
+) -> float:
     """Copy time per micro-batch not hidden behind compute: per layer a device→host copy against
     the next layer's forward (a quarter of a checkpointed micro-batch: forward 1, recompute 1,
     backward 2) and a host→device copy against a layer's recompute + backward (three quarters)."""
@@ -92,8 +93,9 @@ def offload_exposed_seconds(model: ModelSpec, layout: Layout, s: Settings, host_
         return 0.0
     per_layer = host_bytes(model, layout, s) / model.layers / host_link_bw
     layer_compute = micro_batch_seconds / model.layers
-    return model.layers * (max(0.0, per_layer - layer_compute / 4)
-                           + max(0.0, per_layer - 3 * layer_compute / 4))
+    return model.layers * (
+        max(0.0, per_layer - layer_compute / 4) + max(0.0, per_layer - 3 * layer_compute / 4)
+    )
 
 
 def tiled_tp_extra(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int) -> list[tuple]:
@@ -107,6 +109,8 @@ def tiled_tp_extra(model: ModelSpec, layout: Layout, s: Settings, tokens: int, g
     full = tokens * model.hidden * s.act_bytes
     reductions = (1 + (1 if s.checkpointing else 0)) * model.layers * ga
     if s.sequence_parallel:
-        return [("all_gather", full // layout.tp, model.layers * ga, "TP/SP all-gather (tiled MLP recompute)"),
-                ("reduce_scatter", full, reductions, "TP/SP reduce-scatter (tiled MLP recompute)")]
+        return [
+            ("all_gather", full // layout.tp, model.layers * ga, "TP/SP all-gather (tiled MLP recompute)"),
+            ("reduce_scatter", full, reductions, "TP/SP reduce-scatter (tiled MLP recompute)"),
+        ]
     return [("all_reduce", full, reductions, "TP all-reduce (tiled MLP recompute)")]

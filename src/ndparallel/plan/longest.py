@@ -89,16 +89,24 @@ def longest(req: PlanRequest, cap: int = SEARCH_CAP) -> list[Longest]:
     return sorted(rows, key=lambda r: (-r.seq_len, -(r.best.tokens_per_s_per_gpu if r.best else 0)))
 
 
-FEATURES = {"plain": (False, False), "tiled MLP": (True, False), "offloading": (False, True),
-            "tiled MLP + offloading": (True, True)}
+FEATURES = {
+    "plain": (False, False),
+    "tiled MLP": (True, False),
+    "offloading": (False, True),
+    "tiled MLP + offloading": (True, True),
+}
 
 
 def feature_summary(req: PlanRequest, cap: int = SEARCH_CAP) -> dict[str, Longest | None]:
     """The longest layout with each combination of the long-context options."""
     out = {}
     for name, (tiled, offload) in FEATURES.items():
-        r = dataclasses.replace(req, tiled_mlp=tiled, activation_offloading=offload,
-                                checkpointing="on" if offload else req.checkpointing)
+        r = dataclasses.replace(
+            req,
+            tiled_mlp=tiled,
+            activation_offloading=offload,
+            checkpointing="on" if offload else req.checkpointing,
+        )
         rows = [x for x in longest(r, cap) if x.seq_len]
         out[name] = rows[0] if rows else None
     return out
@@ -107,18 +115,33 @@ def feature_summary(req: PlanRequest, cap: int = SEARCH_CAP) -> dict[str, Longes
 def _row_cells(r: Longest, per_node: int) -> list[str]:
     e = r.best
     s = e.settings
-    host = f"{e.memory.host_offload * min(per_node, r.layout.world) / GiB:.0f}" if s.activation_offloading else "-"
-    return [r.layout.compact(), r.layout.describe(), f"{r.seq_len:,}", "on" if s.checkpointing else "off",
-            f"{e.memory.total / GiB:.1f}", host, f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.mfu:.1%}"]
+    host = (
+        f"{e.memory.host_offload * min(per_node, r.layout.world) / GiB:.0f}"
+        if s.activation_offloading
+        else "-"
+    )
+    return [
+        r.layout.compact(),
+        r.layout.describe(),
+        f"{r.seq_len:,}",
+        "on" if s.checkpointing else "off",
+        f"{e.memory.total / GiB:.1f}",
+        host,
+        f"{e.tokens_per_s_per_gpu:,.0f}",
+        f"{e.mfu:.1%}",
+    ]
 
 
-def print_longest(req: PlanRequest, rows: list[Longest], summary: dict | None, console: Console,
-                  top: int = 10) -> None:
-    console.print(f"{req.model.name} on {req.gpus} × {req.hardware.name} ({req.hardware.mem_bytes / GiB:.0f} "
-                  f"GiB): longest sequence per layout, micro-batch 1, one sequence per dp rank; tiled MLP "
-                  f"{'on' if req.tiled_mlp else 'off'}, activation offloading "
-                  f"{'on' if req.activation_offloading else 'off'}"
-                  + ("" if req.host_mem_bytes else " (host memory not checked: --host-mem)"))
+def print_longest(
+    req: PlanRequest, rows: list[Longest], summary: dict | None, console: Console, top: int = 10
+) -> None:
+    console.print(
+        f"{req.model.name} on {req.gpus} × {req.hardware.name} ({req.hardware.mem_bytes / GiB:.0f} "
+        f"GiB): longest sequence per layout, micro-batch 1, one sequence per dp rank; tiled MLP "
+        f"{'on' if req.tiled_mlp else 'off'}, activation offloading "
+        f"{'on' if req.activation_offloading else 'off'}"
+        + ("" if req.host_mem_bytes else " (host memory not checked: --host-mem)")
+    )
     cols = ("layout", "strategy", "max seq", "AC", "mem GiB", "host GiB/node", "tok/s/GPU", "MFU")
     if summary:
         t = Table(title="Long-context options (best layout each)")
@@ -133,5 +156,7 @@ def print_longest(req: PlanRequest, rows: list[Longest], summary: dict | None, c
     for r in [r for r in rows if r.seq_len][:top]:
         t.add_row(*_row_cells(r, req.gpus_per_node))
     console.print(t)
-    console.print("Memory only bounds these lengths: the step time grows with s² (attention); "
-                  "a model beyond its max_position_embeddings needs RoPE scaling.")
+    console.print(
+        "Memory only bounds these lengths: the step time grows with s² (attention); "
+        "a model beyond its max_position_embeddings needs RoPE scaling."
+    )

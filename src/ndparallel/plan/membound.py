@@ -26,10 +26,10 @@ class Bytes:
     stream: float = 0.0
     broadcast: float = 0.0
 
-    def __add__(self, o: "Bytes") -> "Bytes":
+    def __add__(self, o: Bytes) -> Bytes:
         return Bytes(self.stream + o.stream, self.broadcast + o.broadcast)
 
-    def __mul__(self, k: float) -> "Bytes":
+    def __mul__(self, k: float) -> Bytes:
         return Bytes(self.stream * k, self.broadcast * k)
 
 
@@ -47,8 +47,7 @@ def norm_bytes(e: int) -> tuple[Bytes, Bytes]:
     input-grad paths added (12), ``grad·x`` + ``sum`` for the weight grad (4e) | broadcast:
     ``grad·weight`` (2e), ``grad·rsqrt`` (8)."""
     c = _cast(e)
-    return (Bytes(2 * c + 12, 8 + 2 * e),
-            Bytes(2 * c + 64 + 4 * e, 8 + 2 * e))
+    return (Bytes(2 * c + 12, 8 + 2 * e), Bytes(2 * c + 64 + 4 * e, 8 + 2 * e))
 
 
 def layer_bytes_per_token(model: ModelSpec, layout: Layout, s: Settings) -> tuple[Bytes, Bytes]:
@@ -95,8 +94,7 @@ def loss_bytes_per_token(model: ModelSpec, layout: Layout, s: Settings) -> Bytes
     return Bytes((32 + 2 * _cast(e)) * vocab) + (nf + nb) * (model.hidden / t_sp)
 
 
-def fsdp_copy_bytes(model: ModelSpec, layout: Layout, s: Settings, local: float,
-                    shard: float) -> float:
+def fsdp_copy_bytes(model: ModelSpec, layout: Layout, s: Settings, local: float, shard: float) -> float:
     """FSDP2's own copies per optimizer step, given tp-local (``local``) and sharded (``shard``)
     parameter counts per unit. An all-gather casts the fp32 shard into the bf16 send buffer
     (shard·(4+e)) and copies the gathered buffer into the parameters (local·2e); a gradient
@@ -130,9 +128,18 @@ def unit_param_counts(model: ModelSpec, numels: dict) -> tuple[float, float]:
     return local, shard
 
 
-OPTIMIZER_BYTES = {("adamw", True): 28, ("adamw", False): 84, ("sgd", True): 12,
-                   ("sgd", False): 12, ("adamw_8bit", True): 18, ("adamw_8bit", False): 18,
-                   ("adamw_4bit", True): 17, ("adamw_4bit", False): 17, ("muon", True): 32, ("muon", False): 32}
+OPTIMIZER_BYTES = {
+    ("adamw", True): 28,
+    ("adamw", False): 84,
+    ("sgd", True): 12,
+    ("sgd", False): 12,
+    ("adamw_8bit", True): 18,
+    ("adamw_8bit", False): 18,
+    ("adamw_4bit", True): 17,
+    ("adamw_4bit", False): 17,
+    ("muon", True): 32,
+    ("muon", False): 32,
+}
 """Bytes per parameter of one optimizer step. Fused AdamW reads param, grad, exp_avg, exp_avg_sq
 and writes three (28); torch's default foreach AdamW runs eight list ops (weight decay 8, lerp 12,
 ``·β₂`` 8, addcmul 16, sqrt 8, div 8, ``+ε`` 8, addcdiv 16 = 84). SGD without momentum: 12.

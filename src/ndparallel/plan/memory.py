@@ -157,8 +157,13 @@ def selective_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> 
     t, e = layout.tp, s.act_bytes
     t_sp = t if s.sequence_parallel else 1
     h, d = model.hidden, model.head_dim
-    return (e * h / t_sp + e * (2 * model.heads + model.kv_heads) * d / t
-            + e * model.intermediate / t + e * h + 4 * model.heads / t)
+    return (
+        e * h / t_sp
+        + e * (2 * model.heads + model.kv_heads) * d / t
+        + e * model.intermediate / t
+        + e * h
+        + 4 * model.heads / t
+    )
 
 
 def _logits_bytes(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:
@@ -194,8 +199,9 @@ def chunk_tokens(s: Settings, vocab_local: int, tokens: float) -> int:
     return int(min(max(1, tokens), 1 << (fit.bit_length() - 1)))
 
 
-def _buffers(model: ModelSpec, layout: Layout, s: Settings, numels: dict,
-             accumulating: bool = False) -> tuple[float, float]:
+def _buffers(
+    model: ModelSpec, layout: Layout, s: Settings, numels: dict, accumulating: bool = False
+) -> tuple[float, float]:
     """FSDP's unsharded parameters and gradients at (loss moment, layer moment).
 
     Loss moment: the head unit gathered (its gradient comes after the loss backward's peak).
@@ -244,8 +250,9 @@ def optimizer_step_temporaries(model: ModelSpec, layout: Layout, s: Settings) ->
         return muon.step_temporaries(model, layout)
     if s.optimizer != "adamw" or s.optimizer_fused:
         return 0.0
-    largest = max(p.numel / (layout.tp if p.tp_dim is not None else 1) / layout.fsdp
-                  for p in model.param_specs())
+    largest = max(
+        p.numel / (layout.tp if p.tp_dim is not None else 1) / layout.fsdp for p in model.param_specs()
+    )
     return 2 * 4.0 * largest
 
 
@@ -273,8 +280,9 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         adapter = adapter_shard_numel(model, layout, s.lora_r)
         params = shard_numel * s.param_compute_bytes + adapter * 4
         optimizer = adapter * s.optimizer_state_bytes
-        all_grads = adapter * 4 + (model.layers * adapter_local * s.reduce_bytes
-                                   if s.accumulates_unsharded else 0.0)
+        all_grads = adapter * 4 + (
+            model.layers * adapter_local * s.reduce_bytes if s.accumulates_unsharded else 0.0
+        )
         head_grads = 0.0  # the LM head is frozen
         copies = saved_copy_units(model, s.lora_saved)  # lora_modules_to_save: trained full tables
         if copies:
@@ -303,9 +311,16 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         "loss backward": (grads_a, saved + qat_head, logits, buf_a),
         # the last layer's backward: every layer's saved activations (under checkpointing, the
         # layer's own recomputed ones too) and the gradient workspace of one layer
-        "layer backward": (grads_b, saved + (per_layer if s.checkpointing else 0.0)
-                           + _workspace(model, layout, s, tokens)
-                           + nf4.get("workspace", 0.0) + (qat_layer if s.checkpointing else 0.0), 0.0, buf_b),
+        "layer backward": (
+            grads_b,
+            saved
+            + (per_layer if s.checkpointing else 0.0)
+            + _workspace(model, layout, s, tokens)
+            + nf4.get("workspace", 0.0)
+            + (qat_layer if s.checkpointing else 0.0),
+            0.0,
+            buf_b,
+        ),
         "end of backward": (all_grads, 0.0, 0.0, 0.0),
         "optimizer step": (all_grads + optimizer_step_temporaries(model, layout, s), 0.0, 0.0, 0.0),
     }
@@ -313,8 +328,19 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     grads, acts, lg, buf = moments[phase]
     overhead = hw.runtime_overhead_bytes + FRAGMENTATION * (acts + lg + buf)
     total = params + grads + optimizer + acts + lg + buf + overhead
-    return MemoryBreakdown(params, grads, optimizer, acts, lg, buf, overhead, total, phase,
-                           plain_layer, host_bytes(model, layout, s))
+    return MemoryBreakdown(
+        params,
+        grads,
+        optimizer,
+        acts,
+        lg,
+        buf,
+        overhead,
+        total,
+        phase,
+        plain_layer,
+        host_bytes(model, layout, s),
+    )
 
 
 def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> tuple:

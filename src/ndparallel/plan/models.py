@@ -88,7 +88,9 @@ class ModelSpec:
         q, kv, f = self.heads * d, self.kv_heads * d, self.intermediate
         head_unit = "root" if self.tied_embeddings else "final"
         embed_unit = "root" if self.tied_embeddings else "embed"
-        specs = [ParamSpec("embed_tokens.weight", (self.vocab, h), 0, embed_unit)] if self.has_embedding else []
+        specs = (
+            [ParamSpec("embed_tokens.weight", (self.vocab, h), 0, embed_unit)] if self.has_embedding else []
+        )
         layer = [
             ParamSpec("input_layernorm.weight", (h,), None, "layer", L),
             ParamSpec("self_attn.q_proj.weight", (q, h), 0, "layer", L),
@@ -118,14 +120,18 @@ class ModelSpec:
             ]
         if self.is_moe:  # not tensor-parallel: router and shared MLP replicated over tp
             e, i, sh = self.num_experts, self.moe_intermediate, self.shared_intermediate
-            layer += [ParamSpec("mlp.gate.weight", (e, h), None, "layer", L),
-                      ParamSpec("mlp.experts.gate_up_proj", (e, 2 * i, h), None, "experts", L),
-                      ParamSpec("mlp.experts.down_proj", (e, h, i), None, "experts", L)]
+            layer += [
+                ParamSpec("mlp.gate.weight", (e, h), None, "layer", L),
+                ParamSpec("mlp.experts.gate_up_proj", (e, 2 * i, h), None, "experts", L),
+                ParamSpec("mlp.experts.down_proj", (e, h, i), None, "experts", L),
+            ]
             if sh:
-                layer += [ParamSpec("mlp.shared_expert.gate_proj.weight", (sh, h), None, "layer", L),
-                          ParamSpec("mlp.shared_expert.up_proj.weight", (sh, h), None, "layer", L),
-                          ParamSpec("mlp.shared_expert.down_proj.weight", (h, sh), None, "layer", L),
-                          ParamSpec("mlp.shared_expert_gate.weight", (1, h), None, "layer", L)]
+                layer += [
+                    ParamSpec("mlp.shared_expert.gate_proj.weight", (sh, h), None, "layer", L),
+                    ParamSpec("mlp.shared_expert.up_proj.weight", (sh, h), None, "layer", L),
+                    ParamSpec("mlp.shared_expert.down_proj.weight", (h, sh), None, "layer", L),
+                    ParamSpec("mlp.shared_expert_gate.weight", (1, h), None, "layer", L),
+                ]
         specs += [replace(p, name=f"layers.*.{p.name}") for p in layer]
         if self.has_lm_head:
             specs.append(ParamSpec("norm.weight", (h,), None, head_unit))
@@ -147,8 +153,12 @@ class ModelSpec:
         (which is the embedding matrix when tied); the embedding lookup and norms do no matmul. In
         an MoE model the *active* ones: the router, the shared MLP and k of the E experts."""
         linear = sum(
-            p.numel * p.count for p in self.param_specs()
-            if p.unit == "layer" and len(p.shape) == 2 and ".mlp.gate." not in p.name and ".mlp.shared" not in p.name
+            p.numel * p.count
+            for p in self.param_specs()
+            if p.unit == "layer"
+            and len(p.shape) == 2
+            and ".mlp.gate." not in p.name
+            and ".mlp.shared" not in p.name
         )
         if self.is_moe:
             from ndparallel.plan.moe import active_matmul_params_per_layer
@@ -158,16 +168,29 @@ class ModelSpec:
 
     def to_dict(self) -> dict:
         return {
-            "name": self.name, "hidden_size": self.hidden, "num_hidden_layers": self.layers,
-            "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
-            "head_dim": self.head_dim, "intermediate_size": self.intermediate,
-            "vocab_size": self.vocab, "tie_word_embeddings": self.tied_embeddings,
-            "attention_bias": self.attention_bias, "qk_norm": self.qk_norm,
+            "name": self.name,
+            "hidden_size": self.hidden,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate,
+            "vocab_size": self.vocab,
+            "tie_word_embeddings": self.tied_embeddings,
+            "attention_bias": self.attention_bias,
+            "qk_norm": self.qk_norm,
             "num_params": self.num_params,
-            **({"num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
-                "moe_intermediate_size": self.moe_intermediate,
-                "shared_expert_intermediate_size": self.shared_intermediate,
-                "active_params": self.active_params} if self.is_moe else {}),
+            **(
+                {
+                    "num_experts": self.num_experts,
+                    "num_experts_per_tok": self.top_k,
+                    "moe_intermediate_size": self.moe_intermediate,
+                    "shared_expert_intermediate_size": self.shared_intermediate,
+                    "active_params": self.active_params,
+                }
+                if self.is_moe
+                else {}
+            ),
         }
 
     @property
@@ -214,8 +237,17 @@ def from_hf_config(cfg: dict, name: str = "custom") -> ModelSpec:
     left out: an undercount of their parameters, e.g. ~0.4 B for a SigLIP / Pixtral tower)."""
     if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
         cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"]}
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size", "vocab_size") if k not in cfg]
+    missing = [
+        k
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+        )
+        if k not in cfg
+    ]
     if missing:
         raise ValueError(f"{name}: config.json lacks {', '.join(missing)}")
     heads = int(cfg["num_attention_heads"])
@@ -244,15 +276,24 @@ def _moe_fields(cfg: dict, name: str) -> dict:
     if experts is None:
         return {}
     if cfg.get("kv_lora_rank") or cfg.get("first_k_dense_replace"):
-        raise ValueError(f"{name}: DeepSeek-style MoE (multi-head latent attention, dense first layers) is "
-                         "not modelled by the planner")
+        raise ValueError(
+            f"{name}: DeepSeek-style MoE (multi-head latent attention, dense first layers) is "
+            "not modelled by the planner"
+        )
     if (cfg.get("decoder_sparse_step") or 1) != 1 or cfg.get("mlp_only_layers"):
-        raise ValueError(f"{name}: MoE configs with dense layers (decoder_sparse_step, mlp_only_layers) are not "
-                         "modelled by the planner: it assumes every layer is an MoE layer")
+        raise ValueError(
+            f"{name}: MoE configs with dense layers (decoder_sparse_step, mlp_only_layers) are not "
+            "modelled by the planner: it assumes every layer is an MoE layer"
+        )
     width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     shared = cfg.get("shared_expert_intermediate_size") or 0
-    return {"num_experts": experts, "top_k": int(cfg.get("num_experts_per_tok") or 1),
-            "moe_intermediate": int(width), "shared_intermediate": int(shared), "intermediate": 0}
+    return {
+        "num_experts": experts,
+        "top_k": int(cfg.get("num_experts_per_tok") or 1),
+        "moe_intermediate": int(width),
+        "shared_intermediate": int(shared),
+        "intermediate": 0,
+    }
 
 
 def _presets() -> dict[str, ModelSpec]:
@@ -261,8 +302,10 @@ def _presets() -> dict[str, ModelSpec]:
     from ndparallel.models.presets import PRESETS as BUILTIN
     from ndparallel.models.presets import PUBLISHED
 
-    specs = {name: replace(from_hf_config(fields, name), hf_id=hub_id)
-             for name, (hub_id, fields) in PUBLISHED.items()}
+    specs = {
+        name: replace(from_hf_config(fields, name), hf_id=hub_id)
+        for name, (hub_id, fields) in PUBLISHED.items()
+    }
     specs["tiny"] = replace(from_hf_config(BUILTIN["tiny-llama"], "tiny"), hf_id="tiny-llama")
     return specs
 

@@ -36,7 +36,11 @@ def expert_params(model) -> int:
 def active_matmul_params_per_layer(model) -> int:
     """Expert, router and shared-expert parameters one token multiplies with in one layer."""
     h = model.hidden
-    return model.top_k * 3 * h * model.moe_intermediate + model.num_experts * h + 3 * h * model.shared_intermediate
+    return (
+        model.top_k * 3 * h * model.moe_intermediate
+        + model.num_experts * h
+        + 3 * h * model.shared_intermediate
+    )
 
 
 def expert_unit_numels(model, layout) -> tuple[int, int]:
@@ -55,8 +59,11 @@ def routed_rows(model, layout, tokens: float) -> float:
 def activation_bytes_per_token(model, layout, s) -> float:
     """What one MoE layer's experts, router and shared MLP keep for backward per local token."""
     e, t, h = s.act_bytes, layout.tp, model.hidden
-    return (model.top_k / t) * e * (3 * h + 4 * model.moe_intermediate) + 8 * model.num_experts \
+    return (
+        (model.top_k / t) * e * (3 * h + 4 * model.moe_intermediate)
+        + 8 * model.num_experts
         + 4 * e * model.shared_intermediate / t
+    )
 
 
 def workspace_per_token(model, layout, s) -> float:
@@ -70,16 +77,21 @@ def gemms(model, layout, s, tokens: int, gemm: type, recompute: bool) -> list:
     h, i, L = model.hidden, model.moe_intermediate, model.layers
     local = model.num_experts // layout.ep
     m = max(1, round(routed_rows(model, layout, tokens) / local))
-    shapes = [("experts gate_up", h, 2 * i, local * L), ("experts down", i, h, local * L),
-              ("router", h, model.num_experts, L)]
+    shapes = [
+        ("experts gate_up", h, 2 * i, local * L),
+        ("experts down", i, h, local * L),
+        ("router", h, model.num_experts, L),
+    ]
     if model.shared_intermediate:
         shapes.append(("shared expert gate/up/down", h, model.shared_intermediate, 3 * L))
     out = []
     for name, k_in, n_out, count in shapes:
         rows = tokens if name == "router" or name.startswith("shared") else m
         again = count if recompute else 0
-        out += [gemm(f"{name} fwd", rows, n_out, k_in, count + again),
-                gemm(f"{name} dgrad", rows, k_in, n_out, count)]
+        out += [
+            gemm(f"{name} fwd", rows, n_out, k_in, count + again),
+            gemm(f"{name} dgrad", rows, k_in, n_out, count),
+        ]
         if not s.lora_r:
             out.append(gemm(f"{name} wgrad", n_out, k_in, rows, count))
     return out
@@ -105,12 +117,31 @@ def collectives(model, layout, s, tokens: int, ga: int, collective: type) -> lis
     if layout.ep > 1:
         rows = routed_rows(model, layout, tokens)
         size = int(rows * model.hidden * e)
-        out += [collective("all_to_all", "ep", size, 2 * (passes + 1) * L * ga,
-                           "EP all-to-all dispatch + combine (fwd, bwd)"),
-                collective("all_to_all", "ep", 8 * model.num_experts, passes * L * ga,
-                           "EP split sizes (int64, host sync)")]
+        out += [
+            collective(
+                "all_to_all",
+                "ep",
+                size,
+                2 * (passes + 1) * L * ga,
+                "EP all-to-all dispatch + combine (fwd, bwd)",
+            ),
+            collective(
+                "all_to_all",
+                "ep",
+                8 * model.num_experts,
+                passes * L * ga,
+                "EP split sizes (int64, host sync)",
+            ),
+        ]
     if layout.tp > 1 and not s.sequence_parallel:
         size = int(tokens / layout.tp * model.hidden * e)
-        out.append(collective("all_gather", "tp", size, (passes + 1) * L * ga,
-                              "MoE rows: outputs gathered over tp (fwd), input grads (bwd)"))
+        out.append(
+            collective(
+                "all_gather",
+                "tp",
+                size,
+                (passes + 1) * L * ga,
+                "MoE rows: outputs gathered over tp (fwd), input grads (bwd)",
+            )
+        )
     return out

@@ -51,7 +51,7 @@ def newton_schulz_seconds(model, layout, hw, steps: int = 5) -> float:
         batch = p.shape[0] if len(p.shape) == 3 else 1
         m, n = sorted(p.shape[-2:])
         share = _expert_share(layout) if p.unit == "experts" else 1
-        total += p.count * batch / share * steps * (4 * m * m * n + 2 * m ** 3)
+        total += p.count * batch / share * steps * (4 * m * m * n + 2 * m**3)
     return total / (hw.peak_flops * hw.matmul_efficiency)
 
 
@@ -66,8 +66,14 @@ def gather_seconds(model, layout, hw, gpus_per_node: int) -> float:
         if len(p.shape) < 2 or p.unit != "layer":
             continue
         tp_n = tp if p.tp_dim is not None else 1
-        total += p.count * collective_time("all_gather", 4.0 * p.numel / tp_n / fsdp, fsdp, hw,
-                                           group_is_intra_node(layout, "dp_shard_cp", gpus_per_node))
-        total += p.count * collective_time("all_gather", 4.0 * p.numel / tp_n, tp_n, hw,
-                                           group_is_intra_node(layout, "tp", gpus_per_node))
+        total += p.count * collective_time(
+            "all_gather",
+            4.0 * p.numel / tp_n / fsdp,
+            fsdp,
+            hw,
+            group_is_intra_node(layout, "dp_shard_cp", gpus_per_node),
+        )
+        total += p.count * collective_time(
+            "all_gather", 4.0 * p.numel / tp_n, tp_n, hw, group_is_intra_node(layout, "tp", gpus_per_node)
+        )
     return total

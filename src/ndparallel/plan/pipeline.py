@@ -93,8 +93,12 @@ class RankShape:
 @lru_cache(maxsize=1024)
 def _stage_plan(model: ModelSpec, p: int, v: int, schedule: str) -> StagePlan:
     """The runtime's split (``pipeline_split.stage_layers``)."""
-    return StagePlan(p, v, schedule, stage_layers(PipelineOptions(schedule=schedule, virtual_stages=v),
-                                                  p * v, model.layers))
+    return StagePlan(
+        p,
+        v,
+        schedule,
+        stage_layers(PipelineOptions(schedule=schedule, virtual_stages=v), p * v, model.layers),
+    )
 
 
 @lru_cache(maxsize=1024)
@@ -120,8 +124,9 @@ def fill_stretch(model: ModelSpec, p: int, v: int, schedule: str, shape: RankSha
 def rank_model(model: ModelSpec, shape: RankShape) -> ModelSpec:
     """The part of ``model`` a pp rank holds, as a model: its layers, the embedding on the first
     stage, final norm + LM head on the last (tied embeddings: two copies, one each end)."""
-    return replace(model, layers=shape.layers, tied_embeddings=False,
-                   has_embedding=shape.first, has_lm_head=shape.last)
+    return replace(
+        model, layers=shape.layers, tied_embeddings=False, has_embedding=shape.first, has_lm_head=shape.last
+    )
 
 
 def measured_ranks(p: int, schedule: str) -> tuple[int, ...]:
@@ -143,12 +148,28 @@ def p2p_collectives(model: ModelSpec, layout, s, shape: RankShape, collective) -
     """The rank's sends per step: activations forward from each of its stages but the model's
     last, their gradients backward from each but the first (one ``send_recv`` each)."""
     nbytes, m = p2p_bytes(model, layout, s), s.grad_accum
-    return [c for c in (
-        collective("send_recv", "pp", nbytes, m * (shape.stages - shape.last),
-                   "PP activations to the next stage (fwd)", "pipeline"),
-        collective("send_recv", "pp", nbytes, m * (shape.stages - shape.first),
-                   "PP activation gradients to the previous stage (bwd)", "pipeline"),
-    ) if c.count > 0]
+    return [
+        c
+        for c in (
+            collective(
+                "send_recv",
+                "pp",
+                nbytes,
+                m * (shape.stages - shape.last),
+                "PP activations to the next stage (fwd)",
+                "pipeline",
+            ),
+            collective(
+                "send_recv",
+                "pp",
+                nbytes,
+                m * (shape.stages - shape.first),
+                "PP activation gradients to the previous stage (bwd)",
+                "pipeline",
+            ),
+        )
+        if c.count > 0
+    ]
 
 
 def exposed_transfers(schedule: str, p: int, m: int, v: int) -> int:
@@ -184,20 +205,35 @@ class PipelineInfo:
     def to_dict(self) -> dict:
         from ndparallel.plan.hardware import GiB
 
-        return {"schedule": self.schedule, "virtual_stages": self.virtual, "microbatches": self.microbatches,
-                "bubble_fraction": self.bubble_fraction, "fill_stretch": self.stretch, "worst_memory": self.worst,
-                "pace": self.pace,
-                "ranks": {k: {"layers": shape.layers, "embedding": shape.first, "lm_head": shape.last,
-                              "memory_gib": mem.total / GiB, "busy_s": busy}
-                          for k, (shape, mem, busy) in self.ranks.items()}}
+        return {
+            "schedule": self.schedule,
+            "virtual_stages": self.virtual,
+            "microbatches": self.microbatches,
+            "bubble_fraction": self.bubble_fraction,
+            "fill_stretch": self.stretch,
+            "worst_memory": self.worst,
+            "pace": self.pace,
+            "ranks": {
+                k: {
+                    "layers": shape.layers,
+                    "embedding": shape.first,
+                    "lm_head": shape.last,
+                    "memory_gib": mem.total / GiB,
+                    "busy_s": busy,
+                }
+                for k, (shape, mem, busy) in self.ranks.items()
+            },
+        }
 
 
 def canonical(schedule: str) -> str:
     """The runtime's spelling of ``schedule``; ValueError naming the choices otherwise."""
     name = schedule_name(schedule)
     if name is None:
-        raise ValueError(f"{schedule!r} is not a pipeline schedule: use GPipe, 1F1B, Interleaved1F1B, "
-                         "InterleavedZeroBubble or ZBVZeroBubble")
+        raise ValueError(
+            f"{schedule!r} is not a pipeline schedule: use GPipe, 1F1B, Interleaved1F1B, "
+            "InterleavedZeroBubble or ZBVZeroBubble"
+        )
     return name
 
 
@@ -209,12 +245,17 @@ def pipeline_lines(e) -> list[str]:
 
     info, t = e.pipeline, e.time
     per_rank = f" × {info.virtual} per rank" if info.virtual > 1 else ""
-    grads = ("FSDP gradients reduced once per step (unsharded_grad_accumulation)"
-             if e.settings.unsharded_grad_accumulation else "FSDP gradients reduced every micro-batch")
-    stretch = (f" × {info.stretch:.2f} (uneven stages)" if abs(info.stretch - 1) > 0.02 else "")
-    lines = [f"Pipeline {info.schedule} ({e.layout.pp} stages{per_rank}, {info.microbatches} micro-batches): "
-             f"bubble {info.bubble_fraction:.1%} of the pipeline{stretch} = {t.pp_bubble:.2f} s ({t.pp_bubble / t.step:.1%} "
-             f"of the step); p2p exposed {t.pp_exposed:.2f} s; pace: {info.pace} stage; {grads}"]
+    grads = (
+        "FSDP gradients reduced once per step (unsharded_grad_accumulation)"
+        if e.settings.unsharded_grad_accumulation
+        else "FSDP gradients reduced every micro-batch"
+    )
+    stretch = f" × {info.stretch:.2f} (uneven stages)" if abs(info.stretch - 1) > 0.02 else ""
+    lines = [
+        f"Pipeline {info.schedule} ({e.layout.pp} stages{per_rank}, {info.microbatches} micro-batches): "
+        f"bubble {info.bubble_fraction:.1%} of the pipeline{stretch} = {t.pp_bubble:.2f} s ({t.pp_bubble / t.step:.1%} "
+        f"of the step); p2p exposed {t.pp_exposed:.2f} s; pace: {info.pace} stage; {grads}"
+    ]
     parts = []
     for name, (shape, mem, _) in info.ranks.items():
         ends = (" + embedding" if shape.first else "") + (" + head, loss" if shape.last else "")
@@ -233,8 +274,13 @@ def _why_not(e) -> str:
     shape, mem, _ = info.ranks[info.worst]
     tokens = s.micro_batch * s.seq_len // e.layout.cp
     held = in_flight(s.pp_schedule, e.layout.pp, s.grad_accum, s.pp_virtual, shape.rank)
-    kept = ("each layer's input (checkpointing)" if s.checkpointing else
-            f"{mem.activation_bytes_per_layer / tokens / 1e3:.0f} KB per token and layer (no checkpointing)")
-    return (f"Does not fit: the {info.worst} stage needs {mem.total / GiB:.1f} GiB, "
-            f"{mem.activations / GiB:.1f} of them activations: {held:.1f} micro-batches of {tokens} tokens in flight "
-            f"through its {shape.layers} layers, {kept}")
+    kept = (
+        "each layer's input (checkpointing)"
+        if s.checkpointing
+        else f"{mem.activation_bytes_per_layer / tokens / 1e3:.0f} KB per token and layer (no checkpointing)"
+    )
+    return (
+        f"Does not fit: the {info.worst} stage needs {mem.total / GiB:.1f} GiB, "
+        f"{mem.activations / GiB:.1f} of them activations: {held:.1f} micro-batches of {tokens} tokens in flight "
+        f"through its {shape.layers} layers, {kept}"
+    )

@@ -41,11 +41,18 @@ def rank_settings(s: Settings, p: int, rank: int, last: bool) -> Settings:
     full-logits loss (the runtime's: the chunked loss cannot split its backward)."""
     loss = "full" if last and s.pp_schedule in ZERO_BUBBLE_SCHEDULES else s.loss_impl
     per_step = s.unsharded_grad_accumulation
-    return replace(s, pp_in_flight=in_flight(s.pp_schedule, p, s.grad_accum, s.pp_virtual, rank),
-                   loss_impl=loss, sync_every_microbatch=not per_step, reshard_after_backward=not per_step)
+    return replace(
+        s,
+        pp_in_flight=in_flight(s.pp_schedule, p, s.grad_accum, s.pp_virtual, rank),
+        loss_impl=loss,
+        sync_every_microbatch=not per_step,
+        reshard_after_backward=not per_step,
+    )
 
 
-def pp_rank(model: ModelSpec, layout: Layout, s: Settings, rank: int) -> tuple[RankShape, ModelSpec, Settings]:
+def pp_rank(
+    model: ModelSpec, layout: Layout, s: Settings, rank: int
+) -> tuple[RankShape, ModelSpec, Settings]:
     """Pp rank ``rank`` as a rank of its own: what it runs, that part of ``model``, its settings."""
     shape = rank_shape(model, layout.pp, s.pp_virtual, s.pp_schedule, rank)
     return shape, rank_model(model, shape), rank_settings(s, layout.pp, rank, shape.last)
@@ -58,8 +65,14 @@ def _paced(timeb, s: Settings) -> tuple[float, float]:
     return timeb.busy + timeb.dp_exposed - once, once
 
 
-def estimate_pipeline(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_per_node: int,
-                      global_batch: int | None = None) -> Estimate:
+def estimate_pipeline(
+    model: ModelSpec,
+    layout: Layout,
+    s: Settings,
+    hw: Hardware,
+    gpus_per_node: int,
+    global_batch: int | None = None,
+) -> Estimate:
     """The estimate of a pp layout (``s.pp_schedule``, ``s.pp_virtual``, m = ``s.grad_accum``)."""
     p, m, v, schedule = layout.pp, s.grad_accum, s.pp_virtual, s.pp_schedule
     ranks = {}
@@ -83,14 +96,21 @@ def estimate_pipeline(model: ModelSpec, layout: Layout, s: Settings, hw: Hardwar
     worst = max(ranks, key=lambda k: ranks[k][1].total)
     _, _, colls, timeb = ranks[pace]
     work, bubble, once, stretch = pipelined(pace)
-    one, intra = comms.cost(Collective("send_recv", "pp", p2p_bytes(model, layout, s), 1, ""),
-                            layout, hw, gpus_per_node)
+    one, intra = comms.cost(
+        Collective("send_recv", "pp", p2p_bytes(model, layout, s), 1, ""), layout, hw, gpus_per_node
+    )
     p2p = exposed_transfers(schedule, p, m, v) * one
     sends = sum(c.count for c in colls if c.mesh_dim == "pp")
     optimizer = max(r[3].optimizer for r in ranks.values())  # after the pipeline, on every rank
-    timeb = replace(timeb, optimizer=optimizer, pp_bubble=bubble, pp_exposed=p2p,
-                    step=work + once + bubble + p2p + optimizer,
-                    comm_total={**timeb.comm_total, "pp": {"seconds": sends * one, "intra_node": intra}})
-    info = PipelineInfo(schedule, v, m, beta, {k: (r[0], r[1], r[3].busy) for k, r in ranks.items()},
-                        worst, pace, stretch)
+    timeb = replace(
+        timeb,
+        optimizer=optimizer,
+        pp_bubble=bubble,
+        pp_exposed=p2p,
+        step=work + once + bubble + p2p + optimizer,
+        comm_total={**timeb.comm_total, "pp": {"seconds": sends * one, "intra_node": intra}},
+    )
+    info = PipelineInfo(
+        schedule, v, m, beta, {k: (r[0], r[1], r[3].busy) for k, r in ranks.items()}, worst, pace, stretch
+    )
     return finish(model, layout, s, hw, ranks[worst][1], colls, timeb, global_batch, info)

@@ -25,7 +25,10 @@ QAT_FORMATS = ("int4", "int4/int8", "int4/float8", "float8/float8", "mxfp4/mxfp4
 """weight[/activation] formats the planner models (``parallel/qat.py``'s combinations but nvfp4)."""
 
 _PER_INPUT = {  # bytes per input element · token in bf16 (trained linears, LoRA's frozen ones)
-    "int4": (0.0, 0.0), "int4/int8": (2.0, 1.0), "int4/float8": (2.0, 1.0), "float8/float8": (2.0, 1.0),
+    "int4": (0.0, 0.0),
+    "int4/int8": (2.0, 1.0),
+    "int4/float8": (2.0, 1.0),
+    "float8/float8": (2.0, 1.0),
     "mxfp4/mxfp4": (-1.0, 0.0),
 }
 
@@ -58,7 +61,12 @@ def layer_linear_counts(model: ModelSpec) -> tuple[int, int]:
     """(weight elements, input elements per token) of one decoder layer's fake-quantised linears:
     q, k, v, o and, for a dense model, gate, up, down (an MoE layer's fused experts are not
     ``nn.Linear``s: not fake-quantised)."""
-    h, q, kv, f = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim, model.intermediate
+    h, q, kv, f = (
+        model.hidden,
+        model.heads * model.head_dim,
+        model.kv_heads * model.head_dim,
+        model.intermediate,
+    )
     weights, inputs = h * (q + 2 * kv) + q * h, 3 * h + q
     if not model.is_moe:
         weights, inputs = weights + 3 * h * f, inputs + 2 * h + f
@@ -68,11 +76,15 @@ def layer_linear_counts(model: ModelSpec) -> tuple[int, int]:
 def qat_layer_bytes(model: ModelSpec, fmt: str, tokens: float, frozen: bool, compute_bytes: int) -> float:
     """What one decoder layer keeps for backward because of QAT (``tokens``: this rank's)."""
     weights, inputs = layer_linear_counts(model)
-    return (qat_saved_bytes_per_weight(fmt, compute_bytes) * weights
-            + qat_saved_bytes_per_input(fmt, frozen, compute_bytes) * tokens * inputs)
+    return (
+        qat_saved_bytes_per_weight(fmt, compute_bytes) * weights
+        + qat_saved_bytes_per_input(fmt, frozen, compute_bytes) * tokens * inputs
+    )
 
 
 def qat_head_bytes(model: ModelSpec, fmt: str, tokens: float, frozen: bool, compute_bytes: int) -> float:
     """The fake-quantised LM head's share (``frozen`` under LoRA), held until the loss backward."""
-    return (qat_saved_bytes_per_weight(fmt, compute_bytes) * model.vocab * model.hidden
-            + qat_saved_bytes_per_input(fmt, frozen, compute_bytes) * tokens * model.hidden)
+    return (
+        qat_saved_bytes_per_weight(fmt, compute_bytes) * model.vocab * model.hidden
+        + qat_saved_bytes_per_input(fmt, frozen, compute_bytes) * tokens * model.hidden
+    )

@@ -74,20 +74,31 @@ def dequant_seconds(model: ModelSpec, layout: Layout, s: Settings, bandwidth: fl
     in backward, once more in a checkpointed layer's recomputed forward, per micro-batch."""
     passes = 3 if s.checkpointing else 2
     per_element = DEQUANT_TRAFFIC_INT + 7 * s.act_bytes
-    return s.grad_accum * passes * model.layers * quantized_layer_local(model, layout.tp) * per_element / bandwidth
+    return (
+        s.grad_accum
+        * passes
+        * model.layers
+        * quantized_layer_local(model, layout.tp)
+        * per_element
+        / bandwidth
+    )
 
 
 def nf4_shards_problem(model: ModelSpec, layout: Layout, group: int = NF4_GROUP) -> str | None:
     """The runtime's rule (``models.quantized.nf4_shard_count``): every FSDP shard of an NF4 weight is
     whole rows and whole 16,384-value scaler groups; TP is refused."""
     if layout.tp > 1:
-        return "QLoRA's NF4 base shards along FSDP's dim 0 only: no tensor parallel (the runtime refuses tp > 1)"
+        return (
+            "QLoRA's NF4 base shards along FSDP's dim 0 only: no tensor parallel (the runtime refuses tp > 1)"
+        )
     for p in model.param_specs():
         if p.unit == "layer" and len(p.shape) == 2:
             count = math.gcd(p.shape[0], p.numel // group) if p.numel % group == 0 else 0
             if count and count % layout.fsdp:
-                return (f"{p.name} {p.shape} splits into at most {count} FSDP shards of whole NF4 groups, "
-                        f"not {layout.fsdp}")
+                return (
+                    f"{p.name} {p.shape} splits into at most {count} FSDP shards of whole NF4 groups, "
+                    f"not {layout.fsdp}"
+                )
     return None
 
 
@@ -98,10 +109,12 @@ def memory_adjustments(model: ModelSpec, layout: Layout, s: Settings, layer_loca
     q_local = quantized_layer_local(model, layout.tp)
     gathered = (1 + s.prefetch) if layout.fsdp > 1 or s.mixed_precision != "fp32" else 0
     kept = 0.0 if s.reshard_after_forward else model.layers
-    return {"params": nf4_saving(quantized_shard_numel(model, layout), s),
-            "buffer_a": nf4_saving(q_local * kept, s) if gathered else 0.0,
-            "buffer_b": nf4_saving(q_local * (gathered + max(kept - 1 - s.prefetch, 0)), s) if gathered else 0.0,
-            "workspace": dequant_workspace_bytes(model, layout, s)}
+    return {
+        "params": nf4_saving(quantized_shard_numel(model, layout), s),
+        "buffer_a": nf4_saving(q_local * kept, s) if gathered else 0.0,
+        "buffer_b": nf4_saving(q_local * (gathered + max(kept - 1 - s.prefetch, 0)), s) if gathered else 0.0,
+        "workspace": dequant_workspace_bytes(model, layout, s),
+    }
 
 
 def nf4_collectives(cs: list, model: ModelSpec, layout: Layout, s: Settings) -> list:
@@ -109,8 +122,12 @@ def nf4_collectives(cs: list, model: ModelSpec, layout: Layout, s: Settings) -> 
     from dataclasses import replace
 
     shard = math.ceil(quantized_layer_local(model, layout.tp) / layout.fsdp)
-    return [replace(c, bytes=c.bytes - nf4_saving(shard, s), what=c.what + ", NF4 base")
-            if c.what == "FSDP all-gather params (layer)" else c for c in cs]
+    return [
+        replace(c, bytes=c.bytes - nf4_saving(shard, s), what=c.what + ", NF4 base")
+        if c.what == "FSDP all-gather params (layer)"
+        else c
+        for c in cs
+    ]
 
 
 def fsdp_copy_bytes_qlora(model: ModelSpec, layout: Layout, s: Settings, local: float, shard: float) -> float:

@@ -36,8 +36,11 @@ def _schedule(e: Estimate) -> str:
     if not e.layout.pp_enabled:
         return "—"
     s = e.settings
-    return (s.pp_schedule + (f" v{s.pp_virtual}" if s.pp_virtual > 1 else "")
-            + (", grads reduced once" if s.unsharded_grad_accumulation else ""))
+    return (
+        s.pp_schedule
+        + (f" v{s.pp_virtual}" if s.pp_virtual > 1 else "")
+        + (", grads reduced once" if s.unsharded_grad_accumulation else "")
+    )
 
 
 def _strategy(e: Estimate) -> str:
@@ -61,46 +64,82 @@ def header(result: PlanResult) -> str:
     if r.lora_r:
         from ndparallel.plan.adapter import trainable_fraction, trainable_params
 
-        lora = (f"; LoRA r={r.lora_r} on every linear: {trainable_params(r.model, r.lora_r) / 1e6:.1f}M "
-                f"trainable ({trainable_fraction(r.model, r.lora_r):.2%}), base frozen"
-                + (" in 4-bit NF4 (linears)" if r.quantized_base else "")
-                + (f", trained copies of {' and '.join({'embed': 'embed_tokens', 'head': 'lm_head'}[t] for t in r.lora_saved)}"
-                   if r.lora_saved else ""))
+        lora = (
+            f"; LoRA r={r.lora_r} on every linear: {trainable_params(r.model, r.lora_r) / 1e6:.1f}M "
+            f"trainable ({trainable_fraction(r.model, r.lora_r):.2%}), base frozen"
+            + (" in 4-bit NF4 (linears)" if r.quantized_base else "")
+            + (
+                f", trained copies of {' and '.join({'embed': 'embed_tokens', 'head': 'lm_head'}[t] for t in r.lora_saved)}"
+                if r.lora_saved
+                else ""
+            )
+        )
     if r.qat:
         lora += f"; QAT {r.qat} (fake quantisers' saved tensors counted)"
-    moe = (f", {r.model.active_params / 1e9:.2f}B active: {r.model.top_k} of {r.model.num_experts} experts"
-           if r.model.is_moe else "")
-    return (f"{r.model.name} ({r.model.num_params / 1e9:.2f}B params{moe}) on {r.gpus} × {hw.name} "
-            f"({r.gpus_per_node}/node, {_gib(hw.mem_bytes)} GiB, {hw.peak_flops / 1e12:.0f} "
-            f"TFLOP/s bf16); seq {r.seq_len}, global batch {gb}, {r.optimizer}, "
-            f"{r.mixed_precision}, activation checkpointing {r.checkpointing}{lora}")
+    moe = (
+        f", {r.model.active_params / 1e9:.2f}B active: {r.model.top_k} of {r.model.num_experts} experts"
+        if r.model.is_moe
+        else ""
+    )
+    return (
+        f"{r.model.name} ({r.model.num_params / 1e9:.2f}B params{moe}) on {r.gpus} × {hw.name} "
+        f"({r.gpus_per_node}/node, {_gib(hw.mem_bytes)} GiB, {hw.peak_flops / 1e12:.0f} "
+        f"TFLOP/s bf16); seq {r.seq_len}, global batch {gb}, {r.optimizer}, "
+        f"{r.mixed_precision}, activation checkpointing {r.checkpointing}{lora}"
+    )
 
 
-def print_table(result: PlanResult, console: Console, top: int = 10,
-                show_rejected: bool = False) -> None:
+def print_table(result: PlanResult, console: Console, top: int = 10, show_rejected: bool = False) -> None:
     console.print(header(result))
-    table = Table(title=f"Ranked layouts ({len(result.ranked)} fit, best {min(top, len(result.ranked))} shown)")
+    table = Table(
+        title=f"Ranked layouts ({len(result.ranked)} fit, best {min(top, len(result.ranked))} shown)"
+    )
     rows = result.ranked[:top]
     pp = any(r.layout.pp_enabled for r in rows)
-    for col in ("#", "pp:dr×ds×cp×tp" if pp else "dp_rep×dp_shard×cp×tp(+ep)", "strategy",
-                *(("pp schedule",) if pp else ()), "mb", "ga",
-                "AC", "mem GiB", "step s", "tok/s/GPU", "MFU", "bottleneck"):
+    for col in (
+        "#",
+        "pp:dr×ds×cp×tp" if pp else "dp_rep×dp_shard×cp×tp(+ep)",
+        "strategy",
+        *(("pp schedule",) if pp else ()),
+        "mb",
+        "ga",
+        "AC",
+        "mem GiB",
+        "step s",
+        "tok/s/GPU",
+        "MFU",
+        "bottleneck",
+    ):
         table.add_column(col, justify="left" if col in ("strategy", "pp schedule", "bottleneck") else "right")
     for i, r in enumerate(rows, 1):
         e = r.best
         sched = (_schedule(e),) if pp else ()
-        table.add_row(str(i), r.layout.compact(), r.layout.describe(), *sched, str(e.settings.micro_batch),
-                      str(e.settings.grad_accum), _ac(e), _gib(e.memory.total),
-                      f"{e.time.step:.2f}", f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.mfu:.1%}",
-                      e.bottleneck)
+        table.add_row(
+            str(i),
+            r.layout.compact(),
+            r.layout.describe(),
+            *sched,
+            str(e.settings.micro_batch),
+            str(e.settings.grad_accum),
+            _ac(e),
+            _gib(e.memory.total),
+            f"{e.time.step:.2f}",
+            f"{e.tokens_per_s_per_gpu:,.0f}",
+            f"{e.mfu:.1%}",
+            e.bottleneck,
+        )
     console.print(table)
     if not result.ranked:
-        console.print("[bold red]No layout fits.[/] Try more GPUs, activation checkpointing on, "
-                      "a shorter sequence or a smaller micro-batch.")
+        console.print(
+            "[bold red]No layout fits.[/] Try more GPUs, activation checkpointing on, "
+            "a shorter sequence or a smaller micro-batch."
+        )
     by_code = Counter(r.rejections[0][0] for r in result.rejected)
     if by_code:
-        console.print(f"Rejected {len(result.rejected)} layouts: "
-                      + ", ".join(f"{c} ×{n}" for c, n in by_code.most_common()))
+        console.print(
+            f"Rejected {len(result.rejected)} layouts: "
+            + ", ".join(f"{c} ×{n}" for c, n in by_code.most_common())
+        )
     if show_rejected:
         rej = Table(title="Rejected layouts")
         rej.add_column("dp_rep×dp_shard×cp×tp")
@@ -136,10 +175,19 @@ def _collective_rows(e: Estimate, result: PlanResult) -> list[dict]:
     rows = []
     for c in e.collectives:
         sec, intra = comms.cost(c, e.layout, result.request.hardware, result.request.gpus_per_node)
-        rows.append({"kind": c.kind, "mesh_dim": c.mesh_dim, "group_size": e.layout.size(c.mesh_dim),
-                     "bytes": c.bytes, "count": c.count, "what": c.what,
-                     "link": "intra-node" if intra else "inter-node", "seconds": sec,
-                     "overlap": c.overlap})
+        rows.append(
+            {
+                "kind": c.kind,
+                "mesh_dim": c.mesh_dim,
+                "group_size": e.layout.size(c.mesh_dim),
+                "bytes": c.bytes,
+                "count": c.count,
+                "what": c.what,
+                "link": "intra-node" if intra else "inter-node",
+                "seconds": sec,
+                "overlap": c.overlap,
+            }
+        )
     return rows
 
 
@@ -157,12 +205,17 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
         console.print("Smallest-memory option, for reference:")
     else:
         e = res.best
-        rank = next(i for i, r in enumerate(result.ranked, 1) if r.layout == lay) \
-            if any(r.layout == lay for r in result.ranked) else None
+        rank = (
+            next(i for i, r in enumerate(result.ranked, 1) if r.layout == lay)
+            if any(r.layout == lay for r in result.ranked)
+            else None
+        )
         where = f"rank {rank} of {len(result.ranked)}" if rank else "evaluated alone"
-        console.print(f"{_strategy(e)} — {where}; best option micro_batch="
-                      f"{e.settings.micro_batch}, grad_accum={e.settings.grad_accum}, "
-                      f"checkpointing {_ac(e)}")
+        console.print(
+            f"{_strategy(e)} — {where}; best option micro_batch="
+            f"{e.settings.micro_batch}, grad_accum={e.settings.grad_accum}, "
+            f"checkpointing {_ac(e)}"
+        )
     if e.pipeline is not None:
         for line in pipeline_lines(e):
             console.print(line, soft_wrap=True)
@@ -171,22 +224,41 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
     mem = Table(title=f"Memory per GPU at the peak ({m.peak_phase})")
     mem.add_column("part")
     mem.add_column("GiB", justify="right")
-    for name in ("params", "grads", "optimizer", "activations", "logits", "fsdp_buffers",
-                 "overhead", "total"):
+    for name in (
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "logits",
+        "fsdp_buffers",
+        "overhead",
+        "total",
+    ):
         mem.add_row(name, _gib(getattr(m, name)))
     mem.add_row("capacity", _gib(hw.mem_bytes))
     if m.host_offload:
         mem.add_row("host (pinned) memory: offloaded layer inputs", _gib(m.host_offload))
     mem.add_row("peak allocated (torch.cuda.max_memory_allocated)", _gib(m.allocated))
     console.print(mem)
-    console.print("total = peak allocated + CUDA context/NCCL + fragmentation allowance; the "
-                  "caching allocator's reserved memory runs ~20-30 % above peak allocated (H200).")
+    console.print(
+        "total = peak allocated + CUDA context/NCCL + fragmentation allowance; the "
+        "caching allocator's reserved memory runs ~20-30 % above peak allocated (H200)."
+    )
     t = e.time
     tim = Table(title="Step time (s)")
     tim.add_column("part")
     tim.add_column("seconds", justify="right")
-    for name in ("compute", "tp_exposed", "cp_exposed", "dp_exposed", "ep_exposed", "optimizer", "offload_exposed",
-                 *(("pp_bubble", "pp_exposed") if e.pipeline is not None else ()), "step"):
+    for name in (
+        "compute",
+        "tp_exposed",
+        "cp_exposed",
+        "dp_exposed",
+        "ep_exposed",
+        "optimizer",
+        "offload_exposed",
+        *(("pp_bubble", "pp_exposed") if e.pipeline is not None else ()),
+        "step",
+    ):
         tim.add_row(name, f"{getattr(t, name):.3f}")
     for dim, v in t.comm_total.items():
         link = "intra" if v["intra_node"] else "inter"
@@ -198,25 +270,49 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
     for name, sec in t.compute_parts.items():
         parts.add_row(name, f"{sec * 1e3:.1f}")
     console.print(parts)
-    console.print(f"tokens/s per GPU {e.tokens_per_s_per_gpu:,.0f}, MFU {e.mfu:.1%}, "
-                  f"bottleneck: {e.bottleneck}")
+    console.print(
+        f"tokens/s per GPU {e.tokens_per_s_per_gpu:,.0f}, MFU {e.mfu:.1%}, bottleneck: {e.bottleneck}"
+    )
     col = Table(title="Collectives per rank per step")
     for c in ("kind", "dim", "n", "link", "bytes/call", "calls", "seconds", "what"):
         col.add_column(c)
     for row in _collective_rows(e, result):
-        col.add_row(row["kind"], row["mesh_dim"], str(row["group_size"]), row["link"],
-                    _human_bytes(row["bytes"]), str(row["count"]), f"{row['seconds']:.3f}",
-                    row["what"])
+        col.add_row(
+            row["kind"],
+            row["mesh_dim"],
+            str(row["group_size"]),
+            row["link"],
+            _human_bytes(row["bytes"]),
+            str(row["count"]),
+            f"{row['seconds']:.3f}",
+            row["what"],
+        )
     console.print(col)
     if len(res.options) > 1:
         opt = Table(title="Options of this layout")
         pp = lay.pp_enabled
-        for c in ("mb", "ga", "AC", *(("pp schedule",) if pp else ()), "mem GiB", "fits", "step s", "tok/s/GPU"):
+        for c in (
+            "mb",
+            "ga",
+            "AC",
+            *(("pp schedule",) if pp else ()),
+            "mem GiB",
+            "fits",
+            "step s",
+            "tok/s/GPU",
+        ):
             opt.add_column(c, justify="right")
         for o in res.options:
-            opt.add_row(str(o.settings.micro_batch), str(o.settings.grad_accum), _ac(o),
-                        *((_schedule(o),) if pp else ()), _gib(o.memory.total), "yes" if o.fits else "no",
-                        f"{o.time.step:.2f}", f"{o.tokens_per_s_per_gpu:,.0f}")
+            opt.add_row(
+                str(o.settings.micro_batch),
+                str(o.settings.grad_accum),
+                _ac(o),
+                *((_schedule(o),) if pp else ()),
+                _gib(o.memory.total),
+                "yes" if o.fits else "no",
+                f"{o.time.step:.2f}",
+                f"{o.tokens_per_s_per_gpu:,.0f}",
+            )
         console.print(opt)
 
 
@@ -234,9 +330,11 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
         "sequence_len": s.seq_len,
         "micro_batch_size": s.micro_batch,
         "gradient_accumulation_steps": s.grad_accum,
-        "fsdp_config": {"reshard_after_forward": s.reshard_after_forward,
-                        "activation_checkpointing": s.checkpointing,
-                        "unsharded_grad_accumulation": s.unsharded_grad_accumulation},
+        "fsdp_config": {
+            "reshard_after_forward": s.reshard_after_forward,
+            "activation_checkpointing": s.checkpointing,
+            "unsharded_grad_accumulation": s.unsharded_grad_accumulation,
+        },
         "optimizer": {"adamw": "adamw_torch"}.get(s.optimizer, s.optimizer),
     }
     if e.layout.pp_enabled:  # the runtime's default: one pipeline micro-batch per accumulation step
@@ -252,16 +350,25 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
     if s.mixed_precision in ("bf16", "fp16"):
         cfg[s.mixed_precision] = True
     if s.lora_r:
-        cfg.update(adapter="qlora" if s.quantized_base else "lora", lora_r=s.lora_r, lora_alpha=2 * s.lora_r,
-                   lora_target_linear=True)
+        cfg.update(
+            adapter="qlora" if s.quantized_base else "lora",
+            lora_r=s.lora_r,
+            lora_alpha=2 * s.lora_r,
+            lora_target_linear=True,
+        )
         if s.quantized_base:
             cfg["load_in_4bit"] = True
         if s.lora_saved:
-            cfg["lora_modules_to_save"] = [{"embed": "embed_tokens", "head": "lm_head"}[t] for t in s.lora_saved]
+            cfg["lora_modules_to_save"] = [
+                {"embed": "embed_tokens", "head": "lm_head"}[t] for t in s.lora_saved
+            ]
     if s.qat:
         weight, _, act = s.qat.partition("/")
-        cfg["qat"] = {"weight_dtype": weight, "activation_dtype": act or None,
-                      **({"group_size": 32} if weight in ("int4", "mxfp4") else {})}
+        cfg["qat"] = {
+            "weight_dtype": weight,
+            "activation_dtype": act or None,
+            **({"group_size": 32} if weight in ("int4", "mxfp4") else {}),
+        }
     if s.tiled_mlp:
         cfg["tiled_mlp"] = True
         if s.tiled_mlp_num_shards:
@@ -273,9 +380,11 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
 
 def write_config(e: Estimate, result: PlanResult, path: str) -> None:
     cfg = train_config(e, result)
-    note = (f"# Written by `ndparallel plan`: {e.layout.describe()}, predicted "
-            f"{e.memory.total / GiB:.1f} GiB/GPU, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
-            f"MFU {e.mfu:.1%}, on {result.request.gpus} × {result.request.hardware.name}\n")
+    note = (
+        f"# Written by `ndparallel plan`: {e.layout.describe()}, predicted "
+        f"{e.memory.total / GiB:.1f} GiB/GPU, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+        f"MFU {e.mfu:.1%}, on {result.request.gpus} × {result.request.hardware.name}\n"
+    )
     with open(path, "w") as fh:
         fh.write(note)
         yaml.safe_dump(cfg, fh, sort_keys=False)

@@ -18,8 +18,16 @@ from ndparallel.plan.pipeline import AUTO_SCHEDULES, canonical, default_virtual
 from ndparallel.plan.pipeline import problem as pipeline_problem
 from ndparallel.plan.pipeline_estimate import estimate_pipeline
 
-__all__ = ["Estimate", "TimeBreakdown", "PlanRequest", "LayoutResult", "PlanResult", "estimate",
-           "evaluate_layout", "plan"]
+__all__ = [
+    "Estimate",
+    "TimeBreakdown",
+    "PlanRequest",
+    "LayoutResult",
+    "PlanResult",
+    "estimate",
+    "evaluate_layout",
+    "plan",
+]
 
 DEFAULT_GLOBAL_BATCH_TOKENS = 2**22
 """Used when no global batch is given: ~4M tokens, rounded per layout (not enforced exactly)."""
@@ -93,7 +101,8 @@ class LayoutResult:
 
     def to_dict(self) -> dict:
         return {
-            "layout": asdict(self.layout), "ok": self.ok,
+            "layout": asdict(self.layout),
+            "ok": self.ok,
             "best": self.best.to_dict() if self.best else None,
             "rejections": [{"code": c, "reason": r} for c, r in self.rejections],
         }
@@ -110,8 +119,14 @@ class PlanResult:
 
 
 # --------------------------------------------------------------- evaluation
-def estimate(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_per_node: int,
-             global_batch: int | None = None) -> Estimate:
+def estimate(
+    model: ModelSpec,
+    layout: Layout,
+    s: Settings,
+    hw: Hardware,
+    gpus_per_node: int,
+    global_batch: int | None = None,
+) -> Estimate:
     """Memory and step time of one fully specified configuration (no validity checks); a pp
     layout is its slowest pipeline rank's pace plus the schedule's bubble (``pipeline_estimate``)."""
     if layout.pp > 1:
@@ -126,24 +141,37 @@ def _grad_accum(req: PlanRequest, layout: Layout, mb: int) -> tuple[int | None, 
         target = max(1, round(DEFAULT_GLOBAL_BATCH_TOKENS / req.seq_len))
         return max(1, round(target / per_step)), None
     if req.global_batch % per_step:
-        return None, (f"global batch {req.global_batch} is not divisible by dp × micro_batch = "
-                      f"{layout.dp} × {mb} = {per_step}")
+        return None, (
+            f"global batch {req.global_batch} is not divisible by dp × micro_batch = "
+            f"{layout.dp} × {mb} = {per_step}"
+        )
     return req.global_batch // per_step, None
 
 
 def base_settings(req: PlanRequest) -> Settings:
     """The request's settings before a layout's micro-batch, accumulation and checkpointing."""
-    return Settings(seq_len=req.seq_len, mixed_precision=req.mixed_precision,
-                    optimizer=req.optimizer, sequence_parallel=req.sequence_parallel,
-                    reshard_after_forward=req.reshard_after_forward,
-                    loss_parallel=req.loss_parallel,
-                    unsharded_grad_accumulation=bool(req.unsharded_grad_accumulation),
-                    cp_strategy=req.cp_strategy, cp_kernel=req.cp_kernel, ac_policy=req.ac_policy,
-                    loss_impl=req.loss_impl, loss_chunk_tokens=req.loss_chunk_tokens,
-                    optimizer_fused=req.optimizer_fused, lora_r=req.lora_r, tiled_mlp=req.tiled_mlp,
-                    tiled_mlp_num_shards=req.tiled_mlp_num_shards,
-                    activation_offloading=req.activation_offloading, quantized_base=req.quantized_base,
-                    qat=req.qat, lora_saved=req.lora_saved)
+    return Settings(
+        seq_len=req.seq_len,
+        mixed_precision=req.mixed_precision,
+        optimizer=req.optimizer,
+        sequence_parallel=req.sequence_parallel,
+        reshard_after_forward=req.reshard_after_forward,
+        loss_parallel=req.loss_parallel,
+        unsharded_grad_accumulation=bool(req.unsharded_grad_accumulation),
+        cp_strategy=req.cp_strategy,
+        cp_kernel=req.cp_kernel,
+        ac_policy=req.ac_policy,
+        loss_impl=req.loss_impl,
+        loss_chunk_tokens=req.loss_chunk_tokens,
+        optimizer_fused=req.optimizer_fused,
+        lora_r=req.lora_r,
+        tiled_mlp=req.tiled_mlp,
+        tiled_mlp_num_shards=req.tiled_mlp_num_shards,
+        activation_offloading=req.activation_offloading,
+        quantized_base=req.quantized_base,
+        qat=req.qat,
+        lora_saved=req.lora_saved,
+    )
 
 
 def _layout_rejections(req: PlanRequest, layout: Layout, base: Settings) -> list[tuple[str, str]]:
@@ -162,8 +190,9 @@ def _layout_rejections(req: PlanRequest, layout: Layout, base: Settings) -> list
     return out
 
 
-def _schedules(req: PlanRequest, layout: Layout, schedule: str | None,
-               virtual: int | None) -> list[tuple[str, int]]:
+def _schedules(
+    req: PlanRequest, layout: Layout, schedule: str | None, virtual: int | None
+) -> list[tuple[str, int]]:
     """(pipeline schedule, stages per rank) options of a layout: one placeholder without PP."""
     if layout.pp == 1:
         return [("1F1B", 1)]
@@ -182,9 +211,15 @@ def _grad_syncs(req: PlanRequest, layout: Layout, unsharded: bool | None) -> lis
     return [False, True] if layout.pp > 1 and layout.dp_replicate * layout.fsdp > 1 else [False]
 
 
-def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = None,
-                    checkpointing: bool | None = None, schedule: str | None = None,
-                    virtual: int | None = None, unsharded: bool | None = None) -> LayoutResult:
+def evaluate_layout(
+    req: PlanRequest,
+    layout: Layout,
+    micro_batch: int | None = None,
+    checkpointing: bool | None = None,
+    schedule: str | None = None,
+    virtual: int | None = None,
+    unsharded: bool | None = None,
+) -> LayoutResult:
     """All (micro-batch, checkpointing, pipeline schedule, gradient reduction) options of one
     layout; the best that fits is ``best``. ``schedule`` / ``virtual`` pin a pp layout's schedule
     and stages per rank, ``unsharded`` its ``unsharded_grad_accumulation``."""
@@ -193,8 +228,7 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
     res.rejections = _layout_rejections(req, layout, base)
     if res.rejections:
         return res
-    mbs = [micro_batch] if micro_batch else [req.micro_batch] if req.micro_batch else list(
-        AUTO_MICRO_BATCHES)
+    mbs = [micro_batch] if micro_batch else [req.micro_batch] if req.micro_batch else list(AUTO_MICRO_BATCHES)
     if checkpointing is not None:
         acs = [checkpointing]
     elif req.activation_offloading:  # offloading moves what checkpointing keeps
@@ -214,8 +248,15 @@ def evaluate_layout(req: PlanRequest, layout: Layout, micro_batch: int | None = 
                 continue
             for ac in acs:
                 for uga in _grad_syncs(req, layout, unsharded):
-                    s = replace(base, micro_batch=mb, grad_accum=ga, checkpointing=ac, pp_schedule=name,
-                                pp_virtual=v, unsharded_grad_accumulation=uga)
+                    s = replace(
+                        base,
+                        micro_batch=mb,
+                        grad_accum=ga,
+                        checkpointing=ac,
+                        pp_schedule=name,
+                        pp_virtual=v,
+                        unsharded_grad_accumulation=uga,
+                    )
                     res.options.append(estimate(req.model, layout, s, req.hardware, req.gpus_per_node))
     _choose(req, layout, res, reasons)
     return res
@@ -232,11 +273,17 @@ def _choose(req: PlanRequest, layout: Layout, res: LayoutResult, reasons: dict[s
     elif res.options:
         least = min(res.options, key=lambda o: o.memory.total)
         s = least.settings
-        res.rejections = [("oom", (
-            f"out of memory: needs {least.memory.total / GiB:.1f} GiB > "
-            f"{req.hardware.mem_bytes / GiB:.1f} GiB even with micro_batch={s.micro_batch}, "
-            f"checkpointing {'on' if s.checkpointing else 'off'}"
-            + (f", {s.pp_schedule}" if layout.pp > 1 else "")))]
+        res.rejections = [
+            (
+                "oom",
+                (
+                    f"out of memory: needs {least.memory.total / GiB:.1f} GiB > "
+                    f"{req.hardware.mem_bytes / GiB:.1f} GiB even with micro_batch={s.micro_batch}, "
+                    f"checkpointing {'on' if s.checkpointing else 'off'}"
+                    + (f", {s.pp_schedule}" if layout.pp > 1 else "")
+                ),
+            )
+        ]
     else:
         code = "pp_microbatches" if reasons["pp_microbatches"] else "global_batch"
         res.rejections = [(code, reasons[code][0])]
@@ -254,9 +301,11 @@ def _check_host(req: PlanRequest, layout: Layout, options: list[Estimate]) -> st
         need = o.memory.host_offload * per_node
         if o.fits and need > budget:
             o.fits = False
-            reason = (f"offloaded activations need {need / GiB:.0f} GiB of host memory per node "
-                      f"({per_node} GPUs × {o.memory.host_offload / GiB:.1f}) > {HOST_BUDGET_FRACTION:.0%} "
-                      f"of --host-mem {req.host_mem_bytes / GiB:.0f} GiB")
+            reason = (
+                f"offloaded activations need {need / GiB:.0f} GiB of host memory per node "
+                f"({per_node} GPUs × {o.memory.host_offload / GiB:.1f}) > {HOST_BUDGET_FRACTION:.0%} "
+                f"of --host-mem {req.host_mem_bytes / GiB:.0f} GiB"
+            )
     return reason if reason and not any(o.fits for o in options) else None
 
 
@@ -265,8 +314,11 @@ def plan(req: PlanRequest) -> PlanResult:
     if req.gpus < 1:
         raise ValueError("--gpus must be >= 1")
     layers = req.model.layers if req.pipeline else 0
-    results = [evaluate_layout(req, lay) for lay in enumerate_layouts(req.gpus, req.model.num_experts, layers)]
-    ranked = sorted((r for r in results if r.ok),
-                    key=lambda r: (-r.best.tokens_per_s_per_gpu, r.best.memory.total))
+    results = [
+        evaluate_layout(req, lay) for lay in enumerate_layouts(req.gpus, req.model.num_experts, layers)
+    ]
+    ranked = sorted(
+        (r for r in results if r.ok), key=lambda r: (-r.best.tokens_per_s_per_gpu, r.best.memory.total)
+    )
     rejected = [r for r in results if not r.ok]
     return PlanResult(req, ranked, rejected)

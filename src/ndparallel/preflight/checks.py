@@ -7,8 +7,9 @@ its function here and its line in ``CHECKS``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ndparallel.config import ConfigError, TrainConfig
 
@@ -70,13 +71,17 @@ def experts(p: Preflight) -> None:
 
     cfg, dims, count = p.cfg, p.pc.dims, config_num_experts(p.hf)
     if dims.ep_enabled and count is None:
-        raise ConfigError(f"expert_parallel_size={dims.ep}, but base_model={cfg.base_model!r} is not a "
-                          "mixture-of-experts model (its config has no num_experts / num_local_experts / "
-                          "n_routed_experts): set expert_parallel_size: 1")
+        raise ConfigError(
+            f"expert_parallel_size={dims.ep}, but base_model={cfg.base_model!r} is not a "
+            "mixture-of-experts model (its config has no num_experts / num_local_experts / "
+            "n_routed_experts): set expert_parallel_size: 1"
+        )
     if count is not None and count % dims.ep:
         fits = [d for d in range(1, count + 1) if count % d == 0 and dims.ep_problem() is None]
-        raise ConfigError(f"expert_parallel_size={dims.ep} does not divide the {count} experts of "
-                          f"base_model={cfg.base_model!r}: use one of {fits[:8]}")
+        raise ConfigError(
+            f"expert_parallel_size={dims.ep} does not divide the {count} experts of "
+            f"base_model={cfg.base_model!r}: use one of {fits[:8]}"
+        )
 
 
 def adapter(p: Preflight) -> None:
@@ -152,8 +157,14 @@ def family_layout(p: Preflight) -> None:
     from ndparallel.parallel.support import layout_problem
     from ndparallel.preflight.model_check import meta_model
 
-    problem = layout_problem(meta_model(p.cfg, p.hf), tp_size=pc.tp_size, cp_size=pc.cp_size,
-                             sequence_parallel=tp.sequence_parallel, tp_plan=tp.plan, ep_size=pc.ep_size)
+    problem = layout_problem(
+        meta_model(p.cfg, p.hf),
+        tp_size=pc.tp_size,
+        cp_size=pc.cp_size,
+        sequence_parallel=tp.sequence_parallel,
+        tp_plan=tp.plan,
+        ep_size=pc.ep_size,
+    )
     if problem:
         raise ConfigError(problem)
 
@@ -169,8 +180,9 @@ def tp_cp_sizes(p: Preflight) -> None:
         if pc.cp_enabled:
             from ndparallel.parallel.context import validate_context_parallel
 
-            validate_context_parallel(hf, pc.cp_size, cfg.sequence_len, pc.tp_size,
-                                      strategy=cfg.cp_options().comm_strategy)
+            validate_context_parallel(
+                hf, pc.cp_size, cfg.sequence_len, pc.tp_size, strategy=cfg.cp_options().comm_strategy
+            )
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -182,12 +194,21 @@ def sequence_len(p: Preflight) -> None:
     divisor = dims.seq_len_divisor(cfg.sequence_parallel)
     if cfg.sequence_len % divisor:
         up = cfg.sequence_len + (-cfg.sequence_len) % divisor
-        why = " and ".join(w for w, on in (
-            (f"2·context_parallel_size = {dims.cp_chunks()} chunks", dims.cp_enabled),
-            (f"sequence parallel splits each cp rank's tokens over tensor_parallel_size = {dims.tp}",
-             cfg.sequence_parallel and dims.tp_enabled)) if on)
-        raise ConfigError(f"sequence_len={cfg.sequence_len} is not a multiple of {divisor} ({why}): "
-                          f"set sequence_len to a multiple of {divisor} (e.g. {up})")
+        why = " and ".join(
+            w
+            for w, on in (
+                (f"2·context_parallel_size = {dims.cp_chunks()} chunks", dims.cp_enabled),
+                (
+                    f"sequence parallel splits each cp rank's tokens over tensor_parallel_size = {dims.tp}",
+                    cfg.sequence_parallel and dims.tp_enabled,
+                ),
+            )
+            if on
+        )
+        raise ConfigError(
+            f"sequence_len={cfg.sequence_len} is not a multiple of {divisor} ({why}): "
+            f"set sequence_len to a multiple of {divisor} (e.g. {up})"
+        )
 
 
 def pipeline(p: Preflight) -> None:
@@ -215,27 +236,44 @@ def max_steps_wins(p: Preflight) -> list[str]:
 def lora_fields_unused(p: Preflight) -> list[str]:
     """Axolotl ignores them too: its archived full fine-tuning configs keep them."""
     stray = p.cfg.lora_fields_without_adapter()
-    return [f"{', '.join(stray)} set but no adapter: not used, every parameter is trained (full fine-tuning, as in "
-            "Axolotl); add adapter: lora to train LoRA adapters instead"] if stray else []
+    return (
+        [
+            f"{', '.join(stray)} set but no adapter: not used, every parameter is trained (full fine-tuning, as in "
+            "Axolotl); add adapter: lora to train LoRA adapters instead"
+        ]
+        if stray
+        else []
+    )
 
 
 def loss_watchdog(p: Preflight) -> list[str]:
     cfg = p.cfg
     if cfg.loss_watchdog_threshold is None:
         return []
-    return [f"loss_watchdog_threshold {cfg.loss_watchdog_threshold:g}: " + (
-        "stops training as Axolotl does (a warning, the final model saved, exit 0); loss_watchdog_action: "
-        "fail exits 1 without a final model instead" if cfg.loss_watchdog_action == "stop" else
-        "loss_watchdog_action: fail exits 1 without a final model (Axolotl stops gracefully and saves it)")]
+    return [
+        f"loss_watchdog_threshold {cfg.loss_watchdog_threshold:g}: "
+        + (
+            "stops training as Axolotl does (a warning, the final model saved, exit 0); loss_watchdog_action: "
+            "fail exits 1 without a final model instead"
+            if cfg.loss_watchdog_action == "stop"
+            else "loss_watchdog_action: fail exits 1 without a final model (Axolotl stops gracefully and saves it)"
+        )
+    ]
 
 
 def qat_memory(p: Preflight) -> list[str]:
     cfg, qat = p.cfg, p.cfg.qat_options()
-    if qat.enabled and qat.weight_dtype not in ("mxfp4", "nvfp4") and not cfg.fsdp_config.activation_checkpointing:
-        return [f"qat ({qat.weight_dtype} weights) without activation checkpointing: every layer keeps a rounded "
-                "copy of its whole (unsharded) weights for backward, the model's weights again on every rank "
-                "(docs/qat.md): set fsdp_config.activation_checkpointing: true unless `ndparallel plan --config` "
-                "says it fits"]
+    if (
+        qat.enabled
+        and qat.weight_dtype not in ("mxfp4", "nvfp4")
+        and not cfg.fsdp_config.activation_checkpointing
+    ):
+        return [
+            f"qat ({qat.weight_dtype} weights) without activation checkpointing: every layer keeps a rounded "
+            "copy of its whole (unsharded) weights for backward, the model's weights again on every rank "
+            "(docs/qat.md): set fsdp_config.activation_checkpointing: true unless `ndparallel plan --config` "
+            "says it fits"
+        ]
     return []
 
 
@@ -310,8 +348,15 @@ CHECKS: tuple[Check, ...] = (
 at all, before which sizes would fit); the notes come last, in the order they are printed."""
 
 
-def run_checks(cfg: TrainConfig, world_size: int | None = None, *, check_local: bool = True,
-               check_output: bool = True, check_weights: bool = True, device_type: str | None = None) -> Preflight:
+def run_checks(
+    cfg: TrainConfig,
+    world_size: int | None = None,
+    *,
+    check_local: bool = True,
+    check_output: bool = True,
+    check_weights: bool = True,
+    device_type: str | None = None,
+) -> Preflight:
     """Every check of ``CHECKS`` that applies (``Preflight`` says what each flag means), in order.
     Raises ``ConfigError`` (one line) on the first refusal; else returns the pass: the resolved
     layout (``pc``), base_model's config (``hf``) and the notes."""
@@ -322,10 +367,17 @@ def run_checks(cfg: TrainConfig, world_size: int | None = None, *, check_local: 
     return p
 
 
-def validate_layout(cfg: TrainConfig, world_size: int, check_local: bool = True, check_output: bool = True,
-                    check_weights: bool = True):
+def validate_layout(
+    cfg: TrainConfig,
+    world_size: int,
+    check_local: bool = True,
+    check_output: bool = True,
+    check_weights: bool = True,
+):
     """``run_checks`` for callers that need (resolved ParallelismConfig, HF model config) alone."""
-    p = run_checks(cfg, world_size, check_local=check_local, check_output=check_output, check_weights=check_weights)
+    p = run_checks(
+        cfg, world_size, check_local=check_local, check_output=check_output, check_weights=check_weights
+    )
     return p.pc, p.hf
 
 

@@ -16,33 +16,51 @@ def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
     notes = []
     fsdp = cfg.fsdp_config
     if fsdp.state_dict_type:
-        notes.append(f"fsdp_config.state_dict_type: {fsdp.state_dict_type}: checkpoints are always sharded (DCP, "
-                     "resumable on any layout) and the final model one full safetensors directory")
+        notes.append(
+            f"fsdp_config.state_dict_type: {fsdp.state_dict_type}: checkpoints are always sharded (DCP, "
+            "resumable on any layout) and the final model one full safetensors directory"
+        )
     if fsdp.auto_wrap_policy == "SIZE_BASED_WRAP":
-        notes.append("fsdp_config.auto_wrap_policy: SIZE_BASED_WRAP -> each decoder layer is one FSDP2 unit (the "
-                     "same training; the all-gathers are grouped per layer)")
+        notes.append(
+            "fsdp_config.auto_wrap_policy: SIZE_BASED_WRAP -> each decoder layer is one FSDP2 unit (the "
+            "same training; the all-gathers are grouped per layer)"
+        )
     if cfg.special_tokens or cfg.tokens:
-        notes.append("special_tokens / tokens: set on (or added to) the tokenizer, saved with the model; tokens "
-                     "new to a pretrained base_model's vocabulary grow its embeddings (new rows start at the mean row)")
+        notes.append(
+            "special_tokens / tokens: set on (or added to) the tokenizer, saved with the model; tokens "
+            "new to a pretrained base_model's vocabulary grow its embeddings (new rows start at the mean row)"
+        )
     if cfg.optimizer == "adamw_torch_fused":
-        notes.append("optimizer: adamw_torch_fused: torch AdamW with fused=True when every parameter is on CUDA, "
-                     "else the default kernel (same update)")
+        notes.append(
+            "optimizer: adamw_torch_fused: torch AdamW with fused=True when every parameter is on CUDA, "
+            "else the default kernel (same update)"
+        )
     if cfg.warmup_ratio is not None:
-        notes.append(f"warmup_ratio: {cfg.warmup_ratio:g} -> warmup_steps = ceil({cfg.warmup_ratio:g} x the run's "
-                     "steps), known once the data is prepared")
+        notes.append(
+            f"warmup_ratio: {cfg.warmup_ratio:g} -> warmup_steps = ceil({cfg.warmup_ratio:g} x the run's "
+            "steps), known once the data is prepared"
+        )
     if cfg.saves_per_epoch:
-        notes.append(f"saves_per_epoch: {cfg.saves_per_epoch} -> a checkpoint every steps_per_epoch // "
-                     f"{cfg.saves_per_epoch} steps (sharded DCP)")
+        notes.append(
+            f"saves_per_epoch: {cfg.saves_per_epoch} -> a checkpoint every steps_per_epoch // "
+            f"{cfg.saves_per_epoch} steps (sharded DCP)"
+        )
     if cfg.sample_packing and cfg.micro_batch_size > 1:
-        notes.append(f"sample_packing: each micro-batch is {cfg.micro_batch_size} packed rows of sequence_len "
-                     "tokens (Axolotl's multipack: the same)")
+        notes.append(
+            f"sample_packing: each micro-batch is {cfg.micro_batch_size} packed rows of sequence_len "
+            "tokens (Axolotl's multipack: the same)"
+        )
     if cfg.cp_comm_strategy == "alltoall":
-        notes.append("cp_comm_strategy: alltoall (Accelerate's name for the rotating K/V exchange) -> ring; "
-                     "the head-splitting all-to-all is cp_comm_strategy: ulysses")
+        notes.append(
+            "cp_comm_strategy: alltoall (Accelerate's name for the rotating K/V exchange) -> ring; "
+            "the head-splitting all-to-all is cp_comm_strategy: ulysses"
+        )
     own = cfg.context_parallel_size > 1 or (cfg.sequence_parallel and cfg.tensor_parallel_size > 1)
     if own and cfg.attn_implementation not in (None, "sdpa"):
-        notes.append(f"attn_implementation: {cfg.attn_implementation} is replaced by ndparallel's own attention "
-                     "(context parallel, or sequence parallel under TP)")
+        notes.append(
+            f"attn_implementation: {cfg.attn_implementation} is replaced by ndparallel's own attention "
+            "(context parallel, or sequence parallel under TP)"
+        )
     elif device_type is not None:
         from ndparallel.models.attention import attention_kernel
 
@@ -64,13 +82,17 @@ def quant_notes(cfg) -> list[str]:
 
         if cfg.adapter == "lora":
             notes.append("adapter: lora with load_in_4bit: true = adapter: qlora (LoRA on a 4-bit NF4 base)")
-        notes.append("load_in_4bit: the base's linear weights become torchao NF4 (bitsandbytes' NF4 format with "
-                     "double-quantised scales; torchao's kernels), each rank quantising only its FSDP shard "
-                     "while loading; compute in " + cfg.compute_dtype_name())
+        notes.append(
+            "load_in_4bit: the base's linear weights become torchao NF4 (bitsandbytes' NF4 format with "
+            "double-quantised scales; torchao's kernels), each rank quantising only its FSDP shard "
+            "while loading; compute in " + cfg.compute_dtype_name()
+        )
         notes += [f"bnb_config_kwargs.{n}" for n in bnb_notes(cfg.bnb_config_kwargs or {})]
         if cfg.merge_lora:
-            notes.append("merge_lora: the adapter is merged into the dequantised NF4 base (the weights it was "
-                         "trained on), written in save_dtype")
+            notes.append(
+                "merge_lora: the adapter is merged into the dequantised NF4 base (the weights it was "
+                "trained on), written in save_dtype"
+            )
     if cfg.qlora_sharded_model_loading:
         notes.append("qlora_sharded_model_loading: always so here (each rank reads and quantises its shard)")
     note = optimizer_note(cfg.optimizer)

@@ -21,8 +21,9 @@ def check_chat_templates(cfg: TrainConfig) -> None:
         for i, d in enumerate(cfg.datasets or []):
             spec = DatasetSpec.from_any(d.model_dump(), f"datasets[{i}]")
             if spec.type == "chat_template" and not spec.chat_template_jinja:
-                check_template_name(spec.chat_template or cfg.chat_template, f"datasets[{i}]",
-                                    cfg.chat_template_jinja)
+                check_template_name(
+                    spec.chat_template or cfg.chat_template, f"datasets[{i}]", cfg.chat_template_jinja
+                )
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -33,8 +34,10 @@ def check_data_order(cfg: TrainConfig) -> None:
         _check_data_order(cfg)
         for i, d in enumerate(cfg.pretraining_dataset or []):
             if "[" in d.split:
-                raise ValueError(f"pretraining_dataset[{i}].split: {d.split!r}: a streamed dataset has no length to "
-                                 "slice by; give a split name (e.g. train) and use skip: N to skip records")
+                raise ValueError(
+                    f"pretraining_dataset[{i}].split: {d.split!r}: a streamed dataset has no length to "
+                    "slice by; give a split name (e.g. train) and use skip: N to skip records"
+                )
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -53,9 +56,11 @@ def check_chunked_loss(cfg: TrainConfig, hf) -> None:
     if cfg.chunked_loss:
         problem = chunked_loss_problem(cfg, hf)
         if problem:
-            raise ConfigError(f"chunked_loss: true, but the chunked loss would not be exact for base_model="
-                              f"{cfg.base_model!r}: {problem}; set chunked_loss: false or leave it out (auto: the "
-                              "logits path for this model)")
+            raise ConfigError(
+                f"chunked_loss: true, but the chunked loss would not be exact for base_model="
+                f"{cfg.base_model!r}: {problem}; set chunked_loss: false or leave it out (auto: the "
+                "logits path for this model)"
+            )
 
 
 def check_unfrozen_parameters(cfg: TrainConfig, hf) -> None:
@@ -66,9 +71,11 @@ def check_unfrozen_parameters(cfg: TrainConfig, hf) -> None:
         names = [n for n, _ in meta_model(cfg, hf).named_parameters()]
         missing = unmatched_patterns(names, cfg.unfrozen_parameters)
         if missing:
-            raise ConfigError(f"unfrozen_parameters: {missing[0]!r} matches no parameter of base_model="
-                              f"{cfg.base_model!r} (its parameters are named like {names[0]!r}, {names[-1]!r}); "
-                              "fix the pattern (re.match from the start of the name)")
+            raise ConfigError(
+                f"unfrozen_parameters: {missing[0]!r} matches no parameter of base_model="
+                f"{cfg.base_model!r} (its parameters are named like {names[0]!r}, {names[-1]!r}); "
+                "fix the pattern (re.match from the start of the name)"
+            )
 
 
 def _check_data_order(cfg: TrainConfig) -> None:
@@ -77,21 +84,30 @@ def _check_data_order(cfg: TrainConfig) -> None:
     from ndparallel.data.dataset import DatasetSpec
     from ndparallel.data.pipeline import concatenates
 
-    switches = [k for k in ("dataset_exact_deduplication", "curriculum_sampling", "sample_packing_sequentially")
-                if getattr(cfg, k)]
+    switches = [
+        k
+        for k in ("dataset_exact_deduplication", "curriculum_sampling", "sample_packing_sequentially")
+        if getattr(cfg, k)
+    ]
     if not switches:
         return
     if cfg.pretraining_dataset is not None:
-        raise ValueError(f"{switches[0]}: true with a streamed pretraining_dataset (read once, in its own order, "
-                         "never deduplicated): remove it, or give the data under datasets:")
+        raise ValueError(
+            f"{switches[0]}: true with a streamed pretraining_dataset (read once, in its own order, "
+            "never deduplicated): remove it, or give the data under datasets:"
+        )
     specs = [DatasetSpec.from_any(d.model_dump()) for d in cfg.datasets]
     if cfg.dataset_exact_deduplication and concatenates(specs, cfg.sample_packing):
-        raise ValueError("dataset_exact_deduplication: true, but raw text is concatenated into blocks here "
-                         "(sample_packing unset): set sample_packing: true (or false) to train whole samples, "
-                         "which are deduplicated")
+        raise ValueError(
+            "dataset_exact_deduplication: true, but raw text is concatenated into blocks here "
+            "(sample_packing unset): set sample_packing: true (or false) to train whole samples, "
+            "which are deduplicated"
+        )
     if cfg.sample_packing_sequentially and not cfg.sample_packing:
-        raise ValueError("sample_packing_sequentially: true without sample_packing: true (one sample per row: "
-                         "nothing is packed); set sample_packing: true, or remove it")
+        raise ValueError(
+            "sample_packing_sequentially: true without sample_packing: true (one sample per row: "
+            "nothing is packed); set sample_packing: true, or remove it"
+        )
 
 
 def chunked_loss_problem(cfg: TrainConfig, hf) -> str | None:
@@ -107,14 +123,19 @@ def chunked_loss_problem(cfg: TrainConfig, hf) -> str | None:
 def qat_summary(cfg: TrainConfig) -> str:
     """The ``qat`` line of ``--dry-run``."""
     o = cfg.qat_options()
-    groups = f"groups of {o.group_size}" if o.weight_dtype == "int4" else {"nvfp4": "blocks of 16",
-                                                                             "mxfp4": "blocks of 32"}.get(o.weight_dtype)
+    groups = (
+        f"groups of {o.group_size}"
+        if o.weight_dtype == "int4"
+        else {"nvfp4": "blocks of 16", "mxfp4": "blocks of 32"}.get(o.weight_dtype)
+    )
     text = f"{o.weight_dtype} weights" + (f" ({groups})" if groups else "")
     text += f" + {o.activation_dtype} activations" if o.activation_dtype else " (weights only)"
     text += ", embedding too" if o.quantize_embedding else ""
     text += f", from step {o.fake_quant_after_n_steps + 1}" if o.fake_quant_after_n_steps else ""
-    return (text + ": torchao fake quantisation of every linear (LM head included); the model is saved "
-            "unquantised: quantise it afterwards with the same settings")
+    return (
+        text + ": torchao fake quantisation of every linear (LM head included); the model is saved "
+        "unquantised: quantise it afterwards with the same settings"
+    )
 
 
 def chunked_loss_state(cfg: TrainConfig, hf) -> str:
@@ -135,9 +156,11 @@ def model_notes(cfg: TrainConfig, hf) -> list[str]:
     notes = [multimodal_note(meta_model(cfg, hf))] if multimodal_class(hf) is not None else []
     positions = beyond_positions(cfg, hf)
     if positions is not None:
-        notes.append(f"sequence_len={cfg.sequence_len} goes past the model's max_position_embeddings={positions}: "
-                     "its computed (rotary / ALiBi) positions extrapolate beyond the trained context, as in "
-                     "Axolotl; a rope_scaling in config.json extends the context properly")
+        notes.append(
+            f"sequence_len={cfg.sequence_len} goes past the model's max_position_embeddings={positions}: "
+            "its computed (rotary / ALiBi) positions extrapolate beyond the trained context, as in "
+            "Axolotl; a rope_scaling in config.json extends the context properly"
+        )
     return notes + _packing_notes(cfg, hf)
 
 
@@ -152,9 +175,11 @@ def _packing_notes(cfg: TrainConfig, hf) -> list[str]:
     mixers = sorted({type(m).__name__ for m in language if isinstance(m, nn.Conv1d)})
     if not mixers:
         return []
-    return [f"sample_packing: {hf.model_type} also mixes tokens outside attention (convolution / state-space "
-            "layers): packed samples influence each other there, as in Axolotl without varlen kernels; "
-            "sample_packing: false trains each sample alone"]
+    return [
+        f"sample_packing: {hf.model_type} also mixes tokens outside attention (convolution / state-space "
+        "layers): packed samples influence each other there, as in Axolotl without varlen kernels; "
+        "sample_packing: false trains each sample alone"
+    ]
 
 
 def _in_tower(name: str) -> bool:

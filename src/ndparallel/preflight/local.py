@@ -19,10 +19,9 @@ def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm
     import torch
 
     from ndparallel.data.check import check_dataset
+    from ndparallel.tracking.run import missing_trackers
     from ndparallel.training.outputs import plan_output_dir
     from ndparallel.training.trainer import resume_policy
-
-    from ndparallel.tracking.run import missing_trackers
 
     missing = missing_trackers(cfg.trackers())
     if missing:
@@ -33,8 +32,10 @@ def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm
     if problem:
         raise ConfigError(problem)
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device: cuda, but there is no CUDA GPU here (torch {torch.__version__}, "
-                          "torch.cuda.is_available() is False): set device: cpu or auto")
+        raise ConfigError(
+            f"device: cuda, but there is no CUDA GPU here (torch {torch.__version__}, "
+            "torch.cuda.is_available() is False): set device: cpu or auto"
+        )
     resuming = resume_policy(cfg.resume_from_checkpoint, os.environ) is not None
     conflicts = plan_output_dir(cfg, resuming, profile_comm).conflicts if check_output else []
     if conflicts:
@@ -90,10 +91,14 @@ def _check_resume_path(cfg: TrainConfig) -> None:
         return
     problems = validate_checkpoint(Path(r).expanduser(), deep=False)  # the ranks re-hash it
     if problems:
-        hint = (" (it holds checkpoint-N directories: pass one of them, or resume_from_checkpoint: auto)"
-                if list_checkpoints(r) else "")
-        raise ConfigError(f"resume_from_checkpoint={r!r} is not a usable checkpoint: "
-                          + "; ".join(problems) + hint)
+        hint = (
+            " (it holds checkpoint-N directories: pass one of them, or resume_from_checkpoint: auto)"
+            if list_checkpoints(r)
+            else ""
+        )
+        raise ConfigError(
+            f"resume_from_checkpoint={r!r} is not a usable checkpoint: " + "; ".join(problems) + hint
+        )
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -106,16 +111,26 @@ def _check_tokenizer(cfg: TrainConfig) -> None:
     if cfg.tokenizer and cfg.tokenizer != "builtin:stdlib":
         path = Path(cfg.tokenizer).expanduser()
         if not path.exists() and (looks_local(cfg.tokenizer) or "/" not in cfg.tokenizer):
-            raise ConfigError(f"tokenizer={cfg.tokenizer!r} does not exist: give a directory holding "
-                              "tokenizer.json (e.g. the base model's), or builtin:stdlib")
+            raise ConfigError(
+                f"tokenizer={cfg.tokenizer!r} does not exist: give a directory holding "
+                "tokenizer.json (e.g. the base model's), or builtin:stdlib"
+            )
         if path.is_dir() and not any((path / f).is_file() for f in _TOKENIZER_FILES):
-            raise ConfigError(f"tokenizer={cfg.tokenizer!r} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+            raise ConfigError(
+                f"tokenizer={cfg.tokenizer!r} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})"
+            )
         return
     model_dir = Path(cfg.base_model).expanduser()
-    if not cfg.tokenizer and not is_preset(cfg.base_model) and model_dir.is_dir() and not any(
-            (model_dir / f).is_file() for f in _TOKENIZER_FILES):
-        raise ConfigError(f"base_model={cfg.base_model!r} holds no tokenizer ({', '.join(_TOKENIZER_FILES)}): "
-                          "set tokenizer: to a tokenizer directory (or builtin:stdlib)")
+    if (
+        not cfg.tokenizer
+        and not is_preset(cfg.base_model)
+        and model_dir.is_dir()
+        and not any((model_dir / f).is_file() for f in _TOKENIZER_FILES)
+    ):
+        raise ConfigError(
+            f"base_model={cfg.base_model!r} holds no tokenizer ({', '.join(_TOKENIZER_FILES)}): "
+            "set tokenizer: to a tokenizer directory (or builtin:stdlib)"
+        )
 
 
 def _check_added_tokens(cfg: TrainConfig, tokenizer, hf) -> None:
@@ -133,9 +148,11 @@ def _check_added_tokens(cfg: TrainConfig, tokenizer, hf) -> None:
     if grown is None:
         return
     if cfg.adapter:
-        raise ConfigError(f"tokens / special_tokens add {len(tokenizer) - hf.vocab_size} token(s) new to the "
-                          f"vocabulary of base_model={cfg.base_model!r}; with adapter: lora their embedding rows "
-                          "would stay frozen: use tokens it has, or full fine-tuning")
+        raise ConfigError(
+            f"tokens / special_tokens add {len(tokenizer) - hf.vocab_size} token(s) new to the "
+            f"vocabulary of base_model={cfg.base_model!r}; with adapter: lora their embedding rows "
+            "would stay frozen: use tokens it has, or full fine-tuning"
+        )
     hf.vocab_size = grown
 
 

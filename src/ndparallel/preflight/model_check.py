@@ -12,8 +12,8 @@ import re
 import warnings
 from pathlib import Path
 
-from ndparallel.runtime.network import reachable
 from ndparallel.config import ConfigError, TrainConfig
+from ndparallel.runtime.network import reachable
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -42,15 +42,19 @@ def _base_model_config(cfg: TrainConfig):
 
     name = cfg.base_model
     if cfg.revision_of_model and (is_preset(name) or Path(name).expanduser().exists()):
-        raise ConfigError(f"revision_of_model={cfg.revision_of_model!r} picks a revision of a Hub base_model, but "
-                          f"base_model={name!r} is {'a built-in preset' if is_preset(name) else 'a local path'}: "
-                          "remove it, or give the Hub id as base_model")
+        raise ConfigError(
+            f"revision_of_model={cfg.revision_of_model!r} picks a revision of a Hub base_model, but "
+            f"base_model={name!r} is {'a built-in preset' if is_preset(name) else 'a local path'}: "
+            "remove it, or give the Hub id as base_model"
+        )
     if is_preset(name):
         return preset_config(name, vocab_size=cfg.tokenizer_vocab_size)
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ConfigError(f"base_model={name!r} is a file: give the model directory (holding config.json)")
+            raise ConfigError(
+                f"base_model={name!r} is a file: give the model directory (holding config.json)"
+            )
         if not (path / "config.json").is_file():
             raise ConfigError(f"base_model={name!r} has no config.json: not a Hugging Face model directory")
         return _auto_config(name, path, cfg.trust_remote_code)
@@ -62,10 +66,14 @@ def _base_model_config(cfg: TrainConfig):
     if "/" not in name and not name.startswith((".", "~")):
         close = difflib.get_close_matches(name, [*PRESETS, *PUBLISHED], n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"base_model={name!r}: unknown preset{hint} (built-in presets: {', '.join(PRESETS)}; "
-                          "or give a local model directory or a Hub id org/name)")
-    raise ConfigError(f"base_model={name!r}: the local path {path} does not exist (relative paths are taken "
-                      f"from the current directory, {os.getcwd()})")
+        raise ConfigError(
+            f"base_model={name!r}: unknown preset{hint} (built-in presets: {', '.join(PRESETS)}; "
+            "or give a local model directory or a Hub id org/name)"
+        )
+    raise ConfigError(
+        f"base_model={name!r}: the local path {path} does not exist (relative paths are taken "
+        f"from the current directory, {os.getcwd()})"
+    )
 
 
 def is_hub_id(name: str) -> bool:
@@ -88,17 +96,24 @@ def _hub_config(name: str, trust_remote_code: bool, revision: str | None = None)
         with quiet_transformers():
             from transformers import AutoConfig
 
-            return AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code,
-                                              revision=revision)
-    fix = (f"download it where the Hub is reachable (`huggingface-cli download {name} --local-dir DIR`) "
-           "and give DIR")
+            return AutoConfig.from_pretrained(
+                name, local_files_only=True, trust_remote_code=trust_remote_code, revision=revision
+            )
+    fix = (
+        f"download it where the Hub is reachable (`huggingface-cli download {name} --local-dir DIR`) "
+        "and give DIR"
+    )
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise ConfigError(f"base_model={name!r} is not a local directory and not in the local Hugging Face "
-                          f"cache, and HF_HUB_OFFLINE is set: {fix}")
+        raise ConfigError(
+            f"base_model={name!r} is not a local directory and not in the local Hugging Face "
+            f"cache, and HF_HUB_OFFLINE is set: {fix}"
+        )
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     if not reachable(endpoint):
-        raise ConfigError(f"base_model={name!r} is not a local directory and not in the local Hugging Face "
-                          f"cache, and {endpoint} cannot be reached: {fix}")
+        raise ConfigError(
+            f"base_model={name!r} is not a local directory and not in the local Hugging Face "
+            f"cache, and {endpoint} cannot be reached: {fix}"
+        )
     return _auto_config(name, name, trust_remote_code, revision=revision)
 
 
@@ -128,11 +143,14 @@ def check_model(cfg: TrainConfig, hf, check_weights: bool = True) -> None:
         raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
     tables = beyond_learned_positions(cfg, hf)
     if tables:
-        raise ConfigError(f"sequence_len={cfg.sequence_len} is larger than the model's max_position_embeddings="
-                          f"{hf.max_position_embeddings} (base_model={cfg.base_model!r}), and its positions are a "
-                          f"learned table ({tables[0]}) with no row past that: lower sequence_len")
-    if is_preset(cfg.base_model) or (published_config(cfg.base_model) is not None
-                                     and not Path(cfg.base_model).exists()):
+        raise ConfigError(
+            f"sequence_len={cfg.sequence_len} is larger than the model's max_position_embeddings="
+            f"{hf.max_position_embeddings} (base_model={cfg.base_model!r}), and its positions are a "
+            f"learned table ({tables[0]}) with no row past that: lower sequence_len"
+        )
+    if is_preset(cfg.base_model) or (
+        published_config(cfg.base_model) is not None and not Path(cfg.base_model).exists()
+    ):
         if cfg.fsdp_config.layer_classes:
             _check_layer_classes(cfg, meta_model(cfg, hf))
         return  # built-in or published shapes: known causal decoders, no local weights to check
@@ -155,9 +173,11 @@ def _check_layer_classes(cfg: TrainConfig, model) -> None:
     missing = sorted(set(names) - present)
     if missing:
         layers = sorted(n for n in present if n.endswith(("DecoderLayer", "Block", "Layer")))
-        raise ConfigError(f"fsdp_config.layer_classes {missing} is not a class of "
-                          f"base_model={cfg.base_model!r} (its layers: {layers[:6]}); set it to the decoder-layer "
-                          "class, or remove it")
+        raise ConfigError(
+            f"fsdp_config.layer_classes {missing} is not a class of "
+            f"base_model={cfg.base_model!r} (its layers: {layers[:6]}); set it to the decoder-layer "
+            "class, or remove it"
+        )
 
 
 def beyond_positions(cfg: TrainConfig, hf) -> int | None:
@@ -185,8 +205,9 @@ def meta_model(cfg: TrainConfig, hf):
         with quiet_transformers(), torch.device("meta"):
             return causal_lm_from_config(hf, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build a model from
-        raise ConfigError(f"base_model={cfg.base_model!r}: no model can be built from its config: "
-                          f"{one_line(e)[:300]}") from None
+        raise ConfigError(
+            f"base_model={cfg.base_model!r}: no model can be built from its config: {one_line(e)[:300]}"
+        ) from None
 
 
 def _check_weights(cfg: TrainConfig, model, path: Path) -> None:
@@ -232,21 +253,30 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int, ep_size: int = 1, pp_size:
     if problem:
         raise ConfigError(problem)
     if odd and tp_size > 1:
-        raise ConfigError(f"lora_target_modules: {odd[0]} ({type(layers[odd[0]].base_layer).__name__}): "
-                          "with tensor_parallel_size > 1 LoRA adapts linear layers only: leave it out")
+        raise ConfigError(
+            f"lora_target_modules: {odd[0]} ({type(layers[odd[0]].base_layer).__name__}): "
+            "with tensor_parallel_size > 1 LoRA adapts linear layers only: leave it out"
+        )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     names = sorted({n.rsplit(".", 1)[-1] for n in layers if not is_param_wrapper(layers[n])})
-    names += sorted({".".join(checkpoint_key(f"{n}.{m.parameter_name}").split(".")[-2:])
-                     for n, m in layers.items() if is_param_wrapper(m)})
+    names += sorted(
+        {
+            ".".join(checkpoint_key(f"{n}.{m.parameter_name}").split(".")[-2:])
+            for n, m in layers.items()
+            if is_param_wrapper(m)
+        }
+    )
     if cfg.lora_modules_to_save:
         names.append(f"trained whole: {', '.join(cfg.lora_modules_to_save)}")
     lora = adapter_config_of(model)
     start = f"; starts from {cfg.lora_model_dir}" if cfg.lora_model_dir else ""
-    return (f"LoRA r={lora.r} alpha={lora.lora_alpha:g} dropout={lora.lora_dropout:g} on "
-            f"{len(layers)} layers ({', '.join(names)}); {trainable / 1e6:.2f}M trainable parameters "
-            f"= {100 * trainable / total:.3f}% of {total / 1e6:,.1f}M; base frozen in "
-            f"{'4-bit NF4 (linears) + ' if cfg.load_in_4bit else ''}{cfg.compute_dtype_name()}{start}")
+    return (
+        f"LoRA r={lora.r} alpha={lora.lora_alpha:g} dropout={lora.lora_dropout:g} on "
+        f"{len(layers)} layers ({', '.join(names)}); {trainable / 1e6:.2f}M trainable parameters "
+        f"= {100 * trainable / total:.3f}% of {total / 1e6:,.1f}M; base frozen in "
+        f"{'4-bit NF4 (linears) + ' if cfg.load_in_4bit else ''}{cfg.compute_dtype_name()}{start}"
+    )
 
 
 def _adaptedmeta_model(cfg: TrainConfig, hf, lora_config=None):
@@ -288,16 +318,20 @@ def _saved_adapter_model(cfg: TrainConfig, hf):
         raise ConfigError(f"{where}: {one_line(e)}") from None
     for field, value in (("lora_r", saved.r), ("lora_alpha", saved.lora_alpha)):
         if field in cfg.model_fields_set and float(getattr(cfg, field)) != float(value):
-            raise ConfigError(f"{field}={getattr(cfg, field):g} but the adapter in {cfg.lora_model_dir} has "
-                              f"{value:g}: remove {field} (the saved adapter decides) or set it to {value:g}")
+            raise ConfigError(
+                f"{field}={getattr(cfg, field):g} but the adapter in {cfg.lora_model_dir} has "
+                f"{value:g}: remove {field} (the saved adapter decides) or set it to {value:g}"
+            )
     model = _adaptedmeta_model(cfg, hf, saved)
     if {"lora_target_modules", "lora_target_linear"} & cfg.model_fields_set:
         mine = _adapted_layers(_adaptedmeta_model(cfg, hf, cfg.lora_config_from_fields()))
         theirs = _adapted_layers(model)
         if mine != theirs:
-            raise ConfigError(f"lora_target_modules / lora_target_linear adapt {len(mine)} layers, the adapter "
-                              f"in {cfg.lora_model_dir} adapts {len(theirs)}: remove them (the saved adapter "
-                              "decides) or make them match it")
+            raise ConfigError(
+                f"lora_target_modules / lora_target_linear adapt {len(mine)} layers, the adapter "
+                f"in {cfg.lora_model_dir} adapts {len(theirs)}: remove them (the saved adapter "
+                "decides) or make them match it"
+            )
     problem = adapter_weights_problem(model, cfg.lora_model_dir)
     if problem:
         raise ConfigError(f"{where}: {problem}")
@@ -321,9 +355,13 @@ def check_memory_options(cfg: TrainConfig, hf) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if mlps and type(mlps[0]).__name__ in (classes or ()):
-        raise ConfigError(f"tiled_mlp: fsdp_config.layer_classes names the MLP ({type(mlps[0]).__name__}), so "
-                          "FSDP would gather its parameters once per tile; shard whole decoder layers (leave "
-                          "layer_classes unset) or turn tiled_mlp off")
+        raise ConfigError(
+            f"tiled_mlp: fsdp_config.layer_classes names the MLP ({type(mlps[0]).__name__}), so "
+            "FSDP would gather its parameters once per tile; shard whole decoder layers (leave "
+            "layer_classes unset) or turn tiled_mlp off"
+        )
     if cfg.activation_offloading and not all(isinstance(m, GradientCheckpointingLayer) for m in layers):
-        raise ConfigError(f"activation_offloading: {type(layers[0]).__name__} is not checkpointed by transformers' "
-                          "GradientCheckpointingLayer, whose checkpoint function ndparallel wraps; turn it off")
+        raise ConfigError(
+            f"activation_offloading: {type(layers[0]).__name__} is not checkpointed by transformers' "
+            "GradientCheckpointingLayer, whose checkpoint function ndparallel wraps; turn it off"
+        )

@@ -25,12 +25,17 @@ def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
     rows = cfg.micro_batch_size * cfg.gradient_accumulation_steps
     microbatches = cfg.pipeline_microbatches or cfg.gradient_accumulation_steps
     if rows % microbatches:
-        return (f"pipeline_microbatches={microbatches} must divide the rows of a step on one data-parallel rank, "
-                f"micro_batch_size × gradient_accumulation_steps = {rows}")
+        return (
+            f"pipeline_microbatches={microbatches} must divide the rows of a step on one data-parallel rank, "
+            f"micro_batch_size × gradient_accumulation_steps = {rows}"
+        )
     problem = pipeline_problem(options, pp, getattr(text, "num_hidden_layers", None), microbatches)
     if problem:
         return problem
-    if getattr(text, "output_router_logits", False) and getattr(text, "router_aux_loss_coef", None) is not None:
+    if (
+        getattr(text, "output_router_logits", False)
+        and getattr(text, "router_aux_loss_coef", None) is not None
+    ):
         from ndparallel.engine.engine import ROUTER_LOSS_UNDER_PP
 
         return ROUTER_LOSS_UNDER_PP
@@ -39,11 +44,15 @@ def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
     ]
     for refused, what in refusals:
         if refused:
-            return (f"pipeline_parallel_size={pp} with {what} is not supported yet: set pipeline_parallel_size: 1, "
-                    "or drop that setting (docs/pipeline_parallel.md, 'What composes')")
+            return (
+                f"pipeline_parallel_size={pp} with {what} is not supported yet: set pipeline_parallel_size: 1, "
+                "or drop that setting (docs/pipeline_parallel.md, 'What composes')"
+            )
     if pc.cp_enabled and cfg.cp_options().comm_strategy == "ring" and cfg.device == "cpu":
-        return ("pipeline parallel with ring context parallel crashes gloo (a CPU run): set "
-                "cp_comm_strategy: allgather")
+        return (
+            "pipeline parallel with ring context parallel crashes gloo (a CPU run): set "
+            "cp_comm_strategy: allgather"
+        )
     return None
 
 
@@ -61,5 +70,7 @@ def pipeline_summary(cfg: TrainConfig, pc, hf) -> str:
     plan = plan_stages(cfg.pipeline_options(), pc.pp_size, text.num_hidden_layers)
     m = cfg.pipeline_microbatches or cfg.gradient_accumulation_steps
     layers = " | ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in plan.layers)
-    return (f"{plan.schedule}, {plan.n_stages} stages ({plan.virtual} per rank; layers {layers}), "
-            f"{m} micro-batches per step; idle share (bubble) ≈ {bubble_fraction(plan, m):.0%}")
+    return (
+        f"{plan.schedule}, {plan.n_stages} stages ({plan.virtual} per rank; layers {layers}), "
+        f"{m} micro-batches per step; idle share (bubble) ≈ {bubble_fraction(plan, m):.0%}"
+    )

@@ -3,7 +3,7 @@ speed options, steps, what each dataset is read as, and the notes said before la
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ndparallel.config import TrainConfig
 from ndparallel.preflight.pipeline_check import pipeline_summary
@@ -30,15 +30,18 @@ def describe_plan(cfg: TrainConfig, pc, hf, notes: Sequence[str] = ()) -> str:
         *_experts_lines(pc, hf),
         *([f"pipeline     : {pipeline_summary(cfg, pc, hf)}"] if pc.pp_enabled else []),
         f"fsdp         : {cfg.fsdp_config.model_dump()}",
-        f"precision    : {_precision(cfg)}"
-        + (f", fp8 linears ({cfg.fp8_recipe})" if cfg.fp8 else ""),
+        f"precision    : {_precision(cfg)}" + (f", fp8 linears ({cfg.fp8_recipe})" if cfg.fp8 else ""),
         f"speed        : chunked loss {chunked_loss_state(cfg, hf)}, compile {'on' if cfg.compile else 'off'}"
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
         *([f"quantised    : {check_quantized_base(cfg, hf, pc)}"] if cfg.load_in_4bit else []),
         *([f"qat          : {qat_summary(cfg)}"] if cfg.qat is not None else []),
         *([f"tp plan      : {_tp_plan_summary(cfg, hf)}"] if pc.tp_enabled else []),
-        *([f"long context : {_long_context(cfg, pc, hf)}"] if cfg.tiled_mlp or cfg.activation_offloading else []),
+        *(
+            [f"long context : {_long_context(cfg, pc, hf)}"]
+            if cfg.tiled_mlp or cfg.activation_offloading
+            else []
+        ),
         f"steps        : {_steps(cfg)}; lr {cfg.learning_rate} "
         f"({cfg.lr_scheduler}, warmup "
         f"{cfg.warmup_steps if cfg.warmup_ratio is None else f'ratio {cfg.warmup_ratio:g}'})",
@@ -54,10 +57,16 @@ def describe_plan(cfg: TrainConfig, pc, hf, notes: Sequence[str] = ()) -> str:
         from ndparallel.tracking.credentials import tracker_problem
 
         problem = tracker_problem(cfg)
-        lines.insert(-1, f"trackers     : metrics.jsonl + {', '.join(trackers)}"
-                     + (f" (not installed here: {'; '.join(missing_trackers(trackers))})"
-                        if missing_trackers(trackers) else "")
-                     + (f" (train would refuse here: {problem})" if problem else ""))
+        lines.insert(
+            -1,
+            f"trackers     : metrics.jsonl + {', '.join(trackers)}"
+            + (
+                f" (not installed here: {'; '.join(missing_trackers(trackers))})"
+                if missing_trackers(trackers)
+                else ""
+            )
+            + (f" (train would refuse here: {problem})" if problem else ""),
+        )
     return "\n".join(lines)
 
 
@@ -70,11 +79,17 @@ def _experts_lines(pc, hf) -> list[str]:
         return []
     dims = pc.dims
     top_k = getattr(hf, "num_experts_per_tok", "?")
-    where = (f"split over ep={dims.ep} ({experts // dims.ep} per rank, all-to-all dispatch), FSDP over "
-             f"efsdp={dims.efsdp}" if dims.experts_split(True) else "sharded with the dense layers (FSDP)")
+    where = (
+        f"split over ep={dims.ep} ({experts // dims.ep} per rank, all-to-all dispatch), FSDP over "
+        f"efsdp={dims.efsdp}"
+        if dims.experts_split(True)
+        else "sharded with the dense layers (FSDP)"
+    )
     aux = getattr(hf, "router_aux_loss_coef", None) if getattr(hf, "output_router_logits", False) else None
-    return [f"experts      : {experts} per MoE layer, top-{top_k}; {where}; load-balancing loss "
-            + (f"× {aux} (global over the micro-batch)" if aux is not None else "off (output_router_logits)")]
+    return [
+        f"experts      : {experts} per MoE layer, top-{top_k}; {where}; load-balancing loss "
+        + (f"× {aux} (global over the micro-batch)" if aux is not None else "off (output_router_logits)")
+    ]
 
 
 def _tp_plan_summary(cfg: TrainConfig, hf) -> str:
@@ -85,9 +100,11 @@ def _tp_plan_summary(cfg: TrainConfig, hf) -> str:
     model = meta_model(cfg, hf)
     plan = resolve_tp_plan(model, cfg.tp_plan)
     dropped = unmatched_keys(model, plan)
-    return (f"{len(plan)} entries ({'tp_plan' if cfg.tp_plan else 'the model' + chr(39) + 's own'}) on "
-            f"{len(match_plan(model, plan, strict=False))} modules"
-            + (f"; matching no module (dropped): {dropped}" if dropped else ""))
+    return (
+        f"{len(plan)} entries ({'tp_plan' if cfg.tp_plan else 'the model' + chr(39) + 's own'}) on "
+        f"{len(match_plan(model, plan, strict=False))} modules"
+        + (f"; matching no module (dropped): {dropped}" if dropped else "")
+    )
 
 
 def _long_context(cfg: TrainConfig, pc, hf) -> str:
@@ -103,8 +120,10 @@ def _long_context(cfg: TrainConfig, pc, hf) -> str:
     if cfg.activation_offloading:
         per_layer = tokens * hf.hidden_size * (2 if cfg.compute_dtype() is not None else 4)
         per_layer //= pc.tp_size if cfg.sequence_parallel else 1
-        parts.append(f"activation offloading ({hf.num_hidden_layers} checkpointed layer inputs, "
-                     f"{hf.num_hidden_layers * per_layer / 2**30:.2f} GiB of pinned host memory per rank)")
+        parts.append(
+            f"activation offloading ({hf.num_hidden_layers} checkpointed layer inputs, "
+            f"{hf.num_hidden_layers * per_layer / 2**30:.2f} GiB of pinned host memory per rank)"
+        )
     return ", ".join(parts)
 
 
@@ -171,8 +190,10 @@ def _data_mode(cfg: TrainConfig) -> str:
 
     if cfg.pretraining_dataset is not None:
         how = "attention per document" if cfg.sample_packing else "attention across documents"
-        return (f"pretraining_dataset: streamed while training, documents concatenated and cut into "
-                f"{cfg.sequence_len}-token blocks ({how}); every rank reads the stream")
+        return (
+            f"pretraining_dataset: streamed while training, documents concatenated and cut into "
+            f"{cfg.sequence_len}-token blocks ({how}); every rank reads the stream"
+        )
     specs = [DatasetSpec.from_any(d.model_dump()) for d in cfg.datasets]
     types = ", ".join(sorted({s.type or "text" for s in specs}))
     if concatenates(specs, cfg.sample_packing):
@@ -181,9 +202,15 @@ def _data_mode(cfg: TrainConfig) -> str:
     if cfg.sample_packing and cfg.sample_packing_sequentially:
         how = how.replace("several per row", "several per row in dataset order")
     masked = "every token trained" if cfg.train_on_inputs else "prompt tokens masked (-100)"
-    pad = "padded to sequence_len" if cfg.pad_to_sequence_len else "each micro-batch cut after its longest row"
-    order = [*(["exact duplicates dropped"] if cfg.dataset_exact_deduplication else []),
-             "rows in dataset order (curriculum_sampling)" if cfg.curriculum_sampling else "rows shuffled each epoch"]
+    pad = (
+        "padded to sequence_len" if cfg.pad_to_sequence_len else "each micro-batch cut after its longest row"
+    )
+    order = [
+        *(["exact duplicates dropped"] if cfg.dataset_exact_deduplication else []),
+        "rows in dataset order (curriculum_sampling)"
+        if cfg.curriculum_sampling
+        else "rows shuffled each epoch",
+    ]
     return f"{types}: whole samples, {how}, {masked}, {pad}, {', '.join(order)}"
 
 
@@ -202,7 +229,9 @@ def _auto(flag: bool | None) -> str:
 def _precision(cfg) -> str:
     name = cfg.compute_dtype_name()
     if name == "fp16":
-        return (f"fp16 compute, fp32 master weights, dynamic loss scaling (from {cfg.loss_scale_init:g}, x2 after "
-                f"{cfg.loss_scale_growth_interval} finite steps, /2 and the step skipped on an overflow; one host "
-                "read per step)")
+        return (
+            f"fp16 compute, fp32 master weights, dynamic loss scaling (from {cfg.loss_scale_init:g}, x2 after "
+            f"{cfg.loss_scale_growth_interval} finite steps, /2 and the step skipped on an overflow; one host "
+            "read per step)"
+        )
     return "bf16 compute, fp32 master weights" if name == "bf16" else "fp32"

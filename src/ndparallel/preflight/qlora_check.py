@@ -14,7 +14,7 @@ def check_quantized_base(cfg: TrainConfig, hf, pc) -> str | None:
     return the summary line (None without ``load_in_4bit``)."""
     if not cfg.load_in_4bit:
         return None
-    from ndparallel.models.adapters import base_model_of
+    from ndparallel.models.adapters import apply_adapter, base_model_of
     from ndparallel.models.quantized import (
         NF4_BYTES_PER_PARAM,
         layout_problem,
@@ -22,7 +22,6 @@ def check_quantized_base(cfg: TrainConfig, hf, pc) -> str | None:
         quantized_linears,
         require_torchao,
     )
-    from ndparallel.models.adapters import apply_adapter
     from ndparallel.preflight.model_check import meta_model, quiet_transformers
 
     try:
@@ -35,19 +34,28 @@ def check_quantized_base(cfg: TrainConfig, hf, pc) -> str | None:
     names, kept = quantized_linears(base, config)
     modules = dict(base.named_modules())
     shapes = {n: tuple(modules[n].weight.shape) for n in names}
-    problem = layout_problem({n: nf4_shard_count(s, config) for n, s in shapes.items()}, pc.fsdp_size, pc.tp_size)
+    problem = layout_problem(
+        {n: nf4_shard_count(s, config) for n, s in shapes.items()}, pc.fsdp_size, pc.tp_size
+    )
     if problem:
         raise ConfigError(problem)
     if not names:
-        raise ConfigError(f"load_in_4bit: no linear layer of base_model={cfg.base_model!r} holds whole NF4 groups of "
-                          f"{config.group} values: nothing to quantise (use adapter: lora)")
+        raise ConfigError(
+            f"load_in_4bit: no linear layer of base_model={cfg.base_model!r} holds whole NF4 groups of "
+            f"{config.group} values: nothing to quantise (use adapter: lora)"
+        )
     params = sum(math.prod(s) for s in shapes.values())
     rest = cfg.compute_dtype_name()
-    kept_note = (f"; {len(kept)} linear(s) kept in {rest} (not whole {config.group}-value groups, e.g. {kept[0]})"
-                 if kept else "")
+    kept_note = (
+        f"; {len(kept)} linear(s) kept in {rest} (not whole {config.group}-value groups, e.g. {kept[0]})"
+        if kept
+        else ""
+    )
     size = params * NF4_BYTES_PER_PARAM
     size_text = f"{size / 2**30:,.2f} GiB" if size >= 2**30 else f"{size / 2**20:,.2f} MiB"
-    return (f"4-bit NF4 (torchao) on {len(names)} linears: {params / 1e6:,.2f}M params x "
-            f"{NF4_BYTES_PER_PARAM:.3f} byte = {size_text}"
-            f"{f' (/{pc.fsdp_size} per rank)' if pc.fsdp_size > 1 else ''}; embeddings, norms, "
-            f"lm_head in {rest}{kept_note}")
+    return (
+        f"4-bit NF4 (torchao) on {len(names)} linears: {params / 1e6:,.2f}M params x "
+        f"{NF4_BYTES_PER_PARAM:.3f} byte = {size_text}"
+        f"{f' (/{pc.fsdp_size} per rank)' if pc.fsdp_size > 1 else ''}; embeddings, norms, "
+        f"lm_head in {rest}{kept_note}"
+    )

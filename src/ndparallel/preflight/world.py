@@ -14,8 +14,13 @@ def world_size_for(cfg: TrainConfig, nproc: int | None) -> int:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    sizes = [cfg.dp_replicate_size, cfg.dp_shard_size, cfg.tensor_parallel_size, cfg.context_parallel_size,
-             cfg.pipeline_parallel_size]
+    sizes = [
+        cfg.dp_replicate_size,
+        cfg.dp_shard_size,
+        cfg.tensor_parallel_size,
+        cfg.context_parallel_size,
+        cfg.pipeline_parallel_size,
+    ]
     if -1 in sizes:
         return nproc or local_devices(cfg)
     total = 1

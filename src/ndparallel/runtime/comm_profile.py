@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -178,8 +179,14 @@ class CommProfiler(TorchDispatchMode):
     def _record(self, func, table, args, kwargs) -> None:
         name = func._schema.name.split("::", 1)[1]
         bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
-        group = next((g for g in (_group_name(bound.get(k)) for k in ("process_group", "group_name"))
-                      if g is not None), None)
+        group = next(
+            (
+                g
+                for g in (_group_name(bound.get(k)) for k in ("process_group", "group_name"))
+                if g is not None
+            ),
+            None,
+        )
         dim = self.label_of_group(group)
         if name == "batch_p2p_ops":  # functional batch_isend_irecv: one send/recv per tensor
             for op, t in zip(bound["op_list"], bound["tensors"]):
@@ -262,8 +269,9 @@ class CommProfiler(TorchDispatchMode):
 
     def format_table(self, step: int | None = None, title: str | None = None) -> str:
         """The step's rows as a text table (rich), with totals per dim."""
-        return format_rows(self.summary(step), title or f"collectives per step, rank {self.rank}",
-                           self.aliases())
+        return format_rows(
+            self.summary(step), title or f"collectives per step, rank {self.rank}", self.aliases()
+        )
 
 
 def _rows(calls: dict[tuple[str, str, int], int]) -> list[CommRow]:
@@ -283,23 +291,35 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def format_rows(rows: Iterable[CommRow], title: str = "collectives",
-                aliases: dict[str, tuple[str, ...]] | None = None) -> str:
+def format_rows(
+    rows: Iterable[CommRow], title: str = "collectives", aliases: dict[str, tuple[str, ...]] | None = None
+) -> str:
     """Render rows as a rich table and return its text."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title)
-    for col, justify in (("dim", "left"), ("op", "left"), ("calls", "right"), ("bytes", "right"),
-                         ("", "right")):
+    for col, justify in (
+        ("dim", "left"),
+        ("op", "left"),
+        ("calls", "right"),
+        ("bytes", "right"),
+        ("", "right"),
+    ):
         table.add_column(col, justify=justify)
     rows = list(rows)
     for r in rows:
         dim = r.dim + (f" (= {', '.join(aliases[r.dim])})" if aliases and aliases.get(r.dim) else "")
         table.add_row(dim, r.op, str(r.count), str(r.bytes), human_bytes(r.bytes))
     if rows:
-        table.add_row("total", "", str(sum(r.count for r in rows)), str(sum(r.bytes for r in rows)),
-                      human_bytes(sum(r.bytes for r in rows)), style="bold")
+        table.add_row(
+            "total",
+            "",
+            str(sum(r.count for r in rows)),
+            str(sum(r.bytes for r in rows)),
+            human_bytes(sum(r.bytes for r in rows)),
+            style="bold",
+        )
     import io
 
     console = Console(record=True, width=110, force_terminal=False, file=io.StringIO())

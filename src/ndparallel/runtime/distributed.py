@@ -21,8 +21,8 @@ DEFAULT_TIMEOUT_S = 600.0
 
 NCCL_ENV_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a timed-out collective ends the process, not a hang
-    "TORCH_FR_BUFFER_SIZE": "2000",          # flight recorder: the last 2000 collectives per rank
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",       # ...written to TORCH_FR_DUMP_TEMP_FILE<rank> on a timeout
+    "TORCH_FR_BUFFER_SIZE": "2000",  # flight recorder: the last 2000 collectives per rank
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # ...written to TORCH_FR_DUMP_TEMP_FILE<rank> on a timeout
 }
 """Environment torch's NCCL backend reads at group creation; values a user set are kept."""
 
@@ -57,9 +57,7 @@ def backend_for(device_type: str) -> str:
     raise ValueError(f"device {device_type!r} is not supported: use 'cuda' or 'cpu'")
 
 
-def init_distributed(
-    device_type: str | None = None, timeout_s: float | None = None
-) -> DistributedInfo:
+def init_distributed(device_type: str | None = None, timeout_s: float | None = None) -> DistributedInfo:
     """Join (or start) the default process group and return this rank's ``DistributedInfo``.
 
     Under ``torchrun`` / ``ndparallel launch`` the ``RANK``/``WORLD_SIZE`` env vars are used (and
@@ -85,8 +83,12 @@ def init_distributed(
     if not dist.is_initialized():
         _start_group(backend, device, datetime.timedelta(seconds=timeout_s))
     return DistributedInfo(
-        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-        device=device, backend=dist.get_backend(), timeout_s=timeout_s,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=dist.get_backend(),
+        timeout_s=timeout_s,
     )
 
 
@@ -129,25 +131,32 @@ def _start_group(backend: str, device: torch.device, timeout: datetime.timedelta
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     else:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout, **kwargs)
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs
+        )
 
 
 def _restarted_under_elastic_agent() -> bool:
-    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    )
 
 
 def _init_restarted_attempt(backend: str, timeout: datetime.timedelta, **kwargs) -> None:
     """After ``--max-restarts`` restarts a job, the elastic agent's store still holds the previous
     attempt's gloo/NCCL addresses; a rank that starts before its peers would read the dead ones
     ("Connection refused"). Keys of each attempt get their own prefix."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     dist.init_process_group(
-        backend=backend, store=dist.PrefixStore(f"ndparallel/attempt_{attempt}", store),
-        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
+        backend=backend,
+        store=dist.PrefixStore(f"ndparallel/attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
         **kwargs,
     )
 

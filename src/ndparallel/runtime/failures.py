@@ -19,10 +19,13 @@ from ndparallel.runtime.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT
 
 def first_reported_error(failures: dict) -> tuple[str, int] | None:
     """(message, exit code) of the earliest rank that failed with a reported error, or None."""
-    found = [(f.error_file_data.get("ndparallel", {}).get("time", f.timestamp), rank, f.message, f.exitcode)
-             for rank, f in failures.items()
-             if f.exitcode > 0 and isinstance(f.error_file_data, dict)
-             and isinstance(f.error_file_data.get("ndparallel"), dict)]
+    found = [
+        (f.error_file_data.get("ndparallel", {}).get("time", f.timestamp), rank, f.message, f.exitcode)
+        for rank, f in failures.items()
+        if f.exitcode > 0
+        and isinstance(f.error_file_data, dict)
+        and isinstance(f.error_file_data.get("ndparallel"), dict)
+    ]
     return min(found)[2:] if found else None
 
 
@@ -38,21 +41,30 @@ def _exit_text(code: int) -> str:
 def describe_failure(failures: dict, first_rank: int) -> list[str]:
     """The launcher's lines for a failed job (``failures``: rank → ``ProcessFailure``)."""
     first = failures[first_rank]
-    others = ", ".join(f"rank {rank} ({_exit_text(f.exitcode)})"
-                       for rank, f in sorted(failures.items()) if rank != first_rank)
-    lines = [f"ndparallel launch: job failed: rank {first_rank} (exit {first.exitcode}) failed first"
-             + (f"; then {others}" if others else "")]
+    others = ", ".join(
+        f"rank {rank} ({_exit_text(f.exitcode)})"
+        for rank, f in sorted(failures.items())
+        if rank != first_rank
+    )
+    lines = [
+        f"ndparallel launch: job failed: rank {first_rank} (exit {first.exitcode}) failed first"
+        + (f"; then {others}" if others else "")
+    ]
     later = {r: f for r, f in failures.items() if r != first_rank}
     hung = sorted(r for r, f in later.items() if f.exitcode == -signal.SIGKILL)
     stopped = sorted(r for r, f in later.items() if f.exitcode == -signal.SIGTERM)
     if hung and first.exitcode != -signal.SIGKILL:
-        lines.append(f"ndparallel launch: ranks {hung} hung: they did not stop when asked (SIGTERM) and "
-                     "had to be killed (SIGKILL): stopped, or stuck outside any collective; the others "
-                     "failed waiting for them")
+        lines.append(
+            f"ndparallel launch: ranks {hung} hung: they did not stop when asked (SIGTERM) and "
+            "had to be killed (SIGKILL): stopped, or stuck outside any collective; the others "
+            "failed waiting for them"
+        )
     elif stopped and first.exitcode == 1:
-        lines.append(f"ndparallel launch: ranks {stopped} were still running when rank {first_rank} "
-                     "failed (stopped by the launcher): if it timed out in a collective, the rank that "
-                     "hung is among them")
+        lines.append(
+            f"ndparallel launch: ranks {stopped} were still running when rank {first_rank} "
+            "failed (stopped by the launcher): if it timed out in a collective, the rank that "
+            "hung is among them"
+        )
     return lines
 
 

@@ -23,5 +23,10 @@ def start_fake_world(world_size: int, rank: int = 0, timeout_s: float = 600.0) -
         raise RuntimeError("a process group already exists: a simulated rank needs a fresh process")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "fake",
+        store=FakeStore(),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )

@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -68,8 +68,14 @@ def report_rank_error(line: str) -> None:
     if error_file:
         try:
             with open(error_file, "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time()),
-                           "ndparallel": {"input_error": True, "time": time.time()}}, f)
+                json.dump(
+                    {
+                        "message": line,
+                        "timestamp": int(time.time()),
+                        "ndparallel": {"input_error": True, "time": time.time()},
+                    },
+                    f,
+                )
         except OSError:
             error_file = None
     if not (error_file and launched_by_ndparallel()) and os.environ.get("RANK", "0") == "0":
@@ -93,8 +99,11 @@ class _DropPerRankNoise(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
-        return not (msg.startswith("failed (exitcode") or "closing signal" in msg
-                    or "death signal, shutting down workers" in msg)
+        return not (
+            msg.startswith("failed (exitcode")
+            or "closing signal" in msg
+            or "death signal, shutting down workers" in msg
+        )
 
 
 def threads_per_rank(nproc_per_node: int, cpu_count: int | None = None) -> int:
@@ -153,10 +162,13 @@ def launch(argv: Sequence[str]) -> int:
     return 0
 
 
-_AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
+_AGENT_LOGGERS = (
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.distributed.elastic.agent.server.api",
+)
 
 
-def configure_signals(args) -> "_PreemptionRelay | None":
+def configure_signals(args) -> _PreemptionRelay | None:
     """The elastic agent forwards the signals it handles to every rank and waits ``shutdown
     timeout`` seconds for them to exit before SIGKILL. With torchrun's default list, SIGUSR1
     (SLURM's ``--signal=USR1@120``) would kill the launcher outright and a second SIGTERM would cut
@@ -175,7 +187,9 @@ def configure_signals(args) -> "_PreemptionRelay | None":
             else:
                 args.signals_to_handle = ",".join([*names, "SIGUSR1"])
     if hasattr(args, "shutdown_timeout") and args.shutdown_timeout is None:
-        args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT_S))
+        args.shutdown_timeout = int(
+            os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT_S)
+        )
     return relay
 
 
@@ -213,9 +227,11 @@ def _signalled(sigval) -> int:
     if sigval == signal.SIGINT:
         return INTERRUPTED_EXIT  # the ranks say "interrupted at step N" (rank 0), nothing more here
     code = PREEMPTED_EXIT if sigval in PREEMPTION_SIGNALS else 128 + int(sigval)
-    print(f"ndparallel launch: {name} received: the ranks were asked to stop; exit {code}"
-          + (" (preempted: run the same command again to resume)" if code == PREEMPTED_EXIT else ""),
-          file=sys.stderr)
+    print(
+        f"ndparallel launch: {name} received: the ranks were asked to stop; exit {code}"
+        + (" (preempted: run the same command again to resume)" if code == PREEMPTED_EXIT else ""),
+        file=sys.stderr,
+    )
     return code
 
 
@@ -224,8 +240,11 @@ def run_here(rank_main: Callable[[], int]) -> int:
     CPU a launch, the training of a small model under one). The rank's world is this process
     (``init_distributed`` makes a one-rank group on a local store); its preemption handler, Ctrl-C
     and one-line input errors are the same as under the launcher, and it cannot outlive one."""
-    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-             if k in os.environ}
+    saved = {
+        k: os.environ.pop(k)
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+        if k in os.environ
+    }
     previous = {}
     if threading.current_thread() is threading.main_thread():  # until the trainer's own watch is up
         previous = {sig: signal.signal(sig, _preempted_before_training) for sig in PREEMPTION_SIGNALS}
@@ -243,8 +262,11 @@ def run_here(rank_main: Callable[[], int]) -> int:
 def _preempted_before_training(signum, frame) -> None:
     """SIGTERM / SIGUSR1 while no preemption watch is installed (start-up, export): nothing to
     checkpoint now, so exit ``PREEMPTED_EXIT`` at once, as the launcher would."""
-    os.write(2, f"ndparallel train: {signal.Signals(signum).name} received outside the training loop: "
-                f"exit {PREEMPTED_EXIT} (preempted: run the same command again to resume)\n".encode())
+    os.write(
+        2,
+        f"ndparallel train: {signal.Signals(signum).name} received outside the training loop: "
+        f"exit {PREEMPTED_EXIT} (preempted: run the same command again to resume)\n".encode(),
+    )
     raise SystemExit(PREEMPTED_EXIT)
 
 

@@ -117,8 +117,9 @@ def state_bytes(model, opt) -> dict:
 
     params = sum(nb(p) for p in model.parameters())
     grads = sum(nb(p.grad) for p in model.parameters() if p.grad is not None)
-    optim = sum(nb(v) for s in opt.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor) and v.numel() > 1)
+    optim = sum(
+        nb(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1
+    )
     return {"params": params, "grads": grads, "optimizer": optim}
 
 

@@ -19,8 +19,9 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing import connection, get_context
-from typing import Any, Callable
+from typing import Any
 
 
 class RankFailure(RuntimeError):
@@ -102,16 +103,21 @@ def _fresh_tqdm_locks() -> None:
             cls.set_lock(threading.RLock())
 
 
-def _child(rank: int, world_size: int, port: int, listen_fd: int, conn, fn, args, kwargs, pg_timeout_s: float,
-           env):
+def _child(
+    rank: int, world_size: int, port: int, listen_fd: int, conn, fn, args, kwargs, pg_timeout_s: float, env
+):
     try:
         import torch
 
         torch.set_num_threads(1)
         _fresh_tqdm_locks()
         os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
             NDPARALLEL_DEVICE="cpu",  # the ranks are CPU/gloo ranks even where GPUs are visible
         )
         os.environ.update(env)
@@ -169,8 +175,10 @@ def run_on_ranks(
     if dist.is_available() and dist.is_initialized():
         # A forked child would inherit this process group without its communication threads
         # (fork copies only the calling thread): collectives on it crash or hang.
-        raise RuntimeError("run_on_ranks: this process already has a default process group; call "
-                           "it from a process without one (destroy_process_group() first)")
+        raise RuntimeError(
+            "run_on_ranks: this process already has a default process group; call "
+            "it from a process without one (destroy_process_group() first)"
+        )
     ctx = get_context("fork")
     listener = _listening_socket()
     port = listener.getsockname()[1]
@@ -181,7 +189,18 @@ def run_on_ranks(
         parent_end, child_end = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_child,
-            args=(rank, world_size, port, listener.fileno(), child_end, fn, args, kwargs, pg_timeout_s, env or {}),
+            args=(
+                rank,
+                world_size,
+                port,
+                listener.fileno(),
+                child_end,
+                fn,
+                args,
+                kwargs,
+                pg_timeout_s,
+                env or {},
+            ),
             daemon=True,
         )
         p.start()

@@ -52,8 +52,13 @@ class NodeWatch:
     def _connect(self):
         import torch.distributed as dist
 
-        return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=10))
+        return dist.TCPStore(
+            self.host,
+            self.port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=10),
+        )
 
     def _run(self) -> None:
         deadline = time.monotonic() + 600  # the store appears once the rendezvous host is up
@@ -71,8 +76,13 @@ class NodeWatch:
     def _beat(self) -> None:
         with self._lock:
             self._beats += 1
-            record = {"host": socket.gethostname(), "pid": os.getpid(), "ranks": _child_ranks(),
-                      "beat": self._beats, "state": self._state}
+            record = {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "ranks": _child_ranks(),
+                "beat": self._beats,
+                "state": self._state,
+            }
             try:
                 self._store.set(self._key(f"slot/{self._slot}"), json.dumps(record))
             except Exception:  # noqa: BLE001 - the store host is gone; diagnose() says so
@@ -91,8 +101,10 @@ class NodeWatch:
             time.sleep(3 * self.beat_s)
             second = self._read_all()
         except Exception:  # noqa: BLE001
-            return [f"ndparallel launch: the rendezvous store at {self.host}:{self.port} is unreachable: "
-                    "the node hosting it (the first launcher to start) is down or cut off"]
+            return [
+                f"ndparallel launch: the rendezvous store at {self.host}:{self.port} is unreachable: "
+                "the node hosting it (the first launcher to start) is down or cut off"
+            ]
         lines = []
         for slot, rec in sorted(second.items()):
             if slot == self._slot:
@@ -100,8 +112,10 @@ class NodeWatch:
             before = first.get(slot, rec)
             where = f"node {_ranks_text(rec['ranks'])} on {rec['host']} (launcher pid {rec['pid']})"
             if rec["beat"] == before["beat"] and rec["state"] == "running":
-                lines.append(f"ndparallel launch: {where} stopped responding: its launcher or machine died "
-                             "(its ranks went with it); this node's ranks failed because of it")
+                lines.append(
+                    f"ndparallel launch: {where} stopped responding: its launcher or machine died "
+                    "(its ranks went with it); this node's ranks failed because of it"
+                )
             elif rec["state"] != "running":
                 lines.append(f"ndparallel launch: {where} reported its own failure ({rec['state']})")
         return lines
@@ -136,8 +150,11 @@ def _child_ranks() -> list[int]:
         try:
             if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != me:
                 continue
-            env = dict(e.split("=", 1) for e in (d / "environ").read_bytes().decode(errors="replace")
-                       .split("\0") if "=" in e)
+            env = dict(
+                e.split("=", 1)
+                for e in (d / "environ").read_bytes().decode(errors="replace").split("\0")
+                if "=" in e
+            )
         except (OSError, IndexError, ValueError):
             continue
         if env.get("RANK", "").isdigit():
@@ -150,7 +167,12 @@ def node_watch_for(args) -> NodeWatch | None:
     --rdzv-endpoint host:port``), else None."""
     nnodes = str(args.nnodes)
     most = int(nnodes.split(":")[-1]) if nnodes.replace(":", "").isdigit() else 1
-    if most <= 1 or args.rdzv_backend != "c10d" or not args.rdzv_endpoint or getattr(args, "standalone", False):
+    if (
+        most <= 1
+        or args.rdzv_backend != "c10d"
+        or not args.rdzv_endpoint
+        or getattr(args, "standalone", False)
+    ):
         return None
     host, _, port = str(args.rdzv_endpoint).rpartition(":")
     if not host or not port.isdigit():

@@ -58,8 +58,15 @@ class PreemptionWatch:
     interrupted while importing torch).
     """
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, *, group=None,
-                 signals=PREEMPTION_SIGNALS, name: str = "ndparallel", on_deadline=None):
+    def __init__(
+        self,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        group=None,
+        signals=PREEMPTION_SIGNALS,
+        name: str = "ndparallel",
+        on_deadline=None,
+    ):
         if not timeout_s > 0:
             raise ValueError(f"preemption timeout must be > 0 seconds, got {timeout_s}")
         self.timeout_s = float(timeout_s)
@@ -78,7 +85,7 @@ class PreemptionWatch:
         self._group = group if group is not None else _cpu_group()
 
     # ------------------------------------------------------------------- handlers
-    def __enter__(self) -> "PreemptionWatch":
+    def __enter__(self) -> PreemptionWatch:
         self.install()
         return self
 
@@ -107,8 +114,10 @@ class PreemptionWatch:
             raise KeyboardInterrupt
         if self.signal_name is not None:  # (SLURM signals the launcher and the ranks: expected)
             if os.environ.get("RANK", "0") == "0":  # os.write: print may be mid-write in the main thread
-                _say(f"{self.name}: {name} received while stopping for {self.signal_name}: ignored "
-                     "(the checkpoint in progress completes, or is left without a COMPLETE marker)")
+                _say(
+                    f"{self.name}: {name} received while stopping for {self.signal_name}: ignored "
+                    "(the checkpoint in progress completes, or is left without a COMPLETE marker)"
+                )
             return
         self.signal_name = name
         self._start_deadline(time.monotonic() + self.timeout_s)
@@ -148,8 +157,11 @@ class PreemptionWatch:
                 self._start_deadline(started + left)
                 return True
         tensor = torch.tensor([self._left()], dtype=torch.float64)
-        self._pending = (dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._group, async_op=True),
-                         tensor, time.monotonic())
+        self._pending = (
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._group, async_op=True),
+            tensor,
+            time.monotonic(),
+        )
         return False
 
     def _left(self) -> float:
@@ -173,8 +185,9 @@ class PreemptionWatch:
             return
         self._deadline = deadline
         if self._watchdog is None:
-            self._watchdog = threading.Thread(target=self._expire, name="ndparallel-preemption-deadline",
-                                              daemon=True)
+            self._watchdog = threading.Thread(
+                target=self._expire, name="ndparallel-preemption-deadline", daemon=True
+            )
             self._watchdog.start()
 
     def _expire(self) -> None:
@@ -186,9 +199,11 @@ class PreemptionWatch:
         if self._done.is_set():
             return
         where = f" at step {self.step}" if self.step is not None else ""
-        message = (f"{self.name}: preempted ({self.signal_name}){where}: no checkpoint within "
-                   f"preemption_timeout_s={self.timeout_s:g}: exiting without one "
-                   f"(exit {PREEMPTED_EXIT}); the newest complete checkpoint stays the resume point")
+        message = (
+            f"{self.name}: preempted ({self.signal_name}){where}: no checkpoint within "
+            f"preemption_timeout_s={self.timeout_s:g}: exiting without one "
+            f"(exit {PREEMPTED_EXIT}); the newest complete checkpoint stays the resume point"
+        )
         if self.on_deadline is not None:
             try:
                 self.on_deadline(message)

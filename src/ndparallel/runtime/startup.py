@@ -16,8 +16,14 @@ import gc
 import importlib
 import sys
 
-MODEL_LIBRARIES = ("torch", "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-                   "transformers", "transformers.modeling_utils")
+MODEL_LIBRARIES = (
+    "torch",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "transformers.modeling_utils",
+)
 """What every command that builds a model imports (the families' own modules stay lazy: small)."""
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from ndparallel.optim.build import build_optimizer
 from ndparallel.parallel.loss import IGNORE_INDEX
 from ndparallel.parallel.options import StrategyOptions
-from ndparallel.optim.build import build_optimizer
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,10 @@ def make_global_batches(setup: TrainSetup) -> list[list[dict[str, torch.Tensor]]
                 positions = packed_positions(setup.global_micro_batch, setup.seq_len, g)
                 last = torch.zeros_like(labels, dtype=torch.bool)
                 last[:, :-1] = positions[:, 1:] == 0  # the label of a document's last token
-                labels[last] = IGNORE_INDEX          # would be the next document's first token
-            micro.append({"input_ids": tokens[:, :-1].contiguous(), "shift_labels": labels,
-                          "position_ids": positions})
+                labels[last] = IGNORE_INDEX  # would be the next document's first token
+            micro.append(
+                {"input_ids": tokens[:, :-1].contiguous(), "shift_labels": labels, "position_ids": positions}
+            )
         steps.append(micro)
     return steps
 
@@ -179,13 +180,25 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
     losses, norms, aux, scales = [], [], [], []
     scaler = loss_scaler(setup, engine)
     for i, micro_batches in enumerate(make_global_batches(setup)):
-        local = [{k: v[dp_rank * rows:(dp_rank + 1) * rows].to(engine.device) for k, v in mb.items()}
-                 for mb in micro_batches]
+        local = [
+            {k: v[dp_rank * rows : (dp_rank + 1) * rows].to(engine.device) for k, v in mb.items()}
+            for mb in micro_batches
+        ]
         if setup.fault == "cross-documents":
             for mb in local:
-                mb["position_ids"] = torch.arange(setup.seq_len, device=engine.device).expand(rows, -1).clone()
-        out = train_step(engine, model, optimizer, local, max_grad_norm=setup.max_grad_norm, step=i + 1,
-                         skip_grad_sync=setup.fault == "skip-grad-sync", scaler=scaler)
+                mb["position_ids"] = (
+                    torch.arange(setup.seq_len, device=engine.device).expand(rows, -1).clone()
+                )
+        out = train_step(
+            engine,
+            model,
+            optimizer,
+            local,
+            max_grad_norm=setup.max_grad_norm,
+            step=i + 1,
+            skip_grad_sync=setup.fault == "skip-grad-sync",
+            scaler=scaler,
+        )
         if scaler is not None:
             scales.append(scaler.scale)
         losses.append(float(out.loss))
@@ -197,8 +210,13 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
         from ndparallel.parallel.pipeline import gather_stage_states
 
         params = gather_stage_states(engine, params)
-    return TrainResult(losses, norms, params if engine.is_main_process else None, aux or None,
-                       scales if scaler is not None else None)
+    return TrainResult(
+        losses,
+        norms,
+        params if engine.is_main_process else None,
+        aux or None,
+        scales if scaler is not None else None,
+    )
 
 
 def loss_scaler(setup: TrainSetup, engine):
@@ -226,6 +244,7 @@ def loss_scaler(setup: TrainSetup, engine):
 
     return InjectedOverflow(**(setup.loss_scale or {}))
 
+
 def full_parameters(model) -> dict[str, torch.Tensor]:
     """Every parameter, unsharded, as fp32 CPU tensors (collective under FSDP/TP: all ranks call)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -233,8 +252,14 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
     from ndparallel.models.quantized import dequantize, is_nf4
 
     state = get_model_state_dict(model)  # sharded; gathered one tensor at a time (NF4: see dequantize)
-    return {k: (dequantize(v) if is_nf4(v) else v.full_tensor() if hasattr(v, "full_tensor") else v)
-            .detach().float().cpu().clone() for k, v in state.items()}
+    return {
+        k: (dequantize(v) if is_nf4(v) else v.full_tensor() if hasattr(v, "full_tensor") else v)
+        .detach()
+        .float()
+        .cpu()
+        .clone()
+        for k, v in state.items()
+    }
 
 
 def train_documents_separately(setup: TrainSetup) -> TrainResult:
@@ -253,9 +278,12 @@ def train_documents_separately(setup: TrainSetup) -> TrainResult:
         for mb in micro_batches:
             for row in range(mb["input_ids"].shape[0]):
                 for a, b in document_spans(mb["position_ids"][row]):
-                    logits = model(input_ids=mb["input_ids"][row:row + 1, a:b],
-                                   position_ids=torch.arange(b - a).unsqueeze(0), use_cache=False).logits
-                    loss = causal_lm_loss(logits, mb["shift_labels"][row:row + 1, a:b], n_items)
+                    logits = model(
+                        input_ids=mb["input_ids"][row : row + 1, a:b],
+                        position_ids=torch.arange(b - a).unsqueeze(0),
+                        use_cache=False,
+                    ).logits
+                    loss = causal_lm_loss(logits, mb["shift_labels"][row : row + 1, a:b], n_items)
                     loss.backward()
                     step_loss += float(loss)
         max_norm = setup.max_grad_norm if setup.max_grad_norm is not None else float("inf")
@@ -270,13 +298,18 @@ def compare(reference: TrainResult, other: TrainResult) -> dict[str, float | str
     """Largest relative loss / grad-norm difference, largest absolute parameter difference, and
     the largest relative parameter difference (``param_rel``: max |diff| / max |reference| of a
     tensor) with the tensor it is in (``param_rel_tensor``)."""
+
     def rel(a, b):
         if len(a) != len(b) or not a:
-            raise AssertionError(f"the runs have {len(a)} and {len(b)} steps: nothing to compare step by step")
+            raise AssertionError(
+                f"the runs have {len(a)} and {len(b)} steps: nothing to compare step by step"
+            )
         return max(_rel(x, y) for x, y in zip(a, b))
 
-    out = {"loss_rel": rel(reference.losses, other.losses),
-           "grad_norm_rel": rel(reference.grad_norms, other.grad_norms)}
+    out = {
+        "loss_rel": rel(reference.losses, other.losses),
+        "grad_norm_rel": rel(reference.grad_norms, other.grad_norms),
+    }
     if (reference.aux_losses is None) != (other.aux_losses is None):
         raise AssertionError("one run has an auxiliary (router) loss and the other none")
     if reference.aux_losses is not None:
@@ -289,7 +322,8 @@ def compare(reference: TrainResult, other: TrainResult) -> dict[str, float | str
             (reference.params[k] - other.params[k]).abs().max().item() for k in reference.params
         )
         out["param_rel"], out["param_rel_tensor"] = max(
-            (_tensor_rel(reference.params[k], other.params[k]), k) for k in reference.params)
+            (_tensor_rel(reference.params[k], other.params[k]), k) for k in reference.params
+        )
     return out
 
 

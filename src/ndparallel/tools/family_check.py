@@ -52,13 +52,22 @@ def family_check(cfg, pc, hf) -> str | None:
     for v in layout.values():
         world *= v
     small = shrink_model(hf, layout.get("tp_size", 1), layout.get("cp_size", 1), layout.get("ep_size", 1))
-    setup = TrainSetup(small.config, steps=2, global_micro_batch=2 * layout.get("dp_shard_size", 1),
-                       seq_len=16 * layout.get("cp_size", 1) * layout.get("tp_size", 1), optimizer="sgd",
-                       lr=0.1, packed_documents=True,
-                       parallel_kwargs=dict(fsdp_options=cfg.fsdp_options(), tp_options=cfg.tp_options(),
-                                            cp_options=cfg.cp_options()))
-    where = (f"model_type {name!r} is not among the families tested on every layout "
-             f"({len(TESTED_FAMILIES)}: docs/families.md), and a shrunk copy of it")
+    setup = TrainSetup(
+        small.config,
+        steps=2,
+        global_micro_batch=2 * layout.get("dp_shard_size", 1),
+        seq_len=16 * layout.get("cp_size", 1) * layout.get("tp_size", 1),
+        optimizer="sgd",
+        lr=0.1,
+        packed_documents=True,
+        parallel_kwargs=dict(
+            fsdp_options=cfg.fsdp_options(), tp_options=cfg.tp_options(), cp_options=cfg.cp_options()
+        ),
+    )
+    where = (
+        f"model_type {name!r} is not among the families tested on every layout "
+        f"({len(TESTED_FAMILIES)}: docs/families.md), and a shrunk copy of it"
+    )
     try:
         ref = run_on_ranks(train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}), None)[0]
         got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=600)[0]
@@ -66,7 +75,9 @@ def family_check(cfg, pc, hf) -> str | None:
         return f"{where} fails under this layout ({_one_line(e)}); use another layout, or --skip-family-check"
     diff = compare(ref, got)
     if diff["loss_rel"] > TOL or diff["grad_norm_rel"] > TOL or diff.get("param_abs", 0.0) > PARAM_TOL:
-        return (f"{where} trains differently under this layout than on one device (loss {diff['loss_rel']:.1e}, "
-                f"gradient norm {diff['grad_norm_rel']:.1e} relative, parameters {diff.get('param_abs', 0):.1e}): "
-                "use another layout (FSDP / data parallel), or --skip-family-check to train anyway")
+        return (
+            f"{where} trains differently under this layout than on one device (loss {diff['loss_rel']:.1e}, "
+            f"gradient norm {diff['grad_norm_rel']:.1e} relative, parameters {diff.get('param_abs', 0):.1e}): "
+            "use another layout (FSDP / data parallel), or --skip-family-check to train anyway"
+        )
     return None

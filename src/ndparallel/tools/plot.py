@@ -28,9 +28,14 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     if evals:
         ax1.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
-    ax1.set_xlabel("step"); ax1.set_ylabel("loss"); ax1.legend(); ax1.grid(alpha=0.3)
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
     ax2.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train], color="tab:green")
-    ax2.set_xlabel("step"); ax2.set_ylabel("tokens/s (global)"); ax2.grid(alpha=0.3)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("tokens/s (global)")
+    ax2.grid(alpha=0.3)
     fig.suptitle(str(run_dir))
     fig.tight_layout()
     out = out or run_dir / "metrics.png"

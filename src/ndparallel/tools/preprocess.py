@@ -14,7 +14,9 @@ from ndparallel.config import TrainConfig
 TRAINED, MASKED = "bold green", "dim"
 
 
-def preprocess(cfg: TrainConfig, show: int | None = None, as_json: bool = False, out: TextIO | None = None) -> int:
+def preprocess(
+    cfg: TrainConfig, show: int | None = None, as_json: bool = False, out: TextIO | None = None
+) -> int:
     """Run the data pipeline of ``cfg`` (cached); returns the number of samples."""
     from ndparallel.preflight.local import quiet_datasets
 
@@ -32,8 +34,10 @@ def _preprocess(cfg: TrainConfig, show: int | None, as_json: bool, out: TextIO |
     if cfg.missing_data_problem():
         raise ValueError(cfg.missing_data_problem())
     if cfg.pretraining_dataset is not None:
-        raise ValueError("pretraining_dataset is streamed while training (nothing is prepared ahead); preprocess "
-                         "prepares datasets:")
+        raise ValueError(
+            "pretraining_dataset is streamed while training (nothing is prepared ahead); preprocess "
+            "prepares datasets:"
+        )
     for i, d in enumerate(cfg.datasets):  # the quick look first: file and line named
         check_dataset(d.model_dump(), f"datasets[{i}]")
     cache = data_cache_dir(cfg)
@@ -43,20 +47,30 @@ def _preprocess(cfg: TrainConfig, show: int | None, as_json: bool, out: TextIO |
     options = cfg.data_options()
     if concatenates(specs, cfg.sample_packing):
         samples = _documents(specs, tokenizer, cache)
-        summary = (f"{len(samples)} documents concatenated into {_rows(splits)} blocks of {cfg.sequence_len + 1} "
-                   "tokens (raw text, every token trained)")
+        summary = (
+            f"{len(samples)} documents concatenated into {_rows(splits)} blocks of {cfg.sequence_len + 1} "
+            "tokens (raw text, every token trained)"
+        )
     else:
-        prepared = prepare_samples(specs, tokenizer, options, cache, tokenize_specs(specs, tokenizer, options, cache))
-        samples = [prepared.sample(k) for k in range(len(prepared) if show is None else min(show, len(prepared)))]
+        prepared = prepare_samples(
+            specs, tokenizer, options, cache, tokenize_specs(specs, tokenizer, options, cache)
+        )
+        samples = [
+            prepared.sample(k) for k in range(len(prepared) if show is None else min(show, len(prepared)))
+        ]
         st = prepared.stats
-        summary = (f"{st.records} records -> {st.samples} samples ({st.truncated} truncated, {st.dropped_too_long} "
-                   f"dropped as too long, {st.dropped_untrained} with no trained token, {st.pieces_from_split} extra "
-                   f"pieces of long raw text) -> {_rows(splits)} rows of {cfg.sequence_len} tokens"
-                   + (" (sample packing)" if cfg.sample_packing else " (one sample per row)"))
+        summary = (
+            f"{st.records} records -> {st.samples} samples ({st.truncated} truncated, {st.dropped_too_long} "
+            f"dropped as too long, {st.dropped_untrained} with no trained token, {st.pieces_from_split} extra "
+            f"pieces of long raw text) -> {_rows(splits)} rows of {cfg.sequence_len} tokens"
+            + (" (sample packing)" if cfg.sample_packing else " (one sample per row)")
+        )
     count = len(samples) if show is None else min(show, len(samples))
     if as_json:
         for ids, labels in samples[:count]:
-            out.write(json.dumps({"input_ids": [int(i) for i in ids], "labels": [int(x) for x in labels]}) + "\n")
+            out.write(
+                json.dumps({"input_ids": [int(i) for i in ids], "labels": [int(x) for x in labels]}) + "\n"
+            )
         print(f"ndparallel preprocess: {summary}", file=sys.stderr)
         return count
     print(f"ndparallel preprocess: {summary}; cached in {cache}", file=out)
@@ -91,8 +105,14 @@ def _show(tokenizer, samples, out: TextIO) -> None:
 
     console = Console(file=out, highlight=False, soft_wrap=True)
     marks = ("", "") if console.is_terminal else ("[[", "]]")
-    console.print(Text.assemble("legend: ", (f"{marks[0]}trained (label = token){marks[1]}", TRAINED), " / ",
-                                ("masked (-100)", MASKED)))
+    console.print(
+        Text.assemble(
+            "legend: ",
+            (f"{marks[0]}trained (label = token){marks[1]}", TRAINED),
+            " / ",
+            ("masked (-100)", MASKED),
+        )
+    )
     for k, (ids, labels) in enumerate(samples):
         text = Text(f"--- sample {k}: {len(ids)} tokens, {int((labels != -100).sum())} trained\n")
         previous = False

@@ -69,8 +69,11 @@ def _layer_kinds(c) -> None:
         c.no_rope_layers, kinds = [1, 0], ["chunked_attention", "full_attention"]  # and a NoPE one
     if types:
         c.layer_types = (kinds * 2)[:2]
-    if any(t == "sliding_attention" for t in c.layer_types or ()) if types else (
-            getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True)):
+    if (
+        any(t == "sliding_attention" for t in c.layer_types or ())
+        if types
+        else (getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True))
+    ):
         c.sliding_window = WINDOW
     if "chunked_attention" in kinds:
         c.attention_chunk_size = CHUNK
@@ -84,8 +87,13 @@ def _experts(c, ep_size: int = 1) -> None:
     for name in ("num_experts_per_tok", "top_k_experts"):
         if getattr(c, name, None):
             setattr(c, name, min(getattr(c, name), 2))
-    for name, value in (("n_group", 1), ("topk_group", 1), ("first_k_dense_replace", 1),
-                        ("decoder_sparse_step", 1), ("mlp_only_layers", [])):
+    for name, value in (
+        ("n_group", 1),
+        ("topk_group", 1),
+        ("first_k_dense_replace", 1),
+        ("decoder_sparse_step", 1),
+        ("mlp_only_layers", []),
+    ):
         _set(c, name, value)
     if getattr(c, "moe_layers", None):
         c.moe_layers = [1]
@@ -93,9 +101,13 @@ def _experts(c, ep_size: int = 1) -> None:
 
 def _widths(c, hidden: int, tp_size: int) -> None:
     c.hidden_size = hidden
-    for name, value in (("intermediate_size", 2 * hidden), ("intermediate_size_mlp", 2 * hidden),
-                        ("ffn_hidden_size", 2 * hidden), ("moe_intermediate_size", 4 * tp_size),
-                        ("shared_expert_intermediate_size", 8 * tp_size)):
+    for name, value in (
+        ("intermediate_size", 2 * hidden),
+        ("intermediate_size_mlp", 2 * hidden),
+        ("ffn_hidden_size", 2 * hidden),
+        ("moe_intermediate_size", 4 * tp_size),
+        ("shared_expert_intermediate_size", 8 * tp_size),
+    ):
         if getattr(c, name, None):
             _set(c, name, value)
     if getattr(c, "kv_lora_rank", None):  # MLA (DeepSeek-V3): value head dim ≠ query/key head dim
@@ -109,7 +121,7 @@ def _widths(c, hidden: int, tp_size: int) -> None:
 def _rope_lists(c, old_dim: int, new_dim: int) -> None:
     """Per-frequency rope lists (Phi-3's longrope factors) cut to the new head dim."""
     params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None)
-    for table in ([params] if isinstance(params, dict) else []):
+    for table in [params] if isinstance(params, dict) else []:
         for sub in [table, *(v for v in table.values() if isinstance(v, dict))]:
             for key, value in list(sub.items()):
                 if isinstance(value, list) and value and len(value) * 2 >= new_dim and old_dim != new_dim:
@@ -119,14 +131,22 @@ def _rope_lists(c, old_dim: int, new_dim: int) -> None:
 def _clean(c, vocab: int, max_positions: int) -> None:
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
         value = getattr(c, name, None)
-        if isinstance(value, int) and value >= vocab or isinstance(value, list) and any(v >= vocab for v in value):
+        if (
+            isinstance(value, int)
+            and value >= vocab
+            or isinstance(value, list)
+            and any(v >= vocab for v in value)
+        ):
             setattr(c, name, None)
     for name, value in c.to_dict().items():
         if isinstance(value, float) and value and ("dropout" in name or name.endswith("_pdrop")):
             _set(c, name, 0.0)
     c.max_position_embeddings = max(getattr(c, "max_position_embeddings", 0) and 256, max_positions)
-    _set(c, "original_max_position_embeddings", min(getattr(c, "original_max_position_embeddings", 0) or 0,
-                                                   c.max_position_embeddings) or None)
+    _set(
+        c,
+        "original_max_position_embeddings",
+        min(getattr(c, "original_max_position_embeddings", 0) or 0, c.max_position_embeddings) or None,
+    )
 
 
 def attention_choice(config) -> str:
@@ -150,9 +170,18 @@ def _homogeneous(c):
 def _shrunk_overrides(overrides: dict, old_types: list, new_types: list, old_dim: int, kv: int) -> dict:
     """The per-layer overrides for the two shrunk layers: each layer kind keeps its kind's override,
     a head dim scaled by HEAD_DIM / old_dim, KV heads at the shrunk count."""
+
     def shrunk(o: dict) -> dict:
-        return {k: (max(HEAD_DIM, HEAD_DIM * v // old_dim) if k == "head_dim" else kv if k == "num_key_value_heads"
-                    else v) for k, v in o.items()}
+        return {
+            k: (
+                max(HEAD_DIM, HEAD_DIM * v // old_dim)
+                if k == "head_dim"
+                else kv
+                if k == "num_key_value_heads"
+                else v
+            )
+            for k, v in o.items()
+        }
 
     if not old_types or not new_types:
         return {1: shrunk(next(iter(overrides.values())))}
@@ -184,8 +213,14 @@ def shrink_model(hf_config, tp_size: int, cp_size: int, ep_size: int = 1) -> Shr
         c.hidden_size_per_layer_input, c.vocab_size_per_layer_input = HEAD_DIM, c.vocab_size
     _set(c, "num_kv_shared_layers", 0)  # two layers: no later layer to reuse an earlier one's K/V
     if overrides:
-        c = type(c)(**{**c.to_dict(), "per_layer_config": _shrunk_overrides(
-            overrides, old_types, list(getattr(c, "layer_types", None) or ()), old_dim, kv)})
+        c = type(c)(
+            **{
+                **c.to_dict(),
+                "per_layer_config": _shrunk_overrides(
+                    overrides, old_types, list(getattr(c, "layer_types", None) or ()), old_dim, kv
+                ),
+            }
+        )
     c.use_cache = False
     attn = attention_choice(c)
     c._attn_implementation = attn

@@ -49,8 +49,8 @@ class SimulatedTrainer(Trainer):
         from ndparallel.engine.build import build_random_shards
         from ndparallel.models.attention import attention_kernel
         from ndparallel.models.presets import is_preset
-        from ndparallel.training.build import rounded_vocab
         from ndparallel.preflight.model_check import resolve_model_config
+        from ndparallel.training.build import rounded_vocab
 
         cfg, engine = self.cfg, self.engine
         kernel, _ = attention_kernel(cfg.attn_implementation, engine.device.type)
@@ -65,8 +65,14 @@ class SimulatedTrainer(Trainer):
             from ndparallel.tools.simulate_pipeline import build_random_stages
 
             return build_random_stages(engine, self.hf_config, dtype, kernel, cfg.trust_remote_code)
-        return build_random_shards(engine, self.hf_config, dtype=dtype, attn_implementation=kernel,
-                                   trust_remote_code=cfg.trust_remote_code, adapter=adapter)
+        return build_random_shards(
+            engine,
+            self.hf_config,
+            dtype=dtype,
+            attn_implementation=kernel,
+            trust_remote_code=cfg.trust_remote_code,
+            adapter=adapter,
+        )
 
 
 def simulate(cfg: TrainConfig, req: SimulationRequest) -> dict:
@@ -99,15 +105,26 @@ def simulate(cfg: TrainConfig, req: SimulationRequest) -> dict:
         shutdown()
     engine = trainer.engine
     out = {
-        "layout": {**engine.dims.to_dict(), "describe": engine.dims.describe(), "world_size": req.world_size,
-                   "rank": req.rank, "device": engine.device.type},
+        "layout": {
+            **engine.dims.to_dict(),
+            "describe": engine.dims.describe(),
+            "world_size": req.world_size,
+            "rank": req.rank,
+            "device": engine.device.type,
+        },
         "model": {"name": cfg.base_model, "params": measured.pop("global_params")},
-        "settings": {"sequence_len": cfg.sequence_len, "micro_batch_size": cfg.micro_batch_size,
-                     "gradient_accumulation_steps": cfg.gradient_accumulation_steps, "steps": req.steps},
-        "measured": measured, "predicted": predicted,
-        "collectives": collectives, "predicted_collectives": predicted_collectives,
+        "settings": {
+            "sequence_len": cfg.sequence_len,
+            "micro_batch_size": cfg.micro_batch_size,
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "steps": req.steps,
+        },
+        "measured": measured,
+        "predicted": predicted,
+        "collectives": collectives,
+        "predicted_collectives": predicted_collectives,
         "note": "collectives cost nothing under the fake backend (step times are compute only) and carry no "
-                "data: losses are meaningless and not reported",
+        "data: losses are meaningless and not reported",
     }
     out["fits"] = _fits(out, req.gpu_mem)
     return out
@@ -151,8 +168,14 @@ def _measure(trainer: Trainer, steps: int) -> tuple[dict, object]:
     torch.set_flush_denormal(True)  # garbage from fake collectives must not hit slow denormal paths
 
     def step(i: int):
-        return train_step(engine, model, trainer.optimizer, _steps_batches(trainer, i),
-                          scheduler=trainer.scheduler, max_grad_norm=cfg.max_grad_norm)
+        return train_step(
+            engine,
+            model,
+            trainer.optimizer,
+            _steps_batches(trainer, i),
+            scheduler=trainer.scheduler,
+            max_grad_norm=cfg.max_grad_norm,
+        )
 
     step(0)  # lazy initialisation (FSDP, compile, optimizer states)
     if engine.device.type == "cuda":
@@ -179,10 +202,14 @@ def _measure(trainer: Trainer, steps: int) -> tuple[dict, object]:
     else:
         tensors = sum(states.values()) + live.peak
         peak = peak_rss_bytes()
-    return {"peak_memory_gib": peak / GiB, "tensor_peak_gib": tensors / GiB,
-            "state_gib": {k: v / GiB for k, v in states.items()},
-            "step_time_s": statistics.median(times), "step_times_s": times,
-            "global_params": global_numel(model)}, profiler
+    return {
+        "peak_memory_gib": peak / GiB,
+        "tensor_peak_gib": tensors / GiB,
+        "state_gib": {k: v / GiB for k, v in states.items()},
+        "step_time_s": statistics.median(times),
+        "step_times_s": times,
+        "global_params": global_numel(model),
+    }, profiler
 
 
 def _save_checkpoint(trainer: Trainer, directory: Path) -> dict:
@@ -195,8 +222,11 @@ def _save_checkpoint(trainer: Trainer, directory: Path) -> dict:
     directory = directory / f"rank-{trainer.engine.rank:05d}"
     directory.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(directory),
-             no_dist=True)
+    dcp.save(
+        {"model": model_sd, "optimizer": optim_sd},
+        storage_writer=dcp.FileSystemWriter(directory),
+        no_dist=True,
+    )
     seconds = time.perf_counter() - t0
     written = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
     return {"seconds": seconds, "bytes": written, "gib": written / GiB, "path": str(directory)}
@@ -214,8 +244,15 @@ def run_in_child(config: str | None, overrides: list[str], req: SimulationReques
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
-        args = [sys.executable, "-m", "ndparallel.tools.simulate", json.dumps(dataclasses.asdict(req)), str(out),
-                config or "", *overrides]
+        args = [
+            sys.executable,
+            "-m",
+            "ndparallel.tools.simulate",
+            json.dumps(dataclasses.asdict(req)),
+            str(out),
+            config or "",
+            *overrides,
+        ]
         run = subprocess.run(args, env=os.environ.copy())
         if run.returncode != 0 or not out.is_file():
             raise RuntimeError(f"the simulated rank failed (exit {run.returncode}); its error is above")
@@ -225,14 +262,13 @@ def run_in_child(config: str | None, overrides: list[str], req: SimulationReques
 def _child_main(argv: list[str]) -> None:
     import json
 
-    from ndparallel.runtime.quiet import quiet_library_noise
     from ndparallel.axolotl import load_config
+    from ndparallel.runtime.quiet import quiet_library_noise
 
     quiet_library_noise()
     req = SimulationRequest(**json.loads(argv[0]))
     cfg = load_config(argv[2] or None, argv[3:])
     Path(argv[1]).write_text(json.dumps(simulate(cfg, req)))
-
 
 
 def _fits(report: dict, gpu_mem: float | None) -> bool | None:

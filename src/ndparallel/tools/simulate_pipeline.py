@@ -28,8 +28,9 @@ SINGLE = {"GPipe", "1F1B"}
 COMPUTE = {"F", "B", "I", "W"}
 
 
-def build_random_stages(engine, config, dtype: torch.dtype, attn_implementation: str,
-                        trust_remote_code: bool) -> torch.nn.Module:
+def build_random_stages(
+    engine, config, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool
+) -> torch.nn.Module:
     """``engine.build.build_random_shards`` for a pipeline layout: this rank's stages built on the
     meta device, parallelised, materialised with random values; each stage's cut model
     materialised and its rotary buffers computed on its own (the ``StageView`` holds one copy of
@@ -37,8 +38,9 @@ def build_random_stages(engine, config, dtype: torch.dtype, attn_implementation:
     from ndparallel.engine.build import fill_random, materialize_shards
     from ndparallel.models.loading import build_on_meta_from_config, init_non_persistent_buffers
 
-    view = engine.parallelize(build_on_meta_from_config(config, dtype, attn_implementation, trust_remote_code,
-                                                        None))
+    view = engine.parallelize(
+        build_on_meta_from_config(config, dtype, attn_implementation, trust_remote_code, None)
+    )
     lms = engine.pipeline_of(view).lms()
     for lm in lms:  # each stage: the view keeps one copy of the rotary buffers of a rank's stages
         materialize_shards(engine, lm)
@@ -67,8 +69,9 @@ def rank_actions(pipeline, pp_rank: int, n: int) -> list[tuple[str, int, int]]:
     from torch.distributed.pipelining import schedules
 
     cls = getattr(schedules, f"Schedule{plan.schedule}")
-    order = cls(pipeline.stages, n_microbatches=n, loss_fn=lambda loss, _target: loss,
-                scale_grads=False).pipeline_order[pp_rank]
+    order = cls(
+        pipeline.stages, n_microbatches=n, loss_fn=lambda loss, _target: loss, scale_grads=False
+    ).pipeline_order[pp_rank]
     out = []
     for action in order:
         kind = getattr(action, "computation_type", None)
@@ -115,16 +118,22 @@ class DirectSchedule:
             module.num_items = num_items
         last = pipeline.plan.n_stages - 1
         total = torch.zeros((), device=engine.device)
-        with engine.batch_context(batch), engine.loss_context(pipeline.modules[last].lm if last in pipeline.modules
-                                                               else None):
-            chunks = {k: torch.tensor_split(batch[k], n) for k in ("input_ids", "position_ids", "shift_labels")}
+        with (
+            engine.batch_context(batch),
+            engine.loss_context(pipeline.modules[last].lm if last in pipeline.modules else None),
+        ):
+            chunks = {
+                k: torch.tensor_split(batch[k], n) for k in ("input_ids", "position_ids", "shift_labels")
+            }
             kept: dict[tuple[int, int], torch.Tensor] = {}
             for kind, stage, mb in self.actions(n):
                 module = pipeline.modules[stage]
                 if kind == "F":
                     ids = chunks["input_ids"][mb]
                     x = ids if module.is_first else self._received(module, ids)
-                    out = module(x, position_ids=chunks["position_ids"][mb], shift_labels=chunks["shift_labels"][mb])
+                    out = module(
+                        x, position_ids=chunks["position_ids"][mb], shift_labels=chunks["shift_labels"][mb]
+                    )
                     kept[(stage, mb)] = out
                     if module.is_last:
                         total += out.detach().float()
@@ -166,9 +175,18 @@ def pipeline_report(trainer, measured: dict) -> dict:
     n = engine.options.pipeline.microbatches or trainer.cfg.gradient_accumulation_steps
     stages = plan.stages_of(engine.rank_in("pp"))
     bubble = bubble_fraction(plan, n)
-    return {"schedule": plan.schedule, "pp": plan.pp, "virtual_stages": plan.virtual, "pp_rank": engine.rank_in("pp"),
-            "stages": stages, "layers": {s: list(plan.layers[s]) for s in stages},
-            "first_stage": pipeline.holds_first, "last_stage": pipeline.holds_last, "microbatches": n,
-            "bubble": bubble, "step_time_with_bubble_s": measured["step_time_s"] / (1.0 - bubble),
-            "run": "direct: this rank's stages, the schedule's action order (torch's schedules need their peers' "
-                   "metadata, which a fake receive does not deliver)"}
+    return {
+        "schedule": plan.schedule,
+        "pp": plan.pp,
+        "virtual_stages": plan.virtual,
+        "pp_rank": engine.rank_in("pp"),
+        "stages": stages,
+        "layers": {s: list(plan.layers[s]) for s in stages},
+        "first_stage": pipeline.holds_first,
+        "last_stage": pipeline.holds_last,
+        "microbatches": n,
+        "bubble": bubble,
+        "step_time_with_bubble_s": measured["step_time_s"] / (1.0 - bubble),
+        "run": "direct: this rank's stages, the schedule's action order (torch's schedules need their peers' "
+        "metadata, which a fake receive does not deliver)",
+    }

@@ -23,17 +23,24 @@ def planner_settings(trainer):
     if pipeline is not None and pipeline.holds_last:  # the loss is the last stage's cut model's
         model = pipeline.modules[pipeline.plan.n_stages - 1].lm
     return Settings(
-        seq_len=cfg.sequence_len, micro_batch=cfg.micro_batch_size, grad_accum=cfg.gradient_accumulation_steps,
+        seq_len=cfg.sequence_len,
+        micro_batch=cfg.micro_batch_size,
+        grad_accum=cfg.gradient_accumulation_steps,
         checkpointing=options.fsdp.activation_checkpointing,
-        mixed_precision={"float16": "fp16", "None": "fp32"}.get(str(options.param_dtype).removeprefix("torch."), "bf16"),
+        mixed_precision={"float16": "fp16", "None": "fp32"}.get(
+            str(options.param_dtype).removeprefix("torch."), "bf16"
+        ),
         optimizer="sgd" if cfg.optimizer == "sgd" else "adamw",
-        sequence_parallel=options.tp.sequence_parallel, loss_parallel=engine.loss_parallel(model),
+        sequence_parallel=options.tp.sequence_parallel,
+        loss_parallel=engine.loss_parallel(model),
         unsharded_grad_accumulation=options.fsdp.unsharded_grad_accumulation,
-        reshard_after_forward=options.fsdp.reshard_after_forward, cp_strategy=options.cp.comm_strategy,
+        reshard_after_forward=options.fsdp.reshard_after_forward,
+        cp_strategy=options.cp.comm_strategy,
         loss_impl="chunked" if use_chunked_loss(base_model_of(model), options.loss) else "full",
         loss_chunk_tokens=options.loss.chunk_tokens,
         optimizer_fused=bool(trainer.optimizer.defaults.get("fused")),
-        lora_r=cfg.lora_r if cfg.adapter else 0, **stages,
+        lora_r=cfg.lora_r if cfg.adapter else 0,
+        **stages,
     )
 
 
@@ -52,8 +59,10 @@ def hardware_for(req, engine, spec, settings):
         name = torch.cuda.get_device_name(engine.device)
         hw = preset_for_device(name)
         if hw is None:
-            raise ValueError(f"no planner preset for {name!r}: pass --gpu NAME or --hardware-file "
-                             "(ndparallel plan --calibrate writes one)")
+            raise ValueError(
+                f"no planner preset for {name!r}: pass --gpu NAME or --hardware-file "
+                "(ndparallel plan --calibrate writes one)"
+            )
         return hw
     from ndparallel.plan.calibrate import calibrate
     from ndparallel.plan.hardware import Hardware
@@ -72,8 +81,10 @@ def pipeline_problem(trainer, spec, settings) -> str | None:
     plan, rank = engine.pipeline_of(trainer.model).plan, engine.rank_in("pp")
     m = engine.options.pipeline.microbatches
     if m is not None and m != settings.grad_accum:
-        return (f"the planner models one pipeline micro-batch per accumulation step, not pipeline_microbatches={m}: "
-                "the measurement is shown alone")
+        return (
+            f"the planner models one pipeline micro-batch per accumulation step, not pipeline_microbatches={m}: "
+            "the measurement is shown alone"
+        )
     layers = sum(len(plan.layers[s]) for s in plan.stages_of(rank))
     if rank_shape(spec, plan.pp, plan.virtual, plan.schedule, rank).layers != layers:
         return "the planner models the even split of the layers, not this one: the measurement is shown alone"
@@ -98,8 +109,14 @@ def rank_estimate(trainer, spec, settings, hw, gpus_per_node: int) -> tuple:
     shape, part, rank_settings = pp_rank(spec, dims, settings, rank)
     mem, colls, timeb = rank_step(part, dims, rank_settings, hw, gpus_per_node)
     stage = {(True, True): "first and last", (True, False): "first", (False, True): "last"}.get(
-        (shape.first, shape.last), "middle")
-    part_report = {"pp_rank": rank, "stage": stage, "layers": shape.layers, "in_flight": rank_settings.pp_in_flight}
+        (shape.first, shape.last), "middle"
+    )
+    part_report = {
+        "pp_rank": rank,
+        "stage": stage,
+        "layers": shape.layers,
+        "in_flight": rank_settings.pp_in_flight,
+    }
     return mem, colls + scalar_collectives(part, dims, settings.mixed_precision), timeb, part_report
 
 
@@ -120,14 +137,23 @@ def predict(trainer, req, measured: dict) -> tuple[dict, list]:
     else:  # the CPU process's runtime plays the part of the CUDA context: measured before the model
         peak = mem.allocated + measured["runtime_rss_gib"] * GiB
     report = {
-        "peak_memory_gib": peak / GiB, "tensor_peak_gib": mem.allocated / GiB, "peak_phase": mem.peak_phase,
+        "peak_memory_gib": peak / GiB,
+        "tensor_peak_gib": mem.allocated / GiB,
+        "peak_phase": mem.peak_phase,
         "device_total_gib": mem.total / GiB,  # with the runtime overhead: what must fit the device
-        "memory_gib": {k: getattr(mem, k) / GiB for k in ("params", "grads", "optimizer", "activations",
-                                                          "logits", "fsdp_buffers", "overhead")},
-        "step_time_s": t.compute + t.optimizer, "step_time_with_comm_s": t.step,
+        "memory_gib": {
+            k: getattr(mem, k) / GiB
+            for k in ("params", "grads", "optimizer", "activations", "logits", "fsdp_buffers", "overhead")
+        },
+        "step_time_s": t.compute + t.optimizer,
+        "step_time_with_comm_s": t.step,
         "exposed_comm_s": {"tp": t.tp_exposed, "cp": t.cp_exposed, "dp": t.dp_exposed},
-        "hardware": hw.name, "settings": {"loss_impl": settings.loss_impl, "loss_parallel": settings.loss_parallel,
-                                          "checkpointing": settings.checkpointing},
+        "hardware": hw.name,
+        "settings": {
+            "loss_impl": settings.loss_impl,
+            "loss_parallel": settings.loss_parallel,
+            "checkpointing": settings.checkpointing,
+        },
         **({"pipeline": stage} if stage else {}),
     }
     report["error"] = {

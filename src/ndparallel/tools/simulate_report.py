@@ -25,16 +25,20 @@ def format_report(r: dict) -> str:
     lay = r["layout"]
     buf = io.StringIO()
     console = Console(file=buf, width=120, force_terminal=False)
-    console.print(f"simulate: rank {lay['rank']} of {lay['world_size']} ({lay['describe']}) on {lay['device']}; "
-                  f"model {r['model']['name']} ({r['model']['params'] / 1e6:.1f}M params); "
-                  f"{r['settings']['steps']} timed steps; planner hardware {p.get('hardware', '—')}")
+    console.print(
+        f"simulate: rank {lay['rank']} of {lay['world_size']} ({lay['describe']}) on {lay['device']}; "
+        f"model {r['model']['name']} ({r['model']['params'] / 1e6:.1f}M params); "
+        f"{r['settings']['steps']} timed steps; planner hardware {p.get('hardware', '—')}"
+    )
     if "pipeline" in m:
         pl = m["pipeline"]
         layers = sum(len(v) for v in pl["layers"].values())
-        console.print(f"pipeline: {pl['schedule']}, pp rank {pl['pp_rank']} of {pl['pp']} runs stage(s) "
-                      f"{pl['stages']} ({layers} layers{', embeddings' if pl['first_stage'] else ''}"
-                      f"{', norm + head + loss' if pl['last_stage'] else ''}); {pl['microbatches']} micro-batches "
-                      f"per step, bubble ≈ {pl['bubble']:.0%}; run {pl['run']}")
+        console.print(
+            f"pipeline: {pl['schedule']}, pp rank {pl['pp_rank']} of {pl['pp']} runs stage(s) "
+            f"{pl['stages']} ({layers} layers{', embeddings' if pl['first_stage'] else ''}"
+            f"{', norm + head + loss' if pl['last_stage'] else ''}); {pl['microbatches']} micro-batches "
+            f"per step, bubble ≈ {pl['bubble']:.0%}; run {pl['run']}"
+        )
     t = Table(title="measured vs predicted (this rank)")
     for col in ("", "measured", "predicted", "error"):
         t.add_column(col, justify="right")
@@ -50,8 +54,10 @@ def format_report(r: dict) -> str:
         console.print(f"planner: {p['why']}")
     elif "pipeline" in p:
         s = p["pipeline"]
-        console.print(f"planner: pp rank {s['pp_rank']} as the {s['stage']} stage ({s['layers']} layers, "
-                      f"{s['in_flight']:g} micro-batches in flight at its peak; no stage transfers counted)")
+        console.print(
+            f"planner: pp rank {s['pp_rank']} as the {s['stage']} stage ({s['layers']} layers, "
+            f"{s['in_flight']:g} micro-batches in flight at its peak; no stage transfers counted)"
+        )
     c = Table(title="collectives per step, by mesh dim (calls / bytes)")
     for col in ("dim", "measured", "predicted"):
         c.add_column(col, justify="right")
@@ -62,7 +68,9 @@ def format_report(r: dict) -> str:
     console.print(c)
     if "checkpoint" in m:
         ck = m["checkpoint"]
-        console.print(f"checkpoint: this rank wrote {ck['gib']:.3f} GiB in {ck['seconds']:.2f} s to {ck['path']}")
+        console.print(
+            f"checkpoint: this rank wrote {ck['gib']:.3f} GiB in {ck['seconds']:.2f} s to {ck['path']}"
+        )
     if r["fits"] is not None:
         console.print("fits the memory budget" if r["fits"] else "does NOT fit the memory budget")
     console.print(f"note: {r['note']}")

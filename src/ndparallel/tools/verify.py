@@ -10,8 +10,8 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from ndparallel.tools.shrink import shrink_config
 from ndparallel.config import TrainConfig
+from ndparallel.tools.shrink import shrink_config
 
 
 def _adapter_kwargs(cfg: TrainConfig) -> dict | None:
@@ -21,9 +21,15 @@ def _adapter_kwargs(cfg: TrainConfig) -> dict | None:
         return cfg.lora_kwargs(dropout=0.0)
     saved = cfg.lora_config()
     targets = saved.target_modules
-    return {"r": saved.r, "alpha": saved.lora_alpha, "dropout": 0.0, "target_linear": False,
-            "target_modules": [targets] if isinstance(targets, str)  # leaf names: the model is shrunk
-            else sorted({t.rsplit(".", 1)[-1] for t in targets or []})}
+    return {
+        "r": saved.r,
+        "alpha": saved.lora_alpha,
+        "dropout": 0.0,
+        "target_linear": False,
+        "target_modules": [targets]
+        if isinstance(targets, str)  # leaf names: the model is shrunk
+        else sorted({t.rsplit(".", 1)[-1] for t in targets or []}),
+    }
 
 
 def _shrunk_nf4(cfg: TrainConfig):
@@ -35,8 +41,12 @@ def _shrunk_nf4(cfg: TrainConfig):
     return NF4Config(16, 4, cfg.nf4_config().skip_modules)
 
 
-EXACT_STEPS_NOTE = ("SGD steps: the exact check (AdamW divides by sqrt(v) and so turns fp32 rounding on "
-                    "near-zero gradients into lr-sized steps; gradients and SGD updates show the layout itself)")
+EXACT_STEPS_NOTE = (
+    "SGD steps: the exact check (AdamW divides by sqrt(v) and so turns fp32 rounding on "
+    "near-zero gradients into lr-sized steps; gradients and SGD updates show the layout itself)"
+)
+
+
 def _shrunk_qat(cfg: TrainConfig, small):
     """The run's QAT settings for the shrunk model (int4 groups that divide its linears), or None:
     no QAT, nvfp4 (no fp4 matmul on the CPU ranks), or an mxfp4 block the shrunk widths do not hold."""
@@ -50,8 +60,11 @@ def _shrunk_qat(cfg: TrainConfig, small):
     if not o.enabled or o.weight_dtype == "nvfp4":
         return None
     with torch.device("meta"):
-        widths = [m.in_features for m in AutoModelForCausalLM.from_config(small).modules()
-                  if isinstance(m, torch.nn.Linear)]
+        widths = [
+            m.in_features
+            for m in AutoModelForCausalLM.from_config(small).modules()
+            if isinstance(m, torch.nn.Linear)
+        ]
     if o.weight_dtype == "int4":
         return dataclasses.replace(o, group_size=math.gcd(o.group_size, *widths))
     return None if o.weight_dtype == "mxfp4" and any(w % 32 for w in widths) else o
@@ -78,17 +91,29 @@ def _setup(cfg: TrainConfig, pc, small, steps: int, fault: str | None):
 
     options = cfg.strategy_options()
     return TrainSetup(
-        small, steps=steps, global_micro_batch=2 * pc.dp_size,
-        grad_accum=min(cfg.gradient_accumulation_steps, 2), seq_len=16 * pc.cp_size,
-        optimizer="sgd", lr=1e-2, max_grad_norm=cfg.max_grad_norm, packed_documents=True,
-        adapter=_adapter_kwargs(cfg), quantization=_shrunk_nf4(cfg), fault=fault,
+        small,
+        steps=steps,
+        global_micro_batch=2 * pc.dp_size,
+        grad_accum=min(cfg.gradient_accumulation_steps, 2),
+        seq_len=16 * pc.cp_size,
+        optimizer="sgd",
+        lr=1e-2,
+        max_grad_norm=cfg.max_grad_norm,
+        packed_documents=True,
+        adapter=_adapter_kwargs(cfg),
+        quantization=_shrunk_nf4(cfg),
+        fault=fault,
         parallel_kwargs=dict(
-            fsdp_options=options.fsdp, tp_options=options.tp, cp_options=options.cp, loss_options=options.loss,
+            fsdp_options=options.fsdp,
+            tp_options=options.tp,
+            cp_options=options.cp,
+            loss_options=options.loss,
             # compile is checked at the dynamo / AOT-autograd level: inductor's C++ build would add
             # minutes on CPU and changes no layout semantics
             compile_options=dataclasses.replace(options.compile, backend="aot_eager"),
             # float8 matmuls emulated in high precision (the CPU ranks have no fp8 units)
-            float8_options=dataclasses.replace(options.float8, emulate=True)),
+            float8_options=dataclasses.replace(options.float8, emulate=True),
+        ),
     )
 
 
@@ -97,12 +122,26 @@ def _compare(console, title: str, ref, got) -> dict:
 
     diff = compare(ref, got)
     table = Table(title=title)
-    for col in ("step", "loss (1 proc)", "loss (layout)", "rel. diff", "grad norm (1 proc)",
-                "grad norm (layout)", "rel. diff"):
+    for col in (
+        "step",
+        "loss (1 proc)",
+        "loss (layout)",
+        "rel. diff",
+        "grad norm (1 proc)",
+        "grad norm (layout)",
+        "rel. diff",
+    ):
         table.add_column(col, justify="right")
     for i, (a, b, ga, gb) in enumerate(zip(ref.losses, got.losses, ref.grad_norms, got.grad_norms)):
-        table.add_row(str(i + 1), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b) / abs(a):.1e}",
-                      f"{ga:.6f}", f"{gb:.6f}", _norm_diff(ga, gb))
+        table.add_row(
+            str(i + 1),
+            f"{a:.6f}",
+            f"{b:.6f}",
+            f"{abs(a - b) / abs(a):.1e}",
+            f"{ga:.6f}",
+            f"{gb:.6f}",
+            _norm_diff(ga, gb),
+        )
     console.print(table)
     return diff
 
@@ -124,8 +163,15 @@ def _enough_layers_for_stages(small, cfg: TrainConfig, pc):
     return small
 
 
-def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: float = 1e-5,
-                  fault: str | None = None, param_tolerance: float = 1e-6) -> bool:
+def verify_layout(
+    cfg: TrainConfig,
+    pc,
+    hf_config,
+    steps: int = 3,
+    tolerance: float = 1e-5,
+    fault: str | None = None,
+    param_tolerance: float = 1e-6,
+) -> bool:
     """Train a shrunk copy of the model under the config's layout and options and on one process,
     through the trainer's own ``train_step``; print the differences and a verdict. The verdict
     rests on exact quantities: fp32 losses, gradient norms and the parameters after ``steps``
@@ -144,34 +190,54 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, tolerance: fl
         f"verify: {pc.describe()} on {pc.total_size} CPU ranks vs 1 process; shrunk "
         f"{small.model_type}: hidden {small.hidden_size}, heads {small.num_attention_heads}/"
         f"{small.num_key_value_heads}, {small.num_hidden_layers} layers, seq {setup.seq_len} (packed documents), {steps} "
-        + EXACT_STEPS_NOTE + (f"; LoRA r={setup.adapter['r']} (dropout 0)" if setup.adapter else "")
-        + ("; a 4-bit NF4 base (16 x 4 blocks: the shrunk weights are small)" if setup.quantization else ""))
+        + EXACT_STEPS_NOTE
+        + (f"; LoRA r={setup.adapter['r']} (dropout 0)" if setup.adapter else "")
+        + ("; a 4-bit NF4 base (16 x 4 blocks: the shrunk weights are small)" if setup.quantization else "")
+    )
     runs = [("fp32", setup, tolerance)]
     if cfg.compute_dtype() is not None or cfg.fp8:  # bf16, or fp16 with its loss scaling
         low = cfg.compute_dtype_name()
-        runs.append((low + (" + fp8" if cfg.fp8 else ""), dataclasses.replace(
-            setup, mixed_precision=low if low != "fp32" else "no"), BF16_TOLERANCE))
+        runs.append(
+            (
+                low + (" + fp8" if cfg.fp8 else ""),
+                dataclasses.replace(setup, mixed_precision=low if low != "fp32" else "no"),
+                BF16_TOLERANCE,
+            )
+        )
     qat = _shrunk_qat(cfg, small)
     if qat is not None:  # fake quantisation rounds: a value on a level boundary may go either way
-        runs.append((f"fp32 + qat {qat.weight_dtype}", dataclasses.replace(
-            setup, parallel_kwargs={**setup.parallel_kwargs, "qat_options": qat}), BF16_TOLERANCE))
+        runs.append(
+            (
+                f"fp32 + qat {qat.weight_dtype}",
+                dataclasses.replace(setup, parallel_kwargs={**setup.parallel_kwargs, "qat_options": qat}),
+                BF16_TOLERANCE,
+            )
+        )
     elif cfg.qat is not None:
-        console.print(f"qat {cfg.qat.weight_dtype}: not run here (fp4 matmuls need a Blackwell GPU, or the shrunk "
-                      "model's widths do not hold its blocks); the fp32 check covers the layout")
+        console.print(
+            f"qat {cfg.qat.weight_dtype}: not run here (fp4 matmuls need a Blackwell GPU, or the shrunk "
+            "model's widths do not hold its blocks); the fp32 check covers the layout"
+        )
     ok = True
     for name, run, tol in runs:
         kept = {k: v for k, v in run.parallel_kwargs.items() if k == "qat_options"}  # one process, with QAT
-        ref = run_on_ranks(train_under_layout, 1, dataclasses.replace(
-            run, parallel_kwargs=kept, fault=None), None)[0]
+        ref = run_on_ranks(
+            train_under_layout, 1, dataclasses.replace(run, parallel_kwargs=kept, fault=None), None
+        )[0]
         got = run_on_ranks(train_under_layout, pc.total_size, run, pc.to_dict(), timeout_s=600)[0]
         diff = _compare(console, f"{name}: one process vs layout", ref, got)
         exact = name == "fp32"
-        good = diff["loss_rel"] <= tol and diff["grad_norm_rel"] <= tol and (
-            not exact or diff["param_abs"] <= param_tolerance)
+        good = (
+            diff["loss_rel"] <= tol
+            and diff["grad_norm_rel"] <= tol
+            and (not exact or diff["param_abs"] <= param_tolerance)
+        )
         ok = ok and good
         params = f", parameters {diff['param_abs']:.1e} (tolerance {param_tolerance:.0e})" if exact else ""
-        console.print(f"{'[bold green]ok[/]' if good else '[bold red]differs[/]'} ({name}): max relative "
-                      f"loss error {diff['loss_rel']:.1e}, grad norm {diff['grad_norm_rel']:.1e} "
-                      f"(tolerance {tol:.0e}){params}")
+        console.print(
+            f"{'[bold green]ok[/]' if good else '[bold red]differs[/]'} ({name}): max relative "
+            f"loss error {diff['loss_rel']:.1e}, grad norm {diff['grad_norm_rel']:.1e} "
+            f"(tolerance {tol:.0e}){params}"
+        )
     console.print("[bold green]PASS[/]" if ok else "[bold red]FAIL[/]")
     return ok

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import netrc
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 from urllib.parse import urlparse
 
 from ndparallel.runtime.network import reachable
@@ -27,22 +27,30 @@ def tracker_problem(cfg, env: Mapping[str, str] | None = None) -> str | None:
     if "wandb" in names and wandb_mode(cfg, env) in ("online", "shared"):
         base = env.get("WANDB_BASE_URL", WANDB_HOST)
         if not env.get("WANDB_API_KEY") and not _netrc_has(urlparse(base).hostname or "", env):
-            return ("wandb_project is set (W&B online) but this machine has no W&B API key (WANDB_API_KEY unset, "
-                    f"no {urlparse(base).hostname} entry in {_netrc_path(env)}): run `wandb login` (or set "
-                    "WANDB_API_KEY), or set wandb_mode: offline (`wandb sync` uploads the run later) or disabled")
+            return (
+                "wandb_project is set (W&B online) but this machine has no W&B API key (WANDB_API_KEY unset, "
+                f"no {urlparse(base).hostname} entry in {_netrc_path(env)}): run `wandb login` (or set "
+                "WANDB_API_KEY), or set wandb_mode: offline (`wandb sync` uploads the run later) or disabled"
+            )
         if not reachable(base):
-            return (f"wandb_project is set (W&B online) but {base} cannot be reached from here: set wandb_mode: "
-                    "offline (`wandb sync` uploads the run later), or fix the network / WANDB_BASE_URL")
+            return (
+                f"wandb_project is set (W&B online) but {base} cannot be reached from here: set wandb_mode: "
+                "offline (`wandb sync` uploads the run later), or fix the network / WANDB_BASE_URL"
+            )
     if "mlflow" in names:
         uri = cfg.mlflow_tracking_uri or env.get("MLFLOW_TRACKING_URI") or ""
         if uri.startswith(("http://", "https://")) and not reachable(uri):
-            return (f"mlflow_tracking_uri={uri!r} cannot be reached from here: start the tracking server, or "
-                    "remove mlflow_tracking_uri to log to ./mlruns (a local file store)")
+            return (
+                f"mlflow_tracking_uri={uri!r} cannot be reached from here: start the tracking server, or "
+                "remove mlflow_tracking_uri to log to ./mlruns (a local file store)"
+            )
     if "swanlab" in names and (cfg.swanlab_mode or env.get("SWANLAB_MODE") or "cloud") in ("cloud", "online"):
         if not env.get("SWANLAB_API_KEY") and not (Path.home() / ".swanlab" / ".netrc").is_file():
-            return ("swanlab_project is set (SwanLab cloud) but this machine has no SwanLab API key "
-                    "(SWANLAB_API_KEY unset, no ~/.swanlab/.netrc): run `swanlab login`, or set swanlab_mode: "
-                    "offline (`swanlab sync` uploads it later) or local")
+            return (
+                "swanlab_project is set (SwanLab cloud) but this machine has no SwanLab API key "
+                "(SWANLAB_API_KEY unset, no ~/.swanlab/.netrc): run `swanlab login`, or set swanlab_mode: "
+                "offline (`swanlab sync` uploads it later) or local"
+            )
     return None
 
 
@@ -51,8 +59,10 @@ def tracker_notes(cfg, env: Mapping[str, str] | None = None) -> list[str]:
     env = os.environ if env is None else env
     names, notes = cfg.trackers(), []
     if "mlflow" in names and not (cfg.mlflow_tracking_uri or env.get("MLFLOW_TRACKING_URI")):
-        notes.append("mlflow: no mlflow_tracking_uri, so runs are logged to ./mlruns (a local file store) in "
-                     "the directory train starts from")
+        notes.append(
+            "mlflow: no mlflow_tracking_uri, so runs are logged to ./mlruns (a local file store) in "
+            "the directory train starts from"
+        )
     return notes
 
 

@@ -39,8 +39,14 @@ class RunTrackers:
     them. Nothing happens on ranks other than the main one. ``fresh``: a new run starts a new
     ``metrics.jsonl`` (a resumed one appends)."""
 
-    def __init__(self, out_dir: str | Path, cfg: TrackerConfig, enabled: bool, fresh: bool = True,
-                 config: dict | None = None):
+    def __init__(
+        self,
+        out_dir: str | Path,
+        cfg: TrackerConfig,
+        enabled: bool,
+        fresh: bool = True,
+        config: dict | None = None,
+    ):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.trackers: list[GeneralTracker] = []
         if not enabled:

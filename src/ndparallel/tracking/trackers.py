@@ -63,7 +63,9 @@ class JSONLTracker(GeneralTracker):
         super().__init__()
         if kwargs:
             raise ValueError(f"the jsonl tracker takes no init_kwargs, got {sorted(kwargs)}")
-        self.path = Path(path) if path is not None else Path(logging_dir or "runs") / run_name / "metrics.jsonl"
+        self.path = (
+            Path(path) if path is not None else Path(logging_dir or "runs") / run_name / "metrics.jsonl"
+        )
         self.dir = self.path.parent
         self._file = None
 
@@ -187,8 +189,9 @@ class MLflowTracker(GeneralTracker):
     def log(self, values: dict, step: int | None = None, **kwargs) -> None:
         import mlflow
 
-        mlflow.log_metrics({k: float(_plain(v)) for k, v in values.items()
-                            if isinstance(_plain(v), (int, float))}, step=step)
+        mlflow.log_metrics(
+            {k: float(_plain(v)) for k, v in values.items() if isinstance(_plain(v), (int, float))}, step=step
+        )
 
     def finish(self) -> None:
         import mlflow
@@ -231,8 +234,10 @@ class PrometheusTracker(GeneralTracker):
         try:
             self.server, self.thread = start_http_server(self.port, addr=self.host, registry=self.registry)
         except OSError as e:
-            raise OSError(f"the metrics endpoint cannot listen on {self.host}:{self.port} ({e}); set "
-                          "otel_metrics_port to a free port (0: any)") from None
+            raise OSError(
+                f"the metrics endpoint cannot listen on {self.host}:{self.port} ({e}); set "
+                "otel_metrics_port to a free port (0: any)"
+            ) from None
         self.url = f"http://{self.host}:{self.server.server_port}/metrics"
 
     @property
@@ -257,14 +262,34 @@ class PrometheusTracker(GeneralTracker):
         self.server.server_close()
 
 
-TRACKERS = {"jsonl": JSONLTracker, "tensorboard": TensorBoardTracker, "wandb": WandBTracker,
-            "mlflow": MLflowTracker, "swanlab": SwanLabTracker, "prometheus": PrometheusTracker}
-MODULES = {"jsonl": (), "tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",),
-           "mlflow": ("mlflow",), "aim": ("aim",), "comet_ml": ("comet_ml",), "clearml": ("clearml",),
-           "dvclive": ("dvclive",), "swanlab": ("swanlab",), "trackio": ("trackio",),
-           "prometheus": ("prometheus_client",)}
-PIP = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny", "swanlab": "swanlab",
-       "prometheus": "prometheus-client"}
+TRACKERS = {
+    "jsonl": JSONLTracker,
+    "tensorboard": TensorBoardTracker,
+    "wandb": WandBTracker,
+    "mlflow": MLflowTracker,
+    "swanlab": SwanLabTracker,
+    "prometheus": PrometheusTracker,
+}
+MODULES = {
+    "jsonl": (),
+    "tensorboard": ("tensorboard", "tensorboardX"),
+    "wandb": ("wandb",),
+    "mlflow": ("mlflow",),
+    "aim": ("aim",),
+    "comet_ml": ("comet_ml",),
+    "clearml": ("clearml",),
+    "dvclive": ("dvclive",),
+    "swanlab": ("swanlab",),
+    "trackio": ("trackio",),
+    "prometheus": ("prometheus_client",),
+}
+PIP = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "mlflow": "mlflow-skinny",
+    "swanlab": "swanlab",
+    "prometheus": "prometheus-client",
+}
 """The package to install for each tracker (``pip install 'ndparallel[trackers]'`` has them all)."""
 
 

@@ -17,9 +17,12 @@ def model_config(cfg: TrainConfig, vocab_size: int | None = None):
 
     overrides = cfg.overrides_of_model_config or {}
     if is_preset(cfg.base_model):
-        return preset_config(cfg.base_model, **overrides, **({"vocab_size": vocab_size} if vocab_size else {}))
-    config = AutoConfig.from_pretrained(cfg.base_model, trust_remote_code=cfg.trust_remote_code,
-                                        revision=cfg.revision_of_model)
+        return preset_config(
+            cfg.base_model, **overrides, **({"vocab_size": vocab_size} if vocab_size else {})
+        )
+    config = AutoConfig.from_pretrained(
+        cfg.base_model, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision_of_model
+    )
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
@@ -52,8 +55,9 @@ def load_tokenizer(cfg: TrainConfig, cache_dir: Path):
     if (cfg.chat_template and cfg.chat_template != "tokenizer_default") or cfg.chat_template_jinja:
         from ndparallel.data.chat import resolve_template
 
-        tokenizer.chat_template = resolve_template(tokenizer, cfg.chat_template, cfg.chat_template_jinja,
-                                                   "chat_template")
+        tokenizer.chat_template = resolve_template(
+            tokenizer, cfg.chat_template, cfg.chat_template_jinja, "chat_template"
+        )
     return tokenizer
 
 
@@ -66,16 +70,25 @@ def set_special_tokens(tokenizer, cfg: TrainConfig) -> None:
     special = cfg.special_tokens.model_dump(exclude_none=True) if cfg.special_tokens else {}
     extra = special.pop("additional_special_tokens", None)
     if extra:
-        tokenizer.add_special_tokens({"additional_special_tokens": [
-            AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in extra]},
-            replace_extra_special_tokens=False)
+        tokenizer.add_special_tokens(
+            {
+                "additional_special_tokens": [
+                    AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in extra
+                ]
+            },
+            replace_extra_special_tokens=False,
+        )
     for name, token in special.items():
         if token in vocab:
             setattr(tokenizer, name, token)
         else:
-            tokenizer.add_special_tokens({name: AddedToken(token, rstrip=False, lstrip=False, normalized=False)})
+            tokenizer.add_special_tokens(
+                {name: AddedToken(token, rstrip=False, lstrip=False, normalized=False)}
+            )
     if cfg.tokens:
-        tokenizer.add_tokens([AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in cfg.tokens])
+        tokenizer.add_tokens(
+            [AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in cfg.tokens]
+        )
 
 
 def rounded_vocab(cfg: TrainConfig, tokens: int) -> int:
@@ -110,21 +123,35 @@ def build_data(cfg: TrainConfig, tokenizer, cache_dir: Path):
     return build([d.model_dump() for d in cfg.datasets], tokenizer, cfg.data_options(), cache_dir=cache_dir)
 
 
-def train_loader(cfg: TrainConfig, splits, tokenizer, dp_rank: int, dp_size: int, pad_to_multiple: int | None):
+def train_loader(
+    cfg: TrainConfig, splits, tokenizer, dp_rank: int, dp_size: int, pad_to_multiple: int | None
+):
     """This rank's training loader: ``PackedLoader`` over the prepared rows, or ``StreamingLoader``
     over ``pretraining_dataset`` (its length: the run's micro-batches)."""
     from ndparallel.data import PackedLoader
 
     if cfg.pretraining_dataset is None:
-        return PackedLoader(splits.train, cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed,
-                            pad_to_multiple=pad_to_multiple, shuffle=not cfg.curriculum_sampling)
+        return PackedLoader(
+            splits.train,
+            cfg.micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=cfg.seed,
+            pad_to_multiple=pad_to_multiple,
+            shuffle=not cfg.curriculum_sampling,
+        )
     from ndparallel.data.dataset import DatasetSpec
     from ndparallel.data.stream import StreamingLoader, TokenStream
 
     specs = [DatasetSpec.from_any(d.model_dump()) for d in cfg.pretraining_dataset]
-    return StreamingLoader(TokenStream(specs, tokenizer, cfg.sequence_len), cfg.micro_batch_size,
-                           dp_rank=dp_rank, dp_size=dp_size, per_document=bool(cfg.sample_packing),
-                           length=cfg.max_steps * cfg.gradient_accumulation_steps)
+    return StreamingLoader(
+        TokenStream(specs, tokenizer, cfg.sequence_len),
+        cfg.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        per_document=bool(cfg.sample_packing),
+        length=cfg.max_steps * cfg.gradient_accumulation_steps,
+    )
 
 
 def optimizer_for(cfg: TrainConfig, params):
@@ -135,8 +162,14 @@ def optimizer_for(cfg: TrainConfig, params):
         from ndparallel.optim.muon import MUON_BETAS  # Axolotl's, unless both betas are given
 
         betas = MUON_BETAS
-    return build_optimizer(params, cfg.optimizer, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                           betas=betas, eps=cfg.adam_epsilon)
+    return build_optimizer(
+        params,
+        cfg.optimizer,
+        lr=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        betas=betas,
+        eps=cfg.adam_epsilon,
+    )
 
 
 def pad_multiple(cfg: TrainConfig, dims) -> int | None:

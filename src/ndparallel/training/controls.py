@@ -56,13 +56,19 @@ class LossWatchdog:
         self.high = self.high + 1 if loss > self.threshold else 0
         if self.high < self.patience:
             return None
-        what = (f"step {step}: the loss {loss:.4g} stayed above loss_watchdog_threshold={self.threshold:g} at "
-                f"{self.high} log steps in a row")
+        what = (
+            f"step {step}: the loss {loss:.4g} stayed above loss_watchdog_threshold={self.threshold:g} at "
+            f"{self.high} log steps in a row"
+        )
         if self.action == "fail":
-            raise NonFiniteError(f"{what}; training stopped (lower learning_rate, check the data, or raise the "
-                                 "threshold); checkpoints written before are intact")
-        return (f"{what}: stopping training as Axolotl does (the final model is saved; "
-                "loss_watchdog_action: fail exits 1 instead)")
+            raise NonFiniteError(
+                f"{what}; training stopped (lower learning_rate, check the data, or raise the "
+                "threshold); checkpoints written before are intact"
+            )
+        return (
+            f"{what}: stopping training as Axolotl does (the final model is saved; "
+            "loss_watchdog_action: fail exits 1 instead)"
+        )
 
 
 def freeze_except(model: torch.nn.Module, patterns: list[str] | None) -> int:

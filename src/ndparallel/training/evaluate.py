@@ -11,7 +11,9 @@ from ndparallel.engine import batch_to_device
 from ndparallel.engine.step import evaluation
 
 
-def validation_loader(engine, val_blocks, micro_batch_size: int, seed: int, pad_to_multiple: int | None = None):
+def validation_loader(
+    engine, val_blocks, micro_batch_size: int, seed: int, pad_to_multiple: int | None = None
+):
     """The validation split's loader, every row of it: the rows are padded with rows that train
     nothing to a whole number of global micro-batches (``data.padded``), so a split smaller than one
     global micro-batch is evaluated as a partial batch, and none is dropped."""
@@ -19,8 +21,15 @@ def validation_loader(engine, val_blocks, micro_batch_size: int, seed: int, pad_
     from ndparallel.data.padded import padded_to
 
     rows = padded_to(val_blocks, engine.dp_size * micro_batch_size)
-    return PackedLoader(rows, micro_batch_size, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
-                        seed=seed, shuffle=False, pad_to_multiple=pad_to_multiple)
+    return PackedLoader(
+        rows,
+        micro_batch_size,
+        dp_rank=engine.dp_rank,
+        dp_size=engine.dp_size,
+        seed=seed,
+        shuffle=False,
+        pad_to_multiple=pad_to_multiple,
+    )
 
 
 def evaluate(engine, model, loader) -> dict:
@@ -35,8 +44,10 @@ def evaluate(engine, model, loader) -> dict:
         if pipeline is not None:
             group = pipeline.eval_group()
             for start in range(0, len(loader), group):
-                mbs = [batch_to_device(loader.micro_batch(i), engine.device)
-                       for i in range(start, min(start + group, len(loader)))]
+                mbs = [
+                    batch_to_device(loader.micro_batch(i), engine.device)
+                    for i in range(start, min(start + group, len(loader)))
+                ]
                 total += pipeline.evaluate(mbs, n_items, group)
         else:
             for i in range(len(loader)):

@@ -62,14 +62,18 @@ def plan_output_dir(cfg: TrainConfig, resuming: bool, profile_comm: bool = False
     plan = OutputPlan(writes=run_writes(cfg, profile_comm))
     blocker = next((p for p in [out, *out.parents] if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        plan.conflicts.append(f"output_dir={cfg.output_dir!r}: {blocker} is a file, not a directory; "
-                              "give a directory path")
+        plan.conflicts.append(
+            f"output_dir={cfg.output_dir!r}: {blocker} is a file, not a directory; give a directory path"
+        )
         return plan
     if not out.is_dir():
         return plan
     run = read_run(out)
-    entries = sorted(p.name for p in out.iterdir() if p.name != RUN_FILE and not p.name.startswith(f".{RUN_FILE}")
-                     and p.name != _cache_entry(cfg, out))
+    entries = sorted(
+        p.name
+        for p in out.iterdir()
+        if p.name != RUN_FILE and not p.name.startswith(f".{RUN_FILE}") and p.name != _cache_entry(cfg, out)
+    )
     owned = set(run["written"]) if run else set()
     if resuming:
         plan.new_run = run is None
@@ -87,7 +91,8 @@ def plan_output_dir(cfg: TrainConfig, resuming: bool, profile_comm: bool = False
         plan.conflicts.append(
             f"output_dir={cfg.output_dir!r} holds {', '.join(collide[:4])}, which no ndparallel run there "
             "wrote: this run would overwrite it. Move it away or pick another output_dir (files a run did "
-            "not write are never deleted or overwritten, even with overwrite_output_dir)")
+            "not write are never deleted or overwritten, even with overwrite_output_dir)"
+        )
     return plan
 
 
@@ -106,12 +111,16 @@ def _cache_entry(cfg: TrainConfig, out: Path) -> str | None:
 def _occupied(output_dir: str, run: dict | None, entries: list[str]) -> str:
     shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
     if run is not None:
-        return (f"output_dir={output_dir!r} holds another run ({shown or 'its run record'}): resume it with "
-                "resume_from_checkpoint: auto, pick a new output_dir, or set overwrite_output_dir: true to "
-                "replace that run's files")
-    return (f"output_dir={output_dir!r} is not empty ({shown}): pick a new or empty output_dir, resume "
-            "with resume_from_checkpoint: auto, or set overwrite_output_dir: true (files no ndparallel "
-            "run wrote are left alone)")
+        return (
+            f"output_dir={output_dir!r} holds another run ({shown or 'its run record'}): resume it with "
+            "resume_from_checkpoint: auto, pick a new output_dir, or set overwrite_output_dir: true to "
+            "replace that run's files"
+        )
+    return (
+        f"output_dir={output_dir!r} is not empty ({shown}): pick a new or empty output_dir, resume "
+        "with resume_from_checkpoint: auto, or set overwrite_output_dir: true (files no ndparallel "
+        "run wrote are left alone)"
+    )
 
 
 def apply_output_plan(cfg: TrainConfig, plan: OutputPlan) -> None:

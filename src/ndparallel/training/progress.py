@@ -6,12 +6,19 @@ from __future__ import annotations
 
 def format_metrics(m: dict) -> str:
     """One line: loss, lr, gradient norm, (fp16) the loss scale, throughput, MFU (when known), peak memory."""
-    return (f"loss {m['loss']:.4f}" + (f" (aux {m['aux_loss']:.4f})" if "aux_loss" in m else "")
-            + f" | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
-            + (f"scale {m['loss_scale']:g} ({m['overflow_skips']} overflow skips) | " if "loss_scale" in m else "")
-            + f"{m['tokens_per_s']:.0f} tok/s | {m['tflops_per_device']:.3f} TFLOP/s/dev"
-            + (f" | MFU {m['mfu']:.1%}" if "mfu" in m else "")
-            + f" | mem {m['peak_memory_gb']:.2f} GB")
+    return (
+        f"loss {m['loss']:.4f}"
+        + (f" (aux {m['aux_loss']:.4f})" if "aux_loss" in m else "")
+        + f" | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
+        + (
+            f"scale {m['loss_scale']:g} ({m['overflow_skips']} overflow skips) | "
+            if "loss_scale" in m
+            else ""
+        )
+        + f"{m['tokens_per_s']:.0f} tok/s | {m['tflops_per_device']:.3f} TFLOP/s/dev"
+        + (f" | MFU {m['mfu']:.1%}" if "mfu" in m else "")
+        + f" | mem {m['peak_memory_gb']:.2f} GB"
+    )
 
 
 class Progress:
@@ -34,8 +41,13 @@ class Progress:
         self.interactive = Console().is_terminal
         if not self.interactive:
             return
-        self.bar = Bar(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                       TextColumn("{task.fields[info]}"))
+        self.bar = Bar(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+        )
         self.bar.start()
         self.task = self.bar.add_task("train", total=total, completed=start, info="")
 

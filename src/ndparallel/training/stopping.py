@@ -36,8 +36,11 @@ def newest_complete(output_dir) -> Path | None:
 def interrupted_line(step: int | None, output_dir) -> str:
     ckpt = newest_complete(output_dir)
     where = f"at step {step}" if step is not None else "during start-up"
-    keep = (f"the newest complete checkpoint is {ckpt} (resume_from_checkpoint: auto continues from it)"
-            if ckpt is not None else "no checkpoint was written")
+    keep = (
+        f"the newest complete checkpoint is {ckpt} (resume_from_checkpoint: auto continues from it)"
+        if ckpt is not None
+        else "no checkpoint was written"
+    )
     return f"ndparallel train: interrupted {where} (Ctrl-C): {keep}"
 
 
@@ -52,10 +55,18 @@ def stop_for_preemption(trainer) -> Preempted:
         how = f"checkpoint saved to {path} ({time.perf_counter() - started:.1f} s)"
     else:
         path, ckpt = None, newest_complete(cfg.output_dir)
-        how = ("preemption_checkpoint is false: no checkpoint written"
-               + (f" (the newest complete is {ckpt})" if ckpt is not None else ""))
+        how = "preemption_checkpoint is false: no checkpoint written" + (
+            f" (the newest complete is {ckpt})" if ckpt is not None else ""
+        )
     watch.finished()
-    again = ("run the same command again to resume" if cfg.resume_from_checkpoint
-             else "set resume_from_checkpoint: auto and run the command again to resume")
-    return Preempted(f"ndparallel train: preempted ({watch.signal_name}) after step {step}: {how}; "
-                     f"exit {PREEMPTED_EXIT}: {again}", step, path)
+    again = (
+        "run the same command again to resume"
+        if cfg.resume_from_checkpoint
+        else "set resume_from_checkpoint: auto and run the command again to resume"
+    )
+    return Preempted(
+        f"ndparallel train: preempted ({watch.signal_name}) after step {step}: {how}; "
+        f"exit {PREEMPTED_EXIT}: {again}",
+        step,
+        path,
+    )

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
+from ndparallel.config import TrainConfig
 from ndparallel.engine import Engine, batch_to_device, train_step
 from ndparallel.engine.nonfinite import NonFiniteGuard
+from ndparallel.tracking.run import RunTrackers
 from ndparallel.training.build import (
     build_data,
     data_cache_dir,
@@ -30,9 +32,7 @@ from ndparallel.training.build import (
     pad_multiple,
     rounded_vocab,
 )
-from ndparallel.config import TrainConfig
 from ndparallel.training.evaluate import validation_loader
-from ndparallel.tracking.run import RunTrackers
 from ndparallel.training.metrics import (
     device_peak_flops,
     global_numel,
@@ -88,14 +88,17 @@ class Trainer:
     def setup(self) -> None:
         """Engine (process group, layout, mesh, strategies), tokenizer, data, model, optimizer and
         schedule."""
+        from ndparallel.optim.build import build_scheduler
         from ndparallel.training.build import train_loader
         from ndparallel.training.controls import EarlyStopping, LossWatchdog, eval_every
-        from ndparallel.optim.build import build_scheduler
 
         cfg = self.cfg
-        self.engine = engine = Engine(cfg.parallelism_config(), cfg.strategy_options(),
-                                      device=None if cfg.device == "auto" else cfg.device,
-                                      timeout_s=cfg.collective_timeout_s)
+        self.engine = engine = Engine(
+            cfg.parallelism_config(),
+            cfg.strategy_options(),
+            device=None if cfg.device == "auto" else cfg.device,
+            timeout_s=cfg.collective_timeout_s,
+        )
         quiet_non_main_ranks(engine.rank)
         if cfg.tf32 and engine.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -108,23 +111,38 @@ class Trainer:
         self.loader = train_loader(cfg, self.splits, self.tokenizer, engine.dp_rank, engine.dp_size, multiple)
         self.val_loader = None
         if self.splits.val is not None:
-            self.val_loader = validation_loader(engine, self.splits.val, cfg.micro_batch_size, cfg.seed, multiple)
+            self.val_loader = validation_loader(
+                engine, self.splits.val, cfg.micro_batch_size, cfg.seed, multiple
+            )
         steps_per_epoch = len(self.loader) // cfg.gradient_accumulation_steps
         self.eval_every = eval_every(cfg.eval_steps, cfg.evals_per_epoch, steps_per_epoch)
-        self.total_steps = (cfg.max_steps if cfg.max_steps is not None  # max_steps wins over num_epochs
-                            else max(1, math.floor(cfg.num_epochs * steps_per_epoch)))
-        self.save_every = cfg.save_steps or (max(1, steps_per_epoch // cfg.saves_per_epoch)
-                                             if cfg.saves_per_epoch else None)
+        self.total_steps = (
+            cfg.max_steps
+            if cfg.max_steps is not None  # max_steps wins over num_epochs
+            else max(1, math.floor(cfg.num_epochs * steps_per_epoch))
+        )
+        self.save_every = cfg.save_steps or (
+            max(1, steps_per_epoch // cfg.saves_per_epoch) if cfg.saves_per_epoch else None
+        )
         self.model = self._load_model()
         self.optimizer = optimizer_for(cfg, self.model)  # the model: low-bit AdamW finds its embeddings
-        warmup = (cfg.warmup_steps if cfg.warmup_ratio is None
-                  else math.ceil(cfg.warmup_ratio * self.total_steps))
-        self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, warmup, self.total_steps,
-                                         cfg.cosine_min_lr_ratio, cfg.cosine_constant_lr_ratio, cfg.lr_quadratic_warmup)
+        warmup = (
+            cfg.warmup_steps if cfg.warmup_ratio is None else math.ceil(cfg.warmup_ratio * self.total_steps)
+        )
+        self.scheduler = build_scheduler(
+            self.optimizer,
+            cfg.lr_scheduler,
+            warmup,
+            self.total_steps,
+            cfg.cosine_min_lr_ratio,
+            cfg.cosine_constant_lr_ratio,
+            cfg.lr_quadratic_warmup,
+        )
         self.nonfinite = NonFiniteGuard(cfg.on_nonfinite)
         self.scaler = cfg.loss_scaler()  # fp16: dynamic loss scaling (None otherwise)
-        self.watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience,
-                                     cfg.loss_watchdog_action)
+        self.watchdog = LossWatchdog(
+            cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience, cfg.loss_watchdog_action
+        )
         self.early_stopping, self.stopped = EarlyStopping(cfg.early_stopping_patience), False
         self._saved_step: int | None = None
         self.checkpointer = None
@@ -142,23 +160,36 @@ class Trainer:
         cfg, engine = self.cfg, self.engine
         kernel, why = attention_kernel(cfg.attn_implementation, engine.device.type)
         if why and not engine.dims.cp_enabled:
-            engine.print(f"ndparallel train: warning: attn_implementation {cfg.attn_implementation} is not "
-                      f"available ({why}): using {kernel}")  # one line, main rank
+            engine.print(
+                f"ndparallel train: warning: attn_implementation {cfg.attn_implementation} is not "
+                f"available ({why}): using {kernel}"
+            )  # one line, main rank
         self.hf_config = model_config(cfg, vocab_size=rounded_vocab(cfg, len(self.tokenizer)))
         text = self.hf_config.get_text_config()  # a multimodal checkpoint: its text model's fields
         self.hf_config.use_cache = text.use_cache = False
         source = self.hf_config if is_preset(cfg.base_model) or cfg.reinit_weights else cfg.base_model
         grown = None if is_preset(cfg.base_model) else grown_vocab_size(cfg, self.tokenizer, text.vocab_size)
         if grown:  # tokens added to the tokenizer: new embedding / LM-head rows
-            engine.print(f"ndparallel train: the tokenizer has {len(self.tokenizer)} tokens, the model "
-                      f"{text.vocab_size} rows: growing to {grown} (new rows = the mean row)")
+            engine.print(
+                f"ndparallel train: the tokenizer has {len(self.tokenizer)} tokens, the model "
+                f"{text.vocab_size} rows: growing to {grown} (new rows = the mean row)"
+            )
             text.vocab_size = grown
         adapter = cfg.lora_config()  # LoRA: the frozen base is kept in the compute dtype (bf16/fp16 run)
         dtype = (cfg.compute_dtype() if adapter is not None else None) or torch.float32
-        model = engine.build_model(source, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
-                               adapter=adapter, adapter_weights=cfg.lora_model_dir or None, vocab_size=grown,
-                               dtype=dtype, attn_implementation=kernel, quantization=cfg.nf4_config(),
-                               config_overrides=cfg.overrides_of_model_config, revision=cfg.revision_of_model)
+        model = engine.build_model(
+            source,
+            seed=cfg.seed,
+            trust_remote_code=cfg.trust_remote_code,
+            adapter=adapter,
+            adapter_weights=cfg.lora_model_dir or None,
+            vocab_size=grown,
+            dtype=dtype,
+            attn_implementation=kernel,
+            quantization=cfg.nf4_config(),
+            config_overrides=cfg.overrides_of_model_config,
+            revision=cfg.revision_of_model,
+        )
         if getattr(model, "config", None) is not None:
             model.config.use_cache = False
         if cfg.unfrozen_parameters and adapter is None:
@@ -193,17 +224,32 @@ class Trainer:
         and grad norm come back as device tensors for ``log``."""
         cfg, engine = self.cfg, self.engine
         first = self.state.samples_seen // self.loader.global_micro_batch
-        micro_batches = [batch_to_device(self.loader.micro_batch(first + m), engine.device)
-                         for m in range(cfg.gradient_accumulation_steps)]
-        out = train_step(engine, self.model, self.optimizer, micro_batches, scheduler=self.scheduler,
-                         max_grad_norm=cfg.max_grad_norm, guard=self.nonfinite, step=self.state.step + 1,
-                         scaler=self.scaler)
+        micro_batches = [
+            batch_to_device(self.loader.micro_batch(first + m), engine.device)
+            for m in range(cfg.gradient_accumulation_steps)
+        ]
+        out = train_step(
+            engine,
+            self.model,
+            self.optimizer,
+            micro_batches,
+            scheduler=self.scheduler,
+            max_grad_norm=cfg.max_grad_norm,
+            guard=self.nonfinite,
+            step=self.state.step + 1,
+            scaler=self.scaler,
+        )
         if self.profiler is not None:
             self.profiler = _profile_step(engine, self.profiler, self.out)
         self.state.step += 1
         self.state.samples_seen += self.loader.global_micro_batch * cfg.gradient_accumulation_steps
-        return {"loss": out.loss, "grad_norm": out.grad_norm, "lr": self.scheduler.get_last_lr()[0],
-                "tokens": out.tokens, "aux_loss": out.aux_loss}
+        return {
+            "loss": out.loss,
+            "grad_norm": out.grad_norm,
+            "lr": self.scheduler.get_last_lr()[0],
+            "tokens": out.tokens,
+            "aux_loss": out.aux_loss,
+        }
 
     def log(self, step_out: dict) -> dict | None:
         """On logging steps (every ``logging_steps``, the first and the last): read the loss and
@@ -213,8 +259,12 @@ class Trainer:
         if step % cfg.logging_steps and step not in (1, self.total_steps):
             return None
         loss = step_out["loss"]  # already the global mean (reduced in train_step)
-        metrics = {"step": step, "loss": float(loss), "lr": float(step_out["lr"]),  # a tensor under torchao
-                   "grad_norm": float(step_out["grad_norm"])}
+        metrics = {
+            "step": step,
+            "loss": float(loss),
+            "lr": float(step_out["lr"]),  # a tensor under torchao
+            "grad_norm": float(step_out["grad_norm"]),
+        }
         if self.scaler is not None:  # fp16: the scale after this step and the overflow skips so far
             metrics.update(loss_scale=self.scaler.scale, overflow_skips=self.scaler.skipped)
         if step_out.get("aux_loss") is not None:  # an MoE model's load-balancing loss (in "loss")
@@ -223,11 +273,15 @@ class Trainer:
         dt = (now - self._log_time) / max(1, step - self._log_step)
         self._log_time, self._log_step = now, step
         tokens = step_out["tokens"]  # this step's (rows are cut when pad_to_sequence_len is false)
-        metrics.update({
-            "step_time_s": dt, "tokens_per_s": tokens / dt, "tokens_per_s_per_device": tokens / dt / engine.world_size,
-            "tflops_per_device": self.flops_per_token * tokens / dt / engine.world_size / 1e12,
-            "peak_memory_gb": peak_memory_gb(engine.device),
-        })
+        metrics.update(
+            {
+                "step_time_s": dt,
+                "tokens_per_s": tokens / dt,
+                "tokens_per_s_per_device": tokens / dt / engine.world_size,
+                "tflops_per_device": self.flops_per_token * tokens / dt / engine.world_size / 1e12,
+                "peak_memory_gb": peak_memory_gb(engine.device),
+            }
+        )
         if self.peak_flops:
             metrics["mfu"] = metrics["tflops_per_device"] * 1e12 / self.peak_flops
         self.metrics.write(metrics)
@@ -243,14 +297,20 @@ class Trainer:
         from ndparallel.training.evaluate import evaluate
 
         cfg, step = self.cfg, self.state.step
-        if self.val_loader is None or ((not self.eval_every or step % self.eval_every) and step != self.total_steps):
+        if self.val_loader is None or (
+            (not self.eval_every or step % self.eval_every) and step != self.total_steps
+        ):
             return
         ev = evaluate(self.engine, self.model, self.val_loader)
         self.metrics.write({"step": step, **ev})
-        self.engine.print(f"step {step}: eval_loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}")
+        self.engine.print(
+            f"step {step}: eval_loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}"
+        )
         if self.early_stopping.should_stop(ev["eval_loss"]):
             self.stopped = True
-            self.engine.print(f"step {step}: no lower eval_loss in {cfg.early_stopping_patience} evaluations: stopping")
+            self.engine.print(
+                f"step {step}: no lower eval_loss in {cfg.early_stopping_patience} evaluations: stopping"
+            )
 
     def maybe_save(self) -> None:
         if self.save_every and self.state.step % self.save_every == 0:
@@ -269,11 +329,21 @@ class Trainer:
         self.nonfinite.check()  # never a checkpoint of a diverged model
         background = self.checkpointer is not None and periodic
         save = self.checkpointer.save_step if background else save_step_checkpoint
-        path = save(cfg.output_dir, step, self.model, self.optimizer, self.scheduler,
-                    config=cfg.model_dump(mode="json"), extra=self._checkpoint_extra(),
-                    save_total_limit=cfg.save_total_limit, layout=self.engine.dims)
+        path = save(
+            cfg.output_dir,
+            step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            config=cfg.model_dump(mode="json"),
+            extra=self._checkpoint_extra(),
+            save_total_limit=cfg.save_total_limit,
+            layout=self.engine.dims,
+        )
         self._saved_step = step
-        self.engine.print(f"step {step}: checkpoint {'being written to' if background else 'saved to'} {path}")
+        self.engine.print(
+            f"step {step}: checkpoint {'being written to' if background else 'saved to'} {path}"
+        )
         return path
 
     def _checkpoint_extra(self) -> dict:
@@ -299,15 +369,24 @@ class Trainer:
             if engine.device.type == "cuda":
                 torch.cuda.empty_cache()
             final = self.out / "final"
-            save_hf_model(self.model, final, engine.is_main_process, tokenizer=self.tokenizer,
-                          dtype=self.cfg.export_dtype())
+            save_hf_model(
+                self.model,
+                final,
+                engine.is_main_process,
+                tokenizer=self.tokenizer,
+                dtype=self.cfg.export_dtype(),
+            )
             engine.barrier()
             if self.cfg.adapter is None:
-                engine.print(f"saved the trained model to {final} (AutoModelForCausalLM.from_pretrained loads it)")
+                engine.print(
+                    f"saved the trained model to {final} (AutoModelForCausalLM.from_pretrained loads it)"
+                )
             else:
-                engine.print(f"saved the LoRA adapter to {final} (PeftModel.from_pretrained(base_model, "
-                             f"{str(final)!r}) loads it" + ("; trained on the 4-bit NF4 base)" if self.cfg.load_in_4bit
-                                                            else ")"))
+                engine.print(
+                    f"saved the LoRA adapter to {final} (PeftModel.from_pretrained(base_model, "
+                    f"{str(final)!r}) loads it"
+                    + ("; trained on the 4-bit NF4 base)" if self.cfg.load_in_4bit else ")")
+                )
             if self.cfg.adapter is not None and self.cfg.merge_lora:
                 self._save_merged()
         self.metrics.finish()
@@ -317,11 +396,19 @@ class Trainer:
         from ndparallel.checkpoint.export import save_hf_model
 
         merged = self.out / "merged"
-        save_hf_model(self.model, merged, self.engine.is_main_process, tokenizer=self.tokenizer,
-                      dtype=self.cfg.export_dtype(), merge_adapter=True)
+        save_hf_model(
+            self.model,
+            merged,
+            self.engine.is_main_process,
+            tokenizer=self.tokenizer,
+            dtype=self.cfg.export_dtype(),
+            merge_adapter=True,
+        )
         self.engine.barrier()
         into = " into the dequantised NF4 base" if self.cfg.load_in_4bit else ""
-        self.engine.print(f"saved the merged model{into} to {merged} (AutoModelForCausalLM.from_pretrained loads it)")
+        self.engine.print(
+            f"saved the merged model{into} to {merged} (AutoModelForCausalLM.from_pretrained loads it)"
+        )
 
     # ------------------------------------------------------------------------------- run
     def run(self) -> dict:
@@ -368,8 +455,13 @@ class Trainer:
         n_global = global_numel(self.model)
         self.flops_per_token = model_flops_per_token(self.model, self.hf_config, cfg.sequence_len)
         self.peak_flops = device_peak_flops(engine.device, cfg.compute_dtype() is not None)
-        self.metrics = RunTrackers(self.out, cfg, engine.is_main_process, fresh=self.state.step == 0,
-                                   config=cfg.model_dump(mode="json", exclude_none=True))
+        self.metrics = RunTrackers(
+            self.out,
+            cfg,
+            engine.is_main_process,
+            fresh=self.state.step == 0,
+            config=cfg.model_dump(mode="json", exclude_none=True),
+        )
         if engine.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.resolved.yaml").write_text(_dump_yaml(cfg))
@@ -386,7 +478,6 @@ class Trainer:
 
             self.profiler = CommProfiler(engine.mesh, engine.built_expert_mesh)
             self.profiler.__enter__()
-
 
     def _trainable_note(self) -> str:
         if self.cfg.adapter is None:
