@@ -19,17 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ndparallel.engine.records import ParallelModel
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.layout.dims import MESH_DIM_NAMES, ParallelDims
 from ndparallel.layout.mesh import build_mesh, submesh
 from ndparallel.parallel.options import StrategyOptions
 from ndparallel.runtime.distributed import DistributedInfo, init_distributed
-
-ROUTER_LOSS_UNDER_PP = (
-    "pipeline parallel with a mixture-of-experts router load-balancing loss is not supported yet (its expert "
-    "fractions span every stage's layers): set output_router_logits: false in overrides_of_model_config, or "
-    "pipeline_parallel_size: 1"
-)
 
 
 class Engine:
@@ -69,9 +64,8 @@ class Engine:
         self.options = options
         self._submeshes: dict[tuple[str, ...], object] = {}
         self._expert_mesh = None
-        self._loss_parallel: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._router_aux: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._pipelines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._records: weakref.WeakKeyDictionary[nn.Module, ParallelModel] = weakref.WeakKeyDictionary()
+        """One record per model this engine returned (or computed a loss for), keyed by the model."""
 
     # ----------------------------------------------------------------------- where
     @property
@@ -163,29 +157,14 @@ class Engine:
         from ndparallel.models.layers import decoder_module
         from ndparallel.parallel.pipeline import Pipeline
         from ndparallel.parallel.pipeline_split import plan_stages
-        from ndparallel.parallel.pipeline_stages import (
-            StageView,
-            adapter_pipeline_problem,
-            cut_stages,
-            pipeline_family_problem,
-        )
+        from ndparallel.parallel.pipeline_stages import StageView, cut_stages, pipeline_model_problem
 
         if adapter is not None:  # on the whole model: PEFT's names and init are one process's
             model = apply_adapter(model, adapter)
         base = base_model_of(model)
-        problem = pipeline_family_problem(getattr(base, "config", None)) or adapter_pipeline_problem(model)
-        if problem is None and self.router_aux_spec(model) is not None:
-            problem = ROUTER_LOSS_UNDER_PP
-        if (
-            problem is None
-            and self.dims.cp_enabled
-            and self.options.cp.comm_strategy == "ring"
-            and self.info.device_type == "cpu"
-        ):
-            problem = (
-                "pipeline parallel with ring context parallel crashes gloo (a CPU run): set "
-                "cp_comm_strategy: allgather (CPOptions(comm_strategy='allgather'))"
-            )
+        problem = pipeline_model_problem(
+            model, self.dims.cp_enabled, self.options.cp.comm_strategy, self.info.device_type
+        )
         if problem:
             raise ValueError(problem)
         plan = plan_stages(self.options.pipeline, self.dims.pp, len(decoder_module(base).layers))
@@ -196,12 +175,18 @@ class Engine:
         stages = {s: self._parallelize_stage(lm, None) for s, lm in stages.items()}
         view = StageView(stages, whole_trained=whole)
         view.attach(self.group("pp"), all(self.rank_in(d) == 0 for d in MESH_DIM_NAMES))  # for the export
-        self._pipelines[view] = Pipeline(self, plan, stages, tied)
+        pipeline = Pipeline(self, plan, stages, tied)
+        self._records[view] = ParallelModel.of(view, pipeline=pipeline, _router_spec=None)
         return view
+
+    def record_of(self, model: nn.Module) -> ParallelModel | None:
+        """This engine's record of ``model`` (one it returned), else None."""
+        return self._records.get(model)
 
     def pipeline_of(self, model: nn.Module):
         """The ``Pipeline`` running a model this engine cut into stages, else None."""
-        return self._pipelines.get(model)
+        record = self._records.get(model)
+        return record.pipeline if record is not None else None
 
     def stage_loss(self, lm: nn.Module, batch: Mapping[str, torch.Tensor], num_items) -> torch.Tensor:
         """The last pipeline stage's loss: ``forward_loss`` of its cut model on the hidden states.
@@ -233,7 +218,9 @@ class Engine:
         moe = bool(experts_modules(base_model_of(model)))  # split over ep (or off tp): expert mesh
         expert_mesh = self.expert_mesh if self.dims.experts_split(moe) else None
         model = parallelize_model(model, self.mesh, self.dims, options, self.device, expert_mesh=expert_mesh)
-        self._loss_parallel[model] = self.dims.tp_enabled and bool(options.tp.loss_parallel)
+        self._records[model] = ParallelModel.of(
+            model, loss_parallel=self.dims.tp_enabled and bool(options.tp.loss_parallel)
+        )
         return model
 
     def build_model(self, source, **kwargs) -> nn.Module:
@@ -249,8 +236,9 @@ class Engine:
         """Whether ``model``'s logits are vocab-sharded (loss parallel); without a model: whether
         any model this engine parallelised has it (the context is a no-op for plain tensors)."""
         if model is not None:
-            return self._loss_parallel.get(model, False)
-        return any(self._loss_parallel.values())
+            record = self._records.get(model)
+            return record is not None and record.loss_parallel
+        return any(record.loss_parallel for record in self._records.values())
 
     def loss_context(self, model: nn.Module | None = None):
         """The context the loss forward and backward run in (``loss_parallel`` under TP)."""
@@ -279,13 +267,10 @@ class Engine:
     def router_aux_spec(self, model: nn.Module):
         """The ``MoESpec`` of a mixture-of-experts model whose training loss includes the routers'
         load-balancing loss (transformers' ``output_router_logits``), else None."""
-        if model not in self._router_aux:
-            from ndparallel.models.adapters import base_model_of
-            from ndparallel.models.moe import moe_spec
-
-            spec = moe_spec(base_model_of(model))
-            self._router_aux[model] = spec if spec is not None and spec.aux_loss_coef is not None else None
-        return self._router_aux[model]
+        record = self._records.get(model)
+        if record is None:  # a model the engine did not parallelise (read once, like the others)
+            record = self._records[model] = ParallelModel.of(model)
+        return record.router_spec()
 
     def forward_loss(
         self,
@@ -408,6 +393,7 @@ class Engine:
 
         if not self.dims.pp_enabled:
             return total_grad_norm(parameters, norm_type, device=self.device)
-        copies = {i for pipeline in self._pipelines.values() for i in pipeline.tied_copy_ids()}
+        pipelines = [record.pipeline for record in self._records.values() if record.pipeline is not None]
+        copies = {i for pipeline in pipelines for i in pipeline.tied_copy_ids()}
         counted = [p for p in parameters if id(p) not in copies]
         return total_grad_norm(counted, norm_type, across=self.group("pp"), device=self.device)

@@ -21,13 +21,42 @@ schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble); what it does not do is w
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ndparallel.layout.dims import ParallelDims
 from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.parallel.options import StrategyOptions
 from ndparallel.parallel.pipeline_split import StagePlan
+
+
+class StageRuntime(Protocol):
+    """What the pipeline uses of the process's runtime (``engine.Engine`` is one): the layout and
+    options, the groups, the last stage's loss and the contexts a step's batch and loss run in."""
+
+    options: StrategyOptions
+    dims: ParallelDims
+    mesh: object
+    """The ``DeviceMesh`` (its ``mesh`` tensor of ranks pairs the tied embeddings' stages)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def group(self, dim: str) -> dist.ProcessGroup: ...
+
+    def rank_in(self, dim: str) -> int: ...
+
+    def submesh(self, *dims: str): ...
+
+    def stage_loss(self, lm: nn.Module, batch: Mapping[str, torch.Tensor], num_items) -> torch.Tensor: ...
+
+    def batch_context(self, batch: Mapping[str, torch.Tensor]) -> AbstractContextManager: ...
+
+    def loss_context(self, model: nn.Module | None = None) -> AbstractContextManager: ...
 
 
 class StageModule(nn.Module):
@@ -96,7 +125,7 @@ def join_micro_batches(micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> d
     return {k: torch.cat(v) for k, v in out.items()}
 
 
-def _shard_root(module: StageModule, engine) -> None:
+def _shard_root(module: StageModule, runtime: StageRuntime) -> None:
     """With ``unsharded_grad_accumulation``: make the stage module the FSDP root over its sharded
     model (no parameters of its own), so torch's ``PipelineStage`` sees an FSDP module: it then
     skips the gradient reduction in every micro-batch's backward and reduces once per step
@@ -107,17 +136,17 @@ def _shard_root(module: StageModule, engine) -> None:
     from ndparallel.models.adapters import base_model_of
     from ndparallel.parallel.fsdp import fsdp_root
 
-    if not engine.options.fsdp.unsharded_grad_accumulation:
+    if not runtime.options.fsdp.unsharded_grad_accumulation:
         return
     inner = fsdp_root(module.lm)
     if inner is None or inner is not base_model_of(module.lm):  # not sharded (or only its experts)
         return
-    options = engine.options
+    options = runtime.options
     mp = MixedPrecisionPolicy(
         param_dtype=options.param_dtype, reduce_dtype=options.fsdp.reduce_dtype or torch.float32
     )
     fully_shard(
-        module, mesh=engine.submesh(*engine.dims.fsdp_dims), mp_policy=mp, reshard_after_forward=False
+        module, mesh=runtime.submesh(*runtime.dims.fsdp_dims), mp_policy=mp, reshard_after_forward=False
     )
     for m in module.modules():
         if isinstance(m, FSDPModule):
@@ -133,16 +162,18 @@ def _ignored(micro_batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 class Pipeline:
     """This rank's stages of a pipeline-parallel model and the schedule that runs them."""
 
-    def __init__(self, engine, plan: StagePlan, stages: dict[int, nn.Module], tied: bool) -> None:
+    def __init__(
+        self, runtime: StageRuntime, plan: StagePlan, stages: dict[int, nn.Module], tied: bool
+    ) -> None:
         from torch.distributed.pipelining import PipelineStage
 
-        self.engine, self.plan = engine, plan
-        self.modules = {s: StageModule(lm, s, plan.n_stages, engine.stage_loss) for s, lm in stages.items()}
+        self.runtime, self.plan = runtime, plan
+        self.modules = {s: StageModule(lm, s, plan.n_stages, runtime.stage_loss) for s, lm in stages.items()}
         for module in self.modules.values():
-            _shard_root(module, engine)
-        group = engine.group("pp")
+            _shard_root(module, runtime)
+        group = runtime.group("pp")
         self.stages = [
-            PipelineStage(self.modules[s], s, plan.n_stages, engine.device, group=group)
+            PipelineStage(self.modules[s], s, plan.n_stages, runtime.device, group=group)
             for s in sorted(self.modules)
         ]
         self._schedules: dict[int, object] = {}
@@ -176,8 +207,8 @@ class Pipeline:
         if first_rank == last_rank:  # one rank holds both (ZBV): a local sum
             return mine, None
         if self.plan.pp == 2:
-            return mine, self.engine.group("pp")
-        pairs = self.engine.mesh.mesh  # (pp, ...) ranks: pair stage-0 and last-stage ranks of each pipeline
+            return mine, self.runtime.group("pp")
+        pairs = self.runtime.mesh.mesh  # (pp, ...) ranks: pair stage-0 and last-stage ranks of each pipeline
         firsts, lasts = pairs[first_rank].flatten().tolist(), pairs[last_rank].flatten().tolist()
         group, _ = dist.new_subgroups_by_enumeration([[a, b] for a, b in zip(firsts, lasts)])
         return mine, group
@@ -222,7 +253,7 @@ class Pipeline:
     def microbatches(self, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> int:
         """Pipeline micro-batches of a step: ``PipelineOptions.microbatches``, else one per
         accumulation micro-batch."""
-        n = self.engine.options.pipeline.microbatches or len(micro_batches)
+        n = self.runtime.options.pipeline.microbatches or len(micro_batches)
         rows = sum(mb["input_ids"].shape[0] for mb in micro_batches)
         if rows % n:
             raise ValueError(
@@ -247,7 +278,7 @@ class Pipeline:
     def eval_group(self) -> int:
         """Micro-batches per evaluation pass: the training step's pipeline micro-batches (a count
         the schedule accepts), at least the number of stages."""
-        return self.engine.options.pipeline.microbatches or self.plan.pp
+        return self.runtime.options.pipeline.microbatches or self.plan.pp
 
     def evaluate(
         self, micro_batches: Sequence[Mapping[str, torch.Tensor]], num_items: torch.Tensor, group: int
@@ -255,7 +286,7 @@ class Pipeline:
         """Forward only, ``group`` micro-batches at a time (the last group filled with micro-batches
         whose labels are all ignored): this rank's share of the token-loss sum / ``num_items``."""
         self._loss_scale = None
-        total = torch.zeros((), device=self.engine.device)
+        total = torch.zeros((), device=self.runtime.device)
         for start in range(0, len(micro_batches), group):
             chunk = list(micro_batches[start : start + group])
             chunk += [_ignored(chunk[-1])] * (group - len(chunk))
@@ -270,7 +301,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         schedule = self._schedule(n)
         last_lm = self.modules[self.plan.n_stages - 1].lm if self.holds_last else None
-        with self.engine.batch_context(batch), self.engine.loss_context(last_lm):
+        with self.runtime.batch_context(batch), self.runtime.loss_context(last_lm):
             args = (batch["input_ids"],) if self.holds_first else ()
             target = batch["shift_labels"] if self.holds_last else None
             run = schedule.step if train else schedule.eval
@@ -282,13 +313,13 @@ class Pipeline:
                 losses=losses,
                 return_outputs=False,
             )
-        total = torch.zeros((), device=self.engine.device)
+        total = torch.zeros((), device=self.runtime.device)
         for loss in losses:
             total += loss.detach().float()
         return total
 
 
-def gather_stage_states(engine, state: dict) -> dict | None:
+def gather_stage_states(engine: StageRuntime, state: dict) -> dict | None:
     """Every stage's ``state`` (name -> tensor, this rank's stages) merged on pp rank 0 (None on
     the others): a small-model helper for comparisons, not a checkpoint path."""
     group = engine.group("pp")

@@ -77,6 +77,37 @@ def adapter_pipeline_problem(model: nn.Module) -> str | None:
     return None
 
 
+ROUTER_LOSS_UNDER_PP = (
+    "pipeline parallel with a mixture-of-experts router load-balancing loss is not supported yet (its expert "
+    "fractions span every stage's layers): set output_router_logits: false in overrides_of_model_config, or "
+    "pipeline_parallel_size: 1"
+)
+RING_CP_UNDER_PP_ON_CPU = (
+    "pipeline parallel with ring context parallel crashes gloo (a CPU run): set cp_comm_strategy: allgather "
+    "(Python: CPOptions(comm_strategy='allgather'))"
+)
+
+
+def pipeline_model_problem(
+    model: nn.Module, cp_enabled: bool, cp_strategy: str, device_type: str
+) -> str | None:
+    """Why ``model`` (with its LoRA adapter, if any) cannot be cut into pipeline stages and run on
+    this device, or None: the family, the adapter, a router load-balancing loss, ring CP on gloo.
+    One policy for the engine (the model in hand) and the pre-launch checks (the config's words)."""
+    from ndparallel.models.moe import moe_spec
+
+    base = base_model_of(model)
+    problem = pipeline_family_problem(getattr(base, "config", None)) or adapter_pipeline_problem(model)
+    if problem:
+        return problem
+    spec = moe_spec(base)
+    if spec is not None and spec.aux_loss_coef is not None:
+        return ROUTER_LOSS_UNDER_PP
+    if cp_enabled and cp_strategy == "ring" and device_type == "cpu":
+        return RING_CP_UNDER_PP_ON_CPU
+    return None
+
+
 def cut_stage(model: nn.Module, layers: Iterable[int], first: bool, last: bool) -> nn.Module:
     """Make ``model`` (in place) the stage that runs decoder ``layers``; ``first`` keeps the input
     embeddings, ``last`` the final norm and the LM head. Returns ``model`` (a LoRA ``PeftModel``:

@@ -12,7 +12,11 @@ def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
     """Why this config's pipeline cannot run, or None (also None without pipeline parallel,
     unless the schedule name itself is wrong)."""
     from ndparallel.parallel.pipeline_split import pipeline_problem
-    from ndparallel.parallel.pipeline_stages import pipeline_family_problem
+    from ndparallel.parallel.pipeline_stages import (
+        RING_CP_UNDER_PP_ON_CPU,
+        ROUTER_LOSS_UNDER_PP,
+        pipeline_family_problem,
+    )
 
     options = cfg.pipeline_options()
     pp = pc.pp_size
@@ -36,8 +40,6 @@ def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
         getattr(text, "output_router_logits", False)
         and getattr(text, "router_aux_loss_coef", None) is not None
     ):
-        from ndparallel.engine.engine import ROUTER_LOSS_UNDER_PP
-
         return ROUTER_LOSS_UNDER_PP
     refusals = [
         (cfg.fp8, "fp8: true"),
@@ -49,10 +51,7 @@ def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
                 "or drop that setting (docs/pipeline_parallel.md, 'What composes')"
             )
     if pc.cp_enabled and cfg.cp_options().comm_strategy == "ring" and cfg.device == "cpu":
-        return (
-            "pipeline parallel with ring context parallel crashes gloo (a CPU run): set "
-            "cp_comm_strategy: allgather"
-        )
+        return RING_CP_UNDER_PP_ON_CPU
     return None
 
 
