@@ -19,6 +19,7 @@ What is checked beyond the degrees' arithmetic (``validate_tensor_parallel``,
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch.nn as nn
 
@@ -129,11 +130,9 @@ def adapter_layout_problem(model: nn.Module, tp_size: int = 1, ep_size: int = 1)
             if is_param_wrapper(m)
         }
     )
-    if saved and tp_size > 1:
-        return (
-            f"tensor_parallel_size={tp_size}: LoRA's modules_to_save ({', '.join(saved)}) are trained whole, "
-            "not vocab-sharded: drop lora_modules_to_save or set tensor_parallel_size: 1 (use dp_shard_size)"
-        )
+    problem = saved_modules_problem(saved, tp_size)
+    if problem:
+        return problem
     for degree, size in (("tensor_parallel_size", tp_size), ("expert_parallel_size", ep_size)):
         if wrapped and size > 1:
             return (
@@ -141,6 +140,17 @@ def adapter_layout_problem(model: nn.Module, tp_size: int = 1, ep_size: int = 1)
                 f"needs them whole on each rank: set {degree}: 1 (shard them with dp_shard_size) or drop "
                 "lora_target_parameters"
             )
+    return None
+
+
+def saved_modules_problem(saved: Sequence[str], tp_size: int) -> str | None:
+    """Why LoRA's ``modules_to_save`` named ``saved`` cannot train under ``tp_size``, or None: the
+    embedding and LM head are vocab-sharded under TP, their trained PEFT copies would not be."""
+    if saved and tp_size > 1:
+        return (
+            f"tensor_parallel_size={tp_size}: LoRA's modules_to_save ({', '.join(saved)}) are trained whole, "
+            "not vocab-sharded: drop lora_modules_to_save or set tensor_parallel_size: 1 (use dp_shard_size)"
+        )
     return None
 
 

@@ -85,21 +85,16 @@ def dequant_seconds(model: ModelSpec, layout: Layout, s: Settings, bandwidth: fl
 
 
 def nf4_shards_problem(model: ModelSpec, layout: Layout, group: int = NF4_GROUP) -> str | None:
-    """The runtime's rule (``models.quantized.nf4_shard_count``): every FSDP shard of an NF4 weight is
-    whole rows and whole 16,384-value scaler groups; TP is refused."""
-    if layout.tp > 1:
-        return (
-            "QLoRA's NF4 base shards along FSDP's dim 0 only: no tensor parallel (the runtime refuses tp > 1)"
-        )
-    for p in model.param_specs():
-        if p.unit == "layer" and len(p.shape) == 2:
-            count = math.gcd(p.shape[0], p.numel // group) if p.numel % group == 0 else 0
-            if count and count % layout.fsdp:
-                return (
-                    f"{p.name} {p.shape} splits into at most {count} FSDP shards of whole NF4 groups, "
-                    f"not {layout.fsdp}"
-                )
-    return None
+    """The runtime's refusal (``models.quantized.layout_problem``) on the model's NF4 weights: every
+    FSDP shard is whole rows and whole 16,384-value scaler groups; TP is refused."""
+    from ndparallel.models.quantized import layout_problem
+
+    counts = {
+        p.name: math.gcd(p.shape[0], p.numel // group)
+        for p in model.param_specs()
+        if p.unit == "layer" and len(p.shape) == 2 and p.numel % group == 0
+    }
+    return layout_problem(counts, layout.fsdp, layout.tp) if counts else None
 
 
 def memory_adjustments(model: ModelSpec, layout: Layout, s: Settings, layer_local: int) -> dict[str, float]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from ndparallel.parallel.qat import qat_layout_problem
+from ndparallel.parallel.support import saved_modules_problem
 from ndparallel.plan.estimate import Estimate, TimeBreakdown, finish, rank_step
 from ndparallel.plan.hardware import GiB, Hardware
 from ndparallel.plan.layout import (
@@ -181,12 +183,11 @@ def _layout_rejections(req: PlanRequest, layout: Layout, base: Settings) -> list
 
         why = nf4_shards_problem(req.model, layout)
         out += [("qlora_layout", why)] if why else []
-    if req.lora_saved and layout.tp > 1:  # train refuses it: the copies would not be vocab-sharded
-        why = f"lora_modules_to_save with tp={layout.tp}: the trained copies would not be vocab-sharded (train refuses it)"
-        out.append(("lora_layout", why))
-    if req.qat and layout.tp > 1:  # parallel/qat.py refuses it: scales computed on TP shards
-        why = f"qat with tp={layout.tp}: torchao's fake quantisers would scale TP shards, not whole rows (train refuses it)"
-        out.append(("qat_layout", why))
+    # the runtime's own refusals, asked with the planner's layout
+    why = saved_modules_problem(req.lora_saved, layout.tp)
+    out += [("lora_layout", why)] if why else []
+    why = qat_layout_problem(layout.tp, float8=False) if req.qat else None
+    out += [("qat_layout", why)] if why else []
     return out
 
 
