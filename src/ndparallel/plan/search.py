@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from ndparallel.parallel.qat import qat_layout_problem
 from ndparallel.parallel.support import saved_modules_problem
@@ -150,30 +150,19 @@ def _grad_accum(req: PlanRequest, layout: Layout, mb: int) -> tuple[int | None, 
     return req.global_batch // per_step, None
 
 
+PER_LAYOUT = ("micro_batch", "checkpointing")
+"""Fields ``PlanRequest`` and ``Settings`` both have whose request value is a choice the search
+makes per layout (``evaluate_layout``), not a setting."""
+
+
 def base_settings(req: PlanRequest) -> Settings:
-    """The request's settings before a layout's micro-batch, accumulation and checkpointing."""
-    return Settings(
-        seq_len=req.seq_len,
-        mixed_precision=req.mixed_precision,
-        optimizer=req.optimizer,
-        sequence_parallel=req.sequence_parallel,
-        reshard_after_forward=req.reshard_after_forward,
-        loss_parallel=req.loss_parallel,
-        unsharded_grad_accumulation=bool(req.unsharded_grad_accumulation),
-        cp_strategy=req.cp_strategy,
-        cp_kernel=req.cp_kernel,
-        ac_policy=req.ac_policy,
-        loss_impl=req.loss_impl,
-        loss_chunk_tokens=req.loss_chunk_tokens,
-        optimizer_fused=req.optimizer_fused,
-        lora_r=req.lora_r,
-        tiled_mlp=req.tiled_mlp,
-        tiled_mlp_num_shards=req.tiled_mlp_num_shards,
-        activation_offloading=req.activation_offloading,
-        quantized_base=req.quantized_base,
-        qat=req.qat,
-        lora_saved=req.lora_saved,
-    )
+    """The request's settings before a layout's micro-batch, accumulation and checkpointing: every
+    field ``Settings`` shares with ``PlanRequest`` (one name, one meaning), the request's
+    ``unsharded_grad_accumulation`` auto (None) as off."""
+    shared = ({f.name for f in fields(Settings)} & {f.name for f in fields(PlanRequest)}) - set(PER_LAYOUT)
+    values = {name: getattr(req, name) for name in shared}
+    values["unsharded_grad_accumulation"] = bool(req.unsharded_grad_accumulation)
+    return Settings(**values)
 
 
 def _layout_rejections(req: PlanRequest, layout: Layout, base: Settings) -> list[tuple[str, str]]:

@@ -1,0 +1,182 @@
+"""One vocabulary for run options (issue 48, item 1): an option's name is spelled in few modules,
+and the planner's request and settings share their names (``base_settings`` copies by name).
+
+The spelling count is static (file text only): a module spells an option when its text has the
+name as a whole word, or its command-line form (``tiled-mlp-num-shards``). The target is
+``TARGET`` modules under ``src/`` — the schema, the options, the one place that uses it and the
+planner's settings. ``OVER_TARGET`` states today's count of every name still above it; a new
+spelling of any option fails here (raise a bound only with a reason), and a name brought down to
+the target must leave the table.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from pathlib import Path
+
+from ndparallel.parallel import options
+from ndparallel.plan.layout import Settings
+from ndparallel.plan.search import PER_LAYOUT, PlanRequest, base_settings
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "ndparallel"
+TARGET = 4
+
+BATCH_ARITHMETIC = {
+    "seq_len": 26,
+    "micro_batch": 48,
+    "grad_accum": 16,
+    "global_batch": 11,
+    "gpus_per_node": 13,
+}
+"""Not options but the batch arithmetic every layer computes with (local variables of the same
+name count): a stated exception, not debt."""
+
+OVER_TARGET = {
+    # Debt of issue 48 item 1 (not merged yet): each is spelled by the YAML schema, the runtime
+    # options, its user, the planner's PlanRequest, Settings, CLI flags and checks, its report
+    # (config writer), cli/plan_config.py's argv rendering and preflight's plan text.
+    "ac_policy": 6,
+    "activation_checkpointing": 16,
+    "activation_dtype": 7,
+    "activation_offloading": 16,
+    "chunk_tokens": 7,
+    "comm_strategy": 10,
+    "cp_strategy": 9,
+    "cpu_offload": 11,
+    "fake_quant_after_n_steps": 5,
+    "group_size": 6,
+    "layer_classes": 14,
+    "load_balance": 8,
+    "lora_r": 20,
+    "lora_saved": 9,
+    "loss_chunk_tokens": 8,
+    "loss_impl": 7,
+    "loss_parallel": 17,
+    "mixed_precision": 23,
+    "optimizer_fused": 6,
+    "pipeline_schedule": 8,
+    "pipeline_virtual_stages": 8,
+    "pp_in_flight": 5,
+    "pp_schedule": 7,
+    "pp_virtual": 8,
+    "quantize_embedding": 5,
+    "quantized_base": 8,
+    "reshard_after_backward": 5,
+    "reshard_after_forward": 19,
+    "sequence_parallel": 31,
+    "set_to_none": 5,
+    "tiled_mlp": 19,
+    "tiled_mlp_num_shards": 12,
+    "unsharded_grad_accumulation": 17,
+    "virtual_stages": 6,
+    "weight_dtype": 10,
+}
+
+REQUEST_ONLY = {
+    "model",
+    "hardware",
+    "gpus",
+    "gpus_per_node",
+    "global_batch",
+    "host_mem_bytes",
+    "pipeline",
+    "pipeline_schedule",
+    "pipeline_virtual_stages",
+}
+"""``PlanRequest`` fields that are not one layout's settings: what to plan for and what to search."""
+
+OPTION_CLASSES = (
+    options.FSDPOptions,
+    options.TPOptions,
+    options.CPOptions,
+    options.LossOptions,
+    options.CompileOptions,
+    options.Float8Options,
+    options.QATOptions,
+    options.PipelineOptions,
+    Settings,
+    PlanRequest,
+)
+
+
+def option_names() -> set[str]:
+    """Every option field's name that is a compound word (single words such as ``enabled`` or
+    ``plan`` are everyone's vocabulary and cannot be counted)."""
+    return {f.name for cls in OPTION_CLASSES for f in fields(cls) if "_" in f.name}
+
+
+def spelling_modules(name: str, texts: dict[str, str]) -> list[str]:
+    """The modules (of ``texts``: path -> source) that spell ``name`` or its flag form."""
+    forms = "|".join(re.escape(n) for n in {name, name.replace("_", "-")})
+    pattern = re.compile(rf"(?<![\w-])(?:--)?(?:{forms})(?![\w-])")
+    return sorted(path for path, text in texts.items() if pattern.search(text))
+
+
+def _sources() -> dict[str, str]:
+    return {str(p.relative_to(SRC)): p.read_text() for p in SRC.rglob("*.py")}
+
+
+def test_each_option_is_spelled_in_few_modules():
+    texts = _sources()
+    bounds = {**BATCH_ARITHMETIC, **OVER_TARGET}
+    over, stale = [], []
+    for name in sorted(option_names()):
+        where = spelling_modules(name, texts)
+        bound = bounds.get(name, TARGET)
+        if len(where) > bound:
+            over.append(f"{name}: {len(where)} modules > {bound} ({', '.join(where)})")
+        if name in OVER_TARGET and len(where) <= TARGET:
+            stale.append(f"{name}: {len(where)} modules, at the target: remove it from OVER_TARGET")
+    assert over == [], "an option is spelled in more modules than stated:\n" + "\n".join(over)
+    assert stale == [], "\n".join(stale)
+    assert not set(bounds) - option_names(), "a bound names no option field any more"
+
+
+def test_the_spelling_counter_finds_every_form():
+    """Negative control: the name, its flag form and nothing longer or shorter."""
+    texts = {
+        "a.py": "x = cfg.tiled_mlp_num_shards",
+        "b.py": "parser.add_argument('--tiled-mlp-num-shards')",
+        "c.py": "tiled_mlp_num_shards_max = 1; my_tiled_mlp_num_shards = 2",
+        "d.py": "tiled_mlp = True",
+    }
+    assert spelling_modules("tiled_mlp_num_shards", texts) == ["a.py", "b.py"]
+    assert spelling_modules("tiled_mlp", texts) == ["d.py"]
+
+
+def test_plan_request_and_settings_share_their_names():
+    """Every ``PlanRequest`` field is a ``Settings`` field of the same name (copied by name into
+    ``base_settings``), or one of what the request alone says."""
+    request = {f.name for f in fields(PlanRequest)}
+    settings = {f.name for f in fields(Settings)}
+    assert request - settings == REQUEST_ONLY
+    assert set(PER_LAYOUT) <= request & settings
+
+
+def test_base_settings_carries_every_shared_field():
+    from ndparallel.plan.hardware import get_preset
+    from ndparallel.plan.models import PRESETS
+
+    req = PlanRequest(
+        PRESETS["llama-3.1-8b"],
+        get_preset("h100-80gb"),
+        8,
+        seq_len=8192,
+        mixed_precision="fp16",
+        sequence_parallel=False,
+        loss_parallel=False,
+        cp_strategy="ulysses",
+        loss_impl="full",
+        loss_chunk_tokens=1024,
+        lora_r=8,
+        lora_saved=("embed",),
+        tiled_mlp=True,
+        tiled_mlp_num_shards=3,
+        activation_offloading=True,
+        unsharded_grad_accumulation=True,
+    )
+    s = base_settings(req)
+    shared = ({f.name for f in fields(Settings)} & {f.name for f in fields(PlanRequest)}) - set(PER_LAYOUT)
+    assert {n: getattr(s, n) for n in shared} == {n: getattr(req, n) for n in shared}
+    assert not base_settings(PlanRequest(req.model, req.hardware, 8)).unsharded_grad_accumulation  # auto: off
