@@ -37,12 +37,12 @@ OVER_TARGET = {
     # options, its user, the planner's PlanRequest, Settings, CLI flags and checks, its report
     # (config writer), cli/plan_config.py's argv rendering and preflight's plan text.
     "ac_policy": 6,
-    "activation_checkpointing": 16,
+    "activation_checkpointing": 15,
     "activation_dtype": 7,
     "activation_offloading": 16,
     "chunk_tokens": 7,
     "comm_strategy": 10,
-    "cp_strategy": 9,
+    "cp_strategy": 8,
     "cpu_offload": 11,
     "fake_quant_after_n_steps": 5,
     "group_size": 6,
@@ -54,7 +54,7 @@ OVER_TARGET = {
     "loss_impl": 7,
     "loss_parallel": 17,
     "mixed_precision": 23,
-    "optimizer_fused": 6,
+    "optimizer_fused": 7,  # 6 + cli/plan_config.config_settings, the one TrainConfig -> Settings step
     "pipeline_schedule": 8,
     "pipeline_virtual_stages": 8,
     "pp_in_flight": 5,
@@ -63,13 +63,13 @@ OVER_TARGET = {
     "quantize_embedding": 5,
     "quantized_base": 8,
     "reshard_after_backward": 5,
-    "reshard_after_forward": 19,
-    "sequence_parallel": 31,
+    "reshard_after_forward": 18,
+    "sequence_parallel": 30,
     "set_to_none": 5,
     "tiled_mlp": 19,
     "tiled_mlp_num_shards": 12,
-    "unsharded_grad_accumulation": 17,
-    "virtual_stages": 6,
+    "unsharded_grad_accumulation": 16,
+    "virtual_stages": 7,  # 6 + plan/layout.Settings.from_options, the one options -> Settings step
     "weight_dtype": 10,
 }
 

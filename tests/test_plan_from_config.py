@@ -100,3 +100,41 @@ def test_a_configs_field_reaches_the_planner(capsys, tmp_path, fields, key, valu
     code, out, err = run_cli(capsys, "plan", "--config", cfg, "--gpus", "8", "--json")
     assert code == 0, err
     assert json.loads(out)["request"][key] == value
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        "fsdp_config: {activation_checkpointing: true, reshard_after_forward: false}\n"
+        "tiled_mlp: true\ntiled_mlp_num_shards: 4\nactivation_offloading: true\nbf16: true\n",
+        "tensor_parallel_size: 2\nsequence_parallel: true\nloss_parallel: false\nchunked_loss: true\n"
+        "loss_chunk_tokens: 2048\ncp_comm_strategy: alltoall\noptimizer: adamw_torch_fused\n",
+        "qat: {weight_dtype: int4, activation_dtype: int8, group_size: 32}\noptimizer: sgd\n",
+    ],
+    ids=["memory", "tp-loss", "qat"],
+)
+def test_the_request_carries_the_configs_runtime_options(capsys, tmp_path, fields):
+    """TrainConfig -> runtime options -> Settings.from_options is what the planner is asked: every
+    setting the request shares with ``Settings`` arrives as the config's options say."""
+    from dataclasses import fields as dc_fields
+
+    from ndparallel.axolotl import load_config
+    from ndparallel.cli.plan_config import config_settings
+    from ndparallel.plan.search import PER_LAYOUT, PlanRequest
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        "base_model: meta-llama/Llama-3.1-8B\nsequence_len: 2048\nmicro_batch_size: 1\n"
+        "datasets: [{path: 'builtin:stdlib'}]\n" + fields
+    )
+    code, out, err = run_cli(capsys, "plan", "--config", cfg, "--gpus", "8", "--json")
+    assert code == 0, err
+    req = json.loads(out)["request"]
+    settings = config_settings(load_config(str(cfg)))
+    adapter = {"lora_r", "lora_saved", "quantized_base"}  # from the adapter fields, not the options
+    searched = {"unsharded_grad_accumulation"}  # the planner's choice per layout (auto)
+    shared = {f.name for f in dc_fields(PlanRequest)} & {f.name for f in dc_fields(type(settings))}
+    names = sorted(shared - set(PER_LAYOUT) - adapter - searched)
+    got = {n: tuple(req[n]) if isinstance(req[n], list) else req[n] for n in names}
+    assert got == {n: getattr(settings, n) for n in names}
+    assert req["checkpointing"] == ("on" if settings.checkpointing else "auto")

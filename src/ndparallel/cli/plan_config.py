@@ -59,38 +59,24 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
         pre.add_argument(name)
     given, _ = pre.parse_known_args(argv)
     gpus = int(given.gpus) if given.gpus and given.gpus.isdigit() and int(given.gpus) > 0 else None
+    s = config_settings(cfg)
     flags = [
-        "--model",
-        cfg.base_model,
-        "--seq-len",
-        str(cfg.sequence_len),
-        "--mixed-precision",
-        cfg.compute_dtype_name(),
-        "--optimizer",
-        _plan_optimizer(cfg.optimizer),
-        "--cp-strategy",
-        cfg.cp_comm_strategy,
-        # qat fake-quantises the LM head: the trainer computes the loss from the full logits
-        "--loss-impl",
-        "full" if cfg.chunked_loss is False or cfg.qat is not None else "chunked",
+        *("--model", cfg.base_model, "--seq-len", str(s.seq_len), "--mixed-precision", s.mixed_precision),
+        *("--optimizer", s.optimizer, "--cp-strategy", s.cp_strategy, "--loss-impl", s.loss_impl),
     ]
-    if cfg.optimizer == "adamw_torch_fused":
-        flags.append("--fused-adamw")
-    if not cfg.tp_options().sequence_parallel:
-        flags.append("--no-sequence-parallel")
-    if cfg.fsdp_config.activation_checkpointing:
-        flags += ["--activation-checkpointing", "on"]
-    if cfg.tiled_mlp:
-        flags.append("--tiled-mlp")
-        if cfg.tiled_mlp_num_shards:
-            flags += ["--tiled-mlp-num-shards", str(cfg.tiled_mlp_num_shards)]
-    if cfg.activation_offloading:
-        flags.append("--activation-offloading")
-    qat = cfg.qat_options()
-    if qat.enabled:
-        from ndparallel.plan.qat import qat_format
-
-        flags += ["--qat", qat_format(qat.weight_dtype, qat.activation_dtype)]
+    switches = {
+        "--fused-adamw": s.optimizer_fused,
+        "--no-sequence-parallel": not s.sequence_parallel,
+        "--no-loss-parallel": not s.loss_parallel,
+        "--no-reshard-after-forward": not s.reshard_after_forward,
+        "--tiled-mlp": s.tiled_mlp,
+        "--activation-offloading": s.activation_offloading,
+    }
+    flags += [flag for flag, on in switches.items() if on]
+    flags += ["--activation-checkpointing", "on"] if s.checkpointing else []
+    flags += ["--tiled-mlp-num-shards", str(s.tiled_mlp_num_shards)] if s.tiled_mlp_num_shards else []
+    flags += ["--qat", s.qat] if s.qat else []
+    flags += ["--loss-chunk-tokens", str(s.loss_chunk_tokens)] if s.loss_chunk_tokens else []
     if cfg.adapter and given.adapter in (None, "lora", "qlora"):
         flags += [
             "--adapter",
@@ -112,6 +98,23 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
             f"{cfg.gradient_accumulation_steps} × dp {dp}{where})"
         )
     return flags, f"ndparallel plan: from {path}: {said}"
+
+
+def config_settings(cfg):
+    """The planner's ``Settings`` of a training config: its runtime options
+    (``strategy_options()``) through ``Settings.from_options``, plus what the planner names
+    differently (the optimizer's state size; the loss the trainer runs: QAT fake-quantises the LM
+    head, so the loss then comes from the full logits)."""
+    from ndparallel.plan.layout import Settings
+
+    full_loss = cfg.chunked_loss is False or cfg.qat is not None
+    return Settings.from_options(
+        cfg.strategy_options(),
+        cfg.sequence_len,
+        optimizer=_plan_optimizer(cfg.optimizer),
+        optimizer_fused=cfg.optimizer == "adamw_torch_fused",
+        loss_impl="full" if full_loss else "chunked",
+    )
 
 
 def _plan_optimizer(name: str) -> str:

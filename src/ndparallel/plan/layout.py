@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from ndparallel.layout.dims import MESH_DIM_NAMES, ParallelDims
+from ndparallel.parallel.options import StrategyOptions
 from ndparallel.plan.models import ModelSpec
 
 DIMS = MESH_DIM_NAMES
@@ -100,6 +101,39 @@ class Settings:
     """Micro-batches whose activations a rank holds at its peak, in units of one micro-batch
     through all of its layers: 1 without pipeline parallel; set per pp rank by
     ``plan/pipeline_estimate.py`` (``pipeline.in_flight``)."""
+
+    @classmethod
+    def from_options(cls, options: StrategyOptions, seq_len: int, **rest) -> Settings:
+        """The settings of a run with the runtime's ``options`` (a ``TrainConfig``'s
+        ``strategy_options()``, or an engine's): every field the options decide, derived here once;
+        ``rest`` gives the others (batch, optimizer, adapter) and what the run resolves per model
+        (``loss_parallel`` / ``loss_impl`` where the options say None: on, chunked)."""
+        from ndparallel.plan.pipeline import canonical, default_virtual
+        from ndparallel.plan.qat import qat_format
+
+        fsdp, qat, pipe = options.fsdp, options.qat, options.pipeline
+        schedule = canonical(pipe.schedule)
+        derived = {
+            "seq_len": seq_len,
+            "checkpointing": fsdp.activation_checkpointing,
+            "mixed_precision": {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(
+                str(options.param_dtype), "fp32"
+            ),
+            "sequence_parallel": options.tp.sequence_parallel,
+            "loss_parallel": options.tp.loss_parallel is not False,
+            "unsharded_grad_accumulation": fsdp.unsharded_grad_accumulation,
+            "reshard_after_forward": fsdp.reshard_after_forward,
+            "cp_strategy": options.cp.comm_strategy,
+            "loss_impl": "full" if options.loss.chunked is False else "chunked",
+            "loss_chunk_tokens": options.loss.chunk_tokens,
+            "tiled_mlp": fsdp.tiled_mlp,
+            "tiled_mlp_num_shards": fsdp.tiled_mlp_num_shards,
+            "activation_offloading": fsdp.activation_offloading,
+            "qat": qat_format(qat.weight_dtype, qat.activation_dtype) if qat.enabled else None,
+            "pp_schedule": schedule,
+            "pp_virtual": pipe.virtual_stages or default_virtual(schedule),
+        }
+        return cls(**{**derived, **rest})
 
     @property
     def act_bytes(self) -> int:

@@ -22,22 +22,14 @@ def planner_settings(trainer):
     stages = {"pp_schedule": pipeline.plan.schedule, "pp_virtual": pipeline.plan.virtual} if pipeline else {}
     if pipeline is not None and pipeline.holds_last:  # the loss is the last stage's cut model's
         model = pipeline.modules[pipeline.plan.n_stages - 1].lm
-    return Settings(
-        seq_len=cfg.sequence_len,
+    return Settings.from_options(
+        options,
+        cfg.sequence_len,
         micro_batch=cfg.micro_batch_size,
         grad_accum=cfg.gradient_accumulation_steps,
-        checkpointing=options.fsdp.activation_checkpointing,
-        mixed_precision={"float16": "fp16", "None": "fp32"}.get(
-            str(options.param_dtype).removeprefix("torch."), "bf16"
-        ),
         optimizer="sgd" if cfg.optimizer == "sgd" else "adamw",
-        sequence_parallel=options.tp.sequence_parallel,
         loss_parallel=engine.loss_parallel(model),
-        unsharded_grad_accumulation=options.fsdp.unsharded_grad_accumulation,
-        reshard_after_forward=options.fsdp.reshard_after_forward,
-        cp_strategy=options.cp.comm_strategy,
         loss_impl="chunked" if use_chunked_loss(base_model_of(model), options.loss) else "full",
-        loss_chunk_tokens=options.loss.chunk_tokens,
         optimizer_fused=bool(trainer.optimizer.defaults.get("fused")),
         lora_r=cfg.lora_r if cfg.adapter else 0,
         **stages,
