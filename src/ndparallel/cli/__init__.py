@@ -75,9 +75,9 @@ def _dispatch(command: str, rest: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    """``plan``, with ``--config TRAIN.yaml`` turned into planner flags the user's own override."""
+    """``plan``, with ``--config TRAIN.yaml`` turned into planner defaults the user's flags override."""
     from ndparallel.cli.plan_config import (
-        config_flags,
+        config_defaults,
         merge_written_config,
         split_config_arg,
     )
@@ -88,12 +88,12 @@ def _plan(argv: list[str]) -> int:
     if config is None:
         return plan_main(rest, description=_SUBCOMMANDS["plan"])
     try:
-        flags, said = config_flags(config, rest)
+        defaults, said = config_defaults(config, rest)
     except (ConfigError, ValueError) as e:
         print(f"ndparallel plan: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(said, file=sys.stderr)
-    code = plan_main([*flags, *rest], description=_SUBCOMMANDS["plan"])
+    code = plan_main(rest, description=_SUBCOMMANDS["plan"], defaults=defaults)
     written = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--write-config"), None)
     if code == 0 and written and os.path.isfile(written):
         merge_written_config(config, written)

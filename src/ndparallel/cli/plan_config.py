@@ -1,7 +1,8 @@
 """``ndparallel plan --config TRAIN.yaml``: plan for a training config.
 
-The config's model and training settings become planner flags placed *before* the user's own, so
-a flag given on the command line wins (argparse keeps the last value). The global batch is the
+The config's model and training settings become the planner parser's defaults, as typed values
+(``config_defaults``: the config's runtime options through ``Settings.from_options``), so a flag
+given on the command line wins. The global batch is the
 config's: ``micro_batch_size × gradient_accumulation_steps × dp`` of its own layout at ``--gpus``
 (the planner then keeps it fixed while it searches layouts and micro-batches). With
 ``--write-config OUT``, OUT is the user's config with only the layout and batch fields replaced by
@@ -48,9 +49,10 @@ def split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
     return known.config, rest
 
 
-def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
-    """Planner flags from training config ``path`` and a one-line description of what was taken.
-    ``argv`` (the user's flags) gives ``--gpus``. Raises ``ValueError`` with the fix."""
+def config_defaults(path: str, argv: list[str]) -> tuple[dict, str]:
+    """The planner parser's defaults (argument name -> typed value) from training config ``path``
+    and a one-line description of what was taken. ``argv`` (the user's flags) gives ``--gpus``.
+    Raises ``ValueError`` with the fix."""
     from ndparallel.axolotl import load_config
 
     cfg = load_config(path)
@@ -60,44 +62,42 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
     given, _ = pre.parse_known_args(argv)
     gpus = int(given.gpus) if given.gpus and given.gpus.isdigit() and int(given.gpus) > 0 else None
     s = config_settings(cfg)
-    flags = [
-        *("--model", cfg.base_model, "--seq-len", str(s.seq_len), "--mixed-precision", s.mixed_precision),
-        *("--optimizer", s.optimizer, "--cp-strategy", s.cp_strategy, "--loss-impl", s.loss_impl),
-    ]
-    switches = {
-        "--fused-adamw": s.optimizer_fused,
-        "--no-sequence-parallel": not s.sequence_parallel,
-        "--no-loss-parallel": not s.loss_parallel,
-        "--no-reshard-after-forward": not s.reshard_after_forward,
-        "--tiled-mlp": s.tiled_mlp,
-        "--activation-offloading": s.activation_offloading,
+    defaults = {
+        "model": cfg.base_model,
+        "seq_len": s.seq_len,
+        "mixed_precision": s.mixed_precision,
+        "optimizer": s.optimizer,
+        "fused_adamw": s.optimizer_fused,
+        "cp_strategy": s.cp_strategy,
+        "loss_impl": s.loss_impl,
+        "loss_chunk_tokens": s.loss_chunk_tokens,
+        "no_sequence_parallel": not s.sequence_parallel,
+        "no_loss_parallel": not s.loss_parallel,
+        "no_reshard_after_forward": not s.reshard_after_forward,
+        "tiled_mlp": s.tiled_mlp,
+        "tiled_mlp_num_shards": s.tiled_mlp_num_shards,
+        "activation_offloading": s.activation_offloading,
+        "qat": s.qat,
     }
-    flags += [flag for flag, on in switches.items() if on]
-    flags += ["--activation-checkpointing", "on"] if s.checkpointing else []
-    flags += ["--tiled-mlp-num-shards", str(s.tiled_mlp_num_shards)] if s.tiled_mlp_num_shards else []
-    flags += ["--qat", s.qat] if s.qat else []
-    flags += ["--loss-chunk-tokens", str(s.loss_chunk_tokens)] if s.loss_chunk_tokens else []
+    if s.checkpointing:
+        defaults["activation_checkpointing"] = "on"
     if cfg.adapter and given.adapter in (None, "lora", "qlora"):
-        flags += [
-            "--adapter",
-            given.adapter or ("qlora" if cfg.load_in_4bit else "lora"),
-            "--lora-r",
-            str(cfg.lora_r),
-        ]
         from ndparallel.plan.adapter import saved_tables
 
+        defaults["adapter"] = "qlora" if cfg.load_in_4bit else "lora"
+        defaults["lora_r"] = cfg.lora_r
         if saved_tables(cfg.lora_modules_to_save):
-            flags += ["--lora-modules-to-save", ",".join(cfg.lora_modules_to_save)]
+            defaults["lora_modules_to_save"] = ",".join(cfg.lora_modules_to_save)
     said = f"model {cfg.base_model}, seq {cfg.sequence_len}"
     if gpus and not (given.global_batch_size or given.global_batch_tokens):
         dp, where = _config_dp(cfg.parallelism_config(), gpus, path)
         batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp
-        flags += ["--global-batch-size", str(batch)]
+        defaults["global_batch_size"] = batch
         said += (
             f", global batch {batch} sequences (micro {cfg.micro_batch_size} × accumulation "
             f"{cfg.gradient_accumulation_steps} × dp {dp}{where})"
         )
-    return flags, f"ndparallel plan: from {path}: {said}"
+    return defaults, f"ndparallel plan: from {path}: {said}"
 
 
 def config_settings(cfg):

@@ -432,6 +432,9 @@ def make_parser(
     return parser
 
 
-def main(argv: list[str] | None = None, description: str | None = None) -> int:
+def main(argv: list[str] | None = None, description: str | None = None, defaults: dict | None = None) -> int:
+    """``ndparallel plan`` on ``argv``; ``defaults`` (argument name -> value, e.g. from a training
+    config) replace the parser's own, the flags in ``argv`` win over them."""
     parser = make_parser(*([description] if description else []))
+    parser.set_defaults(**(defaults or {}))
     return run_plan(parser.parse_args(argv))
