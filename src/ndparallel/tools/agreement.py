@@ -16,9 +16,11 @@ router loss: relative, per step; parameters after training: absolute) it is
   that reorders the attention logits' sums (CP, TP's heads) is amplified sqrt(head_dim) times more
   than by 1/sqrt(d) attention, which the second way (same attention per row) does not exercise
   (tests/test_rounding_bounds.py, docs/families.md); it scales the floor too.
-- ``floor``: ``FLOOR_ULPS`` fp32 roundings per step (× the parameters' largest magnitude for the
-  absolute parameter difference): below that no two fp32 runs can be told apart, whatever the noise
-  measurement happened to give.
+- ``floor``: log2(n) fp32 roundings per step, n the parameter count (× the parameters' largest
+  magnitude for the absolute parameter difference): the gradient norm sums n squares and every
+  global quantity comes from sums that large; such a sum taken in another order may differ by up
+  to log2(n) ulp (pairwise summation's bound), so below that no two fp32 runs can be told apart,
+  whatever the noise measurement happened to give (it is often 0 on tiny models).
 
 A real layout bug (a skipped gradient sync, a wrong document mask, a misrouted expert) moves the
 results by 1e-3 or more: orders of magnitude above every bound (docs/testing.md, the fault table).
@@ -36,7 +38,6 @@ from ndparallel.tools import equivalence
 from ndparallel.tools.equivalence import TrainResult, TrainSetup, compare, make_global_batches
 
 NOISE_SAFETY = 8.0
-FLOOR_ULPS = 4.0
 FP32_EPS = 2.0**-23
 UNIT_SCALED_QK_NORM = ("gemma4_text",)
 """Families whose attention multiplies RMS-normalised q and k with scaling 1 (not 1/sqrt(head_dim))."""
@@ -82,7 +83,9 @@ def measured_bounds(setup: TrainSetup, first: TrainResult, second: TrainResult) 
     noise = compare(first, second)
     factor, why = family_factor(setup.model_config)
     steps = max(len(first.losses), 1)
-    rel_floor = FLOOR_ULPS * FP32_EPS * steps
+    n = sum(p.numel() for p in (first.params or {}).values()) or 2
+    ulps = math.log2(n)  # a sum of n terms in another order: up to log2(n) ulp apart (pairwise)
+    rel_floor = ulps * FP32_EPS * steps
     scale = _largest_finite(first.params or {})
     limits, sources = {}, {}
     family = f" × {factor:.1f} ({why})" if factor > 1 else ""
@@ -95,7 +98,7 @@ def measured_bounds(setup: TrainSetup, first: TrainResult, second: TrainResult) 
         sources[key] = (
             f"noise floor {noise[key]:.1e} × {NOISE_SAFETY:g}"
             if derived >= floor
-            else f"fp32 floor {FLOOR_ULPS:g} ulp × {steps} steps"
+            else f"fp32 floor log2({n}) ulp × {steps} steps"
             + (f" × |p| {scale:.2g}" if key == "param_abs" else "")
         ) + family
     return Bounds(limits, sources)
