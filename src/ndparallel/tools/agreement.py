@@ -166,6 +166,10 @@ def verdict(
         if k in diff and (params or k != "param_abs") and (not compared or k in compared)
     ]
     ratios = {k: _ratio(diff[k], ref.bounds.limits[k]) for k in keys}
+    if not ratios:
+        raise AssertionError(
+            f"nothing to compare: {sorted(diff)} against bounds for {sorted(ref.bounds.limits)}"
+        )
     worst = max(ratios, key=ratios.get)
     result = Verdict(all(r <= 1.0 for r in ratios.values()), diff, ratios, worst, ref.bounds)
     _record(result, expect_equal)
