@@ -65,13 +65,15 @@ with paused_collector():  # as ndparallel's commands import (runtime/startup.py)
     _import_what_ranks_import()
     gc.freeze()  # the imported modules' objects leave every later collection, here and in the forked ranks
 
+from ndparallel.tools import agreement as _agreement  # noqa: E402,F401 - binds the uncounted compare first
 from ndparallel.tools import equivalence as _equivalence  # noqa: E402
 
 
 class _CountedCompare:
     """``tools.equivalence.compare`` as the tests see it (conftest is imported before any test
     module binds the name): the same function, each call counted for the suite's summary line —
-    the number of layout-vs-one-process comparisons made must not fall (docs/testing.md)."""
+    the number of layout-vs-one-process comparisons made must not fall (docs/testing.md). The
+    noise-floor measurement of ``tools.agreement`` (a reference against itself) is not counted."""
 
     def __init__(self, compare):
         self.compare, self.calls = compare, 0

@@ -14,9 +14,9 @@ from ndparallel.parallel.chunked_ce import (
 )
 from ndparallel.parallel.options import LossOptions, TPOptions
 from ndparallel.testing import run_on_ranks
+from ndparallel.tools.agreement import assert_matches, one_process_reference
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
-RTOL = 1e-5
 LOGITS = {"loss_options": LossOptions(chunked=False)}
 BASE = TrainSetup(
     preset_config("tiny-llama"),
@@ -28,16 +28,13 @@ BASE = TrainSetup(
     lr=0.5,
     max_grad_norm=1.0,
 )
-_refs: dict = {}
 
 
 def _reference(setup):
-    key = repr(setup)
-    if key not in _refs:
-        _refs[key] = run_on_ranks(
-            train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs=LOGITS), None
-        )[0]
-    return _refs[key]
+    """One process computing the loss from full logits (LOGITS), with its measured bounds."""
+    return one_process_reference(
+        dataclasses.replace(setup, parallel_kwargs=LOGITS), keep_options=tuple(LOGITS)
+    )
 
 
 def _check(setup, layout, world, **kwargs):
@@ -50,9 +47,7 @@ def _check(setup, layout, world, **kwargs):
         layout,
         timeout_s=600,
     )[0]
-    diff = compare(_reference(setup), got)
-    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL, diff
-    assert diff["param_abs"] <= 1e-6, diff
+    assert_matches(_reference(setup), got)
 
 
 # ------------------------------------------------------------------------------ the function

@@ -7,20 +7,10 @@ import pytest
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import CPOptions, TPOptions
 from ndparallel.testing import run_on_ranks
-from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
+from ndparallel.tools.agreement import assert_matches, one_process_reference
+from ndparallel.tools.equivalence import TrainSetup, train_under_layout
 
-LOSS_RTOL = 1e-5
 BASE = TrainSetup(preset_config("tiny-llama"), steps=3, global_micro_batch=4, seq_len=32, max_grad_norm=1.0)
-_refs: dict = {}
-
-
-def _reference(setup):
-    key = repr(dataclasses.replace(setup, parallel_kwargs={}))
-    if key not in _refs:
-        _refs[key] = run_on_ranks(
-            train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}), None
-        )[0]
-    return _refs[key]
 
 
 def _check(layout, world, optimizer="adamw", **parallel_kwargs):
@@ -28,14 +18,10 @@ def _check(layout, world, optimizer="adamw", **parallel_kwargs):
         BASE, parallel_kwargs=parallel_kwargs, optimizer=optimizer, lr=0.5 if optimizer == "sgd" else BASE.lr
     )
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=400)[0]
-    diff = compare(_reference(setup), got)
-    assert diff["loss_rel"] <= LOSS_RTOL, diff
-    assert diff["grad_norm_rel"] <= LOSS_RTOL, diff
     # SGD keeps parameters within fp32 rounding. AdamW divides by sqrt(v) and so turns rounding noise
     # on near-zero gradients into lr-sized steps (1.5e-3 seen once on a loaded clean clone): its
-    # parameters are not compared, the losses and grad norms above are its tight check.
-    if optimizer == "sgd":
-        assert diff["param_abs"] <= 1e-6, diff
+    # parameters are not compared, the losses and grad norms are its tight check.
+    assert_matches(one_process_reference(setup), got, params=optimizer == "sgd")
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
@@ -60,8 +46,9 @@ def test_fsdp2_tp2_sgd_parameters():
 def test_cp_with_gradient_accumulation():
     setup = dataclasses.replace(BASE, grad_accum=2)
     got = run_on_ranks(train_under_layout, 4, setup, {"dp_shard_size": 2, "cp_size": 2})[0]
-    diff = compare(_reference(setup), got)
-    assert diff["loss_rel"] <= LOSS_RTOL, diff
+    # the losses, as this test always compared: AdamW turns rounding on near-zero gradients into
+    # lr-sized steps, which moved step 3's grad norm 3.5x past the rounding bound here (2026-12-06)
+    assert_matches(one_process_reference(setup), got, compared=("loss_rel",))
 
 
 @pytest.mark.parametrize("strategy", ["ring", "ulysses"])

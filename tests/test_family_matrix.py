@@ -23,7 +23,8 @@ import transformers
 from ndparallel.models.families import TESTED_FAMILIES
 from ndparallel.parallel.options import TPOptions
 from ndparallel.testing import run_on_ranks
-from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
+from ndparallel.tools.agreement import reference_in_rank, verdict
+from ndparallel.tools.equivalence import TrainSetup, train_under_layout
 from ndparallel.tools.shrink import shrink_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +62,6 @@ LAYOUTS = {  # name -> (ParallelismConfig kwargs, YAML fields of the same layout
     "TP 2 + SP": ({"tp_size": 2}, {"sequence_parallel": True}),
 }
 SEQ = 32
-TOL, PARAM_TOL = 1e-5, 1e-6
 REASONS = [  # a refusal's one line -> its short name in the docs
     ("transformers' experts implementations", "its MoE experts cannot be split off"),
     ("shards nothing in its attention", "its TP plan leaves the attention out"),
@@ -69,7 +69,8 @@ REASONS = [  # a refusal's one line -> its short name in the docs
     ("AttentionInterface", "its attention bypasses AttentionInterface"),
     ("mixes the tensor-parallel embedding output", "its forward mixes TP and plain tensors"),
 ]
-FAMILY_SETTINGS = {  # a family trained with other settings than the rest -> (settings, where the docs say why)
+# a family trained with other settings than the rest -> (settings, where the docs say why)
+FAMILY_SETTINGS = {
     "Gemma 4": ({"max_grad_norm": 1.0}, "### Gemma 4: why its differences are larger, and the bound"),
 }
 """Gemma 4 amplifies fp32 rounding in its attention (scaling 1); unclipped at lr 0.1 its step-1
@@ -142,11 +143,14 @@ def _setup(model_dir: str, extra: dict, family: str | None = None) -> TrainSetup
 
 
 def train_families(setups: dict, layout: dict | None) -> dict:
-    """On every rank of one group: train each family in turn; a family that raises gives its error."""
+    """On every rank of one group: train each family in turn (``layout`` "reference": one process
+    with its measured bounds, tools.agreement); a family that raises gives its error."""
     out = {}
     for name, setup in setups.items():
         try:
-            out[name] = train_under_layout(setup, layout)
+            out[name] = (
+                reference_in_rank(setup) if layout == "reference" else train_under_layout(setup, layout)
+            )
         except Exception as e:  # noqa: BLE001 - reported per family by the test
             out[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
     return out
@@ -155,7 +159,7 @@ def train_families(setups: dict, layout: dict | None) -> dict:
 @pytest.fixture(scope="module")
 def reference(saved):
     setups = {name: _setup(path, {}, name) for name, path in saved.items()}
-    results = run_on_ranks(train_families, 1, setups, None, timeout_s=600)[0]
+    results = run_on_ranks(train_families, 1, setups, "reference", timeout_s=600)[0]
     failed = {n: r for n, r in results.items() if isinstance(r, str)}
     assert not failed, failed
     return results
@@ -183,15 +187,15 @@ def test_layout_on_every_family(layout_name, saved, reference):
         if isinstance(got[name], str):
             bad[name] = got[name]
             continue
-        diff = compare(reference[name], got[name])
-        if not (diff["loss_rel"] <= TOL and diff["grad_norm_rel"] <= TOL and diff["param_abs"] <= PARAM_TOL):
-            bad[name] = diff
+        result = verdict(reference[name], got[name])
+        if not result.ok:
+            bad[name] = result.line()
     assert not bad, (
         f"{layout_name}: cells that launched but differ from one process or failed (a family "
         f"needing other settings goes in FAMILY_SETTINGS with the docs' reason): {bad}"
     )
-    for name, verdict in verdicts.items():  # refusals are known ones, one line each
-        assert verdict is None or short_reason(verdict) != verdict, (name, verdict)
+    for name, refusal in verdicts.items():  # refusals are known ones, one line each
+        assert refusal is None or short_reason(refusal) != refusal, (name, refusal)
 
 
 def _matrix_markdown(saved) -> str:

@@ -12,7 +12,8 @@ import torch
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import CompileOptions, CPOptions, FSDPOptions, TPOptions
 from ndparallel.testing import run_on_ranks
-from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
+from ndparallel.tools.agreement import assert_matches, one_process_reference
+from ndparallel.tools.equivalence import TrainSetup, train_under_layout
 
 BASE = TrainSetup(
     preset_config("tiny-llama"),
@@ -26,24 +27,12 @@ BASE = TrainSetup(
 )
 TILED = dict(tiled_mlp=True, tiled_mlp_num_shards=3)  # 3 tiles of a 32- (or 8-) token row: uneven
 BOTH = dict(TILED, activation_checkpointing=True, activation_offloading=True)
-_refs: dict = {}
-
-
-def _reference(setup: TrainSetup):
-    key = repr(dataclasses.replace(setup, parallel_kwargs={}))
-    if key not in _refs:
-        _refs[key] = run_on_ranks(
-            train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}), None
-        )[0]
-    return _refs[key]
 
 
 def _check(layout, world, setup=BASE, **parallel_kwargs):
     setup = dataclasses.replace(setup, parallel_kwargs=parallel_kwargs)
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=400)[0]
-    diff = compare(_reference(setup), got)
-    assert diff["loss_rel"] <= 1e-5 and diff["grad_norm_rel"] <= 1e-5, diff
-    assert diff["param_abs"] <= 1e-6, diff
+    assert_matches(one_process_reference(setup), got)
 
 
 @pytest.mark.parametrize(
@@ -101,8 +90,7 @@ def test_compile_fsdp2():
         },
     )
     got, graphs = run_on_ranks(_train_counting_graphs, 2, setup, {"dp_shard_size": 2}, timeout_s=600)[0]
-    diff = compare(_reference(setup), got)
-    assert diff["loss_rel"] <= 1e-5 and diff["grad_norm_rel"] <= 1e-5 and diff["param_abs"] <= 1e-6, diff
+    assert_matches(one_process_reference(setup), got)
     assert graphs >= 1, "nothing was compiled"
 
 

@@ -10,14 +10,13 @@ import torch
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import FSDPOptions, TPOptions
 from ndparallel.testing import run_on_ranks
+from ndparallel.tools.agreement import assert_differs, assert_matches, one_process_reference
 from ndparallel.tools.equivalence import (
     TrainSetup,
     build_model,
-    compare,
     train_under_layout,
 )
 
-RTOL = 1e-5
 LORA = dict(r=4, alpha=8, dropout=0.0, target_linear=True)  # dropout 0: its RNG differs per layout
 BASE = TrainSetup(
     preset_config("tiny-llama"),
@@ -29,16 +28,6 @@ BASE = TrainSetup(
     lr=0.5,
     adapter=LORA,
 )
-_refs: dict = {}
-
-
-def _reference(setup):
-    key = repr(dataclasses.replace(setup, parallel_kwargs={}))
-    if key not in _refs:
-        _refs[key] = run_on_ranks(
-            train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}), None
-        )[0]
-    return _refs[key]
 
 
 def _initial_base(setup) -> dict[str, torch.Tensor]:
@@ -47,22 +36,19 @@ def _initial_base(setup) -> dict[str, torch.Tensor]:
 
 
 def _diffs(setup, layout, world):
-    ref = _reference(setup)
+    ref = one_process_reference(setup)
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=400)[0]
-    diff = compare(ref, got)
-    adapters = [k for k in ref.params if ".lora_" in k]
-    diff["adapter_abs"] = max((ref.params[k] - got.params[k]).abs().max().item() for k in adapters)
-    diff["adapter_moved"] = max((ref.params[k]).abs().max().item() for k in adapters if "lora_B" in k)
-    return diff, got
+    moved = max(v.abs().max().item() for k, v in ref.result.params.items() if ".lora_B" in k)
+    return ref, got, moved
 
 
 def _check(layout, world, setup=BASE, **parallel_kwargs):
     setup = dataclasses.replace(setup, parallel_kwargs=parallel_kwargs)
-    diff, got = _diffs(setup, layout, world)
-    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL, diff
-    assert diff["adapter_moved"] > 1e-3, diff  # B starts at 0: training really moved the adapter
-    if setup.optimizer == "sgd":  # AdamW amplifies rounding: its losses and norms are the check
-        assert diff["adapter_abs"] <= 1e-6, diff
+    ref, got, moved = _diffs(setup, layout, world)
+    assert moved > 1e-3, moved  # B starts at 0: training really moved the adapter
+    # parameters (the adapters: the base is compared bit for bit below) under SGD only: AdamW
+    # amplifies rounding, its losses and norms are the check
+    assert_matches(ref, got, params=setup.optimizer == "sgd")
     base = _initial_base(setup)
     assert set(base) == {k for k in got.params if ".lora_" not in k}
     changed = [k for k, v in base.items() if not torch.equal(v, got.params[k])]
@@ -70,7 +56,7 @@ def _check(layout, world, setup=BASE, **parallel_kwargs):
 
 
 def test_reference_trains_only_the_adapter():
-    ref = _reference(BASE)
+    ref = one_process_reference(BASE).result
     assert ref.losses[-1] < ref.losses[0]
     base = _initial_base(BASE)
     assert all(torch.equal(v, ref.params[k]) for k, v in base.items())
@@ -126,5 +112,5 @@ def test_fsdp2_cp2_tp2_8_ranks():
 def test_a_broken_run_fails_the_check():
     """Negative control: gradients never reduced over FSDP ranks give another adapter."""
     setup = dataclasses.replace(BASE, fault="skip-grad-sync")
-    diff, _ = _diffs(setup, {"dp_shard_size": 2}, 2)
-    assert diff["grad_norm_rel"] > RTOL or diff["adapter_abs"] > 1e-6, diff
+    ref, got, _ = _diffs(setup, {"dp_shard_size": 2}, 2)
+    assert_differs(ref, got)

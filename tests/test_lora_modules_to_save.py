@@ -14,17 +14,15 @@ from cli_helpers import run_cli
 from lora_roundtrip import PROBE, continue_from, save_base, train_and_save
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import run_on_ranks
+from ndparallel.tools.agreement import assert_matches, one_process_reference
 from ndparallel.tools.equivalence import (
     TrainSetup,
     build_model,
-    compare,
     train_under_layout,
 )
 
-RTOL, ATOL = 1e-5, 1e-6
 SAVE = ["embed_tokens", "lm_head"]
 LORA = dict(r=4, alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=SAVE)
-_refs: dict = {}
 
 
 def _setup(preset: str, **lora) -> TrainSetup:
@@ -41,9 +39,7 @@ def _setup(preset: str, **lora) -> TrainSetup:
 
 
 def _reference(setup: TrainSetup):
-    if repr(setup) not in _refs:
-        _refs[repr(setup)] = run_on_ranks(train_under_layout, 1, setup, None)[0]
-    return _refs[repr(setup)]
+    return one_process_reference(setup)
 
 
 def _initial(setup: TrainSetup) -> dict[str, torch.Tensor]:
@@ -58,10 +54,8 @@ def _initial(setup: TrainSetup) -> dict[str, torch.Tensor]:
 )
 def test_layouts_train_the_saved_modules_as_one_process(preset, layout, world):
     setup = _setup(preset)
-    ref = _reference(setup)
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=400)[0]
-    diff = compare(ref, got)
-    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= ATOL, diff
+    assert_matches(_reference(setup), got)
     start = _initial(setup)
     copies = [k for k in start if ".modules_to_save.default." in k]
     originals = [k for k in start if ".original_module." in k]
@@ -78,18 +72,17 @@ def test_layouts_train_the_saved_modules_as_one_process(preset, layout, world):
 def test_cp2():
     setup = _setup("tiny-llama")
     got = run_on_ranks(train_under_layout, 2, setup, {"cp_size": 2}, timeout_s=400)[0]
-    diff = compare(_reference(setup), got)
-    assert diff["loss_rel"] <= RTOL and diff["param_abs"] <= ATOL, diff
+    assert_matches(_reference(setup), got, compared=("loss_rel", "param_abs"))
 
 
 def test_without_the_key_the_modules_stay_frozen():
     """Negative control: the same run without modules_to_save leaves the embedding and head alone."""
     setup = _setup("tiny-llama", modules_to_save=None)
-    ref = _reference(setup)
+    ref = _reference(setup).result
     start = _initial(setup)
     for k in ("base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"):
         assert torch.equal(ref.params[k], start[k]), k
-    assert _reference(_setup("tiny-llama")).losses[-1] != ref.losses[-1]
+    assert _reference(_setup("tiny-llama")).result.losses[-1] != ref.losses[-1]
 
 
 def test_saved_adapter_holds_the_trained_modules_and_reproduces_the_model(tmp_path):

@@ -15,6 +15,7 @@ from cli_helpers import run_cli
 from lora_roundtrip import PROBE, continue_from, save_base, train_and_save
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import run_on_ranks
+from ndparallel.tools.agreement import assert_matches, one_process_reference
 from ndparallel.tools.equivalence import (
     TrainSetup,
     build_model,
@@ -22,10 +23,8 @@ from ndparallel.tools.equivalence import (
     train_under_layout,
 )
 
-RTOL, ATOL = 1e-5, 1e-6
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 LORA = dict(r=4, alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS)
-_refs: dict = {}
 
 
 def _gemma_moe():
@@ -67,9 +66,7 @@ def _setup(config, lr: float = 0.5, **lora) -> TrainSetup:
 
 
 def _reference(setup: TrainSetup):
-    if repr(setup) not in _refs:
-        _refs[repr(setup)] = run_on_ranks(train_under_layout, 1, setup, None)[0]
-    return _refs[repr(setup)]
+    return one_process_reference(setup).result
 
 
 @pytest.mark.parametrize(
@@ -86,10 +83,8 @@ def test_layouts_train_the_expert_adapters_as_one_process(family, layout, world)
     setup = (
         _setup(preset_config("tiny-qwen3-moe")) if family == "qwen3_moe" else _setup(_gemma_moe(), lr=0.05)
     )
-    ref = _reference(setup)
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=400)[0]
-    diff = compare(ref, got)
-    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= ATOL, diff
+    assert_matches(one_process_reference(setup), got)
     start = {k: v.detach().clone() for k, v in build_model(setup).state_dict().items()}
     expert_b = [k for k in start if ".experts." in k and ".lora_B." in k]
     assert len(expert_b) == 2 * 2, sorted(start)  # gate_up_proj and down_proj in 2 layers

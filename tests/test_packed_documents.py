@@ -3,7 +3,7 @@
 Rows hold several documents (position_ids restart at 0 at each document start, the label across
 each boundary is -100). The reference runs every document as its own sequence on one process
 (``train_documents_separately``): no mask involved. The packed run must give the same losses and
-global gradient norms (fp32, relative 1e-5) on one process (transformers' own packed-sequence
+global gradient norms (fp32, ``tools.agreement``'s bounds) on one process (transformers' own packed-sequence
 mask), with ndparallel's one-device document attention, and under CP 2 / CP 4 / FSDP×CP / TP×CP
 for the ring, all-gather and all-to-all strategies.
 """
@@ -15,15 +15,14 @@ import pytest
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import CPOptions
 from ndparallel.testing import run_on_ranks
+from ndparallel.tools.agreement import assert_differs, assert_matches, one_process_reference
 from ndparallel.tools.equivalence import (
     TrainSetup,
-    compare,
     make_global_batches,
     train_documents_separately,
     train_under_layout,
 )
 
-TOL = 1e-5
 SETUP = TrainSetup(
     preset_config("tiny-llama"),
     steps=2,
@@ -32,21 +31,16 @@ SETUP = TrainSetup(
     max_grad_norm=1.0,
     packed_documents=True,
 )
-_ref: list = []
 
 
 def _reference():
-    if not _ref:
-        _ref.append(run_on_ranks(train_documents_separately, 1, SETUP)[0])
-    return _ref[0]
+    """Every document as its own sequence (no mask), held to the bounds of SETUP's noise floor."""
+    return one_process_reference(SETUP, train=train_documents_separately)
 
 
-def _check(layout, world, setup=SETUP, expect_equal=True):
+def _check(layout, world, setup=SETUP):
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=400)[0]
-    diff = compare(_reference(), got)
-    if expect_equal:
-        assert diff["loss_rel"] <= TOL and diff["grad_norm_rel"] <= TOL, diff
-    return diff
+    return assert_matches(_reference(), got, compared=("loss_rel", "grad_norm_rel"))
 
 
 def test_batches_are_packed():
@@ -75,14 +69,15 @@ def _one_device_document_attention(setup):
 
 def test_one_process_document_attention():
     got = run_on_ranks(_one_device_document_attention, 1, SETUP)[0]
-    diff = compare(_reference(), got)
-    assert diff["loss_rel"] <= TOL and diff["grad_norm_rel"] <= TOL, diff
+    assert_matches(_reference(), got, compared=("loss_rel", "grad_norm_rel"))
 
 
 def test_negative_control_attention_across_documents():
     """Same packed data, but the model attends across document starts: must not match."""
-    diff = _check({"cp_size": 2}, 2, dataclasses.replace(SETUP, fault="cross-documents"), expect_equal=False)
-    assert diff["loss_rel"] > 1e-3, diff
+    broken = dataclasses.replace(SETUP, fault="cross-documents")
+    assert_differs(
+        _reference(), run_on_ranks(train_under_layout, 2, broken, {"cp_size": 2}, timeout_s=400)[0]
+    )
 
 
 STRATEGIES = ["ring", "allgather", "ulysses"]

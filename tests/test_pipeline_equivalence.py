@@ -10,10 +10,10 @@ import torch
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import CPOptions, FSDPOptions, PipelineOptions, TPOptions
 from ndparallel.testing import run_on_ranks
-from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
+from ndparallel.tools.agreement import assert_differs, assert_matches, one_process_reference
+from ndparallel.tools.equivalence import TrainSetup, train_under_layout
 from pipeline_helpers import train_counting_reductions, world_of
 
-RTOL = 1e-5
 MODELS = {  # 4 decoder layers: 2 stages × 2 virtual stages still get one layer each
     "llama": preset_config("tiny-llama", num_hidden_layers=4),
     "llama_tied": preset_config("tiny-llama-tied", num_hidden_layers=4),
@@ -79,13 +79,9 @@ CASES = {  # name: (model, layout, schedule, extra strategy options, pipeline mi
     ),
 }
 
-_references: dict = {}
 
-
-def reference(model: str) -> object:
-    if model not in _references:
-        _references[model] = run_on_ranks(train_under_layout, 1, TrainSetup(MODELS[model], **BASE), None)[0]
-    return _references[model]
+def reference(model: str, **setup):
+    return one_process_reference(TrainSetup(MODELS[model], **{**BASE, **setup}))
 
 
 def pipelined(model, schedule, extra=None, microbatches=None, **setup):
@@ -99,9 +95,7 @@ def _equals_one_process(model, layout, schedule, extra=None, microbatches=None):
     got = run_on_ranks(
         train_under_layout, world_of(layout), pipelined(model, schedule, extra, microbatches), layout
     )[0]
-    diff = compare(reference(model), got)
-    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL, diff
-    assert diff["param_abs"] <= 1e-6, diff
+    assert_matches(reference(model), got)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -129,31 +123,27 @@ def test_pp2_mixed_precision_equals_one_process(precision):
     extra = {"mixed_precision": precision, "steps": 3}
     if precision == "fp16":
         extra["loss_scale"] = {"init_scale": 2.0**10}  # every step applies (see test_fp16.py)
-    ref = run_on_ranks(train_under_layout, 1, TrainSetup(MODELS["llama"], **{**BASE, **extra}), None)[0]
+    ref = reference("llama", **extra)
     got = run_on_ranks(train_under_layout, 2, pipelined("llama", "1F1B", **extra), {"pp_size": 2})[0]
-    diff = compare(ref, got)
-    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff
-    assert ref.loss_scales == got.loss_scales
+    assert_matches(ref, got)
+    assert ref.result.loss_scales == got.loss_scales
 
 
 def test_packed_documents_stay_apart_on_every_stage():
     """Rows packed with several documents: every stage builds its mask from the position_ids it
     receives, so the pipeline trains what one process trains on the same packed rows."""
-    ref = run_on_ranks(
-        train_under_layout, 1, TrainSetup(MODELS["qwen3_tied"], **BASE, packed_documents=True), None
-    )[0]
+    ref = reference("qwen3_tied", packed_documents=True)
     got = run_on_ranks(
         train_under_layout, 2, pipelined("qwen3_tied", "1F1B", packed_documents=True), {"pp_size": 2}
     )[0]
-    diff = compare(ref, got)
-    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff
+    assert_matches(ref, got)
     crossing = run_on_ranks(
         train_under_layout,
         2,
         pipelined("qwen3_tied", "1F1B", packed_documents=True, fault="cross-documents"),
         {"pp_size": 2},
     )[0]
-    assert compare(ref, crossing)["loss_rel"] > 1e-4  # attention across documents is caught
+    assert_differs(ref, crossing)  # attention across documents is caught
 
 
 def test_pp2_interleaved_loads_the_model_from_disk(tmp_path):
@@ -163,17 +153,14 @@ def test_pp2_interleaved_loads_the_model_from_disk(tmp_path):
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(MODELS["llama_tied"]).save_pretrained(tmp_path)
-    ref = run_on_ranks(
-        train_under_layout, 1, TrainSetup(MODELS["llama_tied"], **BASE, model_dir=str(tmp_path)), None
-    )[0]
+    ref = reference("llama_tied", model_dir=str(tmp_path))
     got = run_on_ranks(
         train_under_layout,
         2,
         pipelined("llama_tied", "Interleaved1F1B", model_dir=str(tmp_path)),
         {"pp_size": 2},
     )[0]
-    diff = compare(ref, got)
-    assert diff["loss_rel"] <= RTOL and diff["grad_norm_rel"] <= RTOL and diff["param_abs"] <= 1e-6, diff
+    assert_matches(ref, got)
 
 
 def test_unsummed_tied_gradients_are_caught():
@@ -181,7 +168,7 @@ def test_unsummed_tied_gradients_are_caught():
     gradients only train a different model, and the comparison says so."""
     broken = dataclasses.replace(pipelined("llama_tied", "1F1B"), fault="unsummed-tied-grads")
     got = run_on_ranks(train_under_layout, 2, broken, {"pp_size": 2})[0]
-    assert compare(reference("llama_tied"), got)["param_abs"] > 1e-4
+    assert_differs(reference("llama_tied"), got)
 
 
 def test_bad_pipeline_layouts_fail_before_training():

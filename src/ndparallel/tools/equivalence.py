@@ -53,7 +53,10 @@ class TrainSetup:
     (fp16) puts an inf into one element of the last rank's local gradient shard at step 2, as a
     rank-local fp16 overflow would: every rank must skip that step; "per-shard-muon" orthogonalises
     each rank's shard of a Muon matrix instead of the whole matrix; "unsummed-tied-grads" (pipeline
-    parallel) leaves the two stage copies of tied embeddings with their own gradients."""
+    parallel) leaves the two stage copies of tied embeddings with their own gradients;
+    "scaled-last-shard:EPS" multiplies the last rank's local gradient shards by (1 + EPS) before each
+    optimizer step, as a reduction weighting one rank's part wrong by EPS would (a fault as small as
+    wished: the regression guard of tools.agreement's bounds)."""
     loss_scale: dict | None = None
     """fp16: ``LossScaler`` keyword arguments (default: its defaults); {"init_scale": 1.0,
     "growth_interval": 10**9} turns the scaling off in effect (a negative control)."""
@@ -172,6 +175,8 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
 
         set_misroute(model, 1)
     optimizer = setup_optimizer(setup, model)  # the model: low-bit AdamW finds its embeddings
+    if (setup.fault or "").startswith("scaled-last-shard:"):
+        _scale_last_rank_grads(optimizer, engine, float(setup.fault.split(":")[1]))
     model.train()
     dp_rank, dp_size = engine.dp_rank, engine.dp_size
     rows = setup.global_micro_batch // dp_size
@@ -217,6 +222,21 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
         aux or None,
         scales if scaler is not None else None,
     )
+
+
+def _scale_last_rank_grads(optimizer, engine, eps: float) -> None:
+    """The "scaled-last-shard" fault: the last rank's gradient shards × (1 + eps) before each step."""
+    if engine.rank != engine.world_size - 1:
+        return
+
+    def scale(opt, args, kwargs):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    grad.mul_(1 + eps)
+
+    optimizer.register_step_pre_hook(scale)
 
 
 def loss_scaler(setup: TrainSetup, engine):
@@ -342,21 +362,6 @@ def _tensor_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     d = (a - b).abs().max().item() if a.numel() else 0.0
     scale = a.abs().max().item() if a.numel() else 0.0
     return 0.0 if d == 0 else d / scale if scale else math.inf
-
-
-UNIT_SCALED_QK_NORM = ("gemma4_text",)
-"""Families whose attention multiplies RMS-normalised q and k with scaling 1 (not 1/sqrt(head_dim))."""
-
-
-def grad_norm_tolerance(config, common: float = 1e-5) -> float:
-    """The relative gradient-norm tolerance of a family: ``common``, times sqrt(head_dim) (the
-    largest of its layers) for ``UNIT_SCALED_QK_NORM`` attention, whose logits reach head_dim and
-    whose rounding is amplified sqrt(head_dim) times more than 1/sqrt(d) attention's
-    (docs/families.md, tests/test_rounding_bounds.py)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "model_type", None) not in UNIT_SCALED_QK_NORM:
-        return common
-    return common * max(layer.head_dim for layer in text.per_layer_config) ** 0.5
 
 
 def _rel(x: float, y: float) -> float:

@@ -11,8 +11,6 @@ import dataclasses
 
 from ndparallel.models.families import TESTED_FAMILIES, is_tested_family
 
-TOL, PARAM_TOL = 1e-5, 1e-6
-
 
 def shrunk_layout(pc) -> dict[str, int]:
     """The run's layout with each dimension it uses at size 2 (data-parallel replicas folded into
@@ -44,7 +42,8 @@ def family_check(cfg, pc, hf) -> str | None:
     if not layout:
         return None
     from ndparallel.runtime.multirank import RankFailure, run_on_ranks
-    from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
+    from ndparallel.tools.agreement import reference_in_rank, verdict
+    from ndparallel.tools.equivalence import TrainSetup, train_under_layout
     from ndparallel.tools.shrink import shrink_model
 
     name = getattr(hf.get_text_config() if hasattr(hf, "get_text_config") else hf, "model_type", "?")
@@ -69,15 +68,14 @@ def family_check(cfg, pc, hf) -> str | None:
         f"({len(TESTED_FAMILIES)}: docs/families.md), and a shrunk copy of it"
     )
     try:
-        ref = run_on_ranks(train_under_layout, 1, dataclasses.replace(setup, parallel_kwargs={}), None)[0]
+        ref = run_on_ranks(reference_in_rank, 1, dataclasses.replace(setup, parallel_kwargs={}))[0]
         got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=600)[0]
     except RankFailure as e:
         return f"{where} fails under this layout ({_one_line(e)}); use another layout, or --skip-family-check"
-    diff = compare(ref, got)
-    if diff["loss_rel"] > TOL or diff["grad_norm_rel"] > TOL or diff.get("param_abs", 0.0) > PARAM_TOL:
+    result = verdict(ref, got)
+    if not result.ok:
         return (
-            f"{where} trains differently under this layout than on one device (loss {diff['loss_rel']:.1e}, "
-            f"gradient norm {diff['grad_norm_rel']:.1e} relative, parameters {diff.get('param_abs', 0):.1e}): "
+            f"{where} trains differently under this layout than on one device ({result.line()}): "
             "use another layout (FSDP / data parallel), or --skip-family-check to train anyway"
         )
     return None

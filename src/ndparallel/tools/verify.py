@@ -117,10 +117,7 @@ def _setup(cfg: TrainConfig, pc, small, steps: int, fault: str | None):
     )
 
 
-def _compare(console, title: str, ref, got) -> dict:
-    from ndparallel.tools.equivalence import compare
-
-    diff = compare(ref, got)
+def _table(console, title: str, ref, got) -> None:
     table = Table(title=title)
     for col in (
         "step",
@@ -143,7 +140,6 @@ def _compare(console, title: str, ref, got) -> dict:
             _norm_diff(ga, gb),
         )
     console.print(table)
-    return diff
 
 
 def _enough_layers_for_stages(small, cfg: TrainConfig, pc):
@@ -163,45 +159,42 @@ def _enough_layers_for_stages(small, cfg: TrainConfig, pc):
     return small
 
 
-def verify_layout(
-    cfg: TrainConfig,
-    pc,
-    hf_config,
-    steps: int = 3,
-    tolerance: float = 1e-5,
-    fault: str | None = None,
-    param_tolerance: float = 1e-6,
-) -> bool:
+def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, fault: str | None = None) -> bool:
     """Train a shrunk copy of the model under the config's layout and options and on one process,
     through the trainer's own ``train_step``; print the differences and a verdict. The verdict
     rests on exact quantities: fp32 losses, gradient norms and the parameters after ``steps``
-    SGD steps. With ``bf16`` or ``fp8`` the same is run again at that precision against one
-    process at that precision (a looser, stated tolerance); with ``qat`` again with fake
-    quantisation on both sides (the same looser tolerance: quantisation levels flip on fp32 noise)."""
+    SGD steps, held to the bounds of ``tools.agreement`` (the one rule the tests use: the
+    reference's measured noise floor × a safety factor). With ``bf16`` or ``fp8`` the same is run
+    again at that precision against one process at that precision (a looser, stated tolerance);
+    with ``qat`` again with fake quantisation on both sides (the same looser tolerance:
+    quantisation levels flip on fp32 noise)."""
     import dataclasses
 
     from ndparallel.runtime.multirank import run_on_ranks
+    from ndparallel.tools.agreement import Reference, reference_in_rank, stated_bounds, verdict
     from ndparallel.tools.equivalence import train_under_layout
 
     console = Console()
     small = _enough_layers_for_stages(shrink_config(hf_config, pc.tp_size, pc.cp_size, pc.ep_size), cfg, pc)
     setup = _setup(cfg, pc, small, steps, fault)
+    kv = getattr(small, "num_key_value_heads", None) or small.num_attention_heads  # GPT-NeoX: no GQA field
     console.print(
         f"verify: {pc.describe()} on {pc.total_size} CPU ranks vs 1 process; shrunk "
-        f"{small.model_type}: hidden {small.hidden_size}, heads {small.num_attention_heads}/"
-        f"{small.num_key_value_heads}, {small.num_hidden_layers} layers, seq {setup.seq_len} (packed documents), {steps} "
+        f"{small.model_type}: hidden {small.hidden_size}, heads {small.num_attention_heads}/{kv}, "
+        f"{small.num_hidden_layers} layers, seq {setup.seq_len} (packed documents), {steps} "
         + EXACT_STEPS_NOTE
         + (f"; LoRA r={setup.adapter['r']} (dropout 0)" if setup.adapter else "")
         + ("; a 4-bit NF4 base (16 x 4 blocks: the shrunk weights are small)" if setup.quantization else "")
     )
-    runs = [("fp32", setup, tolerance)]
+    low_bounds = stated_bounds(BF16_TOLERANCE, f"stated {BF16_TOLERANCE:.0e}: low-precision rounding")
+    runs = [("fp32", setup, None)]
     if cfg.compute_dtype() is not None or cfg.fp8:  # bf16, or fp16 with its loss scaling
         low = cfg.compute_dtype_name()
         runs.append(
             (
                 low + (" + fp8" if cfg.fp8 else ""),
                 dataclasses.replace(setup, mixed_precision=low if low != "fp32" else "no"),
-                BF16_TOLERANCE,
+                low_bounds,
             )
         )
     qat = _shrunk_qat(cfg, small)
@@ -210,7 +203,7 @@ def verify_layout(
             (
                 f"fp32 + qat {qat.weight_dtype}",
                 dataclasses.replace(setup, parallel_kwargs={**setup.parallel_kwargs, "qat_options": qat}),
-                BF16_TOLERANCE,
+                low_bounds,
             )
         )
     elif cfg.qat is not None:
@@ -219,25 +212,19 @@ def verify_layout(
             "model's widths do not hold its blocks); the fp32 check covers the layout"
         )
     ok = True
-    for name, run, tol in runs:
+    for name, run, bounds in runs:
         kept = {k: v for k, v in run.parallel_kwargs.items() if k == "qat_options"}  # one process, with QAT
-        ref = run_on_ranks(
-            train_under_layout, 1, dataclasses.replace(run, parallel_kwargs=kept, fault=None), None
-        )[0]
+        one = dataclasses.replace(run, parallel_kwargs=kept, fault=None)
+        if bounds is None:  # fp32: the reference with its measured noise floor
+            ref = run_on_ranks(reference_in_rank, 1, one, timeout_s=600)[0]
+        else:
+            ref = Reference(run_on_ranks(train_under_layout, 1, one, None, timeout_s=600)[0], bounds)
         got = run_on_ranks(train_under_layout, pc.total_size, run, pc.to_dict(), timeout_s=600)[0]
-        diff = _compare(console, f"{name}: one process vs layout", ref, got)
-        exact = name == "fp32"
-        good = (
-            diff["loss_rel"] <= tol
-            and diff["grad_norm_rel"] <= tol
-            and (not exact or diff["param_abs"] <= param_tolerance)
-        )
-        ok = ok and good
-        params = f", parameters {diff['param_abs']:.1e} (tolerance {param_tolerance:.0e})" if exact else ""
+        _table(console, f"{name}: one process vs layout", ref.result, got)
+        result = verdict(ref, got, params=name == "fp32", expect_equal=fault is None)
+        ok = ok and result.ok
         console.print(
-            f"{'[bold green]ok[/]' if good else '[bold red]differs[/]'} ({name}): max relative "
-            f"loss error {diff['loss_rel']:.1e}, grad norm {diff['grad_norm_rel']:.1e} "
-            f"(tolerance {tol:.0e}){params}"
+            f"{'[bold green]ok[/]' if result.ok else '[bold red]differs[/]'} ({name}): {result.line()}"
         )
     console.print("[bold green]PASS[/]" if ok else "[bold red]FAIL[/]")
     return ok

@@ -1,0 +1,124 @@
+"""The equivalence-heavy test files under every CPU kernel path this machine offers (issue 47).
+
+    python bench/kernel_paths.py [--files tests/test_a.py ...] [--paths default MKL_CBWR=AVX2 ...]
+
+MKL picks its code path by CPU (``MKL_CBWR`` unset): AVX-512 on an Intel Xeon, AVX2 on an AMD EPYC;
+``MKL_CBWR=AVX2|COMPATIBLE|AVX512`` forces one. ATen's own vectorised kernels take
+``ATEN_CPU_CAPABILITY=default|avx2|avx512``. Each path rounds differently; "equal to one process"
+(``tools.agreement``) must hold on all of them with headroom. Per path and file: passed / failed, the
+largest ratio of a measured difference to its bound over the files' equal-to-one-process checks
+(≤ 0.5: headroom), and the smallest ratio of a fault injection (≫ 1: the faults still fail by
+orders of magnitude). Each comparison's ratios come from ``NDPARALLEL_EQUIVALENCE_RATIOS``.
+Writes ``bench/results/kernel_paths.json``; the table goes into docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_json  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = [
+    "tests/test_multimodal.py",
+    "tests/test_packed_documents.py",
+    "tests/test_pipeline_equivalence.py",
+    "tests/test_rounding_bounds.py",
+    "tests/test_fsdp_equivalence.py",
+    "tests/test_moe_equivalence.py",
+]
+
+
+def available_paths() -> list[str]:
+    """The kernel paths this CPU can run (AVX-512 ones only where the CPU has AVX-512)."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    paths = ["default", "MKL_CBWR=AVX2", "MKL_CBWR=COMPATIBLE"]
+    if "avx512f" in flags:
+        paths.append("MKL_CBWR=AVX512")
+    return paths + ["ATEN_CPU_CAPABILITY=default", "ATEN_CPU_CAPABILITY=avx2"]
+
+
+def run_path(path: str, files: list[str]) -> list[dict]:
+    """The files under one path in one pytest run: per file its outcome and the recorded ratios."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ratios_file, report = Path(tmp) / "ratios.jsonl", Path(tmp) / "report.xml"
+        env = {**os.environ, "NDPARALLEL_EQUIVALENCE_RATIOS": str(ratios_file)}
+        if path != "default":
+            key, value = path.split("=", 1)
+            env[key] = value
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *files]
+        subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        text = ratios_file.read_text() if ratios_file.exists() else ""
+        lines = [json.loads(line) for line in text.splitlines() if line]
+        cases = ET.parse(report).getroot().iter("testcase") if report.exists() else []
+        outcomes = [(c.get("classname", "").replace(".", "/") + ".py", _outcome(c)) for c in cases]
+    return [_row(path, file, lines, outcomes) for file in files]
+
+
+def _outcome(case) -> str:
+    if case.find("failure") is not None or case.find("error") is not None:
+        return "failed"
+    return "skipped" if case.find("skipped") is not None else "passed"
+
+
+def _row(path: str, file: str, lines: list[dict], outcomes: list[tuple[str, str]]) -> dict:
+    mine = [x for x in lines if x["test"].startswith(file)]
+    results = [o for f, o in outcomes if f == file]
+    equal = [max(x["ratios"].values(), default=0.0) for x in mine if x["expect_equal"]]
+    faults = [max(x["ratios"].values(), default=0.0) for x in mine if not x["expect_equal"]]
+    return {
+        "path": path,
+        "file": file,
+        "ok": bool(results) and "failed" not in results,
+        "summary": ", ".join(
+            f"{results.count(o)} {o}" for o in ("passed", "failed", "skipped") if o in results
+        ),
+        "checks": len(equal),
+        "largest_ratio": max(equal, default=None),
+        "smallest_fault_ratio": min(faults, default=None),
+    }
+
+
+def _fmt(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2g}"
+
+
+def markdown(rows: list[dict]) -> str:
+    out = [
+        "| path | file | result | checks | largest diff / bound | smallest fault / bound |",
+        "|---" * 6 + "|",
+    ]
+    for r in rows:
+        result = r["summary"] or ("passed" if r["ok"] else "FAILED")
+        out.append(
+            f"| {r['path']} | {Path(r['file']).name} | {result} | "
+            f"{r['checks']} | {_fmt(r['largest_ratio'])} | {_fmt(r['smallest_fault_ratio'])} |"
+        )
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--files", nargs="+", default=FILES)
+    parser.add_argument("--paths", nargs="+", default=None, help="default: every path the CPU offers")
+    args = parser.parse_args()
+    rows = []
+    for path in args.paths or available_paths():
+        rows += run_path(path, args.files)
+        print("\n".join(markdown(rows[-len(args.files) :]).splitlines()[2:]), flush=True)
+    print(markdown(rows))
+    write_json("kernel_paths", {"rows": rows})
+    worst = max((r["largest_ratio"] or 0.0 for r in rows), default=0.0)
+    return 0 if all(r["ok"] for r in rows) and worst <= 0.5 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

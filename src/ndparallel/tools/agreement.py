@@ -1,0 +1,230 @@
+"""The one rule for "a layout trains the same model as one process" (tests and ``ndparallel verify``).
+
+A bound is never a constant tuned on one CPU. For every quantity compared (loss, gradient norm,
+router loss: relative, per step; parameters after training: absolute) it is
+
+    family × max(NOISE_SAFETY × noise, floor)
+
+- ``noise``: the one-process reference trained a second way that is exact in real arithmetic — the
+  rows of every micro-batch in reverse order, so every sum over tokens (weight gradients, the loss)
+  runs in another order — and its own difference from the first. That is the rounding the machine's
+  kernels (MKL's AVX2 / AVX-512 paths, ATen's vector width) put into this very setup.
+- ``NOISE_SAFETY`` (8): a layout reorders more sums than the second way does (shards of every
+  matmul, CP's blockwise softmax, one all-reduce per mesh dimension); their rounding adds up with
+  random signs, so a few times the measured noise covers it (docs/testing.md: the measured ratios).
+- ``family``: sqrt(head_dim) for unit-scaled QK-norm attention (``UNIT_SCALED_QK_NORM``): a layout
+  that reorders the attention logits' sums (CP, TP's heads) is amplified sqrt(head_dim) times more
+  than by 1/sqrt(d) attention, which the second way (same attention per row) does not exercise
+  (tests/test_rounding_bounds.py, docs/families.md); it scales the floor too.
+- ``floor``: log2(n) fp32 roundings per step, n the parameter count (× the parameters' largest
+  magnitude for the absolute parameter difference): the gradient norm sums n squares and every
+  global quantity comes from sums that large; such a sum taken in another order may differ by up
+  to log2(n) ulp (pairwise summation's bound), so below that no two fp32 runs can be told apart,
+  whatever the noise measurement happened to give (it is often 0 on tiny models).
+
+A real layout bug (a skipped gradient sync, a wrong document mask, a misrouted expert) moves the
+results by 1e-3 or more: orders of magnitude above every bound (docs/testing.md, the fault table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from ndparallel.tools import equivalence
+from ndparallel.tools.equivalence import TrainResult, TrainSetup, compare, make_global_batches
+
+NOISE_SAFETY = 8.0
+FP32_EPS = 2.0**-23
+UNIT_SCALED_QK_NORM = ("gemma4_text",)
+"""Families whose attention multiplies RMS-normalised q and k with scaling 1 (not 1/sqrt(head_dim))."""
+RATIOS_ENV = "NDPARALLEL_EQUIVALENCE_RATIOS"
+"""When set, a file every ``verdict`` appends one JSON line to (the test, each quantity's
+difference / bound): ``bench/kernel_paths.py`` reads the largest."""
+QUANTITIES = {
+    "loss_rel": "loss",
+    "grad_norm_rel": "grad norm",
+    "aux_rel": "aux loss",
+    "param_abs": "parameters",
+}
+
+
+def family_factor(config) -> tuple[float, str]:
+    """sqrt(head_dim) (the largest of its layers) for unit-scaled QK-norm attention, else 1."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "model_type", None) not in UNIT_SCALED_QK_NORM:
+        return 1.0, ""
+    head_dim = max(layer.head_dim for layer in text.per_layer_config)
+    return head_dim**0.5, f"sqrt(head_dim {head_dim}): unit-scaled QK-norm attention"
+
+
+def reversed_rows(setup: TrainSetup) -> TrainSetup:
+    """The same training, every micro-batch's rows in reverse order: equal in real arithmetic."""
+    batches = [[{k: v.flip(0) for k, v in mb.items()} for mb in step] for step in make_global_batches(setup)]
+    return dataclasses.replace(setup, batches=batches)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The largest difference from one process each quantity may show, and where it comes from."""
+
+    limits: dict[str, float]
+    sources: dict[str, str]
+
+    def describe(self, key: str) -> str:
+        return f"{self.limits[key]:.1e} ({self.sources[key]})"
+
+
+def measured_bounds(setup: TrainSetup, first: TrainResult, second: TrainResult) -> Bounds:
+    """The rule above from the reference (``first``) and its second way (``second``)."""
+    noise = compare(first, second)
+    factor, why = family_factor(setup.model_config)
+    steps = max(len(first.losses), 1)
+    n = sum(p.numel() for p in (first.params or {}).values()) or 2
+    ulps = math.log2(n)  # a sum of n terms in another order: up to log2(n) ulp apart (pairwise)
+    rel_floor = ulps * FP32_EPS * steps
+    scale = _largest_finite(first.params or {})
+    limits, sources = {}, {}
+    family = f" × {factor:.1f} ({why})" if factor > 1 else ""
+    for key in QUANTITIES:
+        if key not in noise:
+            continue
+        floor = rel_floor * (scale if key == "param_abs" else 1.0)
+        derived = NOISE_SAFETY * noise[key]
+        limits[key] = max(derived, floor) * factor
+        sources[key] = (
+            f"noise floor {noise[key]:.1e} × {NOISE_SAFETY:g}"
+            if derived >= floor
+            else f"fp32 floor log2({n}) ulp × {steps} steps"
+            + (f" × |p| {scale:.2g}" if key == "param_abs" else "")
+        ) + family
+    return Bounds(limits, sources)
+
+
+def stated_bounds(rel: float, why: str, param_abs: float | None = None) -> Bounds:
+    """Bounds stated with a reason instead of measured (low-precision runs: bf16, fake quantisation)."""
+    limits = {"loss_rel": rel, "grad_norm_rel": rel, "aux_rel": rel}
+    if param_abs is not None:
+        limits["param_abs"] = param_abs
+    return Bounds(limits, dict.fromkeys(limits, why))
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A one-process run and the bounds a layout's run is held to against it."""
+
+    result: TrainResult
+    bounds: Bounds
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    diff: dict
+    ratios: dict[str, float]  # difference / bound per quantity
+    worst: str  # the quantity closest to (or furthest over) its bound
+    bounds: Bounds
+
+    def line(self) -> str:
+        """One line: the largest difference against its bound and the bound's source."""
+        k = self.worst
+        return (
+            f"{QUANTITIES[k]} {self.diff[k]:.1e} is {self.ratios[k]:.2g} of its bound "
+            f"{self.bounds.describe(k)}"
+        )
+
+
+def reference_runs(setup: TrainSetup) -> tuple[TrainResult, TrainResult]:
+    """Inside one rank: the one-process run and its second way (``reversed_rows``)."""
+    from ndparallel.tools.equivalence import train_under_layout
+
+    one = dataclasses.replace(setup, fault=None)
+    return train_under_layout(one, None), train_under_layout(reversed_rows(one), None)
+
+
+def reference_in_rank(setup: TrainSetup, train=None) -> Reference:
+    """Inside one rank: the reference with its measured bounds. ``train(setup) -> TrainResult``:
+    another one-process reference of the same training (e.g. every document as its own sequence),
+    held to the bounds measured on ``setup``'s own two ways."""
+    first, second = reference_runs(setup)
+    return Reference(train(setup) if train is not None else first, measured_bounds(setup, first, second))
+
+
+def verdict(
+    ref: Reference, got: TrainResult, *, params: bool = True, compared: tuple = (), expect_equal: bool = True
+) -> Verdict:
+    """Compare ``got`` with the reference under its bounds; ``params=False`` leaves the parameters
+    out (AdamW: its sqrt(v) turns rounding on near-zero gradients into lr-sized steps). With
+    ``compared``, only those quantities decide."""
+    diff = equivalence.compare(ref.result, got)  # looked up when called: the suite counts these calls
+    keys = [
+        k
+        for k in ref.bounds.limits
+        if k in diff and (params or k != "param_abs") and (not compared or k in compared)
+    ]
+    ratios = {k: _ratio(diff[k], ref.bounds.limits[k]) for k in keys}
+    if not ratios:
+        raise AssertionError(
+            f"nothing to compare: {sorted(diff)} against bounds for {sorted(ref.bounds.limits)}"
+        )
+    worst = max(ratios, key=ratios.get)
+    result = Verdict(all(r <= 1.0 for r in ratios.values()), diff, ratios, worst, ref.bounds)
+    _record(result, expect_equal)
+    return result
+
+
+def assert_matches(ref: Reference, got: TrainResult, **kwargs) -> dict:
+    """Fail unless ``got`` equals the one-process reference under the rule; return the differences."""
+    result = verdict(ref, got, **kwargs)
+    assert result.ok, f"differs from one process: {result.line()}; {result.diff}"
+    return result.diff
+
+
+def assert_differs(ref: Reference, got: TrainResult, margin: float = 100.0, **kwargs) -> Verdict:
+    """A negative control: ``got`` (a broken layout) is over its bound by ``margin`` times at least."""
+    result = verdict(ref, got, expect_equal=False, **kwargs)
+    assert result.ratios[result.worst] >= margin, f"a fault within {margin:g}× its bound: {result.line()}"
+    return result
+
+
+def _largest_finite(params: dict) -> float:
+    """The parameters' largest finite magnitude (Gemma 4's clamp bounds are ±inf), 1 without any."""
+    import torch
+
+    values = [p[torch.isfinite(p)].abs().max() for p in params.values() if torch.isfinite(p).any()]
+    return float(max(values)) if values else 1.0
+
+
+def _ratio(d: float, bound: float) -> float:
+    return 0.0 if d == 0 else math.inf if not bound else d / bound
+
+
+def _record(result: Verdict, expect_equal: bool) -> None:
+    path = os.environ.get(RATIOS_ENV)
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+    line = {"test": test, "expect_equal": expect_equal, "ok": result.ok, "ratios": result.ratios}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def one_process_reference(setup: TrainSetup, keep_options: tuple[str, ...] = (), train=None) -> Reference:
+    """The memoised reference of ``setup`` (built once per process: one 1-rank run of both ways),
+    without its fault and its strategy options except ``keep_options`` (e.g. "qat_options");
+    ``train``: as in ``reference_in_rank``."""
+    kept = {k: v for k, v in setup.parallel_kwargs.items() if k in keep_options}
+    one = dataclasses.replace(setup, parallel_kwargs=kept, fault=None)
+    key = repr((one, train))
+    if key not in _REFERENCES:
+        from ndparallel.runtime.multirank import run_on_ranks
+
+        _REFERENCES[key] = run_on_ranks(reference_in_rank, 1, one, train, timeout_s=600)[0]
+    return _REFERENCES[key]
+
+
+_REFERENCES: dict[str, Reference] = {}
+"""The process's references by setup (a cache: the suite builds each once)."""
