@@ -32,6 +32,8 @@
 # HSDP 2x4 x TP 2 (world 16, seq 2048), Qwen3-8B FSDP 2 x CP 2 x TP 2 (seq 8192), Llama-3.1-70B FSDP 8
 # x TP 8 (world 64), 405B on 512: measured peak memory and compute time vs the planner (step
 # `simulate`). The long-context rows (issue 31): step `long_context` (bench/gpu_long_context.py).
+# Steps `compile` and `fp8` (issue 50): tokens/s and MFU of regional compile and of float8 linears beside
+# eager bf16 and Accelerate, read from perf_2048's JSON (bench/gpu_row.py; measured there when absent).
 # Pipeline parallel (one GPU cannot hold two NCCL stages): step `pipeline_stages`, stage 0 and the
 # last stage of a 2-stage cut of the Llama-3.2-1B shape, fwd/bwd time and memory per micro-batch in flight.
 set -uo pipefail
@@ -63,6 +65,8 @@ CAP_SCALE=$([ "$SMOKE" = 1 ] && echo 4 || echo 1)
 plan_steps() {
   step perf_2048 300 "$PY" bench/gpu_single.py --seqs "$([ "$SMOKE" = 1 ] && echo 32 || echo 2048)" \
     --name gpu_single_2048 $TINY
+  step compile 240 "$PY" bench/gpu_row.py compile $TINY  # perf_2048's compile row; measures it when absent
+  step fp8 240 "$PY" bench/gpu_row.py fp8 $TINY          # perf_2048's float8 row; likewise
   step accelerate_compat 90 "$PY" bench/gpu_accelerate_compat.py $TINY
   step lora_train 90 bash bench/gpu_steps.sh lora_train
   step lora_resume 90 bash bench/gpu_steps.sh lora_resume

@@ -181,13 +181,14 @@ def test_chunked_loss_holds_one_chunk():
     side = 8192 * (6 * 2048 + 4 + 2 * 2048)  # final norm + LM-head input, unchanged
     assert full.logits == 8192 * 128256 * 14 + side
     # at the loss moment: one chunk's fp32 logits + bf16 copy, the bf16 hidden-state gradient, the
-    # fp32 head-weight gradient accumulator (chunked_ce computes the gradients in its forward)
+    # fp32 head-weight gradient accumulator and one chunk's bf16 contribution with its fp32 copy
+    # (chunked_ce computes the gradients in its forward; tests/test_plan_chunked_loss.py measures it)
     from ndparallel.plan.memory import _logits_bytes
 
     s_chunk = Settings(**kw, loss_impl="chunked", loss_chunk_tokens=1024)
     assert (
         _logits_bytes(model, lay, s_chunk, 8192)
-        == (1024 * 128256 * 6 + 8192 * 2048 * 2 + 128256 * 2048 * 4) + side
+        == (1024 * 128256 * 6 + 8192 * 2048 * 2 + 128256 * 2048 * (4 + 2 + 4)) + side
     )
     assert chunked.total < full.total - 10 * 2**30
     # the default chunk follows the runtime: the largest power of two of tokens whose fp32 logits

@@ -81,12 +81,12 @@ def _plan(argv: list[str]) -> int:
         merge_written_config,
         split_config_arg,
     )
-    from ndparallel.config import ConfigError
     from ndparallel.plan.cli import main as plan_main
 
     config, rest = split_config_arg(argv)
-    if config is None:
+    if config is None:  # flags only: the planner alone, no torch import (a fast start)
         return plan_main(rest, description=_SUBCOMMANDS["plan"])
+    from ndparallel.config import ConfigError
     try:
         defaults, said = config_defaults(config, rest)
     except (ConfigError, ValueError) as e:

@@ -15,7 +15,10 @@
 
 from __future__ import annotations
 
-import torch.nn as nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the planner imports this module: no torch at import time
+    import torch.nn as nn
 
 
 def train_flops_per_token(
@@ -28,6 +31,8 @@ def train_flops_per_token(
 def matmul_params(model: nn.Module) -> tuple[int, int]:
     """(N, N_trained) of a model, sharded or not (global shapes), tied weights once: the weights
     of its linear layers; LoRA adapters count as trained only, their frozen base as N."""
+    import torch.nn as nn
+
     seen: set[int] = set()
     n = trained = 0
     for weight, share in _moe_weights(model):  # experts and routers are no nn.Linear
@@ -50,6 +55,8 @@ def matmul_params(model: nn.Module) -> tuple[int, int]:
 def _moe_weights(model: nn.Module) -> list[tuple[nn.Parameter, float]]:
     """(weight, share of it one token multiplies with) of an MoE model's routers (1) and experts
     (top_k / E); empty for a dense model."""
+    import torch.nn as nn
+
     from ndparallel.models.moe import experts_modules, moe_spec, router_modules
 
     spec = moe_spec(model)

@@ -14,11 +14,10 @@ output ``index`` of it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch.nn as nn
 
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+from ndparallel.models.moe_config import config_num_experts
 
 
 @dataclass(frozen=True)
@@ -31,19 +30,6 @@ class MoESpec:
     """``router_aux_loss_coef`` when transformers adds the load-balancing loss to this model's
     training loss (its causal-LM class has one and ``config.output_router_logits`` is true), else
     None (no auxiliary loss: DeepSeek-V3, or the switch off)."""
-
-
-def config_num_experts(config: Any) -> int | None:
-    """Routed experts per MoE layer from an HF config (or its dict), None for a dense model."""
-    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else None
-    if text is not None and text is not config:
-        return config_num_experts(text)
-    for key in _EXPERT_COUNT_KEYS:
-        value = get(key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            return value
-    return None
 
 
 def is_experts_module(module: nn.Module) -> bool:

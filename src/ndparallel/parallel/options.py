@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # the planner imports PipelineOptions: no torch at import time
+    import torch
 
 
 @dataclass(frozen=True)
@@ -179,5 +180,7 @@ class StrategyOptions:
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
             raise TypeError(f"unknown strategy option(s) {unknown}: use {sorted(names)}")
+        import torch
+
         dtype = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
         return cls(param_dtype=dtype, **{names[k]: v for k, v in kwargs.items() if v is not None})

@@ -338,7 +338,7 @@ def run_plan(args) -> int:
                     extras.get("unsharded_grad_accumulation"),
                 )
             else:
-                chosen = result.find(layout) or evaluate_layout(req, layout)
+                chosen = evaluate_layout(req, layout)  # every option, fitting or not
             if args.json:
                 print(json.dumps(explain_json(chosen, result), indent=2, default=str))
             else:

@@ -174,20 +174,41 @@ def _logits_bytes(model: ModelSpec, layout: Layout, s: Settings, tokens: float) 
     loss parallel's fused nll + log-softmax backward (torch.distributed.tensor.parallel.loss)
     holds zeros_like(x), exp(x) and their sum at once = e + 16.
     The chunked loss (``parallel/chunked_ce.py``, the runtime's default) computes its gradients
-    during the forward: one chunk's fp32 logits and their compute-dtype copy (4 + e per logit),
+    during the forward: one chunk's fp32 logits and, under mixed precision, their compute-dtype
+    copy (``chunk_logit_bytes``: 4 + e per logit, 4 in fp32),
     the hidden-state gradient (e per hidden value) and an fp32 LM-head weight-gradient accumulator
-    (4 per weight of the local vocabulary slice); never the full logits."""
+    with, under mixed precision, each chunk's contribution before it is added
+    (``chunk_head_grad_bytes``: 4 + e + 4 per weight of the local vocabulary slice, 4 in fp32);
+    never the full logits."""
     t, e = layout.tp, s.act_bytes
     t_sp = t if s.sequence_parallel else 1
     v_local = -(-model.vocab // t)
     if s.loss_impl == "chunked":
-        out = chunk_tokens(s, v_local, tokens) * v_local * (4 + e)
-        out += tokens * model.hidden * e + v_local * model.hidden * 4
+        out = chunk_tokens(s, v_local, tokens) * v_local * chunk_logit_bytes(e)
+        out += tokens * model.hidden * e + v_local * model.hidden * chunk_head_grad_bytes(e)
     elif s.loss_parallel and t > 1:
         out = tokens * v_local * (e + 16)
     else:
         out = tokens * model.vocab * (e + 12)
     return out + tokens * (((4 + e) * model.hidden + 4) / t_sp + e * model.hidden)
+
+
+def chunk_logit_bytes(e: int) -> int:
+    """Bytes per logit of one chunk of the chunked loss: the fp32 logits, plus their compute-dtype
+    copy (the matmul's output, later the gradient cast back) when that is not fp32 itself — in fp32
+    ``.float()`` and ``.to(weight.dtype)`` return the same tensor (measured 2026-12-06: the
+    planner's fp32 rows were one chunk of fp32 logits over, +7.5 % at FSDP 64, +17.9 % with a 64k
+    vocabulary at hidden 256, ``bench/simulate_heldout.py``)."""
+    return 4 + (e if e != 4 else 0)
+
+
+def chunk_head_grad_bytes(e: int) -> int:
+    """Bytes per LM-head weight (of the local vocabulary slice) while the chunked loss accumulates
+    its weight gradient: the fp32 accumulator, and under mixed precision one chunk's product
+    ``g.t() @ h`` in the compute dtype with its fp32 copy (``grad_w += (g.t() @ h).float()``:
+    e + 4 more); in fp32 ``addmm_`` accumulates in place. Measured on CPU (2026-12-06,
+    ``tests/test_plan_chunked_loss.py``): 203 MiB at a 64k × 256 head in bf16, as counted."""
+    return 4 + (e + 4 if e != 4 else 0)
 
 
 def chunk_tokens(s: Settings, vocab_local: int, tokens: float) -> int:

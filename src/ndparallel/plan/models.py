@@ -270,7 +270,7 @@ def from_hf_config(cfg: dict, name: str = "custom") -> ModelSpec:
 
 def _moe_fields(cfg: dict, name: str) -> dict:
     """The MoE fields of an HF config dict (empty for a dense model); refuses what is not modelled."""
-    from ndparallel.models.moe import config_num_experts
+    from ndparallel.models.moe_config import config_num_experts
 
     experts = config_num_experts(cfg)
     if experts is None:

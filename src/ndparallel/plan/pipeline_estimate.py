@@ -16,6 +16,7 @@ from ndparallel.plan.comms import Collective
 from ndparallel.plan.estimate import Estimate, finish, rank_step
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
+from ndparallel.plan.memory import MemoryBreakdown, estimate_memory
 from ndparallel.plan.models import ModelSpec
 from ndparallel.plan.pipeline import (
     PipelineInfo,
@@ -56,6 +57,16 @@ def pp_rank(
     """Pp rank ``rank`` as a rank of its own: what it runs, that part of ``model``, its settings."""
     shape = rank_shape(model, layout.pp, s.pp_virtual, s.pp_schedule, rank)
     return shape, rank_model(model, shape), rank_settings(s, layout.pp, rank, shape.last)
+
+
+def pipeline_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> MemoryBreakdown:
+    """The memory ``estimate_pipeline`` reports (its larger measured rank's), without the step's
+    time: the search's first cut (``search.evaluate_layout(skip_unfit=True)``)."""
+    mems = []
+    for rank in measured_ranks(layout.pp, s.pp_schedule):
+        _, part, rs = pp_rank(model, layout, s, rank)
+        mems.append(estimate_memory(part, layout, rs, hw))
+    return max(mems, key=lambda m: m.total)
 
 
 def _paced(timeb, s: Settings) -> tuple[float, float]:

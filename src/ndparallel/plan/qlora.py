@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 
-from ndparallel.models.quantized import NF4_BYTES_PER_PARAM
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.models import ModelSpec
 
@@ -61,6 +60,8 @@ def quantized_shard_numel(model: ModelSpec, layout: Layout) -> int:
 
 def nf4_saving(numel: float, s: Settings) -> float:
     """Bytes saved by storing ``numel`` elements as NF4 instead of the compute dtype."""
+    from ndparallel.models.quantized import NF4_BYTES_PER_PARAM  # imports torch: only when asked
+
     return numel * (s.param_compute_bytes - NF4_BYTES_PER_PARAM)
 
 
