@@ -91,9 +91,14 @@ def family_tokenizer(template: str, eos: str = "</s>"):
 
 
 def _setup(name: str, **spec):
+    """The template's renderer, its turn end given as eot_tokens where it is not the eos (unset, only
+    the eos ends a turn, as in Axolotl)."""
     text = named_template(name)
-    tok = family_tokenizer(text, EOS.get(name, "</s>"))
-    renderer = ChatRenderer(tok, text, DatasetSpec(path="x", type="chat_template", **spec))
+    eos = EOS.get(name, "</s>")
+    tok = family_tokenizer(text, eos)
+    end = (END[name] or "").removeprefix("last:")
+    eot = (end,) if end and end != eos and end in tok.get_vocab() else None
+    renderer = ChatRenderer(tok, text, DatasetSpec(path="x", type="chat_template", **spec), eot)
     messages = CONVERSATION[1:] if name in NO_SYSTEM else CONVERSATION
     return tok, renderer, messages
 

@@ -62,10 +62,12 @@ def test_train_on_inputs_trains_every_token(tok):
     assert labels == ids
 
 
-def _chat(tok, record, **spec_kw):
+def _chat(tok, record, eot=("<|eot_id|>",), **spec_kw):
+    """Llama 3's template under a base model's eos: the turn token is given as eot_tokens (unset,
+    only the eos ends a turn, as in Axolotl: test_chat_eot_tokens)."""
     spec = DatasetSpec(path="x", type="chat_template", **spec_kw)
     template = resolve_template(tok, spec.chat_template, None, "t")
-    return encode(tok, render(record, spec, "t", ChatRenderer(tok, template, spec)))
+    return encode(tok, render(record, spec, "t", ChatRenderer(tok, template, spec, eot)))
 
 
 def test_chat_template_trains_exactly_the_assistant_turns(tok):
@@ -117,21 +119,33 @@ def test_chat_train_on_eot_governs_turn_tokens_that_are_not_the_eos(
 
 
 def test_chat_eot_tokens(tok):
+    """eot_tokens unset: the turn end is the eos (<|end_of_text|>), which Llama 3's template does not
+    use, so no turn end is trained, as in Axolotl, and eot_warning says so with the fix; set, the
+    <|eot_id|> of trained turns is trained."""
+    from ndparallel.data.chat import eot_warning
+
     record = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Yo."}]}
     spec = DatasetSpec(path="x", type="chat_template")
     template = resolve_template(tok, None, None, "t")
     default = encode(tok, render(record, spec, "t", ChatRenderer(tok, template, spec)))
     explicit = encode(tok, render(record, spec, "t", ChatRenderer(tok, template, spec, ("<|eot_id|>",))))
-    assert explicit == default
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    assert default[0] == explicit[0]
+    assert [lab == eot for i, lab in zip(*default) if i == eot] == [False, False]
+    assert [lab == eot for i, lab in zip(*explicit) if i == eot] == [False, True]
+    warning = eot_warning(template, tok.eos_token, None, "datasets[0]")
+    assert "no turn end is trained" in warning and "set eot_tokens: [<|eot_id|>]" in warning
+    assert eot_warning(template, tok.eos_token, ("<|eot_id|>",), "datasets[0]") is None
     with pytest.raises(ValueError, match=r"eot_tokens: '<\|im_end\|>' is not a token of the tokenizer"):
         ChatRenderer(tok, template, spec, ("<|im_end|>",))
 
 
 def test_chat_roles_to_train_and_sharegpt_with_chatml(tok):
     record = {"conversations": [{"from": "human", "value": "Hi there."}, {"from": "gpt", "value": "Hello."}]}
-    ids, labels = _chat(tok, record, chat_template="chatml", roles_to_train=("user", "assistant"))
+    ids, labels = _chat(tok, record, eot=None, chat_template="chatml", roles_to_train=("user", "assistant"))
     runs = [tok.decode(r) for r in _trained_runs(ids, labels)]
-    assert runs == ["Hi there.<|im_end|>", "Hello.<|im_end|>"]
+    # <|im_end|> is not one token of this tokenizer and the eos is not in ChatML: no turn end trained
+    assert runs == ["Hi there.", "Hello."]
     assert tok.decode(ids).startswith("<|im_start|>user\nHi there.")
 
 
@@ -245,9 +259,10 @@ def test_lengths_truncate_drop_split_and_untrained(tok, tmp_path):
     long = {"instruction": "word " * 300, "input": "", "output": "ok."}
     data = write_jsonl(tmp_path / "a.jsonl", [*alpaca_records(3), long])
     spec = {"path": str(data), "type": "alpaca"}
-    truncated = _prepare(tok, [spec], sequence_len=256)  # cut inside the prompt: no trained token left
+    # cut inside the prompt: no trained token left
+    truncated = _prepare(tok, [spec], sequence_len=256, excess_length_strategy="truncate")
     assert truncated.stats.truncated == 1 and truncated.stats.dropped_untrained == 1 and len(truncated) == 3
-    dropped = _prepare(tok, [spec], sequence_len=256, excess_length_strategy="drop")
+    dropped = _prepare(tok, [spec], sequence_len=256)  # Axolotl's default: drop
     assert dropped.stats.dropped_too_long == 1 and dropped.stats.dropped_untrained == 0 and len(dropped) == 3
     text = write_jsonl(tmp_path / "t.jsonl", [{"text": "word " * 150}])
     split = _prepare(tok, [{"path": str(text), "type": "completion"}])
@@ -376,9 +391,20 @@ def test_custom_format_system_column_and_defaults(tok):
     fmt = {"format": "Q: {instruction} {input}\nA: ", "field_system": "sys", "field_output": "answer"}
     spec = DatasetSpec.from_any({"path": "x", "type": fmt})
     with_system = render({"instruction": "hi", "sys": "S. ", "answer": "yo"}, spec, "t")
-    assert with_system.segments == [("S. Q: hi \nA: ", False), ("yo", True)]  # system_format '{system}'
+    # system_format '{system}'; no input and no no_input_format: Axolotl's default "{instruction} "
+    assert with_system.segments == [("S. hi ", False), ("yo", True)]
     no_system = render({"instruction": "hi", "input": "there", "answer": "yo"}, spec, "t")
-    assert no_system.segments == [("Q: hi there\nA: ", False), ("yo", True)]  # no no_input_format: format
+    assert no_system.segments == [("Q: hi there\nA: ", False), ("yo", True)]
+    spaces = render({"instruction": "hi", "input": " ", "answer": "yo"}, spec, "t")
+    assert spaces.segments == [
+        ("Q: hi  \nA: ", False),
+        ("yo", True),
+    ]  # spaces are an input (Axolotl's `if input`)
+    fields_only = DatasetSpec.from_any({"path": "x", "type": {"field_instruction": "q"}})
+    axolotl_defaults = render(
+        {"q": "hi", "input": "there", "output": "yo", "system": "S: "}, fields_only, "t"
+    )
+    assert axolotl_defaults.segments == [("S: hi there ", False), ("yo", True)]
     with pytest.raises(ValueError, match="t: column 'answer' is missing or null"):
         render({"instruction": "hi"}, spec, "t")
 
@@ -386,7 +412,6 @@ def test_custom_format_system_column_and_defaults(tok):
 @pytest.mark.parametrize(
     "fmt, fragment",
     [
-        ({"field_instruction": "q"}, "type.format is required"),
         ({"format": "{instruction} {question}"}, "type.format: placeholder(s) ['question'] are not filled"),
         (
             {"format": "{instruction}", "no_input_format": "{instruction} {input}"},

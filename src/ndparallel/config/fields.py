@@ -296,6 +296,10 @@ class DataSourceFields(_Strict):
     sample_packing_sequentially: bool = False
     """sample_packing: fill rows in dataset order (next fit) instead of longest first (first fit
     decreasing); with curriculum_sampling the samples are seen in the order of the data."""
+    sample_packing_boundary_targets: bool = False
+    """sample_packing: train each packed sample's last token to predict the next sample's first token
+    where that token is trained (Axolotl's packed rows: a completion piece, train_on_inputs); default
+    false: the label across a sample boundary is -100, so packed samples train as they do alone."""
 
     @field_validator("revision_of_model", mode="before")
     @classmethod

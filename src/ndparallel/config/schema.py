@@ -165,16 +165,18 @@ class TrainConfig(
     """Rows always sequence_len long (fixed shapes); false: each micro-batch cut after its longest row."""
     train_on_inputs: bool = False
     """Train on the prompt too (default: its labels are -100, only the answer is learned)."""
-    excess_length_strategy: Literal["truncate", "drop", "raise"] = "truncate"
-    """A fine-tuning sample longer than sequence_len (raw text is cut into pieces instead)."""
+    excess_length_strategy: Literal["truncate", "drop", "raise"] = "drop"
+    """A fine-tuning sample longer than sequence_len: dropped (Axolotl's default; the count is said
+    before launch), truncated (an answer cut with no eos) or refused. Raw text is cut into pieces."""
     chat_template: str | None = None
     """Template of chat_template datasets: tokenizer_default (default), one of Axolotl's named templates
     (chatml, llama3, qwen3, gemma3, phi_3, mistral_v7_tekken, ...: ``data/chat_templates``), or jinja."""
     chat_template_jinja: str | None = None
     """A Jinja chat template (text or a .jinja file) for chat_template: jinja."""
     eot_tokens: list[str] | None = None
-    """Tokens that end a chat turn (default: the eos and the turn tokens the template uses, such as
-    <|eot_id|>); trained per each dataset's train_on_eot."""
+    """Tokens that end a chat turn, besides the eos (default: only the eos, as in Axolotl: a template
+    ending turns with another token, such as ChatML's <|im_end|> under a base model's eos, then trains
+    no turn end, said before launch); trained per each dataset's train_on_eot."""
     special_tokens: SpecialTokens | None = None
     """bos/eos/pad/unk tokens set on the tokenizer; one not in its vocabulary is added (new row)."""
     tokens: list[str] | None = None
@@ -445,4 +447,5 @@ class TrainConfig(
             num_proc=self.dataset_processes,
             deduplicate=self.dataset_exact_deduplication,
             sequential_packing=self.sample_packing_sequentially,
+            boundary_targets=self.sample_packing_boundary_targets,
         )

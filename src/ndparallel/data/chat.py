@@ -13,9 +13,12 @@ default ``["assistant"]``) the content — and its reasoning text, ``field_think
 template renders it — is trained; the role header never is; the end-of-turn token (the eos, or a
 turn token the template uses such as ``<|eot_id|>``/``<|im_end|>``) per ``train_on_eos``:
 ``turn`` (of trained turns, the default), ``all``, ``last`` (the last turn's), ``none`` — and
-``train_on_eot`` for an end-of-turn token that is not the eos (default: as ``train_on_eos``);
-``eot_tokens`` (the run's) replaces the detected turn tokens.
-``train_on_inputs: true`` trains everything instead (``encode.py``).
+``train_on_eot`` for an end-of-turn token that is not the eos (default: as ``train_on_eos``).
+The end-of-turn tokens are the eos and the run's ``eot_tokens``, those the template uses; with
+``eot_tokens`` unset only the eos, as in Axolotl: a template that ends turns with another token
+(ChatML's ``<|im_end|>`` under a base model's eos) then trains no turn end, said before launch.
+``train_on_inputs: true`` trains the turns of every role (content and end of turn, as
+``roles_to_train`` would), never the role headers, as Axolotl does.
 """
 
 from __future__ import annotations
@@ -108,6 +111,32 @@ def resolve_template(tokenizer, name: str | None, jinja: str | None, where: str)
     return own if own and own.strip() == text.strip() else text
 
 
+def turn_tokens(template: str, eos: str | None, eot_tokens: tuple[str, ...] | None) -> list[str]:
+    """The tokens that end a turn: the eos and ``eot_tokens``, those the template uses. With
+    ``eot_tokens`` unset only the eos, as in Axolotl (a ChatML template under a base model's eos
+    then trains no turn end: ``eot_warning`` says so before launch)."""
+    candidates = (eos, *(eot_tokens or ()))
+    return [
+        t
+        for t in dict.fromkeys(candidates)
+        if t and (t in template or (t == eos and "eos_token" in template))
+    ]
+
+
+def eot_warning(template: str, eos: str | None, eot_tokens: tuple[str, ...] | None, where: str) -> str | None:
+    """With ``eot_tokens`` unset and an eos the template does not use: the line saying that no turn
+    end is trained (Axolotl's warning) and which ``eot_tokens`` would train it."""
+    if eot_tokens or turn_tokens(template, eos, None):
+        return None
+    used = [t for t in TURN_TOKENS if t in template]
+    fix = f"set eot_tokens: [{used[0]}] to train it" if used else "set eot_tokens to the template's turn end"
+    return (
+        f"{where}: eot_tokens is unset, so the turn end is the eos {eos!r}, which the chat template does "
+        f"not use: no turn end is trained (as in Axolotl, which warns \"EOS token '{eos}' not found in "
+        f"chat_template; the turn terminator won't be trained\"); {fix}"
+    )
+
+
 class ChatRenderer:
     """Renders one dataset's conversations into trained / untrained segments."""
 
@@ -118,6 +147,7 @@ class ChatRenderer:
         spec: DatasetSpec,
         eot_tokens: tuple[str, ...] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        train_on_inputs: bool = False,
     ):
         for name in ("train_on_eos", "train_on_eot"):
             value = getattr(spec, name)
@@ -131,6 +161,7 @@ class ChatRenderer:
                 {str(s): str(target) for s in ([sources] if isinstance(sources, str) else sources)}
             )
         self.roles_to_train = {self.role_names.get(r, r) for r in spec.roles_to_train}
+        self.train_on_inputs = train_on_inputs  # every role's turns trained (Axolotl's reading)
         self.thinking = (
             spec.field_thinking or "reasoning_content",
             spec.template_thinking_key or spec.field_thinking or "reasoning_content",
@@ -142,12 +173,7 @@ class ChatRenderer:
                 raise ValueError(
                     f"eot_tokens: {t!r} is not a token of the tokenizer (add it with tokens: [{t}])"
                 )
-        candidates = (eos, *eot_tokens) if eot_tokens else (eos, *TURN_TOKENS)
-        self.turn_tokens = [
-            t
-            for t in dict.fromkeys(candidates)
-            if t and (t in template or (t == eos and "eos_token" in template))
-        ]
+        self.turn_tokens = turn_tokens(template, eos, eot_tokens)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -209,7 +235,7 @@ class ChatRenderer:
         return segments
 
     def _trained(self, message: dict) -> bool:
-        return message["role"] in self.roles_to_train
+        return self.train_on_inputs or message["role"] in self.roles_to_train
 
     def _end_policy(self, messages: list[dict], i: int) -> tuple[bool, bool]:
         """Whether turn ``i``'s end token is trained: (when it is the eos, when it is another token)."""

@@ -1,10 +1,14 @@
 """Rendered samples -> ``input_ids`` and ``labels`` (the token id where trained, -100 elsewhere).
 
-The sample's text is tokenized once, whole (so the tokens are the ones the model would see at
-inference), with offsets: a token is trained when one of its characters lies in a trained segment
-(so a token that joins a header's space to the answer's first word, as `` the`` after Jamba's
-``<|assistant|>``, is learned with the answer). Tokens the tokenizer adds itself (a BOS) are not trained; an appended eos is trained
-when the last segment is. ``train_on_inputs`` trains every token. ``labels`` are per token, not
+A prompt and its answer (``Rendered.separately``: alpaca, jeopardy, custom formats) are tokenised
+apart, as Axolotl does and as inference sees them (the prompt alone is tokenised, then the model
+writes): no token straddles the boundary (Llama 3's ``:\n\n``), the answer's tokens are trained.
+Other samples (chat templates, segments) are tokenised once, whole, with offsets: a token is
+trained when one of its characters lies in a trained segment (so a token that joins a header's
+space to the answer's first word, as `` the`` after Jamba's ``<|assistant|>``, is learned with the
+answer). Tokens the tokenizer adds itself (a BOS) are not trained; an appended eos is trained
+when the last segment is. ``train_on_inputs`` trains every token (of a chat: every turn, as
+Axolotl, by ``chat.ChatRenderer``; the role headers stay untrained). ``labels`` are per token, not
 shifted (Axolotl's convention); the rows built from them hold the shifted ones.
 
 ``tokenize_samples`` maps a dataset of records through this (batched ``datasets.map``), cached in
@@ -28,11 +32,13 @@ from ndparallel.parallel.loss import IGNORE_INDEX
 from .dataset import DatasetSpec, cached_map, tokenizer_hash
 from .prompts import Rendered, render
 
-_VERSION = 2  # bump when the encoding changes, to invalidate cached results
+_VERSION = 4  # bump when the encoding changes, to invalidate cached results
 
 
 def encode(tokenizer, rendered: Rendered, train_on_inputs: bool = False) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of one rendered sample."""
+    if rendered.separately:
+        return _encode_apart(tokenizer, rendered, train_on_inputs)
     text = "".join(t for t, _ in rendered.segments)
     enc = tokenizer(text, add_special_tokens=rendered.add_special_tokens, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
@@ -57,6 +63,30 @@ def encode(tokenizer, rendered: Rendered, train_on_inputs: bool = False) -> tupl
         last = next((f for t, f in reversed(rendered.segments) if t), True)
         ids.append(tokenizer.eos_token_id)
         labels.append(tokenizer.eos_token_id if (last or train_on_inputs) else IGNORE_INDEX)
+    return ids, labels
+
+
+def _encode_apart(tokenizer, rendered: Rendered, train_on_inputs: bool) -> tuple[list[int], list[int]]:
+    """Each segment tokenised alone (the first with the tokenizer's special tokens, the others
+    without its BOS), then an eos (Axolotl's ``_tokenize`` of the prompt, then of the response)."""
+    ids: list[int] = []
+    labels: list[int] = []
+    bos = tokenizer.bos_token_id
+    for text, trained in rendered.segments:
+        if not text:
+            continue
+        part = list(tokenizer(text, add_special_tokens=rendered.add_special_tokens)["input_ids"])
+        if ids and part and part[0] == bos:
+            part = part[1:]
+        first_bos = not ids and part and part[0] == bos and not train_on_inputs
+        ids += part
+        marks = part if (trained or train_on_inputs) else [IGNORE_INDEX] * len(part)
+        labels += [IGNORE_INDEX, *marks[1:]] if first_bos else marks
+    eos = tokenizer.eos_token_id
+    if rendered.append_eos and eos is not None and (not ids or ids[-1] != eos):
+        last = next((f for t, f in reversed(rendered.segments) if t), True)
+        ids.append(eos)
+        labels.append(eos if (last or train_on_inputs) else IGNORE_INDEX)
     return ids, labels
 
 
@@ -85,7 +115,7 @@ def tokenize_samples(
             template = resolve_template(tokenizer, spec.chat_template, spec.chat_template_jinja, where)
         else:
             template = resolve_template(tokenizer, chat_template, chat_template_jinja, where)
-        chat = ChatRenderer(tokenizer, template, spec, eot_tokens, template_kwargs)
+        chat = ChatRenderer(tokenizer, template, spec, eot_tokens, template_kwargs, train_on_inputs)
         from .chat_check import chat_problem
 
         problem = chat_problem(records, spec, chat.role_names, where)
@@ -97,8 +127,10 @@ def tokenize_samples(
         columns = list(batch)
         for row, index in enumerate(indices):
             record = {c: batch[c][row] for c in columns}
-            ids, labels = encode(
-                tokenizer, render(record, spec, f"{where} row {index}", chat), train_on_inputs
+            ids, labels = encode(  # a chat's train_on_inputs: every turn trained, by the renderer
+                tokenizer,
+                render(record, spec, f"{where} row {index}", chat),
+                train_on_inputs and chat is None,
             )
             out["input_ids"].append(ids)
             out["labels"].append(labels)

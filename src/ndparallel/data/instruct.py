@@ -5,11 +5,14 @@ strings; the result is the prompt (not trained unless ``train_on_inputs``), the 
 the answer (trained, then eos)::
 
     prompt = system_format.format(system=...)          # when there is a system text
-           + format.format(instruction=..., input=...)  # when the input is non-empty
-             or no_input_format.format(instruction=...) # otherwise (default: format, input "")
+           + format.format(instruction=..., input=...)  # when the input is non-empty (spaces count)
+             or no_input_format.format(instruction=...) # otherwise
 
-The system text is the record's ``field_system`` column when set and present, else
-``system_prompt``. Placeholders other than these are refused when the config is read.
+Unset keys take Axolotl's defaults: ``format: "{instruction} {input} "``, ``no_input_format:
+"{instruction} "``, ``system_format: "{system}"``, columns ``instruction``, ``input``, ``output`` and
+``system``. The system text is the record's ``field_system`` column when present and not null, else
+``system_prompt`` (Axolotl gives a null one no system text at all: docs/axolotl.md's differences).
+Placeholders other than these are refused when the config is read.
 """
 
 from __future__ import annotations
@@ -31,12 +34,12 @@ _PLACEHOLDERS = {
 
 @dataclass(frozen=True)
 class InstructFormat:
-    format: str
-    no_input_format: str | None = None
+    format: str = "{instruction} {input} "
+    no_input_format: str = "{instruction} "
     field_instruction: str = "instruction"
     field_input: str | None = "input"
     field_output: str = "output"
-    field_system: str | None = None
+    field_system: str | None = "system"
     system_prompt: str = ""
     system_format: str = "{system}"
 
@@ -47,11 +50,6 @@ class InstructFormat:
         unknown = sorted(set(d) - set(known))
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {unknown} in a custom format; allowed: {known}")
-        if not d.get("format"):
-            raise ValueError(
-                f"{where}.format is required: the prompt around {{instruction}} and {{input}}, "
-                "e.g. '[INST] {instruction} {input} [/INST]'"
-            )
         values = {k: v for k, v in d.items() if v is not None}
         for key, value in values.items():
             if not isinstance(value, str):
@@ -97,10 +95,8 @@ def render_prompt(record: Mapping[str, Any], fmt: InstructFormat, where: str) ->
         else fmt.system_prompt
     )
     prompt = fmt.system_format.format(system=system) if system else ""
-    if extra.strip():
+    if extra:
         prompt += fmt.format.format(instruction=instruction, input=extra)
-    elif fmt.no_input_format is not None:
-        prompt += fmt.no_input_format.format(instruction=instruction)
     else:
-        prompt += fmt.format.format(instruction=instruction, input="")
+        prompt += fmt.no_input_format.format(instruction=instruction)
     return prompt, text(fmt.field_output, True)

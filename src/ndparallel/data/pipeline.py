@@ -2,7 +2,8 @@
 
 Two ways to make rows of ``sequence_len`` tokens:
 
-* **concatenate** (only raw-text datasets and ``sample_packing`` unset; ``packing.build_blocks``):
+* **concatenate** (only raw-text datasets other than ``type: completion``, and ``sample_packing``
+  unset; ``packing.build_blocks``):
   every document ends with eos and all are concatenated and cut into blocks, attention running
   across documents: the pre-training practice, and what the built-in quickstart uses.
 * **samples** (any fine-tuning type, or ``sample_packing`` set): each record is one sample with
@@ -47,7 +48,7 @@ class DataOptions:
     sequence_len: int
     sample_packing: bool | None = None
     train_on_inputs: bool = False
-    excess_length_strategy: str = "truncate"
+    excess_length_strategy: str = "drop"
     chat_template: str | None = None  # the run's default for chat_template datasets
     chat_template_jinja: str | None = None  # the run's Jinja template (chat_template: jinja)
     chat_template_kwargs: dict | None = None  # extra variables of the chat template
@@ -58,11 +59,18 @@ class DataOptions:
     num_proc: int | None = None
     deduplicate: bool = False  # drop samples repeating an earlier one's tokens and labels
     sequential_packing: bool = False  # sample_packing by next fit in dataset order
+    boundary_targets: bool = (
+        False  # sample_packing: a sample's last token predicts the next's first (Axolotl)
+    )
 
 
 def concatenates(specs: Iterable[DatasetSpec], sample_packing: bool | None) -> bool:
-    """Whether the run uses the concatenate-and-cut blocks rather than whole samples."""
-    return sample_packing is None and all(s.raw for s in specs)
+    """Whether the run uses the concatenate-and-cut blocks rather than whole samples: raw text files
+    and the built-in corpus with ``sample_packing`` unset. ``type: completion`` is Axolotl's: each
+    document cut into its own ``sequence_len`` pieces, one per padded row (no attention across
+    documents)."""
+    specs = list(specs)
+    return sample_packing is None and all(s.raw and s.type != "completion" for s in specs)
 
 
 @dataclass
@@ -165,6 +173,7 @@ def build_rows(specs: list[DatasetSpec], tokenizer, options: DataOptions, cache_
             if options.deduplicate or options.sequential_packing
             else []
         ),
+        *([tokenizer.bos_token_id] if options.boundary_targets and options.sample_packing else []),
     ]  # keys of older caches stay valid
     key = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:32]
     directory = None if cache_dir is None else Path(cache_dir) / "rows" / key
@@ -196,8 +205,16 @@ def _write(
         "fill": float(lengths.sum() / (n_rows * options.sequence_len)),
         **prepared.stats.as_dict(),
     }
+    boundary = tokenizer.bos_token_id if options.boundary_targets and options.sample_packing else None
     return write_rows(
-        prepared.tables, prepared.samples, row_of, options.sequence_len, pad_id, directory, meta
+        prepared.tables,
+        prepared.samples,
+        row_of,
+        options.sequence_len,
+        pad_id,
+        directory,
+        meta,
+        boundary_targets=boundary,
     )
 
 

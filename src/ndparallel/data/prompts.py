@@ -6,9 +6,10 @@ tokens (a BOS) and whether an eos is appended (trained when the last segment is)
 turns it into ``input_ids`` and ``labels`` (-100 where not trained). Types (Axolotl's names):
 
 * ``alpaca``: columns ``instruction``, ``input`` (optional), ``output``. The prompt is Alpaca's
-  (``### Instruction: ... ### Response:``), the answer is ``output`` + eos. ``alpaca:<style>``
-  uses Axolotl's other turn formats (``chat``: ``USER: ... ASSISTANT:``, ``chatml``, ``phi``) with
-  the same system text.
+  (``### Instruction: ... ### Response:``; the "with input" one when ``input`` is non-empty, spaces
+  included, as in Axolotl), the answer is ``output`` + eos, tokenised apart from the prompt.
+  ``alpaca:<style>`` uses Axolotl's other turn formats (``chat``: ``USER: ... ASSISTANT:``,
+  ``chatml``, ``phi``) with the same system text.
 * ``completion`` / ``pretrain`` (and the raw-text file types): the ``text_field`` column, all trained.
 * ``jeopardy``: columns ``question``, ``category``, ``answer``: the Alpaca prompt (clue as
   instruction, category as input), the answer trained as ``what is <answer>`` (Axolotl's).
@@ -77,6 +78,7 @@ class Rendered:
     segments: list[Segment]
     add_special_tokens: bool = True  # the tokenizer's own BOS convention
     append_eos: bool = True  # an eos id after the text, trained when the last segment is
+    separately: bool = False  # each segment tokenised alone (a prompt and its answer, as Axolotl)
 
 
 def render(record: Mapping[str, Any], spec: DatasetSpec, where: str, chat=None) -> Rendered:
@@ -91,7 +93,7 @@ def render(record: Mapping[str, Any], spec: DatasetSpec, where: str, chat=None) 
         return jeopardy(record, where)
     if spec.format is not None:
         prompt, output = render_prompt(record, spec.format, where)
-        return Rendered([(prompt, False), (output, True)])
+        return Rendered([(prompt, False), (output, True)], separately=True)
     if chat is None:
         raise ValueError(f"{where}: type chat_template needs a chat template")
     return Rendered(chat.segments(record, where), add_special_tokens=False, append_eos=False)
@@ -103,11 +105,11 @@ def alpaca(record: Mapping[str, Any], where: str, style: str = "instruct") -> Re
     if extra is not None and not isinstance(extra, str):
         raise ValueError(f"{where}: 'input' is a {type(extra).__name__}, not text")
     system, with_input, without = ALPACA_TURNS[style]
-    if extra and extra.strip():
+    if extra:  # Axolotl's test: an input of spaces only is an input
         prompt = system.format(system=ALPACA_SYSTEM) + with_input.format(instruction=instruction, input=extra)
     else:
         prompt = system.format(system=ALPACA_SYSTEM_NO_INPUT) + without.format(instruction=instruction)
-    return Rendered([(prompt, False), (_text(record, "output", where), True)])
+    return Rendered([(prompt, False), (_text(record, "output", where), True)], separately=True)
 
 
 def jeopardy(record: Mapping[str, Any], where: str) -> Rendered:

@@ -90,10 +90,12 @@ def write_rows(
     pad_id: int,
     directory: Path | None,
     meta: dict,
+    boundary_targets: int | None = None,
 ) -> RowStore:
     """Write the rows (``row_of[k]``: the row of ``samples[k]``; rows numbered from 0) to
     ``directory`` (built in a temporary directory, then renamed: it appears complete or not at
-    all); ``None``: in memory."""
+    all); ``None``: in memory. ``boundary_targets`` (the BOS id, or -1 when there is none):
+    Axolotl's packed labels (``_boundary_target``)."""
     order, starts = rows_of(row_of)
     tmp = None
     if directory is not None:
@@ -109,7 +111,7 @@ def write_rows(
     n_rows = len(starts) - 1
     out = {c: alloc(c, (n_rows, sequence_len)) for c in COLUMNS}
     lengths = alloc("lengths", (n_rows,))
-    _fill(tables, samples, order, starts, sequence_len, pad_id, out, lengths)
+    _fill(tables, samples, order, starts, sequence_len, pad_id, out, lengths, boundary_targets)
     if tmp is None:
         return RowStore(out, lengths)
     for array in (*out.values(), lengths):
@@ -129,19 +131,22 @@ def _fill(
     pad_id: int,
     out: dict[str, np.ndarray],
     lengths: np.ndarray,
+    boundary_targets: int | None = None,
 ) -> None:
     ramp = np.arange(sequence_len, dtype=np.int32)
     for r in range(len(starts) - 1):
         members = order[starts[r] : starts[r + 1]]
         ids_row, lab_row, pos_row = out["input_ids"][r], out["shift_labels"][r], out["position_ids"][r]
         offset = 0
-        for k in members:
+        for i, k in enumerate(members):
             table, row, start, end = (int(v) for v in samples[k])
             ids, labels = tables[table].get(row)
             n = end - start
             ids_row[offset : offset + n] = ids[start:end]
             lab_row[offset : offset + n - 1] = labels[start + 1 : end]
             lab_row[offset + n - 1] = IGNORE_INDEX
+            if boundary_targets is not None and i + 1 < len(members):
+                lab_row[offset + n - 1] = _boundary_target(tables, samples[members[i + 1]], boundary_targets)
             pos_row[offset : offset + n] = ramp[:n]
             offset += n
         ids_row[offset:] = pad_id
@@ -149,3 +154,16 @@ def _fill(
         last = int(pos_row[offset - 1]) + 1
         pos_row[offset:] = ramp[last : last + sequence_len - offset]
         lengths[r] = offset
+
+
+def _boundary_target(tables: list[TokenTable], sample: np.ndarray, bos: int | None) -> int:
+    """The label Axolotl's packed row gives the token before ``sample``: its first token where
+    Axolotl's labels train it (labels = input_ids there: a trained first token, or a BOS the
+    tokenizer added before a trained token, whose label ndparallel leaves at -100), else -100."""
+    table, row, start, end = (int(v) for v in sample)
+    ids, labels = tables[table].get(row)
+    if labels[start] != IGNORE_INDEX:
+        return int(labels[start])
+    if bos is not None and ids[start] == bos and end - start > 1 and labels[start + 1] != IGNORE_INDEX:
+        return int(ids[start])
+    return IGNORE_INDEX

@@ -5,8 +5,8 @@
 
 ``select_samples`` decides, per sample, the token span that goes into rows of ``sequence_len``:
 raw text longer than a row is cut into consecutive pieces (nothing is lost); a fine-tuning sample
-longer than a row is truncated (``excess_length_strategy: truncate``, the default) or dropped
-(``drop``); samples left with no trained label (nothing to learn: e.g. only a prompt) are
+longer than a row is dropped (``excess_length_strategy: drop``, the default, as Axolotl) or
+truncated (``truncate``); samples left with no trained label (nothing to learn: e.g. only a prompt) are
 dropped. The result is an ``[n, 4]`` array of ``(table, row, start, end)`` and the counts.
 """
 
@@ -94,7 +94,7 @@ def select_samples(
     tables: list[TokenTable],
     raw: list[bool],
     sequence_len: int,
-    excess_length_strategy: str = "truncate",
+    excess_length_strategy: str = "drop",
     min_len: int | None = None,
 ) -> tuple[np.ndarray, SelectionStats]:
     """``(table, row, start, end)`` of every sample that goes into rows, in dataset order. With

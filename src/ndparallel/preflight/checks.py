@@ -139,13 +139,17 @@ def data_given(p: Preflight) -> None:
         raise ConfigError(problem)
 
 
-def local_inputs(p: Preflight) -> None:
+def local_inputs(p: Preflight) -> list[str]:
     """Trackers, device, output_dir, resume checkpoint, tokenizer and every dataset (prepared and
-    cached); the vocabulary the tokenizer adds, which the layout checks after this one then see."""
-    from ndparallel.preflight.local import _check_added_tokens, check_local_inputs
+    cached); the vocabulary the tokenizer adds, which the layout checks after this one then see.
+    Notes: what Axolotl would warn about the prepared data (``data_notes.prepared_notes``)."""
+    from ndparallel.preflight.data_notes import prepared_notes
+    from ndparallel.preflight.local import _check_added_tokens, check_local_inputs, quiet_datasets
 
     tokenizer = check_local_inputs(p.cfg, check_output=p.check_output)
     _check_added_tokens(p.cfg, tokenizer, p.hf)
+    with quiet_datasets():
+        return prepared_notes(p.cfg, tokenizer)
 
 
 def family_layout(p: Preflight) -> None:

@@ -37,3 +37,51 @@ def data_notes(cfg) -> list[str]:
                 "settings, so another config's cache is never reused)"
             )
     return notes
+
+
+def prepared_notes(cfg, tokenizer) -> list[str]:
+    """What the prepared data holds that Axolotl would warn about: samples longer than
+    ``sequence_len`` dropped (or truncated), and chat templates whose turn end is not trained
+    because ``eot_tokens`` is unset. Reads the cached tokenized datasets (``prepare_data`` made them)."""
+    from ndparallel.data.chat import eot_warning, resolve_template
+    from ndparallel.data.dataset import DatasetSpec
+    from ndparallel.data.pipeline import concatenates, prepare_samples, tokenize_specs
+    from ndparallel.training.build import data_cache_dir
+
+    if not cfg.datasets:
+        return []
+    specs = [DatasetSpec.from_any(d.model_dump(), f"datasets[{i}]") for i, d in enumerate(cfg.datasets)]
+    notes = []
+    for i, spec in enumerate(specs):
+        if spec.type != "chat_template":
+            continue
+        name, jinja = (
+            (spec.chat_template, spec.chat_template_jinja)
+            if spec.chat_template or spec.chat_template_jinja
+            else (cfg.chat_template, cfg.chat_template_jinja)
+        )
+        template = resolve_template(tokenizer, name, jinja, f"datasets[{i}]")
+        warning = eot_warning(
+            template, tokenizer.eos_token, tuple(cfg.eot_tokens or ()) or None, f"datasets[{i}]"
+        )
+        if warning:
+            notes.append(warning)
+    if concatenates(specs, cfg.sample_packing):
+        return notes
+    options, cache = cfg.data_options(), data_cache_dir(cfg)
+    stats = prepare_samples(
+        specs, tokenizer, options, cache, tokenize_specs(specs, tokenizer, options, cache)
+    ).stats
+    if stats.dropped_too_long:
+        notes.append(
+            f"datasets: {stats.dropped_too_long} of {stats.records} samples are longer than sequence_len="
+            f"{cfg.sequence_len} and are dropped (excess_length_strategy: drop, Axolotl's default; Axolotl "
+            'says "Dropped N sequences outside valid range"); truncate keeps them cut'
+        )
+    if stats.truncated:
+        notes.append(
+            f"datasets: {stats.truncated} of {stats.records} samples are longer than sequence_len="
+            f"{cfg.sequence_len} and are truncated (excess_length_strategy: truncate: an answer cut "
+            "without its eos)"
+        )
+    return notes

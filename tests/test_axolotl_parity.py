@@ -1,0 +1,162 @@
+"""ndparallel's training examples against Axolotl 0.19.0's own, example by example.
+
+``tests/fixtures/axolotl/parity/`` holds what ``bench/peers/axolotl.py`` recorded by running Axolotl
+itself (``axolotl preprocess``'s steps) on each case of ``cases.json``, with the local tokenizer
+(``model/``) and data (``data/``) there. Here the same configs go through ndparallel's data pipeline
+(``load_config`` -> ``tokenize_specs`` -> ``prepare_samples``: what ``ndparallel preprocess --json``
+prints) and every example must be identical: the same examples kept (the same dropped), the same
+``input_ids``, and the same trained targets (``labels[1:]``: ``labels[0]`` is never a target once
+labels are shifted, and Axolotl writes the BOS's own id there where ndparallel writes -100).
+
+A case listed in ``DIFFERENCES`` is a deliberate difference (docs/axolotl.md, "where we differ from
+Axolotl, and why"): it must differ exactly where the table says, and, where an option gives
+Axolotl's behaviour, match with it. ``python tests/test_axolotl_parity.py`` prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+PARITY = Path(__file__).parent / "fixtures" / "axolotl" / "parity"
+CASES = json.loads((PARITY / "cases.json").read_text())
+
+
+def _null_system_rows() -> set[int]:
+    """Rows of the custom-format data whose system column is null: Axolotl gives them no system
+    text (its null filling), ndparallel the ``system_prompt`` (docs/axolotl.md)."""
+    rows = [json.loads(line) for line in (PARITY / "data" / "custom.jsonl").read_text().splitlines()]
+    return {i for i, r in enumerate(rows) if r.get("system") is None}
+
+
+DIFFERENCES = {
+    "custom_full": ("a null system column: system_prompt here, no system text in Axolotl", _null_system_rows),
+}
+"""case -> (why, the record rows where the examples differ)."""
+
+
+def ours(name: str, tmp: Path, **overrides) -> tuple[list[tuple[list, list]], list[int], dict]:
+    """The case's examples through ndparallel's pipeline: (input_ids, labels) per kept sample,
+    the record row of each, and the selection counts."""
+    from ndparallel.axolotl.load import load_config
+    from ndparallel.data.dataset import DatasetSpec
+    from ndparallel.data.pipeline import prepare_samples, tokenize_specs
+    from ndparallel.training.build import load_tokenizer
+
+    cfg = json.loads(json.dumps(CASES[name]))
+    for d in cfg["datasets"]:
+        d["path"] = str(PARITY / d["path"])
+    cfg.update(base_model=str(PARITY / "model"), output_dir=str(tmp / "out"), **overrides)
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    config = load_config(path)
+    tokenizer = load_tokenizer(config, tmp)
+    specs = [DatasetSpec.from_any(d.model_dump(), f"datasets[{i}]") for i, d in enumerate(config.datasets)]
+    options = config.data_options()
+    prepared = prepare_samples(
+        specs, tokenizer, options, None, tokenize_specs(specs, tokenizer, options, None)
+    )
+    examples = [tuple(x.tolist() for x in prepared.sample(k)) for k in range(len(prepared))]
+    return examples, [int(r) for r in prepared.samples[:, 1]], prepared.stats.as_dict()
+
+
+def theirs(name: str) -> dict:
+    return json.loads((PARITY / "expected" / f"{name}.json").read_text())
+
+
+def compare(name: str, tmp: Path, **overrides) -> dict:
+    """Counts of the comparison, and the record rows whose examples differ."""
+    got, rows, stats = ours(name, tmp, **overrides)
+    want = theirs(name)["examples"]
+    out = {
+        "axolotl": len(want),
+        "ours": len(got),
+        "same_ids": 0,
+        "same_targets": 0,
+        "differ_rows": [],
+        "stats": stats,
+    }
+    if len(want) != len(got):
+        return out
+    for row, (ids, labels), ex in zip(rows, got, want):
+        same_ids = ids == ex["input_ids"]
+        same_targets = same_ids and labels[1:] == ex["labels"][1:]
+        out["same_ids"] += same_ids
+        out["same_targets"] += same_targets
+        if not same_targets:
+            out["differ_rows"].append(row)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_examples_match_axolotl(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    recorded = theirs(name)
+    assert recorded["axolotl"] == "0.19.0" and "examples" in recorded, recorded.get("error")
+    result = compare(name, tmp_path)
+    assert result["ours"] == result["axolotl"], (
+        f"{name}: {result['ours']} examples kept here, {result['axolotl']} by Axolotl ({result['stats']})"
+    )
+    if name in DIFFERENCES:
+        why, rows = DIFFERENCES[name]
+        assert set(result["differ_rows"]) == rows(), (name, why, result["differ_rows"])
+        return
+    assert result["same_targets"] == result["ours"], (
+        f"{name}: {result['same_ids']} of {result['ours']} identical input_ids, {result['same_targets']} "
+        f"identical targets; rows differing: {result['differ_rows'][:10]}"
+    )
+
+
+def test_packed_boundary_targets_are_axolotls_on_request(tmp_path, monkeypatch):
+    """Packed completion pieces: by default the label across a sample start is -100 (a packed sample
+    trains as it does alone); ``sample_packing_boundary_targets: true`` gives Axolotl's packed
+    labels, the last token of a sample trained to predict the next sample's first token (its BOS
+    or, for a later piece of a document, its first text token)."""
+    import torch
+
+    from ndparallel.data.pipeline import build_rows
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    got, _, _ = ours("completion_packing", tmp_path)
+    starts = {tuple(ids[:2]) for ids, _ in got}
+
+    def boundary_labels(config_overrides):
+        from ndparallel.axolotl.load import load_config
+        from ndparallel.data.dataset import DatasetSpec
+        from ndparallel.training.build import load_tokenizer
+
+        cfg = json.loads(json.dumps(CASES["completion_packing"]))
+        cfg["datasets"][0]["path"] = str(PARITY / cfg["datasets"][0]["path"])
+        cfg.update(base_model=str(PARITY / "model"), output_dir=str(tmp_path / "o"), **config_overrides)
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+        config = load_config(tmp_path / "c.yaml")
+        tok = load_tokenizer(config, tmp_path)
+        specs = [DatasetSpec.from_any(d.model_dump()) for d in config.datasets]
+        store = build_rows(specs, tok, config.data_options(), None)
+        batch = store[torch.arange(len(store))]
+        out = []
+        for r in range(len(store)):
+            pos, ids, labels = batch["position_ids"][r], batch["input_ids"][r], batch["shift_labels"][r]
+            for t in range(1, int(store.lengths(r)[0])):
+                if pos[t] == 0:  # a sample starts at t: the label of t - 1
+                    out.append((int(labels[t - 1]), int(ids[t])))
+        return out
+
+    ours_default = boundary_labels({})
+    axolotl_like = boundary_labels({"sample_packing_boundary_targets": True})
+    assert ours_default and all(label == -100 for label, _ in ours_default)
+    assert len(axolotl_like) == len(ours_default) and all(label == token for label, token in axolotl_like)
+    assert starts  # the samples themselves are Axolotl's (test_examples_match_axolotl)
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    print("| case | examples kept (Axolotl / here) | identical input_ids | identical trained targets |")
+    print("|---|---|---|---|")
+    for name in CASES:
+        r = compare(name, Path(tempfile.mkdtemp()))
+        print(f"| `{name}` | {r['axolotl']} / {r['ours']} | {r['same_ids']} | {r['same_targets']} |")
