@@ -180,7 +180,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "files or Hub; exactly the prompt masked (`train_on_inputs: false`)",
             "works",
             "—",
-            ("tests/test_data_sft.py",),
+            ("tests/test_data_sft.py", "tests/test_data_*.py"),
             "data.md",
         ),
         Row(
@@ -191,7 +191,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "—",
             ("tests/test_sft_equivalence.py", "tests/test_data_store.py"),
             "data.md",
-            "sample packing, chat templates, Axolotl's data types",
+            "sample packing of fine-tuning data",
             "= samples trained one by one",
         ),
         Row(
@@ -223,6 +223,8 @@ AREAS: dict[str, tuple[Row, ...]] = {
                 "tests/test_lora_modules_to_save.py",
                 "tests/test_lora_target_parameters.py",
                 "tests/test_lora_model_dir.py",
+                "tests/test_lora_train.py",
+                "tests/test_lora_loading.py",
             ),
             "lora.md",
             "LoRA (PEFT) on every layout",
@@ -323,6 +325,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
                 "tests/test_model_loading.py",
                 "tests/test_family_loading.py",
                 "tests/test_checkpoint_formats.py",
+                "tests/test_axolotl_checkpoint_keys.py",
             ),
             "loading.md",
             "sharded loading (each rank reads its shards)",
@@ -339,6 +342,14 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "runtime.md",
             "faults, timeouts, divergence",
             "works",
+        ),
+        Row(
+            "`ndparallel launch`: torch's elastic agent, every torchrun option, CPU threads per rank; "
+            "SIGUSR1 forwarded; ranks die with a `kill -9`-ed launcher",
+            "works",
+            NOT_RUN,
+            ("tests/test_harness_and_launch.py", "tests/test_faults_launcher.py"),
+            "multi_node.md",
         ),
         Row(
             "multi-node on one machine: 2 launchers × 2 ranks = 1 × 4 exactly; TP across nodes refused; "
