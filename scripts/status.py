@@ -36,7 +36,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "`dp_cp`; "
             "`ParallelismConfig` (degrees, `-1` fill, env vars incl. Accelerate's, validation naming the "
             "field)",
-            "works: 18 layouts, 1–16 ranks, exact rank groups",
+            "works: exact rank groups for each of its layouts, 1–8 ranks",
             "—",
             ("tests/test_mesh.py", "tests/test_parallelism_config.py"),
             "python_api.md",

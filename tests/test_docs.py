@@ -190,6 +190,21 @@ def test_status_page_and_support_matrix_are_generated_from_the_table():
     )
 
 
+def test_each_status_figure_is_in_its_page_or_tests():
+    """A figure of docs/status.md's row appears in that row's docs page or test files (the
+    README's figures are checked against pages the same way)."""
+    status = _status_module()
+    bad = []
+    for row in (row for rows in status.AREAS.values() for row in rows):
+        figures = _figures(re.sub(r"`[^`]*`", "", f"{row.feature} {row.state} {row.gpu} {row.result}"))
+        backed = _figures((ROOT / "docs" / row.page.partition("#")[0]).read_text())
+        for pattern in row.tests:
+            for path in ROOT.glob(pattern):
+                backed |= _figures(path.read_text())
+        bad += [f"{row.feature[:40]}: {f}" for f in sorted(figures - backed)]
+    assert bad == []
+
+
 def test_each_status_row_names_existing_tests_and_a_page():
     status = _status_module()
     rows = [row for rows in status.AREAS.values() for row in rows]
