@@ -382,12 +382,11 @@ def test_examples_at_the_dry_run_level(schema_results, tmp_path_factory, capsys)
     )
 
 
-def test_readme_and_docs_tables_are_generated_from_the_key_table():
-    from ndparallel.axolotl.doc import current_block, docs_table, readme_table
+def test_docs_tables_are_generated_from_the_key_table():
+    from ndparallel.axolotl.doc import current_block, page_block
 
     root = Path(__file__).resolve().parents[1]
-    assert current_block((root / "README.md").read_text()) == readme_table()
-    assert current_block((root / "docs" / "axolotl.md").read_text()) == docs_table()
+    assert current_block((root / "docs" / "axolotl.md").read_text()) == page_block()
 
 
 def test_dry_run_explains_family_dependent_behaviour(tmp_path, capsys):

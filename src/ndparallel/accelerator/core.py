@@ -47,7 +47,7 @@ class Accelerator(
     """Set up the process group and mesh for a layout and prepare models, optimizers and loaders.
 
     The first 21 arguments are Hugging Face Accelerate's, in its order and with its defaults and
-    environment variables (see the README's "Accelerate API" table for what each maps to). The
+    environment variables (docs/accelerate.md's API table says what each maps to). The
     keyword-only rest are ndparallel's: ``fsdp_options`` / ``tp_options`` / ``cp_options`` (the
     strategies' options; ``fsdp_plugin`` / ``parallelism_config.cp_handler`` map onto them),
     ``loss_options`` (the chunked loss, on where exact), ``compile_options`` (regional compile; also

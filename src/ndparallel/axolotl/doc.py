@@ -1,6 +1,6 @@
-"""The Axolotl-key tables of README.md and docs/axolotl.md, generated from ``keys`` and the
-schema (``tests/test_axolotl_examples.py`` checks the files hold exactly this text, so they cannot go
-stale). ``python -m ndparallel.axolotl.doc`` rewrites both between their markers."""
+"""The Axolotl-key tables of docs/axolotl.md (a summary, then every key), generated from ``keys`` and
+the schema (``tests/test_axolotl_examples.py`` checks the page holds exactly this text, so it cannot go
+stale). ``python -m ndparallel.axolotl.doc`` rewrites it between its markers."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _names(keys) -> str:
     return ", ".join(f"`{k}`" for k in sorted(keys))
 
 
-def readme_table() -> str:
+def summary_table() -> str:
     mapped = [k for k, r in TOP.items() if r.kind in ("mapped", "ignored") and k not in HONOURED]
     noop = [k for k, r in TOP.items() if r.kind == "noop"]
     rows = [
@@ -91,6 +91,11 @@ def docs_table() -> str:
     )
 
 
+def page_block() -> str:
+    """What docs/axolotl.md holds between the markers: the summary, then every key."""
+    return summary_table() + "\n\n" + docs_table()
+
+
 def replace_block(text: str, block: str) -> str:
     """``text`` with the part between the markers replaced by ``block``."""
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
@@ -102,9 +107,8 @@ def current_block(text: str) -> str:
 
 
 def main(root: str = ".") -> int:
-    for name, block in (("README.md", readme_table()), ("docs/axolotl.md", docs_table())):
-        path = Path(root) / name
-        path.write_text(replace_block(path.read_text(), block))
+    path = Path(root) / "docs" / "axolotl.md"
+    path.write_text(replace_block(path.read_text(), page_block()))
     return 0
 
 

@@ -1,5 +1,5 @@
 """Every key of Axolotl's config schema that ``TrainConfig`` does not hold under the same name, and
-what ndparallel does with it (README "Axolotl configs" lists them; ``tests/test_axolotl_examples.py``
+what ndparallel does with it (docs/axolotl.md "Every key" lists them; ``tests/test_axolotl_examples.py``
 checks the table against Axolotl's schema, so no Axolotl key is an "unknown key"):
 
 * ``mapped``: translated into ndparallel fields by ``translate.py``; ``--dry-run`` says to what in
