@@ -155,7 +155,7 @@ def make_nd(
     model = acc.prepare(build_model(cfg, device))
     opt = build_optimizer(model.parameters(), lr=lr)
     if fp8:
-        from ndparallel.parallel.float8 import precompute_scales
+        from ndparallel.techniques.float8 import precompute_scales
 
     def step(mb):
         loss = nd_step(acc, model, opt, {k: v.clone() for k, v in mb.items()}, max_norm=CLIP)

@@ -54,7 +54,7 @@ def _rank(seq: int, strategy: str, steps: int, preset: str, batch: int):
 
     from ndparallel import ParallelismConfig
     from ndparallel.models.presets import preset_config
-    from ndparallel.parallel.context import context_parallel_buffers, make_attention_fn
+    from ndparallel.parallel.cp.context import context_parallel_buffers, make_attention_fn
     from ndparallel.parallel.options import CPOptions
 
     cp = dist.get_world_size()

@@ -35,19 +35,19 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _common import print_table, write_json  # noqa: E402
 
-from ndparallel.parallel.cp_attention import (  # noqa: E402
-    context_parallel_attention,
-    document_causal_attention,
-)
-from ndparallel.parallel.cp_blocks import (  # noqa: E402
+from ndparallel.parallel.attention_blocks import (  # noqa: E402
     DocLayout,
     accumulators,
     backward_span,
     document_starts,
     forward_span,
 )
-from ndparallel.parallel.cp_kernels import BlockKernel, merge_, resolve_kernel  # noqa: E402
-from ndparallel.parallel.cp_sharding import (  # noqa: E402
+from ndparallel.parallel.attention_kernels import BlockKernel, merge_, resolve_kernel  # noqa: E402
+from ndparallel.parallel.cp.parallel_attention import (  # noqa: E402
+    context_parallel_attention,
+    document_causal_attention,
+)
+from ndparallel.parallel.cp.sharding import (  # noqa: E402
     cp_positions,
     reorder_cp_chunks,
     shard_for_cp,
@@ -309,7 +309,7 @@ def model_check(device, dtype):
     weights): max error of the logits and of the loss gradient, relative to the largest value."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ndparallel.parallel.context import apply_document_attention
+    from ndparallel.parallel.cp.context import apply_document_attention
 
     torch.manual_seed(0)
     cfg = LlamaConfig(

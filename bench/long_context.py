@@ -86,8 +86,8 @@ def _step(options: dict, seq: int) -> dict:
 
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.engine import forward_backward
-    from ndparallel.parallel.offload import offloader_of
     from ndparallel.parallel.options import FSDPOptions
+    from ndparallel.techniques.offload import offloader_of
 
     acc = Accelerator(ParallelismConfig(), fsdp_options=FSDPOptions(**options))
     torch.manual_seed(0)
@@ -145,8 +145,8 @@ def _attention_scratch(seq: int, in_place: bool) -> int:
     d 64, 8 documents), the output and the inputs' gradients included."""
     from unittest import mock
 
-    from ndparallel.parallel import cp_blocks
-    from ndparallel.parallel.cp_attention import document_causal_attention
+    from ndparallel.parallel import attention_blocks
+    from ndparallel.parallel.cp.parallel_attention import document_causal_attention
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 8, seq, 64, generator=g).bfloat16().requires_grad_()

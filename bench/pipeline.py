@@ -308,8 +308,8 @@ def one_rank_stages(args) -> dict:
 
     from ndparallel import ParallelismConfig
     from ndparallel.engine import Engine
-    from ndparallel.parallel.pipeline import StageModule
-    from ndparallel.parallel.pipeline_stages import cut_stage
+    from ndparallel.parallel.pp.schedule import StageModule
+    from ndparallel.parallel.pp.stages import cut_stage
 
     engine = Engine(ParallelismConfig(), device=args.device)
     device = engine.device

@@ -1,7 +1,7 @@
 """What QAT keeps for backward, per decoder layer, against the planner's model of it.
 
 torchao's fake quantisers run in autograd. ndparallel runs each under an activation checkpoint
-(``parallel/qat.py``: ``RecomputedQuantizer``), so a fake-quantised linear keeps the rounded weight
+(``techniques/qat.py``: ``RecomputedQuantizer``), so a fake-quantised linear keeps the rounded weight
 (and rounded input) that ``F.linear`` needs; ``--plain`` measures torchao's quantisers as they come
 (they also keep their fp32 intermediates). Measured on one process (bf16, as FSDP2's gathered
 weights compute): the bytes saved for backward by one more decoder layer (a 3-layer minus a 2-layer
@@ -61,7 +61,7 @@ def _model(shape: dict, layers: int, fmt: str | None, frozen: bool = False, plai
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from ndparallel.parallel.options import QATOptions
-    from ndparallel.parallel.qat import apply_qat
+    from ndparallel.techniques.qat import apply_qat
 
     torch.manual_seed(0)
     config = LlamaConfig(**shape, num_hidden_layers=layers, vocab_size=512, max_position_embeddings=512)
@@ -70,7 +70,7 @@ def _model(shape: dict, layers: int, fmt: str | None, frozen: bool = False, plai
         weight, _, act = fmt.partition("/")
         model = apply_qat(model, QATOptions(weight_dtype=weight, activation_dtype=act or None, group_size=32))
         if plain:  # torchao's quantisers as they come
-            from ndparallel.parallel.qat import plain_quantizers
+            from ndparallel.techniques.qat import plain_quantizers
 
             plain_quantizers(model)
     if frozen:  # LoRA's frozen base: the decoder linears get no weight gradient

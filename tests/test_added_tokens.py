@@ -102,7 +102,7 @@ def test_grown_model_on_fsdp2_tp2_equals_transformers_resize(tmp_path, tied):
 )
 def test_grown_vocab_size_rounds_for_tp_and_32x(tokens, x32, tp, want):
     from ndparallel.axolotl import load_config
-    from ndparallel.training.build import grown_vocab_size
+    from ndparallel.training.components import grown_vocab_size
 
     cfg = load_config(
         None, [f"resize_token_embeddings_to_32x={str(x32).lower()}", f"tensor_parallel_size={tp}"]

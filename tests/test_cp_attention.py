@@ -4,7 +4,7 @@ packed documents, for every strategy; the one-device document attention; shardin
 import pytest
 import torch
 
-from ndparallel.parallel.cp_sharding import (
+from ndparallel.parallel.cp.sharding import (
     cp_chunk_ids,
     cp_positions,
     pad_for_cp,
@@ -56,8 +56,8 @@ def _op_errors(strategy, cases):
     """On each rank: run every (kernel, load_balance, heads, kv_heads, seq, padded_to, docs) case."""
     import torch.distributed as dist
 
-    from ndparallel.parallel.cp_attention import context_parallel_attention
-    from ndparallel.parallel.cp_sharding import unshard_from_cp
+    from ndparallel.parallel.cp.parallel_attention import context_parallel_attention
+    from ndparallel.parallel.cp.sharding import unshard_from_cp
 
     rank, cp = dist.get_rank(), dist.get_world_size()
     results = []
@@ -127,7 +127,7 @@ def _document_mask_matters():
     """Negative control: the same packed inputs without position ids (plain causal) differ."""
     import torch.distributed as dist
 
-    from ndparallel.parallel.cp_attention import context_parallel_attention
+    from ndparallel.parallel.cp.parallel_attention import context_parallel_attention
 
     rank, cp = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
@@ -148,7 +148,7 @@ def test_document_mask_negative_control():
 def test_document_causal_attention_one_device(kernel, docs):
     """No documents and packed rows (every block a causal square: written in place, no fp32
     accumulator), and a row with a jump (merged blocks, the fp32 path)."""
-    from ndparallel.parallel.cp_attention import document_causal_attention
+    from ndparallel.parallel.cp.parallel_attention import document_causal_attention
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, 4, 20, 8, generator=g)
@@ -170,7 +170,7 @@ def _never_skips_collectives():
     """cp=2, seq of 4 chunks: rank 0's first chunk attends to nothing remote; must not hang."""
     import torch.distributed as dist
 
-    from ndparallel.parallel.cp_attention import context_parallel_attention
+    from ndparallel.parallel.cp.parallel_attention import context_parallel_attention
 
     q = torch.randn(1, 2, 4, 4, requires_grad=True)
     k = torch.randn(1, 2, 4, 4, requires_grad=True)

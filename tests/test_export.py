@@ -119,7 +119,7 @@ def test_export_cli_from_checkpoint(fsdp_export, tmp_path):
 
 
 def test_fsdp_tp_export_reloads_with_same_logits(tmp_path):
-    pytest.importorskip("ndparallel.parallel.tensor")
+    pytest.importorskip("ndparallel.parallel.tp.tensor")
     logits = run_on_ranks(
         _train_and_export, 4, {"dp_shard_size": 2, "tp_size": 2}, str(tmp_path), "tiny-llama"
     )[0]

@@ -72,7 +72,7 @@ def _count_host_copies() -> list[str]:
     """A list that receives one entry per call of the CP attention's ``document_starts`` (its one
     host copy of the position ids): the name is looked up at call time, so rebinding it works
     (in a forked rank only)."""
-    import ndparallel.parallel.cp_attention as cpa
+    import ndparallel.parallel.cp.parallel_attention as cpa
 
     original, calls = cpa.document_starts, []
 

@@ -12,10 +12,10 @@ MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 80
 
 # Each folder may import only from the folders listed before it (and itself). Bottom up: the layout
-# and the runtime; optimizers and trackers; models, strategies, data, checkpoints and the planner; the
-# engine over them; the typed run config; the trainer's loop; the checks before launch; the two front
-# doors (``axolotl``: YAML with Axolotl's keys; ``accelerator``: Accelerate's Python surface); tools and
-# the CLI on top. ``parallelism_config`` and ``utils`` are the top-level modules that mirror
+# and the runtime; optimizers and trackers; models, the training techniques that are no parallel
+# dimension, the parallel dimensions, data, checkpoints and the planner; the engine over them; the
+# typed run config; the trainer's loop; the checks before launch; the two front doors (``axolotl``:
+# YAML with Axolotl's keys; ``accelerator``: Accelerate's Python surface); tools and the CLI on top. ``parallelism_config`` and ``utils`` are the top-level modules that mirror
 # Accelerate's import paths (``accelerate.parallelism_config``, ``accelerate.utils``); they are listed
 # so their imports are checked like any layer's. (``testing`` only re-exports the runtime's runner.)
 LAYERS = [
@@ -25,6 +25,7 @@ LAYERS = [
     "optim",
     "tracking",
     "models",
+    "techniques",
     "parallel",
     "data",
     "checkpoint",
@@ -147,7 +148,7 @@ def test_the_layer_checker_finds_an_arrow_up():
     """Negative control: the engine importing the trainer, or the typed config the YAML front door's
     key table, is an arrow running back up; the trainer importing the engine is not."""
     graph = {
-        "ndparallel.engine.step": {"ndparallel.training.trainer", "ndparallel.parallel.loss"},
+        "ndparallel.engine.step": {"ndparallel.training.trainer", "ndparallel.techniques.loss"},
         "ndparallel.config.errors": {"ndparallel.axolotl.keys"},
         "ndparallel.training.trainer": {"ndparallel.engine.step", "ndparallel.config.schema"},
     }
@@ -197,6 +198,7 @@ ENGINE_USERS = (
     "layout",
     "runtime",
     "models",
+    "techniques",
     "parallel",
     "data",
     "checkpoint",

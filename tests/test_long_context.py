@@ -147,7 +147,7 @@ def test_fsdp_gathers_once_per_layer_and_tp_collectives_run_per_tile():
 def _tile_lengths(num_tiles, seq):
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
+    from ndparallel.techniques.tiled_mlp import apply_tiled_mlp
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(BASE.model_config)
@@ -168,7 +168,7 @@ def test_tiles_are_real():
 def _offloaded_grads(transfers=None, budget=None, steps=2):
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.parallel.offload import ActivationOffloader, OffloadedCheckpoint
+    from ndparallel.techniques.offload import ActivationOffloader, OffloadedCheckpoint
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(BASE.model_config)
@@ -212,7 +212,7 @@ class _SwappedRestores:
     device_type = "cpu"
 
     def __init__(self):
-        from ndparallel.parallel.offload import HostTransfers
+        from ndparallel.techniques.offload import HostTransfers
 
         self.inner, self.last = HostTransfers(), None
 
@@ -262,7 +262,7 @@ def test_bad_long_context_config(tmp_path, capsys, text, fragment):
 def test_moe_blocks_are_refused():
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
+    from ndparallel.techniques.tiled_mlp import apply_tiled_mlp
 
     with torch.device("meta"):
         model = MixtralForCausalLM(

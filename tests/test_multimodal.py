@@ -134,7 +134,7 @@ def test_export_loads_with_transformers(saved, tmp_path):
 
 
 def test_tensor_parallel_refused_before_launch_where_it_fails(saved):
-    from ndparallel.parallel.tp_validate import validate_tensor_parallel
+    from ndparallel.parallel.tp.validate import validate_tensor_parallel
 
     for mt in ("gemma4", "qwen3_5"):
         with pytest.raises(ValueError, match="multimodal checkpoint.*tensor_parallel_size > 1"):

@@ -62,7 +62,7 @@ def test_one_process_transformers_mask():
 def _one_device_document_attention(setup):
     """One process with ndparallel's document attention (apply_document_attention) instead of
     transformers' sdpa mask: the model is built, switched, then trained as train_under_layout."""
-    from ndparallel.parallel import context
+    from ndparallel.parallel.cp import context
     from ndparallel.tools import equivalence
 
     build = equivalence.build_model

@@ -1,5 +1,5 @@
 """The planner under QAT (``plan --qat``): with the quantisers recomputed in backward
-(``parallel/qat.py``), a fake-quantised layer keeps a rounded bf16 copy of its weights (and inputs)
+(``techniques/qat.py``), a fake-quantised layer keeps a rounded bf16 copy of its weights (and inputs)
 for backward. The constants in ``plan/qat.py`` are re-measured here on a tiny Llama (the method of
 ``bench/qat_memory.py``) and must predict its saved bytes within 10 %; the memory model adds them
 per layer (once under checkpointing); TP layouts are rejected as train refuses them (a config's

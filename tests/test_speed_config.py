@@ -38,7 +38,7 @@ def test_bad_values_name_the_field(override, field):
 
 
 def test_token_count_is_a_device_tensor_and_an_int_still_works():
-    from ndparallel.parallel.loss import causal_lm_loss, global_num_items
+    from ndparallel.techniques.loss import causal_lm_loss, global_num_items
 
     labels = torch.tensor([[1, -100, 2], [3, 4, -100]])
     n = global_num_items([{"shift_labels": labels}], None)

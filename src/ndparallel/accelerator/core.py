@@ -52,7 +52,7 @@ class Accelerator(
     strategies' options; ``fsdp_plugin`` / ``parallelism_config.cp_handler`` map onto them),
     ``loss_options`` (the chunked loss, on where exact), ``compile_options`` (regional compile; also
     from ``dynamo_backend``/``dynamo_plugin``), ``float8_options`` (fp8 linears, SM >= 8.9),
-    ``qat_options`` (quantisation-aware training: torchao fake quantisation, ``parallel/qat.py``),
+    ``qat_options`` (quantisation-aware training: torchao fake quantisation, ``techniques/qat.py``),
     ``device`` ("cpu"/"cuda"; default cuda when visible) and ``timeout_s`` (collective timeout).
     ``Accelerator(ParallelismConfig(...))`` (the layout as first positional argument) also works.
     ``mixed_precision``: "no" (fp32), "bf16" (bf16 compute, fp32 master weights; gradients reduced
@@ -350,7 +350,7 @@ class Accelerator(
         config, or a built-in preset name (random init, same on every rank). ``adapter=LoraConfig``
         returns a LoRA ``PeftModel`` over the frozen, sharded base; ``quantization=NF4Config()``
         (or ``"nf4"``, a 4-bit ``BitsAndBytesConfig``) makes that base 4-bit NF4 (QLoRA). Keyword
-        arguments: ``ndparallel.engine.build.build_model``'s."""
+        arguments: ``ndparallel.engine.model_build.build_model``'s."""
         from ndparallel.accelerator.preparing import register_model
 
         return register_model(self, self.engine.build_model(path_or_config, **kwargs))

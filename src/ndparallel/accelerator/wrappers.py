@@ -63,7 +63,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             return None
         self._steps += 1
         if self.scaler is not None:
-            from ndparallel.parallel.grad_norm import total_grad_norm
+            from ndparallel.techniques.grad_norm import total_grad_norm
 
             self.unscale_()
             self._unscaled = False

@@ -32,7 +32,7 @@ from ndparallel.config.fields import (
     RunControlFields,
     TrackerFields,
 )
-from ndparallel.config.pipeline import PipelineFields
+from ndparallel.config.pipeline_fields import PipelineFields
 from ndparallel.config.quant import QuantFields
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.optim.lowbit import OptimizerName
@@ -428,7 +428,7 @@ class TrainConfig(
         )
 
     def data_options(self):
-        from ndparallel.data.pipeline import DataOptions
+        from ndparallel.data.prepare import DataOptions
 
         return DataOptions(
             sequence_len=self.sequence_len,

@@ -23,7 +23,7 @@ from typing import Any
 
 import datasets
 
-from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.techniques.loss import IGNORE_INDEX
 
 from .dataset import DatasetSpec, cached_map, tokenizer_hash
 from .prompts import Rendered, render

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import datasets
 import numpy as np
 
-from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.techniques.loss import IGNORE_INDEX
 
 
 class TokenTable:

@@ -161,9 +161,9 @@ class Engine:
     def _parallelize_pipeline(self, model: nn.Module, adapter) -> nn.Module:
         from ndparallel.models.adapters import apply_adapter, base_model_of, is_peft_model, trained_shapes
         from ndparallel.models.layers import decoder_module
-        from ndparallel.parallel.pipeline import Pipeline
-        from ndparallel.parallel.pipeline_split import plan_stages
-        from ndparallel.parallel.pipeline_stages import (
+        from ndparallel.parallel.pp.schedule import Pipeline
+        from ndparallel.parallel.pp.split import plan_stages
+        from ndparallel.parallel.pp.stages import (
             StageView,
             adapter_pipeline_problem,
             cut_stages,
@@ -207,7 +207,7 @@ class Engine:
         """The last pipeline stage's loss: ``forward_loss`` of its cut model on the hidden states.
         The zero-bubble schedules run a backward in two passes (input, then weight gradients),
         which the chunked loss's single fused backward cannot: they take the logits path."""
-        from ndparallel.parallel.pipeline_split import ZERO_BUBBLE_SCHEDULES, schedule_name
+        from ndparallel.parallel.pp.split import ZERO_BUBBLE_SCHEDULES, schedule_name
 
         two_pass = schedule_name(self.options.pipeline.schedule) in ZERO_BUBBLE_SCHEDULES
         return self._token_loss(lm, batch, num_items, chunked=False if two_pass else None)
@@ -224,7 +224,7 @@ class Engine:
                 part.use_cache = False
         options = self.options
         if self.dims.tp_enabled:  # loss_parallel=None: on where exact, decided for this model
-            from ndparallel.parallel.tensor import resolve_loss_parallel
+            from ndparallel.parallel.tp.tensor import resolve_loss_parallel
 
             tp = resolve_loss_parallel(base_model_of(model), options.tp)
             options = dataclasses.replace(options, tp=tp)
@@ -240,7 +240,7 @@ class Engine:
         """A causal LM built on the meta device, parallelised, and filled with this rank's shards
         (``engine.build.build_model``: ``source`` is a model directory / hub id, an HF config or a
         preset name)."""
-        from ndparallel.engine.build import build_model
+        from ndparallel.engine.model_build import build_model
 
         return build_model(self, source, **kwargs)
 
@@ -265,13 +265,13 @@ class Engine:
     ) -> torch.Tensor:
         """Non-ignored label tokens of this optimizer step over all micro-batches and dp ranks
         (counted before CP sharding), an int64 tensor on the device (no host sync)."""
-        from ndparallel.parallel.loss import global_num_items
+        from ndparallel.techniques.loss import global_num_items
 
         return global_num_items(micro_batches, self.group("dp"), label_key, self.device)
 
     def causal_lm_loss(self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items) -> torch.Tensor:
         """Token-loss sum of this rank / the global token count."""
-        from ndparallel.parallel.loss import causal_lm_loss
+        from ndparallel.techniques.loss import causal_lm_loss
 
         with self.loss_context():
             return causal_lm_loss(logits, shift_labels, num_items)
@@ -299,12 +299,12 @@ class Engine:
         already) and return this rank's token-loss sum / the global token count: the chunked loss
         (no full logits) where exact (``LossOptions``), else the logits and ``causal_lm_loss``.
         A mixture-of-experts model with ``output_router_logits`` adds its routers' load-balancing
-        loss × ``router_aux_loss_coef`` × ``aux_weight`` (``parallel/router_loss.py``: global over
+        loss × ``router_aux_loss_coef`` × ``aux_weight`` (``techniques/router_loss.py``: global over
         the micro-batch, layout-invariant); its global value is appended to ``aux_values``."""
         spec = self.router_aux_spec(model)
         if spec is None:
             return self._token_loss(model, batch, num_items)
-        from ndparallel.parallel.router_loss import aux_loss_term, recording_routers
+        from ndparallel.techniques.router_loss import aux_loss_term, recording_routers
 
         with recording_routers(model, spec, batch.get("attention_mask")) as stats:
             loss = self._token_loss(model, batch, num_items)
@@ -318,7 +318,7 @@ class Engine:
     def _token_loss(
         self, model: nn.Module, batch: Mapping[str, torch.Tensor], num_items, chunked: bool | None = None
     ) -> torch.Tensor:
-        from ndparallel.parallel import lm_loss
+        from ndparallel.techniques import lm_loss
 
         if chunked is not False and lm_loss.use_chunked_loss(model, self.options.loss):
             from ndparallel.parallel.fsdp import gathered
@@ -333,7 +333,7 @@ class Engine:
                 gathered=gathered,
             )
         logits = model(**lm_loss.model_inputs(batch)).logits
-        from ndparallel.parallel.loss import causal_lm_loss
+        from ndparallel.techniques.loss import causal_lm_loss
 
         with self.loss_context(model):
             return causal_lm_loss(logits, batch["shift_labels"], num_items)
@@ -364,7 +364,7 @@ class Engine:
         if not self.dims.cp_enabled:
             yield list(buffers)
             return
-        from ndparallel.parallel.context import context_parallel_buffers
+        from ndparallel.parallel.cp.context import context_parallel_buffers
 
         dims = list(seq_dims or [1] * len(buffers))
         with context_parallel_buffers(
@@ -394,7 +394,7 @@ class Engine:
     ) -> torch.Tensor:
         """Clip to ``max_norm``; returns the true global norm (any layout, any mix of meshes, every
         pipeline stage)."""
-        from ndparallel.parallel.grad_norm import scale_grads_to
+        from ndparallel.techniques.grad_norm import scale_grads_to
 
         parameters = list(parameters)
         total = self.grad_norm(parameters, norm_type)
@@ -404,7 +404,7 @@ class Engine:
     def grad_norm(self, parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm; under pipeline parallel over every stage, each weight once
         (the last stage's copy of tied embeddings is not counted again)."""
-        from ndparallel.parallel.grad_norm import total_grad_norm
+        from ndparallel.techniques.grad_norm import total_grad_norm
 
         if not self.dims.pp_enabled:
             return total_grad_norm(parameters, norm_type, device=self.device)

@@ -100,7 +100,7 @@ def train_step(
     step and backs off the scale; the guard then sees only the loss (an overflow is no divergence)."""
     aux_values: list = []
     if engine.options.qat.fake_quant_after_n_steps is not None:
-        from ndparallel.parallel.qat import step_fake_quant
+        from ndparallel.techniques.qat import step_fake_quant
 
         step_fake_quant(model, engine.options.qat, step)
     loss = forward_backward(
@@ -124,7 +124,7 @@ def train_step(
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     if engine.options.float8.enabled:
-        from ndparallel.parallel.float8 import precompute_scales
+        from ndparallel.techniques.float8 import precompute_scales
 
         precompute_scales(model, engine.options.float8)
     tokens = engine.dp_size * sum(mb["input_ids"].numel() for mb in micro_batches)  # rows may be cut

@@ -157,7 +157,7 @@ class ParallelDims:
         return ("dp_replicate", "efsdp") if self.dp_replicate_enabled else ("efsdp",)
 
     def experts_split(self, moe: bool) -> bool:
-        """Whether a model's experts leave the dense layout (``parallel/expert.py``): under expert
+        """Whether a model's experts leave the dense layout (``parallel/ep/expert.py``): under expert
         parallel, and under TP (experts are never tensor-parallel: each tp rank runs all its
         experts on its own share of the tokens)."""
         return moe and (self.ep_enabled or self.tp_enabled)

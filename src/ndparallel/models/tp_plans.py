@@ -4,7 +4,7 @@ A plan maps module-name patterns (``*`` = one name component, e.g. a layer numbe
 style names. It comes from the user (``TPOptions.plan`` / the YAML ``tp_plan`` key) or from the model
 itself: ``config.base_model_tp_plan`` (prefixed with the base model attribute, e.g. ``model.``) plus
 the causal-LM class's ``_tp_plan`` for ``lm_head``. The strings are turned into DTensor parallel
-styles by ``ndparallel.parallel.tensor``; this module only knows the model side.
+styles by ``ndparallel.parallel.tp.tensor``; this module only knows the model side.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def tp_plan_problem(model: nn.Module, override: Mapping[str, object] | None = No
     plan, a style ndparallel does not apply, or a plan that shards nothing inside the decoder layers
     (its keys miss the module tree). Entries inside a mixture-of-experts block (the experts'
     ``moe_tp_experts`` / ``packed_colwise``, shared experts) are not applied: expert parallel
-    takes the experts, the rest of the block is replicated over tp (``parallel/tensor.py``)."""
+    takes the experts, the rest of the block is replicated over tp (``parallel/tp/tensor.py``)."""
     from ndparallel.models.moe import moe_prefixes
 
     try:

@@ -32,10 +32,10 @@ class FSDPOptions:
     activation_offloading: bool = False
     """With ``activation_checkpointing``: each layer's checkpointed input (its hidden states) moves
     to pinned host memory on a side CUDA stream during the forward and comes back, one layer
-    ahead, before that layer's backward (``parallel/offload.py``). On CPU a plain copy."""
+    ahead, before that layer's backward (``techniques/offload.py``). On CPU a plain copy."""
     tiled_mlp: bool = False
     """Compute each decoder layer's MLP over tiles of the sequence and recompute a tile in backward
-    (``parallel/tiled_mlp.py``): its tokens × intermediate activations never exist whole."""
+    (``techniques/tiled_mlp.py``): its tokens × intermediate activations never exist whole."""
     tiled_mlp_num_shards: int | None = None
     """Tiles per MLP call; None: ceil(local tokens / hidden size) (ALST's rule)."""
 
@@ -78,7 +78,7 @@ class CompileOptions:
     enabled: bool = False
     """``torch.compile`` each decoder layer (regional compilation, as torchtitan does): one graph
     reused by every layer; FSDP2's hooks and the CP attention run outside the compiled code, TP's
-    DTensor ops inside it (``parallel/compile.py``)."""
+    DTensor ops inside it (``techniques/compile.py``)."""
     backend: str = "inductor"
     """The ``torch.compile`` backend."""
     fullgraph: bool = False
@@ -100,7 +100,7 @@ class Float8Options:
 
 @dataclass(frozen=True)
 class QATOptions:
-    """Quantisation-aware training (Axolotl's ``qat:``; ``parallel/qat.py``): torchao fake-quantises
+    """Quantisation-aware training (Axolotl's ``qat:``; ``techniques/qat.py``): torchao fake-quantises
     every linear layer's weight (and input activations) in the forward, training stays in full
     precision; the saved model keeps the unquantised weights (quantise it afterwards)."""
 
@@ -126,7 +126,7 @@ class QATOptions:
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """Pipeline parallel (``pp_size`` > 1; ``parallel/pipeline.py``): how the decoder layers are
+    """Pipeline parallel (``pp_size`` > 1; ``parallel/pp/schedule.py``): how the decoder layers are
     split into stages and the order in which stages run their micro-batches."""
 
     schedule: str = "1F1B"

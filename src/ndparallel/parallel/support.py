@@ -7,7 +7,7 @@ What is checked beyond the degrees' arithmetic (``validate_tensor_parallel``,
 
 * TP: the model has a plan ndparallel applies (``models.tp_plans.tp_plan_problem``: no plan,
   a plan that misses the decoder);
-* TP or EP on a mixture-of-experts model: its experts can be split off (``parallel/expert.py``:
+* TP or EP on a mixture-of-experts model: its experts can be split off (``parallel/ep/expert.py``:
   transformers' experts implementations, an expert count ``ep`` divides);
 * TP + sequence parallel: the plan shards the attention (else it would read one sequence shard:
   DeepSeek-V3's plan covers its MLPs only);
@@ -96,7 +96,7 @@ def _experts_problem(model: nn.Module, tp_size: int, ep_size: int) -> str | None
     """Why a mixture-of-experts model's experts cannot be split off (EP, or TP: experts are never
     tensor-parallel), or None (also for a dense model under TP)."""
     from ndparallel.models.moe import experts_modules
-    from ndparallel.parallel.expert import check_expert_parallel
+    from ndparallel.parallel.ep.expert import check_expert_parallel
 
     if ep_size == 1 and not experts_modules(model):
         return None

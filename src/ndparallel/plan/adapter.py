@@ -2,7 +2,7 @@
 
 LoRA of rank r on every linear of a decoder layer (q, k, v, o, gate, up, down; not the LM head,
 as PEFT's ``all-linear``): a linear ``in → out`` gets A (r × in) and B (out × r). Under TP
-(``ndparallel.parallel.lora``) a column-wise base keeps A whole and splits B on out, a row-wise
+(``ndparallel.parallel.tp.lora``) a column-wise base keeps A whole and splits B on out, a row-wise
 base splits A on in and keeps B whole. Per layer and tp rank (h hidden, q = a·d, kv = k·d, f MLP):
 
     colwise q, k, v, gate, up:  r·(5h + (q + 2kv + 2f)/tp)

@@ -110,11 +110,11 @@ def measure_attention(
 def measure_cp_block(
     device: str, kernel: str, batch: int, heads: int, kv_heads: int, chunk: int, head_dim: int, reps: int = 3
 ) -> dict:
-    """One *full* (unmasked) block of the CP block kernel (``parallel/cp_kernels.py``):
+    """One *full* (unmasked) block of the CP block kernel (``parallel/attention_kernels.py``):
     forward (out, lse) and backward seconds for ``chunk`` queries against ``chunk`` keys."""
     import torch
 
-    from ndparallel.parallel.cp_kernels import BlockKernel, resolve_kernel
+    from ndparallel.parallel.attention_kernels import BlockKernel, resolve_kernel
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     q = torch.randn(batch, heads, chunk, head_dim, device=device, dtype=dtype)

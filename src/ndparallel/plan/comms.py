@@ -261,12 +261,12 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
 
 
 def _context_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int):
-    """Ring attention per layer (``parallel/cp_attention.py``): K and V stacked in one buffer go
+    """Ring attention per layer (``parallel/cp/parallel_attention.py``): K and V stacked in one buffer go
     around the ring, cp−1 hops in forward (and in the recomputed forward), cp−1 hops in backward,
     plus cp hops of the fp32 dK/dV accumulators (the last one returning them home).
     All-gather strategy: the stacked local K/V all-gathered once per forward (kept for backward),
     the fp32 dK/dV of the whole sequence reduce-scattered once in backward.
-    All-to-all (Ulysses, ``parallel/cp_ulysses.py``): see ``_ulysses``."""
+    All-to-all (Ulysses, ``parallel/cp/ulysses.py``): see ``_ulysses``."""
     c, L = layout.cp, model.layers
     kv_elems = 2 * tokens * model.kv_heads * model.head_dim // layout.tp
     fwd = (c - 1) * (2 if s.checkpointing else 1)
@@ -312,7 +312,7 @@ def scalar_collectives(model: ModelSpec, layout: Layout, mixed_precision: str = 
 
     * the global count of loss tokens: one int64 all-reduce over ``dp`` (if dp > 1);
     * the step's loss: one fp32 all-reduce over ``dp_cp`` (if dp·cp > 1; ``reduce_step_loss``);
-    * the gradient norm (``parallel/grad_norm.py``): torch's ``get_total_norm`` takes one norm
+    * the gradient norm (``techniques/grad_norm.py``): torch's ``get_total_norm`` takes one norm
       per gradient tensor and DTensor sums their squares, 4 bytes per tensor, over the mesh dims
       the tensors are sharded on. With a 1-D parameter mesh (FSDP or CP only: ``dp_shard_cp``;
       TP only in fp32: ``tp``) that is one all-reduce of 4·(parameter tensors) bytes, the

@@ -50,7 +50,7 @@ class Settings:
     """FSDP units all-gathered ahead of the one computing."""
     loss_impl: str = "full"
     """'full': ``causal_lm_loss`` on the whole micro-batch's logits; 'chunked': the runtime's
-    memory-efficient loss (``parallel/chunked_ce.py``; what ``ndparallel train`` runs for the
+    memory-efficient loss (``techniques/chunked_ce.py``; what ``ndparallel train`` runs for the
     Llama/Qwen/Mistral families: ``ndparallel plan`` and ``PlanRequest`` default to it), holding one
     chunk's logits. The dataclass default stays 'full' for the hand-checked formulas in tests."""
     loss_chunk_tokens: int | None = None

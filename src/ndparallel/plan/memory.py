@@ -118,7 +118,7 @@ def cp_saved_extra_per_token(model: ModelSpec, layout: Layout, s: Settings) -> f
 
 
 def attention_scratch_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
-    """Buffers of one layer's CP attention backward per local token (``parallel/cp_attention.py``):
+    """Buffers of one layer's CP attention backward per local token (``parallel/cp/parallel_attention.py``):
     ``ring`` dQ in fp32 (``4·a·d/t``), K/V stacked and its receive buffer (``4·e·k·d/t``), the fp32
     dK/dV contribution, the one received and the one being sent (``24·k·d/t``) and dQ's cast
     (``e·a·d/t``); ``allgather`` dQ in fp32 and its cast, the whole sequence's fp32 dK/dV and its
@@ -173,7 +173,7 @@ def _logits_bytes(model: ModelSpec, layout: Layout, s: Settings, tokens: float) 
     fp32 gradients (nll, log-softmax) = e + 12 (measured on the H200: 14 B per logit in bf16);
     loss parallel's fused nll + log-softmax backward (torch.distributed.tensor.parallel.loss)
     holds zeros_like(x), exp(x) and their sum at once = e + 16.
-    The chunked loss (``parallel/chunked_ce.py``, the runtime's default) computes its gradients
+    The chunked loss (``techniques/chunked_ce.py``, the runtime's default) computes its gradients
     during the forward: one chunk's fp32 logits and their compute-dtype copy (4 + e per logit),
     the hidden-state gradient (e per hidden value) and an fp32 LM-head weight-gradient accumulator
     (4 per weight of the local vocabulary slice); never the full logits."""

@@ -3,7 +3,7 @@ micro-batches, and the stage-to-stage transfers (docs/planner.md, *Pipeline para
 
 ``p`` stages' worth of pp ranks, ``m`` pipeline micro-batches per step (the runtime's default: one
 per gradient-accumulation micro-batch), ``v`` stages per rank. The layers are split as the
-runtime splits them (``parallel/pipeline_split.py``: even, the first stages one layer more).
+runtime splits them (``parallel/pp/split.py``: even, the first stages one layer more).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ndparallel.parallel.options import PipelineOptions
-from ndparallel.parallel.pipeline_split import (
+from ndparallel.parallel.pp.split import (
     MULTI_STAGE_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
     StagePlan,

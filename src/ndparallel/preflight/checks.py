@@ -174,11 +174,11 @@ def tp_cp_sizes(p: Preflight) -> None:
     cfg, pc, hf = p.cfg, p.pc, p.hf
     try:
         if pc.tp_enabled:
-            from ndparallel.parallel.tensor import validate_tensor_parallel
+            from ndparallel.parallel.tp.tensor import validate_tensor_parallel
 
             validate_tensor_parallel(hf, pc.tp_size, cfg.tp_options())
         if pc.cp_enabled:
-            from ndparallel.parallel.context import validate_context_parallel
+            from ndparallel.parallel.cp.context import validate_context_parallel
 
             validate_context_parallel(
                 hf, pc.cp_size, cfg.sequence_len, pc.tp_size, strategy=cfg.cp_options().comm_strategy

@@ -44,8 +44,8 @@ def check_data_order(cfg: TrainConfig) -> None:
 
 def check_qat_groups(cfg: TrainConfig, hf) -> None:
     if cfg.qat is not None:
-        from ndparallel.parallel.qat import group_size_problem
         from ndparallel.preflight.model_check import meta_model
+        from ndparallel.techniques.qat import group_size_problem
 
         problem = group_size_problem(meta_model(cfg, hf), cfg.qat_options())
         if problem:
@@ -82,7 +82,7 @@ def _check_data_order(cfg: TrainConfig) -> None:
     """Deduplication and the data-order switches apply to whole samples, not to streamed or
     concatenated raw text."""
     from ndparallel.data.dataset import DatasetSpec
-    from ndparallel.data.pipeline import concatenates
+    from ndparallel.data.prepare import concatenates
 
     switches = [
         k

@@ -54,7 +54,7 @@ def prepare_data(cfg: TrainConfig):
     """Tokenize and pack every dataset (cached) before any rank starts, so that each data problem
     (a bad record anywhere, a missing column, nothing left after filtering, too little data) ends
     here in one line, and the ranks find everything cached. Returns (tokenizer, splits)."""
-    from ndparallel.training.build import build_data, data_cache_dir, load_tokenizer
+    from ndparallel.training.components import build_data, data_cache_dir, load_tokenizer
 
     with quiet_datasets():
         try:
@@ -138,7 +138,7 @@ def _check_added_tokens(cfg: TrainConfig, tokenizer, hf) -> None:
     embeddings: refused with LoRA (the new rows would stay frozen). ``hf`` gets the vocabulary the
     ranks will build (a preset's: the tokenizer's, rounded), which the TP / CP checks then see."""
     from ndparallel.models.presets import is_preset
-    from ndparallel.training.build import grown_vocab_size, rounded_vocab
+    from ndparallel.training.components import grown_vocab_size, rounded_vocab
 
     hf = hf.get_text_config()  # a multimodal config: its text model's vocabulary
     if is_preset(cfg.base_model):  # built with a row per token of the run's tokenizer
@@ -160,8 +160,8 @@ def _check_fp8(cfg: TrainConfig) -> None:
     """fp8 needs torchao and a GPU of compute capability >= 8.9 (unless emulated)."""
     if not cfg.fp8:
         return
-    from ndparallel.parallel.float8 import float8_problem
     from ndparallel.preflight.world import run_device
+    from ndparallel.techniques.float8 import float8_problem
 
     problem = float8_problem(cfg.float8_options(), run_device(cfg))
     if problem:
@@ -172,8 +172,8 @@ def _check_qat_device(cfg: TrainConfig) -> None:
     """nvfp4 QAT runs fp4 matmuls: a Blackwell GPU (``parallel.qat.qat_device_problem``)."""
     if cfg.qat is None:
         return
-    from ndparallel.parallel.qat import qat_device_problem
     from ndparallel.preflight.world import run_device
+    from ndparallel.techniques.qat import qat_device_problem
 
     problem = qat_device_problem(cfg.qat_options(), run_device(cfg))
     if problem:

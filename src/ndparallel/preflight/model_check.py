@@ -247,7 +247,7 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int, ep_size: int = 1, pp_size:
 
     problem = adapter_layout_problem(base_model_of(model), tp_size, ep_size)
     if problem is None and pp_size > 1:
-        from ndparallel.parallel.pipeline_stages import adapter_pipeline_problem
+        from ndparallel.parallel.pp.stages import adapter_pipeline_problem
 
         problem = adapter_pipeline_problem(model)
     if problem:

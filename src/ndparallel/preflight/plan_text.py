@@ -161,7 +161,7 @@ def _local_tokenizer(cfg: TrainConfig):
         return "the built-in tokenizer of a preset model is trained when the run starts"
     if not Path(str(source)).expanduser().is_dir():
         return f"the tokenizer ({source}) is not a local directory"
-    from ndparallel.training.build import data_cache_dir, load_tokenizer
+    from ndparallel.training.components import data_cache_dir, load_tokenizer
 
     try:
         return load_tokenizer(cfg, data_cache_dir(cfg))
@@ -186,7 +186,7 @@ def _first_sample(cfg: TrainConfig, spec, where: str, tokenizer) -> str:
 
 def _data_mode(cfg: TrainConfig) -> str:
     from ndparallel.data.dataset import DatasetSpec
-    from ndparallel.data.pipeline import concatenates
+    from ndparallel.data.prepare import concatenates
 
     if cfg.pretraining_dataset is not None:
         how = "attention per document" if cfg.sample_packing else "attention across documents"

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ndparallel.optim.build import build_optimizer
-from ndparallel.parallel.loss import IGNORE_INDEX
 from ndparallel.parallel.options import StrategyOptions
+from ndparallel.techniques.loss import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class TrainSetup:
     """A deliberately broken layout run (proves the checks can fail): "skip-grad-sync" never
     reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
     attention crosses document starts; "wrong-expert-rank" sends every token of a mixture-of-experts
-    layer to the next expert-parallel rank (``parallel.expert.set_misroute``); "overflow-step-2"
+    layer to the next expert-parallel rank (``parallel.ep.expert.set_misroute``); "overflow-step-2"
     (fp16) puts an inf into one element of the last rank's local gradient shard at step 2, as a
     rank-local fp16 overflow would: every rank must skip that step; "per-shard-muon" orthogonalises
     each rank's shard of a Muon matrix instead of the whole matrix; "unsummed-tied-grads" (pipeline
@@ -168,7 +168,7 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
     if setup.fault == "unsummed-tied-grads":
         engine.pipeline_of(model).sum_tied_grads = False
     if setup.fault == "wrong-expert-rank":
-        from ndparallel.parallel.expert import set_misroute
+        from ndparallel.parallel.ep.expert import set_misroute
 
         set_misroute(model, 1)
     optimizer = setup_optimizer(setup, model)  # the model: low-bit AdamW finds its embeddings
@@ -207,7 +207,7 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
             aux.append(float(out.aux_loss))
     params = full_parameters(model)  # a collective: every rank gathers
     if engine.dims.pp_enabled:  # each stage gathered its own: rank 0 collects the others'
-        from ndparallel.parallel.pipeline import gather_stage_states
+        from ndparallel.parallel.pp.schedule import gather_stage_states
 
         params = gather_stage_states(engine, params)
     return TrainResult(
@@ -266,7 +266,7 @@ def train_documents_separately(setup: TrainSetup) -> TrainResult:
     """One process, no packing: every document of every row runs as its own sequence (positions
     from 0, nothing to mask), with the same global token count and optimizer. What packed rows
     must reproduce under every layout."""
-    from ndparallel.parallel.loss import causal_lm_loss
+    from ndparallel.techniques.loss import causal_lm_loss
 
     model = build_model(setup)
     optimizer = setup_optimizer(setup, model.parameters())

@@ -27,8 +27,8 @@ def preprocess(
 def _preprocess(cfg: TrainConfig, show: int | None, as_json: bool, out: TextIO | None) -> int:
     from ndparallel.data.check import check_dataset
     from ndparallel.data.dataset import DatasetSpec
-    from ndparallel.data.pipeline import concatenates, prepare_samples, tokenize_specs
-    from ndparallel.training.build import build_data, data_cache_dir, load_tokenizer
+    from ndparallel.data.prepare import concatenates, prepare_samples, tokenize_specs
+    from ndparallel.training.components import build_data, data_cache_dir, load_tokenizer
 
     out = out or sys.stdout
     if cfg.missing_data_problem():

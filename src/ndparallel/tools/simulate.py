@@ -46,11 +46,11 @@ class SimulatedTrainer(Trainer):
     model's weights random and only this rank's shards ever materialised."""
 
     def _load_model(self):
-        from ndparallel.engine.build import build_random_shards
+        from ndparallel.engine.model_build import build_random_shards
         from ndparallel.models.attention import attention_kernel
         from ndparallel.models.presets import is_preset
         from ndparallel.preflight.model_check import resolve_model_config
-        from ndparallel.training.build import rounded_vocab
+        from ndparallel.training.components import rounded_vocab
 
         cfg, engine = self.cfg, self.engine
         kernel, _ = attention_kernel(cfg.attn_implementation, engine.device.type)

@@ -13,8 +13,8 @@ GiB = 2**30
 def planner_settings(trainer):
     """``plan.layout.Settings`` of the running trainer's step."""
     from ndparallel.models.adapters import base_model_of
-    from ndparallel.parallel.lm_loss import use_chunked_loss
     from ndparallel.plan.layout import Settings
+    from ndparallel.techniques.lm_loss import use_chunked_loss
 
     cfg, engine, model = trainer.cfg, trainer.engine, trainer.model
     options = engine.options

@@ -151,7 +151,7 @@ def _enough_layers_for_stages(small, cfg: TrainConfig, pc):
     repeated): two layers cannot fill 2 stages × 2 virtual stages."""
     if pc.pp_size <= 1:
         return small
-    from ndparallel.parallel.pipeline_split import virtual_stages
+    from ndparallel.parallel.pp.split import virtual_stages
 
     stages = pc.pp_size * virtual_stages(cfg.pipeline_options())
     if stages <= small.num_hidden_layers:

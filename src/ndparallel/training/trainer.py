@@ -22,7 +22,7 @@ from ndparallel.config import TrainConfig
 from ndparallel.engine import Engine, batch_to_device, train_step
 from ndparallel.engine.nonfinite import NonFiniteGuard
 from ndparallel.tracking.run import RunTrackers
-from ndparallel.training.build import (
+from ndparallel.training.components import (
     build_data,
     data_cache_dir,
     grown_vocab_size,
@@ -89,7 +89,7 @@ class Trainer:
         """Engine (process group, layout, mesh, strategies), tokenizer, data, model, optimizer and
         schedule."""
         from ndparallel.optim.build import build_scheduler
-        from ndparallel.training.build import train_loader
+        from ndparallel.training.components import train_loader
         from ndparallel.training.controls import EarlyStopping, LossWatchdog, eval_every
 
         cfg = self.cfg

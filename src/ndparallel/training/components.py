@@ -111,7 +111,7 @@ def build_data(cfg: TrainConfig, tokenizer, cache_dir: Path):
     ``pretraining_dataset`` builds nothing ahead: its first record is checked, ``train_loader``
     reads it while training."""
     from ndparallel.data.packing import PackedSplits
-    from ndparallel.data.pipeline import build_data as build
+    from ndparallel.data.prepare import build_data as build
 
     if cfg.pretraining_dataset is not None:
         from ndparallel.data.dataset import DatasetSpec

@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.layout.mesh import process_group
-from ndparallel.parallel.cp_attention import (
+from ndparallel.parallel.attention_blocks import DocCache
+from ndparallel.parallel.cp.parallel_attention import (
     STRATEGIES,
     context_parallel_attention,
     document_causal_attention,
 )
-from ndparallel.parallel.cp_blocks import DocCache
-from ndparallel.parallel.cp_sharding import cp_num_chunks, shard_for_cp
-from ndparallel.parallel.cp_ulysses import ulysses_head_error
+from ndparallel.parallel.cp.sharding import cp_num_chunks, shard_for_cp
+from ndparallel.parallel.cp.ulysses import ulysses_head_error
 from ndparallel.parallel.options import CPOptions
 from ndparallel.parallel.positions import PositionRecorder
 
@@ -55,7 +55,7 @@ def validate_context_parallel(
         raise ValueError(
             f"sequence_len={seq_len} is not a multiple of {'2·' if load_balance else ''}"
             f"context_parallel_size = {n}: set sequence_len to a multiple of {n} (e.g. {up}) or pad "
-            "batches with ndparallel.parallel.cp_sharding.pad_for_cp"
+            "batches with ndparallel.parallel.cp.sharding.pad_for_cp"
         )
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.layout.mesh import process_group
-from ndparallel.parallel.cp_blocks import (
+from ndparallel.parallel.attention_blocks import (
     DocLayout,
     accumulators,
     backward_span,
@@ -42,15 +42,15 @@ from ndparallel.parallel.cp_blocks import (
     forward_span,
     local_attention,
 )
-from ndparallel.parallel.cp_collectives import (
+from ndparallel.parallel.attention_kernels import BlockKernel, resolve_kernel
+from ndparallel.parallel.cp.exchange import (
     all_gather,
     finish,
     reduce_scatter,
     ring_ops,
     start,
 )
-from ndparallel.parallel.cp_kernels import BlockKernel, resolve_kernel
-from ndparallel.parallel.cp_sharding import cp_chunk_ids, cp_positions
+from ndparallel.parallel.cp.sharding import cp_chunk_ids, cp_positions
 
 Strategy = Literal["ring", "allgather", "ulysses"]
 STRATEGIES = ("ring", "allgather", "ulysses")
@@ -333,7 +333,7 @@ def context_parallel_attention(
     block_kernel = _kernel(kernel, query, scale, softcap)
     query, key, value, dv = _same_head_dims(query, key, value)
     if strategy == "ulysses":
-        from ndparallel.parallel.cp_ulysses import ulysses_attention
+        from ndparallel.parallel.cp.ulysses import ulysses_attention
 
         return ulysses_attention(
             query, key, value, group, load_balance, block_kernel, position_ids, cache, window, chunk

@@ -27,7 +27,7 @@ block run per tile:
   input is all it saved), then the tiled backward recomputes each tile once more: with
   checkpointing the MLP forward runs three times, without it twice.
 * **compile**: the block's own ``_call_impl`` (one tile) is what ``nn.Module.compile`` compiles;
-  the tiling and the nested backward stay eager (``parallel/compile.py`` compiles the children of
+  the tiling and the nested backward stay eager (``techniques/compile.py`` compiles the children of
   each layer when tiling is on).
 * **LoRA** (PEFT linears inside the block): only the adapters' ``.grad`` accumulate.
 """

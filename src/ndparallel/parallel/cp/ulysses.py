@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ndparallel.parallel.cp_blocks import DocLayout, document_starts, local_attention
-from ndparallel.parallel.cp_collectives import all_gather, wait
-from ndparallel.parallel.cp_kernels import BlockKernel
-from ndparallel.parallel.cp_sharding import cp_chunk_ids
+from ndparallel.parallel.attention_blocks import DocLayout, document_starts, local_attention
+from ndparallel.parallel.attention_kernels import BlockKernel
+from ndparallel.parallel.cp.exchange import all_gather, wait
+from ndparallel.parallel.cp.sharding import cp_chunk_ids
 
 
 def ulysses_head_error(heads: int, kv_heads: int, cp: int) -> str | None:

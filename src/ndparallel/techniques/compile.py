@@ -82,7 +82,7 @@ def _nested_checkpoints(model: nn.Module) -> bool:
     """Checkpoints inside the layer's checkpoint (QAT's ``RecomputedQuantizer``): with the switch on,
     torch 2.13's dynamo fails on them (an internal error pruning the nested graphs), so there the
     layers stay eager as before."""
-    from ndparallel.parallel.qat import RecomputedQuantizer
+    from ndparallel.techniques.qat import RecomputedQuantizer
 
     return any(isinstance(m, RecomputedQuantizer) for m in model.modules())
 

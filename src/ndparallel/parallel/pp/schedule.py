@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ndparallel.parallel.loss import IGNORE_INDEX
-from ndparallel.parallel.pipeline_split import StagePlan
+from ndparallel.parallel.pp.split import StagePlan
+from ndparallel.techniques.loss import IGNORE_INDEX
 
 
 class StageModule(nn.Module):
