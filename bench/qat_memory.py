@@ -60,7 +60,7 @@ def _saved_bytes(model: torch.nn.Module, tokens: int) -> int:
 def _model(shape: dict, layers: int, fmt: str | None, frozen: bool = False, plain: bool = False):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from ndparallel.parallel.options import QATOptions
+    from ndparallel.techniques.options import QATOptions
     from ndparallel.techniques.qat import apply_qat
 
     torch.manual_seed(0)

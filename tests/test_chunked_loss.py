@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import LossOptions, TPOptions
+from ndparallel.parallel.options import TPOptions
 from ndparallel.techniques.chunked_ce import (
     chunked_linear_cross_entropy,
     default_chunk_tokens,
 )
+from ndparallel.techniques.options import LossOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import Float8Options
 from ndparallel.techniques.float8 import float8_problem
+from ndparallel.techniques.options import Float8Options
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 

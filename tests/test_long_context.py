@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import CompileOptions, CPOptions, FSDPOptions, TPOptions
+from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+from ndparallel.techniques.options import CompileOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 

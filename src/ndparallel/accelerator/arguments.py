@@ -23,15 +23,8 @@ from ndparallel.accelerator.plugins import (
     env_flag,
 )
 from ndparallel.layout.config import ParallelismConfig
-from ndparallel.parallel.options import (
-    CompileOptions,
-    CPOptions,
-    Float8Options,
-    FSDPOptions,
-    LossOptions,
-    QATOptions,
-    TPOptions,
-)
+from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+from ndparallel.techniques.options import CompileOptions, Float8Options, LossOptions, QATOptions
 
 MIXED_PRECISION = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 RNG_TYPES = ("torch", "cuda", "generator")

@@ -29,16 +29,8 @@ from ndparallel.accelerator.tracking import TrackingMixin, filter_trackers
 from ndparallel.accelerator.wrappers import AcceleratedOptimizer, PreparedDataLoader
 from ndparallel.engine import Engine
 from ndparallel.layout.config import ParallelismConfig
-from ndparallel.parallel.options import (
-    CompileOptions,
-    CPOptions,
-    Float8Options,
-    FSDPOptions,
-    LossOptions,
-    QATOptions,
-    StrategyOptions,
-    TPOptions,
-)
+from ndparallel.parallel.options import CPOptions, FSDPOptions, StrategyOptions, TPOptions
+from ndparallel.techniques.options import CompileOptions, Float8Options, LossOptions, QATOptions
 
 
 class Accelerator(

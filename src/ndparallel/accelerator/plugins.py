@@ -289,7 +289,7 @@ class TorchDynamoPlugin:
         return self.backend != "no" and not self.disable
 
     def compile_options(self):
-        from ndparallel.parallel.options import CompileOptions
+        from ndparallel.techniques.options import CompileOptions
 
         return CompileOptions(
             enabled=self.enabled,

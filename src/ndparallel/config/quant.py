@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from ndparallel.config.base import _Strict
-from ndparallel.parallel.options import QATOptions
+from ndparallel.techniques.options import QATOptions
 
 _DTYPES = {
     "int4": "int4",

@@ -36,15 +36,8 @@ from ndparallel.config.pipeline_fields import PipelineFields
 from ndparallel.config.quant import QuantFields
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.optim.lowbit import OptimizerName
-from ndparallel.parallel.options import (
-    CompileOptions,
-    CPOptions,
-    Float8Options,
-    FSDPOptions,
-    LossOptions,
-    StrategyOptions,
-    TPOptions,
-)
+from ndparallel.parallel.options import CPOptions, FSDPOptions, StrategyOptions, TPOptions
+from ndparallel.techniques.options import CompileOptions, Float8Options, LossOptions
 
 
 def _float(**bounds):

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from ndparallel.models.layers import decoder_layers
-from ndparallel.parallel.options import CompileOptions
+from ndparallel.techniques.options import CompileOptions
 
 
 def apply_compile(
