@@ -43,15 +43,13 @@ from ndparallel.parallel.attention_blocks import (  # noqa: E402
     forward_span,
 )
 from ndparallel.parallel.attention_kernels import BlockKernel, merge_, resolve_kernel  # noqa: E402
-from ndparallel.parallel.cp.parallel_attention import (  # noqa: E402
-    context_parallel_attention,
-    document_causal_attention,
-)
+from ndparallel.parallel.cp.parallel_attention import context_parallel_attention  # noqa: E402
 from ndparallel.parallel.cp.sharding import (  # noqa: E402
     cp_positions,
     reorder_cp_chunks,
     shard_for_cp,
 )
+from ndparallel.parallel.document_attention import document_causal_attention  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
@@ -309,7 +307,7 @@ def model_check(device, dtype):
     weights): max error of the logits and of the loss gradient, relative to the largest value."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ndparallel.parallel.cp.context import apply_document_attention
+    from ndparallel.parallel.document_attention import apply_document_attention
 
     torch.manual_seed(0)
     cfg = LlamaConfig(

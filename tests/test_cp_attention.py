@@ -148,7 +148,7 @@ def test_document_mask_negative_control():
 def test_document_causal_attention_one_device(kernel, docs):
     """No documents and packed rows (every block a causal square: written in place, no fp32
     accumulator), and a row with a jump (merged blocks, the fp32 path)."""
-    from ndparallel.parallel.cp.parallel_attention import document_causal_attention
+    from ndparallel.parallel.document_attention import document_causal_attention
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, 4, 20, 8, generator=g)

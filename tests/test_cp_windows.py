@@ -83,7 +83,7 @@ FEATURES = [
 
 @pytest.mark.parametrize("kernel", ["auto", "math"])  # auto: flash, math where soft-capped
 def test_one_device(kernel):
-    from ndparallel.parallel.cp.parallel_attention import document_causal_attention
+    from ndparallel.parallel.document_attention import document_causal_attention
 
     for window, chunk, softcap, dv in FEATURES:
         q, k, v, dout, pos = _inputs(24, dv)
@@ -142,7 +142,7 @@ def test_context_parallel(cp, strategy):
 
 def test_window_is_not_vacuous():
     """Negative control: the window changes the result (so the tests above can fail)."""
-    from ndparallel.parallel.cp.parallel_attention import document_causal_attention
+    from ndparallel.parallel.document_attention import document_causal_attention
 
     q, k, v, _, pos = _inputs(24)
     with_window = document_causal_attention(q, k, v, pos, scale=0.3, window=5)
