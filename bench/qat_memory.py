@@ -148,7 +148,8 @@ def main(argv=None) -> int:
     )
     if args.plain:
         print(
-            "--plain: torchao's quantisers keep their intermediates; the planner models ndparallel's recompute"
+            "--plain: torchao's quantisers keep their intermediates; the planner models ndparallel's "
+            "recompute"
         )
         print(f"wrote {write_json('qat_memory_plain', {'rows': results})}")
         return 0

@@ -727,7 +727,10 @@ def test_second_run_into_the_same_output_dir_end_to_end(tmp_path):
     replaces the first run's files and leaves the user's own file alone."""
     from ndparallel.testing import run_on_ranks
 
-    extra = "max_steps: 2\nsave_steps: 1\nsave_total_limit: 1\ndatasets: [{path: 'builtin:stdlib', max_bytes: 50000}]\n"
+    extra = (
+        "max_steps: 2\nsave_steps: 1\nsave_total_limit: 1\n"
+        "datasets: [{path: 'builtin:stdlib', max_bytes: 50000}]\n"
+    )
     first = _cfg(tmp_path, extra)
     run_on_ranks(_train_in_process, 1, str(first))
     out = tmp_path / "out"

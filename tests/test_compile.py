@@ -1,7 +1,8 @@
 """Regional ``torch.compile`` of the decoder layers trains the same model as eager, composed with
 FSDP2 + activation checkpointing (inductor), TP with sequence parallel, CP, FSDP2 x CP and pipeline
 stages (``aot_eager``: dynamo and AOT autograd, the parts that meet our hooks and DTensors, without
-the C++ build that makes inductor take ~1 min per graph on 2 cores). fp32, SGD: losses and grad norms ≤ 1e-5 rel.
+the C++ build that makes inductor take ~1 min per graph on 2 cores). fp32, SGD: losses and grad norms ≤ 1e-5
+rel.
 Each rank also reports how many graphs dynamo built and where it broke them (CP and TP + SP:
 around ndparallel's attention, which runs eagerly by design)."""
 

@@ -73,8 +73,10 @@ def _op_errors(strategy, cases):
         # Pad the sequence at the end (random K/V/Q there, zero output gradient: ignored tokens,
         # positions continuing as pad_for_cp writes them).
         pad = padded - seq
-        padt = lambda t, h: torch.cat([t, torch.randn(B, h, pad, D, generator=g)], dim=2)  # noqa: E731
-        qp, kp, vp = padt(q, heads), padt(k, kv_heads), padt(v, kv_heads)
+        qp, kp, vp = (
+            torch.cat([t, torch.randn(B, h, pad, D, generator=g)], dim=2)
+            for t, h in ((q, heads), (k, kv_heads), (v, kv_heads))
+        )
         dp = torch.cat([dout, torch.zeros(B, heads, pad, D)], dim=2)
         posp = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1)], dim=1)
         ql, kl, vl = (shard_for_cp(t, 2, rank, cp, lb).requires_grad_() for t in (qp, kp, vp))

@@ -113,7 +113,8 @@ def test_curriculum_sampling_turns_the_shuffle_off(tmp_path, capsys, monkeypatch
     "extra, fragment",
     [
         (
-            "dataset_exact_deduplication: true\npretraining_dataset: [{path: x.txt}]\nmax_steps: 3\ndatasets:\n",
+            "dataset_exact_deduplication: true\npretraining_dataset: [{path: x.txt}]\nmax_steps: "
+            "3\ndatasets:\n",
             "dataset_exact_deduplication: true with a streamed pretraining_dataset",
         ),
         (

@@ -69,7 +69,8 @@ REASONS = [  # a refusal's one line -> its short name in the docs
     ("AttentionInterface", "its attention bypasses AttentionInterface"),
     ("mixes the tensor-parallel embedding output", "its forward mixes TP and plain tensors"),
 ]
-FAMILY_SETTINGS = {  # a family trained with other settings than the rest -> (settings, where the docs say why)
+# A family trained with other settings than the rest -> (settings, where the docs say why).
+FAMILY_SETTINGS = {
     "Gemma 4": ({"max_grad_norm": 1.0}, "### Gemma 4: why its differences are larger, and the bound"),
 }
 """Gemma 4 amplifies fp32 rounding in its attention (scaling 1); unclipped at lr 0.1 its step-1

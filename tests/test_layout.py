@@ -15,7 +15,8 @@ MAX_FUNCTION_LINES = 80
 # and the runtime; optimizers and trackers; models, the training techniques that are no parallel
 # dimension, the parallel dimensions, data, checkpoints and the planner; the engine over them; the
 # typed run config; the trainer's loop; the checks before launch; the two front doors (``axolotl``:
-# YAML with Axolotl's keys; ``accelerator``: Accelerate's Python surface); tools and the CLI on top. ``parallelism_config`` and ``utils`` are the top-level modules that mirror
+# YAML with Axolotl's keys; ``accelerator``: Accelerate's Python surface); tools and the CLI on top.
+# ``parallelism_config`` and ``utils`` are the top-level modules that mirror
 # Accelerate's import paths (``accelerate.parallelism_config``, ``accelerate.utils``); they are listed
 # so their imports are checked like any layer's. (``testing`` only re-exports the runtime's runner.)
 LAYERS = [

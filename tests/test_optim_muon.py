@@ -60,7 +60,8 @@ def _matrix_diff(ref, got) -> tuple[float, float]:
 
 
 def test_split_follows_axolotl():
-    """Hidden matrices (and MoE experts, routers) -> Muon with decay; embeddings, head, norms -> AdamW without."""
+    """Hidden matrices (and MoE experts, routers) -> Muon with decay; embeddings, head, norms -> AdamW
+    without."""
     from transformers import AutoModelForCausalLM
 
     from ndparallel.optim.build import build_optimizer

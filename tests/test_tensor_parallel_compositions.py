@@ -21,7 +21,8 @@ from ndparallel.tools.equivalence import (
 )
 
 RTOL = 1e-5
-# AdamW turns fp32 rounding noise on near-zero gradients into ~lr-sized parameter steps (it divides by sqrt(v));
+# AdamW turns fp32 rounding noise on near-zero gradients into ~lr-sized parameter steps (it divides by
+# sqrt(v));
 # at lr 1e-2 that moved Qwen3's step-3 grad norm by 4e-5 while SGD matched to 2e-7 (params 1e-7).
 # So AdamW runs at lr 1e-3 here, and SGD cases check parameters tightly.
 ADAMW_LR, SGD_PARAM_ATOL = 1e-3, 1e-6

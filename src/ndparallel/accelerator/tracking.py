@@ -45,7 +45,8 @@ def filter_trackers(log_with, logging_dir=None, warn: bool = True) -> list:
                 if warn:
                     warnings.warn(
                         f"log_with={n!r}: {n} is not installed, so it is skipped (pip install {n}); "
-                        "metrics still go to the jsonl tracker"
+                        "metrics still go to the jsonl tracker",
+                        stacklevel=3,  # the user's Accelerator(log_with=...): its __init__, this function
                     )
                 continue
             if n not in TRACKERS:

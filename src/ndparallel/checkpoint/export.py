@@ -166,7 +166,8 @@ def save_hf_model(
     ``safe_serialization=False`` writes ``pytorch_model*.bin`` instead of safetensors. A LoRA
     ``PeftModel`` is written as a PEFT adapter directory, or with ``merge_adapter`` as the plain
     model with every adapter merged into its base weight (``W + scaling · B @ A``, per expert for
-    ``target_parameters``) and the trained ``modules_to_save`` copies in place of the originals; a QLoRA base's
+    ``target_parameters``) and the trained ``modules_to_save`` copies in place of the originals; a QLoRA
+    base's
     NF4 weights are written dequantised (merged or not): the weights the adapter was trained on."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 

@@ -38,7 +38,8 @@ class QATSettings(_Strict):
     weight_dtype: str = "int8"
     """int4, float8 (fp8, float8_e4m3fn), mxfp4 or nvfp4 (Axolotl's default int8 has no QAT config)."""
     activation_dtype: str | None = None
-    """int8 or float8 with int4 weights, float8 with float8, mxfp4 / nvfp4 with the same; none: weights only."""
+    """int8 or float8 with int4 weights, float8 with float8, mxfp4 / nvfp4 with the same; none: weights
+    only."""
     group_size: int | None = Field(32, ge=1)
     """Weight values per scale (int4); nvfp4 16, mxfp4 32."""
     quantize_embedding: bool | None = False

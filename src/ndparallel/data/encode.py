@@ -3,7 +3,8 @@
 The sample's text is tokenized once, whole (so the tokens are the ones the model would see at
 inference), with offsets: a token is trained when one of its characters lies in a trained segment
 (so a token that joins a header's space to the answer's first word, as `` the`` after Jamba's
-``<|assistant|>``, is learned with the answer). Tokens the tokenizer adds itself (a BOS) are not trained; an appended eos is trained
+``<|assistant|>``, is learned with the answer). Tokens the tokenizer adds itself (a BOS) are not trained; an
+appended eos is trained
 when the last segment is. ``train_on_inputs`` trains every token. ``labels`` are per token, not
 shifted (Axolotl's convention); the rows built from them hold the shifted ones.
 

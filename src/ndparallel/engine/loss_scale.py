@@ -82,9 +82,12 @@ class LossScaler:
         self.scale *= self.backoff_factor
         if self.scale < self.min_scale:
             raise NonFiniteError(
-                f"step {step}: the fp16 gradients overflow even at loss scale {self.scale / self.backoff_factor:g} "
-                f"(the floor is loss_scale_min: {self.min_scale:g}): the run has diverged or does not fit fp16's "
-                "range. Training stopped: use bf16: true (or fp32), lower learning_rate or set max_grad_norm; "
+                f"step {step}: the fp16 gradients overflow even at loss scale "
+                f"{self.scale / self.backoff_factor:g} "
+                f"(the floor is loss_scale_min: {self.min_scale:g}): the run has diverged or does not fit "
+                f"fp16's "
+                "range. Training stopped: use bf16: true (or fp32), lower learning_rate or set "
+                "max_grad_norm; "
                 "checkpoints written before that step are intact"
             )
         return False

@@ -233,7 +233,8 @@ def resolve_model_dir(name: str, is_local_main: bool, revision: str | None = Non
         raise FileNotFoundError(
             f"base model {name!r} is not a local directory and could not be fetched from the "
             f"Hugging Face Hub ({type(result).__name__}: {result}). Download it where the Hub is "
-            f"reachable (`hf download {name}{f' --revision {revision}' if revision else ''} --local-dir DIR`) "
+            f"reachable (`hf download {name}{f' --revision {revision}' if revision else ''} --local-dir "
+            f"DIR`) "
             "and give DIR instead."
         ) from None
     return result

@@ -85,7 +85,8 @@ def _sp_attention_problem(model: nn.Module, tp_size: int, tp_plan) -> str | None
         return None  # no plan: reported by tp_plan_problem
     if attention and not any(n.startswith(attention[0] + ".") for n in styled):
         return (
-            f"tensor_parallel_size={tp_size} with sequence_parallel: {type(model).__name__}'s tensor-parallel "
+            f"tensor_parallel_size={tp_size} with sequence_parallel: {type(model).__name__}'s "
+            f"tensor-parallel "
             f"plan shards nothing in its attention ({attention[0]}), which would then read one sequence "
             "shard: train it without sequence_parallel, or give a tp_plan for the attention"
         )
@@ -137,7 +138,8 @@ def adapter_layout_problem(model: nn.Module, tp_size: int = 1, ep_size: int = 1)
     for degree, size in (("tensor_parallel_size", tp_size), ("expert_parallel_size", ep_size)):
         if wrapped and size > 1:
             return (
-                f"{degree}={size}: LoRA on the experts' weights (lora_target_parameters: {', '.join(wrapped)}) "
+                f"{degree}={size}: LoRA on the experts' weights (lora_target_parameters: "
+                f"{', '.join(wrapped)}) "
                 f"needs them whole on each rank: set {degree}: 1 (shard them with dp_shard_size) or drop "
                 "lora_target_parameters"
             )

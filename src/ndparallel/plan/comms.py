@@ -100,7 +100,8 @@ def predict_collectives(
     """Every collective one rank issues in one optimizer step (see docs/planner.md).
 
     ``scalars``: also list the small ones of the training loop (``train_under_layout`` /
-    ``ndparallel.training.trainer``): the global token count and the gradient norm (see ``scalar_collectives``).
+    ``ndparallel.training.trainer``): the global token count and the gradient norm (see
+    ``scalar_collectives``).
     """
     s = Settings(
         seq_len=seq_len,
@@ -198,7 +199,8 @@ def _data_parallel(model: ModelSpec, layout: Layout, s: Settings) -> list[Collec
 def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int):
     """Per decoder layer two colwise→rowwise pairs (attention, MLP). With sequence parallel each
     pair is all-gather (in) + reduce-scatter (out) in forward and the mirror in backward; without,
-    one all-reduce in forward (rowwise output) and one in backward (the block's input gradient). Recompute under checkpointing repeats the forward ones except the
+    one all-reduce in forward (rowwise output) and one in backward (the block's input gradient). Recompute
+    under checkpointing repeats the forward ones except the
     MLP output's reduction. Embedding (vocab-parallel) and LM head
     (colwise) add one each way; loss parallel adds 3 fp32 all-reduces per token (max, sum-exp,
     target logit), without it the logits are all-gathered. Norm weights replicated over tp on

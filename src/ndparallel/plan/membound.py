@@ -100,7 +100,8 @@ def fsdp_copy_bytes(model: ModelSpec, layout: Layout, s: Settings, local: float,
     (shard·(4+e)) and copies the gathered buffer into the parameters (local·2e); a gradient
     reduction concatenates the bf16 gradients into an fp32 buffer (local·(e+4)) and, after the
     first micro-batch, adds into the sharded gradient (shard·12); accumulating unsharded, each
-    micro-batch after the first adds its gradient into the fp32 unsharded one (local·(8+e)). On one rank the "collectives"
+    micro-batch after the first adds its gradient into the fp32 unsharded one (local·(8+e)). On one rank the
+    "collectives"
     are device copies too (local·2e per gather, local·8 per reduction): with more ranks they are
     the communication costed in ``comms.py``."""
     e = s.act_bytes

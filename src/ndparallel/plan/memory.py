@@ -259,7 +259,7 @@ def optimizer_step_temporaries(model: ModelSpec, layout: Layout, s: Settings) ->
 def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> MemoryBreakdown:
     """Peak bytes per GPU: the largest of the loss-backward moment, the first layer's backward,
     the end of backward (all gradients) and the optimizer step (its temporaries)."""
-    t, n, e = layout.tp, layout.fsdp, s.act_bytes
+    t, n = layout.tp, layout.fsdp
     numels = unit_numels(model, t, n, layout)
     col = 1  # the shard; unsharded (a degree of 1) it is the whole tp-local tensor
     units = fsdp_units(model)

@@ -253,7 +253,8 @@ def pipeline_lines(e) -> list[str]:
     stretch = f" × {info.stretch:.2f} (uneven stages)" if abs(info.stretch - 1) > 0.02 else ""
     lines = [
         f"Pipeline {info.schedule} ({e.layout.pp} stages{per_rank}, {info.microbatches} micro-batches): "
-        f"bubble {info.bubble_fraction:.1%} of the pipeline{stretch} = {t.pp_bubble:.2f} s ({t.pp_bubble / t.step:.1%} "
+        f"bubble {info.bubble_fraction:.1%} of the pipeline{stretch} = {t.pp_bubble:.2f} s "
+        f"({t.pp_bubble / t.step:.1%} "
         f"of the step); p2p exposed {t.pp_exposed:.2f} s; pace: {info.pace} stage; {grads}"
     ]
     parts = []
@@ -281,6 +282,7 @@ def _why_not(e) -> str:
     )
     return (
         f"Does not fit: the {info.worst} stage needs {mem.total / GiB:.1f} GiB, "
-        f"{mem.activations / GiB:.1f} of them activations: {held:.1f} micro-batches of {tokens} tokens in flight "
+        f"{mem.activations / GiB:.1f} of them activations: {held:.1f} micro-batches of {tokens} tokens in "
+        f"flight "
         f"through its {shape.layers} layers, {kept}"
     )

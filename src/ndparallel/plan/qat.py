@@ -43,7 +43,10 @@ def qat_format(weight_dtype: str, activation_dtype: str | None) -> str:
 def qat_format_problem(fmt: str) -> str | None:
     if fmt in QAT_FORMATS:
         return None
-    return f"--qat {fmt}: not a modelled QAT format; use one of {', '.join(QAT_FORMATS)} (nvfp4: plan as mxfp4/mxfp4)"
+    return (
+        f"--qat {fmt}: not a modelled QAT format; use one of {', '.join(QAT_FORMATS)} "
+        "(nvfp4: plan as mxfp4/mxfp4)"
+    )
 
 
 def qat_saved_bytes_per_weight(fmt: str, compute_bytes: int = 2) -> float:

@@ -69,7 +69,8 @@ def header(result: PlanResult) -> str:
             f"trainable ({trainable_fraction(r.model, r.lora_r):.2%}), base frozen"
             + (" in 4-bit NF4 (linears)" if r.quantized_base else "")
             + (
-                f", trained copies of {' and '.join({'embed': 'embed_tokens', 'head': 'lm_head'}[t] for t in r.lora_saved)}"
+                f", trained copies of "
+                f"{' and '.join({'embed': 'embed_tokens', 'head': 'lm_head'}[t] for t in r.lora_saved)}"
                 if r.lora_saved
                 else ""
             )

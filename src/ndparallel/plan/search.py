@@ -182,10 +182,16 @@ def _layout_rejections(req: PlanRequest, layout: Layout, base: Settings) -> list
         why = nf4_shards_problem(req.model, layout)
         out += [("qlora_layout", why)] if why else []
     if req.lora_saved and layout.tp > 1:  # train refuses it: the copies would not be vocab-sharded
-        why = f"lora_modules_to_save with tp={layout.tp}: the trained copies would not be vocab-sharded (train refuses it)"
+        why = (
+            f"lora_modules_to_save with tp={layout.tp}: the trained copies would not be vocab-sharded "
+            "(train refuses it)"
+        )
         out.append(("lora_layout", why))
     if req.qat and layout.tp > 1:  # techniques/qat.py refuses it: scales computed on TP shards
-        why = f"qat with tp={layout.tp}: torchao's fake quantisers would scale TP shards, not whole rows (train refuses it)"
+        why = (
+            f"qat with tp={layout.tp}: torchao's fake quantisers would scale TP shards, not whole rows "
+            "(train refuses it)"
+        )
         out.append(("qat_layout", why))
     return out
 

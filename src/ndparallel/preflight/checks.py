@@ -58,7 +58,8 @@ def layout(p: Preflight) -> None:
 
 
 def model(p: Preflight) -> None:
-    """base_model found; a causal decoder whose positions hold sequence_len, its local weights fitting its config."""
+    """base_model found; a causal decoder whose positions hold sequence_len, its local weights fitting
+    its config."""
     from ndparallel.preflight.model_check import check_model, resolve_model_config
 
     p.hf = resolve_model_config(p.cfg)
@@ -238,7 +239,8 @@ def lora_fields_unused(p: Preflight) -> list[str]:
     stray = p.cfg.lora_fields_without_adapter()
     return (
         [
-            f"{', '.join(stray)} set but no adapter: not used, every parameter is trained (full fine-tuning, as in "
+            f"{', '.join(stray)} set but no adapter: not used, every parameter is trained (full fine-tuning, "
+            f"as in "
             "Axolotl); add adapter: lora to train LoRA adapters instead"
         ]
         if stray
@@ -253,10 +255,12 @@ def loss_watchdog(p: Preflight) -> list[str]:
     return [
         f"loss_watchdog_threshold {cfg.loss_watchdog_threshold:g}: "
         + (
-            "stops training as Axolotl does (a warning, the final model saved, exit 0); loss_watchdog_action: "
+            "stops training as Axolotl does (a warning, the final model saved, exit 0); "
+            "loss_watchdog_action: "
             "fail exits 1 without a final model instead"
             if cfg.loss_watchdog_action == "stop"
-            else "loss_watchdog_action: fail exits 1 without a final model (Axolotl stops gracefully and saves it)"
+            else "loss_watchdog_action: fail exits 1 without a final model (Axolotl stops gracefully and "
+            "saves it)"
         )
     ]
 

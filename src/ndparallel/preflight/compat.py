@@ -1,5 +1,6 @@
 """What an Axolotl config means here: one line per field that behaves differently, for ``--dry-run``
-and the start of ``train``, from the validated config. Renamed keys say nothing here; the notes of translated Axolotl keys come
+and the start of ``train``, from the validated config. Renamed keys say nothing here; the notes of translated
+Axolotl keys come
 from the front door (``axolotl/translate.py``, kept in
 ``cfg._axolotl_notes``); fields that cannot work are refused there or by the schema
 (``config/schema.py``), one line each. Also the quantisation and low-bit optimizer notes. Both are

@@ -45,7 +45,8 @@ def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
     for refused, what in refusals:
         if refused:
             return (
-                f"pipeline_parallel_size={pp} with {what} is not supported yet: set pipeline_parallel_size: 1, "
+                f"pipeline_parallel_size={pp} with {what} is not supported yet: set pipeline_parallel_size: "
+                f"1, "
                 "or drop that setting (docs/pipeline_parallel.md, 'What composes')"
             )
     if pc.cp_enabled and cfg.cp_options().comm_strategy == "ring" and cfg.device == "cpu":

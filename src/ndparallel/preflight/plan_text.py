@@ -230,8 +230,10 @@ def _precision(cfg) -> str:
     name = cfg.compute_dtype_name()
     if name == "fp16":
         return (
-            f"fp16 compute, fp32 master weights, dynamic loss scaling (from {cfg.loss_scale_init:g}, x2 after "
-            f"{cfg.loss_scale_growth_interval} finite steps, /2 and the step skipped on an overflow; one host "
+            f"fp16 compute, fp32 master weights, dynamic loss scaling (from {cfg.loss_scale_init:g}, x2 "
+            f"after "
+            f"{cfg.loss_scale_growth_interval} finite steps, /2 and the step skipped on an overflow; one "
+            f"host "
             "read per step)"
         )
     return "bf16 compute, fp32 master weights" if name == "bf16" else "fp32"

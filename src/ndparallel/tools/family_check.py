@@ -77,7 +77,8 @@ def family_check(cfg, pc, hf) -> str | None:
     if diff["loss_rel"] > TOL or diff["grad_norm_rel"] > TOL or diff.get("param_abs", 0.0) > PARAM_TOL:
         return (
             f"{where} trains differently under this layout than on one device (loss {diff['loss_rel']:.1e}, "
-            f"gradient norm {diff['grad_norm_rel']:.1e} relative, parameters {diff.get('param_abs', 0):.1e}): "
+            f"gradient norm {diff['grad_norm_rel']:.1e} relative, parameters "
+            f"{diff.get('param_abs', 0):.1e}): "
             "use another layout (FSDP / data parallel), or --skip-family-check to train anyway"
         )
     return None

@@ -61,7 +61,8 @@ def _preprocess(cfg: TrainConfig, show: int | None, as_json: bool, out: TextIO |
         st = prepared.stats
         summary = (
             f"{st.records} records -> {st.samples} samples ({st.truncated} truncated, {st.dropped_too_long} "
-            f"dropped as too long, {st.dropped_untrained} with no trained token, {st.pieces_from_split} extra "
+            f"dropped as too long, {st.dropped_untrained} with no trained token, {st.pieces_from_split} "
+            f"extra "
             f"pieces of long raw text) -> {_rows(splits)} rows of {cfg.sequence_len} tokens"
             + (" (sample packing)" if cfg.sample_packing else " (one sample per row)")
         )

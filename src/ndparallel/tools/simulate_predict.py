@@ -82,7 +82,8 @@ def pipeline_problem(trainer, spec, settings) -> str | None:
     m = engine.options.pipeline.microbatches
     if m is not None and m != settings.grad_accum:
         return (
-            f"the planner models one pipeline micro-batch per accumulation step, not pipeline_microbatches={m}: "
+            f"the planner models one pipeline micro-batch per accumulation step, not "
+            f"pipeline_microbatches={m}: "
             "the measurement is shown alone"
         )
     layers = sum(len(plan.layers[s]) for s in plan.stages_of(rank))

@@ -189,7 +189,8 @@ def verify_layout(
     console.print(
         f"verify: {pc.describe()} on {pc.total_size} CPU ranks vs 1 process; shrunk "
         f"{small.model_type}: hidden {small.hidden_size}, heads {small.num_attention_heads}/"
-        f"{small.num_key_value_heads}, {small.num_hidden_layers} layers, seq {setup.seq_len} (packed documents), {steps} "
+        f"{small.num_key_value_heads}, {small.num_hidden_layers} layers, seq {setup.seq_len} (packed "
+        f"documents), {steps} "
         + EXACT_STEPS_NOTE
         + (f"; LoRA r={setup.adapter['r']} (dropout 0)" if setup.adapter else "")
         + ("; a 4-bit NF4 base (16 x 4 blocks: the shrunk weights are small)" if setup.quantization else "")

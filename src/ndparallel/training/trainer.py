@@ -468,7 +468,8 @@ class Trainer:
         engine.print(
             f"ndparallel train: {engine.dims.describe()} on {engine.world_size} rank(s) "
             f"({engine.device.type}); model {n_global / 1e6:.2f}M params "
-            f"({local_numel(self.model) / 1e6:.2f}M on this rank{self._trainable_note()}); {self.total_steps} steps × "
+            f"({local_numel(self.model) / 1e6:.2f}M on this rank{self._trainable_note()}); "
+            f"{self.total_steps} steps × "
             f"{self.loader.global_micro_batch * cfg.gradient_accumulation_steps} sequences × "
             f"{cfg.sequence_len} tokens"
         )
