@@ -17,6 +17,15 @@ import torch.nn as nn
 from ndparallel.accelerator import arguments
 from ndparallel.accelerator.collectives import CollectivesMixin
 from ndparallel.accelerator.context_parallel import ContextParallelMixin
+from ndparallel.accelerator.handlers import GradScalerKwargs
+from ndparallel.accelerator.preparing import (
+    prepare_all,
+    prepare_data_loader,
+    prepare_model,
+    prepare_optimizer,
+    prepare_scheduler,
+    register_model,
+)
 from ndparallel.accelerator.processes import ProcessesMixin
 from ndparallel.accelerator.saving import SavingMixin
 from ndparallel.accelerator.state import (
@@ -153,8 +162,6 @@ class Accelerator(
         self.scaler_handler, self.native_amp = s.handlers.get("scaler_handler"), s.param_dtype is not None
         self.scaler = None  # fp16 compute (mixed_precision or the FSDP plugin's policy): loss scaling
         if s.param_dtype == torch.float16:
-            from ndparallel.accelerator.handlers import GradScalerKwargs
-
             self.scaler = (self.scaler_handler or GradScalerKwargs()).build()
 
     # ------------------------------------------------------------ what runs
@@ -261,7 +268,6 @@ class Accelerator(
         """Parallelise models, wrap optimizers (remapped onto the new parameters) and schedulers so
         they follow gradient accumulation, shard ``DataLoader``s over the dp ranks. Returns the
         objects in the order given (one object: itself)."""
-        from ndparallel.accelerator.preparing import prepare_all
 
         out = prepare_all(self, list(objects), device_placement)
         return out[0] if len(out) == 1 else tuple(out)
@@ -280,7 +286,6 @@ class Accelerator(
         returns the ``PeftModel``; a ``PeftModel`` passed in is parallelised as is (docs/lora.md).
         ``quantization`` (``NF4Config()`` / ``"nf4"`` / a 4-bit ``BitsAndBytesConfig``) stores the frozen
         base linears as torchao NF4 first (QLoRA: docs/lora.md)."""
-        from ndparallel.accelerator.preparing import prepare_model
 
         if device_placement is False:
             raise ValueError(
@@ -295,17 +300,14 @@ class Accelerator(
         return prepare_model(self, model, adapter, quantization)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
-        from ndparallel.accelerator.preparing import prepare_optimizer
 
         return prepare_optimizer(self, optimizer)
 
     def prepare_scheduler(self, scheduler):
-        from ndparallel.accelerator.preparing import prepare_scheduler
 
         return prepare_scheduler(self, scheduler)
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        from ndparallel.accelerator.preparing import prepare_data_loader
 
         if slice_fn_for_dispatch is not None:
             raise ValueError("slice_fn_for_dispatch belongs to dispatch_batches, which is not supported")
@@ -343,6 +345,5 @@ class Accelerator(
         returns a LoRA ``PeftModel`` over the frozen, sharded base; ``quantization=NF4Config()``
         (or ``"nf4"``, a 4-bit ``BitsAndBytesConfig``) makes that base 4-bit NF4 (QLoRA). Keyword
         arguments: ``ndparallel.engine.model_build.build_model``'s."""
-        from ndparallel.accelerator.preparing import register_model
 
         return register_model(self, self.engine.build_model(path_or_config, **kwargs))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 
 from ndparallel.accelerator.state import LoggerType
+from ndparallel.runtime.distributed import shutdown
 from ndparallel.tracking.trackers import MODULES as _MODULES
 from ndparallel.tracking.trackers import (  # noqa: F401  (Accelerate's import paths)
     TRACKERS,
@@ -99,7 +100,6 @@ class TrackingMixin:
 
     def end_training(self) -> None:
         """Finish the trackers, then destroy the process group (as Accelerate does)."""
-        from ndparallel.runtime.distributed import shutdown
 
         for tracker in self.trackers:
             tracker.finish()

@@ -11,6 +11,7 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from ndparallel.config.base import _int, _Strict
 from ndparallel.config.datasets import DatasetConfig
+from ndparallel.models.presets import is_preset
 
 
 class FSDPConfig(_Strict):
@@ -307,7 +308,6 @@ class DataSourceFields(_Strict):
 
     @model_validator(mode="after")
     def _data_source(self):  # reads TrainConfig's datasets / max_steps / base_model
-        from ndparallel.models.presets import is_preset
 
         if self.pretraining_dataset is not None:
             if self.datasets:

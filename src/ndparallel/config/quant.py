@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from ndparallel.config.base import _Strict
+from ndparallel.models.quantized import NF4Config
 from ndparallel.techniques.options import QATOptions
 
 _DTYPES = {
@@ -169,7 +170,6 @@ class QuantFields(_Strict):
         if not self.load_in_4bit:
             return None
         from ndparallel.models.quantization_config import nf4_config_from_bnb
-        from ndparallel.models.quantized import NF4Config
 
         base = NF4Config(self.nf4_block_size, self.nf4_scaler_block_size)
         return nf4_config_from_bnb({"load_in_4bit": True, **(self.bnb_config_kwargs or {})}, base)

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 import torch
 
 from ndparallel.engine.nonfinite import NonFiniteError
+from ndparallel.techniques.grad_norm import grouped_grads
 
 
 class LossScaler:
@@ -62,7 +63,6 @@ class LossScaler:
 
     def unscale_(self, parameters: Iterable[torch.Tensor]) -> None:
         """Multiply every gradient by ``1/scale`` in place (DTensor gradients: their local shards)."""
-        from ndparallel.techniques.grad_norm import grouped_grads
 
         inv = 1.0 / self.scale
         for grads in grouped_grads(parameters).values():

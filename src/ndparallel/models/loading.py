@@ -43,6 +43,7 @@ from ndparallel.models.vocab import (
     vocab_weight_names,
 )
 from ndparallel.models.weights import weights_problem
+from ndparallel.runtime.distributed import long_wait_group
 
 _SAFETENSORS = ".safetensors"
 
@@ -221,8 +222,6 @@ def resolve_model_dir(name: str, is_local_main: bool, revision: str | None = Non
         except Exception as e:  # noqa: BLE001 - reported below, after the other ranks are released
             result = e
     if dist.is_initialized():  # a 140 GB download outlasts the collective timeout: wait on a long one
-        from ndparallel.runtime.distributed import long_wait_group
-
         dist.barrier(group=long_wait_group())
     if not is_local_main:
         try:

@@ -14,6 +14,9 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from ndparallel.models.layers import decoder_module_name
+from ndparallel.models.moe import moe_prefixes
+
 STYLES: dict[str, str] = {
     "colwise": "Linear weight sharded on out_features; output sharded on the last dim.",
     "rowwise": "Linear weight sharded on in_features; input sharded on the last dim; output summed.",
@@ -54,7 +57,6 @@ def plan_prefix(model: nn.Module) -> str:
     """Where a base-model plan's keys (``layers.*.self_attn.q_proj``) live in ``model``: its
     ``base_model_prefix`` attribute when that is a module, else the module that runs the decoder
     layers (Llama 4: ``base_model_prefix`` is ``language_model``, the decoder is ``model``)."""
-    from ndparallel.models.layers import decoder_module_name
 
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and isinstance(getattr(model, prefix, None), nn.Module):
@@ -146,7 +148,6 @@ def tp_plan_problem(model: nn.Module, override: Mapping[str, object] | None = No
     (its keys miss the module tree). Entries inside a mixture-of-experts block (the experts'
     ``moe_tp_experts`` / ``packed_colwise``, shared experts) are not applied: expert parallel
     takes the experts, the rest of the block is replicated over tp (``parallel/tp/tensor.py``)."""
-    from ndparallel.models.moe import moe_prefixes
 
     try:
         plan = resolve_tp_plan(model, override)

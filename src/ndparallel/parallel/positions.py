@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ndparallel.models.layers import decoder_module
+
 _LABELS_MSG = (
     "context parallelism: `labels` without `shift_labels` would be shifted by the model *after* "
     "sequence sharding, pairing tokens with the wrong targets at every shard edge; pass pre-shifted "
@@ -107,7 +109,6 @@ class PositionRecorder:
         self.value = kwargs.get("position_ids")  # transformers calls its decoder with keywords
 
     def attach(self, model: nn.Module) -> PositionRecorder:
-        from ndparallel.models.layers import decoder_module
 
         decoder = decoder_module(model)
         (decoder if decoder is not None else model).register_forward_pre_hook(self._record, with_kwargs=True)

@@ -22,6 +22,12 @@ import copy
 
 import torch.nn as nn
 
+from ndparallel.models.adapters import checkpoint_key, is_param_wrapper
+from ndparallel.models.causal import self_attention_flags
+from ndparallel.models.moe import experts_modules
+from ndparallel.models.tp_plans import match_plan, resolve_tp_plan, tp_plan_problem
+from ndparallel.parallel.ep.expert import check_expert_parallel
+
 _PROBE = "ndparallel_interface_probe"
 
 
@@ -75,8 +81,6 @@ def _own_attention_problem(model: nn.Module, what: str, probe: bool) -> str | No
 def _sp_attention_problem(model: nn.Module, tp_size: int, tp_plan) -> str | None:
     """Under sequence parallel a block's input is gathered only when its plan shards something in
     it: an attention the plan leaves out would read one sequence shard."""
-    from ndparallel.models.causal import self_attention_flags
-    from ndparallel.models.tp_plans import match_plan, resolve_tp_plan
 
     attention = [name for name, _ in self_attention_flags(model)][:1]
     try:
@@ -96,8 +100,6 @@ def _sp_attention_problem(model: nn.Module, tp_size: int, tp_plan) -> str | None
 def _experts_problem(model: nn.Module, tp_size: int, ep_size: int) -> str | None:
     """Why a mixture-of-experts model's experts cannot be split off (EP, or TP: experts are never
     tensor-parallel), or None (also for a dense model under TP)."""
-    from ndparallel.models.moe import experts_modules
-    from ndparallel.parallel.ep.expert import check_expert_parallel
 
     if ep_size == 1 and not experts_modules(model):
         return None
@@ -114,7 +116,6 @@ def adapter_layout_problem(model: nn.Module, tp_size: int = 1, ep_size: int = 1)
     (LoRA on the experts' 3-D weights) cannot run under TP / EP, or None. Under TP the embedding
     and LM head are vocab-sharded and their PEFT copies would not be; under TP or EP the expert
     weights are split off while their LoRA factors hold every expert."""
-    from ndparallel.models.adapters import checkpoint_key, is_param_wrapper
 
     saved = sorted(
         {
@@ -159,7 +160,6 @@ def layout_problem(
     """The first reason ``model`` cannot be trained exactly under this layout, or None.
     ``probe_attention``: build a meta-device copy to ask whether it takes transformers'
     ``AttentionInterface`` (off at run time: switching the real model's attention says it)."""
-    from ndparallel.models.tp_plans import tp_plan_problem
 
     base = getattr(model, "base_model", None) if hasattr(model, "peft_config") else None
     model = getattr(base, "model", model) if base is not None else model

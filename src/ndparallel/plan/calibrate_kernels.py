@@ -12,6 +12,10 @@ import statistics
 import time
 from collections.abc import Callable
 
+from ndparallel.parallel.attention_kernels import BlockKernel, resolve_kernel
+from ndparallel.plan.gemm import gemm_shapes
+from ndparallel.plan.layout import Layout, Settings
+
 
 def sync(device: str) -> None:
     if device.startswith("cuda"):
@@ -114,8 +118,6 @@ def measure_cp_block(
     forward (out, lse) and backward seconds for ``chunk`` queries against ``chunk`` keys."""
     import torch
 
-    from ndparallel.parallel.attention_kernels import BlockKernel, resolve_kernel
-
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     q = torch.randn(batch, heads, chunk, head_dim, device=device, dtype=dtype)
     k = torch.randn(batch, kv_heads, chunk, head_dim, device=device, dtype=dtype)
@@ -215,8 +217,6 @@ minutes): the others use the curve scaled by the nearest measured shape."""
 
 def measure_kernels(device: str, quick: bool, model, seq_len: int, micro_batch: int) -> dict:
     """Everything ``calibrate`` measures on one device for ``model`` at ``seq_len × micro_batch``."""
-    from ndparallel.plan.gemm import gemm_shapes
-    from ndparallel.plan.layout import Layout, Settings
 
     cuda = device.startswith("cuda")
     s = Settings(seq_len=seq_len, micro_batch=micro_batch)

@@ -12,10 +12,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ndparallel.plan.adapter import adapt_collectives
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import tiled_tp_extra
 from ndparallel.plan.models import ModelSpec, ParamSpec, fsdp_units
+from ndparallel.plan.qlora import nf4_collectives
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all")
 
@@ -139,12 +141,8 @@ def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Colle
 
         out += moe.collectives(model, layout, s, tokens, ga, Collective)
     if s.lora_r:
-        from ndparallel.plan.adapter import adapt_collectives
-
         out = adapt_collectives(out, model, layout, s, Collective)
     if s.quantized_base:
-        from ndparallel.plan.qlora import nf4_collectives
-
         out = nf4_collectives(out, model, layout, s)
     return [c for c in out if c.count > 0]
 

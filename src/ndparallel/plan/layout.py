@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ndparallel.layout.dims import MESH_DIM_NAMES, ParallelDims
 from ndparallel.plan.models import ModelSpec
+from ndparallel.plan.pipeline import canonical
 
 DIMS = MESH_DIM_NAMES
 
@@ -234,8 +235,6 @@ def parse_layout(text: str) -> tuple[Layout, dict]:
         elif name in ("micro_batch", "pipeline_virtual_stages"):
             extras[name] = int(val)
         elif name == "pipeline_schedule":
-            from ndparallel.plan.pipeline import canonical
-
             extras[name] = canonical(val)
         else:
             values[name] = int(val)

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 
+from ndparallel.models.moe import config_num_experts
+from ndparallel.models.presets import PRESETS as BUILTIN
+from ndparallel.models.presets import PUBLISHED
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -270,7 +274,6 @@ def from_hf_config(cfg: dict, name: str = "custom") -> ModelSpec:
 
 def _moe_fields(cfg: dict, name: str) -> dict:
     """The MoE fields of an HF config dict (empty for a dense model); refuses what is not modelled."""
-    from ndparallel.models.moe import config_num_experts
 
     experts = config_num_experts(cfg)
     if experts is None:
@@ -299,8 +302,6 @@ def _moe_fields(cfg: dict, name: str) -> dict:
 def _presets() -> dict[str, ModelSpec]:
     """The planner's named models: the published shapes of ``ndparallel.models.presets`` and
     ``tiny`` (the built-in ``tiny-llama``, for CPU checks and exact byte comparisons)."""
-    from ndparallel.models.presets import PRESETS as BUILTIN
-    from ndparallel.models.presets import PUBLISHED
 
     specs = {
         name: replace(from_hf_config(fields, name), hf_id=hub_id)

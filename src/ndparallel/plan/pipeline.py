@@ -20,6 +20,7 @@ from ndparallel.parallel.pp.split import (
     schedule_name,
     stage_layers,
 )
+from ndparallel.plan.hardware import GiB
 from ndparallel.plan.models import ModelSpec
 
 AUTO_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))
@@ -203,7 +204,6 @@ class PipelineInfo:
     """The fill and drain over the formula's (``fill_stretch``)."""
 
     def to_dict(self) -> dict:
-        from ndparallel.plan.hardware import GiB
 
         return {
             "schedule": self.schedule,
@@ -241,7 +241,6 @@ def pipeline_lines(e) -> list[str]:
     """``--explain``'s lines of a pp layout's estimate ``e``: the bubble share (and how gradients
     are reduced) in one, the first and the last stage's memory in the other; when it does not
     fit, a third saying why."""
-    from ndparallel.plan.hardware import GiB
 
     info, t = e.pipeline, e.time
     per_rank = f" × {info.virtual} per rank" if info.virtual > 1 else ""
@@ -269,7 +268,6 @@ def pipeline_lines(e) -> list[str]:
 
 def _why_not(e) -> str:
     """One line: the reported stage's memory and its activations' share, factor by factor."""
-    from ndparallel.plan.hardware import GiB
 
     info, s = e.pipeline, e.settings
     shape, mem, _ = info.ranks[info.worst]

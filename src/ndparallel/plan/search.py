@@ -17,6 +17,7 @@ from ndparallel.plan.models import ModelSpec
 from ndparallel.plan.pipeline import AUTO_SCHEDULES, canonical, default_virtual
 from ndparallel.plan.pipeline import problem as pipeline_problem
 from ndparallel.plan.pipeline_estimate import estimate_pipeline
+from ndparallel.plan.qlora import nf4_shards_problem
 
 __all__ = [
     "Estimate",
@@ -177,8 +178,6 @@ def base_settings(req: PlanRequest) -> Settings:
 def _layout_rejections(req: PlanRequest, layout: Layout, base: Settings) -> list[tuple[str, str]]:
     out = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
     if req.quantized_base:
-        from ndparallel.plan.qlora import nf4_shards_problem
-
         why = nf4_shards_problem(req.model, layout)
         out += [("qlora_layout", why)] if why else []
     if req.lora_saved and layout.tp > 1:  # train refuses it: the copies would not be vocab-sharded

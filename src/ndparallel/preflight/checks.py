@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ndparallel.config import ConfigError, TrainConfig
+from ndparallel.layout.config import ParallelismConfigError
+from ndparallel.models.moe import config_num_experts
+from ndparallel.preflight.pipeline_check import check_pipeline
+from ndparallel.tracking.credentials import tracker_notes
 
 
 @dataclass
@@ -49,7 +53,6 @@ class Check:
 # --------------------------------------------------------------------- the layout and the model
 def layout(p: Preflight) -> None:
     """The degrees against the world size (a -1 degree filled from it)."""
-    from ndparallel.layout.config import ParallelismConfigError
 
     try:
         p.pc = p.cfg.parallelism_config().resolve(p.world_size)
@@ -68,7 +71,6 @@ def model(p: Preflight) -> None:
 
 def experts(p: Preflight) -> None:
     """``expert_parallel_size`` needs a mixture-of-experts model whose expert count it divides."""
-    from ndparallel.models.moe import config_num_experts
 
     cfg, dims, count = p.cfg, p.pc.dims, config_num_experts(p.hf)
     if dims.ep_enabled and count is None:
@@ -213,7 +215,6 @@ def sequence_len(p: Preflight) -> None:
 
 
 def pipeline(p: Preflight) -> None:
-    from ndparallel.preflight.pipeline_check import check_pipeline
 
     check_pipeline(p.cfg, p.pc, p.hf)
 
@@ -300,7 +301,6 @@ def quantisation(p: Preflight) -> list[str]:
 
 
 def trackers(p: Preflight) -> list[str]:
-    from ndparallel.tracking.credentials import tracker_notes
 
     return tracker_notes(p.cfg)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ndparallel.data.dataset import DatasetSpec
+
 
 def data_notes(cfg) -> list[str]:
     """``train_on_inputs`` with types that have no prompt; a ``dataset_cache_dir`` holding
     Axolotl's prepared datasets (not read: ndparallel tokenises into its own keyed caches)."""
-    from ndparallel.data.dataset import DatasetSpec
 
     notes = []
     specs = [DatasetSpec.from_any(d.model_dump(), f"datasets[{i}]") for i, d in enumerate(cfg.datasets or [])]

@@ -6,12 +6,12 @@ adapter, ``model_check.check_adapter``)."""
 from __future__ import annotations
 
 from ndparallel.config import ConfigError, TrainConfig
+from ndparallel.parallel.pp.split import bubble_fraction, pipeline_problem, plan_stages
 
 
 def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
     """Why this config's pipeline cannot run, or None (also None without pipeline parallel,
     unless the schedule name itself is wrong)."""
-    from ndparallel.parallel.pp.split import pipeline_problem
     from ndparallel.parallel.pp.stages import pipeline_family_problem
 
     options = cfg.pipeline_options()
@@ -65,7 +65,6 @@ def check_pipeline(cfg: TrainConfig, pc, hf) -> None:
 
 def pipeline_summary(cfg: TrainConfig, pc, hf) -> str:
     """One line for ``--dry-run``: schedule, stages and their layers, micro-batches, the bubble."""
-    from ndparallel.parallel.pp.split import bubble_fraction, plan_stages
 
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
     plan = plan_stages(cfg.pipeline_options(), pc.pp_size, text.num_hidden_layers)

@@ -6,7 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ndparallel.config import TrainConfig
+from ndparallel.models.moe import config_num_experts
+from ndparallel.models.presets import is_preset
 from ndparallel.preflight.pipeline_check import pipeline_summary
+from ndparallel.tracking.credentials import tracker_problem
+from ndparallel.tracking.run import missing_trackers
 
 
 def describe_plan(cfg: TrainConfig, pc, hf, notes: Sequence[str] = ()) -> str:
@@ -50,12 +54,9 @@ def describe_plan(cfg: TrainConfig, pc, hf, notes: Sequence[str] = ()) -> str:
         f"output       : {cfg.output_dir}",
     ]
     lines += [f"note         : {n}" for n in notes if not n.startswith("max_steps")]
-    from ndparallel.tracking.run import missing_trackers
 
     trackers = cfg.trackers()
     if trackers:
-        from ndparallel.tracking.credentials import tracker_problem
-
         problem = tracker_problem(cfg)
         lines.insert(
             -1,
@@ -72,7 +73,6 @@ def describe_plan(cfg: TrainConfig, pc, hf, notes: Sequence[str] = ()) -> str:
 
 def _experts_lines(pc, hf) -> list[str]:
     """The experts' placement of a mixture-of-experts model (``--dry-run``)."""
-    from ndparallel.models.moe import config_num_experts
 
     experts = config_num_experts(hf)
     if experts is None:
@@ -153,8 +153,6 @@ def _local_tokenizer(cfg: TrainConfig):
     """The run's tokenizer where it is a local directory (a dry run downloads and trains nothing);
     else the reason it is not loaded, as a string."""
     from pathlib import Path
-
-    from ndparallel.models.presets import is_preset
 
     source = cfg.tokenizer or cfg.base_model
     if source == cfg.base_model and is_preset(source):

@@ -40,6 +40,8 @@ import math
 import torch
 import torch.nn as nn
 
+from ndparallel.models.layers import dense_mlps
+
 TILE_DIM = -2
 """The sequence dim of an MLP input ``[batch, seq, hidden]``."""
 
@@ -150,7 +152,6 @@ def is_tiled(module: nn.Module) -> bool:
 
 def apply_tiled_mlp(model: nn.Module, num_tiles: int | None = None, layer_classes=None) -> list[nn.Module]:
     """Tile the dense MLP of every decoder layer of ``model``; returns the blocks."""
-    from ndparallel.models.layers import dense_mlps
 
     return [tile_mlp(mlp, num_tiles) for mlp in dense_mlps(model, layer_classes)]
 

@@ -11,6 +11,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ndparallel.config import TrainConfig
+from ndparallel.models.quantized import NF4Config
+from ndparallel.parallel.pp.split import virtual_stages
+from ndparallel.runtime.multirank import run_on_ranks
+from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 from ndparallel.tools.shrink import shrink_config
 
 
@@ -36,7 +40,6 @@ def _shrunk_nf4(cfg: TrainConfig):
     """QLoRA's NF4 base with blocks small enough for the shrunk model's weights (None without it)."""
     if not cfg.load_in_4bit:
         return None
-    from ndparallel.models.quantized import NF4Config
 
     return NF4Config(16, 4, cfg.nf4_config().skip_modules)
 
@@ -87,8 +90,6 @@ def _setup(cfg: TrainConfig, pc, small, steps: int, fault: str | None):
     them), fp32, SGD, on packed rows of random documents."""
     import dataclasses
 
-    from ndparallel.tools.equivalence import TrainSetup
-
     options = cfg.strategy_options()
     return TrainSetup(
         small,
@@ -118,7 +119,6 @@ def _setup(cfg: TrainConfig, pc, small, steps: int, fault: str | None):
 
 
 def _compare(console, title: str, ref, got) -> dict:
-    from ndparallel.tools.equivalence import compare
 
     diff = compare(ref, got)
     table = Table(title=title)
@@ -151,7 +151,6 @@ def _enough_layers_for_stages(small, cfg: TrainConfig, pc):
     repeated): two layers cannot fill 2 stages × 2 virtual stages."""
     if pc.pp_size <= 1:
         return small
-    from ndparallel.parallel.pp.split import virtual_stages
 
     stages = pc.pp_size * virtual_stages(cfg.pipeline_options())
     if stages <= small.num_hidden_layers:
@@ -179,9 +178,6 @@ def verify_layout(
     process at that precision (a looser, stated tolerance); with ``qat`` again with fake
     quantisation on both sides (the same looser tolerance: quantisation levels flip on fp32 noise)."""
     import dataclasses
-
-    from ndparallel.runtime.multirank import run_on_ranks
-    from ndparallel.tools.equivalence import train_under_layout
 
     console = Console()
     small = _enough_layers_for_stages(shrink_config(hf_config, pc.tp_size, pc.cp_size, pc.ep_size), cfg, pc)

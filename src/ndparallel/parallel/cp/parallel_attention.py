@@ -49,6 +49,7 @@ from ndparallel.parallel.cp.exchange import (
     start,
 )
 from ndparallel.parallel.cp.sharding import cp_chunk_ids, cp_positions
+from ndparallel.parallel.cp.ulysses import ulysses_attention
 from ndparallel.parallel.document_attention import Kernel, check_shapes, make_block_kernel, same_head_dims
 
 Strategy = Literal["ring", "allgather", "ulysses"]
@@ -269,8 +270,6 @@ def context_parallel_attention(
     block_kernel = make_block_kernel(kernel, query, scale, softcap)
     query, key, value, dv = same_head_dims(query, key, value)
     if strategy == "ulysses":
-        from ndparallel.parallel.cp.ulysses import ulysses_attention
-
         return ulysses_attention(
             query, key, value, group, load_balance, block_kernel, position_ids, cache, window, chunk
         )[..., :dv]

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ndparallel.layout.mesh import process_group
 from ndparallel.techniques.loss import IGNORE_INDEX
 
 
@@ -81,8 +82,6 @@ def unshard_from_cp(
     """Inverse of ``shard_for_cp``: all-gather the shards of ``cp_group`` (a ProcessGroup or 1-D
     DeviceMesh) and restore the natural order. No autograd; for tests, eval and metrics."""
     import torch.distributed as dist
-
-    from ndparallel.layout.mesh import process_group
 
     group = process_group(cp_group)
     cp_size = dist.get_world_size(group)

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ndparallel.models.adapters import base_model_of
+from ndparallel.parallel.fsdp import fsdp_root
 from ndparallel.parallel.pp.split import StagePlan
 from ndparallel.techniques.loss import IGNORE_INDEX
 
@@ -103,9 +105,6 @@ def _shard_root(module: StageModule, engine) -> None:
     (``perform_reduce_grad``), gradients unsharded until then. Otherwise (the default) every
     micro-batch's backward reduce-scatters (and under HSDP all-reduces): gradients stay sharded."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-    from ndparallel.models.adapters import base_model_of
-    from ndparallel.parallel.fsdp import fsdp_root
 
     if not engine.options.fsdp.unsharded_grad_accumulation:
         return

@@ -51,6 +51,7 @@ from ndparallel.models.tp_plans import (
     model_tp_plan,
     resolve_tp_plan,
 )
+from ndparallel.parallel.document_attention import apply_document_attention
 from ndparallel.parallel.options import TPOptions
 from ndparallel.parallel.positions import position_hook
 from ndparallel.parallel.tp.lora import LoraParallel
@@ -214,7 +215,6 @@ def _sequence_parallel_inputs(model: nn.Module, tp_size: int) -> None:
     from the full length (``positions.position_hook``), and ndparallel's document attention —
     transformers builds its masks from the local length, which breaks on packed rows; the
     document attention derives them from the positions."""
-    from ndparallel.parallel.document_attention import apply_document_attention
 
     model.register_forward_pre_hook(position_hook(sp_size=tp_size), with_kwargs=True)
     apply_document_attention(model)
