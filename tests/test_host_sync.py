@@ -11,7 +11,7 @@ One read is transformers' own and expected: with ``position_ids`` and no attenti
 code checks whether a row packs several documents (``find_packed_sequence_indices``: one
 ``.all()`` per forward). It is counted apart, and must be exactly one per micro-batch.
 Under CP the document-masked attention plans its blocks on the host from one host copy of the
-position ids per micro-batch (``cp_blocks.document_starts``; the planning itself then runs on that
+position ids per micro-batch (``attention_blocks.document_starts``; the planning itself then runs on that
 CPU copy and is not a device read). The copies are counted apart too: one per micro-batch.
 """
 

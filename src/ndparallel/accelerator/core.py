@@ -280,12 +280,11 @@ class Accelerator(
         adapter: Any = None,
         quantization: Any = None,
     ) -> nn.Module:
-        """Apply float8 → TP → CP attention → activation checkpointing → compile → FSDP/HSDP/DP,
-        in that order. A model this Accelerator already prepared (e.g. from ``load_model``) is
-        returned as is. ``adapter`` (a peft ``LoraConfig``) wraps the model with LoRA first and
-        returns the ``PeftModel``; a ``PeftModel`` passed in is parallelised as is (docs/lora.md).
-        ``quantization`` (``NF4Config()`` / ``"nf4"`` / a 4-bit ``BitsAndBytesConfig``) stores the frozen
-        base linears as torchao NF4 first (QLoRA: docs/lora.md)."""
+        """Apply the layout's strategies (``parallel/parallelize.py`` says in which order). A model this
+        Accelerator already prepared (e.g. from ``load_model``) is returned as is. ``adapter`` (a peft
+        ``LoraConfig``) wraps the model with LoRA first and returns the ``PeftModel``; a ``PeftModel`` passed
+        in is parallelised as is (docs/lora.md). ``quantization`` (``NF4Config()`` / ``"nf4"`` / a 4-bit
+        ``BitsAndBytesConfig``) stores the frozen base linears as torchao NF4 first (QLoRA: docs/lora.md)."""
 
         if device_placement is False:
             raise ValueError(

@@ -54,7 +54,8 @@ ROUTER_LOSS_UNDER_PP = (
 
 class Engine:
     """Start (or join) the process group, resolve ``layout`` against its world size, build the
-    4-D mesh (every group with the collective timeout) and hold the strategy ``options``.
+    5-D mesh (pp, dp_replicate, dp_shard, cp, tp; every group with the collective timeout) and hold the
+    strategy ``options``.
 
     ``layout``: a ``ParallelismConfig`` (a -1 degree is filled from the world size) or
     ``ParallelDims``. ``device``: "cpu"/"cuda" (default: ``NDPARALLEL_DEVICE``, else cuda when
@@ -166,12 +167,12 @@ class Engine:
 
     # ---------------------------------------------------------------------- models
     def parallelize(self, model: nn.Module, adapter=None) -> nn.Module:
-        """Apply the layout's strategies to ``model`` (float8 → TP → CP → AC → compile → FSDP) and
-        return it; ``adapter`` (a peft ``LoraConfig``) wraps it with LoRA first. Training needs no
-        KV cache (with one, transformers also skips its packed-document mask): it is switched off.
-        Under pipeline parallel the model (with its adapter) is cut into stages first, each
-        parallelised on its own and run by the pipeline (``pipeline_of``); the returned
-        ``StageView`` names this rank's stages as the whole (PEFT) model does."""
+        """Apply the layout's strategies to ``model`` (in ``parallelize_model``'s order) and return it;
+        ``adapter`` (a peft ``LoraConfig``) wraps it with LoRA first. Training needs no KV cache (with one,
+        transformers also skips its packed-document mask): it is switched off. Under pipeline parallel the
+        model (with its adapter) is cut into stages first, each parallelised on its own and run by the
+        pipeline (``pipeline_of``); the returned ``StageView`` names this rank's stages as the whole (PEFT)
+        model does."""
         if self.dims.pp_enabled:
             return self._parallelize_pipeline(model, adapter)
         return self._parallelize_stage(model, adapter)

@@ -1,6 +1,6 @@
 """Load a Hugging Face causal LM straight into its parallel layout.
 
-A model directory is built on the meta device, parallelised there (TP → CP → FSDP, no memory),
+A model directory is built on the meta device, parallelised there (``parallelize_model``, no memory),
 given empty storage on the device, and then filled with only this rank's shards
 (``models.safetensors_read``: DCP resharding, ``pread`` into each shard).
 Non-persistent buffers (rotary ``inv_freq``), which are in no checkpoint, are recomputed by the

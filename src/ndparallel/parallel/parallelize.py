@@ -1,5 +1,6 @@
 """Apply the strategies to a model in one readable order: float8 or QAT fake quantisation → TP → EP →
 CP → tiled MLP → activation checkpointing (+ offloading) → compile → FSDP (torchtitan's order).
+This is the one statement of that order: the engine, the Accelerate facade and the docs refer here.
 
 Each step is a call into one strategy module; this function only decides which apply.
 

@@ -72,7 +72,7 @@ def _check_context_parallel(args, kwargs: dict, seq: int, local_len: int) -> Non
 def position_hook(*, sp_size: int = 1, cp_positions: torch.Tensor | None = None):
     """A forward pre-hook (``with_kwargs=True``) for a causal LM under sequence parallelism
     (``sp_size`` = tp ranks) and/or context parallelism (``cp_positions``: the global positions
-    of this rank's shard, ``cp_sharding.cp_positions``): checks the call and fills in missing
+    of this rank's shard, ``cp.sharding.cp_positions``): checks the call and fills in missing
     ``position_ids`` (see the module doc). Register it before any other pre-hook that reads them
     (``prepend=True``)."""
     local_len = None if cp_positions is None else cp_positions.numel()

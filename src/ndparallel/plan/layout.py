@@ -1,4 +1,5 @@
-"""Layouts (the four degrees), per-run settings, parsing, structural checks and enumeration."""
+"""Layouts (pp, dp_replicate, dp_shard, cp, tp, ep), per-run settings, parsing, structural checks and
+enumeration."""
 
 from __future__ import annotations
 

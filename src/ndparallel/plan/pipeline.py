@@ -93,7 +93,7 @@ class RankShape:
 
 @lru_cache(maxsize=1024)
 def _stage_plan(model: ModelSpec, p: int, v: int, schedule: str) -> StagePlan:
-    """The runtime's split (``pipeline_split.stage_layers``)."""
+    """The runtime's split (``parallel/pp/split.stage_layers``)."""
     return StagePlan(
         p,
         v,

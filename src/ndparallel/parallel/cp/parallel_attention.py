@@ -18,11 +18,11 @@ Strategies:
 * ``allgather``: K/V gathered once with a functional collective; each local query chunk attends
   to the keys before it (one dense span) and its own chunk (one causal span). The backward
   reduce-scatters dK/dV (fp32). Keeps the gathered K/V for the backward (memory O(S) per rank).
-* ``ulysses`` (Ulysses, ``cp_ulysses``): heads <-> sequence all-to-all, local attention on
+* ``ulysses`` (Ulysses, ``cp/ulysses.py``): heads <-> sequence all-to-all, local attention on
   cp-th of the heads over the whole sequence, all-to-all back.
 
 Packed documents (``position_ids`` restarting at 0): attention never crosses a document start;
-blocks wholly in other documents are skipped, partial ones cut into rectangles (``cp_blocks``).
+blocks wholly in other documents are skipped, partial ones cut into rectangles (``attention_blocks``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 An all-to-all turns this rank's sequence shard of *all* heads into the *whole* sequence of a
 cp-th of the heads; each rank then runs document-masked causal attention locally
-(``cp_blocks.local_attention``); a second all-to-all turns the output back into sequence
+(``attention_blocks.local_attention``); a second all-to-all turns the output back into sequence
 shards. Autograd runs the mirror all-to-alls in backward (functional collectives with autograd).
 
 Per layer and micro-batch: forward one all-to-all of Q, K and V packed in one buffer

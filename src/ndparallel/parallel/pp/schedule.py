@@ -4,7 +4,7 @@ torch (``torch.distributed.pipelining``) provides the stages' point-to-point tra
 schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble); what it does not do is written here:
 
 * ``StageModule`` — the forward one stage runs: transformers' own forward of the cut model
-  (``pipeline_stages.cut_stage``) on token ids (first stage) or hidden states (the others), and on
+  (``stages.cut_stage``) on token ids (first stage) or hidden states (the others), and on
   the last stage the engine's layout-invariant loss (token-loss sum / the step's global token
   count, chunked where exact), so the pipeline trains what one device trains.
 * ``Pipeline.forward_backward`` — the step's micro-batches joined into one batch (rows padded to
