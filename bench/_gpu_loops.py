@@ -139,7 +139,7 @@ def make_nd(
 
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.optim.build import build_optimizer
-    from ndparallel.techniques.options import CompileOptions, Float8Options, LossOptions
+    from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions
 
     f8 = Float8Options(enabled=fp8, emulate=emulate_fp8)
     acc = Accelerator(

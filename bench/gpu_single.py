@@ -101,7 +101,7 @@ def batch(cfg, rows: int, seq: int, device) -> dict[str, torch.Tensor]:
 
 def fp8_skip_reason(device: torch.device, emulate: bool) -> str | None:
     from ndparallel.techniques.float8 import float8_problem
-    from ndparallel.techniques.options import Float8Options
+    from ndparallel.techniques.technique_options import Float8Options
 
     return float8_problem(Float8Options(enabled=True, emulate=emulate), device.type)
 

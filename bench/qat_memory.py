@@ -7,7 +7,7 @@ torchao's fake quantisers run in autograd. ndparallel runs each under an activat
 weights compute): the bytes saved for backward by one more decoder layer (a 3-layer minus a 2-layer
 Llama), with QAT minus without, for two layer shapes and two token counts, with trained linears and
 with frozen ones (LoRA's base); fitted as ``a · (layer's linear weight elements) + b · tokens ·
-(layer's linear input elements)`` per format. The planner's constants (``ndparallel.plan.qat``)
+(layer's linear input elements)`` per format. The planner's constants (``ndparallel.plan.qat_memory``)
 must be within 10 % of the fit (not checked with ``--plain``).
 
     python bench/qat_memory.py          # table + bench/results/qat_memory.json
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, write_json  # noqa: E402
 
-from ndparallel.plan.qat import QAT_FORMATS, qat_saved_bytes_per_input, qat_saved_bytes_per_weight  # noqa: E402
+from ndparallel.plan.qat_memory import QAT_FORMATS, qat_saved_bytes_per_input, qat_saved_bytes_per_weight  # noqa: E402
 
 SHAPES = [
     dict(hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2),
@@ -60,8 +60,8 @@ def _saved_bytes(model: torch.nn.Module, tokens: int) -> int:
 def _model(shape: dict, layers: int, fmt: str | None, frozen: bool = False, plain: bool = False):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from ndparallel.techniques.options import QATOptions
     from ndparallel.techniques.qat import apply_qat
+    from ndparallel.techniques.technique_options import QATOptions
 
     torch.manual_seed(0)
     config = LlamaConfig(**shape, num_hidden_layers=layers, vocab_size=512, max_position_embeddings=512)

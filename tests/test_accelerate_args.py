@@ -10,7 +10,7 @@ import torch
 from ndparallel.accelerator import arguments
 from ndparallel.accelerator.core import Accelerator
 from ndparallel.parallel.options import CPOptions
-from ndparallel.techniques.options import CompileOptions
+from ndparallel.techniques.technique_options import CompileOptions
 from ndparallel.utils import (
     DataLoaderConfiguration,
     FullyShardedDataParallelPlugin,

@@ -13,7 +13,7 @@ from ndparallel.techniques.chunked_ce import (
     chunked_linear_cross_entropy,
     default_chunk_tokens,
 )
-from ndparallel.techniques.options import LossOptions
+from ndparallel.techniques.technique_options import LossOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 

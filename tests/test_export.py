@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ndparallel.cli.export import export_main
+from ndparallel.cli.export_command import export_main
 from ndparallel.runtime.multirank import run_on_ranks
 from ndparallel.runtime.sizes import parse_size
 

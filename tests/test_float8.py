@@ -10,7 +10,7 @@ import torch
 
 from ndparallel.models.presets import preset_config
 from ndparallel.techniques.float8 import float8_problem
-from ndparallel.techniques.options import Float8Options
+from ndparallel.techniques.technique_options import Float8Options
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 

@@ -189,6 +189,31 @@ def test_files_and_functions_are_small():
     assert long_files == [] and long_functions == []
 
 
+def _names_used_twice(paths) -> dict[str, list[str]]:
+    """File names (``__init__`` and ``__main__`` aside) that more than one module of ours has."""
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        if path.stem not in ("__init__", "__main__"):
+            by_name.setdefault(path.stem, []).append(str(path.relative_to(PACKAGE)))
+    return {name: sorted(where) for name, where in by_name.items() if len(where) > 1}
+
+
+def test_no_module_name_used_twice():
+    """A module's name says which one it is: ``pipeline`` or ``build`` in two folders reads the same
+    in a traceback, an import line or a conversation."""
+    assert _names_used_twice(PACKAGE.rglob("*.py")) == {}
+
+
+def test_the_name_checker_finds_a_repeat():
+    """Negative control."""
+    paths = [
+        PACKAGE / "data" / "pipeline.py",
+        PACKAGE / "plan" / "pipeline.py",
+        PACKAGE / "plan" / "__init__.py",
+    ]
+    assert _names_used_twice(paths) == {"pipeline": ["data/pipeline.py", "plan/pipeline.py"]}
+
+
 def test_the_checker_finds_a_cycle():
     """Negative control: the cycle finder is not vacuous."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -376,10 +401,10 @@ START_UP = {
     "ndparallel": "``Accelerator`` on first access: ``import ndparallel`` stays light",
     "ndparallel.cli": "the command's module after its arguments are read",
     "ndparallel.cli.commands": "a command's machinery once its config is known to be good",
-    "ndparallel.cli.export": "the export machinery after the arguments are checked",
+    "ndparallel.cli.export_command": "the export machinery after the arguments are checked",
     "ndparallel.cli.launch_check": "the pre-launch checks of `launch ... train CFG` only",
     "ndparallel.cli.plan_config": "the planner only for `plan --config`",
-    "ndparallel.cli.simulate": "the simulation machinery after the arguments are checked",
+    "ndparallel.cli.simulate_command": "the simulation machinery after the arguments are checked",
     "ndparallel.config.datasets": "the data code only where a datasets entry is validated",
     "ndparallel.config.fields": "the model presets only where a preset is named",
     "ndparallel.config.quant": "the QAT / quantisation code only where those fields are set",

@@ -11,7 +11,7 @@ import torch
 
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
-from ndparallel.techniques.options import CompileOptions
+from ndparallel.techniques.technique_options import CompileOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 

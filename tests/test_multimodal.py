@@ -230,7 +230,7 @@ def test_chunked_loss_equals_the_logits_path(saved):
 
     from ndparallel.models.heads import plain_head_problem
     from ndparallel.models.multimodal import causal_lm_from_config
-    from ndparallel.techniques.options import LossOptions
+    from ndparallel.techniques.technique_options import LossOptions
 
     for mt in ("mistral3", "voxtral"):
         base = _setup(saved[mt])

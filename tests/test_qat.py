@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from cli_helpers import run_cli
 from ndparallel.models.presets import preset_config
-from ndparallel.techniques.options import QATOptions
+from ndparallel.techniques.technique_options import QATOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
@@ -134,7 +134,7 @@ def _runs(setups):
 
 
 def test_qat_changes_training_and_delayed_fake_quant_starts_at_step_n():
-    from ndparallel.techniques.options import LossOptions
+    from ndparallel.techniques.technique_options import LossOptions
 
     delayed = dataclasses.replace(INT8_INT4, fake_quant_after_n_steps=2)
     logits = dataclasses.replace(

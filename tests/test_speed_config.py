@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ndparallel.axolotl import ConfigError, load_config
-from ndparallel.techniques.options import CompileOptions, Float8Options, LossOptions
+from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions
 from ndparallel.testing import run_on_ranks
 
 

@@ -24,7 +24,7 @@ from ndparallel.accelerator.plugins import (
 )
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
-from ndparallel.techniques.options import CompileOptions, Float8Options, LossOptions, QATOptions
+from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions, QATOptions
 
 MIXED_PRECISION = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 RNG_TYPES = ("torch", "cuda", "generator")

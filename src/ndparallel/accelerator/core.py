@@ -15,6 +15,11 @@ import torch
 import torch.nn as nn
 
 from ndparallel.accelerator import arguments
+from ndparallel.accelerator.accelerator_state import (
+    AcceleratorState,
+    DistributedType,
+    GradientState,
+)
 from ndparallel.accelerator.collectives import CollectivesMixin
 from ndparallel.accelerator.context_parallel import ContextParallelMixin
 from ndparallel.accelerator.handlers import GradScalerKwargs
@@ -28,18 +33,13 @@ from ndparallel.accelerator.preparing import (
 )
 from ndparallel.accelerator.processes import ProcessesMixin
 from ndparallel.accelerator.saving import SavingMixin
-from ndparallel.accelerator.state import (
-    AcceleratorState,
-    DistributedType,
-    GradientState,
-)
 from ndparallel.accelerator.stepping import SteppingMixin
 from ndparallel.accelerator.tracking import TrackingMixin, filter_trackers
 from ndparallel.accelerator.wrappers import AcceleratedOptimizer, PreparedDataLoader
 from ndparallel.engine import Engine
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.parallel.options import CPOptions, FSDPOptions, StrategyOptions, TPOptions
-from ndparallel.techniques.options import CompileOptions, Float8Options, LossOptions, QATOptions
+from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions, QATOptions
 
 
 class Accelerator(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ndparallel.parallel.options import FSDPOptions
-from ndparallel.techniques.options import CompileOptions
+from ndparallel.techniques.technique_options import CompileOptions
 
 _TRUE = ("1", "true", "yes", "y", "on")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}

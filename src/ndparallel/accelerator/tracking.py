@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 
-from ndparallel.accelerator.state import LoggerType
+from ndparallel.accelerator.accelerator_state import LoggerType
 from ndparallel.runtime.distributed import shutdown
 from ndparallel.tracking.trackers import MODULES as _MODULES
 from ndparallel.tracking.trackers import (  # noqa: F401  (Accelerate's import paths)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ndparallel.accelerator.state import GradientState
+from ndparallel.accelerator.accelerator_state import GradientState
 from ndparallel.techniques.grad_norm import total_grad_norm
 
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from ndparallel.cli.launch_check import check_train_launch
 from ndparallel.cli.plan_config import config_flags, merge_written_config, split_config_arg
-from ndparallel.cli.simulate import run_simulate
+from ndparallel.cli.simulate_command import run_simulate
 from ndparallel.runtime.preemption import INTERRUPTED_EXIT
 from ndparallel.runtime.quiet import quiet_library_noise
 from ndparallel.runtime.startup import paused_collector

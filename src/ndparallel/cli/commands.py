@@ -306,7 +306,7 @@ def run_verify(argv: Sequence[str]) -> int:
 
 
 def run_export(argv: Sequence[str]) -> int:
-    from ndparallel.cli.export import export_main
+    from ndparallel.cli.export_command import export_main
 
     return export_main(list(argv))
 

@@ -90,7 +90,7 @@ def config_flags(path: str, argv: list[str]) -> tuple[list[str], str]:
         flags.append("--activation-offloading")
     qat = cfg.qat_options()
     if qat.enabled:
-        from ndparallel.plan.qat import qat_format
+        from ndparallel.plan.qat_memory import qat_format
 
         flags += ["--qat", qat_format(qat.weight_dtype, qat.activation_dtype)]
     if cfg.adapter and given.adapter in (None, "lora", "qlora"):

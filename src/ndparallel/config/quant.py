@@ -19,7 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ndparallel.config.base import _Strict
 from ndparallel.models.quantized import NF4Config
-from ndparallel.techniques.options import QATOptions
+from ndparallel.techniques.technique_options import QATOptions
 
 _DTYPES = {
     "int4": "int4",

@@ -35,12 +35,12 @@ from ndparallel.config.fields import (
 from ndparallel.config.pipeline_fields import PipelineFields
 from ndparallel.config.quant import QuantFields
 from ndparallel.layout.config import ParallelismConfig
-from ndparallel.layout.handlers import CP_STRATEGIES
+from ndparallel.layout.dim_handlers import CP_STRATEGIES
 from ndparallel.models.adapter_files import read_adapter_config
 from ndparallel.models.adapters import lora_config
 from ndparallel.optim.lowbit import OptimizerName
 from ndparallel.parallel.options import CPOptions, FSDPOptions, StrategyOptions, TPOptions
-from ndparallel.techniques.options import CompileOptions, Float8Options, LossOptions
+from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions
 
 
 def _float(**bounds):

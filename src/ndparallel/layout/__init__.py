@@ -2,11 +2,11 @@
 carved out of them) and the ``DeviceMesh`` built from them."""
 
 from ndparallel.layout.config import ENV_VARS, ParallelismConfig, ParallelismConfigError
-from ndparallel.layout.dims import FLATTENED_DIMS, MESH_DIM_NAMES
-from ndparallel.layout.handlers import (
+from ndparallel.layout.dim_handlers import (
     TorchContextParallelConfig,
     TorchTensorParallelConfig,
 )
+from ndparallel.layout.dims import FLATTENED_DIMS, MESH_DIM_NAMES
 
 __all__ = [
     "ENV_VARS",

@@ -22,11 +22,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ndparallel.layout.dims import DEVICE_MESH_DIM_NAMES, ParallelDims
-from ndparallel.layout.handlers import (
+from ndparallel.layout.dim_handlers import (
     TorchContextParallelConfig,
     TorchTensorParallelConfig,
 )
+from ndparallel.layout.dims import DEVICE_MESH_DIM_NAMES, ParallelDims
 
 _FIELDS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
 _SIZE_FIELDS = ("pp_size", *_FIELDS)

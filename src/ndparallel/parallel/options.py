@@ -1,5 +1,6 @@
 """Options of each parallel dimension, as small dataclasses (documented fields, no logic), and
-``StrategyOptions``: one run's options of every dimension and technique (``techniques/options.py``)."""
+``StrategyOptions``: one run's options of every dimension and technique
+(``techniques/technique_options.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from ndparallel.techniques.options import CompileOptions, Float8Options, LossOptions, QATOptions
+from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions, QATOptions
 
 
 @dataclass(frozen=True)

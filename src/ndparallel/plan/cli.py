@@ -15,7 +15,7 @@ from ndparallel.plan.layout import parse_layout
 from ndparallel.plan.models import PRESETS as MODEL_PRESETS
 from ndparallel.plan.models import load_model_spec
 from ndparallel.plan.pipeline import canonical
-from ndparallel.plan.qat import qat_format_problem
+from ndparallel.plan.qat_memory import qat_format_problem
 from ndparallel.plan.report import (
     explain_json,
     print_explain,
@@ -69,7 +69,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("adamw", "sgd", "adamw_8bit", "adamw_4bit", "muon"),
         default="adamw",
         help="adamw_8bit / adamw_4bit: torchao's low-bit AdamW (train's adamw_8bit, "
-        "paged_adamw_8bit, adamw_torch_4bit ...); muon: Muon + AdamW (plan/muon.py)",
+        "paged_adamw_8bit, adamw_torch_4bit ...); muon: Muon + AdamW (plan/muon_cost.py)",
     )
     t.add_argument(
         "--no-sequence-parallel", action="store_true", help="TP with all-reduce instead of sequence parallel"

@@ -69,7 +69,7 @@ def unit_numels(
 def _unit_numels(model: ModelSpec, tp: int, fsdp: int, layout: Layout | None) -> dict[str, tuple[int, int]]:
     out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     if model.is_moe:
-        from ndparallel.plan.moe import expert_unit_numels
+        from ndparallel.plan.moe_cost import expert_unit_numels
 
         out["experts"] = list(expert_unit_numels(model, layout or Layout(dp_shard=fsdp)))
     for p in model.param_specs():
@@ -137,9 +137,9 @@ def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Colle
     if layout.cp > 1:
         out += _context_parallel(model, layout, s, tokens, ga)
     if model.is_moe:
-        from ndparallel.plan import moe
+        from ndparallel.plan import moe_cost
 
-        out += moe.collectives(model, layout, s, tokens, ga, Collective)
+        out += moe_cost.collectives(model, layout, s, tokens, ga, Collective)
     if s.lora_r:
         out = adapt_collectives(out, model, layout, s, Collective)
     if s.quantized_base:

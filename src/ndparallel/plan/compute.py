@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from ndparallel.models.flops import train_flops_per_token
 from ndparallel.plan.adapter import head_copy_trains, trainable_params
-from ndparallel.plan.attention import attention_time
+from ndparallel.plan.attention_time import attention_time
 from ndparallel.plan.gemm import Gemm, gemm_time, micro_batch_gemms
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
@@ -35,7 +35,7 @@ from ndparallel.plan.membound import (
     loss_bytes_per_token,
 )
 from ndparallel.plan.models import ModelSpec
-from ndparallel.plan.muon import newton_schulz_seconds
+from ndparallel.plan.muon_cost import newton_schulz_seconds
 from ndparallel.plan.qlora import dequant_seconds, fsdp_copy_bytes_qlora
 
 KERNELS_PER_LAYER = (60, 130)
@@ -172,7 +172,7 @@ def step_extras(
     opt = trained * OPTIMIZER_BYTES[(s.optimizer, s.optimizer_fused)] / bw
     clip = trained * CLIP_BYTES / bw
     fsdp = fsdp_copy_bytes(model, layout, s, local_params, shard_params) / bw
-    if s.optimizer == "muon":  # its Newton-Schulz GEMMs (plan/muon.py)
+    if s.optimizer == "muon":  # its Newton-Schulz GEMMs (plan/muon_cost.py)
         opt += newton_schulz_seconds(model, layout, hw)
     out = {"optimizer": opt, "clip": clip, "fsdp_copies": fsdp}
     if s.quantized_base:  # QLoRA: every NF4 weight dequantised in forward and backward (plan/qlora.py)

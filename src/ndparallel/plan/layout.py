@@ -74,7 +74,7 @@ class Settings:
     """QLoRA (``plan --adapter qlora``): the decoder linears of the frozen base are 4-bit NF4
     (``ndparallel.plan.qlora``); needs ``lora_r``."""
     qat: str | None = None
-    """QAT's weight[/activation] formats (``plan --qat``; ``ndparallel.plan.qat``); None: off."""
+    """QAT's weight[/activation] formats (``plan --qat``; ``ndparallel.plan.qat_memory``); None: off."""
     tiled_mlp: bool = False
     """Sequence-tiled MLP (``tiled_mlp``): see ``ndparallel.plan.long_context``."""
     tiled_mlp_num_shards: int | None = None
@@ -147,7 +147,7 @@ class Settings:
         torch's default momentum=0 keeps none; torchao's 8-bit AdamW int8 codes + one fp32 scale per
         256 values for each moment, its 4-bit one packed codes + one scale per 128 (tensors of
         >= 4096 values, every matrix of a real model); Muon one momentum buffer (its hidden matrices;
-        AdamW's second moment on the embedding units is added in ``plan/muon.py``)."""
+        AdamW's second moment on the embedding units is added in ``plan/muon_cost.py``)."""
         return OPTIMIZER_STATE_BYTES[self.optimizer]
 
 

@@ -69,7 +69,7 @@ class PlanRequest:
     quantized_base: bool = False
     """QLoRA (``--adapter qlora``): a 4-bit NF4 base under the adapters."""
     qat: str | None = None
-    """QAT formats (``--qat int4/int8``; ``plan/qat.py``); None: off."""
+    """QAT formats (``--qat int4/int8``; ``plan/qat_memory.py``); None: off."""
     lora_saved: tuple[str, ...] = ()
     """Tables trained in full beside the adapters ('embed', 'head': ``--lora-modules-to-save``)."""
     tiled_mlp: bool = False

@@ -38,8 +38,8 @@ import torch
 import torch.nn as nn
 
 from ndparallel.models.layers import decoder_layers
-from ndparallel.techniques.options import CompileOptions
 from ndparallel.techniques.qat import RecomputedQuantizer
+from ndparallel.techniques.technique_options import CompileOptions
 
 
 def apply_compile(

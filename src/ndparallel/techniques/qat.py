@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ndparallel.techniques.options import QATOptions
+from ndparallel.techniques.technique_options import QATOptions
 
 _COMBINATIONS = {
     ("int4", None),
