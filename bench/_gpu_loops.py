@@ -139,7 +139,7 @@ def make_nd(
 
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.optim.build import build_optimizer
-    from ndparallel.parallel.options import CompileOptions, Float8Options, LossOptions
+    from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions
 
     f8 = Float8Options(enabled=fp8, emulate=emulate_fp8)
     acc = Accelerator(
@@ -155,7 +155,7 @@ def make_nd(
     model = acc.prepare(build_model(cfg, device))
     opt = build_optimizer(model.parameters(), lr=lr)
     if fp8:
-        from ndparallel.parallel.float8 import precompute_scales
+        from ndparallel.techniques.float8 import precompute_scales
 
     def step(mb):
         loss = nd_step(acc, model, opt, {k: v.clone() for k, v in mb.items()}, max_norm=CLIP)

@@ -120,7 +120,7 @@ def run_rounds(acc, args, ckpt_root: Path) -> list[dict]:
                 st["blocked"].append(
                     _timed(
                         acc,
-                        lambda: save_step_checkpoint(
+                        lambda step=step: save_step_checkpoint(
                             ckpt_root / "sync", step, model, optimizer, save_total_limit=1
                         ),
                     )
@@ -130,7 +130,7 @@ def run_rounds(acc, args, ckpt_root: Path) -> list[dict]:
                 st["blocked"].append(
                     _timed(
                         acc,
-                        lambda: saver.save_step(
+                        lambda step=step: saver.save_step(
                             ckpt_root / "async", step, model, optimizer, save_total_limit=1
                         ),
                     )

@@ -56,8 +56,8 @@ def layouts():
         "HSDP 2x2": ({"dp_replicate_size": 2, "dp_shard_size": 2}, {}),
     }
     try:
-        from ndparallel.parallel import tensor  # noqa: F401
         from ndparallel.parallel.options import TPOptions
+        from ndparallel.parallel.tp import tensor  # noqa: F401
 
         out["TP 2"] = ({"tp_size": 2}, {"tp_options": TPOptions()})
         out["SP 2 (+loss parallel)"] = (
@@ -67,7 +67,7 @@ def layouts():
     except ImportError:
         pass
     try:
-        from ndparallel.parallel import context  # noqa: F401
+        from ndparallel.parallel.cp import context  # noqa: F401
         from ndparallel.parallel.options import CPOptions
 
         out["CP 2 ring"] = ({"cp_size": 2}, {"cp_options": CPOptions(comm_strategy="ring")})

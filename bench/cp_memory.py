@@ -1,5 +1,5 @@
-"""Context-parallel benchmark: attention activation memory per rank (cp = 1, 2, 4; cp=1 also with HF's sdpa) at a fixed
-sequence length, and ring vs allgather step time.
+"""Context-parallel benchmark: attention activation memory per rank (cp = 1, 2, 4; cp=1 also with
+HF's sdpa) at a fixed sequence length, and ring vs allgather step time.
 
 Memory is measured exactly, not sampled: every tensor the forward saves for backward is counted
 once per storage through ``torch.autograd.graph.saved_tensors_hooks`` — inside the attention
@@ -54,7 +54,7 @@ def _rank(seq: int, strategy: str, steps: int, preset: str, batch: int):
 
     from ndparallel import ParallelismConfig
     from ndparallel.models.presets import preset_config
-    from ndparallel.parallel.context import context_parallel_buffers, make_attention_fn
+    from ndparallel.parallel.cp.context import context_parallel_buffers, make_attention_fn
     from ndparallel.parallel.options import CPOptions
 
     cp = dist.get_world_size()
@@ -138,7 +138,8 @@ def main() -> None:
             )
     base = next(r for r in rows if r["cp"] == 1 and r["strategy"] == "ring")["attn_MiB_per_rank"]
     print(
-        f"{'cp':>3} {'strategy':>10} {'attn MiB/rank':>14} {'vs cp1':>7} {'all act MiB/rank':>17} {'step ms':>8}"
+        f"{'cp':>3} {'strategy':>10} {'attn MiB/rank':>14} {'vs cp1':>7} {'all act MiB/rank':>17} "
+        f"{'step ms':>8}"
     )
     for r in rows:
         print(

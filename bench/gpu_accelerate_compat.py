@@ -154,7 +154,8 @@ def compare(mp: str, res: dict) -> list[str]:
     res["worst_rel_diff"] = worst
     print(
         f"{mp:9} final lr accelerate {a['lr']:.6g} ndparallel {n['lr']:.6g}; reloaded params "
-        f"{a['params']} / {n['params']}; tensorboard files {a['tensorboard_files']} / {n['tensorboard_files']}"
+        f"{a['params']} / {n['params']}; tensorboard files {a['tensorboard_files']} / "
+        f"{n['tensorboard_files']}"
     )
     fails = []
     if len(a["losses"]) != STEPS or len(n["losses"]) != STEPS:

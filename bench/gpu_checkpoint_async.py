@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     check = by["preemption check"]
     print(
         f"HEADLINE: a save costs {cost['sync']:.2f} s sync vs {cost['async']:.2f} s async "
-        f"(blocked {by['async saves']['save_blocked_s']:.2f} s); {by['async saves']['staged_mb'] / 1024:.2f} GB "
+        f"(blocked {by['async saves']['save_blocked_s']:.2f} s); {by['async saves']['staged_mb'] / 1024:.2f} "
+        f"GB "
         f"staged in host memory; preemption check {check['check_s_median'] * 1e3:.2f} ms/step, step "
         f"x{check['step_s_median'] / by['no saves']['step_s_median']:.3f}"
         + (f"; FAIL: {'; '.join(problems)}" if problems else "")

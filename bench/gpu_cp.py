@@ -35,23 +35,21 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _common import print_table, write_json  # noqa: E402
 
-from ndparallel.parallel.cp_attention import (  # noqa: E402
-    context_parallel_attention,
-    document_causal_attention,
-)
-from ndparallel.parallel.cp_blocks import (  # noqa: E402
+from ndparallel.parallel.attention_blocks import (  # noqa: E402
     DocLayout,
     accumulators,
     backward_span,
     document_starts,
     forward_span,
 )
-from ndparallel.parallel.cp_kernels import BlockKernel, merge_, resolve_kernel  # noqa: E402
-from ndparallel.parallel.cp_sharding import (  # noqa: E402
+from ndparallel.parallel.attention_kernels import BlockKernel, merge_, resolve_kernel  # noqa: E402
+from ndparallel.parallel.cp.parallel_attention import context_parallel_attention  # noqa: E402
+from ndparallel.parallel.cp.sharding import (  # noqa: E402
     cp_positions,
     reorder_cp_chunks,
     shard_for_cp,
 )
+from ndparallel.parallel.document_attention import document_causal_attention  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
@@ -152,6 +150,24 @@ def rel_errors(got, ref):
     return [((g.double() - r.double()).abs().max() / r.double().abs().max()).item() for g, r in zip(got, ref)]
 
 
+def _runs(qkvd, pos, p, kernel, group) -> dict:
+    """The attention runs ``check`` compares, each a call returning (out, dq, dk, dv)."""
+
+    def op(strategy):
+        def fn(a, b_, c):
+            return context_parallel_attention(a, b_, c, group, strategy=strategy, position_ids=p)
+
+        return lambda: autograd_run(fn, *qkvd)
+
+    runs = {
+        "ring cp=4 (emulated)": lambda: ring_emulated(*qkvd[:3], pos, qkvd[3], 4, kernel),
+        "document attention": lambda: autograd_run(
+            lambda a, b_, c: document_causal_attention(a, b_, c, pos), *qkvd
+        ),
+    }
+    return runs | {f"{s} op (1 rank)": op(s) for s in ("ring", "allgather", "ulysses")}
+
+
 def check(device, dtypes, shape, group):
     b, h, s, d = shape
     rows = []
@@ -168,24 +184,7 @@ def check(device, dtypes, shape, group):
                 name = resolve_kernel("auto", qd)
                 torch_err = max(rel_errors(reference(qd, kd, vd, dd, mask, dt), ref))
                 p = pos if pos is not None else torch.arange(s, device=device).expand(b, s)
-                runs = {
-                    "ring cp=4 (emulated)": lambda: ring_emulated(
-                        qd, kd, vd, pos, dd, 4, BlockKernel(name, d**-0.5)
-                    ),
-                    "document attention": lambda: autograd_run(
-                        lambda a, b_, c: document_causal_attention(a, b_, c, pos), qd, kd, vd, dd
-                    ),
-                }
-                for strat in ("ring", "allgather", "ulysses"):
-                    runs[f"{strat} op (1 rank)"] = lambda strat=strat: autograd_run(
-                        lambda a, b_, c: context_parallel_attention(
-                            a, b_, c, group, strategy=strat, position_ids=p
-                        ),
-                        qd,
-                        kd,
-                        vd,
-                        dd,
-                    )
+                runs = _runs((qd, kd, vd, dd), pos, p, BlockKernel(name, d**-0.5), group)
                 for what, run in runs.items():
                     errs = rel_errors(run(), ref)
                     bad = any(e != e for e in errs) or max(errs) > TOL[dt]
@@ -309,7 +308,7 @@ def model_check(device, dtype):
     weights): max error of the logits and of the loss gradient, relative to the largest value."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ndparallel.parallel.context import apply_document_attention
+    from ndparallel.parallel.document_attention import apply_document_attention
 
     torch.manual_seed(0)
     cfg = LlamaConfig(

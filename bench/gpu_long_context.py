@@ -169,7 +169,7 @@ def memory_row(device: str, shape: dict, layers: int, options: dict, seq: int, s
 
     from ndparallel.engine import forward_backward
     from ndparallel.models.adapters import apply_adapter
-    from ndparallel.parallel.offload import offloader_of
+    from ndparallel.techniques.offload import offloader_of
 
     acc = accelerator(device, options)
     torch.manual_seed(0)
@@ -180,7 +180,7 @@ def memory_row(device: str, shape: dict, layers: int, options: dict, seq: int, s
     model.train()
     mb = {k: v.to(acc.device) for k, v in batch(seq, shape["vocab_size"]).items()}
     times, peak = [], None
-    for i in range(steps):
+    for _ in range(steps):
         _sync(device)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()

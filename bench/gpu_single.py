@@ -100,8 +100,8 @@ def batch(cfg, rows: int, seq: int, device) -> dict[str, torch.Tensor]:
 
 
 def fp8_skip_reason(device: torch.device, emulate: bool) -> str | None:
-    from ndparallel.parallel.float8 import float8_problem
-    from ndparallel.parallel.options import Float8Options
+    from ndparallel.techniques.float8 import float8_problem
+    from ndparallel.techniques.technique_options import Float8Options
 
     return float8_problem(Float8Options(enabled=True, emulate=emulate), device.type)
 
@@ -201,8 +201,13 @@ def add_rates(r: dict, tokens: int, flops_per_token: float, peak: float | None, 
 def row_cells(name: str, r: dict) -> tuple:
     if "skipped" in r or "error" in r:
         return (name, "skipped" if "skipped" in r else "ERROR", "", "", "", "", "", "", "")
-    pct = lambda v: f"{v:.1%}" if v is not None else "n/a"
-    ratio = lambda v: f"{v:.2f}x" if v is not None else ""
+
+    def pct(v):
+        return f"{v:.1%}" if v is not None else "n/a"
+
+    def ratio(v):
+        return f"{v:.2f}x" if v is not None else ""
+
     drift = f"{r['drift']:.2%}" + ("" if r.get("drift_ok") else " FAIL") if "drift" in r else ""
     return (
         name,

@@ -86,8 +86,8 @@ def _step(options: dict, seq: int) -> dict:
 
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.engine import forward_backward
-    from ndparallel.parallel.offload import offloader_of
     from ndparallel.parallel.options import FSDPOptions
+    from ndparallel.techniques.offload import offloader_of
 
     acc = Accelerator(ParallelismConfig(), fsdp_options=FSDPOptions(**options))
     torch.manual_seed(0)
@@ -145,15 +145,16 @@ def _attention_scratch(seq: int, in_place: bool) -> int:
     d 64, 8 documents), the output and the inputs' gradients included."""
     from unittest import mock
 
-    from ndparallel.parallel import cp_blocks
-    from ndparallel.parallel.cp_attention import document_causal_attention
+    from ndparallel.parallel import attention_blocks
+    from ndparallel.parallel.document_attention import document_causal_attention
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 8, seq, 64, generator=g).bfloat16().requires_grad_()
     k, v = (torch.randn(1, 2, seq, 64, generator=g).bfloat16().requires_grad_() for _ in range(2))
     pos = torch.arange(seq) % (seq // 8)
     dout = torch.randn(1, 8, seq, 64, generator=g).bfloat16()
-    with mock.patch.object(cp_blocks, "_squares_only", lambda groups: in_place), LiveBytes() as tracker:
+    squares_only = mock.patch.object(attention_blocks, "_squares_only", lambda groups: in_place)
+    with squares_only, LiveBytes() as tracker:
         document_causal_attention(q, k, v, pos.unsqueeze(0)).backward(dout)
     return tracker.peak
 

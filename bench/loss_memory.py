@@ -40,7 +40,7 @@ def _one_step(chunked: bool, vocab: int, rows: int, seq: int) -> dict:
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.engine import forward_backward
     from ndparallel.models.presets import preset_config
-    from ndparallel.parallel.options import LossOptions
+    from ndparallel.techniques.technique_options import LossOptions
     from ndparallel.tools.equivalence import (
         TrainSetup,
         build_model,

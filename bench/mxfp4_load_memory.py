@@ -119,8 +119,10 @@ def main() -> None:
                 )
             )
     print(
-        f"host peak RSS increase per rank while loading a gpt-oss of {info['model_bytes'] / MB:.0f} MB in fp32 "
-        f"from a {info['file_bytes'] / MB:.0f} MB MXFP4 checkpoint ({args.experts} experts x {args.layers} layers;"
+        f"host peak RSS increase per rank while loading a gpt-oss of {info['model_bytes'] / MB:.0f} MB in "
+        f"fp32 "
+        f"from a {info['file_bytes'] / MB:.0f} MB MXFP4 checkpoint ({args.experts} experts x {args.layers} "
+        f"layers;"
         " worst rank)"
     )
     print(
@@ -130,12 +132,14 @@ def main() -> None:
     for r in rows:
         extra = r["peak_increase_max"] - r["plain_peak_increase_max"]
         print(
-            f"{r['ranks']:>5} {r['local_param_bytes'] / MB:>16.1f} {r['plain_peak_increase_max'] / MB:>15.1f} "
+            f"{r['ranks']:>5} {r['local_param_bytes'] / MB:>16.1f} "
+            f"{r['plain_peak_increase_max'] / MB:>15.1f} "
             f"{r['peak_increase_max'] / MB:>7.1f} {extra / MB:>14.1f} {r['transient_bound'] / MB:>9.1f} "
             f"{r['plain_seconds']:>14.2f} {r['seconds']:>6.2f}"
         )
     print(
-        "bound: one block of this rank's rows of the biggest expert tensor (all its rows, or --block-values), "
+        "bound: one block of this rank's rows of the biggest expert tensor (all its rows, or "
+        "--block-values), "
         "packed + 20 bytes per value (transformers' dequantisation temporaries and the transposed copy)"
     )
     out = Path(args.out)

@@ -77,7 +77,7 @@ def _run(world, steps, seq, rows, warmup, chunked=True):
 
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.models.presets import preset_config
-    from ndparallel.parallel.options import LossOptions
+    from ndparallel.techniques.technique_options import LossOptions
     from ndparallel.tools.equivalence import (
         TrainSetup,
         build_model,

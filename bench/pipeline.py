@@ -2,8 +2,10 @@
 peak step memory, on CPU gloo ranks; or, on one device, stage 0's and the last stage's compute.
 
     python bench/pipeline.py                # 5 schedules x pp 2, 4 x 4/8/16 micro-batches, ~3 min on 2 cores
-    python bench/pipeline.py --quick        # pp 2, 4 micro-batches, GPipe / 1F1B / Interleaved1F1B, tiny model
-    python bench/pipeline.py --one-rank-stage --device cuda   # one GPU (bench/gpu_all.sh, step pipeline_stages)
+    python bench/pipeline.py --quick        # pp 2, 4 micro-batches, GPipe / 1F1B / Interleaved1F1B, tiny
+    model
+    python bench/pipeline.py --one-rank-stage --device cuda   # one GPU (bench/gpu_all.sh, step
+    pipeline_stages)
     python bench/pipeline.py --one-rank-stage --tiny          # its CPU form
 
 Multi-rank mode: one forked gloo rank per stage (1 thread each), an untied Llama (default hidden
@@ -308,8 +310,8 @@ def one_rank_stages(args) -> dict:
 
     from ndparallel import ParallelismConfig
     from ndparallel.engine import Engine
-    from ndparallel.parallel.pipeline import StageModule
-    from ndparallel.parallel.pipeline_stages import cut_stage
+    from ndparallel.parallel.pp.schedule import StageModule
+    from ndparallel.parallel.pp.stages import cut_stage
 
     engine = Engine(ParallelismConfig(), device=args.device)
     device = engine.device

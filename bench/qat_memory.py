@@ -1,13 +1,13 @@
 """What QAT keeps for backward, per decoder layer, against the planner's model of it.
 
 torchao's fake quantisers run in autograd. ndparallel runs each under an activation checkpoint
-(``parallel/qat.py``: ``RecomputedQuantizer``), so a fake-quantised linear keeps the rounded weight
+(``techniques/qat.py``: ``RecomputedQuantizer``), so a fake-quantised linear keeps the rounded weight
 (and rounded input) that ``F.linear`` needs; ``--plain`` measures torchao's quantisers as they come
 (they also keep their fp32 intermediates). Measured on one process (bf16, as FSDP2's gathered
 weights compute): the bytes saved for backward by one more decoder layer (a 3-layer minus a 2-layer
 Llama), with QAT minus without, for two layer shapes and two token counts, with trained linears and
 with frozen ones (LoRA's base); fitted as ``a · (layer's linear weight elements) + b · tokens ·
-(layer's linear input elements)`` per format. The planner's constants (``ndparallel.plan.qat``)
+(layer's linear input elements)`` per format. The planner's constants (``ndparallel.plan.qat_memory``)
 must be within 10 % of the fit (not checked with ``--plain``).
 
     python bench/qat_memory.py          # table + bench/results/qat_memory.json
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, write_json  # noqa: E402
 
-from ndparallel.plan.qat import QAT_FORMATS, qat_saved_bytes_per_input, qat_saved_bytes_per_weight  # noqa: E402
+from ndparallel.plan.qat_memory import QAT_FORMATS, qat_saved_bytes_per_input, qat_saved_bytes_per_weight  # noqa: E402
 
 SHAPES = [
     dict(hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2),
@@ -60,8 +60,8 @@ def _saved_bytes(model: torch.nn.Module, tokens: int) -> int:
 def _model(shape: dict, layers: int, fmt: str | None, frozen: bool = False, plain: bool = False):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from ndparallel.parallel.options import QATOptions
-    from ndparallel.parallel.qat import apply_qat
+    from ndparallel.techniques.qat import apply_qat
+    from ndparallel.techniques.technique_options import QATOptions
 
     torch.manual_seed(0)
     config = LlamaConfig(**shape, num_hidden_layers=layers, vocab_size=512, max_position_embeddings=512)
@@ -70,7 +70,7 @@ def _model(shape: dict, layers: int, fmt: str | None, frozen: bool = False, plai
         weight, _, act = fmt.partition("/")
         model = apply_qat(model, QATOptions(weight_dtype=weight, activation_dtype=act or None, group_size=32))
         if plain:  # torchao's quantisers as they come
-            from ndparallel.parallel.qat import plain_quantizers
+            from ndparallel.techniques.qat import plain_quantizers
 
             plain_quantizers(model)
     if frozen:  # LoRA's frozen base: the decoder linears get no weight gradient
@@ -148,7 +148,8 @@ def main(argv=None) -> int:
     )
     if args.plain:
         print(
-            "--plain: torchao's quantisers keep their intermediates; the planner models ndparallel's recompute"
+            "--plain: torchao's quantisers keep their intermediates; the planner models ndparallel's "
+            "recompute"
         )
         print(f"wrote {write_json('qat_memory_plain', {'rows': results})}")
         return 0

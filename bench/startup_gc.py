@@ -22,7 +22,7 @@ from _common import write_json  # noqa: E402
 from ndparallel.runtime.startup import MODEL_LIBRARIES  # noqa: E402
 
 FORMS = {
-    "plain": "import importlib\nfor m in %r: importlib.import_module(m)" % (MODEL_LIBRARIES,),
+    "plain": f"import importlib\nfor m in {MODEL_LIBRARIES!r}: importlib.import_module(m)",
     "paused": "from ndparallel.runtime.startup import import_model_libraries\nimport_model_libraries()",
 }
 

@@ -85,14 +85,16 @@ def print_summary(summary: dict, top_files: int = 20) -> None:
     total = summary["total_s"] or 1.0
     cpu = f", {summary['cpu_s']:.0f} CPU s" if summary.get("cpu_s") is not None else ""
     print(
-        f"{summary['tests']} tests, {summary['total_s']:.0f} s in test bodies and fixtures{cpu}; {summary['outcomes']}"
+        f"{summary['tests']} tests, {summary['total_s']:.0f} s in test bodies and fixtures{cpu}; "
+        f"{summary['outcomes']}"
     )
     print(f"\n{len(summary['slowest'])} slowest tests:")
     for row in summary["slowest"]:
         print(f"  {row['s']:7.1f} s  {row['test']}")
     if summary.get("most_cpu"):
         print(
-            f"\n{len(summary['most_cpu'])} tests using the most CPU (the ranks and commands they ran included):"
+            f"\n{len(summary['most_cpu'])} tests using the most CPU (the ranks and commands they ran "
+            f"included):"
         )
         for row in summary["most_cpu"]:
             print(f"  {row['cpu_s']:7.1f} CPU s  {row['test']}")
@@ -116,7 +118,8 @@ def main(argv=None) -> int:
         type=Path,
         const=DURATIONS,
         metavar="PATH",
-        help=f"write seconds per test file (the workers' order) to PATH (default {DURATIONS.relative_to(ROOT)})",
+        help="write seconds per test file (the workers' order) to PATH "
+        f"(default {DURATIONS.relative_to(ROOT)})",
     )
     args = parser.parse_args(argv)
     if args.run == (args.report is not None):

@@ -14,7 +14,11 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch>=2.11" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
+# The dev extras again where one is missing, or where ruff is not the version pyproject pins (an
+# install from before ruff was added, or another ruff: lint and format results differ by version).
+RUFF_PIN=$(sed -n 's/.*"ruff==\([0-9.]*\)".*/\1/p' pyproject.toml)
 if ! "$PY" -c "import ndparallel, pytest_timeout, xdist, accelerate" 2>/dev/null \
+   || [ "$("$PY" -m ruff --version 2>/dev/null)" != "ruff $RUFF_PIN" ] \
    || [ "${NDPARALLEL_REINSTALL:-0}" = 1 ]; then
   echo "[ensure_env] installing ndparallel (editable) with its dev extras"
   "$PY" -m pip install -q -e ".[dev]"

@@ -4,6 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/ensure_env.sh
 PY=${PYTHON:-python3}
+# Style first (seconds): a lint finding or an unformatted file fails the run (config: pyproject.toml).
+LINTED=(src tests bench scripts examples)
+"$PY" -m ruff check "${LINTED[@]}"
+"$PY" -m ruff format --check "${LINTED[@]}"
 # Test workers (pytest-xdist), one test file at a time each, the longest files first
 # (tests/conftest.py, tests/durations.json): 2 on a 2-core machine, at most 4;
 # NDPARALLEL_TEST_WORKERS=1 runs everything in this one process.

@@ -9,7 +9,8 @@ import torch
 
 from ndparallel.accelerator import arguments
 from ndparallel.accelerator.core import Accelerator
-from ndparallel.parallel.options import CompileOptions, CPOptions
+from ndparallel.parallel.options import CPOptions
+from ndparallel.techniques.technique_options import CompileOptions
 from ndparallel.utils import (
     DataLoaderConfiguration,
     FullyShardedDataParallelPlugin,

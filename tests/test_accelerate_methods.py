@@ -282,7 +282,7 @@ def _every_rank_checks_before_rank0_empties(tmp):
     from ndparallel import Accelerator, ParallelismConfig
 
     acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2))
-    model = acc.prepare(_tiny_model())
+    acc.prepare(_tiny_model())
     target = Path(tmp) / "ckpt"
     acc.save_state(str(target))  # the directory exists: the next save checks, then empties it
     checked, real_check, real_prepare = (

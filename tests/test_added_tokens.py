@@ -1,7 +1,8 @@
 """Tokens added to a pretrained model's tokenizer (``tokens``, ``special_tokens`` not in its
 vocabulary): the model is loaded sharded with grown embedding / LM-head rows equal to what
 transformers' ``resize_token_embeddings`` + mean rows give on one process (tied and untied, on
-FSDP 2 × TP 2); the grown size rounds up for TP and to 32; a chat fine-tune with ChatML tokens new to a Llama-3-style
+FSDP 2 × TP 2); the grown size rounds up for TP and to 32; a chat fine-tune with ChatML tokens new to a
+Llama-3-style
 base trains end to end on FSDP 2 and saves a model and tokenizer that agree; LoRA is refused."""
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def test_grown_model_on_fsdp2_tp2_equals_transformers_resize(tmp_path, tied):
 )
 def test_grown_vocab_size_rounds_for_tp_and_32x(tokens, x32, tp, want):
     from ndparallel.axolotl import load_config
-    from ndparallel.training.build import grown_vocab_size
+    from ndparallel.training.components import grown_vocab_size
 
     cfg = load_config(
         None, [f"resize_token_embeddings_to_32x={str(x32).lower()}", f"tensor_parallel_size={tp}"]

@@ -199,7 +199,10 @@ def test_preprocess_json_and_show(local, tmp_path, capsys):
 def test_custom_instruction_format_end_to_end(local, tmp_path, capsys):
     """Axolotl's `type: {format: ...}` on the seed's alpaca data: preprocess masks the prompt the
     format builds; a column the format names but the data lacks is refused before launch."""
-    fmt = '{format: "[INST] {instruction} {input} [/INST]\\n", no_input_format: "[INST] {instruction} [/INST]\\n"}'
+    fmt = (
+        '{format: "[INST] {instruction} {input} [/INST]\\n", '
+        'no_input_format: "[INST] {instruction} [/INST]\\n"}'
+    )
     sets = [
         "--set",
         f"dataset_prepared_path={tmp_path / 'cache'}",

@@ -31,7 +31,8 @@ from ndparallel.config.fields import FSDPConfig
 EXAMPLES = sorted((FIXTURES / "examples").rglob("*.y*ml"))
 SCHEMA = json.loads((FIXTURES / "schema_keys.json").read_text())
 PENDING = re.compile(
-    r"^'(load_in_4bit|load_in_8bit|adapter|optimizer: \w*(8bit|4bit|paged)\w*|quantize_moe_experts|bnb_config_kwargs"
+    r"^'(load_in_4bit|load_in_8bit|adapter|optimizer: "
+    r"\w*(8bit|4bit|paged)\w*|quantize_moe_experts|bnb_config_kwargs"
     r"|model_quantization_config\w*|gptq\w*|qat|quantization|nvfp4\w*|dsv4_fp\w*|nonexpert_quantization"
     r"|qlora_sharded_model_loading|gemma4_\w*_nonexpert)[':]"
 )

@@ -82,7 +82,7 @@ def test_split_slices_data_files_and_alpaca_styles(tmp_path):
 
 def test_min_sample_len_drops_short_samples(tmp_path):
     from ndparallel.data.dataset import DatasetSpec
-    from ndparallel.data.pipeline import DataOptions, prepare_samples
+    from ndparallel.data.prepare import DataOptions, prepare_samples
 
     write_jsonl(tmp_path / "a.jsonl", alpaca_records(20))
     tok = llama3_tokenizer()

@@ -43,8 +43,8 @@ def ours(name: str, tmp: Path, **overrides) -> tuple[list[tuple[list, list]], li
     the record row of each, and the selection counts."""
     from ndparallel.axolotl.load import load_config
     from ndparallel.data.dataset import DatasetSpec
-    from ndparallel.data.pipeline import prepare_samples, tokenize_specs
-    from ndparallel.training.build import load_tokenizer
+    from ndparallel.data.prepare import prepare_samples, tokenize_specs
+    from ndparallel.training.components import load_tokenizer
 
     cfg = json.loads(json.dumps(CASES[name]))
     for d in cfg["datasets"]:
@@ -117,7 +117,7 @@ def test_packed_boundary_targets_are_axolotls_on_request(tmp_path, monkeypatch):
     or, for a later piece of a document, its first text token)."""
     import torch
 
-    from ndparallel.data.pipeline import build_rows
+    from ndparallel.data.prepare import build_rows
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     got, _, _ = ours("completion_packing", tmp_path)
@@ -126,7 +126,7 @@ def test_packed_boundary_targets_are_axolotls_on_request(tmp_path, monkeypatch):
     def boundary_labels(config_overrides):
         from ndparallel.axolotl.load import load_config
         from ndparallel.data.dataset import DatasetSpec
-        from ndparallel.training.build import load_tokenizer
+        from ndparallel.training.components import load_tokenizer
 
         cfg = json.loads(json.dumps(CASES["completion_packing"]))
         cfg["datasets"][0]["path"] = str(PARITY / cfg["datasets"][0]["path"])

@@ -332,7 +332,7 @@ def test_non_causal_model_refused_when_loaded_on_the_ranks():
     """The same rule inside ``load_model`` (a config given through the API, no preflight)."""
     from transformers import BertConfig
 
-    from ndparallel.engine.build import build_model
+    from ndparallel.engine.model_build import build_model
 
     cfg = BertConfig(
         vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128

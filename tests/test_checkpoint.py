@@ -77,7 +77,7 @@ def test_resume_same_layout_is_identical(runs, tmp_path):
 )
 def test_resume_on_other_layout(runs, tmp_path, world, layout):
     if layout.get("tp_size", 1) > 1:
-        pytest.importorskip("ndparallel.parallel.tensor")
+        pytest.importorskip("ndparallel.parallel.tp.tensor")
     out = tmp_path / "run"
     shutil.copytree(runs["out"], out)
     shutil.rmtree(out / "checkpoint-3")  # resume from step 2, so two steps follow

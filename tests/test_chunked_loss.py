@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.chunked_ce import (
+from ndparallel.parallel.options import TPOptions
+from ndparallel.techniques.chunked_ce import (
     chunked_linear_cross_entropy,
     default_chunk_tokens,
 )
-from ndparallel.parallel.options import LossOptions, TPOptions
+from ndparallel.techniques.technique_options import LossOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import assert_matches, one_process_reference
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
@@ -107,7 +108,7 @@ def test_default_chunk_is_256_mib_of_logits():
 def test_models_with_softcapping_fall_back_or_refuse():
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.parallel.lm_loss import use_chunked_loss
+    from ndparallel.techniques.lm_loss import use_chunked_loss
 
     llama = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
     gemma2 = AutoModelForCausalLM.from_config(_gemma2_config())

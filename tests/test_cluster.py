@@ -257,8 +257,10 @@ def test_tensor_parallel_across_nodes_refused_before_launch(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "ndparallel launch: error: tensor_parallel_size=2 spans nodes: a node runs 1 rank(s) and a tp group is 2 "
-        "consecutive ranks, so every layer's tensor-parallel all-reduces would cross the inter-node network; keep "
+        "ndparallel launch: error: tensor_parallel_size=2 spans nodes: a node runs 1 rank(s) and a tp group "
+        "is 2 "
+        "consecutive ranks, so every layer's tensor-parallel all-reduces would cross the inter-node network; "
+        "keep "
         "tp within a node (a divisor of 1) and use dp_shard / dp_replicate across nodes"
     ]
     assert not (tmp_path / "cross").exists()  # nothing started

@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import CompileOptions, FSDPOptions, TPOptions
+from ndparallel.parallel.options import FSDPOptions, TPOptions
+from ndparallel.techniques.technique_options import CompileOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import assert_matches, one_process_reference
 from ndparallel.tools.equivalence import TrainSetup, train_under_layout
@@ -32,7 +33,7 @@ def _train_and_count(setup, layout):
     torch._dynamo.reset()
     result = train_under_layout(setup, layout)
     counters = torch._dynamo.utils.counters
-    # the checkpoint side-effect switch is on only while the model runs (parallel/compile.py)
+    # the checkpoint side-effect switch is on only while the model runs (techniques/compile.py)
     assert not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
     return result, counters["stats"].get("unique_graphs", 0), sum(counters["graph_break"].values())
 
@@ -72,7 +73,7 @@ def test_compile_keeps_parameter_names():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.parallel.compile import apply_compile
+    from ndparallel.techniques.compile import apply_compile
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
@@ -86,7 +87,7 @@ def test_tp_compiles_attention_and_mlp_only():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.parallel.compile import apply_compile
+    from ndparallel.techniques.compile import apply_compile
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))

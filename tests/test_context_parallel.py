@@ -71,11 +71,11 @@ def _train_cp(batches, strategy, pad_to_cp):
     import torch.distributed as dist
 
     from ndparallel import ParallelismConfig
-    from ndparallel.parallel.context import (
+    from ndparallel.parallel.cp.context import (
         apply_context_parallel,
         context_parallel_buffers,
     )
-    from ndparallel.parallel.cp_sharding import pad_for_cp
+    from ndparallel.parallel.cp.sharding import pad_for_cp
     from ndparallel.parallel.options import CPOptions
 
     cp = dist.get_world_size()
@@ -127,7 +127,7 @@ def test_cp_training_with_padding_equals_unpadded_one_process():
 def _buffers_and_errors():
     import torch.distributed as dist
 
-    from ndparallel.parallel.context import (
+    from ndparallel.parallel.cp.context import (
         apply_context_parallel,
         context_parallel_buffers,
     )
@@ -163,7 +163,7 @@ def test_buffers_sharded_in_place_and_restored_and_padding_mask_rejected():
 
 
 def test_validate_context_parallel_errors():
-    from ndparallel.parallel.context import validate_context_parallel
+    from ndparallel.parallel.cp.context import validate_context_parallel
 
     config = preset_config("tiny-llama")  # 4 heads, 2 kv heads
     validate_context_parallel(config, cp_size=2, seq_len=64, tp_size=2)

@@ -4,7 +4,7 @@ packed documents, for every strategy; the one-device document attention; shardin
 import pytest
 import torch
 
-from ndparallel.parallel.cp_sharding import (
+from ndparallel.parallel.cp.sharding import (
     cp_chunk_ids,
     cp_positions,
     pad_for_cp,
@@ -56,8 +56,8 @@ def _op_errors(strategy, cases):
     """On each rank: run every (kernel, load_balance, heads, kv_heads, seq, padded_to, docs) case."""
     import torch.distributed as dist
 
-    from ndparallel.parallel.cp_attention import context_parallel_attention
-    from ndparallel.parallel.cp_sharding import unshard_from_cp
+    from ndparallel.parallel.cp.parallel_attention import context_parallel_attention
+    from ndparallel.parallel.cp.sharding import unshard_from_cp
 
     rank, cp = dist.get_rank(), dist.get_world_size()
     results = []
@@ -73,8 +73,10 @@ def _op_errors(strategy, cases):
         # Pad the sequence at the end (random K/V/Q there, zero output gradient: ignored tokens,
         # positions continuing as pad_for_cp writes them).
         pad = padded - seq
-        padt = lambda t, h: torch.cat([t, torch.randn(B, h, pad, D, generator=g)], dim=2)  # noqa: E731
-        qp, kp, vp = padt(q, heads), padt(k, kv_heads), padt(v, kv_heads)
+        qp, kp, vp = (
+            torch.cat([t, torch.randn(B, h, pad, D, generator=g)], dim=2)
+            for t, h in ((q, heads), (k, kv_heads), (v, kv_heads))
+        )
         dp = torch.cat([dout, torch.zeros(B, heads, pad, D)], dim=2)
         posp = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1)], dim=1)
         ql, kl, vl = (shard_for_cp(t, 2, rank, cp, lb).requires_grad_() for t in (qp, kp, vp))
@@ -127,7 +129,7 @@ def _document_mask_matters():
     """Negative control: the same packed inputs without position ids (plain causal) differ."""
     import torch.distributed as dist
 
-    from ndparallel.parallel.cp_attention import context_parallel_attention
+    from ndparallel.parallel.cp.parallel_attention import context_parallel_attention
 
     rank, cp = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
@@ -148,7 +150,7 @@ def test_document_mask_negative_control():
 def test_document_causal_attention_one_device(kernel, docs):
     """No documents and packed rows (every block a causal square: written in place, no fp32
     accumulator), and a row with a jump (merged blocks, the fp32 path)."""
-    from ndparallel.parallel.cp_attention import document_causal_attention
+    from ndparallel.parallel.document_attention import document_causal_attention
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, 4, 20, 8, generator=g)
@@ -170,7 +172,7 @@ def _never_skips_collectives():
     """cp=2, seq of 4 chunks: rank 0's first chunk attends to nothing remote; must not hang."""
     import torch.distributed as dist
 
-    from ndparallel.parallel.cp_attention import context_parallel_attention
+    from ndparallel.parallel.cp.parallel_attention import context_parallel_attention
 
     q = torch.randn(1, 2, 4, 4, requires_grad=True)
     k = torch.randn(1, 2, 4, 4, requires_grad=True)

@@ -83,7 +83,7 @@ FEATURES = [
 
 @pytest.mark.parametrize("kernel", ["auto", "math"])  # auto: flash, math where soft-capped
 def test_one_device(kernel):
-    from ndparallel.parallel.cp_attention import document_causal_attention
+    from ndparallel.parallel.document_attention import document_causal_attention
 
     for window, chunk, softcap, dv in FEATURES:
         q, k, v, dout, pos = _inputs(24, dv)
@@ -102,8 +102,8 @@ def test_one_device(kernel):
 def _cp_errors(strategy):
     import torch.distributed as dist
 
-    from ndparallel.parallel.cp_attention import context_parallel_attention
-    from ndparallel.parallel.cp_sharding import shard_for_cp, unshard_from_cp
+    from ndparallel.parallel.cp.parallel_attention import context_parallel_attention
+    from ndparallel.parallel.cp.sharding import shard_for_cp, unshard_from_cp
 
     rank, cp = dist.get_rank(), dist.get_world_size()
     worst = {}
@@ -142,7 +142,7 @@ def test_context_parallel(cp, strategy):
 
 def test_window_is_not_vacuous():
     """Negative control: the window changes the result (so the tests above can fail)."""
-    from ndparallel.parallel.cp_attention import document_causal_attention
+    from ndparallel.parallel.document_attention import document_causal_attention
 
     q, k, v, _, pos = _inputs(24)
     with_window = document_causal_attention(q, k, v, pos, scale=0.3, window=5)
@@ -152,7 +152,7 @@ def test_window_is_not_vacuous():
 def test_window_skips_blocks_outside_it():
     """Queries 24..31 with a window of 4 see keys 21..31 only: against keys 0..7 nothing is
     computed, against 16..23 one anti-causal square (the window's lower edge) and nothing dense."""
-    from ndparallel.parallel.cp_blocks import DocLayout, Rect
+    from ndparallel.parallel.attention_blocks import DocLayout, Rect
 
     docs = DocLayout(None, (3,), 8, 1, torch.device("cpu"), window=4)
     assert docs.groups(0, 0, 8) == []

@@ -181,8 +181,8 @@ def test_dry_run_says_what_each_dataset_is_read_as(tmp_path, capsys):
         "every token trained (column 'text' of records)"
     ), lines
     assert (
-        lines[1]
-        == "datasets[1]: a.jsonl read as JSON records (from the extension); alpaca: prompt masked, response trained"
+        lines[1] == "datasets[1]: a.jsonl read as JSON records (from the extension); alpaca: prompt masked, "
+        "response trained"
     )
     assert lines[2].startswith("datasets[2]: t.jsonl read as JSON records (from ds_type)"), lines
     assert lines[3].startswith(

@@ -10,7 +10,7 @@ import torch
 from cli_helpers import forbid_launch, run_cli
 from ndparallel.data.bins import first_fit_decreasing, next_fit
 from ndparallel.data.dataset import DatasetSpec
-from ndparallel.data.pipeline import DataOptions, build_rows, prepare_samples
+from ndparallel.data.prepare import DataOptions, build_rows, prepare_samples
 from sft_fixtures import alpaca_records, llama3_tokenizer, write_jsonl
 
 IGNORE = -100
@@ -84,7 +84,7 @@ def _cfg(tmp_path, extra: str) -> str:
 
 def test_curriculum_sampling_turns_the_shuffle_off(tmp_path, capsys, monkeypatch):
     from ndparallel.axolotl import load_config
-    from ndparallel.training.build import train_loader
+    from ndparallel.training.components import train_loader
 
     forbid_launch(monkeypatch)
     cfg = load_config(_cfg(tmp_path, "curriculum_sampling: true\n"))
@@ -113,7 +113,8 @@ def test_curriculum_sampling_turns_the_shuffle_off(tmp_path, capsys, monkeypatch
     "extra, fragment",
     [
         (
-            "dataset_exact_deduplication: true\npretraining_dataset: [{path: x.txt}]\nmax_steps: 3\ndatasets:\n",
+            "dataset_exact_deduplication: true\npretraining_dataset: [{path: x.txt}]\nmax_steps: "
+            "3\ndatasets:\n",
             "dataset_exact_deduplication: true with a streamed pretraining_dataset",
         ),
         (

@@ -13,7 +13,7 @@ from ndparallel.data.bins import first_fit_decreasing
 from ndparallel.data.chat import ChatRenderer, resolve_template
 from ndparallel.data.dataset import DatasetSpec
 from ndparallel.data.encode import encode
-from ndparallel.data.pipeline import (
+from ndparallel.data.prepare import (
     DataOptions,
     build_data,
     build_rows,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ndparallel.cli.export import export_main
+from ndparallel.cli.export_command import export_main
 from ndparallel.runtime.multirank import run_on_ranks
 from ndparallel.runtime.sizes import parse_size
 
@@ -119,7 +119,7 @@ def test_export_cli_from_checkpoint(fsdp_export, tmp_path):
 
 
 def test_fsdp_tp_export_reloads_with_same_logits(tmp_path):
-    pytest.importorskip("ndparallel.parallel.tensor")
+    pytest.importorskip("ndparallel.parallel.tp.tensor")
     logits = run_on_ranks(
         _train_and_export, 4, {"dp_shard_size": 2, "tp_size": 2}, str(tmp_path), "tiny-llama"
     )[0]

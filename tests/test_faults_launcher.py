@@ -186,6 +186,7 @@ def test_preemption_deadline_exits_without_a_checkpoint_saying_so():
     assert proc.stderr.splitlines() == [
         "job: SIGUSR1 received while stopping for SIGTERM: ignored (the checkpoint in progress completes, "
         "or is left without a COMPLETE marker)",
-        "job: preempted (SIGTERM) at step 7: no checkpoint within preemption_timeout_s=1: exiting without one "
+        "job: preempted (SIGTERM) at step 7: no checkpoint within preemption_timeout_s=1: exiting without "
+        "one "
         f"(exit {PREEMPTED_EXIT}); the newest complete checkpoint stays the resume point",
     ]

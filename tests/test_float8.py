@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.float8 import float8_problem
-from ndparallel.parallel.options import Float8Options
+from ndparallel.techniques.float8 import float8_problem
+from ndparallel.techniques.technique_options import Float8Options
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
@@ -32,7 +32,7 @@ def test_decoder_linears_convert_head_and_embeddings_do_not():
     from torchao.float8.float8_linear import Float8Linear
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.parallel.float8 import apply_float8
+    from ndparallel.techniques.float8 import apply_float8
 
     model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
     apply_float8(model, F8)
@@ -46,7 +46,7 @@ def test_lora_adapters_stay_out_of_fp8_their_base_converts():
     from torchao.float8.float8_linear import Float8Linear
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.parallel.float8 import apply_float8
+    from ndparallel.techniques.float8 import apply_float8
 
     model = get_peft_model(
         AutoModelForCausalLM.from_config(preset_config("tiny-llama")),

@@ -11,7 +11,7 @@ One read is transformers' own and expected: with ``position_ids`` and no attenti
 code checks whether a row packs several documents (``find_packed_sequence_indices``: one
 ``.all()`` per forward). It is counted apart, and must be exactly one per micro-batch.
 Under CP the document-masked attention plans its blocks on the host from one host copy of the
-position ids per micro-batch (``cp_blocks.document_starts``; the planning itself then runs on that
+position ids per micro-batch (``attention_blocks.document_starts``; the planning itself then runs on that
 CPU copy and is not a device read). The copies are counted apart too: one per micro-batch.
 """
 
@@ -72,7 +72,7 @@ def _count_host_copies() -> list[str]:
     """A list that receives one entry per call of the CP attention's ``document_starts`` (its one
     host copy of the position ids): the name is looked up at call time, so rebinding it works
     (in a forked rank only)."""
-    import ndparallel.parallel.cp_attention as cpa
+    import ndparallel.parallel.cp.parallel_attention as cpa
 
     original, calls = cpa.document_starts, []
 

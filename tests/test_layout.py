@@ -12,10 +12,11 @@ MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 80
 
 # Each folder may import only from the folders listed before it (and itself). Bottom up: the layout
-# and the runtime; optimizers and trackers; models, strategies, data, checkpoints and the planner; the
-# engine over them; the typed run config; the trainer's loop; the checks before launch; the two front
-# doors (``axolotl``: YAML with Axolotl's keys; ``accelerator``: Accelerate's Python surface); tools and
-# the CLI on top. ``parallelism_config`` and ``utils`` are the top-level modules that mirror
+# and the runtime; optimizers and trackers; models, the training techniques that are no parallel
+# dimension, the parallel dimensions, data, checkpoints and the planner; the engine over them; the
+# typed run config; the trainer's loop; the checks before launch; the two front doors (``axolotl``:
+# YAML with Axolotl's keys; ``accelerator``: Accelerate's Python surface); tools and the CLI on top.
+# ``parallelism_config`` and ``utils`` are the top-level modules that mirror
 # Accelerate's import paths (``accelerate.parallelism_config``, ``accelerate.utils``); they are listed
 # so their imports are checked like any layer's. (``testing`` only re-exports the runtime's runner.)
 LAYERS = [
@@ -25,6 +26,7 @@ LAYERS = [
     "optim",
     "tracking",
     "models",
+    "techniques",
     "parallel",
     "data",
     "checkpoint",
@@ -147,7 +149,7 @@ def test_the_layer_checker_finds_an_arrow_up():
     """Negative control: the engine importing the trainer, or the typed config the YAML front door's
     key table, is an arrow running back up; the trainer importing the engine is not."""
     graph = {
-        "ndparallel.engine.step": {"ndparallel.training.trainer", "ndparallel.parallel.loss"},
+        "ndparallel.engine.step": {"ndparallel.training.trainer", "ndparallel.techniques.loss"},
         "ndparallel.config.errors": {"ndparallel.axolotl.keys"},
         "ndparallel.training.trainer": {"ndparallel.engine.step", "ndparallel.config.schema"},
     }
@@ -187,6 +189,31 @@ def test_files_and_functions_are_small():
     assert long_files == [] and long_functions == []
 
 
+def _names_used_twice(paths) -> dict[str, list[str]]:
+    """File names (``__init__`` and ``__main__`` aside) that more than one module of ours has."""
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        if path.stem not in ("__init__", "__main__"):
+            by_name.setdefault(path.stem, []).append(str(path.relative_to(PACKAGE)))
+    return {name: sorted(where) for name, where in by_name.items() if len(where) > 1}
+
+
+def test_no_module_name_used_twice():
+    """A module's name says which one it is: ``pipeline`` or ``build`` in two folders reads the same
+    in a traceback, an import line or a conversation."""
+    assert _names_used_twice(PACKAGE.rglob("*.py")) == {}
+
+
+def test_the_name_checker_finds_a_repeat():
+    """Negative control."""
+    paths = [
+        PACKAGE / "data" / "pipeline.py",
+        PACKAGE / "plan" / "pipeline.py",
+        PACKAGE / "plan" / "__init__.py",
+    ]
+    assert _names_used_twice(paths) == {"pipeline": ["data/prepare.py", "plan/pipeline.py"]}
+
+
 def test_the_checker_finds_a_cycle():
     """Negative control: the cycle finder is not vacuous."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -197,6 +224,7 @@ ENGINE_USERS = (
     "layout",
     "runtime",
     "models",
+    "techniques",
     "parallel",
     "data",
     "checkpoint",
@@ -349,4 +377,147 @@ def test_the_axolotl_name_finder_finds_one(tmp_path):
         "4: ddp_timeout",
         "4: sequence_parallel_degree",
         "4: torch_compile",
+    ]
+
+
+# ------------------------------------------------------------- lazy imports
+HEAVY_PACKAGES = {
+    "torch",
+    "transformers",
+    "datasets",
+    "tokenizers",
+    "safetensors",
+    "huggingface_hub",
+    "numpy",
+    "peft",
+    "torchao",
+    "accelerate",
+    "matplotlib",
+}
+"""Third-party packages that take seconds to import or are optional extras: the only imports a
+function may make in its body (docs/development.md). Our own modules are imported at module level,
+except as ``START_UP`` says."""
+START_UP = {
+    "ndparallel": "``Accelerator`` on first access: ``import ndparallel`` stays light",
+    "ndparallel.cli": "the command's module after its arguments are read",
+    "ndparallel.cli.commands": "a command's machinery once its config is known to be good",
+    "ndparallel.cli.export_command": "the export machinery after the arguments are checked",
+    "ndparallel.cli.launch_check": "the pre-launch checks of `launch ... train CFG` only",
+    "ndparallel.cli.plan_config": "the planner only for `plan --config`",
+    "ndparallel.cli.simulate_command": "the simulation machinery after the arguments are checked",
+    "ndparallel.config.datasets": "the data code only where a datasets entry is validated",
+    "ndparallel.config.fields": "the model presets only where a preset is named",
+    "ndparallel.config.quant": "the QAT / quantisation code only where those fields are set",
+    "ndparallel.config.schema": "the strategy options only where a run's options are built",
+    "ndparallel.layout.config": "the mesh code only where a mesh is built",
+    "ndparallel.optim.build": "Muon and torchao's optimizers only where chosen",
+    "ndparallel.optim.lowbit": "torchao's optimizers only where chosen",
+    "ndparallel.checkpoint.export": "the model code only where a checkpoint is exported",
+    "ndparallel.plan.cli": "the runtime's refusals and the model loader only where used",
+    "ndparallel.plan.comms": "torch's mesh code only where a profile is compared",
+    "ndparallel.plan.gemm": "torch only where a GEMM is timed",
+    "ndparallel.plan.membound": "torch only where a kernel is timed",
+    "ndparallel.plan.memory": "the runtime's layer code only where a real model is measured",
+    "ndparallel.plan.models": "transformers' configs only where a model is read",
+    "ndparallel.preflight.checks": "each check's machinery when it runs (a bad config is refused first)",
+    "ndparallel.preflight.pipeline_check": "the pipeline code only with pipeline_parallel_size > 1",
+    "ndparallel.preflight.plan_text": "the data and model code only for `--dry-run`",
+    "ndparallel.runtime.multirank": "a forked rank imports the runtime after its environment is set",
+}
+"""Modules on the command line's start-up path (what `ndparallel train|plan|... -h` and a refused
+config import): a function there may import one of our *heavy* modules (one reaching a
+``HEAVY_PACKAGES`` package at module level), so a bad config is refused in about a second
+(``tests/test_startup.py``). Each entry says what it defers."""
+
+
+def _module_level_imports(tree: ast.Module) -> list[ast.stmt]:
+    out = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        elif isinstance(node, ast.Try):
+            out += [n for n in node.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return out
+
+
+def _targets(node, name: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:
+        pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+
+
+def _heavy_modules() -> set[str]:
+    """Our modules whose module-level imports (their packages' ``__init__`` included) reach a
+    ``HEAVY_PACKAGES`` package."""
+    modules = _modules()
+    deps, heavy = {}, set()
+    for name, path in modules.items():
+        found = set()
+        for node in _module_level_imports(ast.parse(path.read_text())):
+            for target in _targets(node, name, path, modules):
+                if target.split(".")[0] in HEAVY_PACKAGES:
+                    heavy.add(name)
+                found.add(target)
+        parts = name.split(".")
+        found |= {".".join(parts[:i]) for i in range(1, len(parts))}
+        deps[name] = {d for d in found if d in modules and d != name}
+    changed = True
+    while changed:
+        grown = {n for n, ds in deps.items() if n not in heavy and ds & heavy}
+        heavy |= grown
+        changed = bool(grown)
+    return heavy
+
+
+def _local_imports(path: Path, name: str, modules: dict[str, Path]) -> list[tuple[int, str]]:
+    """(line, module) of every import of ours inside a function of ``path``."""
+    found = []
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    for target in _targets(node, name, path, modules):
+                        if target.split(".")[0] == "ndparallel":
+                            found.append((node.lineno, target))
+    return sorted(set(found))
+
+
+def _lazy_import_problems(modules: dict[str, Path], heavy: set[str]) -> list[str]:
+    bad = []
+    for name, path in modules.items():
+        for line, target in _local_imports(path, name, modules):
+            if name not in START_UP:
+                bad.append(f"{name}:{line} imports {target} in a function: import it at module level")
+            elif target not in heavy:
+                bad.append(f"{name}:{line} defers {target}, which is light: import it at module level")
+    return sorted(bad)
+
+
+def test_our_modules_are_imported_at_module_level():
+    """A function imports one of our modules only on the start-up path and only a heavy one; every
+    other import of ours is at the top of its file (no import cycle needs one: the test above)."""
+    modules = _modules()
+    heavy = _heavy_modules()
+    assert {"ndparallel.engine.engine", "ndparallel.preflight.model_check"} <= heavy  # not vacuous
+    assert "ndparallel.runtime.quiet" not in heavy
+    assert _lazy_import_problems(modules, heavy) == []
+
+
+def test_the_lazy_import_checker_finds_one(tmp_path):
+    """Negative control: a function importing one of our modules outside the start-up path is found,
+    and so is one deferring a light module on it."""
+    pkg = tmp_path / "ndparallel"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "engine" / "x.py").write_text("def f():\n    from ndparallel.config.errors import ConfigError\n")
+    (pkg / "cli").mkdir()
+    (pkg / "cli" / "__init__.py").write_text("def g():\n    from ndparallel.config import errors\n")
+    modules = {"ndparallel.engine.x": pkg / "engine" / "x.py", "ndparallel.cli": pkg / "cli" / "__init__.py"}
+    modules["ndparallel.config.errors"] = PACKAGE / "config" / "errors.py"
+    assert _lazy_import_problems(modules, heavy=set()) == [
+        "ndparallel.cli:2 defers ndparallel.config.errors, which is light: import it at module level",
+        "ndparallel.engine.x:2 imports ndparallel.config.errors in a function: import it at module level",
     ]

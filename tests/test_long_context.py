@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import CompileOptions, CPOptions, FSDPOptions, TPOptions
+from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+from ndparallel.techniques.technique_options import CompileOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import assert_matches, one_process_reference
 from ndparallel.tools.equivalence import TrainSetup, train_under_layout
@@ -135,7 +136,7 @@ def test_fsdp_gathers_once_per_layer_and_tp_collectives_run_per_tile():
 def _tile_lengths(num_tiles, seq):
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
+    from ndparallel.techniques.tiled_mlp import apply_tiled_mlp
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(BASE.model_config)
@@ -156,7 +157,7 @@ def test_tiles_are_real():
 def _offloaded_grads(transfers=None, budget=None, steps=2):
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.parallel.offload import ActivationOffloader, OffloadedCheckpoint
+    from ndparallel.techniques.offload import ActivationOffloader, OffloadedCheckpoint
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(BASE.model_config)
@@ -200,7 +201,7 @@ class _SwappedRestores:
     device_type = "cpu"
 
     def __init__(self):
-        from ndparallel.parallel.offload import HostTransfers
+        from ndparallel.techniques.offload import HostTransfers
 
         self.inner, self.last = HostTransfers(), None
 
@@ -250,7 +251,7 @@ def test_bad_long_context_config(tmp_path, capsys, text, fragment):
 def test_moe_blocks_are_refused():
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
+    from ndparallel.techniques.tiled_mlp import apply_tiled_mlp
 
     with torch.device("meta"):
         model = MixtralForCausalLM(

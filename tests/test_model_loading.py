@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, ViTConfig
 
-from ndparallel.engine.build import build_model
+from ndparallel.engine.model_build import build_model
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import RankFailure, run_on_ranks
 

@@ -71,7 +71,7 @@ def test_yaml_and_prelaunch_checks():
     assert pc.ep_size == 2 and pc.dims.efsdp == 2
     assert "split over ep=2 (4 per rank" in describe_plan(cfg, pc, hf)
     # Axolotl's overrides_of_model_config reaches the checks and the model the ranks build
-    from ndparallel.training.build import model_config
+    from ndparallel.training.components import model_config
 
     tuned = TrainConfig.model_validate(
         {

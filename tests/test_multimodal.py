@@ -136,7 +136,7 @@ def test_export_loads_with_transformers(saved, tmp_path):
 
 
 def test_tensor_parallel_refused_before_launch_where_it_fails(saved):
-    from ndparallel.parallel.tp_validate import validate_tensor_parallel
+    from ndparallel.parallel.tp.validate import validate_tensor_parallel
 
     for mt in ("gemma4", "qwen3_5"):
         with pytest.raises(ValueError, match="multimodal checkpoint.*tensor_parallel_size > 1"):
@@ -232,7 +232,7 @@ def test_chunked_loss_equals_the_logits_path(saved):
 
     from ndparallel.models.heads import plain_head_problem
     from ndparallel.models.multimodal import causal_lm_from_config
-    from ndparallel.parallel.options import LossOptions
+    from ndparallel.techniques.technique_options import LossOptions
 
     for mt in ("mistral3", "voxtral"):
         base = _setup(saved[mt])

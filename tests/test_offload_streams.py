@@ -10,7 +10,7 @@ import math
 import torch
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.offload import ActivationOffloader, OffloadedCheckpoint
+from ndparallel.techniques.offload import ActivationOffloader, OffloadedCheckpoint
 
 
 class DeferredStreams:

@@ -60,7 +60,8 @@ def _matrix_diff(ref, got) -> tuple[float, float]:
 
 
 def test_split_follows_axolotl():
-    """Hidden matrices (and MoE experts, routers) -> Muon with decay; embeddings, head, norms -> AdamW without."""
+    """Hidden matrices (and MoE experts, routers) -> Muon with decay; embeddings, head, norms -> AdamW
+    without."""
     from transformers import AutoModelForCausalLM
 
     from ndparallel.optim.build import build_optimizer
@@ -166,7 +167,7 @@ def test_planner_states_one_momentum_for_matrices_two_moments_for_the_rest():
     from ndparallel.plan.layout import Layout, Settings
     from ndparallel.plan.memory import estimate_memory
     from ndparallel.plan.models import PRESETS, fsdp_units
-    from ndparallel.plan.muon import newton_schulz_seconds, step_temporaries
+    from ndparallel.plan.muon_cost import newton_schulz_seconds, step_temporaries
 
     model, layout, hw = PRESETS["llama-3.1-70b"], Layout(dp_shard=8, tp=2), HW["h100-80gb"]
     mem = {

@@ -56,11 +56,11 @@ def test_one_process_transformers_mask():
 def _one_device_document_attention(setup):
     """One process with ndparallel's document attention (apply_document_attention) instead of
     transformers' sdpa mask: the model is built, switched, then trained as train_under_layout."""
-    from ndparallel.parallel import context
+    from ndparallel.parallel import document_attention
     from ndparallel.tools import equivalence
 
     build = equivalence.build_model
-    equivalence.build_model = lambda s: context.apply_document_attention(build(s))
+    equivalence.build_model = lambda s: document_attention.apply_document_attention(build(s))
     try:
         return equivalence.train_under_layout(setup, None)
     finally:

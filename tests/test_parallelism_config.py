@@ -51,7 +51,7 @@ def test_fill_not_divisible():
 
 def test_unresolved_total_size_is_an_error():
     with pytest.raises(ParallelismConfigError, match="resolve"):
-        ParallelismConfig(dp_shard_size=-1).total_size
+        _ = ParallelismConfig(dp_shard_size=-1).total_size
 
 
 def test_env_vars_ours_and_accelerates(monkeypatch):

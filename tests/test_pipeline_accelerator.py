@@ -58,7 +58,7 @@ def _loop(pp: int):
         losses.append(float(loss))
     params = full_parameters(model)
     if pp > 1:
-        from ndparallel.parallel.pipeline import gather_stage_states
+        from ndparallel.parallel.pp.schedule import gather_stage_states
 
         params = gather_stage_states(acc.engine, params)
     return losses, params

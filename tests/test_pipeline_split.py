@@ -4,7 +4,7 @@ import pytest
 
 from ndparallel import ParallelismConfig, ParallelismConfigError
 from ndparallel.parallel.options import PipelineOptions
-from ndparallel.parallel.pipeline_split import pipeline_problem, plan_stages, stage_layers
+from ndparallel.parallel.pp.split import pipeline_problem, plan_stages, stage_layers
 
 
 def test_even_split_gives_the_first_stages_the_extra_layers():
@@ -58,7 +58,7 @@ def test_pp_size_is_a_degree_like_the_others(monkeypatch):
 
 
 def test_bubble_share_per_schedule():
-    from ndparallel.parallel.pipeline_split import bubble_fraction
+    from ndparallel.parallel.pp.split import bubble_fraction
 
     assert bubble_fraction(plan_stages(PipelineOptions(), 4, 8), 12) == 3 / 15  # (p-1)/(m+p-1)
     assert bubble_fraction(plan_stages(PipelineOptions(schedule="Interleaved1F1B"), 4, 8), 12) == 3 / 27

@@ -1,5 +1,6 @@
 """``ndparallel train`` with ``pipeline_parallel_size``: a YAML run on 8 ranks, PP 2 × FSDP 2 × TP 2,
-evaluates as PP 1 does, checkpoints, resumes on PP 1 and exports an HF model equal to an uninterrupted PP 1 run; LoRA
+evaluates as PP 1 does, checkpoints, resumes on PP 1 and exports an HF model equal to an uninterrupted PP 1
+run; LoRA
 checkpoints cross pipeline degrees both ways and the PP 2 adapter export is the one-process one; a
 bad pipeline is refused before any rank starts."""
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ndparallel.parallel.chunked_ce import chunked_linear_cross_entropy
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.memory import _logits_bytes
 from ndparallel.plan.models import from_hf_config
 from ndparallel.runtime.memory_probe import LiveBytes
+from ndparallel.techniques.chunked_ce import chunked_linear_cross_entropy
 
 HIDDEN, VOCAB, TOKENS = 256, 64000, 128
 

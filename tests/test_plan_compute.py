@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ndparallel.plan.attention import (
+from ndparallel.plan.attention_time import (
     CP_FLASH_SLOWDOWN,
     MATH_BYTES_BWD,
     MATH_BYTES_FWD,

@@ -1,6 +1,6 @@
 """The planner under QAT (``plan --qat``): with the quantisers recomputed in backward
-(``parallel/qat.py``), a fake-quantised layer keeps a rounded bf16 copy of its weights (and inputs)
-for backward. The constants in ``plan/qat.py`` are re-measured here on a tiny Llama (the method of
+(``techniques/qat.py``), a fake-quantised layer keeps a rounded bf16 copy of its weights (and inputs)
+for backward. The constants in ``plan/qat_memory.py`` are re-measured here on a tiny Llama (the method of
 ``bench/qat_memory.py``) and must predict its saved bytes within 10 %; the memory model adds them
 per layer (once under checkpointing); TP layouts are rejected as train refuses them (a config's
 ``qat:`` reaching the planner: ``tests/test_plan_from_config.py``)."""
@@ -19,7 +19,7 @@ from ndparallel.plan.hardware import PRESETS as HW
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.memory import estimate_memory
 from ndparallel.plan.models import PRESETS, ModelSpec
-from ndparallel.plan.qat import layer_linear_counts, qat_layer_bytes
+from ndparallel.plan.qat_memory import layer_linear_counts, qat_layer_bytes
 
 pytest.importorskip("torchao")
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,13 +30,9 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.engine import forward_backward
     from ndparallel.models.presets import preset_config
-    from ndparallel.parallel.options import (
-        CPOptions,
-        FSDPOptions,
-        LossOptions,
-        TPOptions,
-    )
+    from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
     from ndparallel.runtime.comm_profile import CommProfiler
+    from ndparallel.techniques.technique_options import LossOptions
 
     # The planner models the logits loss (gathered or loss-parallel); the chunked loss (default)
     # and loss parallel's default-on are pinned off here so each case runs what it names.

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from cli_helpers import run_cli
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import QATOptions
+from ndparallel.techniques.technique_options import QATOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
@@ -51,7 +51,7 @@ def test_every_linear_but_loras_is_fake_quantised_and_runs_here(options):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.parallel.qat import apply_qat, fake_quantized_modules
+    from ndparallel.techniques.qat import apply_qat, fake_quantized_modules
 
     torch.manual_seed(0)
     model = get_peft_model(
@@ -119,7 +119,7 @@ def test_qat_combinations_refused_by_name(tmp_path, capsys, extra, fragment):
 
 
 def test_nvfp4_needs_blackwell_and_says_so():
-    from ndparallel.parallel.qat import qat_device_problem
+    from ndparallel.techniques.qat import qat_device_problem
 
     nvfp4 = QATOptions(weight_dtype="nvfp4", activation_dtype="nvfp4", group_size=16)
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0):
@@ -134,7 +134,7 @@ def _runs(setups):
 
 
 def test_qat_changes_training_and_delayed_fake_quant_starts_at_step_n():
-    from ndparallel.parallel.options import LossOptions
+    from ndparallel.techniques.technique_options import LossOptions
 
     delayed = dataclasses.replace(INT8_INT4, fake_quant_after_n_steps=2)
     logits = dataclasses.replace(
@@ -229,7 +229,7 @@ def int4_level_flips(a: dict, b: dict, options: QATOptions) -> tuple[int, int]:
     different where the quantised values are more than half a level step apart."""
     from torchao.quantization.qat.fake_quantizer import FakeQuantizerBase
 
-    from ndparallel.parallel.qat import _fake_quantize_configs
+    from ndparallel.techniques.qat import _fake_quantize_configs
 
     quantize = FakeQuantizerBase.from_config(_fake_quantize_configs(options)[0])
     flips = total = 0
@@ -250,7 +250,7 @@ def test_the_level_flip_count_sees_one_flip_and_no_rounding_noise():
     assert int4_level_flips(w, noise, INT8_INT4) == (0, 512)
     from torchao.quantization.qat.fake_quantizer import FakeQuantizerBase
 
-    from ndparallel.parallel.qat import _fake_quantize_configs
+    from ndparallel.techniques.qat import _fake_quantize_configs
 
     group = w["q_proj.weight"][0, :32]
     step = float(group.max() - group.min()) / 15
@@ -265,7 +265,7 @@ def test_the_level_flip_count_sees_one_flip_and_no_rounding_noise():
 def _train(path: str, overrides: list[str]) -> int:
     """Train per the YAML; the number of fake-quantised modules the trained model had."""
     from ndparallel.axolotl import load_config
-    from ndparallel.parallel.qat import fake_quantized_modules
+    from ndparallel.techniques.qat import fake_quantized_modules
     from ndparallel.training.trainer import Trainer
 
     trainer = Trainer(load_config(path, overrides))
@@ -354,7 +354,7 @@ def test_recomputed_quantisers_give_the_same_gradients_and_keep_far_less(options
 
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.parallel.qat import RecomputedQuantizer, apply_qat, plain_quantizers
+    from ndparallel.techniques.qat import RecomputedQuantizer, apply_qat, plain_quantizers
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from qat_memory import _saved_bytes
@@ -395,7 +395,7 @@ def _facade_qat_loss() -> tuple[int, float]:
     from transformers import AutoModelForCausalLM
 
     from ndparallel import Accelerator, ParallelismConfig
-    from ndparallel.parallel.qat import fake_quantized_modules
+    from ndparallel.techniques.qat import fake_quantized_modules
 
     acc = Accelerator(ParallelismConfig(dp_shard_size=2), qat_options=INT8_INT4)
     assert acc.qat_options == INT8_INT4

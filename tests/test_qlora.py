@@ -180,7 +180,7 @@ def _prepared_loss(layout: dict, quantise: bool) -> float:
     """The Accelerate facade: ``acc.prepare_model(peft_model, quantization=NF4)`` (or the reference
     quantised by hand on one process); the loss of one fixed batch."""
     from ndparallel import Accelerator, ParallelismConfig
-    from ndparallel.parallel.loss import causal_lm_loss
+    from ndparallel.techniques.loss import causal_lm_loss
 
     acc = Accelerator(ParallelismConfig(**layout))
     if quantise:

@@ -140,7 +140,7 @@ def _nf4_base(root: Path, quantise: bool = True):
     model = AutoModelForCausalLM.from_pretrained(root / "base").float().eval()
     if quantise:
         with torch.no_grad():
-            for name, m in model.named_modules():
+            for m in model.modules():
                 if isinstance(m, nn.Linear) and m is not model.lm_head:
                     m.weight.copy_(to_nf4(m.weight, 32, 4).get_original_weight())
     return model

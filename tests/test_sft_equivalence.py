@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ndparallel.data import epoch_permutation
-from ndparallel.data.pipeline import DataOptions, build_data
+from ndparallel.data.prepare import DataOptions, build_data
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.techniques.loss import IGNORE_INDEX
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import assert_differs, assert_matches, one_process_reference
 from ndparallel.tools.equivalence import (
@@ -72,7 +72,7 @@ def _sample_spans(position_ids: torch.Tensor, length: int) -> list[tuple[int, in
 
 def train_samples_separately(setup: TrainSetup, lengths: list[list[int]]) -> TrainResult:
     """One process: each sample of each row alone, padding left out."""
-    from ndparallel.parallel.loss import causal_lm_loss
+    from ndparallel.techniques.loss import causal_lm_loss
 
     model = build_model(setup)
     optimizer = setup_optimizer(setup, model.parameters())

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ndparallel.parallel.pipeline_split import StagePlan
+from ndparallel.parallel.pp.split import StagePlan
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(

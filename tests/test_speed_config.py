@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ndparallel.axolotl import ConfigError, load_config
-from ndparallel.parallel.options import CompileOptions, Float8Options, LossOptions
+from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions
 from ndparallel.testing import run_on_ranks
 
 
@@ -38,7 +38,7 @@ def test_bad_values_name_the_field(override, field):
 
 
 def test_token_count_is_a_device_tensor_and_an_int_still_works():
-    from ndparallel.parallel.loss import causal_lm_loss, global_num_items
+    from ndparallel.techniques.loss import causal_lm_loss, global_num_items
 
     labels = torch.tensor([[1, -100, 2], [3, 4, -100]])
     n = global_num_items([{"shift_labels": labels}], None)

@@ -49,19 +49,19 @@ def test_a_failed_import_leaves_the_collector_on(monkeypatch):
 
 def test_commands_freeze_once_their_input_is_readable(tmp_path):
     """In a fresh process: `train -h`, a config with an unknown key, and `plan -h` freeze nothing
-    (they fail or answer fast); `export` of a missing checkpoint, past its argument checks, has
-    imported the model libraries and frozen them."""
+    and import no transformers (they fail or answer fast: our modules defer the heavy ones, see
+    test_layout.START_UP); `export` of a missing checkpoint, past its argument checks, has imported
+    the model libraries and frozen them."""
     code = (
         "import contextlib, gc, io, sys\nfrom ndparallel.cli import main\n"
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
         "    main(['train', '-h']); main(['train', '--set', 'no_such_key=1']); main(['plan', '-h'])\n"
-        "    a = gc.get_freeze_count()\n"
+        "    a = gc.get_freeze_count(), 'transformers' in sys.modules\n"
         f"    main(['export', {str(tmp_path / 'none')!r}, {str(tmp_path / 'out')!r}])\n"
         "    b = gc.get_freeze_count()\n"
-        "print(a, b, 'transformers.modeling_utils' in sys.modules)"
+        "print(*a, b, 'transformers.modeling_utils' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    before, after, loaded = (out.stdout.split() or ["?"] * 3)[-3:]
-    assert before == "0" and after.isdigit() and int(after) > 100_000 and loaded == "True", (
-        out.stdout + out.stderr
-    )
+    before, early, after, loaded = (out.stdout.split() or ["?"] * 4)[-4:]
+    assert before == "0" and early == "False", out.stdout + out.stderr
+    assert after.isdigit() and int(after) > 100_000 and loaded == "True", out.stdout + out.stderr

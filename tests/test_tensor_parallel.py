@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from ndparallel.models.presets import preset_config
 from ndparallel.models.tp_plans import TPPlanError, resolve_tp_plan
 from ndparallel.parallel.options import TPOptions
-from ndparallel.parallel.tensor import validate_tensor_parallel
+from ndparallel.parallel.tp.tensor import validate_tensor_parallel
 from ndparallel.testing import RankFailure, run_on_ranks
 
 STEPS = 3
@@ -43,7 +43,7 @@ def _train(model, batches, options: TPOptions | None = None):
     Also asserts every DTensor gradient has its parameter's placements (no Partial left over)."""
     from torch.distributed.tensor import DTensor
 
-    from ndparallel.parallel.tensor import loss_parallel_context
+    from ndparallel.parallel.tp.tensor import loss_parallel_context
 
     # lr 1e-3: AdamW turns rounding noise on near-zero gradients into ~lr-sized steps (it divides by sqrt(v))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -80,7 +80,7 @@ def _tp_rank(model, batches, options: TPOptions):
     from torch.distributed.tensor import DTensor
 
     from ndparallel.layout.config import ParallelismConfig
-    from ndparallel.parallel.tensor import apply_tensor_parallel, is_tensor_parallel
+    from ndparallel.parallel.tp.tensor import apply_tensor_parallel, is_tensor_parallel
 
     model = copy.deepcopy(model)
     tp_mesh = ParallelismConfig(tp_size=dist.get_world_size()).build_device_mesh("cpu")["tp"]
@@ -170,7 +170,7 @@ def test_user_plan_override_and_tied_embeddings_on_vocab():
 
 def _incompatible_tie_rank(model):
     from ndparallel.layout.config import ParallelismConfig
-    from ndparallel.parallel.tensor import apply_tensor_parallel
+    from ndparallel.parallel.tp.tensor import apply_tensor_parallel
 
     mesh = ParallelismConfig(tp_size=2).build_device_mesh("cpu")["tp"]
     plan = {"model.embed_tokens": "embedding_colwise", "lm_head": "colwise_gather_output"}
@@ -187,7 +187,7 @@ def _hf_tp_rank(path, batches):
     from torch.distributed.tensor import DTensor
 
     from ndparallel.layout.config import ParallelismConfig
-    from ndparallel.parallel.tensor import (
+    from ndparallel.parallel.tp.tensor import (
         apply_tensor_parallel,
         distribute_leftover_params,
         is_tensor_parallel,
@@ -275,7 +275,7 @@ def test_model_plan_is_read_from_hf_config():
 
 def _sp_input_errors_rank(model):
     from ndparallel.layout.config import ParallelismConfig
-    from ndparallel.parallel.tensor import apply_tensor_parallel
+    from ndparallel.parallel.tp.tensor import apply_tensor_parallel
 
     apply_tensor_parallel(
         model, ParallelismConfig(tp_size=2).build_device_mesh("cpu")["tp"], TPOptions(sequence_parallel=True)
@@ -321,7 +321,7 @@ def _embedding_gradient(padding_idx):
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from ndparallel.parallel.tp_styles import VocabParallelEmbedding
+    from ndparallel.parallel.tp.styles import VocabParallelEmbedding
 
     torch.manual_seed(0)
     full = torch.randn(64, 8)

@@ -80,7 +80,7 @@ def _train_loaded(path: str, setup: TrainSetup, layout: dict | None, tp_plan: st
     from transformers import AutoModelForCausalLM
 
     from ndparallel import Accelerator, ParallelismConfig
-    from ndparallel.parallel.tensor import is_tensor_parallel
+    from ndparallel.parallel.tp.tensor import is_tensor_parallel
 
     acc = Accelerator(ParallelismConfig(**(layout or {})))
     kwargs = {"tp_plan": tp_plan, "device_mesh": acc.mesh("tp")} if tp_plan else {}

@@ -1,4 +1,4 @@
-"""ndparallel: N-dimensional parallel training (DP, FSDP2, TP, CP) for Hugging Face causal LMs."""
+"""ndparallel: N-dimensional parallel training (DP, FSDP2, TP, CP, PP, EP) for Hugging Face causal LMs."""
 
 from ndparallel.layout.config import ParallelismConfig, ParallelismConfigError
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 
+from ndparallel.accelerator.accelerator_state import DistributedType, PrecisionType, RNGType
 from ndparallel.accelerator.collectives import (
     broadcast,
     broadcast_object_list,
@@ -32,10 +33,9 @@ from ndparallel.accelerator.plugins import (
     TorchDynamoPlugin,
     TorchTensorParallelPlugin,
 )
-from ndparallel.accelerator.state import DistributedType, PrecisionType, RNGType
 from ndparallel.accelerator.tracking import GeneralTracker, LoggerType
 from ndparallel.layout.config import ParallelismConfig
-from ndparallel.layout.handlers import (
+from ndparallel.layout.dim_handlers import (
     TorchContextParallelConfig,
     TorchTensorParallelConfig,
 )

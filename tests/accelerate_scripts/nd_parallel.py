@@ -168,7 +168,10 @@ def main(argv=None):
     set_seed(42)
     args = parse_args(argv)
     if args.dp_shard_size == 1 and args.tp_size > 1:
-        warnings.warn("pure tensor parallel: intermediate checkpoints are only saved with dp_shard_size > 1")
+        warnings.warn(
+            "pure tensor parallel: intermediate checkpoints are only saved with dp_shard_size > 1",
+            stacklevel=2,
+        )
     return train(args)
 
 

@@ -23,18 +23,14 @@ from ndparallel.accelerator.plugins import (
     env_flag,
 )
 from ndparallel.layout.config import ParallelismConfig
-from ndparallel.parallel.options import (
-    CompileOptions,
-    CPOptions,
-    Float8Options,
-    FSDPOptions,
-    LossOptions,
-    QATOptions,
-    TPOptions,
-)
+from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions, QATOptions
 
 MIXED_PRECISION = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 RNG_TYPES = ("torch", "cuda", "generator")
+_USER = 4
+"""``stacklevel`` of a warning here: the user's ``Accelerator(...)`` (its ``__init__``, ``resolve``, the
+helper)."""
 UNSET = object()  # Accelerate's sentinel for the deprecated ``split_batches`` argument
 
 
@@ -98,7 +94,9 @@ def _parallelism(pc, torch_tp_plugin) -> ParallelismConfig | None:
         if not isinstance(torch_tp_plugin, TorchTensorParallelPlugin):
             raise TypeError("torch_tp_plugin must be a TorchTensorParallelPlugin")
         warnings.warn(
-            "`TorchTensorParallelPlugin` is deprecated: use ParallelismConfig(tp_size=...)", FutureWarning
+            "`TorchTensorParallelPlugin` is deprecated: use ParallelismConfig(tp_size=...)",
+            FutureWarning,
+            stacklevel=_USER,
         )
         if pc is None:
             return ParallelismConfig(tp_size=torch_tp_plugin.tp_size)
@@ -137,7 +135,8 @@ def _cp_options(pc: ParallelismConfig | None, cp_options: CPOptions | None) -> C
     if handler is not None and handler.strategy != cp_options.comm_strategy:
         warnings.warn(
             f"cp_options.comm_strategy={cp_options.comm_strategy!r} is used; "
-            f"parallelism_config.cp_handler ({handler.cp_comm_strategy!r}) is not"
+            f"parallelism_config.cp_handler ({handler.cp_comm_strategy!r}) is not",
+            stacklevel=_USER,
         )
     return cp_options
 
@@ -149,7 +148,9 @@ def _dataloader_config(dataloader_config, split_batches) -> DataLoaderConfigurat
         raise ValueError("pass split_batches inside dataloader_config, not both")
     if split_batches is not UNSET:
         warnings.warn(
-            "split_batches= is deprecated: use dataloader_config=DataLoaderConfiguration(...)", FutureWarning
+            "split_batches= is deprecated: use dataloader_config=DataLoaderConfiguration(...)",
+            FutureWarning,
+            stacklevel=_USER,
         )
         dataloader_config.split_batches = bool(split_batches)
     return dataloader_config

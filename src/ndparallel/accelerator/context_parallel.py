@@ -12,6 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ndparallel.parallel.cp.sharding import cp_positions
+from ndparallel.parallel.positions import position_hook
+
 
 class ContextParallelMixin:
     @contextlib.contextmanager
@@ -32,8 +35,6 @@ class ContextParallelMixin:
                 "context parallelism is on but maybe_context_parallel got no buffers: pass "
                 "the batch tensors to shard (input_ids, shift_labels, ...)"
             )
-        from ndparallel.parallel.cp_sharding import cp_positions
-        from ndparallel.parallel.positions import position_hook
 
         dims = list(buffer_seq_dims or [1] * len(buffers))
         lengths = {b.shape[d] for b, d in zip(buffers, dims)}

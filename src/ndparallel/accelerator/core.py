@@ -15,30 +15,31 @@ import torch
 import torch.nn as nn
 
 from ndparallel.accelerator import arguments
-from ndparallel.accelerator.collectives import CollectivesMixin
-from ndparallel.accelerator.context_parallel import ContextParallelMixin
-from ndparallel.accelerator.processes import ProcessesMixin
-from ndparallel.accelerator.saving import SavingMixin
-from ndparallel.accelerator.state import (
+from ndparallel.accelerator.accelerator_state import (
     AcceleratorState,
     DistributedType,
     GradientState,
 )
+from ndparallel.accelerator.collectives import CollectivesMixin
+from ndparallel.accelerator.context_parallel import ContextParallelMixin
+from ndparallel.accelerator.handlers import GradScalerKwargs
+from ndparallel.accelerator.preparing import (
+    prepare_all,
+    prepare_data_loader,
+    prepare_model,
+    prepare_optimizer,
+    prepare_scheduler,
+    register_model,
+)
+from ndparallel.accelerator.processes import ProcessesMixin
+from ndparallel.accelerator.saving import SavingMixin
 from ndparallel.accelerator.stepping import SteppingMixin
 from ndparallel.accelerator.tracking import TrackingMixin, filter_trackers
 from ndparallel.accelerator.wrappers import AcceleratedOptimizer, PreparedDataLoader
 from ndparallel.engine import Engine
 from ndparallel.layout.config import ParallelismConfig
-from ndparallel.parallel.options import (
-    CompileOptions,
-    CPOptions,
-    Float8Options,
-    FSDPOptions,
-    LossOptions,
-    QATOptions,
-    StrategyOptions,
-    TPOptions,
-)
+from ndparallel.parallel.options import CPOptions, FSDPOptions, StrategyOptions, TPOptions
+from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions, QATOptions
 
 
 class Accelerator(
@@ -52,7 +53,7 @@ class Accelerator(
     strategies' options; ``fsdp_plugin`` / ``parallelism_config.cp_handler`` map onto them),
     ``loss_options`` (the chunked loss, on where exact), ``compile_options`` (regional compile; also
     from ``dynamo_backend``/``dynamo_plugin``), ``float8_options`` (fp8 linears, SM >= 8.9),
-    ``qat_options`` (quantisation-aware training: torchao fake quantisation, ``parallel/qat.py``),
+    ``qat_options`` (quantisation-aware training: torchao fake quantisation, ``techniques/qat.py``),
     ``device`` ("cpu"/"cuda"; default cuda when visible) and ``timeout_s`` (collective timeout).
     ``Accelerator(ParallelismConfig(...))`` (the layout as first positional argument) also works.
     ``mixed_precision``: "no" (fp32), "bf16" (bf16 compute, fp32 master weights; gradients reduced
@@ -161,8 +162,6 @@ class Accelerator(
         self.scaler_handler, self.native_amp = s.handlers.get("scaler_handler"), s.param_dtype is not None
         self.scaler = None  # fp16 compute (mixed_precision or the FSDP plugin's policy): loss scaling
         if s.param_dtype == torch.float16:
-            from ndparallel.accelerator.handlers import GradScalerKwargs
-
             self.scaler = (self.scaler_handler or GradScalerKwargs()).build()
 
     # ------------------------------------------------------------ what runs
@@ -269,7 +268,6 @@ class Accelerator(
         """Parallelise models, wrap optimizers (remapped onto the new parameters) and schedulers so
         they follow gradient accumulation, shard ``DataLoader``s over the dp ranks. Returns the
         objects in the order given (one object: itself)."""
-        from ndparallel.accelerator.preparing import prepare_all
 
         out = prepare_all(self, list(objects), device_placement)
         return out[0] if len(out) == 1 else tuple(out)
@@ -282,13 +280,11 @@ class Accelerator(
         adapter: Any = None,
         quantization: Any = None,
     ) -> nn.Module:
-        """Apply float8 → TP → CP attention → activation checkpointing → compile → FSDP/HSDP/DP,
-        in that order. A model this Accelerator already prepared (e.g. from ``load_model``) is
-        returned as is. ``adapter`` (a peft ``LoraConfig``) wraps the model with LoRA first and
-        returns the ``PeftModel``; a ``PeftModel`` passed in is parallelised as is (docs/lora.md).
-        ``quantization`` (``NF4Config()`` / ``"nf4"`` / a 4-bit ``BitsAndBytesConfig``) stores the frozen
-        base linears as torchao NF4 first (QLoRA: docs/lora.md)."""
-        from ndparallel.accelerator.preparing import prepare_model
+        """Apply the layout's strategies (``parallel/parallelize.py`` says in which order). A model this
+        Accelerator already prepared (e.g. from ``load_model``) is returned as is. ``adapter`` (a peft
+        ``LoraConfig``) wraps the model with LoRA first and returns the ``PeftModel``; a ``PeftModel`` passed
+        in is parallelised as is (docs/lora.md). ``quantization`` (``NF4Config()`` / ``"nf4"`` / a 4-bit
+        ``BitsAndBytesConfig``) stores the frozen base linears as torchao NF4 first (QLoRA: docs/lora.md)."""
 
         if device_placement is False:
             raise ValueError(
@@ -303,17 +299,14 @@ class Accelerator(
         return prepare_model(self, model, adapter, quantization)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
-        from ndparallel.accelerator.preparing import prepare_optimizer
 
         return prepare_optimizer(self, optimizer)
 
     def prepare_scheduler(self, scheduler):
-        from ndparallel.accelerator.preparing import prepare_scheduler
 
         return prepare_scheduler(self, scheduler)
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        from ndparallel.accelerator.preparing import prepare_data_loader
 
         if slice_fn_for_dispatch is not None:
             raise ValueError("slice_fn_for_dispatch belongs to dispatch_batches, which is not supported")
@@ -350,7 +343,6 @@ class Accelerator(
         config, or a built-in preset name (random init, same on every rank). ``adapter=LoraConfig``
         returns a LoRA ``PeftModel`` over the frozen, sharded base; ``quantization=NF4Config()``
         (or ``"nf4"``, a 4-bit ``BitsAndBytesConfig``) makes that base 4-bit NF4 (QLoRA). Keyword
-        arguments: ``ndparallel.engine.build.build_model``'s."""
-        from ndparallel.accelerator.preparing import register_model
+        arguments: ``ndparallel.engine.model_build.build_model``'s."""
 
         return register_model(self, self.engine.build_model(path_or_config, **kwargs))

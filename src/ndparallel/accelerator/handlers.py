@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from ndparallel.engine.loss_scale import LossScaler
+
 
 class KwargsHandler:
     """Base of the handlers: ``to_kwargs()`` gives the fields that differ from their defaults."""
@@ -92,7 +94,6 @@ class GradScalerKwargs(KwargsHandler):
 
     def build(self):
         """The ``LossScaler`` (None when not ``enabled``)."""
-        from ndparallel.engine.loss_scale import LossScaler
 
         if not self.enabled:
             return None

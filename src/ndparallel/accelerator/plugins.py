@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ndparallel.parallel.options import FSDPOptions
+from ndparallel.techniques.technique_options import CompileOptions
 
 _TRUE = ("1", "true", "yes", "y", "on")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -35,6 +36,11 @@ def _unsupported(arg: str, value: Any, instead: str) -> ValueError:
     return ValueError(f"{arg}={value!r} is not supported by ndparallel: {instead}")
 
 
+_USER = 4
+"""``stacklevel`` of a warning in a ``_resolve_*`` step: the user's ``FullyShardedDataParallelPlugin(...)``
+(the dataclass ``__init__``, ``__post_init__``, the step)."""
+
+
 @dataclass
 class FullyShardedDataParallelPlugin:
     """Accelerate's FSDP plugin; ndparallel runs FSDP2 (``fully_shard``) per decoder layer.
@@ -44,7 +50,8 @@ class FullyShardedDataParallelPlugin:
     dtypes), ``auto_wrap_policy="transformer_based_wrap"`` with ``transformer_cls_names_to_wrap``,
     ``state_dict_type``, ``cpu_ram_efficient_loading`` (transformers loads the weights on rank 0
     only, ``prepare`` broadcasts them into each rank's shards; ``accelerator.load_model`` does
-    better: each rank reads only its shards). ``auto_wrap_policy`` None/"no_wrap" still shards each decoder layer
+    better: each rank reads only its shards). ``auto_wrap_policy`` None/"no_wrap" still shards each decoder
+    layer
     (same result, lower peak memory than one root unit). Unset fields read Accelerate's
     ``FSDP_*`` environment variables.
     """
@@ -97,7 +104,11 @@ class FullyShardedDataParallelPlugin:
                     "ParallelismConfig(dp_replicate_size=..., dp_shard_size=...), for plain "
                     "data parallelism dp_replicate_size alone",
                 )
-            warnings.warn("sharding_strategy is deprecated in favor of reshard_after_forward", FutureWarning)
+            warnings.warn(
+                "sharding_strategy is deprecated in favor of reshard_after_forward",
+                FutureWarning,
+                stacklevel=_USER,
+            )
             if self.reshard_after_forward is None:
                 self.reshard_after_forward = _SHARDING[name]
         if self.reshard_after_forward is None:
@@ -109,7 +120,10 @@ class FullyShardedDataParallelPlugin:
         if self.backward_prefetch is None:
             self.backward_prefetch = env.get("FSDP_BACKWARD_PREFETCH")
         if self.backward_prefetch is not None and str(self.backward_prefetch).upper() != "NO_PREFETCH":
-            warnings.warn("backward_prefetch is not supported in FSDP2. Setting backward prefetch to None.")
+            warnings.warn(
+                "backward_prefetch is not supported in FSDP2. Setting backward prefetch to None.",
+                stacklevel=_USER,
+            )
         self.backward_prefetch = None
         if self.forward_prefetch is None:
             self.forward_prefetch = env_flag("FSDP_FORWARD_PREFETCH") or None
@@ -184,7 +198,9 @@ class FullyShardedDataParallelPlugin:
             raise _unsupported("limit_all_gathers", False, "it is an FSDP1 setting; FSDP2 has none")
         for name in ("use_orig_params", "sync_module_states"):
             if getattr(self, name) is not None:
-                warnings.warn(f"{name} is obsolete in FSDP2 (always on / not needed); ignoring it.")
+                warnings.warn(
+                    f"{name} is obsolete in FSDP2 (always on / not needed); ignoring it.", stacklevel=_USER
+                )
                 setattr(self, name, None)
         if self.state_dict_type is None:
             self.state_dict_type = env.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
@@ -289,7 +305,6 @@ class TorchDynamoPlugin:
         return self.backend != "no" and not self.disable
 
     def compile_options(self):
-        from ndparallel.parallel.options import CompileOptions
 
         return CompileOptions(
             enabled=self.enabled,

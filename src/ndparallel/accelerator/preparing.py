@@ -15,6 +15,12 @@ from ndparallel.accelerator.wrappers import (
     AcceleratedScheduler,
     PreparedDataLoader,
 )
+from ndparallel.checkpoint.save_pretrained import enable_consolidated_save_pretrained
+from ndparallel.data.dataloader_sharding import shard_dataloader
+from ndparallel.models.adapters import apply_adapter, is_adapter_config
+from ndparallel.models.loading import init_non_persistent_buffers, materialize
+from ndparallel.models.quantization_config import quantize_for_qlora
+from ndparallel.parallel.parallelize import is_meta
 
 
 def _is_scheduler(obj: Any) -> bool:
@@ -24,7 +30,6 @@ def _is_scheduler(obj: Any) -> bool:
 def prepare_all(acc, objects: list, device_placement) -> list:
     """``device_placement``: None, one bool, or one per object (Accelerate's forms); it only
     decides whether loaders move batches to the device (models always live there)."""
-    from ndparallel.models.adapters import is_adapter_config
 
     adapter = next((o for o in objects if is_adapter_config(o)), None)  # e.g. a peft LoraConfig
     out = list(objects)  # the config comes back as given (Accelerate's order-preserving return)
@@ -59,8 +64,6 @@ def _weights_on_rank0_only(acc, model: nn.Module) -> bool:
     loads under Accelerate's ``cpu_ram_efficient_loading`` (``FSDP_CPU_RAM_EFFICIENT_LOADING``)."""
     import torch.distributed as dist
 
-    from ndparallel.parallel.parallelize import is_meta
-
     if acc.num_processes == 1:
         return False
     flags = [torch.zeros(1, dtype=torch.int64) for _ in range(acc.num_processes)]
@@ -83,9 +86,6 @@ def _broadcast_rank0_weights(acc, model: nn.Module, full: dict) -> None:
         set_model_state_dict,
     )
 
-    from ndparallel.models.loading import init_non_persistent_buffers, materialize
-    from ndparallel.parallel.parallelize import is_meta
-
     if is_meta(model):
         materialize(model, acc.device)
         init_non_persistent_buffers(model)
@@ -103,12 +103,8 @@ def prepare_model(acc, model: nn.Module, adapter: Any = None, quantization: Any 
     if any(model is m for m in acc._models):
         return model
     if adapter is not None:
-        from ndparallel.models.adapters import apply_adapter
-
         model = apply_adapter(model, adapter)
     if quantization is not None:
-        from ndparallel.models.quantization_config import quantize_for_qlora
-
         quantize_for_qlora(model, quantization)
     rank0_only = _weights_on_rank0_only(acc, model)
     full = (
@@ -141,9 +137,6 @@ DROPPED = object()
 def register_model(acc, model: nn.Module) -> nn.Module:
     """Track a parallelised model (``save_state``, ``accumulate``, CP position filling) and make
     its ``save_pretrained`` write one consolidated directory."""
-    from ndparallel.checkpoint.save_pretrained import (
-        enable_consolidated_save_pretrained,
-    )
 
     enable_consolidated_save_pretrained(model)
     acc._models.append(model)
@@ -189,7 +182,6 @@ def prepare_scheduler(acc, scheduler) -> AcceleratedScheduler:
 def prepare_data_loader(acc, loader: DataLoader, device_placement=None) -> PreparedDataLoader:
     """Shard over the dp ranks (tp/cp peers get the same batches); ``split_batches``: the loader's
     batch is the global batch, each dp rank taking ``batch_size / dp`` of it."""
-    from ndparallel.data.dataloader_sharding import shard_dataloader
 
     if isinstance(loader, PreparedDataLoader):
         return loader

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ndparallel.runtime.preemption import DEFAULT_TIMEOUT_S, PreemptionWatch
+
 
 class ProcessesMixin:
     engine: Any
@@ -101,7 +103,6 @@ class ProcessesMixin:
         same step; ``p.exit()`` ends the process with exit code 75 (preempted: requeue and resume).
         One 8-byte all-reduce per step on gloo, overlapped with the next step. ``timeout_s``
         (default 100): from the signal until the process exits even without a checkpoint."""
-        from ndparallel.runtime.preemption import DEFAULT_TIMEOUT_S, PreemptionWatch
 
         return PreemptionWatch(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
 

@@ -15,7 +15,10 @@ import torch
 import torch.nn as nn
 
 from ndparallel.accelerator.plugins import ProjectConfiguration
-from ndparallel.checkpoint.directory import validate_checkpoint
+from ndparallel.checkpoint import load_state, save_state
+from ndparallel.checkpoint.directory import rotate_checkpoints, validate_checkpoint
+from ndparallel.checkpoint.export import save_hf_model
+from ndparallel.checkpoint.save_pretrained import full_state_dict
 
 
 class _Hook:
@@ -58,7 +61,6 @@ class SavingMixin:
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
         """The full (unsharded) state dict as CPU tensors on the main process, ``{}`` on the
         others (Accelerate's FSDP2 behaviour, here for every layout). Collective."""
-        from ndparallel.checkpoint.save_pretrained import full_state_dict
 
         return full_state_dict(model)
 
@@ -75,7 +77,6 @@ class SavingMixin:
         """A consolidated Hugging Face directory: weights in ``max_shard_size`` shards (safetensors,
         or ``pytorch_model*.bin`` with ``safe_serialization=False``) + config [+ tokenizer], one
         tensor gathered at a time; ``dtype`` casts floating tensors (default: as trained)."""
-        from ndparallel.checkpoint.export import save_hf_model
 
         save_hf_model(
             model,
@@ -141,7 +142,6 @@ class SavingMixin:
         objects and RNG states; complete only once every rank has written; loadable on any layout.
         Nothing in it is unpickled on load, so ``safe_serialization`` holds either way. Without
         ``output_dir``: ``project_dir/checkpoints/checkpoint_{iteration}`` (automatic naming)."""
-        from ndparallel.checkpoint import save_state
 
         if save_model_func_kwargs:
             raise ValueError(
@@ -173,8 +173,6 @@ class SavingMixin:
         never costs the previous one (``checkpoint.directory.rotate_checkpoints``)."""
         project = self.project_configuration
         if project.automatic_checkpoint_naming and project.total_limit is not None and self.is_main_process:
-            from ndparallel.checkpoint.directory import rotate_checkpoints
-
             rotate_checkpoints(
                 Path(project.project_dir or ".") / "checkpoints", project.total_limit, prefix="checkpoint_"
             )
@@ -184,7 +182,6 @@ class SavingMixin:
         self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs
     ):
         """Load a ``save_state`` checkpoint into the prepared objects, resharding to this layout."""
-        from ndparallel.checkpoint import load_state
 
         if load_kwargs or load_model_func_kwargs:
             raise ValueError(

@@ -10,6 +10,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ndparallel.accelerator.handlers import ProfileKwargs
+from ndparallel.engine import batch_to_device
+from ndparallel.parallel.fsdp import set_gradient_sync
+
 
 class SteppingMixin:
     gradient_state: Any
@@ -49,7 +53,6 @@ class SteppingMixin:
         prepared optimizer/scheduler do nothing and the replica all-reduce is skipped; gradients are
         still reduce-scattered, so they stay sharded (``FSDPOptions.unsharded_grad_accumulation``
         skips that too). The last batch of a prepared loader always completes a step."""
-        from ndparallel.parallel.fsdp import set_gradient_sync
 
         self._do_sync()
         sync = self.sync_gradients or (self.use_distributed and self.gradient_state.sync_each_batch)
@@ -67,7 +70,6 @@ class SteppingMixin:
     def no_sync(self, model: nn.Module):
         """Skip all gradient reduction for the backward passes inside the block (gradients
         accumulate unsharded until a backward outside it)."""
-        from ndparallel.parallel.fsdp import set_gradient_sync
 
         set_gradient_sync(model, False)
         try:
@@ -79,7 +81,6 @@ class SteppingMixin:
     @contextlib.contextmanager
     def trigger_sync_in_backward(model: nn.Module):
         """Reduce gradients in the next backward even inside ``no_sync`` / ``accumulate``."""
-        from ndparallel.parallel.fsdp import set_gradient_sync
 
         set_gradient_sync(model, True)
         yield
@@ -125,7 +126,6 @@ class SteppingMixin:
                 "pipeline_step needs a model prepared with pp_size > 1; without pipeline parallel "
                 "run forward_loss and backward per micro-batch"
             )
-        from ndparallel.engine import batch_to_device
 
         micro_batches = [batch_to_device(mb, self.engine.device) for mb in micro_batches]
         n_items = self.engine.global_num_items(micro_batches)
@@ -211,7 +211,6 @@ class SteppingMixin:
     def profile(self, profile_handler=None):
         """``torch.profiler.profile`` from ``ProfileKwargs``; the trace is written to
         ``output_trace_dir/profile_{process_index}.json`` when that is set."""
-        from ndparallel.accelerator.handlers import ProfileKwargs
 
         handler = profile_handler or self.profile_handler or ProfileKwargs()
         with handler.build() as prof:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import warnings
 
-from ndparallel.accelerator.state import LoggerType
+from ndparallel.accelerator.accelerator_state import LoggerType
+from ndparallel.runtime.distributed import shutdown
 from ndparallel.tracking.trackers import MODULES as _MODULES
 from ndparallel.tracking.trackers import (  # noqa: F401  (Accelerate's import paths)
     TRACKERS,
@@ -45,7 +46,8 @@ def filter_trackers(log_with, logging_dir=None, warn: bool = True) -> list:
                 if warn:
                     warnings.warn(
                         f"log_with={n!r}: {n} is not installed, so it is skipped (pip install {n}); "
-                        "metrics still go to the jsonl tracker"
+                        "metrics still go to the jsonl tracker",
+                        stacklevel=3,  # the user's Accelerator(log_with=...): its __init__, this function
                     )
                 continue
             if n not in TRACKERS:
@@ -98,7 +100,6 @@ class TrackingMixin:
 
     def end_training(self) -> None:
         """Finish the trackers, then destroy the process group (as Accelerate does)."""
-        from ndparallel.runtime.distributed import shutdown
 
         for tracker in self.trackers:
             tracker.finish()

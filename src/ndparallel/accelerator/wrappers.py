@@ -10,7 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ndparallel.accelerator.state import GradientState
+from ndparallel.accelerator.accelerator_state import GradientState
+from ndparallel.techniques.grad_norm import total_grad_norm
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
@@ -63,8 +64,6 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             return None
         self._steps += 1
         if self.scaler is not None:
-            from ndparallel.parallel.grad_norm import total_grad_norm
-
             self.unscale_()
             self._unscaled = False
             self._is_overflow = not self.scaler.update(total_grad_norm(self._params()), self._steps)

@@ -17,20 +17,25 @@ HONOURED = (
     "base_model tokenizer_config trust_remote_code attn_implementation flash_attention sdp_attention "
     "dp_replicate_size dp_shard_size tensor_parallel_size context_parallel_size fsdp_config fsdp_version "
     "torch_compile torch_compile_backend fp8 qat adapter lora_r lora_alpha lora_dropout lora_target_modules "
-    "lora_target_linear lora_model_dir merge_lora peft_use_rslora lora_modules_to_save lora_target_parameters "
+    "lora_target_linear lora_model_dir merge_lora peft_use_rslora lora_modules_to_save "
+    "lora_target_parameters "
     "datasets pretraining_dataset val_set_size "
     "sequence_len sample_packing pad_to_sequence_len train_on_inputs excess_length_strategy chat_template "
-    "chat_template_jinja chat_template_kwargs eot_tokens special_tokens tokens resize_token_embeddings_to_32x "
-    "dataset_prepared_path dataset_processes micro_batch_size gradient_accumulation_steps num_epochs max_steps "
+    "chat_template_jinja chat_template_kwargs eot_tokens special_tokens tokens "
+    "resize_token_embeddings_to_32x "
+    "dataset_prepared_path dataset_processes micro_batch_size gradient_accumulation_steps num_epochs "
+    "max_steps "
     "learning_rate lr_scheduler warmup_steps warmup_ratio cosine_min_lr_ratio cosine_constant_lr_ratio "
-    "lr_quadratic_warmup optimizer weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm bf16 fp16 tf32 "
+    "lr_quadratic_warmup optimizer weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm bf16 fp16 "
+    "tf32 "
     "seed output_dir logging_steps eval_steps evals_per_epoch save_steps saves_per_epoch save_total_limit "
     "resume_from_checkpoint early_stopping_patience loss_watchdog_threshold loss_watchdog_patience "
     "unfrozen_parameters reinit_weights min_sample_len use_wandb wandb_project wandb_entity wandb_name "
     "wandb_run_id wandb_mode wandb_watch wandb_log_model use_tensorboard use_mlflow mlflow_tracking_uri "
     "mlflow_experiment_name mlflow_run_name hf_mlflow_log_artifacts device revision_of_model model_revision "
     "dataset_exact_deduplication curriculum_sampling sample_packing_sequentially use_swanlab swanlab_project "
-    "swanlab_experiment_name swanlab_description swanlab_workspace swanlab_mode use_otel_metrics otel_metrics_host "
+    "swanlab_experiment_name swanlab_description swanlab_workspace swanlab_mode use_otel_metrics "
+    "otel_metrics_host "
     "otel_metrics_port"
 ).split()
 """Axolotl's top-level keys ``TrainConfig`` reads under the same name (``tokenizer_config`` via the
@@ -48,7 +53,8 @@ def summary_table() -> str:
         "| Axolotl keys | what ndparallel does |",
         "|---|---|",
         f"| honoured ({len(HONOURED)}) | read under the same name: {_names(HONOURED)} |",
-        f"| mapped ({len(mapped)}) | translated to ndparallel's equivalent, or accepted where it changes nothing "
+        f"| mapped ({len(mapped)}) | translated to ndparallel's equivalent, or accepted where it changes "
+        f"nothing "
         f"here; `--dry-run` says which in one `note:` line each: {_names(mapped)} |",
         f"| no-op when empty, else refused ({len(noop)}) | accepted when empty, false or Axolotl's default; "
         f"set, refused with the fix: {_names(noop)} |",

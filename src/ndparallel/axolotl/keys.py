@@ -59,14 +59,26 @@ TRACKER = (
     "this tracker is not supported: use wandb_project, use_tensorboard, use_mlflow, swanlab_project or "
     "use_otel_metrics; remove it"
 )
-OPTIM = "not supported here: remove it (optimizer: adamw_torch, adamw_torch_fused or sgd; learning_rate, weight_decay)"
-KERNEL = "a kernel switch of Axolotl's: ndparallel runs transformers' modules (regional compile: torch_compile: true)"
-LORA = "not supported by ndparallel's LoRA (adapter: lora with lora_r/lora_alpha/lora_dropout/lora_target_*); remove it"
+OPTIM = (
+    "not supported here: remove it (optimizer: adamw_torch, adamw_torch_fused or sgd; learning_rate, "
+    "weight_decay)"
+)
+KERNEL = (
+    "a kernel switch of Axolotl's: ndparallel runs transformers' modules (regional compile: "
+    "torch_compile: true)"
+)
+LORA = (
+    "not supported by ndparallel's LoRA (adapter: lora with lora_r/lora_alpha/lora_dropout/lora_target_*); "
+    "remove it"
+)
 RAY = (
     "Ray is not used: ndparallel starts its ranks itself (ray_num_workers: N -> ndparallel train "
     "--nproc-per-node N, or torchrun across nodes); the same training"
 )
-NO_EFFECT_DDP = "DDP / Accelerate knob: ndparallel's data parallelism is FSDP2's (no DDP buckets or unused-parameter search)"
+NO_EFFECT_DDP = (
+    "DDP / Accelerate knob: ndparallel's data parallelism is FSDP2's (no DDP buckets or unused-parameter "
+    "search)"
+)
 
 TOP: dict[str, Rule] = {
     # ---- renamed or translated (translate.py)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ndparallel.axolotl.checkpoint import linearized_experts, model_quantization
 from ndparallel.axolotl.keys import DATASET, PLUGINS, TOP, Translation, is_empty, short
-from ndparallel.axolotl.layout import (
+from ndparallel.axolotl.layout_keys import (
     deepspeed,
     default_layout,
     fsdp_config,

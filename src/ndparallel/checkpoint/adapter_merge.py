@@ -18,12 +18,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
+from ndparallel.checkpoint.directory import STATE_FILE
 from ndparallel.checkpoint.export import ShardWriter
 from ndparallel.checkpoint.hf_files import (
     copy_generation_config,
     save_tokenizer,
     write_hf_config,
 )
+from ndparallel.checkpoint.io import read_json
 from ndparallel.models.adapter_files import (
     ADAPTER_WEIGHTS,
     adapter_weights_problem,
@@ -37,10 +39,13 @@ from ndparallel.models.adapters import (
     merged_weight,
     peft_save_key,
 )
+from ndparallel.models.key_conversion import SaveConversion, checkpoint_keys
 from ndparallel.models.loading import checkpoint_files, resolve_model_dir
 from ndparallel.models.multimodal import causal_lm_from_config
 from ndparallel.models.naming import model_class_name
 from ndparallel.models.presets import is_preset
+from ndparallel.models.quantization_config import nf4_config_from_bnb
+from ndparallel.models.quantized import NF4Config, quantized_linears, require_torchao
 from ndparallel.models.safetensors_read import stored_tensors
 from ndparallel.models.weights import weights_problem
 
@@ -63,10 +68,6 @@ def _base_dir(adapter_config, base: str | os.PathLike | None) -> Path:
 def checkpoint_quantization(checkpoint_dir: str | os.PathLike):
     """(``NF4Config``, dtype the run quantised in) of a QLoRA run's checkpoint (its resolved config
     says ``load_in_4bit``); (None, None) for any other."""
-    from ndparallel.checkpoint.directory import STATE_FILE
-    from ndparallel.checkpoint.io import read_json
-    from ndparallel.models.quantization_config import nf4_config_from_bnb
-    from ndparallel.models.quantized import NF4Config
 
     state = Path(checkpoint_dir) / STATE_FILE
     config = (read_json(state).get("config") or {}) if state.is_file() else {}
@@ -79,7 +80,6 @@ def checkpoint_quantization(checkpoint_dir: str | os.PathLike):
 
 def _nf4_round_trip(t: torch.Tensor, nf4, dtype: torch.dtype | None) -> torch.Tensor:
     """What a QLoRA run computed with: ``t`` quantised to NF4 (in the run's load dtype) and back."""
-    from ndparallel.models.quantized import require_torchao
 
     _, to_nf4 = require_torchao()
     q = t.to(dtype or t.dtype)
@@ -93,7 +93,6 @@ class _FusedMerges:
     does. Memory: one fused tensor (all experts of one weight of one layer) at a time."""
 
     def __init__(self, model, stored: dict, merges: dict):
-        from ndparallel.models.key_conversion import SaveConversion, checkpoint_keys
 
         plan = checkpoint_keys(model, {k: (v[0], v[1]) for k, v in stored.items()})
         self.groups = {k: plan.fused[k] for k in merges if k in plan.fused}
@@ -147,8 +146,6 @@ def merge_adapter_files(
         raise ValueError(f"base {base_dir}: {problem}")
     quantised = set()
     if nf4 is not None:
-        from ndparallel.models.quantized import quantized_linears
-
         quantised = {f"{n}.weight" for n in quantized_linears(skeleton, nf4)[0]}
     peft_model = apply_adapter(skeleton, lora)
     problem = adapter_weights_problem(peft_model, adapter_dir)

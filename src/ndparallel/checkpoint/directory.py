@@ -130,7 +130,7 @@ def find_resume_checkpoint(output_dir: str | os.PathLike | None, resume_from_che
     if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
         if output_dir is None:
             raise ValueError("resume_from_checkpoint='auto' needs an output_dir to search")
-        for step, path in reversed(list_checkpoints(output_dir)):
+        for _step, path in reversed(list_checkpoints(output_dir)):
             problems = validate_checkpoint(path)
             if not problems:
                 return path

@@ -27,6 +27,7 @@ import torch.nn as nn
 from ndparallel.checkpoint.adapter_export import (
     export_adapter_checkpoint,
     is_adapter_checkpoint,
+    save_adapter,
 )
 from ndparallel.checkpoint.directory import HF_CONFIG_DIR, validate_checkpoint
 from ndparallel.checkpoint.hf_files import (
@@ -52,6 +53,7 @@ from ndparallel.models.adapters import (
 )
 from ndparallel.models.key_conversion import SaveConversion
 from ndparallel.models.naming import model_class_name, tied_aliases
+from ndparallel.models.presets import is_preset, preset_config
 from ndparallel.models.quantized import dequantize, is_nf4
 from ndparallel.runtime.sizes import parse_size
 
@@ -166,13 +168,12 @@ def save_hf_model(
     ``safe_serialization=False`` writes ``pytorch_model*.bin`` instead of safetensors. A LoRA
     ``PeftModel`` is written as a PEFT adapter directory, or with ``merge_adapter`` as the plain
     model with every adapter merged into its base weight (``W + scaling · B @ A``, per expert for
-    ``target_parameters``) and the trained ``modules_to_save`` copies in place of the originals; a QLoRA base's
+    ``target_parameters``) and the trained ``modules_to_save`` copies in place of the originals; a QLoRA
+    base's
     NF4 weights are written dequantised (merged or not): the weights the adapter was trained on."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     if is_peft_model(model) and not merge_adapter:
-        from ndparallel.checkpoint.adapter_export import save_adapter
-
         return save_adapter(model, save_directory, is_main, tokenizer)
     model = base_model_of(model)
     state = get_model_state_dict(model)  # sharded: nothing is gathered here
@@ -237,7 +238,6 @@ def _load_config(model_config: Any, checkpoint_dir: Path):
                 "config (--config: an HF model dir, a config.json or a preset name)"
             )
         return AutoConfig.from_pretrained(hf)
-    from ndparallel.models.presets import is_preset, preset_config
 
     if is_preset(str(model_config)):
         return preset_config(str(model_config))

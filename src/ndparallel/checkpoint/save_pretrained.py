@@ -21,14 +21,14 @@ import types
 import torch.distributed as dist
 import torch.nn as nn
 
+from ndparallel.models.quantized import dequantize, is_nf4
+
 
 def full_state_dict(model: nn.Module) -> dict:
     """The whole model's state dict as plain CPU tensors on rank 0 (``{}`` on other ranks).
     Collective: every rank must call it."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
-
-    from ndparallel.models.quantized import dequantize, is_nf4
 
     main = (dist.get_rank() if dist.is_initialized() else 0) == 0
     full = {}

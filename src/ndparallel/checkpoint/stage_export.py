@@ -12,7 +12,7 @@ import torch.nn as nn
 
 
 def is_pipeline_view(model: nn.Module) -> bool:
-    """Is ``model`` a rank's pipeline stages (``parallel.pipeline_stages.StageView``)?"""
+    """Is ``model`` a rank's pipeline stages (``parallel.pp.stages.StageView``)?"""
     return getattr(model, "pp_group", None) is not None
 
 

@@ -7,6 +7,13 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ndparallel.cli.launch_check import check_train_launch
+from ndparallel.cli.plan_config import config_defaults, merge_written_config, split_config_arg
+from ndparallel.cli.simulate_command import run_simulate
+from ndparallel.runtime.preemption import INTERRUPTED_EXIT
+from ndparallel.runtime.quiet import quiet_library_noise
+from ndparallel.runtime.startup import paused_collector
+
 _SUBCOMMANDS = {
     "launch": "run a script on N ranks (all torchrun options accepted)",
     "train": "train a model from a YAML config (starts its own ranks on one machine)",
@@ -27,7 +34,6 @@ def _usage() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns its exit code (2: bad input, reported in one line on stderr)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    from ndparallel.runtime.quiet import quiet_library_noise
 
     quiet_library_noise()
     if not argv or argv[0] in ("-h", "--help"):
@@ -38,8 +44,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # argparse (-h: 0, a usage error: 2, already printed in one line)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else _fail_text(e.code))
     except KeyboardInterrupt:  # Ctrl-C outside training (start-up, rendezvous): one line, no traceback
-        from ndparallel.runtime.preemption import INTERRUPTED_EXIT
-
         if os.environ.get("RANK", "0") == "0":
             print(f"ndparallel {argv[0]}: interrupted (Ctrl-C)", file=sys.stderr)
         return INTERRUPTED_EXIT
@@ -47,7 +51,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(command: str, rest: list[str]) -> int:
     if command == "launch":
-        from ndparallel.cli.launch_check import check_train_launch
         from ndparallel.runtime.launch import launch
 
         problem = check_train_launch(rest)  # `launch ... -m ndparallel train CFG`: its checks first
@@ -58,12 +61,8 @@ def _dispatch(command: str, rest: list[str]) -> int:
     if command == "plan":
         return _plan(rest)
     if command == "simulate":
-        from ndparallel.cli.simulate import run_simulate
-
         return run_simulate(rest)
     if command in ("train", "preprocess", "verify", "export", "plot"):
-        from ndparallel.runtime.startup import paused_collector
-
         with paused_collector():  # torch and more, at the commands' module level (runtime/startup.py)
             from ndparallel.cli import commands
 
@@ -76,17 +75,13 @@ def _dispatch(command: str, rest: list[str]) -> int:
 
 def _plan(argv: list[str]) -> int:
     """``plan``, with ``--config TRAIN.yaml`` turned into planner defaults the user's flags override."""
-    from ndparallel.cli.plan_config import (
-        config_defaults,
-        merge_written_config,
-        split_config_arg,
-    )
     from ndparallel.plan.cli import main as plan_main
 
     config, rest = split_config_arg(argv)
     if config is None:  # flags only: the planner alone, no torch import (a fast start)
         return plan_main(rest, description=_SUBCOMMANDS["plan"])
     from ndparallel.config import ConfigError
+
     try:
         defaults, said = config_defaults(config, rest)
     except (ConfigError, ValueError) as e:

@@ -12,10 +12,15 @@ from pathlib import Path
 
 from ndparallel.axolotl import ConfigError, load_config
 from ndparallel.cli.args import Parser, at_least, fail
+from ndparallel.layout.config import ParallelismConfigError
+from ndparallel.models.families import is_tested_family
 from ndparallel.preflight.checks import run_checks, validate_layout
 from ndparallel.preflight.plan_text import describe_plan
 from ndparallel.preflight.world import run_device, world_size_for
+from ndparallel.runtime.lifeline import die_with_launcher
+from ndparallel.runtime.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT, Preempted
 from ndparallel.runtime.startup import import_model_libraries
+from ndparallel.tools.plot import plot_run
 
 INPUT_ERRORS = (ValueError, OSError)
 """Raised on the ranks for bad data, model, checkpoint or output_dir: reported as one line, exit 2
@@ -61,8 +66,6 @@ def run_train(argv: Sequence[str]) -> int:
 
     in_job = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if in_job and not args.dry_run:
-        from ndparallel.runtime.lifeline import die_with_launcher
-
         die_with_launcher()  # a rank never outlives its launcher (kill -9 of torchrun / ndparallel launch)
     try:
         cfg = load_config(args.config, args.set)
@@ -122,7 +125,6 @@ def _train_on_rank(cfg, profile_comm: bool, main_rank: bool, alone: bool = False
 
     from ndparallel.engine.nonfinite import NonFiniteError
     from ndparallel.runtime.distributed import shutdown
-    from ndparallel.runtime.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT, Preempted
     from ndparallel.training.stopping import Interrupted, interrupted_line
     from ndparallel.training.trainer import run_training
 
@@ -176,7 +178,6 @@ def _exit_failed_rank(code: int) -> None:
 def check_nodes(cfg, world: int, ranks_per_node: int) -> None:
     """Tensor parallelism stays within a node: refused (``ConfigError``) when its groups would
     span nodes of ``ranks_per_node`` ranks."""
-    from ndparallel.layout.config import ParallelismConfigError
 
     try:
         dims = cfg.parallelism_config().resolve(world).dims
@@ -199,7 +200,6 @@ def shutdown_grace_args(preemption_timeout_s: float) -> list[str]:
 
 def _family_check(cfg, pc, hf) -> str | None:
     """A family outside the tested set: its layout checked on a shrunk copy first (CPU, seconds)."""
-    from ndparallel.models.families import is_tested_family
 
     if is_tested_family(hf) or not (pc.tp_enabled or pc.cp_enabled or pc.dp_size > 1):
         return None
@@ -222,8 +222,6 @@ def _rank_error(command: str, error: BaseException, exit_code: int | None = None
 def _plot_curves(out: Path) -> None:
     """The loss / throughput PNG next to metrics.jsonl (skipped without matplotlib)."""
     try:
-        from ndparallel.tools.plot import plot_run
-
         print(f"loss curve: {plot_run(out)}")
     except ImportError:
         print("loss curve: skipped (pip install matplotlib, then `ndparallel plot` the run)")
@@ -294,7 +292,7 @@ def run_verify(argv: Sequence[str]) -> int:
 
 
 def run_export(argv: Sequence[str]) -> int:
-    from ndparallel.cli.export import export_main
+    from ndparallel.cli.export_command import export_main
 
     return export_main(list(argv))
 
@@ -304,7 +302,6 @@ def run_plot(argv: Sequence[str]) -> int:
     parser.add_argument("run_dir")
     parser.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/metrics.png)")
     args = parser.parse_args(list(argv))
-    from ndparallel.tools.plot import plot_run
 
     default = Path(args.run_dir) / "metrics.png"
     if args.out is None and default.exists() and not _run_wrote(default):

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import yaml
 
+from ndparallel.layout.config import ParallelismConfigError
+
 PLAN_KEYS = (
     "dp_replicate_size",
     "dp_shard_size",
@@ -131,7 +133,6 @@ def _plan_optimizer(name: str) -> str:
 def _config_dp(layout, gpus: int, path: str) -> tuple[int, str]:
     """The data-parallel degree the config trains with: at ``gpus`` ranks when its layout fits
     them, else at its own world size (fixed degrees: the run as configured keeps its batch)."""
-    from ndparallel.layout.config import ParallelismConfigError
 
     try:
         pc = layout.resolve(gpus)

@@ -13,8 +13,9 @@ from ndparallel.config.base import _int, _Strict
 class DatasetConfig(_Strict):
     path: str
     type: str | dict | None = None
-    """Raw text (text, json, parquet, csv, completion, pretrain) or alpaca, chat_template, input_output, jeopardy,
-    or a custom instruction format {format, no_input_format, field_instruction, ...} (docs/data.md)."""
+    """Raw text (text, json, parquet, csv, completion, pretrain) or alpaca, chat_template, input_output,
+    jeopardy, or a custom instruction format {format, no_input_format, field_instruction, ...}
+    (docs/data.md)."""
     ds_type: Literal["text", "json", "parquet", "csv"] | None = None
     """The file format when ``type`` is not one (default: from the extension)."""
     split: str = "train"

@@ -11,6 +11,7 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from ndparallel.config.base import _int, _Strict
 from ndparallel.config.datasets import DatasetConfig
+from ndparallel.models.presets import is_preset
 
 
 class FSDPConfig(_Strict):
@@ -169,7 +170,8 @@ class ClusterFields(_Strict):
     checkpoint there and exit 75; false: exit 75 without saving."""
     preemption_timeout_s: float = Field(100.0, gt=0, allow_inf_nan=False)
     """Seconds from the signal until the job exits even without a checkpoint (keep it below the
-    scheduler's grace period: SLURM --signal lead time / KillWait, Kubernetes terminationGracePeriodSeconds)."""
+    scheduler's grace period: SLURM --signal lead time / KillWait, Kubernetes
+    terminationGracePeriodSeconds)."""
 
 
 class PrecisionFields(_Strict):
@@ -310,7 +312,6 @@ class DataSourceFields(_Strict):
 
     @model_validator(mode="after")
     def _data_source(self):  # reads TrainConfig's datasets / max_steps / base_model
-        from ndparallel.models.presets import is_preset
 
         if self.pretraining_dataset is not None:
             if self.datasets:
@@ -329,7 +330,8 @@ class DataSourceFields(_Strict):
         if self.datasets or self.pretraining_dataset is not None:
             return None
         return (
-            f"datasets: none given for base_model={self.base_model!r}; add datasets: [{{path: FILE_OR_HUB_NAME, "
+            f"datasets: none given for base_model={self.base_model!r}; add datasets: [{{path: "
+            f"FILE_OR_HUB_NAME, "
             "type: alpaca | chat_template | completion ...}] (or pretraining_dataset:)"
         )
 

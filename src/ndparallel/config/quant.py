@@ -8,7 +8,7 @@ bitsandbytes' keys mean here. A mixin of ``TrainConfig`` (kept apart from ``sche
   with no effect (compute / storage dtype, double quantisation: always on) or refused (fp4).
 * ``load_in_8bit: true``: refused with the fix (no FSDP2-ready 8-bit frozen weight here yet).
 * ``nf4_block_size`` / ``nf4_scaler_block_size``: ndparallel's own (tiny test models only).
-* ``qat``: quantisation-aware training (Axolotl's block; ``QATSettings``, ``parallel/qat.py``).
+* ``qat``: quantisation-aware training (Axolotl's block; ``QATSettings``, ``techniques/qat.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from ndparallel.config.base import _Strict
-from ndparallel.parallel.options import QATOptions
+from ndparallel.models.quantized import NF4Config
+from ndparallel.techniques.technique_options import QATOptions
 
 _DTYPES = {
     "int4": "int4",
@@ -33,12 +34,13 @@ _DTYPES = {
 
 class QATSettings(_Strict):
     """Axolotl's ``qat:`` block: fake-quantise the linear layers while training (torchao), so the
-    model quantised afterwards loses less. Formats and combinations: ``parallel/qat.py``."""
+    model quantised afterwards loses less. Formats and combinations: ``techniques/qat.py``."""
 
     weight_dtype: str = "int8"
     """int4, float8 (fp8, float8_e4m3fn), mxfp4 or nvfp4 (Axolotl's default int8 has no QAT config)."""
     activation_dtype: str | None = None
-    """int8 or float8 with int4 weights, float8 with float8, mxfp4 / nvfp4 with the same; none: weights only."""
+    """int8 or float8 with int4 weights, float8 with float8, mxfp4 / nvfp4 with the same; none: weights
+    only."""
     group_size: int | None = Field(32, ge=1)
     """Weight values per scale (int4); nvfp4 16, mxfp4 32."""
     quantize_embedding: bool | None = False
@@ -57,7 +59,7 @@ class QATSettings(_Strict):
 
     @model_validator(mode="after")
     def _torchao_can(self):
-        from ndparallel.parallel.qat import qat_options_problem
+        from ndparallel.techniques.qat import qat_options_problem
 
         problem = qat_options_problem(self.options())
         if problem:
@@ -128,7 +130,7 @@ class QuantFields(_Strict):
     def _qat_alone(self):
         if self.qat is None:
             return self
-        from ndparallel.parallel.qat import qat_layout_problem
+        from ndparallel.techniques.qat import qat_layout_problem
 
         if self.load_in_4bit or getattr(self, "adapter", None) == "qlora":
             raise ValueError(
@@ -168,7 +170,6 @@ class QuantFields(_Strict):
         if not self.load_in_4bit:
             return None
         from ndparallel.models.quantization_config import nf4_config_from_bnb
-        from ndparallel.models.quantized import NF4Config
 
         base = NF4Config(self.nf4_block_size, self.nf4_scaler_block_size)
         return nf4_config_from_bnb({"load_in_4bit": True, **(self.bnb_config_kwargs or {})}, base)

@@ -32,19 +32,15 @@ from ndparallel.config.fields import (
     RunControlFields,
     TrackerFields,
 )
-from ndparallel.config.pipeline import PipelineFields
+from ndparallel.config.pipeline_fields import PipelineFields
 from ndparallel.config.quant import QuantFields
 from ndparallel.layout.config import ParallelismConfig
+from ndparallel.layout.dim_handlers import CP_STRATEGIES
+from ndparallel.models.adapter_files import read_adapter_config
+from ndparallel.models.adapters import lora_config
 from ndparallel.optim.lowbit import OptimizerName
-from ndparallel.parallel.options import (
-    CompileOptions,
-    CPOptions,
-    Float8Options,
-    FSDPOptions,
-    LossOptions,
-    StrategyOptions,
-    TPOptions,
-)
+from ndparallel.parallel.options import CPOptions, FSDPOptions, StrategyOptions, TPOptions
+from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions
 
 
 def _float(**bounds):
@@ -356,7 +352,6 @@ class TrainConfig(
         return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[name]
 
     def cp_options(self) -> CPOptions:
-        from ndparallel.layout.handlers import CP_STRATEGIES
 
         return CPOptions(comm_strategy=CP_STRATEGIES.get(self.cp_comm_strategy, self.cp_comm_strategy))
 
@@ -403,15 +398,12 @@ class TrainConfig(
         """The peft ``LoraConfig`` of ``adapter: lora`` (None without it): the one saved in
         ``lora_model_dir`` if set, else the one the ``lora_*`` fields describe."""
         if self.adapter is not None and self.lora_model_dir:
-            from ndparallel.models.adapter_files import read_adapter_config
-
             dropout = self.lora_dropout if "lora_dropout" in self.model_fields_set else None
             return read_adapter_config(self.lora_model_dir, dropout=dropout)
         return self.lora_config_from_fields()
 
     def lora_config_from_fields(self):
         """The peft ``LoraConfig`` the ``lora_*`` fields describe (None without ``adapter``)."""
-        from ndparallel.models.adapters import lora_config
 
         kwargs = self.lora_kwargs()
         return lora_config(**kwargs) if kwargs is not None else None
@@ -430,7 +422,7 @@ class TrainConfig(
         )
 
     def data_options(self):
-        from ndparallel.data.pipeline import DataOptions
+        from ndparallel.data.prepare import DataOptions
 
         return DataOptions(
             sequence_len=self.sequence_len,

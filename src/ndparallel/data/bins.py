@@ -1,8 +1,10 @@
-"""First-fit-decreasing (and, on request, next-fit) bin packing of sample lengths into rows of ``capacity`` tokens.
+"""First-fit-decreasing (and, on request, next-fit) bin packing of sample lengths into rows of
+``capacity`` tokens.
 
 Samples are taken longest first (ties: dataset order), each into the lowest-numbered row with
 room for it, a new row when none has; inside a row they are kept in dataset order.
-Deterministic: the same lengths give the same rows on every rank and every run. FFD uses at most 11/9 of the optimal number of rows (+ 6/9), and in
+Deterministic: the same lengths give the same rows on every rank and every run. FFD uses at most 11/9 of the
+optimal number of rows (+ 6/9), and in
 practice fills rows to within a few percent of the total.
 
 The lowest row with room is found with a max segment tree over the rows' free space (O(log

@@ -25,6 +25,7 @@ import datasets
 from filelock import FileLock
 from transformers import PreTrainedTokenizerBase
 
+from ndparallel.data.lines import first_bad_line, text_column_problem
 from ndparallel.runtime.network import reachable
 
 from .corpus import BUILTIN_STDLIB, stdlib_dataset
@@ -218,7 +219,6 @@ def load_text_dataset(
 
 def check_text_column(ds: datasets.Dataset, spec: DatasetSpec, where: str) -> None:
     """``ValueError`` naming the file and line of the first record whose raw text is not a string."""
-    from .lines import text_column_problem
 
     files, fmt = local_files(spec, where) if os.path.exists(spec.path) else (None, None)
     problem = text_column_problem(ds, spec, files, fmt, where)
@@ -427,8 +427,6 @@ def _load_local(spec: DatasetSpec, cache_dir: str | os.PathLike | None, where: s
             **kwargs,
         )
     except Exception as e:  # noqa: BLE001 - a file datasets cannot parse is bad input: one line
-        from .lines import first_bad_line
-
         located = first_bad_line(
             files, fmt, required_columns(spec), spec.text_field if spec.raw else None, where
         )

@@ -27,7 +27,9 @@ from typing import Any
 
 import datasets
 
-from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.data.chat import ChatRenderer, resolve_template
+from ndparallel.data.chat_check import chat_problem
+from ndparallel.techniques.loss import IGNORE_INDEX
 
 from .dataset import DatasetSpec, cached_map, tokenizer_hash
 from .prompts import Rendered, render
@@ -109,14 +111,11 @@ def tokenize_samples(
     ``chat_template`` datasets that name none."""
     chat = None
     if spec.type == "chat_template":
-        from .chat import ChatRenderer, resolve_template
-
         if spec.chat_template or spec.chat_template_jinja:
             template = resolve_template(tokenizer, spec.chat_template, spec.chat_template_jinja, where)
         else:
             template = resolve_template(tokenizer, chat_template, chat_template_jinja, where)
         chat = ChatRenderer(tokenizer, template, spec, eot_tokens, template_kwargs, train_on_inputs)
-        from .chat_check import chat_problem
 
         problem = chat_problem(records, spec, chat.role_names, where)
         if problem:

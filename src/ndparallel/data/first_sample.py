@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ndparallel.data.encode import tokenize_samples
+
 from .dataset import DatasetSpec, local_files, looks_local
 from .lines import COMPRESSION
 
@@ -90,8 +92,6 @@ def first_sample(spec: DatasetSpec, where: str, tokenizer, options) -> str:
     """``N tokens, M trained: <text with [[trained]] runs>`` for the first record of ``spec``
     (``options``: the run's ``DataOptions``); ``NotShown`` where that cannot be done here."""
     import datasets
-
-    from .encode import tokenize_samples
 
     if spec.raw:
         raise NotShown("raw text: every token is trained")

@@ -48,7 +48,8 @@ def _record_problem(record, columns: Columns, text_column: str | None) -> str | 
     value = record.get(text_column) if text_column else ""
     if not isinstance(value, str):
         return (
-            f"{text_column!r} is a JSON {_JSON_TYPES.get(type(value), type(value).__name__)}, not text; raw text must be a JSON string (set "
+            f"{text_column!r} is a JSON {_JSON_TYPES.get(type(value), type(value).__name__)}, not text; raw "
+            f"text must be a JSON string (set "
             "text_field to the column holding the text)"
         )
     return None

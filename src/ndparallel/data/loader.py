@@ -41,7 +41,8 @@ def epoch_permutation(num_blocks: int, seed: int, epoch: int, shuffle: bool = Tr
 
 
 def make_batch(rows: torch.Tensor) -> Batch:
-    """Blocks ``[B, S+1]`` -> ``input_ids``, ``shift_labels`` (-100 = ignored), ``position_ids``, all ``[B, S]``.
+    """Blocks ``[B, S+1]`` -> ``input_ids``, ``shift_labels`` (-100 = ignored), ``position_ids``, all
+    ``[B, S]``.
 
     Labels are already shifted: pass them to the loss as ``shift_labels``, never shift again.
     Padding (``IGNORE_INDEX`` in a block) becomes token 0 in ``input_ids`` and -100 in labels.

@@ -26,7 +26,7 @@ import torch
 from filelock import FileLock
 from transformers import PreTrainedTokenizerBase
 
-from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.techniques.loss import IGNORE_INDEX
 
 from .dataset import DatasetSpec, load_text_datasets, tokenize_dataset
 from .store import BlockStore, pack_to_file

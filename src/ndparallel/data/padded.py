@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.techniques.loss import IGNORE_INDEX
 
 
 class PaddedRows:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.techniques.loss import IGNORE_INDEX
 
 from .bins import rows_of
 from .samples import TokenTable

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import datasets
 import numpy as np
 
-from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.techniques.loss import IGNORE_INDEX
 
 
 class TokenTable:
@@ -98,7 +98,8 @@ def select_samples(
     min_len: int | None = None,
 ) -> tuple[np.ndarray, SelectionStats]:
     """``(table, row, start, end)`` of every sample that goes into rows, in dataset order. With
-    ``min_len``, samples (raw documents before they are cut) of fewer tokens are dropped (Axolotl's ``min_sample_len``);
+    ``min_len``, samples (raw documents before they are cut) of fewer tokens are dropped (Axolotl's
+    ``min_sample_len``);
     ``excess_length_strategy: raise`` refuses a fine-tuning sample longer than ``sequence_len``."""
     if excess_length_strategy not in ("truncate", "drop", "raise"):
         raise ValueError(

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.techniques.loss import IGNORE_INDEX
 
 from .dataset import DatasetSpec, _format_of, local_files
 

@@ -1,6 +1,7 @@
 """The typed training runtime under both front doors (``ndparallel train`` and the Accelerate
 facade): ``Engine`` (process group, layout, mesh, strategies, loss, CP batches), ``build_model``
-(meta → parallelise → materialise → load this rank's shards) and the one ``train_step`` (with ``LossScaler`` for fp16)."""
+(meta → parallelise → materialise → load this rank's shards) and the one ``train_step`` (with ``LossScaler``
+for fp16)."""
 
 from ndparallel.engine.engine import Engine
 from ndparallel.engine.loss_scale import LossScaler

@@ -19,17 +19,37 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ndparallel.engine.model_build import build_model
 from ndparallel.engine.records import ParallelModel
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.layout.dims import MESH_DIM_NAMES, ParallelDims
-from ndparallel.layout.mesh import build_mesh, submesh
+from ndparallel.layout.mesh import build_expert_mesh, build_mesh, submesh
+from ndparallel.models.adapters import apply_adapter, base_model_of, is_peft_model, trained_shapes
+from ndparallel.models.layers import decoder_module
+from ndparallel.models.moe import experts_modules
+from ndparallel.parallel.cp.context import context_parallel_buffers
+from ndparallel.parallel.fsdp import gathered, set_gradient_sync
 from ndparallel.parallel.options import StrategyOptions
+from ndparallel.parallel.parallelize import parallelize_model
+from ndparallel.parallel.pp.schedule import Pipeline
+from ndparallel.parallel.pp.split import ZERO_BUBBLE_SCHEDULES, plan_stages, schedule_name
+from ndparallel.parallel.pp.stages import (
+    StageView,
+    cut_stages,
+    pipeline_model_problem,
+)
+from ndparallel.parallel.tp.tensor import resolve_loss_parallel
 from ndparallel.runtime.distributed import DistributedInfo, init_distributed
+from ndparallel.techniques import lm_loss
+from ndparallel.techniques.grad_norm import scale_grads_to, total_grad_norm
+from ndparallel.techniques.loss import causal_lm_loss, global_num_items
+from ndparallel.techniques.router_loss import aux_loss_term, recording_routers
 
 
 class Engine:
     """Start (or join) the process group, resolve ``layout`` against its world size, build the
-    4-D mesh (every group with the collective timeout) and hold the strategy ``options``.
+    5-D mesh (pp, dp_replicate, dp_shard, cp, tp; every group with the collective timeout) and hold the
+    strategy ``options``.
 
     ``layout``: a ``ParallelismConfig`` (a -1 degree is filled from the world size) or
     ``ParallelDims``. ``device``: "cpu"/"cuda" (default: ``NDPARALLEL_DEVICE``, else cuda when
@@ -104,8 +124,6 @@ class Engine:
         """The expert mesh ``(dp_replicate, efsdp, ep)`` (``layout.mesh.build_expert_mesh``), built
         on first use: only a mixture-of-experts model under EP or TP needs its process groups."""
         if self._expert_mesh is None:
-            from ndparallel.layout.mesh import build_expert_mesh
-
             self._expert_mesh = build_expert_mesh(
                 self.mesh, self.dims, datetime.timedelta(seconds=self.info.timeout_s)
             )
@@ -142,22 +160,17 @@ class Engine:
 
     # ---------------------------------------------------------------------- models
     def parallelize(self, model: nn.Module, adapter=None) -> nn.Module:
-        """Apply the layout's strategies to ``model`` (float8 → TP → CP → AC → compile → FSDP) and
-        return it; ``adapter`` (a peft ``LoraConfig``) wraps it with LoRA first. Training needs no
-        KV cache (with one, transformers also skips its packed-document mask): it is switched off.
-        Under pipeline parallel the model (with its adapter) is cut into stages first, each
-        parallelised on its own and run by the pipeline (``pipeline_of``); the returned
-        ``StageView`` names this rank's stages as the whole (PEFT) model does."""
+        """Apply the layout's strategies to ``model`` (in ``parallelize_model``'s order) and return it;
+        ``adapter`` (a peft ``LoraConfig``) wraps it with LoRA first. Training needs no KV cache (with one,
+        transformers also skips its packed-document mask): it is switched off. Under pipeline parallel the
+        model (with its adapter) is cut into stages first, each parallelised on its own and run by the
+        pipeline (``pipeline_of``); the returned ``StageView`` names this rank's stages as the whole (PEFT)
+        model does."""
         if self.dims.pp_enabled:
             return self._parallelize_pipeline(model, adapter)
         return self._parallelize_stage(model, adapter)
 
     def _parallelize_pipeline(self, model: nn.Module, adapter) -> nn.Module:
-        from ndparallel.models.adapters import apply_adapter, base_model_of, is_peft_model, trained_shapes
-        from ndparallel.models.layers import decoder_module
-        from ndparallel.parallel.pipeline import Pipeline
-        from ndparallel.parallel.pipeline_split import plan_stages
-        from ndparallel.parallel.pipeline_stages import StageView, cut_stages, pipeline_model_problem
 
         if adapter is not None:  # on the whole model: PEFT's names and init are one process's
             model = apply_adapter(model, adapter)
@@ -192,14 +205,11 @@ class Engine:
         """The last pipeline stage's loss: ``forward_loss`` of its cut model on the hidden states.
         The zero-bubble schedules run a backward in two passes (input, then weight gradients),
         which the chunked loss's single fused backward cannot: they take the logits path."""
-        from ndparallel.parallel.pipeline_split import ZERO_BUBBLE_SCHEDULES, schedule_name
 
         two_pass = schedule_name(self.options.pipeline.schedule) in ZERO_BUBBLE_SCHEDULES
         return self._token_loss(lm, batch, num_items, chunked=False if two_pass else None)
 
     def _parallelize_stage(self, model: nn.Module, adapter) -> nn.Module:
-        from ndparallel.models.adapters import apply_adapter, base_model_of
-        from ndparallel.parallel.parallelize import parallelize_model
 
         if adapter is not None:
             model = apply_adapter(model, adapter)
@@ -209,11 +219,8 @@ class Engine:
                 part.use_cache = False
         options = self.options
         if self.dims.tp_enabled:  # loss_parallel=None: on where exact, decided for this model
-            from ndparallel.parallel.tensor import resolve_loss_parallel
-
             tp = resolve_loss_parallel(base_model_of(model), options.tp)
             options = dataclasses.replace(options, tp=tp)
-        from ndparallel.models.moe import experts_modules
 
         moe = bool(experts_modules(base_model_of(model)))  # split over ep (or off tp): expert mesh
         expert_mesh = self.expert_mesh if self.dims.experts_split(moe) else None
@@ -227,7 +234,6 @@ class Engine:
         """A causal LM built on the meta device, parallelised, and filled with this rank's shards
         (``engine.build.build_model``: ``source`` is a model directory / hub id, an HF config or a
         preset name)."""
-        from ndparallel.engine.build import build_model
 
         return build_model(self, source, **kwargs)
 
@@ -253,13 +259,11 @@ class Engine:
     ) -> torch.Tensor:
         """Non-ignored label tokens of this optimizer step over all micro-batches and dp ranks
         (counted before CP sharding), an int64 tensor on the device (no host sync)."""
-        from ndparallel.parallel.loss import global_num_items
 
         return global_num_items(micro_batches, self.group("dp"), label_key, self.device)
 
     def causal_lm_loss(self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items) -> torch.Tensor:
         """Token-loss sum of this rank / the global token count."""
-        from ndparallel.parallel.loss import causal_lm_loss
 
         with self.loss_context():
             return causal_lm_loss(logits, shift_labels, num_items)
@@ -284,12 +288,11 @@ class Engine:
         already) and return this rank's token-loss sum / the global token count: the chunked loss
         (no full logits) where exact (``LossOptions``), else the logits and ``causal_lm_loss``.
         A mixture-of-experts model with ``output_router_logits`` adds its routers' load-balancing
-        loss × ``router_aux_loss_coef`` × ``aux_weight`` (``parallel/router_loss.py``: global over
+        loss × ``router_aux_loss_coef`` × ``aux_weight`` (``techniques/router_loss.py``: global over
         the micro-batch, layout-invariant); its global value is appended to ``aux_values``."""
         spec = self.router_aux_spec(model)
         if spec is None:
             return self._token_loss(model, batch, num_items)
-        from ndparallel.parallel.router_loss import aux_loss_term, recording_routers
 
         with recording_routers(model, spec, batch.get("attention_mask")) as stats:
             loss = self._token_loss(model, batch, num_items)
@@ -303,11 +306,8 @@ class Engine:
     def _token_loss(
         self, model: nn.Module, batch: Mapping[str, torch.Tensor], num_items, chunked: bool | None = None
     ) -> torch.Tensor:
-        from ndparallel.parallel import lm_loss
 
         if chunked is not False and lm_loss.use_chunked_loss(model, self.options.loss):
-            from ndparallel.parallel.fsdp import gathered
-
             sp = self.dims.tp_enabled and self.options.tp.sequence_parallel
             return lm_loss.forward_loss(
                 model,
@@ -318,7 +318,6 @@ class Engine:
                 gathered=gathered,
             )
         logits = model(**lm_loss.model_inputs(batch)).logits
-        from ndparallel.parallel.loss import causal_lm_loss
 
         with self.loss_context(model):
             return causal_lm_loss(logits, batch["shift_labels"], num_items)
@@ -349,7 +348,6 @@ class Engine:
         if not self.dims.cp_enabled:
             yield list(buffers)
             return
-        from ndparallel.parallel.context import context_parallel_buffers
 
         dims = list(seq_dims or [1] * len(buffers))
         with context_parallel_buffers(
@@ -369,7 +367,6 @@ class Engine:
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         """Reduce gradients in the next backward passes (``enabled``) or only reduce-scatter them
         (gradient accumulation; with ``unsharded_grad_accumulation`` not even that)."""
-        from ndparallel.parallel.fsdp import set_gradient_sync
 
         keep_rs = not self.options.fsdp.unsharded_grad_accumulation
         set_gradient_sync(model, enabled, keep_reduce_scatter=keep_rs)
@@ -379,7 +376,6 @@ class Engine:
     ) -> torch.Tensor:
         """Clip to ``max_norm``; returns the true global norm (any layout, any mix of meshes, every
         pipeline stage)."""
-        from ndparallel.parallel.grad_norm import scale_grads_to
 
         parameters = list(parameters)
         total = self.grad_norm(parameters, norm_type)
@@ -389,7 +385,6 @@ class Engine:
     def grad_norm(self, parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm; under pipeline parallel over every stage, each weight once
         (the last stage's copy of tied embeddings is not counted again)."""
-        from ndparallel.parallel.grad_norm import total_grad_norm
 
         if not self.dims.pp_enabled:
             return total_grad_norm(parameters, norm_type, device=self.device)

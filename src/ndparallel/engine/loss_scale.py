@@ -14,7 +14,7 @@ gradients one rank may overflow while its peers do not, and their scales and par
 apart. ``ShardedGradScaler`` all-reduces ``found_inf`` over the world and does run on FSDP2's
 DTensor gradients, but only through DTensor's implicit replication of its plain ``found_inf``
 tensor (a warning each step) and with one more all-reduce per step. The global gradient norm the
-step computes anyway (``parallel/grad_norm.py``: one value, the same on every rank, whatever the
+step computes anyway (``techniques/grad_norm.py``: one value, the same on every rank, whatever the
 layout) is non-finite exactly when some rank's gradient shard is: it decides here, with no extra
 collective. Scales are powers of two, so scaling and unscaling are exact in fp32 (the gradients of
 a scaled step equal the unscaled ones wherever fp16 did not underflow).
@@ -30,6 +30,7 @@ from collections.abc import Iterable
 import torch
 
 from ndparallel.engine.nonfinite import NonFiniteError
+from ndparallel.techniques.grad_norm import grouped_grads
 
 
 class LossScaler:
@@ -62,7 +63,6 @@ class LossScaler:
 
     def unscale_(self, parameters: Iterable[torch.Tensor]) -> None:
         """Multiply every gradient by ``1/scale`` in place (DTensor gradients: their local shards)."""
-        from ndparallel.parallel.grad_norm import grouped_grads
 
         inv = 1.0 / self.scale
         for grads in grouped_grads(parameters).values():
@@ -82,9 +82,12 @@ class LossScaler:
         self.scale *= self.backoff_factor
         if self.scale < self.min_scale:
             raise NonFiniteError(
-                f"step {step}: the fp16 gradients overflow even at loss scale {self.scale / self.backoff_factor:g} "
-                f"(the floor is loss_scale_min: {self.min_scale:g}): the run has diverged or does not fit fp16's "
-                "range. Training stopped: use bf16: true (or fp32), lower learning_rate or set max_grad_norm; "
+                f"step {step}: the fp16 gradients overflow even at loss scale "
+                f"{self.scale / self.backoff_factor:g} "
+                f"(the floor is loss_scale_min: {self.min_scale:g}): the run has diverged or does not fit "
+                f"fp16's "
+                "range. Training stopped: use bf16: true (or fp32), lower learning_rate or set "
+                "max_grad_norm; "
                 "checkpoints written before that step are intact"
             )
         return False

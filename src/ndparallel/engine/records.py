@@ -11,7 +11,7 @@ import torch.nn as nn
 
 if TYPE_CHECKING:
     from ndparallel.models.moe import MoESpec
-    from ndparallel.parallel.pipeline import Pipeline
+    from ndparallel.parallel.pp.schedule import Pipeline
 
 
 def router_loss_spec(model: nn.Module) -> MoESpec | None:

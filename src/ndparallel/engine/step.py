@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ndparallel.parallel.fsdp import set_gradient_sync
+from ndparallel.techniques.float8 import precompute_scales
+from ndparallel.techniques.qat import step_fake_quant
+
 
 @dataclass
 class StepResult:
@@ -53,7 +57,6 @@ def forward_backward(
     broken run, used to prove that the equivalence checks can fail. ``aux_values`` collects a
     mixture-of-experts model's load-balancing loss of each micro-batch (already / their number).
     ``loss_scale`` (fp16): back-propagate the loss × it (the returned loss is not scaled)."""
-    from ndparallel.parallel.fsdp import set_gradient_sync
 
     n_items = engine.global_num_items(micro_batches)
     pipeline = engine.pipeline_of(model)
@@ -100,8 +103,6 @@ def train_step(
     step and backs off the scale; the guard then sees only the loss (an overflow is no divergence)."""
     aux_values: list = []
     if engine.options.qat.fake_quant_after_n_steps is not None:
-        from ndparallel.parallel.qat import step_fake_quant
-
         step_fake_quant(model, engine.options.qat, step)
     loss = forward_backward(
         engine,
@@ -124,8 +125,6 @@ def train_step(
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     if engine.options.float8.enabled:
-        from ndparallel.parallel.float8 import precompute_scales
-
         precompute_scales(model, engine.options.float8)
     tokens = engine.dp_size * sum(mb["input_ids"].numel() for mb in micro_batches)  # rows may be cut
     aux = torch.stack(aux_values).sum() if aux_values else None

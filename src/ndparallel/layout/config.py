@@ -22,11 +22,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ndparallel.layout.dims import DEVICE_MESH_DIM_NAMES, ParallelDims
-from ndparallel.layout.handlers import (
+from ndparallel.layout.dim_handlers import (
     TorchContextParallelConfig,
     TorchTensorParallelConfig,
 )
+from ndparallel.layout.dims import DEVICE_MESH_DIM_NAMES, ParallelDims
 
 _FIELDS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
 _SIZE_FIELDS = ("pp_size", *_FIELDS)
@@ -186,7 +186,7 @@ class ParallelismConfig:
         """Mesh dims whose degree is not 1, outermost first."""
         return tuple(dim for dim, size in self.sizes.items() if size != 1)
 
-    # Accelerate's lists of *enabled* dim names. Our mesh always has all four dims (size-1 dims
+    # Accelerate's lists of *enabled* dim names. Our mesh always has all five dims (size-1 dims
     # included), so every name these lists can hold is a valid key of ``build_device_mesh()``.
     @property
     def dp_dim_names(self) -> list[str]:

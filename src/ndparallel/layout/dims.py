@@ -60,7 +60,8 @@ class ParallelDims:
             f"expert_parallel_size={self.ep} must divide dp_shard × cp × tp = {self.dp_shard}×{self.cp}×"
             f"{self.tp} = {borrowed}: the expert-parallel ranks are borrowed from the ranks the dense "
             f"layers shard over (torchtitan's rule). Use expert_parallel_size in {fits}, or raise "
-            f"dp_shard_size so that it divides (e.g. dp_shard_size={self.dp_shard * self.ep // math.gcd(borrowed, self.ep)})"
+            f"dp_shard_size so that it divides (e.g. "
+            f"dp_shard_size={self.dp_shard * self.ep // math.gcd(borrowed, self.ep)})"
         )
 
     # ------------------------------------------------------------------ sizes
@@ -157,7 +158,7 @@ class ParallelDims:
         return ("dp_replicate", "efsdp") if self.dp_replicate_enabled else ("efsdp",)
 
     def experts_split(self, moe: bool) -> bool:
-        """Whether a model's experts leave the dense layout (``parallel/expert.py``): under expert
+        """Whether a model's experts leave the dense layout (``parallel/ep/expert.py``): under expert
         parallel, and under TP (experts are never tensor-parallel: each tp rank runs all its
         experts on its own share of the tokens)."""
         return moe and (self.ep_enabled or self.tp_enabled)

@@ -1,4 +1,5 @@
-"""Build the 4-D ``DeviceMesh`` and its flattened views; read rank coordinates and groups."""
+"""Build the 5-D ``DeviceMesh`` (pp, dp_replicate, dp_shard, cp, tp) and its flattened views; read rank
+coordinates and groups."""
 
 from __future__ import annotations
 

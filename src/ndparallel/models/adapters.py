@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
+from ndparallel.models.moe import experts_modules
+
 ADAPTER_NAME = "default"
 ALL_LINEAR = "all-linear"
 """PEFT's name for every linear layer but the output head; here also allowed inside a list."""
@@ -183,8 +185,6 @@ def apply_adapter(model: nn.Module, config: Any) -> nn.Module:
     model always, so that it means the ``nn.Linear`` layers there too (PEFT's own expansion would
     also put LoRA on the fused 3-D expert weights and the routers, ``target_parameters``)."""
     import copy
-
-    from ndparallel.models.moe import experts_modules
 
     peft = require_peft()
     check_adapter_config(config)

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ndparallel.models.multimodal import causal_lm_from_config, multimodal_class
+
 _CROSS = ("encoder_attn", "crossattention", "cross_attn", "cross_attention", "encoder_attention")
 _TOWERS = ("vision", "visual", "audio", "image", "speech")
 _LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers", "encoder_layers")
@@ -33,8 +35,6 @@ _LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "deco
 def config_problem(config: Any, trust_remote_code: bool = False) -> str | None:
     """Why ``config`` cannot be trained as a causal LM (from the config alone), or None."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from ndparallel.models.multimodal import multimodal_class
 
     kind = f"model_type {config.model_type!r} (architectures {getattr(config, 'architectures', None)})"
     if getattr(config, "is_encoder_decoder", False):
@@ -92,7 +92,6 @@ def future_visible(config: Any, length: int = 8) -> bool | None:
     """Whether logits at positions ``< length - 1`` of a shrunk random copy change when only the
     last token changes (True: the model sees the future). None when the copy cannot be built or
     run (the attribute evidence then stands)."""
-    from ndparallel.models.multimodal import causal_lm_from_config
 
     small = copy.deepcopy(config)
     for key in _LAYER_COUNTS:

@@ -1,6 +1,6 @@
 """Whether a model's logits are exactly ``lm_head(final hidden states)``. No parallel code here.
 
-The chunked loss (``ndparallel.parallel.lm_loss``) recomputes the logits from the final hidden
+The chunked loss (``ndparallel.techniques.lm_loss``) recomputes the logits from the final hidden
 states and the LM-head weight, so it is exact only where the model's forward does nothing else to
 them: no final soft-capping (Gemma 2/3), no logit scaling (Cohere, Granite), a bias-free linear
 head. The families below were checked against their transformers 5 forward (the multimodal

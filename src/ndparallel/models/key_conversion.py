@@ -137,7 +137,7 @@ class Fused:
         parts = []
         for a in range(lo, hi, step):
             b = min(a + step, hi)
-            part = self._convert(model, lambda k: read_rows(k, a, b))[name][(slice(None), *inner)]
+            part = self._convert(model, lambda k, a=a, b=b: read_rows(k, a, b))[name][(slice(None), *inner)]
             if out is None:
                 parts.append(part)
             else:

@@ -1,6 +1,6 @@
 """Load a Hugging Face causal LM straight into its parallel layout.
 
-A model directory is built on the meta device, parallelised there (TP → CP → FSDP, no memory),
+A model directory is built on the meta device, parallelised there (``parallelize_model``, no memory),
 given empty storage on the device, and then filled with only this rank's shards
 (``models.safetensors_read``: DCP resharding, ``pread`` into each shard).
 Non-persistent buffers (rotary ``inv_freq``), which are in no checkpoint, are recomputed by the
@@ -43,6 +43,7 @@ from ndparallel.models.vocab import (
     vocab_weight_names,
 )
 from ndparallel.models.weights import weights_problem
+from ndparallel.runtime.distributed import long_wait_group
 
 _SAFETENSORS = ".safetensors"
 
@@ -221,8 +222,6 @@ def resolve_model_dir(name: str, is_local_main: bool, revision: str | None = Non
         except Exception as e:  # noqa: BLE001 - reported below, after the other ranks are released
             result = e
     if dist.is_initialized():  # a 140 GB download outlasts the collective timeout: wait on a long one
-        from ndparallel.runtime.distributed import long_wait_group
-
         dist.barrier(group=long_wait_group())
     if not is_local_main:
         try:
@@ -233,7 +232,8 @@ def resolve_model_dir(name: str, is_local_main: bool, revision: str | None = Non
         raise FileNotFoundError(
             f"base model {name!r} is not a local directory and could not be fetched from the "
             f"Hugging Face Hub ({type(result).__name__}: {result}). Download it where the Hub is "
-            f"reachable (`hf download {name}{f' --revision {revision}' if revision else ''} --local-dir DIR`) "
+            f"reachable (`hf download {name}{f' --revision {revision}' if revision else ''} --local-dir "
+            f"DIR`) "
             "and give DIR instead."
         ) from None
     return result

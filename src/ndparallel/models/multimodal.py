@@ -4,7 +4,8 @@ Axolotl fine-tunes the text part of Gemma 3 / 3n / 4, Mistral 3 (Mistral Small 3
 Voxtral and Qwen 3.5 checkpoints on text data and names their modules as the multimodal class does
 (``model.language_model.layers.N.self_attn.q_proj``). ndparallel builds the same class — the
 ``*ForConditionalGeneration`` class Axolotl loads it with (transformers' image-text-to-text mapping;
-Voxtral's own) — so every name in ``lora_target_modules`` / ``unfrozen_parameters`` means the module it means in
+Voxtral's own) — so every name in ``lora_target_modules`` / ``unfrozen_parameters`` means the module it means
+in
 Axolotl, the whole checkpoint loads (towers included) and the export is the checkpoint's own layout.
 A text batch runs only the language model: the towers get no gradient and stay as loaded. Cost: the
 towers' parameters (frozen, sharded like the rest; e.g. SigLIP ~0.4 B of Gemma 3 27B).
@@ -102,7 +103,8 @@ def multimodal_note(model: nn.Module) -> str:
     return (
         f"{type(model).__name__}: a multimodal checkpoint ({' + '.join(towers)}) trained on text as Axolotl "
         "trains it: modules keep the checkpoint's names (model.language_model.*); the towers "
-        f"({(total - text) / 1e6:,.2f}M of {total / 1e6:,.2f}M parameters) are loaded, get no gradient and are "
+        f"({(total - text) / 1e6:,.2f}M of {total / 1e6:,.2f}M parameters) are loaded, get no gradient and "
+        f"are "
         "exported as loaded"
     )
 
@@ -119,6 +121,7 @@ def old_layout_hint(targets: Any) -> str | None:
         return None
     fixed = targets.replace("language_model.model.", "model.language_model.")
     return (
-        f"matches no module: transformers 5 names a multimodal model's text layers model.language_model.layers.N "
+        f"matches no module: transformers 5 names a multimodal model's text layers "
+        f"model.language_model.layers.N "
         f"(transformers 4: language_model.model.layers.N); write {fixed!r}"
     )

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ndparallel.models.quantized import NF4Config
+from ndparallel.models.adapters import is_peft_model
+from ndparallel.models.quantized import NF4Config, quantize_linears
 
 IGNORED = {
     "bnb_4bit_compute_dtype": "compute runs in the run's precision (bf16 with bf16: true / "
@@ -96,8 +97,6 @@ def as_nf4_config(quantization: Any) -> NF4Config | None:
 def quantize_for_qlora(model, quantization: Any) -> list[str]:
     """QLoRA on a model in memory: its base linears become NF4 (``quantize_linears``, each weight
     whole). ``model`` must carry LoRA adapters (a ``PeftModel``): a 4-bit base cannot train."""
-    from ndparallel.models.adapters import is_peft_model
-    from ndparallel.models.quantized import quantize_linears
 
     if not is_peft_model(model):
         raise ValueError(

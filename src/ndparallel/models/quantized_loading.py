@@ -26,7 +26,9 @@ import torch
 import torch.nn as nn
 
 from ndparallel.models.adapters import checkpoint_key
+from ndparallel.models.key_conversion import checkpoint_keys
 from ndparallel.models.quantized import NF4Config, is_nf4, quantize_row_shard
+from ndparallel.models.safetensors_read import SliceReader, stored_tensors
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
@@ -103,9 +105,6 @@ def load_nf4_weights(
     reading and quantising in their dtype (the load dtype) on ``device`` (default: where each shard
     lives). Collective."""
     import torch.distributed.checkpoint as dcp
-
-    from ndparallel.models.key_conversion import checkpoint_keys
-    from ndparallel.models.safetensors_read import SliceReader, stored_tensors
 
     params = dict(model.named_parameters())
     names = [n for n, p in params.items() if is_nf4(p)]

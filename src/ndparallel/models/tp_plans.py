@@ -4,7 +4,7 @@ A plan maps module-name patterns (``*`` = one name component, e.g. a layer numbe
 style names. It comes from the user (``TPOptions.plan`` / the YAML ``tp_plan`` key) or from the model
 itself: ``config.base_model_tp_plan`` (prefixed with the base model attribute, e.g. ``model.``) plus
 the causal-LM class's ``_tp_plan`` for ``lm_head``. The strings are turned into DTensor parallel
-styles by ``ndparallel.parallel.tensor``; this module only knows the model side.
+styles by ``ndparallel.parallel.tp.tensor``; this module only knows the model side.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ import re
 from collections.abc import Mapping
 
 from torch import nn
+
+from ndparallel.models.layers import decoder_module_name
+from ndparallel.models.moe import moe_prefixes
 
 STYLES: dict[str, str] = {
     "colwise": "Linear weight sharded on out_features; output sharded on the last dim.",
@@ -54,7 +57,6 @@ def plan_prefix(model: nn.Module) -> str:
     """Where a base-model plan's keys (``layers.*.self_attn.q_proj``) live in ``model``: its
     ``base_model_prefix`` attribute when that is a module, else the module that runs the decoder
     layers (Llama 4: ``base_model_prefix`` is ``language_model``, the decoder is ``model``)."""
-    from ndparallel.models.layers import decoder_module_name
 
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and isinstance(getattr(model, prefix, None), nn.Module):
@@ -145,8 +147,7 @@ def tp_plan_problem(model: nn.Module, override: Mapping[str, object] | None = No
     plan, a style ndparallel does not apply, or a plan that shards nothing inside the decoder layers
     (its keys miss the module tree). Entries inside a mixture-of-experts block (the experts'
     ``moe_tp_experts`` / ``packed_colwise``, shared experts) are not applied: expert parallel
-    takes the experts, the rest of the block is replicated over tp (``parallel/tensor.py``)."""
-    from ndparallel.models.moe import moe_prefixes
+    takes the experts, the rest of the block is replicated over tp (``parallel/tp/tensor.py``)."""
 
     try:
         plan = resolve_tp_plan(model, override)

@@ -15,6 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ndparallel.models.key_conversion import checkpoint_keys
+from ndparallel.models.weights import read_header
+
 
 def vocab_weight_names(model: nn.Module) -> list[str]:
     """Names of the weights with one row per token: the input embedding's and, when not tied to
@@ -72,9 +75,6 @@ def set_grown_rows(model: nn.Module, files: list[Path], names: list[str], rows: 
         StateDictOptions,
         set_model_state_dict,
     )
-
-    from ndparallel.models.key_conversion import checkpoint_keys
-    from ndparallel.models.weights import read_header
 
     distributed = dist.is_available() and dist.is_initialized()
     full: dict[str, torch.Tensor] = {}

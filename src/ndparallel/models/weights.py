@@ -16,6 +16,10 @@ from pathlib import Path
 
 import torch
 
+from ndparallel.models.checkpoint_formats import prequantized_problem
+from ndparallel.models.key_conversion import checkpoint_keys, stored_shape
+from ndparallel.models.naming import tied_aliases
+
 _MAX_HEADER = 100 * 2**20  # the safetensors format caps its JSON header at 100 MB
 
 
@@ -57,9 +61,6 @@ def weights_problem(
     (``key_conversion``: renamed and fused tensors). Tied aliases may be absent, as
     ``save_pretrained`` omits them; the ``grown`` weights (token rows added) may have fewer rows
     than the model."""
-    from ndparallel.models.checkpoint_formats import prequantized_problem
-    from ndparallel.models.key_conversion import checkpoint_keys, stored_shape
-    from ndparallel.models.naming import tied_aliases
 
     stored: dict[str, tuple[str, list[int], str]] = {}
     for f in files:

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ndparallel.optim.lowbit import ALIASES, build_low_bit, embedding_groups, is_low_bit
+
 
 def parameter_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:
     """Two optimizer groups: ≥ 2-D parameters with ``weight_decay``, 1-D ones without."""
@@ -46,12 +48,6 @@ def build_optimizer(
     given the model (``params`` a module), its token embeddings keep fp32 states there.
     ``muon``: Muon for the hidden matrices, AdamW for the rest (``optim_muon``; needs the model;
     ``options``: ``MuonAdamW``'s keywords)."""
-    from ndparallel.optim.lowbit import (
-        ALIASES,
-        build_low_bit,
-        embedding_groups,
-        is_low_bit,
-    )
 
     model = params if isinstance(params, torch.nn.Module) else None
     if name == "muon":

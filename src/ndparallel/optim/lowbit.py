@@ -47,8 +47,8 @@ NOTES = {
     "paged_adamw_8bit": "-> torchao AdamW8bit; bitsandbytes' paging of optimizer states to host memory under "
     "GPU memory pressure is not done: the 8-bit states (~2 bytes/param) stay on the GPU "
     "(fsdp_config.cpu_offload keeps parameters, gradients and states in host memory)",
-    "paged_adamw_32bit": "-> torch AdamW; bitsandbytes' paging of optimizer states to host memory is not done "
-    "(fsdp_config.cpu_offload keeps them in host memory)",
+    "paged_adamw_32bit": "-> torch AdamW; bitsandbytes' paging of optimizer states to host memory is not "
+    "done (fsdp_config.cpu_offload keeps them in host memory)",
     "ao_adamw_fp8": "torchao AdamWFp8 (float8 e4m3 states, 256-value blocks)",
 }
 NOTES["adamw_bnb_8bit"] = NOTES["adamw_8bit"]

@@ -18,7 +18,8 @@ gradient is redistributed to Replicate over the mesh dims that shard a matrix di
 sharded over experts stays sharded: each rank holds whole expert matrices), orthogonalised, and
 this rank's shard of the result taken back (a local slice, no communication). Memory bound: one
 full matrix (or this rank's expert matrices of one weight) in fp32 plus ~6 copies in the
-Newton–Schulz dtype (~16 B per element at the peak), at a time per rank; collectives: one all-gather of each sharded matrix per
+Newton–Schulz dtype (~16 B per element at the peak), at a time per rank; collectives: one all-gather of each
+sharded matrix per
 step. Every rank of a shard group orthogonalises the same matrix (redundant work); spreading the
 matrices round-robin over the ranks (Axolotl's all-to-all batching) is a later optimisation.
 

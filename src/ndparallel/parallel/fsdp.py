@@ -24,8 +24,8 @@ from torch.distributed.fsdp import (
 from ndparallel.models.layers import decoder_layers, embedding_modules, output_modules
 from ndparallel.models.naming import share_parameters
 from ndparallel.models.quantized import is_nf4
-from ndparallel.parallel.master_weights import upcast_params
 from ndparallel.parallel.options import FSDPOptions
+from ndparallel.techniques.master_weights import upcast_params
 
 
 def apply_fsdp(
@@ -41,7 +41,7 @@ def apply_fsdp(
     the compute dtype; gradients are reduced in ``options.reduce_dtype`` (default fp32) and the
     sharded fp32 master weights are kept. ``master_dtype``: upcast each module's parameters to it
     just before sharding that module, so only one module at a time exists unsharded in the higher
-    precision. ``experts``: (expert FSDP mesh, experts modules split off by ``parallel/expert.py``):
+    precision. ``experts``: (expert FSDP mesh, experts modules split off by ``parallel/ep/expert.py``):
     each becomes its own FSDP unit on that mesh (``efsdp``, with ``dp_replicate`` for HSDP) inside
     its decoder layer's unit, as torchtitan shards experts over ``efsdp``."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=options.reduce_dtype or torch.float32)

@@ -1,5 +1,6 @@
 """Apply the strategies to a model in one readable order: float8 or QAT fake quantisation → TP → EP →
 CP → tiled MLP → activation checkpointing (+ offloading) → compile → FSDP (torchtitan's order).
+This is the one statement of that order: the engine, the Accelerate facade and the docs refer here.
 
 Each step is a call into one strategy module; this function only decides which apply.
 
@@ -25,8 +26,18 @@ from ndparallel.layout.dims import ParallelDims
 from ndparallel.layout.mesh import submesh
 from ndparallel.models.adapters import base_model_of
 from ndparallel.models.quantized import nf4_layout_problem
-from ndparallel.parallel.master_weights import low_precision_params, upcast_params
+from ndparallel.parallel.cp.context import apply_context_parallel
+from ndparallel.parallel.ep.expert import apply_expert_parallel
+from ndparallel.parallel.fsdp import apply_fsdp
 from ndparallel.parallel.options import FSDPOptions, StrategyOptions
+from ndparallel.parallel.support import layout_problem
+from ndparallel.parallel.tp.tensor import apply_tensor_parallel, is_tensor_parallel
+from ndparallel.techniques.compile import apply_compile
+from ndparallel.techniques.float8 import apply_float8
+from ndparallel.techniques.master_weights import low_precision_params, upcast_params
+from ndparallel.techniques.offload import apply_activation_offloading
+from ndparallel.techniques.qat import apply_qat, qat_layout_problem
+from ndparallel.techniques.tiled_mlp import apply_tiled_mlp, check_not_fsdp_unit
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -36,7 +47,7 @@ def is_meta(model: nn.Module) -> bool:
 def uses_fsdp(dims: ParallelDims, options: StrategyOptions, experts_split: bool = False) -> bool:
     """FSDP2 wraps the model when parameters are sharded or replicated over ranks, and for mixed
     precision on one rank too (its ``MixedPrecisionPolicy`` does the casts); with the experts
-    split off (``parallel/expert.py``) also when only they are sharded (over ``efsdp``)."""
+    split off (``parallel/ep/expert.py``) also when only they are sharded (over ``efsdp``)."""
     sharded = dims.dp_replicate * dims.fsdp > 1 or (experts_split and dims.efsdp > 1)
     return sharded or options.param_dtype is not None
 
@@ -71,34 +82,22 @@ def parallelize_model(
     fsdp = options.fsdp
     _check_layout(model, dims, options.tp)
     if options.float8.enabled:
-        from ndparallel.parallel.float8 import apply_float8
-
         apply_float8(model, options.float8, fsdp.layer_classes, fsdp=uses_fsdp(dims, options))
     if options.qat.enabled:
-        from ndparallel.parallel.qat import apply_qat, qat_layout_problem
-
         problem = qat_layout_problem(dims.tp, options.float8.enabled)
         if problem:
             raise ValueError(problem)
         apply_qat(model, options.qat)
     if dims.tp_enabled:
-        from ndparallel.parallel.tensor import apply_tensor_parallel
-
         apply_tensor_parallel(model, submesh(mesh, "tp"), options.tp, adapted=wrapper is not model)
     experts = []
     if expert_mesh is not None:
-        from ndparallel.parallel.expert import apply_expert_parallel
-
         tp_mesh = submesh(mesh, "tp") if dims.tp_enabled else None
         experts = apply_expert_parallel(model, expert_mesh["ep"], tp_mesh, options.tp.sequence_parallel)
     if dims.cp_enabled:
-        from ndparallel.parallel.context import apply_context_parallel
-
         apply_context_parallel(model, submesh(mesh, "cp"), options.cp)
     apply_activation_memory(model, fsdp, device)
     if options.compile.enabled:
-        from ndparallel.parallel.compile import apply_compile
-
         # the tiled MLP's nested backward and the offloading hooks stay eager: compile each child
         apply_compile(
             model,
@@ -108,8 +107,6 @@ def parallelize_model(
             skip_attention=dims.cp_enabled and fsdp.activation_checkpointing,
         )
     if uses_fsdp(dims, options, bool(experts)):
-        from ndparallel.parallel.fsdp import apply_fsdp
-
         expert_fsdp = (expert_mesh[dims.expert_fsdp_dims()], experts) if experts else None
         apply_fsdp(
             model,
@@ -120,8 +117,6 @@ def parallelize_model(
             experts=expert_fsdp,
         )
         if fsdp.tiled_mlp:
-            from ndparallel.parallel.tiled_mlp import check_not_fsdp_unit
-
             check_not_fsdp_unit(model)
     elif upcast is not None:
         upcast_params(model, upcast)
@@ -131,8 +126,6 @@ def parallelize_model(
 
 def _check_layout(model: nn.Module, dims: ParallelDims, tp) -> None:
     """Refuse (one line, before any sharding) what this model cannot run exactly under ``dims``."""
-    from ndparallel.parallel.support import layout_problem
-    from ndparallel.parallel.tensor import is_tensor_parallel
 
     made_tp = dims.tp > 1 and is_tensor_parallel(model)  # by transformers: its own plan applied
     problem = layout_problem(
@@ -157,16 +150,12 @@ def apply_activation_memory(model: nn.Module, fsdp: FSDPOptions, device: torch.d
             "fsdp_config.activation_checkpointing: true (FSDPOptions(activation_checkpointing=True))"
         )
     if fsdp.tiled_mlp:
-        from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
-
         apply_tiled_mlp(model, fsdp.tiled_mlp_num_shards, fsdp.layer_classes)
     if fsdp.activation_checkpointing:
         # transformers' own per-decoder-layer checkpointing (GradientCheckpointingLayer); the
         # non-reentrant variant composes with FSDP2's hooks and DTensor.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fsdp.activation_offloading:
-        from ndparallel.parallel.offload import apply_activation_offloading
-
         apply_activation_offloading(model, device, fsdp.layer_classes)
 
 

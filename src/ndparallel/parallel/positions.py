@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ndparallel.models.layers import decoder_module
+
 _LABELS_MSG = (
     "context parallelism: `labels` without `shift_labels` would be shifted by the model *after* "
     "sequence sharding, pairing tokens with the wrong targets at every shard edge; pass pre-shifted "
@@ -70,7 +72,7 @@ def _check_context_parallel(args, kwargs: dict, seq: int, local_len: int) -> Non
 def position_hook(*, sp_size: int = 1, cp_positions: torch.Tensor | None = None):
     """A forward pre-hook (``with_kwargs=True``) for a causal LM under sequence parallelism
     (``sp_size`` = tp ranks) and/or context parallelism (``cp_positions``: the global positions
-    of this rank's shard, ``cp_sharding.cp_positions``): checks the call and fills in missing
+    of this rank's shard, ``cp.sharding.cp_positions``): checks the call and fills in missing
     ``position_ids`` (see the module doc). Register it before any other pre-hook that reads them
     (``prepend=True``)."""
     local_len = None if cp_positions is None else cp_positions.numel()
@@ -107,7 +109,6 @@ class PositionRecorder:
         self.value = kwargs.get("position_ids")  # transformers calls its decoder with keywords
 
     def attach(self, model: nn.Module) -> PositionRecorder:
-        from ndparallel.models.layers import decoder_module
 
         decoder = decoder_module(model)
         (decoder if decoder is not None else model).register_forward_pre_hook(self._record, with_kwargs=True)

@@ -7,7 +7,7 @@ What is checked beyond the degrees' arithmetic (``validate_tensor_parallel``,
 
 * TP: the model has a plan ndparallel applies (``models.tp_plans.tp_plan_problem``: no plan,
   a plan that misses the decoder);
-* TP or EP on a mixture-of-experts model: its experts can be split off (``parallel/expert.py``:
+* TP or EP on a mixture-of-experts model: its experts can be split off (``parallel/ep/expert.py``:
   transformers' experts implementations, an expert count ``ep`` divides);
 * TP + sequence parallel: the plan shards the attention (else it would read one sequence shard:
   DeepSeek-V3's plan covers its MLPs only);
@@ -22,6 +22,12 @@ import copy
 from collections.abc import Sequence
 
 import torch.nn as nn
+
+from ndparallel.models.adapters import checkpoint_key, is_param_wrapper
+from ndparallel.models.causal import self_attention_flags
+from ndparallel.models.moe import experts_modules
+from ndparallel.models.tp_plans import match_plan, resolve_tp_plan, tp_plan_problem
+from ndparallel.parallel.ep.expert import check_expert_parallel
 
 _PROBE = "ndparallel_interface_probe"
 
@@ -76,8 +82,6 @@ def _own_attention_problem(model: nn.Module, what: str, probe: bool) -> str | No
 def _sp_attention_problem(model: nn.Module, tp_size: int, tp_plan) -> str | None:
     """Under sequence parallel a block's input is gathered only when its plan shards something in
     it: an attention the plan leaves out would read one sequence shard."""
-    from ndparallel.models.causal import self_attention_flags
-    from ndparallel.models.tp_plans import match_plan, resolve_tp_plan
 
     attention = [name for name, _ in self_attention_flags(model)][:1]
     try:
@@ -86,7 +90,8 @@ def _sp_attention_problem(model: nn.Module, tp_size: int, tp_plan) -> str | None
         return None  # no plan: reported by tp_plan_problem
     if attention and not any(n.startswith(attention[0] + ".") for n in styled):
         return (
-            f"tensor_parallel_size={tp_size} with sequence_parallel: {type(model).__name__}'s tensor-parallel "
+            f"tensor_parallel_size={tp_size} with sequence_parallel: {type(model).__name__}'s "
+            f"tensor-parallel "
             f"plan shards nothing in its attention ({attention[0]}), which would then read one sequence "
             "shard: train it without sequence_parallel, or give a tp_plan for the attention"
         )
@@ -96,8 +101,6 @@ def _sp_attention_problem(model: nn.Module, tp_size: int, tp_plan) -> str | None
 def _experts_problem(model: nn.Module, tp_size: int, ep_size: int) -> str | None:
     """Why a mixture-of-experts model's experts cannot be split off (EP, or TP: experts are never
     tensor-parallel), or None (also for a dense model under TP)."""
-    from ndparallel.models.moe import experts_modules
-    from ndparallel.parallel.expert import check_expert_parallel
 
     if ep_size == 1 and not experts_modules(model):
         return None
@@ -114,7 +117,6 @@ def adapter_layout_problem(model: nn.Module, tp_size: int = 1, ep_size: int = 1)
     (LoRA on the experts' 3-D weights) cannot run under TP / EP, or None. Under TP the embedding
     and LM head are vocab-sharded and their PEFT copies would not be; under TP or EP the expert
     weights are split off while their LoRA factors hold every expert."""
-    from ndparallel.models.adapters import checkpoint_key, is_param_wrapper
 
     saved = sorted(
         {
@@ -136,7 +138,8 @@ def adapter_layout_problem(model: nn.Module, tp_size: int = 1, ep_size: int = 1)
     for degree, size in (("tensor_parallel_size", tp_size), ("expert_parallel_size", ep_size)):
         if wrapped and size > 1:
             return (
-                f"{degree}={size}: LoRA on the experts' weights (lora_target_parameters: {', '.join(wrapped)}) "
+                f"{degree}={size}: LoRA on the experts' weights (lora_target_parameters: "
+                f"{', '.join(wrapped)}) "
                 f"needs them whole on each rank: set {degree}: 1 (shard them with dp_shard_size) or drop "
                 "lora_target_parameters"
             )
@@ -167,7 +170,6 @@ def layout_problem(
     """The first reason ``model`` cannot be trained exactly under this layout, or None.
     ``probe_attention``: build a meta-device copy to ask whether it takes transformers'
     ``AttentionInterface`` (off at run time: switching the real model's attention says it)."""
-    from ndparallel.models.tp_plans import tp_plan_problem
 
     base = getattr(model, "base_model", None) if hasattr(model, "peft_config") else None
     model = getattr(base, "model", model) if base is not None else model

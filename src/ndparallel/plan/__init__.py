@@ -1,4 +1,4 @@
-"""The planner: which (dp_replicate, dp_shard, cp, tp) layout fits and is fastest.
+"""The planner: which (pp, dp_replicate, dp_shard, cp, tp, ep) layout fits and is fastest.
 
 See docs/planner.md for the memory, compute and communication models.
 """

@@ -2,14 +2,15 @@
 
 LoRA of rank r on every linear of a decoder layer (q, k, v, o, gate, up, down; not the LM head,
 as PEFT's ``all-linear``): a linear ``in → out`` gets A (r × in) and B (out × r). Under TP
-(``ndparallel.parallel.lora``) a column-wise base keeps A whole and splits B on out, a row-wise
+(``ndparallel.parallel.tp.lora``) a column-wise base keeps A whole and splits B on out, a row-wise
 base splits A on in and keeps B whole. Per layer and tp rank (h hidden, q = a·d, kv = k·d, f MLP):
 
     colwise q, k, v, gate, up:  r·(5h + (q + 2kv + 2f)/tp)
     rowwise o, down:            r·((q + f)/tp + 2h)
 
 FSDP shards those over dp_shard × cp like any parameter. An MoE model (no dense MLP, f = 0) has
-LoRA on its four attention linears only (the fused expert weights are not adapted): 4h, not 7h. What LoRA changes (see docs/planner.md):
+LoRA on its four attention linears only (the fused expert weights are not adapted): 4h, not 7h. What LoRA
+changes (see docs/planner.md):
 the frozen base is kept in the compute dtype (bf16), only adapters hold fp32 master weights,
 gradients and optimizer state; FSDP still all-gathers the whole base but reduce-scatters only
 adapter gradients; matmul FLOPs are 4·N + 2·N_adapter (no weight gradients of the base).

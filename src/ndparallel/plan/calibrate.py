@@ -13,6 +13,7 @@ from ndparallel.plan.calibrate_kernels import measure_kernels
 from ndparallel.plan.comms import KINDS
 from ndparallel.plan.hardware import GiB, Hardware, preset_for_device
 from ndparallel.plan.models import ModelSpec, load_model_spec
+from ndparallel.runtime.multirank import run_on_ranks
 
 # Ring-model coefficients of t = k_alpha·α + k_beta·b/B for input bytes b on n ranks.
 _COEF = {
@@ -207,7 +208,6 @@ def _collectives(device: str, ranks: int, quick: bool) -> dict:
     iters = 3 if quick else 10
     if device == "cuda":
         return _run_gpu(ranks, _sizes(device, quick), iters)
-    from ndparallel.runtime.multirank import run_on_ranks
 
     return run_on_ranks(_cpu_rank_fn, ranks, _sizes(device, quick), iters, timeout_s=300)[0]
 

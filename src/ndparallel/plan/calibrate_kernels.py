@@ -12,6 +12,10 @@ import statistics
 import time
 from collections.abc import Callable
 
+from ndparallel.parallel.attention_kernels import BlockKernel, resolve_kernel
+from ndparallel.plan.gemm import gemm_shapes
+from ndparallel.plan.layout import Layout, Settings
+
 
 def sync(device: str) -> None:
     if device.startswith("cuda"):
@@ -110,11 +114,9 @@ def measure_attention(
 def measure_cp_block(
     device: str, kernel: str, batch: int, heads: int, kv_heads: int, chunk: int, head_dim: int, reps: int = 3
 ) -> dict:
-    """One *full* (unmasked) block of the CP block kernel (``parallel/cp_kernels.py``):
+    """One *full* (unmasked) block of the CP block kernel (``parallel/attention_kernels.py``):
     forward (out, lse) and backward seconds for ``chunk`` queries against ``chunk`` keys."""
     import torch
-
-    from ndparallel.parallel.cp_kernels import BlockKernel, resolve_kernel
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     q = torch.randn(batch, heads, chunk, head_dim, device=device, dtype=dtype)
@@ -215,8 +217,6 @@ minutes): the others use the curve scaled by the nearest measured shape."""
 
 def measure_kernels(device: str, quick: bool, model, seq_len: int, micro_batch: int) -> dict:
     """Everything ``calibrate`` measures on one device for ``model`` at ``seq_len × micro_batch``."""
-    from ndparallel.plan.gemm import gemm_shapes
-    from ndparallel.plan.layout import Layout, Settings
 
     cuda = device.startswith("cuda")
     s = Settings(seq_len=seq_len, micro_batch=micro_batch)

@@ -9,10 +9,13 @@ import sys
 from rich.console import Console
 
 from ndparallel.plan import hardware as hwmod
+from ndparallel.plan.adapter import SAVED_MODULES, saved_tables
 from ndparallel.plan.cli_checks import check_args, gpu_mem_bytes, host_mem_bytes
 from ndparallel.plan.layout import parse_layout
 from ndparallel.plan.models import PRESETS as MODEL_PRESETS
 from ndparallel.plan.models import load_model_spec
+from ndparallel.plan.pipeline import canonical
+from ndparallel.plan.qat_memory import qat_format_problem
 from ndparallel.plan.report import (
     explain_json,
     print_explain,
@@ -66,7 +69,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("adamw", "sgd", "adamw_8bit", "adamw_4bit", "muon"),
         default="adamw",
         help="adamw_8bit / adamw_4bit: torchao's low-bit AdamW (train's adamw_8bit, "
-        "paged_adamw_8bit, adamw_torch_4bit ...); muon: Muon + AdamW (plan/muon.py)",
+        "paged_adamw_8bit, adamw_torch_4bit ...); muon: Muon + AdamW (plan/muon_cost.py)",
     )
     t.add_argument(
         "--no-sequence-parallel", action="store_true", help="TP with all-reduce instead of sequence parallel"
@@ -250,8 +253,6 @@ def build_request(args) -> PlanRequest:
     lora_r = (16 if args.lora_r is None else args.lora_r) if adapted else 0
     saved = ()
     if args.lora_modules_to_save:
-        from ndparallel.plan.adapter import SAVED_MODULES, saved_tables
-
         if not adapted:
             raise ValueError("--lora-modules-to-save needs --adapter lora (or qlora)")
         names = [n for n in args.lora_modules_to_save.split(",") if n]
@@ -264,8 +265,6 @@ def build_request(args) -> PlanRequest:
     if adapted and lora_r < 1:
         raise ValueError(f"--lora-r must be >= 1, got {lora_r}")
     if args.qat:
-        from ndparallel.plan.qat import qat_format_problem
-
         problem = qat_format_problem(args.qat)
         if problem:
             raise ValueError(problem)
@@ -305,7 +304,6 @@ def build_request(args) -> PlanRequest:
 
 
 def _schedule(name: str) -> str:
-    from ndparallel.plan.pipeline import canonical
 
     try:
         return "auto" if name.lower() == "auto" else canonical(name)

@@ -12,10 +12,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ndparallel.plan.adapter import adapt_collectives
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import tiled_tp_extra
 from ndparallel.plan.models import ModelSpec, ParamSpec, fsdp_units
+from ndparallel.plan.qlora import nf4_collectives
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all")
 
@@ -67,7 +69,7 @@ def unit_numels(
 def _unit_numels(model: ModelSpec, tp: int, fsdp: int, layout: Layout | None) -> dict[str, tuple[int, int]]:
     out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     if model.is_moe:
-        from ndparallel.plan.moe import expert_unit_numels
+        from ndparallel.plan.moe_cost import expert_unit_numels
 
         out["experts"] = list(expert_unit_numels(model, layout or Layout(dp_shard=fsdp)))
     for p in model.param_specs():
@@ -100,7 +102,8 @@ def predict_collectives(
     """Every collective one rank issues in one optimizer step (see docs/planner.md).
 
     ``scalars``: also list the small ones of the training loop (``train_under_layout`` /
-    ``ndparallel.training.trainer``): the global token count and the gradient norm (see ``scalar_collectives``).
+    ``ndparallel.training.trainer``): the global token count and the gradient norm (see
+    ``scalar_collectives``).
     """
     s = Settings(
         seq_len=seq_len,
@@ -134,16 +137,12 @@ def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Colle
     if layout.cp > 1:
         out += _context_parallel(model, layout, s, tokens, ga)
     if model.is_moe:
-        from ndparallel.plan import moe
+        from ndparallel.plan import moe_cost
 
-        out += moe.collectives(model, layout, s, tokens, ga, Collective)
+        out += moe_cost.collectives(model, layout, s, tokens, ga, Collective)
     if s.lora_r:
-        from ndparallel.plan.adapter import adapt_collectives
-
         out = adapt_collectives(out, model, layout, s, Collective)
     if s.quantized_base:
-        from ndparallel.plan.qlora import nf4_collectives
-
         out = nf4_collectives(out, model, layout, s)
     return [c for c in out if c.count > 0]
 
@@ -198,7 +197,8 @@ def _data_parallel(model: ModelSpec, layout: Layout, s: Settings) -> list[Collec
 def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int):
     """Per decoder layer two colwise→rowwise pairs (attention, MLP). With sequence parallel each
     pair is all-gather (in) + reduce-scatter (out) in forward and the mirror in backward; without,
-    one all-reduce in forward (rowwise output) and one in backward (the block's input gradient). Recompute under checkpointing repeats the forward ones except the
+    one all-reduce in forward (rowwise output) and one in backward (the block's input gradient). Recompute
+    under checkpointing repeats the forward ones except the
     MLP output's reduction. Embedding (vocab-parallel) and LM head
     (colwise) add one each way; loss parallel adds 3 fp32 all-reduces per token (max, sum-exp,
     target logit), without it the logits are all-gathered. Norm weights replicated over tp on
@@ -261,12 +261,12 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
 
 
 def _context_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int):
-    """Ring attention per layer (``parallel/cp_attention.py``): K and V stacked in one buffer go
+    """Ring attention per layer (``parallel/cp/parallel_attention.py``): K and V stacked in one buffer go
     around the ring, cp−1 hops in forward (and in the recomputed forward), cp−1 hops in backward,
     plus cp hops of the fp32 dK/dV accumulators (the last one returning them home).
     All-gather strategy: the stacked local K/V all-gathered once per forward (kept for backward),
     the fp32 dK/dV of the whole sequence reduce-scattered once in backward.
-    All-to-all (Ulysses, ``parallel/cp_ulysses.py``): see ``_ulysses``."""
+    All-to-all (Ulysses, ``parallel/cp/ulysses.py``): see ``_ulysses``."""
     c, L = layout.cp, model.layers
     kv_elems = 2 * tokens * model.kv_heads * model.head_dim // layout.tp
     fwd = (c - 1) * (2 if s.checkpointing else 1)
@@ -312,7 +312,7 @@ def scalar_collectives(model: ModelSpec, layout: Layout, mixed_precision: str = 
 
     * the global count of loss tokens: one int64 all-reduce over ``dp`` (if dp > 1);
     * the step's loss: one fp32 all-reduce over ``dp_cp`` (if dp·cp > 1; ``reduce_step_loss``);
-    * the gradient norm (``parallel/grad_norm.py``): torch's ``get_total_norm`` takes one norm
+    * the gradient norm (``techniques/grad_norm.py``): torch's ``get_total_norm`` takes one norm
       per gradient tensor and DTensor sums their squares, 4 bytes per tensor, over the mesh dims
       the tensors are sharded on. With a 1-D parameter mesh (FSDP or CP only: ``dp_shard_cp``;
       TP only in fp32: ``tp``) that is one all-reduce of 4·(parameter tensors) bytes, the

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ndparallel.models.flops import train_flops_per_token
-from ndparallel.plan.attention import attention_time
+from ndparallel.plan.adapter import head_copy_trains, trainable_params
+from ndparallel.plan.attention_time import attention_time
 from ndparallel.plan.gemm import Gemm, gemm_time, micro_batch_gemms
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
@@ -34,6 +35,8 @@ from ndparallel.plan.membound import (
     loss_bytes_per_token,
 )
 from ndparallel.plan.models import ModelSpec
+from ndparallel.plan.muon_cost import newton_schulz_seconds
+from ndparallel.plan.qlora import dequant_seconds, fsdp_copy_bytes_qlora
 
 KERNELS_PER_LAYER = (60, 130)
 """(forward, backward) kernels of one decoder layer: the H200 profile of the Llama-3.2-1B step
@@ -50,8 +53,6 @@ def model_flops_per_token(
     (``lora_saved``; the embedding's is a lookup, no matmul)."""
     trained = model.matmul_params
     if lora_r:
-        from ndparallel.plan.adapter import head_copy_trains, trainable_params
-
         trained = trainable_params(model, lora_r)
         if head_copy_trains(model, lora_saved):
             trained += model.vocab * model.hidden
@@ -171,14 +172,10 @@ def step_extras(
     opt = trained * OPTIMIZER_BYTES[(s.optimizer, s.optimizer_fused)] / bw
     clip = trained * CLIP_BYTES / bw
     fsdp = fsdp_copy_bytes(model, layout, s, local_params, shard_params) / bw
-    if s.optimizer == "muon":  # its Newton-Schulz GEMMs (plan/muon.py)
-        from ndparallel.plan.muon import newton_schulz_seconds
-
+    if s.optimizer == "muon":  # its Newton-Schulz GEMMs (plan/muon_cost.py)
         opt += newton_schulz_seconds(model, layout, hw)
     out = {"optimizer": opt, "clip": clip, "fsdp_copies": fsdp}
     if s.quantized_base:  # QLoRA: every NF4 weight dequantised in forward and backward (plan/qlora.py)
-        from ndparallel.plan.qlora import dequant_seconds, fsdp_copy_bytes_qlora
-
         out["nf4_dequant"] = dequant_seconds(model, layout, s, bw)
         out["fsdp_copies"] = fsdp_copy_bytes_qlora(model, layout, s, local_params, shard_params) / bw
     return out

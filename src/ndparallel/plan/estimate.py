@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ndparallel.plan import comms, muon
+from ndparallel.plan import comms, muon_cost
 from ndparallel.plan.adapter import adapter_shard_numel
 from ndparallel.plan.compute import micro_batch_time, model_flops_per_token, peak, step_extras
 from ndparallel.plan.hardware import GiB, Hardware
@@ -121,8 +121,8 @@ def rank_step(
     n_units = sum(count for count, _ in fsdp_units(model).values()) / (s.pp_virtual if layout.pp > 1 else 1)
     dp_exposed = fsdp_exposed(gather, reduce, n_units, s, t_mb)
     t_opt = extras["optimizer"] + extras["clip"]
-    if s.optimizer == "muon":  # each hidden matrix gathered whole for Newton-Schulz (plan/muon.py)
-        t_opt += muon.gather_seconds(model, layout, hw, gpus_per_node)
+    if s.optimizer == "muon":  # each hidden matrix gathered whole for Newton-Schulz (plan/muon_cost.py)
+        t_opt += muon_cost.gather_seconds(model, layout, hw, gpus_per_node)
     compute = ga * t_mb + extras["fsdp_copies"] + extras.get("nf4_dequant", 0.0)
     offload = ga * offload_exposed_seconds(model, layout, s, hw.host_link_bw, t_mb)
     step = compute + ga * cp_exposed + tp + dp_exposed + t_opt + offload + ep

@@ -97,10 +97,10 @@ def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gem
             Gemm(f"{name} lora A dgrad", tokens, i, r, n),
             Gemm(f"{name} lora A wgrad", r, i, tokens, n),
         ]
-    if model.is_moe:  # the router, the experts' grouped GEMMs, the shared MLP (plan/moe.py)
-        from ndparallel.plan import moe
+    if model.is_moe:  # the router, the experts' grouped GEMMs, the shared MLP (plan/moe_cost.py)
+        from ndparallel.plan import moe_cost
 
-        out += moe.gemms(model, layout, s, tokens, Gemm, recompute=s.checkpointing)
+        out += moe_cost.gemms(model, layout, s, tokens, Gemm, recompute=s.checkpointing)
     if not model.has_lm_head:  # a pipeline rank without the last stage
         return out
     vocab = -(-model.vocab // layout.tp)

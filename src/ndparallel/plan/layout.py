@@ -1,4 +1,5 @@
-"""Layouts (the four degrees), per-run settings, parsing, structural checks and enumeration."""
+"""Layouts (pp, dp_replicate, dp_shard, cp, tp, ep), per-run settings, parsing, structural checks and
+enumeration."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from ndparallel.layout.dims import MESH_DIM_NAMES, ParallelDims
 from ndparallel.parallel.options import StrategyOptions
 from ndparallel.plan.models import ModelSpec
+from ndparallel.plan.pipeline import canonical
 
 DIMS = MESH_DIM_NAMES
 
@@ -51,7 +53,7 @@ class Settings:
     """FSDP units all-gathered ahead of the one computing."""
     loss_impl: str = "full"
     """'full': ``causal_lm_loss`` on the whole micro-batch's logits; 'chunked': the runtime's
-    memory-efficient loss (``parallel/chunked_ce.py``; what ``ndparallel train`` runs for the
+    memory-efficient loss (``techniques/chunked_ce.py``; what ``ndparallel train`` runs for the
     Llama/Qwen/Mistral families: ``ndparallel plan`` and ``PlanRequest`` default to it), holding one
     chunk's logits. The dataclass default stays 'full' for the hand-checked formulas in tests."""
     loss_chunk_tokens: int | None = None
@@ -73,7 +75,7 @@ class Settings:
     """QLoRA (``plan --adapter qlora``): the decoder linears of the frozen base are 4-bit NF4
     (``ndparallel.plan.qlora``); needs ``lora_r``."""
     qat: str | None = None
-    """QAT's weight[/activation] formats (``plan --qat``; ``ndparallel.plan.qat``); None: off."""
+    """QAT's weight[/activation] formats (``plan --qat``; ``ndparallel.plan.qat_memory``); None: off."""
     tiled_mlp: bool = False
     """Sequence-tiled MLP (``tiled_mlp``): see ``ndparallel.plan.long_context``."""
     tiled_mlp_num_shards: int | None = None
@@ -109,7 +111,7 @@ class Settings:
         ``rest`` gives the others (batch, optimizer, adapter) and what the run resolves per model
         (``loss_parallel`` / ``loss_impl`` where the options say None: on, chunked)."""
         from ndparallel.plan.pipeline import canonical, default_virtual
-        from ndparallel.plan.qat import qat_format
+        from ndparallel.plan.qat_memory import qat_format
 
         fsdp, qat, pipe = options.fsdp, options.qat, options.pipeline
         schedule = canonical(pipe.schedule)
@@ -179,7 +181,7 @@ class Settings:
         torch's default momentum=0 keeps none; torchao's 8-bit AdamW int8 codes + one fp32 scale per
         256 values for each moment, its 4-bit one packed codes + one scale per 128 (tensors of
         >= 4096 values, every matrix of a real model); Muon one momentum buffer (its hidden matrices;
-        AdamW's second moment on the embedding units is added in ``plan/muon.py``)."""
+        AdamW's second moment on the embedding units is added in ``plan/muon_cost.py``)."""
         return OPTIMIZER_STATE_BYTES[self.optimizer]
 
 
@@ -268,8 +270,6 @@ def parse_layout(text: str) -> tuple[Layout, dict]:
         elif name in ("micro_batch", "pipeline_virtual_stages"):
             extras[name] = int(val)
         elif name == "pipeline_schedule":
-            from ndparallel.plan.pipeline import canonical
-
             extras[name] = canonical(val)
         else:
             values[name] = int(val)

@@ -1,7 +1,7 @@
 """What the long-context memory options change in the planner's model (docs/planner.md, *Long
 context*), per local token ``T = b·s/c`` of one micro-batch on one GPU.
 
-**Sequence-tiled MLP** (``parallel/tiled_mlp.py``): a layer no longer keeps gate, SiLU(gate), up
+**Sequence-tiled MLP** (``techniques/tiled_mlp.py``): a layer no longer keeps gate, SiLU(gate), up
 and their product (``4·e·f/t`` per token) and keeps the MLP input sharded under sequence parallel
 (``e·h/t_sp`` instead of the gathered ``e·h``); one tile's working set exists in its backward:
 the recomputed four intermediates and their gradients (``7·e·f/t``) and the gathered tile input
@@ -9,7 +9,7 @@ the recomputed four intermediates and their gradients (``7·e·f/t``) and the ga
 with checkpointing the layer's recompute runs the tiled forward whole, down-projection included),
 its GEMMs at the tile's shape, and under TP the MLP's forward collectives once more.
 
-**Activation offloading** (``parallel/offload.py``, needs checkpointing): the ``L`` checkpointed
+**Activation offloading** (``techniques/offload.py``, needs checkpointing): the ``L`` checkpointed
 layer inputs (``e·h/t_sp`` per token each) live in host memory; on the device at most
 ``offload_in_flight`` (2) of them at any moment. Time: ``L`` device→host copies overlapping the
 forward of the next layer and ``L`` host→device copies overlapping the recompute and backward of

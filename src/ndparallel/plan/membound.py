@@ -74,10 +74,10 @@ def layer_bytes_per_token(model: ModelSpec, layout: Layout, s: Settings) -> tupl
     if model.qk_norm:  # Qwen3's per-head q/k RMSNorms over (a+k)·d/t elements
         fwd += nf * rope
         bwd += nb * rope
-    if model.is_moe:  # dispatch/combine copies, the experts' SwiGLU, the router (plan/moe.py)
-        from ndparallel.plan import moe
+    if model.is_moe:  # dispatch/combine copies, the experts' SwiGLU, the router (plan/moe_cost.py)
+        from ndparallel.plan import moe_cost
 
-        mf, mb = moe.elementwise_bytes_per_token(model, layout, s)
+        mf, mb = moe_cost.elementwise_bytes_per_token(model, layout, s)
         fwd, bwd = fwd + Bytes(mf), bwd + Bytes(mb)
     return fwd, bwd
 
@@ -100,7 +100,8 @@ def fsdp_copy_bytes(model: ModelSpec, layout: Layout, s: Settings, local: float,
     (shard·(4+e)) and copies the gathered buffer into the parameters (local·2e); a gradient
     reduction concatenates the bf16 gradients into an fp32 buffer (local·(e+4)) and, after the
     first micro-batch, adds into the sharded gradient (shard·12); accumulating unsharded, each
-    micro-batch after the first adds its gradient into the fp32 unsharded one (local·(8+e)). On one rank the "collectives"
+    micro-batch after the first adds its gradient into the fp32 unsharded one (local·(8+e)). On one rank the
+    "collectives"
     are device copies too (local·2e per gather, local·8 per reduction): with more ranks they are
     the communication costed in ``comms.py``."""
     e = s.act_bytes
@@ -146,7 +147,7 @@ and writes three (28); torch's default foreach AdamW runs eight list ops (weight
 torchao's low-bit AdamW runs one compiled kernel per parameter: param and grad read, param written
 (12), each moment's codes read and written (8-bit: 2 x 2 + scales ~ 6; 4-bit ~ 5). Muon (its
 matrices): momentum ``mul_`` + ``add_`` (20), decay and update of the param (16 less the fused
-read: ~12) ≈ 32; its Newton–Schulz GEMMs are compute, counted apart (``plan/muon.py``)."""
+read: ~12) ≈ 32; its Newton–Schulz GEMMs are compute, counted apart (``plan/muon_cost.py``)."""
 CLIP_BYTES = 12
 """Gradient clipping per parameter: the norm reads the gradient (4), the scaling reads and
 writes it (8)."""

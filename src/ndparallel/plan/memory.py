@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ndparallel.plan import muon
+from ndparallel.plan import muon_cost
 from ndparallel.plan.adapter import (
     adapter_layer_local,
     adapter_shard_numel,
@@ -32,7 +32,7 @@ from ndparallel.plan.long_context import (
     tiled_saved_reduction_per_token,
 )
 from ndparallel.plan.models import ModelSpec, fsdp_units
-from ndparallel.plan.qat import qat_head_bytes, qat_layer_bytes
+from ndparallel.plan.qat_memory import qat_head_bytes, qat_layer_bytes
 from ndparallel.plan.qlora import memory_adjustments
 
 FRAGMENTATION = 0.05
@@ -89,10 +89,10 @@ def layer_activation_bytes_per_token(model: ModelSpec, layout: Layout, s: Settin
     per += e * (a + 2 * k) * d / t + e * a * d / t + 4 * a / t + 4 * e * f / t
     if model.qk_norm:
         per += ((4 + e) * d + 4) * (a + k) / t
-    if model.is_moe:  # router, experts, shared MLP instead of the MLP (f = 0): plan/moe.py
-        from ndparallel.plan import moe
+    if model.is_moe:  # router, experts, shared MLP instead of the MLP (f = 0): plan/moe_cost.py
+        from ndparallel.plan import moe_cost
 
-        per += moe.activation_bytes_per_token(model, layout, s)
+        per += moe_cost.activation_bytes_per_token(model, layout, s)
     return per + cp_saved_extra_per_token(model, layout, s)
 
 
@@ -118,7 +118,7 @@ def cp_saved_extra_per_token(model: ModelSpec, layout: Layout, s: Settings) -> f
 
 
 def attention_scratch_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
-    """Buffers of one layer's CP attention backward per local token (``parallel/cp_attention.py``):
+    """Buffers of one layer's CP attention backward per local token (``parallel/cp/parallel_attention.py``):
     ``ring`` dQ in fp32 (``4·a·d/t``), K/V stacked and its receive buffer (``4·e·k·d/t``), the fp32
     dK/dV contribution, the one received and the one being sent (``24·k·d/t``) and dQ's cast
     (``e·a·d/t``); ``allgather`` dQ in fp32 and its cast, the whole sequence's fp32 dK/dV and its
@@ -143,9 +143,9 @@ def layer_backward_workspace_per_token(model: ModelSpec, layout: Layout, s: Sett
     t_sp = layout.tp if s.sequence_parallel else 1
     e = s.act_bytes
     if model.is_moe:
-        from ndparallel.plan import moe
+        from ndparallel.plan import moe_cost
 
-        return moe.workspace_per_token(model, layout, s) + 2 * e * model.hidden / t_sp
+        return moe_cost.workspace_per_token(model, layout, s) + 2 * e * model.hidden / t_sp
     return 3 * e * model.intermediate / layout.tp + 2 * e * model.hidden / t_sp
 
 
@@ -173,7 +173,7 @@ def _logits_bytes(model: ModelSpec, layout: Layout, s: Settings, tokens: float) 
     fp32 gradients (nll, log-softmax) = e + 12 (measured on the H200: 14 B per logit in bf16);
     loss parallel's fused nll + log-softmax backward (torch.distributed.tensor.parallel.loss)
     holds zeros_like(x), exp(x) and their sum at once = e + 16.
-    The chunked loss (``parallel/chunked_ce.py``, the runtime's default) computes its gradients
+    The chunked loss (``techniques/chunked_ce.py``, the runtime's default) computes its gradients
     during the forward: one chunk's fp32 logits and, under mixed precision, their compute-dtype
     copy (``chunk_logit_bytes``: 4 + e per logit, 4 in fp32),
     the hidden-state gradient (e per hidden value) and an fp32 LM-head weight-gradient accumulator
@@ -268,7 +268,7 @@ def optimizer_step_temporaries(model: ModelSpec, layout: Layout, s: Settings) ->
     row 1b-mb4-foreach) = 2 × its 128256 × 2048 embedding; on CPU the per-tensor loop 2 × the
     largest shard (``ndparallel simulate``). Fused AdamW (the trainer's on CUDA) and SGD: none."""
     if s.optimizer == "muon":
-        return muon.step_temporaries(model, layout)
+        return muon_cost.step_temporaries(model, layout)
     if s.optimizer != "adamw" or s.optimizer_fused:
         return 0.0
     largest = max(
@@ -280,15 +280,15 @@ def optimizer_step_temporaries(model: ModelSpec, layout: Layout, s: Settings) ->
 def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> MemoryBreakdown:
     """Peak bytes per GPU: the largest of the loss-backward moment, the first layer's backward,
     the end of backward (all gradients) and the optimizer step (its temporaries)."""
-    t, n, e = layout.tp, layout.fsdp, s.act_bytes
+    t, n = layout.tp, layout.fsdp
     numels = unit_numels(model, t, n, layout)
     col = 1  # the shard; unsharded (a degree of 1) it is the whole tp-local tensor
     units = fsdp_units(model)
     shard_numel = sum(numels[u][col] * c for u, (c, _) in units.items())
     params = shard_numel * 4  # fp32 master weights
     optimizer = shard_numel * s.optimizer_state_bytes
-    if s.optimizer == "muon":  # AdamW's two moments on the embedding / head units (plan/muon.py)
-        optimizer += muon.adamw_extra_state_bytes(numels, units, col)
+    if s.optimizer == "muon":  # AdamW's two moments on the embedding / head units (plan/muon_cost.py)
+        optimizer += muon_cost.adamw_extra_state_bytes(numels, units, col)
     all_grads = shard_numel * 4
     unsharded = 0.0
     if s.accumulates_unsharded:  # FSDP2 keeps unsharded grads in the reduce dtype between syncs
@@ -377,7 +377,7 @@ def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: fl
     else:
         saved = model.layers * per_layer
     # QAT: each layer's fake-quantiser share until its backward; under checkpointing one layer's,
-    # while it is recomputed (plan/qat.py). The head's is held until the loss backward.
+    # while it is recomputed (plan/qat_memory.py). The head's is held until the loss backward.
     qat_layer = qat_head = 0.0
     if s.qat:
         qat_layer = qat_layer_bytes(model, s.qat, tokens, frozen=bool(s.lora_r), compute_bytes=e)

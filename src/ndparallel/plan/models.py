@@ -4,7 +4,7 @@ Decoder-only models of the Llama family shape: token embedding, ``L`` decoder la
 attention with q/k/v/o projections, RMSNorm, gated MLP), final norm and LM head (optionally tied
 to the embedding). Qwen3 adds per-head q/k RMSNorms. Mixture-of-experts models (Qwen3-MoE,
 Mixtral, Qwen2-MoE, OLMoE, gpt-oss shapes) replace every layer's MLP by a router and E experts
-(optionally shared experts): ``plan/moe.py``.
+(optionally shared experts): ``plan/moe_cost.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,10 @@ import json
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
+
+from ndparallel.models.moe_config import config_num_experts
+from ndparallel.models.presets import PRESETS as BUILTIN
+from ndparallel.models.presets import PUBLISHED
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,7 @@ class ModelSpec:
             and ".mlp.shared" not in p.name
         )
         if self.is_moe:
-            from ndparallel.plan.moe import active_matmul_params_per_layer
+            from ndparallel.plan.moe_cost import active_matmul_params_per_layer
 
             linear += self.layers * active_matmul_params_per_layer(self)
         return linear + (self.vocab * self.hidden if self.has_lm_head else 0)
@@ -198,7 +202,7 @@ class ModelSpec:
         """Parameters one token uses (all of them in a dense model; k of E experts in an MoE)."""
         if not self.is_moe:
             return self.num_params
-        from ndparallel.plan.moe import expert_params
+        from ndparallel.plan.moe_cost import expert_params
 
         per_token = self.top_k * 3 * self.hidden * self.moe_intermediate
         return self.num_params - self.layers * (expert_params(self) - per_token)
@@ -218,7 +222,7 @@ def fsdp_units(model: ModelSpec) -> dict[str, tuple[int, bool]]:
     one tensor, so embedding, norm and LM head all live in the root unit.
     """
     units = {"layer": (model.layers, True)}
-    if model.is_moe:  # each layer's experts: their own unit, sharded over efsdp (plan/moe.py)
+    if model.is_moe:  # each layer's experts: their own unit, sharded over efsdp (plan/moe_cost.py)
         units["experts"] = (model.layers, True)
     if model.tied_embeddings:
         units["root"] = (1, False)
@@ -270,7 +274,6 @@ def from_hf_config(cfg: dict, name: str = "custom") -> ModelSpec:
 
 def _moe_fields(cfg: dict, name: str) -> dict:
     """The MoE fields of an HF config dict (empty for a dense model); refuses what is not modelled."""
-    from ndparallel.models.moe_config import config_num_experts
 
     experts = config_num_experts(cfg)
     if experts is None:
@@ -299,8 +302,6 @@ def _moe_fields(cfg: dict, name: str) -> dict:
 def _presets() -> dict[str, ModelSpec]:
     """The planner's named models: the published shapes of ``ndparallel.models.presets`` and
     ``tiny`` (the built-in ``tiny-llama``, for CPU checks and exact byte comparisons)."""
-    from ndparallel.models.presets import PRESETS as BUILTIN
-    from ndparallel.models.presets import PUBLISHED
 
     specs = {
         name: replace(from_hf_config(fields, name), hf_id=hub_id)

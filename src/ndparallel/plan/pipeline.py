@@ -3,7 +3,7 @@ micro-batches, and the stage-to-stage transfers (docs/planner.md, *Pipeline para
 
 ``p`` stages' worth of pp ranks, ``m`` pipeline micro-batches per step (the runtime's default: one
 per gradient-accumulation micro-batch), ``v`` stages per rank. The layers are split as the
-runtime splits them (``parallel/pipeline_split.py``: even, the first stages one layer more).
+runtime splits them (``parallel/pp/split.py``: even, the first stages one layer more).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ndparallel.parallel.options import PipelineOptions
-from ndparallel.parallel.pipeline_split import (
+from ndparallel.parallel.pp.split import (
     MULTI_STAGE_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
     StagePlan,
@@ -20,6 +20,7 @@ from ndparallel.parallel.pipeline_split import (
     schedule_name,
     stage_layers,
 )
+from ndparallel.plan.hardware import GiB
 from ndparallel.plan.models import ModelSpec
 
 AUTO_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))
@@ -92,7 +93,7 @@ class RankShape:
 
 @lru_cache(maxsize=1024)
 def _stage_plan(model: ModelSpec, p: int, v: int, schedule: str) -> StagePlan:
-    """The runtime's split (``pipeline_split.stage_layers``)."""
+    """The runtime's split (``parallel/pp/split.stage_layers``)."""
     return StagePlan(
         p,
         v,
@@ -203,7 +204,6 @@ class PipelineInfo:
     """The fill and drain over the formula's (``fill_stretch``)."""
 
     def to_dict(self) -> dict:
-        from ndparallel.plan.hardware import GiB
 
         return {
             "schedule": self.schedule,
@@ -241,7 +241,6 @@ def pipeline_lines(e) -> list[str]:
     """``--explain``'s lines of a pp layout's estimate ``e``: the bubble share (and how gradients
     are reduced) in one, the first and the last stage's memory in the other; when it does not
     fit, a third saying why."""
-    from ndparallel.plan.hardware import GiB
 
     info, t = e.pipeline, e.time
     per_rank = f" × {info.virtual} per rank" if info.virtual > 1 else ""
@@ -253,7 +252,8 @@ def pipeline_lines(e) -> list[str]:
     stretch = f" × {info.stretch:.2f} (uneven stages)" if abs(info.stretch - 1) > 0.02 else ""
     lines = [
         f"Pipeline {info.schedule} ({e.layout.pp} stages{per_rank}, {info.microbatches} micro-batches): "
-        f"bubble {info.bubble_fraction:.1%} of the pipeline{stretch} = {t.pp_bubble:.2f} s ({t.pp_bubble / t.step:.1%} "
+        f"bubble {info.bubble_fraction:.1%} of the pipeline{stretch} = {t.pp_bubble:.2f} s "
+        f"({t.pp_bubble / t.step:.1%} "
         f"of the step); p2p exposed {t.pp_exposed:.2f} s; pace: {info.pace} stage; {grads}"
     ]
     parts = []
@@ -268,7 +268,6 @@ def pipeline_lines(e) -> list[str]:
 
 def _why_not(e) -> str:
     """One line: the reported stage's memory and its activations' share, factor by factor."""
-    from ndparallel.plan.hardware import GiB
 
     info, s = e.pipeline, e.settings
     shape, mem, _ = info.ranks[info.worst]
@@ -281,6 +280,7 @@ def _why_not(e) -> str:
     )
     return (
         f"Does not fit: the {info.worst} stage needs {mem.total / GiB:.1f} GiB, "
-        f"{mem.activations / GiB:.1f} of them activations: {held:.1f} micro-batches of {tokens} tokens in flight "
+        f"{mem.activations / GiB:.1f} of them activations: {held:.1f} micro-batches of {tokens} tokens in "
+        f"flight "
         f"through its {shape.layers} layers, {kept}"
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ndparallel.parallel.pipeline_split import ZERO_BUBBLE_SCHEDULES
+from ndparallel.parallel.pp.split import ZERO_BUBBLE_SCHEDULES
 from ndparallel.plan import comms
 from ndparallel.plan.comms import Collective
 from ndparallel.plan.estimate import Estimate, finish, rank_step
@@ -38,7 +38,7 @@ def rank_settings(s: Settings, p: int, rank: int, last: bool) -> Settings:
     (the runtime's default: ``Settings.sync_every_microbatch``) or, with
     ``unsharded_grad_accumulation``, once per step by the stage's FSDP root, which keeps its
     parameters gathered until then (``Settings.reshard_after_backward`` False;
-    ``parallel/pipeline.py: _shard_root``); on the last stage under a zero-bubble schedule the
+    ``parallel/pp/schedule.py: _shard_root``); on the last stage under a zero-bubble schedule the
     full-logits loss (the runtime's: the chunked loss cannot split its backward)."""
     loss = "full" if last and s.pp_schedule in ZERO_BUBBLE_SCHEDULES else s.loss_impl
     per_step = s.unsharded_grad_accumulation

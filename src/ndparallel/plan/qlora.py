@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+from ndparallel.plan.adapter import adapter_layer_local, adapter_shard_numel
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.models import ModelSpec
 
@@ -131,7 +132,6 @@ def fsdp_copy_bytes_qlora(model: ModelSpec, layout: Layout, s: Settings, local: 
     all-gather inputs are the NF4 tensors' bytes as stored (no cast; read and written once into the
     send buffer), the gathered bytes are copied out once per gather; only adapter gradients are
     reduced and accumulated."""
-    from ndparallel.plan.adapter import adapter_layer_local, adapter_shard_numel
 
     if not (layout.dp_replicate * layout.fsdp > 1 or s.mixed_precision != "fp32"):
         return 0.0

@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ndparallel.plan import comms
+from ndparallel.plan.adapter import trainable_fraction, trainable_params
 from ndparallel.plan.hardware import GiB
 from ndparallel.plan.pipeline import default_virtual, pipeline_lines
 from ndparallel.plan.search import Estimate, LayoutResult, PlanResult
@@ -62,14 +63,13 @@ def header(result: PlanResult) -> str:
     gb = f"{r.global_batch} seqs" if r.global_batch else "~4M tokens (auto)"
     lora = ""
     if r.lora_r:
-        from ndparallel.plan.adapter import trainable_fraction, trainable_params
-
         lora = (
             f"; LoRA r={r.lora_r} on every linear: {trainable_params(r.model, r.lora_r) / 1e6:.1f}M "
             f"trainable ({trainable_fraction(r.model, r.lora_r):.2%}), base frozen"
             + (" in 4-bit NF4 (linears)" if r.quantized_base else "")
             + (
-                f", trained copies of {' and '.join({'embed': 'embed_tokens', 'head': 'lm_head'}[t] for t in r.lora_saved)}"
+                f", trained copies of "
+                f"{' and '.join({'embed': 'embed_tokens', 'head': 'lm_head'}[t] for t in r.lora_saved)}"
                 if r.lora_saved
                 else ""
             )

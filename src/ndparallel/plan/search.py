@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from ndparallel.parallel.qat import qat_layout_problem
 from ndparallel.parallel.support import saved_modules_problem
 from ndparallel.plan.estimate import Estimate, TimeBreakdown, finish, rank_step
 from ndparallel.plan.hardware import GiB, Hardware
@@ -20,6 +19,8 @@ from ndparallel.plan.models import ModelSpec
 from ndparallel.plan.pipeline import AUTO_SCHEDULES, canonical, default_virtual
 from ndparallel.plan.pipeline import problem as pipeline_problem
 from ndparallel.plan.pipeline_estimate import estimate_pipeline, pipeline_memory
+from ndparallel.plan.qlora import nf4_shards_problem
+from ndparallel.techniques.qat import qat_layout_problem
 
 __all__ = [
     "Estimate",
@@ -71,7 +72,7 @@ class PlanRequest:
     quantized_base: bool = False
     """QLoRA (``--adapter qlora``): a 4-bit NF4 base under the adapters."""
     qat: str | None = None
-    """QAT formats (``--qat int4/int8``; ``plan/qat.py``); None: off."""
+    """QAT formats (``--qat int4/int8``; ``plan/qat_memory.py``); None: off."""
     lora_saved: tuple[str, ...] = ()
     """Tables trained in full beside the adapters ('embed', 'head': ``--lora-modules-to-save``)."""
     tiled_mlp: bool = False
@@ -176,8 +177,6 @@ def base_settings(req: PlanRequest) -> Settings:
 def _layout_rejections(req: PlanRequest, layout: Layout, base: Settings) -> list[tuple[str, str]]:
     out = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
     if req.quantized_base:
-        from ndparallel.plan.qlora import nf4_shards_problem
-
         why = nf4_shards_problem(req.model, layout)
         out += [("qlora_layout", why)] if why else []
     # the runtime's own refusals, asked with the planner's layout

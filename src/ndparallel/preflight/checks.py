@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ndparallel.config import ConfigError, TrainConfig
+from ndparallel.layout.config import ParallelismConfigError
+from ndparallel.models.moe import config_num_experts
+from ndparallel.preflight.pipeline_check import check_pipeline
+from ndparallel.tracking.credentials import tracker_notes
 
 
 @dataclass
@@ -49,7 +53,6 @@ class Check:
 # --------------------------------------------------------------------- the layout and the model
 def layout(p: Preflight) -> None:
     """The degrees against the world size (a -1 degree filled from it)."""
-    from ndparallel.layout.config import ParallelismConfigError
 
     try:
         p.pc = p.cfg.parallelism_config().resolve(p.world_size)
@@ -58,7 +61,8 @@ def layout(p: Preflight) -> None:
 
 
 def model(p: Preflight) -> None:
-    """base_model found; a causal decoder whose positions hold sequence_len, its local weights fitting its config."""
+    """base_model found; a causal decoder whose positions hold sequence_len, its local weights fitting
+    its config."""
     from ndparallel.preflight.model_check import check_model, resolve_model_config
 
     p.hf = resolve_model_config(p.cfg)
@@ -67,7 +71,6 @@ def model(p: Preflight) -> None:
 
 def experts(p: Preflight) -> None:
     """``expert_parallel_size`` needs a mixture-of-experts model whose expert count it divides."""
-    from ndparallel.models.moe import config_num_experts
 
     cfg, dims, count = p.cfg, p.pc.dims, config_num_experts(p.hf)
     if dims.ep_enabled and count is None:
@@ -178,11 +181,11 @@ def tp_cp_sizes(p: Preflight) -> None:
     cfg, pc, hf = p.cfg, p.pc, p.hf
     try:
         if pc.tp_enabled:
-            from ndparallel.parallel.tensor import validate_tensor_parallel
+            from ndparallel.parallel.tp.tensor import validate_tensor_parallel
 
             validate_tensor_parallel(hf, pc.tp_size, cfg.tp_options())
         if pc.cp_enabled:
-            from ndparallel.parallel.context import validate_context_parallel
+            from ndparallel.parallel.cp.context import validate_context_parallel
 
             validate_context_parallel(
                 hf, pc.cp_size, cfg.sequence_len, pc.tp_size, strategy=cfg.cp_options().comm_strategy
@@ -216,7 +219,6 @@ def sequence_len(p: Preflight) -> None:
 
 
 def pipeline(p: Preflight) -> None:
-    from ndparallel.preflight.pipeline_check import check_pipeline
 
     check_pipeline(p.cfg, p.pc, p.hf)
 
@@ -242,7 +244,8 @@ def lora_fields_unused(p: Preflight) -> list[str]:
     stray = p.cfg.lora_fields_without_adapter()
     return (
         [
-            f"{', '.join(stray)} set but no adapter: not used, every parameter is trained (full fine-tuning, as in "
+            f"{', '.join(stray)} set but no adapter: not used, every parameter is trained (full fine-tuning, "
+            f"as in "
             "Axolotl); add adapter: lora to train LoRA adapters instead"
         ]
         if stray
@@ -257,10 +260,12 @@ def loss_watchdog(p: Preflight) -> list[str]:
     return [
         f"loss_watchdog_threshold {cfg.loss_watchdog_threshold:g}: "
         + (
-            "stops training as Axolotl does (a warning, the final model saved, exit 0); loss_watchdog_action: "
+            "stops training as Axolotl does (a warning, the final model saved, exit 0); "
+            "loss_watchdog_action: "
             "fail exits 1 without a final model instead"
             if cfg.loss_watchdog_action == "stop"
-            else "loss_watchdog_action: fail exits 1 without a final model (Axolotl stops gracefully and saves it)"
+            else "loss_watchdog_action: fail exits 1 without a final model (Axolotl stops gracefully and "
+            "saves it)"
         )
     ]
 
@@ -300,7 +305,6 @@ def quantisation(p: Preflight) -> list[str]:
 
 
 def trackers(p: Preflight) -> list[str]:
-    from ndparallel.tracking.credentials import tracker_notes
 
     return tracker_notes(p.cfg)
 

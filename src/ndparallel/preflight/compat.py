@@ -1,5 +1,6 @@
 """What an Axolotl config means here: one line per field that behaves differently, for ``--dry-run``
-and the start of ``train``, from the validated config. Renamed keys say nothing here; the notes of translated Axolotl keys come
+and the start of ``train``, from the validated config. Renamed keys say nothing here; the notes of translated
+Axolotl keys come
 from the front door (``axolotl/translate.py``, kept in
 ``cfg._axolotl_notes``); fields that cannot work are refused there or by the schema
 (``config/schema.py``), one line each. Also the quantisation and low-bit optimizer notes. Both are
@@ -8,6 +9,9 @@ entries of ``checks.CHECKS``."""
 from __future__ import annotations
 
 from ndparallel.config import TrainConfig
+from ndparallel.models.attention import attention_kernel
+from ndparallel.models.quantization_config import bnb_notes
+from ndparallel.optim.lowbit import optimizer_note
 
 
 def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
@@ -62,8 +66,6 @@ def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
             "(context parallel, or sequence parallel under TP)"
         )
     elif device_type is not None:
-        from ndparallel.models.attention import attention_kernel
-
         kernel, why = attention_kernel(cfg.attn_implementation, device_type)
         if why:
             notes.append(f"attn_implementation: {cfg.attn_implementation} -> {kernel} on this machine: {why}")
@@ -74,12 +76,9 @@ def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
 
 def quant_notes(cfg) -> list[str]:
     """``--dry-run`` notes on the quantisation and low-bit optimizer fields."""
-    from ndparallel.optim.lowbit import optimizer_note
 
     notes = []
     if cfg.load_in_4bit:
-        from ndparallel.models.quantization_config import bnb_notes
-
         if cfg.adapter == "lora":
             notes.append("adapter: lora with load_in_4bit: true = adapter: qlora (LoRA on a 4-bit NF4 base)")
         notes.append(

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ndparallel.data.dataset import DatasetSpec
+
 
 def data_notes(cfg) -> list[str]:
     """``train_on_inputs`` with types that have no prompt; a ``dataset_cache_dir`` holding
     Axolotl's prepared datasets (not read: ndparallel tokenises into its own keyed caches)."""
-    from ndparallel.data.dataset import DatasetSpec
 
     notes = []
     specs = [DatasetSpec.from_any(d.model_dump(), f"datasets[{i}]") for i, d in enumerate(cfg.datasets or [])]
@@ -45,8 +46,8 @@ def prepared_notes(cfg, tokenizer) -> list[str]:
     because ``eot_tokens`` is unset. Reads the cached tokenized datasets (``prepare_data`` made them)."""
     from ndparallel.data.chat import eot_warning, resolve_template
     from ndparallel.data.dataset import DatasetSpec
-    from ndparallel.data.pipeline import concatenates, prepare_samples, tokenize_specs
-    from ndparallel.training.build import data_cache_dir
+    from ndparallel.data.prepare import concatenates, prepare_samples, tokenize_specs
+    from ndparallel.training.components import data_cache_dir
 
     if not cfg.datasets:
         return []

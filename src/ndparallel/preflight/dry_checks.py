@@ -8,12 +8,18 @@ name parameters of the model, ``qat.group_size`` divides every linear's input wi
 from __future__ import annotations
 
 from ndparallel.config import ConfigError, TrainConfig
+from ndparallel.data.chat import check_template_name
+from ndparallel.data.dataset import DatasetSpec
+from ndparallel.data.prepare import concatenates
+from ndparallel.models.heads import plain_head_problem
+from ndparallel.models.multimodal import multimodal_class, multimodal_note
+from ndparallel.preflight.model_check import beyond_positions, meta_model
+from ndparallel.techniques.qat import group_size_problem
+from ndparallel.training.controls import unmatched_patterns
 
 
 def check_chat_templates(cfg: TrainConfig) -> None:
     """The config's and every chat_template dataset's template is one that exists."""
-    from ndparallel.data.chat import check_template_name
-    from ndparallel.data.dataset import DatasetSpec
 
     try:
         if cfg.chat_template:
@@ -44,9 +50,6 @@ def check_data_order(cfg: TrainConfig) -> None:
 
 def check_qat_groups(cfg: TrainConfig, hf) -> None:
     if cfg.qat is not None:
-        from ndparallel.parallel.qat import group_size_problem
-        from ndparallel.preflight.model_check import meta_model
-
         problem = group_size_problem(meta_model(cfg, hf), cfg.qat_options())
         if problem:
             raise ConfigError(f"qat: {problem}")
@@ -65,9 +68,6 @@ def check_chunked_loss(cfg: TrainConfig, hf) -> None:
 
 def check_unfrozen_parameters(cfg: TrainConfig, hf) -> None:
     if cfg.unfrozen_parameters and cfg.adapter is None:
-        from ndparallel.preflight.model_check import meta_model
-        from ndparallel.training.controls import unmatched_patterns
-
         names = [n for n, _ in meta_model(cfg, hf).named_parameters()]
         missing = unmatched_patterns(names, cfg.unfrozen_parameters)
         if missing:
@@ -81,8 +81,6 @@ def check_unfrozen_parameters(cfg: TrainConfig, hf) -> None:
 def _check_data_order(cfg: TrainConfig) -> None:
     """Deduplication and the data-order switches apply to whole samples, not to streamed or
     concatenated raw text."""
-    from ndparallel.data.dataset import DatasetSpec
-    from ndparallel.data.pipeline import concatenates
 
     switches = [
         k
@@ -112,8 +110,6 @@ def _check_data_order(cfg: TrainConfig) -> None:
 
 def chunked_loss_problem(cfg: TrainConfig, hf) -> str | None:
     """Why the chunked loss would not be exact for this model (None: it is)."""
-    from ndparallel.models.heads import plain_head_problem
-    from ndparallel.preflight.model_check import meta_model
 
     if cfg.qat is not None:
         return "qat fake-quantises the LM head (more than a matmul)"
@@ -150,8 +146,6 @@ def model_notes(cfg: TrainConfig, hf) -> list[str]:
     """Notes that depend on the model: a multimodal checkpoint trained on text, ``sequence_len``
     past the model's positions (rotary / ALiBi: extrapolated), sample packing with token mixers
     other than attention."""
-    from ndparallel.models.multimodal import multimodal_class, multimodal_note
-    from ndparallel.preflight.model_check import beyond_positions, meta_model
 
     notes = [multimodal_note(meta_model(cfg, hf))] if multimodal_class(hf) is not None else []
     positions = beyond_positions(cfg, hf)
@@ -168,8 +162,6 @@ def _packing_notes(cfg: TrainConfig, hf) -> list[str]:
     if not cfg.sample_packing:
         return []
     import torch.nn as nn
-
-    from ndparallel.preflight.model_check import meta_model
 
     language = [m for n, m in meta_model(cfg, hf).named_modules() if not _in_tower(n)]
     mixers = sorted({type(m).__name__ for m in language if isinstance(m, nn.Conv1d)})

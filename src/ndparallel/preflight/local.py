@@ -10,7 +10,25 @@ import os
 import sys
 from pathlib import Path
 
+from ndparallel.checkpoint.directory import list_checkpoints, validate_checkpoint
 from ndparallel.config import ConfigError, TrainConfig
+from ndparallel.data.check import check_dataset
+from ndparallel.data.dataset import looks_local
+from ndparallel.models.presets import is_preset
+from ndparallel.preflight.world import run_device
+from ndparallel.techniques.float8 import float8_problem
+from ndparallel.techniques.qat import qat_device_problem
+from ndparallel.tracking.credentials import tracker_problem
+from ndparallel.tracking.run import missing_trackers
+from ndparallel.training.components import (
+    build_data,
+    data_cache_dir,
+    grown_vocab_size,
+    load_tokenizer,
+    rounded_vocab,
+)
+from ndparallel.training.outputs import plan_output_dir
+from ndparallel.training.trainer import resume_policy
 
 
 def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm: bool = False):
@@ -18,15 +36,9 @@ def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm
     returns the run's tokenizer."""
     import torch
 
-    from ndparallel.data.check import check_dataset
-    from ndparallel.tracking.run import missing_trackers
-    from ndparallel.training.outputs import plan_output_dir
-    from ndparallel.training.trainer import resume_policy
-
     missing = missing_trackers(cfg.trackers())
     if missing:
         raise ConfigError(f"trackers not installed: {'; '.join(missing)} (or turn them off in the config)")
-    from ndparallel.tracking.credentials import tracker_problem
 
     problem = tracker_problem(cfg)
     if problem:
@@ -54,7 +66,6 @@ def prepare_data(cfg: TrainConfig):
     """Tokenize and pack every dataset (cached) before any rank starts, so that each data problem
     (a bad record anywhere, a missing column, nothing left after filtering, too little data) ends
     here in one line, and the ranks find everything cached. Returns (tokenizer, splits)."""
-    from ndparallel.training.build import build_data, data_cache_dir, load_tokenizer
 
     with quiet_datasets():
         try:
@@ -84,7 +95,6 @@ def quiet_datasets():
 
 
 def _check_resume_path(cfg: TrainConfig) -> None:
-    from ndparallel.checkpoint.directory import list_checkpoints, validate_checkpoint
 
     r = cfg.resume_from_checkpoint
     if r in (None, "", "auto"):
@@ -105,8 +115,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def _check_tokenizer(cfg: TrainConfig) -> None:
-    from ndparallel.data.dataset import looks_local
-    from ndparallel.models.presets import is_preset
 
     if cfg.tokenizer and cfg.tokenizer != "builtin:stdlib":
         path = Path(cfg.tokenizer).expanduser()
@@ -137,8 +145,6 @@ def _check_added_tokens(cfg: TrainConfig, tokenizer, hf) -> None:
     """Tokens new to ``base_model``'s vocabulary (``tokens``, ``special_tokens``) grow its
     embeddings: refused with LoRA (the new rows would stay frozen). ``hf`` gets the vocabulary the
     ranks will build (a preset's: the tokenizer's, rounded), which the TP / CP checks then see."""
-    from ndparallel.models.presets import is_preset
-    from ndparallel.training.build import grown_vocab_size, rounded_vocab
 
     hf = hf.get_text_config()  # a multimodal config: its text model's vocabulary
     if is_preset(cfg.base_model):  # built with a row per token of the run's tokenizer
@@ -160,8 +166,6 @@ def _check_fp8(cfg: TrainConfig) -> None:
     """fp8 needs torchao and a GPU of compute capability >= 8.9 (unless emulated)."""
     if not cfg.fp8:
         return
-    from ndparallel.parallel.float8 import float8_problem
-    from ndparallel.preflight.world import run_device
 
     problem = float8_problem(cfg.float8_options(), run_device(cfg))
     if problem:
@@ -172,8 +176,6 @@ def _check_qat_device(cfg: TrainConfig) -> None:
     """nvfp4 QAT runs fp4 matmuls: a Blackwell GPU (``parallel.qat.qat_device_problem``)."""
     if cfg.qat is None:
         return
-    from ndparallel.parallel.qat import qat_device_problem
-    from ndparallel.preflight.world import run_device
 
     problem = qat_device_problem(cfg.qat_options(), run_device(cfg))
     if problem:

@@ -13,6 +13,23 @@ import warnings
 from pathlib import Path
 
 from ndparallel.config import ConfigError, TrainConfig
+from ndparallel.models.adapter_files import adapter_weights_problem
+from ndparallel.models.adapters import (
+    adapter_config_of,
+    apply_adapter,
+    base_model_of,
+    checkpoint_key,
+    is_lora_layer,
+    is_param_wrapper,
+)
+from ndparallel.models.causal import causal_lm_problem, config_problem, learned_position_tables
+from ndparallel.models.layers import dense_mlps, outer_decoder_layers
+from ndparallel.models.loading import checkpoint_files
+from ndparallel.models.multimodal import causal_lm_from_config, old_layout_hint
+from ndparallel.models.presets import PRESETS, PUBLISHED, is_preset, preset_config, published_config
+from ndparallel.models.weights import weights_problem
+from ndparallel.parallel.pp.stages import adapter_pipeline_problem
+from ndparallel.parallel.support import adapter_layout_problem
 from ndparallel.runtime.network import reachable
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -32,13 +49,6 @@ def resolve_model_config(cfg: TrainConfig):
 
 
 def _base_model_config(cfg: TrainConfig):
-    from ndparallel.models.presets import (
-        PRESETS,
-        PUBLISHED,
-        is_preset,
-        preset_config,
-        published_config,
-    )
 
     name = cfg.base_model
     if cfg.revision_of_model and (is_preset(name) or Path(name).expanduser().exists()):
@@ -135,8 +145,6 @@ def quiet_transformers():
 def check_model(cfg: TrainConfig, hf, check_weights: bool = True) -> None:
     """Causal decoder? ``sequence_len`` within its positions? Local weights fit the config (with
     ``check_weights``)?"""
-    from ndparallel.models.causal import causal_lm_problem, config_problem
-    from ndparallel.models.presets import is_preset, published_config
 
     problem = config_problem(hf, cfg.trust_remote_code)
     if problem:
@@ -189,7 +197,6 @@ def beyond_positions(cfg: TrainConfig, hf) -> int | None:
 def beyond_learned_positions(cfg: TrainConfig, hf) -> list[str]:
     """The learned position tables that ``sequence_len`` overruns (none for rotary / ALiBi models,
     which compute positions: ``dry_checks.model_notes`` says they extrapolate)."""
-    from ndparallel.models.causal import learned_position_tables
 
     positions = beyond_positions(cfg, hf)
     return [] if positions is None else learned_position_tables(meta_model(cfg, hf), positions)
@@ -198,8 +205,6 @@ def beyond_learned_positions(cfg: TrainConfig, hf) -> list[str]:
 def meta_model(cfg: TrainConfig, hf):
     """``base_model``'s architecture on the meta device (no memory); ``ConfigError`` if it cannot be built."""
     import torch
-
-    from ndparallel.models.multimodal import causal_lm_from_config
 
     try:
         with quiet_transformers(), torch.device("meta"):
@@ -211,8 +216,6 @@ def meta_model(cfg: TrainConfig, hf):
 
 
 def _check_weights(cfg: TrainConfig, model, path: Path) -> None:
-    from ndparallel.models.loading import checkpoint_files
-    from ndparallel.models.weights import weights_problem
 
     try:
         files = checkpoint_files(path)
@@ -232,23 +235,12 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int, ep_size: int = 1, pp_size:
         return None
     import torch.nn as nn
 
-    from ndparallel.models.adapters import (
-        adapter_config_of,
-        base_model_of,
-        checkpoint_key,
-        is_lora_layer,
-        is_param_wrapper,
-    )
-
     model = _saved_adapter_model(cfg, hf) if cfg.lora_model_dir else _adaptedmeta_model(cfg, hf)
     layers = {n: m for n, m in base_model_of(model).named_modules() if is_lora_layer(m)}
     odd = [n for n, m in layers.items() if not isinstance(m.base_layer, nn.Linear)]
-    from ndparallel.parallel.support import adapter_layout_problem
 
     problem = adapter_layout_problem(base_model_of(model), tp_size, ep_size)
     if problem is None and pp_size > 1:
-        from ndparallel.parallel.pipeline_stages import adapter_pipeline_problem
-
         problem = adapter_pipeline_problem(model)
     if problem:
         raise ConfigError(problem)
@@ -281,7 +273,6 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int, ep_size: int = 1, pp_size:
 
 def _adaptedmeta_model(cfg: TrainConfig, hf, lora_config=None):
     """A meta-device copy of the model wrapped with the run's LoRA config (or ``lora_config``)."""
-    from ndparallel.models.adapters import apply_adapter
 
     try:
         with quiet_transformers():
@@ -292,14 +283,11 @@ def _adaptedmeta_model(cfg: TrainConfig, hf, lora_config=None):
         message = one_line(e)[:300]
         if message.startswith("lora_"):  # ours, naming its field
             raise ConfigError(message) from None
-        from ndparallel.models.multimodal import old_layout_hint
-
         hint = old_layout_hint(cfg.lora_target_modules)
         raise ConfigError(f"lora_target_modules={cfg.lora_target_modules!r}: {hint or message}") from None
 
 
 def _adapted_layers(model) -> list[str]:
-    from ndparallel.models.adapters import base_model_of, is_lora_layer
 
     return sorted(n for n, m in base_model_of(model).named_modules() if is_lora_layer(m))
 
@@ -307,7 +295,6 @@ def _adapted_layers(model) -> list[str]:
 def _saved_adapter_model(cfg: TrainConfig, hf):
     """``lora_model_dir``: the saved config readable and agreeing with every ``lora_*`` field the
     YAML sets, its tensors (headers only) fitting the model wrapped with it."""
-    from ndparallel.models.adapter_files import adapter_weights_problem
 
     where = f"lora_model_dir={cfg.lora_model_dir!r}"
     try:
@@ -344,8 +331,6 @@ def check_memory_options(cfg: TrainConfig, hf) -> None:
     if not (cfg.tiled_mlp or cfg.activation_offloading):
         return
     from transformers.modeling_layers import GradientCheckpointingLayer
-
-    from ndparallel.models.layers import dense_mlps, outer_decoder_layers
 
     model = meta_model(cfg, hf)
     classes = tuple(cfg.fsdp_config.layer_classes) if cfg.fsdp_config.layer_classes else None

@@ -6,17 +6,17 @@ adapter, ``model_check.check_adapter``)."""
 from __future__ import annotations
 
 from ndparallel.config import ConfigError, TrainConfig
+from ndparallel.parallel.pp.split import bubble_fraction, pipeline_problem, plan_stages
+from ndparallel.parallel.pp.stages import (
+    RING_CP_UNDER_PP_ON_CPU,
+    ROUTER_LOSS_UNDER_PP,
+    pipeline_family_problem,
+)
 
 
 def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
     """Why this config's pipeline cannot run, or None (also None without pipeline parallel,
     unless the schedule name itself is wrong)."""
-    from ndparallel.parallel.pipeline_split import pipeline_problem
-    from ndparallel.parallel.pipeline_stages import (
-        RING_CP_UNDER_PP_ON_CPU,
-        ROUTER_LOSS_UNDER_PP,
-        pipeline_family_problem,
-    )
 
     options = cfg.pipeline_options()
     pp = pc.pp_size
@@ -47,7 +47,8 @@ def pipeline_config_problem(cfg: TrainConfig, pc, hf) -> str | None:
     for refused, what in refusals:
         if refused:
             return (
-                f"pipeline_parallel_size={pp} with {what} is not supported yet: set pipeline_parallel_size: 1, "
+                f"pipeline_parallel_size={pp} with {what} is not supported yet: set pipeline_parallel_size: "
+                f"1, "
                 "or drop that setting (docs/pipeline_parallel.md, 'What composes')"
             )
     if pc.cp_enabled and cfg.cp_options().comm_strategy == "ring" and cfg.device == "cpu":
@@ -63,7 +64,6 @@ def check_pipeline(cfg: TrainConfig, pc, hf) -> None:
 
 def pipeline_summary(cfg: TrainConfig, pc, hf) -> str:
     """One line for ``--dry-run``: schedule, stages and their layers, micro-batches, the bubble."""
-    from ndparallel.parallel.pipeline_split import bubble_fraction, plan_stages
 
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
     plan = plan_stages(cfg.pipeline_options(), pc.pp_size, text.num_hidden_layers)

@@ -6,7 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ndparallel.config import TrainConfig
+from ndparallel.models.moe import config_num_experts
+from ndparallel.models.presets import is_preset
 from ndparallel.preflight.pipeline_check import pipeline_summary
+from ndparallel.tracking.credentials import tracker_problem
+from ndparallel.tracking.run import missing_trackers
 
 
 def describe_plan(cfg: TrainConfig, pc, hf, notes: Sequence[str] = ()) -> str:
@@ -50,12 +54,9 @@ def describe_plan(cfg: TrainConfig, pc, hf, notes: Sequence[str] = ()) -> str:
         f"output       : {cfg.output_dir}",
     ]
     lines += [f"note         : {n}" for n in notes if not n.startswith("max_steps")]
-    from ndparallel.tracking.run import missing_trackers
 
     trackers = cfg.trackers()
     if trackers:
-        from ndparallel.tracking.credentials import tracker_problem
-
         problem = tracker_problem(cfg)
         lines.insert(
             -1,
@@ -72,7 +73,6 @@ def describe_plan(cfg: TrainConfig, pc, hf, notes: Sequence[str] = ()) -> str:
 
 def _experts_lines(pc, hf) -> list[str]:
     """The experts' placement of a mixture-of-experts model (``--dry-run``)."""
-    from ndparallel.models.moe import config_num_experts
 
     experts = config_num_experts(hf)
     if experts is None:
@@ -154,14 +154,12 @@ def _local_tokenizer(cfg: TrainConfig):
     else the reason it is not loaded, as a string."""
     from pathlib import Path
 
-    from ndparallel.models.presets import is_preset
-
     source = cfg.tokenizer or cfg.base_model
     if source == cfg.base_model and is_preset(source):
         return "the built-in tokenizer of a preset model is trained when the run starts"
     if not Path(str(source)).expanduser().is_dir():
         return f"the tokenizer ({source}) is not a local directory"
-    from ndparallel.training.build import data_cache_dir, load_tokenizer
+    from ndparallel.training.components import data_cache_dir, load_tokenizer
 
     try:
         return load_tokenizer(cfg, data_cache_dir(cfg))
@@ -186,7 +184,7 @@ def _first_sample(cfg: TrainConfig, spec, where: str, tokenizer) -> str:
 
 def _data_mode(cfg: TrainConfig) -> str:
     from ndparallel.data.dataset import DatasetSpec
-    from ndparallel.data.pipeline import concatenates
+    from ndparallel.data.prepare import concatenates
 
     if cfg.pretraining_dataset is not None:
         how = "attention per document" if cfg.sample_packing else "attention across documents"
@@ -230,8 +228,10 @@ def _precision(cfg) -> str:
     name = cfg.compute_dtype_name()
     if name == "fp16":
         return (
-            f"fp16 compute, fp32 master weights, dynamic loss scaling (from {cfg.loss_scale_init:g}, x2 after "
-            f"{cfg.loss_scale_growth_interval} finite steps, /2 and the step skipped on an overflow; one host "
+            f"fp16 compute, fp32 master weights, dynamic loss scaling (from {cfg.loss_scale_init:g}, x2 "
+            f"after "
+            f"{cfg.loss_scale_growth_interval} finite steps, /2 and the step skipped on an overflow; one "
+            f"host "
             "read per step)"
         )
     return "bf16 compute, fp32 master weights" if name == "bf16" else "fp32"

@@ -7,6 +7,15 @@ from __future__ import annotations
 import math
 
 from ndparallel.config import ConfigError, TrainConfig
+from ndparallel.models.adapters import apply_adapter, base_model_of
+from ndparallel.models.quantized import (
+    NF4_BYTES_PER_PARAM,
+    layout_problem,
+    nf4_shard_count,
+    quantized_linears,
+    require_torchao,
+)
+from ndparallel.preflight.model_check import meta_model, quiet_transformers
 
 
 def check_quantized_base(cfg: TrainConfig, hf, pc) -> str | None:
@@ -14,15 +23,6 @@ def check_quantized_base(cfg: TrainConfig, hf, pc) -> str | None:
     return the summary line (None without ``load_in_4bit``)."""
     if not cfg.load_in_4bit:
         return None
-    from ndparallel.models.adapters import apply_adapter, base_model_of
-    from ndparallel.models.quantized import (
-        NF4_BYTES_PER_PARAM,
-        layout_problem,
-        nf4_shard_count,
-        quantized_linears,
-        require_torchao,
-    )
-    from ndparallel.preflight.model_check import meta_model, quiet_transformers
 
     try:
         require_torchao()

@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ndparallel.layout.mesh import submesh
+
 BASE_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 FLAT_DIMS = ("dp_shard_cp", "dp", "dp_cp")
 PREFERENCE = ("tp", "cp", "dp_shard", "dp_replicate", "dp_shard_cp", "dp", "dp_cp", "ep", "efsdp", "pp")
@@ -142,8 +144,6 @@ class CommProfiler(TorchDispatchMode):
         super().__init__()
         self._dims_of_group: dict[str, list[str]] = {}
         if mesh is not None:
-            from ndparallel.layout.mesh import submesh
-
             sizes = {}
             for dim in PREFERENCE:
                 source = expert_mesh if dim in ("ep", "efsdp") else mesh

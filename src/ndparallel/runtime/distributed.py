@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ndparallel.runtime.lifeline import die_with_launcher
+
 DEFAULT_TIMEOUT_S = 600.0
 """A dead peer makes every rank fail after this long instead of hanging forever."""
 
@@ -66,7 +68,6 @@ def init_distributed(device_type: str | None = None, timeout_s: float | None = N
     already exists it is reused and the device follows its backend (a gloo-only group means CPU;
     asking for ``cuda`` on it is an error), so repeated calls agree with the running group.
     """
-    from ndparallel.runtime.lifeline import die_with_launcher
 
     die_with_launcher()  # under an elastic agent: never outlive it (a kill -9 of the launcher)
     if timeout_s is None:

@@ -14,9 +14,15 @@ from typing import Any
 
 import torch
 
+from ndparallel import ParallelismConfig
+from ndparallel.engine import Engine, LossScaler, train_step
+from ndparallel.models.adapters import apply_adapter, lora_config
+from ndparallel.models.quantized import dequantize, is_nf4, quantize_linears
 from ndparallel.optim.build import build_optimizer
-from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.parallel.ep.expert import set_misroute
 from ndparallel.parallel.options import StrategyOptions
+from ndparallel.parallel.pp.schedule import gather_stage_states
+from ndparallel.techniques.loss import IGNORE_INDEX, causal_lm_loss
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class TrainSetup:
     """A deliberately broken layout run (proves the checks can fail): "skip-grad-sync" never
     reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
     attention crosses document starts; "wrong-expert-rank" sends every token of a mixture-of-experts
-    layer to the next expert-parallel rank (``parallel.expert.set_misroute``); "overflow-step-2"
+    layer to the next expert-parallel rank (``parallel.ep.expert.set_misroute``); "overflow-step-2"
     (fp16) puts an inf into one element of the last rank's local gradient shard at step 2, as a
     rank-local fp16 overflow would: every rank must skip that step; "per-shard-muon" orthogonalises
     each rank's shard of a Muon matrix instead of the whole matrix; "unsummed-tied-grads" (pipeline
@@ -134,12 +140,8 @@ def build_model(setup: TrainSetup):
     extra = {"experts_implementation": "eager"} if setup.dtype == "float64" else {}
     model = AutoModelForCausalLM.from_config(setup.model_config, **extra).to(getattr(torch, setup.dtype))
     if setup.adapter is not None:  # PEFT's init continues the seeded stream: the same everywhere
-        from ndparallel.models.adapters import apply_adapter, lora_config
-
         model = apply_adapter(model, lora_config(**setup.adapter))
     if setup.quantization is not None:  # the whole model on every rank: quantised whole (to_nf4)
-        from ndparallel.models.quantized import quantize_linears
-
         quantize_linears(model, setup.quantization)
     return model
 
@@ -158,8 +160,6 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
     """Run inside a rank (process group up): train with ``layout`` (ParallelismConfig kwargs; None =
     one process) through the engine's ``train_step`` — the step ``ndparallel train`` runs — and
     return losses, grad norms and the final full parameters (rank 0)."""
-    from ndparallel import ParallelismConfig
-    from ndparallel.engine import Engine, train_step
 
     engine = Engine(ParallelismConfig(**(layout or {})), strategy_options(setup))
     if setup.load is not None:
@@ -171,8 +171,6 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
     if setup.fault == "unsummed-tied-grads":
         engine.pipeline_of(model).sum_tied_grads = False
     if setup.fault == "wrong-expert-rank":
-        from ndparallel.parallel.expert import set_misroute
-
         set_misroute(model, 1)
     optimizer = setup_optimizer(setup, model)  # the model: low-bit AdamW finds its embeddings
     if (setup.fault or "").startswith("scaled-last-shard:"):
@@ -212,8 +210,6 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
             aux.append(float(out.aux_loss))
     params = full_parameters(model)  # a collective: every rank gathers
     if engine.dims.pp_enabled:  # each stage gathered its own: rank 0 collects the others'
-        from ndparallel.parallel.pipeline import gather_stage_states
-
         params = gather_stage_states(engine, params)
     return TrainResult(
         losses,
@@ -244,7 +240,6 @@ def loss_scaler(setup: TrainSetup, engine):
     unscaling puts an inf into the last rank's first local gradient shard at step 2."""
     if setup.mixed_precision != "fp16":
         return None
-    from ndparallel.engine import LossScaler
 
     if setup.fault != "overflow-step-2":
         return LossScaler(**(setup.loss_scale or {}))
@@ -269,8 +264,6 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
     """Every parameter, unsharded, as fp32 CPU tensors (collective under FSDP/TP: all ranks call)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from ndparallel.models.quantized import dequantize, is_nf4
-
     state = get_model_state_dict(model)  # sharded; gathered one tensor at a time (NF4: see dequantize)
     return {
         k: (dequantize(v) if is_nf4(v) else v.full_tensor() if hasattr(v, "full_tensor") else v)
@@ -286,7 +279,6 @@ def train_documents_separately(setup: TrainSetup) -> TrainResult:
     """One process, no packing: every document of every row runs as its own sequence (positions
     from 0, nothing to mask), with the same global token count and optimizer. What packed rows
     must reproduce under every layout."""
-    from ndparallel.parallel.loss import causal_lm_loss
 
     model = build_model(setup)
     optimizer = setup_optimizer(setup, model.parameters())

@@ -10,6 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 from ndparallel.models.families import TESTED_FAMILIES, is_tested_family
+from ndparallel.runtime.multirank import RankFailure, run_on_ranks
+from ndparallel.tools.agreement import reference_in_rank, verdict
+from ndparallel.tools.equivalence import TrainSetup, train_under_layout
+from ndparallel.tools.shrink import shrink_model
 
 
 def shrunk_layout(pc) -> dict[str, int]:
@@ -41,10 +45,6 @@ def family_check(cfg, pc, hf) -> str | None:
     layout = shrunk_layout(pc)
     if not layout:
         return None
-    from ndparallel.runtime.multirank import RankFailure, run_on_ranks
-    from ndparallel.tools.agreement import reference_in_rank, verdict
-    from ndparallel.tools.equivalence import TrainSetup, train_under_layout
-    from ndparallel.tools.shrink import shrink_model
 
     name = getattr(hf.get_text_config() if hasattr(hf, "get_text_config") else hf, "model_type", "?")
     world = 1

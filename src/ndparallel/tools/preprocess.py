@@ -10,6 +10,12 @@ import sys
 from typing import TextIO
 
 from ndparallel.config import TrainConfig
+from ndparallel.data.check import check_dataset
+from ndparallel.data.dataset import DatasetSpec, load_text_datasets, tokenize_dataset
+from ndparallel.data.describe import read_as
+from ndparallel.data.prepare import concatenates, prepare_samples, tokenize_specs
+from ndparallel.preflight.local import quiet_datasets
+from ndparallel.training.components import build_data, data_cache_dir, load_tokenizer
 
 TRAINED, MASKED = "bold green", "dim"
 
@@ -18,17 +24,12 @@ def preprocess(
     cfg: TrainConfig, show: int | None = None, as_json: bool = False, out: TextIO | None = None
 ) -> int:
     """Run the data pipeline of ``cfg`` (cached); returns the number of samples."""
-    from ndparallel.preflight.local import quiet_datasets
 
     with quiet_datasets():
         return _preprocess(cfg, show, as_json, out)
 
 
 def _preprocess(cfg: TrainConfig, show: int | None, as_json: bool, out: TextIO | None) -> int:
-    from ndparallel.data.check import check_dataset
-    from ndparallel.data.dataset import DatasetSpec
-    from ndparallel.data.pipeline import concatenates, prepare_samples, tokenize_specs
-    from ndparallel.training.build import build_data, data_cache_dir, load_tokenizer
 
     out = out or sys.stdout
     if cfg.missing_data_problem():
@@ -61,7 +62,8 @@ def _preprocess(cfg: TrainConfig, show: int | None, as_json: bool, out: TextIO |
         st = prepared.stats
         summary = (
             f"{st.records} records -> {st.samples} samples ({st.truncated} truncated, {st.dropped_too_long} "
-            f"dropped as too long, {st.dropped_untrained} with no trained token, {st.pieces_from_split} extra "
+            f"dropped as too long, {st.dropped_untrained} with no trained token, {st.pieces_from_split} "
+            f"extra "
             f"pieces of long raw text) -> {_rows(splits)} rows of {cfg.sequence_len} tokens"
             + (" (sample packing)" if cfg.sample_packing else " (one sample per row)")
         )
@@ -74,7 +76,6 @@ def _preprocess(cfg: TrainConfig, show: int | None, as_json: bool, out: TextIO |
         print(f"ndparallel preprocess: {summary}", file=sys.stderr)
         return count
     print(f"ndparallel preprocess: {summary}; cached in {cache}", file=out)
-    from ndparallel.data.describe import read_as
 
     for i, spec in enumerate(specs):
         print(f"  {read_as(spec, f'datasets[{i}]', bool(cfg.train_on_inputs))}", file=out)
@@ -90,8 +91,6 @@ def _rows(splits) -> int:
 def _documents(specs, tokenizer, cache) -> list:
     """Raw-text documents as (input_ids, labels = input_ids), as the concatenating pipeline makes them."""
     import numpy as np
-
-    from ndparallel.data.dataset import load_text_datasets, tokenize_dataset
 
     ids = tokenize_dataset(load_text_datasets(specs, cache), tokenizer, cache)["input_ids"]
     return [(np.asarray(x), np.asarray(x)) for x in ids]

@@ -20,7 +20,22 @@ from pathlib import Path
 
 import torch
 
+from ndparallel.axolotl import load_config
 from ndparallel.config import TrainConfig
+from ndparallel.engine import batch_to_device, train_step
+from ndparallel.engine.model_build import build_random_shards
+from ndparallel.models.attention import attention_kernel
+from ndparallel.models.presets import is_preset
+from ndparallel.preflight.model_check import resolve_model_config
+from ndparallel.runtime.comm_profile import CommProfiler
+from ndparallel.runtime.distributed import shutdown
+from ndparallel.runtime.fake_world import start_fake_world
+from ndparallel.runtime.memory_probe import LiveBytes, peak_rss_bytes, reset_peak_rss, state_bytes
+from ndparallel.runtime.quiet import quiet_library_noise
+from ndparallel.tools.simulate_pipeline import DirectSchedule, build_random_stages, pipeline_report
+from ndparallel.tools.simulate_predict import compare_collectives, predict
+from ndparallel.training.components import rounded_vocab
+from ndparallel.training.metrics import global_numel
 from ndparallel.training.trainer import Trainer
 
 GiB = 2**30
@@ -46,11 +61,6 @@ class SimulatedTrainer(Trainer):
     model's weights random and only this rank's shards ever materialised."""
 
     def _load_model(self):
-        from ndparallel.engine.build import build_random_shards
-        from ndparallel.models.attention import attention_kernel
-        from ndparallel.models.presets import is_preset
-        from ndparallel.preflight.model_check import resolve_model_config
-        from ndparallel.training.build import rounded_vocab
 
         cfg, engine = self.cfg, self.engine
         kernel, _ = attention_kernel(cfg.attn_implementation, engine.device.type)
@@ -62,8 +72,6 @@ class SimulatedTrainer(Trainer):
         adapter = cfg.lora_config_from_fields()  # a saved adapter's shape would need its files
         dtype = torch.bfloat16 if adapter is not None and cfg.bf16 else torch.float32
         if engine.dims.pp_enabled:  # this rank's pipeline stages only
-            from ndparallel.tools.simulate_pipeline import build_random_stages
-
             return build_random_stages(engine, self.hf_config, dtype, kernel, cfg.trust_remote_code)
         return build_random_shards(
             engine,
@@ -78,11 +86,6 @@ class SimulatedTrainer(Trainer):
 def simulate(cfg: TrainConfig, req: SimulationRequest) -> dict:
     """Start the fake world, set up and run the steps, measure, predict; return the report dict
     (``report.py`` prints it). Runs in this process; leaves no process group behind."""
-    from ndparallel.runtime.distributed import shutdown
-    from ndparallel.runtime.fake_world import start_fake_world
-    from ndparallel.runtime.memory_probe import peak_rss_bytes, reset_peak_rss
-    from ndparallel.tools.simulate_pipeline import pipeline_report
-    from ndparallel.tools.simulate_predict import compare_collectives, predict
 
     start_fake_world(req.world_size, req.rank)
     try:
@@ -136,7 +139,6 @@ def _direct_pipeline(trainer: Trainer):
     engine = trainer.engine
     if not engine.dims.pp_enabled:
         return None
-    from ndparallel.tools.simulate_pipeline import DirectSchedule
 
     direct = DirectSchedule(engine, engine.pipeline_of(trainer.model))
     direct.install()
@@ -144,7 +146,6 @@ def _direct_pipeline(trainer: Trainer):
 
 
 def _steps_batches(trainer: Trainer, step: int) -> list:
-    from ndparallel.engine import batch_to_device
 
     ga, device = trainer.cfg.gradient_accumulation_steps, trainer.engine.device
     return [batch_to_device(trainer.loader.micro_batch(step * ga + m), device) for m in range(ga)]
@@ -158,10 +159,6 @@ def _sync(device: torch.device) -> None:
 def _measure(trainer: Trainer, steps: int) -> tuple[dict, object]:
     """One warm-up step, ``steps`` timed steps, one profiled step (collectives; on CPU the tensor
     bytes alive). Returns the measurements and the communication profiler."""
-    from ndparallel.engine import train_step
-    from ndparallel.runtime.comm_profile import CommProfiler
-    from ndparallel.runtime.memory_probe import LiveBytes, peak_rss_bytes, state_bytes
-    from ndparallel.training.metrics import global_numel
 
     engine, model, cfg = trainer.engine, trainer.model, trainer.cfg
     model.train()
@@ -261,9 +258,6 @@ def run_in_child(config: str | None, overrides: list[str], req: SimulationReques
 
 def _child_main(argv: list[str]) -> None:
     import json
-
-    from ndparallel.axolotl import load_config
-    from ndparallel.runtime.quiet import quiet_library_noise
 
     quiet_library_noise()
     req = SimulationRequest(**json.loads(argv[0]))

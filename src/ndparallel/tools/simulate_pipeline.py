@@ -24,6 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from ndparallel.engine.model_build import fill_random, materialize_shards
+from ndparallel.models.loading import build_on_meta_from_config, init_non_persistent_buffers
+from ndparallel.parallel.pp.schedule import join_micro_batches
+from ndparallel.parallel.pp.split import bubble_fraction
+
 SINGLE = {"GPipe", "1F1B"}
 COMPUTE = {"F", "B", "I", "W"}
 
@@ -35,8 +40,6 @@ def build_random_stages(
     meta device, parallelised, materialised with random values; each stage's cut model
     materialised and its rotary buffers computed on its own (the ``StageView`` holds one copy of
     them and has no ``_init_weights``)."""
-    from ndparallel.engine.build import fill_random, materialize_shards
-    from ndparallel.models.loading import build_on_meta_from_config, init_non_persistent_buffers
 
     view = engine.parallelize(
         build_on_meta_from_config(config, dtype, attn_implementation, trust_remote_code, None)
@@ -109,7 +112,6 @@ class DirectSchedule:
         return x.requires_grad_()
 
     def forward_backward(self, micro_batches, num_items: torch.Tensor, loss_scale: float | None = None):
-        from ndparallel.parallel.pipeline import join_micro_batches
 
         pipeline, engine = self.pipeline, self.engine
         n = pipeline.microbatches(micro_batches)
@@ -167,7 +169,6 @@ def _no_sync(module) -> None:
 def pipeline_report(trainer, measured: dict) -> dict:
     """This rank's place in the pipeline and the schedule's idle share: the measured compute time
     has no bubble, so the step estimate divides it by (1 − bubble)."""
-    from ndparallel.parallel.pipeline_split import bubble_fraction
 
     engine = trainer.engine
     pipeline = engine.pipeline_of(trainer.model)

@@ -7,14 +7,23 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ndparallel.models.adapters import base_model_of
+from ndparallel.plan.calibrate import calibrate
+from ndparallel.plan.comms import collectives_for, scalar_collectives
+from ndparallel.plan.estimate import rank_step
+from ndparallel.plan.hardware import Hardware, get_preset, load_hardware_file, preset_for_device
+from ndparallel.plan.layout import Settings
+from ndparallel.plan.models import from_hf_config
+from ndparallel.plan.pipeline import rank_shape
+from ndparallel.plan.pipeline_estimate import pp_rank
+from ndparallel.plan.search import estimate
+from ndparallel.techniques.lm_loss import use_chunked_loss
+
 GiB = 2**30
 
 
 def planner_settings(trainer):
     """``plan.layout.Settings`` of the running trainer's step."""
-    from ndparallel.models.adapters import base_model_of
-    from ndparallel.parallel.lm_loss import use_chunked_loss
-    from ndparallel.plan.layout import Settings
 
     cfg, engine, model = trainer.cfg, trainer.engine, trainer.model
     options = engine.options
@@ -39,7 +48,6 @@ def planner_settings(trainer):
 def hardware_for(req, engine, spec, settings):
     """``--hardware-file``, else ``--gpu``, else this CUDA device's preset; on CPU a quick
     calibration of this machine at the model's own shapes (a few seconds)."""
-    from ndparallel.plan.hardware import get_preset, load_hardware_file, preset_for_device
 
     if req.hardware_file:
         return load_hardware_file(req.hardware_file)
@@ -56,8 +64,6 @@ def hardware_for(req, engine, spec, settings):
                 "(ndparallel plan --calibrate writes one)"
             )
         return hw
-    from ndparallel.plan.calibrate import calibrate
-    from ndparallel.plan.hardware import Hardware
 
     tokens = settings.micro_batch * settings.seq_len // engine.dims.cp
     profile = calibrate(ranks=1, quick=True, device="cpu", model=spec, seq_len=tokens, micro_batch=1)
@@ -67,14 +73,14 @@ def hardware_for(req, engine, spec, settings):
 def pipeline_problem(trainer, spec, settings) -> str | None:
     """Why the planner cannot model this pp rank (one line), or None: it models one pipeline
     micro-batch per accumulation step and the runtime's even split of the layers."""
-    from ndparallel.plan.pipeline import rank_shape
 
     engine = trainer.engine
     plan, rank = engine.pipeline_of(trainer.model).plan, engine.rank_in("pp")
     m = engine.options.pipeline.microbatches
     if m is not None and m != settings.grad_accum:
         return (
-            f"the planner models one pipeline micro-batch per accumulation step, not pipeline_microbatches={m}: "
+            f"the planner models one pipeline micro-batch per accumulation step, not "
+            f"pipeline_microbatches={m}: "
             "the measurement is shown alone"
         )
     layers = sum(len(plan.layers[s]) for s in plan.stages_of(rank))
@@ -87,10 +93,6 @@ def rank_estimate(trainer, spec, settings, hw, gpus_per_node: int) -> tuple:
     """(memory, collectives, time, pipeline part) the planner predicts for this rank: under pipeline
     parallel this pp rank's stages (``pipeline_estimate.pp_rank``) — the collectives without the
     stage transfers, which the direct run does not issue."""
-    from ndparallel.plan.comms import collectives_for, scalar_collectives
-    from ndparallel.plan.estimate import rank_step
-    from ndparallel.plan.pipeline_estimate import pp_rank
-    from ndparallel.plan.search import estimate
 
     dims = trainer.engine.dims
     if not dims.pp_enabled:
@@ -114,7 +116,6 @@ def rank_estimate(trainer, spec, settings, hw, gpus_per_node: int) -> tuple:
 
 def predict(trainer, req, measured: dict) -> tuple[dict, list]:
     """The planner's memory and time for the run; returns (report part, predicted collectives)."""
-    from ndparallel.plan.models import from_hf_config
 
     engine = trainer.engine
     spec = from_hf_config(trainer.hf_config.to_dict(), str(trainer.cfg.base_model))

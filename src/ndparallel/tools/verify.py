@@ -11,6 +11,11 @@ from rich.console import Console
 from rich.table import Table
 
 from ndparallel.config import TrainConfig
+from ndparallel.models.quantized import NF4Config
+from ndparallel.parallel.pp.split import virtual_stages
+from ndparallel.runtime.multirank import run_on_ranks
+from ndparallel.tools.agreement import Reference, reference_in_rank, stated_bounds, verdict
+from ndparallel.tools.equivalence import TrainSetup, train_under_layout
 from ndparallel.tools.shrink import shrink_config
 
 
@@ -36,7 +41,6 @@ def _shrunk_nf4(cfg: TrainConfig):
     """QLoRA's NF4 base with blocks small enough for the shrunk model's weights (None without it)."""
     if not cfg.load_in_4bit:
         return None
-    from ndparallel.models.quantized import NF4Config
 
     return NF4Config(16, 4, cfg.nf4_config().skip_modules)
 
@@ -86,8 +90,6 @@ def _setup(cfg: TrainConfig, pc, small, steps: int, fault: str | None):
     """What both sides of the check train: the run's own strategy options (as ``train`` builds
     them), fp32, SGD, on packed rows of random documents."""
     import dataclasses
-
-    from ndparallel.tools.equivalence import TrainSetup
 
     options = cfg.strategy_options()
     return TrainSetup(
@@ -147,7 +149,6 @@ def _enough_layers_for_stages(small, cfg: TrainConfig, pc):
     repeated): two layers cannot fill 2 stages × 2 virtual stages."""
     if pc.pp_size <= 1:
         return small
-    from ndparallel.parallel.pipeline_split import virtual_stages
 
     stages = pc.pp_size * virtual_stages(cfg.pipeline_options())
     if stages <= small.num_hidden_layers:
@@ -169,10 +170,6 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, fault: str | 
     with ``qat`` again with fake quantisation on both sides (the same looser tolerance:
     quantisation levels flip on fp32 noise)."""
     import dataclasses
-
-    from ndparallel.runtime.multirank import run_on_ranks
-    from ndparallel.tools.agreement import Reference, reference_in_rank, stated_bounds, verdict
-    from ndparallel.tools.equivalence import train_under_layout
 
     console = Console()
     small = _enough_layers_for_stages(shrink_config(hf_config, pc.tp_size, pc.cp_size, pc.ep_size), cfg, pc)

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from ndparallel.data import PackedLoader
+from ndparallel.data.padded import padded_to
 from ndparallel.engine import batch_to_device
 from ndparallel.engine.step import evaluation
 
@@ -17,8 +19,6 @@ def validation_loader(
     """The validation split's loader, every row of it: the rows are padded with rows that train
     nothing to a whole number of global micro-batches (``data.padded``), so a split smaller than one
     global micro-batch is evaluated as a partial batch, and none is dropped."""
-    from ndparallel.data import PackedLoader
-    from ndparallel.data.padded import padded_to
 
     rows = padded_to(val_blocks, engine.dp_size * micro_batch_size)
     return PackedLoader(

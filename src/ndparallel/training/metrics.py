@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from ndparallel.models.flops import attention_dim, matmul_params, train_flops_per_token
+from ndparallel.plan.hardware import PRESETS
+from ndparallel.runtime.memory_probe import peak_rss_bytes
+
 
 def model_flops_per_token(model: torch.nn.Module, config, seq_len: int) -> float:
     """Training FLOPs per token of ``model`` at ``seq_len`` (``models.flops``: the definition the
     planner uses too)."""
-    from ndparallel.models.flops import attention_dim, matmul_params, train_flops_per_token
 
     n, trained = matmul_params(model)  # a multimodal model: its towers' linears too (an overcount)
     config = config.get_text_config()
@@ -19,7 +22,6 @@ def device_peak_flops(device: torch.device, bf16: bool) -> float | None:
     """Dense peak FLOP/s of a known GPU (from the planner's hardware presets); None if unknown."""
     if device.type != "cuda":
         return None
-    from ndparallel.plan.hardware import PRESETS
 
     name = torch.cuda.get_device_name(device).lower()
     mem_gb = torch.cuda.get_device_properties(device).total_memory / 2**30
@@ -35,7 +37,6 @@ def peak_memory_gb(device: torch.device) -> float:
     """Peak accelerator memory allocated, or this process's peak RSS on CPU, in GiB."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    from ndparallel.runtime.memory_probe import peak_rss_bytes
 
     return peak_rss_bytes() / 2**30
 

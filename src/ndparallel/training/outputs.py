@@ -8,7 +8,8 @@
   In a directory of an older ndparallel without a run record, its ``checkpoint-N``,
   ``metrics.jsonl`` and ``config.resolved.yaml`` are adopted.
 * Whatever the case, an entry this run would write (``metrics.jsonl``, ``metrics.png``,
-  ``config.resolved.yaml``, ``final/``, ``merged/``, ``comm_profile/``, ``checkpoint-N/``) that no run recorded
+  ``config.resolved.yaml``, ``final/``, ``merged/``, ``comm_profile/``, ``checkpoint-N/``) that no run
+  recorded
   writing is never replaced: the run is refused, naming it.
 
 ``plan_output_dir`` decides (pure, read-only): the launcher calls it before any rank starts

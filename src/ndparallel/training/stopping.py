@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ndparallel.checkpoint.directory import list_checkpoints, validate_checkpoint
 from ndparallel.runtime.preemption import PREEMPTED_EXIT, Preempted
 
 
@@ -25,7 +26,6 @@ class Interrupted(Exception):
 
 def newest_complete(output_dir) -> Path | None:
     """The newest complete ``checkpoint-N`` (marker and file sizes checked, no hashing)."""
-    from ndparallel.checkpoint.directory import list_checkpoints, validate_checkpoint
 
     for _, path in reversed(list_checkpoints(output_dir)):
         if not validate_checkpoint(path, deep=False):

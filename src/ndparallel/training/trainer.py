@@ -18,11 +18,26 @@ from pathlib import Path
 
 import torch
 
+from ndparallel.checkpoint import (
+    AsyncCheckpointer,
+    checkpoint_dir,
+    find_resume_checkpoint,
+    load_checkpoint,
+    save_step_checkpoint,
+)
+from ndparallel.checkpoint.export import save_hf_model
 from ndparallel.config import TrainConfig
 from ndparallel.engine import Engine, batch_to_device, train_step
 from ndparallel.engine.nonfinite import NonFiniteGuard
+from ndparallel.models.attention import attention_kernel
+from ndparallel.models.presets import is_preset
+from ndparallel.optim.build import build_scheduler
+from ndparallel.runtime.comm_profile import CommProfiler
+from ndparallel.runtime.distributed import rank0_decides, shutdown
+from ndparallel.runtime.preemption import PreemptionWatch
+from ndparallel.runtime.quiet import quiet_library_noise
 from ndparallel.tracking.run import RunTrackers
-from ndparallel.training.build import (
+from ndparallel.training.components import (
     build_data,
     data_cache_dir,
     grown_vocab_size,
@@ -31,8 +46,10 @@ from ndparallel.training.build import (
     optimizer_for,
     pad_multiple,
     rounded_vocab,
+    train_loader,
 )
-from ndparallel.training.evaluate import validation_loader
+from ndparallel.training.controls import EarlyStopping, LossWatchdog, eval_every, freeze_except
+from ndparallel.training.evaluate import evaluate, validation_loader
 from ndparallel.training.metrics import (
     device_peak_flops,
     global_numel,
@@ -40,7 +57,9 @@ from ndparallel.training.metrics import (
     model_flops_per_token,
     peak_memory_gb,
 )
+from ndparallel.training.outputs import claim_output_dir
 from ndparallel.training.progress import Progress
+from ndparallel.training.stopping import Interrupted, stop_for_preemption
 
 
 @dataclass
@@ -54,7 +73,6 @@ def quiet_non_main_ranks(rank: int) -> None:
     not apply here are silenced on every rank: FSDP2's "returned a view tensor" (transformers'
     decoder applies no in-place op to those outputs; the equivalence tests prove the gradients)
     and the library noise of ``runtime/quiet.py``."""
-    from ndparallel.runtime.quiet import quiet_library_noise
 
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a deprecated name
@@ -88,9 +106,6 @@ class Trainer:
     def setup(self) -> None:
         """Engine (process group, layout, mesh, strategies), tokenizer, data, model, optimizer and
         schedule."""
-        from ndparallel.optim.build import build_scheduler
-        from ndparallel.training.build import train_loader
-        from ndparallel.training.controls import EarlyStopping, LossWatchdog, eval_every
 
         cfg = self.cfg
         self.engine = engine = Engine(
@@ -147,15 +162,11 @@ class Trainer:
         self._saved_step: int | None = None
         self.checkpointer = None
         if cfg.checkpoint_async:
-            from ndparallel.checkpoint import AsyncCheckpointer
-
             self.checkpointer = AsyncCheckpointer(timeout_s=cfg.collective_timeout_s)
 
     def _load_model(self):
         """The model, sharded, with the attention kernel this machine has (one warning line if the
         requested one is missing) and no KV cache (with one, transformers would not mask packed samples)."""
-        from ndparallel.models.attention import attention_kernel
-        from ndparallel.models.presets import is_preset
 
         cfg, engine = self.cfg, self.engine
         kernel, why = attention_kernel(cfg.attn_implementation, engine.device.type)
@@ -193,15 +204,11 @@ class Trainer:
         if getattr(model, "config", None) is not None:
             model.config.use_cache = False
         if cfg.unfrozen_parameters and adapter is None:
-            from ndparallel.training.controls import freeze_except
-
             freeze_except(model, cfg.unfrozen_parameters)  # before the first forward (FSDP2's lazy init)
         return model
 
     def resume(self) -> None:
         """Continue from a checkpoint (any layout: DCP reshards; data resumes by samples seen)."""
-        from ndparallel.checkpoint import find_resume_checkpoint, load_checkpoint
-        from ndparallel.runtime.distributed import rank0_decides
 
         resume = resume_policy(self.cfg.resume_from_checkpoint, os.environ)
         if not resume:
@@ -294,7 +301,6 @@ class Trainer:
         return metrics
 
     def maybe_evaluate(self) -> None:
-        from ndparallel.training.evaluate import evaluate
 
         cfg, step = self.cfg, self.state.step
         if self.val_loader is None or (
@@ -319,7 +325,6 @@ class Trainer:
     def save_checkpoint(self, periodic: bool = False) -> Path:
         """``checkpoint-{step}``: in the background with ``checkpoint_async`` (``periodic``), else
         now. Not twice for one step; a background save in flight is awaited first."""
-        from ndparallel.checkpoint import checkpoint_dir, save_step_checkpoint
 
         cfg, step = self.cfg, self.state.step
         if self.checkpointer is not None and not periodic:
@@ -354,8 +359,6 @@ class Trainer:
 
     def finish(self) -> None:
         """The final Hugging Face model; then leave the process group."""
-        from ndparallel.checkpoint.export import save_hf_model
-        from ndparallel.runtime.distributed import shutdown
 
         engine = self.engine
         if self.checkpointer is not None:
@@ -393,7 +396,6 @@ class Trainer:
         shutdown()
 
     def _save_merged(self) -> None:
-        from ndparallel.checkpoint.export import save_hf_model
 
         merged = self.out / "merged"
         save_hf_model(
@@ -414,12 +416,9 @@ class Trainer:
     def run(self) -> dict:
         """All phases; returns the last logged metrics (the last step is always logged). Ends with
         ``Preempted`` after a preemption signal, ``Interrupted`` after Ctrl-C."""
-        from ndparallel.runtime.preemption import PreemptionWatch
-        from ndparallel.training.stopping import Interrupted, stop_for_preemption
 
         self.setup()
         self.resume()
-        from ndparallel.training.outputs import claim_output_dir
 
         resuming = resume_policy(self.cfg.resume_from_checkpoint, os.environ) is not None
         claim_output_dir(self.engine, self.cfg, resuming, self.profile_comm)  # before the first write
@@ -468,14 +467,13 @@ class Trainer:
         engine.print(
             f"ndparallel train: {engine.dims.describe()} on {engine.world_size} rank(s) "
             f"({engine.device.type}); model {n_global / 1e6:.2f}M params "
-            f"({local_numel(self.model) / 1e6:.2f}M on this rank{self._trainable_note()}); {self.total_steps} steps × "
+            f"({local_numel(self.model) / 1e6:.2f}M on this rank{self._trainable_note()}); "
+            f"{self.total_steps} steps × "
             f"{self.loader.global_micro_batch * cfg.gradient_accumulation_steps} sequences × "
             f"{cfg.sequence_len} tokens"
         )
         self.profiler = None
         if self.profile_comm:  # the first two steps (lazy init, then a steady step) are recorded
-            from ndparallel.runtime.comm_profile import CommProfiler
-
             self.profiler = CommProfiler(engine.mesh, engine.built_expert_mesh)
             self.profiler.__enter__()
 

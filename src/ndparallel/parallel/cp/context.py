@@ -8,9 +8,8 @@ closure holds the group, and sets the model's attention implementation to that n
 no global state of ours and no attribute on the modules; two models on two meshes get two names.
 The registered mask function returns no mask (the attention derives its causal and document masks
 from ``position_ids``) and raises on a padding mask, which transformers would otherwise drop
-silently for custom names. ``apply_document_attention`` does the same without CP, for scripts: packed
-rows on one device with O(S) memory (transformers' sdpa would build a B×S×S mask; ``train`` leaves
-attention without CP to transformers).
+silently for custom names. The hook's checks and the registration are those of the document
+attention without CP (``parallel/document_attention.py``).
 """
 
 from __future__ import annotations
@@ -22,14 +21,16 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.layout.mesh import process_group
-from ndparallel.parallel.cp_attention import (
-    STRATEGIES,
-    context_parallel_attention,
-    document_causal_attention,
+from ndparallel.parallel.attention_blocks import DocCache
+from ndparallel.parallel.cp.parallel_attention import STRATEGIES, context_parallel_attention
+from ndparallel.parallel.cp.sharding import cp_num_chunks, shard_for_cp
+from ndparallel.parallel.cp.ulysses import ulysses_head_error
+from ndparallel.parallel.document_attention import (
+    ATTENTION_LAYER_TYPES,
+    check_call,
+    layer_features,
+    register_attention,
 )
-from ndparallel.parallel.cp_blocks import DocCache
-from ndparallel.parallel.cp_sharding import cp_num_chunks, shard_for_cp
-from ndparallel.parallel.cp_ulysses import ulysses_head_error
 from ndparallel.parallel.options import CPOptions
 from ndparallel.parallel.positions import PositionRecorder
 
@@ -55,7 +56,7 @@ def validate_context_parallel(
         raise ValueError(
             f"sequence_len={seq_len} is not a multiple of {'2·' if load_balance else ''}"
             f"context_parallel_size = {n}: set sequence_len to a multiple of {n} (e.g. {up}) or pad "
-            "batches with ndparallel.parallel.cp_sharding.pad_for_cp"
+            "batches with ndparallel.parallel.cp.sharding.pad_for_cp"
         )
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -100,11 +101,6 @@ def validate_context_parallel(
         )
 
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-"""``config.layer_types`` ndparallel's attention computes: causal, sliding-window (the layer's
-``sliding_window``) and chunked (Llama 4's ``attention_chunk_size``)."""
-
-
 def attention_name(
     cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto", owner: object = None
 ) -> str:
@@ -114,20 +110,6 @@ def attention_name(
     lb = "lb" if options.load_balance else "contig"
     suffix = "" if owner is None else f"_m{id(owner):x}"
     return f"ndparallel_cp_{options.comm_strategy}_{lb}_{kernel}_pg{group.group_name}{suffix}"
-
-
-def _check_call(module, attention_mask, dropout, kwargs) -> None:
-    if attention_mask is not None:
-        raise ValueError(
-            "context-parallel / document attention takes no attention_mask (packed causal LM only): "
-            "drop the padding mask and pad with ignored labels instead (pad_for_cp)"
-        )
-    if dropout:
-        raise ValueError("attention dropout is not supported by context-parallel / document attention")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("attention sinks (s_aux) are not supported by context-parallel / document attention")
-    if not getattr(module, "is_causal", True):
-        raise ValueError("context-parallel / document attention is causal only; this module is not causal")
 
 
 def _check_temperature_tuning(module, seq_len: int) -> None:
@@ -149,25 +131,6 @@ def temperature_tuning_message(seq_len: int, floor_scale: int) -> str:
     )
 
 
-def layer_features(module, kwargs) -> tuple[int | None, int | None, float | None]:
-    """(sliding window, attention chunk, soft cap) of the layer calling the attention: the
-    ``sliding_window`` / ``softcap`` the model passes (what transformers' flash-attention path
-    uses), else the layer's ``config.layer_types`` entry."""
-    config = getattr(module, "config", None)
-    types, idx = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
-    kind = types[idx] if types is not None and isinstance(idx, int) and idx < len(types) else None
-    if kind is not None and kind not in ATTENTION_LAYER_TYPES:
-        raise ValueError(
-            f"layer {idx} is a {kind!r} layer: ndparallel's attention computes "
-            f"{', '.join(ATTENTION_LAYER_TYPES)} layers only"
-        )
-    window = kwargs.get("sliding_window")
-    if window is None and kind == "sliding_attention":
-        window = getattr(config, "sliding_window", None)
-    chunk = getattr(config, "attention_chunk_size", None) if kind == "chunked_attention" else None
-    return window, chunk, kwargs.get("softcap")
-
-
 def make_attention_fn(
     cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto", recorder: PositionRecorder | None = None
 ):
@@ -182,7 +145,7 @@ def make_attention_fn(
     recorder = recorder or PositionRecorder()
 
     def cp_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        _check_call(module, attention_mask, dropout, kwargs)
+        check_call(module, attention_mask, dropout, kwargs)
         _check_temperature_tuning(module, query.shape[2] * dist.get_world_size(group))
         window, chunk, softcap = layer_features(module, kwargs)
         out = context_parallel_attention(
@@ -205,52 +168,6 @@ def make_attention_fn(
     return cp_attention_forward
 
 
-def _no_padding_mask(*, attention_mask=None, **_):
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            "context parallelism / document attention does not support padding masks: pack sequences "
-            "(position_ids carry the global positions) and pad with ignored labels (pad_for_cp) instead"
-        )
-    return None
-
-
-def _register(model, name: str, fn) -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(name, fn)
-    AttentionMaskInterface.register(name, _no_padding_mask)
-    model.set_attn_implementation(name)
-    if model.config._attn_implementation != name:
-        raise ValueError(
-            f"{type(model).__name__} does not call attention through transformers' AttentionInterface, "
-            "through which ndparallel's context-parallel / document attention replaces it: train this "
-            "model without context_parallel_size (and without sequence_parallel)"
-        )
-
-
-def apply_document_attention(model, kernel: str = "auto"):
-    """Without CP: switch ``model`` to ndparallel's document-masked causal attention (packed rows:
-    ``position_ids`` restarting at 0) with O(S) memory and the flash kernel on CUDA bf16/fp16.
-    transformers' own sdpa/eager handle packed rows too, but build a B×S×S mask; its
-    flash_attention_2 (if installed) uses varlen kernels. Works under TP (each rank its heads)."""
-    cache = DocCache()
-    recorder = PositionRecorder().attach(model)
-
-    def document_attention_forward(
-        module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
-    ):
-        _check_call(module, attention_mask, dropout, kwargs)
-        window, chunk, softcap = layer_features(module, kwargs)
-        out = document_causal_attention(
-            query, key, value, recorder.positions(kwargs), scaling, kernel, cache, window, chunk, softcap
-        )
-        return out.transpose(1, 2).contiguous(), None
-
-    _register(model, f"ndparallel_documents_{kernel}_m{id(recorder):x}", document_attention_forward)
-    return model
-
-
 def apply_context_parallel(model, cp_mesh, options: CPOptions = CPOptions(), kernel: str = "auto"):
     """Make ``model``'s attention context-parallel over ``cp_mesh`` (1-D DeviceMesh or ProcessGroup).
 
@@ -268,7 +185,7 @@ def apply_context_parallel(model, cp_mesh, options: CPOptions = CPOptions(), ker
         strategy=options.comm_strategy,
     )
     recorder = PositionRecorder().attach(model)
-    _register(
+    register_attention(
         model,
         attention_name(group, options, kernel, owner=recorder),
         make_attention_fn(group, options, kernel, recorder),

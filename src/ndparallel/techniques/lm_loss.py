@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 
 from ndparallel.models.heads import plain_head_problem
-from ndparallel.parallel.chunked_ce import chunked_linear_cross_entropy
-from ndparallel.parallel.options import LossOptions
+from ndparallel.techniques.chunked_ce import chunked_linear_cross_entropy
+from ndparallel.techniques.technique_options import LossOptions
 
 MODEL_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask")
 """What a batch gives the model; ``inputs_embeds`` (hidden states) on a later pipeline stage."""

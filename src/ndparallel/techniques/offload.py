@@ -46,6 +46,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from ndparallel.models.layers import outer_decoder_layers
+
 
 @dataclass
 class OffloadStats:
@@ -239,7 +241,6 @@ def transfers_for(device: torch.device):
 def apply_activation_offloading(model, device, layer_classes=None, **kwargs) -> ActivationOffloader:
     """Offload the checkpointed input of every decoder layer of ``model`` (activation checkpointing
     must be on: transformers' ``GradientCheckpointingLayer`` with its checkpoint function)."""
-    from ndparallel.models.layers import outer_decoder_layers
 
     kwargs.setdefault("max_host_bytes", default_host_budget())
     offloader = ActivationOffloader(transfers_for(device), **kwargs)

@@ -1,6 +1,6 @@
 """The training config's pipeline-parallel fields (ndparallel's own: Axolotl has none). A mixin of
 ``TrainConfig``; the checks against the model and the rest of the config are
-``preflight/pipeline_check.py``, the runtime ``parallel/pipeline.py`` (docs/pipeline_parallel.md)."""
+``preflight/pipeline_check.py``, the runtime ``parallel/pp/schedule.py`` (docs/pipeline_parallel.md)."""
 
 from __future__ import annotations
 

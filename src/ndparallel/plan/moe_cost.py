@@ -1,5 +1,5 @@
 """Mixture-of-experts in the planner: the terms an MoE layer adds to the memory, compute and
-communication models, for the runtime of ``parallel/expert.py`` (docs/moe.md).
+communication models, for the runtime of ``parallel/ep/expert.py`` (docs/moe.md).
 
 Every decoder layer is an MoE layer (Qwen3-MoE, Mixtral, gpt-oss, OLMoE): attention as in a dense
 layer, a router (E × h), optional shared experts (a dense MLP of width ``s``, replicated over tp),

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ndparallel.models.tp_plans import TPPlanError
-from ndparallel.parallel.tp_styles import replicate_param
+from ndparallel.parallel.tp.styles import replicate_param
 
 
 def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ndparallel.models.layers import decoder_layers
-from ndparallel.parallel.options import Float8Options
+from ndparallel.techniques.technique_options import Float8Options
 
 MIN_CAPABILITY = (8, 9)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ndparallel.parallel.options import QATOptions
+from ndparallel.techniques.technique_options import QATOptions
 
 _COMBINATIONS = {
     ("int4", None),
@@ -258,8 +258,10 @@ def qat_layout_problem(tp_size: int, float8: bool) -> str | None:
     shard), float8 training (both replace the same linears)."""
     if tp_size > 1:
         return (
-            f"qat with tensor_parallel_size={tp_size} is not supported (torchao's fake quantisers would compute "
-            "their scales on TP shards, not whole rows): shard with dp_shard_size (FSDP2, exact under QAT) and "
+            f"qat with tensor_parallel_size={tp_size} is not supported (torchao's fake quantisers would "
+            f"compute "
+            "their scales on TP shards, not whole rows): shard with dp_shard_size (FSDP2, exact under QAT) "
+            "and "
             "set tensor_parallel_size: 1"
         )
     if float8:

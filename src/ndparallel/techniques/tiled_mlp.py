@@ -27,7 +27,7 @@ block run per tile:
   input is all it saved), then the tiled backward recomputes each tile once more: with
   checkpointing the MLP forward runs three times, without it twice.
 * **compile**: the block's own ``_call_impl`` (one tile) is what ``nn.Module.compile`` compiles;
-  the tiling and the nested backward stay eager (``parallel/compile.py`` compiles the children of
+  the tiling and the nested backward stay eager (``techniques/compile.py`` compiles the children of
   each layer when tiling is on).
 * **LoRA** (PEFT linears inside the block): only the adapters' ``.grad`` accumulate.
 """
@@ -39,6 +39,8 @@ import math
 
 import torch
 import torch.nn as nn
+
+from ndparallel.models.layers import dense_mlps
 
 TILE_DIM = -2
 """The sequence dim of an MLP input ``[batch, seq, hidden]``."""
@@ -150,7 +152,6 @@ def is_tiled(module: nn.Module) -> bool:
 
 def apply_tiled_mlp(model: nn.Module, num_tiles: int | None = None, layer_classes=None) -> list[nn.Module]:
     """Tile the dense MLP of every decoder layer of ``model``; returns the blocks."""
-    from ndparallel.models.layers import dense_mlps
 
     return [tile_mlp(mlp, num_tiles) for mlp in dense_mlps(model, layer_classes)]
 

@@ -13,11 +13,13 @@ import torch.nn as nn
 from transformers import PretrainedConfig
 
 from ndparallel.models.adapter_files import read_adapter_weights
-from ndparallel.models.adapters import adapter_config_of
+from ndparallel.models.adapters import adapter_config_of, base_model_of
 from ndparallel.models.loading import (
     build_from_config,
     build_on_meta,
+    build_on_meta_from_config,
     fill_from_files,
+    init_non_persistent_buffers,
     materialize,
     resolve_model_dir,
     set_full_tensors,
@@ -112,7 +114,6 @@ def build_random_shards(
     materialised and filled with random values (normal(0, 0.02) for matrices, ones for vectors;
     rotary buffers computed): the whole model never exists on any rank, whatever its size. For
     measuring one rank (``ndparallel simulate``), where the values do not matter."""
-    from ndparallel.models.loading import build_on_meta_from_config
 
     model = build_on_meta_from_config(config, dtype, attn_implementation, trust_remote_code, adapter)
     model = engine.parallelize(model)
@@ -126,8 +127,6 @@ def materialize_shards(engine, module: nn.Module) -> None:
     device, or in host memory under FSDP's CPU offload, its buffers then on the device), and its
     non-persistent buffers (rotary frequencies) computed. A pipeline stage view: each of its
     stages' models (the view holds one copy of the buffers several stages of a rank share)."""
-    from ndparallel.models.adapters import base_model_of
-    from ndparallel.models.loading import init_non_persistent_buffers
 
     offload = engine.options.fsdp.cpu_offload
     pipeline = engine.pipeline_of(module)

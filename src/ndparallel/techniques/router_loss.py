@@ -16,7 +16,8 @@ micro-batch whose rows are spread over the dp × cp ranks (and over tp under seq
 Here each rank keeps the router logits of its own rows while the model runs (forward hooks on the
 routers, as transformers' ``output_router_logits`` does; removed before backward, so an
 activation-checkpointing recompute neither records twice nor saves other tensors than the forward
-did), reduces them to per-expert statistics after the forward, then one all-reduce sums the counts, row totals and probability sums over the ranks holding
+did), reduces them to per-expert statistics after the forward, then one all-reduce sums the counts, row totals
+and probability sums over the ranks holding
 distinct rows. Each rank adds ``E · Σ_e f_e · P_e^rank`` with ``P_e^rank`` its own probability sums
 / the global R: the ranks' terms add up to the global ``aux`` and their gradients to its gradient,
 whatever the layout. The value each rank reports is the global ``aux`` / (dp × cp ranks), so the

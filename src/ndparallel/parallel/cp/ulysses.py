@@ -2,7 +2,7 @@
 
 An all-to-all turns this rank's sequence shard of *all* heads into the *whole* sequence of a
 cp-th of the heads; each rank then runs document-masked causal attention locally
-(``cp_blocks.local_attention``); a second all-to-all turns the output back into sequence
+(``attention_blocks.local_attention``); a second all-to-all turns the output back into sequence
 shards. Autograd runs the mirror all-to-alls in backward (functional collectives with autograd).
 
 Per layer and micro-batch: forward one all-to-all of Q, K and V packed in one buffer
@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ndparallel.parallel.cp_blocks import DocLayout, document_starts, local_attention
-from ndparallel.parallel.cp_collectives import all_gather, wait
-from ndparallel.parallel.cp_kernels import BlockKernel
-from ndparallel.parallel.cp_sharding import cp_chunk_ids
+from ndparallel.parallel.attention_blocks import DocLayout, document_starts, local_attention
+from ndparallel.parallel.attention_kernels import BlockKernel
+from ndparallel.parallel.cp.exchange import all_gather, wait
+from ndparallel.parallel.cp.sharding import cp_chunk_ids
 
 
 def ulysses_head_error(heads: int, kv_heads: int, cp: int) -> str | None:

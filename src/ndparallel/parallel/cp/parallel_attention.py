@@ -2,8 +2,8 @@
 
 Each rank holds its queries, keys and values for the chunks ``cp_chunk_ids(rank)`` of the
 sequence (load-balanced: chunks i and 2·cp−1−i). Attention is computed block by block (a query
-chunk against a key span) with the kernels of ``cp_kernels`` and the document geometry of
-``cp_blocks``; block results are merged by log-sum-exp in fp32, in place; the backward recomputes
+chunk against a key span) with the kernels of ``attention_kernels`` and the document geometry
+of ``attention_blocks``; block results are merged by log-sum-exp in fp32, in place; the backward recomputes
 each block from the final output and log-sum-exp, so no score matrix is stored.
 
 Strategies:
@@ -18,43 +18,42 @@ Strategies:
 * ``allgather``: K/V gathered once with a functional collective; each local query chunk attends
   to the keys before it (one dense span) and its own chunk (one causal span). The backward
   reduce-scatters dK/dV (fp32). Keeps the gathered K/V for the backward (memory O(S) per rank).
-* ``ulysses`` (Ulysses, ``cp_ulysses``): heads <-> sequence all-to-all, local attention on
+* ``ulysses`` (Ulysses, ``cp/ulysses.py``): heads <-> sequence all-to-all, local attention on
   cp-th of the heads over the whole sequence, all-to-all back.
 
 Packed documents (``position_ids`` restarting at 0): attention never crosses a document start;
-blocks wholly in other documents are skipped, partial ones cut into rectangles (``cp_blocks``).
+blocks wholly in other documents are skipped, partial ones cut into rectangles (``attention_blocks``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from ndparallel.layout.mesh import process_group
-from ndparallel.parallel.cp_blocks import (
+from ndparallel.parallel.attention_blocks import (
     DocLayout,
     accumulators,
     backward_span,
     document_starts,
     forward_span,
-    local_attention,
 )
-from ndparallel.parallel.cp_collectives import (
+from ndparallel.parallel.attention_kernels import BlockKernel
+from ndparallel.parallel.cp.exchange import (
     all_gather,
     finish,
     reduce_scatter,
     ring_ops,
     start,
 )
-from ndparallel.parallel.cp_kernels import BlockKernel, resolve_kernel
-from ndparallel.parallel.cp_sharding import cp_chunk_ids, cp_positions
+from ndparallel.parallel.cp.sharding import cp_chunk_ids, cp_positions
+from ndparallel.parallel.cp.ulysses import ulysses_attention
+from ndparallel.parallel.document_attention import Kernel, check_shapes, make_block_kernel, same_head_dims
 
 Strategy = Literal["ring", "allgather", "ulysses"]
 STRATEGIES = ("ring", "allgather", "ulysses")
-Kernel = Literal["auto", "flash", "math"]
 _KV_TAG, _DKV_TAG = 11, 12
 
 
@@ -232,68 +231,6 @@ def _to_rank_major(x: torch.Tensor, cp: int, load_balance: bool, n: int) -> torc
 
 
 # ----------------------------------------------------------------------------- public ops
-def _check_shapes(query, key, value) -> None:
-    if query.dim() != 4 or key.shape[:-1] != value.shape[:-1] or key.shape[:1] != query.shape[:1]:
-        raise ValueError(
-            f"expected q [B,H,S,D], k [B,Hk,S,D], v [B,Hk,S,Dv]; got {tuple(query.shape)}, "
-            f"{tuple(key.shape)}, {tuple(value.shape)}"
-        )
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(f"num heads {query.shape[1]} is not a multiple of kv heads {key.shape[1]}")
-    if query.shape[2] != key.shape[2] or query.shape[-1] != key.shape[-1]:
-        raise ValueError("query and key must have the same sequence length and head dim")
-
-
-def _same_head_dims(query, key, value):
-    """MLA-style attention (value head dim ≠ query/key head dim, DeepSeek-V3): zero-pad the
-    smaller side so every kernel and the ring's stacked K/V see one head dim. Exact: zero value
-    columns give zero output columns (sliced off), zero q/k columns add nothing to the scores.
-    Costs the padding (e.g. V 128 -> 192: +50 % of V)."""
-    dq, dv = query.shape[-1], value.shape[-1]
-    if dv < dq:
-        value = torch.nn.functional.pad(value, (0, dq - dv))
-    elif dq < dv:
-        query, key = (torch.nn.functional.pad(t, (0, dv - dq)) for t in (query, key))
-    return query, key, value, dv
-
-
-def _kernel(kernel: str, query: torch.Tensor, scale: float | None, softcap: float | None) -> BlockKernel:
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    return BlockKernel(resolve_kernel(kernel, query, softcap), scale, softcap)
-
-
-def document_causal_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    position_ids: torch.Tensor | None = None,
-    scale: float | None = None,
-    kernel: Kernel = "auto",
-    cache=None,
-    window: int | None = None,
-    chunk: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Causal attention on one device that never crosses a document start (``position_ids``
-    restarting at 0; None = plain causal). q [B, H, S, D], k [B, Hk, S, D], v [B, Hk, S, Dv].
-    ``window``: sliding window (query i sees keys > i − window); ``chunk``: chunked attention
-    (restarts every ``chunk`` tokens); ``softcap``: soft-capped scores. Memory O(S): no S×S mask;
-    each document is one causal block. ``cache``: a ``DocCache`` shared by the layers of one
-    forward (one host copy of the positions per forward)."""
-    _check_shapes(query, key, value)
-    b, s = query.shape[0], query.shape[2]
-    block_kernel = _kernel(kernel, query, scale, softcap)
-    query, key, value, dv = _same_head_dims(query, key, value)
-
-    def build():
-        starts = document_starts(position_ids, torch.arange(s), b, chunk)
-        return DocLayout(starts, (0,), s, b, query.device, window)
-
-    extra = (b, s, 1, 0, window, chunk)
-    docs = cache.get(position_ids, extra, build) if cache is not None else build()
-    return local_attention(query, key, value, block_kernel, docs)[..., :dv]
-
-
 def context_parallel_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -322,7 +259,7 @@ def context_parallel_attention(
     group must call it (it communicates in forward and backward).
     """
     group = process_group(group)
-    _check_shapes(query, key, value)
+    check_shapes(query, key, value)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
@@ -330,11 +267,9 @@ def context_parallel_attention(
     b, s_loc = query.shape[0], query.shape[2]
     if s_loc % len(ids):
         raise ValueError(f"local sequence length {s_loc} must hold {len(ids)} equal chunks")
-    block_kernel = _kernel(kernel, query, scale, softcap)
-    query, key, value, dv = _same_head_dims(query, key, value)
+    block_kernel = make_block_kernel(kernel, query, scale, softcap)
+    query, key, value, dv = same_head_dims(query, key, value)
     if strategy == "ulysses":
-        from ndparallel.parallel.cp_ulysses import ulysses_attention
-
         return ulysses_attention(
             query, key, value, group, load_balance, block_kernel, position_ids, cache, window, chunk
         )[..., :dv]

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from ndparallel.cli.args import Parser, at_least, fail
+from ndparallel.runtime.startup import import_model_libraries
+from ndparallel.tools.simulate_report import format_report
 
 
 def run_simulate(argv: Sequence[str]) -> int:
@@ -48,7 +50,6 @@ def run_simulate(argv: Sequence[str]) -> int:
     from ndparallel.axolotl import ConfigError, load_config
     from ndparallel.plan.cli_checks import gpu_mem_bytes
     from ndparallel.preflight.checks import validate_layout
-    from ndparallel.runtime.startup import import_model_libraries
 
     try:
         gpu_mem = None if args.gpu_mem is None else gpu_mem_bytes(args.gpu_mem, minimum=0)
@@ -65,7 +66,6 @@ def run_simulate(argv: Sequence[str]) -> int:
     except (ConfigError, ValueError) as e:
         return fail("simulate", e)
     from ndparallel.tools.simulate import SimulationRequest, run_in_child
-    from ndparallel.tools.simulate_report import format_report
 
     req = SimulationRequest(
         world_size=args.world_size,

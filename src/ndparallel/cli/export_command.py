@@ -123,7 +123,8 @@ def _merge(ckpt: Path, out_dir: Path, args, dtype) -> Path:
     nf4, nf4_dtype = checkpoint_quantization(ckpt)
     if nf4 is not None:
         print(
-            "ndparallel export: a QLoRA checkpoint (load_in_4bit): merging into the NF4-quantised base it was "
+            "ndparallel export: a QLoRA checkpoint (load_in_4bit): merging into the NF4-quantised base it "
+            "was "
             "trained on (dequantised)"
         )
         kwargs.update(nf4=nf4, nf4_dtype=nf4_dtype)

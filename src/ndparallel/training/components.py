@@ -7,13 +7,20 @@ import math
 from pathlib import Path
 
 from ndparallel.config import TrainConfig
+from ndparallel.data import PackedLoader, load_or_train_tokenizer
+from ndparallel.data.chat import resolve_template
+from ndparallel.data.dataset import DatasetSpec
+from ndparallel.data.packing import PackedSplits
+from ndparallel.data.prepare import build_data as build
+from ndparallel.data.stream import StreamingLoader, TokenStream, check_stream
+from ndparallel.models.presets import is_preset, preset_config
+from ndparallel.optim.build import build_optimizer
+from ndparallel.optim.muon import MUON_BETAS
 
 
 def model_config(cfg: TrainConfig, vocab_size: int | None = None):
     """The HF config of ``base_model``: a preset (vocab sized to the tokenizer) or a directory/id."""
     from transformers import AutoConfig
-
-    from ndparallel.models.presets import is_preset, preset_config
 
     overrides = cfg.overrides_of_model_config or {}
     if is_preset(cfg.base_model):
@@ -38,8 +45,6 @@ def load_tokenizer(cfg: TrainConfig, cache_dir: Path):
     """The run's tokenizer: ``tokenizer``, else base_model's, else (presets) a BPE trained on the
     built-in corpus slice the data uses (cached); then ``special_tokens`` and a named
     ``chat_template`` are set on it (it is saved with the model)."""
-    from ndparallel.data import load_or_train_tokenizer
-    from ndparallel.models.presets import is_preset
 
     source = cfg.tokenizer or ("builtin:stdlib" if is_preset(cfg.base_model) else cfg.base_model)
     kwargs = {}
@@ -53,8 +58,6 @@ def load_tokenizer(cfg: TrainConfig, cache_dir: Path):
     tokenizer = load_or_train_tokenizer(source, cache_dir=cache_dir, **kwargs)
     set_special_tokens(tokenizer, cfg)
     if (cfg.chat_template and cfg.chat_template != "tokenizer_default") or cfg.chat_template_jinja:
-        from ndparallel.data.chat import resolve_template
-
         tokenizer.chat_template = resolve_template(
             tokenizer, cfg.chat_template, cfg.chat_template_jinja, "chat_template"
         )
@@ -110,13 +113,8 @@ def build_data(cfg: TrainConfig, tokenizer, cache_dir: Path):
     """Train (and validation) rows: every rank builds the same (cached, file-locked). A streamed
     ``pretraining_dataset`` builds nothing ahead: its first record is checked, ``train_loader``
     reads it while training."""
-    from ndparallel.data.packing import PackedSplits
-    from ndparallel.data.pipeline import build_data as build
 
     if cfg.pretraining_dataset is not None:
-        from ndparallel.data.dataset import DatasetSpec
-        from ndparallel.data.stream import check_stream
-
         for i, d in enumerate(cfg.pretraining_dataset):
             check_stream(DatasetSpec.from_any(d.model_dump()), f"pretraining_dataset[{i}]")
         return PackedSplits(None, None)
@@ -128,7 +126,6 @@ def train_loader(
 ):
     """This rank's training loader: ``PackedLoader`` over the prepared rows, or ``StreamingLoader``
     over ``pretraining_dataset`` (its length: the run's micro-batches)."""
-    from ndparallel.data import PackedLoader
 
     if cfg.pretraining_dataset is None:
         return PackedLoader(
@@ -140,8 +137,6 @@ def train_loader(
             pad_to_multiple=pad_to_multiple,
             shuffle=not cfg.curriculum_sampling,
         )
-    from ndparallel.data.dataset import DatasetSpec
-    from ndparallel.data.stream import StreamingLoader, TokenStream
 
     specs = [DatasetSpec.from_any(d.model_dump()) for d in cfg.pretraining_dataset]
     return StreamingLoader(
@@ -155,12 +150,9 @@ def train_loader(
 
 
 def optimizer_for(cfg: TrainConfig, params):
-    from ndparallel.optim.build import build_optimizer
 
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.optimizer == "muon" and not {"adam_beta1", "adam_beta2"} <= cfg.model_fields_set:
-        from ndparallel.optim.muon import MUON_BETAS  # Axolotl's, unless both betas are given
-
         betas = MUON_BETAS
     return build_optimizer(
         params,

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.layout.mesh import process_group
+from ndparallel.techniques.loss import IGNORE_INDEX
 
 
 def cp_chunk_ids(cp_rank: int, cp_size: int, load_balance: bool = True) -> tuple[int, ...]:
@@ -33,7 +34,7 @@ def _check_len(seq_len: int, cp_size: int, load_balance: bool, what: str = "sequ
     if seq_len % n:
         raise ValueError(
             f"{what} length {seq_len} is not a multiple of {'2·cp' if load_balance else 'cp'} = {n} "
-            f"(cp_size={cp_size}); pad it with ndparallel.parallel.cp_sharding.pad_for_cp or choose "
+            f"(cp_size={cp_size}); pad it with ndparallel.parallel.cp.sharding.pad_for_cp or choose "
             f"a sequence_len divisible by {n}"
         )
     return seq_len // n
@@ -81,8 +82,6 @@ def unshard_from_cp(
     """Inverse of ``shard_for_cp``: all-gather the shards of ``cp_group`` (a ProcessGroup or 1-D
     DeviceMesh) and restore the natural order. No autograd; for tests, eval and metrics."""
     import torch.distributed as dist
-
-    from ndparallel.layout.mesh import process_group
 
     group = process_group(cp_group)
     cp_size = dist.get_world_size(group)

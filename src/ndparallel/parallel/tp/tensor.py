@@ -11,7 +11,7 @@ styles and applies them with ``parallelize_module``:
   so optimizers and grad clipping see DTensors only, all on the tp mesh.
 
 Mixture-of-experts blocks are not tensor-parallel: the experts are split off by
-``parallel/expert.py`` (each tp rank runs all experts of its ``ep`` rank on its own tokens), the
+``parallel/ep/expert.py`` (each tp rank runs all experts of its ``ep`` rank on its own tokens), the
 rest of the block (router, shared experts) is replicated over tp and reads the block input as it
 comes — the whole sequence, or under sequence parallel the rank's own sequence shard.
 
@@ -51,10 +51,11 @@ from ndparallel.models.tp_plans import (
     model_tp_plan,
     resolve_tp_plan,
 )
-from ndparallel.parallel.lora import LoraParallel
+from ndparallel.parallel.document_attention import apply_document_attention
 from ndparallel.parallel.options import TPOptions
 from ndparallel.parallel.positions import position_hook
-from ndparallel.parallel.tp_styles import (
+from ndparallel.parallel.tp.lora import LoraParallel
+from ndparallel.parallel.tp.styles import (
     GatherSequenceInput,
     MlaKvAProjParallel,
     ReplicateBlockInput,
@@ -62,7 +63,7 @@ from ndparallel.parallel.tp_styles import (
     align_grad_placements,
     parallel_style,
 )
-from ndparallel.parallel.tp_validate import validate_tensor_parallel  # noqa: F401  (public here)
+from ndparallel.parallel.tp.validate import validate_tensor_parallel  # noqa: F401  (public here)
 
 _TP_MESH_ATTR = "_ndparallel_tp_mesh"
 
@@ -187,7 +188,7 @@ def _replicate_the_rest(
     """Give every other module owning parameters a ``ReplicateParallel`` style (in ``styles``):
     norms read the residual stream (sequence-sharded under SP) or a block's input; modules of an
     MoE block (router, shared experts) read the block's rows (this rank's own under SP); the
-    experts themselves are left to ``parallel/expert.py`` and FSDP."""
+    experts themselves are left to ``parallel/ep/expert.py`` and FSDP."""
     wrapped = tuple(f"{n}." for n, s in styles.items() if isinstance(s, LoraParallel))
     moe_input = Shard(0) if sp else Replicate()
     for name, module in model.named_modules():
@@ -195,7 +196,7 @@ def _replicate_the_rest(
             continue
         if name.startswith(wrapped):  # base_layer / lora_A / lora_B: sharded by LoraParallel
             continue
-        if f"{name}.".startswith(experts):  # split off by parallel/expert.py, sharded by FSDP
+        if f"{name}.".startswith(experts):  # split off by parallel/ep/expert.py, sharded by FSDP
             continue
         if name.startswith(moe_blocks):
             styles[name] = ReplicateParallel(moe_input, buffers=True)
@@ -214,7 +215,6 @@ def _sequence_parallel_inputs(model: nn.Module, tp_size: int) -> None:
     from the full length (``positions.position_hook``), and ndparallel's document attention —
     transformers builds its masks from the local length, which breaks on packed rows; the
     document attention derives them from the positions."""
-    from ndparallel.parallel.context import apply_document_attention
 
     model.register_forward_pre_hook(position_hook(sp_size=tp_size), with_kwargs=True)
     apply_document_attention(model)

@@ -13,6 +13,8 @@ matrix's shard group (redundant: round-robin over ranks is a later optimisation)
 
 from __future__ import annotations
 
+from ndparallel.plan.comms import collective_time, group_is_intra_node
+
 ADAMW_UNITS = ("root", "embed", "final")
 """FSDP units whose parameters Muon leaves to AdamW (embeddings, LM head, final norm)."""
 GATHERED_BYTES = 16.0
@@ -58,7 +60,6 @@ def newton_schulz_seconds(model, layout, hw, steps: int = 5) -> float:
 def gather_seconds(model, layout, hw, gpus_per_node: int) -> float:
     """Seconds of the step's gathers of the hidden matrices (fp32, not hidden behind compute): each
     layer matrix all-gathered over the FSDP ranks, then over the TP ranks when TP shards it."""
-    from ndparallel.plan.comms import collective_time, group_is_intra_node
 
     fsdp, tp = layout.fsdp, layout.tp
     total = 0.0

@@ -38,7 +38,8 @@ import torch
 import torch.nn as nn
 
 from ndparallel.models.layers import decoder_layers
-from ndparallel.parallel.options import CompileOptions
+from ndparallel.techniques.qat import RecomputedQuantizer
+from ndparallel.techniques.technique_options import CompileOptions
 
 
 def apply_compile(
@@ -82,7 +83,6 @@ def _nested_checkpoints(model: nn.Module) -> bool:
     """Checkpoints inside the layer's checkpoint (QAT's ``RecomputedQuantizer``): with the switch on,
     torch 2.13's dynamo fails on them (an internal error pruning the nested graphs), so there the
     layers stay eager as before."""
-    from ndparallel.parallel.qat import RecomputedQuantizer
 
     return any(isinstance(m, RecomputedQuantizer) for m in model.modules())
 

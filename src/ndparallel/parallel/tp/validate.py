@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ndparallel.models.multimodal import tensor_parallel_problem
 from ndparallel.parallel.options import TPOptions
 
 
@@ -15,7 +16,6 @@ def validate_tensor_parallel(config: Any, tp_size: int, options: TPOptions | Non
         raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
     if tp_size == 1:
         return
-    from ndparallel.models.multimodal import tensor_parallel_problem
 
     problem = tensor_parallel_problem(config)
     if problem:

@@ -1,7 +1,7 @@
 """QAT in the planner (``plan --qat int4/int8``): what torchao's fake quantisation keeps for backward.
 
 ndparallel runs every torchao fake quantiser under an activation checkpoint
-(``parallel/qat.py``: ``RecomputedQuantizer``), so a fake-quantised linear keeps the rounded weight
+(``techniques/qat.py``: ``RecomputedQuantizer``), so a fake-quantised linear keeps the rounded weight
 (and rounded input) in the compute dtype that ``F.linear`` needs for its backward, not the
 quantiser's fp32 intermediates (18.5 bytes per int4 weight element without it). Measured by
 ``bench/qat_memory.py`` (CPU, bf16 compute as FSDP2's gathered weights; 2026-12-01), per decoder
@@ -12,7 +12,7 @@ MX formats save their packed fp4 inputs instead of bf16 ones: slightly less than
 
 Without activation checkpointing every layer keeps its share until its backward (~1x the layer's
 bf16 weights); with it, one layer's while that layer is recomputed. The LM head is fake-quantised
-too (its share is held until the loss backward). TP is refused with QAT (``parallel/qat.py``), so the
+too (its share is held until the loss backward). TP is refused with QAT (``techniques/qat.py``), so the
 shares are of whole weights. fp32 compute: the copies are fp32 (twice the bytes). nvfp4 (Blackwell
 only) is not measured; planned as mxfp4. ``quantize_embedding`` is not modelled (one table's copy).
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 from ndparallel.plan.models import ModelSpec
 
 QAT_FORMATS = ("int4", "int4/int8", "int4/float8", "float8/float8", "mxfp4/mxfp4")
-"""weight[/activation] formats the planner models (``parallel/qat.py``'s combinations but nvfp4)."""
+"""weight[/activation] formats the planner models (``techniques/qat.py``'s combinations but nvfp4)."""
 
 _PER_INPUT = {  # bytes per input element · token in bf16 (trained linears, LoRA's frozen ones)
     "int4": (0.0, 0.0),
@@ -43,7 +43,10 @@ def qat_format(weight_dtype: str, activation_dtype: str | None) -> str:
 def qat_format_problem(fmt: str) -> str | None:
     if fmt in QAT_FORMATS:
         return None
-    return f"--qat {fmt}: not a modelled QAT format; use one of {', '.join(QAT_FORMATS)} (nvfp4: plan as mxfp4/mxfp4)"
+    return (
+        f"--qat {fmt}: not a modelled QAT format; use one of {', '.join(QAT_FORMATS)} "
+        "(nvfp4: plan as mxfp4/mxfp4)"
+    )
 
 
 def qat_saved_bytes_per_weight(fmt: str, compute_bytes: int = 2) -> float:

@@ -77,11 +77,15 @@ def pipeline_problem(
         )
     if schedule in MULTI_STAGE_SCHEDULES and v < 2:
         return (
-            f"pipeline_schedule={schedule!r} needs 2 or more stages per rank (pipeline_virtual_stages), got {v}; "
+            f"pipeline_schedule={schedule!r} needs 2 or more stages per rank (pipeline_virtual_stages), got "
+            f"{v}; "
             "use '1F1B' for one stage per rank"
         )
     if schedule == "ZBVZeroBubble" and v != 2:
-        return f"pipeline_schedule='ZBVZeroBubble' runs exactly 2 stages per rank, got pipeline_virtual_stages={v}"
+        return (
+            f"pipeline_schedule='ZBVZeroBubble' runs exactly 2 stages per rank, got "
+            f"pipeline_virtual_stages={v}"
+        )
     stages = pp * v
     if num_layers is not None:
         if stages > num_layers:

@@ -4,7 +4,7 @@ torch (``torch.distributed.pipelining``) provides the stages' point-to-point tra
 schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble); what it does not do is written here:
 
 * ``StageModule`` — the forward one stage runs: transformers' own forward of the cut model
-  (``pipeline_stages.cut_stage``) on token ids (first stage) or hidden states (the others), and on
+  (``stages.cut_stage``) on token ids (first stage) or hidden states (the others), and on
   the last stage the engine's layout-invariant loss (token-loss sum / the step's global token
   count, chunked where exact), so the pipeline trains what one device trains.
 * ``Pipeline.forward_backward`` — the step's micro-batches joined into one batch (rows padded to
@@ -29,9 +29,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ndparallel.layout.dims import ParallelDims
-from ndparallel.parallel.loss import IGNORE_INDEX
+from ndparallel.models.adapters import base_model_of
+from ndparallel.parallel.fsdp import fsdp_root
 from ndparallel.parallel.options import StrategyOptions
-from ndparallel.parallel.pipeline_split import StagePlan
+from ndparallel.parallel.pp.split import StagePlan
+from ndparallel.techniques.loss import IGNORE_INDEX
 
 
 class StageRuntime(Protocol):
@@ -132,9 +134,6 @@ def _shard_root(module: StageModule, runtime: StageRuntime) -> None:
     (``perform_reduce_grad``), gradients unsharded until then. Otherwise (the default) every
     micro-batch's backward reduce-scatters (and under HSDP all-reduces): gradients stay sharded."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-    from ndparallel.models.adapters import base_model_of
-    from ndparallel.parallel.fsdp import fsdp_root
 
     if not runtime.options.fsdp.unsharded_grad_accumulation:
         return
