@@ -46,6 +46,11 @@ class TPOptions:
     """Module-name pattern -> style ('colwise', 'rowwise', ...); default: the model's own HF plan."""
     sequence_parallel: bool = False
     """Shard norms/dropout activations on the sequence dim (all-gather + reduce-scatter)."""
+    sequence_parallel_saved_shards: bool = True
+    """Under sequence parallel, save each attention / MLP block's all-gathered input for backward
+    as this rank's sequence shard and all-gather it again in backward (Megatron's activation
+    bound: one more all-gather per block); False saves the gathered input (tokens × hidden per
+    block on every tp rank; ``parallel/sp_saves.py``)."""
     loss_parallel: bool | None = None
     """Cross-entropy on vocab-sharded logits, never gathering the full vocabulary (the logits of
     ``model(...)`` are then a ``Shard(-1)`` DTensor). ``None`` (default): on whenever the plan
