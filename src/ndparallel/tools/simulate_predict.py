@@ -14,6 +14,7 @@ def planner_settings(trainer):
     """``plan.layout.Settings`` of the running trainer's step."""
     from ndparallel.models.adapters import base_model_of
     from ndparallel.parallel.lm_loss import use_chunked_loss
+    from ndparallel.parallel.pipeline import reduces_once_per_step
     from ndparallel.plan.layout import Settings
 
     cfg, engine, model = trainer.cfg, trainer.engine, trainer.model
@@ -33,7 +34,9 @@ def planner_settings(trainer):
         optimizer="sgd" if cfg.optimizer == "sgd" else "adamw",
         sequence_parallel=options.tp.sequence_parallel,
         loss_parallel=engine.loss_parallel(model),
-        unsharded_grad_accumulation=options.fsdp.unsharded_grad_accumulation,
+        unsharded_grad_accumulation=reduces_once_per_step(
+            options.fsdp.unsharded_grad_accumulation, engine.dims.pp_enabled
+        ),
         reshard_after_forward=options.fsdp.reshard_after_forward,
         cp_strategy=options.cp.comm_strategy,
         loss_impl="chunked" if use_chunked_loss(base_model_of(model), options.loss) else "full",
