@@ -32,6 +32,8 @@
 # HSDP 2x4 x TP 2 (world 16, seq 2048), Qwen3-8B FSDP 2 x CP 2 x TP 2 (seq 8192), Llama-3.1-70B FSDP 8
 # x TP 8 (world 64), 405B on 512: measured peak memory and compute time vs the planner (step
 # `simulate`). The long-context rows (issue 31): step `long_context` (bench/gpu_long_context.py).
+# The SP activation memory of issue 50 (saved bytes per token and layer, tp 1-8, fake tp world on one
+# GPU): step `sp_memory` (bench/sp_activation_memory.py).
 # Pipeline parallel (one GPU cannot hold two NCCL stages): step `pipeline_stages`, stage 0 and the
 # last stage of a 2-stage cut of the Llama-3.2-1B shape, fwd/bwd time and memory per micro-batch in flight.
 set -uo pipefail
@@ -76,6 +78,8 @@ plan_steps() {
   step runtime_offload 90 bash bench/gpu_steps.sh runtime_offload
   step group_timeouts 60 bash bench/gpu_steps.sh group_timeouts
   step cp_kernels 120 "$PY" bench/gpu_cp.py --device "$GPU_ALL_DEVICE" $TINY
+  step sp_memory 90 "$PY" bench/sp_activation_memory.py --device "$GPU_ALL_DEVICE" \
+    $([ "$SMOKE" = 1 ] && echo --tiny || echo --hidden 4096 --seq 8192)
   step planner_rows 150 "$PY" bench/plan_gpu_check.py --configs 1b-mb4,1b-mb4-ac,1b-s8k-mb1 $TINY
   step perf_8192 240 "$PY" bench/gpu_single.py --seqs "$([ "$SMOKE" = 1 ] && echo 64 || echo 8192)" \
     --name gpu_single_8192 $TINY
