@@ -16,8 +16,11 @@ from ndparallel.plan.models import ModelSpec
 
 
 def block_input_divisor(layout: Layout, s: Settings) -> int:
-    """What divides a saved block input: tp with sequence parallel and saved shards, else 1."""
-    return layout.tp if s.sequence_parallel and s.sp_saved_shards and layout.tp > 1 else 1
+    """What divides a saved block input: tp with sequence parallel and saved shards, else 1.
+    Under activation checkpointing the checkpoint's hooks govern the layer (the runtime installs
+    none of its own there): the recomputed layer saves its gathered inputs."""
+    shards = s.sequence_parallel and s.sp_saved_shards and not s.checkpointing
+    return layout.tp if shards and layout.tp > 1 else 1
 
 
 def block_inputs_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
@@ -31,6 +34,6 @@ def block_inputs_per_token(model: ModelSpec, layout: Layout, s: Settings) -> flo
 def recompute_regathers_per_step(model: ModelSpec, layout: Layout, s: Settings) -> int:
     """Extra all-gathers per micro-batch of the saved shards in backward: one per block (two per
     dense layer), none without SP or when checkpointing recomputes the blocks anyway."""
-    if block_input_divisor(layout, s) == 1 or s.checkpointing:
+    if block_input_divisor(layout, s) == 1:
         return 0
     return (1 if model.is_moe else 2) * model.layers
