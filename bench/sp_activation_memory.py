@@ -95,12 +95,14 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--tps", default="1,2,4,8")
     ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--tiny", action="store_true", help="hidden 64, seq 32, tp 1,2 (the suite's smoke form)")
     args = ap.parse_args(argv)
     h, seq, tps = args.hidden, args.seq, [int(t) for t in args.tps.split(",")]
     if args.tiny:
         h, seq, tps = 128, 32, [1, 2]
+    if seq == h:
+        raise SystemExit("--seq must differ from --hidden (two seq-length dims mark attention's s² tensors)")
     if h % 64 or h // 64 % max(tps):
         raise SystemExit(f"--hidden must be a multiple of 64 × the largest tp ({max(tps)})")
     heads, d = (4, 16) if args.tiny else (h // 64, 64)
