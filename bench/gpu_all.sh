@@ -34,6 +34,8 @@
 # `simulate`). The long-context rows (issue 31): step `long_context` (bench/gpu_long_context.py).
 # Steps `compile` and `fp8` (issue 50): tokens/s and MFU of regional compile and of float8 linears beside
 # eager bf16 and Accelerate, read from perf_2048's JSON (bench/gpu_row.py; measured there when absent).
+# The SP activation memory of issue 50 (saved bytes per token and layer, tp 1-8, fake tp world on one
+# GPU): step `sp_memory` (bench/sp_activation_memory.py).
 # Pipeline parallel (one GPU cannot hold two NCCL stages): step `pipeline_stages`, stage 0 and the
 # last stage of a 2-stage cut of the Llama-3.2-1B shape, fwd/bwd time and memory per micro-batch in flight.
 set -uo pipefail
@@ -80,6 +82,8 @@ plan_steps() {
   step runtime_offload 90 bash bench/gpu_steps.sh runtime_offload
   step group_timeouts 60 bash bench/gpu_steps.sh group_timeouts
   step cp_kernels 120 "$PY" bench/gpu_cp.py --device "$GPU_ALL_DEVICE" $TINY
+  step sp_memory 90 "$PY" bench/sp_activation_memory.py --device "$GPU_ALL_DEVICE" \
+    $([ "$SMOKE" = 1 ] && echo --tiny || echo --hidden 4096 --seq 8192)
   step planner_rows 150 "$PY" bench/plan_gpu_check.py --configs 1b-mb4,1b-mb4-ac,1b-s8k-mb1 $TINY
   step perf_8192 240 "$PY" bench/gpu_single.py --seqs "$([ "$SMOKE" = 1 ] && echo 64 || echo 8192)" \
     --name gpu_single_8192 $TINY

@@ -49,11 +49,11 @@ CASES = {  # name: (model, layout, schedule, extra strategy options, pipeline mi
         None,
     ),
     "pp2_fsdp2_ep2_moe": ("qwen3_moe", {"pp_size": 2, "dp_shard_size": 2, "ep_size": 2}, "1F1B", {}, None),
-    "pp2_fsdp2_unsharded_accumulation": (
+    "pp2_fsdp2_per_microbatch_reduction": (  # the fallback; pp2_fsdp2 reduces once per step
         "llama_tied",
         {"pp_size": 2, "dp_shard_size": 2},
         "1F1B",
-        {"fsdp_options": FSDPOptions(unsharded_grad_accumulation=True)},
+        {"fsdp_options": FSDPOptions(unsharded_grad_accumulation=False)},
         None,
     ),
     "pp2_checkpointing": (
@@ -201,16 +201,17 @@ def _planned_reductions(unsharded: bool, grad_accum: int) -> int:
 
 
 def test_unsharded_accumulation_reduces_gradients_once_per_step():
-    """FSDP under PP: by default every pipeline micro-batch reduce-scatters (gradients stay sharded);
-    with unsharded_grad_accumulation the stage is torch's FSDP root and reduces once per step. The
-    planner counts the same reductions (one foreach_reduce per FSDP unit and reduction)."""
+    """FSDP under PP: by default the stage is torch's FSDP root and reduces once per step
+    (unsharded_grad_accumulation None = on under PP); with unsharded_grad_accumulation=False, the
+    fallback, every pipeline micro-batch reduce-scatters (gradients stay sharded). The planner
+    counts the same reductions (one foreach_reduce per FSDP unit and reduction)."""
     layout = {"pp_size": 2, "dp_shard_size": 2}
-    sharded = pipelined("llama", "1F1B", grad_accum=4)
-    once = dataclasses.replace(
-        sharded,
+    once = pipelined("llama", "1F1B", grad_accum=4)
+    sharded = dataclasses.replace(
+        once,
         parallel_kwargs={
-            **sharded.parallel_kwargs,
-            "fsdp_options": FSDPOptions(unsharded_grad_accumulation=True),
+            **once.parallel_kwargs,
+            "fsdp_options": FSDPOptions(unsharded_grad_accumulation=False),
         },
     )
     per_micro_batch = run_on_ranks(train_counting_reductions, 4, sharded, layout)[0][1]

@@ -88,7 +88,11 @@ def test_pipeline_lora_equals_one_process_lora(case):
             train_counting_reductions,
             world,
             dataclasses.replace(
-                staged, parallel_kwargs={**staged.parallel_kwargs, "fsdp_options": FSDPOptions()}
+                staged,
+                parallel_kwargs={  # the fallback: reduced every micro-batch
+                    **staged.parallel_kwargs,
+                    "fsdp_options": FSDPOptions(unsharded_grad_accumulation=False),
+                },
             ),
             layout,
         )[0][1]

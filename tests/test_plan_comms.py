@@ -71,7 +71,8 @@ def test_tensor_parallel_sequence_parallel():
     # 32 tokens x h=64 x bf16: full 4096 B, sequence shard 2048 B.
     got = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32))
     assert got == {
-        ("all_gather", "tp", 2048): 2 * 2 * 2 + 2,  # 2 pairs x 2 layers x (fwd, bwd) + emb, head
+        # 2 pairs x 2 layers x (fwd, bwd, the saved input shard re-gathered in bwd) + emb, head
+        ("all_gather", "tp", 2048): 2 * 2 * 3 + 2,
         ("reduce_scatter", "tp", 4096): 2 * 2 * 2 + 2,
         # 3 loss-parallel fp32 stats (32 tokens x 4 B) + 5 norm-weight grads (64 x bf16)
         ("all_reduce", "tp", 128): 3 + 5,

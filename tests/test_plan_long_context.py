@@ -34,13 +34,18 @@ def test_tiled_mlp_drops_the_mlp_intermediates_of_every_layer():
     assert _mem(tiled_mlp=True).total < _mem().total
     # tiles: ceil(65536 / 4096) = 16 of 4096 tokens
     assert mlp_tiles(L8B, Layout(), Settings(seq_len=65536, tiled_mlp=True)) == (16, 4096)
-    # under TP 4 + SP the MLP input stays sharded: also e·h·(1 - 1/4) per token less
+    # under TP 4 + SP the MLP input stays sharded; untiled it is saved as its shard too (the
+    # runtime's default) or, with sp_saved_shards off, gathered: then also e·h·(1 - 1/4) less
     lay = Layout(tp=4)
-    sp, sp_tiled = (_mem(lay, loss_impl="full", seq_len=8192, tiled_mlp=t) for t in (False, True))
-    assert sp.peak_phase == sp_tiled.peak_phase == "loss backward"
-    assert sp.activations - sp_tiled.activations == pytest.approx(
-        L8B.layers * tokens * (4 * e * f / 4 + e * L8B.hidden * 3 / 4)
-    )
+    for shards, input_saving in ((True, 0.0), (False, e * L8B.hidden * 3 / 4)):
+        sp, sp_tiled = (
+            _mem(lay, loss_impl="full", seq_len=8192, tiled_mlp=t, sp_saved_shards=shards)
+            for t in (False, True)
+        )
+        assert sp.peak_phase == sp_tiled.peak_phase == "loss backward"
+        assert sp.activations - sp_tiled.activations == pytest.approx(
+            L8B.layers * tokens * (4 * e * f / 4 + input_saving)
+        )
 
 
 def test_tiled_mlp_costs_one_more_mlp_forward():

@@ -39,8 +39,11 @@ def test_activation_bytes_per_token_hand_checked():
     # tp=1, bf16: norms 2*((4+2)*64 + 4 rstd)=776, inputs 2*2*64=256, q/k/v 2*(4+2*2)*16=256,
     # attn out 2*4*16=128, lse 4*4=16, MLP 4*2*128=1024  -> 2456
     assert layer_activation_bytes_per_token(TINY, Layout(), s) == 2456
-    # tp=2 with SP: 388 + 256 + 128 + 64 + 8 + 512
-    assert layer_activation_bytes_per_token(TINY, Layout(tp=2), s) == 1356
+    # tp=2 with SP, the block inputs saved as sequence shards: 388 + 128 + 128 + 64 + 8 + 512
+    assert layer_activation_bytes_per_token(TINY, Layout(tp=2), s) == 1228
+    # the gathered inputs saved whole (sp_saved_shards off): 388 + 256 + 128 + 64 + 8 + 512
+    s_gathered = Settings(seq_len=32, sp_saved_shards=False)
+    assert layer_activation_bytes_per_token(TINY, Layout(tp=2), s_gathered) == 1356
     # tp=2 without SP: norms not split -> 776 + 256 + 128 + 64 + 8 + 512
     s_nosp = Settings(seq_len=32, sequence_parallel=False)
     assert layer_activation_bytes_per_token(TINY, Layout(tp=2), s_nosp) == 1744

@@ -54,7 +54,7 @@ def _first_stage_peaks():
 
     from ndparallel import ParallelismConfig
     from ndparallel.engine import Engine, forward_backward
-    from ndparallel.parallel.options import PipelineOptions, StrategyOptions
+    from ndparallel.parallel.options import FSDPOptions, PipelineOptions, StrategyOptions
     from ndparallel.runtime.distributed import shutdown
     from ndparallel.runtime.fake_world import start_fake_world
     from ndparallel.runtime.memory_probe import LiveBytes
@@ -76,7 +76,10 @@ def _first_stage_peaks():
         for schedule in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
             engine = Engine(
                 ParallelismConfig(pp_size=2, dp_shard_size=2),
-                StrategyOptions(pipeline=PipelineOptions(schedule=schedule)),
+                StrategyOptions(  # gradients reduced every micro-batch: only activations grow with m
+                    fsdp=FSDPOptions(unsharded_grad_accumulation=False),
+                    pipeline=PipelineOptions(schedule=schedule),
+                ),
                 device="cpu",
             )
             model = build_random_stages(engine, LlamaConfig(**MODEL), torch.float32, "sdpa", False)
@@ -136,13 +139,14 @@ def config(tmp_path_factory):
 
 @pytest.mark.parametrize("rank,unsharded", [(0, False), (7, True)])
 def test_simulate_cli_against_the_planner_on_a_pp_world(config, rank, unsharded):
-    """The first stage's rank (0) and, accumulating gradients unsharded, the last stage's (7) of
+    """The first stage's rank (0), reducing every micro-batch (the fallback), and, accumulating
+    gradients unsharded (the default under PP), the last stage's (7) of
     PP 2 + FSDP 4: the planner's model of this rank's stage within 10 % of the measured tensor
     peak, its collectives per mesh dim (FSDP, the step's scalars, the loss and norm across stages)
     those the rank issued — but, reducing every micro-batch, one all-gather per step on the first
     stage (its last layer, re-gathered by FSDP's prefetch under 1F1B: docs/planner.md)."""
-    sets = ["--set", "dp_shard_size=-1"] + (
-        ["--set", "fsdp_config.unsharded_grad_accumulation=true"] if unsharded else []
+    sets = ["--set", "dp_shard_size=-1"] + (  # unsharded accumulation is the default under PP
+        [] if unsharded else ["--set", "fsdp_config.unsharded_grad_accumulation=false"]
     )
     out = subprocess.run(
         [

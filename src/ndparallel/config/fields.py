@@ -18,7 +18,8 @@ class FSDPConfig(_Strict):
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     activation_checkpointing: bool = False
-    unsharded_grad_accumulation: bool = False
+    unsharded_grad_accumulation: bool | None = None
+    """None: one gradient reduction per step under pipeline parallel, every micro-batch otherwise."""
     layer_classes: list[str] | None = None
     """Decoder-layer class names FSDP wraps one by one (default: found in the model)."""
     # Axolotl / Accelerate names with one meaning here (compat.py explains them in --dry-run)

@@ -26,11 +26,14 @@ class FSDPOptions:
     """Recompute each decoder layer's activations in backward instead of storing them."""
     layer_classes: tuple[str, ...] | None = None
     """Class names of the blocks to shard one by one; default: the model's ``_no_split_modules``."""
-    unsharded_grad_accumulation: bool = False
+    unsharded_grad_accumulation: bool | None = None
     """During gradient accumulation, skip the reduce-scatter too and keep *unsharded* gradients
-    until the last micro-batch (less communication, but a full-size gradient per rank). Default:
-    reduce-scatter every micro-batch so gradients stay sharded; only the replica all-reduce (DP /
-    HSDP) waits for the last micro-batch."""
+    until the last micro-batch: one gradient reduction per optimizer step (less communication, but
+    a full-size gradient of the rank's parameters). ``None`` (default): on under pipeline parallel
+    (Meta's and torchtitan's choice: a stage holds 1/pp of the model; ``parallel/pp/schedule.py``),
+    off otherwise; ``False``: reduce-scatter every micro-batch so gradients stay sharded (only the
+    replica all-reduce waits for the last micro-batch) — the fallback ``ndparallel plan`` picks
+    when the unsharded gradients do not fit."""
     reduce_dtype: torch.dtype | None = None
     """dtype of the gradient reduce-scatter / all-reduce; None = fp32 (exact sums under bf16)."""
     # The decoder layers' activation memory (with or without FSDP; docs/long_context.md):
@@ -51,6 +54,11 @@ class TPOptions:
     """Module-name pattern -> style ('colwise', 'rowwise', ...); default: the model's own HF plan."""
     sequence_parallel: bool = False
     """Shard norms/dropout activations on the sequence dim (all-gather + reduce-scatter)."""
+    sequence_parallel_saved_shards: bool = True
+    """Under sequence parallel, save each attention / MLP block's all-gathered input for backward
+    as this rank's sequence shard and all-gather it again in backward (Megatron's activation
+    bound: one more all-gather per block); False saves the gathered input (tokens × hidden per
+    block on every tp rank; ``parallel/tp/sp_saves.py``)."""
     loss_parallel: bool | None = None
     """Cross-entropy on vocab-sharded logits, never gathering the full vocabulary (the logits of
     ``model(...)`` are then a ``Shard(-1)`` DTensor). ``None`` (default): on whenever the plan

@@ -18,6 +18,7 @@ from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import tiled_tp_extra
 from ndparallel.plan.models import ModelSpec, ParamSpec, fsdp_units
 from ndparallel.plan.qlora import nf4_collectives
+from ndparallel.plan.sp_activations import recompute_regathers_per_step
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all")
 
@@ -202,7 +203,8 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
     MLP output's reduction. Embedding (vocab-parallel) and LM head
     (colwise) add one each way; loss parallel adds 3 fp32 all-reduces per token (max, sum-exp,
     target logit), without it the logits are all-gathered. Norm weights replicated over tp on
-    sharded inputs (sequence or heads) get their grads all-reduced."""
+    sharded inputs (sequence or heads) get their grads all-reduced. Block inputs saved as sequence
+    shards are all-gathered again in backward (``plan/sp_activations.py``)."""
     t, h, L, ab = layout.tp, model.hidden, model.layers, s.act_bytes
     embed, head = int(model.has_embedding), int(model.has_lm_head)  # a pipeline rank may lack them
     full = tokens * h * ab
@@ -212,7 +214,7 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
     # is rebuilt) repeats both block inputs (all-gather under SP) but only the attention
     # output's reduction: the MLP's down_proj output feeds nothing that is saved.
     ck = 1 if s.checkpointing else 0
-    fwd_in = 2 * L * (1 + ck)
+    fwd_in = 2 * L * (1 + ck) + recompute_regathers_per_step(model, layout, s)  # + shards re-gathered
     fwd = 2 * L + L * ck
     bwd = 2 * L
     # Without sequence parallel the block input is one Replicate DTensor shared by q, k, v (gate,

@@ -38,6 +38,10 @@ class Settings:
     optimizer: str = "adamw"
     sequence_parallel: bool = True
     """TP with sequence parallel (all-gather + reduce-scatter) instead of all-reduce."""
+    sp_saved_shards: bool = True
+    """Under sequence parallel, each block's gathered input is saved as the rank's sequence shard
+    and gathered again in backward (the runtime's ``TPOptions.sequence_parallel_saved_shards``;
+    ``plan/sp_activations.py``); False: the gathered input is saved whole."""
     loss_parallel: bool = True
     """Cross-entropy on vocab-sharded logits (else the LM head gathers full logits on every rank)."""
     unsharded_grad_accumulation: bool = False

@@ -22,6 +22,7 @@ import math
 
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.models import ModelSpec
+from ndparallel.plan.sp_activations import block_input_divisor
 
 HOST_BUDGET_FRACTION = 0.8
 """Share of a node's host memory the offloaded activations may use (the runtime's default
@@ -47,7 +48,8 @@ def tiled_saved_reduction_per_token(model: ModelSpec, layout: Layout, s: Setting
     if not s.tiled_mlp:
         return 0.0
     e, t = s.act_bytes, layout.tp
-    return 4 * e * model.intermediate / t + e * model.hidden * (1 - 1 / _t_sp(layout, s))
+    kept_input = e * model.hidden / block_input_divisor(layout, s)  # what the MLP's input costs untiled
+    return 4 * e * model.intermediate / t + kept_input - e * model.hidden / _t_sp(layout, s)
 
 
 def tile_working_set(model: ModelSpec, layout: Layout, s: Settings) -> float:

@@ -34,6 +34,7 @@ from ndparallel.plan.long_context import (
 from ndparallel.plan.models import ModelSpec, fsdp_units
 from ndparallel.plan.qat_memory import qat_head_bytes, qat_layer_bytes
 from ndparallel.plan.qlora import memory_adjustments
+from ndparallel.plan.sp_activations import block_inputs_per_token
 
 FRAGMENTATION = 0.05
 """Allocator slack added on top of the transient (activation, buffer, logits) bytes."""
@@ -74,7 +75,7 @@ def layer_activation_bytes_per_token(model: ModelSpec, layout: Layout, s: Settin
     sequence parallel else 1, e = activation bytes):
       2 RMSNorms, each fp32 input + normalized output
       + its fp32 reciprocal RMS (one per token):         2·((4+e)·h + 4) / t_sp
-      q/k/v input and MLP input (gathered under SP):     2·e·h
+      q/k/v input and MLP input (sequence shards under SP): 2·e·h / t_sp (plan/sp_activations.py)
       q, k, v after RoPE kept by attention:              e·(a+2k)·d / t
       attention output (also o_proj input):              e·a·d / t
       log-sum-exp:                                       4·a / t
@@ -85,7 +86,7 @@ def layer_activation_bytes_per_token(model: ModelSpec, layout: Layout, s: Settin
     t = layout.tp
     t_sp = t if s.sequence_parallel else 1
     e = s.act_bytes
-    per = 2 * ((4 + e) * h + 4) / t_sp + 2 * e * h
+    per = 2 * ((4 + e) * h + 4) / t_sp + block_inputs_per_token(model, layout, s)
     per += e * (a + 2 * k) * d / t + e * a * d / t + 4 * a / t + 4 * e * f / t
     if model.qk_norm:
         per += ((4 + e) * d + 4) * (a + k) / t

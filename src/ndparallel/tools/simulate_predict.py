@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ndparallel.models.adapters import base_model_of
+from ndparallel.parallel.pp.schedule import reduces_once_per_step
 from ndparallel.plan.calibrate import calibrate
 from ndparallel.plan.comms import collectives_for, scalar_collectives
 from ndparallel.plan.estimate import rank_step
@@ -38,6 +39,9 @@ def planner_settings(trainer):
         grad_accum=cfg.gradient_accumulation_steps,
         optimizer="sgd" if cfg.optimizer == "sgd" else "adamw",
         loss_parallel=engine.loss_parallel(model),
+        unsharded_grad_accumulation=reduces_once_per_step(
+            options.fsdp.unsharded_grad_accumulation, engine.dims.pp_enabled
+        ),
         loss_impl="chunked" if use_chunked_loss(base_model_of(model), options.loss) else "full",
         optimizer_fused=bool(trainer.optimizer.defaults.get("fused")),
         lora_r=cfg.lora_r if cfg.adapter else 0,

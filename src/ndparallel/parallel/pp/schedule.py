@@ -127,15 +127,24 @@ def join_micro_batches(micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> d
     return {k: torch.cat(v) for k, v in out.items()}
 
 
+def reduces_once_per_step(unsharded_grad_accumulation: bool | None, pp_enabled: bool) -> bool:
+    """``FSDPOptions.unsharded_grad_accumulation`` resolved: ``None`` is on under pipeline parallel
+    (one gradient reduction per optimizer step), off otherwise."""
+    if unsharded_grad_accumulation is None:
+        return pp_enabled
+    return unsharded_grad_accumulation
+
+
 def _shard_root(module: StageModule, runtime: StageRuntime) -> None:
-    """With ``unsharded_grad_accumulation``: make the stage module the FSDP root over its sharded
-    model (no parameters of its own), so torch's ``PipelineStage`` sees an FSDP module: it then
-    skips the gradient reduction in every micro-batch's backward and reduces once per step
-    (``perform_reduce_grad``), gradients unsharded until then. Otherwise (the default) every
-    micro-batch's backward reduce-scatters (and under HSDP all-reduces): gradients stay sharded."""
+    """Reducing once per step (``reduces_once_per_step``: the default under PP): make the stage
+    module the FSDP root over its sharded model (no parameters of its own), so torch's
+    ``PipelineStage`` sees an FSDP module: it then skips the gradient reduction in every
+    micro-batch's backward and reduces once per step (``perform_reduce_grad``), gradients
+    unsharded until then. With ``unsharded_grad_accumulation=False`` (the fallback when they do not
+    fit) every micro-batch's backward reduce-scatters (and under HSDP all-reduces)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    if not runtime.options.fsdp.unsharded_grad_accumulation:
+    if not reduces_once_per_step(runtime.options.fsdp.unsharded_grad_accumulation, pp_enabled=True):
         return
     inner = fsdp_root(module.lm)
     if inner is None or inner is not base_model_of(module.lm):  # not sharded (or only its experts)

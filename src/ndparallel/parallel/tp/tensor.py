@@ -55,8 +55,8 @@ from ndparallel.parallel.document_attention import apply_document_attention
 from ndparallel.parallel.options import TPOptions
 from ndparallel.parallel.positions import position_hook
 from ndparallel.parallel.tp.lora import LoraParallel
+from ndparallel.parallel.tp.sp_saves import sequence_parallel_block_input
 from ndparallel.parallel.tp.styles import (
-    GatherSequenceInput,
     MlaKvAProjParallel,
     ReplicateBlockInput,
     ReplicateParallel,
@@ -162,7 +162,11 @@ def apply_tensor_parallel(
             styles[name] = LoraParallel(styles[name], name)
     _replicate_the_rest(model, styles, blocks, sp, experts, moe_blocks)
     for block in blocks:
-        styles[block] = GatherSequenceInput() if sp else ReplicateBlockInput()
+        styles[block] = (
+            sequence_parallel_block_input(options.sequence_parallel_saved_shards)
+            if sp
+            else ReplicateBlockInput()
+        )
     if sp:
         _sequence_parallel_inputs(model, tp_size)
     tied = tied_parameter_groups(model)

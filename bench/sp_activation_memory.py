@@ -1,0 +1,166 @@
+"""Bytes a decoder layer saves for backward per token under TP + sequence parallel, measured.
+
+Rank 0 of a fake TP world (``runtime/fake_world.py``: collectives move no data, every tensor's
+shape and every kernel is real) runs one bf16 forward + backward of a Llama-shaped model; torch's
+saved-tensor hooks (``tools/saved_bytes``-style observer) record the distinct storages layer 0 keeps.
+For each tp: with the block inputs saved as sequence shards (the default,
+``TPOptions.sequence_parallel_saved_shards``) and saved gathered (before), beside Megatron's
+``34·h/t`` (Korthikanti et al. 2022, selective recompute, GPT-shaped layer) and the planner's
+``layer_activation_bytes_per_token``. Tensors with two sequence-length dims (attention masks /
+scores of the math path; a flash kernel keeps none) are reported apart as ``attention s²``.
+
+    python bench/sp_activation_memory.py                      # CPU, tp 1,2,4,8
+    python bench/sp_activation_memory.py --device cuda        # one GPU (bench/gpu_all.sh step sp_memory)
+    python bench/sp_activation_memory.py --tiny               # the suite's smoke form
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from _common import print_table, write_json  # noqa: E402
+
+from ndparallel.testing import run_on_ranks  # noqa: E402
+
+
+def _measure(tp: int, shards: bool, shape: dict, batch: int, seq: int, device: str) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ndparallel.layout.config import ParallelismConfig
+    from ndparallel.parallel.options import TPOptions
+    from ndparallel.parallel.tp.sp_saves import observing
+    from ndparallel.parallel.tp.tensor import apply_tensor_parallel
+    from ndparallel.runtime.distributed import shutdown
+    from ndparallel.runtime.fake_world import start_fake_world
+
+    shutdown()  # the runner's one-rank group: this child is rank 0 of a fake tp world instead
+    start_fake_world(tp, 0)
+    try:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**shape)).to(torch.bfloat16)
+        mesh = ParallelismConfig(tp_size=tp).build_device_mesh(device)["tp"]
+        if tp > 1:
+            options = TPOptions(
+                sequence_parallel=True, loss_parallel=False, sequence_parallel_saved_shards=shards
+            )
+            apply_tensor_parallel(model, mesh, options)
+        params = {
+            (p._local_tensor if hasattr(p, "_local_tensor") else p).untyped_storage().data_ptr()
+            for p in model.parameters()
+        }
+        seen: dict[int, tuple[int, bool]] = {}
+
+        def pack(t):
+            local = t._local_tensor if hasattr(t, "_local_tensor") else t
+            ptr = local.untyped_storage().data_ptr()
+            if ptr not in params:
+                scores = sum(1 for n in local.shape if n == seq) >= 2
+                seen[ptr] = (local.untyped_storage().nbytes(), scores)
+            return t
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(observing(lambda t: pack(t)), lambda t: t)
+        layer = model.model.layers[0]
+        layer.register_forward_pre_hook(lambda *_: hooks.__enter__() and None)
+        layer.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
+        ids = torch.randint(0, shape["vocab_size"], (batch, seq), device=device)
+        pos = torch.arange(seq, device=device).expand(batch, -1)
+        out = model(input_ids=ids, position_ids=pos).logits
+        (out.to_local() if hasattr(out, "to_local") else out).float().sum().backward()
+        tokens = batch * seq
+        total = sum(n for n, _ in seen.values())
+        scores = sum(n for n, s in seen.values() if s)
+        return {"per_token": total / tokens, "attention_s2_per_token": scores / tokens}
+    finally:
+        shutdown()
+
+
+def _planned(shape: dict, tp: int, shards: bool, seq: int) -> float:
+    from ndparallel.plan.layout import Layout, Settings
+    from ndparallel.plan.memory import layer_activation_bytes_per_token
+    from ndparallel.plan.models import from_hf_config
+
+    spec = from_hf_config({"model_type": "llama", **shape})
+    s = Settings(seq_len=seq, sequence_parallel=tp > 1, sp_saved_shards=shards)
+    return layer_activation_bytes_per_token(spec, Layout(tp=tp), s)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--tps", default="1,2,4,8")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--tiny", action="store_true", help="hidden 64, seq 32, tp 1,2 (the suite's smoke form)")
+    args = ap.parse_args(argv)
+    h, seq, tps = args.hidden, args.seq, [int(t) for t in args.tps.split(",")]
+    if args.tiny:
+        h, seq, tps = 128, 32, [1, 2]
+    if seq == h:
+        raise SystemExit("--seq must differ from --hidden (two seq-length dims mark attention's s² tensors)")
+    if h % 64 or h // 64 % max(tps):
+        raise SystemExit(f"--hidden must be a multiple of 64 × the largest tp ({max(tps)})")
+    heads, d = (4, 16) if args.tiny else (h // 64, 64)
+    shape = dict(
+        hidden_size=h,
+        intermediate_size=int(3.5 * h),  # Llama-3's 14336 / 4096
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(max(tps), heads // 4),  # GQA, at least one K/V head per tp rank
+        head_dim=d,
+        vocab_size=1024,
+        max_position_embeddings=max(seq, 128),
+    )
+    batch = 1
+    rows, results = [], []
+    for tp in tps:
+        modes = (False, True) if tp > 1 else (True,)
+        got = {m: run_on_ranks(_measure, 1, tp, m, shape, batch, seq, args.device)[0] for m in modes}
+        before, ours = got[False if tp > 1 else True], got[True]
+        row = {
+            "tp": tp,
+            "before_per_token": before["per_token"],
+            "ours_per_token": ours["per_token"],
+            "attention_s2_per_token": ours["attention_s2_per_token"],
+            "ours_without_s2_per_token": ours["per_token"] - ours["attention_s2_per_token"],
+            "megatron_34h_over_t": 34 * h / tp,
+            "planner_per_token": _planned(shape, tp, True, seq),
+            "planner_before_per_token": _planned(shape, tp, False, seq),
+        }
+        results.append(row)
+        rows.append(
+            [
+                tp,
+                f"{row['before_per_token']:,.0f}",
+                f"{row['ours_per_token']:,.0f}",
+                f"{row['attention_s2_per_token']:,.0f}",
+                f"{row['ours_without_s2_per_token']:,.0f}",
+                f"{row['megatron_34h_over_t']:,.0f}",
+                f"{row['planner_per_token']:,.0f}",
+            ]
+        )
+    print_table(
+        f"bytes saved per token, decoder layer 0 (h={h}, f={shape['intermediate_size']}, seq {seq}, bf16, "
+        f"{args.device})",
+        ["tp", "before (gathered)", "ours (shards)", "of it attention s²", "ours − s²", "34·h/t", "planner"],
+        rows,
+    )
+    path = write_json(
+        "sp_activation_memory",
+        {"device": args.device, "shape": shape, "seq": seq, "batch": batch, "rows": results},
+    )
+    last = results[-1]
+    print(
+        f"HEADLINE: tp {last['tp']}: {last['ours_without_s2_per_token']:,.0f} B/token/layer saved "
+        f"(before {last['before_per_token'] - last['attention_s2_per_token']:,.0f}; 34·h/t "
+        f"{last['megatron_34h_over_t']:,.0f}); {path.name}"
+    )
+
+
+if __name__ == "__main__":
+    main()
