@@ -211,7 +211,7 @@ def test_the_name_checker_finds_a_repeat():
         PACKAGE / "plan" / "pipeline.py",
         PACKAGE / "plan" / "__init__.py",
     ]
-    assert _names_used_twice(paths) == {"pipeline": ["data/prepare.py", "plan/pipeline.py"]}
+    assert _names_used_twice(paths) == {"pipeline": ["data/pipeline.py", "plan/pipeline.py"]}
 
 
 def test_the_checker_finds_a_cycle():
@@ -410,6 +410,8 @@ START_UP = {
     "ndparallel.config.quant": "the QAT / quantisation code only where those fields are set",
     "ndparallel.config.schema": "the strategy options only where a run's options are built",
     "ndparallel.layout.config": "the mesh code only where a mesh is built",
+    "ndparallel.models.flops": "the model code only where a real model's MoE weights are counted",
+    "ndparallel.plan.qlora": "the NF4 code only where a 4-bit base is costed",
     "ndparallel.optim.build": "Muon and torchao's optimizers only where chosen",
     "ndparallel.optim.lowbit": "torchao's optimizers only where chosen",
     "ndparallel.checkpoint.export": "the model code only where a checkpoint is exported",

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from ndparallel.cli.launch_check import check_train_launch
 from ndparallel.cli.plan_config import config_defaults, merge_written_config, split_config_arg
 from ndparallel.cli.simulate_command import run_simulate
+from ndparallel.plan.cli import main as plan_main
 from ndparallel.runtime.preemption import INTERRUPTED_EXIT
 from ndparallel.runtime.quiet import quiet_library_noise
 from ndparallel.runtime.startup import paused_collector
@@ -75,8 +76,6 @@ def _dispatch(command: str, rest: list[str]) -> int:
 
 def _plan(argv: list[str]) -> int:
     """``plan``, with ``--config TRAIN.yaml`` turned into planner defaults the user's flags override."""
-    from ndparallel.plan.cli import main as plan_main
-
     config, rest = split_config_arg(argv)
     if config is None:  # flags only: the planner alone, no torch import (a fast start)
         return plan_main(rest, description=_SUBCOMMANDS["plan"])

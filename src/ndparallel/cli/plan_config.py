@@ -20,6 +20,8 @@ from pathlib import Path
 import yaml
 
 from ndparallel.layout.config import ParallelismConfigError
+from ndparallel.plan.adapter import saved_tables
+from ndparallel.plan.layout import Settings
 
 PLAN_KEYS = (
     "dp_replicate_size",
@@ -84,8 +86,6 @@ def config_defaults(path: str, argv: list[str]) -> tuple[dict, str]:
     if s.checkpointing:
         defaults["activation_checkpointing"] = "on"
     if cfg.adapter and given.adapter in (None, "lora", "qlora"):
-        from ndparallel.plan.adapter import saved_tables
-
         defaults["adapter"] = "qlora" if cfg.load_in_4bit else "lora"
         defaults["lora_r"] = cfg.lora_r
         if saved_tables(cfg.lora_modules_to_save):
@@ -107,8 +107,6 @@ def config_settings(cfg):
     (``strategy_options()``) through ``Settings.from_options``, plus what the planner names
     differently (the optimizer's state size; the loss the trainer runs: QAT fake-quantises the LM
     head, so the loss then comes from the full logits)."""
-    from ndparallel.plan.layout import Settings
-
     full_loss = cfg.chunked_loss is False or cfg.qat is not None
     return Settings.from_options(
         cfg.strategy_options(),

@@ -19,6 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ndparallel.config.base import _Strict
 from ndparallel.models.quantized import NF4Config
+from ndparallel.parallel.layout_refusals import qat_layout_problem
 from ndparallel.techniques.technique_options import QATOptions
 
 _DTYPES = {
@@ -130,7 +131,6 @@ class QuantFields(_Strict):
     def _qat_alone(self):
         if self.qat is None:
             return self
-        from ndparallel.techniques.qat import qat_layout_problem
 
         if self.load_in_4bit or getattr(self, "adapter", None) == "qlora":
             raise ValueError(

@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
+from ndparallel.models.adapters import base_model_of
+from ndparallel.models.moe import moe_spec
+
 if TYPE_CHECKING:
     from ndparallel.models.moe import MoESpec
     from ndparallel.parallel.pp.schedule import Pipeline
@@ -17,9 +20,6 @@ if TYPE_CHECKING:
 def router_loss_spec(model: nn.Module) -> MoESpec | None:
     """The ``MoESpec`` of a mixture-of-experts model whose training loss includes the routers'
     load-balancing loss (transformers' ``output_router_logits``), else None."""
-    from ndparallel.models.adapters import base_model_of
-    from ndparallel.models.moe import moe_spec
-
     spec = moe_spec(base_model_of(model))
     return spec if spec is not None and spec.aux_loss_coef is not None else None
 

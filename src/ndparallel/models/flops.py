@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the planner imports this module: no torch at import time
     import torch.nn as nn
 
-from ndparallel.models.moe import experts_modules, moe_spec, router_modules
-
 
 def train_flops_per_token(
     matmul_params: int, trained_matmul_params: int, layers: int, attention_dim: int, seq_len: int
@@ -57,6 +55,7 @@ def matmul_params(model: nn.Module) -> tuple[int, int]:
 def _moe_weights(model: nn.Module) -> list[tuple[nn.Parameter, float]]:
     """(weight, share of it one token multiplies with) of an MoE model's routers (1) and experts
     (top_k / E); empty for a dense model."""
+    from ndparallel.models.moe import experts_modules, moe_spec, router_modules  # torch: a real model
 
     spec = moe_spec(model)
     if spec is None:

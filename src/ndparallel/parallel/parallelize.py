@@ -29,6 +29,7 @@ from ndparallel.models.quantized import nf4_layout_problem
 from ndparallel.parallel.cp.context import apply_context_parallel
 from ndparallel.parallel.ep.expert import apply_expert_parallel
 from ndparallel.parallel.fsdp import apply_fsdp
+from ndparallel.parallel.layout_refusals import qat_layout_problem
 from ndparallel.parallel.options import FSDPOptions, StrategyOptions
 from ndparallel.parallel.support import layout_problem
 from ndparallel.parallel.tp.tensor import apply_tensor_parallel, is_tensor_parallel
@@ -36,7 +37,7 @@ from ndparallel.techniques.compile import apply_compile
 from ndparallel.techniques.float8 import apply_float8
 from ndparallel.techniques.master_weights import low_precision_params, upcast_params
 from ndparallel.techniques.offload import apply_activation_offloading
-from ndparallel.techniques.qat import apply_qat, qat_layout_problem
+from ndparallel.techniques.qat import apply_qat
 from ndparallel.techniques.tiled_mlp import apply_tiled_mlp, check_not_fsdp_unit
 
 

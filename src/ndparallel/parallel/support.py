@@ -19,7 +19,6 @@ What is checked beyond the degrees' arithmetic (``validate_tensor_parallel``,
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
 
 import torch.nn as nn
 
@@ -28,6 +27,7 @@ from ndparallel.models.causal import self_attention_flags
 from ndparallel.models.moe import experts_modules
 from ndparallel.models.tp_plans import match_plan, resolve_tp_plan, tp_plan_problem
 from ndparallel.parallel.ep.expert import check_expert_parallel
+from ndparallel.parallel.layout_refusals import saved_modules_problem
 
 _PROBE = "ndparallel_interface_probe"
 
@@ -143,17 +143,6 @@ def adapter_layout_problem(model: nn.Module, tp_size: int = 1, ep_size: int = 1)
                 f"needs them whole on each rank: set {degree}: 1 (shard them with dp_shard_size) or drop "
                 "lora_target_parameters"
             )
-    return None
-
-
-def saved_modules_problem(saved: Sequence[str], tp_size: int) -> str | None:
-    """Why LoRA's ``modules_to_save`` named ``saved`` cannot train under ``tp_size``, or None: the
-    embedding and LM head are vocab-sharded under TP, their trained PEFT copies would not be."""
-    if saved and tp_size > 1:
-        return (
-            f"tensor_parallel_size={tp_size}: LoRA's modules_to_save ({', '.join(saved)}) are trained whole, "
-            "not vocab-sharded: drop lora_modules_to_save or set tensor_parallel_size: 1 (use dp_shard_size)"
-        )
     return None
 
 

@@ -12,6 +12,7 @@ from ndparallel.plan import hardware as hwmod
 from ndparallel.plan.adapter import SAVED_MODULES, saved_tables
 from ndparallel.plan.cli_checks import check_args, gpu_mem_bytes, host_mem_bytes
 from ndparallel.plan.layout import parse_layout
+from ndparallel.plan.longest import feature_summary, longest, print_longest
 from ndparallel.plan.models import PRESETS as MODEL_PRESETS
 from ndparallel.plan.models import load_model_spec
 from ndparallel.plan.pipeline import canonical
@@ -359,8 +360,6 @@ def run_plan(args) -> int:
 
 
 def _run_longest(args, req: PlanRequest, console: Console) -> int:
-    from ndparallel.plan.longest import feature_summary, longest, print_longest
-
     if args.explain or args.write_config:
         raise ValueError(
             "--max-seq-len answers one question: leave out --explain / --write-config "

@@ -12,11 +12,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ndparallel.plan import moe_cost
 from ndparallel.plan.adapter import adapt_collectives
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import tiled_tp_extra
 from ndparallel.plan.models import ModelSpec, ParamSpec, fsdp_units
+from ndparallel.plan.moe_cost import expert_unit_numels
 from ndparallel.plan.qlora import nf4_collectives
 from ndparallel.plan.sp_activations import recompute_regathers_per_step
 
@@ -70,8 +72,6 @@ def unit_numels(
 def _unit_numels(model: ModelSpec, tp: int, fsdp: int, layout: Layout | None) -> dict[str, tuple[int, int]]:
     out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     if model.is_moe:
-        from ndparallel.plan.moe_cost import expert_unit_numels
-
         out["experts"] = list(expert_unit_numels(model, layout or Layout(dp_shard=fsdp)))
     for p in model.param_specs():
         if p.unit == "experts":
@@ -138,8 +138,6 @@ def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Colle
     if layout.cp > 1:
         out += _context_parallel(model, layout, s, tokens, ga)
     if model.is_moe:
-        from ndparallel.plan import moe_cost
-
         out += moe_cost.collectives(model, layout, s, tokens, ga, Collective)
     if s.lora_r:
         out = adapt_collectives(out, model, layout, s, Collective)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ndparallel.plan import moe_cost
 from ndparallel.plan.adapter import head_copy_trains
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
@@ -98,8 +99,6 @@ def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gem
             Gemm(f"{name} lora A wgrad", r, i, tokens, n),
         ]
     if model.is_moe:  # the router, the experts' grouped GEMMs, the shared MLP (plan/moe_cost.py)
-        from ndparallel.plan import moe_cost
-
         out += moe_cost.gemms(model, layout, s, tokens, Gemm, recompute=s.checkpointing)
     if not model.has_lm_head:  # a pipeline rank without the last stage
         return out

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from ndparallel.layout.dims import MESH_DIM_NAMES, ParallelDims
 from ndparallel.parallel.options import StrategyOptions
 from ndparallel.plan.models import ModelSpec
-from ndparallel.plan.pipeline import canonical
+from ndparallel.plan.pipeline import canonical, default_virtual
+from ndparallel.plan.qat_memory import qat_format
 
 DIMS = MESH_DIM_NAMES
 
@@ -114,9 +115,6 @@ class Settings:
         ``strategy_options()``, or an engine's): every field the options decide, derived here once;
         ``rest`` gives the others (batch, optimizer, adapter) and what the run resolves per model
         (``loss_parallel`` / ``loss_impl`` where the options say None: on, chunked)."""
-        from ndparallel.plan.pipeline import canonical, default_virtual
-        from ndparallel.plan.qat_memory import qat_format
-
         fsdp, qat, pipe = options.fsdp, options.qat, options.pipeline
         schedule = canonical(pipe.schedule)
         derived = {

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ndparallel.plan import moe_cost
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.models import ModelSpec, fsdp_units
 
@@ -75,8 +76,6 @@ def layer_bytes_per_token(model: ModelSpec, layout: Layout, s: Settings) -> tupl
         fwd += nf * rope
         bwd += nb * rope
     if model.is_moe:  # dispatch/combine copies, the experts' SwiGLU, the router (plan/moe_cost.py)
-        from ndparallel.plan import moe_cost
-
         mf, mb = moe_cost.elementwise_bytes_per_token(model, layout, s)
         fwd, bwd = fwd + Bytes(mf), bwd + Bytes(mb)
     return fwd, bwd

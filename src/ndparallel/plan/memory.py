@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ndparallel.plan import muon_cost
+from ndparallel.plan import moe_cost, muon_cost
 from ndparallel.plan.adapter import (
     adapter_layer_local,
     adapter_shard_numel,
@@ -91,8 +91,6 @@ def layer_activation_bytes_per_token(model: ModelSpec, layout: Layout, s: Settin
     if model.qk_norm:
         per += ((4 + e) * d + 4) * (a + k) / t
     if model.is_moe:  # router, experts, shared MLP instead of the MLP (f = 0): plan/moe_cost.py
-        from ndparallel.plan import moe_cost
-
         per += moe_cost.activation_bytes_per_token(model, layout, s)
     return per + cp_saved_extra_per_token(model, layout, s)
 
@@ -144,8 +142,6 @@ def layer_backward_workspace_per_token(model: ModelSpec, layout: Layout, s: Sett
     t_sp = layout.tp if s.sequence_parallel else 1
     e = s.act_bytes
     if model.is_moe:
-        from ndparallel.plan import moe_cost
-
         return moe_cost.workspace_per_token(model, layout, s) + 2 * e * model.hidden / t_sp
     return 3 * e * model.intermediate / layout.tp + 2 * e * model.hidden / t_sp
 

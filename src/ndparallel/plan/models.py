@@ -17,6 +17,7 @@ from pathlib import Path
 from ndparallel.models.moe_config import config_num_experts
 from ndparallel.models.presets import PRESETS as BUILTIN
 from ndparallel.models.presets import PUBLISHED
+from ndparallel.plan.moe_cost import active_matmul_params_per_layer, expert_params
 
 
 @dataclass(frozen=True)
@@ -165,8 +166,6 @@ class ModelSpec:
             and ".mlp.shared" not in p.name
         )
         if self.is_moe:
-            from ndparallel.plan.moe_cost import active_matmul_params_per_layer
-
             linear += self.layers * active_matmul_params_per_layer(self)
         return linear + (self.vocab * self.hidden if self.has_lm_head else 0)
 
@@ -202,7 +201,6 @@ class ModelSpec:
         """Parameters one token uses (all of them in a dense model; k of E experts in an MoE)."""
         if not self.is_moe:
             return self.num_params
-        from ndparallel.plan.moe_cost import expert_params
 
         per_token = self.top_k * 3 * self.hidden * self.moe_intermediate
         return self.num_params - self.layers * (expert_params(self) - per_token)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from ndparallel.parallel.support import saved_modules_problem
+from ndparallel.parallel.layout_refusals import qat_layout_problem, saved_modules_problem
 from ndparallel.plan.estimate import Estimate, TimeBreakdown, finish, rank_step
 from ndparallel.plan.hardware import GiB, Hardware
 from ndparallel.plan.layout import (
@@ -20,7 +20,6 @@ from ndparallel.plan.pipeline import AUTO_SCHEDULES, canonical, default_virtual
 from ndparallel.plan.pipeline import problem as pipeline_problem
 from ndparallel.plan.pipeline_estimate import estimate_pipeline, pipeline_memory
 from ndparallel.plan.qlora import nf4_shards_problem
-from ndparallel.techniques.qat import qat_layout_problem
 
 __all__ = [
     "Estimate",

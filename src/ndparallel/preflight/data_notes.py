@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ndparallel.data.chat import eot_warning, resolve_template
 from ndparallel.data.dataset import DatasetSpec
+from ndparallel.data.prepare import concatenates, prepare_samples, tokenize_specs
+from ndparallel.training.components import data_cache_dir
 
 
 def data_notes(cfg) -> list[str]:
@@ -44,11 +47,6 @@ def prepared_notes(cfg, tokenizer) -> list[str]:
     """What the prepared data holds that Axolotl would warn about: samples longer than
     ``sequence_len`` dropped (or truncated), and chat templates whose turn end is not trained
     because ``eot_tokens`` is unset. Reads the cached tokenized datasets (``prepare_data`` made them)."""
-    from ndparallel.data.chat import eot_warning, resolve_template
-    from ndparallel.data.dataset import DatasetSpec
-    from ndparallel.data.prepare import concatenates, prepare_samples, tokenize_specs
-    from ndparallel.training.components import data_cache_dir
-
     if not cfg.datasets:
         return []
     specs = [DatasetSpec.from_any(d.model_dump(), f"datasets[{i}]") for i, d in enumerate(cfg.datasets)]

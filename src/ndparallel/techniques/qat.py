@@ -250,20 +250,3 @@ def step_fake_quant(model: nn.Module, options: QATOptions, step: int) -> None:
     ``fake_quant_after_n_steps`` steps, on from then (as Axolotl's ``QATCallback``)."""
     if options.enabled and options.fake_quant_after_n_steps is not None:
         set_fake_quant(model, options.active_at(step))
-
-
-def qat_layout_problem(tp_size: int, float8: bool) -> str | None:
-    """What QAT cannot be combined with (None: nothing here): TP (the fake quantisers' group and
-    per-token scales are not written for DTensor shards: a row-sharded input would be scaled per
-    shard), float8 training (both replace the same linears)."""
-    if tp_size > 1:
-        return (
-            f"qat with tensor_parallel_size={tp_size} is not supported (torchao's fake quantisers would "
-            f"compute "
-            "their scales on TP shards, not whole rows): shard with dp_shard_size (FSDP2, exact under QAT) "
-            "and "
-            "set tensor_parallel_size: 1"
-        )
-    if float8:
-        return "qat and fp8 both replace the linear layers: use one of them (remove fp8 or qat)"
-    return None

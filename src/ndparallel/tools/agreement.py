@@ -34,8 +34,15 @@ import math
 import os
 from dataclasses import dataclass
 
+from ndparallel.runtime.multirank import run_on_ranks
 from ndparallel.tools import equivalence
-from ndparallel.tools.equivalence import TrainResult, TrainSetup, compare, make_global_batches
+from ndparallel.tools.equivalence import (
+    TrainResult,
+    TrainSetup,
+    compare,
+    make_global_batches,
+    train_under_layout,
+)
 
 NOISE_SAFETY = 8.0
 FP32_EPS = 2.0**-23
@@ -139,8 +146,6 @@ class Verdict:
 
 def reference_runs(setup: TrainSetup) -> tuple[TrainResult, TrainResult]:
     """Inside one rank: the one-process run and its second way (``reversed_rows``)."""
-    from ndparallel.tools.equivalence import train_under_layout
-
     one = dataclasses.replace(setup, fault=None)
     return train_under_layout(one, None), train_under_layout(reversed_rows(one), None)
 
@@ -220,8 +225,6 @@ def one_process_reference(setup: TrainSetup, keep_options: tuple[str, ...] = (),
     one = dataclasses.replace(setup, parallel_kwargs=kept, fault=None)
     key = repr((one, train))
     if key not in _REFERENCES:
-        from ndparallel.runtime.multirank import run_on_ranks
-
         _REFERENCES[key] = run_on_ranks(reference_in_rank, 1, one, train, timeout_s=600)[0]
     return _REFERENCES[key]
 

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ndparallel.models.adapters import WHOLE_TRAINED, base_model_of, is_peft_model
 from ndparallel.models.layers import decoder_module
+from ndparallel.models.moe import moe_spec
 from ndparallel.models.naming import model_class_name
 
 PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
@@ -94,8 +95,6 @@ def pipeline_model_problem(
     """Why ``model`` (with its LoRA adapter, if any) cannot be cut into pipeline stages and run on
     this device, or None: the family, the adapter, a router load-balancing loss, ring CP on gloo.
     One policy for the engine (the model in hand) and the pre-launch checks (the config's words)."""
-    from ndparallel.models.moe import moe_spec
-
     base = base_model_of(model)
     problem = pipeline_family_problem(getattr(base, "config", None)) or adapter_pipeline_problem(model)
     if problem:
