@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -55,6 +56,20 @@ def make_model(path: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
+FORCE_FSDP_ON_CPU = os.environ.get("PEERS_ACCELERATE_AS_IS") != "1"
+"""Accelerate enables FSDP only on accelerator device types (``AcceleratorState``: ``MULTI_CPU`` is
+not in its list), so on CPU ranks it silently trains with DDP instead. The bench sets the two fields
+that branch of Accelerate sets (``distributed_type = FSDP``, ``fsdp_plugin``) and nothing else, so
+that ``prepare`` runs Accelerate's own FSDP2 code; ``PEERS_ACCELERATE_AS_IS=1`` runs it as shipped."""
+
+
+def _fsdp_on_cpu(accelerator, plugin) -> None:
+    from accelerate.utils import DistributedType
+
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+
+
 def train(lib: str, layout: str, model_dir: str, steps: int) -> dict:
     """The Accelerate script; ``lib`` is the package its names are imported from."""
     import importlib
@@ -73,6 +88,8 @@ def train(lib: str, layout: str, model_dir: str, steps: int) -> dict:
             reshard_after_forward=True,
         )
         accelerator = Accelerator(fsdp_plugin=plugin)
+        if lib == "accelerate" and FORCE_FSDP_ON_CPU:
+            _fsdp_on_cpu(accelerator, plugin)
     else:
         pc = importlib.import_module(f"{lib}.parallelism_config").ParallelismConfig(**sizes)
         plugin = utils.FullyShardedDataParallelPlugin(
@@ -81,6 +98,8 @@ def train(lib: str, layout: str, model_dir: str, steps: int) -> dict:
             transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
         )
         accelerator = Accelerator(parallelism_config=pc, fsdp_plugin=plugin)
+        if lib == "accelerate" and FORCE_FSDP_ON_CPU:
+            _fsdp_on_cpu(accelerator, plugin)
     mesh = getattr(accelerator, "torch_device_mesh", None)
     kwargs = {"device_mesh": mesh} if sizes.get("tp_size", 1) > 1 else {}
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs)
@@ -111,7 +130,7 @@ def train(lib: str, layout: str, model_dir: str, steps: int) -> dict:
         "losses_hex": [float.hex(x) for x in losses],
         "tokens_per_s": tokens / sum(times[1:]),
         "peak_rss_mib": max(peaks),
-        "wrapped": type(accelerator.unwrap_model(model)).__name__ + " / " + type(model).__mro__[1].__name__,
+        "wrapped": type(model).__name__,
     }
 
 
@@ -140,8 +159,12 @@ def launch(lib: str, layout: str, model_dir: Path, steps: int, work: Path) -> di
     ]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0 or not out.exists():
-        errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
-        return {"error": (errors[-1] if errors else proc.stderr[-400:]).strip()}
+        (work / f"{lib}-{layout}.log").write_text(proc.stderr)
+        lines = proc.stderr.splitlines()
+        errors = [x for x in lines if re.search(r"^\[rank0\]: \w*(Error|Exception): ", x)] or [
+            x for x in lines if re.search(r"\b\w*(Error|Exception): ", x)
+        ]
+        return {"error": (errors[-1] if errors else proc.stderr[-400:]).strip()[:400]}
     return json.loads(out.read_text())
 
 
@@ -166,13 +189,14 @@ def main(argv=None) -> int:
         theirs = launch("accelerate", layout, work / "model", args.steps, work)
         ours = launch("ndparallel", layout, work / "model", args.steps, work)
         results[layout] = {"accelerate": theirs, "ndparallel": ours}
-        print(f"\n{layout}:")
+        print(f"\n{layout}:", flush=True)
         for name, r in (("accelerate", theirs), ("ndparallel", ours)):
             if "error" in r:
                 print(f"  {name:10s} refused / failed: {r['error']}")
             else:
+                losses = [f"{x:.6f}" for x in r["losses"]]
                 print(
-                    f"  {name:10s} losses {[f'{x:.6f}' for x in r['losses']]}  {r['tokens_per_s']:.0f} tok/s  "
+                    f"  {name:10s} losses {losses}  {r['tokens_per_s']:.0f} tok/s  "
                     f"peak RSS {r['peak_rss_mib']:.0f} MiB  ({r['wrapped']})"
                 )
         if "error" not in theirs and "error" not in ours:
