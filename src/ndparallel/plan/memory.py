@@ -343,7 +343,13 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
             buf_b,
         ),
         "end of backward": (all_grads, 0.0, 0.0, 0.0),
-        "embedding backward": (all_grads, 0.0, 0.0, embedding_backward_bytes(model, layout, s, numels)),
+        # the table's own sharded gradient does not exist yet: it is what this backward makes
+        "embedding backward": (
+            all_grads - (embedding_shard_grad_bytes(model, numels) if not s.lora_r else 0.0),
+            0.0,
+            0.0,
+            embedding_backward_bytes(model, layout, s, numels),
+        ),
         "optimizer step": (all_grads + optimizer_step_temporaries(model, layout, s), 0.0, 0.0, 0.0),
     }
     phase = max(moments, key=lambda k: sum(moments[k]))
@@ -363,6 +369,13 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         plain_layer,
         host_bytes(model, layout, s),
     )
+
+
+def embedding_shard_grad_bytes(model: ModelSpec, numels: dict) -> float:
+    """The embedding table's sharded fp32 gradient (0 on a rank without it)."""
+    if not model.has_embedding:
+        return 0.0
+    return numels.get("root" if model.tied_embeddings else "embed", (0, 0))[1] * 4.0
 
 
 def embedding_backward_bytes(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> float:
