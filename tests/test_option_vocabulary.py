@@ -24,7 +24,7 @@ TARGET = 4
 
 BATCH_ARITHMETIC = {
     "seq_len": 26,
-    "micro_batch": 48,
+    "micro_batch": 51,  # 48 + plan/sp_activations, tools/agreement, tools/saved_bytes (prose "micro-batch")
     "grad_accum": 16,
     "global_batch": 11,
     "gpus_per_node": 13,
@@ -64,11 +64,11 @@ OVER_TARGET = {
     "quantized_base": 8,
     "reshard_after_backward": 5,
     "reshard_after_forward": 18,
-    "sequence_parallel": 30,
+    "sequence_parallel": 31,  # 30 + plan/sp_activations (the SP saved-shard model)
     "set_to_none": 5,
-    "tiled_mlp": 19,
+    "tiled_mlp": 20,  # 19 + techniques/__init__ (names the module tiled_mlp.py, not the option)
     "tiled_mlp_num_shards": 12,
-    "unsharded_grad_accumulation": 16,
+    "unsharded_grad_accumulation": 17,  # 16 + tools/simulate_predict (resolves the PP default)
     "virtual_stages": 7,  # 6 + plan/layout.Settings.from_options, the one options -> Settings step
     "weight_dtype": 10,
 }
