@@ -87,6 +87,7 @@ def _plan(argv: list[str]) -> int:
     if config is None:  # flags only: the planner alone, no torch import (a fast start)
         return plan_main(rest, description=_SUBCOMMANDS["plan"])
     from ndparallel.config import ConfigError
+
     try:
         flags, said = config_flags(config, rest)
     except (ConfigError, ValueError) as e:
