@@ -357,6 +357,19 @@ class Translation:
         self.renamed[f"{where.replace('[', '.').replace(']', '')}.{new}"] = f"{where}.{old}"
 
 
+def set_field(t: Translation, key: str, value: Any, why: str, source: str) -> None:
+    """``key: value`` unless the config sets ``key`` itself to something else (then a problem)."""
+    if key in t.data and t.data[key] is not None and t.data[key] != value:
+        t.problems.append(
+            f"'{source}' means {key}: {short(value)} but the config sets {key}: "
+            f"{short(t.data[key])}; keep one"
+        )
+        return
+    t.data[key] = value
+    if why:
+        t.notes.append(why)
+
+
 def is_empty(value: Any, default: Any = None) -> bool:
     """Axolotl's "not used": null, false, an empty string / list / mapping, or the key's default."""
     return (
