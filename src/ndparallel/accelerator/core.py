@@ -102,28 +102,7 @@ class Accelerator(
                 raise TypeError("parallelism_config given twice (positionally and by name)")
             args["parallelism_config"], args["device_placement"] = device_placement, True
         s = arguments.resolve(args)
-        if s.fsdp_plugin is not None and s.fsdp_plugin.cpu_ram_efficient_loading:
-            # transformers' switch for "load the weights on rank 0 only" (Accelerate sets it too)
-            os.environ["ACCELERATE_USE_FSDP"] = os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
-        pc = s.parallelism_config or ParallelismConfig()
-        if s.parallelism_config is None and pc.active_dims == ():
-            pc = ParallelismConfig(dp_replicate_size=-1)  # Accelerate: replicas over every process
-        options = StrategyOptions(
-            fsdp=s.fsdp_options,
-            tp=s.tp_options,
-            cp=s.cp_options,
-            loss=s.loss_options,
-            compile=s.compile_options,
-            float8=s.float8_options,
-            qat=s.qat_options,
-            param_dtype=s.param_dtype,
-        )
-        self.engine = Engine(pc, options, device=s.device, timeout_s=s.timeout_s)
-        self.parallelism_config = pc.resolve(self.engine.world_size)
-        self.torch_device_mesh = self.engine.mesh
-        self.parallelism_config.device_mesh = self.torch_device_mesh
-        if s.parallelism_config is not None:
-            s.parallelism_config.device_mesh = self.torch_device_mesh
+        self._start_engine(s)
         self._settings = s
         self._take_settings(s)
         ga = s.gradient_state_plugin
@@ -147,6 +126,32 @@ class Accelerator(
         self._save_model_state_pre_hook: OrderedDict = OrderedDict()
         self._load_model_state_pre_hook: OrderedDict = OrderedDict()
         self.step = 0  # micro-batches seen by ``accumulate``
+
+    def _start_engine(self, s: arguments.Settings) -> None:
+        """The engine on the resolved layout (every process by default: Accelerate's replicas) and
+        the mesh the parallelism configs point to."""
+        if s.fsdp_plugin is not None and s.fsdp_plugin.cpu_ram_efficient_loading:
+            # transformers' switch for "load the weights on rank 0 only" (Accelerate sets it too)
+            os.environ["ACCELERATE_USE_FSDP"] = os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
+        pc = s.parallelism_config or ParallelismConfig()
+        if s.parallelism_config is None and pc.active_dims == ():
+            pc = ParallelismConfig(dp_replicate_size=-1)  # Accelerate: replicas over every process
+        options = StrategyOptions(
+            fsdp=s.fsdp_options,
+            tp=s.tp_options,
+            cp=s.cp_options,
+            loss=s.loss_options,
+            compile=s.compile_options,
+            float8=s.float8_options,
+            qat=s.qat_options,
+            param_dtype=s.param_dtype,
+        )
+        self.engine = Engine(pc, options, device=s.device, timeout_s=s.timeout_s)
+        self.parallelism_config = pc.resolve(self.engine.world_size)
+        self.torch_device_mesh = self.engine.mesh
+        self.parallelism_config.device_mesh = self.torch_device_mesh
+        if s.parallelism_config is not None:
+            s.parallelism_config.device_mesh = self.torch_device_mesh
 
     def _take_settings(self, s: arguments.Settings) -> None:
         """The resolved plugins and handlers as attributes (Accelerate's names)."""

@@ -14,7 +14,19 @@ from collections.abc import Callable
 from typing import Any
 
 from ndparallel.axolotl.checkpoint import linearized_experts, model_quantization
-from ndparallel.axolotl.keys import DATASET, PLUGINS, TOP, Translation, is_empty, short
+from ndparallel.axolotl.compute_keys import (
+    activation_offloading,
+    attention_flag,
+    attn_implementation,
+    bf16,
+    checkpointing_kwargs,
+    gradient_checkpointing,
+    liger,
+    precision_flag,
+    tf32,
+    torch_compile,
+)
+from ndparallel.axolotl.keys import DATASET, PLUGINS, TOP, Translation, is_empty, set_field, short
 from ndparallel.axolotl.layout_keys import (
     deepspeed,
     default_layout,
@@ -54,129 +66,12 @@ def translate(raw: dict, own_keys: set[str]) -> Translation:
 
 
 # ----------------------------------------------------------------------- top-level value mappers
-def _set(t: Translation, key: str, value: Any, why: str, source: str) -> None:
-    """``key: value`` unless the config sets ``key`` itself to something else (then a problem)."""
-    if key in t.data and t.data[key] is not None and t.data[key] != value:
-        t.problems.append(
-            f"'{source}' means {key}: {short(value)} but the config sets {key}: "
-            f"{short(t.data[key])}; keep one"
-        )
-        return
-    t.data[key] = value
-    if why:
-        t.notes.append(why)
-
-
-def _bf16(t: Translation, key: str, value: Any) -> None:
-    if value in ("auto", "full"):
-        on = _bf16_gpu()
-        t.data[key] = on
-        t.notes.append(
-            f"bf16: {value} -> {str(on).lower()} ("
-            + (
-                "this machine's GPU computes in bf16)"
-                if on
-                else "no GPU computing in bf16 here: fp32; on a bf16 GPU the same config trains in bf16)"
-            )
-        )
-
-
-def _bf16_gpu() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-
-
-def _tf32(t: Translation, key: str, value: Any) -> None:
-    if value == "auto":
-        import torch
-
-        t.data[key] = bool(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8)
-
-
-def _precision_flag(t: Translation, key: str, value: Any) -> None:
-    if is_empty(value):
-        return
-    if key == "float16":  # Axolotl: load in fp16; here fp16 mixed precision ("fp16: false" beside it is moot)
-        if t.data.get("fp16") is False:
-            t.data["fp16"] = None
-        _set(
-            t,
-            "fp16",
-            True,
-            "float16: true -> fp16: true (fp16 compute, fp32 master weights, dynamic loss "
-            "scaling; Axolotl would load the model in fp16, ndparallel keeps fp32 masters)",
-            key,
-        )
-        return
-    bf16 = key == "bfloat16"
-    _set(
-        t,
-        "bf16",
-        bf16,
-        f"{key}: true -> bf16: {str(bf16).lower()}"
-        + (" (bf16 compute, fp32 master weights)" if bf16 else ""),
-        key,
-    )
-
-
-def _gradient_checkpointing(t: Translation, key: str, value: Any) -> None:
-    if value == "offload_disk":
-        t.refuse(
-            key,
-            value,
-            "offloading to disk is not supported: use gradient_checkpointing: true with "
-            "activation_offloading: true (pinned host memory)",
-        )
-        return
-    if value == "offload":  # Axolotl's deprecated spelling of checkpointing + activation offloading
-        _set(
-            t,
-            "activation_offloading",
-            True,
-            "gradient_checkpointing: offload -> activation_offloading: true",
-            key,
-        )
-    if not is_empty(value):
-        fsdp = t.data.setdefault("fsdp_config", {}) or {}
-        t.data["fsdp_config"] = fsdp
-        if fsdp.get("activation_checkpointing") is False:
-            t.problems.append(
-                "'gradient_checkpointing: true' and 'fsdp_config.activation_checkpointing: false' "
-                "disagree; keep one"
-            )
-            return
-        fsdp["activation_checkpointing"] = True
-        t.notes.append(
-            "gradient_checkpointing: true -> fsdp_config.activation_checkpointing: true (each decoder "
-            "layer recomputed in the backward)"
-        )
-
-
-def _activation_offloading(t: Translation, key: str, value: Any) -> None:
-    if value == "legacy":  # Axolotl's older implementation of the same offload
-        t.data[key] = True
-        t.notes.append(
-            "activation_offloading: legacy -> true (checkpointed activations to pinned host memory)"
-        )
-
-
-def _checkpointing_kwargs(t: Translation, key: str, value: Any) -> None:
-    if is_empty(value):
-        return
-    extra = sorted(set(value) - {"use_reentrant"}) if isinstance(value, dict) else [value]
-    if extra:
-        t.refuse(
-            key, value, "only use_reentrant is understood (ndparallel checkpoints non-reentrantly); remove it"
-        )
-    elif value.get("use_reentrant"):
-        t.notes.append(f"{key}: use_reentrant: true -> non-reentrant checkpointing (the same gradients)")
 
 
 def _rename(target: str) -> Callable:
     def mapper(t: Translation, key: str, value: Any) -> None:
         if not is_empty(value):
-            _set(t, target, value, "", key)
+            set_field(t, target, value, "", key)
             t.renamed[target] = key
 
     return mapper
@@ -196,7 +91,7 @@ def _note_if_set(t: Translation, key: str, value: Any) -> None:
 
 def _auto_resume(t: Translation, key: str, value: Any) -> None:
     if value is True and not t.data.get("resume_from_checkpoint"):
-        _set(
+        set_field(
             t,
             "resume_from_checkpoint",
             "auto",
@@ -217,7 +112,7 @@ def _batch_size(t: Translation, key: str, value: Any) -> None:
             f"must be a multiple of micro_batch_size ({micro}); or set gradient_accumulation_steps instead",
         )
         return
-    _set(
+    set_field(
         t,
         "gradient_accumulation_steps",
         value // micro,
@@ -230,7 +125,7 @@ def _batch_size(t: Translation, key: str, value: Any) -> None:
 def _warmup_steps(t: Translation, key: str, value: Any) -> None:
     if isinstance(value, float) and 0 < value < 1:
         del t.data[key]
-        _set(
+        set_field(
             t,
             "warmup_ratio",
             value,
@@ -252,7 +147,7 @@ def _strategy(steps: str, per_epoch: str, none: str, best_fix: str | None = None
             t.data.pop(per_epoch, None)
             t.notes.append(f"{key}: no -> {none}")
         elif value == "epoch":
-            _set(t, per_epoch, 1, f"{key}: epoch -> {per_epoch}: 1", key)
+            set_field(t, per_epoch, 1, f"{key}: epoch -> {per_epoch}: 1", key)
         else:
             t.refuse(
                 key,
@@ -266,53 +161,6 @@ def _strategy(steps: str, per_epoch: str, none: str, best_fix: str | None = None
 
 
 _eval_strategy = _strategy("eval_steps", "evals_per_epoch", "no evaluation during training")
-
-
-def _attention_flag(t: Translation, key: str, value: Any) -> None:
-    if value is True:
-        impl = {
-            "xformers_attention": "sdpa",
-            "sage_attention": "sdpa",
-            "eager_attention": "eager",
-            "flex_attention": "flex_attention",
-        }[key]
-        why = " (xformers / SageAttention are not used: PyTorch's SDPA kernels)" if impl == "sdpa" else ""
-        _set(t, "attn_implementation", impl, f"{key}: true -> attn_implementation: {impl}{why}", key)
-
-
-HUB_KERNELS = {
-    "flash-attn2": "flash_attention_2",
-    "flash-attn3": "flash_attention_3",
-    "vllm-flash-attn3": "flash_attention_3",
-    "sage-attention": "sdpa",
-}
-
-
-def _attn_implementation(t: Translation, key: str, value: Any) -> None:
-    if value in ("xformers", "sage", "fp8") or (isinstance(value, str) and "/" in value):
-        impl = HUB_KERNELS.get(value.rsplit("/", 1)[-1]) if "/" in value else "sdpa"
-        if impl is None:
-            t.refuse(
-                key,
-                value,
-                "hub kernels are not loaded: use eager, sdpa, flash_attention_2, flash_attention_3 "
-                "or flex_attention",
-            )
-            return
-        t.data[key] = impl
-        t.notes.append(
-            f"attn_implementation: {value} -> {impl} (the same attention, a kernel ndparallel loads)"
-        )
-
-
-def _torch_compile(t: Translation, key: str, value: Any) -> None:
-    if value == "auto":
-        import torch
-
-        value = torch.cuda.is_available()
-        t.notes.append(f"torch_compile: auto -> {str(value).lower()} (on with a CUDA GPU)")
-    _set(t, "compile", value, "", key)
-    t.renamed["compile"] = key
 
 
 def _causal_lm_eval(t: Translation, key: str, value: Any) -> None:
@@ -343,20 +191,6 @@ def _accelerator_config(t: Translation, key: str, value: Any) -> None:
     else:
         t.refuse(
             key, value, "Accelerate settings are not read here (ndparallel is its own engine); remove it"
-        )
-
-
-def _liger(t: Translation, key: str, value: Any) -> None:
-    if is_empty(value):
-        return
-    if "cross_entropy" in key:
-        t.notes.append(f"{key}: true -> the chunked loss (chunked_loss: on where exact)")
-        return
-    if "compile" not in t.data and "torch_compile" not in t.data:  # the config's own choice wins
-        t.data["compile"] = True
-        t.notes.append(
-            f"{key}: true -> torch_compile: true (regional compile; inductor fuses the norms, "
-            "activations and rotary embeddings Liger fuses by hand)"
         )
 
 
@@ -453,14 +287,14 @@ def _plugins(t: Translation, key: str, value: Any) -> None:
 
 
 MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
-    "bf16": _bf16,
-    "tf32": _tf32,
-    "bfloat16": _precision_flag,
-    "float32": _precision_flag,
-    "float16": _precision_flag,
-    "gradient_checkpointing": _gradient_checkpointing,
-    "activation_offloading": _activation_offloading,
-    "gradient_checkpointing_kwargs": _checkpointing_kwargs,
+    "bf16": bf16,
+    "tf32": tf32,
+    "bfloat16": precision_flag,
+    "float32": precision_flag,
+    "float16": precision_flag,
+    "gradient_checkpointing": gradient_checkpointing,
+    "activation_offloading": activation_offloading,
+    "gradient_checkpointing_kwargs": checkpointing_kwargs,
     "fsdp": fsdp_list,
     "fsdp_version": fsdp_version,
     "deepspeed": deepspeed,
@@ -490,13 +324,13 @@ MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "tokenizer_use_fast": _note_if_set,
     "tokenizer_legacy": _note_if_set,
     "tokenizer_use_mistral_common": _note_if_set,
-    "xformers_attention": _attention_flag,
-    "sage_attention": _attention_flag,
-    "eager_attention": _attention_flag,
-    "flex_attention": _attention_flag,
-    "attn_implementation": _attn_implementation,
+    "xformers_attention": attention_flag,
+    "sage_attention": attention_flag,
+    "eager_attention": attention_flag,
+    "flex_attention": attention_flag,
+    "attn_implementation": attn_implementation,
     "chunked_cross_entropy": _rename("chunked_loss"),
-    "torch_compile": _torch_compile,
+    "torch_compile": torch_compile,
     "do_causal_lm_eval": _causal_lm_eval,
     "eval_causal_lm_metrics": _causal_lm_eval,
     "mean_resizing_embeddings": _mean_resizing,
@@ -513,7 +347,7 @@ MAPPERS: dict[str, Callable[[Translation, str, Any], None]] = {
     "optimizer": lambda t, k, v: _choice(t, k, v, OPTIMIZERS, "adamw_torch_fused"),
     "lr_scheduler": lambda t, k, v: _choice(t, k, v, SCHEDULERS, "cosine"),
     "plugins": _plugins,
-    **{k: _liger for k in TOP if k.startswith("liger_") and TOP[k].kind == "mapped"},
+    **{k: liger for k in TOP if k.startswith("liger_") and TOP[k].kind == "mapped"},
 }
 """Keys whose value is translated (the rest of ``TOP`` follows its rule's kind)."""
 

@@ -117,6 +117,24 @@ class _FusedMerges:
         return self._revert.add(target, merged_weight(full, adapter[spec.a], adapter[spec.b], spec))
 
 
+def _adapted_keys(peft_model) -> tuple[dict, dict]:
+    """The base's checkpoint keys the adapter changes: those merged (key -> merge spec naming the
+    adapter file's A and B keys) and those it replaces whole (key -> the adapter file's key)."""
+    merges = {
+        checkpoint_key(w): spec._replace(
+            a=peft_save_key(PEFT_PREFIX + spec.a), b=peft_save_key(PEFT_PREFIX + spec.b)
+        )
+        for w, spec in merge_specs(peft_model.get_base_model()).items()
+    }
+    # modules_to_save: the adapter holds the trained module whole, under the base's own key
+    replaced = {
+        checkpoint_key(n): peft_save_key(PEFT_PREFIX + n)
+        for n, _ in peft_model.get_base_model().named_parameters()
+        if is_saved_module_param(n)
+    }
+    return merges, replaced
+
+
 def merge_adapter_files(
     adapter_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -151,18 +169,7 @@ def merge_adapter_files(
     problem = adapter_weights_problem(peft_model, adapter_dir)
     if problem:
         raise ValueError(f"{problem} (base {base_dir})")
-    merges = {
-        checkpoint_key(w): spec._replace(
-            a=peft_save_key(PEFT_PREFIX + spec.a), b=peft_save_key(PEFT_PREFIX + spec.b)
-        )
-        for w, spec in merge_specs(peft_model.get_base_model()).items()
-    }
-    # modules_to_save: the adapter holds the trained module whole, under the base's own key
-    replaced = {
-        checkpoint_key(n): peft_save_key(PEFT_PREFIX + n)
-        for n, _ in peft_model.get_base_model().named_parameters()
-        if is_saved_module_param(n)
-    }
+    merges, replaced = _adapted_keys(peft_model)
     stored = stored_tensors(files)
     fused = _FusedMerges(peft_model.get_base_model(), stored, merges)
     missing = sorted((set(merges) | set(replaced)) - set(stored) - set(fused.groups))

@@ -17,46 +17,7 @@ from ndparallel.runtime.startup import import_model_libraries
 def export_main(argv: Sequence[str] | None = None) -> int:
     """``ndparallel export CKPT OUT [--config C] [--dtype bf16] [--max-shard-size 5GB] [--tokenizer T]
     [--merge [--base DIR]]``."""
-    parser = Parser(
-        prog="ndparallel export",
-        description="Turn a sharded checkpoint (any layout) into a Hugging Face safetensors directory, "
-        "on one process without GPUs. CKPT: a checkpoint-N dir, or an output_dir (its "
-        "newest complete checkpoint is used). A LoRA run's checkpoint becomes a PEFT adapter "
-        "directory (adapter_config.json + adapter_model.safetensors), or with --merge the base "
-        "model with the adapter merged in.",
-    )
-    parser.add_argument("checkpoint")
-    parser.add_argument("out_dir")
-    parser.add_argument(
-        "--config",
-        default=None,
-        help="HF model dir / config.json / preset (default: the config stored in the checkpoint)",
-    )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors")
-    parser.add_argument("--max-shard-size", default="5GB")
-    parser.add_argument("--tokenizer", default=None, help="a tokenizer dir or hub id to save alongside")
-    parser.add_argument(
-        "--merge",
-        action="store_true",
-        help="LoRA: write the base model with the adapter merged in (streamed tensor by "
-        "tensor); CKPT may also be a PEFT adapter directory",
-    )
-    parser.add_argument(
-        "--base",
-        default=None,
-        help="with --merge: the base model directory (default: the adapter's base_model_name_or_path)",
-    )
-    parser.add_argument(
-        "--nf4",
-        action="store_true",
-        help="with --merge of a PEFT adapter directory trained with QLoRA: merge into the "
-        "NF4-quantised-and-dequantised base, as trained (a QLoRA checkpoint: automatic)",
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="write into a non-empty OUT_DIR (its model and config files are replaced)",
-    )
+    parser = _export_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     ckpt, out_dir = Path(args.checkpoint), Path(args.out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -101,6 +62,51 @@ def export_main(argv: Sequence[str] | None = None) -> int:
         return fail("export", exc)
     print(f"ndparallel export: wrote {out}")
     return 0
+
+
+def _export_parser() -> Parser:
+    """The arguments of ``ndparallel export``."""
+    parser = Parser(
+        prog="ndparallel export",
+        description="Turn a sharded checkpoint (any layout) into a Hugging Face safetensors directory, "
+        "on one process without GPUs. CKPT: a checkpoint-N dir, or an output_dir (its "
+        "newest complete checkpoint is used). A LoRA run's checkpoint becomes a PEFT adapter "
+        "directory (adapter_config.json + adapter_model.safetensors), or with --merge the base "
+        "model with the adapter merged in.",
+    )
+    parser.add_argument("checkpoint")
+    parser.add_argument("out_dir")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="HF model dir / config.json / preset (default: the config stored in the checkpoint)",
+    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors")
+    parser.add_argument("--max-shard-size", default="5GB")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer dir or hub id to save alongside")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA: write the base model with the adapter merged in (streamed tensor by "
+        "tensor); CKPT may also be a PEFT adapter directory",
+    )
+    parser.add_argument(
+        "--base",
+        default=None,
+        help="with --merge: the base model directory (default: the adapter's base_model_name_or_path)",
+    )
+    parser.add_argument(
+        "--nf4",
+        action="store_true",
+        help="with --merge of a PEFT adapter directory trained with QLoRA: merge into the "
+        "NF4-quantised-and-dequantised base, as trained (a QLoRA checkpoint: automatic)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty OUT_DIR (its model and config files are replaced)",
+    )
+    return parser
 
 
 def _merge(ckpt: Path, out_dir: Path, args, dtype) -> Path:

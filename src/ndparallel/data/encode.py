@@ -92,6 +92,32 @@ def _encode_apart(tokenizer, rendered: Rendered, train_on_inputs: bool) -> tuple
     return ids, labels
 
 
+def _cache_key(records, spec: DatasetSpec, tokenizer, train_on_inputs: bool, chat, template_kwargs) -> str:
+    """The key of ``tokenize_samples``' cached rows: every setting that changes them."""
+    settings = [
+        _VERSION,
+        records._fingerprint,
+        tokenizer_hash(tokenizer),
+        spec.type,
+        spec.text_field,
+        spec.field_messages,
+        spec.message_property_mappings,
+        sorted(spec.roles_to_train),
+        spec.train_on_eos,
+        spec.train_on_eot,
+        train_on_inputs,
+        chat.template if chat else None,
+        chat.turn_tokens if chat else None,
+        spec.format,
+        spec.drop_system_message,
+        spec.field_thinking,
+        spec.template_thinking_key,
+        spec.roles,
+        template_kwargs if chat else None,
+    ]
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
 def tokenize_samples(
     records: datasets.Dataset,
     spec: DatasetSpec,
@@ -141,28 +167,7 @@ def tokenize_samples(
             "labels": datasets.Sequence(datasets.Value("int32")),
         }
     )
-    settings = [
-        _VERSION,
-        records._fingerprint,
-        tokenizer_hash(tokenizer),
-        spec.type,
-        spec.text_field,
-        spec.field_messages,
-        spec.message_property_mappings,
-        sorted(spec.roles_to_train),
-        spec.train_on_eos,
-        spec.train_on_eot,
-        train_on_inputs,
-        chat.template if chat else None,
-        chat.turn_tokens if chat else None,
-        spec.format,
-        spec.drop_system_message,
-        spec.field_thinking,
-        spec.template_thinking_key,
-        spec.roles,
-        template_kwargs if chat else None,
-    ]
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    key = _cache_key(records, spec, tokenizer, train_on_inputs, chat, template_kwargs)
     kwargs: dict[str, Any] = dict(
         batched=True,
         with_indices=True,

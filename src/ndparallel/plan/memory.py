@@ -274,6 +274,27 @@ def optimizer_step_temporaries(model: ModelSpec, layout: Layout, s: Settings) ->
     return 2 * 4.0 * largest
 
 
+def _lora_state(model: ModelSpec, layout: Layout, s: Settings, shard_numel: float, head: str) -> tuple:
+    """LoRA: (params, optimizer, all_grads, head_grads) bytes per GPU: the frozen base in the compute
+    dtype, only the adapters (and the ``lora_modules_to_save`` copies) trained."""
+    adapter_local = adapter_layer_local(model, s.lora_r, layout.tp)
+    adapter = adapter_shard_numel(model, layout, s.lora_r)
+    params = shard_numel * s.param_compute_bytes + adapter * 4
+    optimizer = adapter * s.optimizer_state_bytes
+    all_grads = adapter * 4 + (
+        model.layers * adapter_local * s.reduce_bytes if s.accumulates_unsharded else 0.0
+    )
+    head_grads = 0.0  # the LM head is frozen
+    copies = saved_copy_units(model, s.lora_saved)  # lora_modules_to_save: trained full tables
+    if copies:
+        copy = saved_copy_shard_numel(model, layout)
+        params += len(copies) * copy * 4
+        optimizer += len(copies) * copy * s.optimizer_state_bytes
+        all_grads += len(copies) * copy * 4
+        head_grads = copy * 4 if head in copies else 0.0
+    return params, optimizer, all_grads, head_grads
+
+
 def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> MemoryBreakdown:
     """Peak bytes per GPU: the largest of the loss-backward moment, the first layer's backward,
     the end of backward (all gradients) and the optimizer step (its temporaries)."""
@@ -294,21 +315,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     head = "root" if model.tied_embeddings else "final"
     head_grads = 0.0 if model.tied_embeddings else numels.get(head, (0, 0))[col] * 4
     if s.lora_r:  # the frozen base stays in the compute dtype; only the adapters train (adapter.py)
-        adapter_local = adapter_layer_local(model, s.lora_r, t)
-        adapter = adapter_shard_numel(model, layout, s.lora_r)
-        params = shard_numel * s.param_compute_bytes + adapter * 4
-        optimizer = adapter * s.optimizer_state_bytes
-        all_grads = adapter * 4 + (
-            model.layers * adapter_local * s.reduce_bytes if s.accumulates_unsharded else 0.0
-        )
-        head_grads = 0.0  # the LM head is frozen
-        copies = saved_copy_units(model, s.lora_saved)  # lora_modules_to_save: trained full tables
-        if copies:
-            copy = saved_copy_shard_numel(model, layout)
-            params += len(copies) * copy * 4
-            optimizer += len(copies) * copy * s.optimizer_state_bytes
-            all_grads += len(copies) * copy * 4
-            head_grads = copy * 4 if head in copies else 0.0
+        params, optimizer, all_grads, head_grads = _lora_state(model, layout, s, shard_numel, head)
     nf4 = memory_adjustments(model, layout, s, numels["layer"][0]) if s.quantized_base else {}
     params -= nf4.get("params", 0.0)  # QLoRA: the decoder linears are 4-bit NF4 (plan/qlora.py)
     # With zero_grad(set_to_none=True) and one micro-batch no gradient exists at the loss moment;

@@ -219,7 +219,14 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
     if e.pipeline is not None:
         for line in pipeline_lines(e):
             console.print(line, soft_wrap=True)
-    hw = result.request.hardware
+    _print_memory(e, result.request.hardware, console)
+    _print_time(e, console)
+    _print_collectives(e, result, console)
+    _print_options(res, console)
+
+
+def _print_memory(e: Estimate, hw, console: Console) -> None:
+    """The memory table of ``e`` at its peak, against ``hw``'s capacity."""
     m = e.memory
     mem = Table(title=f"Memory per GPU at the peak ({m.peak_phase})")
     mem.add_column("part")
@@ -244,6 +251,10 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
         "total = peak allocated + CUDA context/NCCL + fragmentation allowance; the "
         "caching allocator's reserved memory runs ~20-30 % above peak allocated (H200)."
     )
+
+
+def _print_time(e: Estimate, console: Console) -> None:
+    """The step time's parts, the compute by op class, the throughput."""
     t = e.time
     tim = Table(title="Step time (s)")
     tim.add_column("part")
@@ -273,6 +284,10 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
     console.print(
         f"tokens/s per GPU {e.tokens_per_s_per_gpu:,.0f}, MFU {e.mfu:.1%}, bottleneck: {e.bottleneck}"
     )
+
+
+def _print_collectives(e: Estimate, result: PlanResult, console: Console) -> None:
+    """Every collective one rank issues per step."""
     col = Table(title="Collectives per rank per step")
     for c in ("kind", "dim", "n", "link", "bytes/call", "calls", "seconds", "what"):
         col.add_column(c)
@@ -288,32 +303,38 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
             row["what"],
         )
     console.print(col)
-    if len(res.options) > 1:
-        opt = Table(title="Options of this layout")
-        pp = lay.pp_enabled
-        for c in (
-            "mb",
-            "ga",
-            "AC",
-            *(("pp schedule",) if pp else ()),
-            "mem GiB",
-            "fits",
-            "step s",
-            "tok/s/GPU",
-        ):
-            opt.add_column(c, justify="right")
-        for o in res.options:
-            opt.add_row(
-                str(o.settings.micro_batch),
-                str(o.settings.grad_accum),
-                _ac(o),
-                *((_schedule(o),) if pp else ()),
-                _gib(o.memory.total),
-                "yes" if o.fits else "no",
-                f"{o.time.step:.2f}",
-                f"{o.tokens_per_s_per_gpu:,.0f}",
-            )
-        console.print(opt)
+
+
+def _print_options(res: LayoutResult, console: Console) -> None:
+    """Every option (micro-batch, accumulation, checkpointing) of the layout."""
+    if len(res.options) <= 1:
+        return
+    lay = res.layout
+    opt = Table(title="Options of this layout")
+    pp = lay.pp_enabled
+    for c in (
+        "mb",
+        "ga",
+        "AC",
+        *(("pp schedule",) if pp else ()),
+        "mem GiB",
+        "fits",
+        "step s",
+        "tok/s/GPU",
+    ):
+        opt.add_column(c, justify="right")
+    for o in res.options:
+        opt.add_row(
+            str(o.settings.micro_batch),
+            str(o.settings.grad_accum),
+            _ac(o),
+            *((_schedule(o),) if pp else ()),
+            _gib(o.memory.total),
+            "yes" if o.fits else "no",
+            f"{o.time.step:.2f}",
+            f"{o.tokens_per_s_per_gpu:,.0f}",
+        )
+    console.print(opt)
 
 
 def train_config(e: Estimate, result: PlanResult) -> dict:

@@ -8,11 +8,9 @@
 from __future__ import annotations
 
 import gc
-import logging
 import math
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +30,8 @@ from ndparallel.engine.nonfinite import NonFiniteGuard
 from ndparallel.models.attention import attention_kernel
 from ndparallel.models.presets import is_preset
 from ndparallel.optim.build import build_scheduler
-from ndparallel.runtime.comm_profile import CommProfiler
 from ndparallel.runtime.distributed import rank0_decides, shutdown
 from ndparallel.runtime.preemption import PreemptionWatch
-from ndparallel.runtime.quiet import quiet_library_noise
-from ndparallel.tracking.run import RunTrackers
 from ndparallel.training.components import (
     build_data,
     data_cache_dir,
@@ -50,15 +45,15 @@ from ndparallel.training.components import (
 )
 from ndparallel.training.controls import EarlyStopping, LossWatchdog, eval_every, freeze_except
 from ndparallel.training.evaluate import evaluate, validation_loader
-from ndparallel.training.metrics import (
-    device_peak_flops,
-    global_numel,
-    local_numel,
-    model_flops_per_token,
-    peak_memory_gb,
-)
+from ndparallel.training.metrics import peak_memory_gb
 from ndparallel.training.outputs import claim_output_dir
 from ndparallel.training.progress import Progress
+from ndparallel.training.run_start import (
+    profile_step,
+    quiet_non_main_ranks,
+    resume_policy,
+    start_outputs,
+)
 from ndparallel.training.stopping import Interrupted, stop_for_preemption
 
 
@@ -66,30 +61,6 @@ from ndparallel.training.stopping import Interrupted, stop_for_preemption
 class TrainState:
     step: int = 0
     samples_seen: int = 0  # global samples consumed: resumes on any layout
-
-
-def quiet_non_main_ranks(rank: int) -> None:
-    """Warnings and library logs from ranks other than 0 are not repeated N times; notices that do
-    not apply here are silenced on every rank: FSDP2's "returned a view tensor" (transformers'
-    decoder applies no in-place op to those outputs; the equivalence tests prove the gradients)
-    and the library noise of ``runtime/quiet.py``."""
-
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a deprecated name
-    quiet_library_noise()
-    if rank != 0:
-        warnings.filterwarnings("ignore")
-        logging.getLogger("transformers").setLevel(logging.ERROR)
-        logging.getLogger("datasets").setLevel(logging.ERROR)
-        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
-
-
-def resume_policy(resume_from_checkpoint: str | None, env) -> str | None:
-    """What to resume from: the config's choice; after an elastic restart (``max_restarts``) the
-    newest complete checkpoint even if the config did not ask, so a restarted job continues."""
-    if resume_from_checkpoint:
-        return resume_from_checkpoint
-    return "auto" if int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 else None
 
 
 class Trainer:
@@ -247,7 +218,7 @@ class Trainer:
             scaler=self.scaler,
         )
         if self.profiler is not None:
-            self.profiler = _profile_step(engine, self.profiler, self.out)
+            self.profiler = profile_step(engine, self.profiler, self.out)
         self.state.step += 1
         self.state.samples_seen += self.loader.global_micro_batch * cfg.gradient_accumulation_steps
         return {
@@ -422,7 +393,7 @@ class Trainer:
 
         resuming = resume_policy(self.cfg.resume_from_checkpoint, os.environ) is not None
         claim_output_dir(self.engine, self.cfg, resuming, self.profile_comm)  # before the first write
-        self._start_outputs()
+        start_outputs(self)
         self.model.train()
         self.progress = Progress(self.total_steps, self.state.step, enabled=self.engine.is_main_process)
         self._log_time, self._log_step = time.perf_counter(), self.state.step
@@ -448,59 +419,7 @@ class Trainer:
             raise
         return self.last
 
-    def _start_outputs(self) -> None:
-        """Metrics file, resolved config, the run's summary line, the communication profiler."""
-        engine, cfg = self.engine, self.cfg
-        n_global = global_numel(self.model)
-        self.flops_per_token = model_flops_per_token(self.model, self.hf_config, cfg.sequence_len)
-        self.peak_flops = device_peak_flops(engine.device, cfg.compute_dtype() is not None)
-        self.metrics = RunTrackers(
-            self.out,
-            cfg,
-            engine.is_main_process,
-            fresh=self.state.step == 0,
-            config=cfg.model_dump(mode="json", exclude_none=True),
-        )
-        if engine.is_main_process:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.resolved.yaml").write_text(_dump_yaml(cfg))
-        engine.print(
-            f"ndparallel train: {engine.dims.describe()} on {engine.world_size} rank(s) "
-            f"({engine.device.type}); model {n_global / 1e6:.2f}M params "
-            f"({local_numel(self.model) / 1e6:.2f}M on this rank{self._trainable_note()}); "
-            f"{self.total_steps} steps × "
-            f"{self.loader.global_micro_batch * cfg.gradient_accumulation_steps} sequences × "
-            f"{cfg.sequence_len} tokens"
-        )
-        self.profiler = None
-        if self.profile_comm:  # the first two steps (lazy init, then a steady step) are recorded
-            self.profiler = CommProfiler(engine.mesh, engine.built_expert_mesh)
-            self.profiler.__enter__()
-
-    def _trainable_note(self) -> str:
-        if self.cfg.adapter is None:
-            return ""
-        return f"; LoRA: {global_numel(self.model, trainable_only=True) / 1e6:.3f}M trainable"
-
 
 def run_training(cfg: TrainConfig, profile_comm: bool = False) -> dict:
     """Train per ``cfg`` on the current process group; returns the final metrics (main rank)."""
     return Trainer(cfg, profile_comm=profile_comm).run()
-
-
-def _profile_step(engine, profiler, out: Path):
-    """Close a profiled step; after the second, print rank 0's table, write every rank's JSON, stop."""
-    profiler.step()
-    if profiler.num_steps < 2:
-        return profiler
-    profiler.__exit__(None, None, None)
-    (out / "comm_profile").mkdir(parents=True, exist_ok=True)
-    (out / "comm_profile" / f"rank-{engine.rank:05d}.json").write_text(profiler.to_json(step=1))
-    engine.print(profiler.format_table(step=1, title="collectives per rank, steady step (rank 0)"))
-    return None
-
-
-def _dump_yaml(cfg: TrainConfig) -> str:
-    import yaml
-
-    return yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True), sort_keys=False)

@@ -85,6 +85,28 @@ def _output_embedding_name(model: nn.Module) -> str | None:
     return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
 
 
+def _leftovers_of_transformers_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions, adapted: bool
+) -> nn.Module:
+    """A model transformers made tensor-parallel (``tp_plan``): its leftover plain parameters
+    replicated; LoRA, sequence parallelism and loss parallelism refused there."""
+    if adapted:
+        # transformers' TP hooks know nothing of LoRA A/B: its forward would add a full-size
+        # adapter output to a sharded base output (a different model, found by a test).
+        raise ValueError(
+            "LoRA on a model made tensor-parallel by transformers (tp_plan) is not supported: "
+            "load the model without tp_plan; prepare applies TP and shards each adapter "
+            "with its base linear"
+        )
+    if options.sequence_parallel or options.loss_parallel:
+        raise ValueError(
+            "the model is already tensor-parallel (loaded by transformers with tp_plan/device_mesh); "
+            "sequence_parallel and loss_parallel need ndparallel's own TP: load the model "
+            "without tp_plan/device_mesh, or turn those options off"
+        )
+    return distribute_leftover_params(model, tp_mesh)
+
+
 def apply_tensor_parallel(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -104,21 +126,7 @@ def apply_tensor_parallel(
         raise ValueError(f"apply_tensor_parallel needs the 1-D tp mesh (mesh['tp']), got {tp_mesh}")
     tp_size = tp_mesh.size()
     if is_tensor_parallel(model):
-        if adapted:
-            # transformers' TP hooks know nothing of LoRA A/B: its forward would add a full-size
-            # adapter output to a sharded base output (a different model, found by a test).
-            raise ValueError(
-                "LoRA on a model made tensor-parallel by transformers (tp_plan) is not supported: "
-                "load the model without tp_plan; prepare applies TP and shards each adapter "
-                "with its base linear"
-            )
-        if options.sequence_parallel or options.loss_parallel:
-            raise ValueError(
-                "the model is already tensor-parallel (loaded by transformers with tp_plan/device_mesh); "
-                "sequence_parallel and loss_parallel need ndparallel's own TP: load the model "
-                "without tp_plan/device_mesh, or turn those options off"
-            )
-        return distribute_leftover_params(model, tp_mesh)
+        return _leftovers_of_transformers_tp(model, tp_mesh, options, adapted)
     validate_tensor_parallel(model.config, tp_size, options)
     assigned = match_plan(model, resolve_tp_plan(model, options.plan), strict=bool(options.plan))
     experts, moe_blocks = moe_prefixes(model)
