@@ -152,6 +152,30 @@ def test_packed_boundary_targets_are_axolotls_on_request(tmp_path, monkeypatch):
     assert starts  # the samples themselves are Axolotl's (test_examples_match_axolotl)
 
 
+def test_before_launch_says_what_axolotl_warns(tmp_path, monkeypatch):
+    """eot_tokens unset with a ChatML template under a base model's eos: no turn end trained (as in
+    Axolotl), said with the fix; the samples dropped as too long counted as Axolotl counts them."""
+    from ndparallel.axolotl.load import load_config
+    from ndparallel.preflight.checks import run_checks
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = json.loads(json.dumps(CASES["chat_eos_turn"]))
+    cfg["datasets"][0]["path"] = str(PARITY / cfg["datasets"][0]["path"])
+    cfg.update(
+        base_model=str(PARITY / "model"),
+        output_dir=str(tmp_path / "o"),
+        dataset_cache_dir=str(tmp_path / "c"),
+    )
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    notes = run_checks(load_config(tmp_path / "c.yaml"), world_size=1, check_weights=False).notes
+    recorded = theirs("chat_eos_turn")
+    eot = [n for n in notes if "eot_tokens is unset" in n]
+    assert len(eot) == 1 and "no turn end is trained" in eot[0] and "set eot_tokens: [<|im_end|>]" in eot[0]
+    assert any("not found in chat_template" in w for w in recorded["warnings"])  # Axolotl warned too
+    dropped = f"{recorded['dropped']} of {recorded['records']} samples are longer than sequence_len=256"
+    assert any(dropped in n for n in notes), notes
+
+
 if __name__ == "__main__":
     import tempfile
 

@@ -37,7 +37,8 @@ def main(out: str, *paths: str) -> None:
     for path in paths:
         name = Path(path).stem
         handler = Warnings()
-        logging.getLogger().addHandler(handler)
+        for logger in ("", "axolotl"):  # Axolotl's own logger does not propagate to the root
+            logging.getLogger(logger).addHandler(handler)
         try:
             cfg = load_cfg(path, is_preprocess=True)
             cfg.is_preprocess = True
@@ -50,7 +51,8 @@ def main(out: str, *paths: str) -> None:
         except Exception as e:  # noqa: BLE001 - recorded in the fixture
             result = {"error": f"{type(e).__name__}: {e}"}
         finally:
-            logging.getLogger().removeHandler(handler)
+            for logger in ("", "axolotl"):
+                logging.getLogger(logger).removeHandler(handler)
         result["warnings"] = sorted(set(handler.lines))
         Path(out, f"{name}.json").write_text(json.dumps(result))
         print(f"{name}: {len(result.get('examples', []))} examples", flush=True)
