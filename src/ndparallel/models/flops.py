@@ -55,6 +55,8 @@ def matmul_params(model: nn.Module) -> tuple[int, int]:
 def _moe_weights(model: nn.Module) -> list[tuple[nn.Parameter, float]]:
     """(weight, share of it one token multiplies with) of an MoE model's routers (1) and experts
     (top_k / E); empty for a dense model."""
+    import torch.nn as nn
+
     from ndparallel.models.moe import experts_modules, moe_spec, router_modules  # torch: a real model
 
     spec = moe_spec(model)
