@@ -69,10 +69,11 @@ CP_COPY, CP_PLAN = "document_starts", "_chunk_runs"
 
 
 def _count_host_copies() -> list[str]:
-    """A list that receives one entry per call of the CP attention's ``document_starts`` (its one
-    host copy of the position ids): the name is looked up at call time, so rebinding it works
-    (in a forked rank only)."""
+    """A list that receives one entry per call of ``document_starts`` (the one host copy of the
+    position ids) by the CP attention or the document attention TP + SP uses: the name is looked up
+    at call time in each module, so rebinding it works (in a forked rank only)."""
     import ndparallel.parallel.cp.parallel_attention as cpa
+    import ndparallel.parallel.document_attention as doc
 
     original, calls = cpa.document_starts, []
 
@@ -80,7 +81,7 @@ def _count_host_copies() -> list[str]:
         calls.append(CP_COPY)
         return original(*args, **kwargs)
 
-    cpa.document_starts = counting
+    cpa.document_starts = doc.document_starts = counting
     return calls
 
 

@@ -16,7 +16,9 @@ exactly that of the plain block (``tests/test_tensor_parallel*.py``).
 Inside an activation-checkpointed layer (or under any other saved-tensor hooks, e.g. activation
 offloading) the outer hooks govern what is kept, and nothing is installed here: the checkpointed
 layer keeps only its sharded input anyway. Hooks marked ``observing`` (a byte counter) are the
-exception: they are shown what is really kept.
+exception: they are shown what is really kept. Under ``torch.compile`` (regional compile of the
+decoder layers) nothing is installed either: dynamo cannot trace saved-tensor hooks, so a compiled
+layer saves the gathered input as before (one graph per layer kept).
 """
 
 from __future__ import annotations
@@ -125,6 +127,8 @@ class GatherSequenceInputSavingShard(GatherSequenceInput):
         local = x
         shard = DTensor.from_local(local, mesh, [Shard(_SEQ_DIM)], run_check=False)
         gathered = shard.redistribute(mesh, [Replicate()])
+        if torch.compiler.is_compiling():  # saved-tensor hooks would break dynamo's graph
+            return gathered
         observer, own = _outer_hooks()
         if torch.is_grad_enabled() and own:
             self._pending = (_GatheredInput(local.detach(), gathered.to_local(), mesh), observer)
@@ -135,6 +139,8 @@ class GatherSequenceInputSavingShard(GatherSequenceInput):
         entered: list[torch.autograd.graph.saved_tensors_hooks] = []
 
         def enter(_mod, _args, _kwargs):
+            if torch.compiler.is_compiling():
+                return
             pending = self.__dict__.pop("_pending", None)
             if pending is not None:
                 hooks = torch.autograd.graph.saved_tensors_hooks(_pack_hook(*pending), _unpack)
@@ -142,7 +148,7 @@ class GatherSequenceInputSavingShard(GatherSequenceInput):
                 entered.append(hooks)
 
         def leave(_mod, _args, _output):
-            if entered:
+            if not torch.compiler.is_compiling() and entered:
                 entered.pop().__exit__(None, None, None)
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
