@@ -46,14 +46,38 @@ def available_paths() -> list[str]:
     return paths + ["ATEN_CPU_CAPABILITY=default", "ATEN_CPU_CAPABILITY=avx2"]
 
 
+FINGERPRINT = """
+import hashlib, numpy, torch
+torch.set_num_threads(1)
+rng, h = numpy.random.default_rng(0), hashlib.sha1()
+for n in (17, 64, 129, 300, 513):  # inputs from numpy: only the GEMM runs in torch
+    shapes = ((n, n + 3), (n + 3, n - 1))
+    a, b = (torch.from_numpy(rng.standard_normal(s, dtype=numpy.float32)) for s in shapes)
+    h.update((a @ b).numpy().tobytes())
+print(h.hexdigest()[:12])
+"""
+
+
+def _env(path: str) -> dict[str, str]:
+    env = dict(os.environ)
+    if path != "default":
+        key, value = path.split("=", 1)
+        env[key] = value
+    return env
+
+
+def gemm_fingerprint(path: str) -> str:
+    """A hash of a few fp32 GEMMs' bits under ``path``: two paths with one fingerprint run the
+    same BLAS kernels (on an AMD EPYC, MKL's ``AVX512`` and ``AVX2`` are its default path)."""
+    out = subprocess.run([sys.executable, "-c", FINGERPRINT], env=_env(path), capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
 def run_path(path: str, files: list[str]) -> list[dict]:
     """The files under one path in one pytest run: per file its outcome and the recorded ratios."""
     with tempfile.TemporaryDirectory() as tmp:
         ratios_file, report = Path(tmp) / "ratios.jsonl", Path(tmp) / "report.xml"
-        env = {**os.environ, "NDPARALLEL_EQUIVALENCE_RATIOS": str(ratios_file)}
-        if path != "default":
-            key, value = path.split("=", 1)
-            env[key] = value
+        env = {**_env(path), "NDPARALLEL_EQUIVALENCE_RATIOS": str(ratios_file)}
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *files]
         subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         text = ratios_file.read_text() if ratios_file.exists() else ""
@@ -109,9 +133,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", nargs="+", default=FILES)
     parser.add_argument("--paths", nargs="+", default=None, help="default: every path the CPU offers")
+    parser.add_argument("--fingerprints", action="store_true", help="only each path's GEMM fingerprint")
     args = parser.parse_args()
+    paths = args.paths or available_paths()
+    for path in paths:  # which paths are really different kernels on this CPU
+        print(f"{path}: GEMM fingerprint {gemm_fingerprint(path)}", flush=True)
+    if args.fingerprints:
+        return 0
     rows = []
-    for path in args.paths or available_paths():
+    for path in paths:
         rows += run_path(path, args.files)
         print("\n".join(markdown(rows[-len(args.files) :]).splitlines()[2:]), flush=True)
     print(markdown(rows))
