@@ -80,6 +80,11 @@ def _measure(tp: int, shards: bool, shape: dict, batch: int, seq: int, device: s
         shutdown()
 
 
+def _measure_all(jobs: list[tuple]) -> list[dict]:
+    """Every (tp, shards, ...) measurement in this one child: one process start for the whole table."""
+    return [_measure(*job) for job in jobs]
+
+
 def _planned(shape: dict, tp: int, shards: bool, seq: int) -> float:
     from ndparallel.plan.layout import Layout, Settings
     from ndparallel.plan.memory import layer_activation_bytes_per_token
@@ -118,9 +123,13 @@ def main(argv=None) -> None:
     )
     batch = 1
     rows, results = [], []
+    jobs = [
+        (tp, m, shape, batch, seq, args.device) for tp in tps for m in ((False, True) if tp > 1 else (True,))
+    ]
+    measured = dict(zip([(j[0], j[1]) for j in jobs], run_on_ranks(_measure_all, 1, jobs)[0]))
     for tp in tps:
         modes = (False, True) if tp > 1 else (True,)
-        got = {m: run_on_ranks(_measure, 1, tp, m, shape, batch, seq, args.device)[0] for m in modes}
+        got = {m: measured[(tp, m)] for m in modes}
         before, ours = got[False if tp > 1 else True], got[True]
         row = {
             "tp": tp,
