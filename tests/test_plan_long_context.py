@@ -15,6 +15,7 @@ from ndparallel.plan.longest import longest_for_layout
 from ndparallel.plan.memory import attention_scratch_per_token, estimate_memory
 from ndparallel.plan.models import load_model_spec
 from ndparallel.plan.search import PlanRequest, estimate, evaluate_layout
+from ndparallel.techniques.tile_rule import tile_split
 
 L8B = load_model_spec("llama-3.1-8b")
 H100 = get_preset("h100-80gb")
@@ -22,6 +23,19 @@ H100 = get_preset("h100-80gb")
 
 def _mem(layout=Layout(), **kw):
     return estimate_memory(L8B, layout, Settings(**{"seq_len": 65536, "loss_impl": "chunked", **kw}), H100)
+
+
+def test_one_tile_rule():
+    """The tiles the runtime cuts, the planner costs and preflight prints: about ``hidden`` tokens
+    each, or the configured count, never more than one per token; equal but the last."""
+    assert tile_split(65536, 4096) == (16, 4096)
+    assert tile_split(100, 32) == (4, 25)
+    assert tile_split(32, 8, num_tiles=3) == (3, 11)  # 11 + 11 + 10
+    assert tile_split(5, 4096, num_tiles=8) == (5, 1)
+    assert mlp_tiles(L8B, Layout(tp=4), Settings(seq_len=65536, tiled_mlp=True, micro_batch=2)) == (
+        4,
+        2 * 4096 * 4,
+    )
 
 
 def test_tiled_mlp_drops_the_mlp_intermediates_of_every_layer():

@@ -18,11 +18,10 @@ the layer after, at ``Hardware.host_link_bw``; only what exceeds that compute is
 
 from __future__ import annotations
 
-import math
-
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.models import ModelSpec
 from ndparallel.plan.sp_activations import block_input_divisor
+from ndparallel.techniques.tile_rule import tile_split
 
 HOST_BUDGET_FRACTION = 0.8
 """Share of a node's host memory the offloaded activations may use (the runtime's default
@@ -39,8 +38,8 @@ def mlp_tiles(model: ModelSpec, layout: Layout, s: Settings) -> tuple[int, float
     ``tiled_mlp_num_shards`` or ``ceil(rows / h)`` tiles."""
     t_sp = _t_sp(layout, s)
     row = max(1, s.seq_len // layout.cp // t_sp)
-    n = min(row, s.tiled_mlp_num_shards or math.ceil(row / model.hidden))
-    return n, s.micro_batch * math.ceil(row / n) * t_sp
+    n, tile = tile_split(row, model.hidden, s.tiled_mlp_num_shards)
+    return n, s.micro_batch * tile * t_sp
 
 
 def tiled_saved_reduction_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:

@@ -9,6 +9,7 @@ from ndparallel.config import TrainConfig
 from ndparallel.models.moe import config_num_experts
 from ndparallel.models.presets import is_preset
 from ndparallel.preflight.pipeline_check import pipeline_summary
+from ndparallel.techniques.tile_rule import tile_split
 from ndparallel.tracking.credentials import tracker_problem
 from ndparallel.tracking.run import missing_trackers
 
@@ -109,14 +110,12 @@ def _tp_plan_summary(cfg: TrainConfig, hf) -> str:
 
 def _long_context(cfg: TrainConfig, pc, hf) -> str:
     """The memory options and what they hold per rank (docs/long_context.md)."""
-    import math
-
     tokens = cfg.micro_batch_size * cfg.sequence_len // pc.cp_size
     parts, hf = [], hf.get_text_config()
     if cfg.tiled_mlp:
         row = cfg.sequence_len // pc.cp_size // (pc.tp_size if cfg.sequence_parallel else 1)
-        tiles = min(row, cfg.tiled_mlp_num_shards or math.ceil(row / hf.hidden_size))
-        parts.append(f"tiled MLP ({tiles} tiles of ≤ {math.ceil(row / tiles)} tokens per row)")
+        tiles, tile = tile_split(row, hf.hidden_size, cfg.tiled_mlp_num_shards)
+        parts.append(f"tiled MLP ({tiles} tiles of ≤ {tile} tokens per row)")
     if cfg.activation_offloading:
         per_layer = tokens * hf.hidden_size * (2 if cfg.compute_dtype() is not None else 4)
         per_layer //= pc.tp_size if cfg.sequence_parallel else 1

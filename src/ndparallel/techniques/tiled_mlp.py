@@ -35,26 +35,20 @@ block run per tile:
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn as nn
 
 from ndparallel.models.layers import dense_mlps
+from ndparallel.techniques.tile_rule import tile_split
 
 TILE_DIM = -2
 """The sequence dim of an MLP input ``[batch, seq, hidden]``."""
 
 
-def default_num_tiles(tokens: int, hidden: int) -> int:
-    """ALST's rule: tiles of about ``hidden`` tokens, so one tile's ``tile × intermediate``
-    activations are about the size of one MLP weight."""
-    return max(1, math.ceil(tokens / max(1, hidden)))
-
-
-def _spans(length: int, tiles: int) -> list[tuple[int, int]]:
-    """(start, length) of ``tiles`` near-equal tiles (``torch.chunk``'s sizes)."""
-    step = math.ceil(length / max(1, min(tiles, length)))
+def _spans(length: int, hidden: int, num_tiles: int | None) -> list[tuple[int, int]]:
+    """(start, length) of the near-equal tiles of ``tile_split`` (``torch.chunk``'s sizes)."""
+    _, step = tile_split(length, hidden, num_tiles)
     return [(s, min(step, length - s)) for s in range(0, length, step)]
 
 
@@ -121,8 +115,7 @@ class TiledMLPMixin:
         if x.dim() < 2:
             return nn.Module.__call__(self, x)
         length = x.shape[TILE_DIM]
-        tiles = self._ndp_num_tiles or default_num_tiles(length, x.shape[-1])
-        spans = _spans(length, tiles)
+        spans = _spans(length, x.shape[-1], self._ndp_num_tiles)
         call = functools.partial(nn.Module.__call__, self)
         if len(spans) == 1:
             return call(x)

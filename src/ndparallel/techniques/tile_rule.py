@@ -1,0 +1,17 @@
+"""The sequence-tiled MLP's tile rule, in one place: how many tiles one MLP call cuts its rows into
+and how long each is. The runtime (``TiledMLPMixin``), the planner
+(``plan/long_context.py``) and the pre-launch plan text (``preflight/plan_text.py``) all ask it.
+Imports nothing heavy (``ndparallel plan`` starts without torch)."""
+
+from __future__ import annotations
+
+import math
+
+
+def tile_split(length: int, hidden: int, num_tiles: int | None = None) -> tuple[int, int]:
+    """(tiles, tokens per tile) of a row of ``length`` tokens: ``num_tiles`` (the configured
+    count), else ALST's rule — tiles of about ``hidden`` tokens, so one tile's
+    ``tile × intermediate`` activations are about the size of one MLP weight — at most one tile per
+    token. Every tile is ``ceil(length / tiles)`` tokens but the last (``torch.chunk``'s sizes)."""
+    tiles = max(1, min(length, num_tiles or math.ceil(length / max(1, hidden))))
+    return tiles, math.ceil(length / tiles)
