@@ -242,7 +242,7 @@ def planner_answer() -> dict:
 
     out = {}
     for name, lora in (("lora_r16", 16), ("full_sgd", 0)):
-        req = PlanRequest(
+        req = PlanRequest.of(
             load_model_spec("llama-3.1-8b"),
             get_preset("h200"),
             1,

@@ -76,7 +76,7 @@ def _planned(args, lora_r: int) -> dict:
     from ndparallel.plan.search import PlanRequest, evaluate_layout
 
     model = PRESETS["tiny" if args.tiny else "llama-3.2-1b"]
-    req = PlanRequest(
+    req = PlanRequest.of(
         model,
         get_preset("h200"),
         gpus=1,

@@ -155,11 +155,11 @@ def test_planner_moe_presets_and_layouts():
     assert [
         c for c, _ in structural_rejections(ParallelDims(dp_shard=2, ep=2), PRESETS["llama-3.1-8b"], 2, 8, s)
     ] == ["ep_dense"]
-    result = plan(PlanRequest(big, hw, gpus=64, seq_len=4096))
+    result = plan(PlanRequest.of(big, hw, gpus=64, seq_len=4096))
     best = result.ranked[0]
     assert best.layout.ep > 1 and best.best.fits  # 235B-A22B on 64: expert parallel wins
     assert train_config(best.best, result)["expert_parallel_size"] == best.layout.ep
-    ranked_eps = {r.layout.ep for r in plan(PlanRequest(small, hw, gpus=8, seq_len=4096)).ranked}
+    ranked_eps = {r.layout.ep for r in plan(PlanRequest.of(small, hw, gpus=8, seq_len=4096)).ranked}
     assert {1, 2, 4, 8} <= ranked_eps  # 30B-A3B on 8: every EP degree fits and is ranked
 
 

@@ -1,5 +1,5 @@
 """One vocabulary for run options (issue 48, item 1): an option's name is spelled in few modules,
-and the planner's request and settings share their names (``base_settings`` copies by name).
+and the planner's request carries its ``Settings`` instead of declaring their names again.
 
 The spelling count is static (file text only): a module spells an option when its text has the
 name as a whole word, or its command-line form (``tiled-mlp-num-shards``). The target is
@@ -12,7 +12,7 @@ the target must leave the table.
 from __future__ import annotations
 
 import re
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from ndparallel.parallel import options
@@ -26,7 +26,7 @@ TARGET = 4
 # (plan/cli.py -> cli_arguments.py, axolotl/keys.py -> noop_keys.py and compute_keys.py, ...):
 # the same spelling, now in two files.
 BATCH_ARITHMETIC = {
-    "seq_len": 27,
+    "seq_len": 26,
     "micro_batch": 53,  # 48 + plan/sp_activations, tools/agreement, tools/saved_bytes (prose "micro-batch")
     "grad_accum": 16,
     "global_batch": 11,
@@ -36,29 +36,30 @@ BATCH_ARITHMETIC = {
 name count): a stated exception, not debt."""
 
 OVER_TARGET = {
-    "cp_kernel": 5,  # plan/cli.py split into cli.py + cli_arguments.py
-    # Debt of issue 48 item 1 (not merged yet): each is spelled by the YAML schema, the runtime
-    # options, its user, the planner's PlanRequest, Settings, CLI flags and checks, its report
-    # (config writer), cli/plan_config.py's argv rendering and preflight's plan text.
-    "ac_policy": 7,
+    # Debt of issue 48 item 1: each is spelled by the YAML schema, the runtime options, its users
+    # (runtime and planner estimates), Settings, the plan CLI's flags and checks, its report (config
+    # writer) and preflight's plan text. 2026-12-06: PlanRequest carries a Settings and the plan
+    # flags map to Settings by field name both ways (plan/cli.py flag_settings / flag_defaults), so
+    # plan/search.py, plan/cli.py and cli/plan_config.py no longer restate them.
+    "ac_policy": 5,
     "activation_checkpointing": 17,
     "activation_dtype": 7,
-    "activation_offloading": 19,
+    "activation_offloading": 18,
     "chunk_tokens": 7,
     "comm_strategy": 10,
-    "cp_strategy": 9,
+    "cp_strategy": 6,
     "cpu_offload": 12,
     "fake_quant_after_n_steps": 5,
     "group_size": 6,
     "layer_classes": 14,
     "load_balance": 8,
-    "lora_r": 21,
+    "lora_r": 20,
     "lora_saved": 9,
-    "loss_chunk_tokens": 9,
-    "loss_impl": 8,
-    "loss_parallel": 17,
-    "mixed_precision": 24,
-    "optimizer_fused": 7,  # 6 + cli/plan_config.config_settings, the one TrainConfig -> Settings step
+    "loss_chunk_tokens": 6,
+    "loss_impl": 7,
+    "loss_parallel": 15,
+    "mixed_precision": 21,
+    "optimizer_fused": 6,  # config/plan_settings: the one TrainConfig -> Settings step
     "pipeline_schedule": 9,
     "pipeline_virtual_stages": 9,
     "pp_in_flight": 5,
@@ -67,11 +68,11 @@ OVER_TARGET = {
     "quantize_embedding": 5,
     "quantized_base": 8,
     "reshard_after_backward": 5,
-    "reshard_after_forward": 18,
-    "sequence_parallel": 31,  # 30 + plan/sp_activations (the SP saved-shard model)
+    "reshard_after_forward": 16,
+    "sequence_parallel": 29,  # plan/sp_activations included (the SP saved-shard model)
     "set_to_none": 5,
-    "tiled_mlp": 21,  # 19 + techniques/__init__ (names the module tiled_mlp.py, not the option)
-    "tiled_mlp_num_shards": 13,
+    "tiled_mlp": 19,  # techniques/__init__ included (names the module tiled_mlp.py, not the option)
+    "tiled_mlp_num_shards": 11,
     "unsharded_grad_accumulation": 18,  # 16 + tools/simulate_predict (resolves the PP default)
     "virtual_stages": 7,  # 6 + plan/layout.Settings.from_options, the one options -> Settings step
     "weight_dtype": 10,
@@ -82,6 +83,7 @@ REQUEST_ONLY = {
     "hardware",
     "gpus",
     "gpus_per_node",
+    "settings",
     "global_batch",
     "host_mem_bytes",
     "pipeline",
@@ -149,23 +151,20 @@ def test_the_spelling_counter_finds_every_form():
     assert spelling_modules("tiled_mlp", texts) == ["d.py"]
 
 
-def test_plan_request_and_settings_share_their_names():
-    """Every ``PlanRequest`` field is a ``Settings`` field of the same name (copied by name into
-    ``base_settings``), or one of what the request alone says."""
+def test_plan_request_carries_settings_not_their_names():
+    """``PlanRequest`` declares no option of ``Settings`` again: its fields are what the request
+    alone says, its ``settings``, and the search's per-layout choices (``PER_LAYOUT``)."""
     request = {f.name for f in fields(PlanRequest)}
     settings = {f.name for f in fields(Settings)}
     assert request - settings == REQUEST_ONLY
-    assert set(PER_LAYOUT) <= request & settings
+    assert request & settings == set(PER_LAYOUT)
 
 
-def test_base_settings_carries_every_shared_field():
+def test_a_request_takes_each_option_by_its_name():
     from ndparallel.plan.hardware import get_preset
     from ndparallel.plan.models import PRESETS
 
-    req = PlanRequest(
-        PRESETS["llama-3.1-8b"],
-        get_preset("h100-80gb"),
-        8,
+    options = dict(
         seq_len=8192,
         mixed_precision="fp16",
         sequence_parallel=False,
@@ -178,9 +177,11 @@ def test_base_settings_carries_every_shared_field():
         tiled_mlp=True,
         tiled_mlp_num_shards=3,
         activation_offloading=True,
-        unsharded_grad_accumulation=True,
     )
-    s = base_settings(req)
-    shared = ({f.name for f in fields(Settings)} & {f.name for f in fields(PlanRequest)}) - set(PER_LAYOUT)
-    assert {n: getattr(s, n) for n in shared} == {n: getattr(req, n) for n in shared}
+    req = PlanRequest.of(PRESETS["llama-3.1-8b"], get_preset("h100-80gb"), 8, micro_batch=2, **options)
+    assert {n: getattr(req.settings, n) for n in options} == options
+    assert req.micro_batch == 2 and req.settings.micro_batch == 1  # the search's choice is the request's
+    assert req.updated(seq_len=1024).settings == replace(req.settings, seq_len=1024)
+    s = base_settings(req.updated(unsharded_grad_accumulation=True))
+    assert s == replace(req.settings, unsharded_grad_accumulation=True)
     assert not base_settings(PlanRequest(req.model, req.hardware, 8)).unsharded_grad_accumulation  # auto: off

@@ -114,13 +114,11 @@ def test_a_configs_field_reaches_the_planner(capsys, tmp_path, fields, key, valu
     ids=["memory", "tp-loss", "qat"],
 )
 def test_the_request_carries_the_configs_runtime_options(capsys, tmp_path, fields):
-    """TrainConfig -> runtime options -> Settings.from_options is what the planner is asked: every
-    setting the request shares with ``Settings`` arrives as the config's options say."""
-    from dataclasses import fields as dc_fields
-
+    """TrainConfig -> runtime options -> ``plan_settings`` is what the planner is asked: every
+    setting a flag carries arrives as the config's options say."""
     from ndparallel.axolotl import load_config
-    from ndparallel.cli.plan_config import config_settings
-    from ndparallel.plan.search import PER_LAYOUT, PlanRequest
+    from ndparallel.config.plan_settings import plan_settings
+    from ndparallel.plan.cli import BY_ADAPTER, flag_settings, make_parser
 
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(
@@ -130,11 +128,9 @@ def test_the_request_carries_the_configs_runtime_options(capsys, tmp_path, field
     code, out, err = run_cli(capsys, "plan", "--config", cfg, "--gpus", "8", "--json")
     assert code == 0, err
     req = json.loads(out)["request"]
-    settings = config_settings(load_config(str(cfg)))
-    adapter = {"lora_r", "lora_saved", "quantized_base"}  # from the adapter fields, not the options
-    searched = {"unsharded_grad_accumulation"}  # the planner's choice per layout (auto)
-    shared = {f.name for f in dc_fields(PlanRequest)} & {f.name for f in dc_fields(type(settings))}
-    names = sorted(shared - set(PER_LAYOUT) - adapter - searched)
+    settings = plan_settings(load_config(str(cfg)))
+    names = sorted(flag_settings(make_parser().parse_args([])))
+    assert len(names) > 10 and not set(names) & set(BY_ADAPTER)
     got = {n: tuple(req[n]) if isinstance(req[n], list) else req[n] for n in names}
     assert got == {n: getattr(settings, n) for n in names}
     assert req["checkpointing"] == ("on" if settings.checkpointing else "auto")

@@ -106,7 +106,7 @@ def test_ring_attention_buffers_are_in_the_layer_backward():
 
 
 def test_host_memory_rejects_what_does_not_fit_the_node():
-    req = PlanRequest(
+    req = PlanRequest.of(
         L8B,
         H100,
         8,
@@ -118,22 +118,22 @@ def test_host_memory_rejects_what_does_not_fit_the_node():
     )
     ok = evaluate_layout(req, Layout(cp=8))
     assert ok.ok, ok.rejections
-    tight = evaluate_layout(dataclasses.replace(req, host_mem_bytes=64 * GiB), Layout(cp=8))
+    tight = evaluate_layout(req.updated(host_mem_bytes=64 * GiB), Layout(cp=8))
     assert not tight.ok and tight.rejections[0][0] == "host_oom", tight.rejections
 
 
 def test_longest_brackets_the_answer_and_the_options_add_up():
-    req = PlanRequest(L8B, H100, 8, tiled_mlp=True, activation_offloading=True)
+    req = PlanRequest.of(L8B, H100, 8, tiled_mlp=True, activation_offloading=True)
     lay = Layout(cp=8)
     got = longest_for_layout(req, lay)
     assert got.seq_len > 2_000_000 and got.seq_len % 16 == 0
     fits = [
-        evaluate_layout(dataclasses.replace(req, seq_len=n, micro_batch=1, global_batch=1), lay).ok
+        evaluate_layout(req.updated(seq_len=n, micro_batch=1, global_batch=1), lay).ok
         for n in (got.seq_len, got.seq_len + 16 * (1 + got.seq_len // 16 // 100))
     ]
     assert fits == [True, False]
     lengths = [
-        longest_for_layout(dataclasses.replace(req, tiled_mlp=t, activation_offloading=o), lay).seq_len
+        longest_for_layout(req.updated(tiled_mlp=t, activation_offloading=o), lay).seq_len
         for t, o in ((False, False), (True, False), (False, True), (True, True))
     ]
     assert lengths[0] < lengths[1] < lengths[3] and lengths[0] < lengths[2] < lengths[3], lengths

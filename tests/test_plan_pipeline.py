@@ -2,8 +2,6 @@
 schedules' bubble and in-flight micro-batches, what each stage holds, the search, the outputs,
 and the anchors — Llama-3.1-405B on Meta's layout, Llama-3.1-8B on one node."""
 
-from dataclasses import replace
-
 import pytest
 import yaml
 from rich.console import Console
@@ -33,7 +31,7 @@ META_MFU = 0.43
 
 def _req(model="llama-3.1-8b", gpus=8, **kw):
     kw.setdefault("gpus_per_node", min(8, gpus))
-    return PlanRequest(PRESETS[model], kw.pop("hardware", H100), gpus, **kw)
+    return PlanRequest.of(PRESETS[model], kw.pop("hardware", H100), gpus, **kw)
 
 
 # ------------------------------------------------------------------ formulas
@@ -196,7 +194,7 @@ def test_unsharded_accumulation_under_pp_reduces_and_gathers_once_per_step():
 
     def option(unsharded, **kw):
         (only,) = evaluate_layout(
-            replace(req, **kw), lay, micro_batch=1, checkpointing=True, schedule="1F1B", unsharded=unsharded
+            req.updated(**kw), lay, micro_batch=1, checkpointing=True, schedule="1F1B", unsharded=unsharded
         ).options
         return only  # fitting or not: the counts are the question
 

@@ -18,7 +18,7 @@ H100 = HW["h100-80gb"]
 
 def _req(model="llama-3.1-8b", gpus=8, **kw):
     kw.setdefault("gpus_per_node", min(8, gpus))
-    return PlanRequest(PRESETS[model], kw.pop("hardware", H100), gpus, **kw)
+    return PlanRequest.of(PRESETS[model], kw.pop("hardware", H100), gpus, **kw)
 
 
 def _codes(req, layout):

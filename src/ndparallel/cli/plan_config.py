@@ -1,8 +1,8 @@
 """``ndparallel plan --config TRAIN.yaml``: plan for a training config.
 
 The config's model and training settings become the planner parser's defaults, as typed values
-(``config_defaults``: the config's runtime options through ``Settings.from_options``), so a flag
-given on the command line wins. The global batch is the
+(``config_defaults``: ``config/plan_settings.py``'s ``Settings``, each field as its flag's default:
+``plan/cli.py``'s ``flag_defaults``), so a flag given on the command line wins. The global batch is the
 config's: ``micro_batch_size × gradient_accumulation_steps × dp`` of its own layout at ``--gpus``
 (the planner then keeps it fixed while it searches layouts and micro-batches). With
 ``--write-config OUT``, OUT is the user's config with only the layout and batch fields replaced by
@@ -21,7 +21,7 @@ import yaml
 
 from ndparallel.layout.config import ParallelismConfigError
 from ndparallel.plan.adapter import saved_tables
-from ndparallel.plan.layout import Settings
+from ndparallel.plan.cli import flag_defaults
 
 PLAN_KEYS = (
     "dp_replicate_size",
@@ -58,6 +58,7 @@ def config_defaults(path: str, argv: list[str]) -> tuple[dict, str]:
     and a one-line description of what was taken. ``argv`` (the user's flags) gives ``--gpus``.
     Raises ``ValueError`` with the fix."""
     from ndparallel.axolotl import load_config
+    from ndparallel.config.plan_settings import plan_settings
 
     cfg = load_config(path)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # bad values: the planner says
@@ -65,24 +66,8 @@ def config_defaults(path: str, argv: list[str]) -> tuple[dict, str]:
         pre.add_argument(name)
     given, _ = pre.parse_known_args(argv)
     gpus = int(given.gpus) if given.gpus and given.gpus.isdigit() and int(given.gpus) > 0 else None
-    s = config_settings(cfg)
-    defaults = {
-        "model": cfg.base_model,
-        "seq_len": s.seq_len,
-        "mixed_precision": s.mixed_precision,
-        "optimizer": s.optimizer,
-        "fused_adamw": s.optimizer_fused,
-        "cp_strategy": s.cp_strategy,
-        "loss_impl": s.loss_impl,
-        "loss_chunk_tokens": s.loss_chunk_tokens,
-        "no_sequence_parallel": not s.sequence_parallel,
-        "no_loss_parallel": not s.loss_parallel,
-        "no_reshard_after_forward": not s.reshard_after_forward,
-        "tiled_mlp": s.tiled_mlp,
-        "tiled_mlp_num_shards": s.tiled_mlp_num_shards,
-        "activation_offloading": s.activation_offloading,
-        "qat": s.qat,
-    }
+    s = plan_settings(cfg)
+    defaults = {"model": cfg.base_model, **flag_defaults(s)}
     if s.checkpointing:
         defaults["activation_checkpointing"] = "on"
     if cfg.adapter and given.adapter in (None, "lora", "qlora"):
@@ -100,32 +85,6 @@ def config_defaults(path: str, argv: list[str]) -> tuple[dict, str]:
             f"{cfg.gradient_accumulation_steps} × dp {dp}{where})"
         )
     return defaults, f"ndparallel plan: from {path}: {said}"
-
-
-def config_settings(cfg):
-    """The planner's ``Settings`` of a training config: its runtime options
-    (``strategy_options()``) through ``Settings.from_options``, plus what the planner names
-    differently (the optimizer's state size; the loss the trainer runs: QAT fake-quantises the LM
-    head, so the loss then comes from the full logits)."""
-    full_loss = cfg.chunked_loss is False or cfg.qat is not None
-    return Settings.from_options(
-        cfg.strategy_options(),
-        cfg.sequence_len,
-        optimizer=_plan_optimizer(cfg.optimizer),
-        optimizer_fused=cfg.optimizer == "adamw_torch_fused",
-        loss_impl="full" if full_loss else "chunked",
-    )
-
-
-def _plan_optimizer(name: str) -> str:
-    """The planner's optimizer for a training config's (torchao's low-bit ones by their state size)."""
-    from ndparallel.optim.lowbit import TORCHAO
-
-    if name in ("sgd", "muon"):
-        return name
-    return {"AdamW8bit": "adamw_8bit", "AdamWFp8": "adamw_8bit", "AdamW4bit": "adamw_4bit"}.get(
-        TORCHAO.get(name, ""), "adamw"
-    )
 
 
 def _config_dp(layout, gpus: int, path: str) -> tuple[int, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 
 from rich.console import Console
 
@@ -12,7 +13,7 @@ from ndparallel.plan import hardware as hwmod
 from ndparallel.plan.adapter import SAVED_MODULES, saved_tables
 from ndparallel.plan.cli_arguments import add_plan_arguments
 from ndparallel.plan.cli_checks import check_args, gpu_mem_bytes, host_mem_bytes
-from ndparallel.plan.layout import parse_layout
+from ndparallel.plan.layout import Settings, parse_layout
 from ndparallel.plan.longest import feature_summary, longest, print_longest
 from ndparallel.plan.models import load_model_spec
 from ndparallel.plan.pipeline import canonical
@@ -70,39 +71,64 @@ def build_request(args) -> PlanRequest:
         problem = qat_format_problem(args.qat)
         if problem:
             raise ValueError(problem)
+    settings = Settings(
+        **flag_settings(args), lora_r=lora_r, quantized_base=args.adapter == "qlora", lora_saved=saved
+    )
     return PlanRequest(
         model=load_model_spec(args.model),
         hardware=_hardware(args),
         gpus=args.gpus,
         gpus_per_node=min(args.gpus_per_node, args.gpus) if args.gpus_per_node else args.gpus,
-        seq_len=args.seq_len,
+        settings=settings,
         global_batch=global_batch,
         micro_batch=mb,
         checkpointing=args.activation_checkpointing,
-        ac_policy=args.ac_policy,
-        mixed_precision=args.mixed_precision,
-        optimizer=args.optimizer,
-        sequence_parallel=not args.no_sequence_parallel,
-        reshard_after_forward=not args.no_reshard_after_forward,
-        loss_parallel=not args.no_loss_parallel,
         unsharded_grad_accumulation={"on": True, "off": False}.get(args.unsharded_grad_accumulation),
-        cp_strategy=args.cp_strategy,
-        cp_kernel=args.cp_kernel,
-        loss_impl=args.loss_impl,
-        loss_chunk_tokens=args.loss_chunk_tokens,
-        optimizer_fused=args.fused_adamw,
-        lora_r=lora_r,
-        quantized_base=args.adapter == "qlora",
-        qat=args.qat,
-        lora_saved=saved,
-        tiled_mlp=args.tiled_mlp,
-        tiled_mlp_num_shards=args.tiled_mlp_num_shards,
-        activation_offloading=args.activation_offloading,
         host_mem_bytes=host_mem_bytes(args.host_mem) if args.host_mem else None,
         pipeline=not args.no_pipeline_parallel,
         pipeline_schedule=_schedule(args.pipeline_schedule),
         pipeline_virtual_stages=args.pipeline_virtual_stages,
     )
+
+
+BY_ADAPTER = ("lora_r", "quantized_base", "lora_saved")
+"""``Settings`` fields the adapter flags decide together (``build_request``), not one flag each."""
+
+
+def _flags() -> dict[str, tuple[str, bool]]:
+    """``Settings`` field -> (its flag's argument name, negated): every field one flag sets, named
+    as the field, or ``no_FIELD`` for a setting on by default; the request's own fields (the
+    search's choices) and the adapter's aside."""
+    dests = vars(make_parser().parse_args([]))
+    skip = {f.name for f in fields(PlanRequest)} | set(BY_ADAPTER)
+    out = {}
+    for f in fields(Settings):
+        if f.name in skip:
+            continue
+        if f.name in dests:
+            out[f.name] = (f.name, False)
+        elif f"no_{f.name}" in dests:
+            out[f.name] = (f"no_{f.name}", True)
+    return out
+
+
+def flag_settings(args) -> dict:
+    """The ``Settings`` values parsed ``args`` give, by field name (``_flags``)."""
+    out = {}
+    for name, (dest, negated) in _flags().items():
+        value = getattr(args, dest)
+        out[name] = not value if negated else value
+    return out
+
+
+def flag_defaults(s: Settings) -> dict:
+    """The parser's defaults (argument name -> value) that give ``s``'s values: ``flag_settings``
+    inverted (``plan --config``)."""
+    out = {}
+    for name, (dest, negated) in _flags().items():
+        value = getattr(s, name)
+        out[dest] = not value if negated else value
+    return out
 
 
 def _schedule(name: str) -> str:

@@ -121,6 +121,7 @@ def _add_kernel_and_communication_arguments(t) -> None:
     )
     t.add_argument(
         "--fused-adamw",
+        dest="optimizer_fused",
         action="store_true",
         help="AdamW fused=True (default: torch's foreach AdamW, as the trainer)",
     )

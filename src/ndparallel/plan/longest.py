@@ -49,7 +49,7 @@ def _quantum(layout: Layout) -> int:
 
 def _try(req: PlanRequest, layout: Layout, seq: int):
     """(best estimate or None, rejection code or None) at ``seq`` tokens, micro-batch 1."""
-    r = dataclasses.replace(req, seq_len=seq, micro_batch=1, global_batch=layout.dp)
+    r = req.updated(seq_len=seq, micro_batch=1, global_batch=layout.dp)
     res = evaluate_layout(r, layout)
     return res.best, (res.rejections[0] if res.rejections else None)
 
@@ -101,8 +101,7 @@ def feature_summary(req: PlanRequest, cap: int = SEARCH_CAP) -> dict[str, Longes
     """The longest layout with each combination of the long-context options."""
     out = {}
     for name, (tiled, offload) in FEATURES.items():
-        r = dataclasses.replace(
-            req,
+        r = req.updated(
             tiled_mlp=tiled,
             activation_offloading=offload,
             checkpointing="on" if offload else req.checkpointing,
@@ -138,8 +137,8 @@ def print_longest(
     console.print(
         f"{req.model.name} on {req.gpus} × {req.hardware.name} ({req.hardware.mem_bytes / GiB:.0f} "
         f"GiB): longest sequence per layout, micro-batch 1, one sequence per dp rank; tiled MLP "
-        f"{'on' if req.tiled_mlp else 'off'}, activation offloading "
-        f"{'on' if req.activation_offloading else 'off'}"
+        f"{'on' if req.settings.tiled_mlp else 'off'}, activation offloading "
+        f"{'on' if req.settings.activation_offloading else 'off'}"
         + ("" if req.host_mem_bytes else " (host memory not checked: --host-mem)")
     )
     cols = ("layout", "strategy", "max seq", "AC", "mem GiB", "host GiB/node", "tok/s/GPU", "MFU")

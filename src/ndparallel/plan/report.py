@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import yaml
 from rich.console import Console
@@ -14,7 +14,7 @@ from ndparallel.plan import comms
 from ndparallel.plan.adapter import trainable_fraction, trainable_params
 from ndparallel.plan.hardware import GiB
 from ndparallel.plan.pipeline import default_virtual, pipeline_lines
-from ndparallel.plan.search import Estimate, LayoutResult, PlanResult
+from ndparallel.plan.search import Estimate, LayoutResult, PlanRequest, PlanResult
 
 
 def _gib(x: float) -> str:
@@ -59,23 +59,24 @@ def _explain_arg(e: Estimate) -> str:
 
 def header(result: PlanResult) -> str:
     r = result.request
+    s = r.settings
     hw = r.hardware
     gb = f"{r.global_batch} seqs" if r.global_batch else "~4M tokens (auto)"
     lora = ""
-    if r.lora_r:
+    if s.lora_r:
         lora = (
-            f"; LoRA r={r.lora_r} on every linear: {trainable_params(r.model, r.lora_r) / 1e6:.1f}M "
-            f"trainable ({trainable_fraction(r.model, r.lora_r):.2%}), base frozen"
-            + (" in 4-bit NF4 (linears)" if r.quantized_base else "")
+            f"; LoRA r={s.lora_r} on every linear: {trainable_params(r.model, s.lora_r) / 1e6:.1f}M "
+            f"trainable ({trainable_fraction(r.model, s.lora_r):.2%}), base frozen"
+            + (" in 4-bit NF4 (linears)" if s.quantized_base else "")
             + (
                 f", trained copies of "
-                f"{' and '.join({'embed': 'embed_tokens', 'head': 'lm_head'}[t] for t in r.lora_saved)}"
-                if r.lora_saved
+                f"{' and '.join({'embed': 'embed_tokens', 'head': 'lm_head'}[t] for t in s.lora_saved)}"
+                if s.lora_saved
                 else ""
             )
         )
-    if r.qat:
-        lora += f"; QAT {r.qat} (fake quantisers' saved tensors counted)"
+    if s.qat:
+        lora += f"; QAT {s.qat} (fake quantisers' saved tensors counted)"
     moe = (
         f", {r.model.active_params / 1e9:.2f}B active: {r.model.top_k} of {r.model.num_experts} experts"
         if r.model.is_moe
@@ -84,8 +85,8 @@ def header(result: PlanResult) -> str:
     return (
         f"{r.model.name} ({r.model.num_params / 1e9:.2f}B params{moe}) on {r.gpus} × {hw.name} "
         f"({r.gpus_per_node}/node, {_gib(hw.mem_bytes)} GiB, {hw.peak_flops / 1e12:.0f} "
-        f"TFLOP/s bf16); seq {r.seq_len}, global batch {gb}, {r.optimizer}, "
-        f"{r.mixed_precision}, activation checkpointing {r.checkpointing}{lora}"
+        f"TFLOP/s bf16); seq {s.seq_len}, global batch {gb}, {s.optimizer}, "
+        f"{s.mixed_precision}, activation checkpointing {r.checkpointing}{lora}"
     )
 
 
@@ -152,12 +153,21 @@ def print_table(result: PlanResult, console: Console, top: int = 10, show_reject
         console.print(f"Explain one: --explain {_explain_arg(best.best)}")
 
 
+def request_dict(req: PlanRequest) -> dict:
+    """The request as one flat dict: its settings, then its own fields (model and hardware aside;
+    the search's choices replace the settings' placeholders of the same name)."""
+    own = {f.name: getattr(req, f.name) for f in fields(req)}
+    for name in ("model", "hardware", "settings"):
+        own.pop(name)
+    return {**asdict(req.settings), **own}
+
+
 def to_json(result: PlanResult) -> dict:
     req = result.request
     return {
         "model": req.model.to_dict(),
         "hardware": req.hardware.to_dict(),
-        "request": {k: v for k, v in asdict(req).items() if k not in ("model", "hardware")},
+        "request": request_dict(req),
         "ranked": [r.to_dict() for r in result.ranked],
         "rejected": [r.to_dict() for r in result.rejected],
     }

@@ -37,47 +37,31 @@ DEFAULT_GLOBAL_BATCH_TOKENS = 2**22
 AUTO_MICRO_BATCHES = (1, 2, 4, 8)
 
 
+DEFAULT_SETTINGS = Settings(seq_len=4096, loss_impl="chunked")
+"""A request's settings unless it gives its own: 4096 tokens, the chunked loss the trainer runs."""
+
+
 @dataclass(frozen=True)
 class PlanRequest:
-    """What the user asks: model, cluster, hardware and training settings."""
+    """What the user asks: model, cluster, hardware, the run's ``settings`` (the estimates' own
+    vocabulary: one name per option) and what the search chooses per layout."""
 
     model: ModelSpec
     hardware: Hardware
     gpus: int
     gpus_per_node: int = 8
-    seq_len: int = 4096
+    settings: Settings = DEFAULT_SETTINGS
+    """Everything of the run but the layout and the search's choices below (whose values in
+    ``settings`` are not read: ``base_settings``)."""
     global_batch: int | None = None
     """Sequences per optimizer step; None: about DEFAULT_GLOBAL_BATCH_TOKENS (not enforced)."""
     micro_batch: int | None = None
     """None: try AUTO_MICRO_BATCHES."""
     checkpointing: str = "auto"
-    ac_policy: str = "full"
-    mixed_precision: str = "bf16"
-    optimizer: str = "adamw"
-    sequence_parallel: bool = True
-    reshard_after_forward: bool = True
-    loss_parallel: bool = True
     unsharded_grad_accumulation: bool | None = None
     """FSDP gradients accumulated unsharded, reduced once per step. None (auto): pp layouts try both
     (one reduction per step by each stage's FSDP root, or one per micro-batch: the runtime's
     default), other layouts reduce on every micro-batch; True / False: that, everywhere."""
-    cp_strategy: str = "ring"
-    cp_kernel: str = "flash"
-    loss_impl: str = "chunked"  # what the trainer runs (docs/performance.md)
-    loss_chunk_tokens: int | None = None
-    optimizer_fused: bool = False
-    lora_r: int = 0
-    """LoRA rank (``--adapter lora --lora-r``); 0: full fine-tuning."""
-    quantized_base: bool = False
-    """QLoRA (``--adapter qlora``): a 4-bit NF4 base under the adapters."""
-    qat: str | None = None
-    """QAT formats (``--qat int4/int8``; ``plan/qat_memory.py``); None: off."""
-    lora_saved: tuple[str, ...] = ()
-    """Tables trained in full beside the adapters ('embed', 'head': ``--lora-modules-to-save``)."""
-    tiled_mlp: bool = False
-    tiled_mlp_num_shards: int | None = None
-    activation_offloading: bool = False
-    """Offload the checkpointed layer inputs (checkpointing is then always on)."""
     host_mem_bytes: float | None = None
     """Host memory per node; with offloading, layouts whose offloaded bytes per node exceed
     ``HOST_BUDGET_FRACTION`` of it are rejected (``host_oom``). None: not checked."""
@@ -87,6 +71,19 @@ class PlanRequest:
     """'auto': 1F1B and Interleaved1F1B (2 stages per rank) for each pp layout; else that schedule."""
     pipeline_virtual_stages: int | None = None
     """Stages per rank of the multi-stage schedules (None: the runtime's default, 2)."""
+
+    @classmethod
+    def of(cls, model: ModelSpec, hardware: Hardware, gpus: int, **options) -> PlanRequest:
+        """A request with ``DEFAULT_SETTINGS`` and ``options`` (see ``updated``)."""
+        return cls(model, hardware, gpus).updated(**options)
+
+    def updated(self, **options) -> PlanRequest:
+        """This request with ``options`` replaced, each by its name: a field of the request's own,
+        else one of its ``settings``."""
+        own = {f.name for f in fields(self)}
+        mine = {k: v for k, v in options.items() if k in own}
+        rest = {k: v for k, v in options.items() if k not in own}
+        return replace(self, **{**mine, "settings": replace(mine.get("settings", self.settings), **rest)})
 
 
 @dataclass
@@ -148,7 +145,7 @@ def memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> Memor
 def _grad_accum(req: PlanRequest, layout: Layout, mb: int) -> tuple[int | None, str | None]:
     per_step = layout.dp * mb
     if req.global_batch is None:
-        target = max(1, round(DEFAULT_GLOBAL_BATCH_TOKENS / req.seq_len))
+        target = max(1, round(DEFAULT_GLOBAL_BATCH_TOKENS / req.settings.seq_len))
         return max(1, round(target / per_step)), None
     if req.global_batch % per_step:
         return None, (
@@ -158,30 +155,26 @@ def _grad_accum(req: PlanRequest, layout: Layout, mb: int) -> tuple[int | None, 
     return req.global_batch // per_step, None
 
 
-PER_LAYOUT = ("micro_batch", "checkpointing")
-"""Fields ``PlanRequest`` and ``Settings`` both have whose request value is a choice the search
-makes per layout (``evaluate_layout``), not a setting."""
+PER_LAYOUT = ("micro_batch", "checkpointing", "unsharded_grad_accumulation")
+"""``Settings`` fields the request holds itself: choices the search makes per layout
+(``evaluate_layout``), auto unless pinned."""
 
 
 def base_settings(req: PlanRequest) -> Settings:
-    """The request's settings before a layout's micro-batch, accumulation and checkpointing: every
-    field ``Settings`` shares with ``PlanRequest`` (one name, one meaning), the request's
-    ``unsharded_grad_accumulation`` auto (None) as off."""
-    shared = ({f.name for f in fields(Settings)} & {f.name for f in fields(PlanRequest)}) - set(PER_LAYOUT)
-    values = {name: getattr(req, name) for name in shared}
-    values["unsharded_grad_accumulation"] = bool(req.unsharded_grad_accumulation)
-    return Settings(**values)
+    """The request's settings before a layout's micro-batch, accumulation and checkpointing, the
+    request's ``unsharded_grad_accumulation`` auto (None) as off."""
+    return replace(req.settings, unsharded_grad_accumulation=bool(req.unsharded_grad_accumulation))
 
 
 def _layout_rejections(req: PlanRequest, layout: Layout, base: Settings) -> list[tuple[str, str]]:
     out = structural_rejections(layout, req.model, req.gpus, req.gpus_per_node, base)
-    if req.quantized_base:
+    if base.quantized_base:
         why = nf4_shards_problem(req.model, layout)
         out += [("qlora_layout", why)] if why else []
     # the runtime's own refusals, asked with the planner's layout
-    why = saved_modules_problem(req.lora_saved, layout.tp)
+    why = saved_modules_problem(base.lora_saved, layout.tp)
     out += [("lora_layout", why)] if why else []
-    why = qat_layout_problem(layout.tp, float8=False) if req.qat else None
+    why = qat_layout_problem(layout.tp, float8=False) if base.qat else None
     out += [("qat_layout", why)] if why else []
     return out
 
@@ -232,7 +225,7 @@ def evaluate_layout(
     mbs = [micro_batch] if micro_batch else [req.micro_batch] if req.micro_batch else list(AUTO_MICRO_BATCHES)
     if checkpointing is not None:
         acs = [checkpointing]
-    elif req.activation_offloading:  # offloading moves what checkpointing keeps
+    elif base.activation_offloading:  # offloading moves what checkpointing keeps
         acs = [True]
     else:
         acs = {"auto": [False, True], "on": [True], "off": [False]}[req.checkpointing]

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ndparallel.config.plan_settings import plan_settings
 from ndparallel.models.adapters import base_model_of
 from ndparallel.parallel.pp.schedule import reduces_once_per_step
 from ndparallel.plan.calibrate import calibrate
 from ndparallel.plan.comms import collectives_for, scalar_collectives
 from ndparallel.plan.estimate import rank_step
 from ndparallel.plan.hardware import Hardware, get_preset, load_hardware_file, preset_for_device
-from ndparallel.plan.layout import Settings
 from ndparallel.plan.models import from_hf_config
 from ndparallel.plan.pipeline import rank_shape
 from ndparallel.plan.pipeline_estimate import pp_rank
@@ -32,9 +32,9 @@ def planner_settings(trainer):
     stages = {"pp_schedule": pipeline.plan.schedule, "pp_virtual": pipeline.plan.virtual} if pipeline else {}
     if pipeline is not None and pipeline.holds_last:  # the loss is the last stage's cut model's
         model = pipeline.modules[pipeline.plan.n_stages - 1].lm
-    return Settings.from_options(
+    return plan_settings(
+        cfg,
         options,
-        cfg.sequence_len,
         micro_batch=cfg.micro_batch_size,
         grad_accum=cfg.gradient_accumulation_steps,
         optimizer="sgd" if cfg.optimizer == "sgd" else "adamw",
@@ -44,7 +44,6 @@ def planner_settings(trainer):
         ),
         loss_impl="chunked" if use_chunked_loss(base_model_of(model), options.loss) else "full",
         optimizer_fused=bool(trainer.optimizer.defaults.get("fused")),
-        lora_r=cfg.lora_r if cfg.adapter else 0,
         **stages,
     )
 
