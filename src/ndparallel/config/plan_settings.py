@@ -24,7 +24,8 @@ def plan_settings(cfg: TrainConfig, options: StrategyOptions | None = None, **re
         "loss_impl": "full" if full_loss else "chunked",
         "lora_r": cfg.lora_r if cfg.adapter else 0,
     }
-    return Settings.from_options(options or cfg.strategy_options(), cfg.sequence_len, **{**named, **resolved})
+    options = cfg.strategy_options() if options is None else options
+    return Settings.from_options(options, cfg.sequence_len, **{**named, **resolved})
 
 
 def _plan_optimizer(name: str) -> str:

@@ -13,14 +13,19 @@ MIN_GPU_MEM = hwmod.GiB
 """Below 1 GiB a ``--gpu-mem`` value is taken for a unit slip (``96MB`` for ``96GB``)."""
 
 
-def _positive_int(args, flag: str, attr: str, value=None) -> None:
-    v = getattr(args, attr) if value is None else value
+def _dest(flag: str) -> str:
+    """The argument name argparse gives ``flag`` (``--seq-len`` -> ``seq_len``)."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _positive_int(args, flag: str, value=None) -> None:
+    v = getattr(args, _dest(flag)) if value is None else value
     if v is not None and v < 1:
         raise ValueError(f"{flag} {v}: must be a whole number >= 1")
 
 
-def _positive(args, flag: str, attr: str, unit: str) -> None:
-    v = getattr(args, attr)
+def _positive(args, flag: str, unit: str) -> None:
+    v = getattr(args, _dest(flag))
     if v is not None and not v > 0:
         raise ValueError(f"{flag} {v}: must be > 0 ({unit})")
 
@@ -60,7 +65,7 @@ def host_mem_bytes(text: str) -> float:
 
 
 def _long_context(args) -> None:
-    _positive_int(args, "--tiled-mlp-num-shards", "tiled_mlp_num_shards")
+    _positive_int(args, "--tiled-mlp-num-shards")
     if getattr(args, "tiled_mlp_num_shards", None) and not args.tiled_mlp:
         raise ValueError("--tiled-mlp-num-shards needs --tiled-mlp")
     if getattr(args, "activation_offloading", False) and args.activation_checkpointing == "off":
@@ -79,12 +84,12 @@ def _micro_batch(args) -> None:
         mb = int(text)
     except ValueError:
         raise ValueError(f"--micro-batch {args.micro_batch!r}: use a whole number >= 1 or 'auto'") from None
-    _positive_int(args, "--micro-batch", "micro_batch", mb)
+    _positive_int(args, "--micro-batch", mb)
 
 
 def _cluster(args) -> None:
-    _positive_int(args, "--gpus", "gpus")
-    _positive_int(args, "--gpus-per-node", "gpus_per_node")
+    _positive_int(args, "--gpus")
+    _positive_int(args, "--gpus-per-node")
     gpus, per_node = args.gpus, args.gpus_per_node
     if gpus and per_node and gpus > per_node and gpus % per_node:
         lo, hi = gpus // per_node * per_node, -(-gpus // per_node) * per_node
@@ -130,15 +135,15 @@ def _paths(args) -> None:
 def check_args(args) -> None:
     """Raise ``ValueError('--flag value: fix')`` for the first bad value of a parsed namespace."""
     _cluster(args)
-    _positive_int(args, "--seq-len", "seq_len")
-    _positive_int(args, "--global-batch-size", "global_batch_size")
-    _positive_int(args, "--global-batch-tokens", "global_batch_tokens")
-    _positive_int(args, "--top", "top")
-    _positive_int(args, "--calibrate-ranks", "calibrate_ranks")
-    _positive_int(args, "--loss-chunk-tokens", "loss_chunk_tokens")
+    _positive_int(args, "--seq-len")
+    _positive_int(args, "--global-batch-size")
+    _positive_int(args, "--global-batch-tokens")
+    _positive_int(args, "--top")
+    _positive_int(args, "--calibrate-ranks")
+    _positive_int(args, "--loss-chunk-tokens")
     _micro_batch(args)
     _long_context(args)
-    _positive_int(args, "--pipeline-virtual-stages", "pipeline_virtual_stages")
+    _positive_int(args, "--pipeline-virtual-stages")
     if args.global_batch_tokens and args.seq_len and args.global_batch_tokens % args.seq_len:
         raise ValueError(
             f"--global-batch-tokens {args.global_batch_tokens} is not a multiple of "
@@ -147,10 +152,10 @@ def check_args(args) -> None:
     eff = args.matmul_efficiency
     if eff is not None and not 0 < eff <= 1:
         raise ValueError(f"--matmul-efficiency {eff}: a fraction of peak, 0 < x <= 1 (e.g. 0.8)")
-    _positive(args, "--peak-tflops", "peak_tflops", "TFLOP/s")
-    _positive(args, "--intra-node-bw", "intra_node_bw", "GB/s per GPU")
-    _positive(args, "--inter-node-bw", "inter_node_bw", "GB/s per GPU")
-    _positive(args, "--hbm-bw", "hbm_bw", "GB/s")
+    _positive(args, "--peak-tflops", "TFLOP/s")
+    _positive(args, "--intra-node-bw", "GB/s per GPU")
+    _positive(args, "--inter-node-bw", "GB/s per GPU")
+    _positive(args, "--hbm-bw", "GB/s")
     if args.gpu_mem is not None:
         gpu_mem_bytes(args.gpu_mem)
     _paths(args)
