@@ -28,15 +28,17 @@ from _common import print_table, write_json  # noqa: E402
 from ndparallel.testing import run_on_ranks  # noqa: E402
 
 
-def _measure(tp: int, shards: bool, shape: dict, batch: int, seq: int, device: str) -> dict:
+def _measure(tp: int, mode: str, shape: dict, batch: int, seq: int, device: str) -> dict:
+    """Bytes per token layer 0 keeps, ``mode`` 'gathered' | 'shards' | 'selective' (shards + AC)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ndparallel.layout.config import ParallelismConfig
     from ndparallel.parallel.options import TPOptions
-    from ndparallel.parallel.tp.sp_saves import observing
     from ndparallel.parallel.tp.tensor import apply_tensor_parallel
     from ndparallel.runtime.distributed import shutdown
     from ndparallel.runtime.fake_world import start_fake_world
+    from ndparallel.techniques.selective_ac import apply_selective_checkpointing
+    from ndparallel.tools.kept_bytes import KeptBytes
 
     shutdown()  # the runner's one-rank group: this child is rank 0 of a fake tp world instead
     start_fake_world(tp, 0)
@@ -47,34 +49,22 @@ def _measure(tp: int, shards: bool, shape: dict, batch: int, seq: int, device: s
         mesh = ParallelismConfig(tp_size=tp).build_device_mesh(device)["tp"]
         if tp > 1:
             options = TPOptions(
-                sequence_parallel=True, loss_parallel=False, sequence_parallel_saved_shards=shards
+                sequence_parallel=True, loss_parallel=False, sequence_parallel_saved_shards=mode != "gathered"
             )
             apply_tensor_parallel(model, mesh, options)
-        params = {
-            (p._local_tensor if hasattr(p, "_local_tensor") else p).untyped_storage().data_ptr()
-            for p in model.parameters()
-        }
-        seen: dict[int, tuple[int, bool]] = {}
-
-        def pack(t):
-            local = t._local_tensor if hasattr(t, "_local_tensor") else t
-            ptr = local.untyped_storage().data_ptr()
-            if ptr not in params:
-                scores = sum(1 for n in local.shape if n == seq) >= 2
-                seen[ptr] = (local.untyped_storage().nbytes(), scores)
-            return t
-
-        hooks = torch.autograd.graph.saved_tensors_hooks(observing(lambda t: pack(t)), lambda t: t)
+        if mode == "selective":
+            apply_selective_checkpointing(model)
+        kept = KeptBytes()
+        kept.seq_len = seq
         layer = model.model.layers[0]
-        layer.register_forward_pre_hook(lambda *_: hooks.__enter__() and None)
-        layer.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
+        layer.register_forward_pre_hook(lambda *_: kept.__enter__() and None)
+        layer.register_forward_hook(lambda *_: kept.__exit__(None, None, None))
         ids = torch.randint(0, shape["vocab_size"], (batch, seq), device=device)
         pos = torch.arange(seq, device=device).expand(batch, -1)
         out = model(input_ids=ids, position_ids=pos).logits
+        total, scores = kept.alive(exclude=list(model.parameters()))
         (out.to_local() if hasattr(out, "to_local") else out).float().sum().backward()
         tokens = batch * seq
-        total = sum(n for n, _ in seen.values())
-        scores = sum(n for n, s in seen.values() if s)
         return {"per_token": total / tokens, "attention_s2_per_token": scores / tokens}
     finally:
         shutdown()

@@ -85,6 +85,7 @@ def config_defaults(path: str, argv: list[str]) -> tuple[dict, str]:
     }
     if s.checkpointing:
         defaults["activation_checkpointing"] = "on"
+        defaults["ac_policy"] = s.ac_policy
     if cfg.adapter and given.adapter in (None, "lora", "qlora"):
         defaults["adapter"] = "qlora" if cfg.load_in_4bit else "lora"
         defaults["lora_r"] = cfg.lora_r
