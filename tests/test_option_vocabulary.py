@@ -40,10 +40,11 @@ OVER_TARGET = {
     # Debt of issue 48 item 1 (not merged yet): each is spelled by the YAML schema, the runtime
     # options, its user, the planner's PlanRequest, Settings, CLI flags and checks, its report
     # (config writer), cli/plan_config.py's argv rendering and preflight's plan text.
-    "ac_policy": 7,
-    "activation_checkpointing": 17,
+    "ac_policy": 10,  # 7 - plan/compute, plan/memory (Settings.recompute) + the runtime option (issue 50):
+    # config/fields, config/schema, parallel/options, techniques/selective_ac, axolotl/noop_keys (the fix)
+    "activation_checkpointing": 18,  # 17 + techniques/selective_ac (its refusals name the fix)
     "activation_dtype": 7,
-    "activation_offloading": 19,
+    "activation_offloading": 20,  # 19 + techniques/selective_ac (its refusal names the fix)
     "chunk_tokens": 7,
     "comm_strategy": 10,
     "cp_strategy": 9,
@@ -68,9 +69,9 @@ OVER_TARGET = {
     "quantized_base": 8,
     "reshard_after_backward": 5,
     "reshard_after_forward": 18,
-    "sequence_parallel": 31,  # 30 + plan/sp_activations (the SP saved-shard model)
+    "sequence_parallel": 32,  # 30 + plan/sp_activations (the SP saved-shard model), plan/recompute_policies
     "set_to_none": 5,
-    "tiled_mlp": 21,  # 19 + techniques/__init__ (names the module tiled_mlp.py, not the option)
+    "tiled_mlp": 22,  # 19 + techniques/__init__ (names the module tiled_mlp.py), techniques/selective_ac
     "tiled_mlp_num_shards": 13,
     "unsharded_grad_accumulation": 18,  # 16 + tools/simulate_predict (resolves the PP default)
     "virtual_stages": 7,  # 6 + plan/layout.Settings.from_options, the one options -> Settings step

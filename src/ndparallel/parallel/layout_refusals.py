@@ -31,25 +31,3 @@ def qat_layout_problem(tp_size: int, float8: bool) -> str | None:
     if float8:
         return "qat and fp8 both replace the linear layers: use one of them (remove fp8 or qat)"
     return None
-
-
-def selective_policy_problem(fsdp) -> str | None:
-    """What ``ac_policy: selective`` (``techniques/selective_ac.py``) cannot be combined with, from
-    ``FSDPOptions``-like ``fsdp`` (None: nothing here)."""
-    if fsdp.ac_policy == "full":
-        return None
-    if fsdp.ac_policy != "selective":
-        return f"fsdp_config.ac_policy: {fsdp.ac_policy!r} is not a policy: use full or selective"
-    if not fsdp.activation_checkpointing:
-        return "fsdp_config.ac_policy: selective needs activation_checkpointing: true (or use ac_policy: full)"
-    if fsdp.activation_offloading:
-        return (
-            "activation_offloading offloads the layer inputs full checkpointing keeps; ac_policy: selective "
-            "keeps none: use ac_policy: full with it, or remove activation_offloading"
-        )
-    if fsdp.tiled_mlp:
-        return (
-            "tiled_mlp already recomputes the MLP, which ac_policy: selective checkpoints: use one of "
-            "them (ac_policy: full with tiled_mlp)"
-        )
-    return None

@@ -29,7 +29,7 @@ from ndparallel.models.quantized import nf4_layout_problem
 from ndparallel.parallel.cp.context import apply_context_parallel
 from ndparallel.parallel.ep.expert import apply_expert_parallel
 from ndparallel.parallel.fsdp import apply_fsdp
-from ndparallel.parallel.layout_refusals import qat_layout_problem, selective_policy_problem
+from ndparallel.parallel.layout_refusals import qat_layout_problem
 from ndparallel.parallel.options import FSDPOptions, StrategyOptions
 from ndparallel.parallel.support import layout_problem
 from ndparallel.parallel.tp.tensor import apply_tensor_parallel, is_tensor_parallel
@@ -38,7 +38,7 @@ from ndparallel.techniques.float8 import apply_float8
 from ndparallel.techniques.master_weights import low_precision_params, upcast_params
 from ndparallel.techniques.offload import apply_activation_offloading
 from ndparallel.techniques.qat import apply_qat
-from ndparallel.techniques.selective_ac import apply_selective_checkpointing
+from ndparallel.techniques.selective_ac import apply_activation_checkpointing, selective_policy_problem
 from ndparallel.techniques.tiled_mlp import apply_tiled_mlp, check_not_fsdp_unit
 
 
@@ -98,11 +98,9 @@ def parallelize_model(
         experts = apply_expert_parallel(model, expert_mesh["ep"], tp_mesh, options.tp.sequence_parallel)
     if dims.cp_enabled:
         apply_context_parallel(model, submesh(mesh, "cp"), options.cp)
-    if fsdp.ac_policy == "selective" and options.compile.enabled:
-        raise ValueError(
-            "fsdp_config.ac_policy: selective is not run under compile (its checkpointed norms and "
-            "MLP activation are eager): use ac_policy: full, or turn compile off"
-        )
+    problem = selective_policy_problem(fsdp, compiled=options.compile.enabled)
+    if problem:
+        raise ValueError(problem)
     apply_activation_memory(model, fsdp, device)
     if options.compile.enabled:
         # the tiled MLP's nested backward and the offloading hooks stay eager: compile each child
@@ -156,17 +154,12 @@ def apply_activation_memory(model: nn.Module, fsdp: FSDPOptions, device: torch.d
             "activation_offloading offloads the inputs activation checkpointing keeps: set "
             "fsdp_config.activation_checkpointing: true (FSDPOptions(activation_checkpointing=True))"
         )
-    problem = selective_policy_problem(fsdp)
+    problem = selective_policy_problem(fsdp)  # before anything changes the model
     if problem:
         raise ValueError(problem)
     if fsdp.tiled_mlp:
         apply_tiled_mlp(model, fsdp.tiled_mlp_num_shards, fsdp.layer_classes)
-    if fsdp.activation_checkpointing and fsdp.ac_policy == "selective":
-        apply_selective_checkpointing(model, fsdp.layer_classes)  # norms + MLP activation only
-    elif fsdp.activation_checkpointing:
-        # transformers' own per-decoder-layer checkpointing (GradientCheckpointingLayer); the
-        # non-reentrant variant composes with FSDP2's hooks and DTensor.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_activation_checkpointing(model, fsdp, fsdp.layer_classes)  # full, or norms + MLP activation
     if fsdp.activation_offloading:
         apply_activation_offloading(model, device, fsdp.layer_classes)
 

@@ -144,7 +144,7 @@ def _micro_batch_time(
     if s.tiled_mlp:  # the SwiGLU of the tile recomputed in backward (5e per element of f/t)
         layer += Bytes(5 * s.act_bytes * model.intermediate / layout.tp)
     # The selective policy keeps the attention output: attention is not recomputed.
-    attn = fwd_a * (2 if s.checkpointing and s.ac_policy == "full" else 1) + bwd_a
+    attn = fwd_a * (2 if s.recompute == "full" else 1) + bwd_a
     elementwise = bytes_time(layer * (tokens * model.layers), hw)
     loss = bytes_time(loss_bytes_per_token(model, layout, s) * tokens, hw) if model.has_lm_head else 0.0
     kf, kb = KERNELS_PER_LAYER

@@ -68,7 +68,7 @@ again in backward; nothing else)."""
 
 
 OP_POLICY_RECOMPUTED = {"q_proj": 0, "k/v_proj": 1, "o_proj": 1, "gate/up_proj": 1, "down_proj": 0}
-"""The same for torchtitan's per-op policy (``ac_policy: op``, for comparisons): it saves the
+"""The same for torchtitan's per-op policy (policy 'op', for comparisons): it saves the
 outputs of matmuls 1, 3, 5, 7 of a layer (q, v, gate, down) and recomputes 2, 4, 6 (k, o, up)."""
 
 
@@ -81,10 +81,10 @@ def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gem
         if not o or not i:  # an MoE model has no dense MLP (f = 0)
             continue
         n = per * model.layers
-        if not s.checkpointing:
+        if s.recompute == "none":
             again = 0
-        elif s.ac_policy in ("selective", "op"):
-            again = (SELECTIVE_RECOMPUTED if s.ac_policy == "selective" else OP_POLICY_RECOMPUTED)[name]
+        elif s.recompute in ("selective", "op"):
+            again = (SELECTIVE_RECOMPUTED if s.recompute == "selective" else OP_POLICY_RECOMPUTED)[name]
             again *= model.layers
         else:
             again = n

@@ -110,6 +110,12 @@ class Settings:
     through all of its layers: 1 without pipeline parallel; set per pp rank by
     ``plan/pipeline_estimate.py`` (``pipeline.in_flight``)."""
 
+    @property
+    def recompute(self) -> str:
+        """What backward recomputes: 'none' without checkpointing, else the policy ('full',
+        'selective', 'op')."""
+        return self.ac_policy if self.checkpointing else "none"
+
     @classmethod
     def from_options(cls, options: StrategyOptions, seq_len: int, **rest) -> Settings:
         """The settings of a run with the runtime's ``options`` (a ``TrainConfig``'s

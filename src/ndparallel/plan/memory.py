@@ -34,6 +34,7 @@ from ndparallel.plan.long_context import (
 from ndparallel.plan.models import ModelSpec, fsdp_units
 from ndparallel.plan.qat_memory import qat_head_bytes, qat_layer_bytes
 from ndparallel.plan.qlora import memory_adjustments
+from ndparallel.plan.recompute_policies import op_policy_saved_per_token
 from ndparallel.plan.sp_activations import block_inputs_per_token
 
 FRAGMENTATION = 0.05
@@ -168,24 +169,6 @@ def selective_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> 
     if model.qk_norm:
         per += e * (a + k) * d / t
     return per + cp_saved_extra_per_token(model, layout, s)
-
-
-def op_policy_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
-    """torchtitan's per-op policy (``selective_ac_option = 'op'``; ``ac_policy: op``, modelled for
-    comparisons with its published rows, not run by ndparallel): the layer input (``e·h/t_sp``),
-    the outputs of q (``e·a·d/t``), v (``e·k·d/t``), gate (``e·f/t``) and down (``e·h``, before
-    the reduce-scatter under SP: full), the attention output (``e·a·d/t``) and log-sum-exp
-    (``4·a/t``)."""
-    t, e = layout.tp, s.act_bytes
-    t_sp = t if s.sequence_parallel else 1
-    h, d = model.hidden, model.head_dim
-    return (
-        e * h / t_sp
-        + e * (2 * model.heads + model.kv_heads) * d / t
-        + e * model.intermediate / t
-        + e * h
-        + 4 * model.heads / t
-    )
 
 
 def _logits_bytes(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:
@@ -430,9 +413,9 @@ def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: fl
     e = s.act_bytes
     plain_layer = layer_activation_bytes_per_token(model, layout, s) * tokens
     per_layer = plain_layer - tiled_saved_reduction_per_token(model, layout, s) * tokens
-    if s.checkpointing and s.ac_policy == "selective":
+    if s.recompute == "selective":
         saved = model.layers * tokens * selective_saved_per_token(model, layout, s)
-    elif s.checkpointing and s.ac_policy == "op":
+    elif s.recompute == "op":
         saved = model.layers * tokens * op_policy_saved_per_token(model, layout, s)
     elif s.checkpointing:  # each layer's input only (with offloading: the ones on the device)
         saved = device_checkpointed_layers(model, s) * tokens * checkpointed_input_per_token(model, layout, s)

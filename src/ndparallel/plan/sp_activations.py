@@ -44,4 +44,4 @@ def recomputes_layers(s: Settings) -> bool:
     """Whether backward runs each decoder layer's forward again (full checkpointing: its
     collectives and attention too); the selective policy recomputes only norms and the MLP
     activation, keeping the output of ``down_proj``'s collective (no collective runs again)."""
-    return s.checkpointing and s.ac_policy != "selective"
+    return s.recompute in ("full", "op")

@@ -93,9 +93,9 @@ def is_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith(("RMSNorm", "LayerNorm")) or isinstance(module, nn.LayerNorm)
 
 
-def selective_problem(model: nn.Module, layer_classes=None) -> str | None:
+def selective_problem(model: nn.Module, override=None) -> str | None:
     """Why ``ac_policy: selective`` cannot apply to ``model`` (None when it can)."""
-    for layer in outer_decoder_layers(model, layer_classes):
+    for layer in outer_decoder_layers(model, override):
         mlp = getattr(layer, "mlp", None)
         if not isinstance(mlp, nn.Module) or not all(hasattr(mlp, n) for n in _MLP_PARTS):
             return (
@@ -107,14 +107,14 @@ def selective_problem(model: nn.Module, layer_classes=None) -> str | None:
     return None
 
 
-def apply_selective_checkpointing(model: nn.Module, layer_classes=None) -> list[nn.Module]:
+def apply_selective_checkpointing(model: nn.Module, override=None) -> list[nn.Module]:
     """Checkpoint the norms and the MLP activation of every decoder layer (in place, idempotent);
     returns the modules changed. ValueError when a layer has no gated MLP."""
-    problem = selective_problem(model, layer_classes)
+    problem = selective_problem(model, override)
     if problem:
         raise ValueError(problem)
     changed = []
-    for layer in outer_decoder_layers(model, layer_classes):
+    for layer in outer_decoder_layers(model, override):
         for module in layer.modules():
             if is_norm(module):
                 _mixin(module, RecomputedNormMixin)
@@ -122,3 +122,48 @@ def apply_selective_checkpointing(model: nn.Module, layer_classes=None) -> list[
         _mixin(layer.mlp, RecomputedActivationMixin)
         changed.append(layer.mlp)
     return changed
+
+
+def selective_policy_problem(fsdp, compiled: bool = False) -> str | None:
+    """What ``ac_policy: selective`` cannot be combined with, from
+    ``FSDPOptions``-like ``fsdp`` and whether the layers are compiled (None: nothing here)."""
+    if fsdp.ac_policy == "full":
+        return None
+    if fsdp.ac_policy != "selective":
+        return f"fsdp_config.ac_policy: {fsdp.ac_policy!r} is not a policy: use full or selective"
+    if not fsdp.activation_checkpointing:
+        return (
+            "fsdp_config.ac_policy: selective needs activation_checkpointing: true (or use ac_policy: full)"
+        )
+    if fsdp.activation_offloading:
+        return (
+            "activation_offloading offloads the layer inputs full checkpointing keeps; ac_policy: selective "
+            "keeps none: use ac_policy: full with it, or remove activation_offloading"
+        )
+    if fsdp.tiled_mlp:
+        return (
+            "tiled_mlp already recomputes the MLP, which ac_policy: selective checkpoints: use one of "
+            "them (ac_policy: full with tiled_mlp)"
+        )
+    if compiled:
+        return (
+            "fsdp_config.ac_policy: selective is not supported with compile (its checkpointed norms and MLP "
+            "activation are untested under dynamo): use ac_policy: full, or turn compile off"
+        )
+    return None
+
+
+def apply_activation_checkpointing(model: nn.Module, fsdp, override=None) -> None:
+    """``FSDPOptions``' checkpointing of every decoder layer: 'full' is transformers' own
+    per-layer checkpointing (``GradientCheckpointingLayer``; the non-reentrant variant composes
+    with FSDP2's hooks and DTensor), 'selective' the norms and MLP activation only; ``override``:
+    the decoder-layer class names, as ``models/layers.py`` takes them."""
+    problem = selective_policy_problem(fsdp)
+    if problem:
+        raise ValueError(problem)
+    if not fsdp.activation_checkpointing:
+        return
+    if fsdp.ac_policy == "selective":
+        apply_selective_checkpointing(model, override)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -29,8 +29,9 @@ class KeptBytes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self._refs: list[tuple[weakref.ref, bool]] = []
-        self.seq_len: int | None = None
-        """When set: storages of tensors with two dims of this length are counted apart (s²)."""
+        self.square_dim: int | None = None
+        """When set (a sequence length): storages of tensors with two dims of this length are
+        counted apart (attention scores, s²)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -40,7 +41,9 @@ class KeptBytes(TorchDispatchMode):
                 local = _local(t)
                 ptr = _ptr(local)
                 if ptr is not None and ptr not in inputs:  # new, not a view of an input
-                    square = self.seq_len is not None and sum(n == self.seq_len for n in local.shape) >= 2
+                    square = (
+                        self.square_dim is not None and sum(n == self.square_dim for n in local.shape) >= 2
+                    )
                     self._refs.append((weakref.ref(local.untyped_storage()), square))
         return out
 
