@@ -51,6 +51,25 @@ def test_layer_keeps_at_most_megatrons_bound_under_tp_sp_selective():
     assert shards["per_token"] == _planned(shape, tp, "shards", seq)
 
 
+def test_runtime_path_checkpoints_every_norm_and_mlp():
+    """What the equivalence tests run is the policy (they would pass without it): through
+    ``apply_activation_memory`` every norm of each layer (Qwen3's q/k norms too) and each MLP is
+    swapped, nothing else, and the gradients are bitwise those of the plain model."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(preset_config("tiny-qwen3"))
+    plain = AutoModelForCausalLM.from_config(preset_config("tiny-qwen3"))
+    plain.load_state_dict(model.state_dict())
+    options = FSDPOptions(activation_checkpointing=True, ac_policy="selective")
+    apply_activation_memory(model, options, torch.device("cpu"))
+    swapped = [n for n, m in model.named_modules() if type(m).__name__.startswith("Recomputed")]
+    assert len(swapped) == 2 * (4 + 1), swapped  # 2 layers × (4 norms + the MLP)
+    ids = torch.randint(0, 256, (2, 16))
+    for m in (model, plain):
+        m(input_ids=ids, labels=ids).loss.backward()
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
