@@ -40,8 +40,9 @@ OVER_TARGET = {
     # Debt of issue 48 item 1 (not merged yet): each is spelled by the YAML schema, the runtime
     # options, its user, the planner's PlanRequest, Settings, CLI flags and checks, its report
     # (config writer), cli/plan_config.py's argv rendering and preflight's plan text.
-    "ac_policy": 10,  # 7 - plan/compute, plan/memory (Settings.recompute) + the runtime option (issue 50):
-    # config/fields, config/schema, parallel/options, techniques/selective_ac, axolotl/noop_keys (the fix)
+    "ac_policy": 11,  # 7 - plan/compute, plan/memory (Settings.recompute) + the runtime option (issue 50):
+    # config/fields, config/schema, parallel/options, techniques/selective_ac, axolotl/noop_keys (the
+    # fix), plan/report (the config writer)
     "activation_checkpointing": 18,  # 17 + techniques/selective_ac (its refusals name the fix)
     "activation_dtype": 7,
     "activation_offloading": 20,  # 19 + techniques/selective_ac (its refusal names the fix)
