@@ -1,13 +1,15 @@
-"""Bytes a decoder layer saves for backward per token under TP + sequence parallel, measured.
+"""Bytes a decoder layer keeps for backward per token under TP + sequence parallel, measured.
 
 Rank 0 of a fake TP world (``runtime/fake_world.py``: collectives move no data, every tensor's
-shape and every kernel is real) runs one bf16 forward + backward of a Llama-shaped model; torch's
-saved-tensor hooks (``tools/saved_bytes``-style observer) record the distinct storages layer 0 keeps.
-For each tp: with the block inputs saved as sequence shards (the default,
-``TPOptions.sequence_parallel_saved_shards``) and saved gathered (before), beside Megatron's
-``34·h/t`` (Korthikanti et al. 2022, selective recompute, GPT-shaped layer) and the planner's
-``layer_activation_bytes_per_token``. Tensors with two sequence-length dims (attention masks /
-scores of the math path; a flash kernel keeps none) are reported apart as ``attention s²``.
+shape and every kernel is real) runs one bf16 forward + backward of a Llama-shaped model;
+``tools/kept_bytes.py`` records the storages layer 0's ops create and counts those still alive at
+the end of the forward — what is kept for backward, including what activation checkpointing holds
+by reference (saved-tensor hooks do not see that). For each tp, three ways: block inputs saved
+gathered (before ``parallel/tp/sp_saves.py``), saved as sequence shards (the default), and shards
++ ``ac_policy: selective`` (``techniques/selective_ac.py``), beside the planner's figure for each
+and Megatron's ``34·h/t`` (Korthikanti et al. 2022: SP + selective recompute, GPT-shaped layer).
+RoPE's cos/sin (model-level, shared by all layers) are not a layer's; tensors with two
+sequence-length dims (a math attention path's scores; a flash kernel keeps none) are shown apart.
 
     python bench/sp_activation_memory.py                      # CPU, tp 1,2,4,8
     python bench/sp_activation_memory.py --device cuda        # one GPU (bench/gpu_all.sh step sp_memory)
@@ -28,15 +30,17 @@ from _common import print_table, write_json  # noqa: E402
 from ndparallel.testing import run_on_ranks  # noqa: E402
 
 
-def _measure(tp: int, shards: bool, shape: dict, batch: int, seq: int, device: str) -> dict:
+def _measure(tp: int, mode: str, shape: dict, batch: int, seq: int, device: str) -> dict:
+    """Bytes per token layer 0 keeps, ``mode`` 'gathered' | 'shards' | 'selective' (shards + AC)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ndparallel.layout.config import ParallelismConfig
     from ndparallel.parallel.options import TPOptions
-    from ndparallel.parallel.tp.sp_saves import observing
     from ndparallel.parallel.tp.tensor import apply_tensor_parallel
     from ndparallel.runtime.distributed import shutdown
     from ndparallel.runtime.fake_world import start_fake_world
+    from ndparallel.techniques.selective_ac import apply_selective_checkpointing
+    from ndparallel.tools.kept_bytes import KeptBytes
 
     shutdown()  # the runner's one-rank group: this child is rank 0 of a fake tp world instead
     start_fake_world(tp, 0)
@@ -47,34 +51,22 @@ def _measure(tp: int, shards: bool, shape: dict, batch: int, seq: int, device: s
         mesh = ParallelismConfig(tp_size=tp).build_device_mesh(device)["tp"]
         if tp > 1:
             options = TPOptions(
-                sequence_parallel=True, loss_parallel=False, sequence_parallel_saved_shards=shards
+                sequence_parallel=True, loss_parallel=False, sequence_parallel_saved_shards=mode != "gathered"
             )
             apply_tensor_parallel(model, mesh, options)
-        params = {
-            (p._local_tensor if hasattr(p, "_local_tensor") else p).untyped_storage().data_ptr()
-            for p in model.parameters()
-        }
-        seen: dict[int, tuple[int, bool]] = {}
-
-        def pack(t):
-            local = t._local_tensor if hasattr(t, "_local_tensor") else t
-            ptr = local.untyped_storage().data_ptr()
-            if ptr not in params:
-                scores = sum(1 for n in local.shape if n == seq) >= 2
-                seen[ptr] = (local.untyped_storage().nbytes(), scores)
-            return t
-
-        hooks = torch.autograd.graph.saved_tensors_hooks(observing(lambda t: pack(t)), lambda t: t)
+        if mode == "selective":
+            apply_selective_checkpointing(model)
+        kept = KeptBytes()
+        kept.square_dim = seq
         layer = model.model.layers[0]
-        layer.register_forward_pre_hook(lambda *_: hooks.__enter__() and None)
-        layer.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
+        layer.register_forward_pre_hook(lambda *_: kept.__enter__() and None)
+        layer.register_forward_hook(lambda *_: kept.__exit__(None, None, None))
         ids = torch.randint(0, shape["vocab_size"], (batch, seq), device=device)
         pos = torch.arange(seq, device=device).expand(batch, -1)
         out = model(input_ids=ids, position_ids=pos).logits
+        total, scores = kept.alive(exclude=list(model.parameters()))
         (out.to_local() if hasattr(out, "to_local") else out).float().sum().backward()
         tokens = batch * seq
-        total = sum(n for n, _ in seen.values())
-        scores = sum(n for n, s in seen.values() if s)
         return {"per_token": total / tokens, "attention_s2_per_token": scores / tokens}
     finally:
         shutdown()
@@ -85,24 +77,25 @@ def _measure_all(jobs: list[tuple]) -> list[dict]:
     return [_measure(*job) for job in jobs]
 
 
-def _planned(shape: dict, tp: int, shards: bool, seq: int) -> float:
+MODES = ("gathered", "shards", "selective")
+"""What each tp runs: the block inputs saved gathered (before sp_saves), as sequence shards (the
+default), and shards + ``ac_policy: selective`` (``techniques/selective_ac.py``)."""
+
+
+def _planned(shape: dict, tp: int, mode: str, seq: int) -> float:
     from ndparallel.plan.layout import Layout, Settings
-    from ndparallel.plan.memory import layer_activation_bytes_per_token
+    from ndparallel.plan.memory import layer_activation_bytes_per_token, selective_saved_per_token
     from ndparallel.plan.models import from_hf_config
 
     spec = from_hf_config({"model_type": "llama", **shape})
-    s = Settings(seq_len=seq, sequence_parallel=tp > 1, sp_saved_shards=shards)
+    s = Settings(seq_len=seq, sequence_parallel=tp > 1, sp_saved_shards=mode != "gathered")
+    if mode == "selective":
+        s = Settings(seq_len=seq, sequence_parallel=tp > 1, checkpointing=True, ac_policy="selective")
+        return selective_saved_per_token(spec, Layout(tp=tp), s)
     return layer_activation_bytes_per_token(spec, Layout(tp=tp), s)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--tps", default="1,2,4,8")
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--tiny", action="store_true", help="hidden 64, seq 32, tp 1,2 (the suite's smoke form)")
-    args = ap.parse_args(argv)
+def _shape(args) -> tuple[dict, int, list[int]]:
     h, seq, tps = args.hidden, args.seq, [int(t) for t in args.tps.split(",")]
     if args.tiny:
         h, seq, tps = 128, 32, [1, 2]
@@ -121,42 +114,37 @@ def main(argv=None) -> None:
         vocab_size=1024,
         max_position_embeddings=max(seq, 128),
     )
-    batch = 1
-    rows, results = [], []
-    jobs = [
-        (tp, m, shape, batch, seq, args.device) for tp in tps for m in ((False, True) if tp > 1 else (True,))
-    ]
+    return shape, seq, tps
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--tps", default="1,2,4,8")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--tiny", action="store_true", help="hidden 128, seq 32, tp 1,2 (the suite's smoke form)")
+    args = ap.parse_args(argv)
+    shape, seq, tps = _shape(args)
+    h, batch = shape["hidden_size"], 1
+    jobs = [(tp, m, shape, batch, seq, args.device) for tp in tps for m in MODES if tp > 1 or m != "gathered"]
     measured = dict(zip([(j[0], j[1]) for j in jobs], run_on_ranks(_measure_all, 1, jobs)[0]))
+    rows, results = [], []
     for tp in tps:
-        modes = (False, True) if tp > 1 else (True,)
-        got = {m: measured[(tp, m)] for m in modes}
-        before, ours = got[False if tp > 1 else True], got[True]
-        row = {
-            "tp": tp,
-            "before_per_token": before["per_token"],
-            "ours_per_token": ours["per_token"],
-            "attention_s2_per_token": ours["attention_s2_per_token"],
-            "ours_without_s2_per_token": ours["per_token"] - ours["attention_s2_per_token"],
-            "megatron_34h_over_t": 34 * h / tp,
-            "planner_per_token": _planned(shape, tp, True, seq),
-            "planner_before_per_token": _planned(shape, tp, False, seq),
-        }
+        got = {m: measured.get((tp, m), measured[(tp, "shards")]) for m in MODES}  # tp 1: no gather
+        row = {"tp": tp, "megatron_34h_over_t": 34 * h / tp}
+        for m in MODES:
+            row[f"{m}_per_token"] = got[m]["per_token"]
+            row[f"{m}_attention_s2_per_token"] = got[m]["attention_s2_per_token"]
+            row[f"planner_{m}_per_token"] = _planned(shape, tp, m, seq)
         results.append(row)
-        rows.append(
-            [
-                tp,
-                f"{row['before_per_token']:,.0f}",
-                f"{row['ours_per_token']:,.0f}",
-                f"{row['attention_s2_per_token']:,.0f}",
-                f"{row['ours_without_s2_per_token']:,.0f}",
-                f"{row['megatron_34h_over_t']:,.0f}",
-                f"{row['planner_per_token']:,.0f}",
-            ]
-        )
+        cells = [f"{row[f'{m}_per_token']:,.0f} ({row[f'planner_{m}_per_token']:,.0f})" for m in MODES]
+        s2 = max(row[f"{m}_attention_s2_per_token"] for m in MODES)
+        rows.append([tp, *cells, f"{row['megatron_34h_over_t']:,.0f}", f"{s2:,.0f}"])
     print_table(
-        f"bytes saved per token, decoder layer 0 (h={h}, f={shape['intermediate_size']}, seq {seq}, bf16, "
-        f"{args.device})",
-        ["tp", "before (gathered)", "ours (shards)", "of it attention s²", "ours − s²", "34·h/t", "planner"],
+        f"bytes kept per token, decoder layer 0, measured (planner) (h={h}, f={shape['intermediate_size']}, "
+        f"seq {seq}, bf16, {args.device})",
+        ["tp", "SP, gathered inputs", "SP shards", "SP shards + selective AC", "34·h/t", "of it s²"],
         rows,
     )
     path = write_json(
@@ -165,9 +153,9 @@ def main(argv=None) -> None:
     )
     last = results[-1]
     print(
-        f"HEADLINE: tp {last['tp']}: {last['ours_without_s2_per_token']:,.0f} B/token/layer saved "
-        f"(before {last['before_per_token'] - last['attention_s2_per_token']:,.0f}; 34·h/t "
-        f"{last['megatron_34h_over_t']:,.0f}); {path.name}"
+        f"HEADLINE: tp {last['tp']}: {last['selective_per_token']:,.0f} B/token/layer kept with SP shards + "
+        f"selective AC (shards {last['shards_per_token']:,.0f}, gathered {last['gathered_per_token']:,.0f}; "
+        f"34·h/t {last['megatron_34h_over_t']:,.0f}); {path.name}"
     )
 
 

@@ -1,6 +1,7 @@
 """The long-context memory options train the same model as the plain run (fp32, SGD: losses and
 grad norms ≤ 1e-5 relative, parameters ≤ 1e-6): sequence-tiled MLP and activation offloading, on
-one process, under FSDP 2 × CP 2 (every CP strategy), TP 2 + sequence parallel, LoRA and compile.
+one process, under FSDP 2 × CP 2 (every CP strategy), TP 2 + sequence parallel, LoRA and compile;
+selective activation checkpointing on one process and under FSDP 2 × CP 2.
 Non-vacuity: the tiles are counted (the MLP really ran per tile, under TP its collectives per
 tile), the offloaded layer inputs are counted, and a deliberately wrong restore fails the check."""
 
@@ -28,6 +29,7 @@ BASE = TrainSetup(
 )
 TILED = dict(tiled_mlp=True, tiled_mlp_num_shards=3)  # 3 tiles of a 32- (or 8-) token row: uneven
 BOTH = dict(TILED, activation_checkpointing=True, activation_offloading=True)
+SELECTIVE = dict(activation_checkpointing=True, ac_policy="selective")  # techniques/selective_ac.py
 
 
 def _check(layout, world, setup=BASE, **parallel_kwargs):
@@ -43,8 +45,9 @@ def _check(layout, world, setup=BASE, **parallel_kwargs):
         dict(TILED, activation_checkpointing=True),
         dict(activation_checkpointing=True, activation_offloading=True),
         BOTH,
+        SELECTIVE,
     ],
-    ids=["tiled", "tiled+ac", "ac+offload", "tiled+ac+offload"],
+    ids=["tiled", "tiled+ac", "ac+offload", "tiled+ac+offload", "selective-ac"],
 )
 def test_one_process(options):
     _check(None, 1, fsdp_options=FSDPOptions(**options))
@@ -58,6 +61,10 @@ def test_fsdp2_cp2(strategy):
         fsdp_options=FSDPOptions(**BOTH),
         cp_options=CPOptions(comm_strategy=strategy),
     )
+
+
+def test_selective_ac_fsdp2_cp2():
+    _check({"dp_shard_size": 2, "cp_size": 2}, 4, fsdp_options=FSDPOptions(**SELECTIVE))
 
 
 def test_tp2_sequence_parallel_cp2():

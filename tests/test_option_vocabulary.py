@@ -41,10 +41,11 @@ OVER_TARGET = {
     # writer) and preflight's plan text. 2026-12-06: PlanRequest carries a Settings and the plan
     # flags map to Settings by field name both ways (plan/cli.py flag_settings / flag_defaults), so
     # plan/search.py, plan/cli.py and cli/plan_config.py no longer restate them.
-    "ac_policy": 5,
-    "activation_checkpointing": 17,
+    "ac_policy": 9,  # 5 + the runtime option (issue 50): config/fields, parallel/options,
+    # techniques/selective_ac, axolotl/noop_keys (Axolotl's selective key names the fix)
+    "activation_checkpointing": 18,  # 17 + techniques/selective_ac (its refusals name the fix)
     "activation_dtype": 7,
-    "activation_offloading": 18,
+    "activation_offloading": 19,  # 18 + techniques/selective_ac (its refusal names the fix)
     "chunk_tokens": 7,
     "comm_strategy": 10,
     "cp_strategy": 6,
@@ -69,9 +70,9 @@ OVER_TARGET = {
     "quantized_base": 8,
     "reshard_after_backward": 5,
     "reshard_after_forward": 16,
-    "sequence_parallel": 29,  # plan/sp_activations included (the SP saved-shard model)
+    "sequence_parallel": 30,  # plan/sp_activations (the SP saved-shard model), plan/recompute_policies
     "set_to_none": 5,
-    "tiled_mlp": 19,  # techniques/__init__ included (names the module tiled_mlp.py, not the option)
+    "tiled_mlp": 20,  # techniques/__init__ (names the module tiled_mlp.py), techniques/selective_ac
     "tiled_mlp_num_shards": 11,
     "unsharded_grad_accumulation": 18,  # 16 + tools/simulate_predict (resolves the PP default)
     "virtual_stages": 7,  # 6 + plan/layout.Settings.from_options, the one options -> Settings step

@@ -58,6 +58,30 @@ def test_gemm_flops_are_six_n_per_token():
     } <= shapes
 
 
+def test_selective_checkpointing_recomputes_down_proj_and_elementwise_only():
+    """The selective policy (techniques/selective_ac.py) runs ``down_proj``'s forward GEMM again
+    and the norms' and SwiGLU's element-wise work, not attention: its time lies between no
+    checkpointing and full checkpointing, its extra GEMM FLOPs are those of ``down_proj``."""
+    model, lay = PRESETS["llama-3.1-8b"], Layout(tp=8)
+    kw = dict(seq_len=8192)
+    none, full, sel = (
+        micro_batch_time(model, lay, Settings(**kw, checkpointing=ck, ac_policy=p), HW["h100-80gb"])
+        for ck, p in ((False, "full"), (True, "full"), (True, "selective"))
+    )
+    assert none.total < sel.total < full.total
+    assert sel.attention == none.attention < full.attention
+    assert none.elementwise < sel.elementwise < full.elementwise
+    flops = {
+        ck: sum(
+            g.flops
+            for g in micro_batch_gemms(model, lay, Settings(**kw, checkpointing=ck, ac_policy="selective"))
+        )
+        for ck in (False, True)
+    }
+    down = 2 * 8192 * model.intermediate // 8 * model.hidden * model.layers
+    assert flops[True] - flops[False] == down
+
+
 def test_gemm_rate_curve_and_table():
     hw = Hardware("x", 1, 1000e12, 50e12, 1e12, 1, 1, matmul_efficiency=0.8, gemm_half_dim=128)
     n = ANCHOR_DIM

@@ -200,16 +200,29 @@ def test_chunked_loss_holds_one_chunk():
     assert auto == _logits_bytes(model, lay, s_chunk, 8192) - 512 * 128256 * 6
 
 
-def test_selective_checkpointing_keeps_half_the_matmul_outputs():
-    from ndparallel.plan.memory import selective_saved_per_token
+def test_op_policy_keeps_half_the_matmul_outputs():
+    from ndparallel.plan.recompute_policies import op_policy_saved_per_token
 
     model = PRESETS["llama-3.1-8b"]  # h 4096, a·d 4096, k·d 1024, f 14336
-    s = Settings(seq_len=8192, checkpointing=True, ac_policy="selective")
-    # input + q + v + attention out + gate + down, bf16, + fp32 lse
+    s = Settings(seq_len=8192, checkpointing=True, ac_policy="op")
+    # torchtitan's per-op policy: input + q + v + attention out + gate + down, bf16, + fp32 lse
     assert (
-        selective_saved_per_token(model, Layout(), s)
+        op_policy_saved_per_token(model, Layout(), s)
         == 2 * (4096 + 4096 + 1024 + 4096 + 14336 + 4096) + 4 * 32
     )
+
+
+def test_selective_policy_keeps_norm_inputs_attention_and_gate_up():
+    """The runtime's selective policy (measured equal in tests/test_selective_ac.py): TP 8 + SP,
+    per token: two norm inputs and two block inputs (shards, e·h/8 each), q, k, v, the attention
+    output, lse, gate and up, and down_proj's reduce-scattered output."""
+    from ndparallel.plan.memory import selective_saved_per_token
+
+    model = PRESETS["llama-3.1-8b"]  # h 4096, a 32, k 8, d 128, f 14336
+    s = Settings(seq_len=8192, checkpointing=True, ac_policy="selective")
+    per = 2 * (4 * 4096 + (4096 + 2 * 1024) + 4096 + 2 * 14336 + 4096) / 8 + 4 * 32 / 8
+    assert selective_saved_per_token(model, Layout(tp=8), s) == per
+    assert per < 34 * 4096 / 8  # Megatron's bound
 
 
 def test_h200_rows_memory():

@@ -3,13 +3,14 @@ on several model families, equals one process (fp32, 3 AdamW steps): losses and 
 ≤ 1e-5 relative. (tests/test_compositions.py covers tiny-llama; these add the other families,
 tied embeddings, Qwen3's per-head norms and transformers' own TP path.)"""
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import TPOptions
+from ndparallel.parallel.options import FSDPOptions, TPOptions
 from ndparallel.testing import RankFailure, run_on_ranks
 from ndparallel.tools.agreement import Reference, assert_matches, one_process_reference
 from ndparallel.tools.equivalence import (
@@ -62,6 +63,15 @@ FSDP2_TP2 = ({"dp_shard_size": 2, "tp_size": 2}, 4)
 )
 def test_fsdp2_x_tp2_equals_one_process(preset, optimizer, tp):
     _check(_setup(preset, optimizer, **tp), *FSDP2_TP2)
+
+
+def test_selective_checkpointing_under_fsdp2_x_tp2_sp_equals_one_process():
+    """``ac_policy: selective`` (norms — Qwen3's per-head q/k norms too — and the MLP activation
+    recomputed, techniques/selective_ac.py) with TP + sequence parallel saving shards, SGD."""
+    setup = _setup("tiny-qwen3", "sgd", sequence_parallel=True, loss_parallel=True)
+    fsdp = FSDPOptions(activation_checkpointing=True, ac_policy="selective")
+    setup = dataclasses.replace(setup, parallel_kwargs={**setup.parallel_kwargs, "fsdp_options": fsdp})
+    _check(setup, *FSDP2_TP2)
 
 
 def test_tp2_through_accelerator_equals_one_process():

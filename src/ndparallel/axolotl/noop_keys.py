@@ -122,7 +122,8 @@ NOOP: dict[str, Rule] = {
     ),
     **_all(
         "noop",
-        "selective activation checkpointing is not supported: use fsdp_config.activation_checkpointing",
+        "selective activation checkpointing is fsdp_config.ac_policy: selective "
+        "(with activation_checkpointing: true)",
         "selective_checkpointing",
     ),
     **_all(

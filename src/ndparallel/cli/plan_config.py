@@ -42,7 +42,12 @@ PLAN_KEYS = (
     "pipeline_virtual_stages",
     "pipeline_microbatches",
 )
-PLAN_FSDP_KEYS = ("activation_checkpointing", "reshard_after_forward", "unsharded_grad_accumulation")
+PLAN_FSDP_KEYS = (
+    "activation_checkpointing",
+    "ac_policy",
+    "reshard_after_forward",
+    "unsharded_grad_accumulation",
+)
 
 
 def split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -70,6 +75,7 @@ def config_defaults(path: str, argv: list[str]) -> tuple[dict, str]:
     defaults = {"model": cfg.base_model, **flag_defaults(s)}
     if s.checkpointing:
         defaults["activation_checkpointing"] = "on"
+        defaults["ac_policy"] = s.ac_policy
     if cfg.adapter and given.adapter in (None, "lora", "qlora"):
         defaults["adapter"] = "qlora" if cfg.load_in_4bit else "lora"
         defaults["lora_r"] = cfg.lora_r
@@ -120,6 +126,8 @@ def merge_written_config(source: str, written: str) -> None:
     merged.update({key: planned[key] for key in PLAN_KEYS if key in planned})
     fsdp = dict(merged.get("fsdp_config") or {})
     fsdp.update({k: v for k, v in (planned.get("fsdp_config") or {}).items() if k in PLAN_FSDP_KEYS})
+    if not fsdp.get("activation_checkpointing"):  # a policy needs checkpointing (config/fields.py)
+        fsdp.pop("ac_policy", None)
     merged["fsdp_config"] = fsdp
     with open(written, "w") as fh:
         fh.write(header + f"# The rest as in {source}.\n")

@@ -18,6 +18,9 @@ class FSDPConfig(_Strict):
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     activation_checkpointing: bool = False
+    ac_policy: Literal["full", "selective"] = "full"
+    """With activation_checkpointing: 'full' recomputes each decoder layer; 'selective' only the
+    norms and the MLP activation (Megatron's selective scheme; docs/long_context.md)."""
     unsharded_grad_accumulation: bool | None = None
     """None: one gradient reduction per step under pipeline parallel, every micro-batch otherwise."""
     layer_classes: list[str] | None = None
@@ -32,6 +35,15 @@ class FSDPConfig(_Strict):
         """A list, one name, or Accelerate's comma-separated names (``A,B``)."""
         names = [v] if isinstance(v, str) else v
         return [n.strip() for name in names for n in str(name).split(",") if n.strip()] if names else v
+
+    @model_validator(mode="after")
+    def _policy_needs_checkpointing(self):
+        if self.ac_policy != "full" and not self.activation_checkpointing:
+            raise ValueError(
+                f"ac_policy: {self.ac_policy} chooses what activation checkpointing recomputes: set "
+                "activation_checkpointing: true, or remove ac_policy"
+            )
+        return self
 
     @field_validator("auto_wrap_policy", mode="before")
     @classmethod

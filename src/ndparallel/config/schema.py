@@ -333,6 +333,7 @@ class TrainConfig(
             reshard_after_forward=f.reshard_after_forward,
             cpu_offload=f.cpu_offload,
             activation_checkpointing=f.activation_checkpointing,
+            ac_policy=f.ac_policy,
             unsharded_grad_accumulation=f.unsharded_grad_accumulation,
             layer_classes=tuple(f.layer_classes) if f.layer_classes else None,
             activation_offloading=bool(self.activation_offloading),

@@ -24,6 +24,11 @@ class FSDPOptions:
     """Keep sharded parameters, gradients and optimizer states in host memory."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of storing them."""
+    ac_policy: Literal["full", "selective"] = "full"
+    """With ``activation_checkpointing``: 'full' keeps each decoder layer's input and recomputes
+    the layer; 'selective' recomputes only the norms and the MLP activation
+    (``techniques/selective_ac.py``: Megatron's selective scheme, ``34·h/t`` bytes per token and
+    layer under TP + sequence parallel, no attention or projection recompute bar ``down_proj``)."""
     layer_classes: tuple[str, ...] | None = None
     """Class names of the blocks to shard one by one; default: the model's ``_no_split_modules``."""
     unsharded_grad_accumulation: bool | None = None

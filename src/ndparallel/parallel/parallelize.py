@@ -38,6 +38,7 @@ from ndparallel.techniques.float8 import apply_float8
 from ndparallel.techniques.master_weights import low_precision_params, upcast_params
 from ndparallel.techniques.offload import apply_activation_offloading
 from ndparallel.techniques.qat import apply_qat
+from ndparallel.techniques.selective_ac import apply_activation_checkpointing, selective_policy_problem
 from ndparallel.techniques.tiled_mlp import apply_tiled_mlp, check_not_fsdp_unit
 
 
@@ -97,6 +98,9 @@ def parallelize_model(
         experts = apply_expert_parallel(model, expert_mesh["ep"], tp_mesh, options.tp.sequence_parallel)
     if dims.cp_enabled:
         apply_context_parallel(model, submesh(mesh, "cp"), options.cp)
+    problem = selective_policy_problem(fsdp, compiled=options.compile.enabled)
+    if problem:
+        raise ValueError(problem)
     apply_activation_memory(model, fsdp, device)
     if options.compile.enabled:
         # the tiled MLP's nested backward and the offloading hooks stay eager: compile each child
@@ -150,12 +154,12 @@ def apply_activation_memory(model: nn.Module, fsdp: FSDPOptions, device: torch.d
             "activation_offloading offloads the inputs activation checkpointing keeps: set "
             "fsdp_config.activation_checkpointing: true (FSDPOptions(activation_checkpointing=True))"
         )
+    problem = selective_policy_problem(fsdp)  # before anything changes the model
+    if problem:
+        raise ValueError(problem)
     if fsdp.tiled_mlp:
         apply_tiled_mlp(model, fsdp.tiled_mlp_num_shards, fsdp.layer_classes)
-    if fsdp.activation_checkpointing:
-        # transformers' own per-decoder-layer checkpointing (GradientCheckpointingLayer); the
-        # non-reentrant variant composes with FSDP2's hooks and DTensor.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_activation_checkpointing(model, fsdp, fsdp.layer_classes)  # full, or norms + MLP activation
     if fsdp.activation_offloading:
         apply_activation_offloading(model, device, fsdp.layer_classes)
 

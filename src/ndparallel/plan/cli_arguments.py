@@ -55,10 +55,11 @@ def _add_batch_and_precision_arguments(t) -> None:
     t.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto")
     t.add_argument(
         "--ac-policy",
-        choices=("full", "selective"),
+        choices=("full", "selective", "op"),
         default="full",
-        help="checkpointing policy: full (ndparallel) or torchtitan's per-op "
-        "selective policy (for comparisons; not run by ndparallel)",
+        help="checkpointing policy (fsdp_config.ac_policy): full recomputes each layer; "
+        "selective only the norms and the MLP activation (Megatron's scheme); op: torchtitan's "
+        "per-op policy (for comparisons; not run by ndparallel)",
     )
     t.add_argument("--mixed-precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     t.add_argument(

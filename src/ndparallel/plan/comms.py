@@ -20,7 +20,7 @@ from ndparallel.plan.long_context import tiled_tp_extra
 from ndparallel.plan.models import ModelSpec, ParamSpec, fsdp_units
 from ndparallel.plan.moe_cost import expert_unit_numels
 from ndparallel.plan.qlora import nf4_collectives
-from ndparallel.plan.sp_activations import recompute_regathers_per_step
+from ndparallel.plan.sp_activations import recompute_regathers_per_step, recomputes_layers
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all")
 
@@ -211,7 +211,7 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int,
     # non-reentrant checkpoint, which stops recomputing once the last tensor saved for backward
     # is rebuilt) repeats both block inputs (all-gather under SP) but only the attention
     # output's reduction: the MLP's down_proj output feeds nothing that is saved.
-    ck = 1 if s.checkpointing else 0
+    ck = 1 if recomputes_layers(s) else 0
     fwd_in = 2 * L * (1 + ck) + recompute_regathers_per_step(model, layout, s)  # + shards re-gathered
     fwd = 2 * L + L * ck
     bwd = 2 * L
@@ -269,11 +269,11 @@ def _context_parallel(model: ModelSpec, layout: Layout, s: Settings, tokens: int
     All-to-all (Ulysses, ``parallel/cp/ulysses.py``): see ``_ulysses``."""
     c, L = layout.cp, model.layers
     kv_elems = 2 * tokens * model.kv_heads * model.head_dim // layout.tp
-    fwd = (c - 1) * (2 if s.checkpointing else 1)
+    fwd = (c - 1) * (2 if recomputes_layers(s) else 1)
     if s.cp_strategy == "ulysses":
         return _ulysses(model, layout, s, tokens, ga)
     if s.cp_strategy == "allgather":
-        passes = 2 if s.checkpointing else 1
+        passes = 2 if recomputes_layers(s) else 1
         return [
             Collective("all_gather", "cp", kv_elems * s.act_bytes, passes * L * ga, "CP all-gather K/V"),
             Collective("reduce_scatter", "cp", c * kv_elems * 4, L * ga, "CP reduce-scatter dK/dV (fp32)"),
@@ -296,7 +296,7 @@ def _ulysses(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int
     of one rank, ``tokens`` = its sequence shard."""
     c, L, t, d = layout.cp, model.layers, layout.tp, model.head_dim
     heads, kv = model.heads // t, max(model.kv_heads // t, c)
-    passes = 2 if s.checkpointing else 1
+    passes = 2 if recomputes_layers(s) else 1
     qkv = tokens * (heads + 2 * kv) * d * s.act_bytes
     out = tokens * heads * d * s.act_bytes
     return [

@@ -37,6 +37,7 @@ from ndparallel.plan.membound import (
 from ndparallel.plan.models import ModelSpec
 from ndparallel.plan.muon_cost import newton_schulz_seconds
 from ndparallel.plan.qlora import dequant_seconds, fsdp_copy_bytes_qlora
+from ndparallel.plan.recompute_policies import selective_recompute
 
 KERNELS_PER_LAYER = (60, 130)
 """(forward, backward) kernels of one decoder layer: the H200 profile of the Llama-3.2-1B step
@@ -140,20 +141,30 @@ def _micro_batch_time(
     gemm = gemm_time(hw, all_gemms(model, layout, s), pk)
     fwd_a, bwd_a = attention_time(model, layout, s, hw, pk)
     fwd_b, bwd_b = layer_bytes_per_token(model, layout, s)
-    layer = fwd_b * (2 if s.checkpointing else 1) + bwd_b
+    again, again_kernels = _recomputed(model, layout, s, fwd_b)
+    layer = fwd_b + again + bwd_b
     if s.tiled_mlp:  # the SwiGLU of the tile recomputed in backward (5e per element of f/t)
         layer += Bytes(5 * s.act_bytes * model.intermediate / layout.tp)
     # The selective policy keeps the attention output: attention is not recomputed.
-    attn = fwd_a * (2 if s.checkpointing and s.ac_policy == "full" else 1) + bwd_a
+    attn = fwd_a * (2 if s.recompute == "full" else 1) + bwd_a
     elementwise = bytes_time(layer * (tokens * model.layers), hw)
     loss = bytes_time(loss_bytes_per_token(model, layout, s) * tokens, hw) if model.has_lm_head else 0.0
     kf, kb = KERNELS_PER_LAYER
-    kernels = model.layers * (kf * (2 if s.checkpointing else 1) + kb)
+    kernels = model.layers * (kf + again_kernels + kb)
     if s.tiled_mlp:  # per tile ~6 forward kernels (3 GEMMs, SiLU, product, copy), 2 forwards + ~12 back
         kernels += model.layers * mlp_tiles(model, layout, s)[0] * (6 * (2 + s.checkpointing) + 12)
     return ComputeBreakdown(
         gemm, attn, elementwise, loss, kernels * hw.kernel_overhead_s, kernels * hw.host_op_s
     )
+
+
+def _recomputed(model: ModelSpec, layout: Layout, s: Settings, fwd: Bytes) -> tuple[Bytes, int]:
+    """(element-wise bytes per token, kernels) of one layer's forward run again in backward."""
+    if s.recompute in ("full", "op"):
+        return fwd, KERNELS_PER_LAYER[0]
+    if s.recompute == "selective":
+        return selective_recompute(model, layout, s)
+    return Bytes(), 0
 
 
 def step_extras(

@@ -61,10 +61,15 @@ def _linears(model: ModelSpec, tp: int) -> list[tuple[str, int, int, int]]:
 MLP_LINEARS = ("gate/up_proj", "down_proj")
 """The linears a tiled MLP runs per tile (``plan.long_context``)."""
 
-SELECTIVE_RECOMPUTED = {"q_proj": 0, "k/v_proj": 1, "o_proj": 1, "gate/up_proj": 1, "down_proj": 0}
-"""Linears per layer whose forward the selective (per-op) policy recomputes: torchtitan's policy
-saves the outputs of matmuls 1, 3, 5, 7 of a layer (q, v, gate, down) and recomputes 2, 4, 6
-(k, o, up)."""
+SELECTIVE_RECOMPUTED = {"q_proj": 0, "k/v_proj": 0, "o_proj": 0, "gate/up_proj": 0, "down_proj": 1}
+"""Linears per layer whose forward the selective policy recomputes (``techniques/selective_ac.py``:
+the norms and ``down_proj(act_fn(gate) * up)`` run checkpointed, so ``down_proj``'s matmul runs
+again in backward; nothing else)."""
+
+
+OP_POLICY_RECOMPUTED = {"q_proj": 0, "k/v_proj": 1, "o_proj": 1, "gate/up_proj": 1, "down_proj": 0}
+"""The same for torchtitan's per-op policy (policy 'op', for comparisons): it saves the
+outputs of matmuls 1, 3, 5, 7 of a layer (q, v, gate, down) and recomputes 2, 4, 6 (k, o, up)."""
 
 
 def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gemm]:
@@ -76,10 +81,11 @@ def micro_batch_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gem
         if not o or not i:  # an MoE model has no dense MLP (f = 0)
             continue
         n = per * model.layers
-        if not s.checkpointing:
+        if s.recompute == "none":
             again = 0
-        elif s.ac_policy == "selective":
-            again = SELECTIVE_RECOMPUTED[name] * model.layers
+        elif s.recompute in ("selective", "op"):
+            again = (SELECTIVE_RECOMPUTED if s.recompute == "selective" else OP_POLICY_RECOMPUTED)[name]
+            again *= model.layers
         else:
             again = n
         tokens = all_tokens

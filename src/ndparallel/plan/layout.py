@@ -29,10 +29,11 @@ class Settings:
     checkpointing: bool = False
     """Activation checkpointing of every decoder layer (policy: ``ac_policy``)."""
     ac_policy: str = "full"
-    """'full': keep each layer's input, recompute the layer (ndparallel's runtime). 'selective':
-    torchtitan's per-op policy (``selective_ac_option = 'op'``): keep every other matmul output
-    (q, v, gate, down) and the attention output, recompute the rest — modelled for comparisons
-    with torchtitan's published rows; ndparallel's runtime does not run it."""
+    """'full': keep each layer's input, recompute the layer. 'selective': the runtime's
+    ``fsdp_config.ac_policy: selective`` (``techniques/selective_ac.py``, Megatron's scheme):
+    recompute the norms and the MLP activation only (``plan/memory.py::selective_saved_per_token``).
+    'op': torchtitan's per-op policy (``selective_ac_option = 'op'``), modelled for comparisons
+    with its published rows; ndparallel does not run it."""
     mixed_precision: str = "bf16"
     """'bf16': fp32 master params, bf16 compute/all-gather, fp32 gradient reduction; 'fp16': the same
     bytes and FLOP/s in fp16 (loss scaling adds no memory: one scalar); 'fp32'."""
@@ -109,6 +110,12 @@ class Settings:
     through all of its layers: 1 without pipeline parallel; set per pp rank by
     ``plan/pipeline_estimate.py`` (``pipeline.in_flight``)."""
 
+    @property
+    def recompute(self) -> str:
+        """What backward recomputes: 'none' without checkpointing, else the policy ('full',
+        'selective', 'op')."""
+        return self.ac_policy if self.checkpointing else "none"
+
     @classmethod
     def from_options(cls, options: StrategyOptions, seq_len: int, **rest) -> Settings:
         """The settings of a run with the runtime's ``options`` (a ``TrainConfig``'s
@@ -120,6 +127,7 @@ class Settings:
         derived = {
             "seq_len": seq_len,
             "checkpointing": fsdp.activation_checkpointing,
+            "ac_policy": fsdp.ac_policy,
             "mixed_precision": {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(
                 str(options.param_dtype), "fp32"
             ),

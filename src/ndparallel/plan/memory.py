@@ -34,6 +34,7 @@ from ndparallel.plan.long_context import (
 from ndparallel.plan.models import ModelSpec, fsdp_units
 from ndparallel.plan.qat_memory import qat_head_bytes, qat_layer_bytes
 from ndparallel.plan.qlora import memory_adjustments
+from ndparallel.plan.recompute_policies import op_policy_saved_per_token
 from ndparallel.plan.sp_activations import block_inputs_per_token
 
 FRAGMENTATION = 0.05
@@ -147,20 +148,27 @@ def layer_backward_workspace_per_token(model: ModelSpec, layout: Layout, s: Sett
 
 
 def selective_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
-    """Bytes per token one layer keeps under the selective per-op policy: its input (``e·h/t_sp``),
-    the outputs of q (``e·a·d/t``), v (``e·k·d/t``), gate (``e·f/t``) and down (``e·h``, before
-    the reduce-scatter under SP: full), the attention output (``e·a·d/t``) and log-sum-exp
-    (``4·a/t``)."""
+    """Bytes per token one layer keeps under the runtime's selective policy
+    (``techniques/selective_ac.py``: norms and the MLP activation recomputed): the two norms'
+    inputs (``2·e·h/t_sp``; the second is the layer's input, kept by its checkpointed norm), the
+    blocks' inputs (``plan/sp_activations.py``), q, k, v, the attention output and log-sum-exp as
+    without checkpointing, the MLP's gate and up (``2·e·f/t``) and, under TP, the output of
+    ``down_proj``'s collective, kept by the policy (``e·h/t_sp``); Qwen3's q/k norms their inputs
+    (``e·(a+k)·d/t``). Measured equal on CPU (``bench/sp_activation_memory.py``, 2026-12-06: tp 1
+    and 8, h 512). A mixture-of-experts model cannot run it (the runtime refuses): its plain saved
+    set."""
+    if model.is_moe:
+        return layer_activation_bytes_per_token(model, layout, s)
     t, e = layout.tp, s.act_bytes
     t_sp = t if s.sequence_parallel else 1
-    h, d = model.hidden, model.head_dim
-    return (
-        e * h / t_sp
-        + e * (2 * model.heads + model.kv_heads) * d / t
-        + e * model.intermediate / t
-        + e * h
-        + 4 * model.heads / t
-    )
+    h, d, a, k = model.hidden, model.head_dim, model.heads, model.kv_heads
+    per = 2 * e * h / t_sp + block_inputs_per_token(model, layout, s)
+    per += e * (2 * a + 2 * k) * d / t + 4 * a / t + 2 * e * model.intermediate / t
+    if t > 1:
+        per += e * h / t_sp
+    if model.qk_norm:
+        per += e * (a + k) * d / t
+    return per + cp_saved_extra_per_token(model, layout, s)
 
 
 def _logits_bytes(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:
@@ -405,8 +413,10 @@ def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: fl
     e = s.act_bytes
     plain_layer = layer_activation_bytes_per_token(model, layout, s) * tokens
     per_layer = plain_layer - tiled_saved_reduction_per_token(model, layout, s) * tokens
-    if s.checkpointing and s.ac_policy == "selective":
+    if s.recompute == "selective":
         saved = model.layers * tokens * selective_saved_per_token(model, layout, s)
+    elif s.recompute == "op":
+        saved = model.layers * tokens * op_policy_saved_per_token(model, layout, s)
     elif s.checkpointing:  # each layer's input only (with offloading: the ones on the device)
         saved = device_checkpointed_layers(model, s) * tokens * checkpointed_input_per_token(model, layout, s)
     else:

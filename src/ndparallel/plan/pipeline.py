@@ -275,9 +275,11 @@ def _why_not(e) -> str:
     held = in_flight(s.pp_schedule, e.layout.pp, s.grad_accum, s.pp_virtual, shape.rank)
     kept = (
         "each layer's input (checkpointing)"
-        if s.checkpointing
+        if s.recompute in ("full", "op")
         else f"{mem.activation_bytes_per_layer / tokens / 1e3:.0f} KB per token and layer (no checkpointing)"
     )
+    if s.recompute == "selective":
+        kept = "each layer's norm and block inputs, q, k, v, attention output, gate, up (selective AC)"
     return (
         f"Does not fit: the {info.worst} stage needs {mem.total / GiB:.1f} GiB, "
         f"{mem.activations / GiB:.1f} of them activations: {held:.1f} micro-batches of {tokens} tokens in "

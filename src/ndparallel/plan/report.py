@@ -365,6 +365,7 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
             "reshard_after_forward": s.reshard_after_forward,
             "activation_checkpointing": s.checkpointing,
             "unsharded_grad_accumulation": s.unsharded_grad_accumulation,
+            **({"ac_policy": "selective"} if s.recompute == "selective" else {}),
         },
         "optimizer": {"adamw": "adamw_torch"}.get(s.optimizer, s.optimizer),
     }

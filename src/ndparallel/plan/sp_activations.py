@@ -17,9 +17,10 @@ from ndparallel.plan.models import ModelSpec
 
 def block_input_divisor(layout: Layout, s: Settings) -> int:
     """What divides a saved block input: tp with sequence parallel and saved shards, else 1.
-    Under activation checkpointing the checkpoint's hooks govern the layer (the runtime installs
-    none of its own there): the recomputed layer saves its gathered inputs."""
-    shards = s.sequence_parallel and s.sp_saved_shards and not s.checkpointing
+    Under full activation checkpointing the checkpoint's hooks govern the layer (the runtime
+    installs none of its own there): the recomputed layer saves its gathered inputs. The selective
+    policy checkpoints only norms and the MLP activation, outside the blocks' own hooks: shards."""
+    shards = s.sequence_parallel and s.sp_saved_shards and not recomputes_layers(s)
     return layout.tp if shards and layout.tp > 1 else 1
 
 
@@ -37,3 +38,10 @@ def recompute_regathers_per_step(model: ModelSpec, layout: Layout, s: Settings) 
     if block_input_divisor(layout, s) == 1:
         return 0
     return (1 if model.is_moe else 2) * model.layers
+
+
+def recomputes_layers(s: Settings) -> bool:
+    """Whether backward runs each decoder layer's forward again (full checkpointing: its
+    collectives and attention too); the selective policy recomputes only norms and the MLP
+    activation, keeping the output of ``down_proj``'s collective (no collective runs again)."""
+    return s.recompute in ("full", "op")

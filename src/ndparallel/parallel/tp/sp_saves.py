@@ -15,10 +15,13 @@ exactly that of the plain block (``tests/test_tensor_parallel*.py``).
 
 Inside an activation-checkpointed layer (or under any other saved-tensor hooks, e.g. activation
 offloading) the outer hooks govern what is kept, and nothing is installed here: the checkpointed
-layer keeps only its sharded input anyway. Hooks marked ``observing`` (a byte counter) are the
-exception: they are shown what is really kept. Under ``torch.compile`` (regional compile of the
-decoder layers) nothing is installed either: dynamo cannot trace saved-tensor hooks, so a compiled
-layer saves the gathered input as before (one graph per layer kept).
+layer keeps only its sharded input anyway. The selective policy (``techniques/selective_ac.py``)
+checkpoints the norms outside the blocks and the MLP's tail inside it, after its gate and up
+saved their shards here: the blocks keep their shards under it. Hooks marked ``observing`` (a
+byte counter) are the exception: they are shown what is really kept. Under ``torch.compile``
+(regional compile of the decoder layers) nothing is installed either: dynamo cannot trace
+saved-tensor hooks, so a compiled layer saves the gathered input as before (one graph per layer
+kept).
 """
 
 from __future__ import annotations

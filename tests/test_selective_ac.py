@@ -1,0 +1,108 @@
+"""``fsdp_config.ac_policy: selective`` (``techniques/selective_ac.py``): under TP + sequence parallel
+a decoder layer keeps at most Megatron's bound, measured as the bench measures it; the planner's
+selective model is that measurement; what it cannot combine with is refused naming the fix. (Its
+training equals one process: ``tests/test_tensor_parallel_compositions.py``.)"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM
+
+from ndparallel.config.schema import TrainConfig
+from ndparallel.models.presets import preset_config
+from ndparallel.parallel.options import FSDPOptions
+from ndparallel.parallel.parallelize import apply_activation_memory
+from ndparallel.techniques.selective_ac import selective_policy_problem
+from ndparallel.testing import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from sp_activation_memory import _measure_all, _planned  # noqa: E402
+
+
+def test_layer_keeps_at_most_megatrons_bound_under_tp_sp_selective():
+    """Korthikanti et al. (2022) count ``34·s·b·h/t`` bytes per layer under sequence parallel +
+    selective recompute (16-bit activations, the ``s²`` softmax recomputed). A fused attention
+    kernel keeps no ``s²`` tensor but an fp32 log-sum-exp per query head and token (``4·a/t``),
+    which their count has no term for: the bound is ``(34·h + 4·a)/t``. The shape is Llama-3's in
+    small (f = 3.5·h, GQA 2:1, a·d = h), bf16, rank 0 of a fake tp-2 world (real shapes and
+    kernels). Saving the block inputs as shards alone stays above it; with the selective policy
+    the layer keeps what the planner says, to the byte, and at most the bound."""
+    h, a, tp, seq = 128, 4, 2, 48
+    shape = dict(
+        hidden_size=h,
+        intermediate_size=448,
+        num_hidden_layers=2,
+        num_attention_heads=a,
+        num_key_value_heads=2,
+        head_dim=h // a,
+        vocab_size=256,
+        max_position_embeddings=64,
+    )
+    jobs = [(tp, mode, shape, 2, seq, "cpu") for mode in ("shards", "selective")]
+    shards, selective = run_on_ranks(_measure_all, 1, jobs)[0]
+    bound = (34 * h + 4 * a) / tp
+    assert shards["per_token"] > bound, shards
+    assert selective["per_token"] <= bound, (selective, bound)
+    assert selective["attention_s2_per_token"] == 0
+    assert selective["per_token"] == _planned(shape, tp, "selective", seq)
+    assert shards["per_token"] == _planned(shape, tp, "shards", seq)
+
+
+def test_runtime_path_checkpoints_every_norm_and_mlp():
+    """What the equivalence tests run is the policy (they would pass without it): through
+    ``apply_activation_memory`` every norm of each layer (Qwen3's q/k norms too) and each MLP is
+    swapped, nothing else, and the gradients are bitwise those of the plain model."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(preset_config("tiny-qwen3"))
+    plain = AutoModelForCausalLM.from_config(preset_config("tiny-qwen3"))
+    plain.load_state_dict(model.state_dict())
+    options = FSDPOptions(activation_checkpointing=True, ac_policy="selective")
+    apply_activation_memory(model, options, torch.device("cpu"))
+    swapped = [n for n, m in model.named_modules() if type(m).__name__.startswith("Recomputed")]
+    assert len(swapped) == 2 * (4 + 1), swapped  # 2 layers × (4 norms + the MLP)
+    ids = torch.randint(0, 256, (2, 16))
+    for m in (model, plain):
+        m(input_ids=ids, labels=ids).loss.backward()
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(ac_policy="selective"), "needs activation_checkpointing: true"),
+        (dict(activation_checkpointing=True, ac_policy="selective", tiled_mlp=True), "use one of them"),
+        (
+            dict(activation_checkpointing=True, ac_policy="selective", activation_offloading=True),
+            "remove activation_offloading",
+        ),
+    ],
+)
+def test_refused_combinations_name_the_fix(options, message):
+    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
+    with pytest.raises(ValueError, match=message):
+        apply_activation_memory(model, FSDPOptions(**options), torch.device("cpu"))
+
+
+def test_compile_is_refused():
+    options = FSDPOptions(activation_checkpointing=True, ac_policy="selective")
+    assert "turn compile off" in selective_policy_problem(options, compiled=True)
+    assert selective_policy_problem(options) is None
+
+
+def test_mixture_of_experts_is_refused():
+    model = AutoModelForCausalLM.from_config(preset_config("tiny-qwen3-moe"))
+    options = FSDPOptions(activation_checkpointing=True, ac_policy="selective")
+    with pytest.raises(ValueError, match="gated MLP .* use ac_policy: full"):
+        apply_activation_memory(model, options, torch.device("cpu"))
+
+
+def test_config_needs_checkpointing_for_a_policy():
+    base = {"base_model": "tiny-llama", "datasets": [{"path": "x.jsonl", "type": "completion"}]}
+    with pytest.raises(ValidationError, match="set activation_checkpointing: true"):
+        TrainConfig(**base, fsdp_config={"ac_policy": "selective"})
+    cfg = TrainConfig(**base, fsdp_config={"activation_checkpointing": True, "ac_policy": "selective"})
+    assert cfg.fsdp_options().ac_policy == "selective"
