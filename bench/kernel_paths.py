@@ -34,6 +34,7 @@ FILES = [
     "tests/test_rounding_bounds.py",
     "tests/test_fsdp_equivalence.py",
     "tests/test_moe_equivalence.py",
+    "tests/test_qat.py",
 ]
 
 
