@@ -22,6 +22,10 @@ router loss: relative, per step; parameters after training: absolute) it is
   to log2(n) ulp (pairwise summation's bound), so below that no two fp32 runs can be told apart,
   whatever the noise measurement happened to give (it is often 0 on tiny models).
 
+Fake quantisation (QAT, float8) is discontinuous: once weights differ by a rounding, a value on a
+level boundary rounds the other way in one run. Such runs keep the rule while the quantiser sees the
+same weights (step 1) and are held to twice the quantiser's own effect after (``quantiser_bounds``).
+
 A real layout bug (a skipped gradient sync, a wrong document mask, a misrouted expert) moves the
 results by 1e-3 or more: orders of magnitude above every bound (docs/testing.md, the fault table).
 """
@@ -112,7 +116,7 @@ def measured_bounds(setup: TrainSetup, first: TrainResult, second: TrainResult) 
 
 
 def stated_bounds(rel: float, why: str, param_abs: float | None = None) -> Bounds:
-    """Bounds stated with a reason instead of measured (low-precision runs: bf16, fake quantisation)."""
+    """Bounds stated with a reason instead of measured (low-precision runs: bf16 against fp32)."""
     limits = {"loss_rel": rel, "grad_norm_rel": rel, "aux_rel": rel}
     if param_abs is not None:
         limits["param_abs"] = param_abs
