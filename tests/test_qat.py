@@ -17,7 +17,13 @@ from cli_helpers import run_cli
 from ndparallel.models.presets import preset_config
 from ndparallel.techniques.technique_options import LossOptions, QATOptions
 from ndparallel.testing import run_on_ranks
-from ndparallel.tools.agreement import assert_differs, assert_matches, first_steps, one_process_quantised
+from ndparallel.tools.agreement import (
+    Reference,
+    assert_differs,
+    assert_matches,
+    first_steps,
+    one_process_quantised,
+)
 from ndparallel.tools.agreement import one_process_reference as rule_reference
 from ndparallel.tools.equivalence import TrainSetup, train_under_layout
 
@@ -177,10 +183,13 @@ def test_fsdp_and_replicas_train_like_one_process_under_qat(options, layout, wor
         )
     else:
         setup = _qat(BASE, options)
-    exact, flips = _references(setup)
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=300)[0]
-    assert_matches(exact, first_steps(got))  # same weights in: the rule
-    assert_matches(flips, got)  # steps 2-3: within twice QAT's own effect (level flips)
+    # Two-term sums (FSDP 2, DP 2): no level flips in 3 steps here, so every step, the parameters
+    # included, is held to the rule's bounds of the same model *without* quantisers (the rounding
+    # noise of fp32 arithmetic alone; a QAT reference's own second way may flip a level and measure
+    # a quantisation step instead). The flip bound is for layouts that sum more terms (below).
+    qat = rule_reference(setup, ("qat_options",)).result
+    assert_matches(Reference(qat, rule_reference(setup).bounds), got)
 
 
 @pytest.mark.parametrize(
