@@ -34,6 +34,11 @@ FILES = [
     "tests/test_rounding_bounds.py",
     "tests/test_fsdp_equivalence.py",
     "tests/test_moe_equivalence.py",
+    "tests/test_qat.py",
+    "tests/test_fp16.py",
+    "tests/test_optim_muon.py",
+    "tests/test_float8.py",
+    "tests/test_tensor_parallel.py",
 ]
 
 

@@ -12,6 +12,7 @@ from ndparallel.models.presets import preset_config
 from ndparallel.techniques.float8 import float8_problem
 from ndparallel.techniques.technique_options import Float8Options
 from ndparallel.testing import run_on_ranks
+from ndparallel.tools.agreement import assert_matches, one_process_quantised
 from ndparallel.tools.equivalence import TrainSetup, compare, train_under_layout
 
 pytest.importorskip("torchao.float8")
@@ -83,15 +84,18 @@ def test_train_config_fp8_fails_before_launch(tmp_path):
     "layout, world", [({"dp_shard_size": 2}, 2), ({"tp_size": 2}, 2), ({"dp_shard_size": 2, "tp_size": 2}, 4)]
 )
 def test_layouts_train_like_one_process_in_fp8(layout, world):
+    """fp8 rounding is not layout-invariant (scales from sharded amaxes, reduction order: one ulp of
+    e4m3 moves a value ~6 %), from step 1 on: like fake quantisation, held to twice fp8's own effect
+    on one process (``agreement.quantiser_bounds``: both runs are fp8 trainings of the same model,
+    each within E = |fp8 - fp32| of the fp32 run). Losses compared, as always here (measured
+    2026-12-06: ≤ 0.39 of 2E on the default MKL path and ``MKL_CBWR=COMPATIBLE``; grad norms and
+    parameters sit at up to 0.66, too close to 2E to be a check with headroom)."""
     setup = dataclasses.replace(BASE, parallel_kwargs={"float8_options": F8})
-    ref = run_on_ranks(train_under_layout, 1, setup, None)[0]
+    _, ref = one_process_quantised(setup, BASE)
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=600)[0]
-    diff = compare(ref, got)
-    # fp8 rounding is not layout-invariant (scales from sharded amaxes, reduction order): one ulp of
-    # e4m3 moves a value ~6 %; losses stay within 1e-3, far tighter than fp8 vs fp32 (below).
-    assert diff["loss_rel"] <= 1e-3, diff
+    assert_matches(ref, got, compared=("loss_rel",))
     plain = run_on_ranks(train_under_layout, 1, BASE, None)[0]
-    assert compare(plain, ref)["loss_rel"] <= 1e-2
+    assert compare(plain, ref.result)["loss_rel"] <= 1e-2  # fp8 changes the run (E, measured 2.7e-4)
 
 
 def _float8_weight_types():

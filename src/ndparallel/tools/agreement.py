@@ -22,6 +22,10 @@ router loss: relative, per step; parameters after training: absolute) it is
   to log2(n) ulp (pairwise summation's bound), so below that no two fp32 runs can be told apart,
   whatever the noise measurement happened to give (it is often 0 on tiny models).
 
+Fake quantisation (QAT, float8) is discontinuous: once weights differ by a rounding, a value on a
+level boundary rounds the other way in one run. Such runs keep the rule while the quantiser sees the
+same weights (step 1) and are held to twice the quantiser's own effect after (``quantiser_bounds``).
+
 A real layout bug (a skipped gradient sync, a wrong document mask, a misrouted expert) moves the
 results by 1e-3 or more: orders of magnitude above every bound (docs/testing.md, the fault table).
 """
@@ -112,7 +116,7 @@ def measured_bounds(setup: TrainSetup, first: TrainResult, second: TrainResult) 
 
 
 def stated_bounds(rel: float, why: str, param_abs: float | None = None) -> Bounds:
-    """Bounds stated with a reason instead of measured (low-precision runs: bf16, fake quantisation)."""
+    """Bounds stated with a reason instead of measured (low-precision runs: bf16 against fp32)."""
     limits = {"loss_rel": rel, "grad_norm_rel": rel, "aux_rel": rel}
     if param_abs is not None:
         limits["param_abs"] = param_abs
@@ -217,6 +221,42 @@ def _record(result: Verdict, expect_equal: bool) -> None:
         f.write(json.dumps(line) + "\n")
 
 
+QAT_EFFECT_FACTOR = 2.0
+"""A fake-quantised run after its first level flip: within twice QAT's own effect (``quantiser_bounds``)."""
+
+
+def first_steps(result: TrainResult, n: int = 1) -> TrainResult:
+    """The first ``n`` steps' losses and grad norms, without the parameters (those are after the last)."""
+    aux = result.aux_losses[:n] if result.aux_losses is not None else None
+    return dataclasses.replace(
+        result, losses=result.losses[:n], grad_norms=result.grad_norms[:n], aux_losses=aux, params=None
+    )
+
+
+def quantiser_bounds(quantised: TrainResult, plain: TrainResult) -> Bounds:
+    """Fake quantisation (QAT) after the first step: ``QAT_EFFECT_FACTOR`` × QAT's own effect.
+
+    A quantiser is discontinuous: once weights differ by a rounding (step 2 on), an activation on a
+    level boundary (int8: a level is 1/255 of its token's range) rounds the other way in one run, that
+    run's next step moves by a whole level's worth, and later activations round independently wherever
+    they differ. Both runs remain fake-quantised trainings of the same model, each within QAT's own
+    effect E = |quantised - unquantised| (measured: the negative control) of the unquantised run, so
+    within 2E of each other (the triangle inequality); nothing here is tuned to a machine."""
+    effect = compare(quantised, plain)
+    limits = {k: QAT_EFFECT_FACTOR * effect[k] for k in QUANTITIES if k in effect}
+    why = {k: f"{QAT_EFFECT_FACTOR:g} × QAT's own effect {effect[k]:.1e} (level flips)" for k in limits}
+    return Bounds(limits, why)
+
+
+def quantised_references(setup: TrainSetup, plain: TrainSetup) -> tuple[Reference, Reference]:
+    """Inside one rank, for a fake-quantised ``setup`` and ``plain`` (the same without QAT): its first
+    step under the rule (same weights in: the quantiser sees the same values, no level can flip) and
+    all its steps under ``quantiser_bounds``."""
+    exact = reference_in_rank(dataclasses.replace(setup, steps=1))
+    full, off = (train_under_layout(dataclasses.replace(s, fault=None), None) for s in (setup, plain))
+    return exact, Reference(full, quantiser_bounds(full, off))
+
+
 def one_process_reference(setup: TrainSetup, keep_options: tuple[str, ...] = (), train=None) -> Reference:
     """The memoised reference of ``setup`` (built once per process: one 1-rank run of both ways),
     without its fault and its strategy options except ``keep_options`` (e.g. "qat_options");
@@ -226,6 +266,15 @@ def one_process_reference(setup: TrainSetup, keep_options: tuple[str, ...] = (),
     key = repr((one, train))
     if key not in _REFERENCES:
         _REFERENCES[key] = run_on_ranks(reference_in_rank, 1, one, train, timeout_s=600)[0]
+    return _REFERENCES[key]
+
+
+def one_process_quantised(setup: TrainSetup, plain: TrainSetup) -> tuple[Reference, Reference]:
+    """``quantised_references`` of ``setup`` (its fault left out), memoised as ``one_process_reference``."""
+    setup, plain = (dataclasses.replace(s, fault=None) for s in (setup, plain))
+    key = repr(("quantised", setup, plain))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_on_ranks(quantised_references, 1, setup, plain, timeout_s=600)[0]
     return _REFERENCES[key]
 
 

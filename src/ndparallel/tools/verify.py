@@ -14,7 +14,7 @@ from ndparallel.config import TrainConfig
 from ndparallel.models.quantized import NF4Config
 from ndparallel.parallel.pp.split import virtual_stages
 from ndparallel.runtime.multirank import run_on_ranks
-from ndparallel.tools.agreement import Reference, reference_in_rank, stated_bounds, verdict
+from ndparallel.tools.agreement import Reference, quantiser_bounds, reference_in_rank, stated_bounds, verdict
 from ndparallel.tools.equivalence import TrainSetup, train_under_layout
 from ndparallel.tools.shrink import shrink_config
 
@@ -77,6 +77,8 @@ def _shrunk_qat(cfg: TrainConfig, small):
 BF16_TOLERANCE = 2e-2
 """Relative loss / grad-norm tolerance of the run at the config's precision (bf16/fp16 compute, fp8):
 both sides round differently (sharded matmuls, reduction orders), so only gross errors show."""
+QUANTISED = object()
+"""The QAT run's bounds: twice its own effect against the fp32 one-process run (``quantiser_bounds``)."""
 
 
 def _norm_diff(a: float, b: float) -> str:
@@ -167,8 +169,8 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, fault: str | 
     SGD steps, held to the bounds of ``tools.agreement`` (the one rule the tests use: the
     reference's measured noise floor × a safety factor). With ``bf16`` or ``fp8`` the same is run
     again at that precision against one process at that precision (a looser, stated tolerance);
-    with ``qat`` again with fake quantisation on both sides (the same looser tolerance:
-    quantisation levels flip on fp32 noise)."""
+    with ``qat`` again with fake quantisation on both sides, held to twice QAT's own effect
+    (``agreement.quantiser_bounds``: quantisation levels flip on fp32 noise)."""
     import dataclasses
 
     console = Console()
@@ -200,7 +202,7 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, fault: str | 
             (
                 f"fp32 + qat {qat.weight_dtype}",
                 dataclasses.replace(setup, parallel_kwargs={**setup.parallel_kwargs, "qat_options": qat}),
-                low_bounds,
+                QUANTISED,
             )
         )
     elif cfg.qat is not None:
@@ -208,12 +210,16 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3, fault: str | 
             f"qat {cfg.qat.weight_dtype}: not run here (fp4 matmuls need a Blackwell GPU, or the shrunk "
             "model's widths do not hold its blocks); the fp32 check covers the layout"
         )
-    ok = True
+    ok, plain = True, None
     for name, run, bounds in runs:
         kept = {k: v for k, v in run.parallel_kwargs.items() if k == "qat_options"}  # one process, with QAT
         one = dataclasses.replace(run, parallel_kwargs=kept, fault=None)
         if bounds is None:  # fp32: the reference with its measured noise floor
             ref = run_on_ranks(reference_in_rank, 1, one, timeout_s=600)[0]
+            plain = ref.result
+        elif bounds is QUANTISED:  # against the fp32 one-process run above: QAT's own effect
+            quantised = run_on_ranks(train_under_layout, 1, one, None, timeout_s=600)[0]
+            ref = Reference(quantised, quantiser_bounds(quantised, plain))
         else:
             ref = Reference(run_on_ranks(train_under_layout, 1, one, None, timeout_s=600)[0], bounds)
         got = run_on_ranks(train_under_layout, pc.total_size, run, pc.to_dict(), timeout_s=600)[0]
