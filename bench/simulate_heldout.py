@@ -29,6 +29,16 @@ CASES = {
              num_attention_heads=16, num_key_value_heads=16, vocab_size=32000),
         {"dp_shard_size": -1}, 128, [], 8, 0,
     ),
+    "heldout-0.17b-fsdp64": (
+        dict(LLAMA, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+             num_attention_heads=16, num_key_value_heads=16, vocab_size=32000),
+        {"dp_shard_size": -1}, 128, [], 64, 0,
+    ),
+    "heldout-0.17b-fsdp64xtp8": (
+        dict(LLAMA, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+             num_attention_heads=16, num_key_value_heads=16, vocab_size=32000),
+        {"dp_shard_size": -1, "tensor_parallel_size": 8}, 128, [], 512, 0,
+    ),
     "vocab64k-h256-fsdp64": (
         dict(LLAMA, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=8, vocab_size=64000),

@@ -1,6 +1,7 @@
 """Planner search and CLI: rejection reasons, agreement with ParallelismConfig, outputs."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -8,7 +9,7 @@ import yaml
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.plan.cli import add_plan_arguments, main, run_plan
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.layout import Layout, enumerate_layouts, parse_layout
+from ndparallel.plan.layout import Layout, Settings, enumerate_layouts, parse_layout
 from ndparallel.plan.models import PRESETS
 from ndparallel.plan.search import PlanRequest, evaluate_layout, plan
 from ndparallel.runtime.sizes import parse_size
@@ -212,3 +213,18 @@ def test_run_plan_with_own_parser_and_overrides(tmp_path, capsys):
 def test_bad_input_exit_code(capsys):
     assert main(["--model", "nope", "--gpus", "8"]) == 2
     assert "unknown model" in capsys.readouterr().err
+
+
+def test_settings_but_is_replace_and_cached_hashes_match_equality():
+    """The search's cheap copies and cached hashes (``Settings.but``, ``ModelSpec`` / ``Hardware``
+    ``__hash__``) are the dataclass semantics they stand in for."""
+    s = Settings(seq_len=4096, micro_batch=2, lora_saved=("embed",))
+    changed = s.but(grad_accum=8, checkpointing=True, pp_schedule="Interleaved1F1B")
+    assert changed == replace(s, grad_accum=8, checkpointing=True, pp_schedule="Interleaved1F1B")
+    assert hash(changed) == hash(replace(changed)) and s.grad_accum == 1
+    with pytest.raises(TypeError, match="no_such_field"):
+        s.but(no_such_field=1)
+    model, hw = PRESETS["llama-3.1-8b"], HW["h100-80gb"]
+    for obj in (model, hw):
+        assert hash(obj) == hash(replace(obj)) and obj == replace(obj)
+    assert hash(replace(model, layers=3)) != hash(model)

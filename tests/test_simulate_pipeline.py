@@ -191,3 +191,33 @@ def test_simulate_cli_against_the_planner_on_a_pp_world(config, rank, unsharded)
         assert extra == (1 if dim == "dp_shard_cp" and rank == 0 and not unsharded else 0), (dim, got, want)
         assert (got[dim]["bytes"] == want[dim]["bytes"]) == (extra == 0), (dim, got, want)
     assert "loss" not in json.dumps(report["measured"])
+
+
+def _expert_mesh_in_fake_world():
+    """In a forked child: rank 0 of a fake world of 4, the mesh and expert mesh built with a
+    timeout as the engine builds them (``simulate`` of an EP layout)."""
+    import datetime
+
+    from ndparallel.layout.dims import ParallelDims
+    from ndparallel.layout.mesh import build_expert_mesh, build_mesh
+    from ndparallel.runtime.distributed import shutdown
+    from ndparallel.runtime.fake_world import start_fake_world
+
+    shutdown()
+    start_fake_world(4, 0)
+    timeout = datetime.timedelta(seconds=60)
+    try:
+        mesh = build_mesh("cpu", {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1}, timeout)
+        experts = build_expert_mesh(mesh, ParallelDims(dp_shard=4, ep=2), timeout)
+        return experts.mesh_dim_names, tuple(experts.shape)
+    finally:
+        shutdown()
+
+
+def test_expert_mesh_builds_in_a_fake_world():
+    """A fake group takes no backend options: the expert mesh's groups (``efsdp``, ``ep``) were
+    created with gloo's timeout options, and ``simulate`` of every EP layout failed at setup."""
+    from ndparallel.testing import run_on_ranks
+
+    names, shape = run_on_ranks(_expert_mesh_in_fake_world, 1)[0]
+    assert names == ("dp_replicate", "efsdp", "ep") and shape == (1, 2, 2)

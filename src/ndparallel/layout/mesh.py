@@ -110,7 +110,8 @@ def build_expert_mesh(
             f"expert parallel needs DeviceMesh._unflatten (torch >= 2.10); torch "
             f"{torch.__version__} has none: upgrade torch or set expert_parallel_size: 1"
         )
-    options = group_options(mesh.device_type, timeout) if timeout is not None else None
+    real = timeout is not None and not is_fake_world()  # a fake group takes no backend options
+    options = group_options(mesh.device_type, timeout) if real else None
     world = flatten_dims(mesh, MESH_DIM_NAMES, "world", options if _flatten_takes_options() else None)
     sizes = (dims.dp_replicate, dims.efsdp, dims.ep)
     kwargs = {}

@@ -410,8 +410,10 @@ def collective_time(kind: str, nbytes: float, n: int, hw: Hardware, intra: bool)
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
+@lru_cache(maxsize=65536)
 def cost(c: Collective, layout: Layout, hw: Hardware, gpus_per_node: int) -> tuple[float, bool]:
-    """(seconds per step for all ``c.count`` calls, intra-node link?)."""
+    """(seconds per step for all ``c.count`` calls, intra-node link?). Cached: the search asks for
+    the same collectives under every option of a layout."""
     intra = group_is_intra_node(layout, c.mesh_dim, gpus_per_node)
     n = layout.size(c.mesh_dim)
     if c.kind == "send_recv":

@@ -16,7 +16,7 @@ trainer's definition too) over the dtype's peak.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 from ndparallel.models.flops import train_flops_per_token
@@ -113,7 +113,7 @@ def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware
     depends on (the search asks for the same micro-batch under many layouts and step settings):
     a dense model's tp and cp, the settings less the step-level ones (``STEP_FIELDS``)."""
     key = layout if model.is_moe else Layout(cp=layout.cp, tp=layout.tp)
-    return _micro_batch_time(model, key, replace(s, **STEP_FIELDS), hw, id(hw))
+    return _micro_batch_time(model, key, s.but(**STEP_FIELDS), hw, id(hw))
 
 
 STEP_FIELDS = {

@@ -84,11 +84,17 @@ class Estimate:
 
 
 def rank_step(
-    model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, gpus_per_node: int
+    model: ModelSpec,
+    layout: Layout,
+    s: Settings,
+    hw: Hardware,
+    gpus_per_node: int,
+    mem: MemoryBreakdown | None = None,
 ) -> tuple[MemoryBreakdown, list, TimeBreakdown]:
     """Memory, collectives and step time of one rank running ``model`` (under pipeline parallel:
-    the rank's share, ``pipeline.rank_model``) for ``s.grad_accum`` micro-batches."""
-    mem = estimate_memory(model, layout, s, hw)
+    the rank's share, ``pipeline.rank_model``) for ``s.grad_accum`` micro-batches; ``mem``: its
+    ``estimate_memory``, when the caller has it already (the search's memory cut)."""
+    mem = mem or estimate_memory(model, layout, s, hw)
     colls = comms.collectives_for(model, layout, s)
     ga = s.grad_accum
     mb_time = micro_batch_time(model, layout, s, hw)

@@ -79,6 +79,15 @@ class Hardware:
     collectives: dict = field(default_factory=dict, compare=False)
     """Measured costs: kind -> {group size (str) -> {"alpha_s": .., "bus_bw": ..}} (calibration)."""
 
+    def __hash__(self) -> int:
+        """The generated hash (of the compared fields), computed once: the planner's caches key
+        on this object tens of thousands of times per search."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -116,6 +116,17 @@ class Settings:
         'selective', 'op')."""
         return self.ac_policy if self.checkpointing else "none"
 
+    def but(self, **changes) -> Settings:
+        """``dataclasses.replace(self, **changes)`` at a tenth of its cost (the search makes tens of
+        thousands): ``Settings`` has no ``__post_init__`` to run, so a copy of the fields is the same
+        object ``replace`` builds. An unknown name is refused as ``replace`` refuses it."""
+        unknown = changes.keys() - self.__dict__.keys()
+        if unknown:
+            raise TypeError(f"Settings has no field(s) {sorted(unknown)}")
+        new = object.__new__(Settings)
+        new.__dict__.update(self.__dict__, **changes)
+        return new
+
     @classmethod
     def from_options(cls, options: StrategyOptions, seq_len: int, **rest) -> Settings:
         """The settings of a run with the runtime's ``options`` (a ``TrainConfig``'s

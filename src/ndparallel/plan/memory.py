@@ -340,6 +340,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     buf_a, buf_b = _buffers(model, layout, s, numels, unsharded > 0)
     buf_a, buf_b = buf_a - nf4.get("buffer_a", 0.0), buf_b - nf4.get("buffer_b", 0.0)
 
+    table_grad = 0.0 if s.lora_r else embedding_shard_grad_bytes(model, numels)  # not made yet
     moments = {
         "loss backward": (grads_a, saved + qat_head, logits, buf_a),
         # the last layer's backward: every layer's saved activations (under checkpointing, the
@@ -355,12 +356,13 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
             buf_b,
         ),
         "end of backward": (all_grads, 0.0, 0.0, 0.0),
-        # the table's own sharded gradient does not exist yet: it is what this backward makes
+        # the table's own sharded gradient does not exist yet: it is what this backward makes; a
+        # first pipeline stage's other micro-batches in flight keep their saved activations
         "embedding backward": (
-            all_grads - (embedding_shard_grad_bytes(model, numels) if not s.lora_r else 0.0),
+            grads_b if unsharded and not s.lora_r else all_grads - table_grad,
+            saved * (1.0 - 1.0 / s.pp_in_flight) if model.has_embedding else 0.0,
             0.0,
-            0.0,
-            embedding_backward_bytes(model, layout, s, numels),
+            embedding_backward_bytes(model, layout, s, numels) + _kept_gathered(model, layout, s, numels),
         ),
         "optimizer step": (all_grads + optimizer_step_temporaries(model, layout, s), 0.0, 0.0, 0.0),
     }
@@ -405,6 +407,16 @@ def embedding_backward_bytes(model: ModelSpec, layout: Layout, s: Settings, nume
     local = numels.get("root" if model.tied_embeddings else "embed", (0, 0))[0]
     sharded = max(layout.fsdp, 1) > 1 or s.mixed_precision != "fp32"
     return local * ((s.param_compute_bytes if sharded else 0) + (3 if tied else 1) * s.param_compute_bytes)
+
+
+def _kept_gathered(model: ModelSpec, layout: Layout, s: Settings, numels: dict) -> float:
+    """A pipeline stage root that keeps its parameters gathered (``reshard_after_backward`` False)
+    holds every layer unsharded at its embedding's backward (measured: PP 2 × FSDP 32, first stage,
+    ``bench/simulate_heldout.py``); 0 where the layers are used unsharded as they are."""
+    plain = layout.fsdp == 1 and s.mixed_precision == "fp32"
+    if s.reshard_after_backward or not model.has_embedding or plain:
+        return 0.0
+    return model.layers * numels["layer"][0] * s.param_compute_bytes
 
 
 def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> tuple:

@@ -10,7 +10,7 @@ Mixtral, Qwen2-MoE, OLMoE, gpt-oss shapes) replace every layer's MLP by a router
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 
@@ -67,6 +67,15 @@ class ModelSpec:
     """False for a pipeline rank without the first stage (``plan/pipeline.py: rank_model``)."""
     has_lm_head: bool = True
     """False for a pipeline rank without the last stage: no final norm, LM head or loss."""
+
+    def __hash__(self) -> int:
+        """The generated hash (of the compared fields), computed once: the planner's caches key
+        on this object tens of thousands of times per search."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @property
     def head_dim(self) -> int:

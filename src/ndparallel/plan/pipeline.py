@@ -33,8 +33,10 @@ def default_virtual(schedule: str) -> int:
     return 2 if schedule in MULTI_STAGE_SCHEDULES else 1
 
 
+@lru_cache(maxsize=4096)
 def problem(schedule: str, pp: int, v: int, layers: int, m: int) -> str | None:
-    """Why the runtime would refuse this pipeline (one line), or None (``pipeline_problem``)."""
+    """Why the runtime would refuse this pipeline (one line), or None (``pipeline_problem``;
+    cached: the search asks it for every layout with the same degrees)."""
     return pipeline_problem(PipelineOptions(schedule=schedule, virtual_stages=v), pp, layers, m)
 
 

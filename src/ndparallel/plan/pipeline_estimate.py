@@ -42,8 +42,7 @@ def rank_settings(s: Settings, p: int, rank: int, last: bool) -> Settings:
     full-logits loss (the runtime's: the chunked loss cannot split its backward)."""
     loss = "full" if last and s.pp_schedule in ZERO_BUBBLE_SCHEDULES else s.loss_impl
     per_step = s.unsharded_grad_accumulation
-    return replace(
-        s,
+    return s.but(
         pp_in_flight=in_flight(s.pp_schedule, p, s.grad_accum, s.pp_virtual, rank),
         loss_impl=loss,
         sync_every_microbatch=not per_step,
@@ -59,14 +58,26 @@ def pp_rank(
     return shape, rank_model(model, shape), rank_settings(s, layout.pp, rank, shape.last)
 
 
-def pipeline_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> MemoryBreakdown:
+MeasuredRank = tuple[int, RankShape, ModelSpec, Settings, MemoryBreakdown]
+"""(pp rank, its shape, its part of the model, its settings, its memory): ``measured``."""
+
+
+def measured(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> tuple[MeasuredRank, ...]:
+    """The pp ranks ``estimate_pipeline`` models, each with its memory: computed once by the
+    search's memory cut and handed on to ``estimate_pipeline`` when the option fits."""
+    out = []
+    for rank in measured_ranks(layout.pp, s.pp_schedule):
+        shape, part, rs = pp_rank(model, layout, s, rank)
+        out.append((rank, shape, part, rs, estimate_memory(part, layout, rs, hw)))
+    return tuple(out)
+
+
+def pipeline_memory(
+    model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, ranks: tuple[MeasuredRank, ...] = ()
+) -> MemoryBreakdown:
     """The memory ``estimate_pipeline`` reports (its larger measured rank's), without the step's
     time: the search's first cut (``search.evaluate_layout(skip_unfit=True)``)."""
-    mems = []
-    for rank in measured_ranks(layout.pp, s.pp_schedule):
-        _, part, rs = pp_rank(model, layout, s, rank)
-        mems.append(estimate_memory(part, layout, rs, hw))
-    return max(mems, key=lambda m: m.total)
+    return max((r[4] for r in ranks or measured(model, layout, s, hw)), key=lambda m: m.total)
 
 
 def _paced(timeb, s: Settings) -> tuple[float, float]:
@@ -83,13 +94,14 @@ def estimate_pipeline(
     hw: Hardware,
     gpus_per_node: int,
     global_batch: int | None = None,
+    measured_: tuple[MeasuredRank, ...] = (),
 ) -> Estimate:
-    """The estimate of a pp layout (``s.pp_schedule``, ``s.pp_virtual``, m = ``s.grad_accum``)."""
+    """The estimate of a pp layout (``s.pp_schedule``, ``s.pp_virtual``, m = ``s.grad_accum``);
+    ``measured_``: its ``measured`` ranks when the caller has them."""
     p, m, v, schedule = layout.pp, s.grad_accum, s.pp_virtual, s.pp_schedule
     ranks = {}
-    for rank in measured_ranks(p, schedule):
-        shape, part, rs = pp_rank(model, layout, s, rank)
-        mem, colls, timeb = rank_step(part, layout, rs, hw, gpus_per_node)
+    for rank, shape, part, rs, mem in measured_ or measured(model, layout, s, hw):
+        mem, colls, timeb = rank_step(part, layout, rs, hw, gpus_per_node, mem)
         colls = colls + p2p_collectives(part, layout, rs, shape, Collective)
         ranks["first" if rank == 0 else "last"] = (shape, mem, colls, timeb)
     # A micro-batch's exposed FSDP traffic (by default every stage gathers and reduces on every

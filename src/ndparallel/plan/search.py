@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 
 from ndparallel.parallel.layout_refusals import qat_layout_problem, saved_modules_problem
 from ndparallel.plan.estimate import Estimate, TimeBreakdown, finish, rank_step
@@ -18,7 +18,7 @@ from ndparallel.plan.memory import MemoryBreakdown, estimate_memory
 from ndparallel.plan.models import ModelSpec
 from ndparallel.plan.pipeline import AUTO_SCHEDULES, canonical, default_virtual
 from ndparallel.plan.pipeline import problem as pipeline_problem
-from ndparallel.plan.pipeline_estimate import estimate_pipeline, pipeline_memory
+from ndparallel.plan.pipeline_estimate import estimate_pipeline, measured, pipeline_memory
 from ndparallel.plan.qlora import nf4_shards_problem
 
 __all__ = [
@@ -126,20 +126,28 @@ def estimate(
     hw: Hardware,
     gpus_per_node: int,
     global_batch: int | None = None,
+    known: tuple = (),
 ) -> Estimate:
     """Memory and step time of one fully specified configuration (no validity checks); a pp
-    layout is its slowest pipeline rank's pace plus the schedule's bubble (``pipeline_estimate``)."""
+    layout is its slowest pipeline rank's pace plus the schedule's bubble (``pipeline_estimate``).
+    ``known``: what ``memory_cut`` returned for it (its memory, computed once)."""
     if layout.pp > 1:
-        return estimate_pipeline(model, layout, s, hw, gpus_per_node, global_batch)
-    mem, colls, timeb = rank_step(model, layout, s, hw, gpus_per_node)
+        return estimate_pipeline(model, layout, s, hw, gpus_per_node, global_batch, known)
+    mem, colls, timeb = rank_step(model, layout, s, hw, gpus_per_node, known[0][4] if known else None)
     return finish(model, layout, s, hw, mem, colls, timeb, global_batch)
 
 
 def memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> MemoryBreakdown:
     """The memory ``estimate`` reports, without costing the step's time (a third of the work)."""
+    return pipeline_memory(model, layout, s, hw, memory_cut(model, layout, s, hw))
+
+
+def memory_cut(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> tuple:
+    """The ranks ``estimate`` models with their memory (``pipeline_estimate.measured``; one
+    (0, None, model, s, memory) without PP): ``estimate(known=...)`` reuses them."""
     if layout.pp > 1:
-        return pipeline_memory(model, layout, s, hw)
-    return estimate_memory(model, layout, s, hw)
+        return measured(model, layout, s, hw)
+    return ((0, None, model, s, estimate_memory(model, layout, s, hw)),)
 
 
 def _grad_accum(req: PlanRequest, layout: Layout, mb: int) -> tuple[int | None, str | None]:
@@ -243,8 +251,7 @@ def evaluate_layout(
                 continue
             for ac in acs:
                 for uga in _grad_syncs(req, layout, unsharded):
-                    s = replace(
-                        base,
+                    s = base.but(
                         micro_batch=mb,
                         grad_accum=ga,
                         checkpointing=ac,
@@ -252,12 +259,14 @@ def evaluate_layout(
                         pp_virtual=v,
                         unsharded_grad_accumulation=uga,
                     )
-                    if skip_unfit:
-                        mem = memory(req.model, layout, s, req.hardware)
-                        if mem.total > req.hardware.mem_bytes:
-                            unfit.append((mem, s))
-                            continue
-                    res.options.append(estimate(req.model, layout, s, req.hardware, req.gpus_per_node))
+                    known = memory_cut(req.model, layout, s, req.hardware) if skip_unfit else ()
+                    mem = known and pipeline_memory(req.model, layout, s, req.hardware, known)
+                    if mem and mem.total > req.hardware.mem_bytes:
+                        unfit.append((mem, s))
+                        continue
+                    res.options.append(
+                        estimate(req.model, layout, s, req.hardware, req.gpus_per_node, known=known)
+                    )
     _choose(req, layout, res, reasons, unfit)
     return res
 
