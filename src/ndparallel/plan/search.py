@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from ndparallel.parallel.layout_refusals import qat_layout_problem, saved_modules_problem
 from ndparallel.plan.estimate import Estimate, TimeBreakdown, finish, rank_step
