@@ -174,15 +174,20 @@ def _logits_bytes(model: ModelSpec, layout: Layout, s: Settings, tokens: float) 
     during the forward: one chunk's fp32 logits and, under mixed precision, their compute-dtype
     copy (``chunk_logit_bytes``: 4 + e per logit, 4 in fp32),
     the hidden-state gradient (e per hidden value) and an fp32 LM-head weight-gradient accumulator
-    with, under mixed precision, each chunk's contribution before it is added
-    (``chunk_head_grad_bytes``: 4 + e + 4 per weight of the local vocabulary slice, 4 in fp32);
+    with, under mixed precision, one vocabulary slice of a chunk's contribution before it is added
+    (``chunk_head_grad_bytes``: 4 per weight of the local vocabulary slice, + (e + 4) per chunk
+    logit) — or, if larger, its backward: the accumulator and the returned gradient (4 + e per
+    weight);
     never the full logits."""
     t, e = layout.tp, s.act_bytes
     t_sp = t if s.sequence_parallel else 1
     v_local = -(-model.vocab // t)
     if s.loss_impl == "chunked":
-        out = chunk_tokens(s, v_local, tokens) * v_local * chunk_logit_bytes(e)
-        out += tokens * model.hidden * e + v_local * model.hidden * chunk_head_grad_bytes(e)
+        chunk = chunk_tokens(s, v_local, tokens)
+        forward = chunk * v_local * chunk_logit_bytes(e) + chunk_head_grad_bytes(e, chunk, v_local, model.hidden)
+        # its backward returns the weight gradient in the compute dtype beside the fp32 accumulator
+        backward = v_local * model.hidden * (4 + (e if e != 4 else 0))
+        out = max(forward, backward) + tokens * model.hidden * e
     elif s.loss_parallel and t > 1:
         out = tokens * v_local * (e + 16)
     else:
@@ -199,13 +204,19 @@ def chunk_logit_bytes(e: int) -> int:
     return 4 + (e if e != 4 else 0)
 
 
-def chunk_head_grad_bytes(e: int) -> int:
-    """Bytes per LM-head weight (of the local vocabulary slice) while the chunked loss accumulates
-    its weight gradient: the fp32 accumulator, and under mixed precision one chunk's product
-    ``g.t() @ h`` in the compute dtype with its fp32 copy (``grad_w += (g.t() @ h).float()``:
-    e + 4 more); in fp32 ``addmm_`` accumulates in place. Measured on CPU (2026-12-06,
-    ``tests/test_plan_chunked_loss.py``): 203 MiB at a 64k × 256 head in bf16, as counted."""
-    return 4 + (e + 4 if e != 4 else 0)
+def chunk_head_grad_bytes(e: int, chunk: int, vocab_local: int, hidden: int) -> float:
+    """Bytes of the chunked loss's LM-head weight gradient while it accumulates: the fp32
+    accumulator (4 per weight of the local vocabulary slice) and, under mixed precision, one
+    vocabulary slice of a chunk's product ``g.t() @ h`` in the compute dtype with its fp32 copy
+    (``techniques/chunked_ce.py: weight_grad_rows`` rows of ``hidden``: ``chunk × vocab_local``
+    elements, e + 4 bytes each); in fp32 ``addmm_`` accumulates in place. Before 2026-12-06 the
+    product was a whole head-sized matrix (e + 4 bytes per head weight: 3 GB for Llama-3.1-8B at
+    tp 1); measured on CPU in ``tests/test_plan_chunked_loss.py``."""
+    out = 4.0 * vocab_local * hidden
+    if e != 4:
+        rows = max(1, min(vocab_local, chunk * vocab_local // max(1, hidden)))
+        out += rows * hidden * (e + 4)
+    return out
 
 
 def chunk_tokens(s: Settings, vocab_local: int, tokens: float) -> int:
