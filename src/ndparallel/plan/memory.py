@@ -34,7 +34,7 @@ from ndparallel.plan.long_context import (
 from ndparallel.plan.models import ModelSpec, fsdp_units
 from ndparallel.plan.qat_memory import qat_head_bytes, qat_layer_bytes
 from ndparallel.plan.qlora import memory_adjustments
-from ndparallel.plan.sp_activations import block_inputs_per_token
+from ndparallel.plan.sp_activations import block_input_divisor, block_inputs_per_token
 
 FRAGMENTATION = 0.05
 """Allocator slack added on top of the transient (activation, buffer, logits) bytes."""
@@ -437,10 +437,29 @@ def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: fl
 
 def _workspace(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:
     """One layer's backward workspace: the larger of its MLP stage (with the tiled MLP: per tile
-    only) and its attention stage (CP buffers), each with the residual-stream gradients."""
+    only) and its attention stage (CP buffers, less the MLP half's saved tensors, freed by then:
+    ``mlp_half_saved_per_token``), each with the residual-stream gradients."""
     per_token = layer_backward_workspace_per_token(model, layout, s)
     mlp = mlp_gradient_workspace_per_token(model, layout, s)
     residual = tokens * (per_token - mlp)
     mlp_stage = tile_working_set(model, layout, s) if s.tiled_mlp else tokens * mlp
-    attention_stage = tokens * attention_scratch_per_token(model, layout, s)
+    attention_stage = tokens * (
+        attention_scratch_per_token(model, layout, s) - mlp_half_saved_per_token(model, layout, s)
+    )
     return residual + max(mlp_stage, attention_stage)
+
+
+def mlp_half_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """What a layer's saved set no longer holds when its backward reaches the attention: the MLP
+    half's tensors, freed by autograd as their backward ran — the post-attention RMSNorm's (its
+    fp32 input, normalized output and reciprocal RMS, ``((4+e)·h + 4)/t_sp``), the MLP's input
+    (``e·h`` / its divisor; tiled, the tiled block's ``e·h/t_sp``) and, untiled, gate, SiLU, up and
+    their product (``4·e·f/t``). Counted for dense models under full or no checkpointing (the
+    selective policy and MoE blocks keep other sets: 0, the upper bound as before)."""
+    if model.is_moe or (s.checkpointing and s.ac_policy == "selective"):
+        return 0.0
+    t, e, h = layout.tp, s.act_bytes, model.hidden
+    t_sp = t if s.sequence_parallel else 1
+    norm = ((4 + e) * h + 4) / t_sp
+    mlp = e * h / block_input_divisor(layout, s) + 4 * e * model.intermediate / t
+    return norm + mlp - tiled_saved_reduction_per_token(model, layout, s)
