@@ -2,7 +2,7 @@
 
 The held-out shapes of ``bench/simulate_heldout.py`` (issue 50) found the planner one chunk of
 fp32 logits over in fp32 (+17.9 % of a rank's tensor peak with a 64k vocabulary at hidden 256):
-``plan.memory.chunk_logit_bytes`` counted a compute-dtype copy of the logits that fp32 never makes.
+``plan.loss_memory.chunk_logit_bytes`` counted a compute-dtype copy of the logits that fp32 never makes.
 Here the loss's forward + backward runs under ``LiveBytes`` (tensor storage alive, what ``simulate``
 measures on CPU) at a large-vocabulary shape, in fp32 and bf16, and its peak is compared with the
 planner's chunked-loss bytes (``_logits_bytes`` less the final norm's tensors, which this call does
@@ -36,7 +36,9 @@ def _planned(dtype: str, chunk: int | None = None) -> float:
             tie_word_embeddings=False,
         )
     )
-    s = Settings(seq_len=TOKENS, micro_batch=1, mixed_precision=dtype, loss_impl="chunked", loss_chunk_tokens=chunk)
+    s = Settings(
+        seq_len=TOKENS, micro_batch=1, mixed_precision=dtype, loss_impl="chunked", loss_chunk_tokens=chunk
+    )
     e = s.act_bytes
     final_norm_and_head_input = TOKENS * ((4 + e) * HIDDEN + 4 + e * HIDDEN)
     return _logits_bytes(spec, Layout(), s, TOKENS) - final_norm_and_head_input
