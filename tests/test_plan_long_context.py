@@ -12,7 +12,7 @@ from ndparallel.plan.hardware import GiB, get_preset
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import host_bytes, mlp_tiles
 from ndparallel.plan.longest import longest_for_layout
-from ndparallel.plan.memory import attention_scratch_per_token, estimate_memory
+from ndparallel.plan.memory import attention_scratch_per_token, estimate_memory, mlp_half_saved_per_token
 from ndparallel.plan.models import load_model_spec
 from ndparallel.plan.search import PlanRequest, estimate, evaluate_layout
 from ndparallel.techniques.tile_rule import tile_split
@@ -103,6 +103,24 @@ def test_ring_attention_buffers_are_in_the_layer_backward():
     s = Settings(seq_len=1 << 20, checkpointing=True, tiled_mlp=True)
     assert attention_scratch_per_token(L8B, lay, s) == 4 * a_d + 4 * 2 * kv + 24 * kv + 2 * a_d
     assert attention_scratch_per_token(L8B, Layout(), s) == 0.0
+
+
+def test_attention_stage_no_longer_holds_the_mlp_half(monkeypatch):
+    # by the attention's backward the post-attention norm's tensors (fp32 input, bf16 output,
+    # reciprocal RMS) and the tiled MLP's saved input are freed: (4+2)·h + 4 + 2·h per token
+    lay, h, e = Layout(cp=8), L8B.hidden, 2
+    s = Settings(seq_len=1 << 20, checkpointing=True, tiled_mlp=True, cp_strategy="ring")
+    half = (4 + e) * h + 4 + e * h
+    assert mlp_half_saved_per_token(L8B, lay, s) == half
+    untiled = dataclasses.replace(s, tiled_mlp=False)
+    assert mlp_half_saved_per_token(L8B, lay, untiled) == half + 4 * e * L8B.intermediate
+    assert mlp_half_saved_per_token(L8B, lay, dataclasses.replace(s, ac_policy="selective")) == 0.0
+    # the ring's buffers are the larger stage: the layer-backward moment is smaller by exactly that
+    now = _mem(lay, seq_len=1 << 20, checkpointing=True, tiled_mlp=True)
+    monkeypatch.setattr("ndparallel.plan.memory.mlp_half_saved_per_token", lambda *a: 0.0)
+    upper_bound = _mem(lay, seq_len=1 << 20, checkpointing=True, tiled_mlp=True)
+    assert now.peak_phase == upper_bound.peak_phase == "layer backward"
+    assert upper_bound.activations - now.activations == pytest.approx((1 << 20) / 8 * half)
 
 
 def test_host_memory_rejects_what_does_not_fit_the_node():

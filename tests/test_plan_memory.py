@@ -184,20 +184,21 @@ def test_chunked_loss_holds_one_chunk():
     side = 8192 * (6 * 2048 + 4 + 2 * 2048)  # final norm + LM-head input, unchanged
     assert full.logits == 8192 * 128256 * 14 + side
     # at the loss moment: one chunk's fp32 logits + bf16 copy, the bf16 hidden-state gradient, the
-    # fp32 head-weight gradient accumulator and one chunk's bf16 contribution with its fp32 copy
-    # (chunked_ce computes the gradients in its forward; tests/test_plan_chunked_loss.py measures it)
+    # fp32 head-weight gradient accumulator and one vocabulary slice of a chunk's bf16 contribution
+    # with its fp32 copy (chunk x vocab elements: 1024 x 128256 / 2048 = 64128 rows of the head;
+    # chunked_ce computes the gradients in its forward; tests/test_plan_chunked_loss.py measures it)
     from ndparallel.plan.memory import _logits_bytes
 
     s_chunk = Settings(**kw, loss_impl="chunked", loss_chunk_tokens=1024)
     assert (
         _logits_bytes(model, lay, s_chunk, 8192)
-        == (1024 * 128256 * 6 + 8192 * 2048 * 2 + 128256 * 2048 * (4 + 2 + 4)) + side
+        == (1024 * 128256 * 6 + 8192 * 2048 * 2 + 128256 * 2048 * 4 + 64128 * 2048 * (2 + 4)) + side
     )
     assert chunked.total < full.total - 10 * 2**30
     # the default chunk follows the runtime: the largest power of two of tokens whose fp32 logits
     # fit 256 MiB (vocab 128,256 -> 512 tokens)
     auto = _logits_bytes(model, lay, Settings(**kw, loss_impl="chunked"), 8192)
-    assert auto == _logits_bytes(model, lay, s_chunk, 8192) - 512 * 128256 * 6
+    assert auto == _logits_bytes(model, lay, s_chunk, 8192) - 512 * 128256 * 12
 
 
 def test_op_policy_keeps_half_the_matmul_outputs():

@@ -36,11 +36,12 @@ from ndparallel.plan.long_context import (
     tile_working_set,
     tiled_saved_reduction_per_token,
 )
+from ndparallel.plan.loss_memory import chunk_head_grad_bytes, chunk_logit_bytes, chunk_tokens
 from ndparallel.plan.models import ModelSpec, fsdp_units
 from ndparallel.plan.qat_memory import qat_head_bytes, qat_layer_bytes
 from ndparallel.plan.qlora import memory_adjustments
 from ndparallel.plan.recompute_policies import op_policy_saved_per_token
-from ndparallel.plan.sp_activations import block_inputs_per_token
+from ndparallel.plan.sp_activations import block_input_divisor, block_inputs_per_token
 
 FRAGMENTATION = 0.05
 """Allocator slack added on top of the transient (activation, buffer, logits) bytes."""
@@ -187,47 +188,27 @@ def _logits_bytes(model: ModelSpec, layout: Layout, s: Settings, tokens: float) 
     during the forward: one chunk's fp32 logits and, under mixed precision, their compute-dtype
     copy (``chunk_logit_bytes``: 4 + e per logit, 4 in fp32),
     the hidden-state gradient (e per hidden value) and an fp32 LM-head weight-gradient accumulator
-    with, under mixed precision, each chunk's contribution before it is added
-    (``chunk_head_grad_bytes``: 4 + e + 4 per weight of the local vocabulary slice, 4 in fp32);
+    with, under mixed precision, one vocabulary slice of a chunk's contribution before it is added
+    (``chunk_head_grad_bytes``: 4 per weight of the local vocabulary slice, + (e + 4) per chunk
+    logit) — or, if larger, its backward: the accumulator and the returned gradient (4 + e per
+    weight);
     never the full logits."""
     t, e = layout.tp, s.act_bytes
     t_sp = t if s.sequence_parallel else 1
     v_local = -(-model.vocab // t)
     if s.loss_impl == "chunked":
-        out = chunk_tokens(s, v_local, tokens) * v_local * chunk_logit_bytes(e)
-        out += tokens * model.hidden * e + v_local * model.hidden * chunk_head_grad_bytes(e)
+        chunk = chunk_tokens(s, v_local, tokens)
+        forward = chunk * v_local * chunk_logit_bytes(e) + chunk_head_grad_bytes(
+            e, chunk, v_local, model.hidden
+        )
+        # its backward returns the weight gradient in the compute dtype beside the fp32 accumulator
+        backward = v_local * model.hidden * (4 + (e if e != 4 else 0))
+        out = max(forward, backward) + tokens * model.hidden * e
     elif s.loss_parallel and t > 1:
         out = tokens * v_local * (e + 16)
     else:
         out = tokens * model.vocab * (e + 12)
     return out + tokens * (((4 + e) * model.hidden + 4) / t_sp + e * model.hidden)
-
-
-def chunk_logit_bytes(e: int) -> int:
-    """Bytes per logit of one chunk of the chunked loss: the fp32 logits, plus their compute-dtype
-    copy (the matmul's output, later the gradient cast back) when that is not fp32 itself — in fp32
-    ``.float()`` and ``.to(weight.dtype)`` return the same tensor (measured 2026-12-06: the
-    planner's fp32 rows were one chunk of fp32 logits over, +7.5 % at FSDP 64, +17.9 % with a 64k
-    vocabulary at hidden 256, ``bench/simulate_heldout.py``)."""
-    return 4 + (e if e != 4 else 0)
-
-
-def chunk_head_grad_bytes(e: int) -> int:
-    """Bytes per LM-head weight (of the local vocabulary slice) while the chunked loss accumulates
-    its weight gradient: the fp32 accumulator, and under mixed precision one chunk's product
-    ``g.t() @ h`` in the compute dtype with its fp32 copy (``grad_w += (g.t() @ h).float()``:
-    e + 4 more); in fp32 ``addmm_`` accumulates in place. Measured on CPU (2026-12-06,
-    ``tests/test_plan_chunked_loss.py``): 203 MiB at a 64k × 256 head in bf16, as counted."""
-    return 4 + (e + 4 if e != 4 else 0)
-
-
-def chunk_tokens(s: Settings, vocab_local: int, tokens: float) -> int:
-    """Tokens per chunk of the chunked loss: ``s.loss_chunk_tokens``, else the runtime's rule (the
-    largest power of two whose fp32 logits fit 256 MiB, ``parallel.chunked_ce``)."""
-    if s.loss_chunk_tokens:
-        return int(min(tokens, s.loss_chunk_tokens))
-    fit = max(1, (256 * 2**20) // (4 * max(1, vocab_local)))
-    return int(min(max(1, tokens), 1 << (fit.bit_length() - 1)))
 
 
 def _buffers(
@@ -420,10 +401,29 @@ def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: fl
 
 def _workspace(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:
     """One layer's backward workspace: the larger of its MLP stage (with the tiled MLP: per tile
-    only) and its attention stage (CP buffers), each with the residual-stream gradients."""
+    only) and its attention stage (CP buffers, less the MLP half's saved tensors, freed by then:
+    ``mlp_half_saved_per_token``), each with the residual-stream gradients."""
     per_token = layer_backward_workspace_per_token(model, layout, s)
     mlp = mlp_gradient_workspace_per_token(model, layout, s)
     residual = tokens * (per_token - mlp)
     mlp_stage = tile_working_set(model, layout, s) if s.tiled_mlp else tokens * mlp
-    attention_stage = tokens * attention_scratch_per_token(model, layout, s)
+    attention_stage = tokens * (
+        attention_scratch_per_token(model, layout, s) - mlp_half_saved_per_token(model, layout, s)
+    )
     return residual + max(mlp_stage, attention_stage)
+
+
+def mlp_half_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """What a layer's saved set no longer holds when its backward reaches the attention: the MLP
+    half's tensors, freed by autograd as their backward ran — the post-attention RMSNorm's (its
+    fp32 input, normalized output and reciprocal RMS, ``((4+e)·h + 4)/t_sp``), the MLP's input
+    (``e·h`` / its divisor; tiled, the tiled block's ``e·h/t_sp``) and, untiled, gate, SiLU, up and
+    their product (``4·e·f/t``). Counted for dense models under full or no checkpointing (the
+    selective policy and MoE blocks keep other sets: 0, the upper bound as before)."""
+    if model.is_moe or (s.checkpointing and s.ac_policy == "selective"):
+        return 0.0
+    t, e, h = layout.tp, s.act_bytes, model.hidden
+    t_sp = t if s.sequence_parallel else 1
+    norm = ((4 + e) * h + 4) / t_sp
+    mlp = e * h / block_input_divisor(layout, s) + 4 * e * model.intermediate / t
+    return norm + mlp - tiled_saved_reduction_per_token(model, layout, s)

@@ -13,8 +13,11 @@ leaves as a ``Partial`` DTensor, so DTensor sums it over tp (all-reduce, or redu
 sequence parallel). Why not torch's ``F.linear_cross_entropy`` (2.13): it knows no vocab sharding
 and does not exist in torch 2.11, which this project supports.
 
-Memory per rank: ``chunk_tokens × vocab/tp`` fp32 logits (one buffer, updated in place), the
-hidden-state gradient, and an fp32 weight-gradient accumulator (vocab/tp × hidden).
+Memory per rank: ``chunk_tokens × vocab/tp`` fp32 logits (one buffer, updated in place) and their
+compute-dtype copy, the hidden-state gradient, and an fp32 weight-gradient accumulator
+(vocab/tp × hidden); under mixed precision a chunk's weight-gradient product is made one
+vocabulary slice at a time (``weight_grad_rows``: ``chunk × vocab/tp`` elements and their fp32
+copy), never a whole head-sized matrix.
 """
 
 from __future__ import annotations
@@ -32,6 +35,25 @@ def default_chunk_tokens(vocab_local: int, tokens: int) -> int:
     """A power of two of tokens whose fp32 logits fit ``CHUNK_LOGIT_BYTES`` (at least 1)."""
     fit = max(1, CHUNK_LOGIT_BYTES // (4 * max(1, vocab_local)))
     return min(max(1, tokens), 1 << (fit.bit_length() - 1))
+
+
+def weight_grad_rows(chunk: int, vocab_local: int, hidden: int) -> int:
+    """Vocabulary rows per slice of a chunk's weight-gradient product ``g.t() @ h`` under mixed
+    precision: as many as keep the product (and its fp32 copy) at ``chunk × vocab_local``
+    elements, so the loss's temporaries stay O(chunk × vocab), never a head-sized matrix."""
+    return max(1, min(vocab_local, chunk * vocab_local // max(1, hidden)))
+
+
+def _accumulate_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """``grad_w += g.t() @ h``: in place when the dtypes agree (fp32); else the product in the
+    compute dtype, one vocabulary slice at a time (``weight_grad_rows``), each added in fp32. Each
+    output row is computed as the whole product would compute it: the same numbers."""
+    if grad_w.dtype == g.dtype:
+        grad_w.addmm_(g.t(), h)
+        return
+    rows = weight_grad_rows(g.shape[0], g.shape[1], h.shape[1])
+    for v in range(0, g.shape[1], rows):
+        grad_w[v : v + rows] += (g[:, v : v + rows].t() @ h).float()
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -68,10 +90,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 if want_h:
                     torch.matmul(g, weight, out=grad_h[s : s + chunk])
                 if want_w:
-                    if grad_w.dtype == g.dtype:
-                        grad_w.addmm_(g.t(), h)
-                    else:
-                        grad_w += (g.t() @ h).float()
+                    _accumulate_weight_grad(grad_w, g, h)
             del logits, probs
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
