@@ -47,7 +47,7 @@ OVER_TARGET = {
     "activation_checkpointing": 18,  # 17 + techniques/selective_ac (its refusals name the fix)
     "activation_dtype": 7,
     "activation_offloading": 19,  # 18 + techniques/selective_ac (its refusal names the fix)
-    "chunk_tokens": 7,
+    "chunk_tokens": 8,  # + plan/loss_memory (split from memory.py at its line limit)
     "comm_strategy": 10,
     "cp_strategy": 6,
     "cpu_offload": 12,

@@ -357,19 +357,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     grads, acts, lg, buf = moments[phase]
     overhead = hw.runtime_overhead_bytes + FRAGMENTATION * (acts + lg + buf)
     total = params + grads + optimizer + acts + lg + buf + overhead
-    return MemoryBreakdown(
-        params,
-        grads,
-        optimizer,
-        acts,
-        lg,
-        buf,
-        overhead,
-        total,
-        phase,
-        plain_layer,
-        host_bytes(model, layout, s),
-    )
+    parts = (params, grads, optimizer, acts, lg, buf, overhead, total)
+    return MemoryBreakdown(*parts, phase, plain_layer, host_bytes(model, layout, s))
 
 
 def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> tuple:
@@ -420,7 +409,7 @@ def mlp_half_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> f
     (``e·h`` / its divisor; tiled, the tiled block's ``e·h/t_sp``) and, untiled, gate, SiLU, up and
     their product (``4·e·f/t``). Counted for dense models under full or no checkpointing (the
     selective policy and MoE blocks keep other sets: 0, the upper bound as before)."""
-    if model.is_moe or (s.checkpointing and s.ac_policy == "selective"):
+    if model.is_moe or s.recompute == "selective":
         return 0.0
     t, e, h = layout.tp, s.act_bytes, model.hidden
     t_sp = t if s.sequence_parallel else 1
