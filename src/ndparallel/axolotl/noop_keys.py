@@ -122,7 +122,7 @@ NOOP: dict[str, Rule] = {
     ),
     **_all(
         "noop",
-        "selective activation checkpointing is fsdp_config.ac_policy: selective "
+        "selective activation checkpointing: use fsdp_config.ac_policy: selective "
         "(with activation_checkpointing: true)",
         "selective_checkpointing",
     ),
