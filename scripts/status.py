@@ -63,7 +63,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "= 1 process",
         ),
         Row(
-            "DP, FSDP2, HSDP (+ gradient accumulation, activation checkpointing, reshard on/off, CPU "
+            "DP, FSDP2, HSDP (+ gradient accumulation, activation checkpointing full or selective, reshard on/off, CPU "
             "offload, "
             "bf16); layout-invariant loss (global token count), global grad norm on mixed meshes",
             "= 1 process",
