@@ -22,21 +22,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = dict(model_type="llama", max_position_embeddings=4096, tie_word_embeddings=False)
+HELDOUT_017B = dict(
+    LLAMA,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    vocab_size=32000,
+)
+"""The held-out 0.17B Llama of issue 50, at three worlds."""
+
 CASES = {
     # name: (HF config, layout fields, seq, extra config lines, rank)
     "heldout-0.17b-fsdp8": (
-        dict(LLAMA, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-             num_attention_heads=16, num_key_value_heads=16, vocab_size=32000),
+        HELDOUT_017B,
         {"dp_shard_size": -1}, 128, [], 8, 0,
     ),
     "heldout-0.17b-fsdp64": (
-        dict(LLAMA, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-             num_attention_heads=16, num_key_value_heads=16, vocab_size=32000),
+        HELDOUT_017B,
         {"dp_shard_size": -1}, 128, [], 64, 0,
     ),
     "heldout-0.17b-fsdp64xtp8": (
-        dict(LLAMA, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-             num_attention_heads=16, num_key_value_heads=16, vocab_size=32000),
+        HELDOUT_017B,
         {"dp_shard_size": -1, "tensor_parallel_size": 8}, 128, [], 512, 0,
     ),
     "vocab64k-h256-fsdp64": (

@@ -18,6 +18,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from ndparallel.plan.field_hash import cached_field_hash
+
 GiB = 2**30
 MiB = 2**20
 
@@ -80,13 +82,7 @@ class Hardware:
     """Measured costs: kind -> {group size (str) -> {"alpha_s": .., "bus_bw": ..}} (calibration)."""
 
     def __hash__(self) -> int:
-        """The generated hash (of the compared fields), computed once: the planner's caches key
-        on this object tens of thousands of times per search."""
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
-            object.__setattr__(self, "_hash", h)
-        return h
+        return cached_field_hash(self)
 
     def to_dict(self) -> dict:
         return asdict(self)

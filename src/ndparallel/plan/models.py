@@ -10,13 +10,14 @@ Mixtral, Qwen2-MoE, OLMoE, gpt-oss shapes) replace every layer's MLP by a router
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 
 from ndparallel.models.moe_config import config_num_experts
 from ndparallel.models.presets import PRESETS as BUILTIN
 from ndparallel.models.presets import PUBLISHED
+from ndparallel.plan.field_hash import cached_field_hash
 from ndparallel.plan.moe_cost import active_matmul_params_per_layer, expert_params
 
 
@@ -69,13 +70,7 @@ class ModelSpec:
     """False for a pipeline rank without the last stage: no final norm, LM head or loss."""
 
     def __hash__(self) -> int:
-        """The generated hash (of the compared fields), computed once: the planner's caches key
-        on this object tens of thousands of times per search."""
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
-            object.__setattr__(self, "_hash", h)
-        return h
+        return cached_field_hash(self)
 
     @property
     def head_dim(self) -> int:
