@@ -68,7 +68,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "bf16); layout-invariant loss (global token count), global grad norm on mixed meshes",
             "= 1 process",
             "1 GPU (H200): bf16 train, resume, export, CPU offload; multi-GPU not run",
-            ("tests/test_fsdp_equivalence.py",),
+            ("tests/test_fsdp_equivalence.py", "tests/test_selective_ac.py"),
             "python_api.md",
             "DP, FSDP2, HSDP",
             "= 1 process",
