@@ -63,9 +63,9 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "= 1 process",
         ),
         Row(
-            "DP, FSDP2, HSDP (+ gradient accumulation, activation checkpointing full or selective, reshard on/off, CPU "
-            "offload, "
-            "bf16); layout-invariant loss (global token count), global grad norm on mixed meshes",
+            "DP, FSDP2, HSDP (+ gradient accumulation, activation checkpointing full or selective, "
+            "reshard on/off, CPU offload, bf16); layout-invariant loss (global token count), "
+            "global grad norm on mixed meshes",
             "= 1 process",
             "1 GPU (H200): bf16 train, resume, export, CPU offload; multi-GPU not run",
             ("tests/test_fsdp_equivalence.py", "tests/test_selective_ac.py"),
