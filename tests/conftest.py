@@ -30,6 +30,10 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(_THREADS))
 
+from ndparallel.runtime.quiet import quiet_library_noise  # noqa: E402 - logging and re only
+
+quiet_library_noise()  # as every ndparallel process: no torchao / pytree lines in the suite's log
+
 import torch  # noqa: E402,F401
 import transformers  # noqa: E402,F401
 
