@@ -1,6 +1,7 @@
 """The equivalence-heavy test files under every CPU kernel path this machine offers (issue 47).
 
     python bench/kernel_paths.py [--files tests/test_a.py ...] [--paths default MKL_CBWR=AVX2 ...]
+    python bench/kernel_paths.py --whole-suite --paths MKL_CBWR=AVX512   # scripts/test.sh under a path
 
 MKL picks its code path by CPU (``MKL_CBWR`` unset): AVX-512 on an Intel Xeon, AVX2 on an AMD EPYC;
 ``MKL_CBWR=AVX2|COMPATIBLE|AVX512`` forces one. ATen's own vectorised kernels take
@@ -20,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -92,6 +94,62 @@ def run_path(path: str, files: list[str]) -> list[dict]:
     return [_row(path, file, lines, outcomes) for file in files]
 
 
+def run_suite(path: str) -> dict:
+    """The whole suite (``scripts/test.sh``, its workers and lint included) under one path: the
+    totals, its minutes, and the file with the largest ratio and the one with the weakest fault."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ratios_file, report = Path(tmp) / "ratios.jsonl", Path(tmp) / "report.xml"
+        env = {**_env(path), "NDPARALLEL_EQUIVALENCE_RATIOS": str(ratios_file)}
+        cmd = ["bash", "scripts/test.sh", "-p", "no:cacheprovider", f"--junitxml={report}"]
+        start = time.monotonic()
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        minutes = (time.monotonic() - start) / 60
+        return summarise_suite(path, ratios_file, report, minutes, done.returncode)
+
+
+def summarise_suite(path: str, ratios_file: Path, report: Path, minutes: float, returncode: int) -> dict:
+    """One path's row from a whole-suite run's ratio lines and JUnit report (also for a run made by
+    hand: ``NDPARALLEL_EQUIVALENCE_RATIOS=F bash scripts/test.sh --junitxml=R``)."""
+    text = ratios_file.read_text() if ratios_file.exists() else ""
+    lines = [json.loads(line) for line in text.splitlines() if line]
+    cases = list(ET.parse(report).getroot().iter("testcase")) if report.exists() else []
+    outcomes = [(c.get("classname", "").replace(".", "/") + ".py", _outcome(c)) for c in cases]
+    rows = [_row(path, f, lines, outcomes) for f in sorted({f for f, _ in outcomes})]
+    equal = [r for r in rows if r["largest_ratio"] is not None]
+    faults = [r for r in rows if r["smallest_fault_ratio"] is not None]
+    worst = max(equal, key=lambda r: r["largest_ratio"], default=None)
+    weakest = min(faults, key=lambda r: r["smallest_fault_ratio"], default=None)
+    return {
+        "path": path,
+        "ok": returncode == 0 and all(r["ok"] for r in rows),
+        "passed": sum(o == "passed" for _, o in outcomes),
+        "failed": sum(o == "failed" for _, o in outcomes),
+        "failed_files": [r["file"] for r in rows if not r["ok"]],
+        "checks": sum(r["checks"] for r in rows),
+        "minutes": round(minutes, 1),
+        "largest_ratio": worst and (worst["largest_ratio"], worst["file"]),
+        "smallest_fault_ratio": weakest and (weakest["smallest_fault_ratio"], weakest["file"]),
+    }
+
+
+def suite_markdown(rows: list[dict]) -> str:
+    out = [
+        "| path | result | checks | largest diff / bound | weakest fault / bound | minutes |",
+        "|---" * 6 + "|",
+    ]
+    for r in rows:
+        result = f"{r['passed']} passed" + (
+            f", {r['failed']} failed ({', '.join(r['failed_files'])})" if r["failed"] else ""
+        )
+        big, weak = (_where(r["largest_ratio"]), _where(r["smallest_fault_ratio"]))
+        out.append(f"| {r['path']} | {result} | {r['checks']} | {big} | {weak} | {r['minutes']} |")
+    return "\n".join(out)
+
+
+def _where(ratio_file: tuple[float, str] | None) -> str:
+    return "—" if not ratio_file else f"{_fmt(ratio_file[0])} ({Path(ratio_file[1]).name})"
+
+
 def _outcome(case) -> str:
     if case.find("failure") is not None or case.find("error") is not None:
         return "failed"
@@ -139,8 +197,17 @@ def main() -> int:
     parser.add_argument("--files", nargs="+", default=FILES)
     parser.add_argument("--paths", nargs="+", default=None, help="default: every path the CPU offers")
     parser.add_argument("--fingerprints", action="store_true", help="only each path's GEMM fingerprint")
+    parser.add_argument("--whole-suite", action="store_true", help="scripts/test.sh under each path")
     args = parser.parse_args()
     paths = args.paths or available_paths()
+    if args.whole_suite:
+        suites = []
+        for path in paths:
+            suites.append(run_suite(path))
+            print(suite_markdown(suites[-1:]).splitlines()[-1], flush=True)
+        print(suite_markdown(suites))
+        write_json("kernel_paths_suite", {"rows": suites})
+        return 0 if all(r["ok"] and (r["largest_ratio"] or (0,))[0] <= 0.5 for r in suites) else 1
     for path in paths:  # which paths are really different kernels on this CPU
         print(f"{path}: GEMM fingerprint {gemm_fingerprint(path)}", flush=True)
     if args.fingerprints:
