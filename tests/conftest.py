@@ -5,6 +5,7 @@ import gc
 import json
 import os
 import resource
+import sys
 import tempfile
 from pathlib import Path
 
@@ -48,7 +49,6 @@ def _import_what_ranks_import() -> None:
     modules, ~1.8 s of CPU for every rank of every test otherwise. A module that cannot be
     imported here (another version, another platform) is left to the ranks."""
     import importlib
-    import sys
     import warnings
 
     listing = Path(__file__).with_name("rank_modules.txt")
@@ -65,8 +65,13 @@ def _import_what_ranks_import() -> None:
 
 from ndparallel.runtime.startup import paused_collector  # noqa: E402
 
+_COLLECTING_ONLY = any(a in ("--collect-only", "--co") for a in sys.argv)
+"""``pytest --collect-only`` (gpu_all's smoke asks twice) forks no rank: the ranks' modules are not
+imported for it (~20 % of such a process's CPU)."""
+
 with paused_collector():  # as ndparallel's commands import (runtime/startup.py): ~20 % of the time otherwise
-    _import_what_ranks_import()
+    if not _COLLECTING_ONLY:
+        _import_what_ranks_import()
     gc.freeze()  # the imported modules' objects leave every later collection, here and in the forked ranks
 
 from ndparallel.tools import agreement as _agreement  # noqa: E402,F401 - binds the uncounted compare first
