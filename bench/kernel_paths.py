@@ -159,8 +159,11 @@ def _outcome(case) -> str:
 def _row(path: str, file: str, lines: list[dict], outcomes: list[tuple[str, str]]) -> dict:
     mine = [x for x in lines if x["test"].startswith(file)]
     results = [o for f, o in outcomes if f == file]
-    equal = [max(x["ratios"].values(), default=0.0) for x in mine if x["expect_equal"]]
-    faults = [max(x["ratios"].values(), default=0.0) for x in mine if not x["expect_equal"]]
+    # a decision (expect_equal None: the pre-launch family check) counts as its outcome says
+    equal = [_largest(x) for x in mine if x["expect_equal"] or (x["expect_equal"] is None and x["ok"])]
+    faults = [
+        _largest(x) for x in mine if x["expect_equal"] is False or (x["expect_equal"] is None and not x["ok"])
+    ]
     return {
         "path": path,
         "file": file,
@@ -172,6 +175,10 @@ def _row(path: str, file: str, lines: list[dict], outcomes: list[tuple[str, str]
         "largest_ratio": max(equal, default=None),
         "smallest_fault_ratio": min(faults, default=None),
     }
+
+
+def _largest(line: dict) -> float:
+    return max(line["ratios"].values(), default=0.0)
 
 
 def _fmt(x: float | None) -> str:

@@ -163,11 +163,18 @@ def reference_in_rank(setup: TrainSetup, train=None) -> Reference:
 
 
 def verdict(
-    ref: Reference, got: TrainResult, *, params: bool = True, compared: tuple = (), expect_equal: bool = True
+    ref: Reference,
+    got: TrainResult,
+    *,
+    params: bool = True,
+    compared: tuple = (),
+    expect_equal: bool | None = True,
 ) -> Verdict:
     """Compare ``got`` with the reference under its bounds; ``params=False`` leaves the parameters
     out (AdamW: its sqrt(v) turns rounding on near-zero gradients into lr-sized steps). With
-    ``compared``, only those quantities decide."""
+    ``compared``, only those quantities decide. ``expect_equal`` labels the recorded ratios: True
+    for an equal-to-one-process check, False for a fault, None for a decision whose caller does
+    not know which (the pre-launch family check: its outcome says)."""
     diff = equivalence.compare(ref.result, got)  # looked up when called: the suite counts these calls
     keys = [
         k
@@ -211,7 +218,7 @@ def _ratio(d: float, bound: float) -> float:
     return 0.0 if d == 0 else math.inf if not bound else d / bound
 
 
-def _record(result: Verdict, expect_equal: bool) -> None:
+def _record(result: Verdict, expect_equal: bool | None) -> None:
     path = os.environ.get(RATIOS_ENV)
     if not path:
         return
