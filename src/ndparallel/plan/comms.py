@@ -1,4 +1,5 @@
-"""Communication model: every collective of one training step, and its alpha-beta ring cost.
+"""Communication model: every collective of one training step (its alpha-beta ring cost on the
+links: ``plan/links.py``).
 
 Convention: ``Collective.bytes`` is the size of the tensor one rank passes *into* one call (the
 local shard for all-gather, the full tensor for reduce-scatter and all-reduce, the buffer sent
@@ -11,12 +12,15 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import attrgetter
 
 from ndparallel.plan import moe_cost
 from ndparallel.plan.adapter import adapt_collectives
-from ndparallel.plan.hardware import Hardware
-from ndparallel.plan.layout import Layout, Settings
+from ndparallel.plan.field_hash import cached_field_hash
+from ndparallel.plan.layout import COLLECTIVE_FIELDS, Layout, Settings
+from ndparallel.plan.links import collective_time, cost, cost_table, group_is_intra_node  # noqa: F401 (re-exported)
 from ndparallel.plan.long_context import tiled_tp_extra
+from ndparallel.plan.memo import Memo
 from ndparallel.plan.models import ModelSpec, ParamSpec, fsdp_units
 from ndparallel.plan.moe_cost import expert_unit_numels
 from ndparallel.plan.qlora import nf4_collectives
@@ -36,6 +40,9 @@ class Collective:
     what: str
     overlap: str = "none"
     """What it can hide behind: 'compute' (FSDP/DP, prefetched), 'attention' (CP ring), 'none'."""
+
+    def __hash__(self) -> int:
+        return cached_field_hash(self)  # the key of ``cost``'s cache, asked ~200,000 times a search
 
 
 # ----------------------------------------------------------------- shapes
@@ -127,16 +134,22 @@ def predict_collectives(
 def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Collective]:
     out: list[Collective] = []
     ga = s.grad_accum
-    out += _data_parallel(model, layout, s)
+    out += _DP.get((model, layout, _DP_FIELDS(s)), lambda: tuple(_data_parallel(model, layout, s)))
     tokens = s.micro_batch * s.seq_len // layout.cp  # tokens per rank per micro-batch
     if layout.tp > 1:
-        out += _tensor_parallel(model, layout, s, tokens, ga)
+        out += _TP.get(
+            (model, layout.tp, tokens, ga, _TP_FIELDS(s)),
+            lambda: tuple(_tensor_parallel(model, layout, s, tokens, ga)),
+        )
         out += [
             Collective(kind, "tp", nbytes, n, what)
             for kind, nbytes, n, what in tiled_tp_extra(model, layout, s, tokens, ga)
         ]
     if layout.cp > 1:
-        out += _context_parallel(model, layout, s, tokens, ga)
+        out += _CP.get(
+            (model, layout.cp, layout.tp, tokens, ga, _CP_FIELDS(s)),
+            lambda: tuple(_context_parallel(model, layout, s, tokens, ga)),
+        )
     if model.is_moe:
         out += moe_cost.collectives(model, layout, s, tokens, ga, Collective)
     if s.lora_r:
@@ -144,6 +157,14 @@ def collectives_for(model: ModelSpec, layout: Layout, s: Settings) -> list[Colle
     if s.quantized_base:
         out = nf4_collectives(out, model, layout, s)
     return [c for c in out if c.count > 0]
+
+
+# A rank's data-parallel, tensor-parallel and context-parallel collectives, memoised
+# (``plan/memo.py``) on the settings each reads (``layout.COLLECTIVE_FIELDS``) with the model, the
+# layout (data parallel) or its tp (tensor parallel) or cp and tp (context parallel), the
+# micro-batch's tokens and ``grad_accum``: the search asks for the same ones under many options.
+_DP_FIELDS, _TP_FIELDS, _CP_FIELDS = (attrgetter(*names) for names in COLLECTIVE_FIELDS.values())
+_DP, _TP, _CP = Memo(), Memo(), Memo()
 
 
 def _data_parallel(model: ModelSpec, layout: Layout, s: Settings) -> list[Collective]:
@@ -361,61 +382,3 @@ def aggregate(collectives: list[Collective]) -> dict[tuple[str, str, int], int]:
     for c in collectives:
         out[(c.kind, c.mesh_dim, c.bytes)] += c.count
     return dict(out)
-
-
-# ------------------------------------------------------------------ links
-@lru_cache(maxsize=8192)
-def group_is_intra_node(layout: Layout, dim: str, gpus_per_node: int) -> bool:
-    """Do all groups along ``dim`` stay inside one node? Ranks are laid out mesh order
-    (dp_replicate, dp_shard, cp, tp), node k holding ranks [k·G, (k+1)·G): a group of size n with
-    stride I occupies aligned blocks of n·I consecutive ranks, inside a node iff n·I divides G."""
-    n = layout.size(dim)
-    if n == 1 or layout.world <= gpus_per_node:
-        return True
-    return gpus_per_node % (n * layout.inner_size(dim)) == 0
-
-
-def _measured(hw: Hardware, kind: str, n: int) -> dict | None:
-    table = hw.collectives.get(kind) or hw.collectives.get("all_reduce")
-    if not table:
-        return None
-    sizes = sorted(int(k) for k in table)
-    best = min(sizes, key=lambda k: (abs(k - n), -k))
-    return table[str(best)]
-
-
-def collective_time(kind: str, nbytes: float, n: int, hw: Hardware, intra: bool) -> float:
-    """Alpha-beta ring time of one call (NCCL ring algorithm):
-    all-gather (n−1)(α + b/B) with b the input shard; reduce-scatter (n−1)(α + b/(nB));
-    all-reduce 2(n−1)(α + b/(nB)); send/recv α + b/B; all-to-all (n−1)(α + b/(nB))."""
-    if n <= 1:
-        return 0.0
-    m = _measured(hw, kind, n) if intra else None
-    if m is not None:
-        alpha, bw = m["alpha_s"], m["bus_bw"]
-    elif intra:
-        alpha, bw = hw.intra_node_latency, hw.intra_node_bw * hw.link_efficiency
-    else:
-        alpha, bw = hw.inter_node_latency, hw.inter_node_bw * hw.link_efficiency
-    if kind == "all_gather":
-        return (n - 1) * (alpha + nbytes / bw)
-    if kind == "reduce_scatter":
-        return (n - 1) * (alpha + nbytes / (n * bw))
-    if kind == "all_reduce":
-        return 2 * (n - 1) * (alpha + nbytes / (n * bw))
-    if kind == "send_recv":
-        return alpha + nbytes / bw
-    if kind == "all_to_all":  # pairwise exchange: (n−1)/n of the input leaves each rank
-        return (n - 1) * (alpha + nbytes / (n * bw))
-    raise ValueError(f"unknown collective kind {kind!r}")
-
-
-@lru_cache(maxsize=65536)
-def cost(c: Collective, layout: Layout, hw: Hardware, gpus_per_node: int) -> tuple[float, bool]:
-    """(seconds per step for all ``c.count`` calls, intra-node link?). Cached: the search asks for
-    the same collectives under every option of a layout."""
-    intra = group_is_intra_node(layout, c.mesh_dim, gpus_per_node)
-    n = layout.size(c.mesh_dim)
-    if c.kind == "send_recv":
-        n = max(n, 2)
-    return c.count * collective_time(c.kind, c.bytes, n, hw, intra), intra

@@ -16,8 +16,9 @@ trainer's definition too) over the dtype's peak.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
+from operator import attrgetter
 
 from ndparallel.models.flops import train_flops_per_token
 from ndparallel.plan.adapter import head_copy_trains, trainable_params
@@ -45,13 +46,14 @@ KERNELS_PER_LAYER = (60, 130)
 loss, FSDP and the optimizer included; ~190 per layer, split about 1 : 2."""
 
 
+@lru_cache(maxsize=1024)
 def model_flops_per_token(
     model: ModelSpec, seq_len: int, lora_r: int = 0, lora_saved: tuple[str, ...] = ()
 ) -> float:
     """``models.flops.train_flops_per_token`` (the trainer's MFU uses the same definition):
     4·N + 2·N_trained + causal attention 6·L·a·d·s; N_trained = N, or the adapters under LoRA of
     rank ``lora_r`` (no weight gradients for the frozen base) plus a trained LM head copy
-    (``lora_saved``; the embedding's is a lookup, no matmul)."""
+    (``lora_saved``; the embedding's is a lookup, no matmul). Cached: asked once per option."""
     trained = model.matmul_params
     if lora_r:
         trained = trainable_params(model, lora_r)
@@ -111,9 +113,10 @@ def all_gemms(model: ModelSpec, layout: Layout, s: Settings) -> list[Gemm]:
 def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware) -> ComputeBreakdown:
     """Time of one micro-batch on one GPU (each GPU does 1/(c·t) of the work). Cached on what it
     depends on (the search asks for the same micro-batch under many layouts and step settings):
-    a dense model's tp and cp, the settings less the step-level ones (``STEP_FIELDS``)."""
-    key = layout if model.is_moe else Layout(cp=layout.cp, tp=layout.tp)
-    return _micro_batch_time(model, key, s.but(**STEP_FIELDS), hw, id(hw))
+    a dense model's tp and cp, the settings less the step-level ones (``STEP_FIELDS``), keyed by their
+    values (``micro_batch_key``: no ``Settings`` built or hashed per call)."""
+    dims = layout if model.is_moe else (layout.cp, layout.tp)
+    return _micro_batch_time(model, dims, micro_batch_key(s), hw, id(hw))
 
 
 STEP_FIELDS = {
@@ -128,14 +131,22 @@ STEP_FIELDS = {
     "optimizer_fused": False,
     "set_to_none": True,
 }
-"""Settings of the optimizer step and of accumulation, which one micro-batch's compute ignores."""
+"""Settings of the optimizer step and of accumulation, which one micro-batch (its compute, and in
+``plan/memory.py`` its activations, logits and workspace) ignores; their values here: a neutral step."""
+MICRO_BATCH_FIELDS = tuple(f.name for f in fields(Settings) if f.name not in STEP_FIELDS)
+micro_batch_key = attrgetter(*MICRO_BATCH_FIELDS)
+"""The values of every other ``Settings`` field, one tuple: the key of what one micro-batch costs."""
 
 
 @lru_cache(maxsize=4096)
 def _micro_batch_time(
-    model: ModelSpec, layout: Layout, s: Settings, hw: Hardware, _hw: int
+    model: ModelSpec, dims: Layout | tuple[int, int], values: tuple, hw: Hardware, _hw: int
 ) -> ComputeBreakdown:
-    """``micro_batch_time``; ``_hw`` = id(hw): calibrated profiles equal in their compared fields differ."""
+    """``micro_batch_time`` of ``dims`` (a dense model's (cp, tp)) and the settings whose other
+    fields are ``values`` (their step-level ones ``STEP_FIELDS``); ``_hw`` = id(hw): calibrated
+    profiles equal in their compared fields differ."""
+    layout = dims if isinstance(dims, Layout) else Layout(cp=dims[0], tp=dims[1])
+    s = Settings(**dict(zip(MICRO_BATCH_FIELDS, values)), **STEP_FIELDS)
     pk = peak(hw, s)
     tokens = s.micro_batch * s.seq_len / layout.cp
     gemm = gemm_time(hw, all_gemms(model, layout, s), pk)

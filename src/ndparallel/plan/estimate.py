@@ -105,8 +105,9 @@ def rank_step(
     per_dim: dict[str, float] = {}
     intra: dict[str, bool] = {}
     gather = reduce = tp = cp = cp_serial = ep = 0.0
+    costs = comms.cost_table(layout, hw, gpus_per_node)
     for c in colls:
-        sec, is_intra = comms.cost(c, layout, hw, gpus_per_node)
+        sec, is_intra = costs[c]
         per_dim[c.mesh_dim] = per_dim.get(c.mesh_dim, 0.0) + sec
         intra[c.mesh_dim] = is_intra
         if c.overlap == "compute" and c.kind == "all_gather":
@@ -201,7 +202,7 @@ def finish(
         "pipeline bubble": timeb.pp_bubble,
         "pp comm": timeb.pp_exposed,
     }
-    name = max(parts, key=parts.get)
+    name = top = max(parts, key=parts.get)
     if name.endswith("comm"):
         dims = {
             "tp comm": ["tp"],
@@ -214,7 +215,7 @@ def finish(
             ("intra" if timeb.comm_total[d]["intra_node"] else "inter") for d in dims if d in timeb.comm_total
         }
         name += f" ({'/'.join(sorted(links))}-node)"
-    bottleneck = f"{name} {parts[max(parts, key=parts.get)] / step:.0%}"
+    bottleneck = f"{name} {parts[top] / step:.0%}"
     return Estimate(
         layout,
         s,

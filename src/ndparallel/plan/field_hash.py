@@ -4,13 +4,22 @@ records tens of thousands of times per search."""
 from __future__ import annotations
 
 from dataclasses import fields
+from operator import attrgetter
+
+_COMPARED: dict[type, object] = {}
+"""Per class: the getter of its compared fields' values (one tuple)."""
 
 
 def cached_field_hash(obj) -> int:
-    """The hash the dataclass would generate (of its compared fields), kept on ``obj`` after the
-    first call."""
-    h = obj.__dict__.get("_hash")
+    """The hash of the dataclass's compared fields (what ``eq`` compares), kept on ``obj`` after
+    the first call."""
+    d = obj.__dict__
+    h = d.get("_hash")
     if h is None:
-        h = hash(tuple(getattr(obj, f.name) for f in fields(obj) if f.compare))
-        object.__setattr__(obj, "_hash", h)
+        values = _COMPARED.get(type(obj))
+        if values is None:
+            names = [f.name for f in fields(obj) if f.compare]
+            get = attrgetter(*names)
+            values = _COMPARED[type(obj)] = get if len(names) > 1 else lambda o: (get(o),)
+        h = d["_hash"] = hash(values(obj))
     return h

@@ -120,11 +120,12 @@ class Settings:
         """``dataclasses.replace(self, **changes)`` at a tenth of its cost (the search makes tens of
         thousands): ``Settings`` has no ``__post_init__`` to run, so a copy of the fields is the same
         object ``replace`` builds. An unknown name is refused as ``replace`` refuses it."""
-        unknown = changes.keys() - self.__dict__.keys()
-        if unknown:
-            raise TypeError(f"Settings has no field(s) {sorted(unknown)}")
         new = object.__new__(Settings)
-        new.__dict__.update(self.__dict__, **changes)
+        fields_ = new.__dict__
+        fields_.update(self.__dict__)
+        fields_.update(changes)
+        if len(fields_) != len(self.__dict__):  # a name that is no field added one
+            raise TypeError(f"Settings has no field(s) {sorted(changes.keys() - self.__dict__.keys())}")
         return new
 
     @classmethod
@@ -213,6 +214,27 @@ OPTIMIZER_STATE_BYTES = {
     "adamw_4bit": 1 + 8 / 128,
     "muon": 4.0,
 }
+
+COLLECTIVE_FIELDS = {
+    "data_parallel": (
+        "grad_accum",
+        "mixed_precision",
+        "unsharded_grad_accumulation",
+        "sync_every_microbatch",
+        "reshard_after_forward",
+        "reshard_after_backward",
+    ),
+    "tensor_parallel": (
+        "mixed_precision",
+        "sequence_parallel",
+        "sp_saved_shards",
+        "loss_parallel",
+        "recompute",
+    ),
+    "context_parallel": ("mixed_precision", "recompute", "cp_strategy"),
+}
+"""The ``Settings`` fields (``recompute``: the property) each group of a rank's collectives reads:
+``plan/comms.py`` memoises the groups on them (``tests/test_plan_memo.py`` checks no other moves them)."""
 
 
 _ALIASES = {

@@ -11,6 +11,7 @@ kept or accumulated. Checked on the H200 (``bench/reference``): docs/planner.md.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from ndparallel.plan import moe_cost, muon_cost
 from ndparallel.plan.adapter import (
@@ -21,6 +22,7 @@ from ndparallel.plan.adapter import (
     saved_copy_units,
 )
 from ndparallel.plan.comms import unit_numels
+from ndparallel.plan.compute import micro_batch_key
 from ndparallel.plan.embedding_moment import (
     embedding_backward_bytes,
     embedding_shard_grad_bytes,
@@ -37,6 +39,7 @@ from ndparallel.plan.long_context import (
     tiled_saved_reduction_per_token,
 )
 from ndparallel.plan.loss_memory import chunk_head_grad_bytes, chunk_logit_bytes, chunk_tokens
+from ndparallel.plan.memo import Memo
 from ndparallel.plan.models import ModelSpec, fsdp_units
 from ndparallel.plan.qat_memory import qat_head_bytes, qat_layer_bytes
 from ndparallel.plan.qlora import memory_adjustments
@@ -262,10 +265,13 @@ def optimizer_step_temporaries(model: ModelSpec, layout: Layout, s: Settings) ->
         return muon_cost.step_temporaries(model, layout)
     if s.optimizer != "adamw" or s.optimizer_fused:
         return 0.0
-    largest = max(
-        p.numel / (layout.tp if p.tp_dim is not None else 1) / layout.fsdp for p in model.param_specs()
-    )
-    return 2 * 4.0 * largest
+    return 2 * 4.0 * _largest_shard(model, layout.tp, layout.fsdp)
+
+
+@lru_cache(maxsize=4096)
+def _largest_shard(model: ModelSpec, tp: int, fsdp: int) -> float:
+    """Elements of the rank's largest parameter shard (cached: asked once per option)."""
+    return max(p.numel / (tp if p.tp_dim is not None else 1) / fsdp for p in model.param_specs())
 
 
 def _lora_state(model: ModelSpec, layout: Layout, s: Settings, shard_numel: float, head: str) -> tuple:
@@ -320,9 +326,11 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     if unsharded and not s.lora_r:  # accumulating unsharded: no sharded gradient before the sync
         grads_a = grads_b = unsharded + (0.0 if s.set_to_none else shard_numel * 4)
 
-    tokens = s.micro_batch * s.seq_len / layout.cp
-    saved, plain_layer, per_layer, qat_layer, qat_head = _saved_activations(model, layout, s, tokens)
-    logits = _logits_bytes(model, layout, s, tokens) if model.has_lm_head else 0.0
+    dims = layout if model.is_moe else (layout.cp, layout.tp)
+    saved, plain_layer, per_layer, qat_layer, qat_head, logits, workspace, host = _MICRO_BATCH.get(
+        (model, dims, micro_batch_key(s)), lambda: _micro_batch_terms(model, layout, s)
+    )
+    saved *= s.pp_in_flight  # a pipeline rank holds several micro-batches (plan/pipeline.py)
     buf_a, buf_b = _buffers(model, layout, s, numels, unsharded > 0)
     buf_a, buf_b = buf_a - nf4.get("buffer_a", 0.0), buf_b - nf4.get("buffer_b", 0.0)
 
@@ -335,7 +343,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
             grads_b,
             saved
             + (per_layer if s.checkpointing else 0.0)
-            + _workspace(model, layout, s, tokens)
+            + workspace
             + nf4.get("workspace", 0.0)
             + (qat_layer if s.checkpointing else 0.0),
             0.0,
@@ -358,12 +366,28 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     overhead = hw.runtime_overhead_bytes + FRAGMENTATION * (acts + lg + buf)
     total = params + grads + optimizer + acts + lg + buf + overhead
     parts = (params, grads, optimizer, acts, lg, buf, overhead, total)
-    return MemoryBreakdown(*parts, phase, plain_layer, host_bytes(model, layout, s))
+    return MemoryBreakdown(*parts, phase, plain_layer, host)
+
+
+_MICRO_BATCH = Memo()
+
+
+def _micro_batch_terms(model: ModelSpec, layout: Layout, s: Settings) -> tuple:
+    """What one micro-batch's tokens hold: ``_saved_activations`` (one micro-batch in flight), the
+    logits, the layer backward's workspace and the offloaded bytes. Memoised on a dense model's
+    (cp, tp) and the settings less their step-level fields (``compute.micro_batch_key``): the search
+    asks for the same micro-batch under every layout that shares them."""
+    tokens = s.micro_batch * s.seq_len / layout.cp
+    logits = _logits_bytes(model, layout, s, tokens) if model.has_lm_head else 0.0
+    workspace = _workspace(model, layout, s, tokens)
+    host = host_bytes(model, layout, s)
+    return (*_saved_activations(model, layout, s, tokens), logits, workspace, host)
 
 
 def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> tuple:
-    """(saved for backward at the peak, one layer's plain saved set, the same less what the tiled
-    MLP drops, QAT's share per layer, QAT's share of the head), bytes of ``tokens`` per micro-batch."""
+    """(saved for backward at the peak with one micro-batch in flight, one layer's plain saved
+    set, the same less what the tiled MLP drops, QAT's share per layer, QAT's share of the head),
+    bytes of ``tokens`` per micro-batch."""
     e = s.act_bytes
     plain_layer = layer_activation_bytes_per_token(model, layout, s) * tokens
     per_layer = plain_layer - tiled_saved_reduction_per_token(model, layout, s) * tokens
@@ -384,7 +408,6 @@ def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: fl
         saved += 0.0 if s.checkpointing else model.layers * qat_layer
     # RoPE cos and sin (b, s/c, d) in activation dtype, shared by all layers.
     saved += 2 * tokens * model.head_dim * e
-    saved *= s.pp_in_flight  # a pipeline rank holds several micro-batches (plan/pipeline.py)
     return saved, plain_layer, per_layer, qat_layer, qat_head
 
 

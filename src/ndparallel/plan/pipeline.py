@@ -123,13 +123,17 @@ def fill_stretch(model: ModelSpec, p: int, v: int, schedule: str, shape: RankSha
     return first_row / (shape.layers / shape.stages)
 
 
-@lru_cache(maxsize=1024)
 def rank_model(model: ModelSpec, shape: RankShape) -> ModelSpec:
     """The part of ``model`` a pp rank holds, as a model: its layers, the embedding on the first
-    stage, final norm + LM head on the last (tied embeddings: two copies, one each end)."""
-    return replace(
-        model, layers=shape.layers, tied_embeddings=False, has_embedding=shape.first, has_lm_head=shape.last
-    )
+    stage, final norm + LM head on the last (tied embeddings: two copies, one each end). One
+    object per distinct part (ranks of different shapes may hold equal parts): the planner's
+    caches find it by identity."""
+    return _part(model, shape.layers, shape.first, shape.last)
+
+
+@lru_cache(maxsize=1024)
+def _part(model: ModelSpec, layers: int, first: bool, last: bool) -> ModelSpec:
+    return replace(model, layers=layers, tied_embeddings=False, has_embedding=first, has_lm_head=last)
 
 
 def measured_ranks(p: int, schedule: str) -> tuple[int, ...]:
@@ -149,9 +153,14 @@ def p2p_bytes(model: ModelSpec, layout, s) -> int:
 
 def p2p_collectives(model: ModelSpec, layout, s, shape: RankShape, collective) -> list:
     """The rank's sends per step: activations forward from each of its stages but the model's
-    last, their gradients backward from each but the first (one ``send_recv`` each)."""
-    nbytes, m = p2p_bytes(model, layout, s), s.grad_accum
-    return [
+    last, their gradients backward from each but the first (one ``send_recv`` each). Cached:
+    asked for every option of every pp layout, each time the same few."""
+    return list(_p2p_collectives(p2p_bytes(model, layout, s), s.grad_accum, shape, collective))
+
+
+@lru_cache(maxsize=4096)
+def _p2p_collectives(nbytes: int, m: int, shape: RankShape, collective) -> tuple:
+    return tuple(
         c
         for c in (
             collective(
@@ -172,7 +181,7 @@ def p2p_collectives(model: ModelSpec, layout, s, shape: RankShape, collective) -
             ),
         )
         if c.count > 0
-    ]
+    )
 
 
 def exposed_transfers(schedule: str, p: int, m: int, v: int) -> int:

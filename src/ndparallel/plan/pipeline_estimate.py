@@ -9,6 +9,7 @@ default), their exposed FSDP traffic. Reported memory: the larger rank's."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 from ndparallel.parallel.pp.split import ZERO_BUBBLE_SCHEDULES
 from ndparallel.plan import comms
@@ -31,6 +32,12 @@ from ndparallel.plan.pipeline import (
     rank_model,
     rank_shape,
 )
+
+
+@lru_cache(maxsize=4096)
+def _one_send(nbytes: int) -> Collective:
+    """One stage-to-stage transfer (one object per size: ``comms.cost``'s cache key)."""
+    return Collective("send_recv", "pp", nbytes, 1, "")
 
 
 def rank_settings(s: Settings, p: int, rank: int, last: bool) -> Settings:
@@ -119,9 +126,7 @@ def estimate_pipeline(
     worst = max(ranks, key=lambda k: ranks[k][1].total)
     _, _, colls, timeb = ranks[pace]
     work, bubble, once, stretch = pipelined(pace)
-    one, intra = comms.cost(
-        Collective("send_recv", "pp", p2p_bytes(model, layout, s), 1, ""), layout, hw, gpus_per_node
-    )
+    one, intra = comms.cost(_one_send(p2p_bytes(model, layout, s)), layout, hw, gpus_per_node)
     p2p = exposed_transfers(schedule, p, m, v) * one
     sends = sum(c.count for c in colls if c.mesh_dim == "pp")
     optimizer = max(r[3].optimizer for r in ranks.values())  # after the pipeline, on every rank

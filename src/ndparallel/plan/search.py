@@ -217,6 +217,7 @@ def evaluate_layout(
     virtual: int | None = None,
     unsharded: bool | None = None,
     skip_unfit: bool = False,
+    base: Settings | None = None,
 ) -> LayoutResult:
     """All (micro-batch, checkpointing, pipeline schedule, gradient reduction) options of one
     layout; the best that fits is ``best``. ``schedule`` / ``virtual`` pin a pp layout's schedule
@@ -224,9 +225,10 @@ def evaluate_layout(
 
     ``skip_unfit`` (the search's): an option whose memory does not fit the device is not costed
     further and not kept in ``options`` (the same ``best`` and rejection, about 2× faster where
-    most options do not fit; ``--explain`` evaluates its layout without it, every option shown)."""
+    most options do not fit; ``--explain`` evaluates its layout without it, every option shown).
+    ``base``: ``base_settings(req)``, when the caller has it (the search: once per request)."""
     res = LayoutResult(layout)
-    base = base_settings(req)
+    base = base or base_settings(req)
     res.rejections = _layout_rejections(req, layout, base)
     if res.rejections:
         return res
@@ -329,8 +331,9 @@ def plan(req: PlanRequest) -> PlanResult:
     if req.gpus < 1:
         raise ValueError("--gpus must be >= 1")
     layers = req.model.layers if req.pipeline else 0
+    base = base_settings(req)
     results = [
-        evaluate_layout(req, lay, skip_unfit=True)
+        evaluate_layout(req, lay, skip_unfit=True, base=base)
         for lay in enumerate_layouts(req.gpus, req.model.num_experts, layers)
     ]
     ranked = sorted(
