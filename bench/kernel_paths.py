@@ -26,7 +26,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_json  # noqa: E402
+from _common import results_dir, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = [
@@ -104,6 +104,9 @@ def run_suite(path: str) -> dict:
         start = time.monotonic()
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         minutes = (time.monotonic() - start) / 60
+        log = results_dir() / f"kernel_paths_suite_{path.replace('=', '_')}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(done.stdout + done.stderr)  # the failures' tracebacks, for the table's reader
         return summarise_suite(path, ratios_file, report, minutes, done.returncode)
 
 
