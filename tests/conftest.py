@@ -20,6 +20,13 @@ os.environ["NDPARALLEL_DEVICE"] = "cpu"
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_DIR", tempfile.mkdtemp(prefix="ndparallel-tests-wandb-"))
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    # Inductor's cache, warm from runs at the CPU's own capability, served kernels that computed
+    # torchao's 8-bit AdamW update wrongly under ATEN_CPU_CAPABILITY=avx2 (losses 12 % off; right
+    # with a cold cache, torch 2.13): a forced capability gets a cache of its own.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor-ndparallel-{os.environ['ATEN_CPU_CAPABILITY']}"
+    )
 
 _THREADS = None
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
