@@ -17,7 +17,11 @@ fi
 # The dev extras again where one is missing, or where ruff is not the version pyproject pins (an
 # install from before ruff was added, or another ruff: lint and format results differ by version).
 RUFF_PIN=$(sed -n 's/.*"ruff==\([0-9.]*\)".*/\1/p' pyproject.toml)
+# Also where the installed ndparallel is another checkout's (a second clone on the same machine
+# would otherwise test the first one's code in every test process).
+HERE="$(pwd)/src/ndparallel/__init__.py"
 if ! "$PY" -c "import ndparallel, pytest_timeout, xdist, accelerate" 2>/dev/null \
+   || [ "$(cd / && "$PY" -c "import ndparallel; print(ndparallel.__file__)" 2>/dev/null)" != "$HERE" ] \
    || [ "$("$PY" -m ruff --version 2>/dev/null)" != "ruff $RUFF_PIN" ] \
    || [ "${NDPARALLEL_REINSTALL:-0}" = 1 ]; then
   echo "[ensure_env] installing ndparallel (editable) with its dev extras"
