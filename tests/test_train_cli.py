@@ -125,7 +125,8 @@ def test_one_rank_train_runs_in_this_process_without_an_agent(tmp_path, capsys, 
     cfg = _yaml(
         tmp_path,
         f"base_model: tiny-llama\nmax_steps: 2\noutput_dir: {out}\nsequence_len: 32\n"
-        f"dataset_cache_dir: {tmp_path / 'cache'}\n",
+        f"dataset_cache_dir: {tmp_path / 'cache'}\ntokenizer_vocab_size: 512\n"
+        "datasets: [{path: 'builtin:stdlib', max_bytes: 50000}]\n",  # not the whole stdlib: ~10 CPU s
     )
     code, stdout, err = run_cli(capsys, "train", cfg)
     assert code == 0, err[-3000:]
