@@ -82,6 +82,7 @@ SMOKE = {
             "tensor_parallel_size": 2,
             "sequence_len": 64,
             "bf16": False,
+            "datasets": [{"path": "builtin:stdlib", "max_files": 20}],  # 2 tiny steps need few rows
         },
         8,
     )
@@ -93,10 +94,10 @@ def _config(tmp: Path, name: str, fields: dict) -> Path:
 
     cfg = {
         **COMMON,
+        "datasets": [{"path": "builtin:stdlib", "max_files": 200}],
         **fields,
         "output_dir": str(tmp / name),
         "dataset_cache_dir": str(tmp / "cache"),
-        "datasets": [{"path": "builtin:stdlib", "max_files": 200}],
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -160,7 +160,7 @@ long_context() {  # issue 31: the long-context rows
     echo "HEADLINE: bench/gpu_long_context.py absent (issue 31 not built yet)"
     exit 77
   fi
-  "$PY" bench/gpu_long_context.py $([ "$GPU_ALL_SMOKE" = 1 ] && echo --tiny)
+  "$PY" bench/gpu_long_context.py $([ "$GPU_ALL_SMOKE" = 1 ] && echo --tiny --seqs 128 --steps 1)
 }
 
 name=${1:?usage: bash bench/gpu_steps.sh STEP}

@@ -70,7 +70,7 @@ def _import_what_ranks_import() -> None:
                     pass
 
 
-from ndparallel.runtime.startup import paused_collector  # noqa: E402
+from ndparallel.runtime.startup import import_model_libraries, paused_collector  # noqa: E402
 
 _COLLECTING_ONLY = any(a in ("--collect-only", "--co") for a in sys.argv)
 """``pytest --collect-only`` (gpu_all's smoke asks twice) forks no rank: the ranks' modules are not
@@ -80,6 +80,8 @@ with paused_collector():  # as ndparallel's commands import (runtime/startup.py)
     if not _COLLECTING_ONLY:
         _import_what_ranks_import()
     gc.freeze()  # the imported modules' objects leave every later collection, here and in the forked ranks
+if not _COLLECTING_ONLY:
+    import_model_libraries()  # all imported: it only notes the freeze, for every command and forked rank
 
 from ndparallel.tools import agreement as _agreement  # noqa: E402,F401 - binds the uncounted compare first
 from ndparallel.tools import equivalence as _equivalence  # noqa: E402

@@ -260,9 +260,28 @@ ALPACA_RUNS = {  # example -> extra --set overrides (each example's alpaca datas
 }
 
 
+@pytest.fixture
+def low_bit_update_uncompiled(monkeypatch):
+    """torchao's 8-bit AdamW (these examples' ``adamw_bnb_8bit``) ``torch.compile``s its update once
+    per parameter shape and state kind in each rank: inductor's C++ codegen, ~15 CPU s a test here
+    (more with a cold cache), for what these tests do not check. In their forked ranks the update
+    runs as written, eagerly (the same torchao optimizer, quantised states and arithmetic), as
+    test_qlora_train runs it (``force_eager``); compiled, it is test_optim_lowbit's, which checks it
+    against one process."""
+    import torch
+    import torchao.optim.adam as adam
+
+    compile_ = torch.compile
+
+    def compile_all_but_the_update(model=None, **kwargs):
+        return model if model is adam.single_param_adam else compile_(model, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_all_but_the_update)
+
+
 @pytest.mark.timeout(300)  # a real multi-rank launch, 40-95 s on 2 cores: over the 120 s default budget
 @pytest.mark.parametrize("example", sorted(ALPACA_RUNS))
-def test_more_alpaca_examples_train_to_the_end(example, tmp_path):
+def test_more_alpaca_examples_train_to_the_end(example, tmp_path, low_bit_update_uncompiled):
     """QAT, LoRA with modules_to_save and deduplication, sequential packing, QLoRA and fp16: each
     example as written but for paths and sizes, 2 steps on 2 ranks; the output loads."""
     model = tiny_llama_dir(tmp_path / "llama")

@@ -13,6 +13,7 @@ CAP = dict(vocab_size=512, max_bytes=300_000)
 
 
 def test_train_cache_roundtrip(tmp_path, monkeypatch):
+    monkeypatch.setattr(tokmod, "_TRAINED", {})  # trained here, not copied from an earlier test's
     t0 = time.perf_counter()
     tok = load_or_train_tokenizer("builtin:stdlib", tmp_path, vocab_size=1024, max_bytes=1_000_000)
     first = time.perf_counter() - t0
@@ -47,7 +48,8 @@ def _worker(cache_dir, queue):
     queue.put(sorted(tok.get_vocab().items()))
 
 
-def test_concurrent_builders_agree(tmp_path):
+def test_concurrent_builders_agree(tmp_path, monkeypatch):
+    monkeypatch.setattr(tokmod, "_TRAINED", {})  # the forked builders train, none copies
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(str(tmp_path), queue)) for _ in range(3)]
@@ -83,3 +85,15 @@ def test_errors(tmp_path):
         load_or_train_tokenizer(tmp_path / "noeos")
     with pytest.raises(ValueError, match="vocab_size"):
         load_or_train_tokenizer(cache_dir=tmp_path, vocab_size=100)
+
+
+def test_a_tokenizer_trained_once_is_copied_into_another_cache(tmp_path, monkeypatch):
+    """Another run's cache directory gets the files this process trained, not a second training."""
+    monkeypatch.setattr(tokmod, "_TRAINED", {})
+    tok = load_or_train_tokenizer(cache_dir=tmp_path / "a", **CAP)
+    monkeypatch.setattr(tokmod, "train_bpe", lambda *a, **k: pytest.fail("trained the same tokenizer twice"))
+    again = load_or_train_tokenizer(cache_dir=tmp_path / "b", **CAP)
+    assert again.get_vocab() == tok.get_vocab()
+    assert [e.name for e in (tmp_path / "b" / "tokenizers").iterdir() if e.is_dir()] == [
+        e.name for e in (tmp_path / "a" / "tokenizers").iterdir() if e.is_dir()
+    ]

@@ -91,6 +91,12 @@ def test_cpu_smoke_passes_every_step(tmp_path):
         }, rows.keys()
         for name, r in rows.items():
             assert r["tokens_per_s"] > 0 and r["drift_ok"] and len(r["losses"]) == 3, (name, r)
+    # the long-context rows (bench/gpu_long_context.py --tiny): offload exact, every memory row, the planner
+    long = json.loads((out / "results" / "gpu_long_context.json").read_text())
+    assert long["exactness"]["pass"] and long["exactness"]["offload_max_abs"] == 0.0, long["exactness"]
+    assert [r["config"] for r in long["rows"]] == ["checkpointing", "ckpt + tiled", "ckpt + tiled + offload"]
+    assert long["rows"][-1]["host_GiB"] > 0 and long["planner_8b_h200_longest"]["lora_r16"] > 0, long
+    assert next(r[3] for r in _summary(out / "summary.tsv") if r[0] == "long_context").startswith("exact=yes")
 
 
 def test_a_failing_step_fails_the_run_and_results_come_back_packed_from_out(tmp_path):

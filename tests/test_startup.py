@@ -65,3 +65,14 @@ def test_commands_freeze_once_their_input_is_readable(tmp_path):
     before, early, after, loaded = (out.stdout.split() or ["?"] * 4)[-4:]
     assert before == "0" and early == "False", out.stdout + out.stderr
     assert after.isdigit() and int(after) > 100_000 and loaded == "True", out.stdout + out.stderr
+
+
+def test_the_freeze_is_looked_up_once_per_process(monkeypatch):
+    """``gc.get_freeze_count`` walks every frozen object (~0.07 s in a test process): asked once,
+    not by every command a process runs (187 times in test_axolotl_examples.py)."""
+    calls, real = [], gc.get_freeze_count
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: calls.append(1) or real())
+    monkeypatch.setattr(startup, "_frozen", False)
+    startup.import_model_libraries()
+    startup.import_model_libraries()
+    assert len(calls) == 1 and startup._frozen

@@ -2,13 +2,11 @@
 same model as one rank; `ndparallel verify` passes a right layout and fails a broken one."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli_helpers import train_on_forked_ranks
 from ndparallel.axolotl import load_config
 from ndparallel.testing import run_on_ranks
 
@@ -27,33 +25,23 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def test_quickstart_cli_writes_metrics_and_a_model_that_generates(tmp_path):
+    """The README's first command (its layout cut to FSDP 2) on ranks forked from this process: the
+    elastic launch itself is tested by test_cluster / test_faults_launcher / test_harness_and_launch."""
     out_dir = tmp_path / "run"
-    args = [
-        sys.executable,
-        "-m",
-        "ndparallel",
-        "train",
-        "examples/quickstart.yaml",
-        "--set",
+    sets = [
         "dp_shard_size=2",
-        "--set",
         "context_parallel_size=1",
-        "--set",
         "tensor_parallel_size=1",
-        "--set",
         "max_steps=4",
-        "--set",
         "logging_steps=2",
-        "--set",
         "eval_steps=4",
-        "--set",
         f"output_dir={out_dir}",
-        "--set",
         f"dataset_cache_dir={tmp_path / 'cache'}",
-        *[a for s in SMALL_DATA for a in ("--set", s)],
+        *SMALL_DATA,
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    proc = train_on_forked_ranks(
+        ["train", ROOT / "examples" / "quickstart.yaml", *[a for s in sets for a in ("--set", s)]], cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "step 4: loss" in proc.stdout and "eval_loss" in proc.stdout
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

@@ -105,23 +105,6 @@ def test_plot_missing_run_dir(tmp_path, capsys):
     assert code == 2 and "metrics.jsonl" in err
 
 
-def test_error_found_on_the_ranks_is_one_line_and_nonzero(tmp_path):
-    """A dataset too small for one block is only found once the ranks tokenize it."""
-    data = tmp_path / "tiny.jsonl"
-    data.write_text(json.dumps({"text": "hello world"}) + "\n")
-    cfg = _yaml(
-        tmp_path,
-        f"base_model: tiny-llama\ntokenizer_vocab_size: 512\n"
-        f"datasets: [{{path: {data}}}]\nsequence_len: 512\n"
-        f"output_dir: {tmp_path / 'out'}\ndataset_cache_dir: {tmp_path / 'cache'}\n"
-        "dp_shard_size: 2\n",
-    )
-    out = _cli("train", cfg, timeout=300)
-    assert out.returncode != 0
-    errors = [line for line in out.stderr.splitlines() if line.startswith("ndparallel train: error:")]
-    assert len(errors) == 1 and "block" in errors[0], out.stderr[-3000:]
-
-
 def test_resume_policy_after_an_elastic_restart():
     from ndparallel.training.trainer import resume_policy
 
@@ -142,7 +125,8 @@ def test_one_rank_train_runs_in_this_process_without_an_agent(tmp_path, capsys, 
     cfg = _yaml(
         tmp_path,
         f"base_model: tiny-llama\nmax_steps: 2\noutput_dir: {out}\nsequence_len: 32\n"
-        f"dataset_cache_dir: {tmp_path / 'cache'}\n",
+        f"dataset_cache_dir: {tmp_path / 'cache'}\ntokenizer_vocab_size: 512\n"
+        "datasets: [{path: 'builtin:stdlib', max_bytes: 50000}]\n",  # not the whole stdlib: ~10 CPU s
     )
     code, stdout, err = run_cli(capsys, "train", cfg)
     assert code == 0, err[-3000:]

@@ -5,6 +5,9 @@ vocabulary size and the corpus fingerprint, so a second call only loads it. Conc
 (all ranks of a job sharing a filesystem) serialize on a file lock: the first one trains and
 writes into a temporary directory which is then renamed into place with ``os.replace``; the
 others wait for the lock and load the finished directory. A directory only appears complete.
+A process that trained a tokenizer keeps its files: another cache directory asking for the same
+key (another run's ``dataset_cache_dir``) gets a copy, not a second training (training is
+deterministic: the same corpus and settings give the same tokenizer).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from .corpus import BUILTIN_STDLIB, stdlib_corpus
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 _FORMAT_VERSION = 1  # bump when the training recipe changes, to invalidate old caches
+_TRAINED: dict[str, dict[str, bytes]] = {}
+"""The files of each tokenizer this process trained, by cache key (a BPE of the whole stdlib: ~4 CPU s)."""
 
 
 def default_cache_dir() -> Path:
@@ -85,7 +90,13 @@ def _cached_stdlib_bpe(
             if not (final / "tokenizer.json").exists():  # another process may have built it
                 tmp = root / f"{key}.tmp-{os.getpid()}"
                 shutil.rmtree(tmp, ignore_errors=True)
-                train_bpe(corpus.texts(), vocab_size, min_frequency).save_pretrained(tmp)
+                if key in _TRAINED:
+                    tmp.mkdir()
+                    for name, data in _TRAINED[key].items():
+                        (tmp / name).write_bytes(data)
+                else:
+                    train_bpe(corpus.texts(), vocab_size, min_frequency).save_pretrained(tmp)
+                    _TRAINED[key] = {f.name: f.read_bytes() for f in tmp.iterdir() if f.is_file()}
                 os.replace(tmp, final)
     return PreTrainedTokenizerFast.from_pretrained(str(final))
 

@@ -272,10 +272,12 @@ def check_adapter(cfg: TrainConfig, hf, tp_size: int, ep_size: int = 1, pp_size:
 
 
 def _adaptedmeta_model(cfg: TrainConfig, hf, lora_config=None):
-    """A meta-device copy of the model wrapped with the run's LoRA config (or ``lora_config``)."""
+    """A meta-device copy of the model wrapped with the run's LoRA config (or ``lora_config``); its
+    LoRA layers are on the meta device too (a 70B model's would take seconds and gigabytes)."""
+    import torch
 
     try:
-        with quiet_transformers():
+        with quiet_transformers(), torch.device("meta"):
             return apply_adapter(meta_model(cfg, hf), lora_config or cfg.lora_config())
     except ImportError as e:
         raise ConfigError(f"adapter: lora: {e}") from None

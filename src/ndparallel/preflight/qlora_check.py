@@ -28,8 +28,11 @@ def check_quantized_base(cfg: TrainConfig, hf, pc) -> str | None:
         require_torchao()
     except ImportError as e:
         raise ConfigError(f"load_in_4bit: {e}") from None
+    import torch
+
     config = cfg.nf4_config()
-    with quiet_transformers():  # check_adapter (run first) has named any problem of the LoRA config
+    # check_adapter (run first) has named any problem of the LoRA config; LoRA layers on meta too
+    with quiet_transformers(), torch.device("meta"):
         base = base_model_of(apply_adapter(meta_model(cfg, hf), cfg.lora_config()))
     names, kept = quantized_linears(base, config)
     modules = dict(base.named_modules())
