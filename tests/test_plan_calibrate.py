@@ -7,10 +7,10 @@ import pytest
 
 from ndparallel.plan.calibrate import calibrate, fit_alpha_beta
 from ndparallel.plan.cli import main
-from ndparallel.plan.comms import collective_time
 from ndparallel.plan.gemm import gemm_shapes
 from ndparallel.plan.hardware import Hardware, load_hardware_file
 from ndparallel.plan.layout import Layout, Settings
+from ndparallel.plan.links import collective_time
 from ndparallel.plan.models import PRESETS
 
 

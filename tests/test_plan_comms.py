@@ -3,14 +3,10 @@ placement, alpha-beta costs."""
 
 import pytest
 
-from ndparallel.plan.comms import (
-    aggregate,
-    collective_time,
-    group_is_intra_node,
-    predict_collectives,
-)
+from ndparallel.plan.comms import aggregate, predict_collectives
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout
+from ndparallel.plan.links import collective_time, group_is_intra_node
 from ndparallel.plan.models import PRESETS
 
 TINY = PRESETS["tiny"]  # layer 36,992 params; embed 16,384; final (norm + lm_head) 16,448

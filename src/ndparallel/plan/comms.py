@@ -18,7 +18,6 @@ from ndparallel.plan import moe_cost
 from ndparallel.plan.adapter import adapt_collectives
 from ndparallel.plan.field_hash import cached_field_hash
 from ndparallel.plan.layout import COLLECTIVE_FIELDS, Layout, Settings
-from ndparallel.plan.links import collective_time, cost, cost_table, group_is_intra_node  # noqa: F401 (re-exported)
 from ndparallel.plan.long_context import tiled_tp_extra
 from ndparallel.plan.memo import Memo
 from ndparallel.plan.models import ModelSpec, ParamSpec, fsdp_units

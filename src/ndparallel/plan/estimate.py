@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ndparallel.plan import comms, muon_cost
+from ndparallel.plan import comms, links, muon_cost
 from ndparallel.plan.adapter import adapter_shard_numel
 from ndparallel.plan.compute import micro_batch_time, model_flops_per_token, peak, step_extras
 from ndparallel.plan.hardware import GiB, Hardware
@@ -105,7 +105,7 @@ def rank_step(
     per_dim: dict[str, float] = {}
     intra: dict[str, bool] = {}
     gather = reduce = tp = cp = cp_serial = ep = 0.0
-    costs = comms.cost_table(layout, hw, gpus_per_node)
+    costs = links.cost_table(layout, hw, gpus_per_node)
     for c in colls:
         sec, is_intra = costs[c]
         per_dim[c.mesh_dim] = per_dim.get(c.mesh_dim, 0.0) + sec

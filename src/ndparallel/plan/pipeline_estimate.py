@@ -12,7 +12,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from ndparallel.parallel.pp.split import ZERO_BUBBLE_SCHEDULES
-from ndparallel.plan import comms
+from ndparallel.plan import links
 from ndparallel.plan.comms import Collective
 from ndparallel.plan.estimate import Estimate, finish, rank_step
 from ndparallel.plan.hardware import Hardware
@@ -36,7 +36,7 @@ from ndparallel.plan.pipeline import (
 
 @lru_cache(maxsize=4096)
 def _one_send(nbytes: int) -> Collective:
-    """One stage-to-stage transfer (one object per size: ``comms.cost``'s cache key)."""
+    """One stage-to-stage transfer (one object per size: ``links.cost``'s cache key)."""
     return Collective("send_recv", "pp", nbytes, 1, "")
 
 
@@ -126,7 +126,7 @@ def estimate_pipeline(
     worst = max(ranks, key=lambda k: ranks[k][1].total)
     _, _, colls, timeb = ranks[pace]
     work, bubble, once, stretch = pipelined(pace)
-    one, intra = comms.cost(_one_send(p2p_bytes(model, layout, s)), layout, hw, gpus_per_node)
+    one, intra = links.cost(_one_send(p2p_bytes(model, layout, s)), layout, hw, gpus_per_node)
     p2p = exposed_transfers(schedule, p, m, v) * one
     sends = sum(c.count for c in colls if c.mesh_dim == "pp")
     optimizer = max(r[3].optimizer for r in ranks.values())  # after the pipeline, on every rank

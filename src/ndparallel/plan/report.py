@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ndparallel.plan import comms
+from ndparallel.plan import links
 from ndparallel.plan.adapter import trainable_fraction, trainable_params
 from ndparallel.plan.hardware import GiB
 from ndparallel.plan.pipeline import default_virtual, pipeline_lines
@@ -184,7 +184,7 @@ def explain_json(res: LayoutResult, result: PlanResult) -> dict:
 def _collective_rows(e: Estimate, result: PlanResult) -> list[dict]:
     rows = []
     for c in e.collectives:
-        sec, intra = comms.cost(c, e.layout, result.request.hardware, result.request.gpus_per_node)
+        sec, intra = links.cost(c, e.layout, result.request.hardware, result.request.gpus_per_node)
         rows.append(
             {
                 "kind": c.kind,
