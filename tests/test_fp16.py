@@ -4,10 +4,12 @@ decision is the same on every rank (``engine/loss_scale.py``, ``docs/precision.m
 Equal means the project's one rule (``tools.agreement``, docs/testing.md). fp16 compute is not
 bit-exact across layouts: each rank rounds its partial weight gradients (a sum over its own rows) to
 fp16 before the fp32 reduction, so the layout changes which partial sums are rounded. The
-one-process reference's second way (its rows reversed) rounds other partial sums to fp16 too, so its
-measured noise is fp16's rounding in this very setup (3.1e-5 relative in the loss, 2026-12-06): no
-factor of its own. Measured: FSDP 2 / DP 2 × FSDP 2 at ≤ 0.25 of the bound on the default MKL path
-and ``MKL_CBWR=COMPATIBLE``; the gradient all-reduce skipped under fp16 fails it 130-2,800x.
+one-process reference's second ways measure that rounding in this very setup, no factor of its own:
+its rows reversed, and (fp16 only) its rows as two accumulated micro-batches, which rounds two
+partial sums as FSDP 2 does — on ATen's unvectorised path the reversed rows alone measured 10x less
+than FSDP 2's difference (grad norm 2.9e-6 against 3.3e-5: 1.5x the bound, 2026-12-06). Measured
+with both: FSDP 2 / DP 2 × FSDP 2 at ≤ 0.13 of the bound on the default, ATen default / avx2 and
+``MKL_CBWR=COMPATIBLE`` paths; the gradient all-reduce skipped under fp16 fails it 110-3,800x.
 """
 
 import dataclasses

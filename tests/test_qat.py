@@ -18,7 +18,6 @@ from ndparallel.models.presets import preset_config
 from ndparallel.techniques.technique_options import LossOptions, QATOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import (
-    Reference,
     assert_differs,
     assert_matches,
     first_steps,
@@ -184,12 +183,19 @@ def test_fsdp_and_replicas_train_like_one_process_under_qat(options, layout, wor
     else:
         setup = _qat(BASE, options)
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=300)[0]
-    # Two-term sums (FSDP 2, DP 2): no level flips in 3 steps here, so every step, the parameters
-    # included, is held to the rule's bounds of the same model *without* quantisers (the rounding
-    # noise of fp32 arithmetic alone; a QAT reference's own second way may flip a level and measure
-    # a quantisation step instead). The flip bound is for layouts that sum more terms (below).
-    qat = rule_reference(setup, ("qat_options",)).result
-    assert_matches(Reference(qat, rule_reference(setup).bounds), got)
+    # As every layout under QAT (``agreement.quantiser_bounds``): step 1 (same weights in, the
+    # quantisers see the same values) obeys the rule; from step 2 the weights differ by fp32 rounding
+    # and an activation on an int8 level boundary may round the other way in one run: within twice
+    # QAT's own effect. Whether one flips within 3 steps depends on the kernel path: none on the
+    # vectorised ones, but on ATen's unvectorised path FSDP 2 and DP 2 flip (parameters 3.5e-4, 2026-12-06).
+    exact, flips_ref = _references(setup)
+    assert_matches(exact, first_steps(got))
+    assert_matches(flips_ref, got)
+    if options is INT8_INT4:  # the int4 weight levels that differ, as a user would judge them
+        ref = flips_ref.result
+        flips, total = int4_level_flips(ref.params, got.params, INT8_INT4)
+        expected = expected_int4_flips(ref.params, got.params, INT8_INT4)
+        assert flips <= flip_count_bound(expected), (flips, total, expected)
 
 
 @pytest.mark.parametrize(

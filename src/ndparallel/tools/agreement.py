@@ -8,7 +8,11 @@ router loss: relative, per step; parameters after training: absolute) it is
 - ``noise``: the one-process reference trained a second way that is exact in real arithmetic — the
   rows of every micro-batch in reverse order, so every sum over tokens (weight gradients, the loss)
   runs in another order — and its own difference from the first. That is the rounding the machine's
-  kernels (MKL's AVX2 / AVX-512 paths, ATen's vector width) put into this very setup.
+  kernels (MKL's AVX2 / AVX-512 paths, ATen's vector width) put into this very setup. Under fp16
+  compute also the rows as two accumulated micro-batches (``split_micro_batches``), the larger
+  difference counting: fp16 rounds each micro-batch's (and each rank's) partial weight gradients
+  before the fp32 sum, which reversed rows do not move on every kernel path (ATen's unvectorised
+  one: 10x less, 2026-12-06).
 - ``NOISE_SAFETY`` (8): a layout reorders more sums than the second way does (shards of every
   matmul, CP's blockwise softmax, one all-reduce per mesh dimension); their rounding adds up with
   random signs, so a few times the measured noise covers it (docs/testing.md: the measured ratios).
@@ -78,6 +82,27 @@ def reversed_rows(setup: TrainSetup) -> TrainSetup:
     return dataclasses.replace(setup, batches=batches)
 
 
+def split_micro_batches(setup: TrainSetup, parts: int = 2) -> TrainSetup:
+    """The same training, every micro-batch's rows as ``parts`` accumulated micro-batches: equal in
+    real arithmetic (the loss is normalised over the whole step's tokens either way)."""
+    rows = setup.global_micro_batch // parts
+    batches = [
+        [{k: v[i * rows : (i + 1) * rows] for k, v in mb.items()} for mb in step for i in range(parts)]
+        for step in make_global_batches(setup)
+    ]
+    return dataclasses.replace(
+        setup, batches=batches, grad_accum=setup.grad_accum * parts, global_micro_batch=rows
+    )
+
+
+def second_ways(setup: TrainSetup) -> list[TrainSetup]:
+    """The trainings ``setup``'s reference is also run as to measure its noise (module docstring)."""
+    ways = [reversed_rows(setup)]
+    if setup.mixed_precision == "fp16" and setup.global_micro_batch % 2 == 0:
+        ways.append(split_micro_batches(setup))
+    return ways
+
+
 @dataclass(frozen=True)
 class Bounds:
     """The largest difference from one process each quantity may show, and where it comes from."""
@@ -89,9 +114,11 @@ class Bounds:
         return f"{self.limits[key]:.1e} ({self.sources[key]})"
 
 
-def measured_bounds(setup: TrainSetup, first: TrainResult, second: TrainResult) -> Bounds:
-    """The rule above from the reference (``first``) and its second way (``second``)."""
-    noise = compare(first, second)
+def measured_bounds(setup: TrainSetup, first: TrainResult, *seconds: TrainResult) -> Bounds:
+    """The rule above from the reference (``first``) and its second ways (``seconds``: the largest
+    difference of each quantity counts)."""
+    diffs = [compare(first, second) for second in seconds]
+    noise = {k: max(d[k] for d in diffs) for k in QUANTITIES if all(k in d for d in diffs)}
     factor, why = family_factor(setup.model_config)
     steps = max(len(first.losses), 1)
     n = sum(p.numel() for p in (first.params or {}).values()) or 2
@@ -148,18 +175,18 @@ class Verdict:
         )
 
 
-def reference_runs(setup: TrainSetup) -> tuple[TrainResult, TrainResult]:
-    """Inside one rank: the one-process run and its second way (``reversed_rows``)."""
+def reference_runs(setup: TrainSetup) -> list[TrainResult]:
+    """Inside one rank: the one-process run and its second ways (``second_ways``)."""
     one = dataclasses.replace(setup, fault=None)
-    return train_under_layout(one, None), train_under_layout(reversed_rows(one), None)
+    return [train_under_layout(s, None) for s in (one, *second_ways(one))]
 
 
 def reference_in_rank(setup: TrainSetup, train=None) -> Reference:
     """Inside one rank: the reference with its measured bounds. ``train(setup) -> TrainResult``:
     another one-process reference of the same training (e.g. every document as its own sequence),
     held to the bounds measured on ``setup``'s own two ways."""
-    first, second = reference_runs(setup)
-    return Reference(train(setup) if train is not None else first, measured_bounds(setup, first, second))
+    first, *seconds = reference_runs(setup)
+    return Reference(train(setup) if train is not None else first, measured_bounds(setup, first, *seconds))
 
 
 def verdict(
