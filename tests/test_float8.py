@@ -95,7 +95,10 @@ def test_layouts_train_like_one_process_in_fp8(layout, world):
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=600)[0]
     assert_matches(ref, got, compared=("loss_rel",))
     plain = run_on_ranks(train_under_layout, 1, BASE, None)[0]
-    assert compare(plain, ref.result)["loss_rel"] <= 1e-2  # fp8 changes the run (E, measured 2.7e-4)
+    # fp8 changes the run (the casts happen: E > 0, measured 2.7e-4), by less than one e4m3 rounding
+    # of the loss itself (unit roundoff 2^-4, 3 mantissa bits): every matmul input is rounded to e4m3
+    # once, and those errors average over the hidden dimension instead of adding up
+    assert 0 < compare(plain, ref.result)["loss_rel"] <= 2.0**-4
 
 
 def _float8_weight_types():

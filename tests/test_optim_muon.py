@@ -23,8 +23,8 @@ import torch
 
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import run_on_ranks
-from ndparallel.tools.agreement import assert_differs, assert_matches, one_process_reference
-from ndparallel.tools.equivalence import TrainSetup, train_under_layout
+from ndparallel.tools.agreement import assert_differs, assert_matches, fp32_floor, one_process_reference
+from ndparallel.tools.equivalence import TrainSetup, build_model, train_under_layout
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import ckpt_train  # noqa: E402
@@ -145,11 +145,14 @@ def test_checkpoint_resumes_on_another_layout(tmp_path):
         ckpt_train.train, 4, {"dp_shard_size": 2, "tp_size": 2}, str(tmp_path / "run"), resume=True, **MUON
     )[0]
     assert sorted(resumed["losses"]) == [3, 4]
+    # The rule's loss bound for this model and optimizer (measured on SETUP's 3 steps), its fp32
+    # floor taken over the 4 steps here: a resume on another layout reorders sums, nothing more.
+    n = sum(p.numel() for p in build_model(SETUP).parameters())
+    bound = max(_reference(SETUP).bounds.limits["loss_rel"], fp32_floor(n, 4))
     for step in (3, 4):
-        assert abs(resumed["losses"][step] - ref["losses"][step]) <= 1e-5 * abs(ref["losses"][step]), (
-            resumed,
-            ref,
-        )
+        rel = abs(resumed["losses"][step] - ref["losses"][step]) / abs(ref["losses"][step])
+        print(f"step {step}: loss {rel:.1e} of bound {bound:.1e}")
+        assert rel <= bound, (step, rel, bound, resumed, ref)
 
 
 def test_planner_states_one_momentum_for_matrices_two_moments_for_the_rest():

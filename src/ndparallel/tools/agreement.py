@@ -114,6 +114,12 @@ class Bounds:
         return f"{self.limits[key]:.1e} ({self.sources[key]})"
 
 
+def fp32_floor(n: int, steps: int) -> float:
+    """The rule's relative floor: ``log2(n)`` fp32 ulp per step (a sum of ``n`` terms in another
+    order may differ by up to log2(n) ulp: pairwise summation's bound)."""
+    return math.log2(n) * FP32_EPS * steps
+
+
 def measured_bounds(setup: TrainSetup, first: TrainResult, *seconds: TrainResult) -> Bounds:
     """The rule above from the reference (``first``) and its second ways (``seconds``: the largest
     difference of each quantity counts)."""
@@ -122,8 +128,7 @@ def measured_bounds(setup: TrainSetup, first: TrainResult, *seconds: TrainResult
     factor, why = family_factor(setup.model_config)
     steps = max(len(first.losses), 1)
     n = sum(p.numel() for p in (first.params or {}).values()) or 2
-    ulps = math.log2(n)  # a sum of n terms in another order: up to log2(n) ulp apart (pairwise)
-    rel_floor = ulps * FP32_EPS * steps
+    rel_floor = fp32_floor(n, steps)
     scale = _largest_finite(first.params or {})
     limits, sources = {}, {}
     family = f" × {factor:.1f} ({why})" if factor > 1 else ""
