@@ -221,7 +221,8 @@ def _buffers(
 
     Loss moment: the head unit gathered (its gradient comes after the loss backward's peak).
     Layer moment: the layer in use and ``prefetch`` more gathered in compute dtype, its unsharded
-    gradient in compute dtype plus the fp32 copy fed to reduce-scatter (``accumulating``
+    gradient in compute dtype plus the fp32 copy fed to reduce-scatter, or the larger one of the
+    head unit FSDP2 still holds at the last layer (``accumulating``
     unsharded: the gradient is added into the kept one, no copy); tied models keep the root
     unit gathered, and its unsharded gradient, until the embedding's backward at the end. Without
     ``reshard_after_forward`` every layer stays gathered from forward to backward; without
@@ -242,7 +243,10 @@ def _buffers(
             head_local += head_grad
     buf_a = head_local * cb
     prefetched = min(s.prefetch, model.layers - 1)  # a one-layer pipeline stage has no next layer
-    buf_b = (1 + prefetched) * layer_local * cb + layer_grad * (e + (0 if accumulating else rb))
+    # The reduce-scatter input FSDP2 holds is the previous unit's until this unit's own is made
+    # (``reduce_scatter_states``): at the last layer's backward an untied head unit's.
+    rs_input = max(layer_grad, 0 if model.tied_embeddings else head_grad)
+    buf_b = (1 + prefetched) * layer_local * cb + layer_grad * e + (0 if accumulating else rs_input * rb)
     if model.tied_embeddings:
         buf_b += head_local * cb + head_grad * e
     if not s.reshard_after_forward or not s.reshard_after_backward:
@@ -412,8 +416,9 @@ def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: fl
 
 
 def _workspace(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:
-    """One layer's backward workspace: the larger of its MLP stage (with the tiled MLP: per tile
-    only) and its attention stage (CP buffers, less the MLP half's saved tensors, freed by then:
+    """One layer's backward workspace: the largest of its MLP stage (with the tiled MLP: per tile
+    only), its post-attention RMSNorm's backward (``norm_backward_per_token``) and its attention
+    stage (CP buffers, less the MLP half's saved tensors, freed by then:
     ``mlp_half_saved_per_token``), each with the residual-stream gradients."""
     per_token = layer_backward_workspace_per_token(model, layout, s)
     mlp = mlp_gradient_workspace_per_token(model, layout, s)
@@ -422,7 +427,24 @@ def _workspace(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> 
     attention_stage = tokens * (
         attention_scratch_per_token(model, layout, s) - mlp_half_saved_per_token(model, layout, s)
     )
-    return residual + max(mlp_stage, attention_stage)
+    return residual + max(mlp_stage, tokens * norm_backward_per_token(model, layout, s), attention_stage)
+
+
+def norm_backward_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """The post-attention RMSNorm's backward beyond the saved set and the residual-stream
+    gradients, per token. HF's norm runs in fp32 (``x.float()``, ``pow(2).mean``, ``x·rsqrt``):
+    inside the ``pow``'s backward five fp32 ``[tokens, h/t_sp]`` tensors are alive at once — the
+    gradient through ``x·rsqrt`` (waiting to be summed), the mean's expanded gradient and the
+    pow's ``x¹``, ``2·x¹`` and product (``20·h/t_sp``; measured, ``bench/simulate_long_context.py``).
+    By then the MLP half is freed but for the norm's fp32 input (``mlp_half_saved_per_token`` less
+    ``4·h/t_sp``), and the norm's incoming gradient is consumed: one residual-stream gradient
+    (``e·h/t_sp``) fewer than the two counted. The larger stage only once the MLP keeps no
+    intermediates (tiled): untiled, gate/up/product freed by then outweigh the five."""
+    t_sp = layout.tp if s.sequence_parallel else 1
+    fp32_input = 4 * model.hidden / t_sp
+    mlp_half = mlp_half_saved_per_token(model, layout, s)
+    freed = mlp_half - fp32_input if mlp_half else 0.0  # 0: the saved set counted whole
+    return 5 * fp32_input - freed - s.act_bytes * model.hidden / t_sp
 
 
 def mlp_half_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
