@@ -67,3 +67,24 @@ def test_offloaded_layer_inputs_are_host_memory():
     assert offloader.stats.offloaded == 2 and offloader.stats.restored == 2
     assert live.host_peak == offloader.stats.peak_host_bytes == 2 * layer_input, live.host_peak
     assert live.host_cur == 0  # freed with the graph
+
+
+def test_rmsnorm_backward_holds_five_fp32_copies_of_its_input():
+    """What ``plan/memory.py: norm_backward_per_token`` counts (``20·h`` per token): HF's RMSNorm
+    (fp32 inside, bf16 weight as under FSDP's param dtype) allocates in its backward, alive at once
+    at the peak, five fp32 ``[T, h]`` tensors — the gradient through ``x·rsqrt``, the mean's
+    expanded gradient, and pow's ``x¹``, ``2·x¹`` and product — plus per-token and per-channel
+    vectors. The same autograd formulas run on a GPU."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    tokens, h = 512, 256
+    norm = LlamaRMSNorm(h).to(torch.bfloat16)
+    x = torch.randn(tokens, h, dtype=torch.bfloat16, requires_grad=True)
+    y = norm(x)
+    live = LiveBytes(trace=True)
+    with live:
+        y.backward(torch.randn_like(y))
+    made_in_backward = {origin: n for origin, n in live.at_peak() if origin[1]}
+    fp32_copies = [n for n in made_in_backward.values() if n == 4 * tokens * h]
+    assert len(fp32_copies) == 5, made_in_backward
+    assert sum(made_in_backward.values()) - 5 * 4 * tokens * h <= 4 * (tokens + h), made_in_backward
