@@ -9,16 +9,12 @@ import pytest
 
 from ndparallel.plan.gemm import micro_batch_gemms
 from ndparallel.plan.hardware import GiB, get_preset
+from ndparallel.plan.layer_backward import mlp_half_saved_per_token, norm_backward_per_token
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import host_bytes, mlp_tiles
 from ndparallel.plan.longest import longest_for_layout
 from ndparallel.plan.memo import clear_memos
-from ndparallel.plan.memory import (
-    attention_scratch_per_token,
-    estimate_memory,
-    mlp_half_saved_per_token,
-    norm_backward_per_token,
-)
+from ndparallel.plan.memory import attention_scratch_per_token, estimate_memory
 from ndparallel.plan.models import load_model_spec
 from ndparallel.plan.search import PlanRequest, estimate, evaluate_layout
 from ndparallel.techniques.tile_rule import tile_split

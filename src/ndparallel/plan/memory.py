@@ -29,6 +29,7 @@ from ndparallel.plan.embedding_moment import (
     kept_gathered_bytes,
 )
 from ndparallel.plan.hardware import Hardware
+from ndparallel.plan.layer_backward import mlp_half_saved_per_token, norm_backward_per_token
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import (
     checkpointed_input_per_token,
@@ -44,7 +45,7 @@ from ndparallel.plan.models import ModelSpec, fsdp_units
 from ndparallel.plan.qat_memory import qat_head_bytes, qat_layer_bytes
 from ndparallel.plan.qlora import memory_adjustments
 from ndparallel.plan.recompute_policies import op_policy_saved_per_token
-from ndparallel.plan.sp_activations import block_input_divisor, block_inputs_per_token
+from ndparallel.plan.sp_activations import block_inputs_per_token
 
 FRAGMENTATION = 0.05
 """Allocator slack added on top of the transient (activation, buffer, logits) bytes."""
@@ -428,36 +429,3 @@ def _workspace(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> 
         attention_scratch_per_token(model, layout, s) - mlp_half_saved_per_token(model, layout, s)
     )
     return residual + max(mlp_stage, tokens * norm_backward_per_token(model, layout, s), attention_stage)
-
-
-def norm_backward_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
-    """The post-attention RMSNorm's backward beyond the saved set and the residual-stream
-    gradients, per token. HF's norm runs in fp32 (``x.float()``, ``pow(2).mean``, ``x·rsqrt``):
-    inside the ``pow``'s backward five fp32 ``[tokens, h/t_sp]`` tensors are alive at once — the
-    gradient through ``x·rsqrt`` (waiting to be summed), the mean's expanded gradient and the
-    pow's ``x¹``, ``2·x¹`` and product (``20·h/t_sp``; measured, ``bench/simulate_long_context.py``).
-    By then the MLP half is freed but for the norm's fp32 input (``mlp_half_saved_per_token`` less
-    ``4·h/t_sp``), and the norm's incoming gradient is consumed: one residual-stream gradient
-    (``e·h/t_sp``) fewer than the two counted. The larger stage only once the MLP keeps no
-    intermediates (tiled): untiled, gate/up/product freed by then outweigh the five."""
-    t_sp = layout.tp if s.sequence_parallel else 1
-    fp32_input = 4 * model.hidden / t_sp
-    mlp_half = mlp_half_saved_per_token(model, layout, s)
-    freed = mlp_half - fp32_input if mlp_half else 0.0  # 0: the saved set counted whole
-    return 5 * fp32_input - freed - s.act_bytes * model.hidden / t_sp
-
-
-def mlp_half_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
-    """What a layer's saved set no longer holds when its backward reaches the attention: the MLP
-    half's tensors, freed by autograd as their backward ran — the post-attention RMSNorm's (its
-    fp32 input, normalized output and reciprocal RMS, ``((4+e)·h + 4)/t_sp``), the MLP's input
-    (``e·h`` / its divisor; tiled, the tiled block's ``e·h/t_sp``) and, untiled, gate, SiLU, up and
-    their product (``4·e·f/t``). Counted for dense models under full or no checkpointing (the
-    selective policy and MoE blocks keep other sets: 0, the upper bound as before)."""
-    if model.is_moe or s.recompute == "selective":
-        return 0.0
-    t, e, h = layout.tp, s.act_bytes, model.hidden
-    t_sp = t if s.sequence_parallel else 1
-    norm = ((4 + e) * h + 4) / t_sp
-    mlp = e * h / block_input_divisor(layout, s) + 4 * e * model.intermediate / t
-    return norm + mlp - tiled_saved_reduction_per_token(model, layout, s)
