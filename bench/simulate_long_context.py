@@ -1,15 +1,17 @@
 """The long-context planner terms against ``ndparallel simulate`` of one CP rank (issue 50).
 
-    nice -n 10 python bench/simulate_long_context.py [--seq 32768] [--out DIR]
+    nice -n 10 python bench/simulate_long_context.py [--seq 32768] [--trace] [--out DIR]
 
 Llama-3.1-8B's shape shrunk in width only where the per-token ratios survive: 32 query / 8 K/V
 heads, head dim h/32, MLP 3.5·h, at h = 256 (8B: 4096), 2 layers, an 8k vocabulary (the builtin
 tokenizer's), bf16, AdamW, chunked loss in 64-token chunks (so the loss is not the peak, as at
-millions of tokens), and the long-context settings of ``plan --max-seq-len``'s best row: CP 8 with
-Ulysses, activation checkpointing, tiled MLP, activation offloading. Rank 0 of world 8. Prints the
-measured tensor peak (``runtime/memory_probe.py``) beside the planner's ``allocated`` as the
-simulation reports it, and the planner's previous upper bound (the attention's buffers added to
-the whole recomputed layer, ``mlp_half_saved_per_token`` = 0). Writes ``simulate_long_context.json``.
+millions of tokens), and the long-context settings of ``plan --max-seq-len --cp-strategy ulysses``'s
+longest row: CP 8 with Ulysses, activation checkpointing, tiled MLP, activation offloading. Rank 0
+of world 8. Prints the measured tensor peak (``runtime/memory_probe.py``: device memory; the
+offloader's host copies, pinned host memory on a GPU, apart) beside the planner's ``allocated`` as
+the simulation reports it, and both sides' offloaded host memory. ``--trace`` runs the rank in this
+process with ``LiveBytes(trace=True)`` and adds what is alive at the peak, grouped by origin (op,
+autograd node, frame). Writes ``simulate_long_context.json``.
 """
 
 from __future__ import annotations
@@ -66,57 +68,66 @@ def _config(tmp: Path, seq: int) -> Path:
     return tmp / "cfg.yaml"
 
 
-def upper_bound_mib(seq: int) -> float:
-    """The planner's previous layer-backward bound for the same run (no MLP half freed)."""
-    from ndparallel.plan import memory
-    from ndparallel.plan.hardware import get_preset
-    from ndparallel.plan.layout import Layout, Settings
-    from ndparallel.plan.models import from_hf_config
+def _run_cli(cfg: Path) -> dict:
+    cmd = [sys.executable, "-m", "ndparallel", "simulate", str(cfg)]
+    cmd += ["--world-size", "8", "--rank", "0", "--steps", "1", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode != 0:
+        sys.exit(f"simulate failed: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout)
 
-    s = Settings(
-        seq_len=seq,
-        checkpointing=True,
-        mixed_precision="bf16",
-        loss_impl="chunked",
-        loss_chunk_tokens=CHUNK,
-        cp_strategy="ulysses",
-        tiled_mlp=True,
-        activation_offloading=True,
-    )
-    spec, lay, hw = from_hf_config(MODEL), Layout(cp=8), get_preset("h100-80gb")
-    with mock.patch.object(memory, "mlp_half_saved_per_token", lambda *a: 0.0):
-        before = memory.estimate_memory(spec, lay, s, hw)
-    now = memory.estimate_memory(spec, lay, s, hw)
-    return (before.allocated - now.allocated) / 2**20
+
+def _run_traced(cfg: Path) -> tuple[dict, list]:
+    """The same rank in this process, its probe tracing: (report, what is alive at the peak)."""
+    from ndparallel.axolotl import load_config
+    from ndparallel.runtime import memory_probe
+    from ndparallel.runtime.startup import import_model_libraries
+    from ndparallel.tools import simulate as sim
+
+    probes = []
+
+    def traced():
+        probes.append(memory_probe.LiveBytes(trace=True))
+        return probes[-1]
+
+    config = load_config(str(cfg), [])
+    import_model_libraries()
+    with mock.patch.object(sim, "LiveBytes", traced):
+        report = sim.simulate(config, sim.SimulationRequest(world_size=8, rank=0, steps=1))
+    held = [{"mib": n / 2**20, "op": o[0], "node": o[1], "at": o[2]} for o, n in probes[-1].at_peak()]
+    return report, [h for h in held if abs(h["mib"]) >= 1 / 64]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--trace", action="store_true", help="list what is alive at the measured peak")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
+    held = None
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "ndparallel", "simulate", str(_config(Path(tmp), args.seq))]
-        cmd += ["--world-size", "8", "--rank", "0", "--steps", "1", "--json"]
+        cfg = _config(Path(tmp), args.seq)
         t0 = time.perf_counter()
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if out.returncode != 0:
-        sys.exit(f"simulate failed: {out.stderr.strip().splitlines()[-1:]}")
-    r = json.loads(out.stdout)
-    m, p = r["measured"]["tensor_peak_gib"] * 1024, r["predicted"]["tensor_peak_gib"] * 1024
+        r, held = _run_traced(cfg) if args.trace else (_run_cli(cfg), None)
+    m, p = r["measured"], r["predicted"]
     row = {
         "seq": args.seq,
         "tokens_per_rank": args.seq // 8,
-        "measured_mib": m,
-        "predicted_mib": p,
-        "error": p / m - 1,
-        "previous_bound_mib": p + upper_bound_mib(args.seq),
-        "peak_phase": r["predicted"].get("peak_phase"),
+        "measured_mib": m["tensor_peak_gib"] * 1024,
+        "predicted_mib": p["tensor_peak_gib"] * 1024,
+        "error": p["tensor_peak_gib"] / m["tensor_peak_gib"] - 1,
+        "states_mib": sum(m["state_gib"].values()) * 1024,
+        "offload_host_measured_mib": m.get("offload_host_peak_gib", 0.0) * 1024,
+        "offload_host_predicted_mib": p.get("offload_host_gib", 0.0) * 1024,
+        "peak_phase": p.get("peak_phase"),
+        "predicted_breakdown_mib": {k: v * 1024 for k, v in p.get("memory_gib", {}).items()},
         "wall_s": time.perf_counter() - t0,
+        **({"alive_at_peak": held} if held is not None else {}),
     }
     print(json.dumps(row, indent=1))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "simulate_long_context.json").write_text(json.dumps(row, indent=2))
+    name = f"simulate_long_context{'' if args.seq == 32768 else f'_{args.seq}'}.json"
+    (Path(args.out) / name).write_text(json.dumps(row, indent=2))
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@ import pytest
 
 from ndparallel.plan.gemm import micro_batch_gemms
 from ndparallel.plan.hardware import GiB, get_preset
+from ndparallel.plan.layer_backward import mlp_half_saved_per_token, norm_backward_per_token
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import host_bytes, mlp_tiles
 from ndparallel.plan.longest import longest_for_layout
 from ndparallel.plan.memo import clear_memos
-from ndparallel.plan.memory import attention_scratch_per_token, estimate_memory, mlp_half_saved_per_token
+from ndparallel.plan.memory import attention_scratch_per_token, estimate_memory
 from ndparallel.plan.models import load_model_spec
 from ndparallel.plan.search import PlanRequest, estimate, evaluate_layout
 from ndparallel.techniques.tile_rule import tile_split
@@ -116,14 +117,44 @@ def test_attention_stage_no_longer_holds_the_mlp_half(monkeypatch):
     untiled = dataclasses.replace(s, tiled_mlp=False)
     assert mlp_half_saved_per_token(L8B, lay, untiled) == half + 4 * e * L8B.intermediate
     assert mlp_half_saved_per_token(L8B, lay, dataclasses.replace(s, ac_policy="selective")) == 0.0
-    # the ring's buffers are the larger stage: the layer-backward moment is smaller by exactly that
+    # with the post-attention norm's stage out of the way the ring's buffers are the larger stage:
+    # the layer-backward moment is smaller by exactly the MLP half
+    monkeypatch.setattr("ndparallel.plan.memory.norm_backward_per_token", lambda *a: 0.0)
+    clear_memos()  # the micro-batch's memory terms are memoised (plan/memo.py): again, patched
     now = _mem(lay, seq_len=1 << 20, checkpointing=True, tiled_mlp=True)
     monkeypatch.setattr("ndparallel.plan.memory.mlp_half_saved_per_token", lambda *a: 0.0)
-    clear_memos()  # the micro-batch's memory terms are memoised (plan/memo.py): again, patched
+    clear_memos()
     upper_bound = _mem(lay, seq_len=1 << 20, checkpointing=True, tiled_mlp=True)
     clear_memos()  # and none of the patched ones kept for the tests after this one
     assert now.peak_phase == upper_bound.peak_phase == "layer backward"
     assert upper_bound.activations - now.activations == pytest.approx((1 << 20) / 8 * half)
+
+
+def test_post_attention_norm_backward_is_the_tiled_layers_largest_stage(monkeypatch):
+    # HF's RMSNorm backward in fp32: five [T, h] fp32 tensors inside pow's backward (20·h), the MLP
+    # half freed but the norm's fp32 input (half − 4·h), one residual-stream gradient less (e·h)
+    lay, h, e, tokens = Layout(cp=8), L8B.hidden, 2, (1 << 20) / 8
+    s = Settings(seq_len=1 << 20, checkpointing=True, tiled_mlp=True, cp_strategy="ring")
+    half = (4 + e) * h + 4 + e * h
+    norm = 20 * h - (half - 4 * h) - e * h
+    assert norm_backward_per_token(L8B, lay, s) == norm
+    sp = Settings(seq_len=1 << 20, checkpointing=True, tiled_mlp=True, sequence_parallel=True)
+    assert norm_backward_per_token(L8B, Layout(tp=2), sp) == pytest.approx(norm / 2)
+    # the larger than the ring's buffers (less the MLP half) and than one MLP tile: the
+    # layer-backward moment grows by exactly the difference
+    ring = attention_scratch_per_token(L8B, lay, s) - half
+    assert norm > ring
+    now = _mem(lay, seq_len=1 << 20, checkpointing=True, tiled_mlp=True)
+    monkeypatch.setattr("ndparallel.plan.memory.norm_backward_per_token", lambda *a: 0.0)
+    clear_memos()  # the micro-batch's memory terms are memoised (plan/memo.py): again, patched
+    without = _mem(lay, seq_len=1 << 20, checkpointing=True, tiled_mlp=True)
+    assert now.peak_phase == without.peak_phase == "layer backward"
+    assert now.activations - without.activations == pytest.approx(tokens * (norm - ring))
+    # untiled, the MLP's gate/up/product freed by then outweigh it: the MLP stage stays the larger
+    monkeypatch.undo()
+    clear_memos()  # none of the patched ones kept for the tests after this one
+    untiled = dataclasses.replace(s, tiled_mlp=False)
+    assert norm_backward_per_token(L8B, lay, untiled) < 3 * e * L8B.intermediate
 
 
 def test_host_memory_rejects_what_does_not_fit_the_node():

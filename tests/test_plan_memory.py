@@ -1,6 +1,8 @@
 """Planner memory model on hand-checked cases (the tiny preset: h=64, L=2, a=4, kv=2, d=16,
 f=128, V=256, untied: 106,816 parameters, 36,992 per layer)."""
 
+import dataclasses
+
 import pytest
 
 from ndparallel.plan.comms import fsdp_shard_numel, unit_numels
@@ -247,3 +249,24 @@ def test_h200_rows_memory():
         )
         m = estimate_memory(PRESETS[r["planner_model"]], Layout(), s, HWP["h200"])
         assert m.allocated / 2**30 == pytest.approx(r["max_allocated_gib"], rel=0.01), r["config"]
+
+
+def test_the_head_units_reduce_scatter_input_is_held_at_the_last_layer():
+    """FSDP2 keeps the previous unit's reduce-scatter input until the next unit's reduce-scatter
+    (``reduce_scatter_states``): at the last layer's backward the untied head's, in the reduce
+    dtype, larger than a layer's for Llama-3.1-8B; a tied model's root unit reduces at the end."""
+    from ndparallel.plan.memory import _buffers
+    from ndparallel.plan.models import fsdp_units
+
+    lay, s = Layout(dp_shard=8), Settings(seq_len=4096, mixed_precision="bf16")
+    spec = PRESETS["llama-3.1-8b"]
+    numels = unit_numels(spec, lay.tp, lay.fsdp, lay)
+    layer, head = numels["layer"][0], numels["final"][0]
+    assert head > layer and fsdp_units(spec)["final"] == (1, False)
+    _, buf_b = _buffers(spec, lay, s, numels)
+    assert buf_b == (1 + s.prefetch) * layer * 2 + layer * 2 + head * 4
+    tied = dataclasses.replace(spec, tied_embeddings=True)
+    tied_numels = unit_numels(tied, lay.tp, lay.fsdp, lay)
+    root = tied_numels["root"][0]
+    _, tied_b = _buffers(tied, lay, s, tied_numels)
+    assert tied_b == (1 + s.prefetch) * layer * 2 + layer * (2 + 4) + root * (2 + 2)

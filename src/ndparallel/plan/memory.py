@@ -29,6 +29,7 @@ from ndparallel.plan.embedding_moment import (
     kept_gathered_bytes,
 )
 from ndparallel.plan.hardware import Hardware
+from ndparallel.plan.layer_backward import mlp_half_saved_per_token, norm_backward_per_token
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import (
     checkpointed_input_per_token,
@@ -44,7 +45,7 @@ from ndparallel.plan.models import ModelSpec, fsdp_units
 from ndparallel.plan.qat_memory import qat_head_bytes, qat_layer_bytes
 from ndparallel.plan.qlora import memory_adjustments
 from ndparallel.plan.recompute_policies import op_policy_saved_per_token
-from ndparallel.plan.sp_activations import block_input_divisor, block_inputs_per_token
+from ndparallel.plan.sp_activations import block_inputs_per_token
 
 FRAGMENTATION = 0.05
 """Allocator slack added on top of the transient (activation, buffer, logits) bytes."""
@@ -221,7 +222,8 @@ def _buffers(
 
     Loss moment: the head unit gathered (its gradient comes after the loss backward's peak).
     Layer moment: the layer in use and ``prefetch`` more gathered in compute dtype, its unsharded
-    gradient in compute dtype plus the fp32 copy fed to reduce-scatter (``accumulating``
+    gradient in compute dtype plus the fp32 copy fed to reduce-scatter, or the larger one of the
+    head unit FSDP2 still holds at the last layer (``accumulating``
     unsharded: the gradient is added into the kept one, no copy); tied models keep the root
     unit gathered, and its unsharded gradient, until the embedding's backward at the end. Without
     ``reshard_after_forward`` every layer stays gathered from forward to backward; without
@@ -242,7 +244,10 @@ def _buffers(
             head_local += head_grad
     buf_a = head_local * cb
     prefetched = min(s.prefetch, model.layers - 1)  # a one-layer pipeline stage has no next layer
-    buf_b = (1 + prefetched) * layer_local * cb + layer_grad * (e + (0 if accumulating else rb))
+    # The reduce-scatter input FSDP2 holds is the previous unit's until this unit's own is made
+    # (``reduce_scatter_states``): at the last layer's backward an untied head unit's.
+    rs_input = max(layer_grad, 0 if model.tied_embeddings else head_grad)
+    buf_b = (1 + prefetched) * layer_local * cb + layer_grad * e + (0 if accumulating else rs_input * rb)
     if model.tied_embeddings:
         buf_b += head_local * cb + head_grad * e
     if not s.reshard_after_forward or not s.reshard_after_backward:
@@ -412,8 +417,9 @@ def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: fl
 
 
 def _workspace(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:
-    """One layer's backward workspace: the larger of its MLP stage (with the tiled MLP: per tile
-    only) and its attention stage (CP buffers, less the MLP half's saved tensors, freed by then:
+    """One layer's backward workspace: the largest of its MLP stage (with the tiled MLP: per tile
+    only), its post-attention RMSNorm's backward (``norm_backward_per_token``) and its attention
+    stage (CP buffers, less the MLP half's saved tensors, freed by then:
     ``mlp_half_saved_per_token``), each with the residual-stream gradients."""
     per_token = layer_backward_workspace_per_token(model, layout, s)
     mlp = mlp_gradient_workspace_per_token(model, layout, s)
@@ -422,20 +428,4 @@ def _workspace(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> 
     attention_stage = tokens * (
         attention_scratch_per_token(model, layout, s) - mlp_half_saved_per_token(model, layout, s)
     )
-    return residual + max(mlp_stage, attention_stage)
-
-
-def mlp_half_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
-    """What a layer's saved set no longer holds when its backward reaches the attention: the MLP
-    half's tensors, freed by autograd as their backward ran — the post-attention RMSNorm's (its
-    fp32 input, normalized output and reciprocal RMS, ``((4+e)·h + 4)/t_sp``), the MLP's input
-    (``e·h`` / its divisor; tiled, the tiled block's ``e·h/t_sp``) and, untiled, gate, SiLU, up and
-    their product (``4·e·f/t``). Counted for dense models under full or no checkpointing (the
-    selective policy and MoE blocks keep other sets: 0, the upper bound as before)."""
-    if model.is_moe or s.recompute == "selective":
-        return 0.0
-    t, e, h = layout.tp, s.act_bytes, model.hidden
-    t_sp = t if s.sequence_parallel else 1
-    norm = ((4 + e) * h + 4) / t_sp
-    mlp = e * h / block_input_divisor(layout, s) + 4 * e * model.intermediate / t
-    return norm + mlp - tiled_saved_reduction_per_token(model, layout, s)
+    return residual + max(mlp_stage, tokens * norm_backward_per_token(model, layout, s), attention_stage)

@@ -9,40 +9,99 @@ way; the method is wrapped only inside the block and restored on exit — no ext
 reports it). Outputs the op schema declares as aliases of an input and wrapper-subclass outputs
 own no new memory and are skipped. Allocator caching/fragmentation and the Python/torch runtime
 are not counted.
+
+Host memory that stands for a GPU's pinned host memory (the activation offloader's copies, made
+inside ``host_allocations()``) is counted apart, in ``host_cur`` / ``host_peak``: on a CPU device
+it is a CPU tensor like any other, on a GPU it is not in the device's allocator.
+
+``LiveBytes(trace=True)`` also keeps a log of every allocation and free with where it came from
+(the op, the autograd node running it, the innermost frame outside torch);
+``at_peak()`` replays the log to the peak and returns the live bytes grouped by that origin —
+what holds the peak.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import resource
+import sys
+import sysconfig
 import weakref
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+_host_depth = 0
+_HOST = ("host",)  # the origin recorded for a host copy (its size is not in the device's count)
+
+
+@contextlib.contextmanager
+def host_allocations():
+    """Tensors made inside are host memory on a GPU (pinned copies): ``LiveBytes`` counts them
+    apart from the device's bytes."""
+    global _host_depth
+    _host_depth += 1
+    try:
+        yield
+    finally:
+        _host_depth -= 1
+
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of tensor storage created inside the block and still alive; ``peak`` its maximum."""
 
-    def __init__(self):
+    def __init__(self, trace: bool = False):
         super().__init__()
         self.cur = self.peak = 0
+        self.host_cur = self.host_peak = 0
         self._sizes = WeakIdKeyDictionary()
         self._refs: set = set()
         self._orig_resize = None
+        self.trace = trace
+        self._log: list = []  # (bytes, origin): + at an allocation or growth, - at a free
+        self._peak_at = 0
+
+    def _add(self, n: int, origin) -> None:
+        self.cur += n
+        if self.trace:
+            self._log.append((n, origin))
+        if self.cur > self.peak:
+            self.peak, self._peak_at = self.cur, len(self._log)
 
     def _free(self, rec, ref):
-        self.cur -= rec[0]
+        self._add(-rec[0], rec[1])
         self._refs.discard(ref)
 
-    def _track(self, st, n=None):
+    def _free_host(self, n: int, ref) -> None:
+        self.host_cur -= n
+        self._refs.discard(ref)
+
+    def _track(self, st, n=None, op: str = "resize_"):
         if st in self._sizes:
             return
-        rec = [st.nbytes() if n is None else n]
+        if _host_depth:  # a pinned host copy on a GPU: not device memory
+            n = st.nbytes() if n is None else n
+            self._sizes[st] = [0, _HOST]
+            self._refs.add(weakref.ref(st, lambda r, n=n: self._free_host(n, r)))
+            self.host_cur += n
+            self.host_peak = max(self.host_peak, self.host_cur)
+            return
+        rec = [0, _origin(op) if self.trace else None]
         self._sizes[st] = rec
         self._refs.add(weakref.ref(st, lambda r, rec=rec: self._free(rec, r)))
-        self.cur += rec[0]
-        self.peak = max(self.peak, self.cur)
+        rec[0] = st.nbytes() if n is None else n
+        self._add(rec[0], rec[1])
+
+    def at_peak(self) -> list[tuple[tuple, int]]:
+        """(origin, bytes alive at the peak) from the largest, for allocations made inside the
+        block (``trace=True`` only); origin = (op, autograd node or '', innermost frame)."""
+        live: collections.Counter = collections.Counter()
+        for n, origin in self._log[: self._peak_at]:
+            live[origin] += n
+        return [(o, n) for o, n in live.most_common() if n]
 
     def __enter__(self):
         orig = self._orig_resize = torch.UntypedStorage.resize_
@@ -52,9 +111,10 @@ class LiveBytes(TorchDispatchMode):
             out = orig(st, size)
             if st in mode._sizes:
                 rec = mode._sizes[st]
-                mode.cur += size - rec[0]
-                rec[0] = size
-                mode.peak = max(mode.peak, mode.cur)
+                if rec[1] is _HOST:
+                    return out
+                grown, rec[0] = size - rec[0], size
+                mode._add(grown, rec[1])
             else:
                 mode._track(st, size)
             return out
@@ -77,10 +137,31 @@ class LiveBytes(TorchDispatchMode):
             # without memory; its inner tensor was created, and is tracked, by its own op.
             if type(t) is torch.Tensor and t.device.type != "meta":
                 try:
-                    self._track(t.untyped_storage())
+                    self._track(t.untyped_storage(), op=func.__name__)
                 except (RuntimeError, NotImplementedError):
                     pass
         return out
+
+
+_LIBRARY_DIRS = (str(Path(torch.__file__).parent), sysconfig.get_paths()["stdlib"])
+
+
+def _library_frame(name: str) -> bool:
+    """torch's, the standard library's (not site-packages') or this module's code."""
+    if name == __file__ or name.startswith(_LIBRARY_DIRS[0]):
+        return True
+    return name.startswith(_LIBRARY_DIRS[1]) and "site-packages" not in name
+
+
+def _origin(op: str) -> tuple:
+    """(op, the autograd node executing it or '', the innermost frame outside torch, the standard
+    library and this module, as 'file:line function')."""
+    node = torch._C._current_autograd_node()
+    f = sys._getframe(2)
+    while f is not None and _library_frame(f.f_code.co_filename):
+        f = f.f_back
+    where = "" if f is None else f"{Path(f.f_code.co_filename).name}:{f.f_lineno} {f.f_code.co_name}"
+    return op, "" if node is None else node.name(), where
 
 
 def fresh_outputs(func, out) -> list:

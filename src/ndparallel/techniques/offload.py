@@ -47,6 +47,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from ndparallel.models.layers import outer_decoder_layers
+from ndparallel.runtime.memory_probe import host_allocations
 
 
 @dataclass
@@ -62,15 +63,19 @@ class OffloadStats:
 
 
 class HostTransfers:
-    """Copies without streams: a CPU device (the 'move' is a copy into a separate host tensor)."""
+    """Copies without streams: a CPU device. Each way is a copy into a separate tensor, as on a
+    GPU: the host copy (made inside ``host_allocations``: what a GPU keeps in pinned host memory,
+    so ``memory_probe.LiveBytes`` counts it apart from the device's bytes) and, in backward, a
+    fresh "device" tensor beside it (a GPU allocates one from its own pool)."""
 
     device_type = "cpu"
 
     def to_host(self, x: torch.Tensor):
-        return x.detach().clone(memory_format=torch.contiguous_format), None
+        with host_allocations():
+            return x.detach().clone(memory_format=torch.contiguous_format), None
 
     def to_device(self, host: torch.Tensor, device: torch.device):
-        return host.to(device), None
+        return host.to(device, copy=True), None
 
     def wait(self, event) -> None:
         pass

@@ -32,6 +32,7 @@ from ndparallel.runtime.distributed import shutdown
 from ndparallel.runtime.fake_world import start_fake_world
 from ndparallel.runtime.memory_probe import LiveBytes, peak_rss_bytes, reset_peak_rss, state_bytes
 from ndparallel.runtime.quiet import quiet_library_noise
+from ndparallel.techniques.offload import offloader_of
 from ndparallel.tools.simulate_pipeline import DirectSchedule, build_random_stages, pipeline_report
 from ndparallel.tools.simulate_predict import compare_collectives, predict
 from ndparallel.training.components import rounded_vocab
@@ -199,14 +200,18 @@ def _measure(trainer: Trainer, steps: int) -> tuple[dict, object]:
     else:
         tensors = sum(states.values()) + live.peak
         peak = peak_rss_bytes()
-    return {
+    out = {
         "peak_memory_gib": peak / GiB,
         "tensor_peak_gib": tensors / GiB,
         "state_gib": {k: v / GiB for k, v in states.items()},
         "step_time_s": statistics.median(times),
         "step_times_s": times,
         "global_params": global_numel(model),
-    }, profiler
+    }
+    offloader = offloader_of(model)
+    if offloader is not None:  # pinned host memory on a GPU: not in the tensor peak (memory_probe.py)
+        out["offload_host_peak_gib"] = offloader.stats.peak_host_bytes / GiB
+    return out, profiler
 
 
 def _save_checkpoint(trainer: Trainer, directory: Path) -> dict:

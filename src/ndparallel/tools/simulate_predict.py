@@ -137,6 +137,7 @@ def predict(trainer, req, measured: dict) -> tuple[dict, list]:
         "tensor_peak_gib": mem.allocated / GiB,
         "peak_phase": mem.peak_phase,
         "device_total_gib": mem.total / GiB,  # with the runtime overhead: what must fit the device
+        "offload_host_gib": mem.host_offload / GiB,  # pinned host memory of offloaded layer inputs
         "memory_gib": {
             k: getattr(mem, k) / GiB
             for k in ("params", "grads", "optimizer", "activations", "logits", "fsdp_buffers", "overhead")

@@ -44,6 +44,9 @@ def format_report(r: dict) -> str:
         t.add_column(col, justify="right")
     _row(t, "peak memory (GiB)", m["peak_memory_gib"], p, "peak_memory_gib", "peak_memory")
     _row(t, "tensor peak (GiB)", m["tensor_peak_gib"], p, "tensor_peak_gib", "tensor_peak")
+    if "offload_host_peak_gib" in m:  # host memory (pinned on a GPU), apart from the device's
+        got, want = m["offload_host_peak_gib"], p.get("offload_host_gib")
+        t.add_row("offloaded, host (GiB)", f"{got:.3f}", "—" if want is None else f"{want:.3f}", "")
     _row(t, "step compute time (s)", m["step_time_s"], p, "step_time_s", "step_time")
     if "pipeline" in m:
         t.add_row("step + bubble, est. (s)", f"{m['pipeline']['step_time_with_bubble_s']:.3f}", "", "")
