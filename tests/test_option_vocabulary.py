@@ -29,7 +29,7 @@ BATCH_ARITHMETIC = {
     "seq_len": 26,
     "micro_batch": 54,  # 48 + plan/sp_activations, tools/agreement, tools/saved_bytes (prose "micro-batch"),
     # plan/embedding_moment (split from memory.py at its line limit)
-    "grad_accum": 16,
+    "grad_accum": 17,  # + tools/agreement (fp16's second way: the rows as 2 accumulated micro-batches)
     "global_batch": 11,
     "gpus_per_node": 14,
 }
@@ -60,7 +60,8 @@ OVER_TARGET = {
     "loss_chunk_tokens": 6,
     "loss_impl": 7,
     "loss_parallel": 15,
-    "mixed_precision": 22,  # + plan/embedding_moment (split from memory.py at its line limit)
+    "mixed_precision": 23,  # + plan/embedding_moment (split from memory.py at its line limit),
+    # tools/agreement (fp16's second way)
     "optimizer_fused": 6,  # config/plan_settings: the one TrainConfig -> Settings step
     "pipeline_schedule": 9,
     "pipeline_virtual_stages": 9,
@@ -71,7 +72,8 @@ OVER_TARGET = {
     "quantized_base": 8,
     "reshard_after_backward": 6,  # + plan/embedding_moment (split from memory.py at its line limit)
     "reshard_after_forward": 16,
-    "sequence_parallel": 30,  # plan/sp_activations (the SP saved-shard model), plan/recompute_policies
+    "sequence_parallel": 31,  # plan/sp_activations (the SP saved-shard model), plan/recompute_policies,
+    # plan/layer_backward (split from memory.py at its line limit)
     "set_to_none": 5,
     "tiled_mlp": 20,  # techniques/__init__ (names the module tiled_mlp.py), techniques/selective_ac
     "tiled_mlp_num_shards": 11,
