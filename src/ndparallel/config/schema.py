@@ -119,7 +119,8 @@ class TrainConfig(
     # long context (Axolotl's names; docs/long_context.md)
     tiled_mlp: bool = False
     """Run each decoder MLP over sequence tiles, recomputing a tile in backward: its tokens ×
-    intermediate activations never exist whole."""
+    intermediate activations never exist whole; the RMSNorms of HF's Llama form save only their input
+    and rstd and run their backward over token tiles (the same output)."""
     tiled_mlp_num_shards: _int(1) | None = None
     """Tiles per MLP call; default: ceil(local tokens / hidden size)."""
     activation_offloading: bool = False

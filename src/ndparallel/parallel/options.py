@@ -48,7 +48,9 @@ class FSDPOptions:
     ahead, before that layer's backward (``techniques/offload.py``). On CPU a plain copy."""
     tiled_mlp: bool = False
     """Compute each decoder layer's MLP over tiles of the sequence and recompute a tile in backward
-    (``techniques/tiled_mlp.py``): its tokens × intermediate activations never exist whole."""
+    (``techniques/tiled_mlp.py``): its tokens × intermediate activations never exist whole. Also makes
+    the HF-Llama-form RMSNorms lean (``techniques/lean_norm.py``): the same output, saving only their
+    input and per-token rstd, their backward computed over token tiles."""
     tiled_mlp_num_shards: int | None = None
     """Tiles per MLP call; None: ceil(local tokens / hidden size) (ALST's rule)."""
 

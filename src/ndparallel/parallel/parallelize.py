@@ -1,5 +1,6 @@
 """Apply the strategies to a model in one readable order: float8 or QAT fake quantisation → TP → EP →
-CP → tiled MLP → activation checkpointing (+ offloading) → compile → FSDP (torchtitan's order).
+CP → tiled MLP + lean norms → activation checkpointing (+ offloading) → compile → FSDP (torchtitan's
+order).
 This is the one statement of that order: the engine, the Accelerate facade and the docs refer here.
 
 Each step is a call into one strategy module; this function only decides which apply.
@@ -35,6 +36,7 @@ from ndparallel.parallel.support import layout_problem
 from ndparallel.parallel.tp.tensor import apply_tensor_parallel, is_tensor_parallel
 from ndparallel.techniques.compile import apply_compile
 from ndparallel.techniques.float8 import apply_float8
+from ndparallel.techniques.lean_norm import apply_lean_norms
 from ndparallel.techniques.master_weights import low_precision_params, upcast_params
 from ndparallel.techniques.offload import apply_activation_offloading
 from ndparallel.techniques.qat import apply_qat
@@ -148,7 +150,8 @@ def _check_layout(model: nn.Module, dims: ParallelDims, tp) -> None:
 
 def apply_activation_memory(model: nn.Module, fsdp: FSDPOptions, device: torch.device) -> None:
     """The per-decoder-layer memory options, after TP and CP (their hooks stay on the blocks):
-    sequence-tiled MLP, activation checkpointing, then offloading of the checkpointed inputs."""
+    sequence-tiled MLP and lean norms (``tiled_mlp``), activation checkpointing, then offloading of
+    the checkpointed inputs."""
     if fsdp.activation_offloading and not fsdp.activation_checkpointing:
         raise ValueError(
             "activation_offloading offloads the inputs activation checkpointing keeps: set "
@@ -159,6 +162,7 @@ def apply_activation_memory(model: nn.Module, fsdp: FSDPOptions, device: torch.d
         raise ValueError(problem)
     if fsdp.tiled_mlp:
         apply_tiled_mlp(model, fsdp.tiled_mlp_num_shards, fsdp.layer_classes)
+        apply_lean_norms(model, fsdp.tiled_mlp_num_shards)  # HF-Llama-form RMSNorms, token-tiled backward
     apply_activation_checkpointing(model, fsdp, fsdp.layer_classes)  # full, or norms + MLP activation
     if fsdp.activation_offloading:
         apply_activation_offloading(model, device, fsdp.layer_classes)

@@ -15,3 +15,9 @@ def tile_split(length: int, hidden: int, num_tiles: int | None = None) -> tuple[
     token. Every tile is ``ceil(length / tiles)`` tokens but the last (``torch.chunk``'s sizes)."""
     tiles = max(1, min(length, num_tiles or math.ceil(length / max(1, hidden))))
     return tiles, math.ceil(length / tiles)
+
+
+def tile_spans(length: int, hidden: int, num_tiles: int | None = None) -> list[tuple[int, int]]:
+    """(start, length) of the tiles of ``tile_split`` (``torch.chunk``'s sizes)."""
+    _, step = tile_split(length, hidden, num_tiles)
+    return [(s, min(step, length - s)) for s in range(0, length, step)]

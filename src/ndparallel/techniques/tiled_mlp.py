@@ -40,16 +40,10 @@ import torch
 import torch.nn as nn
 
 from ndparallel.models.layers import dense_mlps
-from ndparallel.techniques.tile_rule import tile_split
+from ndparallel.techniques.tile_rule import tile_spans
 
 TILE_DIM = -2
 """The sequence dim of an MLP input ``[batch, seq, hidden]``."""
-
-
-def _spans(length: int, hidden: int, num_tiles: int | None) -> list[tuple[int, int]]:
-    """(start, length) of the near-equal tiles of ``tile_split`` (``torch.chunk``'s sizes)."""
-    _, step = tile_split(length, hidden, num_tiles)
-    return [(s, min(step, length - s)) for s in range(0, length, step)]
 
 
 class _TiledCall(torch.autograd.Function):
@@ -115,7 +109,7 @@ class TiledMLPMixin:
         if x.dim() < 2:
             return nn.Module.__call__(self, x)
         length = x.shape[TILE_DIM]
-        spans = _spans(length, x.shape[-1], self._ndp_num_tiles)
+        spans = tile_spans(length, x.shape[-1], self._ndp_num_tiles)
         call = functools.partial(nn.Module.__call__, self)
         if len(spans) == 1:
             return call(x)
