@@ -9,7 +9,11 @@ import pytest
 
 from ndparallel.plan.gemm import micro_batch_gemms
 from ndparallel.plan.hardware import GiB, get_preset
-from ndparallel.plan.layer_backward import mlp_half_saved_per_token, norm_backward_per_token
+from ndparallel.plan.layer_backward import (
+    mlp_half_saved_per_token,
+    norm_backward_per_token,
+    norm_backward_stage,
+)
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import host_bytes, mlp_tiles
 from ndparallel.plan.longest import longest_for_layout
@@ -42,11 +46,12 @@ def test_one_tile_rule():
 
 def test_tiled_mlp_drops_the_mlp_intermediates_of_every_layer():
     # the full logits make the loss backward the peak of both: there every layer's saved set is
-    # smaller by gate, SiLU, up, product (4·e·f per token)
-    plain, tiled = _mem(loss_impl="full", seq_len=8192), _mem(loss_impl="full", seq_len=8192, tiled_mlp=True)
-    tokens, e, f = 8192, 2, L8B.intermediate
+    # smaller by gate, SiLU, up, product (4·e·f per token) and by its two lean norms' fp32 copies
+    # of their input (2·4·h: techniques/lean_norm.py)
+    tokens, e, f, h = 12288, 2, L8B.intermediate, L8B.hidden
+    plain, tiled = (_mem(loss_impl="full", seq_len=tokens, tiled_mlp=t) for t in (False, True))
     assert plain.peak_phase == tiled.peak_phase == "loss backward"
-    assert plain.activations - tiled.activations == pytest.approx(L8B.layers * tokens * 4 * e * f)
+    assert plain.activations - tiled.activations == pytest.approx(L8B.layers * tokens * (4 * e * f + 8 * h))
     assert _mem(tiled_mlp=True).total < _mem().total
     # tiles: ceil(65536 / 4096) = 16 of 4096 tokens
     assert mlp_tiles(L8B, Layout(), Settings(seq_len=65536, tiled_mlp=True)) == (16, 4096)
@@ -55,12 +60,12 @@ def test_tiled_mlp_drops_the_mlp_intermediates_of_every_layer():
     lay = Layout(tp=4)
     for shards, input_saving in ((True, 0.0), (False, e * L8B.hidden * 3 / 4)):
         sp, sp_tiled = (
-            _mem(lay, loss_impl="full", seq_len=8192, tiled_mlp=t, sp_saved_shards=shards)
+            _mem(lay, loss_impl="full", seq_len=tokens, tiled_mlp=t, sp_saved_shards=shards)
             for t in (False, True)
         )
         assert sp.peak_phase == sp_tiled.peak_phase == "loss backward"
         assert sp.activations - sp_tiled.activations == pytest.approx(
-            L8B.layers * tokens * (4 * e * f / 4 + input_saving)
+            L8B.layers * tokens * (4 * e * f / 4 + input_saving + 8 * h / 4)
         )
 
 
@@ -108,53 +113,50 @@ def test_ring_attention_buffers_are_in_the_layer_backward():
 
 
 def test_attention_stage_no_longer_holds_the_mlp_half(monkeypatch):
-    # by the attention's backward the post-attention norm's tensors (fp32 input, bf16 output,
-    # reciprocal RMS) and the tiled MLP's saved input are freed: (4+2)·h + 4 + 2·h per token
+    # by the attention's backward the post-attention norm's tensors (tiled: the lean norm's bf16
+    # input and reciprocal RMS; untiled: HF's fp32 input, bf16 output, reciprocal RMS) and the
+    # tiled MLP's saved input are freed: 2·h + 4 + 2·h per token tiled
     lay, h, e = Layout(cp=8), L8B.hidden, 2
     s = Settings(seq_len=1 << 20, checkpointing=True, tiled_mlp=True, cp_strategy="ring")
-    half = (4 + e) * h + 4 + e * h
+    half = e * h + 4 + e * h
     assert mlp_half_saved_per_token(L8B, lay, s) == half
     untiled = dataclasses.replace(s, tiled_mlp=False)
-    assert mlp_half_saved_per_token(L8B, lay, untiled) == half + 4 * e * L8B.intermediate
+    assert mlp_half_saved_per_token(L8B, lay, untiled) == (4 + e) * h + 4 + e * h + 4 * e * L8B.intermediate
     assert mlp_half_saved_per_token(L8B, lay, dataclasses.replace(s, ac_policy="selective")) == 0.0
-    # with the post-attention norm's stage out of the way the ring's buffers are the larger stage:
-    # the layer-backward moment is smaller by exactly the MLP half
-    monkeypatch.setattr("ndparallel.plan.memory.norm_backward_per_token", lambda *a: 0.0)
-    clear_memos()  # the micro-batch's memory terms are memoised (plan/memo.py): again, patched
+    # the lean norm's stage is one tile: the ring's buffers are the larger stage, and the
+    # layer-backward moment is smaller by exactly the MLP half
     now = _mem(lay, seq_len=1 << 20, checkpointing=True, tiled_mlp=True)
     monkeypatch.setattr("ndparallel.plan.memory.mlp_half_saved_per_token", lambda *a: 0.0)
-    clear_memos()
+    clear_memos()  # the micro-batch's memory terms are memoised (plan/memo.py): again, patched
     upper_bound = _mem(lay, seq_len=1 << 20, checkpointing=True, tiled_mlp=True)
     clear_memos()  # and none of the patched ones kept for the tests after this one
     assert now.peak_phase == upper_bound.peak_phase == "layer backward"
     assert upper_bound.activations - now.activations == pytest.approx((1 << 20) / 8 * half)
 
 
-def test_post_attention_norm_backward_is_the_tiled_layers_largest_stage(monkeypatch):
-    # HF's RMSNorm backward in fp32: five [T, h] fp32 tensors inside pow's backward (20·h), the MLP
-    # half freed but the norm's fp32 input (half − 4·h), one residual-stream gradient less (e·h)
+def test_norm_backward_stage_hf_untiled_lean_tiled(monkeypatch):
+    # HF's RMSNorm backward in fp32 (untiled): five [T, h] fp32 tensors inside pow's backward
+    # (20·h), the MLP half freed but the norm's fp32 input, one residual-stream gradient less (e·h);
+    # gate/up/product freed by then outweigh it: the MLP stage stays the larger
     lay, h, e, tokens = Layout(cp=8), L8B.hidden, 2, (1 << 20) / 8
-    s = Settings(seq_len=1 << 20, checkpointing=True, tiled_mlp=True, cp_strategy="ring")
-    half = (4 + e) * h + 4 + e * h
+    untiled = Settings(seq_len=1 << 20, checkpointing=True, cp_strategy="ring")
+    half = (4 + e) * h + 4 + e * h + 4 * e * L8B.intermediate
     norm = 20 * h - (half - 4 * h) - e * h
-    assert norm_backward_per_token(L8B, lay, s) == norm
+    assert norm_backward_per_token(L8B, lay, untiled) == norm < 3 * e * L8B.intermediate
+    assert norm_backward_stage(L8B, lay, untiled, tokens) == tokens * norm
+    # tiled, the lean norm (techniques/lean_norm.py): four fp32 [tile, h] tensors, tile = h tokens
+    # of the 131,072 local ones; not the layer's largest stage (patching it out changes nothing)
+    s = dataclasses.replace(untiled, tiled_mlp=True)
+    assert norm_backward_stage(L8B, lay, s, tokens) == 16 * h * h
     sp = Settings(seq_len=1 << 20, checkpointing=True, tiled_mlp=True, sequence_parallel=True)
-    assert norm_backward_per_token(L8B, Layout(tp=2), sp) == pytest.approx(norm / 2)
-    # the larger than the ring's buffers (less the MLP half) and than one MLP tile: the
-    # layer-backward moment grows by exactly the difference
-    ring = attention_scratch_per_token(L8B, lay, s) - half
-    assert norm > ring
+    assert norm_backward_stage(L8B, Layout(tp=2), sp, tokens) == 16 * h * h  # 524,288 rows, tiles of h
     now = _mem(lay, seq_len=1 << 20, checkpointing=True, tiled_mlp=True)
-    monkeypatch.setattr("ndparallel.plan.memory.norm_backward_per_token", lambda *a: 0.0)
+    monkeypatch.setattr("ndparallel.plan.memory.norm_backward_stage", lambda *a: 0.0)
     clear_memos()  # the micro-batch's memory terms are memoised (plan/memo.py): again, patched
     without = _mem(lay, seq_len=1 << 20, checkpointing=True, tiled_mlp=True)
-    assert now.peak_phase == without.peak_phase == "layer backward"
-    assert now.activations - without.activations == pytest.approx(tokens * (norm - ring))
-    # untiled, the MLP's gate/up/product freed by then outweigh it: the MLP stage stays the larger
-    monkeypatch.undo()
     clear_memos()  # none of the patched ones kept for the tests after this one
-    untiled = dataclasses.replace(s, tiled_mlp=False)
-    assert norm_backward_per_token(L8B, lay, untiled) < 3 * e * L8B.intermediate
+    assert now.peak_phase == without.peak_phase == "layer backward"
+    assert now.activations == without.activations
 
 
 def test_host_memory_rejects_what_does_not_fit_the_node():

@@ -5,9 +5,21 @@ two terms of ``memory._workspace`` that follow autograd freeing the layer's tens
 from __future__ import annotations
 
 from ndparallel.plan.layout import Layout, Settings
-from ndparallel.plan.long_context import tiled_saved_reduction_per_token
+from ndparallel.plan.long_context import (
+    lean_norm_tile_bytes,
+    norm_saved_per_row,
+    tiled_saved_reduction_per_token,
+)
 from ndparallel.plan.models import ModelSpec
 from ndparallel.plan.sp_activations import block_input_divisor
+
+
+def norm_backward_stage(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:
+    """The post-attention RMSNorm's backward stage of ``tokens``: HF's (``norm_backward_per_token``
+    per token) or, with the tiled MLP, the lean norm's one tile (``lean_norm_tile_bytes``)."""
+    if s.tiled_mlp:
+        return lean_norm_tile_bytes(model, layout, s)
+    return tokens * norm_backward_per_token(model, layout, s)
 
 
 def norm_backward_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
@@ -30,7 +42,8 @@ def norm_backward_per_token(model: ModelSpec, layout: Layout, s: Settings) -> fl
 def mlp_half_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
     """What a layer's saved set no longer holds when its backward reaches the attention: the MLP
     half's tensors, freed by autograd as their backward ran — the post-attention RMSNorm's (its
-    fp32 input, normalized output and reciprocal RMS, ``((4+e)·h + 4)/t_sp``), the MLP's input
+    fp32 input, normalized output and reciprocal RMS, ``((4+e)·h + 4)/t_sp``; lean, its input and
+    reciprocal RMS, ``(e·h + 4)/t_sp``: ``norm_saved_per_row``), the MLP's input
     (``e·h`` / its divisor; tiled, the tiled block's ``e·h/t_sp``) and, untiled, gate, SiLU, up and
     their product (``4·e·f/t``). Counted for dense models under full or no checkpointing (the
     selective policy and MoE blocks keep other sets: 0, the upper bound as before)."""
@@ -38,6 +51,6 @@ def mlp_half_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> f
         return 0.0
     t, e, h = layout.tp, s.act_bytes, model.hidden
     t_sp = t if s.sequence_parallel else 1
-    norm = ((4 + e) * h + 4) / t_sp
+    norm = norm_saved_per_row(h, s) / t_sp
     mlp = e * h / block_input_divisor(layout, s) + 4 * e * model.intermediate / t
     return norm + mlp - tiled_saved_reduction_per_token(model, layout, s)

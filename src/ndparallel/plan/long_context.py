@@ -9,6 +9,11 @@ the recomputed four intermediates and their gradients (``7·e·f/t``) and the ga
 with checkpointing the layer's recompute runs the tiled forward whole, down-projection included),
 its GEMMs at the tile's shape, and under TP the MLP's forward collectives once more.
 
+**Lean norms** (``techniques/lean_norm.py``, on with the tiled MLP): an RMSNorm keeps its input (``e``
+per value) and one fp32 rstd per row instead of HF's fp32 input, normalised output and rstd
+(``(4+e)`` per value + 4), and its backward holds one token tile's fp32 temporaries (``16·h`` per
+tile token) instead of five fp32 copies of its input (``plan/layer_backward.py``).
+
 **Activation offloading** (``techniques/offload.py``, needs checkpointing): the ``L`` checkpointed
 layer inputs (``e·h/t_sp`` per token each) live in host memory; on the device at most
 ``offload_in_flight`` (2) of them at any moment. Time: ``L`` device→host copies overlapping the
@@ -40,6 +45,21 @@ def mlp_tiles(model: ModelSpec, layout: Layout, s: Settings) -> tuple[int, float
     row = max(1, s.seq_len // layout.cp // t_sp)
     n, tile = tile_split(row, model.hidden, s.tiled_mlp_num_shards)
     return n, s.micro_batch * tile * t_sp
+
+
+def norm_saved_per_row(width: float, s: Settings) -> float:
+    """Bytes one RMSNorm saves per row of ``width`` values: HF's ``(4+e)·width + 4``; lean (with the
+    tiled MLP) its input and rstd, ``e·width + 4``."""
+    return (s.act_bytes if s.tiled_mlp else 4 + s.act_bytes) * width + 4
+
+
+def lean_norm_tile_bytes(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """A lean norm's backward working set: four fp32 ``[tile, h]`` tensors (``16·h`` per tile token;
+    measured, ``tests/test_lean_norm.py``), the tile cut from the micro-batch's local rows by the
+    tiled MLP's rule."""
+    rows = max(1, s.micro_batch * s.seq_len // layout.cp // _t_sp(layout, s))
+    _, tile = tile_split(rows, model.hidden, s.tiled_mlp_num_shards)
+    return 16 * tile * model.hidden
 
 
 def tiled_saved_reduction_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:

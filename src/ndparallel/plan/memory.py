@@ -29,13 +29,14 @@ from ndparallel.plan.embedding_moment import (
     kept_gathered_bytes,
 )
 from ndparallel.plan.hardware import Hardware
-from ndparallel.plan.layer_backward import mlp_half_saved_per_token, norm_backward_per_token
+from ndparallel.plan.layer_backward import mlp_half_saved_per_token, norm_backward_stage
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import (
     checkpointed_input_per_token,
     device_checkpointed_layers,
     host_bytes,
     mlp_gradient_workspace_per_token,
+    norm_saved_per_row,
     tile_working_set,
     tiled_saved_reduction_per_token,
 )
@@ -92,15 +93,16 @@ def layer_activation_bytes_per_token(model: ModelSpec, layout: Layout, s: Settin
       log-sum-exp:                                       4·a / t
       gate, SiLU(gate), up, product (down_proj input):   4·e·f / t
       (Qwen3 q/k RMSNorms:                               (4+e)·(a+k)·d / t + 4·(a+k) / t)
+    With the tiled MLP the norms are lean: ``e`` per value instead of ``4+e`` (``norm_saved_per_row``).
     """
     h, d, a, k, f = model.hidden, model.head_dim, model.heads, model.kv_heads, model.intermediate
     t = layout.tp
     t_sp = t if s.sequence_parallel else 1
     e = s.act_bytes
-    per = 2 * ((4 + e) * h + 4) / t_sp + block_inputs_per_token(model, layout, s)
+    per = 2 * norm_saved_per_row(h, s) / t_sp + block_inputs_per_token(model, layout, s)
     per += e * (a + 2 * k) * d / t + e * a * d / t + 4 * a / t + 4 * e * f / t
     if model.qk_norm:
-        per += ((4 + e) * d + 4) * (a + k) / t
+        per += norm_saved_per_row(d, s) * (a + k) / t
     if model.is_moe:  # router, experts, shared MLP instead of the MLP (f = 0): plan/moe_cost.py
         per += moe_cost.activation_bytes_per_token(model, layout, s)
     return per + cp_saved_extra_per_token(model, layout, s)
@@ -212,7 +214,7 @@ def _logits_bytes(model: ModelSpec, layout: Layout, s: Settings, tokens: float) 
         out = tokens * v_local * (e + 16)
     else:
         out = tokens * model.vocab * (e + 12)
-    return out + tokens * (((4 + e) * model.hidden + 4) / t_sp + e * model.hidden)
+    return out + tokens * (norm_saved_per_row(model.hidden, s) / t_sp + e * model.hidden)
 
 
 def _buffers(
@@ -418,7 +420,7 @@ def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: fl
 
 def _workspace(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:
     """One layer's backward workspace: the largest of its MLP stage (with the tiled MLP: per tile
-    only), its post-attention RMSNorm's backward (``norm_backward_per_token``) and its attention
+    only), its post-attention RMSNorm's backward (``norm_backward_stage``) and its attention
     stage (CP buffers, less the MLP half's saved tensors, freed by then:
     ``mlp_half_saved_per_token``), each with the residual-stream gradients."""
     per_token = layer_backward_workspace_per_token(model, layout, s)
@@ -428,4 +430,4 @@ def _workspace(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> 
     attention_stage = tokens * (
         attention_scratch_per_token(model, layout, s) - mlp_half_saved_per_token(model, layout, s)
     )
-    return residual + max(mlp_stage, tokens * norm_backward_per_token(model, layout, s), attention_stage)
+    return residual + max(mlp_stage, norm_backward_stage(model, layout, s, tokens), attention_stage)
