@@ -115,7 +115,7 @@ def _long_context(cfg: TrainConfig, pc, hf) -> str:
     if cfg.tiled_mlp:
         row = cfg.sequence_len // pc.cp_size // (pc.tp_size if cfg.sequence_parallel else 1)
         tiles, tile = tile_split(row, hf.hidden_size, cfg.tiled_mlp_num_shards)
-        parts.append(f"tiled MLP ({tiles} tiles of ≤ {tile} tokens per row)")
+        parts.append(f"tiled MLP ({tiles} tiles of ≤ {tile} tokens per row) and lean RMSNorms")
     if cfg.activation_offloading:
         per_layer = tokens * hf.hidden_size * (2 if cfg.compute_dtype() is not None else 4)
         per_layer //= pc.tp_size if cfg.sequence_parallel else 1
