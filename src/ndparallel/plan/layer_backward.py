@@ -17,9 +17,8 @@ from ndparallel.plan.sp_activations import block_input_divisor
 def norm_backward_stage(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:
     """The post-attention RMSNorm's backward stage of ``tokens``: HF's (``norm_backward_per_token``
     per token) or, with the tiled MLP, the lean norm's one tile (``lean_norm_tile_bytes``)."""
-    if s.tiled_mlp:
-        return lean_norm_tile_bytes(model, layout, s)
-    return tokens * norm_backward_per_token(model, layout, s)
+    tile = lean_norm_tile_bytes(model, layout, s)
+    return tokens * norm_backward_per_token(model, layout, s) if tile is None else tile
 
 
 def norm_backward_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:

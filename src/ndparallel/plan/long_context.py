@@ -53,10 +53,12 @@ def norm_saved_per_row(width: float, s: Settings) -> float:
     return (s.act_bytes if s.tiled_mlp else 4 + s.act_bytes) * width + 4
 
 
-def lean_norm_tile_bytes(model: ModelSpec, layout: Layout, s: Settings) -> float:
+def lean_norm_tile_bytes(model: ModelSpec, layout: Layout, s: Settings) -> float | None:
     """A lean norm's backward working set: four fp32 ``[tile, h]`` tensors (``16·h`` per tile token;
     measured, ``tests/test_lean_norm.py``), the tile cut from the micro-batch's local rows by the
-    tiled MLP's rule."""
+    tiled MLP's rule. None without the tiled MLP (HF's norm)."""
+    if not s.tiled_mlp:
+        return None
     rows = max(1, s.micro_batch * s.seq_len // layout.cp // _t_sp(layout, s))
     _, tile = tile_split(rows, model.hidden, s.tiled_mlp_num_shards)
     return 16 * tile * model.hidden
