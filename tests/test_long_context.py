@@ -1,5 +1,5 @@
-"""The long-context memory options train the same model as the plain run (fp32, SGD: losses and
-grad norms ≤ 1e-5 relative, parameters ≤ 1e-6): sequence-tiled MLP and activation offloading, on
+"""The long-context memory options train the same model as one process (fp32, SGD; the project's
+rule, ``tools.agreement``): sequence-tiled MLP (with the lean norms) and activation offloading, on
 one process, under FSDP 2 × CP 2 (every CP strategy), TP 2 + sequence parallel, LoRA and compile;
 selective activation checkpointing on one process and under FSDP 2 × CP 2.
 Non-vacuity: the tiles are counted (the MLP really ran per tile, under TP its collectives per
@@ -98,6 +98,22 @@ def test_compile_fsdp2():
         },
     )
     got, graphs = run_on_ranks(_train_counting_graphs, 2, setup, {"dp_shard_size": 2}, timeout_s=600)[0]
+    assert_matches(one_process_reference(setup), got)
+    assert graphs >= 1, "nothing was compiled"
+
+
+def test_compile_tp2_sequence_parallel():
+    """TP + SP with the tiled MLP: the attention compiled, the tiled MLP eager (tracing its per-tile
+    DTensor call recursed without end in torch 2.13's AOT autograd: ``techniques/compile.py``)."""
+    setup = dataclasses.replace(
+        BASE,
+        parallel_kwargs={
+            "fsdp_options": FSDPOptions(**TILED),
+            "tp_options": TPOptions(sequence_parallel=True),
+            "compile_options": CompileOptions(enabled=True, backend="aot_eager"),
+        },
+    )
+    got, graphs = run_on_ranks(_train_counting_graphs, 2, setup, {"tp_size": 2}, timeout_s=600)[0]
     assert_matches(one_process_reference(setup), got)
     assert graphs >= 1, "nothing was compiled"
 

@@ -112,6 +112,7 @@ def parallelize_model(
             fsdp.layer_classes,
             per_child=dims.tp_enabled or fsdp.tiled_mlp or fsdp.activation_offloading,
             skip_attention=dims.cp_enabled and fsdp.activation_checkpointing,
+            eager_tiled_mlp=dims.tp_enabled and fsdp.tiled_mlp,
         )
     if uses_fsdp(dims, options, bool(experts)):
         expert_fsdp = (expert_mesh[dims.expert_fsdp_dims()], experts) if experts else None

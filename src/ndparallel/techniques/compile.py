@@ -22,6 +22,10 @@ hooks, and dynamo cannot break a graph there: a layer holding the (eager) CP att
 back to eager as a whole (nothing compiled, seen on torch 2.13). There the unit is each child but
 the attention: the MLP is compiled, the attention block runs eagerly.
 
+TP with the tiled MLP: tracing the per-tile call of the MLP on DTensors recurses without end in
+torch 2.13's AOT autograd (``RecursionError`` under ``aot_eager``, with or without the lean norms),
+so there the tiled MLP runs eagerly and the attention is compiled (``eager_tiled_mlp``).
+
 A checkpointed layer is traced as one checkpoint higher-order op, and dynamo refuses a side effect
 on outside state inside it (a graph break, the layer back to eager): transformers >= 5.25's
 attention classes, decorated by the ``kernels`` package, set and reset a module-level variable in
@@ -40,6 +44,7 @@ import torch.nn as nn
 from ndparallel.models.layers import decoder_layers
 from ndparallel.techniques.qat import RecomputedQuantizer
 from ndparallel.techniques.technique_options import CompileOptions
+from ndparallel.techniques.tiled_mlp import is_tiled
 
 
 def apply_compile(
@@ -48,10 +53,11 @@ def apply_compile(
     layer_classes=None,
     per_child: bool = False,
     skip_attention: bool = False,
+    eager_tiled_mlp: bool = False,
 ) -> nn.Module:
     """Compile every decoder layer of ``model`` (or, ``per_child``, every child module of each
-    layer that holds parameters, norms excepted, and the attention too when ``skip_attention``)
-    in place with ``options``; return the model."""
+    layer that holds parameters, norms excepted, the attention too when ``skip_attention`` and a
+    tiled MLP when ``eager_tiled_mlp``) in place with ``options``; return the model."""
     _attention_eager(model)
     per_child = per_child or skip_attention
     layers = decoder_layers(model, layer_classes)
@@ -67,6 +73,7 @@ def apply_compile(
                 if "norm" not in n
                 and any(True for _ in c.parameters())
                 and not (skip_attention and _is_attention(n))
+                and not (eager_tiled_mlp and is_tiled(c))
             ]
             if per_child
             else [layer]
