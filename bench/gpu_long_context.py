@@ -20,8 +20,9 @@
 
 Prints ``HEADLINE: ...``; exit 0 (1 if an exactness check fails). Not measured here: multi-GPU
 CP (one GPU cannot host several NCCL ranks) and the issue's 8-GPU goal of ≥ 4M tokens, which the
-planner does not reach (2,908,160 tokens at most, 2026-12-06: docs/long_context.md); its memory terms
-are checked on CPU by ``bench/simulate_long_context.py``.
+planner predicts with the lean norms (4,014,080 tokens with the ring, 2026-12-06:
+docs/long_context.md) and no GPU has run; its memory terms are checked on CPU by
+``bench/simulate_long_context.py``.
 """
 
 from __future__ import annotations
