@@ -30,12 +30,14 @@ def _verify(example: str, model: str, fault: str | None = None) -> int:
     return run_verify(args + (["--inject-fault", fault] if fault else []))
 
 
-def test_gemma4_cp2_passes_and_names_its_bound(tmp_path, monkeypatch, capsys):
+def test_gemma4_cp2_and_fsdp2_pass_and_name_their_bound(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
-    assert _verify("cp.yaml", _saved(tmp_path, "Gemma4TextConfig")) == 0
-    out = " ".join(capsys.readouterr().out.split())  # the verdict as one line, however rich wrapped it
-    assert "PASS" in out and "of its bound" in out and "(sqrt(head_dim 16)" in out, out[-2000:]
-    assert "Failed to load" not in out and "Enum subclass" not in out  # no library noise
+    model = _saved(tmp_path, "Gemma4TextConfig")
+    for example in ("cp.yaml", "fsdp.yaml"):
+        assert _verify(example, model) == 0, example
+        out = " ".join(capsys.readouterr().out.split())  # the verdict as one line, however rich wrapped it
+        assert "PASS" in out and "of its bound" in out and "(sqrt(head_dim 16)" in out, out[-2000:]
+        assert "Failed to load" not in out and "Enum subclass" not in out  # no library noise
 
 
 def test_gpt_neox_fsdp2_tp2_passes_and_a_skipped_sync_fails(tmp_path, monkeypatch, capsys):
