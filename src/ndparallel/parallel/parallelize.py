@@ -41,7 +41,7 @@ from ndparallel.techniques.master_weights import low_precision_params, upcast_pa
 from ndparallel.techniques.offload import apply_activation_offloading
 from ndparallel.techniques.qat import apply_qat
 from ndparallel.techniques.selective_ac import apply_activation_checkpointing, selective_policy_problem
-from ndparallel.techniques.tiled_mlp import apply_tiled_mlp, check_not_fsdp_unit
+from ndparallel.techniques.tiled_mlp import apply_tiled_mlp, check_not_fsdp_unit, is_tiled
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -112,7 +112,7 @@ def parallelize_model(
             fsdp.layer_classes,
             per_child=dims.tp_enabled or fsdp.tiled_mlp or fsdp.activation_offloading,
             skip_attention=dims.cp_enabled and fsdp.activation_checkpointing,
-            eager_tiled_mlp=dims.tp_enabled and fsdp.tiled_mlp,
+            eager=is_tiled if dims.tp_enabled and fsdp.tiled_mlp else None,  # techniques/compile.py
         )
     if uses_fsdp(dims, options, bool(experts)):
         expert_fsdp = (expert_mesh[dims.expert_fsdp_dims()], experts) if experts else None

@@ -24,7 +24,8 @@ the attention: the MLP is compiled, the attention block runs eagerly.
 
 TP with the tiled MLP: tracing the per-tile call of the MLP on DTensors recurses without end in
 torch 2.13's AOT autograd (``RecursionError`` under ``aot_eager``, with or without the lean norms),
-so there the tiled MLP runs eagerly and the attention is compiled (``eager_tiled_mlp``).
+so there the tiled MLP runs eagerly and the attention is compiled (``eager``, set by
+``parallel/parallelize.py``).
 
 A checkpointed layer is traced as one checkpoint higher-order op, and dynamo refuses a side effect
 on outside state inside it (a graph break, the layer back to eager): transformers >= 5.25's
@@ -38,13 +39,14 @@ there the checkpointed layers run eagerly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
 from ndparallel.models.layers import decoder_layers
 from ndparallel.techniques.qat import RecomputedQuantizer
 from ndparallel.techniques.technique_options import CompileOptions
-from ndparallel.techniques.tiled_mlp import is_tiled
 
 
 def apply_compile(
@@ -53,11 +55,11 @@ def apply_compile(
     layer_classes=None,
     per_child: bool = False,
     skip_attention: bool = False,
-    eager_tiled_mlp: bool = False,
+    eager: Callable[[nn.Module], bool] | None = None,
 ) -> nn.Module:
     """Compile every decoder layer of ``model`` (or, ``per_child``, every child module of each
-    layer that holds parameters, norms excepted, the attention too when ``skip_attention`` and a
-    tiled MLP when ``eager_tiled_mlp``) in place with ``options``; return the model."""
+    layer that holds parameters, norms excepted, the attention too when ``skip_attention`` and the
+    children ``eager`` picks) in place with ``options``; return the model."""
     _attention_eager(model)
     per_child = per_child or skip_attention
     layers = decoder_layers(model, layer_classes)
@@ -73,7 +75,7 @@ def apply_compile(
                 if "norm" not in n
                 and any(True for _ in c.parameters())
                 and not (skip_attention and _is_attention(n))
-                and not (eager_tiled_mlp and is_tiled(c))
+                and not (eager is not None and eager(c))
             ]
             if per_child
             else [layer]
