@@ -37,7 +37,6 @@ def planner_settings(trainer):
         options,
         micro_batch=cfg.micro_batch_size,
         grad_accum=cfg.gradient_accumulation_steps,
-        optimizer="sgd" if cfg.optimizer == "sgd" else "adamw",
         loss_parallel=engine.loss_parallel(model),
         unsharded_grad_accumulation=reduces_once_per_step(
             options.fsdp.unsharded_grad_accumulation, engine.dims.pp_enabled
