@@ -2,7 +2,7 @@
 same API, only the imports changed) run on CPU ranks and train exactly what our own loop trains
 on one process: Accelerate's ``nd_parallel.py`` loop on FSDP×CP, HSDP, TP and FSDP×CP×TP.
 
-Equal: the losses within the project's rule's fp32 floor (``agreement.fp32_floor``: log2(n) ulp
+Equal: the losses within the project's rule's fp32 floor (``agreement.model_floor``: log2(n) ulp
 per step, n the parameter count); these loops have no second way to measure a noise above it."""
 
 import json
@@ -16,7 +16,7 @@ from accelerate_scripts import nd_parallel
 from accelerate_scripts.reference import reference_losses
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import run_on_ranks
-from ndparallel.tools.agreement import fp32_floor
+from ndparallel.tools.agreement import model_floor
 
 SEQ, STEPS, LR = 32, 3, 0.5
 
@@ -42,10 +42,9 @@ def _reference(model_dir, dp, micro=1):
 
 
 def _close(ref, got):
-    from transformers import AutoModelForCausalLM
-
-    n = sum(p.numel() for p in AutoModelForCausalLM.from_config(preset_config("tiny-llama")).parameters())
-    return max(abs(a - b) / abs(a) for a, b in zip(ref, got)) <= fp32_floor(n, len(ref))
+    return max(abs(a - b) / abs(a) for a, b in zip(ref, got)) <= model_floor(
+        preset_config("tiny-llama"), len(ref)
+    )
 
 
 def _nd_parallel(argv):

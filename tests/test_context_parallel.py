@@ -4,7 +4,7 @@ Parameters are replicated over cp (FSDP is not part of this test): each rank's g
 share of the global loss, so summing grads over the cp group gives the one-process gradient.
 Loss = sum of token CE over non-ignored shift_labels / non-ignored count over the cp group.
 This hand-written loop has no second way, so the bound is the project's rule's fp32 floor
-(``agreement.fp32_floor``: log2(n) ulp per step, n the parameter count; measured ~1e-7 of ~7e-6).
+(``agreement.model_floor``: log2(n) ulp per step, n the parameter count; measured ~1e-7 of ~7e-6).
 """
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 
 from ndparallel.models.presets import preset_config
 from ndparallel.testing import run_on_ranks
-from ndparallel.tools.agreement import fp32_floor
+from ndparallel.tools.agreement import model_floor
 
 STEPS, BATCH = 3, 2
 
@@ -45,7 +45,7 @@ def _model():
 
 def _bound() -> float:
     """The rule's fp32 floor for this model over ``STEPS`` steps (relative, on the losses)."""
-    return fp32_floor(sum(p.numel() for p in _model().parameters()), STEPS)
+    return model_floor(preset_config("tiny-llama"), STEPS)
 
 
 def _loss(model, batch, group=None):

@@ -120,6 +120,20 @@ def fp32_floor(n: int, steps: int) -> float:
     return math.log2(n) * FP32_EPS * steps
 
 
+def model_floor(model_config, steps: int) -> float:
+    """``fp32_floor`` of a model built from ``model_config`` (its parameter count): the bound of
+    loops that have no second way (hand-written training loops, resumes on another layout)."""
+    key = model_config.to_json_string()
+    if key not in _PARAMETER_COUNTS:
+        model = equivalence.build_model(TrainSetup(model_config))
+        _PARAMETER_COUNTS[key] = sum(p.numel() for p in model.parameters())
+    return fp32_floor(_PARAMETER_COUNTS[key], steps)
+
+
+_PARAMETER_COUNTS: dict[str, int] = {}
+"""Parameter counts by model config (a cache: building a model to count is not free)."""
+
+
 def measured_bounds(setup: TrainSetup, first: TrainResult, *seconds: TrainResult) -> Bounds:
     """The rule above from the reference (``first``) and its second ways (``seconds``: the largest
     difference of each quantity counts)."""
