@@ -15,10 +15,16 @@ from ndparallel.plan.layer_backward import (
     norm_backward_stage,
 )
 from ndparallel.plan.layout import Layout, Settings
-from ndparallel.plan.long_context import host_bytes, mlp_tiles
+from ndparallel.plan.long_context import mlp_tiles
 from ndparallel.plan.longest import longest_for_layout
 from ndparallel.plan.memo import clear_memos
-from ndparallel.plan.memory import attention_scratch_per_token, estimate_memory
+from ndparallel.plan.memory import (
+    attention_scratch_per_token,
+    estimate_memory,
+    host_bytes,
+    offload_split_per_token,
+    selective_saved_per_token,
+)
 from ndparallel.plan.models import load_model_spec
 from ndparallel.plan.search import PlanRequest, estimate, evaluate_layout
 from ndparallel.techniques.tile_rule import tile_split
@@ -102,6 +108,72 @@ def test_offload_time_is_exposed_only_beyond_the_compute():
     slow = estimate(L8B, Layout(), s, dataclasses.replace(H100, host_link_bw=1e8), 8)
     assert fast.time.offload_exposed == 0.0
     assert slow.time.offload_exposed > 0 and slow.time.step > fast.time.step
+
+
+def _selective(layout, **kw):
+    s = Settings(
+        **{"seq_len": 8192, "loss_impl": "chunked", "checkpointing": True, "ac_policy": "selective", **kw}
+    )
+    return estimate_memory(L8B, layout, s, H100), s
+
+
+def test_selective_offloading_keeps_the_residue_on_the_device():
+    """Selective checkpointing with offloading: every tensor a layer saves goes to host memory but,
+    under TP, the output of down_proj's collective (``e·h/t_sp``); in backward one layer's set is
+    back on the device. ``selective_saved_per_token`` is the measured saved set."""
+    tokens, e, h = 8192, 2, L8B.hidden
+    # TP 8 + FSDP 8: the loss backward is the peak of both, where only the saved sets differ
+    lay = Layout(tp=8, dp_shard=8)
+    (kept, s), (off, s_off) = (_selective(lay, activation_offloading=o) for o in (False, True))
+    saved, residue = selective_saved_per_token(L8B, lay, s), e * h / 8
+    assert offload_split_per_token(L8B, lay, s_off) == (residue, saved - residue)
+    assert offload_split_per_token(L8B, lay, s) == (0.0, 0.0)
+    assert kept.peak_phase == off.peak_phase == "loss backward"
+    assert kept.activations - off.activations == pytest.approx(L8B.layers * tokens * (saved - residue))
+    assert (
+        off.host_offload == pytest.approx(L8B.layers * tokens * (saved - residue)) and kept.host_offload == 0
+    )
+    # FSDP 8 alone: no residue (no TP); at the layer backward one layer's saved set is restored
+    lay = Layout(dp_shard=8)
+    (kept, s), (off, s_off) = (_selective(lay, activation_offloading=o) for o in (False, True))
+    saved = selective_saved_per_token(L8B, lay, s)
+    assert offload_split_per_token(L8B, lay, s_off) == (0.0, saved)
+    assert kept.peak_phase == off.peak_phase == "layer backward"
+    assert kept.activations - off.activations == pytest.approx((L8B.layers - 1) * tokens * saved)
+
+
+def test_host_memory_holds_every_micro_batch_in_flight():
+    """Host bytes are the offloaded bytes of each micro-batch in flight (a pipeline rank's
+    ``pp_in_flight``), under both checkpointing policies."""
+    for policy in ("full", "selective"):
+        host = [
+            _selective(Layout(tp=8), activation_offloading=True, ac_policy=policy, pp_in_flight=k)[
+                0
+            ].host_offload
+            for k in (1.0, 2.0, 18.5)
+        ]
+        s = Settings(seq_len=8192, checkpointing=True, ac_policy=policy, activation_offloading=True)
+        per_layer = 8192 * offload_split_per_token(L8B, Layout(tp=8), s)[1]
+        assert host == pytest.approx([k * L8B.layers * per_layer for k in (1.0, 2.0, 18.5)]), policy
+        assert host[0] == host_bytes(L8B, Layout(tp=8), s)
+
+
+def test_selective_offload_time_against_a_third_of_the_compute():
+    """Selective checkpointing recomputes no whole layer: a layer's device→host copy hides behind
+    its forward (a third of its compute), the host→device copy behind its backward (two thirds).
+    A copy half a layer's compute long is exposed by a sixth of it, once per layer and micro-batch."""
+    lay = Layout(tp=8)
+    s = Settings(
+        seq_len=8192, checkpointing=True, ac_policy="selective", activation_offloading=True, grad_accum=2
+    )
+    fast = estimate(L8B, lay, s, dataclasses.replace(H100, host_link_bw=1e15), 8)
+    assert fast.time.offload_exposed == 0.0
+    layer_compute = fast.time.compute_parts["total"] / L8B.layers
+    copy_bytes = 8192 * offload_split_per_token(L8B, lay, s)[1]
+    half = estimate(L8B, lay, s, dataclasses.replace(H100, host_link_bw=copy_bytes / (layer_compute / 2)), 8)
+    assert half.time.offload_exposed == pytest.approx(2 * L8B.layers * layer_compute / 6)
+    tiny = estimate(L8B, lay, s, dataclasses.replace(H100, host_link_bw=1e8), 8)
+    assert tiny.time.offload_exposed > half.time.offload_exposed and tiny.time.step > fast.time.step
 
 
 def test_ring_attention_buffers_are_in_the_layer_backward():

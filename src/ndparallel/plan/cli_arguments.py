@@ -221,8 +221,9 @@ def _add_long_context_arguments(t) -> None:
     t.add_argument(
         "--activation-offloading",
         action="store_true",
-        help="checkpointed layer inputs in host memory (train's activation_offloading: "
-        "true; turns checkpointing on)",
+        help="what checkpointing keeps in host memory: full, the layer inputs; selective, its "
+        "saved tensors but down_proj's output (train's activation_offloading: true; turns "
+        "checkpointing on)",
     )
     t.add_argument(
         "--host-mem",

@@ -13,7 +13,7 @@ from ndparallel.plan.hardware import GiB, Hardware
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import offload_exposed_seconds
 from ndparallel.plan.membound import unit_param_counts
-from ndparallel.plan.memory import MemoryBreakdown, estimate_memory
+from ndparallel.plan.memory import MemoryBreakdown, estimate_memory, offloaded_layer_bytes
 from ndparallel.plan.models import ModelSpec, fsdp_units
 
 
@@ -131,7 +131,8 @@ def rank_step(
     if s.optimizer == "muon":  # each hidden matrix gathered whole for Newton-Schulz (plan/muon_cost.py)
         t_opt += muon_cost.gather_seconds(model, layout, hw, gpus_per_node)
     compute = ga * t_mb + extras["fsdp_copies"] + extras.get("nf4_dequant", 0.0)
-    offload = ga * offload_exposed_seconds(model, layout, s, hw.host_link_bw, t_mb)
+    layer_bytes = offloaded_layer_bytes(model, layout, s)
+    offload = ga * offload_exposed_seconds(model, layout, s, hw.host_link_bw, t_mb, layer_bytes)
     step = compute + ga * cp_exposed + tp + dp_exposed + t_opt + offload + ep
     timeb = TimeBreakdown(
         compute,

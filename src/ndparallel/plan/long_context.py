@@ -14,11 +14,16 @@ per value) and one fp32 rstd per row instead of HF's fp32 input, normalised outp
 (``(4+e)`` per value + 4), and its backward holds one token tile's fp32 temporaries (``16·h`` per
 tile token) instead of five fp32 copies of its input (``plan/layer_backward.py``).
 
-**Activation offloading** (``techniques/offload.py``, needs checkpointing): the ``L`` checkpointed
-layer inputs (``e·h/t_sp`` per token each) live in host memory; on the device at most
-``offload_in_flight`` (2) of them at any moment. Time: ``L`` device→host copies overlapping the
-forward of the next layer and ``L`` host→device copies overlapping the recompute and backward of
-the layer after, at ``Hardware.host_link_bw``; only what exceeds that compute is exposed.
+**Activation offloading** (``techniques/offload.py``, needs checkpointing). Full checkpointing:
+the ``L`` checkpointed layer inputs (``e·h/t_sp`` per token each) live in host memory; on the
+device at most ``offload_in_flight`` (2) of them at any moment. Selective checkpointing
+(``techniques/selective_ac.py``): saved-tensor hooks around each layer's forward move every tensor
+the layer saves to host memory but the output of ``down_proj``'s collective, which the policy keeps
+itself under TP (``selective_offload_residue_per_token``), and tensors under 1 KiB (not counted);
+in backward one layer's set comes back at a time (``plan/memory.py: offload_split_per_token``).
+Host memory holds every micro-batch in flight (a pipeline's first rank ~``p`` of them). Time: per
+layer a device→host copy overlapping a forward and a host→device copy overlapping a backward, at
+``Hardware.host_link_bw``; only what exceeds that compute is exposed (``offload_exposed_seconds``).
 """
 
 from __future__ import annotations
@@ -98,27 +103,42 @@ def device_checkpointed_layers(model: ModelSpec, s: Settings) -> int:
     return min(model.layers, s.offload_in_flight) if s.activation_offloading else model.layers
 
 
-def host_bytes(model: ModelSpec, layout: Layout, s: Settings) -> float:
-    """Host memory per GPU holding the offloaded layer inputs of one micro-batch (pinned)."""
-    if not (s.activation_offloading and s.checkpointing):
-        return 0.0
-    tokens = s.micro_batch * s.seq_len / layout.cp
-    return model.layers * tokens * checkpointed_input_per_token(model, layout, s)
+def offloading(s: Settings) -> bool:
+    """Whether activation offloading runs: it offloads what checkpointing keeps."""
+    return s.activation_offloading and s.checkpointing
+
+
+def selective_offload_residue_per_token(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """Bytes per local token and layer that stay on the device when selective checkpointing
+    offloads: under TP the output of ``down_proj``'s collective (``e·h/t_sp``), which the
+    policy's own checkpoint context keeps, out of the saved-tensor hooks' reach; else nothing."""
+    return s.act_bytes * model.hidden / _t_sp(layout, s) if layout.tp > 1 else 0.0
+
+
+FORWARD_SHARE = {"full": 1 / 4, "selective": 1 / 3}
+"""A layer's forward in its micro-batch's compute: full checkpointing runs forward 1, recompute 1,
+backward 2; selective recomputes no whole layer (forward 1, backward 2; its norms' and SwiGLU's
+recompute are small)."""
 
 
 def offload_exposed_seconds(
-    model: ModelSpec, layout: Layout, s: Settings, host_link_bw: float, micro_batch_seconds: float
+    model: ModelSpec,
+    layout: Layout,
+    s: Settings,
+    host_link_bw: float,
+    micro_batch_seconds: float,
+    layer_bytes: float,
 ) -> float:
-    """Copy time per micro-batch not hidden behind compute: per layer a device→host copy against
-    the next layer's forward (a quarter of a checkpointed micro-batch: forward 1, recompute 1,
-    backward 2) and a host→device copy against a layer's recompute + backward (three quarters)."""
-    if not (s.activation_offloading and s.checkpointing):
+    """Copy time per micro-batch not hidden behind compute: per layer a device→host copy of its
+    ``layer_bytes`` (one layer's offloaded bytes of one micro-batch) against a layer's forward
+    (``FORWARD_SHARE`` of its compute) and a host→device copy against a layer's backward (with
+    full checkpointing its recompute too: the rest)."""
+    if not offloading(s) or not layer_bytes:
         return 0.0
-    per_layer = host_bytes(model, layout, s) / model.layers / host_link_bw
+    per_layer = layer_bytes / host_link_bw
     layer_compute = micro_batch_seconds / model.layers
-    return model.layers * (
-        max(0.0, per_layer - layer_compute / 4) + max(0.0, per_layer - 3 * layer_compute / 4)
-    )
+    forward = layer_compute * FORWARD_SHARE.get(s.recompute, FORWARD_SHARE["full"])
+    return model.layers * (max(0.0, per_layer - forward) + max(0.0, per_layer - (layer_compute - forward)))
 
 
 def tiled_tp_extra(model: ModelSpec, layout: Layout, s: Settings, tokens: int, ga: int) -> list[tuple]:

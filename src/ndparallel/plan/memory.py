@@ -35,15 +35,17 @@ from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import (
     checkpointed_input_per_token,
     device_checkpointed_layers,
-    host_bytes,
     mlp_gradient_workspace_per_token,
     norm_saved_per_row,
+    offloading,
+    selective_offload_residue_per_token,
     tile_working_set,
     tiled_saved_reduction_per_token,
 )
 from ndparallel.plan.loss_memory import chunk_head_grad_bytes, chunk_logit_bytes, chunk_tokens
 from ndparallel.plan.memo import Memo
 from ndparallel.plan.models import ModelSpec, fsdp_units
+from ndparallel.plan.pipeline import stage_inputs_held
 from ndparallel.plan.qat_memory import qat_head_bytes, qat_layer_bytes
 from ndparallel.plan.qlora import memory_adjustments
 from ndparallel.plan.recompute_policies import op_policy_saved_per_token
@@ -69,7 +71,8 @@ class MemoryBreakdown:
     activation_bytes_per_layer: float
     """Saved by one layer without checkpointing (one micro-batch)."""
     host_offload: float = 0.0
-    """Host (pinned) bytes per GPU of offloaded layer inputs; not part of ``total``."""
+    """Host (pinned) bytes per GPU of offloaded activations, every micro-batch in flight
+    (``host_bytes``); not part of ``total``."""
 
     @property
     def allocated(self) -> float:
@@ -142,6 +145,31 @@ def selective_saved_per_token(model: ModelSpec, layout: Layout, s: Settings) -> 
     if model.qk_norm:
         per += e * (a + k) * d / t
     return per + cp_saved_extra_per_token(model, layout, s)
+
+
+def offload_split_per_token(model: ModelSpec, layout: Layout, s: Settings) -> tuple[float, float]:
+    """(on the device, in host memory) bytes per local token and layer of what activation
+    offloading handles (``plan/long_context.py``); (0, 0) without it. Full checkpointing: the layer
+    input moves (on the device only those in flight, ``device_checkpointed_layers``); selective:
+    the selective saved set moves but its residue (``selective_offload_residue_per_token``)."""
+    if not offloading(s):
+        return 0.0, 0.0
+    if s.recompute == "selective":
+        kept = selective_offload_residue_per_token(model, layout, s)
+        return kept, selective_saved_per_token(model, layout, s) - kept
+    return 0.0, checkpointed_input_per_token(model, layout, s)
+
+
+def offloaded_layer_bytes(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """One layer's offloaded bytes of one micro-batch: what one copy moves each way."""
+    return s.micro_batch * s.seq_len / layout.cp * offload_split_per_token(model, layout, s)[1]
+
+
+def host_bytes(model: ModelSpec, layout: Layout, s: Settings) -> float:
+    """Host (pinned) memory per GPU: every layer's offloaded bytes of every micro-batch in flight
+    (``s.pp_in_flight``: on a pipeline's first rank about ``p`` micro-batches, each held from its
+    forward to its backward)."""
+    return s.pp_in_flight * model.layers * offloaded_layer_bytes(model, layout, s)
 
 
 def _logits_bytes(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:
@@ -295,9 +323,12 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
         grads_a = grads_b = unsharded + (0.0 if s.set_to_none else shard_numel * 4)
 
     dims = layout if model.is_moe else (layout.cp, layout.tp)
-    saved, plain_layer, per_layer, qat_layer, qat_head, logits, workspace, host = _MICRO_BATCH.get(
+    saved, plain_layer, per_layer, qat_layer, qat_head, logits, workspace = _MICRO_BATCH.get(
         (model, dims, micro_batch_key(s)), lambda: _micro_batch_terms(model, layout, s)
     )
+    if offloading(s):  # a pp stage's received inputs: offloaded, but the stage keeps them (pipeline.py)
+        inputs = stage_inputs_held(model, layout, s) * s.micro_batch * s.seq_len / layout.cp
+        saved += inputs * checkpointed_input_per_token(model, layout, s)
     saved *= s.pp_in_flight  # a pipeline rank holds several micro-batches (plan/pipeline.py)
     buf_a, buf_b = _buffers(model, layout, s, numels, unsharded > 0)
     buf_a, buf_b = buf_a - nf4.get("buffer_a", 0.0), buf_b - nf4.get("buffer_b", 0.0)
@@ -334,7 +365,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     overhead = hw.runtime_overhead_bytes + FRAGMENTATION * (acts + lg + buf)
     total = params + grads + optimizer + acts + lg + buf + overhead
     parts = (params, grads, optimizer, acts, lg, buf, overhead, total)
-    return MemoryBreakdown(*parts, phase, plain_layer, host)
+    return MemoryBreakdown(*parts, phase, plain_layer, host_bytes(model, layout, s))
 
 
 _MICRO_BATCH = Memo()
@@ -342,14 +373,16 @@ _MICRO_BATCH = Memo()
 
 def _micro_batch_terms(model: ModelSpec, layout: Layout, s: Settings) -> tuple:
     """What one micro-batch's tokens hold: ``_saved_activations`` (one micro-batch in flight), the
-    logits, the layer backward's workspace and the offloaded bytes. Memoised on a dense model's
+    logits and the layer backward's workspace (with selective checkpointing and offloading, the
+    layer's offloaded set back on the device for its backward). Memoised on a dense model's
     (cp, tp) and the settings less their step-level fields (``compute.micro_batch_key``): the search
     asks for the same micro-batch under every layout that shares them."""
     tokens = s.micro_batch * s.seq_len / layout.cp
     logits = _logits_bytes(model, layout, s, tokens) if model.has_lm_head else 0.0
     workspace = _workspace(model, layout, s, tokens)
-    host = host_bytes(model, layout, s)
-    return (*_saved_activations(model, layout, s, tokens), logits, workspace, host)
+    if s.recompute == "selective":
+        workspace += offloaded_layer_bytes(model, layout, s)  # 0 without offloading
+    return (*_saved_activations(model, layout, s, tokens), logits, workspace)
 
 
 def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> tuple:
@@ -359,7 +392,9 @@ def _saved_activations(model: ModelSpec, layout: Layout, s: Settings, tokens: fl
     e = s.act_bytes
     plain_layer = layer_activation_bytes_per_token(model, layout, s) * tokens
     per_layer = plain_layer - tiled_saved_reduction_per_token(model, layout, s) * tokens
-    if s.recompute == "selective":
+    if s.recompute == "selective" and offloading(s):  # the residue stays on the device
+        saved = model.layers * tokens * offload_split_per_token(model, layout, s)[0]
+    elif s.recompute == "selective":
         saved = model.layers * tokens * selective_saved_per_token(model, layout, s)
     elif s.recompute == "op":
         saved = model.layers * tokens * op_policy_saved_per_token(model, layout, s)

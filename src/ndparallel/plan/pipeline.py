@@ -143,6 +143,17 @@ def measured_ranks(p: int, schedule: str) -> tuple[int, ...]:
     return (0,) if schedule == "ZBVZeroBubble" else (0, p - 1)
 
 
+def stage_inputs_held(model: ModelSpec, layout, s) -> int:
+    """Received stage inputs (hidden states) a pp rank holds per micro-batch in flight (the unit
+    of ``in_flight``): torch's ``PipelineStage`` keeps each chunk's inputs in its
+    forward cache until the chunk's backward, one per stage of the rank but the first stage's
+    (token ids). Without offloading the first layer's saved input is that tensor; offloaded, its
+    host copy does not free it. (The chunk's output, kept there too, is not counted.)"""
+    if layout.pp <= 1:
+        return 0
+    return s.pp_virtual - (1 if model.has_embedding else 0)
+
+
 # ------------------------------------------------------------------- transfers
 def p2p_bytes(model: ModelSpec, layout, s) -> int:
     """One stage boundary's transfer per micro-batch: the hidden states, micro_batch × seq/cp ×
@@ -291,6 +302,8 @@ def _why_not(e) -> str:
     )
     if s.recompute == "selective":
         kept = "each layer's norm and block inputs, q, k, v, attention output, gate, up (selective AC)"
+    if s.recompute == "selective" and mem.host_offload:
+        kept = "each layer's down_proj output and each stage's input (selective AC, the rest offloaded)"
     return (
         f"Does not fit: the {info.worst} stage needs {mem.total / GiB:.1f} GiB, "
         f"{mem.activations / GiB:.1f} of them activations: {held:.1f} micro-batches of {tokens} tokens in "

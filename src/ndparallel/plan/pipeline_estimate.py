@@ -4,7 +4,8 @@ own (``estimate.rank_step`` on ``pipeline.rank_model``), the slowest setting the
 Step = work(slowest rank) / (1 − β) + its once-per-step FSDP exposure + exposed transfers + the
 optimizer step, β the schedule's bubble fraction, work = the rank's micro-batches with their
 exposed TP/CP communication and, when gradients are reduced on every micro-batch (the runtime's
-default), their exposed FSDP traffic. Reported memory: the larger rank's."""
+default), their exposed FSDP traffic. Reported memory: the larger rank's (host memory of offloaded
+activations: the larger rank's)."""
 
 from __future__ import annotations
 
@@ -141,4 +142,6 @@ def estimate_pipeline(
     info = PipelineInfo(
         schedule, v, m, beta, {k: (r[0], r[1], r[3].busy) for k, r in ranks.items()}, worst, pace, stretch
     )
-    return finish(model, layout, s, hw, ranks[worst][1], colls, timeb, global_batch, info)
+    # the host check asks the rank offloading the most (the first: most micro-batches in flight)
+    mem = replace(ranks[worst][1], host_offload=max(r[1].host_offload for r in ranks.values()))
+    return finish(model, layout, s, hw, mem, colls, timeb, global_batch, info)

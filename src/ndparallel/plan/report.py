@@ -229,14 +229,15 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
     if e.pipeline is not None:
         for line in pipeline_lines(e):
             console.print(line, soft_wrap=True)
-    _print_memory(e, result.request.hardware, console)
+    _print_memory(e, result.request.hardware, console, min(result.request.gpus_per_node, lay.world))
     _print_time(e, console)
     _print_collectives(e, result, console)
     _print_options(res, console)
 
 
-def _print_memory(e: Estimate, hw, console: Console) -> None:
-    """The memory table of ``e`` at its peak, against ``hw``'s capacity."""
+def _print_memory(e: Estimate, hw, console: Console, per_node: int) -> None:
+    """The memory table of ``e`` at its peak, against ``hw``'s capacity; offloading, the host
+    memory of a GPU and of its node (``per_node`` GPUs)."""
     m = e.memory
     mem = Table(title=f"Memory per GPU at the peak ({m.peak_phase})")
     mem.add_column("part")
@@ -254,7 +255,8 @@ def _print_memory(e: Estimate, hw, console: Console) -> None:
         mem.add_row(name, _gib(getattr(m, name)))
     mem.add_row("capacity", _gib(hw.mem_bytes))
     if m.host_offload:
-        mem.add_row("host (pinned) memory: offloaded layer inputs", _gib(m.host_offload))
+        mem.add_row("host (pinned) memory: offloaded activations", _gib(m.host_offload))
+        mem.add_row(f"  per node ({per_node} GPUs)", _gib(m.host_offload * per_node))
     mem.add_row("peak allocated (torch.cuda.max_memory_allocated)", _gib(m.allocated))
     console.print(mem)
     console.print(

@@ -235,7 +235,7 @@ def evaluate_layout(
     mbs = [micro_batch] if micro_batch else [req.micro_batch] if req.micro_batch else list(AUTO_MICRO_BATCHES)
     if checkpointing is not None:
         acs = [checkpointing]
-    elif base.activation_offloading:  # offloading moves what checkpointing keeps
+    elif base.activation_offloading:  # offloading moves what checkpointing (full or selective) keeps
         acs = [True]
     else:
         acs = {"auto": [False, True], "on": [True], "off": [False]}[req.checkpointing]
