@@ -19,7 +19,7 @@ from ndparallel.plan.pipeline import (
     rank_shape,
 )
 from ndparallel.plan.report import print_explain, train_config
-from ndparallel.plan.search import PlanRequest, evaluate_layout, plan
+from ndparallel.plan.search import PlanRequest, PlanResult, evaluate_layout, plan
 
 H100 = HW["h100-80gb"]
 L405 = PRESETS["llama-3.1-405b"]
@@ -398,13 +398,18 @@ def test_405b_meta_layout_fits_with_selective_offloading(selective_run):
     assert e.memory.host_offload == pytest.approx(held * shape.layers * tokens * (saved - residue))
 
 
-def test_405b_selective_offloading_host_check(selective_run):
-    """The node's host memory bounds it: its 8 GPUs' offloaded bytes against 80 % of --host-mem."""
+def test_405b_selective_offloading_host_check(selective_run, capsys):
+    """The node's host memory bounds it: its 8 GPUs' offloaded bytes against 80 % of --host-mem;
+    --explain then names the host, not the device (which it fits)."""
     req, _, off = selective_run
     per_node = 8 * off.best.memory.host_offload
     roomy = evaluate_layout(req.updated(host_mem_bytes=per_node / 0.8 * 1.01), META, **SELECTIVE_OFFLOAD)
-    short = evaluate_layout(req.updated(host_mem_bytes=per_node / 0.8 * 0.99), META, **SELECTIVE_OFFLOAD)
-    assert roomy.ok and not short.ok and short.rejections[0][0] == "host_oom"
+    short_req = req.updated(host_mem_bytes=per_node / 0.8 * 0.99)
+    short = evaluate_layout(short_req, META, **SELECTIVE_OFFLOAD)
+    assert roomy.ok and not short.ok and [code for code, _ in short.rejections] == ["host_oom"]
+    print_explain(short, PlanResult(short_req, [], [short]), Console(width=200))
+    out = capsys.readouterr().out
+    assert "[host_oom]" in out and "Does not fit:" not in out
 
 
 def test_explain_prints_the_host_memory_per_node(capsys):

@@ -259,10 +259,10 @@ def canonical(schedule: str) -> str:
     return name
 
 
-def pipeline_lines(e) -> list[str]:
+def pipeline_lines(e, device_short: bool = True) -> list[str]:
     """``--explain``'s lines of a pp layout's estimate ``e``: the bubble share (and how gradients
     are reduced) in one, the first and the last stage's memory in the other; when it does not
-    fit, a third saying why."""
+    fit the device (``device_short``: not only the host's memory), a third saying why."""
 
     info, t = e.pipeline, e.time
     per_rank = f" × {info.virtual} per rank" if info.virtual > 1 else ""
@@ -283,7 +283,7 @@ def pipeline_lines(e) -> list[str]:
         ends = (" + embedding" if shape.first else "") + (" + head, loss" if shape.last else "")
         parts.append(f"{name} ({shape.layers} layers{ends}) {mem.total / GiB:.1f} GiB")
     lines.append("Stage memory: " + ", ".join(parts) + f"; reported: {info.worst}")
-    if not e.fits:
+    if not e.fits and device_short:
         lines.append(_why_not(e))
     return lines
 

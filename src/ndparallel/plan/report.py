@@ -227,7 +227,8 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
             f"checkpointing {_ac(e)}"
         )
     if e.pipeline is not None:
-        for line in pipeline_lines(e):
+        host_only = [code for code, _ in res.rejections] == ["host_oom"]
+        for line in pipeline_lines(e, device_short=not host_only):
             console.print(line, soft_wrap=True)
     _print_memory(e, result.request.hardware, console, min(result.request.gpus_per_node, lay.world))
     _print_time(e, console)
