@@ -31,7 +31,10 @@ from ndparallel.testing import run_on_ranks  # noqa: E402
 
 
 def _measure(tp: int, mode: str, shape: dict, batch: int, seq: int, device: str) -> dict:
-    """Bytes per token layer 0 keeps, ``mode`` 'gathered' | 'shards' | 'selective' (shards + AC)."""
+    """Bytes per token layer 0 keeps, ``mode`` 'gathered' | 'shards' | 'selective' (shards + AC) |
+    'selective_offload' (+ activation offloading: ``per_token`` what stays on the device,
+    ``host_per_token`` what went to the host; every saved tensor counts, ``min_bytes=1``: at real
+    sizes none is under the runtime's 1 KiB)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ndparallel.layout.config import ParallelismConfig
@@ -39,6 +42,7 @@ def _measure(tp: int, mode: str, shape: dict, batch: int, seq: int, device: str)
     from ndparallel.parallel.tp.tensor import apply_tensor_parallel
     from ndparallel.runtime.distributed import shutdown
     from ndparallel.runtime.fake_world import start_fake_world
+    from ndparallel.techniques.offload import apply_activation_offloading
     from ndparallel.techniques.selective_ac import apply_selective_checkpointing
     from ndparallel.tools.kept_bytes import KeptBytes
 
@@ -54,22 +58,37 @@ def _measure(tp: int, mode: str, shape: dict, batch: int, seq: int, device: str)
                 sequence_parallel=True, loss_parallel=False, sequence_parallel_saved_shards=mode != "gathered"
             )
             apply_tensor_parallel(model, mesh, options)
-        if mode == "selective":
+        if mode.startswith("selective"):
             apply_selective_checkpointing(model)
+        off = None
+        if mode == "selective_offload":
+            off = apply_activation_offloading(model, device, selective=True, min_bytes=1, max_host_bytes=None)
         kept = KeptBytes()
         kept.square_dim = seq
         layer = model.model.layers[0]
-        layer.register_forward_pre_hook(lambda *_: kept.__enter__() and None)
-        layer.register_forward_hook(lambda *_: kept.__exit__(None, None, None))
+        host = []  # the offloader's host bytes before and after layer 0's forward
+        layer.register_forward_pre_hook(lambda *_: (kept.__enter__(), host.append(_host(off))) and None)
+        layer.register_forward_hook(
+            lambda *_: (kept.__exit__(None, None, None), host.append(_host(off))) and None
+        )
         ids = torch.randint(0, shape["vocab_size"], (batch, seq), device=device)
         pos = torch.arange(seq, device=device).expand(batch, -1)
         out = model(input_ids=ids, position_ids=pos).logits
-        total, scores = kept.alive(exclude=list(model.parameters()))
+        copies = off.host_copies() if off is not None else []
+        total, scores = kept.alive(exclude=list(model.parameters()) + copies)
         (out.to_local() if hasattr(out, "to_local") else out).float().sum().backward()
         tokens = batch * seq
-        return {"per_token": total / tokens, "attention_s2_per_token": scores / tokens}
+        return {
+            "per_token": total / tokens,
+            "attention_s2_per_token": scores / tokens,
+            "host_per_token": (host[1] - host[0]) / tokens,
+        }
     finally:
         shutdown()
+
+
+def _host(offloader) -> int:
+    return offloader.stats.host_bytes if offloader is not None else 0
 
 
 def _measure_all(jobs: list[tuple]) -> list[dict]:

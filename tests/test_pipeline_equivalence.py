@@ -70,6 +70,18 @@ CASES = {  # name: (model, layout, schedule, extra strategy options, pipeline mi
         {"cp_options": CPOptions(comm_strategy="ulysses")},
         None,
     ),
+    "pp2_tp2_sp_interleaved_selective_offload": (  # Meta's 405B recipe in small (docs/planner.md)
+        "llama",
+        {"pp_size": 2, "tp_size": 2},
+        "Interleaved1F1B",
+        {
+            "tp_options": TPOptions(sequence_parallel=True),
+            "fsdp_options": FSDPOptions(
+                activation_checkpointing=True, ac_policy="selective", activation_offloading=True
+            ),
+        },
+        None,
+    ),
     "pp2_fsdp2_cpu_offload": (
         "llama_tied",
         {"pp_size": 2, "dp_shard_size": 2},

@@ -15,6 +15,7 @@ from ndparallel.config.schema import TrainConfig
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import FSDPOptions
 from ndparallel.parallel.parallelize import apply_activation_memory
+from ndparallel.techniques.offload import offloader_of
 from ndparallel.techniques.selective_ac import selective_policy_problem
 from ndparallel.testing import run_on_ranks
 
@@ -70,15 +71,57 @@ def test_runtime_path_checkpoints_every_norm_and_mlp():
         assert torch.equal(a.grad, b.grad), name
 
 
+def test_offloading_moves_what_the_selective_layer_keeps_to_the_host():
+    """``activation_offloading`` with the selective policy (Meta's 405B layout needs it, docs/planner.md):
+    under TP + SP (rank 0 of a fake tp-2 world, as above) layer 0 keeps on the device only the
+    output of ``down_proj``'s collective that the policy keeps (``e·h/t`` per token); the rest of what
+    it kept without offloading is in host memory (plus RoPE's cos and sin, model-level, once per
+    forward). Without TP nothing stays on the device."""
+    h, a, seq, e = 128, 4, 48, 2
+    shape = dict(
+        hidden_size=h,
+        intermediate_size=448,
+        num_hidden_layers=2,
+        num_attention_heads=a,
+        num_key_value_heads=2,
+        head_dim=h // a,
+        vocab_size=256,
+        max_position_embeddings=64,
+    )
+    jobs = [(tp, mode, shape, 2, seq, "cpu") for tp in (1, 2) for mode in ("selective", "selective_offload")]
+    got = dict(zip([(j[0], j[1]) for j in jobs], run_on_ranks(_measure_all, 1, jobs)[0]))
+    rope = 2 * e * (h // a)  # cos and sin per token, offloaded by the first layer
+    for tp, residue in ((1, 0), (2, e * h / 2)):
+        kept, offloaded = got[(tp, "selective")], got[(tp, "selective_offload")]
+        assert offloaded["per_token"] == residue, (tp, offloaded)
+        assert offloaded["host_per_token"] >= kept["per_token"] - residue + rope, (tp, kept, offloaded)
+
+
+def test_runtime_path_offloads_with_the_selective_policy():
+    """Through ``apply_activation_memory``: gradients bitwise those of the plain model, every
+    saved storage offloaded came back once per backward, and none is held after it."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(preset_config("tiny-qwen3"))
+    plain = AutoModelForCausalLM.from_config(preset_config("tiny-qwen3"))
+    plain.load_state_dict(model.state_dict())
+    options = FSDPOptions(activation_checkpointing=True, ac_policy="selective", activation_offloading=True)
+    apply_activation_memory(model, options, torch.device("cpu"))
+    offloader = offloader_of(model)
+    ids = torch.randint(0, 256, (2, 16))
+    for m in (model, plain):
+        m(input_ids=ids, labels=ids).loss.backward()
+    stats = offloader.stats
+    assert stats.offloaded > 2 * 8 and stats.restored == stats.offloaded, stats  # > 8 storages a layer
+    assert stats.host_bytes == 0 and stats.peak_host_bytes > 0, stats
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
         (dict(ac_policy="selective"), "needs activation_checkpointing: true"),
         (dict(activation_checkpointing=True, ac_policy="selective", tiled_mlp=True), "use one of them"),
-        (
-            dict(activation_checkpointing=True, ac_policy="selective", activation_offloading=True),
-            "remove activation_offloading",
-        ),
     ],
 )
 def test_refused_combinations_name_the_fix(options, message):

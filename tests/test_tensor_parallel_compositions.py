@@ -65,11 +65,14 @@ def test_fsdp2_x_tp2_equals_one_process(preset, optimizer, tp):
     _check(_setup(preset, optimizer, **tp), *FSDP2_TP2)
 
 
-def test_selective_checkpointing_under_fsdp2_x_tp2_sp_equals_one_process():
+@pytest.mark.parametrize("offloading", [False, True], ids=["device", "offloaded"])
+def test_selective_checkpointing_under_fsdp2_x_tp2_sp_equals_one_process(offloading):
     """``ac_policy: selective`` (norms — Qwen3's per-head q/k norms too — and the MLP activation
-    recomputed, techniques/selective_ac.py) with TP + sequence parallel saving shards, SGD."""
+    recomputed, techniques/selective_ac.py) with TP + sequence parallel saving shards, SGD; and
+    with what each layer keeps in host memory (``activation_offloading``, techniques/offload.py:
+    DTensors, the blocks' shards and the checkpointed regions' inputs go through its hooks)."""
     setup = _setup("tiny-qwen3", "sgd", sequence_parallel=True, loss_parallel=True)
-    fsdp = FSDPOptions(activation_checkpointing=True, ac_policy="selective")
+    fsdp = FSDPOptions(activation_checkpointing=True, ac_policy="selective", activation_offloading=offloading)
     setup = dataclasses.replace(setup, parallel_kwargs={**setup.parallel_kwargs, "fsdp_options": fsdp})
     _check(setup, *FSDP2_TP2)
 

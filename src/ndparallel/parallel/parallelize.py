@@ -40,7 +40,11 @@ from ndparallel.techniques.lean_norm import apply_lean_norms
 from ndparallel.techniques.master_weights import low_precision_params, upcast_params
 from ndparallel.techniques.offload import apply_activation_offloading
 from ndparallel.techniques.qat import apply_qat
-from ndparallel.techniques.selective_ac import apply_activation_checkpointing, selective_policy_problem
+from ndparallel.techniques.selective_ac import (
+    apply_activation_checkpointing,
+    is_selective,
+    selective_policy_problem,
+)
 from ndparallel.techniques.tiled_mlp import apply_tiled_mlp, check_not_fsdp_unit, is_tiled
 
 
@@ -152,7 +156,7 @@ def _check_layout(model: nn.Module, dims: ParallelDims, tp) -> None:
 def apply_activation_memory(model: nn.Module, fsdp: FSDPOptions, device: torch.device) -> None:
     """The per-decoder-layer memory options, after TP and CP (their hooks stay on the blocks):
     sequence-tiled MLP and lean norms (``tiled_mlp``), activation checkpointing, then offloading of
-    the checkpointed inputs."""
+    what it keeps (the checkpointed inputs; under the selective policy all a layer saves)."""
     if fsdp.activation_offloading and not fsdp.activation_checkpointing:
         raise ValueError(
             "activation_offloading offloads the inputs activation checkpointing keeps: set "
@@ -166,7 +170,7 @@ def apply_activation_memory(model: nn.Module, fsdp: FSDPOptions, device: torch.d
         apply_lean_norms(model, fsdp.tiled_mlp_num_shards)  # HF-Llama-form RMSNorms, token-tiled backward
     apply_activation_checkpointing(model, fsdp, fsdp.layer_classes)  # full, or norms + MLP activation
     if fsdp.activation_offloading:
-        apply_activation_offloading(model, device, fsdp.layer_classes)
+        apply_activation_offloading(model, device, fsdp.layer_classes, selective=is_selective(fsdp))
 
 
 def move_leftovers(model: nn.Module, device: torch.device, keep_params_on_cpu: bool = False) -> None:

@@ -31,6 +31,7 @@ from ndparallel.models.weights import weights_problem
 from ndparallel.parallel.pp.stages import adapter_pipeline_problem
 from ndparallel.parallel.support import adapter_layout_problem
 from ndparallel.runtime.network import reachable
+from ndparallel.techniques.selective_ac import is_selective
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -347,7 +348,9 @@ def check_memory_options(cfg: TrainConfig, hf) -> None:
             "FSDP would gather its parameters once per tile; shard whole decoder layers (leave "
             "layer_classes unset) or turn tiled_mlp off"
         )
-    if cfg.activation_offloading and not all(isinstance(m, GradientCheckpointingLayer) for m in layers):
+    wraps_checkpoint = not is_selective(cfg.fsdp_config)  # selective: hooks around any layer's forward
+    checkpointed = all(isinstance(m, GradientCheckpointingLayer) for m in layers)
+    if cfg.activation_offloading and wraps_checkpoint and not checkpointed:
         raise ConfigError(
             f"activation_offloading: {type(layers[0]).__name__} is not checkpointed by transformers' "
             "GradientCheckpointingLayer, whose checkpoint function ndparallel wraps; turn it off"

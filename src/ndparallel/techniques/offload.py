@@ -30,6 +30,16 @@ and the way back is prefetched one layer ahead:
   memory divided by the local ranks, read when the offloader is built) are held at once; layer
   inputs beyond that stay on the device (counted in ``stats.kept_on_device``, warned once).
 
+**Selective checkpointing** (``techniques/selective_ac.py``) keeps much more than a layer's input: the
+hooks are entered around each decoder layer's whole forward instead (``apply_activation_offloading(
+selective=True)``), so every tensor the layer saves goes out (under sequence parallel the blocks'
+shards too: ``parallel/tp/sp_saves.py`` stores them through these hooks), except what the selective
+policy caches itself. What moves is a **storage**: the saved tensors that view it (``x.view(-1, h)``
+saved by q, k and v's projections, RoPE's cos and sin saved by every layer) share one host copy per
+forward and one device copy in backward; parameters and their views (a matmul's ``weight.t()``)
+stay. Backward prefetches only within one forward's saves: under a pipeline schedule another
+forward's may wait long.
+
 On a CPU device the same code runs with plain copies (``HostTransfers``): tests check exactness
 and the bookkeeping; ``tests/test_offload_streams.py`` replays the CUDA protocol with simulated
 asynchronous streams (copies land only when their event is waited on).
@@ -38,13 +48,16 @@ asynchronous streams (copies land only when their event is waited on).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import warnings
 import weakref
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
 
 from ndparallel.models.layers import outer_decoder_layers
 from ndparallel.runtime.memory_probe import host_allocations
@@ -115,12 +128,49 @@ class CudaTransfers:
 
 
 class _Offloaded:
-    """A saved layer input living in host memory (what autograd keeps instead of the tensor)."""
+    """One device storage in host memory (flat): the saved tensors that view it (``_SavedView``)
+    share it, and in backward share one device copy (``cached``) until the last of them is back."""
 
-    __slots__ = ("seq", "host", "device", "pending", "__weakref__")
+    __slots__ = ("seq", "epoch", "host", "device", "pending", "cached", "views", "left", "__weakref__")
 
-    def __init__(self, seq: int, host: torch.Tensor, device: torch.device):
-        self.seq, self.host, self.device, self.pending = seq, host, device, None
+    def __init__(self, seq: int, epoch: int, host: torch.Tensor, device: torch.device):
+        self.seq, self.epoch, self.host, self.device = seq, epoch, host, device
+        self.pending = self.cached = None
+        self.views = self.left = 0
+
+
+class _SavedView:
+    """What autograd keeps for a saved tensor: its storage's host copy and the view's geometry (a
+    DTensor's local tensor, with its ``dtensor`` layout rebuilt on the way back)."""
+
+    __slots__ = ("stored", "dtype", "size", "stride", "offset", "dtensor")
+
+    def __init__(self, stored: _Offloaded, local: torch.Tensor, dtensor=None):
+        self.stored, self.dtype, self.dtensor = stored, local.dtype, dtensor
+        self.size, self.stride, self.offset = tuple(local.shape), local.stride(), local.storage_offset()
+        stored.views += 1
+        stored.left += 1
+
+    def restored(self, flat: torch.Tensor) -> torch.Tensor:
+        if flat.dtype != self.dtype:  # a view of the storage as another dtype
+            flat = flat.view(torch.uint8).view(self.dtype)
+        local = flat.as_strided(self.size, self.stride, self.offset)
+        if self.dtensor is None:
+            return local
+        mesh, placements, shape, stride = self.dtensor
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _whole_storage(local: torch.Tensor) -> torch.Tensor:
+    """The whole storage ``local`` views, as a flat tensor of its dtype (no copy)."""
+    n = local.untyped_storage().nbytes() // local.element_size()
+    flat = torch.empty(0, dtype=local.dtype, device=local.device)
+    return flat.set_(local.untyped_storage(), 0, (n,), (1,))
+
+
+def _is_weight(x: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``weight.t()`` that a matmul saves)."""
+    return isinstance(x, nn.Parameter) or isinstance(x._base, nn.Parameter)
 
 
 def default_host_budget() -> int | None:
@@ -154,61 +204,108 @@ class ActivationOffloader:
         self._by_seq: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._in_flight: collections.deque = collections.deque()
         self._warned = False
+        self._epoch = 0
+        self._this_forward: dict[int, tuple] = {}
+        """storage address -> (weak ref to the storage, its tensors' version, weak ref to its host
+        copy) of what this forward offloaded: a storage saved again (the input of q, k and v's
+        projections; RoPE's cos and sin, saved by every layer) goes to the host once."""
+
+        def pack(x):
+            return self._pack(x)
+
+        pack._ndp_chain = (self._pack, self._unpack)  # parallel/tp/sp_saves.py packs through it
+        self._pack_hook = pack
 
     # ------------------------------------------------------------------ hooks
     def hooks(self) -> saved_tensors_hooks:
-        return saved_tensors_hooks(self._pack, self._unpack)
+        return saved_tensors_hooks(self._pack_hook, self._unpack)
+
+    def new_forward(self) -> None:
+        """A forward of the model (or pipeline stage) begins: backward prefetches only within one
+        forward's saves (another forward's, under a pipeline schedule, may wait long)."""
+        self._epoch += 1
+        self._this_forward.clear()
+
+    def host_copies(self) -> list[torch.Tensor]:
+        """The host copies held now (what a count of the device's bytes leaves out)."""
+        return [handle.host for handle in list(self._by_seq.values())]
 
     def wrap(self, checkpoint_fn) -> OffloadedCheckpoint:
         return OffloadedCheckpoint(self, checkpoint_fn)
 
     def _eligible(self, x: torch.Tensor) -> bool:
         return (
-            type(x) is torch.Tensor
+            type(x) in (torch.Tensor, DTensor)
+            and not _is_weight(x)  # weights stay (a DTensor parameter keeps its type)
             and x.is_floating_point()
-            and x.numel() * x.element_size() >= self.min_bytes
             and x.device.type == self.transfers.device_type
         )
 
     def _pack(self, x: torch.Tensor):
         if not self._eligible(x):
             return x
-        nbytes = x.numel() * x.element_size()
+        local = x._local_tensor if isinstance(x, DTensor) else x
+        layout = (x.device_mesh, x.placements, x.shape, x.stride()) if isinstance(x, DTensor) else None
+        storage = local.untyped_storage()
+        seen = self._this_forward.get(storage.data_ptr())
+        if seen is not None and seen[0]() is not None and seen[1] == local._version and seen[2]() is not None:
+            return _SavedView(seen[2](), local, layout)  # a storage saved again: one host copy
+        nbytes = storage.nbytes()
+        if nbytes < self.min_bytes or nbytes % local.element_size():
+            return x
         if self.max_host_bytes is not None and self.stats.host_bytes + nbytes > self.max_host_bytes:
             self.stats.kept_on_device += 1
             self._warn_budget()
             return x
-        host, event = self.transfers.to_host(x)
+        host, event = self.transfers.to_host(_whole_storage(local))
         self._in_flight.append(event)
         while len(self._in_flight) > self.max_in_flight:
             self.transfers.wait(self._in_flight.popleft())
         self._seq += 1
-        handle = _Offloaded(self._seq, host, x.device)
-        self._by_seq[self._seq] = handle
-        self._account(handle, nbytes)
-        return handle
+        stored = _Offloaded(self._seq, self._epoch, host, local.device)
+        self._by_seq[self._seq] = stored
+        self._this_forward[storage.data_ptr()] = (weakref.ref(storage), local._version, weakref.ref(stored))
+        self._account(stored, nbytes)
+        return _SavedView(stored, local, layout)
 
-    def _account(self, handle: _Offloaded, nbytes: int) -> None:
+    def _account(self, stored: _Offloaded, nbytes: int) -> None:
         s = self.stats
         s.offloaded += 1
         s.offloaded_bytes += nbytes
         s.host_bytes += nbytes
         s.peak_host_bytes = max(s.peak_host_bytes, s.host_bytes)
-        weakref.finalize(handle, _release, s, nbytes)
+        weakref.finalize(stored, _release, s, nbytes)
 
     def _unpack(self, packed):
-        if not isinstance(packed, _Offloaded):
+        if not isinstance(packed, _SavedView):
             return packed
+        stored = packed.stored
+        if stored.cached is None:
+            stored.cached = self._fetch(stored)
+        flat = stored.cached
+        stored.left -= 1
+        if stored.left <= 0:  # every view is back: the next unpack (retain_graph) copies again
+            stored.cached, stored.left = None, stored.views
+        return packed.restored(flat)
+
+    def _fetch(self, stored: _Offloaded) -> torch.Tensor:
+        """``stored``'s device copy (prefetched, else copied now); then the one saved before it in
+        the same forward starts its way back."""
         self._in_flight.clear()  # backward has started; safety never relied on these waits
-        if packed.pending is not None:
-            dev, event = packed.pending
-            packed.pending = None
+        if stored.pending is not None:
+            dev, event = stored.pending
+            stored.pending = None
         else:
-            dev, event = self.transfers.to_device(packed.host, packed.device)
+            dev, event = self.transfers.to_device(stored.host, stored.device)
         self.transfers.wait(event)
         self.stats.restored += 1
-        previous = self._by_seq.get(packed.seq - 1) if self.prefetch else None
-        if previous is not None and previous.pending is None:
+        previous = self._by_seq.get(stored.seq - 1) if self.prefetch else None
+        if (
+            previous is not None
+            and previous.pending is None
+            and previous.cached is None
+            and previous.epoch == stored.epoch
+        ):
             previous.pending = self.transfers.to_device(previous.host, previous.device)
             self.stats.prefetched += 1
         return dev
@@ -243,29 +340,68 @@ def transfers_for(device: torch.device):
     return CudaTransfers(device) if torch.device(device).type == "cuda" else HostTransfers()
 
 
-def apply_activation_offloading(model, device, layer_classes=None, **kwargs) -> ActivationOffloader:
-    """Offload the checkpointed input of every decoder layer of ``model`` (activation checkpointing
-    must be on: transformers' ``GradientCheckpointingLayer`` with its checkpoint function)."""
+def apply_activation_offloading(
+    model, device, layer_classes=None, selective: bool = False, **kwargs
+) -> ActivationOffloader:
+    """Offload what every decoder layer of ``model`` keeps for backward; activation checkpointing
+    must be on. Full checkpointing: transformers' checkpoint function of each
+    ``GradientCheckpointingLayer`` is wrapped, so only the layer's checkpointed input goes to the
+    host. ``selective`` (``techniques/selective_ac.py``): the hooks are entered around each layer's
+    forward, so everything the layer saves does — the checkpointed norms' and MLP tail's inputs,
+    the linears' inputs (under sequence parallel the block inputs' shards,
+    ``parallel/tp/sp_saves.py``), q, k, v and the attention's output — except what a selective
+    policy keeps itself (the output of ``down_proj``'s collective under TP) and tensors under
+    ``min_bytes``."""
 
     kwargs.setdefault("max_host_bytes", default_host_budget())
     offloader = ActivationOffloader(transfers_for(device), **kwargs)
-    for layer in outer_decoder_layers(model, layer_classes):
-        fn = getattr(layer, "_gradient_checkpointing_func", None)
-        if not getattr(layer, "gradient_checkpointing", False) or fn is None:
-            raise ValueError(
-                f"activation_offloading needs activation checkpointing of {type(layer).__name__} "
-                "(transformers' GradientCheckpointingLayer): set fsdp_config.activation_checkpointing: "
-                "true (FSDPOptions(activation_checkpointing=True))"
-            )
-        if not isinstance(fn, OffloadedCheckpoint):
-            layer._gradient_checkpointing_func = offloader.wrap(fn)
+    layers = outer_decoder_layers(model, layer_classes)
+    if layers and getattr(layers[0], "_ndp_offloader", None) is None:  # each forward starts there
+        layers[0].register_forward_pre_hook(lambda *_: offloader.new_forward())
+    for layer in layers:
+        if getattr(layer, "_ndp_offloader", None) is not None:
+            continue
+        if selective:
+            _offload_around_forward(layer, offloader)
+        else:
+            _offload_checkpoint_inputs(layer, offloader)
+        layer._ndp_offloader = offloader
     return offloader
+
+
+def _offload_checkpoint_inputs(layer, offloader: ActivationOffloader) -> None:
+    """transformers' checkpoint function of ``layer`` saves its inputs under ``offloader``'s hooks."""
+    fn = getattr(layer, "_gradient_checkpointing_func", None)
+    if not getattr(layer, "gradient_checkpointing", False) or fn is None:
+        raise ValueError(
+            f"activation_offloading needs activation checkpointing of {type(layer).__name__} "
+            "(transformers' GradientCheckpointingLayer): set fsdp_config.activation_checkpointing: "
+            "true (FSDPOptions(activation_checkpointing=True))"
+        )
+    layer._gradient_checkpointing_func = offloader.wrap(fn)
+
+
+def _offload_around_forward(layer, offloader: ActivationOffloader) -> None:
+    """``offloader``'s hooks entered for ``layer``'s forward (with grad), left after it (even if it
+    raises)."""
+    entered: list = []
+
+    def enter(_mod, _args):
+        hooks = offloader.hooks() if torch.is_grad_enabled() else contextlib.nullcontext()
+        hooks.__enter__()
+        entered.append(hooks)
+
+    def leave(_mod, _args, _output):
+        if entered:
+            entered.pop().__exit__(None, None, None)
+
+    layer.register_forward_pre_hook(enter)
+    layer.register_forward_hook(leave, always_call=True)
 
 
 def offloader_of(model) -> ActivationOffloader | None:
     """The offloader ``apply_activation_offloading`` installed on ``model`` (None if none)."""
     for module in model.modules():
-        fn = getattr(module, "_gradient_checkpointing_func", None)
-        if isinstance(fn, OffloadedCheckpoint):
-            return fn.offloader
+        if getattr(module, "_ndp_offloader", None) is not None:
+            return module._ndp_offloader
     return None

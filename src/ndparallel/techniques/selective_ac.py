@@ -21,11 +21,13 @@ log-sum-exp. Under TP + sequence parallel (``parallel/tp/sp_saves.py``) a layer 
 ``(4·e·h + e·(a+2k)·d + e·a·d + 2·e·f + e·h)/t`` bytes per token, below Megatron's ``34·h/t``
 (``bench/sp_activation_memory.py``; ``plan/memory.py::selective_saved_per_token``).
 
+With ``activation_offloading`` everything a layer keeps lives in host memory between its forward
+and its backward, except the collective's output the policy keeps (``techniques/offload.py``).
+
 Refused (one line naming the fix) where it cannot apply: without ``activation_checkpointing``,
-with ``activation_offloading`` (it offloads the inputs full checkpointing keeps) or ``tiled_mlp``
-(the tiled MLP already recomputes the MLP), under ``compile``, and for a layer whose ``mlp`` is
-not a gated MLP (mixture of experts). Recomputation repeats the same arithmetic: the result is
-that of the plain layer (``tests/test_equivalence_techniques.py``).
+with ``tiled_mlp`` (the tiled MLP already recomputes the MLP), under ``compile``, and for a layer
+whose ``mlp`` is not a gated MLP (mixture of experts). Recomputation repeats the same arithmetic:
+the result is that of the plain layer (``tests/test_equivalence_techniques.py``).
 """
 
 from __future__ import annotations
@@ -124,6 +126,11 @@ def apply_selective_checkpointing(model: nn.Module, override=None) -> list[nn.Mo
     return changed
 
 
+def is_selective(fsdp) -> bool:
+    """Whether ``FSDPOptions``-like ``fsdp`` (or its YAML section) checkpoints selectively."""
+    return fsdp.ac_policy == "selective"
+
+
 def selective_policy_problem(fsdp, compiled: bool = False) -> str | None:
     """What ``ac_policy: selective`` cannot be combined with, from
     ``FSDPOptions``-like ``fsdp`` and whether the layers are compiled (None: nothing here)."""
@@ -134,11 +141,6 @@ def selective_policy_problem(fsdp, compiled: bool = False) -> str | None:
     if not fsdp.activation_checkpointing:
         return (
             "fsdp_config.ac_policy: selective needs activation_checkpointing: true (or use ac_policy: full)"
-        )
-    if fsdp.activation_offloading:
-        return (
-            "activation_offloading offloads the layer inputs full checkpointing keeps; ac_policy: selective "
-            "keeps none: use ac_policy: full with it, or remove activation_offloading"
         )
     if fsdp.tiled_mlp:
         return (
@@ -166,4 +168,8 @@ def apply_activation_checkpointing(model: nn.Module, fsdp, override=None) -> Non
     if fsdp.ac_policy == "selective":
         apply_selective_checkpointing(model, override)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.25's name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -13,12 +13,14 @@ block and backward (cached while any of the block's saved views still needs it) 
 view. Every other saved tensor passes through untouched, so the arithmetic — and the result — is
 exactly that of the plain block (``tests/test_tensor_parallel*.py``).
 
-Inside an activation-checkpointed layer (or under any other saved-tensor hooks, e.g. activation
-offloading) the outer hooks govern what is kept, and nothing is installed here: the checkpointed
-layer keeps only its sharded input anyway. The selective policy (``techniques/selective_ac.py``)
-checkpoints the norms outside the blocks and the MLP's tail inside it, after its gate and up
-saved their shards here: the blocks keep their shards under it. Hooks marked ``observing`` (a
-byte counter) are the exception: they are shown what is really kept. Under ``torch.compile``
+Inside an activation-checkpointed layer (or under any other saved-tensor hooks) the outer hooks
+govern what is kept, and nothing is installed here: the checkpointed layer keeps only its sharded
+input anyway. The selective policy (``techniques/selective_ac.py``) checkpoints the norms outside
+the blocks and the MLP's tail inside it, after its gate and up saved their shards here: the blocks
+keep their shards under it. Two kinds of outer hooks are the exception: hooks marked ``observing``
+(a byte counter) are shown what is really kept, and a pack hook carrying ``_ndp_chain`` (activation
+offloading around a selective layer, ``techniques/offload.py``) stores what is kept — every other
+saved tensor, and the shard once per block — through its own pack and unpack. Under ``torch.compile``
 (regional compile of the decoder layers) nothing is installed either: dynamo cannot trace
 saved-tensor hooks, so a compiled layer saves the gathered input as before (one graph per layer
 kept).
@@ -46,35 +48,54 @@ def observing(pack):
     return pack
 
 
-def _outer_hooks():
-    """(outer pack hook or None, whether the block may install its own): no when other saved-tensor
-    hooks that are not observers are active (activation checkpointing, offloading) — they decide
-    what is kept, and the checkpointed layer keeps only its sharded input anyway — nor in a
-    forward run inside backward (the tiled MLP's recompute: its saves are used at once)."""
-    if torch._C._current_graph_task_id() != -1:  # a recompute inside backward (tiled MLP): used at once
-        return None, False
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if top is None:
-        return None, True
-    pack = top[0]
-    return (pack, True) if getattr(pack, "_ndp_observer", False) else (None, False)
+class _Outer:
+    """The saved-tensor hooks active around a block's forward, as they bear on its own: ``own``
+    whether it may install them (not under hooks that decide what is kept — activation
+    checkpointing — nor in a forward run inside backward: the tiled MLP's recompute uses its saves
+    at once), ``observer`` a byte counter to show what is kept, ``chain`` the (pack, unpack) that
+    store what is kept (activation offloading)."""
+
+    __slots__ = ("own", "observer", "chain")
+
+    def __init__(self, own: bool, observer=None, chain=None):
+        self.own, self.observer, self.chain = own, observer, chain
+
+    @classmethod
+    def now(cls) -> _Outer:
+        if torch._C._current_graph_task_id() != -1:  # a recompute inside backward: used at once
+            return cls(False)
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None:
+            return cls(True)
+        pack = top[0]
+        if getattr(pack, "_ndp_observer", False):
+            return cls(True, observer=pack)
+        chain = getattr(pack, "_ndp_chain", None)
+        return cls(True, chain=chain) if chain is not None else cls(False)
 
 
 class _GatheredInput:
     """One block forward's gathered input: the rank's shard it came from, and (in backward) the
     re-gathered tensor, shared by every saved view of it and freed with the last of them."""
 
-    def __init__(self, shard: torch.Tensor, gathered: torch.Tensor, mesh: DeviceMesh):
-        self.shard, self.mesh = shard, mesh
+    def __init__(self, shard: torch.Tensor, gathered: torch.Tensor, mesh: DeviceMesh, chain=None):
+        self.shard, self.mesh, self.chain = shard, mesh, chain
         self.storage = gathered.untyped_storage().data_ptr()
         self.base_offset = gathered.storage_offset()
         self.shape = tuple(gathered.shape)
         self._full: torch.Tensor | None = None
+        self._stored = None
+
+    def keep(self) -> None:
+        """A view of the gathered input is saved: the shard goes through the chain's pack once."""
+        if self.chain is not None and self._stored is None:
+            self._stored, self.shard = self.chain[0](self.shard), None
 
     def full(self) -> torch.Tensor:
         if self._full is None:
+            shard = self.shard if self._stored is None else self.chain[1](self._stored)
             with torch.no_grad():
-                whole = all_gather_single(self.shard.contiguous(), _SEQ_DIM, self.mesh.get_group())
+                whole = all_gather_single(shard.contiguous(), _SEQ_DIM, self.mesh.get_group())
                 self._full = (whole.wait() if hasattr(whole, "wait") else whole).contiguous()
             if tuple(self._full.shape) != self.shape:  # uneven shards would need DTensor's padding
                 raise RuntimeError(f"re-gathered block input {tuple(self._full.shape)} != saved {self.shape}")
@@ -102,22 +123,27 @@ class _SavedView:
         )
 
 
-def _pack_hook(source: _GatheredInput, observer):
+def _hooks(source: _GatheredInput, outer: _Outer):
+    """(pack, unpack) of one block forward: views of the gathered input saved as the shard."""
+    observer, chain = outer.observer, outer.chain
+
     def pack(t: torch.Tensor):
         local = t._local_tensor if isinstance(t, DTensor) else t
         if local.device.type == "meta" or local.untyped_storage().data_ptr() != source.storage:
             if observer is not None:
                 observer(t)
-            return t
+            return t if chain is None else chain[0](t)
         if observer is not None:
             observer(source.shard)
+        source.keep()
         return _SavedView(source, local, t if isinstance(t, DTensor) else None)
 
-    return pack
+    def unpack(packed):
+        if isinstance(packed, _SavedView):
+            return packed.restore()
+        return packed if chain is None else chain[1](packed)
 
-
-def _unpack(packed):
-    return packed.restore() if isinstance(packed, _SavedView) else packed
+    return pack, unpack
 
 
 class GatherSequenceInputSavingShard(GatherSequenceInput):
@@ -132,9 +158,9 @@ class GatherSequenceInputSavingShard(GatherSequenceInput):
         gathered = shard.redistribute(mesh, [Replicate()])
         if torch.compiler.is_compiling():  # saved-tensor hooks would break dynamo's graph
             return gathered
-        observer, own = _outer_hooks()
-        if torch.is_grad_enabled() and own:
-            self._pending = (_GatheredInput(local.detach(), gathered.to_local(), mesh), observer)
+        outer = _Outer.now()
+        if torch.is_grad_enabled() and outer.own:
+            self._pending = (_GatheredInput(local.detach(), gathered.to_local(), mesh, outer.chain), outer)
         return gathered
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -146,7 +172,7 @@ class GatherSequenceInputSavingShard(GatherSequenceInput):
                 return
             pending = self.__dict__.pop("_pending", None)
             if pending is not None:
-                hooks = torch.autograd.graph.saved_tensors_hooks(_pack_hook(*pending), _unpack)
+                hooks = torch.autograd.graph.saved_tensors_hooks(*_hooks(*pending))
                 hooks.__enter__()
                 entered.append(hooks)
 
