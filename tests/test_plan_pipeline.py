@@ -394,8 +394,10 @@ def test_405b_meta_layout_fits_with_selective_offloading(selective_run):
     saved = selective_saved_per_token(rank_model(L405, shape), META, e.settings)
     moved = held * (shape.layers * tokens * (saved - residue) - (7 - 1) * tokens * residue)
     assert k_mem.activations - o_mem.activations == pytest.approx(moved - tokens * (saved - residue))
-    # host: every micro-batch in flight through the first rank's layers, less the residue
-    assert e.memory.host_offload == pytest.approx(held * shape.layers * tokens * (saved - residue))
+    # host: every micro-batch in flight through the first rank's layers, less the residue, and
+    # RoPE's cos and sin once per stage's forward
+    rope = 7 * tokens * 2 * 2 * L405.head_dim
+    assert e.memory.host_offload == pytest.approx(held * (shape.layers * tokens * (saved - residue) + rope))
 
 
 def test_405b_selective_offloading_host_check(selective_run, capsys):

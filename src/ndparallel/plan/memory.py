@@ -45,7 +45,7 @@ from ndparallel.plan.long_context import (
 from ndparallel.plan.loss_memory import chunk_head_grad_bytes, chunk_logit_bytes, chunk_tokens
 from ndparallel.plan.memo import Memo
 from ndparallel.plan.models import ModelSpec, fsdp_units
-from ndparallel.plan.pipeline import stage_inputs_held
+from ndparallel.plan.pipeline import rank_stages, stage_inputs_held
 from ndparallel.plan.qat_memory import qat_head_bytes, qat_layer_bytes
 from ndparallel.plan.qlora import memory_adjustments
 from ndparallel.plan.recompute_policies import op_policy_saved_per_token
@@ -168,8 +168,14 @@ def offloaded_layer_bytes(model: ModelSpec, layout: Layout, s: Settings) -> floa
 def host_bytes(model: ModelSpec, layout: Layout, s: Settings) -> float:
     """Host (pinned) memory per GPU: every layer's offloaded bytes of every micro-batch in flight
     (``s.pp_in_flight``: on a pipeline's first rank about ``p`` micro-batches, each held from its
-    forward to its backward)."""
-    return s.pp_in_flight * model.layers * offloaded_layer_bytes(model, layout, s)
+    forward to its backward); with selective checkpointing RoPE's cos and sin too (``2·e·d`` per
+    token), saved by every layer, offloaded once per forward of each stage (measured, 2026-12-06:
+    ``bench/sp_activation_memory.py``'s ``selective_offload``)."""
+    per_micro_batch = model.layers * offloaded_layer_bytes(model, layout, s)
+    if per_micro_batch and s.recompute == "selective":
+        tokens = s.micro_batch * s.seq_len / layout.cp
+        per_micro_batch += rank_stages(layout, s) * tokens * 2 * s.act_bytes * model.head_dim
+    return s.pp_in_flight * per_micro_batch
 
 
 def _logits_bytes(model: ModelSpec, layout: Layout, s: Settings, tokens: float) -> float:

@@ -151,7 +151,13 @@ def stage_inputs_held(model: ModelSpec, layout, s) -> int:
     host copy does not free it. (The chunk's output, kept there too, is not counted.)"""
     if layout.pp <= 1:
         return 0
-    return s.pp_virtual - (1 if model.has_embedding else 0)
+    return rank_stages(layout, s) - (1 if model.has_embedding else 0)
+
+
+def rank_stages(layout, s) -> int:
+    """Stages a rank runs, each its own forward per micro-batch: ``pp_virtual`` under pipeline
+    parallel, else the one model."""
+    return s.pp_virtual if layout.pp > 1 else 1
 
 
 # ------------------------------------------------------------------- transfers
