@@ -206,9 +206,11 @@ class ActivationOffloader:
         self._warned = False
         self._epoch = 0
         self._this_forward: dict[int, tuple] = {}
-        """storage address -> (weak ref to the storage, its tensors' version, weak ref to its host
-        copy) of what this forward offloaded: a storage saved again (the input of q, k and v's
-        projections; RoPE's cos and sin, saved by every layer) goes to the host once."""
+        """storage address -> weak refs to (the storage, its host copy) of what this forward
+        offloaded: a storage saved again (the input of q, k and v's projections; RoPE's cos and sin,
+        saved by every layer; a DTensor's local view of the attention output) goes to the host once.
+        No version check: aliases (a DTensor's local tensor) count versions apart, and a storage
+        changed in place after autograd saved it fails backward without offloading too."""
 
         def pack(x):
             return self._pack(x)
@@ -248,8 +250,8 @@ class ActivationOffloader:
         layout = (x.device_mesh, x.placements, x.shape, x.stride()) if isinstance(x, DTensor) else None
         storage = local.untyped_storage()
         seen = self._this_forward.get(storage.data_ptr())
-        if seen is not None and seen[0]() is not None and seen[1] == local._version and seen[2]() is not None:
-            return _SavedView(seen[2](), local, layout)  # a storage saved again: one host copy
+        if seen is not None and seen[0]() is storage and seen[1]() is not None:
+            return _SavedView(seen[1](), local, layout)  # a storage saved again: one host copy
         nbytes = storage.nbytes()
         if nbytes < self.min_bytes or nbytes % local.element_size():
             return x
@@ -264,7 +266,7 @@ class ActivationOffloader:
         self._seq += 1
         stored = _Offloaded(self._seq, self._epoch, host, local.device)
         self._by_seq[self._seq] = stored
-        self._this_forward[storage.data_ptr()] = (weakref.ref(storage), local._version, weakref.ref(stored))
+        self._this_forward[storage.data_ptr()] = (weakref.ref(storage), weakref.ref(stored))
         self._account(stored, nbytes)
         return _SavedView(stored, local, layout)
 
