@@ -7,7 +7,9 @@ the end of the forward — what is kept for backward, including what activation 
 by reference (saved-tensor hooks do not see that). For each tp, three ways: block inputs saved
 gathered (before ``parallel/tp/sp_saves.py``), saved as sequence shards (the default), and shards
 + ``ac_policy: selective`` (``techniques/selective_ac.py``), beside the planner's figure for each
-and Megatron's ``34·h/t`` (Korthikanti et al. 2022: SP + selective recompute, GPT-shaped layer).
+and Megatron's ``34·h/t`` (Korthikanti et al. 2022: SP + selective recompute, GPT-shaped layer);
+and selective + activation offloading (``techniques/offload.py``): what stays on the device and
+what goes to host memory.
 RoPE's cos/sin (model-level, shared by all layers) are not a layer's; tensors with two
 sequence-length dims (a math attention path's scores; a flash kernel keeps none) are shown apart.
 
@@ -96,22 +98,37 @@ def _measure_all(jobs: list[tuple]) -> list[dict]:
     return [_measure(*job) for job in jobs]
 
 
-MODES = ("gathered", "shards", "selective")
+MODES = ("gathered", "shards", "selective", "selective_offload")
 """What each tp runs: the block inputs saved gathered (before sp_saves), as sequence shards (the
-default), and shards + ``ac_policy: selective`` (``techniques/selective_ac.py``)."""
+default), shards + ``ac_policy: selective`` (``techniques/selective_ac.py``), and that + activation
+offloading (what stays on the device; the host bytes in their own column)."""
 
 
 def _planned(shape: dict, tp: int, mode: str, seq: int) -> float:
+    return _planned_split(shape, tp, mode, seq)[0]
+
+
+def _planned_split(shape: dict, tp: int, mode: str, seq: int) -> tuple[float, float]:
+    """The planner's (device, host) bytes per token of layer 0 in ``mode``; with offloading the
+    host also holds RoPE's cos and sin (``2·e·d``), sent by the first layer."""
     from ndparallel.plan.layout import Layout, Settings
-    from ndparallel.plan.memory import layer_activation_bytes_per_token, selective_saved_per_token
+    from ndparallel.plan.memory import (
+        layer_activation_bytes_per_token,
+        offload_split_per_token,
+        selective_saved_per_token,
+    )
     from ndparallel.plan.models import from_hf_config
 
     spec = from_hf_config({"model_type": "llama", **shape})
     s = Settings(seq_len=seq, sequence_parallel=tp > 1, sp_saved_shards=mode != "gathered")
-    if mode == "selective":
+    if mode.startswith("selective"):
         s = Settings(seq_len=seq, sequence_parallel=tp > 1, checkpointing=True, ac_policy="selective")
-        return selective_saved_per_token(spec, Layout(tp=tp), s)
-    return layer_activation_bytes_per_token(spec, Layout(tp=tp), s)
+    if mode == "selective_offload":
+        device, host = offload_split_per_token(spec, Layout(tp=tp), s.but(activation_offloading=True))
+        return device, host + 2 * s.act_bytes * spec.head_dim
+    if mode == "selective":
+        return selective_saved_per_token(spec, Layout(tp=tp), s), 0.0
+    return layer_activation_bytes_per_token(spec, Layout(tp=tp), s), 0.0
 
 
 def _shape(args) -> tuple[dict, int, list[int]]:
@@ -156,14 +173,30 @@ def main(argv=None) -> None:
             row[f"{m}_per_token"] = got[m]["per_token"]
             row[f"{m}_attention_s2_per_token"] = got[m]["attention_s2_per_token"]
             row[f"planner_{m}_per_token"] = _planned(shape, tp, m, seq)
+        row["selective_offload_host_per_token"] = got["selective_offload"]["host_per_token"]
+        planned_host = _planned_split(shape, tp, "selective_offload", seq)[1]
+        row["planner_selective_offload_host_per_token"] = planned_host
         results.append(row)
         cells = [f"{row[f'{m}_per_token']:,.0f} ({row[f'planner_{m}_per_token']:,.0f})" for m in MODES]
         s2 = max(row[f"{m}_attention_s2_per_token"] for m in MODES)
-        rows.append([tp, *cells, f"{row['megatron_34h_over_t']:,.0f}", f"{s2:,.0f}"])
+        host = (
+            f"{row['selective_offload_host_per_token']:,.0f} "
+            f"({row['planner_selective_offload_host_per_token']:,.0f})"
+        )
+        rows.append([tp, *cells, host, f"{row['megatron_34h_over_t']:,.0f}", f"{s2:,.0f}"])
     print_table(
         f"bytes kept per token, decoder layer 0, measured (planner) (h={h}, f={shape['intermediate_size']}, "
         f"seq {seq}, bf16, {args.device})",
-        ["tp", "SP, gathered inputs", "SP shards", "SP shards + selective AC", "34·h/t", "of it s²"],
+        [
+            "tp",
+            "SP, gathered inputs",
+            "SP shards",
+            "SP shards + selective AC",
+            "+ offloading: device",
+            "host",
+            "34·h/t",
+            "of it s²",
+        ],
         rows,
     )
     path = write_json(
