@@ -400,6 +400,16 @@ def test_405b_meta_layout_fits_with_selective_offloading(selective_run):
     assert e.memory.host_offload == pytest.approx(held * (shape.layers * tokens * (saved - residue) + rope))
 
 
+def test_405b_best_at_metas_depth_is_at_least_metas_row(selective_run):
+    """Asked at Meta's schedule depth (Interleaved1F1B, 7 stages per rank), the search's best for
+    that cluster is at least Meta's layout as ndparallel runs it (selective + offloading); at the
+    search's default depth (2) its best is below it (docs/planner_derivation.md)."""
+    req, _, off = selective_run
+    deep = req.updated(pipeline_schedule="Interleaved1F1B", pipeline_virtual_stages=7, host_mem_bytes=2e12)
+    best = plan(deep).ranked[0].best
+    assert best.fits and best.layout.pp > 1 and best.mfu >= off.best.mfu, (best.layout, best.mfu)
+
+
 def test_405b_selective_offloading_host_check(selective_run, capsys):
     """The node's host memory bounds it: its 8 GPUs' offloaded bytes against 80 % of --host-mem;
     --explain then names the host, not the device (which it fits)."""
