@@ -117,6 +117,27 @@ def test_runtime_path_offloads_with_the_selective_policy():
         assert torch.equal(a.grad, b.grad), name
 
 
+def _stage_offloaders() -> list[int]:
+    """On a rank of PP 2 × Interleaved1F1B (2 stages per rank): the offloader of each stage."""
+    from ndparallel.engine.engine import Engine
+    from ndparallel.layout.config import ParallelismConfig
+    from ndparallel.parallel.options import PipelineOptions, StrategyOptions
+    from ndparallel.tools.equivalence import TrainSetup, build_model
+
+    fsdp = FSDPOptions(activation_checkpointing=True, ac_policy="selective", activation_offloading=True)
+    pipe = PipelineOptions(schedule="Interleaved1F1B")
+    engine = Engine(ParallelismConfig(pp_size=2), StrategyOptions(fsdp=fsdp, pipeline=pipe))
+    model = engine.parallelize(build_model(TrainSetup(preset_config("tiny-llama", num_hidden_layers=4))))
+    return [id(offloader_of(lm)) for lm in engine.pipeline_of(model).lms()]
+
+
+def test_a_ranks_pipeline_stages_share_one_offloader():
+    """Each stage is parallelised on its own; one host-memory budget (80 % of the host's available
+    memory over the node's ranks) must bound all of a rank's stages, not each of them."""
+    for ids in run_on_ranks(_stage_offloaders, 2):
+        assert len(ids) == 2 and len(set(ids)) == 1, ids
+
+
 @pytest.mark.parametrize(
     "options, message",
     [

@@ -43,6 +43,7 @@ from ndparallel.runtime.distributed import DistributedInfo, init_distributed
 from ndparallel.techniques import lm_loss
 from ndparallel.techniques.grad_norm import scale_grads_to, total_grad_norm
 from ndparallel.techniques.loss import causal_lm_loss, global_num_items
+from ndparallel.techniques.offload import ActivationOffloader, offloader_of
 from ndparallel.techniques.router_loss import aux_loss_term, recording_routers
 
 
@@ -86,6 +87,8 @@ class Engine:
         self._expert_mesh = None
         self._records: weakref.WeakKeyDictionary[nn.Module, ParallelModel] = weakref.WeakKeyDictionary()
         """One record per model this engine returned (or computed a loss for), keyed by the model."""
+        self._offloader: ActivationOffloader | None = None
+        """The activation offloader of this rank's models: one host-memory budget for all of them."""
 
     # ----------------------------------------------------------------------- where
     @property
@@ -224,7 +227,11 @@ class Engine:
 
         moe = bool(experts_modules(base_model_of(model)))  # split over ep (or off tp): expert mesh
         expert_mesh = self.expert_mesh if self.dims.experts_split(moe) else None
-        model = parallelize_model(model, self.mesh, self.dims, options, self.device, expert_mesh=expert_mesh)
+        shared = self._offloader
+        model = parallelize_model(
+            model, self.mesh, self.dims, options, self.device, expert_mesh=expert_mesh, offloader=shared
+        )
+        self._offloader = self._offloader or offloader_of(model)  # the next stage shares its host budget
         self._records[model] = ParallelModel.of(
             model, loss_parallel=self.dims.tp_enabled and bool(options.tp.loss_parallel)
         )

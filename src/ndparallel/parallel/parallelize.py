@@ -38,7 +38,7 @@ from ndparallel.techniques.compile import apply_compile
 from ndparallel.techniques.float8 import apply_float8
 from ndparallel.techniques.lean_norm import apply_lean_norms
 from ndparallel.techniques.master_weights import low_precision_params, upcast_params
-from ndparallel.techniques.offload import apply_activation_offloading
+from ndparallel.techniques.offload import ActivationOffloader, apply_activation_offloading
 from ndparallel.techniques.qat import apply_qat
 from ndparallel.techniques.selective_ac import (
     apply_activation_checkpointing,
@@ -68,12 +68,14 @@ def parallelize_model(
     device: torch.device,
     master_dtype: torch.dtype | None = torch.float32,
     expert_mesh: DeviceMesh | None = None,
+    offloader: ActivationOffloader | None = None,
 ) -> nn.Module:
     """Parallelise ``model`` in place for layout ``dims`` on ``mesh`` and return it. ``master_dtype``:
     the dtype trainable parameters (and optimizer states) are kept in; None keeps the model's own.
     A PEFT model is parallelised through the Hugging Face model inside it (LoRA layers included).
     ``expert_mesh`` (``layout.mesh.build_expert_mesh``): given, the experts of a mixture-of-experts
-    model are split over its ``ep`` dim and FSDP-sharded over its ``efsdp`` dim (``dims.experts_split``)."""
+    model are split over its ``ep`` dim and FSDP-sharded over its ``efsdp`` dim (``dims.experts_split``).
+    ``offloader``: the activation offloader to share (a rank's pipeline stages share one host budget)."""
     wrapper, model = model, base_model_of(model)
     problem = nf4_layout_problem(model, dims.fsdp, dims.tp)  # QLoRA's 4-bit base
     if problem:
@@ -107,7 +109,7 @@ def parallelize_model(
     problem = selective_policy_problem(fsdp, compiled=options.compile.enabled)
     if problem:
         raise ValueError(problem)
-    apply_activation_memory(model, fsdp, device)
+    apply_activation_memory(model, fsdp, device, offloader)
     if options.compile.enabled:
         # the tiled MLP's nested backward and the offloading hooks stay eager: compile each child
         apply_compile(
@@ -153,7 +155,9 @@ def _check_layout(model: nn.Module, dims: ParallelDims, tp) -> None:
         raise ValueError(problem)
 
 
-def apply_activation_memory(model: nn.Module, fsdp: FSDPOptions, device: torch.device) -> None:
+def apply_activation_memory(
+    model: nn.Module, fsdp: FSDPOptions, device: torch.device, offloader: ActivationOffloader | None = None
+) -> None:
     """The per-decoder-layer memory options, after TP and CP (their hooks stay on the blocks):
     sequence-tiled MLP and lean norms (``tiled_mlp``), activation checkpointing, then offloading of
     what it keeps (the checkpointed inputs; under the selective policy all a layer saves)."""
@@ -170,7 +174,8 @@ def apply_activation_memory(model: nn.Module, fsdp: FSDPOptions, device: torch.d
         apply_lean_norms(model, fsdp.tiled_mlp_num_shards)  # HF-Llama-form RMSNorms, token-tiled backward
     apply_activation_checkpointing(model, fsdp, fsdp.layer_classes)  # full, or norms + MLP activation
     if fsdp.activation_offloading:
-        apply_activation_offloading(model, device, fsdp.layer_classes, selective=is_selective(fsdp))
+        selective = is_selective(fsdp)
+        apply_activation_offloading(model, device, fsdp.layer_classes, selective, offloader)
 
 
 def move_leftovers(model: nn.Module, device: torch.device, keep_params_on_cpu: bool = False) -> None:

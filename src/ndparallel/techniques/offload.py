@@ -343,7 +343,7 @@ def transfers_for(device: torch.device):
 
 
 def apply_activation_offloading(
-    model, device, layer_classes=None, selective: bool = False, **kwargs
+    model, device, layer_classes=None, selective: bool = False, offloader=None, **kwargs
 ) -> ActivationOffloader:
     """Offload what every decoder layer of ``model`` keeps for backward; activation checkpointing
     must be on. Full checkpointing: transformers' checkpoint function of each
@@ -353,10 +353,12 @@ def apply_activation_offloading(
     the linears' inputs (under sequence parallel the block inputs' shards,
     ``parallel/tp/sp_saves.py``), q, k, v and the attention's output — except what a selective
     policy keeps itself (the output of ``down_proj``'s collective under TP) and tensors under
-    ``min_bytes``."""
+    ``min_bytes``. ``offloader``: one to share (its host budget and copies): a rank's pipeline stages,
+    each parallelised on its own, hold one budget; else a new one from ``kwargs``."""
 
-    kwargs.setdefault("max_host_bytes", default_host_budget())
-    offloader = ActivationOffloader(transfers_for(device), **kwargs)
+    if offloader is None:
+        kwargs.setdefault("max_host_bytes", default_host_budget())
+        offloader = ActivationOffloader(transfers_for(device), **kwargs)
     layers = outer_decoder_layers(model, layer_classes)
     if layers and getattr(layers[0], "_ndp_offloader", None) is None:  # each forward starts there
         layers[0].register_forward_pre_hook(lambda *_: offloader.new_forward())
