@@ -45,7 +45,7 @@ from ndparallel.plan.long_context import (
 from ndparallel.plan.loss_memory import chunk_head_grad_bytes, chunk_logit_bytes, chunk_tokens
 from ndparallel.plan.memo import Memo
 from ndparallel.plan.models import ModelSpec, fsdp_units
-from ndparallel.plan.pipeline import rank_stages, stage_inputs_held
+from ndparallel.plan.pipeline import rank_stages, stage_inputs_held, stage_outputs_held
 from ndparallel.plan.qat_memory import qat_head_bytes, qat_layer_bytes
 from ndparallel.plan.qlora import memory_adjustments
 from ndparallel.plan.recompute_policies import op_policy_saved_per_token
@@ -332,9 +332,10 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     saved, plain_layer, per_layer, qat_layer, qat_head, logits, workspace = _MICRO_BATCH.get(
         (model, dims, micro_batch_key(s)), lambda: _micro_batch_terms(model, layout, s)
     )
-    if offloading(s):  # a pp stage's received inputs: offloaded, but the stage keeps them (pipeline.py)
-        inputs = stage_inputs_held(model, layout, s) * s.micro_batch * s.seq_len / layout.cp
-        saved += inputs * checkpointed_input_per_token(model, layout, s)
+    # a pp stage's received inputs (offloaded, the stage keeps them) and its outputs (pipeline.py)
+    held = stage_outputs_held(model, layout, s)
+    held += stage_inputs_held(model, layout, s) if offloading(s) else 0
+    saved += held * s.micro_batch * s.seq_len / layout.cp * checkpointed_input_per_token(model, layout, s)
     saved *= s.pp_in_flight  # a pipeline rank holds several micro-batches (plan/pipeline.py)
     buf_a, buf_b = _buffers(model, layout, s, numels, unsharded > 0)
     buf_a, buf_b = buf_a - nf4.get("buffer_a", 0.0), buf_b - nf4.get("buffer_b", 0.0)

@@ -148,10 +148,20 @@ def stage_inputs_held(model: ModelSpec, layout, s) -> int:
     of ``in_flight``): torch's ``PipelineStage`` keeps each chunk's inputs in its
     forward cache until the chunk's backward, one per stage of the rank but the first stage's
     (token ids). Without offloading the first layer's saved input is that tensor; offloaded, its
-    host copy does not free it. (The chunk's output, kept there too, is not counted.)"""
+    host copy does not free it."""
     if layout.pp <= 1:
         return 0
     return rank_stages(layout, s) - (1 if model.has_embedding else 0)
+
+
+def stage_outputs_held(model: ModelSpec, layout, s) -> int:
+    """Stage outputs (hidden states) a pp rank holds per micro-batch in flight: the forward cache
+    keeps each chunk's output until its backward (the autograd root), one per stage of the rank but
+    the model's last (its output is the loss). No layer of the chunk saves it, with or without
+    offloading. Measured: ``bench/simulate_meta_405b.py`` (docs/simulate.md)."""
+    if layout.pp <= 1:
+        return 0
+    return rank_stages(layout, s) - (1 if model.has_lm_head else 0)
 
 
 def rank_stages(layout, s) -> int:
