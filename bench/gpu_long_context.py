@@ -6,8 +6,8 @@
 
 1. **Exactness on the device**: a small Llama trained one step with each option against the plain
    step, bf16 (the CUDA paths: side-stream copies, pinned memory, the flash kernels): offloading
-   must give *bitwise* the same gradients (it only moves tensors); the tiled MLP the same to bf16
-   rounding (its weight gradient is summed over tiles).
+   must give *bitwise* the same gradients (it only moves tensors), with full and with selective
+   checkpointing; the tiled MLP the same to bf16 rounding (its weight gradient is summed over tiles).
 2. **Host link**: pinned host <-> device copy bandwidth on a side stream (the planner's
    ``host_link_bw``).
 3. **Memory vs sequence**: a Llama-3.1-8B-shaped model cut to ``--layers`` decoder layers (full
@@ -120,8 +120,10 @@ def grads_after_one_step(device: str, options: dict, seq: int) -> dict:
 
 
 def exactness(device: str, seq: int) -> dict:
-    """Offloading bitwise equal to checkpointing alone (the plain run repeated is the control: it
-    must itself be bitwise equal); tiled MLP equal to bf16 rounding."""
+    """Offloading bitwise equal to checkpointing alone, full and selective (the selective policy
+    offloads all a layer saves: DTensor-free here, one side-stream copy per storage); the plain
+    run repeated is the control: it must itself be bitwise equal. Tiled MLP equal to bf16
+    rounding."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     ref = grads_after_one_step(device, dict(activation_checkpointing=True), seq)
     again = grads_after_one_step(device, dict(activation_checkpointing=True), seq)
@@ -129,6 +131,9 @@ def exactness(device: str, seq: int) -> dict:
     tiled = grads_after_one_step(
         device, dict(activation_checkpointing=True, tiled_mlp=True, tiled_mlp_num_shards=4), seq
     )
+    selective = dict(activation_checkpointing=True, ac_policy="selective")
+    sel = grads_after_one_step(device, selective, seq)
+    sel_off = grads_after_one_step(device, dict(selective, activation_offloading=True), seq)
 
     def rel(a, b):
         return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)).item() for k in b)
@@ -137,9 +142,11 @@ def exactness(device: str, seq: int) -> dict:
     out = {
         "repeat_max_abs": max((again[k] - ref[k]).abs().max().item() for k in ref),
         "offload_max_abs": max((off[k] - ref[k]).abs().max().item() for k in ref),
+        "selective_offload_max_abs": max((sel_off[k] - sel[k]).abs().max().item() for k in sel),
         "tiled_max_rel": rel(tiled, ref),
     }
-    out["pass"] = out["offload_max_abs"] <= out["repeat_max_abs"] and out["tiled_max_rel"] <= 5e-2
+    bitwise = max(out["offload_max_abs"], out["selective_offload_max_abs"]) <= out["repeat_max_abs"]
+    out["pass"] = bitwise and out["tiled_max_rel"] <= 5e-2
     return out
 
 
@@ -328,7 +335,8 @@ def _headline(result: dict) -> str:
     peak = last["peak_over_states_GiB"]
     mem = f"{peak:.1f} GiB (planner {last['predicted_GiB']:.1f})" if peak is not None else "n/a on CPU"
     return (
-        f"exact={'yes' if ex['pass'] else 'NO'} (offload diff {ex['offload_max_abs']:.0e} vs repeat "
+        f"exact={'yes' if ex['pass'] else 'NO'} (offload diff {ex['offload_max_abs']:.0e}, selective "
+        f"{ex['selective_offload_max_abs']:.0e} vs repeat "
         f"{ex['repeat_max_abs']:.0e}, tiled rel "
         f"{ex['tiled_max_rel']:.1e}); {last['config']} @ {last['seq']:,} tok, {result['layers']} layers: "
         f"{mem}, {last['step_s']:.1f} s; planner 8B/1xH200 longest {result['planner_8b_h200_longest']}"
