@@ -63,8 +63,10 @@ def test_fsdp2_cp2(strategy):
     )
 
 
-def test_selective_ac_fsdp2_cp2():
-    _check({"dp_shard_size": 2, "cp_size": 2}, 4, fsdp_options=FSDPOptions(**SELECTIVE))
+@pytest.mark.parametrize("offloading", [False, True], ids=["device", "offloaded"])
+def test_selective_ac_fsdp2_cp2(offloading):
+    options = FSDPOptions(**SELECTIVE, activation_offloading=offloading)  # offloaded: all a layer saves
+    _check({"dp_shard_size": 2, "cp_size": 2}, 4, fsdp_options=options)
 
 
 def test_tp2_sequence_parallel_cp2():
