@@ -64,6 +64,18 @@ def _supported(args: list[str]) -> bool:
     return args[0] == "-" or not args[0].startswith("-")
 
 
+def _in_folder_of(path: str, op) -> None:
+    """``op(name)`` with the working directory at ``path``'s folder: a Unix socket's address holds
+    at most 107 bytes, and a path under pytest's tmp_path can be longer (the folder keeps 0700)."""
+    here = os.open(".", os.O_RDONLY)
+    try:
+        os.chdir(os.path.dirname(os.path.abspath(path)))
+        op(os.path.basename(path))
+    finally:
+        os.fchdir(here)
+        os.close(here)
+
+
 # ------------------------------------------------------------------------------------- the client
 def _fresh(args: list[str]):
     os.execv(sys.executable, [sys.executable, *args])
@@ -74,7 +86,7 @@ def client(path: str, args: list[str]) -> int:
         _fresh(args)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect(path)
+        _in_folder_of(path, conn.connect)
         header = json.dumps({"argv": args, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
         socket.send_fds(conn, [b"R"], [0, 1, 2])
         conn.sendall(struct.pack("!I", len(header)) + header)
@@ -131,7 +143,7 @@ def serve(path: str, modules=PRELOAD):
     made = {k: v for k, v in os.environ.items() if before.get(k) != v}  # by the imports (inductor's cache)
     me, parent, own_env = os.getpid(), os.getppid(), _import_env(before)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path + ".new")
+    _in_folder_of(path + ".new", listener.bind)
     listener.listen(16)
     os.rename(path + ".new", path)  # ready: clients connect from now on
     children: dict[int, socket.socket] = {}  # child pid -> its client's connection
@@ -251,7 +263,9 @@ def run_job(request: dict, fds: list[int]) -> None:
         os.setpgid(0, 0)
     except OSError:
         pass
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the server killed, so is this
+    prctl = getattr(ctypes.CDLL(None), "prctl", None)  # Linux
+    if prctl is not None:
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the server killed, so is this command
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -80,6 +80,7 @@ def test_cpu_smoke_passes_every_step(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     env = (out / "env.txt").read_text()
     assert "steps: " + " ".join(_planned()) in env and "torch " in env and "peft " in env, env
+    assert "every $PY a fork of one warm interpreter" in env, env  # it started (a socket path fits)
     for seq in ("2048", "8192"):  # the performance rows: every loop trained, within the loss tolerance
         result = json.loads((out / "results" / f"gpu_single_{seq}.json").read_text())
         rows = next(iter(result["results"].values()))
@@ -143,8 +144,10 @@ WARM = ROOT / "bench" / "_warm_python.py"
 @pytest.fixture
 def warm(tmp_path):
     """A warm interpreter (bench/_warm_python.py, what --cpu-smoke's `$PY` forks from) preloading
-    only ``json``; yields a runner of ``python ARGS`` through it."""
-    sock = tmp_path / "warm.sock"
+    only ``json``; yields a runner of ``python ARGS`` through it. Its socket's path is longer than
+    a Unix socket address may be (107 bytes), as under pytest-xdist's tmp_path."""
+    (tmp_path / ("long-" * 20)).mkdir()
+    sock = tmp_path / ("long-" * 20) / "warm.sock"
     server = subprocess.Popen(
         [sys.executable, str(WARM), "serve", str(sock), "json"], stdin=subprocess.DEVNULL
     )
@@ -193,25 +196,28 @@ def test_the_warm_interpreter_runs_commands_as_a_fresh_one_would(warm, tmp_path)
         assert fresh.returncode == 0 and int(fresh.stdout) != server_pid, fresh
 
 
+def _warm_sleeper(tmp_path: Path, name: str) -> tuple[subprocess.Popen, int]:
+    """A client whose command writes its pid to ``name``, then sleeps: (the client, that pid)."""
+    code = f"import os, time; open({name!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    cmd = [sys.executable, "-S", str(WARM), "run", str(tmp_path / ("long-" * 20) / "warm.sock"), "-c", code]
+    client = subprocess.Popen(cmd, cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / name).exists() or not (tmp_path / name).read_text():
+        assert client.poll() is None and time.monotonic() < deadline, "the command did not start"
+        time.sleep(0.02)
+    return client, int((tmp_path / name).read_text())
+
+
 def test_the_warm_interpreter_passes_signals_and_dies_with_its_client(warm, tmp_path):
-    """`timeout` (SIGTERM) reaches the command; a client killed outright takes its command along."""
-    sleeper = "import os, time; open('pid-%s' % os.getpid(), 'w').close(); time.sleep(60)"
-    got = subprocess.run(
-        ["timeout", "1", sys.executable, "-S", str(WARM), "run", str(tmp_path / "warm.sock"), "-c", sleeper],
-        cwd=tmp_path,
-        timeout=30,
-    )
-    assert got.returncode == 124
-    got = subprocess.run(
-        ["timeout", "-s", "KILL", "1", sys.executable, "-S", str(WARM), "run", str(tmp_path / "warm.sock")]
-        + ["-c", sleeper],
-        cwd=tmp_path,
-        timeout=30,
-    )
-    assert got.returncode == -signal.SIGKILL
-    pids = [int(p.name.split("-")[1]) for p in tmp_path.glob("pid-*")]
-    assert len(pids) == 2
-    deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(Path(f"/proc/{p}").exists() for p in pids), "a command outlived its client"
+    """SIGTERM to the client (what `timeout` sends) ends the command, and the client with the same
+    signal; a client killed outright (`timeout -k`) takes its command along."""
+    client, pid = _warm_sleeper(tmp_path, "term")
+    client.send_signal(signal.SIGTERM)
+    assert client.wait(timeout=60) == -signal.SIGTERM
+    client, killed = _warm_sleeper(tmp_path, "kill")
+    client.kill()
+    client.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{p}").exists() for p in (pid, killed)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(Path(f"/proc/{p}").exists() for p in (pid, killed)), "a command outlived its client"
