@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 
+from _warm_python import child_python  # sys.executable; the warm one under --cpu-smoke
+
 STEPS, GA, SEQ, BATCH = 4, 2, 128, 4
 FP32_RTOL = 1e-5
 BF16_RTOL = 5e-2
@@ -186,7 +188,7 @@ def main(argv=None) -> int:
         return 0
     results, fails = {}, []  # the parent imports no torch: the children do the work
     for mp in ("no", "bf16"):
-        child = subprocess.run([sys.executable, __file__, "--precision", mp], capture_output=True, text=True)
+        child = subprocess.run([child_python(), __file__, "--precision", mp], capture_output=True, text=True)
         lines = [x for x in child.stdout.splitlines() if x.startswith("RESULT ")]
         if child.returncode or not lines:
             print(child.stdout[-3000:], child.stderr[-6000:], sep="\n")

@@ -12,7 +12,8 @@
 #                machine; else /tmp/gpu_all)
 #   --only GLOBS comma-separated step names or globs (e.g. 'lora_*,perf_2048'): the others are SKIP rows
 #   --list       print the steps with their caps and commands, run nothing
-#   --cpu-smoke  the same steps, each in a tiny CPU form: tiny model, 2-3 steps, same code path
+#   --cpu-smoke  the same steps, each in a tiny CPU form: tiny model, 2-3 steps, same code path; every
+#                `$PY` there is a fork of one interpreter that imported torch & co. once (bench/_warm_python.py)
 #
 # DIR/env.txt is written first (GPU, versions, compiler, the step list); then each step runs under
 # `timeout min(cap, time left)`, or is a SKIP row when less than half its cap is left; its output goes
@@ -134,14 +135,28 @@ step() {  # step NAME CAP COMMAND...
   row "$name" "$result" "$((SECONDS - t))" "$headline"
 }
 children_cpu() {  # CPU = user + sys seconds of this shell's finished children (`times`, 2nd line;
-  times >"$SCRATCH/.times"  # in this shell: a subshell would count only its own children)
-  CPU=$(tail -1 "$SCRATCH/.times" | awk '{ for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); s += t[1] * 60 + t[2] } }
-                                        END { printf "%.2f", s }')
+  times >"$SCRATCH/.times"  # in this shell: a subshell would count only its own children) and the warm
+  # interpreter's (bench/_warm_python.py: its forks are its children, not this shell's)
+  CPU=$(tail -1 "$SCRATCH/.times" | awk -v warm="$(cat "$SCRATCH/warm.sock.cpu" 2>/dev/null)" \
+    '{ for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); s += t[1] * 60 + t[2] } } END { printf "%.2f", s + warm }')
 }
 sync_out() {  # in pack mode: summary, env and an archive of everything else into DIR
   [ "$PACK" = 1 ] || return 0
   cp -f "$WORK/summary.tsv" "$WORK/env.txt" "$DIR/" 2>/dev/null
   tar -czf "$DIR/gpu_all.tar.gz.tmp" -C "$WORK" . && mv -f "$DIR/gpu_all.tar.gz.tmp" "$DIR/gpu_all.tar.gz"
+}
+
+warm_python() {  # --cpu-smoke: every `$PY` a fork of one interpreter that imported torch & co. once
+  local sock=$SCRATCH/warm.sock real
+  real=$(command -v "$PY") || return 0
+  "$real" bench/_warm_python.py serve "$sock" </dev/null >"$SCRATCH/warm.log" 2>&1 &
+  WARM_PID=$!
+  while [ ! -S "$sock" ] && [ -e "/proc/$WARM_PID" ] && ! grep -q '^[^)]*) Z' "/proc/$WARM_PID/stat" 2>/dev/null
+  do sleep 0.1; done
+  [ -S "$sock" ] || { WARM_PID=""; return 0; }  # it did not start (PY=false in the tests): PY unchanged
+  printf '#!/usr/bin/env bash\nexec %q -S %q run %q "$@"\n' "$real" "$GPU_ROOT/bench/_warm_python.py" "$sock" \
+    >"$SCRATCH/python" && chmod +x "$SCRATCH/python" && PY=$SCRATCH/python && export GPU_ALL_WARM_PY=$PY
+  WHEELS+="; every \$PY a fork of one warm interpreter (bench/_warm_python.py)"
 }
 
 write_env() {
@@ -185,7 +200,8 @@ if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ "$(cd "$OUT" && pwd)" = "$DIR" ]; the
   PACK=1 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_all_out.XXXXXX")
 fi
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/gpu_all_scratch.XXXXXX")
-trap 'rm -rf "$SCRATCH"; [ "$PACK" = 1 ] && rm -rf "$WORK"' EXIT
+WARM_PID=""
+trap '[ -n "$WARM_PID" ] && kill "$WARM_PID" && wait "$WARM_PID"; rm -rf "$SCRATCH"; [ "$PACK" = 1 ] && rm -rf "$WORK"' EXIT
 rm -f "$DIR/summary.tsv" "$DIR/env.txt" "$DIR/gpu_all.tar.gz"
 for name in $(LIST=1 plan_steps | awk '{print $1}'); do rm -f "$DIR/$name.log"; done  # no stale logs
 if [ "$SMOKE" = 1 ]; then
@@ -197,6 +213,7 @@ else
   WHEELS=$(tail -3 "$SCRATCH/wheels.txt")
 fi
 export GPU_ALL_SMOKE=$SMOKE GPU_ALL_SCRATCH=$SCRATCH BENCH_RESULTS_DIR=$WORK/results
+[ "$SMOKE" = 1 ] && warm_python
 FAILS=0
 write_env >"$WORK/env.txt" 2>&1
 printf 'step\tresult\tseconds\theadline\n' >"$WORK/summary.tsv"

@@ -21,10 +21,11 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _warm_python import child_python  # sys.executable; the warm one under --cpu-smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = {
@@ -121,7 +122,7 @@ def main() -> int:
             t0 = time.perf_counter()
             run = subprocess.run(
                 [
-                    sys.executable,
+                    child_python(),
                     "-m",
                     "ndparallel",
                     "simulate",

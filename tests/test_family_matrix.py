@@ -13,6 +13,7 @@ reaches the ranks; a cell that runs and differs, or raises there, fails the test
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -101,9 +102,17 @@ def _yaml_fields(layout: dict, extra: dict) -> dict:
 
 
 def prelaunch_verdict(model_dir: str, layout: dict, extra: dict) -> str | None:
-    """What ``ndparallel train`` says before launch: None (it launches) or its one-line refusal."""
+    """What ``ndparallel train`` says before launch: None (it launches) or its one-line refusal
+    (asked once per cell: the layout tests and the docs' table read the same verdicts)."""
+    return _prelaunch_verdict(model_dir, tuple(layout.items()), tuple(extra.items()))
+
+
+@functools.cache
+def _prelaunch_verdict(model_dir: str, layout_items: tuple, extra_items: tuple) -> str | None:
     from ndparallel.config import ConfigError, TrainConfig
     from ndparallel.preflight.checks import validate_layout
+
+    layout, extra = dict(layout_items), dict(extra_items)
 
     cfg = TrainConfig(
         base_model=model_dir,
