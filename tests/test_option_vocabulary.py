@@ -49,7 +49,7 @@ OVER_TARGET = {
     "activation_offloading": 19,  # 18 + techniques/selective_ac (its refusal names the fix)
     "chunk_tokens": 8,  # + plan/loss_memory (split from memory.py at its line limit)
     "comm_strategy": 10,
-    "cp_strategy": 6,
+    "cp_strategy": 7,  # + plan/longest.py (--max-seq-len tries each strategy, names the one it keeps)
     "cpu_offload": 12,
     "fake_quant_after_n_steps": 5,
     "group_size": 6,

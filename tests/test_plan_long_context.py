@@ -18,7 +18,7 @@ from ndparallel.plan.layer_backward import (
 )
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.long_context import mlp_tiles
-from ndparallel.plan.longest import longest_for_layout
+from ndparallel.plan.longest import CP_STRATEGIES, longest, longest_any_strategy, longest_for_layout
 from ndparallel.plan.memo import clear_memos
 from ndparallel.plan.memory import (
     attention_scratch_per_token,
@@ -314,6 +314,31 @@ def test_longest_brackets_the_answer_and_the_options_add_up():
     assert lengths[0] < lengths[1] < lengths[3] and lengths[0] < lengths[2] < lengths[3], lengths
     assert longest_for_layout(req, Layout(tp=8)).seq_len > 0  # heads 32 / kv 8: tp 8 runs
     assert longest_for_layout(req, Layout(tp=8 * 2), 1 << 20).reason  # tp beyond the kv heads
+
+
+def test_longest_tries_every_cp_strategy():
+    """Each CP layout keeps the strategy that trains the longest (the ring's shards, all-gathered
+    K/V, Ulysses' head all-to-all hold different buffers); a layout without CP is searched once."""
+    req = PlanRequest.of(L8B, H100, 8, tiled_mlp=True, activation_offloading=True)
+    lay = Layout(cp=8)
+    each = {n: longest_for_layout(req.updated(cp_strategy=n), lay).seq_len for n in CP_STRATEGIES}
+    got = longest_any_strategy(req, lay, CP_STRATEGIES)
+    assert got.seq_len == max(each.values()) and got.best.settings.cp_strategy == max(each, key=each.get)
+    assert len(set(each.values())) > 1, each  # the choice matters here
+    assert longest_any_strategy(req, Layout(tp=8), CP_STRATEGIES).seq_len == (
+        longest_for_layout(req, Layout(tp=8)).seq_len
+    )
+
+
+def test_cli_max_seq_len_pins_the_cp_strategy_when_given(capsys):
+    base = ["--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "h100-80gb", "--max-seq-len", "--json"]
+    base += ["--tiled-mlp", "--activation-offloading"]
+    free = json.loads(_plan(capsys, *base)[1])["longest"][0]
+    ring = json.loads(_plan(capsys, *base, "--cp-strategy", "ring")[1])["longest"][0]
+    req = PlanRequest.of(L8B, H100, 8, tiled_mlp=True, activation_offloading=True)
+    assert ring["max_seq_len"] == max(r.seq_len for r in longest(req))  # ring: the request's own
+    assert free["max_seq_len"] == max(r.seq_len for r in longest(req, strategies=CP_STRATEGIES))
+    assert free["max_seq_len"] > ring["max_seq_len"]
 
 
 def _plan(capsys, *argv):

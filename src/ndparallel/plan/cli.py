@@ -14,7 +14,7 @@ from ndparallel.plan.adapter import SAVED_MODULES, saved_tables
 from ndparallel.plan.cli_arguments import add_plan_arguments
 from ndparallel.plan.cli_checks import check_args, gpu_mem_bytes, host_mem_bytes
 from ndparallel.plan.layout import Settings, parse_layout
-from ndparallel.plan.longest import feature_summary, longest, print_longest
+from ndparallel.plan.longest import CP_STRATEGIES, feature_summary, longest, print_longest
 from ndparallel.plan.models import load_model_spec
 from ndparallel.plan.pipeline import canonical
 from ndparallel.plan.qat_memory import qat_format_problem
@@ -192,8 +192,9 @@ def _run_longest(args, req: PlanRequest, console: Console) -> int:
             "--max-seq-len answers one question: leave out --explain / --write-config "
             "(then plan that length with --seq-len N)"
         )
-    rows = longest(req)
-    summary = feature_summary(req)
+    strategies = () if getattr(args, "cp_strategy_given", False) else CP_STRATEGIES  # else all
+    rows = longest(req, strategies=strategies)
+    summary = feature_summary(req, strategies=strategies)
     if args.json:
         print(
             json.dumps(

@@ -8,6 +8,14 @@ from ndparallel.plan import hardware as hwmod
 from ndparallel.plan.models import PRESETS as MODEL_PRESETS
 
 
+class _StoreGiven(argparse.Action):
+    """``store``, and ``<dest>_given`` set: the user named the value (a default does not)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the planner's options to ``parser``."""
     _add_cluster_arguments(parser.add_argument_group("model and cluster"))
@@ -95,7 +103,9 @@ def _add_kernel_and_communication_arguments(t) -> None:
         "--cp-strategy",
         choices=("ring", "allgather", "ulysses"),
         default="ring",
-        help="context-parallel attention communication (train's cp_comm_strategy)",
+        action=_StoreGiven,
+        help="context-parallel attention communication (train's cp_comm_strategy); --max-seq-len "
+        "tries each unless this is given",
     )
     t.add_argument(
         "--no-reshard-after-forward",

@@ -5,7 +5,9 @@ data-parallel rank and step, checkpointing as requested) fits in GPU memory — 
 ``--host-mem``, whose offloaded activations fit the node's host memory. Memory grows with the
 sequence, so each layout is searched by doubling then bisection, over multiples of ``2·cp·tp``
 (the load-balanced CP chunks, split again over tp by sequence parallel), to within
-``TOLERANCE``. The summary compares the long-context options: none, tiled MLP, offloading, both.
+``TOLERANCE``. A layout with context parallelism is searched with each CP strategy in
+``strategies`` (every one unless ``--cp-strategy`` pins it) and keeps the longest. The summary
+compares the long-context options: none, tiled MLP, offloading, both.
 """
 
 from __future__ import annotations
@@ -83,10 +85,27 @@ def longest_for_layout(req: PlanRequest, layout: Layout, cap: int = SEARCH_CAP) 
     return Longest(layout, lo * q, lo_best)
 
 
-def longest(req: PlanRequest, cap: int = SEARCH_CAP) -> list[Longest]:
-    """Every layout of ``req.gpus`` ranks, the longest first (ties: tokens/s per GPU)."""
-    rows = [longest_for_layout(req, lay, cap) for lay in enumerate_layouts(req.gpus)]
-    return sorted(rows, key=lambda r: (-r.seq_len, -(r.best.tokens_per_s_per_gpu if r.best else 0)))
+CP_STRATEGIES = ("ring", "allgather", "ulysses")
+
+
+def _rank(r: Longest) -> tuple:
+    return (-r.seq_len, -(r.best.tokens_per_s_per_gpu if r.best else 0))
+
+
+def longest_any_strategy(req: PlanRequest, layout: Layout, strategies, cap: int = SEARCH_CAP) -> Longest:
+    """``longest_for_layout`` with the CP strategy of ``strategies`` that trains the longest (the
+    request's own without CP, where none applies)."""
+    if layout.cp == 1 or not strategies:
+        return longest_for_layout(req, layout, cap)
+    rows = [longest_for_layout(req.updated(cp_strategy=name), layout, cap) for name in strategies]
+    return min(rows, key=_rank)
+
+
+def longest(req: PlanRequest, cap: int = SEARCH_CAP, strategies=()) -> list[Longest]:
+    """Every layout of ``req.gpus`` ranks, the longest first (ties: tokens/s per GPU); with
+    ``strategies``, each CP layout under the one of them that trains the longest."""
+    rows = [longest_any_strategy(req, lay, strategies, cap) for lay in enumerate_layouts(req.gpus)]
+    return sorted(rows, key=_rank)
 
 
 FEATURES = {
@@ -97,7 +116,7 @@ FEATURES = {
 }
 
 
-def feature_summary(req: PlanRequest, cap: int = SEARCH_CAP) -> dict[str, Longest | None]:
+def feature_summary(req: PlanRequest, cap: int = SEARCH_CAP, strategies=()) -> dict[str, Longest | None]:
     """The longest layout with each combination of the long-context options."""
     out = {}
     for name, (tiled, offload) in FEATURES.items():
@@ -106,7 +125,7 @@ def feature_summary(req: PlanRequest, cap: int = SEARCH_CAP) -> dict[str, Longes
             activation_offloading=offload,
             checkpointing="on" if offload else req.checkpointing,
         )
-        rows = [x for x in longest(r, cap) if x.seq_len]
+        rows = [x for x in longest(r, cap, strategies) if x.seq_len]
         out[name] = rows[0] if rows else None
     return out
 
@@ -119,9 +138,10 @@ def _row_cells(r: Longest, per_node: int) -> list[str]:
         if s.activation_offloading
         else "-"
     )
+    strategy = r.layout.describe() + (f" ({s.cp_strategy})" if r.layout.cp > 1 else "")
     return [
         r.layout.compact(),
-        r.layout.describe(),
+        strategy,
         f"{r.seq_len:,}",
         "on" if s.checkpointing else "off",
         f"{e.memory.total / GiB:.1f}",
