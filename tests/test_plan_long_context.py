@@ -162,6 +162,22 @@ def test_host_memory_holds_every_micro_batch_in_flight():
         assert host[0] == host_bytes(L8B, Layout(tp=8), s)
 
 
+def test_full_checkpointing_offload_copies_in_flight_are_a_bound_per_rank():
+    """With full checkpointing the offloader keeps at most ``offload_in_flight`` layer inputs on the
+    device at any moment, whatever the micro-batches in flight: each more micro-batch adds only its
+    own device tensors (RoPE's cos and sin here), not two more layer inputs."""
+    seq = 131072  # the layer backward is the peak (at 8,192 the optimizer step is)
+    mems = [
+        _selective(
+            Layout(pp=2, tp=8), activation_offloading=True, ac_policy="full", pp_in_flight=k, seq_len=seq
+        )[0]
+        for k in (1.0, 18.5)
+    ]
+    assert mems[0].peak_phase == mems[1].peak_phase == "layer backward"
+    rope = seq * 2 * 2 * L8B.head_dim
+    assert mems[1].activations - mems[0].activations == pytest.approx(17.5 * rope)
+
+
 def test_selective_offload_time_against_a_third_of_the_compute():
     """Selective checkpointing recomputes no whole layer: a layer's device→host copy hides behind
     its forward (a third of its compute), the host→device copy behind its backward (two thirds).

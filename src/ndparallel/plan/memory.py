@@ -337,6 +337,9 @@ def estimate_memory(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware)
     held += stage_inputs_held(model, layout, s) if offloading(s) else 0
     saved += held * s.micro_batch * s.seq_len / layout.cp * checkpointed_input_per_token(model, layout, s)
     saved *= s.pp_in_flight  # a pipeline rank holds several micro-batches (plan/pipeline.py)
+    if offloading(s) and s.recompute == "full":  # the offloader's copies in flight: a bound per rank
+        copies = device_checkpointed_layers(model, s) * s.micro_batch * s.seq_len / layout.cp
+        saved -= (s.pp_in_flight - 1) * copies * checkpointed_input_per_token(model, layout, s)
     buf_a, buf_b = _buffers(model, layout, s, numels, unsharded > 0)
     buf_a, buf_b = buf_a - nf4.get("buffer_a", 0.0), buf_b - nf4.get("buffer_b", 0.0)
 
