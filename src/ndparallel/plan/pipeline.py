@@ -123,6 +123,14 @@ def fill_stretch(model: ModelSpec, p: int, v: int, schedule: str, shape: RankSha
     return first_row / (shape.layers / shape.stages)
 
 
+def first_rank_model(model: ModelSpec, layout, s) -> ModelSpec:
+    """The part of ``model`` the first pp rank holds under ``s``'s schedule (the whole model
+    without pipeline parallel): the rank with the most layers and micro-batches in flight."""
+    if layout.pp <= 1:
+        return model
+    return rank_model(model, rank_shape(model, layout.pp, s.pp_virtual, s.pp_schedule, 0))
+
+
 def rank_model(model: ModelSpec, shape: RankShape) -> ModelSpec:
     """The part of ``model`` a pp rank holds, as a model: its layers, the embedding on the first
     stage, final norm + LM head on the last (tied embeddings: two copies, one each end). One

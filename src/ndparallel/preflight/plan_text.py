@@ -11,6 +11,7 @@ from ndparallel.models.presets import is_preset
 from ndparallel.plan.layout import Layout
 from ndparallel.plan.memory import host_bytes
 from ndparallel.plan.models import from_hf_config
+from ndparallel.plan.pipeline import first_rank_model
 from ndparallel.preflight.pipeline_check import pipeline_summary
 from ndparallel.techniques.tile_rule import tile_split
 from ndparallel.tracking.credentials import tracker_problem
@@ -122,21 +123,25 @@ def _long_context(cfg: TrainConfig, pc, hf) -> str:
     if cfg.activation_offloading:
         per_layer = tokens * hf.hidden_size * (2 if cfg.compute_dtype() is not None else 4)
         per_layer //= pc.tp_size if cfg.sequence_parallel else 1
-        what, host = "checkpointed layer inputs", hf.num_hidden_layers * per_layer
+        layers, what = hf.num_hidden_layers, "checkpointed layer inputs"
+        host = layers * per_layer
         selective = _selective_offload_bytes(cfg, pc, hf)
         if selective is not None:
-            what, host = "layers' selective saved tensors but down_proj's output", selective
+            layers, host = selective
+            what = "layers' selective saved tensors but down_proj's output"
+        where = "first pipeline rank" if pc.pp_size > 1 and selective is not None else "rank"
         parts.append(
-            f"activation offloading ({hf.num_hidden_layers} {what}, {host / 2**30:.2f} GiB of pinned "
-            "host memory per rank and micro-batch in flight)"
+            f"activation offloading ({layers} {what}, {host / 2**30:.2f} GiB of pinned "
+            f"host memory per {where} and micro-batch in flight)"
         )
     return ", ".join(parts)
 
 
-def _selective_offload_bytes(cfg: TrainConfig, pc, hf) -> float | None:
-    """Host bytes per rank of one micro-batch when selective checkpointing offloads its saved set
-    (the planner's ``plan/memory.py: host_bytes``); None under full checkpointing or for a model the
-    planner does not read."""
+def _selective_offload_bytes(cfg: TrainConfig, pc, hf) -> tuple[int, float] | None:
+    """(layers, host bytes) of one micro-batch on a rank — under pipeline parallel the first,
+    which holds the most — when selective checkpointing offloads its saved set (the planner's
+    ``plan/memory.py: host_bytes``); None under full checkpointing or for a model the planner does
+    not read."""
     from ndparallel.config.plan_settings import plan_settings
 
     s = plan_settings(cfg).but(micro_batch=cfg.micro_batch_size)
@@ -146,7 +151,9 @@ def _selective_offload_bytes(cfg: TrainConfig, pc, hf) -> float | None:
         spec = from_hf_config(hf.to_dict(), str(cfg.base_model))
     except ValueError:
         return None
-    return host_bytes(spec, Layout(tp=pc.tp_size, cp=pc.cp_size), s)
+    layout = Layout(tp=pc.tp_size, cp=pc.cp_size, pp=pc.pp_size)
+    spec = first_rank_model(spec, layout, s)
+    return spec.layers, host_bytes(spec, layout, s)
 
 
 def _datasets_read_as(cfg: TrainConfig) -> list[str]:
