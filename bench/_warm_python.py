@@ -2,7 +2,7 @@
 of one process that imported torch, transformers and ndparallel once, instead of a fresh interpreter
 that imports them again (~5 s of CPU each, ~30 times a run). The GPU run never uses it.
 
-    python bench/_warm_python.py serve SOCKET [MODULE...]  # imports (PRELOAD), then answers on SOCKET
+    python bench/_warm_python.py serve SOCKET [MODULE...]  # imports (preload_modules), answers on SOCKET
     python -S bench/_warm_python.py run SOCKET ARGS...   # what `$PY ARGS...` runs: `python ARGS...`
 
 ``run`` sends its argv, working directory, environment and standard streams (the file descriptors
@@ -31,13 +31,7 @@ import socket
 import struct
 import sys
 
-PRELOAD = (
-    "torch",
-    "torch.distributed.tensor",
-    "torch.distributed.fsdp",
-    "torch.distributed.checkpoint",
-    "transformers",
-    "transformers.modeling_utils",
+STEP_MODULES = (
     "transformers.models.llama.modeling_llama",
     "peft",
     "accelerate",
@@ -46,7 +40,20 @@ PRELOAD = (
     "ndparallel.training.trainer",
     "pytest",
 )
-"""What the smoke steps import; one that fails to import is left to the step (its error included)."""
+"""What the smoke steps import besides ndparallel's ``MODEL_LIBRARIES`` (``preload_modules``); one
+that fails to import is left to the step (its error included)."""
+
+
+def preload_modules() -> tuple[str, ...]:
+    """The server's default imports: ``runtime/startup.py``'s ``MODEL_LIBRARIES``, then
+    ``STEP_MODULES`` (imported here, not at the top: the client runs with ``-S``)."""
+    try:
+        from ndparallel.runtime.startup import MODEL_LIBRARIES
+    except ImportError:
+        return STEP_MODULES
+    return (*MODEL_LIBRARIES, *STEP_MODULES)
+
+
 IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_", "CUDA_", "HF_", "TORCH", "TRANSFORMERS", "TOKENIZERS")
 IMPORT_TIME_ENV += ("TMP", "XDG_", "HOME")  # (ndparallel reads its own at run time)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -136,7 +143,7 @@ def _preload(modules) -> None:
     gc.freeze()  # as ndparallel.runtime.startup: never walked again, never copied by a fork
 
 
-def serve(path: str, modules=PRELOAD):
+def serve(path: str, modules: tuple[str, ...]):
     """Answer until the parent ends; returns only in a forked child: what it is to run."""
     before = dict(os.environ)
     _preload(modules)
@@ -312,6 +319,6 @@ if __name__ == "__main__":
     mode, sock = sys.argv[1], sys.argv[2]
     if mode == "run":
         sys.exit(client(sock, sys.argv[3:]))
-    job = serve(sock, tuple(sys.argv[3:]) or PRELOAD)
+    job = serve(sock, tuple(sys.argv[3:]) or preload_modules())
     if job is not None:
         run_job(*job)

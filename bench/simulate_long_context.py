@@ -98,6 +98,21 @@ def _run_traced(cfg: Path) -> tuple[dict, list]:
     return report, [h for h in held if abs(h["mib"]) >= 1 / 64]
 
 
+def memory_row(report: dict) -> dict:
+    """A ``simulate --json`` report's memory, measured against the planner: the tensor peak (MiB,
+    the error), the offloaded host memory both ways, the peak's phase and the planner's parts."""
+    m, p = report["measured"], report["predicted"]
+    return {
+        "measured_mib": m["tensor_peak_gib"] * 1024,
+        "predicted_mib": p["tensor_peak_gib"] * 1024,
+        "error": p["tensor_peak_gib"] / m["tensor_peak_gib"] - 1,
+        "offload_host_measured_mib": m.get("offload_host_peak_gib", 0.0) * 1024,
+        "offload_host_predicted_mib": p.get("offload_host_gib", 0.0) * 1024,
+        "peak_phase": p.get("peak_phase"),
+        "predicted_breakdown_mib": {k: v * 1024 for k, v in p.get("memory_gib", {}).items()},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=32768)
@@ -109,18 +124,11 @@ def main() -> None:
         cfg = _config(Path(tmp), args.seq)
         t0 = time.perf_counter()
         r, held = _run_traced(cfg) if args.trace else (_run_cli(cfg), None)
-    m, p = r["measured"], r["predicted"]
     row = {
         "seq": args.seq,
         "tokens_per_rank": args.seq // 8,
-        "measured_mib": m["tensor_peak_gib"] * 1024,
-        "predicted_mib": p["tensor_peak_gib"] * 1024,
-        "error": p["tensor_peak_gib"] / m["tensor_peak_gib"] - 1,
-        "states_mib": sum(m["state_gib"].values()) * 1024,
-        "offload_host_measured_mib": m.get("offload_host_peak_gib", 0.0) * 1024,
-        "offload_host_predicted_mib": p.get("offload_host_gib", 0.0) * 1024,
-        "peak_phase": p.get("peak_phase"),
-        "predicted_breakdown_mib": {k: v * 1024 for k, v in p.get("memory_gib", {}).items()},
+        **memory_row(r),
+        "states_mib": sum(r["measured"]["state_gib"].values()) * 1024,
         "wall_s": time.perf_counter() - t0,
         **({"alive_at_peak": held} if held is not None else {}),
     }

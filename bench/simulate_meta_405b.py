@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from simulate_long_context import memory_row  # noqa: E402
+
 HIDDEN = 1024
 MODEL = dict(
     model_type="llama",
@@ -82,18 +85,10 @@ def main() -> None:
         out = subprocess.run([*cmd, "--rank", "0", "--steps", "1", "--json"], capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"simulate failed: {out.stderr.strip().splitlines()[-1:]}")
-    r = json.loads(out.stdout)
-    m, p = r["measured"], r["predicted"]
     row = {
         "seq": args.seq,
         "offload": not args.no_offload,
-        "measured_mib": m["tensor_peak_gib"] * 1024,
-        "predicted_mib": p["tensor_peak_gib"] * 1024,
-        "error": p["tensor_peak_gib"] / m["tensor_peak_gib"] - 1,
-        "offload_host_measured_mib": m.get("offload_host_peak_gib", 0.0) * 1024,
-        "offload_host_predicted_mib": p.get("offload_host_gib", 0.0) * 1024,
-        "peak_phase": p.get("peak_phase"),
-        "predicted_breakdown_mib": {k: v * 1024 for k, v in p.get("memory_gib", {}).items()},
+        **memory_row(json.loads(out.stdout)),
         "wall_s": time.perf_counter() - t0,
     }
     print(json.dumps(row, indent=1))

@@ -4,7 +4,6 @@ the host-memory rejection and the CLI's flags."""
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,10 +26,9 @@ from ndparallel.plan.memory import (
     offload_split_per_token,
     selective_saved_per_token,
 )
-from ndparallel.plan.models import from_hf_config, load_model_spec
+from ndparallel.plan.models import load_model_spec
 from ndparallel.plan.search import PlanRequest, estimate, evaluate_layout
 from ndparallel.techniques.tile_rule import tile_split
-from ndparallel.testing import run_on_ranks
 
 L8B = load_model_spec("llama-3.1-8b")
 H100 = get_preset("h100-80gb")
@@ -196,51 +194,6 @@ def test_selective_offload_time_against_a_third_of_the_compute():
     assert tiny.time.offload_exposed > half.time.offload_exposed and tiny.time.step > fast.time.step
 
 
-LAYER0 = dict(
-    hidden_size=128,
-    intermediate_size=448,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    vocab_size=256,
-    max_position_embeddings=64,
-)
-"""Llama-3's shape in small, as ``tests/test_selective_ac.py`` measures it (batch 2 × 48 tokens)."""
-
-
-@pytest.fixture(scope="module")
-def offloaded_layer0():
-    """Bytes per token layer 0 keeps on the device and sends to the host under the runtime's
-    selective checkpointing + offloading, at tp 1 and rank 0 of a fake tp-2 world (the bench's
-    ``selective_offload`` mode, every saved tensor counted)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from sp_activation_memory import _measure_all
-
-    jobs = [(tp, "selective_offload", LAYER0, 2, 48, "cpu") for tp in (1, 2)]
-    return dict(zip((1, 2), run_on_ranks(_measure_all, 1, jobs)[0]))
-
-
-def _planned_layer0(tp: int) -> tuple[float, float]:
-    """The planner's (device, host) bytes per token of layer 0: the layer's split and, on the host,
-    RoPE's cos and sin, which the first layer to save them sends."""
-    spec = from_hf_config({"model_type": "llama", **LAYER0})
-    s = Settings(
-        seq_len=48, micro_batch=2, sequence_parallel=tp > 1, checkpointing=True, ac_policy="selective"
-    )
-    device, host = offload_split_per_token(spec, Layout(tp=tp), s.but(activation_offloading=True))
-    return device, host + 2 * s.act_bytes * spec.head_dim
-
-
-@pytest.mark.parametrize("tp", [1, 2])
-def test_selective_offload_split_is_what_the_runtime_moves(offloaded_layer0, tp):
-    """Under TP o_proj's input is a DTensor view of the attention output's storage with a version
-    counter of its own: sent once (a version check sent it twice until 2026-12-06)."""
-    device, host = _planned_layer0(tp)
-    assert offloaded_layer0[tp]["per_token"] == device
-    assert offloaded_layer0[tp]["host_per_token"] == host
-
-
 def test_ring_attention_buffers_are_in_the_layer_backward():
     lay = Layout(cp=8)
     a_d, kv = L8B.heads * L8B.head_dim, L8B.kv_heads * L8B.head_dim
@@ -401,7 +354,6 @@ def test_cli_bad_flags(capsys, argv, says):
 
 def test_config_options_reach_the_plan_and_come_back(capsys, tmp_path):
     """``plan --config`` of the long-context example plans with its options; --write-config keeps them."""
-    from pathlib import Path
 
     import yaml
 

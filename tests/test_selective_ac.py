@@ -20,10 +20,33 @@ from ndparallel.techniques.selective_ac import selective_policy_problem
 from ndparallel.testing import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from sp_activation_memory import _measure_all, _planned  # noqa: E402
+from sp_activation_memory import _measure_all, _planned, _planned_split  # noqa: E402
+
+SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=448,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=256,
+    max_position_embeddings=64,
+)
+"""Llama-3's shape in small (f = 3.5·h, GQA 2:1, a·d = h), measured with 2 rows of 48 tokens."""
+SEQ = 48
+MODES = {1: ("selective", "selective_offload"), 2: ("shards", "selective", "selective_offload")}
 
 
-def test_layer_keeps_at_most_megatrons_bound_under_tp_sp_selective():
+@pytest.fixture(scope="module")
+def layer0():
+    """Bytes per token layer 0 keeps (``per_token``: on the device; ``host_per_token``: offloaded),
+    (tp, mode) -> measurement, as the bench measures them: bf16, tp 1 and rank 0 of a fake tp-2
+    world (real shapes and kernels), every mode in one child process."""
+    jobs = [(tp, mode, SHAPE, 2, SEQ, "cpu") for tp, modes in MODES.items() for mode in modes]
+    return dict(zip([(j[0], j[1]) for j in jobs], run_on_ranks(_measure_all, 1, jobs)[0]))
+
+
+def test_layer_keeps_at_most_megatrons_bound_under_tp_sp_selective(layer0):
     """Korthikanti et al. (2022) count ``34·s·b·h/t`` bytes per layer under sequence parallel +
     selective recompute (16-bit activations, the ``s²`` softmax recomputed). A fused attention
     kernel keeps no ``s²`` tensor but an fp32 log-sum-exp per query head and token (``4·a/t``),
@@ -31,25 +54,14 @@ def test_layer_keeps_at_most_megatrons_bound_under_tp_sp_selective():
     small (f = 3.5·h, GQA 2:1, a·d = h), bf16, rank 0 of a fake tp-2 world (real shapes and
     kernels). Saving the block inputs as shards alone stays above it; with the selective policy
     the layer keeps what the planner says, to the byte, and at most the bound."""
-    h, a, tp, seq = 128, 4, 2, 48
-    shape = dict(
-        hidden_size=h,
-        intermediate_size=448,
-        num_hidden_layers=2,
-        num_attention_heads=a,
-        num_key_value_heads=2,
-        head_dim=h // a,
-        vocab_size=256,
-        max_position_embeddings=64,
-    )
-    jobs = [(tp, mode, shape, 2, seq, "cpu") for mode in ("shards", "selective")]
-    shards, selective = run_on_ranks(_measure_all, 1, jobs)[0]
+    h, a, tp = SHAPE["hidden_size"], SHAPE["num_attention_heads"], 2
+    shards, selective = layer0[(tp, "shards")], layer0[(tp, "selective")]
     bound = (34 * h + 4 * a) / tp
     assert shards["per_token"] > bound, shards
     assert selective["per_token"] <= bound, (selective, bound)
     assert selective["attention_s2_per_token"] == 0
-    assert selective["per_token"] == _planned(shape, tp, "selective", seq)
-    assert shards["per_token"] == _planned(shape, tp, "shards", seq)
+    assert selective["per_token"] == _planned(SHAPE, tp, "selective", SEQ)
+    assert shards["per_token"] == _planned(SHAPE, tp, "shards", SEQ)
 
 
 def test_runtime_path_checkpoints_every_norm_and_mlp():
@@ -71,30 +83,29 @@ def test_runtime_path_checkpoints_every_norm_and_mlp():
         assert torch.equal(a.grad, b.grad), name
 
 
-def test_offloading_moves_what_the_selective_layer_keeps_to_the_host():
+def test_offloading_moves_what_the_selective_layer_keeps_to_the_host(layer0):
     """``activation_offloading`` with the selective policy (Meta's 405B layout needs it, docs/planner.md):
     under TP + SP (rank 0 of a fake tp-2 world, as above) layer 0 keeps on the device only the
     output of ``down_proj``'s collective that the policy keeps (``e·h/t`` per token); the rest of what
     it kept without offloading is in host memory (plus RoPE's cos and sin, model-level, once per
     forward). Without TP nothing stays on the device."""
-    h, a, seq, e = 128, 4, 48, 2
-    shape = dict(
-        hidden_size=h,
-        intermediate_size=448,
-        num_hidden_layers=2,
-        num_attention_heads=a,
-        num_key_value_heads=2,
-        head_dim=h // a,
-        vocab_size=256,
-        max_position_embeddings=64,
-    )
-    jobs = [(tp, mode, shape, 2, seq, "cpu") for tp in (1, 2) for mode in ("selective", "selective_offload")]
-    got = dict(zip([(j[0], j[1]) for j in jobs], run_on_ranks(_measure_all, 1, jobs)[0]))
-    rope = 2 * e * (h // a)  # cos and sin per token, offloaded by the first layer
+    h, e = SHAPE["hidden_size"], 2
+    rope = 2 * e * SHAPE["head_dim"]  # cos and sin per token, offloaded by the first layer
     for tp, residue in ((1, 0), (2, e * h / 2)):
-        kept, offloaded = got[(tp, "selective")], got[(tp, "selective_offload")]
+        kept, offloaded = layer0[(tp, "selective")], layer0[(tp, "selective_offload")]
         assert offloaded["per_token"] == residue, (tp, offloaded)
         assert offloaded["host_per_token"] == kept["per_token"] - residue + rope, (tp, kept, offloaded)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_planners_offload_split_is_what_the_runtime_moves(layer0, tp):
+    """The planner's (device, host) bytes per token of layer 0 (``plan/memory.py:
+    offload_split_per_token``, RoPE's cos and sin on the host) are the measured ones, to the byte.
+    Under TP o_proj's input is a DTensor view of the attention output's storage with a version
+    counter of its own: sent once (a version check sent it twice until 2026-12-06)."""
+    device, host = _planned_split(SHAPE, tp, "selective_offload", SEQ)
+    assert layer0[(tp, "selective_offload")]["per_token"] == device
+    assert layer0[(tp, "selective_offload")]["host_per_token"] == host
 
 
 def test_runtime_path_offloads_with_the_selective_policy():
