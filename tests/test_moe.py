@@ -134,8 +134,9 @@ def test_flops_count_active_experts(name):
 
 
 def test_planner_moe_presets_and_layouts():
+    from ndparallel.plan.cli_arguments import parse_layout
     from ndparallel.plan.hardware import get_preset
-    from ndparallel.plan.layout import Settings, parse_layout, structural_rejections
+    from ndparallel.plan.layout import Settings, structural_rejections
     from ndparallel.plan.memory import estimate_memory
     from ndparallel.plan.models import PRESETS
     from ndparallel.plan.report import train_config

@@ -41,15 +41,17 @@ OVER_TARGET = {
     # (runtime and planner estimates), Settings, the plan CLI's flags and checks, its report (config
     # writer) and preflight's plan text. 2026-12-06: PlanRequest carries a Settings and the plan
     # flags map to Settings by field name both ways (plan/cli.py flag_settings / flag_defaults), so
-    # plan/search.py, plan/cli.py and cli/plan_config.py no longer restate them.
-    "ac_policy": 9,  # 5 + the runtime option (issue 50): config/fields, parallel/options,
+    # plan/search.py, plan/cli.py and cli/plan_config.py no longer restate them. Later that day each
+    # Settings field declares its own plan flag (plan/layout.py's ``flag`` metadata), so the flags and
+    # their checks (plan/cli_arguments.py, plan/cli_checks.py) are built from it, not restated.
+    "ac_policy": 8,  # 4 + the runtime option (issue 50): config/fields, parallel/options,
     # techniques/selective_ac, axolotl/noop_keys (Axolotl's selective key names the fix)
-    "activation_checkpointing": 18,  # 17 + techniques/selective_ac (its refusals name the fix)
+    "activation_checkpointing": 17,  # 16 + techniques/selective_ac (its refusals name the fix)
     "activation_dtype": 7,
-    "activation_offloading": 19,  # 18 + techniques/selective_ac (its refusal names the fix)
+    "activation_offloading": 17,  # 16 + techniques/selective_ac (its refusal names the fix)
     "chunk_tokens": 8,  # + plan/loss_memory (split from memory.py at its line limit)
     "comm_strategy": 10,
-    "cp_strategy": 7,  # + plan/longest.py (--max-seq-len tries each strategy, names the one it keeps)
+    "cp_strategy": 6,  # + plan/longest.py (--max-seq-len tries each strategy, names the one it keeps)
     "cpu_offload": 12,
     "fake_quant_after_n_steps": 5,
     "group_size": 6,
@@ -57,12 +59,11 @@ OVER_TARGET = {
     "load_balance": 8,
     "lora_r": 21,  # + plan/embedding_moment (split from memory.py at its line limit)
     "lora_saved": 9,
-    "loss_chunk_tokens": 6,
-    "loss_impl": 7,
+    "loss_impl": 6,
     "loss_parallel": 15,
-    "mixed_precision": 23,  # + plan/embedding_moment (split from memory.py at its line limit),
+    "mixed_precision": 22,  # + plan/embedding_moment (split from memory.py at its line limit),
     # tools/agreement (fp16's second way)
-    "optimizer_fused": 6,  # config/plan_settings: the one TrainConfig -> Settings step
+    "optimizer_fused": 5,  # config/plan_settings: the one TrainConfig -> Settings step
     "pipeline_schedule": 9,
     "pipeline_virtual_stages": 9,
     "pp_in_flight": 5,
@@ -75,8 +76,8 @@ OVER_TARGET = {
     "sequence_parallel": 31,  # plan/sp_activations (the SP saved-shard model), plan/recompute_policies,
     # plan/layer_backward (split from memory.py at its line limit)
     "set_to_none": 5,
-    "tiled_mlp": 20,  # techniques/__init__ (names the module tiled_mlp.py), techniques/selective_ac
-    "tiled_mlp_num_shards": 11,
+    "tiled_mlp": 18,  # techniques/__init__ (names the module tiled_mlp.py), techniques/selective_ac
+    "tiled_mlp_num_shards": 9,
     "unsharded_grad_accumulation": 18,  # 16 + tools/simulate_predict (resolves the PP default)
     "virtual_stages": 7,  # 6 + plan/layout.Settings.from_options, the one options -> Settings step
     "weight_dtype": 10,

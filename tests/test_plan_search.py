@@ -8,8 +8,9 @@ import yaml
 
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.plan.cli import add_plan_arguments, main, run_plan
+from ndparallel.plan.cli_arguments import parse_layout
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.layout import Layout, Settings, enumerate_layouts, parse_layout
+from ndparallel.plan.layout import Layout, Settings, enumerate_layouts
 from ndparallel.plan.models import PRESETS
 from ndparallel.plan.search import PlanRequest, evaluate_layout, plan
 from ndparallel.runtime.sizes import parse_size

@@ -3,9 +3,10 @@
 See docs/planner.md for the memory, compute and communication models.
 """
 
+from ndparallel.plan.cli_arguments import parse_layout
 from ndparallel.plan.comms import Collective, aggregate, predict_collectives
 from ndparallel.plan.hardware import Hardware
-from ndparallel.plan.layout import Layout, Settings, parse_layout
+from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.memory import MemoryBreakdown, estimate_memory
 from ndparallel.plan.models import ModelSpec, load_model_spec
 from ndparallel.plan.search import (

@@ -5,15 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
 
 from rich.console import Console
 
 from ndparallel.plan import hardware as hwmod
 from ndparallel.plan.adapter import SAVED_MODULES, saved_tables
-from ndparallel.plan.cli_arguments import add_plan_arguments
+from ndparallel.plan.cli_arguments import add_plan_arguments, field_flags, parse_layout
 from ndparallel.plan.cli_checks import check_args, gpu_mem_bytes, host_mem_bytes
-from ndparallel.plan.layout import Settings, parse_layout
+from ndparallel.plan.layout import Settings
 from ndparallel.plan.longest import CP_STRATEGIES, feature_summary, longest, print_longest
 from ndparallel.plan.models import load_model_spec
 from ndparallel.plan.pipeline import canonical
@@ -95,39 +94,18 @@ BY_ADAPTER = ("lora_r", "quantized_base", "lora_saved")
 """``Settings`` fields the adapter flags decide together (``build_request``), not one flag each."""
 
 
-def _flags() -> dict[str, tuple[str, bool]]:
-    """``Settings`` field -> (its flag's argument name, negated): every field one flag sets, named
-    as the field, or ``no_FIELD`` for a setting on by default; the request's own fields (the
-    search's choices) and the adapter's aside."""
-    dests = vars(make_parser().parse_args([]))
-    skip = {f.name for f in fields(PlanRequest)} | set(BY_ADAPTER)
-    out = {}
-    for f in fields(Settings):
-        if f.name in skip:
-            continue
-        if f.name in dests:
-            out[f.name] = (f.name, False)
-        elif f"no_{f.name}" in dests:
-            out[f.name] = (f"no_{f.name}", True)
-    return out
-
-
 def flag_settings(args) -> dict:
-    """The ``Settings`` values parsed ``args`` give, by field name (``_flags``)."""
-    out = {}
-    for name, (dest, negated) in _flags().items():
-        value = getattr(args, dest)
-        out[name] = not value if negated else value
-    return out
+    """The ``Settings`` values parsed ``args`` give, by field name (``field_flags``)."""
+    return {name: ff.value(args) for name, ff in field_flags().items()}
 
 
 def flag_defaults(s: Settings) -> dict:
     """The parser's defaults (argument name -> value) that give ``s``'s values: ``flag_settings``
     inverted (``plan --config``)."""
     out = {}
-    for name, (dest, negated) in _flags().items():
+    for name, ff in field_flags().items():
         value = getattr(s, name)
-        out[dest] = not value if negated else value
+        out[ff.dest] = not value if ff.negated else value
     return out
 
 

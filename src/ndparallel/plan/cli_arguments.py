@@ -1,11 +1,18 @@
-"""The ``ndparallel plan`` command line's options, one group per concern (``cli.py`` runs them)."""
+"""The ``ndparallel plan`` command line's options, one group per concern (``cli.py`` runs them), and
+the ``--explain LAYOUT`` text. The flags of the run's ``Settings`` come from their fields' metadata
+(``plan/layout.py``'s ``flag``): ``field_flags``."""
 
 from __future__ import annotations
 
 import argparse
+import re
+from dataclasses import dataclass, fields
 
 from ndparallel.plan import hardware as hwmod
+from ndparallel.plan.layout import DIMS, Layout, Settings
 from ndparallel.plan.models import PRESETS as MODEL_PRESETS
+from ndparallel.plan.pipeline import canonical
+from ndparallel.plan.search import DEFAULT_SETTINGS
 
 
 class _StoreGiven(argparse.Action):
@@ -16,14 +23,61 @@ class _StoreGiven(argparse.Action):
         setattr(namespace, f"{self.dest}_given", True)
 
 
+@dataclass(frozen=True)
+class FieldFlag:
+    """The flag of one ``Settings`` field."""
+
+    field: str
+    option: str
+    """``--seq-len``, ``--no-sequence-parallel``, ``--fused-adamw``."""
+    dest: str
+    """The argument's name: the field's, or ``no_FIELD`` for a switch on by default (``negated``)."""
+    negated: bool
+    how: dict
+    """The field's ``flag`` metadata."""
+
+    def value(self, args):
+        """The field's value that parsed ``args`` give."""
+        value = getattr(args, self.dest, None)
+        return not value if self.negated else value
+
+
+def field_flags() -> dict[str, FieldFlag]:
+    """Field name -> its flag, for every ``Settings`` field that declares one."""
+    out = {}
+    for f in fields(Settings):
+        how = f.metadata.get("flag")
+        if how is not None:
+            negated = f.default is True
+            dest = f"no_{f.name}" if negated else f.name
+            option = "--" + how.get("name", dest.replace("_", "-"))
+            out[f.name] = FieldFlag(f.name, option, dest, negated, how)
+    return out
+
+
+def _add_settings_arguments(t) -> None:
+    """One flag per ``field_flags``: a switch for a boolean, else a value (``DEFAULT_SETTINGS``' the
+    default, whole numbers for ``positive`` ones)."""
+    for ff in field_flags().values():
+        kw = {k: ff.how[k] for k in ("help", "choices", "metavar") if k in ff.how}
+        default = getattr(DEFAULT_SETTINGS, ff.field)
+        if isinstance(default, bool):
+            kw["action"] = "store_true"
+        else:
+            kw.update(default=default, type=int if ff.how.get("positive") else None)
+            if ff.how.get("given"):
+                kw["action"] = _StoreGiven
+        t.add_argument(ff.option, dest=ff.dest, **kw)
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the planner's options to ``parser``."""
     _add_cluster_arguments(parser.add_argument_group("model and cluster"))
     t = parser.add_argument_group("training")
-    _add_batch_and_precision_arguments(t)
-    _add_kernel_and_communication_arguments(t)
+    _add_settings_arguments(t)
+    _add_batch_arguments(t)
     _add_adapter_arguments(t)
-    _add_long_context_arguments(t)
+    _add_host_arguments(t)
     _add_pipeline_arguments(t)
     _add_output_arguments(parser.add_argument_group("output"))
     _add_calibration_arguments(parser.add_argument_group("calibration"))
@@ -53,42 +107,13 @@ def _add_cluster_arguments(g) -> None:
     g.add_argument("--hbm-bw", type=float, help="override HBM bandwidth (spec), GB/s")
 
 
-def _add_batch_and_precision_arguments(t) -> None:
-    """Sequence, batch, checkpointing, precision, optimizer."""
-    t.add_argument("--seq-len", type=int, default=4096, help="sequence length (default 4096)")
+def _add_batch_arguments(t) -> None:
+    """The batch and what the search chooses per layout."""
     gb = t.add_mutually_exclusive_group()
     gb.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
     gb.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
     t.add_argument("--micro-batch", default="auto", help="micro-batch per GPU, or auto (1,2,4,8)")
     t.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto")
-    t.add_argument(
-        "--ac-policy",
-        choices=("full", "selective", "op"),
-        default="full",
-        help="checkpointing policy (fsdp_config.ac_policy): full recomputes each layer; "
-        "selective only the norms and the MLP activation (Megatron's scheme); op: torchtitan's "
-        "per-op policy (for comparisons; not run by ndparallel)",
-    )
-    t.add_argument("--mixed-precision", choices=("bf16", "fp16", "fp32"), default="bf16")
-    t.add_argument(
-        "--optimizer",
-        choices=("adamw", "sgd", "adamw_8bit", "adamw_4bit", "muon"),
-        default="adamw",
-        help="adamw_8bit / adamw_4bit: torchao's low-bit AdamW (train's adamw_8bit, "
-        "paged_adamw_8bit, adamw_torch_4bit ...); muon: Muon + AdamW (plan/muon_cost.py)",
-    )
-
-
-def _add_kernel_and_communication_arguments(t) -> None:
-    """TP, CP and FSDP communication, the loss and AdamW kernels."""
-    t.add_argument(
-        "--no-sequence-parallel", action="store_true", help="TP with all-reduce instead of sequence parallel"
-    )
-    t.add_argument(
-        "--no-loss-parallel",
-        action="store_true",
-        help="TP gathers full logits instead of a vocab-parallel loss",
-    )
     t.add_argument(
         "--unsharded-grad-accumulation",
         nargs="?",
@@ -98,43 +123,6 @@ def _add_kernel_and_communication_arguments(t) -> None:
         help="accumulate unsharded gradients, reduce-scatter only after the last micro-batch "
         "(train's fsdp_config.unsharded_grad_accumulation); auto (default): pp layouts try "
         "both, others reduce-scatter every micro-batch",
-    )
-    t.add_argument(
-        "--cp-strategy",
-        choices=("ring", "allgather", "ulysses"),
-        default="ring",
-        action=_StoreGiven,
-        help="context-parallel attention communication (train's cp_comm_strategy); --max-seq-len "
-        "tries each unless this is given",
-    )
-    t.add_argument(
-        "--no-reshard-after-forward",
-        action="store_true",
-        help="FSDP keeps params unsharded between forward and backward",
-    )
-    t.add_argument(
-        "--cp-kernel",
-        choices=("flash", "math"),
-        default="flash",
-        help="CP block kernel (flash: what 'auto' runs on CUDA in bf16; math: fp32)",
-    )
-    t.add_argument(
-        "--loss-impl",
-        choices=("full", "chunked"),
-        default="chunked",
-        help="chunked: the trainer's memory-efficient loss (default); full: whole logits",
-    )
-    t.add_argument(
-        "--loss-chunk-tokens",
-        type=int,
-        default=None,
-        help="tokens per chunk of --loss-impl chunked (default: 256 MiB of fp32 logits)",
-    )
-    t.add_argument(
-        "--fused-adamw",
-        dest="optimizer_fused",
-        action="store_true",
-        help="AdamW fused=True (default: torch's foreach AdamW, as the trainer)",
     )
 
 
@@ -191,13 +179,6 @@ def _add_adapter_arguments(t) -> None:
         help="tables trained in full beside the adapters (train's lora_modules_to_save), "
         "e.g. embed_tokens,lm_head: a trained copy of each (one if tied)",
     )
-    t.add_argument(
-        "--qat",
-        metavar="WEIGHT[/ACT]",
-        default=None,
-        help="quantisation-aware training (train's qat:): int4, int4/int8, int4/float8, "
-        "float8/float8 or mxfp4/mxfp4; adds what the fake quantisers keep for backward",
-    )
 
 
 def _add_pipeline_arguments(t) -> None:
@@ -220,23 +201,94 @@ def _add_pipeline_arguments(t) -> None:
     )
 
 
-def _add_long_context_arguments(t) -> None:
-    t.add_argument("--tiled-mlp", action="store_true", help="sequence-tiled MLP (train's tiled_mlp: true)")
-    t.add_argument(
-        "--tiled-mlp-num-shards",
-        type=int,
-        default=None,
-        help="tiles per MLP call (default: ceil(local tokens / hidden))",
-    )
-    t.add_argument(
-        "--activation-offloading",
-        action="store_true",
-        help="what checkpointing keeps in host memory: full, the layer inputs; selective, its "
-        "saved tensors but down_proj's output (train's activation_offloading: true; turns "
-        "checkpointing on)",
-    )
+def _add_host_arguments(t) -> None:
+    """What the long-context flags need beside their settings."""
     t.add_argument(
         "--host-mem",
         help="host memory per node, e.g. 2TB or 1900GB: with offloading, "
         "layouts needing more than 80 %% of it are rejected (default: not checked)",
     )
+
+
+_ALIASES = {
+    "pp": "pp",
+    "pp_size": "pp",
+    "pipeline_parallel_size": "pp",
+    "schedule": "pipeline_schedule",
+    "sched": "pipeline_schedule",
+    "pipeline_schedule": "pipeline_schedule",
+    "v": "pipeline_virtual_stages",
+    "virtual": "pipeline_virtual_stages",
+    "pipeline_virtual_stages": "pipeline_virtual_stages",
+    "dp_replicate": "dp_replicate",
+    "dp_replicate_size": "dp_replicate",
+    "dr": "dp_replicate",
+    "r": "dp_replicate",
+    "replicate": "dp_replicate",
+    "ddp": "dp_replicate",
+    "dp_shard": "dp_shard",
+    "dp_shard_size": "dp_shard",
+    "ds": "dp_shard",
+    "s": "dp_shard",
+    "fsdp": "dp_shard",
+    "shard": "dp_shard",
+    "cp": "cp",
+    "cp_size": "cp",
+    "c": "cp",
+    "context_parallel_size": "cp",
+    "tp": "tp",
+    "tp_size": "tp",
+    "t": "tp",
+    "tensor_parallel_size": "tp",
+    "ep": "ep",
+    "ep_size": "ep",
+    "e": "ep",
+    "expert_parallel_size": "ep",
+    "mb": "micro_batch",
+    "micro_batch": "micro_batch",
+    "micro_batch_size": "micro_batch",
+    "ac": "checkpointing",
+    "checkpointing": "checkpointing",
+    "activation_checkpointing": "checkpointing",
+    "uga": "unsharded_grad_accumulation",
+    "unsharded_grad_accumulation": "unsharded_grad_accumulation",
+}
+
+
+def parse_layout(text: str) -> tuple[Layout, dict]:
+    """Parse 'pp=16,dp_replicate=2,dp_shard=4,cp=1,tp=8' (aliases dr/ds/r/s/c/t, ep/e; missing
+    dims are 1) or the compact '2x4x1x8' / '2x4x1x8+ep4' / 'pp16:2x4x1x8' (mesh order, optionally
+    followed by ',mb=2,ac=on'). Extra keys mb=N, ac=on|off, schedule=NAME, v=N (pipeline
+    stages per rank) and uga=on|off (unsharded gradient accumulation) pin the option; they are
+    returned in the second value."""
+    text = text.strip()
+    values: dict = {}
+    extras: dict = {}
+    for part in filter(None, re.split(r"[,\s]+", text)):
+        compact = re.fullmatch(r"(?:pp(\d+):)?(\d+x\d+x\d+x\d+)(?:\+ep(\d+))?", part)
+        if compact and not values:
+            values = dict(zip(DIMS, (int(v) for v in compact.group(2).split("x"))))
+            values.update({k: int(compact.group(i)) for k, i in (("pp", 1), ("ep", 3)) if compact.group(i)})
+            continue
+        if "=" not in part:
+            raise ValueError(f"cannot read {part!r} in layout {text!r}: use key=value or AxBxCxD")
+        key, val = (s.strip() for s in part.split("=", 1))
+        name = _ALIASES.get(key.lower())
+        if name is None:
+            raise ValueError(
+                f"unknown layout key {key!r} (use pp, dp_replicate, dp_shard, cp, tp, ep, mb, ac, "
+                "schedule, v, uga)"
+            )
+        if name in ("checkpointing", "unsharded_grad_accumulation"):
+            if val.lower() not in ("on", "off", "true", "false", "1", "0"):
+                raise ValueError(f"{key}={val!r}: use on or off")
+            extras[name] = val.lower() in ("on", "true", "1")
+        elif name in ("micro_batch", "pipeline_virtual_stages"):
+            extras[name] = int(val)
+        elif name == "pipeline_schedule":
+            extras[name] = canonical(val)
+        else:
+            values[name] = int(val)
+    if not values:
+        raise ValueError(f"layout {text!r} names no degree")
+    return Layout(**values), extras  # ParallelDims refuses an ep that does not divide dp_shard·cp·tp

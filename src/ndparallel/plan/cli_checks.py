@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ndparallel.plan import hardware as hwmod
+from ndparallel.plan.cli_arguments import field_flags
 from ndparallel.runtime.sizes import parse_size
 
 MIN_GPU_MEM = hwmod.GiB
@@ -64,16 +65,19 @@ def host_mem_bytes(text: str) -> float:
     return value
 
 
-def _long_context(args) -> None:
-    _positive_int(args, "--tiled-mlp-num-shards")
-    if getattr(args, "tiled_mlp_num_shards", None) and not args.tiled_mlp:
-        raise ValueError("--tiled-mlp-num-shards needs --tiled-mlp")
-    if getattr(args, "activation_offloading", False) and args.activation_checkpointing == "off":
-        raise ValueError(
-            "--activation-offloading offloads what checkpointing keeps: drop --activation-checkpointing off"
-        )
-    if getattr(args, "host_mem", None) is not None:
-        host_mem_bytes(args.host_mem)
+def _settings(args) -> None:
+    """The checks the ``Settings`` fields' flags declare (``plan/layout.py``'s ``flag``)."""
+    flags = field_flags()
+    for ff in flags.values():
+        value = ff.value(args)
+        if ff.how.get("positive"):
+            _positive_int(args, ff.option, value)
+        needs = flags.get(ff.how.get("needs"))
+        if value and needs and not needs.value(args):
+            raise ValueError(f"{ff.option} needs {needs.option}")
+        other, bad, why = ff.how.get("refuses", (None, None, None))
+        if value and other and getattr(args, other) == bad:
+            raise ValueError(f"{ff.option} {why}: drop --{other.replace('_', '-')} {bad}")
 
 
 def _micro_batch(args) -> None:
@@ -135,14 +139,14 @@ def _paths(args) -> None:
 def check_args(args) -> None:
     """Raise ``ValueError('--flag value: fix')`` for the first bad value of a parsed namespace."""
     _cluster(args)
-    _positive_int(args, "--seq-len")
+    _settings(args)
     _positive_int(args, "--global-batch-size")
     _positive_int(args, "--global-batch-tokens")
     _positive_int(args, "--top")
     _positive_int(args, "--calibrate-ranks")
-    _positive_int(args, "--loss-chunk-tokens")
     _micro_batch(args)
-    _long_context(args)
+    if args.host_mem is not None:
+        host_mem_bytes(args.host_mem)
     _positive_int(args, "--pipeline-virtual-stages")
     if args.global_batch_tokens and args.seq_len and args.global_batch_tokens % args.seq_len:
         raise ValueError(

@@ -1,10 +1,9 @@
-"""Layouts (pp, dp_replicate, dp_shard, cp, tp, ep), per-run settings, parsing, structural checks and
-enumeration."""
+"""Layouts (pp, dp_replicate, dp_shard, cp, tp, ep), per-run settings (with the ``ndparallel plan``
+flag of each one a flag sets), structural checks and enumeration."""
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ndparallel.layout.dims import MESH_DIM_NAMES, ParallelDims
 from ndparallel.parallel.options import StrategyOptions
@@ -19,57 +18,126 @@ Layout = ParallelDims
 degrees and what derives from them)."""
 
 
+def flag(help: str | None = None, **how) -> dict:
+    """A ``Settings`` field's metadata: the ``ndparallel plan`` flag that sets it (``plan/cli_arguments.py``
+    adds every one, ``plan/cli_checks.py`` checks them): ``--FIELD``, ``--no-FIELD`` for a switch on by
+    default. ``how``: argparse's ``choices`` / ``metavar``; ``name``: the flag's own name;
+    ``positive``: a whole number >= 1; ``needs``: the field whose flag it needs; ``given``: records
+    ``<field>_given`` when named; ``refuses``: (argument, value, why) it cannot be given with."""
+    return {"flag": {"help": help, **how}}
+
+
+OPTIMIZER_STATE_BYTES = {
+    "adamw": 8.0,
+    "sgd": 0.0,
+    "adamw_8bit": 2 + 8 / 256,
+    "adamw_4bit": 1 + 8 / 128,
+    "muon": 4.0,
+}
+"""Bytes of optimizer state per parameter, per optimizer (``Settings.optimizer_state_bytes``)."""
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything besides the layout that changes memory or time of one training step."""
 
-    seq_len: int
+    seq_len: int = field(metadata=flag("sequence length (default 4096)", positive=True))
     micro_batch: int = 1
     grad_accum: int = 1
     checkpointing: bool = False
     """Activation checkpointing of every decoder layer (policy: ``ac_policy``)."""
-    ac_policy: str = "full"
+    ac_policy: str = field(
+        default="full",
+        metadata=flag(
+            "checkpointing policy (fsdp_config.ac_policy): full recomputes each layer; selective only the "
+            "norms and the MLP activation (Megatron's scheme); op: torchtitan's per-op policy (for "
+            "comparisons; not run by ndparallel)",
+            choices=("full", "selective", "op"),
+        ),
+    )
     """'full': keep each layer's input, recompute the layer. 'selective': the runtime's
     ``fsdp_config.ac_policy: selective`` (``techniques/selective_ac.py``, Megatron's scheme):
     recompute the norms and the MLP activation only (``plan/memory.py::selective_saved_per_token``).
     'op': torchtitan's per-op policy (``selective_ac_option = 'op'``), modelled for comparisons
     with its published rows; ndparallel does not run it."""
-    mixed_precision: str = "bf16"
+    mixed_precision: str = field(default="bf16", metadata=flag(choices=("bf16", "fp16", "fp32")))
     """'bf16': fp32 master params, bf16 compute/all-gather, fp32 gradient reduction; 'fp16': the same
     bytes and FLOP/s in fp16 (loss scaling adds no memory: one scalar); 'fp32'."""
-    optimizer: str = "adamw"
-    sequence_parallel: bool = True
+    optimizer: str = field(
+        default="adamw",
+        metadata=flag(
+            "adamw_8bit / adamw_4bit: torchao's low-bit AdamW (train's adamw_8bit, paged_adamw_8bit, "
+            "adamw_torch_4bit ...); muon: Muon + AdamW (plan/muon_cost.py)",
+            choices=tuple(OPTIMIZER_STATE_BYTES),
+        ),
+    )
+    sequence_parallel: bool = field(
+        default=True, metadata=flag("TP with all-reduce instead of sequence parallel")
+    )
     """TP with sequence parallel (all-gather + reduce-scatter) instead of all-reduce."""
     sp_saved_shards: bool = True
     """Under sequence parallel, each block's gathered input is saved as the rank's sequence shard
     and gathered again in backward (the runtime's ``TPOptions.sequence_parallel_saved_shards``;
     ``plan/sp_activations.py``); False: the gathered input is saved whole."""
-    loss_parallel: bool = True
+    loss_parallel: bool = field(
+        default=True, metadata=flag("TP gathers full logits instead of a vocab-parallel loss")
+    )
     """Cross-entropy on vocab-sharded logits (else the LM head gathers full logits on every rank)."""
     unsharded_grad_accumulation: bool = False
     """ndparallel's ``FSDPOptions.unsharded_grad_accumulation``: during gradient accumulation skip the
     reduce-scatter too, keeping unsharded fp32 gradients until the last micro-batch. Default (the
     runtime's default): reduce-scatter every micro-batch, gradients stay sharded; the replica
     all-reduce (DP/HSDP) runs once, after the last micro-batch."""
-    reshard_after_forward: bool = True
-    cp_strategy: str = "ring"
+    reshard_after_forward: bool = field(
+        default=True, metadata=flag("FSDP keeps params unsharded between forward and backward")
+    )
+    cp_strategy: str = field(
+        default="ring",
+        metadata=flag(
+            "context-parallel attention communication (train's cp_comm_strategy); --max-seq-len tries "
+            "each unless this is given",
+            choices=("ring", "allgather", "ulysses"),
+            given=True,
+        ),
+    )
     """CP attention: 'ring' (K/V hop rank to rank), 'allgather' (K/V gathered once per layer) or
     'ulysses' (Ulysses: heads <-> sequence all-to-all; cp bounded by the head counts)."""
     prefetch: int = 1
     """FSDP units all-gathered ahead of the one computing."""
-    loss_impl: str = "full"
+    loss_impl: str = field(
+        default="full",
+        metadata=flag(
+            "chunked: the trainer's memory-efficient loss (default); full: whole logits",
+            choices=("full", "chunked"),
+        ),
+    )
     """'full': ``causal_lm_loss`` on the whole micro-batch's logits; 'chunked': the runtime's
     memory-efficient loss (``techniques/chunked_ce.py``; what ``ndparallel train`` runs for the
     Llama/Qwen/Mistral families: ``ndparallel plan`` and ``PlanRequest`` default to it), holding one
     chunk's logits. The dataclass default stays 'full' for the hand-checked formulas in tests."""
-    loss_chunk_tokens: int | None = None
+    loss_chunk_tokens: int | None = field(
+        default=None,
+        metadata=flag(
+            "tokens per chunk of --loss-impl chunked (default: 256 MiB of fp32 logits)", positive=True
+        ),
+    )
     """Tokens per chunk of the chunked loss; None: the runtime's rule (256 MiB of fp32 logits)."""
-    optimizer_fused: bool = False
+    optimizer_fused: bool = field(
+        default=False,
+        metadata=flag(
+            "AdamW fused=True (default: torch's foreach AdamW, as the trainer)", name="fused-adamw"
+        ),
+    )
     """AdamW ``fused=True`` (else torch's default foreach implementation, the trainer's)."""
     set_to_none: bool = True
     """``zero_grad(set_to_none=True)`` (torch's default, the trainer's): no gradient exists from
     the optimizer step until each FSDP unit's backward produces it. False keeps them allocated."""
-    cp_kernel: str = "flash"
+    cp_kernel: str = field(
+        default="flash",
+        metadata=flag(
+            "CP block kernel (flash: what 'auto' runs on CUDA in bf16; math: fp32)", choices=("flash", "math")
+        ),
+    )
     """CP block kernel: 'flash' (torch's flash op; what 'auto' runs on CUDA bf16/fp16) or 'math'."""
     lora_r: int = 0
     """LoRA rank on every linear of the decoder layers (``plan --adapter lora``); 0: full
@@ -80,13 +148,32 @@ class Settings:
     quantized_base: bool = False
     """QLoRA (``plan --adapter qlora``): the decoder linears of the frozen base are 4-bit NF4
     (``ndparallel.plan.qlora``); needs ``lora_r``."""
-    qat: str | None = None
+    qat: str | None = field(
+        default=None,
+        metadata=flag(
+            "quantisation-aware training (train's qat:): int4, int4/int8, int4/float8, float8/float8 or "
+            "mxfp4/mxfp4; adds what the fake quantisers keep for backward",
+            metavar="WEIGHT[/ACT]",
+        ),
+    )
     """QAT's weight[/activation] formats (``plan --qat``; ``ndparallel.plan.qat_memory``); None: off."""
-    tiled_mlp: bool = False
+    tiled_mlp: bool = field(default=False, metadata=flag("sequence-tiled MLP (train's tiled_mlp: true)"))
     """Sequence-tiled MLP (``tiled_mlp``): see ``ndparallel.plan.long_context``."""
-    tiled_mlp_num_shards: int | None = None
+    tiled_mlp_num_shards: int | None = field(
+        default=None,
+        metadata=flag(
+            "tiles per MLP call (default: ceil(local tokens / hidden))", positive=True, needs="tiled_mlp"
+        ),
+    )
     """Tiles per MLP call; None: the runtime's rule, ceil(local tokens / hidden)."""
-    activation_offloading: bool = False
+    activation_offloading: bool = field(
+        default=False,
+        metadata=flag(
+            "what checkpointing keeps in host memory: full, the layer inputs; selective, its saved tensors "
+            "but down_proj's output (train's activation_offloading: true; turns checkpointing on)",
+            refuses=("activation_checkpointing", "off", "offloads what checkpointing keeps"),
+        ),
+    )
     """Checkpointed layer inputs kept in host memory (needs ``checkpointing``)."""
     offload_in_flight: int = 2
     """Layer inputs of the offloader on the device at once (its ``max_in_flight`` copies in the
@@ -207,14 +294,6 @@ class Settings:
         return OPTIMIZER_STATE_BYTES[self.optimizer]
 
 
-OPTIMIZER_STATE_BYTES = {
-    "adamw": 8.0,
-    "sgd": 0.0,
-    "adamw_8bit": 2 + 8 / 256,
-    "adamw_4bit": 1 + 8 / 128,
-    "muon": 4.0,
-}
-
 COLLECTIVE_FIELDS = {
     "data_parallel": (
         "grad_accum",
@@ -235,90 +314,6 @@ COLLECTIVE_FIELDS = {
 }
 """The ``Settings`` fields (``recompute``: the property) each group of a rank's collectives reads:
 ``plan/comms.py`` memoises the groups on them (``tests/test_plan_memo.py`` checks no other moves them)."""
-
-
-_ALIASES = {
-    "pp": "pp",
-    "pp_size": "pp",
-    "pipeline_parallel_size": "pp",
-    "schedule": "pipeline_schedule",
-    "sched": "pipeline_schedule",
-    "pipeline_schedule": "pipeline_schedule",
-    "v": "pipeline_virtual_stages",
-    "virtual": "pipeline_virtual_stages",
-    "pipeline_virtual_stages": "pipeline_virtual_stages",
-    "dp_replicate": "dp_replicate",
-    "dp_replicate_size": "dp_replicate",
-    "dr": "dp_replicate",
-    "r": "dp_replicate",
-    "replicate": "dp_replicate",
-    "ddp": "dp_replicate",
-    "dp_shard": "dp_shard",
-    "dp_shard_size": "dp_shard",
-    "ds": "dp_shard",
-    "s": "dp_shard",
-    "fsdp": "dp_shard",
-    "shard": "dp_shard",
-    "cp": "cp",
-    "cp_size": "cp",
-    "c": "cp",
-    "context_parallel_size": "cp",
-    "tp": "tp",
-    "tp_size": "tp",
-    "t": "tp",
-    "tensor_parallel_size": "tp",
-    "ep": "ep",
-    "ep_size": "ep",
-    "e": "ep",
-    "expert_parallel_size": "ep",
-    "mb": "micro_batch",
-    "micro_batch": "micro_batch",
-    "micro_batch_size": "micro_batch",
-    "ac": "checkpointing",
-    "checkpointing": "checkpointing",
-    "activation_checkpointing": "checkpointing",
-    "uga": "unsharded_grad_accumulation",
-    "unsharded_grad_accumulation": "unsharded_grad_accumulation",
-}
-
-
-def parse_layout(text: str) -> tuple[Layout, dict]:
-    """Parse 'pp=16,dp_replicate=2,dp_shard=4,cp=1,tp=8' (aliases dr/ds/r/s/c/t, ep/e; missing
-    dims are 1) or the compact '2x4x1x8' / '2x4x1x8+ep4' / 'pp16:2x4x1x8' (mesh order, optionally
-    followed by ',mb=2,ac=on'). Extra keys mb=N, ac=on|off, schedule=NAME, v=N (pipeline
-    stages per rank) and uga=on|off (unsharded gradient accumulation) pin the option; they are
-    returned in the second value."""
-    text = text.strip()
-    values: dict = {}
-    extras: dict = {}
-    for part in filter(None, re.split(r"[,\s]+", text)):
-        compact = re.fullmatch(r"(?:pp(\d+):)?(\d+x\d+x\d+x\d+)(?:\+ep(\d+))?", part)
-        if compact and not values:
-            values = dict(zip(DIMS, (int(v) for v in compact.group(2).split("x"))))
-            values.update({k: int(compact.group(i)) for k, i in (("pp", 1), ("ep", 3)) if compact.group(i)})
-            continue
-        if "=" not in part:
-            raise ValueError(f"cannot read {part!r} in layout {text!r}: use key=value or AxBxCxD")
-        key, val = (s.strip() for s in part.split("=", 1))
-        name = _ALIASES.get(key.lower())
-        if name is None:
-            raise ValueError(
-                f"unknown layout key {key!r} (use pp, dp_replicate, dp_shard, cp, tp, ep, mb, ac, "
-                "schedule, v, uga)"
-            )
-        if name in ("checkpointing", "unsharded_grad_accumulation"):
-            if val.lower() not in ("on", "off", "true", "false", "1", "0"):
-                raise ValueError(f"{key}={val!r}: use on or off")
-            extras[name] = val.lower() in ("on", "true", "1")
-        elif name in ("micro_batch", "pipeline_virtual_stages"):
-            extras[name] = int(val)
-        elif name == "pipeline_schedule":
-            extras[name] = canonical(val)
-        else:
-            values[name] = int(val)
-    if not values:
-        raise ValueError(f"layout {text!r} names no degree")
-    return Layout(**values), extras  # ParallelDims refuses an ep that does not divide dp_shard·cp·tp
 
 
 def divisors(n: int) -> list[int]:
