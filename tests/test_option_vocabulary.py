@@ -43,12 +43,14 @@ OVER_TARGET = {
     # flags map to Settings by field name both ways (plan/cli.py flag_settings / flag_defaults), so
     # plan/search.py, plan/cli.py and cli/plan_config.py no longer restate them. Later that day each
     # Settings field declares its own plan flag (plan/layout.py's ``flag`` metadata), so the flags and
-    # their checks (plan/cli_arguments.py, plan/cli_checks.py) are built from it, not restated.
+    # their checks (plan/cli_arguments.py, plan/cli_checks.py) are built from it, not restated; and
+    # cli/plan_config.py's merge takes every key of the plan's config but the run's own (RUN_KEYS),
+    # so it no longer lists the planned ones.
     "ac_policy": 8,  # 4 + the runtime option (issue 50): config/fields, parallel/options,
     # techniques/selective_ac, axolotl/noop_keys (Axolotl's selective key names the fix)
     "activation_checkpointing": 17,  # 16 + techniques/selective_ac (its refusals name the fix)
     "activation_dtype": 7,
-    "activation_offloading": 17,  # 16 + techniques/selective_ac (its refusal names the fix)
+    "activation_offloading": 16,  # 15 + techniques/selective_ac (its refusal names the fix)
     "chunk_tokens": 8,  # + plan/loss_memory (split from memory.py at its line limit)
     "comm_strategy": 10,
     "cp_strategy": 6,  # + plan/longest.py (--max-seq-len tries each strategy, names the one it keeps)
@@ -60,25 +62,25 @@ OVER_TARGET = {
     "lora_r": 21,  # + plan/embedding_moment (split from memory.py at its line limit)
     "lora_saved": 9,
     "loss_impl": 6,
-    "loss_parallel": 15,
+    "loss_parallel": 14,
     "mixed_precision": 22,  # + plan/embedding_moment (split from memory.py at its line limit),
     # tools/agreement (fp16's second way)
     "optimizer_fused": 5,  # config/plan_settings: the one TrainConfig -> Settings step
-    "pipeline_schedule": 9,
-    "pipeline_virtual_stages": 9,
+    "pipeline_schedule": 8,
+    "pipeline_virtual_stages": 8,
     "pp_in_flight": 5,
     "pp_schedule": 7,
     "pp_virtual": 8,
     "quantize_embedding": 5,
     "quantized_base": 8,
     "reshard_after_backward": 6,  # + plan/embedding_moment (split from memory.py at its line limit)
-    "reshard_after_forward": 16,
-    "sequence_parallel": 31,  # plan/sp_activations (the SP saved-shard model), plan/recompute_policies,
+    "reshard_after_forward": 15,
+    "sequence_parallel": 30,  # plan/sp_activations (the SP saved-shard model), plan/recompute_policies,
     # plan/layer_backward (split from memory.py at its line limit)
     "set_to_none": 5,
-    "tiled_mlp": 18,  # techniques/__init__ (names the module tiled_mlp.py), techniques/selective_ac
-    "tiled_mlp_num_shards": 9,
-    "unsharded_grad_accumulation": 18,  # 16 + tools/simulate_predict (resolves the PP default)
+    "tiled_mlp": 17,  # techniques/__init__ (names the module tiled_mlp.py), techniques/selective_ac
+    "tiled_mlp_num_shards": 8,
+    "unsharded_grad_accumulation": 17,  # 16 + tools/simulate_predict (resolves the PP default)
     "virtual_stages": 7,  # 6 + plan/layout.Settings.from_options, the one options -> Settings step
     "weight_dtype": 10,
 }

@@ -23,31 +23,24 @@ from ndparallel.layout.config import ParallelismConfigError
 from ndparallel.plan.adapter import saved_tables
 from ndparallel.plan.cli import flag_defaults
 
-PLAN_KEYS = (
-    "dp_replicate_size",
-    "dp_shard_size",
-    "tensor_parallel_size",
-    "context_parallel_size",
-    "expert_parallel_size",
-    "micro_batch_size",
-    "gradient_accumulation_steps",
-    "cp_comm_strategy",
-    "sequence_parallel",
-    "loss_parallel",
-    "tiled_mlp",
-    "tiled_mlp_num_shards",
-    "activation_offloading",
-    "pipeline_parallel_size",
-    "pipeline_schedule",
-    "pipeline_virtual_stages",
-    "pipeline_microbatches",
+RUN_KEYS = (
+    "base_model",
+    "sequence_len",
+    "optimizer",
+    "bf16",
+    "fp16",
+    "adapter",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_linear",
+    "load_in_4bit",
+    "lora_modules_to_save",
+    "qat",
 )
-PLAN_FSDP_KEYS = (
-    "activation_checkpointing",
-    "ac_policy",
-    "reshard_after_forward",
-    "unsharded_grad_accumulation",
-)
+"""The keys of the plan's config (``plan/report.py``'s ``train_config``) that restate the run it was
+asked for, in the plan's words (``adamw_torch`` for ``adamw_torch_fused``, ``bf16: true`` for
+``bf16: auto``): the merge keeps the source's. Every other key is the plan's choice (the layout, the
+batch split and the options that go with the layout) and replaces the source's."""
 
 
 def split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -75,7 +68,6 @@ def config_defaults(path: str, argv: list[str]) -> tuple[dict, str]:
     defaults = {"model": cfg.base_model, **flag_defaults(s)}
     if s.checkpointing:
         defaults["activation_checkpointing"] = "on"
-        defaults["ac_policy"] = s.ac_policy
     if cfg.adapter and given.adapter in (None, "lora", "qlora"):
         defaults["adapter"] = "qlora" if cfg.load_in_4bit else "lora"
         defaults["lora_r"] = cfg.lora_r
@@ -123,9 +115,8 @@ def merge_written_config(source: str, written: str) -> None:
     if "pipeline_parallel_size" not in planned:  # the plan has no pipeline: drop the source's
         for key in [k for k in merged if k.startswith("pipeline_")]:
             merged.pop(key)
-    merged.update({key: planned[key] for key in PLAN_KEYS if key in planned})
-    fsdp = dict(merged.get("fsdp_config") or {})
-    fsdp.update({k: v for k, v in (planned.get("fsdp_config") or {}).items() if k in PLAN_FSDP_KEYS})
+    fsdp = {**(merged.get("fsdp_config") or {}), **planned.pop("fsdp_config", {})}  # all the plan's
+    merged.update({key: value for key, value in planned.items() if key not in RUN_KEYS})
     if not fsdp.get("activation_checkpointing"):  # a policy needs checkpointing (config/fields.py)
         fsdp.pop("ac_policy", None)
     merged["fsdp_config"] = fsdp
