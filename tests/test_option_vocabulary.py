@@ -42,10 +42,10 @@ OVER_TARGET = {
     # writer) and preflight's plan text. 2026-12-06: PlanRequest carries a Settings and the plan
     # flags map to Settings by field name both ways (plan/cli.py flag_settings / flag_defaults), so
     # plan/search.py, plan/cli.py and cli/plan_config.py no longer restate them. Later that day each
-    # Settings field declares its own plan flag (plan/layout.py's ``flag`` metadata), so the flags and
-    # their checks (plan/cli_arguments.py, plan/cli_checks.py) are built from it, not restated; and
-    # cli/plan_config.py's merge takes every key of the plan's config but the run's own (RUN_KEYS),
-    # so it no longer lists the planned ones.
+    # Settings field (and each search choice in PlanRequest) declares its own plan flag (plan/layout.py's
+    # ``flag`` metadata), so the flags and their checks (plan/cli_arguments.py, plan/cli_checks.py) are
+    # built from it, not restated; and cli/plan_config.py's merge takes every key of the plan's config
+    # but the run's own (RUN_KEYS), so it no longer lists the planned ones.
     "ac_policy": 8,  # 4 + the runtime option (issue 50): config/fields, parallel/options,
     # techniques/selective_ac, axolotl/noop_keys (Axolotl's selective key names the fix)
     "activation_checkpointing": 17,  # 16 + techniques/selective_ac (its refusals name the fix)
@@ -67,7 +67,7 @@ OVER_TARGET = {
     # tools/agreement (fp16's second way)
     "optimizer_fused": 5,  # config/plan_settings: the one TrainConfig -> Settings step
     "pipeline_schedule": 8,
-    "pipeline_virtual_stages": 8,
+    "pipeline_virtual_stages": 7,
     "pp_in_flight": 5,
     "pp_schedule": 7,
     "pp_virtual": 8,

@@ -1,6 +1,6 @@
 """The ``ndparallel plan`` command line's options, one group per concern (``cli.py`` runs them), and
-the ``--explain LAYOUT`` text. The flags of the run's ``Settings`` come from their fields' metadata
-(``plan/layout.py``'s ``flag``): ``field_flags``."""
+the ``--explain LAYOUT`` text. The flags of the run's ``Settings`` and of the search's choices in
+``PlanRequest`` come from their fields' metadata (``plan/layout.py``'s ``flag``): ``field_flags``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ndparallel.plan import hardware as hwmod
 from ndparallel.plan.layout import DIMS, Layout, Settings
 from ndparallel.plan.models import PRESETS as MODEL_PRESETS
 from ndparallel.plan.pipeline import canonical
-from ndparallel.plan.search import DEFAULT_SETTINGS
+from ndparallel.plan.search import DEFAULT_SETTINGS, PlanRequest
 
 
 class _StoreGiven(argparse.Action):
@@ -25,7 +25,7 @@ class _StoreGiven(argparse.Action):
 
 @dataclass(frozen=True)
 class FieldFlag:
-    """The flag of one ``Settings`` field."""
+    """The flag of one field (of ``Settings`` or ``PlanRequest``)."""
 
     field: str
     option: str
@@ -42,10 +42,10 @@ class FieldFlag:
         return not value if self.negated else value
 
 
-def field_flags() -> dict[str, FieldFlag]:
-    """Field name -> its flag, for every ``Settings`` field that declares one."""
+def field_flags(cls: type = Settings) -> dict[str, FieldFlag]:
+    """Field name -> its flag, for every field of ``cls`` that declares one."""
     out = {}
-    for f in fields(Settings):
+    for f in fields(cls):
         how = f.metadata.get("flag")
         if how is not None:
             negated = f.default is True
@@ -55,12 +55,12 @@ def field_flags() -> dict[str, FieldFlag]:
     return out
 
 
-def _add_settings_arguments(t) -> None:
-    """One flag per ``field_flags``: a switch for a boolean, else a value (``DEFAULT_SETTINGS``' the
-    default, whole numbers for ``positive`` ones)."""
-    for ff in field_flags().values():
-        kw = {k: ff.how[k] for k in ("help", "choices", "metavar") if k in ff.how}
-        default = getattr(DEFAULT_SETTINGS, ff.field)
+def _add_field_arguments(t, cls: type, defaults: dict) -> None:
+    """One flag per ``field_flags(cls)``: a switch for a boolean, else a value (its ``default``, else
+    the field's in ``defaults``; whole numbers for ``positive`` ones)."""
+    for ff in field_flags(cls).values():
+        kw = {k: ff.how[k] for k in ("help", "choices", "metavar", "nargs", "const") if k in ff.how}
+        default = ff.how.get("default", defaults[ff.field])
         if isinstance(default, bool):
             kw["action"] = "store_true"
         else:
@@ -74,7 +74,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the planner's options to ``parser``."""
     _add_cluster_arguments(parser.add_argument_group("model and cluster"))
     t = parser.add_argument_group("training")
-    _add_settings_arguments(t)
+    _add_field_arguments(t, Settings, vars(DEFAULT_SETTINGS))
+    _add_field_arguments(t, PlanRequest, {f.name: f.default for f in fields(PlanRequest)})
     _add_batch_arguments(t)
     _add_adapter_arguments(t)
     _add_host_arguments(t)
@@ -108,22 +109,11 @@ def _add_cluster_arguments(g) -> None:
 
 
 def _add_batch_arguments(t) -> None:
-    """The batch and what the search chooses per layout."""
+    """The batch and checkpointing (the search's other choices: ``PlanRequest``'s flags)."""
     gb = t.add_mutually_exclusive_group()
     gb.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
     gb.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
-    t.add_argument("--micro-batch", default="auto", help="micro-batch per GPU, or auto (1,2,4,8)")
     t.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto")
-    t.add_argument(
-        "--unsharded-grad-accumulation",
-        nargs="?",
-        const="on",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="accumulate unsharded gradients, reduce-scatter only after the last micro-batch "
-        "(train's fsdp_config.unsharded_grad_accumulation); auto (default): pp layouts try "
-        "both, others reduce-scatter every micro-batch",
-    )
 
 
 def _add_output_arguments(o) -> None:
@@ -182,18 +172,6 @@ def _add_adapter_arguments(t) -> None:
 
 
 def _add_pipeline_arguments(t) -> None:
-    t.add_argument(
-        "--pipeline-schedule",
-        default="auto",
-        help="pipeline schedule of the pp layouts: auto (1F1B and Interleaved1F1B), GPipe, 1F1B, "
-        "Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble (train's pipeline_schedule)",
-    )
-    t.add_argument(
-        "--pipeline-virtual-stages",
-        type=int,
-        default=None,
-        help="stages per rank of the interleaved / zero-bubble schedules (default 2)",
-    )
     t.add_argument(
         "--no-pipeline-parallel",
         action="store_true",

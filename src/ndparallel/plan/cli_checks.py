@@ -8,6 +8,8 @@ from pathlib import Path
 
 from ndparallel.plan import hardware as hwmod
 from ndparallel.plan.cli_arguments import field_flags
+from ndparallel.plan.layout import Settings
+from ndparallel.plan.search import PlanRequest
 from ndparallel.runtime.sizes import parse_size
 
 MIN_GPU_MEM = hwmod.GiB
@@ -65,9 +67,9 @@ def host_mem_bytes(text: str) -> float:
     return value
 
 
-def _settings(args) -> None:
-    """The checks the ``Settings`` fields' flags declare (``plan/layout.py``'s ``flag``)."""
-    flags = field_flags()
+def _field_flags(args, cls: type) -> None:
+    """The checks the flags of ``cls``' fields declare (``plan/layout.py``'s ``flag``)."""
+    flags = field_flags(cls)
     for ff in flags.values():
         value = ff.value(args)
         if ff.how.get("positive"):
@@ -139,7 +141,8 @@ def _paths(args) -> None:
 def check_args(args) -> None:
     """Raise ``ValueError('--flag value: fix')`` for the first bad value of a parsed namespace."""
     _cluster(args)
-    _settings(args)
+    _field_flags(args, Settings)
+    _field_flags(args, PlanRequest)
     _positive_int(args, "--global-batch-size")
     _positive_int(args, "--global-batch-tokens")
     _positive_int(args, "--top")
@@ -147,7 +150,6 @@ def check_args(args) -> None:
     _micro_batch(args)
     if args.host_mem is not None:
         host_mem_bytes(args.host_mem)
-    _positive_int(args, "--pipeline-virtual-stages")
     if args.global_batch_tokens and args.seq_len and args.global_batch_tokens % args.seq_len:
         raise ValueError(
             f"--global-batch-tokens {args.global_batch_tokens} is not a multiple of "

@@ -19,11 +19,13 @@ degrees and what derives from them)."""
 
 
 def flag(help: str | None = None, **how) -> dict:
-    """A ``Settings`` field's metadata: the ``ndparallel plan`` flag that sets it (``plan/cli_arguments.py``
-    adds every one, ``plan/cli_checks.py`` checks them): ``--FIELD``, ``--no-FIELD`` for a switch on by
-    default. ``how``: argparse's ``choices`` / ``metavar``; ``name``: the flag's own name;
-    ``positive``: a whole number >= 1; ``needs``: the field whose flag it needs; ``given``: records
-    ``<field>_given`` when named; ``refuses``: (argument, value, why) it cannot be given with."""
+    """A field's metadata (``Settings``, ``PlanRequest``): the ``ndparallel plan`` flag that sets it
+    (``plan/cli_arguments.py`` adds every one, ``plan/cli_checks.py`` checks them): ``--FIELD``, or
+    ``--no-FIELD`` for a switch on by default. ``how``: argparse's ``choices`` / ``metavar`` /
+    ``nargs`` / ``const`` / ``default`` (else ``DEFAULT_SETTINGS``' value, a request's field's);
+    ``name``: the flag's own name; ``positive``: a whole number >= 1; ``needs``: the field whose flag
+    it needs; ``given``: records ``<field>_given`` when named; ``refuses``: (argument, value, why)
+    it cannot be given with."""
     return {"flag": {"help": help, **how}}
 
 

@@ -11,6 +11,7 @@ from ndparallel.plan.layout import (
     Layout,
     Settings,
     enumerate_layouts,
+    flag,
     structural_rejections,
 )
 from ndparallel.plan.long_context import HOST_BUDGET_FRACTION
@@ -55,10 +56,23 @@ class PlanRequest:
     ``settings`` are not read: ``base_settings``)."""
     global_batch: int | None = None
     """Sequences per optimizer step; None: about DEFAULT_GLOBAL_BATCH_TOKENS (not enforced)."""
-    micro_batch: int | None = None
+    micro_batch: int | None = field(
+        default=None, metadata=flag("micro-batch per GPU, or auto (1,2,4,8)", default="auto")
+    )
     """None: try AUTO_MICRO_BATCHES."""
     checkpointing: str = "auto"
-    unsharded_grad_accumulation: bool | None = None
+    unsharded_grad_accumulation: bool | None = field(
+        default=None,
+        metadata=flag(
+            "accumulate unsharded gradients, reduce-scatter only after the last micro-batch (train's "
+            "fsdp_config.unsharded_grad_accumulation); auto (default): pp layouts try both, others "
+            "reduce-scatter every micro-batch",
+            nargs="?",
+            const="on",
+            default="auto",
+            choices=("auto", "on", "off"),
+        ),
+    )
     """FSDP gradients accumulated unsharded, reduced once per step. None (auto): pp layouts try both
     (one reduction per step by each stage's FSDP root, or one per micro-batch: the runtime's
     default), other layouts reduce on every micro-batch; True / False: that, everywhere."""
@@ -67,9 +81,20 @@ class PlanRequest:
     ``HOST_BUDGET_FRACTION`` of it are rejected (``host_oom``). None: not checked."""
     pipeline: bool = True
     """Search pipeline-parallel layouts too (``--no-pipeline-parallel``: pp = 1 only)."""
-    pipeline_schedule: str = "auto"
+    pipeline_schedule: str = field(
+        default="auto",
+        metadata=flag(
+            "pipeline schedule of the pp layouts: auto (1F1B and Interleaved1F1B), GPipe, 1F1B, "
+            "Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble (train's pipeline_schedule)"
+        ),
+    )
     """'auto': 1F1B and Interleaved1F1B (2 stages per rank) for each pp layout; else that schedule."""
-    pipeline_virtual_stages: int | None = None
+    pipeline_virtual_stages: int | None = field(
+        default=None,
+        metadata=flag(
+            "stages per rank of the interleaved / zero-bubble schedules (default 2)", positive=True
+        ),
+    )
     """Stages per rank of the multi-stage schedules (None: the runtime's default, 2)."""
 
     @classmethod
