@@ -29,7 +29,7 @@ BATCH_ARITHMETIC = {
     "seq_len": 26,
     "micro_batch": 54,  # 48 + plan/sp_activations, tools/agreement, tools/saved_bytes (prose "micro-batch"),
     # plan/embedding_moment (split from memory.py at its line limit)
-    "grad_accum": 17,  # + tools/agreement (fp16's second way: the rows as 2 accumulated micro-batches)
+    "grad_accum": 16,  # + tools/agreement (fp16's second way: the rows as 2 accumulated micro-batches)
     "global_batch": 11,
     "gpus_per_node": 14,
 }
@@ -45,7 +45,8 @@ OVER_TARGET = {
     # Settings field (and each search choice in PlanRequest) declares its own plan flag (plan/layout.py's
     # ``flag`` metadata), so the flags and their checks (plan/cli_arguments.py, plan/cli_checks.py) are
     # built from it, not restated; and cli/plan_config.py's merge takes every key of the plan's config
-    # but the run's own (RUN_KEYS), so it no longer lists the planned ones.
+    # but the run's own (RUN_KEYS), so it no longer lists the planned ones; the step-level settings
+    # are marked at their fields (plan/field_marks.py STEP), not listed in plan/compute.py.
     "ac_policy": 8,  # 4 + the runtime option (issue 50): config/fields, parallel/options,
     # techniques/selective_ac, axolotl/noop_keys (Axolotl's selective key names the fix)
     "activation_checkpointing": 17,  # 16 + techniques/selective_ac (its refusals name the fix)
@@ -68,19 +69,17 @@ OVER_TARGET = {
     "optimizer_fused": 5,  # config/plan_settings: the one TrainConfig -> Settings step
     "pipeline_schedule": 8,
     "pipeline_virtual_stages": 7,
-    "pp_in_flight": 5,
-    "pp_schedule": 7,
-    "pp_virtual": 8,
+    "pp_schedule": 6,
+    "pp_virtual": 7,
     "quantize_embedding": 5,
     "quantized_base": 8,
-    "reshard_after_backward": 6,  # + plan/embedding_moment (split from memory.py at its line limit)
+    "reshard_after_backward": 5,  # + plan/embedding_moment (split from memory.py at its line limit)
     "reshard_after_forward": 15,
     "sequence_parallel": 30,  # plan/sp_activations (the SP saved-shard model), plan/recompute_policies,
     # plan/layer_backward (split from memory.py at its line limit)
-    "set_to_none": 5,
     "tiled_mlp": 17,  # techniques/__init__ (names the module tiled_mlp.py), techniques/selective_ac
     "tiled_mlp_num_shards": 8,
-    "unsharded_grad_accumulation": 17,  # 16 + tools/simulate_predict (resolves the PP default)
+    "unsharded_grad_accumulation": 16,  # 15 + tools/simulate_predict (resolves the PP default)
     "virtual_stages": 7,  # 6 + plan/layout.Settings.from_options, the one options -> Settings step
     "weight_dtype": 10,
 }

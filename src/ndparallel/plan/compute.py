@@ -119,20 +119,10 @@ def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware
     return _micro_batch_time(model, dims, micro_batch_key(s), hw, id(hw))
 
 
-STEP_FIELDS = {
-    "grad_accum": 1,
-    "pp_in_flight": 1.0,
-    "pp_schedule": "1F1B",
-    "pp_virtual": 1,
-    "sync_every_microbatch": False,
-    "reshard_after_backward": True,
-    "unsharded_grad_accumulation": False,
-    "optimizer": "adamw",
-    "optimizer_fused": False,
-    "set_to_none": True,
-}
-"""Settings of the optimizer step and of accumulation, which one micro-batch (its compute, and in
-``plan/memory.py`` its activations, logits and workspace) ignores; their values here: a neutral step."""
+STEP_FIELDS = {f.name: f.default for f in fields(Settings) if f.metadata.get("step")}
+"""Settings of the optimizer step and of accumulation (``STEP`` in their metadata, ``plan/layout.py``),
+which one micro-batch (its compute, and in ``plan/memory.py`` its activations, logits and workspace)
+ignores; their values here, their defaults: a neutral step."""
 MICRO_BATCH_FIELDS = tuple(f.name for f in fields(Settings) if f.name not in STEP_FIELDS)
 micro_batch_key = attrgetter(*MICRO_BATCH_FIELDS)
 """The values of every other ``Settings`` field, one tuple: the key of what one micro-batch costs."""

@@ -1,5 +1,5 @@
 """Layouts (pp, dp_replicate, dp_shard, cp, tp, ep), per-run settings (with the ``ndparallel plan``
-flag of each one a flag sets), structural checks and enumeration."""
+flag of each one a flag sets: ``plan/field_marks.py``), structural checks and enumeration."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ndparallel.layout.dims import MESH_DIM_NAMES, ParallelDims
 from ndparallel.parallel.options import StrategyOptions
+from ndparallel.plan.field_marks import STEP, flag
 from ndparallel.plan.models import ModelSpec
 from ndparallel.plan.pipeline import canonical, default_virtual
 from ndparallel.plan.qat_memory import qat_format
@@ -16,17 +17,6 @@ DIMS = MESH_DIM_NAMES
 Layout = ParallelDims
 """The planner's name for a layout: the runtime's own ``ParallelDims`` (one definition of the
 degrees and what derives from them)."""
-
-
-def flag(help: str | None = None, **how) -> dict:
-    """A field's metadata (``Settings``, ``PlanRequest``): the ``ndparallel plan`` flag that sets it
-    (``plan/cli_arguments.py`` adds every one, ``plan/cli_checks.py`` checks them): ``--FIELD``, or
-    ``--no-FIELD`` for a switch on by default. ``how``: argparse's ``choices`` / ``metavar`` /
-    ``nargs`` / ``const`` / ``default`` (else ``DEFAULT_SETTINGS``' value, a request's field's);
-    ``name``: the flag's own name; ``positive``: a whole number >= 1; ``needs``: the field whose flag
-    it needs; ``given``: records ``<field>_given`` when named; ``refuses``: (argument, value, why)
-    it cannot be given with."""
-    return {"flag": {"help": help, **how}}
 
 
 OPTIMIZER_STATE_BYTES = {
@@ -45,7 +35,7 @@ class Settings:
 
     seq_len: int = field(metadata=flag("sequence length (default 4096)", positive=True))
     micro_batch: int = 1
-    grad_accum: int = 1
+    grad_accum: int = field(default=1, metadata=STEP)
     checkpointing: bool = False
     """Activation checkpointing of every decoder layer (policy: ``ac_policy``)."""
     ac_policy: str = field(
@@ -67,7 +57,8 @@ class Settings:
     bytes and FLOP/s in fp16 (loss scaling adds no memory: one scalar); 'fp32'."""
     optimizer: str = field(
         default="adamw",
-        metadata=flag(
+        metadata=STEP
+        | flag(
             "adamw_8bit / adamw_4bit: torchao's low-bit AdamW (train's adamw_8bit, paged_adamw_8bit, "
             "adamw_torch_4bit ...); muon: Muon + AdamW (plan/muon_cost.py)",
             choices=tuple(OPTIMIZER_STATE_BYTES),
@@ -85,7 +76,7 @@ class Settings:
         default=True, metadata=flag("TP gathers full logits instead of a vocab-parallel loss")
     )
     """Cross-entropy on vocab-sharded logits (else the LM head gathers full logits on every rank)."""
-    unsharded_grad_accumulation: bool = False
+    unsharded_grad_accumulation: bool = field(default=False, metadata=STEP)
     """ndparallel's ``FSDPOptions.unsharded_grad_accumulation``: during gradient accumulation skip the
     reduce-scatter too, keeping unsharded fp32 gradients until the last micro-batch. Default (the
     runtime's default): reduce-scatter every micro-batch, gradients stay sharded; the replica
@@ -126,12 +117,11 @@ class Settings:
     """Tokens per chunk of the chunked loss; None: the runtime's rule (256 MiB of fp32 logits)."""
     optimizer_fused: bool = field(
         default=False,
-        metadata=flag(
-            "AdamW fused=True (default: torch's foreach AdamW, as the trainer)", name="fused-adamw"
-        ),
+        metadata=STEP
+        | flag("AdamW fused=True (default: torch's foreach AdamW, as the trainer)", name="fused-adamw"),
     )
     """AdamW ``fused=True`` (else torch's default foreach implementation, the trainer's)."""
-    set_to_none: bool = True
+    set_to_none: bool = field(default=True, metadata=STEP)
     """``zero_grad(set_to_none=True)`` (torch's default, the trainer's): no gradient exists from
     the optimizer step until each FSDP unit's backward produces it. False keeps them allocated."""
     cp_kernel: str = field(
@@ -180,21 +170,21 @@ class Settings:
     offload_in_flight: int = 2
     """Layer inputs of the offloader on the device at once (its ``max_in_flight`` copies in the
     forward; the restored one and the prefetched one in backward)."""
-    pp_schedule: str = "1F1B"
+    pp_schedule: str = field(default="1F1B", metadata=STEP)
     """Pipeline schedule (torch's names, train's ``pipeline_schedule``); used when pp > 1."""
-    pp_virtual: int = 1
+    pp_virtual: int = field(default=1, metadata=STEP)
     """Stages per pp rank (train's ``pipeline_virtual_stages``): 2+ for the interleaved and
     zero-bubble schedules."""
-    sync_every_microbatch: bool = False
+    sync_every_microbatch: bool = field(default=False, metadata=STEP)
     """Gradients reduced after every micro-batch's backward, the replica all-reduce included: what
     the pipeline runtime does by default (torch's ``PipelineStage`` never skips the gradient sync of
     a stage that is not itself an FSDP module; ``plan/pipeline_estimate.py``)."""
-    reshard_after_backward: bool = True
+    reshard_after_backward: bool = field(default=True, metadata=STEP)
     """FSDP reshards a unit's parameters after its backward (torch's default). False under pipeline
     parallel with ``unsharded_grad_accumulation``: the stage is torch's FSDP root and its
     ``PipelineStage`` keeps the parameters gathered (``set_reshard_after_backward(False)``) and the
     gradients unsharded until the step's last backward, then reduces once (``perform_reduce_grad``)."""
-    pp_in_flight: float = 1.0
+    pp_in_flight: float = field(default=1.0, metadata=STEP)
     """Micro-batches whose activations a rank holds at its peak, in units of one micro-batch
     through all of its layers: 1 without pipeline parallel; set per pp rank by
     ``plan/pipeline_estimate.py`` (``pipeline.in_flight``)."""

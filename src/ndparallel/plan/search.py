@@ -6,12 +6,12 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from ndparallel.parallel.layout_refusals import qat_layout_problem, saved_modules_problem
 from ndparallel.plan.estimate import Estimate, TimeBreakdown, finish, rank_step
+from ndparallel.plan.field_marks import flag
 from ndparallel.plan.hardware import GiB, Hardware
 from ndparallel.plan.layout import (
     Layout,
     Settings,
     enumerate_layouts,
-    flag,
     structural_rejections,
 )
 from ndparallel.plan.long_context import HOST_BUDGET_FRACTION
