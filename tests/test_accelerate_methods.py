@@ -394,6 +394,10 @@ def _mesh_starts_group(second_port):
     from ndparallel import ParallelismConfig
     from ndparallel.runtime.distributed import shutdown
 
+    # Every rank's gloo connections are up before any rank closes its own: a rank that leaves
+    # init_process_group first and destroys its group at once closes a connection a slower peer is
+    # still making ("connectFullMesh failed ... Connection closed by peer", seen under load).
+    dist.barrier()
     shutdown()  # as in a fresh torchrun process: env vars set, no process group yet
     os.environ["MASTER_PORT"] = second_port
     mesh = ParallelismConfig(dp_shard_size=2).build_device_mesh("cpu")
