@@ -14,6 +14,17 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def run_cli_fd(capfd, *args) -> tuple[int, str, str]:
+    """``run_cli`` with pytest's ``capfd``: the output of the child processes the command starts
+    (which write to the inherited file descriptors) is captured too."""
+    from ndparallel.cli import main
+
+    capfd.readouterr()
+    code = main([str(a) for a in args])
+    captured = capfd.readouterr()
+    return code, captured.out, captured.err
+
+
 def forbid_launch(monkeypatch) -> None:
     """Make starting ranks fail the test at once (a case that must be refused before launch), with
     no Hub access and no inherited rank variables."""

@@ -3,8 +3,6 @@ against the planner — tensor memory within 15 % and the same collective bytes 
 FSDP and FSDP × CP × TP; a memory budget below the measured peak fails the run (exit 1)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -43,31 +41,14 @@ def config(tmp_path_factory):
     return path
 
 
-def _simulate(config, *args):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ndparallel",
-            "simulate",
-            str(config),
-            "--world-size",
-            "64",
-            "--steps",
-            "1",
-            "--json",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=900,
-    )
-    return (
-        out.returncode,
-        (json.loads(out.stdout) if out.stdout.strip().startswith("{") else None),
-        out.stderr,
-    )
+def _simulate(capfd, config, *args):
+    """``ndparallel simulate`` from this process (its rank runs in a fresh child, as always):
+    (exit code, the JSON report or None, stderr)."""
+    from cli_helpers import run_cli_fd
+
+    world = ("--world-size", "64", "--steps", "1", "--json")
+    code, out, err = run_cli_fd(capfd, "simulate", config, *world, *args)
+    return code, (json.loads(out) if out.strip().startswith("{") else None), err
 
 
 def _check(report):
@@ -80,16 +61,17 @@ def _check(report):
     assert {d: v["bytes"] for d, v in got.items()} == {d: v["bytes"] for d, v in want.items()}, (got, want)
 
 
-def test_fsdp_rank_of_64_and_a_budget_it_does_not_fit(config):
-    code, report, err = _simulate(config, "--set", "dp_shard_size=-1", "--gpu-mem", "0.01")
+def test_fsdp_rank_of_64_and_a_budget_it_does_not_fit(config, capfd):
+    code, report, err = _simulate(capfd, config, "--set", "dp_shard_size=-1", "--gpu-mem", "0.01")
     assert report is not None, err[-2000:]
     assert report["layout"]["dp_shard_size"] == 64 and report["layout"]["world_size"] == 64
     _check(report)
     assert report["fits"] is False and code == 1 and "does not fit" in err
 
 
-def test_fsdp_cp_tp_rank_of_64(config):
+def test_fsdp_cp_tp_rank_of_64(config, capfd):
     code, report, err = _simulate(
+        capfd,
         config,
         "--set",
         "dp_shard_size=-1",

@@ -4,13 +4,12 @@ so the activations in flight are the schedule's: GPipe keeps every micro-batch, 
 planner's model of a pp rank's stage against the simulated first and last stage."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from cli_helpers import run_cli_fd
 from ndparallel.parallel.pp.split import StagePlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +137,7 @@ def config(tmp_path_factory):
 
 
 @pytest.mark.parametrize("rank,unsharded", [(0, False), (7, True)])
-def test_simulate_cli_against_the_planner_on_a_pp_world(config, rank, unsharded):
+def test_simulate_cli_against_the_planner_on_a_pp_world(config, rank, unsharded, capfd):
     """The first stage's rank (0), reducing every micro-batch (the fallback), and, accumulating
     gradients unsharded (the default under PP), the last stage's (7) of
     PP 2 + FSDP 4: the planner's model of this rank's stage within 10 % of the measured tensor
@@ -148,29 +147,11 @@ def test_simulate_cli_against_the_planner_on_a_pp_world(config, rank, unsharded)
     sets = ["--set", "dp_shard_size=-1"] + (  # unsharded accumulation is the default under PP
         [] if unsharded else ["--set", "fsdp_config.unsharded_grad_accumulation=false"]
     )
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ndparallel",
-            "simulate",
-            str(config),
-            "--world-size",
-            "8",
-            *sets,
-            "--rank",
-            str(rank),
-            "--steps",
-            "1",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout)
+    code, out, err = run_cli_fd(
+        capfd, "simulate", config, "--world-size", "8", *sets, "--rank", rank, "--steps", "1", "--json"
+    )  # from this process; the simulated rank runs in a fresh child, as always
+    assert code == 0, err[-3000:]
+    report = json.loads(out)
     assert report["layout"]["describe"] == "PP 2 + FSDP 4" and report["layout"]["rank"] == rank
     pl, predicted = report["measured"]["pipeline"], report["predicted"]
     assert (
