@@ -166,3 +166,19 @@ def test_the_405b_examples_dry_run_counts_the_first_ranks_offloaded_layers(capsy
     line = next(x for x in out.splitlines() if x.startswith("long context"))
     assert "activation offloading (8 layers' selective saved tensors" in line, line
     assert "per first pipeline rank and micro-batch in flight" in line, line
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "default"])
+def test_max_seq_len_keeps_the_configs_cp_strategy_when_it_names_one(capsys, tmp_path, named):
+    """``cp_comm_strategy`` written in the config pins ``--max-seq-len`` to it, as the flag would;
+    a config that leaves it out lets the search try every strategy (it then finds others here)."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        "base_model: meta-llama/Llama-3.1-8B\nsequence_len: 2048\nmicro_batch_size: 1\n"
+        "datasets: [{path: 'builtin:stdlib'}]\ntiled_mlp: true\nactivation_offloading: true\n"
+        "fsdp_config: {activation_checkpointing: true}\n" + ("cp_comm_strategy: allgather\n" if named else "")
+    )
+    code, out, err = run_cli(capsys, "plan", "--config", cfg, "--gpus", "8", "--max-seq-len", "--json")
+    assert code == 0, err
+    used = {r["at_max"]["settings"]["cp_strategy"] for r in json.loads(out)["longest"] if r.get("at_max")}
+    assert (used == {"allgather"}) if named else (len(used) > 1), used

@@ -68,6 +68,8 @@ def config_defaults(path: str, argv: list[str]) -> tuple[dict, str]:
     defaults = {"model": cfg.base_model, **flag_defaults(s)}
     if s.checkpointing:
         defaults["activation_checkpointing"] = "on"
+    if "cp_comm_strategy" in cfg.model_fields_set:  # named in the config: --max-seq-len keeps it
+        defaults["cp_strategy_given"] = True
     if cfg.adapter and given.adapter in (None, "lora", "qlora"):
         defaults["adapter"] = "qlora" if cfg.load_in_4bit else "lora"
         defaults["lora_r"] = cfg.lora_r
