@@ -27,9 +27,11 @@ TARGET = 4
 # the same spelling, now in two files.
 BATCH_ARITHMETIC = {
     "seq_len": 26,
-    "micro_batch": 54,  # 48 + plan/sp_activations, tools/agreement, tools/saved_bytes (prose "micro-batch"),
+    "micro_batch": 55,  # 48 + preflight/host_memory (the config's batch as the planner's),
+    # plan/sp_activations, tools/agreement, tools/saved_bytes (prose "micro-batch"),
     # plan/embedding_moment (split from memory.py at its line limit)
-    "grad_accum": 16,  # + tools/agreement (fp16's second way: the rows as 2 accumulated micro-batches)
+    "grad_accum": 17,  # + tools/agreement (fp16's second way: the rows as 2 accumulated micro-batches),
+    # preflight/host_memory (a pipeline's micro-batches in flight)
     "global_batch": 11,
     "gpus_per_node": 14,
 }
@@ -51,7 +53,8 @@ OVER_TARGET = {
     # techniques/selective_ac, axolotl/noop_keys (Axolotl's selective key names the fix)
     "activation_checkpointing": 17,  # 16 + techniques/selective_ac (its refusals name the fix)
     "activation_dtype": 7,
-    "activation_offloading": 16,  # 15 + techniques/selective_ac (its refusal names the fix)
+    "activation_offloading": 17,  # 15 + techniques/selective_ac (its refusal names the fix),
+    # preflight/host_memory (the check before launch names the field)
     "chunk_tokens": 8,  # + plan/loss_memory (split from memory.py at its line limit)
     "comm_strategy": 10,
     "cp_strategy": 6,  # + plan/longest.py (--max-seq-len tries each strategy, names the one it keeps)

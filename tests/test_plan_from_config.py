@@ -154,6 +154,15 @@ def test_the_405b_example_is_metas_layout_and_fits(capsys):
     )
     assert best["fits"] and best["mfu"] >= 0.366, (best["mfu"], best["memory_gib"])
     assert "global batch 2048 sequences (micro 1 × accumulation 32 × dp 64)" in err
+    # the check before launch counts the same host bytes (preflight/host_memory.py)
+    from ndparallel.axolotl import load_config
+    from ndparallel.preflight.checks import run_checks
+    from ndparallel.preflight.host_memory import offloaded_bytes_per_rank
+
+    cfg = load_config(str(example))
+    found = run_checks(cfg, 8192, check_local=False)
+    host = offloaded_bytes_per_rank(cfg, found.pc, found.hf)
+    assert host == pytest.approx(best["memory_gib"]["host_offload"] * 2**30, rel=1e-9)
 
 
 def test_the_405b_examples_dry_run_counts_the_first_ranks_offloaded_layers(capsys, monkeypatch):

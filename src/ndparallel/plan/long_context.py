@@ -33,10 +33,6 @@ from ndparallel.plan.models import ModelSpec
 from ndparallel.plan.sp_activations import block_input_divisor
 from ndparallel.techniques.tile_rule import tile_split
 
-HOST_BUDGET_FRACTION = 0.8
-"""Share of a node's host memory the offloaded activations may use (the runtime's default
-budget is 80 % of the available memory, split over the node's ranks)."""
-
 
 def _t_sp(layout: Layout, s: Settings) -> int:
     return layout.tp if s.sequence_parallel and layout.tp > 1 else 1

@@ -14,13 +14,13 @@ from ndparallel.plan.layout import (
     enumerate_layouts,
     structural_rejections,
 )
-from ndparallel.plan.long_context import HOST_BUDGET_FRACTION
 from ndparallel.plan.memory import MemoryBreakdown, estimate_memory
 from ndparallel.plan.models import ModelSpec
 from ndparallel.plan.pipeline import AUTO_SCHEDULES, canonical, default_virtual
 from ndparallel.plan.pipeline import problem as pipeline_problem
 from ndparallel.plan.pipeline_estimate import estimate_pipeline, measured, pipeline_memory
 from ndparallel.plan.qlora import nf4_shards_problem
+from ndparallel.techniques.host_budget import HOST_BUDGET_FRACTION
 
 __all__ = [
     "Estimate",

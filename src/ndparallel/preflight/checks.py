@@ -7,6 +7,7 @@ its function here and its line in ``CHECKS``."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from ndparallel.config import ConfigError, TrainConfig
 from ndparallel.layout.config import ParallelismConfigError
 from ndparallel.models.moe import config_num_experts
 from ndparallel.preflight.pipeline_check import check_pipeline
+from ndparallel.techniques.host_budget import available_host_memory
 from ndparallel.tracking.credentials import tracker_notes
 
 
@@ -315,6 +317,16 @@ def data(p: Preflight) -> list[str]:
     return data_notes(p.cfg)
 
 
+def host_memory(p: Preflight) -> list[str]:
+    """Offloaded activations against this machine's host memory (``host_memory.py``): its ranks
+    are ``LOCAL_WORLD_SIZE`` under a launcher, else the whole world (``ndparallel train``)."""
+    from ndparallel.preflight.host_memory import host_memory_note
+
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))
+    note = host_memory_note(p.cfg, p.pc, p.hf, ranks_here, available_host_memory())
+    return [note] if note else []
+
+
 def model_notes(p: Preflight) -> list[str]:
     """A multimodal checkpoint trained on text, positions extrapolated, packing with token mixers."""
     from ndparallel.preflight.dry_checks import model_notes as notes
@@ -336,6 +348,7 @@ CHECKS: tuple[Check, ...] = (
     Check("unfrozen parameters", unfrozen_parameters),
     Check("data given", data_given),
     Check("local inputs", local_inputs, needs="local"),
+    Check("host memory", host_memory, needs="local"),
     Check("family layout", family_layout),
     Check("tp / cp sizes", tp_cp_sizes),
     Check("sequence_len", sequence_len),

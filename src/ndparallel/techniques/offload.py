@@ -61,6 +61,7 @@ from torch.distributed.tensor import DTensor
 
 from ndparallel.models.layers import outer_decoder_layers
 from ndparallel.runtime.memory_probe import host_allocations
+from ndparallel.techniques.host_budget import available_host_memory, host_budget
 
 
 @dataclass
@@ -174,14 +175,9 @@ def _is_weight(x: torch.Tensor) -> bool:
 
 
 def default_host_budget() -> int | None:
-    """80 % of the host's available memory divided by this node's ranks (None if unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-    return int(0.8 * available) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    """This rank's budget: ``host_budget`` of this machine's available memory, shared by this
+    node's ranks (``LOCAL_WORLD_SIZE``)."""
+    return host_budget(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), available_host_memory())
 
 
 class ActivationOffloader:
