@@ -93,3 +93,27 @@ def test_write_config_into_a_directory_is_refused(tmp_path, capsys):
     assert main(BASE + ["--write-config", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--write-config" in err and "is a directory" in err
+
+
+def test_help_groups_the_flags_by_concern():
+    """Each generated flag sits in the ``--help`` group its field declares (``plan/field_marks.py``),
+    next to the hand-written flags of the same concern, the groups in ``GROUPS``' order."""
+    import re
+
+    from ndparallel.plan.cli import make_parser
+    from ndparallel.plan.field_marks import GROUPS
+
+    text = make_parser().format_help()
+    starts = [text.index(f"\n{g}:\n") for g in GROUPS]
+    assert starts == sorted(starts)
+    sections = dict(zip(GROUPS, (text[a:b] for a, b in zip(starts, [*starts[1:], len(text)]))))
+    expected = {
+        "batch, checkpointing and precision": ["--seq-len", "--micro-batch", "--activation-checkpointing"],
+        "communication and kernels": ["--no-sequence-parallel", "--cp-strategy", "--cp-kernel"],
+        "adapters and quantisation": ["--qat", "--adapter", "--lora-r"],
+        "long context": ["--tiled-mlp", "--tiled-mlp-num-shards", "--activation-offloading", "--host-mem"],
+        "pipeline": ["--pipeline-schedule", "--pipeline-virtual-stages", "--no-pipeline-parallel"],
+    }
+    for group, flags in expected.items():
+        found = set(re.findall(r"^  (--[a-z-]+)", sections[group], re.M))
+        assert set(flags) <= found, (group, found)

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, fields
 
 from ndparallel.plan import hardware as hwmod
+from ndparallel.plan.field_marks import ADAPTERS, BATCH, GROUPS, LONG_CONTEXT, PIPELINE
 from ndparallel.plan.layout import DIMS, Layout, Settings
 from ndparallel.plan.models import PRESETS as MODEL_PRESETS
 from ndparallel.plan.pipeline import canonical
@@ -55,10 +56,11 @@ def field_flags(cls: type = Settings) -> dict[str, FieldFlag]:
     return out
 
 
-def _add_field_arguments(t, cls: type, defaults: dict) -> None:
-    """One flag per ``field_flags(cls)``: a switch for a boolean, else a value (its ``default``, else
-    the field's in ``defaults``; whole numbers for ``positive`` ones)."""
+def _add_field_arguments(groups: dict, cls: type, defaults: dict) -> None:
+    """One flag per ``field_flags(cls)``, in its ``group``: a switch for a boolean, else a value (its
+    ``default``, else the field's in ``defaults``; whole numbers for ``positive`` ones)."""
     for ff in field_flags(cls).values():
+        t = groups[ff.how["group"]]
         kw = {k: ff.how[k] for k in ("help", "choices", "metavar", "nargs", "const") if k in ff.how}
         default = ff.how.get("default", defaults[ff.field])
         if isinstance(default, bool):
@@ -73,13 +75,13 @@ def _add_field_arguments(t, cls: type, defaults: dict) -> None:
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the planner's options to ``parser``."""
     _add_cluster_arguments(parser.add_argument_group("model and cluster"))
-    t = parser.add_argument_group("training")
-    _add_field_arguments(t, Settings, vars(DEFAULT_SETTINGS))
-    _add_field_arguments(t, PlanRequest, {f.name: f.default for f in fields(PlanRequest)})
-    _add_batch_arguments(t)
-    _add_adapter_arguments(t)
-    _add_host_arguments(t)
-    _add_pipeline_arguments(t)
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}
+    _add_field_arguments(groups, Settings, vars(DEFAULT_SETTINGS))
+    _add_batch_arguments(groups[BATCH])
+    _add_field_arguments(groups, PlanRequest, {f.name: f.default for f in fields(PlanRequest)})
+    _add_adapter_arguments(groups[ADAPTERS])
+    _add_host_arguments(groups[LONG_CONTEXT])
+    _add_pipeline_arguments(groups[PIPELINE])
     _add_output_arguments(parser.add_argument_group("output"))
     _add_calibration_arguments(parser.add_argument_group("calibration"))
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ndparallel.layout.dims import MESH_DIM_NAMES, ParallelDims
 from ndparallel.parallel.options import StrategyOptions
-from ndparallel.plan.field_marks import STEP, flag
+from ndparallel.plan.field_marks import ADAPTERS, COMMS, LONG_CONTEXT, STEP, flag
 from ndparallel.plan.models import ModelSpec
 from ndparallel.plan.pipeline import canonical, default_virtual
 from ndparallel.plan.qat_memory import qat_format
@@ -52,7 +52,10 @@ class Settings:
     recompute the norms and the MLP activation only (``plan/memory.py::selective_saved_per_token``).
     'op': torchtitan's per-op policy (``selective_ac_option = 'op'``), modelled for comparisons
     with its published rows; ndparallel does not run it."""
-    mixed_precision: str = field(default="bf16", metadata=flag(choices=("bf16", "fp16", "fp32")))
+    mixed_precision: str = field(
+        default="bf16",
+        metadata=flag(choices=("bf16", "fp16", "fp32")),
+    )
     """'bf16': fp32 master params, bf16 compute/all-gather, fp32 gradient reduction; 'fp16': the same
     bytes and FLOP/s in fp16 (loss scaling adds no memory: one scalar); 'fp32'."""
     optimizer: str = field(
@@ -65,7 +68,8 @@ class Settings:
         ),
     )
     sequence_parallel: bool = field(
-        default=True, metadata=flag("TP with all-reduce instead of sequence parallel")
+        default=True,
+        metadata=flag("TP with all-reduce instead of sequence parallel", group=COMMS),
     )
     """TP with sequence parallel (all-gather + reduce-scatter) instead of all-reduce."""
     sp_saved_shards: bool = True
@@ -73,7 +77,8 @@ class Settings:
     and gathered again in backward (the runtime's ``TPOptions.sequence_parallel_saved_shards``;
     ``plan/sp_activations.py``); False: the gathered input is saved whole."""
     loss_parallel: bool = field(
-        default=True, metadata=flag("TP gathers full logits instead of a vocab-parallel loss")
+        default=True,
+        metadata=flag("TP gathers full logits instead of a vocab-parallel loss", group=COMMS),
     )
     """Cross-entropy on vocab-sharded logits (else the LM head gathers full logits on every rank)."""
     unsharded_grad_accumulation: bool = field(default=False, metadata=STEP)
@@ -82,7 +87,8 @@ class Settings:
     runtime's default): reduce-scatter every micro-batch, gradients stay sharded; the replica
     all-reduce (DP/HSDP) runs once, after the last micro-batch."""
     reshard_after_forward: bool = field(
-        default=True, metadata=flag("FSDP keeps params unsharded between forward and backward")
+        default=True,
+        metadata=flag("FSDP keeps params unsharded between forward and backward", group=COMMS),
     )
     cp_strategy: str = field(
         default="ring",
@@ -91,6 +97,7 @@ class Settings:
             "each unless this is given",
             choices=("ring", "allgather", "ulysses"),
             given=True,
+            group=COMMS,
         ),
     )
     """CP attention: 'ring' (K/V hop rank to rank), 'allgather' (K/V gathered once per layer) or
@@ -127,7 +134,9 @@ class Settings:
     cp_kernel: str = field(
         default="flash",
         metadata=flag(
-            "CP block kernel (flash: what 'auto' runs on CUDA in bf16; math: fp32)", choices=("flash", "math")
+            "CP block kernel (flash: what 'auto' runs on CUDA in bf16; math: fp32)",
+            choices=("flash", "math"),
+            group=COMMS,
         ),
     )
     """CP block kernel: 'flash' (torch's flash op; what 'auto' runs on CUDA bf16/fp16) or 'math'."""
@@ -146,15 +155,22 @@ class Settings:
             "quantisation-aware training (train's qat:): int4, int4/int8, int4/float8, float8/float8 or "
             "mxfp4/mxfp4; adds what the fake quantisers keep for backward",
             metavar="WEIGHT[/ACT]",
+            group=ADAPTERS,
         ),
     )
     """QAT's weight[/activation] formats (``plan --qat``; ``ndparallel.plan.qat_memory``); None: off."""
-    tiled_mlp: bool = field(default=False, metadata=flag("sequence-tiled MLP (train's tiled_mlp: true)"))
+    tiled_mlp: bool = field(
+        default=False,
+        metadata=flag("sequence-tiled MLP (train's tiled_mlp: true)", group=LONG_CONTEXT),
+    )
     """Sequence-tiled MLP (``tiled_mlp``): see ``ndparallel.plan.long_context``."""
     tiled_mlp_num_shards: int | None = field(
         default=None,
         metadata=flag(
-            "tiles per MLP call (default: ceil(local tokens / hidden))", positive=True, needs="tiled_mlp"
+            "tiles per MLP call (default: ceil(local tokens / hidden))",
+            positive=True,
+            needs="tiled_mlp",
+            group=LONG_CONTEXT,
         ),
     )
     """Tiles per MLP call; None: the runtime's rule, ceil(local tokens / hidden)."""
@@ -164,6 +180,7 @@ class Settings:
             "what checkpointing keeps in host memory: full, the layer inputs; selective, its saved tensors "
             "but down_proj's output (train's activation_offloading: true; turns checkpointing on)",
             refuses=("activation_checkpointing", "off", "offloads what checkpointing keeps"),
+            group=LONG_CONTEXT,
         ),
     )
     """Checkpointed layer inputs kept in host memory (needs ``checkpointing``)."""

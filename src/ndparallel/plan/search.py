@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from ndparallel.parallel.layout_refusals import qat_layout_problem, saved_modules_problem
 from ndparallel.plan.estimate import Estimate, TimeBreakdown, finish, rank_step
-from ndparallel.plan.field_marks import flag
+from ndparallel.plan.field_marks import PIPELINE, flag
 from ndparallel.plan.hardware import GiB, Hardware
 from ndparallel.plan.layout import (
     Layout,
@@ -57,7 +57,8 @@ class PlanRequest:
     global_batch: int | None = None
     """Sequences per optimizer step; None: about DEFAULT_GLOBAL_BATCH_TOKENS (not enforced)."""
     micro_batch: int | None = field(
-        default=None, metadata=flag("micro-batch per GPU, or auto (1,2,4,8)", default="auto")
+        default=None,
+        metadata=flag("micro-batch per GPU, or auto (1,2,4,8)", default="auto"),
     )
     """None: try AUTO_MICRO_BATCHES."""
     checkpointing: str = "auto"
@@ -85,14 +86,17 @@ class PlanRequest:
         default="auto",
         metadata=flag(
             "pipeline schedule of the pp layouts: auto (1F1B and Interleaved1F1B), GPipe, 1F1B, "
-            "Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble (train's pipeline_schedule)"
+            "Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble (train's pipeline_schedule)",
+            group=PIPELINE,
         ),
     )
     """'auto': 1F1B and Interleaved1F1B (2 stages per rank) for each pp layout; else that schedule."""
     pipeline_virtual_stages: int | None = field(
         default=None,
         metadata=flag(
-            "stages per rank of the interleaved / zero-bubble schedules (default 2)", positive=True
+            "stages per rank of the interleaved / zero-bubble schedules (default 2)",
+            positive=True,
+            group=PIPELINE,
         ),
     )
     """Stages per rank of the multi-stage schedules (None: the runtime's default, 2)."""
