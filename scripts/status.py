@@ -412,7 +412,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "`ndparallel plan`: memory, time by op class, ranked layouts including PP and EP, `--calibrate`, "
             "`--max-seq-len`, LoRA / QLoRA / QAT / low-bit optimizer terms",
             "works; 1-GPU rows measured on an H200: peak memory −0.1 to −0.2 %, tokens/s −5.0 to +4.6 % "
-            "(preset `h200`); the 405B anchor: 38.7–42.1 % MFU predicted under Meta's settings vs the 43 % "
+            "(preset `h200`); the 405B anchor: 37.5–40.8 % MFU predicted under Meta's settings vs the 43 % "
             "Meta published, 38.0 % as ndparallel fits it (selective AC + offloading; `simulate` of its "
             "first rank +0.6 %); multi-GPU predictions not measured",
             "1 GPU (H200): the 1-GPU rows; multi-GPU not run",

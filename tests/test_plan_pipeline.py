@@ -306,10 +306,10 @@ def meta_run():
 
 @pytest.mark.parametrize("v", [2, 7])
 def test_405b_meta_layout_within_15_percent(meta_run, v, capsys):
-    """Under Meta's settings the prediction is within 15 % of the 43 % measured (2026-12-05: 38.7 %
-    at v = 2, 42.1 % at v = 7) — and it does not fit ndparallel's runtime, which keeps ~152 KB per
-    token and layer at tp 8 (DTensor's sequence parallel saves the gathered block inputs): --explain
-    says so in one line, with the time prediction beside it."""
+    """Under Meta's settings the prediction is within 15 % of the 43 % measured (2026-12-06: 37.5 %
+    at v = 2, 40.8 % at v = 7) — and it does not fit ndparallel's runtime, which keeps ~95 KB per
+    token and layer at tp 8 without checkpointing (sequence parallel saves each block's shard):
+    --explain says so in one line, with the time prediction beside it."""
     meta, _, result = meta_run
     res = meta[v]
     (e,) = res.options
