@@ -28,7 +28,7 @@ from ndparallel.runtime.preemption import PREEMPTED_EXIT
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import ckpt_train  # noqa: E402
 
-from cli_helpers import train_on_forked_ranks  # noqa: E402
+from cli_helpers import run_cli, train_on_forked_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16
@@ -227,36 +227,33 @@ def test_two_nodes_of_two_ranks_equal_one_node_of_four(work):
     assert all(validate_checkpoint(p) == [] for _, p in list_checkpoints(out))
 
 
-def test_tensor_parallel_across_nodes_refused_before_launch(tmp_path):
+def test_tensor_parallel_across_nodes_refused_before_launch(tmp_path, capsys, monkeypatch):
+    """``ndparallel launch`` checks a train command's layout against its nodes before it starts
+    anything: asked in this process, with starting the agent failing the test."""
+    import ndparallel.runtime.launch as launch
+
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail(f"the job was launched: {a}"))
     cfg = _config(tmp_path, "cross")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ndparallel",
-            "launch",
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "1",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "127.0.0.1:1",
-            "-m",
-            "ndparallel",
-            "train",
-            str(cfg),
-            "--set",
-            "dp_shard_size=1",
-        ],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    code, _, err = run_cli(
+        capsys,
+        "launch",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:1",
+        "-m",
+        "ndparallel",
+        "train",
+        cfg,
+        "--set",
+        "dp_shard_size=1",
     )
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
+    assert code == 2
+    assert err.strip().splitlines() == [
         "ndparallel launch: error: tensor_parallel_size=2 spans nodes: a node runs 1 rank(s) and a tp group "
         "is 2 "
         "consecutive ranks, so every layer's tensor-parallel all-reduces would cross the inter-node network; "

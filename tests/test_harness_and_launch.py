@@ -50,8 +50,10 @@ def _hang():
 
 
 def test_hanging_ranks_are_killed_at_the_deadline():
-    with pytest.raises(RankFailure, match=r"ranks \[0, 1\] of 2 did not finish within 3 s"):
-        run_on_ranks(_hang, 2, timeout_s=3)
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"ranks \[0, 1\] of 2 did not finish within 1 s"):
+        run_on_ranks(_hang, 2, timeout_s=1)
+    assert time.monotonic() - start < 30
 
 
 def _progress_bar() -> int:

@@ -2,9 +2,6 @@
 tokenizer all come from that revision. Proven offline on a Hugging Face cache holding two revisions
 of one repository (main: 2 layers, an older commit: 1 layer)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -49,7 +46,25 @@ def hub_cache(tmp_path_factory):
     return root
 
 
-def _run(hub_cache: Path, tmp_path: Path, extra: str, *args: str) -> subprocess.CompletedProcess:
+@pytest.fixture
+def offline_hub(hub_cache, monkeypatch):
+    """This process's Hub client reading ``hub_cache``, offline: what ``HF_HUB_CACHE`` and
+    ``HF_HUB_OFFLINE`` give a fresh interpreter (huggingface_hub reads them once, at import)."""
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("NDPARALLEL_DEVICE", "cpu")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    return hub_cache
+
+
+def _run(capsys, tmp_path: Path, extra: str, *args: str) -> tuple[int, str, str]:
+    """``ndparallel train`` in this process (one rank: the command runs it here, as a launched one
+    would, with no agent: ``runtime/launch.py: run_here``)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(16))
     cfg = tmp_path / "c.yaml"
@@ -57,27 +72,19 @@ def _run(hub_cache: Path, tmp_path: Path, extra: str, *args: str) -> subprocess.
         f"base_model: {REPO}\nsequence_len: 256\nmicro_batch_size: 2\nmax_steps: 1\n"
         f"output_dir: {tmp_path / 'out'}\ndatasets: [{{path: {data}, type: alpaca}}]\n" + extra
     )
-    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1", "NDPARALLEL_DEVICE": "cpu"}
-    return subprocess.run(
-        [sys.executable, "-m", "ndparallel", "train", str(cfg), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_cli(capsys, "train", cfg, *args)
 
 
-@pytest.mark.timeout(300)  # a real multi-rank launch, 40-95 s on 2 cores: over the 120 s default budget
-def test_the_pinned_revision_is_what_trains(hub_cache, tmp_path):
-    main = _run(hub_cache, tmp_path / "main", "", "--dry-run")
-    assert main.returncode == 0, main.stderr
-    assert f"model        : {REPO} (llama, 2 layers" in main.stdout
-    run = _run(
-        hub_cache,
+def test_the_pinned_revision_is_what_trains(offline_hub, tmp_path, capsys):
+    code, out, err = _run(capsys, tmp_path / "main", "", "--dry-run")
+    assert code == 0, err
+    assert f"model        : {REPO} (llama, 2 layers" in out
+    code, _, err = _run(
+        capsys,
         tmp_path / "train",
         f"model_revision: {OLD}\nadapter: lora\nlora_r: 2\nlora_target_linear: true\n",
     )  # Axolotl's other name; a LoRA run on the old commit
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert code == 0, err[-3000:]
     import json
 
     final = tmp_path / "train" / "out" / "final"
@@ -87,20 +94,13 @@ def test_the_pinned_revision_is_what_trains(hub_cache, tmp_path):
         OLD,
     )  # recorded with the adapter
     # the offline merge takes the base at that revision (main's 2 layers would not fit the adapter)
-    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
-    merged = subprocess.run(
-        [sys.executable, "-m", "ndparallel", "export", str(final), str(tmp_path / "merged"), "--merge"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert merged.returncode == 0, merged.stderr[-3000:]
+    code, _, err = run_cli(capsys, "export", final, tmp_path / "merged", "--merge")
+    assert code == 0, err[-3000:]
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert config["num_hidden_layers"] == 1  # weights and config of the old commit
-    missing = _run(hub_cache, tmp_path / "missing", f"revision_of_model: {'ef' * 20}\n", "--dry-run")
-    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
-    assert "base_model='tiny-org/tiny-llama'" in missing.stderr
+    code, _, err = _run(capsys, tmp_path / "missing", f"revision_of_model: {'ef' * 20}\n", "--dry-run")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "base_model='tiny-org/tiny-llama'" in err
 
 
 def test_a_revision_of_a_local_model_is_refused(tmp_path, capsys, monkeypatch):

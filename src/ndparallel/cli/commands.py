@@ -88,7 +88,7 @@ def run_train(argv: Sequence[str]) -> int:
     main_rank = not in_job or os.environ.get("RANK") == "0"
     if args.dry_run:
         if main_rank:
-            print(describe_plan(cfg, found.pc, found.hf, found.notes))
+            print(describe_plan(cfg, found.pc, found.hf, found.notes, found.summaries))
         return 0
     if not in_job:
         from ndparallel.runtime.launch import relaunch_self

@@ -41,6 +41,9 @@ class Preflight:
     hf: Any = None
     """Found by ``model``: base_model's HF config (its vocabulary grown by the run's added tokens)."""
     notes: list[str] = field(default_factory=list)
+    summaries: dict[str, str] = field(default_factory=dict)
+    """Found by ``adapter`` / ``quantized_base``: their one-line summaries, which ``--dry-run``
+    prints (``plan_text.describe_plan``) without building the adapted meta model again."""
 
 
 @dataclass(frozen=True)
@@ -92,14 +95,18 @@ def experts(p: Preflight) -> None:
 def adapter(p: Preflight) -> None:
     from ndparallel.preflight.model_check import check_adapter
 
-    check_adapter(p.cfg, p.hf, p.pc.tp_size, p.pc.ep_size or 1, p.pc.pp_size)
+    summary = check_adapter(p.cfg, p.hf, p.pc.tp_size, p.pc.ep_size or 1, p.pc.pp_size)
+    if summary is not None:
+        p.summaries["adapter"] = summary
 
 
 def quantized_base(p: Preflight) -> None:
     """load_in_4bit: torchao, no TP, NF4 shards of whole blocks."""
     from ndparallel.preflight.qlora_check import check_quantized_base
 
-    check_quantized_base(p.cfg, p.hf, p.pc)
+    summary = check_quantized_base(p.cfg, p.hf, p.pc)
+    if summary is not None:
+        p.summaries["quantised"] = summary
 
 
 def memory_options(p: Preflight) -> None:

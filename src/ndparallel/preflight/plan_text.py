@@ -3,7 +3,7 @@ speed options, steps, what each dataset is read as, and the notes said before la
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ndparallel.config import TrainConfig
 from ndparallel.models.moe import config_num_experts
@@ -18,13 +18,17 @@ from ndparallel.tracking.credentials import tracker_problem
 from ndparallel.tracking.run import missing_trackers
 
 
-def describe_plan(cfg: TrainConfig, pc, hf, notes: Sequence[str] = ()) -> str:
+def describe_plan(
+    cfg: TrainConfig, pc, hf, notes: Sequence[str] = (), summaries: Mapping[str, str] | None = None
+) -> str:
     """The resolved run, as printed by ``--dry-run``: ``pc`` and ``hf`` as the checks resolved them,
-    ``notes`` theirs (``checks.run_checks``; the max_steps note is said by the steps line)."""
+    ``notes`` and ``summaries`` theirs (``checks.run_checks``; the max_steps note is said by the
+    steps line; a summary not given is asked of its check here)."""
     from ndparallel.preflight.dry_checks import chunked_loss_state, qat_summary
     from ndparallel.preflight.model_check import check_adapter
     from ndparallel.preflight.qlora_check import check_quantized_base
 
+    said = summaries or {}
     gbs = cfg.micro_batch_size * cfg.gradient_accumulation_steps * pc.dp_size
     lines = [
         f"layout       : {pc.describe()}  ({pc!r})",
@@ -42,8 +46,16 @@ def describe_plan(cfg: TrainConfig, pc, hf, notes: Sequence[str] = ()) -> str:
         f"precision    : {_precision(cfg)}" + (f", fp8 linears ({cfg.fp8_recipe})" if cfg.fp8 else ""),
         f"speed        : chunked loss {chunked_loss_state(cfg, hf)}, compile {'on' if cfg.compile else 'off'}"
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
-        *([f"adapter      : {check_adapter(cfg, hf, pc.tp_size)}"] if cfg.adapter else []),
-        *([f"quantised    : {check_quantized_base(cfg, hf, pc)}"] if cfg.load_in_4bit else []),
+        *(
+            [f"adapter      : {said.get('adapter') or check_adapter(cfg, hf, pc.tp_size)}"]
+            if cfg.adapter
+            else []
+        ),
+        *(
+            [f"quantised    : {said.get('quantised') or check_quantized_base(cfg, hf, pc)}"]
+            if cfg.load_in_4bit
+            else []
+        ),
         *([f"qat          : {qat_summary(cfg)}"] if cfg.qat is not None else []),
         *([f"tp plan      : {_tp_plan_summary(cfg, hf)}"] if pc.tp_enabled else []),
         *(
