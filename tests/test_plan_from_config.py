@@ -5,6 +5,7 @@ writes the config back with only the layout and batch replaced — a run with th
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -166,15 +167,20 @@ def test_the_405b_example_is_metas_layout_and_fits(capsys):
 
 
 def test_the_405b_examples_dry_run_counts_the_first_ranks_offloaded_layers(capsys, monkeypatch):
-    """Its dry run states the host memory of the first pipeline rank's 8 layers (of 126), one
-    micro-batch in flight: what the planner counts per micro-batch there."""
+    """Its dry run states the host memory of the first pipeline rank's 8 layers (of 126) at its
+    peak, 18.1 micro-batches in flight: the planner's 57.8 GiB per GPU
+    (``test_the_405b_example_is_metas_layout_and_fits``)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     example = ROOT / "examples/gpu/llama-3.1-405b-meta-layout.yaml"
     code, out, err = run_cli(capsys, "train", example, "--dry-run")
     assert code == 0, err
     line = next(x for x in out.splitlines() if x.startswith("long context"))
     assert "activation offloading (8 layers' selective saved tensors" in line, line
-    assert "per first pipeline rank and micro-batch in flight" in line, line
+    # the figure docs/planner_derivation.md states (57.8 GiB per GPU), the bytes the test above
+    # finds equal to plan --explain's
+    host = re.search(r"([\d.]+) GiB of pinned host memory on the first pipeline rank at its peak", line)
+    assert host and abs(float(host.group(1)) - 57.8) < 0.05, line
+    assert "18.1 micro-batch(es) in flight" in line, line
 
 
 @pytest.mark.parametrize("named", [True, False], ids=["named", "default"])

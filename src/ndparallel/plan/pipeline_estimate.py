@@ -18,7 +18,7 @@ from ndparallel.plan.comms import Collective
 from ndparallel.plan.estimate import Estimate, finish, rank_step
 from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.layout import Layout, Settings
-from ndparallel.plan.memory import MemoryBreakdown, estimate_memory
+from ndparallel.plan.memory import MemoryBreakdown, estimate_memory, host_bytes
 from ndparallel.plan.models import ModelSpec
 from ndparallel.plan.pipeline import (
     PipelineInfo,
@@ -64,6 +64,14 @@ def pp_rank(
     """Pp rank ``rank`` as a rank of its own: what it runs, that part of ``model``, its settings."""
     shape = rank_shape(model, layout.pp, s.pp_virtual, s.pp_schedule, rank)
     return shape, rank_model(model, shape), rank_settings(s, layout.pp, rank, shape.last)
+
+
+def busiest_offload(model: ModelSpec, layout: Layout, s: Settings) -> tuple[int, float, float]:
+    """(decoder layers, micro-batches in flight, host bytes) of the rank that offloads the most: the
+    first pp rank (every rank alike without pipeline parallel)."""
+    if layout.pp > 1:
+        _, model, s = pp_rank(model, layout, s, 0)
+    return model.layers, s.pp_in_flight, host_bytes(model, layout, s)
 
 
 MeasuredRank = tuple[int, RankShape, ModelSpec, Settings, MemoryBreakdown]

@@ -9,18 +9,32 @@ holds the most: under pipeline parallel the first, every micro-batch in flight o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ndparallel.config import TrainConfig
 from ndparallel.config.plan_settings import plan_settings
-from ndparallel.plan.memory import host_bytes
 from ndparallel.plan.models import from_hf_config
-from ndparallel.plan.pipeline_estimate import pp_rank
+from ndparallel.plan.pipeline_estimate import busiest_offload
 from ndparallel.techniques.host_budget import HOST_BUDGET_FRACTION, host_budget
 
 GiB = 2**30
 
 
-def offloaded_bytes_per_rank(cfg: TrainConfig, pc, hf) -> float | None:
-    """Host bytes the busiest rank offloads at its peak (None: a model the planner cannot read)."""
+@dataclass(frozen=True)
+class Offloaded:
+    """What the busiest rank offloads at its peak (the planner's ``host_bytes``)."""
+
+    layers: int
+    """Its decoder layers (under pipeline parallel the first rank's)."""
+    in_flight: float
+    """Micro-batches whose activations it holds at once (1 without pipeline parallel)."""
+    host_bytes: float
+    selective: bool
+    """Selective checkpointing: the layers' saved tensors go (else the checkpointed layer inputs)."""
+
+
+def offloaded(cfg: TrainConfig, pc, hf) -> Offloaded | None:
+    """What the busiest rank offloads (None: a model the planner cannot read)."""
     try:
         spec = from_hf_config(hf.to_dict(), str(cfg.base_model))
     except ValueError:
@@ -31,9 +45,13 @@ def offloaded_bytes_per_rank(cfg: TrainConfig, pc, hf) -> float | None:
         m = cfg.pipeline_microbatches
     rows = cfg.micro_batch_size * cfg.gradient_accumulation_steps // m
     s = plan_settings(cfg).but(micro_batch=rows, grad_accum=m)
-    if layout.pp > 1:
-        _, spec, s = pp_rank(spec, layout, s, 0)
-    return host_bytes(spec, layout, s)
+    return Offloaded(*busiest_offload(spec, layout, s), selective=s.recompute == "selective")
+
+
+def offloaded_bytes_per_rank(cfg: TrainConfig, pc, hf) -> float | None:
+    """Host bytes the busiest rank offloads at its peak (None: a model the planner cannot read)."""
+    found = offloaded(cfg, pc, hf)
+    return None if found is None else found.host_bytes
 
 
 def host_memory_note(cfg: TrainConfig, pc, hf, ranks_here: int, available: int | None) -> str | None:

@@ -8,10 +8,7 @@ from collections.abc import Mapping, Sequence
 from ndparallel.config import TrainConfig
 from ndparallel.models.moe import config_num_experts
 from ndparallel.models.presets import is_preset
-from ndparallel.plan.layout import Layout
-from ndparallel.plan.memory import host_bytes
-from ndparallel.plan.models import from_hf_config
-from ndparallel.plan.pipeline import first_rank_model
+from ndparallel.preflight.host_memory import offloaded
 from ndparallel.preflight.pipeline_check import pipeline_summary
 from ndparallel.techniques.tile_rule import tile_split
 from ndparallel.tracking.credentials import tracker_problem
@@ -126,46 +123,31 @@ def _tp_plan_summary(cfg: TrainConfig, hf) -> str:
 
 def _long_context(cfg: TrainConfig, pc, hf) -> str:
     """The memory options and what they hold per rank (docs/long_context.md)."""
-    tokens = cfg.micro_batch_size * cfg.sequence_len // pc.cp_size
     parts, hf = [], hf.get_text_config()
     if cfg.tiled_mlp:
         row = cfg.sequence_len // pc.cp_size // (pc.tp_size if cfg.sequence_parallel else 1)
         tiles, tile = tile_split(row, hf.hidden_size, cfg.tiled_mlp_num_shards)
         parts.append(f"tiled MLP ({tiles} tiles of ≤ {tile} tokens per row) and lean RMSNorms")
     if cfg.activation_offloading:
-        per_layer = tokens * hf.hidden_size * (2 if cfg.compute_dtype() is not None else 4)
-        per_layer //= pc.tp_size if cfg.sequence_parallel else 1
-        layers, what = hf.num_hidden_layers, "checkpointed layer inputs"
-        host = layers * per_layer
-        selective = _selective_offload_bytes(cfg, pc, hf)
-        if selective is not None:
-            layers, host = selective
-            what = "layers' selective saved tensors but down_proj's output"
-        where = "first pipeline rank" if pc.pp_size > 1 and selective is not None else "rank"
-        parts.append(
-            f"activation offloading ({layers} {what}, {host / 2**30:.2f} GiB of pinned "
-            f"host memory per {where} and micro-batch in flight)"
-        )
+        parts.append(_offloading(cfg, pc, hf))
     return ", ".join(parts)
 
 
-def _selective_offload_bytes(cfg: TrainConfig, pc, hf) -> tuple[int, float] | None:
-    """(layers, host bytes) of one micro-batch on a rank — under pipeline parallel the first,
-    which holds the most — when selective checkpointing offloads its saved set (the planner's
-    ``plan/memory.py: host_bytes``); None under full checkpointing or for a model the planner does
-    not read."""
-    from ndparallel.config.plan_settings import plan_settings
-
-    s = plan_settings(cfg).but(micro_batch=cfg.micro_batch_size)
-    if s.recompute != "selective":
-        return None
-    try:
-        spec = from_hf_config(hf.to_dict(), str(cfg.base_model))
-    except ValueError:
-        return None
-    layout = Layout(tp=pc.tp_size, cp=pc.cp_size, pp=pc.pp_size)
-    spec = first_rank_model(spec, layout, s)
-    return spec.layers, host_bytes(spec, layout, s)
+def _offloading(cfg: TrainConfig, pc, hf) -> str:
+    """What offloading keeps in host memory, per rank at its peak (``host_memory.offloaded``)."""
+    found = offloaded(cfg, pc, hf)
+    if found is None:
+        return "activation offloading (host memory not estimated: a model the planner cannot read)"
+    what = (
+        "layers' selective saved tensors but down_proj's output"
+        if found.selective
+        else "checkpointed layer inputs"
+    )
+    rank = "the first pipeline rank" if pc.pp_size > 1 else "each rank"
+    return (
+        f"activation offloading ({found.layers} {what}: {found.host_bytes / 2**30:.2f} GiB of pinned host "
+        f"memory on {rank} at its peak, {found.in_flight:.3g} micro-batch(es) in flight; the planner's)"
+    )
 
 
 def _datasets_read_as(cfg: TrainConfig) -> list[str]:
