@@ -412,6 +412,8 @@ START_UP = {
     "ndparallel.layout.config": "the mesh code only where a mesh is built",
     "ndparallel.models.flops": "the model code only where a real model's MoE weights are counted",
     "ndparallel.plan.qlora": "the NF4 code only where a 4-bit base is costed",
+    "ndparallel.optim": "``build_optimizer`` on first access: a config's optimizer name imports no torch",
+    "ndparallel.optim.names": "Muon's note only where Muon is named",
     "ndparallel.optim.build": "Muon and torchao's optimizers only where chosen",
     "ndparallel.optim.lowbit": "torchao's optimizers only where chosen",
     "ndparallel.checkpoint.export": "the model code only where a checkpoint is exported",

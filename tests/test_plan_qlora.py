@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from ndparallel.config import TrainConfig
-from ndparallel.models.quantized import NF4_BYTES_PER_PARAM
+from ndparallel.models.nf4_config import NF4_BYTES_PER_PARAM
 from ndparallel.plan.adapter import adapter_shard_numel
 from ndparallel.plan.cli import main
 from ndparallel.plan.comms import collectives_for

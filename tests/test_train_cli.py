@@ -161,3 +161,14 @@ def test_one_rank_train_preempted_before_its_loop_exits_75(monkeypatch):
     assert stopped.value.code == PREEMPTED_EXIT
     assert signal.getsignal(signal.SIGTERM) is before
     assert run_here(lambda: 3) == 3
+
+
+def test_a_bad_config_is_refused_before_torch_is_imported(tmp_path):
+    """Reading and refusing a config imports no torch (``optim/names.py``, ``models/nf4_config.py``,
+    the preflight imported after the config is read): a typo is answered at once."""
+    code = "import sys; from ndparallel.cli import main; print(main(sys.argv[1:]), 'torch' in sys.modules)"
+    cfg = _yaml(tmp_path, "base_model: tiny-llama\ndp_shard_sise: 2\n")
+    cmd = [sys.executable, "-c", code, "train", cfg]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
+    assert "did you mean 'dp_shard_size'" in out.stderr

@@ -34,7 +34,7 @@ from ndparallel.axolotl.layout_keys import (
     fsdp_list,
     fsdp_version,
 )
-from ndparallel.optim.lowbit import OPTIMIZER_NAMES
+from ndparallel.optim.names import OPTIMIZER_NAMES
 
 
 def translate(raw: dict, own_keys: set[str]) -> Translation:

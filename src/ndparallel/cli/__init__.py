@@ -7,13 +7,15 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ndparallel.cli import commands
 from ndparallel.cli.launch_check import check_train_launch
 from ndparallel.cli.plan_config import config_defaults, merge_written_config, split_config_arg
 from ndparallel.cli.simulate_command import run_simulate
+from ndparallel.config import ConfigError
 from ndparallel.plan.cli import main as plan_main
+from ndparallel.runtime import launch
 from ndparallel.runtime.preemption import INTERRUPTED_EXIT
 from ndparallel.runtime.quiet import quiet_library_noise
-from ndparallel.runtime.startup import paused_collector
 
 _SUBCOMMANDS = {
     "launch": "run a script on N ranks (all torchrun options accepted)",
@@ -52,21 +54,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(command: str, rest: list[str]) -> int:
     if command == "launch":
-        from ndparallel.runtime.launch import launch
-
         problem = check_train_launch(rest)  # `launch ... -m ndparallel train CFG`: its checks first
         if problem:
             print(f"ndparallel launch: error: {problem}", file=sys.stderr)
             return 2
-        return launch(rest)
+        return launch.launch(rest)
     if command == "plan":
         return _plan(rest)
     if command == "simulate":
         return run_simulate(rest)
     if command in ("train", "preprocess", "verify", "export", "plot"):
-        with paused_collector():  # torch and more, at the commands' module level (runtime/startup.py)
-            from ndparallel.cli import commands
-
         return getattr(commands, f"run_{command}")(rest)
     close = difflib.get_close_matches(command, list(_SUBCOMMANDS), n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else f"; commands: {', '.join(_SUBCOMMANDS)}"
@@ -79,8 +76,6 @@ def _plan(argv: list[str]) -> int:
     config, rest = split_config_arg(argv)
     if config is None:  # flags only: the planner alone, no torch import (a fast start)
         return plan_main(rest, description=_SUBCOMMANDS["plan"])
-    from ndparallel.config import ConfigError
-
     try:
         defaults, said = config_defaults(config, rest)
     except (ConfigError, ValueError) as e:

@@ -14,9 +14,8 @@ from ndparallel.axolotl import ConfigError, load_config
 from ndparallel.cli.args import Parser, at_least, fail
 from ndparallel.layout.config import ParallelismConfigError
 from ndparallel.models.families import is_tested_family
-from ndparallel.preflight.checks import run_checks, validate_layout
-from ndparallel.preflight.plan_text import describe_plan
 from ndparallel.preflight.world import run_device, world_size_for
+from ndparallel.runtime import launch
 from ndparallel.runtime.lifeline import die_with_launcher
 from ndparallel.runtime.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT, Preempted
 from ndparallel.runtime.startup import import_model_libraries
@@ -62,8 +61,6 @@ def run_train(argv: Sequence[str]) -> int:
         "shrunk copy of it under the layout (docs/families.md)",
     )
     args = parser.parse_args(list(argv))
-    from ndparallel.runtime.launch import launched_by_ndparallel
-
     in_job = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if in_job and not args.dry_run:
         die_with_launcher()  # a rank never outlives its launcher (kill -9 of torchrun / ndparallel launch)
@@ -71,7 +68,10 @@ def run_train(argv: Sequence[str]) -> int:
         cfg = load_config(args.config, args.set)
         world = world_size_for(cfg, args.nproc_per_node)
         import_model_libraries()  # the config is readable: what builds the model, collector paused
-        if not (in_job and launched_by_ndparallel() and not args.dry_run):  # else checked before launch
+        from ndparallel.preflight.checks import run_checks  # imports torch: after the config is read
+
+        checked_before_launch = in_job and launch.launched_by_ndparallel() and not args.dry_run
+        if not checked_before_launch:
             # A dry run checks a config meant for another machine: its data may live there. Under
             # torchrun every rank checks (output_dir: rank 0 only, before its first write).
             found = run_checks(
@@ -88,11 +88,11 @@ def run_train(argv: Sequence[str]) -> int:
     main_rank = not in_job or os.environ.get("RANK") == "0"
     if args.dry_run:
         if main_rank:
+            from ndparallel.preflight.plan_text import describe_plan
+
             print(describe_plan(cfg, found.pc, found.hf, found.notes, found.summaries))
         return 0
     if not in_job:
-        from ndparallel.runtime.launch import relaunch_self
-
         if not args.skip_family_check:
             problem = _family_check(cfg, found.pc, found.hf)
             if problem:
@@ -100,13 +100,11 @@ def run_train(argv: Sequence[str]) -> int:
         for note in found.notes:
             print(f"ndparallel train: note: {note}")
         if world == 1 and cfg.max_restarts == 0:  # nothing to restart, no peers: no agent either
-            from ndparallel.runtime.launch import run_here
-
-            return run_here(lambda: _train_on_rank(cfg, args.profile_comm, main_rank=True, alone=True))
+            return launch.run_here(lambda: _train_on_rank(cfg, args.profile_comm, main_rank=True, alone=True))
         inner = ["train", *([args.config] if args.config else []), *(f"--set={s}" for s in args.set)]
         if args.profile_comm:
             inner.append("--profile-comm")
-        return relaunch_self(
+        return launch.relaunch_self(
             world,
             inner,
             torchrun_args=[
@@ -119,7 +117,7 @@ def run_train(argv: Sequence[str]) -> int:
 
 def _train_on_rank(cfg, profile_comm: bool, main_rank: bool, alone: bool = False) -> int:
     """One rank of ``ndparallel train``: the run, and how it ended as an exit code. ``alone``: the
-    only rank, in the command's own process (``run_here``): a failure returns its code (no peer can
+    only rank, in the command's own process (``launch.run_here``): a failure returns its code (no peer can
     be waiting in a collective, so its one-rank group is destroyed safely)."""
     import sys
 
@@ -191,9 +189,7 @@ def check_nodes(cfg, world: int, ranks_per_node: int) -> None:
 def shutdown_grace_args(preemption_timeout_s: float) -> list[str]:
     """torchrun's ``--shutdown-timeout``: the agent waits this long for signalled ranks to save
     and exit before SIGKILL (the preemption deadline plus room to exit)."""
-    from ndparallel.runtime.launch import torchrun_parser
-
-    if not any("--shutdown-timeout" in a.option_strings for a in torchrun_parser()._actions):
+    if not any("--shutdown-timeout" in a.option_strings for a in launch.torchrun_parser()._actions):
         return []  # an older torch: TORCH_ELASTIC_SHUTDOWN_TIMEOUT / its 30 s default
     return [f"--shutdown-timeout={int(preemption_timeout_s) + 20}"]
 
@@ -213,10 +209,8 @@ def _family_check(cfg, pc, hf) -> str | None:
 
 
 def _rank_error(command: str, error: BaseException, exit_code: int | None = None) -> int:
-    from ndparallel.runtime.launch import INPUT_ERROR_EXIT, report_rank_error
-
-    report_rank_error(f"ndparallel {command}: error: {' '.join(str(error).split())}")
-    return INPUT_ERROR_EXIT if exit_code is None else exit_code
+    launch.report_rank_error(f"ndparallel {command}: error: {' '.join(str(error).split())}")
+    return launch.INPUT_ERROR_EXIT if exit_code is None else exit_code
 
 
 def _plot_curves(out: Path) -> None:
@@ -276,6 +270,8 @@ def run_verify(argv: Sequence[str]) -> int:
         cfg = load_config(args.config, args.set)
         world = world_size_for(cfg, None)
         import_model_libraries()
+        from ndparallel.preflight.checks import validate_layout  # imports torch: after the config is read
+
         pc, hf = validate_layout(cfg, world, check_local=False)  # verify uses synthetic data
     except ConfigError as e:
         return fail("verify", e)

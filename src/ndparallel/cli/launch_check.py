@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ndparallel.axolotl import ConfigError, load_config
+from ndparallel.cli.commands import check_nodes
+from ndparallel.runtime.launch import torchrun_parser
+
 
 class _Unparsable(Exception):
     pass
@@ -15,8 +19,6 @@ class _Unparsable(Exception):
 def train_command(argv: Sequence[str]):
     """(config path or None, --set overrides, parsed torchrun args) when ``argv`` launches
     ``-m ndparallel train``; else None."""
-    from ndparallel.runtime.launch import torchrun_parser
-
     argv = list(argv)
     if "ndparallel" not in argv or "train" not in argv or {"-h", "--help"} & set(argv):
         return None
@@ -56,8 +58,6 @@ def check_train_launch(argv: Sequence[str]) -> str | None:
     nproc, nnodes = str(args.nproc_per_node), str(args.nnodes)
     if not nproc.isdigit() or not nnodes.isdigit():
         return None  # "gpu"/"auto" or an elastic range: the ranks check for themselves
-    from ndparallel.axolotl import ConfigError, load_config
-    from ndparallel.cli.commands import check_nodes
     from ndparallel.preflight.checks import validate_layout
 
     world = int(nproc) * int(nnodes)

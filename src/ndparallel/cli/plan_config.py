@@ -19,6 +19,8 @@ from pathlib import Path
 
 import yaml
 
+from ndparallel.axolotl import load_config
+from ndparallel.config.plan_settings import plan_settings
 from ndparallel.layout.config import ParallelismConfigError
 from ndparallel.plan.adapter import saved_tables
 from ndparallel.plan.cli import flag_defaults
@@ -55,8 +57,6 @@ def config_defaults(path: str, argv: list[str]) -> tuple[dict, str]:
     """The planner parser's defaults (argument name -> typed value) from training config ``path``
     and a one-line description of what was taken. ``argv`` (the user's flags) gives ``--gpus``.
     Raises ``ValueError`` with the fix."""
-    from ndparallel.axolotl import load_config
-    from ndparallel.config.plan_settings import plan_settings
 
     cfg = load_config(path)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # bad values: the planner says

@@ -8,6 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from ndparallel.axolotl import ConfigError, load_config
 from ndparallel.cli.args import Parser, at_least, fail
 from ndparallel.plan.cli_checks import gpu_mem_bytes
 from ndparallel.runtime.startup import import_model_libraries
@@ -48,7 +49,6 @@ def run_simulate(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(list(argv))
-    from ndparallel.axolotl import ConfigError, load_config
     from ndparallel.preflight.checks import validate_layout
 
     try:

@@ -6,7 +6,7 @@ names differently."""
 from __future__ import annotations
 
 from ndparallel.config.schema import TrainConfig
-from ndparallel.optim.lowbit import TORCHAO
+from ndparallel.optim.names import TORCHAO
 from ndparallel.parallel.options import StrategyOptions
 from ndparallel.plan.layout import Settings
 

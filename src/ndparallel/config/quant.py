@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from ndparallel.config.base import _Strict
-from ndparallel.models.quantized import NF4Config
+from ndparallel.models.nf4_config import NF4Config
 from ndparallel.parallel.layout_refusals import qat_layout_problem
 from ndparallel.techniques.technique_options import QATOptions
 

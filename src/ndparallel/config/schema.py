@@ -36,9 +36,7 @@ from ndparallel.config.pipeline_fields import PipelineFields
 from ndparallel.config.quant import QuantFields
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.layout.dim_handlers import CP_STRATEGIES
-from ndparallel.models.adapter_files import read_adapter_config
-from ndparallel.models.adapters import lora_config
-from ndparallel.optim.lowbit import OptimizerName
+from ndparallel.optim.names import OptimizerName
 from ndparallel.parallel.options import CPOptions, FSDPOptions, StrategyOptions, TPOptions
 from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions
 
@@ -400,12 +398,16 @@ class TrainConfig(
         """The peft ``LoraConfig`` of ``adapter: lora`` (None without it): the one saved in
         ``lora_model_dir`` if set, else the one the ``lora_*`` fields describe."""
         if self.adapter is not None and self.lora_model_dir:
+            from ndparallel.models.adapter_files import read_adapter_config  # imports torch: when asked
+
             dropout = self.lora_dropout if "lora_dropout" in self.model_fields_set else None
             return read_adapter_config(self.lora_model_dir, dropout=dropout)
         return self.lora_config_from_fields()
 
     def lora_config_from_fields(self):
         """The peft ``LoraConfig`` the ``lora_*`` fields describe (None without ``adapter``)."""
+
+        from ndparallel.models.adapters import lora_config  # imports torch and peft: when asked
 
         kwargs = self.lora_kwargs()
         return lora_config(**kwargs) if kwargs is not None else None

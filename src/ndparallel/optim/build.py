@@ -11,7 +11,8 @@ from collections.abc import Iterable
 
 import torch
 
-from ndparallel.optim.lowbit import ALIASES, build_low_bit, embedding_groups, is_low_bit
+from ndparallel.optim.lowbit import build_low_bit, embedding_groups
+from ndparallel.optim.names import ALIASES, is_low_bit
 
 
 def parameter_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:

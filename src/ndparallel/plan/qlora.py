@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+from ndparallel.models.nf4_config import NF4_BYTES_PER_PARAM
 from ndparallel.plan.adapter import adapter_layer_local, adapter_shard_numel
 from ndparallel.plan.layout import Layout, Settings
 from ndparallel.plan.models import ModelSpec
@@ -61,8 +62,6 @@ def quantized_shard_numel(model: ModelSpec, layout: Layout) -> int:
 
 def nf4_saving(numel: float, s: Settings) -> float:
     """Bytes saved by storing ``numel`` elements as NF4 instead of the compute dtype."""
-    from ndparallel.models.quantized import NF4_BYTES_PER_PARAM  # imports torch: only when asked
-
     return numel * (s.param_compute_bytes - NF4_BYTES_PER_PARAM)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from ndparallel.config import ConfigError, TrainConfig
 from ndparallel.layout.config import ParallelismConfigError
 from ndparallel.models.moe import config_num_experts
+from ndparallel.preflight.host_memory import host_memory_note
 from ndparallel.preflight.pipeline_check import check_pipeline
 from ndparallel.techniques.host_budget import available_host_memory
 from ndparallel.tracking.credentials import tracker_notes
@@ -327,8 +328,6 @@ def data(p: Preflight) -> list[str]:
 def host_memory(p: Preflight) -> list[str]:
     """Offloaded activations against this machine's host memory (``host_memory.py``): its ranks
     are ``LOCAL_WORLD_SIZE`` under a launcher, else the whole world (``ndparallel train``)."""
-    from ndparallel.preflight.host_memory import host_memory_note
-
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))
     note = host_memory_note(p.cfg, p.pc, p.hf, ranks_here, available_host_memory())
     return [note] if note else []

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ndparallel.config import TrainConfig
 from ndparallel.models.attention import attention_kernel
 from ndparallel.models.quantization_config import bnb_notes
-from ndparallel.optim.lowbit import optimizer_note
+from ndparallel.optim.names import optimizer_note
 
 
 def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:

@@ -8,8 +8,8 @@ import math
 
 from ndparallel.config import ConfigError, TrainConfig
 from ndparallel.models.adapters import apply_adapter, base_model_of
+from ndparallel.models.nf4_config import NF4_BYTES_PER_PARAM
 from ndparallel.models.quantized import (
-    NF4_BYTES_PER_PARAM,
     layout_problem,
     nf4_shard_count,
     quantized_linears,

@@ -28,8 +28,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import torch
-
 from ndparallel.runtime.failures import report_failure
 from ndparallel.runtime.lifeline import LAUNCHER_PID_ENV
 from ndparallel.runtime.nodes import node_watch_for
@@ -88,6 +86,8 @@ def _nproc_problem(nproc: str) -> str | None:
         return None if int(text) >= 1 else f"--nproc-per-node must be >= 1, got {text}"
     if text not in _NPROC_WORDS:
         return f"--nproc-per-node must be a number >= 1 or one of {', '.join(_NPROC_WORDS)}, got {text!r}"
+    import torch  # heavy: imported once a launch is asked for
+
     if text == "gpu" and not torch.cuda.is_available():
         return "--nproc-per-node gpu, but there is no CUDA GPU here: give a number of ranks"
     return None
@@ -127,6 +127,8 @@ def launch(argv: Sequence[str]) -> int:
     if single_node and not args.rdzv_endpoint and args.rdzv_backend == "static":
         args.standalone = True
     nproc = args.nproc_per_node
+    import torch  # heavy: imported once a launch is asked for
+
     if str(nproc).isdigit() and "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
         os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(int(nproc)))
     relay = configure_signals(args)
