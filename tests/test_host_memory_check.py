@@ -13,7 +13,7 @@ import pytest
 from cli_helpers import forbid_launch, run_cli
 from ndparallel.axolotl import load_config
 from ndparallel.preflight.checks import run_checks
-from ndparallel.preflight.host_memory import host_memory_note, offloaded_bytes_per_rank
+from ndparallel.preflight.host_memory import host_memory_note, offloaded
 from ndparallel.techniques.host_budget import host_budget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ def meta_405b():
 
 def test_a_node_short_of_host_memory_is_told_with_the_fix(meta_405b):
     cfg, pc, hf = meta_405b
-    need = offloaded_bytes_per_rank(cfg, pc, hf)  # 57.8 GiB per GPU
+    need = offloaded(cfg, pc, hf).host_bytes  # 57.8 GiB per GPU
     small = int(8 * need / 0.8) - GiB  # 8 ranks: just short of the budget
     note = host_memory_note(cfg, pc, hf, 8, small)
     assert note is not None and note.startswith("activation_offloading: the 8 rank(s) on this machine")

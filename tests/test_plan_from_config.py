@@ -158,11 +158,11 @@ def test_the_405b_example_is_metas_layout_and_fits(capsys):
     # the check before launch counts the same host bytes (preflight/host_memory.py)
     from ndparallel.axolotl import load_config
     from ndparallel.preflight.checks import run_checks
-    from ndparallel.preflight.host_memory import offloaded_bytes_per_rank
+    from ndparallel.preflight.host_memory import offloaded
 
     cfg = load_config(str(example))
     found = run_checks(cfg, 8192, check_local=False)
-    host = offloaded_bytes_per_rank(cfg, found.pc, found.hf)
+    host = offloaded(cfg, found.pc, found.hf).host_bytes
     assert host == pytest.approx(best["memory_gib"]["host_offload"] * 2**30, rel=1e-9)
 
 

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 from ndparallel.config import TrainConfig
 from ndparallel.config.plan_settings import plan_settings
+from ndparallel.plan.hardware import GiB
 from ndparallel.plan.models import from_hf_config
 from ndparallel.plan.pipeline_estimate import busiest_offload
 from ndparallel.techniques.host_budget import HOST_BUDGET_FRACTION, host_budget
-
-GiB = 2**30
 
 
 @dataclass(frozen=True)
@@ -48,21 +47,16 @@ def offloaded(cfg: TrainConfig, pc, hf) -> Offloaded | None:
     return Offloaded(*busiest_offload(spec, layout, s), selective=s.recompute == "selective")
 
 
-def offloaded_bytes_per_rank(cfg: TrainConfig, pc, hf) -> float | None:
-    """Host bytes the busiest rank offloads at its peak (None: a model the planner cannot read)."""
-    found = offloaded(cfg, pc, hf)
-    return None if found is None else found.host_bytes
-
-
 def host_memory_note(cfg: TrainConfig, pc, hf, ranks_here: int, available: int | None) -> str | None:
     """The note when the offloaded activations of ``ranks_here`` ranks exceed this machine's budget
     (``available``: its available memory in bytes; None, unknown: no note)."""
     if not cfg.activation_offloading:
         return None
     budget = host_budget(ranks_here, available)
-    need = offloaded_bytes_per_rank(cfg, pc, hf)
-    if budget is None or need is None or need <= budget:
+    found = offloaded(cfg, pc, hf)
+    if budget is None or found is None or found.host_bytes <= budget:
         return None
+    need = found.host_bytes
     return (
         f"activation_offloading: the {ranks_here} rank(s) on this machine offload about "
         f"{need * ranks_here / GiB:.1f} GiB of pinned host memory ({need / GiB:.2f} GiB per rank, the "

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from ndparallel.config import TrainConfig
 from ndparallel.models.moe import config_num_experts
 from ndparallel.models.presets import is_preset
+from ndparallel.plan.hardware import GiB
 from ndparallel.preflight.host_memory import offloaded
 from ndparallel.preflight.pipeline_check import pipeline_summary
 from ndparallel.techniques.tile_rule import tile_split
@@ -145,7 +146,7 @@ def _offloading(cfg: TrainConfig, pc, hf) -> str:
     )
     rank = "the first pipeline rank" if pc.pp_size > 1 else "each rank"
     return (
-        f"activation offloading ({found.layers} {what}: {found.host_bytes / 2**30:.2f} GiB of pinned host "
+        f"activation offloading ({found.layers} {what}: {found.host_bytes / GiB:.2f} GiB of pinned host "
         f"memory on {rank} at its peak, {found.in_flight:.3g} micro-batch(es) in flight; the planner's)"
     )
 

@@ -29,7 +29,7 @@ MODEL_LIBRARIES = (
 
 @contextlib.contextmanager
 def paused_collector():
-    """The cyclic collector off inside (a command's module imports); back on after, as it was."""
+    """The cyclic collector off inside (``import_model_libraries``); back on after, as it was."""
     enabled = gc.isenabled()
     gc.disable()
     try:
