@@ -327,14 +327,7 @@ class TrainConfig(
         )
 
     def fsdp_options(self) -> FSDPOptions:
-        f = self.fsdp_config
-        return FSDPOptions(
-            reshard_after_forward=f.reshard_after_forward,
-            cpu_offload=f.cpu_offload,
-            activation_checkpointing=f.activation_checkpointing,
-            ac_policy=f.ac_policy,
-            unsharded_grad_accumulation=f.unsharded_grad_accumulation,
-            layer_classes=tuple(f.layer_classes) if f.layer_classes else None,
+        return self.fsdp_config.options(
             activation_offloading=bool(self.activation_offloading),
             tiled_mlp=self.tiled_mlp,
             tiled_mlp_num_shards=self.tiled_mlp_num_shards,
