@@ -34,6 +34,9 @@ STYLES: dict[str, str] = {
     "sequence_parallel": "replicated params; input sharded on the sequence dim under sequence parallel.",
 }
 """The Hugging Face style names ndparallel maps onto DTensor styles, with their meaning."""
+RESIDUAL_STYLES = ("replicate", "sequence_parallel")
+"""The styles of ``STYLES`` on the residual stream's own layout (replicated params, such as the
+norms): Hugging Face's ``sequence_parallel`` style names the layout, not ndparallel's option."""
 
 EXAMPLE_PLAN: dict[str, str] = {
     "model.layers.*.self_attn.q_proj": "colwise",

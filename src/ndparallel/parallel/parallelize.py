@@ -146,8 +146,7 @@ def _check_layout(model: nn.Module, dims: ParallelDims, tp) -> None:
         model,
         tp_size=1 if made_tp else dims.tp,
         cp_size=dims.cp,
-        sequence_parallel=tp.sequence_parallel,
-        tp_plan=tp.plan,
+        tp=tp,
         probe_attention=False,
         ep_size=dims.ep,
     )

@@ -28,6 +28,7 @@ from ndparallel.models.moe import experts_modules
 from ndparallel.models.tp_plans import match_plan, resolve_tp_plan, tp_plan_problem
 from ndparallel.parallel.ep.expert import check_expert_parallel
 from ndparallel.parallel.layout_refusals import saved_modules_problem
+from ndparallel.parallel.options import TPOptions
 
 _PROBE = "ndparallel_interface_probe"
 
@@ -151,14 +152,14 @@ def layout_problem(
     *,
     tp_size: int = 1,
     cp_size: int = 1,
-    sequence_parallel: bool = False,
-    tp_plan=None,
+    tp: TPOptions = TPOptions(),
     probe_attention: bool = True,
     ep_size: int = 1,
 ) -> str | None:
     """The first reason ``model`` cannot be trained exactly under this layout, or None.
     ``probe_attention``: build a meta-device copy to ask whether it takes transformers'
-    ``AttentionInterface`` (off at run time: switching the real model's attention says it)."""
+    ``AttentionInterface`` (off at run time: switching the real model's attention says it).
+    ``tp``: the TP options (its plan, sequence parallel)."""
 
     base = getattr(model, "base_model", None) if hasattr(model, "peft_config") else None
     model = getattr(base, "model", model) if base is not None else model
@@ -166,7 +167,7 @@ def layout_problem(
     if problem:
         return problem
     if tp_size > 1:
-        problem = tp_plan_problem(model, tp_plan)
+        problem = tp_plan_problem(model, tp.plan)
         if problem:
             return f"tensor_parallel_size={tp_size}: {problem}"
     if tp_size > 1 or ep_size > 1:
@@ -175,8 +176,8 @@ def layout_problem(
             return problem
     if cp_size > 1:
         return _own_attention_problem(model, f"context_parallel_size={cp_size}", probe_attention)
-    if tp_size > 1 and sequence_parallel:
-        return _sp_attention_problem(model, tp_size, tp_plan) or _own_attention_problem(
+    if tp_size > 1 and tp.sequence_parallel:
+        return _sp_attention_problem(model, tp_size, tp.plan) or _own_attention_problem(
             model, f"tensor_parallel_size={tp_size} with sequence_parallel", probe_attention
         )
     return None

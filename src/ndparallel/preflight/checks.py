@@ -178,8 +178,7 @@ def family_layout(p: Preflight) -> None:
         meta_model(p.cfg, p.hf),
         tp_size=pc.tp_size,
         cp_size=pc.cp_size,
-        sequence_parallel=tp.sequence_parallel,
-        tp_plan=tp.plan,
+        tp=tp,
         ep_size=pc.ep_size,
     )
     if problem:

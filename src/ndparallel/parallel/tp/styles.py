@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
-from ndparallel.models.tp_plans import STYLES, TPPlanError
+from ndparallel.models.tp_plans import RESIDUAL_STYLES, STYLES, TPPlanError
 
 
 def replicate_param(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
@@ -276,7 +276,7 @@ def parallel_style(
         return ColwiseParallel(input_layouts=Replicate(), output_layouts=resid)
     if style == "replicated_with_grad_allreduce":
         return ReplicateParallel(Shard(-2))
-    if style in ("replicate", "sequence_parallel"):
+    if style in RESIDUAL_STYLES:
         return ReplicateParallel(resid)
     raise TPPlanError(
         f"tp style {style!r} is not supported by ndparallel; supported: {', '.join(STYLES)} "
