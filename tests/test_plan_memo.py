@@ -11,9 +11,10 @@ import pytest
 from ndparallel.plan import comms, memory
 from ndparallel.plan.compute import MICRO_BATCH_FIELDS, STEP_FIELDS
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.layout import COLLECTIVE_FIELDS, Layout, Settings
+from ndparallel.plan.layout import Layout
 from ndparallel.plan.memo import Memo, clear_memos
 from ndparallel.plan.models import PRESETS
+from ndparallel.plan.settings import COLLECTIVE_FIELDS, Settings
 
 _CHOICES = {
     "mixed_precision": ("bf16", "fp32"),

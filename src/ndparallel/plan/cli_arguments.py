@@ -1,6 +1,6 @@
 """The ``ndparallel plan`` command line's options, one group per concern (``cli.py`` runs them), and
 the ``--explain LAYOUT`` text. The flags of the run's ``Settings`` and of the search's choices in
-``PlanRequest`` come from their fields' metadata (``plan/layout.py``'s ``flag``): ``field_flags``."""
+``PlanRequest`` come from their fields' metadata (``plan/field_marks.py``'s ``flag``): ``field_flags``."""
 
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def host_mem_bytes(text: str) -> float:
 
 
 def _field_flags(args, cls: type) -> None:
-    """The checks the flags of ``cls``' fields declare (``plan/layout.py``'s ``flag``)."""
+    """The checks the flags of ``cls``' fields declare (``plan/field_marks.py``'s ``flag``)."""
     flags = field_flags(cls)
     for ff in flags.values():
         value = ff.value(args)

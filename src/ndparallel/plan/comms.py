@@ -17,12 +17,13 @@ from operator import attrgetter
 from ndparallel.plan import moe_cost
 from ndparallel.plan.adapter import adapt_collectives
 from ndparallel.plan.field_hash import cached_field_hash
-from ndparallel.plan.layout import COLLECTIVE_FIELDS, Layout, Settings
+from ndparallel.plan.layout import Layout
 from ndparallel.plan.long_context import tiled_tp_extra
 from ndparallel.plan.memo import Memo
 from ndparallel.plan.models import ModelSpec, ParamSpec, fsdp_units
 from ndparallel.plan.moe_cost import expert_unit_numels
 from ndparallel.plan.qlora import nf4_collectives
+from ndparallel.plan.settings import COLLECTIVE_FIELDS, Settings
 from ndparallel.plan.sp_activations import recompute_regathers_per_step, recomputes_layers
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all")
@@ -92,41 +93,19 @@ def _unit_numels(model: ModelSpec, tp: int, fsdp: int, layout: Layout | None) ->
 
 # ----------------------------------------------------------- prediction
 def predict_collectives(
-    model: ModelSpec,
-    layout: Layout,
-    seq_len: int,
-    micro_batch: int = 1,
-    grad_accum: int = 1,
-    checkpointing: bool = False,
-    mixed_precision: str = "bf16",
-    sequence_parallel: bool = True,
-    reshard_after_forward: bool = True,
-    loss_parallel: bool = True,
-    unsharded_grad_accumulation: bool = False,
-    cp_strategy: str = "ring",
-    scalars: bool = False,
+    model: ModelSpec, layout: Layout, seq_len: int, scalars: bool = False, **settings
 ) -> list[Collective]:
-    """Every collective one rank issues in one optimizer step (see docs/planner.md).
+    """Every collective one rank issues in one optimizer step (see docs/planner.md), under the
+    ``Settings`` of ``seq_len`` and ``settings`` (each by its field name; the others at their defaults).
 
     ``scalars``: also list the small ones of the training loop (``train_under_layout`` /
     ``ndparallel.training.trainer``): the global token count and the gradient norm (see
     ``scalar_collectives``).
     """
-    s = Settings(
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        grad_accum=grad_accum,
-        checkpointing=checkpointing,
-        mixed_precision=mixed_precision,
-        sequence_parallel=sequence_parallel,
-        reshard_after_forward=reshard_after_forward,
-        loss_parallel=loss_parallel,
-        unsharded_grad_accumulation=unsharded_grad_accumulation,
-        cp_strategy=cp_strategy,
-    )
+    s = Settings(seq_len=seq_len, **settings)
     out = collectives_for(model, layout, s)
     if scalars:
-        out += scalar_collectives(model, layout, mixed_precision)
+        out += scalar_collectives(model, layout, s.mixed_precision)
     return out
 
 

@@ -120,7 +120,7 @@ def micro_batch_time(model: ModelSpec, layout: Layout, s: Settings, hw: Hardware
 
 
 STEP_FIELDS = {f.name: f.default for f in fields(Settings) if f.metadata.get("step")}
-"""Settings of the optimizer step and of accumulation (``STEP`` in their metadata, ``plan/layout.py``),
+"""Settings of the optimizer step and of accumulation (``STEP`` in their metadata, ``plan/settings.py``),
 which one micro-batch (its compute, and in ``plan/memory.py`` its activations, logits and workspace)
 ignores; their values here, their defaults: a neutral step."""
 MICRO_BATCH_FIELDS = tuple(f.name for f in fields(Settings) if f.name not in STEP_FIELDS)

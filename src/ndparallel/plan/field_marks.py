@@ -1,4 +1,4 @@
-"""What a field of the planner's ``Settings`` (``plan/layout.py``) or ``PlanRequest``
+"""What a field of the planner's ``Settings`` (``plan/settings.py``) or ``PlanRequest``
 (``plan/search.py``) says of itself besides its value, as dataclass field metadata: the
 ``ndparallel plan`` flag that sets it (``flag``), and whether it is a setting of the optimizer step
 (``STEP``)."""

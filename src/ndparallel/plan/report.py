@@ -13,7 +13,7 @@ from rich.table import Table
 from ndparallel.plan import links
 from ndparallel.plan.adapter import trainable_fraction, trainable_params
 from ndparallel.plan.hardware import GiB
-from ndparallel.plan.pipeline import default_virtual, pipeline_lines
+from ndparallel.plan.pipeline import pipeline_lines
 from ndparallel.plan.search import Estimate, LayoutResult, PlanRequest, PlanResult
 
 
@@ -354,6 +354,7 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
     """The estimate as a train config with Axolotl field names."""
     model = result.request.model
     s = e.settings
+    keys = s.config_keys(e.layout)
     cfg = {
         "base_model": model.hf_id or model.name,
         "dp_replicate_size": e.layout.dp_replicate,
@@ -364,33 +365,17 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
         "sequence_len": s.seq_len,
         "micro_batch_size": s.micro_batch,
         "gradient_accumulation_steps": s.grad_accum,
-        "fsdp_config": {
-            "reshard_after_forward": s.reshard_after_forward,
-            "activation_checkpointing": s.checkpointing,
-            "unsharded_grad_accumulation": s.unsharded_grad_accumulation,
-            **({"ac_policy": "selective"} if s.recompute == "selective" else {}),
-        },
+        "fsdp_config": keys["fsdp_config"],
         "optimizer": {"adamw": "adamw_torch"}.get(s.optimizer, s.optimizer),
     }
     if e.layout.pp_enabled:  # the runtime's default: one pipeline micro-batch per accumulation step
         cfg["pipeline_parallel_size"] = e.layout.pp
-        cfg["pipeline_schedule"] = s.pp_schedule
-        if s.pp_virtual != default_virtual(s.pp_schedule):
-            cfg["pipeline_virtual_stages"] = s.pp_virtual
-    if e.layout.cp > 1:
-        cfg["cp_comm_strategy"] = s.cp_strategy
-    if e.layout.tp > 1:
-        cfg["sequence_parallel"] = s.sequence_parallel
-        cfg["loss_parallel"] = s.loss_parallel
+    cfg.update(keys["pipeline"], **keys["context_parallel"], **keys["tensor_parallel"])
     if s.mixed_precision in ("bf16", "fp16"):
         cfg[s.mixed_precision] = True
     if s.lora_r:
-        cfg.update(
-            adapter="qlora" if s.quantized_base else "lora",
-            lora_r=s.lora_r,
-            lora_alpha=2 * s.lora_r,
-            lora_target_linear=True,
-        )
+        cfg["adapter"] = "qlora" if s.quantized_base else "lora"
+        cfg.update(keys["adapter"], lora_target_linear=True)
         if s.quantized_base:
             cfg["load_in_4bit"] = True
         if s.lora_saved:
@@ -404,12 +389,7 @@ def train_config(e: Estimate, result: PlanResult) -> dict:
             "activation_dtype": act or None,
             **({"group_size": 32} if weight in ("int4", "mxfp4") else {}),
         }
-    if s.tiled_mlp:
-        cfg["tiled_mlp"] = True
-        if s.tiled_mlp_num_shards:
-            cfg["tiled_mlp_num_shards"] = s.tiled_mlp_num_shards
-    if s.activation_offloading:
-        cfg["activation_offloading"] = True
+    cfg.update(keys["long_context"])
     return cfg
 
 
