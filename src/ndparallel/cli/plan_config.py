@@ -20,10 +20,12 @@ from pathlib import Path
 import yaml
 
 from ndparallel.axolotl import load_config
+from ndparallel.config.fields import FSDPConfig
 from ndparallel.config.plan_settings import plan_settings
 from ndparallel.layout.config import ParallelismConfigError
 from ndparallel.plan.adapter import saved_tables
 from ndparallel.plan.cli import flag_defaults
+from ndparallel.plan.cli_arguments import checkpointing_default
 
 RUN_KEYS = (
     "base_model",
@@ -65,9 +67,7 @@ def config_defaults(path: str, argv: list[str]) -> tuple[dict, str]:
     given, _ = pre.parse_known_args(argv)
     gpus = int(given.gpus) if given.gpus and given.gpus.isdigit() and int(given.gpus) > 0 else None
     s = plan_settings(cfg)
-    defaults = {"model": cfg.base_model, **flag_defaults(s)}
-    if s.checkpointing:
-        defaults["activation_checkpointing"] = "on"
+    defaults = {"model": cfg.base_model, **flag_defaults(s), **checkpointing_default(s)}
     if "cp_comm_strategy" in cfg.model_fields_set:  # named in the config: --max-seq-len keeps it
         defaults["cp_strategy_given"] = True
     if cfg.adapter and given.adapter in (None, "lora", "qlora"):
@@ -119,9 +119,7 @@ def merge_written_config(source: str, written: str) -> None:
             merged.pop(key)
     fsdp = {**(merged.get("fsdp_config") or {}), **planned.pop("fsdp_config", {})}  # all the plan's
     merged.update({key: value for key, value in planned.items() if key not in RUN_KEYS})
-    if not fsdp.get("activation_checkpointing"):  # a policy needs checkpointing (config/fields.py)
-        fsdp.pop("ac_policy", None)
-    merged["fsdp_config"] = fsdp
+    merged["fsdp_config"] = FSDPConfig.runnable(fsdp)
     with open(written, "w") as fh:
         fh.write(header + f"# The rest as in {source}.\n")
         yaml.safe_dump(merged, fh, sort_keys=False)

@@ -43,6 +43,14 @@ class FSDPConfig(_Strict):
             **activation_memory,
         )
 
+    @staticmethod
+    def runnable(section: dict) -> dict:
+        """An ``fsdp_config`` mapping (YAML) without the policy its checkpointing no longer has (a
+        policy needs checkpointing: ``_policy_needs_checkpointing``); ``plan --write-config``'s merge."""
+        if not section.get("activation_checkpointing"):
+            section.pop("ac_policy", None)
+        return section
+
     @field_validator("layer_classes", mode="before")
     @classmethod
     def _one_or_more(cls, v):

@@ -118,6 +118,12 @@ def _add_batch_arguments(t) -> None:
     t.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto")
 
 
+def checkpointing_default(s: Settings) -> dict:
+    """The parser's default (argument name -> value) of ``--activation-checkpointing`` that gives
+    ``s``'s checkpointing (``plan --config``): on when ``s`` checkpoints, else the parser's own."""
+    return {"activation_checkpointing": "on"} if s.checkpointing else {}
+
+
 def _add_output_arguments(o) -> None:
     """What the planner prints or writes."""
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
