@@ -43,11 +43,9 @@ OVER_TARGET = {
     # 2026-12-07, the copies left (issue 48 item 1):
     "lora_r": 7,  # plan CLI (--lora-r, the adapter flags decided together), plan --config's
     # defaults and merge keys, config/plan_settings, preflight/model_check's message
-    "unsharded_grad_accumulation": 6,  # plan CLI's --explain key (uga=) and its evaluate_layout pin
+    "unsharded_grad_accumulation": 5,  # plan/cli_arguments: --explain's key (uga=) by its field name
     "sequence_parallel": 5,  # models/tp_plans: Hugging Face's TP style of that name (transformers'
     # vocabulary); techniques/lm_loss passes the chunked loss kernel's sequence_parallel on
-    "pipeline_virtual_stages": 5,  # plan CLI's --explain key (v=) and its evaluate_layout pin
-    "pipeline_schedule": 5,  # plan CLI's --explain key (schedule=) and its evaluate_layout pin
     "loss_parallel": 5,  # engine/records (the resolved value per model), tools/simulate_predict's
     # report of the settings the run resolved
 }

@@ -167,7 +167,11 @@ def test_hsdp_replicas_all_reduce_every_pipeline_micro_batch():
     reduce-scatters and all-reduces across replicas (without PP: once per step)."""
     req = _req("llama-3.1-70b", 64, seq_len=4096, global_batch=64)
     pp = evaluate_layout(
-        req, Layout(dp_replicate=2, dp_shard=4, pp=8), micro_batch=1, checkpointing=True, unsharded=False
+        req,
+        Layout(dp_replicate=2, dp_shard=4, pp=8),
+        micro_batch=1,
+        checkpointing=True,
+        unsharded_grad_accumulation=False,
     ).best
     flat = evaluate_layout(
         req, Layout(dp_replicate=2, dp_shard=4, tp=8), micro_batch=1, checkpointing=True
@@ -194,7 +198,12 @@ def test_unsharded_accumulation_under_pp_reduces_and_gathers_once_per_step():
 
     def option(unsharded, **kw):
         (only,) = evaluate_layout(
-            req.updated(**kw), lay, micro_batch=1, checkpointing=True, schedule="1F1B", unsharded=unsharded
+            req.updated(**kw),
+            lay,
+            micro_batch=1,
+            checkpointing=True,
+            pipeline_schedule="1F1B",
+            unsharded_grad_accumulation=unsharded,
         ).options
         return only  # fitting or not: the counts are the question
 
@@ -249,7 +258,13 @@ def test_explain_prints_bubble_and_stage_memory(capsys):
 
 def test_write_config_has_the_pipeline_fields(tmp_path):
     req = _req("llama-3.1-70b", 64, seq_len=4096, global_batch=64)
-    res = evaluate_layout(req, Layout(dp_shard=8, pp=8), micro_batch=1, schedule="Interleaved1F1B", virtual=4)
+    res = evaluate_layout(
+        req,
+        Layout(dp_shard=8, pp=8),
+        micro_batch=1,
+        pipeline_schedule="Interleaved1F1B",
+        pipeline_virtual_stages=4,
+    )
     cfg = train_config(res.best, plan(_req("llama-3.2-1b", 1)))
     assert (cfg["pipeline_parallel_size"], cfg["pipeline_schedule"], cfg["pipeline_virtual_stages"]) == (
         8,
@@ -287,7 +302,9 @@ def test_write_config_has_the_pipeline_fields(tmp_path):
 
 
 # ------------------------------------------------------------------ anchors
-META_SETTINGS = dict(micro_batch=1, checkpointing=False, schedule="Interleaved1F1B", unsharded=True)
+META_SETTINGS = dict(
+    micro_batch=1, checkpointing=False, pipeline_schedule="Interleaved1F1B", unsharded_grad_accumulation=True
+)
 """Meta's run as the Llama 3 paper (§3.3.2) describes it: FSDP not resharding after forward (the
 request's ``reshard_after_forward=False``), gradients accumulated in fp32 over the micro-batches
 and reduce-scattered once per step, no activation checkpointing at 8K tokens, interleaved 1F1B."""
@@ -299,8 +316,10 @@ def meta_run():
     ndparallel splits 126 layers over 16 ranks; Meta's chunks were one layer each, V = 8), the
     same layout as ndparallel would choose to run it, and the planner's own search."""
     req = _req("llama-3.1-405b", 8192, seq_len=8192, global_batch=2048, reshard_after_forward=False)
-    meta = {v: evaluate_layout(req, META, virtual=v, **META_SETTINGS) for v in (2, 7)}
-    runnable = evaluate_layout(req, META, micro_batch=1, schedule="Interleaved1F1B", virtual=7)
+    meta = {v: evaluate_layout(req, META, pipeline_virtual_stages=v, **META_SETTINGS) for v in (2, 7)}
+    runnable = evaluate_layout(
+        req, META, micro_batch=1, pipeline_schedule="Interleaved1F1B", pipeline_virtual_stages=7
+    )
     return meta, runnable, plan(req)
 
 
@@ -350,7 +369,11 @@ def test_405b_planner_best_is_pipelined(meta_run):
 
 
 SELECTIVE_OFFLOAD = dict(
-    micro_batch=1, checkpointing=True, schedule="Interleaved1F1B", virtual=7, unsharded=True
+    micro_batch=1,
+    checkpointing=True,
+    pipeline_schedule="Interleaved1F1B",
+    pipeline_virtual_stages=7,
+    unsharded_grad_accumulation=True,
 )
 """Meta's layout as ndparallel runs it with selective checkpointing (v = 7, gradients reduced once
 per step), with and without activation offloading (issue 50)."""

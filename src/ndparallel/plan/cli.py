@@ -73,6 +73,12 @@ def build_request(args) -> PlanRequest:
     settings = Settings(
         **flag_settings(args), lora_r=lora_r, quantized_base=args.adapter == "qlora", lora_saved=saved
     )
+    given = flag_settings(args, PlanRequest)  # the search's choices by their flags; those given as text:
+    given.update(
+        micro_batch=mb,
+        unsharded_grad_accumulation={"on": True, "off": False}.get(args.unsharded_grad_accumulation),
+        pipeline_schedule=_schedule(args.pipeline_schedule),
+    )
     return PlanRequest(
         model=load_model_spec(args.model),
         hardware=_hardware(args),
@@ -80,13 +86,10 @@ def build_request(args) -> PlanRequest:
         gpus_per_node=min(args.gpus_per_node, args.gpus) if args.gpus_per_node else args.gpus,
         settings=settings,
         global_batch=global_batch,
-        micro_batch=mb,
         checkpointing=args.activation_checkpointing,
-        unsharded_grad_accumulation={"on": True, "off": False}.get(args.unsharded_grad_accumulation),
         host_mem_bytes=host_mem_bytes(args.host_mem) if args.host_mem else None,
         pipeline=not args.no_pipeline_parallel,
-        pipeline_schedule=_schedule(args.pipeline_schedule),
-        pipeline_virtual_stages=args.pipeline_virtual_stages,
+        **given,
     )
 
 
@@ -94,9 +97,10 @@ BY_ADAPTER = ("lora_r", "quantized_base", "lora_saved")
 """``Settings`` fields the adapter flags decide together (``build_request``), not one flag each."""
 
 
-def flag_settings(args) -> dict:
-    """The ``Settings`` values parsed ``args`` give, by field name (``field_flags``)."""
-    return {name: ff.value(args) for name, ff in field_flags().items()}
+def flag_settings(args, cls: type = Settings) -> dict:
+    """The values parsed ``args`` give the flagged fields of ``cls`` (``Settings``, or
+    ``PlanRequest``'s search choices), by field name (``field_flags``)."""
+    return {name: ff.value(args) for name, ff in field_flags(cls).items()}
 
 
 def flag_defaults(s: Settings) -> dict:
@@ -130,19 +134,8 @@ def run_plan(args) -> int:
         result = plan(req)
         chosen = result.ranked[0] if result.ranked else None
         if args.explain:
-            layout, extras = parse_layout(args.explain)
-            if extras:
-                chosen = evaluate_layout(
-                    req,
-                    layout,
-                    extras.get("micro_batch"),
-                    extras.get("checkpointing"),
-                    extras.get("pipeline_schedule"),
-                    extras.get("pipeline_virtual_stages"),
-                    extras.get("unsharded_grad_accumulation"),
-                )
-            else:
-                chosen = evaluate_layout(req, layout)  # every option, fitting or not
+            layout, pins = parse_layout(args.explain)
+            chosen = evaluate_layout(req, layout, **pins)  # every option, fitting or not
             if args.json:
                 print(json.dumps(explain_json(chosen, result), indent=2, default=str))
             else:

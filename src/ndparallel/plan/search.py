@@ -253,15 +253,16 @@ def evaluate_layout(
     layout: Layout,
     micro_batch: int | None = None,
     checkpointing: bool | None = None,
-    schedule: str | None = None,
-    virtual: int | None = None,
-    unsharded: bool | None = None,
+    pipeline_schedule: str | None = None,
+    pipeline_virtual_stages: int | None = None,
+    unsharded_grad_accumulation: bool | None = None,
     skip_unfit: bool = False,
     base: Settings | None = None,
 ) -> LayoutResult:
     """All (micro-batch, checkpointing, pipeline schedule, gradient reduction) options of one
-    layout; the best that fits is ``best``. ``schedule`` / ``virtual`` pin a pp layout's schedule
-    and stages per rank, ``unsharded`` its ``unsharded_grad_accumulation``.
+    layout; the best that fits is ``best``. The request's per-layout choices given by name (as
+    ``--explain``'s keys give them: ``parse_layout``) pin it: ``pipeline_schedule`` /
+    ``pipeline_virtual_stages`` a pp layout's schedule and stages per rank.
 
     ``skip_unfit`` (the search's): an option whose memory does not fit the device is not costed
     further and not kept in ``options`` (the same ``best`` and rejection, about 2× faster where
@@ -286,13 +287,13 @@ def evaluate_layout(
         if ga is None:
             reasons["global_batch"].append(why)
             continue
-        for name, v in _schedules(req, layout, schedule, virtual):
+        for name, v in _schedules(req, layout, pipeline_schedule, pipeline_virtual_stages):
             why = pipeline_problem(name, layout.pp, v, req.model.layers, ga) if layout.pp > 1 else None
             if why:
                 reasons["pp_microbatches"].append(f"micro_batch={mb}: {why}")
                 continue
             for ac in acs:
-                for uga in _grad_syncs(req, layout, unsharded):
+                for uga in _grad_syncs(req, layout, unsharded_grad_accumulation):
                     s = base.but(
                         micro_batch=mb,
                         grad_accum=ga,
