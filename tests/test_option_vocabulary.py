@@ -33,7 +33,7 @@ TARGET = 4
 
 BATCH_ARITHMETIC = {
     "seq_len": 7,  # the calibration's kernels and longest-sequence search, the equivalence tool
-    "micro_batch": 7,  # the calibration's kernels, the plan CLI's --explain key and its checks
+    "micro_batch": 6,  # the calibration's kernels, the plan CLI's --explain key and its checks
     "gpus_per_node": 5,  # simulate's command line and report
 }
 """Not options but the batch arithmetic every layer computes with (``grad_accum`` and
