@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "axolotl"
 LLAMA = FIXTURES / "llama-3_1-8b-hsdp-tp.yaml"
 QWEN = FIXTURES / "qwen3-8b-fsdp-tp-cp.yaml"
+RECORDS = 24
+"""Alpaca records of the seed config's local dataset: 8 optimizer steps at 8 ranks and sequence_len 256
+(2 epochs, a checkpoint each), enough for every assertion below."""
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +33,7 @@ def local(tmp_path_factory):
     """The Llama seed config with base_model, the dataset path and output_dir made local."""
     d = tmp_path_factory.mktemp("seed")
     tiny_llama_dir(d / "tiny-llama3")
-    write_jsonl(d / "alpaca.jsonl", alpaca_records(48))
+    write_jsonl(d / "alpaca.jsonl", alpaca_records(RECORDS))
     text = (
         LLAMA.read_text()
         .replace("base_model: meta-llama/Llama-3.1-8B", f"base_model: {d / 'tiny-llama3'}")
@@ -183,11 +186,11 @@ def test_preprocess_json_and_show(local, tmp_path, capsys):
     code, out, err = run_cli(capsys, "preprocess", local / "seed.yaml", "--json", *sets)
     assert code == 0, err
     samples = [json.loads(line) for line in out.splitlines()]
-    assert len(samples) == 48 and "48 records -> 48 samples" in err
+    assert len(samples) == RECORDS and f"{RECORDS} records -> {RECORDS} samples" in err
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(load_config(local / "seed.yaml").base_model)
-    for s, record in zip(samples, alpaca_records(48)):  # dataset order, prompt masked
+    for s, record in zip(samples, alpaca_records(RECORDS)):  # dataset order, prompt masked
         trained = [t for t, lab in zip(s["input_ids"], s["labels"]) if lab != -100]
         assert tok.decode(trained) == record["output"] + "<|end_of_text|>"
     code, out, _ = run_cli(capsys, "preprocess", local / "seed.yaml", "--show", "2", *sets)
@@ -218,7 +221,7 @@ def test_custom_instruction_format_end_to_end(local, tmp_path, capsys):
     from ndparallel.axolotl import load_config
 
     tok = AutoTokenizer.from_pretrained(load_config(local / "seed.yaml").base_model)
-    for line, record in zip(out.splitlines(), alpaca_records(48)):
+    for line, record in zip(out.splitlines(), alpaca_records(RECORDS)):
         s = json.loads(line)
         prompt = [t for t, lab in zip(s["input_ids"], s["labels"]) if lab == -100]
         trained = [t for t, lab in zip(s["input_ids"], s["labels"]) if lab != -100]
