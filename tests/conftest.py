@@ -1,5 +1,6 @@
-"""Shared fixtures. ``torch`` and ``transformers`` are imported once here so that the forked ranks
-of ``ndparallel.testing.run_on_ranks`` start in ~0.1 s instead of re-importing them."""
+"""Shared fixtures. ``torch`` and ``transformers`` are imported once per test process here
+(``pytest_configure``) so that the forked ranks of ``ndparallel.testing.run_on_ranks`` start in
+~0.1 s instead of re-importing them."""
 
 import gc
 import json
@@ -42,12 +43,6 @@ from ndparallel.runtime.quiet import quiet_library_noise  # noqa: E402 - logging
 
 quiet_library_noise()  # as every ndparallel process: no torchao / pytree lines in the suite's log
 
-import torch  # noqa: E402,F401
-import transformers  # noqa: E402,F401
-
-if _THREADS is not None:
-    torch.set_num_threads(_THREADS)
-
 
 def _import_what_ranks_import() -> None:
     """Import here, once per test process, what the suite's forked ranks import
@@ -70,39 +65,61 @@ def _import_what_ranks_import() -> None:
                     pass
 
 
-from ndparallel.runtime.startup import import_model_libraries, paused_collector  # noqa: E402
-
 _COLLECTING_ONLY = any(a in ("--collect-only", "--co") for a in sys.argv)
 """``pytest --collect-only`` (gpu_all's smoke asks twice) forks no rank: the ranks' modules are not
 imported for it (~20 % of such a process's CPU)."""
 
-with paused_collector():  # as ndparallel's commands import (runtime/startup.py): ~20 % of the time otherwise
-    if not _COLLECTING_ONLY:
-        _import_what_ranks_import()
-    gc.freeze()  # the imported modules' objects leave every later collection, here and in the forked ranks
-if not _COLLECTING_ONLY:
-    import_model_libraries()  # all imported: it only notes the freeze, for every command and forked rank
 
-from ndparallel.tools import agreement as _agreement  # noqa: E402,F401 - binds the uncounted compare first
-from ndparallel.tools import equivalence as _equivalence  # noqa: E402
+def _is_xdist_controller(config) -> bool:
+    """pytest-xdist's controller (``-n N``): it hands test files to the workers and runs none."""
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
+
+
+def _prepare_test_process() -> None:
+    """torch, transformers and what the forked ranks import, once per process that runs tests (not
+    xdist's controller: ~6 s of CPU before any worker started), then the counted comparison."""
+    import torch
+    import transformers  # noqa: F401
+
+    from ndparallel.runtime.startup import import_model_libraries, paused_collector
+
+    if _THREADS is not None:
+        torch.set_num_threads(_THREADS)
+    with paused_collector():  # as ndparallel's commands import (runtime/startup.py): ~20 % less time
+        if not _COLLECTING_ONLY:
+            _import_what_ranks_import()
+        gc.freeze()  # the imported modules' objects leave every later collection, here and in forked ranks
+    if not _COLLECTING_ONLY:
+        import_model_libraries()  # all imported: it only notes the freeze, for every command and forked rank
+
+    import ndparallel.tools.agreement  # noqa: F401 - binds the uncounted compare first
+    from ndparallel.tools import equivalence
+
+    _COMPARE.compare = equivalence.compare
+    equivalence.compare = _COMPARE
 
 
 class _CountedCompare:
-    """``tools.equivalence.compare`` as the tests see it (conftest is imported before any test
-    module binds the name): the same function, each call counted for the suite's summary line —
-    the number of layout-vs-one-process comparisons made must not fall (docs/testing.md). The
-    noise-floor measurement of ``tools.agreement`` (a reference against itself) is not counted."""
+    """``tools.equivalence.compare`` as the tests see it (installed before any test module binds
+    the name): the same function, each call counted for the suite's summary line — the number of
+    layout-vs-one-process comparisons made must not fall (docs/testing.md). The noise-floor
+    measurement of ``tools.agreement`` (a reference against itself) is not counted."""
 
-    def __init__(self, compare):
-        self.compare, self.calls = compare, 0
+    def __init__(self):
+        self.compare, self.calls = None, 0
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
         return self.compare(*args, **kwargs)
 
 
-_COMPARE = _CountedCompare(_equivalence.compare)
-_equivalence.compare = _COMPARE
+_COMPARE = _CountedCompare()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    if not _is_xdist_controller(config):
+        _prepare_test_process()
 
 
 @pytest.fixture(autouse=True)
