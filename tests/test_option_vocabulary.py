@@ -43,10 +43,6 @@ OVER_TARGET = {
     # 2026-12-07, the copies left (issue 48 item 1):
     "lora_r": 7,  # plan CLI (--lora-r, the adapter flags decided together), plan --config's
     # defaults and merge keys, config/plan_settings, preflight/model_check's message
-    "sequence_parallel": 5,  # models/tp_plans: Hugging Face's TP style of that name (transformers'
-    # vocabulary); techniques/lm_loss passes the chunked loss kernel's sequence_parallel on
-    "loss_parallel": 5,  # engine/records (the resolved value per model), tools/simulate_predict's
-    # report of the settings the run resolved
 }
 """Options still copied in more than ``TARGET`` modules, at today's count (a name brought down to
 the target must leave the table)."""
