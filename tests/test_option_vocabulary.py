@@ -37,15 +37,7 @@ BATCH_ARITHMETIC = {
     "gpus_per_node": 5,  # simulate's command line and report
 }
 """Not options but the batch arithmetic every layer computes with (``grad_accum`` and
-``global_batch`` too, both at the target): a stated exception, not debt. 2026-12-07."""
-
-OVER_TARGET = {
-    # 2026-12-07, the copies left (issue 48 item 1):
-    "lora_r": 7,  # plan CLI (--lora-r, the adapter flags decided together), plan --config's
-    # defaults and merge keys, config/plan_settings, preflight/model_check's message
-}
-"""Options still copied in more than ``TARGET`` modules, at today's count (a name brought down to
-the target must leave the table)."""
+``global_batch`` too, both at the target): a stated exception, not debt. 2026-12-06."""
 
 REQUEST_ONLY = {
     "model",
@@ -125,7 +117,7 @@ def _trees() -> dict[str, ast.AST]:
 
 def test_each_option_is_copied_in_few_modules():
     trees = _trees()
-    bounds = {**BATCH_ARITHMETIC, **OVER_TARGET}
+    bounds = BATCH_ARITHMETIC
     over, stale = [], []
     for name in sorted(option_names()):
         where = copy_modules(name, trees)

@@ -42,11 +42,12 @@ class FieldFlag:
         return not value if self.negated else value
 
 
-def field_flags(cls: type = Settings) -> dict[str, FieldFlag]:
-    """Field name -> its flag, for every field of ``cls`` that declares one."""
+def field_flags(cls: type = Settings, mark: str = "flag") -> dict[str, FieldFlag]:
+    """Field name -> its flag, for every field of ``cls`` that declares one (``mark``: ``flag``, or
+    ``adapter`` for the flags of the adapter's fields, added after ``--adapter``)."""
     out = {}
     for f in fields(cls):
-        how = f.metadata.get("flag")
+        how = f.metadata.get(mark)
         if how is not None:
             negated = f.default is True
             dest = f"no_{f.name}" if negated else f.name
@@ -166,9 +167,8 @@ def _add_adapter_arguments(t) -> None:
         "(train's adapter: lora, lora_target_linear: true); qlora: the same on a "
         "4-bit NF4 base (train's adapter: qlora, load_in_4bit: true)",
     )
-    t.add_argument(
-        "--lora-r", type=int, default=None, help="LoRA rank (default 16; needs --adapter lora or qlora)"
-    )
+    for ff in field_flags(Settings, "adapter").values():  # the rank
+        t.add_argument(ff.option, dest=ff.dest, default=None, **ff.how)
     t.add_argument(
         "--lora-modules-to-save",
         metavar="NAMES",
