@@ -22,6 +22,7 @@ import yaml
 from ndparallel.axolotl import load_config
 from ndparallel.config.fields import FSDPConfig
 from ndparallel.config.plan_settings import plan_settings
+from ndparallel.config.schema import TrainConfig
 from ndparallel.layout.config import ParallelismConfigError
 from ndparallel.plan.adapter import saved_tables
 from ndparallel.plan.cli import flag_defaults
@@ -34,16 +35,14 @@ RUN_KEYS = (
     "bf16",
     "fp16",
     "adapter",
-    "lora_r",
-    "lora_alpha",
-    "lora_target_linear",
+    *(name for name in TrainConfig.model_fields if name.startswith("lora_")),
     "load_in_4bit",
-    "lora_modules_to_save",
     "qat",
 )
 """The keys of the plan's config (``plan/report.py``'s ``train_config``) that restate the run it was
 asked for, in the plan's words (``adamw_torch`` for ``adamw_torch_fused``, ``bf16: true`` for
-``bf16: auto``): the merge keeps the source's. Every other key is the plan's choice (the layout, the
+``bf16: auto``): the merge keeps the source's (the adapter's: ``adapter``, ``load_in_4bit`` and
+every ``lora_*`` key of the training config). Every other key is the plan's choice (the layout, the
 batch split and the options that go with the layout) and replaces the source's."""
 
 
@@ -72,7 +71,7 @@ def config_defaults(path: str, argv: list[str]) -> tuple[dict, str]:
         defaults["cp_strategy_given"] = True
     if cfg.adapter and given.adapter in (None, "lora", "qlora"):
         defaults["adapter"] = "qlora" if cfg.load_in_4bit else "lora"
-        defaults["lora_r"] = cfg.lora_r
+        defaults.update(flag_defaults(s, "adapter"))  # the rank: the config's
         if saved_tables(cfg.lora_modules_to_save):
             defaults["lora_modules_to_save"] = ",".join(cfg.lora_modules_to_save)
     said = f"model {cfg.base_model}, seq {cfg.sequence_len}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 
 from rich.console import Console
 
@@ -49,30 +50,12 @@ def build_request(args) -> PlanRequest:
     if args.global_batch_tokens:
         global_batch = args.global_batch_tokens // args.seq_len
     mb = None if str(args.micro_batch).lower() == "auto" else int(args.micro_batch)
-    adapted = args.adapter in ("lora", "qlora")
-    if args.lora_r is not None and not adapted:
-        raise ValueError("--lora-r needs --adapter lora (or qlora)")
-    lora_r = (16 if args.lora_r is None else args.lora_r) if adapted else 0
-    saved = ()
-    if args.lora_modules_to_save:
-        if not adapted:
-            raise ValueError("--lora-modules-to-save needs --adapter lora (or qlora)")
-        names = [n for n in args.lora_modules_to_save.split(",") if n]
-        saved = saved_tables(names)
-        if not saved:
-            raise ValueError(
-                f"--lora-modules-to-save {args.lora_modules_to_save}: names no embedding or LM head "
-                f"table the planner models ({', '.join(SAVED_MODULES)})"
-            )
-    if adapted and lora_r < 1:
-        raise ValueError(f"--lora-r must be >= 1, got {lora_r}")
+    adapter = _adapter_settings(args)
     if args.qat:
         problem = qat_format_problem(args.qat)
         if problem:
             raise ValueError(problem)
-    settings = Settings(
-        **flag_settings(args), lora_r=lora_r, quantized_base=args.adapter == "qlora", lora_saved=saved
-    )
+    settings = Settings(**flag_settings(args), **adapter)
     given = flag_settings(args, PlanRequest)  # the search's choices by their flags; those given as text:
     given.update(
         micro_batch=mb,
@@ -93,8 +76,32 @@ def build_request(args) -> PlanRequest:
     )
 
 
-BY_ADAPTER = ("lora_r", "quantized_base", "lora_saved")
-"""``Settings`` fields the adapter flags decide together (``build_request``), not one flag each."""
+BY_ADAPTER = tuple(f.name for f in fields(Settings) if "adapter" in f.metadata)
+"""``Settings`` fields the adapter flags decide together (``build_request``), not one flag each
+(``plan/field_marks.py``'s ``adapter``)."""
+
+
+def _adapter_settings(args) -> dict:
+    """The adapter's settings (``BY_ADAPTER``) that ``--adapter``, its rank (16 unless given) and
+    ``--lora-modules-to-save`` give."""
+    adapted = args.adapter in ("lora", "qlora")
+    if args.lora_r is not None and not adapted:
+        raise ValueError("--lora-r needs --adapter lora (or qlora)")
+    rank = (16 if args.lora_r is None else args.lora_r) if adapted else 0
+    saved = ()
+    if args.lora_modules_to_save:
+        if not adapted:
+            raise ValueError("--lora-modules-to-save needs --adapter lora (or qlora)")
+        names = [n for n in args.lora_modules_to_save.split(",") if n]
+        saved = saved_tables(names)
+        if not saved:
+            raise ValueError(
+                f"--lora-modules-to-save {args.lora_modules_to_save}: names no embedding or LM head "
+                f"table the planner models ({', '.join(SAVED_MODULES)})"
+            )
+    if adapted and rank < 1:
+        raise ValueError(f"--lora-r must be >= 1, got {rank}")
+    return dict(lora_r=rank, quantized_base=args.adapter == "qlora", lora_saved=saved)
 
 
 def flag_settings(args, cls: type = Settings) -> dict:
@@ -103,11 +110,11 @@ def flag_settings(args, cls: type = Settings) -> dict:
     return {name: ff.value(args) for name, ff in field_flags(cls).items()}
 
 
-def flag_defaults(s: Settings) -> dict:
+def flag_defaults(s: Settings, mark: str = "flag") -> dict:
     """The parser's defaults (argument name -> value) that give ``s``'s values: ``flag_settings``
-    inverted (``plan --config``)."""
+    inverted (``plan --config``); ``mark="adapter"``: those of the adapter's fields' flags."""
     out = {}
-    for name, ff in field_flags().items():
+    for name, ff in field_flags(Settings, mark).items():
         value = getattr(s, name)
         out[ff.dest] = not value if ff.negated else value
     return out

@@ -12,7 +12,6 @@ from ndparallel.plan import hardware as hwmod
 from ndparallel.plan.field_marks import ADAPTERS, BATCH, GROUPS, LONG_CONTEXT, PIPELINE
 from ndparallel.plan.layout import DIMS, Layout, Settings
 from ndparallel.plan.models import PRESETS as MODEL_PRESETS
-from ndparallel.plan.pipeline import canonical
 from ndparallel.plan.search import DEFAULT_SETTINGS, PlanRequest
 
 
@@ -43,11 +42,12 @@ class FieldFlag:
         return not value if self.negated else value
 
 
-def field_flags(cls: type = Settings) -> dict[str, FieldFlag]:
-    """Field name -> its flag, for every field of ``cls`` that declares one."""
+def field_flags(cls: type = Settings, mark: str = "flag") -> dict[str, FieldFlag]:
+    """Field name -> its flag, for every field of ``cls`` that declares one (``mark``: ``flag``, or
+    ``adapter`` for the flags of the adapter's fields, added after ``--adapter``)."""
     out = {}
     for f in fields(cls):
-        how = f.metadata.get("flag")
+        how = f.metadata.get(mark)
         if how is not None:
             negated = f.default is True
             dest = f"no_{f.name}" if negated else f.name
@@ -167,9 +167,8 @@ def _add_adapter_arguments(t) -> None:
         "(train's adapter: lora, lora_target_linear: true); qlora: the same on a "
         "4-bit NF4 base (train's adapter: qlora, load_in_4bit: true)",
     )
-    t.add_argument(
-        "--lora-r", type=int, default=None, help="LoRA rank (default 16; needs --adapter lora or qlora)"
-    )
+    for ff in field_flags(Settings, "adapter").values():  # the rank
+        t.add_argument(ff.option, dest=ff.dest, default=None, **ff.how)
     t.add_argument(
         "--lora-modules-to-save",
         metavar="NAMES",
@@ -196,16 +195,10 @@ def _add_host_arguments(t) -> None:
     )
 
 
-_ALIASES = {
+_DEGREES = {
     "pp": "pp",
     "pp_size": "pp",
     "pipeline_parallel_size": "pp",
-    "schedule": "pipeline_schedule",
-    "sched": "pipeline_schedule",
-    "pipeline_schedule": "pipeline_schedule",
-    "v": "pipeline_virtual_stages",
-    "virtual": "pipeline_virtual_stages",
-    "pipeline_virtual_stages": "pipeline_virtual_stages",
     "dp_replicate": "dp_replicate",
     "dp_replicate_size": "dp_replicate",
     "dr": "dp_replicate",
@@ -230,26 +223,34 @@ _ALIASES = {
     "ep_size": "ep",
     "e": "ep",
     "expert_parallel_size": "ep",
-    "mb": "micro_batch",
-    "micro_batch": "micro_batch",
-    "micro_batch_size": "micro_batch",
-    "ac": "checkpointing",
-    "checkpointing": "checkpointing",
-    "activation_checkpointing": "checkpointing",
-    "uga": "unsharded_grad_accumulation",
-    "unsharded_grad_accumulation": "unsharded_grad_accumulation",
 }
+"""``--explain``'s keys of the layout's degrees -> the ``Layout`` field."""
+_FLAG_PINS = {"activation_checkpointing": "checkpointing"}
+"""``--explain``'s keys by the name of a flag added here (``--activation-checkpointing``) -> the
+``PlanRequest`` field it pins."""
+
+
+def _pins() -> dict[str, tuple]:
+    """``--explain``'s keys that pin one of ``PlanRequest``'s choices per layout (its fields' ``pin``
+    metadata: ``plan/field_marks.py``) -> (the field, the reader of its value)."""
+    out = {}
+    for f in fields(PlanRequest):
+        if "pin" in f.metadata:
+            aliases, read = f.metadata["pin"]
+            out.update({key: (f.name, read) for key in (f.name, *aliases)})
+    return out | {key: out[name] for key, name in _FLAG_PINS.items()}
 
 
 def parse_layout(text: str) -> tuple[Layout, dict]:
     """Parse 'pp=16,dp_replicate=2,dp_shard=4,cp=1,tp=8' (aliases dr/ds/r/s/c/t, ep/e; missing
     dims are 1) or the compact '2x4x1x8' / '2x4x1x8+ep4' / 'pp16:2x4x1x8' (mesh order, optionally
     followed by ',mb=2,ac=on'). Extra keys mb=N, ac=on|off, schedule=NAME, v=N (pipeline
-    stages per rank) and uga=on|off (unsharded gradient accumulation) pin the option; they are
-    returned in the second value."""
+    stages per rank) and uga=on|off (unsharded gradient accumulation) pin the option (``_pins``: the
+    ``pin`` metadata of ``PlanRequest``'s fields); they are returned in the second value, by field."""
     text = text.strip()
     values: dict = {}
     extras: dict = {}
+    pins = _pins()
     for part in filter(None, re.split(r"[,\s]+", text)):
         compact = re.fullmatch(r"(?:pp(\d+):)?(\d+x\d+x\d+x\d+)(?:\+ep(\d+))?", part)
         if compact and not values:
@@ -259,22 +260,16 @@ def parse_layout(text: str) -> tuple[Layout, dict]:
         if "=" not in part:
             raise ValueError(f"cannot read {part!r} in layout {text!r}: use key=value or AxBxCxD")
         key, val = (s.strip() for s in part.split("=", 1))
-        name = _ALIASES.get(key.lower())
-        if name is None:
+        if key.lower() in _DEGREES:
+            values[_DEGREES[key.lower()]] = int(val)
+        elif key.lower() in pins:
+            name, read = pins[key.lower()]
+            extras[name] = read(key, val)
+        else:
             raise ValueError(
                 f"unknown layout key {key!r} (use pp, dp_replicate, dp_shard, cp, tp, ep, mb, ac, "
                 "schedule, v, uga)"
             )
-        if name in ("checkpointing", "unsharded_grad_accumulation"):
-            if val.lower() not in ("on", "off", "true", "false", "1", "0"):
-                raise ValueError(f"{key}={val!r}: use on or off")
-            extras[name] = val.lower() in ("on", "true", "1")
-        elif name in ("micro_batch", "pipeline_virtual_stages"):
-            extras[name] = int(val)
-        elif name == "pipeline_schedule":
-            extras[name] = canonical(val)
-        else:
-            values[name] = int(val)
     if not values:
         raise ValueError(f"layout {text!r} names no degree")
     return Layout(**values), extras  # ParallelDims refuses an ep that does not divide dp_shard·cp·tp

@@ -1,9 +1,11 @@
 """What a field of the planner's ``Settings`` (``plan/settings.py``) or ``PlanRequest``
 (``plan/search.py``) says of itself besides its value, as dataclass field metadata: the
-``ndparallel plan`` flag that sets it (``flag``), and whether it is a setting of the optimizer step
-(``STEP``)."""
+``ndparallel plan`` flag that sets it (``flag``; the adapter's: ``adapter``), the ``--explain`` key
+that pins it (``pin``), and whether it is a setting of the optimizer step (``STEP``)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 GROUPS = (
     "batch, checkpointing and precision",
@@ -31,3 +33,30 @@ STEP = {"step": True}
 """A field's metadata: a setting of the optimizer step or of accumulation, which the cost of one
 forward and backward does not read (``plan/compute.py``'s ``STEP_FIELDS``; its default: a neutral
 step)."""
+
+
+def adapter(help: str | None = None, **how) -> dict:
+    """A field's metadata (``Settings``): a setting of the adapter, which ``ndparallel plan``'s
+    adapter flags decide together (``plan/cli.py``'s ``build_request``: ``--adapter``, the rank, the
+    tables trained in full), not one flag each. ``help``: the field's own flag, ``--FIELD``, added
+    after ``--adapter`` and needing it, None (not given) by default; ``how``: argparse's ``type``."""
+    return {"adapter": {"help": help, **how} if help else None}
+
+
+def whole(key: str, text: str) -> int:
+    """An ``--explain`` key's value (``pin``) as a whole number."""
+    return int(text)
+
+
+def on_off(key: str, text: str) -> bool:
+    """An ``--explain`` key's value (``pin``) as a switch: on / off (true / false, 1 / 0)."""
+    if text.lower() not in ("on", "off", "true", "false", "1", "0"):
+        raise ValueError(f"{key}={text!r}: use on or off")
+    return text.lower() in ("on", "true", "1")
+
+
+def pin(*aliases: str, read: Callable[[str, str], object] = whole) -> dict:
+    """A field's metadata (``PlanRequest``'s choices per layout): ``ndparallel plan --explain``'s
+    key that pins it (``plan/cli_arguments.py``'s ``parse_layout``), the field's name or one of
+    ``aliases``, its value ``read(key, text)`` (``whole``, ``on_off``)."""
+    return {"pin": (aliases, read)}

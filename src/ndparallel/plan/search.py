@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from ndparallel.parallel.layout_refusals import qat_layout_problem, saved_modules_problem
 from ndparallel.plan.estimate import Estimate, TimeBreakdown, finish, rank_step
-from ndparallel.plan.field_marks import PIPELINE, flag
+from ndparallel.plan.field_marks import PIPELINE, flag, on_off, pin
 from ndparallel.plan.hardware import GiB, Hardware
 from ndparallel.plan.layout import (
     Layout,
@@ -58,10 +58,11 @@ class PlanRequest:
     """Sequences per optimizer step; None: about DEFAULT_GLOBAL_BATCH_TOKENS (not enforced)."""
     micro_batch: int | None = field(
         default=None,
-        metadata=flag("micro-batch per GPU, or auto (1,2,4,8)", default="auto"),
+        metadata=flag("micro-batch per GPU, or auto (1,2,4,8)", default="auto")
+        | pin("mb", "micro_batch_size"),
     )
     """None: try AUTO_MICRO_BATCHES."""
-    checkpointing: str = "auto"
+    checkpointing: str = field(default="auto", metadata=pin("ac", read=on_off))
     unsharded_grad_accumulation: bool | None = field(
         default=None,
         metadata=flag(
@@ -72,7 +73,8 @@ class PlanRequest:
             const="on",
             default="auto",
             choices=("auto", "on", "off"),
-        ),
+        )
+        | pin("uga", read=on_off),
     )
     """FSDP gradients accumulated unsharded, reduced once per step. None (auto): pp layouts try both
     (one reduction per step by each stage's FSDP root, or one per micro-batch: the runtime's
@@ -88,7 +90,8 @@ class PlanRequest:
             "pipeline schedule of the pp layouts: auto (1F1B and Interleaved1F1B), GPipe, 1F1B, "
             "Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble (train's pipeline_schedule)",
             group=PIPELINE,
-        ),
+        )
+        | pin("schedule", "sched", read=lambda _key, text: canonical(text)),
     )
     """'auto': 1F1B and Interleaved1F1B (2 stages per rank) for each pp layout; else that schedule."""
     pipeline_virtual_stages: int | None = field(
@@ -97,7 +100,8 @@ class PlanRequest:
             "stages per rank of the interleaved / zero-bubble schedules (default 2)",
             positive=True,
             group=PIPELINE,
-        ),
+        )
+        | pin("v", "virtual"),
     )
     """Stages per rank of the multi-stage schedules (None: the runtime's default, 2)."""
 

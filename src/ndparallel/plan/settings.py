@@ -1,8 +1,9 @@
 """The planner's ``Settings``: everything of a run besides its layout that changes the memory or the
 time of one step, one field per option in the estimates' own vocabulary. Each field a flag sets
-declares its ``ndparallel plan`` flag (``plan/field_marks.py``); ``from_options`` derives the
-settings of the runtime's options and ``train_config_options`` writes them back as a training
-config's keys: the one place outside ``config/`` where the planner's names meet the run's."""
+declares its ``ndparallel plan`` flag (``plan/field_marks.py``: ``flag``; the adapter's fields
+``adapter``); ``from_options`` derives the settings of the runtime's options and
+``train_config_options`` writes them back as a training config's keys: the one place outside
+``config/`` where the planner's names meet the run's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ndparallel.layout.dims import ParallelDims
 from ndparallel.parallel.options import StrategyOptions
-from ndparallel.plan.field_marks import ADAPTERS, COMMS, LONG_CONTEXT, STEP, flag
+from ndparallel.plan.field_marks import ADAPTERS, COMMS, LONG_CONTEXT, STEP, adapter, flag
 from ndparallel.plan.pipeline import canonical, default_virtual
 from ndparallel.plan.qat_memory import qat_format
 
@@ -135,13 +136,15 @@ class Settings:
         ),
     )
     """CP block kernel: 'flash' (torch's flash op; what 'auto' runs on CUDA bf16/fp16) or 'math'."""
-    lora_r: int = 0
+    lora_r: int = field(
+        default=0, metadata=adapter("LoRA rank (default 16; needs --adapter lora or qlora)", type=int)
+    )
     """LoRA rank on every linear of the decoder layers (``plan --adapter lora``); 0: full
     fine-tuning. See ``ndparallel.plan.adapter``."""
-    lora_saved: tuple[str, ...] = ()
+    lora_saved: tuple[str, ...] = field(default=(), metadata=adapter())
     """Tables trained in full beside the adapters (``lora_modules_to_save``): 'embed', 'head'
     (``plan --lora-modules-to-save``; ``ndparallel.plan.adapter``)."""
-    quantized_base: bool = False
+    quantized_base: bool = field(default=False, metadata=adapter())
     """QLoRA (``plan --adapter qlora``): the decoder linears of the frozen base are 4-bit NF4
     (``ndparallel.plan.qlora``); needs ``lora_r``."""
     qat: str | None = field(

@@ -59,12 +59,14 @@ def forward_loss(
     batch: Mapping[str, torch.Tensor],
     num_items_in_batch: int | torch.Tensor,
     chunk_tokens: int | None = None,
-    sequence_parallel: bool = False,
+    sequence_sharded: bool = False,
     gathered=contextlib.nullcontext,
 ) -> torch.Tensor:
     """This rank's token-loss sum / ``num_items_in_batch`` for ``batch`` (``input_ids``,
     ``shift_labels``, optional ``position_ids`` / ``attention_mask``), the chunked way.
-    ``gathered(module)`` is the context that keeps an FSDP-sharded module gathered."""
+    ``sequence_sharded``: the final hidden states are sharded on the sequence over TP (sequence
+    parallel with TP on). ``gathered(module)`` is the context that keeps an FSDP-sharded module
+    gathered."""
     decoder = model.get_decoder()
     captured: dict[str, torch.Tensor] = {}
 
@@ -84,5 +86,5 @@ def forward_loss(
             batch["shift_labels"],
             num_items_in_batch,
             chunk_tokens=chunk_tokens,
-            sequence_parallel=sequence_parallel,
+            sequence_sharded=sequence_sharded,
         )
