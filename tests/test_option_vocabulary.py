@@ -73,41 +73,57 @@ def option_names() -> set[str]:
     return {f.name for cls in OPTION_CLASSES for f in fields(cls) if "_" in f.name}
 
 
-def _names(value: ast.expr, name: str) -> bool:
-    """``value`` is ``name`` itself or an attribute of that name (``x.name``)."""
-    return (
-        isinstance(value, ast.Name)
-        and value.id == name
-        or isinstance(value, ast.Attribute)
-        and value.attr == name
-    )
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def module_copies(tree: ast.AST, names: set[str]) -> dict[str, list[str]]:
+    """The copies in a module's ``tree`` of each option of ``names`` that it copies, by form (one
+    walk of the tree): 'field' (a class-body declaration), 'keyword' (``f(name=x.name)`` /
+    ``f(name=name)``), 'key' (a dict key) and 'string' (the name or its flag ``--name-x`` as a
+    string constant)."""
+    flags = {_flag(n): n for n in names}
+    out: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for st in node.body:
+                target = st.target if isinstance(st, ast.AnnAssign) else None
+                if isinstance(target, ast.Name) and target.id in names:
+                    out.setdefault(target.id, []).append("field")
+        elif isinstance(node, ast.keyword) and node.arg in names:
+            value = node.value
+            if (isinstance(value, ast.Name) and value.id == node.arg) or (
+                isinstance(value, ast.Attribute) and value.attr == node.arg
+            ):
+                out.setdefault(node.arg, []).append("keyword")
+        elif isinstance(node, ast.Dict):
+            for k in node.keys:
+                if isinstance(k, ast.Constant) and isinstance(k.value, str) and k.value in names:
+                    out.setdefault(k.value, []).append("key")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            name = node.value if node.value in names else flags.get(node.value)
+            if name is not None:
+                out.setdefault(name, []).append("string")
+    return out
 
 
 def option_copies(tree: ast.AST, name: str) -> list[str]:
-    """The copies of option ``name`` in a module's ``tree``, by form: 'field' (a class-body
-    declaration), 'keyword' (``f(name=x.name)`` / ``f(name=name)``), 'key' (a dict key) and
-    'string' (the name or its flag ``--name-x`` as a string constant)."""
-    strings = {name, "--" + name.replace("_", "-")}
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef):
-            out += [
-                "field"
-                for st in node.body
-                if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.target.id == name
-            ]
-        elif isinstance(node, ast.keyword) and node.arg == name and _names(node.value, name):
-            out.append("keyword")
-        elif isinstance(node, ast.Dict):
-            out += ["key" for k in node.keys if isinstance(k, ast.Constant) and k.value == name]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in strings:
-            out.append("string")
+    """The copies of option ``name`` in a module's ``tree``, by form (``module_copies``)."""
+    return module_copies(tree, {name}).get(name, [])
+
+
+def copying_modules(names: set[str], trees: dict[str, ast.AST]) -> dict[str, list[str]]:
+    """For each of ``names``, the modules (of ``trees``: path -> syntax tree) that copy it."""
+    out: dict[str, list[str]] = {name: [] for name in names}
+    for path in sorted(trees):
+        for name in module_copies(trees[path], names):
+            out[name].append(path)
     return out
 
 
 def copy_modules(name: str, trees: dict[str, ast.AST]) -> list[str]:
     """The modules (of ``trees``: path -> syntax tree) that copy ``name``."""
-    return sorted(path for path, tree in trees.items() if option_copies(tree, name))
+    return copying_modules({name}, trees)[name]
 
 
 def _trees() -> dict[str, ast.AST]:
@@ -119,8 +135,7 @@ def test_each_option_is_copied_in_few_modules():
     trees = _trees()
     bounds = BATCH_ARITHMETIC
     over, stale = [], []
-    for name in sorted(option_names()):
-        where = copy_modules(name, trees)
+    for name, where in sorted(copying_modules(option_names(), trees).items()):
         bound = bounds.get(name, TARGET)
         if len(where) > bound:
             over.append(f"{name}: {len(where)} modules > {bound} ({', '.join(where)})")
