@@ -90,7 +90,7 @@ def run_train(argv: Sequence[str]) -> int:
         if main_rank:
             from ndparallel.preflight.plan_text import describe_plan
 
-            print(describe_plan(cfg, found.pc, found.hf, found.notes, found.summaries))
+            print(describe_plan(cfg, found.pc, found.hf, found.notes, found.summaries, found.meta_model))
         return 0
     if not in_job:
         if not args.skip_family_check:

@@ -3,7 +3,8 @@
 fit the data, ``chunked_loss: true`` is exact for the family, the ``unfrozen_parameters`` patterns
 name parameters of the model, ``qat.group_size`` divides every linear's input width. So a config
 ``--dry-run`` passes is not refused later for a reason it could have known. Also the notes and
-``--dry-run`` lines that depend on the model."""
+``--dry-run`` lines that depend on the model. ``meta``: the pass's shared meta model
+(``model_check.shared_meta_model``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ndparallel.data.dataset import DatasetSpec
 from ndparallel.data.prepare import concatenates
 from ndparallel.models.heads import plain_head_problem
 from ndparallel.models.multimodal import multimodal_class, multimodal_note
-from ndparallel.preflight.model_check import beyond_positions, meta_model
+from ndparallel.preflight.model_check import beyond_positions, shared_meta_model
 from ndparallel.techniques.qat import group_size_problem
 from ndparallel.training.controls import unmatched_patterns
 
@@ -48,16 +49,16 @@ def check_data_order(cfg: TrainConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
-def check_qat_groups(cfg: TrainConfig, hf) -> None:
+def check_qat_groups(cfg: TrainConfig, hf, meta=None) -> None:
     if cfg.qat is not None:
-        problem = group_size_problem(meta_model(cfg, hf), cfg.qat_options())
+        problem = group_size_problem(shared_meta_model(cfg, hf, meta), cfg.qat_options())
         if problem:
             raise ConfigError(f"qat: {problem}")
 
 
-def check_chunked_loss(cfg: TrainConfig, hf) -> None:
+def check_chunked_loss(cfg: TrainConfig, hf, meta=None) -> None:
     if cfg.chunked_loss:
-        problem = chunked_loss_problem(cfg, hf)
+        problem = chunked_loss_problem(cfg, hf, meta)
         if problem:
             raise ConfigError(
                 f"chunked_loss: true, but the chunked loss would not be exact for base_model="
@@ -66,9 +67,9 @@ def check_chunked_loss(cfg: TrainConfig, hf) -> None:
             )
 
 
-def check_unfrozen_parameters(cfg: TrainConfig, hf) -> None:
+def check_unfrozen_parameters(cfg: TrainConfig, hf, meta=None) -> None:
     if cfg.unfrozen_parameters and cfg.adapter is None:
-        names = [n for n, _ in meta_model(cfg, hf).named_parameters()]
+        names = [n for n, _ in shared_meta_model(cfg, hf, meta).named_parameters()]
         missing = unmatched_patterns(names, cfg.unfrozen_parameters)
         if missing:
             raise ConfigError(
@@ -108,12 +109,12 @@ def _check_data_order(cfg: TrainConfig) -> None:
         )
 
 
-def chunked_loss_problem(cfg: TrainConfig, hf) -> str | None:
+def chunked_loss_problem(cfg: TrainConfig, hf, meta=None) -> str | None:
     """Why the chunked loss would not be exact for this model (None: it is)."""
 
     if cfg.qat is not None:
         return "qat fake-quantises the LM head (more than a matmul)"
-    return plain_head_problem(meta_model(cfg, hf))
+    return plain_head_problem(shared_meta_model(cfg, hf, meta))
 
 
 def qat_summary(cfg: TrainConfig) -> str:
@@ -134,20 +135,20 @@ def qat_summary(cfg: TrainConfig) -> str:
     )
 
 
-def chunked_loss_state(cfg: TrainConfig, hf) -> str:
+def chunked_loss_state(cfg: TrainConfig, hf, meta=None) -> str:
     """What ``chunked_loss`` resolves to for this model, for ``--dry-run``."""
     if cfg.chunked_loss is False:
         return "off"
-    problem = chunked_loss_problem(cfg, hf)
+    problem = chunked_loss_problem(cfg, hf, meta)
     return "on" if problem is None else f"off ({problem}: the logits path)"
 
 
-def model_notes(cfg: TrainConfig, hf) -> list[str]:
+def model_notes(cfg: TrainConfig, hf, meta=None) -> list[str]:
     """Notes that depend on the model: a multimodal checkpoint trained on text, ``sequence_len``
     past the model's positions (rotary / ALiBi: extrapolated), sample packing with token mixers
     other than attention."""
 
-    notes = [multimodal_note(meta_model(cfg, hf))] if multimodal_class(hf) is not None else []
+    notes = [multimodal_note(shared_meta_model(cfg, hf, meta))] if multimodal_class(hf) is not None else []
     positions = beyond_positions(cfg, hf)
     if positions is not None:
         notes.append(
@@ -155,15 +156,15 @@ def model_notes(cfg: TrainConfig, hf) -> list[str]:
             "its computed (rotary / ALiBi) positions extrapolate beyond the trained context, as in "
             "Axolotl; a rope_scaling in config.json extends the context properly"
         )
-    return notes + _packing_notes(cfg, hf)
+    return notes + _packing_notes(cfg, hf, meta)
 
 
-def _packing_notes(cfg: TrainConfig, hf) -> list[str]:
+def _packing_notes(cfg: TrainConfig, hf, meta=None) -> list[str]:
     if not cfg.sample_packing:
         return []
     import torch.nn as nn
 
-    language = [m for n, m in meta_model(cfg, hf).named_modules() if not _in_tower(n)]
+    language = [m for n, m in shared_meta_model(cfg, hf, meta).named_modules() if not _in_tower(n)]
     mixers = sorted({type(m).__name__ for m in language if isinstance(m, nn.Conv1d)})
     if not mixers:
         return []

@@ -143,14 +143,14 @@ def quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
-def check_model(cfg: TrainConfig, hf, check_weights: bool = True) -> None:
+def check_model(cfg: TrainConfig, hf, check_weights: bool = True, meta=None) -> None:
     """Causal decoder? ``sequence_len`` within its positions? Local weights fit the config (with
-    ``check_weights``)?"""
+    ``check_weights``)? ``meta``: see ``shared_meta_model``."""
 
     problem = config_problem(hf, cfg.trust_remote_code)
     if problem:
         raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
-    tables = beyond_learned_positions(cfg, hf)
+    tables = beyond_learned_positions(cfg, hf, meta)
     if tables:
         raise ConfigError(
             f"sequence_len={cfg.sequence_len} is larger than the model's max_position_embeddings="
@@ -161,9 +161,9 @@ def check_model(cfg: TrainConfig, hf, check_weights: bool = True) -> None:
         published_config(cfg.base_model) is not None and not Path(cfg.base_model).exists()
     ):
         if cfg.fsdp_config.layer_classes:
-            _check_layer_classes(cfg, meta_model(cfg, hf))
+            _check_layer_classes(cfg, shared_meta_model(cfg, hf, meta))
         return  # built-in or published shapes: known causal decoders, no local weights to check
-    model = meta_model(cfg, hf)
+    model = shared_meta_model(cfg, hf, meta)
     problem = causal_lm_problem(model)
     if problem:
         raise ConfigError(f"base_model={cfg.base_model!r}: {problem}")
@@ -195,12 +195,12 @@ def beyond_positions(cfg: TrainConfig, hf) -> int | None:
     return positions if isinstance(positions, int) and cfg.sequence_len > positions else None
 
 
-def beyond_learned_positions(cfg: TrainConfig, hf) -> list[str]:
+def beyond_learned_positions(cfg: TrainConfig, hf, meta=None) -> list[str]:
     """The learned position tables that ``sequence_len`` overruns (none for rotary / ALiBi models,
     which compute positions: ``dry_checks.model_notes`` says they extrapolate)."""
 
     positions = beyond_positions(cfg, hf)
-    return [] if positions is None else learned_position_tables(meta_model(cfg, hf), positions)
+    return [] if positions is None else learned_position_tables(shared_meta_model(cfg, hf, meta), positions)
 
 
 def meta_model(cfg: TrainConfig, hf):
@@ -214,6 +214,12 @@ def meta_model(cfg: TrainConfig, hf):
         raise ConfigError(
             f"base_model={cfg.base_model!r}: no model can be built from its config: {one_line(e)[:300]}"
         ) from None
+
+
+def shared_meta_model(cfg: TrainConfig, hf, meta=None):
+    """The meta model of a pre-launch pass: ``meta()`` when the caller shares one among its checks
+    (``Preflight.meta_model``: built once, read only), else a new one (``meta_model``)."""
+    return meta() if meta is not None else meta_model(cfg, hf)
 
 
 def _check_weights(cfg: TrainConfig, model, path: Path) -> None:
@@ -328,14 +334,14 @@ def _saved_adapter_model(cfg: TrainConfig, hf):
     return model
 
 
-def check_memory_options(cfg: TrainConfig, hf) -> None:
+def check_memory_options(cfg: TrainConfig, hf, meta=None) -> None:
     """``tiled_mlp`` needs a dense ``mlp`` block in every decoder layer, ``activation_offloading``
     layers checkpointed by transformers (``GradientCheckpointingLayer``): checked on a meta model."""
     if not (cfg.tiled_mlp or cfg.activation_offloading):
         return
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    model = meta_model(cfg, hf)
+    model = shared_meta_model(cfg, hf, meta)
     classes = tuple(cfg.fsdp_config.layer_classes) if cfg.fsdp_config.layer_classes else None
     try:
         mlps = dense_mlps(model, classes) if cfg.tiled_mlp else []

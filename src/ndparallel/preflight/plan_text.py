@@ -17,11 +17,16 @@ from ndparallel.tracking.run import missing_trackers
 
 
 def describe_plan(
-    cfg: TrainConfig, pc, hf, notes: Sequence[str] = (), summaries: Mapping[str, str] | None = None
+    cfg: TrainConfig,
+    pc,
+    hf,
+    notes: Sequence[str] = (),
+    summaries: Mapping[str, str] | None = None,
+    meta=None,
 ) -> str:
     """The resolved run, as printed by ``--dry-run``: ``pc`` and ``hf`` as the checks resolved them,
-    ``notes`` and ``summaries`` theirs (``checks.run_checks``; the max_steps note is said by the
-    steps line; a summary not given is asked of its check here)."""
+    ``notes``, ``summaries`` and the meta model (``meta``) theirs (``checks.run_checks``; the
+    max_steps note is said by the steps line; a summary not given is asked of its check here)."""
     from ndparallel.preflight.dry_checks import chunked_loss_state, qat_summary
     from ndparallel.preflight.model_check import check_adapter
     from ndparallel.preflight.qlora_check import check_quantized_base
@@ -42,7 +47,8 @@ def describe_plan(
         *([f"pipeline     : {pipeline_summary(cfg, pc, hf)}"] if pc.pp_enabled else []),
         f"fsdp         : {cfg.fsdp_config.model_dump()}",
         f"precision    : {_precision(cfg)}" + (f", fp8 linears ({cfg.fp8_recipe})" if cfg.fp8 else ""),
-        f"speed        : chunked loss {chunked_loss_state(cfg, hf)}, compile {'on' if cfg.compile else 'off'}"
+        f"speed        : chunked loss {chunked_loss_state(cfg, hf, meta)}, "
+        f"compile {'on' if cfg.compile else 'off'}"
         + (f", loss parallel {_auto(cfg.loss_parallel)}" if pc.tp_enabled else ""),
         *(
             [f"adapter      : {said.get('adapter') or check_adapter(cfg, hf, pc.tp_size)}"]
@@ -55,7 +61,7 @@ def describe_plan(
             else []
         ),
         *([f"qat          : {qat_summary(cfg)}"] if cfg.qat is not None else []),
-        *([f"tp plan      : {_tp_plan_summary(cfg, hf)}"] if pc.tp_enabled else []),
+        *([f"tp plan      : {_tp_plan_summary(cfg, hf, meta)}"] if pc.tp_enabled else []),
         *(
             [f"long context : {_long_context(cfg, pc, hf)}"]
             if cfg.tiled_mlp or cfg.activation_offloading
@@ -107,12 +113,12 @@ def _experts_lines(pc, hf) -> list[str]:
     ]
 
 
-def _tp_plan_summary(cfg: TrainConfig, hf) -> str:
+def _tp_plan_summary(cfg: TrainConfig, hf, meta) -> str:
     """How many plan entries shard which modules, and the entries that match none (dropped)."""
     from ndparallel.models.tp_plans import match_plan, resolve_tp_plan, unmatched_keys
-    from ndparallel.preflight.model_check import meta_model
+    from ndparallel.preflight.model_check import shared_meta_model
 
-    model = meta_model(cfg, hf)
+    model = shared_meta_model(cfg, hf, meta)
     plan = resolve_tp_plan(model, cfg.tp_plan)
     dropped = unmatched_keys(model, plan)
     return (
