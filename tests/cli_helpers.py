@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 
+def c10d_nodes(nproc_per_node: int, endpoint: str, rdzv_id: str | None = None, nnodes: int = 2) -> list[str]:
+    """torchrun's flags (``ndparallel launch`` takes the same) for one of ``nnodes`` nodes meeting
+    in a c10d rendezvous at ``endpoint`` (``host:port``)."""
+    flags = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node)]
+    flags += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+    return flags + (["--rdzv-id", rdzv_id] if rdzv_id else [])
+
+
 def run_cli(capsys, *args) -> tuple[int, str, str]:
     """``ndparallel ARGS`` in-process: (exit code, stdout, stderr). What the test printed before
     (its own setup, progress bars) is dropped first."""

@@ -28,7 +28,7 @@ from ndparallel.runtime.preemption import PREEMPTED_EXIT
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import ckpt_train  # noqa: E402
 
-from cli_helpers import run_cli, train_on_forked_ranks  # noqa: E402
+from cli_helpers import c10d_nodes, run_cli, train_on_forked_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16
@@ -199,18 +199,7 @@ def test_two_nodes_of_two_ranks_equal_one_node_of_four(work):
     rendezvous on 127.0.0.1. Asynchronous checkpoints on, every 5 steps."""
     root, reference = work
     cfg, out = _config(root, "two_nodes"), root / "two_nodes"
-    rdzv = [
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-        "--rdzv-id",
-        "two-nodes",
-    ]
+    rdzv = c10d_nodes(2, f"127.0.0.1:{free_port()}", "two-nodes")
     train = ["-m", "ndparallel", "train", str(cfg), "--set", "checkpoint_async=true", "--set", "save_steps=5"]
     launchers = [
         [sys.executable, "-m", "torch.distributed.run", *rdzv, *train],
@@ -237,14 +226,7 @@ def test_tensor_parallel_across_nodes_refused_before_launch(tmp_path, capsys, mo
     code, _, err = run_cli(
         capsys,
         "launch",
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "127.0.0.1:1",
+        *c10d_nodes(1, "127.0.0.1:1"),
         "-m",
         "ndparallel",
         "train",

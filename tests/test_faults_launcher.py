@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import c10d_nodes
 from ndparallel.runtime.multirank import free_port
 from ndparallel.runtime.preemption import PREEMPTED_EXIT
 
@@ -109,18 +110,7 @@ def test_a_dead_node_ends_the_other_which_names_it(tmp_path):
     """Two launchers (1 rank each, c10d rendezvous on 127.0.0.1): ``kill -9`` of the second —
     its rank dies with it; the first ends within the collective timeout, naming that node."""
     port = free_port()
-    rdzv = [
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
-        "--rdzv-id",
-        "dead-node",
-    ]
+    rdzv = c10d_nodes(1, f"127.0.0.1:{port}", "dead-node")
     first = _launch(*rdzv, str(SCRIPT), "loop", str(tmp_path))
     deadline = time.monotonic() + WAIT_S
     while not _listening(port):  # the first launcher hosts the rendezvous store
