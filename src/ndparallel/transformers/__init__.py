@@ -6,6 +6,17 @@
 ``parallel_trainer(SomeTrainer)`` does the same for any ``Trainer`` subclass (docs/trainer.md)."""
 
 from ndparallel.transformers.trainer_door import Trainer, TrainerDoor, parallel_trainer
-from ndparallel.transformers.training_arguments import ParallelArguments, TrainingArguments
+from ndparallel.transformers.training_arguments import (
+    ParallelArguments,
+    TrainingArguments,
+    parallel_arguments,
+)
 
-__all__ = ["ParallelArguments", "Trainer", "TrainerDoor", "TrainingArguments", "parallel_trainer"]
+__all__ = [
+    "ParallelArguments",
+    "Trainer",
+    "TrainerDoor",
+    "TrainingArguments",
+    "parallel_arguments",
+    "parallel_trainer",
+]

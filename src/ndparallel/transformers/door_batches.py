@@ -16,6 +16,9 @@ from ndparallel.techniques.loss import IGNORE_INDEX
 
 SEQUENCE_KEYS = ("input_ids", "shift_labels", "position_ids")
 """The columns split along the sequence under context parallelism, in this order."""
+BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+"""What a padding-free collator derives from ``position_ids`` for varlen kernels (TRL's): dropped where
+the sequence is padded or split, ndparallel's attention reading the documents from the positions."""
 LOSS_KEYS = frozenset({"input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "use_cache"})
 """A batch of only these is a plain causal-LM batch: the engine's own loss can take it."""
 
@@ -48,7 +51,7 @@ def layout_inputs(inputs: Mapping, divisor: int, cp: bool, where: str) -> dict:
     """``inputs`` for a layout whose sequences must divide by ``divisor`` (and, with ``cp``, are split
     over the cp ranks): a new dict; ``labels`` are replaced by ``shift_labels`` under CP (a model
     would shift them after the split, pairing tokens with the wrong targets at every shard edge)."""
-    out = dict(inputs)
+    out = {k: v for k, v in inputs.items() if k not in BOUNDARY_KEYS}
     ids = out["input_ids"]
     if loss_labels(out) is not None and "shift_labels" not in out:
         out["shift_labels"] = shift(out["labels"])

@@ -51,6 +51,10 @@ STATE_DIR = "ndparallel_state"
 class TrainerDoor(transformers.Trainer):
     """transformers' ``Trainer`` with ndparallel's engine underneath (see the module docstring)."""
 
+    splits_sequences: bool = True
+    """Whether the trainer's loss survives its sequences being split over cp ranks (a sum over
+    tokens does; a function of whole-sequence sums, DPO's log-probabilities, does not)."""
+
     # ------------------------------------------------------------------ the accelerator
     def create_accelerator_and_postprocess(self) -> None:
         grad_acc = self.args.accelerator_config.gradient_accumulation_kwargs or {}
@@ -70,6 +74,11 @@ class TrainerDoor(transformers.Trainer):
 
     def _validate_args(self) -> None:
         super()._validate_args()
+        if not self.splits_sequences and self.accelerator.engine.dims.cp_enabled:
+            raise ValueError(
+                f"{type(self).__name__}'s loss needs each sequence whole on one rank, and context "
+                "parallelism splits it: set cp_size=1 (shard with dp_shard_size / tp_size instead)"
+            )
         if self.compute_metrics is not None and self.accelerator.engine.dims.cp_enabled:
             raise ValueError(
                 "compute_metrics needs each evaluation batch's logits, and context parallelism splits "
@@ -213,9 +222,11 @@ class TrainerDoor(transformers.Trainer):
 
 
 @functools.cache
-def parallel_trainer(trainer_class: type) -> type:
+def parallel_trainer(trainer_class: type, splits_sequences: bool = True) -> type:
     """``trainer_class`` (transformers' ``Trainer`` or a subclass) on ndparallel: a subclass with
-    ``TrainerDoor`` under ``trainer_class``'s own overrides. The same class each time it is asked."""
+    ``TrainerDoor`` under ``trainer_class``'s own overrides. The same class each time it is asked.
+    ``splits_sequences=False``: its loss is a function of whole-sequence sums (DPO's), which context
+    parallelism would split: a layout with ``cp_size > 1`` is refused when it is built."""
     if not (inspect.isclass(trainer_class) and issubclass(trainer_class, transformers.Trainer)):
         raise TypeError(f"parallel_trainer takes a subclass of transformers.Trainer, got {trainer_class!r}")
     if issubclass(trainer_class, TrainerDoor):
@@ -225,7 +236,7 @@ def parallel_trainer(trainer_class: type) -> type:
     return type(
         trainer_class.__name__,
         (trainer_class, TrainerDoor),
-        {"__module__": __name__, "__doc__": trainer_class.__doc__},
+        {"__module__": __name__, "__doc__": trainer_class.__doc__, "splits_sequences": splits_sequences},
     )
 
 

@@ -4,11 +4,12 @@ sets up its devices on it. ``parallelism_config`` takes ndparallel's ``Paralleli
 unset it is read from the ``PARALLELISM_CONFIG_*`` / ``NDPARALLEL_*`` environment variables when
 ``accelerate launch`` or ``ndparallel launch`` set them (the door's Accelerator does that).
 
-``ParallelArguments`` is the same change for any ``TrainingArguments`` subclass (TRL's configs):
-``class SFTConfig(ParallelArguments, trl.SFTConfig)``."""
+``parallel_arguments(SomeArguments)`` is the same change for any ``TrainingArguments`` subclass (TRL's
+configs): ``ParallelArguments`` mixed in first."""
 
 from __future__ import annotations
 
+import functools
 import os
 from functools import cached_property
 
@@ -36,3 +37,20 @@ class ParallelArguments:
 class TrainingArguments(ParallelArguments, transformers.TrainingArguments):
     """transformers' ``TrainingArguments`` for ``ndparallel.transformers.Trainer`` (any field it
     cannot honour on a layout is refused when the trainer is built, naming the field)."""
+
+
+@functools.cache
+def parallel_arguments(arguments_class: type) -> type:
+    """``arguments_class`` (a ``TrainingArguments`` subclass, e.g. TRL's ``SFTConfig``) with
+    ``ParallelArguments`` mixed in first; the same class each time it is asked."""
+    if not (
+        isinstance(arguments_class, type) and issubclass(arguments_class, transformers.TrainingArguments)
+    ):
+        raise TypeError(f"parallel_arguments takes a TrainingArguments subclass, got {arguments_class!r}")
+    if issubclass(arguments_class, ParallelArguments):
+        return arguments_class
+    return type(
+        arguments_class.__name__,
+        (ParallelArguments, arguments_class),
+        {"__module__": __name__, "__doc__": arguments_class.__doc__},
+    )
