@@ -16,7 +16,7 @@ from ndparallel.tools.agreement import Reference, assert_matches, stated_bounds
 from ndparallel.tools.equivalence import TrainResult
 from ndparallel.tools.verify import BF16_TOLERANCE
 from sft_fixtures import tiny_llama_dir, weights_checksum
-from trainer_door_helpers import QUIET_HUB, evaluations_of, fixture, peer_reference, steps_of
+from trainer_door_helpers import QUIET_HUB, fixture, logged, peer_reference, steps_of
 
 RECORDED = fixture("trainer_features")
 FSDP2_CP2 = {"dp_shard_size": 2, "cp_size": 2}
@@ -74,8 +74,8 @@ def test_features_on_fsdp2_cp2_equal_transformers_trainer(model_dir, model_confi
     run = _fsdp2_cp2(model_dir, out_root)
     peer = RECORDED["runs"]["fp32"]["first"]
     assert_matches(peer_reference(RECORDED, "fp32", model_config), steps_of(run["history"]))
-    evaluations = peer_reference(RECORDED, "fp32", model_config, evaluations=True)
-    assert_matches(evaluations, evaluations_of(run["history"]), compared=("loss_rel",))
+    evaluations = peer_reference(RECORDED, "fp32", model_config, metric="eval_losses")
+    assert_matches(evaluations, logged(run["history"], "eval_loss"), compared=("loss_rel",))
     assert run["callback_steps"] == peer["callback_steps"] == [1, 2, 3, 4]
     out = run["out"]
     assert (out / "checkpoint-2" / "ndparallel_state" / "COMPLETE").is_file()

@@ -20,24 +20,23 @@ def fixture(name: str) -> dict:
     return json.loads((FIXTURES / f"{name}.json").read_text())
 
 
-def _result(run: dict, evaluations: bool, start: int) -> TrainResult:
-    if evaluations:  # the evaluation losses, compared as losses (``compared=("loss_rel",)``)
-        return TrainResult(
-            losses=run["eval_losses"][start:], grad_norms=run["eval_losses"][start:], params=None
-        )
-    return TrainResult(losses=run["losses"][start:], grad_norms=run["grad_norms"][start:], params=None)
+def _result(run: dict, metric: str | None, start: int) -> TrainResult:
+    if metric is None:
+        return TrainResult(losses=run["losses"][start:], grad_norms=run["grad_norms"][start:], params=None)
+    values = run[metric][start:]  # another logged quantity, compared as the losses (``compared=``)
+    return TrainResult(losses=values, grad_norms=values, params=None)
 
 
 def peer_reference(
-    recorded: dict, run: str, model_config, *, evaluations: bool = False, start: int = 0
+    recorded: dict, run: str, model_config, *, metric: str | None = None, start: int = 0
 ) -> Reference:
-    """The peer's run ``run`` of a fixture (from step ``start``; ``evaluations``: its evaluation
-    losses) as the reference, its bounds from its own second way (``tools/agreement.py``; a run
-    without one — a one-row batch — is its own) and the parameter count the fixture records (the
-    rule's fp32 floor)."""
+    """The peer's run ``run`` of a fixture (from step ``start``; ``metric``: another quantity it
+    recorded, e.g. ``eval_losses``, as the losses) as the reference, its bounds from its own second
+    way (``tools/agreement.py``; a run without one — a one-row batch — is its own) and the parameter
+    count the fixture records (the rule's fp32 floor)."""
     group = recorded["runs"][run]
-    first = _result(group["first"], evaluations, start)
-    seconds = [_result(r, evaluations, start) for k, r in group.items() if k != "first"] or [first]
+    first = _result(group["first"], metric, start)
+    seconds = [_result(r, metric, start) for k, r in group.items() if k != "first"] or [first]
     bounds = measured_bounds(TrainSetup(model_config), first, *seconds, n_params=recorded["n_params"])
     return Reference(first, bounds)
 
@@ -49,10 +48,10 @@ def steps_of(history: list[dict], start: int = 0) -> TrainResult:
     return TrainResult(losses=losses, grad_norms=norms, params=None)
 
 
-def evaluations_of(history: list[dict]) -> TrainResult:
-    """A Trainer's logged evaluation losses, as the losses of a result (see ``peer_reference``)."""
-    losses = [h["eval_loss"] for h in history if "eval_loss" in h]
-    return TrainResult(losses=losses, grad_norms=losses, params=None)
+def logged(history: list[dict], key: str) -> TrainResult:
+    """Every value of ``key`` a Trainer logged, as the losses of a result (see ``peer_reference``)."""
+    values = [h[key] for h in history if key in h]
+    return TrainResult(losses=values, grad_norms=values, params=None)
 
 
 def _script(argv: list[str]) -> list[dict]:

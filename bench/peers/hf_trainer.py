@@ -41,6 +41,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 SCRIPTS = {
     "nd_parallel_trainer": REPO / "tests" / "accelerate_scripts" / "nd_parallel_trainer.py",
     "trainer_features": REPO / "tests" / "trainer_scripts" / "trainer_features.py",
+    "trl_sft": REPO / "tests" / "trainer_scripts" / "trl_sft.py",
+    "trl_dpo": REPO / "tests" / "trainer_scripts" / "trl_dpo.py",
 }
 FIXTURES = REPO / "tests" / "fixtures" / "trainer"
 PEER_IMPORTS = {
@@ -48,8 +50,10 @@ PEER_IMPORTS = {
         "from transformers import Trainer, TrainingArguments"
     ),
     "from ndparallel.utils import ParallelismConfig": "from accelerate.utils import ParallelismConfig",
+    "from ndparallel.trl import SFTConfig, SFTTrainer": "from trl import SFTConfig, SFTTrainer",
+    "from ndparallel.trl import DPOConfig, DPOTrainer": "from trl import DPOConfig, DPOTrainer",
 }
-"""The script's two import lines and what they were in Accelerate's example."""
+"""The scripts' ndparallel import lines and what they were (transformers', Accelerate's, TRL's)."""
 COMMON = {
     "nd_parallel_trainer": [
         "--sequence-length", "32",
@@ -63,6 +67,8 @@ COMMON = {
         "--seed", "42",
     ],
     "trainer_features": ["--gradient-accumulation-steps", "2", "--report-to", "none"],
+    "trl_sft": [],
+    "trl_dpo": [],
 }  # fmt: skip
 """Each script's arguments besides the model, the output folder and the run's own (the tests read
 them from the fixture)."""
@@ -75,25 +81,52 @@ RUNS = {
         "fp32": ["--per-device-batch-size", "2", "--max-steps", "4"],
         "bf16_epoch": ["--per-device-batch-size", "2", "--max-steps", "-1", "--rows", "8", "--bf16"],
     },
+    "trl_sft": {
+        "prompt_completion": ["--per-device-batch-size", "2"],
+        "chat_packed": ["--per-device-batch-size", "2", "--data", "chat", "--packing"],
+        "padding_free": ["--per-device-batch-size", "2", "--padding-free"],
+    },
+    "trl_dpo": {
+        "full": ["--per-device-batch-size", "2"],
+        "lora": ["--per-device-batch-size", "2", "--lora"],
+    },
 }
-"""Each script's runs: their own arguments."""
+"""Each script's runs: their own arguments. A run whose micro-batches hold several rows is run again
+with the rows reversed; bf16 (held to a stated bound) and packed or padding-free rows (one row a
+micro-batch) are not."""
+ONE_ROW = ("--bf16", "--packing", "--padding-free")
+METRICS = ("rewards/margins", "rewards/chosen", "rewards/rejected")
+"""Logged per step besides the loss and gradient norm, where the trainer logs them (DPO)."""
 SEED = 42
+PEERS = {
+    "nd_parallel_trainer": ("transformers", "accelerate", "torch"),
+    "trainer_features": ("transformers", "accelerate", "torch"),
+    "trl_sft": ("trl", "transformers", "accelerate", "torch"),
+    "trl_dpo": ("trl", "transformers", "accelerate", "peft", "torch"),
+}
 
 
 def peer_script(script: Path) -> types.ModuleType:
     """``script`` with transformers' and Accelerate's imports, as a module."""
     text = script.read_text()
     for ours, theirs in PEER_IMPORTS.items():
-        if text.count(ours) != 1:
-            raise SystemExit(f"{script} no longer has the line {ours!r} once")
         text = text.replace(ours, theirs)
-    sys.path.insert(0, str(script.parent))  # nd_parallel_trainer's `from nd_utils import get_dataset`
+    left = [line for line in text.splitlines() if line.startswith(("from ndparallel", "import ndparallel"))]
+    if left:
+        raise SystemExit(f"{script}: no peer import known for {left}")
+    # nd_parallel_trainer's `from nd_utils import get_dataset`, the others' `from sft_fixtures import ...`
+    sys.path[:0] = [str(script.parent), str(REPO / "tests")]
     module = types.ModuleType(f"{script.stem}_peer")
     exec(compile(text, str(script), "exec"), module.__dict__)
     return module
 
 
-DATA_FUNCTIONS = {"nd_parallel_trainer": "get_dataset", "trainer_features": "rows"}
+DATA_FUNCTIONS = {
+    "nd_parallel_trainer": "get_dataset",
+    "trainer_features": "rows",
+    "trl_sft": "dataset",
+    "trl_dpo": "dataset",
+}
 """The function each script builds its data sets with (re-ordered for the second way)."""
 
 
@@ -134,6 +167,7 @@ def child(name: str, model_dir: str, run: str, reverse: bool, out: str) -> None:
         "grad_norms": [h["grad_norm"] for h in steps],
         "learning_rates": [h["learning_rate"] for h in steps],
         "eval_losses": [h["eval_loss"] for h in history if "eval_loss" in h],
+        **{m: [h[m] for h in steps] for m in METRICS if steps and m in steps[0]},
     }
     if isinstance(result, dict):
         recorded["callback_steps"] = result["callback_steps"]
@@ -164,14 +198,14 @@ def record(name: str, model_dir: Path, work: Path) -> dict:
     for run, own in RUNS[name].items():
         batch = int(own[own.index("--per-device-batch-size") + 1])
         runs[run] = {"first": run_peer(name, model_dir, run, False, work)}
-        if batch > 1 and "--bf16" not in own:
+        if batch > 1 and not set(ONE_ROW) & set(own):
             runs[run]["reversed_rows"] = run_peer(name, model_dir, run, True, work)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     return {
         "recorded": datetime.date.today().isoformat(),
         "by": "bench/peers/hf_trainer.py",
         "script": str(SCRIPTS[name].relative_to(REPO)),
-        "peers": {p: importlib.metadata.version(p) for p in ("transformers", "accelerate", "torch")},
+        "peers": {p: importlib.metadata.version(p) for p in PEERS[name]},
         "model": {"builder": "tests/sft_fixtures.py tiny_llama_dir", "checksum": weights_checksum(model_dir)},
         "n_params": sum(p.numel() for p in model.parameters()),
         "argv": COMMON[name],
