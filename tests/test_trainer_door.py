@@ -19,6 +19,7 @@ LAYOUTS = {
     "one-rank": {},
     "cp2": {"cp_size": 2},
     "tp2": {"tp_size": 2},
+    "dp2": {"dp_replicate_size": 2},
     "fsdp2": {"dp_shard_size": 2},
     "fsdp2xcp2": {"dp_shard_size": 2, "cp_size": 2},
 }
