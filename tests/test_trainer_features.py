@@ -147,6 +147,9 @@ def _refusals(model_dir: str, out: str) -> dict[str, str]:
         "compute_metrics": lambda: trainer(
             args(parallelism_config=ParallelismConfig(cp_size=2)), compute_metrics=lambda p: {}
         ),
+        "label_smoothing_factor": lambda: trainer(
+            args(label_smoothing_factor=0.1, parallelism_config=ParallelismConfig(cp_size=2))
+        ),
         "accepted": lambda: trainer(args(parallelism_config=ParallelismConfig(dp_shard_size=2))),
     }
     messages = {}

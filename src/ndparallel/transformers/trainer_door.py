@@ -79,10 +79,17 @@ class TrainerDoor(transformers.Trainer):
                 f"{type(self).__name__}'s loss needs each sequence whole on one rank, and context "
                 "parallelism splits it: set cp_size=1 (shard with dp_shard_size / tp_size instead)"
             )
-        if self.compute_metrics is not None and self.accelerator.engine.dims.cp_enabled:
+        cp = self.accelerator.engine.dims.cp_enabled
+        if self.compute_metrics is not None and cp:
             raise ValueError(
                 "compute_metrics needs each evaluation batch's logits, and context parallelism splits "
                 "them over the cp ranks: evaluate the loss only (no compute_metrics) or set cp_size=1"
+            )
+        if cp and (self.compute_loss_func is not None or self.label_smoother is not None):
+            what = "compute_loss_func" if self.compute_loss_func is not None else "label_smoothing_factor"
+            raise ValueError(
+                f"{what} takes the unshifted labels, which context parallelism replaces by labels shifted "
+                f"before the split: drop {what} or set cp_size=1"
             )
         # A model transformers sharded at load time (tp_plan / distributed_config) is adopted by
         # prepare like any other: the engine owns its gradient reduction and its checkpoints.
