@@ -148,6 +148,20 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "= 1 process; FSDP 4 losses bit-identical to Accelerate 1.16.0 itself",
         ),
         Row(
+            "transformers' `Trainer` and TRL's `SFTTrainer` / `DPOTrainer` with only the imports changed "
+            "(`ndparallel.transformers`, `ndparallel.trl`; `parallel_trainer` for any `Trainer` subclass): "
+            "Accelerate's `nd_parallel_trainer.py`, gradient accumulation, evaluation, checkpoints resumed "
+            "on another layout, trackers, callbacks, bf16; SFT (completion-only, chat, packing, "
+            "padding-free), DPO (sharded reference model, LoRA)",
+            "= transformers' Trainer on Accelerate / TRL 1.16.0 themselves in one process (1 rank, CP 2, "
+            "TP 2, FSDP 2, FSDP 2 × CP 2, FSDP 2 × TP 2); PP and DPO under CP refused by name",
+            NOT_RUN,
+            ("tests/test_trainer_door.py", "tests/test_trainer_features.py", "tests/test_trl_door.py"),
+            "trainer.md",
+            "transformers' Trainer and TRL, imports changed",
+            "= transformers' Trainer and TRL 1.16.0 themselves in 1 process",
+        ),
+        Row(
             "`ndparallel train` (YAML with Axolotl's field names, data pipeline, metrics, eval, export); "
             "`preprocess` (`--show N`, `--json`)",
             "works",

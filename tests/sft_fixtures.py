@@ -119,3 +119,21 @@ def tiny_llama_dir(path: Path, vocab_size: int | None = None) -> Path:
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def weights_checksum(path: Path) -> str:
+    """sha256 of a saved model's tensors (names, dtypes, shapes, bytes; sorted): a fixture recorded
+    on one model tells a test that builds another (the peers' fixtures under tests/fixtures/)."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file
+
+    digest = hashlib.sha256()
+    for file in sorted(Path(path).glob("*.safetensors")):
+        tensors = load_file(str(file))
+        for name in sorted(tensors):
+            t = tensors[name].contiguous()
+            digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()

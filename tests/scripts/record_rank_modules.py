@@ -11,8 +11,9 @@ body costs 0.15 s of CPU per rank instead of 1.9 s. The list is a cache: a stale
 suite slower, never different (a module that no longer exists is skipped).
 
 The bodies below are the suite's common rank work: FSDP, TP + sequence parallel, CP, expert
-parallel, pipeline parallel, LoRA, a checkpoint saved and an HF export, and one ``ndparallel train``
-rank (data, tokenizer, trainer).
+parallel, pipeline parallel, LoRA, a checkpoint saved and an HF export, one ``ndparallel train``
+rank (data, tokenizer, trainer), and the Trainer door's scripts (transformers' ``Trainer`` with a
+checkpoint and a tracker, TRL's SFT and DPO with LoRA).
 """
 
 from __future__ import annotations
@@ -53,6 +54,23 @@ def _checkpoint_and_export(out: str) -> list[str]:
     return _new_modules()
 
 
+def _trainer_door(model_dir: str, out: str) -> list[str]:
+    """One step of each Trainer door script (tests/trainer_scripts/)."""
+    import warnings
+
+    from trainer_scripts import trainer_features, trl_dpo, trl_sft
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = ["--model-name", model_dir, "--max-steps", "1"]
+        trainer_features.main(
+            [*base, "--save-dir", f"{out}/f", "--save-steps", "1", "--report-to", "tensorboard"]
+        )
+        trl_sft.main([*base, "--save-dir", f"{out}/s", "--padding-free"])
+        trl_dpo.main([*base, "--save-dir", f"{out}/d", "--lora"])
+    return _new_modules()
+
+
 def main() -> int:
 
     from ndparallel.models.presets import preset_config
@@ -86,6 +104,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         modules.update(dict.fromkeys(run_on_ranks(_checkpoint_and_export, 2, tmp)[0]))
         modules.update(dict.fromkeys(_train_command_rank(Path(tmp))))
+        from sft_fixtures import tiny_llama_dir
+
+        model_dir = str(tiny_llama_dir(Path(tmp) / "tiny-llama"))
+        env = {"PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "HF_HUB_OFFLINE": "1"}
+        modules.update(dict.fromkeys(run_on_ranks(_trainer_door, 2, model_dir, tmp, env=env)[0]))
     names = [m for m in modules if not m.startswith(("__main__", "__mp_main__")) and "._C" not in m]
     out = TESTS / "rank_modules.txt"
     out.write_text("\n".join(names) + "\n")

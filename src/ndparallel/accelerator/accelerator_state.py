@@ -76,6 +76,22 @@ class GradientState:
     remainder: int = -1  # samples of the last global batch that are real (not padding); -1 unknown
     in_dataloader: bool = False
 
+    @property
+    def plugin_kwargs(self) -> dict:
+        """The accumulation plugin's settings, under Accelerate's name (transformers' ``Trainer``
+        reads ``sync_each_batch`` here)."""
+        return {
+            "num_steps": self.num_steps,
+            "adjust_scheduler": self.adjust_scheduler,
+            "sync_with_dataloader": self.sync_with_dataloader,
+            "sync_each_batch": self.sync_each_batch,
+        }
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """Accelerate's setter: a loop that decides itself which micro-batch completes a step
+        (transformers' ``Trainer``) says so here."""
+        self.sync_gradients = bool(sync_gradients)
+
 
 @dataclass(frozen=True)
 class AcceleratorState:

@@ -197,7 +197,13 @@ def prepare_data_loader(acc, loader: DataLoader, device_placement=None) -> Prepa
     place = acc.device_placement if device_placement is None else device_placement
     seed = cfg.data_seed if cfg.data_seed is not None else 0
     sharded = shard_dataloader(
-        loader, acc.dp_rank, dp, acc.device if place else None, batch_size=per_rank, seed=seed
+        loader,
+        acc.dp_rank,
+        dp,
+        acc.device if place else None,
+        batch_size=per_rank,
+        seed=seed,
+        seeded=cfg.use_seedable_sampler,
     )
     total = None
     if per_rank is not None and hasattr(loader.dataset, "__len__") and not loader.drop_last:

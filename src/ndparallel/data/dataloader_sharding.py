@@ -48,14 +48,18 @@ def shard_dataloader(
     *,
     batch_size: int | None = None,
     seed: int = 0,
+    seeded: bool = False,
 ):
     """A loader giving dp rank ``dp_rank`` its own 1/``dp_size`` of the samples (tp/cp peers share a
     dp rank and so see the same samples), interleaved: rank r gets samples r, r+dp, ... of the
     (seeded, same on every rank) sampler order. ``batch_size`` overrides the per-rank batch size
-    (e.g. the loader's divided by dp_size: its batches are then the global batches). Loaders that
-    already shard, or use a custom batch sampler, are only moved to the device (``device=None``:
-    batches stay where the loader puts them)."""
-    if dp_size > 1 and not isinstance(loader.sampler, DistributedSampler) and loader.batch_size is not None:
+    (e.g. the loader's divided by dp_size: its batches are then the global batches). ``seeded``: a
+    shuffling loader draws that seeded order on one dp rank too (Accelerate's
+    ``use_seedable_sampler``: the order of ``torch.randperm(n)`` from ``seed + epoch``, whatever the
+    dp size). Loaders that already shard, or use a custom batch sampler, are only moved to the device
+    (``device=None``: batches stay where the loader puts them)."""
+    shards = dp_size > 1 or (seeded and isinstance(loader.sampler, RandomSampler))
+    if shards and not isinstance(loader.sampler, DistributedSampler) and loader.batch_size is not None:
         sampler = DistributedSampler(
             loader.dataset,
             num_replicas=dp_size,

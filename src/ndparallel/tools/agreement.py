@@ -134,14 +134,17 @@ _PARAMETER_COUNTS: dict[str, int] = {}
 """Parameter counts by model config (a cache: building a model to count is not free)."""
 
 
-def measured_bounds(setup: TrainSetup, first: TrainResult, *seconds: TrainResult) -> Bounds:
+def measured_bounds(
+    setup: TrainSetup, first: TrainResult, *seconds: TrainResult, n_params: int | None = None
+) -> Bounds:
     """The rule above from the reference (``first``) and its second ways (``seconds``: the largest
-    difference of each quantity counts)."""
+    difference of each quantity counts). ``n_params``: the model's parameter count where the results
+    carry no parameters (a peer's runs, recorded as a fixture)."""
     diffs = [compare(first, second) for second in seconds]
     noise = {k: max(d[k] for d in diffs) for k in QUANTITIES if all(k in d for d in diffs)}
     factor, why = family_factor(setup.model_config)
     steps = max(len(first.losses), 1)
-    n = sum(p.numel() for p in (first.params or {}).values()) or 2
+    n = n_params or sum(p.numel() for p in (first.params or {}).values()) or 2
     rel_floor = fp32_floor(n, steps)
     scale = _largest_finite(first.params or {})
     limits, sources = {}, {}

@@ -102,8 +102,11 @@ def pad_for_cp(
     load_balance: bool = True,
     seq_dim: int = 1,
     extra_pad_values: Mapping[str, int | float] | None = None,
+    multiple_of: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Right-pad every sequence tensor of ``batch`` to a multiple of 2·cp (cp without load balance).
+    """Right-pad every sequence tensor of ``batch`` to a multiple of 2·cp (cp without load balance),
+    or of ``multiple_of`` when given (a layout's ``ParallelDims.seq_len_divisor``: CP and sequence
+    parallel together).
 
     ``input_ids`` get ``pad_token_id``; ``labels``/``shift_labels`` get ``ignore_index`` (the padding
     adds no loss); ``position_ids`` continue counting (``last+1, last+2, ...``), so padded tokens sit
@@ -115,7 +118,7 @@ def pad_for_cp(
     if "input_ids" not in batch:
         raise ValueError("pad_for_cp needs batch['input_ids'] to know the sequence length")
     seq_len = batch["input_ids"].shape[seq_dim]
-    n = cp_num_chunks(cp_size, load_balance)
+    n = multiple_of or cp_num_chunks(cp_size, load_balance)
     pad = (-seq_len) % n
     values = {
         **_PAD_DEFAULTS,

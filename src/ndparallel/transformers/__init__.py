@@ -1,0 +1,22 @@
+"""The Trainer door: transformers' ``Trainer`` on ndparallel's engine by changing the imports.
+
+    from ndparallel.transformers import Trainer, TrainingArguments   # was: from transformers import ...
+    from ndparallel import ParallelismConfig                           # was: from accelerate ...
+
+``parallel_trainer(SomeTrainer)`` does the same for any ``Trainer`` subclass (docs/trainer.md)."""
+
+from ndparallel.transformers.trainer_door import Trainer, TrainerDoor, parallel_trainer
+from ndparallel.transformers.training_arguments import (
+    ParallelArguments,
+    TrainingArguments,
+    parallel_arguments,
+)
+
+__all__ = [
+    "ParallelArguments",
+    "Trainer",
+    "TrainerDoor",
+    "TrainingArguments",
+    "parallel_arguments",
+    "parallel_trainer",
+]
