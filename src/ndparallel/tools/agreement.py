@@ -58,7 +58,7 @@ UNIT_SCALED_QK_NORM = ("gemma4_text",)
 """Families whose attention multiplies RMS-normalised q and k with scaling 1 (not 1/sqrt(head_dim))."""
 RATIOS_ENV = "NDPARALLEL_EQUIVALENCE_RATIOS"
 """When set, a file every ``verdict`` appends one JSON line to (the test, each quantity's
-difference / bound): ``bench/kernel_paths.py`` reads the largest."""
+difference / bound): ``tests/tools/kernel_paths.py`` reads the largest."""
 QUANTITIES = {
     "loss_rel": "loss",
     "grad_norm_rel": "grad norm",
