@@ -1,4 +1,4 @@
-"""The docs cannot point nowhere: every relative Markdown link in README.md and docs/*.md resolves
+"""The docs cannot point nowhere: every relative Markdown link in README.md and docs/**/*.md resolves
 to a file (and a ``#anchor`` to a heading of it), and every repository path quoted in backticks
 (``tests/...``, ``src/...``, ``bench/...``, ``examples/...``, ``docs/...``, ``scripts/...``) exists.
 The README stays a front page (≤ 10,000 characters, no figure its linked page does not state), each
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 QUOTED_PATH = re.compile(r"`((?:src|tests|bench|docs|examples|scripts)/[\w./-]+)`")
 
