@@ -133,6 +133,7 @@ BENCHES = (
         "simulate_heldout",
         "simulate_heldout.py",
         "`simulate` of shapes the planner was not tuned on vs the planner",
+        ("--only", "vocab64k-h256-fsdp64", "gqa8-h512-fsdp32xtp2"),
         slow=True,
     ),
     Bench(
