@@ -1,8 +1,8 @@
 """The benchmark suite's one entry point: lists every benchmark, runs one, some or all of them.
 
     python bench/run_all.py --list                 # every benchmark: name, what it needs, what it measures
-    python bench/run_all.py                        # the quick CPU ones, small settings (~15 min on 2 cores)
-    python bench/run_all.py --all                  # every CPU one (the slow simulations too, ~45 min)
+    python bench/run_all.py                        # the quick CPU ones, small settings
+    python bench/run_all.py --all                  # every CPU one, the slow simulations too
     python bench/run_all.py communication overhead # those (small settings; --full: the script's own)
     python bench/run_all.py 'gpu:*'                # the GPU steps: bash bench/gpu_all.sh, on a GPU machine
     python bench/run_all.py 'gpu:lora_*' --cpu-smoke   # GPU steps in their tiny CPU form
