@@ -167,6 +167,19 @@ BENCHES = (
         ("--layouts", "fsdp4", "--steps", "2"),
     ),
     Bench(
+        "trainer_door",
+        "trainer_door.py",
+        "the transformers Trainer door vs `ndparallel train` on one layout: tokens/s, memory",
+        ("--steps", "6", "--rounds", "1"),
+    ),
+    Bench(
+        "peer_hf_trainer",
+        "peers/hf_trainer.py",
+        "transformers' Trainer itself, one process: the door's fixtures (here into bench/results/)",
+        ("--out-dir", str(HERE / "results" / "hf_trainer")),
+        slow=True,
+    ),
+    Bench(
         "peer_axolotl",
         "peers/axolotl.py",
         "Axolotl's preprocess on 21 configs: writes tests/fixtures/axolotl/parity/",
