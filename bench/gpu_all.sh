@@ -5,6 +5,7 @@
 #   bash bench/gpu_wheels.sh                      # once, where the internet is: wheels into .whl/
 #   bash bench/gpu_all.sh [--budget S] [--out DIR] [--only GLOBS] [--list]     # on the GPU machine
 #   bash bench/gpu_all.sh --cpu-smoke --out DIR   # every step in its tiny CPU form (tests/test_gpu_all.py)
+#   python bench/run_all.py --list                # the whole bench suite; these steps appear as gpu:NAME
 #
 #   --budget S   seconds for the whole run (default 540; 1500 with --cpu-smoke, where every cap is also
 #                CAP_SCALE=4 times larger: two shared CPU cores are slower than the GPU machine's 16)

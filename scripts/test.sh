@@ -16,5 +16,5 @@ WORKERS=${NDPARALLEL_TEST_WORKERS:-$((CORES < 2 ? 2 : (CORES > 4 ? 4 : CORES)))}
 PARALLEL=()
 if [ "$WORKERS" -gt 1 ]; then PARALLEL=(-n "$WORKERS" --dist loadfile); fi
 # --durations=30: the slowest tests close every run (CI's log included); the budget and the
-# before/after table are in docs/testing.md, the full breakdown is `python bench/test_time.py --run`.
+# runs: docs/testing.md, bench/reference/test_suite_runs.md; the breakdown: tests/tools/suite_time.py --run.
 exec "$PY" -m pytest -q --durations=30 "${PARALLEL[@]}" "$@"

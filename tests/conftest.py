@@ -153,7 +153,7 @@ def pytest_collection_modifyitems(config, items):
     """The suite's test workers (``scripts/test.sh``: pytest-xdist, one file at a time per worker)
     take the longest files first and fill in with the short ones, so no long file starts last.
     The seconds per file are measured (``tests/durations.json``, refreshed by
-    ``bench/test_time.py --write-durations``); a stale file changes the order, nothing else."""
+    ``tests/tools/suite_time.py --write-durations``); a stale file changes the order, nothing else."""
     try:
         weights = json.loads(DURATIONS.read_text())
     except (OSError, ValueError):
@@ -196,7 +196,7 @@ def pytest_runtest_protocol(item, nextitem):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """Each test's CPU seconds (itself, its fixtures, the ranks and commands it waited for) go into
-    the JUnit report as the property ``cpu_s`` (with its teardown): ``bench/test_time.py`` sums
+    the JUnit report as the property ``cpu_s`` (with its teardown): ``tests/tools/suite_time.py`` sums
     them per file."""
     if call.when == "teardown" and _CPU_AT_START in item.stash:
         item.user_properties.append(("cpu_s", round(_cpu_seconds() - item.stash[_CPU_AT_START], 2)))

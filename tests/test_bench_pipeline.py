@@ -1,7 +1,7 @@
 """``bench/pipeline.py`` runs, tiny: ``--quick`` measures each stage's idle fraction and peak on 2
 forked gloo ranks (structure, finite, idle in [0, 1]; no timing target), and ``--one-rank-stage
 --tiny`` (the CPU form of ``bench/gpu_all.sh``'s ``pipeline_stages`` step) times stage 0 and the
-last stage and passes its own check. The measured table is in docs/benchmarks.md."""
+last stage and passes its own check. The measured table is in bench/reference/benchmarks_log.md."""
 
 import importlib.util
 import json

@@ -1,5 +1,6 @@
-"""The docs cannot point nowhere: every relative Markdown link in README.md and docs/*.md resolves
-to a file (and a ``#anchor`` to a heading of it), and every repository path quoted in backticks
+"""The docs cannot point nowhere: every relative Markdown link in README.md, docs/**/*.md and the
+logs of bench/reference/ resolves to a file (and a ``#anchor`` to a heading of it), and every
+repository path quoted in backticks
 (``tests/...``, ``src/...``, ``bench/...``, ``examples/...``, ``docs/...``, ``scripts/...``) exists.
 The README stays a front page (≤ 10,000 characters, no figure its linked page does not state), each
 docs page opens with a first screen (≤ 15 lines before its first ``##``), and docs/status.md and the
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+LOGS = sorted((ROOT / "bench" / "reference").glob("*.md"))  # the dated logs the pages link to
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 QUOTED_PATH = re.compile(r"`((?:src|tests|bench|docs|examples|scripts)/[\w./-]+)`")
 
@@ -50,7 +52,7 @@ def _problems(page: Path) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", PAGES + LOGS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_links_and_paths_resolve(page):
     assert _problems(page) == []
 

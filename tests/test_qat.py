@@ -228,7 +228,7 @@ def test_layouts_summing_more_terms_step_exactly_then_within_rounding_flips(layo
         train_under_layout, world, dataclasses.replace(setup, fault="skip-grad-sync"), layout, timeout_s=300
     )[0]
     assert_differs(exact, first_steps(bad))  # a real layout fault: ~1e5x the rule's bound at step 1
-    assert_differs(flips_ref, bad, margin=10)  # and ~47x the flip bound (docs/testing.md)
+    assert_differs(flips_ref, bad, margin=10)  # and ~47x the flip bound (bench/reference)
     # As a user would judge it: the int4 levels of the quantised weights that differ.
     flips1, total = int4_level_flips(ref1.params, got1.params, INT8_INT4)  # the weights step 2 quantises
     flips, _ = int4_level_flips(ref.params, got.params, INT8_INT4)

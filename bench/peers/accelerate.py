@@ -11,7 +11,7 @@ from ``from_pretrained``, ``prepare(model, optimizer)``, ``model(input_ids, labe
 seeded global batch. Launched with ``torch.distributed.run`` (4 gloo ranks). Printed: the losses of
 both (bit-identical is the claim for FSDP 4), tokens/s (steps after the first) and peak RSS per rank
 (``ru_maxrss``: the process, libraries included), and the ratios ndparallel / Accelerate. A layout
-Accelerate refuses is reported with its own error. docs/accelerate.md holds the dated table.
+Accelerate refuses is reported with its own error. bench/reference/peers_accelerate.md holds the dated table.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ router loss: relative, per step; parameters after training: absolute) it is
   one: 10x less, 2026-12-06).
 - ``NOISE_SAFETY`` (8): a layout reorders more sums than the second way does (shards of every
   matmul, CP's blockwise softmax, one all-reduce per mesh dimension); their rounding adds up with
-  random signs, so a few times the measured noise covers it (docs/testing.md: the measured ratios).
+  random signs, so a few times the measured noise covers it (bench/reference/equivalence_headroom.md).
 - ``family``: sqrt(head_dim) for unit-scaled QK-norm attention (``UNIT_SCALED_QK_NORM``): a layout
   that reorders the attention logits' sums (CP, TP's heads) is amplified sqrt(head_dim) times more
   than by 1/sqrt(d) attention, which the second way (same attention per row) does not exercise
@@ -31,7 +31,7 @@ level boundary rounds the other way in one run. Such runs keep the rule while th
 same weights (step 1) and are held to twice the quantiser's own effect after (``quantiser_bounds``).
 
 A real layout bug (a skipped gradient sync, a wrong document mask, a misrouted expert) moves the
-results by 1e-3 or more: orders of magnitude above every bound (docs/testing.md, the fault table).
+results by 1e-3 or more: orders of magnitude above every bound (bench/reference/equivalence_headroom.md).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ UNIT_SCALED_QK_NORM = ("gemma4_text",)
 """Families whose attention multiplies RMS-normalised q and k with scaling 1 (not 1/sqrt(head_dim))."""
 RATIOS_ENV = "NDPARALLEL_EQUIVALENCE_RATIOS"
 """When set, a file every ``verdict`` appends one JSON line to (the test, each quantity's
-difference / bound): ``bench/kernel_paths.py`` reads the largest."""
+difference / bound): ``tests/tools/kernel_paths.py`` reads the largest."""
 QUANTITIES = {
     "loss_rel": "loss",
     "grad_norm_rel": "grad norm",

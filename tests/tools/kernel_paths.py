@@ -1,7 +1,7 @@
 """The equivalence-heavy test files under every CPU kernel path this machine offers (issue 47).
 
-    python bench/kernel_paths.py [--files tests/test_a.py ...] [--paths default MKL_CBWR=AVX2 ...]
-    python bench/kernel_paths.py --whole-suite --paths MKL_CBWR=AVX512   # scripts/test.sh under a path
+    python tests/tools/kernel_paths.py [--files tests/test_a.py ...] [--paths default MKL_CBWR=AVX2 ...]
+    python tests/tools/kernel_paths.py --whole-suite --paths MKL_CBWR=AVX512   # scripts/test.sh under a path
 
 MKL picks its code path by CPU (``MKL_CBWR`` unset): AVX-512 on an Intel Xeon, AVX2 on an AMD EPYC;
 ``MKL_CBWR=AVX2|COMPATIBLE|AVX512`` forces one. ATen's own vectorised kernels take
@@ -10,7 +10,7 @@ MKL picks its code path by CPU (``MKL_CBWR`` unset): AVX-512 on an Intel Xeon, A
 largest ratio of a measured difference to its bound over the files' equal-to-one-process checks
 (≤ 0.5: headroom), and the smallest ratio of a fault injection (≫ 1: the faults still fail by
 orders of magnitude). Each comparison's ratios come from ``NDPARALLEL_EQUIVALENCE_RATIOS``.
-Writes ``bench/results/kernel_paths.json``; the table goes into docs/testing.md.
+Writes ``bench/results/kernel_paths.json``; the dated tables are in bench/reference/equivalence_headroom.md.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import results_dir, write_json  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from _common import results_dir, write_json  # noqa: E402  (the benchmarks' JSON helpers)
 
-ROOT = Path(__file__).resolve().parents[1]
 FILES = [
     "tests/test_multimodal.py",
     "tests/test_packed_documents.py",

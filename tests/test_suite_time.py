@@ -1,4 +1,4 @@
-"""bench/test_time.py: the suite's time report reads a JUnit XML as pytest writes it."""
+"""tests/tools/suite_time.py: the suite's time report reads a JUnit XML as pytest writes it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("test_time", ROOT / "bench" / "test_time.py")
+    spec = importlib.util.spec_from_file_location("suite_time", ROOT / "tests" / "tools" / "suite_time.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -70,5 +70,5 @@ def test_durations_list_the_suites_files():
     assert listed <= files, f"tests/durations.json lists files that are gone: {sorted(listed - files)}"
     assert len(files - listed) <= 5, (
         f"tests/durations.json lacks {sorted(files - listed)}: refresh it "
-        "(python bench/test_time.py REPORT.xml --write-durations)"
+        "(python tests/tools/suite_time.py REPORT.xml --write-durations)"
     )

@@ -1,8 +1,8 @@
 """Where the test suite's time goes, from a pytest JUnit XML report (issue 35).
 
-    python bench/test_time.py REPORT.xml [--top 30] [--json OUT.json]
-    python bench/test_time.py --run [--top 30] [--json OUT.json]   # runs scripts/test.sh first
-    python bench/test_time.py REPORT.xml --write-durations      # refresh tests/durations.json
+    python tests/tools/suite_time.py REPORT.xml [--top 30] [--json OUT.json]
+    python tests/tools/suite_time.py --run [--top 30] [--json OUT.json]   # runs scripts/test.sh first
+    python tests/tools/suite_time.py REPORT.xml --write-durations      # refresh tests/durations.json
 
 `tests/durations.json` (seconds per test file, from a serial run's report) orders the files for the
 test workers, longest first (`tests/conftest.py`); a stale entry changes the order, nothing else.
@@ -24,7 +24,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DURATIONS = ROOT / "tests" / "durations.json"
 BUCKETS = ((20.0, ">= 20 s"), (10.0, "10-20 s"), (3.0, "3-10 s"), (1.0, "1-3 s"), (0.0, "< 1 s"))
 
