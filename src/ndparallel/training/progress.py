@@ -17,7 +17,7 @@ def format_metrics(m: dict) -> str:
             else ""
         )
         + f"{m['tokens_per_s']:.0f} tok/s"
-        + (f" ({m['padding_fraction']:.0%} padding)" if m.get("padding_fraction") else "")
+        + (f" ({m['padding_fraction']:.0%} padding)" if m.get("padding_fraction", 0) >= 0.005 else "")
         + f" | {m['tflops_per_device']:.3f} TFLOP/s/dev"
         + (f" | MFU {m['mfu']:.1%}" if "mfu" in m else "")
         + f" | mem {m['peak_memory_gb']:.2f} GB"
