@@ -1,6 +1,6 @@
 """Axolotl's own trainer next to ``ndparallel train``: the per-step losses of one YAML config.
 
-    python bench/peers/axolotl_loss.py [--venv /work/peers-venv] [--steps 10] [--work DIR]
+    python bench/peers/axolotl_loss.py [--venv /work/venvs/axolotl] [--steps 10] [--work DIR]
 
 1. The inputs of the side-by-side harness (``axolotl_inputs.py``: a local BPE tokenizer, local
    alpaca data) and a tiny Llama (hidden 64, 2 layers, fp32, seeded) saved with ``save_pretrained``.
@@ -206,7 +206,7 @@ def table(theirs: list[dict], ours: list[dict]) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", type=Path, default=Path("/work/peers-venv"))
+    parser.add_argument("--venv", type=Path, default=Path("/work/venvs/axolotl"))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
         "--gradient-accumulation-steps",
