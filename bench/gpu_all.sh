@@ -36,6 +36,8 @@
 # `simulate`). The long-context rows (issue 31): step `long_context` (bench/gpu_long_context.py).
 # Steps `compile` and `fp8` (issue 50): tokens/s and MFU of regional compile and of float8 linears beside
 # eager bf16 and Accelerate, read from perf_2048's JSON (bench/gpu_row.py; measured there when absent).
+# Step `dynamic_widths` (issue 62): micro-batches cut after their longest row under compile, with and
+# without the width buckets: distinct widths and dynamo's compilations (bench/dynamic_widths.py).
 # The SP activation memory of issue 50 (saved bytes per token and layer, tp 1-8, fake tp world on one
 # GPU): step `sp_memory` (bench/sp_activation_memory.py).
 # Pipeline parallel (one GPU cannot hold two NCCL stages): step `pipeline_stages`, stage 0 and the
@@ -71,6 +73,7 @@ plan_steps() {
     --name gpu_single_2048 $TINY
   step compile 240 "$PY" bench/gpu_row.py compile $TINY  # perf_2048's compile row; measures it when absent
   step fp8 240 "$PY" bench/gpu_row.py fp8 $TINY          # perf_2048's float8 row; likewise
+  step dynamic_widths 120 "$PY" bench/dynamic_widths.py --device "$GPU_ALL_DEVICE" $TINY  # compilations per width
   step accelerate_compat 90 "$PY" bench/gpu_accelerate_compat.py $TINY
   step lora_train 90 bash bench/gpu_steps.sh lora_train
   step lora_resume 90 bash bench/gpu_steps.sh lora_resume

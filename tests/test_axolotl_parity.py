@@ -49,7 +49,8 @@ def ours(name: str, tmp: Path, **overrides) -> tuple[list[tuple[list, list]], li
     cfg = json.loads(json.dumps(CASES[name]))
     for d in cfg["datasets"]:
         d["path"] = str(PARITY / d["path"])
-    cfg.update(base_model=str(PARITY / "model"), output_dir=str(tmp / "out"), **overrides)
+    cfg.update(base_model=str(PARITY / "model"), output_dir=str(tmp / "out"))
+    cfg.update(shuffle_merged_datasets=False, **overrides)  # as Axolotl ran (bench/peers/axolotl.py)
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     config = load_config(path)
@@ -174,6 +175,71 @@ def test_before_launch_says_what_axolotl_warns(tmp_path, monkeypatch):
     assert any("not found in chat_template" in w for w in recorded["warnings"])  # Axolotl warned too
     dropped = f"{recorded['dropped']} of {recorded['records']} samples are longer than sequence_len=256"
     assert any(dropped in n for n in notes), notes
+
+
+def _train_losses(config_path: str) -> list[float]:
+    """``ndparallel train`` on one rank (forked: no launcher); its logged losses."""
+    from ndparallel.axolotl.load import load_config
+    from ndparallel.training.trainer import run_training
+
+    cfg = load_config(config_path)
+    run_training(cfg)
+    rows = [json.loads(line) for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_unpacked_losses_equal_axolotls_trainer(tmp_path, monkeypatch):
+    """Axolotl 0.19.0's trainer (``trainer_losses.json``, recorded by ``bench/peers/axolotl_loss.py
+    --fixture``) and ``ndparallel train`` on one YAML: Axolotl's defaults for the data order (the
+    merged dataset shuffled by ``seed``, then the ``Trainer``'s seeded random sampler) and the shapes
+    (each batch cut after its longest sample), one process. Each step draws the same samples, so the
+    first 10 losses are equal under ``agreement.model_floor`` (log2(n) ulp per step)."""
+    from transformers import AutoConfig
+
+    from ndparallel.testing import run_on_ranks
+    from ndparallel.tools.agreement import model_floor
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    recorded = json.loads((PARITY / "trainer_losses.json").read_text())
+    cfg = json.loads(json.dumps(recorded["config"]))
+    cfg["base_model"] = str(PARITY / cfg["base_model"])
+    cfg["datasets"][0]["path"] = str(PARITY / cfg["datasets"][0]["path"])
+    cfg.update(output_dir=str(tmp_path / "out"), dataset_cache_dir=str(tmp_path / "cache"))
+    cfg.update(save_final_model=False)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    ours = run_on_ranks(_train_losses, 1, str(tmp_path / "c.yaml"), timeout_s=300)[0]
+    theirs = [s["loss"] for s in recorded["steps"]]
+    assert recorded["axolotl"] == "0.19.0" and len(ours) == len(theirs) == 10
+    bound = model_floor(AutoConfig.from_pretrained(PARITY / "model"), len(theirs))
+    worst = max(abs(a - b) / a for a, b in zip(theirs, ours))
+    assert worst <= bound, f"losses differ by {worst:.1e} (relative), bound {bound:.1e}: {theirs} {ours}"
+
+
+def test_dry_run_states_the_expected_padding(tmp_path, monkeypatch):
+    """``--dry-run``'s padding line: the padded share of the computed tokens under the run's settings
+    (the rows' lengths drawn by the run's loader): every row at sequence_len pads most; cut after
+    each micro-batch's longest row (Axolotl's default without packing), far less."""
+    from ndparallel.axolotl.load import load_config
+    from ndparallel.layout.dims import ParallelDims
+    from ndparallel.preflight.padding import expected_padding
+    from ndparallel.training.components import load_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = {
+        "base_model": str(PARITY / "model"),
+        "datasets": [{"path": str(PARITY / "data" / "alpaca.jsonl"), "type": "alpaca"}],
+        "sequence_len": 1024,
+        "micro_batch_size": 8,
+        "output_dir": str(tmp_path / "o"),
+    }
+    fractions = {}
+    for pad in (True, False):
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump({**cfg, "pad_to_sequence_len": pad}))
+        config = load_config(tmp_path / "c.yaml")
+        line = expected_padding(config, ParallelDims(), load_tokenizer(config, tmp_path))
+        fractions[pad] = float(line.split("%")[0]) / 100
+        assert "expected to be padding" in line and ("rows of 1024" in line) == pad, line
+    assert 0.5 < fractions[True] and fractions[False] < fractions[True] / 2, fractions
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Axolotl's data-order switches: ``dataset_exact_deduplication`` (samples whose tokens and labels
 repeat an earlier one's are dropped), ``sample_packing_sequentially`` (rows filled by next fit in
-dataset order) and ``curriculum_sampling`` (no shuffle): what each does to the rows, and the
-combinations refused before launch."""
+dataset order), ``curriculum_sampling`` (no shuffle) and ``shuffle_merged_datasets`` (Axolotl's
+merged order): what each does to the rows, and the combinations refused before launch."""
 
 import numpy as np
 import pytest
@@ -127,3 +127,25 @@ def test_data_order_switches_refused_where_they_cannot_apply(tmp_path, capsys, m
     forbid_launch(monkeypatch)
     code, _, err = run_cli(capsys, "train", _cfg(tmp_path, extra), "--dry-run")
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_merged_order_is_datasets_shuffle_of_the_concatenation(tok, tmp_path):
+    """``shuffle_merged_datasets`` (Axolotl's default): the samples in the order ``datasets`` itself
+    gives the concatenated datasets shuffled by seed (what Axolotl's ``merge_datasets`` does), the
+    samples too long dropped afterwards; the rows the loader draws follow that order."""
+    import datasets
+
+    a, b = alpaca_records(14), alpaca_records(9)
+    b = [dict(r, instruction=r["instruction"] + " (b)") for r in b]
+    b[2]["output"] = " ".join(["long"] * 300)  # dropped: longer than sequence_len
+    specs = [
+        DatasetSpec(path=str(write_jsonl(tmp_path / "a.jsonl", a)), type="alpaca"),
+        DatasetSpec(path=str(write_jsonl(tmp_path / "b.jsonl", b)), type="alpaca"),
+    ]
+    plain = prepare_samples(specs, tok, DataOptions(sequence_len=256))
+    merged = prepare_samples(specs, tok, DataOptions(sequence_len=256, shuffle_merged=True, seed=7))
+    order = datasets.Dataset.from_list([{"k": i} for i in range(len(a) + len(b))]).shuffle(seed=7)["k"]
+    kept = [i for i in order if i != len(a) + 2]
+    by_record = {int(t) * len(a) + int(r): k for k, (t, r, _, _) in enumerate(plain.samples)}
+    assert _samples(merged) == [_samples(plain)[by_record[i]] for i in kept]
+    assert _samples(merged) != _samples(plain)  # control: the shuffle moved them

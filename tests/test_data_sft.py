@@ -20,6 +20,7 @@ from ndparallel.data.prepare import (
     prepare_samples,
 )
 from ndparallel.data.prompts import ALPACA_NO_INPUT, ALPACA_WITH_INPUT, alpaca, render
+from ndparallel.data.widths import bucket_widths, cut_width
 from sft_fixtures import alpaca_records, chat_records, llama3_tokenizer, write_jsonl
 
 IGNORE = -100
@@ -322,6 +323,45 @@ def test_loader_cuts_padding_to_a_multiple(tok, tmp_path):
     for k in cut:
         assert torch.equal(cut[k], fixed[k][:, :width])
     assert (fixed["shift_labels"][:, width:] == IGNORE).all()
+
+
+def test_widths_rounded_bucketed_and_counted(tok, tmp_path):
+    """Each dp rank cuts its own rows' width (rounded to the multiple, or to the next bucket);
+    ``token_counts`` gives the real tokens (the rows' lengths) and the computed ones (every rank's
+    rows × its width) of the global micro-batch without reading a token."""
+    data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(16))
+    rows = build_data([{"path": str(data), "type": "alpaca"}], tok, DataOptions(sequence_len=256)).train
+    buckets = bucket_widths(256, 8)
+    assert buckets == (16, 32, 64, 128, 256) and bucket_widths(100, 24) == (24, 48, 72, 100)
+    assert (
+        cut_width(1, 256, 8) == 8 and cut_width(33, 256, 8, buckets) == 64 and cut_width(250, 252, 8) == 252
+    )
+    for bucketed in (None, buckets):
+        ranks = [
+            PackedLoader(rows, 2, dp_rank=r, dp_size=2, seed=3, pad_to_multiple=8, buckets=bucketed)
+            for r in (0, 1)
+        ]
+        for index in range(3):
+            batches = [ld.micro_batch(index) for ld in ranks]
+            idx = ranks[0]._global_rows(index)
+            lengths = [rows.lengths(i) for i in idx]
+            widths = [b["input_ids"].shape[1] for b in batches]
+            assert widths == [cut_width(int(n.max()), 256, 8, bucketed) for n in lengths]
+            real = sum(
+                int((b["position_ids"] - torch.arange(b["position_ids"].shape[1]) == 0).all(1).sum())
+                for b in batches
+            )
+            assert real == 4  # one sample per row, positions 0.. throughout
+            assert ranks[1].token_counts(index) == (sum(int(n.sum()) for n in lengths), 2 * sum(widths))
+    assert len(
+        {
+            w
+            for i in range(6)
+            for w in [
+                PackedLoader(rows, 1, pad_to_multiple=8, buckets=buckets).micro_batch(i)["input_ids"].shape[1]
+            ]
+        }
+    ) <= len(buckets)
 
 
 def test_padding_cannot_reach_real_tokens(tok, tmp_path):

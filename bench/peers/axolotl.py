@@ -1,9 +1,11 @@
 """Axolotl itself next to ``ndparallel preprocess``: writes the golden fixtures.
 
-    python bench/peers/axolotl.py [--venv /work/peers-venv] [--only CASE ...]
+    python bench/peers/axolotl.py [--venv /work/venvs/axolotl] [--only CASE ...]
 
 1. A side venv with Axolotl 0.19.0 (``--system-site-packages``, torch pinned to the installed
-   2.13.0 by a constraints file so pip never pulls a CUDA build; GPU-only extras are not asked for).
+   2.13.0 by a constraints file so pip never pulls a CUDA build; Axolotl without its dependencies,
+   then its pinned ones but the GPU-only and cloud ones: ``REQUIREMENTS``). The other peer scripts
+   (``axolotl_loss.py``, ``axolotl_speed.py``) run in the venv this builds.
 2. The inputs (``axolotl_inputs.py``: local data, a local BPE tokenizer with a ChatML template, one
    config per case) written to ``tests/fixtures/axolotl/parity/``.
 3. ``axolotl preprocess CASE.yaml``'s own steps per case (``axolotl_runner.py``, all cases in one
@@ -39,8 +41,24 @@ AXOLOTL = "axolotl==0.19.0"
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
 from axolotl_inputs import write_inputs  # noqa: E402
 
+REQUIREMENTS = (
+    "packaging==26.0 huggingface_hub==1.17.0 peft==0.20.0 tokenizers==0.23.1 transformers==5.16.1 "
+    "accelerate==1.13.0 datasets==4.8.4 trl==1.9.0 hf_xet==1.4.3 kernels<0.17.0,>=0.16.0 "
+    "typing-extensions==4.15.0 optimum==1.16.2 sentencepiece pydantic==2.12.5 addict fire PyYAML==6.0.3 "
+    "requests einops colorama numba<1.0,>=0.63.1 numpy<3.0,>=2.1 typer==0.25.1 evaluate==0.4.1 scipy "
+    "nvidia-ml-py==12.560.30 art python-dotenv==1.0.1 zstandard==0.22.0 fastcore langdetect==1.0.9 "
+    "immutabledict==4.2.0 antlr4-python3-runtime==4.13.2 schedulefree==1.4.1 axolotl-contribs-lgpl==0.0.7 "
+    "axolotl-contribs-mit==0.0.6 posthog==6.7.11 mistral-common==1.11.5 bitsandbytes==0.50.2 torchao==0.17.0"
+).split()
+"""Axolotl 0.19.0's pinned requirements but the GPU-only kernels (xformers, liger-kernel, fla-core,
+flash-linear-attention: never imported on CPU) and the cloud / UI ones (gradio, modal, s3fs,
+gcsfs, adlfs, ocifs, trackio, wandb, tensorboard, lm_eval, openenv-core); ``triton`` with
+``--no-deps`` (imported, unused on CPU)."""
+
 
 def ensure_venv(venv: Path) -> Path:
+    """A side venv with Axolotl 0.19.0 (``--system-site-packages``: the installed torch is reused,
+    pinned by a constraints file so pip never pulls another build)."""
     python = venv / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
@@ -52,9 +70,10 @@ def ensure_venv(venv: Path) -> Path:
         import torch
 
         constraints.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "-c", str(constraints), AXOLOTL], check=True
-        )
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, "--no-deps", AXOLOTL], check=True)
+        subprocess.run([*pip, "-c", str(constraints), *REQUIREMENTS], check=True)
+        subprocess.run([*pip, "--no-deps", "triton"], check=True)
     return python
 
 
@@ -126,7 +145,7 @@ def run_cases(python: Path, cases: dict[str, dict], inputs: Path, version: str) 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", type=Path, default=Path("/work/peers-venv"))
+    parser.add_argument("--venv", type=Path, default=Path("/work/venvs/axolotl"))
     parser.add_argument("--only", nargs="*")
     args = parser.parse_args(argv)
     python = ensure_venv(args.venv)

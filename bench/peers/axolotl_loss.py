@@ -1,13 +1,13 @@
 """Axolotl's own trainer next to ``ndparallel train``: the per-step losses of one YAML config.
 
-    python bench/peers/axolotl_loss.py [--venv /work/peers-venv] [--steps 10] [--work DIR]
+    python bench/peers/axolotl_loss.py [--venv /work/venvs/axolotl] [--steps 10] [--work DIR]
 
 1. The inputs of the side-by-side harness (``axolotl_inputs.py``: a local BPE tokenizer, local
    alpaca data) and a tiny Llama (hidden 64, 2 layers, fp32, seeded) saved with ``save_pretrained``.
 2. One config both tools read (``CONFIG`` below): 1 process, AdamW with no weight decay, a constant
-   learning rate and no warmup, the rows in data order (``curriculum_sampling``: Axolotl's
-   sequential sampler; ``shuffle_merged_datasets: false``), no dropout (the Llama has none), fp32,
-   ``sample_packing: false``, ``logging_steps: 1``. Only ``output_dir`` and
+   learning rate and no warmup, Axolotl's default data order (the merged datasets shuffled by
+   ``seed``, then transformers' ``RandomSampler`` seeded by it), no dropout (the Llama has none),
+   fp32, ``sample_packing: false``, ``logging_steps: 1``. Only ``output_dir`` and
    ``dataset_prepared_path`` differ between the two copies (each tool refuses or overwrites the
    other's). ``--gradient-accumulation-steps`` (default 1) sets the one key the two normalise
    differently: above 1 Axolotl averages the micro-batches' own means (docs/axolotl.md).
@@ -17,6 +17,11 @@
 4. A table step / Axolotl loss / ndparallel loss / difference (and the gradient norms), written as
    ``bench/results/axolotl_loss_ga<N>.json``. docs/axolotl.md ("Loss parity with Axolotl's trainer")
    holds the dated table.
+
+``--fixture`` runs on the parity fixtures' own tokenizer and alpaca data
+(``tests/fixtures/axolotl/parity/``), saves the seeded model there (``model/model.safetensors``) and
+writes Axolotl's losses to ``trainer_losses.json`` beside them: ``tests/test_axolotl_parity.py``
+trains ndparallel on the same config and holds its losses to them (no Axolotl needed there).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+FIXTURES = REPO / "tests" / "fixtures" / "axolotl" / "parity"
 
 # this folder's files are named after the tools they compare with: last on the path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE), str(HERE.parent)]
@@ -52,8 +58,6 @@ CONFIG = {
     "weight_decay": 0.0,
     "max_grad_norm": 1.0,
     "seed": 42,
-    "curriculum_sampling": True,
-    "shuffle_merged_datasets": False,
     "sample_packing": False,
     "train_on_inputs": False,
     "bf16": False,
@@ -140,8 +144,11 @@ def ndparallel_steps(out_dir: Path) -> list[dict]:
     ]
 
 
-def first_batch_losses(work: Path, micro_batch_size: int, accumulation: int) -> dict[str, float]:
-    """Step 1's loss recomputed here from the examples Axolotl prepared and the initial model, under
+def first_batch_losses(
+    work: Path, model_dir: Path, micro_batch_size: int, accumulation: int
+) -> dict[str, float]:
+    """Step 1's loss recomputed here from the examples Axolotl prepared (the first its sampler draws:
+    ``torch.randperm`` seeded by ``seed``) and the initial model, under
     both normalisations: the global batch's trained-token mean (ndparallel) and the mean of the
     micro-batches' own token means (Axolotl 0.19: it turns off the Trainer's ``num_items_in_batch``
     for a model whose inner ``forward`` does not name it, so each micro-batch is averaged alone)."""
@@ -155,8 +162,12 @@ def first_batch_losses(work: Path, micro_batch_size: int, accumulation: int) -> 
 
     hf_logging.disable_progress_bar()
     prepared = next((work / "prepared-axolotl").glob("*/dataset_info.json")).parent
-    rows = datasets.load_from_disk(str(prepared)).select(range(micro_batch_size * accumulation))
-    model = LlamaForCausalLM.from_pretrained(work / "inputs" / "model", dtype=torch.float32).eval()
+    prepared = datasets.load_from_disk(str(prepared))
+    order = torch.randperm(
+        len(prepared), generator=torch.Generator().manual_seed(CONFIG["seed"])
+    )  # its sampler
+    rows = prepared.select(order[: micro_batch_size * accumulation].tolist())
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     sums, counts = [], []
     with torch.no_grad():
         for r in rows:
@@ -195,7 +206,7 @@ def table(theirs: list[dict], ours: list[dict]) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", type=Path, default=Path("/work/peers-venv"))
+    parser.add_argument("--venv", type=Path, default=Path("/work/venvs/axolotl"))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
         "--gradient-accumulation-steps",
@@ -205,11 +216,16 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--work", type=Path, default=None, help="default: a new temporary folder")
     parser.add_argument("--skip-axolotl", action="store_true", help="reuse WORK's out-axolotl")
+    parser.add_argument(
+        "--fixture", action="store_true", help="the parity fixtures' inputs; write the fixture"
+    )
     args = parser.parse_args(argv)
     work = (args.work or Path(tempfile.mkdtemp(prefix="axolotl-loss-"))).resolve()
-    inputs = work / "inputs"
+    work.mkdir(parents=True, exist_ok=True)
+    inputs = FIXTURES if args.fixture else work / "inputs"
     if not (inputs / "model" / "model.safetensors").exists():
-        write_inputs(inputs)
+        if not args.fixture:
+            write_inputs(inputs)
         make_model(inputs / "model")
     for old in ["out-ndparallel", "prepared-ndparallel"] + ([] if args.skip_axolotl else ["out-axolotl"]):
         shutil.rmtree(work / old, ignore_errors=True)
@@ -239,7 +255,9 @@ def main(argv=None) -> int:
             f"{r['axolotl_grad_norm'] or float('nan'):.6f} / {r['ndparallel_grad_norm'] or float('nan'):.6f}"
         )
         print(f"{r['step']:>4} {r['axolotl_loss']:>14.6f} {ours:>16} {diff:>11} {norms:>24}")
-    check = first_batch_losses(work, CONFIG["micro_batch_size"], args.gradient_accumulation_steps)
+    check = first_batch_losses(
+        work, inputs / "model", CONFIG["micro_batch_size"], args.gradient_accumulation_steps
+    )
     print(
         f"step 1 recomputed from Axolotl's examples: global token mean {check['global_token_mean']:.6f}, "
         f"mean of the micro-batches' means {check['mean_of_micro_batch_means']:.6f}"
@@ -262,6 +280,27 @@ def main(argv=None) -> int:
         },
     )
     print(f"\n{path}")
+    if args.fixture:
+        fixture = FIXTURES / "trainer_losses.json"
+        config = yaml.safe_load(theirs_cfg.read_text())
+        config["base_model"] = "model"
+        config["datasets"][0]["path"] = "data/alpaca.jsonl"
+        for key in ("dataset_prepared_path", "output_dir"):
+            config.pop(key)
+        steps = axolotl_steps(work / "out-axolotl")
+        fixture.write_text(
+            json.dumps(
+                {
+                    "axolotl": version,
+                    "command": "python bench/peers/axolotl_loss.py --fixture (Axolotl's trainer, 1 process)",
+                    "config": config,
+                    "steps": steps,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+        print(fixture)
     return 0
 
 

@@ -252,12 +252,6 @@ NOOP: dict[str, Rule] = {
         "the data's order)",
         "shuffle_before_merging_datasets",
     ),
-    **_defaults(
-        "noop",
-        "the loader shuffles the rows each epoch (seeded); remove it (curriculum_sampling: true "
-        "keeps the data's order)",
-        shuffle_merged_datasets=True,
-    ),
     **_all(
         "noop", "test_datasets are not supported: the validation split comes from val_set_size; remove it",
         "test_datasets",

@@ -330,6 +330,10 @@ class DataSourceFields(_Strict):
     """Drop fine-tuning samples whose tokens and labels repeat an earlier sample's (Axolotl's rule)."""
     curriculum_sampling: bool = False
     """Train on the rows in dataset order every epoch (no shuffle)."""
+    shuffle_merged_datasets: bool = True
+    """Put the fine-tuning samples in Axolotl's order first: the datasets' examples concatenated and
+    shuffled once by seed (with one dataset, not under curriculum_sampling); with the loader's
+    per-epoch draw, each step sees the samples Axolotl's trainer sees (sample_packing: false)."""
     sample_packing_sequentially: bool = False
     """sample_packing: fill rows in dataset order (next fit) instead of longest first (first fit
     decreasing); with curriculum_sampling the samples are seen in the order of the data."""

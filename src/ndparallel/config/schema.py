@@ -156,8 +156,10 @@ class TrainConfig(
     sample_packing: bool | None = None
     """true: whole samples packed into rows (attention per sample); false: one sample per row; unset:
     raw text is concatenated and cut into blocks, fine-tuning data as false."""
-    pad_to_sequence_len: bool = True
-    """Rows always sequence_len long (fixed shapes); false: each micro-batch cut after its longest row."""
+    pad_to_sequence_len: bool | None = None
+    """true: rows always sequence_len long (fixed shapes); false: each micro-batch cut after its
+    longest row (rounded up to what the layout needs; bucketed under compile, fp8 and pipeline
+    parallel); unset: true with sample_packing, false without (Axolotl's default)."""
     train_on_inputs: bool = False
     """Train on the prompt too (default: its labels are -100, only the answer is learned)."""
     excess_length_strategy: Literal["truncate", "drop", "raise"] = "drop"
@@ -418,6 +420,12 @@ class TrainConfig(
             and getattr(self, f) != fields[f].default
         )
 
+    def pads_to_sequence_len(self) -> bool:
+        """``pad_to_sequence_len`` as set, else Axolotl's default: true with ``sample_packing``."""
+        if self.pad_to_sequence_len is not None:
+            return self.pad_to_sequence_len
+        return bool(self.sample_packing)
+
     def data_options(self):
         from ndparallel.data.prepare import DataOptions
 
@@ -437,4 +445,6 @@ class TrainConfig(
             deduplicate=self.dataset_exact_deduplication,
             sequential_packing=self.sample_packing_sequentially,
             boundary_targets=self.sample_packing_boundary_targets,
+            shuffle_merged=self.shuffle_merged_datasets
+            and not (self.curriculum_sampling and len(self.datasets or ()) == 1),
         )

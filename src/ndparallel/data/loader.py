@@ -1,43 +1,45 @@
 """Deterministic, data-parallel-sharded loading of packed blocks.
 
 Every epoch, all ranks compute the same permutation of the blocks (a ``torch.Generator`` seeded
-from ``(seed, epoch)``). The stream of *global micro-batches* takes ``dp_size * B`` blocks at a
-time from it (the remainder of an epoch is dropped, so all ranks take the same number of steps);
-dp rank ``r`` gets rows ``[r*B, (r+1)*B)`` of each. So the dp ranks together see exactly what a
-1-rank run with micro-batch ``dp_size * B`` sees, row for row — the project's equivalence tests
-rely on it. Optimizer step ``t`` with ``grad_accum`` micro-batches uses global micro-batches
+with ``seed + epoch``, as transformers' ``Trainer`` draws its samples). The stream of *global
+micro-batches* takes ``dp_size * B`` blocks at a time from it (the remainder of an epoch is
+dropped, so all ranks take the same number of steps); dp rank ``r`` gets rows ``[r*B, (r+1)*B)``
+of each. So the dp ranks together see exactly what a 1-rank run with micro-batch ``dp_size * B``
+sees, row for row (cut to one width there, to each rank's own here) — the project's equivalence
+tests rely on it. Optimizer step ``t`` with ``grad_accum`` micro-batches uses global micro-batches
 ``t*grad_accum ... (t+1)*grad_accum - 1`` (which may cross an epoch boundary).
 Ranks in one tp x cp group pass the same ``dp_rank`` and so get the same rows.
 
 The rows are concatenated blocks ``[N, S+1]`` (``make_batch`` turns them into a batch) or a
 ``rows.RowStore`` of whole samples (already batch columns). For the latter, ``pad_to_multiple``
 (``pad_to_sequence_len: false``) cuts each micro-batch after its longest row, rounded up to that
-multiple (which the layout needs: 2·cp for CP, tp for sequence parallel): only padding is cut.
+multiple (which the layout needs: 2·cp for CP, tp for sequence parallel) and, given ``buckets``, to
+the next of those widths (``widths.py``): only padding is cut.
+
+``token_counts`` says, without reading a token, how many tokens of a global micro-batch are real
+and how many the ranks compute (real + padding): throughput counts the former.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .packing import IGNORE_INDEX
+from .widths import cut_width
 
 Batch = dict[str, torch.Tensor]
 
 
-def epoch_seed(seed: int, epoch: int) -> int:
-    """A 63-bit generator seed mixing ``seed`` and ``epoch`` (no collisions in practice)."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{epoch}".encode()).digest()[:8], "little") >> 1
-
-
 def epoch_permutation(num_blocks: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
-    """The order of blocks in ``epoch``; identical on every rank."""
+    """The order of blocks in ``epoch``; identical on every rank. The draw of transformers'
+    ``Trainer`` (hence Axolotl's unpacked trainer): Accelerate's ``SeedableRandomSampler``, a
+    ``torch.randperm`` from a generator seeded with ``seed + epoch``."""
     if not shuffle:
         return torch.arange(num_blocks)
-    return torch.randperm(num_blocks, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch)))
+    return torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed + epoch))
 
 
 def make_batch(rows: torch.Tensor) -> Batch:
@@ -74,6 +76,7 @@ class PackedLoader:
         seed: int = 0,
         shuffle: bool = True,
         pad_to_multiple: int | None = None,
+        buckets: tuple[int, ...] | None = None,
     ):
         if blocks.ndim != 2 or blocks.shape[1] < 2:
             raise ValueError(
@@ -88,7 +91,7 @@ class PackedLoader:
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle = seed, shuffle
-        self.pad_to_multiple = pad_to_multiple
+        self.pad_to_multiple, self.buckets = pad_to_multiple, buckets
         self.global_micro_batch = dp_size * micro_batch_size
         self.steps_per_epoch = blocks.shape[0] // self.global_micro_batch
         if self.steps_per_epoch == 0:
@@ -118,17 +121,38 @@ class PackedLoader:
 
     def micro_batch(self, index: int) -> Batch:
         """This rank's part of global micro-batch ``index`` (counted from epoch 0); no state change."""
-        epoch, pos = divmod(index, self.steps_per_epoch)
-        start = pos * self.global_micro_batch + self.dp_rank * self.micro_batch_size
-        idx = self._permutation(epoch)[start : start + self.micro_batch_size]
+        idx = self._global_rows(index)[self.dp_rank]
         rows = self.blocks[idx]
         if not isinstance(rows, dict):
             return make_batch(rows)
         if self.pad_to_multiple:
-            m = self.pad_to_multiple
-            width = min(rows["input_ids"].shape[1], -(-int(self.blocks.lengths(idx).max()) // m) * m)
+            width = self._width(idx)
             rows = {k: v[:, :width].contiguous() for k, v in rows.items()}
         return rows
+
+    def token_counts(self, index: int) -> tuple[int, int]:
+        """(real, computed) tokens of global micro-batch ``index`` over every dp rank: the tokens
+        that are not padding, and rows × width summed over the ranks (each rank cuts its own width).
+        Read from the rows' lengths; blocks of concatenated text are real but for a padded tail."""
+        parts = self._global_rows(index)
+        if not hasattr(self.blocks, "lengths"):
+            inputs = self.blocks[torch.cat(parts)][:, :-1]
+            return int((inputs >= 0).sum()), inputs.numel()
+        real = sum(int(self.blocks.lengths(idx).sum()) for idx in parts)
+        full = self.blocks.shape[1]
+        computed = sum(len(idx) * (self._width(idx) if self.pad_to_multiple else full) for idx in parts)
+        return real, computed
+
+    def _global_rows(self, index: int) -> list[torch.Tensor]:
+        """The row indices of global micro-batch ``index`` (counted from epoch 0), one tensor per dp rank."""
+        epoch, pos = divmod(index, self.steps_per_epoch)
+        start = pos * self.global_micro_batch
+        rows = self._permutation(epoch)[start : start + self.global_micro_batch]
+        return list(rows.split(self.micro_batch_size))
+
+    def _width(self, idx: torch.Tensor) -> int:
+        longest = int(self.blocks.lengths(idx).max())
+        return cut_width(longest, self.blocks.shape[1], self.pad_to_multiple, self.buckets)
 
     def step_micro_batches(self, step: int, grad_accum: int = 1) -> list[Batch]:
         """This rank's ``grad_accum`` micro-batches of optimizer step ``step``; no state change."""
@@ -146,6 +170,7 @@ class PackedLoader:
             seed=self.seed,
             shuffle=self.shuffle,
             pad_to_multiple=self.pad_to_multiple,
+            buckets=self.buckets,
         )
         other.load_state_dict(self.state_dict())
         return other
@@ -195,12 +220,18 @@ def global_batch(
     seed: int = 0,
     shuffle: bool = True,
     pad_to_multiple: int | None = None,
+    buckets: tuple[int, ...] | None = None,
 ) -> list[Batch]:
     """What a 1-rank run sees at optimizer ``step``: ``grad_accum`` micro-batches of ``dp_size * B`` rows.
 
     Rows ``[r*B, (r+1)*B)`` of micro-batch ``m`` are exactly dp rank ``r``'s micro-batch ``m``.
     """
     one_rank = PackedLoader(
-        blocks, dp_size * micro_batch_size, seed=seed, shuffle=shuffle, pad_to_multiple=pad_to_multiple
+        blocks,
+        dp_size * micro_batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        pad_to_multiple=pad_to_multiple,
+        buckets=buckets,
     )
     return one_rank.step_micro_batches(step, grad_accum)

@@ -10,7 +10,8 @@ Two ways to make rows of ``sequence_len`` tokens:
   its own labels (``prompts``/``chat`` -> ``encode``), fitted to a row (``samples``), and
   ``sample_packing: true`` packs several per row by first-fit-decreasing (``bins``),
   ``position_ids`` restarting at each sample so attention never crosses samples; ``false``
-  gives one sample per row. Rows are padded to ``sequence_len`` (``rows.RowStore``).
+  gives one sample per row. Rows are padded to ``sequence_len`` (``rows.RowStore``). With
+  ``shuffle_merged`` the samples are first put in Axolotl's order (``merged_order``).
 
 Every stage is cached in ``cache_dir`` (tokenized samples in ``sft/``, rows in ``rows/``) under
 keys of everything that changes them, written once under a file lock; a rank that finds the rows
@@ -33,6 +34,7 @@ from filelock import FileLock
 from .bins import first_fit_decreasing, next_fit
 from .dataset import DatasetSpec, check_text_column, load_records
 from .encode import tokenize_samples
+from .merged_order import merged_order
 from .packing import PackedSplits, build_blocks, split_blocks
 from .prompts import required_columns
 from .rows import RowStore, write_rows
@@ -62,6 +64,7 @@ class DataOptions:
     boundary_targets: bool = (
         False  # sample_packing: a sample's last token predicts the next's first (Axolotl)
     )
+    shuffle_merged: bool = False  # samples in Axolotl's shuffled merged order (merged_order.py)
 
 
 def concatenates(specs: Iterable[DatasetSpec], sample_packing: bool | None) -> bool:
@@ -92,12 +95,16 @@ class PreparedSamples:
         return ids[start:end], labels[start:end]
 
 
-def tokenize_specs(specs: list[DatasetSpec], tokenizer, options: DataOptions, cache_dir) -> list:
-    """Every spec loaded and tokenized (cached) as ``{input_ids, labels}`` datasets."""
+def tokenize_specs(
+    specs: list[DatasetSpec], tokenizer, options: DataOptions, cache_dir, given: list | None = None
+) -> list:
+    """Every spec loaded and tokenized (cached) as ``{input_ids, labels}`` datasets; ``given``:
+    each spec's records (``datasets.Dataset``s, e.g. a file's first lines) instead of loading them
+    (with no ``cache_dir``: nothing is cached)."""
     out = []
     for i, spec in enumerate(specs):
         where = f"datasets[{i}]"
-        records = load_records(spec, cache_dir, where)
+        records = given[i] if given is not None else load_records(spec, cache_dir, where)
         missing = [
             alts for alts in required_columns(spec) if not any(a in records.column_names for a in alts)
         ]
@@ -140,6 +147,10 @@ def prepare_samples(
         options.excess_length_strategy,
         options.min_sample_len,
     )
+    if options.shuffle_merged:  # before deduplication: Axolotl keeps the first in its shuffled order
+        samples = samples[
+            merged_order(tables, [s.raw for s in specs], samples, options.sequence_len, options.seed)
+        ]
     if options.deduplicate:
         unique = first_occurrences(tables, samples)
         stats.dropped_duplicates, stats.samples = len(samples) - len(unique), len(unique)
@@ -155,8 +166,14 @@ def prepare_samples(
     return PreparedSamples(tables, samples, stats, [t._fingerprint for t in tokenized])
 
 
-def build_rows(specs: list[DatasetSpec], tokenizer, options: DataOptions, cache_dir=None) -> RowStore:
-    """Rows of whole samples (packed when ``sample_packing``), cached in ``cache_dir/rows/<key>/``."""
+def build_rows(
+    specs: list[DatasetSpec], tokenizer, options: DataOptions, cache_dir=None, given: list | None = None
+) -> RowStore:
+    """Rows of whole samples (packed when ``sample_packing``), cached in ``cache_dir/rows/<key>/``;
+    of ``given`` records (``tokenize_specs``), in memory and uncached (an estimate's sample)."""
+    if given is not None:
+        tokenized = tokenize_specs(specs, tokenizer, options, None, given)
+        return _write(specs, tokenizer, options, tokenized, _pad_id(tokenizer), None)
     tokenized = tokenize_specs(specs, tokenizer, options, cache_dir)
     pad_id = _pad_id(tokenizer)
     settings = [
@@ -174,6 +191,7 @@ def build_rows(specs: list[DatasetSpec], tokenizer, options: DataOptions, cache_
             else []
         ),
         *([tokenizer.bos_token_id] if options.boundary_targets and options.sample_packing else []),
+        *(["shuffle_merged", options.seed] if options.shuffle_merged else []),
     ]  # keys of older caches stay valid
     key = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:32]
     directory = None if cache_dir is None else Path(cache_dir) / "rows" / key

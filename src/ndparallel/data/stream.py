@@ -176,3 +176,8 @@ class StreamingLoader:
                     self.dp_rank * self.micro_batch_size : (self.dp_rank + 1) * self.micro_batch_size
                 ]
                 return stream_batch(mine, self.per_document)
+
+    def token_counts(self, index: int) -> tuple[int, int]:
+        """(real, computed) tokens of global micro-batch ``index``: whole blocks, no padding."""
+        tokens = self.global_micro_batch * (self.stream.block - 1)
+        return tokens, tokens

@@ -366,6 +366,11 @@ class Engine:
         ) as out:
             yield out
 
+    def seq_len_divisor(self) -> int:
+        """What every sequence length must be a multiple of under this layout and its options
+        (``ParallelDims.seq_len_divisor``: CP's chunks, cp·tp under sequence parallel)."""
+        return self.dims.seq_len_divisor(self.options.tp.sequence_parallel, self.options.cp.load_balance)
+
     def batch_context(self, batch: Mapping[str, torch.Tensor]):
         """``cp_shard`` of a training batch's ``input_ids``, ``shift_labels`` and ``position_ids``."""
         return self.cp_shard([batch["input_ids"], batch["shift_labels"], batch["position_ids"]])

@@ -26,8 +26,6 @@ class StepResult:
     """The global mean token loss of the step (a device scalar, the same on every rank)."""
     grad_norm: torch.Tensor
     """The global gradient norm before clipping (a device scalar)."""
-    tokens: int
-    """Tokens of the global batch (rows × width of every micro-batch, over the dp ranks)."""
     aux_loss: torch.Tensor | None = None
     """A mixture-of-experts model's load-balancing loss of the step (unscaled by its coefficient;
     the mean over the micro-batches, each over its global micro-batch), included in ``loss``
@@ -126,9 +124,8 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     if engine.options.float8.enabled:
         precompute_scales(model, engine.options.float8)
-    tokens = engine.dp_size * sum(mb["input_ids"].numel() for mb in micro_batches)  # rows may be cut
     aux = torch.stack(aux_values).sum() if aux_values else None
-    return StepResult(loss, norm, tokens, aux)
+    return StepResult(loss, norm, aux)
 
 
 @contextlib.contextmanager

@@ -71,7 +71,7 @@ def describe_plan(
         f"({cfg.lr_scheduler}, warmup "
         f"{cfg.warmup_steps if cfg.warmup_ratio is None else f'ratio {cfg.warmup_ratio:g}'})",
         f"data         : {_data_mode(cfg)}",
-        *_datasets_read_as(cfg),
+        *_datasets_read_as(cfg, pc.dims),
         f"output       : {cfg.output_dir}",
     ]
     lines += [f"note         : {n}" for n in notes if not n.startswith("max_steps")]
@@ -157,10 +157,11 @@ def _offloading(cfg: TrainConfig, pc, hf) -> str:
     )
 
 
-def _datasets_read_as(cfg: TrainConfig) -> list[str]:
+def _datasets_read_as(cfg: TrainConfig, dims) -> list[str]:
     """Per dataset: the format it is read as and what it trains (``data/describe.py``), then its
     first trained sample, masked part marked, where its file and the tokenizer are on this machine
-    (``data/first_sample.py``: one record read, nothing cached)."""
+    (``data/first_sample.py``: one record read, nothing cached); the expected padded share of the
+    computed tokens (``preflight/padding.py``)."""
     from ndparallel.data.dataset import DatasetSpec
     from ndparallel.data.describe import read_as
 
@@ -176,7 +177,19 @@ def _datasets_read_as(cfg: TrainConfig) -> list[str]:
             continue
         lines.append(f"dataset      : {read_as(spec, where, bool(cfg.train_on_inputs))}")
         lines.append(f"first sample : {where}: {_first_sample(cfg, spec, where, tokenizer)}")
+    lines.append(f"padding      : {_padding(cfg, dims, tokenizer)}")
     return [*lines, "more samples : masked part marked: ndparallel preprocess CONFIG --show 4"]
+
+
+def _padding(cfg: TrainConfig, dims, tokenizer) -> str:
+    from ndparallel.preflight.padding import expected_padding
+
+    if isinstance(tokenizer, str):
+        return f"not estimated ({tokenizer})"
+    try:
+        return expected_padding(cfg, dims, tokenizer)
+    except (ValueError, OSError, KeyError, TypeError) as e:  # the data's own errors: said above
+        return f"not estimated: {' '.join(str(e).split())[:200]}"
 
 
 def _local_tokenizer(cfg: TrainConfig):
@@ -231,7 +244,9 @@ def _data_mode(cfg: TrainConfig) -> str:
         how = how.replace("several per row", "several per row in dataset order")
     masked = "every token trained" if cfg.train_on_inputs else "prompt tokens masked (-100)"
     pad = (
-        "padded to sequence_len" if cfg.pad_to_sequence_len else "each micro-batch cut after its longest row"
+        "padded to sequence_len"
+        if cfg.pads_to_sequence_len()
+        else "each micro-batch cut after its longest row"
     )
     order = [
         *(["exact duplicates dropped"] if cfg.dataset_exact_deduplication else []),

@@ -15,7 +15,9 @@ from typing import Any
 import torch
 
 from ndparallel import ParallelismConfig
-from ndparallel.engine import Engine, LossScaler, train_step
+from ndparallel.data.loader import PackedLoader
+from ndparallel.data.widths import bucket_widths, width_multiple
+from ndparallel.engine import Engine, LossScaler, batch_to_device, train_step
 from ndparallel.models.adapters import apply_adapter, lora_config
 from ndparallel.models.quantized import dequantize, is_nf4, quantize_linears
 from ndparallel.optim.build import build_optimizer
@@ -51,6 +53,13 @@ class TrainSetup:
     batches: list | None = None
     """Given global batches (``steps`` lists of ``grad_accum`` micro-batch dicts of
     ``global_micro_batch`` rows) instead of random tokens, e.g. rows of real packed samples."""
+    rows: Any = None
+    """Rows of whole samples (a ``data.rows.RowStore``) both runs read through the trainer's loader
+    (``PackedLoader``, in row order), each micro-batch cut after its longest row as with
+    ``pad_to_sequence_len: false``: the one process at its global micro-batch's width, each rank of
+    the layout at its own rows' width, rounded up to what its layout needs (``data/widths.py``)."""
+    bucketed: bool = False
+    """With ``rows``: widths bucketed too (as under compile, fp8 and pipeline parallel)."""
     fault: str | None = None
     """A deliberately broken layout run (proves the checks can fail): "skip-grad-sync" never
     reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
@@ -94,6 +103,9 @@ def make_global_batches(setup: TrainSetup) -> list[list[dict[str, torch.Tensor]]
     (``setup.batches`` when given)."""
     if setup.batches is not None:
         return [[dict(mb) for mb in step] for step in setup.batches]
+    if setup.rows is not None:
+        loader = rows_loader(setup, 1, 0, 1)
+        return [loader.step_micro_batches(step, setup.grad_accum) for step in range(setup.steps)]
     g = torch.Generator().manual_seed(setup.seed + 1)
     vocab = setup.model_config.vocab_size
     steps = []
@@ -114,6 +126,22 @@ def make_global_batches(setup: TrainSetup) -> list[list[dict[str, torch.Tensor]]
             )
         steps.append(micro)
     return steps
+
+
+def rows_loader(setup: TrainSetup, seq_len_divisor: int, dp_rank: int, dp_size: int) -> PackedLoader:
+    """The loader of ``setup.rows`` for one dp rank of a layout whose sequences must be multiples of
+    ``seq_len_divisor``: micro-batches cut as ``pad_to_sequence_len: false`` cuts them."""
+    multiple = width_multiple(seq_len_divisor)
+    buckets = bucket_widths(setup.rows.shape[1], multiple) if setup.bucketed else None
+    return PackedLoader(
+        setup.rows,
+        setup.global_micro_batch // dp_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        shuffle=False,
+        pad_to_multiple=multiple,
+        buckets=buckets,
+    )
 
 
 def packed_positions(rows: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
@@ -182,11 +210,18 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
         raise ValueError(f"global_micro_batch={setup.global_micro_batch} not divisible by dp={dp_size}")
     losses, norms, aux, scales = [], [], [], []
     scaler = loss_scaler(setup, engine)
+    own_widths = setup.batches is None and setup.rows is not None  # each rank cuts its own rows
+    loader = rows_loader(setup, engine.seq_len_divisor(), dp_rank, dp_size) if own_widths else None
     for i, micro_batches in enumerate(make_global_batches(setup)):
-        local = [
-            {k: v[dp_rank * rows : (dp_rank + 1) * rows].to(engine.device) for k, v in mb.items()}
-            for mb in micro_batches
-        ]
+        if loader is not None:
+            local = [
+                batch_to_device(mb, engine.device) for mb in loader.step_micro_batches(i, setup.grad_accum)
+            ]
+        else:
+            local = [
+                {k: v[dp_rank * rows : (dp_rank + 1) * rows].to(engine.device) for k, v in mb.items()}
+                for mb in micro_batches
+            ]
         if setup.fault == "cross-documents":
             for mb in local:
                 mb["position_ids"] = (

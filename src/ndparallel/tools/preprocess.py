@@ -1,10 +1,12 @@
 """``ndparallel preprocess CONFIG``: tokenize (and cache) the datasets exactly as ``train`` would,
 then print a summary, some samples with their trained tokens highlighted (``--show N``, as
 Axolotl's debug view), or every sample as JSON (``--json``: ``input_ids`` and ``labels`` per
-line, before packing; -100 = not trained)."""
+line, before packing; -100 = not trained), in the data's order (training draws them in Axolotl's
+shuffled order: ``data/merged_order.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import TextIO
@@ -45,7 +47,7 @@ def _preprocess(cfg: TrainConfig, show: int | None, as_json: bool, out: TextIO |
     tokenizer = load_tokenizer(cfg, cache)
     splits = build_data(cfg, tokenizer, cache)  # what train uses, cached for it
     specs = [DatasetSpec.from_any(d.model_dump(), f"datasets[{i}]") for i, d in enumerate(cfg.datasets)]
-    options = cfg.data_options()
+    options = dataclasses.replace(cfg.data_options(), shuffle_merged=False)  # shown in the data's order
     if concatenates(specs, cfg.sample_packing):
         samples = _documents(specs, tokenizer, cache)
         summary = (

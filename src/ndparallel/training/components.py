@@ -4,6 +4,7 @@ data. Used on the ranks (``trainer``) and before launch (``preflight``)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from ndparallel.config import TrainConfig
@@ -13,6 +14,7 @@ from ndparallel.data.dataset import DatasetSpec
 from ndparallel.data.packing import PackedSplits
 from ndparallel.data.prepare import build_data as build
 from ndparallel.data.stream import StreamingLoader, TokenStream, check_stream
+from ndparallel.data.widths import bucket_widths, width_multiple
 from ndparallel.models.presets import is_preset, preset_config
 from ndparallel.optim.build import build_optimizer
 from ndparallel.optim.muon import MUON_BETAS
@@ -122,19 +124,22 @@ def build_data(cfg: TrainConfig, tokenizer, cache_dir: Path):
 
 
 def train_loader(
-    cfg: TrainConfig, splits, tokenizer, dp_rank: int, dp_size: int, pad_to_multiple: int | None
+    cfg: TrainConfig, splits, tokenizer, dp_rank: int, dp_size: int, widths: RowWidths | None = None
 ):
-    """This rank's training loader: ``PackedLoader`` over the prepared rows, or ``StreamingLoader``
-    over ``pretraining_dataset`` (its length: the run's micro-batches)."""
+    """This rank's training loader: ``PackedLoader`` over the prepared rows (cut per ``widths``;
+    none: as stored), or ``StreamingLoader`` over ``pretraining_dataset`` (its length: the run's
+    micro-batches)."""
 
     if cfg.pretraining_dataset is None:
+        widths = widths or RowWidths(None, None)
         return PackedLoader(
             splits.train,
             cfg.micro_batch_size,
             dp_rank=dp_rank,
             dp_size=dp_size,
             seed=cfg.seed,
-            pad_to_multiple=pad_to_multiple,
+            pad_to_multiple=widths.multiple,
+            buckets=widths.buckets,
             shuffle=not cfg.curriculum_sampling,
         )
 
@@ -164,9 +169,23 @@ def optimizer_for(cfg: TrainConfig, params):
     )
 
 
-def pad_multiple(cfg: TrainConfig, dims) -> int | None:
-    """``pad_to_sequence_len: false``: the multiple a micro-batch's width is rounded up to: what the
-    layout ``dims`` (``ParallelDims``) needs of a sequence length, and at least 8."""
-    if cfg.pad_to_sequence_len:
-        return None
-    return math.lcm(8, dims.seq_len_divisor(cfg.sequence_parallel))
+def row_widths(cfg: TrainConfig, dims) -> RowWidths:
+    """How the loader cuts micro-batches of whole samples (``data/widths.py``): not at all with
+    ``pad_to_sequence_len``; else after the longest row, rounded up to 8 and to what the layout
+    ``dims`` (``ParallelDims``) needs of a sequence length (as ``Engine.seq_len_divisor``), and
+    bucketed where a new width costs a recompilation (compile, fp8) or new stage buffers (pipeline
+    parallel). The trainer and the pre-launch padding estimate ask it."""
+    if cfg.pads_to_sequence_len():
+        return RowWidths(None, None)
+    divisor = dims.seq_len_divisor(cfg.sequence_parallel, cfg.cp_options().load_balance)
+    multiple = width_multiple(divisor)
+    bucketed = cfg.compile or cfg.fp8 or dims.pp_enabled
+    return RowWidths(multiple, bucket_widths(cfg.sequence_len, multiple) if bucketed else None)
+
+
+@dataclass(frozen=True)
+class RowWidths:
+    """``PackedLoader``'s ``pad_to_multiple`` and ``buckets``."""
+
+    multiple: int | None
+    buckets: tuple[int, ...] | None

@@ -14,7 +14,12 @@ from ndparallel.engine.step import evaluation
 
 
 def validation_loader(
-    engine, val_blocks, micro_batch_size: int, seed: int, pad_to_multiple: int | None = None
+    engine,
+    val_blocks,
+    micro_batch_size: int,
+    seed: int,
+    pad_to_multiple: int | None = None,
+    buckets: tuple[int, ...] | None = None,
 ):
     """The validation split's loader, every row of it: the rows are padded with rows that train
     nothing to a whole number of global micro-batches (``data.padded``), so a split smaller than one
@@ -29,6 +34,7 @@ def validation_loader(
         seed=seed,
         shuffle=False,
         pad_to_multiple=pad_to_multiple,
+        buckets=buckets,
     )
 
 

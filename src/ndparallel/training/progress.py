@@ -5,7 +5,8 @@ from __future__ import annotations
 
 
 def format_metrics(m: dict) -> str:
-    """One line: loss, lr, gradient norm, (fp16) the loss scale, throughput, MFU (when known), peak memory."""
+    """One line: loss, lr, gradient norm, (fp16) the loss scale, throughput in real tokens (the
+    padded share of the computed tokens beside it), MFU (when known), peak memory."""
     return (
         f"loss {m['loss']:.4f}"
         + (f" (aux {m['aux_loss']:.4f})" if "aux_loss" in m else "")
@@ -15,7 +16,9 @@ def format_metrics(m: dict) -> str:
             if "loss_scale" in m
             else ""
         )
-        + f"{m['tokens_per_s']:.0f} tok/s | {m['tflops_per_device']:.3f} TFLOP/s/dev"
+        + f"{m['tokens_per_s']:.0f} tok/s"
+        + (f" ({m['padding_fraction']:.0%} padding)" if m.get("padding_fraction", 0) >= 0.005 else "")
+        + f" | {m['tflops_per_device']:.3f} TFLOP/s/dev"
         + (f" | MFU {m['mfu']:.1%}" if "mfu" in m else "")
         + f" | mem {m['peak_memory_gb']:.2f} GB"
     )

@@ -62,7 +62,11 @@ def start_outputs(trainer) -> None:
         f"({local_numel(trainer.model) / 1e6:.2f}M on this rank{trainable_note(cfg, trainer.model)}); "
         f"{trainer.total_steps} steps × "
         f"{trainer.loader.global_micro_batch * cfg.gradient_accumulation_steps} sequences × "
-        f"{cfg.sequence_len} tokens"
+        + (
+            f"{cfg.sequence_len} tokens"
+            if cfg.pads_to_sequence_len()
+            else f"up to {cfg.sequence_len} tokens (each micro-batch cut after its longest row)"
+        )
     )
     trainer.profiler = None
     if trainer.profile_comm:  # the first two steps (lazy init, then a steady step) are recorded

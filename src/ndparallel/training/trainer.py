@@ -39,8 +39,8 @@ from ndparallel.training.components import (
     load_tokenizer,
     model_config,
     optimizer_for,
-    pad_multiple,
     rounded_vocab,
+    row_widths,
     train_loader,
 )
 from ndparallel.training.controls import EarlyStopping, LossWatchdog, eval_every, freeze_except
@@ -93,12 +93,12 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg, cache_dir)
         self.splits = build_data(cfg, self.tokenizer, cache_dir)
-        multiple = pad_multiple(cfg, engine.dims)
-        self.loader = train_loader(cfg, self.splits, self.tokenizer, engine.dp_rank, engine.dp_size, multiple)
+        widths = row_widths(cfg, engine.dims)
+        self.loader = train_loader(cfg, self.splits, self.tokenizer, engine.dp_rank, engine.dp_size, widths)
         self.val_loader = None
         if self.splits.val is not None:
             self.val_loader = validation_loader(
-                engine, self.splits.val, cfg.micro_batch_size, cfg.seed, multiple
+                engine, self.splits.val, cfg.micro_batch_size, cfg.seed, widths.multiple, widths.buckets
             )
         steps_per_epoch = len(self.loader) // cfg.gradient_accumulation_steps
         self.eval_every = eval_every(cfg.eval_steps, cfg.evals_per_epoch, steps_per_epoch)
@@ -202,10 +202,9 @@ class Trainer:
         and grad norm come back as device tensors for ``log``."""
         cfg, engine = self.cfg, self.engine
         first = self.state.samples_seen // self.loader.global_micro_batch
-        micro_batches = [
-            batch_to_device(self.loader.micro_batch(first + m), engine.device)
-            for m in range(cfg.gradient_accumulation_steps)
-        ]
+        indices = range(first, first + cfg.gradient_accumulation_steps)
+        micro_batches = [batch_to_device(self.loader.micro_batch(i), engine.device) for i in indices]
+        real, computed = (sum(c) for c in zip(*(self.loader.token_counts(i) for i in indices)))
         out = train_step(
             engine,
             self.model,
@@ -225,15 +224,19 @@ class Trainer:
             "loss": out.loss,
             "grad_norm": out.grad_norm,
             "lr": self.scheduler.get_last_lr()[0],
-            "tokens": out.tokens,
+            "tokens": real,
+            "computed_tokens": computed,
             "aux_loss": out.aux_loss,
         }
 
     def log(self, step_out: dict) -> dict | None:
         """On logging steps (every ``logging_steps``, the first and the last): read the loss and
         the grad norm (the only host syncs of training, with the non-finite check), write the
-        metrics; throughput is measured over the steps since the last log."""
+        metrics; throughput is measured over the steps since the last log, in real tokens (not
+        padding: the loader counts them, ``token_counts``), the padded share beside it."""
         step, cfg, engine = self.state.step, self.cfg, self.engine
+        tokens, computed = self._tokens_since_log
+        self._tokens_since_log = (tokens + step_out["tokens"], computed + step_out["computed_tokens"])
         if step % cfg.logging_steps and step not in (1, self.total_steps):
             return None
         loss = step_out["loss"]  # already the global mean (reduced in train_step)
@@ -248,15 +251,17 @@ class Trainer:
         if step_out.get("aux_loss") is not None:  # an MoE model's load-balancing loss (in "loss")
             metrics["aux_loss"] = float(step_out["aux_loss"])
         now = time.perf_counter()
-        dt = (now - self._log_time) / max(1, step - self._log_step)
+        elapsed, steps = now - self._log_time, max(1, step - self._log_step)
         self._log_time, self._log_step = now, step
-        tokens = step_out["tokens"]  # this step's (rows are cut when pad_to_sequence_len is false)
+        tokens, computed = self._tokens_since_log  # real (not padding) and computed, since the last log
+        self._tokens_since_log = (0, 0)
         metrics.update(
             {
-                "step_time_s": dt,
-                "tokens_per_s": tokens / dt,
-                "tokens_per_s_per_device": tokens / dt / engine.world_size,
-                "tflops_per_device": self.flops_per_token * tokens / dt / engine.world_size / 1e12,
+                "step_time_s": elapsed / steps,
+                "tokens_per_s": tokens / elapsed,  # real tokens: padding is not throughput
+                "tokens_per_s_per_device": tokens / elapsed / engine.world_size,
+                "padding_fraction": 1.0 - tokens / computed if computed else 0.0,
+                "tflops_per_device": self.flops_per_token * tokens / elapsed / engine.world_size / 1e12,
                 "peak_memory_gb": peak_memory_gb(engine.device),
             }
         )
@@ -397,6 +402,7 @@ class Trainer:
         self.model.train()
         self.progress = Progress(self.total_steps, self.state.step, enabled=self.engine.is_main_process)
         self._log_time, self._log_step = time.perf_counter(), self.state.step
+        self._tokens_since_log = (0, 0)
         self.preemption = PreemptionWatch(self.cfg.preemption_timeout_s, name="ndparallel train")
         try:
             with self.preemption:  # signals handled until the end (a final export completes)

@@ -10,7 +10,8 @@ schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble); what it does not do is w
 * ``Pipeline.forward_backward`` — the step's micro-batches joined into one batch (rows padded to
   one width: a right pad never changes an earlier token), CP-sharded like any batch, split by the
   schedule into ``microbatches`` pieces; every stage gets ``position_ids`` (rotary, packed
-  documents) and ``shift_labels`` as keyword inputs.
+  documents) and ``shift_labels`` as keyword inputs. Torch's stages keep the shapes of their first
+  step: a step of another width (``pad_to_sequence_len: false``) runs on stages of its own.
 * tied input / output embeddings: the first stage's embedding and the last stage's LM head are two
   copies; their gradients are summed after the step (so both take the same update) and the norm
   counts the weight once.
@@ -173,18 +174,13 @@ class Pipeline:
     def __init__(
         self, runtime: StageRuntime, plan: StagePlan, stages: dict[int, nn.Module], tied: bool
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
         self.runtime, self.plan = runtime, plan
         self.modules = {s: StageModule(lm, s, plan.n_stages, runtime.stage_loss) for s, lm in stages.items()}
         for module in self.modules.values():
             _shard_root(module, runtime)
-        group = runtime.group("pp")
-        self.stages = [
-            PipelineStage(self.modules[s], s, plan.n_stages, runtime.device, group=group)
-            for s in sorted(self.modules)
-        ]
-        self._schedules: dict[int, object] = {}
+        self.stages = self._new_stages()
+        self._stage_sets: dict[int, list] = {}
+        self._schedules: dict[tuple[int, int], object] = {}
         self._loss_scale: float | None = None
         self._tied = self._tie_pair(tied)
         self.sum_tied_grads = True  # False only in a deliberately broken run (the checks must fail)
@@ -244,16 +240,35 @@ class Pipeline:
         return {id(self.modules[self.plan.n_stages - 1].lm.get_output_embeddings().weight)}
 
     # ------------------------------------------------------------------------ step
-    def _schedule(self, n_microbatches: int):
-        if n_microbatches not in self._schedules:
+    def _new_stages(self) -> list:
+        from torch.distributed.pipelining import PipelineStage
+
+        group, device, n = self.runtime.group("pp"), self.runtime.device, self.plan.n_stages
+        return [PipelineStage(self.modules[s], s, n, device, group=group) for s in sorted(self.modules)]
+
+    def _stages_of(self, width: int) -> list:
+        """This rank's torch stages for rows ``width`` tokens wide. A torch stage infers the shapes
+        it sends and receives at its first step and keeps them (its receive buffers), so each width
+        a run meets gets stages of its own: one width with ``pad_to_sequence_len``, a few buckets
+        without (``data/widths.py``; one set of buffers per width). All stages of one pipeline
+        read the same rows, so they agree on the width."""
+        if width not in self._stage_sets:
+            self._stage_sets[width] = self.stages if not self._stage_sets else self._new_stages()
+        return self._stage_sets[width]
+
+    def _schedule(self, n_microbatches: int, width: int):
+        if (n_microbatches, width) not in self._schedules:
             from torch.distributed.pipelining import schedules
 
             cls = getattr(schedules, f"Schedule{self.plan.schedule}")
-            stages = self.stages if self.plan.virtual > 1 else self.stages[0]
-            self._schedules[n_microbatches] = cls(
-                stages, n_microbatches=n_microbatches, loss_fn=self._loss_fn, scale_grads=False
+            stages = self._stages_of(width)
+            self._schedules[n_microbatches, width] = cls(
+                stages if self.plan.virtual > 1 else stages[0],
+                n_microbatches=n_microbatches,
+                loss_fn=self._loss_fn,
+                scale_grads=False,
             )
-        return self._schedules[n_microbatches]
+        return self._schedules[n_microbatches, width]
 
     def _loss_fn(self, loss: torch.Tensor, _target) -> torch.Tensor:
         return loss * self._loss_scale if self._loss_scale is not None else loss
@@ -307,7 +322,7 @@ class Pipeline:
         for module in self.modules.values():
             module.num_items = num_items
         losses: list[torch.Tensor] = []
-        schedule = self._schedule(n)
+        schedule = self._schedule(n, batch["input_ids"].shape[1])
         last_lm = self.modules[self.plan.n_stages - 1].lm if self.holds_last else None
         with self.runtime.batch_context(batch), self.runtime.loss_context(last_lm):
             args = (batch["input_ids"],) if self.holds_first else ()
