@@ -193,6 +193,13 @@ BENCHES = (
         needs="side venv",
     ),
     Bench(
+        "peer_axolotl_speed",
+        "peers/axolotl_speed.py",
+        "Axolotl's trainer vs `ndparallel train`: samples/s, real tokens/s, peak memory, losses",
+        ("--pairs", "1", "--only", "alpaca"),
+        needs="side venv",
+    ),
+    Bench(
         "gpu_wheels",
         "gpu_wheels.sh",
         "fetch the wheels a GPU run carries into .whl/ (once)",
