@@ -110,6 +110,9 @@ def _child(
         import torch
 
         torch.set_num_threads(1)
+        # ... and the libraries that size their own pools from the environment keep to it too
+        # (Accelerate's CPU state calls torch.set_num_threads(cores) when OMP_NUM_THREADS is unset).
+        os.environ["OMP_NUM_THREADS"] = "1"
         _fresh_tqdm_locks()
         os.environ.update(
             RANK=str(rank),
