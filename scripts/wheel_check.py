@@ -146,21 +146,8 @@ def build_wheel(work: Path, drop: str | None) -> Path:
     (src / "pyproject.toml").write_text(drop_requirement(pyproject, drop) if drop else pyproject)
     dist = work / "dist"
     # this environment's setuptools where it is new enough (no download), else pip's isolated build
-    local = _version("setuptools") >= (68,)
-    run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            *(["--no-build-isolation"] * local),
-            "-w",
-            dist,
-            src,
-        ]
-    )
+    isolation = ["--no-build-isolation"] if _version("setuptools") >= (68,) else []
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", dist, src])
     return next(dist.glob("ndparallel-*.whl"))
 
 
@@ -259,6 +246,8 @@ def main(argv=None) -> int:
     parser.add_argument("--drop", metavar="DIST", help="remove this dependency first (negative control)")
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a removed temp dir)")
     args = parser.parse_args(argv)
+    if args.keep and Path(args.keep).exists() and any(Path(args.keep).iterdir()):
+        parser.error(f"--keep {args.keep}: not empty (give a new directory)")
     work = Path(args.keep or tempfile.mkdtemp(prefix="ndparallel-wheel-"))
     work.mkdir(parents=True, exist_ok=True)
     try:

@@ -20,11 +20,12 @@ def _full(i: int, shape, stage: int = 0) -> torch.Tensor:
     return torch.randn(shape, generator=g)
 
 
-def _grads(stages: int):
+def _grads(stages: int, partial: bool = False):
     """(gradients as this rank holds them, the full gradients they are pieces of, its stage): a
-    (dp_replicate 2, dp_shard 2, tp 2) world, or (pp 2, dp_shard 2, tp 2) with each stage's own."""
+    (dp_replicate 2, dp_shard 2, tp 2) world, or (pp 2, dp_shard 2, tp 2) with each stage's own.
+    ``partial``: also a gradient still Partial over tp (its tp ranks hold 0.3 and 0.7 of it)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     outer = "pp" if stages > 1 else "dp_replicate"
     root = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=(outer, "dp_shard", "tp"))
@@ -54,12 +55,19 @@ def _grads(stages: int):
         t = _full(len(SHAPES), (6, 2))
         full.append(t)
         local.append(distribute_tensor(t, root["dp_shard", "tp"], [s0, s1]))
+    if partial:
+        t = _full(len(SHAPES) + 1, (4, 3))
+        full.append(t)
+        piece = distribute_tensor(t, mesh, [*replicas, s0, r]).to_local()
+        share = 0.3 if mesh.get_local_rank("tp") == 0 else 0.7
+        local.append(DTensor.from_local(piece * share, mesh, [*replicas, s0, Partial()], run_check=False))
     return local, full, stage
 
 
-CASES = [(1, 2.0), (2, 2.0), (1, float("inf")), (2, 1.0), (1, "every piece counted")]
-"""(pipeline stages, norm type); the last: a negative control whose ranks count every piece they
-hold, copies included (it must miss the full norm)."""
+CASES = [(1, 2.0), (2, 2.0), (1, float("inf")), (2, 1.0), (1, "partial"), (1, "every piece counted")]
+"""(pipeline stages, norm type); "partial": the 2-norm with a Partial gradient too (summed first:
+one more collective); the last: a negative control whose ranks count every piece they hold,
+copies included (it must miss the full norm)."""
 
 
 def _norms_on_rank():
@@ -71,7 +79,8 @@ def _norms_on_rank():
 
     out = []
     for stages, norm_type in CASES:
-        local, full, stage = _grads(stages)
+        local, full, stage = _grads(stages, partial=norm_type == "partial")
+        norm_type = 2.0 if norm_type == "partial" else norm_type
         params = []
         for g in local:
             p = torch.nn.Parameter(torch.zeros_like(g))
@@ -92,11 +101,12 @@ def _norms_on_rank():
 
 
 def test_norm_of_pieces_is_the_full_norm_in_one_all_reduce():
+    """Every case on the same 8 ranks; a gradient left Partial is summed first (one more call)."""
     by_rank = run_on_ranks(_norms_on_rank, 8)
     for case, results in zip(CASES, zip(*by_rank)):
         norms = [n for n, _, _ in results]
         assert len(set(norms)) == 1, (case, norms)  # bit-identical on every rank: one all-reduce's result
-        assert {counts for _, counts, _ in results} == {1}, case
+        assert {counts for _, counts, _ in results} == {2 if case[1] == "partial" else 1}, case
         full = [t for ts in results[0][2].values() for t in ts]
         p = 2.0 if isinstance(case[1], str) else case[1]
         if p == float("inf"):
@@ -105,7 +115,7 @@ def test_norm_of_pieces_is_the_full_norm_in_one_all_reduce():
             expected = sum(t.abs().pow(p).sum().item() for t in full) ** (1 / p)
         # fp32 sums of the rounded terms: each addition off by at most one ulp (2^-24 relative)
         bound = sum(t.numel() for t in full) * 2**-24 * expected
-        if isinstance(case[1], str):
+        if case[1] == "every piece counted":
             assert abs(norms[0] - expected) > 100 * bound, (case, norms[0], expected)
         else:
             assert abs(norms[0] - expected) <= bound, (case, norms[0], expected)

@@ -314,7 +314,9 @@ def scalar_collectives(model: ModelSpec, layout: Layout, mixed_precision: str = 
     * under pipeline parallel the last stage's step loss, one fp32 all-reduce over ``pp`` (the
       tied-embedding gradient sum between the first and last stage is not listed);
     * the gradient norm (``techniques/grad_norm.py``): each rank's sum of its shards' squares, one
-      fp32 all-reduce over the whole world (every stage, every mesh, the experts' too).
+      fp32 all-reduce over the whole world (every stage, every mesh, the experts' too); a gradient
+      DTensor left Partial (a replicated weight fed sharded activations on a mesh without FSDP,
+      e.g. some families' norm weights under TP) is summed first, one all-reduce each (not listed).
     The routers' load-balancing loss of an MoE model adds one all-reduce of its statistics
     (2·E + 1 fp32) per micro-batch when the model adds that loss (not listed here). ``model`` and
     ``mixed_precision`` change none of these (kept for the callers' one signature).

@@ -9,7 +9,8 @@ counting every distinct piece of every gradient once across the world, and one a
 or MAX for the inf-norm) over all ranks adds the pieces up: the same bytes on every rank.
 
 Which rank counts a piece: a gradient replicated along a dimension of its mesh is counted by the
-rank at coordinate 0 of that dimension; copies of a whole mesh elsewhere in the world (a mesh that
+rank at coordinate 0 of that dimension (one still Partial there is summed first, as torch's norm of
+it would); copies of a whole mesh elsewhere in the world (a mesh that
 spans fewer ranks than its stage, a plain tensor on every rank) are weighted 1/copies. Every rank of
 a pipeline stage holds a piece of each of the stage's parameters (the stages hold different ones).
 """
@@ -21,7 +22,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def _group_key(t: torch.Tensor):
@@ -39,25 +40,35 @@ def grouped_grads(parameters: Iterable[torch.Tensor]) -> dict[tuple, list[torch.
 
 
 def _share(grad: torch.Tensor, holders: int) -> float:
-    """The weight of this rank's local piece of ``grad`` in the global sum of ``|g|^p``: 0 where
-    another rank counts the same piece, 1 / (copies of its mesh among the ``holders`` ranks) else."""
+    """The weight of this rank's local piece of ``grad`` (no Partial placement) in the global sum
+    of ``|g|^p``: 0 where another rank counts the same piece, 1 / (copies of its mesh among the
+    ``holders`` ranks) else."""
     if not isinstance(grad, DTensor):
         return 1.0 / holders
     mesh = grad.device_mesh
     coordinate = mesh.get_coordinate()
     for dim, placement in enumerate(grad.placements):
-        if placement.is_partial():
-            raise ValueError(f"a gradient with a Partial placement ({grad.placements}) has no local norm")
         if placement.is_replicate() and coordinate[dim] != 0:
             return 0.0
     return 1.0 / max(1, holders // mesh.size())
+
+
+def _summed(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with its Partial mesh dims reduced (a copy, for the norm: the optimizer step reduces
+    the gradient itself): a replicated weight fed sharded activations without FSDP, e.g. a norm
+    weight under sequence parallel on a TP-only mesh, gets a Partial gradient from DTensor."""
+    if not isinstance(grad, DTensor) or not any(p.is_partial() for p in grad.placements):
+        return grad
+    return grad.redistribute(
+        grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements]
+    )
 
 
 def _local_power_sum(grads: list[torch.Tensor], norm_type: float, holders: int, device) -> torch.Tensor:
     """Sum over ``grads`` of share · ``|local shard|_p^p`` (inf: the max of the local maxima), fp32."""
     inf = norm_type == float("inf")
     by_share: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
+    for g in map(_summed, grads):
         share = 1.0 if inf else _share(g, holders)
         local = g.to_local() if isinstance(g, DTensor) else g
         if share and local.numel():  # an empty shard (more ranks than rows) adds nothing
