@@ -75,6 +75,12 @@ try:
 except ImportError as e:
     said = str(e)
 assert "pip install 'ndparallel[lora]'" in said, said
+for door, extra in (("ndparallel.transformers", "trainer"), ("ndparallel.trl", "trl")):
+    try:
+        __import__(door)
+        raise SystemExit(f"{door} imported without its extra")
+    except ImportError as e:
+        assert f"pip install 'ndparallel[{extra}]'" in str(e), e
 acc.print(f"python api: loss {loss.item():.4f} grad norm {norm.item():.4f}; LoRA: {said}")
 acc.end_training()
 """

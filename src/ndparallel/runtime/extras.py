@@ -20,6 +20,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "qat": ("torchao",),
     "trackers": ("wandb", "tensorboardX", "mlflow", "swanlab", "prometheus_client"),
     "hf-tp": ("accelerate",),
+    "trainer": ("accelerate",),
+    "trl": ("trl", "accelerate"),
 }
 """Extra -> the modules it provides (import names)."""
 
