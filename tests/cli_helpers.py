@@ -33,6 +33,17 @@ def run_cli_fd(capfd, *args) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def run_cli_recorded(*args):
+    """``run_cli`` with the output of the child processes too, split by origin: (exit code, an
+    ``output_origin.Output``: ``stdout``, ``stderr``, ``foreign()`` — the lines ndparallel did not write)."""
+    from ndparallel.cli import main
+    from output_origin import recorded_output
+
+    with recorded_output() as output:
+        code = main([str(a) for a in args])
+    return code, output
+
+
 def forbid_launch(monkeypatch) -> None:
     """Make starting ranks fail the test at once (a case that must be refused before launch), with
     no Hub access and no inherited rank variables."""
@@ -54,44 +65,32 @@ def train_on_forked_ranks(args, cwd=None, env=None, timeout_s: float = 600.0):
     (``RANK``/``WORLD_SIZE`` set, as the launcher sets them), having torch and transformers already
     imported — ~15 s of CPU less than three fresh interpreters and an elastic agent. For tests of
     what a run does (configs, data, outputs); the launcher itself is tested with real launches.
-    Returns a ``subprocess.CompletedProcess`` with this command's and every rank's output."""
-    import io
+    Returns a ``subprocess.CompletedProcess`` with this command's and every rank's output, and as
+    ``foreign`` the lines of it that ndparallel did not write (``output_origin.py``)."""
     import os
     import subprocess
-    import sys
-    import tempfile
 
     import ndparallel.runtime.launch as launch
     from ndparallel.cli import main
+    from output_origin import recorded_output
 
     args = [str(a) for a in args]
     real_relaunch, old_cwd, old_env = launch.relaunch_self, os.getcwd(), dict(os.environ)
-    saved_fds, saved_streams = (os.dup(1), os.dup(2)), (sys.stdout, sys.stderr)
-    files = [tempfile.TemporaryFile(mode="w+b") for _ in range(2)]
-    sys.stdout.flush(), sys.stderr.flush()
-    for fd, f in zip((1, 2), files):
-        os.dup2(f.fileno(), fd)
-    sys.stdout, sys.stderr = (
-        io.TextIOWrapper(open(fd, "wb", closefd=False), write_through=True) for fd in (1, 2)
-    )
     launch.relaunch_self = lambda n, module_args, torchrun_args=(): _fork_ranks(n, module_args, timeout_s)
     try:
-        os.environ.update({"HF_HUB_OFFLINE": "1", **(env or {})})
-        if cwd is not None:
-            os.chdir(cwd)
-        code = main(args)
+        with recorded_output() as output:
+            os.environ.update({"HF_HUB_OFFLINE": "1", **(env or {})})
+            if cwd is not None:
+                os.chdir(cwd)
+            code = main(args)
     finally:
         launch.relaunch_self = real_relaunch
         os.chdir(old_cwd)
         os.environ.clear()
         os.environ.update(old_env)
-        sys.stdout.flush(), sys.stderr.flush()
-        sys.stdout, sys.stderr = saved_streams
-        for fd, saved in zip((1, 2), saved_fds):
-            os.dup2(saved, fd)
-            os.close(saved)
-    out, err = ((f.seek(0), f.read().decode(errors="replace"), f.close())[1] for f in files)
-    return subprocess.CompletedProcess(["ndparallel", *args], code, out, err)
+    proc = subprocess.CompletedProcess(["ndparallel", *args], code, output.stdout, output.stderr)
+    proc.foreign = output.foreign()
+    return proc
 
 
 def _fork_ranks(world: int, module_args, timeout_s: float) -> int:

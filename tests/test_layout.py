@@ -322,6 +322,7 @@ SHARED_WORDS = {
     "field",
     "strict",
     "text_column",
+    "trl",  # the package (and the extra that installs it: runtime/extras.py)
 }
 """Axolotl keys that are also Python's, pydantic's, torch's, transformers', PEFT's or Accelerate's own
 words (a dtype, a config attribute, a backend, an argument): meeting one below the front doors says

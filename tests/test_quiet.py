@@ -17,3 +17,34 @@ def test_library_noise_dropped_by_logger_and_message(caplog):
         logging.getLogger("torchao").warning("another torchao warning")  # kept: not the known line
         logging.getLogger("ndparallel.x").warning("Failed to load our.so")  # ours: never filtered
     assert [r.getMessage() for r in caplog.records] == ["another torchao warning", "Failed to load our.so"]
+
+
+def test_output_origin_tells_ndparallel_from_a_library():
+    """``output_origin.py``, the quiet tests' judge: a line ndparallel prints (itself or through
+    rich) is its own; a library's warning, a library's log record and bytes written straight to the
+    descriptor (as C++ code does) are not, whatever they say."""
+    import os
+    import warnings
+
+    from output_origin import recorded_output
+
+    ours = {"__name__": "ndparallel.somewhere"}
+    theirs = {"__name__": "somelib.module"}
+    early = logging.getLogger("somelib.early")  # its handler made before, as torch's is at import
+    early.addHandler(logging.StreamHandler())
+    early.propagate = False
+    with recorded_output() as output, warnings.catch_warnings():
+        warnings.simplefilter("always")
+        exec("print('step 1: loss 2.0')", ours)
+        exec("from rich.console import Console\nConsole(width=80).print('a table row')", ours)
+        exec("import warnings\nwarnings.warn('step 1: loss 2.0 is deprecated')", theirs)
+        exec("import logging\nlogging.getLogger('somelib').warning('a library logs')", theirs)
+        early.warning("an early handler's record")
+        os.write(2, b"[W1207 ProcessGroupGloo.cpp:42] a C++ warning\n")
+        exec("print('step 2: loss 1.0', flush=True)", ours)
+    foreign = output.foreign()
+    assert "step 1: loss 2.0" in output.own and "a table row" in output.own, output.own
+    assert any("is deprecated" in line for line in foreign), foreign
+    assert "a library logs" in foreign and "[W1207 ProcessGroupGloo.cpp:42] a C++ warning" in foreign
+    assert "an early handler's record" in foreign
+    assert not any(line.startswith(("step", "a table")) for line in foreign), foreign

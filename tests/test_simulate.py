@@ -43,11 +43,14 @@ def config(tmp_path_factory):
 
 def _simulate(capfd, config, *args):
     """``ndparallel simulate`` from this process (its rank runs in a fresh child, as always):
-    (exit code, the JSON report or None, stderr)."""
-    from cli_helpers import run_cli_fd
+    (exit code, the JSON report or None, stderr). Every line of the output is ndparallel's, none a
+    library's (a warning, a log record, a C++ message: ``output_origin.py``)."""
+    from cli_helpers import run_cli_recorded
 
     world = ("--world-size", "64", "--steps", "1", "--json")
-    code, out, err = run_cli_fd(capfd, "simulate", config, *world, *args)
+    code, output = run_cli_recorded("simulate", config, *world, *args)
+    assert output.foreign() == [], output.foreign()[:20]
+    out, err = output.stdout, output.stderr
     return code, (json.loads(out) if out.strip().startswith("{") else None), err
 
 

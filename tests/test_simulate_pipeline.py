@@ -166,7 +166,7 @@ def test_simulate_cli_against_the_planner_on_a_pp_world(config, rank, unsharded,
     }
     assert abs(predicted["error"]["tensor_peak"]) <= 0.10, predicted
     got, want = report["collectives"], report["predicted_collectives"]
-    assert set(got) == set(want) == {"dp", "dp_cp", "dp_shard_cp", "pp"}, (got, want)
+    assert set(got) == set(want) == {"dp", "dp_cp", "dp_shard_cp", "pp", "world"}, (got, want)
     for dim in got:
         extra = got[dim]["calls"] - want[dim]["calls"]
         assert extra == (1 if dim == "dp_shard_cp" and rank == 0 and not unsharded else 0), (dim, got, want)

@@ -9,6 +9,7 @@ import pytest
 from cli_helpers import train_on_forked_ranks
 from ndparallel.axolotl import load_config
 from ndparallel.testing import run_on_ranks
+from output_origin import recorded_output
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_DATA = [
@@ -25,13 +26,12 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def test_quickstart_cli_writes_metrics_and_a_model_that_generates(tmp_path):
-    """The README's first command (its layout cut to FSDP 2) on ranks forked from this process: the
-    elastic launch itself is tested by test_cluster / test_faults_launcher / test_harness_and_launch."""
+    """The README's first command, its layout (FSDP 2 × CP 2 × TP 2) and a few steps, on ranks
+    forked from this process (the elastic launch itself is tested by test_cluster /
+    test_faults_launcher / test_harness_and_launch): every line of its output is ndparallel's, none
+    a library's (``output_origin.py``: a warning, a log record, a C++ message, a traceback)."""
     out_dir = tmp_path / "run"
     sets = [
-        "dp_shard_size=2",
-        "context_parallel_size=1",
-        "tensor_parallel_size=1",
         "max_steps=4",
         "logging_steps=2",
         "eval_steps=4",
@@ -44,6 +44,7 @@ def test_quickstart_cli_writes_metrics_and_a_model_that_generates(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "step 4: loss" in proc.stdout and "eval_loss" in proc.stdout
+    assert proc.foreign == [], proc.foreign[:20]
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 4]  # the first step, then every logging_steps
@@ -110,20 +111,24 @@ def test_3d_layout_train_equals_one_rank(tmp_path):
 
 
 def _verify(cfg_overrides, fault, example="examples/cpu/fsdp_tp.yaml"):
-    from ndparallel.cli.commands import run_verify
+    """``ndparallel verify`` as the command line runs it."""
+    from ndparallel.cli import main
 
-    args = [example, "--steps", "2", *[f"--set={s}" for s in cfg_overrides]]
+    args = ["verify", example, "--steps", "2", *[f"--set={s}" for s in cfg_overrides]]
     if fault:
         args += ["--inject-fault", fault]
-    return run_verify(args)
+    return main(args)
 
 
 def test_verify_passes_right_layout_and_fails_broken_one(monkeypatch, capsys):
+    """FSDP 2 × TP 2 passes, every line of its output ndparallel's (no library's warning or log
+    record: ``output_origin.py``); a layout that skips the gradient reduction fails."""
     monkeypatch.chdir(ROOT)
-    assert _verify([], None) == 0
-    out = capsys.readouterr().out
-    assert "PASS" in out and "of its bound" in out  # the verdict names the bound and its source
-    assert "Failed to load" not in out and "Enum subclass" not in out  # no library noise
+    with recorded_output() as output:
+        code = _verify([], None)
+    assert code == 0, output.stdout[-2000:] + output.stderr[-4000:]
+    assert "PASS" in output.stdout and "of its bound" in output.stdout  # the verdict names its bound
+    assert output.foreign() == [], output.foreign()[:20]
     assert _verify([], "skip-grad-sync") == 1
     assert "FAIL" in capsys.readouterr().out
 

@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass
 
 
-class _AccelerateEnum(str, enum.Enum):
+class _AccelerateEnum(str, enum.Enum):  # noqa: UP042 - Accelerate's BaseEnum: str + Enum, not StrEnum
     """Accelerate's ``BaseEnum``: ``str()`` gives the value, ``list()`` every value."""
 
     def __str__(self) -> str:

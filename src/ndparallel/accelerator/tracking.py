@@ -44,8 +44,9 @@ def filter_trackers(log_with, logging_dir=None, warn: bool = True) -> list:
                 continue
             if not is_installed(n):
                 if warn:
+                    how = "pip install 'ndparallel[trackers]'" if n in TRACKERS else f"pip install {n}"
                     warnings.warn(
-                        f"log_with={n!r}: {n} is not installed, so it is skipped (pip install {n}); "
+                        f"log_with={n!r}: {n} is not installed, so it is skipped ({how}); "
                         "metrics still go to the jsonl tracker",
                         stacklevel=3,  # the user's Accelerator(log_with=...): its __init__, this function
                     )

@@ -8,12 +8,14 @@ import sys
 from collections.abc import Sequence
 
 from ndparallel.cli import commands
+from ndparallel.cli.args import fail
 from ndparallel.cli.launch_check import check_train_launch
 from ndparallel.cli.plan_config import config_defaults, merge_written_config, split_config_arg
 from ndparallel.cli.simulate_command import run_simulate
 from ndparallel.config import ConfigError
 from ndparallel.plan.cli import main as plan_main
 from ndparallel.runtime import launch
+from ndparallel.runtime.extras import MissingExtra
 from ndparallel.runtime.preemption import INTERRUPTED_EXIT
 from ndparallel.runtime.quiet import quiet_library_noise
 
@@ -44,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     try:
         return _dispatch(argv[0], argv[1:])
+    except MissingExtra as e:  # a feature asked for whose optional extra is not installed: one line
+        return fail(argv[0], e)
     except SystemExit as e:  # argparse (-h: 0, a usage error: 2, already printed in one line)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else _fail_text(e.code))
     except KeyboardInterrupt:  # Ctrl-C outside training (start-up, rendezvous): one line, no traceback

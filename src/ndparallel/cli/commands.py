@@ -16,6 +16,7 @@ from ndparallel.layout.config import ParallelismConfigError
 from ndparallel.models.families import is_tested_family
 from ndparallel.preflight.world import run_device, world_size_for
 from ndparallel.runtime import launch
+from ndparallel.runtime.extras import MissingExtra
 from ndparallel.runtime.lifeline import die_with_launcher
 from ndparallel.runtime.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT, Preempted
 from ndparallel.runtime.startup import import_model_libraries
@@ -214,11 +215,15 @@ def _rank_error(command: str, error: BaseException, exit_code: int | None = None
 
 
 def _plot_curves(out: Path) -> None:
-    """The loss / throughput PNG next to metrics.jsonl (skipped without matplotlib)."""
+    """The loss / throughput PNG next to metrics.jsonl (skipped, said once, without matplotlib: a
+    run that did not ask for the plot extra trains all the same)."""
     try:
         print(f"loss curve: {plot_run(out)}")
-    except ImportError:
-        print("loss curve: skipped (pip install matplotlib, then `ndparallel plot` the run)")
+    except MissingExtra:
+        print(
+            "loss curve: skipped: no matplotlib here (pip install 'ndparallel[plot]', then "
+            f"`ndparallel plot {out}`)"
+        )
 
 
 def run_preprocess(argv: Sequence[str]) -> int:
@@ -307,7 +312,7 @@ def run_plot(argv: Sequence[str]) -> int:
         )
     try:
         path = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, MissingExtra) as e:
         return fail("plot", e)
     print(f"wrote {path}")
     return 0

@@ -403,4 +403,4 @@ class Engine:
         pipelines = [record.pipeline for record in self._records.values() if record.pipeline is not None]
         copies = {i for pipeline in pipelines for i in pipeline.tied_copy_ids()}
         counted = [p for p in parameters if id(p) not in copies]
-        return total_grad_norm(counted, norm_type, across=self.group("pp"), device=self.device)
+        return total_grad_norm(counted, norm_type, stages=self.dims.pp, device=self.device)

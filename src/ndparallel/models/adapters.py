@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from ndparallel.models.moe import experts_modules
+from ndparallel.runtime.extras import require
 
 ADAPTER_NAME = "default"
 ALL_LINEAR = "all-linear"
@@ -27,12 +28,10 @@ ALL_LINEAR = "all-linear"
 
 
 def require_peft():
-    try:
-        import peft
-    except ImportError:
-        raise ImportError(
-            "LoRA needs the peft package: pip install 'ndparallel[lora]' (or pip install peft)"
-        ) from None
+    """The peft module; ``MissingExtra`` naming the lora extra where it is not installed."""
+    require("lora", "LoRA")
+    import peft
+
     return peft
 
 

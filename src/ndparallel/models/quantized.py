@@ -33,21 +33,17 @@ import torch
 import torch.nn as nn
 
 from ndparallel.models.nf4_config import NF4Config
+from ndparallel.runtime.extras import require
 
 
 def nf4_module():
     """torchao's NF4 module (``torchao.quantization.quantize_.workflows.nf4.nf4_tensor`` since 0.15-ish,
     ``torchao.dtypes.nf4tensor`` before)."""
+    require("qlora", "QLoRA (a 4-bit NF4 base)", ("torchao",))
     try:
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError:
-        try:
-            from torchao.dtypes import nf4tensor as nf4_tensor
-        except ImportError:
-            raise ImportError(
-                "QLoRA (a 4-bit NF4 base) needs torchao: pip install 'ndparallel[qlora]' "
-                "(or pip install torchao)"
-            ) from None
+        from torchao.dtypes import nf4tensor as nf4_tensor
     return nf4_tensor
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ndparallel.optim.names import TORCHAO
+from ndparallel.runtime.extras import require
 
 FP32_STATES = "fp32_states"
 """A parameter group key: its parameters keep fp32 states (the token embeddings, see ``embedding_groups``)."""
@@ -31,12 +32,9 @@ def build_low_bit(
 ) -> torch.optim.Optimizer:
     """The torchao optimizer ``name`` over the parameter ``groups`` (weight decay per group), deciding
     per parameter which states to quantise (``_PerParameterStates``)."""
-    try:
-        import torchao.optim as ao
-    except ImportError:
-        raise ImportError(
-            f"optimizer {name!r} needs torchao: pip install 'ndparallel[qlora]' (or pip install torchao)"
-        ) from None
+    require("qlora", f"optimizer: {name}", ("torchao",))
+    import torchao.optim as ao
+
     base = getattr(ao, TORCHAO[name])
     cls = type(base.__name__, (_PerParameterStates, base), {"__doc__": base.__doc__})
     return cls(groups, lr=lr, betas=betas, eps=eps)

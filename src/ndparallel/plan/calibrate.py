@@ -166,9 +166,7 @@ def calibrate(
     else:
         ranks = ranks if ranks is not None else max(2, min(os.cpu_count() or 2, 8))
         dev_name = "cpu"
-        import psutil
-
-        mem = psutil.virtual_memory().total / max(ranks, 1)
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(ranks, 1)  # physical memory
         base = None
     model = model or (load_model_spec("llama-3.2-1b") if device == "cuda" else load_model_spec("tiny"))
     kern = measure_kernels(device, quick, model, seq_len, micro_batch)

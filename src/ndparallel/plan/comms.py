@@ -311,46 +311,25 @@ def scalar_collectives(model: ModelSpec, layout: Layout, mixed_precision: str = 
 
     * the global count of loss tokens: one int64 all-reduce over ``dp`` (if dp > 1);
     * the step's loss: one fp32 all-reduce over ``dp_cp`` (if dp·cp > 1; ``reduce_step_loss``);
-    * the gradient norm (``techniques/grad_norm.py``): torch's ``get_total_norm`` takes one norm
-      per gradient tensor and DTensor sums their squares, 4 bytes per tensor, over the mesh dims
-      the tensors are sharded on. With a 1-D parameter mesh (FSDP or CP only: ``dp_shard_cp``;
-      TP only in fp32: ``tp``) that is one all-reduce of 4·(parameter tensors) bytes, the
-      tp-replicated norms stacked in. With a 2-D one (FSDP applied — any dp degree > 1, or bf16/fp16,
-      whose cast FSDP does even on one rank — together with TP) DTensor reduces each placement
-      group separately: all tensors over ``dp_shard_cp`` (if > 1), the tp-sharded ones over
-      ``tp``, in several calls whose number the planner does not model: the entry gives the
-      *total* bytes per dim as one call.
-    * under pipeline parallel the step loss and the squared gradient norm, one fp32 all-reduce each
-      over ``pp`` (the tied-embedding gradient sum between the first and last stage is not listed).
-    An MoE model's split experts (``ParallelDims.experts_split``) form their own group, reduced
-    over ``efsdp`` and ``ep``; the routers' load-balancing loss adds one all-reduce of its
-    statistics (2·E + 1 fp32) per micro-batch when the model adds that loss (not listed here).
+    * under pipeline parallel the last stage's step loss, one fp32 all-reduce over ``pp`` (the
+      tied-embedding gradient sum between the first and last stage is not listed);
+    * the gradient norm (``techniques/grad_norm.py``): each rank's sum of its shards' squares, one
+      fp32 all-reduce over the whole world (every stage, every mesh, the experts' too); a gradient
+      DTensor left Partial (a replicated weight fed sharded activations on a mesh without FSDP,
+      e.g. some families' norm weights under TP) is summed first, one all-reduce each (not listed).
+    The routers' load-balancing loss of an MoE model adds one all-reduce of its statistics
+    (2·E + 1 fp32) per micro-batch when the model adds that loss (not listed here). ``model`` and
+    ``mixed_precision`` change none of these (kept for the callers' one signature).
     """
     out = []
     if layout.dp > 1:
         out.append(Collective("all_reduce", "dp", 8, 1, "global token count (int64)"))
     if layout.dp * layout.cp > 1:
         out.append(Collective("all_reduce", "dp_cp", 4, 1, "step loss (fp32)"))
-    if layout.pp > 1:  # the last stage's loss to every stage; the stages' squared norms summed
+    if layout.pp > 1:  # the last stage's loss to every stage
         out.append(Collective("all_reduce", "pp", 4, 1, "step loss across stages (fp32)"))
-        out.append(Collective("all_reduce", "pp", 4, 1, "gradient norm across stages (fp32)"))
-    split = layout.experts_split(model.is_moe)
-    specs = [p for p in model.param_specs() if not (split and p.unit == "experts")]
-    if split:
-        experts = sum(p.count for p in model.param_specs() if p.unit == "experts")
-        for dim in ("efsdp", "ep"):
-            if layout.size(dim) > 1:
-                out.append(Collective("all_reduce", dim, 4 * experts, 1, "gradient norm of the experts"))
-    tensors = sum(p.count for p in specs)
-    tp_sharded = sum(p.count for p in specs if p.tp_dim is not None)
-    fsdp_wrapped = layout.dp_replicate * layout.fsdp > 1 or mixed_precision in ("bf16", "fp16")
-    dims = []
-    if layout.fsdp > 1:
-        dims.append(("dp_shard_cp", tensors))
-    if layout.tp > 1:
-        dims.append(("tp", tp_sharded if fsdp_wrapped else tensors))
-    for dim, n in dims:
-        out.append(Collective("all_reduce", dim, 4 * n, 1, "gradient norm (fp32 per tensor)"))
+    if layout.world > 1:
+        out.append(Collective("all_reduce", "world", 4, 1, "gradient norm (fp32 sum of squares)"))
     return out
 
 

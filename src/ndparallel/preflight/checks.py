@@ -16,6 +16,7 @@ from ndparallel.config import ConfigError, TrainConfig
 from ndparallel.layout.config import ParallelismConfigError
 from ndparallel.models.moe import config_num_experts
 from ndparallel.preflight.host_memory import host_memory_note
+from ndparallel.preflight.installed import missing_extras
 from ndparallel.preflight.pipeline_check import check_pipeline
 from ndparallel.techniques.host_budget import available_host_memory
 from ndparallel.tracking.credentials import tracker_notes
@@ -70,6 +71,14 @@ class Check:
 
 
 # --------------------------------------------------------------------- the layout and the model
+def extras(p: Preflight) -> None:
+    """The optional extras of the features the config asks for, installed here (``installed.py``);
+    the trackers' only where the run starts (``--dry-run`` lists them)."""
+    missing = missing_extras(p.cfg, trackers=p.check_local)
+    if missing:
+        raise ConfigError(missing)
+
+
 def layout(p: Preflight) -> None:
     """The degrees against the world size (a -1 degree filled from it)."""
 
@@ -352,6 +361,7 @@ def model_notes(p: Preflight) -> list[str]:
 
 
 CHECKS: tuple[Check, ...] = (
+    Check("extras", extras),
     Check("layout", layout),
     Check("model", model),
     Check("experts", experts),

@@ -1,4 +1,4 @@
-"""What lives on the machine a run starts from, checked before any rank starts: the trackers and their
+"""What lives on the machine a run starts from, checked before any rank starts: the trackers'
 credentials, the device, ``output_dir``, the resume checkpoint, the tokenizer, every dataset
 (tokenised and packed into the cache the ranks then read), the vocabulary that tokenizer adds, and
 the GPU that fp8 / nvfp4 QAT need."""
@@ -19,7 +19,6 @@ from ndparallel.preflight.world import run_device
 from ndparallel.techniques.float8 import float8_problem
 from ndparallel.techniques.qat import qat_device_problem
 from ndparallel.tracking.credentials import tracker_problem
-from ndparallel.tracking.run import missing_trackers
 from ndparallel.training.components import (
     build_data,
     data_cache_dir,
@@ -35,10 +34,6 @@ def check_local_inputs(cfg: TrainConfig, check_output: bool = True, profile_comm
     """Device, output_dir, resume checkpoint, tokenizer and a first sample of each dataset file;
     returns the run's tokenizer."""
     import torch
-
-    missing = missing_trackers(cfg.trackers())
-    if missing:
-        raise ConfigError(f"trackers not installed: {'; '.join(missing)} (or turn them off in the config)")
 
     problem = tracker_problem(cfg)
     if problem:

@@ -10,10 +10,11 @@ from ndparallel.models.moe import config_num_experts
 from ndparallel.models.presets import is_preset
 from ndparallel.plan.hardware import GiB
 from ndparallel.preflight.host_memory import offloaded
+from ndparallel.preflight.installed import tracker_extras
 from ndparallel.preflight.pipeline_check import pipeline_summary
+from ndparallel.runtime.extras import install_line
 from ndparallel.techniques.tile_rule import tile_split
 from ndparallel.tracking.credentials import tracker_problem
-from ndparallel.tracking.run import missing_trackers
 
 
 def describe_plan(
@@ -78,15 +79,11 @@ def describe_plan(
 
     trackers = cfg.trackers()
     if trackers:
-        problem = tracker_problem(cfg)
+        problem, missing = tracker_problem(cfg), install_line(tracker_extras(trackers))
         lines.insert(
             -1,
             f"trackers     : metrics.jsonl + {', '.join(trackers)}"
-            + (
-                f" (not installed here: {'; '.join(missing_trackers(trackers))})"
-                if missing_trackers(trackers)
-                else ""
-            )
+            + (f" ({missing})" if missing else "")
             + (f" (train would refuse here: {problem})" if problem else ""),
         )
     return "\n".join(lines)

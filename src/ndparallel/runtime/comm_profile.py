@@ -207,7 +207,9 @@ class CommProfiler(TorchDispatchMode):
 
     def label(self, dim: str) -> str:
         """The name under which calls on mesh dim ``dim`` are reported (``dim`` itself unless its
-        group is shared with a dim earlier in ``PREFERENCE``)."""
+        group is shared with a dim earlier in ``PREFERENCE``); ``world``: the default group's."""
+        if dim == "world":
+            return self.label_of_group(self._world)
         for dims in self._dims_of_group.values():
             if dim in dims:
                 return dims[0]

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ndparallel.models.layers import decoder_layers
+from ndparallel.runtime.extras import EXTRAS, absent, install_line, require
 from ndparallel.techniques.technique_options import Float8Options
 
 MIN_CAPABILITY = (8, 9)
@@ -27,10 +28,9 @@ def float8_problem(options: Float8Options, device_type: str) -> str | None:
     compute capability >= 8.9 (unless ``emulate``)."""
     if not options.enabled:
         return None
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError:
-        return "fp8 needs torchao: pip install 'ndparallel[fp8]' (or pip install torchao)"
+    missing = install_line([("fp8", "float8 training", absent(EXTRAS["fp8"]))])
+    if missing:
+        return missing
     if options.emulate:
         return None
     if device_type != "cuda" or not torch.cuda.is_available():
@@ -51,6 +51,7 @@ def apply_float8(
     model: nn.Module, options: Float8Options, layer_classes=None, fsdp: bool = True
 ) -> nn.Module:
     """Swap the decoder layers' linears for torchao ``Float8Linear`` in place; return the model."""
+    require("fp8", "float8 training")
     problem = float8_problem(options, "cuda" if torch.cuda.is_available() else "cpu")
     if problem:
         raise RuntimeError(problem)

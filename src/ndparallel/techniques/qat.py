@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ndparallel.runtime.extras import require
 from ndparallel.techniques.technique_options import QATOptions
 
 _COMBINATIONS = {
@@ -153,6 +154,7 @@ def apply_qat(model: nn.Module, options: QATOptions) -> nn.Module:
     problem = qat_options_problem(options) or group_size_problem(model, options)
     if problem:
         raise ValueError(f"qat: {problem}")
+    require("qat", "qat (fake-quantised training)")
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
 

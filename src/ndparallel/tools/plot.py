@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ndparallel.runtime.extras import require
+
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
@@ -14,6 +16,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
+    """The PNG of ``run_dir``'s curves (``out``, default ``run_dir/metrics.png``); ``MissingExtra``
+    without matplotlib."""
+    require("plot", "the loss curve")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from ndparallel.tracking.trackers import PIP, TRACKERS, GeneralTracker, JSONLTracker, is_installed
+from ndparallel.tracking.trackers import TRACKERS, GeneralTracker, JSONLTracker
 
 
 class TrackerConfig(Protocol):
@@ -16,11 +16,6 @@ class TrackerConfig(Protocol):
     def trackers(self) -> list[str]: ...
 
     def tracker_kwargs(self, name: str, run_dir: str) -> dict[str, Any]: ...
-
-
-def missing_trackers(names: list[str]) -> list[str]:
-    """``pip install`` lines of the requested trackers that are not installed."""
-    return [f"{n}: pip install {PIP.get(n, n)}" for n in names if not is_installed(n)]
 
 
 def make_tracker(name: str, kwargs: dict[str, Any]) -> GeneralTracker:

@@ -284,7 +284,7 @@ MODULES = {
     "prometheus": ("prometheus_client",),
 }
 PIP = {
-    "tensorboard": "tensorboard",
+    "tensorboard": "tensorboardX",
     "wandb": "wandb",
     "mlflow": "mlflow-skinny",
     "swanlab": "swanlab",

@@ -18,12 +18,8 @@ from ndparallel.training.metrics import device_peak_flops, global_numel, local_n
 
 def quiet_non_main_ranks(rank: int) -> None:
     """Warnings and library logs from ranks other than 0 are not repeated N times; notices that do
-    not apply here are silenced on every rank: FSDP2's "returned a view tensor" (transformers'
-    decoder applies no in-place op to those outputs; the equivalence tests prove the gradients)
-    and the library noise of ``runtime/quiet.py``."""
+    not apply here are silenced on every rank (``runtime/quiet.py``)."""
 
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a deprecated name
     quiet_library_noise()
     if rank != 0:
         warnings.filterwarnings("ignore")

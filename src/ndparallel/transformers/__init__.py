@@ -5,8 +5,12 @@
 
 ``parallel_trainer(SomeTrainer)`` does the same for any ``Trainer`` subclass (docs/trainer.md)."""
 
-from ndparallel.transformers.trainer_door import Trainer, TrainerDoor, parallel_trainer
-from ndparallel.transformers.training_arguments import (
+from ndparallel.runtime.extras import require
+
+require("trainer", "the Trainer door (ndparallel.transformers)")  # transformers' Trainer needs accelerate
+
+from ndparallel.transformers.trainer_door import Trainer, TrainerDoor, parallel_trainer  # noqa: E402
+from ndparallel.transformers.training_arguments import (  # noqa: E402
     ParallelArguments,
     TrainingArguments,
     parallel_arguments,

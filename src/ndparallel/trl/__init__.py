@@ -7,12 +7,13 @@ Each is TRL's own class with the Trainer door under it (``parallel_trainer``) or
 ndparallel's process-group start and refusals mixed in (``parallel_arguments``); the same two calls
 put any other TRL trainer on ndparallel (docs/trainer.md)."""
 
-try:
-    import trl
-except ImportError as e:  # an optional extra
-    raise ImportError("ndparallel.trl needs TRL: pip install 'ndparallel[trl]'") from e
+from ndparallel.runtime.extras import require
 
-from ndparallel.transformers import parallel_arguments, parallel_trainer
+require("trl", "ndparallel.trl (TRL's trainers)")  # an optional extra: this door's own package
+
+import trl  # noqa: E402
+
+from ndparallel.transformers import parallel_arguments, parallel_trainer  # noqa: E402
 
 SFTTrainer = parallel_trainer(trl.SFTTrainer)
 SFTConfig = parallel_arguments(trl.SFTConfig)

@@ -15,7 +15,7 @@ schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble); what it does not do is w
 * tied input / output embeddings: the first stage's embedding and the last stage's LM head are two
   copies; their gradients are summed after the step (so both take the same update) and the norm
   counts the weight once.
-* the gradient norm across stages (``Engine.grad_norm``: ``total_grad_norm(across=pp)``, the
+* the gradient norm across stages (``Engine.grad_norm``: one all-reduce over every stage, the
   tied copy not counted twice) and the step loss, which only the last stage has, sent to every rank.
 """
 
