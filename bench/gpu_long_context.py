@@ -225,9 +225,10 @@ def _spec(shape: dict, layers: int):
 
 def _predicted(shape: dict, layers: int, options: dict, seq: int) -> float:
     """The planner's peak allocated minus the states present before the step (params, optimizer)."""
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import get_preset
-    from ndparallel.plan.layout import Layout, Settings
-    from ndparallel.plan.memory import estimate_memory
+    from ndparallel.plan.memory.peak import estimate_memory
+    from ndparallel.plan.settings import Settings
 
     s = Settings(
         seq_len=seq,
@@ -237,17 +238,17 @@ def _predicted(shape: dict, layers: int, options: dict, seq: int) -> float:
         tiled_mlp=options.get("tiled_mlp", False),
         activation_offloading=options.get("activation_offloading", False),
     )
-    m = estimate_memory(_spec(shape, layers), Layout(), s, get_preset("h200"))
+    m = estimate_memory(_spec(shape, layers), ParallelDims(), s, get_preset("h200"))
     return m.allocated - m.params - m.optimizer
 
 
 def planner_answer() -> dict:
     """The planner's longest sequence for the whole Llama-3.1-8B on one H200 (a prediction)."""
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import get_preset
-    from ndparallel.plan.layout import Layout
-    from ndparallel.plan.longest import longest_for_layout
     from ndparallel.plan.models import load_model_spec
-    from ndparallel.plan.search import PlanRequest
+    from ndparallel.plan.search.evaluation import PlanRequest
+    from ndparallel.plan.search.longest import longest_for_layout
 
     out = {}
     for name, lora in (("lora_r16", 16), ("full_sgd", 0)):
@@ -260,7 +261,7 @@ def planner_answer() -> dict:
             tiled_mlp=True,
             activation_offloading=True,
         )
-        out[name] = longest_for_layout(req, Layout()).seq_len
+        out[name] = longest_for_layout(req, ParallelDims()).seq_len
     return out
 
 

@@ -70,10 +70,10 @@ def _run(acc, cfg, args, adapter) -> dict:
 
 
 def _planned(args, lora_r: int) -> dict:
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import get_preset
-    from ndparallel.plan.layout import Layout
     from ndparallel.plan.models import PRESETS
-    from ndparallel.plan.search import PlanRequest, evaluate_layout
+    from ndparallel.plan.search.evaluation import PlanRequest, evaluate_layout
 
     model = PRESETS["tiny" if args.tiny else "llama-3.2-1b"]
     req = PlanRequest.of(
@@ -87,7 +87,7 @@ def _planned(args, lora_r: int) -> dict:
         checkpointing="off",
         lora_r=lora_r,
     )
-    best = evaluate_layout(req, Layout()).options[0]
+    best = evaluate_layout(req, ParallelDims()).options[0]
     return {"mem_gib": best.memory.total / 2**30, "tokens_per_s": best.tokens_per_s_per_gpu}
 
 

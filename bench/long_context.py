@@ -116,10 +116,11 @@ def _step(options: dict, seq: int) -> dict:
 
 def _predicted(options: dict, seq: int) -> float:
     """The planner: peak allocated minus the states present before the step (params, optimizer)."""
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import get_preset
-    from ndparallel.plan.layout import Layout, Settings
-    from ndparallel.plan.memory import estimate_memory
+    from ndparallel.plan.memory.peak import estimate_memory
     from ndparallel.plan.models import from_hf_config
+    from ndparallel.plan.settings import Settings
 
     spec = from_hf_config(MODEL, "bench")
     s = Settings(
@@ -131,7 +132,7 @@ def _predicted(options: dict, seq: int) -> float:
         tiled_mlp=options.get("tiled_mlp", False),
         activation_offloading=options.get("activation_offloading", False),
     )
-    m = estimate_memory(spec, Layout(), s, get_preset("h100-80gb"))
+    m = estimate_memory(spec, ParallelDims(), s, get_preset("h100-80gb"))
     return m.allocated - m.params - m.optimizer
 
 

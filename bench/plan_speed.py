@@ -44,8 +44,8 @@ def run_once(args: str) -> tuple[float, float]:
 
 def profiled_search(args: str) -> float:
     """cProfile's total seconds of the search (``plan.search.plan``) for the request, here."""
-    from ndparallel.plan.cli import build_request, make_parser
-    from ndparallel.plan.search import plan
+    from ndparallel.plan.cli.main import build_request, make_parser
+    from ndparallel.plan.search.evaluation import plan
 
     req = build_request(make_parser().parse_args(args.split()))
     prof = cProfile.Profile()

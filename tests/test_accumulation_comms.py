@@ -51,15 +51,15 @@ def _counted(unsharded: bool):
 
 @pytest.mark.parametrize("unsharded", [False, True], ids=["sharded", "unsharded"])
 def test_hsdp_accumulation_counts_equal_prediction(unsharded):
-    from ndparallel.plan.comms import aggregate, predict_collectives
-    from ndparallel.plan.layout import Layout
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.models import PRESETS
+    from ndparallel.plan.time.comms import aggregate, predict_collectives
 
     counted = run_on_ranks(_counted, 4, unsharded)[0]
     predicted = aggregate(
         predict_collectives(
             PRESETS["tiny"],
-            Layout(dp_replicate=2, dp_shard=2),
+            ParallelDims(dp_replicate=2, dp_shard=2),
             seq_len=SEQ,
             micro_batch=ROWS,
             grad_accum=GA,

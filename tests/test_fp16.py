@@ -210,17 +210,20 @@ def test_trainer_logs_the_scale_and_resume_continues_it(tmp_path):
 def test_the_planner_counts_fp16_as_bf16():
     """Same bytes (2-byte activations and gathered weights, fp32 masters and reductions) and the same
     tensor-core peak; fp32 differs (the control)."""
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import PRESETS as HW
-    from ndparallel.plan.layout import Layout, Settings
-    from ndparallel.plan.memory import estimate_memory
+    from ndparallel.plan.memory.peak import estimate_memory
     from ndparallel.plan.models import PRESETS
-    from ndparallel.plan.search import estimate
+    from ndparallel.plan.search.evaluation import estimate
+    from ndparallel.plan.settings import Settings
 
     model, hw = PRESETS["tiny"], HW["h100-80gb"]
     got = {
         mp: (
-            estimate_memory(model, Layout(dp_shard=2, tp=2), Settings(seq_len=256, mixed_precision=mp), hw),
-            estimate(model, Layout(dp_shard=2, tp=2), Settings(seq_len=256, mixed_precision=mp), hw, 8),
+            estimate_memory(
+                model, ParallelDims(dp_shard=2, tp=2), Settings(seq_len=256, mixed_precision=mp), hw
+            ),
+            estimate(model, ParallelDims(dp_shard=2, tp=2), Settings(seq_len=256, mixed_precision=mp), hw, 8),
         )
         for mp in ("bf16", "fp16", "fp32")
     }

@@ -134,13 +134,14 @@ def test_flops_count_active_experts(name):
 
 
 def test_planner_moe_presets_and_layouts():
-    from ndparallel.plan.cli_arguments import parse_layout
+    from ndparallel.plan.cli.parser import parse_layout
+    from ndparallel.plan.cli.report import train_config
     from ndparallel.plan.hardware import get_preset
-    from ndparallel.plan.layout import Settings, structural_rejections
-    from ndparallel.plan.memory import estimate_memory
+    from ndparallel.plan.memory.peak import estimate_memory
     from ndparallel.plan.models import PRESETS
-    from ndparallel.plan.report import train_config
-    from ndparallel.plan.search import PlanRequest, plan
+    from ndparallel.plan.search.evaluation import PlanRequest, plan
+    from ndparallel.plan.search.layouts import structural_rejections
+    from ndparallel.plan.settings import Settings
 
     small, big = PRESETS["qwen3-30b-a3b"], PRESETS["qwen3-235b-a22b"]
     assert round(small.num_params / 1e9, 1) == 30.5 and round(small.active_params / 1e9, 1) == 3.4
@@ -165,8 +166,8 @@ def test_planner_moe_presets_and_layouts():
 
 
 def test_planner_all_to_all_bytes():
-    from ndparallel.plan.comms import predict_collectives
     from ndparallel.plan.models import PRESETS
+    from ndparallel.plan.time.comms import predict_collectives
 
     m = PRESETS["qwen3-30b-a3b"]
     calls = predict_collectives(m, ParallelDims(dp_shard=8, ep=8), seq_len=4096, micro_batch=1)
@@ -198,8 +199,8 @@ def _ep_collectives():
 def test_all_to_all_calls_as_the_planner_predicts():
     """The runtime's all-to-alls on ``ep`` per micro-batch (split sizes + dispatch/combine, forward
     and backward, per MoE layer) = the planner's counts for the same model and layout."""
-    from ndparallel.plan.comms import predict_collectives
     from ndparallel.plan.models import from_hf_config
+    from ndparallel.plan.time.comms import predict_collectives
 
     got = {op: n for _dim, op, n in run_on_ranks(_ep_collectives, 2)[0]}
     spec = from_hf_config(preset_config("tiny-qwen3-moe").to_dict(), "tiny-qwen3-moe")

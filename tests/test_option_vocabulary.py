@@ -23,8 +23,8 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from ndparallel.parallel import options
-from ndparallel.plan.layout import Settings
-from ndparallel.plan.search import PER_LAYOUT, PlanRequest, base_settings
+from ndparallel.plan.search.evaluation import PER_LAYOUT, PlanRequest, base_settings
+from ndparallel.plan.settings import Settings
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ndparallel"
 PEERS = ("accelerator/", "axolotl/")

@@ -201,12 +201,13 @@ def test_bad_pipeline_layouts_fail_before_training():
 
 def _planned_reductions(unsharded: bool, grad_accum: int) -> int:
     """The planner's reduce-scatters per step on the first stage's rank of the same run."""
-    from ndparallel.plan.comms import collectives_for
-    from ndparallel.plan.layout import Layout, Settings
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.models import from_hf_config
-    from ndparallel.plan.pipeline_estimate import pp_rank
+    from ndparallel.plan.pipeline.pipeline_estimate import pp_rank
+    from ndparallel.plan.settings import Settings
+    from ndparallel.plan.time.comms import collectives_for
 
-    spec, layout = from_hf_config(MODELS["llama"].to_dict()), Layout(pp=2, dp_shard=2)
+    spec, layout = from_hf_config(MODELS["llama"].to_dict()), ParallelDims(pp=2, dp_shard=2)
     s = Settings(seq_len=BASE["seq_len"], grad_accum=grad_accum, unsharded_grad_accumulation=unsharded)
     _, part, rank_s = pp_rank(spec, layout, s, 0)
     return sum(c.count for c in collectives_for(part, layout, rank_s) if c.kind == "reduce_scatter")

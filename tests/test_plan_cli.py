@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ndparallel.plan.cli import main
+from ndparallel.plan.cli.main import main
 
 BASE = ["--model", "llama-3.2-1b", "--gpus", "8", "--seq-len", "2048"]
 
@@ -100,7 +100,7 @@ def test_help_groups_the_flags_by_concern():
     next to the hand-written flags of the same concern, the groups in ``GROUPS``' order."""
     import re
 
-    from ndparallel.plan.cli import make_parser
+    from ndparallel.plan.cli.main import make_parser
     from ndparallel.plan.field_marks import GROUPS
 
     text = make_parser().format_help()

@@ -119,7 +119,7 @@ def test_the_request_carries_the_configs_runtime_options(capsys, tmp_path, field
     setting a flag carries arrives as the config's options say."""
     from ndparallel.axolotl import load_config
     from ndparallel.config.plan_settings import plan_settings
-    from ndparallel.plan.cli import BY_ADAPTER, flag_settings, make_parser
+    from ndparallel.plan.cli.main import BY_ADAPTER, flag_settings, make_parser
 
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(

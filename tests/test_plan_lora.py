@@ -10,14 +10,15 @@ import torch
 import yaml
 
 from ndparallel.config import TrainConfig
+from ndparallel.layout.dims import ParallelDims
 from ndparallel.models.presets import preset_config, published_config
-from ndparallel.plan.adapter import adapter_shard_numel, trainable_params
-from ndparallel.plan.cli import main
-from ndparallel.plan.comms import collectives_for
+from ndparallel.plan.adapters.lora_cost import adapter_shard_numel, trainable_params
+from ndparallel.plan.cli.main import main
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.layout import Layout, Settings
-from ndparallel.plan.memory import estimate_memory
+from ndparallel.plan.memory.peak import estimate_memory
 from ndparallel.plan.models import PRESETS
+from ndparallel.plan.settings import Settings
+from ndparallel.plan.time.comms import collectives_for
 from ndparallel.testing import run_on_ranks
 
 TINY = PRESETS["tiny"]  # = the tiny-llama preset
@@ -61,14 +62,16 @@ def _local_adapter_numel(layout: dict) -> int:
 
 def test_adapter_shard_equals_the_runtime_shard():
     got = run_on_ranks(_local_adapter_numel, 4, {"dp_shard_size": 2, "tp_size": 2}, timeout_s=300)
-    assert set(got) == {adapter_shard_numel(TINY, Layout(dp_shard=2, tp=2), 4)}
+    assert set(got) == {adapter_shard_numel(TINY, ParallelDims(dp_shard=2, tp=2), 4)}
 
 
 def test_lora_states_are_the_adapters():
     # gradients kept allocated between steps (set_to_none=False), so they count at every moment
-    full = estimate_memory(TINY, Layout(dp_shard=2), Settings(seq_len=32, set_to_none=False), H100)
-    lora = estimate_memory(TINY, Layout(dp_shard=2), Settings(seq_len=32, lora_r=4, set_to_none=False), H100)
-    adapter = adapter_shard_numel(TINY, Layout(dp_shard=2), 4)
+    full = estimate_memory(TINY, ParallelDims(dp_shard=2), Settings(seq_len=32, set_to_none=False), H100)
+    lora = estimate_memory(
+        TINY, ParallelDims(dp_shard=2), Settings(seq_len=32, lora_r=4, set_to_none=False), H100
+    )
+    adapter = adapter_shard_numel(TINY, ParallelDims(dp_shard=2), 4)
     assert lora.params == full.params / 4 * 2 + adapter * 4  # bf16 frozen base + fp32 adapters
     assert lora.grads == adapter * 4 and lora.optimizer == adapter * 8
     assert lora.activations == full.activations
@@ -77,7 +80,7 @@ def test_lora_states_are_the_adapters():
 
 def test_lora_gradient_traffic():
     s = Settings(seq_len=32, lora_r=4, mixed_precision="fp32", sequence_parallel=False)
-    cs = collectives_for(TINY, Layout(dp_shard=2, tp=2), s)
+    cs = collectives_for(TINY, ParallelDims(dp_shard=2, tp=2), s)
     rs = [c for c in cs if c.kind == "reduce_scatter"]
     assert len(rs) == 1 and "LoRA" in rs[0].what  # the frozen embedding / head reduce nothing
     # one tp all-reduce of r·hidden fp32 per adapted linear: what tests/test_lora_tp.py measures
@@ -119,10 +122,10 @@ def _local_copy_numel(layout: dict) -> int:
 def test_modules_to_save_copies_equal_the_runtime_shards():
     """``lora_modules_to_save: [embed_tokens, lm_head]``: one trained vocab × hidden copy per table,
     FSDP-sharded, as the runtime holds them on each rank."""
-    from ndparallel.plan.adapter import saved_copy_shard_numel, saved_copy_units
+    from ndparallel.plan.adapters.lora_cost import saved_copy_shard_numel, saved_copy_units
 
     got = run_on_ranks(_local_copy_numel, 2, {"dp_shard_size": 2}, timeout_s=300)
-    layout = Layout(dp_shard=2)
+    layout = ParallelDims(dp_shard=2)
     assert saved_copy_units(TINY, ("embed", "head")) == ("embed", "final")
     assert set(got) == {2 * saved_copy_shard_numel(TINY, layout)} and got[0] > 0
 
@@ -130,7 +133,7 @@ def test_modules_to_save_copies_equal_the_runtime_shards():
 def test_modules_to_save_states_grads_and_traffic():
     s = Settings(seq_len=32, lora_r=4, set_to_none=False)
     saved = Settings(**{**s.__dict__, "lora_saved": ("embed", "head")})
-    layout = Layout(dp_shard=2)
+    layout = ParallelDims(dp_shard=2)
     lora, with_copies = estimate_memory(TINY, layout, s, H100), estimate_memory(TINY, layout, saved, H100)
     copies = 2 * -(-TINY.vocab // 2) * TINY.hidden  # two tables, half the vocab rows each
     assert with_copies.params - lora.params == copies * 4  # fp32 masters

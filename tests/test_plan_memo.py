@@ -8,13 +8,14 @@ from dataclasses import fields, replace
 
 import pytest
 
-from ndparallel.plan import comms, memory
-from ndparallel.plan.compute import MICRO_BATCH_FIELDS, STEP_FIELDS
+from ndparallel.layout.dims import ParallelDims
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.layout import Layout
 from ndparallel.plan.memo import Memo, clear_memos
+from ndparallel.plan.memory import peak
 from ndparallel.plan.models import PRESETS
 from ndparallel.plan.settings import COLLECTIVE_FIELDS, Settings
+from ndparallel.plan.time import comms
+from ndparallel.plan.time.compute import MICRO_BATCH_FIELDS, STEP_FIELDS
 
 _CHOICES = {
     "mixed_precision": ("bf16", "fp32"),
@@ -69,7 +70,7 @@ def _groups(model, layout, s, tokens, ga):
 @pytest.mark.parametrize("model_name", MODELS)
 def test_collective_groups_read_only_their_key(name, model_name):
     model = PRESETS[model_name]
-    layout = Layout(dp_replicate=2, dp_shard=4, cp=2, tp=4, ep=4 if model.is_moe else 1)
+    layout = ParallelDims(dp_replicate=2, dp_shard=4, cp=2, tp=4, ep=4 if model.is_moe else 1)
     keyed = {f for k in COLLECTIVE_FIELDS[name] for f in DERIVED.get(k, (k,))}
     for s in BASES:
         key = (s.micro_batch * s.seq_len // layout.cp, s.grad_accum)
@@ -82,34 +83,37 @@ def test_collective_groups_read_only_their_key(name, model_name):
     if name != "data_parallel":
         s, key = BASES[0], (4096, 4)
         want = _groups(model, layout, s, *key)[name]
-        for other in (Layout(dp_shard=16, cp=2, tp=4), Layout(dp_replicate=4, cp=2, tp=4, pp=2)):
+        for other in (ParallelDims(dp_shard=16, cp=2, tp=4), ParallelDims(dp_replicate=4, cp=2, tp=4, pp=2)):
             assert _groups(model, other, s, *key)[name] == want
 
 
 @pytest.mark.parametrize("model_name", MODELS[:2])
 def test_micro_batch_terms_read_no_step_field(model_name):
-    """``memory._micro_batch_terms`` is memoised on ``compute.micro_batch_key`` (every field but the
+    """``peak._micro_batch_terms`` is memoised on ``compute.micro_batch_key`` (every field but the
     step-level ones) and a dense model's (cp, tp)."""
     model = PRESETS[model_name]
     part = replace(model, layers=8, has_embedding=False)  # a pipeline rank's part
     assert set(STEP_FIELDS) | set(MICRO_BATCH_FIELDS) == {f.name for f in fields(Settings)}
     for m in (model, part):
         for s in BASES:
-            layout = Layout(dp_shard=4, cp=2, tp=4)
-            want = memory._micro_batch_terms(m, layout, s)
+            layout = ParallelDims(dp_shard=4, cp=2, tp=4)
+            want = peak._micro_batch_terms(m, layout, s)
             for name in STEP_FIELDS:
-                assert memory._micro_batch_terms(m, layout, s.but(**{name: _other(s, name)})) == want, name
-            for other in (Layout(dp_replicate=8, cp=2, tp=4), Layout(dp_shard=2, cp=2, tp=4, pp=4)):
-                assert memory._micro_batch_terms(m, other, s) == want
+                assert peak._micro_batch_terms(m, layout, s.but(**{name: _other(s, name)})) == want, name
+            for other in (
+                ParallelDims(dp_replicate=8, cp=2, tp=4),
+                ParallelDims(dp_shard=2, cp=2, tp=4, pp=4),
+            ):
+                assert peak._micro_batch_terms(m, other, s) == want
 
 
 def test_memoised_estimates_equal_fresh_ones():
     """The same memory and collectives whether the memo tables are warm or emptied."""
     model, hw = PRESETS["llama-3.1-8b"], HW["h100-80gb"]
-    layout, s = Layout(dp_replicate=2, dp_shard=2, cp=2, tp=2), BASES[0]
-    warm = (memory.estimate_memory(model, layout, s, hw), comms.collectives_for(model, layout, s))
+    layout, s = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, tp=2), BASES[0]
+    warm = (peak.estimate_memory(model, layout, s, hw), comms.collectives_for(model, layout, s))
     clear_memos()
-    assert (memory.estimate_memory(model, layout, s, hw), comms.collectives_for(model, layout, s)) == warm
+    assert (peak.estimate_memory(model, layout, s, hw), comms.collectives_for(model, layout, s)) == warm
 
 
 def test_memo_computes_once_and_stays_bounded():

@@ -1,4 +1,5 @@
-"""Pipeline parallel in the planner (``plan/pipeline.py``, ``plan/pipeline_estimate.py``): the
+"""Pipeline parallel in the planner (``plan/pipeline/schedule_model.py``,
+``plan/pipeline/pipeline_estimate.py``): the
 schedules' bubble and in-flight micro-batches, what each stage holds, the search, the outputs,
 and the anchors — Llama-3.1-405B on Meta's layout, Llama-3.1-8B on one node."""
 
@@ -6,24 +7,27 @@ import pytest
 import yaml
 from rich.console import Console
 
-from ndparallel.plan.cli import main
+from ndparallel.layout.dims import ParallelDims
+from ndparallel.plan.cli.main import main
+from ndparallel.plan.cli.report import print_explain, train_config
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.layout import Layout, Settings, enumerate_layouts, pipeline_degrees
-from ndparallel.plan.memory import estimate_memory, selective_saved_per_token
+from ndparallel.plan.memory.activations import selective_saved_per_token
+from ndparallel.plan.memory.peak import estimate_memory
 from ndparallel.plan.models import PRESETS
-from ndparallel.plan.pipeline import (
+from ndparallel.plan.pipeline.schedule_model import (
     bubble_fraction,
     in_flight,
     p2p_bytes,
     rank_model,
     rank_shape,
 )
-from ndparallel.plan.report import print_explain, train_config
-from ndparallel.plan.search import PlanRequest, PlanResult, evaluate_layout, plan
+from ndparallel.plan.search.evaluation import PlanRequest, PlanResult, evaluate_layout, plan
+from ndparallel.plan.search.layouts import enumerate_layouts, pipeline_degrees
+from ndparallel.plan.settings import Settings
 
 H100 = HW["h100-80gb"]
 L405 = PRESETS["llama-3.1-405b"]
-META = Layout(dp_shard=64, tp=8, pp=16)
+META = ParallelDims(dp_shard=64, tp=8, pp=16)
 """Llama 3 paper, table 4: 8192 H100, TP 8, CP 1, PP 16, DP 64 (FSDP), seq 8192, 16M tokens per
 step (2048 sequences, 32 per dp rank at micro-batch 1): 430 TFLOP/s per GPU, 43 % BF16 MFU."""
 META_MFU = 0.43
@@ -97,7 +101,7 @@ def test_first_stage_has_the_embedding_last_the_head():
     ends = [rank_model(tied, rank_shape(tied, 2, 1, "1F1B", r)) for r in (0, 1)]
     assert sum(m.num_params for m in ends) == tied.num_params + tied.vocab * tied.hidden
     s = Settings(seq_len=4096, micro_batch=1, grad_accum=8, loss_impl="chunked")
-    mem_first, mem_last = (estimate_memory(m, Layout(pp=2), s, H100) for m in (first, last))
+    mem_first, mem_last = (estimate_memory(m, ParallelDims(pp=2), s, H100) for m in (first, last))
     assert mem_first.logits == 0 and mem_last.logits > 0  # the loss lives on the last stage only
     assert mem_first.params == pytest.approx((16 * layer + table) * 4)
 
@@ -115,12 +119,14 @@ def test_activations_scale_with_the_micro_batches_in_flight():
 
 def test_p2p_bytes_and_links():
     s = Settings(seq_len=8192, micro_batch=1, grad_accum=32)
-    assert p2p_bytes(L405, Layout(dp_shard=64, tp=8, pp=16), s) == 8192 * 16384 * 2 // 8  # ÷ tp under SP
+    assert (
+        p2p_bytes(L405, ParallelDims(dp_shard=64, tp=8, pp=16), s) == 8192 * 16384 * 2 // 8
+    )  # ÷ tp under SP
     no_sp = Settings(seq_len=8192, sequence_parallel=False)
-    assert p2p_bytes(L405, Layout(tp=8, pp=2, cp=2), no_sp) == 4096 * 16384 * 2
+    assert p2p_bytes(L405, ParallelDims(tp=8, pp=2, cp=2), no_sp) == 4096 * 16384 * 2
     e = evaluate_layout(
         _req("llama-3.1-70b", 64, seq_len=8192, global_batch=64),
-        Layout(dp_shard=8, pp=8),
+        ParallelDims(dp_shard=8, pp=8),
         micro_batch=1,
         checkpointing=True,
     ).best
@@ -142,17 +148,19 @@ def test_search_enumerates_pipeline_degrees():
 
 def test_pipeline_rejections_are_one_line():
     req = _req(gpus=16, seq_len=4096, global_batch=16, micro_batch=2)  # dp 2 × mb 2: m = 4 < 8 stages
-    res = evaluate_layout(req, Layout(dp_shard=2, pp=8))
+    res = evaluate_layout(req, ParallelDims(dp_shard=2, pp=8))
     assert [c for c, _ in res.rejections] == ["pp_microbatches"]
     assert "4 pipeline micro-batch(es) per step for 8 pipeline stages" in res.rejections[0][1]
     assert "\n" not in res.rejections[0][1]
     tiny = PRESETS["tiny"]
     deep = 2 * tiny.layers
-    assert "pp_layers" in [c for c, _ in evaluate_layout(_req("tiny", deep), Layout(pp=deep)).rejections]
-    lora = evaluate_layout(_req(gpus=16, lora_r=16), Layout(dp_shard=8, pp=2))
+    assert "pp_layers" in [
+        c for c, _ in evaluate_layout(_req("tiny", deep), ParallelDims(pp=deep)).rejections
+    ]
+    lora = evaluate_layout(_req(gpus=16, lora_r=16), ParallelDims(dp_shard=8, pp=2))
     assert [c for c, _ in lora.rejections] == ["pp_adapter"]
     # m = 6 is no multiple of pp = 4: the interleaved schedule is skipped, 1F1B stays
-    res = evaluate_layout(_req(gpus=16, global_batch=24, micro_batch=1), Layout(dp_shard=4, pp=4))
+    res = evaluate_layout(_req(gpus=16, global_batch=24, micro_batch=1), ParallelDims(dp_shard=4, pp=4))
     assert res.ok and {o.settings.pp_schedule for o in res.options} == {"1F1B"}
 
 
@@ -168,13 +176,13 @@ def test_hsdp_replicas_all_reduce_every_pipeline_micro_batch():
     req = _req("llama-3.1-70b", 64, seq_len=4096, global_batch=64)
     pp = evaluate_layout(
         req,
-        Layout(dp_replicate=2, dp_shard=4, pp=8),
+        ParallelDims(dp_replicate=2, dp_shard=4, pp=8),
         micro_batch=1,
         checkpointing=True,
         unsharded_grad_accumulation=False,
     ).best
     flat = evaluate_layout(
-        req, Layout(dp_replicate=2, dp_shard=4, tp=8), micro_batch=1, checkpointing=True
+        req, ParallelDims(dp_replicate=2, dp_shard=4, tp=8), micro_batch=1, checkpointing=True
     ).best
     replica = {c.what: c.count for c in pp.collectives if c.mesh_dim == "dp_replicate"}
     assert replica.pop("HSDP all-reduce grads (layer)") == 10 * 8  # 10 layers × m = 8
@@ -194,7 +202,7 @@ def test_unsharded_accumulation_under_pp_reduces_and_gathers_once_per_step():
     a full fp32 gradient of the stage per rank. The counts are the runtime's:
     tests/test_pipeline_equivalence.py counts the reductions, docs/planner.md the gathers."""
     req = _req("llama-3.1-70b", 64, seq_len=4096, global_batch=64)
-    lay, m = Layout(dp_replicate=2, dp_shard=4, pp=8), 8
+    lay, m = ParallelDims(dp_replicate=2, dp_shard=4, pp=8), 8
 
     def option(unsharded, **kw):
         (only,) = evaluate_layout(
@@ -260,7 +268,7 @@ def test_write_config_has_the_pipeline_fields(tmp_path):
     req = _req("llama-3.1-70b", 64, seq_len=4096, global_batch=64)
     res = evaluate_layout(
         req,
-        Layout(dp_shard=8, pp=8),
+        ParallelDims(dp_shard=8, pp=8),
         micro_batch=1,
         pipeline_schedule="Interleaved1F1B",
         pipeline_virtual_stages=4,

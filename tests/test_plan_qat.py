@@ -1,6 +1,7 @@
 """The planner under QAT (``plan --qat``): with the quantisers recomputed in backward
 (``techniques/qat.py``), a fake-quantised layer keeps a rounded bf16 copy of its weights (and inputs)
-for backward. The constants in ``plan/qat_memory.py`` are re-measured here on a tiny Llama (the method of
+for backward. The constants in ``plan/memory/qat_memory.py`` are re-measured here on a tiny Llama
+(the method of
 ``bench/qat_memory.py``) and must predict its saved bytes within 10 %; the memory model adds them
 per layer (once under checkpointing); TP layouts are rejected as train refuses them (a config's
 ``qat:`` reaching the planner: ``tests/test_plan_from_config.py``)."""
@@ -14,12 +15,13 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import run_cli
-from ndparallel.plan.cli import main
+from ndparallel.layout.dims import ParallelDims
+from ndparallel.plan.cli.main import main
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.layout import Layout, Settings
-from ndparallel.plan.memory import estimate_memory
+from ndparallel.plan.memory.peak import estimate_memory
+from ndparallel.plan.memory.qat_memory import layer_linear_counts, qat_layer_bytes
 from ndparallel.plan.models import PRESETS, ModelSpec
-from ndparallel.plan.qat_memory import layer_linear_counts, qat_layer_bytes
+from ndparallel.plan.settings import Settings
 
 pytest.importorskip("torchao")
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +52,7 @@ def test_constants_predict_a_fresh_measurement(fmt, frozen):
 
 def _memory(qat, checkpointing, **kw):
     s = Settings(seq_len=4096, micro_batch=1, checkpointing=checkpointing, loss_impl="full", qat=qat, **kw)
-    return estimate_memory(LLAMA8, Layout(dp_shard=8), s, H100)
+    return estimate_memory(LLAMA8, ParallelDims(dp_shard=8), s, H100)
 
 
 def test_every_layer_keeps_its_share_without_checkpointing_one_with_it():

@@ -11,15 +11,16 @@ import torch
 import yaml
 
 from ndparallel.config import TrainConfig
+from ndparallel.layout.dims import ParallelDims
 from ndparallel.models.nf4_config import NF4_BYTES_PER_PARAM
-from ndparallel.plan.adapter import adapter_shard_numel
-from ndparallel.plan.cli import main
-from ndparallel.plan.comms import collectives_for
+from ndparallel.plan.adapters.lora_cost import adapter_shard_numel
+from ndparallel.plan.adapters.qlora import quantized_layer_local, quantized_shard_numel
+from ndparallel.plan.cli.main import main
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.layout import Layout, Settings
-from ndparallel.plan.memory import estimate_memory
+from ndparallel.plan.memory.peak import estimate_memory
 from ndparallel.plan.models import PRESETS, ModelSpec
-from ndparallel.plan.qlora import quantized_layer_local, quantized_shard_numel
+from ndparallel.plan.settings import Settings
+from ndparallel.plan.time.comms import collectives_for
 
 pytest.importorskip("torchao")
 H100 = HW["h100-80gb"]
@@ -59,7 +60,7 @@ def test_nf4_bytes_equal_the_runtime_tensors():
 
 
 def test_qlora_memory_is_lora_with_an_nf4_base_and_8bit_states():
-    layout = Layout(dp_shard=2)
+    layout = ParallelDims(dp_shard=2)
     lora = estimate_memory(SMALL, layout, Settings(seq_len=32, lora_r=4, set_to_none=False), H100)
     s = Settings(seq_len=32, lora_r=4, set_to_none=False, quantized_base=True, optimizer="adamw_8bit")
     qlora = estimate_memory(SMALL, layout, s, H100)
@@ -106,7 +107,7 @@ def test_70b_qlora_on_two_gpus_fits_and_writes_a_train_config(tmp_path, capsys):
         1,
     )
     # the bf16 base alone is 141 GB: FSDP 2 cannot hold it with LoRA; QLoRA's NF4 base (~37 GB) can
-    fsdp2 = Layout(dp_shard=2)
+    fsdp2 = ParallelDims(dp_shard=2)
     s = Settings(seq_len=4096, lora_r=16, checkpointing=True, loss_impl="chunked")
     assert estimate_memory(LLAMA70, fsdp2, s, H100).total > H100.mem_bytes
     q = estimate_memory(LLAMA70, fsdp2, Settings(**{**s.__dict__, "quantized_base": True}), H100)

@@ -7,12 +7,14 @@ import pytest
 import yaml
 
 from ndparallel.layout.config import ParallelismConfig
-from ndparallel.plan.cli import add_plan_arguments, main, run_plan
-from ndparallel.plan.cli_arguments import parse_layout
+from ndparallel.layout.dims import ParallelDims
+from ndparallel.plan.cli.main import add_plan_arguments, main, run_plan
+from ndparallel.plan.cli.parser import parse_layout
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.layout import Layout, Settings, enumerate_layouts
 from ndparallel.plan.models import PRESETS
-from ndparallel.plan.search import PlanRequest, evaluate_layout, plan
+from ndparallel.plan.search.evaluation import PlanRequest, evaluate_layout, plan
+from ndparallel.plan.search.layouts import enumerate_layouts
+from ndparallel.plan.settings import Settings
 from ndparallel.runtime.sizes import parse_size
 
 H100 = HW["h100-80gb"]
@@ -28,19 +30,19 @@ def _codes(req, layout):
 
 
 def test_rejection_reasons():
-    assert _codes(_req(gpus=16, gpus_per_node=8), Layout(1, 1, 1, 16)) == ["tp_beyond_node", "kv_heads"]
-    assert "world_size" in _codes(_req(gpus=8), Layout(1, 2, 1, 1))
+    assert _codes(_req(gpus=16, gpus_per_node=8), ParallelDims(1, 1, 1, 16)) == ["tp_beyond_node", "kv_heads"]
+    assert "world_size" in _codes(_req(gpus=8), ParallelDims(1, 2, 1, 1))
     r3b = _req("llama-3.2-3b", gpus=16, gpus_per_node=16)
-    assert {"heads", "kv_heads"} <= set(_codes(r3b, Layout(1, 1, 1, 16)))  # 24 and 8 heads
+    assert {"heads", "kv_heads"} <= set(_codes(r3b, ParallelDims(1, 1, 1, 16)))  # 24 and 8 heads
     r6 = _req("llama-3.2-3b", gpus=6, gpus_per_node=6)
-    assert {"kv_heads", "ffn"} <= set(_codes(r6, Layout(1, 2, 1, 3)))  # 8 kv, 8192 ffn vs 3
+    assert {"kv_heads", "ffn"} <= set(_codes(r6, ParallelDims(1, 2, 1, 3)))  # 8 kv, 8192 ffn vs 3
     seq = _req(gpus=8, seq_len=4100)
-    assert _codes(seq, Layout(1, 2, 4, 1)) == ["seq_cp"]  # 4100 % 8 != 0
-    assert _codes(_req(gpus=8, seq_len=4098), Layout(1, 2, 1, 4)) == ["seq_tp"]
-    assert _codes(_req("llama-3.1-405b", gpus=8), Layout(1, 8, 1, 1)) == ["oom"]
+    assert _codes(seq, ParallelDims(1, 2, 4, 1)) == ["seq_cp"]  # 4100 % 8 != 0
+    assert _codes(_req(gpus=8, seq_len=4098), ParallelDims(1, 2, 1, 4)) == ["seq_tp"]
+    assert _codes(_req("llama-3.1-405b", gpus=8), ParallelDims(1, 8, 1, 1)) == ["oom"]
     gb = _req(gpus=8, global_batch=6, micro_batch=1)
-    assert _codes(gb, Layout(1, 4, 1, 2)) == ["global_batch"]
-    msg = evaluate_layout(_req("llama-3.1-405b", gpus=8), Layout(1, 8, 1, 1)).rejections[0][1]
+    assert _codes(gb, ParallelDims(1, 4, 1, 2)) == ["global_batch"]
+    msg = evaluate_layout(_req("llama-3.1-405b", gpus=8), ParallelDims(1, 8, 1, 1)).rejections[0][1]
     assert "out of memory" in msg and "GiB" in msg
 
 
@@ -75,21 +77,21 @@ def test_ranked_fit_and_are_sorted():
 
 
 def test_settings_checkpointing_choice():
-    res = evaluate_layout(_req(gpus=8, checkpointing="off"), Layout(1, 8, 1, 1))
+    res = evaluate_layout(_req(gpus=8, checkpointing="off"), ParallelDims(1, 8, 1, 1))
     assert all(not o.settings.checkpointing for o in res.options)
-    res = evaluate_layout(_req(gpus=8), Layout(1, 8, 1, 1), micro_batch=2, checkpointing=True)
+    res = evaluate_layout(_req(gpus=8), ParallelDims(1, 8, 1, 1), micro_batch=2, checkpointing=True)
     assert [(o.settings.micro_batch, o.settings.checkpointing) for o in res.options] == [(2, True)]
 
 
 def test_parse_layout_forms():
-    lay = Layout(2, 4, 1, 8)
+    lay = ParallelDims(2, 4, 1, 8)
     assert parse_layout("dp_replicate=2,dp_shard=4,cp=1,tp=8") == (lay, {})
     assert parse_layout("2x4x1x8") == (lay, {})
     assert parse_layout("dr=2 ds=4 tp=8") == (lay, {})
     assert parse_layout("ds=4,tp=8,dr=2,mb=2,ac=on") == (lay, {"micro_batch": 2, "checkpointing": True})
-    assert parse_layout("pp=2,ds=4") == (Layout(dp_shard=4, pp=2), {})
+    assert parse_layout("pp=2,ds=4") == (ParallelDims(dp_shard=4, pp=2), {})
     assert parse_layout("pp16:1x64x1x8,mb=1,schedule=interleaved1f1b,v=4") == (
-        Layout(1, 64, 1, 8, pp=16),
+        ParallelDims(1, 64, 1, 8, pp=16),
         {"micro_batch": 1, "pipeline_schedule": "Interleaved1F1B", "pipeline_virtual_stages": 4},
     )
     with pytest.raises(ValueError):

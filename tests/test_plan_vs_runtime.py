@@ -5,7 +5,7 @@ parallel), CP (ring, all-gather and all-to-all, with and without activation chec
 FSDP×TP, FSDP×CP, TP×CP, in fp32 and bf16. The scalar collectives (global token count, gradient norm) are
 predicted too (``predict_collectives(..., scalars=True)``); the gradient norm on a 2-D parameter
 mesh (FSDP×TP) is compared by total bytes per dim, since DTensor splits it into calls grouped by
-placement (see ``ndparallel.plan.comms.scalar_collectives``).
+placement (see ``ndparallel.plan.time.comms.scalar_collectives``).
 """
 
 from __future__ import annotations
@@ -74,11 +74,11 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
 def _predict(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool, labels: dict):
     """(main, gradient norm) predictions keyed like the runtime: (label, op, bytes) -> calls;
     a planner ``send_recv`` is one ``send`` and one ``recv`` on each rank."""
-    from ndparallel.plan.comms import predict_collectives
-    from ndparallel.plan.layout import Layout
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.models import PRESETS
+    from ndparallel.plan.time.comms import predict_collectives
 
-    plan_layout = Layout(
+    plan_layout = ParallelDims(
         dp_replicate=layout.get("dp_replicate_size", 1),
         dp_shard=layout.get("dp_shard_size", 1),
         cp=layout.get("cp_size", 1),

@@ -99,7 +99,7 @@ def test_offloading_moves_what_the_selective_layer_keeps_to_the_host(layer0):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_planners_offload_split_is_what_the_runtime_moves(layer0, tp):
-    """The planner's (device, host) bytes per token of layer 0 (``plan/memory.py:
+    """The planner's (device, host) bytes per token of layer 0 (``plan/memory/activations.py:
     offload_split_per_token``, RoPE's cos and sin on the host) are the measured ones, to the byte.
     Under TP o_proj's input is a DTensor view of the attention output's storage with a version
     counter of its own: sent once (a version check sent it twice until 2026-12-06)."""

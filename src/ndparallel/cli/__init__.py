@@ -12,7 +12,7 @@ from ndparallel.cli.launch_check import check_train_launch
 from ndparallel.cli.plan_config import config_defaults, merge_written_config, split_config_arg
 from ndparallel.cli.simulate_command import run_simulate
 from ndparallel.config import ConfigError
-from ndparallel.plan.cli import main as plan_main
+from ndparallel.plan.cli.main import main as plan_main
 from ndparallel.runtime import launch
 from ndparallel.runtime.preemption import INTERRUPTED_EXIT
 from ndparallel.runtime.quiet import quiet_library_noise

@@ -2,7 +2,7 @@
 
 The config's model and training settings become the planner parser's defaults, as typed values
 (``config_defaults``: ``config/plan_settings.py``'s ``Settings``, each field as its flag's default:
-``plan/cli.py``'s ``flag_defaults``), so a flag given on the command line wins. The global batch is the
+``plan/cli/main.py``'s ``flag_defaults``), so a flag given on the command line wins. The global batch is the
 config's: ``micro_batch_size × gradient_accumulation_steps × dp`` of its own layout at ``--gpus``
 (the planner then keeps it fixed while it searches layouts and micro-batches). With
 ``--write-config OUT``, OUT is the user's config with only the layout and batch fields replaced by
@@ -24,9 +24,9 @@ from ndparallel.config.fields import FSDPConfig
 from ndparallel.config.plan_settings import plan_settings
 from ndparallel.config.schema import TrainConfig
 from ndparallel.layout.config import ParallelismConfigError
-from ndparallel.plan.adapter import saved_tables
-from ndparallel.plan.cli import flag_defaults
-from ndparallel.plan.cli_arguments import checkpointing_default
+from ndparallel.plan.adapters.lora_cost import saved_tables
+from ndparallel.plan.cli.main import flag_defaults
+from ndparallel.plan.cli.parser import checkpointing_default
 
 RUN_KEYS = (
     "base_model",
@@ -39,7 +39,7 @@ RUN_KEYS = (
     "load_in_4bit",
     "qat",
 )
-"""The keys of the plan's config (``plan/report.py``'s ``train_config``) that restate the run it was
+"""The keys of the plan's config (``plan/cli/report.py``'s ``train_config``) that restate the run it was
 asked for, in the plan's words (``adamw_torch`` for ``adamw_torch_fused``, ``bf16: true`` for
 ``bf16: auto``): the merge keeps the source's (the adapter's: ``adapter``, ``load_in_4bit`` and
 every ``lora_*`` key of the training config). Every other key is the plan's choice (the layout, the

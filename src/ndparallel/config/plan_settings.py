@@ -8,7 +8,7 @@ from __future__ import annotations
 from ndparallel.config.schema import TrainConfig
 from ndparallel.optim.names import TORCHAO
 from ndparallel.parallel.options import StrategyOptions
-from ndparallel.plan.layout import Settings
+from ndparallel.plan.settings import Settings
 
 
 def plan_settings(cfg: TrainConfig, options: StrategyOptions | None = None, **resolved) -> Settings:

@@ -1,5 +1,5 @@
 """What a field of the planner's ``Settings`` (``plan/settings.py``) or ``PlanRequest``
-(``plan/search.py``) says of itself besides its value, as dataclass field metadata: the
+(``plan/search/evaluation.py``) says of itself besides its value, as dataclass field metadata: the
 ``ndparallel plan`` flag that sets it (``flag``; the adapter's: ``adapter``), the ``--explain`` key
 that pins it (``pin``), and whether it is a setting of the optimizer step (``STEP``)."""
 
@@ -20,7 +20,7 @@ BATCH, COMMS, ADAPTERS, LONG_CONTEXT, PIPELINE = GROUPS
 
 def flag(help: str | None = None, group: str = BATCH, **how) -> dict:
     """A field's metadata (``Settings``, ``PlanRequest``): the ``ndparallel plan`` flag that sets it
-    (``plan/cli_arguments.py`` adds every one, ``plan/cli_checks.py`` checks them): ``--FIELD``, or
+    (``plan/cli/parser.py`` adds every one, ``plan/cli/flag_checks.py`` checks them): ``--FIELD``, or
     ``--no-FIELD`` for a switch on by default. ``how``: argparse's ``choices`` / ``metavar`` /
     ``nargs`` / ``const`` / ``default`` (else ``DEFAULT_SETTINGS``' value, a request's field's);
     ``name``: the flag's own name; ``positive``: a whole number >= 1; ``needs``: the field whose flag
@@ -31,13 +31,13 @@ def flag(help: str | None = None, group: str = BATCH, **how) -> dict:
 
 STEP = {"step": True}
 """A field's metadata: a setting of the optimizer step or of accumulation, which the cost of one
-forward and backward does not read (``plan/compute.py``'s ``STEP_FIELDS``; its default: a neutral
+forward and backward does not read (``plan/time/compute.py``'s ``STEP_FIELDS``; its default: a neutral
 step)."""
 
 
 def adapter(help: str | None = None, **how) -> dict:
     """A field's metadata (``Settings``): a setting of the adapter, which ``ndparallel plan``'s
-    adapter flags decide together (``plan/cli.py``'s ``build_request``: ``--adapter``, the rank, the
+    adapter flags decide together (``plan/cli/main.py``'s ``build_request``: ``--adapter``, the rank, the
     tables trained in full), not one flag each. ``help``: the field's own flag, ``--FIELD``, added
     after ``--adapter`` and needing it, None (not given) by default; ``how``: argparse's ``type``."""
     return {"adapter": {"help": help, **how} if help else None}
@@ -57,6 +57,6 @@ def on_off(key: str, text: str) -> bool:
 
 def pin(*aliases: str, read: Callable[[str, str], object] = whole) -> dict:
     """A field's metadata (``PlanRequest``'s choices per layout): ``ndparallel plan --explain``'s
-    key that pins it (``plan/cli_arguments.py``'s ``parse_layout``), the field's name or one of
+    key that pins it (``plan/cli/parser.py``'s ``parse_layout``), the field's name or one of
     ``aliases``, its value ``read(key, text)`` (``whole``, ``on_off``)."""
     return {"pin": (aliases, read)}

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from ndparallel.layout.dims import ParallelDims
 from ndparallel.parallel.options import StrategyOptions
 from ndparallel.plan.field_marks import ADAPTERS, COMMS, LONG_CONTEXT, STEP, adapter, flag
-from ndparallel.plan.pipeline import canonical, default_virtual
-from ndparallel.plan.qat_memory import qat_format
+from ndparallel.plan.memory.qat_memory import qat_format
+from ndparallel.plan.pipeline.schedule_model import canonical, default_virtual
 
 OPTIMIZER_STATE_BYTES = {
     "adamw": 8.0,
@@ -45,7 +45,8 @@ class Settings:
     )
     """'full': keep each layer's input, recompute the layer. 'selective': the runtime's
     ``fsdp_config.ac_policy: selective`` (``techniques/selective_ac.py``, Megatron's scheme):
-    recompute the norms and the MLP activation only (``plan/memory.py::selective_saved_per_token``).
+    recompute the norms and the MLP activation only
+    (``plan/memory/activations.py::selective_saved_per_token``).
     'op': torchtitan's per-op policy (``selective_ac_option = 'op'``), modelled for comparisons
     with its published rows; ndparallel does not run it."""
     mixed_precision: str = field(
@@ -71,7 +72,7 @@ class Settings:
     sp_saved_shards: bool = True
     """Under sequence parallel, each block's gathered input is saved as the rank's sequence shard
     and gathered again in backward (the runtime's ``TPOptions.sequence_parallel_saved_shards``;
-    ``plan/sp_activations.py``); False: the gathered input is saved whole."""
+    ``plan/memory/sp_activations.py``); False: the gathered input is saved whole."""
     loss_parallel: bool = field(
         default=True,
         metadata=flag("TP gathers full logits instead of a vocab-parallel loss", group=COMMS),
@@ -140,13 +141,13 @@ class Settings:
         default=0, metadata=adapter("LoRA rank (default 16; needs --adapter lora or qlora)", type=int)
     )
     """LoRA rank on every linear of the decoder layers (``plan --adapter lora``); 0: full
-    fine-tuning. See ``ndparallel.plan.adapter``."""
+    fine-tuning. See ``ndparallel.plan.adapters.lora_cost``."""
     lora_saved: tuple[str, ...] = field(default=(), metadata=adapter())
     """Tables trained in full beside the adapters (``lora_modules_to_save``): 'embed', 'head'
-    (``plan --lora-modules-to-save``; ``ndparallel.plan.adapter``)."""
+    (``plan --lora-modules-to-save``; ``ndparallel.plan.adapters.lora_cost``)."""
     quantized_base: bool = field(default=False, metadata=adapter())
     """QLoRA (``plan --adapter qlora``): the decoder linears of the frozen base are 4-bit NF4
-    (``ndparallel.plan.qlora``); needs ``lora_r``."""
+    (``ndparallel.plan.adapters.qlora``); needs ``lora_r``."""
     qat: str | None = field(
         default=None,
         metadata=flag(
@@ -156,12 +157,12 @@ class Settings:
             group=ADAPTERS,
         ),
     )
-    """QAT's weight[/activation] formats (``plan --qat``; ``ndparallel.plan.qat_memory``); None: off."""
+    """QAT's weight[/activation] formats (``plan --qat``; ``plan/memory/qat_memory.py``); None: off."""
     tiled_mlp: bool = field(
         default=False,
         metadata=flag("sequence-tiled MLP (train's tiled_mlp: true)", group=LONG_CONTEXT),
     )
-    """Sequence-tiled MLP (``tiled_mlp``): see ``ndparallel.plan.long_context``."""
+    """Sequence-tiled MLP (``tiled_mlp``): see ``ndparallel.plan.memory.long_context``."""
     tiled_mlp_num_shards: int | None = field(
         default=None,
         metadata=flag(
@@ -193,7 +194,7 @@ class Settings:
     sync_every_microbatch: bool = field(default=False, metadata=STEP)
     """Gradients reduced after every micro-batch's backward, the replica all-reduce included: what
     the pipeline runtime does by default (torch's ``PipelineStage`` never skips the gradient sync of
-    a stage that is not itself an FSDP module; ``plan/pipeline_estimate.py``)."""
+    a stage that is not itself an FSDP module; ``plan/pipeline/pipeline_estimate.py``)."""
     reshard_after_backward: bool = field(default=True, metadata=STEP)
     """FSDP reshards a unit's parameters after its backward (torch's default). False under pipeline
     parallel with ``unsharded_grad_accumulation``: the stage is torch's FSDP root and its
@@ -202,7 +203,7 @@ class Settings:
     pp_in_flight: float = field(default=1.0, metadata=STEP)
     """Micro-batches whose activations a rank holds at its peak, in units of one micro-batch
     through all of its layers: 1 without pipeline parallel; set per pp rank by
-    ``plan/pipeline_estimate.py`` (``pipeline.in_flight``)."""
+    ``plan/pipeline/pipeline_estimate.py`` (``pipeline.in_flight``)."""
 
     @property
     def recompute(self) -> str:
@@ -256,7 +257,7 @@ class Settings:
     def config_keys(self, layout: ParallelDims) -> dict[str, dict]:
         """These settings as a training config's keys (``TrainConfig``'s names, the inverse of
         ``from_options``) under ``layout``, by the part of the config they belong to
-        (``plan/report.py``'s ``train_config`` places each part); what the layout or a default
+        (``plan/cli/report.py``'s ``train_config`` places each part); what the layout or a default
         leaves out is absent."""
         tp = {"sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel}
         policy = {"ac_policy": "selective"} if self.recompute == "selective" else {}
@@ -349,4 +350,5 @@ COLLECTIVE_FIELDS = {
     "context_parallel": ("mixed_precision", "recompute", "cp_strategy"),
 }
 """The ``Settings`` fields (``recompute``: the property) each group of a rank's collectives reads:
-``plan/comms.py`` memoises the groups on them (``tests/test_plan_memo.py`` checks no other moves them)."""
+``plan/time/comms.py`` memoises the groups on them (``tests/test_plan_memo.py`` checks no other
+moves them)."""

@@ -19,7 +19,7 @@ never keeps the ``s²`` softmax — it recomputes it in its own backward, which 
 selective attention recompute done by the kernel — and keeps q, k, v, its output and the
 log-sum-exp. Under TP + sequence parallel (``parallel/tp/sp_saves.py``) a layer then keeps about
 ``(4·e·h + e·(a+2k)·d + e·a·d + 2·e·f + e·h)/t`` bytes per token, below Megatron's ``34·h/t``
-(``bench/sp_activation_memory.py``; ``plan/memory.py::selective_saved_per_token``).
+(``bench/sp_activation_memory.py``; ``plan/memory/activations.py::selective_saved_per_token``).
 
 With ``activation_offloading`` everything a layer keeps lives in host memory between its forward
 and its backward, except the collective's output the policy keeps (``techniques/offload.py``).

@@ -10,14 +10,14 @@ from collections import defaultdict
 from ndparallel.config.plan_settings import plan_settings
 from ndparallel.models.adapters import base_model_of
 from ndparallel.parallel.pp.schedule import reduces_once_per_step
-from ndparallel.plan.calibrate import calibrate
-from ndparallel.plan.comms import collectives_for, scalar_collectives
-from ndparallel.plan.estimate import rank_step
+from ndparallel.plan.calibrate.measure import calibrate
 from ndparallel.plan.hardware import Hardware, get_preset, load_hardware_file, preset_for_device
 from ndparallel.plan.models import from_hf_config
-from ndparallel.plan.pipeline import rank_shape
-from ndparallel.plan.pipeline_estimate import pp_rank
-from ndparallel.plan.search import estimate
+from ndparallel.plan.pipeline.pipeline_estimate import pp_rank
+from ndparallel.plan.pipeline.schedule_model import rank_shape
+from ndparallel.plan.search.estimate import rank_step
+from ndparallel.plan.search.evaluation import estimate
+from ndparallel.plan.time.comms import collectives_for, scalar_collectives
 from ndparallel.techniques.lm_loss import use_chunked_loss
 
 GiB = 2**30
