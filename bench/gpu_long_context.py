@@ -231,10 +231,10 @@ def _predicted(shape: dict, layers: int, options: dict, seq: int) -> float:
     from ndparallel.plan.settings import Settings
 
     s = Settings(
-        seq_len=seq,
-        loss_impl="chunked",
+        sequence_len=seq,
+        chunked_loss=True,
         lora_r=16,
-        checkpointing=True,
+        activation_checkpointing=True,
         tiled_mlp=options.get("tiled_mlp", False),
         activation_offloading=options.get("activation_offloading", False),
     )
@@ -247,8 +247,8 @@ def planner_answer() -> dict:
     from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import get_preset
     from ndparallel.plan.models import load_model_spec
-    from ndparallel.plan.search.evaluation import PlanRequest
     from ndparallel.plan.search.longest import longest_for_layout
+    from ndparallel.plan.search.request import PlanRequest
 
     out = {}
     for name, lora in (("lora_r16", 16), ("full_sgd", 0)):
@@ -261,7 +261,7 @@ def planner_answer() -> dict:
             tiled_mlp=True,
             activation_offloading=True,
         )
-        out[name] = longest_for_layout(req, ParallelDims()).seq_len
+        out[name] = longest_for_layout(req, ParallelDims()).sequence_len
     return out
 
 

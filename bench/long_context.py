@@ -124,11 +124,11 @@ def _predicted(options: dict, seq: int) -> float:
 
     spec = from_hf_config(MODEL, "bench")
     s = Settings(
-        seq_len=seq,
+        sequence_len=seq,
         mixed_precision="fp32",
         optimizer="sgd",
-        loss_impl="chunked",
-        checkpointing=options.get("activation_checkpointing", False),
+        chunked_loss=True,
+        activation_checkpointing=options.get("activation_checkpointing", False),
         tiled_mlp=options.get("tiled_mlp", False),
         activation_offloading=options.get("activation_offloading", False),
     )

@@ -145,13 +145,13 @@ def main(argv=None) -> int:
         tp = {"sequence_parallel": True, "loss_parallel": True} if lay.tp > 1 else {}
         # The runs below keep gradients allocated (zero_grad(set_to_none=False)).
         s = Settings(
-            seq_len=args.seq,
-            micro_batch=args.mb,
+            sequence_len=args.seq,
+            micro_batch_size=args.mb,
             mixed_precision="fp32",
             sequence_parallel=lay.tp > 1,
             loss_parallel=lay.tp > 1,
             set_to_none=False,
-            loss_impl="chunked",
+            chunked_loss=True,
         )  # the runtime's default loss (forward_backward)
         m = estimate_memory(model, lay, s, hw)
         predicted = m.total - m.overhead
@@ -240,9 +240,9 @@ def gpu_table(path: str, hardware_file: str | None) -> int:
         if "error" in r:
             continue
         s = Settings(
-            seq_len=r["seq"],
-            micro_batch=r["micro_batch"],
-            checkpointing=r["checkpointing"],
+            sequence_len=r["seq"],
+            micro_batch_size=r["micro_batch"],
+            activation_checkpointing=r["checkpointing"],
             optimizer_fused=r["fused_adamw"],
         )
         e = estimate(PRESETS[r["planner_model"]], ParallelDims(), s, hw, 8)

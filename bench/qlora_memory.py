@@ -132,7 +132,7 @@ def _predicted_base(layers: int, fsdp: int) -> float:
         "bench", hidden=1024, layers=layers, heads=16, kv_heads=4, intermediate=2816, vocab=32000
     )
     layout = ParallelDims(dp_shard=fsdp)
-    s = Settings(seq_len=32, lora_r=16, quantized_base=True)
+    s = Settings(sequence_len=32, lora_r=16, load_in_4bit=True)
     from ndparallel.plan.adapters.lora_cost import adapter_shard_numel
 
     return (

@@ -121,9 +121,13 @@ def _planned_split(shape: dict, tp: int, mode: str, seq: int) -> tuple[float, fl
     from ndparallel.plan.settings import Settings
 
     spec = from_hf_config({"model_type": "llama", **shape})
-    s = Settings(seq_len=seq, sequence_parallel=tp > 1, sp_saved_shards=mode != "gathered")
+    s = Settings(
+        sequence_len=seq, sequence_parallel=tp > 1, sequence_parallel_saved_shards=mode != "gathered"
+    )
     if mode.startswith("selective"):
-        s = Settings(seq_len=seq, sequence_parallel=tp > 1, checkpointing=True, ac_policy="selective")
+        s = Settings(
+            sequence_len=seq, sequence_parallel=tp > 1, activation_checkpointing=True, ac_policy="selective"
+        )
     if mode == "selective_offload":
         device, host = offload_split_per_token(spec, ParallelDims(tp=tp), s.but(activation_offloading=True))
         return device, host + 2 * s.act_bytes * spec.head_dim

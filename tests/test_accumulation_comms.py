@@ -60,9 +60,9 @@ def test_hsdp_accumulation_counts_equal_prediction(unsharded):
         predict_collectives(
             PRESETS["tiny"],
             ParallelDims(dp_replicate=2, dp_shard=2),
-            seq_len=SEQ,
-            micro_batch=ROWS,
-            grad_accum=GA,
+            sequence_len=SEQ,
+            micro_batch_size=ROWS,
+            gradient_accumulation_steps=GA,
             mixed_precision="fp32",
             unsharded_grad_accumulation=unsharded,
         )

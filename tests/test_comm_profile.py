@@ -189,7 +189,9 @@ def test_equals_planner_prediction(layout, world, mp):
         dp_replicate=layout.get("dp_replicate_size", 1), dp_shard=layout.get("dp_shard_size", 1)
     )
     predicted = aggregate(
-        predict_collectives(PRESETS["tiny"], plan_layout, seq_len=32, micro_batch=2, mixed_precision=mp)
+        predict_collectives(
+            PRESETS["tiny"], plan_layout, sequence_len=32, micro_batch_size=2, mixed_precision=mp
+        )
     )
     predicted = {(labels.get(d, d), kind, b): c for (kind, d, b), c in predicted.items()}
     assert per_step[0] == predicted
@@ -210,7 +212,11 @@ def test_ddp_against_planner():
     calls, labels = run_on_ranks(_ddp_step, 2)[0]
     predicted = aggregate(
         predict_collectives(
-            PRESETS["tiny"], ParallelDims(dp_replicate=2), seq_len=32, micro_batch=2, mixed_precision="fp32"
+            PRESETS["tiny"],
+            ParallelDims(dp_replicate=2),
+            sequence_len=32,
+            micro_batch_size=2,
+            mixed_precision="fp32",
         )
     )
     assert calls == {(labels.get(d, d), kind, b): c for (kind, d, b), c in predicted.items()}

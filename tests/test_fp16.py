@@ -114,7 +114,7 @@ def _update_errors(setup, init, fp32) -> float:
 def test_the_scaler_really_scales():
     """Negative control of the scaling: scale 1 (never grown) loses the small gradients to fp16's
     underflow; scale 2^12 keeps them (measured: 4.1e-3 vs 4.1e-4 relative error of the q/k update)."""
-    one = dataclasses.replace(FP16, steps=1, global_micro_batch=8, seq_len=64)
+    one = dataclasses.replace(FP16, steps=1, global_micro_batch=8, sequence_len=64)
     init = {k: v.detach().float() for k, v in build_model(one).named_parameters()}
     fp32 = run_on_ranks(train_under_layout, 1, dataclasses.replace(one, mixed_precision="no"), None)[0]
     unscaled = _update_errors(
@@ -221,9 +221,11 @@ def test_the_planner_counts_fp16_as_bf16():
     got = {
         mp: (
             estimate_memory(
-                model, ParallelDims(dp_shard=2, tp=2), Settings(seq_len=256, mixed_precision=mp), hw
+                model, ParallelDims(dp_shard=2, tp=2), Settings(sequence_len=256, mixed_precision=mp), hw
             ),
-            estimate(model, ParallelDims(dp_shard=2, tp=2), Settings(seq_len=256, mixed_precision=mp), hw, 8),
+            estimate(
+                model, ParallelDims(dp_shard=2, tp=2), Settings(sequence_len=256, mixed_precision=mp), hw, 8
+            ),
         )
         for mp in ("bf16", "fp16", "fp32")
     }

@@ -167,7 +167,7 @@ def test_planner_states_one_momentum_for_matrices_two_moments_for_the_rest():
 
     model, layout, hw = PRESETS["llama-3.1-70b"], ParallelDims(dp_shard=8, tp=2), HW["h100-80gb"]
     mem = {
-        o: estimate_memory(model, layout, Settings(seq_len=4096, optimizer=o), hw).optimizer
+        o: estimate_memory(model, layout, Settings(sequence_len=4096, optimizer=o), hw).optimizer
         for o in ("adamw", "muon", "sgd")
     }
     numels = unit_numels(model, layout.tp, layout.fsdp, layout)

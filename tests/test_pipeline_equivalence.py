@@ -208,7 +208,11 @@ def _planned_reductions(unsharded: bool, grad_accum: int) -> int:
     from ndparallel.plan.time.comms import collectives_for
 
     spec, layout = from_hf_config(MODELS["llama"].to_dict()), ParallelDims(pp=2, dp_shard=2)
-    s = Settings(seq_len=BASE["seq_len"], grad_accum=grad_accum, unsharded_grad_accumulation=unsharded)
+    s = Settings(
+        sequence_len=BASE["seq_len"],
+        gradient_accumulation_steps=grad_accum,
+        unsharded_grad_accumulation=unsharded,
+    )
     _, part, rank_s = pp_rank(spec, layout, s, 0)
     return sum(c.count for c in collectives_for(part, layout, rank_s) if c.kind == "reduce_scatter")
 

@@ -47,7 +47,7 @@ def test_quick_cpu_calibration_feeds_the_planner(tmp_path, capsys):
     assert (
         main(
             [
-                "--model",
+                "--base-model",
                 "tiny",
                 "--gpus",
                 "2",
@@ -55,7 +55,7 @@ def test_quick_cpu_calibration_feeds_the_planner(tmp_path, capsys):
                 "2",
                 "--hardware-file",
                 str(path),
-                "--seq-len",
+                "--sequence-len",
                 "256",
                 "--global-batch-size",
                 "8",
@@ -80,11 +80,11 @@ def test_one_rank_calibration_keeps_link_figures(tmp_path, capsys):
                 "--calibrate-ranks",
                 "1",
                 "--quick",
-                "--model",
+                "--base-model",
                 "tiny",
-                "--seq-len",
+                "--sequence-len",
                 "64",
-                "--micro-batch",
+                "--micro-batch-size",
                 "2",
                 "--calibrate-out",
                 str(out),
@@ -101,15 +101,15 @@ def test_one_rank_calibration_keeps_link_figures(tmp_path, capsys):
     assert (
         main(
             [
-                "--model",
+                "--base-model",
                 "tiny",
                 "--gpus",
                 "1",
                 "--hardware-file",
                 str(out),
-                "--seq-len",
+                "--sequence-len",
                 "64",
-                "--micro-batch",
+                "--micro-batch-size",
                 "2",
                 "--global-batch-size",
                 "2",

@@ -38,7 +38,11 @@ def _planned(dtype: str, chunk: int | None = None) -> float:
         )
     )
     s = Settings(
-        seq_len=TOKENS, micro_batch=1, mixed_precision=dtype, loss_impl="chunked", loss_chunk_tokens=chunk
+        sequence_len=TOKENS,
+        micro_batch_size=1,
+        mixed_precision=dtype,
+        chunked_loss=True,
+        loss_chunk_tokens=chunk,
     )
     e = s.act_bytes
     final_norm_and_head_input = TOKENS * ((4 + e) * HIDDEN + 4 + e * HIDDEN)

@@ -15,19 +15,19 @@ from ndparallel.plan.memory import peak
 from ndparallel.plan.models import PRESETS
 from ndparallel.plan.settings import COLLECTIVE_FIELDS, Settings
 from ndparallel.plan.time import comms
-from ndparallel.plan.time.compute import MICRO_BATCH_FIELDS, STEP_FIELDS
+from ndparallel.plan.time.compute import MICRO_BATCH_FIELDS, STEP_DEFAULTS
 
 _CHOICES = {
     "mixed_precision": ("bf16", "fp32"),
     "optimizer": ("adamw", "sgd"),
     "ac_policy": ("full", "selective"),
-    "cp_strategy": ("ring", "allgather"),
-    "loss_impl": ("chunked", "full"),
+    "cp_comm_strategy": ("ring", "allgather"),
+    "chunked_loss": (True, False),
     "cp_kernel": ("flash", "math"),
-    "pp_schedule": ("1F1B", "Interleaved1F1B"),
+    "pipeline_schedule": ("1F1B", "Interleaved1F1B"),
 }
 _WHEN_NONE = {"loss_chunk_tokens": 1024, "tiled_mlp_num_shards": 4, "qat": "int4"}
-DERIVED = {"recompute": ("checkpointing", "ac_policy")}
+DERIVED = {"recompute": ("activation_checkpointing", "ac_policy")}
 """Properties of ``Settings`` a key may name: the fields they cover."""
 
 
@@ -49,9 +49,20 @@ def _other(s: Settings, name: str):
 
 
 BASES = [
-    Settings(seq_len=4096, micro_batch=2, grad_accum=4, loss_impl="chunked"),
-    Settings(seq_len=8192, checkpointing=True, sequence_parallel=False, cp_strategy="allgather"),
-    Settings(seq_len=2048, micro_batch=4, checkpointing=True, ac_policy="selective", tiled_mlp=True),
+    Settings(sequence_len=4096, micro_batch_size=2, gradient_accumulation_steps=4, chunked_loss=True),
+    Settings(
+        sequence_len=8192,
+        activation_checkpointing=True,
+        sequence_parallel=False,
+        cp_comm_strategy="allgather",
+    ),
+    Settings(
+        sequence_len=2048,
+        micro_batch_size=4,
+        activation_checkpointing=True,
+        ac_policy="selective",
+        tiled_mlp=True,
+    ),
 ]
 MODELS = ["llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b"]
 
@@ -73,7 +84,7 @@ def test_collective_groups_read_only_their_key(name, model_name):
     layout = ParallelDims(dp_replicate=2, dp_shard=4, cp=2, tp=4, ep=4 if model.is_moe else 1)
     keyed = {f for k in COLLECTIVE_FIELDS[name] for f in DERIVED.get(k, (k,))}
     for s in BASES:
-        key = (s.micro_batch * s.seq_len // layout.cp, s.grad_accum)
+        key = (s.micro_batch_size * s.sequence_len // layout.cp, s.gradient_accumulation_steps)
         want = _groups(model, layout, s, *key)[name]
         for f in fields(Settings):
             if f.name not in keyed:
@@ -93,12 +104,12 @@ def test_micro_batch_terms_read_no_step_field(model_name):
     step-level ones) and a dense model's (cp, tp)."""
     model = PRESETS[model_name]
     part = replace(model, layers=8, has_embedding=False)  # a pipeline rank's part
-    assert set(STEP_FIELDS) | set(MICRO_BATCH_FIELDS) == {f.name for f in fields(Settings)}
+    assert set(STEP_DEFAULTS) | set(MICRO_BATCH_FIELDS) == {f.name for f in fields(Settings)}
     for m in (model, part):
         for s in BASES:
             layout = ParallelDims(dp_shard=4, cp=2, tp=4)
             want = peak._micro_batch_terms(m, layout, s)
-            for name in STEP_FIELDS:
+            for name in STEP_DEFAULTS:
                 assert peak._micro_batch_terms(m, layout, s.but(**{name: _other(s, name)})) == want, name
             for other in (
                 ParallelDims(dp_replicate=8, cp=2, tp=4),

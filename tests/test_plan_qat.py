@@ -51,7 +51,14 @@ def test_constants_predict_a_fresh_measurement(fmt, frozen):
 
 
 def _memory(qat, checkpointing, **kw):
-    s = Settings(seq_len=4096, micro_batch=1, checkpointing=checkpointing, loss_impl="full", qat=qat, **kw)
+    s = Settings(
+        sequence_len=4096,
+        micro_batch_size=1,
+        activation_checkpointing=checkpointing,
+        chunked_loss=False,
+        qat=qat,
+        **kw,
+    )
     return estimate_memory(LLAMA8, ParallelDims(dp_shard=8), s, H100)
 
 
@@ -74,7 +81,9 @@ def test_lora_keeps_only_the_rounded_copy():
 
 def test_tp_layouts_are_rejected_and_the_header_says_qat(capsys):
     assert (
-        main(["--model", "llama-3.1-8b", "--gpus", "8", "--qat", "int4/int8", "--show-rejected", "--json"])
+        main(
+            ["--base-model", "llama-3.1-8b", "--gpus", "8", "--qat", "int4/int8", "--show-rejected", "--json"]
+        )
         == 0
     )
     result = json.loads(capsys.readouterr().out)
@@ -82,10 +91,10 @@ def test_tp_layouts_are_rejected_and_the_header_says_qat(capsys):
     ranked = [r["layout"] for r in result["ranked"]]
     assert ranked and all(r["tp"] == 1 for r in ranked)
     assert any(c["code"] == "qat_layout" for r in result["rejected"] for c in r["rejections"])
-    assert main(["--model", "llama-3.1-8b", "--gpus", "8", "--qat", "int4", "--top", "1"]) == 0
+    assert main(["--base-model", "llama-3.1-8b", "--gpus", "8", "--qat", "int4", "--top", "1"]) == 0
     assert "QAT int4" in capsys.readouterr().out
 
 
 def test_unknown_format_is_one_line(capsys):
-    code, _, err = run_cli(capsys, "plan", "--model", "llama-3.1-8b", "--gpus", "8", "--qat", "int8")
+    code, _, err = run_cli(capsys, "plan", "--base-model", "llama-3.1-8b", "--gpus", "8", "--qat", "int8")
     assert code == 2 and "--qat int8" in err and "int4/int8" in err and "Traceback" not in err

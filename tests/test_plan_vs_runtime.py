@@ -87,13 +87,13 @@ def _predict(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool, labels: dict
     colls = predict_collectives(
         PRESETS["tiny"],
         plan_layout,
-        seq_len=SEQ,
-        micro_batch=ROWS,
-        checkpointing=ckpt,
+        sequence_len=SEQ,
+        micro_batch_size=ROWS,
+        activation_checkpointing=ckpt,
         mixed_precision="bf16" if mp == "bf16" else "fp32",
         sequence_parallel=tp.get("sequence_parallel", False),
         loss_parallel=tp.get("loss_parallel", False),
-        cp_strategy=cp.get("comm_strategy", "ring"),
+        cp_comm_strategy=cp.get("comm_strategy", "ring"),
         scalars=True,
     )
     main, norm = Counter(), Counter()

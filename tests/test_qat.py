@@ -369,7 +369,7 @@ def test_plan_from_a_qat_config_counts_the_full_logits(tmp_path, capsys):
     cfg.write_text(yaml.safe_dump(raw))
     code, out, err = run_cli(capsys, "plan", "--config", cfg, "--gpus", "8", "--json")
     assert code == 0, err
-    assert json.loads(out)["request"]["loss_impl"] == "full"  # the chunked loss steps aside under qat
+    assert json.loads(out)["request"]["chunked_loss"] is False  # the chunked loss steps aside under qat
 
 
 def test_qat_without_checkpointing_gets_a_memory_note(tmp_path, capsys):

@@ -43,7 +43,7 @@ def offloaded(cfg: TrainConfig, pc, hf) -> Offloaded | None:
     if layout.pp > 1 and cfg.pipeline_microbatches:  # unless set: the same rows, cut m ways
         m = cfg.pipeline_microbatches
     rows = cfg.micro_batch_size * cfg.gradient_accumulation_steps // m
-    s = plan_settings(cfg).but(micro_batch=rows, grad_accum=m)
+    s = plan_settings(cfg).but(micro_batch_size=rows, gradient_accumulation_steps=m)
     return Offloaded(*busiest_offload(spec, layout, s), selective=s.recompute == "selective")
 
 

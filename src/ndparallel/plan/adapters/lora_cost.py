@@ -147,7 +147,7 @@ def adapt_collectives(
                 "all_reduce",
                 "tp",
                 r * model.hidden * 4,
-                (4 if model.is_moe else len(ADAPTED)) * model.layers * s.grad_accum,
+                (4 if model.is_moe else len(ADAPTED)) * model.layers * s.gradient_accumulation_steps,
                 "TP LoRA replicated-factor grads (A of colwise, B of rowwise)",
             )
         )

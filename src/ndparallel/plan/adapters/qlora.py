@@ -74,10 +74,10 @@ def dequant_workspace_bytes(model: ModelSpec, layout: ParallelDims, s: Settings)
 def dequant_seconds(model: ModelSpec, layout: ParallelDims, s: Settings, bandwidth: float) -> float:
     """Memory-bound seconds of one step's dequantisations: every NF4 weight, once in forward, once
     in backward, once more in a checkpointed layer's recomputed forward, per micro-batch."""
-    passes = 3 if s.checkpointing else 2
+    passes = 3 if s.activation_checkpointing else 2
     per_element = DEQUANT_TRAFFIC_INT + 7 * s.act_bytes
     return (
-        s.grad_accum
+        s.gradient_accumulation_steps
         * passes
         * model.layers
         * quantized_layer_local(model, layout.tp)
@@ -145,5 +145,5 @@ def fsdp_copy_bytes_qlora(
     gathers = s.gathers_per_step()
     adapter_local = model.layers * adapter_layer_local(model, s.lora_r, layout.tp)
     reduce = s.reducing_microbatches * adapter_local * (e + 4)
-    accumulate = adapter_shard_numel(model, layout, s.lora_r) * 12 * (s.grad_accum - 1)
+    accumulate = adapter_shard_numel(model, layout, s.lora_r) * 12 * (s.gradient_accumulation_steps - 1)
     return gathers * 2 * (shard_b + local_b) + reduce + accumulate

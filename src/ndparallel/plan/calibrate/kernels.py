@@ -220,7 +220,7 @@ def measure_kernels(device: str, quick: bool, model, seq_len: int, micro_batch: 
     """Everything ``calibrate`` measures on one device for ``model`` at ``seq_len × micro_batch``."""
 
     cuda = device.startswith("cuda")
-    s = Settings(seq_len=seq_len, micro_batch=micro_batch)
+    s = Settings(sequence_len=seq_len, micro_batch_size=micro_batch)
     tps = (
         [1]
         if quick

@@ -7,9 +7,8 @@ import json
 from pathlib import Path
 
 from ndparallel.plan import hardware as hwmod
-from ndparallel.plan.cli.parser import field_flags
-from ndparallel.plan.search.evaluation import PlanRequest
-from ndparallel.plan.settings import Settings
+from ndparallel.plan.cli.flags import FLAGS
+from ndparallel.plan.search.request import DEFAULT_SETTINGS
 from ndparallel.runtime.sizes import parse_size
 
 MIN_GPU_MEM = hwmod.GiB
@@ -17,14 +16,17 @@ MIN_GPU_MEM = hwmod.GiB
 
 
 def _dest(flag: str) -> str:
-    """The argument name argparse gives ``flag`` (``--seq-len`` -> ``seq_len``)."""
+    """The argument name argparse gives ``flag`` (``--gpus-per-node`` -> ``gpus_per_node``)."""
     return flag.lstrip("-").replace("-", "_")
 
 
-def _positive_int(args, flag: str, value=None) -> None:
-    v = getattr(args, _dest(flag)) if value is None else value
-    if v is not None and v < 1:
-        raise ValueError(f"{flag} {v}: must be a whole number >= 1")
+def _positive_int(args, flag: str) -> None:
+    _whole(flag, getattr(args, _dest(flag)))
+
+
+def _whole(flag: str, value) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{flag} {value}: must be a whole number >= 1")
 
 
 def _positive(args, flag: str, unit: str) -> None:
@@ -67,30 +69,33 @@ def host_mem_bytes(text: str) -> float:
     return value
 
 
-def _field_flags(args, cls: type) -> None:
-    """The checks the flags of ``cls``' fields declare (``plan/field_marks.py``'s ``flag``)."""
-    flags = field_flags(cls)
-    for ff in flags.values():
-        value = ff.value(args)
-        if ff.how.get("positive"):
-            _positive_int(args, ff.option, value)
-        needs = flags.get(ff.how.get("needs"))
-        if value and needs and not needs.value(args):
-            raise ValueError(f"{ff.option} needs {needs.option}")
-        other, bad, why = ff.how.get("refuses", (None, None, None))
-        if value and other and getattr(args, other) == bad:
-            raise ValueError(f"{ff.option} {why}: drop --{other.replace('_', '-')} {bad}")
+def _run_flags(values: dict) -> None:
+    """The run flags' values (given, or from a training config), by key: whole numbers >= 1, the
+    micro-batch (or auto), and the two flags that need another."""
+    for flag in FLAGS:
+        if flag.positive and flag.key != "lora_r":
+            _whole(flag.option, values.get(flag.key))
+        if flag.key == "micro_batch_size":
+            _micro_batch(values.get(flag.key, "auto"))
+        if flag.key == "tiled_mlp_num_shards" and values.get(flag.key) and not values.get("tiled_mlp"):
+            raise ValueError("--tiled-mlp-num-shards needs --tiled-mlp")
+        if flag.key == "activation_offloading" and values.get(flag.key):
+            if str(values.get("activation_checkpointing")).lower() in ("off", "false"):
+                raise ValueError(
+                    "--activation-offloading offloads what checkpointing keeps: drop "
+                    f"--activation-checkpointing {values['activation_checkpointing']}"
+                )
 
 
-def _micro_batch(args) -> None:
-    text = str(args.micro_batch).strip().lower()
+def _micro_batch(value) -> None:
+    text = str(value).strip().lower()
     if text == "auto":
         return
     try:
         mb = int(text)
     except ValueError:
-        raise ValueError(f"--micro-batch {args.micro_batch!r}: use a whole number >= 1 or 'auto'") from None
-    _positive_int(args, "--micro-batch", mb)
+        raise ValueError(f"--micro-batch-size {value!r}: use a whole number >= 1 or 'auto'") from None
+    _whole("--micro-batch-size", mb)
 
 
 def _cluster(args) -> None:
@@ -138,22 +143,22 @@ def _paths(args) -> None:
             raise ValueError(f"--hardware-file {hw_file}: {exc}") from None
 
 
-def check_args(args) -> None:
-    """Raise ``ValueError('--flag value: fix')`` for the first bad value of a parsed namespace."""
+def check_args(args, values: dict) -> None:
+    """Raise ``ValueError('--flag value: fix')`` for the first bad value of the parsed ``args`` and
+    the run flags' ``values`` (``request.run_values``)."""
     _cluster(args)
-    _field_flags(args, Settings)
-    _field_flags(args, PlanRequest)
+    _run_flags(values)
     _positive_int(args, "--global-batch-size")
     _positive_int(args, "--global-batch-tokens")
     _positive_int(args, "--top")
     _positive_int(args, "--calibrate-ranks")
-    _micro_batch(args)
     if args.host_mem is not None:
         host_mem_bytes(args.host_mem)
-    if args.global_batch_tokens and args.seq_len and args.global_batch_tokens % args.seq_len:
+    seq = values.get("sequence_len", DEFAULT_SETTINGS.sequence_len)
+    if args.global_batch_tokens and seq and args.global_batch_tokens % seq:
         raise ValueError(
             f"--global-batch-tokens {args.global_batch_tokens} is not a multiple of "
-            f"--seq-len {args.seq_len}; use a multiple, or --global-batch-size"
+            f"--sequence-len {seq}; use a multiple, or --global-batch-size"
         )
     eff = args.matmul_efficiency
     if eff is not None and not 0 < eff <= 1:

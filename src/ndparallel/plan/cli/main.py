@@ -1,143 +1,43 @@
-"""``ndparallel plan`` arguments and entry point (wired into the main CLI by ``cli.py``)."""
+"""``ndparallel plan``'s entry point: the flags parsed once (``parser.py``), the request they give
+(``from_flags.py``), and what the planner answers (``report.py``, ``search/longest.py``,
+``calibrate/``). ``cli/__init__.py`` adds ``--config TRAIN.yaml``: a training config's values
+under the flags (``run_plan``'s ``base``)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from dataclasses import fields
 
 from rich.console import Console
 
-from ndparallel.plan import hardware as hwmod
-from ndparallel.plan.adapters.lora_cost import SAVED_MODULES, saved_tables
-from ndparallel.plan.cli.flag_checks import check_args, gpu_mem_bytes, host_mem_bytes
-from ndparallel.plan.cli.parser import add_plan_arguments, field_flags, parse_layout
-from ndparallel.plan.cli.report import (
-    explain_json,
-    print_explain,
-    print_table,
-    to_json,
-    write_config,
-)
-from ndparallel.plan.memory.qat_memory import qat_format_problem
+from ndparallel.plan.cli.explain_keys import parse_layout
+from ndparallel.plan.cli.flag_checks import check_args
+from ndparallel.plan.cli.from_flags import build_request, run_values
+from ndparallel.plan.cli.parser import parse
+from ndparallel.plan.cli.report import explain_json, print_explain, print_table, to_json, write_config
 from ndparallel.plan.models import load_model_spec
-from ndparallel.plan.pipeline.schedule_model import canonical
-from ndparallel.plan.search.evaluation import PlanRequest, evaluate_layout, plan
+from ndparallel.plan.search.evaluation import evaluate_layout, plan
 from ndparallel.plan.search.longest import CP_STRATEGIES, feature_summary, longest, print_longest
-from ndparallel.plan.settings import Settings
+from ndparallel.plan.search.request import DEFAULT_SETTINGS, PlanRequest
 
 
-def _hardware(args) -> hwmod.Hardware:
-    hw = hwmod.load_hardware_file(args.hardware_file) if args.hardware_file else hwmod.get_preset(args.gpu)
-    return hwmod.with_overrides(
-        hw,
-        mem_bytes=gpu_mem_bytes(args.gpu_mem) if args.gpu_mem else None,
-        peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
-        intra_node_bw=args.intra_node_bw * 1e9 if args.intra_node_bw else None,
-        inter_node_bw=args.inter_node_bw * 1e9 if args.inter_node_bw else None,
-        matmul_efficiency=args.matmul_efficiency,
-        hbm_bw=args.hbm_bw * 1e9 if args.hbm_bw else None,
-    )
+def main(argv: list[str] | None = None, description: str | None = None) -> int:
+    """``ndparallel plan`` on ``argv``."""
+    return run_plan(parse(argv, description))
 
 
-def build_request(args) -> PlanRequest:
-    if not args.model:
-        raise ValueError("--model is missing: give a preset (e.g. llama-3.1-8b) or a config.json")
-    if not args.gpus:
-        raise ValueError("--gpus is missing: give the number of GPUs (the world size)")
-    global_batch = args.global_batch_size
-    if args.global_batch_tokens:
-        global_batch = args.global_batch_tokens // args.seq_len
-    mb = None if str(args.micro_batch).lower() == "auto" else int(args.micro_batch)
-    adapter = _adapter_settings(args)
-    if args.qat:
-        problem = qat_format_problem(args.qat)
-        if problem:
-            raise ValueError(problem)
-    settings = Settings(**flag_settings(args), **adapter)
-    given = flag_settings(args, PlanRequest)  # the search's choices by their flags; those given as text:
-    given.update(
-        micro_batch=mb,
-        unsharded_grad_accumulation={"on": True, "off": False}.get(args.unsharded_grad_accumulation),
-        pipeline_schedule=_schedule(args.pipeline_schedule),
-    )
-    return PlanRequest(
-        model=load_model_spec(args.model),
-        hardware=_hardware(args),
-        gpus=args.gpus,
-        gpus_per_node=min(args.gpus_per_node, args.gpus) if args.gpus_per_node else args.gpus,
-        settings=settings,
-        global_batch=global_batch,
-        checkpointing=args.activation_checkpointing,
-        host_mem_bytes=host_mem_bytes(args.host_mem) if args.host_mem else None,
-        pipeline=not args.no_pipeline_parallel,
-        **given,
-    )
-
-
-BY_ADAPTER = tuple(f.name for f in fields(Settings) if "adapter" in f.metadata)
-"""``Settings`` fields the adapter flags decide together (``build_request``), not one flag each
-(``plan/field_marks.py``'s ``adapter``)."""
-
-
-def _adapter_settings(args) -> dict:
-    """The adapter's settings (``BY_ADAPTER``) that ``--adapter``, its rank (16 unless given) and
-    ``--lora-modules-to-save`` give."""
-    adapted = args.adapter in ("lora", "qlora")
-    if args.lora_r is not None and not adapted:
-        raise ValueError("--lora-r needs --adapter lora (or qlora)")
-    rank = (16 if args.lora_r is None else args.lora_r) if adapted else 0
-    saved = ()
-    if args.lora_modules_to_save:
-        if not adapted:
-            raise ValueError("--lora-modules-to-save needs --adapter lora (or qlora)")
-        names = [n for n in args.lora_modules_to_save.split(",") if n]
-        saved = saved_tables(names)
-        if not saved:
-            raise ValueError(
-                f"--lora-modules-to-save {args.lora_modules_to_save}: names no embedding or LM head "
-                f"table the planner models ({', '.join(SAVED_MODULES)})"
-            )
-    if adapted and rank < 1:
-        raise ValueError(f"--lora-r must be >= 1, got {rank}")
-    return dict(lora_r=rank, quantized_base=args.adapter == "qlora", lora_saved=saved)
-
-
-def flag_settings(args, cls: type = Settings) -> dict:
-    """The values parsed ``args`` give the flagged fields of ``cls`` (``Settings``, or
-    ``PlanRequest``'s search choices), by field name (``field_flags``)."""
-    return {name: ff.value(args) for name, ff in field_flags(cls).items()}
-
-
-def flag_defaults(s: Settings, mark: str = "flag") -> dict:
-    """The parser's defaults (argument name -> value) that give ``s``'s values: ``flag_settings``
-    inverted (``plan --config``); ``mark="adapter"``: those of the adapter's fields' flags."""
-    out = {}
-    for name, ff in field_flags(Settings, mark).items():
-        value = getattr(s, name)
-        out[ff.dest] = not value if ff.negated else value
-    return out
-
-
-def _schedule(name: str) -> str:
-
-    try:
-        return "auto" if name.lower() == "auto" else canonical(name)
-    except ValueError as exc:
-        raise ValueError(f"--pipeline-schedule {exc}") from None
-
-
-def run_plan(args) -> int:
-    """Run the planner for parsed ``args``; returns a process exit code."""
+def run_plan(args, base: dict | None = None) -> int:
+    """Run the planner for parsed ``args`` (``base``: a training config's run values, by key, under
+    the flags given); returns a process exit code."""
     console = Console(soft_wrap=False, width=max(Console().width, 140))
     try:
-        check_args(args)
+        values = run_values(args, base)
+        check_args(args, values)
         if args.calibrate:
-            return _run_calibrate(args, console)
-        req = build_request(args)
+            return _run_calibrate(args, values, console)
+        req = build_request(args, values)
         if args.max_seq_len:
-            return _run_longest(args, req, console)
+            return _run_longest(args, req, console, pinned="cp_comm_strategy" in values)
         result = plan(req)
         chosen = result.ranked[0] if result.ranked else None
         if args.explain:
@@ -164,13 +64,13 @@ def run_plan(args) -> int:
         return 2
 
 
-def _run_longest(args, req: PlanRequest, console: Console) -> int:
+def _run_longest(args, req: PlanRequest, console: Console, pinned: bool) -> int:
     if args.explain or args.write_config:
         raise ValueError(
             "--max-seq-len answers one question: leave out --explain / --write-config "
-            "(then plan that length with --seq-len N)"
+            "(then plan that length with --sequence-len N)"
         )
-    strategies = () if getattr(args, "cp_strategy_given", False) else CP_STRATEGIES  # else all
+    strategies = () if pinned else CP_STRATEGIES  # a CP strategy given: that one, else each
     rows = longest(req, strategies=strategies)
     summary = feature_summary(req, strategies=strategies)
     if args.json:
@@ -186,16 +86,21 @@ def _run_longest(args, req: PlanRequest, console: Console) -> int:
         )
     else:
         print_longest(req, rows, summary, console, top=args.top)
-    return 0 if any(r.seq_len for r in rows) else 1
+    return 0 if any(r.sequence_len for r in rows) else 1
 
 
-def _run_calibrate(args, console: Console) -> int:
+def _run_calibrate(args, values: dict, console: Console) -> int:
     from ndparallel.plan.calibrate.measure import calibrate
 
-    model = load_model_spec(args.model) if args.model else None
-    mb = 1 if str(args.micro_batch).lower() == "auto" else int(args.micro_batch)
+    model = load_model_spec(values["base_model"]) if values.get("base_model") else None
+    mb = str(values.get("micro_batch_size", "auto"))
+    seq = values.get("sequence_len", DEFAULT_SETTINGS.sequence_len)
     profile = calibrate(
-        ranks=args.calibrate_ranks, quick=args.quick, model=model, seq_len=args.seq_len, micro_batch=mb
+        ranks=args.calibrate_ranks,
+        quick=args.quick,
+        model=model,
+        seq_len=seq,
+        micro_batch=1 if mb.lower() == "auto" else int(mb),
     )
     text = json.dumps(profile, indent=2)
     if args.calibrate_out:
@@ -218,26 +123,3 @@ def _run_calibrate(args, console: Console) -> int:
         )
         console.print(m["note"])
     return 0
-
-
-class PlanArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, ``ndparallel plan: error: ...``, exit 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"ndparallel plan: error: {message}\n")
-
-
-def make_parser(
-    description: str = "Rank parallel layouts for a model and cluster.",
-) -> argparse.ArgumentParser:
-    parser = PlanArgumentParser(prog="ndparallel plan", description=description)
-    add_plan_arguments(parser)
-    return parser
-
-
-def main(argv: list[str] | None = None, description: str | None = None, defaults: dict | None = None) -> int:
-    """``ndparallel plan`` on ``argv``; ``defaults`` (argument name -> value, e.g. from a training
-    config) replace the parser's own, the flags in ``argv`` win over them."""
-    parser = make_parser(*([description] if description else []))
-    parser.set_defaults(**(defaults or {}))
-    return run_plan(parser.parse_args(argv))

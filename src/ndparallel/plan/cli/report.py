@@ -10,10 +10,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ndparallel.layout.dims import ParallelDims
 from ndparallel.plan.adapters.lora_cost import trainable_fraction, trainable_params
+from ndparallel.plan.cli.explain_keys import layout_text
 from ndparallel.plan.hardware import GiB
 from ndparallel.plan.pipeline.schedule_model import pipeline_lines
-from ndparallel.plan.search.evaluation import Estimate, LayoutResult, PlanRequest, PlanResult
+from ndparallel.plan.search.estimate import Estimate
+from ndparallel.plan.search.request import LayoutResult, PlanRequest, PlanResult
+from ndparallel.plan.settings import Settings
 from ndparallel.plan.time import links
 
 
@@ -29,7 +33,7 @@ def _human_bytes(x: float) -> str:
 
 
 def _ac(e: Estimate) -> str:
-    return "on" if e.settings.checkpointing else "off"
+    return "on" if e.settings.activation_checkpointing else "off"
 
 
 def _schedule(e: Estimate) -> str:
@@ -38,8 +42,8 @@ def _schedule(e: Estimate) -> str:
         return "—"
     s = e.settings
     return (
-        s.pp_schedule
-        + (f" v{s.pp_virtual}" if s.pp_virtual > 1 else "")
+        s.pipeline_schedule
+        + (f" v{s.pipeline_virtual_stages}" if s.pipeline_virtual_stages > 1 else "")
         + (", grads reduced once" if s.unsharded_grad_accumulation else "")
     )
 
@@ -51,23 +55,28 @@ def _strategy(e: Estimate) -> str:
 
 def _explain_arg(e: Estimate) -> str:
     """The ``--explain`` value naming this option's layout (and its pipeline schedule)."""
-    uga = ",uga=on" if e.settings.unsharded_grad_accumulation else ""
-    if not e.layout.pp_enabled:
-        return e.layout.short() + uga
-    return f"{e.layout.short()},schedule={e.settings.pp_schedule},v={e.settings.pp_virtual}{uga}"
+    s = e.settings
+    pins = {"unsharded_grad_accumulation": "on"} if s.unsharded_grad_accumulation else {}
+    if e.layout.pp_enabled:
+        pins = {
+            "pipeline_schedule": s.pipeline_schedule,
+            "pipeline_virtual_stages": s.pipeline_virtual_stages,
+            **pins,
+        }
+    return layout_text(e.layout, **pins)
 
 
 def header(result: PlanResult) -> str:
     r = result.request
     s = r.settings
     hw = r.hardware
-    gb = f"{r.global_batch} seqs" if r.global_batch else "~4M tokens (auto)"
+    gb = f"{r.global_batch_size} seqs" if r.global_batch_size else "~4M tokens (auto)"
     lora = ""
     if s.lora_r:
         lora = (
             f"; LoRA r={s.lora_r} on every linear: {trainable_params(r.model, s.lora_r) / 1e6:.1f}M "
             f"trainable ({trainable_fraction(r.model, s.lora_r):.2%}), base frozen"
-            + (" in 4-bit NF4 (linears)" if s.quantized_base else "")
+            + (" in 4-bit NF4 (linears)" if s.load_in_4bit else "")
             + (
                 f", trained copies of "
                 f"{' and '.join({'embed': 'embed_tokens', 'head': 'lm_head'}[t] for t in s.lora_saved)}"
@@ -85,8 +94,8 @@ def header(result: PlanResult) -> str:
     return (
         f"{r.model.name} ({r.model.num_params / 1e9:.2f}B params{moe}) on {r.gpus} × {hw.name} "
         f"({r.gpus_per_node}/node, {_gib(hw.mem_bytes)} GiB, {hw.peak_flops / 1e12:.0f} "
-        f"TFLOP/s bf16); seq {s.seq_len}, global batch {gb}, {s.optimizer}, "
-        f"{s.mixed_precision}, activation checkpointing {r.checkpointing}{lora}"
+        f"TFLOP/s bf16); seq {s.sequence_len}, global batch {gb}, {s.optimizer}, "
+        f"{s.mixed_precision}, activation checkpointing {r.activation_checkpointing}{lora}"
     )
 
 
@@ -120,8 +129,8 @@ def print_table(result: PlanResult, console: Console, top: int = 10, show_reject
             r.layout.compact(),
             r.layout.describe(),
             *sched,
-            str(e.settings.micro_batch),
-            str(e.settings.grad_accum),
+            str(e.settings.micro_batch_size),
+            str(e.settings.gradient_accumulation_steps),
             _ac(e),
             _gib(e.memory.total),
             f"{e.time.step:.2f}",
@@ -150,7 +159,7 @@ def print_table(result: PlanResult, console: Console, top: int = 10, show_reject
         console.print(rej)
     if result.ranked:
         best = result.ranked[0]
-        console.print(f"Explain one: --explain {_explain_arg(best.best)}")
+        console.print(f"Explain one: --explain {_explain_arg(best.best)}", soft_wrap=True)
 
 
 def request_dict(req: PlanRequest) -> dict:
@@ -204,7 +213,7 @@ def _collective_rows(e: Estimate, result: PlanResult) -> list[dict]:
 def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> None:
     console.print(header(result))
     lay = res.layout
-    console.print(f"[bold]Layout {lay.short()}[/] ({lay.world} ranks)")
+    console.print(f"[bold]Layout {layout_text(lay)}[/] ({lay.world} ranks)")
     if not res.ok:
         console.print("[bold red]Rejected:[/]")
         for code, msg in res.rejections:
@@ -222,9 +231,9 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
         )
         where = f"rank {rank} of {len(result.ranked)}" if rank else "evaluated alone"
         console.print(
-            f"{_strategy(e)} — {where}; best option micro_batch="
-            f"{e.settings.micro_batch}, grad_accum={e.settings.grad_accum}, "
-            f"checkpointing {_ac(e)}"
+            f"{_strategy(e)} — {where}; best option micro_batch_size="
+            f"{e.settings.micro_batch_size}, gradient_accumulation_steps="
+            f"{e.settings.gradient_accumulation_steps}, activation_checkpointing {_ac(e)}"
         )
     if e.pipeline is not None:
         host_only = [code for code, _ in res.rejections] == ["host_oom"]
@@ -338,8 +347,8 @@ def _print_options(res: LayoutResult, console: Console) -> None:
         opt.add_column(c, justify="right")
     for o in res.options:
         opt.add_row(
-            str(o.settings.micro_batch),
-            str(o.settings.grad_accum),
+            str(o.settings.micro_batch_size),
+            str(o.settings.gradient_accumulation_steps),
             _ac(o),
             *((_schedule(o),) if pp else ()),
             _gib(o.memory.total),
@@ -351,45 +360,26 @@ def _print_options(res: LayoutResult, console: Console) -> None:
 
 
 def train_config(e: Estimate, result: PlanResult) -> dict:
-    """The estimate as a train config with Axolotl field names."""
+    """The estimate as a train config (``config_for`` its model, layout and settings)."""
     model = result.request.model
-    s = e.settings
-    keys = s.config_keys(e.layout)
+    return config_for(model.hf_id or model.name, e.layout, e.settings)
+
+
+def config_for(base_model: str, layout: ParallelDims, s: Settings) -> dict:
+    """A train config: the model, the layout's degrees, then the settings' keys
+    (``Settings.yaml_keys``), the pipeline degree before its schedule."""
     cfg = {
-        "base_model": model.hf_id or model.name,
-        "dp_replicate_size": e.layout.dp_replicate,
-        "dp_shard_size": e.layout.dp_shard,
-        "tensor_parallel_size": e.layout.tp,
-        "context_parallel_size": e.layout.cp,
-        **({"expert_parallel_size": e.layout.ep} if e.layout.ep > 1 else {}),
-        "sequence_len": s.seq_len,
-        "micro_batch_size": s.micro_batch,
-        "gradient_accumulation_steps": s.grad_accum,
-        "fsdp_config": keys["fsdp_config"],
-        "optimizer": {"adamw": "adamw_torch"}.get(s.optimizer, s.optimizer),
+        "base_model": base_model,
+        "dp_replicate_size": layout.dp_replicate,
+        "dp_shard_size": layout.dp_shard,
+        "tensor_parallel_size": layout.tp,
+        "context_parallel_size": layout.cp,
+        **({"expert_parallel_size": layout.ep} if layout.ep > 1 else {}),
     }
-    if e.layout.pp_enabled:  # the runtime's default: one pipeline micro-batch per accumulation step
-        cfg["pipeline_parallel_size"] = e.layout.pp
-    cfg.update(keys["pipeline"], **keys["context_parallel"], **keys["tensor_parallel"])
-    if s.mixed_precision in ("bf16", "fp16"):
-        cfg[s.mixed_precision] = True
-    if s.lora_r:
-        cfg["adapter"] = "qlora" if s.quantized_base else "lora"
-        cfg.update(keys["adapter"], lora_target_linear=True)
-        if s.quantized_base:
-            cfg["load_in_4bit"] = True
-        if s.lora_saved:
-            cfg["lora_modules_to_save"] = [
-                {"embed": "embed_tokens", "head": "lm_head"}[t] for t in s.lora_saved
-            ]
-    if s.qat:
-        weight, _, act = s.qat.partition("/")
-        cfg["qat"] = {
-            "weight_dtype": weight,
-            "activation_dtype": act or None,
-            **({"group_size": 32} if weight in ("int4", "mxfp4") else {}),
-        }
-    cfg.update(keys["long_context"])
+    for key, value in s.yaml_keys(layout).items():
+        cfg[key] = value
+        if key == "optimizer" and layout.pp_enabled:  # the runtime's default: one pipeline micro-batch
+            cfg["pipeline_parallel_size"] = layout.pp  # per accumulation step
     return cfg
 
 

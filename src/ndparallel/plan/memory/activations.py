@@ -107,7 +107,7 @@ def offload_split_per_token(model: ModelSpec, layout: ParallelDims, s: Settings)
 
 def offloaded_layer_bytes(model: ModelSpec, layout: ParallelDims, s: Settings) -> float:
     """One layer's offloaded bytes of one micro-batch: what one copy moves each way."""
-    return s.micro_batch * s.seq_len / layout.cp * offload_split_per_token(model, layout, s)[1]
+    return s.micro_batch_size * s.sequence_len / layout.cp * offload_split_per_token(model, layout, s)[1]
 
 
 def host_bytes(model: ModelSpec, layout: ParallelDims, s: Settings) -> float:
@@ -118,7 +118,7 @@ def host_bytes(model: ModelSpec, layout: ParallelDims, s: Settings) -> float:
     ``bench/sp_activation_memory.py``'s ``selective_offload``)."""
     per_micro_batch = model.layers * offloaded_layer_bytes(model, layout, s)
     if per_micro_batch and s.recompute == "selective":
-        tokens = s.micro_batch * s.seq_len / layout.cp
+        tokens = s.micro_batch_size * s.sequence_len / layout.cp
         per_micro_batch += rank_stages(layout, s) * tokens * 2 * s.act_bytes * model.head_dim
     return s.pp_in_flight * per_micro_batch
 
@@ -136,7 +136,7 @@ def saved_activations(model: ModelSpec, layout: ParallelDims, s: Settings, token
         saved = model.layers * tokens * selective_saved_per_token(model, layout, s)
     elif s.recompute == "op":
         saved = model.layers * tokens * op_policy_saved_per_token(model, layout, s)
-    elif s.checkpointing:  # each layer's input only (with offloading: the ones on the device)
+    elif s.activation_checkpointing:  # each layer's input only (with offloading: the ones on the device)
         saved = device_checkpointed_layers(model, s) * tokens * checkpointed_input_per_token(model, layout, s)
     else:
         saved = model.layers * per_layer
@@ -146,7 +146,7 @@ def saved_activations(model: ModelSpec, layout: ParallelDims, s: Settings, token
     if s.qat:
         qat_layer = qat_layer_bytes(model, s.qat, tokens, frozen=bool(s.lora_r), compute_bytes=e)
         qat_head = qat_head_bytes(model, s.qat, tokens, frozen=bool(s.lora_r), compute_bytes=e)
-        saved += 0.0 if s.checkpointing else model.layers * qat_layer
+        saved += 0.0 if s.activation_checkpointing else model.layers * qat_layer
     # RoPE cos and sin (b, s/c, d) in activation dtype, shared by all layers.
     saved += 2 * tokens * model.head_dim * e
     return saved, plain_layer, per_layer, qat_layer, qat_head

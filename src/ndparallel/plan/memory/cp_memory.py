@@ -24,9 +24,9 @@ def cp_saved_extra_per_token(model: ModelSpec, layout: ParallelDims, s: Settings
     if c == 1:
         return 0.0
     q, kv, kv_u = _cp_widths(model, layout)
-    if s.cp_strategy == "allgather":
+    if s.cp_comm_strategy == "allgather":
         return 2 * e * kv * (c - 1)
-    if s.cp_strategy == "ulysses":
+    if s.cp_comm_strategy == "ulysses":
         return e * q + 2 * e * max(0.0, kv_u - kv)
     return 0.0
 
@@ -43,8 +43,8 @@ def attention_scratch_per_token(model: ModelSpec, layout: ParallelDims, s: Setti
     if c == 1:
         return 0.0
     q, kv, kv_u = _cp_widths(model, layout)
-    if s.cp_strategy == "allgather":
+    if s.cp_comm_strategy == "allgather":
         return 4 * q + 16 * kv * c + e * q
-    if s.cp_strategy == "ulysses":
+    if s.cp_comm_strategy == "ulysses":
         return 2 * e * (q + 2 * kv_u)
     return 4 * q + 4 * e * kv + 24 * kv + e * q

@@ -31,7 +31,7 @@ def logits_bytes(model: ModelSpec, layout: ParallelDims, s: Settings, tokens: fl
     t, e = layout.tp, s.act_bytes
     t_sp = t if s.sequence_parallel else 1
     v_local = -(-model.vocab // t)
-    if s.loss_impl == "chunked":
+    if s.chunked_loss:
         chunk = chunk_tokens(s, v_local, tokens)
         forward = chunk * v_local * chunk_logit_bytes(e) + chunk_head_grad_bytes(
             e, chunk, v_local, model.hidden

@@ -44,9 +44,9 @@ def mlp_tiles(model: ModelSpec, layout: ParallelDims, s: Settings) -> tuple[int,
     micro-batch): the runtime cuts the MLP input's local rows (``s/(c·t_sp)`` tokens) into
     ``tiled_mlp_num_shards`` or ``ceil(rows / h)`` tiles."""
     t_sp = _t_sp(layout, s)
-    row = max(1, s.seq_len // layout.cp // t_sp)
+    row = max(1, s.sequence_len // layout.cp // t_sp)
     n, tile = tile_split(row, model.hidden, s.tiled_mlp_num_shards)
-    return n, s.micro_batch * tile * t_sp
+    return n, s.micro_batch_size * tile * t_sp
 
 
 def norm_saved_per_row(width: float, s: Settings) -> float:
@@ -61,7 +61,7 @@ def lean_norm_tile_bytes(model: ModelSpec, layout: ParallelDims, s: Settings) ->
     tiled MLP's rule. None without the tiled MLP (HF's norm)."""
     if not s.tiled_mlp:
         return None
-    rows = max(1, s.micro_batch * s.seq_len // layout.cp // _t_sp(layout, s))
+    rows = max(1, s.micro_batch_size * s.sequence_len // layout.cp // _t_sp(layout, s))
     _, tile = tile_split(rows, model.hidden, s.tiled_mlp_num_shards)
     return 16 * tile * model.hidden
 
@@ -102,7 +102,7 @@ def device_checkpointed_layers(model: ModelSpec, s: Settings) -> int:
 
 def offloading(s: Settings) -> bool:
     """Whether activation offloading runs: it offloads what checkpointing keeps."""
-    return s.activation_offloading and s.checkpointing
+    return s.activation_offloading and s.activation_checkpointing
 
 
 def selective_offload_residue_per_token(model: ModelSpec, layout: ParallelDims, s: Settings) -> float:
@@ -147,7 +147,7 @@ def tiled_tp_extra(model: ModelSpec, layout: ParallelDims, s: Settings, tokens: 
     if not s.tiled_mlp or layout.tp == 1:
         return []
     full = tokens * model.hidden * s.act_bytes
-    reductions = (1 + (1 if s.checkpointing else 0)) * model.layers * ga
+    reductions = (1 + (1 if s.activation_checkpointing else 0)) * model.layers * ga
     if s.sequence_parallel:
         return [
             ("all_gather", full // layout.tp, model.layers * ga, "TP/SP all-gather (tiled MLP recompute)"),

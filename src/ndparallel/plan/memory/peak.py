@@ -91,11 +91,11 @@ def estimate_memory(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Har
     head_grads = 0.0 if model.tied_embeddings else numels.get(head, (0, 0))[col] * 4
     if s.lora_r:  # the frozen base stays in the compute dtype; only the adapters train (adapter.py)
         params, optimizer, all_grads, head_grads = lora_states(model, layout, s, shard_numel, head)
-    nf4 = memory_adjustments(model, layout, s, numels["layer"][0]) if s.quantized_base else {}
+    nf4 = memory_adjustments(model, layout, s, numels["layer"][0]) if s.load_in_4bit else {}
     params -= nf4.get("params", 0.0)  # QLoRA: the decoder linears are 4-bit NF4 (plan/adapters/qlora.py)
     # With zero_grad(set_to_none=True) and one micro-batch no gradient exists at the loss moment;
     # at the first layer's backward only the (untied) head unit's has been reduced.
-    grads_kept = not s.set_to_none or s.grad_accum > 1
+    grads_kept = not s.set_to_none or s.gradient_accumulation_steps > 1
     grads_a = all_grads if grads_kept else 0.0
     grads_b = all_grads if grads_kept else head_grads
     if unsharded and not s.lora_r:  # accumulating unsharded: no sharded gradient before the sync
@@ -108,10 +108,16 @@ def estimate_memory(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Har
     # a pp stage's received inputs (offloaded, the stage keeps them) and its outputs (pipeline.py)
     held = stage_outputs_held(model, layout, s)
     held += stage_inputs_held(model, layout, s) if offloading(s) else 0
-    saved += held * s.micro_batch * s.seq_len / layout.cp * checkpointed_input_per_token(model, layout, s)
+    saved += (
+        held
+        * s.micro_batch_size
+        * s.sequence_len
+        / layout.cp
+        * checkpointed_input_per_token(model, layout, s)
+    )
     saved *= s.pp_in_flight  # a pipeline rank holds several micro-batches (plan/pipeline/schedule_model.py)
     if offloading(s) and s.recompute == "full":  # the offloader's copies in flight: a bound per rank
-        copies = device_checkpointed_layers(model, s) * s.micro_batch * s.seq_len / layout.cp
+        copies = device_checkpointed_layers(model, s) * s.micro_batch_size * s.sequence_len / layout.cp
         saved -= (s.pp_in_flight - 1) * copies * checkpointed_input_per_token(model, layout, s)
     buf_a, buf_b = fsdp_buffers(model, layout, s, numels, unsharded > 0)
     buf_a, buf_b = buf_a - nf4.get("buffer_a", 0.0), buf_b - nf4.get("buffer_b", 0.0)
@@ -124,10 +130,10 @@ def estimate_memory(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Har
         "layer backward": (
             grads_b,
             saved
-            + (per_layer if s.checkpointing else 0.0)
+            + (per_layer if s.activation_checkpointing else 0.0)
             + workspace
             + nf4.get("workspace", 0.0)
-            + (qat_layer if s.checkpointing else 0.0),
+            + (qat_layer if s.activation_checkpointing else 0.0),
             0.0,
             buf_b,
         ),
@@ -160,7 +166,7 @@ def _micro_batch_terms(model: ModelSpec, layout: ParallelDims, s: Settings) -> t
     layer's offloaded set back on the device for its backward). Memoised on a dense model's
     (cp, tp) and the settings less their step-level fields (``compute.micro_batch_key``): the search
     asks for the same micro-batch under every layout that shares them."""
-    tokens = s.micro_batch * s.seq_len / layout.cp
+    tokens = s.micro_batch_size * s.sequence_len / layout.cp
     logits = logits_bytes(model, layout, s, tokens) if model.has_lm_head else 0.0
     workspace = backward_workspace(model, layout, s, tokens)
     if s.recompute == "selective":

@@ -21,7 +21,7 @@ def block_input_divisor(layout: ParallelDims, s: Settings) -> int:
     Under full activation checkpointing the checkpoint's hooks govern the layer (the runtime
     installs none of its own there): the recomputed layer saves its gathered inputs. The selective
     policy checkpoints only norms and the MLP activation, outside the blocks' own hooks: shards."""
-    shards = s.sequence_parallel and s.sp_saved_shards and not recomputes_layers(s)
+    shards = s.sequence_parallel and s.sequence_parallel_saved_shards and not recomputes_layers(s)
     return layout.tp if shards and layout.tp > 1 else 1
 
 

@@ -50,11 +50,13 @@ def rank_settings(s: Settings, p: int, rank: int, last: bool) -> Settings:
     parameters gathered until then (``Settings.reshard_after_backward`` False;
     ``parallel/pp/schedule.py: _shard_root``); on the last stage under a zero-bubble schedule the
     full-logits loss (the runtime's: the chunked loss cannot split its backward)."""
-    loss = "full" if last and s.pp_schedule in ZERO_BUBBLE_SCHEDULES else s.loss_impl
+    chunked = s.chunked_loss and not (last and s.pipeline_schedule in ZERO_BUBBLE_SCHEDULES)
     per_step = s.unsharded_grad_accumulation
     return s.but(
-        pp_in_flight=in_flight(s.pp_schedule, p, s.grad_accum, s.pp_virtual, rank),
-        loss_impl=loss,
+        pp_in_flight=in_flight(
+            s.pipeline_schedule, p, s.gradient_accumulation_steps, s.pipeline_virtual_stages, rank
+        ),
+        chunked_loss=chunked,
         sync_every_microbatch=not per_step,
         reshard_after_backward=not per_step,
     )
@@ -64,7 +66,7 @@ def pp_rank(
     model: ModelSpec, layout: ParallelDims, s: Settings, rank: int
 ) -> tuple[RankShape, ModelSpec, Settings]:
     """Pp rank ``rank`` as a rank of its own: what it runs, that part of ``model``, its settings."""
-    shape = rank_shape(model, layout.pp, s.pp_virtual, s.pp_schedule, rank)
+    shape = rank_shape(model, layout.pp, s.pipeline_virtual_stages, s.pipeline_schedule, rank)
     return shape, rank_model(model, shape), rank_settings(s, layout.pp, rank, shape.last)
 
 
@@ -84,7 +86,7 @@ def measured(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware) 
     """The pp ranks ``estimate_pipeline`` models, each with its memory: computed once by the
     search's memory cut and handed on to ``estimate_pipeline`` when the option fits."""
     out = []
-    for rank in measured_ranks(layout.pp, s.pp_schedule):
+    for rank in measured_ranks(layout.pp, s.pipeline_schedule):
         shape, part, rs = pp_rank(model, layout, s, rank)
         out.append((rank, shape, part, rs, estimate_memory(part, layout, rs, hw)))
     return tuple(out)
@@ -114,9 +116,15 @@ def estimate_pipeline(
     global_batch: int | None = None,
     measured_: tuple[MeasuredRank, ...] = (),
 ) -> Estimate:
-    """The estimate of a pp layout (``s.pp_schedule``, ``s.pp_virtual``, m = ``s.grad_accum``);
-    ``measured_``: its ``measured`` ranks when the caller has them."""
-    p, m, v, schedule = layout.pp, s.grad_accum, s.pp_virtual, s.pp_schedule
+    """The estimate of a pp layout (``s.pipeline_schedule``, ``s.pipeline_virtual_stages``,
+    m = ``s.gradient_accumulation_steps``); ``measured_``: its ``measured`` ranks when the caller has
+    them."""
+    p, m, v, schedule = (
+        layout.pp,
+        s.gradient_accumulation_steps,
+        s.pipeline_virtual_stages,
+        s.pipeline_schedule,
+    )
     ranks = {}
     for rank, shape, part, rs, mem in measured_ or measured(model, layout, s, hw):
         mem, colls, timeb = rank_step(part, layout, rs, hw, gpus_per_node, mem)

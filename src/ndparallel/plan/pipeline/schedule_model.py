@@ -128,7 +128,7 @@ def first_rank_model(model: ModelSpec, layout, s) -> ModelSpec:
     without pipeline parallel): the rank with the most layers and micro-batches in flight."""
     if layout.pp <= 1:
         return model
-    return rank_model(model, rank_shape(model, layout.pp, s.pp_virtual, s.pp_schedule, 0))
+    return rank_model(model, rank_shape(model, layout.pp, s.pipeline_virtual_stages, s.pipeline_schedule, 0))
 
 
 def rank_model(model: ModelSpec, shape: RankShape) -> ModelSpec:
@@ -175,14 +175,14 @@ def stage_outputs_held(model: ModelSpec, layout, s) -> int:
 def rank_stages(layout, s) -> int:
     """Stages a rank runs, each its own forward per micro-batch: ``pp_virtual`` under pipeline
     parallel, else the one model."""
-    return s.pp_virtual if layout.pp > 1 else 1
+    return s.pipeline_virtual_stages if layout.pp > 1 else 1
 
 
 # ------------------------------------------------------------------- transfers
 def p2p_bytes(model: ModelSpec, layout, s) -> int:
     """One stage boundary's transfer per micro-batch: the hidden states, micro_batch × seq/cp ×
     hidden in the activation dtype, ÷ tp under sequence parallel (a sequence-sharded DTensor)."""
-    per = s.micro_batch * s.seq_len // layout.cp * model.hidden * s.act_bytes
+    per = s.micro_batch_size * s.sequence_len // layout.cp * model.hidden * s.act_bytes
     return per // layout.tp if s.sequence_parallel and layout.tp > 1 else per
 
 
@@ -190,7 +190,9 @@ def p2p_collectives(model: ModelSpec, layout, s, shape: RankShape, collective) -
     """The rank's sends per step: activations forward from each of its stages but the model's
     last, their gradients backward from each but the first (one ``send_recv`` each). Cached:
     asked for every option of every pp layout, each time the same few."""
-    return list(_p2p_collectives(p2p_bytes(model, layout, s), s.grad_accum, shape, collective))
+    return list(
+        _p2p_collectives(p2p_bytes(model, layout, s), s.gradient_accumulation_steps, shape, collective)
+    )
 
 
 @lru_cache(maxsize=4096)
@@ -317,8 +319,10 @@ def _why_not(e) -> str:
 
     info, s = e.pipeline, e.settings
     shape, mem, _ = info.ranks[info.worst]
-    tokens = s.micro_batch * s.seq_len // e.layout.cp
-    held = in_flight(s.pp_schedule, e.layout.pp, s.grad_accum, s.pp_virtual, shape.rank)
+    tokens = s.micro_batch_size * s.sequence_len // e.layout.cp
+    held = in_flight(
+        s.pipeline_schedule, e.layout.pp, s.gradient_accumulation_steps, s.pipeline_virtual_stages, shape.rank
+    )
     kept = (
         "each layer's input (checkpointing)"
         if s.recompute in ("full", "op")

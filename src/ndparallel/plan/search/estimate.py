@@ -95,11 +95,11 @@ def rank_step(
     mem: MemoryBreakdown | None = None,
 ) -> tuple[MemoryBreakdown, list, TimeBreakdown]:
     """Memory, collectives and step time of one rank running ``model`` (under pipeline parallel:
-    the rank's share, ``pipeline.rank_model``) for ``s.grad_accum`` micro-batches; ``mem``: its
-    ``estimate_memory``, when the caller has it already (the search's memory cut)."""
+    the rank's share, ``pipeline.rank_model``) for ``s.gradient_accumulation_steps`` micro-batches;
+    ``mem``: its ``estimate_memory``, when the caller has it already (the search's memory cut)."""
     mem = mem or estimate_memory(model, layout, s, hw)
     colls = comms.collectives_for(model, layout, s)
-    ga = s.grad_accum
+    ga = s.gradient_accumulation_steps
     mb_time = micro_batch_time(model, layout, s, hw)
     t_mb, t_attn = mb_time.total, mb_time.attention
     local, shard = unit_param_counts(model, comms.unit_numels(model, layout.tp, layout.fsdp, layout))
@@ -128,7 +128,9 @@ def rank_step(
     # CP ring hides behind the attention of each step; TP and the CP all-to-all are on the
     # critical path.
     cp_exposed = (max(0.0, cp / ga - t_attn) + cp_serial / ga) if ga else 0.0
-    n_units = sum(count for count, _ in fsdp_units(model).values()) / (s.pp_virtual if layout.pp > 1 else 1)
+    n_units = sum(count for count, _ in fsdp_units(model).values()) / (
+        s.pipeline_virtual_stages if layout.pp > 1 else 1
+    )
     dp_exposed = fsdp_exposed(gather, reduce, n_units, s, t_mb)
     t_opt = extras["optimizer"] + extras["clip"]
     if s.optimizer == "muon":  # each hidden matrix gathered whole for Newton-Schulz (plan/muon_cost.py)
@@ -165,11 +167,11 @@ def fsdp_exposed(gather: float, reduce: float, n_units: float, s: Settings, t_mb
     ``perform_reduce_grad`` makes the compute stream wait for the reductions: nothing hides them."""
     edge = min(1.0, 2 / n_units)
     if not s.reshard_after_backward:
-        window = (s.grad_accum if s.reshard_after_forward else 1 / 3) * t_mb
+        window = (s.gradient_accumulation_steps if s.reshard_after_forward else 1 / 3) * t_mb
         return edge * gather + max(0.0, gather * (1 - edge) - window) + reduce
     return (
         edge * (gather + reduce)
-        + max(0.0, gather * (1 - edge) - s.grad_accum * t_mb)
+        + max(0.0, gather * (1 - edge) - s.gradient_accumulation_steps * t_mb)
         + max(0.0, reduce * (1 - edge) - s.reducing_microbatches * t_mb * 2 / 3)
     )
 
@@ -186,14 +188,14 @@ def finish(
     pipeline=None,
 ) -> Estimate:
     """Throughput, MFU (the whole model's FLOPs over every GPU) and the bottleneck of a step."""
-    gb = s.micro_batch * s.grad_accum * layout.dp
-    tokens = gb * s.seq_len
+    gb = s.micro_batch_size * s.gradient_accumulation_steps * layout.dp
+    tokens = gb * s.sequence_len
     world = layout.world
     step = timeb.step
     tps = tokens / step / world
     mfu = (
         tokens
-        * model_flops_per_token(model, s.seq_len, s.lora_r, s.lora_saved)
+        * model_flops_per_token(model, s.sequence_len, s.lora_r, s.lora_saved)
         / (step * world * peak(hw, s))
     )
     parts = {

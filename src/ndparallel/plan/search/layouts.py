@@ -74,7 +74,12 @@ def structural_rejections(
         out.append(("ep_dense", f"ep={layout.ep}: {model.name} has no experts to split"))
     elif model.is_moe and model.num_experts % layout.ep:
         out.append(("ep_experts", f"ep={layout.ep} does not divide the {model.num_experts} experts"))
-    if cp > 1 and settings.cp_strategy == "ulysses" and model.heads % tp == 0 and model.kv_heads % tp == 0:
+    if (
+        cp > 1
+        and settings.cp_comm_strategy == "ulysses"
+        and model.heads % tp == 0
+        and model.kv_heads % tp == 0
+    ):
         h, kv = model.heads // tp, model.kv_heads // tp
         if h % cp or (kv % cp and cp % kv):
             out.append(
@@ -87,19 +92,19 @@ def structural_rejections(
             )
     if layout.pp_enabled:
         out += pipeline_rejections(layout, model, settings)
-    if settings.seq_len % layout.cp_chunks():
+    if settings.sequence_len % layout.cp_chunks():
         out.append(
             (
                 "seq_cp",
-                f"seq_len {settings.seq_len} is not divisible by 2·cp = {2 * cp} "
+                f"seq_len {settings.sequence_len} is not divisible by 2·cp = {2 * cp} "
                 "(load-balanced CP cuts each sequence into 2·cp chunks)",
             )
         )
-    elif settings.seq_len % layout.seq_len_divisor(settings.sequence_parallel):
+    elif settings.sequence_len % layout.seq_len_divisor(settings.sequence_parallel):
         out.append(
             (
                 "seq_tp",
-                f"the {settings.seq_len // cp} tokens per cp rank are not divisible "
+                f"the {settings.sequence_len // cp} tokens per cp rank are not divisible "
                 f"by tp={tp} (sequence parallel splits them over tp)",
             )
         )

@@ -20,8 +20,10 @@ from rich.table import Table
 
 from ndparallel.layout.dims import ParallelDims
 from ndparallel.plan.hardware import GiB
-from ndparallel.plan.search.evaluation import Estimate, PlanRequest, evaluate_layout
+from ndparallel.plan.search.estimate import Estimate
+from ndparallel.plan.search.evaluation import evaluate_layout
 from ndparallel.plan.search.layouts import enumerate_layouts
+from ndparallel.plan.search.request import PlanRequest
 
 SEARCH_CAP = 2**27
 """Longest sequence tried: 134M tokens."""
@@ -34,13 +36,17 @@ RESOURCE_CODES = ("oom", "host_oom")
 @dataclass
 class Longest:
     layout: ParallelDims
-    seq_len: int = 0
+    sequence_len: int = 0
     """0: not even the shortest sequence fits (or the layout cannot run: ``reason``)."""
     best: Estimate | None = None
     reason: str | None = None
 
     def to_dict(self) -> dict:
-        out = {"layout": dataclasses.asdict(self.layout), "max_seq_len": self.seq_len, "reason": self.reason}
+        out = {
+            "layout": dataclasses.asdict(self.layout),
+            "max_seq_len": self.sequence_len,
+            "reason": self.reason,
+        }
         if self.best is not None:
             out["at_max"] = self.best.to_dict()
         return out
@@ -52,7 +58,7 @@ def _quantum(layout: ParallelDims) -> int:
 
 def _try(req: PlanRequest, layout: ParallelDims, seq: int):
     """(best estimate or None, rejection code or None) at ``seq`` tokens, micro-batch 1."""
-    r = req.updated(seq_len=seq, micro_batch=1, global_batch=layout.dp)
+    r = req.updated(sequence_len=seq, micro_batch_size=1, global_batch_size=layout.dp)
     res = evaluate_layout(r, layout)
     return res.best, (res.rejections[0] if res.rejections else None)
 
@@ -90,7 +96,7 @@ CP_STRATEGIES = ("ring", "allgather", "ulysses")
 
 
 def _rank(r: Longest) -> tuple:
-    return (-r.seq_len, -(r.best.tokens_per_s_per_gpu if r.best else 0))
+    return (-r.sequence_len, -(r.best.tokens_per_s_per_gpu if r.best else 0))
 
 
 def longest_any_strategy(
@@ -100,7 +106,7 @@ def longest_any_strategy(
     request's own without CP, where none applies)."""
     if layout.cp == 1 or not strategies:
         return longest_for_layout(req, layout, cap)
-    rows = [longest_for_layout(req.updated(cp_strategy=name), layout, cap) for name in strategies]
+    rows = [longest_for_layout(req.updated(cp_comm_strategy=name), layout, cap) for name in strategies]
     return min(rows, key=_rank)
 
 
@@ -126,9 +132,9 @@ def feature_summary(req: PlanRequest, cap: int = SEARCH_CAP, strategies=()) -> d
         r = req.updated(
             tiled_mlp=tiled,
             activation_offloading=offload,
-            checkpointing="on" if offload else req.checkpointing,
+            activation_checkpointing="on" if offload else req.activation_checkpointing,
         )
-        rows = [x for x in longest(r, cap, strategies) if x.seq_len]
+        rows = [x for x in longest(r, cap, strategies) if x.sequence_len]
         out[name] = rows[0] if rows else None
     return out
 
@@ -141,12 +147,12 @@ def _row_cells(r: Longest, per_node: int) -> list[str]:
         if s.activation_offloading
         else "-"
     )
-    strategy = r.layout.describe() + (f" ({s.cp_strategy})" if r.layout.cp > 1 else "")
+    strategy = r.layout.describe() + (f" ({s.cp_comm_strategy})" if r.layout.cp > 1 else "")
     return [
         r.layout.compact(),
         strategy,
-        f"{r.seq_len:,}",
-        "on" if s.checkpointing else "off",
+        f"{r.sequence_len:,}",
+        "on" if s.activation_checkpointing else "off",
         f"{e.memory.total / GiB:.1f}",
         host,
         f"{e.tokens_per_s_per_gpu:,.0f}",
@@ -172,10 +178,10 @@ def print_longest(
         for name, r in summary.items():
             t.add_row(name, *(_row_cells(r, req.gpus_per_node) if r else ["-"] * len(cols)))
         console.print(t)
-    t = Table(title=f"Layouts, longest first ({sum(1 for r in rows if r.seq_len)} train at all)")
+    t = Table(title=f"Layouts, longest first ({sum(1 for r in rows if r.sequence_len)} train at all)")
     for c in cols:
         t.add_column(c)
-    for r in [r for r in rows if r.seq_len][:top]:
+    for r in [r for r in rows if r.sequence_len][:top]:
         t.add_row(*_row_cells(r, req.gpus_per_node))
     console.print(t)
     console.print(

@@ -43,14 +43,14 @@ matmul (4), dP written (4), ``dP - delta`` (8), ``P·(…)`` (12), read by the d
 def causal_fwd_flops(model: ModelSpec, layout: ParallelDims, s: Settings) -> float:
     """Model FLOPs of all layers' causal attention forward for one micro-batch on one GPU."""
     heads = model.heads // layout.tp
-    per_seq = 2.0 * heads * model.head_dim * s.seq_len**2
-    return model.layers * s.micro_batch * per_seq / layout.cp
+    per_seq = 2.0 * heads * model.head_dim * s.sequence_len**2
+    return model.layers * s.micro_batch_size * per_seq / layout.cp
 
 
 def cp_block_fwd_flops(model: ModelSpec, layout: ParallelDims, s: Settings) -> float:
     """FLOPs of one full CP block forward (one layer, one micro-batch, one GPU)."""
-    chunk = s.seq_len / (2 * layout.cp)
-    return 4.0 * s.micro_batch * (model.heads // layout.tp) * model.head_dim * chunk**2
+    chunk = s.sequence_len / (2 * layout.cp)
+    return 4.0 * s.micro_batch_size * (model.heads // layout.tp) * model.head_dim * chunk**2
 
 
 def flash_efficiency(hw: Hardware, head_dim: int) -> tuple[float, float]:
@@ -84,8 +84,8 @@ def attention_time(
     measured = hw.cp_block_efficiency.get(s.cp_kernel)
     if measured:
         return (blocks * flops / (peak * measured["fwd"]), blocks * 2.5 * flops / (peak * measured["bwd"]))
-    chunk = s.seq_len / (2 * layout.cp)
-    scores = s.micro_batch * (model.heads // layout.tp) * chunk**2
+    chunk = s.sequence_len / (2 * layout.cp)
+    scores = s.micro_batch_size * (model.heads // layout.tp) * chunk**2
     rate32 = hw.peak_flops_fp32 * hw.matmul_efficiency
     bw = hw.hbm_bw * hw.hbm_efficiency
     fwd = flops / rate32 + scores * MATH_BYTES_FWD / bw

@@ -95,16 +95,17 @@ def _unit_numels(
 
 # ----------------------------------------------------------- prediction
 def predict_collectives(
-    model: ModelSpec, layout: ParallelDims, seq_len: int, scalars: bool = False, **settings
+    model: ModelSpec, layout: ParallelDims, sequence_len: int, scalars: bool = False, **settings
 ) -> list[Collective]:
     """Every collective one rank issues in one optimizer step (see docs/planner.md), under the
-    ``Settings`` of ``seq_len`` and ``settings`` (each by its field name; the others at their defaults).
+    ``Settings`` of ``sequence_len`` and ``settings`` (each by its field name; the others at their
+    defaults).
 
     ``scalars``: also list the small ones of the training loop (``train_under_layout`` /
     ``ndparallel.training.trainer``): the global token count and the gradient norm (see
     ``scalar_collectives``).
     """
-    s = Settings(seq_len=seq_len, **settings)
+    s = Settings(sequence_len=sequence_len, **settings)
     out = collectives_for(model, layout, s)
     if scalars:
         out += scalar_collectives(model, layout, s.mixed_precision)
@@ -113,9 +114,9 @@ def predict_collectives(
 
 def collectives_for(model: ModelSpec, layout: ParallelDims, s: Settings) -> list[Collective]:
     out: list[Collective] = []
-    ga = s.grad_accum
+    ga = s.gradient_accumulation_steps
     out += _DP.get((model, layout, _DP_FIELDS(s)), lambda: tuple(_data_parallel(model, layout, s)))
-    tokens = s.micro_batch * s.seq_len // layout.cp  # tokens per rank per micro-batch
+    tokens = s.micro_batch_size * s.sequence_len // layout.cp  # tokens per rank per micro-batch
     if layout.tp > 1:
         out += _TP.get(
             (model, layout.tp, tokens, ga, _TP_FIELDS(s)),
@@ -134,7 +135,7 @@ def collectives_for(model: ModelSpec, layout: ParallelDims, s: Settings) -> list
         out += moe_cost.collectives(model, layout, s, tokens, ga, Collective)
     if s.lora_r:
         out = adapt_collectives(out, model, layout, s, Collective)
-    if s.quantized_base:
+    if s.load_in_4bit:
         out = nf4_collectives(out, model, layout, s)
     return [c for c in out if c.count > 0]
 
@@ -271,16 +272,16 @@ def _context_parallel(model: ModelSpec, layout: ParallelDims, s: Settings, token
     c, L = layout.cp, model.layers
     kv_elems = 2 * tokens * model.kv_heads * model.head_dim // layout.tp
     fwd = (c - 1) * (2 if recomputes_layers(s) else 1)
-    if s.cp_strategy == "ulysses":
+    if s.cp_comm_strategy == "ulysses":
         return _ulysses(model, layout, s, tokens, ga)
-    if s.cp_strategy == "allgather":
+    if s.cp_comm_strategy == "allgather":
         passes = 2 if recomputes_layers(s) else 1
         return [
             Collective("all_gather", "cp", kv_elems * s.act_bytes, passes * L * ga, "CP all-gather K/V"),
             Collective("reduce_scatter", "cp", c * kv_elems * 4, L * ga, "CP reduce-scatter dK/dV (fp32)"),
         ]
-    if s.cp_strategy != "ring":
-        raise ValueError(f"cp_strategy={s.cp_strategy!r}: use 'ring', 'allgather' or 'ulysses'")
+    if s.cp_comm_strategy != "ring":
+        raise ValueError(f"cp_strategy={s.cp_comm_strategy!r}: use 'ring', 'allgather' or 'ulysses'")
     return [
         Collective(
             "send_recv", "cp", kv_elems * s.act_bytes, (fwd + (c - 1)) * L * ga, "CP ring K/V", "attention"

@@ -28,7 +28,7 @@ from ndparallel.plan.hardware import Hardware
 from ndparallel.plan.memory.long_context import mlp_tiles
 from ndparallel.plan.models import ModelSpec
 from ndparallel.plan.muon_cost import newton_schulz_seconds
-from ndparallel.plan.settings import Settings
+from ndparallel.plan.settings import STEP_FIELDS, Settings
 from ndparallel.plan.time.attention_time import attention_time
 from ndparallel.plan.time.gemm import Gemm, gemm_time, micro_batch_gemms
 from ndparallel.plan.time.membound import (
@@ -114,16 +114,16 @@ def all_gemms(model: ModelSpec, layout: ParallelDims, s: Settings) -> list[Gemm]
 def micro_batch_time(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware) -> ComputeBreakdown:
     """Time of one micro-batch on one GPU (each GPU does 1/(c·t) of the work). Cached on what it
     depends on (the search asks for the same micro-batch under many layouts and step settings):
-    a dense model's tp and cp, the settings less the step-level ones (``STEP_FIELDS``), keyed by their
+    a dense model's tp and cp, the settings less the step-level ones (``STEP_DEFAULTS``), keyed by their
     values (``micro_batch_key``: no ``Settings`` built or hashed per call)."""
     dims = layout if model.is_moe else (layout.cp, layout.tp)
     return _micro_batch_time(model, dims, micro_batch_key(s), hw, id(hw))
 
 
-STEP_FIELDS = {f.name: f.default for f in fields(Settings) if f.metadata.get("step")}
-"""Settings of the optimizer step and of accumulation (``STEP`` in their metadata, ``plan/settings.py``),
-which one micro-batch (its compute, and in ``plan/memory/peak.py`` its activations, logits and workspace)
-ignores; their values here, their defaults: a neutral step."""
+STEP_DEFAULTS = {f.name: f.default for f in fields(Settings) if f.name in STEP_FIELDS}
+"""The settings of the optimizer step and of accumulation (``plan/settings.py``'s ``STEP_FIELDS``),
+which one micro-batch (its compute, and in ``plan/memory/peak.py`` its activations, logits and
+workspace) ignores, at their defaults: a neutral step."""
 MICRO_BATCH_FIELDS = tuple(f.name for f in fields(Settings) if f.name not in STEP_FIELDS)
 micro_batch_key = attrgetter(*MICRO_BATCH_FIELDS)
 """The values of every other ``Settings`` field, one tuple: the key of what one micro-batch costs."""
@@ -134,12 +134,12 @@ def _micro_batch_time(
     model: ModelSpec, dims: ParallelDims | tuple[int, int], values: tuple, hw: Hardware, _hw: int
 ) -> ComputeBreakdown:
     """``micro_batch_time`` of ``dims`` (a dense model's (cp, tp)) and the settings whose other
-    fields are ``values`` (their step-level ones ``STEP_FIELDS``); ``_hw`` = id(hw): calibrated
+    fields are ``values`` (their step-level ones ``STEP_DEFAULTS``); ``_hw`` = id(hw): calibrated
     profiles equal in their compared fields differ."""
     layout = dims if isinstance(dims, ParallelDims) else ParallelDims(cp=dims[0], tp=dims[1])
-    s = Settings(**dict(zip(MICRO_BATCH_FIELDS, values)), **STEP_FIELDS)
+    s = Settings(**dict(zip(MICRO_BATCH_FIELDS, values)), **STEP_DEFAULTS)
     pk = peak(hw, s)
-    tokens = s.micro_batch * s.seq_len / layout.cp
+    tokens = s.micro_batch_size * s.sequence_len / layout.cp
     gemm = gemm_time(hw, all_gemms(model, layout, s), pk)
     fwd_a, bwd_a = attention_time(model, layout, s, hw, pk)
     fwd_b, bwd_b = layer_bytes_per_token(model, layout, s)
@@ -154,7 +154,7 @@ def _micro_batch_time(
     kf, kb = KERNELS_PER_LAYER
     kernels = model.layers * (kf + again_kernels + kb)
     if s.tiled_mlp:  # per tile ~6 forward kernels (3 GEMMs, SiLU, product, copy), 2 forwards + ~12 back
-        kernels += model.layers * mlp_tiles(model, layout, s)[0] * (6 * (2 + s.checkpointing) + 12)
+        kernels += model.layers * mlp_tiles(model, layout, s)[0] * (6 * (2 + s.activation_checkpointing) + 12)
     return ComputeBreakdown(
         gemm, attn, elementwise, loss, kernels * hw.kernel_overhead_s, kernels * hw.host_op_s
     )
@@ -188,9 +188,7 @@ def step_extras(
     if s.optimizer == "muon":  # its Newton-Schulz GEMMs (plan/muon_cost.py)
         opt += newton_schulz_seconds(model, layout, hw)
     out = {"optimizer": opt, "clip": clip, "fsdp_copies": fsdp}
-    if (
-        s.quantized_base
-    ):  # QLoRA: every NF4 weight dequantised in forward and backward (plan/adapters/qlora.py)
+    if s.load_in_4bit:  # QLoRA: every NF4 weight dequantised in forward and backward (plan/adapters/qlora.py)
         out["nf4_dequant"] = dequant_seconds(model, layout, s, bw)
         out["fsdp_copies"] = fsdp_copy_bytes_qlora(model, layout, s, local_params, shard_params) / bw
     return out

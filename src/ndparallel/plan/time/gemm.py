@@ -75,7 +75,7 @@ outputs of matmuls 1, 3, 5, 7 of a layer (q, v, gate, down) and recomputes 2, 4,
 
 def micro_batch_gemms(model: ModelSpec, layout: ParallelDims, s: Settings) -> list[Gemm]:
     """Every GEMM of one micro-batch's forward + backward (+ recompute) on one GPU."""
-    all_tokens = s.micro_batch * s.seq_len // layout.cp
+    all_tokens = s.micro_batch_size * s.sequence_len // layout.cp
     tiles, tile_tokens = mlp_tiles(model, layout, s) if s.tiled_mlp else (1, all_tokens)
     out = []
     for name, i, o, per in _linears(model, layout.tp):
@@ -106,7 +106,7 @@ def micro_batch_gemms(model: ModelSpec, layout: ParallelDims, s: Settings) -> li
             Gemm(f"{name} lora A wgrad", r, i, tokens, n),
         ]
     if model.is_moe:  # the router, the experts' grouped GEMMs, the shared MLP (plan/moe_cost.py)
-        out += moe_cost.gemms(model, layout, s, tokens, Gemm, recompute=s.checkpointing)
+        out += moe_cost.gemms(model, layout, s, tokens, Gemm, recompute=s.activation_checkpointing)
     if not model.has_lm_head:  # a pipeline rank without the last stage
         return out
     vocab = -(-model.vocab // layout.tp)

@@ -114,7 +114,7 @@ def fsdp_copy_bytes(model: ModelSpec, layout: ParallelDims, s: Settings, local: 
     reduces = s.reducing_microbatches
     per_reduce = local * (e + 4) + (local * 8 if one_rank else 0.0)
     if s.accumulates_unsharded:  # fp32 unsharded += this micro-batch's bf16 gradient (read 4 + e, write 4)
-        accumulate = local * (8 + e) * (s.grad_accum - 1)
+        accumulate = local * (8 + e) * (s.gradient_accumulation_steps - 1)
     else:  # the reduced shard added into the sharded gradient
         accumulate = shard * 12 * (s.reducing_microbatches - 1)
     return gathers * per_gather + reduces * per_reduce + accumulate
