@@ -94,10 +94,13 @@ def batch(seq: int, vocab: int, seed: int = 1) -> dict:
 
 def accelerator(device: str, options: dict):
     from ndparallel import Accelerator, ParallelismConfig
-    from ndparallel.parallel.options import FSDPOptions
+    from ndparallel.parallel.options import ActivationOptions
 
     return Accelerator(
-        ParallelismConfig(), mixed_precision="bf16", device=device, fsdp_options=FSDPOptions(**options)
+        ParallelismConfig(),
+        mixed_precision="bf16",
+        device=device,
+        activation_options=ActivationOptions(**options),
     )
 
 

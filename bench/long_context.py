@@ -49,7 +49,7 @@ MODEL = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
 )
-CONFIGS = {  # name: FSDPOptions kwargs
+CONFIGS = {  # name: ActivationOptions kwargs
     "plain": {},
     "checkpointing": dict(activation_checkpointing=True),
     "tiled MLP": dict(tiled_mlp=True),
@@ -86,10 +86,10 @@ def _step(options: dict, seq: int) -> dict:
 
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.engine import forward_backward
-    from ndparallel.parallel.options import FSDPOptions
+    from ndparallel.parallel.options import ActivationOptions
     from ndparallel.techniques.offload import offloader_of
 
-    acc = Accelerator(ParallelismConfig(), fsdp_options=FSDPOptions(**options))
+    acc = Accelerator(ParallelismConfig(), activation_options=ActivationOptions(**options))
     torch.manual_seed(0)
     model = acc.prepare(AutoModelForCausalLM.from_config(AutoConfig.for_model(**MODEL)))
     model.train()

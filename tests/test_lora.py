@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import FSDPOptions, TPOptions
+from ndparallel.parallel.options import ActivationOptions, TPOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import assert_differs, assert_matches, one_process_reference
 from ndparallel.tools.equivalence import (
@@ -75,7 +75,7 @@ def test_hsdp_2x2_with_activation_checkpointing():
     _check(
         {"dp_replicate_size": 2, "dp_shard_size": 2},
         4,
-        fsdp_options=FSDPOptions(activation_checkpointing=True),
+        activation_options=ActivationOptions(activation_checkpointing=True),
     )
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import FSDPOptions, TPOptions
+from ndparallel.parallel.options import ActivationOptions, TPOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import assert_differs, assert_matches, model_floor, one_process_reference
 from ndparallel.tools.equivalence import TrainSetup, train_under_layout
@@ -154,7 +154,10 @@ def test_gpt_oss_under_tp_is_refused_before_sharding():
 def test_ep_with_accumulation_and_checkpointing():
     setup = dataclasses.replace(QWEN, grad_accum=2)
     _check(
-        setup, 2, {"dp_shard_size": 2, "ep_size": 2}, fsdp_options=FSDPOptions(activation_checkpointing=True)
+        setup,
+        2,
+        {"dp_shard_size": 2, "ep_size": 2},
+        activation_options=ActivationOptions(activation_checkpointing=True),
     )
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import CPOptions, FSDPOptions, PipelineOptions, TPOptions
+from ndparallel.parallel.options import ActivationOptions, CPOptions, FSDPOptions, PipelineOptions, TPOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import assert_differs, assert_matches, one_process_reference
 from ndparallel.tools.equivalence import TrainSetup, train_under_layout
@@ -60,7 +60,7 @@ CASES = {  # name: (model, layout, schedule, extra strategy options, pipeline mi
         "llama_tied",
         {"pp_size": 2},
         "1F1B",
-        {"fsdp_options": FSDPOptions(activation_checkpointing=True)},
+        {"activation_options": ActivationOptions(activation_checkpointing=True)},
         None,
     ),
     "pp2_cp2_ulysses": (
@@ -76,7 +76,7 @@ CASES = {  # name: (model, layout, schedule, extra strategy options, pipeline mi
         "Interleaved1F1B",
         {
             "tp_options": TPOptions(sequence_parallel=True),
-            "fsdp_options": FSDPOptions(
+            "activation_options": ActivationOptions(
                 activation_checkpointing=True, ac_policy="selective", activation_offloading=True
             ),
         },

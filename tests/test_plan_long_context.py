@@ -408,4 +408,4 @@ def test_config_options_reach_the_plan_and_come_back(capsys, tmp_path):
     assert code == 0, err
     planned = yaml.safe_load(written.read_text())
     assert planned["tiled_mlp"] is True and planned["activation_offloading"] is True
-    assert load_config(str(written)).fsdp_options().activation_offloading
+    assert load_config(str(written)).activation_options().activation_offloading

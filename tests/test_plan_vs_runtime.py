@@ -30,7 +30,7 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.engine import forward_backward
     from ndparallel.models.presets import preset_config
-    from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+    from ndparallel.parallel.options import ActivationOptions, CPOptions, TPOptions
     from ndparallel.runtime.comm_profile import CommProfiler
     from ndparallel.techniques.technique_options import LossOptions
 
@@ -39,7 +39,7 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
     acc = Accelerator(
         ParallelismConfig(**layout),
         mixed_precision=mp,
-        fsdp_options=FSDPOptions(activation_checkpointing=ckpt),
+        activation_options=ActivationOptions(activation_checkpointing=ckpt),
         tp_options=TPOptions(**{"loss_parallel": False, **tp}),
         cp_options=CPOptions(**cp),
         loss_options=LossOptions(chunked=False),

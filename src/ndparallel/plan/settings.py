@@ -160,12 +160,12 @@ class Settings:
         ``strategy_options()``, or an engine's): every field the options decide, derived here once;
         ``rest`` gives the others (batch, optimizer, adapter) and what the run resolves per model
         (``loss_parallel`` / ``chunked_loss`` where the options say None: on)."""
-        fsdp, qat, pipe = options.fsdp, options.qat, options.pipeline
+        fsdp, act, qat, pipe = options.fsdp, options.activation, options.qat, options.pipeline
         schedule = canonical(pipe.schedule)
         derived = {
             "sequence_len": sequence_len,
-            "activation_checkpointing": fsdp.activation_checkpointing,
-            "ac_policy": fsdp.ac_policy,
+            "activation_checkpointing": act.activation_checkpointing,
+            "ac_policy": act.ac_policy,
             "mixed_precision": {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(
                 str(options.param_dtype), "fp32"
             ),
@@ -177,9 +177,9 @@ class Settings:
             "cp_comm_strategy": options.cp.comm_strategy,
             "chunked_loss": options.loss.chunked is not False,
             "loss_chunk_tokens": options.loss.chunk_tokens,
-            "tiled_mlp": fsdp.tiled_mlp,
-            "tiled_mlp_num_shards": fsdp.tiled_mlp_num_shards,
-            "activation_offloading": fsdp.activation_offloading,
+            "tiled_mlp": act.tiled_mlp,
+            "tiled_mlp_num_shards": act.tiled_mlp_num_shards,
+            "activation_offloading": act.activation_offloading,
             "qat": qat_format(qat.weight_dtype, qat.activation_dtype) if qat.enabled else None,
             "pipeline_schedule": schedule,
             "pipeline_virtual_stages": pipe.virtual_stages or default_virtual(schedule),

@@ -109,6 +109,7 @@ def _setup(cfg: TrainConfig, pc, small, steps: int, fault: str | None):
         fault=fault,
         parallel_kwargs=dict(
             fsdp_options=options.fsdp,
+            activation_options=options.activation,
             tp_options=options.tp,
             cp_options=options.cp,
             loss_options=options.loss,
