@@ -18,6 +18,7 @@ import json
 import pytest
 import torch
 
+import faults
 from ndparallel.axolotl import ConfigError, load_config
 from ndparallel.engine.loss_scale import LossScaler
 from ndparallel.engine.nonfinite import NonFiniteError
@@ -71,9 +72,11 @@ def test_fp16_layouts_train_as_one_process(layout, world):
     assert compare(fp32, ref.result)["loss_rel"] > 1e-6
 
 
-def test_the_fp16_check_can_fail():
+def test_the_fp16_check_can_fail(monkeypatch):
     """Negative control: FSDP 2 under fp16 without the gradient reduction is far outside the bounds."""
-    bad = run_on_ranks(train_under_layout, 2, dataclasses.replace(FP16, fault="skip-grad-sync"), FSDP2)[0]
+    reference()  # before the fault (one process: no gradient to reduce either way)
+    faults.skip_grad_sync(monkeypatch)
+    bad = run_on_ranks(train_under_layout, 2, FP16, FSDP2)[0]
     assert_differs(reference(), bad)
 
 
@@ -114,7 +117,7 @@ def _update_errors(setup, init, fp32) -> float:
 def test_the_scaler_really_scales():
     """Negative control of the scaling: scale 1 (never grown) loses the small gradients to fp16's
     underflow; scale 2^12 keeps them (measured: 4.1e-3 vs 4.1e-4 relative error of the q/k update)."""
-    one = dataclasses.replace(FP16, steps=1, global_micro_batch=8, sequence_len=64)
+    one = dataclasses.replace(FP16, steps=1, global_micro_batch=8, seq_len=64)
     init = {k: v.detach().float() for k, v in build_model(one).named_parameters()}
     fp32 = run_on_ranks(train_under_layout, 1, dataclasses.replace(one, mixed_precision="no"), None)[0]
     unscaled = _update_errors(

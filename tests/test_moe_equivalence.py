@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import faults
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import ActivationOptions, TPOptions
 from ndparallel.testing import run_on_ranks
@@ -161,10 +162,9 @@ def test_ep_with_accumulation_and_checkpointing():
     )
 
 
-def test_tokens_sent_to_the_wrong_expert_rank_fail_the_check():
-    assert_differs(
-        *_run(dataclasses.replace(QWEN, fault="wrong-expert-rank"), 2, {"dp_shard_size": 2, "ep_size": 2})
-    )
+def test_tokens_sent_to_the_wrong_expert_rank_fail_the_check(monkeypatch):
+    faults.wrong_expert_rank(monkeypatch)
+    assert_differs(*_run(QWEN, 2, {"dp_shard_size": 2, "ep_size": 2}))
 
 
 def test_lora_on_moe_equals_one_process():

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+import faults
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import ActivationOptions, CPOptions, FSDPOptions, PipelineOptions, TPOptions
 from ndparallel.testing import run_on_ranks
@@ -175,11 +176,12 @@ def test_pp2_interleaved_loads_the_model_from_disk(tmp_path):
     assert_matches(ref, got)
 
 
-def test_unsummed_tied_gradients_are_caught():
+def test_unsummed_tied_gradients_are_caught(monkeypatch):
     """The negative control: the two stage copies of a tied embedding updated from their own
     gradients only train a different model, and the comparison says so."""
-    broken = dataclasses.replace(pipelined("llama_tied", "1F1B"), fault="unsummed-tied-grads")
-    got = run_on_ranks(train_under_layout, 2, broken, {"pp_size": 2})[0]
+    reference("llama_tied")
+    faults.unsummed_tied_grads(monkeypatch)
+    got = run_on_ranks(train_under_layout, 2, pipelined("llama_tied", "1F1B"), {"pp_size": 2})[0]
     assert_differs(reference("llama_tied"), got)
 
 

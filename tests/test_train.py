@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import faults
 from cli_helpers import train_on_forked_ranks
 from ndparallel.axolotl import load_config
 from ndparallel.testing import run_on_ranks
@@ -109,31 +110,32 @@ def test_3d_layout_train_equals_one_rank(tmp_path):
         assert abs(a - b) / a <= 1e-5, (one, nd)
 
 
-def _verify(cfg_overrides, fault, example="examples/cpu/fsdp_tp.yaml"):
+def _verify(cfg_overrides, example="examples/cpu/fsdp_tp.yaml"):
     from ndparallel.cli.commands import run_verify
 
-    args = [example, "--steps", "2", *[f"--set={s}" for s in cfg_overrides]]
-    if fault:
-        args += ["--inject-fault", fault]
-    return run_verify(args)
+    return run_verify([example, "--steps", "2", *[f"--set={s}" for s in cfg_overrides]])
 
 
 def test_verify_passes_right_layout_and_fails_broken_one(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
-    assert _verify([], None) == 0
+    assert _verify([]) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "of its bound" in out  # the verdict names the bound and its source
     assert "Failed to load" not in out and "Enum subclass" not in out  # no library noise
-    assert _verify([], "skip-grad-sync") == 1
+    faults.unrecorded(monkeypatch)
+    faults.skip_grad_sync(monkeypatch)
+    assert _verify([]) == 1
     assert "FAIL" in capsys.readouterr().out
 
 
 def test_verify_cp_ulysses_on_packed_documents_and_catches_a_document_leak(monkeypatch, capsys):
     """verify packs rows with documents: CP (ulysses) passes; attending across documents fails."""
     monkeypatch.chdir(ROOT)
-    assert _verify(["cp_comm_strategy=ulysses"], None, "examples/cpu/cp.yaml") == 0
+    assert _verify(["cp_comm_strategy=ulysses"], "examples/cpu/cp.yaml") == 0
     assert "PASS" in capsys.readouterr().out
-    assert _verify([], "cross-documents", "examples/cpu/cp.yaml") == 1
+    faults.unrecorded(monkeypatch)
+    faults.cross_documents(monkeypatch)
+    assert _verify([], "examples/cpu/cp.yaml") == 1
     assert "FAIL" in capsys.readouterr().out
 
 
