@@ -146,7 +146,7 @@ def _attention_scratch(seq: int, in_place: bool) -> int:
     d 64, 8 documents), the output and the inputs' gradients included."""
     from unittest import mock
 
-    from ndparallel.parallel import attention_blocks
+    from ndparallel.parallel.cp import attention_blocks
     from ndparallel.parallel.document_attention import document_causal_attention
 
     g = torch.Generator().manual_seed(0)

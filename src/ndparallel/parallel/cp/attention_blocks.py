@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from ndparallel.parallel.attention_kernels import BlockKernel, merge_
+from ndparallel.parallel.cp.attention_kernels import BlockKernel, merge_
 
 
 class Rect(NamedTuple):

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from ndparallel.layout.dims import ParallelDims
-from ndparallel.parallel.attention_kernels import BlockKernel, resolve_kernel
+from ndparallel.parallel.cp.attention_kernels import BlockKernel, resolve_kernel
 from ndparallel.plan.settings import Settings
 from ndparallel.plan.time.gemm import gemm_shapes
 
@@ -115,7 +115,7 @@ def measure_attention(
 def measure_cp_block(
     device: str, kernel: str, batch: int, heads: int, kv_heads: int, chunk: int, head_dim: int, reps: int = 3
 ) -> dict:
-    """One *full* (unmasked) block of the CP block kernel (``parallel/attention_kernels.py``):
+    """One *full* (unmasked) block of the CP block kernel (``parallel/cp/attention_kernels.py``):
     forward (out, lse) and backward seconds for ``chunk`` queries against ``chunk`` keys."""
     import torch
 

@@ -6,7 +6,7 @@ flash kernel on CUDA. Causal forward FLOPs per layer (QKᵀ and PV, half the sco
 really does 2.5× the forward's matmuls, which is inside its measured efficiency).
 
 With CP the ring (``parallel/cp/parallel_attention.py``) runs block kernels
-(``parallel/attention_kernels.py``)
+(``parallel/cp/attention_kernels.py``)
 over chunks of ``s/(2c)`` tokens; rank ``i`` holds chunks ``i`` and ``2c−1−i`` and computes
 ``2c−1`` full blocks plus 2 diagonal blocks per layer. Kernels:
 
