@@ -1,6 +1,11 @@
 """Options of each parallel dimension and of each decoder layer's activation memory, as small
 dataclasses (documented fields, no logic), and ``StrategyOptions``: one run's options of every
-dimension and technique (``techniques/technique_options.py``)."""
+dimension and technique (``techniques/technique_options.py``).
+
+A field is the training config's key less the prefix its record already says: the YAML is flat,
+the records are not (``CPOptions.comm_strategy`` is ``cp_comm_strategy``, ``LossOptions.chunked``
+``chunked_loss``, ``PipelineOptions.schedule`` ``pipeline_schedule``); ``config/schema.py`` maps
+them in one place and ``tests/test_option_round_trip.py`` holds the mapping to the YAML."""
 
 from __future__ import annotations
 
