@@ -35,14 +35,14 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _common import print_table, write_json  # noqa: E402
 
-from ndparallel.parallel.attention_blocks import (  # noqa: E402
+from ndparallel.parallel.cp.attention_blocks import (  # noqa: E402
     DocLayout,
     accumulators,
     backward_span,
     document_starts,
     forward_span,
 )
-from ndparallel.parallel.attention_kernels import BlockKernel, merge_, resolve_kernel  # noqa: E402
+from ndparallel.parallel.cp.attention_kernels import BlockKernel, merge_, resolve_kernel  # noqa: E402
 from ndparallel.parallel.cp.parallel_attention import context_parallel_attention  # noqa: E402
 from ndparallel.parallel.cp.sharding import (  # noqa: E402
     cp_positions,

@@ -94,10 +94,13 @@ def batch(seq: int, vocab: int, seed: int = 1) -> dict:
 
 def accelerator(device: str, options: dict):
     from ndparallel import Accelerator, ParallelismConfig
-    from ndparallel.parallel.options import FSDPOptions
+    from ndparallel.parallel.options import ActivationOptions
 
     return Accelerator(
-        ParallelismConfig(), mixed_precision="bf16", device=device, fsdp_options=FSDPOptions(**options)
+        ParallelismConfig(),
+        mixed_precision="bf16",
+        device=device,
+        activation_options=ActivationOptions(**options),
     )
 
 
@@ -225,29 +228,30 @@ def _spec(shape: dict, layers: int):
 
 def _predicted(shape: dict, layers: int, options: dict, seq: int) -> float:
     """The planner's peak allocated minus the states present before the step (params, optimizer)."""
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import get_preset
-    from ndparallel.plan.layout import Layout, Settings
-    from ndparallel.plan.memory import estimate_memory
+    from ndparallel.plan.memory.peak import estimate_memory
+    from ndparallel.plan.settings import Settings
 
     s = Settings(
-        seq_len=seq,
-        loss_impl="chunked",
+        sequence_len=seq,
+        chunked_loss=True,
         lora_r=16,
-        checkpointing=True,
+        activation_checkpointing=True,
         tiled_mlp=options.get("tiled_mlp", False),
         activation_offloading=options.get("activation_offloading", False),
     )
-    m = estimate_memory(_spec(shape, layers), Layout(), s, get_preset("h200"))
+    m = estimate_memory(_spec(shape, layers), ParallelDims(), s, get_preset("h200"))
     return m.allocated - m.params - m.optimizer
 
 
 def planner_answer() -> dict:
     """The planner's longest sequence for the whole Llama-3.1-8B on one H200 (a prediction)."""
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import get_preset
-    from ndparallel.plan.layout import Layout
-    from ndparallel.plan.longest import longest_for_layout
     from ndparallel.plan.models import load_model_spec
-    from ndparallel.plan.search import PlanRequest
+    from ndparallel.plan.search.longest import longest_for_layout
+    from ndparallel.plan.search.request import PlanRequest
 
     out = {}
     for name, lora in (("lora_r16", 16), ("full_sgd", 0)):
@@ -260,7 +264,7 @@ def planner_answer() -> dict:
             tiled_mlp=True,
             activation_offloading=True,
         )
-        out[name] = longest_for_layout(req, Layout()).seq_len
+        out[name] = longest_for_layout(req, ParallelDims()).sequence_len
     return out
 
 

@@ -70,10 +70,11 @@ def _run(acc, cfg, args, adapter) -> dict:
 
 
 def _planned(args, lora_r: int) -> dict:
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import get_preset
-    from ndparallel.plan.layout import Layout
     from ndparallel.plan.models import PRESETS
-    from ndparallel.plan.search import PlanRequest, evaluate_layout
+    from ndparallel.plan.search.evaluation import evaluate_layout
+    from ndparallel.plan.search.request import PlanRequest
 
     model = PRESETS["tiny" if args.tiny else "llama-3.2-1b"]
     req = PlanRequest.of(
@@ -81,13 +82,13 @@ def _planned(args, lora_r: int) -> dict:
         get_preset("h200"),
         gpus=1,
         gpus_per_node=1,
-        seq_len=args.seq,
-        global_batch=args.batch,
-        micro_batch=args.batch,
-        checkpointing="off",
+        sequence_len=args.seq,
+        global_batch_size=args.batch,
+        micro_batch_size=args.batch,
+        activation_checkpointing="off",
         lora_r=lora_r,
     )
-    best = evaluate_layout(req, Layout()).options[0]
+    best = evaluate_layout(req, ParallelDims()).options[0]
     return {"mem_gib": best.memory.total / 2**30, "tokens_per_s": best.tokens_per_s_per_gpu}
 
 

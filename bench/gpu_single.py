@@ -275,8 +275,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from _common import print_table, write_json
 
-    from ndparallel.plan.compute import model_flops_per_token
     from ndparallel.plan.models import from_hf_config
+    from ndparallel.plan.time.compute import model_flops_per_token
     from ndparallel.training.metrics import device_peak_flops
 
     if not args.tiny and not torch.cuda.is_available():

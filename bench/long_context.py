@@ -49,7 +49,7 @@ MODEL = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
 )
-CONFIGS = {  # name: FSDPOptions kwargs
+CONFIGS = {  # name: ActivationOptions kwargs
     "plain": {},
     "checkpointing": dict(activation_checkpointing=True),
     "tiled MLP": dict(tiled_mlp=True),
@@ -86,10 +86,10 @@ def _step(options: dict, seq: int) -> dict:
 
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.engine import forward_backward
-    from ndparallel.parallel.options import FSDPOptions
+    from ndparallel.parallel.options import ActivationOptions
     from ndparallel.techniques.offload import offloader_of
 
-    acc = Accelerator(ParallelismConfig(), fsdp_options=FSDPOptions(**options))
+    acc = Accelerator(ParallelismConfig(), activation_options=ActivationOptions(**options))
     torch.manual_seed(0)
     model = acc.prepare(AutoModelForCausalLM.from_config(AutoConfig.for_model(**MODEL)))
     model.train()
@@ -116,22 +116,23 @@ def _step(options: dict, seq: int) -> dict:
 
 def _predicted(options: dict, seq: int) -> float:
     """The planner: peak allocated minus the states present before the step (params, optimizer)."""
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import get_preset
-    from ndparallel.plan.layout import Layout, Settings
-    from ndparallel.plan.memory import estimate_memory
+    from ndparallel.plan.memory.peak import estimate_memory
     from ndparallel.plan.models import from_hf_config
+    from ndparallel.plan.settings import Settings
 
     spec = from_hf_config(MODEL, "bench")
     s = Settings(
-        seq_len=seq,
+        sequence_len=seq,
         mixed_precision="fp32",
         optimizer="sgd",
-        loss_impl="chunked",
-        checkpointing=options.get("activation_checkpointing", False),
+        chunked_loss=True,
+        activation_checkpointing=options.get("activation_checkpointing", False),
         tiled_mlp=options.get("tiled_mlp", False),
         activation_offloading=options.get("activation_offloading", False),
     )
-    m = estimate_memory(spec, Layout(), s, get_preset("h100-80gb"))
+    m = estimate_memory(spec, ParallelDims(), s, get_preset("h100-80gb"))
     return m.allocated - m.params - m.optimizer
 
 
@@ -145,7 +146,7 @@ def _attention_scratch(seq: int, in_place: bool) -> int:
     d 64, 8 documents), the output and the inputs' gradients included."""
     from unittest import mock
 
-    from ndparallel.parallel import attention_blocks
+    from ndparallel.parallel.cp import attention_blocks
     from ndparallel.parallel.document_attention import document_causal_attention
 
     g = torch.Generator().manual_seed(0)

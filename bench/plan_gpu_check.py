@@ -90,7 +90,7 @@ def build(shape: str, ac: bool, device: str, fused: bool):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from ndparallel import Accelerator, ParallelismConfig
-    from ndparallel.parallel.options import FSDPOptions
+    from ndparallel.parallel.options import ActivationOptions
 
     cfg = LlamaConfig(max_position_embeddings=8192, **SHAPES[shape])
     cfg._attn_implementation = "sdpa"
@@ -98,7 +98,7 @@ def build(shape: str, ac: bool, device: str, fused: bool):
         ParallelismConfig(),
         mixed_precision="bf16",
         device=device,
-        fsdp_options=FSDPOptions(activation_checkpointing=ac),
+        activation_options=ActivationOptions(activation_checkpointing=ac),
     )
     torch.manual_seed(0)
     with torch.device(acc.device):

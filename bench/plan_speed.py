@@ -24,9 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 H100 = "--gpus-per-node 8 --gpu h100-80gb"
 REQUESTS = {
-    "70B x 64 H100, seq 8192": f"--model llama-3.1-70b --gpus 64 {H100} --seq-len 8192",
-    "405B x 8192 H100, seq 8192": f"--model llama-3.1-405b --gpus 8192 {H100} --seq-len 8192",
-    "8B x 8 H100": f"--model llama-3.1-8b --gpus 8 {H100}",
+    "70B x 64 H100, seq 8192": f"--base-model llama-3.1-70b --gpus 64 {H100} --sequence-len 8192",
+    "405B x 8192 H100, seq 8192": f"--base-model llama-3.1-405b --gpus 8192 {H100} --sequence-len 8192",
+    "8B x 8 H100": f"--base-model llama-3.1-8b --gpus 8 {H100}",
 }
 
 
@@ -44,10 +44,12 @@ def run_once(args: str) -> tuple[float, float]:
 
 def profiled_search(args: str) -> float:
     """cProfile's total seconds of the search (``plan.search.plan``) for the request, here."""
-    from ndparallel.plan.cli import build_request, make_parser
-    from ndparallel.plan.search import plan
+    from ndparallel.plan.cli.from_flags import build_request, run_values
+    from ndparallel.plan.cli.parser import parse
+    from ndparallel.plan.search.evaluation import plan
 
-    req = build_request(make_parser().parse_args(args.split()))
+    parsed = parse(args.split())
+    req = build_request(parsed, run_values(parsed))
     prof = cProfile.Profile()
     prof.runcall(plan, req)
     return pstats.Stats(prof).total_tt

@@ -17,7 +17,7 @@ caching/fragmentation, the Python/torch runtime and gloo buffers are not counted
 optimizer-step moment.
 *Predicted*: ``estimate_memory(...).total - overhead`` with mixed_precision fp32.
 Step time: median of ``--steps`` steps after a warm-up, vs ``search.estimate(...).time.step`` with
-hardware calibrated here (``ndparallel.plan.calibrate``, quick), gpus_per_node = 4.
+hardware calibrated here (``ndparallel.plan.calibrate.measure``, quick), gpus_per_node = 4.
 """
 
 from __future__ import annotations
@@ -119,23 +119,24 @@ def main(argv=None) -> int:
     if args.gpu_results:
         return gpu_table(args.gpu_results, args.hardware_file)
 
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import Hardware
-    from ndparallel.plan.layout import Layout, Settings
-    from ndparallel.plan.memory import estimate_memory
+    from ndparallel.plan.memory.peak import estimate_memory
     from ndparallel.plan.models import PRESETS
-    from ndparallel.plan.search import estimate
+    from ndparallel.plan.search.evaluation import estimate
+    from ndparallel.plan.settings import Settings
     from ndparallel.testing import run_on_ranks
 
     if args.no_calibrate:
         hw = Hardware("cpu-assumed", 8e9, 2e10, 2e10, 5e9, 1e9, 1e9, 5e-5, 5e-5, 1.0, 1.0, 0.25e9)
     else:
-        from ndparallel.plan.calibrate import calibrate
+        from ndparallel.plan.calibrate.measure import calibrate
 
         hw = Hardware.from_dict(calibrate(ranks=4, quick=True, device="cpu")["hardware"])
     model = PRESETS["tiny"]
     rows = []
     for name, (kw, world) in LAYOUTS.items():
-        lay = Layout(
+        lay = ParallelDims(
             kw.get("dp_replicate_size", 1),
             kw.get("dp_shard_size", 1),
             kw.get("cp_size", 1),
@@ -144,13 +145,13 @@ def main(argv=None) -> int:
         tp = {"sequence_parallel": True, "loss_parallel": True} if lay.tp > 1 else {}
         # The runs below keep gradients allocated (zero_grad(set_to_none=False)).
         s = Settings(
-            seq_len=args.seq,
-            micro_batch=args.mb,
+            sequence_len=args.seq,
+            micro_batch_size=args.mb,
             mixed_precision="fp32",
             sequence_parallel=lay.tp > 1,
             loss_parallel=lay.tp > 1,
             set_to_none=False,
-            loss_impl="chunked",
+            chunked_loss=True,
         )  # the runtime's default loss (forward_backward)
         m = estimate_memory(model, lay, s, hw)
         predicted = m.total - m.overhead
@@ -218,11 +219,12 @@ def gpu_table(path: str, hardware_file: str | None) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import PRESETS as HW
     from ndparallel.plan.hardware import load_hardware_file, preset_for_device
-    from ndparallel.plan.layout import Layout, Settings
     from ndparallel.plan.models import PRESETS
-    from ndparallel.plan.search import estimate
+    from ndparallel.plan.search.evaluation import estimate
+    from ndparallel.plan.settings import Settings
 
     data = json.loads(Path(path).read_text())
     hw = (
@@ -238,12 +240,12 @@ def gpu_table(path: str, hardware_file: str | None) -> int:
         if "error" in r:
             continue
         s = Settings(
-            seq_len=r["seq"],
-            micro_batch=r["micro_batch"],
-            checkpointing=r["checkpointing"],
+            sequence_len=r["seq"],
+            micro_batch_size=r["micro_batch"],
+            activation_checkpointing=r["checkpointing"],
             optimizer_fused=r["fused_adamw"],
         )
-        e = estimate(PRESETS[r["planner_model"]], Layout(), s, hw, 8)
+        e = estimate(PRESETS[r["planner_model"]], ParallelDims(), s, hw, 8)
         mem = e.memory.allocated / 2**30
         tps = r["micro_batch"] * r["seq"] / e.time.step
         em, et = mem / r["max_allocated_gib"] - 1, tps / r["tokens_per_s"] - 1

@@ -7,7 +7,7 @@ torchao's fake quantisers run in autograd. ndparallel runs each under an activat
 weights compute): the bytes saved for backward by one more decoder layer (a 3-layer minus a 2-layer
 Llama), with QAT minus without, for two layer shapes and two token counts, with trained linears and
 with frozen ones (LoRA's base); fitted as ``a · (layer's linear weight elements) + b · tokens ·
-(layer's linear input elements)`` per format. The planner's constants (``ndparallel.plan.qat_memory``)
+(layer's linear input elements)`` per format. The planner's constants (``ndparallel.plan.memory.qat_memory``)
 must be within 10 % of the fit (not checked with ``--plain``).
 
     python bench/qat_memory.py          # table + bench/results/qat_memory.json
@@ -26,7 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, write_json  # noqa: E402
 
-from ndparallel.plan.qat_memory import QAT_FORMATS, qat_saved_bytes_per_input, qat_saved_bytes_per_weight  # noqa: E402
+from ndparallel.plan.memory.qat_memory import (  # noqa: E402
+    QAT_FORMATS,
+    qat_saved_bytes_per_input,
+    qat_saved_bytes_per_weight,
+)
 
 SHAPES = [
     dict(hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2),

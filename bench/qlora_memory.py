@@ -13,7 +13,7 @@
     ``max_memory_allocated`` would count) and of the RSS (glibc keeps freed temporaries resident).
 (c) The dequantisation workspace: the peak of live tensors (torch's ``MemTracker``) while one
     ``get_original_weight()`` of an NF4 weight (bf16, 4096 x 4096) runs, against the planner's
-    ``(8 + 3e)`` bytes per value (``plan/qlora.py``).
+    ``(8 + 3e)`` bytes per value (``plan/adapters/qlora.py``).
 
     python bench/qlora_memory.py               # table + bench/results/qlora_memory.json
     python bench/qlora_memory.py --layers 2    # quicker
@@ -122,17 +122,18 @@ def _dequant_peak(rows: int, cols: int) -> dict:
 
 
 def _predicted_base(layers: int, fsdp: int) -> float:
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import PRESETS as HW
-    from ndparallel.plan.layout import Layout, Settings
-    from ndparallel.plan.memory import estimate_memory
+    from ndparallel.plan.memory.peak import estimate_memory
     from ndparallel.plan.models import ModelSpec
+    from ndparallel.plan.settings import Settings
 
     spec = ModelSpec(
         "bench", hidden=1024, layers=layers, heads=16, kv_heads=4, intermediate=2816, vocab=32000
     )
-    layout = Layout(dp_shard=fsdp)
-    s = Settings(seq_len=32, lora_r=16, quantized_base=True)
-    from ndparallel.plan.adapter import adapter_shard_numel
+    layout = ParallelDims(dp_shard=fsdp)
+    s = Settings(sequence_len=32, lora_r=16, load_in_4bit=True)
+    from ndparallel.plan.adapters.lora_cost import adapter_shard_numel
 
     return (
         estimate_memory(spec, layout, s, HW["h100-80gb"]).params - adapter_shard_numel(spec, layout, 16) * 4

@@ -5,7 +5,7 @@
 Llama-3.1-8B's shape shrunk in width only where the per-token ratios survive: 32 query / 8 K/V
 heads, head dim h/32, MLP 3.5·h, at h = 256 (8B: 4096), 2 layers, an 8k vocabulary (the builtin
 tokenizer's), bf16, AdamW, chunked loss in 64-token chunks (so the loss is not the peak, as at
-millions of tokens), and the long-context settings of ``plan --max-seq-len --cp-strategy ulysses``'s
+millions of tokens), and the long-context settings of ``plan --max-seq-len --cp-comm-strategy ulysses``'s
 longest row: CP 8 with Ulysses, activation checkpointing, tiled MLP, activation offloading. Rank 0
 of world 8. Prints the measured tensor peak (``runtime/memory_probe.py``: device memory; the
 offloader's host copies, pinned host memory on a GPU, apart) beside the planner's ``allocated`` as

@@ -111,24 +111,29 @@ def _planned(shape: dict, tp: int, mode: str, seq: int) -> float:
 def _planned_split(shape: dict, tp: int, mode: str, seq: int) -> tuple[float, float]:
     """The planner's (device, host) bytes per token of layer 0 in ``mode``; with offloading the
     host also holds RoPE's cos and sin (``2·e·d``), sent by the first layer."""
-    from ndparallel.plan.layout import Layout, Settings
-    from ndparallel.plan.memory import (
+    from ndparallel.layout.dims import ParallelDims
+    from ndparallel.plan.memory.activations import (
         layer_activation_bytes_per_token,
         offload_split_per_token,
         selective_saved_per_token,
     )
     from ndparallel.plan.models import from_hf_config
+    from ndparallel.plan.settings import Settings
 
     spec = from_hf_config({"model_type": "llama", **shape})
-    s = Settings(seq_len=seq, sequence_parallel=tp > 1, sp_saved_shards=mode != "gathered")
+    s = Settings(
+        sequence_len=seq, sequence_parallel=tp > 1, sequence_parallel_saved_shards=mode != "gathered"
+    )
     if mode.startswith("selective"):
-        s = Settings(seq_len=seq, sequence_parallel=tp > 1, checkpointing=True, ac_policy="selective")
+        s = Settings(
+            sequence_len=seq, sequence_parallel=tp > 1, activation_checkpointing=True, ac_policy="selective"
+        )
     if mode == "selective_offload":
-        device, host = offload_split_per_token(spec, Layout(tp=tp), s.but(activation_offloading=True))
+        device, host = offload_split_per_token(spec, ParallelDims(tp=tp), s.but(activation_offloading=True))
         return device, host + 2 * s.act_bytes * spec.head_dim
     if mode == "selective":
-        return selective_saved_per_token(spec, Layout(tp=tp), s), 0.0
-    return layer_activation_bytes_per_token(spec, Layout(tp=tp), s), 0.0
+        return selective_saved_per_token(spec, ParallelDims(tp=tp), s), 0.0
+    return layer_activation_bytes_per_token(spec, ParallelDims(tp=tp), s), 0.0
 
 
 def _shape(args) -> tuple[dict, int, list[int]]:

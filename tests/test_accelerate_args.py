@@ -35,6 +35,7 @@ def _resolve(**kwargs):
         cpu=False,
         step_scheduler_with_optimizer=True,
         fsdp_options=None,
+        activation_options=None,
         tp_options=None,
         cp_options=None,
         loss_options=None,
@@ -70,7 +71,11 @@ def test_fsdp_plugin_maps_onto_fsdp_options():
         )
     )
     o = s.fsdp_options
-    assert (o.reshard_after_forward, o.cpu_offload, o.activation_checkpointing) == (False, True, True)
+    assert (o.reshard_after_forward, o.cpu_offload, s.activation_options.activation_checkpointing) == (
+        False,
+        True,
+        True,
+    )
     assert o.layer_classes == ("LlamaDecoderLayer",) and o.reduce_dtype == torch.bfloat16
     assert s.param_dtype == torch.bfloat16
 
@@ -148,7 +153,7 @@ def test_accelerate_launch_environment_is_honoured(monkeypatch):
         monkeypatch.setenv(k, v)
     s = _resolve()
     assert s.mixed_precision == "bf16" and s.param_dtype == torch.bfloat16
-    assert s.fsdp_options.activation_checkpointing and not s.fsdp_options.reshard_after_forward
+    assert s.activation_options.activation_checkpointing and not s.fsdp_options.reshard_after_forward
     assert s.fsdp_options.layer_classes == ("LlamaDecoderLayer",)
     assert s.parallelism_config.to_dict() == {
         "dp_replicate_size": 1,

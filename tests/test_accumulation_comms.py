@@ -51,18 +51,18 @@ def _counted(unsharded: bool):
 
 @pytest.mark.parametrize("unsharded", [False, True], ids=["sharded", "unsharded"])
 def test_hsdp_accumulation_counts_equal_prediction(unsharded):
-    from ndparallel.plan.comms import aggregate, predict_collectives
-    from ndparallel.plan.layout import Layout
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.models import PRESETS
+    from ndparallel.plan.time.comms import aggregate, predict_collectives
 
     counted = run_on_ranks(_counted, 4, unsharded)[0]
     predicted = aggregate(
         predict_collectives(
             PRESETS["tiny"],
-            Layout(dp_replicate=2, dp_shard=2),
-            seq_len=SEQ,
-            micro_batch=ROWS,
-            grad_accum=GA,
+            ParallelDims(dp_replicate=2, dp_shard=2),
+            sequence_len=SEQ,
+            micro_batch_size=ROWS,
+            gradient_accumulation_steps=GA,
             mixed_precision="fp32",
             unsharded_grad_accumulation=unsharded,
         )

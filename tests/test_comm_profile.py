@@ -180,16 +180,18 @@ def test_fsdp_step_bytes_exact(name, layout, world, mp):
     ],
 )
 def test_equals_planner_prediction(layout, world, mp):
-    from ndparallel.plan.comms import aggregate, predict_collectives
-    from ndparallel.plan.layout import Layout
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.models import PRESETS
+    from ndparallel.plan.time.comms import aggregate, predict_collectives
 
     per_step, labels, _ = run_on_ranks(_fsdp_step, world, layout, "bf16" if mp == "bf16" else "no")[0]
-    plan_layout = Layout(
+    plan_layout = ParallelDims(
         dp_replicate=layout.get("dp_replicate_size", 1), dp_shard=layout.get("dp_shard_size", 1)
     )
     predicted = aggregate(
-        predict_collectives(PRESETS["tiny"], plan_layout, seq_len=32, micro_batch=2, mixed_precision=mp)
+        predict_collectives(
+            PRESETS["tiny"], plan_layout, sequence_len=32, micro_batch_size=2, mixed_precision=mp
+        )
     )
     predicted = {(labels.get(d, d), kind, b): c for (kind, d, b), c in predicted.items()}
     assert per_step[0] == predicted
@@ -203,14 +205,18 @@ def _ddp_step():
 def test_ddp_against_planner():
     """Pure DP runs fully_shard on (dp_replicate=2, dp_shard_cp=1): FSDP2 skips the size-1 shard
     group, so the step is exactly the planner's all-reduce of each unit's full fp32 gradient."""
-    from ndparallel.plan.comms import aggregate, predict_collectives
-    from ndparallel.plan.layout import Layout
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.models import PRESETS
+    from ndparallel.plan.time.comms import aggregate, predict_collectives
 
     calls, labels = run_on_ranks(_ddp_step, 2)[0]
     predicted = aggregate(
         predict_collectives(
-            PRESETS["tiny"], Layout(dp_replicate=2), seq_len=32, micro_batch=2, mixed_precision="fp32"
+            PRESETS["tiny"],
+            ParallelDims(dp_replicate=2),
+            sequence_len=32,
+            micro_batch_size=2,
+            mixed_precision="fp32",
         )
     )
     assert calls == {(labels.get(d, d), kind, b): c for (kind, d, b), c in predicted.items()}

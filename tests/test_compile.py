@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import FSDPOptions, TPOptions
+from ndparallel.parallel.options import ActivationOptions, TPOptions
 from ndparallel.techniques.technique_options import CompileOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import assert_matches, one_process_reference
@@ -52,7 +52,10 @@ def test_fsdp2_activation_checkpointing_inductor():
     """No graph break: transformers >= 5.25's attention sets and resets a module-level variable
     (the ``kernels`` package), which dynamo refuses inside a checkpoint unless told not to replay it."""
     graphs, breaks = _check(
-        {"dp_shard_size": 2}, 2, "inductor", fsdp_options=FSDPOptions(activation_checkpointing=True)
+        {"dp_shard_size": 2},
+        2,
+        "inductor",
+        activation_options=ActivationOptions(activation_checkpointing=True),
     )
     assert breaks == 0, breaks
 
@@ -105,7 +108,7 @@ def test_fsdp2_tp2_sequence_parallel_activation_checkpointing_4_ranks():
         4,
         "aot_eager",
         tp_options=TPOptions(sequence_parallel=True),
-        fsdp_options=FSDPOptions(activation_checkpointing=True),
+        activation_options=ActivationOptions(activation_checkpointing=True),
     )
 
 
@@ -117,7 +120,7 @@ def test_fsdp2_cp2_activation_checkpointing_4_ranks():
         {"dp_shard_size": 2, "cp_size": 2},
         4,
         "aot_eager",
-        fsdp_options=FSDPOptions(activation_checkpointing=True),
+        activation_options=ActivationOptions(activation_checkpointing=True),
     )
     assert breaks == 0, breaks
 
@@ -132,5 +135,5 @@ def test_pipeline_stages_compile_with_activation_checkpointing():
         2,
         "aot_eager",
         pipeline_options=PipelineOptions(schedule="1F1B", microbatches=2),
-        fsdp_options=FSDPOptions(activation_checkpointing=True),
+        activation_options=ActivationOptions(activation_checkpointing=True),
     )

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ndparallel.parallel.attention_blocks import DocLayout, Rect, document_starts
-from ndparallel.parallel.attention_kernels import BlockKernel, merge_, resolve_kernel
+from ndparallel.parallel.cp.attention_blocks import DocLayout, Rect, document_starts
+from ndparallel.parallel.cp.attention_kernels import BlockKernel, merge_, resolve_kernel
 
 
 def _qkv(dtype, lq=12, lk=12, heads=4, kv_heads=2, seed=0):

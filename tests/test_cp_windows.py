@@ -152,7 +152,7 @@ def test_window_is_not_vacuous():
 def test_window_skips_blocks_outside_it():
     """Queries 24..31 with a window of 4 see keys 21..31 only: against keys 0..7 nothing is
     computed, against 16..23 one anti-causal square (the window's lower edge) and nothing dense."""
-    from ndparallel.parallel.attention_blocks import DocLayout, Rect
+    from ndparallel.parallel.cp.attention_blocks import DocLayout, Rect
 
     docs = DocLayout(None, (3,), 8, 1, torch.device("cpu"), window=4)
     assert docs.groups(0, 0, 8) == []

@@ -6,8 +6,8 @@ from transformers import AutoModelForCausalLM
 
 from ndparallel.models.flops import matmul_params, train_flops_per_token
 from ndparallel.models.presets import preset_config
-from ndparallel.plan.compute import model_flops_per_token as planned
 from ndparallel.plan.models import from_hf_config
+from ndparallel.plan.time.compute import model_flops_per_token as planned
 from ndparallel.training.metrics import model_flops_per_token as logged
 
 SEQ = 256

@@ -18,6 +18,7 @@ import json
 import pytest
 import torch
 
+import faults
 from ndparallel.axolotl import ConfigError, load_config
 from ndparallel.engine.loss_scale import LossScaler
 from ndparallel.engine.nonfinite import NonFiniteError
@@ -71,9 +72,11 @@ def test_fp16_layouts_train_as_one_process(layout, world):
     assert compare(fp32, ref.result)["loss_rel"] > 1e-6
 
 
-def test_the_fp16_check_can_fail():
+def test_the_fp16_check_can_fail(monkeypatch):
     """Negative control: FSDP 2 under fp16 without the gradient reduction is far outside the bounds."""
-    bad = run_on_ranks(train_under_layout, 2, dataclasses.replace(FP16, fault="skip-grad-sync"), FSDP2)[0]
+    reference()  # before the fault (one process: no gradient to reduce either way)
+    faults.skip_grad_sync(monkeypatch)
+    bad = run_on_ranks(train_under_layout, 2, FP16, FSDP2)[0]
     assert_differs(reference(), bad)
 
 
@@ -210,17 +213,22 @@ def test_trainer_logs_the_scale_and_resume_continues_it(tmp_path):
 def test_the_planner_counts_fp16_as_bf16():
     """Same bytes (2-byte activations and gathered weights, fp32 masters and reductions) and the same
     tensor-core peak; fp32 differs (the control)."""
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import PRESETS as HW
-    from ndparallel.plan.layout import Layout, Settings
-    from ndparallel.plan.memory import estimate_memory
+    from ndparallel.plan.memory.peak import estimate_memory
     from ndparallel.plan.models import PRESETS
-    from ndparallel.plan.search import estimate
+    from ndparallel.plan.search.evaluation import estimate
+    from ndparallel.plan.settings import Settings
 
     model, hw = PRESETS["tiny"], HW["h100-80gb"]
     got = {
         mp: (
-            estimate_memory(model, Layout(dp_shard=2, tp=2), Settings(seq_len=256, mixed_precision=mp), hw),
-            estimate(model, Layout(dp_shard=2, tp=2), Settings(seq_len=256, mixed_precision=mp), hw, 8),
+            estimate_memory(
+                model, ParallelDims(dp_shard=2, tp=2), Settings(sequence_len=256, mixed_precision=mp), hw
+            ),
+            estimate(
+                model, ParallelDims(dp_shard=2, tp=2), Settings(sequence_len=256, mixed_precision=mp), hw, 8
+            ),
         )
         for mp in ("bf16", "fp16", "fp32")
     }

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import FSDPOptions
+from ndparallel.parallel.options import ActivationOptions, FSDPOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import (
     Reference,
@@ -31,7 +31,7 @@ VARIANTS = {
         "grad_accum": 2,
         "parallel_kwargs": {"fsdp_options": FSDPOptions(unsharded_grad_accumulation=True)},
     },
-    "ckpt": {"parallel_kwargs": {"fsdp_options": FSDPOptions(activation_checkpointing=True)}},
+    "ckpt": {"parallel_kwargs": {"activation_options": ActivationOptions(activation_checkpointing=True)}},
     "no_reshard": {"parallel_kwargs": {"fsdp_options": FSDPOptions(reshard_after_forward=False)}},
     "clip": {"max_grad_norm": 0.5},
 }

@@ -1,5 +1,6 @@
-"""The code's architecture stays visible: folders are layers, no import cycles, small files and
-functions, and lower layers never import higher ones. Static checks (AST only, nothing imported)."""
+"""The code's architecture stays visible: folders are layers, no import cycles, and lower layers
+never import higher ones. Static checks (AST only, nothing imported). How long modules and
+functions are is a report, not a rule (``scripts/code_size.py``): files are cut by concept."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ndparallel"
 MAX_TOP_LEVEL_MODULES = 8
-MAX_FILE_LINES = 450
-MAX_FUNCTION_LINES = 80
 
 # Each folder may import only from the folders listed before it (and itself). Bottom up: the layout
 # and the runtime; optimizers and trackers; models, the training techniques that are no parallel
@@ -180,21 +179,6 @@ def test_the_front_doors_stand_side_by_side():
 def test_few_modules_at_the_top():
     top = [p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
-
-
-def test_files_and_functions_are_small():
-    long_files, long_functions = [], []
-    for path in PACKAGE.rglob("*.py"):
-        text = path.read_text()
-        rel = path.relative_to(PACKAGE)
-        if text.count("\n") > MAX_FILE_LINES:
-            long_files.append(f"{rel}: {text.count(chr(10))} lines")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
-                if n > MAX_FUNCTION_LINES:
-                    long_functions.append(f"{rel}:{node.lineno} {node.name}: {n} lines")
-    assert long_files == [] and long_functions == []
 
 
 def _names_used_twice(paths) -> dict[str, list[str]]:
@@ -420,17 +404,17 @@ START_UP = {
     "ndparallel.config.schema": "the strategy options only where a run's options are built",
     "ndparallel.layout.config": "the mesh code only where a mesh is built",
     "ndparallel.models.flops": "the model code only where a real model's MoE weights are counted",
-    "ndparallel.plan.qlora": "the NF4 code only where a 4-bit base is costed",
+    "ndparallel.plan.adapters.qlora": "the NF4 code only where a 4-bit base is costed",
     "ndparallel.optim": "``build_optimizer`` on first access: a config's optimizer name imports no torch",
     "ndparallel.optim.names": "Muon's note only where Muon is named",
     "ndparallel.optim.build": "Muon and torchao's optimizers only where chosen",
     "ndparallel.optim.lowbit": "torchao's optimizers only where chosen",
     "ndparallel.checkpoint.export": "the model code only where a checkpoint is exported",
-    "ndparallel.plan.cli": "the runtime's refusals and the model loader only where used",
-    "ndparallel.plan.comms": "torch's mesh code only where a profile is compared",
-    "ndparallel.plan.gemm": "torch only where a GEMM is timed",
-    "ndparallel.plan.membound": "torch only where a kernel is timed",
-    "ndparallel.plan.memory": "the runtime's layer code only where a real model is measured",
+    "ndparallel.plan.cli.main": "the runtime's refusals and the model loader only where used",
+    "ndparallel.plan.time.comms": "torch's mesh code only where a profile is compared",
+    "ndparallel.plan.time.gemm": "torch only where a GEMM is timed",
+    "ndparallel.plan.time.membound": "torch only where a kernel is timed",
+    "ndparallel.plan.memory.peak": "the runtime's layer code only where a real model is measured",
     "ndparallel.plan.models": "transformers' configs only where a model is read",
     "ndparallel.preflight.checks": "each check's machinery when it runs (a bad config is refused first)",
     "ndparallel.preflight.pipeline_check": "the pipeline code only with pipeline_parallel_size > 1",

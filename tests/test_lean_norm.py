@@ -15,7 +15,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from ndparallel.parallel.options import FSDPOptions, TPOptions
+from ndparallel.parallel.options import ActivationOptions, TPOptions
 from ndparallel.runtime.memory_probe import LiveBytes
 from ndparallel.techniques import lean_norm as lean
 from ndparallel.testing import run_on_ranks
@@ -24,7 +24,7 @@ from ndparallel.tools.equivalence import train_under_layout
 from ndparallel.tools.saved_bytes import SavedBytes
 from test_long_context import BASE  # its tiny llama: 2 steps of 4 packed rows of 32 tokens, SGD
 
-TILED = FSDPOptions(tiled_mlp=True, tiled_mlp_num_shards=3)
+TILED = ActivationOptions(tiled_mlp=True, tiled_mlp_num_shards=3)
 
 
 def _norm(cls, h, dtype):
@@ -146,7 +146,7 @@ def _norm_calls(setup):
     ids=["fsdp2-cp2", "tp2-sp"],
 )
 def test_trains_as_one_process(layout, world, tp):
-    kwargs = {"fsdp_options": TILED} | ({"tp_options": tp} if tp else {})
+    kwargs = {"activation_options": TILED} | ({"tp_options": tp} if tp else {})
     # unpacked rows under SP without CP: transformers' own packed-row mask (test_long_context.py)
     setup = dataclasses.replace(BASE, parallel_kwargs=kwargs, packed_documents=tp is None)
     got, calls = run_on_ranks(_train_counting, world, setup, layout, timeout_s=400)[0]

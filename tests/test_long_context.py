@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+from ndparallel.parallel.options import ActivationOptions, CPOptions, TPOptions
 from ndparallel.techniques.technique_options import CompileOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import assert_matches, one_process_reference
@@ -50,7 +50,7 @@ def _check(layout, world, setup=BASE, **parallel_kwargs):
     ids=["tiled", "tiled+ac", "ac+offload", "tiled+ac+offload", "selective-ac"],
 )
 def test_one_process(options):
-    _check(None, 1, fsdp_options=FSDPOptions(**options))
+    _check(None, 1, activation_options=ActivationOptions(**options))
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
@@ -58,29 +58,29 @@ def test_fsdp2_cp2(strategy):
     _check(
         {"dp_shard_size": 2, "cp_size": 2},
         4,
-        fsdp_options=FSDPOptions(**BOTH),
+        activation_options=ActivationOptions(**BOTH),
         cp_options=CPOptions(comm_strategy=strategy),
     )
 
 
 @pytest.mark.parametrize("offloading", [False, True], ids=["device", "offloaded"])
 def test_selective_ac_fsdp2_cp2(offloading):
-    options = FSDPOptions(**SELECTIVE, activation_offloading=offloading)  # offloaded: all a layer saves
-    _check({"dp_shard_size": 2, "cp_size": 2}, 4, fsdp_options=options)
+    options = ActivationOptions(**SELECTIVE, activation_offloading=offloading)  # offloaded: all a layer saves
+    _check({"dp_shard_size": 2, "cp_size": 2}, 4, activation_options=options)
 
 
 def test_tp2_sequence_parallel_cp2():
     _check(
         {"tp_size": 2, "cp_size": 2},
         4,
-        fsdp_options=FSDPOptions(**BOTH),
+        activation_options=ActivationOptions(**BOTH),
         tp_options=TPOptions(sequence_parallel=True, loss_parallel=True),
     )
 
 
 def test_lora_fsdp2():
     setup = dataclasses.replace(BASE, adapter={"r": 4, "alpha": 8, "target_linear": True})
-    _check({"dp_shard_size": 2}, 2, setup=setup, fsdp_options=FSDPOptions(**BOTH))
+    _check({"dp_shard_size": 2}, 2, setup=setup, activation_options=ActivationOptions(**BOTH))
 
 
 def _train_counting_graphs(setup, layout):
@@ -95,7 +95,7 @@ def test_compile_fsdp2():
     setup = dataclasses.replace(
         BASE,
         parallel_kwargs={
-            "fsdp_options": FSDPOptions(**BOTH),
+            "activation_options": ActivationOptions(**BOTH),
             "compile_options": CompileOptions(enabled=True, backend="aot_eager"),
         },
     )
@@ -110,7 +110,7 @@ def test_compile_tp2_sequence_parallel():
     setup = dataclasses.replace(
         BASE,
         parallel_kwargs={
-            "fsdp_options": FSDPOptions(**TILED),
+            "activation_options": ActivationOptions(**TILED),
             "tp_options": TPOptions(sequence_parallel=True),
             "compile_options": CompileOptions(enabled=True, backend="aot_eager"),
         },
@@ -136,7 +136,7 @@ def test_fsdp_gathers_once_per_layer_and_tp_collectives_run_per_tile():
     """FSDP2: the same all-gathers and reduce-scatters with 3 tiles as without (a layer is gathered
     once, not per tile). TP + SP: the MLP's all-gather / reduce-scatter run once per tile."""
     plain = dataclasses.replace(BASE, parallel_kwargs={})
-    tiled = dataclasses.replace(BASE, parallel_kwargs={"fsdp_options": FSDPOptions(**TILED)})
+    tiled = dataclasses.replace(BASE, parallel_kwargs={"activation_options": ActivationOptions(**TILED)})
     fsdp = [run_on_ranks(_collectives, 2, s, {"dp_shard_size": 2})[0] for s in (plain, tiled)]
     assert fsdp[0] == fsdp[1], fsdp
     sp = dict(tp_options=TPOptions(sequence_parallel=True))

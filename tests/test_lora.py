@@ -7,8 +7,9 @@ import peft  # noqa: F401  (imported once before the ranks fork)
 import pytest
 import torch
 
+import faults
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import FSDPOptions, TPOptions
+from ndparallel.parallel.options import ActivationOptions, TPOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import assert_differs, assert_matches, one_process_reference
 from ndparallel.tools.equivalence import (
@@ -75,7 +76,7 @@ def test_hsdp_2x2_with_activation_checkpointing():
     _check(
         {"dp_replicate_size": 2, "dp_shard_size": 2},
         4,
-        fsdp_options=FSDPOptions(activation_checkpointing=True),
+        activation_options=ActivationOptions(activation_checkpointing=True),
     )
 
 
@@ -109,8 +110,8 @@ def test_fsdp2_cp2_tp2_8_ranks():
     )
 
 
-def test_a_broken_run_fails_the_check():
+def test_a_broken_run_fails_the_check(monkeypatch):
     """Negative control: gradients never reduced over FSDP ranks give another adapter."""
-    setup = dataclasses.replace(BASE, fault="skip-grad-sync")
-    ref, got, _ = _diffs(setup, {"dp_shard_size": 2}, 2)
+    faults.skip_grad_sync(monkeypatch)
+    ref, got, _ = _diffs(BASE, {"dp_shard_size": 2}, 2)
     assert_differs(ref, got)

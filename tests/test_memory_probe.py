@@ -70,7 +70,8 @@ def test_offloaded_layer_inputs_are_host_memory():
 
 
 def test_rmsnorm_backward_holds_five_fp32_copies_of_its_input():
-    """What ``plan/layer_backward.py: norm_backward_per_token`` counts (``20·h`` per token): HF's RMSNorm
+    """What ``plan/memory/activations.py: norm_backward_per_token`` counts (``20·h`` per token):
+    HF's RMSNorm
     (fp32 inside, bf16 weight as under FSDP's param dtype) allocates in its backward, alive at once
     at the peak, five fp32 ``[T, h]`` tensors — the gradient through ``x·rsqrt``, the mean's
     expanded gradient, and pow's ``x¹``, ``2·x¹`` and product — plus per-token and per-channel

@@ -134,20 +134,22 @@ def test_flops_count_active_experts(name):
 
 
 def test_planner_moe_presets_and_layouts():
-    from ndparallel.plan.cli_arguments import parse_layout
+    from ndparallel.plan.cli.explain_keys import parse_layout
+    from ndparallel.plan.cli.report import train_config
     from ndparallel.plan.hardware import get_preset
-    from ndparallel.plan.layout import Settings, structural_rejections
-    from ndparallel.plan.memory import estimate_memory
+    from ndparallel.plan.memory.peak import estimate_memory
     from ndparallel.plan.models import PRESETS
-    from ndparallel.plan.report import train_config
-    from ndparallel.plan.search import PlanRequest, plan
+    from ndparallel.plan.search.evaluation import plan
+    from ndparallel.plan.search.layouts import structural_rejections
+    from ndparallel.plan.search.request import PlanRequest
+    from ndparallel.plan.settings import Settings
 
     small, big = PRESETS["qwen3-30b-a3b"], PRESETS["qwen3-235b-a22b"]
     assert round(small.num_params / 1e9, 1) == 30.5 and round(small.active_params / 1e9, 1) == 3.4
     assert round(big.num_params / 1e9) == 235 and round(big.active_params / 1e9) == 22
     layout, _ = parse_layout("1x8x1x1+ep8")
     assert layout == ParallelDims(dp_shard=8, ep=8)
-    s = Settings(seq_len=4096, checkpointing=True)
+    s = Settings(sequence_len=4096, activation_checkpointing=True)
     hw = get_preset("h100-80gb")
     # Expert weights per rank: all 128 experts sharded over 8 (FSDP) = 16 whole experts (EP 8)
     assert estimate_memory(small, layout, s, hw).params == pytest.approx(
@@ -156,26 +158,26 @@ def test_planner_moe_presets_and_layouts():
     assert [
         c for c, _ in structural_rejections(ParallelDims(dp_shard=2, ep=2), PRESETS["llama-3.1-8b"], 2, 8, s)
     ] == ["ep_dense"]
-    result = plan(PlanRequest.of(big, hw, gpus=64, seq_len=4096))
+    result = plan(PlanRequest.of(big, hw, gpus=64, sequence_len=4096))
     best = result.ranked[0]
     assert best.layout.ep > 1 and best.best.fits  # 235B-A22B on 64: expert parallel wins
     assert train_config(best.best, result)["expert_parallel_size"] == best.layout.ep
-    ranked_eps = {r.layout.ep for r in plan(PlanRequest.of(small, hw, gpus=8, seq_len=4096)).ranked}
+    ranked_eps = {r.layout.ep for r in plan(PlanRequest.of(small, hw, gpus=8, sequence_len=4096)).ranked}
     assert {1, 2, 4, 8} <= ranked_eps  # 30B-A3B on 8: every EP degree fits and is ranked
 
 
 def test_planner_all_to_all_bytes():
-    from ndparallel.plan.comms import predict_collectives
     from ndparallel.plan.models import PRESETS
+    from ndparallel.plan.time.comms import predict_collectives
 
     m = PRESETS["qwen3-30b-a3b"]
-    calls = predict_collectives(m, ParallelDims(dp_shard=8, ep=8), seq_len=4096, micro_batch=1)
+    calls = predict_collectives(m, ParallelDims(dp_shard=8, ep=8), sequence_len=4096, micro_batch_size=1)
     a2a = [c for c in calls if c.kind == "all_to_all" and c.mesh_dim == "ep"]
     tokens_in = 4096 * m.top_k * m.hidden * 2  # T·k rows of h bf16 values per rank
     assert [(c.bytes, c.count) for c in a2a] == [(tokens_in, 4 * m.layers), (8 * m.num_experts, m.layers)]
     experts = [c for c in calls if "(experts)" in c.what]
     assert experts == []  # ep = dp_shard·cp·tp: efsdp = 1, each rank holds its experts whole
-    fsdp_only = predict_collectives(m, ParallelDims(dp_shard=8), seq_len=4096)
+    fsdp_only = predict_collectives(m, ParallelDims(dp_shard=8), sequence_len=4096)
     assert {c.mesh_dim for c in fsdp_only if "(experts)" in c.what} == {"efsdp"}
 
 
@@ -198,14 +200,14 @@ def _ep_collectives():
 def test_all_to_all_calls_as_the_planner_predicts():
     """The runtime's all-to-alls on ``ep`` per micro-batch (split sizes + dispatch/combine, forward
     and backward, per MoE layer) = the planner's counts for the same model and layout."""
-    from ndparallel.plan.comms import predict_collectives
     from ndparallel.plan.models import from_hf_config
+    from ndparallel.plan.time.comms import predict_collectives
 
     got = {op: n for _dim, op, n in run_on_ranks(_ep_collectives, 2)[0]}
     spec = from_hf_config(preset_config("tiny-qwen3-moe").to_dict(), "tiny-qwen3-moe")
     predicted = sum(
         c.count
-        for c in predict_collectives(spec, ParallelDims(dp_shard=2, ep=2), seq_len=32)
+        for c in predict_collectives(spec, ParallelDims(dp_shard=2, ep=2), sequence_len=32)
         if c.mesh_dim == "ep"
     )
     assert got == {"all_to_all": predicted} and predicted == 5 * spec.layers

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import faults
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import FSDPOptions, TPOptions
+from ndparallel.parallel.options import ActivationOptions, TPOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import assert_differs, assert_matches, model_floor, one_process_reference
 from ndparallel.tools.equivalence import TrainSetup, train_under_layout
@@ -154,14 +155,16 @@ def test_gpt_oss_under_tp_is_refused_before_sharding():
 def test_ep_with_accumulation_and_checkpointing():
     setup = dataclasses.replace(QWEN, grad_accum=2)
     _check(
-        setup, 2, {"dp_shard_size": 2, "ep_size": 2}, fsdp_options=FSDPOptions(activation_checkpointing=True)
+        setup,
+        2,
+        {"dp_shard_size": 2, "ep_size": 2},
+        activation_options=ActivationOptions(activation_checkpointing=True),
     )
 
 
-def test_tokens_sent_to_the_wrong_expert_rank_fail_the_check():
-    assert_differs(
-        *_run(dataclasses.replace(QWEN, fault="wrong-expert-rank"), 2, {"dp_shard_size": 2, "ep_size": 2})
-    )
+def test_tokens_sent_to_the_wrong_expert_rank_fail_the_check(monkeypatch):
+    faults.wrong_expert_rank(monkeypatch)
+    assert_differs(*_run(QWEN, 2, {"dp_shard_size": 2, "ep_size": 2}))
 
 
 def test_lora_on_moe_equals_one_process():

@@ -157,16 +157,17 @@ def test_checkpoint_resumes_on_another_layout(tmp_path):
 def test_planner_states_one_momentum_for_matrices_two_moments_for_the_rest():
     """70B on FSDP 8 x TP 2: Muon's states = 4 B x every parameter + 4 B more on the embedding and
     head units (AdamW's second moment); its step gathers the largest hidden matrix whole."""
-    from ndparallel.plan.comms import unit_numels
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.hardware import PRESETS as HW
-    from ndparallel.plan.layout import Layout, Settings
-    from ndparallel.plan.memory import estimate_memory
+    from ndparallel.plan.memory.peak import estimate_memory
     from ndparallel.plan.models import PRESETS, fsdp_units
     from ndparallel.plan.muon_cost import newton_schulz_seconds, step_temporaries
+    from ndparallel.plan.settings import Settings
+    from ndparallel.plan.time.comms import unit_numels
 
-    model, layout, hw = PRESETS["llama-3.1-70b"], Layout(dp_shard=8, tp=2), HW["h100-80gb"]
+    model, layout, hw = PRESETS["llama-3.1-70b"], ParallelDims(dp_shard=8, tp=2), HW["h100-80gb"]
     mem = {
-        o: estimate_memory(model, layout, Settings(seq_len=4096, optimizer=o), hw).optimizer
+        o: estimate_memory(model, layout, Settings(sequence_len=4096, optimizer=o), hw).optimizer
         for o in ("adamw", "muon", "sgd")
     }
     numels = unit_numels(model, layout.tp, layout.fsdp, layout)

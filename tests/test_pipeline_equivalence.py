@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 import torch
 
+import faults
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import CPOptions, FSDPOptions, PipelineOptions, TPOptions
+from ndparallel.parallel.options import ActivationOptions, CPOptions, FSDPOptions, PipelineOptions, TPOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import assert_differs, assert_matches, one_process_reference
 from ndparallel.tools.equivalence import TrainSetup, train_under_layout
@@ -60,7 +61,7 @@ CASES = {  # name: (model, layout, schedule, extra strategy options, pipeline mi
         "llama_tied",
         {"pp_size": 2},
         "1F1B",
-        {"fsdp_options": FSDPOptions(activation_checkpointing=True)},
+        {"activation_options": ActivationOptions(activation_checkpointing=True)},
         None,
     ),
     "pp2_cp2_ulysses": (
@@ -76,7 +77,7 @@ CASES = {  # name: (model, layout, schedule, extra strategy options, pipeline mi
         "Interleaved1F1B",
         {
             "tp_options": TPOptions(sequence_parallel=True),
-            "fsdp_options": FSDPOptions(
+            "activation_options": ActivationOptions(
                 activation_checkpointing=True, ac_policy="selective", activation_offloading=True
             ),
         },
@@ -175,11 +176,12 @@ def test_pp2_interleaved_loads_the_model_from_disk(tmp_path):
     assert_matches(ref, got)
 
 
-def test_unsummed_tied_gradients_are_caught():
+def test_unsummed_tied_gradients_are_caught(monkeypatch):
     """The negative control: the two stage copies of a tied embedding updated from their own
     gradients only train a different model, and the comparison says so."""
-    broken = dataclasses.replace(pipelined("llama_tied", "1F1B"), fault="unsummed-tied-grads")
-    got = run_on_ranks(train_under_layout, 2, broken, {"pp_size": 2})[0]
+    reference("llama_tied")
+    faults.unsummed_tied_grads(monkeypatch)
+    got = run_on_ranks(train_under_layout, 2, pipelined("llama_tied", "1F1B"), {"pp_size": 2})[0]
     assert_differs(reference("llama_tied"), got)
 
 
@@ -201,13 +203,18 @@ def test_bad_pipeline_layouts_fail_before_training():
 
 def _planned_reductions(unsharded: bool, grad_accum: int) -> int:
     """The planner's reduce-scatters per step on the first stage's rank of the same run."""
-    from ndparallel.plan.comms import collectives_for
-    from ndparallel.plan.layout import Layout, Settings
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.models import from_hf_config
-    from ndparallel.plan.pipeline_estimate import pp_rank
+    from ndparallel.plan.pipeline.pipeline_estimate import pp_rank
+    from ndparallel.plan.settings import Settings
+    from ndparallel.plan.time.comms import collectives_for
 
-    spec, layout = from_hf_config(MODELS["llama"].to_dict()), Layout(pp=2, dp_shard=2)
-    s = Settings(seq_len=BASE["seq_len"], grad_accum=grad_accum, unsharded_grad_accumulation=unsharded)
+    spec, layout = from_hf_config(MODELS["llama"].to_dict()), ParallelDims(pp=2, dp_shard=2)
+    s = Settings(
+        sequence_len=BASE["seq_len"],
+        gradient_accumulation_steps=grad_accum,
+        unsharded_grad_accumulation=unsharded,
+    )
     _, part, rank_s = pp_rank(spec, layout, s, 0)
     return sum(c.count for c in collectives_for(part, layout, rank_s) if c.kind == "reduce_scatter")
 

@@ -15,6 +15,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
+import faults  # noqa: E402
 from cli_helpers import train_on_forked_ranks  # noqa: E402
 
 BASE = {
@@ -205,7 +206,7 @@ def test_bad_pipelines_fail_before_launch(tmp_path, capsys, fields, words):
     assert words in err and "Traceback" not in err, err
 
 
-def test_verify_proves_an_interleaved_pipeline_and_catches_unsummed_tied_gradients(capsys):
+def test_verify_proves_an_interleaved_pipeline_and_catches_unsummed_tied_gradients(capsys, monkeypatch):
     """``ndparallel verify`` on the pipeline example, cut to PP 2 × 2 virtual stages (the shrunk
     model gets a layer per stage): PASS; with the tied embedding copies left unsummed: FAIL."""
     from ndparallel.cli.commands import run_verify
@@ -219,5 +220,7 @@ def test_verify_proves_an_interleaved_pipeline_and_catches_unsummed_tied_gradien
     ]
     assert run_verify([example, "--steps", "2", *sets]) == 0
     assert "PASS" in capsys.readouterr().out
-    assert run_verify([example, "--steps", "2", *sets, "--inject-fault", "unsummed-tied-grads"]) == 1
+    faults.unrecorded(monkeypatch)
+    faults.unsummed_tied_grads(monkeypatch)
+    assert run_verify([example, "--steps", "2", *sets]) == 1
     assert "FAIL" in capsys.readouterr().out

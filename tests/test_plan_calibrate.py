@@ -5,13 +5,14 @@ import json
 
 import pytest
 
-from ndparallel.plan.calibrate import calibrate, fit_alpha_beta
-from ndparallel.plan.cli import main
-from ndparallel.plan.gemm import gemm_shapes
+from ndparallel.layout.dims import ParallelDims
+from ndparallel.plan.calibrate.measure import calibrate, fit_alpha_beta
+from ndparallel.plan.cli.main import main
 from ndparallel.plan.hardware import Hardware, load_hardware_file
-from ndparallel.plan.layout import Layout, Settings
-from ndparallel.plan.links import collective_time
 from ndparallel.plan.models import PRESETS
+from ndparallel.plan.settings import Settings
+from ndparallel.plan.time.gemm import gemm_shapes
+from ndparallel.plan.time.links import collective_time
 
 
 @pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce", "send_recv"])
@@ -34,7 +35,7 @@ def test_quick_cpu_calibration_feeds_the_planner(tmp_path, capsys):
     assert all(v["2"]["bus_bw"] > 0 for v in hw.collectives.values())
     # every GEMM shape of the tiny model at 2 × 64 tokens (tp 1) was timed
     measured = {(r["m"], r["n"], r["k"]) for r in hw.gemm_table}
-    assert measured == set(gemm_shapes(PRESETS["tiny"], Layout(), Settings(64, 2)))
+    assert measured == set(gemm_shapes(PRESETS["tiny"], ParallelDims(), Settings(64, 2)))
     assert all(r["flops_per_s"] > 0 for r in hw.gemm_table)
     assert "16" in hw.attention_efficiency and all(x > 0 for x in hw.attention_efficiency["16"])
     assert set(hw.cp_block_efficiency) == {"math", "flash"}
@@ -46,7 +47,7 @@ def test_quick_cpu_calibration_feeds_the_planner(tmp_path, capsys):
     assert (
         main(
             [
-                "--model",
+                "--base-model",
                 "tiny",
                 "--gpus",
                 "2",
@@ -54,7 +55,7 @@ def test_quick_cpu_calibration_feeds_the_planner(tmp_path, capsys):
                 "2",
                 "--hardware-file",
                 str(path),
-                "--seq-len",
+                "--sequence-len",
                 "256",
                 "--global-batch-size",
                 "8",
@@ -79,11 +80,11 @@ def test_one_rank_calibration_keeps_link_figures(tmp_path, capsys):
                 "--calibrate-ranks",
                 "1",
                 "--quick",
-                "--model",
+                "--base-model",
                 "tiny",
-                "--seq-len",
+                "--sequence-len",
                 "64",
-                "--micro-batch",
+                "--micro-batch-size",
                 "2",
                 "--calibrate-out",
                 str(out),
@@ -100,15 +101,15 @@ def test_one_rank_calibration_keeps_link_figures(tmp_path, capsys):
     assert (
         main(
             [
-                "--model",
+                "--base-model",
                 "tiny",
                 "--gpus",
                 "1",
                 "--hardware-file",
                 str(out),
-                "--seq-len",
+                "--sequence-len",
                 "64",
-                "--micro-batch",
+                "--micro-batch-size",
                 "2",
                 "--global-batch-size",
                 "2",

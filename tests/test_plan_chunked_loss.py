@@ -2,10 +2,10 @@
 
 The held-out shapes of ``bench/simulate_heldout.py`` (issue 50) found the planner one chunk of
 fp32 logits over in fp32 (+17.9 % of a rank's tensor peak with a 64k vocabulary at hidden 256):
-``plan.loss_memory.chunk_logit_bytes`` counted a compute-dtype copy of the logits that fp32 never makes.
+``plan/memory/logits.py: chunk_logit_bytes`` counted a compute-dtype copy of the logits that fp32 never makes.
 Here the loss's forward + backward runs under ``LiveBytes`` (tensor storage alive, what ``simulate``
 measures on CPU) at a large-vocabulary shape, in fp32 and bf16, and its peak is compared with the
-planner's chunked-loss bytes (``_logits_bytes`` less the final norm's tensors, which this call does
+planner's chunked-loss bytes (``logits_bytes`` less the final norm's tensors, which this call does
 not run). The planner's term is a bound of the named tensors; what it leaves out is small per token
 (the loss's per-token fp32 vectors: max, sum-exp, targets, masks, ~40 B per token): the stated
 tolerance is 3 % of the term, the two vocab-sized chunk buffers being ≥ 97 % of it at this shape.
@@ -16,9 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ndparallel.plan.layout import Layout, Settings
-from ndparallel.plan.memory import _logits_bytes
+from ndparallel.layout.dims import ParallelDims
+from ndparallel.plan.memory.logits import logits_bytes
 from ndparallel.plan.models import from_hf_config
+from ndparallel.plan.settings import Settings
 from ndparallel.runtime.memory_probe import LiveBytes
 from ndparallel.techniques.chunked_ce import chunked_linear_cross_entropy
 
@@ -37,11 +38,15 @@ def _planned(dtype: str, chunk: int | None = None) -> float:
         )
     )
     s = Settings(
-        seq_len=TOKENS, micro_batch=1, mixed_precision=dtype, loss_impl="chunked", loss_chunk_tokens=chunk
+        sequence_len=TOKENS,
+        micro_batch_size=1,
+        mixed_precision=dtype,
+        chunked_loss=True,
+        loss_chunk_tokens=chunk,
     )
     e = s.act_bytes
     final_norm_and_head_input = TOKENS * ((4 + e) * HIDDEN + 4 + e * HIDDEN)
-    return _logits_bytes(spec, Layout(), s, TOKENS) - final_norm_and_head_input
+    return logits_bytes(spec, ParallelDims(), s, TOKENS) - final_norm_and_head_input
 
 
 def _measured(dtype: torch.dtype, chunk: int | None = None) -> int:

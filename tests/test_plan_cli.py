@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from ndparallel.plan.cli import main
+from ndparallel.plan.cli.main import main
 
-BASE = ["--model", "llama-3.2-1b", "--gpus", "8", "--seq-len", "2048"]
+BASE = ["--base-model", "llama-3.2-1b", "--gpus", "8", "--sequence-len", "2048"]
 
 
 def _run(argv) -> int:
@@ -23,16 +23,16 @@ def _run(argv) -> int:
 @pytest.mark.parametrize(
     "extra, flag",
     [
-        (["--seq-len", "0"], "--seq-len"),
-        (["--seq-len", "-5"], "--seq-len"),
+        (["--sequence-len", "0"], "--sequence-len"),
+        (["--sequence-len", "-5"], "--sequence-len"),
         (["--gpus-per-node", "0"], "--gpus-per-node"),
         (["--gpus", "12"], "--gpus 12 with --gpus-per-node 8"),
         (["--gpus", "0"], "--gpus"),
         (["--global-batch-size", "0"], "--global-batch-size"),
         (["--global-batch-tokens", "-2048"], "--global-batch-tokens"),
         (["--global-batch-tokens", "3000"], "--global-batch-tokens"),
-        (["--micro-batch", "0"], "--micro-batch"),
-        (["--micro-batch", "two"], "--micro-batch"),
+        (["--micro-batch-size", "0"], "--micro-batch-size"),
+        (["--micro-batch-size", "two"], "--micro-batch-size"),
         (["--matmul-efficiency", "7"], "--matmul-efficiency"),
         (["--matmul-efficiency", "0"], "--matmul-efficiency"),
         (["--peak-tflops", "-3"], "--peak-tflops"),
@@ -46,9 +46,9 @@ def _run(argv) -> int:
         (["--loss-chunk-tokens", "0"], "--loss-chunk-tokens"),
         (["--write-config", "/no/such/dir/plan.yaml"], "--write-config"),
         (["--hardware-file", "/no/such/hw.json"], "--hardware-file"),
-        (["--seq-len", "abc"], "--seq-len"),
+        (["--sequence-len", "abc"], "--sequence-len"),
         (["--explain", "zz=2"], "zz"),
-        (["--explain", "pp=2,ds=4,schedule=Fast"], "schedule"),
+        (["--explain", "pipeline_parallel_size=2,dp_shard_size=4,pipeline_schedule=Fast"], "schedule"),
         (["--pipeline-schedule", "Fast"], "--pipeline-schedule"),
         (["--pipeline-virtual-stages", "0"], "--pipeline-virtual-stages"),
     ],
@@ -64,13 +64,13 @@ def test_bad_flag_one_line_exit_2(extra, flag, capsys):
 
 def test_bad_flag_through_main_cli_no_traceback():
     proc = subprocess.run(
-        [sys.executable, "-m", "ndparallel", "plan", *BASE, "--seq-len", "0"],
+        [sys.executable, "-m", "ndparallel", "plan", *BASE, "--sequence-len", "0"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "ndparallel plan: error: --seq-len 0: must be a whole number >= 1"
+    assert proc.stderr.strip() == "ndparallel plan: error: --sequence-len 0: must be a whole number >= 1"
 
 
 def test_gpu_mem_bare_number_is_gib(capsys):
@@ -96,20 +96,24 @@ def test_write_config_into_a_directory_is_refused(tmp_path, capsys):
 
 
 def test_help_groups_the_flags_by_concern():
-    """Each generated flag sits in the ``--help`` group its field declares (``plan/field_marks.py``),
-    next to the hand-written flags of the same concern, the groups in ``GROUPS``' order."""
+    """Each run flag sits in the ``--help`` group the flag table gives it (``plan/cli/flags.py``),
+    next to the other flags of the same concern, the groups in ``GROUPS``' order."""
     import re
 
-    from ndparallel.plan.cli import make_parser
-    from ndparallel.plan.field_marks import GROUPS
+    from ndparallel.plan.cli.flags import GROUPS
+    from ndparallel.plan.cli.parser import make_parser
 
     text = make_parser().format_help()
     starts = [text.index(f"\n{g}:\n") for g in GROUPS]
     assert starts == sorted(starts)
     sections = dict(zip(GROUPS, (text[a:b] for a, b in zip(starts, [*starts[1:], len(text)]))))
     expected = {
-        "batch, checkpointing and precision": ["--seq-len", "--micro-batch", "--activation-checkpointing"],
-        "communication and kernels": ["--no-sequence-parallel", "--cp-strategy", "--cp-kernel"],
+        "batch, checkpointing and precision": [
+            "--sequence-len",
+            "--micro-batch-size",
+            "--activation-checkpointing",
+        ],
+        "communication and kernels": ["--sequence-parallel", "--cp-comm-strategy", "--cp-kernel"],
         "adapters and quantisation": ["--qat", "--adapter", "--lora-r"],
         "long context": ["--tiled-mlp", "--tiled-mlp-num-shards", "--activation-offloading", "--host-mem"],
         "pipeline": ["--pipeline-schedule", "--pipeline-virtual-stages", "--no-pipeline-parallel"],
@@ -117,3 +121,53 @@ def test_help_groups_the_flags_by_concern():
     for group, flags in expected.items():
         found = set(re.findall(r"^  (--[a-z-]+)", sections[group], re.M))
         assert set(flags) <= found, (group, found)
+
+
+def test_help_shows_the_training_configs_keys():
+    """Every run flag of ``plan --help`` is a training config's key (``--sequence-len`` for
+    ``sequence_len``), or one of the few the planner names otherwise, each with its reason
+    (``Settings``' ``NAMED_OTHERWISE``); the older spellings are not shown."""
+    import re
+
+    from ndparallel.config.fields import FSDPConfig
+    from ndparallel.config.schema import TrainConfig
+    from ndparallel.plan.cli.flags import DEPRECATED, FLAGS
+    from ndparallel.plan.cli.parser import make_parser
+    from ndparallel.plan.settings import NAMED_OTHERWISE
+
+    yaml_keys = set(TrainConfig.model_fields) | set(FSDPConfig.model_fields)
+    text = make_parser().format_help()
+    for flag in FLAGS:
+        assert flag.option in text
+        assert flag.key in yaml_keys or flag.key in NAMED_OTHERWISE, flag.key
+    assert "--base-model" in text and not set(DEPRECATED) & set(re.findall(r"--[a-z-]+", text))
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (["--model", "llama-3.2-1b"], ["--base-model", "llama-3.2-1b"]),
+        (["--seq-len", "1024"], ["--sequence-len", "1024"]),
+        (["--micro-batch", "2"], ["--micro-batch-size", "2"]),
+        (["--cp-strategy=allgather"], ["--cp-comm-strategy=allgather"]),
+        (["--loss-impl", "full"], ["--no-chunked-loss"]),
+        (["--fused-adamw"], ["--optimizer", "adamw_torch_fused"]),
+    ],
+)
+def test_todays_spellings_still_work_with_a_note(old, new, capsys):
+    """An older flag gives the same answer as its new spelling, and says once which that is."""
+    argv = ["--gpus", "8", "--json", "--top", "1"]
+    base = [] if "--model" in old else ["--base-model", "llama-3.2-1b"]
+    assert main(base + new + argv) == 0
+    want = capsys.readouterr()
+    assert want.err == ""
+    assert main(base + old + argv) == 0
+    got = capsys.readouterr()
+    assert got.out == want.out
+    name = old[0].split("=")[0]
+    said = {
+        "--loss-impl": "--chunked-loss / --no-chunked-loss",
+        "--fused-adamw": "--optimizer adamw_torch_fused",
+    }
+    use = said.get(name, new[0].split("=")[0])
+    assert got.err == f"ndparallel plan: note: {name} is deprecated: use {use} (the training config's key)\n"

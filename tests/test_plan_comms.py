@@ -3,17 +3,17 @@ placement, alpha-beta costs."""
 
 import pytest
 
-from ndparallel.plan.comms import aggregate, predict_collectives
+from ndparallel.layout.dims import ParallelDims
 from ndparallel.plan.hardware import Hardware
-from ndparallel.plan.layout import Layout
-from ndparallel.plan.links import collective_time, group_is_intra_node
 from ndparallel.plan.models import PRESETS
+from ndparallel.plan.time.comms import aggregate, predict_collectives
+from ndparallel.plan.time.links import collective_time, group_is_intra_node
 
 TINY = PRESETS["tiny"]  # layer 36,992 params; embed 16,384; final (norm + lm_head) 16,448
 
 
 def test_fsdp_only():
-    got = aggregate(predict_collectives(TINY, Layout(dp_shard=2), seq_len=32))
+    got = aggregate(predict_collectives(TINY, ParallelDims(dp_shard=2), sequence_len=32))
     assert got == {
         # layer shard 18,496 elements: bf16 all-gather x2 (fwd, bwd) x 2 layers
         ("all_gather", "dp_shard_cp", 18_496 * 2): 4,
@@ -30,20 +30,30 @@ def test_grad_accum_and_no_reshard_scale_counts():
     # the replica all-reduce runs once per step. With unsharded_grad_accumulation the
     # reduce-scatter too waits for the last micro-batch.
     got = aggregate(
-        predict_collectives(TINY, Layout(dp_shard=2), seq_len=32, grad_accum=3, reshard_after_forward=False)
+        predict_collectives(
+            TINY,
+            ParallelDims(dp_shard=2),
+            sequence_len=32,
+            gradient_accumulation_steps=3,
+            reshard_after_forward=False,
+        )
     )
     assert got[("all_gather", "dp_shard_cp", 18_496 * 2)] == 2 * 3
     assert got[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2 * 3
-    hsdp = aggregate(predict_collectives(TINY, Layout(dp_replicate=2, dp_shard=2), seq_len=32, grad_accum=3))
+    hsdp = aggregate(
+        predict_collectives(
+            TINY, ParallelDims(dp_replicate=2, dp_shard=2), sequence_len=32, gradient_accumulation_steps=3
+        )
+    )
     assert hsdp[("all_gather", "dp_shard_cp", 18_496 * 2)] == 4 * 3
     assert hsdp[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2 * 3
     assert hsdp[("all_reduce", "dp_replicate", 18_496 * 4)] == 2
     unsharded = aggregate(
         predict_collectives(
             TINY,
-            Layout(dp_replicate=2, dp_shard=2),
-            seq_len=32,
-            grad_accum=3,
+            ParallelDims(dp_replicate=2, dp_shard=2),
+            sequence_len=32,
+            gradient_accumulation_steps=3,
             unsharded_grad_accumulation=True,
         )
     )
@@ -52,20 +62,20 @@ def test_grad_accum_and_no_reshard_scale_counts():
 
 
 def test_ddp_and_hsdp():
-    ddp = aggregate(predict_collectives(TINY, Layout(dp_replicate=2), seq_len=32))
+    ddp = aggregate(predict_collectives(TINY, ParallelDims(dp_replicate=2), sequence_len=32))
     assert ddp == {
         ("all_reduce", "dp_replicate", 36_992 * 4): 2,
         ("all_reduce", "dp_replicate", 16_384 * 4): 1,
         ("all_reduce", "dp_replicate", 16_448 * 4): 1,
     }
-    hsdp = aggregate(predict_collectives(TINY, Layout(dp_replicate=2, dp_shard=2), seq_len=32))
+    hsdp = aggregate(predict_collectives(TINY, ParallelDims(dp_replicate=2, dp_shard=2), sequence_len=32))
     assert hsdp[("all_reduce", "dp_replicate", 18_496 * 4)] == 2  # the reduced shard
     assert hsdp[("reduce_scatter", "dp_shard_cp", 36_992 * 4)] == 2
 
 
 def test_tensor_parallel_sequence_parallel():
     # 32 tokens x h=64 x bf16: full 4096 B, sequence shard 2048 B.
-    got = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32))
+    got = aggregate(predict_collectives(TINY, ParallelDims(tp=2), sequence_len=32))
     assert got == {
         # 2 pairs x 2 layers x (fwd, bwd, the saved input shard re-gathered in bwd) + emb, head
         ("all_gather", "tp", 2048): 2 * 2 * 3 + 2,
@@ -73,82 +83,99 @@ def test_tensor_parallel_sequence_parallel():
         # 3 loss-parallel fp32 stats (32 tokens x 4 B) + 5 norm-weight grads (64 x bf16)
         ("all_reduce", "tp", 128): 3 + 5,
     }
-    ck = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, checkpointing=True))
+    ck = aggregate(
+        predict_collectives(TINY, ParallelDims(tp=2), sequence_len=32, activation_checkpointing=True)
+    )
     assert ck[("all_gather", "tp", 2048)] == 10 + 4  # recomputed forward repeats the layers' own
 
 
 def test_tensor_parallel_without_loss_parallel_gathers_logits():
-    got = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, loss_parallel=False))
+    got = aggregate(predict_collectives(TINY, ParallelDims(tp=2), sequence_len=32, loss_parallel=False))
     # 32 tokens x 128 local vocab x bf16; no loss-parallel statistics (only 5 norm grads remain)
     assert got[("all_gather", "tp", 32 * 128 * 2)] == 1
     assert got[("all_reduce", "tp", 128)] == 5
 
 
 def test_tensor_parallel_all_reduce():
-    got = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, sequence_parallel=False))
+    got = aggregate(predict_collectives(TINY, ParallelDims(tp=2), sequence_len=32, sequence_parallel=False))
     # fwd: 2 rowwise outputs per layer; bwd: one per block input (attention, MLP), checked against
     # the runtime by tests/test_plan_vs_runtime.py; + embedding fwd, LM-head input grad bwd.
     assert got == {("all_reduce", "tp", 4096): 2 * 2 + 2 * 2 + 2, ("all_reduce", "tp", 128): 3}
     ck = aggregate(
-        predict_collectives(TINY, Layout(tp=2), seq_len=32, sequence_parallel=False, checkpointing=True)
+        predict_collectives(
+            TINY, ParallelDims(tp=2), sequence_len=32, sequence_parallel=False, activation_checkpointing=True
+        )
     )
     assert ck[("all_reduce", "tp", 4096)] == 10 + 2  # recompute: attention output only
 
 
 def test_checkpointing_recompute_skips_mlp_output_reduction():
-    ck = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, checkpointing=True))
+    ck = aggregate(
+        predict_collectives(TINY, ParallelDims(tp=2), sequence_len=32, activation_checkpointing=True)
+    )
     assert ck[("reduce_scatter", "tp", 4096)] == 10 + 2
 
 
 def test_context_parallel_allgather():
-    got = aggregate(predict_collectives(TINY, Layout(cp=2), seq_len=32, cp_strategy="allgather"))
+    got = aggregate(
+        predict_collectives(TINY, ParallelDims(cp=2), sequence_len=32, cp_comm_strategy="allgather")
+    )
     # per layer: local K/V (2048 B bf16) gathered once, fp32 dK/dV of both ranks reduce-scattered
     assert got[("all_gather", "cp", 2048)] == 2
     assert got[("reduce_scatter", "cp", 2 * 4096)] == 2
     assert not any(k[0] == "send_recv" for k in got)
     with pytest.raises(ValueError):
-        predict_collectives(TINY, Layout(cp=2), seq_len=32, cp_strategy="spiral")
+        predict_collectives(TINY, ParallelDims(cp=2), sequence_len=32, cp_comm_strategy="spiral")
 
 
 def test_context_parallel_ulysses():
     """Ulysses: per layer and pass, one all-to-all of Q,K,V (16 tokens per rank × (4 + 2·2) heads
     × 16 × bf16) and one of the output (16 × 4 × 16 × 2 B), forward and backward; positions
     (int32) all-gathered per forward. K/V heads are raised to cp when fewer (replicated)."""
-    got = aggregate(predict_collectives(TINY, Layout(cp=2), seq_len=32, cp_strategy="ulysses"))
+    got = aggregate(
+        predict_collectives(TINY, ParallelDims(cp=2), sequence_len=32, cp_comm_strategy="ulysses")
+    )
     got = {k: v for k, v in got.items() if k[1] == "cp"}  # FSDP over dp_shard_cp aside
     assert got == {("all_to_all", "cp", 4096): 4, ("all_to_all", "cp", 2048): 4, ("all_gather", "cp", 64): 2}
     ck = aggregate(
-        predict_collectives(TINY, Layout(cp=4), seq_len=32, cp_strategy="ulysses", checkpointing=True)
+        predict_collectives(
+            TINY,
+            ParallelDims(cp=4),
+            sequence_len=32,
+            cp_comm_strategy="ulysses",
+            activation_checkpointing=True,
+        )
     )
     # 8 tokens per rank, kv heads 2 -> 4 (replicated): 8 × (4 + 8) × 16 × 2; recompute: 3 passes
     assert ck[("all_to_all", "cp", 8 * 12 * 16 * 2)] == 6 and ck[("all_gather", "cp", 32)] == 4
 
 
 def test_ulysses_head_rule_rejects_layouts():
-    from ndparallel.plan.layout import Settings, structural_rejections
+    from ndparallel.plan.search.layouts import structural_rejections
+    from ndparallel.plan.settings import Settings
 
-    s = Settings(seq_len=64, cp_strategy="ulysses")
-    assert structural_rejections(Layout(cp=4), TINY, 4, 8, s) == []  # 4 heads, 2 kv heads
-    codes = [c for c, _ in structural_rejections(Layout(cp=8), TINY, 8, 8, s)]
+    s = Settings(sequence_len=64, cp_comm_strategy="ulysses")
+    assert structural_rejections(ParallelDims(cp=4), TINY, 4, 8, s) == []  # 4 heads, 2 kv heads
+    codes = [c for c, _ in structural_rejections(ParallelDims(cp=8), TINY, 8, 8, s)]
     assert codes == ["heads_cp"]
-    assert structural_rejections(Layout(cp=8), TINY, 8, 8, Settings(seq_len=64)) == []  # ring
+    assert structural_rejections(ParallelDims(cp=8), TINY, 8, 8, Settings(sequence_len=64)) == []  # ring
 
 
 def test_scalar_collectives():
     # the gradient norm: one fp32 all-reduce over the whole world, whatever the layout
     norm = ("all_reduce", "world", 4)
-    fsdp = aggregate(predict_collectives(TINY, Layout(dp_shard=2), seq_len=32, scalars=True))
+    fsdp = aggregate(predict_collectives(TINY, ParallelDims(dp_shard=2), sequence_len=32, scalars=True))
     assert fsdp[("all_reduce", "dp", 8)] == 1 and fsdp[norm] == 1
     tp32 = aggregate(
-        predict_collectives(TINY, Layout(tp=2), seq_len=32, scalars=True, mixed_precision="fp32")
+        predict_collectives(TINY, ParallelDims(tp=2), sequence_len=32, scalars=True, mixed_precision="fp32")
     )
     assert tp32[norm] == 1 and ("all_reduce", "dp", 8) not in tp32
-    both = aggregate(predict_collectives(TINY, Layout(dp_shard=2, tp=2), seq_len=32, scalars=True))
+    both = aggregate(predict_collectives(TINY, ParallelDims(dp_shard=2, tp=2), sequence_len=32, scalars=True))
     assert both[norm] == 1 and not any(k[1] in ("tp", "dp_shard_cp") and k[2] == 4 for k in both)
-    assert norm not in aggregate(predict_collectives(TINY, Layout(), seq_len=32, scalars=True))
+    assert norm not in aggregate(predict_collectives(TINY, ParallelDims(), sequence_len=32, scalars=True))
     assert not any(
         k[2] in (4, 8) and k[0] == "all_reduce"
-        for k in aggregate(predict_collectives(TINY, Layout(dp_replicate=2), seq_len=32))
+        for k in aggregate(predict_collectives(TINY, ParallelDims(dp_replicate=2), sequence_len=32))
     )
     # the step loss: one fp32 all-reduce over dp_cp when dp·cp > 1
     assert fsdp[("all_reduce", "dp_cp", 4)] == 1
@@ -157,35 +184,37 @@ def test_scalar_collectives():
 
 def test_context_parallel_ring():
     # 16 tokens per rank; K+V: 2 x 16 x kv 2 x d 16 = 1024 elements: 2048 B bf16, 4096 B fp32.
-    got = aggregate(predict_collectives(TINY, Layout(cp=2), seq_len=32))
+    got = aggregate(predict_collectives(TINY, ParallelDims(cp=2), sequence_len=32))
     # per layer: K/V fwd 1 hop + bwd 1 hop; dK/dV (fp32) 2 hops -> x 2 layers; FSDP over cp too.
     assert got[("send_recv", "cp", 2048)] == 4
     assert got[("send_recv", "cp", 4096)] == 4
     assert got[("all_gather", "dp_shard_cp", 18_496 * 2)] == 4
-    cp4 = aggregate(predict_collectives(TINY, Layout(cp=4), seq_len=32, checkpointing=True))
+    cp4 = aggregate(
+        predict_collectives(TINY, ParallelDims(cp=4), sequence_len=32, activation_checkpointing=True)
+    )
     # 8 tokens: 1024 B; per layer K/V fwd 3 + recompute 3 + bwd 3 = 9, dK/dV 4 (2048 B)
     assert cp4[("send_recv", "cp", 1024)] == 18
     assert cp4[("send_recv", "cp", 2048)] == 8
 
 
 def test_micro_batch_scales_activation_bytes():
-    got = aggregate(predict_collectives(TINY, Layout(tp=2), seq_len=32, micro_batch=2))
+    got = aggregate(predict_collectives(TINY, ParallelDims(tp=2), sequence_len=32, micro_batch_size=2))
     assert ("reduce_scatter", "tp", 8192) in got
 
 
 @pytest.mark.parametrize(
     "layout,dim,expected",
     [
-        (Layout(2, 4, 1, 8), "tp", True),
-        (Layout(2, 4, 1, 8), "dp_shard", False),
-        (Layout(2, 4, 1, 8), "dp_replicate", False),
-        (Layout(8, 1, 1, 8), "dp_replicate", False),
-        (Layout(1, 2, 2, 4), "tp", True),  # world 16: stride 1, 4 | 8
-        (Layout(1, 2, 2, 4), "cp", True),  # stride 4, 2 x 4 = 8 | 8
-        (Layout(1, 2, 2, 4), "dp_shard", False),  # stride 8
-        (Layout(1, 2, 2, 4), "dp_shard_cp", False),
-        (Layout(8, 8, 1, 1), "dp_shard", True),
-        (Layout(1, 1, 1, 1), "tp", True),
+        (ParallelDims(2, 4, 1, 8), "tp", True),
+        (ParallelDims(2, 4, 1, 8), "dp_shard", False),
+        (ParallelDims(2, 4, 1, 8), "dp_replicate", False),
+        (ParallelDims(8, 1, 1, 8), "dp_replicate", False),
+        (ParallelDims(1, 2, 2, 4), "tp", True),  # world 16: stride 1, 4 | 8
+        (ParallelDims(1, 2, 2, 4), "cp", True),  # stride 4, 2 x 4 = 8 | 8
+        (ParallelDims(1, 2, 2, 4), "dp_shard", False),  # stride 8
+        (ParallelDims(1, 2, 2, 4), "dp_shard_cp", False),
+        (ParallelDims(8, 8, 1, 1), "dp_shard", True),
+        (ParallelDims(1, 1, 1, 1), "tp", True),
     ],
 )
 def test_group_placement(layout, dim, expected):
@@ -193,7 +222,7 @@ def test_group_placement(layout, dim, expected):
 
 
 def test_partial_node_is_intra():
-    assert group_is_intra_node(Layout(1, 6, 1, 1), "dp_shard", gpus_per_node=8)
+    assert group_is_intra_node(ParallelDims(1, 6, 1, 1), "dp_shard", gpus_per_node=8)
 
 
 def test_alpha_beta_ring():

@@ -8,25 +8,26 @@ from dataclasses import fields, replace
 
 import pytest
 
-from ndparallel.plan import comms, memory
-from ndparallel.plan.compute import MICRO_BATCH_FIELDS, STEP_FIELDS
+from ndparallel.layout.dims import ParallelDims
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.layout import Layout
 from ndparallel.plan.memo import Memo, clear_memos
+from ndparallel.plan.memory import peak
 from ndparallel.plan.models import PRESETS
 from ndparallel.plan.settings import COLLECTIVE_FIELDS, Settings
+from ndparallel.plan.time import comms
+from ndparallel.plan.time.compute import MICRO_BATCH_FIELDS, STEP_DEFAULTS
 
 _CHOICES = {
     "mixed_precision": ("bf16", "fp32"),
     "optimizer": ("adamw", "sgd"),
     "ac_policy": ("full", "selective"),
-    "cp_strategy": ("ring", "allgather"),
-    "loss_impl": ("chunked", "full"),
+    "cp_comm_strategy": ("ring", "allgather"),
+    "chunked_loss": (True, False),
     "cp_kernel": ("flash", "math"),
-    "pp_schedule": ("1F1B", "Interleaved1F1B"),
+    "pipeline_schedule": ("1F1B", "Interleaved1F1B"),
 }
 _WHEN_NONE = {"loss_chunk_tokens": 1024, "tiled_mlp_num_shards": 4, "qat": "int4"}
-DERIVED = {"recompute": ("checkpointing", "ac_policy")}
+DERIVED = {"recompute": ("activation_checkpointing", "ac_policy")}
 """Properties of ``Settings`` a key may name: the fields they cover."""
 
 
@@ -48,9 +49,20 @@ def _other(s: Settings, name: str):
 
 
 BASES = [
-    Settings(seq_len=4096, micro_batch=2, grad_accum=4, loss_impl="chunked"),
-    Settings(seq_len=8192, checkpointing=True, sequence_parallel=False, cp_strategy="allgather"),
-    Settings(seq_len=2048, micro_batch=4, checkpointing=True, ac_policy="selective", tiled_mlp=True),
+    Settings(sequence_len=4096, micro_batch_size=2, gradient_accumulation_steps=4, chunked_loss=True),
+    Settings(
+        sequence_len=8192,
+        activation_checkpointing=True,
+        sequence_parallel=False,
+        cp_comm_strategy="allgather",
+    ),
+    Settings(
+        sequence_len=2048,
+        micro_batch_size=4,
+        activation_checkpointing=True,
+        ac_policy="selective",
+        tiled_mlp=True,
+    ),
 ]
 MODELS = ["llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b"]
 
@@ -69,10 +81,10 @@ def _groups(model, layout, s, tokens, ga):
 @pytest.mark.parametrize("model_name", MODELS)
 def test_collective_groups_read_only_their_key(name, model_name):
     model = PRESETS[model_name]
-    layout = Layout(dp_replicate=2, dp_shard=4, cp=2, tp=4, ep=4 if model.is_moe else 1)
+    layout = ParallelDims(dp_replicate=2, dp_shard=4, cp=2, tp=4, ep=4 if model.is_moe else 1)
     keyed = {f for k in COLLECTIVE_FIELDS[name] for f in DERIVED.get(k, (k,))}
     for s in BASES:
-        key = (s.micro_batch * s.seq_len // layout.cp, s.grad_accum)
+        key = (s.micro_batch_size * s.sequence_len // layout.cp, s.gradient_accumulation_steps)
         want = _groups(model, layout, s, *key)[name]
         for f in fields(Settings):
             if f.name not in keyed:
@@ -82,34 +94,37 @@ def test_collective_groups_read_only_their_key(name, model_name):
     if name != "data_parallel":
         s, key = BASES[0], (4096, 4)
         want = _groups(model, layout, s, *key)[name]
-        for other in (Layout(dp_shard=16, cp=2, tp=4), Layout(dp_replicate=4, cp=2, tp=4, pp=2)):
+        for other in (ParallelDims(dp_shard=16, cp=2, tp=4), ParallelDims(dp_replicate=4, cp=2, tp=4, pp=2)):
             assert _groups(model, other, s, *key)[name] == want
 
 
 @pytest.mark.parametrize("model_name", MODELS[:2])
 def test_micro_batch_terms_read_no_step_field(model_name):
-    """``memory._micro_batch_terms`` is memoised on ``compute.micro_batch_key`` (every field but the
+    """``peak._micro_batch_terms`` is memoised on ``compute.micro_batch_key`` (every field but the
     step-level ones) and a dense model's (cp, tp)."""
     model = PRESETS[model_name]
     part = replace(model, layers=8, has_embedding=False)  # a pipeline rank's part
-    assert set(STEP_FIELDS) | set(MICRO_BATCH_FIELDS) == {f.name for f in fields(Settings)}
+    assert set(STEP_DEFAULTS) | set(MICRO_BATCH_FIELDS) == {f.name for f in fields(Settings)}
     for m in (model, part):
         for s in BASES:
-            layout = Layout(dp_shard=4, cp=2, tp=4)
-            want = memory._micro_batch_terms(m, layout, s)
-            for name in STEP_FIELDS:
-                assert memory._micro_batch_terms(m, layout, s.but(**{name: _other(s, name)})) == want, name
-            for other in (Layout(dp_replicate=8, cp=2, tp=4), Layout(dp_shard=2, cp=2, tp=4, pp=4)):
-                assert memory._micro_batch_terms(m, other, s) == want
+            layout = ParallelDims(dp_shard=4, cp=2, tp=4)
+            want = peak._micro_batch_terms(m, layout, s)
+            for name in STEP_DEFAULTS:
+                assert peak._micro_batch_terms(m, layout, s.but(**{name: _other(s, name)})) == want, name
+            for other in (
+                ParallelDims(dp_replicate=8, cp=2, tp=4),
+                ParallelDims(dp_shard=2, cp=2, tp=4, pp=4),
+            ):
+                assert peak._micro_batch_terms(m, other, s) == want
 
 
 def test_memoised_estimates_equal_fresh_ones():
     """The same memory and collectives whether the memo tables are warm or emptied."""
     model, hw = PRESETS["llama-3.1-8b"], HW["h100-80gb"]
-    layout, s = Layout(dp_replicate=2, dp_shard=2, cp=2, tp=2), BASES[0]
-    warm = (memory.estimate_memory(model, layout, s, hw), comms.collectives_for(model, layout, s))
+    layout, s = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, tp=2), BASES[0]
+    warm = (peak.estimate_memory(model, layout, s, hw), comms.collectives_for(model, layout, s))
     clear_memos()
-    assert (memory.estimate_memory(model, layout, s, hw), comms.collectives_for(model, layout, s)) == warm
+    assert (peak.estimate_memory(model, layout, s, hw), comms.collectives_for(model, layout, s)) == warm
 
 
 def test_memo_computes_once_and_stays_bounded():

@@ -1,4 +1,5 @@
-"""Pipeline parallel in the planner (``plan/pipeline.py``, ``plan/pipeline_estimate.py``): the
+"""Pipeline parallel in the planner (``plan/pipeline/schedule_model.py``,
+``plan/pipeline/pipeline_estimate.py``): the
 schedules' bubble and in-flight micro-batches, what each stage holds, the search, the outputs,
 and the anchors — Llama-3.1-405B on Meta's layout, Llama-3.1-8B on one node."""
 
@@ -6,24 +7,28 @@ import pytest
 import yaml
 from rich.console import Console
 
-from ndparallel.plan.cli import main
+from ndparallel.layout.dims import ParallelDims
+from ndparallel.plan.cli.main import main
+from ndparallel.plan.cli.report import print_explain, train_config
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.layout import Layout, Settings, enumerate_layouts, pipeline_degrees
-from ndparallel.plan.memory import estimate_memory, selective_saved_per_token
+from ndparallel.plan.memory.activations import selective_saved_per_token
+from ndparallel.plan.memory.peak import estimate_memory
 from ndparallel.plan.models import PRESETS
-from ndparallel.plan.pipeline import (
+from ndparallel.plan.pipeline.schedule_model import (
     bubble_fraction,
     in_flight,
     p2p_bytes,
     rank_model,
     rank_shape,
 )
-from ndparallel.plan.report import print_explain, train_config
-from ndparallel.plan.search import PlanRequest, PlanResult, evaluate_layout, plan
+from ndparallel.plan.search.evaluation import evaluate_layout, plan
+from ndparallel.plan.search.layouts import enumerate_layouts, pipeline_degrees
+from ndparallel.plan.search.request import PlanRequest, PlanResult
+from ndparallel.plan.settings import Settings
 
 H100 = HW["h100-80gb"]
 L405 = PRESETS["llama-3.1-405b"]
-META = Layout(dp_shard=64, tp=8, pp=16)
+META = ParallelDims(dp_shard=64, tp=8, pp=16)
 """Llama 3 paper, table 4: 8192 H100, TP 8, CP 1, PP 16, DP 64 (FSDP), seq 8192, 16M tokens per
 step (2048 sequences, 32 per dp rank at micro-batch 1): 430 TFLOP/s per GPU, 43 % BF16 MFU."""
 META_MFU = 0.43
@@ -96,8 +101,8 @@ def test_first_stage_has_the_embedding_last_the_head():
     tied = PRESETS["llama-3.2-1b"]  # tied embeddings: a copy at each end (the runtime's)
     ends = [rank_model(tied, rank_shape(tied, 2, 1, "1F1B", r)) for r in (0, 1)]
     assert sum(m.num_params for m in ends) == tied.num_params + tied.vocab * tied.hidden
-    s = Settings(seq_len=4096, micro_batch=1, grad_accum=8, loss_impl="chunked")
-    mem_first, mem_last = (estimate_memory(m, Layout(pp=2), s, H100) for m in (first, last))
+    s = Settings(sequence_len=4096, micro_batch_size=1, gradient_accumulation_steps=8, chunked_loss=True)
+    mem_first, mem_last = (estimate_memory(m, ParallelDims(pp=2), s, H100) for m in (first, last))
     assert mem_first.logits == 0 and mem_last.logits > 0  # the loss lives on the last stage only
     assert mem_first.params == pytest.approx((16 * layer + table) * 4)
 
@@ -106,7 +111,15 @@ def test_activations_scale_with_the_micro_batches_in_flight():
     model = rank_model(L405, rank_shape(L405, 16, 1, "1F1B", 0))
     acts = [
         estimate_memory(
-            model, META, Settings(seq_len=8192, grad_accum=32, checkpointing=True, pp_in_flight=k), H100
+            model,
+            META,
+            Settings(
+                sequence_len=8192,
+                gradient_accumulation_steps=32,
+                activation_checkpointing=True,
+                pp_in_flight=k,
+            ),
+            H100,
         ).activations
         for k in (1.0, 2.0, 3.0)
     ]
@@ -114,15 +127,17 @@ def test_activations_scale_with_the_micro_batches_in_flight():
 
 
 def test_p2p_bytes_and_links():
-    s = Settings(seq_len=8192, micro_batch=1, grad_accum=32)
-    assert p2p_bytes(L405, Layout(dp_shard=64, tp=8, pp=16), s) == 8192 * 16384 * 2 // 8  # ÷ tp under SP
-    no_sp = Settings(seq_len=8192, sequence_parallel=False)
-    assert p2p_bytes(L405, Layout(tp=8, pp=2, cp=2), no_sp) == 4096 * 16384 * 2
+    s = Settings(sequence_len=8192, micro_batch_size=1, gradient_accumulation_steps=32)
+    assert (
+        p2p_bytes(L405, ParallelDims(dp_shard=64, tp=8, pp=16), s) == 8192 * 16384 * 2 // 8
+    )  # ÷ tp under SP
+    no_sp = Settings(sequence_len=8192, sequence_parallel=False)
+    assert p2p_bytes(L405, ParallelDims(tp=8, pp=2, cp=2), no_sp) == 4096 * 16384 * 2
     e = evaluate_layout(
-        _req("llama-3.1-70b", 64, seq_len=8192, global_batch=64),
-        Layout(dp_shard=8, pp=8),
-        micro_batch=1,
-        checkpointing=True,
+        _req("llama-3.1-70b", 64, sequence_len=8192, global_batch_size=64),
+        ParallelDims(dp_shard=8, pp=8),
+        micro_batch_size=1,
+        activation_checkpointing=True,
     ).best
     sends = [c for c in e.collectives if c.mesh_dim == "pp"]
     assert sends and all(c.kind == "send_recv" for c in sends)
@@ -141,23 +156,29 @@ def test_search_enumerates_pipeline_degrees():
 
 
 def test_pipeline_rejections_are_one_line():
-    req = _req(gpus=16, seq_len=4096, global_batch=16, micro_batch=2)  # dp 2 × mb 2: m = 4 < 8 stages
-    res = evaluate_layout(req, Layout(dp_shard=2, pp=8))
+    req = _req(
+        gpus=16, sequence_len=4096, global_batch_size=16, micro_batch_size=2
+    )  # dp 2 × mb 2: m = 4 < 8 stages
+    res = evaluate_layout(req, ParallelDims(dp_shard=2, pp=8))
     assert [c for c, _ in res.rejections] == ["pp_microbatches"]
     assert "4 pipeline micro-batch(es) per step for 8 pipeline stages" in res.rejections[0][1]
     assert "\n" not in res.rejections[0][1]
     tiny = PRESETS["tiny"]
     deep = 2 * tiny.layers
-    assert "pp_layers" in [c for c, _ in evaluate_layout(_req("tiny", deep), Layout(pp=deep)).rejections]
-    lora = evaluate_layout(_req(gpus=16, lora_r=16), Layout(dp_shard=8, pp=2))
+    assert "pp_layers" in [
+        c for c, _ in evaluate_layout(_req("tiny", deep), ParallelDims(pp=deep)).rejections
+    ]
+    lora = evaluate_layout(_req(gpus=16, lora_r=16), ParallelDims(dp_shard=8, pp=2))
     assert [c for c, _ in lora.rejections] == ["pp_adapter"]
     # m = 6 is no multiple of pp = 4: the interleaved schedule is skipped, 1F1B stays
-    res = evaluate_layout(_req(gpus=16, global_batch=24, micro_batch=1), Layout(dp_shard=4, pp=4))
-    assert res.ok and {o.settings.pp_schedule for o in res.options} == {"1F1B"}
+    res = evaluate_layout(
+        _req(gpus=16, global_batch_size=24, micro_batch_size=1), ParallelDims(dp_shard=4, pp=4)
+    )
+    assert res.ok and {o.settings.pipeline_schedule for o in res.options} == {"1F1B"}
 
 
 def test_8b_on_one_node_does_not_pick_pipeline_parallel():
-    result = plan(_req(gpus=8, seq_len=8192))
+    result = plan(_req(gpus=8, sequence_len=8192))
     assert result.ranked[0].layout.pp == 1
     assert any(r.layout.pp > 1 for r in result.ranked)  # PP layouts were ranked, just slower
 
@@ -165,21 +186,21 @@ def test_8b_on_one_node_does_not_pick_pipeline_parallel():
 def test_hsdp_replicas_all_reduce_every_pipeline_micro_batch():
     """By default the pipeline runtime never skips FSDP's gradient sync: every micro-batch
     reduce-scatters and all-reduces across replicas (without PP: once per step)."""
-    req = _req("llama-3.1-70b", 64, seq_len=4096, global_batch=64)
+    req = _req("llama-3.1-70b", 64, sequence_len=4096, global_batch_size=64)
     pp = evaluate_layout(
         req,
-        Layout(dp_replicate=2, dp_shard=4, pp=8),
-        micro_batch=1,
-        checkpointing=True,
+        ParallelDims(dp_replicate=2, dp_shard=4, pp=8),
+        micro_batch_size=1,
+        activation_checkpointing=True,
         unsharded_grad_accumulation=False,
     ).best
     flat = evaluate_layout(
-        req, Layout(dp_replicate=2, dp_shard=4, tp=8), micro_batch=1, checkpointing=True
+        req, ParallelDims(dp_replicate=2, dp_shard=4, tp=8), micro_batch_size=1, activation_checkpointing=True
     ).best
     replica = {c.what: c.count for c in pp.collectives if c.mesh_dim == "dp_replicate"}
     assert replica.pop("HSDP all-reduce grads (layer)") == 10 * 8  # 10 layers × m = 8
     assert list(replica.values()) == [8]  # the stage's embedding or its LM head, every micro-batch
-    assert flat.settings.grad_accum == 8
+    assert flat.settings.gradient_accumulation_steps == 8
     assert {c.what: c.count for c in flat.collectives if c.mesh_dim == "dp_replicate"} == {
         "HSDP all-reduce grads (layer)": 80,
         "HSDP all-reduce grads (embed)": 1,
@@ -193,15 +214,15 @@ def test_unsharded_accumulation_under_pp_reduces_and_gathers_once_per_step():
     step, ga + 1 with resharding after forward (a unit's op after a forward gathers again) — and
     a full fp32 gradient of the stage per rank. The counts are the runtime's:
     tests/test_pipeline_equivalence.py counts the reductions, docs/planner.md the gathers."""
-    req = _req("llama-3.1-70b", 64, seq_len=4096, global_batch=64)
-    lay, m = Layout(dp_replicate=2, dp_shard=4, pp=8), 8
+    req = _req("llama-3.1-70b", 64, sequence_len=4096, global_batch_size=64)
+    lay, m = ParallelDims(dp_replicate=2, dp_shard=4, pp=8), 8
 
     def option(unsharded, **kw):
         (only,) = evaluate_layout(
             req.updated(**kw),
             lay,
-            micro_batch=1,
-            checkpointing=True,
+            micro_batch_size=1,
+            activation_checkpointing=True,
             pipeline_schedule="1F1B",
             unsharded_grad_accumulation=unsharded,
         ).options
@@ -235,11 +256,11 @@ def test_unsharded_accumulation_under_pp_reduces_and_gathers_once_per_step():
 # ------------------------------------------------------------------ outputs
 def test_explain_prints_bubble_and_stage_memory(capsys):
     args = [
-        "--model",
+        "--base-model",
         "llama-3.1-70b",
         "--gpus",
         "64",
-        "--seq-len",
+        "--sequence-len",
         "4096",
         "--global-batch-size",
         "64",
@@ -257,11 +278,11 @@ def test_explain_prints_bubble_and_stage_memory(capsys):
 
 
 def test_write_config_has_the_pipeline_fields(tmp_path):
-    req = _req("llama-3.1-70b", 64, seq_len=4096, global_batch=64)
+    req = _req("llama-3.1-70b", 64, sequence_len=4096, global_batch_size=64)
     res = evaluate_layout(
         req,
-        Layout(dp_shard=8, pp=8),
-        micro_batch=1,
+        ParallelDims(dp_shard=8, pp=8),
+        micro_batch_size=1,
         pipeline_schedule="Interleaved1F1B",
         pipeline_virtual_stages=4,
     )
@@ -280,11 +301,11 @@ def test_write_config_has_the_pipeline_fields(tmp_path):
     assert (
         main(
             [
-                "--model",
+                "--base-model",
                 "llama-3.1-70b",
                 "--gpus",
                 "64",
-                "--seq-len",
+                "--sequence-len",
                 "4096",
                 "--global-batch-size",
                 "64",
@@ -303,7 +324,10 @@ def test_write_config_has_the_pipeline_fields(tmp_path):
 
 # ------------------------------------------------------------------ anchors
 META_SETTINGS = dict(
-    micro_batch=1, checkpointing=False, pipeline_schedule="Interleaved1F1B", unsharded_grad_accumulation=True
+    micro_batch_size=1,
+    activation_checkpointing=False,
+    pipeline_schedule="Interleaved1F1B",
+    unsharded_grad_accumulation=True,
 )
 """Meta's run as the Llama 3 paper (§3.3.2) describes it: FSDP not resharding after forward (the
 request's ``reshard_after_forward=False``), gradients accumulated in fp32 over the micro-batches
@@ -315,10 +339,10 @@ def meta_run():
     """Meta's layout under Meta's settings at v = 2 (ndparallel's default) and v = 7 (the deepest
     ndparallel splits 126 layers over 16 ranks; Meta's chunks were one layer each, V = 8), the
     same layout as ndparallel would choose to run it, and the planner's own search."""
-    req = _req("llama-3.1-405b", 8192, seq_len=8192, global_batch=2048, reshard_after_forward=False)
+    req = _req("llama-3.1-405b", 8192, sequence_len=8192, global_batch_size=2048, reshard_after_forward=False)
     meta = {v: evaluate_layout(req, META, pipeline_virtual_stages=v, **META_SETTINGS) for v in (2, 7)}
     runnable = evaluate_layout(
-        req, META, micro_batch=1, pipeline_schedule="Interleaved1F1B", pipeline_virtual_stages=7
+        req, META, micro_batch_size=1, pipeline_schedule="Interleaved1F1B", pipeline_virtual_stages=7
     )
     return meta, runnable, plan(req)
 
@@ -334,7 +358,9 @@ def test_405b_meta_layout_within_15_percent(meta_run, v, capsys):
     (e,) = res.options
     assert abs(e.mfu / META_MFU - 1) <= 0.15, e.mfu
     assert not e.fits and not res.ok and res.rejections[0][0] == "oom"
-    assert e.settings.grad_accum == 32 and e.pipeline.bubble_fraction == pytest.approx(15 / (32 * v + 15))
+    assert e.settings.gradient_accumulation_steps == 32 and e.pipeline.bubble_fraction == pytest.approx(
+        15 / (32 * v + 15)
+    )
     assert e.time.dp_exposed < e.time.pp_bubble + e.time.tp_exposed  # FSDP once per step: small
     print_explain(res, result, Console(width=200))
     out = capsys.readouterr().out
@@ -348,7 +374,7 @@ def test_405b_meta_layout_as_ndparallel_would_run_it(meta_run):
     per step (chosen by the search), v = 7 — below Meta's 43 % by the recompute and its TP traffic."""
     _, runnable, _ = meta_run
     e = runnable.best
-    assert e.settings.checkpointing and e.settings.unsharded_grad_accumulation and e.fits
+    assert e.settings.activation_checkpointing and e.settings.unsharded_grad_accumulation and e.fits
     assert 0.28 < e.mfu < META_MFU * 0.85, e.mfu
     first, last = (e.pipeline.ranks[k][1].total for k in ("first", "last"))
     assert first > last and e.pipeline.worst == "first" and e.memory.total == first
@@ -369,8 +395,8 @@ def test_405b_planner_best_is_pipelined(meta_run):
 
 
 SELECTIVE_OFFLOAD = dict(
-    micro_batch=1,
-    checkpointing=True,
+    micro_batch_size=1,
+    activation_checkpointing=True,
     pipeline_schedule="Interleaved1F1B",
     pipeline_virtual_stages=7,
     unsharded_grad_accumulation=True,
@@ -384,8 +410,8 @@ def selective_run():
     req = _req(
         "llama-3.1-405b",
         8192,
-        seq_len=8192,
-        global_batch=2048,
+        sequence_len=8192,
+        global_batch_size=2048,
         reshard_after_forward=False,
         ac_policy="selective",
     )
@@ -431,7 +457,7 @@ def test_405b_search_beats_metas_row(selective_run):
     roomy = req.updated(host_mem_bytes=2e12)
     best = plan(roomy).ranked[0].best
     assert best.fits and best.layout.pp > 1 and best.mfu >= off.best.mfu, (best.layout, best.mfu)
-    assert best.settings.pp_virtual > 2
+    assert best.settings.pipeline_virtual_stages > 2
     shallow = plan(roomy.updated(pipeline_schedule="Interleaved1F1B", pipeline_virtual_stages=2))
     assert shallow.ranked[0].best.mfu < off.best.mfu
 
@@ -452,13 +478,13 @@ def test_405b_selective_offloading_host_check(selective_run, capsys):
 
 def test_explain_prints_the_host_memory_per_node(capsys):
     args = [
-        "--model",
+        "--base-model",
         "llama-3.1-405b",
         "--gpus",
         "8192",
         "--gpu",
         "h100-80gb",
-        "--seq-len",
+        "--sequence-len",
         "8192",
         "--global-batch-size",
         "2048",

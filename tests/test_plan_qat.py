@@ -1,6 +1,7 @@
 """The planner under QAT (``plan --qat``): with the quantisers recomputed in backward
 (``techniques/qat.py``), a fake-quantised layer keeps a rounded bf16 copy of its weights (and inputs)
-for backward. The constants in ``plan/qat_memory.py`` are re-measured here on a tiny Llama (the method of
+for backward. The constants in ``plan/memory/qat_memory.py`` are re-measured here on a tiny Llama
+(the method of
 ``bench/qat_memory.py``) and must predict its saved bytes within 10 %; the memory model adds them
 per layer (once under checkpointing); TP layouts are rejected as train refuses them (a config's
 ``qat:`` reaching the planner: ``tests/test_plan_from_config.py``)."""
@@ -14,12 +15,13 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import run_cli
-from ndparallel.plan.cli import main
+from ndparallel.layout.dims import ParallelDims
+from ndparallel.plan.cli.main import main
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.layout import Layout, Settings
-from ndparallel.plan.memory import estimate_memory
+from ndparallel.plan.memory.peak import estimate_memory
+from ndparallel.plan.memory.qat_memory import layer_linear_counts, qat_layer_bytes
 from ndparallel.plan.models import PRESETS, ModelSpec
-from ndparallel.plan.qat_memory import layer_linear_counts, qat_layer_bytes
+from ndparallel.plan.settings import Settings
 
 pytest.importorskip("torchao")
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,8 +51,15 @@ def test_constants_predict_a_fresh_measurement(fmt, frozen):
 
 
 def _memory(qat, checkpointing, **kw):
-    s = Settings(seq_len=4096, micro_batch=1, checkpointing=checkpointing, loss_impl="full", qat=qat, **kw)
-    return estimate_memory(LLAMA8, Layout(dp_shard=8), s, H100)
+    s = Settings(
+        sequence_len=4096,
+        micro_batch_size=1,
+        activation_checkpointing=checkpointing,
+        chunked_loss=False,
+        qat=qat,
+        **kw,
+    )
+    return estimate_memory(LLAMA8, ParallelDims(dp_shard=8), s, H100)
 
 
 def test_every_layer_keeps_its_share_without_checkpointing_one_with_it():
@@ -72,7 +81,9 @@ def test_lora_keeps_only_the_rounded_copy():
 
 def test_tp_layouts_are_rejected_and_the_header_says_qat(capsys):
     assert (
-        main(["--model", "llama-3.1-8b", "--gpus", "8", "--qat", "int4/int8", "--show-rejected", "--json"])
+        main(
+            ["--base-model", "llama-3.1-8b", "--gpus", "8", "--qat", "int4/int8", "--show-rejected", "--json"]
+        )
         == 0
     )
     result = json.loads(capsys.readouterr().out)
@@ -80,10 +91,10 @@ def test_tp_layouts_are_rejected_and_the_header_says_qat(capsys):
     ranked = [r["layout"] for r in result["ranked"]]
     assert ranked and all(r["tp"] == 1 for r in ranked)
     assert any(c["code"] == "qat_layout" for r in result["rejected"] for c in r["rejections"])
-    assert main(["--model", "llama-3.1-8b", "--gpus", "8", "--qat", "int4", "--top", "1"]) == 0
+    assert main(["--base-model", "llama-3.1-8b", "--gpus", "8", "--qat", "int4", "--top", "1"]) == 0
     assert "QAT int4" in capsys.readouterr().out
 
 
 def test_unknown_format_is_one_line(capsys):
-    code, _, err = run_cli(capsys, "plan", "--model", "llama-3.1-8b", "--gpus", "8", "--qat", "int8")
+    code, _, err = run_cli(capsys, "plan", "--base-model", "llama-3.1-8b", "--gpus", "8", "--qat", "int8")
     assert code == 2 and "--qat int8" in err and "int4/int8" in err and "Traceback" not in err

@@ -11,15 +11,16 @@ import torch
 import yaml
 
 from ndparallel.config import TrainConfig
+from ndparallel.layout.dims import ParallelDims
 from ndparallel.models.nf4_config import NF4_BYTES_PER_PARAM
-from ndparallel.plan.adapter import adapter_shard_numel
-from ndparallel.plan.cli import main
-from ndparallel.plan.comms import collectives_for
+from ndparallel.plan.adapters.lora_cost import adapter_shard_numel
+from ndparallel.plan.adapters.qlora import quantized_layer_local, quantized_shard_numel
+from ndparallel.plan.cli.main import main
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.layout import Layout, Settings
-from ndparallel.plan.memory import estimate_memory
+from ndparallel.plan.memory.peak import estimate_memory
 from ndparallel.plan.models import PRESETS, ModelSpec
-from ndparallel.plan.qlora import quantized_layer_local, quantized_shard_numel
+from ndparallel.plan.settings import Settings
+from ndparallel.plan.time.comms import collectives_for
 
 pytest.importorskip("torchao")
 H100 = HW["h100-80gb"]
@@ -59,9 +60,9 @@ def test_nf4_bytes_equal_the_runtime_tensors():
 
 
 def test_qlora_memory_is_lora_with_an_nf4_base_and_8bit_states():
-    layout = Layout(dp_shard=2)
-    lora = estimate_memory(SMALL, layout, Settings(seq_len=32, lora_r=4, set_to_none=False), H100)
-    s = Settings(seq_len=32, lora_r=4, set_to_none=False, quantized_base=True, optimizer="adamw_8bit")
+    layout = ParallelDims(dp_shard=2)
+    lora = estimate_memory(SMALL, layout, Settings(sequence_len=32, lora_r=4, set_to_none=False), H100)
+    s = Settings(sequence_len=32, lora_r=4, set_to_none=False, load_in_4bit=True, optimizer="adamw_8bit")
     qlora = estimate_memory(SMALL, layout, s, H100)
     q = quantized_shard_numel(SMALL, layout)
     assert q == SMALL.layers * quantized_layer_local(SMALL, 1) // 2
@@ -74,7 +75,7 @@ def test_qlora_memory_is_lora_with_an_nf4_base_and_8bit_states():
     ]
     full = [
         c
-        for c in collectives_for(SMALL, layout, Settings(seq_len=32, lora_r=4))
+        for c in collectives_for(SMALL, layout, Settings(sequence_len=32, lora_r=4))
         if c.what.startswith("FSDP all-gather params (layer)")
     ]
     assert math.isclose(full[0].bytes - gathers[0].bytes, q / SMALL.layers * (2 - NF4_BYTES_PER_PARAM))
@@ -82,15 +83,15 @@ def test_qlora_memory_is_lora_with_an_nf4_base_and_8bit_states():
 
 def test_70b_qlora_on_two_gpus_fits_and_writes_a_train_config(tmp_path, capsys):
     args = [
-        "--model",
+        "--base-model",
         "llama-3.1-70b",
         "--gpus",
         "2",
         "--gpu",
         "h100-80gb",
-        "--seq-len",
+        "--sequence-len",
         "4096",
-        "--micro-batch",
+        "--micro-batch-size",
         "1",
     ]
     out = tmp_path / "qlora.yaml"
@@ -106,17 +107,19 @@ def test_70b_qlora_on_two_gpus_fits_and_writes_a_train_config(tmp_path, capsys):
         1,
     )
     # the bf16 base alone is 141 GB: FSDP 2 cannot hold it with LoRA; QLoRA's NF4 base (~37 GB) can
-    fsdp2 = Layout(dp_shard=2)
-    s = Settings(seq_len=4096, lora_r=16, checkpointing=True, loss_impl="chunked")
+    fsdp2 = ParallelDims(dp_shard=2)
+    s = Settings(sequence_len=4096, lora_r=16, activation_checkpointing=True, chunked_loss=True)
     assert estimate_memory(LLAMA70, fsdp2, s, H100).total > H100.mem_bytes
-    q = estimate_memory(LLAMA70, fsdp2, Settings(**{**s.__dict__, "quantized_base": True}), H100)
+    q = estimate_memory(LLAMA70, fsdp2, Settings(**{**s.__dict__, "load_in_4bit": True}), H100)
     assert q.total < H100.mem_bytes
     assert 17 * 2**30 < q.params < 20 * 2**30  # (68.5B x 0.516 + 2.1B x 2 bytes) / 2 + adapters
 
 
 def test_layouts_the_runtime_refuses_are_rejected(capsys):
     assert (
-        main(["--model", "llama-3.1-8b", "--gpus", "8", "--adapter", "qlora", "--show-rejected", "--json"])
+        main(
+            ["--base-model", "llama-3.1-8b", "--gpus", "8", "--adapter", "qlora", "--show-rejected", "--json"]
+        )
         == 0
     )
     import json

@@ -7,12 +7,16 @@ import pytest
 import yaml
 
 from ndparallel.layout.config import ParallelismConfig
-from ndparallel.plan.cli import add_plan_arguments, main, run_plan
-from ndparallel.plan.cli_arguments import parse_layout
+from ndparallel.layout.dims import ParallelDims
+from ndparallel.plan.cli.explain_keys import parse_layout
+from ndparallel.plan.cli.main import main, run_plan
+from ndparallel.plan.cli.parser import parse
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.layout import Layout, Settings, enumerate_layouts
 from ndparallel.plan.models import PRESETS
-from ndparallel.plan.search import PlanRequest, evaluate_layout, plan
+from ndparallel.plan.search.evaluation import evaluate_layout, plan
+from ndparallel.plan.search.layouts import enumerate_layouts
+from ndparallel.plan.search.request import PlanRequest
+from ndparallel.plan.settings import Settings
 from ndparallel.runtime.sizes import parse_size
 
 H100 = HW["h100-80gb"]
@@ -28,19 +32,19 @@ def _codes(req, layout):
 
 
 def test_rejection_reasons():
-    assert _codes(_req(gpus=16, gpus_per_node=8), Layout(1, 1, 1, 16)) == ["tp_beyond_node", "kv_heads"]
-    assert "world_size" in _codes(_req(gpus=8), Layout(1, 2, 1, 1))
+    assert _codes(_req(gpus=16, gpus_per_node=8), ParallelDims(1, 1, 1, 16)) == ["tp_beyond_node", "kv_heads"]
+    assert "world_size" in _codes(_req(gpus=8), ParallelDims(1, 2, 1, 1))
     r3b = _req("llama-3.2-3b", gpus=16, gpus_per_node=16)
-    assert {"heads", "kv_heads"} <= set(_codes(r3b, Layout(1, 1, 1, 16)))  # 24 and 8 heads
+    assert {"heads", "kv_heads"} <= set(_codes(r3b, ParallelDims(1, 1, 1, 16)))  # 24 and 8 heads
     r6 = _req("llama-3.2-3b", gpus=6, gpus_per_node=6)
-    assert {"kv_heads", "ffn"} <= set(_codes(r6, Layout(1, 2, 1, 3)))  # 8 kv, 8192 ffn vs 3
-    seq = _req(gpus=8, seq_len=4100)
-    assert _codes(seq, Layout(1, 2, 4, 1)) == ["seq_cp"]  # 4100 % 8 != 0
-    assert _codes(_req(gpus=8, seq_len=4098), Layout(1, 2, 1, 4)) == ["seq_tp"]
-    assert _codes(_req("llama-3.1-405b", gpus=8), Layout(1, 8, 1, 1)) == ["oom"]
-    gb = _req(gpus=8, global_batch=6, micro_batch=1)
-    assert _codes(gb, Layout(1, 4, 1, 2)) == ["global_batch"]
-    msg = evaluate_layout(_req("llama-3.1-405b", gpus=8), Layout(1, 8, 1, 1)).rejections[0][1]
+    assert {"kv_heads", "ffn"} <= set(_codes(r6, ParallelDims(1, 2, 1, 3)))  # 8 kv, 8192 ffn vs 3
+    seq = _req(gpus=8, sequence_len=4100)
+    assert _codes(seq, ParallelDims(1, 2, 4, 1)) == ["seq_cp"]  # 4100 % 8 != 0
+    assert _codes(_req(gpus=8, sequence_len=4098), ParallelDims(1, 2, 1, 4)) == ["seq_tp"]
+    assert _codes(_req("llama-3.1-405b", gpus=8), ParallelDims(1, 8, 1, 1)) == ["oom"]
+    gb = _req(gpus=8, global_batch_size=6, micro_batch_size=1)
+    assert _codes(gb, ParallelDims(1, 4, 1, 2)) == ["global_batch"]
+    msg = evaluate_layout(_req("llama-3.1-405b", gpus=8), ParallelDims(1, 8, 1, 1)).rejections[0][1]
     assert "out of memory" in msg and "GiB" in msg
 
 
@@ -49,7 +53,7 @@ def test_enumerator_agrees_with_parallelism_config(world):
     layouts = enumerate_layouts(world)
     assert len(set(layouts)) == len(layouts)
     assert all(lay.world == world for lay in layouts)
-    result = plan(_req("llama-3.2-1b", gpus=world, seq_len=2048, gpus_per_node=min(8, world)))
+    result = plan(_req("llama-3.2-1b", gpus=world, sequence_len=2048, gpus_per_node=min(8, world)))
     proposed = [r.layout for r in result.ranked]
     assert proposed, "some layout must fit a 1B model"
     for lay in proposed:
@@ -66,7 +70,7 @@ def test_enumerator_agrees_with_parallelism_config(world):
 
 
 def test_ranked_fit_and_are_sorted():
-    result = plan(_req("llama-3.1-70b", gpus=64, seq_len=8192))
+    result = plan(_req("llama-3.1-70b", gpus=64, sequence_len=8192))
     tps = [r.best.tokens_per_s_per_gpu for r in result.ranked]
     assert tps == sorted(tps, reverse=True)
     assert all(r.best.memory.total <= H100.mem_bytes for r in result.ranked)
@@ -75,25 +79,58 @@ def test_ranked_fit_and_are_sorted():
 
 
 def test_settings_checkpointing_choice():
-    res = evaluate_layout(_req(gpus=8, checkpointing="off"), Layout(1, 8, 1, 1))
-    assert all(not o.settings.checkpointing for o in res.options)
-    res = evaluate_layout(_req(gpus=8), Layout(1, 8, 1, 1), micro_batch=2, checkpointing=True)
-    assert [(o.settings.micro_batch, o.settings.checkpointing) for o in res.options] == [(2, True)]
-
-
-def test_parse_layout_forms():
-    lay = Layout(2, 4, 1, 8)
-    assert parse_layout("dp_replicate=2,dp_shard=4,cp=1,tp=8") == (lay, {})
-    assert parse_layout("2x4x1x8") == (lay, {})
-    assert parse_layout("dr=2 ds=4 tp=8") == (lay, {})
-    assert parse_layout("ds=4,tp=8,dr=2,mb=2,ac=on") == (lay, {"micro_batch": 2, "checkpointing": True})
-    assert parse_layout("pp=2,ds=4") == (Layout(dp_shard=4, pp=2), {})
-    assert parse_layout("pp16:1x64x1x8,mb=1,schedule=interleaved1f1b,v=4") == (
-        Layout(1, 64, 1, 8, pp=16),
-        {"micro_batch": 1, "pipeline_schedule": "Interleaved1F1B", "pipeline_virtual_stages": 4},
+    res = evaluate_layout(_req(gpus=8, activation_checkpointing="off"), ParallelDims(1, 8, 1, 1))
+    assert all(not o.settings.activation_checkpointing for o in res.options)
+    res = evaluate_layout(
+        _req(gpus=8), ParallelDims(1, 8, 1, 1), micro_batch_size=2, activation_checkpointing=True
     )
-    with pytest.raises(ValueError):
+    assert [(o.settings.micro_batch_size, o.settings.activation_checkpointing) for o in res.options] == [
+        (2, True)
+    ]
+
+
+def test_parse_layout_forms(capsys):
+    """``--explain``'s keys are the training config's (its aliases too); the compact form; the
+    older short keys are read with one note each."""
+    lay = ParallelDims(2, 4, 1, 8)
+    assert parse_layout(
+        "dp_replicate_size=2,dp_shard_size=4,context_parallel_size=1,tensor_parallel_size=8"
+    ) == (
+        lay,
+        {},
+    )
+    assert parse_layout("2x4x1x8") == (lay, {})
+    assert parse_layout("dp_replicate_size=2 dp_shard_size=4 tp_size=8") == (lay, {})
+    pins = {"micro_batch_size": 2, "activation_checkpointing": True}
+    assert parse_layout(
+        "dp_shard_size=4,tp_size=8,dp_replicate_size=2,micro_batch_size=2,activation_checkpointing=on"
+    ) == (
+        lay,
+        pins,
+    )
+    assert parse_layout("pipeline_parallel_size=2,dp_shard_size=4") == (ParallelDims(dp_shard=4, pp=2), {})
+    assert parse_layout(
+        "pp16:1x64x1x8,micro_batch_size=1,pipeline_schedule=interleaved1f1b,pipeline_virtual_stages=4"
+    ) == (
+        ParallelDims(1, 64, 1, 8, pp=16),
+        {"micro_batch_size": 1, "pipeline_schedule": "Interleaved1F1B", "pipeline_virtual_stages": 4},
+    )
+    assert capsys.readouterr().err == ""
+    assert parse_layout("ds=4,tp=8,dr=2,mb=2,ac=on") == (lay, pins)  # today's short keys, for one release
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 5 and "--explain key 'mb' is deprecated: use micro_batch_size=" in notes[3]
+    with pytest.raises(ValueError, match="dp_shard_size"):
         parse_layout("zz=2")
+
+
+def test_layout_text_reads_back():
+    """The ``--explain`` text a table prints names the layout and its pins as ``parse_layout``
+    reads them."""
+    from ndparallel.plan.cli.explain_keys import layout_text
+
+    for lay in (ParallelDims(2, 4, 1, 8), ParallelDims(1, 64, 1, 8, pp=16), ParallelDims(1, 8, 1, 2, ep=8)):
+        text = layout_text(lay, pipeline_schedule="1F1B", unsharded_grad_accumulation="on")
+        assert parse_layout(text) == (lay, {"pipeline_schedule": "1F1B", "unsharded_grad_accumulation": True})
 
 
 def test_parse_size():
@@ -104,7 +141,7 @@ def test_parse_size():
 
 
 ISSUE_CMD = [
-    "--model",
+    "--base-model",
     "llama-3.1-70b",
     "--gpus",
     "64",
@@ -112,7 +149,7 @@ ISSUE_CMD = [
     "8",
     "--gpu",
     "h100-80gb",
-    "--seq-len",
+    "--sequence-len",
     "8192",
 ]
 
@@ -176,15 +213,11 @@ def test_write_config(tmp_path, capsys):
 
 
 def test_run_plan_with_own_parser_and_overrides(tmp_path, capsys):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    add_plan_arguments(parser)
     hw_file = tmp_path / "hw.json"
     hw_file.write_text(json.dumps({"hardware": HW["a100-40gb"].to_dict()}))
-    args = parser.parse_args(
+    args = parse(
         [
-            "--model",
+            "--base-model",
             "llama-3.2-1b",
             "--gpus",
             "4",
@@ -194,9 +227,9 @@ def test_run_plan_with_own_parser_and_overrides(tmp_path, capsys):
             "24GB",
             "--global-batch-tokens",
             "65536",
-            "--seq-len",
+            "--sequence-len",
             "2048",
-            "--micro-batch",
+            "--micro-batch-size",
             "1",
             "--json",
         ]
@@ -208,21 +241,25 @@ def test_run_plan_with_own_parser_and_overrides(tmp_path, capsys):
     for r in data["ranked"]:
         b = r["best"]
         assert b["global_batch_sequences"] == 32
-        assert b["settings"]["micro_batch"] == 1
+        assert b["settings"]["micro_batch_size"] == 1
 
 
 def test_bad_input_exit_code(capsys):
-    assert main(["--model", "nope", "--gpus", "8"]) == 2
+    assert main(["--base-model", "nope", "--gpus", "8"]) == 2
     assert "unknown model" in capsys.readouterr().err
 
 
 def test_settings_but_is_replace_and_cached_hashes_match_equality():
     """The search's cheap copies and cached hashes (``Settings.but``, ``ModelSpec`` / ``Hardware``
     ``__hash__``) are the dataclass semantics they stand in for."""
-    s = Settings(seq_len=4096, micro_batch=2, lora_saved=("embed",))
-    changed = s.but(grad_accum=8, checkpointing=True, pp_schedule="Interleaved1F1B")
-    assert changed == replace(s, grad_accum=8, checkpointing=True, pp_schedule="Interleaved1F1B")
-    assert hash(changed) == hash(replace(changed)) and s.grad_accum == 1
+    s = Settings(sequence_len=4096, micro_batch_size=2, lora_saved=("embed",))
+    changed = s.but(
+        gradient_accumulation_steps=8, activation_checkpointing=True, pipeline_schedule="Interleaved1F1B"
+    )
+    assert changed == replace(
+        s, gradient_accumulation_steps=8, activation_checkpointing=True, pipeline_schedule="Interleaved1F1B"
+    )
+    assert hash(changed) == hash(replace(changed)) and s.gradient_accumulation_steps == 1
     with pytest.raises(TypeError, match="no_such_field"):
         s.but(no_such_field=1)
     model, hw = PRESETS["llama-3.1-8b"], HW["h100-80gb"]

@@ -29,7 +29,7 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
     from ndparallel import Accelerator, ParallelismConfig
     from ndparallel.engine import forward_backward
     from ndparallel.models.presets import preset_config
-    from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+    from ndparallel.parallel.options import ActivationOptions, CPOptions, TPOptions
     from ndparallel.runtime.comm_profile import CommProfiler
     from ndparallel.techniques.technique_options import LossOptions
 
@@ -38,7 +38,7 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
     acc = Accelerator(
         ParallelismConfig(**layout),
         mixed_precision=mp,
-        fsdp_options=FSDPOptions(activation_checkpointing=ckpt),
+        activation_options=ActivationOptions(activation_checkpointing=ckpt),
         tp_options=TPOptions(**{"loss_parallel": False, **tp}),
         cp_options=CPOptions(**cp),
         loss_options=LossOptions(chunked=False),
@@ -74,11 +74,11 @@ def _run_case(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool):
 def _predict(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool, labels: dict):
     """(main, gradient norm) predictions keyed like the runtime: (label, op, bytes) -> calls;
     a planner ``send_recv`` is one ``send`` and one ``recv`` on each rank."""
-    from ndparallel.plan.comms import predict_collectives
-    from ndparallel.plan.layout import Layout
+    from ndparallel.layout.dims import ParallelDims
     from ndparallel.plan.models import PRESETS
+    from ndparallel.plan.time.comms import predict_collectives
 
-    plan_layout = Layout(
+    plan_layout = ParallelDims(
         dp_replicate=layout.get("dp_replicate_size", 1),
         dp_shard=layout.get("dp_shard_size", 1),
         cp=layout.get("cp_size", 1),
@@ -87,13 +87,13 @@ def _predict(layout: dict, mp: str, tp: dict, cp: dict, ckpt: bool, labels: dict
     colls = predict_collectives(
         PRESETS["tiny"],
         plan_layout,
-        seq_len=SEQ,
-        micro_batch=ROWS,
-        checkpointing=ckpt,
+        sequence_len=SEQ,
+        micro_batch_size=ROWS,
+        activation_checkpointing=ckpt,
         mixed_precision="bf16" if mp == "bf16" else "fp32",
         sequence_parallel=tp.get("sequence_parallel", False),
         loss_parallel=tp.get("loss_parallel", False),
-        cp_strategy=cp.get("comm_strategy", "ring"),
+        cp_comm_strategy=cp.get("comm_strategy", "ring"),
         scalars=True,
     )
     main, norm = Counter(), Counter()

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import faults
 from cli_helpers import run_cli
 from ndparallel.models.presets import preset_config
 from ndparallel.techniques.technique_options import LossOptions, QATOptions
@@ -203,7 +204,7 @@ def test_fsdp_and_replicas_train_like_one_process_under_qat(options, layout, wor
     [({"dp_replicate_size": 2, "dp_shard_size": 2}, 4), ({"cp_size": 2}, 2)],
     ids=["hsdp2x2", "cp2"],
 )
-def test_layouts_summing_more_terms_step_exactly_then_within_rounding_flips(layout, world):
+def test_layouts_summing_more_terms_step_exactly_then_within_rounding_flips(layout, world, monkeypatch):
     """HSDP 2x2 and CP 2 (4 load-balanced sequence chunks): the first step (same weights in, so the
     quantisers see the same values) obeys the rule, parameters included. Later steps start from
     weights that differ by fp32 rounding (~1e-8), and the int8 *activation* quantiser (per token, a
@@ -224,9 +225,9 @@ def test_layouts_summing_more_terms_step_exactly_then_within_rounding_flips(layo
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=300)[0]
     assert_matches(exact, first_steps(got))
     assert_matches(flips_ref, got)  # steps 2-3: within twice QAT's own effect
-    bad = run_on_ranks(
-        train_under_layout, world, dataclasses.replace(setup, fault="skip-grad-sync"), layout, timeout_s=300
-    )[0]
+    with monkeypatch.context() as fault:
+        faults.skip_grad_sync(fault)
+        bad = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=300)[0]
     assert_differs(exact, first_steps(bad))  # a real layout fault: ~1e5x the rule's bound at step 1
     assert_differs(flips_ref, bad, margin=10)  # and ~47x the flip bound (bench/reference)
     # As a user would judge it: the int4 levels of the quantised weights that differ.
@@ -369,7 +370,7 @@ def test_plan_from_a_qat_config_counts_the_full_logits(tmp_path, capsys):
     cfg.write_text(yaml.safe_dump(raw))
     code, out, err = run_cli(capsys, "plan", "--config", cfg, "--gpus", "8", "--json")
     assert code == 0, err
-    assert json.loads(out)["request"]["loss_impl"] == "full"  # the chunked loss steps aside under qat
+    assert json.loads(out)["request"]["chunked_loss"] is False  # the chunked loss steps aside under qat
 
 
 def test_qat_without_checkpointing_gets_a_memory_note(tmp_path, capsys):

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from ndparallel.models.presets import preset_config
 from ndparallel.models.quantized import NF4Config, is_nf4, nf4_with_mean, quantize_row_shard
-from ndparallel.parallel.options import FSDPOptions, PipelineOptions
+from ndparallel.parallel.options import ActivationOptions, FSDPOptions, PipelineOptions
 from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import assert_matches, one_process_reference
 from ndparallel.tools.equivalence import TrainSetup, train_under_layout
@@ -133,7 +133,7 @@ def test_hsdp_2x2_with_activation_checkpointing(tmp_path_factory):
         tmp_path_factory,
         {"dp_replicate_size": 2, "dp_shard_size": 2},
         4,
-        fsdp_options=FSDPOptions(activation_checkpointing=True),
+        activation_options=ActivationOptions(activation_checkpointing=True),
     )
 
 

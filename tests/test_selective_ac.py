@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from ndparallel.config.schema import TrainConfig
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import FSDPOptions
+from ndparallel.parallel.options import ActivationOptions
 from ndparallel.parallel.parallelize import apply_activation_memory
 from ndparallel.techniques.offload import offloader_of
 from ndparallel.techniques.selective_ac import selective_policy_problem
@@ -72,7 +72,7 @@ def test_runtime_path_checkpoints_every_norm_and_mlp():
     model = AutoModelForCausalLM.from_config(preset_config("tiny-qwen3"))
     plain = AutoModelForCausalLM.from_config(preset_config("tiny-qwen3"))
     plain.load_state_dict(model.state_dict())
-    options = FSDPOptions(activation_checkpointing=True, ac_policy="selective")
+    options = ActivationOptions(activation_checkpointing=True, ac_policy="selective")
     apply_activation_memory(model, options, torch.device("cpu"))
     swapped = [n for n, m in model.named_modules() if type(m).__name__.startswith("Recomputed")]
     assert len(swapped) == 2 * (4 + 1), swapped  # 2 layers × (4 norms + the MLP)
@@ -99,7 +99,7 @@ def test_offloading_moves_what_the_selective_layer_keeps_to_the_host(layer0):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_planners_offload_split_is_what_the_runtime_moves(layer0, tp):
-    """The planner's (device, host) bytes per token of layer 0 (``plan/memory.py:
+    """The planner's (device, host) bytes per token of layer 0 (``plan/memory/activations.py:
     offload_split_per_token``, RoPE's cos and sin on the host) are the measured ones, to the byte.
     Under TP o_proj's input is a DTensor view of the attention output's storage with a version
     counter of its own: sent once (a version check sent it twice until 2026-12-06)."""
@@ -115,7 +115,9 @@ def test_runtime_path_offloads_with_the_selective_policy():
     model = AutoModelForCausalLM.from_config(preset_config("tiny-qwen3"))
     plain = AutoModelForCausalLM.from_config(preset_config("tiny-qwen3"))
     plain.load_state_dict(model.state_dict())
-    options = FSDPOptions(activation_checkpointing=True, ac_policy="selective", activation_offloading=True)
+    options = ActivationOptions(
+        activation_checkpointing=True, ac_policy="selective", activation_offloading=True
+    )
     apply_activation_memory(model, options, torch.device("cpu"))
     offloader = offloader_of(model)
     ids = torch.randint(0, 256, (2, 16))
@@ -135,9 +137,11 @@ def _stage_offloaders() -> list[int]:
     from ndparallel.parallel.options import PipelineOptions, StrategyOptions
     from ndparallel.tools.equivalence import TrainSetup, build_model
 
-    fsdp = FSDPOptions(activation_checkpointing=True, ac_policy="selective", activation_offloading=True)
+    activation = ActivationOptions(
+        activation_checkpointing=True, ac_policy="selective", activation_offloading=True
+    )
     pipe = PipelineOptions(schedule="Interleaved1F1B")
-    engine = Engine(ParallelismConfig(pp_size=2), StrategyOptions(fsdp=fsdp, pipeline=pipe))
+    engine = Engine(ParallelismConfig(pp_size=2), StrategyOptions(activation=activation, pipeline=pipe))
     model = engine.parallelize(build_model(TrainSetup(preset_config("tiny-llama", num_hidden_layers=4))))
     return [id(offloader_of(lm)) for lm in engine.pipeline_of(model).lms()]
 
@@ -159,18 +163,18 @@ def test_a_ranks_pipeline_stages_share_one_offloader():
 def test_refused_combinations_name_the_fix(options, message):
     model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
     with pytest.raises(ValueError, match=message):
-        apply_activation_memory(model, FSDPOptions(**options), torch.device("cpu"))
+        apply_activation_memory(model, ActivationOptions(**options), torch.device("cpu"))
 
 
 def test_compile_is_refused():
-    options = FSDPOptions(activation_checkpointing=True, ac_policy="selective")
+    options = ActivationOptions(activation_checkpointing=True, ac_policy="selective")
     assert "turn compile off" in selective_policy_problem(options, compiled=True)
     assert selective_policy_problem(options) is None
 
 
 def test_mixture_of_experts_is_refused():
     model = AutoModelForCausalLM.from_config(preset_config("tiny-qwen3-moe"))
-    options = FSDPOptions(activation_checkpointing=True, ac_policy="selective")
+    options = ActivationOptions(activation_checkpointing=True, ac_policy="selective")
     with pytest.raises(ValueError, match="gated MLP .* use ac_policy: full"):
         apply_activation_memory(model, options, torch.device("cpu"))
 
@@ -180,4 +184,4 @@ def test_config_needs_checkpointing_for_a_policy():
     with pytest.raises(ValidationError, match="set activation_checkpointing: true"):
         TrainConfig(**base, fsdp_config={"ac_policy": "selective"})
     cfg = TrainConfig(**base, fsdp_config={"activation_checkpointing": True, "ac_policy": "selective"})
-    assert cfg.fsdp_options().ac_policy == "selective"
+    assert cfg.activation_options().ac_policy == "selective"

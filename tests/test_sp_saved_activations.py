@@ -54,9 +54,10 @@ def measured():
 
 
 def test_layer_saves_the_sequence_shards_of_its_block_inputs(measured):
-    from ndparallel.plan.layout import Layout, Settings
-    from ndparallel.plan.memory import layer_activation_bytes_per_token
+    from ndparallel.layout.dims import ParallelDims
+    from ndparallel.plan.memory.activations import layer_activation_bytes_per_token
     from ndparallel.plan.models import from_hf_config
+    from ndparallel.plan.settings import Settings
 
     model, runs = measured
     h, tp = model.config.hidden_size, 2
@@ -67,7 +68,9 @@ def test_layer_saves_the_sequence_shards_of_its_block_inputs(measured):
     spec = from_hf_config(model.config.to_dict())
     planned = {
         shards: layer_activation_bytes_per_token(
-            spec, Layout(tp=tp), Settings(seq_len=SEQ, mixed_precision="fp32", sp_saved_shards=shards)
+            spec,
+            ParallelDims(tp=tp),
+            Settings(sequence_len=SEQ, mixed_precision="fp32", sequence_parallel_saved_shards=shards),
         )
         for shards in (False, True)
     }

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ndparallel.models.presets import preset_config
-from ndparallel.parallel.options import FSDPOptions, TPOptions
+from ndparallel.parallel.options import ActivationOptions, TPOptions
 from ndparallel.testing import RankFailure, run_on_ranks
 from ndparallel.tools.agreement import Reference, assert_matches, one_process_reference
 from ndparallel.tools.equivalence import (
@@ -72,8 +72,11 @@ def test_selective_checkpointing_under_fsdp2_x_tp2_sp_equals_one_process(offload
     with what each layer keeps in host memory (``activation_offloading``, techniques/offload.py:
     DTensors, the blocks' shards and the checkpointed regions' inputs go through its hooks)."""
     setup = _setup("tiny-qwen3", "sgd", sequence_parallel=True, loss_parallel=True)
-    fsdp = FSDPOptions(activation_checkpointing=True, ac_policy="selective", activation_offloading=offloading)
-    setup = dataclasses.replace(setup, parallel_kwargs={**setup.parallel_kwargs, "fsdp_options": fsdp})
+    activation = ActivationOptions(
+        activation_checkpointing=True, ac_policy="selective", activation_offloading=offloading
+    )
+    kwargs = {**setup.parallel_kwargs, "activation_options": activation}
+    setup = dataclasses.replace(setup, parallel_kwargs=kwargs)
     _check(setup, *FSDP2_TP2)
 
 

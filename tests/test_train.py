@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import faults
 from cli_helpers import train_on_forked_ranks
 from ndparallel.axolotl import load_config
 from ndparallel.testing import run_on_ranks
@@ -110,14 +111,11 @@ def test_3d_layout_train_equals_one_rank(tmp_path):
         assert abs(a - b) / a <= 1e-5, (one, nd)
 
 
-def _verify(cfg_overrides, fault, example="examples/cpu/fsdp_tp.yaml"):
+def _verify(cfg_overrides, example="examples/cpu/fsdp_tp.yaml"):
     """``ndparallel verify`` as the command line runs it."""
     from ndparallel.cli import main
 
-    args = ["verify", example, "--steps", "2", *[f"--set={s}" for s in cfg_overrides]]
-    if fault:
-        args += ["--inject-fault", fault]
-    return main(args)
+    return main(["verify", example, "--steps", "2", *[f"--set={s}" for s in cfg_overrides]])
 
 
 def test_verify_passes_right_layout_and_fails_broken_one(monkeypatch, capsys):
@@ -125,20 +123,24 @@ def test_verify_passes_right_layout_and_fails_broken_one(monkeypatch, capsys):
     record: ``output_origin.py``); a layout that skips the gradient reduction fails."""
     monkeypatch.chdir(ROOT)
     with recorded_output() as output:
-        code = _verify([], None)
+        code = _verify([])
     assert code == 0, output.stdout[-2000:] + output.stderr[-4000:]
     assert "PASS" in output.stdout and "of its bound" in output.stdout  # the verdict names its bound
     assert output.foreign() == [], output.foreign()[:20]
-    assert _verify([], "skip-grad-sync") == 1
+    faults.unrecorded(monkeypatch)
+    faults.skip_grad_sync(monkeypatch)
+    assert _verify([]) == 1
     assert "FAIL" in capsys.readouterr().out
 
 
 def test_verify_cp_ulysses_on_packed_documents_and_catches_a_document_leak(monkeypatch, capsys):
     """verify packs rows with documents: CP (ulysses) passes; attending across documents fails."""
     monkeypatch.chdir(ROOT)
-    assert _verify(["cp_comm_strategy=ulysses"], None, "examples/cpu/cp.yaml") == 0
+    assert _verify(["cp_comm_strategy=ulysses"], "examples/cpu/cp.yaml") == 0
     assert "PASS" in capsys.readouterr().out
-    assert _verify([], "cross-documents", "examples/cpu/cp.yaml") == 1
+    faults.unrecorded(monkeypatch)
+    faults.cross_documents(monkeypatch)
+    assert _verify([], "examples/cpu/cp.yaml") == 1
     assert "FAIL" in capsys.readouterr().out
 
 

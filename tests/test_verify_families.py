@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import transformers
 
+import faults
 from ndparallel.tools.shrink import shrink_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,11 +24,10 @@ def _saved(tmp_path: Path, cls: str) -> str:
     return str(out)
 
 
-def _verify(example: str, model: str, fault: str | None = None) -> int:
+def _verify(example: str, model: str) -> int:
     from ndparallel.cli.commands import run_verify
 
-    args = [f"examples/cpu/{example}", "--steps", "3", f"--set=base_model={model}"]
-    return run_verify(args + (["--inject-fault", fault] if fault else []))
+    return run_verify([f"examples/cpu/{example}", "--steps", "3", f"--set=base_model={model}"])
 
 
 def test_gemma4_cp2_and_fsdp2_pass_and_name_their_bound(tmp_path, monkeypatch, capsys):
@@ -45,5 +45,7 @@ def test_gpt_neox_fsdp2_tp2_passes_and_a_skipped_sync_fails(tmp_path, monkeypatc
     model = _saved(tmp_path, "GPTNeoXConfig")
     assert _verify("fsdp_tp.yaml", model) == 0
     assert "PASS" in capsys.readouterr().out
-    assert _verify("fsdp_tp.yaml", model, "skip-grad-sync") == 1
+    faults.unrecorded(monkeypatch)
+    faults.skip_grad_sync(monkeypatch)
+    assert _verify("fsdp_tp.yaml", model) == 1
     assert "FAIL" in capsys.readouterr().out

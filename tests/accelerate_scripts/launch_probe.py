@@ -13,7 +13,7 @@ if acc.is_main_process:
             {
                 "layout": acc.parallelism_config.to_dict(),
                 "mixed_precision": acc.mixed_precision,
-                "activation_checkpointing": acc.fsdp_options.activation_checkpointing,
+                "activation_checkpointing": acc.activation_options.activation_checkpointing,
                 "reshard_after_forward": acc.fsdp_options.reshard_after_forward,
                 "layer_classes": list(acc.fsdp_options.layer_classes or ()),
                 "cp": acc.cp_options.comm_strategy,

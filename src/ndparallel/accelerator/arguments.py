@@ -23,7 +23,7 @@ from ndparallel.accelerator.plugins import (
     env_flag,
 )
 from ndparallel.layout.config import ParallelismConfig
-from ndparallel.parallel.options import CPOptions, FSDPOptions, TPOptions
+from ndparallel.parallel.options import ActivationOptions, CPOptions, FSDPOptions, TPOptions
 from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions, QATOptions
 
 MIXED_PRECISION = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -42,6 +42,7 @@ class Settings:
     gradient_state_plugin: GradientAccumulationPlugin
     fsdp_plugin: FullyShardedDataParallelPlugin | None
     fsdp_options: FSDPOptions
+    activation_options: ActivationOptions
     tp_options: TPOptions
     cp_options: CPOptions
     loss_options: LossOptions
@@ -114,16 +115,18 @@ def _parallelism(pc, torch_tp_plugin) -> ParallelismConfig | None:
     return pc
 
 
-def _fsdp(fsdp_plugin, fsdp_options: FSDPOptions | None):
+def _fsdp(fsdp_plugin, fsdp_options: FSDPOptions | None, activation: ActivationOptions | None):
+    """(the plugin, ``FSDPOptions``, ``ActivationOptions``): Accelerate's plugin sets FSDP's options
+    and activation checkpointing, ndparallel's options the rest."""
     if fsdp_plugin is None and env_flag("ACCELERATE_USE_FSDP"):
         fsdp_plugin = FullyShardedDataParallelPlugin()
     if fsdp_plugin is None:
-        return None, fsdp_options or FSDPOptions()
+        return None, fsdp_options or FSDPOptions(), activation or ActivationOptions()
     if not isinstance(fsdp_plugin, FullyShardedDataParallelPlugin):
         raise TypeError("`fsdp_plugin` must be a FullyShardedDataParallelPlugin object.")
     if fsdp_options is not None:
         raise ValueError("pass fsdp_plugin (Accelerate's) or fsdp_options (ndparallel's), not both")
-    return fsdp_plugin, fsdp_plugin.to_options()
+    return fsdp_plugin, fsdp_plugin.to_options(), fsdp_plugin.activation_options(activation)
 
 
 def _cp_options(pc: ParallelismConfig | None, cp_options: CPOptions | None) -> CPOptions:
@@ -196,7 +199,9 @@ def resolve(a: dict[str, Any]) -> Settings:
             "compile_options and dynamo_backend/dynamo_plugin both ask for torch.compile: give one of them"
         )
     pc = _parallelism(a["parallelism_config"], a["torch_tp_plugin"])
-    fsdp_plugin, fsdp_options = _fsdp(a["fsdp_plugin"], a["fsdp_options"])
+    fsdp_plugin, fsdp_options, activation = _fsdp(
+        a["fsdp_plugin"], a["fsdp_options"], a["activation_options"]
+    )
     handlers = sort_handlers(a["kwargs_handlers"])
     timeout_s = a["timeout_s"]
     if timeout_s is None and "init_handler" in handlers:
@@ -212,6 +217,7 @@ def resolve(a: dict[str, Any]) -> Settings:
         gradient_state_plugin=ga,
         fsdp_plugin=fsdp_plugin,
         fsdp_options=fsdp_options,
+        activation_options=activation,
         tp_options=a["tp_options"] or TPOptions(),
         cp_options=_cp_options(pc, a["cp_options"]),
         dynamo_plugin=dynamo,

@@ -38,7 +38,7 @@ from ndparallel.accelerator.tracking import TrackingMixin, filter_trackers
 from ndparallel.accelerator.wrappers import AcceleratedOptimizer, PreparedDataLoader
 from ndparallel.engine import Engine
 from ndparallel.layout.config import ParallelismConfig
-from ndparallel.parallel.options import CPOptions, FSDPOptions, StrategyOptions, TPOptions
+from ndparallel.parallel.options import ActivationOptions, CPOptions, FSDPOptions, StrategyOptions, TPOptions
 from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions, QATOptions
 
 
@@ -51,6 +51,8 @@ class Accelerator(
     environment variables (docs/accelerate.md's API table says what each maps to). The
     keyword-only rest are ndparallel's: ``fsdp_options`` / ``tp_options`` / ``cp_options`` (the
     strategies' options; ``fsdp_plugin`` / ``parallelism_config.cp_handler`` map onto them),
+    ``activation_options`` (activation checkpointing and its policy, offloading, the tiled MLP;
+    ``fsdp_plugin.activation_checkpointing`` maps onto it),
     ``loss_options`` (the chunked loss, on where exact), ``compile_options`` (regional compile; also
     from ``dynamo_backend``/``dynamo_plugin``), ``float8_options`` (fp8 linears, SM >= 8.9),
     ``qat_options`` (quantisation-aware training: torchao fake quantisation, ``techniques/qat.py``),
@@ -86,6 +88,7 @@ class Accelerator(
         parallelism_config: ParallelismConfig | None = None,
         *,
         fsdp_options: FSDPOptions | None = None,
+        activation_options: ActivationOptions | None = None,
         tp_options: TPOptions | None = None,
         cp_options: CPOptions | None = None,
         loss_options: LossOptions | None = None,
@@ -138,6 +141,7 @@ class Accelerator(
             pc = ParallelismConfig(dp_replicate_size=-1)  # Accelerate: replicas over every process
         options = StrategyOptions(
             fsdp=s.fsdp_options,
+            activation=s.activation_options,
             tp=s.tp_options,
             cp=s.cp_options,
             loss=s.loss_options,
@@ -176,6 +180,7 @@ class Accelerator(
 
     # the engine's strategy options, under the Accelerator's argument names
     fsdp_options = property(lambda self: self.engine.options.fsdp)
+    activation_options = property(lambda self: self.engine.options.activation)
     tp_options = property(lambda self: self.engine.options.tp)
     cp_options = property(lambda self: self.engine.options.cp)
     loss_options = property(lambda self: self.engine.options.loss)

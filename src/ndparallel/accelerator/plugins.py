@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ndparallel.parallel.options import FSDPOptions
+from ndparallel.parallel.options import ActivationOptions, FSDPOptions
 from ndparallel.techniques.technique_options import CompileOptions
 
 _TRUE = ("1", "true", "yes", "y", "on")
@@ -243,9 +243,14 @@ class FullyShardedDataParallelPlugin:
             base or FSDPOptions(),
             reshard_after_forward=self.reshard_after_forward,
             cpu_offload=self.cpu_offload,
-            activation_checkpointing=self.activation_checkpointing,
             layer_classes=tuple(names) if names else (base.layer_classes if base else None),
             reduce_dtype=self._reduce_dtype,
+        )
+
+    def activation_options(self, base: ActivationOptions | None = None) -> ActivationOptions:
+        """The plugin's ``activation_checkpointing`` as ``ActivationOptions`` (the rest from ``base``)."""
+        return replace(
+            base or ActivationOptions(), activation_checkpointing=bool(self.activation_checkpointing)
         )
 
     def set_mixed_precision(self, mixed_precision, buffer_autocast: bool = False, override: bool = False):

@@ -10,10 +10,11 @@ from collections.abc import Sequence
 from ndparallel.cli import commands
 from ndparallel.cli.args import fail
 from ndparallel.cli.launch_check import check_train_launch
-from ndparallel.cli.plan_config import config_defaults, merge_written_config, split_config_arg
+from ndparallel.cli.plan_config import config_values, merge_written_config
 from ndparallel.cli.simulate_command import run_simulate
 from ndparallel.config import ConfigError
-from ndparallel.plan.cli import main as plan_main
+from ndparallel.plan.cli.main import run_plan
+from ndparallel.plan.cli.parser import parse as parse_plan
 from ndparallel.runtime import launch
 from ndparallel.runtime.extras import MissingExtra
 from ndparallel.runtime.preemption import INTERRUPTED_EXIT
@@ -76,20 +77,19 @@ def _dispatch(command: str, rest: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    """``plan``, with ``--config TRAIN.yaml`` turned into planner defaults the user's flags override."""
-    config, rest = split_config_arg(argv)
-    if config is None:  # flags only: the planner alone, no torch import (a fast start)
-        return plan_main(rest, description=_SUBCOMMANDS["plan"])
+    """``plan``, with ``--config TRAIN.yaml``: the config's values under the flags given."""
+    args = parse_plan(argv, description=_SUBCOMMANDS["plan"])
+    if args.config is None:  # flags only: the planner alone, no torch import (a fast start)
+        return run_plan(args)
     try:
-        defaults, said = config_defaults(config, rest)
+        base, said = config_values(args.config, args)
     except (ConfigError, ValueError) as e:
         print(f"ndparallel plan: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(said, file=sys.stderr)
-    code = plan_main(rest, description=_SUBCOMMANDS["plan"], defaults=defaults)
-    written = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--write-config"), None)
-    if code == 0 and written and os.path.isfile(written):
-        merge_written_config(config, written)
+    code = run_plan(args, base)
+    if code == 0 and args.write_config and os.path.isfile(args.write_config):
+        merge_written_config(args.config, args.write_config)
     return code
 
 

@@ -5,7 +5,6 @@ Bad input ends with one line on stderr and exit code 2, never a traceback.
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -264,12 +263,6 @@ def run_verify(argv: Sequence[str]) -> int:
     )
     _config_args(parser)
     parser.add_argument("--steps", type=at_least(1), default=3, help="optimizer steps (>= 1)")
-    parser.add_argument(
-        "--inject-fault",
-        choices=["skip-grad-sync", "cross-documents", "unsummed-tied-grads"],
-        default=None,
-        help=argparse.SUPPRESS,
-    )  # proves the check can fail (tests)
     args = parser.parse_args(list(argv))
     try:
         cfg = load_config(args.config, args.set)
@@ -282,13 +275,7 @@ def run_verify(argv: Sequence[str]) -> int:
         return fail("verify", e)
     from ndparallel.tools.verify import verify_layout
 
-    ok = verify_layout(
-        cfg,
-        pc,
-        hf,
-        steps=args.steps,
-        fault=args.inject_fault,
-    )
+    ok = verify_layout(cfg, pc, hf, steps=args.steps)
     return 0 if ok else 1
 
 

@@ -1,20 +1,18 @@
 """``ndparallel plan --config TRAIN.yaml``: plan for a training config.
 
-The config's model and training settings become the planner parser's defaults, as typed values
-(``config_defaults``: ``config/plan_settings.py``'s ``Settings``, each field as its flag's default:
-``plan/cli.py``'s ``flag_defaults``), so a flag given on the command line wins. The global batch is the
-config's: ``micro_batch_size × gradient_accumulation_steps × dp`` of its own layout at ``--gpus``
-(the planner then keeps it fixed while it searches layouts and micro-batches). With
-``--write-config OUT``, OUT is the user's config with only the layout and batch fields replaced by
-the plan's choice (everything else — data, optimizer, LoRA, output_dir — kept).
+The typed config (``TrainConfig``) gives the run's values by their keys (``config_values``: its
+``Settings`` through ``config/plan_settings.py``, its optimizer, adapter and batch), under the flags
+given on the command line, which win. The global batch is the config's:
+``micro_batch_size × gradient_accumulation_steps × dp`` of its own layout at ``--gpus`` (the planner
+then keeps it fixed while it searches layouts and micro-batches). With ``--write-config OUT``, OUT
+is the user's config with only the layout and batch fields replaced by the plan's choice
+(everything else — data, optimizer, LoRA, output_dir — kept).
 
-Lives in ``cli/`` because it reads the training config (``training/``), which ``plan/`` may not
-import.
+Lives in ``cli/`` because it reads the training config, which ``plan/`` may not import.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import yaml
@@ -24,9 +22,9 @@ from ndparallel.config.fields import FSDPConfig
 from ndparallel.config.plan_settings import plan_settings
 from ndparallel.config.schema import TrainConfig
 from ndparallel.layout.config import ParallelismConfigError
-from ndparallel.plan.adapter import saved_tables
-from ndparallel.plan.cli import flag_defaults
-from ndparallel.plan.cli_arguments import checkpointing_default
+from ndparallel.plan.adapters.lora_cost import saved_tables
+from ndparallel.plan.cli.flags import FLAGS
+from ndparallel.plan.cli.from_flags import SETTINGS
 
 RUN_KEYS = (
     "base_model",
@@ -39,51 +37,40 @@ RUN_KEYS = (
     "load_in_4bit",
     "qat",
 )
-"""The keys of the plan's config (``plan/report.py``'s ``train_config``) that restate the run it was
+"""The keys of the plan's config (``plan/cli/report.py``'s ``train_config``) that restate the run it was
 asked for, in the plan's words (``adamw_torch`` for ``adamw_torch_fused``, ``bf16: true`` for
 ``bf16: auto``): the merge keeps the source's (the adapter's: ``adapter``, ``load_in_4bit`` and
 every ``lora_*`` key of the training config). Every other key is the plan's choice (the layout, the
 batch split and the options that go with the layout) and replaces the source's."""
 
 
-def split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
-    """(the ``--config`` value, the other arguments)."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config")
-    known, rest = pre.parse_known_args(argv)
-    return known.config, rest
-
-
-def config_defaults(path: str, argv: list[str]) -> tuple[dict, str]:
-    """The planner parser's defaults (argument name -> typed value) from training config ``path``
-    and a one-line description of what was taken. ``argv`` (the user's flags) gives ``--gpus``.
-    Raises ``ValueError`` with the fix."""
-
+def config_values(path: str, args) -> tuple[dict, str]:
+    """The run's values (by key, as ``plan/cli/from_flags.py`` reads them) of training config ``path``
+    and a one-line description of what was taken; the parsed ``args`` give ``--gpus`` and the flags
+    that leave the config's batch or adapter out. Raises ``ValueError`` with the fix."""
     cfg = load_config(path)
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # bad values: the planner says
-    for name in ("--gpus", "--global-batch-size", "--global-batch-tokens", "--adapter"):
-        pre.add_argument(name)
-    given, _ = pre.parse_known_args(argv)
-    gpus = int(given.gpus) if given.gpus and given.gpus.isdigit() and int(given.gpus) > 0 else None
     s = plan_settings(cfg)
-    defaults = {"model": cfg.base_model, **flag_defaults(s), **checkpointing_default(s)}
-    if "cp_comm_strategy" in cfg.model_fields_set:  # named in the config: --max-seq-len keeps it
-        defaults["cp_strategy_given"] = True
-    if cfg.adapter and given.adapter in (None, "lora", "qlora"):
-        defaults["adapter"] = "qlora" if cfg.load_in_4bit else "lora"
-        defaults.update(flag_defaults(s, "adapter"))  # the rank: the config's
+    values = {"base_model": cfg.base_model, "optimizer": cfg.optimizer}
+    values.update({f.key: getattr(s, f.key) for f in FLAGS if f.key in SETTINGS})
+    if "cp_comm_strategy" not in cfg.model_fields_set:  # not named: --max-seq-len tries each
+        values.pop("cp_comm_strategy")
+    if s.activation_checkpointing:  # else the search tries both
+        values["activation_checkpointing"] = "on"
+    if cfg.adapter and getattr(args, "adapter", None) in (None, "lora", "qlora"):
+        values.update(adapter="qlora" if cfg.load_in_4bit else "lora", lora_r=s.lora_r)
         if saved_tables(cfg.lora_modules_to_save):
-            defaults["lora_modules_to_save"] = ",".join(cfg.lora_modules_to_save)
+            values["lora_modules_to_save"] = cfg.lora_modules_to_save
     said = f"model {cfg.base_model}, seq {cfg.sequence_len}"
-    if gpus and not (given.global_batch_size or given.global_batch_tokens):
+    gpus = args.gpus if args.gpus and args.gpus > 0 else None
+    if gpus and not (args.global_batch_size or args.global_batch_tokens):
         dp, where = _config_dp(cfg.parallelism_config(), gpus, path)
         batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp
-        defaults["global_batch_size"] = batch
+        values["global_batch_size"] = batch
         said += (
             f", global batch {batch} sequences (micro {cfg.micro_batch_size} × accumulation "
             f"{cfg.gradient_accumulation_steps} × dp {dp}{where})"
         )
-    return defaults, f"ndparallel plan: from {path}: {said}"
+    return values, f"ndparallel plan: from {path}: {said}"
 
 
 def _config_dp(layout, gpus: int, path: str) -> tuple[int, str]:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from ndparallel.axolotl import ConfigError, load_config
 from ndparallel.cli.args import Parser, at_least, fail
-from ndparallel.plan.cli_checks import gpu_mem_bytes
+from ndparallel.plan.cli.flag_checks import gpu_mem_bytes
 from ndparallel.runtime.startup import import_model_libraries
 from ndparallel.tools.simulate_report import format_report
 

@@ -30,17 +30,14 @@ class FSDPConfig(_Strict):
     state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] | None = None
     auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"] | None = None
 
-    def options(self, **activation_memory) -> FSDPOptions:
-        """The runtime's ``FSDPOptions`` of this section (the one mapping of its fields);
-        ``activation_memory``: the top-level fields of the same options (offloading, tiled MLP)."""
+    def options(self) -> FSDPOptions:
+        """The runtime's ``FSDPOptions`` of this section (its checkpointing fields are
+        ``ActivationOptions``': ``TrainConfig.activation_options``)."""
         return FSDPOptions(
             reshard_after_forward=self.reshard_after_forward,
             cpu_offload=self.cpu_offload,
-            activation_checkpointing=self.activation_checkpointing,
-            ac_policy=self.ac_policy,
             unsharded_grad_accumulation=self.unsharded_grad_accumulation,
             layer_classes=tuple(self.layer_classes) if self.layer_classes else None,
-            **activation_memory,
         )
 
     @staticmethod

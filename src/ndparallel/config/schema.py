@@ -37,7 +37,13 @@ from ndparallel.config.quant import QuantFields
 from ndparallel.layout.config import ParallelismConfig
 from ndparallel.layout.dim_handlers import CP_STRATEGIES
 from ndparallel.optim.names import OptimizerName
-from ndparallel.parallel.options import CPOptions, FSDPOptions, StrategyOptions, TPOptions
+from ndparallel.parallel.options import (
+    ActivationOptions,
+    CPOptions,
+    FSDPOptions,
+    StrategyOptions,
+    TPOptions,
+)
 from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions
 
 
@@ -329,7 +335,13 @@ class TrainConfig(
         )
 
     def fsdp_options(self) -> FSDPOptions:
-        return self.fsdp_config.options(
+        return self.fsdp_config.options()
+
+    def activation_options(self) -> ActivationOptions:
+        """Checkpointing (Axolotl's place: ``fsdp_config``) and the long-context fields."""
+        return ActivationOptions(
+            activation_checkpointing=self.fsdp_config.activation_checkpointing,
+            ac_policy=self.fsdp_config.ac_policy,
             activation_offloading=bool(self.activation_offloading),
             tiled_mlp=self.tiled_mlp,
             tiled_mlp_num_shards=self.tiled_mlp_num_shards,
@@ -363,6 +375,7 @@ class TrainConfig(
         """Every strategy option of the run, and its compute dtype: what the engine applies."""
         return StrategyOptions(
             fsdp=self.fsdp_options(),
+            activation=self.activation_options(),
             tp=self.tp_options(),
             cp=self.cp_options(),
             loss=self.loss_options(),

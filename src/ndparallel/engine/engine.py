@@ -233,7 +233,7 @@ class Engine:
         )
         self._offloader = self._offloader or offloader_of(model)  # the next stage shares its host budget
         self._records[model] = ParallelModel.of(
-            model, vocab_sharded_logits=self.dims.tp_enabled and bool(options.tp.loss_parallel)
+            model, loss_parallel=self.dims.tp_enabled and bool(options.tp.loss_parallel)
         )
         return model
 
@@ -250,8 +250,8 @@ class Engine:
         any model this engine parallelised has it (the context is a no-op for plain tensors)."""
         if model is not None:
             record = self._records.get(model)
-            return record is not None and record.vocab_sharded_logits
-        return any(record.vocab_sharded_logits for record in self._records.values())
+            return record is not None and record.loss_parallel
+        return any(record.loss_parallel for record in self._records.values())
 
     def loss_context(self, model: nn.Module | None = None):
         """The context the loss forward and backward run in (``loss_parallel`` under TP)."""
@@ -321,7 +321,7 @@ class Engine:
                 batch,
                 num_items,
                 self.options.loss.chunk_tokens,
-                sequence_sharded=sp,
+                sequence_parallel=sp,
                 gathered=gathered,
             )
         logits = model(**lm_loss.model_inputs(batch)).logits

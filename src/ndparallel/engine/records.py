@@ -34,9 +34,9 @@ class ParallelModel:
 
     module_ref: weakref.ref
     """The model (weakly: the engine's table is keyed by it and must not keep it alive)."""
-    vocab_sharded_logits: bool = False
-    """Its logits are vocab-sharded (TP on, the option ``loss_parallel`` resolved on for this
-    model): the loss runs in torch's ``loss_parallel()``."""
+    loss_parallel: bool = False
+    """The option ``loss_parallel`` resolved for this model (TP on, the LM head sharded
+    column-wise): its logits are vocab-sharded and the loss runs in torch's ``loss_parallel()``."""
     pipeline: Pipeline | None = None
     """The pipeline running this rank's stages (a ``StageView`` only)."""
     _router_spec: object = field(default=_UNREAD, repr=False)

@@ -44,15 +44,13 @@ def forward_backward(
     engine,
     model: torch.nn.Module,
     micro_batches: Sequence[Mapping[str, torch.Tensor]],
-    skip_grad_sync: bool = False,
     aux_values: list | None = None,
     loss_scale: float | None = None,
 ) -> torch.Tensor:
     """Run every micro-batch (CP-sharded when CP is on) with the layout-invariant loss and
     back-propagate it; gradients are reduced after the last micro-batch only (accumulation).
     Returns this rank's share of the step loss (a device tensor): summed over the ``dp_cp`` ranks
-    it is the global mean token loss. ``skip_grad_sync`` never reduces gradients: a deliberately
-    broken run, used to prove that the equivalence checks can fail. ``aux_values`` collects a
+    it is the global mean token loss. ``aux_values`` collects a
     mixture-of-experts model's load-balancing loss of each micro-batch (already / their number).
     ``loss_scale`` (fp16): back-propagate the loss × it (the returned loss is not scaled)."""
 
@@ -63,10 +61,7 @@ def forward_backward(
     loss_sum = torch.zeros((), device=engine.device)
     try:
         for i, mb in enumerate(micro_batches):
-            if skip_grad_sync:
-                set_gradient_sync(model, False)
-            else:
-                engine.set_grad_sync(model, i == len(micro_batches) - 1)
+            engine.set_grad_sync(model, i == len(micro_batches) - 1)
             with engine.batch_context(mb):
                 loss = engine.forward_loss(
                     model, mb, n_items, aux_weight=1.0 / len(micro_batches), aux_values=aux_values
@@ -88,7 +83,6 @@ def train_step(
     max_grad_norm: float | None = None,
     guard=None,
     step: int = 0,
-    skip_grad_sync: bool = False,
     scaler=None,
 ) -> StepResult:
     """One optimizer step over ``micro_batches`` (this rank's, already on the device).
@@ -106,7 +100,6 @@ def train_step(
         engine,
         model,
         micro_batches,
-        skip_grad_sync=skip_grad_sync,
         aux_values=aux_values,
         loss_scale=scaler.scale if scaler is not None else None,
     )

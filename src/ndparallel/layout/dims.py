@@ -197,11 +197,6 @@ class ParallelDims:
             parts.append(f"EP {self.ep}")
         return " + ".join(parts) or "single device"
 
-    def short(self) -> str:
-        ep = f",ep={self.ep}" if self.ep_enabled else ""
-        pp = f"pp={self.pp}," if self.pp_enabled else ""
-        return f"{pp}dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},cp={self.cp},tp={self.tp}{ep}"
-
     def compact(self) -> str:
         ep = f"+ep{self.ep}" if self.ep_enabled else ""
         pp = f"pp{self.pp}:" if self.pp_enabled else ""

@@ -16,8 +16,8 @@ from typing import Literal
 
 import torch
 
-from ndparallel.parallel.attention_blocks import DocCache, DocLayout, document_starts, local_attention
-from ndparallel.parallel.attention_kernels import BlockKernel, resolve_kernel
+from ndparallel.parallel.cp.attention_blocks import DocCache, DocLayout, document_starts, local_attention
+from ndparallel.parallel.cp.attention_kernels import BlockKernel, resolve_kernel
 from ndparallel.parallel.positions import PositionRecorder
 
 Kernel = Literal["auto", "flash", "math"]

@@ -1,6 +1,11 @@
-"""Options of each parallel dimension, as small dataclasses (documented fields, no logic), and
-``StrategyOptions``: one run's options of every dimension and technique
-(``techniques/technique_options.py``)."""
+"""Options of each parallel dimension and of each decoder layer's activation memory, as small
+dataclasses (documented fields, no logic), and ``StrategyOptions``: one run's options of every
+dimension and technique (``techniques/technique_options.py``).
+
+A field is the training config's key less the prefix its record already says: the YAML is flat,
+the records are not (``CPOptions.comm_strategy`` is ``cp_comm_strategy``, ``LossOptions.chunked``
+``chunked_loss``, ``PipelineOptions.schedule`` ``pipeline_schedule``); ``config/schema.py`` maps
+them in one place and ``tests/test_option_round_trip.py`` holds the mapping to the YAML."""
 
 from __future__ import annotations
 
@@ -15,22 +20,16 @@ from ndparallel.techniques.technique_options import CompileOptions, Float8Option
 
 @dataclass(frozen=True)
 class FSDPOptions:
-    """FSDP2 and the per-decoder-layer memory options (checkpointing, offloading, tiled MLP), which
-    apply with or without FSDP."""
+    """FSDP2's options (``fully_shard``): resharding, host offload, the blocks sharded one by one,
+    when gradients are reduced and in which dtype."""
 
     reshard_after_forward: bool = True
     """Free the gathered parameters after forward (re-gather in backward): less memory, more comm."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer states in host memory."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward instead of storing them."""
-    ac_policy: Literal["full", "selective"] = "full"
-    """With ``activation_checkpointing``: 'full' keeps each decoder layer's input and recomputes
-    the layer; 'selective' recomputes only the norms and the MLP activation
-    (``techniques/selective_ac.py``: Megatron's selective scheme, ``34·h/t`` bytes per token and
-    layer under TP + sequence parallel, no attention or projection recompute bar ``down_proj``)."""
     layer_classes: tuple[str, ...] | None = None
-    """Class names of the blocks to shard one by one; default: the model's ``_no_split_modules``."""
+    """Class names of the blocks to shard one by one (and to checkpoint, tile and offload:
+    ``ActivationOptions``); default: the model's ``_no_split_modules``."""
     unsharded_grad_accumulation: bool | None = None
     """During gradient accumulation, skip the reduce-scatter too and keep *unsharded* gradients
     until the last micro-batch: one gradient reduction per optimizer step (less communication, but
@@ -41,7 +40,20 @@ class FSDPOptions:
     when the unsharded gradients do not fit."""
     reduce_dtype: torch.dtype | None = None
     """dtype of the gradient reduce-scatter / all-reduce; None = fp32 (exact sums under bf16)."""
-    # The decoder layers' activation memory (with or without FSDP; docs/long_context.md):
+
+
+@dataclass(frozen=True)
+class ActivationOptions:
+    """What each decoder layer keeps for backward, with or without FSDP (docs/long_context.md):
+    activation checkpointing and its policy, offloading what it keeps, the sequence-tiled MLP."""
+
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them."""
+    ac_policy: Literal["full", "selective"] = "full"
+    """With ``activation_checkpointing``: 'full' keeps each decoder layer's input and recomputes
+    the layer; 'selective' recomputes only the norms and the MLP activation
+    (``techniques/selective_ac.py``: Megatron's selective scheme, ``34·h/t`` bytes per token and
+    layer under TP + sequence parallel, no attention or projection recompute bar ``down_proj``)."""
     activation_offloading: bool = False
     """With ``activation_checkpointing``: each layer's checkpointed input (its hidden states) moves
     to pinned host memory on a side CUDA stream during the forward and comes back, one layer
@@ -108,6 +120,7 @@ class StrategyOptions:
     applies and the engine runs (the trainer, ``verify`` and the Accelerate facade build one)."""
 
     fsdp: FSDPOptions = FSDPOptions()
+    activation: ActivationOptions = ActivationOptions()
     tp: TPOptions = TPOptions()
     cp: CPOptions = CPOptions()
     loss: LossOptions = LossOptions()
@@ -126,6 +139,7 @@ class StrategyOptions:
         ``mixed_precision="bf16"``), as test setups and scripts write them."""
         names = {
             "fsdp_options": "fsdp",
+            "activation_options": "activation",
             "tp_options": "tp",
             "cp_options": "cp",
             "loss_options": "loss",

@@ -31,7 +31,7 @@ from ndparallel.parallel.cp.context import apply_context_parallel
 from ndparallel.parallel.ep.expert import apply_expert_parallel
 from ndparallel.parallel.fsdp import apply_fsdp
 from ndparallel.parallel.layout_refusals import qat_layout_problem
-from ndparallel.parallel.options import FSDPOptions, StrategyOptions
+from ndparallel.parallel.options import ActivationOptions, StrategyOptions
 from ndparallel.parallel.support import layout_problem
 from ndparallel.parallel.tp.tensor import apply_tensor_parallel, is_tensor_parallel
 from ndparallel.techniques.compile import apply_compile
@@ -106,19 +106,20 @@ def parallelize_model(
         experts = apply_expert_parallel(model, expert_mesh["ep"], tp_mesh, options.tp.sequence_parallel)
     if dims.cp_enabled:
         apply_context_parallel(model, submesh(mesh, "cp"), options.cp)
-    problem = selective_policy_problem(fsdp, compiled=options.compile.enabled)
+    activation = options.activation
+    problem = selective_policy_problem(activation, compiled=options.compile.enabled)
     if problem:
         raise ValueError(problem)
-    apply_activation_memory(model, fsdp, device, offloader)
+    apply_activation_memory(model, activation, device, offloader, fsdp.layer_classes)
     if options.compile.enabled:
         # the tiled MLP's nested backward and the offloading hooks stay eager: compile each child
         apply_compile(
             model,
             options.compile,
             fsdp.layer_classes,
-            per_child=dims.tp_enabled or fsdp.tiled_mlp or fsdp.activation_offloading,
-            skip_attention=dims.cp_enabled and fsdp.activation_checkpointing,
-            eager=is_tiled if dims.tp_enabled and fsdp.tiled_mlp else None,  # techniques/compile.py
+            per_child=dims.tp_enabled or activation.tiled_mlp or activation.activation_offloading,
+            skip_attention=dims.cp_enabled and activation.activation_checkpointing,
+            eager=is_tiled if dims.tp_enabled and activation.tiled_mlp else None,  # techniques/compile.py
         )
     if uses_fsdp(dims, options, bool(experts)):
         expert_fsdp = (expert_mesh[dims.expert_fsdp_dims()], experts) if experts else None
@@ -130,7 +131,7 @@ def parallelize_model(
             master_dtype=upcast,
             experts=expert_fsdp,
         )
-        if fsdp.tiled_mlp:
+        if activation.tiled_mlp:
             check_not_fsdp_unit(model)
     elif upcast is not None:
         upcast_params(model, upcast)
@@ -155,26 +156,33 @@ def _check_layout(model: nn.Module, dims: ParallelDims, tp) -> None:
 
 
 def apply_activation_memory(
-    model: nn.Module, fsdp: FSDPOptions, device: torch.device, offloader: ActivationOffloader | None = None
+    model: nn.Module,
+    activation: ActivationOptions,
+    device: torch.device,
+    offloader: ActivationOffloader | None = None,
+    layer_classes: tuple[str, ...] | None = None,
 ) -> None:
     """The per-decoder-layer memory options, after TP and CP (their hooks stay on the blocks):
     sequence-tiled MLP and lean norms (``tiled_mlp``), activation checkpointing, then offloading of
-    what it keeps (the checkpointed inputs; under the selective policy all a layer saves)."""
-    if fsdp.activation_offloading and not fsdp.activation_checkpointing:
+    what it keeps (the checkpointed inputs; under the selective policy all a layer saves).
+    ``layer_classes``: the decoder layers' class names (``FSDPOptions.layer_classes``)."""
+    if activation.activation_offloading and not activation.activation_checkpointing:
         raise ValueError(
             "activation_offloading offloads the inputs activation checkpointing keeps: set "
-            "fsdp_config.activation_checkpointing: true (FSDPOptions(activation_checkpointing=True))"
+            "fsdp_config.activation_checkpointing: true (ActivationOptions(activation_checkpointing=True))"
         )
-    problem = selective_policy_problem(fsdp)  # before anything changes the model
+    problem = selective_policy_problem(activation)  # before anything changes the model
     if problem:
         raise ValueError(problem)
-    if fsdp.tiled_mlp:
-        apply_tiled_mlp(model, fsdp.tiled_mlp_num_shards, fsdp.layer_classes)
-        apply_lean_norms(model, fsdp.tiled_mlp_num_shards)  # HF-Llama-form RMSNorms, token-tiled backward
-    apply_activation_checkpointing(model, fsdp, fsdp.layer_classes)  # full, or norms + MLP activation
-    if fsdp.activation_offloading:
-        selective = is_selective(fsdp)
-        apply_activation_offloading(model, device, fsdp.layer_classes, selective, offloader)
+    if activation.tiled_mlp:
+        apply_tiled_mlp(model, activation.tiled_mlp_num_shards, layer_classes)
+        apply_lean_norms(
+            model, activation.tiled_mlp_num_shards
+        )  # HF-Llama-form RMSNorms, token-tiled backward
+    apply_activation_checkpointing(model, activation, layer_classes)  # full, or norms + MLP activation
+    if activation.activation_offloading:
+        selective = is_selective(activation)
+        apply_activation_offloading(model, device, layer_classes, selective, offloader)
 
 
 def move_leftovers(model: nn.Module, device: torch.device, keep_params_on_cpu: bool = False) -> None:

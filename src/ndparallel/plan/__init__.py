@@ -1,37 +1,15 @@
-"""The planner: which (pp, dp_replicate, dp_shard, cp, tp, ep) layout fits and is fastest.
+"""The planner: which (pp, dp_replicate, dp_shard, cp, tp, ep) layout fits and is fastest, and with
+which settings (docs/planner.md).
 
-See docs/planner.md for the memory, compute and communication models.
+One folder per concept, named after what it prices; import each name from its home:
+
+- ``settings.py``: ``Settings``, the run's options as the planner prices them (the YAML's names);
+  ``models.py`` and ``hardware.py``: what is planned for.
+- ``search/``: the request, the layouts tried, each layout's options, the ranking, ``--max-seq-len``.
+- ``memory/``: peak memory per GPU (activations, states, logits, buffers).
+- ``time/``: step time (GEMMs, attention, memory-bound ops, recomputation) and the collectives.
+- ``pipeline/``, ``adapters/``, ``moe_cost.py``, ``muon_cost.py``: what pipeline parallel, LoRA /
+  QLoRA, experts and Muon add to both.
+- ``calibrate/``: measuring a machine (``plan --calibrate``).
+- ``cli/``: ``ndparallel plan``: its one flag table, parsing, checks and output.
 """
-
-from ndparallel.plan.cli_arguments import parse_layout
-from ndparallel.plan.comms import Collective, aggregate, predict_collectives
-from ndparallel.plan.hardware import Hardware
-from ndparallel.plan.layout import Layout, Settings
-from ndparallel.plan.memory import MemoryBreakdown, estimate_memory
-from ndparallel.plan.models import ModelSpec, load_model_spec
-from ndparallel.plan.search import (
-    PlanRequest,
-    PlanResult,
-    estimate,
-    evaluate_layout,
-    plan,
-)
-
-__all__ = [
-    "Collective",
-    "Hardware",
-    "Layout",
-    "MemoryBreakdown",
-    "ModelSpec",
-    "PlanRequest",
-    "PlanResult",
-    "Settings",
-    "aggregate",
-    "estimate",
-    "estimate_memory",
-    "evaluate_layout",
-    "load_model_spec",
-    "parse_layout",
-    "plan",
-    "predict_collectives",
-]

@@ -2,6 +2,6 @@
 
 import sys
 
-from ndparallel.plan.cli import main
+from ndparallel.plan.cli.main import main
 
 sys.exit(main())

@@ -65,7 +65,7 @@ class ModelSpec:
     shared_intermediate: int = 0
     """Width of the shared experts' MLP every token also runs (Qwen2-MoE); 0: none."""
     has_embedding: bool = True
-    """False for a pipeline rank without the first stage (``plan/pipeline.py: rank_model``)."""
+    """False for a pipeline rank without the first stage (``plan/pipeline/schedule_model.py: rank_model``)."""
     has_lm_head: bool = True
     """False for a pipeline rank without the last stage: no final norm, LM head or loss."""
 

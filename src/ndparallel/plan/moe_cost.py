@@ -112,7 +112,7 @@ def collectives(model, layout, s, tokens: int, ga: int, collective: type) -> lis
     """The expert-parallel exchanges of one optimizer step (see the module doc), as ``collective``
     (``plan.comms.Collective``) rows."""
     L, e = model.layers, s.act_bytes
-    passes = 2 if s.checkpointing else 1
+    passes = 2 if s.activation_checkpointing else 1
     out = []
     if layout.ep > 1:
         rows = routed_rows(model, layout, tokens)

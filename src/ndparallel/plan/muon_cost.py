@@ -13,7 +13,7 @@ matrix's shard group (redundant: round-robin over ranks is a later optimisation)
 
 from __future__ import annotations
 
-from ndparallel.plan.links import collective_time, group_is_intra_node
+from ndparallel.plan.time.links import collective_time, group_is_intra_node
 
 ADAMW_UNITS = ("root", "embed", "final")
 """FSDP units whose parameters Muon leaves to AdamW (embeddings, LM head, final norm)."""

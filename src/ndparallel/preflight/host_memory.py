@@ -3,7 +3,7 @@ will offload, against the runtime's budget (``techniques/host_budget.py``: 80 % 
 available memory, shared by its ranks). Over it, the offloader keeps the rest of the layer inputs on
 the GPU, which the run's memory plan did not count — said before any rank starts, as a note.
 
-What a rank offloads is the planner's estimate (``plan/memory.py: host_bytes``) for the rank that
+What a rank offloads is the planner's estimate (``plan/memory/activations.py: host_bytes``) for the rank that
 holds the most: under pipeline parallel the first, every micro-batch in flight of its schedule.
 """
 
@@ -15,7 +15,7 @@ from ndparallel.config import TrainConfig
 from ndparallel.config.plan_settings import plan_settings
 from ndparallel.plan.hardware import GiB
 from ndparallel.plan.models import from_hf_config
-from ndparallel.plan.pipeline_estimate import busiest_offload
+from ndparallel.plan.pipeline.pipeline_estimate import busiest_offload
 from ndparallel.techniques.host_budget import HOST_BUDGET_FRACTION, host_budget
 
 
@@ -43,7 +43,7 @@ def offloaded(cfg: TrainConfig, pc, hf) -> Offloaded | None:
     if layout.pp > 1 and cfg.pipeline_microbatches:  # unless set: the same rows, cut m ways
         m = cfg.pipeline_microbatches
     rows = cfg.micro_batch_size * cfg.gradient_accumulation_steps // m
-    s = plan_settings(cfg).but(micro_batch=rows, grad_accum=m)
+    s = plan_settings(cfg).but(micro_batch_size=rows, gradient_accumulation_steps=m)
     return Offloaded(*busiest_offload(spec, layout, s), selective=s.recompute == "selective")
 
 

@@ -6,7 +6,7 @@ functional-collective op (DTensor redistributes, TP, CP's all-gather) before it 
 DTensor argument it returns ``NotImplemented`` so DTensor's own dispatch runs and the plain
 collectives it issues are seen (and counted once).
 
-Byte convention (the planner's, ``ndparallel.plan.comms``): the bytes of the tensor(s) one rank
+Byte convention (the planner's, ``ndparallel.plan.time.comms``): the bytes of the tensor(s) one rank
 passes *into* one call, summed over the tensors of a coalesced call:
 
 * all_gather: the local shard (input), not the gathered output;
@@ -232,7 +232,7 @@ class CommProfiler(TorchDispatchMode):
     def calls(self, step: int | None = None) -> dict[tuple[str, str, int], int]:
         """(dim, op, bytes per call) -> number of calls, for one step (default: the last closed
         one, or everything so far when ``step()`` was never called; ``num_steps``: the open one). Compare with
-        ``ndparallel.plan.comms.aggregate`` (planner kind ``send_recv`` = our ``send``)."""
+        ``ndparallel.plan.time.comms.aggregate`` (planner kind ``send_recv`` = our ``send``)."""
         if step is None:
             return dict(self._steps[-1] if self._steps else self._current)
         return dict([*self._steps, self._current][step])  # index num_steps: the open step

@@ -110,7 +110,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None
 
 
-def _vocab_parallel_inputs(hidden: torch.Tensor, weight: DTensor, sequence_sharded: bool):
+def _vocab_parallel_inputs(hidden: torch.Tensor, weight: DTensor, sequence_parallel: bool):
     """Local hidden rows (all of this tp group's tokens), local weight shard, its first vocab id,
     the tp process group; the hidden-state gradient flows back as a ``Partial`` sum over tp."""
     mesh = weight.device_mesh
@@ -119,7 +119,7 @@ def _vocab_parallel_inputs(hidden: torch.Tensor, weight: DTensor, sequence_shard
     placement = weight.placements[0]
     if not isinstance(hidden, DTensor):
         hidden = DTensor.from_local(
-            hidden, mesh, [Shard(1) if sequence_sharded else Replicate()], run_check=False
+            hidden, mesh, [Shard(1) if sequence_parallel else Replicate()], run_check=False
         )
     if hidden.placements != (Replicate(),):
         hidden = hidden.redistribute(mesh, [Replicate()])
@@ -141,17 +141,17 @@ def chunked_linear_cross_entropy(
     shift_labels: torch.Tensor,
     num_items_in_batch: int | torch.Tensor,
     chunk_tokens: int | None = None,
-    sequence_sharded: bool = False,
+    sequence_parallel: bool = False,
 ) -> torch.Tensor:
     """Sum of token cross-entropies of ``hidden @ weight.T`` against ``shift_labels`` (−100
     ignored) / ``num_items_in_batch``; a plain fp32 scalar.
 
-    ``hidden``: (..., S, H) final hidden states of this rank's tokens (sharded on dim 1 over tp when
-    ``sequence_sharded``: TP's sequence parallel); ``weight``: the (V, H) LM-head weight, a plain
+    ``hidden``: (..., S, H) final hidden states of this rank's tokens (sharded on dim 1 over tp
+    under ``sequence_parallel``); ``weight``: the (V, H) LM-head weight, a plain
     tensor or a tp DTensor (``Shard(0)``: vocab-parallel, or ``Replicate``)."""
     group, vocab_start = None, 0
     if isinstance(weight, DTensor):
-        hidden, weight, vocab_start, group = _vocab_parallel_inputs(hidden, weight, sequence_sharded)
+        hidden, weight, vocab_start, group = _vocab_parallel_inputs(hidden, weight, sequence_parallel)
         if group is not None and dist.get_world_size(group) == 1:
             group = None
     flat = hidden.reshape(-1, hidden.shape[-1])

@@ -1,7 +1,7 @@
 """The host-memory budget of activation offloading, in one place: the share of a machine's
 available memory its ranks' offloaded activations may use. The runtime's offloader
 (``offload.py``: over its budget, further tensors stay on the device), the planner (``--host-mem``:
-``plan/search.py``) and the check before launch (``preflight/host_memory.py``) all ask it.
+``plan/search/evaluation.py``) and the check before launch (``preflight/host_memory.py``) all ask it.
 Imports nothing heavy (``ndparallel plan`` starts without torch)."""
 
 from __future__ import annotations

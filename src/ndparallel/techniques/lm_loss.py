@@ -59,13 +59,13 @@ def forward_loss(
     batch: Mapping[str, torch.Tensor],
     num_items_in_batch: int | torch.Tensor,
     chunk_tokens: int | None = None,
-    sequence_sharded: bool = False,
+    sequence_parallel: bool = False,
     gathered=contextlib.nullcontext,
 ) -> torch.Tensor:
     """This rank's token-loss sum / ``num_items_in_batch`` for ``batch`` (``input_ids``,
     ``shift_labels``, optional ``position_ids`` / ``attention_mask``), the chunked way.
-    ``sequence_sharded``: the final hidden states are sharded on the sequence over TP (sequence
-    parallel with TP on). ``gathered(module)`` is the context that keeps an FSDP-sharded module
+    ``sequence_parallel``: the option resolved for this model (TP on): the final hidden states are
+    sharded on the sequence over TP. ``gathered(module)`` is the context that keeps an FSDP-sharded module
     gathered."""
     decoder = model.get_decoder()
     captured: dict[str, torch.Tensor] = {}
@@ -86,5 +86,5 @@ def forward_loss(
             batch["shift_labels"],
             num_items_in_batch,
             chunk_tokens=chunk_tokens,
-            sequence_sharded=sequence_sharded,
+            sequence_parallel=sequence_parallel,
         )

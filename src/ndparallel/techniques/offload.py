@@ -376,7 +376,7 @@ def _offload_checkpoint_inputs(layer, offloader: ActivationOffloader) -> None:
         raise ValueError(
             f"activation_offloading needs activation checkpointing of {type(layer).__name__} "
             "(transformers' GradientCheckpointingLayer): set fsdp_config.activation_checkpointing: "
-            "true (FSDPOptions(activation_checkpointing=True))"
+            "true (ActivationOptions(activation_checkpointing=True))"
         )
     layer._gradient_checkpointing_func = offloader.wrap(fn)
 

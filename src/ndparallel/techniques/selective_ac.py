@@ -1,7 +1,7 @@
 """Selective activation checkpointing: recompute the norms and the MLP's activation, keep the rest
 (Megatron's selective scheme, Korthikanti et al. 2022 §5, for a Llama-shaped decoder layer).
 
-``fsdp_config.ac_policy: selective`` (``FSDPOptions(ac_policy="selective")``, with
+``fsdp_config.ac_policy: selective`` (``ActivationOptions(ac_policy="selective")``, with
 ``activation_checkpointing``) checkpoints, with ``torch.utils.checkpoint`` (non-reentrant), only
 the cheap elementwise parts of each decoder layer whose saved tensors are large:
 
@@ -19,7 +19,7 @@ never keeps the ``s²`` softmax — it recomputes it in its own backward, which 
 selective attention recompute done by the kernel — and keeps q, k, v, its output and the
 log-sum-exp. Under TP + sequence parallel (``parallel/tp/sp_saves.py``) a layer then keeps about
 ``(4·e·h + e·(a+2k)·d + e·a·d + 2·e·f + e·h)/t`` bytes per token, below Megatron's ``34·h/t``
-(``bench/sp_activation_memory.py``; ``plan/memory.py::selective_saved_per_token``).
+(``bench/sp_activation_memory.py``; ``plan/memory/activations.py::selective_saved_per_token``).
 
 With ``activation_offloading`` everything a layer keeps lives in host memory between its forward
 and its backward, except the collective's output the policy keeps (``techniques/offload.py``).
@@ -126,23 +126,24 @@ def apply_selective_checkpointing(model: nn.Module, override=None) -> list[nn.Mo
     return changed
 
 
-def is_selective(fsdp) -> bool:
-    """Whether ``FSDPOptions``-like ``fsdp`` (or its YAML section) checkpoints selectively."""
-    return fsdp.ac_policy == "selective"
+def is_selective(activation) -> bool:
+    """Whether ``activation`` (``ActivationOptions``, or the YAML's ``fsdp_config``) checkpoints
+    selectively."""
+    return activation.ac_policy == "selective"
 
 
-def selective_policy_problem(fsdp, compiled: bool = False) -> str | None:
-    """What ``ac_policy: selective`` cannot be combined with, from
-    ``FSDPOptions``-like ``fsdp`` and whether the layers are compiled (None: nothing here)."""
-    if fsdp.ac_policy == "full":
+def selective_policy_problem(activation, compiled: bool = False) -> str | None:
+    """What ``ac_policy: selective`` cannot be combined with, from ``ActivationOptions``
+    ``activation`` and whether the layers are compiled (None: nothing here)."""
+    if activation.ac_policy == "full":
         return None
-    if fsdp.ac_policy != "selective":
-        return f"fsdp_config.ac_policy: {fsdp.ac_policy!r} is not a policy: use full or selective"
-    if not fsdp.activation_checkpointing:
+    if activation.ac_policy != "selective":
+        return f"fsdp_config.ac_policy: {activation.ac_policy!r} is not a policy: use full or selective"
+    if not activation.activation_checkpointing:
         return (
             "fsdp_config.ac_policy: selective needs activation_checkpointing: true (or use ac_policy: full)"
         )
-    if fsdp.tiled_mlp:
+    if activation.tiled_mlp:
         return (
             "tiled_mlp already recomputes the MLP, which ac_policy: selective checkpoints: use one of "
             "them (ac_policy: full with tiled_mlp)"
@@ -155,17 +156,17 @@ def selective_policy_problem(fsdp, compiled: bool = False) -> str | None:
     return None
 
 
-def apply_activation_checkpointing(model: nn.Module, fsdp, override=None) -> None:
-    """``FSDPOptions``' checkpointing of every decoder layer: 'full' is transformers' own
+def apply_activation_checkpointing(model: nn.Module, activation, override=None) -> None:
+    """``ActivationOptions``' checkpointing of every decoder layer: 'full' is transformers' own
     per-layer checkpointing (``GradientCheckpointingLayer``; the non-reentrant variant composes
     with FSDP2's hooks and DTensor), 'selective' the norms and MLP activation only; ``override``:
     the decoder-layer class names, as ``models/layers.py`` takes them."""
-    problem = selective_policy_problem(fsdp)
+    problem = selective_policy_problem(activation)
     if problem:
         raise ValueError(problem)
-    if not fsdp.activation_checkpointing:
+    if not activation.activation_checkpointing:
         return
-    if fsdp.ac_policy == "selective":
+    if activation.ac_policy == "selective":
         apply_selective_checkpointing(model, override)
     else:
         enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.25's name

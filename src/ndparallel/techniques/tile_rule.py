@@ -1,6 +1,6 @@
 """The sequence-tiled MLP's tile rule, in one place: how many tiles one MLP call cuts its rows into
 and how long each is. The runtime (``TiledMLPMixin``), the planner
-(``plan/long_context.py``) and the pre-launch plan text (``preflight/plan_text.py``) all ask it.
+(``plan/memory/long_context.py``) and the pre-launch plan text (``preflight/plan_text.py``) all ask it.
 Imports nothing heavy (``ndparallel plan`` starts without torch)."""
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ from ndparallel.engine import Engine, LossScaler, batch_to_device, train_step
 from ndparallel.models.adapters import apply_adapter, lora_config
 from ndparallel.models.quantized import dequantize, is_nf4, quantize_linears
 from ndparallel.optim.build import build_optimizer
-from ndparallel.parallel.ep.expert import set_misroute
 from ndparallel.parallel.options import StrategyOptions
 from ndparallel.parallel.pp.schedule import gather_stage_states
 from ndparallel.techniques.loss import IGNORE_INDEX, causal_lm_loss
@@ -61,17 +60,16 @@ class TrainSetup:
     bucketed: bool = False
     """With ``rows``: widths bucketed too (as under compile, fp8 and pipeline parallel)."""
     fault: str | None = None
-    """A deliberately broken layout run (proves the checks can fail): "skip-grad-sync" never
-    reduces gradients; "cross-documents" gives the model position_ids without restarts, so its
-    attention crosses document starts; "wrong-expert-rank" sends every token of a mixture-of-experts
-    layer to the next expert-parallel rank (``parallel.ep.expert.set_misroute``); "overflow-step-2"
-    (fp16) puts an inf into one element of the last rank's local gradient shard at step 2, as a
-    rank-local fp16 overflow would: every rank must skip that step; "per-shard-muon" orthogonalises
-    each rank's shard of a Muon matrix instead of the whole matrix; "unsummed-tied-grads" (pipeline
-    parallel) leaves the two stage copies of tied embeddings with their own gradients;
+    """A deliberately broken layout run of this tool's own inputs (proves the checks can fail):
+    "cross-documents" gives the model position_ids without restarts, so its attention crosses
+    document starts; "overflow-step-2" (fp16) puts an inf into one element of the last rank's local
+    gradient shard at step 2, as a rank-local fp16 overflow would: every rank must skip that step;
+    "per-shard-muon" orthogonalises each rank's shard of a Muon matrix instead of the whole matrix;
     "scaled-last-shard:EPS" multiplies the last rank's local gradient shards by (1 + EPS) before each
     optimizer step, as a reduction weighting one rank's part wrong by EPS would (a fault as small as
-    wished: the regression guard of tools.agreement's bounds)."""
+    wished: the regression guard of tools.agreement's bounds). Faults of the runtime itself (a
+    skipped gradient sync, a wrong expert rank, unsummed tied gradients) are injected by the tests
+    where the runtime acts (``tests/faults.py``)."""
     loss_scale: dict | None = None
     """fp16: ``LossScaler`` keyword arguments (default: its defaults); {"init_scale": 1.0,
     "growth_interval": 10**9} turns the scaling off in effect (a negative control)."""
@@ -196,10 +194,6 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
         model = engine.build_model(setup.model_dir)
     else:
         model = engine.parallelize(build_model(setup))
-    if setup.fault == "unsummed-tied-grads":
-        engine.pipeline_of(model).sum_tied_grads = False
-    if setup.fault == "wrong-expert-rank":
-        set_misroute(model, 1)
     optimizer = setup_optimizer(setup, model)  # the model: low-bit AdamW finds its embeddings
     if (setup.fault or "").startswith("scaled-last-shard:"):
         _scale_last_rank_grads(optimizer, engine, float(setup.fault.split(":")[1]))
@@ -234,7 +228,6 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
             local,
             max_grad_norm=setup.max_grad_norm,
             step=i + 1,
-            skip_grad_sync=setup.fault == "skip-grad-sync",
             scaler=scaler,
         )
         if scaler is not None:

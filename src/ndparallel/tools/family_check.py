@@ -60,7 +60,10 @@ def family_check(cfg, pc, hf) -> str | None:
         lr=0.1,
         packed_documents=True,
         parallel_kwargs=dict(
-            fsdp_options=cfg.fsdp_options(), tp_options=cfg.tp_options(), cp_options=cfg.cp_options()
+            fsdp_options=cfg.fsdp_options(),
+            activation_options=cfg.activation_options(),
+            tp_options=cfg.tp_options(),
+            cp_options=cfg.cp_options(),
         ),
     )
     where = (

@@ -10,38 +10,41 @@ from collections import defaultdict
 from ndparallel.config.plan_settings import plan_settings
 from ndparallel.models.adapters import base_model_of
 from ndparallel.parallel.pp.schedule import reduces_once_per_step
-from ndparallel.plan.calibrate import calibrate
-from ndparallel.plan.comms import collectives_for, scalar_collectives
-from ndparallel.plan.estimate import rank_step
+from ndparallel.plan.calibrate.measure import calibrate
 from ndparallel.plan.hardware import Hardware, get_preset, load_hardware_file, preset_for_device
 from ndparallel.plan.models import from_hf_config
-from ndparallel.plan.pipeline import rank_shape
-from ndparallel.plan.pipeline_estimate import pp_rank
-from ndparallel.plan.search import estimate
+from ndparallel.plan.pipeline.pipeline_estimate import pp_rank
+from ndparallel.plan.pipeline.schedule_model import rank_shape
+from ndparallel.plan.search.estimate import rank_step
+from ndparallel.plan.search.evaluation import estimate
+from ndparallel.plan.time.comms import collectives_for, scalar_collectives
 from ndparallel.techniques.lm_loss import use_chunked_loss
 
 GiB = 2**30
 
 
 def planner_settings(trainer):
-    """``plan.layout.Settings`` of the running trainer's step."""
+    """The planner's ``Settings`` of the running trainer's step."""
 
     cfg, engine, model = trainer.cfg, trainer.engine, trainer.model
     options = engine.options
     pipeline = engine.pipeline_of(model)
-    stages = {"pp_schedule": pipeline.plan.schedule, "pp_virtual": pipeline.plan.virtual} if pipeline else {}
+    stages = {}
+    if pipeline:
+        plan = pipeline.plan
+        stages = {"pipeline_schedule": plan.schedule, "pipeline_virtual_stages": plan.virtual}
     if pipeline is not None and pipeline.holds_last:  # the loss is the last stage's cut model's
         model = pipeline.modules[pipeline.plan.n_stages - 1].lm
     return plan_settings(
         cfg,
         options,
-        micro_batch=cfg.micro_batch_size,
-        grad_accum=cfg.gradient_accumulation_steps,
+        micro_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         loss_parallel=engine.loss_parallel(model),
         unsharded_grad_accumulation=reduces_once_per_step(
             options.fsdp.unsharded_grad_accumulation, engine.dims.pp_enabled
         ),
-        loss_impl="chunked" if use_chunked_loss(base_model_of(model), options.loss) else "full",
+        chunked_loss=use_chunked_loss(base_model_of(model), options.loss),
         optimizer_fused=bool(trainer.optimizer.defaults.get("fused")),
         **stages,
     )
@@ -67,7 +70,7 @@ def hardware_for(req, engine, spec, settings):
             )
         return hw
 
-    tokens = settings.micro_batch * settings.seq_len // engine.dims.cp
+    tokens = settings.micro_batch_size * settings.sequence_len // engine.dims.cp
     profile = calibrate(ranks=1, quick=True, device="cpu", model=spec, seq_len=tokens, micro_batch=1)
     return Hardware.from_dict(profile["hardware"])
 
@@ -79,7 +82,7 @@ def pipeline_problem(trainer, spec, settings) -> str | None:
     engine = trainer.engine
     plan, rank = engine.pipeline_of(trainer.model).plan, engine.rank_in("pp")
     m = engine.options.pipeline.microbatches
-    if m is not None and m != settings.grad_accum:
+    if m is not None and m != settings.gradient_accumulation_steps:
         return (
             f"the planner models one pipeline micro-batch per accumulation step, not "
             f"pipeline_microbatches={m}: "
@@ -146,9 +149,9 @@ def predict(trainer, req, measured: dict) -> tuple[dict, list]:
         "exposed_comm_s": {"tp": t.tp_exposed, "cp": t.cp_exposed, "dp": t.dp_exposed},
         "hardware": hw.name,
         "settings": {
-            "loss_impl": settings.loss_impl,
+            "chunked_loss": settings.chunked_loss,
             "loss_parallel": settings.loss_parallel,
-            "checkpointing": settings.checkpointing,
+            "activation_checkpointing": settings.activation_checkpointing,
         },
         **({"pipeline": stage} if stage else {}),
     }

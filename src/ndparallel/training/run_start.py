@@ -36,13 +36,14 @@ def resume_policy(resume_from_checkpoint: str | None, env) -> str | None:
     return "auto" if int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 else None
 
 
-def start_outputs(trainer) -> None:
-    """Metrics file, resolved config, the run's summary line, the communication profiler."""
+def start_outputs(trainer) -> tuple[RunTrackers, float, float | None, CommProfiler | None]:
+    """Metrics file, resolved config, the run's summary line; (the trackers, the model's FLOPs per
+    token, the device's peak FLOP/s, the communication profiler when asked for)."""
     engine, cfg = trainer.engine, trainer.cfg
     n_global = global_numel(trainer.model)
-    trainer.flops_per_token = model_flops_per_token(trainer.model, trainer.hf_config, cfg.sequence_len)
-    trainer.peak_flops = device_peak_flops(engine.device, cfg.compute_dtype() is not None)
-    trainer.metrics = RunTrackers(
+    flops_per_token = model_flops_per_token(trainer.model, trainer.hf_config, cfg.sequence_len)
+    peak_flops = device_peak_flops(engine.device, cfg.compute_dtype() is not None)
+    metrics = RunTrackers(
         trainer.out,
         cfg,
         engine.is_main_process,
@@ -64,10 +65,11 @@ def start_outputs(trainer) -> None:
             else f"up to {cfg.sequence_len} tokens (each micro-batch cut after its longest row)"
         )
     )
-    trainer.profiler = None
+    profiler = None
     if trainer.profile_comm:  # the first two steps (lazy init, then a steady step) are recorded
-        trainer.profiler = CommProfiler(engine.mesh, engine.built_expert_mesh)
-        trainer.profiler.__enter__()
+        profiler = CommProfiler(engine.mesh, engine.built_expert_mesh)
+        profiler.__enter__()
+    return metrics, flops_per_token, peak_flops, profiler
 
 
 def trainable_note(cfg: TrainConfig, model) -> str:

@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -56,6 +57,14 @@ from ndparallel.training.run_start import (
 )
 from ndparallel.training.stopping import Interrupted, stop_for_preemption
 
+if TYPE_CHECKING:  # annotations only
+    from ndparallel.data.loader import PackedLoader
+    from ndparallel.data.packing import PackedSplits
+    from ndparallel.data.stream import StreamingLoader
+    from ndparallel.engine.loss_scale import LossScaler
+    from ndparallel.runtime.comm_profile import CommProfiler
+    from ndparallel.tracking.run import RunTrackers
+
 
 @dataclass
 class TrainState:
@@ -72,6 +81,36 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         self.state = TrainState()
         self.last: dict = {}
+        """The last logged metrics."""
+        # built by ``setup``, in its order
+        self.engine: Engine | None = None
+        self.tokenizer = None
+        self.splits: PackedSplits | None = None
+        self.loader: PackedLoader | StreamingLoader | None = None
+        self.val_loader = None
+        self.eval_every: int | None = None
+        self.total_steps = 0
+        self.save_every: int | None = None
+        self.hf_config = None
+        """The model's transformers config (``_load_model``)."""
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        self.nonfinite: NonFiniteGuard | None = None
+        self.scaler: LossScaler | None = None
+        self.watchdog: LossWatchdog | None = None
+        self.early_stopping: EarlyStopping | None = None
+        self.stopped = False
+        self.checkpointer: AsyncCheckpointer | None = None
+        self._saved_step: int | None = None
+        # set when the steps start (``run``, ``start_outputs``)
+        self.metrics: RunTrackers | None = None
+        self.flops_per_token = 0.0
+        self.peak_flops: float | None = None
+        self.profiler: CommProfiler | None = None
+        self.progress: Progress | None = None
+        self.preemption: PreemptionWatch | None = None
+        self._log_time, self._log_step = 0.0, 0
 
     # ----------------------------------------------------------------------------- phases
     def setup(self) -> None:
@@ -398,7 +437,7 @@ class Trainer:
 
         resuming = resume_policy(self.cfg.resume_from_checkpoint, os.environ) is not None
         claim_output_dir(self.engine, self.cfg, resuming, self.profile_comm)  # before the first write
-        start_outputs(self)
+        self.metrics, self.flops_per_token, self.peak_flops, self.profiler = start_outputs(self)
         self.model.train()
         self.progress = Progress(self.total_steps, self.state.step, enabled=self.engine.is_main_process)
         self._log_time, self._log_step = time.perf_counter(), self.state.step

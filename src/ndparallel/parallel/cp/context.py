@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.layout.mesh import process_group
-from ndparallel.parallel.attention_blocks import DocCache
+from ndparallel.parallel.cp.attention_blocks import DocCache
 from ndparallel.parallel.cp.parallel_attention import STRATEGIES, context_parallel_attention
 from ndparallel.parallel.cp.sharding import cp_num_chunks, shard_for_cp
 from ndparallel.parallel.cp.ulysses import ulysses_head_error

@@ -33,14 +33,14 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.layout.mesh import process_group
-from ndparallel.parallel.attention_blocks import (
+from ndparallel.parallel.cp.attention_blocks import (
     DocLayout,
     accumulators,
     backward_span,
     document_starts,
     forward_span,
 )
-from ndparallel.parallel.attention_kernels import BlockKernel
+from ndparallel.parallel.cp.attention_kernels import BlockKernel
 from ndparallel.parallel.cp.exchange import (
     all_gather,
     finish,

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ndparallel.parallel.attention_blocks import DocLayout, document_starts, local_attention
-from ndparallel.parallel.attention_kernels import BlockKernel
+from ndparallel.parallel.cp.attention_blocks import DocLayout, document_starts, local_attention
+from ndparallel.parallel.cp.attention_kernels import BlockKernel
 from ndparallel.parallel.cp.exchange import all_gather, wait
 from ndparallel.parallel.cp.sharding import cp_chunk_ids
 

@@ -48,8 +48,6 @@ class ExpertRoute:
     """The ``ep`` mesh (None: every rank holds every expert)."""
     tp_mesh: DeviceMesh | None
     """The ``tp`` mesh when tp ranks share their tokens (no sequence parallel): rows are sliced."""
-    misroute: int = 0
-    """Test fault only: send every pair this many ranks past its expert's rank."""
 
     @property
     def ep_size(self) -> int:
@@ -63,11 +61,6 @@ class ExpertRoute:
 def is_expert_parallel(module: nn.Module) -> bool:
     """Whether ``apply_expert_parallel`` took over this experts module."""
     return getattr(module, _ROUTE_ATTR, None) is not None
-
-
-def split_experts_modules(model: nn.Module) -> list[nn.Module]:
-    """The experts modules ``apply_expert_parallel`` took over (FSDP shards them apart)."""
-    return [m for m in model.modules() if is_expert_parallel(m)]
 
 
 def check_expert_parallel(model: nn.Module, ep_size: int) -> None:
@@ -118,13 +111,6 @@ def apply_expert_parallel(
         setattr(module, _ROUTE_ATTR, route)
         out.append(module)
     return out
-
-
-def set_misroute(model: nn.Module, shift: int) -> None:
-    """Test fault: send every (token, expert) pair ``shift`` ranks past its expert's rank, to the
-    expert with the same local index there (proves the equivalence checks see the routing)."""
-    for module in split_experts_modules(model):
-        getattr(module, _ROUTE_ATTR).misroute = shift
 
 
 def _shard_over_ep(module: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -216,8 +202,6 @@ def _dispatch_compute_combine(
     experts, send the outputs back, weight them and sum each token's slots."""
     rows, k = index.shape
     experts = index.reshape(-1)
-    if route.misroute:
-        experts = (experts + route.misroute * route.local_experts) % route.num_experts
     order = torch.argsort(experts, stable=True)  # pairs grouped by expert, hence by owner rank
     sent = hidden[order // k]
     if route.ep_mesh is None:

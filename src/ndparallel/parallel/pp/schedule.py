@@ -183,7 +183,6 @@ class Pipeline:
         self._schedules: dict[tuple[int, int], object] = {}
         self._loss_scale: float | None = None
         self._tied = self._tie_pair(tied)
-        self.sum_tied_grads = True  # False only in a deliberately broken run (the checks must fail)
 
     # ---------------------------------------------------------------------- where
     @property
@@ -218,7 +217,7 @@ class Pipeline:
         return mine, group
 
     def _sum_tied_grads(self) -> None:
-        if self._tied is None or not self.sum_tied_grads:
+        if self._tied is None:
             return
         weights, group = self._tied
         grads = [w.grad for w in weights if w.grad is not None]

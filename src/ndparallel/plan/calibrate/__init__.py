@@ -1,0 +1,1 @@
+"""``ndparallel plan --calibrate``: measure this machine (kernels, collectives) into a hardware profile."""
