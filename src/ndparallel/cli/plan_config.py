@@ -25,6 +25,7 @@ from ndparallel.layout.config import ParallelismConfigError
 from ndparallel.plan.adapters.lora_cost import saved_tables
 from ndparallel.plan.cli.flags import FLAGS
 from ndparallel.plan.cli.from_flags import SETTINGS
+from ndparallel.plan.cli.parser import given
 
 RUN_KEYS = (
     "base_model",
@@ -62,27 +63,50 @@ def config_values(path: str, args) -> tuple[dict, str]:
             values["lora_modules_to_save"] = cfg.lora_modules_to_save
     said = f"model {cfg.base_model}, seq {cfg.sequence_len}"
     gpus = args.gpus if args.gpus and args.gpus > 0 else None
-    if gpus and not (args.global_batch_size or args.global_batch_tokens):
-        dp, where = _config_dp(cfg.parallelism_config(), gpus, path)
+    batch_given = bool(args.global_batch_size or args.global_batch_tokens)
+    pc, where = _config_layout(cfg.parallelism_config(), gpus, path, batch_given)
+    if gpus and not batch_given:
+        dp = pc.dp_replicate_size * pc.dp_shard_size
         batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp
         values["global_batch_size"] = batch
         said += (
             f", global batch {batch} sequences (micro {cfg.micro_batch_size} × accumulation "
             f"{cfg.gradient_accumulation_steps} × dp {dp}{where})"
         )
-    return values, f"ndparallel plan: from {path}: {said}"
+    said = f"ndparallel plan: from {path}: {said}"
+    if "sequence_len" not in given(args) and not args.max_seq_len:  # the length is the config's
+        rows = _row_length(cfg, pc)
+        values["sequence_len"] = rows.tokens
+        said += f"\nndparallel plan: {rows.text}"
+    return values, said
 
 
-def _config_dp(layout, gpus: int, path: str) -> tuple[int, str]:
-    """The data-parallel degree the config trains with: at ``gpus`` ranks when its layout fits
-    them, else at its own world size (fixed degrees: the run as configured keeps its batch)."""
+def _row_length(cfg: TrainConfig, pc):
+    """The length ``train`` computes the config's rows at (``preflight/padding.py``): its
+    ``sequence_len``, or where each micro-batch is cut after its longest row, the p95 width of the
+    micro-batches over the first records of its local JSON-lines data, rounded for its layout ``pc``
+    (None: one rank's rounding)."""
+    from ndparallel.layout.dims import ParallelDims
+    from ndparallel.preflight.padding import planned_row_length
 
+    return planned_row_length(cfg, pc.dims if pc is not None else ParallelDims())
+
+
+def _config_layout(layout, gpus: int | None, path: str, batch_given: bool) -> tuple:
+    """The layout the config trains with and a note on it: at ``gpus`` ranks when it fits them,
+    else at its own world size (fixed degrees: the run as configured keeps its batch). None when
+    neither is known (no ``--gpus``, or a ``-1`` degree that does not fit them, with the batch
+    given on the command line); without the batch, that is an error naming the flag."""
+
+    if gpus is None:
+        return None, ""
     try:
-        pc = layout.resolve(gpus)
-        return pc.dp_replicate_size * pc.dp_shard_size, ""
+        return layout.resolve(gpus), ""
     except ParallelismConfigError as e:
         sizes = layout.to_dict().values()
         if -1 in sizes:
+            if batch_given:
+                return None, ""
             raise ValueError(
                 f"--config {path}: its layout does not fit --gpus {gpus} ({e}); give the batch "
                 "to keep with --global-batch-size N (sequences per step)"
@@ -90,8 +114,7 @@ def _config_dp(layout, gpus: int, path: str) -> tuple[int, str]:
         own = 1
         for v in sizes:
             own *= v
-        pc = layout.resolve(own)
-        return pc.dp_replicate_size * pc.dp_shard_size, f" of its own {own}-rank layout"
+        return layout.resolve(own), f" of its own {own}-rank layout"
 
 
 def merge_written_config(source: str, written: str) -> None:

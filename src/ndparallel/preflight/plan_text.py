@@ -164,7 +164,7 @@ def _datasets_read_as(cfg: TrainConfig, dims) -> list[str]:
 
     if cfg.pretraining_dataset is not None or not cfg.datasets:
         return []
-    lines, tokenizer = [], _local_tokenizer(cfg)
+    lines, tokenizer = [], local_tokenizer(cfg)
     for i, d in enumerate(cfg.datasets):
         where = f"datasets[{i}]"
         try:
@@ -189,7 +189,7 @@ def _padding(cfg: TrainConfig, dims, tokenizer) -> str:
         return f"not estimated: {' '.join(str(e).split())[:200]}"
 
 
-def _local_tokenizer(cfg: TrainConfig):
+def local_tokenizer(cfg: TrainConfig):
     """The run's tokenizer where it is a local directory (a dry run downloads and trains nothing);
     else the reason it is not loaded, as a string."""
     from pathlib import Path
