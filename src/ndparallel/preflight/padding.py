@@ -20,7 +20,9 @@ from ndparallel.data import PackedLoader
 from ndparallel.data.dataset import DatasetSpec, local_files
 from ndparallel.data.prepare import build_rows, concatenates
 from ndparallel.data.widths import MICRO_BATCHES_READ, padded_fraction, width_quantile
-from ndparallel.training.components import row_widths
+from ndparallel.models.presets import is_preset
+from ndparallel.preflight.local import quiet_datasets
+from ndparallel.training.components import data_cache_dir, load_tokenizer, row_widths
 
 SAMPLE_RECORDS = 2000
 
@@ -62,9 +64,6 @@ def planned_row_length(cfg: TrainConfig, dims) -> RowLength:
     """``plan --config``'s length, from the first ``SAMPLE_RECORDS`` records of each dataset as
     the ``--dry-run`` padding line reads them, with the run's tokenizer where it is on this machine
     (else ``sequence_len``, an upper bound); ``dims``: the config's layout (its width multiple)."""
-    from ndparallel.preflight.local import quiet_datasets
-    from ndparallel.preflight.plan_text import local_tokenizer
-
     specs = _specs(cfg)
     if not _cut(cfg, specs, dims):
         return _full(cfg, specs)
@@ -148,6 +147,20 @@ def _sample_loader(cfg: TrainConfig, specs, dims, tokenizer) -> PackedLoader | s
         pad_to_multiple=widths.multiple,
         buckets=widths.buckets,
     )
+
+
+def local_tokenizer(cfg: TrainConfig):
+    """The run's tokenizer where it is a local directory (a dry run downloads and trains nothing);
+    else the reason it is not loaded, as a string."""
+    source = cfg.tokenizer or cfg.base_model
+    if source == cfg.base_model and is_preset(source):
+        return "the built-in tokenizer of a preset model is trained when the run starts"
+    if not Path(str(source)).expanduser().is_dir():
+        return f"the tokenizer ({source}) is not a local directory"
+    try:
+        return load_tokenizer(cfg, data_cache_dir(cfg))
+    except (ValueError, OSError) as e:
+        return f"the tokenizer does not load: {' '.join(str(e).split())[:200]}"
 
 
 def _first_records(spec: DatasetSpec):
