@@ -259,19 +259,34 @@ def test_cut_rows_are_planned_at_the_p95_width_train_computes(capsys, tmp_path, 
     assert json.loads(out)["request"]["sequence_len"] == p95, err
     assert f"rows: dynamic, p95 {p95} tokens of sequence_len 1024" in err, err
     assert f"memory and time at {p95}" in err, err
+    rows = json.loads(out)["rows"]
+    assert (rows["planned_at"], rows["dynamic"]) == (p95, True) and f"plan: {rows['said']}\n" in err, rows
 
+    written = tmp_path / "planned.yaml"  # the plan at p95, the config written back at its own length
+    code, _, err = run_cli(
+        capsys, "plan", "--config", cut, "--gpus", "2", "--top", "1", "--write-config", written
+    )
+    assert code == 0 and yaml.safe_load(written.read_text())["sequence_len"] == 1024, err
+
+    stream = {
+        "datasets": None,
+        "pretraining_dataset": [{"path": str(PARITY / "data" / "completion.jsonl")}],
+        "max_steps": 4,
+    }
     for fields, said in [
         ({"sample_packing": True}, "samples packed into rows padded to it"),
         ({"pad_to_sequence_len": True}, "every row padded to it"),
+        (stream, "full blocks of the streamed pretraining_dataset"),
     ]:
         code, out, err = run_cli(
             capsys, "plan", "--config", _alpaca_config(tmp_path, **fields), "--gpus", "2", "--json"
         )
         assert code == 0, err
         assert json.loads(out)["request"]["sequence_len"] == 1024, err
-        assert f"rows: sequence_len 1024 ({said}" in err, err
+        assert f"rows: sequence_len 1024 ({said}" in err and not json.loads(out)["rows"]["dynamic"], err
 
     code, out, err = run_cli(
         capsys, "plan", "--config", cut, "--gpus", "2", "--json", "--sequence-len", "512"
     )
     assert code == 0 and json.loads(out)["request"]["sequence_len"] == 512 and "rows:" not in err, err
+    assert "rows" not in json.loads(out), out[:200]

@@ -58,20 +58,25 @@ class RowLength:
 
     tokens: int
     text: str
+    dynamic: bool = False
+
+    def to_dict(self) -> dict:
+        """``plan --json``'s ``rows``."""
+        return {"planned_at": self.tokens, "dynamic": self.dynamic, "said": self.text}
 
 
 def planned_row_length(cfg: TrainConfig, dims) -> RowLength:
     """``plan --config``'s length, from the first ``SAMPLE_RECORDS`` records of each dataset as
     the ``--dry-run`` padding line reads them, with the run's tokenizer where it is on this machine
     (else ``sequence_len``, an upper bound); ``dims``: the config's layout (its width multiple)."""
-    specs = _specs(cfg)
+    specs = None if cfg.pretraining_dataset is not None else _specs(cfg)
     if not _cut(cfg, specs, dims):
         return _full(cfg, specs)
     loader = local_tokenizer(cfg)
     if not isinstance(loader, str):
         try:
-            with quiet_datasets():
-                loader = _sample_loader(cfg, specs, dims, loader)
+            with quiet_datasets():  # one rank's micro-batches: the widths do not depend on dp
+                loader = _sample_loader(cfg, specs, dims, loader, dp=1)
         except (ValueError, OSError, KeyError, TypeError) as e:  # the data's own: train says it
             loader = f"the data does not prepare: {' '.join(str(e).split())[:200]}"
     if isinstance(loader, str):
@@ -79,6 +84,7 @@ def planned_row_length(cfg: TrainConfig, dims) -> RowLength:
             cfg.sequence_len,
             f"rows: dynamic, not estimated here ({loader}): memory and time at sequence_len "
             f"{cfg.sequence_len}, an upper bound",
+            dynamic=True,
         )
     paths = ", ".join(str(d.path) for d in cfg.datasets)
     return _dynamic(cfg, loader, f"the first {SAMPLE_RECORDS} records of {paths}")
@@ -101,6 +107,7 @@ def _dynamic(cfg: TrainConfig, loader: PackedLoader, source: str) -> RowLength:
         f"after its longest row, multiple of {loader.pad_to_multiple}{buckets}; over "
         f"{min(len(every), MICRO_BATCHES_READ)} "
         f"micro-batches of {source}): memory and time at {width}",
+        dynamic=True,
     )
 
 
@@ -119,7 +126,7 @@ def _full(cfg: TrainConfig, specs) -> RowLength:
 
 def _cut(cfg: TrainConfig, specs, dims) -> bool:
     """Are the run's micro-batches cut after their longest row?"""
-    if cfg.pretraining_dataset is not None or concatenates(specs, cfg.sample_packing):
+    if specs is None or concatenates(specs, cfg.sample_packing):
         return False
     return row_widths(cfg, dims).multiple is not None
 
@@ -128,20 +135,22 @@ def _specs(cfg: TrainConfig) -> list[DatasetSpec]:
     return [DatasetSpec.from_any(d.model_dump(), f"datasets[{i}]") for i, d in enumerate(cfg.datasets)]
 
 
-def _sample_loader(cfg: TrainConfig, specs, dims, tokenizer) -> PackedLoader | str:
-    """The run's loader over the rows of each dataset's first ``SAMPLE_RECORDS`` records, prepared
-    as ``train`` prepares them; else why there is none (a phrase)."""
+def _sample_loader(cfg: TrainConfig, specs, dims, tokenizer, dp: int | None = None) -> PackedLoader | str:
+    """The run's loader (``dp`` ranks: the layout's by default) over the rows of each dataset's
+    first ``SAMPLE_RECORDS`` records, prepared as ``train`` prepares them; else why there is none
+    (a phrase)."""
     given = [_first_records(spec) for spec in specs]
     if any(g is None for g in given):
         return "a dataset that is not a local JSON-lines file"
     rows = build_rows(specs, tokenizer, cfg.data_options(), given=given)
-    if len(rows) < cfg.micro_batch_size * dims.dp:
+    dp = dims.dp if dp is None else dp
+    if len(rows) < cfg.micro_batch_size * dp:
         return f"the first {SAMPLE_RECORDS} records make fewer rows than one global micro-batch"
     widths = row_widths(cfg, dims)
     return PackedLoader(
         rows,
         cfg.micro_batch_size,
-        dp_size=dims.dp,
+        dp_size=dp,
         seed=cfg.seed,
         shuffle=not cfg.curriculum_sampling,
         pad_to_multiple=widths.multiple,
