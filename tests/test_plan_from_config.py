@@ -261,6 +261,10 @@ def test_cut_rows_are_planned_at_the_p95_width_train_computes(capsys, tmp_path, 
     assert f"memory and time at {p95}" in err, err
     rows = json.loads(out)["rows"]
     assert (rows["planned_at"], rows["dynamic"]) == (p95, True) and f"plan: {rows['said']}\n" in err, rows
+    code, out, err = run_cli(
+        capsys, "plan", "--config", cut, "--gpus", "64", "--json"
+    )  # 48 rows < dp × micro
+    assert code == 0 and json.loads(out)["rows"]["planned_at"] == p95, err  # the same widths: one rank's
 
     written = tmp_path / "planned.yaml"  # the plan at p95, the config written back at its own length
     code, _, err = run_cli(
