@@ -208,3 +208,89 @@ def test_max_seq_len_keeps_the_configs_cp_strategy_when_it_names_one(capsys, tmp
         r["at_max"]["settings"]["cp_comm_strategy"] for r in json.loads(out)["longest"] if r.get("at_max")
     }
     assert (used == {"allgather"}) if named else (len(used) > 1), used
+
+
+PARITY = ROOT / "tests/fixtures/axolotl/parity"  # a tiny Llama, its tokenizer and Axolotl's data files
+
+
+def _alpaca_config(tmp_path, **fields) -> Path:
+    cfg = {
+        "base_model": str(PARITY / "model"),
+        "datasets": [{"path": str(PARITY / "data" / "alpaca.jsonl"), "type": "alpaca"}],
+        "sequence_len": 1024,
+        "micro_batch_size": 2,
+        "output_dir": str(tmp_path / "out"),
+        **fields,
+    }
+    path = tmp_path / f"cfg{len(list(tmp_path.glob('cfg*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _widths_train_computes(path: Path, tmp_path, dp: int) -> list[int]:
+    """The width of every micro-batch each of ``dp`` ranks computes, from ``train``'s own data
+    path (its tokenizer, rows and loader)."""
+    from ndparallel.axolotl import load_config
+    from ndparallel.layout.dims import ParallelDims
+    from ndparallel.training.components import build_data, load_tokenizer, row_widths, train_loader
+
+    cfg = load_config(str(path))
+    tokenizer = load_tokenizer(cfg, tmp_path / "cache")
+    splits = build_data(cfg, tokenizer, tmp_path / "cache")
+    widths = row_widths(cfg, ParallelDims(dp_shard=dp))
+    loaders = [train_loader(cfg, splits, tokenizer, r, dp, widths) for r in range(dp)]
+    return [len(batch["input_ids"][0]) for loader in loaders for batch in loader]
+
+
+def test_cut_rows_are_planned_at_the_p95_width_train_computes(capsys, tmp_path, monkeypatch):
+    """Unpacked, ``pad_to_sequence_len`` unset (Axolotl's default): each micro-batch is cut after its
+    longest row, so the planner's memory and time are at the width 95 % of the micro-batches
+    ``train`` computes stay within (from the local data's first records, as the dry run reads
+    them), and it says so; padded or packed rows, and a length on the command line, at theirs."""
+    import numpy as np
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cut = _alpaca_config(tmp_path)
+    code, out, err = run_cli(capsys, "plan", "--config", cut, "--gpus", "2", "--json")
+    assert code == 0, err
+    widths = _widths_train_computes(cut, tmp_path, dp=2)  # the config's layout at 2 GPUs: FSDP 2
+    p95 = int(np.quantile(widths, 0.95, method="inverted_cdf"))
+    assert len(widths) == 24 and p95 < max(widths) < 1024, widths  # 48 records, 2 ranks × micro 2
+    assert json.loads(out)["request"]["sequence_len"] == p95, err
+    assert f"rows: dynamic, p95 {p95} tokens of sequence_len 1024" in err, err
+    assert f"memory and time at {p95}" in err, err
+    rows = json.loads(out)["rows"]
+    assert (rows["planned_at"], rows["dynamic"]) == (p95, True) and f"plan: {rows['said']}\n" in err, rows
+    code, out, err = run_cli(
+        capsys, "plan", "--config", cut, "--gpus", "64", "--json"
+    )  # 48 rows < dp × micro
+    assert code == 0 and json.loads(out)["rows"]["planned_at"] == p95, err  # the same widths: one rank's
+
+    written = tmp_path / "planned.yaml"  # the plan at p95, the config written back at its own length
+    code, _, err = run_cli(
+        capsys, "plan", "--config", cut, "--gpus", "2", "--top", "1", "--write-config", written
+    )
+    assert code == 0 and yaml.safe_load(written.read_text())["sequence_len"] == 1024, err
+
+    stream = {
+        "datasets": None,
+        "pretraining_dataset": [{"path": str(PARITY / "data" / "completion.jsonl")}],
+        "max_steps": 4,
+    }
+    for fields, said in [
+        ({"sample_packing": True}, "samples packed into rows padded to it"),
+        ({"pad_to_sequence_len": True}, "every row padded to it"),
+        (stream, "full blocks of the streamed pretraining_dataset"),
+    ]:
+        code, out, err = run_cli(
+            capsys, "plan", "--config", _alpaca_config(tmp_path, **fields), "--gpus", "2", "--json"
+        )
+        assert code == 0, err
+        assert json.loads(out)["request"]["sequence_len"] == 1024, err
+        assert f"rows: sequence_len 1024 ({said}" in err and not json.loads(out)["rows"]["dynamic"], err
+
+    code, out, err = run_cli(
+        capsys, "plan", "--config", cut, "--gpus", "2", "--json", "--sequence-len", "512"
+    )
+    assert code == 0 and json.loads(out)["request"]["sequence_len"] == 512 and "rows:" not in err, err
+    assert "rows" not in json.loads(out), out[:200]

@@ -1,6 +1,8 @@
 """``ndparallel simulate``: one real rank of a 64-rank world under torch's fake backend, measured
 against the planner — tensor memory within 15 % and the same collective bytes per mesh dim, for
-FSDP and FSDP × CP × TP; a memory budget below the measured peak fails the run (exit 1)."""
+FSDP (full blocks of text) and FSDP × CP × TP (micro-batches cut after their longest row: both
+at the one width the planner is asked about); a memory budget below the measured peak fails the
+run (exit 1)."""
 
 import json
 from pathlib import Path
@@ -8,6 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PARITY = ROOT / "tests/fixtures/axolotl/parity"  # a tokenizer and Axolotl's alpaca records
 MODEL = dict(
     hidden_size=256,
     intermediate_size=512,
@@ -37,6 +40,19 @@ def config(tmp_path_factory):
         f"base_model: {tmp / 'model'}\ntokenizer: builtin:stdlib\n"
         "datasets:\n  - {path: builtin:stdlib, max_files: 60}\n"
         f"sequence_len: 256\nmicro_batch_size: 2\noutput_dir: {tmp / 'run'}\n"
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def cut_config(config):
+    """Alpaca records, unpacked and ``pad_to_sequence_len`` unset: each micro-batch cut after its
+    longest row (the model and output directory of ``config``)."""
+    path = config.parent / "cut.yaml"
+    path.write_text(
+        f"base_model: {config.parent / 'model'}\ntokenizer: {PARITY / 'model'}\n"
+        f"datasets:\n  - {{path: {PARITY / 'data' / 'alpaca.jsonl'}, type: alpaca}}\n"
+        f"sequence_len: 512\nmicro_batch_size: 2\noutput_dir: {config.parent / 'run'}\n"
     )
     return path
 
@@ -72,10 +88,11 @@ def test_fsdp_rank_of_64_and_a_budget_it_does_not_fit(config, capfd):
     assert report["fits"] is False and code == 1 and "does not fit" in err
 
 
-def test_fsdp_cp_tp_rank_of_64(config, capfd):
+def test_fsdp_cp_tp_rank_of_64(cut_config, capfd, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, report, err = _simulate(
         capfd,
-        config,
+        cut_config,
         "--set",
         "dp_shard_size=-1",
         "--set",
@@ -87,7 +104,10 @@ def test_fsdp_cp_tp_rank_of_64(config, capfd):
     )
     assert code == 0, err[-2000:]
     assert report["layout"]["describe"] == "FSDP 16 + CP 2 + TP 2" and report["layout"]["rank"] == 37
-    _check(report)
+    width = report["settings"]["row_length"]  # the p95 width (tests/test_plan_from_config.py)
+    assert width % 8 == 0 and width < 512, report["settings"]
+    assert report["settings"]["rows"].startswith(f"rows: dynamic, p95 {width} tokens of sequence_len 512")
+    _check(report)  # measured and planned at that width
     assert {"dp_shard_cp", "cp", "tp"} <= set(report["collectives"])
     assert report["fits"] is None
 

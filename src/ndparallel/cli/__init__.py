@@ -82,12 +82,12 @@ def _plan(argv: list[str]) -> int:
     if args.config is None:  # flags only: the planner alone, no torch import (a fast start)
         return run_plan(args)
     try:
-        base, said = config_values(args.config, args)
+        base, said, rows = config_values(args.config, args)
     except (ConfigError, ValueError) as e:
         print(f"ndparallel plan: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(said, file=sys.stderr)
-    code = run_plan(args, base)
+    code = run_plan(args, base, {"rows": rows.to_dict()} if rows else None)
     if code == 0 and args.write_config and os.path.isfile(args.write_config):
         merge_written_config(args.config, args.write_config)
     return code

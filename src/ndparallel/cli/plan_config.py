@@ -4,7 +4,9 @@ The typed config (``TrainConfig``) gives the run's values by their keys (``confi
 ``Settings`` through ``config/plan_settings.py``, its optimizer, adapter and batch), under the flags
 given on the command line, which win. The global batch is the config's:
 ``micro_batch_size × gradient_accumulation_steps × dp`` of its own layout at ``--gpus`` (the planner
-then keeps it fixed while it searches layouts and micro-batches). With ``--write-config OUT``, OUT
+then keeps it fixed while it searches layouts and micro-batches). The length planned is the one
+``train`` computes: ``sequence_len``, or the p95 width where it cuts each micro-batch after its
+longest row (``preflight/padding.py``). With ``--write-config OUT``, OUT
 is the user's config with only the layout and batch fields replaced by the plan's choice
 (everything else — data, optimizer, LoRA, output_dir — kept).
 
@@ -13,6 +15,7 @@ Lives in ``cli/`` because it reads the training config, which ``plan/`` may not 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import yaml
@@ -25,6 +28,7 @@ from ndparallel.layout.config import ParallelismConfigError
 from ndparallel.plan.adapters.lora_cost import saved_tables
 from ndparallel.plan.cli.flags import FLAGS
 from ndparallel.plan.cli.from_flags import SETTINGS
+from ndparallel.plan.cli.parser import given
 
 RUN_KEYS = (
     "base_model",
@@ -44,10 +48,11 @@ every ``lora_*`` key of the training config). Every other key is the plan's choi
 batch split and the options that go with the layout) and replaces the source's."""
 
 
-def config_values(path: str, args) -> tuple[dict, str]:
-    """The run's values (by key, as ``plan/cli/from_flags.py`` reads them) of training config ``path``
-    and a one-line description of what was taken; the parsed ``args`` give ``--gpus`` and the flags
-    that leave the config's batch or adapter out. Raises ``ValueError`` with the fix."""
+def config_values(path: str, args) -> tuple[dict, str, object]:
+    """The run's values (by key, as ``plan/cli/from_flags.py`` reads them) of training config ``path``,
+    the lines that say what was taken, and the row length planned (``preflight/padding.py``'s
+    ``RowLength``; None when the command line gives the length); the parsed ``args`` give ``--gpus``
+    and the flags that leave the config's batch or adapter out. Raises ``ValueError`` with the fix."""
     cfg = load_config(path)
     s = plan_settings(cfg)
     values = {"base_model": cfg.base_model, "optimizer": cfg.optimizer}
@@ -62,36 +67,52 @@ def config_values(path: str, args) -> tuple[dict, str]:
             values["lora_modules_to_save"] = cfg.lora_modules_to_save
     said = f"model {cfg.base_model}, seq {cfg.sequence_len}"
     gpus = args.gpus if args.gpus and args.gpus > 0 else None
-    if gpus and not (args.global_batch_size or args.global_batch_tokens):
-        dp, where = _config_dp(cfg.parallelism_config(), gpus, path)
+    batch_given = bool(args.global_batch_size or args.global_batch_tokens)
+    pc, where = _config_layout(cfg.parallelism_config(), gpus, path, batch_given)
+    if gpus and not batch_given:
+        dp = pc.dp_replicate_size * pc.dp_shard_size
         batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp
         values["global_batch_size"] = batch
         said += (
             f", global batch {batch} sequences (micro {cfg.micro_batch_size} × accumulation "
             f"{cfg.gradient_accumulation_steps} × dp {dp}{where})"
         )
-    return values, f"ndparallel plan: from {path}: {said}"
+    said = f"ndparallel plan: from {path}: {said}"
+    if "sequence_len" not in given(args) and not args.max_seq_len:  # the length is the config's
+        rows = _row_length(cfg, pc)
+        values["sequence_len"] = rows.tokens
+        said += f"\nndparallel plan: {rows.text}"
+        return values, said, rows
+    return values, said, None
 
 
-def _config_dp(layout, gpus: int, path: str) -> tuple[int, str]:
-    """The data-parallel degree the config trains with: at ``gpus`` ranks when its layout fits
-    them, else at its own world size (fixed degrees: the run as configured keeps its batch)."""
+def _row_length(cfg: TrainConfig, pc):
+    """The length ``train`` computes the config's rows at (``preflight/padding.py``): its
+    ``sequence_len``, or where each micro-batch is cut after its longest row, the p95 width of the
+    micro-batches over the first records of its local JSON-lines data, rounded for its layout ``pc``."""
+    from ndparallel.preflight.padding import planned_row_length
 
-    try:
-        pc = layout.resolve(gpus)
-        return pc.dp_replicate_size * pc.dp_shard_size, ""
-    except ParallelismConfigError as e:
-        sizes = layout.to_dict().values()
-        if -1 in sizes:
-            raise ValueError(
-                f"--config {path}: its layout does not fit --gpus {gpus} ({e}); give the batch "
-                "to keep with --global-batch-size N (sequences per step)"
-            ) from None
-        own = 1
-        for v in sizes:
-            own *= v
-        pc = layout.resolve(own)
-        return pc.dp_replicate_size * pc.dp_shard_size, f" of its own {own}-rank layout"
+    return planned_row_length(cfg, pc.dims)
+
+
+def _config_layout(layout, gpus: int | None, path: str, batch_given: bool) -> tuple:
+    """The layout the config trains with and a note on it: at ``gpus`` ranks when it fits them,
+    else at its own world size (fixed degrees: the run as configured keeps its batch; a ``-1``
+    degree at 1: its degrees still round the row widths). A ``-1`` degree that does not fit
+    ``gpus`` without the batch on the command line is an error naming the flag."""
+
+    sizes = {k: v for k, v in layout.to_dict().items() if k != "ep_size"}  # ep splits dp × cp
+    if gpus is not None:
+        try:
+            return layout.resolve(gpus), ""
+        except ParallelismConfigError as e:
+            if -1 in sizes.values() and not batch_given:
+                raise ValueError(
+                    f"--config {path}: its layout does not fit --gpus {gpus} ({e}); give the batch "
+                    "to keep with --global-batch-size N (sequences per step)"
+                ) from None
+    own = math.prod(max(v, 1) for v in sizes.values())
+    return layout.resolve(own), f" of its own {own}-rank layout"
 
 
 def merge_written_config(source: str, written: str) -> None:

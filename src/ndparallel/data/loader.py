@@ -119,16 +119,27 @@ class PackedLoader:
         """Start ``epoch`` from its beginning at the next iteration."""
         self.epoch, self.position = epoch, 0
 
-    def micro_batch(self, index: int) -> Batch:
-        """This rank's part of global micro-batch ``index`` (counted from epoch 0); no state change."""
+    def micro_batch(self, index: int, width: int | None = None) -> Batch:
+        """This rank's part of global micro-batch ``index`` (counted from epoch 0); no state change.
+        ``width``: rows of whole samples cut there instead of at their own width (``simulate`` runs
+        every step at the one width the planner is asked about)."""
         idx = self._global_rows(index)[self.dp_rank]
         rows = self.blocks[idx]
         if not isinstance(rows, dict):
             return make_batch(rows)
-        if self.pad_to_multiple:
+        if width is None and self.pad_to_multiple:
             width = self._width(idx)
+        if width is not None:
             rows = {k: v[:, :width].contiguous() for k, v in rows.items()}
         return rows
+
+    def width(self, index: int) -> int:
+        """The width this rank computes micro-batch ``index`` at (its rows' lengths only)."""
+        if not hasattr(self.blocks, "lengths"):
+            return self.blocks.shape[1] - 1  # concatenated blocks carry one extra token for the labels
+        if not self.pad_to_multiple:
+            return self.blocks.shape[1]
+        return self._width(self._global_rows(index)[self.dp_rank])
 
     def token_counts(self, index: int) -> tuple[int, int]:
         """(real, computed) tokens of global micro-batch ``index`` over every dp rank: the tokens

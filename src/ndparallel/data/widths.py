@@ -50,7 +50,11 @@ def cut_width(longest: int, full: int, multiple: int, buckets: Sequence[int] | N
     return min(width, full)
 
 
-def padded_fraction(loader, limit: int = 10_000) -> float | None:
+MICRO_BATCHES_READ = 10_000
+"""How many micro-batches the estimates below read (lengths only): enough for any run's shape."""
+
+
+def padded_fraction(loader, limit: int = MICRO_BATCHES_READ) -> float | None:
     """The padded share of the tokens the ranks compute over the first ``limit`` global
     micro-batches of ``loader`` (its ``token_counts``: lengths only, no token read); None when
     it has none."""
@@ -59,3 +63,14 @@ def padded_fraction(loader, limit: int = 10_000) -> float | None:
         r, c = loader.token_counts(index)
         real, computed = real + r, computed + c
     return 1.0 - real / computed if computed else None
+
+
+PLANNED_QUANTILE = 0.95
+"""Where the planner sizes a run of cut micro-batches: the width 95 % of them fit."""
+
+
+def width_quantile(loader, q: float = PLANNED_QUANTILE, limit: int = MICRO_BATCHES_READ) -> int:
+    """The width that a share ``q`` of ``loader``'s micro-batches (its first ``limit``) are computed
+    at or under: one of the widths the run computes (nearest rank, no interpolation)."""
+    widths = sorted(loader.width(index) for index in range(min(len(loader), limit)))
+    return widths[max(0, math.ceil(q * len(widths)) - 1)]

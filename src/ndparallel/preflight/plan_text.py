@@ -7,7 +7,6 @@ from collections.abc import Mapping, Sequence
 
 from ndparallel.config import TrainConfig
 from ndparallel.models.moe import config_num_experts
-from ndparallel.models.presets import is_preset
 from ndparallel.plan.hardware import GiB
 from ndparallel.preflight.host_memory import offloaded
 from ndparallel.preflight.installed import tracker_extras
@@ -164,7 +163,9 @@ def _datasets_read_as(cfg: TrainConfig, dims) -> list[str]:
 
     if cfg.pretraining_dataset is not None or not cfg.datasets:
         return []
-    lines, tokenizer = [], _local_tokenizer(cfg)
+    from ndparallel.preflight.padding import local_tokenizer
+
+    lines, tokenizer = [], local_tokenizer(cfg)
     for i, d in enumerate(cfg.datasets):
         where = f"datasets[{i}]"
         try:
@@ -187,24 +188,6 @@ def _padding(cfg: TrainConfig, dims, tokenizer) -> str:
         return expected_padding(cfg, dims, tokenizer)
     except (ValueError, OSError, KeyError, TypeError) as e:  # the data's own errors: said above
         return f"not estimated: {' '.join(str(e).split())[:200]}"
-
-
-def _local_tokenizer(cfg: TrainConfig):
-    """The run's tokenizer where it is a local directory (a dry run downloads and trains nothing);
-    else the reason it is not loaded, as a string."""
-    from pathlib import Path
-
-    source = cfg.tokenizer or cfg.base_model
-    if source == cfg.base_model and is_preset(source):
-        return "the built-in tokenizer of a preset model is trained when the run starts"
-    if not Path(str(source)).expanduser().is_dir():
-        return f"the tokenizer ({source}) is not a local directory"
-    from ndparallel.training.components import data_cache_dir, load_tokenizer
-
-    try:
-        return load_tokenizer(cfg, data_cache_dir(cfg))
-    except (ValueError, OSError) as e:
-        return f"the tokenizer does not load: {' '.join(str(e).split())[:200]}"
 
 
 def _first_sample(cfg: TrainConfig, spec, where: str, tokenizer) -> str:

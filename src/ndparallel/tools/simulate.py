@@ -22,11 +22,13 @@ import torch
 
 from ndparallel.axolotl import load_config
 from ndparallel.config import TrainConfig
+from ndparallel.data import PackedLoader
 from ndparallel.engine import batch_to_device, train_step
 from ndparallel.engine.model_build import build_random_shards
 from ndparallel.models.attention import attention_kernel
 from ndparallel.models.presets import is_preset
 from ndparallel.preflight.model_check import resolve_model_config
+from ndparallel.preflight.padding import loader_row_length
 from ndparallel.runtime.comm_profile import CommProfiler
 from ndparallel.runtime.distributed import shutdown
 from ndparallel.runtime.fake_world import start_fake_world
@@ -96,12 +98,13 @@ def simulate(cfg: TrainConfig, req: SimulationRequest) -> dict:
         baseline_rss = peak_rss_bytes()
         trainer = SimulatedTrainer(cfg)
         trainer.setup()
+        rows = loader_row_length(cfg, trainer.loader)
         pipeline = _direct_pipeline(trainer)
-        measured, profiler = _measure(trainer, req.steps)
+        measured, profiler = _measure(trainer, req.steps, rows.tokens)
         measured["runtime_rss_gib"] = baseline_rss / GiB
         if req.save_checkpoint:
             measured["checkpoint"] = _save_checkpoint(trainer, Path(req.save_checkpoint))
-        predicted, planned = predict(trainer, req, measured)
+        predicted, planned = predict(trainer, req, measured, rows.tokens)
         collectives, predicted_collectives = compare_collectives(profiler, planned, trainer.engine)
         if pipeline is not None:
             measured["pipeline"] = pipeline_report(trainer, measured)
@@ -119,6 +122,8 @@ def simulate(cfg: TrainConfig, req: SimulationRequest) -> dict:
         "model": {"name": cfg.base_model, "params": measured.pop("global_params")},
         "settings": {
             "sequence_len": cfg.sequence_len,
+            "row_length": rows.tokens,
+            "rows": rows.text,
             "micro_batch_size": cfg.micro_batch_size,
             "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
             "steps": req.steps,
@@ -146,10 +151,13 @@ def _direct_pipeline(trainer: Trainer):
     return direct
 
 
-def _steps_batches(trainer: Trainer, step: int) -> list:
-
+def _steps_batches(trainer: Trainer, step: int, width: int) -> list:
+    """Step ``step``'s micro-batches, rows of whole samples cut at ``width`` (the one width the
+    planner is asked about: ``preflight/padding.py``'s ``loader_row_length``)."""
     ga, device = trainer.cfg.gradient_accumulation_steps, trainer.engine.device
-    return [batch_to_device(trainer.loader.micro_batch(step * ga + m), device) for m in range(ga)]
+    loader = trainer.loader
+    cut = {"width": width} if isinstance(loader, PackedLoader) else {}  # a stream: full blocks
+    return [batch_to_device(loader.micro_batch(step * ga + m, **cut), device) for m in range(ga)]
 
 
 def _sync(device: torch.device) -> None:
@@ -157,9 +165,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _measure(trainer: Trainer, steps: int) -> tuple[dict, object]:
+def _measure(trainer: Trainer, steps: int, width: int) -> tuple[dict, object]:
     """One warm-up step, ``steps`` timed steps, one profiled step (collectives; on CPU the tensor
-    bytes alive). Returns the measurements and the communication profiler."""
+    bytes alive), every micro-batch ``width`` tokens wide. Returns the measurements and the
+    communication profiler."""
 
     engine, model, cfg = trainer.engine, trainer.model, trainer.cfg
     model.train()
@@ -170,7 +179,7 @@ def _measure(trainer: Trainer, steps: int) -> tuple[dict, object]:
             engine,
             model,
             trainer.optimizer,
-            _steps_batches(trainer, i),
+            _steps_batches(trainer, i, width),
             scheduler=trainer.scheduler,
             max_grad_norm=cfg.max_grad_norm,
         )

@@ -23,8 +23,8 @@ from ndparallel.techniques.lm_loss import use_chunked_loss
 GiB = 2**30
 
 
-def planner_settings(trainer):
-    """The planner's ``Settings`` of the running trainer's step."""
+def planner_settings(trainer, sequence_len: int):
+    """The planner's ``Settings`` of the running trainer's step, its rows ``sequence_len`` wide."""
 
     cfg, engine, model = trainer.cfg, trainer.engine, trainer.model
     options = engine.options
@@ -47,7 +47,7 @@ def planner_settings(trainer):
         chunked_loss=use_chunked_loss(base_model_of(model), options.loss),
         optimizer_fused=bool(trainer.optimizer.defaults.get("fused")),
         **stages,
-    )
+    ).but(sequence_len=sequence_len)
 
 
 def hardware_for(req, engine, spec, settings):
@@ -119,12 +119,13 @@ def rank_estimate(trainer, spec, settings, hw, gpus_per_node: int) -> tuple:
     return mem, colls + scalar_collectives(part, dims, settings.mixed_precision), timeb, part_report
 
 
-def predict(trainer, req, measured: dict) -> tuple[dict, list]:
-    """The planner's memory and time for the run; returns (report part, predicted collectives)."""
+def predict(trainer, req, measured: dict, sequence_len: int) -> tuple[dict, list]:
+    """The planner's memory and time for the run, its rows ``sequence_len`` wide (as the simulated
+    steps ran them); returns (report part, predicted collectives)."""
 
     engine = trainer.engine
     spec = from_hf_config(trainer.hf_config.to_dict(), str(trainer.cfg.base_model))
-    settings = planner_settings(trainer)
+    settings = planner_settings(trainer, sequence_len)
     why = pipeline_problem(trainer, spec, settings) if engine.dims.pp_enabled else None
     if why:
         return {"available": False, "why": why}, []

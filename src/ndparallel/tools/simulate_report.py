@@ -30,6 +30,7 @@ def format_report(r: dict) -> str:
         f"model {r['model']['name']} ({r['model']['params'] / 1e6:.1f}M params); "
         f"{r['settings']['steps']} timed steps; planner hardware {p.get('hardware', '—')}"
     )
+    console.print(r["settings"]["rows"])
     if "pipeline" in m:
         pl = m["pipeline"]
         layers = sum(len(v) for v in pl["layers"].values())

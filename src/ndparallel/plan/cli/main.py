@@ -26,9 +26,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     return run_plan(parse(argv, description))
 
 
-def run_plan(args, base: dict | None = None) -> int:
+def run_plan(args, base: dict | None = None, said: dict | None = None) -> int:
     """Run the planner for parsed ``args`` (``base``: a training config's run values, by key, under
-    the flags given); returns a process exit code."""
+    the flags given; ``said``: what ``--json`` adds about them, e.g. the config's ``rows``);
+    returns a process exit code."""
     console = Console(soft_wrap=False, width=max(Console().width, 140))
     try:
         values = run_values(args, base)
@@ -44,11 +45,11 @@ def run_plan(args, base: dict | None = None) -> int:
             layout, pins = parse_layout(args.explain)
             chosen = evaluate_layout(req, layout, **pins)  # every option, fitting or not
             if args.json:
-                print(json.dumps(explain_json(chosen, result), indent=2, default=str))
+                print(json.dumps({**explain_json(chosen, result), **(said or {})}, indent=2, default=str))
             else:
                 print_explain(chosen, result, console)
         elif args.json:
-            print(json.dumps(to_json(result), indent=2, default=str))
+            print(json.dumps({**to_json(result), **(said or {})}, indent=2, default=str))
         else:
             print_table(result, console, top=args.top, show_rejected=args.show_rejected)
         if args.write_config:
