@@ -42,13 +42,9 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "python_api.md",
         ),
         Row(
-            "pipeline parallel (`pipeline_parallel_size` / `pp_size`): HF decoders cut into stages keeping "
-            "the "
-            "whole model's names; GPipe, 1F1B, Interleaved 1F1B, zero-bubble schedules; × FSDP / DP / TP / "
-            "CP / "
-            "EP; LoRA / QLoRA; tied embeddings across stages; resume on another PP size; HF and adapter "
-            "export; "
-            "`verify`; evaluation; `acc.pipeline_step`",
+            "pipeline parallel (`pipeline_parallel_size`): GPipe, 1F1B, Interleaved 1F1B, zero-bubble; "
+            "× FSDP / DP / TP / CP / EP; LoRA / QLoRA; tied embeddings; resume on another PP size; "
+            "`acc.pipeline_step`",
             "= 1 process (Llama, Qwen3, Qwen3-MoE); compile composes; `lora_modules_to_save` on tied "
             "embeddings, the MoE router loss and fp8 refused by name",
             NOT_RUN,
@@ -123,10 +119,8 @@ AREAS: dict[str, tuple[Row, ...]] = {
     ),
     "Front doors": (
         Row(
-            "`Accelerator` (`prepare`, `backward`, `accumulate`, `clip_grad_norm_`, `reduce`, "
-            "`gather_for_metrics`, trackers, `save_pretrained`, `get_state_dict`, `save_state`, ...): every "
-            "name of the API table; Accelerate's 21 constructor arguments, plugins, handlers and "
-            "`accelerate launch --config_file` honoured or refused by name",
+            "`Accelerator`: every name of Accelerate's API table, its constructor arguments, plugins, "
+            "handlers and `accelerate launch --config_file` honoured or refused by name",
             "works",
             NOT_RUN,
             (
@@ -171,9 +165,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
         ),
         Row(
             "Axolotl configs as written: every key of its schema honoured, mapped (one note), no-op when "
-            "empty "
-            "or refused with the fix; its 198 causal-LM examples replayed; named chat templates, streamed "
-            "`pretraining_dataset`, trackers (wandb offline, TensorBoard, MLflow), DP by default",
+            "empty or refused with the fix; its 198 causal-LM examples replayed",
             "182 of 198 examples accepted unchanged, 169 pass `--dry-run` with tiny stand-ins; the rest "
             "listed with their reasons",
             NOT_RUN,
@@ -186,13 +178,9 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "axolotl.md#the-replay-of-axolotls-examples",
         ),
         Row(
-            "the same training examples and losses as Axolotl 0.19 itself, run next to us "
-            "(`bench/peers/axolotl.py`, fixtures kept): alpaca and its styles, chat_template × train_on_eos "
-            "/ roles_to_train / train_on_inputs / eot_tokens, ShareGPT, custom formats, input_output, "
-            "completion, packing, short sequence_len; Axolotl's packed boundary labels on request",
-            "20 of 21 configs give the same examples token for token, the 21st differs only on rows with "
-            "a null system column (documented); Axolotl's trainer gives the same losses for 10 steps "
-            "(`bench/peers/axolotl_loss.py`)",
+            "the same training examples and losses as Axolotl 0.19 itself, run next to us (fixtures kept)",
+            "20 of 21 configs give the same examples token for token (the 21st: documented); the same "
+            "losses for 10 steps",
             NOT_RUN,
             ("tests/test_axolotl_parity.py",),
             "axolotl.md#the-same-examples-as-axolotl-itself",
@@ -234,12 +222,9 @@ AREAS: dict[str, tuple[Row, ...]] = {
     ),
     "Training features": (
         Row(
-            "LoRA via PEFT on DP, FSDP, HSDP (+AC), TP (+SP/LP), CP, FSDP×TP, FSDP×CP×TP, PP; base frozen "
-            "bit "
-            "for bit; adapter-only grads, optimizer and checkpoints; A/B sharded with the base linear under "
-            "TP; "
-            "`lora_modules_to_save`, `lora_target_parameters`, `lora_model_dir`; offline merge (`export "
-            "--merge`)",
+            "LoRA via PEFT on every layout and PP; base frozen bit for bit; adapter-only grads, optimizer "
+            "and checkpoints; `lora_modules_to_save`, `lora_target_parameters`, `lora_model_dir`; "
+            "offline merge",
             "= 1 process",
             NOT_RUN,
             (
@@ -257,10 +242,8 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "= 1 process",
         ),
         Row(
-            "QLoRA (`adapter: qlora` + `load_in_4bit`): 4-bit NF4 base (torchao), FSDP2 all-gathers the "
-            "4-bit "
-            "bytes, each rank quantising only its rows; DP, FSDP, HSDP, FSDP×CP, CPU offload, PP × FSDP; TP "
-            "refused by name",
+            "QLoRA (`adapter: qlora`): 4-bit NF4 base (torchao) sharded by FSDP2; DP, FSDP, HSDP, FSDP×CP, "
+            "CPU offload, PP × FSDP; TP refused by name",
             "= QLoRA on 1 process (base bit for bit)",
             NOT_RUN,
             ("tests/test_qlora.py", "tests/test_qlora_train.py"),
@@ -269,12 +252,9 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "= 1 process",
         ),
         Row(
-            "quantisation-aware training (Axolotl's `qat:`, torchao fake quantisation: int4 weights with "
-            "none / "
-            "int8 / float8 activations, float8, mxfp4; nvfp4 on Blackwell only) on DP, FSDP2, HSDP, CP; "
-            "with LoRA; TP / fp8 / QLoRA refused by name",
-            "= 1 process (first step exact, then within quantisation-level flips); the fake quantisers "
-            "recomputed in backward (int4: 2 instead of 18.5 bytes kept per weight element)",
+            "quantisation-aware training (Axolotl's `qat:`, torchao fake quantisation) on DP, FSDP2, HSDP, "
+            "CP; with LoRA; TP / fp8 / QLoRA refused by name",
+            "= 1 process (first step exact, then within quantisation-level flips)",
             NOT_RUN,
             ("tests/test_qat.py", "tests/test_plan_qat.py"),
             "qat.md",
@@ -319,10 +299,8 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "= the plain path",
         ),
         Row(
-            "long context: sequence-tiled MLP with lean RMSNorms, activation offloading of the "
-            "checkpointed layer inputs (side stream, prefetch, host budget) on 1 process, FSDP×CP, "
-            "TP+SP×CP, LoRA, compile; with selective checkpointing all a layer saves (FSDP×TP+SP, "
-            "FSDP×CP, PP×TP+SP interleaved)",
+            "long context: sequence-tiled MLP, activation offloading of the checkpointed layer inputs, "
+            "selective checkpointing; on 1 process, FSDP×CP, TP+SP×CP, PP, LoRA, compile",
             "= plain run; CUDA stream path checked with simulated streams only",
             NOT_RUN,
             (
@@ -385,9 +363,8 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "multi_node.md",
         ),
         Row(
-            "multi-node on one machine: 2 launchers × 2 ranks = 1 × 4 exactly; TP across nodes refused; "
-            "`accelerate launch --num_machines ...`; a dead node named; SLURM example; preemption (SIGTERM / "
-            "SIGUSR1 → one agreed step, checkpoint, exit 75, the same command resumes exactly)",
+            "multi-node on one machine: 2 launchers × 2 ranks = 1 × 4 exactly; a dead node named; SLURM "
+            "example; preemption (a signal → one agreed step, checkpoint, exit 75, resume exactly)",
             "works on one machine",
             "NCCL across nodes, real clusters not run",
             ("tests/test_cluster.py", "tests/test_faults_launcher.py"),
@@ -425,10 +402,8 @@ AREAS: dict[str, tuple[Row, ...]] = {
         Row(
             "`ndparallel plan`: memory, time by op class, ranked layouts including PP and EP, `--calibrate`, "
             "`--max-seq-len`, LoRA / QLoRA / QAT / low-bit optimizer terms",
-            "works; 1-GPU rows measured on an H200: peak memory −0.1 to −0.2 %, tokens/s −5.0 to +4.6 % "
-            "(preset `h200`); the 405B anchor: 37.5–40.8 % MFU predicted under Meta's settings vs the 43 % "
-            "Meta published, 38.0 % as ndparallel fits it (selective AC + offloading; `simulate` of its "
-            "first rank +0.6 %); multi-GPU predictions not measured",
+            "works; 1-GPU rows on an H200: peak memory −0.1 to −0.2 %, tokens/s −5.0 to +4.6 %; the 405B "
+            "anchor: 37.5–40.8 % MFU predicted vs the 43 % Meta published; multi-GPU not measured",
             "1 GPU (H200): the 1-GPU rows; multi-GPU not run",
             ("tests/test_plan_*.py",),
             "planner.md",
@@ -467,18 +442,12 @@ def status_page() -> str:
         "# Status: what works, and how it is tested",
         "<!-- generated by `python scripts/status.py` from its table: do not edit -->",
         "",
-        "Every feature, what its tests show and whether it ever ran on a GPU. **= 1 process** means: the "
-        "same",
-        "model, data and seed trained ≥ 3 optimizer steps on one process and under the layout give the same",
-        "per-step losses and global gradient norms and, under SGD, the same parameters, within the one",
-        "rule of [testing.md](testing.md#equal-to-one-process) (bounds from a measured noise floor, on every",
-        "CPU kernel path). Every multi-rank result is CPU ranks over gloo. **GPU** says what ran on",
-        "a GPU: only one H200, single-GPU runs, dated in "
-        "[benchmarks.md](benchmarks.md#gpu-results-so-far-one-h200-141-gb);",
-        "*not run* means never run on a GPU.",
-        "",
-        "Generated from `scripts/status.py` (`python scripts/status.py` rewrites this page and the README's",
-        "support matrix); `tests/test_docs.py` fails when either is stale or a named test file is missing.",
+        "Every feature, what its tests show and whether it ever ran on a GPU. **= 1 process**: the same",
+        "model, data and seed give the same per-step losses, gradient norms and (SGD) parameters on one",
+        "process and under the layout, by [the one rule](testing.md#equal-to-one-process); multi-rank",
+        "results are CPU ranks over gloo. **GPU**: what ran on one H200, single-GPU runs only, dated in",
+        "[benchmarks.md](benchmarks.md#gpu-results-so-far-one-h200-141-gb). Edit `scripts/status.py`'s",
+        "table, then run it: it rewrites this page and the README's support matrix.",
     ]
     out = head
     for area, rows in AREAS.items():
