@@ -48,12 +48,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "= 1 process (Llama, Qwen3, Qwen3-MoE); compile composes; `lora_modules_to_save` on tied "
             "embeddings, the MoE router loss and fp8 refused by name",
             NOT_RUN,
-            (
-                "tests/test_pipeline_equivalence.py",
-                "tests/test_pipeline_lora.py",
-                "tests/test_pipeline_train.py",
-                "tests/test_pipeline_accelerator.py",
-            ),
+            ("tests/test_pipeline_*.py",),
             "pipeline_parallel.md",
             "PP: pipeline parallel (GPipe, 1F1B, interleaved, zero bubble)",
             "= 1 process",
@@ -169,12 +164,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "182 of 198 examples accepted unchanged, 169 pass `--dry-run` with tiny stand-ins; the rest "
             "listed with their reasons",
             NOT_RUN,
-            (
-                "tests/test_axolotl_examples.py",
-                "tests/test_axolotl_examples_train.py",
-                "tests/test_chat_templates.py",
-                "tests/test_axolotl_features.py",
-            ),
+            ("tests/test_axolotl_examples*.py", "tests/test_axolotl_features.py"),
             "axolotl.md#the-replay-of-axolotls-examples",
         ),
         Row(
@@ -227,16 +217,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "offline merge",
             "= 1 process",
             NOT_RUN,
-            (
-                "tests/test_lora.py",
-                "tests/test_lora_tp.py",
-                "tests/test_lora_checkpoint.py",
-                "tests/test_lora_modules_to_save.py",
-                "tests/test_lora_target_parameters.py",
-                "tests/test_lora_model_dir.py",
-                "tests/test_lora_train.py",
-                "tests/test_lora_loading.py",
-            ),
+            ("tests/test_lora*.py",),
             "lora.md",
             "LoRA (PEFT) on every layout",
             "= 1 process",
@@ -246,7 +227,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "CPU offload, PP × FSDP; TP refused by name",
             "= QLoRA on 1 process (base bit for bit)",
             NOT_RUN,
-            ("tests/test_qlora.py", "tests/test_qlora_train.py"),
+            ("tests/test_qlora*.py",),
             "lora.md",
             "QLoRA (4-bit NF4 base)",
             "= 1 process",
@@ -317,8 +298,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
     "Checkpoints, loading, runtime": (
         Row(
             "checkpoints (DCP, atomic completion, rotation, resume on another layout), HF export; "
-            "asynchronous "
-            "checkpoints (staged copy, one in flight, a crash mid-write leaves the previous one)",
+            "asynchronous checkpoints",
             "works; async = sync bit for bit",
             "1 GPU (H200): save, resume, export; async not run",
             ("tests/test_checkpoint.py", "tests/test_export.py", "tests/test_checkpoint_async.py"),
@@ -344,9 +324,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
         ),
         Row(
             "faults: a dead, raising or hung rank ends the job within the timeout, naming it; "
-            "`max_restarts`; "
-            "diverging runs stop naming the step (or `on_nonfinite: skip`); init discipline (no whole-model "
-            "move before sharding)",
+            "`max_restarts`; diverging runs stop naming the step (or `on_nonfinite: skip`)",
             "works",
             "1 GPU (H200): NCCL sub-group timeouts, init paths",
             ("tests/test_faults*.py", "tests/test_nonfinite.py", "tests/test_prepare_init.py"),
