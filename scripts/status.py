@@ -365,8 +365,8 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "works",
         ),
         Row(
-            "`ndparallel plan`: memory, time by op class, ranked layouts including PP and EP, `--calibrate`, "
-            "`--max-seq-len`, LoRA / QLoRA / QAT / low-bit optimizer terms",
+            "`ndparallel plan`: memory and time of every layout (PP and EP included), ranked; "
+            "`--calibrate`, `--max-seq-len`",
             "works; 1-GPU rows on an H200: peak memory −0.1 to −0.2 %, tokens/s −5.0 to +4.6 %; the 405B "
             "anchor: 37.5–40.8 % MFU predicted vs the 43 % Meta published; multi-GPU not measured",
             "1 GPU (H200): the 1-GPU rows; multi-GPU not run",
@@ -378,8 +378,7 @@ AREAS: dict[str, tuple[Row, ...]] = {
         Row(
             "`ndparallel simulate`: one real rank of an 8–1024-rank world here over torch's fake "
             "collectives, measured beside the planner's prediction",
-            "works on CPU (a rank of 64: tensor memory within 15 % of the planner, collective bytes per dim "
-            "equal)",
+            "works on CPU (a rank of 64: tensor memory within 15 % of the planner)",
             NOT_RUN,
             ("tests/test_simulate.py",),
             "simulate.md",
