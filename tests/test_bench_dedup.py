@@ -1,5 +1,5 @@
 """``bench/dedup_memory.py`` runs (tiny N): the deduplication keeps exactly the distinct rows of its
-generated table and the JSON lands in ``$BENCH_RESULTS_DIR`` (the measured bound is in docs/data.md)."""
+generated table and the JSON lands in ``$BENCH_RESULTS_DIR`` (measured: bench/reference/benchmarks_log.md)."""
 
 import json
 import os
