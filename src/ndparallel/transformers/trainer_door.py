@@ -52,8 +52,10 @@ class TrainerDoor(transformers.Trainer):
     """transformers' ``Trainer`` with ndparallel's engine underneath (see the module docstring)."""
 
     splits_sequences: bool = True
-    """Whether the trainer's loss survives its sequences being split over cp ranks (a sum over
-    tokens does; a function of whole-sequence sums, DPO's log-probabilities, does not)."""
+    """Whether the trainer's loss survives its batches being split over cp ranks (a sum over tokens
+    does). False (a function of whole-sequence sums, DPO's log-probabilities): the batches stay whole
+    and each model call splits its sequences and gathers its per-token outputs back
+    (``door_whole_sequences``)."""
 
     # ------------------------------------------------------------------ the accelerator
     def create_accelerator_and_postprocess(self) -> None:
@@ -65,7 +67,7 @@ class TrainerDoor(transformers.Trainer):
                     "gradient_accumulation_steps > 1 are both set: keep gradient_accumulation_steps"
                 )
             self.args.gradient_accumulation_steps = grad_acc["num_steps"]
-        self.accelerator = build_accelerator(self.args, self.model)
+        self.accelerator = build_accelerator(self.args, self.model, whole_sequences=not self.splits_sequences)
         self.gather_function = functools.partial(
             self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
         )
@@ -74,11 +76,6 @@ class TrainerDoor(transformers.Trainer):
 
     def _validate_args(self) -> None:
         super()._validate_args()
-        if not self.splits_sequences and self.accelerator.engine.dims.cp_enabled:
-            raise ValueError(
-                f"{type(self).__name__}'s loss needs each sequence whole on one rank, and context "
-                "parallelism splits it: set cp_size=1 (shard with dp_shard_size / tp_size instead)"
-            )
         cp = self.accelerator.engine.dims.cp_enabled
         if self.compute_metrics is not None and cp:
             raise ValueError(
@@ -145,7 +142,7 @@ class TrainerDoor(transformers.Trainer):
         engine = self.accelerator.engine
         options = engine.options
         divisor = engine.dims.seq_len_divisor(options.tp.sequence_parallel, options.cp.load_balance)
-        if divisor == 1 or "input_ids" not in inputs:
+        if divisor == 1 or "input_ids" not in inputs or not self.splits_sequences:
             return contextlib.nullcontext, inputs
         cp = engine.dims.cp_enabled
         inputs = layout_inputs(inputs, divisor, cp, "the Trainer's batch")
@@ -164,7 +161,7 @@ class TrainerDoor(transformers.Trainer):
         """Under context parallelism the evaluation batch is split like a training batch, and its
         loss (its tokens' mean) is the engine's, summed over the cp ranks; else transformers' own."""
         batch = self._engine_batch(inputs, False, 1)
-        if not self.accelerator.engine.dims.cp_enabled or batch is None:
+        if not self.accelerator.engine.dims.cp_enabled or batch is None or not self.splits_sequences:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         count = (batch["shift_labels"] != IGNORE_INDEX).sum()
         context, batch = self._prepare_context_parallel_inputs(model, batch)
@@ -232,8 +229,8 @@ class TrainerDoor(transformers.Trainer):
 def parallel_trainer(trainer_class: type, splits_sequences: bool = True) -> type:
     """``trainer_class`` (transformers' ``Trainer`` or a subclass) on ndparallel: a subclass with
     ``TrainerDoor`` under ``trainer_class``'s own overrides. The same class each time it is asked.
-    ``splits_sequences=False``: its loss is a function of whole-sequence sums (DPO's), which context
-    parallelism would split: a layout with ``cp_size > 1`` is refused when it is built."""
+    ``splits_sequences=False``: its loss is a function of whole-sequence sums (DPO's), so its batches
+    stay whole and each model call splits its sequences over the cp ranks itself."""
     if not (inspect.isclass(trainer_class) and issubclass(trainer_class, transformers.Trainer)):
         raise TypeError(f"parallel_trainer takes a subclass of transformers.Trainer, got {trainer_class!r}")
     if issubclass(trainer_class, TrainerDoor):
