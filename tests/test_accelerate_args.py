@@ -228,6 +228,9 @@ def test_handlers_and_small_configs():
     assert GradScalerKwargs(enabled=False).build() is None
     with pytest.raises(ValueError, match="enable_async_tp"):
         TorchTensorParallelConfig(enable_async_tp=True)
+    sp = ParallelismConfig(tp_size=2, tp_handler=TorchTensorParallelConfig(sequence_parallel=True))
+    assert _resolve(parallelism_config=sp).tp_options.sequence_parallel
+    assert not _resolve(parallelism_config=ParallelismConfig(tp_size=2)).tp_options.sequence_parallel
     with pytest.raises(ValueError, match="dispatch_batches"):
         DataLoaderConfiguration(dispatch_batches=True)
     from datetime import timedelta
