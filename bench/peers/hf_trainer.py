@@ -9,7 +9,7 @@ door (``ndparallel.transformers``) is tested against.
 2. The scripts the door runs (``SCRIPTS``: our copy of Accelerate's ``nd_parallel_trainer.py``, and a
    script using the Trainer's own features) with their two ndparallel import lines put back to
    transformers' and Accelerate's, each run in a fresh process: one process, CPU, the arguments of
-   ``RUNS``. The per-device batch is the global batch of the layouts the tests run with 1 or 2
+   ``RUNS``. The per-device batch is the global batch of the layouts the tests run with 1, 2 or 4
    data-parallel ranks (the same seeded sampler order: Accelerate's ``SeedableRandomSampler`` draws
    what the door's dp-sharded sampler draws).
 3. Each fp32 run with several rows a batch again with every batch's rows in reverse order: the
@@ -76,6 +76,7 @@ RUNS = {
     "nd_parallel_trainer": {
         "batch1": ["--per-device-batch-size", "1"],
         "batch2": ["--per-device-batch-size", "2"],
+        "batch4": ["--per-device-batch-size", "4"],
     },
     "trainer_features": {
         "fp32": ["--per-device-batch-size", "2", "--max-steps", "4"],
