@@ -7,6 +7,7 @@ what the door cannot honour is refused while the arguments or the trainer are bu
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 
 import pytest
@@ -117,6 +118,19 @@ def test_bf16_epochs_on_fsdp2(model_dir, out_root):
     assert_matches(reference, got)
 
 
+def _trl_sft_with_sequence_parallel(model, out: str):
+    from datasets import Dataset
+
+    from ndparallel import ParallelismConfig
+    from ndparallel.trl import SFTConfig, SFTTrainer
+    from ndparallel.utils import TorchTensorParallelConfig
+
+    handler = TorchTensorParallelConfig(sequence_parallel=True)
+    pc = ParallelismConfig(tp_size=2, tp_handler=handler)
+    config = SFTConfig(out, use_cpu=True, report_to="none", parallelism_config=pc)
+    return SFTTrainer(model, config, train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
+
+
 def _refusals(model_dir: str, out: str) -> dict[str, str]:
     """Each bad setting's error message (or "accepted"), built on this rank."""
     import transformers
@@ -159,6 +173,8 @@ def _refusals(model_dir: str, out: str) -> dict[str, str]:
         ),
         "accepted": lambda: trainer(args(parallelism_config=ParallelismConfig(dp_shard_size=2))),
     }
+    if importlib.util.find_spec("trl") is not None:
+        cases["sequence_parallel (TRL)"] = lambda: _trl_sft_with_sequence_parallel(model, out)
     messages = {}
     for name, build in cases.items():
         try:

@@ -76,7 +76,15 @@ class TrainerDoor(transformers.Trainer):
 
     def _validate_args(self) -> None:
         super()._validate_args()
-        cp = self.accelerator.engine.dims.cp_enabled
+        engine = self.accelerator.engine
+        trl = next((c for c in type(self).__mro__ if c.__module__.startswith("trl.")), None)
+        if trl is not None and engine.dims.tp_enabled and engine.options.tp.sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel is not supported with TRL's {trl.__name__}: its fused LM head reads "
+                "the decoder's output, which sequence parallel leaves split over the tp ranks; turn "
+                "sequence_parallel off (TorchTensorParallelConfig, NDPARALLEL_SEQUENCE_PARALLEL)"
+            )
+        cp = engine.dims.cp_enabled
         if self.compute_metrics is not None and cp:
             raise ValueError(
                 "compute_metrics needs each evaluation batch's logits, and context parallelism splits "
