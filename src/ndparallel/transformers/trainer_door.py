@@ -18,7 +18,9 @@ What the door replaces, and with what of the engine (through the ``Accelerator``
 * ``compute_loss``: for a plain causal-LM batch, the engine's ``forward_loss`` (the chunked loss
   where exact, no full logits), scaled as transformers scales its own; anything else, transformers'.
 * ``_prepare_context_parallel_inputs``: the batch made ready for the layout (``door_batches``) and
-  split over the cp ranks in ``maybe_context_parallel``.
+  split over the cp ranks in ``maybe_context_parallel`` — or, for a trainer whose loss needs whole
+  sequences (``splits_sequences=False``), left whole: each model call splits itself
+  (``door_whole_sequences``).
 * ``_clip_grad_norm`` / ``_get_grad_norm``: the engine's global gradient norm.
 * ``get_resumed_dataloader``, ``_sync_replicated_trainable_parameters``, ``_move_model_to_device``:
   the prepared loader's own skip; the engine owns gradient reduction and device placement.
