@@ -15,7 +15,7 @@ allocated; CPU: the process's peak RSS, libraries included). The sides alternate
 which one goes first alternating too; the best round of each counts (the machine is shared), beside
 the median of the rounds' ratios (each round's two runs ran back to back).
 Goal: tokens/s ≥ 0.95× and peak memory ≤ 1.05× of ``ndparallel train``'s.
-Writes ``bench/results/trainer_door-<date>.json``."""
+Writes ``bench/results/trainer_door-<layout>-<date>.json``."""
 
 from __future__ import annotations
 
@@ -226,7 +226,7 @@ def main(argv=None) -> None:
         f"peak memory {ratios['peak_memory']:.3f} (goal <= 1.05)"
     )
     write_json(
-        f"trainer_door-{datetime.date.today().isoformat()}",
+        f"trainer_door-{args.layout.replace('=', '').replace(',', '-')}-{datetime.date.today().isoformat()}",
         {
             "layout": layout,
             "args": vars(args) | {"model_dir": None},

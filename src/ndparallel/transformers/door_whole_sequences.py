@@ -12,7 +12,8 @@ causal model no real token attends to the padding after it, and positions whose 
 score nothing (their labels are ignored). Other padding, and other columns with the sequence length,
 are refused. TRL's fused LM head (``fused_lm_head=True``) returns one value fewer than the length for
 unshifted labels; the gathered outputs keep that convention, and its ``loss`` is recomputed over the
-whole sequences the way TRL defines it."""
+whole sequences the way TRL defines it (a model's own loss, or a router load-balancing loss, over a
+shard is refused)."""
 
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ class WholeSequenceCalls:
         local = kwargs["input_ids"].shape[1]
         fused = getattr(output, "label_mask", None) is not None  # TRL's fused LM head
         keep = length - 1 if unshifted and fused else length
-        if getattr(output, "aux_loss", None) is not None:
+        split = self.cp_group is not None
+        if split and getattr(output, "aux_loss", None) is not None:
             raise ValueError(
                 f"{_WHERE}: a router load-balancing loss (output_router_logits) over split sequences "
                 "is not the whole sequences' one: set output_router_logits=False, or cp_size=1"
@@ -120,7 +122,7 @@ class WholeSequenceCalls:
             if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] == local:
                 value = self._whole(value)[:, :keep]
             fields[key] = value
-        if fields.get("loss") is not None:
+        if split and fields.get("loss") is not None:
             if not fused:
                 raise ValueError(
                     f"{_WHERE}: the model's own loss would be its shard's; compute the loss from the "
@@ -132,7 +134,7 @@ class WholeSequenceCalls:
         return type(output)(**fields)
 
     def _whole(self, value: torch.Tensor) -> torch.Tensor:
-        if self.cp_group is None:
+        if self.cp_group is None:  # padded only (sequence parallel)
             return value
         if value.dtype == torch.bool:  # gathered as bytes, no gradient
             return self._whole(value.to(torch.uint8)).bool()
