@@ -75,25 +75,29 @@ def test_sft_equals_trl(run, layout, model_dir, model_config, tmp_path):
     ids=["reference-model-cp2", "reference-model-tp2", "lora-fsdp2xtp2"],
 )
 def test_dpo_equals_trl(run, layout, model_dir, model_config, tmp_path):
-    """(The LoRA run also saves its model: a PEFT adapter directory, ``_check_adapter``.)"""
+    """(The LoRA run also saves its model: a PEFT adapter directory, ``_load_adapter``.)"""
     extra = ["--save-model"] if run == "lora" else []
     history = _run("trl_dpo", DPO, run, layout, model_dir, tmp_path, *extra)
     assert_matches(peer_reference(DPO, run, model_config), steps_of(history))
     margins = peer_reference(DPO, run, model_config, metric="rewards/margins")
     assert_matches(margins, logged(history, "rewards/margins"), compared=("loss_rel",))
     if run == "lora":
-        _check_adapter(model_dir, tmp_path)
+        adapter = run_on_ranks(_load_adapter, 1, str(model_dir), str(tmp_path), env=QUIET_HUB)[0]
+        assert adapter["files"] == [True, False], adapter  # an adapter directory, no full model
+        assert adapter["lora"] == 2 * 2 * 2  # A and B of q_proj and v_proj in both layers
+        assert adapter["trained_b"] and adapter["changes_logits"], adapter  # B starts at zero
 
 
-def _check_adapter(model_dir, saved) -> None:
-    """``save_model`` of a LoRA policy wrote what TRL users get from TRL: an adapter directory that
-    PEFT loads onto the base model, holding every adapter weight, trained (the model it gives
-    computes other logits than the base)."""
+def _load_adapter(model_dir: str, saved: str) -> dict:
+    """What ``save_model`` of a LoRA policy wrote, loaded as TRL users load it: ``PeftModel`` onto the
+    base model (in a rank: the test process computes nothing, so its forks stay safe)."""
+    from pathlib import Path
+
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    assert (saved / "adapter_config.json").is_file() and not list(saved.glob("model*.safetensors"))
+    saved = Path(saved)
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     ids = torch.arange(1, 17).unsqueeze(0)
     with torch.no_grad():
@@ -101,9 +105,12 @@ def _check_adapter(model_dir, saved) -> None:
         adapted = PeftModel.from_pretrained(base, saved)
         after = adapted(input_ids=ids).logits
     lora = {n: p for n, p in adapted.named_parameters() if "lora_" in n}
-    assert len(lora) == 2 * 2 * 2  # A and B of q_proj and v_proj in both layers
-    assert all(p.abs().sum() > 0 for n, p in lora.items() if "lora_B" in n)  # B starts at zero
-    assert not torch.allclose(before, after)
+    return {
+        "files": [(saved / "adapter_config.json").is_file(), bool(list(saved.glob("model*.safetensors")))],
+        "lora": len(lora),
+        "trained_b": all(bool(p.abs().sum() > 0) for n, p in lora.items() if "lora_B" in n),
+        "changes_logits": not torch.allclose(before, after),
+    }
 
 
 def test_the_trl_classes_are_trls_with_the_door_under_them():
