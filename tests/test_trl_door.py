@@ -86,11 +86,14 @@ def test_dpo_equals_trl(run, layout, model_dir, model_config, tmp_path):
         assert adapter["files"] == [True, False], adapter  # an adapter directory, no full model
         assert adapter["lora"] == 2 * 2 * 2  # A and B of q_proj and v_proj in both layers
         assert adapter["trained_b"] and adapter["changes_logits"], adapter  # B starts at zero
+        assert adapter["from_pretrained_equal"], adapter  # AutoModel...from_pretrained(dir) loads it too
 
 
 def _load_adapter(model_dir: str, saved: str) -> dict:
     """What ``save_model`` of a LoRA policy wrote, loaded as TRL users load it: ``PeftModel`` onto the
-    base model (in a rank: the test process computes nothing, so its forks stay safe)."""
+    base model, and ``AutoModelForCausalLM.from_pretrained`` of the directory (transformers reads the
+    base from ``adapter_config.json``); in a rank: the test process computes nothing, so its forks stay
+    safe."""
     from pathlib import Path
 
     import torch
@@ -104,12 +107,14 @@ def _load_adapter(model_dir: str, saved: str) -> dict:
         before = base(input_ids=ids).logits
         adapted = PeftModel.from_pretrained(base, saved)
         after = adapted(input_ids=ids).logits
+        auto = AutoModelForCausalLM.from_pretrained(saved)(input_ids=ids).logits  # base + adapter
     lora = {n: p for n, p in adapted.named_parameters() if "lora_" in n}
     return {
         "files": [(saved / "adapter_config.json").is_file(), bool(list(saved.glob("model*.safetensors")))],
         "lora": len(lora),
         "trained_b": all(bool(p.abs().sum() > 0) for n, p in lora.items() if "lora_B" in n),
         "changes_logits": not torch.allclose(before, after),
+        "from_pretrained_equal": torch.equal(auto, after),
     }
 
 
