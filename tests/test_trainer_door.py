@@ -12,7 +12,7 @@ import torch
 
 from ndparallel.tools.agreement import assert_differs, assert_matches
 from sft_fixtures import tiny_llama_dir, weights_checksum
-from trainer_door_helpers import QUIET_HUB, fixture, peer_reference, run_trainer_script, steps_of
+from trainer_door_helpers import fixture, peer_reference, run_trainer_script, steps_of
 
 RECORDED = fixture("nd_parallel_trainer")
 LAYOUTS = {
@@ -107,50 +107,3 @@ def test_importing_the_door_patches_nothing():
     assert [a for cls in classes for a in _foreign_attributes(cls, "transformers")] == []
     assert _foreign_attributes(door.Trainer, "transformers") == []  # not vacuous: the door's own are ...
     assert _foreign_attributes(door.TrainerDoor, "transformers")  # ... found
-
-
-_LAUNCH_CONFIG = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-fsdp_config:
-  fsdp_version: 2
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-machine_rank: 0
-mixed_precision: 'no'
-num_machines: 1
-num_processes: 2
-parallelism_config:
-  parallelism_config_cp_size: 2
-  parallelism_config_dp_replicate_size: 1
-  parallelism_config_dp_shard_size: 1
-  parallelism_config_tp_size: 1
-  parallelism_config_cp_comm_strategy: alltoall
-rdzv_backend: static
-use_cpu: true
-"""
-
-
-@pytest.mark.slow
-def test_a_real_accelerate_launch_of_the_script(model_dir, model_config, tmp_path):
-    """``accelerate launch --config_file`` (an ND-parallel config like Accelerate's example configs,
-    CP 2) runs our copy of ``nd_parallel_trainer.py`` — the layout from the ``PARALLELISM_CONFIG_*``
-    variables the launcher sets — and its logged losses equal transformers' own Trainer."""
-    import json
-    import os
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    if shutil.which("accelerate") is None:
-        pytest.skip("the accelerate CLI is not installed")
-    root = Path(__file__).resolve().parents[1]
-    (tmp_path / "cfg.yaml").write_text(_LAUNCH_CONFIG)
-    paths = [str(root / "src"), str(root / "tests"), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1", **QUIET_HUB}
-    script = root / "tests" / "accelerate_scripts" / "launch_trainer.py"
-    argv = ["--model-name", str(model_dir), "--save-dir", str(tmp_path / "out"), *RECORDED["argv"]]
-    command = ["accelerate", "launch", "--config_file", str(tmp_path / "cfg.yaml"), str(script), *argv]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("HISTORY ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert_matches(peer_reference(RECORDED, "batch1", model_config), steps_of(json.loads(lines[0][8:])))
