@@ -131,6 +131,7 @@ def test_the_trl_classes_are_trls_with_the_door_under_them():
     assert trl.SFTTrainer.compute_loss.__module__.startswith("trl.")  # nothing patched
 
 
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")  # TRL's own
 def test_the_configs_pickle_as_transformers_saves_them():
     """``training_args.bin`` (``save_model``, checkpoints) is the pickled arguments: a class made by
     ``parallel_arguments`` comes back as itself, its fields kept."""
