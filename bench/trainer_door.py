@@ -11,14 +11,16 @@ batch, sequence length, optimizer and layout. The model (a Llama of ``--hidden``
 seeded) is saved once and loaded by both. Per side: the median step time over the steps after
 ``--warmup`` (``ndparallel train``'s ``metrics.jsonl`` ``step_time_s``; the door's from a callback,
 one optimizer step's end to the next), tokens/s from it, and the peak memory per rank (GPU:
-allocated; CPU: the process's peak RSS, libraries included). The sides alternate ``--rounds`` times;
-the best round of each counts (the machine is shared), beside the median of the rounds' ratios.
+allocated; CPU: the process's peak RSS, libraries included). The sides alternate ``--rounds`` times,
+which one goes first alternating too; the best round of each counts (the machine is shared), beside
+the median of the rounds' ratios (each round's two runs ran back to back).
 Goal: tokens/s ≥ 0.95× and peak memory ≤ 1.05× of ``ndparallel train``'s.
-Writes ``bench/results/trainer_door.json``."""
+Writes ``bench/results/trainer_door-<layout>-<date>.json``."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import resource
@@ -191,10 +193,12 @@ def main(argv=None) -> None:
         work = Path(tmp)
         args.model_dir = work / "model"
         make_model(args.model_dir, args.hidden, args.layers)
-        rounds = [
-            {"train": run_train(args, layout, work), "door": run_door(args, layout, work)}
-            for _ in range(args.rounds)
-        ]
+        rounds = []
+        for i in range(args.rounds):  # the order alternates, so a drift of the machine's load cancels
+            sides = {"train": run_train, "door": run_door}
+            order = ("train", "door") if i % 2 == 0 else ("door", "train")
+            measured = {side: sides[side](args, layout, work) for side in order}
+            rounds.append({"first": order[0], **measured})
     tokens = args.batch * args.seq * args.world // max(1, layout.get("tp_size", 1) * layout.get("cp_size", 1))
     best = {
         side: min((r[side] for r in rounds), key=lambda m: m["step_time_s"]) for side in ("train", "door")
@@ -222,7 +226,7 @@ def main(argv=None) -> None:
         f"peak memory {ratios['peak_memory']:.3f} (goal <= 1.05)"
     )
     write_json(
-        "trainer_door",
+        f"trainer_door-{args.layout.replace('=', '').replace(',', '-')}-{datetime.date.today().isoformat()}",
         {
             "layout": layout,
             "args": vars(args) | {"model_dir": None},

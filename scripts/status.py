@@ -134,9 +134,12 @@ AREAS: dict[str, tuple[Row, ...]] = {
             "(`ndparallel.transformers`, `ndparallel.trl`; `parallel_trainer` for any `Trainer` subclass): "
             "Accelerate's `nd_parallel_trainer.py`, gradient accumulation, evaluation, checkpoints resumed "
             "on another layout, trackers, callbacks, bf16; SFT (completion-only, chat, packing, "
-            "padding-free), DPO (sharded reference model, LoRA)",
+            "padding-free), DPO (sharded reference model, LoRA; on CP each model call split and gathered "
+            "back); a LoRA `save_model` writes the adapter directory",
             "= transformers' Trainer on Accelerate / TRL 1.16.0 themselves in one process (1 rank, CP 2, "
-            "TP 2, FSDP 2, FSDP 2 × CP 2, FSDP 2 × TP 2); PP and DPO under CP refused by name",
+            "TP 2, TP 2 + SP after a resume, FSDP 2, FSDP 2 × CP 2, HSDP 2 × 2, FSDP 2 × TP 2; a MoE on "
+            "FSDP 2 × EP 2); PP, and SP "
+            "with a TRL trainer, refused by name",
             NOT_RUN,
             ("tests/test_trainer_door.py", "tests/test_trainer_features.py", "tests/test_trl_door.py"),
             "trainer.md",

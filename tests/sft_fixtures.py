@@ -121,6 +121,24 @@ def tiny_llama_dir(path: Path, vocab_size: int | None = None) -> Path:
     return path
 
 
+def tiny_moe_dir(path: Path) -> Path:
+    """A tiny Qwen3-MoE (``tiny-qwen3-moe``: 8 experts, 2 a token, its router's load-balancing loss
+    in the model's loss) with the tokenizer of ``tiny_llama_dir``, seeded, saved with ``save_pretrained``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel.models.presets import preset_config
+
+    tok = llama3_tokenizer()
+    config = preset_config(
+        "tiny-qwen3-moe", vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def weights_checksum(path: Path) -> str:
     """sha256 of a saved model's tensors (names, dtypes, shapes, bytes; sorted): a fixture recorded
     on one model tells a test that builds another (the peers' fixtures under tests/fixtures/)."""

@@ -9,7 +9,7 @@ import torch
 
 from ndparallel.accelerator import arguments
 from ndparallel.accelerator.core import Accelerator
-from ndparallel.parallel.options import CPOptions
+from ndparallel.parallel.options import CPOptions, TPOptions
 from ndparallel.techniques.technique_options import CompileOptions
 from ndparallel.utils import (
     DataLoaderConfiguration,
@@ -228,6 +228,11 @@ def test_handlers_and_small_configs():
     assert GradScalerKwargs(enabled=False).build() is None
     with pytest.raises(ValueError, match="enable_async_tp"):
         TorchTensorParallelConfig(enable_async_tp=True)
+    sp = ParallelismConfig(tp_size=2, tp_handler=TorchTensorParallelConfig(sequence_parallel=True))
+    assert _resolve(parallelism_config=sp).tp_options.sequence_parallel
+    assert not _resolve(parallelism_config=ParallelismConfig(tp_size=2)).tp_options.sequence_parallel
+    with pytest.warns(UserWarning, match="tp_options.sequence_parallel=False is used"):
+        assert not _resolve(parallelism_config=sp, tp_options=TPOptions()).tp_options.sequence_parallel
     with pytest.raises(ValueError, match="dispatch_batches"):
         DataLoaderConfiguration(dispatch_batches=True)
     from datetime import timedelta

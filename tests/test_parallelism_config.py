@@ -101,6 +101,20 @@ def test_accelerate_names_and_handlers(monkeypatch):
         ParallelismConfig().get_device_mesh()
 
 
+def test_sequence_parallel_from_the_tp_handler_or_the_environment(monkeypatch):
+    """ndparallel's own ``TorchTensorParallelConfig.sequence_parallel``: given, or read from
+    ``NDPARALLEL_SEQUENCE_PARALLEL`` by the handler a ``ParallelismConfig`` with ``tp_size > 1`` makes."""
+    from ndparallel.utils import TorchTensorParallelConfig
+
+    assert ParallelismConfig(tp_size=2).tp_handler.sequence_parallel is False
+    monkeypatch.setenv("NDPARALLEL_SEQUENCE_PARALLEL", "1")
+    assert ParallelismConfig(tp_size=2).tp_handler.sequence_parallel is True
+    assert TorchTensorParallelConfig(sequence_parallel=False).sequence_parallel is False  # given wins
+    monkeypatch.setenv("NDPARALLEL_SEQUENCE_PARALLEL", "yes")
+    with pytest.raises(ValueError, match="NDPARALLEL_SEQUENCE_PARALLEL='yes' is not a flag"):
+        ParallelismConfig(tp_size=2)
+
+
 def _one_process_mesh():
     import os
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ndparallel.testing import run_on_ranks
 from ndparallel.tools.agreement import assert_differs, assert_matches
-from sft_fixtures import tiny_llama_dir, weights_checksum
-from trainer_door_helpers import fixture, peer_reference, run_trainer_script, steps_of
+from sft_fixtures import tiny_llama_dir, tiny_moe_dir, weights_checksum
+from trainer_door_helpers import QUIET_HUB, fixture, peer_reference, run_trainer_script, steps_of
 
 RECORDED = fixture("nd_parallel_trainer")
 LAYOUTS = {
@@ -22,6 +23,7 @@ LAYOUTS = {
     "dp2": {"dp_replicate_size": 2},
     "fsdp2": {"dp_shard_size": 2},
     "fsdp2xcp2": {"dp_shard_size": 2, "cp_size": 2},
+    "hsdp2x2": {"dp_replicate_size": 2, "dp_shard_size": 2},
 }
 
 
@@ -74,6 +76,45 @@ def test_nd_parallel_trainer_script_equals_transformers_trainer(name, model_dir,
     before = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     after = AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert set(after) == set(before) and any(not torch.equal(after[k], before[k]) for k in before)
+
+
+MOE = fixture("nd_parallel_trainer_moe")
+
+
+def _expert_parallel_script(argv: list[str]) -> dict:
+    """The script on this rank, its ``Trainer`` recording the layout the engine built."""
+    import warnings
+
+    from accelerate_scripts import nd_parallel_trainer
+
+    built = {}
+
+    class Recording(nd_parallel_trainer.Trainer):
+        def train(self, *args, **kwargs):
+            built["ep"] = self.accelerator.engine.dims.ep
+            return super().train(*args, **kwargs)
+
+    nd_parallel_trainer.Trainer = Recording  # this forked rank's copy of the module only
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {"history": nd_parallel_trainer.main(argv), **built}
+
+
+def test_expert_parallel_equals_transformers_trainer(tmp_path):
+    """A tiny Qwen3-MoE (its router's load-balancing loss in the loss) on FSDP 2 with its experts
+    split over 2 ranks (``NDPARALLEL_EP_SIZE``: Accelerate has no expert parallel) trains what
+    transformers' own Trainer trains in one process with the same global batch."""
+    from transformers import AutoConfig
+
+    model = tiny_moe_dir(tmp_path / "tiny-moe")
+    assert weights_checksum(model) == MOE["model"]["checksum"], "rerun python bench/peers/hf_trainer.py"
+    argv = ["--model-name", str(model), "--save-dir", str(tmp_path / "out"), *MOE["argv"]]
+    env = {"PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "NDPARALLEL_EP_SIZE": "2"} | QUIET_HUB
+    ranks = run_on_ranks(_expert_parallel_script, 2, argv, env=env)
+    assert [r["ep"] for r in ranks] == [2, 2]
+    assert_matches(
+        peer_reference(MOE, "batch2", AutoConfig.from_pretrained(model)), steps_of(ranks[0]["history"])
+    )
 
 
 def test_the_comparison_tells_another_global_batch(model_dir, model_config, out_root):

@@ -7,6 +7,7 @@ what the door cannot honour is refused while the arguments or the trainer are bu
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 
 import pytest
@@ -49,11 +50,11 @@ def _script(argv):
         return trainer_features.main(argv)
 
 
-def _features(layout: dict, model_dir, out, *own) -> list[dict]:
+def _features(layout: dict, model_dir, out, *own, env: dict | None = None) -> list[dict]:
     world = 1
     for size in layout.values():
         world *= size
-    env = {f"PARALLELISM_CONFIG_{k.upper()}": str(v) for k, v in layout.items()} | QUIET_HUB
+    env = {f"PARALLELISM_CONFIG_{k.upper()}": str(v) for k, v in layout.items()} | QUIET_HUB | (env or {})
     argv = ["--model-name", str(model_dir), "--save-dir", str(out), *RECORDED["argv"], *own]
     return run_on_ranks(_script, world, argv, env=env)
 
@@ -86,14 +87,20 @@ def test_features_on_fsdp2_cp2_equal_transformers_trainer(model_dir, model_confi
 
 
 def test_resume_onto_another_layout_continues_the_same_training(model_dir, model_config, out_root):
-    """checkpoint-2 of the FSDP 2 × CP 2 run, resumed on TP 2 (one dp rank: per-device batch 2, the same
-    global batch): steps 3 and 4 see the same data and equal the peer's uninterrupted run."""
+    """checkpoint-2 of the FSDP 2 × CP 2 run, resumed on TP 2 with sequence parallel (one dp rank:
+    per-device batch 2, the same global batch; SP from ``NDPARALLEL_SEQUENCE_PARALLEL``, which
+    ``ParallelismConfig()``'s tp handler reads): steps 3 and 4 see the same data and equal the peer's
+    uninterrupted run, and so does the evaluation at step 4."""
     checkpoint = _fsdp2_cp2(model_dir, out_root)["out"] / "checkpoint-2"
     own = ["--per-device-batch-size", "2", "--max-steps", "4", "--resume", str(checkpoint)]
-    run = _features({"tp_size": 2}, model_dir, out_root / "resumed-tp2", *own)[0]
+    sp = {"NDPARALLEL_SEQUENCE_PARALLEL": "1"}
+    run = _features({"tp_size": 2}, model_dir, out_root / "resumed-tp2-sp", *own, env=sp)[0]
     assert run["callback_steps"] == [3, 4]
     reference = peer_reference(RECORDED, "fp32", model_config, start=2)
     assert_matches(reference, steps_of(run["history"], start=2))
+    evaluation = peer_reference(RECORDED, "fp32", model_config, metric="eval_losses", start=1)
+    after_resume = [h for h in run["history"] if h["step"] > 2]  # the history resumes with steps 1-2
+    assert_matches(evaluation, logged(after_resume, "eval_loss"), compared=("loss_rel",))
 
 
 def test_bf16_epochs_on_fsdp2(model_dir, out_root):
@@ -111,6 +118,19 @@ def test_bf16_epochs_on_fsdp2(model_dir, out_root):
     assert_matches(reference, got)
 
 
+def _trl_sft_with_sequence_parallel(model, out: str):
+    from datasets import Dataset
+
+    from ndparallel import ParallelismConfig
+    from ndparallel.trl import SFTConfig, SFTTrainer
+    from ndparallel.utils import TorchTensorParallelConfig
+
+    handler = TorchTensorParallelConfig(sequence_parallel=True)
+    pc = ParallelismConfig(tp_size=2, tp_handler=handler)
+    config = SFTConfig(out, use_cpu=True, report_to="none", parallelism_config=pc)
+    return SFTTrainer(model, config, train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
+
+
 def _refusals(model_dir: str, out: str) -> dict[str, str]:
     """Each bad setting's error message (or "accepted"), built on this rank."""
     import transformers
@@ -119,6 +139,7 @@ def _refusals(model_dir: str, out: str) -> dict[str, str]:
 
     from ndparallel import ParallelismConfig
     from ndparallel.transformers import Trainer, TrainingArguments
+    from ndparallel.utils import TorchTensorParallelConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
 
@@ -152,6 +173,8 @@ def _refusals(model_dir: str, out: str) -> dict[str, str]:
         ),
         "accepted": lambda: trainer(args(parallelism_config=ParallelismConfig(dp_shard_size=2))),
     }
+    if importlib.util.find_spec("trl") is not None:
+        cases["sequence_parallel (TRL)"] = lambda: _trl_sft_with_sequence_parallel(model, out)
     messages = {}
     for name, build in cases.items():
         try:
@@ -161,13 +184,16 @@ def _refusals(model_dir: str, out: str) -> dict[str, str]:
             messages[name] = "accepted"
         except ValueError as e:
             messages[name] = str(e)
-    return messages
+    handler = TorchTensorParallelConfig(sequence_parallel=True)
+    built = trainer(args(parallelism_config=ParallelismConfig(tp_size=2, tp_handler=handler)))
+    return {"messages": messages, "sequence_parallel": built.accelerator.tp_options.sequence_parallel}
 
 
 def test_what_the_door_cannot_honour_is_refused_in_one_line(model_dir, tmp_path):
-    messages = run_on_ranks(_refusals, 2, str(model_dir), str(tmp_path), env=QUIET_HUB)
-    assert messages[0] == messages[1]
-    for case, message in messages[0].items():
+    """... and what it can is taken: sequence parallel from the tp handler."""
+    results = run_on_ranks(_refusals, 2, str(model_dir), str(tmp_path), env=QUIET_HUB)
+    assert results[0] == results[1] and results[0]["sequence_parallel"] is True
+    for case, message in results[0]["messages"].items():
         field = case.split()[0]
         if field == "accepted":
             assert message == "accepted"

@@ -3,13 +3,13 @@ door (``ndparallel.transformers``) is tested against.
 
     python bench/peers/hf_trainer.py [--out-dir tests/fixtures/trainer]
 
-1. The tiny Llama and its tokenizer of ``tests/sft_fixtures.py`` (hidden 64, 2 layers, seeded), saved
-   locally; the checksum of its weights goes into the fixture, so a test that builds another model
-   fails on that first.
+1. The tiny Llama and its tokenizer of ``tests/sft_fixtures.py`` (hidden 64, 2 layers, seeded), or
+   for ``nd_parallel_trainer_moe`` its tiny Qwen3-MoE (``MODELS``), saved locally; the checksum of
+   its weights goes into the fixture, so a test that builds another model fails on that first.
 2. The scripts the door runs (``SCRIPTS``: our copy of Accelerate's ``nd_parallel_trainer.py``, and a
    script using the Trainer's own features) with their two ndparallel import lines put back to
    transformers' and Accelerate's, each run in a fresh process: one process, CPU, the arguments of
-   ``RUNS``. The per-device batch is the global batch of the layouts the tests run with 1 or 2
+   ``RUNS``. The per-device batch is the global batch of the layouts the tests run with 1, 2 or 4
    data-parallel ranks (the same seeded sampler order: Accelerate's ``SeedableRandomSampler`` draws
    what the door's dp-sharded sampler draws).
 3. Each fp32 run with several rows a batch again with every batch's rows in reverse order: the
@@ -40,11 +40,14 @@ REPO = HERE.parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 SCRIPTS = {
     "nd_parallel_trainer": REPO / "tests" / "accelerate_scripts" / "nd_parallel_trainer.py",
+    "nd_parallel_trainer_moe": REPO / "tests" / "accelerate_scripts" / "nd_parallel_trainer.py",
     "trainer_features": REPO / "tests" / "trainer_scripts" / "trainer_features.py",
     "trl_sft": REPO / "tests" / "trainer_scripts" / "trl_sft.py",
     "trl_dpo": REPO / "tests" / "trainer_scripts" / "trl_dpo.py",
 }
 FIXTURES = REPO / "tests" / "fixtures" / "trainer"
+MODELS = {"nd_parallel_trainer_moe": "tiny_moe_dir"}
+"""The model each script trains: a builder of ``tests/sft_fixtures.py`` (else ``tiny_llama_dir``)."""
 PEER_IMPORTS = {
     "from ndparallel.transformers import Trainer, TrainingArguments": (
         "from transformers import Trainer, TrainingArguments"
@@ -70,13 +73,16 @@ COMMON = {
     "trl_sft": [],
     "trl_dpo": [],
 }  # fmt: skip
+COMMON["nd_parallel_trainer_moe"] = COMMON["nd_parallel_trainer"]
 """Each script's arguments besides the model, the output folder and the run's own (the tests read
 them from the fixture)."""
 RUNS = {
     "nd_parallel_trainer": {
         "batch1": ["--per-device-batch-size", "1"],
         "batch2": ["--per-device-batch-size", "2"],
+        "batch4": ["--per-device-batch-size", "4"],
     },
+    "nd_parallel_trainer_moe": {"batch2": ["--per-device-batch-size", "2"]},
     "trainer_features": {
         "fp32": ["--per-device-batch-size", "2", "--max-steps", "4"],
         "bf16_epoch": ["--per-device-batch-size", "2", "--max-steps", "-1", "--rows", "8", "--bf16"],
@@ -100,6 +106,7 @@ METRICS = ("rewards/margins", "rewards/chosen", "rewards/rejected")
 SEED = 42
 PEERS = {
     "nd_parallel_trainer": ("transformers", "accelerate", "torch"),
+    "nd_parallel_trainer_moe": ("transformers", "accelerate", "torch"),
     "trainer_features": ("transformers", "accelerate", "torch"),
     "trl_sft": ("trl", "transformers", "accelerate", "torch"),
     "trl_dpo": ("trl", "transformers", "accelerate", "peft", "torch"),
@@ -123,6 +130,7 @@ def peer_script(script: Path) -> types.ModuleType:
 
 DATA_FUNCTIONS = {
     "nd_parallel_trainer": "get_dataset",
+    "nd_parallel_trainer_moe": "get_dataset",
     "trainer_features": "rows",
     "trl_sft": "dataset",
     "trl_dpo": "dataset",
@@ -188,6 +196,10 @@ def run_peer(name: str, model_dir: Path, run: str, reverse: bool, work: Path) ->
     return json.loads(out.read_text())
 
 
+def _builder(name: str) -> str:
+    return MODELS.get(name, "tiny_llama_dir")
+
+
 def record(name: str, model_dir: Path, work: Path) -> dict:
     """Every run of one script (and the second way of those with several rows a batch)."""
     from transformers import AutoModelForCausalLM
@@ -206,7 +218,10 @@ def record(name: str, model_dir: Path, work: Path) -> dict:
         "by": "bench/peers/hf_trainer.py",
         "script": str(SCRIPTS[name].relative_to(REPO)),
         "peers": {p: importlib.metadata.version(p) for p in PEERS[name]},
-        "model": {"builder": "tests/sft_fixtures.py tiny_llama_dir", "checksum": weights_checksum(model_dir)},
+        "model": {
+            "builder": f"tests/sft_fixtures.py {_builder(name)}",
+            "checksum": weights_checksum(model_dir),
+        },
         "n_params": sum(p.numel() for p in model.parameters()),
         "argv": COMMON[name],
         "run_argv": RUNS[name],
@@ -226,13 +241,15 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(REPO / "tests"))
-    from sft_fixtures import tiny_llama_dir
+    import sft_fixtures
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model_dir = tiny_llama_dir(work / "model")
         for name in args.scripts:
+            model_dir = work / _builder(name)
+            if not model_dir.exists():
+                getattr(sft_fixtures, _builder(name))(model_dir)
             fixture = record(name, model_dir, work)
             path = args.out_dir / f"{name}.json"
             path.write_text(json.dumps(fixture, indent=1) + "\n")

@@ -33,6 +33,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--save-model", action="store_true", help="trainer.save_model() into --save-dir")
     return parser.parse_args(argv)
 
 
@@ -68,6 +69,8 @@ def main(argv=None) -> list[dict]:
         peft_config=peft_config,
     )
     trainer.train()
+    if args.save_model:
+        trainer.save_model()
     return trainer.state.log_history
 
 

@@ -144,6 +144,20 @@ def _cp_options(pc: ParallelismConfig | None, cp_options: CPOptions | None) -> C
     return cp_options
 
 
+def _tp_options(pc: ParallelismConfig | None, tp_options: TPOptions | None) -> TPOptions:
+    handler = pc.tp_handler if pc is not None else None
+    asked = bool(handler is not None and handler.sequence_parallel)
+    if tp_options is None:
+        return TPOptions(sequence_parallel=asked)
+    if asked and not tp_options.sequence_parallel:
+        warnings.warn(
+            "tp_options.sequence_parallel=False is used; parallelism_config.tp_handler's "
+            "sequence_parallel=True is not",
+            stacklevel=_USER,
+        )
+    return tp_options
+
+
 def _dataloader_config(dataloader_config, split_batches) -> DataLoaderConfiguration:
     if dataloader_config is None:
         dataloader_config = DataLoaderConfiguration()
@@ -218,7 +232,7 @@ def resolve(a: dict[str, Any]) -> Settings:
         fsdp_plugin=fsdp_plugin,
         fsdp_options=fsdp_options,
         activation_options=activation,
-        tp_options=a["tp_options"] or TPOptions(),
+        tp_options=_tp_options(pc, a["tp_options"]),
         cp_options=_cp_options(pc, a["cp_options"]),
         dynamo_plugin=dynamo,
         loss_options=a["loss_options"] or LossOptions(),

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 CP_STRATEGY_ENV = "PARALLELISM_CONFIG_CP_COMM_STRATEGY"
+SEQUENCE_PARALLEL_ENV = "NDPARALLEL_SEQUENCE_PARALLEL"
 # Accelerate's names -> ours. torch's "alltoall" rotate method passes each K/V shard from rank to
 # rank (with all_to_all as the transport): the same computation as our ring (send/recv transport).
 # (ndparallel's head-splitting all-to-all is called "ulysses" so the two never clash.)
@@ -46,9 +47,15 @@ class TorchContextParallelConfig:
 @dataclass
 class TorchTensorParallelConfig:
     """Tensor-parallel handler. ``enable_async_tp`` (async TP, a CUDA symmetric-memory kernel
-    fusion) is not implemented: asking for it is an error rather than a silent no-op."""
+    fusion) is not implemented: asking for it is an error rather than a silent no-op.
+
+    ``sequence_parallel`` is ndparallel's own field (Accelerate's handler has none): the norms' and
+    residual stream's activations sharded on the sequence over the tp ranks (``TPOptions``; the model
+    must be made tensor-parallel by ndparallel, not loaded with transformers' ``tp_plan``). ``None``
+    reads ``NDPARALLEL_SEQUENCE_PARALLEL`` (1/true), else off."""
 
     enable_async_tp: bool = False
+    sequence_parallel: bool | None = None
 
     def __post_init__(self) -> None:
         if self.enable_async_tp:
@@ -56,3 +63,8 @@ class TorchTensorParallelConfig:
                 "TorchTensorParallelConfig(enable_async_tp=True) is not supported by ndparallel: "
                 "leave enable_async_tp=False (TP runs with synchronous collectives)"
             )
+        if self.sequence_parallel is None:
+            raw = os.environ.get(SEQUENCE_PARALLEL_ENV, "").strip().lower()
+            if raw not in ("", "0", "1", "false", "true"):
+                raise ValueError(f"{SEQUENCE_PARALLEL_ENV}={raw!r} is not a flag: use 1/true or 0/false")
+            self.sequence_parallel = raw in ("1", "true")

@@ -18,7 +18,9 @@ What the door replaces, and with what of the engine (through the ``Accelerator``
 * ``compute_loss``: for a plain causal-LM batch, the engine's ``forward_loss`` (the chunked loss
   where exact, no full logits), scaled as transformers scales its own; anything else, transformers'.
 * ``_prepare_context_parallel_inputs``: the batch made ready for the layout (``door_batches``) and
-  split over the cp ranks in ``maybe_context_parallel``.
+  split over the cp ranks in ``maybe_context_parallel`` — or, for a trainer whose loss needs whole
+  sequences (``splits_sequences=False``), left whole: each model call splits itself
+  (``door_whole_sequences``).
 * ``_clip_grad_norm`` / ``_get_grad_norm``: the engine's global gradient norm.
 * ``get_resumed_dataloader``, ``_sync_replicated_trainable_parameters``, ``_move_model_to_device``:
   the prepared loader's own skip; the engine owns gradient reduction and device placement.
@@ -52,8 +54,10 @@ class TrainerDoor(transformers.Trainer):
     """transformers' ``Trainer`` with ndparallel's engine underneath (see the module docstring)."""
 
     splits_sequences: bool = True
-    """Whether the trainer's loss survives its sequences being split over cp ranks (a sum over
-    tokens does; a function of whole-sequence sums, DPO's log-probabilities, does not)."""
+    """Whether the trainer's loss survives its batches being split over cp ranks (a sum over tokens
+    does). False (a function of whole-sequence sums, DPO's log-probabilities): the batches stay whole
+    and each model call splits its sequences and gathers its per-token outputs back
+    (``door_whole_sequences``)."""
 
     # ------------------------------------------------------------------ the accelerator
     def create_accelerator_and_postprocess(self) -> None:
@@ -65,7 +69,7 @@ class TrainerDoor(transformers.Trainer):
                     "gradient_accumulation_steps > 1 are both set: keep gradient_accumulation_steps"
                 )
             self.args.gradient_accumulation_steps = grad_acc["num_steps"]
-        self.accelerator = build_accelerator(self.args, self.model)
+        self.accelerator = build_accelerator(self.args, self.model, whole_sequences=not self.splits_sequences)
         self.gather_function = functools.partial(
             self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
         )
@@ -74,12 +78,15 @@ class TrainerDoor(transformers.Trainer):
 
     def _validate_args(self) -> None:
         super()._validate_args()
-        if not self.splits_sequences and self.accelerator.engine.dims.cp_enabled:
+        engine = self.accelerator.engine
+        trl = next((c for c in type(self).__mro__ if c.__module__.startswith("trl.")), None)
+        if trl is not None and engine.dims.tp_enabled and engine.options.tp.sequence_parallel:
             raise ValueError(
-                f"{type(self).__name__}'s loss needs each sequence whole on one rank, and context "
-                "parallelism splits it: set cp_size=1 (shard with dp_shard_size / tp_size instead)"
+                f"sequence_parallel is not supported with TRL's {trl.__name__}: its fused LM head reads "
+                "the decoder's output, which sequence parallel leaves split over the tp ranks; turn "
+                "sequence_parallel off (TorchTensorParallelConfig, NDPARALLEL_SEQUENCE_PARALLEL)"
             )
-        cp = self.accelerator.engine.dims.cp_enabled
+        cp = engine.dims.cp_enabled
         if self.compute_metrics is not None and cp:
             raise ValueError(
                 "compute_metrics needs each evaluation batch's logits, and context parallelism splits "
@@ -145,7 +152,7 @@ class TrainerDoor(transformers.Trainer):
         engine = self.accelerator.engine
         options = engine.options
         divisor = engine.dims.seq_len_divisor(options.tp.sequence_parallel, options.cp.load_balance)
-        if divisor == 1 or "input_ids" not in inputs:
+        if divisor == 1 or "input_ids" not in inputs or not self.splits_sequences:
             return contextlib.nullcontext, inputs
         cp = engine.dims.cp_enabled
         inputs = layout_inputs(inputs, divisor, cp, "the Trainer's batch")
@@ -164,7 +171,7 @@ class TrainerDoor(transformers.Trainer):
         """Under context parallelism the evaluation batch is split like a training batch, and its
         loss (its tokens' mean) is the engine's, summed over the cp ranks; else transformers' own."""
         batch = self._engine_batch(inputs, False, 1)
-        if not self.accelerator.engine.dims.cp_enabled or batch is None:
+        if not self.accelerator.engine.dims.cp_enabled or batch is None or not self.splits_sequences:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         count = (batch["shift_labels"] != IGNORE_INDEX).sum()
         context, batch = self._prepare_context_parallel_inputs(model, batch)
@@ -232,8 +239,8 @@ class TrainerDoor(transformers.Trainer):
 def parallel_trainer(trainer_class: type, splits_sequences: bool = True) -> type:
     """``trainer_class`` (transformers' ``Trainer`` or a subclass) on ndparallel: a subclass with
     ``TrainerDoor`` under ``trainer_class``'s own overrides. The same class each time it is asked.
-    ``splits_sequences=False``: its loss is a function of whole-sequence sums (DPO's), which context
-    parallelism would split: a layout with ``cp_size > 1`` is refused when it is built."""
+    ``splits_sequences=False``: its loss is a function of whole-sequence sums (DPO's), so its batches
+    stay whole and each model call splits its sequences over the cp ranks itself."""
     if not (inspect.isclass(trainer_class) and issubclass(trainer_class, transformers.Trainer)):
         raise TypeError(f"parallel_trainer takes a subclass of transformers.Trainer, got {trainer_class!r}")
     if issubclass(trainer_class, TrainerDoor):

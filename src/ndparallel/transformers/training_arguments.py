@@ -27,6 +27,15 @@ class ParallelArguments:
         refuse_unsupported(self)
         super().__post_init__()
 
+    def __reduce_ex__(self, protocol):
+        """A class ``parallel_arguments`` made has no importable name of its own: its instances are
+        pickled (``training_args.bin``) by the class it was made from, and rebuilt through
+        ``parallel_arguments`` (the same class again)."""
+        made_from = getattr(type(self), "_made_from", None)
+        if made_from is None:
+            return super().__reduce_ex__(protocol)
+        return rebuilt_arguments, (made_from,), self.__dict__.copy()
+
     @cached_property
     def _setup_devices(self):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched ranks: the group, ndparallel's way
@@ -52,5 +61,11 @@ def parallel_arguments(arguments_class: type) -> type:
     return type(
         arguments_class.__name__,
         (ParallelArguments, arguments_class),
-        {"__module__": __name__, "__doc__": arguments_class.__doc__},
+        {"__module__": __name__, "__doc__": arguments_class.__doc__, "_made_from": arguments_class},
     )
+
+
+def rebuilt_arguments(arguments_class: type):
+    """An empty instance of ``parallel_arguments(arguments_class)``, for unpickling (its fields follow)."""
+    cls = parallel_arguments(arguments_class)
+    return cls.__new__(cls)

@@ -91,6 +91,24 @@ def unshard_from_cp(
     return reorder_cp_chunks(torch.cat(parts, dim=seq_dim), seq_dim, cp_size, load_balance)
 
 
+def gather_from_cp(tensor: torch.Tensor, seq_dim: int, cp_group, load_balance: bool = True) -> torch.Tensor:
+    """Inverse of ``shard_for_cp`` with autograd: every rank of ``cp_group`` (a ProcessGroup or 1-D
+    DeviceMesh) gets the whole sequence, in natural order. The backward sums the incoming gradients
+    of the cp ranks and hands each rank its shard's part (the adjoint of a gather): a loss that every
+    cp rank computes alike from the whole sequence, averaged over the cp ranks, back-propagates
+    exactly its one-process gradient."""
+    import torch.distributed._functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    group = process_group(cp_group)
+    local = tensor.movedim(seq_dim, 0).contiguous()  # the collective gathers along dim 0
+    gathered = gather(local, 0, group)
+    if isinstance(gathered, funcol.AsyncCollectiveTensor):
+        gathered = gathered.wait()
+    cp_size = gathered.shape[0] // local.shape[0]
+    return reorder_cp_chunks(gathered, 0, cp_size, load_balance).movedim(0, seq_dim)
+
+
 _PAD_DEFAULTS = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 1}
 
 
