@@ -48,3 +48,21 @@ def test_output_origin_tells_ndparallel_from_a_library():
     assert "a library logs" in foreign and "[W1207 ProcessGroupGloo.cpp:42] a C++ warning" in foreign
     assert "an early handler's record" in foreign
     assert not any(line.startswith(("step", "a table")) for line in foreign), foreign
+
+
+def test_the_trainer_doors_import_in_silence():
+    """``from ndparallel.trl import ...`` (which imports ``ndparallel.transformers``) prints
+    nothing: transformers' Trainer imports torchao, whose "Failed to load ... .so" and pytree lines
+    a user of the door did not ask for."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("trl")
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # the suite's; transformers says it
+    proc = subprocess.run(
+        [sys.executable, "-c", "import ndparallel.trl"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0 and proc.stdout + proc.stderr == "", proc.stdout + proc.stderr

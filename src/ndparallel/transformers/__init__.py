@@ -6,8 +6,10 @@
 ``parallel_trainer(SomeTrainer)`` does the same for any ``Trainer`` subclass (docs/trainer.md)."""
 
 from ndparallel.runtime.extras import require
+from ndparallel.runtime.quiet import quiet_library_noise
 
 require("trainer", "the Trainer door (ndparallel.transformers)")  # transformers' Trainer needs accelerate
+quiet_library_noise()  # transformers' Trainer imports torchao, whose lines no user can act on
 
 from ndparallel.transformers.trainer_door import Trainer, TrainerDoor, parallel_trainer  # noqa: E402
 from ndparallel.transformers.training_arguments import (  # noqa: E402

@@ -8,8 +8,10 @@ ndparallel's process-group start and refusals mixed in (``parallel_arguments``);
 put any other TRL trainer on ndparallel (docs/trainer.md)."""
 
 from ndparallel.runtime.extras import require
+from ndparallel.runtime.quiet import quiet_library_noise
 
 require("trl", "ndparallel.trl (TRL's trainers)")  # an optional extra: this door's own package
+quiet_library_noise()  # transformers' Trainer imports torchao, whose lines no user can act on
 
 import trl  # noqa: E402
 
