@@ -1,0 +1,81 @@
+"""The search's pruning (``plan/search/bounds.py``) is exact: on small requests the pruned search
+chooses, for every layout, the option the exhaustive one chooses (or rejects it for the same
+reason), and each bound holds for every option the exhaustive search costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from ndparallel.plan.hardware import PRESETS as HW
+from ndparallel.plan.memory.peak import resident_bytes
+from ndparallel.plan.models import PRESETS
+from ndparallel.plan.search import bounds
+from ndparallel.plan.search.evaluation import _ranks, evaluate_layout
+from ndparallel.plan.search.layouts import enumerate_layouts
+from ndparallel.plan.search.request import PlanRequest
+
+CASES = {
+    "8B x 8 H100, seq 8192": ("llama-3.1-8b", "h100-80gb", 8, dict(sequence_len=8192)),
+    "70B x 16 H100, pp": ("llama-3.1-70b", "h100-80gb", 16, dict(sequence_len=4096, global_batch_size=64)),
+    "8B x 4 A100-40GB, seq 32768, host 64 GB": (
+        "llama-3.1-8b",
+        "a100-40gb",
+        4,
+        dict(sequence_len=32768, host_mem_bytes=64 * 2**30, global_batch_size=8),
+    ),
+    "3B x 8, unsharded accumulation": (
+        "llama-3.2-3b",
+        "a100-40gb",
+        8,
+        dict(sequence_len=8192, global_batch_size=64, unsharded_grad_accumulation=True),
+    ),
+}
+
+
+def _request(name: str) -> PlanRequest:
+    model, gpu, gpus, kw = CASES[name]
+    return PlanRequest.of(PRESETS[model], HW[gpu], gpus, gpus_per_node=min(8, gpus), **kw)
+
+
+def _layouts(req: PlanRequest):
+    return enumerate_layouts(req.gpus, req.model.num_experts, req.model.layers)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pruned_search_is_the_exhaustive_one(name):
+    req = _request(name)
+    searched = costed = 0
+    for layout in _layouts(req):
+        every = evaluate_layout(req, layout)
+        pruned = evaluate_layout(req, layout, skip_unfit=True)
+        assert pruned.ok == every.ok, layout
+        if every.ok:
+            assert pruned.best.settings == every.best.settings, layout
+            assert pruned.best.tokens_per_s_per_gpu == every.best.tokens_per_s_per_gpu
+        else:
+            assert [c for c, _ in pruned.rejections] == [c for c, _ in every.rejections], layout
+        searched, costed = searched + pruned.searched, costed + pruned.costed
+    assert costed < searched  # the bounds prune something on each request
+
+
+@pytest.mark.parametrize("name", list(CASES)[:3])
+def test_bounds_hold_for_every_option(name):
+    """Every option's tokens/s is at most its ``tokens_per_s_bound`` (which the settings the group
+    varies — gradient reduction, resharding, offloading — leave unchanged) and its memory at least
+    its resident bytes."""
+    req = _request(name)
+    model, hw, g = req.model, req.hardware, req.gpus_per_node
+    checked = 0
+    for layout in _layouts(req):
+        for o in evaluate_layout(req, layout).options:
+            s = o.settings
+            bound = bounds.tokens_per_s_bound(model, layout, s, hw, g)
+            plain = s.but(
+                unsharded_grad_accumulation=False, reshard_after_forward=False, activation_offloading=False
+            )
+            assert bound == bounds.tokens_per_s_bound(model, layout, plain, hw, g)
+            assert o.tokens_per_s_per_gpu <= bound * (1 + bounds.ROUNDING), (layout, s)
+            resident = max(resident_bytes(part, layout, rs, hw) for part, rs in _ranks(model, layout, s))
+            assert resident <= o.memory.total, (layout, s)
+            checked += 1
+    assert checked > 100
