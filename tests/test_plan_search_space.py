@@ -10,18 +10,18 @@ from ndparallel.plan.hardware import PRESETS as HW
 from ndparallel.plan.memory.peak import resident_bytes
 from ndparallel.plan.models import PRESETS
 from ndparallel.plan.search import bounds
-from ndparallel.plan.search.evaluation import _ranks, evaluate_layout
+from ndparallel.plan.search.evaluation import _ranks, evaluate_layout, plan
 from ndparallel.plan.search.layouts import enumerate_layouts
 from ndparallel.plan.search.request import PlanRequest
 
 CASES = {
     "8B x 8 H100, seq 8192": ("llama-3.1-8b", "h100-80gb", 8, dict(sequence_len=8192)),
     "70B x 16 H100, pp": ("llama-3.1-70b", "h100-80gb", 16, dict(sequence_len=4096, global_batch_size=64)),
-    "8B x 4 A100-40GB, seq 32768, host 64 GB": (
+    "8B x 4 A100-40GB, seq 32768, host 16 GB": (
         "llama-3.1-8b",
         "a100-40gb",
         4,
-        dict(sequence_len=32768, host_mem_bytes=64 * 2**30, global_batch_size=8),
+        dict(sequence_len=32768, host_mem_bytes=16 * 2**30, global_batch_size=8),
     ),
     "3B x 8, unsharded accumulation": (
         "llama-3.2-3b",
@@ -58,7 +58,7 @@ def test_pruned_search_is_the_exhaustive_one(name):
     assert costed < searched  # the bounds prune something on each request
 
 
-@pytest.mark.parametrize("name", list(CASES)[:3])
+@pytest.mark.parametrize("name", [n for n in CASES if "70B" not in n])
 def test_bounds_hold_for_every_option(name):
     """Every option's tokens/s is at most its ``tokens_per_s_bound`` (which the settings the group
     varies — gradient reduction, resharding, offloading — leave unchanged) and its memory at least
@@ -79,3 +79,11 @@ def test_bounds_hold_for_every_option(name):
             assert resident <= o.memory.total, (layout, s)
             checked += 1
     assert checked > 100
+
+
+def test_8b_on_8_h100_at_8192_checkpoints_selectively_or_not_at_all():
+    """Where the lighter policies fit, the best row uses one (issue 61): Llama-3.1-8B on 8 H100 at
+    8,192 tokens."""
+    req = PlanRequest.of(PRESETS["llama-3.1-8b"], HW["h100-80gb"], 8, gpus_per_node=8, sequence_len=8192)
+    best = plan(req).ranked[0].best
+    assert best.fits and best.settings.recompute in ("none", "selective"), best.settings
