@@ -282,3 +282,12 @@ def test_settings_but_is_replace_and_cached_hashes_match_equality():
     for obj in (model, hw):
         assert hash(obj) == hash(replace(obj)) and obj == replace(obj)
     assert hash(replace(model, layers=3)) != hash(model)
+
+
+def test_offloading_pinned_on_pins_checkpointing_unless_that_is_pinned_off():
+    from ndparallel.plan.search.choices import checkpointing
+
+    req = _req(gpus=8)
+    assert {ac for ac, _, o in checkpointing(req, None, None, True)} == {True}
+    assert checkpointing(req, False, None, True) == [(False, "full", False)]
+    assert len(checkpointing(req, None, None, None)) == 5  # off; selective, full × offloaded or not

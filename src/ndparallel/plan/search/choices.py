@@ -72,14 +72,15 @@ def checkpointing(
     least recompute first, each policy without offloading before with it (``evaluation.py`` tries an
     offloaded option only where the same one kept on the device does not fit: it adds copies, never
     time saved). Pinned (the arguments), else the request's, else: checkpointing off and on, the
-    ``POLICIES``, offloading off and on. Offloading moves what checkpointing keeps: on needs it on."""
+    ``POLICIES``, offloading off and on. Offloading moves what checkpointing keeps: pinned on, it
+    pins checkpointing on unless that is pinned off (then nothing is offloaded)."""
     offloads = [offloaded] if offloaded is not None else _or_both(req.activation_offloading)
     ck = [checkpointed] if checkpointed is not None else _on_off(req.activation_checkpointing)
     policies = [policy] if policy else [req.ac_policy] if req.ac_policy else list(POLICIES)
-    out = [(False, "full", False)] if False in ck and False in offloads else []
-    if True in ck or offloads == [True]:
-        out += [(True, p, o) for p in policies for o in offloads]
-    return out
+    if offloads == [True] and True in ck:  # offloading pinned on: checkpointing on
+        ck = [True]
+    out = [(False, "full", False)] if False in ck else []
+    return out + ([(True, p, o) for p in policies for o in offloads] if True in ck else [])
 
 
 def reshards(req: PlanRequest, layout: ParallelDims, base: Settings, pinned: bool | None) -> list[bool]:
