@@ -58,15 +58,20 @@ def test_pruned_search_is_the_exhaustive_one(name):
     assert costed < searched  # the bounds prune something on each request
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if "70B" not in n])
+@pytest.mark.parametrize("name", [n for n in CASES if "70B" not in n] + ["70B x 16 H100, pp, some layouts"])
 def test_bounds_hold_for_every_option(name):
-    """Every option's tokens/s is at most its ``tokens_per_s_bound`` (which the settings the group
-    varies — gradient reduction, resharding, offloading — leave unchanged) and its memory at least
-    its resident bytes."""
-    req = _request(name)
+    """Every option's tokens/s is at most its ``option_bound``, that at most its
+    ``tokens_per_s_bound`` (the rank floors of both, which the settings the group varies — gradient
+    reduction, resharding, offloading — leave unchanged), and its memory at least its resident
+    bytes."""
+    req = _request(name.removesuffix(", some layouts"))
     model, hw, g = req.model, req.hardware, req.gpus_per_node
-    checked = 0
-    for layout in _layouts(req):
+    layouts = _layouts(req)
+    if name.endswith("some layouts"):  # each pp degree with FSDP, and one without
+        layouts = [lay for lay in layouts if lay.pp > 1 and (lay.fsdp == 2 or lay.dp == 1)]
+        assert {lay.pp for lay in layouts} >= {2, 4, 8}
+    checked = tighter = 0
+    for layout in layouts:
         for o in evaluate_layout(req, layout).options:
             s = o.settings
             bound = bounds.tokens_per_s_bound(model, layout, s, hw, g)
@@ -74,11 +79,17 @@ def test_bounds_hold_for_every_option(name):
                 unsharded_grad_accumulation=False, reshard_after_forward=False, activation_offloading=False
             )
             assert bound == bounds.tokens_per_s_bound(model, layout, plain, hw, g)
-            assert o.tokens_per_s_per_gpu <= bound * (1 + bounds.ROUNDING), (layout, s)
+            floors = bounds.rank_floors(model, layout, s, hw, g)
+            assert floors == bounds.rank_floors(model, layout, plain, hw, g)
+            own = bounds.option_bound(model, layout, s, hw, g)
+            assert own == bounds.option_bound(model, layout, s, hw, g, floors) <= bound
+            assert o.tokens_per_s_per_gpu <= own * (1 + bounds.ROUNDING), (layout, s)
+            tighter += own < bound
             resident = max(resident_bytes(part, layout, rs, hw) for part, rs in _ranks(model, layout, s))
             assert resident <= o.memory.total, (layout, s)
             checked += 1
     assert checked > 100
+    assert tighter > 0  # FSDP's exposure bounds some option tighter than its compute alone
 
 
 def test_8b_on_8_h100_at_8192_checkpoints_selectively_or_not_at_all():

@@ -3,6 +3,8 @@ layouts: ``evaluate_layout`` and ``plan``."""
 
 from __future__ import annotations
 
+import heapq
+
 from ndparallel.layout.dims import ParallelDims
 from ndparallel.parallel.layout_refusals import qat_layout_problem, saved_modules_problem
 from ndparallel.plan.adapters.qlora import nf4_shards_problem
@@ -17,6 +19,7 @@ from ndparallel.plan.search.estimate import Estimate, finish, rank_step
 from ndparallel.plan.search.layouts import enumerate_layouts, structural_rejections
 from ndparallel.plan.search.request import SEARCHED, LayoutResult, PlanRequest, PlanResult, base_settings
 from ndparallel.plan.settings import Settings
+from ndparallel.runtime.startup import paused_collector
 from ndparallel.techniques.host_budget import HOST_BUDGET_FRACTION
 
 
@@ -156,23 +159,30 @@ def _bound(
     req: PlanRequest, layout: ParallelDims, groups: list[list[Settings]], res: LayoutResult, unfit: list
 ) -> None:
     """Cost what can still be the best of the options (``bounds.py``), the group of the highest bound
-    on tokens/s first; the options not costed for memory go to ``unfit`` with the bytes they need at
-    least."""
-    model, hw = req.model, req.hardware
-    ranked = sorted(
-        (
-            (bounds.tokens_per_s_bound(model, layout, g[0], hw, req.gpus_per_node), i, g)
-            for i, g in enumerate(groups)
-        ),
-        key=lambda x: (-x[0], x[1]),
-    )
+    on tokens/s first: each group ordered by its ``tokens_per_s_bound``, then, when it comes first,
+    by the highest ``option_bound`` of its options (computed only then); an option whose own bound
+    is below the best so far is not tried. The options not costed for memory go to ``unfit`` with
+    the bytes they need at least."""
+    model, hw, g = req.model, req.hardware, req.gpus_per_node
+    heap = [
+        (-bounds.tokens_per_s_bound(model, layout, grp[0], hw, g), i, None) for i, grp in enumerate(groups)
+    ]
+    heapq.heapify(heap)
     resident: dict[tuple, float] = {}
     fitted = {bounds.option_key(o.settings) for o in res.options if o.fits}
     best = max((o.tokens_per_s_per_gpu for o in res.options if o.fits), default=None)
-    for bound, _, group in ranked:
-        if best is not None and bound < best * (1 - bounds.ROUNDING):
+    while heap:
+        bound, i, own = heapq.heappop(heap)
+        if best is not None and -bound < best * (1 - bounds.ROUNDING):
             break
-        for s in group:
+        if own is None and best is not None:  # its options' own bounds, then back in line
+            floors = bounds.rank_floors(model, layout, groups[i][0], hw, g)
+            own = [bounds.option_bound(model, layout, s, hw, g, floors) for s in groups[i]]
+            heapq.heappush(heap, (-min(-bound, max(own)), i, own))
+            continue
+        for s, option in zip(groups[i], own or [0.0] * len(groups[i])):
+            if own and option < best * (1 - bounds.ROUNDING):
+                continue
             if any(d in fitted for d in bounds.dominators(layout, s)):
                 continue
             where = (s.pipeline_schedule, s.pipeline_virtual_stages)
@@ -294,10 +304,11 @@ def plan(req: PlanRequest) -> PlanResult:
         raise ValueError("--gpus must be >= 1")
     layers = req.model.layers if req.pipeline_parallel else 0
     base = base_settings(req)
-    results = [
-        evaluate_layout(req, lay, skip_unfit=True, base=base)
-        for lay in enumerate_layouts(req.gpus, req.model.num_experts, layers)
-    ]
+    with paused_collector():  # ~10^6 short-lived acyclic objects: the collector only walks them
+        results = [
+            evaluate_layout(req, lay, skip_unfit=True, base=base)
+            for lay in enumerate_layouts(req.gpus, req.model.num_experts, layers)
+        ]
     ranked = sorted(
         (r for r in results if r.ok), key=lambda r: (-r.best.tokens_per_s_per_gpu, r.best.memory.total)
     )
