@@ -11,7 +11,13 @@ from ndparallel.plan.adapters.qlora import nf4_shards_problem
 from ndparallel.plan.hardware import GiB, Hardware
 from ndparallel.plan.memory.peak import MemoryBreakdown, estimate_memory, resident_bytes
 from ndparallel.plan.models import ModelSpec
-from ndparallel.plan.pipeline.pipeline_estimate import estimate_pipeline, measured, pipeline_memory, pp_rank
+from ndparallel.plan.pipeline.pipeline_estimate import (
+    each_measured,
+    estimate_pipeline,
+    measured,
+    pipeline_memory,
+    pp_rank,
+)
 from ndparallel.plan.pipeline.schedule_model import measured_ranks
 from ndparallel.plan.pipeline.schedule_model import problem as pipeline_problem
 from ndparallel.plan.search import bounds, choices
@@ -47,12 +53,22 @@ def memory(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware) ->
     return pipeline_memory(model, layout, s, hw, memory_cut(model, layout, s, hw))
 
 
-def memory_cut(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware) -> tuple:
+def memory_cut(
+    model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware, cap: float | None = None
+) -> tuple:
     """The ranks ``estimate`` models with their memory (``pipeline_estimate.measured``; one
-    (0, None, model, s, memory) without PP): ``estimate(known=...)`` reuses them."""
-    if layout.pp > 1:
+    (0, None, model, s, memory) without PP): ``estimate(known=...)`` reuses them. ``cap``: stop
+    after the first rank whose memory exceeds it (the option does not fit: the search's cut)."""
+    if layout.pp == 1:
+        return ((0, None, model, s, estimate_memory(model, layout, s, hw)),)
+    if cap is None:
         return measured(model, layout, s, hw)
-    return ((0, None, model, s, estimate_memory(model, layout, s, hw)),)
+    out = []
+    for rank in each_measured(model, layout, s, hw):
+        out.append(rank)
+        if rank[4].total > cap:
+            break
+    return tuple(out)
 
 
 def _layout_rejections(req: PlanRequest, layout: ParallelDims, base: Settings) -> list[tuple[str, str]]:
@@ -176,8 +192,7 @@ def _bound(
         if best is not None and -bound < best * (1 - bounds.ROUNDING):
             break
         if own is None and best is not None:  # its options' own bounds, then back in line
-            floors = bounds.rank_floors(model, layout, groups[i][0], hw, g)
-            own = [bounds.option_bound(model, layout, s, hw, g, floors) for s in groups[i]]
+            own = _own_bounds(req, layout, groups[i])
             heapq.heappush(heap, (-min(-bound, max(own)), i, own))
             continue
         for s, option in zip(groups[i], own or [0.0] * len(groups[i])):
@@ -193,7 +208,8 @@ def _bound(
             if resident[where] > hw.mem_bytes:
                 unfit.append((resident[where], None))
                 continue
-            known = memory_cut(model, layout, s, hw)
+            # once an option fits, one rank out of memory is enough (the least needed is not asked)
+            known = memory_cut(model, layout, s, hw, None if best is None else hw.mem_bytes)
             mem = pipeline_memory(model, layout, s, hw, known)
             res.memory_checked += 1
             if mem.total > hw.mem_bytes:
@@ -203,6 +219,21 @@ def _bound(
             if e.fits:
                 fitted.add(bounds.option_key(s))
                 best = max(best or 0.0, e.tokens_per_s_per_gpu)
+
+
+def _own_bounds(req: PlanRequest, layout: ParallelDims, group: list[Settings]) -> list[float]:
+    """``bounds.option_bound`` of each option of a group: computed once per data-parallel settings
+    (``bounds.DP_FIELDS``, what it reads of an option besides the group's ``rank_floors``)."""
+    model, hw, g = req.model, req.hardware, req.gpus_per_node
+    floors = bounds.rank_floors(model, layout, group[0], hw, g)
+    seen: dict[tuple, float] = {}
+    out = []
+    for s in group:
+        key = bounds.DP_FIELDS(s)
+        if key not in seen:
+            seen[key] = bounds.option_bound(model, layout, s, hw, g, floors)
+        out.append(seen[key])
+    return out
 
 
 def _ranks(model: ModelSpec, layout: ParallelDims, s: Settings) -> list[tuple[ModelSpec, Settings]]:
