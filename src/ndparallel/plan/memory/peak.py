@@ -202,15 +202,17 @@ def _activation_terms(model: ModelSpec, layout: ParallelDims, s: Settings) -> tu
 
 
 def resident_bytes(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware) -> float:
-    """What every moment of ``estimate_memory`` holds whatever the micro-batch, checkpointing,
+    """What ``estimate_memory``'s peak holds at least whatever the micro-batch, checkpointing,
     offloading, resharding or gradient accumulation: the parameters (less QLoRA's NF4 saving), the
-    optimizer states and the runtime's own memory. A lower bound of its ``total``: the search skips
-    an option whose ``resident_bytes`` exceed the device (``plan/search/bounds.py``)."""
+    optimizer states and the runtime's own memory, held at every moment, and the sharded gradients
+    the end of backward holds (more when accumulated unsharded). A lower bound of its ``total``:
+    the search skips an option whose ``resident_bytes`` exceed the device
+    (``plan/search/bounds.py``)."""
     numels = unit_numels(model, layout.tp, layout.fsdp, layout)
-    params, optimizer, *_ = _states(model, layout, s, numels, fsdp_units(model))
+    params, optimizer, grads, *_ = _states(model, layout, s, numels, fsdp_units(model))
     if s.load_in_4bit:
         params -= memory_adjustments(model, layout, s, numels["layer"][0])["params"]
-    return params + optimizer + hw.runtime_overhead_bytes
+    return params + optimizer + grads + hw.runtime_overhead_bytes
 
 
 def _states(model: ModelSpec, layout: ParallelDims, s: Settings, numels: dict, units: dict) -> tuple:

@@ -10,7 +10,8 @@ them; docs/planner.md, *Search size*).
   accumulation change; the search computes it for a group only when the group's ``step_floor``
   would have it costed next, and skips an option whose own bound is below the best so far.
 * ``resident_bytes`` (``plan/memory/peak.py``): parameters, optimizer states and the runtime's own
-  memory, held at every moment whatever the activations: above the device, the option cannot fit.
+  memory, held at every moment whatever the activations, and the gradients the end of backward
+  holds: above the device, the option cannot fit.
 * ``dominators``: options that are at least as fast — the same without offloading (offloading adds
   copy time and nothing else), and, where FSDP reshards after every backward, the same without
   resharding after forward (fewer all-gathers and copies, the same compute). Where one of them fits,

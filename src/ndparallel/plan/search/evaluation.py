@@ -278,8 +278,8 @@ def _choose(
         cap = req.hardware.mem_bytes / GiB
         if s is None:
             why = (
-                f"out of memory: the parameters and optimizer states alone need {least / GiB:.1f} GiB "
-                f"> {cap:.1f} GiB"
+                "out of memory: the parameters, gradients and optimizer states alone need "
+                f"{least / GiB:.1f} GiB > {cap:.1f} GiB"
             )
         else:
             why = (
