@@ -23,6 +23,12 @@ CASES = {
         4,
         dict(sequence_len=32768, host_mem_bytes=16 * 2**30, global_batch_size=8),
     ),
+    "3B x 8, LoRA": (
+        "llama-3.2-3b",
+        "a100-40gb",
+        8,
+        dict(sequence_len=8192, global_batch_size=32, lora_r=16),
+    ),
     "3B x 8, unsharded accumulation": (
         "llama-3.2-3b",
         "a100-40gb",
