@@ -8,8 +8,10 @@ seconds are what a quiet machine would take; the wall seconds depend on the mach
 beside them (``os.getloadavg``). Then the search's size (options, memory-checked, costed: the
 pruning of ``plan/search/bounds.py``) and its CPU seconds, each in a fresh process, against the
 same request searched as before issue 61 (``NARROW``: checkpointing full or off, no offloading,
-resharding after forward, no tiled MLP): the ratio is measured in one run, on one machine. Writes
-``plan_speed.json`` into ``--out`` (default bench/results).
+resharding after forward, no tiled MLP): the ratio is measured in one run, on one machine. With
+``--against SRC`` (another checkout's ``src``, e.g. main's), that tree's search of the same request,
+in a fresh process, and the ratio to it. Writes ``plan_speed.json`` into ``--out`` (default
+bench/results).
 """
 
 from __future__ import annotations
@@ -73,12 +75,28 @@ def fresh_search(args: str, narrow: bool) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run_once(args: str) -> tuple[float, float]:
-    """(wall, user + sys CPU) seconds of one ``ndparallel plan`` process."""
+def against_search(args: str, src: str) -> dict:
+    """CPU seconds of the search (``plan.search.plan``) of another source tree ``src``, in a fresh
+    process, and its best row's MFU (the same answer, or the ratio compares two questions)."""
+    code = (
+        "import json, time; from ndparallel.plan.cli.from_flags import build_request, run_values; "
+        "from ndparallel.plan.cli.parser import parse; from ndparallel.plan.search.evaluation import plan; "
+        f"p = parse({args!r}.split()); req = build_request(p, run_values(p)); t0 = time.process_time(); "
+        "r = plan(req); cpu = time.process_time() - t0; "
+        "print(json.dumps({'cpu_s': round(cpu, 2), 'best_mfu': round(r.ranked[0].best.mfu, 4)}))"
+    )
+    env = {**os.environ, "PYTHONPATH": src}
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_once(args: str, src: str | None = None) -> tuple[float, float]:
+    """(wall, user + sys CPU) seconds of one ``ndparallel plan`` process (``src``: of that tree)."""
+    env = {**os.environ, "PYTHONPATH": src} if src else None
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "ndparallel", "plan", *args.split()], check=True, capture_output=True
+        [sys.executable, "-m", "ndparallel", "plan", *args.split()], check=True, capture_output=True, env=env
     )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -102,6 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--against", help="another checkout's src directory: its search, same request, same run")
     opts = ap.parse_args()
     rows = []
     print(
@@ -125,6 +144,14 @@ def main() -> None:
         r = rows[-1]
         r["search"], r["search_narrow"] = fresh_search(args, False), fresh_search(args, True)
         r["search_ratio_to_narrow"] = round(r["search"]["cpu_s"] / max(r["search_narrow"]["cpu_s"], 1e-9), 2)
+        if opts.against:
+            r["against"] = {"src": opts.against, **against_search(args, opts.against)}
+            r["search_ratio_to_against"] = round(r["search"]["cpu_s"] / max(r["against"]["cpu_s"], 1e-9), 2)
+            r["against"]["command_cpu_s"] = [
+                round(run_once(args, opts.against)[1], 2) for _ in range(opts.runs)
+            ]
+            a = r["against"]
+            print(f"  against {opts.against}: command CPU s {a['command_cpu_s']}, search {a['cpu_s']} CPU s")
         w, n = r["search"], r["search_narrow"]
         print(
             f"| {name} | {', '.join(map(str, r['cpu_s']))} | {', '.join(map(str, r['wall_s']))} | "
