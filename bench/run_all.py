@@ -137,6 +137,13 @@ BENCHES = (
         slow=True,
     ),
     Bench(
+        "simulate_settings",
+        "simulate_settings.py",
+        "`plan --write-config` rows of each searched setting, `simulate`d, vs the planner",
+        ("--only", "none", "selective"),
+        slow=True,
+    ),
+    Bench(
         "simulate_scale",
         "simulate_scale.py",
         "`simulate` at worlds 64-1024 vs the planner; vs a real 8-rank run",

@@ -171,3 +171,25 @@ def test_todays_spellings_still_work_with_a_note(old, new, capsys):
     }
     use = said.get(name, new[0].split("=")[0])
     assert got.err == f"ndparallel plan: note: {name} is deprecated: use {use} (the training config's key)\n"
+
+
+def test_the_searched_settings_are_shown_and_a_flag_pins_one(capsys):
+    """--json gives each row's chosen settings, the table names them, --explain counts the options
+    it compared, and a flag pins its setting on every row (issue 61)."""
+    from ndparallel.plan.search.request import SEARCHED
+
+    args = ["--base-model", "llama-3.1-8b", "--gpus", "8", "--gpu", "h100-80gb", "--sequence-len", "8192"]
+    assert main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ranked"]
+    assert all(set(r["chosen"]) == set(SEARCHED) for r in rows)
+    assert {r["chosen"]["activation_checkpointing"] for r in rows} == {False, True}
+    assert main([*args, "--ac-policy", "selective", "--activation-checkpointing", "on", "--json"]) == 0
+    pinned = json.loads(capsys.readouterr().out)["ranked"]
+    assert pinned and {
+        (r["chosen"]["ac_policy"], r["chosen"]["activation_checkpointing"]) for r in pinned
+    } == {("selective", True)}
+    assert main([*args, "--top", "3"]) == 0
+    assert "AC, settings" in capsys.readouterr().out
+    assert main([*args, "--explain", "1x8x1x1,micro_batch_size=1"]) == 0
+    out = capsys.readouterr().out
+    assert "Options of this layout (10 compared)" in out and "selective, offloaded" in out

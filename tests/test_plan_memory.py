@@ -282,3 +282,27 @@ def test_the_head_units_reduce_scatter_input_is_held_at_the_last_layer():
     root = tied_numels["root"][0]
     _, tied_b = fsdp_buffers(tied, lay, s, tied_numels)
     assert tied_b == (1 + s.prefetch) * layer * 2 + layer * (2 + 4) + root * (2 + 2)
+
+
+def test_selective_layer_backward_holds_one_plain_set():
+    """At a layer's backward under the selective policy the layer holds its plain saved set once:
+    its kept share (counted with every layer's) and what it recomputes (the rest), never the kept
+    share twice (measured: bench/simulate_settings.py)."""
+    from ndparallel.plan.memory.activations import backward_workspace, selective_saved_per_token
+
+    s = Settings(
+        sequence_len=256,
+        micro_batch_size=2,
+        activation_checkpointing=True,
+        ac_policy="selective",
+        chunked_loss=True,
+    )
+    lay, tokens = ParallelDims(dp_shard=8), 512
+    mem = estimate_memory(TINY, lay, s, H100)
+    plain = layer_activation_bytes_per_token(TINY, lay, s) * tokens
+    kept = selective_saved_per_token(TINY, lay, s) * tokens
+    rope = 2 * tokens * TINY.head_dim * s.act_bytes
+    assert mem.peak_phase == "layer backward"
+    assert mem.activations == pytest.approx(
+        (TINY.layers - 1) * kept + plain + backward_workspace(TINY, lay, s, tokens) + rope
+    )

@@ -219,10 +219,13 @@ def test_unsharded_accumulation_under_pp_reduces_and_gathers_once_per_step():
 
     def option(unsharded, **kw):
         (only,) = evaluate_layout(
-            req.updated(**kw),
+            req.updated(**{"reshard_after_forward": True, **kw}),
             lay,
             micro_batch_size=1,
             activation_checkpointing=True,
+            ac_policy="full",
+            activation_offloading=False,
+            tiled_mlp=False,
             pipeline_schedule="1F1B",
             unsharded_grad_accumulation=unsharded,
         ).options
@@ -328,6 +331,7 @@ META_SETTINGS = dict(
     activation_checkpointing=False,
     pipeline_schedule="Interleaved1F1B",
     unsharded_grad_accumulation=True,
+    tiled_mlp=False,
 )
 """Meta's run as the Llama 3 paper (§3.3.2) describes it: FSDP not resharding after forward (the
 request's ``reshard_after_forward=False``), gradients accumulated in fp32 over the micro-batches
@@ -338,13 +342,12 @@ and reduce-scattered once per step, no activation checkpointing at 8K tokens, in
 def meta_run():
     """Meta's layout under Meta's settings at v = 2 (ndparallel's default) and v = 7 (the deepest
     ndparallel splits 126 layers over 16 ranks; Meta's chunks were one layer each, V = 8), the
-    same layout as ndparallel would choose to run it, and the planner's own search."""
+    same layout with every setting left to the search (no setting flag: issue 61), and the
+    planner's own search of the same request."""
     req = _req("llama-3.1-405b", 8192, sequence_len=8192, global_batch_size=2048, reshard_after_forward=False)
     meta = {v: evaluate_layout(req, META, pipeline_virtual_stages=v, **META_SETTINGS) for v in (2, 7)}
-    runnable = evaluate_layout(
-        req, META, micro_batch_size=1, pipeline_schedule="Interleaved1F1B", pipeline_virtual_stages=7
-    )
-    return meta, runnable, plan(req)
+    free = _req("llama-3.1-405b", 8192, sequence_len=8192, global_batch_size=2048)
+    return meta, evaluate_layout(free, META, skip_unfit=True), plan(free)
 
 
 @pytest.mark.parametrize("v", [2, 7])
@@ -370,28 +373,29 @@ def test_405b_meta_layout_within_15_percent(meta_run, v, capsys):
 
 
 def test_405b_meta_layout_as_ndparallel_would_run_it(meta_run):
-    """What fits ndparallel's runtime on Meta's layout: checkpointing on, gradients reduced once
-    per step (chosen by the search), v = 7 — below Meta's 43 % by the recompute and its TP traffic."""
+    """With no setting flag, Meta's layout fits at >= 36.6 % MFU (43 % less 15 %): the search
+    chooses what Meta's settings need in ndparallel's runtime — selective checkpointing, offloaded,
+    no resharding after forward, gradients reduced once per step, the deepest interleave."""
     _, runnable, _ = meta_run
     e = runnable.best
-    assert e.settings.activation_checkpointing and e.settings.unsharded_grad_accumulation and e.fits
-    assert 0.28 < e.mfu < META_MFU * 0.85, e.mfu
+    assert e.fits and e.mfu >= 0.366, (e.settings, e.mfu)
+    s = e.settings
+    assert (s.recompute, s.activation_offloading, s.reshard_after_forward) == ("selective", True, False)
+    assert s.unsharded_grad_accumulation and s.pipeline_virtual_stages == 7
     first, last = (e.pipeline.ranks[k][1].total for k in ("first", "last"))
     assert first > last and e.pipeline.worst == "first" and e.memory.total == first
     assert e.pipeline.stretch > 1.5  # 126 layers in 112 stages: the first stages hold 2 layers, the rest 1
 
 
-def test_405b_planner_best_is_pipelined(meta_run):
-    """The planner's own best there is a pp layout (no flat layout fits without resharding after
-    forward), at least as fast as Meta's layout run the way ndparallel can, with the gradient
-    reduction it chose written into the config."""
+def test_405b_planner_best_is_at_least_metas_row(meta_run):
+    """The planner's best for the same request is at least that row, its settings written into
+    the config it writes."""
     _, runnable, result = meta_run
     best = result.ranked[0].best
-    assert best.layout.pp > 1 and best.mfu >= runnable.best.mfu
-    assert (
-        train_config(best, result)["fsdp_config"]["unsharded_grad_accumulation"]
-        is best.settings.unsharded_grad_accumulation
-    )
+    assert best.fits and best.mfu >= runnable.best.mfu
+    fsdp = train_config(best, result)["fsdp_config"]
+    assert fsdp["unsharded_grad_accumulation"] is best.settings.unsharded_grad_accumulation
+    assert fsdp["reshard_after_forward"] is best.settings.reshard_after_forward
 
 
 SELECTIVE_OFFLOAD = dict(

@@ -84,9 +84,25 @@ def test_settings_checkpointing_choice():
     res = evaluate_layout(
         _req(gpus=8), ParallelDims(1, 8, 1, 1), micro_batch_size=2, activation_checkpointing=True
     )
-    assert [(o.settings.micro_batch_size, o.settings.activation_checkpointing) for o in res.options] == [
+    assert {(o.settings.micro_batch_size, o.settings.activation_checkpointing) for o in res.options} == {
         (2, True)
-    ]
+    }
+    # the settings checkpointing leaves open are searched: the policy, offloading, resharding
+    searched = {
+        (o.settings.ac_policy, o.settings.activation_offloading, o.settings.reshard_after_forward)
+        for o in res.options
+    }
+    assert searched == {
+        (p, o, r) for p in ("selective", "full") for o in (False, True) for r in (False, True)
+    }
+    # each pinned, one option
+    pins = dict(
+        ac_policy="selective", activation_offloading=True, reshard_after_forward=False, tiled_mlp=False
+    )
+    (only,) = evaluate_layout(
+        _req(gpus=8), ParallelDims(1, 8, 1, 1), micro_batch_size=2, activation_checkpointing=True, **pins
+    ).options
+    assert all(getattr(only.settings, k) == v for k, v in pins.items())
 
 
 def test_parse_layout_forms(capsys):
@@ -266,3 +282,12 @@ def test_settings_but_is_replace_and_cached_hashes_match_equality():
     for obj in (model, hw):
         assert hash(obj) == hash(replace(obj)) and obj == replace(obj)
     assert hash(replace(model, layers=3)) != hash(model)
+
+
+def test_offloading_pinned_on_pins_checkpointing_unless_that_is_pinned_off():
+    from ndparallel.plan.search.choices import checkpointing
+
+    req = _req(gpus=8)
+    assert {ac for ac, _, o in checkpointing(req, None, None, True)} == {True}
+    assert checkpointing(req, False, None, True) == [(False, "full", False)]
+    assert len(checkpointing(req, None, None, None)) == 5  # off; selective, full × offloaded or not

@@ -29,6 +29,7 @@ from ndparallel.plan.adapters.lora_cost import saved_tables
 from ndparallel.plan.cli.flags import FLAGS
 from ndparallel.plan.cli.from_flags import SETTINGS
 from ndparallel.plan.cli.parser import given
+from ndparallel.plan.settings import Settings
 
 RUN_KEYS = (
     "base_model",
@@ -46,6 +47,9 @@ asked for, in the plan's words (``adamw_torch`` for ``adamw_torch_fused``, ``bf1
 ``bf16: auto``): the merge keeps the source's (the adapter's: ``adapter``, ``load_in_4bit`` and
 every ``lora_*`` key of the training config). Every other key is the plan's choice (the layout, the
 batch split and the options that go with the layout) and replaces the source's."""
+PINNED_WHERE_SET = ("ac_policy", "activation_offloading", "reshard_after_forward", "tiled_mlp")
+"""The searched settings a config pins where it departs from the runtime's default (as its
+``activation_checkpointing: true`` pins checkpointing on); at the default the search chooses."""
 
 
 def config_values(path: str, args) -> tuple[dict, str, object]:
@@ -61,6 +65,9 @@ def config_values(path: str, args) -> tuple[dict, str, object]:
         values.pop("cp_comm_strategy")
     if s.activation_checkpointing:  # else the search tries both
         values["activation_checkpointing"] = "on"
+    for key in PINNED_WHERE_SET:  # the config's own choice pins it; the default is searched
+        if getattr(s, key) != getattr(Settings(s.sequence_len), key):
+            values[key] = getattr(s, key)
     if cfg.adapter and getattr(args, "adapter", None) in (None, "lora", "qlora"):
         values.update(adapter="qlora" if cfg.load_in_4bit else "lora", lora_r=s.lora_r)
         if saved_tables(cfg.lora_modules_to_save):

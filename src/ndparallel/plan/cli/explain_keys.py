@@ -41,12 +41,23 @@ def on_off(key: str, text: str) -> bool:
     return text.lower() in ("on", "true", "1")
 
 
+def policy(text: str) -> str:
+    """A pinned ``ac_policy``: full, selective or op."""
+    if text.lower() not in ("full", "selective", "op"):
+        raise ValueError(f"ac_policy={text!r}: use full, selective or op")
+    return text.lower()
+
+
 PINS = {
     "micro_batch_size": lambda key, text: int(text),
     "activation_checkpointing": on_off,
     "pipeline_schedule": lambda key, text: canonical(text),
     "pipeline_virtual_stages": lambda key, text: int(text),
     "unsharded_grad_accumulation": on_off,
+    "ac_policy": lambda key, text: policy(text),
+    "activation_offloading": on_off,
+    "reshard_after_forward": on_off,
+    "tiled_mlp": on_off,
 }
 """The searched settings ``--explain`` pins (``search/request.py``'s ``SEARCHED``), by key, and the
 reader of each value."""

@@ -56,6 +56,10 @@ def build_request(args, values: dict) -> PlanRequest:
         global_batch_size=global_batch,
         micro_batch_size=None if mb.lower() == "auto" else int(mb),
         activation_checkpointing=_switch(values.get("activation_checkpointing", "auto")),
+        ac_policy=values.get("ac_policy"),
+        activation_offloading=values.get("activation_offloading"),
+        reshard_after_forward=values.get("reshard_after_forward"),
+        tiled_mlp=values.get("tiled_mlp"),
         unsharded_grad_accumulation={"on": True, "off": False}.get(
             _switch(values.get("unsharded_grad_accumulation", "auto"))
         ),

@@ -36,6 +36,17 @@ def _ac(e: Estimate) -> str:
     return "on" if e.settings.activation_checkpointing else "off"
 
 
+def _settings(e: Estimate) -> str:
+    """The searched settings of an option beyond its micro-batch and schedule, in the YAML's words:
+    the checkpointing policy (off, selective, full), offloaded, no reshard_after_forward, tiled MLP."""
+    s = e.settings
+    words = ["off" if s.recompute == "none" else s.ac_policy]
+    words += ["offloaded"] if s.activation_offloading and s.activation_checkpointing else []
+    words += ["no reshard"] if not s.reshard_after_forward else []
+    words += ["tiled MLP"] if s.tiled_mlp else []
+    return ", ".join(words)
+
+
 def _schedule(e: Estimate) -> str:
     """A pp layout's pipeline schedule ('—' without pipeline parallel)."""
     if not e.layout.pp_enabled:
@@ -113,14 +124,15 @@ def print_table(result: PlanResult, console: Console, top: int = 10, show_reject
         *(("pp schedule",) if pp else ()),
         "mb",
         "ga",
-        "AC",
+        "AC, settings",
         "mem GiB",
         "step s",
         "tok/s/GPU",
         "MFU",
         "bottleneck",
     ):
-        table.add_column(col, justify="left" if col in ("strategy", "pp schedule", "bottleneck") else "right")
+        left = ("strategy", "pp schedule", "AC, settings", "bottleneck")
+        table.add_column(col, justify="left" if col in left else "right")
     for i, r in enumerate(rows, 1):
         e = r.best
         sched = (_schedule(e),) if pp else ()
@@ -131,7 +143,7 @@ def print_table(result: PlanResult, console: Console, top: int = 10, show_reject
             *sched,
             str(e.settings.micro_batch_size),
             str(e.settings.gradient_accumulation_steps),
-            _ac(e),
+            _settings(e),
             _gib(e.memory.total),
             f"{e.time.step:.2f}",
             f"{e.tokens_per_s_per_gpu:,.0f}",
@@ -234,6 +246,7 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
             f"{_strategy(e)} — {where}; best option micro_batch_size="
             f"{e.settings.micro_batch_size}, gradient_accumulation_steps="
             f"{e.settings.gradient_accumulation_steps}, activation_checkpointing {_ac(e)}"
+            + (f" ({_settings(e)})" if e.settings.activation_checkpointing else f", {_settings(e)}")
         )
     if e.pipeline is not None:
         host_only = [code for code, _ in res.rejections] == ["host_oom"]
@@ -328,16 +341,17 @@ def _print_collectives(e: Estimate, result: PlanResult, console: Console) -> Non
 
 
 def _print_options(res: LayoutResult, console: Console) -> None:
-    """Every option (micro-batch, accumulation, checkpointing) of the layout."""
+    """Every option the search compared for the layout (micro-batch, accumulation, checkpointing
+    policy, offloading, resharding, tiling, schedule)."""
     if len(res.options) <= 1:
         return
     lay = res.layout
-    opt = Table(title="Options of this layout")
+    opt = Table(title=f"Options of this layout ({len(res.options)} compared)")
     pp = lay.pp_enabled
     for c in (
         "mb",
         "ga",
-        "AC",
+        "AC, settings",
         *(("pp schedule",) if pp else ()),
         "mem GiB",
         "fits",
@@ -349,7 +363,7 @@ def _print_options(res: LayoutResult, console: Console) -> None:
         opt.add_row(
             str(o.settings.micro_batch_size),
             str(o.settings.gradient_accumulation_steps),
-            _ac(o),
+            _settings(o),
             *((_schedule(o),) if pp else ()),
             _gib(o.memory.total),
             "yes" if o.fits else "no",

@@ -130,6 +130,10 @@ def saved_activations(model: ModelSpec, layout: ParallelDims, s: Settings, token
     e = s.act_bytes
     plain_layer = layer_activation_bytes_per_token(model, layout, s) * tokens
     per_layer = plain_layer - tiled_saved_reduction_per_token(model, layout, s) * tokens
+    if s.recompute == "selective":
+        # the layer in backward recomputes the rest of its plain set: its kept set is counted below
+        # (offloaded: its residue there, the rest back on the device in the workspace)
+        per_layer -= tokens * selective_saved_per_token(model, layout, s)
     if s.recompute == "selective" and offloading(s):  # the residue stays on the device
         saved = model.layers * tokens * offload_split_per_token(model, layout, s)[0]
     elif s.recompute == "selective":

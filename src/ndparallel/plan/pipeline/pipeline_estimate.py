@@ -9,6 +9,7 @@ activations: the larger rank's)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from functools import lru_cache
 
@@ -85,11 +86,17 @@ MeasuredRank = tuple[int, RankShape, ModelSpec, Settings, MemoryBreakdown]
 def measured(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware) -> tuple[MeasuredRank, ...]:
     """The pp ranks ``estimate_pipeline`` models, each with its memory: computed once by the
     search's memory cut and handed on to ``estimate_pipeline`` when the option fits."""
-    out = []
+    return tuple(each_measured(model, layout, s, hw))
+
+
+def each_measured(
+    model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware
+) -> Iterator[MeasuredRank]:
+    """``measured``'s ranks one at a time, the first pp rank (the most in flight) first: the search
+    stops at one that does not fit."""
     for rank in measured_ranks(layout.pp, s.pipeline_schedule):
         shape, part, rs = pp_rank(model, layout, s, rank)
-        out.append((rank, shape, part, rs, estimate_memory(part, layout, rs, hw)))
-    return tuple(out)
+        yield rank, shape, part, rs, estimate_memory(part, layout, rs, hw)
 
 
 def pipeline_memory(

@@ -105,6 +105,7 @@ def _stage_plan(model: ModelSpec, p: int, v: int, schedule: str) -> StagePlan:
 
 
 @lru_cache(maxsize=1024)
+@lru_cache(maxsize=4096)
 def rank_shape(model: ModelSpec, p: int, v: int, schedule: str, rank: int) -> RankShape:
     """What pp rank ``rank`` runs under the runtime's split (``StagePlan.stages_of``)."""
     plan = _stage_plan(model, p, v, schedule)

@@ -60,14 +60,54 @@ def schedules(
     return options
 
 
-def checkpointing(req: PlanRequest, base: Settings, pinned: bool | None) -> list[bool]:
-    """``activation_checkpointing``: the pinned value; on with offloading (it moves what
-    checkpointing keeps); else the request's auto (both), on or off."""
-    if pinned is not None:
-        return [pinned]
-    if base.activation_offloading:
-        return [True]
-    return {"auto": [False, True], "on": [True], "off": [False]}[req.activation_checkpointing]
+POLICIES = ("selective", "full")
+"""The checkpointing policies ``auto`` tries, the faster first ('op', torchtitan's, only pinned: the
+runtime does not run it)."""
+
+
+def checkpointing(
+    req: PlanRequest, checkpointed: bool | None, policy: str | None, offloaded: bool | None
+) -> list[tuple[bool, str, bool]]:
+    """(``activation_checkpointing``, ``ac_policy``, ``activation_offloading``) of a layout, the
+    least recompute first, each policy without offloading before with it (``evaluation.py`` tries an
+    offloaded option only where the same one kept on the device does not fit: it adds copies, never
+    time saved). Pinned (the arguments), else the request's, else: checkpointing off and on, the
+    ``POLICIES``, offloading off and on. Offloading moves what checkpointing keeps: pinned on, it
+    pins checkpointing on unless that is pinned off (then nothing is offloaded)."""
+    offloads = [offloaded] if offloaded is not None else _or_both(req.activation_offloading)
+    ck = [checkpointed] if checkpointed is not None else _on_off(req.activation_checkpointing)
+    policies = [policy] if policy else [req.ac_policy] if req.ac_policy else list(POLICIES)
+    if offloads == [True] and True in ck:  # offloading pinned on: checkpointing on
+        ck = [True]
+    out = [(False, "full", False)] if False in ck else []
+    return out + ([(True, p, o) for p in policies for o in offloads] if True in ck else [])
+
+
+def reshards(req: PlanRequest, layout: ParallelDims, base: Settings, pinned: bool | None) -> list[bool]:
+    """``reshard_after_forward``: pinned, else the request's, else keep the gathered parameters
+    (False) and reshard (True) where FSDP gathers them (a sharded or replicated layout, or a cast to
+    the compute dtype); elsewhere the runtime's default, True, which then changes nothing."""
+    if pinned is not None or req.reshard_after_forward is not None:
+        return [req.reshard_after_forward if pinned is None else pinned]
+    gathers = layout.dp_replicate * layout.fsdp > 1 or base.mixed_precision != "fp32"
+    return [False, True] if gathers else [True]
+
+
+def tiling(req: PlanRequest, pinned: bool | None) -> list[bool]:
+    """``tiled_mlp``: pinned, else the request's, else untiled then tiled — tried in that order, the
+    tiled MLP only for a layout where no untiled option fits (it is what makes that sequence fit:
+    one more MLP forward per layer)."""
+    if pinned is not None or req.tiled_mlp is not None:
+        return [req.tiled_mlp if pinned is None else pinned]
+    return [False, True]
+
+
+def _on_off(value: str) -> list[bool]:
+    return {"auto": [False, True], "on": [True], "off": [False]}[value]
+
+
+def _or_both(value: bool | None) -> list[bool]:
+    return [False, True] if value is None else [value]
 
 
 def grad_syncs(req: PlanRequest, layout: ParallelDims, pinned: bool | None) -> list[bool]:

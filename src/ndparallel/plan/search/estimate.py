@@ -107,26 +107,14 @@ def rank_step(
     extras = step_extras(model, layout, s, hw, local, shard, trained)
     per_dim: dict[str, float] = {}
     intra: dict[str, bool] = {}
-    gather = reduce = tp = cp = cp_serial = ep = 0.0
+    sums = dict.fromkeys(EXPOSURES, 0.0)
     costs = links.cost_table(layout, hw, gpus_per_node)
     for c in colls:
         sec, is_intra = costs[c]
         per_dim[c.mesh_dim] = per_dim.get(c.mesh_dim, 0.0) + sec
         intra[c.mesh_dim] = is_intra
-        if c.overlap == "compute" and c.kind == "all_gather":
-            gather += sec
-        elif c.overlap == "compute":
-            reduce += sec
-        elif c.overlap == "attention":
-            cp += sec
-        elif c.mesh_dim == "cp":  # CP all-to-all (Ulysses): before/after attention, not hidden
-            cp_serial += sec
-        elif c.mesh_dim == "ep":  # the experts wait for their tokens: not hidden
-            ep += sec
-        else:
-            tp += sec
-    # CP ring hides behind the attention of each step; TP and the CP all-to-all are on the
-    # critical path.
+        sums[exposure(c)] += sec
+    gather, reduce, cp, cp_serial, ep, tp = sums.values()
     cp_exposed = (max(0.0, cp / ga - t_attn) + cp_serial / ga) if ga else 0.0
     n_units = sum(count for count, _ in fsdp_units(model).values()) / (
         s.pipeline_virtual_stages if layout.pp > 1 else 1
@@ -152,6 +140,32 @@ def rank_step(
         ep,
     )
     return mem, colls, timeb
+
+
+EXPOSURES = ("gather", "reduce", "cp", "cp_serial", "ep", "tp")
+"""How a collective's seconds reach the step (``exposure``)."""
+
+
+def exposure(c) -> str:
+    """Of ``EXPOSURES``: FSDP's all-gathers and gradient reductions (hidden behind compute as far as
+    it goes: ``fsdp_exposed``), the CP ring (behind attention), Ulysses' all-to-all (before and
+    after attention, not hidden), the experts' all-to-alls (the experts wait for their tokens), and
+    the rest, TP's, on the critical path."""
+    if c.overlap == "compute":
+        return "gather" if c.kind == "all_gather" else "reduce"
+    if c.overlap == "attention":
+        return "cp"
+    if c.mesh_dim == "cp":
+        return "cp_serial"
+    return "ep" if c.mesh_dim == "ep" else "tp"
+
+
+def exposed_tp_seconds(
+    model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware, gpus_per_node: int
+) -> float:
+    """``rank_step``'s ``tp``: the seconds of the collectives no compute hides (TP's)."""
+    costs = links.cost_table(layout, hw, gpus_per_node)
+    return sum(costs[c][0] for c in comms.collectives_for(model, layout, s) if exposure(c) == "tp")
 
 
 def fsdp_exposed(gather: float, reduce: float, n_units: float, s: Settings, t_mb: float) -> float:

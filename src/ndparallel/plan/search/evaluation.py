@@ -3,19 +3,29 @@ layouts: ``evaluate_layout`` and ``plan``."""
 
 from __future__ import annotations
 
+import heapq
+
 from ndparallel.layout.dims import ParallelDims
 from ndparallel.parallel.layout_refusals import qat_layout_problem, saved_modules_problem
 from ndparallel.plan.adapters.qlora import nf4_shards_problem
 from ndparallel.plan.hardware import GiB, Hardware
-from ndparallel.plan.memory.peak import MemoryBreakdown, estimate_memory
+from ndparallel.plan.memory.peak import MemoryBreakdown, estimate_memory, resident_bytes
 from ndparallel.plan.models import ModelSpec
-from ndparallel.plan.pipeline.pipeline_estimate import estimate_pipeline, measured, pipeline_memory
+from ndparallel.plan.pipeline.pipeline_estimate import (
+    each_measured,
+    estimate_pipeline,
+    measured,
+    pipeline_memory,
+    pp_rank,
+)
+from ndparallel.plan.pipeline.schedule_model import measured_ranks
 from ndparallel.plan.pipeline.schedule_model import problem as pipeline_problem
-from ndparallel.plan.search import choices
+from ndparallel.plan.search import bounds, choices
 from ndparallel.plan.search.estimate import Estimate, finish, rank_step
 from ndparallel.plan.search.layouts import enumerate_layouts, structural_rejections
-from ndparallel.plan.search.request import LayoutResult, PlanRequest, PlanResult, base_settings
+from ndparallel.plan.search.request import SEARCHED, LayoutResult, PlanRequest, PlanResult, base_settings
 from ndparallel.plan.settings import Settings
+from ndparallel.runtime.startup import paused_collector
 from ndparallel.techniques.host_budget import HOST_BUDGET_FRACTION
 
 
@@ -43,12 +53,22 @@ def memory(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware) ->
     return pipeline_memory(model, layout, s, hw, memory_cut(model, layout, s, hw))
 
 
-def memory_cut(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware) -> tuple:
+def memory_cut(
+    model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware, cap: float | None = None
+) -> tuple:
     """The ranks ``estimate`` models with their memory (``pipeline_estimate.measured``; one
-    (0, None, model, s, memory) without PP): ``estimate(known=...)`` reuses them."""
-    if layout.pp > 1:
+    (0, None, model, s, memory) without PP): ``estimate(known=...)`` reuses them. ``cap``: stop
+    after the first rank whose memory exceeds it (the option does not fit: the search's cut)."""
+    if layout.pp == 1:
+        return ((0, None, model, s, estimate_memory(model, layout, s, hw)),)
+    if cap is None:
         return measured(model, layout, s, hw)
-    return ((0, None, model, s, estimate_memory(model, layout, s, hw)),)
+    out = []
+    for rank in each_measured(model, layout, s, hw):
+        out.append(rank)
+        if rank[4].total > cap:
+            break
+    return tuple(out)
 
 
 def _layout_rejections(req: PlanRequest, layout: ParallelDims, base: Settings) -> list[tuple[str, str]]:
@@ -65,62 +85,176 @@ def _layout_rejections(req: PlanRequest, layout: ParallelDims, base: Settings) -
 
 
 def evaluate_layout(
-    req: PlanRequest,
-    layout: ParallelDims,
-    micro_batch_size: int | None = None,
-    activation_checkpointing: bool | None = None,
-    pipeline_schedule: str | None = None,
-    pipeline_virtual_stages: int | None = None,
-    unsharded_grad_accumulation: bool | None = None,
-    skip_unfit: bool = False,
-    base: Settings | None = None,
+    req: PlanRequest, layout: ParallelDims, skip_unfit: bool = False, base: Settings | None = None, **pins
 ) -> LayoutResult:
     """All options of one layout (each searched setting's candidates: ``choices.py``); the best that
-    fits is ``best``. A searched setting given by name (as ``--explain``'s keys give them:
-    ``plan/cli/explain_keys.py``) pins it for this layout.
+    fits is ``best``. A searched setting given by name (``request.SEARCHED``, as ``--explain``'s keys
+    give them: ``plan/cli/explain_keys.py``) pins it for this layout. The tiled MLP (unless pinned)
+    is tried only where no untiled option fits.
 
-    ``skip_unfit`` (the search's): an option whose memory does not fit the device is not costed
-    further and not kept in ``options`` (the same ``best`` and rejection, about 2× faster where
-    most options do not fit; ``--explain`` evaluates its layout without it, every option shown).
+    ``skip_unfit`` (the search's): only what can still be the best is costed (``bounds.py``: options
+    in the order of their bound on tokens/s, none whose bound is below the best so far, none whose
+    resident states exceed the device, none a faster option that fits dominates) and ``options``
+    keeps the costed ones that fit; the same ``best`` and rejection as without it. ``--explain``
+    evaluates its layout without it: every option costed and shown.
     ``base``: ``base_settings(req)``, when the caller has it (the search: once per request)."""
+    unknown = set(pins) - set(SEARCHED)
+    if unknown:
+        raise TypeError(f"evaluate_layout: {sorted(unknown)} are no searched setting ({', '.join(SEARCHED)})")
     res = LayoutResult(layout)
     base = base or base_settings(req)
     res.rejections = _layout_rejections(req, layout, base)
     if res.rejections:
         return res
-    acs = choices.checkpointing(req, base, activation_checkpointing)
     reasons: dict[str, list[str]] = {"global_batch": [], "pp_microbatches": []}
-    unfit: list[tuple[MemoryBreakdown, Settings]] = []
-    for mb in choices.micro_batch_sizes(req, micro_batch_size):
+    unfit: list[tuple[float, Settings | None]] = []
+    for tiled in choices.tiling(req, pins.get("tiled_mlp")):
+        groups = _option_groups(req, layout, base.but(tiled_mlp=tiled), pins, reasons)
+        res.searched += sum(len(g) for g in groups)
+        if skip_unfit:
+            _bound(req, layout, groups, res, unfit)
+        else:
+            for s in (s for g in groups for s in g):
+                _cost(req, layout, s, (), res)
+        if any(o.fits for o in res.options):
+            break
+    _choose(req, layout, res, reasons, unfit)
+    return res
+
+
+def _option_groups(
+    req: PlanRequest, layout: ParallelDims, base: Settings, pins: dict, reasons: dict
+) -> list[list[Settings]]:
+    """Every option of ``layout`` (the product of the searched settings' candidates), grouped by what
+    its compute reads (micro-batch, schedule, checkpointing policy: ``bounds.step_floor``'s), each
+    group's options varying only what its communication and memory read (gradient reduction,
+    resharding, offloading), each after those that dominate it (``bounds.dominators``); ``reasons``:
+    why a micro-batch or schedule cannot run."""
+    out = []
+    ckpt = choices.checkpointing(
+        req, pins.get("activation_checkpointing"), pins.get("ac_policy"), pins.get("activation_offloading")
+    )
+    keeps = choices.reshards(req, layout, base, pins.get("reshard_after_forward"))
+    syncs = choices.grad_syncs(req, layout, pins.get("unsharded_grad_accumulation"))
+    for mb in choices.micro_batch_sizes(req, pins.get("micro_batch_size")):
         ga, why = choices.gradient_accumulation_steps(req, layout, mb)
         if ga is None:
             reasons["global_batch"].append(why)
             continue
-        for name, v in choices.schedules(req, layout, pipeline_schedule, pipeline_virtual_stages):
+        pinned = pins.get("pipeline_schedule"), pins.get("pipeline_virtual_stages")
+        for name, v in choices.schedules(req, layout, *pinned):
             why = pipeline_problem(name, layout.pp, v, req.model.layers, ga) if layout.pp > 1 else None
             if why:
                 reasons["pp_microbatches"].append(f"micro_batch_size={mb}: {why}")
                 continue
-            for ac in acs:
-                for uga in choices.grad_syncs(req, layout, unsharded_grad_accumulation):
-                    s = base.but(
-                        micro_batch_size=mb,
-                        gradient_accumulation_steps=ga,
-                        activation_checkpointing=ac,
-                        pipeline_schedule=name,
-                        pipeline_virtual_stages=v,
-                        unsharded_grad_accumulation=uga,
-                    )
-                    known = memory_cut(req.model, layout, s, req.hardware) if skip_unfit else ()
-                    mem = known and pipeline_memory(req.model, layout, s, req.hardware, known)
-                    if mem and mem.total > req.hardware.mem_bytes:
-                        unfit.append((mem, s))
-                        continue
-                    res.options.append(
-                        estimate(req.model, layout, s, req.hardware, req.gpus_per_node, known=known)
-                    )
-    _choose(req, layout, res, reasons, unfit)
-    return res
+            step = base.but(
+                micro_batch_size=mb,
+                gradient_accumulation_steps=ga,
+                pipeline_schedule=name,
+                pipeline_virtual_stages=v,
+            )
+            for policy in dict.fromkeys((ac, policy) for ac, policy, _ in ckpt):
+                offloads = [o for ac, p, o in ckpt if (ac, p) == policy]
+                compute = step.but(activation_checkpointing=policy[0], ac_policy=policy[1])
+                out.append(
+                    [
+                        compute.but(
+                            unsharded_grad_accumulation=uga,
+                            reshard_after_forward=raf,
+                            activation_offloading=o,
+                        )
+                        for uga in syncs
+                        for raf in keeps
+                        for o in offloads
+                    ]
+                )
+    return out
+
+
+def _bound(
+    req: PlanRequest, layout: ParallelDims, groups: list[list[Settings]], res: LayoutResult, unfit: list
+) -> None:
+    """Cost what can still be the best of the options (``bounds.py``), the group of the highest bound
+    on tokens/s first: each group ordered by its ``tokens_per_s_bound``, then, when it comes first,
+    by the highest ``option_bound`` of its options (computed only then); an option whose own bound
+    is below the best so far is not tried. The options not costed for memory go to ``unfit`` with
+    the bytes they need at least."""
+    model, hw, g = req.model, req.hardware, req.gpus_per_node
+    heap = [
+        (-bounds.tokens_per_s_bound(model, layout, grp[0], hw, g), i, None) for i, grp in enumerate(groups)
+    ]
+    heapq.heapify(heap)
+    resident: dict[tuple, float] = {}
+    fitted = {bounds.option_key(o.settings) for o in res.options if o.fits}
+    best = max((o.tokens_per_s_per_gpu for o in res.options if o.fits), default=None)
+    while heap:
+        bound, i, own = heapq.heappop(heap)
+        if best is not None and -bound < best * (1 - bounds.ROUNDING):
+            break
+        if own is None and best is not None:  # its options' own bounds, then back in line
+            own = _own_bounds(req, layout, groups[i])
+            heapq.heappush(heap, (-min(-bound, max(own)), i, own))
+            continue
+        for s, option in zip(groups[i], own or [0.0] * len(groups[i])):
+            if own and option < best * (1 - bounds.ROUNDING):
+                continue
+            if any(d in fitted for d in bounds.dominators(layout, s)):
+                continue
+            where = (s.pipeline_schedule, s.pipeline_virtual_stages)
+            if where not in resident:
+                resident[where] = max(
+                    resident_bytes(part, layout, rs, hw) for part, rs in _ranks(model, layout, s)
+                )
+            if resident[where] > hw.mem_bytes:
+                unfit.append((resident[where], None))
+                continue
+            # once an option fits, one rank out of memory is enough (the least needed is not asked)
+            known = memory_cut(model, layout, s, hw, None if best is None else hw.mem_bytes)
+            mem = pipeline_memory(model, layout, s, hw, known)
+            res.memory_checked += 1
+            if mem.total > hw.mem_bytes:
+                unfit.append((mem.total, s))
+                continue
+            e = _cost(req, layout, s, known, res)
+            if e.fits:
+                fitted.add(bounds.option_key(s))
+                best = max(best or 0.0, e.tokens_per_s_per_gpu)
+
+
+def _own_bounds(req: PlanRequest, layout: ParallelDims, group: list[Settings]) -> list[float]:
+    """``bounds.option_bound`` of each option of a group: computed once per data-parallel settings
+    (``bounds.DP_FIELDS``, what it reads of an option besides the group's ``rank_floors``)."""
+    model, hw, g = req.model, req.hardware, req.gpus_per_node
+    floors = bounds.rank_floors(model, layout, group[0], hw, g)
+    seen: dict[tuple, float] = {}
+    out = []
+    for s in group:
+        key = bounds.DP_FIELDS(s)
+        if key not in seen:
+            seen[key] = bounds.option_bound(model, layout, s, hw, g, floors)
+        out.append(seen[key])
+    return out
+
+
+def _ranks(model: ModelSpec, layout: ParallelDims, s: Settings) -> list[tuple[ModelSpec, Settings]]:
+    """(part of the model, settings) of each rank ``estimate`` models."""
+    if layout.pp == 1:
+        return [(model, s)]
+    return [pp_rank(model, layout, s, rank)[1:] for rank in measured_ranks(layout.pp, s.pipeline_schedule)]
+
+
+def _cost(req: PlanRequest, layout: ParallelDims, s: Settings, known: tuple, res: LayoutResult) -> Estimate:
+    """The option's estimate, kept in ``res.options``; not fitting where its offloaded activations
+    exceed the node's host budget (``host_problem``)."""
+    e = estimate(req.model, layout, s, req.hardware, req.gpus_per_node, known=known)
+    res.costed += 1
+    if e.fits:
+        why = host_problem(req, layout, e)
+        if why:
+            e.fits = False
+            res.host_problems.append(why)
+    res.options.append(e)
+    return e
 
 
 def _choose(
@@ -128,53 +262,71 @@ def _choose(
     layout: ParallelDims,
     res: LayoutResult,
     reasons: dict[str, list[str]],
-    unfit: list[tuple[MemoryBreakdown, Settings]],
+    unfit: list[tuple[float, Settings | None]],
 ) -> None:
-    """``res.best``: the fastest option that fits; else the one rejection that explains why none
-    (``unfit``: the (memory, settings) of options not costed further, none of which fits)."""
-    host_problem = _check_host(req, layout, res.options)
+    """``res.best``: the fastest option that fits (the less memory of two as fast); else the one
+    rejection that explains why none (``unfit``: (bytes needed at least, settings or None where only
+    the resident states were counted) of options not costed further, none of which fits)."""
     fitting = [o for o in res.options if o.fits]
     if fitting:
-        res.best = max(fitting, key=lambda o: (o.tokens_per_s_per_gpu, -o.memory.total))
-    elif host_problem:
-        res.rejections = [("host_oom", host_problem)]
+        res.best = max(fitting, key=preference)
+    elif res.host_problems:  # some fit the device, and not the node's host memory
+        res.rejections = [("host_oom", res.host_problems[-1])]
     elif res.options or unfit:
-        least_mem, s = min([(o.memory, o.settings) for o in res.options] + unfit, key=lambda o: o[0].total)
-        res.rejections = [
-            (
-                "oom",
-                (
-                    f"out of memory: needs {least_mem.total / GiB:.1f} GiB > "
-                    f"{req.hardware.mem_bytes / GiB:.1f} GiB even with micro_batch_size="
-                    f"{s.micro_batch_size}, activation_checkpointing "
-                    f"{'on' if s.activation_checkpointing else 'off'}"
-                    + (f", {s.pipeline_schedule}" if layout.pp > 1 else "")
-                ),
+        needs = [(o.memory.total, o.settings) for o in res.options] + unfit
+        least, s = min(needs, key=lambda x: (x[0], x[1] is None))
+        cap = req.hardware.mem_bytes / GiB
+        if s is None:
+            why = (
+                "out of memory: the parameters, gradients and optimizer states alone need "
+                f"{least / GiB:.1f} GiB > {cap:.1f} GiB"
             )
-        ]
+        else:
+            why = (
+                f"out of memory: needs {least / GiB:.1f} GiB > {cap:.1f} GiB even with "
+                f"micro_batch_size={s.micro_batch_size}, {describe_settings(s, layout)}"
+            )
+        res.rejections = [("oom", why)]
     else:
         code = "pp_microbatches" if reasons["pp_microbatches"] else "global_batch"
         res.rejections = [(code, reasons[code][0])]
 
 
-def _check_host(req: PlanRequest, layout: ParallelDims, options: list[Estimate]) -> str | None:
-    """Mark options whose offloaded activations exceed the node's host budget as not fitting;
-    the reason when that is what rules out every option that fits the GPU."""
+def preference(e: Estimate) -> tuple:
+    """How ``_choose`` orders the options that fit: the fastest; of two as fast, the one that keeps
+    its activations on the device, then the one that keeps its parameters gathered after forward
+    (the modelled time of both is equal only where the model hides their copies or gathers, what it
+    is least sure of), then the less memory. ``bounds.dominators`` relies on that order: a dominating
+    option is preferred on a tie."""
+    s = e.settings
+    return (e.tokens_per_s_per_gpu, not s.activation_offloading, not s.reshard_after_forward, -e.memory.total)
+
+
+def describe_settings(s: Settings, layout: ParallelDims) -> str:
+    """The searched settings of an option in words: checkpointing and its policy, offloading,
+    resharding, tiling, and its pipeline schedule."""
+    words = ["activation_checkpointing " + ("off" if s.recompute == "none" else f"on ({s.ac_policy})")]
+    words += ["activation_offloading"] if s.activation_offloading and s.activation_checkpointing else []
+    words += ["reshard_after_forward off"] if not s.reshard_after_forward else []
+    words += ["tiled_mlp"] if s.tiled_mlp else []
+    words += [s.pipeline_schedule] if layout.pp > 1 else []
+    return ", ".join(words)
+
+
+def host_problem(req: PlanRequest, layout: ParallelDims, e: Estimate) -> str | None:
+    """Why an option's offloaded activations do not fit the node's host budget, or None."""
     if req.host_mem_bytes is None:
         return None
     per_node = min(req.gpus_per_node, layout.world)
     budget = HOST_BUDGET_FRACTION * req.host_mem_bytes
-    reason = None
-    for o in options:
-        need = o.memory.host_offload * per_node
-        if o.fits and need > budget:
-            o.fits = False
-            reason = (
-                f"offloaded activations need {need / GiB:.0f} GiB of host memory per node "
-                f"({per_node} GPUs × {o.memory.host_offload / GiB:.1f}) > {HOST_BUDGET_FRACTION:.0%} "
-                f"of --host-mem {req.host_mem_bytes / GiB:.0f} GiB"
-            )
-    return reason if reason and not any(o.fits for o in options) else None
+    need = e.memory.host_offload * per_node
+    if need <= budget:
+        return None
+    return (
+        f"offloaded activations need {need / GiB:.0f} GiB of host memory per node "
+        f"({per_node} GPUs × {e.memory.host_offload / GiB:.1f}) > {HOST_BUDGET_FRACTION:.0%} "
+        f"of --host-mem {req.host_mem_bytes / GiB:.0f} GiB"
+    )
 
 
 def plan(req: PlanRequest) -> PlanResult:
@@ -183,10 +335,11 @@ def plan(req: PlanRequest) -> PlanResult:
         raise ValueError("--gpus must be >= 1")
     layers = req.model.layers if req.pipeline_parallel else 0
     base = base_settings(req)
-    results = [
-        evaluate_layout(req, lay, skip_unfit=True, base=base)
-        for lay in enumerate_layouts(req.gpus, req.model.num_experts, layers)
-    ]
+    with paused_collector():  # ~10^6 short-lived acyclic objects: the collector only walks them
+        results = [
+            evaluate_layout(req, lay, skip_unfit=True, base=base)
+            for lay in enumerate_layouts(req.gpus, req.model.num_experts, layers)
+        ]
     ranked = sorted(
         (r for r in results if r.ok), key=lambda r: (-r.best.tokens_per_s_per_gpu, r.best.memory.total)
     )

@@ -59,7 +59,7 @@ def _quantum(layout: ParallelDims) -> int:
 def _try(req: PlanRequest, layout: ParallelDims, seq: int):
     """(best estimate or None, rejection code or None) at ``seq`` tokens, micro-batch 1."""
     r = req.updated(sequence_len=seq, micro_batch_size=1, global_batch_size=layout.dp)
-    res = evaluate_layout(r, layout)
+    res = evaluate_layout(r, layout, skip_unfit=True)  # the best only: pruned (search/bounds.py)
     return res.best, (res.rejections[0] if res.rejections else None)
 
 
@@ -160,14 +160,18 @@ def _row_cells(r: Longest, per_node: int) -> list[str]:
     ]
 
 
+def _switch(value: bool | None) -> str:
+    """A searched switch of the request: auto (the search chooses), on or off."""
+    return "auto" if value is None else "on" if value else "off"
+
+
 def print_longest(
     req: PlanRequest, rows: list[Longest], summary: dict | None, console: Console, top: int = 10
 ) -> None:
     console.print(
         f"{req.model.name} on {req.gpus} × {req.hardware.name} ({req.hardware.mem_bytes / GiB:.0f} "
         f"GiB): longest sequence per layout, micro-batch 1, one sequence per dp rank; tiled MLP "
-        f"{'on' if req.settings.tiled_mlp else 'off'}, activation offloading "
-        f"{'on' if req.settings.activation_offloading else 'off'}"
+        f"{_switch(req.tiled_mlp)}, activation offloading {_switch(req.activation_offloading)}"
         + ("" if req.host_mem_bytes else " (host memory not checked: --host-mem)")
     )
     cols = ("layout", "strategy", "max seq", "AC", "mem GiB", "host GiB/node", "tok/s/GPU", "MFU")

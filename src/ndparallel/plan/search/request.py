@@ -17,6 +17,10 @@ DEFAULT_SETTINGS = Settings(sequence_len=4096, chunked_loss=True)
 SEARCHED = (
     "micro_batch_size",
     "activation_checkpointing",
+    "ac_policy",
+    "activation_offloading",
+    "reshard_after_forward",
+    "tiled_mlp",
     "unsharded_grad_accumulation",
     "pipeline_schedule",
     "pipeline_virtual_stages",
@@ -45,6 +49,15 @@ class PlanRequest:
     """None: try ``choices.AUTO_MICRO_BATCHES``."""
     activation_checkpointing: str = "auto"
     """'auto' (try both), 'on' or 'off'."""
+    ac_policy: str | None = None
+    """The checkpointing policy where checkpointing is on: 'full', 'selective' or 'op' (torchtitan's,
+    for comparisons); None (auto): selective and full."""
+    activation_offloading: bool | None = None
+    """None (auto): tried where checkpointing alone does not fit; True / False: that."""
+    reshard_after_forward: bool | None = None
+    """None (auto): both where FSDP gathers parameters; True / False: that."""
+    tiled_mlp: bool | None = None
+    """None (auto): tried for a layout where nothing untiled fits; True / False: that."""
     unsharded_grad_accumulation: bool | None = None
     """FSDP gradients accumulated unsharded, reduced once per step. None (auto): pp layouts try both
     (one reduction per step by each stage's FSDP root, or one per micro-batch: the runtime's
@@ -87,6 +100,14 @@ class LayoutResult:
     best: Estimate | None = None
     options: list[Estimate] = field(default_factory=list)
     rejections: list[tuple[str, str]] = field(default_factory=list)
+    searched: int = 0
+    """Options of the layout (the product of the searched settings' candidates)."""
+    memory_checked: int = 0
+    """Of those, the ones whose peak memory the search estimated (``search/bounds.py``)."""
+    costed: int = 0
+    """And the ones whose step it costed."""
+    host_problems: list[str] = field(default_factory=list)
+    """Why options that fit the device did not fit the node's host memory (``--host-mem``)."""
 
     @property
     def ok(self) -> bool:
@@ -97,6 +118,7 @@ class LayoutResult:
             "layout": asdict(self.layout),
             "ok": self.ok,
             "best": self.best.to_dict() if self.best else None,
+            "chosen": {k: getattr(self.best.settings, k) for k in SEARCHED} if self.best else None,
             "rejections": [{"code": c, "reason": r} for c, r in self.rejections],
         }
 

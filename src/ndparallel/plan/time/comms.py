@@ -115,7 +115,7 @@ def predict_collectives(
 def collectives_for(model: ModelSpec, layout: ParallelDims, s: Settings) -> list[Collective]:
     out: list[Collective] = []
     ga = s.gradient_accumulation_steps
-    out += _DP.get((model, layout, _DP_FIELDS(s)), lambda: tuple(_data_parallel(model, layout, s)))
+    out += data_parallel(model, layout, s)
     tokens = s.micro_batch_size * s.sequence_len // layout.cp  # tokens per rank per micro-batch
     if layout.tp > 1:
         out += _TP.get(
@@ -146,6 +146,12 @@ def collectives_for(model: ModelSpec, layout: ParallelDims, s: Settings) -> list
 # micro-batch's tokens and ``grad_accum``: the search asks for the same ones under many options.
 _DP_FIELDS, _TP_FIELDS, _CP_FIELDS = (attrgetter(*names) for names in COLLECTIVE_FIELDS.values())
 _DP, _TP, _CP = Memo(), Memo(), Memo()
+
+
+def data_parallel(model: ModelSpec, layout: ParallelDims, s: Settings) -> tuple[Collective, ...]:
+    """FSDP's and DDP's collectives of one step (``_data_parallel``), memoised on the settings they
+    read; ``collectives_for`` adapts them under LoRA and NF4."""
+    return _DP.get((model, layout, _DP_FIELDS(s)), lambda: tuple(_data_parallel(model, layout, s)))
 
 
 def _data_parallel(model: ModelSpec, layout: ParallelDims, s: Settings) -> list[Collective]:

@@ -1,0 +1,106 @@
+"""The search's pruning (``plan/search/bounds.py``) is exact: on small requests the pruned search
+chooses, for every layout, the option the exhaustive one chooses (or rejects it for the same
+reason), and each bound holds for every option the exhaustive search costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from ndparallel.plan.hardware import PRESETS as HW
+from ndparallel.plan.memory.peak import resident_bytes
+from ndparallel.plan.models import PRESETS
+from ndparallel.plan.search import bounds
+from ndparallel.plan.search.evaluation import _ranks, evaluate_layout, plan
+from ndparallel.plan.search.layouts import enumerate_layouts
+from ndparallel.plan.search.request import PlanRequest
+
+CASES = {
+    "8B x 8 H100, seq 8192": ("llama-3.1-8b", "h100-80gb", 8, dict(sequence_len=8192)),
+    "70B x 16 H100, pp": ("llama-3.1-70b", "h100-80gb", 16, dict(sequence_len=4096, global_batch_size=64)),
+    "8B x 4 A100-40GB, seq 32768, host 16 GB": (
+        "llama-3.1-8b",
+        "a100-40gb",
+        4,
+        dict(sequence_len=32768, host_mem_bytes=16 * 2**30, global_batch_size=8),
+    ),
+    "3B x 8, LoRA": (
+        "llama-3.2-3b",
+        "a100-40gb",
+        8,
+        dict(sequence_len=8192, global_batch_size=32, lora_r=16),
+    ),
+    "3B x 8, unsharded accumulation": (
+        "llama-3.2-3b",
+        "a100-40gb",
+        8,
+        dict(sequence_len=8192, global_batch_size=64, unsharded_grad_accumulation=True),
+    ),
+}
+
+
+def _request(name: str) -> PlanRequest:
+    model, gpu, gpus, kw = CASES[name]
+    return PlanRequest.of(PRESETS[model], HW[gpu], gpus, gpus_per_node=min(8, gpus), **kw)
+
+
+def _layouts(req: PlanRequest):
+    return enumerate_layouts(req.gpus, req.model.num_experts, req.model.layers)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pruned_search_is_the_exhaustive_one(name):
+    req = _request(name)
+    searched = costed = 0
+    for layout in _layouts(req):
+        every = evaluate_layout(req, layout)
+        pruned = evaluate_layout(req, layout, skip_unfit=True)
+        assert pruned.ok == every.ok, layout
+        if every.ok:
+            assert pruned.best.settings == every.best.settings, layout
+            assert pruned.best.tokens_per_s_per_gpu == every.best.tokens_per_s_per_gpu
+        else:
+            assert [c for c, _ in pruned.rejections] == [c for c, _ in every.rejections], layout
+        searched, costed = searched + pruned.searched, costed + pruned.costed
+    assert costed < searched  # the bounds prune something on each request
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if "70B" not in n] + ["70B x 16 H100, pp, some layouts"])
+def test_bounds_hold_for_every_option(name):
+    """Every option's tokens/s is at most its ``option_bound``, that at most its
+    ``tokens_per_s_bound`` (the rank floors of both, which the settings the group varies — gradient
+    reduction, resharding, offloading — leave unchanged), and its memory at least its resident
+    bytes."""
+    req = _request(name.removesuffix(", some layouts"))
+    model, hw, g = req.model, req.hardware, req.gpus_per_node
+    layouts = _layouts(req)
+    if name.endswith("some layouts"):  # each pp degree with FSDP, and one without
+        layouts = [lay for lay in layouts if lay.pp > 1 and (lay.fsdp == 2 or lay.dp == 1)]
+        assert {lay.pp for lay in layouts} >= {2, 4, 8}
+    checked = tighter = 0
+    for layout in layouts:
+        for o in evaluate_layout(req, layout).options:
+            s = o.settings
+            bound = bounds.tokens_per_s_bound(model, layout, s, hw, g)
+            plain = s.but(
+                unsharded_grad_accumulation=False, reshard_after_forward=False, activation_offloading=False
+            )
+            assert bound == bounds.tokens_per_s_bound(model, layout, plain, hw, g)
+            floors = bounds.rank_floors(model, layout, s, hw, g)
+            assert floors == bounds.rank_floors(model, layout, plain, hw, g)
+            own = bounds.option_bound(model, layout, s, hw, g)
+            assert own == bounds.option_bound(model, layout, s, hw, g, floors) <= bound
+            assert o.tokens_per_s_per_gpu <= own * (1 + bounds.ROUNDING), (layout, s)
+            tighter += own < bound
+            resident = max(resident_bytes(part, layout, rs, hw) for part, rs in _ranks(model, layout, s))
+            assert resident <= o.memory.total, (layout, s)
+            checked += 1
+    assert checked > 100
+    assert tighter > 0  # FSDP's exposure bounds some option tighter than its compute alone
+
+
+def test_8b_on_8_h100_at_8192_checkpoints_selectively_or_not_at_all():
+    """Where the lighter policies fit, the best row uses one (issue 61): Llama-3.1-8B on 8 H100 at
+    8,192 tokens."""
+    req = PlanRequest.of(PRESETS["llama-3.1-8b"], HW["h100-80gb"], 8, gpus_per_node=8, sequence_len=8192)
+    best = plan(req).ranked[0].best
+    assert best.fits and best.settings.recompute in ("none", "selective"), best.settings
