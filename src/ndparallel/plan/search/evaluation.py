@@ -130,6 +130,29 @@ def _option_groups(
     group's options varying only what its communication and memory read (gradient reduction,
     resharding, offloading), each after those that dominate it (``bounds.dominators``); ``reasons``:
     why a micro-batch or schedule cannot run."""
+    return [
+        _members(compute, variants) for compute, variants in _group_specs(req, layout, base, pins, reasons)
+    ]
+
+
+Variant = tuple
+"""(``unsharded_grad_accumulation``, ``reshard_after_forward``, ``activation_offloading``) of an
+option of a group."""
+
+
+def _members(compute: Settings, variants: list[Variant]) -> list[Settings]:
+    """The options of a group (``_group_specs``)."""
+    return [
+        compute.but(unsharded_grad_accumulation=uga, reshard_after_forward=raf, activation_offloading=o)
+        for uga, raf, o in variants
+    ]
+
+
+def _group_specs(
+    req: PlanRequest, layout: ParallelDims, base: Settings, pins: dict, reasons: dict
+) -> list[tuple[Settings, list[Variant]]]:
+    """``_option_groups`` before its options are built: each group's settings of its compute and
+    its options' variants."""
     out = []
     ckpt = choices.checkpointing(
         req, pins.get("activation_checkpointing"), pins.get("ac_policy"), pins.get("activation_offloading")
@@ -156,18 +179,7 @@ def _option_groups(
             for policy in dict.fromkeys((ac, policy) for ac, policy, _ in ckpt):
                 offloads = [o for ac, p, o in ckpt if (ac, p) == policy]
                 compute = step.but(activation_checkpointing=policy[0], ac_policy=policy[1])
-                out.append(
-                    [
-                        compute.but(
-                            unsharded_grad_accumulation=uga,
-                            reshard_after_forward=raf,
-                            activation_offloading=o,
-                        )
-                        for uga in syncs
-                        for raf in keeps
-                        for o in offloads
-                    ]
-                )
+                out.append((compute, [(uga, raf, o) for uga in syncs for raf in keeps for o in offloads]))
     return out
 
 
@@ -370,14 +382,22 @@ def _top(req: PlanRequest, layouts: list[ParallelDims], base: Settings, top: int
     left. The others: rejected or not as ``evaluate_layout`` says (``_some_option_fits`` first)."""
     model, hw, g = req.model, req.hardware, req.gpus_per_node
     out: list = [None] * len(layouts)
-    groups: dict[int, list[list[Settings]]] = {}
+    specs: dict[int, list[tuple[Settings, list[Variant]]]] = {}
+    tiled: dict[int, list[tuple[Settings, list[Variant]]]] = {}  # where another tiling is tried
+    fits: dict[int, bool] = {}
     heap = []
     for i, lay in enumerate(layouts):
-        groups[i] = [] if _layout_rejections(req, lay, base) else _all_groups(req, lay, base)
-        if not groups[i]:  # rejected before any option is costed
+        tilings = [] if _layout_rejections(req, lay, base) else _specs(req, lay, base)
+        if not tilings or not tilings[0]:  # rejected before any option is costed
             out[i] = evaluate_layout(req, lay, skip_unfit=True, base=base)
-        for j, grp in enumerate(groups[i]):
-            heap.append((-bounds.tokens_per_s_bound(model, lay, grp[0], hw, g), i, j, False))
+            continue
+        # where an option of the first tiling fits, ``evaluate_layout`` tries no other
+        fits[i] = _some_option_fits(req, lay, tilings[0])
+        specs[i] = tilings[0] if fits[i] else [spec for t in tilings for spec in t]
+        tiled[i] = [spec for t in tilings[1:] for spec in t]
+        for j, (compute, variants) in enumerate(specs[i]):
+            first = _members(compute, variants[:1])[0]
+            heap.append((-bounds.tokens_per_s_bound(model, lay, first, hw, g), i, j, False))
     heapq.heapify(heap)
     best: list[float] = []  # the tokens/s of the best ``top`` evaluated so far, a min-heap
     while heap and not (len(best) == top and -heap[0][0] < best[0] * (1 - bounds.ROUNDING)):
@@ -385,7 +405,7 @@ def _top(req: PlanRequest, layouts: list[ParallelDims], base: Settings, top: int
         if out[i] is not None:
             continue
         if not own:  # the group's options' own bounds, then back in line
-            grp = groups[i][j]
+            grp = _members(*specs[i][j])
             if _resident(model, layouts[i], grp[0], hw) <= hw.mem_bytes:
                 heapq.heappush(heap, (-min(-bound, max(_own_bounds(req, layouts[i], grp))), i, j, True))
             continue
@@ -396,20 +416,17 @@ def _top(req: PlanRequest, layouts: list[ParallelDims], base: Settings, top: int
                 heapq.heappop(best)
     for i, lay in enumerate(layouts):
         if out[i] is None:
-            out[i] = _some_option_fits(req, lay, groups[i]) or evaluate_layout(
-                req, lay, skip_unfit=True, base=base
-            )
+            some = fits[i] or bool(tiled[i]) and _some_option_fits(req, lay, tiled[i])
+            out[i] = some or evaluate_layout(req, lay, skip_unfit=True, base=base)
     return out
 
 
-def _all_groups(req: PlanRequest, layout: ParallelDims, base: Settings) -> list[list[Settings]]:
-    """``_option_groups`` of every tiling the search may try."""
+def _specs(
+    req: PlanRequest, layout: ParallelDims, base: Settings
+) -> list[list[tuple[Settings, list[Variant]]]]:
+    """``_group_specs`` of each tiling the search may try, in its order (``choices.tiling``)."""
     reasons: dict[str, list[str]] = {"global_batch": [], "pp_microbatches": []}
-    return [
-        grp
-        for tiled in choices.tiling(req, None)
-        for grp in _option_groups(req, layout, base.but(tiled_mlp=tiled), {}, reasons)
-    ]
+    return [_group_specs(req, layout, base.but(tiled_mlp=t), {}, reasons) for t in choices.tiling(req, None)]
 
 
 def _resident(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware) -> float:
@@ -417,18 +434,18 @@ def _resident(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware)
     return max(resident_bytes(part, layout, rs, hw) for part, rs in _ranks(model, layout, s))
 
 
-def _some_option_fits(req: PlanRequest, layout: ParallelDims, groups: list[list[Settings]]) -> bool:
-    """Whether the layout's option that needs the least memory (as far as its settings tell: the
-    smallest micro-batch, the most recompute, offloaded, resharded; untiled, then tiled) fits the
-    device and the host: then the layout fits. False says nothing (memory is not monotone in every
-    setting)."""
+def _some_option_fits(
+    req: PlanRequest, layout: ParallelDims, specs: list[tuple[Settings, list[Variant]]]
+) -> bool:
+    """Whether, of the options of ``specs`` (one tiling's groups), the one that needs the least
+    memory as far as its settings tell (the smallest micro-batch, the most recompute, offloaded,
+    resharded) fits the device and the host: then the layout fits. False says nothing (memory is
+    not monotone in every setting)."""
     hw = req.hardware
-    for tiled in dict.fromkeys(grp[0].tiled_mlp for grp in groups):
-        s = min((s for grp in groups if grp[0].tiled_mlp == tiled for s in grp), key=_leanness)
-        mem = pipeline_memory(req.model, layout, s, hw, memory_cut(req.model, layout, s, hw, hw.mem_bytes))
-        if mem.total <= hw.mem_bytes and not _host_problem(req, layout, mem):
-            return True
-    return False
+    lean = (_members(c, [min(v, key=lambda x: (x[0], not x[1], not x[2]))])[0] for c, v in specs)
+    s = min(lean, key=_leanness)
+    mem = pipeline_memory(req.model, layout, s, hw, memory_cut(req.model, layout, s, hw, hw.mem_bytes))
+    return mem.total <= hw.mem_bytes and not _host_problem(req, layout, mem)
 
 
 def _leanness(s: Settings) -> tuple:
