@@ -383,18 +383,19 @@ def _top(req: PlanRequest, layouts: list[ParallelDims], base: Settings, top: int
     model, hw, g = req.model, req.hardware, req.gpus_per_node
     out: list = [None] * len(layouts)
     specs: dict[int, list[tuple[Settings, list[Variant]]]] = {}
-    tiled: dict[int, list[tuple[Settings, list[Variant]]]] = {}  # where another tiling is tried
+    tiled: dict[int, list[tuple[Settings, list[Variant]]]] = {}  # the other tilings' groups
     fits: dict[int, bool] = {}
     heap = []
+    first_tiling, *others = choices.tiling(req, None)
     for i, lay in enumerate(layouts):
-        tilings = [] if _layout_rejections(req, lay, base) else _specs(req, lay, base)
-        if not tilings or not tilings[0]:  # rejected before any option is costed
+        specs[i] = [] if _layout_rejections(req, lay, base) else _specs(req, lay, base, first_tiling)
+        if not specs[i]:  # rejected before any option is costed
             out[i] = evaluate_layout(req, lay, skip_unfit=True, base=base)
             continue
         # where an option of the first tiling fits, ``evaluate_layout`` tries no other
-        fits[i] = _some_option_fits(req, lay, tilings[0])
-        specs[i] = tilings[0] if fits[i] else [spec for t in tilings for spec in t]
-        tiled[i] = [spec for t in tilings[1:] for spec in t]
+        fits[i] = _some_option_fits(req, lay, specs[i])
+        tiled[i] = [] if fits[i] else [spec for t in others for spec in _specs(req, lay, base, t)]
+        specs[i] += tiled[i]
         for j, (compute, variants) in enumerate(specs[i]):
             first = _members(compute, variants[:1])[0]
             heap.append((-bounds.tokens_per_s_bound(model, lay, first, hw, g), i, j, False))
@@ -422,11 +423,11 @@ def _top(req: PlanRequest, layouts: list[ParallelDims], base: Settings, top: int
 
 
 def _specs(
-    req: PlanRequest, layout: ParallelDims, base: Settings
-) -> list[list[tuple[Settings, list[Variant]]]]:
-    """``_group_specs`` of each tiling the search may try, in its order (``choices.tiling``)."""
+    req: PlanRequest, layout: ParallelDims, base: Settings, tiled: bool
+) -> list[tuple[Settings, list[Variant]]]:
+    """``_group_specs`` of the layout's options of one tiling."""
     reasons: dict[str, list[str]] = {"global_batch": [], "pp_microbatches": []}
-    return [_group_specs(req, layout, base.but(tiled_mlp=t), {}, reasons) for t in choices.tiling(req, None)]
+    return _group_specs(req, layout, base.but(tiled_mlp=tiled), {}, reasons)
 
 
 def _resident(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware) -> float:
