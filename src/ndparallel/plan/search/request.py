@@ -130,7 +130,7 @@ class PlanResult:
     rejected: list[LayoutResult]
     fitting: int | None = None
     """How many layouts fit, where ``ranked`` holds only the best of them (``evaluation.plan``'s
-    ``top``); None: ``ranked`` holds every one."""
+    ``top``; ``find`` misses the others that fit); None: ``ranked`` holds every one."""
 
     @property
     def fit_count(self) -> int:
