@@ -9,10 +9,12 @@ import pytest
 from ndparallel.plan.hardware import PRESETS as HW
 from ndparallel.plan.memory.peak import resident_bytes
 from ndparallel.plan.models import PRESETS
-from ndparallel.plan.search import bounds
+from ndparallel.plan.search import bounds, evaluation
 from ndparallel.plan.search.evaluation import _ranks, evaluate_layout, plan
 from ndparallel.plan.search.layouts import enumerate_layouts
 from ndparallel.plan.search.request import PlanRequest
+
+every = evaluate_layout
 
 CASES = {
     "8B x 8 H100, seq 8192": ("llama-3.1-8b", "h100-80gb", 8, dict(sequence_len=8192)),
@@ -104,3 +106,32 @@ def test_8b_on_8_h100_at_8192_checkpoints_selectively_or_not_at_all():
     req = PlanRequest.of(PRESETS["llama-3.1-8b"], HW["h100-80gb"], 8, gpus_per_node=8, sequence_len=8192)
     best = plan(req).ranked[0].best
     assert best.fits and best.settings.recompute in ("none", "selective"), best.settings
+
+
+@pytest.mark.parametrize("top", [1, 3])
+def test_top_search_is_the_full_one(top, monkeypatch):
+    """``plan(top=k)``: the best k layouts, their settings and order, the count of those that fit
+    and every rejection (code and message) of the full search; some layouts not evaluated."""
+    evaluated = []
+
+    def counted(req, layout, **kw):
+        evaluated.append(layout)
+        return every(req, layout, **kw)
+
+    skipped = 0
+    for name in CASES:
+        req = _request(name)
+        with monkeypatch.context() as m:
+            m.setattr(evaluation, "evaluate_layout", counted)
+            best = plan(req, top=top)
+        full = plan(req)
+        skipped += len(full.ranked) + len(full.rejected) - len(evaluated)
+        evaluated.clear()
+        assert best.fit_count == len(full.ranked), name
+        assert [(r.layout, r.best.settings, r.best.tokens_per_s_per_gpu) for r in best.ranked] == [
+            (r.layout, r.best.settings, r.best.tokens_per_s_per_gpu) for r in full.ranked[:top]
+        ], name
+        assert [(r.layout, r.rejections) for r in best.rejected] == [
+            (r.layout, r.rejections) for r in full.rejected
+        ], name
+    assert skipped > 0

@@ -39,7 +39,8 @@ def run_plan(args, base: dict | None = None, said: dict | None = None) -> int:
         req = build_request(args, values)
         if args.max_seq_len:
             return _run_longest(args, req, console, pinned="cp_comm_strategy" in values)
-        result = plan(req)
+        # the table and its best row need the best --top layouts; --json and --explain every one
+        result = plan(req, top=None if args.json or args.explain else args.top)
         chosen = result.ranked[0] if result.ranked else None
         if args.explain:
             layout, pins = parse_layout(args.explain)

@@ -112,9 +112,7 @@ def header(result: PlanResult) -> str:
 
 def print_table(result: PlanResult, console: Console, top: int = 10, show_rejected: bool = False) -> None:
     console.print(header(result))
-    table = Table(
-        title=f"Ranked layouts ({len(result.ranked)} fit, best {min(top, len(result.ranked))} shown)"
-    )
+    table = Table(title=f"Ranked layouts ({result.fit_count} fit, best {min(top, len(result.ranked))} shown)")
     rows = result.ranked[:top]
     pp = any(r.layout.pp_enabled for r in rows)
     for col in (

@@ -149,11 +149,11 @@ def option_floor(
     ``floors``: ``rank_floors`` of an option of its group (the same: gradient reduction,
     resharding and offloading change none of them)."""
     floor = 0.0
+    rs = s
+    if layout.pp > 1:  # pipeline_estimate.rank_settings' FSDP fields
+        per_step = s.unsharded_grad_accumulation
+        rs = s.but(sync_every_microbatch=not per_step, reshard_after_backward=not per_step)
     for paced, t_mb, part, roots in floors or rank_floors(model, layout, s, hw, gpus_per_node):
-        rs = s
-        if layout.pp > 1:  # pipeline_estimate.rank_settings' FSDP fields
-            per_step = s.unsharded_grad_accumulation
-            rs = s.but(sync_every_microbatch=not per_step, reshard_after_backward=not per_step)
         gather, reduce = fsdp_traffic(part, layout, rs, hw, gpus_per_node)
         floor = max(floor, paced + fsdp_exposed(gather, reduce, roots, rs, t_mb))
     return floor

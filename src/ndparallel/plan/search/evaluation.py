@@ -130,6 +130,29 @@ def _option_groups(
     group's options varying only what its communication and memory read (gradient reduction,
     resharding, offloading), each after those that dominate it (``bounds.dominators``); ``reasons``:
     why a micro-batch or schedule cannot run."""
+    return [
+        _members(compute, variants) for compute, variants in _group_specs(req, layout, base, pins, reasons)
+    ]
+
+
+Variant = tuple
+"""(``unsharded_grad_accumulation``, ``reshard_after_forward``, ``activation_offloading``) of an
+option of a group."""
+
+
+def _members(compute: Settings, variants: list[Variant]) -> list[Settings]:
+    """The options of a group (``_group_specs``)."""
+    return [
+        compute.but(unsharded_grad_accumulation=uga, reshard_after_forward=raf, activation_offloading=o)
+        for uga, raf, o in variants
+    ]
+
+
+def _group_specs(
+    req: PlanRequest, layout: ParallelDims, base: Settings, pins: dict, reasons: dict
+) -> list[tuple[Settings, list[Variant]]]:
+    """``_option_groups`` before its options are built: each group's settings of its compute and
+    its options' variants."""
     out = []
     ckpt = choices.checkpointing(
         req, pins.get("activation_checkpointing"), pins.get("ac_policy"), pins.get("activation_offloading")
@@ -156,18 +179,7 @@ def _option_groups(
             for policy in dict.fromkeys((ac, policy) for ac, policy, _ in ckpt):
                 offloads = [o for ac, p, o in ckpt if (ac, p) == policy]
                 compute = step.but(activation_checkpointing=policy[0], ac_policy=policy[1])
-                out.append(
-                    [
-                        compute.but(
-                            unsharded_grad_accumulation=uga,
-                            reshard_after_forward=raf,
-                            activation_offloading=o,
-                        )
-                        for uga in syncs
-                        for raf in keeps
-                        for o in offloads
-                    ]
-                )
+                out.append((compute, [(uga, raf, o) for uga in syncs for raf in keeps for o in offloads]))
     return out
 
 
@@ -315,33 +327,133 @@ def describe_settings(s: Settings, layout: ParallelDims) -> str:
 
 def host_problem(req: PlanRequest, layout: ParallelDims, e: Estimate) -> str | None:
     """Why an option's offloaded activations do not fit the node's host budget, or None."""
+    return _host_problem(req, layout, e.memory)
+
+
+def _host_problem(req: PlanRequest, layout: ParallelDims, mem: MemoryBreakdown) -> str | None:
     if req.host_mem_bytes is None:
         return None
     per_node = min(req.gpus_per_node, layout.world)
     budget = HOST_BUDGET_FRACTION * req.host_mem_bytes
-    need = e.memory.host_offload * per_node
+    need = mem.host_offload * per_node
     if need <= budget:
         return None
     return (
         f"offloaded activations need {need / GiB:.0f} GiB of host memory per node "
-        f"({per_node} GPUs × {e.memory.host_offload / GiB:.1f}) > {HOST_BUDGET_FRACTION:.0%} "
+        f"({per_node} GPUs × {mem.host_offload / GiB:.1f}) > {HOST_BUDGET_FRACTION:.0%} "
         f"of --host-mem {req.host_mem_bytes / GiB:.0f} GiB"
     )
 
 
-def plan(req: PlanRequest) -> PlanResult:
-    """Evaluate every layout of ``req.gpus`` ranks; rank those that fit by tokens/s per GPU."""
+def plan(req: PlanRequest, top: int | None = None) -> PlanResult:
+    """Evaluate every layout of ``req.gpus`` ranks; rank those that fit by tokens/s per GPU.
+
+    ``top``: only the best ``top`` layouts are ranked (``PlanResult.fitting`` counts every one that
+    fits, ``rejected`` lists every one that does not, as without it): only the layouts whose
+    bound on tokens/s can still reach the best ``top`` are evaluated (``_top``)."""
     if req.gpus < 1:
         raise ValueError("--gpus must be >= 1")
     layers = req.model.layers if req.pipeline_parallel else 0
     base = base_settings(req)
+    layouts = enumerate_layouts(req.gpus, req.model.num_experts, layers)
     with paused_collector():  # ~10^6 short-lived acyclic objects: the collector only walks them
-        results = [
-            evaluate_layout(req, lay, skip_unfit=True, base=base)
-            for lay in enumerate_layouts(req.gpus, req.model.num_experts, layers)
-        ]
-    ranked = sorted(
-        (r for r in results if r.ok), key=lambda r: (-r.best.tokens_per_s_per_gpu, r.best.memory.total)
+        if top is None:
+            results = [evaluate_layout(req, lay, skip_unfit=True, base=base) for lay in layouts]
+        else:
+            results = _top(req, layouts, base, top)
+    done = [(i, r) for i, r in enumerate(results) if isinstance(r, LayoutResult)]
+    ranked = [r for _, r in sorted(((i, r) for i, r in done if r.ok), key=lambda x: (_rank_key(x[1]), x[0]))]
+    rejected = [r for _, r in done if not r.ok]
+    if top is None:
+        return PlanResult(req, ranked, rejected)
+    return PlanResult(req, ranked[:top], rejected, fitting=len(results) - len(rejected))
+
+
+def _rank_key(r: LayoutResult) -> tuple:
+    return (-r.best.tokens_per_s_per_gpu, r.best.memory.total)
+
+
+def _top(req: PlanRequest, layouts: list[ParallelDims], base: Settings, top: int) -> list:
+    """Per layout its ``LayoutResult`` where evaluated, else True: it fits (not among the best
+    ``top``). Best first over every layout's option groups (``_option_groups``): a group's bound
+    on tokens/s (``bounds.tokens_per_s_bound``), tightened when it comes first to its options' own
+    (``bounds.option_bound``; none where its resident states exceed the device), then its layout
+    evaluated; until ``top`` layouts are evaluated that fit, the ``top``-th best above every bound
+    left. The others: rejected or not as ``evaluate_layout`` says (``_some_option_fits`` first)."""
+    model, hw, g = req.model, req.hardware, req.gpus_per_node
+    out: list = [None] * len(layouts)
+    specs: dict[int, list[tuple[Settings, list[Variant]]]] = {}
+    tiled: dict[int, list[tuple[Settings, list[Variant]]]] = {}  # the other tilings' groups
+    fits: dict[int, bool] = {}
+    heap = []
+    first_tiling, *others = choices.tiling(req, None)
+    for i, lay in enumerate(layouts):
+        specs[i] = [] if _layout_rejections(req, lay, base) else _specs(req, lay, base, first_tiling)
+        if not specs[i]:  # rejected before any option is costed
+            out[i] = evaluate_layout(req, lay, skip_unfit=True, base=base)
+            continue
+        # where an option of the first tiling fits, ``evaluate_layout`` tries no other
+        fits[i] = _some_option_fits(req, lay, specs[i])
+        tiled[i] = [] if fits[i] else [spec for t in others for spec in _specs(req, lay, base, t)]
+        specs[i] += tiled[i]
+        for j, (compute, variants) in enumerate(specs[i]):
+            first = _members(compute, variants[:1])[0]
+            heap.append((-bounds.tokens_per_s_bound(model, lay, first, hw, g), i, j, False))
+    heapq.heapify(heap)
+    best: list[float] = []  # the tokens/s of the best ``top`` evaluated so far, a min-heap
+    while heap and not (len(best) == top and -heap[0][0] < best[0] * (1 - bounds.ROUNDING)):
+        bound, i, j, own = heapq.heappop(heap)
+        if out[i] is not None:
+            continue
+        if not own:  # the group's options' own bounds, then back in line
+            grp = _members(*specs[i][j])
+            if _resident(model, layouts[i], grp[0], hw) <= hw.mem_bytes:
+                heapq.heappush(heap, (-min(-bound, max(_own_bounds(req, layouts[i], grp))), i, j, True))
+            continue
+        out[i] = res = evaluate_layout(req, layouts[i], skip_unfit=True, base=base)
+        if res.ok:
+            heapq.heappush(best, res.best.tokens_per_s_per_gpu)
+            if len(best) > top:
+                heapq.heappop(best)
+    for i, lay in enumerate(layouts):
+        if out[i] is None:
+            some = fits[i] or bool(tiled[i]) and _some_option_fits(req, lay, tiled[i])
+            out[i] = some or evaluate_layout(req, lay, skip_unfit=True, base=base)
+    return out
+
+
+def _specs(
+    req: PlanRequest, layout: ParallelDims, base: Settings, tiled: bool
+) -> list[tuple[Settings, list[Variant]]]:
+    """``_group_specs`` of the layout's options of one tiling."""
+    reasons: dict[str, list[str]] = {"global_batch": [], "pp_microbatches": []}
+    return _group_specs(req, layout, base.but(tiled_mlp=tiled), {}, reasons)
+
+
+def _resident(model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware) -> float:
+    """The most resident bytes of a rank ``estimate`` models (``resident_bytes``)."""
+    return max(resident_bytes(part, layout, rs, hw) for part, rs in _ranks(model, layout, s))
+
+
+def _some_option_fits(
+    req: PlanRequest, layout: ParallelDims, specs: list[tuple[Settings, list[Variant]]]
+) -> bool:
+    """Whether, of the options of ``specs`` (one tiling's groups), the one that needs the least
+    memory as far as its settings tell (the smallest micro-batch, the most recompute, offloaded,
+    resharded) fits the device and the host: then the layout fits. False says nothing (memory is
+    not monotone in every setting)."""
+    hw = req.hardware
+    lean = (_members(c, [min(v, key=lambda x: (x[0], not x[1], not x[2]))])[0] for c, v in specs)
+    s = min(lean, key=_leanness)
+    mem = pipeline_memory(req.model, layout, s, hw, memory_cut(req.model, layout, s, hw, hw.mem_bytes))
+    return mem.total <= hw.mem_bytes and not _host_problem(req, layout, mem)
+
+
+def _leanness(s: Settings) -> tuple:
+    kept = (
+        s.activation_checkpointing,
+        s.ac_policy == "full",
+        s.activation_offloading,
+        s.reshard_after_forward,
     )
-    rejected = [r for r in results if not r.ok]
-    return PlanResult(req, ranked, rejected)
+    return (s.micro_batch_size, *(not x for x in kept), s.unsharded_grad_accumulation)

@@ -128,6 +128,13 @@ class PlanResult:
     request: PlanRequest
     ranked: list[LayoutResult]
     rejected: list[LayoutResult]
+    fitting: int | None = None
+    """How many layouts fit, where ``ranked`` holds only the best of them (``evaluation.plan``'s
+    ``top``; ``find`` misses the others that fit); None: ``ranked`` holds every one."""
+
+    @property
+    def fit_count(self) -> int:
+        return len(self.ranked) if self.fitting is None else self.fitting
 
     def find(self, layout: ParallelDims) -> LayoutResult | None:
         return next((r for r in self.ranked + self.rejected if r.layout == layout), None)
