@@ -130,8 +130,13 @@ def tokens_per_s_bound(
     model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware, gpus_per_node: int
 ) -> float:
     """Tokens/s per GPU the option reaches at most (``step_floor``)."""
+    return _per_gpu(layout, s, step_floor(model, layout, s, hw, gpus_per_node))
+
+
+def _per_gpu(layout: ParallelDims, s: Settings, seconds: float) -> float:
+    """Tokens/s per GPU of a step of ``seconds`` (the global batch over the world)."""
     tokens = s.micro_batch_size * s.gradient_accumulation_steps * layout.dp * s.sequence_len
-    return tokens / (step_floor(model, layout, s, hw, gpus_per_node) * layout.world)
+    return tokens / (seconds * layout.world)
 
 
 def option_floor(
@@ -199,5 +204,4 @@ def option_bound(
     floors: tuple[RankFloor, ...] | None = None,
 ) -> float:
     """Tokens/s per GPU the option reaches at most (``option_floor``)."""
-    tokens = s.micro_batch_size * s.gradient_accumulation_steps * layout.dp * s.sequence_len
-    return tokens / (option_floor(model, layout, s, hw, gpus_per_node, floors) * layout.world)
+    return _per_gpu(layout, s, option_floor(model, layout, s, hw, gpus_per_node, floors))
