@@ -66,3 +66,39 @@ def test_the_trainer_doors_import_in_silence():
         [sys.executable, "-c", "import ndparallel.trl"], capture_output=True, text=True, timeout=300, env=env
     )
     assert proc.returncode == 0 and proc.stdout + proc.stderr == "", proc.stdout + proc.stderr
+
+
+def _step_recording_warnings(setup, layout):
+    import warnings
+
+    from ndparallel.tools.equivalence import train_under_layout
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_under_layout(setup, layout)
+    return [f"{w.filename}: {w.message}" for w in caught]
+
+
+def test_python_api_ranks_print_no_library_line():
+    """A Python-API run (the Accelerator on FSDP 2 × TP 2: prepare, steps, gathering the
+    parameters) warns and logs nothing from a library: the ranks' engines drop what the command
+    line drops (FSDP2's "returned a view tensor", DTensor's "sequential all_gather", torchao's)."""
+    from ndparallel.models.presets import preset_config
+    from ndparallel.parallel.options import TPOptions
+    from ndparallel.testing import run_on_ranks
+    from ndparallel.tools.equivalence import TrainSetup
+    from output_origin import recorded_output
+
+    setup = TrainSetup(
+        preset_config("tiny-llama"),
+        steps=1,
+        global_micro_batch=4,
+        seq_len=32,
+        optimizer="sgd",
+        lr=0.5,
+        parallel_kwargs={"tp_options": TPOptions()},
+    )
+    with recorded_output() as output:
+        caught = run_on_ranks(_step_recording_warnings, 4, setup, {"dp_shard_size": 2, "tp_size": 2})
+    assert caught == [[]] * 4, caught
+    assert output.foreign() == [], output.foreign()

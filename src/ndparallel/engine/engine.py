@@ -40,6 +40,7 @@ from ndparallel.parallel.pp.stages import (
 )
 from ndparallel.parallel.tp.tensor import resolve_loss_parallel
 from ndparallel.runtime.distributed import DistributedInfo, init_distributed
+from ndparallel.runtime.quiet import quiet_library_noise
 from ndparallel.techniques import lm_loss
 from ndparallel.techniques.grad_norm import scale_grads_to, total_grad_norm
 from ndparallel.techniques.loss import causal_lm_loss, global_num_items
@@ -65,6 +66,7 @@ class Engine:
         device: str | None = None,
         timeout_s: float | None = None,
     ) -> None:
+        quiet_library_noise()  # a Python-API run drops the library lines the command line's do
         self.info: DistributedInfo = init_distributed(device, timeout_s)
         if isinstance(layout, ParallelDims):
             layout = ParallelismConfig(
