@@ -221,8 +221,8 @@ class TrainConfig(
     loss_reduction: LossReduction = "global_token_mean"
     """A step's loss (and gradient): global_token_mean, its token losses' sum / its trained tokens
     (every micro-batch and rank: the same whatever the split); micro_batch_mean, the mean of each dp
-    rank's micro-batches' own token means (Axolotl's; it depends on the split, docs/axolotl.md).
-    Evaluation keeps the token mean."""
+    rank's micro-batches' own token means (Axolotl's; it depends on the split, docs/axolotl.md;
+    under pipeline parallel only without accumulation). Evaluation keeps the token mean."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/inf loss or gradient norm: stop naming the step (at the next log step, before any save),
     or skip that optimizer step (costs one host sync per step)."""
