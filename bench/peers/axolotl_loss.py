@@ -9,19 +9,25 @@
    ``seed``, then transformers' ``RandomSampler`` seeded by it), no dropout (the Llama has none),
    fp32, ``sample_packing: false``, ``logging_steps: 1``. Only ``output_dir`` and
    ``dataset_prepared_path`` differ between the two copies (each tool refuses or overwrites the
-   other's). ``--gradient-accumulation-steps`` (default 1) sets the one key the two normalise
-   differently: above 1 Axolotl averages the micro-batches' own means (docs/axolotl.md).
+   other's). ``--gradient-accumulation-steps`` (default 1): above 1 Axolotl averages the
+   micro-batches' own token means, ndparallel's default the global batch's (docs/axolotl.md).
 3. Axolotl 0.19.0's trainer (``python -m axolotl.cli.train CFG`` in the side venv that
    ``axolotl.py`` builds, on CPU, offline) and its ``trainer_state.json`` ``log_history``; then
    ``ndparallel train CFG --nproc-per-node 1`` (this repository's Python) and its ``metrics.jsonl``.
 4. A table step / Axolotl loss / ndparallel loss / difference (and the gradient norms), written as
-   ``bench/results/axolotl_loss_ga<N>.json``. docs/axolotl.md ("Loss parity with Axolotl's trainer")
-   holds the dated table.
+   ``bench/results/axolotl_loss_ga<G>[_dp<N>].json``; the dated tables:
+   ``bench/reference/axolotl_parity.md`` ("Loss parity with Axolotl's trainer").
+
+``--nproc-per-node N`` runs both on N CPU processes (Axolotl under ``torchrun`` with gloo, through
+``axolotl_cpu_ranks.py``, its DDP; ndparallel on N dp ranks). Above one micro-batch per step
+(accumulation or ranks) ndparallel's copy sets ``loss_reduction: micro_batch_mean``, Axolotl's
+normalisation (``--default-loss``: leave it unset, the global token mean).
 
 ``--fixture`` runs on the parity fixtures' own tokenizer and alpaca data
 (``tests/fixtures/axolotl/parity/``), saves the seeded model there (``model/model.safetensors``) and
-writes Axolotl's losses to ``trainer_losses.json`` beside them: ``tests/test_axolotl_parity.py``
-trains ndparallel on the same config and holds its losses to them (no Axolotl needed there).
+writes Axolotl's losses to ``trainer_losses.json`` beside them (``trainer_losses_ga<G>_dp<N>.json``
+above one micro-batch per step): ``tests/test_axolotl_parity.py`` trains ndparallel on the same
+config and holds its losses to them (no Axolotl needed there).
 """
 
 from __future__ import annotations
@@ -83,7 +89,9 @@ def make_model(model_dir: Path) -> None:
     LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir)).to(torch.float32).save_pretrained(model_dir)
 
 
-def write_config(inputs: Path, work: Path, tool: str, steps: int, accumulation: int) -> Path:
+def write_config(
+    inputs: Path, work: Path, tool: str, steps: int, accumulation: int, extra: dict | None = None
+) -> Path:
     cfg = {
         "base_model": str(inputs / "model"),
         "datasets": [{"path": str(inputs / "data" / "alpaca.jsonl"), "type": "alpaca", "ds_type": "json"}],
@@ -92,6 +100,7 @@ def write_config(inputs: Path, work: Path, tool: str, steps: int, accumulation: 
         "max_steps": steps,
         "dataset_prepared_path": str(work / f"prepared-{tool}"),
         "output_dir": str(work / f"out-{tool}"),
+        **(extra or {}),
     }
     path = work / f"{tool}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -186,6 +195,19 @@ def first_batch_losses(
     }
 
 
+def versions(python: Path, env: dict) -> dict[str, str]:
+    """The versions of what produced the losses: Axolotl's venv and this Python."""
+    probe = "import axolotl, accelerate, torch, transformers as t; print(axolotl.__version__, t.__version__,"
+    probe += " torch.__version__, accelerate.__version__)"
+    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=env).stdout.split()
+    import torch
+    import transformers
+
+    keys = ("axolotl", "transformers (its venv)", "torch (its venv)", "accelerate (its venv)")
+    here = {"transformers (here)": transformers.__version__, "torch (here)": torch.__version__}
+    return {**dict(zip(keys, out)), **here}
+
+
 def table(theirs: list[dict], ours: list[dict]) -> list[dict]:
     by_step = {r["step"]: r for r in ours}
     rows = []
@@ -212,7 +234,11 @@ def main(argv=None) -> int:
         "--gradient-accumulation-steps",
         type=int,
         default=1,
-        help="1 (default): like for like; above 1 Axolotl averages the micro-batches' means (docs)",
+        help="1 (default); above 1 ndparallel runs with loss_reduction: micro_batch_mean (Axolotl's)",
+    )
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="CPU processes (dp ranks) of each")
+    parser.add_argument(
+        "--default-loss", action="store_true", help="ndparallel without loss_reduction: micro_batch_mean"
     )
     parser.add_argument("--work", type=Path, default=None, help="default: a new temporary folder")
     parser.add_argument("--skip-axolotl", action="store_true", help="reuse WORK's out-axolotl")
@@ -229,17 +255,23 @@ def main(argv=None) -> int:
         make_model(inputs / "model")
     for old in ["out-ndparallel", "prepared-ndparallel"] + ([] if args.skip_axolotl else ["out-axolotl"]):
         shutil.rmtree(work / old, ignore_errors=True)
-    theirs_cfg = write_config(inputs, work, "axolotl", args.steps, args.gradient_accumulation_steps)
-    ours_cfg = write_config(inputs, work, "ndparallel", args.steps, args.gradient_accumulation_steps)
+    ga, nproc = args.gradient_accumulation_steps, args.nproc_per_node
+    several = ga > 1 or nproc > 1
+    ours_extra = {"loss_reduction": "micro_batch_mean"} if several and not args.default_loss else {}
+    theirs_cfg = write_config(inputs, work, "axolotl", args.steps, ga)
+    ours_cfg = write_config(inputs, work, "ndparallel", args.steps, ga, ours_extra)
 
     python = args.venv / "bin" / "python"
     axolotl_cmd = [str(python), "-m", "axolotl.cli.train", str(theirs_cfg)]
-    env = offline_env()
+    if nproc > 1:  # torchrun of the side venv: gloo on CPU
+        axolotl_cmd = [str(python), "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+        axolotl_cmd += [str(HERE / "axolotl_cpu_ranks.py"), str(theirs_cfg)]
+    env = offline_env(**({"ACCELERATE_USE_CPU": "true"} if nproc > 1 else {}))  # else no DDP on CPU
     env.pop("PYTHONPATH", None)
     if not args.skip_axolotl:
         secs = run(axolotl_cmd, env, work, work / "axolotl.log")
         print(f"axolotl: {secs:.0f} s", flush=True)
-    ours_cmd = [sys.executable, "-c", NDPARALLEL_MAIN, "train", str(ours_cfg), "--nproc-per-node", "1"]
+    ours_cmd = [sys.executable, "-c", NDPARALLEL_MAIN, "train", str(ours_cfg), "--nproc-per-node", str(nproc)]
     secs = run(ours_cmd, offline_env(), work, work / "ndparallel.log")
     print(f"ndparallel: {secs:.0f} s", flush=True)
 
@@ -256,8 +288,8 @@ def main(argv=None) -> int:
         )
         print(f"{r['step']:>4} {r['axolotl_loss']:>14.6f} {ours:>16} {diff:>11} {norms:>24}")
     check = first_batch_losses(
-        work, inputs / "model", CONFIG["micro_batch_size"], args.gradient_accumulation_steps
-    )
+        work, inputs / "model", CONFIG["micro_batch_size"], ga * nproc
+    )  # dp rank r's k-th micro-batch: rows [(k·N + r)·B, +B) of the draw
     print(
         f"step 1 recomputed from Axolotl's examples: global token mean {check['global_token_mean']:.6f}, "
         f"mean of the micro-batches' means {check['mean_of_micro_batch_means']:.6f}"
@@ -269,7 +301,7 @@ def main(argv=None) -> int:
         env=env,
     ).stdout.strip()
     path = write_json(
-        f"axolotl_loss_ga{args.gradient_accumulation_steps}",
+        f"axolotl_loss_ga{ga}" + (f"_dp{nproc}" if nproc > 1 else ""),
         {
             "axolotl": version,
             "config": yaml.safe_load(ours_cfg.read_text()),
@@ -281,7 +313,7 @@ def main(argv=None) -> int:
     )
     print(f"\n{path}")
     if args.fixture:
-        fixture = FIXTURES / "trainer_losses.json"
+        fixture = FIXTURES / ("trainer_losses" + (f"_ga{ga}_dp{nproc}" if several else "") + ".json")
         config = yaml.safe_load(theirs_cfg.read_text())
         config["base_model"] = "model"
         config["datasets"][0]["path"] = "data/alpaca.jsonl"
@@ -292,7 +324,11 @@ def main(argv=None) -> int:
             json.dumps(
                 {
                     "axolotl": version,
-                    "command": "python bench/peers/axolotl_loss.py --fixture (Axolotl's trainer, 1 process)",
+                    "command": f"python bench/peers/axolotl_loss.py --fixture --steps {args.steps}"
+                    f" --gradient-accumulation-steps {ga} --nproc-per-node {nproc}"
+                    f" (Axolotl's trainer, {nproc} process{'es' if nproc > 1 else ''})",
+                    "date": time.strftime("%Y-%m-%d", time.gmtime()),
+                    "versions": versions(python, env),
                     "config": config,
                     "steps": steps,
                 },

@@ -44,7 +44,13 @@ from ndparallel.parallel.options import (
     StrategyOptions,
     TPOptions,
 )
-from ndparallel.techniques.technique_options import CompileOptions, Float8Options, LossOptions
+from ndparallel.techniques.technique_options import (
+    PIPELINE_MICRO_BATCH_MEAN,
+    CompileOptions,
+    Float8Options,
+    LossOptions,
+    LossReduction,
+)
 
 
 def _float(**bounds):
@@ -212,6 +218,11 @@ class TrainConfig(
     adam_beta2: _float(ge=0, lt=1) = 0.999
     adam_epsilon: _float(gt=0) = 1e-8
     max_grad_norm: _float(gt=0) | None = 1.0
+    loss_reduction: LossReduction = "global_token_mean"
+    """A step's loss (and gradient): global_token_mean, its token losses' sum / its trained tokens
+    (every micro-batch and rank: the same whatever the split); micro_batch_mean, the mean of each dp
+    rank's micro-batches' own token means (Axolotl's; it depends on the split, docs/axolotl.md;
+    under pipeline parallel only without accumulation). Evaluation keeps the token mean."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/inf loss or gradient norm: stop naming the step (at the next log step, before any save),
     or skip that optimizer step (costs one host sync per step)."""
@@ -283,6 +294,9 @@ class TrainConfig(
                 "activation_offloading offloads what activation checkpointing keeps: set "
                 "fsdp_config.activation_checkpointing: true, or remove activation_offloading"
             )
+        pipelined = self.pipeline_parallel_size > 1 and self.gradient_accumulation_steps > 1
+        if self.loss_reduction == "micro_batch_mean" and pipelined:
+            raise ValueError(PIPELINE_MICRO_BATCH_MEAN)
         if self.tiled_mlp_num_shards is not None and not self.tiled_mlp:
             raise ValueError(
                 "tiled_mlp_num_shards is set but tiled_mlp is not: set tiled_mlp: true, or "

@@ -43,7 +43,7 @@ from ndparallel.runtime.distributed import DistributedInfo, init_distributed
 from ndparallel.runtime.quiet import quiet_library_noise
 from ndparallel.techniques import lm_loss
 from ndparallel.techniques.grad_norm import scale_grads_to, total_grad_norm
-from ndparallel.techniques.loss import causal_lm_loss, global_num_items
+from ndparallel.techniques.loss import causal_lm_loss, global_num_items, micro_batch_num_items
 from ndparallel.techniques.offload import ActivationOffloader, offloader_of
 from ndparallel.techniques.router_loss import aux_loss_term, recording_routers
 
@@ -270,6 +270,14 @@ class Engine:
         (counted before CP sharding), an int64 tensor on the device (no host sync)."""
 
         return global_num_items(micro_batches, self.group("dp"), label_key, self.device)
+
+    def micro_batch_num_items(
+        self, micro_batches: Sequence[Mapping[str, torch.Tensor]], label_key: str = "shift_labels"
+    ) -> list[torch.Tensor]:
+        """Each micro-batch's divisor under ``loss_reduction: micro_batch_mean``: its own token count
+        × the micro-batches over the dp ranks (Axolotl's mean of the micro-batches' token means)."""
+
+        return micro_batch_num_items(micro_batches, self.group("dp"), label_key, self.device)
 
     def causal_lm_loss(self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items) -> torch.Tensor:
         """Token-loss sum of this rank / the global token count."""

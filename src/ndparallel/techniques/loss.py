@@ -4,11 +4,14 @@ The loss of one optimizer step is ``sum of token losses / number of non-ignored 
 global batch`` (every dp×cp rank, every accumulation micro-batch). Each rank back-propagates its own
 token-loss sum divided by that *global* count, and the strategies *sum* gradients over ranks, so the
 gradient equals the one a single device computes on the whole global batch, whatever the layout.
+
+``loss_reduction: micro_batch_mean`` (``micro_batch_num_items``) gives Axolotl's loss instead: each
+dp rank's micro-batch averaged over its own trained tokens, the step's loss the mean of those means.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,6 +42,29 @@ def global_num_items(
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(total, group=dp_group)
     return total
+
+
+def micro_batch_num_items(
+    micro_batches: Sequence[Mapping[str, torch.Tensor]],
+    dp_group: dist.ProcessGroup | None,
+    label_key: str = "shift_labels",
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
+    """The divisor of each of this rank's ``micro_batches`` under Axolotl's normalisation: its own
+    trained-token count × the number of micro-batches over all dp ranks that train any token. The
+    strategies sum the ranks' gradients, so the step's loss is the mean of the micro-batches' token
+    means (transformers' ``Trainer`` without ``num_items_in_batch``: each micro-batch's mean / the
+    accumulation steps, averaged over the ranks). A micro-batch with no trained token adds nothing
+    (Axolotl's is NaN). Counted before CP sharding; int64 device tensors, no host sync."""
+    if not micro_batches:
+        return []
+    counts = torch.stack(
+        [count_loss_tokens(mb[label_key]).to(device, non_blocking=True) for mb in micro_batches]
+    )
+    trained = (counts > 0).sum()
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(trained, group=dp_group)
+    return list(counts.clamp(min=1) * trained)
 
 
 def causal_lm_loss(

@@ -6,6 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+LossReduction = Literal["global_token_mean", "micro_batch_mean"]
+"""How a step's token losses make its loss (the YAML's ``loss_reduction``; a training-step argument,
+not an engine option): the global batch's token mean, or Axolotl's mean of the micro-batches' own
+token means (``techniques/loss.py``)."""
+PIPELINE_MICRO_BATCH_MEAN = (
+    "loss_reduction: micro_batch_mean under pipeline parallel needs one micro-batch per step: set "
+    "gradient_accumulation_steps: 1 (a larger micro_batch_size), or loss_reduction: global_token_mean"
+)
+"""The pipeline joins a step's micro-batches into one batch, under one token-count divisor."""
+
 
 @dataclass(frozen=True)
 class LossOptions:

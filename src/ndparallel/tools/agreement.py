@@ -84,7 +84,8 @@ def reversed_rows(setup: TrainSetup) -> TrainSetup:
 
 def split_micro_batches(setup: TrainSetup, parts: int = 2) -> TrainSetup:
     """The same training, every micro-batch's rows as ``parts`` accumulated micro-batches: equal in
-    real arithmetic (the loss is normalised over the whole step's tokens either way)."""
+    real arithmetic (the loss is normalised over the whole step's tokens either way); under
+    ``loss_reduction: micro_batch_mean``, the micro-batches of ``parts`` dp ranks on one process."""
     rows = setup.global_micro_batch // parts
     batches = [
         [{k: v[i * rows : (i + 1) * rows] for k, v in mb.items()} for mb in step for i in range(parts)]
@@ -98,7 +99,8 @@ def split_micro_batches(setup: TrainSetup, parts: int = 2) -> TrainSetup:
 def second_ways(setup: TrainSetup) -> list[TrainSetup]:
     """The trainings ``setup``'s reference is also run as to measure its noise (module docstring)."""
     ways = [reversed_rows(setup)]
-    if setup.mixed_precision == "fp16" and setup.global_micro_batch % 2 == 0:
+    splits = setup.global_micro_batch % 2 == 0 and setup.loss_reduction == "global_token_mean"
+    if setup.mixed_precision == "fp16" and splits:
         ways.append(split_micro_batches(setup))
     return ways
 

@@ -40,6 +40,9 @@ class TrainSetup:
     weight_decay: float = 0.01
     lr: float = 1e-2
     max_grad_norm: float | None = None
+    loss_reduction: str = "global_token_mean"
+    """The YAML's ``loss_reduction``: micro_batch_mean averages the dp ranks' micro-batches' own
+    token means (Axolotl's); its one process is ``split_micro_batches`` by dp (the same micro-batches)."""
     seed: int = 0
     ignore_fraction: float = 0.1  # share of label positions set to IGNORE_INDEX
     mixed_precision: str = "no"
@@ -229,6 +232,7 @@ def train_under_layout(setup: TrainSetup, layout: dict[str, int] | None = None) 
             max_grad_norm=setup.max_grad_norm,
             step=i + 1,
             scaler=scaler,
+            loss_reduction=setup.loss_reduction,
         )
         if scaler is not None:
             scales.append(scaler.scale)

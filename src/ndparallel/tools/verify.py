@@ -14,7 +14,14 @@ from ndparallel.config import TrainConfig
 from ndparallel.models.quantized import NF4Config
 from ndparallel.parallel.pp.split import virtual_stages
 from ndparallel.runtime.multirank import run_on_ranks
-from ndparallel.tools.agreement import Reference, quantiser_bounds, reference_in_rank, stated_bounds, verdict
+from ndparallel.tools.agreement import (
+    Reference,
+    quantiser_bounds,
+    reference_in_rank,
+    split_micro_batches,
+    stated_bounds,
+    verdict,
+)
 from ndparallel.tools.equivalence import TrainSetup, train_under_layout
 from ndparallel.tools.shrink import shrink_config
 
@@ -103,6 +110,7 @@ def _setup(cfg: TrainConfig, pc, small, steps: int):
         optimizer="sgd",
         lr=1e-2,
         max_grad_norm=cfg.max_grad_norm,
+        loss_reduction=cfg.loss_reduction,
         packed_documents=True,
         adapter=_adapter_kwargs(cfg),
         quantization=_shrunk_nf4(cfg),
@@ -214,6 +222,8 @@ def verify_layout(cfg: TrainConfig, pc, hf_config, steps: int = 3) -> bool:
     for name, run, bounds in runs:
         kept = {k: v for k, v in run.parallel_kwargs.items() if k == "qat_options"}  # one process, with QAT
         one = dataclasses.replace(run, parallel_kwargs=kept)
+        if run.loss_reduction == "micro_batch_mean" and pc.dp_size > 1:  # each dp rank's micro-batches
+            one = split_micro_batches(one, pc.dp_size)
         if bounds is None:  # fp32: the reference with its measured noise floor
             ref = run_on_ranks(reference_in_rank, 1, one, timeout_s=600)[0]
             plain = ref.result

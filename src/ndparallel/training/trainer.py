@@ -254,6 +254,7 @@ class Trainer:
             guard=self.nonfinite,
             step=self.state.step + 1,
             scaler=self.scaler,
+            loss_reduction=cfg.loss_reduction,
         )
         if self.profiler is not None:
             self.profiler = profile_step(engine, self.profiler, self.out)
