@@ -29,6 +29,14 @@ if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os
         tempfile.gettempdir(), f"torchinductor-ndparallel-{os.environ['ATEN_CPU_CAPABILITY']}"
     )
 
+if sys.flags.dont_write_bytecode:
+    # PYTHONDONTWRITEBYTECODE (set on the development machines) left no .pyc of ndparallel or of
+    # the tests: each test worker compiled ~230 modules and pytest rewrote every test module again
+    # (~5 s of CPU), and so did every launcher and rank the suite starts (~0.3 s each). The test
+    # processes write them again, as Python does by default (into the ignored __pycache__/
+    # folders); the interpreters they start still write nothing, they read what is there.
+    sys.dont_write_bytecode = False
+
 _THREADS = None
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     # One of the suite's test workers (scripts/test.sh): the cores are shared out between them, so
@@ -120,6 +128,10 @@ _COMPARE = _CountedCompare()
 def pytest_configure(config):
     if not _is_xdist_controller(config):
         _prepare_test_process()
+    elif getattr(config.option, "loadscopereorder", False):
+        # pytest-xdist >= 3.6 hands out files (--dist loadfile) by their number of tests unless
+        # told not to: the longest files (6-7 tests each) started halfway through the suite.
+        config.option.loadscopereorder = False  # the order pytest_collection_modifyitems gives
 
 
 @pytest.fixture(autouse=True)
