@@ -184,13 +184,18 @@ def _group_specs(
 
 
 def _bound(
-    req: PlanRequest, layout: ParallelDims, groups: list[list[Settings]], res: LayoutResult, unfit: list
+    req: PlanRequest,
+    layout: ParallelDims,
+    groups: list[list[Settings]],
+    res: LayoutResult,
+    unfit: list,
+    floor: float | None = None,
 ) -> None:
     """Cost what can still be the best of the options (``bounds.py``), the group of the highest bound
     on tokens/s first: each group ordered by its ``tokens_per_s_bound``, then, when it comes first,
     by the highest ``option_bound`` of its options (computed only then); an option whose own bound
-    is below the best so far is not tried. The options not costed for memory go to ``unfit`` with
-    the bytes they need at least."""
+    is below the best so far (or below ``floor``, when given) is not tried. The options not costed
+    for memory go to ``unfit`` with the bytes they need at least."""
     model, hw, g = req.model, req.hardware, req.gpus_per_node
     heap = [
         (-bounds.tokens_per_s_bound(model, layout, grp[0], hw, g), i, None) for i, grp in enumerate(groups)
@@ -199,16 +204,17 @@ def _bound(
     resident: dict[tuple, float] = {}
     fitted = {bounds.option_key(o.settings) for o in res.options if o.fits}
     best = max((o.tokens_per_s_per_gpu for o in res.options if o.fits), default=None)
+    bar = floor if best is None else best if floor is None else max(best, floor)
     while heap:
         bound, i, own = heapq.heappop(heap)
-        if best is not None and -bound < best * (1 - bounds.ROUNDING):
+        if bar is not None and -bound < bar * (1 - bounds.ROUNDING):
             break
-        if own is None and best is not None:  # its options' own bounds, then back in line
+        if own is None and bar is not None:  # its options' own bounds, then back in line
             own = _own_bounds(req, layout, groups[i])
             heapq.heappush(heap, (-min(-bound, max(own)), i, own))
             continue
         for s, option in zip(groups[i], own or [0.0] * len(groups[i])):
-            if own and option < best * (1 - bounds.ROUNDING):
+            if own and option < bar * (1 - bounds.ROUNDING):
                 continue
             if any(d in fitted for d in bounds.dominators(layout, s)):
                 continue
@@ -231,6 +237,7 @@ def _bound(
             if e.fits:
                 fitted.add(bounds.option_key(s))
                 best = max(best or 0.0, e.tokens_per_s_per_gpu)
+                bar = max(bar or 0.0, best)
 
 
 def _own_bounds(req: PlanRequest, layout: ParallelDims, group: list[Settings]) -> list[float]:
@@ -327,20 +334,21 @@ def describe_settings(s: Settings, layout: ParallelDims) -> str:
 
 def host_problem(req: PlanRequest, layout: ParallelDims, e: Estimate) -> str | None:
     """Why an option's offloaded activations do not fit the node's host budget, or None."""
-    return _host_problem(req, layout, e.memory)
+    return _host_problem(req, layout, e.memory.host_offload)
 
 
-def _host_problem(req: PlanRequest, layout: ParallelDims, mem: MemoryBreakdown) -> str | None:
+def _host_problem(req: PlanRequest, layout: ParallelDims, host_offload: float) -> str | None:
+    """``host_problem`` of a GPU's ``host_offload`` bytes."""
     if req.host_mem_bytes is None:
         return None
     per_node = min(req.gpus_per_node, layout.world)
     budget = HOST_BUDGET_FRACTION * req.host_mem_bytes
-    need = mem.host_offload * per_node
+    need = host_offload * per_node
     if need <= budget:
         return None
     return (
         f"offloaded activations need {need / GiB:.0f} GiB of host memory per node "
-        f"({per_node} GPUs × {mem.host_offload / GiB:.1f}) > {HOST_BUDGET_FRACTION:.0%} "
+        f"({per_node} GPUs × {host_offload / GiB:.1f}) > {HOST_BUDGET_FRACTION:.0%} "
         f"of --host-mem {req.host_mem_bytes / GiB:.0f} GiB"
     )
 
@@ -464,6 +472,22 @@ class _TopSearch:
         bound = bounds.tokens_per_s_bound(req.model, lay, first, req.hardware, req.gpus_per_node)
         heapq.heappush(self.heap, (-bound, 1, c, j))
 
+    def _above(self, i: int, floor: float) -> LayoutResult | None:
+        """``evaluate_layout`` of layout ``i`` where its best reaches ``floor`` (the options whose
+        bound is below it not tried), else None: below it. Only for a layout where an option of the
+        first tiling fits (``evaluate_layout`` tries no other). The best, where it reaches
+        ``floor``, is ``evaluate_layout``'s: no option that can reach it is skipped."""
+        req, lay = self.req, self.layouts[i]
+        res, unfit = LayoutResult(lay), []
+        reasons: dict[str, list[str]] = {"global_batch": [], "pp_microbatches": []}
+        groups = _option_groups(req, lay, self.base.but(tiled_mlp=self.first_tiling), {}, reasons)
+        res.searched = sum(len(g) for g in groups)
+        _bound(req, lay, groups, res, unfit, floor)
+        if max((o.tokens_per_s_per_gpu for o in res.options if o.fits), default=0.0) < floor:
+            return None
+        _choose(req, lay, res, reasons, unfit)
+        return res
+
     def others_of(self, i: int) -> list[tuple[Settings, list[Variant]]]:
         """The groups of the other tilings of layout ``i`` (none where the first tiling fits)."""
         c = self.cls.get(i)
@@ -489,8 +513,14 @@ class _TopSearch:
                         own = max(_own_bounds(req, self.layouts[i], grp))
                         heapq.heappush(heap, (-min(-bound, own), 2, i, which))
             elif out[where] is None:
-                out[where] = res = evaluate_layout(req, self.layouts[where], skip_unfit=True, base=self.base)
-                if res.ok:
+                if len(best) == top and self.fits[where]:  # it fits: evaluated only if among the best
+                    res = self._above(where, best[0])
+                    out[where] = res or True
+                else:
+                    out[where] = res = evaluate_layout(
+                        req, self.layouts[where], skip_unfit=True, base=self.base
+                    )
+                if res and res.ok:
                     heapq.heappush(best, res.best.tokens_per_s_per_gpu)
                     if len(best) > top:
                         heapq.heappop(best)
@@ -519,8 +549,11 @@ def _some_option_fits(
     hw = req.hardware
     lean = (_members(c, [min(v, key=lambda x: (x[0], not x[1], not x[2]))])[0] for c, v in specs)
     s = min(lean, key=_leanness)
-    mem = pipeline_memory(req.model, layout, s, hw, memory_cut(req.model, layout, s, hw, hw.mem_bytes))
-    return mem.total <= hw.mem_bytes and not _host_problem(req, layout, mem)
+    ranks = memory_cut(req.model, layout, s, hw, hw.mem_bytes)
+    mem = pipeline_memory(req.model, layout, s, hw, ranks)
+    # the host asked for the rank offloading the most, as ``estimate_pipeline`` asks it
+    host = max(rank[4].host_offload for rank in ranks)
+    return mem.total <= hw.mem_bytes and not _host_problem(req, layout, host)
 
 
 def _leanness(s: Settings) -> tuple:
