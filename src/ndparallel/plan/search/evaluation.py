@@ -444,9 +444,10 @@ class _TopSearch:
             return
         c, n = len(self.members), len(specs)
         # where an option of the first tiling fits, ``evaluate_layout`` tries no other
+        lean = _leanest(specs)
         for i in members:
             self.cls[i] = c
-            self.fits[i] = _some_option_fits(req, self.layouts[i], specs)
+            self.fits[i] = _fits(req, self.layouts[i], lean)
         if not all(self.fits[i] for i in members):
             specs = specs + [spec for t in self.other_tilings for spec in _specs(req, lay, base, t)]
         self.members.append(members)
@@ -546,9 +547,18 @@ def _some_option_fits(
     memory as far as its settings tell (the smallest micro-batch, the most recompute, offloaded,
     resharded) fits the device and the host: then the layout fits. False says nothing (memory is
     not monotone in every setting)."""
-    hw = req.hardware
+    return _fits(req, layout, _leanest(specs))
+
+
+def _leanest(specs: list[tuple[Settings, list[Variant]]]) -> Settings:
+    """``_some_option_fits``'s option: the same for every layout of a class (``_class_key``)."""
     lean = (_members(c, [min(v, key=lambda x: (x[0], not x[1], not x[2]))])[0] for c, v in specs)
-    s = min(lean, key=_leanness)
+    return min(lean, key=_leanness)
+
+
+def _fits(req: PlanRequest, layout: ParallelDims, s: Settings) -> bool:
+    """Whether option ``s`` of ``layout`` fits the device and the host."""
+    hw = req.hardware
     ranks = memory_cut(req.model, layout, s, hw, hw.mem_bytes)
     mem = pipeline_memory(req.model, layout, s, hw, ranks)
     # the host asked for the rank offloading the most, as ``estimate_pipeline`` asks it

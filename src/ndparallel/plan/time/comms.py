@@ -112,10 +112,15 @@ def predict_collectives(
     return out
 
 
-def collectives_for(model: ModelSpec, layout: ParallelDims, s: Settings) -> list[Collective]:
+def collectives_for(
+    model: ModelSpec, layout: ParallelDims, s: Settings, with_data_parallel: bool = True
+) -> list[Collective]:
+    """Every collective of one rank's step (``with_data_parallel`` False: but FSDP's and DDP's,
+    where no adapter changes them: what the search's TP floor asks, ``estimate.exposed_tp_seconds``)."""
     out: list[Collective] = []
     ga = s.gradient_accumulation_steps
-    out += data_parallel(model, layout, s)
+    if with_data_parallel or s.lora_r or s.load_in_4bit:
+        out += data_parallel(model, layout, s)
     tokens = s.micro_batch_size * s.sequence_len // layout.cp  # tokens per rank per micro-batch
     if layout.tp > 1:
         out += _TP.get(
