@@ -4,6 +4,7 @@ by this tree's ``src`` and by ``--against SRC`` (e.g. main's), stdout, stderr an
 byte for byte. A change that only makes the search faster must leave every one identical.
 
     python bench/plan_outputs.py --against /work/main/src [--only 70B]
+    python bench/plan_speed.py --compare-outputs /work/main/src
 """
 
 from __future__ import annotations
@@ -66,13 +67,13 @@ def compare(args: str, src: str, against: str) -> tuple[str, bool]:
     return args, run(args, src) == run(args, against)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--against", required=True, help="the other checkout's src directory")
     ap.add_argument("--src", default=str(ROOT / "src"))
     ap.add_argument("--only", default="", help="only the requests containing this text")
     ap.add_argument("--jobs", type=int, default=2)
-    opts = ap.parse_args()
+    opts = ap.parse_args(argv)
     todo = [r for r in REQUESTS if opts.only in r]
     with ThreadPoolExecutor(opts.jobs) as pool:
         results = list(pool.map(lambda r: compare(r, opts.src, opts.against), todo))
