@@ -13,7 +13,8 @@ search timed is the table's (``plan(top=TOP)``: the best ``TOP`` layouts ranked,
 counted), its size that of every layout's best (``plan()``, as ``--json``). With ``--against SRC``
 (another checkout's ``src``, e.g. main's), that tree's search of the same request (the table's,
 where it has ``top``), in a fresh process, and the ratio to it. Writes ``plan_speed.json`` into
-``--out`` (default bench/results).
+``--out`` (default bench/results). ``--compare-outputs SRC``: only whether ~30 requests print the
+same as with that tree (``plan_outputs.py``: a faster search must answer the same).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import plan_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 H100 = "--gpus-per-node 8 --gpu h100-80gb"
@@ -130,7 +133,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--against", help="another checkout's src directory: its search, same request, same run")
+    ap.add_argument("--compare-outputs", metavar="SRC", help="only compare ~30 requests' output with SRC's")
     opts = ap.parse_args()
+    if opts.compare_outputs:
+        raise SystemExit(plan_outputs.main(["--against", opts.compare_outputs]))
     rows = []
     print(
         "| request | command CPU s | wall s | search, cProfile s | search CPU s (size) | "

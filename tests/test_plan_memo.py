@@ -13,8 +13,10 @@ from ndparallel.plan.hardware import PRESETS as HW
 from ndparallel.plan.memo import Memo, clear_memos
 from ndparallel.plan.memory import peak
 from ndparallel.plan.models import PRESETS
+from ndparallel.plan.search import bounds
+from ndparallel.plan.search.estimate import exposure
 from ndparallel.plan.settings import COLLECTIVE_FIELDS, Settings
-from ndparallel.plan.time import comms
+from ndparallel.plan.time import comms, links
 from ndparallel.plan.time.compute import MICRO_BATCH_FIELDS, STEP_DEFAULTS
 
 _CHOICES = {
@@ -134,3 +136,31 @@ def test_memo_computes_once_and_stays_bounded():
     memo.get("b", lambda: 2)
     memo.get("c", lambda: 3)  # full: emptied first
     assert list(memo.table) == ["c"]
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_data_parallel_calls_read_only_the_precision(model_name):
+    """``bounds.fsdp_traffic`` memoises each call's seconds (``comms.data_parallel_calls``) on the
+    layout and ``mixed_precision``: no other field moves them, and the traffic it sums from them is
+    the cost table's sum over ``comms.data_parallel``, to the bit, whatever the accumulation,
+    resharding and synchronisation."""
+    model, hw = PRESETS[model_name], HW["h100-80gb"]
+    layout = ParallelDims(dp_replicate=2, dp_shard=4, cp=2, tp=4, ep=4 if model.is_moe else 1)
+    costs = links.cost_table(layout, hw, 8)
+    for s in BASES:
+        want = comms.data_parallel_calls(model, layout, s)
+        for f in fields(Settings):
+            if f.name != "mixed_precision":
+                assert comms.data_parallel_calls(model, layout, s.but(**{f.name: _other(s, f.name)})) == want
+        for ga, uga, raf, rab, sync in [(1, False, True, True, False), (4, True, False, False, True)]:
+            step = s.but(
+                gradient_accumulation_steps=ga,
+                unsharded_grad_accumulation=uga,
+                reshard_after_forward=raf,
+                reshard_after_backward=rab,
+                sync_every_microbatch=sync,
+            )
+            sums = {"gather": 0.0, "reduce": 0.0}
+            for c in comms._data_parallel(model, layout, step):
+                sums[exposure(c)] += costs[c][0]
+            assert bounds.fsdp_traffic(model, layout, step, hw, 8) == (sums["gather"], sums["reduce"])

@@ -70,19 +70,23 @@ def test_pruned_search_is_the_exhaustive_one(name):
 def test_bounds_hold_for_every_option(name):
     """Every option's tokens/s is at most its ``option_bound``, that at most its
     ``tokens_per_s_bound`` (the rank floors of both, which the settings the group varies — gradient
-    reduction, resharding, offloading — leave unchanged), and its memory at least its resident
-    bytes."""
+    reduction, resharding, offloading — leave unchanged), that at most its ``relaxed_bound`` (the
+    step without checkpointing: whatever its policy, offloading and tiling), and its memory at
+    least its resident bytes."""
     req = _request(name.removesuffix(", some layouts"))
     model, hw, g = req.model, req.hardware, req.gpus_per_node
     layouts = _layouts(req)
     if name.endswith("some layouts"):  # each pp degree with FSDP, and one without
         layouts = [lay for lay in layouts if lay.pp > 1 and (lay.fsdp == 2 or lay.dp == 1)]
         assert {lay.pp for lay in layouts} >= {2, 4, 8}
-    checked = tighter = 0
+    checked = tighter = recomputed = 0
     for layout in layouts:
         for o in evaluate_layout(req, layout).options:
             s = o.settings
             bound = bounds.tokens_per_s_bound(model, layout, s, hw, g)
+            relaxed = bounds.relaxed_bound(model, layout, s, hw, g)
+            assert bound <= relaxed * (1 + bounds.ROUNDING), (layout, s)
+            recomputed += s.activation_checkpointing and bound < relaxed
             plain = s.but(
                 unsharded_grad_accumulation=False, reshard_after_forward=False, activation_offloading=False
             )
@@ -98,6 +102,7 @@ def test_bounds_hold_for_every_option(name):
             checked += 1
     assert checked > 100
     assert tighter > 0  # FSDP's exposure bounds some option tighter than its compute alone
+    assert recomputed > 0  # recompute bounds some option tighter than the step without it
 
 
 def test_8b_on_8_h100_at_8192_checkpoints_selectively_or_not_at_all():
@@ -111,18 +116,28 @@ def test_8b_on_8_h100_at_8192_checkpoints_selectively_or_not_at_all():
 @pytest.mark.parametrize("top", [1, 3])
 def test_top_search_is_the_full_one(top, monkeypatch):
     """``plan(top=k)``: the best k layouts, their settings and order, the count of those that fit
-    and every rejection (code and message) of the full search; some layouts not evaluated."""
+    and every rejection (code and message) of the full search; some layouts not evaluated, some
+    evaluated only above the best ``top`` so far (``_TopSearch._above``), found below it or not."""
     evaluated = []
+    above = []
+    only_above = evaluation._TopSearch._above
 
     def counted(req, layout, **kw):
         evaluated.append(layout)
         return every(req, layout, **kw)
+
+    def counted_above(search, i, floor):
+        res = only_above(search, i, floor)
+        evaluated.append(search.layouts[i])
+        above.append(res is None)
+        return res
 
     skipped = 0
     for name in CASES:
         req = _request(name)
         with monkeypatch.context() as m:
             m.setattr(evaluation, "evaluate_layout", counted)
+            m.setattr(evaluation._TopSearch, "_above", counted_above)
             best = plan(req, top=top)
         full = plan(req)
         skipped += len(full.ranked) + len(full.rejected) - len(evaluated)
@@ -135,3 +150,22 @@ def test_top_search_is_the_full_one(top, monkeypatch):
             (r.layout, r.rejections) for r in full.rejected
         ], name
     assert skipped > 0
+    assert set(above) == {True, False}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_fitting_lean_option_means_the_layout_fits(name):
+    """Where ``_some_option_fits`` says yes (the device and, for the rank offloading the most,
+    the host), ``evaluate_layout`` finds an option that fits: the table's search counts such a
+    layout as fitting without evaluating it, and evaluates it only if it can reach the best."""
+    req = _request(name)
+    base = evaluation.base_settings(req)
+    said = 0
+    for layout in _layouts(req):
+        if evaluation._layout_rejections(req, layout, base):
+            continue
+        specs = evaluation._specs(req, layout, base, False)
+        if specs and evaluation._some_option_fits(req, layout, specs):
+            said += 1
+            assert evaluate_layout(req, layout, skip_unfit=True).ok, layout
+    assert said > 0

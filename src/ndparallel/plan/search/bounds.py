@@ -5,6 +5,8 @@ them; docs/planner.md, *Search size*).
 * ``step_floor``: the step takes at least its micro-batches' compute (a pipeline's bubble on top):
   tokens/s at most ``tokens / step_floor``. An option whose bound is below the layout's best so far
   cannot win; options are tried in the order of their bounds, the best first.
+* ``relaxed_bound``: ``step_floor``'s bound without checkpointing, at least every policy's: the
+  table's search (``evaluation._top``) bounds a step's policies by it before computing theirs.
 * ``option_floor``: the same floor with the option's own exposed FSDP traffic on top (its gathers
   and reductions no compute hides: ``estimate.fsdp_exposed``), which resharding and gradient
   accumulation change; the search computes it for a group only when the group's ``step_floor``
@@ -133,6 +135,16 @@ def tokens_per_s_bound(
     return _per_gpu(layout, s, step_floor(model, layout, s, hw, gpus_per_node))
 
 
+def relaxed_bound(
+    model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware, gpus_per_node: int
+) -> float:
+    """``tokens_per_s_bound`` of ``s`` without checkpointing (nor offloading, which needs it): at
+    least that of every checkpointing policy of the same step, recompute only adding compute and
+    TP collectives (``tests/test_plan_search_space.py`` checks it on every option it costs)."""
+    off = s.but(activation_checkpointing=False, ac_policy="full", activation_offloading=False)
+    return tokens_per_s_bound(model, layout, off, hw, gpus_per_node)
+
+
 def _per_gpu(layout: ParallelDims, s: Settings, seconds: float) -> float:
     """Tokens/s per GPU of a step of ``seconds`` (the global batch over the world)."""
     tokens = s.micro_batch_size * s.gradient_accumulation_steps * layout.dp * s.sequence_len
@@ -184,15 +196,35 @@ def _fsdp_traffic(
     model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware, gpus_per_node: int
 ) -> tuple[float, float]:
     costs = links.cost_table(layout, hw, gpus_per_node)
-    adapted = s.lora_r or s.load_in_4bit
     gather = reduce = 0.0
-    for c in comms.collectives_for(model, layout, s) if adapted else comms.data_parallel(model, layout, s):
-        kind = exposure(c)
-        if kind == "gather":
-            gather += costs[c][0]
-        elif kind == "reduce":
-            reduce += costs[c][0]
+    if s.lora_r or s.load_in_4bit:
+        for c in comms.collectives_for(model, layout, s):
+            kind = exposure(c)
+            if kind == "gather":
+                gather += costs[c][0]
+            elif kind == "reduce":
+                reduce += costs[c][0]
+        return gather, reduce
+    # comms.data_parallel's collectives (all overlapped with compute), each call's seconds once
+    # per layout: ``calls * seconds`` is the cost table's ``c.count * collective_time`` exactly
+    key = (model, layout, s.mixed_precision, hw, id(hw), gpus_per_node)
+    for kind, count, reshards, seconds in _CALLS.get(key, lambda: _call_seconds(model, layout, s, costs)):
+        if kind == "all_gather":
+            gather += comms.calls_per_step(kind, count, reshards, s) * seconds
+        else:
+            reduce += comms.calls_per_step(kind, count, reshards, s) * seconds
     return gather, reduce
+
+
+_CALLS = Memo(16384)
+
+
+def _call_seconds(model: ModelSpec, layout: ParallelDims, s: Settings, costs: dict) -> tuple:
+    """(kind, units, reshards, seconds of one call) of each of ``comms.data_parallel_calls``."""
+    return tuple(
+        (kind, count, reshards, costs[comms.Collective(kind, dim, nbytes, 1, what, "compute")][0])
+        for kind, dim, nbytes, what, count, reshards in comms.data_parallel_calls(model, layout, s)
+    )
 
 
 def option_bound(

@@ -163,9 +163,11 @@ def exposure(c) -> str:
 def exposed_tp_seconds(
     model: ModelSpec, layout: ParallelDims, s: Settings, hw: Hardware, gpus_per_node: int
 ) -> float:
-    """``rank_step``'s ``tp``: the seconds of the collectives no compute hides (TP's)."""
+    """``rank_step``'s ``tp``: the seconds of the collectives no compute hides (TP's; FSDP's, all
+    hidden, are not listed)."""
     costs = links.cost_table(layout, hw, gpus_per_node)
-    return sum(costs[c][0] for c in comms.collectives_for(model, layout, s) if exposure(c) == "tp")
+    colls = comms.collectives_for(model, layout, s, with_data_parallel=False)
+    return sum(costs[c][0] for c in colls if exposure(c) == "tp")
 
 
 def fsdp_exposed(gather: float, reduce: float, n_units: float, s: Settings, t_mb: float) -> float:

@@ -184,13 +184,18 @@ def _group_specs(
 
 
 def _bound(
-    req: PlanRequest, layout: ParallelDims, groups: list[list[Settings]], res: LayoutResult, unfit: list
+    req: PlanRequest,
+    layout: ParallelDims,
+    groups: list[list[Settings]],
+    res: LayoutResult,
+    unfit: list,
+    floor: float | None = None,
 ) -> None:
     """Cost what can still be the best of the options (``bounds.py``), the group of the highest bound
     on tokens/s first: each group ordered by its ``tokens_per_s_bound``, then, when it comes first,
     by the highest ``option_bound`` of its options (computed only then); an option whose own bound
-    is below the best so far is not tried. The options not costed for memory go to ``unfit`` with
-    the bytes they need at least."""
+    is below the best so far (or below ``floor``, when given) is not tried. The options not costed
+    for memory go to ``unfit`` with the bytes they need at least."""
     model, hw, g = req.model, req.hardware, req.gpus_per_node
     heap = [
         (-bounds.tokens_per_s_bound(model, layout, grp[0], hw, g), i, None) for i, grp in enumerate(groups)
@@ -199,16 +204,17 @@ def _bound(
     resident: dict[tuple, float] = {}
     fitted = {bounds.option_key(o.settings) for o in res.options if o.fits}
     best = max((o.tokens_per_s_per_gpu for o in res.options if o.fits), default=None)
+    bar = floor if best is None else best if floor is None else max(best, floor)
     while heap:
         bound, i, own = heapq.heappop(heap)
-        if best is not None and -bound < best * (1 - bounds.ROUNDING):
+        if bar is not None and -bound < bar * (1 - bounds.ROUNDING):
             break
-        if own is None and best is not None:  # its options' own bounds, then back in line
+        if own is None and bar is not None:  # its options' own bounds, then back in line
             own = _own_bounds(req, layout, groups[i])
             heapq.heappush(heap, (-min(-bound, max(own)), i, own))
             continue
         for s, option in zip(groups[i], own or [0.0] * len(groups[i])):
-            if own and option < best * (1 - bounds.ROUNDING):
+            if own and option < bar * (1 - bounds.ROUNDING):
                 continue
             if any(d in fitted for d in bounds.dominators(layout, s)):
                 continue
@@ -231,6 +237,7 @@ def _bound(
             if e.fits:
                 fitted.add(bounds.option_key(s))
                 best = max(best or 0.0, e.tokens_per_s_per_gpu)
+                bar = max(bar or 0.0, best)
 
 
 def _own_bounds(req: PlanRequest, layout: ParallelDims, group: list[Settings]) -> list[float]:
@@ -327,20 +334,21 @@ def describe_settings(s: Settings, layout: ParallelDims) -> str:
 
 def host_problem(req: PlanRequest, layout: ParallelDims, e: Estimate) -> str | None:
     """Why an option's offloaded activations do not fit the node's host budget, or None."""
-    return _host_problem(req, layout, e.memory)
+    return _host_problem(req, layout, e.memory.host_offload)
 
 
-def _host_problem(req: PlanRequest, layout: ParallelDims, mem: MemoryBreakdown) -> str | None:
+def _host_problem(req: PlanRequest, layout: ParallelDims, host_offload: float) -> str | None:
+    """``host_problem`` of a GPU's ``host_offload`` bytes."""
     if req.host_mem_bytes is None:
         return None
     per_node = min(req.gpus_per_node, layout.world)
     budget = HOST_BUDGET_FRACTION * req.host_mem_bytes
-    need = mem.host_offload * per_node
+    need = host_offload * per_node
     if need <= budget:
         return None
     return (
         f"offloaded activations need {need / GiB:.0f} GiB of host memory per node "
-        f"({per_node} GPUs × {mem.host_offload / GiB:.1f}) > {HOST_BUDGET_FRACTION:.0%} "
+        f"({per_node} GPUs × {host_offload / GiB:.1f}) > {HOST_BUDGET_FRACTION:.0%} "
         f"of --host-mem {req.host_mem_bytes / GiB:.0f} GiB"
     )
 
@@ -375,51 +383,148 @@ def _rank_key(r: LayoutResult) -> tuple:
 
 def _top(req: PlanRequest, layouts: list[ParallelDims], base: Settings, top: int) -> list:
     """Per layout its ``LayoutResult`` where evaluated, else True: it fits (not among the best
-    ``top``). Best first over every layout's option groups (``_option_groups``): a group's bound
-    on tokens/s (``bounds.tokens_per_s_bound``), tightened when it comes first to its options' own
-    (``bounds.option_bound``; none where its resident states exceed the device), then its layout
-    evaluated; until ``top`` layouts are evaluated that fit, the ``top``-th best above every bound
-    left. The others: rejected or not as ``evaluate_layout`` says (``_some_option_fits`` first)."""
-    model, hw, g = req.model, req.hardware, req.gpus_per_node
+    ``top``). Best first over the option groups (``_option_groups``) of every class of layouts
+    (``_class_key``: what the groups and their bound read; one class holds a (pp, cp, tp)'s
+    splits of data parallel into replicas and shards), each level's bound on tokens/s at least
+    the next's: a class's groups of one micro-batch, schedule and tiling by the bound without
+    checkpointing (``bounds.relaxed``); when that comes first, each group by its own
+    (``bounds.tokens_per_s_bound``); when that comes first, the group in each layout of the class
+    by its options' (``bounds.option_bound``; none where its resident states exceed the device);
+    when that comes first, its layout evaluated. Until ``top`` layouts are evaluated that fit, the
+    ``top``-th best above every bound left. The others: rejected or not as ``evaluate_layout``
+    says (``_some_option_fits`` first)."""
     out: list = [None] * len(layouts)
-    specs: dict[int, list[tuple[Settings, list[Variant]]]] = {}
-    tiled: dict[int, list[tuple[Settings, list[Variant]]]] = {}  # the other tilings' groups
-    fits: dict[int, bool] = {}
-    heap = []
-    first_tiling, *others = choices.tiling(req, None)
+    classes: dict[tuple, list[int]] = {}
     for i, lay in enumerate(layouts):
-        specs[i] = [] if _layout_rejections(req, lay, base) else _specs(req, lay, base, first_tiling)
-        if not specs[i]:  # rejected before any option is costed
+        if _layout_rejections(req, lay, base):  # rejected before any option is costed
             out[i] = evaluate_layout(req, lay, skip_unfit=True, base=base)
-            continue
-        # where an option of the first tiling fits, ``evaluate_layout`` tries no other
-        fits[i] = _some_option_fits(req, lay, specs[i])
-        tiled[i] = [] if fits[i] else [spec for t in others for spec in _specs(req, lay, base, t)]
-        specs[i] += tiled[i]
-        for j, (compute, variants) in enumerate(specs[i]):
-            first = _members(compute, variants[:1])[0]
-            heap.append((-bounds.tokens_per_s_bound(model, lay, first, hw, g), i, j, False))
-    heapq.heapify(heap)
-    best: list[float] = []  # the tokens/s of the best ``top`` evaluated so far, a min-heap
-    while heap and not (len(best) == top and -heap[0][0] < best[0] * (1 - bounds.ROUNDING)):
-        bound, i, j, own = heapq.heappop(heap)
-        if out[i] is not None:
-            continue
-        if not own:  # the group's options' own bounds, then back in line
-            grp = _members(*specs[i][j])
-            if _resident(model, layouts[i], grp[0], hw) <= hw.mem_bytes:
-                heapq.heappush(heap, (-min(-bound, max(_own_bounds(req, layouts[i], grp))), i, j, True))
-            continue
-        out[i] = res = evaluate_layout(req, layouts[i], skip_unfit=True, base=base)
-        if res.ok:
-            heapq.heappush(best, res.best.tokens_per_s_per_gpu)
-            if len(best) > top:
-                heapq.heappop(best)
+        else:
+            classes.setdefault(_class_key(req.model, lay), []).append(i)
+    search = _TopSearch(req, layouts, base, out)
+    for members in classes.values():
+        search.add_class(members)
+    search.run(top)
     for i, lay in enumerate(layouts):
         if out[i] is None:
-            some = fits[i] or bool(tiled[i]) and _some_option_fits(req, lay, tiled[i])
+            others = search.others_of(i)
+            some = search.fits[i] or bool(others) and _some_option_fits(req, lay, others)
             out[i] = some or evaluate_layout(req, lay, skip_unfit=True, base=base)
     return out
+
+
+def _class_key(model: ModelSpec, layout: ParallelDims) -> tuple:
+    """The layouts whose option groups (``_group_specs``: pp, dp, dp·cp) and their bounds
+    (``bounds.tokens_per_s_bound``: a dense model's pp, cp, tp, and dp, world) are the same."""
+    return (layout,) if model.is_moe else (layout.pp, layout.dp, layout.cp, layout.tp)
+
+
+class _TopSearch:
+    """``_top``'s heap of bounds, one class of layouts (``_class_key``) at a time: its entries
+    (-bound, level, where, which), level 0 a class's step (``which``: micro-batch, schedule and
+    tiling) with several checkpointing groups, 1 a class's group, 2 a layout's group."""
+
+    def __init__(self, req: PlanRequest, layouts: list[ParallelDims], base: Settings, out: list) -> None:
+        self.req, self.layouts, self.base, self.out = req, layouts, base, out
+        self.first_tiling, *self.other_tilings = choices.tiling(req, None)
+        self.members: list[list[int]] = []  # per class: its layouts
+        self.specs: list[list[tuple[Settings, list[Variant]]]] = []  # per class: its groups
+        self.firsts: list[int] = []  # per class: its groups of the first tiling
+        self.steps: list[list[list[int]]] = []  # per class: its groups by step
+        self.fits: dict[int, bool] = {}
+        self.cls: dict[int, int] = {}
+        self.heap: list = []
+
+    def add_class(self, members: list[int]) -> None:
+        req, base = self.req, self.base
+        lay = self.layouts[members[0]]
+        specs = _specs(req, lay, base, self.first_tiling)
+        if not specs:  # no option runs: each layout rejected as ``evaluate_layout`` says
+            for i in members:
+                self.out[i] = evaluate_layout(req, self.layouts[i], skip_unfit=True, base=base)
+            return
+        c, n = len(self.members), len(specs)
+        # where an option of the first tiling fits, ``evaluate_layout`` tries no other
+        lean = _leanest(specs)
+        for i in members:
+            self.cls[i] = c
+            self.fits[i] = _fits(req, self.layouts[i], lean)
+        if not all(self.fits[i] for i in members):
+            specs = specs + [spec for t in self.other_tilings for spec in _specs(req, lay, base, t)]
+        self.members.append(members)
+        self.specs.append(specs)
+        self.firsts.append(n)
+        steps: dict[tuple, list[int]] = {}
+        for j, (compute, _) in enumerate(specs):
+            key = (compute.micro_batch_size, compute.pipeline_schedule, compute.pipeline_virtual_stages)
+            steps.setdefault((*key, compute.tiled_mlp), []).append(j)
+        self.steps.append(list(steps.values()))
+        model, hw, g = req.model, req.hardware, req.gpus_per_node
+        for k, js in enumerate(self.steps[c]):
+            if len(js) == 1:
+                self._push_group(c, js[0])
+            else:
+                first = _members(*specs[js[0]])[0]
+                self.heap.append((-bounds.relaxed_bound(model, lay, first, hw, g), 0, c, k))
+
+    def _push_group(self, c: int, j: int) -> None:
+        req = self.req
+        lay = self.layouts[self.members[c][0]]
+        first = _members(self.specs[c][j][0], self.specs[c][j][1][:1])[0]
+        bound = bounds.tokens_per_s_bound(req.model, lay, first, req.hardware, req.gpus_per_node)
+        heapq.heappush(self.heap, (-bound, 1, c, j))
+
+    def _above(self, i: int, floor: float) -> LayoutResult | None:
+        """``evaluate_layout`` of layout ``i`` where its best reaches ``floor`` (the options whose
+        bound is below it not tried), else None: below it. Only for a layout where an option of the
+        first tiling fits (``evaluate_layout`` tries no other). The best, where it reaches
+        ``floor``, is ``evaluate_layout``'s: no option that can reach it is skipped."""
+        req, lay = self.req, self.layouts[i]
+        res, unfit = LayoutResult(lay), []
+        reasons: dict[str, list[str]] = {"global_batch": [], "pp_microbatches": []}
+        groups = _option_groups(req, lay, self.base.but(tiled_mlp=self.first_tiling), {}, reasons)
+        res.searched = sum(len(g) for g in groups)
+        _bound(req, lay, groups, res, unfit, floor)
+        if max((o.tokens_per_s_per_gpu for o in res.options if o.fits), default=0.0) < floor:
+            return None
+        _choose(req, lay, res, reasons, unfit)
+        return res
+
+    def others_of(self, i: int) -> list[tuple[Settings, list[Variant]]]:
+        """The groups of the other tilings of layout ``i`` (none where the first tiling fits)."""
+        c = self.cls.get(i)
+        return [] if c is None or self.fits[i] else self.specs[c][self.firsts[c] :]
+
+    def run(self, top: int) -> None:
+        req, heap, out = self.req, self.heap, self.out
+        model, hw = req.model, req.hardware
+        heapq.heapify(heap)
+        best: list[float] = []  # the tokens/s of the best ``top`` evaluated so far, a min-heap
+        while heap and not (len(best) == top and -heap[0][0] < best[0] * (1 - bounds.ROUNDING)):
+            bound, level, where, which = heapq.heappop(heap)
+            if level == 0:  # a step's groups, each by its own bound
+                for j in self.steps[where][which]:
+                    self._push_group(where, j)
+            elif level == 1:  # the group in each layout of its class, by its options' bounds
+                grp = _members(*self.specs[where][which])
+                tiled = which >= self.firsts[where]
+                for i in self.members[where]:
+                    if out[i] is not None or tiled and self.fits[i]:
+                        continue
+                    if _resident(model, self.layouts[i], grp[0], hw) <= hw.mem_bytes:
+                        own = max(_own_bounds(req, self.layouts[i], grp))
+                        heapq.heappush(heap, (-min(-bound, own), 2, i, which))
+            elif out[where] is None:
+                if len(best) == top and self.fits[where]:  # it fits: evaluated only if among the best
+                    res = self._above(where, best[0])
+                    out[where] = res or True
+                else:
+                    out[where] = res = evaluate_layout(
+                        req, self.layouts[where], skip_unfit=True, base=self.base
+                    )
+                if res and res.ok:
+                    heapq.heappush(best, res.best.tokens_per_s_per_gpu)
+                    if len(best) > top:
+                        heapq.heappop(best)
 
 
 def _specs(
@@ -442,11 +547,23 @@ def _some_option_fits(
     memory as far as its settings tell (the smallest micro-batch, the most recompute, offloaded,
     resharded) fits the device and the host: then the layout fits. False says nothing (memory is
     not monotone in every setting)."""
-    hw = req.hardware
+    return _fits(req, layout, _leanest(specs))
+
+
+def _leanest(specs: list[tuple[Settings, list[Variant]]]) -> Settings:
+    """``_some_option_fits``'s option: the same for every layout of a class (``_class_key``)."""
     lean = (_members(c, [min(v, key=lambda x: (x[0], not x[1], not x[2]))])[0] for c, v in specs)
-    s = min(lean, key=_leanness)
-    mem = pipeline_memory(req.model, layout, s, hw, memory_cut(req.model, layout, s, hw, hw.mem_bytes))
-    return mem.total <= hw.mem_bytes and not _host_problem(req, layout, mem)
+    return min(lean, key=_leanness)
+
+
+def _fits(req: PlanRequest, layout: ParallelDims, s: Settings) -> bool:
+    """Whether option ``s`` of ``layout`` fits the device and the host."""
+    hw = req.hardware
+    ranks = memory_cut(req.model, layout, s, hw, hw.mem_bytes)
+    mem = pipeline_memory(req.model, layout, s, hw, ranks)
+    # the host asked for the rank offloading the most, as ``estimate_pipeline`` asks it
+    host = max(rank[4].host_offload for rank in ranks)
+    return mem.total <= hw.mem_bytes and not _host_problem(req, layout, host)
 
 
 def _leanness(s: Settings) -> tuple:

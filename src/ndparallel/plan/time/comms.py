@@ -112,10 +112,15 @@ def predict_collectives(
     return out
 
 
-def collectives_for(model: ModelSpec, layout: ParallelDims, s: Settings) -> list[Collective]:
+def collectives_for(
+    model: ModelSpec, layout: ParallelDims, s: Settings, with_data_parallel: bool = True
+) -> list[Collective]:
+    """Every collective of one rank's step (``with_data_parallel`` False: but FSDP's and DDP's,
+    where no adapter changes them: what the search's TP floor asks, ``estimate.exposed_tp_seconds``)."""
     out: list[Collective] = []
     ga = s.gradient_accumulation_steps
-    out += data_parallel(model, layout, s)
+    if with_data_parallel or s.lora_r or s.load_in_4bit:
+        out += data_parallel(model, layout, s)
     tokens = s.micro_batch_size * s.sequence_len // layout.cp  # tokens per rank per micro-batch
     if layout.tp > 1:
         out += _TP.get(
@@ -158,47 +163,48 @@ def _data_parallel(model: ModelSpec, layout: ParallelDims, s: Settings) -> list[
     """FSDP2 per unit and micro-batch: all-gather in forward (+ again in backward if resharded;
     ``Settings.gathers_per_step``); reduce-scatter of gradients in fp32 on every micro-batch (only
     the last one with ``unsharded_grad_accumulation``) and the HSDP/DDP all-reduce over
-    dp_replicate once per step (every micro-batch with ``sync_every_microbatch``)."""
+    dp_replicate once per step (every micro-batch with ``sync_every_microbatch``): the calls of
+    ``data_parallel_calls``, each ``calls_per_step`` times."""
+    return [
+        Collective(kind, dim, nbytes, calls_per_step(kind, count, reshards, s), what, "compute")
+        for kind, dim, nbytes, what, count, reshards in data_parallel_calls(model, layout, s)
+    ]
+
+
+DataParallelCall = tuple
+"""(kind, mesh dim, bytes per call, what, the unit's count, whether it reshards after forward): one
+of a step's data-parallel collectives before its number of calls (``calls_per_step``)."""
+
+
+def data_parallel_calls(model: ModelSpec, layout: ParallelDims, s: Settings) -> list[DataParallelCall]:
+    """Per FSDP unit its all-gather and reduce-scatter (sharded over ``n`` > 1 ranks) and its
+    replicas' all-reduce: what ``_data_parallel`` counts. Of ``s`` it reads only the bytes of an
+    element (``mixed_precision``), not the step's accumulation, resharding or synchronisation: the
+    search's bounds reuse it across them (``bounds.fsdp_traffic``)."""
     out = []
-    red = s.reducing_microbatches
+    compute_bytes, reduce_bytes = s.param_compute_bytes, s.reduce_bytes
     numels = unit_numels(model, layout.tp, layout.fsdp, layout)
     for unit, (count, reshards) in fsdp_units(model).items():
         local, shard = numels[unit]
         dim, n = ("efsdp", layout.efsdp) if unit == "experts" else ("dp_shard_cp", layout.fsdp)
         if n > 1:
-            out.append(
-                Collective(
-                    "all_gather",
-                    dim,
-                    shard * s.param_compute_bytes,
-                    s.gathers_per_step(reshards) * count,
-                    f"FSDP all-gather params ({unit})",
-                    "compute",
-                )
-            )
-            out.append(
-                Collective(
-                    "reduce_scatter",
-                    dim,
-                    shard * n * s.reduce_bytes,
-                    count * red,
-                    f"FSDP reduce-scatter grads ({unit})",
-                    "compute",
-                )
-            )
+            gather, scatter = f"FSDP all-gather params ({unit})", f"FSDP reduce-scatter grads ({unit})"
+            out.append(("all_gather", dim, shard * compute_bytes, gather, count, reshards))
+            out.append(("reduce_scatter", dim, shard * n * reduce_bytes, scatter, count, reshards))
         if layout.dp_replicate > 1:
             size = shard if n > 1 else local
-            out.append(
-                Collective(
-                    "all_reduce",
-                    "dp_replicate",
-                    size * s.reduce_bytes,
-                    count * s.replica_reductions,
-                    f"{'HSDP' if n > 1 else 'DDP'} all-reduce grads ({unit})",
-                    "compute",
-                )
-            )
+            what = f"{'HSDP' if n > 1 else 'DDP'} all-reduce grads ({unit})"
+            out.append(("all_reduce", "dp_replicate", size * reduce_bytes, what, count, reshards))
     return out
+
+
+def calls_per_step(kind: str, count: int, reshards: bool, s: Settings) -> int:
+    """Calls per step of a data-parallel collective of ``count`` units (``data_parallel_calls``)."""
+    if kind == "all_gather":
+        return s.gathers_per_step(reshards) * count
+    if kind == "reduce_scatter":
+        return count * s.reducing_microbatches
+    return count * s.replica_reductions
 
 
 def _tensor_parallel(model: ModelSpec, layout: ParallelDims, s: Settings, tokens: int, ga: int):
