@@ -121,6 +121,16 @@ def test_curriculum_sampling_turns_the_shuffle_off(tmp_path, capsys, monkeypatch
             "sample_packing_sequentially: true\n",
             "sample_packing_sequentially: true without sample_packing: true",
         ),
+        ("sample_packing_order: multipack\n", "sample_packing_order: multipack without sample_packing: true"),
+        (
+            "sample_packing_order: multipack\nsample_packing: true\nsample_packing_boundary_targets: true\n",
+            "sample_packing_order: multipack and sample_packing_boundary_targets: true are not offered",
+        ),
+        (
+            "sample_packing_order: multipack\nsample_packing: true\nmicro_batch_size: 2\n"
+            "attn_implementation: flash_attention_2\n",
+            "multipack with attn_implementation: flash_attention_2 and micro_batch_size: 2",
+        ),
     ],
 )
 def test_data_order_switches_refused_where_they_cannot_apply(tmp_path, capsys, monkeypatch, extra, fragment):
