@@ -159,3 +159,18 @@ def test_merged_order_is_datasets_shuffle_of_the_concatenation(tok, tmp_path):
     by_record = {int(t) * len(a) + int(r): k for k, (t, r, _, _) in enumerate(plain.samples)}
     assert _samples(merged) == [_samples(plain)[by_record[i]] for i in kept]
     assert _samples(merged) != _samples(plain)  # control: the shuffle moved them
+
+
+def test_multipack_said_in_the_dry_run(tmp_path, capsys, monkeypatch):
+    forbid_launch(monkeypatch)
+    packed = "sample_packing: true\nmicro_batch_size: 1\n"
+    code, out, err = run_cli(
+        capsys, "train", _cfg(tmp_path, packed + "sample_packing_order: multipack\n"), "--dry-run"
+    )
+    assert code == 0, err
+    assert "packed several per row each epoch (first fit in the draw's order: Axolotl's multipack)" in out
+    code, out, err = run_cli(
+        capsys, "train", _cfg(tmp_path, packed + "sample_packing_bin_size: 8\n"), "--dry-run"
+    )
+    assert code == 0, err
+    assert "sample_packing_bin_size: applies with sample_packing_order: multipack" in out
