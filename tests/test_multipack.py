@@ -116,6 +116,33 @@ def test_multipack_rows_first_fit_in_draw_order_and_bin_size():
     assert [members[a:b].tolist() for a, b in zip(starts, starts[1:])] == [[3], [0, 6], [1], [4, 2], [5]]
 
 
+def test_first_fit_with_a_sample_limit_is_the_plain_rule():
+    """``bins.first_fit`` (a segment tree) against the rule written as a plain loop."""
+    from ndparallel.data.bins import first_fit
+
+    rng = np.random.default_rng(0)
+    for limit in (None, 2, 3):
+        lengths = rng.integers(1, 40, 300)
+        order = rng.permutation(300)
+        free, count, want = [], [], np.empty(300, np.int64)
+        for k in order:
+            row = next(
+                (
+                    r
+                    for r in range(len(free))
+                    if free[r] >= lengths[k] and (limit is None or count[r] < limit)
+                ),
+                len(free),
+            )
+            if row == len(free):
+                free.append(64)
+                count.append(0)
+            free[row] -= lengths[k]
+            count[row] += 1
+            want[k] = row
+        assert first_fit(lengths, 64, order, max_per_row=limit).tolist() == want.tolist(), limit
+
+
 def test_multipack_rows_laid_out_like_packed_rows_and_resumed_exactly():
     from ndparallel.data.multipack import MultipackLoader, MultipackRows
 
