@@ -121,6 +121,16 @@ def test_curriculum_sampling_turns_the_shuffle_off(tmp_path, capsys, monkeypatch
             "sample_packing_sequentially: true\n",
             "sample_packing_sequentially: true without sample_packing: true",
         ),
+        ("sample_packing_order: multipack\n", "sample_packing_order: multipack without sample_packing: true"),
+        (
+            "sample_packing_order: multipack\nsample_packing: true\nsample_packing_boundary_targets: true\n",
+            "sample_packing_order: multipack and sample_packing_boundary_targets: true are not offered",
+        ),
+        (
+            "sample_packing_order: multipack\nsample_packing: true\nmicro_batch_size: 2\n"
+            "attn_implementation: flash_attention_2\n",
+            "multipack with attn_implementation: flash_attention_2 and micro_batch_size: 2",
+        ),
     ],
 )
 def test_data_order_switches_refused_where_they_cannot_apply(tmp_path, capsys, monkeypatch, extra, fragment):
@@ -149,3 +159,18 @@ def test_merged_order_is_datasets_shuffle_of_the_concatenation(tok, tmp_path):
     by_record = {int(t) * len(a) + int(r): k for k, (t, r, _, _) in enumerate(plain.samples)}
     assert _samples(merged) == [_samples(plain)[by_record[i]] for i in kept]
     assert _samples(merged) != _samples(plain)  # control: the shuffle moved them
+
+
+def test_multipack_said_in_the_dry_run(tmp_path, capsys, monkeypatch):
+    forbid_launch(monkeypatch)
+    packed = "sample_packing: true\nmicro_batch_size: 1\n"
+    code, out, err = run_cli(
+        capsys, "train", _cfg(tmp_path, packed + "sample_packing_order: multipack\n"), "--dry-run"
+    )
+    assert code == 0, err
+    assert "packed several per row each epoch (first fit in the draw's order: Axolotl's multipack)" in out
+    code, out, err = run_cli(
+        capsys, "train", _cfg(tmp_path, packed + "sample_packing_bin_size: 8\n"), "--dry-run"
+    )
+    assert code == 0, err
+    assert "sample_packing_bin_size: applies with sample_packing_order: multipack" in out

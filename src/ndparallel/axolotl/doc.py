@@ -38,6 +38,7 @@ HONOURED = (
     "wandb_run_id wandb_mode wandb_watch wandb_log_model use_tensorboard use_mlflow mlflow_tracking_uri "
     "mlflow_experiment_name mlflow_run_name hf_mlflow_log_artifacts device revision_of_model model_revision "
     "dataset_exact_deduplication curriculum_sampling shuffle_merged_datasets sample_packing_sequentially "
+    "sample_packing_bin_size sample_packing_group_size multipack_real_batches "
     "use_swanlab swanlab_project "
     "swanlab_experiment_name swanlab_description swanlab_workspace swanlab_mode use_otel_metrics "
     "otel_metrics_host "

@@ -190,9 +190,8 @@ TOP: dict[str, Rule] = {
     ),
     **_all("ignored", "Hub access uses your token as always (hf auth login / HF_TOKEN)", "hf_use_auth_token"),
     **_all(
-        "ignored", "ndparallel packs with first-fit-decreasing on the whole dataset at once",
-        "sample_packing_group_size", "sample_packing_bin_size", "sample_packing_mp_start_method",
-        "multipack_real_batches", "sample_packing_eff_est", "group_by_length",
+        "ignored", "ndparallel packs in one process and counts its steps exactly",
+        "sample_packing_mp_start_method", "sample_packing_eff_est", "group_by_length",
     ),
     **_all(
         "ignored", "ndparallel's ring / all-gather attention runs context parallel (cp_comm_strategy)",

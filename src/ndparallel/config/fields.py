@@ -334,6 +334,18 @@ class DataSourceFields(_Strict):
     sample_packing_sequentially: bool = False
     """sample_packing: fill rows in dataset order (next fit) instead of longest first (first fit
     decreasing); with curriculum_sampling the samples are seen in the order of the data."""
+    sample_packing_order: Literal["rows", "multipack"] = "rows"
+    """sample_packing: rows = packed once (first fit decreasing, or next fit), each epoch drawing
+    rows as unpacked samples are drawn; multipack = Axolotl's sampler: each epoch the samples drawn,
+    packed first fit in that order and trained in it, so each step trains Axolotl's rows."""
+    sample_packing_bin_size: int = Field(200, ge=1)
+    """sample_packing_order: multipack: at most this many samples in one row (Axolotl's key)."""
+    sample_packing_group_size: int = Field(100_000, ge=1)
+    """sample_packing_order: multipack: samples packed at a time (Axolotl's key)."""
+    multipack_real_batches: bool | None = None
+    """sample_packing_order: multipack packs micro_batch_size rows of sequence_len (Axolotl's true,
+    its default without a varlen kernel); Axolotl's false (one row of micro_batch_size x
+    sequence_len, its default with flash or flex attention) is refused there."""
     sample_packing_boundary_targets: bool = False
     """sample_packing: train each packed sample's last token to predict the next sample's first token
     where that token is trained (Axolotl's packed rows: a completion piece, train_on_inputs); default

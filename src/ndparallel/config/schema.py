@@ -471,6 +471,7 @@ class TrainConfig(
             num_proc=self.dataset_processes,
             deduplicate=self.dataset_exact_deduplication,
             sequential_packing=self.sample_packing_sequentially,
+            multipack=self.sample_packing_order == "multipack",
             boundary_targets=self.sample_packing_boundary_targets,
             shuffle_merged=self.shuffle_merged_datasets
             and not (self.curriculum_sampling and len(self.datasets or ()) == 1),

@@ -1,5 +1,5 @@
-"""First-fit-decreasing (and, on request, next-fit) bin packing of sample lengths into rows of
-``capacity`` tokens.
+"""First-fit-decreasing (and, on request, next-fit, or first fit in a given order: ``multipack``)
+bin packing of sample lengths into rows of ``capacity`` tokens.
 
 Samples are taken longest first (ties: dataset order), each into the lowest-numbered row with
 room for it, a new row when none has; inside a row they are kept in dataset order.
@@ -25,18 +25,29 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
     """The row of each sample (``int64 [n]``; rows numbered in the order they are opened); every
     sample's length must be in ``[1, capacity]``. Memory: 8 bytes per sample and per tree node
     (no Python object per sample)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = _checked(lengths, capacity)
+    return first_fit(lengths, capacity, np.argsort(-lengths, kind="stable"))
+
+
+def first_fit(
+    lengths: np.ndarray, capacity: int, order: np.ndarray | None = None, max_per_row: int | None = None
+) -> np.ndarray:
+    """The row of each sample when samples are taken in ``order`` (default: dataset order), each
+    into the lowest-numbered row with room for it and, given ``max_per_row``, fewer than that many
+    samples (Axolotl's ``sample_packing_bin_size``)."""
+    lengths = _checked(lengths, capacity)
     row_of = np.zeros(len(lengths), np.int64)
     if lengths.size == 0:
         return row_of
-    if int(lengths.max()) > capacity or int(lengths.min()) < 1:
-        raise ValueError(f"sample lengths must be in [1, {capacity}], got [{lengths.min()}, {lengths.max()}]")
-    order = np.argsort(-lengths, kind="stable")
-    bound = min(len(lengths), 2 * int(lengths.sum()) // capacity + 2)  # FFD: two rows always hold > capacity
+    order = np.arange(len(lengths)) if order is None else order
+    bound = len(lengths)
+    if max_per_row is None:  # first fit: two rows always hold > capacity
+        bound = min(bound, 2 * int(lengths.sum()) // capacity + 2)
     size = 2
     while size < bound:
         size *= 2
     tree = array("q", [capacity]) * (2 * size)  # tree[1] root; leaves size.. = free space of each row
+    count = array("q", [0]) * size
     for index, need in zip(order.tolist(), lengths[order].tolist()):
         node = 2
         while node < size:  # descend to the leftmost leaf with free space >= need
@@ -47,6 +58,9 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
             node += 1
         row_of[index] = node - size
         tree[node] -= need
+        count[node - size] += 1
+        if count[node - size] == max_per_row:
+            tree[node] = -1  # full by count: takes no more samples
         node //= 2
         while node:  # refresh the maxima above, stopping where nothing changes
             best = tree[2 * node] if tree[2 * node] >= tree[2 * node + 1] else tree[2 * node + 1]
@@ -57,12 +71,17 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
     return row_of
 
 
-def next_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
-    """The row of each sample when rows are filled in dataset order, a new row opened whenever the
-    next sample does not fit the current one (Axolotl's ``sample_packing_sequentially``). O(n)."""
+def _checked(lengths: np.ndarray, capacity: int) -> np.ndarray:
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.size and (int(lengths.max()) > capacity or int(lengths.min()) < 1):
         raise ValueError(f"sample lengths must be in [1, {capacity}], got [{lengths.min()}, {lengths.max()}]")
+    return lengths
+
+
+def next_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """The row of each sample when rows are filled in dataset order, a new row opened whenever the
+    next sample does not fit the current one (Axolotl's ``sample_packing_sequentially``). O(n)."""
+    lengths = _checked(lengths, capacity)
     row_of = np.zeros(len(lengths), np.int64)
     row, free = 0, capacity
     for index, need in enumerate(lengths.tolist()):

@@ -10,7 +10,8 @@ Two ways to make rows of ``sequence_len`` tokens:
   its own labels (``prompts``/``chat`` -> ``encode``), fitted to a row (``samples``), and
   ``sample_packing: true`` packs several per row by first-fit-decreasing (``bins``),
   ``position_ids`` restarting at each sample so attention never crosses samples; ``false``
-  gives one sample per row. Rows are padded to ``sequence_len`` (``rows.RowStore``). With
+  gives one sample per row (so does ``multipack``: the loader packs each epoch, ``multipack``).
+  Rows are padded to ``sequence_len`` (``rows.RowStore``). With
   ``shuffle_merged`` the samples are first put in Axolotl's order (``merged_order``).
 
 Every stage is cached in ``cache_dir`` (tokenized samples in ``sft/``, rows in ``rows/``) under
@@ -61,6 +62,7 @@ class DataOptions:
     num_proc: int | None = None
     deduplicate: bool = False  # drop samples repeating an earlier one's tokens and labels
     sequential_packing: bool = False  # sample_packing by next fit in dataset order
+    multipack: bool = False  # sample_packing each epoch by the loader (multipack.py): one sample a row here
     boundary_targets: bool = (
         False  # sample_packing: a sample's last token predicts the next's first (Axolotl)
     )
@@ -173,9 +175,9 @@ def build_rows(
     of ``given`` records (``tokenize_specs``), in memory and uncached (an estimate's sample)."""
     if given is not None:
         tokenized = tokenize_specs(specs, tokenizer, options, None, given)
-        return _write(specs, tokenizer, options, tokenized, _pad_id(tokenizer), None)
+        return _write(specs, tokenizer, options, tokenized, row_pad_id(tokenizer), None)
     tokenized = tokenize_specs(specs, tokenizer, options, cache_dir)
-    pad_id = _pad_id(tokenizer)
+    pad_id = row_pad_id(tokenizer)
     settings = [
         _ROWS_VERSION,
         [t._fingerprint for t in tokenized],
@@ -192,6 +194,7 @@ def build_rows(
         ),
         *([tokenizer.bos_token_id] if options.boundary_targets and options.sample_packing else []),
         *(["shuffle_merged", options.seed] if options.shuffle_merged else []),
+        *(["multipack"] if options.multipack and options.sample_packing else []),
     ]  # keys of older caches stay valid
     key = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:32]
     directory = None if cache_dir is None else Path(cache_dir) / "rows" / key
@@ -209,7 +212,7 @@ def _write(
 ) -> RowStore:
     prepared = prepare_samples(specs, tokenizer, options, tokenized=tokenized)
     lengths = prepared.samples[:, 3] - prepared.samples[:, 2]
-    if options.sample_packing:
+    if options.sample_packing and not options.multipack:
         pack = next_fit if options.sequential_packing else first_fit_decreasing
         row_of = pack(lengths, options.sequence_len)
     else:
@@ -236,7 +239,8 @@ def _write(
     )
 
 
-def _pad_id(tokenizer) -> int:
+def row_pad_id(tokenizer) -> int:
+    """The token that pads rows: the tokenizer's pad, else eos, else 0."""
     for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if value is not None:
             return int(value)

@@ -52,7 +52,14 @@ def compat_notes(cfg: TrainConfig, device_type: str | None = None) -> list[str]:
     if cfg.sample_packing and cfg.micro_batch_size > 1:
         notes.append(
             f"sample_packing: each micro-batch is {cfg.micro_batch_size} packed rows of sequence_len "
-            "tokens (Axolotl's multipack: the same)"
+            "tokens (Axolotl's multipack: the same without a varlen kernel)"
+        )
+    multipack_keys = {"sample_packing_bin_size", "sample_packing_group_size", "multipack_real_batches"}
+    if cfg.sample_packing_order != "multipack" and multipack_keys & cfg.model_fields_set:
+        key = sorted(multipack_keys & cfg.model_fields_set)[0]
+        notes.append(
+            f"{key}: applies with sample_packing_order: multipack (Axolotl's rows); the default packs "
+            "every sample at once, first fit decreasing"
         )
     if cfg.cp_comm_strategy == "alltoall":
         notes.append(

@@ -39,6 +39,7 @@ def check_data_order(cfg: TrainConfig) -> None:
     """Deduplication and the data-order switches fit the data; a streamed dataset is not sliced."""
     try:
         _check_data_order(cfg)
+        _check_multipack(cfg)
         for i, d in enumerate(cfg.pretraining_dataset or []):
             if "[" in d.split:
                 raise ValueError(
@@ -107,6 +108,40 @@ def _check_data_order(cfg: TrainConfig) -> None:
             "sample_packing_sequentially: true without sample_packing: true (one sample per row: "
             "nothing is packed); set sample_packing: true, or remove it"
         )
+
+
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
+"""Kernels with which Axolotl packs a micro-batch into one row (``multipack_real_batches`` unset)."""
+
+
+def _check_multipack(cfg: TrainConfig) -> None:
+    """``sample_packing_order: multipack`` gives Axolotl's packed rows; refused where it cannot."""
+    if cfg.sample_packing_order != "multipack":
+        return
+    why = None
+    if not cfg.sample_packing:
+        why = "without sample_packing: true (nothing is packed); set sample_packing: true, or remove it"
+    elif cfg.pretraining_dataset is not None:
+        why = "with a streamed pretraining_dataset (packed as it streams); remove it"
+    elif cfg.sample_packing_boundary_targets:
+        why = (
+            "and sample_packing_boundary_targets: true are not offered together (rows are packed as "
+            "they are read); remove one"
+        )
+    elif (
+        cfg.micro_batch_size > 1
+        and cfg.attn_implementation in VARLEN_ATTENTION
+        and not cfg.multipack_real_batches
+    ):
+        n = cfg.micro_batch_size
+        why = (
+            f"with attn_implementation: {cfg.attn_implementation} and micro_batch_size: {n}: Axolotl packs "
+            f"one row of {n} x sequence_len tokens there, ndparallel {n} rows of sequence_len (Axolotl's "
+            f"multipack_real_batches: true); set multipack_real_batches: true, or micro_batch_size: 1 "
+            f"and sequence_len: {n * cfg.sequence_len} for Axolotl's rows"
+        )
+    if why:
+        raise ValueError(f"sample_packing_order: multipack {why}")
 
 
 def chunked_loss_problem(cfg: TrainConfig, hf, meta=None) -> str | None:

@@ -22,7 +22,7 @@ from ndparallel.data.prepare import build_rows, concatenates
 from ndparallel.data.widths import MICRO_BATCHES_READ, padded_fraction, width_quantile
 from ndparallel.models.presets import is_preset
 from ndparallel.preflight.local import quiet_datasets
-from ndparallel.training.components import data_cache_dir, load_tokenizer, row_widths
+from ndparallel.training.components import data_cache_dir, load_tokenizer, row_widths, rows_loader
 
 SAMPLE_RECORDS = 2000
 
@@ -146,16 +146,10 @@ def _sample_loader(cfg: TrainConfig, specs, dims, tokenizer, dp: int | None = No
     dp = dims.dp if dp is None else dp
     if len(rows) < cfg.micro_batch_size * dp:
         return f"the first {SAMPLE_RECORDS} records make fewer rows than one global micro-batch"
-    widths = row_widths(cfg, dims)
-    return PackedLoader(
-        rows,
-        cfg.micro_batch_size,
-        dp_size=dp,
-        seed=cfg.seed,
-        shuffle=not cfg.curriculum_sampling,
-        pad_to_multiple=widths.multiple,
-        buckets=widths.buckets,
-    )
+    try:
+        return rows_loader(cfg, rows, tokenizer, 0, dp, row_widths(cfg, dims))
+    except ValueError:  # multipack: too few packed rows
+        return f"the first {SAMPLE_RECORDS} records make fewer rows than one global micro-batch"
 
 
 def local_tokenizer(cfg: TrainConfig):

@@ -220,7 +220,12 @@ def _data_mode(cfg: TrainConfig) -> str:
     if concatenates(specs, cfg.sample_packing):
         return f"{types}: documents concatenated and cut into {cfg.sequence_len}-token blocks"
     how = "packed several per row (attention per sample)" if cfg.sample_packing else "one per row"
-    if cfg.sample_packing and cfg.sample_packing_sequentially:
+    if cfg.sample_packing and cfg.sample_packing_order == "multipack":
+        fit = "next fit" if cfg.sample_packing_sequentially else "first fit"
+        how = how.replace(
+            "several per row", f"several per row each epoch ({fit} in the draw's order: Axolotl's multipack)"
+        )
+    elif cfg.sample_packing and cfg.sample_packing_sequentially:
         how = how.replace("several per row", "several per row in dataset order")
     masked = "every token trained" if cfg.train_on_inputs else "prompt tokens masked (-100)"
     pad = (

@@ -67,7 +67,13 @@ def _preprocess(cfg: TrainConfig, show: int | None, as_json: bool, out: TextIO |
             f"dropped as too long, {st.dropped_untrained} with no trained token, {st.pieces_from_split} "
             f"extra "
             f"pieces of long raw text) -> {_rows(splits)} rows of {cfg.sequence_len} tokens"
-            + (" (sample packing)" if cfg.sample_packing else " (one sample per row)")
+            + (
+                " (one sample per row: multipack packs them each epoch)"
+                if cfg.sample_packing and cfg.sample_packing_order == "multipack"
+                else " (sample packing)"
+                if cfg.sample_packing
+                else " (one sample per row)"
+            )
         )
     count = len(samples) if show is None else min(show, len(samples))
     if as_json:

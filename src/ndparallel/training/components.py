@@ -11,8 +11,10 @@ from ndparallel.config import TrainConfig
 from ndparallel.data import PackedLoader, load_or_train_tokenizer
 from ndparallel.data.chat import resolve_template
 from ndparallel.data.dataset import DatasetSpec
+from ndparallel.data.multipack import MultipackLoader, MultipackRows
 from ndparallel.data.packing import PackedSplits
 from ndparallel.data.prepare import build_data as build
+from ndparallel.data.prepare import row_pad_id
 from ndparallel.data.stream import StreamingLoader, TokenStream, check_stream
 from ndparallel.data.widths import bucket_widths, width_multiple
 from ndparallel.models.presets import is_preset, preset_config
@@ -131,17 +133,7 @@ def train_loader(
     micro-batches)."""
 
     if cfg.pretraining_dataset is None:
-        widths = widths or RowWidths(None, None)
-        return PackedLoader(
-            splits.train,
-            cfg.micro_batch_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            seed=cfg.seed,
-            pad_to_multiple=widths.multiple,
-            buckets=widths.buckets,
-            shuffle=not cfg.curriculum_sampling,
-        )
+        return rows_loader(cfg, splits.train, tokenizer, dp_rank, dp_size, widths)
 
     specs = [DatasetSpec.from_any(d.model_dump()) for d in cfg.pretraining_dataset]
     return StreamingLoader(
@@ -151,6 +143,35 @@ def train_loader(
         dp_size=dp_size,
         per_document=bool(cfg.sample_packing),
         length=cfg.max_steps * cfg.gradient_accumulation_steps,
+    )
+
+
+def rows_loader(
+    cfg: TrainConfig, rows, tokenizer, dp_rank: int, dp_size: int, widths: RowWidths | None = None
+) -> PackedLoader:
+    """``PackedLoader`` over prepared ``rows``; with ``sample_packing_order: multipack`` the rows
+    are single samples, packed each epoch as Axolotl's sampler packs them (``MultipackLoader``)."""
+    widths = widths or RowWidths(None, None)
+    common = {
+        "dp_rank": dp_rank,
+        "dp_size": dp_size,
+        "pad_to_multiple": widths.multiple,
+        "buckets": widths.buckets,
+    }
+    if cfg.sample_packing and cfg.sample_packing_order == "multipack":
+        samples = MultipackRows(
+            rows,
+            row_pad_id(tokenizer),
+            seed=cfg.seed,
+            world=dp_size,
+            shuffle=not cfg.curriculum_sampling,
+            bin_size=cfg.sample_packing_bin_size,
+            group_size=cfg.sample_packing_group_size,
+            sequential=cfg.sample_packing_sequentially,
+        )
+        return MultipackLoader(samples, cfg.micro_batch_size, **common)
+    return PackedLoader(
+        rows, cfg.micro_batch_size, seed=cfg.seed, shuffle=not cfg.curriculum_sampling, **common
     )
 
 
