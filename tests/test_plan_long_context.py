@@ -310,6 +310,41 @@ def test_host_memory_rejects_what_does_not_fit_the_node():
     assert not tight.ok and tight.rejections[0][0] == "host_oom", tight.rejections
 
 
+@pytest.mark.parametrize(
+    "flags, host_mem, preset",
+    [
+        (["--gpu", "h100-80gb"], 2048 * GiB, True),  # DGX H100
+        (["--gpu", "a100-40gb"], 1024 * GiB, True),  # DGX A100 320 GB
+        (["--gpu", "h100-80gb", "--host-mem", "8TB"], 8192 * GiB, False),
+    ],
+)
+def test_host_memory_defaults_to_the_presets_node(flags, host_mem, preset):
+    """Without --host-mem the GPU preset's typical node bounds offloading (``host_oom`` beyond 80 %
+    of it), said in the header and the rejection; --host-mem overrides it. Llama-3.1-8B's 1M tokens
+    at CP 8, selective and offloaded, need ~3.4 TiB of host memory per node."""
+    from ndparallel.plan.cli.from_flags import build_request, run_values
+    from ndparallel.plan.cli.parser import parse
+    from ndparallel.plan.cli.report import header
+    from ndparallel.plan.search.request import PlanResult
+
+    args = parse(["--base-model", "llama-3.1-8b", "--gpus", "8", *flags])
+    req = build_request(args, run_values(args))
+    assert (req.host_mem_bytes, req.host_mem_preset) == (host_mem, preset)
+    said = header(PlanResult(req, [], []))
+    assert ("preset's" in said) == preset and f"{host_mem / GiB:.0f} GiB" in said
+    pinned = dict(
+        activation_checkpointing="on", ac_policy="selective", activation_offloading=True, tiled_mlp=True
+    )
+    long = req.updated(sequence_len=1 << 20, micro_batch_size=1, global_batch_size=1, **pinned)
+    unbounded = evaluate_layout(long.updated(host_mem_bytes=None), ParallelDims(cp=8))
+    need = 8 * unbounded.best.memory.host_offload
+    assert 0.8 * 2048 * GiB < need < 0.8 * 8192 * GiB, need / GiB
+    res = evaluate_layout(long, ParallelDims(cp=8))
+    assert res.ok == (need <= 0.8 * host_mem), res.rejections
+    if not res.ok:
+        assert res.rejections[0][0] == "host_oom" and "preset's" in res.rejections[0][1], res.rejections
+
+
 def test_longest_brackets_the_answer_and_the_options_add_up():
     req = PlanRequest.of(L8B, H100, 8, tiled_mlp=True, activation_offloading=True)
     lay = ParallelDims(cp=8)
@@ -351,6 +386,7 @@ def test_cli_max_seq_len_pins_the_cp_strategy_when_given(capsys):
     free = json.loads(_plan(capsys, *base)[1])["longest"][0]
     ring = json.loads(_plan(capsys, *base, "--cp-comm-strategy", "ring")[1])["longest"][0]
     req = PlanRequest.of(L8B, H100, 8, tiled_mlp=True, activation_offloading=True)
+    req = req.updated(host_mem_bytes=H100.host_mem_per_node)  # no --host-mem: the preset's node
     assert ring["max_seq_len"] == max(r.sequence_len for r in longest(req))  # ring: the request's own
     assert free["max_seq_len"] == max(r.sequence_len for r in longest(req, strategies=CP_STRATEGIES))
     assert free["max_seq_len"] > ring["max_seq_len"]
