@@ -17,11 +17,12 @@ from ndparallel.plan.memory.activations import (
     norm_backward_per_token,
     norm_backward_stage,
     offload_split_per_token,
+    offloaded_attention_half_per_token,
     selective_saved_per_token,
 )
 from ndparallel.plan.memory.cp_memory import attention_scratch_per_token
 from ndparallel.plan.memory.long_context import mlp_tiles
-from ndparallel.plan.memory.peak import estimate_memory
+from ndparallel.plan.memory.peak import _activation_terms, estimate_memory
 from ndparallel.plan.models import load_model_spec
 from ndparallel.plan.search.evaluation import estimate, evaluate_layout
 from ndparallel.plan.search.longest import CP_STRATEGIES, longest, longest_any_strategy, longest_for_layout
@@ -159,8 +160,13 @@ def test_selective_offloading_keeps_the_residue_on_the_device():
     (kept, s), (off, s_off) = (_selective(lay, activation_offloading=o) for o in (False, True))
     saved = selective_saved_per_token(L8B, lay, s)
     assert offload_split_per_token(L8B, lay, s_off) == (0.0, saved)
-    assert kept.peak_phase == off.peak_phase == "layer backward"
-    assert kept.activations - off.activations == pytest.approx((L8B.layers - 1) * tokens * saved)
+    assert kept.peak_phase == "layer backward"  # offloaded, the embedding's backward is larger
+    (kept_acts, _), (off_acts, _) = (_activation_terms(L8B, lay, x)[0][1] for x in (s, s_off))
+    assert kept.activations == kept_acts
+    # ... but its attention half, back only when the attention's backward starts: not in the MLP's
+    later = offloaded_attention_half_per_token(L8B, lay, s_off)
+    assert 0 < later < saved
+    assert kept_acts - off_acts == pytest.approx((L8B.layers - 1) * tokens * saved + tokens * later)
 
 
 def test_host_memory_holds_every_micro_batch_in_flight():
@@ -242,7 +248,15 @@ def test_attention_stage_no_longer_holds_the_mlp_half(monkeypatch):
     assert mlp_half_saved_per_token(L8B, lay, s) == half
     untiled = dataclasses.replace(s, tiled_mlp=False)
     assert mlp_half_saved_per_token(L8B, lay, untiled) == (4 + e) * h + 4 + e * h + 4 * e * L8B.intermediate
-    assert mlp_half_saved_per_token(L8B, lay, dataclasses.replace(s, ac_policy="selective")) == 0.0
+    # the selective policy holds the same half, kept or recomputed; under TP also the output of
+    # down_proj's collective it keeps; the op policy and MoE blocks: not modelled (0)
+    selective = dataclasses.replace(untiled, ac_policy="selective")
+    assert mlp_half_saved_per_token(L8B, lay, selective) == mlp_half_saved_per_token(L8B, lay, untiled)
+    # under TP 8 with sequence parallel: the norm's and its input's, the MLP input's shards, gate, up,
+    # SiLU, the product, and the collective's output
+    with_residue = ((4 + e) * h + 4) / 8 + e * h / 8 + 4 * e * L8B.intermediate / 8 + e * h / 8
+    assert mlp_half_saved_per_token(L8B, ParallelDims(tp=8), selective) == pytest.approx(with_residue)
+    assert mlp_half_saved_per_token(L8B, lay, dataclasses.replace(untiled, ac_policy="op")) == 0.0
     # the lean norm's stage is one tile: the ring's buffers are the larger stage, and the
     # layer-backward moment is smaller by exactly the MLP half
     now = _mem(lay, sequence_len=1 << 20, activation_checkpointing=True, tiled_mlp=True)
@@ -296,6 +310,41 @@ def test_host_memory_rejects_what_does_not_fit_the_node():
     assert not tight.ok and tight.rejections[0][0] == "host_oom", tight.rejections
 
 
+@pytest.mark.parametrize(
+    "flags, host_mem, preset",
+    [
+        (["--gpu", "h100-80gb"], 2048 * GiB, True),  # DGX H100
+        (["--gpu", "a100-40gb"], 1024 * GiB, True),  # DGX A100 320 GB
+        (["--gpu", "h100-80gb", "--host-mem", "8TB"], 8192 * GiB, False),
+    ],
+)
+def test_host_memory_defaults_to_the_presets_node(flags, host_mem, preset):
+    """Without --host-mem the GPU preset's typical node bounds offloading (``host_oom`` beyond 80 %
+    of it), said in the header and the rejection; --host-mem overrides it. Llama-3.1-8B's 1M tokens
+    at CP 8, selective and offloaded, need ~3.4 TiB of host memory per node."""
+    from ndparallel.plan.cli.from_flags import build_request, run_values
+    from ndparallel.plan.cli.parser import parse
+    from ndparallel.plan.cli.report import header
+    from ndparallel.plan.search.request import PlanResult
+
+    args = parse(["--base-model", "llama-3.1-8b", "--gpus", "8", *flags])
+    req = build_request(args, run_values(args))
+    assert (req.host_mem_bytes, req.host_mem_preset) == (host_mem, preset)
+    said = header(PlanResult(req, [], []))
+    assert ("preset's" in said) == preset and f"{host_mem / GiB:.0f} GiB" in said
+    pinned = dict(
+        activation_checkpointing="on", ac_policy="selective", activation_offloading=True, tiled_mlp=True
+    )
+    long = req.updated(sequence_len=1 << 20, micro_batch_size=1, global_batch_size=1, **pinned)
+    unbounded = evaluate_layout(long.updated(host_mem_bytes=None), ParallelDims(cp=8))
+    need = 8 * unbounded.best.memory.host_offload
+    assert 0.8 * 2048 * GiB < need < 0.8 * 8192 * GiB, need / GiB
+    res = evaluate_layout(long, ParallelDims(cp=8))
+    assert res.ok == (need <= 0.8 * host_mem), res.rejections
+    if not res.ok:
+        assert res.rejections[0][0] == "host_oom" and "preset's" in res.rejections[0][1], res.rejections
+
+
 def test_longest_brackets_the_answer_and_the_options_add_up():
     req = PlanRequest.of(L8B, H100, 8, tiled_mlp=True, activation_offloading=True)
     lay = ParallelDims(cp=8)
@@ -337,6 +386,7 @@ def test_cli_max_seq_len_pins_the_cp_strategy_when_given(capsys):
     free = json.loads(_plan(capsys, *base)[1])["longest"][0]
     ring = json.loads(_plan(capsys, *base, "--cp-comm-strategy", "ring")[1])["longest"][0]
     req = PlanRequest.of(L8B, H100, 8, tiled_mlp=True, activation_offloading=True)
+    req = req.updated(host_mem_bytes=H100.host_mem_per_node)  # no --host-mem: the preset's node
     assert ring["max_seq_len"] == max(r.sequence_len for r in longest(req))  # ring: the request's own
     assert free["max_seq_len"] == max(r.sequence_len for r in longest(req, strategies=CP_STRATEGIES))
     assert free["max_seq_len"] > ring["max_seq_len"]

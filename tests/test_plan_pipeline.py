@@ -11,7 +11,7 @@ from ndparallel.layout.dims import ParallelDims
 from ndparallel.plan.cli.main import main
 from ndparallel.plan.cli.report import print_explain, train_config
 from ndparallel.plan.hardware import PRESETS as HW
-from ndparallel.plan.memory.activations import selective_saved_per_token
+from ndparallel.plan.memory.activations import offloaded_attention_half_per_token, selective_saved_per_token
 from ndparallel.plan.memory.peak import estimate_memory
 from ndparallel.plan.models import PRESETS
 from ndparallel.plan.pipeline.schedule_model import (
@@ -438,7 +438,8 @@ def test_405b_meta_layout_fits_with_selective_offloading(selective_run):
     assert e.time.offload_exposed == 0.0 and e.time.step == pytest.approx(kept.time.step)
     # the first rank's device activations: per micro-batch in flight, every layer's saved set less
     # its residue (e·h/t) and the stages' inputs (7 stages, the first's are token ids) kept; one
-    # layer's saved set back on the device for its backward
+    # layer's saved set back on the device for its backward, but its attention half (not back
+    # in its MLP's backward, where the peak is)
     shape = rank_shape(L405, 16, 7, "Interleaved1F1B", 0)
     (k_mem, o_mem) = (x.pipeline.ranks["first"][1] for x in (kept, e))
     assert k_mem.peak_phase == o_mem.peak_phase == "layer backward"
@@ -446,7 +447,9 @@ def test_405b_meta_layout_fits_with_selective_offloading(selective_run):
     tokens, residue = 8192, 2 * L405.hidden / 8
     saved = selective_saved_per_token(rank_model(L405, shape), META, e.settings)
     moved = held * (shape.layers * tokens * (saved - residue) - (7 - 1) * tokens * residue)
-    assert k_mem.activations - o_mem.activations == pytest.approx(moved - tokens * (saved - residue))
+    later = offloaded_attention_half_per_token(rank_model(L405, shape), META, e.settings)
+    assert 0 < later < saved - residue
+    assert k_mem.activations - o_mem.activations == pytest.approx(moved - tokens * (saved - residue - later))
     # host: every micro-batch in flight through the first rank's layers, less the residue, and
     # RoPE's cos and sin once per stage's forward
     rope = 7 * tokens * 2 * 2 * L405.head_dim

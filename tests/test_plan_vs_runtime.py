@@ -168,3 +168,81 @@ def test_planner_equals_runtime(group):
             except AssertionError as exc:
                 failures.append(f"rank {rank} {case}:\n{exc}")
     assert not failures, "\n\n".join(failures[:4])
+
+
+MEMORY_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=448,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+"""Four layers: offloading keeps two layer inputs on the device (in flight), so it moves some."""
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"activation_checkpointing": True},
+        {"activation_checkpointing": True, "activation_offloading": True},
+        {"activation_checkpointing": True, "ac_policy": "selective"},
+        {"activation_checkpointing": True, "ac_policy": "selective", "activation_offloading": True},
+    ],
+    ids=["full", "full-offloaded", "selective", "selective-offloaded"],
+)
+def test_planned_activation_memory_is_what_a_step_holds(options):
+    """The planner's activation memory (saved sets, what a layer's backward recomputes or brings
+    back from the host, its gradients) against one process's step under each checkpointing policy,
+    with and without offloading (the runtime's ``apply_activation_memory``), fp32: the tensor bytes
+    alive at the step's peak (``LiveBytes``; weight gradients dropped as they are made, as FSDP's
+    reduce-scatter does) within 10 % of the planner's largest moment, and the offloaded host bytes
+    equal to 1 %. The settings' memory terms at the scale of a GPU: ``bench/simulate_settings.py``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ndparallel.layout.dims import ParallelDims
+    from ndparallel.parallel.options import ActivationOptions
+    from ndparallel.parallel.parallelize import apply_activation_memory
+    from ndparallel.plan.hardware import get_preset
+    from ndparallel.plan.memory.peak import _activation_terms, estimate_memory
+    from ndparallel.plan.models import from_hf_config
+    from ndparallel.plan.settings import Settings
+    from ndparallel.runtime.memory_probe import LiveBytes
+    from ndparallel.techniques.offload import offloader_of
+
+    rows, seq = 2, 64
+    cfg = LlamaConfig(**MEMORY_SHAPE)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    apply_activation_memory(model, ActivationOptions(**options), torch.device("cpu"))
+    model.train()
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    tokens = torch.randint(0, cfg.vocab_size, (rows, seq + 1), generator=torch.Generator().manual_seed(0))
+    live = LiveBytes()
+    with live:
+        logits = model(input_ids=tokens[:, :-1], use_cache=False).logits.flatten(0, 1)
+        loss = torch.nn.functional.cross_entropy(logits, tokens[:, 1:].flatten())
+        del logits  # as the trainer's step: the loss keeps what it saved, no more
+        loss.backward()
+
+    spec, lay = from_hf_config(cfg.to_dict(), "memory"), ParallelDims()
+    s = Settings(
+        sequence_len=seq,
+        micro_batch_size=rows,
+        mixed_precision="fp32",
+        chunked_loss=False,
+        loss_parallel=False,
+        sequence_parallel=False,
+        **options,
+    )
+    planned = max(saved + logits for saved, logits in _activation_terms(spec, lay, s)[0])
+    assert abs(planned / live.peak - 1) <= 0.10, (planned / 2**20, live.peak / 2**20)
+    offloader = offloader_of(model)
+    host = estimate_memory(spec, lay, s, get_preset("h100-80gb")).host_offload
+    if offloader is None:
+        assert host == 0
+    else:
+        assert host == pytest.approx(offloader.stats.peak_host_bytes, rel=0.01)

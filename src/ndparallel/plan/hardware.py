@@ -72,6 +72,10 @@ class Hardware:
     """Per-GPU one-direction bandwidth of pinned host <-> device copies, bytes/s (PCIe Gen5 x16:
     ~55 GB/s achievable; Gen4 ~25): activation offloading. An assumption until measured
     (``bench/gpu_long_context.py`` measures it)."""
+    host_mem_per_node: float | None = field(default=None, compare=False)
+    """Host memory of a typical server of this GPU, per node (bytes): what bounds offloaded
+    activations when ``plan`` is given no ``--host-mem`` (NVIDIA's DGX datasheets: DGX A100 320 GB
+    1 TB, 640 GB 2 TB; DGX H100 and DGX H200 2 TB). None: not checked."""
     kernel_overhead_s: float = 1e-6
     """GPU idle time per kernel launched back to back (launch gap)."""
     host_op_s: float = 7e-6
@@ -111,6 +115,7 @@ PRESETS: dict[str, Hardware] = {
             25e9,
             matmul_efficiency=0.7,
             host_link_bw=25e9,
+            host_mem_per_node=1024 * GiB,  # DGX A100 320 GB
         ),
         Hardware(
             "a100-80gb",
@@ -122,12 +127,13 @@ PRESETS: dict[str, Hardware] = {
             25e9,
             matmul_efficiency=0.7,
             host_link_bw=25e9,
+            host_mem_per_node=2048 * GiB,  # DGX A100 640 GB
         ),
         # H100 SXM: 989 TFLOP/s bf16 dense, 67 fp32; NVLink4 900 GB/s both ways; one 400 Gb/s
         # NDR NIC per GPU (DGX H100). 81559 MiB reported.
-        Hardware("h100-80gb", 81559 * MiB, 989e12, 67e12, 3.35e12, 450e9, 50e9),
+        Hardware("h100-80gb", 81559 * MiB, 989e12, 67e12, 3.35e12, 450e9, 50e9, host_mem_per_node=2048 * GiB),
         # H200 SXM: the H100 die with 141 GB HBM3e at 4.8 TB/s; 143771 MiB reported.
-        Hardware("h200", 143771 * MiB, 989e12, 67e12, 4.8e12, 450e9, 50e9),
+        Hardware("h200", 143771 * MiB, 989e12, 67e12, 4.8e12, 450e9, 50e9, host_mem_per_node=2048 * GiB),
     ]
 }
 ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "h200-141gb": "h200"}

@@ -132,12 +132,26 @@ class _Offloaded:
     """One device storage in host memory (flat): the saved tensors that view it (``_SavedView``)
     share it, and in backward share one device copy (``cached``) until the last of them is back."""
 
-    __slots__ = ("seq", "epoch", "host", "device", "pending", "cached", "views", "left", "__weakref__")
+    __slots__ = (
+        "seq",
+        "epoch",
+        "host",
+        "device",
+        "pending",
+        "cached",
+        "views",
+        "left",
+        "back",
+        "__weakref__",
+    )
 
     def __init__(self, seq: int, epoch: int, host: torch.Tensor, device: torch.device):
         self.seq, self.epoch, self.host, self.device = seq, epoch, host, device
         self.pending = self.cached = None
         self.views = self.left = 0
+        self.back = False
+        """Every view has been unpacked once: never prefetched again (a copy nobody would use,
+        held until autograd frees the storage's handles)."""
 
 
 class _SavedView:
@@ -283,7 +297,7 @@ class ActivationOffloader:
         flat = stored.cached
         stored.left -= 1
         if stored.left <= 0:  # every view is back: the next unpack (retain_graph) copies again
-            stored.cached, stored.left = None, stored.views
+            stored.cached, stored.left, stored.back = None, stored.views, True
         return packed.restored(flat)
 
     def _fetch(self, stored: _Offloaded) -> torch.Tensor:
@@ -302,6 +316,7 @@ class ActivationOffloader:
             previous is not None
             and previous.pending is None
             and previous.cached is None
+            and not previous.back  # already restored (saved tensors unpacked out of order)
             and previous.epoch == stored.epoch
         ):
             previous.pending = self.transfers.to_device(previous.host, previous.device)

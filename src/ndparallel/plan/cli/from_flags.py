@@ -47,9 +47,11 @@ def build_request(args, values: dict) -> PlanRequest:
     if args.global_batch_tokens:
         global_batch = args.global_batch_tokens // settings.sequence_len
     mb = str(values.get("micro_batch_size", "auto"))
+    hardware = _hardware(args)
+    host_mem = host_mem_bytes(args.host_mem) if args.host_mem else hardware.host_mem_per_node
     return PlanRequest(
         model=load_model_spec(values["base_model"]),
-        hardware=_hardware(args),
+        hardware=hardware,
         gpus=args.gpus,
         gpus_per_node=min(args.gpus_per_node, args.gpus) if args.gpus_per_node else args.gpus,
         settings=settings,
@@ -63,7 +65,8 @@ def build_request(args, values: dict) -> PlanRequest:
         unsharded_grad_accumulation={"on": True, "off": False}.get(
             _switch(values.get("unsharded_grad_accumulation", "auto"))
         ),
-        host_mem_bytes=host_mem_bytes(args.host_mem) if args.host_mem else None,
+        host_mem_bytes=host_mem,
+        host_mem_preset=not args.host_mem and host_mem is not None,
         pipeline_parallel=not args.no_pipeline_parallel,
         pipeline_schedule=_schedule(values.get("pipeline_schedule", "auto")),
         pipeline_virtual_stages=values.get("pipeline_virtual_stages"),

@@ -39,7 +39,8 @@ def make_parser(description: str = "Rank parallel layouts for a model and cluste
     groups[LONG_CONTEXT].add_argument(
         "--host-mem",
         help="host memory per node, e.g. 2TB or 1900GB: with offloading, "
-        "layouts needing more than 80 %% of it are rejected (default: not checked)",
+        "layouts needing more than 80 %% of it are rejected (default: the GPU preset's DGX server, "
+        "1-2 TB; not checked with a --hardware-file that has none)",
     )
     groups[PIPELINE].add_argument(
         "--no-pipeline-parallel",

@@ -16,6 +16,7 @@ from ndparallel.plan.cli.explain_keys import layout_text
 from ndparallel.plan.hardware import GiB
 from ndparallel.plan.pipeline.schedule_model import pipeline_lines
 from ndparallel.plan.search.estimate import Estimate
+from ndparallel.plan.search.evaluation import HOST_BUDGET_FRACTION, host_mem_text
 from ndparallel.plan.search.request import LayoutResult, PlanRequest, PlanResult
 from ndparallel.plan.settings import Settings
 from ndparallel.plan.time import links
@@ -107,6 +108,7 @@ def header(result: PlanResult) -> str:
         f"({r.gpus_per_node}/node, {_gib(hw.mem_bytes)} GiB, {hw.peak_flops / 1e12:.0f} "
         f"TFLOP/s bf16); seq {s.sequence_len}, global batch {gb}, {s.optimizer}, "
         f"{s.mixed_precision}, activation checkpointing {r.activation_checkpointing}{lora}"
+        + (f"; offloading bounded by {host_mem_text(r)}" if r.host_mem_bytes else "")
     )
 
 
@@ -250,16 +252,16 @@ def print_explain(res: LayoutResult, result: PlanResult, console: Console) -> No
         host_only = [code for code, _ in res.rejections] == ["host_oom"]
         for line in pipeline_lines(e, device_short=not host_only):
             console.print(line, soft_wrap=True)
-    _print_memory(e, result.request.hardware, console, min(result.request.gpus_per_node, lay.world))
+    _print_memory(e, result.request, console, min(result.request.gpus_per_node, lay.world))
     _print_time(e, console)
     _print_collectives(e, result, console)
     _print_options(res, console)
 
 
-def _print_memory(e: Estimate, hw, console: Console, per_node: int) -> None:
-    """The memory table of ``e`` at its peak, against ``hw``'s capacity; offloading, the host
-    memory of a GPU and of its node (``per_node`` GPUs)."""
-    m = e.memory
+def _print_memory(e: Estimate, req: PlanRequest, console: Console, per_node: int) -> None:
+    """The memory table of ``e`` at its peak, against the GPU's capacity; offloading, the host
+    memory of a GPU and of its node (``per_node`` GPUs) against the node's budget."""
+    m, hw = e.memory, req.hardware
     mem = Table(title=f"Memory per GPU at the peak ({m.peak_phase})")
     mem.add_column("part")
     mem.add_column("GiB", justify="right")
@@ -278,6 +280,11 @@ def _print_memory(e: Estimate, hw, console: Console, per_node: int) -> None:
     if m.host_offload:
         mem.add_row("host (pinned) memory: offloaded activations", _gib(m.host_offload))
         mem.add_row(f"  per node ({per_node} GPUs)", _gib(m.host_offload * per_node))
+        if req.host_mem_bytes:
+            source = ", the preset's" if req.host_mem_preset else ""
+            budget = HOST_BUDGET_FRACTION * req.host_mem_bytes
+            label = f"  node budget: {HOST_BUDGET_FRACTION:.0%} of {req.host_mem_bytes / GiB:.0f} GiB{source}"
+            mem.add_row(label, _gib(budget))
     mem.add_row("peak allocated (torch.cuda.max_memory_allocated)", _gib(m.allocated))
     console.print(mem)
     console.print(

@@ -132,8 +132,14 @@ def saved_activations(model: ModelSpec, layout: ParallelDims, s: Settings, token
     per_layer = plain_layer - tiled_saved_reduction_per_token(model, layout, s) * tokens
     if s.recompute == "selective":
         # the layer in backward recomputes the rest of its plain set: its kept set is counted below
-        # (offloaded: its residue there, the rest back on the device in the workspace)
-        per_layer -= tokens * selective_saved_per_token(model, layout, s)
+        # (offloaded: its residue there, the rest back on the device in the workspace); under TP
+        # the kept set has one tensor the plain set has not (the output of down_proj's collective)
+        kept_of_plain = selective_saved_per_token(model, layout, s) - selective_offload_residue_per_token(
+            model, layout, s
+        )
+        per_layer -= tokens * kept_of_plain
+    if s.recompute == "full" and recomputed_input_is_kept_input(s):
+        per_layer -= tokens * checkpointed_input_per_token(model, layout, s)
     if s.recompute == "selective" and offloading(s):  # the residue stays on the device
         saved = model.layers * tokens * offload_split_per_token(model, layout, s)[0]
     elif s.recompute == "selective":
@@ -156,6 +162,14 @@ def saved_activations(model: ModelSpec, layout: ParallelDims, s: Settings, token
     return saved, plain_layer, per_layer, qat_layer, qat_head
 
 
+def recomputed_input_is_kept_input(s: Settings) -> bool:
+    """Whether a recomputed layer's input norm saves the checkpointed input itself, not a copy:
+    the lean norm (with the tiled MLP) saves its input as it is, and HF's norm its ``x.float()``,
+    which is ``x`` when activations are fp32. Then full checkpointing holds that input once, not
+    again in the recomputed set (measured: ``bench/simulate_settings.py``)."""
+    return s.tiled_mlp or s.act_bytes == 4
+
+
 def backward_workspace(model: ModelSpec, layout: ParallelDims, s: Settings, tokens: float) -> float:
     """One layer's backward workspace: the largest of its MLP stage (with the tiled MLP: per tile
     only), its post-attention RMSNorm's backward (``norm_backward_stage``) and its attention
@@ -164,11 +178,58 @@ def backward_workspace(model: ModelSpec, layout: ParallelDims, s: Settings, toke
     per_token = layer_backward_workspace_per_token(model, layout, s)
     mlp = mlp_gradient_workspace_per_token(model, layout, s)
     residual = tokens * (per_token - mlp)
-    mlp_stage = tile_working_set(model, layout, s) if s.tiled_mlp else tokens * mlp
+    if s.tiled_mlp:
+        mlp_stage = tile_working_set(model, layout, s)
+    else:
+        mlp_stage = tokens * (mlp - mlp_stage_absent_per_token(model, layout, s))
     attention_stage = tokens * (
         attention_scratch_per_token(model, layout, s) - mlp_half_saved_per_token(model, layout, s)
     )
-    return residual + max(mlp_stage, norm_backward_stage(model, layout, s, tokens), attention_stage)
+    later = tokens * offloaded_attention_half_per_token(model, layout, s)
+    return residual + max(
+        mlp_stage - later, norm_backward_stage(model, layout, s, tokens) - later, attention_stage
+    )
+
+
+def offloaded_attention_half_per_token(model: ModelSpec, layout: ParallelDims, s: Settings) -> float:
+    """Selective checkpointing with offloading: the share of a layer's offloaded set (counted back
+    on the device for its backward) that is not back yet in its MLP and post-attention norm stages.
+    The offloader fetches a storage when backward unpacks it, prefetching the one saved before it:
+    there only the MLP half is back — the post-attention norm's input (``e·h/t_sp``), the MLP's input
+    (``e·h`` / its divisor), gate and up (``2·e·f/t``); the attention half comes back when the
+    attention's backward starts (measured: ``bench/simulate_settings.py``). 0 otherwise."""
+    if s.recompute != "selective" or not offloading(s) or model.is_moe:
+        return 0.0
+    t, e, h = layout.tp, s.act_bytes, model.hidden
+    t_sp = t if s.sequence_parallel else 1
+    mlp_half = e * h / t_sp + e * h / block_input_divisor(layout, s) + 2 * e * model.intermediate / t
+    return offload_split_per_token(model, layout, s)[1] - mlp_half
+
+
+def mlp_stage_absent_per_token(model: ModelSpec, layout: ParallelDims, s: Settings) -> float:
+    """What the layer's recomputed set and the two residual-stream gradients hold but its untiled
+    MLP's backward stage does not, per token. That stage peaks in the product's backward (the
+    gradients of SiLU(gate), up and the product alive at once): by then ``down_proj``'s backward has
+    freed its input, the product (``e·f/t``); the only residual-stream gradient is the incoming one,
+    the layer input's is made at its input norm's backward (``e·h/t_sp``); under the selective
+    policy each checkpointed norm is recomputed in its own backward, after the MLP's: their fp32
+    copies beyond the kept inputs (``2·(4·h + 4)/t_sp``; Qwen3's q/k norms ``(4·d + 4)·(a+k)/t``) are
+    not there yet (measured: ``bench/simulate_settings.py``). Dense models only (0 for MoE blocks and
+    torchtitan's op policy: their sets are modelled whole)."""
+    if model.is_moe or s.recompute == "op":
+        return 0.0
+    t, e, h = layout.tp, s.act_bytes, model.hidden
+    t_sp = t if s.sequence_parallel else 1
+    absent = e * model.intermediate / t + e * h / t_sp
+    if s.recompute == "selective":
+        absent += 2 * (norm_saved_per_row(h, s) - e * h) / t_sp
+        if model.qk_norm:
+            absent += (
+                (norm_saved_per_row(model.head_dim, s) - e * model.head_dim)
+                * (model.heads + model.kv_heads)
+                / t
+            )
+    return absent
 
 
 def norm_backward_stage(model: ModelSpec, layout: ParallelDims, s: Settings, tokens: float) -> float:
@@ -201,12 +262,17 @@ def mlp_half_saved_per_token(model: ModelSpec, layout: ParallelDims, s: Settings
     fp32 input, normalized output and reciprocal RMS, ``((4+e)·h + 4)/t_sp``; lean, its input and
     reciprocal RMS, ``(e·h + 4)/t_sp``: ``norm_saved_per_row``), the MLP's input
     (``e·h`` / its divisor; tiled, the tiled block's ``e·h/t_sp``) and, untiled, gate, SiLU, up and
-    their product (``4·e·f/t``). Counted for dense models under full or no checkpointing (the
-    selective policy and MoE blocks keep other sets: 0, the upper bound as before)."""
-    if model.is_moe or s.recompute == "selective":
+    their product (``4·e·f/t``). The selective policy holds the same tensors, kept (the norm's
+    input, gate, up, the MLP's input) or recomputed (the norm's fp32 copies, SiLU(gate), the
+    product), and under TP the output of ``down_proj``'s collective it keeps (``e·h/t_sp``). Dense
+    models under no, full or selective checkpointing (MoE blocks and torchtitan's op policy keep
+    other sets: 0, the upper bound as before)."""
+    if model.is_moe or s.recompute == "op":
         return 0.0
     t, e, h = layout.tp, s.act_bytes, model.hidden
     t_sp = t if s.sequence_parallel else 1
     norm = norm_saved_per_row(h, s) / t_sp
     mlp = e * h / block_input_divisor(layout, s) + 4 * e * model.intermediate / t
+    if s.recompute == "selective" and t > 1:
+        mlp += e * h / t_sp
     return norm + mlp - tiled_saved_reduction_per_token(model, layout, s)

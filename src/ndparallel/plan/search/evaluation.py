@@ -349,8 +349,16 @@ def _host_problem(req: PlanRequest, layout: ParallelDims, host_offload: float) -
     return (
         f"offloaded activations need {need / GiB:.0f} GiB of host memory per node "
         f"({per_node} GPUs × {host_offload / GiB:.1f}) > {HOST_BUDGET_FRACTION:.0%} "
-        f"of --host-mem {req.host_mem_bytes / GiB:.0f} GiB"
+        f"of {host_mem_text(req)}"
     )
+
+
+def host_mem_text(req: PlanRequest) -> str:
+    """Where the host memory per node comes from, in words: ``--host-mem``'s or the preset's."""
+    size = f"{req.host_mem_bytes / GiB:.0f} GiB"
+    if req.host_mem_preset:
+        return f"the {req.hardware.name} preset's {size} per node (a DGX server's; --host-mem sets it)"
+    return f"--host-mem {size}"
 
 
 def plan(req: PlanRequest, top: int | None = None) -> PlanResult:

@@ -65,6 +65,9 @@ class PlanRequest:
     host_mem_bytes: float | None = None
     """Host memory per node; with offloading, layouts whose offloaded bytes per node exceed
     ``HOST_BUDGET_FRACTION`` of it are rejected (``host_oom``). None: not checked."""
+    host_mem_preset: bool = False
+    """``host_mem_bytes`` is the GPU preset's typical node's (``Hardware.host_mem_per_node``), no
+    ``--host-mem`` given."""
     pipeline_parallel: bool = True
     """Search pipeline-parallel layouts too (``--no-pipeline-parallel``: pp = 1 only)."""
     pipeline_schedule: str = "auto"
