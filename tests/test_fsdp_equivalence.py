@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from layout_runs import LayoutRuns
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import ActivationOptions, FSDPOptions
 from ndparallel.testing import run_on_ranks
@@ -37,33 +38,44 @@ VARIANTS = {
 }
 
 
-def _check(setup, layout, world):
-    got = run_on_ranks(train_under_layout, world, setup, layout)[0]
-    # AdamW turns fp32 rounding on near-zero gradients into lr-sized parameter steps: its runs are
-    # checked by losses and grad norms; parameters are compared under SGD (tools.agreement's bounds).
-    return assert_matches(one_process_reference(setup), got, params=setup.optimizer == "sgd")
-
-
 # Every option on the 2- and 4-rank layouts; FSDP 4 (the slowest) with the plain variant.
 CASES = [
     (layout, variant) for layout in LAYOUTS for variant in VARIANTS if layout != "fsdp4" or variant == "plain"
 ]
+RUNS = {  # name -> (setup, layout, world): the runs of one layout share a rank group (tests/layout_runs.py)
+    **{f"{lay}-{var}": (dataclasses.replace(BASE, **VARIANTS[var]), *LAYOUTS[lay]) for lay, var in CASES},
+    "sgd": (dataclasses.replace(BASE, optimizer="sgd", lr=0.5), *LAYOUTS["hsdp2x2"]),
+    "cpu_offload": (
+        dataclasses.replace(BASE, parallel_kwargs={"fsdp_options": FSDPOptions(cpu_offload=True)}),
+        *LAYOUTS["fsdp2"],
+    ),
+    "other_seed": (dataclasses.replace(BASE, seed=1), *LAYOUTS["fsdp2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return LayoutRuns(RUNS)
+
+
+def _check(runs, name):
+    setup = RUNS[name][0]
+    # AdamW turns fp32 rounding on near-zero gradients into lr-sized parameter steps: its runs are
+    # checked by losses and grad norms; parameters are compared under SGD (tools.agreement's bounds).
+    return assert_matches(one_process_reference(setup), runs(name), params=setup.optimizer == "sgd")
 
 
 @pytest.mark.parametrize("layout, variant", CASES)
-def test_layout_equals_one_process(layout, variant):
-    setup = dataclasses.replace(BASE, **VARIANTS[variant])
-    _check(setup, *LAYOUTS[layout])
+def test_layout_equals_one_process(layout, variant, runs):
+    _check(runs, f"{layout}-{variant}")
 
 
-def test_sgd_parameters_match_tightly():
-    setup = dataclasses.replace(BASE, optimizer="sgd", lr=0.5)
-    assert "param_abs" in _check(setup, {"dp_replicate_size": 2, "dp_shard_size": 2}, 4)
+def test_sgd_parameters_match_tightly(runs):
+    assert "param_abs" in _check(runs, "sgd")
 
 
-def test_cpu_offload():
-    setup = dataclasses.replace(BASE, parallel_kwargs={"fsdp_options": FSDPOptions(cpu_offload=True)})
-    _check(setup, {"dp_shard_size": 2}, 2)
+def test_cpu_offload(runs):
+    _check(runs, "cpu_offload")
 
 
 @pytest.mark.parametrize(
@@ -82,10 +94,9 @@ def test_bf16_runs_and_stays_close(layout, world):
     assert_matches(ref, got, compared=("loss_rel",))
 
 
-def test_the_check_can_fail():
+def test_the_check_can_fail(runs):
     """Negative control: a different seed must be detected as a mismatch."""
-    other = run_on_ranks(train_under_layout, 2, dataclasses.replace(BASE, seed=1), {"dp_shard_size": 2})[0]
-    assert_differs(one_process_reference(BASE), other, params=False)
+    assert_differs(one_process_reference(BASE), runs("other_seed"), params=False)
 
 
 def _params_after_no_grad_forward():

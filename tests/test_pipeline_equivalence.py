@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import faults
+from layout_runs import LayoutRuns
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import ActivationOptions, CPOptions, FSDPOptions, PipelineOptions, TPOptions
 from ndparallel.testing import run_on_ranks
@@ -111,9 +112,36 @@ def _equals_one_process(model, layout, schedule, extra=None, microbatches=None):
     assert_matches(reference(model), got)
 
 
+def _mixed_precision(precision: str) -> dict:
+    extra = {"mixed_precision": precision, "steps": 3}
+    if precision == "fp16":
+        extra["loss_scale"] = {"init_scale": 2.0**10}  # every step applies (see test_fp16.py)
+    return extra
+
+
+PACKED = pipelined("qwen3_tied", "1F1B", packed_documents=True)
+RUNS = {  # name -> (setup, layout, world): the runs of one layout share a rank group (tests/layout_runs.py)
+    **{
+        case: (pipelined(model, schedule, extra, microbatches), layout, world_of(layout))
+        for case, (model, layout, schedule, extra, microbatches) in CASES.items()
+    },
+    **{
+        precision: (pipelined("llama", "1F1B", **_mixed_precision(precision)), {"pp_size": 2}, 2)
+        for precision in ("fp16", "bf16")
+    },
+    "packed": (PACKED, {"pp_size": 2}, 2),
+    "packed_crossing": (dataclasses.replace(PACKED, fault="cross-documents"), {"pp_size": 2}, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return LayoutRuns(RUNS)
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_pipeline_layout_equals_one_process(case):
-    _equals_one_process(*CASES[case])
+def test_pipeline_layout_equals_one_process(case, runs):
+    assert_matches(reference(CASES[case][0]), runs(case))
 
 
 EIGHT_RANKS = {  # name: (model, layout, schedule)
@@ -130,33 +158,21 @@ def test_pipeline_on_8_ranks_equals_one_process(case):
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_pp2_mixed_precision_equals_one_process(precision):
+def test_pp2_mixed_precision_equals_one_process(precision, runs):
     """fp16 (loss scaling: the scale multiplies the last stage's loss) and bf16 activations
     between stages: the same as one process at that precision."""
-    extra = {"mixed_precision": precision, "steps": 3}
-    if precision == "fp16":
-        extra["loss_scale"] = {"init_scale": 2.0**10}  # every step applies (see test_fp16.py)
-    ref = reference("llama", **extra)
-    got = run_on_ranks(train_under_layout, 2, pipelined("llama", "1F1B", **extra), {"pp_size": 2})[0]
+    ref = reference("llama", **_mixed_precision(precision))
+    got = runs(precision)
     assert_matches(ref, got)
     assert ref.result.loss_scales == got.loss_scales
 
 
-def test_packed_documents_stay_apart_on_every_stage():
+def test_packed_documents_stay_apart_on_every_stage(runs):
     """Rows packed with several documents: every stage builds its mask from the position_ids it
     receives, so the pipeline trains what one process trains on the same packed rows."""
     ref = reference("qwen3_tied", packed_documents=True)
-    got = run_on_ranks(
-        train_under_layout, 2, pipelined("qwen3_tied", "1F1B", packed_documents=True), {"pp_size": 2}
-    )[0]
-    assert_matches(ref, got)
-    crossing = run_on_ranks(
-        train_under_layout,
-        2,
-        pipelined("qwen3_tied", "1F1B", packed_documents=True, fault="cross-documents"),
-        {"pp_size": 2},
-    )[0]
-    assert_differs(ref, crossing)  # attention across documents is caught
+    assert_matches(ref, runs("packed"))
+    assert_differs(ref, runs("packed_crossing"))  # attention across documents is caught
 
 
 def test_pp2_interleaved_loads_the_model_from_disk(tmp_path):

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from layout_runs import LayoutRuns
 from ndparallel.models.presets import preset_config
 from ndparallel.parallel.options import ActivationOptions, TPOptions
 from ndparallel.testing import RankFailure, run_on_ranks
@@ -43,41 +44,61 @@ def _setup(preset: str, optimizer: str = "adamw", **tp) -> TrainSetup:
 
 def _check(setup, layout, world):
     got = run_on_ranks(train_under_layout, world, setup, layout, timeout_s=400)[0]
+    return _assert_equal(setup, got)
+
+
+def _assert_equal(setup, got):
     # AdamW's parameters amplify rounding: losses and norms check it
     return assert_matches(one_process_reference(setup), got, params=setup.optimizer == "sgd")
 
 
 FSDP2_TP2 = ({"dp_shard_size": 2, "tp_size": 2}, 4)
+FAMILIES = {  # id -> (preset, optimizer, TP options)
+    "qwen3-tied-sp-lp": ("tiny-qwen3", "adamw", {"sequence_parallel": True, "loss_parallel": True}),
+    "qwen3-tied-sp-lp-sgd": ("tiny-qwen3", "sgd", {"sequence_parallel": True, "loss_parallel": True}),
+    "mistral-sp": ("tiny-mistral", "adamw", {"sequence_parallel": True}),
+    "llama-tied-lp": ("tiny-llama-tied", "adamw", {"loss_parallel": True}),
+    "qwen2-sgd": ("tiny-qwen2", "sgd", {}),
+}
 
 
-@pytest.mark.parametrize(
-    "preset,optimizer,tp",
-    [
-        ("tiny-qwen3", "adamw", {"sequence_parallel": True, "loss_parallel": True}),
-        ("tiny-qwen3", "sgd", {"sequence_parallel": True, "loss_parallel": True}),
-        ("tiny-mistral", "adamw", {"sequence_parallel": True}),
-        ("tiny-llama-tied", "adamw", {"loss_parallel": True}),
-        ("tiny-qwen2", "sgd", {}),
-    ],
-    ids=["qwen3-tied-sp-lp", "qwen3-tied-sp-lp-sgd", "mistral-sp", "llama-tied-lp", "qwen2-sgd"],
-)
-def test_fsdp2_x_tp2_equals_one_process(preset, optimizer, tp):
-    _check(_setup(preset, optimizer, **tp), *FSDP2_TP2)
-
-
-@pytest.mark.parametrize("offloading", [False, True], ids=["device", "offloaded"])
-def test_selective_checkpointing_under_fsdp2_x_tp2_sp_equals_one_process(offloading):
-    """``ac_policy: selective`` (norms — Qwen3's per-head q/k norms too — and the MLP activation
-    recomputed, techniques/selective_ac.py) with TP + sequence parallel saving shards, SGD; and
-    with what each layer keeps in host memory (``activation_offloading``, techniques/offload.py:
-    DTensors, the blocks' shards and the checkpointed regions' inputs go through its hooks)."""
+def _selective(offloading: bool) -> TrainSetup:
     setup = _setup("tiny-qwen3", "sgd", sequence_parallel=True, loss_parallel=True)
     activation = ActivationOptions(
         activation_checkpointing=True, ac_policy="selective", activation_offloading=offloading
     )
-    kwargs = {**setup.parallel_kwargs, "activation_options": activation}
-    setup = dataclasses.replace(setup, parallel_kwargs=kwargs)
-    _check(setup, *FSDP2_TP2)
+    return dataclasses.replace(
+        setup, parallel_kwargs={**setup.parallel_kwargs, "activation_options": activation}
+    )
+
+
+FSDP2_TP2_CASES = {  # the FSDP 2 × TP 2 runs below, on one rank group (tests/layout_runs.py)
+    **{name: (_setup(p, o, **tp), *FSDP2_TP2) for name, (p, o, tp) in FAMILIES.items()},
+    **{
+        f"selective-{name}": (_selective(o), *FSDP2_TP2)
+        for name, o in (("device", False), ("offloaded", True))
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def fsdp2_tp2_runs():
+    return LayoutRuns(FSDP2_TP2_CASES)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fsdp2_x_tp2_equals_one_process(family, fsdp2_tp2_runs):
+    _assert_equal(FSDP2_TP2_CASES[family][0], fsdp2_tp2_runs(family))
+
+
+@pytest.mark.parametrize("offloading", ["device", "offloaded"])
+def test_selective_checkpointing_under_fsdp2_x_tp2_sp_equals_one_process(offloading, fsdp2_tp2_runs):
+    """``ac_policy: selective`` (norms — Qwen3's per-head q/k norms too — and the MLP activation
+    recomputed, techniques/selective_ac.py) with TP + sequence parallel saving shards, SGD; and
+    with what each layer keeps in host memory (``activation_offloading``, techniques/offload.py:
+    DTensors, the blocks' shards and the checkpointed regions' inputs go through its hooks)."""
+    name = f"selective-{offloading}"
+    _assert_equal(FSDP2_TP2_CASES[name][0], fsdp2_tp2_runs(name))
 
 
 def test_tp2_through_accelerator_equals_one_process():
