@@ -207,6 +207,12 @@ BENCHES = (
         needs="side venv",
     ),
     Bench(
+        "peer_axolotl_rows",
+        "peers/axolotl_rows.py",
+        "Axolotl's packed rows per step, 1 and 2 CPU ranks: writes tests/fixtures/axolotl/parity/",
+        needs="side venv",
+    ),
+    Bench(
         "gpu_wheels",
         "gpu_wheels.sh",
         "fetch the wheels a GPU run carries into .whl/ (once)",
